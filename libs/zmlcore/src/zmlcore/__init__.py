@@ -1,0 +1,4 @@
+"""zmlcore: what every ZML service and the SDK share (wire messages, subjects, config,
+errors, policy maths, telemetry)."""
+
+__version__ = "0.1.0"

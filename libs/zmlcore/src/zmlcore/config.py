@@ -1,0 +1,365 @@
+"""zml.toml: one Struct tree, validated at load.
+
+Every field's docstring is the configuration reference (docs/configuration.md is written from
+it). :func:`load_config` is the only place that reads files or environment variables; a typo
+fails at start-up with a :class:`~zmlcore.errors.ConfigError` naming the file and the key.
+
+Example::
+
+    from zmlcore.config import load_config
+    cfg = load_config("zml.toml")
+    print([n.id for n in cfg.nodes])
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from zmlcore.accelerators import ACCELERATORS, canonical_family
+from zmlcore.errors import ConfigError, PolicyConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - the project requires 3.11, tomli is the fallback for older tools
+    import tomli as tomllib
+
+NonNeg = Annotated[float, msgspec.Meta(ge=0)]
+PosFloat = Annotated[float, msgspec.Meta(gt=0)]
+PosInt = Annotated[int, msgspec.Meta(ge=1)]
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+
+Backend = Literal["vllm", "tgi", "sglang", "llamacpp", "openai"]
+Strategy = Literal["latency", "cost", "availability", "round_robin", "weighted", "balanced", "chain"]
+CostPriority = Literal["cost", "balanced", "latency"]
+
+BUILTIN_POLICIES = ("latency", "cost", "availability", "round_robin", "balanced")
+
+_Base = {"kw_only": True, "forbid_unknown_fields": True}
+
+
+class NatsConfig(msgspec.Struct, **_Base):
+    url: str = "nats://127.0.0.1:4222"
+    """NATS server URL (env ZML_NATS_URL)."""
+    connect_timeout_s: PosFloat = 2.0
+    """Seconds to wait for the first connection."""
+
+
+class GatewayConfig(msgspec.Struct, **_Base):
+    host: str = "127.0.0.1"
+    """Interface the HTTP gateway binds (env ZML_GATEWAY_HOST)."""
+    port: Port = 8080
+    """HTTP port (env ZML_GATEWAY_PORT)."""
+    api_keys: list[str] = []
+    """Accepted bearer keys. Empty: no authentication (self-hosted default). Env ZML_API_KEYS
+    (comma-separated) replaces the list."""
+    max_body_bytes: PosInt = 8 * 1024 * 1024
+    """Largest request body accepted."""
+
+
+class RouterConfig(msgspec.Struct, **_Base):
+    cooldown_s: NonNeg = 30.0
+    """A node that failed (network error, 5xx) is skipped this long; a Retry-After overrides."""
+    saturated_s: NonNeg = 2.0
+    """A node that answered 'overloaded' (429/503) is skipped this long without Retry-After."""
+    stale_after_s: PosFloat = 15.0
+    """Node state older than this is not routable."""
+    max_attempts: PosInt = 3
+    """Nodes tried for one request before giving up."""
+    connect_timeout_s: PosFloat = 2.0
+    """TCP connect timeout towards a node."""
+    max_connections: PosInt = 512
+    """Connection pool size towards all nodes together."""
+
+
+class HealthConfig(msgspec.Struct, **_Base):
+    poll_interval_s: PosFloat = 5.0
+    """Seconds between polls of one node."""
+    jitter: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.2
+    """Each poll interval is randomised by +/- this fraction so a fleet is not polled in lockstep."""
+    probe_timeout_s: PosFloat = 2.0
+    """Per-probe timeout; a slower probe counts as one failure."""
+    down_after: PosInt = 3
+    """Consecutive failed probes before a node is marked down."""
+    up_after: PosInt = 2
+    """Consecutive good probes before a down node is marked up again."""
+    startup_grace_s: NonNeg = 300.0
+    """A node that has not yet answered is 'loading', not 'down', for this long after start."""
+    max_concurrent_probes: PosInt = 64
+    """Probes in flight at once."""
+
+
+class SimConfig(msgspec.Struct, **_Base):
+    """Present on a node: `zml up` / `zml sim --config` run a simulated node at its endpoint.
+    Unset numbers come from the accelerator type's profile."""
+
+    engine: Backend = "vllm"
+    """Which engine's endpoints, metric names and loading behaviour the sim imitates."""
+    speed: PosFloat | None = None
+    """Relative speed (H100 = 1.0); scales prefill and decode."""
+    prefill_tps: PosFloat | None = None
+    """Prefill tokens/s (default 10,000 x speed)."""
+    decode_tps: PosFloat | None = None
+    """Decode tokens/s per sequence at batch size 1 (default 60 x speed)."""
+    max_concurrency: PosInt | None = None
+    """Sequences decoded together (continuous batching); more requests wait in a queue."""
+    max_waiting: int | None = None
+    """Waiting-queue bound; beyond it the sim answers its engine's overload error."""
+    load_time_s: NonNeg | None = None
+    """Seconds to load a model (MI300X default is 50% longer than H100)."""
+    memory_gib: PosFloat | None = None
+    """Accelerator memory."""
+    time_scale: PosFloat = 1.0
+    """Run this many times faster than real time (demos, tests)."""
+    seed: int = 0
+    """Random seed for fault injection, so runs are reproducible."""
+    driver_version: str | None = None
+    """Driver version the node probe reports (default: the type's minimum)."""
+
+
+class NodeConfig(msgspec.Struct, **_Base):
+    id: Annotated[str, msgspec.Meta(pattern=r"^[A-Za-z0-9_-]+$")]
+    """Unique node id (letters, digits, - and _)."""
+    accelerator: str
+    """Accelerator type ID from the API reference: nvidia_h100, nvidia_a100, amd_mi300x,
+    intel_gaudi2, aws_inferentia2."""
+    endpoint: str
+    """Base URL of the serving engine, e.g. http://10.0.0.5:8000 (no /v1)."""
+    backend: Backend = "vllm"
+    """Serving engine: vllm, tgi, sglang, llamacpp or openai (any OpenAI-compatible server)."""
+    models: list[str] = []
+    """Models this node serves (or should serve)."""
+    family: str | None = None
+    """Family used by policy chains; defaults to the accelerator's (H100, MI300X...)."""
+    cost_per_hour: NonNeg | None = None
+    """Cost per GPU-hour; defaults to the accelerator's list price. Updatable at run time."""
+    api_key: str | None = None
+    """Bearer key the router sends to this node, if the engine requires one."""
+    sim: SimConfig | None = None
+    """Simulated node settings (see [nodes.sim])."""
+
+    @property
+    def effective_family(self) -> str:
+        return self.family or ACCELERATORS[self.accelerator].family
+
+    @property
+    def effective_cost(self) -> float:
+        if self.cost_per_hour is not None:
+            return self.cost_per_hour
+        return ACCELERATORS[self.accelerator].cost_per_hour
+
+
+class PreferenceEntry(msgspec.Struct, **_Base):
+    family: str
+    priority: int = 1
+
+
+class PolicyConfig(msgspec.Struct, **_Base):
+    """A routing policy: ``[policy.NAME]`` (API reference) or ``[policies.NAME]`` (SDK 0.3)."""
+
+    strategy: Strategy | None = None
+    """latency, cost, availability, round_robin, weighted or balanced. Default: chain
+    evaluation driven by cost_priority."""
+    accelerator_chain: list[str] | None = None
+    """Families in preference order."""
+    accelerator_preference: list[PreferenceEntry] | None = None
+    """Families with priorities (1 = first); the walkthrough's spelling of a chain."""
+    latency_target_ms: PosFloat | None = None
+    """Target time to first token."""
+    cost_priority: CostPriority | None = None
+    """cost, balanced or latency."""
+    latency_weight: NonNeg | None = None
+    """Weighted strategy: weight of normalised estimated TTFT."""
+    cost_weight: NonNeg | None = None
+    """Weighted strategy: weight of normalised cost."""
+    queue_threshold: NonNeg | None = None
+    """Nodes with more outstanding requests than this are skipped by cost/weighted."""
+    health_threshold: NonNeg | None = None
+    """Nodes with a lower health score (0-100) are skipped."""
+    queue_on_saturation: bool = False
+    """Wait in the JetStream queue instead of failing fast with QUEUE_FULL."""
+    max_queue_ms: PosInt | None = None
+    """Longest wait in that queue before QUEUE_FULL."""
+
+    def chain(self) -> list[str]:
+        """Families in order, whichever spelling was used."""
+        if self.accelerator_preference:
+            ordered = sorted(self.accelerator_preference, key=lambda e: e.priority)
+            return [canonical_family(e.family) for e in ordered]
+        return [canonical_family(f) for f in self.accelerator_chain or []]
+
+
+class ModelConfig(msgspec.Struct, **_Base):
+    policy: str | None = None
+    """Default policy for this model (a name from [policy.*] / [policies.*] or a built-in)."""
+    aliases: list[str] = []
+    """Other names clients may use for this model."""
+    warm: bool = False
+    """The warmup service keeps this model loaded on its nodes."""
+
+
+class DefaultsConfig(msgspec.Struct, **_Base):
+    policy: str = "balanced"
+    """Account-level default policy."""
+    request_timeout_s: PosFloat = 30.0
+    """Timeout of a request when the caller gives none."""
+
+
+class ZMLConfig(msgspec.Struct, **_Base):
+    nats: NatsConfig = msgspec.field(default_factory=NatsConfig)
+    gateway: GatewayConfig = msgspec.field(default_factory=GatewayConfig)
+    router: RouterConfig = msgspec.field(default_factory=RouterConfig)
+    health: HealthConfig = msgspec.field(default_factory=HealthConfig)
+    defaults: DefaultsConfig = msgspec.field(default_factory=DefaultsConfig)
+    nodes: list[NodeConfig] = []
+    models: dict[str, ModelConfig] = {}
+    policy: dict[str, PolicyConfig] = {}
+    policies: dict[str, PolicyConfig] = {}
+    #: Where this config came from (not a TOML key).
+    source: str = "<defaults>"
+
+    def all_policies(self) -> dict[str, PolicyConfig]:
+        """Both spellings merged ([policies.X] wins on a clash, which load forbids anyway)."""
+        return {**self.policy, **self.policies}
+
+    def families(self) -> list[str]:
+        """Registered families in registration order (the account default chain)."""
+        seen: dict[str, None] = {}
+        for node in self.nodes:
+            seen.setdefault(node.effective_family, None)
+        return list(seen)
+
+    def model_names(self) -> set[str]:
+        names = {m for n in self.nodes for m in n.models}
+        names.update(self.models)
+        return names
+
+    def resolve_model(self, name: str) -> str:
+        """Canonical model name for a name or alias (unknown names are returned unchanged)."""
+        if name in self.models:
+            return name
+        for canonical, mc in self.models.items():
+            if name in mc.aliases:
+                return canonical
+        return name
+
+
+_ERROR_PATH = re.compile(r"at `\$(.*)`")
+
+
+def _key_of(msg: str) -> tuple[str, str]:
+    m = _ERROR_PATH.search(msg)
+    if not m:
+        return "", msg
+    key = m.group(1).lstrip(".")
+    return key, msg[: m.start()].rstrip(" -")
+
+
+def validate_policy(name: str, pol: PolicyConfig, families: list[str], where: str) -> None:
+    """Raise PolicyConfigError for a policy that could never route."""
+    if pol.accelerator_chain and pol.accelerator_preference:
+        raise PolicyConfigError(f"{where}: give accelerator_chain or accelerator_preference, not both")
+    known = {f.lower() for f in families}
+    for fam in pol.chain():
+        if fam.lower() not in known:
+            raise PolicyConfigError(
+                f"{where}.accelerator_chain: family {fam!r} is not registered "
+                f"(registered: {', '.join(families) or 'none'})"
+            )
+    if pol.strategy == "weighted" and not (pol.latency_weight or pol.cost_weight):
+        raise PolicyConfigError(f"{where}: strategy 'weighted' needs latency_weight or cost_weight > 0")
+    if pol.queue_on_saturation and pol.max_queue_ms is None:
+        raise PolicyConfigError(f"{where}: queue_on_saturation needs max_queue_ms")
+
+
+def _validate(cfg: ZMLConfig, src: str) -> None:
+    seen: set[str] = set()
+    for i, node in enumerate(cfg.nodes):
+        where = f"{src}: nodes[{i}]"
+        if node.id in seen:
+            raise ConfigError(f"{where}.id: duplicate node id {node.id!r}")
+        seen.add(node.id)
+        if node.accelerator not in ACCELERATORS:
+            raise ConfigError(
+                f"{where}.accelerator: unknown type {node.accelerator!r} "
+                f"(one of {', '.join(ACCELERATORS)})"
+            )
+        if not node.endpoint.startswith(("http://", "https://")):
+            raise ConfigError(f"{where}.endpoint: {node.endpoint!r} must start with http:// or https://")
+    clash = set(cfg.policy) & set(cfg.policies)
+    if clash:
+        raise ConfigError(f"{src}: policy {sorted(clash)[0]!r} is defined in both [policy] and [policies]")
+    families = cfg.families()
+    for table, pols in (("policy", cfg.policy), ("policies", cfg.policies)):
+        for name, pol in pols.items():
+            validate_policy(name, pol, families, f"{src}: {table}.{name}")
+    names = set(cfg.all_policies()) | set(BUILTIN_POLICIES)
+    for model, mc in cfg.models.items():
+        if mc.policy is not None and mc.policy not in names:
+            raise ConfigError(f"{src}: models.{model!r}.policy: unknown policy {mc.policy!r}")
+    if cfg.defaults.policy not in names:
+        raise ConfigError(f"{src}: defaults.policy: unknown policy {cfg.defaults.policy!r}")
+
+
+def parse_config(data: dict[str, Any], source: str = "<memory>") -> ZMLConfig:
+    """Validate an already-parsed TOML document."""
+    try:
+        cfg = msgspec.convert({**data, "source": source}, ZMLConfig)
+    except msgspec.ValidationError as exc:
+        key, msg = _key_of(str(exc))
+        raise ConfigError(f"{source}: {key or '(top level)'}: {msg}") from exc
+    _validate(cfg, source)
+    return cfg
+
+
+_ENV: list[tuple[str, str, str, type]] = [
+    ("ZML_NATS_URL", "nats", "url", str),
+    ("ZML_GATEWAY_HOST", "gateway", "host", str),
+    ("ZML_GATEWAY_PORT", "gateway", "port", int),
+]
+
+
+def load_config(path: str | os.PathLike[str] | None = None, *, env: dict[str, str] | None = None) -> ZMLConfig:
+    """Load and validate zml.toml; ``None`` means defaults plus environment overrides.
+
+    Environment overrides (applied here and nowhere else): ZML_NATS_URL, ZML_GATEWAY_HOST,
+    ZML_GATEWAY_PORT, ZML_API_KEYS (comma-separated).
+    """
+    env = dict(os.environ) if env is None else env
+    data: dict[str, Any] = {}
+    source = "<defaults>"
+    if path is not None:
+        source = str(path)
+        try:
+            with open(path, "rb") as fh:
+                data = tomllib.load(fh)
+        except FileNotFoundError as exc:
+            raise ConfigError(f"{source}: file not found") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"{source}: not valid TOML: {exc}") from exc
+    for var, section, key, typ in _ENV:
+        if env.get(var):
+            try:
+                value = typ(env[var])
+            except ValueError as exc:
+                raise ConfigError(f"environment {var}={env[var]!r}: expected {typ.__name__}") from exc
+            data.setdefault(section, {})[key] = value
+    if env.get("ZML_API_KEYS") is not None and "ZML_API_KEYS" in env:
+        keys = [k.strip() for k in env["ZML_API_KEYS"].split(",") if k.strip()]
+        data.setdefault("gateway", {})["api_keys"] = keys
+    return parse_config(data, source)
+
+
+def find_config(start: str | os.PathLike[str] | None = None) -> Path | None:
+    """zml.toml in ``start`` (default: the working directory) or any parent."""
+    here = Path(start or Path.cwd()).resolve()
+    for folder in (here, *here.parents):
+        candidate = folder / "zml.toml"
+        if candidate.is_file():
+            return candidate
+    return None

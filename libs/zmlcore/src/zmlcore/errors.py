@@ -1,0 +1,229 @@
+"""ZML's one error tree. Every error has a stable ``code`` that crosses every boundary.
+
+::
+
+    ZMLError                      INTERNAL            500
+    ├── BadRequestError           BAD_REQUEST         400
+    ├── ConfigError               CONFIG_INVALID      (start-up only)
+    │   └── PolicyConfigError     POLICY_CONFIG       400
+    ├── AuthError                 AUTH_FAILED         401
+    ├── RateLimitError            RATE_LIMITED        429  retryable
+    ├── TimeoutError              TIMEOUT             504  retryable
+    ├── CancelledError            CANCELLED           499
+    ├── BackendError              BACKEND_ERROR       502  retryable
+    └── RoutingError              (routing_context attached)
+        ├── NoHealthyNodesError   NO_HEALTHY_NODES    503  retryable
+        ├── ModelNotLoadedError   MODEL_NOT_LOADED    404
+        └── QueueFullError        QUEUE_FULL          503  retryable
+
+On NATS an error reply carries the header ``Zml-Error-Code`` and an :class:`ErrorBody` JSON
+payload; over HTTP the same body (OpenAI's error shape plus our code) with the status above.
+:func:`from_wire` maps a code back to its class; it is the only such mapping.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import msgspec
+
+__all__ = [
+    "AuthError",
+    "BackendError",
+    "BadRequestError",
+    "CancelledError",
+    "ConfigError",
+    "ErrorBody",
+    "ErrorDetail",
+    "ModelNotLoadedError",
+    "NoHealthyNodesError",
+    "PolicyConfigError",
+    "QueueFullError",
+    "RateLimitError",
+    "RoutingError",
+    "TimeoutError",
+    "ZMLError",
+    "error_class",
+    "from_wire",
+]
+
+
+class ZMLError(Exception):
+    """Base of every ZML error. ``code`` is stable; ``message`` says what to do."""
+
+    code: ClassVar[str] = "INTERNAL"
+    http_status: ClassVar[int] = 500
+    retryable: ClassVar[bool] = False
+    #: OpenAI's ``error.type`` for the same situation, so OpenAI clients classify it sensibly.
+    openai_type: ClassVar[str] = "server_error"
+
+    def __init__(
+        self,
+        message: str = "",
+        *,
+        routing_context: dict[str, Any] | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        self.message = message or self.__class__.__doc__ or self.code
+        self.routing_context = routing_context
+        self.retry_after = retry_after
+        super().__init__(self.message)
+
+    def __str__(self) -> str:
+        text = f"[{self.code}] {self.message}"
+        if self.routing_context:
+            text += f" routing_context={msgspec.json.encode(self.routing_context).decode()}"
+        return text
+
+    def to_body(self) -> ErrorBody:
+        return ErrorBody(
+            error=ErrorDetail(
+                message=self.message,
+                type=self.openai_type,
+                code=self.code,
+                routing_context=self.routing_context,
+                retry_after=self.retry_after,
+            )
+        )
+
+
+class BadRequestError(ZMLError):
+    """The request is malformed: fix it before retrying."""
+
+    code = "BAD_REQUEST"
+    http_status = 400
+    openai_type = "invalid_request_error"
+
+
+class ConfigError(ZMLError):
+    """zml.toml (or another configuration source) is invalid."""
+
+    code = "CONFIG_INVALID"
+    http_status = 500
+    openai_type = "server_error"
+
+
+class PolicyConfigError(ConfigError):
+    """A routing policy is invalid (unknown family or strategy, bad weights...)."""
+
+    code = "POLICY_CONFIG"
+    http_status = 400
+    openai_type = "invalid_request_error"
+
+
+class AuthError(ZMLError):
+    """Invalid or missing API key. Check the ZML_API_KEY environment variable."""
+
+    code = "AUTH_FAILED"
+    http_status = 401
+    openai_type = "authentication_error"
+
+
+class RateLimitError(ZMLError):
+    """Too many requests for this key: back off and retry."""
+
+    code = "RATE_LIMITED"
+    http_status = 429
+    retryable = True
+    openai_type = "rate_limit_error"
+
+
+class TimeoutError(ZMLError):  # noqa: A001 - the seeds name the code TIMEOUT; shadowing is scoped
+    """The request exceeded its timeout. Increase the timeout or reduce prompt length."""
+
+    code = "TIMEOUT"
+    http_status = 504
+    retryable = True
+    openai_type = "timeout_error"
+
+
+class CancelledError(ZMLError):
+    """The request was cancelled by its caller."""
+
+    code = "CANCELLED"
+    http_status = 499
+    openai_type = "cancelled"
+
+
+class BackendError(ZMLError):
+    """The accelerator node failed and no other node could take the request."""
+
+    code = "BACKEND_ERROR"
+    http_status = 502
+    retryable = True
+    openai_type = "server_error"
+
+
+class RoutingError(ZMLError):
+    """No node could be chosen; ``routing_context`` says what was evaluated and why."""
+
+    code = "ROUTING_FAILED"
+    http_status = 503
+    retryable = True
+    openai_type = "server_error"
+
+
+class NoHealthyNodesError(RoutingError):
+    """All nodes for this model failed health checks. Check connectivity and driver status."""
+
+    code = "NO_HEALTHY_NODES"
+    http_status = 503
+    retryable = True
+
+
+class ModelNotLoadedError(RoutingError):
+    """The model is not loaded on any available node. Run `zml serve MODEL` first."""
+
+    code = "MODEL_NOT_LOADED"
+    http_status = 404
+    retryable = False
+    openai_type = "invalid_request_error"
+
+
+class QueueFullError(RoutingError):
+    """All nodes for this model are over their queue threshold. Retry with backoff or scale out."""
+
+    code = "QUEUE_FULL"
+    http_status = 503
+    retryable = True
+
+
+class ErrorDetail(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """OpenAI's ``error`` object plus ZML's fields."""
+
+    message: str
+    type: str = "server_error"
+    code: str = "INTERNAL"
+    param: str | None = None
+    routing_context: dict[str, Any] | None = None
+    retry_after: float | None = None
+
+
+class ErrorBody(msgspec.Struct, frozen=True, kw_only=True):
+    """The one wire form of an error, over NATS and HTTP alike: ``{"error": {...}}``."""
+
+    error: ErrorDetail
+
+
+def _all_subclasses(cls: type[ZMLError]) -> list[type[ZMLError]]:
+    out = [cls]
+    for sub in cls.__subclasses__():
+        out.extend(_all_subclasses(sub))
+    return out
+
+
+_BY_CODE: dict[str, type[ZMLError]] = {c.code: c for c in _all_subclasses(ZMLError)}
+
+
+def error_class(code: str) -> type[ZMLError]:
+    """The class for a wire code; unknown codes map to :class:`ZMLError` (keeps the code)."""
+    return _BY_CODE.get(code, ZMLError)
+
+
+def from_wire(detail: ErrorDetail) -> ZMLError:
+    """Rebuild the exception a peer sent. Unknown codes keep their code on a ZMLError."""
+    cls = error_class(detail.code)
+    exc = cls(detail.message, routing_context=detail.routing_context, retry_after=detail.retry_after)
+    if cls is ZMLError and detail.code != ZMLError.code:
+        exc.code = detail.code  # type: ignore[misc]  # instance attribute shadows the ClassVar
+    return exc

@@ -1,0 +1,1 @@
+"""A faithful simulated accelerator node (`zml sim`)."""

@@ -1,0 +1,82 @@
+"""Every NATS subject, stream, KV bucket and queue group ZML uses, in one place.
+
+No other module writes a subject literal: services and the SDK import these names, and
+``docs/nats-api.md`` documents them for systems that publish raw JSON.
+
+    zml.infer                      request-reply: one inference request (JSON InferRequest)
+    zml.cancel.<request_id>        fire-and-forget: cancel an in-flight request
+    zml.node.inflight              router replicas share dispatch/completion deltas
+    zml.admin.nodes.<verb>         node registration (add/remove/list)
+    KV bucket zml_nodes            node state written by health, watched by routers
+"""
+
+from __future__ import annotations
+
+PREFIX = "zml"
+
+#: Inference requests. Routers subscribe in :data:`ROUTER_QUEUE`; each request is answered on
+#: its reply subject (one message, or a chunk sequence when ``stream`` is true).
+INFER = f"{PREFIX}.infer"
+#: Queue group shared by every router replica: NATS hands each request to exactly one of them.
+ROUTER_QUEUE = "zml-routers"
+
+#: Cancellation: publish anything to ``zml.cancel.<request_id>``; the router holding the
+#: request aborts the backend call.
+CANCEL_PREFIX = f"{PREFIX}.cancel"
+
+#: Router replicas publish in-flight deltas here so that each replica's view of node load
+#: includes the others' dispatches.
+INFLIGHT = f"{PREFIX}.node.inflight"
+
+#: Run-time node registration and listing (request-reply).
+ADMIN_NODES_PREFIX = f"{PREFIX}.admin.nodes"
+
+#: Router events (completions, per-model counts) consumed by the warmup service and tools.
+EVENTS_PREFIX = f"{PREFIX}.events"
+
+#: JetStream KV bucket holding one entry per node (key = node id, value = NodeState JSON).
+NODES_BUCKET = "zml_nodes"
+#: JetStream KV bucket holding registered nodes added at run time (survives health restarts).
+REGISTRY_BUCKET = "zml_registry"
+#: JetStream stream holding requests waiting for capacity (queue_on_saturation).
+QUEUE_STREAM = "ZML_QUEUE"
+QUEUE_SUBJECT_PREFIX = f"{PREFIX}.queue"
+
+
+def cancel(request_id: str) -> str:
+    """Subject on which a cancel for ``request_id`` is published."""
+    return f"{CANCEL_PREFIX}.{request_id}"
+
+
+def admin_nodes(verb: str) -> str:
+    """``zml.admin.nodes.add`` / ``.remove`` / ``.list``."""
+    return f"{ADMIN_NODES_PREFIX}.{verb}"
+
+
+def event(kind: str) -> str:
+    """``zml.events.<kind>``, e.g. ``zml.events.completed``."""
+    return f"{EVENTS_PREFIX}.{kind}"
+
+
+def queue(model_key: str) -> str:
+    """Subject of the saturation queue for one model (dots in the key are not allowed)."""
+    return f"{QUEUE_SUBJECT_PREFIX}.{model_key}"
+
+
+# --- Message headers (NATS). HTTP equivalents are lower-case ``x-zml-*``. -------------------
+H_REQUEST_ID = "Zml-Request-Id"
+H_ERROR_CODE = "Zml-Error-Code"
+H_STREAM = "Zml-Stream"  # on stream messages: "chunk" | "end" | "error"
+H_TIMEOUT_MS = "Zml-Timeout-Ms"
+H_POLICY = "Zml-Policy"
+H_ACCELERATOR_ID = "Zml-Accelerator-Id"
+H_NODE_ID = "Zml-Node-Id"
+H_ACCELERATOR_TYPE = "Zml-Accelerator-Type"
+H_FAMILY = "Zml-Family"
+H_QUEUE_DEPTH = "Zml-Queue-Depth"
+H_DECISION_ID = "Zml-Decision-Id"
+H_ROUTING = "Zml-Routing"  # the single header sent to backends: compact routing metadata
+
+STREAM_CHUNK = "chunk"
+STREAM_END = "end"
+STREAM_ERROR = "error"

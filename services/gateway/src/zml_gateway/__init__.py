@@ -1,0 +1,1 @@
+"""ZML gateway service."""

@@ -1,0 +1,1 @@
+"""ZML health service."""

@@ -1,0 +1,1 @@
+"""ZML router service."""
