@@ -1,17 +1,35 @@
 """choose_node: the routing decision. Pure: no I/O, ``now`` is passed in.
 
-This first version implements candidate filtering, the error classification of the API
-reference (MODEL_NOT_LOADED / NO_HEALTHY_NODES / QUEUE_FULL with a routing_context) and
-round-robin selection; the other strategies build on the same filtering.
+Flow: pinned ``accelerator_id`` bypasses the policy; otherwise the model's candidate table (see
+:class:`~zmlcore.policy.FleetIndex`) gives the best node of each class, the policy's strategy
+(one module each under ``strategies/``) picks among them, and a request with no routable node
+gets MODEL_NOT_LOADED / QUEUE_FULL / NO_HEALTHY_NODES with a ``routing_context``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from zmlcore.errors import ModelNotLoadedError, NoHealthyNodesError, QueueFullError, RoutingError
+from zmlcore.policy.context import Cand, Ctx
+from zmlcore.policy.fleet import FleetIndex
 from zmlcore.policy.resolve import ResolvedPolicy
+from zmlcore.policy.strategies import availability, chain, cost, latency, round_robin, weighted
 from zmlcore.policy.types import Decision, FamilyEval, NodeView, RouteRequest, RoutingState
+
+STRATEGIES: dict[str, Callable[[Ctx], Cand | None]] = {
+    "latency": latency.select,
+    "cost": cost.select,
+    "availability": availability.select,
+    "round_robin": round_robin.select,
+    "weighted": weighted.select,
+    "balanced": chain.select,
+    "chain": chain.select,
+}
+
+#: Reasons that say "busy, retry soon" (QUEUE_FULL) rather than "broken" (NO_HEALTHY_NODES).
+_BUSY = frozenset({"saturated", "cooldown"})
 
 
 def is_routable(view: NodeView, model: str, now: float, stale_after_s: float) -> str | None:
@@ -31,8 +49,8 @@ def is_routable(view: NodeView, model: str, now: float, stale_after_s: float) ->
 
 
 def queue_depth(view: NodeView) -> int:
-    """Requests on the node as this router sees it: polled depth plus local outstanding."""
-    return view.state.queue_running + view.state.queue_waiting + view.outstanding
+    """Requests on the node as this router sees it (local counters plus unseen polled load)."""
+    return view.effective_outstanding()
 
 
 def choose_node(
@@ -44,67 +62,128 @@ def choose_node(
     *,
     stale_after_s: float = 15.0,
 ) -> Decision:
-    serving = [v for v in nodes if req.model in v.state.models or req.model in v.state.loading_models]
+    """Pick the node for one request, or raise a RoutingError subclass with a routing_context.
+
+    ``nodes`` is best a :class:`FleetIndex` the router keeps (O(classes) per decision); a
+    plain sequence is indexed for this call only.
+
+    >>> from zmlcore.messages import NodeState
+    >>> from zmlcore.policy import FleetIndex, NodeView, RouteRequest, RoutingState
+    >>> from zmlcore.policy.resolve import builtin_policy
+    >>> st = NodeState(node_id="h1", accelerator_type="nvidia_h100", family="H100",
+    ...                endpoint="http://h1", status="up", models=["m"], updated_at=100.0)
+    >>> choose_node([NodeView(st)], RouteRequest(model="m"), builtin_policy("latency"),
+    ...             now=100.0, state=RoutingState()).node_id
+    'h1'
+    """
     if req.accelerator_id is not None:
-        pinned = [v for v in nodes if v.node_id == req.accelerator_id]
-        if not pinned:
-            raise RoutingError(f"accelerator_id {req.accelerator_id!r} is not a registered node")
-        reason = is_routable(pinned[0], req.model, now, stale_after_s)
-        if reason is not None or pinned[0].node_id in req.exclude:
-            raise NoHealthyNodesError(
-                f"node {req.accelerator_id!r} cannot take the request: {reason or 'failed'}",
-                routing_context={"policy": "pinned", "final_error": reason or "failed"},
-            )
-        v = pinned[0]
-        return Decision(v.node_id, v.state.family, "pinned", queue_depth(v))
-    if not serving:
+        return _pinned(nodes, req, now, stale_after_s)
+    fleet = nodes if isinstance(nodes, FleetIndex) else FleetIndex(nodes, watch=False)
+    table = fleet.table(req.model)
+    if not table.flat:
         raise ModelNotLoadedError(
             f"model {req.model!r} is not loaded on any available node; run `zml serve {req.model}`",
-            routing_context={"policy": policy.name, "evaluated": [], "final_error": "model_not_loaded"},
+            routing_context={
+                "policy": policy.name,
+                "evaluated": [],
+                "final_error": "model_not_loaded",
+                "recommendation": f"run `zml serve {req.model}` or add it to a node's models",
+            },
         )
-    families: list[str] = list(policy.chain) or list(dict.fromkeys(v.state.family for v in serving))
-    evaluated: list[FamilyEval] = []
-    candidates: list[NodeView] = []
+    fleet.release(now)
+    ctx = Ctx(fleet, table, req, policy, now, state, stale_after_s)
+    try:
+        if req.exclude:
+            ctx.hide_excluded()
+        pick = STRATEGIES.get(policy.strategy, chain.select)(ctx)
+    finally:
+        ctx.undo()
+    if pick is None:
+        _fail(fleet, table.families, req, policy, now, stale_after_s)
+    v = pick.cls.views[pick.i]
+    return Decision(
+        v.node_id,
+        v.state.family,
+        policy.name,
+        v.effective_outstanding(),
+        estimated_ttft_s=pick.est,
+        evaluated=ctx.evaluated or [],
+    )
+
+
+def _pinned(nodes: Sequence[NodeView], req: RouteRequest, now: float, stale_after_s: float) -> Decision:
+    if isinstance(nodes, FleetIndex):
+        v = nodes.get(req.accelerator_id or "")
+    else:
+        v = next((n for n in nodes if n.node_id == req.accelerator_id), None)
+    if v is None:
+        raise RoutingError(
+            f"accelerator_id {req.accelerator_id!r} is not a registered node",
+            routing_context={"policy": "pinned", "evaluated": [], "final_error": "unknown_node"},
+        )
+    reason = "excluded" if v.node_id in req.exclude else is_routable(v, req.model, now, stale_after_s)
+    if reason is not None:
+        ctx = {
+            "policy": "pinned",
+            "evaluated": [{"family": v.state.family, "nodes_checked": 1, "rejected_reason": reason}],
+            "final_error": reason,
+            "recommendation": "retry without accelerator_id or pick another node (`zml nodes`)",
+        }
+        if reason in ("model_loading", "model_not_loaded"):
+            raise ModelNotLoadedError(f"model {req.model!r} is not loaded on node {v.node_id!r}", routing_context=ctx)
+        if reason in _BUSY:
+            raise QueueFullError(f"node {v.node_id!r} is {reason}", routing_context=ctx)
+        raise NoHealthyNodesError(f"node {v.node_id!r} cannot take the request: {reason}", routing_context=ctx)
+    return Decision(v.node_id, v.state.family, "pinned", v.effective_outstanding())
+
+
+def _fail(
+    nodes: Sequence[NodeView],
+    registered: list[str],
+    req: RouteRequest,
+    policy: ResolvedPolicy,
+    now: float,
+    stale_after_s: float,
+) -> None:
+    """The slow path: re-check every node to say exactly why nothing was routable."""
+    families = list(policy.chain) or registered
+    evaluated: list[dict[str, Any]] = []
     reasons: list[str] = []
     for fam in families:
-        fam_nodes = [v for v in serving if v.state.family.lower() == fam.lower()]
-        ok = []
-        fam_reasons = []
-        for v in fam_nodes:
-            r = "excluded" if v.node_id in req.exclude else is_routable(v, req.model, now, stale_after_s)
-            if r is None:
-                ok.append(v)
-            else:
-                fam_reasons.append(r)
+        fam_nodes = [
+            v for v in nodes
+            if v.state.family.lower() == fam.lower()
+            and (req.model in v.state.models or req.model in v.state.loading_models)
+        ]
+        fam_reasons = [
+            "excluded" if v.node_id in req.exclude else (is_routable(v, req.model, now, stale_after_s) or "health_score_below_threshold")
+            for v in fam_nodes
+        ]
         reasons.extend(fam_reasons)
-        evaluated.append(
-            FamilyEval(fam, len(fam_nodes), None if ok else (_summarise(fam_reasons) if fam_nodes else "no_nodes"))
-        )
-        candidates.extend(ok)
-    if not candidates:
-        ctx = {
-            "policy": policy.name,
-            "evaluated": [e.as_dict() for e in evaluated],
-            "final_error": "no_viable_node",
-        }
-        if reasons and all(r in ("saturated",) for r in reasons):
-            ctx["recommendation"] = "increase fleet capacity or enable queue_on_saturation"
-            raise QueueFullError(f"all nodes serving {req.model!r} are saturated", routing_context=ctx)
-        if reasons and all(r in ("model_loading",) for r in reasons):
-            raise ModelNotLoadedError(f"model {req.model!r} is still loading", routing_context=ctx)
-        ctx["recommendation"] = "check node connectivity and driver status (`zml nodes`)"
-        raise NoHealthyNodesError(f"no healthy node serves {req.model!r}", routing_context=ctx)
-    idx = state.rr_cursor % len(candidates)
-    state.rr_cursor += 1
-    v = candidates[idx]
-    return Decision(v.node_id, v.state.family, policy.name, queue_depth(v), evaluated=evaluated)
+        evaluated.append(FamilyEval(fam, len(fam_nodes), _summarise(fam_reasons)).as_dict())
+    ctx: dict[str, Any] = {"policy": policy.name, "evaluated": evaluated, "final_error": "no_viable_node"}
+    if reasons and all(r in _BUSY for r in reasons) and "saturated" in reasons:
+        ctx["recommendation"] = "increase fleet capacity or enable queue_on_saturation"
+        raise QueueFullError(f"all nodes serving {req.model!r} are over capacity", routing_context=ctx)
+    if reasons and all(r in ("model_loading", "excluded") for r in reasons) and "model_loading" in reasons:
+        ctx["final_error"] = "model_loading"
+        ctx["recommendation"] = "retry when the model has loaded (`zml nodes` shows progress)"
+        raise ModelNotLoadedError(f"model {req.model!r} is still loading", routing_context=ctx)
+    if not reasons:
+        ctx["final_error"] = "no_nodes_in_chain"
+        ctx["recommendation"] = f"add a family that serves {req.model!r} to the policy's accelerator_chain"
+        raise NoHealthyNodesError(f"no node of policy {policy.name!r}'s families serves {req.model!r}", routing_context=ctx)
+    ctx["recommendation"] = "check node connectivity and driver status (`zml nodes`)"
+    raise NoHealthyNodesError(f"no healthy node serves {req.model!r}", routing_context=ctx)
 
 
 def _summarise(reasons: list[str]) -> str:
     if not reasons:
         return "no_nodes"
     if len(set(reasons)) == 1:
-        return {"saturated": "all_nodes_over_capacity", "node_down": "health_check_failed"}.get(
-            reasons[0], reasons[0]
-        )
+        return {
+            "saturated": "all_nodes_over_capacity",
+            "node_down": "health_check_failed",
+            "cooldown": "all_nodes_cooling_down",
+        }.get(reasons[0], reasons[0])
     return "mixed:" + ",".join(sorted(set(reasons)))

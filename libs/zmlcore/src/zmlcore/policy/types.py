@@ -7,34 +7,136 @@ The router, the routing simulator (benches/) and the benchmarks all build these 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from zmlcore.messages import NodeState
 
 
-@dataclass(slots=True)
+class _Watcher(Protocol):
+    def _node_changed(self, view: NodeView, structural: bool) -> None: ...
+
+
 class NodeView:
     """A node as one router sees it: the health service's last state plus local counters.
 
     ``outstanding``/``pending`` are the router's own (and, shared over NATS, its peers')
-    counts of requests dispatched and not finished / not yet at first token; they are added to
-    the polled queue depth so decisions between two polls do not herd.
+    counts of requests dispatched and not finished / not yet at first token. They are exact
+    between two polls, so the estimate uses them first and adds only the part of the polled
+    queue this router did not know about when the poll arrived (other routers, direct
+    clients): ``external = max(0, polled_depth - outstanding_at_poll)``. Assigning ``state``
+    snapshots the counters for that purpose.
+
+    Every assignment notifies the :class:`~zmlcore.policy.FleetIndex` objects that hold the
+    view, so the router just does ``view.outstanding += 1`` and the index stays exact.
+
+    >>> v = NodeView(NodeState(node_id="n1", accelerator_type="nvidia_h100", family="H100",
+    ...                        endpoint="http://h:8000", status="up", models=["m"]))
+    >>> v.outstanding += 1; v.node_id
+    'n1'
     """
 
-    state: NodeState
-    outstanding: int = 0
-    pending: int = 0
-    cooldown_until: float = 0.0
-    saturated_until: float = 0.0
+    __slots__ = (
+        "_state", "_outstanding", "_pending", "_cooldown_until", "_saturated_until",
+        "out_at_poll", "pend_at_poll", "_watchers",
+    )
+
+    def __init__(
+        self,
+        state: NodeState,
+        outstanding: int = 0,
+        pending: int = 0,
+        cooldown_until: float = 0.0,
+        saturated_until: float = 0.0,
+    ) -> None:
+        self._state = state
+        self._outstanding = outstanding
+        self._pending = pending
+        self._cooldown_until = cooldown_until
+        self._saturated_until = saturated_until
+        #: Local counters when ``state`` was last assigned (see the class docstring).
+        self.out_at_poll = outstanding
+        self.pend_at_poll = pending
+        self._watchers: list[_Watcher] = []
+
+    def _notify(self, structural: bool) -> None:
+        for w in self._watchers:
+            w._node_changed(self, structural)
+
+    @property
+    def state(self) -> NodeState:
+        return self._state
+
+    @state.setter
+    def state(self, value: NodeState) -> None:
+        self._state = value
+        self.out_at_poll = self._outstanding
+        self.pend_at_poll = self._pending
+        self._notify(True)
+
+    @property
+    def outstanding(self) -> int:
+        return self._outstanding
+
+    @outstanding.setter
+    def outstanding(self, value: int) -> None:
+        self._outstanding = value
+        if self._watchers:
+            self._notify(False)
+
+    @property
+    def pending(self) -> int:
+        return self._pending
+
+    @pending.setter
+    def pending(self, value: int) -> None:
+        self._pending = value
+        if self._watchers:
+            self._notify(False)
+
+    @property
+    def cooldown_until(self) -> float:
+        return self._cooldown_until
+
+    @cooldown_until.setter
+    def cooldown_until(self, value: float) -> None:
+        self._cooldown_until = value
+        if self._watchers:
+            self._notify(False)
+
+    @property
+    def saturated_until(self) -> float:
+        return self._saturated_until
+
+    @saturated_until.setter
+    def saturated_until(self, value: float) -> None:
+        self._saturated_until = value
+        if self._watchers:
+            self._notify(False)
 
     @property
     def node_id(self) -> str:
-        return self.state.node_id
+        return self._state.node_id
+
+    def effective_outstanding(self) -> int:
+        """Requests on the node: local counter plus what the last poll saw beyond it."""
+        st = self._state
+        return self._outstanding + max(0, st.queue_running + st.queue_waiting - self.out_at_poll)
+
+    def effective_pending(self) -> int:
+        """Requests not yet at first token (the poll's waiting queue beyond local pending)."""
+        return self._pending + max(0, self._state.queue_waiting - self.pend_at_poll)
+
+    def __repr__(self) -> str:
+        return (
+            f"NodeView({self.node_id!r}, outstanding={self._outstanding}, pending={self._pending}, "
+            f"cooldown_until={self._cooldown_until}, saturated_until={self._saturated_until})"
+        )
 
 
 @dataclass(slots=True, frozen=True)
 class RouteRequest:
     model: str
+    #: Prompt length; 0 means unknown (the estimate then uses the mean prompt).
     prompt_tokens: int = 0
     max_tokens: int = 512
     #: Pin to a node (bypasses the policy).

@@ -1,0 +1,116 @@
+"""The TTFT estimate (shortest expected TTFT, "STE") and per-node capacity and cost figures.
+
+For a request of ``P`` prompt tokens on a node with prefill speed ``pf``, decode speed
+``r(b)`` per sequence at batch ``b`` and ``maxc`` sequence slots::
+
+    ttft ~= (pending * E[P] + P) / pf  +  max(0, outstanding + 1 - maxc) * E[O-1] / (maxc * r(maxc))
+
+the prefill backlog ahead of the request plus, when every slot is taken, the time for enough
+sequences to finish (the node retires ``maxc * r(maxc) / E[O-1]`` sequences a second at full
+batch). The model is :class:`zmlcore.sim.model.SimProfile` (the reference fleet model); the
+estimate splits into a *load key* that depends only on the node's counters and a per-request
+``P / pf`` term, which is what lets :class:`~zmlcore.policy.FleetIndex` pick the best node of a
+class of identical nodes with one ``min()``.
+"""
+
+from __future__ import annotations
+
+import math
+
+from zmlcore.accelerators import ACCELERATORS, BASE_DECODE_TPS, BASE_PREFILL_TPS, DECODE_BATCH_PENALTY
+from zmlcore.messages import NodeState
+
+#: Mean prompt and output lengths (tokens) of the reference workload; used for requests
+#: already queued, whose lengths the router does not know.
+MEAN_PROMPT_TOKENS = 816.0
+MEAN_OUTPUT_TOKENS = 274.0
+#: Default latency target when a policy gives none (the reference SLA).
+DEFAULT_LATENCY_TARGET_S = 0.5
+#: Speeds within this ratio share an index class (see FleetIndex).
+SPEED_BUCKET = 1.02
+
+INF = math.inf
+
+
+def node_speeds(st: NodeState) -> tuple[float, float, int]:
+    """(prefill tok/s, decode tok/s per sequence at batch 1, max concurrency) of a node.
+
+    Measured values from the health service win; unknown ones (0) come from the accelerator
+    type's profile, and from H100-like defaults for an unknown type.
+    """
+    a = ACCELERATORS.get(st.accelerator_type)
+    speed = a.speed if a else 1.0
+    pf = st.prefill_tps if st.prefill_tps > 0 else BASE_PREFILL_TPS * speed
+    dec = st.decode_tps if st.decode_tps > 0 else BASE_DECODE_TPS * speed
+    maxc = st.max_concurrency if st.max_concurrency > 0 else (a.max_concurrency if a else 16)
+    return pf, dec, maxc
+
+
+def node_cost(st: NodeState) -> float:
+    """$/hour of a node (the polled value, else the type's list price)."""
+    if st.cost_per_hour > 0:
+        return st.cost_per_hour
+    a = ACCELERATORS.get(st.accelerator_type)
+    return a.cost_per_hour if a else 0.0
+
+
+def bucket(x: float) -> int:
+    """Log bucket of a speed, so measured speeds that jitter by <2% share a class."""
+    return round(math.log(x) / math.log(SPEED_BUCKET)) if x > 0 else 0
+
+
+class Coeffs:
+    """Per-node constants of the estimate (computed once per node class)."""
+
+    __slots__ = ("pf", "inv_pf", "ep_over_pf", "maxc", "c_dec", "mu", "cost", "cost_cap")
+
+    def __init__(
+        self,
+        pf: float,
+        dec: float,
+        maxc: int,
+        cost: float,
+        mean_prompt: float = MEAN_PROMPT_TOKENS,
+        mean_output: float = MEAN_OUTPUT_TOKENS,
+    ) -> None:
+        self.pf = pf
+        self.inv_pf = 1.0 / pf
+        self.ep_over_pf = mean_prompt / pf
+        self.maxc = maxc
+        step_full = (1.0 + DECODE_BATCH_PENALTY * (maxc - 1)) / dec  # 1 / r(maxc)
+        #: seconds per freed slot at full batch: E[O-1] / (maxc * r(maxc))
+        self.c_dec = max(mean_output - 1.0, 0.0) * step_full / maxc
+        #: saturation throughput, requests/s (SimProfile.capacity_rps)
+        self.mu = 1.0 / (self.ep_over_pf + self.c_dec)
+        self.cost = cost
+        #: $/h per req/s of capacity: what one unit of work costs on this node.
+        self.cost_cap = cost / self.mu
+
+    def load_key(self, outstanding: int, pending: int) -> float:
+        """The estimate without the request's own prefill (``ttft = key + P / pf``)."""
+        q = outstanding + 1 - self.maxc
+        return pending * self.ep_over_pf + (q * self.c_dec if q > 0 else 0.0)
+
+    def drain_key(self, outstanding: int) -> float:
+        """(outstanding + 1) / capacity: when this node would finish its queue plus one."""
+        return (outstanding + 1) / self.mu
+
+
+def estimate_ttft(
+    st: NodeState,
+    outstanding: int,
+    pending: int,
+    prompt_tokens: float,
+    *,
+    mean_prompt: float = MEAN_PROMPT_TOKENS,
+    mean_output: float = MEAN_OUTPUT_TOKENS,
+) -> float:
+    """Estimated seconds to first token of a ``prompt_tokens`` request sent to this node now.
+
+    >>> st = NodeState(node_id="n", accelerator_type="nvidia_h100", family="H100", endpoint="")
+    >>> round(estimate_ttft(st, outstanding=0, pending=0, prompt_tokens=1000), 3)
+    0.1
+    """
+    pf, dec, maxc = node_speeds(st)
+    c = Coeffs(pf, dec, maxc, 0.0, mean_prompt, mean_output)
+    return c.load_key(outstanding, pending) + prompt_tokens * c.inv_pf
