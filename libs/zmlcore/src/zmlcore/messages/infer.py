@@ -77,6 +77,8 @@ class RoutingInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
     decision_id: str
     request_id: str = ""
     attempts: int = 1
+    #: Router replica that made the decision.
+    router_id: str = ""
     #: Seconds from the router receiving the request to the first output token (or the full
     #: reply for non-streaming backends that send everything at once).
     time_to_first_token: float | None = None

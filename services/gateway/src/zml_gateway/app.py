@@ -1,0 +1,269 @@
+"""The HTTP gateway as a raw ASGI app (no framework: the per-request path is a handful of
+dict lookups, a NATS request and a write).
+
+Routes: POST /v1/chat/completions, POST /v1/completions (OpenAI-compatible, streaming or not),
+GET /v1/models, GET /v1/nodes, GET /healthz. The body goes to NATS ``zml.infer`` as is; the
+router validates it, so the gateway only peeks at the fields it needs itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import msgspec
+from nats.aio.client import Client as NATS
+from nats.errors import NoRespondersError
+from nats.errors import TimeoutError as NatsTimeout
+
+from zmlcore import subjects
+from zmlcore.config import ZMLConfig
+from zmlcore.errors import (
+    AuthError,
+    BadRequestError,
+    NoHealthyNodesError,
+    TimeoutError,
+    ZMLError,
+    error_class,
+)
+from zmlcore.messages import NodeState
+
+log = logging.getLogger("zml.gateway")
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict[str, Any]]]
+Send = Callable[[dict[str, Any]], Awaitable[None]]
+
+_encode = msgspec.json.encode
+
+
+class _Peek(msgspec.Struct):
+    """The only fields the gateway reads itself (msgspec skips the rest without building it)."""
+
+    stream: bool = False
+    request_id: str | None = None
+    timeout_ms: int | None = None
+
+
+_peek = msgspec.json.Decoder(_Peek)
+
+_JSON = (b"content-type", b"application/json")
+_SSE_HEADERS = [
+    (b"content-type", b"text/event-stream"),
+    (b"cache-control", b"no-cache"),
+    (b"x-accel-buffering", b"no"),
+]
+# NATS reply header -> HTTP header carrying routing metadata.
+_ROUTING_HEADERS = (
+    (subjects.H_NODE_ID, b"x-zml-node-id"),
+    (subjects.H_ACCELERATOR_TYPE, b"x-zml-accelerator-type"),
+    (subjects.H_FAMILY, b"x-zml-family"),
+    (subjects.H_POLICY, b"x-zml-policy"),
+    (subjects.H_QUEUE_DEPTH, b"x-zml-queue-depth"),
+    (subjects.H_DECISION_ID, b"x-zml-decision-id"),
+    (subjects.H_REQUEST_ID, b"x-zml-request-id"),
+)
+
+
+class Gateway:
+    def __init__(self, cfg: ZMLConfig, nc: NATS, nodes: dict[str, NodeState]) -> None:
+        self.cfg = cfg
+        self.nc = nc
+        self.nodes = nodes  # kept current by the service from the KV stream
+        self.timeout = cfg.defaults.request_timeout_s
+        self.max_body = cfg.gateway.max_body_bytes
+        self.keys = {f"Bearer {k}".encode() for k in cfg.gateway.api_keys}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await self._lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        method, path = scope["method"], scope["path"]
+        try:
+            if path in ("/v1/chat/completions", "/v1/completions"):
+                if method != "POST":
+                    return await self._plain(send, 405, {"error": {"message": "use POST", "code": "BAD_REQUEST"}})
+                self._auth(scope)
+                return await self._infer(scope, receive, send)
+            if method != "GET":
+                return await self._plain(send, 405, {"error": {"message": "method not allowed", "code": "BAD_REQUEST"}})
+            if path == "/healthz":
+                ok = self.nc.is_connected
+                return await self._plain(send, 200 if ok else 503, {"status": "ok" if ok else "nats_disconnected"})
+            if path == "/v1/models":
+                self._auth(scope)
+                return await self._plain(send, 200, self._models())
+            if path == "/v1/nodes":
+                self._auth(scope)
+                return await self._plain(send, 200, {"nodes": [self.nodes[k] for k in sorted(self.nodes)]})
+            return await self._plain(send, 404, {"error": {"message": f"no route {path}", "code": "NOT_FOUND"}})
+        except ZMLError as exc:
+            await self._error(send, exc)
+
+    async def _lifespan(self, receive: Receive, send: Send) -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "lifespan.startup":
+                await send({"type": "lifespan.startup.complete"})
+            elif message["type"] == "lifespan.shutdown":
+                await send({"type": "lifespan.shutdown.complete"})
+                return
+
+    def _auth(self, scope: Scope) -> None:
+        if not self.keys:
+            return
+        for name, value in scope["headers"]:
+            if name == b"authorization" and value in self.keys:
+                return
+        raise AuthError("invalid or missing API key: send `Authorization: Bearer <key>` (ZML_API_KEY)")
+
+    def _models(self) -> dict[str, Any]:
+        names = self.cfg.model_names()
+        for st in self.nodes.values():
+            names.update(st.models)
+        data = []
+        for name in sorted(names):
+            serving = [s.node_id for s in self.nodes.values() if name in s.models and s.status == "up"]
+            data.append({"id": name, "object": "model", "owned_by": "zml", "created": 0, "zml": {"nodes_up": serving}})
+        return {"object": "list", "data": data}
+
+    # --- inference -------------------------------------------------------------------------
+    async def _read_body(self, receive: Receive) -> bytes:
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise asyncio.CancelledError
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body:
+                raise BadRequestError(f"request body larger than {self.max_body} bytes")
+            chunks.append(chunk)
+            if not message.get("more_body"):
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    async def _infer(self, scope: Scope, receive: Receive, send: Send) -> None:
+        body = await self._read_body(receive)
+        try:
+            peek = _peek.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise BadRequestError(f"invalid JSON body: {exc}") from exc
+        request_id = peek.request_id or os.urandom(8).hex()
+        timeout = peek.timeout_ms / 1000.0 if peek.timeout_ms else self.timeout
+        headers = {subjects.H_REQUEST_ID: request_id, subjects.H_TIMEOUT_MS: str(int(timeout * 1000))}
+        if peek.stream:
+            await self._infer_stream(body, headers, request_id, timeout, receive, send)
+            return
+        # Watch for the client going away while the request runs: then cancel it on the node.
+        request = asyncio.ensure_future(self.nc.request(subjects.INFER, body, timeout=timeout + 1.0, headers=headers))
+        watch = asyncio.ensure_future(receive())
+        done, _ = await asyncio.wait((request, watch), return_when=asyncio.FIRST_COMPLETED)
+        if request not in done:
+            request.cancel()
+            await self.nc.publish(subjects.cancel(request_id), b"")
+            return
+        watch.cancel()
+        try:
+            reply = request.result()
+        except NoRespondersError:
+            raise NoHealthyNodesError("no router is running (no responders on zml.infer)", retry_after=1.0) from None
+        except NatsTimeout:
+            await self.nc.publish(subjects.cancel(request_id), b"")
+            raise TimeoutError(f"no reply within {timeout:g} s") from None
+        rh = reply.headers or {}
+        code = rh.get(subjects.H_ERROR_CODE)
+        if code is not None:
+            await self._relay_error(send, code, reply.data)
+            return
+        out = [_JSON]
+        for nats_name, http_name in _ROUTING_HEADERS:
+            value = rh.get(nats_name)
+            if value is not None:
+                out.append((http_name, value.encode()))
+        await send({"type": "http.response.start", "status": 200, "headers": out})
+        await send({"type": "http.response.body", "body": reply.data})
+
+    async def _infer_stream(
+        self, body: bytes, headers: dict[str, str], request_id: str, timeout: float, receive: Receive, send: Send
+    ) -> None:
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+
+        async def on_msg(msg: Any) -> None:
+            queue.put_nowait(msg)
+
+        inbox = self.nc.new_inbox()
+        sub = await self.nc.subscribe(inbox, cb=on_msg)
+        watch = asyncio.ensure_future(receive())
+        started = False
+        deadline = time.monotonic() + timeout + 1.0
+        try:
+            await self.nc.publish(subjects.INFER, body, reply=inbox, headers=headers)
+            while True:
+                get = asyncio.ensure_future(queue.get())
+                remaining = deadline - time.monotonic()
+                done, _ = await asyncio.wait((get, watch), timeout=max(remaining, 0), return_when=asyncio.FIRST_COMPLETED)
+                if watch in done:  # client went away
+                    get.cancel()
+                    await self.nc.publish(subjects.cancel(request_id), b"")
+                    return
+                if get not in done:
+                    get.cancel()
+                    await self.nc.publish(subjects.cancel(request_id), b"")
+                    exc = TimeoutError(f"no reply within {timeout:g} s")
+                    if started:
+                        await self._sse_error(send, exc.to_body())
+                        return
+                    raise exc
+                msg = get.result()
+                mh = msg.headers or {}
+                kind = mh.get(subjects.H_STREAM)
+                if kind == subjects.STREAM_CHUNK:
+                    await send({"type": "http.response.body", "body": b"data: " + msg.data + b"\n\n", "more_body": True})
+                elif kind == "start":
+                    out = list(_SSE_HEADERS)
+                    for nats_name, http_name in _ROUTING_HEADERS:
+                        value = mh.get(nats_name)
+                        if value is not None:
+                            out.append((http_name, value.encode()))
+                    await send({"type": "http.response.start", "status": 200, "headers": out})
+                    started = True
+                elif kind == subjects.STREAM_END:
+                    await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+                    return
+                else:  # error (or a non-stream reply from a router that ignored stream)
+                    code = mh.get(subjects.H_ERROR_CODE, "INTERNAL")
+                    if not started:
+                        await self._relay_error(send, code, msg.data)
+                    else:
+                        await send({"type": "http.response.body", "body": b"data: " + msg.data + b"\n\n"})
+                    return
+        finally:
+            watch.cancel()
+            await sub.unsubscribe()
+
+    async def _sse_error(self, send: Send, body: Any) -> None:
+        await send({"type": "http.response.body", "body": b"data: " + _encode(body) + b"\n\n"})
+
+    # --- responses -------------------------------------------------------------------------
+    async def _plain(self, send: Send, status: int, payload: Any, extra: list[tuple[bytes, bytes]] | None = None) -> None:
+        await send({"type": "http.response.start", "status": status, "headers": [_JSON, *(extra or [])]})
+        await send({"type": "http.response.body", "body": _encode(payload)})
+
+    async def _error(self, send: Send, exc: ZMLError) -> None:
+        extra = []
+        if exc.retry_after is not None:
+            extra.append((b"retry-after", str(max(1, round(exc.retry_after))).encode()))
+        await self._plain(send, exc.http_status, exc.to_body(), extra)
+
+    async def _relay_error(self, send: Send, code: str, data: bytes) -> None:
+        cls = error_class(code)
+        extra = [(b"retry-after", b"1")] if cls.retryable else []
+        await send({"type": "http.response.start", "status": cls.http_status, "headers": [_JSON, *extra]})
+        await send({"type": "http.response.body", "body": data})

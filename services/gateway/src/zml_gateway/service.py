@@ -1,0 +1,71 @@
+"""Runs the ASGI gateway on uvicorn (httptools + uvloop) beside a NATS connection, and keeps
+a node table from the KV stream for /v1/models and /v1/nodes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import msgspec
+import uvicorn
+from nats.aio.client import Client as NATS
+
+from zmlcore.config import ZMLConfig
+from zmlcore.messages import NodeState, node_state_decoder
+from zmlcore.natsio import nodes_kv
+from zml_gateway.app import Gateway
+
+log = logging.getLogger("zml.gateway")
+
+
+class _Server(uvicorn.Server):
+    def install_signal_handlers(self) -> None:  # the runner owns signals
+        pass
+
+
+class GatewayService:
+    def __init__(self, cfg: ZMLConfig, host: str | None = None, port: int | None = None) -> None:
+        self.cfg = cfg
+        self.host = host or cfg.gateway.host
+        self.port = cfg.gateway.port if port is None else port
+        self.nodes: dict[str, NodeState] = {}
+        self._server: _Server | None = None
+        self._serve: asyncio.Task[None] | None = None
+        self._follow: asyncio.Task[None] | None = None
+
+    async def start(self, nc: NATS) -> None:
+        kv = await nodes_kv(nc.jetstream())
+        self._follow = asyncio.create_task(self._follow_nodes(kv))
+        app = Gateway(self.cfg, nc, self.nodes)
+        config = uvicorn.Config(
+            app, host=self.host, port=self.port, http="httptools", loop="none", lifespan="off",
+            log_level="warning", access_log=False, timeout_keep_alive=30, backlog=2048,
+        )
+        self._server = _Server(config)
+        self._serve = asyncio.create_task(self._server.serve())
+        while not self._server.started:
+            if self._serve.done():  # failed to bind: surface the error
+                self._serve.result()
+                raise RuntimeError(f"gateway could not listen on {self.host}:{self.port}")
+            await asyncio.sleep(0.01)
+
+    async def stop(self) -> None:
+        if self._server is not None:
+            self._server.should_exit = True
+        if self._serve is not None:
+            await asyncio.wait([self._serve], timeout=10)
+        if self._follow is not None:
+            self._follow.cancel()
+
+    async def _follow_nodes(self, kv) -> None:  # type: ignore[no-untyped-def]
+        watcher = await kv.watchall()
+        async for entry in watcher:
+            if entry is None:
+                continue
+            if entry.operation in ("DEL", "PURGE") or not entry.value:
+                self.nodes.pop(entry.key, None)
+                continue
+            try:
+                self.nodes[entry.key] = node_state_decoder.decode(entry.value)
+            except msgspec.DecodeError:
+                log.warning("bad node state for %s", entry.key)

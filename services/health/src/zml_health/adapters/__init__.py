@@ -1,0 +1,29 @@
+"""Engine adapters: each reads one serving engine's own endpoints and metric names.
+
+``probe(client, endpoint, timeout) -> Probe``; a probe never raises for a node problem,
+it reports it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+import httpx
+
+from zml_health.adapters.base import Probe
+from zml_health.adapters.openai import probe as probe_openai
+from zml_health.adapters.vllm import probe as probe_vllm
+
+ProbeFn = Callable[[httpx.AsyncClient, str, float], Awaitable[Probe]]
+
+ADAPTERS: dict[str, ProbeFn] = {
+    "vllm": probe_vllm,
+    "openai": probe_openai,
+}
+
+
+def adapter_for(backend: str) -> ProbeFn:
+    return ADAPTERS.get(backend, probe_openai)
+
+
+__all__ = ["ADAPTERS", "Probe", "ProbeFn", "adapter_for"]

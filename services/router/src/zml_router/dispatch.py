@@ -1,0 +1,99 @@
+"""Calls to accelerator nodes over HTTP, and what each failure means for routing.
+
+httpx is used with the aiohttp transport: the same httpx API at ~1/7 of the default
+transport's CPU per request (see docs/benchmarks.md). Outcomes are classified here, in one
+place, so the router's retry loop only sees :class:`Attempt` results.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import httpx
+from httpx_aiohttp import HttpxAiohttpClient
+
+
+class Failure(enum.Enum):
+    NETWORK = "network"  # connect/read error, dropped connection: cooldown, retry elsewhere
+    SERVER = "server"  # 5xx: cooldown, retry elsewhere
+    OVERLOADED = "overloaded"  # vLLM 503 queue overflow, TGI 429: saturated, retry elsewhere
+    NO_MODEL = "no_model"  # 404 for the model: the node does not have it, retry elsewhere
+    CLIENT = "client"  # other 4xx: the request is at fault; no retry, no cooldown
+
+
+@dataclass(slots=True)
+class AttemptError(Exception):
+    failure: Failure
+    status: int
+    detail: str
+    retry_after: float | None = None
+
+
+def make_client(max_connections: int, connect_timeout: float) -> httpx.AsyncClient:
+    return HttpxAiohttpClient(
+        limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+        timeout=httpx.Timeout(None, connect=connect_timeout),
+    )
+
+
+def _retry_after(resp: httpx.Response) -> float | None:
+    value = resp.headers.get("retry-after")
+    if not value:
+        return None
+    try:
+        return max(0.0, float(value))
+    except ValueError:
+        return None
+
+
+def classify(resp: httpx.Response, body: bytes) -> AttemptError:
+    status = resp.status_code
+    detail = body[:500].decode("utf-8", "replace")
+    ra = _retry_after(resp)
+    if status == 429 or status == 503:
+        return AttemptError(Failure.OVERLOADED, status, detail, ra)
+    if status >= 500:
+        return AttemptError(Failure.SERVER, status, detail, ra)
+    if status == 404:
+        return AttemptError(Failure.NO_MODEL, status, detail, ra)
+    return AttemptError(Failure.CLIENT, status, detail, ra)
+
+
+# No read timeout here: the router bounds each request as a whole with asyncio.timeout().
+async def post_json(client: httpx.AsyncClient, url: str, body: bytes, headers: dict[str, str]) -> bytes:
+    """POST and return the body of a 2xx answer; raise AttemptError otherwise."""
+    try:
+        resp = await client.post(url, content=body, headers=headers)
+    except httpx.HTTPError as exc:
+        raise AttemptError(Failure.NETWORK, 0, f"{type(exc).__name__}: {exc}") from exc
+    if resp.status_code >= 300:
+        raise classify(resp, resp.content)
+    return resp.content
+
+
+async def stream_sse(client: httpx.AsyncClient, url: str, body: bytes, headers: dict[str, str]) -> AsyncIterator[bytes]:
+    """Yield the payload of each SSE ``data:`` line up to (not including) ``[DONE]``."""
+    request = client.build_request("POST", url, content=body, headers=headers)
+    try:
+        resp = await client.send(request, stream=True)
+    except httpx.HTTPError as exc:
+        raise AttemptError(Failure.NETWORK, 0, f"{type(exc).__name__}: {exc}") from exc
+    try:
+        if resp.status_code >= 300:
+            raise classify(resp, await resp.aread())
+        try:
+            async for line in resp.aiter_lines():
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    return
+                yield data.encode()
+        except httpx.HTTPError as exc:
+            raise AttemptError(Failure.NETWORK, 0, f"stream broken: {type(exc).__name__}: {exc}") from exc
+        # The server closed the stream without [DONE]: treat as a broken stream.
+        raise AttemptError(Failure.NETWORK, 0, "stream ended without [DONE]")
+    finally:
+        await resp.aclose()

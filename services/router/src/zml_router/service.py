@@ -1,0 +1,348 @@
+"""The router: takes requests from ``zml.infer`` (queue group), decides, dispatches, replies.
+
+Per request: decode -> resolve policy -> choose_node on the local table (no network) ->
+count it in flight -> HTTP to the node -> reply (one message, or start/chunk.../end).
+A node that fails before the first token is excluded and the decision re-run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from typing import Any
+
+import httpx
+import msgspec
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from zmlcore import subjects
+from zmlcore.config import ZMLConfig
+from zmlcore.errors import (
+    BackendError,
+    BadRequestError,
+    CancelledError,
+    ModelNotLoadedError,
+    TimeoutError,
+    ZMLError,
+)
+from zmlcore.messages import (
+    ZML_REQUEST_KEYS,
+    InferRequest,
+    InflightDelta,
+    RoutingInfo,
+    StreamStart,
+    infer_request_decoder,
+)
+from zmlcore.natsio import nodes_kv
+from zmlcore.policy import Decision, RouteRequest, RoutingState, choose_node, resolve_policy
+from zml_router.dispatch import AttemptError, Failure, make_client, post_json, stream_sse
+from zml_router.table import NodeTable
+
+log = logging.getLogger("zml.router")
+
+_encode = msgspec.json.encode
+_decode_any = msgspec.json.Decoder()
+_delta_decoder = msgspec.json.Decoder(InflightDelta)
+
+_PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
+
+
+def _new_id() -> str:
+    return os.urandom(8).hex()
+
+
+class RouterService:
+    def __init__(self, cfg: ZMLConfig, router_id: str | None = None) -> None:
+        self.cfg = cfg
+        self.router_id = router_id or f"router-{_new_id()[:6]}"
+        self.table = NodeTable()
+        self.state = RoutingState()
+        self.nc: NATS | None = None
+        self.http: httpx.AsyncClient | None = None
+        self._subs: list[Subscription] = []
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._by_request: dict[str, asyncio.Task[None]] = {}
+        self._follow: asyncio.Task[None] | None = None
+        self._api_keys = {n.id: n.api_key for n in cfg.nodes if n.api_key}
+        self._default_timeout = cfg.defaults.request_timeout_s
+
+    # --- lifecycle -------------------------------------------------------------------------
+    async def start(self, nc: NATS) -> None:
+        self.nc = nc
+        self.http = make_client(self.cfg.router.max_connections, self.cfg.router.connect_timeout_s)
+        kv = await nodes_kv(nc.jetstream())
+        self._follow = asyncio.create_task(self.table.follow(kv))
+        try:  # a snapshot before taking traffic; an empty bucket has nothing to wait for
+            await asyncio.wait_for(self.table.ready.wait(), 2.0)
+        except asyncio.TimeoutError:
+            pass
+        self._subs.append(await nc.subscribe(subjects.INFLIGHT, cb=self._on_delta))
+        self._subs.append(await nc.subscribe(subjects.cancel("*"), cb=self._on_cancel))
+        self._subs.append(
+            await nc.subscribe(subjects.INFER, queue=subjects.ROUTER_QUEUE, cb=self._on_request)
+        )
+
+    async def stop(self) -> None:
+        # Stop taking new requests, let in-flight ones finish (bounded), then close.
+        for sub in self._subs:
+            try:
+                await sub.unsubscribe()
+            except Exception:
+                pass
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=10)
+        for t in list(self._tasks):
+            t.cancel()
+        if self._follow:
+            self._follow.cancel()
+        if self.http:
+            await self.http.aclose()
+
+    # --- subscriptions ---------------------------------------------------------------------
+    async def _on_request(self, msg: Msg) -> None:
+        # nats-py runs a subscription's callbacks one after another: hand off at once.
+        task = asyncio.create_task(self._handle(msg))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _on_delta(self, msg: Msg) -> None:
+        try:
+            d = _delta_decoder.decode(msg.data)
+        except msgspec.DecodeError:
+            return
+        if d.router_id != self.router_id:
+            self.table.apply_delta(d)
+
+    async def _on_cancel(self, msg: Msg) -> None:
+        request_id = msg.subject.rsplit(".", 1)[-1]
+        task = self._by_request.get(request_id)
+        if task is not None:
+            task.cancel()
+
+    # --- the request path ------------------------------------------------------------------
+    async def _handle(self, msg: Msg) -> None:
+        t0 = time.monotonic()
+        headers = msg.headers or {}
+        request_id = headers.get(subjects.H_REQUEST_ID, "")
+        stream = False
+        try:
+            try:
+                req = infer_request_decoder.decode(msg.data)
+            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                raise BadRequestError(f"invalid request: {exc}") from exc
+            if (req.messages is None) == (req.prompt is None):
+                raise BadRequestError("give exactly one of `messages` or `prompt`")
+            stream = req.stream
+            request_id = request_id or req.request_id or _new_id()
+            timeout = self._timeout(req, headers)
+            task = asyncio.current_task()
+            assert task is not None
+            self._by_request[request_id] = task
+            try:
+                async with asyncio.timeout(timeout):
+                    await self._route(msg, req, request_id, t0)
+            except asyncio.TimeoutError as exc:
+                raise TimeoutError(f"request exceeded its timeout of {timeout:g} s") from exc
+            finally:
+                self._by_request.pop(request_id, None)
+        except asyncio.CancelledError:
+            await self._reply_error(msg, CancelledError("request cancelled"), stream)
+        except ZMLError as exc:
+            await self._reply_error(msg, exc, stream)
+        except Exception as exc:  # a bug must not kill the router: answer INTERNAL, log it
+            log.exception("internal error on request %s", request_id)
+            await self._reply_error(msg, ZMLError(f"internal error: {type(exc).__name__}"), stream)
+
+    def _timeout(self, req: InferRequest, headers: dict[str, str]) -> float:
+        ms = req.timeout_ms
+        if subjects.H_TIMEOUT_MS in headers:
+            try:
+                ms = int(headers[subjects.H_TIMEOUT_MS])
+            except ValueError:
+                raise BadRequestError(f"{subjects.H_TIMEOUT_MS} must be an integer") from None
+        return ms / 1000.0 if ms else self._default_timeout
+
+    async def _route(self, msg: Msg, req: InferRequest, request_id: str, t0: float) -> None:
+        model = self.cfg.resolve_model(req.model)
+        per_call = req.policy if req.policy is not None else req.routing
+        policy = resolve_policy(self.cfg, model, per_call)
+        body = self._backend_body(msg.data, model)
+        max_tokens = req.max_tokens or req.max_completion_tokens or 512
+        # ~4 bytes per token of JSON body: good enough for a TTFT estimate, and O(1).
+        rr = RouteRequest(model=model, prompt_tokens=len(msg.data) // 4, max_tokens=max_tokens,
+                          accelerator_id=req.accelerator_id)
+        excluded: set[str] = set()
+        last: AttemptError | None = None
+        for attempt in range(1, self.cfg.router.max_attempts + 1):
+            if excluded:
+                rr = RouteRequest(model=model, prompt_tokens=rr.prompt_tokens, max_tokens=max_tokens,
+                                  accelerator_id=req.accelerator_id, exclude=frozenset(excluded))
+            try:
+                decision = choose_node(self.table.nodes(), rr, policy, time.time(), self.state,
+                                       stale_after_s=self.cfg.router.stale_after_s)
+            except ZMLError:
+                if last is not None:  # we tried nodes and they failed: say so, not "no nodes"
+                    break
+                raise
+            info = RoutingInfo(
+                node_id=decision.node_id,
+                accelerator_type=self.table.views[decision.node_id].state.accelerator_type,
+                family=decision.family,
+                policy=decision.policy,
+                queue_depth_at_dispatch=decision.queue_depth,
+                decision_id=_new_id(),
+                request_id=request_id,
+                attempts=attempt,
+                router_id=self.router_id,
+            )
+            try:
+                if req.stream:
+                    await self._dispatch_stream(msg, req, body, info, t0)
+                else:
+                    await self._dispatch_once(msg, req, body, info, t0)
+                return
+            except AttemptError as err:
+                last = err
+                if err.failure is Failure.CLIENT or (req.accelerator_id and err.failure is not Failure.NETWORK):
+                    raise BadRequestError(f"node {decision.node_id} rejected the request: {err.detail}") from None
+                self._penalise(decision, err)
+                excluded.add(decision.node_id)
+                log.info("attempt %d on %s failed (%s %s); re-routing", attempt, decision.node_id,
+                         err.failure.value, err.status)
+        assert last is not None
+        if last.failure is Failure.NO_MODEL:
+            raise ModelNotLoadedError(f"no node could serve model {model!r}: {last.detail}")
+        raise BackendError(
+            f"{len(excluded)} node(s) failed for this request; last: {last.failure.value} {last.status} {last.detail}".strip(),
+            retry_after=1.0,
+        )
+
+    def _penalise(self, decision: Decision, err: AttemptError) -> None:
+        view = self.table.views.get(decision.node_id)
+        if view is None:
+            return
+        now = time.time()
+        rc = self.cfg.router
+        if err.failure is Failure.OVERLOADED:
+            view.saturated_until = now + (err.retry_after if err.retry_after is not None else rc.saturated_s)
+        elif err.failure in (Failure.NETWORK, Failure.SERVER):
+            view.cooldown_until = now + (err.retry_after if err.retry_after is not None else rc.cooldown_s)
+
+    def _backend_body(self, raw: bytes, model: str) -> bytes:
+        data: dict[str, Any] = _decode_any.decode(raw)
+        for key in ZML_REQUEST_KEYS:
+            data.pop(key, None)
+        data["model"] = model
+        return _encode(data)
+
+    def _backend_headers(self, info: RoutingInfo) -> dict[str, str]:
+        h = {
+            "content-type": "application/json",
+            "x-zml-routing": (
+                f"node={info.node_id};family={info.family};policy={info.policy};"
+                f"queue={info.queue_depth_at_dispatch};decision={info.decision_id}"
+            ),
+            "x-request-id": info.request_id,
+        }
+        key = self._api_keys.get(info.node_id)
+        if key:
+            h["authorization"] = f"Bearer {key}"
+        return h
+
+    def _url(self, info: RoutingInfo, req: InferRequest) -> str:
+        return self.table.views[info.node_id].state.endpoint.rstrip("/") + _PATHS[req.kind()]
+
+    # --- in-flight accounting ----------------------------------------------------------------
+    async def _count(self, node_id: str, outstanding: int, pending: int) -> None:
+        view = self.table.views.get(node_id)
+        if view is not None:
+            view.outstanding = max(0, view.outstanding + outstanding)
+            view.pending = max(0, view.pending + pending)
+        if self.nc is not None:
+            delta = InflightDelta(router_id=self.router_id, node_id=node_id, outstanding=outstanding,
+                                  pending=pending, ts=time.time())
+            # publish() only appends to the client's buffer; its flusher sends batches.
+            await self.nc.publish(subjects.INFLIGHT, _encode(delta))
+
+    async def _dispatch_once(self, msg: Msg, req: InferRequest, body: bytes, info: RoutingInfo, t0: float) -> None:
+        await self._count(info.node_id, 1, 1)
+        pending = 1
+        try:
+            raw = await post_json(self.http, self._url(info, req), body, self._backend_headers(info))  # type: ignore[arg-type]
+            await self._count(info.node_id, 0, -1)
+            pending = 0
+        finally:
+            await self._count(info.node_id, -1, -pending)
+        info.time_to_first_token = time.monotonic() - t0
+        try:
+            data: dict[str, Any] = _decode_any.decode(raw)
+        except msgspec.DecodeError as exc:
+            raise AttemptError(Failure.SERVER, 200, f"node answered invalid JSON: {exc}") from None
+        usage = data.get("usage")
+        if isinstance(usage, dict) and isinstance(usage.get("total_tokens"), int):
+            info.total_tokens = usage["total_tokens"]
+        data["zml"] = info
+        await self._publish(msg.reply, _encode(data), self._routing_headers(info))
+
+    async def _dispatch_stream(self, msg: Msg, req: InferRequest, body: bytes, info: RoutingInfo, t0: float) -> None:
+        await self._count(info.node_id, 1, 1)
+        pending = 1
+        started = False
+        try:
+            async for chunk in stream_sse(self.http, self._url(info, req), body, self._backend_headers(info)):  # type: ignore[arg-type]
+                if not started:
+                    started = True
+                    pending = 0
+                    await self._count(info.node_id, 0, -1)
+                    info.time_to_first_token = time.monotonic() - t0
+                    await self._publish(msg.reply, _encode(StreamStart(routing=info)),
+                                        {**self._routing_headers(info), subjects.H_STREAM: "start"})
+                if b'"usage"' in chunk:
+                    try:
+                        usage = _decode_any.decode(chunk).get("usage")
+                        if isinstance(usage, dict) and isinstance(usage.get("total_tokens"), int):
+                            info.total_tokens = usage["total_tokens"]
+                    except msgspec.DecodeError:
+                        pass
+                await self._publish(msg.reply, chunk, {subjects.H_STREAM: subjects.STREAM_CHUNK})
+            if not started:  # a stream with no chunk at all
+                info.time_to_first_token = time.monotonic() - t0
+                await self._publish(msg.reply, _encode(StreamStart(routing=info)),
+                                    {**self._routing_headers(info), subjects.H_STREAM: "start"})
+            await self._publish(msg.reply, _encode(StreamStart(routing=info)), {subjects.H_STREAM: subjects.STREAM_END})
+        except AttemptError as err:
+            if not started:
+                raise  # before the first token: re-dispatched invisibly by _route
+            raise BackendError(f"node {info.node_id} failed mid-stream: {err.failure.value} {err.detail}") from None
+        finally:
+            await self._count(info.node_id, -1, -pending)
+
+    # --- replies -------------------------------------------------------------------------------
+    @staticmethod
+    def _routing_headers(info: RoutingInfo) -> dict[str, str]:
+        return {
+            subjects.H_REQUEST_ID: info.request_id,
+            subjects.H_NODE_ID: info.node_id,
+            subjects.H_ACCELERATOR_TYPE: info.accelerator_type,
+            subjects.H_FAMILY: info.family,
+            subjects.H_POLICY: info.policy,
+            subjects.H_QUEUE_DEPTH: str(info.queue_depth_at_dispatch),
+            subjects.H_DECISION_ID: info.decision_id,
+        }
+
+    async def _publish(self, reply: str, data: bytes, headers: dict[str, str]) -> None:
+        if reply and self.nc is not None:
+            await self.nc.publish(reply, data, headers=headers)
+
+    async def _reply_error(self, msg: Msg, exc: ZMLError, stream: bool) -> None:
+        headers = {subjects.H_ERROR_CODE: exc.code}
+        if stream:
+            headers[subjects.H_STREAM] = subjects.STREAM_ERROR
+        try:
+            await self._publish(msg.reply, _encode(exc.to_body()), headers)
+        except Exception:  # connection closing: the requester times out on its side
+            log.warning("could not send error reply %s", exc.code)

@@ -1,0 +1,69 @@
+"""Other systems publish raw JSON to `zml.infer` with nats-py (docs/nats-api.md)."""
+
+from __future__ import annotations
+
+import json
+
+import nats
+import pytest
+
+from conftest import MODEL, Stack
+from zmlcore import subjects
+
+
+async def test_raw_json_request_reply(zml_stack: Stack) -> None:
+    nc = await nats.connect(zml_stack.nats_url)
+    try:
+        payload = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+        msg = await nc.request(subjects.INFER, json.dumps(payload).encode(), timeout=10)
+        assert not (msg.headers or {}).get(subjects.H_ERROR_CODE)
+        body = json.loads(msg.data)
+        assert body["choices"][0]["message"]["content"]
+        assert body["zml"]["node_id"] == msg.headers[subjects.H_NODE_ID]
+        assert msg.headers[subjects.H_DECISION_ID] == body["zml"]["decision_id"]
+    finally:
+        await nc.close()
+
+
+@pytest.mark.parametrize(
+    ("payload", "code"),
+    [
+        (b"not json at all", "BAD_REQUEST"),
+        (b'{"model": "x"}', "BAD_REQUEST"),
+        (b'{"model": "unknown-model", "prompt": "hi"}', "MODEL_NOT_LOADED"),
+    ],
+)
+async def test_raw_errors_carry_a_code_header_and_body(zml_stack: Stack, payload: bytes, code: str) -> None:
+    nc = await nats.connect(zml_stack.nats_url)
+    try:
+        msg = await nc.request(subjects.INFER, payload, timeout=10)
+        assert msg.headers[subjects.H_ERROR_CODE] == code
+        assert json.loads(msg.data)["error"]["code"] == code
+        ok = await nc.request(subjects.INFER, json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 1}).encode(), timeout=10)
+        assert subjects.H_ERROR_CODE not in (ok.headers or {})
+    finally:
+        await nc.close()
+
+
+async def test_raw_streaming_sequence(zml_stack: Stack) -> None:
+    nc = await nats.connect(zml_stack.nats_url)
+    try:
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        payload = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True}
+        await nc.publish(subjects.INFER, json.dumps(payload).encode(), reply=inbox)
+        kinds, texts = [], []
+        while True:
+            msg = await sub.next_msg(timeout=10)
+            kind = msg.headers[subjects.H_STREAM]
+            kinds.append(kind)
+            if kind == "chunk":
+                chunk = json.loads(msg.data)
+                texts.append(chunk["choices"][0]["delta"].get("content") or "")
+            if kind in ("end", "error"):
+                break
+        assert kinds[0] == "start" and kinds[-1] == "end"
+        assert kinds.count("chunk") >= 2
+        assert "".join(texts).strip()
+    finally:
+        await nc.close()
