@@ -1,0 +1,439 @@
+"""Routing-quality simulator: the reference fleet in virtual time, routed by the real choose_node.
+
+    python benches/routing_sim.py                      # defaults: 20k requests, 1 seed, 50/80/95/110%
+    python benches/routing_sim.py --requests 50000 --seeds 3 --loads 50,80,95,110 --plot docs/routing-sim.png
+
+Fleet (shared/reference/routing-frontier.md): 2xH100, 1xA100, 2xMI300X, 1xGaudi2, 1xInf2, each a
+zmlcore.sim.model.SimProfile (the live sim node's model; dynamics in benches/routing_simnode.py).
+Workload: lognormal prompts (median 500, sigma 1.0, [16, 8192]) and outputs (median 200,
+sigma 0.8, [1, 2048]); Poisson or 2-state MMPP arrivals (burst 3x base, on/off 10 s / 40 s).
+Every policy of one (workload, load, seed) sees the same trace. The ZML policies run through
+zmlcore.policy.choose_node over a FleetIndex of NodeViews fed like the router feeds them: a
+polled NodeState every 5 s (+/-20% jitter) plus router-local outstanding/pending counters.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import math
+import os
+import random
+import sys
+import time
+from collections import defaultdict
+from multiprocessing import Pool
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from routing_simnode import EPS, SimNode  # noqa: E402
+
+from zmlcore.config import PolicyConfig  # noqa: E402
+from zmlcore.messages import NodeState  # noqa: E402
+from zmlcore.policy import FleetIndex, NodeView, RouteRequest, RoutingState, builtin_policy, choose_node  # noqa: E402
+from zmlcore.policy.resolve import ResolvedPolicy  # noqa: E402
+from zmlcore.sim.model import SimProfile  # noqa: E402
+
+FLEET = [
+    ("h100-1", "nvidia_h100"), ("h100-2", "nvidia_h100"), ("a100-1", "nvidia_a100"),
+    ("mi300x-1", "amd_mi300x"), ("mi300x-2", "amd_mi300x"), ("gaudi2-1", "intel_gaudi2"),
+    ("inf2-1", "aws_inferentia2"),
+]
+MEAN_P, MEAN_O = 816.0, 274.0
+TARGET_S = 0.5
+MODEL = "m"
+
+
+def capacity_rps() -> float:
+    return sum(SimProfile.for_type(t).capacity_rps(MEAN_P, MEAN_O) for _, t in FLEET)
+
+
+def make_trace(n: int, lam: float, bursty: bool, seed: int) -> tuple[list[float], list[int], list[int]]:
+    rng = np.random.default_rng(seed)
+    P = np.clip(np.rint(rng.lognormal(math.log(500), 1.0, n)), 16, 8192).astype(int)
+    O = np.clip(np.rint(rng.lognormal(math.log(200), 0.8, n)), 1, 2048).astype(int)
+    if not bursty:
+        arr = np.cumsum(rng.exponential(1.0 / lam, n))
+    else:
+        base = lam / 1.4  # on 20% of the time at 3x: 0.2*3b + 0.8*b = 1.4b
+        out: list[float] = []
+        t = 0.0
+        on = rng.random() < 0.2
+        while len(out) < n:
+            dur = rng.exponential(10.0 if on else 40.0)
+            rate = base * (3.0 if on else 1.0)
+            k = rng.poisson(rate * dur)
+            out.extend(np.sort(t + rng.random(k) * dur).tolist())
+            t += dur
+            on = not on
+        arr = np.array(out[:n])
+    return arr.tolist(), P.tolist(), O.tolist()
+
+
+# --- policy specs -----------------------------------------------------------------------
+
+def _zml(pol: ResolvedPolicy, **kw: Any) -> dict[str, Any]:
+    spec = {"kind": "zml", "policy": pol, "replicas": 1, "share": True, "local": True, "pending": True, "poll": 5.0}
+    spec.update(kw)
+    return spec
+
+
+WEIGHTED = ResolvedPolicy(
+    "weighted", PolicyConfig(strategy="weighted", latency_weight=0.8, cost_weight=0.2, queue_threshold=32), ()
+)
+
+POLICIES: dict[str, dict[str, Any]] = {
+    "oracle": {"kind": "oracle"},
+    "round_robin": _zml(builtin_policy("round_robin")),
+    "least_busy": {"kind": "least_busy"},
+    "p2c": {"kind": "p2c"},
+    "latency": _zml(builtin_policy("latency")),
+    "cost": _zml(builtin_policy("cost")),
+    "availability": _zml(builtin_policy("availability")),
+    "balanced": _zml(builtin_policy("balanced")),
+    "weighted": _zml(WEIGHTED),
+    # staleness variants of the latency policy
+    "latency_fresh": _zml(builtin_policy("latency"), poll=0.0),
+    "latency_poll_only": _zml(builtin_policy("latency"), local=False),
+    "latency_poll_outstanding": _zml(builtin_policy("latency"), pending=False),
+    "latency_r4_shared": _zml(builtin_policy("latency"), replicas=4, share=True),
+    "latency_r4_noshare": _zml(builtin_policy("latency"), replicas=4, share=False),
+}
+DEFAULT_POLICIES = list(POLICIES)
+
+
+# --- one run ----------------------------------------------------------------------------
+
+PREFILL, DECODE, POLL = 0, 1, 2
+
+
+def _state(node: SimNode, now: float) -> NodeState:
+    return NodeState(
+        node_id=node.name, accelerator_type=node.prof.accelerator, family=_family(node), endpoint="sim://",
+        status="up", models=[MODEL], queue_running=node.admitted, queue_waiting=len(node.waitq),
+        max_concurrency=node.maxc, prefill_tps=node.pf, decode_tps=node.dec, cost_per_hour=node.cost,
+        health_score=100.0, updated_at=now,
+    )
+
+
+def _family(node: SimNode) -> str:
+    from zmlcore.accelerators import ACCELERATORS
+
+    return ACCELERATORS[node.prof.accelerator].family
+
+
+def run(policy: str, workload: str, load: float, seed: int, n: int, warm: int) -> dict[str, Any]:
+    spec = POLICIES[policy]
+    cap = capacity_rps()
+    arr, P, O = make_trace(n, load * cap, workload == "bursty", seed)
+    rnd = random.Random(seed * 7919 + 1)
+    nodes = [SimNode(i, name, SimProfile.for_type(t)) for i, (name, t) in enumerate(FLEET)]
+    ttft = [math.nan] * n
+    heap: list[tuple[float, int, int, int, int]] = []
+    seq = 0
+    tw, te = arr[warm], arr[-1]
+    kind = spec["kind"]
+
+    # router replicas (ZML policies)
+    R = spec.get("replicas", 1) if kind == "zml" else 0
+    reps: list[tuple[list[NodeView], FleetIndex, RoutingState]] = []
+    for _ in range(R):
+        views = [NodeView(_state(nd, 0.0)) for nd in nodes]
+        reps.append((views, FleetIndex(views), RoutingState()))
+    share = spec.get("share", True)
+    local = spec.get("local", True)
+    count_pending = spec.get("pending", True)
+    poll = spec.get("poll", 5.0)
+    fresh = kind == "zml" and poll == 0.0
+    rep_of = [0] * n
+    pred = [math.nan] * n  # the oracle's predicted TTFT, checked against the realised one
+    if kind == "zml" and not fresh:
+        for ri in range(R):
+            for nd in nodes:
+                seq += 1
+                heapq.heappush(heap, (rnd.uniform(0, poll), seq, POLL, ri, nd.idx))
+    pol: ResolvedPolicy | None = spec.get("policy")
+
+    def views_for(ri: int) -> list[list[NodeView]]:
+        return [v for v, _f, _s in reps] if share else [reps[ri][0]]
+
+    def push(t: float, k: int, a: int, b: int) -> None:
+        nonlocal seq
+        seq += 1
+        heapq.heappush(heap, (t, seq, k, a, b))
+
+    def add_busy(nd: SimNode, a: float, b: float) -> None:
+        lo, hi = max(a, tw), min(b, te)
+        if hi > lo:
+            nd.busy += hi - lo
+
+    def schedule_decode(nd: SimNode, now: float) -> None:
+        nd.ver += 1
+        if nd.decoding:
+            push(now + (nd.decoding[0][0] - nd.vt) * nd.step(len(nd.decoding)), DECODE, nd.idx, nd.ver)
+
+    def start_prefill(nd: SimNode, now: float) -> None:
+        nd.advance(now)
+        if nd.prefq:
+            r = nd.prefq.popleft()
+            nd.prefq_tok -= P[r]
+            nd.cur = r
+            nd.cur_end = now + P[r] / nd.pf
+            nd.ver += 1
+            push(nd.cur_end, PREFILL, nd.idx, 0)
+        else:
+            schedule_decode(nd, now)
+
+    def complete(nd: SimNode, r: int, now: float) -> None:
+        nd.admitted -= 1
+        nd.outstanding -= 1
+        if tw <= now <= te:
+            nd.done_in_window += 1
+            nd.tokens_in_window += O[r]
+        if nd.outstanding == 0:
+            add_busy(nd, nd.busy_since, now)
+        if nd.waitq:
+            r2 = nd.waitq.popleft()
+            nd.admitted += 1
+            nd.prefq.append(r2)
+            nd.prefq_tok += P[r2]
+        if R and local:
+            for views in views_for(rep_of[r]):
+                views[nd.idx].outstanding -= 1
+
+    def arrive(nd: SimNode, r: int, now: float) -> None:
+        nd.advance(now)
+        if nd.outstanding == 0:
+            nd.busy_since = now
+        nd.outstanding += 1
+        if nd.admitted < nd.maxc:
+            nd.admitted += 1
+            nd.prefq.append(r)
+            nd.prefq_tok += P[r]
+        else:
+            nd.waitq.append(r)
+        if nd.cur < 0:
+            start_prefill(nd, now)
+
+    done = 0
+    k = 0
+    while done < n:
+        next_arr = arr[k] if k < n else math.inf
+        if heap and heap[0][0] < next_arr:
+            now, _, ev, a, b = heapq.heappop(heap)
+            nd = nodes[a] if ev != POLL else nodes[b]
+            if ev == PREFILL:
+                r = nd.cur
+                nd.cur = -1
+                nd.last_t = now
+                ttft[r] = now - arr[r]
+                if R and local and count_pending:
+                    for views in views_for(rep_of[r]):
+                        views[nd.idx].pending -= 1
+                o = O[r] - 1
+                if o > 0:
+                    heapq.heappush(nd.decoding, (nd.vt + o, r))
+                else:
+                    complete(nd, r, now)
+                    done += 1
+                start_prefill(nd, now)
+            elif ev == DECODE:
+                if b != nd.ver:
+                    continue
+                nd.vt = nd.decoding[0][0]
+                nd.last_t = now
+                while nd.decoding and nd.decoding[0][0] <= nd.vt + EPS:
+                    _, r = heapq.heappop(nd.decoding)
+                    complete(nd, r, now)
+                    done += 1
+                start_prefill(nd, now)
+            else:  # POLL by replica a of node b
+                reps[a][0][b].state = _state(nd, now)
+                push(now + poll * rnd.uniform(0.8, 1.2), POLL, a, b)
+            continue
+        # arrival
+        r = k
+        k += 1
+        now = arr[r]
+        if kind == "zml":
+            ri = r % R
+            rep_of[r] = ri
+            views, fleet, rstate = reps[ri]
+            if fresh:
+                for nd in nodes:
+                    views[nd.idx].state = _state(nd, now)
+            assert pol is not None
+            d = choose_node(fleet, RouteRequest(model=MODEL, prompt_tokens=P[r]), pol, now, rstate)
+            nd = nodes[_index[d.node_id]]
+            if local:
+                for vs in views_for(ri):
+                    v = vs[nd.idx]
+                    v.outstanding += 1
+                    if count_pending:
+                        v.pending += 1
+        elif kind == "least_busy":
+            nd = min(nodes, key=lambda x: (x.outstanding, rnd.random()))
+        elif kind == "p2c":
+            a1, a2 = rnd.sample(nodes, 2)
+            nd = a1 if (a1.outstanding, rnd.random()) < (a2.outstanding, rnd.random()) else a2
+        else:  # oracle
+            nd, pred[r] = _oracle(nodes, now, P[r], P, O)
+        arrive(nd, r, now)
+
+    meas = np.array(ttft[warm:])
+    pred_err = float(np.nanmax(np.abs(np.array(pred) - np.array(ttft)))) if kind == "oracle" else 0.0
+    window = te - tw
+    served = sum(nd.done_in_window for nd in nodes) / window
+    tokens = sum(nd.tokens_in_window for nd in nodes)
+    dollars = sum(nd.busy / 3600.0 * nd.cost for nd in nodes)
+    util = [nd.done_in_window / window / nd.prof.capacity_rps(MEAN_P, MEAN_O) for nd in nodes]
+    return {
+        "policy": policy, "workload": workload, "load": load, "seed": seed,
+        "p50": float(np.percentile(meas, 50)), "p99": float(np.percentile(meas, 99)),
+        "share": float(np.mean(meas <= TARGET_S)), "thr": served / cap,
+        "cost": dollars / (tokens / 1e6), "imb": max(util) / (sum(util) / len(util)), "pred_err": pred_err,
+    }
+
+
+_index = {name: i for i, (name, _t) in enumerate(FLEET)}
+
+
+def _oracle(nodes: list[SimNode], now: float, p: int, P: list[int], O: list[int]) -> tuple[SimNode, float]:
+    best, best_t = nodes[0], math.inf
+    full = []
+    for nd in nodes:
+        if nd.admitted < nd.maxc:
+            t = nd.predict_ttft(now, p, P, O)
+            if t < best_t:
+                best, best_t = nd, t
+        else:
+            full.append(nd)
+    for nd in full:
+        lb = (nd.cur_end - now if nd.cur >= 0 else 0.0) + (nd.prefq_tok + p) / nd.pf
+        if lb < best_t:
+            t = nd.predict_ttft(now, p, P, O)
+            if t < best_t:
+                best, best_t = nd, t
+    return best, best_t
+
+
+# --- driver -----------------------------------------------------------------------------
+
+def _task(args: tuple[str, str, float, int, int, int]) -> dict[str, Any]:
+    return run(*args)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--requests", type=int, default=20_000)
+    ap.add_argument("--warmup", type=int, default=None, help="discarded first requests (default 10%%, max 5000)")
+    ap.add_argument("--seeds", type=int, default=1)
+    ap.add_argument("--loads", default="50,80,95,110")
+    ap.add_argument("--workloads", default="poisson,bursty")
+    ap.add_argument("--policies", default=",".join(DEFAULT_POLICIES))
+    ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--plot", default=None, help="write a PNG plot here (e.g. docs/routing-sim.png)")
+    args = ap.parse_args(argv)
+    n = args.requests
+    warm = args.warmup if args.warmup is not None else min(5000, n // 10)
+    loads = [float(x) / 100 for x in args.loads.split(",")]
+    pols = args.policies.split(",")
+    tasks = [
+        (p, w, ld, s, n, warm)
+        for w in args.workloads.split(",") for ld in loads for s in range(1, args.seeds + 1) for p in pols
+    ]
+    t0 = time.perf_counter()
+    with Pool(args.jobs) as pool:
+        results = pool.map(_task, tasks, chunksize=1)
+    elapsed = time.perf_counter() - t0
+    print(f"# routing_sim: {n} requests/run ({warm} warm-up), {args.seeds} seed(s), {len(tasks)} runs, "
+          f"{elapsed:.0f} s on {args.jobs} process(es); capacity {capacity_rps():.2f} req/s\n")
+    errs = [r["pred_err"] for r in results if r["policy"] == "oracle"]
+    if errs:
+        print(f"oracle: largest |predicted - realised TTFT| = {max(errs):.1e} s\n")
+    report(results, pols, loads, args.workloads.split(","))
+    if args.plot:
+        plot(results, pols, loads, args.workloads.split(","), args.plot)
+
+
+def report(results: list[dict[str, Any]], pols: list[str], loads: list[float], workloads: list[str]) -> None:
+    by = {(r["policy"], r["workload"], r["load"], r["seed"]): r for r in results}
+    seeds = sorted({r["seed"] for r in results})
+    for w in workloads:
+        print(f"\n### {w}: p99 TTFT (s) / x oracle p99 (same trace) / share <= 500 ms / p50 (s)\n")
+        print("| policy | " + " | ".join(f"{int(ld*100)}%" for ld in loads) + " |")
+        print("|---|" + "---|" * len(loads))
+        for p in pols:
+            cells = []
+            for ld in loads:
+                rs = [by[(p, w, ld, s)] for s in seeds if (p, w, ld, s) in by]
+                if not rs:
+                    cells.append("-")
+                    continue
+                ratio = [by[(p, w, ld, s)]["p99"] / by[("oracle", w, ld, s)]["p99"] for s in seeds
+                         if ("oracle", w, ld, s) in by]
+                rt = f" / {np.mean(ratio):.2f}x" if ratio else ""
+                cells.append(f"{_m(rs, 'p99'):.2f}{rt} / {100*_m(rs, 'share'):.1f}% / {_m(rs, 'p50'):.2f}")
+            print(f"| {p} | " + " | ".join(cells) + " |")
+        print(f"\n### {w}: throughput / capacity, $ per 1M output tokens (busy-time billing), imbalance (max/mean utilisation)\n")
+        print("| policy | " + " | ".join(f"{int(ld*100)}%" for ld in loads) + " |")
+        print("|---|" + "---|" * len(loads))
+        for p in pols:
+            cells = []
+            for ld in loads:
+                rs = [by[(p, w, ld, s)] for s in seeds if (p, w, ld, s) in by]
+                cells.append(f"{_m(rs, 'thr'):.3f} / ${_m(rs, 'cost'):.3f} / {_m(rs, 'imb'):.2f}" if rs else "-")
+            print(f"| {p} | " + " | ".join(cells) + " |")
+
+
+def _m(rs: list[dict[str, Any]], k: str) -> float:
+    return float(np.mean([r[k] for r in rs]))
+
+
+def plot(results: list[dict[str, Any]], pols: list[str], loads: list[float], workloads: list[str], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    agg: dict[tuple[str, str, float], list[float]] = defaultdict(list)
+    cost: dict[tuple[str, str, float], list[float]] = defaultdict(list)
+    for r in results:
+        agg[(r["policy"], r["workload"], r["load"])].append(r["p99"])
+        cost[(r["policy"], r["workload"], r["load"])].append(r["cost"])
+    fig, axes = plt.subplots(2, len(workloads), figsize=(6 * len(workloads), 9), squeeze=False)
+    x = [ld * 100 for ld in loads]
+    for j, w in enumerate(workloads):
+        ax = axes[0][j]
+        for p in pols:
+            ys = [np.mean(agg[(p, w, ld)]) if agg[(p, w, ld)] else np.nan for ld in loads]
+            ax.plot(x, ys, marker="o", label=p, lw=2.5 if p in ("oracle", "latency") else 1.2,
+                    ls="--" if p.startswith("latency_") else "-")
+        ax.set_yscale("log")
+        ax.set_title(f"{w}: p99 TTFT")
+        ax.set_xlabel("offered load (% of capacity)")
+        ax.set_ylabel("p99 TTFT (s)")
+        ax.axhline(TARGET_S, color="grey", lw=0.8, ls=":")
+        ax.grid(True, which="both", alpha=0.3)
+        ax = axes[1][j]
+        for p in pols:
+            if p in ("round_robin",) or p.startswith("latency_"):
+                continue
+            ys = [np.mean(cost[(p, w, ld)]) if cost[(p, w, ld)] else np.nan for ld in loads]
+            ax.plot(x, ys, marker="o", label=p)
+        ax.set_title(f"{w}: $ per 1M output tokens (busy-time billing)")
+        ax.set_xlabel("offered load (% of capacity)")
+        ax.grid(True, alpha=0.3)
+    axes[0][0].legend(fontsize=7, ncol=2)
+    axes[1][0].legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"\nplot: {path}")
+
+
+if __name__ == "__main__":
+    main()
