@@ -1,1 +1,81 @@
-"""zml"""
+"""ZML Python SDK: route LLM inference across accelerator fleets.
+
+Example::
+
+    import zml
+
+    client = zml.Client()   # endpoint: argument, ZML_ENDPOINT, zml.toml, or http://127.0.0.1:8080
+    result = client.infer("meta-llama/llama-3-8b-instruct", "Hello", max_tokens=32)
+    print(result.text, result.metadata.accelerator_id, result.routing.family)
+
+``zml.AsyncClient`` is the asyncio twin. Endpoints: ``http(s)://`` (the gateway) or
+``nats://`` (straight to the routers). Every failure is a :class:`zml.ZMLError` with a stable
+``code``.
+"""
+
+from zml._async_client import AsyncClient, AsyncStream
+from zml._client import Client, Stream
+from zml._errors import (
+    AuthError,
+    BackendError,
+    BadRequestError,
+    CancelledError,
+    ConfigError,
+    ConnectionError,
+    ModelNotLoadedError,
+    NoHealthyNodesError,
+    PolicyConfigError,
+    QueueFullError,
+    RateLimitError,
+    RoutingError,
+    TimeoutError,
+    ZMLError,
+)
+from zml._models import (
+    BatchResult,
+    Choice,
+    InferMeta,
+    InferResult,
+    Message,
+    Metrics,
+    Policy,
+    Routing,
+    StreamChunk,
+    Usage,
+)
+from zmlcore.messages import NodeState
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AsyncClient",
+    "AsyncStream",
+    "AuthError",
+    "BackendError",
+    "BadRequestError",
+    "BatchResult",
+    "CancelledError",
+    "Choice",
+    "Client",
+    "ConfigError",
+    "ConnectionError",
+    "InferMeta",
+    "InferResult",
+    "Message",
+    "Metrics",
+    "ModelNotLoadedError",
+    "NoHealthyNodesError",
+    "NodeState",
+    "Policy",
+    "PolicyConfigError",
+    "QueueFullError",
+    "RateLimitError",
+    "Routing",
+    "RoutingError",
+    "Stream",
+    "StreamChunk",
+    "TimeoutError",
+    "Usage",
+    "ZMLError",
+    "__version__",
+]

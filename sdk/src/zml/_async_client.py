@@ -1,0 +1,354 @@
+"""``zml.AsyncClient``: the asyncio twin of :class:`zml.Client`, same interface with ``await``.
+A thin shell over the sans-I/O core and an async transport (httpx.AsyncClient or nats-py)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import random
+import time
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterable, Mapping, Sequence
+from types import TracebackType
+from typing import Any, Literal, Protocol, overload
+
+from zml import _core
+from zml._batch import BatchItem, OnResult, run_async
+from zml._config import resolve
+from zml._errors import ZMLError
+from zml._models import BatchResult, InferMeta, InferResult, Metrics, Policy, Routing, StreamChunk, Usage
+from zml._ratelimit import RateLimiter
+from zml._transport_http import AsyncHTTPTransport
+from zml._transport_nats import AsyncNatsTransport
+from zmlcore.config import ZMLConfig
+from zmlcore.messages import NodeState
+
+__all__ = ["AsyncClient", "AsyncStream"]
+
+log = logging.getLogger("zml")
+
+PolicyArg = str | Policy | Mapping[str, Any] | None
+
+
+class _AsyncStream(Protocol):
+    headers: dict[str, str]
+
+    def events(self) -> AsyncIterator[_core.StreamEvent]: ...
+    async def aclose(self) -> None: ...
+
+
+class _AsyncTransport(Protocol):
+    async def infer(self, call: _core.InferCall) -> _core.RawReply: ...
+    async def open_stream(self, call: _core.InferCall) -> _AsyncStream: ...
+    async def nodes(self) -> _core.RawReply: ...
+    async def models(self) -> _core.RawReply: ...
+    async def aclose(self) -> None: ...
+
+
+class AsyncClient:
+    """Asynchronous ZML client; the same arguments and methods as :class:`zml.Client`.
+
+    Example::
+
+        async with zml.AsyncClient() as client:
+            r = await client.infer(model="meta-llama/llama-3-8b-instruct",
+                                   messages=[{"role": "user", "content": "Hi"}])
+            print(r.choices[0].message.content)
+
+            async for chunk in client.infer_stream(model="meta-llama/llama-3-8b-instruct", prompt="Hi"):
+                print(chunk.text, end="")
+
+    Cancelling a task awaiting ``infer()``, or closing a stream early, cancels the request on
+    the node.
+    """
+
+    def __init__(
+        self,
+        endpoint: str | None = None,
+        api_key: str | None = None,
+        timeout: float = 30,
+        max_connections: int = 10,
+        config_path: str | os.PathLike[str] | None = None,
+        *,
+        model: str | None = None,
+        max_retries: int = 3,
+        max_parallel_requests: int | None = None,
+        rpm: float | None = None,
+        tpm: float | None = None,
+        rpd: float | None = None,
+        tpd: float | None = None,
+        max_request_burst: float | None = None,
+        max_token_burst: float | None = None,
+        default_output_tokens: int = _core.DEFAULT_MAX_TOKENS,
+        default_request_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        settings = resolve(endpoint, api_key, config_path)
+        self.endpoint: str = settings.endpoint
+        self.api_key: str | None = settings.api_key
+        self.config: ZMLConfig | None = settings.config
+        self.timeout = float(timeout)
+        self.model = model
+        self.max_retries = max(0, int(max_retries))
+        self.max_parallel_requests = int(max_parallel_requests or max_connections)
+        self.default_output_tokens = int(default_output_tokens)
+        self.default_request_kwargs: dict[str, Any] = dict(default_request_kwargs or {})
+        self._limiter = RateLimiter(rpm=rpm, tpm=tpm, rpd=rpd, tpd=tpd, max_request_burst=max_request_burst,
+                                    max_token_burst=max_token_burst, now=time.monotonic())
+        pool = max(int(max_connections), self.max_parallel_requests)
+        self._transport: _AsyncTransport
+        if self.endpoint.startswith(("nats://", "tls://")):
+            self._transport = AsyncNatsTransport(self.endpoint, self.timeout)
+        else:
+            self._transport = AsyncHTTPTransport(self.endpoint, self.api_key, self.timeout, pool)
+
+    # ---------------------------------------------------------------- lifecycle
+    async def aclose(self) -> None:
+        """Release connections."""
+        await self._transport.aclose()
+
+    async def close(self) -> None:
+        """Alias of :meth:`aclose`."""
+        await self.aclose()
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        await self.aclose()
+
+    # ---------------------------------------------------------------- infer
+    def _build(self, model: str | None, kwargs: dict[str, Any], stream: bool) -> _core.InferCall:
+        extra = dict(kwargs.pop("extra", {}))
+        return _core.build_infer(
+            model=model or self.model, stream=stream, defaults=self.default_request_kwargs, extra=extra,
+            client_timeout_s=self.timeout, default_output_tokens=self.default_output_tokens, **kwargs,
+        )
+
+    async def _throttle(self, call: _core.InferCall) -> float:
+        if not self._limiter.enabled:
+            return 0.0
+        delay = self._limiter.reserve(call.est_tokens, time.monotonic())
+        if delay > 0:
+            await asyncio.sleep(delay)
+        return delay
+
+    def _after(self, call: _core.InferCall, headers: Mapping[str, str], total_tokens: int | None) -> None:
+        if not self._limiter.enabled:
+            return
+        now = time.monotonic()
+        self._limiter.sync(headers, now)
+        self._limiter.settle(call.est_tokens, total_tokens, now)
+
+    async def _backoff(self, exc: ZMLError, retries: int, call: _core.InferCall, explicit_id: bool) -> None:
+        delay = _core.retry_delay(exc, retries, self.max_retries, random.random())
+        if delay is None:
+            raise exc
+        log.info("zml: %s; retry %d/%d in %.2fs", exc, retries + 1, self.max_retries, delay)
+        await asyncio.sleep(delay)
+        if not explicit_id:
+            call.request_id = call.body["request_id"] = _core.new_request_id()
+
+    async def _infer_call(self, call: _core.InferCall, explicit_id: bool) -> InferResult:
+        started = time.monotonic()
+        retries, waited = 0, 0.0
+        while True:
+            waited += await self._throttle(call)
+            t0 = time.monotonic()
+            try:
+                raw = await self._transport.infer(call)
+                self._after(call, raw.headers, None)
+                result = _core.decode_reply(raw, call)
+            except ZMLError as exc:
+                await self._backoff(exc, retries, call, explicit_id)
+                retries += 1
+                continue
+            now = time.monotonic()
+            self._after(call, {}, result.usage.total_tokens or None)
+            result.metrics = Metrics(retries=retries, queue_wait_s=waited, service_s=now - t0, latency_s=now - started)
+            if result.metadata.time_to_first_token is None:
+                result.metadata.time_to_first_token = now - t0
+            return result
+
+    @overload
+    async def infer(
+        self, model: str | None = None, prompt: str | Sequence[str] | None = None, *,
+        messages: Sequence[Mapping[str, Any]] | None = None, max_tokens: int | None = None,
+        temperature: float | None = None, routing: str | None = None, policy: PolicyArg = None,
+        accelerator_id: str | None = None, stream: Literal[False] = False, response_format: Any = None,
+        **kwargs: Any,
+    ) -> InferResult: ...
+
+    @overload
+    async def infer(
+        self, model: str | None = None, prompt: str | Sequence[str] | None = None, *,
+        messages: Sequence[Mapping[str, Any]] | None = None, max_tokens: int | None = None,
+        temperature: float | None = None, routing: str | None = None, policy: PolicyArg = None,
+        accelerator_id: str | None = None, stream: Literal[True], response_format: Any = None,
+        **kwargs: Any,
+    ) -> AsyncStream: ...
+
+    async def infer(
+        self, model: str | None = None, prompt: str | Sequence[str] | None = None, *,
+        messages: Sequence[Mapping[str, Any]] | None = None, max_tokens: int | None = None,
+        temperature: float | None = None, routing: str | None = None, policy: PolicyArg = None,
+        accelerator_id: str | None = None, stream: bool = False, response_format: Any = None,
+        **kwargs: Any,
+    ) -> InferResult | AsyncStream:
+        """Run one inference request (see :meth:`zml.Client.infer`). With ``stream=True`` the
+        awaited value is an :class:`AsyncStream` (an async iterator of chunks)."""
+        fields = dict(prompt=prompt, messages=messages, max_tokens=max_tokens, temperature=temperature,
+                      routing=routing, policy=policy, accelerator_id=accelerator_id,
+                      response_format=response_format, extra=kwargs)
+        call = self._build(model, fields, stream)
+        explicit_id = "request_id" in kwargs or "request_id" in self.default_request_kwargs
+        if stream:
+            return AsyncStream(self, call, explicit_id)
+        return await self._infer_call(call, explicit_id)
+
+    def infer_stream(
+        self, model: str | None = None, prompt: str | Sequence[str] | None = None, *,
+        messages: Sequence[Mapping[str, Any]] | None = None, max_tokens: int | None = None,
+        temperature: float | None = None, routing: str | None = None, policy: PolicyArg = None,
+        accelerator_id: str | None = None, response_format: Any = None, **kwargs: Any,
+    ) -> AsyncStream:
+        """An async generator of token chunks (no ``await`` needed): ``async for c in ...``."""
+        fields = dict(prompt=prompt, messages=messages, max_tokens=max_tokens, temperature=temperature,
+                      routing=routing, policy=policy, accelerator_id=accelerator_id,
+                      response_format=response_format, extra=kwargs)
+        call = self._build(model, fields, True)
+        explicit_id = "request_id" in kwargs or "request_id" in self.default_request_kwargs
+        return AsyncStream(self, call, explicit_id)
+
+    # ---------------------------------------------------------------- batch
+    async def infer_batch(
+        self,
+        items: Iterable[BatchItem],
+        *,
+        on_result: OnResult | None = None,
+        max_parallel_requests: int | None = None,
+        **kwargs: Any,
+    ) -> BatchResult:
+        """Async twin of :meth:`zml.Client.infer_batch`."""
+        def one(item: dict[str, Any]) -> Awaitable[InferResult]:
+            merged = {**kwargs, **item}
+            merged.pop("stream", None)
+            return self.infer(**merged)
+
+        return await run_async(one, items, max_parallel_requests or self.max_parallel_requests, on_result)
+
+    # ---------------------------------------------------------------- fleet
+    async def _nodes_raw(self) -> list[dict[str, Any]]:
+        return _core.decode_nodes(await self._transport.nodes())
+
+    async def nodes(self) -> list[NodeState]:
+        """The fleet as the health service sees it."""
+        return _core.node_states(await self._nodes_raw())
+
+    async def models(self) -> list[str]:
+        """Model ids the fleet serves."""
+        return _core.decode_models(await self._transport.models())
+
+
+class AsyncStream:
+    """Async iterator (and async generator-like: ``aclose()``) of a streamed reply's chunks.
+
+    Leaving ``async with``, ``aclose()``, breaking out of ``async for`` or cancelling the
+    consuming task cancels the request on the node. After the end: ``text``, ``routing``,
+    ``metadata``, ``usage``, ``metrics``.
+    """
+
+    def __init__(self, client: AsyncClient, call: _core.InferCall, explicit_id: bool) -> None:
+        self._client = client
+        self._call = call
+        self._explicit_id = explicit_id
+        self._open: _AsyncStream | None = None
+        self._gen: AsyncGenerator[StreamChunk, None] | None = None
+        self.request_id = call.request_id
+        self.routing: Routing | None = None
+        self.usage = Usage()
+        self.metrics = Metrics()
+        self.finish_reason: str | None = None
+        self.done = False
+        self._parts: list[str] = []
+        self._ttft: float | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(self._parts)
+
+    @property
+    def metadata(self) -> InferMeta:
+        return _core.metadata_for(self.routing or Routing(), self.usage, self._ttft)
+
+    def __aiter__(self) -> AsyncIterator[StreamChunk]:
+        if self._gen is None:
+            self._gen = self._run()
+        return self._gen
+
+    async def __anext__(self) -> StreamChunk:
+        return await self.__aiter__().__anext__()
+
+    async def _run(self) -> AsyncGenerator[StreamChunk, None]:
+        client, call = self._client, self._call
+        started = time.monotonic()
+        retries, waited = 0, 0.0
+        try:
+            while True:
+                waited += await client._throttle(call)
+                t0 = time.monotonic()
+                yielded = False
+                try:
+                    self._open = await client._transport.open_stream(call)
+                    self.request_id = call.request_id
+                    async for ev in self._open.events():
+                        if ev.kind == "error":
+                            assert ev.error is not None
+                            raise ev.error
+                        if ev.routing is not None:
+                            self.routing = ev.routing
+                        if ev.usage is not None:
+                            self.usage = ev.usage
+                        if ev.kind == "end":
+                            self.done = True
+                            break
+                        if ev.kind == "chunk" and ev.chunk is not None:
+                            if ev.chunk.finish_reason:
+                                self.finish_reason = ev.chunk.finish_reason
+                            if not ev.chunk.text and not ev.chunk.finish_reason:
+                                continue
+                            if self._ttft is None:
+                                self._ttft = time.monotonic() - t0
+                            self._parts.append(ev.chunk.text)
+                            yielded = True
+                            yield ev.chunk
+                except ZMLError as exc:
+                    await self._close_open()
+                    if yielded:
+                        raise
+                    await client._backoff(exc, retries, call, self._explicit_id)
+                    retries += 1
+                    continue
+                now = time.monotonic()
+                self.metrics = Metrics(retries=retries, queue_wait_s=waited, service_s=now - t0,
+                                       latency_s=now - started)
+                client._after(call, self._open.headers if self._open else {}, self.usage.total_tokens or None)
+                return
+        finally:
+            await asyncio.shield(self._close_open())
+
+    async def _close_open(self) -> None:
+        if self._open is not None:
+            opened, self._open = self._open, None
+            await opened.aclose()  # after the end: releases the connection; before: cancels
+
+    async def aclose(self) -> None:
+        """Stop reading; a request still running is cancelled on the node."""
+        if self._gen is not None:
+            await self._gen.aclose()
+        await self._close_open()
+
+    async def __aenter__(self) -> AsyncStream:
+        return self
+
+    async def __aexit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        await self.aclose()

@@ -1,0 +1,259 @@
+"""Public data types of the SDK: policies, results, stream chunks, batch results.
+
+Plain dataclasses (no pydantic needed at import time). ``Policy`` validates at creation.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import InitVar, dataclass, field
+from typing import Any
+
+import msgspec
+
+from zmlcore.config import PolicyConfig, find_config, load_config, validate_policy
+from zmlcore.errors import ConfigError, PolicyConfigError
+from zmlcore.messages import InlinePolicy
+
+__all__ = [
+    "BatchResult",
+    "Choice",
+    "InferMeta",
+    "InferResult",
+    "Message",
+    "Metrics",
+    "Policy",
+    "Routing",
+    "StreamChunk",
+    "Usage",
+]
+
+log = logging.getLogger("zml")
+
+
+def _registered_families(config_path: str | os.PathLike[str] | None) -> list[str] | None:
+    """Families of the zml.toml given (or found from the working directory), if any."""
+    path = config_path if config_path is not None else find_config()
+    if path is None:
+        return None
+    try:
+        cfg = load_config(path, env={})
+    except ConfigError as exc:
+        if config_path is not None:
+            raise
+        log.debug("zml: ignoring %s for policy validation: %s", path, exc)
+        return None
+    return cfg.families() or None
+
+
+@dataclass(frozen=True, kw_only=False)
+class Policy:
+    """A routing policy passed per call, validated when created.
+
+    Example::
+
+        policy = zml.Policy(
+            name="llama3-production",
+            accelerator_chain=["H100", "MI300X"],
+            latency_target_ms=500,
+            cost_priority="balanced",
+        )
+        client.infer(model=..., messages=[...], policy=policy)
+
+    Values are checked at once (known ``strategy``/``cost_priority``, non-negative weights,
+    consistent options) and, when a zml.toml is known (``config_path``, or found in the working
+    directory or a parent) or ``families`` is given, every family of the chain must be
+    registered. Any problem raises :class:`zml.PolicyConfigError`.
+    """
+
+    name: str
+    accelerator_chain: Sequence[str] | None = None
+    latency_target_ms: float | None = None
+    cost_priority: str | None = None
+    strategy: str | None = None
+    accelerator_preference: Sequence[dict[str, Any]] | None = None
+    latency_weight: float | None = None
+    cost_weight: float | None = None
+    queue_threshold: int | None = None
+    queue_on_saturation: bool | None = None
+    max_queue_ms: int | None = None
+    families: InitVar[Sequence[str] | None] = None
+    config_path: InitVar[str | os.PathLike[str] | None] = None
+
+    def __post_init__(
+        self, families: Sequence[str] | None, config_path: str | os.PathLike[str] | None
+    ) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise PolicyConfigError("policy name must be a non-empty string")
+        if isinstance(self.accelerator_chain, str):
+            raise PolicyConfigError(f"policy {self.name!r}: accelerator_chain must be a list of families")
+        data = {k: v for k, v in self._fields().items() if k != "name" and v is not None}
+        try:
+            cfg = msgspec.convert(data, PolicyConfig)
+        except msgspec.ValidationError as exc:
+            raise PolicyConfigError(f"policy {self.name!r}: {exc}") from exc
+        known = list(families) if families is not None else _registered_families(config_path)
+        # Without a known fleet only the values are checked: the chain checks itself.
+        validate_policy(self.name, cfg, known if known is not None else cfg.chain(), f"policy {self.name!r}")
+
+    def _fields(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "strategy": self.strategy,
+            "accelerator_chain": list(self.accelerator_chain) if self.accelerator_chain is not None else None,
+            "accelerator_preference": (
+                [dict(e) for e in self.accelerator_preference] if self.accelerator_preference is not None else None
+            ),
+            "latency_target_ms": self.latency_target_ms,
+            "cost_priority": self.cost_priority,
+            "latency_weight": self.latency_weight,
+            "cost_weight": self.cost_weight,
+            "queue_threshold": self.queue_threshold,
+            "queue_on_saturation": self.queue_on_saturation,
+            "max_queue_ms": self.max_queue_ms,
+        }
+
+    def to_wire(self) -> InlinePolicy:
+        """The ``policy`` object sent with a request (``zmlcore.messages.InlinePolicy``)."""
+        return msgspec.convert({k: v for k, v in self._fields().items() if v is not None}, InlinePolicy)
+
+
+@dataclass(slots=True)
+class Message:
+    """An OpenAI chat message of a reply."""
+
+    role: str = "assistant"
+    content: str | None = None
+
+
+@dataclass(slots=True)
+class Choice:
+    """One OpenAI choice. ``message.content`` and ``text`` hold the same output."""
+
+    index: int = 0
+    message: Message = field(default_factory=Message)
+    text: str = ""
+    finish_reason: str | None = None
+
+
+@dataclass(slots=True)
+class Usage:
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+
+@dataclass(slots=True)
+class Routing:
+    """Where and how a request was routed (``result.routing``)."""
+
+    node_id: str = ""
+    accelerator_type: str = ""
+    family: str = ""
+    policy: str = ""
+    queue_depth_at_dispatch: int = 0
+    decision_id: str = ""
+    request_id: str = ""
+    attempts: int = 1
+    time_to_first_token: float | None = None
+    total_tokens: int | None = None
+
+    @property
+    def queue_depth(self) -> int:
+        """Alias of ``queue_depth_at_dispatch``."""
+        return self.queue_depth_at_dispatch
+
+
+@dataclass(slots=True)
+class InferMeta:
+    """``result.metadata``: the API reference's InferMeta fields."""
+
+    accelerator_id: str = ""
+    routing_policy: str = ""
+    time_to_first_token: float | None = None
+    queue_depth_at_dispatch: int = 0
+    total_tokens: int = 0
+
+
+@dataclass(slots=True)
+class Metrics:
+    """Client-side measurements of one call (``result.metrics``).
+
+    ``retries``: attempts after the first; ``queue_wait_s``: time spent waiting for the client's
+    rate limiter or batch slot; ``service_s``: time of the successful attempt; ``latency_s``:
+    from the call to the reply, everything included.
+    """
+
+    retries: int = 0
+    queue_wait_s: float = 0.0
+    service_s: float = 0.0
+    latency_s: float = 0.0
+
+
+@dataclass(slots=True)
+class InferResult:
+    """The reply of ``infer()``: text, OpenAI-style choices, routing and metrics.
+
+    Example::
+
+        r = client.infer(model="meta-llama/llama-3-8b-instruct", prompt="Hi", max_tokens=16)
+        print(r.text, r.metadata.accelerator_id, r.routing.family, r.metrics.retries)
+    """
+
+    text: str
+    choices: list[Choice]
+    routing: Routing
+    metadata: InferMeta
+    usage: Usage = field(default_factory=Usage)
+    metrics: Metrics = field(default_factory=Metrics)
+    id: str = ""
+    model: str = ""
+    #: The parsed output when ``response_format`` was given (None if parsing failed).
+    output_parsed: Any = None
+    #: The reply JSON as received.
+    raw: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def output_text(self) -> str:
+        """Alias of ``text``."""
+        return self.text
+
+
+@dataclass(slots=True)
+class StreamChunk:
+    """One streamed piece of output (``delta`` text of an OpenAI chunk)."""
+
+    text: str
+    index: int = 0
+    finish_reason: str | None = None
+    raw: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class BatchResult:
+    """Results of ``infer_batch`` in input order: ``results[i]`` or ``errors[i]`` is set.
+
+    Iterating yields the results (None where the item failed).
+    """
+
+    results: list[InferResult | None]
+    errors: list[BaseException | None]
+
+    def __len__(self) -> int:
+        return len(self.results)
+
+    def __iter__(self) -> Iterator[InferResult | None]:
+        return iter(self.results)
+
+    def __getitem__(self, index: int) -> InferResult | None:
+        return self.results[index]
+
+    @property
+    def succeeded(self) -> int:
+        return sum(r is not None for r in self.results)
+
+    @property
+    def failed(self) -> int:
+        return sum(e is not None for e in self.errors)

@@ -1,0 +1,244 @@
+"""NATS transports: straight to the routers by request-reply on ``zml.infer`` (no gateway).
+
+:class:`AsyncNatsTransport` is the real one. :class:`SyncNatsTransport` is the one bridge of
+the SDK: nats-py is asyncio-only, so the sync client runs the async transport on a private
+event-loop thread. Cancelling (closing a stream, a timeout, Ctrl-C) publishes on
+``zml.cancel.<request_id>`` so the router aborts the call on the node. nats exceptions become
+ZML errors here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import AsyncIterator, Coroutine, Iterator
+from typing import Any, TypeVar
+
+import nats
+import nats.errors
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from zml._core import (
+    InferCall,
+    RawReply,
+    StreamEvent,
+    decode_nats_stream,
+    lower_headers,
+    nats_status,
+    no_router_error,
+    timeout_error,
+)
+from zml._errors import ConnectionError, ZMLError
+from zmlcore import subjects
+
+__all__ = ["AsyncNatsStream", "AsyncNatsTransport", "SyncNatsStream", "SyncNatsTransport"]
+
+T = TypeVar("T")
+
+
+def _reply(msg: Msg) -> RawReply:
+    headers = lower_headers(msg.headers)
+    return RawReply(status=nats_status(headers), headers=headers, body=msg.data)
+
+
+class AsyncNatsTransport:
+    def __init__(self, url: str, timeout: float, connect_timeout: float = 2.0) -> None:
+        self.url = url
+        self.timeout = timeout
+        self.connect_timeout = connect_timeout
+        self._nc: NATS | None = None
+        self._lock: asyncio.Lock | None = None
+
+    async def _conn(self) -> NATS:
+        if self._nc is not None and self._nc.is_connected:
+            return self._nc
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            if self._nc is not None and self._nc.is_connected:
+                return self._nc
+
+            async def _quiet(_: Exception) -> None:  # nats-py logs every error otherwise
+                return None
+
+            try:
+                self._nc = await nats.connect(
+                    servers=[self.url],
+                    connect_timeout=self.connect_timeout,
+                    max_reconnect_attempts=3,
+                    reconnect_time_wait=0.2,
+                    allow_reconnect=True,
+                    error_cb=_quiet,
+                    name="zml-sdk",
+                )
+            except (nats.errors.Error, OSError, asyncio.TimeoutError) as exc:
+                raise ConnectionError(
+                    f"cannot connect to NATS at {self.url} ({type(exc).__name__}: {exc}). "
+                    "Is `zml up` running? Check --endpoint / ZML_ENDPOINT."
+                ) from exc
+            return self._nc
+
+    async def request(self, subject: str, body: bytes, headers: dict[str, str] | None, timeout_s: float) -> RawReply:
+        nc = await self._conn()
+        try:
+            msg = await nc.request(subject, body, timeout=timeout_s, headers=headers)
+        except nats.errors.NoRespondersError as exc:
+            raise no_router_error() from exc
+        except nats.errors.TimeoutError as exc:
+            raise timeout_error(timeout_s, (headers or {}).get(subjects.H_REQUEST_ID, "-")) from exc
+        except (nats.errors.ConnectionClosedError, nats.errors.StaleConnectionError, OSError) as exc:
+            raise ConnectionError(f"NATS connection to {self.url} lost: {exc}") from exc
+        return _reply(msg)
+
+    async def cancel(self, request_id: str) -> None:
+        with contextlib.suppress(Exception):
+            nc = await self._conn()
+            await nc.publish(subjects.cancel(request_id), b"")
+            await nc.flush(timeout=1)
+
+    async def infer(self, call: InferCall) -> RawReply:
+        try:
+            return await self.request(subjects.INFER, call.encode(), call.nats_headers(), call.timeout_s)
+        except asyncio.CancelledError:
+            await asyncio.shield(self.cancel(call.request_id))
+            raise
+        except ZMLError as exc:
+            if exc.code == "TIMEOUT":
+                await self.cancel(call.request_id)
+            raise
+
+    async def nodes(self) -> RawReply:
+        return await self.request(subjects.admin_nodes("list"), b"", None, self.timeout)
+
+    async def models(self) -> RawReply:
+        nodes = await self.nodes()
+        return nodes  # the CLI derives models from the node list over NATS
+
+    async def open_stream(self, call: InferCall) -> AsyncNatsStream:
+        nc = await self._conn()
+        inbox = nc.new_inbox()
+        try:
+            sub = await nc.subscribe(inbox)
+            await nc.publish(subjects.INFER, call.encode(), reply=inbox, headers=call.nats_headers())
+        except (nats.errors.Error, OSError) as exc:
+            raise ConnectionError(f"NATS connection to {self.url} lost: {exc}") from exc
+        return AsyncNatsStream(self, sub, call)
+
+    async def aclose(self) -> None:
+        if self._nc is not None:
+            with contextlib.suppress(Exception):
+                await self._nc.drain()
+            self._nc = None
+
+
+class AsyncNatsStream:
+    """Stream events of one streamed reply; ``aclose()`` before the end cancels the request."""
+
+    def __init__(self, transport: AsyncNatsTransport, sub: Any, call: InferCall) -> None:
+        self._t = transport
+        self._sub = sub
+        self._call = call
+        self._finished = False
+        self.headers: dict[str, str] = {}
+
+    async def events(self) -> AsyncIterator[StreamEvent]:
+        while True:
+            try:
+                msg = await self._sub.next_msg(timeout=self._call.timeout_s)
+            except nats.errors.TimeoutError:
+                yield StreamEvent("error", error=timeout_error(self._call.timeout_s, self._call.request_id))
+                return
+            except (nats.errors.ConnectionClosedError, OSError) as exc:
+                raise ConnectionError(f"NATS connection to {self._t.url} lost: {exc}") from exc
+            headers = lower_headers(msg.headers)
+            if headers.get("status") == "503":
+                self._finished = True
+                yield StreamEvent("error", error=no_router_error())
+                return
+            ev = decode_nats_stream(headers, msg.data)
+            if ev.kind in ("end", "error"):
+                self._finished = True
+            yield ev
+            if self._finished:
+                return
+
+    async def aclose(self) -> None:
+        if not self._finished:
+            self._finished = True
+            await self._t.cancel(self._call.request_id)
+        with contextlib.suppress(Exception):
+            await self._sub.unsubscribe()
+
+
+class SyncNatsTransport:
+    """The async transport driven from a private event-loop thread (the SDK's only bridge)."""
+
+    def __init__(self, url: str, timeout: float, connect_timeout: float = 2.0) -> None:
+        self.url = url
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="zml-nats", daemon=True)
+        self._thread.start()
+        self._async = AsyncNatsTransport(url, timeout, connect_timeout)
+
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return fut.result()
+        except BaseException:
+            # KeyboardInterrupt or similar in the caller: cancel the coroutine (and the request).
+            if not fut.done():
+                fut.cancel()
+                with contextlib.suppress(BaseException):
+                    fut.exception(timeout=2)
+            raise
+
+    def infer(self, call: InferCall) -> RawReply:
+        return self._run(self._async.infer(call))
+
+    def nodes(self) -> RawReply:
+        return self._run(self._async.nodes())
+
+    def models(self) -> RawReply:
+        return self._run(self._async.models())
+
+    def open_stream(self, call: InferCall) -> SyncNatsStream:
+        return SyncNatsStream(self, self._run(self._async.open_stream(call)))
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        with contextlib.suppress(Exception):
+            self._run(self._async.aclose())
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=5)
+        self._loop.close()
+
+
+class SyncNatsStream:
+    def __init__(self, bridge: SyncNatsTransport, stream: AsyncNatsStream) -> None:
+        self._bridge = bridge
+        self._stream = stream
+        self._events = stream.events()
+        self.headers: dict[str, str] = {}
+
+    def __iter__(self) -> Iterator[StreamEvent]:
+        while True:
+            try:
+                ev = self._bridge._run(self._next())
+            except StopAsyncIteration:
+                return
+            yield ev
+
+    async def _next(self) -> StreamEvent:
+        return await self._events.__anext__()
+
+    def close(self) -> None:
+        async def _close() -> None:
+            with contextlib.suppress(Exception):
+                await self._events.aclose()  # type: ignore[attr-defined]
+            await self._stream.aclose()
+
+        if not self._bridge._loop.is_closed():
+            self._bridge._run(_close())
