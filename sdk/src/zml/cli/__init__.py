@@ -20,6 +20,14 @@ _COMMANDS = (
 )
 
 
+_PASSTHROUGH = {
+    "sim": "zmlcore.sim.cli",
+    "gateway": "zml_gateway.__main__",
+    "router": "zml_router.__main__",
+    "health": "zml_health.__main__",
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="zml", description="ZML: route LLM inference across accelerator fleets.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
@@ -36,11 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
-    # `zml sim ...` hands its arguments to the simulator's own parser untouched.
-    if args_list[:1] == ["sim"]:
-        from zmlcore.sim.cli import main as sim_main
-
-        return sim_main(args_list[1:])
+    # Commands that run a service hand their arguments to its own parser untouched.
+    if args_list and args_list[0] in _PASSTHROUGH:
+        module = importlib.import_module(_PASSTHROUGH[args_list[0]])
+        return int(module.main(args_list[1:]) or 0)
     parser = build_parser()
     args = parser.parse_args(args_list)
     from zmlcore.errors import ZMLError

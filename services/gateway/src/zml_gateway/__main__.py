@@ -24,13 +24,17 @@ def port_free(host: str, port: int) -> bool:
     return True
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="zml gateway", description="ZML HTTP gateway (OpenAI-compatible)")
     p.add_argument("--config", help="path to zml.toml")
     p.add_argument("--nats-url", help="NATS URL (overrides zml.toml and ZML_NATS_URL)")
     p.add_argument("--host", help="bind address (default from zml.toml, 127.0.0.1)")
     p.add_argument("--port", type=int, help="HTTP port (default from zml.toml, 8080)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     setup_logging("gateway")
     try:
         cfg = load_config(args.config)

@@ -12,11 +12,15 @@ from zmlcore.runner import install_uvloop, run_service
 from zmlcore.telemetry import setup_logging, setup_tracing
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="zml health", description="ZML health service: polls nodes, streams their state")
     p.add_argument("--config", help="path to zml.toml")
     p.add_argument("--nats-url", help="NATS URL (overrides zml.toml and ZML_NATS_URL)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     setup_logging("health")
     try:
         cfg = load_config(args.config)
