@@ -1,0 +1,106 @@
+"""The TTFT estimate, NodeView counters and FleetIndex upkeep."""
+
+from __future__ import annotations
+
+import pytest
+from _policy_helpers import NOW, node
+
+from zmlcore.policy import FleetIndex, RouteRequest, RoutingState, builtin_policy, choose_node, estimate_ttft
+from zmlcore.policy.estimate import MEAN_OUTPUT_TOKENS, MEAN_PROMPT_TOKENS, Coeffs
+from zmlcore.sim.model import SimProfile
+
+LAT = builtin_policy("latency")
+
+
+def test_estimate_matches_reference_formula():
+    prof = SimProfile.for_type("amd_mi300x")
+    st = node("m", "amd_mi300x", running=0).state
+    pend, out, P = 3, 40, 700
+    c = prof.max_concurrency
+    expect = (pend * MEAN_PROMPT_TOKENS + P) / prof.prefill_tps + max(0, out + 1 - c) * (MEAN_OUTPUT_TOKENS - 1) / (c * prof.decode_rate(c))
+    assert estimate_ttft(st, out, pend, P) == pytest.approx(expect)
+
+
+def test_capacity_matches_sim_profile():
+    for t in ("nvidia_h100", "nvidia_a100", "amd_mi300x", "intel_gaudi2", "aws_inferentia2"):
+        p = SimProfile.for_type(t)
+        c = Coeffs(p.prefill_tps, p.decode_tps, p.max_concurrency, p.cost_per_hour)
+        assert c.mu == pytest.approx(p.capacity_rps(MEAN_PROMPT_TOKENS, MEAN_OUTPUT_TOKENS))
+
+
+def test_effective_counts_combine_poll_and_local():
+    v = node("n", running=10, waiting=2)  # the poll saw 12, 2 waiting; we had sent none
+    assert v.effective_outstanding() == 12 and v.effective_pending() == 2
+    v.outstanding += 3
+    v.pending += 3
+    assert v.effective_outstanding() == 15 and v.effective_pending() == 5
+    st = v.state
+    v.state = st  # a new poll that counts our 3: nothing external beyond them
+    assert v.out_at_poll == 3
+    assert v.effective_outstanding() == 3 + (12 - 3)
+
+
+def test_index_follows_counter_changes():
+    views = [node("a"), node("b")]
+    fleet = FleetIndex(views)
+    s = RoutingState()
+    first = choose_node(fleet, RouteRequest(model="m"), LAT, NOW, s).node_id
+    fleet.get(first).pending += 1
+    fleet.get(first).outstanding += 1
+    second = choose_node(fleet, RouteRequest(model="m"), LAT, NOW, s).node_id
+    assert {first, second} == {"a", "b"}
+
+
+def test_index_cooldown_blocks_then_releases():
+    views = [node("a"), node("b", pending=2, outstanding=2)]
+    fleet = FleetIndex(views)
+    views[0].cooldown_until = NOW + 30
+    assert choose_node(fleet, RouteRequest(model="m"), LAT, NOW, RoutingState()).node_id == "b"
+    assert choose_node(fleet, RouteRequest(model="m"), LAT, NOW + 31, RoutingState(), stale_after_s=60).node_id == "a"
+
+
+def test_index_stale_until_new_state():
+    views = [node("a"), node("b", pending=2, outstanding=2, updated_at=NOW + 100)]
+    fleet = FleetIndex(views)
+    later = NOW + 20
+    assert choose_node(fleet, RouteRequest(model="m"), LAT, later, RoutingState()).node_id == "b"
+    st = views[0].state
+    views[0].state = type(st)(**{**{f: getattr(st, f) for f in st.__struct_fields__}, "updated_at": later})
+    assert choose_node(fleet, RouteRequest(model="m"), LAT, later, RoutingState()).node_id == "a"
+
+
+def test_index_reindexes_when_models_change():
+    views = [node("a", models=("x",)), node("b")]
+    fleet = FleetIndex(views)
+    assert choose_node(fleet, RouteRequest(model="m"), LAT, NOW, RoutingState()).node_id == "b"
+    views[1].pending = 5
+    views[1].outstanding = 5
+    st = views[0].state
+    views[0].state = type(st)(**{**{f: getattr(st, f) for f in st.__struct_fields__}, "models": ["x", "m"]})
+    assert choose_node(fleet, RouteRequest(model="m"), LAT, NOW, RoutingState()).node_id == "a"
+
+
+def test_index_status_change_without_reindex():
+    views = [node("a"), node("b", pending=5, outstanding=5)]
+    fleet = FleetIndex(views)
+    assert choose_node(fleet, RouteRequest(model="m"), LAT, NOW, RoutingState()).node_id == "a"
+    st = views[0].state
+    views[0].state = type(st)(**{**{f: getattr(st, f) for f in st.__struct_fields__}, "status": "down"})
+    assert choose_node(fleet, RouteRequest(model="m"), LAT, NOW, RoutingState()).node_id == "b"
+
+
+def test_index_is_a_sequence_and_close_unhooks():
+    views = [node("a"), node("b")]
+    fleet = FleetIndex(views)
+    assert len(fleet) == 2 and fleet[0] is views[0] and list(fleet) == views and fleet.get("zz") is None
+    fleet.close()
+    assert views[0]._watchers == []
+
+
+def test_measured_speeds_within_bucket_share_a_class():
+    a, b = node("a"), node("b")
+    for v, pf in ((a, 10_000.0), (b, 10_050.0)):
+        st = v.state
+        v.state = type(st)(**{**{f: getattr(st, f) for f in st.__struct_fields__}, "prefill_tps": pf})
+    fleet = FleetIndex([a, b])
+    assert len(fleet.table("m").by_family["h100"]) == 1
