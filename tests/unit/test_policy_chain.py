@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from _policy_helpers import NOW, fleet5, node
+from test_policy_helpers import NOW, fleet5, node
 
 from zmlcore.config import PolicyConfig, PreferenceEntry
 from zmlcore.policy import RouteRequest, RoutingState, builtin_policy, choose_node

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from _policy_helpers import NOW, node
+from test_policy_helpers import NOW, node
 
 from zmlcore.config import PolicyConfig
 from zmlcore.errors import ModelNotLoadedError, NoHealthyNodesError, QueueFullError, RoutingError

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from _policy_helpers import NOW, node
+from test_policy_helpers import NOW, node
 
 from zmlcore.policy import FleetIndex, RouteRequest, RoutingState, builtin_policy, choose_node, estimate_ttft
 from zmlcore.policy.estimate import MEAN_OUTPUT_TOKENS, MEAN_PROMPT_TOKENS, Coeffs

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from _policy_helpers import NOW, fleet5, node
+from test_policy_helpers import NOW, fleet5, node
 
 from zmlcore.config import PolicyConfig
 from zmlcore.policy import FleetIndex, RouteRequest, RoutingState, builtin_policy, choose_node

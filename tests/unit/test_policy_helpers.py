@@ -1,4 +1,4 @@
-"""Builders shared by the test_policy_* modules."""
+"""Builders shared by the test_policy_* modules (and a check of them)."""
 
 from __future__ import annotations
 
@@ -44,3 +44,8 @@ def fleet5() -> list[NodeView]:
         node("h100", "nvidia_h100"), node("a100", "nvidia_a100"), node("mi300x", "amd_mi300x"),
         node("gaudi2", "intel_gaudi2"), node("inf2", "aws_inferentia2"),
     ]
+
+
+def test_fleet5_is_one_idle_node_per_family():
+    assert [v.state.family for v in fleet5()] == ["H100", "A100", "MI300X", "Gaudi2", "Inferentia2"]
+    assert all(v.effective_outstanding() == 0 for v in fleet5())
