@@ -1,0 +1,205 @@
+"""`zml batch`: a JSONL file of prompts in, a JSONL file of results out, resumable.
+
+Each result row is written and flushed as it completes, so an interrupted run (Ctrl-C, a
+crash, ``kill -9``) loses only the requests in flight. ``--resume`` keeps the rows already
+done (dropping failed rows, duplicates and a torn last line), then runs only what is missing:
+every input line ends up in the output exactly once.
+
+Input lines: a JSON object with ``prompt`` or ``messages`` (plus optional ``id``, ``model``,
+``max_tokens``... any ``infer()`` argument), a JSON string, or plain text (a prompt).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+import time
+from typing import IO, Any
+
+from zml._client import Client
+from zml._errors import BadRequestError
+from zml._models import InferResult
+from zml.cli._common import add_client_args, add_request_args, client_kwargs, request_kwargs
+
+_ITEM_KEYS = {"prompt", "messages", "model", "max_tokens", "temperature", "policy", "routing", "accelerator_id",
+              "response_format", "top_p", "stop", "seed", "timeout", "request_id", "max_completion_tokens"}
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("batch", help="run a JSONL file of prompts (resumable)", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--input", required=True, help="prompts.jsonl")
+    p.add_argument("--output", required=True, help="results.jsonl (one row per input line, any order)")
+    p.add_argument("--resume", action="store_true", help="keep the rows already in --output, run the rest")
+    p.add_argument("--max-parallel-requests", "-c", type=int, default=8, help="requests in flight (default 8)")
+    p.add_argument("--chat", action="store_true", help="send plain prompts as chat messages")
+    lim = p.add_argument_group("client-side rate limits")
+    lim.add_argument("--rpm", type=float, help="requests per minute")
+    lim.add_argument("--tpm", type=float, help="tokens per minute")
+    lim.add_argument("--rpd", type=float, help="requests per day")
+    lim.add_argument("--tpd", type=float, help="tokens per day")
+    lim.add_argument("--max-request-burst", type=float, help="requests allowed at once above the rate")
+    lim.add_argument("--max-token-burst", type=float, help="tokens allowed at once above the rate")
+    add_request_args(p, model_required=False)
+    add_client_args(p)
+    p.set_defaults(func=run)
+
+
+def read_items(path: str, chat: bool) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = []
+    with open(path, encoding="utf-8") as fh:
+        for lineno, line in enumerate(fh, 1):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                value: Any = json.loads(line)
+            except ValueError:
+                value = line
+            if isinstance(value, str):
+                value = {"messages": [{"role": "user", "content": value}]} if chat else {"prompt": value}
+            if not isinstance(value, dict) or ("prompt" not in value and "messages" not in value):
+                raise BadRequestError(f"{path}:{lineno}: expected a prompt string or an object with prompt/messages")
+            items.append(value)
+    return items
+
+
+def load_done(path: str) -> dict[int, str]:
+    """Rows of a previous run that succeeded, by index (first wins); torn lines are dropped."""
+    done: dict[int, str] = {}
+    if not os.path.exists(path):
+        return done
+    with open(path, encoding="utf-8", errors="replace") as fh:
+        for line in fh:
+            if not line.endswith("\n"):
+                continue  # torn write of a killed run
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(row, dict) and isinstance(row.get("index"), int) and "error" not in row:
+                done.setdefault(row["index"], line)
+    return done
+
+
+def rewrite(path: str, lines: list[str]) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.writelines(lines)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def result_row(index: int, item: dict[str, Any], result: InferResult | None, error: BaseException | None) -> dict[str, Any]:
+    row: dict[str, Any] = {"index": index}
+    if "id" in item:
+        row["id"] = item["id"]
+    if error is not None:
+        row["error"] = str(error)
+        row["code"] = getattr(error, "code", type(error).__name__)
+        return row
+    assert result is not None
+    row["output_text"] = result.text
+    if result.output_parsed is not None:
+        parsed = result.output_parsed
+        row["output_parsed"] = parsed.model_dump() if hasattr(parsed, "model_dump") else parsed
+    r = result.routing
+    row["routing"] = {"node_id": r.node_id, "accelerator_type": r.accelerator_type, "family": r.family,
+                      "policy": r.policy, "queue_depth_at_dispatch": r.queue_depth_at_dispatch,
+                      "decision_id": r.decision_id}
+    row["usage"] = {"prompt_tokens": result.usage.prompt_tokens, "completion_tokens": result.usage.completion_tokens,
+                    "total_tokens": result.usage.total_tokens}
+    row["metrics"] = {"retries": result.metrics.retries, "latency_s": round(result.metrics.latency_s, 4),
+                      "time_to_first_token": result.metadata.time_to_first_token}
+    return row
+
+
+class Progress:
+    """A progress bar with rate and ETA on stderr; plain lines when stderr is not a TTY."""
+
+    def __init__(self, total: int, already: int, stream: IO[str] | None = None) -> None:
+        self.total, self.already = total, already
+        self.ok = self.err = 0
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.started = self.last = time.monotonic()
+        self._lock = threading.Lock()
+
+    def line(self, now: float) -> str:
+        done = self.already + self.ok + self.err
+        run = self.ok + self.err
+        elapsed = max(now - self.started, 1e-9)
+        rate = run / elapsed
+        left = self.total - done
+        eta = f"{left / rate:.0f}s" if rate > 0 else "?"
+        pct = 100.0 * done / self.total if self.total else 100.0
+        text = f"{done}/{self.total} ({pct:.0f}%) ok={self.already + self.ok} err={self.err} {rate:.1f} req/s ETA {eta}"
+        if self.tty:
+            width = 30
+            fill = int(width * done / self.total) if self.total else width
+            return f"\r[{'#' * fill}{'.' * (width - fill)}] {text}\x1b[K"
+        return f"zml batch: {text}\n"
+
+    def update(self, ok: bool) -> None:
+        with self._lock:
+            if ok:
+                self.ok += 1
+            else:
+                self.err += 1
+            now = time.monotonic()
+            if now - self.last >= (0.1 if self.tty else 2.0):
+                self.last = now
+                self.stream.write(self.line(now))
+                self.stream.flush()
+
+    def finish(self) -> None:
+        self.stream.write(self.line(time.monotonic()) + ("\n" if self.tty else ""))
+        self.stream.flush()
+
+
+def run(args: argparse.Namespace) -> int:
+    items = read_items(args.input, args.chat)
+    if args.resume:
+        done = load_done(args.output)
+        done = {i: line for i, line in done.items() if i < len(items)}
+        rewrite(args.output, [done[i] for i in sorted(done)])
+    else:
+        done = {}
+        rewrite(args.output, [])
+    todo = [i for i in range(len(items)) if i not in done]
+    common = request_kwargs(args)
+    progress = Progress(len(items), len(done))
+    if not todo:
+        progress.finish()
+        return 0
+    limits = {k: getattr(args, k) for k in ("rpm", "tpm", "rpd", "tpd", "max_request_burst", "max_token_burst")}
+    out = open(args.output, "a", encoding="utf-8")
+    try:
+        with Client(**client_kwargs(args), model=args.model, max_parallel_requests=args.max_parallel_requests,
+                    **{k: v for k, v in limits.items() if v is not None}) as client:
+
+            def save(pos: int, result: InferResult | None, error: BaseException | None) -> None:
+                index = todo[pos]
+                row = result_row(index, items[index], result, error)
+                out.write(json.dumps(row, ensure_ascii=False) + "\n")
+                out.flush()
+                progress.update(error is None)
+
+            batch = client.infer_batch(
+                [{k: v for k, v in items[i].items() if k in _ITEM_KEYS} for i in todo], on_result=save, **common,
+            )
+    finally:
+        out.close()
+        progress.finish()
+    if batch.failed:
+        codes = sorted({getattr(e, "code", type(e).__name__) for e in batch.errors if e is not None})
+        print(f"zml batch: {batch.failed} of {len(todo)} requests failed ({', '.join(codes)}); "
+              f"rerun with --resume to retry them", file=sys.stderr)
+        return 1
+    return 0
+
+
