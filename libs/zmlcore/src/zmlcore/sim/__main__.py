@@ -1,0 +1,7 @@
+"""``python -m zmlcore.sim``: run simulated nodes (same as ``zml sim``)."""
+
+import sys
+
+from zmlcore.sim.cli import main
+
+sys.exit(main())

@@ -1,0 +1,903 @@
+"""HTTP face of a simulated node: vLLM's OpenAI server by default, or TGI / SGLang / llama.cpp.
+
+Each :class:`SimNode` owns one :class:`~zmlcore.sim.engine.SimEngine` and one aiohttp
+``AppRunner``, so a whole fleet runs in one process and one event loop.
+
+Example::
+
+    node = SimNode("h100-1", "nvidia_h100", ["llama-3-8b"], time_scale=50, load_time_s=0)
+    await node.start()            # port 0: pick a free port
+    print(node.url)               # http://127.0.0.1:PORT
+    ...
+    await node.stop()
+
+Like vLLM, a node *binds* its port at start (so a port clash fails at once) but only *listens*
+after its models loaded for the engines that refuse connections while loading (vllm, tgi,
+openai); SGLang and llama.cpp listen at once and answer 503 until loaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import socket
+import time
+import uuid
+from dataclasses import asdict, replace
+from typing import Any, Awaitable, Callable, Iterable
+from urllib.parse import urlsplit
+
+import msgspec
+from aiohttp import web
+
+from zmlcore.accelerators import ACCELERATORS
+from zmlcore.config import NodeConfig
+from zmlcore.sim.engine import Faults, SimEngine, SimError, SimRequest
+from zmlcore.sim.model import SimProfile, estimate_tokens
+
+log = logging.getLogger("zmlcore.sim")
+
+ENGINES = ("vllm", "tgi", "sglang", "llamacpp", "openai")
+#: Engines that do not accept connections until their model is loaded.
+LISTEN_AFTER_LOAD = frozenset({"vllm", "tgi", "openai"})
+DEFAULT_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+#: Retry-After sent with an overload answer when the retry_after_s fault is unset.
+DEFAULT_RETRY_AFTER_S = 1
+
+_json = msgspec.json.Encoder()
+_decode = msgspec.json.Decoder()
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class SimPortInUseError(OSError):
+    """The node's port is taken by another process (or another node)."""
+
+    def __init__(self, node_id: str, host: str, port: int) -> None:
+        self.node_id = node_id
+        self.host = host
+        self.port = port
+        super().__init__(errno.EADDRINUSE, f"node {node_id}: port {port} on {host} is already in use")
+
+
+class _BadRequest(Exception):
+    pass
+
+
+def _bind(node_id: str, host: str, port: int) -> socket.socket:
+    """Bind (without listening: connections are refused until the site starts)."""
+    family, kind, proto, _, addr = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise SimPortInUseError(node_id, host, port) from exc
+        raise
+    sock.setblocking(False)
+    return sock
+
+
+def _json_response(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=_json.encode(data), status=status, headers=headers,
+                        content_type="application/json")
+
+
+class SimNode:
+    """One simulated accelerator node: engine + HTTP server (see the module docstring)."""
+
+    def __init__(
+        self,
+        node_id: str,
+        accelerator: str,
+        models: Iterable[str] = (DEFAULT_MODEL,),
+        *,
+        engine: str = "vllm",
+        time_scale: float = 1.0,
+        seed: int = 0,
+        max_waiting: int | None = None,
+        driver_version: str | None = None,
+        faults: Faults | None = None,
+        model_sizes: dict[str, float] | None = None,
+        **profile_overrides: float | int | None,
+    ) -> None:
+        if accelerator not in ACCELERATORS:
+            raise ValueError(f"unknown accelerator {accelerator!r} (one of {', '.join(ACCELERATORS)})")
+        if engine not in ENGINES:
+            raise ValueError(f"unknown engine {engine!r} (one of {', '.join(ENGINES)})")
+        self.node_id = node_id
+        self.accelerator = accelerator
+        self.engine_kind = engine
+        self.initial_models = list(models)
+        self.driver_version = driver_version or ACCELERATORS[accelerator].min_driver
+        profile = SimProfile.for_type(accelerator, **profile_overrides)
+        self.engine = SimEngine(node_id, profile, time_scale=time_scale, seed=seed,
+                                max_waiting=max_waiting, faults=faults, model_sizes=model_sizes)
+        self.host = "127.0.0.1"
+        self.port = 0
+        self.started_at = time.time()
+        self._sock: socket.socket | None = None
+        self._runner: web.AppRunner | None = None
+        self._serve_task: asyncio.Task[None] | None = None
+        self._revive_task: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._hung: set[asyncio.Future[None]] = set()
+
+    @classmethod
+    def from_config(cls, node: NodeConfig, *, time_scale: float | None = None) -> SimNode:
+        """A node from a ``[[nodes]]`` entry with a ``[nodes.sim]`` table.
+
+        The imitated engine is ``sim.engine``, or the node's ``backend`` when sim.engine is
+        left at its default."""
+        sim = node.sim
+        if sim is None:
+            raise ValueError(f"node {node.id!r} has no [nodes.sim] table")
+        engine = sim.engine if sim.engine != "vllm" else node.backend
+        return cls(
+            node.id, node.accelerator, node.models or [DEFAULT_MODEL], engine=engine,
+            time_scale=time_scale or sim.time_scale, seed=sim.seed, max_waiting=sim.max_waiting,
+            driver_version=sim.driver_version, speed=sim.speed, prefill_tps=sim.prefill_tps,
+            decode_tps=sim.decode_tps, max_concurrency=sim.max_concurrency,
+            load_time_s=sim.load_time_s, memory_gib=sim.memory_gib,
+            cost_per_hour=node.cost_per_hour,
+        )
+
+    # ----- lifecycle ---------------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def listening(self) -> bool:
+        return self._runner is not None
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0, *, wait: bool = True) -> None:
+        """Bind ``host:port`` (0: any free port), start loading the models, and listen.
+
+        With ``wait`` (default) return once the port listens, which for vllm/tgi/openai is
+        after loading; otherwise return at once and use :meth:`wait_listening`.
+        Raises :class:`SimPortInUseError` if the port is taken."""
+        self.host = host
+        self._sock = _bind(self.node_id, host, port)
+        self.port = self._sock.getsockname()[1]
+        self.engine.start()
+        for model in self.initial_models:
+            self.engine.load(model)
+        self._serve_task = asyncio.get_running_loop().create_task(self._serve())
+        if wait:
+            await self.wait_listening()
+
+    async def wait_listening(self) -> None:
+        """Until the node listens (re-raises a failure to listen)."""
+        if self._serve_task is not None:
+            await asyncio.shield(self._serve_task)
+
+    async def _serve(self) -> None:
+        if self.engine_kind in LISTEN_AFTER_LOAD:
+            for model in list(self.engine.loading):
+                await self.engine.wait_loaded(model)
+        sock, self._sock = self._sock, None
+        assert sock is not None
+        runner = web.AppRunner(self._make_app(), shutdown_timeout=0.1, handler_cancellation=True,
+                               access_log=None)
+        await runner.setup()
+        site = web.SockSite(runner, sock)
+        try:
+            await site.start()
+        except OSError as exc:
+            await runner.cleanup()
+            sock.close()
+            if exc.errno == errno.EADDRINUSE:
+                raise SimPortInUseError(self.node_id, self.host, self.port) from exc
+            raise
+        self._runner = runner
+
+    async def _close_server(self) -> None:
+        if self._serve_task is not None and not self._serve_task.done():
+            self._serve_task.cancel()
+            await asyncio.wait([self._serve_task])
+        for fut in list(self._hung):
+            fut.cancel()
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            # A crash drops connections at once (aiohttp's graceful shutdown would let
+            # in-flight handlers finish); aborting a transport cancels its handler.
+            if runner.server is not None:
+                for conn in runner.server.connections:
+                    if conn.transport is not None:
+                        conn.transport.abort()
+            await runner.cleanup()
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    async def stop(self) -> None:
+        """Stop listening, fail in-flight requests and stop the engine."""
+        for task in [self._revive_task, *self._tasks]:
+            if task is not None and task is not asyncio.current_task():
+                task.cancel()
+        await self._close_server()
+        await self.engine.stop()
+
+    async def crash(self, for_s: float | None = None) -> None:
+        """Stop listening at once, dropping connections and in-flight requests.
+
+        With ``for_s`` the node comes back after that many real seconds and reloads the models
+        it had (loading time applies)."""
+        models = [*self.engine.models, *self.engine.loading] or self.initial_models
+        self.engine.faults = replace(self.engine.faults, crash=True, crash_for_s=for_s)
+        await self._close_server()
+        self.engine.reset("node crashed")
+        if for_s is not None:
+            self._revive_task = asyncio.get_running_loop().create_task(self._revive(for_s, models))
+
+    async def _revive(self, delay: float, models: list[str]) -> None:
+        await asyncio.sleep(delay)
+        await self.restart(models)
+
+    async def restart(self, models: Iterable[str] | None = None) -> None:
+        """Come back after a crash: bind the same port again and reload ``models``."""
+        self.engine.faults = replace(self.engine.faults, crash=False, crash_for_s=None)
+        self._sock = _bind(self.node_id, self.host, self.port)
+        for model in models if models is not None else self.initial_models:
+            self.engine.load(model)
+        self._serve_task = asyncio.get_running_loop().create_task(self._serve())
+
+    def _spawn(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ----- app ---------------------------------------------------------------------------------
+
+    def _make_app(self) -> web.Application:
+        app = web.Application(client_max_size=16 * 1024 * 1024)
+        r = app.router
+        r.add_post("/v1/chat/completions", self._chat)
+        r.add_post("/v1/completions", self._completions)
+        r.add_get("/v1/models", self._models)
+        r.add_get("/health", self._health)
+        r.add_get("/metrics", self._metrics)
+        r.add_get("/zml/v1/node", self._node)
+        r.add_get("/sim/state", self._state)
+        r.add_get("/sim/faults", self._faults_get)
+        r.add_post("/sim/faults", self._faults_post)
+        r.add_get("/sim/profile", self._profile_get)
+        r.add_post("/sim/profile", self._profile_post)
+        r.add_post("/sim/load", self._load)
+        r.add_post("/sim/unload", self._unload)
+        if self.engine_kind == "vllm":
+            r.add_get("/version", self._version)
+            r.add_get("/ping", self._health)
+        elif self.engine_kind == "sglang":
+            r.add_get("/ready", self._health)
+            r.add_get("/health_generate", self._health_generate)
+            r.add_get("/get_model_info", self._sglang_model_info)
+            r.add_get("/get_server_info", self._sglang_server_info)
+        elif self.engine_kind == "llamacpp":
+            r.add_get("/slots", self._slots)
+            r.add_get("/props", self._llamacpp_props)
+        elif self.engine_kind == "tgi":
+            r.add_get("/info", self._tgi_info)
+        return app
+
+    # ----- errors, engine-shaped ---------------------------------------------------------------
+
+    def _error(self, status: int, message: str, kind: str,
+               headers: dict[str, str] | None = None) -> web.Response:
+        """An error body in the imitated engine's shape. ``kind``: bad_request, not_found,
+        overloaded, loading, internal."""
+        eng = self.engine_kind
+        if eng == "tgi":
+            tgi_type = {"bad_request": "validation", "not_found": "validation",
+                        "overloaded": "overloaded", "loading": "unavailable"}.get(kind, "generation")
+            body: Any = {"error": message, "error_type": tgi_type}
+        elif eng == "llamacpp":
+            ltype = {"bad_request": "invalid_request_error", "not_found": "not_found_error",
+                     "overloaded": "unavailable_error", "loading": "unavailable_error"}.get(kind, "server_error")
+            body = {"error": {"code": status, "message": message, "type": ltype}}
+        elif eng == "openai":
+            otype = {"bad_request": "invalid_request_error", "not_found": "invalid_request_error",
+                     "overloaded": "requests"}.get(kind, "server_error")
+            code = {"not_found": "model_not_found", "overloaded": "rate_limit_exceeded"}.get(kind)
+            body = {"error": {"message": message, "type": otype, "param": None, "code": code}}
+        else:  # vllm, sglang
+            vtype = {"bad_request": "BadRequestError", "not_found": "NotFoundError",
+                     "overloaded": "ServiceUnavailableError", "loading": "ServiceUnavailableError",
+                     }.get(kind, "InternalServerError")
+            body = {"error": {"message": message, "type": vtype, "param": None, "code": status}}
+        return _json_response(body, status, headers)
+
+    def _retry_headers(self, default: float | None = None) -> dict[str, str]:
+        value = self.engine.faults.retry_after_s
+        if value is None:
+            value = default
+        if value is None:
+            return {}
+        return {"Retry-After": str(max(0, round(value)))}
+
+    def _overload(self) -> web.Response:
+        if self.engine_kind == "tgi":
+            return _json_response({"error": "Model is overloaded", "error_type": "overloaded"}, 429,
+                                  self._retry_headers())
+        status = 429 if self.engine_kind == "openai" else 503
+        message = "The server is overloaded: too many requests waiting. Retry later."
+        return self._error(status, message, "overloaded", self._retry_headers(DEFAULT_RETRY_AFTER_S))
+
+    def _loading_error(self) -> web.Response:
+        if self.engine_kind == "llamacpp":
+            return _json_response({"error": {"code": 503, "message": "Loading model",
+                                             "type": "unavailable_error"}}, 503)
+        return self._error(503, "The model is still loading", "loading")
+
+    # ----- inference ---------------------------------------------------------------------------
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    def _parse(self, raw: bytes, chat: bool) -> dict[str, Any]:
+        try:
+            body = _decode.decode(raw)
+        except msgspec.DecodeError as exc:
+            raise _BadRequest(f"Invalid JSON in request body: {exc}") from exc
+        if not isinstance(body, dict):
+            raise _BadRequest("Request body must be a JSON object")
+        if chat:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise _BadRequest("Field 'messages' is required: a non-empty list of messages")
+            parts: list[str] = []
+            for msg in messages:
+                if not isinstance(msg, dict) or "role" not in msg:
+                    raise _BadRequest("Each message must be an object with a 'role'")
+                content = msg.get("content")
+                if isinstance(content, str):
+                    parts.append(content)
+                elif isinstance(content, list):
+                    parts.extend(p.get("text", "") for p in content if isinstance(p, dict))
+            prompt_tokens = estimate_tokens("".join(parts))
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, str):
+                prompt_tokens = estimate_tokens(prompt)
+            elif isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
+                prompt_tokens = len(prompt)
+            elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+                prompt_tokens = estimate_tokens("".join(prompt))
+            else:
+                raise _BadRequest("Field 'prompt' is required: a string, list of strings or token ids")
+        max_tokens = body.get("max_completion_tokens") if chat else None
+        if max_tokens is None:
+            max_tokens = body.get("max_tokens")
+        if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
+                                       or max_tokens < 1):
+            raise _BadRequest("max_tokens must be an integer >= 1")
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise _BadRequest("Field 'model' must be a string")
+        opts = body.get("stream_options")
+        return {
+            "model": model,
+            "prompt_tokens": prompt_tokens,
+            "max_tokens": max_tokens,
+            "stream": bool(body.get("stream", False)),
+            "include_usage": isinstance(opts, dict) and bool(opts.get("include_usage")),
+        }
+
+    async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        eng = self.engine
+        try:
+            args = self._parse(await request.read(), chat)
+        except _BadRequest as exc:
+            return self._error(400, str(exc), "bad_request")
+        model = args["model"]
+        if model is None:  # like vLLM: the served model when none is named
+            if not eng.models:
+                return self._loading_error() if eng.loading else self._error(
+                    404, "No model is loaded", "not_found")
+            model = next(iter(eng.models))
+        if model not in eng.models:
+            if model in eng.loading and self.engine_kind in ("sglang", "llamacpp"):
+                return self._loading_error()
+            return self._error(404, f"The model `{model}` does not exist.", "not_found")
+        if eng.overloaded:
+            return self._overload()
+        if eng.faults.hang:
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._hung.add(fut)
+            try:
+                await fut  # until the client goes away or the node stops
+            finally:
+                self._hung.discard(fut)
+            raise asyncio.CancelledError
+        if eng.sample_error():
+            status = eng.faults.error_status
+            return self._error(status, "Injected fault: internal server error", "internal",
+                               self._retry_headers())
+        drop = eng.sample_drop()
+        req = eng.submit(model, args["prompt_tokens"], args["max_tokens"])
+        try:
+            if args["stream"]:
+                return await self._stream(request, req, chat=chat, drop=drop,
+                                          include_usage=args["include_usage"])
+            return await self._complete(request, req, chat=chat, drop=drop)
+        finally:
+            eng.cancel(req)
+
+    def _envelope(self, req: SimRequest, chat: bool, chunk: bool) -> dict[str, Any]:
+        prefix = "chatcmpl" if chat else "cmpl"
+        obj = ("chat.completion.chunk" if chunk else "chat.completion") if chat else "text_completion"
+        return {"id": f"{prefix}-{self.node_id}-{req.id}", "object": obj,
+                "created": int(time.time()), "model": req.model}
+
+    @staticmethod
+    def _usage(req: SimRequest) -> dict[str, int]:
+        return {"prompt_tokens": req.prompt_tokens, "completion_tokens": req.generated,
+                "total_tokens": req.prompt_tokens + req.generated}
+
+    def _drop(self, request: web.Request, req: SimRequest) -> None:
+        self.engine.cancel(req)
+        if request.transport is not None:
+            request.transport.abort()
+        raise asyncio.CancelledError
+
+    async def _complete(self, request: web.Request, req: SimRequest, *, chat: bool,
+                        drop: bool) -> web.StreamResponse:
+        pieces: list[str] = []
+        try:
+            while (piece := await req.next_chunk()) is not None:
+                pieces.append(piece)
+                if drop:
+                    self._drop(request, req)
+        except SimError as exc:
+            return self._error(500, str(exc), "internal")
+        text = "".join(pieces)
+        body = self._envelope(req, chat, chunk=False)
+        if chat:
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
+                                      "logprobs": None, "finish_reason": req.finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": req.finish_reason}
+        body["choices"] = [choice]
+        body["usage"] = self._usage(req)
+        return _json_response(body)
+
+    async def _stream(self, request: web.Request, req: SimRequest, *, chat: bool, drop: bool,
+                      include_usage: bool) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        head = self._envelope(req, chat, chunk=True)
+
+        async def send(choices: list[dict[str, Any]], **extra: Any) -> None:
+            data = {**head, "choices": choices, **extra}
+            if include_usage and "usage" not in data:
+                data["usage"] = None
+            await resp.write(b"data: " + _json.encode(data) + b"\n\n")
+
+        first = True
+        try:
+            while (piece := await req.next_chunk()) is not None:
+                if chat:
+                    if first:
+                        await send([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                     "logprobs": None, "finish_reason": None}])
+                    choice: dict[str, Any] = {"index": 0, "delta": {"content": piece},
+                                              "logprobs": None, "finish_reason": None}
+                else:
+                    choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": None}
+                await send([choice])
+                first = False
+                if drop:
+                    self._drop(request, req)
+        except SimError as exc:
+            # Engine failure mid-stream: vLLM sends an error event and ends the stream.
+            err = {"error": {"message": str(exc), "type": "InternalServerError", "code": 500}}
+            await resp.write(b"data: " + _json.encode(err) + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+        final = {"index": 0, "delta": {}} if chat else {"index": 0, "text": ""}
+        await send([{**final, "logprobs": None, "finish_reason": req.finish_reason}])
+        if include_usage:
+            await send([], usage=self._usage(req))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    # ----- discovery and health ----------------------------------------------------------------
+
+    async def _models(self, request: web.Request) -> web.Response:
+        created = int(self.started_at)
+        owner = {"vllm": "vllm", "sglang": "sglang", "llamacpp": "llamacpp", "tgi": "tgi"}.get(
+            self.engine_kind, "system")
+        data = [{"id": m, "object": "model", "created": created, "owned_by": owner, "root": m,
+                 "parent": None, "max_model_len": 8192} for m in self.engine.models]
+        return _json_response({"object": "list", "data": data})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        if not self.engine.models:
+            return self._loading_error()
+        if self.engine_kind == "llamacpp":
+            return _json_response({"status": "ok"})
+        return web.Response(status=200)
+
+    async def _health_generate(self, request: web.Request) -> web.Response:
+        # SGLang runs a one-token generation through the scheduler.
+        if not self.engine.models:
+            return self._loading_error()
+        req = self.engine.submit(next(iter(self.engine.models)), 1, 1)
+        try:
+            await req.text()
+        except SimError:
+            return web.Response(status=503)
+        finally:
+            self.engine.cancel(req)
+        return web.Response(status=200)
+
+    async def _version(self, request: web.Request) -> web.Response:
+        return _json_response({"version": "0.8.5"})
+
+    async def _sglang_model_info(self, request: web.Request) -> web.Response:
+        model = next(iter(self.engine.models), None)
+        return _json_response({"model_path": model, "tokenizer_path": model, "is_generation": True})
+
+    async def _sglang_server_info(self, request: web.Request) -> web.Response:
+        p = self.engine.profile
+        return _json_response({"version": "0.4.6", "max_running_requests": p.max_concurrency,
+                               "max_total_num_tokens": self.engine.kv_capacity_tokens,
+                               "model_path": next(iter(self.engine.models), None)})
+
+    async def _tgi_info(self, request: web.Request) -> web.Response:
+        p = self.engine.profile
+        return _json_response({
+            "model_id": next(iter(self.engine.models), None), "model_dtype": "torch.float16",
+            "model_device_type": "cuda", "max_concurrent_requests": p.max_concurrency,
+            "max_best_of": 2, "max_stop_sequences": 4, "max_input_tokens": 8191,
+            "max_total_tokens": 8192, "max_waiting_tokens": 20,
+            "max_client_batch_size": 4, "validation_workers": 2, "version": "3.3.0",
+            "router": "text-generation-router",
+        })
+
+    async def _slots(self, request: web.Request) -> web.Response:
+        eng = self.engine
+        busy = [*eng.decoding, *eng.prefill_queue]
+        if eng.prefilling is not None and not eng.prefilling.finished:
+            busy.insert(0, eng.prefilling)
+        slots = []
+        for i in range(eng.profile.max_concurrency):
+            req = busy[i] if i < len(busy) else None
+            slots.append({"id": i, "id_task": req.id if req else -1, "n_ctx": 8192,
+                          "is_processing": req is not None,
+                          "next_token": {"n_decoded": req.generated if req else 0,
+                                         "n_remain": req.remaining if req else -1}})
+        return _json_response(slots)
+
+    async def _llamacpp_props(self, request: web.Request) -> web.Response:
+        return _json_response({"total_slots": self.engine.profile.max_concurrency,
+                               "model_path": next(iter(self.engine.models), None),
+                               "default_generation_settings": {"n_ctx": 8192}})
+
+    async def _node(self, request: web.Request) -> web.Response:
+        return _json_response(self.probe())
+
+    def probe(self) -> dict[str, Any]:
+        """The ``/zml/v1/node`` document (hardware validation)."""
+        return {
+            "node_id": self.node_id,
+            "accelerator_type": self.accelerator,
+            "device_count": 1,
+            "driver_version": self.driver_version,
+            "memory_gib": self.engine.profile.memory_gib,
+            "engine": self.engine_kind,
+            "models": list(self.engine.models),
+            "loading_models": list(self.engine.loading),
+        }
+
+    # ----- metrics -----------------------------------------------------------------------------
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        text = render_metrics(self)
+        return web.Response(text=text, content_type="text/plain", charset="utf-8",
+                            headers={"X-Content-Type-Version": "0.0.4"})
+
+    # ----- admin -------------------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        """The ``/sim/state`` document."""
+        eng = self.engine
+        return {
+            "node_id": self.node_id,
+            "accelerator": self.accelerator,
+            "engine": self.engine_kind,
+            "url": self.url,
+            "listening": self.listening,
+            "time_scale": eng.time_scale,
+            "seed": eng.seed,
+            "models": list(eng.models),
+            "loading": {m: round(s, 3) for m, s in eng.loading_remaining().items()},
+            "queue": {"waiting": len(eng.waiting), "max_waiting": eng.max_waiting},
+            "batch": {"running": eng.running, "prefilling": eng.prefilling.id if eng.prefilling else None,
+                      "prefill_pending": len(eng.prefill_queue), "decoding": len(eng.decoding),
+                      "max_concurrency": eng.profile.max_concurrency},
+            "kv_cache_usage": eng.kv_cache_usage,
+            "kv_capacity_tokens": eng.kv_capacity_tokens,
+            "free_memory_gib": round(eng.free_memory_gib, 3),
+            "faults": eng.faults.to_dict(),
+            "profile": asdict(eng.profile),
+            "counters": {m: s.to_dict() for m, s in eng.stats.items()},
+        }
+
+    async def _state(self, request: web.Request) -> web.Response:
+        return _json_response(self.state())
+
+    async def _json_body(self, request: web.Request) -> dict[str, Any]:
+        try:
+            body = _decode.decode(await request.read() or b"{}")
+        except msgspec.DecodeError as exc:
+            raise _BadRequest(f"Invalid JSON: {exc}") from exc
+        if not isinstance(body, dict):
+            raise _BadRequest("Request body must be a JSON object")
+        return body
+
+    async def _faults_get(self, request: web.Request) -> web.Response:
+        return _json_response(self.engine.faults.to_dict())
+
+    async def _faults_post(self, request: web.Request) -> web.Response:
+        try:
+            faults = self.engine.faults.updated(await self._json_body(request))
+        except (ValueError, _BadRequest) as exc:
+            return self._error(400, str(exc), "bad_request")
+        crash = faults.crash and not self.engine.faults.crash
+        self.engine.faults = faults
+        if crash:
+            # Answer first, then go down: the caller learns the fault was accepted.
+            self._spawn(self._crash_soon(faults.crash_for_s))
+        return _json_response(faults.to_dict())
+
+    async def _crash_soon(self, for_s: float | None) -> None:
+        await asyncio.sleep(0.02)
+        await self.crash(for_s)
+
+    async def _profile_get(self, request: web.Request) -> web.Response:
+        return _json_response({**asdict(self.engine.profile), "max_waiting": self.engine.max_waiting,
+                               "time_scale": self.engine.time_scale})
+
+    async def _profile_post(self, request: web.Request) -> web.Response:
+        """Change performance numbers at run time (speed rescales prefill and decode)."""
+        eng = self.engine
+        try:
+            body = await self._json_body(request)
+            prof = eng.profile
+            changes: dict[str, Any] = {}
+            for key, value in body.items():
+                if key == "max_waiting":
+                    if value is not None and (not isinstance(value, int) or value < 0):
+                        raise ValueError("max_waiting: expected an integer >= 0 or null")
+                    continue
+                if key not in ("speed", "prefill_tps", "decode_tps", "max_concurrency",
+                               "load_time_s", "memory_gib", "batch_penalty", "time_scale"):
+                    raise ValueError(f"unknown profile field {key!r}")
+                if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or (
+                        value == 0 and key not in ("load_time_s", "batch_penalty")):
+                    raise ValueError(f"{key}: expected a positive number")
+                if key == "max_concurrency" and not isinstance(value, int):
+                    raise ValueError("max_concurrency: expected an integer")
+                changes[key] = value
+        except (ValueError, _BadRequest) as exc:
+            return self._error(400, str(exc), "bad_request")
+        if "max_waiting" in body:
+            eng.max_waiting = body["max_waiting"]
+        if "time_scale" in changes:
+            eng.time_scale = float(changes.pop("time_scale"))
+        if "speed" in changes:
+            ratio = changes["speed"] / prof.speed
+            changes.setdefault("prefill_tps", prof.prefill_tps * ratio)
+            changes.setdefault("decode_tps", prof.decode_tps * ratio)
+        eng.profile = replace(prof, **changes)
+        eng._wake.set()  # a larger max_concurrency admits at once
+        return await self._profile_get(request)
+
+    async def _load(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._json_body(request)
+            model = body.get("model")
+            size = body.get("size_gib")
+            if not isinstance(model, str) or not model:
+                raise _BadRequest("Field 'model' is required")
+            if size is not None and (not isinstance(size, (int, float)) or size <= 0):
+                raise _BadRequest("size_gib must be a positive number")
+        except _BadRequest as exc:
+            return self._error(400, str(exc), "bad_request")
+        try:
+            started = self.engine.load(model, None if size is None else float(size))
+        except SimError as exc:
+            return self._error(409, str(exc), "bad_request")
+        state = "loading" if started or model in self.engine.loading else "loaded"
+        return _json_response({"model": model, "state": state,
+                               "load_time_s": self.engine.real_seconds(self.engine.profile.load_time_s)},
+                              202 if started else 200)
+
+    async def _unload(self, request: web.Request) -> web.Response:
+        try:
+            body = await self._json_body(request)
+            model = body.get("model")
+            if not isinstance(model, str):
+                raise _BadRequest("Field 'model' is required")
+        except _BadRequest as exc:
+            return self._error(400, str(exc), "bad_request")
+        if not self.engine.unload(model):
+            return self._error(404, f"The model `{model}` is not loaded.", "not_found")
+        return _json_response({"model": model, "state": "unloaded"})
+
+
+# ----- Prometheus text ---------------------------------------------------------------------------
+
+
+def _labels(pairs: dict[str, str]) -> str:
+    if not pairs:
+        return ""
+    inner = ",".join(f'{k}="{v.replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"'
+                     for k, v in pairs.items())
+    return "{" + inner + "}"
+
+
+def _fmt(value: float) -> str:
+    return repr(float(value))
+
+
+class _Prom:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def family(self, name: str, kind: str, help_text: str) -> None:
+        self.lines.append(f"# HELP {name} {help_text}")
+        self.lines.append(f"# TYPE {name} {kind}")
+
+    def sample(self, name: str, labels: dict[str, str], value: float) -> None:
+        self.lines.append(f"{name}{_labels(labels)} {_fmt(value)}")
+
+    def histogram(self, name: str, help_text: str, series: list[tuple[dict[str, str], Any]]) -> None:
+        self.family(name, "histogram", help_text)
+        for labels, hist in series:
+            for bound, count in zip(hist.buckets, hist.counts):
+                self.sample(f"{name}_bucket", {**labels, "le": _fmt(bound)}, count)
+            self.sample(f"{name}_bucket", {**labels, "le": "+Inf"}, hist.count)
+            self.sample(f"{name}_sum", labels, hist.sum)
+            self.sample(f"{name}_count", labels, hist.count)
+
+    def text(self) -> str:
+        return "\n".join(self.lines) + "\n"
+
+
+def render_metrics(node: SimNode) -> str:
+    """Prometheus exposition in the imitated engine's metric names."""
+    eng = node.engine
+    models = list(dict.fromkeys([*eng.models, *eng.stats]))
+    stats = [eng.stats_for(m) for m in models]
+    p = _Prom()
+    kind = node.engine_kind
+    if kind in ("vllm", "openai", "sglang"):
+        pre = "sglang:" if kind == "sglang" else "vllm:"
+        lab = [{"model_name": m} for m in models]
+        gauges: list[tuple[str, str, Callable[[str], float]]]
+        if kind == "sglang":
+            gauges = [
+                ("num_running_reqs", "The number of running requests.", eng.running_for),
+                ("num_queue_reqs", "The number of requests in the waiting queue.", eng.waiting_for),
+                ("token_usage", "The token usage.", lambda m: eng.kv_cache_usage),
+            ]
+        else:
+            gauges = [
+                ("num_requests_running", "Number of requests currently running on GPU.", eng.running_for),
+                ("num_requests_waiting", "Number of requests waiting to be processed.", eng.waiting_for),
+                ("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                 lambda m: eng.kv_cache_usage),
+                ("gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage.",
+                 lambda m: eng.kv_cache_usage),
+            ]
+        for name, help_text, fn in gauges:
+            p.family(pre + name, "gauge", help_text)
+            for m, labels in zip(models, lab):
+                p.sample(pre + name, labels, fn(m))
+        p.family(pre + "prompt_tokens_total", "counter", "Number of prefill tokens processed.")
+        for labels, s in zip(lab, stats):
+            p.sample(pre + "prompt_tokens_total", labels, s.prompt_tokens)
+        p.family(pre + "generation_tokens_total", "counter", "Number of generation tokens processed.")
+        for labels, s in zip(lab, stats):
+            p.sample(pre + "generation_tokens_total", labels, s.generation_tokens)
+        if kind == "sglang":
+            p.family("sglang:num_requests_total", "counter", "Number of requests processed.")
+            for labels, s in zip(lab, stats):
+                p.sample("sglang:num_requests_total", labels, sum(s.success.values()))
+        else:
+            p.family("vllm:request_success_total", "counter", "Count of successfully processed requests.")
+            for labels, s in zip(lab, stats):
+                for reason, count in sorted(s.success.items()):
+                    p.sample("vllm:request_success_total", {**labels, "finished_reason": reason}, count)
+        p.histogram(pre + "time_to_first_token_seconds", "Histogram of time to first token in seconds.",
+                    [(labels, s.ttft) for labels, s in zip(lab, stats)])
+        p.histogram(pre + "e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.",
+                    [(labels, s.e2e) for labels, s in zip(lab, stats)])
+    elif kind == "llamacpp":
+        p.family("llamacpp:prompt_tokens_total", "counter", "Number of prompt tokens processed.")
+        p.sample("llamacpp:prompt_tokens_total", {}, sum(s.prompt_tokens for s in stats))
+        p.family("llamacpp:tokens_predicted_total", "counter", "Number of generation tokens processed.")
+        p.sample("llamacpp:tokens_predicted_total", {}, sum(s.generation_tokens for s in stats))
+        p.family("llamacpp:kv_cache_usage_ratio", "gauge", "KV-cache usage. 1 means 100 percent usage.")
+        p.sample("llamacpp:kv_cache_usage_ratio", {}, eng.kv_cache_usage)
+        p.family("llamacpp:kv_cache_tokens", "gauge", "KV-cache tokens.")
+        p.sample("llamacpp:kv_cache_tokens", {}, eng.kv_used_tokens)
+        p.family("llamacpp:requests_processing", "gauge", "Number of requests processing.")
+        p.sample("llamacpp:requests_processing", {}, eng.running)
+        p.family("llamacpp:requests_deferred", "gauge", "Number of requests deferred.")
+        p.sample("llamacpp:requests_deferred", {}, len(eng.waiting))
+    else:  # tgi
+        p.family("tgi_queue_size", "gauge", "Number of requests waiting in the internal queue.")
+        p.sample("tgi_queue_size", {}, len(eng.waiting))
+        p.family("tgi_batch_current_size", "gauge", "Current batch size.")
+        p.sample("tgi_batch_current_size", {}, eng.running)
+        p.family("tgi_request_success", "counter", "Number of successful requests.")
+        p.sample("tgi_request_success", {}, sum(sum(s.success.values()) for s in stats))
+        p.family("tgi_request_failure", "counter", "Number of failed requests.")
+        p.sample("tgi_request_failure", {}, sum(s.failed for s in stats))
+        p.family("tgi_request_input_count", "counter", "Number of prompt tokens.")
+        p.sample("tgi_request_input_count", {}, sum(s.prompt_tokens for s in stats))
+        p.family("tgi_request_generated_tokens_count", "counter", "Number of generated tokens.")
+        p.sample("tgi_request_generated_tokens_count", {}, sum(s.generation_tokens for s in stats))
+        if stats:
+            merged = stats[0].e2e.__class__(stats[0].e2e.buckets)
+            for s in stats:
+                merged.sum += s.e2e.sum
+                merged.count += s.e2e.count
+                merged.counts = [a + b for a, b in zip(merged.counts, s.e2e.counts)]
+            p.histogram("tgi_request_duration", "Request duration in seconds.", [({}, merged)])
+    return p.text()
+
+
+# ----- fleet -------------------------------------------------------------------------------------
+
+
+def endpoint_port(endpoint: str) -> tuple[str | None, int]:
+    """(host, port) of a node endpoint URL (port defaults by scheme)."""
+    parts = urlsplit(endpoint)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return parts.hostname, port
+
+
+async def start_fleet(nodes: list[NodeConfig], host: str | None = "127.0.0.1", *,
+                      time_scale: float | None = None, faults: Faults | None = None) -> list[SimNode]:
+    """Start every node that has a ``[nodes.sim]`` table on its endpoint's port.
+
+    ``host=None`` binds each endpoint's own host. Returns once every node listens; on a
+    failure the nodes already started are stopped and the error (e.g. SimPortInUseError) is
+    raised. ``faults`` (e.g. from CLI flags) apply to every node."""
+    sims = [SimNode.from_config(n, time_scale=time_scale) for n in nodes if n.sim is not None]
+    for sim in sims:
+        if faults is not None:
+            sim.engine.faults = faults
+    started: list[SimNode] = []
+    seen: dict[int, str] = {}
+    try:
+        for node, cfg in zip(sims, [n for n in nodes if n.sim is not None]):
+            ep_host, port = endpoint_port(cfg.endpoint)
+            bind_host = host or ep_host or "127.0.0.1"
+            if port in seen:
+                raise SimPortInUseError(node.node_id, bind_host, port)
+            seen[port] = node.node_id
+            await node.start(bind_host, port, wait=False)
+            started.append(node)
+        await asyncio.gather(*(n.wait_listening() for n in started))
+    except BaseException:
+        await asyncio.gather(*(n.stop() for n in started), return_exceptions=True)
+        raise
+    return started
