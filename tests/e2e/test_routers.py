@@ -14,7 +14,8 @@ async def test_two_replicas_share_a_burst(zml_stack: Stack) -> None:
     async with httpx.AsyncClient(base_url=zml_stack.gateway_url, timeout=30) as client:
         async def one(i: int) -> dict:
             r = await client.post("/v1/chat/completions",
-                                  json={"model": MODEL, "messages": [{"role": "user", "content": f"q{i}"}], "max_tokens": 4})
+                                  json={"model": MODEL, "messages": [{"role": "user", "content": f"q{i}"}], "max_tokens": 4,
+                                        "policy": "round_robin"})
             assert r.status_code == 200, r.text
             return r.json()["zml"]
 

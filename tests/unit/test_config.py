@@ -98,3 +98,10 @@ def test_shipped_demo_config_is_valid() -> None:
 def test_alias_resolution() -> None:
     cfg = parse_config({"models": {"m": {"aliases": ["small"]}}})
     assert cfg.resolve_model("small") == "m" and cfg.resolve_model("m") == "m" and cfg.resolve_model("x") == "x"
+
+
+def test_configuration_doc_is_current() -> None:
+    from zmlcore.config import reference_markdown
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
+    assert reference_markdown().strip() in doc, "regenerate the key reference in docs/configuration.md"

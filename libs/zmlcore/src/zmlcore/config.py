@@ -363,3 +363,35 @@ def find_config(start: str | os.PathLike[str] | None = None) -> Path | None:
         if candidate.is_file():
             return candidate
     return None
+
+
+def reference_markdown() -> str:
+    """The key reference of docs/configuration.md, built from this module's field docstrings
+    (a test keeps the document in step with the code)."""
+    import ast
+    import inspect
+
+    tree = ast.parse(inspect.getsource(sys.modules[__name__]))
+    classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
+    sections = [
+        ("[nats]", "NatsConfig"), ("[gateway]", "GatewayConfig"), ("[router]", "RouterConfig"),
+        ("[health]", "HealthConfig"), ("[defaults]", "DefaultsConfig"), ("[[nodes]]", "NodeConfig"),
+        ("[nodes.sim]", "SimConfig"), ('[models."NAME"]', "ModelConfig"),
+        ("[policy.NAME] / [policies.NAME]", "PolicyConfig"),
+    ]
+    out: list[str] = []
+    for title, cls_name in sections:
+        out += [f"### `{title}`", "", "| key | type | default | meaning |", "|---|---|---|---|"]
+        body = classes[cls_name].body
+        for i, stmt in enumerate(body):
+            if not (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)):
+                continue
+            doc = ""
+            nxt = body[i + 1] if i + 1 < len(body) else None
+            if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
+                doc = " ".join(nxt.value.value.split())
+            default = ast.unparse(stmt.value) if stmt.value is not None else "required"
+            typ = ast.unparse(stmt.annotation).replace("|", "\\|")
+            out.append(f"| `{stmt.target.id}` | `{typ}` | `{default}` | {doc} |")
+        out.append("")
+    return "\n".join(out)

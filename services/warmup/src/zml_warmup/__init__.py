@@ -1,0 +1,1 @@
+"""ZML warmup service: pre-loads models in quiet periods."""
