@@ -236,6 +236,18 @@ class AsyncClient:
 
         return await run_async(one, items, max_parallel_requests or self.max_parallel_requests, on_result)
 
+    async def generate(self, prompt: str, **kwargs: Any) -> InferResult:
+        """``await infer(prompt=prompt, **kwargs)`` with the client's ``model``."""
+        result: InferResult = await self.infer(kwargs.pop("model", None), prompt, **kwargs)
+        return result
+
+    async def generate_batch(self, prompts: Iterable[BatchItem], **kwargs: Any) -> BatchResult:
+        """Alias of :meth:`infer_batch`."""
+        return await self.infer_batch(prompts, **kwargs)
+
+    agenerate = generate
+    agenerate_batch = generate_batch
+
     # ---------------------------------------------------------------- fleet
     async def _nodes_raw(self) -> list[dict[str, Any]]:
         return _core.decode_nodes(await self._transport.nodes())

@@ -245,6 +245,15 @@ class Client:
 
         return run_sync(one, items, max_parallel_requests or self.max_parallel_requests, on_result)
 
+    def generate(self, prompt: str, **kwargs: Any) -> InferResult:
+        """``infer(prompt=prompt, **kwargs)`` with the client's ``model`` (batch-client style)."""
+        result: InferResult = self.infer(kwargs.pop("model", None), prompt, **kwargs)
+        return result
+
+    def generate_batch(self, prompts: Iterable[BatchItem], **kwargs: Any) -> BatchResult:
+        """Alias of :meth:`infer_batch`."""
+        return self.infer_batch(prompts, **kwargs)
+
     # ---------------------------------------------------------------- fleet
     def _nodes_raw(self) -> list[dict[str, Any]]:
         return _core.decode_nodes(self._transport.nodes())

@@ -196,7 +196,8 @@ def build_infer(
     merged.setdefault("temperature", DEFAULT_TEMPERATURE)
     pol = merged.get("policy")
     if isinstance(pol, Policy):
-        merged["policy"] = msgspec.to_builtins(pol.to_wire())
+        wire = msgspec.to_builtins(pol.to_wire())
+        merged["policy"] = {k: v for k, v in wire.items() if v is not None}
     elif isinstance(pol, Mapping):
         merged["policy"] = dict(pol)
     wire_rf = response_format_wire(rf)
