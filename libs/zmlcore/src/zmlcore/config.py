@@ -92,6 +92,19 @@ class HealthConfig(msgspec.Struct, **_Base):
     """A node that has not yet answered is 'loading', not 'down', for this long after start."""
     max_concurrent_probes: PosInt = 64
     """Probes in flight at once."""
+    validate_hardware: bool = True
+    """Check each node's reported hardware (GET /zml/v1/node) against its declared type and the
+    type's minimum driver; a mismatch keeps the node out of routing (status 'invalid')."""
+    require_node_probe: bool = False
+    """Strict mode: a node without a node probe endpoint is 'invalid' instead of accepted with a
+    note."""
+    error_window_s: PosFloat = 60.0
+    """Window of the recent error rate (router completion events and probe results)."""
+    history_len: PosInt = 12
+    """Samples of tokens/s history kept per node."""
+    generate_probe_every: PosInt = 12
+    """SGLang: every Nth poll also calls /health_generate (a one-token generation); the other
+    polls use the cheap /ready."""
 
 
 class SimConfig(msgspec.Struct, **_Base):
@@ -142,6 +155,11 @@ class NodeConfig(msgspec.Struct, **_Base):
     """Bearer key the router sends to this node, if the engine requires one."""
     sim: SimConfig | None = None
     """Simulated node settings (see [nodes.sim])."""
+    probe_endpoint: str | None = None
+    """Base URL of the node probe (GET /zml/v1/node, served by `zml node-agent` beside the engine,
+    or by `zml sim`); default: the engine endpoint."""
+    startup_grace_s: NonNeg | None = None
+    """Overrides [health] startup_grace_s for this node (slow loaders, large models)."""
 
     @property
     def effective_family(self) -> str:
@@ -201,6 +219,33 @@ class ModelConfig(msgspec.Struct, **_Base):
     """Other names clients may use for this model."""
     warm: bool = False
     """The warmup service keeps this model loaded on its nodes."""
+    keep_warm_after_s: PosFloat | None = None
+    """If set, a node that served no request for this model for this long gets a one-token probe
+    request so caches and graphs stay warm."""
+
+
+class WarmupConfig(msgspec.Struct, **_Base):
+    enabled: bool = True
+    """Pre-load models in quiet windows (`zml serve` works either way)."""
+    sweep_interval_s: PosFloat = 5.0
+    """Seconds between warmup decisions."""
+    rate_window_s: PosFloat = 60.0
+    """Window over which the request rate of a model is measured."""
+    quiet_rps: NonNeg = 0.2
+    """A model is quiet while its request rate (requests/s over rate_window_s) is below this."""
+    quiet_min_s: NonNeg = 120.0
+    """...for at least this long."""
+    quiet_windows: list[str] = []
+    """Fixed quiet windows, "HH:MM-HH:MM" in UTC (may wrap midnight): warm-ups run in them
+    whatever the measured rate."""
+    max_concurrent_loads: PosInt = 1
+    """At most this many nodes load a model at once, so serving capacity is never drained."""
+    priority_families: list[str] = msgspec.field(default_factory=lambda: ["MI300X"])
+    """Families warmed first (slow cold start); the others follow by their typical load time."""
+    load_timeout_s: PosFloat = 900.0
+    """A load not finished after this long is abandoned (and may be retried)."""
+    use_node_metrics: bool = True
+    """Also measure request rate from the nodes' metrics (for routers that publish no events)."""
 
 
 class DefaultsConfig(msgspec.Struct, **_Base):
@@ -215,6 +260,7 @@ class ZMLConfig(msgspec.Struct, **_Base):
     gateway: GatewayConfig = msgspec.field(default_factory=GatewayConfig)
     router: RouterConfig = msgspec.field(default_factory=RouterConfig)
     health: HealthConfig = msgspec.field(default_factory=HealthConfig)
+    warmup: WarmupConfig = msgspec.field(default_factory=WarmupConfig)
     defaults: DefaultsConfig = msgspec.field(default_factory=DefaultsConfig)
     nodes: list[NodeConfig] = []
     models: dict[str, ModelConfig] = {}
@@ -277,6 +323,24 @@ def validate_policy(name: str, pol: PolicyConfig, families: list[str], where: st
         raise PolicyConfigError(f"{where}: queue_on_saturation needs max_queue_ms")
 
 
+_WINDOW = re.compile(r"^\s*(\d{1,2}):(\d{2})\s*-\s*(\d{1,2}):(\d{2})\s*$")
+
+
+def parse_window(text: str) -> tuple[int, int]:
+    """``"02:00-05:30"`` -> (120, 330): minutes after midnight UTC (end may be before start:
+    the window wraps midnight)."""
+    m = _WINDOW.match(text)
+    if not m:
+        raise ValueError(f"{text!r}: expected \"HH:MM-HH:MM\" (UTC)")
+    h1, m1, h2, m2 = (int(g) for g in m.groups())
+    if h1 > 23 or h2 > 24 or m1 > 59 or m2 > 59 or (h2 == 24 and m2):
+        raise ValueError(f"{text!r}: not a time of day")
+    start, end = h1 * 60 + m1, h2 * 60 + m2
+    if start == end:
+        raise ValueError(f"{text!r}: empty window")
+    return start, end
+
+
 def _validate(cfg: ZMLConfig, src: str) -> None:
     seen: set[str] = set()
     for i, node in enumerate(cfg.nodes):
@@ -291,6 +355,13 @@ def _validate(cfg: ZMLConfig, src: str) -> None:
             )
         if not node.endpoint.startswith(("http://", "https://")):
             raise ConfigError(f"{where}.endpoint: {node.endpoint!r} must start with http:// or https://")
+        if node.probe_endpoint is not None and not node.probe_endpoint.startswith(("http://", "https://")):
+            raise ConfigError(f"{where}.probe_endpoint: {node.probe_endpoint!r} must start with http:// or https://")
+    for i, window in enumerate(cfg.warmup.quiet_windows):
+        try:
+            parse_window(window)
+        except ValueError as exc:
+            raise ConfigError(f"{src}: warmup.quiet_windows[{i}]: {exc}") from None
     clash = set(cfg.policy) & set(cfg.policies)
     if clash:
         raise ConfigError(f"{src}: policy {sorted(clash)[0]!r} is defined in both [policy] and [policies]")
@@ -375,7 +446,7 @@ def reference_markdown() -> str:
     classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
     sections = [
         ("[nats]", "NatsConfig"), ("[gateway]", "GatewayConfig"), ("[router]", "RouterConfig"),
-        ("[health]", "HealthConfig"), ("[defaults]", "DefaultsConfig"), ("[[nodes]]", "NodeConfig"),
+        ("[health]", "HealthConfig"), ("[warmup]", "WarmupConfig"), ("[defaults]", "DefaultsConfig"), ("[[nodes]]", "NodeConfig"),
         ("[nodes.sim]", "SimConfig"), ('[models."NAME"]', "ModelConfig"),
         ("[policy.NAME] / [policies.NAME]", "PolicyConfig"),
     ]
@@ -391,6 +462,10 @@ def reference_markdown() -> str:
             if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) and isinstance(nxt.value.value, str):
                 doc = " ".join(nxt.value.value.split())
             default = ast.unparse(stmt.value) if stmt.value is not None else "required"
+            if isinstance(stmt.value, ast.Call):  # msgspec.field(default_factory=lambda: [...])
+                for kw in stmt.value.keywords:
+                    if kw.arg == "default_factory" and isinstance(kw.value, ast.Lambda):
+                        default = ast.unparse(kw.value.body)
             typ = ast.unparse(stmt.annotation).replace("|", "\\|")
             out.append(f"| `{stmt.target.id}` | `{typ}` | `{default}` | {doc} |")
         out.append("")

@@ -7,6 +7,10 @@ No other module writes a subject literal: services and the SDK import these name
     zml.cancel.<request_id>        fire-and-forget: cancel an in-flight request
     zml.node.inflight              router replicas share dispatch/completion deltas
     zml.admin.nodes.<verb>         node registration (add/remove/list)
+    zml.events.completed           routers: one event per finished request (warmup, health)
+    zml.events.warmup              warmup service: load started / finished / failed
+    zml.warmup.serve               request-reply: load a model now (`zml serve`)
+    KV bucket zml_registry         nodes added at run time (health service)
     KV bucket zml_nodes            node state written by health, watched by routers
 """
 
@@ -34,6 +38,13 @@ ADMIN_NODES_PREFIX = f"{PREFIX}.admin.nodes"
 #: Router events (completions, per-model counts) consumed by the warmup service and tools.
 EVENTS_PREFIX = f"{PREFIX}.events"
 
+#: Warmup service: "load this model now" (request-reply, ``ServeRequest`` -> ``ServeReply``).
+WARMUP_SERVE = f"{PREFIX}.warmup.serve"
+#: Router completion events (``RequestCompleted``): ``event(EVENT_COMPLETED)``.
+EVENT_COMPLETED = "completed"
+#: Warmup progress events (``WarmupEvent``): ``event(EVENT_WARMUP)``.
+EVENT_WARMUP = "warmup"
+
 #: JetStream KV bucket holding one entry per node (key = node id, value = NodeState JSON).
 NODES_BUCKET = "zml_nodes"
 #: JetStream KV bucket holding registered nodes added at run time (survives health restarts).
@@ -51,6 +62,11 @@ def cancel(request_id: str) -> str:
 def admin_nodes(verb: str) -> str:
     """``zml.admin.nodes.add`` / ``.remove`` / ``.list``."""
     return f"{ADMIN_NODES_PREFIX}.{verb}"
+
+
+def router_state(router_id: str) -> str:
+    """``zml.admin.router.<id>.state``: a router replica's view of the fleet (request-reply)."""
+    return f"{PREFIX}.admin.router.{router_id}.state"
 
 
 def event(kind: str) -> str:

@@ -1,5 +1,10 @@
 """The health service: polls every node, keeps its state, streams it into the KV bucket
-``zml_nodes`` (routers watch it, so a late router gets a snapshot), answers node listings."""
+``zml_nodes`` (routers watch it: a late router gets a snapshot), validates hardware, and serves
+run-time registration (``zml.admin.nodes.add|remove|list``, persisted in ``zml_registry``).
+
+Per poll of a node: engine adapter probe -> node probe (hardware, loading models, free memory)
+-> tracker (status, rates, error rate) -> hardware check -> NodeState -> KV put.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,8 @@ import asyncio
 import logging
 import random
 import time
+from collections.abc import Callable
+from typing import Any
 
 import httpx
 import msgspec
@@ -16,64 +23,154 @@ from nats.aio.subscription import Subscription
 from nats.js.kv import KeyValue
 
 from zmlcore import subjects
-from zmlcore.config import NodeConfig, ZMLConfig
+from zmlcore.config import NodeConfig, ZMLConfig, parse_config
+from zmlcore.errors import BadRequestError, ConfigError, ZMLError
+from zmlcore.health.hardware import HardwareCheck, validate_hardware
+from zmlcore.health.score import health_score
 from zmlcore.messages import NodeState
-from zmlcore.natsio import nodes_kv
+from zmlcore.messages.admin import (
+    NodeAdded,
+    NodeRemoved,
+    NodeSpec,
+    RegistryEntry,
+    node_add_decoder,
+    node_remove_decoder,
+    registry_entry_decoder,
+)
+from zmlcore.messages.warmup import completed_decoder, warmup_event_decoder
+from zmlcore.natsio import ensure_kv, nodes_kv
 from zmlcore.sim.model import SimProfile
-from zml_health.adapters import adapter_for
-from zml_health.tracker import Tracker, health_score
+from zml_health import nodeprobe
+from zml_health.adapters import adapter_for, sglang
+from zml_health.adapters.base import Probe
+from zml_health.tracker import Tracker
 
 log = logging.getLogger("zml.health")
 
 _encode = msgspec.json.encode
+#: Re-check a node that had no probe endpoint every this many polls (an agent may start later).
+NO_PROBE_RECHECK = 12
+
+
+def spec_to_config(spec: NodeSpec) -> NodeConfig:
+    """Validate a run-time node exactly as zml.toml would (raises ConfigError)."""
+    cfg = parse_config({"nodes": [msgspec.to_builtins(spec)]}, source="zml.admin.nodes.add")
+    return cfg.nodes[0]
+
+
+class _NodeRuntime:
+    """What the service keeps per node besides its tracker."""
+
+    __slots__ = ("doc", "has_probe", "probe_checked_at", "pending_loads")
+
+    def __init__(self) -> None:
+        self.doc: dict[str, Any] | None = None
+        #: None: not known yet; False: the node has no probe endpoint.
+        self.has_probe: bool | None = None
+        self.probe_checked_at = 0
+        #: model -> deadline: loads the warmup service started (not routable for the model).
+        self.pending_loads: dict[str, float] = {}
 
 
 class HealthService:
-    def __init__(self, cfg: ZMLConfig) -> None:
+    def __init__(self, cfg: ZMLConfig, *, clock: Callable[[], float] = time.time) -> None:
         self.cfg = cfg
-        self.nodes: dict[str, NodeConfig] = {n.id: n for n in cfg.nodes}
+        self.clock = clock
+        self.config_nodes: dict[str, NodeConfig] = {n.id: n for n in cfg.nodes}
+        self.nodes: dict[str, NodeConfig] = dict(self.config_nodes)
+        self.sources: dict[str, str] = {n: "config" for n in self.nodes}
         self.trackers: dict[str, Tracker] = {}
+        self.runtime: dict[str, _NodeRuntime] = {}
         self.states: dict[str, NodeState] = {}
         self.kv: KeyValue | None = None
+        self.registry: KeyValue | None = None
         self.nc: NATS | None = None
         self.http: httpx.AsyncClient | None = None
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._subs: list[Subscription] = []
         self._sem = asyncio.Semaphore(cfg.health.max_concurrent_probes)
+        self._admin_lock = asyncio.Lock()
+        sglang.GENERATE_EVERY = cfg.health.generate_probe_every
 
+    # --- lifecycle -------------------------------------------------------------------------
     async def start(self, nc: NATS) -> None:
         self.nc = nc
-        self.kv = await nodes_kv(nc.jetstream())
+        js = nc.jetstream()
+        self.kv = await nodes_kv(js)
+        self.registry = await ensure_kv(js, subjects.REGISTRY_BUCKET)
         self.http = httpx.AsyncClient(limits=httpx.Limits(max_connections=self.cfg.health.max_concurrent_probes))
-        # Entries for nodes no longer configured would mislead routers: remove them.
-        try:
-            for key in await self.kv.keys():
-                if key not in self.nodes:
-                    await self.kv.delete(key)
-        except Exception:  # empty bucket: nats-py raises NoKeysError
-            pass
-        now = time.time()
+        await self._load_registry()
+        # Entries for nodes no longer registered would mislead routers: remove them.
+        for key in await self._keys(self.kv):
+            if key not in self.nodes:
+                await self.kv.delete(key)
+        now = self.clock()
         for node in self.nodes.values():
             self._start_polling(node, now)
-        self._subs.append(await nc.subscribe(subjects.admin_nodes("list"), cb=self._on_list))
+        for verb, cb in (("list", self._on_list), ("add", self._on_add), ("remove", self._on_remove)):
+            self._subs.append(await nc.subscribe(subjects.admin_nodes(verb), cb=cb))
+        self._subs.append(await nc.subscribe(subjects.event(subjects.EVENT_COMPLETED), cb=self._on_completed))
+        self._subs.append(await nc.subscribe(subjects.event(subjects.EVENT_WARMUP), cb=self._on_warmup))
 
     async def stop(self) -> None:
         for sub in self._subs:
-            await sub.unsubscribe()
+            try:
+                await sub.unsubscribe()
+            except Exception:  # connection already closing
+                pass
         for t in self._tasks.values():
             t.cancel()
         await asyncio.gather(*self._tasks.values(), return_exceptions=True)
         if self.http:
             await self.http.aclose()
 
+    @staticmethod
+    async def _keys(kv: KeyValue) -> list[str]:
+        try:
+            return list(await kv.keys())
+        except Exception:  # empty bucket: nats-py raises NoKeysError
+            return []
+
+    async def _load_registry(self) -> None:
+        assert self.registry is not None
+        for key in await self._keys(self.registry):
+            try:
+                entry = await self.registry.get(key)
+                reg = registry_entry_decoder.decode(entry.value or b"")
+            except Exception as exc:  # a bad entry must not stop the service
+                log.warning("registry entry %s unreadable: %s", key, exc)
+                continue
+            if reg.removed:
+                self.nodes.pop(key, None)
+                self.sources.pop(key, None)
+            elif reg.node is not None:
+                try:
+                    self.nodes[key] = spec_to_config(reg.node)
+                    self.sources[key] = "registry"
+                except ConfigError as exc:
+                    log.warning("registry entry %s invalid: %s", key, exc)
+
+    # --- polling ---------------------------------------------------------------------------
     def _start_polling(self, node: NodeConfig, now: float) -> None:
-        self.trackers[node.id] = Tracker(started_at=now)
-        self._tasks[node.id] = asyncio.create_task(self._poll_forever(node))
+        hc = self.cfg.health
+        grace = node.startup_grace_s if node.startup_grace_s is not None else hc.startup_grace_s
+        self.trackers[node.id] = Tracker(started_at=now, grace_s=grace, history_len=hc.history_len)
+        self.runtime[node.id] = _NodeRuntime()
+        self._tasks[node.id] = asyncio.create_task(self._poll_forever(node), name=f"poll-{node.id}")
+
+    async def _stop_polling(self, node_id: str) -> None:
+        task = self._tasks.pop(node_id, None)
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+        self.trackers.pop(node_id, None)
+        self.runtime.pop(node_id, None)
+        self.states.pop(node_id, None)
 
     async def _poll_forever(self, node: NodeConfig) -> None:
         hc = self.cfg.health
-        # Spread first polls so a large fleet is not polled in lockstep.
-        await asyncio.sleep(random.uniform(0, min(0.2, hc.poll_interval_s * hc.jitter)))
+        # Spread first polls over one interval so a large fleet is not polled in lockstep.
+        await asyncio.sleep(random.uniform(0, hc.poll_interval_s * max(hc.jitter, 0.05)))
         while True:
             try:
                 await self.poll_once(node)
@@ -81,26 +178,55 @@ class HealthService:
                 raise
             except Exception:
                 log.exception("poll of %s failed", node.id)
-            interval = hc.poll_interval_s
-            await asyncio.sleep(interval * random.uniform(1 - hc.jitter, 1 + hc.jitter))
+            await asyncio.sleep(hc.poll_interval_s * random.uniform(1 - hc.jitter, 1 + hc.jitter))
 
     async def poll_once(self, node: NodeConfig) -> NodeState:
         assert self.http is not None and self.kv is not None
-        probe_fn = adapter_for(node.backend)
-        async with self._sem:
-            probe = await probe_fn(self.http, node.endpoint.rstrip("/"), self.cfg.health.probe_timeout_s)
-        now = time.time()
+        hc = self.cfg.health
         tr = self.trackers[node.id]
-        status = tr.observe(probe, now, self.cfg.health)
-        state = self._state(node, tr, probe, status, now)
+        rt = self.runtime[node.id]
+        probe_fn = adapter_for(node.backend)
+        endpoint = node.endpoint.rstrip("/")
+        async with self._sem:
+            probe = await probe_fn(self.http, endpoint, hc.probe_timeout_s, tr.polls)
+            # Also when not validating: the node probe reports loading models and free memory.
+            await self._node_probe(node, rt, tr.polls, probe)
+        now = self.clock()
+        status = tr.observe(probe, now, hc)
+        check = self._hardware(node, rt)
+        state = self._state(node, tr, rt, probe, status, check, now)
         self.states[node.id] = state
-        await self.kv.put(node.id, _encode(state))
+        if node.id in self._tasks:  # not removed while we probed
+            await self.kv.put(node.id, _encode(state))
         return state
 
-    def _state(self, node: NodeConfig, tr: Tracker, probe: object, status: str, now: float) -> NodeState:
-        from zml_health.adapters.base import Probe
+    async def _node_probe(self, node: NodeConfig, rt: _NodeRuntime, poll: int, probe: Probe) -> None:
+        assert self.http is not None
+        if rt.has_probe is False and poll - rt.probe_checked_at < NO_PROBE_RECHECK:
+            return
+        separate = node.probe_endpoint is not None
+        if not separate and not probe.ok and not probe.loading:
+            return  # the engine (and so its built-in probe) is unreachable: nothing to learn
+        base = node.probe_endpoint or node.endpoint
+        try:
+            doc = await nodeprobe.fetch(self.http, base, self.cfg.health.probe_timeout_s, separate=separate)
+        except nodeprobe.Unreachable:
+            return
+        rt.probe_checked_at = poll
+        rt.has_probe = doc is not None
+        rt.doc = doc
 
-        assert isinstance(probe, Probe)
+    def _hardware(self, node: NodeConfig, rt: _NodeRuntime) -> HardwareCheck | None:
+        """None until the node has been reached once (nothing to judge yet)."""
+        hc = self.cfg.health
+        if not hc.validate_hardware or rt.has_probe is None:
+            return None
+        base = (node.probe_endpoint or node.endpoint).rstrip("/")
+        return validate_hardware(node.accelerator, rt.doc, strict=hc.require_node_probe,
+                                 probe_url=base + nodeprobe.PATH)
+
+    def _state(self, node: NodeConfig, tr: Tracker, rt: _NodeRuntime, probe: Probe, status: str,
+               check: HardwareCheck | None, now: float) -> NodeState:
         sim = node.sim
         prof = SimProfile.for_type(
             node.accelerator,
@@ -110,11 +236,21 @@ class HealthService:
             max_concurrency=sim.max_concurrency if sim else None,
         )
         scale = sim.time_scale if sim else 1.0
+        capacity = probe.max_concurrency or prof.max_concurrency
         prev = self.states.get(node.id)
+        doc = rt.doc or {}
         # Keep the last known models/queue while a node is failing, so `zml nodes` shows them.
         models = probe.models if probe.ok else (prev.models if prev else [])
         running = probe.running if probe.ok else (prev.queue_running if prev else 0)
         waiting = probe.waiting if probe.ok else (prev.queue_waiting if prev else 0)
+        loading = self._loading_models(node, rt, probe, status, models, now)
+        reason = tr.reason
+        if check is not None and not check.ok:
+            status, reason = "invalid", check.reason
+        error_rate = tr.error_rate(now, self.cfg.health.error_window_s)
+        free = doc.get("free_memory_gib")
+        total = doc.get("memory_gib")
+        count = doc.get("device_count")
         return NodeState(
             node_id=node.id,
             accelerator_type=node.accelerator,
@@ -122,26 +258,139 @@ class HealthService:
             endpoint=node.endpoint,
             backend=node.backend,
             status=status,  # type: ignore[arg-type]
-            reason=tr.reason,
-            models=models,
-            loading_models=[m for m in node.models if m not in models] if status == "loading" else [],
+            reason=reason if status != "up" else "",
+            models=[m for m in models if m not in loading],
+            loading_models=loading,
             queue_running=running,
             queue_waiting=waiting,
-            max_concurrency=prof.max_concurrency,
-            kv_cache_usage=probe.kv_cache_usage,
-            free_memory_gib=None,
-            error_rate=tr.error_rate,
-            tokens_per_s=tr.tokens_per_s,
+            max_concurrency=capacity,
+            kv_cache_usage=probe.kv_cache_usage if probe.ok else (prev.kv_cache_usage if prev else 0.0),
+            free_memory_gib=float(free) if isinstance(free, (int, float)) else None,
+            error_rate=round(error_rate, 4),
+            tokens_per_s=round(tr.tokens_per_s, 3),
             prefill_tps=prof.prefill_tps * scale,
             decode_tps=prof.decode_tps * scale,
-            health_score=health_score(tr.error_rate, running + waiting, prof.max_concurrency) if status == "up" else 0.0,
+            health_score=health_score(error_rate, running, waiting, capacity) if status == "up" else 0.0,
             cost_per_hour=node.effective_cost,
             last_ok=tr.last_ok,
             updated_at=now,
+            last_inference_at=tr.last_inference_at,
+            requests_per_s=round(tr.requests_per_s, 4),
+            tokens_per_s_history=list(tr.history),
+            ttft_s=tr.ttft_s,
+            consecutive_failures=tr.fails,
+            driver_version=str(doc.get("driver_version") or ""),
+            device_count=count if isinstance(count, int) else 0,
+            memory_gib=float(total) if isinstance(total, (int, float)) else None,
+            note=check.note if check is not None else "",
+            source=self.sources.get(node.id, "config"),
+            poll_interval_s=self.cfg.health.poll_interval_s,
         )
 
+    def _loading_models(self, node: NodeConfig, rt: _NodeRuntime, probe: Probe, status: str,
+                        models: list[str], now: float) -> list[str]:
+        loading: dict[str, None] = {}
+        doc_loading = (rt.doc or {}).get("loading_models") if probe.ok or probe.loading else None
+        for m in doc_loading or []:
+            if isinstance(m, str):
+                loading[m] = None
+        for m, deadline in list(rt.pending_loads.items()):
+            if (m in models and m not in loading) or now > deadline:
+                del rt.pending_loads[m]
+            else:
+                loading[m] = None
+        if status == "loading":
+            for m in node.models:
+                if m not in models:
+                    loading[m] = None
+        return list(loading)
+
+    # --- events ----------------------------------------------------------------------------
+    async def _on_completed(self, msg: Msg) -> None:
+        try:
+            ev = completed_decoder.decode(msg.data)
+        except msgspec.DecodeError:
+            return
+        tr = self.trackers.get(ev.node_id)
+        if tr is not None:
+            tr.record_request(ev.ts or self.clock(), ev.ok, ev.node_error)
+
+    async def _on_warmup(self, msg: Msg) -> None:
+        try:
+            ev = warmup_event_decoder.decode(msg.data)
+        except msgspec.DecodeError:
+            return
+        rt = self.runtime.get(ev.node_id)
+        if rt is None:
+            return
+        if ev.phase == "started":
+            rt.pending_loads[ev.model] = self.clock() + self.cfg.warmup.load_timeout_s
+        elif ev.phase in ("loaded", "failed"):
+            rt.pending_loads.pop(ev.model, None)
+
+    # --- admin -----------------------------------------------------------------------------
     async def _on_list(self, msg: Msg) -> None:
-        body = _encode({"nodes": [self.states[n] for n in sorted(self.states)]})
-        await msg.respond(body)
+        now = self.clock()
+        nodes = [msgspec.structs.replace(self.states[n], age_s=round(max(0.0, now - self.states[n].updated_at), 3))
+                 for n in sorted(self.states)]
+        # Registered nodes not polled yet still show up, so an add is visible at once.
+        for node_id in sorted(set(self.nodes) - set(self.states)):
+            node = self.nodes[node_id]
+            nodes.append(NodeState(node_id=node.id, accelerator_type=node.accelerator,
+                                   family=node.effective_family, endpoint=node.endpoint,
+                                   backend=node.backend, status="unknown",
+                                   source=self.sources.get(node_id, "config")))
+        await msg.respond(_encode({"nodes": nodes}))
 
+    async def _reply_error(self, msg: Msg, exc: ZMLError) -> None:
+        await msg.respond(_encode(exc.to_body()), headers={subjects.H_ERROR_CODE: exc.code})
 
+    async def _on_add(self, msg: Msg) -> None:
+        try:
+            try:
+                req = node_add_decoder.decode(msg.data)
+            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                raise BadRequestError(f"invalid node registration: {exc}") from exc
+            try:
+                node = spec_to_config(req.node)
+            except ConfigError as exc:
+                raise BadRequestError(exc.message) from exc
+            async with self._admin_lock:
+                exists = node.id in self.nodes
+                if exists and not req.replace:
+                    raise BadRequestError(f"node {node.id!r} is already registered "
+                                          "(remove it first, or add with replace)")
+                assert self.registry is not None
+                await self.registry.put(node.id, _encode(RegistryEntry(node=req.node, at=self.clock())))
+                if exists:
+                    await self._stop_polling(node.id)
+                self.nodes[node.id] = node
+                self.sources[node.id] = "registry"
+                self._start_polling(node, self.clock())
+            log.info("node %s registered (%s at %s)", node.id, node.accelerator, node.endpoint)
+            await msg.respond(_encode(NodeAdded(node=req.node, replaced=exists)))
+        except ZMLError as exc:
+            await self._reply_error(msg, exc)
+
+    async def _on_remove(self, msg: Msg) -> None:
+        try:
+            try:
+                req = node_remove_decoder.decode(msg.data)
+            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                raise BadRequestError(f"invalid node removal: {exc}") from exc
+            async with self._admin_lock:
+                if req.node_id not in self.nodes:
+                    raise BadRequestError(f"no node {req.node_id!r} is registered")
+                assert self.registry is not None and self.kv is not None
+                if req.node_id in self.config_nodes:  # zml.toml would bring it back: tombstone
+                    await self.registry.put(req.node_id, _encode(RegistryEntry(removed=True, at=self.clock())))
+                else:
+                    await self.registry.delete(req.node_id)
+                await self._stop_polling(req.node_id)
+                self.nodes.pop(req.node_id, None)
+                self.sources.pop(req.node_id, None)
+                await self.kv.delete(req.node_id)
+            log.info("node %s removed", req.node_id)
+            await msg.respond(_encode(NodeRemoved(node_id=req.node_id)))
+        except ZMLError as exc:
+            await self._reply_error(msg, exc)

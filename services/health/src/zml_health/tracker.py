@@ -1,10 +1,14 @@
-"""Per-node health state machine and score (pure: time passed in).
+"""Per-node health state machine, counters and error rate (pure: time is passed in).
 
-* A node that has never answered is ``loading`` during the start-up grace window.
+* A node that has never answered is ``loading`` during its start-up grace window, and so is a
+  node whose engine says it is loading (SGLang/llama.cpp 503).
 * ``down`` after ``down_after`` consecutive failed probes; back ``up`` after ``up_after``
-  consecutive good ones (flapping suppression); one failure does not take a node down.
-* health score 0-100 = 100 x (1 - error_rate) x 1/(1 + queue/capacity): an idle node with no
-  errors scores 100, a node with a full extra batch waiting scores ~50. See docs/health.md.
+  consecutive good ones (flapping suppression). One failed or slow probe does not change the
+  status of an up node; a slow probe (timeout) is not counted in the error rate either.
+* The error rate is the larger of the failed-probe share and the node-error share of the
+  routers' completion events, both over ``error_window_s``.
+* Counters (tokens, requests, TTFT histogram) become rates from one poll to the next; a counter
+  that goes backwards means the engine restarted, and starts over.
 """
 
 from __future__ import annotations
@@ -13,54 +17,116 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from zmlcore.config import HealthConfig
+from zmlcore.health.score import health_score
 from zmlcore.messages import NodeStatus
 
 from zml_health.adapters.base import Probe
 
+__all__ = ["Tracker", "health_score"]
 
-def health_score(error_rate: float, queue_depth: int, capacity: int) -> float:
-    cap = max(capacity, 1)
-    return round(100.0 * (1.0 - min(max(error_rate, 0.0), 1.0)) / (1.0 + max(queue_depth, 0) / cap), 1)
+#: Events needed in the window before the request error rate counts (one error in two
+#: requests says little).
+MIN_EVENTS = 5
 
 
 @dataclass(slots=True)
 class Tracker:
     started_at: float
+    grace_s: float
+    history_len: int = 12
     status: NodeStatus = "unknown"
     ever_ok: bool = False
     fails: int = 0
     oks: int = 0
     last_ok: float = 0.0
     reason: str = ""
-    results: deque[bool] = field(default_factory=lambda: deque(maxlen=20))
-    last_tokens: tuple[float, float] | None = None  # (time, generation_tokens_total)
+    polls: int = 0
+    #: (time, failed) per probe; slow and loading probes are not recorded.
+    probes: deque[tuple[float, bool]] = field(default_factory=deque)
+    #: (time, node_error) per router completion event on this node.
+    events: deque[tuple[float, bool]] = field(default_factory=deque)
+    last_poll_at: float = 0.0
+    last_tokens: float | None = None
+    last_requests: float | None = None
+    last_ttft: tuple[float, float] | None = None
     tokens_per_s: float = 0.0
+    requests_per_s: float = 0.0
+    ttft_s: float | None = None
+    last_inference_at: float = 0.0
+    history: deque[float] = field(default_factory=deque)
 
-    @property
-    def error_rate(self) -> float:
-        return 0.0 if not self.results else self.results.count(False) / len(self.results)
+    def error_rate(self, now: float, window: float) -> float:
+        self._trim(now, window)
+        probe_rate = sum(1 for _, f in self.probes if f) / len(self.probes) if self.probes else 0.0
+        req_rate = 0.0
+        if len(self.events) >= MIN_EVENTS:
+            req_rate = sum(1 for _, e in self.events if e) / len(self.events)
+        return max(probe_rate, req_rate)
+
+    def _trim(self, now: float, window: float) -> None:
+        for dq in (self.probes, self.events):
+            while dq and dq[0][0] < now - window:
+                dq.popleft()
+
+    def record_request(self, ts: float, ok: bool, node_error: bool) -> None:
+        """A router's completion event for this node."""
+        self.events.append((ts, node_error))
+        if ok:
+            self.last_inference_at = max(self.last_inference_at, ts)
 
     def observe(self, probe: Probe, now: float, cfg: HealthConfig) -> NodeStatus:
-        self.results.append(probe.ok)
+        self.polls += 1
         if probe.ok:
-            self.oks += 1
-            self.fails = 0
-            self.last_ok = now
-            self.reason = ""
-            if not self.ever_ok or self.status in ("unknown", "loading") or self.oks >= cfg.up_after:
-                self.status = "up"
-            self.ever_ok = True
-            if probe.generation_tokens_total is not None:
-                if self.last_tokens is not None and now > self.last_tokens[0]:
-                    dt = now - self.last_tokens[0]
-                    self.tokens_per_s = max(0.0, (probe.generation_tokens_total - self.last_tokens[1]) / dt)
-                self.last_tokens = (now, probe.generation_tokens_total)
-            return self.status
-        self.fails += 1
+            self._observe_ok(probe, now, cfg)
+        else:
+            self._observe_failure(probe, now, cfg)
+        self._trim(now, cfg.error_window_s)
+        return self.status
+
+    def _observe_ok(self, probe: Probe, now: float, cfg: HealthConfig) -> None:
+        self.probes.append((now, False))
+        self.oks += 1
+        self.fails = 0
+        self.last_ok = now
+        self.reason = ""
+        if self.status != "down" or self.oks >= cfg.up_after:
+            self.status = "up"
+        self.ever_ok = True
+        self._rates(probe, now)
+
+    def _observe_failure(self, probe: Probe, now: float, cfg: HealthConfig) -> None:
         self.oks = 0
         self.reason = probe.error
-        if probe.loading or (not self.ever_ok and now - self.started_at < cfg.startup_grace_s):
+        if probe.loading or (not self.ever_ok and now - self.started_at < self.grace_s):
+            # The engine is starting: neither a failure nor a reason to route to it.
+            self.fails = 0
             self.status = "loading"
-        elif self.fails >= cfg.down_after or not self.ever_ok:
+            return
+        self.fails += 1
+        if not probe.slow:
+            self.probes.append((now, True))
+        if self.fails >= cfg.down_after or self.status in ("unknown", "loading"):
             self.status = "down"
-        return self.status
+
+    def _rates(self, probe: Probe, now: float) -> None:
+        dt = now - self.last_poll_at if self.last_poll_at else 0.0
+        self.last_poll_at = now
+        tok = probe.generation_tokens_total
+        if tok is not None:
+            if self.last_tokens is not None and dt > 0 and tok >= self.last_tokens:
+                self.tokens_per_s = (tok - self.last_tokens) / dt
+                if tok > self.last_tokens:
+                    self.last_inference_at = max(self.last_inference_at, now)
+            self.last_tokens = tok
+        req = probe.requests_ok_total
+        if req is not None:
+            if self.last_requests is not None and dt > 0 and req >= self.last_requests:
+                self.requests_per_s = (req - self.last_requests) / dt
+            self.last_requests = req
+        if probe.ttft_sum is not None and probe.ttft_count is not None:
+            if self.last_ttft is not None and probe.ttft_count > self.last_ttft[1]:
+                self.ttft_s = (probe.ttft_sum - self.last_ttft[0]) / (probe.ttft_count - self.last_ttft[1])
+            self.last_ttft = (probe.ttft_sum, probe.ttft_count)
+        self.history.append(round(self.tokens_per_s, 3))
+        while len(self.history) > self.history_len:
+            self.history.popleft()

@@ -10,7 +10,15 @@ from zmlcore.messages.infer import (
     infer_request_decoder,
     routing_info_decoder,
 )
+from zmlcore.messages.admin import NodeAdd, NodeAdded, NodeRemove, NodeRemoved, NodeSpec, RegistryEntry
 from zmlcore.messages.node import InflightDelta, NodeState, NodeStatus, node_state_decoder
+from zmlcore.messages.warmup import (
+    RequestCompleted,
+    ServeReply,
+    ServeRequest,
+    ServeTarget,
+    WarmupEvent,
+)
 
 __all__ = [
     "ZML_REQUEST_KEYS",
@@ -18,10 +26,21 @@ __all__ = [
     "InferRequest",
     "InflightDelta",
     "InlinePolicy",
+    "NodeAdd",
+    "NodeAdded",
+    "NodeRemove",
+    "NodeRemoved",
+    "NodeSpec",
     "NodeState",
     "NodeStatus",
+    "RegistryEntry",
+    "RequestCompleted",
     "RoutingInfo",
+    "ServeReply",
+    "ServeRequest",
+    "ServeTarget",
     "StreamStart",
+    "WarmupEvent",
     "infer_request_decoder",
     "node_state_decoder",
     "routing_info_decoder",

@@ -37,6 +37,32 @@ class NodeState(msgspec.Struct, kw_only=True, omit_defaults=True):
     cost_per_hour: float = 0.0
     last_ok: float = 0.0
     updated_at: float = 0.0
+    # --- added by the health service's adapters and hardware validation (all optional) ---
+    #: Unix time of the last successful inference seen on this node (router events or the
+    #: engine's own counters).
+    last_inference_at: float = 0.0
+    #: Completed requests per second over the last poll interval (engine counters).
+    requests_per_s: float = 0.0
+    #: Recent tokens/s samples, oldest first (one per poll).
+    tokens_per_s_history: list[float] = []
+    #: Mean time to first token over the last poll interval, from the engine's histogram.
+    ttft_s: float | None = None
+    #: Consecutive failed probes (a node is "down" after [health] down_after of them).
+    consecutive_failures: int = 0
+    #: Hardware reported by the node probe (GET /zml/v1/node); empty when the node has none.
+    driver_version: str = ""
+    device_count: int = 0
+    memory_gib: float | None = None
+    #: Something an operator should know that does not stop routing ("no node probe: hardware
+    #: not validated").
+    note: str = ""
+    #: "config" (zml.toml) or "registry" (added at run time with zml.admin.nodes.add).
+    source: str = "config"
+    #: The health service's poll interval: consumers judge freshness against it.
+    poll_interval_s: float = 0.0
+    #: Seconds since ``updated_at`` when this state was sent in a listing (0 in the KV bucket,
+    #: where readers compute ``now - updated_at`` themselves).
+    age_s: float = 0.0
 
 
 class InflightDelta(msgspec.Struct, kw_only=True, array_like=True):

@@ -1,18 +1,23 @@
-"""vLLM: /health, /v1/models, /metrics (vllm:num_requests_running|waiting, kv cache usage).
+"""vLLM: ``/health``, ``/v1/models``, ``/metrics``.
 
-vLLM refuses connections until its model is loaded, so a refused connection during the
-start-up grace window means "loading" (decided by the tracker, not here).
+Metrics read: ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
+``vllm:kv_cache_usage_perc`` (``vllm:gpu_cache_usage_perc`` before v0.10),
+``vllm:generation_tokens_total``, ``vllm:request_success_total`` and the
+``vllm:time_to_first_token_seconds`` histogram (sum/count).
+
+vLLM's API server refuses connections until its model is loaded, so a refused connection in the
+start-up grace window means "loading" (decided by the tracker, which knows the window).
 """
 
 from __future__ import annotations
 
 import httpx
 
-from zml_health.adapters.base import Probe, get_models
+from zml_health.adapters.base import Probe, failure, first, get_models
 from zml_health.prometheus import parse_metrics
 
 
-async def probe(client: httpx.AsyncClient, endpoint: str, timeout: float) -> Probe:
+async def probe(client: httpx.AsyncClient, endpoint: str, timeout: float, poll: int = 0) -> Probe:
     try:
         health = await client.get(endpoint + "/health", timeout=timeout)
         if health.status_code != 200:
@@ -20,14 +25,22 @@ async def probe(client: httpx.AsyncClient, endpoint: str, timeout: float) -> Pro
         models = await get_models(client, endpoint, timeout)
         metrics = await client.get(endpoint + "/metrics", timeout=timeout)
     except httpx.HTTPError as exc:
-        return Probe(ok=False, error=f"{type(exc).__name__}: {exc}".rstrip(": "))
+        return failure(exc, "vLLM probe")
+    except ValueError as exc:
+        return Probe(ok=False, error=f"/v1/models: bad JSON ({exc})")
     m = parse_metrics(metrics.text) if metrics.status_code == 200 else {}
-    kv = m.get("vllm:kv_cache_usage_perc", m.get("vllm:gpu_cache_usage_perc", 0.0))
+    return from_metrics(m, models)
+
+
+def from_metrics(m: dict[str, float], models: list[str]) -> Probe:
     return Probe(
         ok=True,
         models=models,
         running=int(m.get("vllm:num_requests_running", 0)),
         waiting=int(m.get("vllm:num_requests_waiting", 0)),
-        kv_cache_usage=kv,
+        kv_cache_usage=first(m, "vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc") or 0.0,
         generation_tokens_total=m.get("vllm:generation_tokens_total"),
+        requests_ok_total=m.get("vllm:request_success_total"),
+        ttft_sum=m.get("vllm:time_to_first_token_seconds_sum"),
+        ttft_count=m.get("vllm:time_to_first_token_seconds_count"),
     )

@@ -1,0 +1,94 @@
+"""Warmup wire messages: router completion events, warmup progress, and ``zml serve``.
+
+* ``zml.events.completed`` — :class:`RequestCompleted`, published by every router once per
+  finished request (success or error). The warmup service measures per-model request rate and
+  per-node idleness from them; the health service counts per-node errors and the last
+  successful inference.
+* ``zml.events.warmup`` — :class:`WarmupEvent`, published by the warmup service when a load
+  starts, finishes or fails.
+* ``zml.warmup.serve`` — request :class:`ServeRequest`, reply :class:`ServeReply` (or an
+  error body with ``Zml-Error-Code``).
+
+Example (what a router publishes)::
+
+    ev = RequestCompleted(model="m", node_id="h100-1", family="H100", ok=True, ts=time.time(),
+                          ttft_s=0.2)
+    await nc.publish(subjects.event(subjects.EVENT_COMPLETED), completed_encoder.encode(ev))
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+
+class RequestCompleted(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """One finished inference request, as the router saw it."""
+
+    #: Canonical model name (aliases resolved).
+    model: str
+    #: Node that served (or last failed) the request; "" when no node was chosen.
+    node_id: str = ""
+    family: str = ""
+    #: True when the client got a successful answer.
+    ok: bool = True
+    #: ZML error code when not ok (MODEL_NOT_LOADED, BACKEND_ERROR, ...).
+    error_code: str = ""
+    #: True when the error was the node's (network error, 5xx): counts in its error rate.
+    node_error: bool = False
+    #: Unix time the request finished.
+    ts: float = 0.0
+    ttft_s: float | None = None
+    latency_s: float | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    attempts: int = 1
+    router_id: str = ""
+    request_id: str = ""
+
+
+WarmupPhase = Literal["started", "loaded", "failed", "probed"]
+
+
+class WarmupEvent(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    node_id: str
+    model: str
+    phase: WarmupPhase
+    #: "quiet_window", "fixed_window", "serve", "keep_warm".
+    reason: str = ""
+    #: How the load was asked for: "sim_load", "vllm_wake_up", "warmup_request".
+    mechanism: str = ""
+    message: str = ""
+    ts: float = 0.0
+    elapsed_s: float | None = None
+
+
+class ServeRequest(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Load ``model`` now on the chosen nodes (default: every node configured with it)."""
+
+    model: str
+    #: Node ids; empty: all nodes that list the model in zml.toml / the registry.
+    nodes: list[str] = []
+    #: Families (H100, MI300X...); combined with ``nodes`` as an intersection when both given.
+    family: list[str] = []
+
+
+class ServeTarget(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    node_id: str
+    #: "loaded" (already), "loading" (asked now or already in progress), "failed", "skipped".
+    state: str
+    mechanism: str = ""
+    message: str = ""
+
+
+class ServeReply(msgspec.Struct, frozen=True, kw_only=True):
+    model: str
+    targets: list[ServeTarget] = []
+
+
+completed_encoder = msgspec.json.Encoder()
+completed_decoder = msgspec.json.Decoder(RequestCompleted)
+warmup_event_decoder = msgspec.json.Decoder(WarmupEvent)
+serve_request_decoder = msgspec.json.Decoder(ServeRequest)
+serve_reply_decoder = msgspec.json.Decoder(ServeReply)

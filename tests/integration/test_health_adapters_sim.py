@@ -1,0 +1,76 @@
+"""The health service against `zml sim` imitating each engine (real NATS, real HTTP)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+
+from test_health_helpers import config, connected, eventually, node_entry, private_nats, start_sim
+from zml_health.adapters import adapter_for
+from zml_health.service import HealthService
+from zmlcore.messages import node_state_decoder
+from zmlcore.natsio import nodes_kv
+
+M = "meta-llama/llama-3-8b-instruct"
+
+
+@pytest.fixture(scope="module")
+def nats_private() -> str:  # type: ignore[misc]
+    with private_nats() as url:
+        yield url
+
+
+@pytest.mark.parametrize("engine", ["vllm", "tgi", "sglang", "llamacpp", "openai"])
+async def test_adapter_reads_a_busy_sim(engine: str) -> None:
+    sim = await start_sim(f"{engine}-1", "nvidia_h100", [M], engine=engine, time_scale=1.0, max_concurrency=2)
+    try:
+        async with httpx.AsyncClient() as client:
+            # Two running, two waiting: long generations keep them there while we probe.
+            body = {"model": M, "messages": [{"role": "user", "content": "x"}], "max_tokens": 2000}
+            tasks = [asyncio.create_task(client.post(sim.url + "/v1/chat/completions", json=body, timeout=30))
+                     for _ in range(4)]
+            await eventually(lambda: sim.engine.running == 2 and len(sim.engine.waiting) == 2, what="load")
+            probe = await adapter_for(engine)(client, sim.url, 2.0, 0)
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        assert probe.ok, probe.error
+        assert probe.models == [M]
+        if engine != "openai":  # a plain OpenAI server exposes no queue
+            assert (probe.running, probe.waiting) == (2, 2)
+        if engine in ("vllm", "sglang"):
+            assert probe.generation_tokens_total is not None and probe.ttft_count is not None
+    finally:
+        await sim.stop()
+
+
+@pytest.mark.parametrize("engine", ["sglang", "llamacpp"])
+async def test_engines_answering_503_while_loading_are_loading(engine: str) -> None:
+    sim = await start_sim(f"{engine}-l", "nvidia_h100", [M], engine=engine, time_scale=1.0, load_time_s=30.0)
+    try:
+        async with httpx.AsyncClient() as client:
+            probe = await adapter_for(engine)(client, sim.url, 2.0, 0)
+        assert not probe.ok and probe.loading, probe
+    finally:
+        await sim.stop()
+
+
+async def test_health_service_publishes_state_with_hardware(nats_private: str) -> None:
+    sim = await start_sim("h100-a", "nvidia_h100", [M])
+    cfg = config([node_entry(sim)])
+    svc = HealthService(cfg)
+    async with connected(nats_private) as nc:
+        await svc.start(nc)
+        try:
+            kv = await nodes_kv(nc.jetstream())
+
+            await eventually(lambda: svc.states.get("h100-a") and svc.states["h100-a"].status == "up", what="node up")
+            st = node_state_decoder.decode((await kv.get("h100-a")).value)
+            assert st.models == [M] and st.health_score == 100.0
+            assert st.driver_version == "525.85" and st.device_count == 1 and st.note == ""
+            assert st.poll_interval_s == 0.1 and st.source == "config"
+        finally:
+            await svc.stop()
+            await sim.stop()
