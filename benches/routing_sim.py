@@ -82,7 +82,7 @@ def _zml(pol: ResolvedPolicy, **kw: Any) -> dict[str, Any]:
 
 
 WEIGHTED = ResolvedPolicy(
-    "weighted", PolicyConfig(strategy="weighted", latency_weight=0.8, cost_weight=0.2, queue_threshold=32), ()
+    "weighted", PolicyConfig(strategy="weighted", latency_weight=0.8, cost_weight=0.2), ()
 )
 
 POLICIES: dict[str, dict[str, Any]] = {
@@ -197,6 +197,7 @@ def run(policy: str, workload: str, load: float, seed: int, n: int, warm: int) -
             add_busy(nd, nd.busy_since, now)
         if nd.waitq:
             r2 = nd.waitq.popleft()
+            nd.waitq_tok -= P[r2]
             nd.admitted += 1
             nd.prefq.append(r2)
             nd.prefq_tok += P[r2]
@@ -215,6 +216,7 @@ def run(policy: str, workload: str, load: float, seed: int, n: int, warm: int) -
             nd.prefq_tok += P[r]
         else:
             nd.waitq.append(r)
+            nd.waitq_tok += P[r]
         if nd.cur < 0:
             start_prefill(nd, now)
 
@@ -311,12 +313,13 @@ def _oracle(nodes: list[SimNode], now: float, p: int, P: list[int], O: list[int]
                 best, best_t = nd, t
         else:
             full.append(nd)
+    full.sort(key=lambda x: x.lower_bound(now, p))
     for nd in full:
-        lb = (nd.cur_end - now if nd.cur >= 0 else 0.0) + (nd.prefq_tok + p) / nd.pf
-        if lb < best_t:
-            t = nd.predict_ttft(now, p, P, O)
-            if t < best_t:
-                best, best_t = nd, t
+        if nd.lower_bound(now, p) >= best_t:
+            break
+        t = nd.predict_ttft(now, p, P, O, best_t)
+        if t < best_t:
+            best, best_t = nd, t
     return best, best_t
 
 
@@ -345,6 +348,7 @@ def main(argv: list[str] | None = None) -> None:
         (p, w, ld, s, n, warm)
         for w in args.workloads.split(",") for ld in loads for s in range(1, args.seeds + 1) for p in pols
     ]
+    tasks.sort(key=lambda t: (t[0] != "oracle", -t[2]))  # longest first
     t0 = time.perf_counter()
     with Pool(args.jobs) as pool:
         results = pool.map(_task, tasks, chunksize=1)

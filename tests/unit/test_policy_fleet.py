@@ -104,3 +104,26 @@ def test_measured_speeds_within_bucket_share_a_class():
         v.state = type(st)(**{**{f: getattr(st, f) for f in st.__struct_fields__}, "prefill_tps": pf})
     fleet = FleetIndex([a, b])
     assert len(fleet.table("m").by_family["h100"]) == 1
+
+
+def test_cached_argmin_stays_exact_under_random_updates():
+    import random
+
+    from zmlcore.policy.estimate import INF
+
+    rng = random.Random(3)
+    views = [node(f"n{i}", outstanding=rng.randint(0, 40), pending=rng.randint(0, 3)) for i in range(30)]
+    fleet = FleetIndex(views)
+    (cls,) = fleet.table("m").by_family["h100"]
+    for _ in range(2000):
+        v = views[rng.randrange(30)]
+        if rng.random() < 0.5:
+            v.outstanding = max(0, v.outstanding + rng.choice((-1, 1)))
+        else:
+            v.pending = max(0, v.pending + rng.choice((-1, 1)))
+        if rng.random() < 0.3:
+            i = cls.argmin_key()
+            m = min(cls.keys)
+            assert i == (cls.keys.index(m) if m != INF else -1)
+            j = cls.argmin_drain()
+            assert j == cls.drains.index(min(cls.drains))

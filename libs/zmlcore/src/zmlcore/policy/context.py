@@ -86,13 +86,13 @@ class Ctx:
 
     def hide(self, cls: NodeClass, i: int) -> None:
         self.restore.append((cls, i, cls.keys[i], cls.drains[i]))
-        cls.keys[i] = INF
-        cls.drains[i] = INF
+        cls.set(i, INF, INF)
 
     def undo(self) -> None:
         for cls, i, k, d in reversed(self.restore):
             cls.keys[i] = k
             cls.drains[i] = d
+            cls.best_k = cls.best_d = -1
         self.restore.clear()
 
     def hide_excluded(self) -> None:
@@ -103,22 +103,18 @@ class Ctx:
 
     # --- best of a class ---
     def best_key(self, cls: NodeClass) -> int | None:
-        keys = cls.keys
         while True:
-            m = min(keys)
-            if m == INF:
+            i = cls.argmin_key()
+            if i < 0:
                 return None
-            i = keys.index(m)
             if self.check(cls, i):
                 return i
 
     def best_drain(self, cls: NodeClass) -> int | None:
-        drains = cls.drains
         while True:
-            m = min(drains)
-            if m == INF:
+            i = cls.argmin_drain()
+            if i < 0:
                 return None
-            i = drains.index(m)
             if self.check(cls, i):
                 return i
 

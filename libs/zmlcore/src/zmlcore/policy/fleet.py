@@ -28,9 +28,14 @@ from zmlcore.policy.types import NodeView
 
 
 class NodeClass:
-    """Nodes of one family and profile serving one model, with their current keys."""
+    """Nodes of one family and profile serving one model, with their current keys.
 
-    __slots__ = ("family", "coeffs", "views", "ok", "keys", "drains")
+    ``best_k`` / ``best_d`` cache the first index of the minimum of ``keys`` / ``drains``
+    (-1: unknown). Updates keep them exact in O(1) except when the best node's key rises (the
+    usual case right after it was chosen), which leaves them unknown until the next decision.
+    """
+
+    __slots__ = ("family", "coeffs", "views", "ok", "keys", "drains", "best_k", "best_d")
 
     def __init__(self, family: str, coeffs: Coeffs) -> None:
         self.family = family
@@ -42,17 +47,54 @@ class NodeClass:
         self.keys: list[float] = []
         #: Coeffs.drain_key of each node, INF when not routable
         self.drains: list[float] = []
+        self.best_k = -1
+        self.best_d = -1
 
     def refresh(self, i: int) -> None:
         if self.ok[i]:
             v = self.views[i]
             out = v.effective_outstanding()
             c = self.coeffs
-            self.keys[i] = c.load_key(out, v.effective_pending())
-            self.drains[i] = (out + 1) / c.mu
+            self.set(i, c.load_key(out, v.effective_pending()), (out + 1) / c.mu)
         else:
-            self.keys[i] = INF
-            self.drains[i] = INF
+            self.set(i, INF, INF)
+
+    def set(self, i: int, key: float, drain: float) -> None:
+        keys = self.keys
+        b = self.best_k
+        if b >= 0:
+            if i == b:
+                if key > keys[i]:
+                    self.best_k = -1
+            elif key < keys[b] or (key == keys[b] and i < b):
+                self.best_k = i
+        keys[i] = key
+        drains = self.drains
+        b = self.best_d
+        if b >= 0:
+            if i == b:
+                if drain > drains[i]:
+                    self.best_d = -1
+            elif drain < drains[b] or (drain == drains[b] and i < b):
+                self.best_d = i
+        drains[i] = drain
+
+    def argmin_key(self) -> int:
+        """First index of the smallest key (-1 if every key is INF)."""
+        b = self.best_k
+        if b < 0:
+            keys = self.keys
+            m = min(keys)
+            b = self.best_k = keys.index(m)
+        return -1 if self.keys[b] == INF else b
+
+    def argmin_drain(self) -> int:
+        b = self.best_d
+        if b < 0:
+            drains = self.drains
+            m = min(drains)
+            b = self.best_d = drains.index(m)
+        return -1 if self.drains[b] == INF else b
 
 
 class ModelTable:
@@ -188,6 +230,7 @@ class FleetIndex(Sequence[NodeView]):
             cls.ok.append(ok)
             cls.keys.append(INF)
             cls.drains.append(INF)
+            cls.best_k = cls.best_d = -1
             cls.refresh(i)
             t.counts[fam.lower()] += 1
             t.flat.append((cls, i))
@@ -197,8 +240,7 @@ class FleetIndex(Sequence[NodeView]):
 
     def block(self, cls: NodeClass, i: int, until: float) -> None:
         """Keep node ``i`` of ``cls`` out of the lists until ``until`` (INF: until it changes)."""
-        cls.keys[i] = INF
-        cls.drains[i] = INF
+        cls.set(i, INF, INF)
         if until != INF:
             self._seq += 1
             heapq.heappush(self._blocked, (until, self._seq, cls, i))
