@@ -1,0 +1,131 @@
+"""Each engine adapter against recorded responses (tests/data/engines), over httpx's mock transport."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+import pytest
+
+from zml_health.adapters import adapter_for, sglang
+
+DATA = Path(__file__).resolve().parents[1] / "data" / "engines"
+BASE = "http://node:8000"
+
+
+def recorded(routes: dict[str, tuple[int, str]]) -> httpx.AsyncClient:
+    def handler(request: httpx.Request) -> httpx.Response:
+        if request.url.path not in routes:
+            return httpx.Response(404, json={"detail": "Not Found"})
+        status, name = routes[request.url.path]
+        body = (DATA / name).read_bytes() if name else b""
+        return httpx.Response(status, content=body)
+
+    return httpx.AsyncClient(transport=httpx.MockTransport(handler))
+
+
+def refusing() -> httpx.AsyncClient:
+    def handler(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
+
+    return httpx.AsyncClient(transport=httpx.MockTransport(handler))
+
+
+def timing_out() -> httpx.AsyncClient:
+    def handler(request: httpx.Request) -> httpx.Response:
+        raise httpx.ReadTimeout("timed out", request=request)
+
+    return httpx.AsyncClient(transport=httpx.MockTransport(handler))
+
+
+async def probe(backend: str, client: httpx.AsyncClient, poll: int = 0):  # type: ignore[no-untyped-def]
+    async with client:
+        return await adapter_for(backend)(client, BASE, 1.0, poll)
+
+
+async def test_vllm_reads_queue_cache_counters_and_ttft() -> None:
+    p = await probe("vllm", recorded({"/health": (200, ""), "/v1/models": (200, "vllm/models.json"),
+                                      "/metrics": (200, "vllm/metrics.txt")}))
+    assert p.ok and p.models == ["meta-llama/Llama-3.1-8B-Instruct"]
+    assert (p.running, p.waiting, p.kv_cache_usage) == (7, 3, 0.4213)
+    assert p.generation_tokens_total == 51234.0 and p.requests_ok_total == 250.0
+    assert (p.ttft_sum, p.ttft_count) == (37.5, 250.0)
+
+
+async def test_vllm_older_releases_name_the_cache_gauge_gpu_cache_usage_perc() -> None:
+    p = await probe("vllm", recorded({"/health": (200, ""), "/v1/models": (200, "vllm/models.json"),
+                                      "/metrics": (200, "vllm-0.6/metrics.txt")}))
+    assert p.ok and p.kv_cache_usage == 0.125 and p.running == 2
+
+
+@pytest.mark.parametrize("backend", ["vllm", "tgi", "sglang", "llamacpp", "openai"])
+async def test_refused_connection_is_a_failure_not_a_loading_claim(backend: str) -> None:
+    # vLLM/TGI refuse connections while loading: only the tracker, which knows the start-up
+    # grace window, may call that "loading".
+    p = await probe(backend, refusing())
+    assert not p.ok and not p.loading and not p.slow and "ConnectError" in p.error
+
+
+@pytest.mark.parametrize("backend", ["vllm", "tgi", "sglang", "llamacpp", "openai"])
+async def test_timeout_is_slow(backend: str) -> None:
+    p = await probe(backend, timing_out())
+    assert not p.ok and p.slow
+
+
+async def test_tgi_reads_info_and_metrics() -> None:
+    p = await probe("tgi", recorded({"/health": (200, ""), "/info": (200, "tgi/info.json"),
+                                     "/metrics": (200, "tgi/metrics.txt")}))
+    assert p.ok and p.models == ["meta-llama/Llama-3.1-8B-Instruct"]
+    assert (p.running, p.waiting, p.max_concurrency) == (12, 5, 128)
+    assert p.generation_tokens_total == 143212  # the histogram's _sum, not its request _count
+    assert (p.requests_ok_total, p.requests_failed_total) == (1020, 5)
+
+
+async def test_sglang_cheap_poll_and_rare_generate_probe() -> None:
+    routes = {"/ready": (200, ""), "/v1/models": (200, "sglang/models.json"),
+              "/metrics": (200, "sglang/metrics.txt"), "/health_generate": (503, "")}
+    p = await probe("sglang", recorded(routes), poll=0)
+    assert p.ok and (p.running, p.waiting, p.kv_cache_usage) == (24, 9, 0.68)
+    assert p.requests_ok_total == 512.0
+    # every GENERATE_EVERY-th poll runs /health_generate, which fails here
+    p = await probe("sglang", recorded(routes), poll=sglang.GENERATE_EVERY - 1)
+    assert not p.ok and "/health_generate" in p.error
+
+
+async def test_sglang_503_is_loading() -> None:
+    p = await probe("sglang", recorded({"/ready": (503, "")}))
+    assert not p.ok and p.loading
+
+
+async def test_llamacpp_loading_model_503() -> None:
+    p = await probe("llamacpp", recorded({"/health": (503, "llamacpp/health_loading.json")}))
+    assert not p.ok and p.loading and p.error == "Loading model"
+
+
+async def test_llamacpp_metrics_and_slots() -> None:
+    p = await probe("llamacpp", recorded({"/health": (200, "llamacpp/health_ok.json"),
+                                          "/v1/models": (200, "llamacpp/models.json"),
+                                          "/slots": (200, "llamacpp/slots.json"),
+                                          "/metrics": (200, "llamacpp/metrics.txt")}))
+    assert p.ok and p.models == ["llama-3.1-8b-instruct-q4_k_m.gguf"]
+    assert (p.running, p.waiting, p.max_concurrency, p.kv_cache_usage) == (2, 1, 4, 0.25)
+    assert p.generation_tokens_total == 8123
+
+
+async def test_llamacpp_without_metrics_flag_counts_busy_slots() -> None:
+    p = await probe("llamacpp", recorded({"/health": (200, "llamacpp/health_ok.json"),
+                                          "/v1/models": (200, "llamacpp/models.json"),
+                                          "/slots": (200, "llamacpp/slots.json"),
+                                          "/metrics": (501, "")}))
+    assert p.ok and p.running == 2 and p.waiting == 0
+
+
+async def test_openai_fallback_lists_models() -> None:
+    p = await probe("openai", recorded({"/v1/models": (200, "vllm/models.json")}))
+    assert p.ok and p.models == ["meta-llama/Llama-3.1-8B-Instruct"] and p.running == 0
+
+
+def test_unknown_backend_falls_back_to_openai() -> None:
+    assert adapter_for("triton") is adapter_for("openai")
+
+
