@@ -127,3 +127,22 @@ def test_cached_argmin_stays_exact_under_random_updates():
             assert i == (cls.keys.index(m) if m != INF else -1)
             j = cls.argmin_drain()
             assert j == cls.drains.index(min(cls.drains))
+
+
+def test_reused_plain_list_gets_a_cached_watching_index():
+    views = [node("a"), node("b")]
+    state = RoutingState()
+    choose_node(views, RouteRequest(model="m"), LAT, NOW, state)
+    assert state.fleet is None  # first sight: throw-away index
+    first = choose_node(views, RouteRequest(model="m"), LAT, NOW, state).node_id
+    idx = state.fleet
+    assert isinstance(idx, FleetIndex) and views[0]._watchers == [idx]
+    v = idx.get(first)
+    v.pending += 1
+    v.outstanding += 1
+    assert choose_node(views, RouteRequest(model="m"), LAT, NOW, state).node_id != first
+    assert state.fleet is idx
+    new_list = [*views, node("c")]
+    choose_node(new_list, RouteRequest(model="m"), LAT, NOW, state)
+    choose_node(new_list, RouteRequest(model="m"), LAT, NOW, state)
+    assert state.fleet is not idx and views[0]._watchers == [state.fleet]

@@ -78,7 +78,7 @@ def choose_node(
     """
     if req.accelerator_id is not None:
         return _pinned(nodes, req, now, stale_after_s)
-    fleet = nodes if isinstance(nodes, FleetIndex) else FleetIndex(nodes, watch=False)
+    fleet = nodes if isinstance(nodes, FleetIndex) else _index_for(nodes, state)
     table = fleet.table(req.model)
     if not table.flat:
         raise ModelNotLoadedError(
@@ -109,6 +109,22 @@ def choose_node(
         estimated_ttft_s=pick.est,
         evaluated=ctx.evaluated or [],
     )
+
+
+def _index_for(nodes: Sequence[NodeView], state: RoutingState) -> FleetIndex:
+    """An index for a plain list: cached in ``state`` when the router reuses the list object
+    (a watching index follows every counter change, so it stays exact)."""
+    cached = state.fleet
+    if cached is not None and state.fleet_src is nodes and len(cached) == len(nodes):
+        return cached
+    if state.last_list is nodes:
+        if cached is not None:
+            cached.close()
+        state.fleet = FleetIndex(nodes)
+        state.fleet_src = nodes
+        return state.fleet
+    state.last_list = nodes
+    return FleetIndex(nodes, watch=False)
 
 
 def _pinned(nodes: Sequence[NodeView], req: RouteRequest, now: float, stale_after_s: float) -> Decision:

@@ -170,6 +170,14 @@ class Decision:
 
 @dataclass(slots=True)
 class RoutingState:
-    """Mutable per-router state a policy may keep between decisions (round-robin cursor)."""
+    """Mutable per-router state a policy may keep between decisions: the round-robin cursor
+    and, for a router that passes the same node list again and again, the FleetIndex built
+    over it (the second call with the same list object builds a watching index and keeps it
+    until a different list arrives)."""
 
     rr_cursor: int = 0
+    #: FleetIndex over ``fleet_src`` (typed Any: fleet.py imports this module)
+    fleet: Any = None
+    fleet_src: Any = None
+    #: The last plain list seen (identity), to recognise a reused list.
+    last_list: Any = None
