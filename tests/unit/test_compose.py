@@ -19,6 +19,7 @@ PARSERS = {
     "gateway": "zml_gateway.__main__",
     "router": "zml_router.__main__",
     "health": "zml_health.__main__",
+    "warmup": "zml_warmup.__main__",
 }
 KNOWN_ENV = {"ZML_LOG_LEVEL", "ZML_NATS_URL", "ZML_GATEWAY_HOST", "ZML_GATEWAY_PORT", "ZML_API_KEYS",
              "OTEL_EXPORTER_OTLP_ENDPOINT"}
@@ -67,3 +68,7 @@ def test_dockerfile_installs_the_repo_and_runs_zml() -> None:
     assert "pip install" in text and 'ENTRYPOINT ["zml"]' in text
     for folder in ("libs", "services", "sdk"):
         assert f"COPY {folder}" in text
+
+
+def test_every_long_running_service_is_in_compose() -> None:
+    assert {"nats", "sim", "health", "warmup", "router", "gateway"} <= set(SERVICES)

@@ -138,7 +138,8 @@ def start_nats(host: str, port: int, store_dir: str, *, echo: bool = False) -> P
 
 
 def service_argv(service: str, config: str | None, nats_url: str, *extra: str) -> list[str]:
-    module = {"gateway": "zml_gateway", "router": "zml_router", "health": "zml_health", "sim": "zmlcore.sim"}[service]
+    module = {"gateway": "zml_gateway", "router": "zml_router", "health": "zml_health", "warmup": "zml_warmup",
+              "sim": "zmlcore.sim"}[service]
     argv = [sys.executable, "-m", module]
     if config:
         argv += ["--config", config]

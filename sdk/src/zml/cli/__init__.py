@@ -17,6 +17,9 @@ _COMMANDS = (
     "zml.cli.batch",
     "zml.cli.bench",
     "zml.cli.nodes",
+    "zml.cli.serve",
+    "zml.cli.warmup",
+    "zml.cli.node_agent",
 )
 
 
@@ -25,6 +28,8 @@ _PASSTHROUGH = {
     "gateway": "zml_gateway.__main__",
     "router": "zml_router.__main__",
     "health": "zml_health.__main__",
+    "warmup": "zml_warmup.__main__",
+    "node-agent": "zmlcore.nodeagent.__main__",
 }
 
 

@@ -98,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
             sim = spawn("sim", service_argv("sim", config, nats_url), echo=args.verbose)
             procs.append(sim)
         procs.append(spawn("health", service_argv("health", config, nats_url), echo=args.verbose))
+        procs.append(spawn("warmup", service_argv("warmup", config, nats_url), echo=args.verbose))
         for i in range(max(1, args.routers)):
             procs.append(spawn(f"router-{i + 1}", service_argv("router", config, nats_url, "--router-id", f"router-{i + 1}"),
                                echo=args.verbose))

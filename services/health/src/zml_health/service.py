@@ -343,7 +343,9 @@ class HealthService:
         await msg.respond(_encode({"nodes": nodes}))
 
     async def _reply_error(self, msg: Msg, exc: ZMLError) -> None:
-        await msg.respond(_encode(exc.to_body()), headers={subjects.H_ERROR_CODE: exc.code})
+        assert self.nc is not None
+        if msg.reply:  # Msg.respond takes no headers
+            await self.nc.publish(msg.reply, _encode(exc.to_body()), headers={subjects.H_ERROR_CODE: exc.code})
 
     async def _on_add(self, msg: Msg) -> None:
         try:

@@ -1,0 +1,334 @@
+"""The warmup service: watches node state and request rate, pre-loads warm models in quiet
+windows (slow cold-start families first, at most K nodes at a time), keeps idle models warm,
+and answers ``zml serve`` (``zml.warmup.serve``).
+
+Inputs: KV ``zml_nodes`` (NodeState, from health), KV ``zml_registry`` (run-time nodes and the
+models they should serve), ``zml.events.completed`` (routers). Outputs: load calls to nodes,
+``zml.events.warmup`` (health marks the model "loading" on that node until it is loaded).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+import httpx
+import msgspec
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js.kv import KeyValue
+
+from zmlcore import subjects
+from zmlcore.accelerators import ACCELERATORS, canonical_family
+from zmlcore.config import ZMLConfig
+from zmlcore.errors import BadRequestError, ZMLError
+from zmlcore.messages import NodeState, ServeReply, ServeTarget, WarmupEvent, node_state_decoder
+from zmlcore.messages.admin import registry_entry_decoder
+from zmlcore.messages.warmup import completed_decoder, serve_request_decoder
+from zmlcore.natsio import ensure_kv, nodes_kv
+from zml_warmup import loader
+from zml_warmup.planner import Load, Want, keep_warm_due, plan_loads
+from zml_warmup.rate import QuietDetector, RateTracker, metrics_rate
+
+log = logging.getLogger("zml.warmup")
+
+_encode = msgspec.json.encode
+_KV_DELETE = ("DEL", "PURGE")
+#: A failed load is not retried for this long.
+FAILURE_BACKOFF_S = 60.0
+
+
+class WarmupService:
+    def __init__(self, cfg: ZMLConfig, *, clock: Callable[[], float] = time.time) -> None:
+        self.cfg = cfg
+        self.wc = cfg.warmup
+        self.clock = clock
+        now = clock()
+        self.states: dict[str, NodeState] = {}
+        self.config_wants: dict[str, Want] = {n.id: Want(n.id, n.accelerator, n.effective_family, tuple(n.models))
+                                              for n in cfg.nodes}
+        self.registry_wants: dict[str, Want] = {}
+        self.removed: set[str] = set()
+        self.endpoints = {n.id: (n.endpoint, n.backend, n.api_key) for n in cfg.nodes}
+        self.rates = RateTracker(self.wc.rate_window_s, now)
+        self.quiet = QuietDetector(self.wc, now)
+        self.warm_models = [m for m, mc in cfg.models.items() if mc.warm]
+        self.keep_warm = {m: mc.keep_warm_after_s for m, mc in cfg.models.items() if mc.keep_warm_after_s}
+        #: (node, model) -> (started at, reason, mechanism): loads we asked for, not yet seen loaded.
+        self.in_progress: dict[tuple[str, str], tuple[float, str, str]] = {}
+        self.failed: dict[tuple[str, str], float] = {}
+        self.last_used: dict[tuple[str, str], float] = {}
+        self.events: list[WarmupEvent] = []  # recent, for tests and `zml warmup --status`
+        self.nc: NATS | None = None
+        self.http: httpx.AsyncClient | None = None
+        self._subs: list[Subscription] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._work: set[asyncio.Task[None]] = set()
+
+    # --- lifecycle -------------------------------------------------------------------------
+    async def start(self, nc: NATS) -> None:
+        self.nc = nc
+        js = nc.jetstream()
+        self.http = httpx.AsyncClient()
+        nodes = await nodes_kv(js)
+        registry = await ensure_kv(js, subjects.REGISTRY_BUCKET)
+        ready = asyncio.Event()
+        self._tasks.append(asyncio.create_task(self._follow_nodes(nodes, ready)))
+        self._tasks.append(asyncio.create_task(self._follow_registry(registry)))
+        try:
+            await asyncio.wait_for(ready.wait(), 2.0)
+        except asyncio.TimeoutError:
+            pass
+        self._subs.append(await nc.subscribe(subjects.event(subjects.EVENT_COMPLETED), cb=self._on_completed))
+        self._subs.append(await nc.subscribe(subjects.WARMUP_SERVE, cb=self._on_serve))
+        self._tasks.append(asyncio.create_task(self._sweep_forever()))
+
+    async def stop(self) -> None:
+        for sub in self._subs:
+            try:
+                await sub.unsubscribe()
+            except Exception:  # connection already closing
+                pass
+        for t in [*self._tasks, *self._work]:
+            t.cancel()
+        await asyncio.gather(*self._tasks, *self._work, return_exceptions=True)
+        if self.http:
+            await self.http.aclose()
+
+    async def _follow_nodes(self, kv: KeyValue, ready: asyncio.Event) -> None:
+        watcher = await kv.watchall()
+        async for entry in watcher:
+            if entry is None:
+                ready.set()
+                continue
+            if entry.operation in _KV_DELETE or not entry.value:
+                self.states.pop(entry.key, None)
+            else:
+                try:
+                    st = node_state_decoder.decode(entry.value)
+                except msgspec.DecodeError:
+                    continue
+                self.states[entry.key] = st
+                self._check_progress(st)
+            if entry.delta == 0:
+                ready.set()
+
+    async def _follow_registry(self, kv: KeyValue) -> None:
+        watcher = await kv.watchall()
+        async for entry in watcher:
+            if entry is None:
+                continue
+            if entry.operation in _KV_DELETE or not entry.value:
+                self.registry_wants.pop(entry.key, None)
+                self.removed.discard(entry.key)
+                continue
+            try:
+                reg = registry_entry_decoder.decode(entry.value)
+            except msgspec.DecodeError:
+                continue
+            if reg.removed or reg.node is None:
+                self.removed.add(entry.key)
+                self.registry_wants.pop(entry.key, None)
+            else:
+                n = reg.node
+                self.removed.discard(entry.key)
+                fam = n.family or (self.states[n.id].family if n.id in self.states else "")
+                fam = fam or (ACCELERATORS[n.accelerator].family if n.accelerator in ACCELERATORS else "")
+                self.registry_wants[n.id] = Want(n.id, n.accelerator, fam, tuple(n.models))
+                self.endpoints[n.id] = (n.endpoint, n.backend, None)
+
+    def wants(self) -> list[Want]:
+        merged = {**self.config_wants, **self.registry_wants}
+        return [w for k, w in merged.items() if k not in self.removed]
+
+    # --- inputs ----------------------------------------------------------------------------
+    async def _on_completed(self, msg: Msg) -> None:
+        try:
+            ev = completed_decoder.decode(msg.data)
+        except msgspec.DecodeError:
+            return
+        ts = ev.ts or self.clock()
+        model = self.cfg.resolve_model(ev.model)
+        self.rates.record(model, ts)
+        if ev.node_id:
+            self.last_used[(ev.node_id, model)] = max(ts, self.last_used.get((ev.node_id, model), 0.0))
+
+    def _check_progress(self, st: NodeState) -> None:
+        now = self.clock()
+        for (node_id, model), (started, reason, mech) in list(self.in_progress.items()):
+            if node_id != st.node_id:
+                continue
+            if model in st.models and model not in st.loading_models:
+                del self.in_progress[(node_id, model)]
+                self._emit(WarmupEvent(node_id=node_id, model=model, phase="loaded", reason=reason, mechanism=mech,
+                                       ts=now, elapsed_s=round(now - started, 3)))
+                log.info("%s loaded %s in %.1f s (%s)", node_id, model, now - started, reason)
+
+    # --- the sweep -------------------------------------------------------------------------
+    async def _sweep_forever(self) -> None:
+        while True:
+            try:
+                self.sweep()
+            except Exception:
+                log.exception("warmup sweep failed")
+            await asyncio.sleep(self.wc.sweep_interval_s)
+
+    def quiet_models(self, now: float) -> dict[str, bool]:
+        out = {}
+        for model in {*self.warm_models, *self.keep_warm}:
+            rate = self.rates.rate(model, now)
+            if self.wc.use_node_metrics:
+                rate = max(rate, metrics_rate(model, self.states.values()))
+            out[model] = self.quiet.update(model, rate, now)
+        return out
+
+    def sweep(self) -> list[Load]:
+        """One decision round: expire stale loads, start new ones, keep idle models warm."""
+        now = self.clock()
+        for key, (started, reason, mech) in list(self.in_progress.items()):
+            if now - started > self.wc.load_timeout_s:
+                del self.in_progress[key]
+                self.failed[key] = now
+                self._emit(WarmupEvent(node_id=key[0], model=key[1], phase="failed", reason=reason, mechanism=mech,
+                                       message=f"not loaded after {self.wc.load_timeout_s:g} s", ts=now))
+        quiet = self.quiet_models(now)
+        started: list[Load] = []
+        if self.wc.enabled:
+            blocked = [k for k, t in self.failed.items() if now - t < FAILURE_BACKOFF_S]
+            started = plan_loads(wants=self.wants(), states=self.states, warm_models=self.warm_models, quiet=quiet,
+                                 in_progress=self.in_progress, max_concurrent=self.wc.max_concurrent_loads,
+                                 priority_families=self.wc.priority_families, blocked=blocked)
+            reason = self.quiet.reason(now)
+            for ld in started:
+                self._begin(ld, reason, now)
+        if self.keep_warm:
+            quiet_keep = {k: v for k, v in self.keep_warm.items() if quiet.get(k, False)}
+            for ld in keep_warm_due(states=self.states, keep_warm=quiet_keep, last_used=self.last_used, now=now):
+                self.last_used[(ld.node_id, ld.model)] = now
+                self._spawn(self._probe(ld))
+        return started
+
+    def _begin(self, ld: Load, reason: str, now: float) -> None:
+        self.in_progress[(ld.node_id, ld.model)] = (now, reason, "")
+        self._spawn(self._load(ld, reason))
+
+    def _spawn(self, coro: object) -> None:
+        task = asyncio.ensure_future(coro)  # type: ignore[arg-type]
+        self._work.add(task)
+        task.add_done_callback(self._work.discard)
+
+    async def _load(self, ld: Load, reason: str) -> loader.LoadResult:
+        assert self.http is not None
+        key = (ld.node_id, ld.model)
+        started = self.in_progress.get(key, (self.clock(), reason, ""))[0]
+        endpoint, backend, api_key = self.endpoints.get(ld.node_id, ("", "openai", None))
+        if not endpoint and ld.node_id in self.states:
+            st = self.states[ld.node_id]
+            endpoint, backend = st.endpoint, st.backend
+        self._emit(WarmupEvent(node_id=ld.node_id, model=ld.model, phase="started", reason=reason, ts=self.clock()))
+        res = await loader.load(self.http, endpoint, backend, ld.model, timeout=min(self.wc.load_timeout_s, 600.0),
+                                api_key=api_key)
+        now = self.clock()
+        if not res.ok:
+            self.in_progress.pop(key, None)
+            self.failed[key] = now
+            self._emit(WarmupEvent(node_id=ld.node_id, model=ld.model, phase="failed", reason=reason,
+                                   mechanism=res.mechanism, message=res.message, ts=now))
+            log.warning("%s could not load %s: %s", ld.node_id, ld.model, res.message)
+            return res
+        if key in self.in_progress:
+            self.in_progress[key] = (started, reason, res.mechanism)
+        log.info("%s loading %s (%s, %s)", ld.node_id, ld.model, res.mechanism, reason)
+        st = self.states.get(ld.node_id)
+        if st is not None:
+            self._check_progress(st)
+        return res
+
+    async def _probe(self, ld: Load) -> None:
+        assert self.http is not None
+        endpoint, _, api_key = self.endpoints.get(ld.node_id, ("", "", None))
+        endpoint = endpoint or (self.states[ld.node_id].endpoint if ld.node_id in self.states else "")
+        if not endpoint:
+            return
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
+        try:
+            res = await loader.warmup_request(self.http, endpoint.rstrip("/"), ld.model, timeout=30.0, headers=headers)
+        except httpx.HTTPError as exc:
+            res = loader.LoadResult(False, "warmup_request", str(exc))
+        self._emit(WarmupEvent(node_id=ld.node_id, model=ld.model, phase="probed" if res.ok else "failed",
+                               reason="keep_warm", mechanism="warmup_request", message=res.message, ts=self.clock()))
+
+    def _emit(self, ev: WarmupEvent) -> None:
+        self.events.append(ev)
+        del self.events[:-200]
+        if self.nc is not None and self.nc.is_connected:
+            self._spawn(self.nc.publish(subjects.event(subjects.EVENT_WARMUP), _encode(ev)))
+
+    # --- zml serve -------------------------------------------------------------------------
+    async def _on_serve(self, msg: Msg) -> None:
+        try:
+            try:
+                req = serve_request_decoder.decode(msg.data)
+            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                raise BadRequestError(f"invalid serve request: {exc}") from exc
+            reply = await self.serve(req.model, req.nodes, req.family)
+            await msg.respond(_encode(reply))
+        except ZMLError as exc:
+            await self._reply_error(msg, exc)
+
+    async def _reply_error(self, msg: Msg, exc: ZMLError) -> None:
+        assert self.nc is not None
+        if msg.reply:  # Msg.respond takes no headers
+            await self.nc.publish(msg.reply, _encode(exc.to_body()), headers={subjects.H_ERROR_CODE: exc.code})
+
+    async def serve(self, model_name: str, nodes: list[str], families: list[str]) -> ServeReply:
+        model = self.cfg.resolve_model(model_name)
+        wants = {w.node_id: w for w in self.wants()}
+        fams = {canonical_family(f).lower() for f in families}
+        if nodes:
+            unknown = [n for n in nodes if n not in wants and n not in self.states]
+            if unknown:
+                raise BadRequestError(f"unknown node(s): {', '.join(unknown)} (see `zml nodes`)")
+            chosen = list(nodes)
+        else:
+            chosen = [n for n, w in sorted(wants.items()) if model in w.models]
+        if fams:
+            chosen = [n for n in chosen if self._family(n, wants).lower() in fams]
+        if not chosen:
+            where = f" in famil{'ies' if len(fams) > 1 else 'y'} {', '.join(sorted(families))}" if fams else ""
+            raise BadRequestError(f"no node{where} is configured to serve {model!r}: list it in the node's "
+                                  "`models` in zml.toml (or `zml nodes add`), or name nodes with --nodes")
+        now = self.clock()
+        targets: list[ServeTarget] = []
+        loads: list[tuple[Load, asyncio.Task[loader.LoadResult]]] = []
+        for node_id in chosen:
+            st = self.states.get(node_id)
+            if st is not None and model in st.models and model not in st.loading_models:
+                targets.append(ServeTarget(node_id=node_id, state="loaded"))
+                continue
+            if st is not None and st.status in ("down", "invalid"):
+                targets.append(ServeTarget(node_id=node_id, state="skipped",
+                                           message=f"node is {st.status}" + (f": {st.reason}" if st.reason else "")))
+                continue
+            key = (node_id, model)
+            if key in self.in_progress:
+                targets.append(ServeTarget(node_id=node_id, state="loading", message="already loading"))
+                continue
+            self.in_progress[key] = (now, "serve", "")
+            self.failed.pop(key, None)
+            ld = Load(node_id, model)
+            loads.append((ld, asyncio.ensure_future(self._load(ld, "serve"))))
+        for ld, task in loads:
+            res = await task
+            state = ("loaded" if res.done else "loading") if res.ok else "failed"
+            targets.append(ServeTarget(node_id=ld.node_id, state=state, mechanism=res.mechanism, message=res.message))
+        targets.sort(key=lambda t: t.node_id)
+        return ServeReply(model=model, targets=targets)
+
+    def _family(self, node_id: str, wants: dict[str, Want]) -> str:
+        if node_id in self.states:
+            return self.states[node_id].family
+        return wants[node_id].family if node_id in wants else ""
