@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -47,8 +48,11 @@ def examples_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[s
         wait_ready(url, MODEL, want_nodes=4)
         yield url, nats_url, tmp
     finally:
+        for p in procs:  # signal every process first, then wait: they stop in parallel
+            if p.alive():
+                p.popen.send_signal(signal.SIGTERM)
         for p in reversed(procs):
-            p.stop()
+            p.stop(3)
         shutil.rmtree(store, ignore_errors=True)
 
 
@@ -75,14 +79,3 @@ def test_example_runs(script: str, transport: str, examples_stack: tuple[str, st
     if script == "batch_client.py":
         rows = (cwd / "results.jsonl").read_text().splitlines()
         assert len(rows) == 20 and all('"output_text"' in r for r in rows)
-
-
-def test_examples_pass_mypy_strict() -> None:
-    mypy = shutil.which("mypy", path=str(Path(sys.executable).parent))
-    if mypy is None:
-        pytest.skip("mypy is not installed")
-    root = EXAMPLES.parent
-    env = {**os.environ, "MYPYPATH": f"{root / 'libs/zmlcore/src'}{os.pathsep}{root / 'sdk/src'}"}
-    p = subprocess.run([mypy, "--strict", "--no-error-summary", *map(str, sorted(EXAMPLES.glob("*.py")))],
-                       cwd=root, env=env, capture_output=True, text=True, timeout=120)
-    assert p.returncode == 0, p.stdout + p.stderr

@@ -144,7 +144,7 @@ def test_client_reads_the_environment(monkeypatch: pytest.MonkeyPatch, tmp_path:
 # --- typing ---------------------------------------------------------------------------------------
 
 
-def test_mypy_strict_on_the_sdk_and_the_docs_examples(tmp_path: Path) -> None:
+def test_mypy_strict_on_the_sdk_the_docs_and_the_examples(tmp_path: Path) -> None:
     mypy = shutil.which("mypy", path=str(Path(sys.executable).parent))
     if mypy is None:
         pytest.skip("mypy is not installed")
@@ -154,10 +154,11 @@ def test_mypy_strict_on_the_sdk_and_the_docs_examples(tmp_path: Path) -> None:
     for i, block in enumerate(blocks):
         (tmp_path / f"doc_example_{i}.py").write_text(block)
     env = {**os.environ, "MYPYPATH": f"{ROOT / 'libs/zmlcore/src'}{os.pathsep}{ROOT / 'sdk/src'}"}
-    files = [str(ROOT / "sdk/src/zml"), *map(str, sorted(tmp_path.glob("*.py")))]
-    p = subprocess.run([mypy, "--strict", "--no-error-summary", "--exclude", "cli/(up|services|sim)\\.py",
-                        "--follow-imports=silent", *files],
+    sdk = ROOT / "sdk/src/zml"
+    # The SDK's own modules (the other cli/ commands belong to the services' owners).
+    ours = [*sdk.glob("*.py"), *(sdk / "cli" / f"{m}.py" for m in ("_common", "infer", "batch", "bench", "nodes"))]
+    files = [*map(str, sorted(ours)), *map(str, sorted(tmp_path.glob("*.py"))),
+             *map(str, sorted((ROOT / "examples").glob("*.py")))]
+    p = subprocess.run([mypy, "--strict", "--no-error-summary", "--follow-imports=silent", *files],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
-    sdk_errors = [line for line in p.stdout.splitlines()
-                  if "error:" in line and not re.search(r"cli/(up|services|sim|__init__|__main__)\.py", line)]
-    assert not sdk_errors, "\n".join(sdk_errors)
+    assert p.returncode == 0, p.stdout + p.stderr

@@ -18,8 +18,6 @@ from zml._config import resolve
 from zml._errors import ZMLError
 from zml._models import BatchResult, InferMeta, InferResult, Metrics, Policy, Routing, StreamChunk, Usage
 from zml._ratelimit import RateLimiter
-from zml._transport_http import AsyncHTTPTransport
-from zml._transport_nats import AsyncNatsTransport
 from zmlcore.config import ZMLConfig
 from zmlcore.messages import NodeState
 
@@ -97,8 +95,12 @@ class AsyncClient:
         pool = max(int(max_connections), self.max_parallel_requests)
         self._transport: _AsyncTransport
         if self.endpoint.startswith(("nats://", "tls://")):
+            from zml._transport_nats import AsyncNatsTransport  # imported on use: nats-py is heavy
+
             self._transport = AsyncNatsTransport(self.endpoint, self.timeout)
         else:
+            from zml._transport_http import AsyncHTTPTransport
+
             self._transport = AsyncHTTPTransport(self.endpoint, self.api_key, self.timeout, pool)
 
     # ---------------------------------------------------------------- lifecycle

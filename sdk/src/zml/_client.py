@@ -18,8 +18,6 @@ from zml._config import resolve
 from zml._errors import ZMLError
 from zml._models import BatchResult, InferMeta, InferResult, Metrics, Policy, Routing, StreamChunk, Usage
 from zml._ratelimit import RateLimiter
-from zml._transport_http import SyncHTTPTransport
-from zml._transport_nats import SyncNatsTransport
 from zmlcore.config import ZMLConfig
 from zmlcore.messages import NodeState
 
@@ -97,8 +95,12 @@ class Client:
         pool = max(int(max_connections), self.max_parallel_requests)
         self._transport: _SyncTransport
         if self.endpoint.startswith(("nats://", "tls://")):
+            from zml._transport_nats import SyncNatsTransport  # imported on use: nats-py is heavy
+
             self._transport = SyncNatsTransport(self.endpoint, self.timeout)
         else:
+            from zml._transport_http import SyncHTTPTransport
+
             self._transport = SyncHTTPTransport(self.endpoint, self.api_key, self.timeout, pool)
 
     # ---------------------------------------------------------------- lifecycle

@@ -67,13 +67,16 @@ def read_items(path: str, chat: bool) -> list[dict[str, Any]]:
     return items
 
 
-def load_done(path: str) -> dict[int, str]:
-    """Rows of a previous run that succeeded, by index (first wins); torn lines are dropped."""
+def load_done(path: str) -> tuple[dict[int, str], bool]:
+    """Rows of a previous run that succeeded, by index, in file order (first wins), and whether
+    the file holds anything else (failed rows, duplicates, a torn last line)."""
     done: dict[int, str] = {}
     if not os.path.exists(path):
-        return done
+        return done, False
+    lines = 0
     with open(path, encoding="utf-8", errors="replace") as fh:
         for line in fh:
+            lines += 1
             if not line.endswith("\n"):
                 continue  # torn write of a killed run
             try:
@@ -82,7 +85,7 @@ def load_done(path: str) -> dict[int, str]:
                 continue
             if isinstance(row, dict) and isinstance(row.get("index"), int) and "error" not in row:
                 done.setdefault(row["index"], line)
-    return done
+    return done, lines != len(done)
 
 
 def rewrite(path: str, lines: list[str]) -> None:
@@ -135,7 +138,7 @@ class Progress:
         elapsed = max(now - self.started, 1e-9)
         rate = run / elapsed
         left = self.total - done
-        eta = f"{left / rate:.0f}s" if rate > 0 else "?"
+        eta = "0s" if left <= 0 else (f"{left / rate:.0f}s" if rate > 0 else "?")
         pct = 100.0 * done / self.total if self.total else 100.0
         text = f"{done}/{self.total} ({pct:.0f}%) ok={self.already + self.ok} err={self.err} {rate:.1f} req/s ETA {eta}"
         if self.tty:
@@ -164,9 +167,11 @@ class Progress:
 def run(args: argparse.Namespace) -> int:
     items = read_items(args.input, args.chat)
     if args.resume:
-        done = load_done(args.output)
-        done = {i: line for i, line in done.items() if i < len(items)}
-        rewrite(args.output, [done[i] for i in sorted(done)])
+        done, dirty = load_done(args.output)
+        kept = {i: line for i, line in done.items() if i < len(items)}
+        if dirty or len(kept) != len(done):  # leave a clean file untouched
+            rewrite(args.output, list(kept.values()))
+        done = kept
     else:
         done = {}
         rewrite(args.output, [])
