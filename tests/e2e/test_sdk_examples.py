@@ -13,10 +13,13 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+import zml
 
 from conftest import wait_ready
 from zmlcore.launch import Proc, free_port, service_argv, spawn, start_nats, wait_port
@@ -26,14 +29,14 @@ MODEL = "meta-llama/llama-3-8b-instruct"
 
 
 @pytest.fixture(scope="module")
-def examples_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, Path]]:
+def examples_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, str, Path, str]]:
     tmp = tmp_path_factory.mktemp("examples")
     text = (EXAMPLES / "zml.toml").read_text()
     text = re.sub(r"127\.0\.0\.1:81\d\d", lambda m: f"127.0.0.1:{free_port()}", text)
     text = text.replace("time_scale = 20.0", "time_scale = 20.0\nload_time_s = 1.0")
     config = tmp / "zml.toml"
     config.write_text(text)
-    nats_port, gw_port = free_port(), free_port()
+    nats_port, gw_port, auth_port = free_port(), free_port(), free_port()
     nats_url = f"nats://127.0.0.1:{nats_port}"
     procs: list[Proc] = []
     store = tempfile.mkdtemp(prefix="zml-examples-nats-")
@@ -43,10 +46,14 @@ def examples_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[s
         procs.append(spawn("health", service_argv("health", str(config), nats_url)))
         procs.append(spawn("router", service_argv("router", str(config), nats_url)))
         procs.append(spawn("gateway", service_argv("gateway", str(config), nats_url, "--port", str(gw_port))))
-        assert wait_port("127.0.0.1", gw_port, 30), procs[-1].tail()
+        # A second gateway on the same fleet that requires an API key (ZML_API_KEYS).
+        procs.append(spawn("gateway-auth", service_argv("gateway", str(config), nats_url, "--port", str(auth_port)),
+                           env={"ZML_API_KEYS": "sk-right"}))
+        assert wait_port("127.0.0.1", gw_port, 30), procs[-2].tail()
+        assert wait_port("127.0.0.1", auth_port, 30), procs[-1].tail()
         url = f"http://127.0.0.1:{gw_port}"
         wait_ready(url, MODEL, want_nodes=4)
-        yield url, nats_url, tmp
+        yield url, nats_url, tmp, f"http://127.0.0.1:{auth_port}"
     finally:
         for p in procs:  # signal every process first, then wait: they stop in parallel
             if p.alive():
@@ -61,8 +68,8 @@ SCRIPTS = sorted(p.name for p in EXAMPLES.glob("*.py"))
 
 @pytest.mark.parametrize("transport", ["http", "nats"])
 @pytest.mark.parametrize("script", SCRIPTS)
-def test_example_runs(script: str, transport: str, examples_stack: tuple[str, str, Path]) -> None:
-    url, nats_url, cwd = examples_stack
+def test_example_runs(script: str, transport: str, examples_stack: tuple[str, str, Path, str]) -> None:
+    url, nats_url, cwd, _ = examples_stack
     env = {k: v for k, v in os.environ.items() if not k.startswith("ZML_")}
     env["ZML_ENDPOINT"] = url if transport == "http" else nats_url
     p = subprocess.run([sys.executable, str(EXAMPLES / script)], cwd=cwd, env=env, capture_output=True,
@@ -79,3 +86,26 @@ def test_example_runs(script: str, transport: str, examples_stack: tuple[str, st
     if script == "batch_client.py":
         rows = (cwd / "results.jsonl").read_text().splitlines()
         assert len(rows) == 20 and all('"output_text"' in r for r in rows)
+
+
+def test_api_key_is_sent_and_a_wrong_one_is_auth_failed(
+    examples_stack: tuple[str, str, Path, str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    auth_url = examples_stack[3]
+    with zml.Client(auth_url, api_key="sk-wrong", max_retries=3) as client:
+        t0 = time.monotonic()
+        with pytest.raises(zml.AuthError) as ei:
+            client.infer(MODEL, "hi", max_tokens=1)
+        assert time.monotonic() - t0 < 0.9  # AUTH_FAILED is never retried
+    assert ei.value.code == "AUTH_FAILED" and "ZML_API_KEY" in str(ei.value)
+    monkeypatch.setenv("ZML_API_KEY", "sk-right")
+    with zml.Client(auth_url) as client:
+        assert client.infer(MODEL, "hi", max_tokens=1).text
+    with zml.Client(auth_url) as client:  # GET /v1/nodes needs the key too
+        assert {n.node_id for n in client.nodes()} == {"h100-1", "h100-pcie-1", "mi300x-1", "a100-1"}
+
+
+async def test_auth_failed_async(examples_stack: tuple[str, str, Path, str]) -> None:
+    async with zml.AsyncClient(examples_stack[3], api_key="nope") as client:
+        with pytest.raises(zml.AuthError):
+            await client.infer(MODEL, "hi", max_tokens=1)
