@@ -224,6 +224,16 @@ def test_unreachable_endpoint_is_a_zml_error() -> None:
                 client.infer(MODEL, "hi", max_tokens=1)
         assert ei.value.code == "CONNECTION_FAILED" and "zml up" in str(ei.value)
 
+    async def go() -> None:
+        for url in ("http://127.0.0.1:9", "nats://127.0.0.1:9"):
+            async with zml.AsyncClient(url, max_retries=0, timeout=2) as client:
+                with pytest.raises(zml.ConnectionError):
+                    await client.infer(MODEL, "hi", max_tokens=1)
+                with pytest.raises(zml.ConnectionError):
+                    async for _ in client.infer_stream(MODEL, "hi", max_tokens=1):
+                        pass
+    asyncio.run(go())
+
 
 def test_wrong_api_key(zml_stack: Stack) -> None:
     # The test stack has no api_keys, so any key passes; the class mapping is unit-tested.

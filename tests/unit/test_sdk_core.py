@@ -43,7 +43,7 @@ def test_build_merges_defaults_then_call_arguments() -> None:
     c = build_infer(model=None, prompt="hi", defaults={"model": MODEL, "max_tokens": 7, "top_p": 0.5},
                     extra={"top_p": 0.9, "timeout": 5, "request_id": "abc"}, max_tokens=None)
     assert c.body["model"] == MODEL and c.body["max_tokens"] == 7 and c.body["top_p"] == 0.9
-    assert c.request_id == "abc" and c.body["timeout_ms"] == 5000 and c.timeout_s == 5 + _core.TIMEOUT_GRACE_S
+    assert c.request_id == "abc" and c.body["timeout_ms"] == 5000 and c.timeout_s == 5 + _core.grace_s(5) == 5.75
     assert c.nats_headers() == {"Zml-Request-Id": "abc", "Zml-Timeout-Ms": "5000"}
     assert build_infer(model=MODEL, prompt="hi", max_tokens=3, defaults={"max_tokens": 7}).body["max_tokens"] == 3
 

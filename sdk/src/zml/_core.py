@@ -28,9 +28,14 @@ DEFAULT_TEMPERATURE = 0.7
 #: Backoff ceiling and Retry-After cap (seconds).
 MAX_BACKOFF_S = 60.0
 MAX_JITTER_S = 0.5
-#: Extra seconds the client waits beyond the request's server-side timeout, so the server's
-#: TIMEOUT error (with its routing context) arrives before the client gives up.
+#: At most this many extra seconds the client waits beyond the request's server-side timeout,
+#: so the server's TIMEOUT error (with its routing context) arrives before the client gives up.
 TIMEOUT_GRACE_S = 2.0
+
+
+def grace_s(timeout_s: float) -> float:
+    """The client's extra wait beyond a server-side timeout of ``timeout_s``."""
+    return min(TIMEOUT_GRACE_S, 0.25 + 0.1 * timeout_s)
 
 Kind = Literal["chat", "completion"]
 
@@ -211,7 +216,7 @@ def build_infer(
         body=merged,
         kind=kind,
         request_id=request_id,
-        timeout_s=server_timeout_s + TIMEOUT_GRACE_S,
+        timeout_s=server_timeout_s + grace_s(server_timeout_s),
         response_format=rf,
         est_tokens=estimate_tokens(merged, default_output_tokens),
         stream=bool(stream),
