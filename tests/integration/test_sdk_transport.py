@@ -229,3 +229,39 @@ def test_api_key_and_headers(gw: FakeGateway, script: Script) -> None:
     seen = script.seen[0]
     assert seen["headers"]["Authorization"] == "Bearer sk-1"
     assert seen["body"]["top_p"] == 0.5 and seen["body"]["request_id"] == "rid-1"
+
+
+# --- NATS without any ZML service ------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def bare_nats() -> Iterator[str]:
+    import tempfile
+
+    from zmlcore.launch import free_port, start_nats
+
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="zml-bare-nats-") as store:
+        proc = start_nats("127.0.0.1", port, store)
+        try:
+            yield f"nats://127.0.0.1:{port}"
+        finally:
+            proc.stop()
+
+
+def test_nats_without_routers_is_no_healthy_nodes(bare_nats: str) -> None:
+    with zml.Client(bare_nats, max_retries=0) as c:
+        with pytest.raises(zml.NoHealthyNodesError, match="zml up"):
+            c.infer(MODEL, "hi", max_tokens=1)
+        with pytest.raises(zml.NoHealthyNodesError, match="zml.infer"):
+            list(c.infer_stream(MODEL, "hi", max_tokens=1))
+        with pytest.raises(zml.NoHealthyNodesError, match="zml.admin.nodes.list"):
+            c.nodes()
+
+    async def go() -> None:
+        async with zml.AsyncClient(bare_nats, max_retries=1) as c:
+            t0 = time.monotonic()
+            with pytest.raises(zml.NoHealthyNodesError):
+                await c.infer(MODEL, "hi", max_tokens=1)
+            assert time.monotonic() - t0 >= 0.9  # retried once, after 1 s
+    asyncio.run(go())

@@ -483,10 +483,12 @@ def decode_nats_stream(headers: Mapping[str, str], body: bytes) -> StreamEvent:
     return decode_chunk(data)
 
 
-def no_router_error() -> ZMLError:
+def no_router_error(subject: str = subjects.INFER) -> ZMLError:
+    """What a NATS "no responders" status means: nothing serves ``subject``."""
+    who = "ZML router" if subject == subjects.INFER else "ZML service"
     return error_class("NO_HEALTHY_NODES")(
-        f"no ZML router answers on NATS subject {subjects.INFER!r}: start one with `zml up` "
-        "or check the nats:// endpoint"
+        f"no {who} answers on NATS subject {subject!r}: start ZML with `zml up` or check the nats:// endpoint",
+        retry_after=1.0,
     )
 
 

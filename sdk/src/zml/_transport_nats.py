@@ -85,7 +85,7 @@ class AsyncNatsTransport:
         try:
             msg = await nc.request(subject, body, timeout=timeout_s, headers=headers)
         except nats.errors.NoRespondersError as exc:
-            raise no_router_error() from exc
+            raise no_router_error(subject) from exc
         except nats.errors.TimeoutError as exc:
             raise timeout_error(timeout_s, (headers or {}).get(subjects.H_REQUEST_ID, "-")) from exc
         except (nats.errors.ConnectionClosedError, nats.errors.StaleConnectionError, OSError) as exc:

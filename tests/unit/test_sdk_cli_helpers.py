@@ -1,0 +1,101 @@
+"""Pure helpers of the SDK's CLI commands: bench statistics, batch files and progress, the
+nodes table, argument parsing."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+import zml
+from zml.cli import build_parser
+from zml.cli._common import parse_policy
+from zml.cli.batch import Progress, load_done, read_items
+from zml.cli.bench import Level, percentile, recommend
+from zml.cli.nodes import render
+
+
+def test_percentile_nearest_rank() -> None:
+    values = [float(v) for v in range(1, 101)]
+    assert (percentile(values, 50), percentile(values, 95), percentile(values, 99)) == (50, 95, 99)
+    assert percentile([], 50) == 0.0 and percentile([3.0], 99) == 3.0
+
+
+def level(c: int, rps: float, errors: int = 0) -> Level:
+    return Level(c=c, requests=50, errors=errors, elapsed_s=1, rps=rps, p50_s=0.1, p95_s=0.2, p99_s=0.3,
+                 svc_p95_s=0.2, q_p95_s=0.01)
+
+
+def test_recommend_smallest_level_near_the_best_clean_throughput() -> None:
+    assert recommend([level(1, 3), level(2, 6), level(4, 11), level(8, 11.5), level(16, 11.8)]) == 4
+    assert recommend([level(1, 3), level(2, 6), level(4, 30, errors=5)]) == 2
+    line = level(1, 3.14).line()
+    assert line.startswith("c=1    rps=3.14  p50=0.100s  p95=0.200s  p99=0.300s  svc_p95=0.200s  q_p95=0.010s  err=0/50")
+
+
+def test_read_items_forms(tmp_path: Path) -> None:
+    f = tmp_path / "in.jsonl"
+    f.write_text('{"prompt": "a", "id": 1}\n\n"b"\nplain text\n{"messages": [{"role": "user", "content": "c"}]}\n')
+    items = read_items(str(f), chat=False)
+    assert [i.get("prompt") for i in items] == ["a", "b", "plain text", None]
+    assert read_items(str(f), chat=True)[1] == {"messages": [{"role": "user", "content": "b"}]}
+    f.write_text('{"text": "no prompt"}\n')
+    with pytest.raises(zml.BadRequestError, match="in.jsonl:1"):
+        read_items(str(f), chat=False)
+
+
+def test_load_done_keeps_first_successes_and_flags_anything_else(tmp_path: Path) -> None:
+    f = tmp_path / "out.jsonl"
+    rows = [{"index": 2, "output_text": "x"}, {"index": 0, "error": "boom"}, {"index": 2, "output_text": "dup"},
+            {"index": 1, "output_text": "y"}]
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows) + '{"index": 3, "outp')
+    done, dirty = load_done(str(f))
+    assert list(done) == [2, 1] and json.loads(done[2])["output_text"] == "x" and dirty
+    f.write_text(done[2] + done[1])
+    assert load_done(str(f)) == ({2: done[2], 1: done[1]}, False)
+    assert load_done(str(tmp_path / "missing")) == ({}, False)
+
+
+class FakeTTY(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_bar_tty_and_plain() -> None:
+    tty = FakeTTY()
+    p = Progress(10, 2, stream=tty)
+    p.started -= 2.0
+    p.ok, p.err = 3, 1
+    line = p.line(p.started + 2.0)
+    assert line.startswith("\r[") and "6/10 (60%) ok=5 err=1 2.0 req/s ETA 2s" in line
+    plain = Progress(4, 0, stream=io.StringIO())
+    plain.ok = 4
+    assert plain.line(plain.started + 1).startswith("zml batch: 4/4 (100%)") and "ETA 0s" in plain.line(plain.started + 1)
+
+
+def test_nodes_table() -> None:
+    nodes = [{"node_id": "h100-1", "accelerator_type": "nvidia_h100", "family": "H100", "models": ["m"],
+              "status": "up", "health_score": 97.4, "queue_running": 2, "queue_waiting": 1},
+             {"node_id": "mi300x-1", "accelerator_type": "amd_mi300x", "family": "MI300X", "models": [],
+              "loading_models": ["m"], "status": "down", "reason": "driver too old", "cooldown_until": 105.0}]
+    lines = render(nodes, now=100.0).splitlines()
+    assert lines[0].split() == ["NODE", "TYPE", "FAMILY", "MODELS", "HEALTH", "QUEUE", "STATE", "COOLDOWN"]
+    assert lines[1].split() == ["h100-1", "nvidia_h100", "H100", "m", "97", "3", "up", "-"]
+    assert "(loading: m)" in lines[2] and "down (driver too old)" in lines[2] and lines[2].endswith("5.0s")
+
+
+def test_parsers_and_inline_policy() -> None:
+    parser = build_parser()
+    args = parser.parse_args(["bench", "--model", "m", "--concurrency", "1,2", "--requests", "5"])
+    assert (args.concurrency, args.requests, args.max_retries, args.max_tokens) == ("1,2", 5, 0, 64)
+    args = parser.parse_args(["batch", "--input", "i", "--output", "o", "--resume", "--rpm", "60"])
+    assert args.resume and args.rpm == 60 and args.max_retries == 3
+    pol = parse_policy('{"accelerator_chain": ["H100"], "cost_priority": "cost"}')
+    assert isinstance(pol, zml.Policy) and pol.name == "inline"
+    assert parse_policy("cost") == "cost"
+    with pytest.raises(zml.PolicyConfigError):
+        parse_policy('{"cost_priority": "free"}')
+    with pytest.raises(zml.PolicyConfigError):
+        parse_policy('{"bogus": 1}')
