@@ -234,7 +234,7 @@ async def test_vllm_and_tgi_refuse_connections_while_loading(engine: str) -> Non
 
 @pytest.mark.timeout(20)
 async def test_sglang_answers_503_until_warm() -> None:
-    n = SimNode("sg-1", "amd_mi300x", [M], engine="sglang", time_scale=20.0, load_time_s=10.0)
+    n = SimNode("sg-1", "amd_mi300x", [M], engine="sglang", time_scale=20.0, load_time_s=40.0)
     await n.start()
     try:
         async with httpx.AsyncClient(base_url=n.url) as c:
@@ -255,7 +255,7 @@ async def test_sglang_answers_503_until_warm() -> None:
 
 @pytest.mark.timeout(20)
 async def test_llamacpp_loading_body_slots_and_metrics() -> None:
-    n = SimNode("ll-1", "intel_gaudi2", [M], engine="llamacpp", time_scale=20.0, load_time_s=10.0)
+    n = SimNode("ll-1", "intel_gaudi2", [M], engine="llamacpp", time_scale=20.0, load_time_s=40.0)
     await n.start()
     try:
         async with httpx.AsyncClient(base_url=n.url) as c:

@@ -74,7 +74,7 @@ async def test_grouped_steps_keep_the_rate_at_high_time_scale() -> None:
         expected = (eng.profile.prefill_seconds(1000) + 599 * eng.profile.decode_step_seconds(1)) / 100
         assert req.finished_at is not None
         assert close_to(req.finished_at - req.arrival, expected, rel=0.15)
-        assert len(text.split()) == 600 + 0  # "[n1]" plus 599 words
+        assert len(text.split()) == 600  # "[n1]" plus 599 words
     finally:
         await eng.stop()
 
@@ -159,7 +159,7 @@ async def test_loading_takes_load_time_and_requests_need_a_loaded_model() -> Non
         with pytest.raises(SimError):
             eng.submit(M, 1, 1)
         await eng.wait_loaded(M)
-        assert close_to(loop.time() - t0, 0.1)
+        assert 0.1 <= loop.time() - t0 < 0.3
         assert M in eng.models
         assert eng.unload(M) and not eng.models
     finally:

@@ -13,7 +13,7 @@ import sys
 
 from zmlcore.accelerators import ACCELERATORS
 from zmlcore.errors import ConfigError
-from zmlcore.sim.engine import Faults
+from zmlcore.sim.engine import Faults, SimError
 from zmlcore.sim.server import DEFAULT_MODEL, ENGINES, SimNode, SimPortInUseError, start_fleet
 
 EXIT_USAGE = 2
@@ -27,13 +27,13 @@ def build_parser() -> argparse.ArgumentParser:
     mode = p.add_argument_group("mode (one of)")
     mode.add_argument("--config", help="zml.toml: run every [[nodes]] entry with a [nodes.sim] table")
     mode.add_argument("--accelerator", choices=sorted(ACCELERATORS), help="single node: accelerator type")
-    p.add_argument("--node", action="append", default=[], metavar="ID",
+    p.add_argument("--node", action="extend", nargs="+", default=[], metavar="ID",
                    help="with --config: run only these node ids (repeatable)")
     p.add_argument("--host", default=None, help="interface to bind (default 127.0.0.1; with --config "
                    "the default is each endpoint's host)")
     p.add_argument("--port", type=int, default=None, help="single node: port (0 = any free port)")
     p.add_argument("--node-id", default=None, help="single node: id (default <family>-sim)")
-    p.add_argument("--model", action="append", default=[], metavar="M",
+    p.add_argument("--model", action="extend", nargs="+", default=[], metavar="M",
                    help=f"single node: model to load (repeatable; default {DEFAULT_MODEL})")
     p.add_argument("--engine", choices=ENGINES, default="vllm", help="engine to imitate")
     p.add_argument("--time-scale", type=float, default=None,
@@ -130,7 +130,7 @@ async def _run(args: argparse.Namespace, faults: Faults) -> int:
         return 0
     except SimPortInUseError as exc:
         return _fail(f"node {exc.node_id}: port {exc.port} is already in use")
-    except ConfigError as exc:
+    except (ConfigError, SimError, ValueError) as exc:
         return _fail(str(exc))
     except OSError as exc:
         return _fail(f"cannot bind: {exc}")

@@ -297,8 +297,9 @@ class SimEngine:
                 pass
             self._task = None
 
-    def reset(self, reason: str) -> None:
-        """Crash: fail every request, forget loaded and loading models."""
+    def reset(self, reason: str, *, clear_stats: bool = False) -> None:
+        """Crash: fail every request, forget loaded and loading models (and, like a restarted
+        process, the counters when ``clear_stats``)."""
         for req in [*self.waiting, *self.prefill_queue, *self.decoding,
                     *([self.prefilling] if self.prefilling else [])]:
             if not req.finished:
@@ -314,6 +315,8 @@ class SimEngine:
         self.loading.clear()
         self.models.clear()
         self.model_loaded.clear()
+        if clear_stats:
+            self.stats.clear()
         self._wake.set()
 
     # ----- models ------------------------------------------------------------------------------
@@ -399,8 +402,10 @@ class SimEngine:
 
     @property
     def overloaded(self) -> bool:
+        # A new request would have to wait behind more than max_waiting others.
         return self.faults.overload or (
-            self.max_waiting is not None and len(self.waiting) >= self.max_waiting
+            self.max_waiting is not None
+            and self.admitted + len(self.waiting) >= self.profile.max_concurrency + self.max_waiting
         )
 
     def submit(self, model: str, prompt_tokens: int, max_tokens: int | None = None) -> SimRequest:
@@ -547,9 +552,14 @@ class SimEngine:
             if k == 1:
                 await asyncio.sleep(timeout)
                 break
+            # A timer that sets the wake event instead of wait_for, which on Python 3.11 can
+            # swallow a cancellation that races with the event (and then stop() would hang).
+            timer = loop.call_at(end, self._wake.set)
             try:
-                await asyncio.wait_for(self._wake.wait(), timeout)
-            except TimeoutError:
+                await self._wake.wait()
+            finally:
+                timer.cancel()
+            if loop.time() >= end:
                 break
             self._wake.clear()
             self._admit()

@@ -233,7 +233,7 @@ class SimNode:
         models = [*self.engine.models, *self.engine.loading] or self.initial_models
         self.engine.faults = replace(self.engine.faults, crash=True, crash_for_s=for_s)
         await self._close_server()
-        self.engine.reset("node crashed")
+        self.engine.reset("node crashed", clear_stats=True)
         if for_s is not None:
             self._revive_task = asyncio.get_running_loop().create_task(self._revive(for_s, models))
 
@@ -607,8 +607,8 @@ class SimNode:
 
     async def _metrics(self, request: web.Request) -> web.Response:
         text = render_metrics(self)
-        return web.Response(text=text, content_type="text/plain", charset="utf-8",
-                            headers={"X-Content-Type-Version": "0.0.4"})
+        return web.Response(body=text.encode(),
+                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     # ----- admin -------------------------------------------------------------------------------
 
