@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -32,22 +33,28 @@ FLEET = [
 ]
 
 
-def fleet_toml(ports: dict[str, int], *, time_scale: float = 20.0, poll_s: float = 0.5, extra: str = "") -> str:
+LLAMA3_POLICY = (
+    '[policies.llama3-production]\naccelerator_chain = ["H100", "MI300X", "A100"]\n'
+    'latency_target_ms = 500\ncost_priority = "balanced"\n'
+)
+
+
+def fleet_toml(ports: dict[str, int], *, fleet: list[tuple[str, str, list[str]]] | None = None,
+               time_scale: float = 20.0, poll_s: float = 0.5, extra: str = "", router: str = "cooldown_s = 2\n",
+               sim_extra: str = "") -> str:
     out = [
         "[defaults]\nrequest_timeout_s = 20\n",
         f"[health]\npoll_interval_s = {poll_s}\nprobe_timeout_s = 1.0\ndown_after = 2\nup_after = 1\n",
-        "[router]\ncooldown_s = 2\n",
+        f"[router]\n{router}",
         f'[models."{MODEL}"]\naliases = ["llama-3-8b"]\n',
-        '[policies.llama3-production]\naccelerator_chain = ["H100", "MI300X", "A100"]\n'
-        'latency_target_ms = 500\ncost_priority = "balanced"\n',
         extra,
     ]
-    for node_id, acc, models in FLEET:
+    for node_id, acc, models in fleet or FLEET:
         models_toml = ", ".join(f'"{m}"' for m in models)
         out.append(
             f'[[nodes]]\nid = "{node_id}"\naccelerator = "{acc}"\n'
             f'endpoint = "http://127.0.0.1:{ports[node_id]}"\nmodels = [{models_toml}]\n'
-            f"[nodes.sim]\ntime_scale = {time_scale}\nload_time_s = 2.0\nseed = {len(out)}\n"
+            f"[nodes.sim]\ntime_scale = {time_scale}\nload_time_s = 2.0\nseed = {len(out)}\n{sim_extra}"
         )
     return "\n".join(out)
 
@@ -82,6 +89,27 @@ class Stack:
     def sim_url(self, node_id: str) -> str:
         return f"http://127.0.0.1:{self.node_ports[node_id]}"
 
+    def faults(self, node_id: str, **faults: Any) -> None:
+        r = httpx.post(self.sim_url(node_id) + "/sim/faults", json=faults, timeout=5)
+        assert r.status_code == 200, r.text
+
+    def clear_faults(self) -> None:
+        for node_id in self.node_ids:
+            self.faults(node_id, error_rate=0.0, overload=False, hang=False, drop_mid_stream=0.0, slowdown=1.0,
+                        retry_after_s=None)
+
+    def sim_state(self, node_id: str) -> dict[str, Any]:
+        return httpx.get(self.sim_url(node_id) + "/sim/state", timeout=5).json()
+
+    def start_router(self, name: str) -> Proc:
+        proc = spawn(name, service_argv("router", self.config_path, self.nats_url, "--router-id", name))
+        self.procs[name] = proc
+        return proc
+
+    def stop(self) -> None:
+        for p in reversed(list(self.procs.values())):
+            p.stop()
+
 
 def wait_ready(gateway_url: str, model: str, timeout: float = 60.0, want_nodes: int = 1) -> None:
     deadline = time.monotonic() + timeout
@@ -105,29 +133,51 @@ def wait_ready(gateway_url: str, model: str, timeout: float = 60.0, want_nodes: 
     raise RuntimeError(f"stack not ready: {last}")
 
 
-@pytest.fixture(scope="session")
-def zml_stack(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    tmp: Path = tmp_path_factory.mktemp("stack")
-    ports = {node_id: free_port() for node_id, _, _ in FLEET}
+def launch_stack(nats_url: str, tmp: Path, *, fleet: list[tuple[str, str, list[str]]] | None = None,
+                 routers: int = 2, **toml: Any) -> Stack:
+    """Sims + health + routers + gateway as separate processes, started as `zml up` does."""
+    fleet = fleet or FLEET
+    ports = {node_id: free_port() for node_id, _, _ in fleet}
     config = tmp / "zml.toml"
-    config.write_text(fleet_toml(ports))
+    config.write_text(fleet_toml(ports, fleet=fleet, **toml))
     gw_port = free_port()
     procs: dict[str, Proc] = {}
+    stack = Stack(f"http://127.0.0.1:{gw_port}", nats_url, str(config), MODEL, [f[0] for f in fleet], ports, procs)
     try:
         procs["sim"] = spawn("sim", service_argv("sim", str(config), nats_url))
         procs["health"] = spawn("health", service_argv("health", str(config), nats_url))
-        for i in (1, 2):
-            procs[f"router-{i}"] = spawn(f"router-{i}", service_argv("router", str(config), nats_url, "--router-id", f"router-{i}"))
+        for i in range(1, routers + 1):
+            stack.start_router(f"router-{i}")
         procs["gateway"] = spawn("gateway", service_argv("gateway", str(config), nats_url, "--port", str(gw_port)))
-        assert wait_port("127.0.0.1", gw_port, 30), procs["gateway"].tail()
-        url = f"http://127.0.0.1:{gw_port}"
-        try:
-            wait_ready(url, MODEL, want_nodes=len(FLEET))
-        except RuntimeError:
-            for p in procs.values():
-                print(f"--- {p.name}\n{p.tail(30)}")
-            raise
-        yield Stack(url, nats_url, str(config), MODEL, [f[0] for f in FLEET], ports, procs)
+        deadline = time.monotonic() + 30
+        while not wait_port("127.0.0.1", gw_port, 0.2):
+            dead = [p.name for p in procs.values() if not p.alive()]
+            assert not dead and time.monotonic() < deadline, f"not started: {dead or 'gateway'}"
+
+        wait_ready(stack.gateway_url, MODEL, want_nodes=len([f for f in fleet if MODEL in f[2]]))
+    except BaseException:
+        for p in procs.values():
+            print(f"--- {p.name}\n{p.tail(30)}")
+        stack.stop()
+        raise
+    return stack
+
+
+@pytest.fixture(scope="session")
+def zml_stack(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    stack = launch_stack(nats_url, tmp_path_factory.mktemp("stack"), extra=LLAMA3_POLICY)
+    try:
+        yield stack
     finally:
-        for p in reversed(list(procs.values())):
-            p.stop()
+        stack.stop()
+
+
+@pytest.fixture(scope="module")
+def own_nats(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A broker of the module's own, for stacks whose KV buckets must not mix with others'."""
+    port = free_port()
+    proc = start_nats("127.0.0.1", port, str(tmp_path_factory.mktemp("nats")))
+    try:
+        yield f"nats://127.0.0.1:{port}"
+    finally:
+        proc.stop()

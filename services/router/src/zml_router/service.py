@@ -26,6 +26,7 @@ from zmlcore.errors import (
     BadRequestError,
     CancelledError,
     ModelNotLoadedError,
+    QueueFullError,
     TimeoutError,
     ZMLError,
 )
@@ -38,8 +39,9 @@ from zmlcore.messages import (
     infer_request_decoder,
 )
 from zmlcore.natsio import nodes_kv
-from zmlcore.policy import Decision, RouteRequest, RoutingState, choose_node, resolve_policy
+from zmlcore.policy import Decision, ResolvedPolicy, RouteRequest, RoutingState, choose_node, resolve_policy
 from zml_router.dispatch import AttemptError, Failure, make_client, post_json, stream_sse
+from zml_router.queue import H_DEADLINE, H_ENQUEUED, H_TOTAL_MS, QueuedMsg, SaturationQueue
 from zml_router.table import NodeTable
 
 log = logging.getLogger("zml.router")
@@ -68,6 +70,9 @@ class RouterService:
         self._by_request: dict[str, asyncio.Task[None]] = {}
         self._follow: asyncio.Task[None] | None = None
         self._api_keys = {n.id: n.api_key for n in cfg.nodes if n.api_key}
+        #: Cancelled request ids not held here (they may be waiting in the queue).
+        self._cancelled: dict[str, float] = {}
+        self.queue: SaturationQueue | None = None
         self._default_timeout = cfg.defaults.request_timeout_s
 
     # --- lifecycle -------------------------------------------------------------------------
@@ -80,8 +85,12 @@ class RouterService:
             await asyncio.wait_for(self.table.ready.wait(), 2.0)
         except asyncio.TimeoutError:
             pass
+        self.queue = SaturationQueue(nc, self._try_queued, self._expire_queued, self._cancelled.__contains__)
+        self.table.on_change = self.queue.capacity.set
+        await self.queue.start(sorted(self.cfg.model_names()))
         self._subs.append(await nc.subscribe(subjects.INFLIGHT, cb=self._on_delta))
         self._subs.append(await nc.subscribe(subjects.cancel("*"), cb=self._on_cancel))
+        self._subs.append(await nc.subscribe(subjects.router_state(self.router_id), cb=self._on_state))
         self._subs.append(
             await nc.subscribe(subjects.INFER, queue=subjects.ROUTER_QUEUE, cb=self._on_request)
         )
@@ -97,6 +106,8 @@ class RouterService:
             await asyncio.wait(list(self._tasks), timeout=10)
         for t in list(self._tasks):
             t.cancel()
+        if self.queue is not None:
+            await self.queue.stop()
         if self._follow:
             self._follow.cancel()
         if self.http:
@@ -116,15 +127,39 @@ class RouterService:
             return
         if d.router_id != self.router_id:
             self.table.apply_delta(d)
+            if d.outstanding < 0 and self.queue is not None:
+                self.queue.capacity.set()
 
     async def _on_cancel(self, msg: Msg) -> None:
         request_id = msg.subject.rsplit(".", 1)[-1]
         task = self._by_request.get(request_id)
         if task is not None:
             task.cancel()
+            return
+        # Maybe waiting in the saturation queue: remember it (bounded) so it is dropped there.
+        self._cancelled[request_id] = time.time()
+        if len(self._cancelled) > 10_000:
+            for key in list(self._cancelled)[:5_000]:
+                del self._cancelled[key]
+
+    async def _on_state(self, msg: Msg) -> None:
+        now = time.time()
+        nodes = {
+            v.node_id: {
+                "status": v.state.status,
+                "outstanding": v.outstanding,
+                "pending": v.pending,
+                "effective_outstanding": v.effective_outstanding(),
+                "cooldown_s": round(max(0.0, v.cooldown_until - now), 3),
+                "saturated_s": round(max(0.0, v.saturated_until - now), 3),
+                "state_age_s": round(now - v.state.updated_at, 3),
+            }
+            for v in self.table.nodes()
+        }
+        await msg.respond(_encode({"router_id": self.router_id, "in_flight": len(self._by_request), "nodes": nodes}))
 
     # --- the request path ------------------------------------------------------------------
-    async def _handle(self, msg: Msg) -> None:
+    async def _handle(self, msg: Msg | QueuedMsg) -> None:
         t0 = time.monotonic()
         headers = msg.headers or {}
         request_id = headers.get(subjects.H_REQUEST_ID, "")
@@ -144,7 +179,7 @@ class RouterService:
             self._by_request[request_id] = task
             try:
                 async with asyncio.timeout(timeout):
-                    await self._route(msg, req, request_id, t0)
+                    await self._route(msg, req, request_id, t0, timeout)
             except asyncio.TimeoutError as exc:
                 raise TimeoutError(f"request exceeded its timeout of {timeout:g} s") from exc
             finally:
@@ -166,15 +201,21 @@ class RouterService:
                 raise BadRequestError(f"{subjects.H_TIMEOUT_MS} must be an integer") from None
         return ms / 1000.0 if ms else self._default_timeout
 
-    async def _route(self, msg: Msg, req: InferRequest, request_id: str, t0: float) -> None:
+    def _prepare(self, req: InferRequest, raw: bytes) -> tuple[str, ResolvedPolicy, RouteRequest]:
         model = self.cfg.resolve_model(req.model)
         per_call = req.policy if req.policy is not None else req.routing
         policy = resolve_policy(self.cfg, model, per_call)
-        body = self._backend_body(msg.data, model)
         max_tokens = req.max_tokens or req.max_completion_tokens or 512
         # ~4 bytes per token of JSON body: good enough for a TTFT estimate, and O(1).
-        rr = RouteRequest(model=model, prompt_tokens=len(msg.data) // 4, max_tokens=max_tokens,
+        rr = RouteRequest(model=model, prompt_tokens=len(raw) // 4, max_tokens=max_tokens,
                           accelerator_id=req.accelerator_id)
+        return model, policy, rr
+
+    async def _route(self, msg: Msg | QueuedMsg, req: InferRequest, request_id: str, t0: float,
+                     timeout: float) -> None:
+        model, policy, rr = self._prepare(req, msg.data)
+        max_tokens = rr.max_tokens
+        body = self._backend_body(msg.data, model)
         excluded: set[str] = set()
         last: AttemptError | None = None
         for attempt in range(1, self.cfg.router.max_attempts + 1):
@@ -184,6 +225,13 @@ class RouterService:
             try:
                 decision = choose_node(self.table.nodes(), rr, policy, time.time(), self.state,
                                        stale_after_s=self.cfg.router.stale_after_s)
+            except QueueFullError:
+                if last is None and policy.config.queue_on_saturation and self.queue is not None and msg.reply:
+                    await self._enqueue(msg, req, model, request_id, policy.config.max_queue_ms, timeout)
+                    return
+                if last is not None:
+                    break
+                raise
             except ZMLError:
                 if last is not None:  # we tried nodes and they failed: say so, not "no nodes"
                     break
@@ -207,19 +255,82 @@ class RouterService:
                 return
             except AttemptError as err:
                 last = err
-                if err.failure is Failure.CLIENT or (req.accelerator_id and err.failure is not Failure.NETWORK):
+                if err.failure is Failure.CLIENT:
                     raise BadRequestError(f"node {decision.node_id} rejected the request: {err.detail}") from None
                 self._penalise(decision, err)
                 excluded.add(decision.node_id)
                 log.info("attempt %d on %s failed (%s %s); re-routing", attempt, decision.node_id,
                          err.failure.value, err.status)
         assert last is not None
+        if last.failure is Failure.OVERLOADED:
+            # Every node tried answered "overloaded": that is saturation, not a failure.
+            if policy.config.queue_on_saturation and self.queue is not None and msg.reply:
+                await self._enqueue(msg, req, model, request_id, policy.config.max_queue_ms, timeout)
+                return
+            raise QueueFullError(
+                f"every node tried for {model!r} is overloaded ({len(excluded)} tried)",
+                routing_context={"policy": policy.name, "final_error": "all_nodes_over_capacity",
+                                 "nodes_tried": sorted(excluded),
+                                 "recommendation": "increase fleet capacity or enable queue_on_saturation"},
+                retry_after=last.retry_after or 1.0,
+            )
         if last.failure is Failure.NO_MODEL:
             raise ModelNotLoadedError(f"no node could serve model {model!r}: {last.detail}")
         raise BackendError(
             f"{len(excluded)} node(s) failed for this request; last: {last.failure.value} {last.status} {last.detail}".strip(),
             retry_after=1.0,
         )
+
+    # --- the saturation queue --------------------------------------------------------------------
+    async def _enqueue(self, msg: Msg | QueuedMsg, req: InferRequest, model: str, request_id: str,
+                       max_queue_ms: int | None, timeout: float) -> None:
+        assert self.queue is not None
+        now = time.time()
+        wait_s = (max_queue_ms or 0) / 1000.0
+        deadline = now + min(wait_s, timeout)
+        headers = {subjects.H_REQUEST_ID: request_id, subjects.H_TIMEOUT_MS: str(int(timeout * 1000))}
+        if isinstance(msg, QueuedMsg):
+            # Back in the queue after losing a race for capacity: keep its deadlines.
+            deadline = float(msg.headers.get(H_DEADLINE, deadline))
+            headers[H_ENQUEUED] = msg.headers.get(H_ENQUEUED, f"{now:.3f}")
+            headers[subjects.H_TIMEOUT_MS] = msg.headers.get(H_TOTAL_MS, headers[subjects.H_TIMEOUT_MS])
+        await self.queue.enqueue(model, msg.data, msg.reply, headers, deadline)
+        log.info("request %s queued for %s (up to %.0f ms)", request_id, model, wait_s * 1000)
+
+    async def _try_queued(self, qmsg: QueuedMsg, deadline: float) -> bool:
+        """Dispatch the head of a model's queue if a node has room now."""
+        try:
+            req = infer_request_decoder.decode(qmsg.data)
+            model, policy, rr = self._prepare(req, qmsg.data)
+            choose_node(self.table.nodes(), rr, policy, time.time(), RoutingState(),
+                        stale_after_s=self.cfg.router.stale_after_s)
+        except QueueFullError:
+            return False
+        except (ZMLError, msgspec.DecodeError, msgspec.ValidationError):
+            pass  # not a capacity question: the normal path answers it
+        # The request's timeout counts from when it first arrived, not from now.
+        enqueued = float(qmsg.headers.get(H_ENQUEUED, time.time()))
+        total_ms = int(qmsg.headers.get(subjects.H_TIMEOUT_MS, "0") or 0) or int(self._default_timeout * 1000)
+        left_ms = max(1, total_ms - int((time.time() - enqueued) * 1000))
+        headers = {**qmsg.headers, subjects.H_TIMEOUT_MS: str(left_ms), H_TOTAL_MS: str(total_ms)}
+        task = asyncio.create_task(self._handle(QueuedMsg(qmsg.subject, qmsg.data, qmsg.reply, headers)))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return True
+
+    async def _expire_queued(self, qmsg: QueuedMsg, enqueued_at: float) -> None:
+        waited_ms = int((time.time() - enqueued_at) * 1000)
+        try:
+            stream = infer_request_decoder.decode(qmsg.data).stream
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            stream = False
+        exc = QueueFullError(
+            f"no node had room within max_queue_ms (waited {waited_ms} ms)",
+            routing_context={"final_error": "queue_timeout", "waited_ms": waited_ms,
+                             "recommendation": "increase fleet capacity or max_queue_ms"},
+            retry_after=1.0,
+        )
+        await self._reply_error(qmsg, exc, stream)
 
     def _penalise(self, decision: Decision, err: AttemptError) -> None:
         view = self.table.views.get(decision.node_id)
@@ -262,6 +373,8 @@ class RouterService:
         if view is not None:
             view.outstanding = max(0, view.outstanding + outstanding)
             view.pending = max(0, view.pending + pending)
+        if outstanding < 0 and self.queue is not None:
+            self.queue.capacity.set()
         if self.nc is not None:
             delta = InflightDelta(router_id=self.router_id, node_id=node_id, outstanding=outstanding,
                                   pending=pending, ts=time.time())
@@ -338,7 +451,7 @@ class RouterService:
         if reply and self.nc is not None:
             await self.nc.publish(reply, data, headers=headers)
 
-    async def _reply_error(self, msg: Msg, exc: ZMLError, stream: bool) -> None:
+    async def _reply_error(self, msg: Msg | QueuedMsg, exc: ZMLError, stream: bool) -> None:
         headers = {subjects.H_ERROR_CODE: exc.code}
         if stream:
             headers[subjects.H_STREAM] = subjects.STREAM_ERROR

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import msgspec
 from nats.js.kv import KeyValue
@@ -23,6 +24,8 @@ class NodeTable:
         # Cached list for choose_node; rebuilt only when membership changes.
         self._list: list[NodeView] | None = None
         self.ready = asyncio.Event()
+        #: Called after every state update (the saturation queue re-checks capacity).
+        self.on_change: Callable[[], None] | None = None
 
     def nodes(self) -> list[NodeView]:
         if self._list is None:
@@ -62,6 +65,8 @@ class NodeTable:
                     self.upsert(node_state_decoder.decode(entry.value))
                 except msgspec.DecodeError as exc:
                     log.warning("bad node state for %s: %s", entry.key, exc)
+                if self.on_change is not None:
+                    self.on_change()
                 if entry.delta == 0:
                     self.ready.set()
         finally:

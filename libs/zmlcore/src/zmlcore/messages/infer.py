@@ -65,7 +65,7 @@ class InferRequest(msgspec.Struct, kw_only=True):
         return "chat" if self.messages is not None else "completion"
 
 
-class RoutingInfo(msgspec.Struct, kw_only=True, omit_defaults=True):
+class RoutingInfo(msgspec.Struct, kw_only=True):
     """Routing metadata: in reply bodies as ``"zml"``, as ``x-zml-*`` HTTP headers, in
     ``Zml-*`` NATS headers, and (compact) in the ``Zml-Routing`` header sent to the backend."""
 

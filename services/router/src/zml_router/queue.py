@@ -1,0 +1,174 @@
+"""Queue-on-saturation: requests wait in a JetStream stream until a node has room.
+
+When a policy has ``queue_on_saturation = true`` and every node is saturated, the router
+publishes the request (with its reply inbox and deadline in headers) to ``zml.queue.<model>``
+in the work-queue stream ``ZML_QUEUE`` instead of failing with QUEUE_FULL. Each model has one
+durable pull consumer shared by all router replicas with ``max_ack_pending = 1``: exactly one
+replica holds the head of a model's queue at a time, so requests leave in arrival order. The
+holder waits for capacity (local completions, peer deltas, state updates), then acks and
+dispatches. If it dies, JetStream redelivers the head to another replica after ``ack_wait``;
+the queue is on disk, so it survives router (and broker) restarts. A request whose deadline
+passes answers QUEUE_FULL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import re
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+from nats.aio.client import Client as NATS
+from nats.errors import TimeoutError as NatsTimeout
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StorageType, StreamConfig
+
+from zmlcore import subjects
+
+log = logging.getLogger("zml.router.queue")
+
+H_REPLY = "Zml-Reply"
+H_DEADLINE = "Zml-Deadline"  # unix seconds: when a queued request expires with QUEUE_FULL
+H_ENQUEUED = "Zml-Enqueued"
+H_TOTAL_MS = "Zml-Total-Timeout-Ms"  # a re-queued request's original timeout
+H_QUEUED_HEADERS = (subjects.H_REQUEST_ID, subjects.H_TIMEOUT_MS)
+
+ACK_WAIT_S = 5.0
+
+
+def model_key(model: str) -> str:
+    """A subject token for a model name: readable, and unique thanks to a short hash."""
+    clean = re.sub(r"[^A-Za-z0-9_-]", "_", model)[:48]
+    return f"{clean}-{hashlib.sha1(model.encode()).hexdigest()[:8]}"
+
+
+@dataclass(slots=True)
+class QueuedMsg:
+    """Quacks like a nats Msg for the router's request path."""
+
+    subject: str
+    data: bytes
+    reply: str
+    headers: dict[str, str]
+
+
+# (queued message, deadline) -> True if it was dispatched, False if there is still no room.
+TryDispatch = Callable[[QueuedMsg, float], Awaitable[bool]]
+Expire = Callable[[QueuedMsg, float], Awaitable[None]]
+
+
+class SaturationQueue:
+    def __init__(self, nc: NATS, try_dispatch: TryDispatch, expire: Expire, is_cancelled: Callable[[str], bool]) -> None:
+        self.nc = nc
+        self.js: JetStreamContext = nc.jetstream()
+        self._try_dispatch = try_dispatch
+        self._expire = expire
+        self._is_cancelled = is_cancelled
+        self._workers: dict[str, asyncio.Task[None]] = {}
+        #: Set whenever capacity may have freed; waiting heads re-try then.
+        self.capacity = asyncio.Event()
+
+    async def start(self, models: list[str]) -> None:
+        cfg = StreamConfig(
+            name=subjects.QUEUE_STREAM,
+            subjects=[f"{subjects.QUEUE_SUBJECT_PREFIX}.>"],
+            retention=RetentionPolicy.WORK_QUEUE,
+            storage=StorageType.FILE,
+            max_age=3600.0,
+        )
+        try:
+            await self.js.add_stream(cfg)
+        except Exception:  # exists (created by another replica): fine
+            await self.js.stream_info(subjects.QUEUE_STREAM)
+        # Models in the config, plus any with a consumer already (a queue left by a restart).
+        try:
+            for info in await self.js.consumers_info(subjects.QUEUE_STREAM):
+                fs = info.config.filter_subject or ""
+                if fs.startswith(subjects.QUEUE_SUBJECT_PREFIX + "."):
+                    self._ensure_worker_key(fs.rsplit(".", 1)[-1])
+        except Exception:
+            log.debug("could not list queue consumers", exc_info=True)
+        for model in models:
+            self._ensure_worker_key(model_key(model))
+
+    async def stop(self) -> None:
+        for t in self._workers.values():
+            t.cancel()
+        await asyncio.gather(*self._workers.values(), return_exceptions=True)
+
+    async def enqueue(self, model: str, data: bytes, reply: str, headers: dict[str, str], deadline: float) -> None:
+        key = model_key(model)
+        self._ensure_worker_key(key)
+        h = {k: v for k, v in headers.items() if k in H_QUEUED_HEADERS}
+        h[H_REPLY] = reply
+        h[H_DEADLINE] = f"{deadline:.3f}"
+        h[H_ENQUEUED] = headers.get(H_ENQUEUED) or f"{time.time():.3f}"
+        await self.js.publish(subjects.queue(key), data, headers=h)
+
+    def _ensure_worker_key(self, key: str) -> None:
+        if key not in self._workers:
+            self._workers[key] = asyncio.create_task(self._work(key))
+
+    async def _work(self, key: str) -> None:
+        durable = f"zmlq-{key}"
+        config = ConsumerConfig(
+            durable_name=durable,
+            ack_policy=AckPolicy.EXPLICIT,
+            ack_wait=ACK_WAIT_S,
+            max_ack_pending=1,
+            filter_subject=subjects.queue(key),
+        )
+        while True:
+            try:
+                psub = await self.js.pull_subscribe(subjects.queue(key), durable=durable,
+                                                    stream=subjects.QUEUE_STREAM, config=config)
+                break
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.warning("queue consumer %s not ready; retrying", durable, exc_info=True)
+                await asyncio.sleep(1.0)
+        while True:
+            try:
+                msgs = await psub.fetch(1, timeout=1.0)
+            except (NatsTimeout, asyncio.TimeoutError):
+                continue
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.warning("queue fetch failed on %s", key, exc_info=True)
+                await asyncio.sleep(0.5)
+                continue
+            for jmsg in msgs:
+                await self._serve_head(jmsg)
+
+    async def _serve_head(self, jmsg) -> None:  # type: ignore[no-untyped-def]
+        h = dict(jmsg.headers or {})
+        qmsg = QueuedMsg(subject=subjects.INFER, data=jmsg.data, reply=h.pop(H_REPLY, ""), headers=h)
+        deadline = float(h.get(H_DEADLINE, "0") or 0)
+        request_id = h.get(subjects.H_REQUEST_ID, "")
+        last_progress = time.monotonic()
+        while True:
+            now = time.time()
+            if request_id and self._is_cancelled(request_id):
+                await jmsg.ack()
+                return
+            if now >= deadline:
+                await jmsg.ack()
+                await self._expire(qmsg, float(h.get(H_ENQUEUED, now)))
+                return
+            self.capacity.clear()
+            if await self._try_dispatch(qmsg, deadline):
+                await jmsg.ack()
+                return
+            # Hold the head; tell JetStream we are alive so it is not redelivered elsewhere.
+            if time.monotonic() - last_progress > ACK_WAIT_S / 3:
+                await jmsg.in_progress()
+                last_progress = time.monotonic()
+            try:
+                await asyncio.wait_for(self.capacity.wait(), timeout=min(0.25, max(deadline - now, 0.01)))
+            except asyncio.TimeoutError:
+                pass
