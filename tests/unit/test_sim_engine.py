@@ -33,19 +33,20 @@ async def make_engine(time_scale: float = 1.0, seed: int = 0, **overrides: float
 
 @pytest.fixture
 async def engine() -> AsyncIterator[SimEngine]:
-    eng = await make_engine(time_scale=4.0)
+    eng = await make_engine(time_scale=2.0)
     yield eng
     await eng.stop()
 
 
-def close_to(actual: float, expected: float, rel: float = 0.2, abs_: float = 0.006) -> bool:
-    return abs(actual - expected) <= max(rel * expected, abs_)
+def close_to(actual: float, expected: float, rel: float = 0.25, abs_: float = 0.03) -> bool:
+    # Never faster than the model; slower only by scheduling noise (CI machines are busy).
+    return expected * 0.97 - 0.002 <= actual <= expected + max(rel * expected, abs_)
 
 
 async def test_ttft_of_a_lone_request_is_its_prefill_time(engine: SimEngine) -> None:
     req = engine.submit(M, prompt_tokens=2000, max_tokens=2)
     await req.text()
-    expected = engine.profile.prefill_seconds(2000) / engine.time_scale  # 50 ms
+    expected = engine.profile.prefill_seconds(2000) / engine.time_scale  # 100 ms
     assert req.first_token_at is not None
     assert close_to(req.first_token_at - req.arrival, expected)
 
@@ -59,7 +60,7 @@ async def test_batch_decodes_at_the_batched_rate() -> None:
         start = max(r.first_token_at for r in reqs if r.first_token_at is not None)
         end = max(r.finished_at for r in reqs if r.finished_at is not None)
         expected = (n - 1) * eng.profile.decode_step_seconds(batch) / eng.time_scale
-        assert close_to(end - start, expected, rel=0.15)
+        assert close_to(end - start, expected)
         # Batching: per-sequence speed falls by 2% per extra sequence.
         assert eng.profile.decode_step_seconds(batch) > eng.profile.decode_step_seconds(1)
     finally:
@@ -69,12 +70,12 @@ async def test_batch_decodes_at_the_batched_rate() -> None:
 async def test_grouped_steps_keep_the_rate_at_high_time_scale() -> None:
     eng = await make_engine(time_scale=100.0)
     try:
-        req = eng.submit(M, prompt_tokens=1000, max_tokens=600)
+        req = eng.submit(M, prompt_tokens=1000, max_tokens=1200)
         text = await req.text()
-        expected = (eng.profile.prefill_seconds(1000) + 599 * eng.profile.decode_step_seconds(1)) / 100
+        expected = (eng.profile.prefill_seconds(1000) + 1199 * eng.profile.decode_step_seconds(1)) / 100
         assert req.finished_at is not None
-        assert close_to(req.finished_at - req.arrival, expected, rel=0.15)
-        assert len(text.split()) == 600  # "[n1]" plus 599 words
+        assert close_to(req.finished_at - req.arrival, expected)
+        assert len(text.split()) == 1200  # "[n1]" plus 1199 words
     finally:
         await eng.stop()
 
@@ -97,9 +98,9 @@ async def test_prefills_run_one_at_a_time_in_fifo_order(engine: SimEngine) -> No
     reqs = [engine.submit(M, prompt_tokens=1000, max_tokens=1) for _ in range(3)]
     await asyncio.gather(*(r.text() for r in reqs))
     ttfts = [r.first_token_at - r.arrival for r in reqs if r.first_token_at is not None]
-    one = engine.profile.prefill_seconds(1000) / engine.time_scale  # 25 ms
+    one = engine.profile.prefill_seconds(1000) / engine.time_scale  # 50 ms
     assert ttfts == sorted(ttfts)
-    assert close_to(ttfts[2], 3 * one, rel=0.2)
+    assert close_to(ttfts[2], 3 * one)
 
 
 async def test_output_length_is_max_tokens_and_text_names_the_node(engine: SimEngine) -> None:
@@ -182,13 +183,13 @@ async def test_memory_and_kv_accounting(engine: SimEngine) -> None:
 
 
 async def test_slowdown_stretches_durations() -> None:
-    eng = await make_engine(time_scale=4.0)
+    eng = await make_engine(time_scale=2.0)
     eng.faults = Faults(slowdown=2.0)
     try:
         req = eng.submit(M, prompt_tokens=1000, max_tokens=1)
         await req.text()
         assert req.first_token_at is not None
-        assert close_to(req.first_token_at - req.arrival, 2 * 0.1 / 4)
+        assert close_to(req.first_token_at - req.arrival, 2 * 0.1 / 2)
     finally:
         await eng.stop()
 

@@ -44,7 +44,7 @@ GIB = 1024**3
 #: Real seconds below which decode steps are grouped.
 MIN_STEP_S = 0.004
 #: How far the scheduler clock may lag real time before it stops catching up.
-MAX_LAG_S = 0.02
+MAX_LAG_S = 0.1
 
 OUTPUT_MEDIAN = 200.0
 OUTPUT_SIGMA = 0.8
