@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -55,25 +54,45 @@ def examples_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[s
         wait_ready(url, MODEL, want_nodes=4)
         yield url, nats_url, tmp, f"http://127.0.0.1:{auth_port}"
     finally:
-        for p in procs:  # signal every process first, then wait: they stop in parallel
+        for p in procs:  # a throwaway stack: no graceful shutdown needed
             if p.alive():
-                p.popen.send_signal(signal.SIGTERM)
-        for p in reversed(procs):
-            p.stop(3)
+                p.popen.kill()
+        for p in procs:
+            p.popen.wait(10)
         shutil.rmtree(store, ignore_errors=True)
 
 
 SCRIPTS = sorted(p.name for p in EXAMPLES.glob("*.py"))
+TRANSPORTS = ("http", "nats")
 
 
-@pytest.mark.parametrize("transport", ["http", "nats"])
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_example_runs(script: str, transport: str, examples_stack: tuple[str, str, Path, str]) -> None:
+@pytest.fixture(scope="module")
+def example_runs(examples_stack: tuple[str, str, Path, str]) -> dict[tuple[str, str], tuple[subprocess.CompletedProcess[str], Path]]:
+    """Every example over every transport, run concurrently (each in its own folder)."""
     url, nats_url, cwd, _ = examples_stack
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ZML_")}
-    env["ZML_ENDPOINT"] = url if transport == "http" else nats_url
-    p = subprocess.run([sys.executable, str(EXAMPLES / script)], cwd=cwd, env=env, capture_output=True,
-                       text=True, timeout=60)
+    running = {}
+    for transport in TRANSPORTS:
+        for script in SCRIPTS:
+            env = {k: v for k, v in os.environ.items() if not k.startswith("ZML_")}
+            env["ZML_ENDPOINT"] = url if transport == "http" else nats_url
+            folder = cwd / f"{transport}-{script}"
+            folder.mkdir()
+            shutil.copy(cwd / "zml.toml", folder / "zml.toml")
+            proc = subprocess.Popen([sys.executable, str(EXAMPLES / script)], cwd=folder, env=env,
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            running[(script, transport)] = (proc, folder)
+    done = {}
+    for key, (proc, folder) in running.items():
+        out, err = proc.communicate(timeout=120)
+        done[key] = (subprocess.CompletedProcess(proc.args, proc.returncode, out, err), folder)
+    return done
+
+
+@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_example_runs(script: str, transport: str,
+                      example_runs: dict[tuple[str, str], tuple[subprocess.CompletedProcess[str], Path]]) -> None:
+    p, cwd = example_runs[(script, transport)]
     assert p.returncode == 0, p.stdout + p.stderr
     assert "Traceback" not in p.stderr
     out = p.stdout
