@@ -214,6 +214,12 @@ async def test_client_disconnect_frees_the_slot(node: SimNode, client: httpx.Asy
     await eventually(lambda: _state_is(client, lambda s: s["batch"]["running"] == 0))
 
 
+async def test_client_timeout_on_a_plain_request_frees_the_slot(client: httpx.AsyncClient) -> None:
+    with pytest.raises(httpx.ReadTimeout):
+        await client.post("/v1/chat/completions", json={**CHAT, "max_tokens": 5000}, timeout=0.2)
+    await eventually(lambda: _state_is(client, lambda s: s["batch"]["running"] == 0))
+
+
 # ----- engine imitations -----------------------------------------------------------------------
 
 
