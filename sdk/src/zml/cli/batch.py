@@ -50,7 +50,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def read_items(path: str, chat: bool) -> list[dict[str, Any]]:
     items: list[dict[str, Any]] = []
-    with open(path, encoding="utf-8") as fh:
+    try:
+        fh = open(path, encoding="utf-8")
+    except OSError as exc:
+        raise BadRequestError(f"cannot read {path}: {exc.strerror or exc}") from exc
+    with fh:
         for lineno, line in enumerate(fh, 1):
             line = line.strip()
             if not line:
@@ -166,6 +170,13 @@ class Progress:
 
 def run(args: argparse.Namespace) -> int:
     items = read_items(args.input, args.chat)
+    try:
+        return _run(args, items)
+    except OSError as exc:  # the output file: a clear line, not a traceback
+        raise BadRequestError(f"cannot write {args.output}: {exc.strerror or exc}") from exc
+
+
+def _run(args: argparse.Namespace, items: list[dict[str, Any]]) -> int:
     if args.resume:
         done, dirty = load_done(args.output)
         kept = {i: line for i, line in done.items() if i < len(items)}

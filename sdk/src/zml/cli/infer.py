@@ -7,6 +7,7 @@ import json
 import sys
 
 from zml._client import Client
+from zml._errors import BadRequestError
 from zml.cli._common import add_client_args, add_request_args, client_kwargs, fmt_s, request_kwargs
 
 
@@ -27,7 +28,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def run(args: argparse.Namespace) -> int:
     kwargs = request_kwargs(args)
     if args.messages is not None:
-        kwargs["messages"] = json.loads(args.messages)
+        try:
+            kwargs["messages"] = json.loads(args.messages)
+        except ValueError as exc:
+            raise BadRequestError(f"--messages is not valid JSON: {exc}") from exc
     elif args.completion:
         kwargs["prompt"] = args.prompt
     else:
