@@ -9,7 +9,7 @@ gets MODEL_NOT_LOADED / QUEUE_FULL / NO_HEALTHY_NODES with a ``routing_context``
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from zmlcore.errors import ModelNotLoadedError, NoHealthyNodesError, QueueFullError, RoutingError
 from zmlcore.policy.context import Cand, Ctx
@@ -114,15 +114,16 @@ def choose_node(
 def _index_for(nodes: Sequence[NodeView], state: RoutingState) -> FleetIndex:
     """An index for a plain list: cached in ``state`` when the router reuses the list object
     (a watching index follows every counter change, so it stays exact)."""
-    cached = state.fleet
+    cached: FleetIndex | None = state.fleet
     if cached is not None and state.fleet_src is nodes and len(cached) == len(nodes):
         return cached
     if state.last_list is nodes:
         if cached is not None:
             cached.close()
-        state.fleet = FleetIndex(nodes)
+        fleet = FleetIndex(nodes)
+        state.fleet = fleet
         state.fleet_src = nodes
-        return state.fleet
+        return fleet
     state.last_list = nodes
     return FleetIndex(nodes, watch=False)
 
@@ -160,7 +161,7 @@ def _fail(
     policy: ResolvedPolicy,
     now: float,
     stale_after_s: float,
-) -> None:
+) -> NoReturn:
     """The slow path: re-check every node to say exactly why nothing was routable."""
     families = list(policy.chain) or registered
     evaluated: list[dict[str, Any]] = []
