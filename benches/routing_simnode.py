@@ -20,7 +20,7 @@ EPS = 1e-9
 class SimNode:
     __slots__ = (
         "idx", "name", "prof", "pf", "dec", "pen", "maxc", "cost", "admitted", "waitq", "prefq",
-        "prefq_tok", "cur", "cur_end", "decoding", "vt", "last_t", "ver", "outstanding",
+        "prefq_tok", "waitq_tok", "cur", "cur_end", "decoding", "vt", "last_t", "ver", "outstanding",
         "busy_since", "busy", "done_in_window", "tokens_in_window",
     )
 
@@ -37,6 +37,7 @@ class SimNode:
         self.waitq: deque[int] = deque()
         self.prefq: deque[int] = deque()
         self.prefq_tok = 0.0
+        self.waitq_tok = 0.0
         self.cur = -1
         self.cur_end = 0.0
         self.decoding: list[tuple[float, int]] = []
@@ -57,8 +58,14 @@ class SimNode:
             self.vt += (now - self.last_t) / self.step(len(self.decoding))
         self.last_t = now
 
-    def predict_ttft(self, now: float, p_new: float, P: list[int], O: list[int]) -> float:
-        """Exact TTFT of a request arriving now (no later arrivals), by forward simulation."""
+    def lower_bound(self, now: float, p_new: float) -> float:
+        """Every prefill queued ahead (FIFO) runs before the new request's."""
+        rem = self.cur_end - now if self.cur >= 0 else 0.0
+        return rem + (self.prefq_tok + self.waitq_tok + p_new) / self.pf
+
+    def predict_ttft(self, now: float, p_new: float, P: list[int], O: list[int], bound: float = float("inf")) -> float:
+        """Exact TTFT of a request arriving now (no later arrivals), by forward simulation;
+        gives up (returns inf) once the TTFT is known to exceed ``bound``."""
         pf = self.pf
         if self.admitted < self.maxc:
             rem = self.cur_end - now if self.cur >= 0 else 0.0
@@ -99,6 +106,8 @@ class SimNode:
             cur = -2
             fin = dec[0][0]
             t += (fin - vt) * self.step(len(dec))
+            if t - now > bound:
+                return float("inf")
             vt = fin
             while dec and dec[0][0] <= vt + EPS:
                 heapq.heappop(dec)
