@@ -2,6 +2,10 @@
 
     python benches/routing_sim.py                      # defaults: 20k requests, 1 seed, 50/80/95/110%
     python benches/routing_sim.py --requests 50000 --seeds 3 --loads 50,80,95,110 --plot docs/routing-sim.png
+    python benches/routing_sim.py --load-results benches/routing_sim_results.json   # reprint saved results
+
+The 1-seed default takes ~5.5 min on 2 cores; most of it is the oracle at 95-110% load, whose
+exact forward simulation grows with the queues.
 
 Fleet (shared/reference/routing-frontier.md): 2xH100, 1xA100, 2xMI300X, 1xGaudi2, 1xInf2, each a
 zmlcore.sim.model.SimProfile (the live sim node's model; dynamics in benches/routing_simnode.py).
