@@ -5,9 +5,9 @@ flight and prints throughput and latency percentiles::
 
     c=1    rps=3.14  p50=0.401s  p95=0.412s  p99=0.420s  svc_p95=0.410s  q_p95=0.001s  err=0/50  elapsed=15.9s
 
-``svc`` is the time inside the request (excluding the client queue); ``q`` the time spent
-waiting for a free slot. High ``q_p95`` next to ``svc_p95`` means the client is the
-bottleneck. It ends with ``recommended_max_parallel_requests=N``: the smallest level whose
+Each level runs ``c`` closed-loop workers. ``svc`` is the time of the request itself; ``q``
+the time a request waited inside the client before it went out (rate limiter, retries'
+backoff). High ``q_p95`` next to ``svc_p95`` means the client is the bottleneck. It ends with ``recommended_max_parallel_requests=N``: the smallest level whose
 throughput is within 10 % of the best error-free level.
 """
 
@@ -35,6 +35,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_request_args(p, max_tokens=64)
     p.add_argument("--requests", "-n", type=int, default=50, help="requests per level (default 50)")
     p.add_argument("--warmup", type=int, default=5, help="requests before the sweep (default 5)")
+    lim = p.add_argument_group("client-side rate limits (to see their effect on q_p95)")
+    lim.add_argument("--rpm", type=float, help="requests per minute")
+    lim.add_argument("--tpm", type=float, help="tokens per minute")
     p.add_argument("--concurrency", default="1,2,4,8,16,32", help="levels, comma-separated (default 1,2,4,8,16,32)")
     p.add_argument("--prompt", default="Write a haiku.", help="prompt (default 'Write a haiku.')")
     p.add_argument("--input-jsonl", help="prompts to cycle through (as `zml batch --input`)")
@@ -81,32 +84,33 @@ def recommend(levels: Sequence[Level], within: float = 0.10) -> int:
 
 
 async def run_level(client: AsyncClient, c: int, n: int, items: Sequence[dict[str, Any]]) -> Level:
-    sem = asyncio.Semaphore(c)
+    """``n`` requests from ``c`` closed-loop workers (each sends its next request when the
+    previous one is done), as a client with ``max_parallel_requests=c`` runs a batch."""
     lat: list[float] = []
     svc: list[float] = []
     queue: list[float] = []
     errors = 0
+    cycle = itertools.cycle(items)
+    todo = iter([next(cycle) for _ in range(n)])
 
-    async def one(item: dict[str, Any]) -> None:
+    async def worker() -> None:
         nonlocal errors
-        submitted = time.perf_counter()
-        async with sem:
+        for item in todo:
             started = time.perf_counter()
             try:
                 result = await client.infer(**item)
-                waited = result.metrics.queue_wait_s
             except ZMLError:
                 errors += 1
-                waited = 0.0
-            ended = time.perf_counter()
-        lat.append(ended - submitted)
-        svc.append(ended - started - waited)
-        queue.append(started - submitted + waited)
+                lat.append(time.perf_counter() - started)
+                continue
+            elapsed = time.perf_counter() - started
+            waited = max(0.0, result.metrics.latency_s - result.metrics.service_s)  # client-side wait
+            lat.append(elapsed)
+            svc.append(max(0.0, elapsed - waited))
+            queue.append(waited)
 
-    cycle = itertools.cycle(items)
-    batch = [next(cycle) for _ in range(n)]
     t0 = time.perf_counter()
-    await asyncio.gather(*(one(item) for item in batch))
+    await asyncio.gather(*(worker() for _ in range(min(c, n))))
     elapsed = time.perf_counter() - t0
     return Level(c=c, requests=n, errors=errors, elapsed_s=elapsed, rps=(n - errors) / elapsed if elapsed else 0.0,
                  p50_s=percentile(lat, 50), p95_s=percentile(lat, 95), p99_s=percentile(lat, 99),
@@ -135,7 +139,8 @@ async def sweep(args: argparse.Namespace) -> dict[str, Any]:
     for item in items:
         item.setdefault("model", args.model)
     results: list[Level] = []
-    async with AsyncClient(**client_kwargs(args), max_connections=max(levels)) as client:
+    limits = {k: v for k, v in (("rpm", args.rpm), ("tpm", args.tpm)) if v is not None}
+    async with AsyncClient(**client_kwargs(args), max_connections=max(levels), **limits) as client:
         if args.warmup > 0:
             await run_level(client, min(max(levels), args.warmup), args.warmup, items)
         for c in levels:
