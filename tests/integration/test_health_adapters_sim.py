@@ -74,3 +74,39 @@ async def test_health_service_publishes_state_with_hardware(nats_private: str) -
         finally:
             await svc.stop()
             await sim.stop()
+
+
+async def test_router_events_feed_error_rate_and_last_inference(nats_private: str) -> None:
+    import time
+
+    import msgspec
+
+    from zmlcore import subjects
+    from zmlcore.messages import RequestCompleted
+
+    sims = [await start_sim("h100-e1", "nvidia_h100", [M]), await start_sim("h100-e2", "nvidia_h100", [M])]
+    svc = HealthService(config([node_entry(s) for s in sims]))
+    async with connected(nats_private) as nc:
+        await svc.start(nc)
+        try:
+            await eventually(lambda: len(svc.states) == 2 and all(s.status == "up" for s in svc.states.values()))
+            now = time.time()
+            # e1 served 6 requests; e2 failed 3 of them before failover and served 3 itself
+            for i in range(6):
+                failed = ["h100-e2"] if i < 3 else []
+                ev = RequestCompleted(model=M, node_id="h100-e1", ok=True, ts=now, failed_nodes=failed)
+                await nc.publish(subjects.event(subjects.EVENT_COMPLETED), msgspec.json.encode(ev))
+            for _ in range(3):
+                ev = RequestCompleted(model=M, node_id="h100-e2", ok=True, ts=now)
+                await nc.publish(subjects.event(subjects.EVENT_COMPLETED), msgspec.json.encode(ev))
+            await nc.flush()
+            # 3 node errors in 6 events (all delivered before the next poll publishes the rate)
+            e2 = await eventually(lambda: (s := svc.states.get("h100-e2")) and s.error_rate == 0.5 and s,
+                                  what="error rate from events")
+            assert e2.health_score == 50.0
+            e1 = await eventually(lambda: (s := svc.states.get("h100-e1")) and s.last_inference_at and s)
+            assert e1.error_rate == 0.0 and e1.last_inference_at == pytest.approx(now)
+        finally:
+            await svc.stop()
+            for s in sims:
+                await s.stop()

@@ -126,10 +126,26 @@ class HealthService:
 
     @staticmethod
     async def _keys(kv: KeyValue) -> list[str]:
+        """Live keys. Not ``kv.keys()``: with ignore_deletes it never ends when the bucket's last
+        entries are deletes (the end-of-snapshot marker rides on the skipped delete)."""
+        watcher = await kv.watchall(meta_only=True)
+        live: dict[str, None] = {}
         try:
-            return list(await kv.keys())
-        except Exception:  # empty bucket: nats-py raises NoKeysError
-            return []
+            while True:
+                try:
+                    entry = await watcher.updates(timeout=5.0)
+                except Exception:  # nats TimeoutError: keep what we have
+                    log.warning("listing bucket keys timed out")
+                    break
+                if entry is None:
+                    break
+                if entry.operation in ("DEL", "PURGE"):
+                    live.pop(entry.key, None)
+                else:
+                    live[entry.key] = None
+        finally:
+            await watcher.stop()
+        return list(live)
 
     async def _load_registry(self) -> None:
         assert self.registry is not None
@@ -311,9 +327,13 @@ class HealthService:
             ev = completed_decoder.decode(msg.data)
         except msgspec.DecodeError:
             return
+        ts = ev.ts or self.clock()
         tr = self.trackers.get(ev.node_id)
         if tr is not None:
-            tr.record_request(ev.ts or self.clock(), ev.ok, ev.node_error)
+            tr.record_request(ts, ev.ok, ev.node_error)
+        for node_id in ev.failed_nodes:
+            if node_id != ev.node_id and (other := self.trackers.get(node_id)) is not None:
+                other.record_request(ts, False, True)
 
     async def _on_warmup(self, msg: Msg) -> None:
         try:

@@ -35,8 +35,11 @@ class RequestCompleted(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=
     ok: bool = True
     #: ZML error code when not ok (MODEL_NOT_LOADED, BACKEND_ERROR, ...).
     error_code: str = ""
-    #: True when the error was the node's (network error, 5xx): counts in its error rate.
+    #: True when the final error was ``node_id``'s (network error, 5xx): counts in its error rate.
     node_error: bool = False
+    #: Other nodes tried first that failed this request (network error, 5xx) before failover:
+    #: each counts as one node error for that node.
+    failed_nodes: list[str] = []
     #: Unix time the request finished.
     ts: float = 0.0
     ttft_s: float | None = None
