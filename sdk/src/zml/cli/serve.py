@@ -99,7 +99,7 @@ async def serve(model: str, *, nodes: list[str], family: list[str], nats_url: st
                     say(f"zml serve: not ready after {timeout:g} s: {', '.join(sorted(pending))} still loading")
                     return 1
                 try:
-                    entry = await asyncio.wait_for(watcher.updates(timeout=left), left + 1)
+                    entry = await asyncio.wait_for(watcher.updates(timeout=left), left + 1)  # type: ignore[no-untyped-call]
                 except (asyncio.TimeoutError, NatsTimeout):
                     continue
                 if entry is None or entry.key not in pending or not entry.value:
@@ -116,7 +116,7 @@ async def serve(model: str, *, nodes: list[str], family: list[str], nats_url: st
                     pending[entry.key] = st.status
                     say(f"{entry.key}: loading ({time.monotonic() - t0:.1f} s, node {st.status})")
         finally:
-            await watcher.stop()
+            await watcher.stop()  # type: ignore[no-untyped-call]
         if not failed:
             say(f"{reply.model}: ready on {sum(t.state in ('loaded', 'loading') for t in reply.targets)} node(s) "
                 f"in {time.monotonic() - t0:.1f} s")

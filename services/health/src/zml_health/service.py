@@ -133,7 +133,7 @@ class HealthService:
         try:
             while True:
                 try:
-                    entry = await watcher.updates(timeout=5.0)
+                    entry = await watcher.updates(timeout=5.0)  # type: ignore[no-untyped-call]
                 except Exception:  # nats TimeoutError: keep what we have
                     log.warning("listing bucket keys timed out")
                     break
@@ -144,7 +144,7 @@ class HealthService:
                 else:
                     live[entry.key] = None
         finally:
-            await watcher.stop()
+            await watcher.stop()  # type: ignore[no-untyped-call]
         return list(live)
 
     async def _load_registry(self) -> None:

@@ -12,7 +12,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import httpx
 import msgspec
@@ -52,7 +53,8 @@ class WarmupService:
                                               for n in cfg.nodes}
         self.registry_wants: dict[str, Want] = {}
         self.removed: set[str] = set()
-        self.endpoints = {n.id: (n.endpoint, n.backend, n.api_key) for n in cfg.nodes}
+        self.endpoints: dict[str, tuple[str, str, str | None]] = {
+            n.id: (n.endpoint, n.backend, n.api_key) for n in cfg.nodes}
         self.rates = RateTracker(self.wc.rate_window_s, now)
         self.quiet = QuietDetector(self.wc, now)
         self.warm_models = [m for m, mc in cfg.models.items() if mc.warm]
@@ -188,8 +190,8 @@ class WarmupService:
     def sweep(self) -> list[Load]:
         """One decision round: expire stale loads, start new ones, keep idle models warm."""
         now = self.clock()
-        for key, (started, reason, mech) in list(self.in_progress.items()):
-            if now - started > self.wc.load_timeout_s:
+        for key, (began, reason, mech) in list(self.in_progress.items()):
+            if now - began > self.wc.load_timeout_s:
                 del self.in_progress[key]
                 self.failed[key] = now
                 self._emit(WarmupEvent(node_id=key[0], model=key[1], phase="failed", reason=reason, mechanism=mech,
@@ -215,8 +217,8 @@ class WarmupService:
         self.in_progress[(ld.node_id, ld.model)] = (now, reason, "")
         self._spawn(self._load(ld, reason))
 
-    def _spawn(self, coro: object) -> None:
-        task = asyncio.ensure_future(coro)  # type: ignore[arg-type]
+    def _spawn(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
         self._work.add(task)
         task.add_done_callback(self._work.discard)
 
@@ -226,8 +228,8 @@ class WarmupService:
         started = self.in_progress.get(key, (self.clock(), reason, ""))[0]
         endpoint, backend, api_key = self.endpoints.get(ld.node_id, ("", "openai", None))
         if not endpoint and ld.node_id in self.states:
-            st = self.states[ld.node_id]
-            endpoint, backend = st.endpoint, st.backend
+            known = self.states[ld.node_id]
+            endpoint, backend = known.endpoint, known.backend
         self._emit(WarmupEvent(node_id=ld.node_id, model=ld.model, phase="started", reason=reason, ts=self.clock()))
         res = await loader.load(self.http, endpoint, backend, ld.model, timeout=min(self.wc.load_timeout_s, 600.0),
                                 api_key=api_key)

@@ -77,9 +77,8 @@ class NodeAgent:
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
         await site.start()
-        server = site._server
-        assert server is not None
-        self.port = int(server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+        addrs = self._runner.addresses  # the bound (host, port): port 0 picks a free one
+        self.port = int(addrs[0][1])
 
     async def stop(self) -> None:
         if self._runner is not None:
