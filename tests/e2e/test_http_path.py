@@ -94,7 +94,7 @@ def test_pinned_node(http: httpx.Client) -> None:
         (b'{"model": "' + MODEL.encode() + b'", "messages": [{"role": "user", "content": "x"}], "policy": "nope"}',
          400, "POLICY_CONFIG"),
         (b'{"model": "' + MODEL.encode() + b'", "messages": [{"role": "user", "content": "x"}], '
-         b'"accelerator_id": "nope"}', 503, None),
+         b'"accelerator_id": "nope"}', 400, "BAD_REQUEST"),
     ],
 )
 def test_bad_input_gets_a_coded_error_and_the_service_keeps_serving(

@@ -33,6 +33,11 @@ accelerator_chain = ["H100", "MI300X"]
 queue_on_saturation = true
 max_queue_ms = 6000
 
+[policies.queued-long]
+accelerator_chain = ["H100", "MI300X"]
+queue_on_saturation = true
+max_queue_ms = 20000
+
 [policies.queued-short]
 accelerator_chain = ["H100", "MI300X"]
 queue_on_saturation = true
@@ -257,3 +262,78 @@ async def test_replicas_share_in_flight_counts(stack: Stack) -> None:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+_KILLED: list = []
+
+
+def _kill(stack: Stack, name: str) -> None:
+    import signal
+
+    proc = stack.procs.pop(name)
+    _KILLED.append(proc)
+    proc.popen.send_signal(signal.SIGKILL)
+    proc.popen.wait(10)
+
+
+async def test_killing_one_of_two_routers_under_load_loses_nothing(stack: Stack) -> None:
+    stack.clear_faults()
+    timeout_ms = 3000
+    results: list[tuple[int, str, float, bool]] = []
+
+    async with httpx.AsyncClient(base_url=stack.gateway_url, timeout=30) as client:
+        async def one(after_kill: bool) -> None:
+            t0 = time.monotonic()
+            r = await client.post("/v1/chat/completions", json={
+                "model": MODEL, "messages": CHAT, "max_tokens": 400, "timeout_ms": timeout_ms})
+            code = r.json()["error"]["code"] if r.status_code != 200 else "OK"
+            results.append((r.status_code, code, time.monotonic() - t0, after_kill))
+
+        tasks = [asyncio.create_task(one(False)) for _ in range(40)]
+        await asyncio.sleep(0.15)
+        _kill(stack, "router-2")
+        await asyncio.sleep(0.5)
+        tasks += [asyncio.create_task(one(True)) for _ in range(20)]
+        await asyncio.gather(*tasks)
+    stack.start_router("router-2")
+    assert len(results) == 60
+    codes = Counter(code for _, code, _, _ in results)
+    # What the dead replica held ends in a retryable error; nothing else is lost.
+    assert set(codes) <= {"OK", "TIMEOUT", "BACKEND_ERROR", "NO_HEALTHY_NODES"}, codes
+    assert all(code == "OK" for _, code, _, after in results if after), codes
+    assert codes["OK"] >= 30, codes
+    assert max(elapsed for _, _, elapsed, _ in results) < timeout_ms / 1000 + 2.5  # none hangs
+    # The survivor forgets the dead replica's in-flight share within its TTL.
+    await asyncio.sleep(3.5)
+    states = await router_states(stack)
+    assert sum(v["outstanding"] for v in states["router-1"]["nodes"].values()) == 0
+
+
+async def test_queued_request_survives_a_router_restart(stack: Stack) -> None:
+    await asyncio.sleep(1.0)  # router-2 restarted by the previous test
+    for node in stack.node_ids:
+        stack.faults(node, overload=True, retry_after_s=0.3)
+    nc = await nats.connect(stack.nats_url)
+    try:
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        body = {"model": MODEL, "messages": CHAT, "max_tokens": 2, "policy": "queued-long", "timeout_ms": 25000}
+        await nc.publish(subjects.INFER, json.dumps(body).encode(), reply=inbox)
+        await asyncio.sleep(0.8)
+        for name in [n for n in list(stack.procs) if n.startswith("router")]:
+            _kill(stack, name)  # every router dies while the request waits in JetStream
+        stack.start_router("router-1")
+        stack.start_router("router-2")
+        await asyncio.sleep(1.0)
+        stack.clear_faults()
+        try:
+            msg = await sub.next_msg(timeout=15)
+        except Exception:
+            for p in [*_KILLED, *stack.procs.values()]:
+                print(p.name, p.tail(15))
+            raise
+        assert subjects.H_ERROR_CODE not in (msg.headers or {}), msg.data
+        assert json.loads(msg.data)["choices"][0]["message"]["content"]
+    finally:
+        stack.clear_faults()
+        await nc.close()

@@ -6,7 +6,7 @@ import pytest
 from test_policy_helpers import NOW, node
 
 from zmlcore.config import PolicyConfig
-from zmlcore.errors import ModelNotLoadedError, NoHealthyNodesError, QueueFullError, RoutingError
+from zmlcore.errors import BadRequestError, ModelNotLoadedError, NoHealthyNodesError, QueueFullError, RoutingError
 from zmlcore.policy import FleetIndex, RouteRequest, RoutingState, builtin_policy, choose_node, is_routable
 from zmlcore.policy.resolve import ResolvedPolicy
 
@@ -129,5 +129,6 @@ def test_pinned_errors(kw, exc):
 
 
 def test_pinned_unknown_node():
-    with pytest.raises(RoutingError):
+    # The caller named a node that does not exist: their mistake, never worth a retry.
+    with pytest.raises(BadRequestError):
         pick([node("p")], RouteRequest(model="m", accelerator_id="nope"))

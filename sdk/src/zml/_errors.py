@@ -4,9 +4,9 @@
 
     ZMLError (.code, .message, .routing_context, .retry_after, .retryable)
     ├── BadRequestError, AuthError, RateLimitError, TimeoutError, CancelledError, BackendError
+    ├── ConnectionError      CONNECTION_FAILED  (the endpoint could not be reached)
     ├── ConfigError -> PolicyConfigError
-    ├── RoutingError -> NoHealthyNodesError, ModelNotLoadedError, QueueFullError
-    └── ConnectionError      CONNECTION_FAILED  (SDK only: the endpoint could not be reached)
+    └── RoutingError -> NoHealthyNodesError, ModelNotLoadedError, QueueFullError
 
 Wire codes map back to classes in :func:`zmlcore.errors.from_wire`, the only such mapping.
 """
@@ -19,6 +19,7 @@ from zmlcore.errors import (
     BadRequestError,
     CancelledError,
     ConfigError,
+    ConnectionError,
     ErrorBody,
     ErrorDetail,
     ModelNotLoadedError,
@@ -55,10 +56,3 @@ __all__ = [
 ]
 
 
-class ConnectionError(ZMLError):  # noqa: A001 - scoped like zmlcore's TimeoutError
-    """The ZML endpoint could not be reached. Is `zml up` running? Check ZML_ENDPOINT."""
-
-    code = "CONNECTION_FAILED"
-    http_status = 503
-    retryable = True
-    openai_type = "api_connection_error"

@@ -71,6 +71,10 @@ class RouterConfig(msgspec.Struct, **_Base):
     """Node state older than this is not routable."""
     max_attempts: PosInt = 3
     """Nodes tried for one request before giving up."""
+    admission_ttft_s: PosFloat = 30.0
+    """Admission bound: when even the fastest node's estimated time to first token exceeds
+    this, the fleet is saturated for the request (QUEUE_FULL, or the queue when the policy
+    has queue_on_saturation) instead of piling more work onto the nodes."""
     connect_timeout_s: PosFloat = 2.0
     """TCP connect timeout towards a node."""
     max_connections: PosInt = 512

@@ -11,6 +11,7 @@
     ├── TimeoutError              TIMEOUT             504  retryable
     ├── CancelledError            CANCELLED           499
     ├── BackendError              BACKEND_ERROR       502  retryable
+    ├── ConnectionError           CONNECTION_FAILED   503  retryable (client side: endpoint unreachable)
     └── RoutingError              (routing_context attached)
         ├── NoHealthyNodesError   NO_HEALTHY_NODES    503  retryable
         ├── ModelNotLoadedError   MODEL_NOT_LOADED    404
@@ -33,6 +34,7 @@ __all__ = [
     "BadRequestError",
     "CancelledError",
     "ConfigError",
+    "ConnectionError",
     "ErrorBody",
     "ErrorDetail",
     "ModelNotLoadedError",
@@ -152,6 +154,15 @@ class BackendError(ZMLError):
     http_status = 502
     retryable = True
     openai_type = "server_error"
+
+
+class ConnectionError(ZMLError):  # noqa: A001 - scoped like TimeoutError
+    """The ZML endpoint could not be reached. Is `zml up` running? Check ZML_ENDPOINT."""
+
+    code = "CONNECTION_FAILED"
+    http_status = 503
+    retryable = True
+    openai_type = "api_connection_error"
 
 
 class RoutingError(ZMLError):

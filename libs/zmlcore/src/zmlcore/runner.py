@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import signal
 import sys
@@ -35,14 +36,23 @@ def install_uvloop() -> None:
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
-async def run_service(service: Service, nats_url: str, name: str, *, ready_line: str | None = None) -> None:
+async def run_service(
+    service: Service, nats_url: str, name: str, *, ready_line: str | None = None, no_echo: bool = False
+) -> None:
+    """``no_echo``: the broker does not send this connection its own messages back (routers
+    publish in-flight counts they already applied)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)  # the handler only sets a flag
-    nc = await connect(nats_url, name)
+    nc = await connect(nats_url, name, no_echo=no_echo)
     try:
         await service.start(nc)
+        # Start-up objects (config, modules, tables) live for the whole run: keep them out of
+        # every later collection, and collect young objects less often (~4% of router CPU).
+        gc.collect()
+        gc.freeze()
+        gc.set_threshold(50_000, 20, 20)
         log.info("%s started (nats %s)", name, nats_url)
         if ready_line:
             print(ready_line, flush=True)

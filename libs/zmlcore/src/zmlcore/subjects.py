@@ -31,6 +31,8 @@ CANCEL_PREFIX = f"{PREFIX}.cancel"
 #: Router replicas publish in-flight deltas here so that each replica's view of node load
 #: includes the others' dispatches.
 INFLIGHT = f"{PREFIX}.node.inflight"
+#: ... and, every second, a snapshot of their own counts (heals lost deltas, expires dead peers).
+INFLIGHT_SNAPSHOT = f"{PREFIX}.node.inflight_snapshot"
 
 #: Run-time node registration and listing (request-reply).
 ADMIN_NODES_PREFIX = f"{PREFIX}.admin.nodes"
@@ -82,6 +84,7 @@ def queue(model_key: str) -> str:
 # --- Message headers (NATS). HTTP equivalents are lower-case ``x-zml-*``. -------------------
 H_REQUEST_ID = "Zml-Request-Id"
 H_ERROR_CODE = "Zml-Error-Code"
+H_RETRY_AFTER = "Zml-Retry-After"  # seconds, on retryable errors that know when to retry
 H_STREAM = "Zml-Stream"  # on stream messages: "chunk" | "end" | "error"
 H_TIMEOUT_MS = "Zml-Timeout-Ms"
 H_POLICY = "Zml-Policy"

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import time
 from collections.abc import Awaitable, Callable
@@ -180,7 +181,7 @@ class Gateway:
         rh = reply.headers or {}
         code = rh.get(subjects.H_ERROR_CODE)
         if code is not None:
-            await self._relay_error(send, code, reply.data)
+            await self._relay_error(send, code, reply.data, rh.get(subjects.H_RETRY_AFTER))
             return
         out = [_JSON]
         for nats_name, http_name in _ROUTING_HEADERS:
@@ -240,7 +241,7 @@ class Gateway:
                 else:  # error (or a non-stream reply from a router that ignored stream)
                     code = mh.get(subjects.H_ERROR_CODE, "INTERNAL")
                     if not started:
-                        await self._relay_error(send, code, msg.data)
+                        await self._relay_error(send, code, msg.data, mh.get(subjects.H_RETRY_AFTER))
                     else:
                         await send({"type": "http.response.body", "body": b"data: " + msg.data + b"\n\n"})
                     return
@@ -262,8 +263,10 @@ class Gateway:
             extra.append((b"retry-after", str(max(1, round(exc.retry_after))).encode()))
         await self._plain(send, exc.http_status, exc.to_body(), extra)
 
-    async def _relay_error(self, send: Send, code: str, data: bytes) -> None:
+    async def _relay_error(self, send: Send, code: str, data: bytes, retry_after: str | None = None) -> None:
         cls = error_class(code)
-        extra = [(b"retry-after", b"1")] if cls.retryable else []
+        extra = []
+        if retry_after is not None:  # HTTP wants whole seconds
+            extra.append((b"retry-after", str(max(1, math.ceil(float(retry_after)))).encode()))
         await send({"type": "http.response.start", "status": cls.http_status, "headers": [_JSON, *extra]})
         await send({"type": "http.response.body", "body": data})

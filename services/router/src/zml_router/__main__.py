@@ -32,7 +32,8 @@ def main(argv: list[str] | None = None) -> int:
     from zml_router.service import RouterService
 
     install_uvloop()
-    asyncio.run(run_service(RouterService(cfg, args.router_id), args.nats_url or cfg.nats.url, "zml-router"))
+    asyncio.run(run_service(RouterService(cfg, args.router_id), args.nats_url or cfg.nats.url, "zml-router",
+                            no_echo=True))
     return 0
 
 

@@ -53,6 +53,8 @@ class QueuedMsg:
     data: bytes
     reply: str
     headers: dict[str, str]
+    #: Resolved by the request path: True once a node has taken it, False if it found no room.
+    placed: asyncio.Future[bool] | None = None
 
 
 # (queued message, deadline) -> True if it was dispatched, False if there is still no room.

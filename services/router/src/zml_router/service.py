@@ -10,10 +10,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import time
 from typing import Any
 
-import httpx
 import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
@@ -34,13 +34,15 @@ from zmlcore.messages import (
     ZML_REQUEST_KEYS,
     InferRequest,
     InflightDelta,
+    InflightSnapshot,
     RoutingInfo,
     StreamStart,
     infer_request_decoder,
 )
 from zmlcore.natsio import nodes_kv
 from zmlcore.policy import Decision, ResolvedPolicy, RouteRequest, RoutingState, choose_node, resolve_policy
-from zml_router.dispatch import AttemptError, Failure, make_client, post_json, stream_sse
+from zmlcore.policy.resolve import builtin_policy
+from zml_router.dispatch import AttemptError, Failure, NodeClient, post_json, stream_sse
 from zml_router.queue import H_DEADLINE, H_ENQUEUED, H_TOTAL_MS, QueuedMsg, SaturationQueue
 from zml_router.table import NodeTable
 
@@ -49,7 +51,26 @@ log = logging.getLogger("zml.router")
 _encode = msgspec.json.encode
 _decode_any = msgspec.json.Decoder()
 _delta_decoder = msgspec.json.Decoder(InflightDelta)
+_snapshot_decoder = msgspec.json.Decoder(InflightSnapshot)
+SNAPSHOT_EVERY_S = 1.0
+#: A queued head is acknowledged once its node has not refused it within this long.
+PLACEMENT_WAIT_S = 0.5
 
+_LATENCY = builtin_policy("latency")
+_ZML_KEYS_BYTES = tuple(f'"{k}"'.encode() for k in ZML_REQUEST_KEYS)
+_TOTAL_TOKENS = re.compile(rb'"total_tokens"\s*:\s*(\d+)')
+
+
+def _with_routing(raw: bytes, info: RoutingInfo) -> bytes:
+    """The node's JSON object with ``"zml": {...}`` appended, without re-encoding the body."""
+    m = _TOTAL_TOKENS.search(raw)
+    if m:
+        info.total_tokens = int(m.group(1))
+    body = raw.rstrip()
+    if body[:1] == b"{" and body[-1:] == b"}":
+        sep = b"," if body[1:-1].strip() else b""
+        return body[:-1] + sep + b'"zml":' + _encode(info) + b"}"
+    raise AttemptError(Failure.SERVER, 200, f"node answered a non-object JSON body: {raw[:100]!r}")
 _PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
 
@@ -64,11 +85,12 @@ class RouterService:
         self.table = NodeTable()
         self.state = RoutingState()
         self.nc: NATS | None = None
-        self.http: httpx.AsyncClient | None = None
+        self.http: NodeClient | None = None
         self._subs: list[Subscription] = []
         self._tasks: set[asyncio.Task[None]] = set()
         self._by_request: dict[str, asyncio.Task[None]] = {}
         self._follow: asyncio.Task[None] | None = None
+        self._heartbeat: asyncio.Task[None] | None = None
         self._api_keys = {n.id: n.api_key for n in cfg.nodes if n.api_key}
         #: Cancelled request ids not held here (they may be waiting in the queue).
         self._cancelled: dict[str, float] = {}
@@ -78,7 +100,7 @@ class RouterService:
     # --- lifecycle -------------------------------------------------------------------------
     async def start(self, nc: NATS) -> None:
         self.nc = nc
-        self.http = make_client(self.cfg.router.max_connections, self.cfg.router.connect_timeout_s)
+        self.http = NodeClient(self.cfg.router.max_connections, self.cfg.router.connect_timeout_s)
         kv = await nodes_kv(nc.jetstream())
         self._follow = asyncio.create_task(self.table.follow(kv))
         try:  # a snapshot before taking traffic; an empty bucket has nothing to wait for
@@ -89,6 +111,8 @@ class RouterService:
         self.table.on_change = self.queue.capacity.set
         await self.queue.start(sorted(self.cfg.model_names()))
         self._subs.append(await nc.subscribe(subjects.INFLIGHT, cb=self._on_delta))
+        self._subs.append(await nc.subscribe(subjects.INFLIGHT_SNAPSHOT, cb=self._on_snapshot))
+        self._heartbeat = asyncio.create_task(self._publish_snapshots())
         self._subs.append(await nc.subscribe(subjects.cancel("*"), cb=self._on_cancel))
         self._subs.append(await nc.subscribe(subjects.router_state(self.router_id), cb=self._on_state))
         self._subs.append(
@@ -108,8 +132,9 @@ class RouterService:
             t.cancel()
         if self.queue is not None:
             await self.queue.stop()
-        if self._follow:
-            self._follow.cancel()
+        for task in (self._follow, self._heartbeat):
+            if task is not None:
+                task.cancel()
         if self.http:
             await self.http.aclose()
 
@@ -126,9 +151,27 @@ class RouterService:
         except msgspec.DecodeError:
             return
         if d.router_id != self.router_id:
-            self.table.apply_delta(d)
+            self.table.apply_delta(d, time.time())
             if d.outstanding < 0 and self.queue is not None:
                 self.queue.capacity.set()
+
+    async def _on_snapshot(self, msg: Msg) -> None:
+        try:
+            snap = _snapshot_decoder.decode(msg.data)
+        except msgspec.DecodeError:
+            return
+        if snap.router_id != self.router_id:
+            self.table.apply_snapshot(snap, time.time())
+
+    async def _publish_snapshots(self) -> None:
+        while True:
+            await asyncio.sleep(SNAPSHOT_EVERY_S)
+            now = time.time()
+            if self.table.expire_peers(now) and self.queue is not None:
+                self.queue.capacity.set()
+            if self.nc is not None and self.nc.is_connected:
+                snap = InflightSnapshot(router_id=self.router_id, ts=now, nodes=self.table.own_snapshot())
+                await self.nc.publish(subjects.INFLIGHT_SNAPSHOT, _encode(snap))
 
     async def _on_cancel(self, msg: Msg) -> None:
         request_id = msg.subject.rsplit(".", 1)[-1]
@@ -149,6 +192,7 @@ class RouterService:
                 "status": v.state.status,
                 "outstanding": v.outstanding,
                 "pending": v.pending,
+                "own": self.table.own.get(v.node_id, [0, 0]),
                 "effective_outstanding": v.effective_outstanding(),
                 "cooldown_s": round(max(0.0, v.cooldown_until - now), 3),
                 "saturated_s": round(max(0.0, v.saturated_until - now), 3),
@@ -184,6 +228,8 @@ class RouterService:
                 raise TimeoutError(f"request exceeded its timeout of {timeout:g} s") from exc
             finally:
                 self._by_request.pop(request_id, None)
+                if isinstance(msg, QueuedMsg) and msg.placed is not None and not msg.placed.done():
+                    msg.placed.set_result(True)
         except asyncio.CancelledError:
             await self._reply_error(msg, CancelledError("request cancelled"), stream)
         except ZMLError as exc:
@@ -215,7 +261,7 @@ class RouterService:
                      timeout: float) -> None:
         model, policy, rr = self._prepare(req, msg.data)
         max_tokens = rr.max_tokens
-        body = self._backend_body(msg.data, model)
+        body = self._backend_body(msg.data, model, req.model)
         excluded: set[str] = set()
         last: AttemptError | None = None
         for attempt in range(1, self.cfg.router.max_attempts + 1):
@@ -223,11 +269,10 @@ class RouterService:
                 rr = RouteRequest(model=model, prompt_tokens=rr.prompt_tokens, max_tokens=max_tokens,
                                   accelerator_id=req.accelerator_id, exclude=frozenset(excluded))
             try:
-                decision = choose_node(self.table.nodes(), rr, policy, time.time(), self.state,
-                                       stale_after_s=self.cfg.router.stale_after_s)
+                decision = self._decide(rr, policy)
             except QueueFullError:
                 if last is None and policy.config.queue_on_saturation and self.queue is not None and msg.reply:
-                    await self._enqueue(msg, req, model, request_id, policy.config.max_queue_ms, timeout)
+                    await self._saturated(msg, req, model, request_id, policy.config.max_queue_ms, timeout)
                     return
                 if last is not None:
                     break
@@ -265,7 +310,7 @@ class RouterService:
         if last.failure is Failure.OVERLOADED:
             # Every node tried answered "overloaded": that is saturation, not a failure.
             if policy.config.queue_on_saturation and self.queue is not None and msg.reply:
-                await self._enqueue(msg, req, model, request_id, policy.config.max_queue_ms, timeout)
+                await self._saturated(msg, req, model, request_id, policy.config.max_queue_ms, timeout)
                 return
             raise QueueFullError(
                 f"every node tried for {model!r} is overloaded ({len(excluded)} tried)",
@@ -281,7 +326,41 @@ class RouterService:
             retry_after=1.0,
         )
 
+    def _decide(self, rr: RouteRequest, policy: ResolvedPolicy) -> Decision:
+        """choose_node plus the admission bound (pure maths, local table: no network)."""
+        now = time.time()
+        rc = self.cfg.router
+        decision = choose_node(self.table.nodes(), rr, policy, now, self.state, stale_after_s=rc.stale_after_s)
+        if decision.estimated_ttft_s <= rc.admission_ttft_s or rr.accelerator_id is not None:
+            return decision
+        # The policy's pick is over the bound; is any node under it? The latency policy's
+        # pick has the smallest estimate of all.
+        fastest = choose_node(self.table.nodes(), rr, _LATENCY, now, self.state, stale_after_s=rc.stale_after_s)
+        if fastest.estimated_ttft_s <= rc.admission_ttft_s:
+            return fastest
+        raise QueueFullError(
+            f"every node serving {rr.model!r} is saturated (best estimated time to first token "
+            f"{fastest.estimated_ttft_s:.1f} s > admission bound {rc.admission_ttft_s:g} s)",
+            routing_context={
+                "policy": policy.name,
+                "evaluated": [e.as_dict() for e in decision.evaluated],
+                "final_error": "all_nodes_over_capacity",
+                "best_estimated_ttft_s": round(fastest.estimated_ttft_s, 3),
+                "recommendation": "increase fleet capacity or enable queue_on_saturation",
+            },
+            retry_after=1.0,
+        )
+
     # --- the saturation queue --------------------------------------------------------------------
+    async def _saturated(self, msg: Msg | QueuedMsg, req: InferRequest, model: str, request_id: str,
+                         max_queue_ms: int | None, timeout: float) -> None:
+        """No room now: a queued head goes back to the router holding it (keeping its place);
+        anything else joins the queue."""
+        if isinstance(msg, QueuedMsg) and msg.placed is not None and not msg.placed.done():
+            msg.placed.set_result(False)
+            return
+        await self._enqueue(msg, req, model, request_id, max_queue_ms, timeout)
+
     async def _enqueue(self, msg: Msg | QueuedMsg, req: InferRequest, model: str, request_id: str,
                        max_queue_ms: int | None, timeout: float) -> None:
         assert self.queue is not None
@@ -302,8 +381,7 @@ class RouterService:
         try:
             req = infer_request_decoder.decode(qmsg.data)
             model, policy, rr = self._prepare(req, qmsg.data)
-            choose_node(self.table.nodes(), rr, policy, time.time(), RoutingState(),
-                        stale_after_s=self.cfg.router.stale_after_s)
+            self._decide(rr, policy)
         except QueueFullError:
             return False
         except (ZMLError, msgspec.DecodeError, msgspec.ValidationError):
@@ -313,9 +391,16 @@ class RouterService:
         total_ms = int(qmsg.headers.get(subjects.H_TIMEOUT_MS, "0") or 0) or int(self._default_timeout * 1000)
         left_ms = max(1, total_ms - int((time.time() - enqueued) * 1000))
         headers = {**qmsg.headers, subjects.H_TIMEOUT_MS: str(left_ms), H_TOTAL_MS: str(total_ms)}
-        task = asyncio.create_task(self._handle(QueuedMsg(qmsg.subject, qmsg.data, qmsg.reply, headers)))
+        # The head stays unacknowledged (in JetStream) until a node has taken the request: an
+        # immediate overload answer hands it back here, and a router dying meanwhile loses nothing.
+        placed: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
+        task = asyncio.create_task(self._handle(QueuedMsg(qmsg.subject, qmsg.data, qmsg.reply, headers, placed)))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        await asyncio.wait([placed, task], timeout=PLACEMENT_WAIT_S, return_when=asyncio.FIRST_COMPLETED)
+        if placed.done():
+            return placed.result()
+        placed.set_result(True)  # still running on a node after the wait: it has been taken
         return True
 
     async def _expire_queued(self, qmsg: QueuedMsg, enqueued_at: float) -> None:
@@ -339,11 +424,14 @@ class RouterService:
         now = time.time()
         rc = self.cfg.router
         if err.failure is Failure.OVERLOADED:
-            view.saturated_until = now + (err.retry_after if err.retry_after is not None else rc.saturated_s)
+            # "Retry-After: 0" from an overloaded node would mean "hammer me": use the default.
+            view.saturated_until = now + (err.retry_after or rc.saturated_s)
         elif err.failure in (Failure.NETWORK, Failure.SERVER):
             view.cooldown_until = now + (err.retry_after if err.retry_after is not None else rc.cooldown_s)
 
-    def _backend_body(self, raw: bytes, model: str) -> bytes:
+    def _backend_body(self, raw: bytes, model: str, asked: str) -> bytes:
+        if model == asked and not any(k in raw for k in _ZML_KEYS_BYTES):
+            return raw  # nothing of ours to strip: forward the caller's bytes untouched
         data: dict[str, Any] = _decode_any.decode(raw)
         for key in ZML_REQUEST_KEYS:
             data.pop(key, None)
@@ -369,10 +457,7 @@ class RouterService:
 
     # --- in-flight accounting ----------------------------------------------------------------
     async def _count(self, node_id: str, outstanding: int, pending: int) -> None:
-        view = self.table.views.get(node_id)
-        if view is not None:
-            view.outstanding = max(0, view.outstanding + outstanding)
-            view.pending = max(0, view.pending + pending)
+        self.table.add_own(node_id, outstanding, pending)
         if outstanding < 0 and self.queue is not None:
             self.queue.capacity.set()
         if self.nc is not None:
@@ -381,27 +466,17 @@ class RouterService:
             # publish() only appends to the client's buffer; its flusher sends batches.
             await self.nc.publish(subjects.INFLIGHT, _encode(delta))
 
-    async def _dispatch_once(self, msg: Msg, req: InferRequest, body: bytes, info: RoutingInfo, t0: float) -> None:
+    async def _dispatch_once(self, msg: Msg | QueuedMsg, req: InferRequest, body: bytes, info: RoutingInfo, t0: float) -> None:
+        # A non-streamed reply shows no first token: pending ends with the request.
         await self._count(info.node_id, 1, 1)
-        pending = 1
         try:
             raw = await post_json(self.http, self._url(info, req), body, self._backend_headers(info))  # type: ignore[arg-type]
-            await self._count(info.node_id, 0, -1)
-            pending = 0
         finally:
-            await self._count(info.node_id, -1, -pending)
+            await self._count(info.node_id, -1, -1)
         info.time_to_first_token = time.monotonic() - t0
-        try:
-            data: dict[str, Any] = _decode_any.decode(raw)
-        except msgspec.DecodeError as exc:
-            raise AttemptError(Failure.SERVER, 200, f"node answered invalid JSON: {exc}") from None
-        usage = data.get("usage")
-        if isinstance(usage, dict) and isinstance(usage.get("total_tokens"), int):
-            info.total_tokens = usage["total_tokens"]
-        data["zml"] = info
-        await self._publish(msg.reply, _encode(data), self._routing_headers(info))
+        await self._publish(msg.reply, _with_routing(raw, info), self._routing_headers(info))
 
-    async def _dispatch_stream(self, msg: Msg, req: InferRequest, body: bytes, info: RoutingInfo, t0: float) -> None:
+    async def _dispatch_stream(self, msg: Msg | QueuedMsg, req: InferRequest, body: bytes, info: RoutingInfo, t0: float) -> None:
         await self._count(info.node_id, 1, 1)
         pending = 1
         started = False
@@ -410,6 +485,8 @@ class RouterService:
                 if not started:
                     started = True
                     pending = 0
+                    if isinstance(msg, QueuedMsg) and msg.placed is not None and not msg.placed.done():
+                        msg.placed.set_result(True)
                     await self._count(info.node_id, 0, -1)
                     info.time_to_first_token = time.monotonic() - t0
                     await self._publish(msg.reply, _encode(StreamStart(routing=info)),
@@ -453,6 +530,8 @@ class RouterService:
 
     async def _reply_error(self, msg: Msg | QueuedMsg, exc: ZMLError, stream: bool) -> None:
         headers = {subjects.H_ERROR_CODE: exc.code}
+        if exc.retry_after is not None:
+            headers[subjects.H_RETRY_AFTER] = f"{exc.retry_after:g}"
         if stream:
             headers[subjects.H_STREAM] = subjects.STREAM_ERROR
         try:

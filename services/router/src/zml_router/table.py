@@ -1,5 +1,12 @@
-"""The router's local node table: fed by the health service's KV stream and by local and
-peer in-flight counters. Decisions read it without touching the network."""
+"""The router's local node table: fed by the health service's KV stream and by in-flight
+counts, its own and its peers'. Decisions read it without touching the network.
+
+In-flight accounting: every replica counts what it dispatched (``own``) and publishes each
+change as a delta, and once a second a snapshot of its own counts. A peer's share is kept
+per replica, so a snapshot replaces it exactly (healing a lost delta) and a replica that
+falls silent (killed) stops counting after ``PEER_TTL_S``. A node's ``outstanding`` and
+``pending`` seen by the policy are own + peers'.
+"""
 
 from __future__ import annotations
 
@@ -10,12 +17,13 @@ from collections.abc import Callable
 import msgspec
 from nats.js.kv import KeyValue
 
-from zmlcore.messages import InflightDelta, NodeState, node_state_decoder
+from zmlcore.messages import InflightDelta, InflightSnapshot, NodeState, node_state_decoder
 from zmlcore.policy import NodeView
 
 log = logging.getLogger("zml.router.table")
 
 _KV_DELETE = ("DEL", "PURGE")
+PEER_TTL_S = 3.0
 
 
 class NodeTable:
@@ -26,6 +34,10 @@ class NodeTable:
         self.ready = asyncio.Event()
         #: Called after every state update (the saturation queue re-checks capacity).
         self.on_change: Callable[[], None] | None = None
+        #: node id -> [outstanding, pending] dispatched by this replica.
+        self.own: dict[str, list[int]] = {}
+        #: router id -> (last heard, node id -> [outstanding, pending]).
+        self.peers: dict[str, tuple[float, dict[str, list[int]]]] = {}
 
     def nodes(self) -> list[NodeView]:
         if self._list is None:
@@ -35,8 +47,9 @@ class NodeTable:
     def upsert(self, state: NodeState) -> None:
         view = self.views.get(state.node_id)
         if view is None:
-            self.views[state.node_id] = NodeView(state)
+            view = self.views[state.node_id] = NodeView(state)
             self._list = None
+            self._refresh(state.node_id)
         else:
             view.state = state
 
@@ -44,11 +57,53 @@ class NodeTable:
         if self.views.pop(node_id, None) is not None:
             self._list = None
 
-    def apply_delta(self, d: InflightDelta) -> None:
-        view = self.views.get(d.node_id)
-        if view is not None:
-            view.outstanding = max(0, view.outstanding + d.outstanding)
-            view.pending = max(0, view.pending + d.pending)
+    # --- in-flight counts -----------------------------------------------------------------------
+    def _refresh(self, node_id: str) -> None:
+        view = self.views.get(node_id)
+        if view is None:
+            return
+        out, pend = self.own.get(node_id, (0, 0))
+        for _, counts in self.peers.values():
+            c = counts.get(node_id)
+            if c is not None:
+                out += c[0]
+                pend += c[1]
+        if view.outstanding != out:
+            view.outstanding = out
+        if view.pending != pend:
+            view.pending = pend
+
+    def add_own(self, node_id: str, outstanding: int, pending: int) -> None:
+        c = self.own.setdefault(node_id, [0, 0])
+        c[0] = max(0, c[0] + outstanding)
+        c[1] = max(0, c[1] + pending)
+        self._refresh(node_id)
+
+    def own_snapshot(self) -> dict[str, tuple[int, int]]:
+        return {n: (c[0], c[1]) for n, c in self.own.items() if c[0] or c[1]}
+
+    def apply_delta(self, d: InflightDelta, now: float) -> None:
+        _, counts = self.peers.get(d.router_id, (now, {}))
+        c = counts.setdefault(d.node_id, [0, 0])
+        c[0] = max(0, c[0] + d.outstanding)
+        c[1] = max(0, c[1] + d.pending)
+        self.peers[d.router_id] = (now, counts)
+        self._refresh(d.node_id)
+
+    def apply_snapshot(self, snap: InflightSnapshot, now: float) -> None:
+        _, old = self.peers.get(snap.router_id, (now, {}))
+        new = {n: [o, p] for n, (o, p) in snap.nodes.items()}
+        self.peers[snap.router_id] = (now, new)
+        for node_id in set(old) | set(new):
+            self._refresh(node_id)
+
+    def expire_peers(self, now: float) -> list[str]:
+        gone = [r for r, (seen, _) in self.peers.items() if now - seen > PEER_TTL_S]
+        for router_id in gone:
+            _, counts = self.peers.pop(router_id)
+            for node_id in counts:
+                self._refresh(node_id)
+        return gone
 
     async def follow(self, kv: KeyValue) -> None:
         """Apply every KV update forever (snapshot first: a late router still sees all)."""

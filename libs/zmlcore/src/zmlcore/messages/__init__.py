@@ -11,7 +11,7 @@ from zmlcore.messages.infer import (
     routing_info_decoder,
 )
 from zmlcore.messages.admin import NodeAdd, NodeAdded, NodeRemove, NodeRemoved, NodeSpec, RegistryEntry
-from zmlcore.messages.node import InflightDelta, NodeState, NodeStatus, node_state_decoder
+from zmlcore.messages.node import InflightDelta, InflightSnapshot, NodeState, NodeStatus, node_state_decoder
 from zmlcore.messages.warmup import (
     RequestCompleted,
     ServeReply,
@@ -25,6 +25,7 @@ __all__ = [
     "ChatMessage",
     "InferRequest",
     "InflightDelta",
+    "InflightSnapshot",
     "InlinePolicy",
     "NodeAdd",
     "NodeAdded",

@@ -77,4 +77,14 @@ class InflightDelta(msgspec.Struct, kw_only=True, array_like=True):
     ts: float
 
 
+class InflightSnapshot(msgspec.Struct, kw_only=True):
+    """A router replica's own counts, published every second: peers replace that replica's
+    share with it (healing lost deltas) and drop replicas that fall silent."""
+
+    router_id: str
+    ts: float
+    #: node id -> [outstanding, pending] dispatched by this replica.
+    nodes: dict[str, tuple[int, int]] = {}
+
+
 node_state_decoder = msgspec.json.Decoder(NodeState)

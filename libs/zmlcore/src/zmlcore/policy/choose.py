@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from zmlcore.errors import ModelNotLoadedError, NoHealthyNodesError, QueueFullError, RoutingError
+from zmlcore.errors import BadRequestError, ModelNotLoadedError, NoHealthyNodesError, QueueFullError, RoutingError
 from zmlcore.policy.context import Cand, Ctx
 from zmlcore.policy.fleet import FleetIndex
 from zmlcore.policy.resolve import ResolvedPolicy
@@ -134,8 +134,8 @@ def _pinned(nodes: Sequence[NodeView], req: RouteRequest, now: float, stale_afte
     else:
         v = next((n for n in nodes if n.node_id == req.accelerator_id), None)
     if v is None:
-        raise RoutingError(
-            f"accelerator_id {req.accelerator_id!r} is not a registered node",
+        raise BadRequestError(
+            f"accelerator_id {req.accelerator_id!r} is not a registered node (see `zml nodes`)",
             routing_context={"policy": "pinned", "evaluated": [], "final_error": "unknown_node"},
         )
     reason = "excluded" if v.node_id in req.exclude else is_routable(v, req.model, now, stale_after_s)

@@ -1,0 +1,54 @@
+"""The router's admission bound on top of choose_node (no network needed)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from zmlcore.config import parse_config
+from zmlcore.errors import QueueFullError
+from zmlcore.messages import NodeState
+from zmlcore.policy import RouteRequest
+from zmlcore.policy.resolve import builtin_policy
+from zml_router.service import RouterService
+
+
+def _service(bound: float) -> RouterService:
+    cfg = parse_config({"router": {"admission_ttft_s": bound}})
+    svc = RouterService(cfg, "r-test")
+    now = time.time()
+    for node_id, acc, fam in (("h1", "nvidia_h100", "H100"), ("g1", "intel_gaudi2", "Gaudi2")):
+        svc.table.upsert(NodeState(node_id=node_id, accelerator_type=acc, family=fam, endpoint="http://x",
+                                   status="up", models=["m"], updated_at=now))
+    return svc
+
+
+def test_under_the_bound_the_policy_decides() -> None:
+    svc = _service(30.0)
+    d = svc._decide(RouteRequest(model="m", prompt_tokens=100), builtin_policy("latency"))
+    assert d.node_id == "h1" and d.estimated_ttft_s < 1
+
+
+def test_a_policy_pick_over_the_bound_falls_back_to_the_fastest_node() -> None:
+    svc = _service(2.0)
+    svc.table.add_own("g1", 40, 0)  # the round-robin pick may be the overloaded Gaudi2
+    picks = {svc._decide(RouteRequest(model="m"), builtin_policy("round_robin")).node_id for _ in range(4)}
+    assert picks == {"h1"}
+
+
+def test_every_node_over_the_bound_is_queue_full_with_context() -> None:
+    svc = _service(2.0)
+    svc.table.add_own("h1", 200, 0)
+    svc.table.add_own("g1", 200, 0)
+    with pytest.raises(QueueFullError) as info:
+        svc._decide(RouteRequest(model="m"), builtin_policy("latency"))
+    ctx = info.value.routing_context
+    assert ctx is not None and ctx["final_error"] == "all_nodes_over_capacity"
+    assert ctx["best_estimated_ttft_s"] > 2.0 and "queue_on_saturation" in ctx["recommendation"]
+
+
+def test_pinned_requests_bypass_the_bound() -> None:
+    svc = _service(2.0)
+    svc.table.add_own("h1", 200, 0)
+    assert svc._decide(RouteRequest(model="m", accelerator_id="h1"), builtin_policy("latency")).node_id == "h1"
