@@ -337,3 +337,43 @@ async def test_queued_request_survives_a_router_restart(stack: Stack) -> None:
     finally:
         stack.clear_faults()
         await nc.close()
+
+
+async def test_run_time_price_change_moves_cost_routed_traffic(stack: Stack) -> None:
+    import subprocess
+    import sys
+
+    stack.clear_faults()
+    await asyncio.sleep(1.0)
+    nc = await nats.connect(stack.nats_url)
+
+    async def cost_picks() -> Counter:
+        picks: Counter = Counter()
+        for _ in range(6):
+            body = {"model": MODEL, "messages": CHAT, "max_tokens": 2, "policy": "cost"}
+            msg = await nc.request(subjects.INFER, json.dumps(body).encode(), timeout=10)
+            picks[json.loads(msg.data)["zml"]["node_id"]] += 1
+        return picks
+
+    try:
+        before = await cost_picks()
+        assert set(before) <= {"mi300x-a"}, before  # cheapest per unit of capacity at list prices
+        cli = [sys.executable, "-m", "zml.cli", "cost", "set", "h100-b", "0.5", "--source", "spot:test",
+               "--nats-url", stack.nats_url]
+        out = subprocess.run(cli, capture_output=True, text=True, timeout=30)
+        assert out.returncode == 0, out.stderr
+        await asyncio.sleep(0.5)
+        states = await router_states(stack)
+        assert all(s["nodes"]["h100-b"]["cost_per_hour"] == 0.5 for s in states.values())
+        after = await cost_picks()
+        assert set(after) == {"h100-b"}, after
+        with httpx.Client(timeout=10) as client:
+            nodes = {n["node_id"]: n for n in client.get(stack.gateway_url + "/v1/nodes").json()["nodes"]}
+        assert nodes["h100-b"]["cost_per_hour"] == 0.5 and nodes["h100-b"]["routers"] == 2
+        clear = [sys.executable, "-m", "zml.cli", "cost", "clear", "h100-b", "--nats-url", stack.nats_url]
+        assert subprocess.run(clear, capture_output=True, text=True, timeout=30).returncode == 0
+        await asyncio.sleep(0.5)
+        states = await router_states(stack)
+        assert all(s["nodes"]["h100-b"]["cost_per_hour"] == 4.0 for s in states.values())
+    finally:
+        await nc.close()

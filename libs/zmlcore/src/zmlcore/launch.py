@@ -106,6 +106,10 @@ class Proc:
     def alive(self) -> bool:
         return self.popen.poll() is None
 
+    def terminate(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+
     def stop(self, timeout: float = 10.0) -> None:
         if self.popen.poll() is None:
             self.popen.send_signal(signal.SIGTERM)

@@ -49,6 +49,9 @@ EVENT_WARMUP = "warmup"
 
 #: JetStream KV bucket holding one entry per node (key = node id, value = NodeState JSON).
 NODES_BUCKET = "zml_nodes"
+#: JetStream KV bucket of run-time prices (key = node id, value CostEntry JSON): spot-price
+#: feeds or `zml cost set` write it; routers and the gateway watch it.
+COSTS_BUCKET = "zml_costs"
 #: JetStream KV bucket holding registered nodes added at run time (survives health restarts).
 REGISTRY_BUCKET = "zml_registry"
 #: JetStream stream holding requests waiting for capacity (queue_on_saturation).
@@ -64,6 +67,10 @@ def cancel(request_id: str) -> str:
 def admin_nodes(verb: str) -> str:
     """``zml.admin.nodes.add`` / ``.remove`` / ``.list``."""
     return f"{ADMIN_NODES_PREFIX}.{verb}"
+
+
+#: Every router replica answers its view of the fleet here (scatter-gather: collect replies).
+ROUTERS_STATE = f"{PREFIX}.admin.routers.state"
 
 
 def router_state(router_id: str) -> str:

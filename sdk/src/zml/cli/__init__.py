@@ -17,6 +17,7 @@ _COMMANDS = (
     "zml.cli.batch",
     "zml.cli.bench",
     "zml.cli.nodes",
+    "zml.cli.cost",
     "zml.cli.serve",
     "zml.cli.warmup",
     "zml.cli.node_agent",

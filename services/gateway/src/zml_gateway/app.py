@@ -23,6 +23,7 @@ from nats.errors import TimeoutError as NatsTimeout
 
 from zmlcore import subjects
 from zmlcore.config import ZMLConfig
+from zmlcore.costs import CostTable
 from zmlcore.errors import (
     AuthError,
     BadRequestError,
@@ -71,10 +72,11 @@ _ROUTING_HEADERS = (
 
 
 class Gateway:
-    def __init__(self, cfg: ZMLConfig, nc: NATS, nodes: dict[str, NodeState]) -> None:
+    def __init__(self, cfg: ZMLConfig, nc: NATS, nodes: dict[str, NodeState], costs: CostTable | None = None) -> None:
         self.cfg = cfg
         self.nc = nc
         self.nodes = nodes  # kept current by the service from the KV stream
+        self.costs = costs or CostTable()
         self.timeout = cfg.defaults.request_timeout_s
         self.max_body = cfg.gateway.max_body_bytes
         self.keys = {f"Bearer {k}".encode() for k in cfg.gateway.api_keys}
@@ -102,7 +104,7 @@ class Gateway:
                 return await self._plain(send, 200, self._models())
             if path == "/v1/nodes":
                 self._auth(scope)
-                return await self._plain(send, 200, {"nodes": [self.nodes[k] for k in sorted(self.nodes)]})
+                return await self._plain(send, 200, {"nodes": await self._node_table()})
             return await self._plain(send, 404, {"error": {"message": f"no route {path}", "code": "NOT_FOUND"}})
         except ZMLError as exc:
             await self._error(send, exc)
@@ -133,6 +135,35 @@ class Gateway:
             serving = [s.node_id for s in self.nodes.values() if name in s.models and s.status == "up"]
             data.append({"id": name, "object": "model", "owned_by": "zml", "created": 0, "zml": {"nodes_up": serving}})
         return {"object": "list", "data": data}
+
+    async def _node_table(self) -> list[dict[str, Any]]:
+        """Health's view of every node, with run-time prices and the routers' view (in flight,
+        cooldown, saturation) gathered from every replica for ~150 ms."""
+        views: list[dict[str, Any]] = []
+        inbox = self.nc.new_inbox()
+
+        async def collect(msg: Any) -> None:
+            try:
+                views.append(msgspec.json.decode(msg.data))
+            except msgspec.DecodeError:
+                pass
+
+        sub = await self.nc.subscribe(inbox, cb=collect)
+        try:
+            await self.nc.publish(subjects.ROUTERS_STATE, b"", reply=inbox)
+            await asyncio.sleep(0.15)
+        finally:
+            await sub.unsubscribe()
+        out = []
+        for node_id in sorted(self.nodes):
+            row: dict[str, Any] = msgspec.to_builtins(self.costs.apply(self.nodes[node_id]))
+            seen = [v["nodes"][node_id] for v in views if node_id in v.get("nodes", {})]
+            row["routers"] = len(seen)
+            row["in_flight"] = max((r["outstanding"] for r in seen), default=0)
+            row["cooldown_s"] = max((r["cooldown_s"] for r in seen), default=0.0)
+            row["saturated_s"] = max((r["saturated_s"] for r in seen), default=0.0)
+            out.append(row)
+        return out
 
     # --- inference -------------------------------------------------------------------------
     async def _read_body(self, receive: Receive) -> bytes:

@@ -12,6 +12,7 @@ from nats.aio.client import Client as NATS
 
 from zmlcore.config import ZMLConfig
 from zmlcore.messages import NodeState, node_state_decoder
+from zmlcore.costs import CostTable, costs_kv
 from zmlcore.natsio import nodes_kv
 from zml_gateway.app import Gateway
 
@@ -29,6 +30,8 @@ class GatewayService:
         self.host = host or cfg.gateway.host
         self.port = cfg.gateway.port if port is None else port
         self.nodes: dict[str, NodeState] = {}
+        self.costs = CostTable()
+        self._follow_costs: asyncio.Task[None] | None = None
         self._server: _Server | None = None
         self._serve: asyncio.Task[None] | None = None
         self._follow: asyncio.Task[None] | None = None
@@ -36,7 +39,8 @@ class GatewayService:
     async def start(self, nc: NATS) -> None:
         kv = await nodes_kv(nc.jetstream())
         self._follow = asyncio.create_task(self._follow_nodes(kv))
-        app = Gateway(self.cfg, nc, self.nodes)
+        self._follow_costs = asyncio.create_task(self.costs.follow(await costs_kv(nc)))
+        app = Gateway(self.cfg, nc, self.nodes, self.costs)
         config = uvicorn.Config(
             app, host=self.host, port=self.port, http="httptools", loop="none", lifespan="off",
             log_level="warning", access_log=False, timeout_keep_alive=30, backlog=2048,
@@ -54,8 +58,9 @@ class GatewayService:
             self._server.should_exit = True
         if self._serve is not None:
             await asyncio.wait([self._serve], timeout=10)
-        if self._follow is not None:
-            self._follow.cancel()
+        for task in (self._follow, self._follow_costs):
+            if task is not None:
+                task.cancel()
 
     async def _follow_nodes(self, kv) -> None:  # type: ignore[no-untyped-def]
         watcher = await kv.watchall()

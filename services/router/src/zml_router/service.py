@@ -39,6 +39,7 @@ from zmlcore.messages import (
     StreamStart,
     infer_request_decoder,
 )
+from zmlcore.costs import costs_kv
 from zmlcore.natsio import nodes_kv
 from zmlcore.policy import Decision, ResolvedPolicy, RouteRequest, RoutingState, choose_node, resolve_policy
 from zmlcore.policy.resolve import builtin_policy
@@ -91,6 +92,7 @@ class RouterService:
         self._by_request: dict[str, asyncio.Task[None]] = {}
         self._follow: asyncio.Task[None] | None = None
         self._heartbeat: asyncio.Task[None] | None = None
+        self._follow_costs: asyncio.Task[None] | None = None
         self._api_keys = {n.id: n.api_key for n in cfg.nodes if n.api_key}
         #: Cancelled request ids not held here (they may be waiting in the queue).
         self._cancelled: dict[str, float] = {}
@@ -103,6 +105,7 @@ class RouterService:
         self.http = NodeClient(self.cfg.router.max_connections, self.cfg.router.connect_timeout_s)
         kv = await nodes_kv(nc.jetstream())
         self._follow = asyncio.create_task(self.table.follow(kv))
+        self._follow_costs = asyncio.create_task(self.table.costs.follow(await costs_kv(nc)))
         try:  # a snapshot before taking traffic; an empty bucket has nothing to wait for
             await asyncio.wait_for(self.table.ready.wait(), 2.0)
         except asyncio.TimeoutError:
@@ -115,6 +118,7 @@ class RouterService:
         self._heartbeat = asyncio.create_task(self._publish_snapshots())
         self._subs.append(await nc.subscribe(subjects.cancel("*"), cb=self._on_cancel))
         self._subs.append(await nc.subscribe(subjects.router_state(self.router_id), cb=self._on_state))
+        self._subs.append(await nc.subscribe(subjects.ROUTERS_STATE, cb=self._on_state))
         self._subs.append(
             await nc.subscribe(subjects.INFER, queue=subjects.ROUTER_QUEUE, cb=self._on_request)
         )
@@ -132,7 +136,7 @@ class RouterService:
             t.cancel()
         if self.queue is not None:
             await self.queue.stop()
-        for task in (self._follow, self._heartbeat):
+        for task in (self._follow, self._heartbeat, self._follow_costs):
             if task is not None:
                 task.cancel()
         if self.http:
@@ -197,6 +201,7 @@ class RouterService:
                 "cooldown_s": round(max(0.0, v.cooldown_until - now), 3),
                 "saturated_s": round(max(0.0, v.saturated_until - now), 3),
                 "state_age_s": round(now - v.state.updated_at, 3),
+                "cost_per_hour": v.state.cost_per_hour,
             }
             for v in self.table.nodes()
         }

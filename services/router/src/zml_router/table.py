@@ -17,6 +17,7 @@ from collections.abc import Callable
 import msgspec
 from nats.js.kv import KeyValue
 
+from zmlcore.costs import CostTable
 from zmlcore.messages import InflightDelta, InflightSnapshot, NodeState, node_state_decoder
 from zmlcore.policy import NodeView
 
@@ -38,13 +39,23 @@ class NodeTable:
         self.own: dict[str, list[int]] = {}
         #: router id -> (last heard, node id -> [outstanding, pending]).
         self.peers: dict[str, tuple[float, dict[str, list[int]]]] = {}
+        #: States as the health service sent them; views carry them with run-time prices.
+        self.raw: dict[str, NodeState] = {}
+        self.costs = CostTable(on_change=self._cost_changed)
 
     def nodes(self) -> list[NodeView]:
         if self._list is None:
             self._list = list(self.views.values())
         return self._list
 
+    def _cost_changed(self, node_id: str) -> None:
+        raw = self.raw.get(node_id)
+        if raw is not None:
+            self.upsert(raw)
+
     def upsert(self, state: NodeState) -> None:
+        self.raw[state.node_id] = state
+        state = self.costs.apply(state)
         view = self.views.get(state.node_id)
         if view is None:
             view = self.views[state.node_id] = NodeView(state)
@@ -54,6 +65,7 @@ class NodeTable:
             view.state = state
 
     def remove(self, node_id: str) -> None:
+        self.raw.pop(node_id, None)
         if self.views.pop(node_id, None) is not None:
             self._list = None
 

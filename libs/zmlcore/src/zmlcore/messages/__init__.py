@@ -1,5 +1,6 @@
 """msgspec Structs for every message ZML puts on the wire."""
 
+from zmlcore.messages.cost import CostEntry, cost_entry_decoder
 from zmlcore.messages.infer import (
     ZML_REQUEST_KEYS,
     ChatMessage,
@@ -23,6 +24,7 @@ from zmlcore.messages.warmup import (
 __all__ = [
     "ZML_REQUEST_KEYS",
     "ChatMessage",
+    "CostEntry",
     "InferRequest",
     "InflightDelta",
     "InflightSnapshot",
@@ -42,6 +44,7 @@ __all__ = [
     "ServeTarget",
     "StreamStart",
     "WarmupEvent",
+    "cost_entry_decoder",
     "infer_request_decoder",
     "node_state_decoder",
     "routing_info_decoder",
