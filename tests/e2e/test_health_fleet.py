@@ -59,7 +59,7 @@ class Fleet:
 
 
 def toml(sims: dict[str, SimNode], declared: dict[str, str]) -> str:
-    out = ["[health]\npoll_interval_s = 0.1\njitter = 0.1\nprobe_timeout_s = 0.5\ndown_after = 3\n"
+    out = ["[health]\npoll_interval_s = 0.15\njitter = 0.1\nprobe_timeout_s = 1.0\ndown_after = 3\n"
            "up_after = 2\nstartup_grace_s = 1.0\n",
            "[router]\nstale_after_s = 1.5\ncooldown_s = 0.5\n",
            f'[models."{COLD}"]\nwarm = false\n']
@@ -215,25 +215,25 @@ async def test_runtime_registration_survives_restarts(fleet: Fleet) -> None:
     try:
         async with connect(fleet.nats_url) as nc:
             spec = NodeSpec(id="mi300x-x", accelerator="amd_mi300x", endpoint=extra.url, models=[M])
-            added = await add_node(nc, spec)
+            added = await add_node(nc, spec, timeout=15)
             assert added.node == spec and not added.replaced
             with pytest.raises(BadRequestError, match="already registered"):
-                await add_node(nc, spec)
+                await add_node(nc, spec, timeout=15)
             with pytest.raises(BadRequestError, match="unknown type 'nvidia_h200'"):
-                await add_node(nc, NodeSpec(id="bad", accelerator="nvidia_h200", endpoint="http://x:1"))
+                await add_node(nc, NodeSpec(id="bad", accelerator="nvidia_h200", endpoint="http://x:1"), timeout=15)
             await eventually(lambda: status_is(nc, {"mi300x-x": "up"}), what="registered node up")
             assert (await by_id(nc))["mi300x-x"].source == "registry"
             code, body = await infer(nc, accelerator_id="mi300x-x")
             assert code == "OK", body
             # a zml.toml node removed at run time stays removed across a restart
-            await remove_node(nc, "h100-fake")
+            await remove_node(nc, "h100-fake", timeout=15)
             fleet.restart_health()
             await eventually(lambda: status_is(nc, {"mi300x-x": "up", "h100-a": "up"}), timeout=20, what="restarted")
             nodes = await by_id(nc)
             assert "h100-fake" not in nodes and nodes["mi300x-x"].source == "registry"
-            await remove_node(nc, "mi300x-x")
+            await remove_node(nc, "mi300x-x", timeout=15)
             with pytest.raises(BadRequestError, match="no node 'mi300x-x'"):
-                await remove_node(nc, "mi300x-x")
+                await remove_node(nc, "mi300x-x", timeout=15)
             assert "mi300x-x" not in await by_id(nc)
             code, body = await infer(nc, accelerator_id="mi300x-x")
             assert code != "OK"
