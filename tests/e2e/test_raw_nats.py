@@ -67,3 +67,24 @@ async def test_raw_streaming_sequence(zml_stack: Stack) -> None:
         assert "".join(texts).strip()
     finally:
         await nc.close()
+
+
+async def test_routers_publish_one_completion_event_per_request(zml_stack: Stack) -> None:
+    nc = await nats.connect(zml_stack.nats_url)
+    try:
+        sub = await nc.subscribe(subjects.event(subjects.EVENT_COMPLETED))
+        await nc.flush()
+        ok = {"model": "llama-3-8b", "prompt": "x", "max_tokens": 1, "request_id": "ev-ok"}
+        bad = {"model": "nobody-serves-this", "prompt": "x", "request_id": "ev-bad"}
+        for body in (ok, bad):
+            await nc.request(subjects.INFER, json.dumps(body).encode(), timeout=10)
+        events = {}
+        while len(events) < 2:
+            ev = json.loads((await sub.next_msg(timeout=5)).data)
+            if ev.get("request_id") in ("ev-ok", "ev-bad"):
+                events[ev["request_id"]] = ev
+        assert events["ev-ok"].get("ok", True) is True and events["ev-ok"]["model"] == MODEL  # alias resolved
+        assert events["ev-ok"]["node_id"] in zml_stack.node_ids and events["ev-ok"]["ttft_s"] > 0
+        assert events["ev-bad"].get("ok", True) is False and events["ev-bad"]["error_code"] == "MODEL_NOT_LOADED"
+    finally:
+        await nc.close()

@@ -30,6 +30,7 @@ from zmlcore.errors import (
     TimeoutError,
     ZMLError,
 )
+from zmlcore.messages.warmup import RequestCompleted, completed_encoder
 from zmlcore.messages import (
     ZML_REQUEST_KEYS,
     InferRequest,
@@ -75,6 +76,28 @@ def _with_routing(raw: bytes, info: RoutingInfo) -> bytes:
 _PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
 
+class _Outcome:
+    """What happened to one request, for its completion event."""
+
+    __slots__ = ("model", "node_id", "family", "ok", "error_code", "node_error", "failed_nodes",
+                 "attempts", "info", "queued")
+
+    def __init__(self) -> None:
+        self.model = ""
+        self.node_id = ""
+        self.family = ""
+        self.ok = False
+        self.error_code = ""
+        self.node_error = False
+        self.failed_nodes: list[str] = []
+        self.attempts = 0
+        self.info: RoutingInfo | None = None
+        self.queued = False  # parked in the saturation queue: its event comes when it is served
+
+
+_EVENT_COMPLETED = subjects.event(subjects.EVENT_COMPLETED)
+
+
 def _new_id() -> str:
     return os.urandom(8).hex()
 
@@ -103,6 +126,9 @@ class RouterService:
     async def start(self, nc: NATS) -> None:
         self.nc = nc
         self.http = NodeClient(self.cfg.router.max_connections, self.cfg.router.connect_timeout_s)
+        if self.cfg.router.stale_after_s < 2 * self.cfg.health.poll_interval_s:
+            log.warning("[router] stale_after_s (%g s) is under two health polls (%g s each): nodes will "
+                        "flap to stale between polls", self.cfg.router.stale_after_s, self.cfg.health.poll_interval_s)
         kv = await nodes_kv(nc.jetstream())
         self._follow = asyncio.create_task(self.table.follow(kv))
         self._follow_costs = asyncio.create_task(self.table.costs.follow(await costs_kv(nc)))
@@ -213,6 +239,7 @@ class RouterService:
         headers = msg.headers or {}
         request_id = headers.get(subjects.H_REQUEST_ID, "")
         stream = False
+        out = _Outcome()
         try:
             try:
                 req = infer_request_decoder.decode(msg.data)
@@ -228,7 +255,7 @@ class RouterService:
             self._by_request[request_id] = task
             try:
                 async with asyncio.timeout(timeout):
-                    await self._route(msg, req, request_id, t0, timeout)
+                    await self._route(msg, req, request_id, t0, timeout, out)
             except asyncio.TimeoutError as exc:
                 raise TimeoutError(f"request exceeded its timeout of {timeout:g} s") from exc
             finally:
@@ -236,12 +263,17 @@ class RouterService:
                 if isinstance(msg, QueuedMsg) and msg.placed is not None and not msg.placed.done():
                     msg.placed.set_result(True)
         except asyncio.CancelledError:
+            out.error_code = CancelledError.code
             await self._reply_error(msg, CancelledError("request cancelled"), stream)
         except ZMLError as exc:
+            out.error_code = exc.code
             await self._reply_error(msg, exc, stream)
         except Exception as exc:  # a bug must not kill the router: answer INTERNAL, log it
+            out.error_code = ZMLError.code
             log.exception("internal error on request %s", request_id)
             await self._reply_error(msg, ZMLError(f"internal error: {type(exc).__name__}"), stream)
+        if out.model and not out.queued:
+            await self._completed(out, request_id, t0)
 
     def _timeout(self, req: InferRequest, headers: dict[str, str]) -> float:
         ms = req.timeout_ms
@@ -263,7 +295,8 @@ class RouterService:
         return model, policy, rr
 
     async def _route(self, msg: Msg | QueuedMsg, req: InferRequest, request_id: str, t0: float,
-                     timeout: float) -> None:
+                     timeout: float, out: _Outcome) -> None:
+        out.model = self.cfg.resolve_model(req.model)
         model, policy, rr = self._prepare(req, msg.data)
         max_tokens = rr.max_tokens
         body = self._backend_body(msg.data, model, req.model)
@@ -277,6 +310,7 @@ class RouterService:
                 decision = self._decide(rr, policy)
             except QueueFullError:
                 if last is None and policy.config.queue_on_saturation and self.queue is not None and msg.reply:
+                    out.queued = True
                     await self._saturated(msg, req, model, request_id, policy.config.max_queue_ms, timeout)
                     return
                 if last is not None:
@@ -286,6 +320,8 @@ class RouterService:
                 if last is not None:  # we tried nodes and they failed: say so, not "no nodes"
                     break
                 raise
+            out.node_id, out.family, out.attempts = decision.node_id, decision.family, attempt
+            out.info = None
             info = RoutingInfo(
                 node_id=decision.node_id,
                 accelerator_type=self.table.views[decision.node_id].state.accelerator_type,
@@ -297,14 +333,19 @@ class RouterService:
                 attempts=attempt,
                 router_id=self.router_id,
             )
+            out.info = info
             try:
                 if req.stream:
                     await self._dispatch_stream(msg, req, body, info, t0)
                 else:
                     await self._dispatch_once(msg, req, body, info, t0)
+                out.ok = True
                 return
             except AttemptError as err:
                 last = err
+                out.node_error = err.failure in (Failure.NETWORK, Failure.SERVER)
+                if out.node_error:
+                    out.failed_nodes.append(decision.node_id)
                 if err.failure is Failure.CLIENT:
                     raise BadRequestError(f"node {decision.node_id} rejected the request: {err.detail}") from None
                 self._penalise(decision, err)
@@ -315,6 +356,7 @@ class RouterService:
         if last.failure is Failure.OVERLOADED:
             # Every node tried answered "overloaded": that is saturation, not a failure.
             if policy.config.queue_on_saturation and self.queue is not None and msg.reply:
+                out.queued = True
                 await self._saturated(msg, req, model, request_id, policy.config.max_queue_ms, timeout)
                 return
             raise QueueFullError(
@@ -330,6 +372,25 @@ class RouterService:
             f"{len(excluded)} node(s) failed for this request; last: {last.failure.value} {last.status} {last.detail}".strip(),
             retry_after=1.0,
         )
+
+    async def _completed(self, out: _Outcome, request_id: str, t0: float) -> None:
+        """One event per finished request (warmup measures demand, health counts node errors)."""
+        if self.nc is None:
+            return
+        info = out.info
+        node_error = not out.ok and out.node_error
+        failed = out.failed_nodes[:-1] if node_error else out.failed_nodes
+        ev = RequestCompleted(
+            model=out.model, node_id=out.node_id, family=out.family, ok=out.ok, error_code=out.error_code,
+            node_error=node_error, failed_nodes=failed, ts=time.time(),
+            ttft_s=info.time_to_first_token if info is not None and out.ok else None,
+            latency_s=time.monotonic() - t0, attempts=out.attempts, router_id=self.router_id,
+            request_id=request_id,
+        )
+        try:
+            await self.nc.publish(_EVENT_COMPLETED, completed_encoder.encode(ev))
+        except Exception:  # losing a statistic must never fail a request
+            log.debug("completion event not published", exc_info=True)
 
     def _decide(self, rr: RouteRequest, policy: ResolvedPolicy) -> Decision:
         """choose_node plus the admission bound (pure maths, local table: no network)."""
