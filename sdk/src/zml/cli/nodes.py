@@ -16,9 +16,53 @@ COLUMNS = ("NODE", "TYPE", "FAMILY", "MODELS", "HEALTH", "QUEUE", "STATE", "COOL
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("nodes", help="show the accelerator fleet", description="Show the fleet: node, type, "
                        "models, health score, queue depth (running+waiting), state and cooldown.")
+    p.add_argument("action", nargs="?", choices=("list", "add", "remove"), default="list",
+                   help="list (default), add a node at run time, or remove one")
+    p.add_argument("node_id", nargs="?", help="add/remove: the node id")
     p.add_argument("--json", action="store_true", help="print the node list as JSON")
+    a = p.add_argument_group("add / remove (a request to the health service over NATS; survives its restarts)")
+    a.add_argument("--accelerator", help="type ID: nvidia_h100, nvidia_a100, amd_mi300x, intel_gaudi2, aws_inferentia2")
+    a.add_argument("--url", dest="node_url", help="the engine's base URL, e.g. http://10.0.0.9:8000")
+    a.add_argument("--backend", default="vllm", help="vllm, tgi, sglang, llamacpp or openai (default vllm)")
+    a.add_argument("--serves", action="append", default=[], metavar="MODEL", help="a model it serves (repeatable)")
+    a.add_argument("--family", help="family for policy chains (default: the accelerator's)")
+    a.add_argument("--cost-per-hour", type=float, help="price (default: the accelerator's list price)")
+    a.add_argument("--probe-endpoint", help="node probe (zml node-agent) URL")
+    a.add_argument("--replace", action="store_true", help="overwrite a node with the same id")
+    a.add_argument("--nats-url", help="NATS URL (default: ZML_NATS_URL, then zml.toml, then nats://127.0.0.1:4222)")
     add_client_args(p, retries=1)
     p.set_defaults(func=run)
+
+
+def _admin(args: argparse.Namespace) -> int:
+    import os
+
+    import msgspec
+
+    from zmlcore.config import find_config, load_config
+    from zmlcore.errors import BadRequestError
+    from zmlcore.health.registry import add_node_sync, remove_node_sync
+    from zmlcore.messages import NodeSpec
+
+    if not args.node_id:
+        raise BadRequestError(f"zml nodes {args.action} needs a node id")
+    url = args.nats_url or os.environ.get("ZML_NATS_URL") or load_config(args.config_path or find_config()).nats.url
+    if args.action == "remove":
+        remove_node_sync(url, args.node_id)
+        print(f"{args.node_id}: removed")
+        return 0
+    if not (args.accelerator and args.node_url):
+        raise BadRequestError("zml nodes add needs --accelerator and --url")
+    raw = {"id": args.node_id, "accelerator": args.accelerator, "endpoint": args.node_url, "backend": args.backend,
+           "models": args.serves, "family": args.family, "cost_per_hour": args.cost_per_hour,
+           "probe_endpoint": args.probe_endpoint}
+    try:
+        spec = msgspec.convert({k: v for k, v in raw.items() if v is not None}, NodeSpec)
+    except msgspec.ValidationError as exc:
+        raise BadRequestError(f"invalid node: {exc}") from exc
+    add_node_sync(url, spec, replace=args.replace)
+    print(f"{args.node_id}: added ({args.accelerator} at {args.node_url}); `zml nodes` shows it after its first poll")
+    return 0
 
 
 def _cooldown(n: dict[str, Any], now: float) -> str:
@@ -55,6 +99,8 @@ def render(nodes: list[dict[str, Any]], now: float | None = None) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.action != "list":
+        return _admin(args)
     with Client(**client_kwargs(args)) as client:
         nodes = client._nodes_raw()
     if args.json:

@@ -1,0 +1,66 @@
+"""`zml nodes add|remove`: a node registered at run time takes traffic; removed, it does not."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from conftest import MODEL, Stack, launch_stack
+from zmlcore.sim.server import SimNode
+
+
+@pytest.fixture(scope="module")
+def small(own_nats: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = launch_stack(own_nats, tmp_path_factory.mktemp("nodes"), fleet=[("h100-a", "nvidia_h100", [MODEL])],
+                     routers=1, poll_s=0.3)
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def zml(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "zml.cli", *args], capture_output=True, text=True, timeout=60)
+
+
+async def test_add_route_list_remove(small: Stack) -> None:
+    sim = SimNode(node_id="gaudi2-new", accelerator="intel_gaudi2", models=[MODEL], time_scale=20, load_time_s=0.1)
+    await sim.start(port=0)
+    try:
+        out = zml("nodes", "add", "gaudi2-new", "--accelerator", "intel_gaudi2", "--url", sim.url,
+                  "--serves", MODEL, "--nats-url", small.nats_url)
+        assert out.returncode == 0, out.stderr
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                "accelerator_id": "gaudi2-new"}
+        async with httpx.AsyncClient(base_url=small.gateway_url, timeout=10) as client:
+            deadline = time.monotonic() + 10
+            while True:
+                r = await client.post("/v1/chat/completions", json=body)
+                if r.status_code == 200 or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            assert r.status_code == 200, r.text
+            assert r.json()["zml"]["node_id"] == "gaudi2-new"
+            listed = zml("nodes", "--json", "--endpoint", small.gateway_url)
+            assert listed.returncode == 0, listed.stderr
+            assert "gaudi2-new" in {n["node_id"] for n in json.loads(listed.stdout)}
+            table = zml("nodes", "--endpoint", small.gateway_url)
+            assert "gaudi2-new" in table.stdout and "intel_gaudi2" in table.stdout
+            out = zml("nodes", "remove", "gaudi2-new", "--nats-url", small.nats_url)
+            assert out.returncode == 0, out.stderr
+            deadline = time.monotonic() + 10
+            while (r := await client.post("/v1/chat/completions", json=body)).status_code == 200:
+                assert time.monotonic() < deadline
+                time.sleep(0.2)
+            assert r.json()["error"]["code"] == "BAD_REQUEST"  # no such node any more
+        bad = zml("nodes", "add", "x1", "--accelerator", "nvidia_h999", "--url", "http://127.0.0.1:1",
+                  "--nats-url", small.nats_url)
+        assert bad.returncode != 0 and "nvidia_h999" in bad.stderr and "Traceback" not in bad.stderr
+    finally:
+        await sim.stop()
