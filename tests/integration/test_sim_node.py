@@ -151,7 +151,7 @@ async def test_models_and_node_probe(client: httpx.AsyncClient) -> None:
     probe = (await client.get("/zml/v1/node")).json()
     assert probe == {
         "node_id": "h100-1", "accelerator_type": "nvidia_h100", "device_count": 1,
-        "driver_version": "525.85", "memory_gib": 80.0, "engine": "vllm", "models": [M],
+        "driver_version": "525.85", "memory_gib": 80.0, "free_memory_gib": 64.0, "engine": "vllm", "models": [M],
         "loading_models": [],
     }
 

@@ -598,6 +598,7 @@ class SimNode:
             "device_count": 1,
             "driver_version": self.driver_version,
             "memory_gib": self.engine.profile.memory_gib,
+            "free_memory_gib": round(self.engine.free_memory_gib, 3),
             "engine": self.engine_kind,
             "models": list(self.engine.models),
             "loading_models": list(self.engine.loading),
