@@ -5,16 +5,21 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import gc
 import logging
 import signal
 import sys
+from collections.abc import Callable
 from typing import Protocol
 
 from nats.aio.client import Client as NATS
 
+from zmlcore.config import ZMLConfig, load_config
+from zmlcore.errors import ConfigError
 from zmlcore.natsio import connect
+from zmlcore.telemetry import setup_logging, setup_tracing
 
 log = logging.getLogger("zml.runner")
 
@@ -68,3 +73,35 @@ async def run_service(
         except Exception:  # broker gone: nothing can be flushed
             pass
         await nc.close()
+
+
+def service_parser(name: str, description: str) -> argparse.ArgumentParser:
+    """The arguments every service takes; services add their own."""
+    p = argparse.ArgumentParser(prog=f"zml {name}", description=description)
+    p.add_argument("--config", help="path to zml.toml")
+    p.add_argument("--nats-url", help="NATS URL (overrides zml.toml and ZML_NATS_URL)")
+    return p
+
+
+def service_main(
+    name: str,
+    args: argparse.Namespace,
+    make: Callable[[ZMLConfig, argparse.Namespace], Service],
+    *,
+    no_echo: bool = False,
+) -> int:
+    """Load and validate config, build the service, run it until SIGTERM/SIGINT.
+
+    A bad config (or ``make`` raising ConfigError, e.g. a port in use) is one line and exit 2.
+    """
+    setup_logging(name)
+    try:
+        cfg = load_config(args.config)
+        service = make(cfg, args)
+    except ConfigError as exc:
+        print(f"zml {name}: {exc}", file=sys.stderr)
+        return 2
+    setup_tracing(f"zml-{name}")
+    install_uvloop()
+    asyncio.run(run_service(service, args.nats_url or cfg.nats.url, f"zml-{name}", no_echo=no_echo))
+    return 0
