@@ -1,7 +1,7 @@
-"""The seed code samples (examples/) run unchanged against a live stack, over HTTP and NATS.
+"""The seed code samples (docs/examples/) run unchanged against a live stack, over HTTP and NATS.
 
 They need a fleet with the H100_PCIe family the SDK 0.3 post names, so this module starts its
-own small stack from examples/zml.toml (ports replaced by free ones) on its own NATS server.
+own small stack from docs/examples/zml.toml (ports replaced by free ones) on its own NATS server.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import zml
 from conftest import wait_ready
 from zmlcore.launch import Proc, free_port, service_argv, spawn, start_nats, wait_port
 
-EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
 MODEL = "meta-llama/llama-3-8b-instruct"
 
 

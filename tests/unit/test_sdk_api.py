@@ -158,7 +158,7 @@ def test_mypy_strict_on_the_sdk_the_docs_and_the_examples(tmp_path: Path) -> Non
     # The SDK's own modules (the other cli/ commands belong to the services' owners).
     ours = [*sdk.glob("*.py"), *(sdk / "cli" / f"{m}.py" for m in ("_common", "infer", "batch", "bench", "nodes"))]
     files = [*map(str, sorted(ours)), *map(str, sorted(tmp_path.glob("*.py"))),
-             *map(str, sorted((ROOT / "examples").glob("*.py")))]
+             *map(str, sorted((ROOT / "docs" / "examples").glob("*.py")))]
     p = subprocess.run([mypy, "--strict", "--no-error-summary", "--follow-imports=silent", *files],
                        cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
     assert p.returncode == 0, p.stdout + p.stderr
