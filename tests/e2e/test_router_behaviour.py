@@ -377,3 +377,27 @@ async def test_run_time_price_change_moves_cost_routed_traffic(stack: Stack) -> 
         assert all(s["nodes"]["h100-b"]["cost_per_hour"] == 4.0 for s in states.values())
     finally:
         await nc.close()
+
+
+async def test_queued_requests_leave_in_arrival_order(stack: Stack) -> None:
+    stack.clear_faults()
+    r = httpx.post(stack.sim_url("h100-a") + "/sim/profile", json={"max_concurrency": 1, "max_waiting": 0}, timeout=5)
+    assert r.status_code == 200, r.text
+    try:
+        order: list[int] = []
+        async with httpx.AsyncClient(base_url=stack.gateway_url, timeout=30) as client:
+            async def one(i: int) -> None:
+                r = await client.post("/v1/chat/completions", json={
+                    "model": MODEL, "messages": CHAT, "max_tokens": 60, "policy": "queued-long",
+                    "accelerator_id": "h100-a"})
+                assert r.status_code == 200, r.text
+                order.append(i)
+
+            tasks = []
+            for i in range(5):
+                tasks.append(asyncio.create_task(one(i)))
+                await asyncio.sleep(0.08)
+            await asyncio.gather(*tasks)
+        assert order == sorted(order), order  # one slot: completion order is dispatch order
+    finally:
+        httpx.post(stack.sim_url("h100-a") + "/sim/profile", json={"max_concurrency": 32, "max_waiting": None}, timeout=5)

@@ -57,6 +57,8 @@ REGISTRY_BUCKET = "zml_registry"
 #: JetStream stream holding requests waiting for capacity (queue_on_saturation).
 QUEUE_STREAM = "ZML_QUEUE"
 QUEUE_SUBJECT_PREFIX = f"{PREFIX}.queue"
+#: Routers announce "model X has requests waiting" here, so new arrivals queue behind them.
+QUEUE_BUSY = f"{PREFIX}.queue_busy"
 
 
 def cancel(request_id: str) -> str:

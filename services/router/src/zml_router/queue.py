@@ -37,6 +37,13 @@ H_TOTAL_MS = "Zml-Total-Timeout-Ms"  # a re-queued request's original timeout
 H_QUEUED_HEADERS = (subjects.H_REQUEST_ID, subjects.H_TIMEOUT_MS)
 
 ACK_WAIT_S = 5.0
+#: How long a "requests waiting" announcement holds unless renewed (the holder renews it).
+BUSY_TTL_S = 2.0
+
+
+def key_of(jmsg) -> str:  # type: ignore[no-untyped-def]
+    """The model key of a queued JetStream message (last token of its subject)."""
+    return str(jmsg.subject).rsplit(".", 1)[-1]
 
 
 def model_key(model: str) -> str:
@@ -72,6 +79,10 @@ class SaturationQueue:
         self._workers: dict[str, asyncio.Task[None]] = {}
         #: Set whenever capacity may have freed; waiting heads re-try then.
         self.capacity = asyncio.Event()
+        #: model key -> until when it has requests waiting (announced by any replica), so a new
+        #: arrival queues behind them instead of overtaking them when a slot frees.
+        self.busy: dict[str, float] = {}
+        self._busy_sub: object | None = None
 
     async def start(self, models: list[str]) -> None:
         cfg = StreamConfig(
@@ -95,6 +106,24 @@ class SaturationQueue:
             log.debug("could not list queue consumers", exc_info=True)
         for model in models:
             self._ensure_worker_key(model_key(model))
+        self._busy_sub = await self.nc.subscribe(subjects.QUEUE_BUSY, cb=self._on_busy)
+
+    def has_waiting(self, model: str) -> bool:
+        return self.busy.get(model_key(model), 0.0) > time.time()
+
+    async def _announce(self, key: str, until: float) -> None:
+        self.busy[key] = until
+        try:
+            await self.nc.publish(subjects.QUEUE_BUSY, f"{key} {until:.3f}".encode())
+        except Exception:  # an announcement is an optimisation of fairness, never fatal
+            pass
+
+    async def _on_busy(self, msg) -> None:  # type: ignore[no-untyped-def]
+        try:
+            key, until = msg.data.decode().split()
+            self.busy[key] = float(until)
+        except ValueError:
+            pass
 
     async def stop(self) -> None:
         for t in self._workers.values():
@@ -109,6 +138,7 @@ class SaturationQueue:
         h[H_DEADLINE] = f"{deadline:.3f}"
         h[H_ENQUEUED] = headers.get(H_ENQUEUED) or f"{time.time():.3f}"
         await self.js.publish(subjects.queue(key), data, headers=h)
+        await self._announce(key, time.time() + BUSY_TTL_S)
 
     def _ensure_worker_key(self, key: str) -> None:
         if key not in self._workers:
@@ -137,6 +167,8 @@ class SaturationQueue:
             try:
                 msgs = await psub.fetch(1, timeout=1.0)
             except (NatsTimeout, asyncio.TimeoutError):
+                if self.busy.get(key, 0.0) > time.time():
+                    await self._announce(key, 0.0)  # nothing left waiting: arrivals go direct
                 continue
             except asyncio.CancelledError:
                 raise
@@ -166,10 +198,13 @@ class SaturationQueue:
             if await self._try_dispatch(qmsg, deadline):
                 await jmsg.ack()
                 return
-            # Hold the head; tell JetStream we are alive so it is not redelivered elsewhere.
+            # Hold the head; tell JetStream we are alive so it is not redelivered elsewhere, and
+            # the other replicas that this model still has requests waiting.
             if time.monotonic() - last_progress > ACK_WAIT_S / 3:
                 await jmsg.in_progress()
                 last_progress = time.monotonic()
+            if self.busy.get(key_of(jmsg), 0.0) < now + BUSY_TTL_S / 2:
+                await self._announce(key_of(jmsg), now + BUSY_TTL_S)
             try:
                 await asyncio.wait_for(self.capacity.wait(), timeout=min(0.25, max(deadline - now, 0.01)))
             except asyncio.TimeoutError:

@@ -302,6 +302,12 @@ class RouterService:
         body = self._backend_body(msg.data, model, req.model)
         excluded: set[str] = set()
         last: AttemptError | None = None
+        if (policy.config.queue_on_saturation and self.queue is not None and msg.reply
+                and not isinstance(msg, QueuedMsg) and self.queue.has_waiting(model)):
+            # Others are waiting for this model: take a place behind them, do not overtake.
+            out.queued = True
+            await self._enqueue(msg, req, model, request_id, policy.config.max_queue_ms, timeout)
+            return
         for attempt in range(1, self.cfg.router.max_attempts + 1):
             if excluded:
                 rr = RouteRequest(model=model, prompt_tokens=rr.prompt_tokens, max_tokens=max_tokens,
