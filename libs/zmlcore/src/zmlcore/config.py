@@ -60,6 +60,13 @@ class GatewayConfig(msgspec.Struct, **_Base):
     (comma-separated) replaces the list."""
     max_body_bytes: PosInt = 8 * 1024 * 1024
     """Largest request body accepted."""
+    requests_per_minute: PosInt | None = None
+    """Per-key request limit (per client address when there are no api_keys); over it, 429
+    RATE_LIMITED with Retry-After. Every answer carries x-ratelimit-* headers, which the SDK's
+    limiter follows. None: no limit (self-hosted default)."""
+    request_burst: PosInt | None = None
+    """Requests a key may send at once above the steady rate (default: one second's worth, at
+    least 1)."""
 
 
 class RouterConfig(msgspec.Struct, **_Base):

@@ -26,6 +26,7 @@ from zmlcore.config import ZMLConfig
 from zmlcore.costs import CostTable
 from zmlcore.errors import (
     AuthError,
+    RateLimitError,
     BadRequestError,
     NoHealthyNodesError,
     TimeoutError,
@@ -33,6 +34,7 @@ from zmlcore.errors import (
     error_class,
 )
 from zmlcore.messages import NodeState
+from zmlcore.ratelimit import TokenBucket
 
 log = logging.getLogger("zml.gateway")
 
@@ -71,6 +73,12 @@ _ROUTING_HEADERS = (
 )
 
 
+class _RateLimited(Exception):
+    def __init__(self, headers: list[tuple[bytes, bytes]], reset: float) -> None:
+        self.headers = headers
+        self.reset = reset
+
+
 class Gateway:
     def __init__(self, cfg: ZMLConfig, nc: NATS, nodes: dict[str, NodeState], costs: CostTable | None = None) -> None:
         self.cfg = cfg
@@ -80,6 +88,10 @@ class Gateway:
         self.timeout = cfg.defaults.request_timeout_s
         self.max_body = cfg.gateway.max_body_bytes
         self.keys = {f"Bearer {k}".encode() for k in cfg.gateway.api_keys}
+        rpm = cfg.gateway.requests_per_minute
+        self.rpm = rpm
+        self.burst = float(cfg.gateway.request_burst or max(1, round((rpm or 0) / 60)))
+        self.buckets: dict[bytes, TokenBucket] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -181,7 +193,43 @@ class Gateway:
             if not message.get("more_body"):
                 return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
+    def _rate_limit(self, scope: Scope) -> list[tuple[bytes, bytes]]:
+        """Take one request from the caller's bucket; the x-ratelimit-* headers to send."""
+        if self.rpm is None:
+            return []
+        who = b""
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                who = value
+                break
+        if not who:
+            client = scope.get("client")
+            who = str(client[0] if client else "").encode()
+        now = time.monotonic()
+        bucket = self.buckets.get(who)
+        if bucket is None:
+            if len(self.buckets) > 10_000:  # forget callers whose buckets have refilled
+                self.buckets = {k: b for k, b in self.buckets.items() if b.take(now, 0)[2] > 0}
+            bucket = self.buckets[who] = TokenBucket(self.rpm / 60.0, self.burst, now)
+        ok, remaining, reset = bucket.take(now)
+        headers = [
+            (b"x-ratelimit-limit-requests", str(self.rpm).encode()),
+            (b"x-ratelimit-remaining-requests", str(remaining).encode()),
+            (b"x-ratelimit-reset-requests", f"{reset:.3f}s".encode()),
+        ]
+        if not ok:
+            raise _RateLimited(headers, reset)
+        return headers
+
     async def _infer(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            limits = self._rate_limit(scope)
+        except _RateLimited as exc:
+            await self._plain(send, 429, RateLimitError(
+                f"more than {self.rpm} requests/minute for this key: retry in {exc.reset:.1f} s",
+                retry_after=exc.reset).to_body(),
+                [*exc.headers, (b"retry-after", str(max(1, math.ceil(exc.reset))).encode())])
+            return
         body = await self._read_body(receive)
         try:
             peek = _peek.decode(body)
@@ -191,7 +239,7 @@ class Gateway:
         timeout = peek.timeout_ms / 1000.0 if peek.timeout_ms else self.timeout
         headers = {subjects.H_REQUEST_ID: request_id, subjects.H_TIMEOUT_MS: str(int(timeout * 1000))}
         if peek.stream:
-            await self._infer_stream(body, headers, request_id, timeout, receive, send)
+            await self._infer_stream(body, headers, request_id, timeout, receive, send, limits)
             return
         # Watch for the client going away while the request runs: then cancel it on the node.
         request = asyncio.ensure_future(self.nc.request(subjects.INFER, body, timeout=timeout + 1.0, headers=headers))
@@ -212,9 +260,9 @@ class Gateway:
         rh = reply.headers or {}
         code = rh.get(subjects.H_ERROR_CODE)
         if code is not None:
-            await self._relay_error(send, code, reply.data, rh.get(subjects.H_RETRY_AFTER))
+            await self._relay_error(send, code, reply.data, rh.get(subjects.H_RETRY_AFTER), limits)
             return
-        out = [_JSON]
+        out = [_JSON, *limits]
         for nats_name, http_name in _ROUTING_HEADERS:
             value = rh.get(nats_name)
             if value is not None:
@@ -223,7 +271,8 @@ class Gateway:
         await send({"type": "http.response.body", "body": reply.data})
 
     async def _infer_stream(
-        self, body: bytes, headers: dict[str, str], request_id: str, timeout: float, receive: Receive, send: Send
+        self, body: bytes, headers: dict[str, str], request_id: str, timeout: float, receive: Receive, send: Send,
+        limits: list[tuple[bytes, bytes]],
     ) -> None:
         queue: asyncio.Queue[Any] = asyncio.Queue()
 
@@ -259,7 +308,7 @@ class Gateway:
                 if kind == subjects.STREAM_CHUNK:
                     await send({"type": "http.response.body", "body": b"data: " + msg.data + b"\n\n", "more_body": True})
                 elif kind == "start":
-                    out = list(_SSE_HEADERS)
+                    out = [*_SSE_HEADERS, *limits]
                     for nats_name, http_name in _ROUTING_HEADERS:
                         value = mh.get(nats_name)
                         if value is not None:
@@ -272,7 +321,7 @@ class Gateway:
                 else:  # error (or a non-stream reply from a router that ignored stream)
                     code = mh.get(subjects.H_ERROR_CODE, "INTERNAL")
                     if not started:
-                        await self._relay_error(send, code, msg.data, mh.get(subjects.H_RETRY_AFTER))
+                        await self._relay_error(send, code, msg.data, mh.get(subjects.H_RETRY_AFTER), limits)
                     else:
                         await send({"type": "http.response.body", "body": b"data: " + msg.data + b"\n\n"})
                     return
@@ -294,9 +343,10 @@ class Gateway:
             extra.append((b"retry-after", str(max(1, round(exc.retry_after))).encode()))
         await self._plain(send, exc.http_status, exc.to_body(), extra)
 
-    async def _relay_error(self, send: Send, code: str, data: bytes, retry_after: str | None = None) -> None:
+    async def _relay_error(self, send: Send, code: str, data: bytes, retry_after: str | None = None,
+                           limits: list[tuple[bytes, bytes]] | None = None) -> None:
         cls = error_class(code)
-        extra = []
+        extra = list(limits or ())
         if retry_after is not None:  # HTTP wants whole seconds
             extra.append((b"retry-after", str(max(1, math.ceil(float(retry_after)))).encode()))
         await send({"type": "http.response.start", "status": cls.http_status, "headers": [_JSON, *extra]})

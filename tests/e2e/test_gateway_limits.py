@@ -1,0 +1,60 @@
+"""Per-key limits at the gateway: x-ratelimit-* headers, 429 RATE_LIMITED, and the SDK following them."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from conftest import MODEL, Stack
+from zmlcore.launch import free_port, service_argv, spawn, wait_port
+
+
+@pytest.fixture(scope="module")
+def limited(zml_stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A second gateway on the same system, with keys and a limit of 120/min, burst 3."""
+    base = Path(zml_stack.config_path).read_text()
+    cfg = tmp_path_factory.mktemp("limits") / "zml.toml"
+    cfg.write_text('[gateway]\napi_keys = ["k-one", "k-two"]\nrequests_per_minute = 120\nrequest_burst = 3\n' + base)
+    port = free_port()
+    proc = spawn("gateway-limited", service_argv("gateway", str(cfg), zml_stack.nats_url, "--port", str(port)))
+    try:
+        assert wait_port("127.0.0.1", port, 20), proc.tail()
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.stop()
+
+
+BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+
+
+def test_keys_limits_and_headers(limited: str) -> None:
+    with httpx.Client(base_url=limited, timeout=20) as c:
+        assert c.post("/v1/chat/completions", json=BODY).json()["error"]["code"] == "AUTH_FAILED"
+        auth = {"authorization": "Bearer k-one"}
+        remaining = []
+        for _ in range(3):
+            r = c.post("/v1/chat/completions", json=BODY, headers=auth)
+            assert r.status_code == 200, r.text
+            assert r.headers["x-ratelimit-limit-requests"] == "120"
+            remaining.append(int(r.headers["x-ratelimit-remaining-requests"]))
+        assert remaining == [2, 1, 0]
+        r = c.post("/v1/chat/completions", json=BODY, headers=auth)
+        assert r.status_code == 429 and r.json()["error"]["code"] == "RATE_LIMITED"
+        assert int(r.headers["retry-after"]) >= 1 and r.headers["x-ratelimit-remaining-requests"] == "0"
+        # Another key has its own bucket.
+        assert c.post("/v1/chat/completions", json=BODY, headers={"authorization": "Bearer k-two"}).status_code == 200
+        time.sleep(0.6)  # 2 requests/s refill
+        assert c.post("/v1/chat/completions", json=BODY, headers=auth).status_code == 200
+
+
+def test_sdk_retries_a_rate_limit_and_succeeds(limited: str) -> None:
+    import zml
+
+    with zml.Client(endpoint=limited, api_key="k-two", max_retries=3) as client:
+        results = [client.infer(MODEL, prompt="x", max_tokens=1) for _ in range(5)]
+    assert all(r.text for r in results)
+    assert sum(r.metrics.retries for r in results) >= 1  # at 5 requests against a burst of 3
