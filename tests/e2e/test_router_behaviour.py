@@ -8,7 +8,6 @@ import json
 import time
 from collections import Counter
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
 import nats

@@ -6,7 +6,7 @@ import pytest
 from test_policy_helpers import NOW, node
 
 from zmlcore.config import PolicyConfig
-from zmlcore.errors import BadRequestError, ModelNotLoadedError, NoHealthyNodesError, QueueFullError, RoutingError
+from zmlcore.errors import BadRequestError, ModelNotLoadedError, NoHealthyNodesError, QueueFullError
 from zmlcore.policy import FleetIndex, RouteRequest, RoutingState, builtin_policy, choose_node, is_routable
 from zmlcore.policy.resolve import ResolvedPolicy
 

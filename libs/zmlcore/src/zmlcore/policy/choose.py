@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
-from zmlcore.errors import BadRequestError, ModelNotLoadedError, NoHealthyNodesError, QueueFullError, RoutingError
+from zmlcore.errors import BadRequestError, ModelNotLoadedError, NoHealthyNodesError, QueueFullError
 from zmlcore.policy.context import Cand, Ctx
 from zmlcore.policy.fleet import FleetIndex
 from zmlcore.policy.resolve import ResolvedPolicy

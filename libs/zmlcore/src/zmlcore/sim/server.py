@@ -23,7 +23,6 @@ import errno
 import logging
 import socket
 import time
-import uuid
 from dataclasses import asdict, replace
 from typing import Any, Awaitable, Callable, Iterable
 from urllib.parse import urlsplit
