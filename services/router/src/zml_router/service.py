@@ -73,6 +73,8 @@ def _with_routing(raw: bytes, info: RoutingInfo) -> bytes:
         sep = b"," if body[1:-1].strip() else b""
         return body[:-1] + sep + b'"zml":' + _encode(info) + b"}"
     raise AttemptError(Failure.SERVER, 200, f"node answered a non-object JSON body: {raw[:100]!r}")
+
+
 _PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
 
