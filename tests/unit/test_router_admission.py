@@ -52,3 +52,20 @@ def test_pinned_requests_bypass_the_bound() -> None:
     svc = _service(2.0)
     svc.table.add_own("h1", 200, 0)
     assert svc._decide(RouteRequest(model="m", accelerator_id="h1"), builtin_policy("latency")).node_id == "h1"
+
+
+def test_when_every_node_cools_down_the_soonest_gets_one_more_chance() -> None:
+    svc = _service(30.0)
+    now = time.time()
+    svc.table.views["h1"].cooldown_until = now + 30
+    svc.table.views["g1"].cooldown_until = now + 10
+    d = svc._decide(RouteRequest(model="m"), builtin_policy("latency"))
+    assert d.node_id == "g1"  # half-open: its cooldown ends first
+    assert svc.table.views["h1"].cooldown_until > now  # the other stays out
+    # A node that is merely down is not resurrected.
+    svc2 = _service(30.0)
+    for v in svc2.table.views.values():
+        v.state = type(v.state)(**{**{f: getattr(v.state, f) for f in v.state.__struct_fields__}, "status": "down"})
+    with pytest.raises(Exception) as info:
+        svc2._decide(RouteRequest(model="m"), builtin_policy("latency"))
+    assert info.value.code == "NO_HEALTHY_NODES"

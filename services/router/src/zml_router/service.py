@@ -26,6 +26,7 @@ from zmlcore.errors import (
     BadRequestError,
     CancelledError,
     ModelNotLoadedError,
+    NoHealthyNodesError,
     QueueFullError,
     TimeoutError,
     ZMLError,
@@ -42,7 +43,15 @@ from zmlcore.messages import (
 )
 from zmlcore.costs import costs_kv
 from zmlcore.natsio import nodes_kv
-from zmlcore.policy import Decision, ResolvedPolicy, RouteRequest, RoutingState, choose_node, resolve_policy
+from zmlcore.policy import (
+    Decision,
+    ResolvedPolicy,
+    RouteRequest,
+    RoutingState,
+    choose_node,
+    is_routable,
+    resolve_policy,
+)
 from zmlcore.policy.resolve import builtin_policy
 from zml_router.dispatch import AttemptError, Failure, NodeClient, post_json, stream_sse
 from zml_router.queue import H_DEADLINE, H_ENQUEUED, H_TOTAL_MS, QueuedMsg, SaturationQueue
@@ -404,7 +413,12 @@ class RouterService:
         """choose_node plus the admission bound (pure maths, local table: no network)."""
         now = time.time()
         rc = self.cfg.router
-        decision = choose_node(self.table.nodes(), rr, policy, now, self.state, stale_after_s=rc.stale_after_s)
+        try:
+            decision = choose_node(self.table.nodes(), rr, policy, now, self.state, stale_after_s=rc.stale_after_s)
+        except (NoHealthyNodesError, QueueFullError):
+            if not self._half_open(rr, now):
+                raise
+            decision = choose_node(self.table.nodes(), rr, policy, now, self.state, stale_after_s=rc.stale_after_s)
         if decision.estimated_ttft_s <= rc.admission_ttft_s or rr.accelerator_id is not None:
             return decision
         # The policy's pick is over the bound; is any node under it? The latency policy's
@@ -424,6 +438,22 @@ class RouterService:
             },
             retry_after=1.0,
         )
+
+    def _half_open(self, rr: RouteRequest, now: float) -> bool:
+        """Every node that could serve is cooling down after failures: rather than refuse the
+        request, give the node whose cooldown ends first one more chance (a half-open circuit
+        breaker). A failure puts it straight back. This stops a burst of failures on a starved
+        host from taking the whole fleet out for ``cooldown_s``."""
+        stale = self.cfg.router.stale_after_s
+        cooling = [v for v in self.table.nodes()
+                   if v.node_id not in rr.exclude and is_routable(v, rr.model, now, stale) == "cooldown"
+                   and (rr.accelerator_id is None or v.node_id == rr.accelerator_id)]
+        if not cooling:
+            return False
+        v = min(cooling, key=lambda v: v.cooldown_until)
+        log.warning("every node for %s is cooling down; trying %s again early", rr.model, v.node_id)
+        v.cooldown_until = 0.0
+        return True
 
     # --- the saturation queue --------------------------------------------------------------------
     async def _saturated(self, msg: Msg | QueuedMsg, req: InferRequest, model: str, request_id: str,
