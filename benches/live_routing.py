@@ -32,7 +32,6 @@ import glob
 import json
 import math
 import os
-import random
 import shutil
 import subprocess
 import sys
