@@ -66,3 +66,25 @@ def test_disabled_and_invalid() -> None:
 @pytest.mark.parametrize(("value", "seconds"), [("1s", 1), ("6m0s", 360), ("20ms", 0.02), ("1.5", 1.5), ("x", None)])
 def test_parse_reset(value: str, seconds: float | None) -> None:
     assert parse_reset(value) == (pytest.approx(seconds) if seconds is not None else None)
+
+
+def test_header_bucket_scope_routes_server_headers() -> None:
+    import pytest as _pytest
+
+    from zml._ratelimit import RateLimiter as _RL
+
+    headers = {"x-ratelimit-remaining-requests": "3"}
+    minute = _RL(rpm=600, rpd=10_000, max_request_burst=100, now=0.0)
+    minute.sync(headers, now=0.0)
+    assert minute.rpm is not None and minute.rpd is not None
+    assert minute.rpm.level == 3 and minute.rpd.level > 3
+    day = _RL(rpm=600, rpd=10_000, max_request_burst=100, header_bucket_scope="day", now=0.0)
+    day.sync(headers, now=0.0)
+    assert day.rpm is not None and day.rpd is not None
+    assert day.rpm.level == 100 and day.rpd.level == 3
+    both = _RL(rpm=600, rpd=10_000, max_request_burst=100, header_bucket_scope="both", now=0.0)
+    both.sync(headers, now=0.0)
+    assert both.rpm is not None and both.rpd is not None
+    assert both.rpm.level == 3 and both.rpd.level == 3
+    with _pytest.raises(ValueError, match="header_bucket_scope"):
+        _RL(rpm=1, header_bucket_scope="hour")  # type: ignore[arg-type]

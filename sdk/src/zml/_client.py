@@ -17,7 +17,7 @@ from zml._batch import BatchItem, OnResult, run_sync
 from zml._config import resolve
 from zml._errors import ZMLError
 from zml._models import BatchResult, InferMeta, InferResult, Metrics, Policy, Routing, StreamChunk, Usage
-from zml._ratelimit import RateLimiter
+from zml._ratelimit import HeaderScope, RateLimiter
 from zmlcore.config import ZMLConfig
 from zmlcore.messages import NodeState
 
@@ -76,6 +76,7 @@ class Client:
         tpd: float | None = None,
         max_request_burst: float | None = None,
         max_token_burst: float | None = None,
+        header_bucket_scope: HeaderScope = "minute",
         default_output_tokens: int = _core.DEFAULT_MAX_TOKENS,
         default_request_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
@@ -90,7 +91,8 @@ class Client:
         self.default_output_tokens = int(default_output_tokens)
         self.default_request_kwargs: dict[str, Any] = dict(default_request_kwargs or {})
         self._limiter = RateLimiter(rpm=rpm, tpm=tpm, rpd=rpd, tpd=tpd, max_request_burst=max_request_burst,
-                                    max_token_burst=max_token_burst, now=time.monotonic())
+                                    max_token_burst=max_token_burst, header_bucket_scope=header_bucket_scope,
+                                    now=time.monotonic())
         self._lock = threading.Lock()
         pool = max(int(max_connections), self.max_parallel_requests)
         self._transport: _SyncTransport

@@ -17,8 +17,9 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Literal
 
-__all__ = ["RateLimiter", "TokenBucket", "parse_reset"]
+__all__ = ["HeaderScope", "RateLimiter", "TokenBucket", "parse_reset"]
 
 MINUTE = 60.0
 DAY = 86_400.0
@@ -61,6 +62,9 @@ def parse_reset(value: str) -> float | None:
     return total if matched else None
 
 
+HeaderScope = Literal["minute", "day", "both"]
+
+
 class RateLimiter:
     """Requests and tokens per minute and per day, with bursts.
 
@@ -78,8 +82,15 @@ class RateLimiter:
         tpd: float | None = None,
         max_request_burst: float | None = None,
         max_token_burst: float | None = None,
+        header_bucket_scope: HeaderScope = "minute",
         now: float = 0.0,
     ) -> None:
+        if header_bucket_scope not in ("minute", "day", "both"):
+            raise ValueError(f"header_bucket_scope must be 'minute', 'day' or 'both', got {header_bucket_scope!r}")
+        #: Which buckets the server's x-ratelimit-* headers correct: the per-minute ones (OpenAI's
+        #: headers describe minute windows), the per-day ones (providers whose headers count a
+        #: day), or both.
+        self.header_bucket_scope = header_bucket_scope
         for name, v in (("rpm", rpm), ("tpm", tpm), ("rpd", rpd), ("tpd", tpd),
                         ("max_request_burst", max_request_burst), ("max_token_burst", max_token_burst)):
             if v is not None and v <= 0:
@@ -130,9 +141,15 @@ class RateLimiter:
             b.level = min(b.capacity, b.level + reserved - actual)
 
     def sync(self, headers: Mapping[str, str], now: float) -> None:
-        """Lower the per-minute buckets to the server's view (``x-ratelimit-remaining-*``);
-        when a remaining count is 0, wait for its ``x-ratelimit-reset-*``."""
-        for kind, bucket in (("requests", self.rpm), ("tokens", self.tpm)):
+        """Lower the buckets of ``header_bucket_scope`` to the server's view
+        (``x-ratelimit-remaining-*``); when a remaining count is 0, wait for its
+        ``x-ratelimit-reset-*``."""
+        pairs: list[tuple[str, TokenBucket | None]] = []
+        if self.header_bucket_scope in ("minute", "both"):
+            pairs += [("requests", self.rpm), ("tokens", self.tpm)]
+        if self.header_bucket_scope in ("day", "both"):
+            pairs += [("requests", self.rpd), ("tokens", self.tpd)]
+        for kind, bucket in pairs:
             if bucket is None:
                 continue
             remaining = headers.get(f"x-ratelimit-remaining-{kind}")
