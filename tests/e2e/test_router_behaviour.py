@@ -400,3 +400,34 @@ async def test_queued_requests_leave_in_arrival_order(stack: Stack) -> None:
         assert order == sorted(order), order  # one slot: completion order is dispatch order
     finally:
         httpx.post(stack.sim_url("h100-a") + "/sim/profile", json={"max_concurrency": 32, "max_waiting": None}, timeout=5)
+
+
+async def test_cancel_drops_a_queued_request(stack: Stack) -> None:
+    for node in stack.node_ids:
+        stack.faults(node, overload=True, retry_after_s=2)
+
+    def served() -> int:
+        return sum(sum(c["success"].values()) for n in stack.node_ids for c in stack.sim_state(n)["counters"].values())
+
+    nc = await nats.connect(stack.nats_url)
+    try:
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        body = {"model": MODEL, "messages": CHAT, "max_tokens": 2, "policy": "queued-long", "request_id": "q-cancel"}
+        await nc.publish(subjects.INFER, json.dumps(body).encode(), reply=inbox)
+        await asyncio.sleep(0.5)
+        before = served()
+        await nc.publish(subjects.cancel("q-cancel"), b"")
+        await asyncio.sleep(0.3)
+        stack.clear_faults()
+        await asyncio.sleep(2.5)
+        assert served() == before  # never ran
+        while True:  # at most a CANCELLED answer, never a completion
+            try:
+                msg = await sub.next_msg(timeout=0.2)
+            except Exception:
+                break
+            assert (msg.headers or {}).get(subjects.H_ERROR_CODE) == "CANCELLED", msg.data
+    finally:
+        stack.clear_faults()
+        await nc.close()
