@@ -110,3 +110,37 @@ async def test_router_events_feed_error_rate_and_last_inference(nats_private: st
             await svc.stop()
             for s in sims:
                 await s.stop()
+
+
+async def test_measured_speeds_from_a_throttled_sim() -> None:
+    """The health service measures a node's real prefill/decode speed from vLLM's counters:
+    a sim running at half the H100 profile is seen at half speed (x its time scale)."""
+    from zml_health.adapters.vllm import probe as vllm_probe
+    from zml_health.tracker import Tracker
+    from zmlcore.config import HealthConfig
+    from zmlcore.sim.server import SimNode
+
+    import asyncio
+    import time
+
+    import httpx
+
+    sim = SimNode(node_id="slow-h100", accelerator="nvidia_h100", models=["m"], time_scale=20, load_time_s=0.05,
+                  speed=0.5)
+    await sim.start(port=0)
+    try:
+        tr = Tracker(started_at=time.time(), grace_s=10)
+        async with httpx.AsyncClient(timeout=10) as client:
+            async def load() -> None:
+                body = {"model": "m", "prompt": "x" * 4000, "max_tokens": 120}
+                await asyncio.gather(*(client.post(sim.url + "/v1/completions", json=body) for _ in range(4)))
+
+            tr.observe(await vllm_probe(client, sim.url, 5.0), time.time(), HealthConfig())
+            await load()
+            tr.observe(await vllm_probe(client, sim.url, 5.0), time.time(), HealthConfig())
+        assert tr.speed.prefill_tps is not None and tr.speed.decode_tps is not None
+        # Profile: 10,000 x 0.5 prefill, 60 x 0.5 decode, both x time_scale 20.
+        assert 0.7 * 100_000 < tr.speed.prefill_tps < 1.1 * 100_000, tr.speed.prefill_tps
+        assert 0.6 * 600 < tr.speed.decode_tps < 1.2 * 600, tr.speed.decode_tps
+    finally:
+        await sim.stop()

@@ -284,8 +284,10 @@ class HealthService:
             free_memory_gib=float(free) if isinstance(free, (int, float)) else None,
             error_rate=round(error_rate, 4),
             tokens_per_s=round(tr.tokens_per_s, 3),
-            prefill_tps=prof.prefill_tps * scale,
-            decode_tps=prof.decode_tps * scale,
+            # Measured speeds when the engine reports them, else the accelerator type's profile.
+            prefill_tps=round(tr.speed.prefill_tps or prof.prefill_tps * scale, 3),
+            decode_tps=round(tr.speed.decode_tps or prof.decode_tps * scale, 3),
+            speeds_measured=tr.speed.prefill_tps is not None and tr.speed.decode_tps is not None,
             health_score=health_score(error_rate, running, waiting, capacity) if status == "up" else 0.0,
             cost_per_hour=node.effective_cost,
             last_ok=tr.last_ok,

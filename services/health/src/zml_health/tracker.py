@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from zmlcore.config import HealthConfig
 from zmlcore.health.score import health_score
+from zmlcore.health.speed import Readings, SpeedMeter
 from zmlcore.messages import NodeStatus
 
 from zml_health.adapters.base import Probe
@@ -54,6 +55,8 @@ class Tracker:
     ttft_s: float | None = None
     last_inference_at: float = 0.0
     history: deque[float] = field(default_factory=deque)
+    #: Prefill/decode speeds measured from the engine's counters (vLLM), when it reports them.
+    speed: SpeedMeter = field(default_factory=SpeedMeter)
 
     def error_rate(self, now: float, window: float) -> float:
         self._trim(now, window)
@@ -127,6 +130,10 @@ class Tracker:
             if self.last_ttft is not None and probe.ttft_count > self.last_ttft[1]:
                 self.ttft_s = (probe.ttft_sum - self.last_ttft[0]) / (probe.ttft_count - self.last_ttft[1])
             self.last_ttft = (probe.ttft_sum, probe.ttft_count)
+        readings = (probe.prompt_tokens_total, probe.prefill_time_sum, probe.request_gen_tokens_sum,
+                    probe.request_gen_tokens_count, probe.decode_time_sum)
+        if all(v is not None for v in readings):
+            self.speed.observe(Readings(*readings), probe.running)  # type: ignore[arg-type]
         self.history.append(round(self.tokens_per_s, 3))
         while len(self.history) > self.history_len:
             self.history.popleft()

@@ -33,6 +33,9 @@ class NodeState(msgspec.Struct, kw_only=True, omit_defaults=True):
     tokens_per_s: float = 0.0
     prefill_tps: float = 0.0
     decode_tps: float = 0.0
+    #: True when prefill_tps/decode_tps were measured from the engine's counters, False when
+    #: they are the accelerator type's assumed profile.
+    speeds_measured: bool = False
     health_score: float = 0.0
     cost_per_hour: float = 0.0
     last_ok: float = 0.0

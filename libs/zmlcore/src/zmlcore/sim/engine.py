@@ -58,6 +58,7 @@ WORDS = (
 # vLLM's bucket boundaries (vllm/engine/metrics.py).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+GEN_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000)
 E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
@@ -172,6 +173,11 @@ class ModelStats:
     failed: int = 0
     ttft: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
     e2e: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
+    #: vLLM's request_prefill_time / request_decode_time: own prefill, and first to last token.
+    prefill: Histogram = field(default_factory=lambda: Histogram(TTFT_BUCKETS))
+    decode: Histogram = field(default_factory=lambda: Histogram(E2E_BUCKETS))
+    #: vLLM's request_generation_tokens: output tokens of each finished request.
+    gen_tokens: Histogram = field(default_factory=lambda: Histogram(GEN_TOKEN_BUCKETS))
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -201,6 +207,7 @@ class SimRequest:
         self.generated = 0
         self.arrival = asyncio.get_running_loop().time()
         self.first_token_at: float | None = None
+        self.prefill_started_at: float | None = None
         self.finished_at: float | None = None
         self.error: str | None = None
         self._queue: asyncio.Queue[str | None] = asyncio.Queue()
@@ -499,6 +506,8 @@ class SimEngine:
         stats.prompt_tokens += req.prompt_tokens
         stats.generation_tokens += 1
         stats.ttft.observe(now - req.arrival)
+        if req.prefill_started_at is not None:
+            stats.prefill.observe(now - req.prefill_started_at)
         req._emit(1)
         if req.remaining <= 0:
             self._finish(req, now)
@@ -511,6 +520,9 @@ class SimEngine:
         stats = self.stats_for(req.model)
         stats.success[req.finish_reason] = stats.success.get(req.finish_reason, 0) + 1
         stats.e2e.observe(now - req.arrival)
+        stats.gen_tokens.observe(req.output_tokens)
+        if req.first_token_at is not None and req.output_tokens > 1:
+            stats.decode.observe(now - req.first_token_at)
         req._close("done")
 
     async def _run(self) -> None:
@@ -527,6 +539,7 @@ class SimEngine:
             if self.prefill_queue:
                 req = self.prefill_queue.popleft()
                 self.prefilling = req
+                req.prefill_started_at = loop.time()
                 clock += self.real_seconds(self.profile.prefill_seconds(req.prompt_tokens))
                 await asyncio.sleep(max(0.0, clock - loop.time()))
                 self.prefilling = None

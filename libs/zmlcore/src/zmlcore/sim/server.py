@@ -828,6 +828,13 @@ def render_metrics(node: SimNode) -> str:
                     [(labels, s.ttft) for labels, s in zip(lab, stats)])
         p.histogram(pre + "e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.",
                     [(labels, s.e2e) for labels, s in zip(lab, stats)])
+        if kind != "sglang":
+            p.histogram("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
+                        [(labels, s.prefill) for labels, s in zip(lab, stats)])
+            p.histogram("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
+                        [(labels, s.decode) for labels, s in zip(lab, stats)])
+            p.histogram("vllm:request_generation_tokens", "Number of generation tokens processed.",
+                        [(labels, s.gen_tokens) for labels, s in zip(lab, stats)])
     elif kind == "llamacpp":
         p.family("llamacpp:prompt_tokens_total", "counter", "Number of prompt tokens processed.")
         p.sample("llamacpp:prompt_tokens_total", {}, sum(s.prompt_tokens for s in stats))

@@ -29,6 +29,13 @@ class Probe:
     requests_failed_total: float | None = None
     ttft_sum: float | None = None
     ttft_count: float | None = None
+    #: For measured speeds: prompt tokens, and vLLM's prefill/decode interval histograms
+    #: with the finished requests' generated tokens (sum and count).
+    prompt_tokens_total: float | None = None
+    prefill_time_sum: float | None = None
+    decode_time_sum: float | None = None
+    request_gen_tokens_sum: float | None = None
+    request_gen_tokens_count: float | None = None
     error: str = ""
 
 

@@ -43,4 +43,9 @@ def from_metrics(m: dict[str, float], models: list[str]) -> Probe:
         requests_ok_total=m.get("vllm:request_success_total"),
         ttft_sum=m.get("vllm:time_to_first_token_seconds_sum"),
         ttft_count=m.get("vllm:time_to_first_token_seconds_count"),
+        prompt_tokens_total=m.get("vllm:prompt_tokens_total"),
+        prefill_time_sum=m.get("vllm:request_prefill_time_seconds_sum"),
+        decode_time_sum=m.get("vllm:request_decode_time_seconds_sum"),
+        request_gen_tokens_sum=m.get("vllm:request_generation_tokens_sum"),
+        request_gen_tokens_count=m.get("vllm:request_generation_tokens_count"),
     )
