@@ -1,7 +1,7 @@
 """The seed code samples (docs/examples/) run unchanged against a live stack, over HTTP and NATS.
 
 They need a fleet with the H100_PCIe family the SDK 0.3 post names, so this module starts its
-own small stack from docs/examples/zml.toml (ports replaced by free ones) on its own NATS server.
+`zml up --config docs/examples/zml.toml` (ports replaced by free ones), as a user starts it.
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import re
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +20,7 @@ import pytest
 import zml
 
 from conftest import wait_ready
-from zmlcore.launch import Proc, free_port, service_argv, spawn, start_nats, wait_port
+from zmlcore.launch import Proc, free_port, service_argv, spawn, wait_port
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
 MODEL = "meta-llama/llama-3-8b-instruct"
@@ -38,28 +37,22 @@ def examples_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[s
     nats_port, gw_port, auth_port = free_port(), free_port(), free_port()
     nats_url = f"nats://127.0.0.1:{nats_port}"
     procs: list[Proc] = []
-    store = tempfile.mkdtemp(prefix="zml-examples-nats-")
     try:
-        procs.append(start_nats("127.0.0.1", nats_port, store))
-        procs.append(spawn("sim", service_argv("sim", str(config), nats_url)))
-        procs.append(spawn("health", service_argv("health", str(config), nats_url)))
-        procs.append(spawn("router", service_argv("router", str(config), nats_url)))
-        procs.append(spawn("gateway", service_argv("gateway", str(config), nats_url, "--port", str(gw_port))))
+        # The samples run against `zml up`, exactly as a user starts it.
+        up = spawn("zml-up", [sys.executable, "-m", "zml.cli", "up", "--config", str(config),
+                              "--gateway-port", str(gw_port), "--nats-port", str(nats_port)])
+        procs.append(up)
+        assert up.wait_for("ready", 90), up.tail()
         # A second gateway on the same fleet that requires an API key (ZML_API_KEYS).
         procs.append(spawn("gateway-auth", service_argv("gateway", str(config), nats_url, "--port", str(auth_port)),
                            env={"ZML_API_KEYS": "sk-right"}))
-        assert wait_port("127.0.0.1", gw_port, 30), procs[-2].tail()
         assert wait_port("127.0.0.1", auth_port, 30), procs[-1].tail()
         url = f"http://127.0.0.1:{gw_port}"
         wait_ready(url, MODEL, want_nodes=4)
         yield url, nats_url, tmp, f"http://127.0.0.1:{auth_port}"
     finally:
-        for p in procs:  # a throwaway stack: no graceful shutdown needed
-            if p.alive():
-                p.popen.kill()
-        for p in procs:
-            p.popen.wait(10)
-        shutil.rmtree(store, ignore_errors=True)
+        for p in reversed(procs):  # zml up stops every child it started
+            p.stop()
 
 
 SCRIPTS = sorted(p.name for p in EXAMPLES.glob("*.py"))
