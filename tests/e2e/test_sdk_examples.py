@@ -1,6 +1,6 @@
 """The seed code samples (docs/examples/) run unchanged against a live stack, over HTTP and NATS.
 
-They need a fleet with the H100_PCIe family the SDK 0.3 post names, so this module starts its
+They need a fleet with the H100_PCIe family the SDK 0.3 post names, so this module starts
 `zml up --config docs/examples/zml.toml` (ports replaced by free ones), as a user starts it.
 """
 
