@@ -11,7 +11,7 @@ import gc
 import logging
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
 from nats.aio.client import Client as NATS
@@ -105,3 +105,22 @@ def service_main(
     install_uvloop()
     asyncio.run(run_service(service, args.nats_url or cfg.nats.url, f"zml-{name}", no_echo=no_echo))
     return 0
+
+
+async def cancel_and_wait(tasks: "Iterable[asyncio.Task[object]]", timeout: float = 5.0) -> None:
+    """Cancel background tasks and wait for them to end, cancelling again until they do.
+
+    One cancel is not always enough on Python 3.11: ``asyncio.wait_for`` (used inside nats-py's
+    requests, JetStream fetches and KV calls) swallows a cancellation that lands just as its inner
+    future completes, and the task's loop goes on. Repeating the cancel lands it at the next await.
+    """
+    pending = {t for t in tasks if not t.done()}
+    deadline = asyncio.get_running_loop().time() + timeout
+    while pending:
+        for t in pending:
+            t.cancel()
+        left = deadline - asyncio.get_running_loop().time()
+        if left <= 0:
+            log.warning("%d task(s) did not stop: %s", len(pending), [t.get_name() for t in pending])
+            return
+        _, pending = await asyncio.wait(pending, timeout=min(0.5, left))

@@ -39,6 +39,7 @@ from zmlcore.messages.admin import (
 )
 from zmlcore.messages.warmup import completed_decoder, warmup_event_decoder
 from zmlcore.natsio import ensure_kv, nodes_kv
+from zmlcore.runner import cancel_and_wait
 from zmlcore.sim.model import SimProfile
 from zml_health import nodeprobe
 from zml_health.adapters import adapter_for, sglang
@@ -118,9 +119,7 @@ class HealthService:
                 await sub.unsubscribe()
             except Exception:  # connection already closing
                 pass
-        for t in self._tasks.values():
-            t.cancel()
-        await asyncio.gather(*self._tasks.values(), return_exceptions=True)
+        await cancel_and_wait(self._tasks.values())
         if self.http:
             await self.http.aclose()
 

@@ -27,6 +27,7 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StorageType, StreamConfig
 
 from zmlcore import subjects
+from zmlcore.runner import cancel_and_wait
 
 log = logging.getLogger("zml.router.queue")
 
@@ -126,9 +127,7 @@ class SaturationQueue:
             pass
 
     async def stop(self) -> None:
-        for t in self._workers.values():
-            t.cancel()
-        await asyncio.gather(*self._workers.values(), return_exceptions=True)
+        await cancel_and_wait(self._workers.values())
 
     async def enqueue(self, model: str, data: bytes, reply: str, headers: dict[str, str], deadline: float) -> None:
         key = model_key(model)

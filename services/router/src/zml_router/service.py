@@ -43,6 +43,7 @@ from zmlcore.messages import (
 )
 from zmlcore.costs import costs_kv
 from zmlcore.natsio import nodes_kv
+from zmlcore.runner import cancel_and_wait
 from zmlcore.policy import (
     Decision,
     ResolvedPolicy,
@@ -169,13 +170,10 @@ class RouterService:
                 pass
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=10)
-        for t in list(self._tasks):
-            t.cancel()
+        await cancel_and_wait(list(self._tasks))
         if self.queue is not None:
             await self.queue.stop()
-        for task in (self._follow, self._heartbeat, self._follow_costs):
-            if task is not None:
-                task.cancel()
+        await cancel_and_wait([t for t in (self._follow, self._heartbeat, self._follow_costs) if t is not None])
         if self.http:
             await self.http.aclose()
 

@@ -30,6 +30,7 @@ from zmlcore.messages import NodeState, ServeReply, ServeTarget, WarmupEvent, no
 from zmlcore.messages.admin import registry_entry_decoder
 from zmlcore.messages.warmup import completed_decoder, serve_request_decoder
 from zmlcore.natsio import ensure_kv, nodes_kv
+from zmlcore.runner import cancel_and_wait
 from zml_warmup import loader
 from zml_warmup.planner import Load, Want, keep_warm_due, plan_loads
 from zml_warmup.rate import QuietDetector, RateTracker, metrics_rate
@@ -94,9 +95,7 @@ class WarmupService:
                 await sub.unsubscribe()
             except Exception:  # connection already closing
                 pass
-        for t in [*self._tasks, *self._work]:
-            t.cancel()
-        await asyncio.gather(*self._tasks, *self._work, return_exceptions=True)
+        await cancel_and_wait([*self._tasks, *self._work])
         if self.http:
             await self.http.aclose()
 
