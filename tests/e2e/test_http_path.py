@@ -90,6 +90,7 @@ def test_pinned_node(http: httpx.Client) -> None:
         (b'{"model": 42, "messages": []}', 400, "BAD_REQUEST"),  # wrong type
         (b'{"model": "m", "messages": [{"role": "user"}], "max_tokens": "many"}', 400, "BAD_REQUEST"),
         (b'{"model": "' + MODEL.encode() + b'", "max_tokens": 3}', 400, "BAD_REQUEST"),  # no messages/prompt
+        (b'{"model": "' + MODEL.encode() + b'", "prompt": "x", "timeout_ms": -5}', 400, "BAD_REQUEST"),
         (b'{"model": "no-such-model", "messages": [{"role": "user", "content": "hi"}]}', 404, "MODEL_NOT_LOADED"),
         (b'{"model": "' + MODEL.encode() + b'", "messages": [{"role": "user", "content": "x"}], "policy": "nope"}',
          400, "POLICY_CONFIG"),

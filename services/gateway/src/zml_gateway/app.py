@@ -14,7 +14,7 @@ import math
 import os
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -50,7 +50,7 @@ class _Peek(msgspec.Struct):
 
     stream: bool = False
     request_id: str | None = None
-    timeout_ms: int | None = None
+    timeout_ms: Annotated[int, msgspec.Meta(ge=1)] | None = None
 
 
 _peek = msgspec.json.Decoder(_Peek)
