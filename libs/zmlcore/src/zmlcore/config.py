@@ -158,6 +158,10 @@ class NodeConfig(msgspec.Struct, **_Base):
     """Serving engine: vllm, tgi, sglang, llamacpp or openai (any OpenAI-compatible server)."""
     models: list[str] = []
     """Models this node serves (or should serve)."""
+    served_names: dict[str, str] = {}
+    """The engine's own name for a model, by ZML model name (e.g. the path vLLM was started
+    with, or llama.cpp's file name). Requests carry the engine's name; the node's state reports
+    ZML's name."""
     family: str | None = None
     """Family used by policy chains; defaults to the accelerator's (H100, MI300X...)."""
     cost_per_hour: NonNeg | None = None

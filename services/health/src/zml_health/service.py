@@ -255,7 +255,9 @@ class HealthService:
         prev = self.states.get(node.id)
         doc = rt.doc or {}
         # Keep the last known models/queue while a node is failing, so `zml nodes` shows them.
-        models = probe.models if probe.ok else (prev.models if prev else [])
+        # The engine reports its own names; the fleet speaks ZML's.
+        back = {served: name for name, served in node.served_names.items()}
+        models = [back.get(m, m) for m in probe.models] if probe.ok else (prev.models if prev else [])
         running = probe.running if probe.ok else (prev.queue_running if prev else 0)
         waiting = probe.waiting if probe.ok else (prev.queue_waiting if prev else 0)
         loading = self._loading_models(node, rt, probe, status, models, now)
@@ -275,6 +277,7 @@ class HealthService:
             status=status,  # type: ignore[arg-type]
             reason=reason if status != "up" else "",
             models=[m for m in models if m not in loading],
+            served_names=dict(node.served_names),
             loading_models=loading,
             queue_running=running,
             queue_waiting=waiting,

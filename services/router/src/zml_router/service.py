@@ -349,11 +349,13 @@ class RouterService:
                 router_id=self.router_id,
             )
             out.info = info
+            served = self.table.views[decision.node_id].state.served_names.get(model)
+            node_body = self._backend_body(msg.data, served, req.model) if served else body
             try:
                 if req.stream:
-                    await self._dispatch_stream(msg, req, body, info, t0)
+                    await self._dispatch_stream(msg, req, node_body, info, t0)
                 else:
-                    await self._dispatch_once(msg, req, body, info, t0)
+                    await self._dispatch_once(msg, req, node_body, info, t0)
                 out.ok = True
                 return
             except AttemptError as err:

@@ -29,6 +29,7 @@ class NodeSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, fo
     endpoint: str
     backend: Backend = "vllm"
     models: list[str] = []
+    served_names: dict[str, str] = {}
     family: str | None = None
     cost_per_hour: Annotated[float, msgspec.Meta(ge=0)] | None = None
     probe_endpoint: str | None = None

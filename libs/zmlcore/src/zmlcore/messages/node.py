@@ -21,6 +21,8 @@ class NodeState(msgspec.Struct, kw_only=True, omit_defaults=True):
     #: Human-readable reason for a status other than "up" (driver mismatch, probe error...).
     reason: str = ""
     models: list[str] = []
+    #: ZML model name -> the engine's name for it (requests to this node carry the latter).
+    served_names: dict[str, str] = {}
     #: Models the node is loading now (not routable for them yet).
     loading_models: list[str] = []
     queue_running: int = 0
