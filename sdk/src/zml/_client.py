@@ -14,11 +14,9 @@ from typing import Any, Literal, Protocol, overload
 
 from zml import _core
 from zml._batch import BatchItem, OnResult, run_sync
-from zml._config import resolve
 from zml._errors import ZMLError
 from zml._models import BatchResult, InferMeta, InferResult, Metrics, Policy, Routing, StreamChunk, Usage
-from zml._ratelimit import HeaderScope, RateLimiter
-from zmlcore.config import ZMLConfig
+from zml._ratelimit import HeaderScope
 from zmlcore.messages import NodeState
 
 __all__ = ["Client", "Stream"]
@@ -43,7 +41,7 @@ class _SyncTransport(Protocol):
     def close(self) -> None: ...
 
 
-class Client:
+class Client(_core.ClientSettings):
     """Synchronous ZML client.
 
     Example::
@@ -80,21 +78,13 @@ class Client:
         default_output_tokens: int = _core.DEFAULT_MAX_TOKENS,
         default_request_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
-        settings = resolve(endpoint, api_key, config_path)
-        self.endpoint: str = settings.endpoint
-        self.api_key: str | None = settings.api_key
-        self.config: ZMLConfig | None = settings.config
-        self.timeout = float(timeout)
-        self.model = model
-        self.max_retries = max(0, int(max_retries))
-        self.max_parallel_requests = int(max_parallel_requests or max_connections)
-        self.default_output_tokens = int(default_output_tokens)
-        self.default_request_kwargs: dict[str, Any] = dict(default_request_kwargs or {})
-        self._limiter = RateLimiter(rpm=rpm, tpm=tpm, rpd=rpd, tpd=tpd, max_request_burst=max_request_burst,
-                                    max_token_burst=max_token_burst, header_bucket_scope=header_bucket_scope,
-                                    now=time.monotonic())
+        pool = self._configure(
+            endpoint, api_key, timeout, max_connections, config_path, model, max_retries, max_parallel_requests,
+            {"rpm": rpm, "tpm": tpm, "rpd": rpd, "tpd": tpd, "max_request_burst": max_request_burst,
+             "max_token_burst": max_token_burst, "header_bucket_scope": header_bucket_scope},
+            default_output_tokens, default_request_kwargs,
+        )
         self._lock = threading.Lock()
-        pool = max(int(max_connections), self.max_parallel_requests)
         self._transport: _SyncTransport
         if self.endpoint.startswith(("nats://", "tls://")):
             from zml._transport_nats import SyncNatsTransport  # imported on use: nats-py is heavy

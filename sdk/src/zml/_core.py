@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import time
 import uuid
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -19,6 +21,7 @@ import msgspec
 from zml._errors import BackendError, BadRequestError, ErrorBody, TimeoutError, ZMLError, error_class, from_wire
 from zml._models import Choice, InferMeta, InferResult, Message, Policy, Routing, StreamChunk, Usage
 from zmlcore import subjects
+from zmlcore.config import ZMLConfig
 from zmlcore.messages import NodeState
 
 log = logging.getLogger("zml")
@@ -558,3 +561,43 @@ def decode_models(raw: RawReply) -> list[str]:
         for m in n.get("models") or ():
             seen.setdefault(str(m), None)
     return list(seen)
+
+
+class ClientSettings:
+    """What ``Client`` and ``AsyncClient`` configure identically (no I/O): endpoint and key
+    resolution, retry and batch settings, request defaults and the rate limiter."""
+
+    endpoint: str
+    api_key: str | None
+    config: ZMLConfig | None
+
+    def _configure(
+        self,
+        endpoint: str | None,
+        api_key: str | None,
+        timeout: float,
+        max_connections: int,
+        config_path: str | os.PathLike[str] | None,
+        model: str | None,
+        max_retries: int,
+        max_parallel_requests: int | None,
+        limits: Mapping[str, Any],
+        default_output_tokens: int,
+        default_request_kwargs: Mapping[str, Any] | None,
+    ) -> int:
+        """Set the shared attributes; returns the connection pool size for the transport."""
+        from zml._config import resolve
+        from zml._ratelimit import RateLimiter
+
+        settings = resolve(endpoint, api_key, config_path)
+        self.endpoint = settings.endpoint
+        self.api_key = settings.api_key
+        self.config = settings.config
+        self.timeout = float(timeout)
+        self.model = model
+        self.max_retries = max(0, int(max_retries))
+        self.max_parallel_requests = int(max_parallel_requests or max_connections)
+        self.default_output_tokens = int(default_output_tokens)
+        self.default_request_kwargs: dict[str, Any] = dict(default_request_kwargs or {})
+        self._limiter = RateLimiter(**limits, now=time.monotonic())
+        return max(int(max_connections), self.max_parallel_requests)
