@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,7 +19,7 @@ import pytest
 from nats.aio.client import Client as NATS
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-from test_health_helpers import eventually, private_nats, start_sim  # noqa: E402
+from test_health_helpers import eventually, start_sim  # noqa: E402
 
 from zmlcore import subjects  # noqa: E402
 from zmlcore.errors import BadRequestError  # noqa: E402
@@ -32,18 +32,10 @@ M = "meta-llama/llama-3-8b-instruct"
 COLD = "mistralai/mistral-7b-instruct"
 
 
-def _stop(p: Proc) -> None:
-    if p.name == "router":  # its graceful drain takes ~5 s (see the router's stop): not under test here
-        p.popen.kill()
-        p.popen.wait(5)
-    else:
-        p.stop()
-
-
 @pytest.fixture(scope="module")
-def nats_url() -> Iterator[str]:
-    with private_nats() as url:
-        yield url
+def nats_url(own_nats: str) -> str:
+    """This module's own broker (its tests delete and re-create buckets)."""
+    return own_nats
 
 
 @dataclass
@@ -93,7 +85,7 @@ async def fleet(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> Asyn
         yield f
     finally:
         for p in reversed(list(procs.values())):
-            _stop(p)
+            p.stop()
         for s in sims.values():
             await s.stop()
 

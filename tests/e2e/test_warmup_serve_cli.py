@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import nats
@@ -22,18 +22,10 @@ M = "meta-llama/llama-3-8b-instruct"
 COLD = "mistralai/mistral-7b-instruct"
 
 
-def _stop(p: Proc) -> None:
-    if p.name == "router":  # its graceful drain takes ~5 s (see the router's stop): not under test here
-        p.popen.kill()
-        p.popen.wait(5)
-    else:
-        p.stop()
-
-
 @pytest.fixture(scope="module")
-def nats_url() -> Iterator[str]:
-    with private_nats() as url:
-        yield url
+def nats_url(own_nats: str) -> str:
+    """This module's own broker (its tests delete and re-create buckets)."""
+    return own_nats
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +44,7 @@ async def stack(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> Asyn
         yield str(path)
     finally:
         for p in reversed(procs):
-            _stop(p)
+            p.stop()
         for s in sims:
             await s.stop()
 
