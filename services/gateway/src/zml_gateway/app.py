@@ -33,6 +33,8 @@ from zmlcore.errors import (
     ZMLError,
     error_class,
 )
+from zmlcore.errors import ConnectionError as ZMLConnectionError
+from zmlcore.link import link_of
 from zmlcore.messages import NodeState
 from zmlcore.ratelimit import TokenBucket
 
@@ -77,6 +79,11 @@ class _RateLimited(Exception):
     def __init__(self, headers: list[tuple[bytes, bytes]], reset: float) -> None:
         self.headers = headers
         self.reset = reset
+
+
+def _broker_lost() -> ZMLError:
+    return ZMLConnectionError("the broker connection was lost while the request was in flight; retry",
+                              retry_after=0.5)
 
 
 class Gateway:
@@ -238,16 +245,24 @@ class Gateway:
         request_id = peek.request_id or os.urandom(8).hex()
         timeout = peek.timeout_ms / 1000.0 if peek.timeout_ms else self.timeout
         headers = {subjects.H_REQUEST_ID: request_id, subjects.H_TIMEOUT_MS: str(int(timeout * 1000))}
+        if not self.nc.is_connected:  # fail fast: buffered until the broker is back, it may be lost
+            raise ZMLConnectionError("the gateway has lost its broker connection; retry", retry_after=1.0)
         if peek.stream:
             await self._infer_stream(body, headers, request_id, timeout, receive, send, limits)
             return
         # Watch for the client going away while the request runs: then cancel it on the node.
         request = asyncio.ensure_future(self.nc.request(subjects.INFER, body, timeout=timeout + 1.0, headers=headers))
         watch = asyncio.ensure_future(receive())
-        done, _ = await asyncio.wait((request, watch), return_when=asyncio.FIRST_COMPLETED)
+        # A reply sent while the broker was away is lost: do not wait the whole timeout for it.
+        lost = asyncio.ensure_future(link_of(self.nc).reconnected(link_of(self.nc).generation))
+        done, _ = await asyncio.wait((request, watch, lost), return_when=asyncio.FIRST_COMPLETED)
+        lost.cancel()
         if request not in done:
             request.cancel()
             await self.nc.publish(subjects.cancel(request_id), b"")
+            if lost in done:
+                watch.cancel()
+                raise _broker_lost()
             return
         watch.cancel()
         try:
@@ -282,6 +297,7 @@ class Gateway:
         inbox = self.nc.new_inbox()
         sub = await self.nc.subscribe(inbox, cb=on_msg)
         watch = asyncio.ensure_future(receive())
+        lost = asyncio.ensure_future(link_of(self.nc).reconnected(link_of(self.nc).generation))
         started = False
         deadline = time.monotonic() + timeout + 1.0
         try:
@@ -289,7 +305,15 @@ class Gateway:
             while True:
                 get = asyncio.ensure_future(queue.get())
                 remaining = deadline - time.monotonic()
-                done, _ = await asyncio.wait((get, watch), timeout=max(remaining, 0), return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait((get, watch, lost), timeout=max(remaining, 0),
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if lost in done and get not in done:  # chunks sent while the broker was away are lost
+                    get.cancel()
+                    await self.nc.publish(subjects.cancel(request_id), b"")
+                    if started:
+                        await self._sse_error(send, _broker_lost().to_body())
+                        return
+                    raise _broker_lost()
                 if watch in done:  # client went away
                     get.cancel()
                     await self.nc.publish(subjects.cancel(request_id), b"")
@@ -327,6 +351,7 @@ class Gateway:
                     return
         finally:
             watch.cancel()
+            lost.cancel()
             await sub.unsubscribe()
 
     async def _sse_error(self, send: Send, body: Any) -> None:
