@@ -15,6 +15,7 @@ from zmlcore.messages import NodeState, node_state_decoder
 from zmlcore.costs import CostTable, costs_kv
 from zmlcore.natsio import nodes_kv
 from zml_gateway.app import Gateway
+from zml_gateway.protocol import BoundedHttpTools
 
 log = logging.getLogger("zml.gateway")
 
@@ -41,8 +42,10 @@ class GatewayService:
         self._follow = asyncio.create_task(self._follow_nodes(kv))
         self._follow_costs = asyncio.create_task(self.costs.follow(await costs_kv(nc)))
         app = Gateway(self.cfg, nc, self.nodes, self.costs)
+        g = self.cfg.gateway
+        protocol = BoundedHttpTools.with_limits(g.max_header_bytes, g.max_headers, g.header_timeout_s)
         config = uvicorn.Config(
-            app, host=self.host, port=self.port, http="httptools", loop="none", lifespan="off",
+            app, host=self.host, port=self.port, http=protocol, loop="none", lifespan="off",
             log_level="warning", access_log=False, timeout_keep_alive=30, backlog=2048,
         )
         self._server = _Server(config)
