@@ -72,6 +72,19 @@ class GatewayConfig(msgspec.Struct, **_Base):
     request_burst: PosInt | None = None
     """Requests a key may send at once above the steady rate (default: one second's worth, at
     least 1)."""
+    max_concurrent: PosInt = 1024
+    """Inference requests this gateway replica holds at once; above it, 503 QUEUE_FULL with
+    Retry-After (a bound on memory and NATS inboxes, not a fairness limit: plans do that)."""
+    max_header_bytes: PosInt = 16 * 1024
+    """Largest request line plus headers; above it the connection gets 431 and is closed."""
+    max_headers: PosInt = 100
+    """Most header lines in one request; above it, 431."""
+    header_timeout_s: PosFloat = 10.0
+    """Seconds a client has to send a request's headers (slow-loris bound)."""
+    stream_buffer: PosInt = 256
+    """Chunks of one streamed reply buffered while the HTTP client is slow to read; when full,
+    the request is cancelled upstream and the stream ends with an error (a client that stops
+    reading cannot make the gateway buffer a whole reply)."""
 
 
 class RouterConfig(msgspec.Struct, **_Base):
@@ -280,6 +293,10 @@ class DefaultsConfig(msgspec.Struct, **_Base):
     """Account-level default policy."""
     request_timeout_s: PosFloat = 30.0
     """Timeout of a request when the caller gives none."""
+    max_request_timeout_s: PosFloat = 600.0
+    """Largest timeout a caller may ask for (``timeout_ms``, ``Zml-Timeout-Ms``); above it, 400."""
+    max_json_depth: PosInt = 32
+    """Deepest nesting of lists/objects accepted in a request body; deeper, 400."""
 
 
 class ZMLConfig(msgspec.Struct, **_Base):

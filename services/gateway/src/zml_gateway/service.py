@@ -16,6 +16,7 @@ from zmlcore.costs import CostTable
 from zmlcore.kvfollow import KVFollower
 from zmlcore.messages import NodeState, node_state_decoder
 from zml_gateway.app import Gateway
+from zml_gateway.protocol import BoundedHttpTools
 
 log = logging.getLogger("zml.gateway")
 
@@ -42,8 +43,10 @@ class GatewayService:
         self._follow = asyncio.create_task(follower.run())
         self._follow_costs = asyncio.create_task(self.costs.follower(nc).run())
         app = Gateway(self.cfg, nc, self.nodes, self.costs)
+        g = self.cfg.gateway
+        protocol = BoundedHttpTools.with_limits(g.max_header_bytes, g.max_headers, g.header_timeout_s)
         config = uvicorn.Config(
-            app, host=self.host, port=self.port, http="httptools", loop="none", lifespan="off",
+            app, host=self.host, port=self.port, http=protocol, loop="none", lifespan="off",
             log_level="warning", access_log=False, timeout_keep_alive=30, backlog=2048,
         )
         self._server = _Server(config)

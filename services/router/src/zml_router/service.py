@@ -44,6 +44,7 @@ from zmlcore.messages import (
 )
 from zmlcore.kvfollow import KVFollower
 from zmlcore.runner import cancel_and_wait
+from zmlcore.validate import check_request_id, decode_request, request_timeout_s
 from zmlcore.policy import (
     Decision,
     ResolvedPolicy,
@@ -268,19 +269,16 @@ class RouterService:
     async def _handle(self, msg: Msg | QueuedMsg) -> None:
         t0 = time.monotonic()
         headers = msg.headers or {}
-        request_id = headers.get(subjects.H_REQUEST_ID, "")
+        asked_id = headers.get(subjects.H_REQUEST_ID, "")
+        request_id = ""  # set once validated: it goes into subjects, headers and logs
         stream = False
         out = _Outcome()
         try:
-            try:
-                req = infer_request_decoder.decode(msg.data)
-            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-                raise BadRequestError(f"invalid request: {exc}") from exc
-            if (req.messages is None) == (req.prompt is None):
-                raise BadRequestError("give exactly one of `messages` or `prompt`")
+            req = decode_request(msg.data, max_depth=self.cfg.defaults.max_json_depth)
             stream = req.stream
-            request_id = request_id or req.request_id or _new_id()
-            timeout = self._timeout(req, headers)
+            request_id = check_request_id(asked_id or req.request_id or _new_id())
+            timeout = request_timeout_s(req.timeout_ms, headers.get(subjects.H_TIMEOUT_MS),
+                                        self._default_timeout, self.cfg.defaults.max_request_timeout_s)
             task = asyncio.current_task()
             assert task is not None
             self._by_request[request_id] = task
@@ -307,15 +305,6 @@ class RouterService:
             await self._reply_error(msg, ZMLError(f"internal error: {type(exc).__name__}"), stream)
         if out.model and not out.queued:
             await self._completed(out, request_id, t0)
-
-    def _timeout(self, req: InferRequest, headers: dict[str, str]) -> float:
-        ms = req.timeout_ms
-        if subjects.H_TIMEOUT_MS in headers:
-            try:
-                ms = int(headers[subjects.H_TIMEOUT_MS])
-            except ValueError:
-                raise BadRequestError(f"{subjects.H_TIMEOUT_MS} must be an integer") from None
-        return ms / 1000.0 if ms else self._default_timeout
 
     def _prepare(self, req: InferRequest, raw: bytes) -> tuple[str, ResolvedPolicy, RouteRequest]:
         model = self.cfg.resolve_model(req.model)
