@@ -40,6 +40,12 @@ def add_routes(node: SimNode, r: web.UrlDispatcher) -> None:
         r.add_post("/models/unload", partial(_router_unload, node))
 
 
+def _n_ctx() -> int:
+    from zmlcore.sim.server import MAX_MODEL_LEN  # (server imports this module)
+
+    return MAX_MODEL_LEN
+
+
 def _json(data: Any, status: int = 200) -> web.Response:
     return web.json_response(data, status=status)
 
@@ -78,7 +84,7 @@ async def _props(node: SimNode, req: web.Request) -> web.Response:
     eng = node.engine
     return _json({"total_slots": eng.profile.max_concurrency, "is_sleeping": False,
                   "model_path": next(iter(eng.models), None), "model_alias": next(iter(eng.models), None),
-                  "default_generation_settings": {"n_ctx": 8192}})
+                  "default_generation_settings": {"n_ctx": _n_ctx()}})
 
 
 async def _slots(node: SimNode, req: web.Request) -> web.Response:
@@ -89,7 +95,7 @@ async def _slots(node: SimNode, req: web.Request) -> web.Response:
     slots = []
     for i in range(eng.profile.max_concurrency):
         req = busy[i] if i < len(busy) else None
-        slots.append({"id": i, "id_task": req.id if req else -1, "n_ctx": 8192,
+        slots.append({"id": i, "id_task": req.id if req else -1, "n_ctx": _n_ctx(),
                       "is_processing": req is not None,
                       "next_token": {"n_decoded": req.generated if req else 0,
                                      "n_remain": req.remaining if req else -1}})
