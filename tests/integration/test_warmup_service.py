@@ -83,6 +83,8 @@ async def fleet(nats_url: str) -> AsyncIterator[Fleet]:
         watcher = asyncio.create_task(watch_loading())
         await eventually(lambda: all(s.status == "up" for s in health.states.values()) and len(health.states) == 2,
                          what="nodes up")
+        # The quiet clock starts now, with the fleet serving (not while llama.cpp nodes load).
+        warmup = f.warmup = WarmupService(cfg)
         await warmup.start(nc)
         try:
             yield f
