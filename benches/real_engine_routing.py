@@ -77,13 +77,12 @@ async def one(sess: aiohttp.ClientSession, gw: str, policy: str, max_tokens: int
             if resp.status != 200:
                 rec["error"] = f"{resp.status} {(await resp.text())[:200]}"
                 return
+            rec["node"] = resp.headers.get("x-zml-node-id", "?")
             async for raw in resp.content:
                 line = raw.strip()
                 if not line.startswith(b"data: ") or line == b"data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
-                if "zml" in chunk and chunk["zml"].get("node_id"):
-                    rec["node"] = chunk["zml"]["node_id"]
                 for c in chunk.get("choices") or []:
                     if (c.get("delta") or {}).get("content"):
                         now = time.monotonic()

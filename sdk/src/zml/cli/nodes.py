@@ -84,6 +84,8 @@ def rows(nodes: list[dict[str, Any]], now: float) -> list[tuple[str, ...]]:
         state = str(n.get("status", "unknown"))
         if n.get("reason") and state != "up":
             state += f" ({n['reason']})"
+        if n.get("sleeping"):
+            state += " (asleep)"
         queue = int(n.get("queue_running", 0)) + int(n.get("queue_waiting", 0))
         out.append((
             str(n.get("node_id", "?")), str(n.get("accelerator_type", "")), str(n.get("family", "")), models,
