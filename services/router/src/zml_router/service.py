@@ -55,6 +55,7 @@ from zmlcore.policy import (
 )
 from zmlcore.policy.resolve import builtin_policy
 from zml_router.dispatch import AttemptError, Failure, NodeClient, post_json, stream_sse
+from zml_router.rename import Renamer
 from zml_router.queue import H_DEADLINE, H_ENQUEUED, H_TOTAL_MS, QueuedMsg, SaturationQueue
 from zml_router.table import NodeTable
 
@@ -118,7 +119,7 @@ class RouterService:
     def __init__(self, cfg: ZMLConfig, router_id: str | None = None) -> None:
         self.cfg = cfg
         self.router_id = router_id or f"router-{_new_id()[:6]}"
-        self.table = NodeTable()
+        self.table = NodeTable(cfg.families())
         self.state = RoutingState()
         self.nc: NATS | None = None
         self.http: NodeClient | None = None
@@ -296,7 +297,8 @@ class RouterService:
     def _prepare(self, req: InferRequest, raw: bytes) -> tuple[str, ResolvedPolicy, RouteRequest]:
         model = self.cfg.resolve_model(req.model)
         per_call = req.policy if req.policy is not None else req.routing
-        policy = resolve_policy(self.cfg, model, per_call)
+        # Chains may name families registered at run time, not only zml.toml's.
+        policy = resolve_policy(self.cfg, model, per_call, self.table.families())
         max_tokens = req.max_tokens or req.max_completion_tokens or 512
         # ~4 bytes per token of JSON body: good enough for a TTFT estimate, and O(1).
         rr = RouteRequest(model=model, prompt_tokens=len(raw) // 4, max_tokens=max_tokens,
@@ -351,11 +353,13 @@ class RouterService:
             out.info = info
             served = self.table.views[decision.node_id].state.served_names.get(model)
             node_body = self._backend_body(msg.data, served, req.model) if served else body
+            # The engine answers with its own name: the client gets back the name it asked for.
+            rename = Renamer(served, req.model) if served and served != req.model else None
             try:
                 if req.stream:
-                    await self._dispatch_stream(msg, req, node_body, info, t0)
+                    await self._dispatch_stream(msg, req, node_body, info, t0, rename)
                 else:
-                    await self._dispatch_once(msg, req, node_body, info, t0)
+                    await self._dispatch_once(msg, req, node_body, info, t0, rename)
                 out.ok = True
                 return
             except AttemptError as err:
@@ -376,9 +380,11 @@ class RouterService:
                 out.queued = True
                 await self._saturated(msg, req, model, request_id, policy.config.max_queue_ms, timeout)
                 return
+            pinned = req.accelerator_id is not None  # the node was the caller's choice, not the policy's
             raise QueueFullError(
+                f"node {req.accelerator_id!r} is overloaded" if pinned else
                 f"every node tried for {model!r} is overloaded ({len(excluded)} tried)",
-                routing_context={"policy": policy.name, "final_error": "all_nodes_over_capacity",
+                routing_context={"policy": "pinned" if pinned else policy.name, "final_error": "all_nodes_over_capacity",
                                  "nodes_tried": sorted(excluded),
                                  "recommendation": "increase fleet capacity or enable queue_on_saturation"},
                 retry_after=last.retry_after or 1.0,
@@ -572,7 +578,8 @@ class RouterService:
             # publish() only appends to the client's buffer; its flusher sends batches.
             await self.nc.publish(subjects.INFLIGHT, _encode(delta))
 
-    async def _dispatch_once(self, msg: Msg | QueuedMsg, req: InferRequest, body: bytes, info: RoutingInfo, t0: float) -> None:
+    async def _dispatch_once(self, msg: Msg | QueuedMsg, req: InferRequest, body: bytes, info: RoutingInfo, t0: float,
+                             rename: Renamer | None = None) -> None:
         # A non-streamed reply shows no first token: pending ends with the request.
         await self._count(info.node_id, 1, 1)
         try:
@@ -580,9 +587,12 @@ class RouterService:
         finally:
             await self._count(info.node_id, -1, -1)
         info.time_to_first_token = time.monotonic() - t0
+        if rename is not None:
+            raw = rename(raw)
         await self._publish(msg.reply, _with_routing(raw, info), self._routing_headers(info))
 
-    async def _dispatch_stream(self, msg: Msg | QueuedMsg, req: InferRequest, body: bytes, info: RoutingInfo, t0: float) -> None:
+    async def _dispatch_stream(self, msg: Msg | QueuedMsg, req: InferRequest, body: bytes, info: RoutingInfo, t0: float,
+                               rename: Renamer | None = None) -> None:
         await self._count(info.node_id, 1, 1)
         pending = 1
         started = False
@@ -604,6 +614,8 @@ class RouterService:
                             info.total_tokens = usage["total_tokens"]
                     except msgspec.DecodeError:
                         pass
+                if rename is not None:
+                    chunk = rename(chunk)
                 await self._publish(msg.reply, chunk, {subjects.H_STREAM: subjects.STREAM_CHUNK})
             if not started:  # a stream with no chunk at all
                 info.time_to_first_token = time.monotonic() - t0
