@@ -34,6 +34,7 @@ from zml._errors import (
 from zml._models import (
     BatchResult,
     Choice,
+    EmbeddingResult,
     InferMeta,
     InferResult,
     Message,
@@ -59,6 +60,7 @@ __all__ = [
     "Client",
     "ConfigError",
     "ConnectionError",
+    "EmbeddingResult",
     "InferMeta",
     "InferResult",
     "Message",

@@ -20,6 +20,7 @@ from zmlcore.messages import InlinePolicy
 __all__ = [
     "BatchResult",
     "Choice",
+    "EmbeddingResult",
     "InferMeta",
     "InferResult",
     "Message",
@@ -234,6 +235,26 @@ class InferResult:
     def output_text(self) -> str:
         """Alias of ``text``."""
         return self.text
+
+
+@dataclass(slots=True)
+class EmbeddingResult:
+    """The reply of ``embed()``: one vector per input, in input order, and the routing.
+
+    Example::
+
+        r = client.embed("BAAI/bge-small-en-v1.5", ["first text", "second text"])
+        print(len(r.embeddings), len(r.embeddings[0]), r.routing.node_id, r.usage.prompt_tokens)
+    """
+
+    embeddings: list[list[float]]
+    routing: Routing
+    metadata: InferMeta
+    usage: Usage = field(default_factory=Usage)
+    metrics: Metrics = field(default_factory=Metrics)
+    model: str = ""
+    #: The reply JSON as received (OpenAI's ``{"object": "list", "data": [...]}``).
+    raw: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

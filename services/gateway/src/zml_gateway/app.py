@@ -2,7 +2,7 @@
 dict lookups, a NATS request and a write).
 
 Routes: POST /v1/chat/completions, POST /v1/completions (OpenAI-compatible, streaming or not),
-GET /v1/models, GET /v1/nodes, GET /healthz. The body goes to NATS ``zml.infer`` as is; the
+POST /v1/embeddings, GET /v1/models, GET /v1/models/{id}, GET /v1/nodes, GET /healthz. The body goes to NATS ``zml.infer`` as is; the
 router validates it, so the gateway only peeks at the fields it needs itself.
 """
 
@@ -35,6 +35,7 @@ from zmlcore.errors import (
 )
 from zmlcore.messages import NodeState
 from zmlcore.ratelimit import TokenBucket
+from zml_gateway.models import model_list, model_object
 
 log = logging.getLogger("zml.gateway")
 
@@ -101,7 +102,7 @@ class Gateway:
             return
         method, path = scope["method"], scope["path"]
         try:
-            if path in ("/v1/chat/completions", "/v1/completions"):
+            if path in ("/v1/chat/completions", "/v1/completions", "/v1/embeddings"):
                 if method != "POST":
                     return await self._plain(send, 405, {"error": {"message": "use POST", "code": "BAD_REQUEST"}})
                 self._auth(scope)
@@ -113,7 +114,10 @@ class Gateway:
                 return await self._plain(send, 200 if ok else 503, {"status": "ok" if ok else "nats_disconnected"})
             if path == "/v1/models":
                 self._auth(scope)
-                return await self._plain(send, 200, self._models())
+                return await self._plain(send, 200, model_list(self.cfg, self.nodes))
+            if path.startswith("/v1/models/"):
+                self._auth(scope)
+                return await self._plain(send, 200, model_object(self.cfg, self.nodes, path[len("/v1/models/"):]))
             if path == "/v1/nodes":
                 self._auth(scope)
                 return await self._plain(send, 200, {"nodes": await self._node_table()})
@@ -138,16 +142,6 @@ class Gateway:
                 return
         raise AuthError("invalid or missing API key: send `Authorization: Bearer <key>` (ZML_API_KEY)")
 
-    def _models(self) -> dict[str, Any]:
-        names = self.cfg.model_names()
-        for st in self.nodes.values():
-            names.update(st.models)
-        data = []
-        for name in sorted(names):
-            serving = [s.node_id for s in self.nodes.values() if name in s.models and s.status == "up"]
-            data.append({"id": name, "object": "model", "owned_by": "zml", "created": 0, "zml": {"nodes_up": serving}})
-        return {"object": "list", "data": data}
-
     async def _node_table(self) -> list[dict[str, Any]]:
         """Health's view of every node, with run-time prices and the routers' view (in flight,
         cooldown, saturation) gathered from every replica for ~150 ms."""
@@ -169,6 +163,7 @@ class Gateway:
         out = []
         for node_id in sorted(self.nodes):
             row: dict[str, Any] = msgspec.to_builtins(self.costs.apply(self.nodes[node_id]))
+            row.setdefault("cost_per_hour", 0.0)  # omitted as a default, yet a free node's price
             seen = [v["nodes"][node_id] for v in views if node_id in v.get("nodes", {})]
             row["routers"] = len(seen)
             row["in_flight"] = max((r["outstanding"] for r in seen), default=0)

@@ -55,6 +55,7 @@ from zmlcore.policy import (
 )
 from zmlcore.policy.resolve import builtin_policy
 from zml_router.dispatch import AttemptError, Failure, NodeClient, post_json, stream_sse
+from zml_router.kinds import PATHS, check_kind
 from zml_router.rename import Renamer
 from zml_router.queue import H_DEADLINE, H_ENQUEUED, H_TOTAL_MS, QueuedMsg, SaturationQueue
 from zml_router.table import NodeTable
@@ -86,7 +87,6 @@ def _with_routing(raw: bytes, info: RoutingInfo) -> bytes:
     raise AttemptError(Failure.SERVER, 200, f"node answered a non-object JSON body: {raw[:100]!r}")
 
 
-_PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
 
 class _Outcome:
@@ -255,8 +255,9 @@ class RouterService:
                 req = infer_request_decoder.decode(msg.data)
             except (msgspec.ValidationError, msgspec.DecodeError) as exc:
                 raise BadRequestError(f"invalid request: {exc}") from exc
-            if (req.messages is None) == (req.prompt is None):
-                raise BadRequestError("give exactly one of `messages` or `prompt`")
+            problem = req.shape_error()
+            if problem is not None:
+                raise BadRequestError(problem)
             stream = req.stream
             request_id = request_id or req.request_id or _new_id()
             timeout = self._timeout(req, headers)
@@ -299,7 +300,9 @@ class RouterService:
         per_call = req.policy if req.policy is not None else req.routing
         # Chains may name families registered at run time, not only zml.toml's.
         policy = resolve_policy(self.cfg, model, per_call, self.table.families())
-        max_tokens = req.max_tokens or req.max_completion_tokens or 512
+        check_kind(self.cfg, model, req)
+        # An embedding is a prefill and no decode: one "output token" for the estimate.
+        max_tokens = 1 if req.input is not None else req.max_tokens or req.max_completion_tokens or 512
         # ~4 bytes per token of JSON body: good enough for a TTFT estimate, and O(1).
         rr = RouteRequest(model=model, prompt_tokens=len(raw) // 4, max_tokens=max_tokens,
                           accelerator_id=req.accelerator_id)
@@ -563,7 +566,7 @@ class RouterService:
         return h
 
     def _url(self, info: RoutingInfo, req: InferRequest) -> str:
-        return self.table.views[info.node_id].state.endpoint.rstrip("/") + _PATHS[req.kind()]
+        return self.table.views[info.node_id].state.endpoint.rstrip("/") + PATHS[req.kind()]
 
     # --- in-flight accounting ----------------------------------------------------------------
     async def _count(self, node_id: str, outstanding: int, pending: int) -> None:
