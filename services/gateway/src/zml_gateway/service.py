@@ -14,6 +14,9 @@ from zmlcore.config import ZMLConfig
 from zmlcore.messages import NodeState, node_state_decoder
 from zmlcore.costs import CostTable, costs_kv
 from zmlcore.natsio import nodes_kv
+from zmlcore.keys import KeyRing, keys_kv
+from zmlcore.limiter import SharedLimiter
+from zml_gateway.access import Access
 from zml_gateway.app import Gateway
 from zml_gateway.protocol import BoundedHttpTools
 
@@ -36,12 +39,17 @@ class GatewayService:
         self._server: _Server | None = None
         self._serve: asyncio.Task[None] | None = None
         self._follow: asyncio.Task[None] | None = None
+        self._follow_keys: asyncio.Task[None] | None = None
+        self.limiter: SharedLimiter | None = None
 
     async def start(self, nc: NATS) -> None:
         kv = await nodes_kv(nc.jetstream())
         self._follow = asyncio.create_task(self._follow_nodes(kv))
         self._follow_costs = asyncio.create_task(self.costs.follow(await costs_kv(nc)))
-        app = Gateway(self.cfg, nc, self.nodes, self.costs)
+        ring = KeyRing(self.cfg.gateway.api_keys)
+        self._follow_keys = asyncio.create_task(ring.follow(await keys_kv(nc)))
+        self.limiter = await SharedLimiter.open(nc)
+        app = Gateway(self.cfg, nc, self.nodes, self.costs, Access(self.cfg, ring, self.limiter))
         g = self.cfg.gateway
         protocol = BoundedHttpTools.with_limits(g.max_header_bytes, g.max_headers, g.header_timeout_s)
         config = uvicorn.Config(
@@ -61,7 +69,9 @@ class GatewayService:
             self._server.should_exit = True
         if self._serve is not None:
             await asyncio.wait([self._serve], timeout=10)
-        for task in (self._follow, self._follow_costs):
+        if self.limiter is not None:
+            await self.limiter.close()
+        for task in (self._follow, self._follow_costs, self._follow_keys):
             if task is not None:
                 task.cancel()
 
