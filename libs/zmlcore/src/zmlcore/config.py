@@ -45,9 +45,14 @@ _Base = {"kw_only": True, "forbid_unknown_fields": True}
 
 class NatsConfig(msgspec.Struct, **_Base):
     url: str = "nats://127.0.0.1:4222"
-    """NATS server URL (env ZML_NATS_URL)."""
+    """NATS server URL, or several comma-separated (servers of one cluster: a client moves to
+    another when its server goes away). Env ZML_NATS_URL."""
     connect_timeout_s: PosFloat = 2.0
     """Seconds to wait for the first connection."""
+    replicas: Annotated[int, msgspec.Meta(ge=1, le=5)] = 1
+    """JetStream replicas of every KV bucket and stream ZML creates: 1 on a single server, 3 on
+    a 3-server cluster (a bucket then survives the loss of one server). Applies when a bucket or
+    stream is first created."""
 
 
 class GatewayConfig(msgspec.Struct, **_Base):

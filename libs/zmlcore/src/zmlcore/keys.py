@@ -6,7 +6,7 @@ shown once, by ``zml keys create``. A high-entropy key needs no slow hash (there
 brute-force), and verifying is one SHA-256 plus a constant-time compare.
 
     key, record = await create_key(nc, plan="team", name="ci")
-    ring = KeyRing(); task = asyncio.create_task(ring.follow(await keys_kv(nc)))
+    ring = KeyRing(); task = asyncio.create_task(ring.follower(nc).run())
     record = ring.verify(b"Bearer " + key.encode())   # None: unknown or revoked
 """
 
@@ -25,6 +25,7 @@ from nats.js.kv import KeyValue
 
 from zmlcore import subjects
 from zmlcore.errors import BadRequestError
+from zmlcore.kvfollow import KVFollower
 from zmlcore.messages.keys import ApiKeyRecord, PlanLimits, api_key_decoder
 from zmlcore.natsio import ensure_kv
 
@@ -115,7 +116,6 @@ class KeyRing:
         self.records: dict[str, ApiKeyRecord] = {}
         self.static = {hash_key(f"Bearer {k}"): f"static-{hash_key(k)[:12]}" for k in static or []}
         self.enforced = False
-        self.ready = False
 
     @property
     def enabled(self) -> bool:
@@ -136,20 +136,22 @@ class KeyRing:
                 return static_id
         return None
 
-    async def follow(self, kv: KeyValue) -> None:
-        watcher = await kv.watchall()
-        async for entry in watcher:
-            if entry is None:  # initial values delivered
-                self.ready = True
-                continue
-            if entry.key == ENFORCED:
-                self.enforced = entry.operation not in ("DEL", "PURGE")
-                continue
-            if entry.operation in ("DEL", "PURGE") or not entry.value:
-                if self.records.pop(entry.key, None) is not None:
-                    log.info("api key %s revoked", entry.key)
-                continue
-            try:
-                self.records[entry.key] = api_key_decoder.decode(entry.value)
-            except msgspec.DecodeError:
-                log.warning("bad api key record %s", entry.key)
+    def follower(self, nc: NATS) -> KVFollower:
+        """The bucket's follower feeding this ring (run it as a task): it survives broker
+        restarts, so a revoke is never missed for long."""
+        return KVFollower(nc, subjects.KEYS_BUCKET, on_put=self.put_raw, on_delete=self.delete_raw)
+
+    def put_raw(self, key: str, value: bytes) -> None:
+        if key == ENFORCED:
+            self.enforced = True
+            return
+        try:
+            self.records[key] = api_key_decoder.decode(value)
+        except msgspec.DecodeError:
+            log.warning("bad api key record %s", key)
+
+    def delete_raw(self, key: str) -> None:
+        if key == ENFORCED:
+            self.enforced = False
+        elif self.records.pop(key, None) is not None:
+            log.info("api key %s revoked", key)

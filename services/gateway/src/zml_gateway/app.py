@@ -39,6 +39,8 @@ from zmlcore.errors import (
     ZMLError,
     error_class,
 )
+from zmlcore.errors import ConnectionError as ZMLConnectionError
+from zmlcore.link import link_of
 from zmlcore.messages import NodeState
 from zmlcore.keys import KeyRing
 from zmlcore.streamseq import SeqCheck
@@ -86,6 +88,11 @@ def _total_tokens(data: bytes) -> int:
     """Tokens a reply used (the last total_tokens: the routing metadata's), for plan limits."""
     found = _TOTAL_TOKENS.findall(data[-4096:])
     return int(found[-1]) if found else 0
+
+
+def _broker_lost() -> ZMLError:
+    return ZMLConnectionError("the broker connection was lost while the request was in flight; retry",
+                              retry_after=0.5)
 
 
 class Gateway:
@@ -243,16 +250,24 @@ class Gateway:
                 headers[subjects.H_DEFAULT_POLICY] = caller.record.default_policy
             if caller.record.label:
                 headers[subjects.H_LABEL] = caller.record.label
+        if not self.nc.is_connected:  # fail fast: buffered until the broker is back, it may be lost
+            raise ZMLConnectionError("the gateway has lost its broker connection; retry", retry_after=1.0)
         if stream:
             await self._infer_stream(body, headers, request_id, timeout, receive, send, limits, tokens)
             return
         # Watch for the client going away while the request runs: then cancel it on the node.
         request = asyncio.ensure_future(self.nc.request(subjects.INFER, body, timeout=timeout + 1.0, headers=headers))
         watch = asyncio.ensure_future(receive())
-        done, _ = await asyncio.wait((request, watch), return_when=asyncio.FIRST_COMPLETED)
+        # A reply sent while the broker was away is lost: do not wait the whole timeout for it.
+        blink = asyncio.ensure_future(link_of(self.nc).reconnected(link_of(self.nc).generation))
+        done, _ = await asyncio.wait((request, watch, blink), return_when=asyncio.FIRST_COMPLETED)
+        blink.cancel()
         if request not in done:
             request.cancel()
             await self.nc.publish(subjects.cancel(request_id), b"")
+            if blink in done:
+                watch.cancel()
+                raise _broker_lost()
             return
         watch.cancel()
         try:
@@ -292,6 +307,7 @@ class Gateway:
         inbox = self.nc.new_inbox()
         sub = await self.nc.subscribe(inbox, cb=on_msg)
         watch = asyncio.ensure_future(receive())
+        blink = asyncio.ensure_future(link_of(self.nc).reconnected(link_of(self.nc).generation))
         started = False
         seq = SeqCheck()  # a lost message ends the stream with an error, never silently short
         deadline = time.monotonic() + timeout + 1.0
@@ -300,7 +316,16 @@ class Gateway:
             while True:
                 get = asyncio.ensure_future(queue.get())
                 remaining = deadline - time.monotonic()
-                done, _ = await asyncio.wait((get, watch), timeout=max(remaining, 0), return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait((get, watch, blink), timeout=max(remaining, 0),
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if blink in done and get not in done:  # chunks sent while the broker was away are lost
+                    get.cancel()
+                    await self.nc.publish(subjects.cancel(request_id), b"")
+                    if started:
+                        await self._sse_error(send, StreamInterruptedError(
+                            "the broker connection was lost mid-stream; the stream is incomplete").to_body())
+                        return
+                    raise _broker_lost()
                 if watch in done:  # client went away
                     get.cancel()
                     await self.nc.publish(subjects.cancel(request_id), b"")
@@ -355,6 +380,7 @@ class Gateway:
                     return
         finally:
             watch.cancel()
+            blink.cancel()
             await sub.unsubscribe()
 
     async def _sse_error(self, send: Send, body: Any) -> None:

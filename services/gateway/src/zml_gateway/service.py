@@ -10,11 +10,12 @@ import msgspec
 import uvicorn
 from nats.aio.client import Client as NATS
 
+from zmlcore import subjects
 from zmlcore.config import ZMLConfig
+from zmlcore.costs import CostTable
+from zmlcore.kvfollow import KVFollower
 from zmlcore.messages import NodeState, node_state_decoder
-from zmlcore.costs import CostTable, costs_kv
-from zmlcore.natsio import nodes_kv
-from zmlcore.keys import KeyRing, keys_kv
+from zmlcore.keys import KeyRing
 from zmlcore.limiter import SharedLimiter
 from zml_gateway.access import Access
 from zml_gateway.app import Gateway
@@ -43,11 +44,13 @@ class GatewayService:
         self.limiter: SharedLimiter | None = None
 
     async def start(self, nc: NATS) -> None:
-        kv = await nodes_kv(nc.jetstream())
-        self._follow = asyncio.create_task(self._follow_nodes(kv))
-        self._follow_costs = asyncio.create_task(self.costs.follow(await costs_kv(nc)))
+        follower = KVFollower(nc, subjects.NODES_BUCKET, on_put=self._put_node, on_delete=self._delete_node)
+        self._follow = asyncio.create_task(follower.run())
+        self._follow_costs = asyncio.create_task(self.costs.follower(nc).run())
         ring = KeyRing(self.cfg.gateway.api_keys)
-        self._follow_keys = asyncio.create_task(ring.follow(await keys_kv(nc)))
+        keys = ring.follower(nc)
+        self._follow_keys = asyncio.create_task(keys.run())
+        await keys.wait_ready(2.0)  # keys known before the first request (else: 401s at start)
         self.limiter = await SharedLimiter.open(nc)
         app = Gateway(self.cfg, nc, self.nodes, self.costs, Access(self.cfg, ring, self.limiter))
         g = self.cfg.gateway
@@ -75,15 +78,11 @@ class GatewayService:
             if task is not None:
                 task.cancel()
 
-    async def _follow_nodes(self, kv) -> None:  # type: ignore[no-untyped-def]
-        watcher = await kv.watchall()
-        async for entry in watcher:
-            if entry is None:
-                continue
-            if entry.operation in ("DEL", "PURGE") or not entry.value:
-                self.nodes.pop(entry.key, None)
-                continue
-            try:
-                self.nodes[entry.key] = node_state_decoder.decode(entry.value)
-            except msgspec.DecodeError:
-                log.warning("bad node state for %s", entry.key)
+    def _put_node(self, key: str, value: bytes) -> None:
+        try:
+            self.nodes[key] = node_state_decoder.decode(value)
+        except msgspec.DecodeError:
+            log.warning("bad node state for %s", key)
+
+    def _delete_node(self, key: str) -> None:
+        self.nodes.pop(key, None)

@@ -42,8 +42,7 @@ from zmlcore.messages import (
     infer_request_decoder,
     node_mark_decoder,
 )
-from zmlcore.costs import costs_kv
-from zmlcore.natsio import nodes_kv
+from zmlcore.kvfollow import KVFollower
 from zmlcore.runner import cancel_and_wait
 from zmlcore.validate import check_request_id, decode_request, request_timeout_s
 from zmlcore.policy import (
@@ -157,13 +156,13 @@ class RouterService:
         if self.cfg.router.stale_after_s < 2 * self.cfg.health.poll_interval_s:
             log.warning("[router] stale_after_s (%g s) is under two health polls (%g s each): nodes will "
                         "flap to stale between polls", self.cfg.router.stale_after_s, self.cfg.health.poll_interval_s)
-        kv = await nodes_kv(nc.jetstream())
-        self._follow = asyncio.create_task(self.table.follow(kv))
-        self._follow_costs = asyncio.create_task(self.table.costs.follow(await costs_kv(nc)))
-        try:  # a snapshot before taking traffic; an empty bucket has nothing to wait for
-            await asyncio.wait_for(self.table.ready.wait(), 2.0)
-        except asyncio.TimeoutError:
-            pass
+        # Followers re-create their watch (and re-read the snapshot) after every reconnect.
+        self.nodes_follower = KVFollower(nc, subjects.NODES_BUCKET, on_put=self.table.put_raw,
+                                         on_delete=self.table.delete_raw)
+        self._follow = asyncio.create_task(self.nodes_follower.run())
+        self._follow_costs = asyncio.create_task(self.table.costs.follower(nc).run())
+        # A snapshot before taking traffic; an empty bucket has nothing to wait for.
+        await self.nodes_follower.wait_ready(2.0)
         self.queue = SaturationQueue(nc, self._room_for_queued, self._dispatch_queued, self._expire_queued,
                                      lambda rid: self._cancelled.seen(rid, time.time()), owner=self.router_id)
         self.table.on_change = self.queue.capacity.set
