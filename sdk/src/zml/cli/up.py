@@ -37,6 +37,9 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     g.add_argument("--nats-port", type=int, default=4222, help="port of the embedded NATS (default 4222)")
     g.add_argument("--nats-url", help="use this NATS server (with JetStream) instead of starting one")
     p.add_argument("--routers", type=int, default=1, help="router replicas (default 1)")
+    p.add_argument("--sim-port-base", type=int, metavar="N",
+                   help="put the simulated nodes on ports N, N+1, ... (default: free ports for the demo fleet, "
+                        "the endpoints of --config as written)")
     p.add_argument("--data-dir", help="JetStream storage (default: a temporary folder)")
     p.add_argument("--ready-timeout", type=float, default=90.0, help="seconds to wait for the first good request")
     p.add_argument("-v", "--verbose", action="store_true", help="echo every child's log")
@@ -65,10 +68,16 @@ def run(args: argparse.Namespace) -> int:
     from zmlcore.errors import ConfigError
     from zmlcore.launch import endpoint_port, port_in_use, service_argv, spawn, start_nats, wait_port
     from zmlcore.supervise import Supervisor
+    from zml.cli._simports import relocate
 
     config = args.config or demo_config_path()
+    ports_dir = None
     try:
         cfg = load_config(config)
+        if args.sim_port_base is not None or args.config is None:
+            # The demo fleet on free ports (or from --sim-port-base): two `zml up` can share a host.
+            ports_dir = tempfile.TemporaryDirectory(prefix="zml-up-")
+            config, cfg = relocate(config, cfg, args.sim_port_base, Path(ports_dir.name))
     except ConfigError as exc:
         return _fail(str(exc))
     sim_nodes = [n for n in cfg.nodes if n.sim is not None]
@@ -133,6 +142,9 @@ def run(args: argparse.Namespace) -> int:
         if not stopping:
             print(f"zml ready: {url}  (OpenAI API at {url}/v1, NATS {nats_url}, {len(cfg.nodes)} nodes; Ctrl-C to stop)",
                   flush=True)
+            if sim_nodes:
+                print("zml up: simulated nodes " + ", ".join(f"{n.id} {n.endpoint}" for n in sim_nodes)
+                      + " (`zml nodes` lists them)", flush=True)
         while not stopping:
             sup.tick()
             time.sleep(0.2)
@@ -141,6 +153,8 @@ def run(args: argparse.Namespace) -> int:
         sup.stop_all()
         if tmp is not None:
             tmp.cleanup()
+        if ports_dir is not None:
+            ports_dir.cleanup()
         print("zml up: stopped", file=sys.stderr, flush=True)
 
 
