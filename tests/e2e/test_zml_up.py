@@ -27,8 +27,9 @@ def test_zml_up_runs_the_demo_fleet_and_stops_everything() -> None:
     sim_ports = [endpoint_port(n.endpoint) for n in cfg.nodes]
     if any(port_in_use(h, p) for h, p in sim_ports):
         pytest.skip("a demo fleet port (91xx) is taken on this machine")
-    gw, nats_port = free_port(), free_port()
-    proc = spawn("zml-up", _zml("up", "--gateway-port", str(gw), "--nats-port", str(nats_port)))
+    gw, nats_port, metrics_port = free_port(), free_port(), free_port()
+    proc = spawn("zml-up", _zml("up", "--gateway-port", str(gw), "--nats-port", str(nats_port),
+                                "--metrics-port", str(metrics_port)))
     try:
         assert proc.wait_for("ready", 90), proc.tail()
         ready = next(line for line in proc.lines if "ready" in line)
@@ -38,6 +39,11 @@ def test_zml_up_runs_the_demo_fleet_and_stops_everything() -> None:
                              "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4})
         assert r.status_code == 200, r.text
         assert r.json()["zml"]["node_id"] in {n.id for n in cfg.nodes}
+        # health, warmup and router-1 on consecutive metrics ports, the gateway on its own
+        for port in (gw, metrics_port, metrics_port + 1, metrics_port + 2):
+            m = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10)
+            assert m.status_code == 200 and "process_cpu_seconds_total" in m.text, port
+        assert "zml_router_requests_total" in httpx.get(f"http://127.0.0.1:{metrics_port + 2}/metrics").text
         nodes = httpx.get(f"http://127.0.0.1:{gw}/v1/nodes", timeout=10).json()["nodes"]
         assert {n["accelerator_type"] for n in nodes} >= {"nvidia_h100", "nvidia_a100", "amd_mi300x", "intel_gaudi2"}
     finally:

@@ -18,6 +18,7 @@ from nats.aio.client import Client as NATS
 
 from zmlcore.config import ZMLConfig, load_config
 from zmlcore.errors import ConfigError
+from zmlcore.metrics import MetricsServer, serve_metrics
 from zmlcore.natsio import connect
 from zmlcore.telemetry import setup_logging, setup_tracing
 
@@ -80,6 +81,11 @@ def service_parser(name: str, description: str) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog=f"zml {name}", description=description)
     p.add_argument("--config", help="path to zml.toml")
     p.add_argument("--nats-url", help="NATS URL (overrides zml.toml and ZML_NATS_URL)")
+    p.add_argument("--log-format", choices=("text", "json"), default=None,
+                   help="log lines as text (default) or one JSON object each (env ZML_LOG_FORMAT)")
+    if name != "gateway":  # the gateway serves /metrics on its own port
+        p.add_argument("--metrics-port", type=int, default=None,
+                       help=f"serve Prometheus /metrics on this port (0: a free one; default [metrics] {name}_port)")
     return p
 
 
@@ -94,17 +100,34 @@ def service_main(
 
     A bad config (or ``make`` raising ConfigError, e.g. a port in use) is one line and exit 2.
     """
-    setup_logging(name)
+    setup_logging(name, fmt=getattr(args, "log_format", None))
     try:
         cfg = load_config(args.config)
         service = make(cfg, args)
+        metrics = start_metrics(name, cfg, getattr(args, "metrics_port", None))
     except ConfigError as exc:
         print(f"zml {name}: {exc}", file=sys.stderr)
         return 2
     setup_tracing(f"zml-{name}")
     install_uvloop()
-    asyncio.run(run_service(service, args.nats_url or cfg.nats.url, f"zml-{name}", no_echo=no_echo))
+    try:
+        asyncio.run(run_service(service, args.nats_url or cfg.nats.url, f"zml-{name}", no_echo=no_echo))
+    finally:
+        if metrics is not None:
+            metrics.close()
     return 0
+
+
+def start_metrics(name: str, cfg: ZMLConfig, port: int | None) -> "MetricsServer | None":
+    """The service's /metrics port: the flag, else ``[metrics] <name>_port``, else none."""
+    if port is None:
+        port = getattr(cfg.metrics, f"{name}_port", None)
+    if port is None:
+        return None
+    try:
+        return serve_metrics(cfg.metrics.host, port)
+    except OSError as exc:
+        raise ConfigError(f"metrics port {port} on {cfg.metrics.host}: {exc.strerror or exc}") from exc
 
 
 async def cancel_and_wait(tasks: "Iterable[asyncio.Task[object]]", timeout: float = 5.0) -> None:

@@ -33,6 +33,10 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     p.add_argument("--routers", type=int, default=1, help="router replicas (default 1)")
     p.add_argument("--data-dir", help="JetStream storage (default: a temporary folder)")
     p.add_argument("--ready-timeout", type=float, default=90.0, help="seconds to wait for the first good request")
+    p.add_argument("--metrics-port", type=int, default=9464,
+                   help="first Prometheus /metrics port: health, warmup, then one per router (default 9464; "
+                        "0: none). The gateway serves /metrics on its own port")
+    p.add_argument("--log-format", choices=("text", "json"), default="text", help="children's log lines")
     p.add_argument("-v", "--verbose", action="store_true", help="echo every child's log")
     p.set_defaults(func=run)
 
@@ -69,6 +73,11 @@ def run(args: argparse.Namespace) -> int:
     if not args.nats_url:
         wanted.append((args.host, args.nats_port, "NATS (--nats-port, or --nats-url to use a running server)"))
     wanted += [(*endpoint_port(n.endpoint), f"sim node {n.id} (endpoint in {config})") for n in sim_nodes]
+    metrics_ports: dict[str, int] = {}
+    if args.metrics_port:
+        names = ["health", "warmup", *(f"router-{i + 1}" for i in range(max(1, args.routers)))]
+        metrics_ports = {name: args.metrics_port + i for i, name in enumerate(names)}
+        wanted += [(args.host, port, f"{name} metrics (--metrics-port)") for name, port in metrics_ports.items()]
     for host, port, what in wanted:
         if port_in_use(host, port):
             return _fail(f"port {port} on {host} is already in use: needed by {what}")
@@ -97,12 +106,20 @@ def run(args: argparse.Namespace) -> int:
         if sim_nodes:
             sim = spawn("sim", service_argv("sim", config, nats_url), echo=args.verbose)
             procs.append(sim)
-        procs.append(spawn("health", service_argv("health", config, nats_url), echo=args.verbose))
-        procs.append(spawn("warmup", service_argv("warmup", config, nats_url), echo=args.verbose))
+        def extra(name: str) -> list[str]:
+            out = ["--log-format", args.log_format]
+            if name in metrics_ports:
+                out += ["--metrics-port", str(metrics_ports[name])]
+            return out
+
+        procs.append(spawn("health", service_argv("health", config, nats_url, *extra("health")), echo=args.verbose))
+        procs.append(spawn("warmup", service_argv("warmup", config, nats_url, *extra("warmup")), echo=args.verbose))
         for i in range(max(1, args.routers)):
-            procs.append(spawn(f"router-{i + 1}", service_argv("router", config, nats_url, "--router-id", f"router-{i + 1}"),
+            name = f"router-{i + 1}"
+            procs.append(spawn(name, service_argv("router", config, nats_url, "--router-id", name, *extra(name)),
                                echo=args.verbose))
-        gw_argv = service_argv("gateway", config, nats_url, "--host", args.host, "--port", str(args.gateway_port))
+        gw_argv = service_argv("gateway", config, nats_url, "--host", args.host, "--port", str(args.gateway_port),
+                               "--log-format", args.log_format)
         procs.append(spawn("gateway", gw_argv, echo=args.verbose))
         url = f"http://{args.host}:{args.gateway_port}"
         if not wait_port(args.host, args.gateway_port, 30):
@@ -122,6 +139,9 @@ def run(args: argparse.Namespace) -> int:
             time.sleep(0.5)
         if not stopping:
             print(f"zml ready: {url}  (OpenAI API at {url}/v1, NATS {nats_url}, {len(cfg.nodes)} nodes; Ctrl-C to stop)",
+                  flush=True)
+            where = ", ".join(f"{name} :{port}" for name, port in metrics_ports.items())
+            print(f"zml metrics: {url}/metrics, dashboard {url}/dashboard" + (f"; /metrics also on {where}" if where else ""),
                   flush=True)
         while not stopping:
             dead = _died(procs)

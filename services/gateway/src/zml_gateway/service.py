@@ -15,6 +15,7 @@ from zmlcore.messages import NodeState, node_state_decoder
 from zmlcore.costs import CostTable, costs_kv
 from zmlcore.natsio import nodes_kv
 from zml_gateway.app import Gateway
+from zml_gateway.observe import Observed
 
 log = logging.getLogger("zml.gateway")
 
@@ -40,7 +41,7 @@ class GatewayService:
         kv = await nodes_kv(nc.jetstream())
         self._follow = asyncio.create_task(self._follow_nodes(kv))
         self._follow_costs = asyncio.create_task(self.costs.follow(await costs_kv(nc)))
-        app = Gateway(self.cfg, nc, self.nodes, self.costs)
+        app = Observed(Gateway(self.cfg, nc, self.nodes, self.costs), serve_metrics=self.cfg.metrics.gateway)
         config = uvicorn.Config(
             app, host=self.host, port=self.port, http="httptools", loop="none", lifespan="off",
             log_level="warning", access_log=False, timeout_keep_alive=30, backlog=2048,

@@ -54,6 +54,7 @@ from zmlcore.policy import (
     resolve_policy,
 )
 from zmlcore.policy.resolve import builtin_policy
+from zml_router.metrics import RouterMetrics
 from zml_router.dispatch import AttemptError, Failure, NodeClient, post_json, stream_sse
 from zml_router.queue import H_DEADLINE, H_ENQUEUED, H_TOTAL_MS, QueuedMsg, SaturationQueue
 from zml_router.table import NodeTable
@@ -92,10 +93,11 @@ class _Outcome:
     """What happened to one request, for its completion event."""
 
     __slots__ = ("model", "node_id", "family", "ok", "error_code", "node_error", "failed_nodes",
-                 "attempts", "info", "queued")
+                 "attempts", "info", "queued", "op")
 
     def __init__(self) -> None:
         self.model = ""
+        self.op = ""  # chat | completion
         self.node_id = ""
         self.family = ""
         self.ok = False
@@ -133,6 +135,7 @@ class RouterService:
         self._cancelled: dict[str, float] = {}
         self.queue: SaturationQueue | None = None
         self._default_timeout = cfg.defaults.request_timeout_s
+        self.metrics = RouterMetrics(self)
 
     # --- lifecycle -------------------------------------------------------------------------
     async def start(self, nc: NATS) -> None:
@@ -154,6 +157,7 @@ class RouterService:
         self._subs.append(await nc.subscribe(subjects.INFLIGHT, cb=self._on_delta))
         self._subs.append(await nc.subscribe(subjects.INFLIGHT_SNAPSHOT, cb=self._on_snapshot))
         self._heartbeat = asyncio.create_task(self._publish_snapshots())
+        self.metrics.start()
         self._subs.append(await nc.subscribe(subjects.cancel("*"), cb=self._on_cancel))
         self._subs.append(await nc.subscribe(subjects.router_state(self.router_id), cb=self._on_state))
         self._subs.append(await nc.subscribe(subjects.ROUTERS_STATE, cb=self._on_state))
@@ -174,6 +178,7 @@ class RouterService:
         if self.queue is not None:
             await self.queue.stop()
         await cancel_and_wait([t for t in (self._follow, self._heartbeat, self._follow_costs) if t is not None])
+        await self.metrics.stop()
         if self.http:
             await self.http.aclose()
 
@@ -281,6 +286,7 @@ class RouterService:
             out.error_code = ZMLError.code
             log.exception("internal error on request %s", request_id)
             await self._reply_error(msg, ZMLError(f"internal error: {type(exc).__name__}"), stream)
+        self.metrics.finished(out, time.monotonic() - t0)
         if out.model and not out.queued:
             await self._completed(out, request_id, t0)
 
@@ -305,7 +311,7 @@ class RouterService:
 
     async def _route(self, msg: Msg | QueuedMsg, req: InferRequest, request_id: str, t0: float,
                      timeout: float, out: _Outcome) -> None:
-        out.model = self.cfg.resolve_model(req.model)
+        out.model, out.op = self.cfg.resolve_model(req.model), req.kind()
         model, policy, rr = self._prepare(req, msg.data)
         max_tokens = rr.max_tokens
         body = self._backend_body(msg.data, model, req.model)
@@ -322,7 +328,7 @@ class RouterService:
                 rr = RouteRequest(model=model, prompt_tokens=rr.prompt_tokens, max_tokens=max_tokens,
                                   accelerator_id=req.accelerator_id, exclude=frozenset(excluded))
             try:
-                decision = self._decide(rr, policy)
+                decision = self.metrics.decide(self._decide, rr, policy)
             except QueueFullError:
                 if last is None and policy.config.queue_on_saturation and self.queue is not None and msg.reply:
                     out.queued = True
@@ -360,6 +366,7 @@ class RouterService:
                 return
             except AttemptError as err:
                 last = err
+                self.metrics.failover(decision.node_id, err.failure.value)
                 out.node_error = err.failure in (Failure.NETWORK, Failure.SERVER)
                 if out.node_error:
                     out.failed_nodes.append(decision.node_id)
@@ -478,6 +485,7 @@ class RouterService:
             headers[H_ENQUEUED] = msg.headers.get(H_ENQUEUED, f"{now:.3f}")
             headers[subjects.H_TIMEOUT_MS] = msg.headers.get(H_TOTAL_MS, headers[subjects.H_TIMEOUT_MS])
         await self.queue.enqueue(model, msg.data, msg.reply, headers, deadline)
+        self.metrics.enqueued(model)
         log.info("request %s queued for %s (up to %.0f ms)", request_id, model, wait_s * 1000)
 
     async def _try_queued(self, qmsg: QueuedMsg, deadline: float) -> bool:
@@ -486,6 +494,7 @@ class RouterService:
             req = infer_request_decoder.decode(qmsg.data)
             model, policy, rr = self._prepare(req, qmsg.data)
             self._decide(rr, policy)
+            self.metrics.waited(model, time.time() - float(qmsg.headers.get(H_ENQUEUED, time.time())))
         except QueueFullError:
             return False
         except (ZMLError, msgspec.DecodeError, msgspec.ValidationError):
@@ -508,6 +517,7 @@ class RouterService:
         return True
 
     async def _expire_queued(self, qmsg: QueuedMsg, enqueued_at: float) -> None:
+        self.metrics.expired(qmsg.data)
         waited_ms = int((time.time() - enqueued_at) * 1000)
         try:
             stream = infer_request_decoder.decode(qmsg.data).stream
@@ -580,6 +590,7 @@ class RouterService:
         finally:
             await self._count(info.node_id, -1, -1)
         info.time_to_first_token = time.monotonic() - t0
+        self.metrics.usage(req.kind(), req.model, raw)
         await self._publish(msg.reply, _with_routing(raw, info), self._routing_headers(info))
 
     async def _dispatch_stream(self, msg: Msg | QueuedMsg, req: InferRequest, body: bytes, info: RoutingInfo, t0: float) -> None:
@@ -602,6 +613,7 @@ class RouterService:
                         usage = _decode_any.decode(chunk).get("usage")
                         if isinstance(usage, dict) and isinstance(usage.get("total_tokens"), int):
                             info.total_tokens = usage["total_tokens"]
+                            self.metrics.usage_dict(req.kind(), req.model, usage)
                     except msgspec.DecodeError:
                         pass
                 await self._publish(msg.reply, chunk, {subjects.H_STREAM: subjects.STREAM_CHUNK})
