@@ -44,6 +44,7 @@ from zmlcore.messages import (
 from zmlcore.costs import costs_kv
 from zmlcore.natsio import nodes_kv
 from zmlcore.runner import cancel_and_wait
+from zmlcore.telemetry import DECISION_ID, REQUEST_ID
 from zmlcore.policy import (
     Decision,
     ResolvedPolicy,
@@ -263,6 +264,7 @@ class RouterService:
                 raise BadRequestError("give exactly one of `messages` or `prompt`")
             stream = req.stream
             request_id = request_id or req.request_id or _new_id()
+            REQUEST_ID.set(request_id)  # on every log line of this request (JSON logs)
             timeout = self._timeout(req, headers)
             task = asyncio.current_task()
             assert task is not None
@@ -355,6 +357,7 @@ class RouterService:
                 router_id=self.router_id,
             )
             out.info = info
+            DECISION_ID.set(info.decision_id)
             served = self.table.views[decision.node_id].state.served_names.get(model)
             node_body = self._backend_body(msg.data, served, req.model) if served else body
             try:
