@@ -15,6 +15,7 @@ from zmlcore.messages import NodeState, node_state_decoder
 from zmlcore.costs import CostTable, costs_kv
 from zmlcore.natsio import nodes_kv
 from zml_gateway.app import Gateway
+from zml_gateway.dashboard import Dashboard
 from zml_gateway.observe import Observed
 
 log = logging.getLogger("zml.gateway")
@@ -36,12 +37,16 @@ class GatewayService:
         self._server: _Server | None = None
         self._serve: asyncio.Task[None] | None = None
         self._follow: asyncio.Task[None] | None = None
+        self._dashboard: Dashboard | None = None
 
     async def start(self, nc: NATS) -> None:
         kv = await nodes_kv(nc.jetstream())
         self._follow = asyncio.create_task(self._follow_nodes(kv))
         self._follow_costs = asyncio.create_task(self.costs.follow(await costs_kv(nc)))
-        app = Observed(Gateway(self.cfg, nc, self.nodes, self.costs), serve_metrics=self.cfg.metrics.gateway)
+        gateway = Gateway(self.cfg, nc, self.nodes, self.costs)
+        self._dashboard = Dashboard(gateway)
+        await self._dashboard.start()
+        app = Observed(gateway, serve_metrics=self.cfg.metrics.gateway, dashboard=self._dashboard)
         config = uvicorn.Config(
             app, host=self.host, port=self.port, http="httptools", loop="none", lifespan="off",
             log_level="warning", access_log=False, timeout_keep_alive=30, backlog=2048,
@@ -59,6 +64,8 @@ class GatewayService:
             self._server.should_exit = True
         if self._serve is not None:
             await asyncio.wait([self._serve], timeout=10)
+        if self._dashboard is not None:
+            await self._dashboard.stop()
         for task in (self._follow, self._follow_costs):
             if task is not None:
                 task.cancel()

@@ -19,7 +19,6 @@ from prometheus_client import REGISTRY, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from zmlcore import subjects
 from zmlcore.metrics import (
     DECISION_BUCKETS,
     DURATION_BUCKETS,
@@ -29,6 +28,7 @@ from zmlcore.metrics import (
     Children,
 )
 from zmlcore.policy import Decision
+from zmlcore.queueinfo import queue_depths
 
 if TYPE_CHECKING:
     from zml_router.service import RouterService, _Outcome
@@ -162,13 +162,7 @@ class RouterMetrics(Collector):
             if nc is None or not nc.is_connected:
                 continue
             try:
-                js = nc.jetstream()
-                depth: dict[str, int] = {}
-                for ci in await js.consumers_info(subjects.QUEUE_STREAM):
-                    fs = ci.config.filter_subject or ""
-                    if fs.startswith(subjects.QUEUE_SUBJECT_PREFIX + "."):
-                        depth[fs.rsplit(".", 1)[-1]] = int(ci.num_pending or 0) + int(ci.num_ack_pending or 0)
-                self.queue_depth = depth
+                self.queue_depth = await queue_depths(nc)
             except asyncio.CancelledError:
                 raise
             except Exception:  # the queue stream may not exist yet; a statistic is never fatal
@@ -182,7 +176,7 @@ class RouterMetrics(Collector):
         state = GaugeMetricFamily("zml_node_state", "1 for the node's current status (up, down, loading, ...).",
                                   labels=[*labels, "status"])
         gauges = {
-            "score": GaugeMetricFamily("zml_node_health_score", "Health score (0-1) from the health service.", labels=labels),
+            "score": GaugeMetricFamily("zml_node_health_score", "Health score (0-100) from the health service.", labels=labels),
             "queue": GaugeMetricFamily("zml_node_queue_depth", "Requests running plus waiting on the node (last poll).",
                                        labels=labels),
             "inflight": GaugeMetricFamily("zml_node_in_flight",
