@@ -6,6 +6,7 @@ No other module writes a subject literal: services and the SDK import these name
     zml.infer                      request-reply: one inference request (JSON InferRequest)
     zml.cancel.<request_id>        fire-and-forget: cancel an in-flight request
     zml.node.inflight              router replicas share dispatch/completion deltas
+    zml.node.marks                 router replicas share cooldown/saturation marks (NodeMark)
     zml.admin.nodes.<verb>         node registration (add/remove/list)
     zml.events.completed           routers: one event per finished request (warmup, health)
     zml.events.warmup              warmup service: load started / finished / failed
@@ -33,6 +34,10 @@ CANCEL_PREFIX = f"{PREFIX}.cancel"
 INFLIGHT = f"{PREFIX}.node.inflight"
 #: ... and, every second, a snapshot of their own counts (heals lost deltas, expires dead peers).
 INFLIGHT_SNAPSHOT = f"{PREFIX}.node.inflight_snapshot"
+
+#: Router replicas share cooldown and saturation marks here (``NodeMark``): a node one replica
+#: saw fail is skipped by all of them.
+NODE_MARKS = f"{PREFIX}.node.marks"
 
 #: Run-time node registration and listing (request-reply).
 ADMIN_NODES_PREFIX = f"{PREFIX}.admin.nodes"
@@ -104,6 +109,10 @@ H_FAMILY = "Zml-Family"
 H_QUEUE_DEPTH = "Zml-Queue-Depth"
 H_DECISION_ID = "Zml-Decision-Id"
 H_ROUTING = "Zml-Routing"  # the single header sent to backends: compact routing metadata
+#: On every message of a streamed reply: 0 on ``start``, then 1, 2, ... on each chunk and on the
+#: final ``end``/``error``. A receiver that sees a number skipped lost a message (core NATS is
+#: at-most-once) and ends the stream with STREAM_INTERRUPTED instead of returning less text.
+H_SEQ = "Zml-Seq"
 
 STREAM_CHUNK = "chunk"
 STREAM_END = "end"

@@ -61,7 +61,7 @@ DECISIONS = Children(Counter(
 FAILOVERS = Children(Counter(
     "zml_router_failovers",
     "Attempts that failed before the first token and were re-routed or given up, by node and cause "
-    "(network, server, overloaded, no_model, client).", ["node", "cause"]))
+    "(network, server, slow, overloaded, no_model, client).", ["node", "cause"]))
 RETRIES = Children(Counter(
     "zml_router_retries", "Requests served on a second or later attempt, by the node that served them.", ["node"]))
 QUEUED = Children(Counter(

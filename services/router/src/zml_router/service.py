@@ -40,6 +40,7 @@ from zmlcore.messages import (
     RoutingInfo,
     StreamStart,
     infer_request_decoder,
+    node_mark_decoder,
 )
 from zmlcore.costs import costs_kv
 from zmlcore.natsio import nodes_kv
@@ -56,7 +57,17 @@ from zmlcore.policy import (
 )
 from zmlcore.policy.resolve import builtin_policy
 from zml_router.metrics import RouterMetrics
-from zml_router.dispatch import AttemptError, Failure, NodeClient, post_json, stream_sse
+from zml_router.cooldowns import Marks
+from zml_router.dispatch import (
+    AttemptError,
+    Failure,
+    NodeClient,
+    first_chunk_within,
+    post_json,
+    stream_sse,
+    within_first_byte,
+)
+from zml_router.firstbyte import expected_s, first_byte_timeout
 from zml_router.queue import H_DEADLINE, H_ENQUEUED, H_TOTAL_MS, QueuedMsg, SaturationQueue
 from zml_router.table import NodeTable
 
@@ -94,7 +105,7 @@ class _Outcome:
     """What happened to one request, for its completion event."""
 
     __slots__ = ("model", "node_id", "family", "ok", "error_code", "node_error", "failed_nodes",
-                 "attempts", "info", "queued", "op")
+                 "attempts", "info", "queued", "slow_nodes", "op")
 
     def __init__(self) -> None:
         self.model = ""
@@ -105,6 +116,7 @@ class _Outcome:
         self.error_code = ""
         self.node_error = False
         self.failed_nodes: list[str] = []
+        self.slow_nodes: list[str] = []
         self.attempts = 0
         self.info: RoutingInfo | None = None
         self.queued = False  # parked in the saturation queue: its event comes when it is served
@@ -122,6 +134,7 @@ class RouterService:
         self.cfg = cfg
         self.router_id = router_id or f"router-{_new_id()[:6]}"
         self.table = NodeTable()
+        self.marks = Marks(self.table, self.router_id)
         self.state = RoutingState()
         self.nc: NATS | None = None
         self.http: NodeClient | None = None
@@ -157,6 +170,7 @@ class RouterService:
         await self.queue.start(sorted(self.cfg.model_names()))
         self._subs.append(await nc.subscribe(subjects.INFLIGHT, cb=self._on_delta))
         self._subs.append(await nc.subscribe(subjects.INFLIGHT_SNAPSHOT, cb=self._on_snapshot))
+        self._subs.append(await nc.subscribe(subjects.NODE_MARKS, cb=self._on_mark))
         self._heartbeat = asyncio.create_task(self._publish_snapshots())
         self.metrics.start()
         self._subs.append(await nc.subscribe(subjects.cancel("*"), cb=self._on_cancel))
@@ -208,6 +222,15 @@ class RouterService:
         if snap.router_id != self.router_id:
             self.table.apply_snapshot(snap, time.time())
 
+    async def _on_mark(self, msg: Msg) -> None:
+        try:
+            mark = node_mark_decoder.decode(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return
+        if self.marks.apply_peer(mark, time.time()):
+            log.info("%s marked %s %s for %.1f s (%s)", mark.router_id, mark.node_id, mark.kind, mark.for_s,
+                     mark.reason)
+
     async def _publish_snapshots(self) -> None:
         while True:
             await asyncio.sleep(SNAPSHOT_EVERY_S)
@@ -243,6 +266,7 @@ class RouterService:
                 "saturated_s": round(max(0.0, v.saturated_until - now), 3),
                 "state_age_s": round(now - v.state.updated_at, 3),
                 "cost_per_hour": v.state.cost_per_hour,
+                **self.marks.describe(v.node_id, now),
             }
             for v in self.table.nodes()
         }
@@ -360,22 +384,28 @@ class RouterService:
             DECISION_ID.set(info.decision_id)
             served = self.table.views[decision.node_id].state.served_names.get(model)
             node_body = self._backend_body(msg.data, served, req.model) if served else body
+            first_byte = self._first_byte_s(decision.node_id, req, rr)
             try:
                 if req.stream:
-                    await self._dispatch_stream(msg, req, node_body, info, t0)
+                    await self._dispatch_stream(msg, req, node_body, info, t0, first_byte)
                 else:
-                    await self._dispatch_once(msg, req, node_body, info, t0)
+                    await self._dispatch_once(msg, req, node_body, info, t0, first_byte)
                 out.ok = True
                 return
             except AttemptError as err:
                 last = err
                 self.metrics.failover(decision.node_id, err.failure.value)
-                out.node_error = err.failure in (Failure.NETWORK, Failure.SERVER)
+                out.node_error = err.failure in (Failure.NETWORK, Failure.SERVER, Failure.SLOW)
                 if out.node_error:
                     out.failed_nodes.append(decision.node_id)
+                if err.failure is Failure.SLOW:
+                    out.slow_nodes.append(decision.node_id)
                 if err.failure is Failure.CLIENT:
                     raise BadRequestError(f"node {decision.node_id} rejected the request: {err.detail}") from None
-                self._penalise(decision, err)
+                await self._penalise(decision, err)
+                if err.mid_stream:  # part of the answer is out: no invisible failover now
+                    raise BackendError(f"node {decision.node_id} failed mid-stream: {err.failure.value} {err.detail}",
+                                       retry_after=1.0) from None
                 excluded.add(decision.node_id)
                 log.info("attempt %d on %s failed (%s %s); re-routing", attempt, decision.node_id,
                          err.failure.value, err.status)
@@ -412,7 +442,7 @@ class RouterService:
             node_error=node_error, failed_nodes=failed, ts=time.time(),
             ttft_s=info.time_to_first_token if info is not None and out.ok else None,
             latency_s=time.monotonic() - t0, attempts=out.attempts, router_id=self.router_id,
-            request_id=request_id,
+            request_id=request_id, slow_nodes=out.slow_nodes,
         )
         try:
             await self.nc.publish(_EVENT_COMPLETED, completed_encoder.encode(ev))
@@ -534,17 +564,32 @@ class RouterService:
         )
         await self._reply_error(qmsg, exc, stream)
 
-    def _penalise(self, decision: Decision, err: AttemptError) -> None:
-        view = self.table.views.get(decision.node_id)
-        if view is None:
-            return
-        now = time.time()
+    async def _penalise(self, decision: Decision, err: AttemptError) -> None:
+        """Skip a node that failed or refused, here and (over NATS) on every replica."""
         rc = self.cfg.router
+        reason = "mid_stream" if err.mid_stream else err.failure.value
         if err.failure is Failure.OVERLOADED:
             # "Retry-After: 0" from an overloaded node would mean "hammer me": use the default.
-            view.saturated_until = now + (err.retry_after or rc.saturated_s)
-        elif err.failure in (Failure.NETWORK, Failure.SERVER):
-            view.cooldown_until = now + (err.retry_after if err.retry_after is not None else rc.cooldown_s)
+            kind, for_s = "saturated", err.retry_after or rc.saturated_s
+        elif err.failure in (Failure.NETWORK, Failure.SERVER, Failure.SLOW):
+            kind, for_s = "cooldown", err.retry_after if err.retry_after is not None else rc.cooldown_s
+        else:
+            return
+        mark = self.marks.mark(decision.node_id, kind, for_s, reason, time.time())
+        if mark is not None and self.nc is not None:
+            try:
+                await self.nc.publish(subjects.NODE_MARKS, _encode(mark))
+            except Exception:  # a peer learning late is no reason to fail the request
+                log.debug("node mark not published", exc_info=True)
+
+    def _first_byte_s(self, node_id: str, req: InferRequest, rr: RouteRequest) -> float | None:
+        """The attempt's first-byte deadline (none for a pinned request: it cannot move)."""
+        view = self.table.views.get(node_id)
+        if view is None or req.accelerator_id is not None:
+            return None
+        rc = self.cfg.router
+        expected = expected_s(view.state, view.outstanding, view.pending, rr.prompt_tokens, rr.max_tokens, req.stream)
+        return first_byte_timeout(expected, rc.first_byte_floor_s, rc.first_byte_factor)
 
     def _backend_body(self, raw: bytes, model: str, asked: str) -> bytes:
         if model == asked and not any(k in raw for k in _ZML_KEYS_BYTES):
@@ -585,23 +630,27 @@ class RouterService:
             # publish() only appends to the client's buffer; its flusher sends batches.
             await self.nc.publish(subjects.INFLIGHT, _encode(delta))
 
-    async def _dispatch_once(self, msg: Msg | QueuedMsg, req: InferRequest, body: bytes, info: RoutingInfo, t0: float) -> None:
+    async def _dispatch_once(self, msg: Msg | QueuedMsg, req: InferRequest, body: bytes, info: RoutingInfo, t0: float,
+                             first_byte: float | None = None) -> None:
         # A non-streamed reply shows no first token: pending ends with the request.
         await self._count(info.node_id, 1, 1)
         try:
-            raw = await post_json(self.http, self._url(info, req), body, self._backend_headers(info))  # type: ignore[arg-type]
+            raw = await within_first_byte(
+                post_json(self.http, self._url(info, req), body, self._backend_headers(info)), first_byte)  # type: ignore[arg-type]
         finally:
             await self._count(info.node_id, -1, -1)
         info.time_to_first_token = time.monotonic() - t0
         self.metrics.usage(req.kind(), req.model, raw)
         await self._publish(msg.reply, _with_routing(raw, info), self._routing_headers(info))
 
-    async def _dispatch_stream(self, msg: Msg | QueuedMsg, req: InferRequest, body: bytes, info: RoutingInfo, t0: float) -> None:
+    async def _dispatch_stream(self, msg: Msg | QueuedMsg, req: InferRequest, body: bytes, info: RoutingInfo, t0: float,
+                               first_byte: float | None = None) -> None:
         await self._count(info.node_id, 1, 1)
         pending = 1
         started = False
+        chunks = stream_sse(self.http, self._url(info, req), body, self._backend_headers(info))  # type: ignore[arg-type]
         try:
-            async for chunk in stream_sse(self.http, self._url(info, req), body, self._backend_headers(info)):  # type: ignore[arg-type]
+            async for chunk in first_chunk_within(chunks, first_byte):
                 if not started:
                     started = True
                     pending = 0
@@ -626,9 +675,10 @@ class RouterService:
                                     {**self._routing_headers(info), subjects.H_STREAM: "start"})
             await self._publish(msg.reply, _encode(StreamStart(routing=info)), {subjects.H_STREAM: subjects.STREAM_END})
         except AttemptError as err:
-            if not started:
-                raise  # before the first token: re-dispatched invisibly by _route
-            raise BackendError(f"node {info.node_id} failed mid-stream: {err.failure.value} {err.detail}") from None
+            # Before the first token _route re-dispatches invisibly; after it, it cools the node
+            # and ends the stream with an error.
+            err.mid_stream = started
+            raise
         finally:
             await self._count(info.node_id, -1, -pending)
 
