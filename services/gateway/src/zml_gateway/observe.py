@@ -41,7 +41,7 @@ class _Watch:
         who = b""
         for name, value in self.scope["headers"]:
             if name == b"authorization":
-                who = value
+                who = value[7:] if value[:7].lower() == b"bearer " else value
                 break
         keyed = bool(who)
         if not keyed:
