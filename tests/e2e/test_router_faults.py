@@ -154,3 +154,45 @@ async def test_node_breaking_streams_mid_way_is_cooled_everywhere(stack: Stack) 
     assert 1 <= errors["h100-c"] <= 4, errors
     broken = [e for e in events if e.get("node_id") == "h100-c" and not e.get("ok", True)]
     assert broken and all(e.get("node_error") for e in broken), broken
+
+
+def _served(stack: Stack) -> int:
+    return sum(sum(c["success"].values()) for n in stack.node_ids for c in stack.sim_state(n)["counters"].values())
+
+
+async def test_a_cancel_that_overtakes_its_request_is_honoured(stack: Stack) -> None:
+    nc = await nats.connect(stack.nats_url)
+    try:
+        before = _served(stack)
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        # The cancel is published (and reaches both routers) before the request exists.
+        await nc.publish(subjects.cancel("overtaken-1"), b"")
+        await nc.flush()
+        await asyncio.sleep(0.2)
+        body = {"model": MODEL, "messages": CHAT, "max_tokens": 3, "request_id": "overtaken-1"}
+        await nc.publish(subjects.INFER, json.dumps(body).encode(), reply=inbox)
+        msg = await sub.next_msg(timeout=10)
+        assert (msg.headers or {}).get(subjects.H_ERROR_CODE) == "CANCELLED", msg.data
+        await asyncio.sleep(0.5)
+        assert _served(stack) == before  # it never ran on a node
+    finally:
+        await nc.close()
+
+
+async def test_router_numbers_every_stream_message(stack: Stack) -> None:
+    nc = await nats.connect(stack.nats_url)
+    try:
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        body = {"model": MODEL, "messages": CHAT, "max_tokens": 12, "stream": True}
+        await nc.publish(subjects.INFER, json.dumps(body).encode(), reply=inbox)
+        kinds, seqs = [], []
+        while not kinds or kinds[-1] not in (subjects.STREAM_END, subjects.STREAM_ERROR):
+            msg = await sub.next_msg(timeout=10)
+            kinds.append(msg.headers[subjects.H_STREAM])
+            seqs.append(int(msg.headers[subjects.H_SEQ]))
+        assert kinds[0] == "start" and kinds[-1] == subjects.STREAM_END and kinds.count(subjects.STREAM_CHUNK) >= 2
+        assert seqs == list(range(len(seqs)))
+    finally:
+        await nc.close()

@@ -13,6 +13,7 @@ No other module writes a subject literal: services and the SDK import these name
     zml.warmup.serve               request-reply: load a model now (`zml serve`)
     KV bucket zml_registry         nodes added at run time (health service)
     KV bucket zml_nodes            node state written by health, watched by routers
+    KV bucket zml_queue_claims     routers: create-only dispatch claims on queued requests
 """
 
 from __future__ import annotations
@@ -62,6 +63,9 @@ REGISTRY_BUCKET = "zml_registry"
 #: JetStream stream holding requests waiting for capacity (queue_on_saturation).
 QUEUE_STREAM = "ZML_QUEUE"
 QUEUE_SUBJECT_PREFIX = f"{PREFIX}.queue"
+#: JetStream KV bucket of dispatch claims on queued entries (key ``<model key>.<stream seq>``):
+#: create-only, so a redelivered entry is never dispatched a second time.
+QUEUE_CLAIMS_BUCKET = "zml_queue_claims"
 #: Routers announce "model X has requests waiting" here, so new arrivals queue behind them.
 QUEUE_BUSY = f"{PREFIX}.queue_busy"
 

@@ -42,10 +42,10 @@ from zmlcore.messages import (
     infer_request_decoder,
     node_mark_decoder,
 )
-from zmlcore.costs import costs_kv
-from zmlcore.natsio import nodes_kv
+from zmlcore.kvfollow import KVFollower
 from zmlcore.runner import cancel_and_wait
 from zmlcore.telemetry import DECISION_ID, REQUEST_ID
+from zmlcore.validate import check_request_id, decode_request, request_timeout_s
 from zmlcore.policy import (
     Decision,
     ResolvedPolicy,
@@ -56,6 +56,7 @@ from zmlcore.policy import (
     resolve_policy,
 )
 from zmlcore.policy.resolve import builtin_policy
+from zml_router.cancels import CancelBook
 from zml_router.metrics import RouterMetrics
 from zml_router.cooldowns import Marks
 from zml_router.dispatch import (
@@ -145,8 +146,8 @@ class RouterService:
         self._heartbeat: asyncio.Task[None] | None = None
         self._follow_costs: asyncio.Task[None] | None = None
         self._api_keys = {n.id: n.api_key for n in cfg.nodes if n.api_key}
-        #: Cancelled request ids not held here (they may be waiting in the queue).
-        self._cancelled: dict[str, float] = {}
+        #: Cancelled request ids not held here (not arrived yet, or waiting in the queue).
+        self._cancelled = CancelBook()
         self.queue: SaturationQueue | None = None
         self._default_timeout = cfg.defaults.request_timeout_s
         self.metrics = RouterMetrics(self)
@@ -158,14 +159,15 @@ class RouterService:
         if self.cfg.router.stale_after_s < 2 * self.cfg.health.poll_interval_s:
             log.warning("[router] stale_after_s (%g s) is under two health polls (%g s each): nodes will "
                         "flap to stale between polls", self.cfg.router.stale_after_s, self.cfg.health.poll_interval_s)
-        kv = await nodes_kv(nc.jetstream())
-        self._follow = asyncio.create_task(self.table.follow(kv))
-        self._follow_costs = asyncio.create_task(self.table.costs.follow(await costs_kv(nc)))
-        try:  # a snapshot before taking traffic; an empty bucket has nothing to wait for
-            await asyncio.wait_for(self.table.ready.wait(), 2.0)
-        except asyncio.TimeoutError:
-            pass
-        self.queue = SaturationQueue(nc, self._try_queued, self._expire_queued, self._cancelled.__contains__)
+        # Followers re-create their watch (and re-read the snapshot) after every reconnect.
+        self.nodes_follower = KVFollower(nc, subjects.NODES_BUCKET, on_put=self.table.put_raw,
+                                         on_delete=self.table.delete_raw)
+        self._follow = asyncio.create_task(self.nodes_follower.run())
+        self._follow_costs = asyncio.create_task(self.table.costs.follower(nc).run())
+        # A snapshot before taking traffic; an empty bucket has nothing to wait for.
+        await self.nodes_follower.wait_ready(2.0)
+        self.queue = SaturationQueue(nc, self._room_for_queued, self._dispatch_queued, self._expire_queued,
+                                     lambda rid: self._cancelled.seen(rid, time.time()), owner=self.router_id)
         self.table.on_change = self.queue.capacity.set
         await self.queue.start(sorted(self.cfg.model_names()))
         self._subs.append(await nc.subscribe(subjects.INFLIGHT, cb=self._on_delta))
@@ -247,11 +249,8 @@ class RouterService:
         if task is not None:
             task.cancel()
             return
-        # Maybe waiting in the saturation queue: remember it (bounded) so it is dropped there.
-        self._cancelled[request_id] = time.time()
-        if len(self._cancelled) > 10_000:
-            for key in list(self._cancelled)[:5_000]:
-                del self._cancelled[key]
+        # Not arrived yet, or waiting in the saturation queue: remember it (bounded, expiring).
+        self._cancelled.add(request_id, time.time())
 
     async def _on_state(self, msg: Msg) -> None:
         now = time.time()
@@ -276,24 +275,23 @@ class RouterService:
     async def _handle(self, msg: Msg | QueuedMsg) -> None:
         t0 = time.monotonic()
         headers = msg.headers or {}
-        request_id = headers.get(subjects.H_REQUEST_ID, "")
+        asked_id = headers.get(subjects.H_REQUEST_ID, "")
+        request_id = ""  # set once validated: it goes into subjects, headers and logs
         stream = False
         out = _Outcome()
         try:
-            try:
-                req = infer_request_decoder.decode(msg.data)
-            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-                raise BadRequestError(f"invalid request: {exc}") from exc
-            if (req.messages is None) == (req.prompt is None):
-                raise BadRequestError("give exactly one of `messages` or `prompt`")
+            req = decode_request(msg.data, max_depth=self.cfg.defaults.max_json_depth)
             stream = req.stream
-            request_id = request_id or req.request_id or _new_id()
+            request_id = check_request_id(asked_id or req.request_id or _new_id())
             REQUEST_ID.set(request_id)  # on every log line of this request (JSON logs)
-            timeout = self._timeout(req, headers)
+            timeout = request_timeout_s(req.timeout_ms, headers.get(subjects.H_TIMEOUT_MS),
+                                        self._default_timeout, self.cfg.defaults.max_request_timeout_s)
             task = asyncio.current_task()
             assert task is not None
             self._by_request[request_id] = task
             try:
+                if self._cancelled.take(request_id, time.time()):  # the cancel overtook the request
+                    raise asyncio.CancelledError
                 async with asyncio.timeout(timeout):
                     await self._route(msg, req, request_id, t0, timeout, out)
             except asyncio.TimeoutError as exc:
@@ -315,15 +313,6 @@ class RouterService:
         self.metrics.finished(out, time.monotonic() - t0)
         if out.model and not out.queued:
             await self._completed(out, request_id, t0)
-
-    def _timeout(self, req: InferRequest, headers: dict[str, str]) -> float:
-        ms = req.timeout_ms
-        if subjects.H_TIMEOUT_MS in headers:
-            try:
-                ms = int(headers[subjects.H_TIMEOUT_MS])
-            except ValueError:
-                raise BadRequestError(f"{subjects.H_TIMEOUT_MS} must be an integer") from None
-        return ms / 1000.0 if ms else self._default_timeout
 
     def _prepare(self, req: InferRequest, raw: bytes) -> tuple[str, ResolvedPolicy, RouteRequest]:
         model = self.cfg.resolve_model(req.model)
@@ -521,8 +510,8 @@ class RouterService:
         self.metrics.enqueued(model)
         log.info("request %s queued for %s (up to %.0f ms)", request_id, model, wait_s * 1000)
 
-    async def _try_queued(self, qmsg: QueuedMsg, deadline: float) -> bool:
-        """Dispatch the head of a model's queue if a node has room now."""
+    def _room_for_queued(self, qmsg: QueuedMsg) -> bool:
+        """Has a node room for the head of a model's queue now?"""
         try:
             req = infer_request_decoder.decode(qmsg.data)
             model, policy, rr = self._prepare(req, qmsg.data)
@@ -532,13 +521,18 @@ class RouterService:
             return False
         except (ZMLError, msgspec.DecodeError, msgspec.ValidationError):
             pass  # not a capacity question: the normal path answers it
+        return True
+
+    async def _dispatch_queued(self, qmsg: QueuedMsg, deadline: float) -> bool:
+        """Dispatch the (claimed) head of a model's queue; False if a node refused it at once."""
         # The request's timeout counts from when it first arrived, not from now.
         enqueued = float(qmsg.headers.get(H_ENQUEUED, time.time()))
         total_ms = int(qmsg.headers.get(subjects.H_TIMEOUT_MS, "0") or 0) or int(self._default_timeout * 1000)
         left_ms = max(1, total_ms - int((time.time() - enqueued) * 1000))
         headers = {**qmsg.headers, subjects.H_TIMEOUT_MS: str(left_ms), H_TOTAL_MS: str(total_ms)}
         # The head stays unacknowledged (in JetStream) until a node has taken the request: an
-        # immediate overload answer hands it back here, and a router dying meanwhile loses nothing.
+        # immediate overload answer hands it back here. Its claim (queue.py) keeps a replica
+        # that gets it redelivered after we die from running it a second time.
         placed: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         task = asyncio.create_task(self._handle(QueuedMsg(qmsg.subject, qmsg.data, qmsg.reply, headers, placed)))
         self._tasks.add(task)
@@ -648,6 +642,7 @@ class RouterService:
         await self._count(info.node_id, 1, 1)
         pending = 1
         started = False
+        seq = 0
         chunks = stream_sse(self.http, self._url(info, req), body, self._backend_headers(info))  # type: ignore[arg-type]
         try:
             async for chunk in first_chunk_within(chunks, first_byte):
@@ -659,7 +654,7 @@ class RouterService:
                     await self._count(info.node_id, 0, -1)
                     info.time_to_first_token = time.monotonic() - t0
                     await self._publish(msg.reply, _encode(StreamStart(routing=info)),
-                                        {**self._routing_headers(info), subjects.H_STREAM: "start"})
+                                        {**self._routing_headers(info), subjects.H_STREAM: "start", subjects.H_SEQ: "0"})
                 if b'"usage"' in chunk:
                     try:
                         usage = _decode_any.decode(chunk).get("usage")
@@ -668,12 +663,14 @@ class RouterService:
                             self.metrics.usage_dict(req.kind(), req.model, usage)
                     except msgspec.DecodeError:
                         pass
-                await self._publish(msg.reply, chunk, {subjects.H_STREAM: subjects.STREAM_CHUNK})
+                seq += 1  # numbered so that a receiver notices a lost message (zmlcore.streamseq)
+                await self._publish(msg.reply, chunk, {subjects.H_STREAM: subjects.STREAM_CHUNK, subjects.H_SEQ: str(seq)})
             if not started:  # a stream with no chunk at all
                 info.time_to_first_token = time.monotonic() - t0
                 await self._publish(msg.reply, _encode(StreamStart(routing=info)),
-                                    {**self._routing_headers(info), subjects.H_STREAM: "start"})
-            await self._publish(msg.reply, _encode(StreamStart(routing=info)), {subjects.H_STREAM: subjects.STREAM_END})
+                                    {**self._routing_headers(info), subjects.H_STREAM: "start", subjects.H_SEQ: "0"})
+            await self._publish(msg.reply, _encode(StreamStart(routing=info)),
+                                {subjects.H_STREAM: subjects.STREAM_END, subjects.H_SEQ: str(seq + 1)})
         except AttemptError as err:
             # Before the first token _route re-dispatches invisibly; after it, it cools the node
             # and ends the stream with an error.
