@@ -23,6 +23,7 @@ import msgspec
 from nats.aio.msg import Msg
 
 from zmlcore import subjects
+from zmlcore.errors import MethodNotAllowedError, NotFoundError
 from zmlcore.messages.warmup import RequestCompleted
 from zmlcore.queueinfo import queue_depths
 
@@ -93,7 +94,7 @@ class Dashboard:
     async def handle(self, scope: "Scope", receive: "Receive", send: "Send") -> None:
         path = scope["path"]
         if scope["method"] != "GET":
-            return await self.app._plain(send, 405, {"error": {"message": "use GET", "code": "BAD_REQUEST"}})
+            raise MethodNotAllowedError(f"{path[:80]} takes GET")
         if path == "/dashboard/state":
             self.app._auth(scope)
             body = await self.state_json()
@@ -103,7 +104,7 @@ class Dashboard:
             return
         entry = _FILES.get(path)
         if entry is None:
-            return await self.app._plain(send, 404, {"error": {"message": f"no route {path}", "code": "NOT_FOUND"}})
+            raise NotFoundError(f"no route {path[:80]}: the dashboard is at /dashboard")
         name, ctype = entry
         data = self._files.get(name)
         if data is None:

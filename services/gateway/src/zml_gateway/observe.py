@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
-from zmlcore.errors import ZMLError
+from zmlcore.errors import MethodNotAllowedError, ZMLError
 from zmlcore.metrics import CONTENT_TYPE, exposition
 from zml_gateway import metrics
 
@@ -70,7 +70,9 @@ class Observed:
                 metrics.REQUESTS(route, _STATUS.get(watch.status, "0")).inc()
                 metrics.DURATION(route).observe(time.perf_counter() - t0)
             return
-        if path == "/metrics" and self.serve_metrics and scope["method"] == "GET":
+        if path == "/metrics" and self.serve_metrics:
+            if scope["method"] != "GET":
+                return await self.app._error(send, MethodNotAllowedError("/metrics takes GET"), scope)
             body = exposition()
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", CONTENT_TYPE.encode())]})
@@ -80,6 +82,6 @@ class Observed:
             try:
                 await self.dashboard.handle(scope, receive, send)
             except ZMLError as exc:
-                await self.app._error(send, exc)
+                await self.app._error(send, exc, scope)  # allow: GET on a 405
             return
         await self.app(scope, receive, send)
