@@ -64,8 +64,8 @@ def _wait(what: str, check: Any, timeout: float = 30.0) -> Any:
     raise AssertionError(f"dashboard: {what} not seen within {timeout:g} s (last: {last!r})")
 
 
-def test_state_wants_a_key_when_keys_are_on(dash_stack: tuple[Stack, str]) -> None:
-    _, keyed = dash_stack
+def test_state_wants_an_operator_key_when_keys_are_on(dash_stack: tuple[Stack, str]) -> None:
+    stack, keyed = dash_stack
     assert httpx.get(keyed + "/dashboard/state", timeout=10).status_code == 401
     assert httpx.get(keyed + "/dashboard/state", headers={"authorization": "Bearer wrong"}, timeout=10).status_code == 401
     r = httpx.get(keyed + "/dashboard/state", headers={"authorization": f"Bearer {KEY}"}, timeout=10)
@@ -75,6 +75,29 @@ def test_state_wants_a_key_when_keys_are_on(dash_stack: tuple[Stack, str]) -> No
     assert page.status_code == 200 and "text/html" in page.headers["content-type"]
     assert "default-src 'self'" in page.headers["content-security-policy"]
     assert httpx.post(keyed + "/dashboard/state", timeout=10).status_code == 405
+    # A customer's run-time key (zml keys create) works on the API, not on the fleet's state.
+    import asyncio
+
+    import nats
+
+    from zmlcore.keys import create_key
+    from zmlcore.plans import PlanLimits
+
+    async def make() -> str:
+        nc = await nats.connect(stack.nats_url)
+        try:
+            return (await create_key(nc, plan="custom", limits=PlanLimits(), label="team-a"))[0]
+        finally:
+            await nc.close()
+
+    customer = asyncio.run(make())
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline:  # the gateway follows the keys bucket
+        r = httpx.get(keyed + "/dashboard/state", headers={"authorization": f"Bearer {customer}"}, timeout=10)
+        if r.status_code != 401:
+            break
+        time.sleep(0.2)
+    assert r.status_code == 403, r.text
     assert httpx.get(keyed + "/dashboard/nope", timeout=10).status_code == 404
 
 

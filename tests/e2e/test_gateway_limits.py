@@ -60,12 +60,28 @@ def test_sdk_retries_a_rate_limit_and_succeeds(limited: str) -> None:
     assert sum(r.metrics.retries for r in results) >= 1  # at 5 requests against a burst of 3
 
 
-def test_rate_limit_rejections_are_counted_by_key_label(limited: str) -> None:
-    import hashlib
+def test_without_keys_the_limit_is_per_client_address(zml_stack: Stack, tmp_path: Path) -> None:
+    """Rotating the Authorization header gave a fresh bucket each time (issue 9)."""
+    cfg = tmp_path / "zml.toml"
+    cfg.write_text("[gateway]\nrequests_per_minute = 60\nrequest_burst = 2\n" + Path(zml_stack.config_path).read_text())
+    port = free_port()
+    proc = spawn("gateway-anon", service_argv("gateway", str(cfg), zml_stack.nats_url, "--port", str(port)))
+    try:
+        assert wait_port("127.0.0.1", port, 20), proc.tail()
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=20) as c:
+            codes = [c.post("/v1/chat/completions", json=BODY, headers={"authorization": f"Bearer rotated-{i}"}).status_code
+                     for i in range(4)]
+        assert codes[:2] == [200, 200] and 429 in codes[2:], codes
+    finally:
+        proc.stop()
 
+
+def test_rate_limit_rejections_are_counted_by_key_label(limited: str) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
-    label = "key-" + hashlib.sha256(b"k-three").hexdigest()[:8]
+    from zmlcore.keys import hash_key
+
+    label = f"static-{hash_key('k-three')[:12]}"  # a static key's id (run-time keys: their label)
     with httpx.Client(base_url=limited, timeout=20) as c:
         codes = [c.post("/v1/chat/completions", json=BODY, headers={"authorization": "Bearer k-three"}).status_code
                  for _ in range(8)]  # a burst of 3: some are refused

@@ -6,8 +6,9 @@ every router replica's in-flight/cooldown/saturation, gathered by ``Gateway._nod
 routers' completion events (``zml.events.completed``: decisions per second by family and node,
 TTFT and latency percentiles, errors by code, over a sliding window) and the saturation queue's
 depth (JetStream consumer info). One state is built at most every ``CACHE_S`` however many
-pages poll. With gateway keys configured, /dashboard/state wants a key like the API does (the
-page asks for it and keeps it in the tab's sessionStorage); the static files carry no data.
+pages poll. With keys on, /dashboard/state wants an operator key, one of zml.toml's
+``[gateway] api_keys`` (the page asks for it and keeps it in the tab's sessionStorage); the
+static files carry no data.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import msgspec
 from nats.aio.msg import Msg
 
 from zmlcore import subjects
-from zmlcore.errors import MethodNotAllowedError, NotFoundError
+from zmlcore.errors import MethodNotAllowedError, NotFoundError, PermissionDeniedError
 from zmlcore.messages.warmup import RequestCompleted
 from zmlcore.queueinfo import queue_depths
 
@@ -96,7 +97,7 @@ class Dashboard:
         if scope["method"] != "GET":
             raise MethodNotAllowedError(f"{path[:80]} takes GET")
         if path == "/dashboard/state":
-            self.app._auth(scope)
+            self.authorize(scope)
             body = await self.state_json()
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", b"application/json"), *_SECURITY]})
@@ -111,6 +112,14 @@ class Dashboard:
             data = self._files[name] = (resources.files("zml_gateway") / "static" / name).read_bytes()
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", ctype), *_SECURITY]})
         await send({"type": "http.response.body", "body": data})
+
+    def authorize(self, scope: "Scope") -> None:
+        """With keys on, the fleet's state is for operators: a zml.toml key ([gateway] api_keys),
+        not a customer's run-time key (`zml keys create`), which gets 403."""
+        caller = self.app.access.authenticate(scope)  # 401 without a valid key
+        if caller.record is not None:
+            raise PermissionDeniedError("the dashboard wants an operator key ([gateway] api_keys in zml.toml), "
+                                        "not a run-time API key")
 
     async def state_json(self) -> bytes:
         now = time.monotonic()

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import hashlib
-
 from prometheus_client import Counter, Histogram
 
 from zmlcore.metrics import DURATION_BUCKETS, Children
+from zml_gateway.access import Caller
 
 REQUESTS = Children(Counter(
     "zml_gateway_requests", "HTTP inference requests answered, by route and HTTP status.",
@@ -18,19 +17,15 @@ DURATION = Children(Histogram(
 RATE_LIMITED = Children(Counter(
     "zml_gateway_rate_limited", "Requests refused with 429 RATE_LIMITED, by key label.", ["key"]))
 
-_labels: dict[bytes, str] = {}
+def key_label(caller: Caller) -> str:
+    """A run-time key's label (``zml keys create --label``) or id, a static key's id
+    (``static-<hash>``), or ``anonymous`` (no keys configured): never the key itself, and
+    never a client address (unbounded)."""
+    record = caller.record
+    if record is not None:
+        return record.label or f"key:{record.id}"
+    return "anonymous" if caller.identity.startswith("addr:") else caller.identity
 
 
-def key_label(who: bytes, keyed: bool) -> str:
-    """A stable, non-secret label for a caller: ``key-<8 hex of sha256>`` for a bearer key,
-    ``addr-...`` for a client address (no keys configured). Never the key itself."""
-    label = _labels.get(who)
-    if label is None:
-        if len(_labels) > 10_000:
-            _labels.clear()
-        label = _labels[who] = ("key-" if keyed else "addr-") + hashlib.sha256(who).hexdigest()[:8]
-    return label
-
-
-def rate_limited(who: bytes, keyed: bool) -> None:
-    RATE_LIMITED(key_label(who, keyed)).inc()
+def rate_limited(caller: Caller) -> None:
+    RATE_LIMITED(key_label(caller)).inc()

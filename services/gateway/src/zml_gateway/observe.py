@@ -2,7 +2,7 @@
 metrics of the inference routes (status and duration), so the gateway's own code is unchanged.
 
 The only per-request work is a send wrapper on the two inference paths: it notes the status
-of ``http.response.start`` and, on a 429, whether the body is the gateway's RATE_LIMITED.
+of ``http.response.start``.
 """
 
 from __future__ import annotations
@@ -23,31 +23,16 @@ _STATUS = {s: str(s) for s in range(100, 600)}
 
 
 class _Watch:
-    __slots__ = ("send", "status", "scope")
+    __slots__ = ("send", "status")
 
-    def __init__(self, send: "Send", scope: "Scope") -> None:
+    def __init__(self, send: "Send") -> None:
         self.send = send
-        self.scope = scope
         self.status = 0
 
     async def __call__(self, message: dict[str, Any]) -> None:
         if message["type"] == "http.response.start":
             self.status = message["status"]
-        elif self.status == 429 and b'"RATE_LIMITED"' in message.get("body", b""):
-            self._rate_limited()
         await self.send(message)
-
-    def _rate_limited(self) -> None:
-        who = b""
-        for name, value in self.scope["headers"]:
-            if name == b"authorization":
-                who = value[7:] if value[:7].lower() == b"bearer " else value
-                break
-        keyed = bool(who)
-        if not keyed:
-            client = self.scope.get("client")
-            who = str(client[0] if client else "").encode()
-        metrics.rate_limited(who, keyed)
 
 
 class Observed:
@@ -63,7 +48,7 @@ class Observed:
         route = _INFER.get(path)
         if route is not None and scope["method"] == "POST":
             t0 = time.perf_counter()
-            watch = _Watch(send, scope)
+            watch = _Watch(send)
             try:
                 await self.app(scope, receive, watch)
             finally:
