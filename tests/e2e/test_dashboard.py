@@ -112,7 +112,9 @@ def test_dashboard_in_chromium_shows_the_fleet_and_reacts(dash_stack: tuple[Stac
     stop_load = threading.Event()
 
     def load() -> None:
-        with httpx.Client(base_url=stack.gateway_url, timeout=30) as http:
+        # Through the keyed gateway: once a run-time key exists (the test above makes one), every
+        # gateway on the bus wants keys.
+        with httpx.Client(base_url=keyed, timeout=30, headers={"authorization": f"Bearer {KEY}"}) as http:
             while not stop_load.is_set():
                 http.post("/v1/chat/completions",
                           json={"model": MODEL, "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]})
