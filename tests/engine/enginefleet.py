@@ -108,9 +108,9 @@ class EngineFleet:
             time.sleep(0.2)
         raise AssertionError(f"{node_id}: {what or 'condition'} not reached in {timeout:g} s; last: {last}")
 
-    def chat(self, *, max_tokens: int = 16, timeout: float = 60.0, **zml: Any) -> httpx.Response:
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "Say something."}],
-                "max_tokens": max_tokens, **zml}
+    def chat(self, *, max_tokens: int = 16, timeout: float = 60.0, content: str = "Say something.",
+             **zml: Any) -> httpx.Response:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, **zml}
         return httpx.post(self.stack.gateway_url + "/v1/chat/completions", json=body, timeout=timeout)
 
 

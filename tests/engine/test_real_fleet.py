@@ -48,10 +48,14 @@ def test_policy_routes_to_the_cpu_family_or_away_from_it(engine_fleet: EngineFle
 
 
 def test_measured_speeds_replace_the_cpu_types_guess(engine_fleet: EngineFleet) -> None:
-    # Enough tokens through each real node for the speed meter (64-token windows).
+    # Enough tokens through each real node for the speed meter (64-token windows): long prompts,
+    # each different (llama-server reuses a cached prompt prefix and counts only new tokens).
+    def one(i: int) -> httpx.Response:
+        text = f"Request {i}: " + " ".join(f"word{i}x{j}" for j in range(120))
+        return engine_fleet.chat(accelerator_id=f"llama-{i % 2 + 1}", max_tokens=96, content=text)
+
     with ThreadPoolExecutor(4) as pool:
-        for r in pool.map(lambda i: engine_fleet.chat(accelerator_id=f"llama-{i % 2 + 1}", max_tokens=96),
-                          range(8)):
+        for r in pool.map(one, range(12)):
             assert r.status_code == 200, r.text
     for node_id in ("llama-1", "llama-2"):
         n = engine_fleet.wait_node(node_id, lambda n: n["speeds_measured"], timeout=30, what="speeds measured")
