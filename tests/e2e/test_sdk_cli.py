@@ -52,7 +52,7 @@ def test_nodes_table(endpoint: str, zml_stack: Stack) -> None:
     p = zml_cli("nodes", "--endpoint", endpoint)
     assert p.returncode == 0, p.stderr
     header, *lines = p.stdout.strip().splitlines()
-    assert header.split() == ["NODE", "TYPE", "FAMILY", "MODELS", "HEALTH", "QUEUE", "STATE", "COOLDOWN"]
+    assert header.split() == ["NODE", "TYPE", "FAMILY", "MODELS", "HEALTH", "QUEUE", "STATE", "COOLDOWN", "ENDPOINT"]
     assert sorted(line.split()[0] for line in lines) == sorted(zml_stack.node_ids)
     assert all(" up " in f" {line} " for line in lines)
 
