@@ -10,11 +10,16 @@ import msgspec
 import uvicorn
 from nats.aio.client import Client as NATS
 
+from zmlcore import subjects
 from zmlcore.config import ZMLConfig
+from zmlcore.costs import CostTable
+from zmlcore.kvfollow import KVFollower
 from zmlcore.messages import NodeState, node_state_decoder
-from zmlcore.costs import CostTable, costs_kv
-from zmlcore.natsio import nodes_kv
+from zmlcore.keys import KeyRing
+from zmlcore.limiter import SharedLimiter
+from zml_gateway.access import Access
 from zml_gateway.app import Gateway
+from zml_gateway.protocol import BoundedHttpTools
 
 log = logging.getLogger("zml.gateway")
 
@@ -35,14 +40,23 @@ class GatewayService:
         self._server: _Server | None = None
         self._serve: asyncio.Task[None] | None = None
         self._follow: asyncio.Task[None] | None = None
+        self._follow_keys: asyncio.Task[None] | None = None
+        self.limiter: SharedLimiter | None = None
 
     async def start(self, nc: NATS) -> None:
-        kv = await nodes_kv(nc.jetstream())
-        self._follow = asyncio.create_task(self._follow_nodes(kv))
-        self._follow_costs = asyncio.create_task(self.costs.follow(await costs_kv(nc)))
-        app = Gateway(self.cfg, nc, self.nodes, self.costs)
+        follower = KVFollower(nc, subjects.NODES_BUCKET, on_put=self._put_node, on_delete=self._delete_node)
+        self._follow = asyncio.create_task(follower.run())
+        self._follow_costs = asyncio.create_task(self.costs.follower(nc).run())
+        ring = KeyRing(self.cfg.gateway.api_keys)
+        keys = ring.follower(nc)
+        self._follow_keys = asyncio.create_task(keys.run())
+        await keys.wait_ready(2.0)  # keys known before the first request (else: 401s at start)
+        self.limiter = await SharedLimiter.open(nc)
+        app = Gateway(self.cfg, nc, self.nodes, self.costs, Access(self.cfg, ring, self.limiter))
+        g = self.cfg.gateway
+        protocol = BoundedHttpTools.with_limits(g.max_header_bytes, g.max_headers, g.header_timeout_s)
         config = uvicorn.Config(
-            app, host=self.host, port=self.port, http="httptools", loop="none", lifespan="off",
+            app, host=self.host, port=self.port, http=protocol, loop="none", lifespan="off",
             log_level="warning", access_log=False, timeout_keep_alive=30, backlog=2048,
         )
         self._server = _Server(config)
@@ -58,19 +72,17 @@ class GatewayService:
             self._server.should_exit = True
         if self._serve is not None:
             await asyncio.wait([self._serve], timeout=10)
-        for task in (self._follow, self._follow_costs):
+        if self.limiter is not None:
+            await self.limiter.close()
+        for task in (self._follow, self._follow_costs, self._follow_keys):
             if task is not None:
                 task.cancel()
 
-    async def _follow_nodes(self, kv) -> None:  # type: ignore[no-untyped-def]
-        watcher = await kv.watchall()
-        async for entry in watcher:
-            if entry is None:
-                continue
-            if entry.operation in ("DEL", "PURGE") or not entry.value:
-                self.nodes.pop(entry.key, None)
-                continue
-            try:
-                self.nodes[entry.key] = node_state_decoder.decode(entry.value)
-            except msgspec.DecodeError:
-                log.warning("bad node state for %s", entry.key)
+    def _put_node(self, key: str, value: bytes) -> None:
+        try:
+            self.nodes[key] = node_state_decoder.decode(value)
+        except msgspec.DecodeError:
+            log.warning("bad node state for %s", key)
+
+    def _delete_node(self, key: str) -> None:
+        self.nodes.pop(key, None)

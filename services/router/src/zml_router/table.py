@@ -10,29 +10,26 @@ falls silent (killed) stops counting after ``PEER_TTL_S``. A node's ``outstandin
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable
 
 import msgspec
-from nats.js.kv import KeyValue
-
 from zmlcore.costs import CostTable
 from zmlcore.messages import InflightDelta, InflightSnapshot, NodeState, node_state_decoder
 from zmlcore.policy import NodeView
 
 log = logging.getLogger("zml.router.table")
 
-_KV_DELETE = ("DEL", "PURGE")
 PEER_TTL_S = 3.0
 
 
 class NodeTable:
-    def __init__(self) -> None:
+    def __init__(self, configured_families: list[str] | None = None) -> None:
         self.views: dict[str, NodeView] = {}
+        self._configured = list(configured_families or ())
+        self._families: list[str] | None = None
         # Cached list for choose_node; rebuilt only when membership changes.
         self._list: list[NodeView] | None = None
-        self.ready = asyncio.Event()
         #: Called after every state update (the saturation queue re-checks capacity).
         self.on_change: Callable[[], None] | None = None
         #: node id -> [outstanding, pending] dispatched by this replica.
@@ -42,6 +39,16 @@ class NodeTable:
         #: States as the health service sent them; views carry them with run-time prices.
         self.raw: dict[str, NodeState] = {}
         self.costs = CostTable(on_change=self._cost_changed)
+
+    def families(self) -> list[str]:
+        """What a policy's chain may name: zml.toml's families, then those of nodes seen in the
+        KV bucket (registered at run time with ``zml nodes add --family``), in that order."""
+        if self._families is None:
+            seen = dict.fromkeys(self._configured)
+            for v in self.views.values():
+                seen.setdefault(v.state.family, None)
+            self._families = list(seen)
+        return self._families
 
     def nodes(self) -> list[NodeView]:
         if self._list is None:
@@ -60,14 +67,18 @@ class NodeTable:
         if view is None:
             view = self.views[state.node_id] = NodeView(state)
             self._list = None
+            self._families = None
             self._refresh(state.node_id)
         else:
+            if view.state.family != state.family:
+                self._families = None
             view.state = state
 
     def remove(self, node_id: str) -> None:
         self.raw.pop(node_id, None)
         if self.views.pop(node_id, None) is not None:
             self._list = None
+            self._families = None
 
     # --- in-flight counts -----------------------------------------------------------------------
     def _refresh(self, node_id: str) -> None:
@@ -117,27 +128,17 @@ class NodeTable:
                 self._refresh(node_id)
         return gone
 
-    async def follow(self, kv: KeyValue) -> None:
-        """Apply every KV update forever (snapshot first: a late router still sees all)."""
-        watcher = await kv.watchall()
+    # --- the node bucket (fed by zmlcore.kvfollow.KVFollower) -------------------------------
+    def put_raw(self, key: str, value: bytes) -> None:
         try:
-            async for entry in watcher:
-                if entry is None:  # initial snapshot delivered
-                    self.ready.set()
-                    continue
-                if entry.operation in _KV_DELETE or not entry.value:
-                    self.remove(entry.key)
-                    continue
-                try:
-                    self.upsert(node_state_decoder.decode(entry.value))
-                except msgspec.DecodeError as exc:
-                    log.warning("bad node state for %s: %s", entry.key, exc)
-                if self.on_change is not None:
-                    self.on_change()
-                if entry.delta == 0:
-                    self.ready.set()
-        finally:
-            try:
-                await watcher.stop()
-            except Exception:
-                pass
+            self.upsert(node_state_decoder.decode(value))
+        except msgspec.DecodeError as exc:
+            log.warning("bad node state for %s: %s", key, exc)
+            return
+        if self.on_change is not None:
+            self.on_change()
+
+    def delete_raw(self, key: str) -> None:
+        self.remove(key)
+        if self.on_change is not None:
+            self.on_change()

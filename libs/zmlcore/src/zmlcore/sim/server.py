@@ -32,6 +32,7 @@ from aiohttp import web
 
 from zmlcore.accelerators import ACCELERATORS
 from zmlcore.config import NodeConfig
+from zmlcore.sim import embeddings
 from zmlcore.sim.engine import Faults, SimEngine, SimError, SimRequest
 from zmlcore.sim.model import SimProfile, estimate_tokens
 
@@ -43,6 +44,9 @@ LISTEN_AFTER_LOAD = frozenset({"vllm", "tgi", "openai"})
 DEFAULT_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 #: Retry-After sent with an overload answer when the retry_after_s fault is unset.
 DEFAULT_RETRY_AFTER_S = 1
+#: Context window every simulated model advertises (vLLM's /v1/models ``max_model_len``) and
+#: enforces: prompt + max_tokens above it is a 400, as vLLM answers.
+MAX_MODEL_LEN = 8192
 
 _json = msgspec.json.Encoder()
 _decode = msgspec.json.Decoder()
@@ -260,6 +264,7 @@ class SimNode:
         r = app.router
         r.add_post("/v1/chat/completions", self._chat)
         r.add_post("/v1/completions", self._completions)
+        r.add_post("/v1/embeddings", self._embeddings)
         r.add_get("/v1/models", self._models)
         r.add_get("/health", self._health)
         r.add_get("/metrics", self._metrics)
@@ -362,7 +367,11 @@ class SimNode:
                 if isinstance(content, str):
                     parts.append(content)
                 elif isinstance(content, list):
-                    parts.extend(p.get("text", "") for p in content if isinstance(p, dict))
+                    for p in content:  # a part's text must be a string (it crashed the sim: 500)
+                        text = p.get("text", "") if isinstance(p, dict) else None
+                        if not isinstance(text, str):
+                            raise _BadRequest("Each content part must be an object whose 'text' is a string")
+                        parts.append(text)
             prompt_tokens = estimate_tokens("".join(parts))
         else:
             prompt = body.get("prompt")
@@ -380,6 +389,12 @@ class SimNode:
         if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
                                        or max_tokens < 1):
             raise _BadRequest("max_tokens must be an integer >= 1")
+        requested = prompt_tokens + (max_tokens or 0)
+        if prompt_tokens >= MAX_MODEL_LEN or requested > MAX_MODEL_LEN:  # vLLM's check and wording
+            raise _BadRequest(
+                f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, you requested "
+                f"{requested} tokens ({prompt_tokens} in the messages, {max_tokens or 0} in the completion). "
+                "Please reduce the length of the messages or completion.")
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise _BadRequest("Field 'model' must be a string")
@@ -431,6 +446,37 @@ class SimNode:
             return await self._complete(request, req, chat=chat, drop=drop)
         finally:
             eng.cancel(req)
+
+    async def _embeddings(self, request: web.Request) -> web.StreamResponse:
+        """Deterministic vectors (``zmlcore.sim.embeddings``), scheduled as a prefill."""
+        eng = self.engine
+        try:
+            model, texts, dims, fmt, tokens = embeddings.parse(_decode.decode(await request.read()))
+        except msgspec.DecodeError as exc:
+            return self._error(400, f"Invalid JSON in request body: {exc}", "bad_request")
+        except embeddings.EmbeddingRequestError as exc:
+            return self._error(400, str(exc), "bad_request")
+        if model is None:
+            if not eng.models:
+                return self._loading_error() if eng.loading else self._error(404, "No model is loaded", "not_found")
+            model = next(iter(eng.models))
+        if model not in eng.models:
+            if model in eng.loading and self.engine_kind in ("sglang", "llamacpp"):
+                return self._loading_error()
+            return self._error(404, f"The model `{model}` does not exist.", "not_found")
+        if eng.overloaded:
+            return self._overload()
+        if eng.sample_error():
+            return self._error(eng.faults.error_status, "Injected fault: internal server error", "internal",
+                               self._retry_headers())
+        req = eng.submit(model, tokens, 1)
+        try:
+            await req.text()
+        except SimError as exc:
+            return self._error(500, str(exc), "internal")
+        finally:
+            eng.cancel(req)
+        return _json_response(embeddings.response(model, texts, dims, fmt, tokens))
 
     def _envelope(self, req: SimRequest, chat: bool, chunk: bool) -> dict[str, Any]:
         prefix = "chatcmpl" if chat else "cmpl"
@@ -520,7 +566,7 @@ class SimNode:
         owner = {"vllm": "vllm", "sglang": "sglang", "llamacpp": "llamacpp", "tgi": "tgi"}.get(
             self.engine_kind, "system")
         data = [{"id": m, "object": "model", "created": created, "owned_by": owner, "root": m,
-                 "parent": None, "max_model_len": 8192} for m in self.engine.models]
+                 "parent": None, "max_model_len": MAX_MODEL_LEN} for m in self.engine.models]
         return _json_response({"object": "list", "data": data})
 
     async def _health(self, request: web.Request) -> web.Response:
@@ -562,7 +608,7 @@ class SimNode:
             "model_id": next(iter(self.engine.models), None), "model_dtype": "torch.float16",
             "model_device_type": "cuda", "max_concurrent_requests": p.max_concurrency,
             "max_best_of": 2, "max_stop_sequences": 4, "max_input_tokens": 8191,
-            "max_total_tokens": 8192, "max_waiting_tokens": 20,
+            "max_total_tokens": MAX_MODEL_LEN, "max_waiting_tokens": 20,
             "max_client_batch_size": 4, "validation_workers": 2, "version": "3.3.0",
             "router": "text-generation-router",
         })
@@ -575,7 +621,7 @@ class SimNode:
         slots = []
         for i in range(eng.profile.max_concurrency):
             req = busy[i] if i < len(busy) else None
-            slots.append({"id": i, "id_task": req.id if req else -1, "n_ctx": 8192,
+            slots.append({"id": i, "id_task": req.id if req else -1, "n_ctx": MAX_MODEL_LEN,
                           "is_processing": req is not None,
                           "next_token": {"n_decoded": req.generated if req else 0,
                                          "n_remain": req.remaining if req else -1}})
@@ -584,7 +630,7 @@ class SimNode:
     async def _llamacpp_props(self, request: web.Request) -> web.Response:
         return _json_response({"total_slots": self.engine.profile.max_concurrency,
                                "model_path": next(iter(self.engine.models), None),
-                               "default_generation_settings": {"n_ctx": 8192}})
+                               "default_generation_settings": {"n_ctx": MAX_MODEL_LEN}})
 
     async def _node(self, request: web.Request) -> web.Response:
         return _json_response(self.probe())
