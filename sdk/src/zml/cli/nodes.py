@@ -10,18 +10,18 @@ from typing import Any
 from zml._client import Client
 from zml.cli._common import add_client_args, client_kwargs
 
-COLUMNS = ("NODE", "TYPE", "FAMILY", "MODELS", "HEALTH", "QUEUE", "STATE", "COOLDOWN")
+COLUMNS = ("NODE", "TYPE", "FAMILY", "MODELS", "HEALTH", "QUEUE", "STATE", "COOLDOWN", "ENDPOINT")
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("nodes", help="show the accelerator fleet", description="Show the fleet: node, type, "
-                       "models, health score, queue depth (running+waiting), state and cooldown.")
+                       "models, health score, queue depth (running+waiting), state, cooldown and endpoint.")
     p.add_argument("action", nargs="?", choices=("list", "add", "remove"), default="list",
                    help="list (default), add a node at run time, or remove one")
     p.add_argument("node_id", nargs="?", help="add/remove: the node id")
     p.add_argument("--json", action="store_true", help="print the node list as JSON")
     a = p.add_argument_group("add / remove (a request to the health service over NATS; survives its restarts)")
-    a.add_argument("--accelerator", help="type ID: nvidia_h100, nvidia_a100, amd_mi300x, intel_gaudi2, aws_inferentia2")
+    a.add_argument("--accelerator", help="type ID: nvidia_h100, nvidia_a100, amd_mi300x, intel_gaudi2, aws_inferentia2, cpu")
     a.add_argument("--url", dest="node_url", help="the engine's base URL, e.g. http://10.0.0.9:8000")
     a.add_argument("--backend", default="vllm", help="vllm, tgi, sglang, llamacpp or openai (default vllm)")
     a.add_argument("--serves", action="append", default=[], metavar="MODEL", help="a model it serves (repeatable)")
@@ -104,10 +104,13 @@ def rows(nodes: list[dict[str, Any]], now: float) -> list[tuple[str, ...]]:
         state = str(n.get("status", "unknown"))
         if n.get("reason") and state != "up":
             state += f" ({n['reason']})"
+        if n.get("sleeping"):
+            state += " (asleep)"
         queue = int(n.get("queue_running", 0)) + int(n.get("queue_waiting", 0))
         out.append((
             str(n.get("node_id", "?")), str(n.get("accelerator_type", "")), str(n.get("family", "")), models,
             f"{float(n.get('health_score', 0.0)):.0f}", str(queue), state, _cooldown(n, now),
+            str(n.get("endpoint") or "-"),
         ))
     return out
 

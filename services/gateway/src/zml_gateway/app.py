@@ -45,6 +45,7 @@ from zmlcore.link import link_of
 from zmlcore.messages import NodeState
 from zmlcore.keys import KeyRing
 from zmlcore.streamseq import SeqCheck
+from zml_gateway import metrics
 from zml_gateway.access import Access, Caller, RateLimited
 from zmlcore.validate import check_request_id, clip, decode_request, request_timeout_s
 from zml_gateway.models import model_list, model_object
@@ -230,6 +231,7 @@ class Gateway:
         try:
             limits = await self.access.admit(caller, request_id, timeout + 5.0)
         except RateLimited as exc:
+            metrics.rate_limited(caller)
             await self._plain(send, 429, exc.error.to_body(), exc.headers)
             return
         tokens = [0]
