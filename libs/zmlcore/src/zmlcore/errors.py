@@ -4,6 +4,7 @@
 
     ZMLError                      INTERNAL            500
     ├── BadRequestError           BAD_REQUEST         400
+    │   └── DuplicateRequestError DUPLICATE_REQUEST_ID 409 (the owner has this request id in flight)
     ├── ConfigError               CONFIG_INVALID      (start-up only)
     │   └── PolicyConfigError     POLICY_CONFIG       400
     ├── AuthError                 AUTH_FAILED         401
@@ -35,6 +36,7 @@ __all__ = [
     "CancelledError",
     "ConfigError",
     "ConnectionError",
+    "DuplicateRequestError",
     "ErrorBody",
     "ErrorDetail",
     "ModelNotLoadedError",
@@ -95,6 +97,14 @@ class BadRequestError(ZMLError):
     code = "BAD_REQUEST"
     http_status = 400
     openai_type = "invalid_request_error"
+
+
+class DuplicateRequestError(BadRequestError):
+    """The caller already has a request with this ``request_id`` in flight: wait for it, cancel
+    it, or use a new id (ids are scoped to their owner, so another caller's ids never clash)."""
+
+    code = "DUPLICATE_REQUEST_ID"
+    http_status = 409
 
 
 class ConfigError(ZMLError):

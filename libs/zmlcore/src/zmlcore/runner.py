@@ -12,12 +12,13 @@ import logging
 import signal
 import sys
 from collections.abc import Callable, Iterable
-from typing import Protocol
+from typing import Any, Protocol
 
 from nats.aio.client import Client as NATS
 
 from zmlcore.config import ZMLConfig, load_config
 from zmlcore.errors import ConfigError
+from zmlcore.natsauth import connect_options
 from zmlcore.natsio import connect
 from zmlcore.telemetry import setup_logging, setup_tracing
 
@@ -42,15 +43,17 @@ def install_uvloop() -> None:
 
 
 async def run_service(
-    service: Service, nats_url: str, name: str, *, ready_line: str | None = None, no_echo: bool = False
+    service: Service, nats_url: str, name: str, *, ready_line: str | None = None, no_echo: bool = False,
+    connect_options: dict[str, Any] | None = None,
 ) -> None:
     """``no_echo``: the broker does not send this connection its own messages back (routers
-    publish in-flight counts they already applied)."""
+    publish in-flight counts they already applied). ``connect_options``: identity and TLS
+    (zmlcore.natsauth.connect_options)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)  # the handler only sets a flag
-    nc = await connect(nats_url, name, no_echo=no_echo)
+    nc = await connect(nats_url, name, no_echo=no_echo, **(connect_options or {}))
     try:
         await service.start(nc)
         # Start-up objects (config, modules, tables) live for the whole run: keep them out of
@@ -97,13 +100,15 @@ def service_main(
     setup_logging(name)
     try:
         cfg = load_config(args.config)
+        options = connect_options(cfg.nats)
         service = make(cfg, args)
     except ConfigError as exc:
         print(f"zml {name}: {exc}", file=sys.stderr)
         return 2
     setup_tracing(f"zml-{name}")
     install_uvloop()
-    asyncio.run(run_service(service, args.nats_url or cfg.nats.url, f"zml-{name}", no_echo=no_echo))
+    asyncio.run(run_service(service, args.nats_url or cfg.nats.url, f"zml-{name}", no_echo=no_echo,
+                            connect_options=options))
     return 0
 
 

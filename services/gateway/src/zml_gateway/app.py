@@ -34,7 +34,9 @@ from zmlcore.errors import (
     error_class,
 )
 from zmlcore.messages import NodeState
+from zmlcore.natsauth import config_owner
 from zmlcore.ratelimit import TokenBucket
+from zml_gateway.owners import InFlight
 
 log = logging.getLogger("zml.gateway")
 
@@ -92,6 +94,8 @@ class Gateway:
         self.rpm = rpm
         self.burst = float(cfg.gateway.request_burst or max(1, round((rpm or 0) / 60)))
         self.buckets: dict[bytes, TokenBucket] = {}
+        self.owner = config_owner(cfg.nats)  # this gateway's NATS identity: its cancel subjects
+        self.inflight = InFlight()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -238,16 +242,30 @@ class Gateway:
         request_id = peek.request_id or os.urandom(8).hex()
         timeout = peek.timeout_ms / 1000.0 if peek.timeout_ms else self.timeout
         headers = {subjects.H_REQUEST_ID: request_id, subjects.H_TIMEOUT_MS: str(int(timeout * 1000))}
-        if peek.stream:
-            await self._infer_stream(body, headers, request_id, timeout, receive, send, limits)
-            return
+        owned = self.inflight.claim(scope, request_id, headers)
+        try:
+            if peek.stream:
+                await self._infer_stream(body, headers, request_id, timeout, receive, send, limits)
+            else:
+                await self._infer_once(body, headers, request_id, timeout, receive, send, limits)
+        finally:
+            self.inflight.release(owned)
+
+    async def _cancel(self, request_id: str, headers: dict[str, str]) -> None:
+        await self.nc.publish(subjects.cancel(request_id, self.owner), b"",
+                              headers={subjects.H_OWNER: headers[subjects.H_OWNER]})
+
+    async def _infer_once(
+        self, body: bytes, headers: dict[str, str], request_id: str, timeout: float, receive: Receive, send: Send,
+        limits: list[tuple[bytes, bytes]],
+    ) -> None:
         # Watch for the client going away while the request runs: then cancel it on the node.
         request = asyncio.ensure_future(self.nc.request(subjects.INFER, body, timeout=timeout + 1.0, headers=headers))
         watch = asyncio.ensure_future(receive())
         done, _ = await asyncio.wait((request, watch), return_when=asyncio.FIRST_COMPLETED)
         if request not in done:
             request.cancel()
-            await self.nc.publish(subjects.cancel(request_id), b"")
+            await self._cancel(request_id, headers)
             return
         watch.cancel()
         try:
@@ -255,7 +273,7 @@ class Gateway:
         except NoRespondersError:
             raise NoHealthyNodesError("no router is running (no responders on zml.infer)", retry_after=1.0) from None
         except NatsTimeout:
-            await self.nc.publish(subjects.cancel(request_id), b"")
+            await self._cancel(request_id, headers)
             raise TimeoutError(f"no reply within {timeout:g} s") from None
         rh = reply.headers or {}
         code = rh.get(subjects.H_ERROR_CODE)
@@ -292,11 +310,11 @@ class Gateway:
                 done, _ = await asyncio.wait((get, watch), timeout=max(remaining, 0), return_when=asyncio.FIRST_COMPLETED)
                 if watch in done:  # client went away
                     get.cancel()
-                    await self.nc.publish(subjects.cancel(request_id), b"")
+                    await self._cancel(request_id, headers)
                     return
                 if get not in done:
                     get.cancel()
-                    await self.nc.publish(subjects.cancel(request_id), b"")
+                    await self._cancel(request_id, headers)
                     exc = TimeoutError(f"no reply within {timeout:g} s")
                     if started:
                         await self._sse_error(send, exc.to_body())

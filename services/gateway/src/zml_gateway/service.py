@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 
 import msgspec
 import uvicorn
@@ -41,9 +42,15 @@ class GatewayService:
         self._follow = asyncio.create_task(self._follow_nodes(kv))
         self._follow_costs = asyncio.create_task(self.costs.follow(await costs_kv(nc)))
         app = Gateway(self.cfg, nc, self.nodes, self.costs)
+        gw = self.cfg.gateway
+        tls: dict[str, object] = {}
+        if gw.tls_cert_file:  # HTTPS; with a client CA, clients must present a certificate it signed
+            tls = {"ssl_certfile": gw.tls_cert_file, "ssl_keyfile": gw.tls_key_file}
+            if gw.tls_client_ca_file:
+                tls |= {"ssl_ca_certs": gw.tls_client_ca_file, "ssl_cert_reqs": ssl.CERT_REQUIRED}
         config = uvicorn.Config(
             app, host=self.host, port=self.port, http="httptools", loop="none", lifespan="off",
-            log_level="warning", access_log=False, timeout_keep_alive=30, backlog=2048,
+            log_level="warning", access_log=False, timeout_keep_alive=30, backlog=2048, **tls,  # type: ignore[arg-type]
         )
         self._server = _Server(config)
         self._serve = asyncio.create_task(self._server.serve())

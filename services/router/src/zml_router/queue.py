@@ -35,7 +35,7 @@ H_REPLY = "Zml-Reply"
 H_DEADLINE = "Zml-Deadline"  # unix seconds: when a queued request expires with QUEUE_FULL
 H_ENQUEUED = "Zml-Enqueued"
 H_TOTAL_MS = "Zml-Total-Timeout-Ms"  # a re-queued request's original timeout
-H_QUEUED_HEADERS = (subjects.H_REQUEST_ID, subjects.H_TIMEOUT_MS)
+H_QUEUED_HEADERS = (subjects.H_REQUEST_ID, subjects.H_TIMEOUT_MS, subjects.H_OWNER)
 
 ACK_WAIT_S = 5.0
 #: How long a "requests waiting" announcement holds unless renewed (the holder renews it).
@@ -71,7 +71,7 @@ Expire = Callable[[QueuedMsg, float], Awaitable[None]]
 
 
 class SaturationQueue:
-    def __init__(self, nc: NATS, try_dispatch: TryDispatch, expire: Expire, is_cancelled: Callable[[str], bool]) -> None:
+    def __init__(self, nc: NATS, try_dispatch: TryDispatch, expire: Expire, is_cancelled: Callable[[QueuedMsg], bool]) -> None:
         self.nc = nc
         self.js: JetStreamContext = nc.jetstream()
         self._try_dispatch = try_dispatch
@@ -186,7 +186,7 @@ class SaturationQueue:
         last_progress = time.monotonic()
         while True:
             now = time.time()
-            if request_id and self._is_cancelled(request_id):
+            if request_id and self._is_cancelled(qmsg):
                 await jmsg.ack()
                 return
             if now >= deadline:

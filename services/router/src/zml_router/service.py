@@ -25,6 +25,7 @@ from zmlcore.errors import (
     BackendError,
     BadRequestError,
     CancelledError,
+    DuplicateRequestError,
     ModelNotLoadedError,
     NoHealthyNodesError,
     QueueFullError,
@@ -114,6 +115,12 @@ def _new_id() -> str:
     return os.urandom(8).hex()
 
 
+def _owner_key(reply: str, headers: dict[str, str], request_id: str) -> tuple[str, str, str]:
+    """Whose request id this is: the identity owning the reply inbox, narrowed by a front
+    door's ``Zml-Owner`` (which can only split the sender's own namespace further)."""
+    return subjects.reply_owner(reply), headers.get(subjects.H_OWNER, ""), request_id
+
+
 class RouterService:
     def __init__(self, cfg: ZMLConfig, router_id: str | None = None) -> None:
         self.cfg = cfg
@@ -124,13 +131,14 @@ class RouterService:
         self.http: NodeClient | None = None
         self._subs: list[Subscription] = []
         self._tasks: set[asyncio.Task[None]] = set()
-        self._by_request: dict[str, asyncio.Task[None]] = {}
+        #: In-flight requests by (owner, front-door owner, request id): ids are scoped to owners.
+        self._by_request: dict[tuple[str, str, str], asyncio.Task[None]] = {}
         self._follow: asyncio.Task[None] | None = None
         self._heartbeat: asyncio.Task[None] | None = None
         self._follow_costs: asyncio.Task[None] | None = None
         self._api_keys = {n.id: n.api_key for n in cfg.nodes if n.api_key}
-        #: Cancelled request ids not held here (they may be waiting in the queue).
-        self._cancelled: dict[str, float] = {}
+        #: Cancelled (owner, front-door owner, id) not held here (they may be waiting in the queue).
+        self._cancelled: dict[tuple[str, str, str], float] = {}
         self.queue: SaturationQueue | None = None
         self._default_timeout = cfg.defaults.request_timeout_s
 
@@ -148,13 +156,13 @@ class RouterService:
             await asyncio.wait_for(self.table.ready.wait(), 2.0)
         except asyncio.TimeoutError:
             pass
-        self.queue = SaturationQueue(nc, self._try_queued, self._expire_queued, self._cancelled.__contains__)
+        self.queue = SaturationQueue(nc, self._try_queued, self._expire_queued, self._queued_cancelled)
         self.table.on_change = self.queue.capacity.set
         await self.queue.start(sorted(self.cfg.model_names()))
         self._subs.append(await nc.subscribe(subjects.INFLIGHT, cb=self._on_delta))
         self._subs.append(await nc.subscribe(subjects.INFLIGHT_SNAPSHOT, cb=self._on_snapshot))
         self._heartbeat = asyncio.create_task(self._publish_snapshots())
-        self._subs.append(await nc.subscribe(subjects.cancel("*"), cb=self._on_cancel))
+        self._subs.append(await nc.subscribe(f"{subjects.CANCEL_PREFIX}.>", cb=self._on_cancel))
         self._subs.append(await nc.subscribe(subjects.router_state(self.router_id), cb=self._on_state))
         self._subs.append(await nc.subscribe(subjects.ROUTERS_STATE, cb=self._on_state))
         self._subs.append(
@@ -213,13 +221,19 @@ class RouterService:
                 await self.nc.publish(subjects.INFLIGHT_SNAPSHOT, _encode(snap))
 
     async def _on_cancel(self, msg: Msg) -> None:
-        request_id = msg.subject.rsplit(".", 1)[-1]
-        task = self._by_request.get(request_id)
+        # The owner is the subject token that permissions pin to the sender's identity: a
+        # cancel for another owner's request id names a different key and matches nothing.
+        parsed = subjects.parse_cancel(msg.subject)
+        if parsed is None:
+            return
+        owner, request_id = parsed
+        key = (owner, (msg.headers or {}).get(subjects.H_OWNER, ""), request_id)
+        task = self._by_request.get(key)
         if task is not None:
             task.cancel()
             return
         # Maybe waiting in the saturation queue: remember it (bounded) so it is dropped there.
-        self._cancelled[request_id] = time.time()
+        self._cancelled[key] = time.time()
         if len(self._cancelled) > 10_000:
             for key in list(self._cancelled)[:5_000]:
                 del self._cancelled[key]
@@ -261,14 +275,17 @@ class RouterService:
             timeout = self._timeout(req, headers)
             task = asyncio.current_task()
             assert task is not None
-            self._by_request[request_id] = task
+            key = _owner_key(msg.reply, headers, request_id)
+            if key in self._by_request:
+                raise DuplicateRequestError(f"request_id {request_id!r} is already in flight for this caller")
+            self._by_request[key] = task
             try:
                 async with asyncio.timeout(timeout):
                     await self._route(msg, req, request_id, t0, timeout, out)
             except asyncio.TimeoutError as exc:
                 raise TimeoutError(f"request exceeded its timeout of {timeout:g} s") from exc
             finally:
-                self._by_request.pop(request_id, None)
+                self._by_request.pop(key, None)
                 if isinstance(msg, QueuedMsg) and msg.placed is not None and not msg.placed.done():
                     msg.placed.set_result(True)
         except asyncio.CancelledError:
@@ -283,6 +300,10 @@ class RouterService:
             await self._reply_error(msg, ZMLError(f"internal error: {type(exc).__name__}"), stream)
         if out.model and not out.queued:
             await self._completed(out, request_id, t0)
+
+    def _queued_cancelled(self, qmsg: QueuedMsg) -> bool:
+        request_id = qmsg.headers.get(subjects.H_REQUEST_ID, "")
+        return _owner_key(qmsg.reply, qmsg.headers, request_id) in self._cancelled
 
     def _timeout(self, req: InferRequest, headers: dict[str, str]) -> float:
         ms = req.timeout_ms
@@ -472,6 +493,9 @@ class RouterService:
         wait_s = (max_queue_ms or 0) / 1000.0
         deadline = now + min(wait_s, timeout)
         headers = {subjects.H_REQUEST_ID: request_id, subjects.H_TIMEOUT_MS: str(int(timeout * 1000))}
+        owner = (msg.headers or {}).get(subjects.H_OWNER)
+        if owner:
+            headers[subjects.H_OWNER] = owner
         if isinstance(msg, QueuedMsg):
             # Back in the queue after losing a race for capacity: keep its deadlines.
             deadline = float(msg.headers.get(H_DEADLINE, deadline))
