@@ -2,6 +2,11 @@
 
 Prints one line with ``ready`` and the gateway URL once a request would succeed; Ctrl-C or
 SIGTERM stops every child it started (by PID, in reverse order).
+
+Secure by default: the embedded nats-server runs with authorization (an nkey identity per
+service, each allowed only its own subjects, see docs/security.md), from a persistent data
+folder (``--data-dir``, default ``~/.local/share/zml``) holding the seeds (mode 0600).
+``--insecure`` runs an open broker, as before (tests, throw-away demos).
 """
 
 from __future__ import annotations
@@ -31,7 +36,10 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     g.add_argument("--nats-port", type=int, default=4222, help="port of the embedded NATS (default 4222)")
     g.add_argument("--nats-url", help="use this NATS server (with JetStream) instead of starting one")
     p.add_argument("--routers", type=int, default=1, help="router replicas (default 1)")
-    p.add_argument("--data-dir", help="JetStream storage (default: a temporary folder)")
+    p.add_argument("--data-dir", help="identities, NATS config and JetStream storage (default: ~/.local/share/zml; "
+                                      "with --insecure a temporary folder)")
+    p.add_argument("--insecure", action="store_true",
+                   help="run NATS without authorization: anyone who reaches the port can read and inject anything")
     p.add_argument("--ready-timeout", type=float, default=90.0, help="seconds to wait for the first good request")
     p.add_argument("-v", "--verbose", action="store_true", help="echo every child's log")
     p.set_defaults(func=run)
@@ -58,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
     from zmlcore.config import load_config
     from zmlcore.errors import ConfigError
     from zmlcore.launch import endpoint_port, port_in_use, service_argv, spawn, start_nats, wait_port
+    from zmlcore.natscreds import default_data_dir, ensure_builtin, write_server_config
 
     config = args.config or demo_config_path()
     try:
@@ -83,27 +92,39 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     tmp = None
+    envs: dict[str, dict[str, str]] = {}  # per service: its identity (ZML_NATS_NKEY)
+    data_dir = None
     try:
         if args.nats_url:
             nats_url = args.nats_url
         else:
-            data_dir = args.data_dir
-            if data_dir is None:
+            if args.data_dir is None and args.insecure:
                 tmp = tempfile.TemporaryDirectory(prefix="zml-nats-")
-                data_dir = tmp.name
-            Path(data_dir).mkdir(parents=True, exist_ok=True)
-            procs.append(start_nats(args.host, args.nats_port, data_dir, echo=args.verbose))
+            data_dir = Path(args.data_dir or (tmp.name if tmp else default_data_dir()))
+            data_dir.mkdir(parents=True, exist_ok=True)
+            conf = None
+            if not args.insecure:
+                try:
+                    ids = ensure_builtin(data_dir)
+                    n = cfg.nats
+                    conf = write_server_config(data_dir, tls_cert=n.server_tls_cert_file, tls_key=n.server_tls_key_file,
+                                               tls_ca=n.tls_ca_file, verify_clients=n.server_tls_verify_clients)
+                except ConfigError as exc:
+                    return _fail(str(exc))
+                envs = {name: {"ZML_NATS_NKEY": ident.seed_file} for name, ident in ids.items()}
+            procs.append(start_nats(args.host, args.nats_port, str(data_dir / "jetstream"), echo=args.verbose,
+                                    config=conf))
             nats_url = f"nats://{args.host}:{args.nats_port}"
         if sim_nodes:
             sim = spawn("sim", service_argv("sim", config, nats_url), echo=args.verbose)
             procs.append(sim)
-        procs.append(spawn("health", service_argv("health", config, nats_url), echo=args.verbose))
-        procs.append(spawn("warmup", service_argv("warmup", config, nats_url), echo=args.verbose))
+        procs.append(spawn("health", service_argv("health", config, nats_url), echo=args.verbose, env=envs.get("health")))
+        procs.append(spawn("warmup", service_argv("warmup", config, nats_url), echo=args.verbose, env=envs.get("warmup")))
         for i in range(max(1, args.routers)):
             procs.append(spawn(f"router-{i + 1}", service_argv("router", config, nats_url, "--router-id", f"router-{i + 1}"),
-                               echo=args.verbose))
+                               echo=args.verbose, env=envs.get("router")))
         gw_argv = service_argv("gateway", config, nats_url, "--host", args.host, "--port", str(args.gateway_port))
-        procs.append(spawn("gateway", gw_argv, echo=args.verbose))
+        procs.append(spawn("gateway", gw_argv, echo=args.verbose, env=envs.get("gateway")))
         url = f"http://{args.host}:{args.gateway_port}"
         if not wait_port(args.host, args.gateway_port, 30):
             return _died(procs) or _fail("the gateway did not start")
@@ -121,6 +142,14 @@ def run(args: argparse.Namespace) -> int:
                 return _fail(f"no successful request within {args.ready_timeout:g} s (last: {last[0]} {last[1]})")
             time.sleep(0.5)
         if not stopping:
+            if envs and data_dir is not None:
+                print(f"zml up: NATS authorization on (identities in {data_dir}). A client identity for raw NATS or "
+                      f"the SDK: `zml creds issue NAME --data-dir {data_dir}`, then ZML_NATS_NKEY=<the file it "
+                      f"writes>. Operator commands (zml nodes/cost/serve): "
+                      f"ZML_NATS_NKEY={data_dir / 'creds' / 'admin.nk'}", flush=True)
+            elif not args.nats_url:
+                print("zml up: --insecure: NATS has no authorization; anyone who reaches "
+                      f"{nats_url} can read every prompt and reply and register nodes", flush=True)
             print(f"zml ready: {url}  (OpenAI API at {url}/v1, NATS {nats_url}, {len(cfg.nodes)} nodes; Ctrl-C to stop)",
                   flush=True)
         while not stopping:
