@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
 import signal
 import socket
 import subprocess
 import sys
 import time
 
+from pathlib import Path
+
 import httpx
+import nats
+import nats.errors
 import pytest
 
 from zmlcore.launch import free_port, port_in_use, spawn
@@ -21,18 +27,38 @@ def _zml(*args: str) -> list[str]:
     return [sys.executable, "-m", "zml.cli", *args]
 
 
-@pytest.mark.timeout(120)
-def test_zml_up_runs_the_demo_fleet_and_stops_everything() -> None:
+@pytest.mark.timeout(150)
+def test_zml_up_runs_the_demo_fleet_and_stops_everything(tmp_path: Path) -> None:
     cfg = load_config(demo_config_path())
     sim_ports = [endpoint_port(n.endpoint) for n in cfg.nodes]
     if any(port_in_use(h, p) for h, p in sim_ports):
         pytest.skip("a demo fleet port (91xx) is taken on this machine")
     gw, nats_port = free_port(), free_port()
-    proc = spawn("zml-up", _zml("up", "--gateway-port", str(gw), "--nats-port", str(nats_port)))
+    data = tmp_path / "zml-data"
+    proc = spawn("zml-up", _zml("up", "--gateway-port", str(gw), "--nats-port", str(nats_port), "--data-dir", str(data)))
     try:
         assert proc.wait_for("ready", 90), proc.tail()
         ready = next(line for line in proc.lines if "ready" in line)
         assert f"http://127.0.0.1:{gw}" in ready
+        # Secure by default: it says how to get a client identity, and the broker refuses strangers.
+        assert any("zml creds issue NAME" in line for line in proc.lines), proc.tail()
+        for name in ("gateway", "router", "health", "warmup", "admin"):
+            assert (data / "creds" / f"{name}.nk").stat().st_mode & 0o777 == 0o600
+        assert _anonymous_refused(f"nats://127.0.0.1:{nats_port}")
+        # The operator's commands work with the admin identity (zml serve: warmup + KV watch)...
+        serve = [*_zml("serve", "meta-llama/llama-3-8b-instruct", "--nats-url", f"nats://127.0.0.1:{nats_port}",
+                       "--timeout", "60")]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ZML_")}
+        out = subprocess.run(serve, capture_output=True, text=True, timeout=90,
+                             env={**env, "ZML_NATS_NKEY": str(data / "creds" / "admin.nk")})
+        assert out.returncode == 0, out.stdout + out.stderr
+        # ... and not with a client identity.
+        issued = subprocess.run(_zml("creds", "issue", "someone", "--data-dir", str(data)), capture_output=True,
+                                text=True, timeout=30)
+        assert issued.returncode == 0 and "reloaded" in issued.stdout, issued.stdout + issued.stderr
+        out = subprocess.run([*serve[:-1], "5"], capture_output=True, text=True, timeout=90,
+                             env={**env, "ZML_NATS_NKEY": str(data / "creds" / "someone.nk")})
+        assert out.returncode != 0 and "did not answer" in out.stdout + out.stderr
         r = httpx.post(f"http://127.0.0.1:{gw}/v1/chat/completions", timeout=30,
                        json={"model": "meta-llama/llama-3-8b-instruct",
                              "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4})
@@ -49,6 +75,41 @@ def test_zml_up_runs_the_demo_fleet_and_stops_everything() -> None:
     while time.monotonic() < deadline and any(port_in_use(h, p) for h, p in used):
         time.sleep(0.2)
     assert not [p for h, p in used if port_in_use(h, p)]
+
+
+def _anonymous_refused(url: str) -> bool:
+    async def attempt() -> bool:
+        try:
+            nc = await nats.connect(url, allow_reconnect=False, connect_timeout=5)
+        except nats.errors.Error as exc:
+            return "Authorization Violation" in str(exc)
+        await nc.close()
+        return False
+
+    return asyncio.run(attempt())
+
+
+@pytest.mark.timeout(150)
+def test_zml_up_insecure_is_an_explicit_open_broker(tmp_path: Path) -> None:
+    """--insecure keeps the old open broker (and says so)."""
+    cfg = load_config(demo_config_path())
+    if any(port_in_use(*endpoint_port(n.endpoint)) for n in cfg.nodes):
+        pytest.skip("a demo fleet port (91xx) is taken on this machine")
+    gw, nats_port = free_port(), free_port()
+    proc = spawn("zml-up", _zml("up", "--gateway-port", str(gw), "--nats-port", str(nats_port), "--insecure"))
+    try:
+        assert proc.wait_for("ready", 90), proc.tail()
+        assert any("no authorization" in line for line in proc.lines), proc.tail()
+
+        async def open_connect() -> bool:
+            nc = await nats.connect(f"nats://127.0.0.1:{nats_port}", allow_reconnect=False, connect_timeout=5)
+            await nc.close()
+            return True
+
+        assert asyncio.run(open_connect())
+    finally:
+        proc.popen.send_signal(signal.SIGTERM)
+        assert proc.popen.wait(30) == 0, proc.tail()
 
 
 def test_zml_up_port_in_use_is_one_clear_line() -> None:
