@@ -109,6 +109,13 @@ class RouterConfig(msgspec.Struct, **_Base):
     """TCP connect timeout towards a node."""
     max_connections: PosInt = 512
     """Connection pool size towards all nodes together."""
+    first_byte_floor_s: PosFloat = 5.0
+    """Per-attempt first-byte timeout, lower bound: a node that sends nothing (no first
+    token when streaming, no reply otherwise) within max(this, first_byte_factor x its
+    estimated time) is abandoned, marked slow and cooled down, and the request fails over."""
+    first_byte_factor: NonNeg = 4.0
+    """Multiple of the node's estimated time to first token (to the whole reply when not
+    streaming) allowed before the first byte; 0 makes first_byte_floor_s a fixed timeout."""
 
 
 class HealthConfig(msgspec.Struct, **_Base):

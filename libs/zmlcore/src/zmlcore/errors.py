@@ -12,6 +12,7 @@
     ├── TimeoutError              TIMEOUT             504  retryable
     ├── CancelledError            CANCELLED           499
     ├── BackendError              BACKEND_ERROR       502  retryable
+    │   └── StreamInterruptedError STREAM_INTERRUPTED 502  retryable (a relayed stream lost a message)
     ├── ConnectionError           CONNECTION_FAILED   503  retryable (client side: endpoint unreachable)
     └── RoutingError              (routing_context attached)
         ├── NoHealthyNodesError   NO_HEALTHY_NODES    503  retryable
@@ -45,6 +46,7 @@ __all__ = [
     "QueueFullError",
     "RateLimitError",
     "RoutingError",
+    "StreamInterruptedError",
     "TimeoutError",
     "ZMLError",
     "error_class",
@@ -161,6 +163,16 @@ class BackendError(ZMLError):
     """The accelerator node failed and no other node could take the request."""
 
     code = "BACKEND_ERROR"
+    http_status = 502
+    retryable = True
+    openai_type = "server_error"
+
+
+class StreamInterruptedError(BackendError):
+    """A streamed reply lost a message on its way (core NATS is at-most-once, e.g. across a
+    broker restart): the stream ends with this error rather than with silently missing text."""
+
+    code = "STREAM_INTERRUPTED"
     http_status = 502
     retryable = True
     openai_type = "server_error"

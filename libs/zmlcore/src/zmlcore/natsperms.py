@@ -86,11 +86,11 @@ def _grants(role: str, owner: str) -> tuple[list[str], list[str], bool]:
                *kv_read(subjects.NODES_BUCKET), *kv_read(subjects.COSTS_BUCKET)]
         return pub, [inbox], False
     if role == "router":
-        pub = [f"{subjects.INBOX_ROOT}.>", subjects.INFLIGHT, subjects.INFLIGHT_SNAPSHOT, completed,
-               subjects.QUEUE_BUSY, *_queue_stream(),
+        pub = [f"{subjects.INBOX_ROOT}.>", subjects.INFLIGHT, subjects.INFLIGHT_SNAPSHOT, subjects.NODE_MARKS,
+               completed, subjects.QUEUE_BUSY, *_queue_stream(), *kv_write(subjects.QUEUE_CLAIMS_BUCKET),
                *kv_read(subjects.NODES_BUCKET), *kv_read(subjects.COSTS_BUCKET)]
         sub = [inbox, f"{subjects.INFER} {subjects.ROUTER_QUEUE}",  # only inside the queue group
-               subjects.INFLIGHT, subjects.INFLIGHT_SNAPSHOT, f"{subjects.CANCEL_PREFIX}.>",
+               subjects.INFLIGHT, subjects.INFLIGHT_SNAPSHOT, subjects.NODE_MARKS, f"{subjects.CANCEL_PREFIX}.>",
                subjects.ROUTERS_STATE, subjects.router_state("*"), subjects.QUEUE_BUSY]
         return pub, sub, False
     if role == "health":

@@ -29,6 +29,7 @@ from zmlcore.errors import (
     RateLimitError,
     BadRequestError,
     NoHealthyNodesError,
+    StreamInterruptedError,
     TimeoutError,
     ZMLError,
     error_class,
@@ -37,6 +38,7 @@ from zmlcore.messages import NodeState
 from zmlcore.natsauth import config_owner
 from zmlcore.ratelimit import TokenBucket
 from zml_gateway.owners import InFlight
+from zmlcore.streamseq import SeqCheck
 
 log = logging.getLogger("zml.gateway")
 
@@ -58,6 +60,8 @@ class _Peek(msgspec.Struct):
 _peek = msgspec.json.Decoder(_Peek)
 
 _JSON = (b"content-type", b"application/json")
+#: Stream messages that carry Zml-Seq (an error ends the stream whatever its number).
+_SEQUENCED = ("start", subjects.STREAM_CHUNK, subjects.STREAM_END)
 _SSE_HEADERS = [
     (b"content-type", b"text/event-stream"),
     (b"cache-control", b"no-cache"),
@@ -301,6 +305,7 @@ class Gateway:
         sub = await self.nc.subscribe(inbox, cb=on_msg)
         watch = asyncio.ensure_future(receive())
         started = False
+        seq = SeqCheck()  # a lost message ends the stream with an error, never silently short
         deadline = time.monotonic() + timeout + 1.0
         try:
             await self.nc.publish(subjects.INFER, body, reply=inbox, headers=headers)
@@ -323,6 +328,14 @@ class Gateway:
                 msg = get.result()
                 mh = msg.headers or {}
                 kind = mh.get(subjects.H_STREAM)
+                gap = seq.gap(mh.get(subjects.H_SEQ)) if kind in _SEQUENCED else None
+                if gap is not None:
+                    await self.nc.publish(subjects.cancel(request_id), b"")
+                    lost = StreamInterruptedError(f"{gap}; the stream is incomplete")
+                    if not started:
+                        raise lost
+                    await self._sse_error(send, lost.to_body())
+                    return
                 if kind == subjects.STREAM_CHUNK:
                     await send({"type": "http.response.body", "body": b"data: " + msg.data + b"\n\n", "more_body": True})
                 elif kind == "start":
