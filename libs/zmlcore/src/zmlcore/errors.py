@@ -4,6 +4,10 @@
 
     ZMLError                      INTERNAL            500
     ├── BadRequestError           BAD_REQUEST         400
+    │   ├── NotFoundError         NOT_FOUND           404  (unknown HTTP path)
+    │   ├── MethodNotAllowedError METHOD_NOT_ALLOWED  405
+    │   ├── RequestTooLargeError  REQUEST_TOO_LARGE   413
+    │   ├── HeadersTooLargeError  HEADERS_TOO_LARGE   431
     │   └── DuplicateRequestError DUPLICATE_REQUEST_ID 409 (the owner has this request id in flight)
     ├── ConfigError               CONFIG_INVALID      (start-up only)
     │   └── PolicyConfigError     POLICY_CONFIG       400
@@ -40,7 +44,11 @@ __all__ = [
     "DuplicateRequestError",
     "ErrorBody",
     "ErrorDetail",
+    "HeadersTooLargeError",
+    "MethodNotAllowedError",
     "ModelNotLoadedError",
+    "NotFoundError",
+    "RequestTooLargeError",
     "NoHealthyNodesError",
     "PolicyConfigError",
     "QueueFullError",
@@ -99,6 +107,35 @@ class BadRequestError(ZMLError):
     code = "BAD_REQUEST"
     http_status = 400
     openai_type = "invalid_request_error"
+
+
+class NotFoundError(BadRequestError):
+    """No such path on this server."""
+
+    code = "NOT_FOUND"
+    http_status = 404
+
+
+class MethodNotAllowedError(BadRequestError):
+    """The path exists but not with this HTTP method."""
+
+    code = "METHOD_NOT_ALLOWED"
+    http_status = 405
+
+
+class RequestTooLargeError(BadRequestError):
+    """The request body is larger than this deployment accepts (the gateway's
+    ``max_body_bytes`` or the NATS server's ``max_payload``, whichever is smaller)."""
+
+    code = "REQUEST_TOO_LARGE"
+    http_status = 413
+
+
+class HeadersTooLargeError(BadRequestError):
+    """Too many request headers, or too large."""
+
+    code = "HEADERS_TOO_LARGE"
+    http_status = 431
 
 
 class DuplicateRequestError(BadRequestError):
@@ -222,11 +259,13 @@ class QueueFullError(RoutingError):
 
 
 class ErrorDetail(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """OpenAI's ``error`` object plus ZML's fields."""
+    """OpenAI's ``error`` object plus ZML's fields. ``type`` and ``code`` default to "" so that
+    ``omit_defaults`` never drops a real value (it dropped ``"server_error"`` from every 5xx);
+    a peer that sent neither decodes as ``server_error``/``INTERNAL``."""
 
     message: str
-    type: str = "server_error"
-    code: str = "INTERNAL"
+    type: str = ""
+    code: str = ""
     param: str | None = None
     routing_context: dict[str, Any] | None = None
     retry_after: float | None = None
@@ -255,8 +294,8 @@ def error_class(code: str) -> type[ZMLError]:
 
 def from_wire(detail: ErrorDetail) -> ZMLError:
     """Rebuild the exception a peer sent. Unknown codes keep their code on a ZMLError."""
-    cls = error_class(detail.code)
+    cls = error_class(detail.code or ZMLError.code)
     exc = cls(detail.message, routing_context=detail.routing_context, retry_after=detail.retry_after)
-    if cls is ZMLError and detail.code != ZMLError.code:
+    if cls is ZMLError and detail.code and detail.code != ZMLError.code:
         exc.code = detail.code  # type: ignore[misc]  # instance attribute shadows the ClassVar
     return exc

@@ -60,13 +60,13 @@ def _write_private(path: Path, data: str) -> None:
 
 
 def _new_seed() -> str:
-    import nkeys  # type: ignore[import-untyped]
+    import nkeys  # type: ignore[import-untyped,unused-ignore]
 
     return str(nkeys.encode_seed(os.urandom(32), nkeys.PREFIX_BYTE_USER).decode())
 
 
 def _public(seed: str) -> str:
-    import nkeys  # type: ignore[import-untyped]
+    import nkeys  # type: ignore[import-untyped,unused-ignore]
 
     kp = nkeys.from_seed(bytearray(seed.encode()))
     try:

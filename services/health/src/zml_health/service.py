@@ -97,7 +97,9 @@ class HealthService:
     async def start(self, nc: NATS) -> None:
         self.nc = nc
         js = nc.jetstream()
-        self.kv = await nodes_kv(js)
+        # A state put that is not acknowledged within about a poll is stale anyway; the next poll
+        # puts a fresh one (after a broker restart, a put sent before JetStream was back is lost).
+        self.kv = await nodes_kv(nc.jetstream(timeout=min(5.0, max(1.0, 2 * self.cfg.health.poll_interval_s))))
         self.registry = await ensure_kv(js, subjects.REGISTRY_BUCKET)
         self.http = httpx.AsyncClient(limits=httpx.Limits(max_connections=self.cfg.health.max_concurrent_probes))
         await self._load_registry()

@@ -34,11 +34,13 @@ from dataclasses import dataclass
 from nats.aio.client import Client as NATS
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, KeyValueConfig, RetentionPolicy, StorageType, StreamConfig
-from nats.js.errors import BucketNotFoundError, KeyWrongLastSequenceError, NotFoundError
+from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StorageType, StreamConfig
+from nats.js.errors import KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from zmlcore import subjects
+from zmlcore.link import link_of
+from zmlcore.natsio import ensure_kv
 from zmlcore.runner import cancel_and_wait
 
 log = logging.getLogger("zml.router.queue")
@@ -105,18 +107,22 @@ class SaturationQueue:
         self.busy: dict[str, float] = {}
         self._busy_sub: object | None = None
 
-    async def start(self, models: list[str]) -> None:
+    async def _ensure_stream(self) -> None:
         cfg = StreamConfig(
             name=subjects.QUEUE_STREAM,
             subjects=[f"{subjects.QUEUE_SUBJECT_PREFIX}.>"],
             retention=RetentionPolicy.WORK_QUEUE,
             storage=StorageType.FILE,
             max_age=MAX_AGE_S,
+            num_replicas=link_of(self.nc).replicas,
         )
         try:
             await self.js.add_stream(cfg)
         except Exception:  # exists (created by another replica): fine
             await self.js.stream_info(subjects.QUEUE_STREAM)
+
+    async def start(self, models: list[str]) -> None:
+        await self._ensure_stream()
         self.claims = await self._claims_bucket()
         # Models in the config, plus any with a consumer already (a queue left by a restart).
         try:
@@ -131,15 +137,7 @@ class SaturationQueue:
         self._busy_sub = await self.nc.subscribe(subjects.QUEUE_BUSY, cb=self._on_busy)
 
     async def _claims_bucket(self) -> KeyValue:
-        try:
-            return await self.js.key_value(subjects.QUEUE_CLAIMS_BUCKET)
-        except (BucketNotFoundError, NotFoundError):
-            pass
-        try:
-            return await self.js.create_key_value(
-                KeyValueConfig(bucket=subjects.QUEUE_CLAIMS_BUCKET, history=1, ttl=MAX_AGE_S))
-        except Exception:  # created concurrently by another replica
-            return await self.js.key_value(subjects.QUEUE_CLAIMS_BUCKET)
+        return await ensure_kv(self.js, subjects.QUEUE_CLAIMS_BUCKET, ttl=MAX_AGE_S)
 
     async def _claim(self, key: str) -> bool | None:
         """True: ours to dispatch; False: claimed already (dispatched); None: bucket unreachable."""
@@ -209,17 +207,30 @@ class SaturationQueue:
             max_ack_pending=1,
             filter_subject=subjects.queue(key),
         )
+        link = link_of(self.nc)
         while True:
+            # (Re-)create the pull consumer: at start, and after every reconnect, since a broker
+            # restarted without its store (or a lost cluster server) no longer has it.
+            gen = link.generation
             try:
+                if gen:
+                    await self._ensure_stream()
                 psub = await self.js.pull_subscribe(subjects.queue(key), durable=durable,
                                                     stream=subjects.QUEUE_STREAM, config=config)
-                break
             except asyncio.CancelledError:
                 raise
             except Exception:
-                log.warning("queue consumer %s not ready; retrying", durable, exc_info=True)
-                await asyncio.sleep(1.0)
-        while True:
+                log.warning("queue consumer %s not ready; retrying", durable, exc_info=not gen)
+                await asyncio.sleep(0.5)
+                continue
+            await self._fetch_loop(key, psub, lambda: link.generation != gen)
+            try:
+                await psub.unsubscribe()
+            except Exception:  # connection gone
+                pass
+
+    async def _fetch_loop(self, key: str, psub, stale: Callable[[], bool]) -> None:  # type: ignore[no-untyped-def]
+        while not stale():
             try:
                 msgs = await psub.fetch(1, timeout=1.0)
             except (NatsTimeout, asyncio.TimeoutError):
@@ -228,8 +239,8 @@ class SaturationQueue:
                 continue
             except asyncio.CancelledError:
                 raise
-            except Exception:
-                log.warning("queue fetch failed on %s", key, exc_info=True)
+            except Exception as exc:
+                log.warning("queue fetch failed on %s: %s", key, exc)
                 await asyncio.sleep(0.5)
                 continue
             for jmsg in msgs:

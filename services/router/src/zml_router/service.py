@@ -43,9 +43,9 @@ from zmlcore.messages import (
     infer_request_decoder,
     node_mark_decoder,
 )
-from zmlcore.costs import costs_kv
-from zmlcore.natsio import nodes_kv
+from zmlcore.kvfollow import KVFollower
 from zmlcore.runner import cancel_and_wait
+from zmlcore.validate import check_request_id, decode_request, request_timeout_s
 from zmlcore.policy import (
     Decision,
     ResolvedPolicy,
@@ -167,13 +167,13 @@ class RouterService:
         if self.cfg.router.stale_after_s < 2 * self.cfg.health.poll_interval_s:
             log.warning("[router] stale_after_s (%g s) is under two health polls (%g s each): nodes will "
                         "flap to stale between polls", self.cfg.router.stale_after_s, self.cfg.health.poll_interval_s)
-        kv = await nodes_kv(nc.jetstream())
-        self._follow = asyncio.create_task(self.table.follow(kv))
-        self._follow_costs = asyncio.create_task(self.table.costs.follow(await costs_kv(nc)))
-        try:  # a snapshot before taking traffic; an empty bucket has nothing to wait for
-            await asyncio.wait_for(self.table.ready.wait(), 2.0)
-        except asyncio.TimeoutError:
-            pass
+        # Followers re-create their watch (and re-read the snapshot) after every reconnect.
+        self.nodes_follower = KVFollower(nc, subjects.NODES_BUCKET, on_put=self.table.put_raw,
+                                         on_delete=self.table.delete_raw)
+        self._follow = asyncio.create_task(self.nodes_follower.run())
+        self._follow_costs = asyncio.create_task(self.table.costs.follower(nc).run())
+        # A snapshot before taking traffic; an empty bucket has nothing to wait for.
+        await self.nodes_follower.wait_ready(2.0)
         self.queue = SaturationQueue(nc, self._room_for_queued, self._dispatch_queued, self._expire_queued,
                                      self._queued_cancelled, owner=self.router_id)
         self.table.on_change = self.queue.capacity.set
@@ -287,19 +287,16 @@ class RouterService:
     async def _handle(self, msg: Msg | QueuedMsg) -> None:
         t0 = time.monotonic()
         headers = msg.headers or {}
-        request_id = headers.get(subjects.H_REQUEST_ID, "")
+        asked_id = headers.get(subjects.H_REQUEST_ID, "")
+        request_id = ""  # set once validated: it goes into subjects, headers and logs
         stream = False
         out = _Outcome()
         try:
-            try:
-                req = infer_request_decoder.decode(msg.data)
-            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-                raise BadRequestError(f"invalid request: {exc}") from exc
-            if (req.messages is None) == (req.prompt is None):
-                raise BadRequestError("give exactly one of `messages` or `prompt`")
+            req = decode_request(msg.data, max_depth=self.cfg.defaults.max_json_depth)
             stream = req.stream
-            request_id = request_id or req.request_id or _new_id()
-            timeout = self._timeout(req, headers)
+            request_id = check_request_id(asked_id or req.request_id or _new_id())
+            timeout = request_timeout_s(req.timeout_ms, headers.get(subjects.H_TIMEOUT_MS),
+                                        self._default_timeout, self.cfg.defaults.max_request_timeout_s)
             task = asyncio.current_task()
             assert task is not None
             key = _owner_key(msg.reply, headers, request_id)
@@ -333,15 +330,6 @@ class RouterService:
     def _queued_cancelled(self, qmsg: QueuedMsg) -> bool:
         request_id = qmsg.headers.get(subjects.H_REQUEST_ID, "")
         return self._cancelled.seen(_owner_key(qmsg.reply, qmsg.headers, request_id), time.time())
-
-    def _timeout(self, req: InferRequest, headers: dict[str, str]) -> float:
-        ms = req.timeout_ms
-        if subjects.H_TIMEOUT_MS in headers:
-            try:
-                ms = int(headers[subjects.H_TIMEOUT_MS])
-            except ValueError:
-                raise BadRequestError(f"{subjects.H_TIMEOUT_MS} must be an integer") from None
-        return ms / 1000.0 if ms else self._default_timeout
 
     def _prepare(self, req: InferRequest, raw: bytes) -> tuple[str, ResolvedPolicy, RouteRequest]:
         model = self.cfg.resolve_model(req.model)
