@@ -82,8 +82,8 @@ def _grants(role: str, owner: str) -> tuple[list[str], list[str], bool]:
     if role == "client":
         return [subjects.INFER, own_cancel], [inbox], False
     if role == "gateway":
-        pub = [subjects.INFER, own_cancel, subjects.ROUTERS_STATE,
-               *kv_read(subjects.NODES_BUCKET), *kv_read(subjects.COSTS_BUCKET)]
+        pub = [subjects.INFER, own_cancel, subjects.ROUTERS_STATE, *kv_read(subjects.NODES_BUCKET),
+               *kv_read(subjects.COSTS_BUCKET), *kv_read(subjects.KEYS_BUCKET), *kv_write(subjects.LIMITS_BUCKET)]
         return pub, [inbox], False
     if role == "router":
         pub = [f"{subjects.INBOX_ROOT}.>", subjects.INFLIGHT, subjects.INFLIGHT_SNAPSHOT, subjects.NODE_MARKS,
@@ -103,10 +103,10 @@ def _grants(role: str, owner: str) -> tuple[list[str], list[str], bool]:
                *kv_read(subjects.REGISTRY_BUCKET)]
         sub = [inbox, completed, subjects.WARMUP_SERVE]
         return pub, sub, True
-    if role == "admin":  # the operator's CLI: zml nodes add/remove/list, zml cost, zml serve
+    if role == "admin":  # the operator's CLI: zml nodes add/remove/list, zml cost, zml serve, zml keys
         pub = [subjects.INFER, own_cancel, f"{subjects.ADMIN_NODES_PREFIX}.*", subjects.ROUTERS_STATE,
                subjects.WARMUP_SERVE, *kv_read(subjects.NODES_BUCKET), *kv_read(subjects.REGISTRY_BUCKET),
-               *kv_write(subjects.COSTS_BUCKET)]
+               *kv_write(subjects.COSTS_BUCKET), *kv_write(subjects.KEYS_BUCKET)]
         return pub, [inbox], False
     raise ValueError(f"unknown role {role!r}: one of {', '.join(ROLES)}")
 

@@ -14,6 +14,7 @@ import asyncio
 import logging
 import math
 import os
+import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -27,9 +28,7 @@ from zmlcore import subjects
 from zmlcore.config import ZMLConfig
 from zmlcore.costs import CostTable
 from zmlcore.errors import (
-    AuthError,
     BackendError,
-    RateLimitError,
     MethodNotAllowedError,
     NoHealthyNodesError,
     NotFoundError,
@@ -43,10 +42,11 @@ from zmlcore.errors import (
 from zmlcore.errors import ConnectionError as ZMLConnectionError
 from zmlcore.link import link_of
 from zmlcore.messages import NodeState
+from zmlcore.keys import KeyRing
 from zmlcore.natsauth import config_owner
-from zmlcore.ratelimit import TokenBucket
 from zml_gateway.owners import InFlight
 from zmlcore.streamseq import SeqCheck
+from zml_gateway.access import Access, Caller, RateLimited
 from zmlcore.validate import check_request_id, clip, decode_request, request_timeout_s
 
 log = logging.getLogger("zml.gateway")
@@ -83,10 +83,13 @@ _ROUTING_HEADERS = (
 )
 
 
-class _RateLimited(Exception):
-    def __init__(self, headers: list[tuple[bytes, bytes]], reset: float) -> None:
-        self.headers = headers
-        self.reset = reset
+_TOTAL_TOKENS = re.compile(rb'"total_tokens"\s*:\s*(\d+)')
+
+
+def _total_tokens(data: bytes) -> int:
+    """Tokens a reply used (the last total_tokens: the routing metadata's), for plan limits."""
+    found = _TOTAL_TOKENS.findall(data[-4096:])
+    return int(found[-1]) if found else 0
 
 
 def _broker_lost() -> ZMLError:
@@ -95,7 +98,8 @@ def _broker_lost() -> ZMLError:
 
 
 class Gateway:
-    def __init__(self, cfg: ZMLConfig, nc: NATS, nodes: dict[str, NodeState], costs: CostTable | None = None) -> None:
+    def __init__(self, cfg: ZMLConfig, nc: NATS, nodes: dict[str, NodeState], costs: CostTable | None = None,
+                 access: Access | None = None) -> None:
         self.cfg = cfg
         self.nc = nc
         self.nodes = nodes  # kept current by the service from the KV stream
@@ -103,11 +107,7 @@ class Gateway:
         self.timeout = cfg.defaults.request_timeout_s
         self.max_body = cfg.gateway.max_body_bytes
         self.in_flight = 0  # inference requests held now (bounded by [gateway] max_concurrent)
-        self.keys = {f"Bearer {k}".encode() for k in cfg.gateway.api_keys}
-        rpm = cfg.gateway.requests_per_minute
-        self.rpm = rpm
-        self.burst = float(cfg.gateway.request_burst or max(1, round((rpm or 0) / 60)))
-        self.buckets: dict[bytes, TokenBucket] = {}
+        self.access = access or Access(cfg, KeyRing(cfg.gateway.api_keys), None)
         self.owner = config_owner(cfg.nats)  # this gateway's NATS identity: its cancel subjects
         self.inflight = InFlight()
 
@@ -125,12 +125,11 @@ class Gateway:
             if method != allowed:
                 raise MethodNotAllowedError(f"{clip(path, 80)} takes {allowed}, not {clip(method, 20)}")
             if allowed == "POST":
-                self._auth(scope)
                 return await self._infer(scope, receive, send)
             if path == "/healthz":
                 ok = self.nc.is_connected
                 return await self._plain(send, 200 if ok else 503, {"status": "ok" if ok else "nats_disconnected"})
-            self._auth(scope)
+            self.access.authenticate(scope)
             if path == "/v1/models":
                 return await self._plain(send, 200, self._models())
             return await self._plain(send, 200, {"nodes": await self._node_table()})
@@ -150,14 +149,6 @@ class Gateway:
             elif message["type"] == "lifespan.shutdown":
                 await send({"type": "lifespan.shutdown.complete"})
                 return
-
-    def _auth(self, scope: Scope) -> None:
-        if not self.keys:
-            return
-        for name, value in scope["headers"]:
-            if name == b"authorization" and value in self.keys:
-                return
-        raise AuthError("invalid or missing API key: send `Authorization: Bearer <key>` (ZML_API_KEY)")
 
     def _models(self) -> dict[str, Any]:
         names = self.cfg.model_names()
@@ -226,68 +217,51 @@ class Gateway:
             if not message.get("more_body"):
                 return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
-    def _rate_limit(self, scope: Scope) -> list[tuple[bytes, bytes]]:
-        """Take one request from the caller's bucket; the x-ratelimit-* headers to send."""
-        if self.rpm is None:
-            return []
-        who = b""
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                who = value
-                break
-        if not who:
-            client = scope.get("client")
-            who = str(client[0] if client else "").encode()
-        now = time.monotonic()
-        bucket = self.buckets.get(who)
-        if bucket is None:
-            if len(self.buckets) > 10_000:  # forget callers whose buckets have refilled
-                self.buckets = {k: b for k, b in self.buckets.items() if b.take(now, 0)[2] > 0}
-            bucket = self.buckets[who] = TokenBucket(self.rpm / 60.0, self.burst, now)
-        ok, remaining, reset = bucket.take(now)
-        headers = [
-            (b"x-ratelimit-limit-requests", str(self.rpm).encode()),
-            (b"x-ratelimit-remaining-requests", str(remaining).encode()),
-            (b"x-ratelimit-reset-requests", f"{reset:.3f}s".encode()),
-        ]
-        if not ok:
-            raise _RateLimited(headers, reset)
-        return headers
-
     async def _infer(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            limits = self._rate_limit(scope)
-        except _RateLimited as exc:
-            await self._plain(send, 429, RateLimitError(
-                f"more than {self.rpm} requests/minute for this key: retry in {exc.reset:.1f} s",
-                retry_after=exc.reset).to_body(),
-                [*exc.headers, (b"retry-after", str(max(1, math.ceil(exc.reset))).encode())])
-            return
+        caller = self.access.authenticate(scope)
         if self.in_flight >= self.cfg.gateway.max_concurrent:
             raise QueueFullError(f"this gateway holds {self.in_flight} requests, its limit: retry shortly",
                                  retry_after=1.0)
         self.in_flight += 1
         try:
-            await self._infer_admitted(scope, receive, send, limits)
+            await self._infer_admitted(scope, receive, send, caller)
         finally:
             self.in_flight -= 1
 
-    async def _infer_admitted(self, scope: Scope, receive: Receive, send: Send,
-                              limits: list[tuple[bytes, bytes]]) -> None:
+    async def _infer_admitted(self, scope: Scope, receive: Receive, send: Send, caller: Caller) -> None:
         body = await self._read_body(scope, receive)
         d = self.cfg.defaults
         req = decode_request(body, max_depth=d.max_json_depth)
         request_id = check_request_id(req.request_id) if req.request_id else os.urandom(8).hex()
         timeout = request_timeout_s(req.timeout_ms, None, self.timeout, d.max_request_timeout_s)
+        self.access.check_model(caller, req.model, self.cfg.resolve_model(req.model))
+        try:
+            limits = await self.access.admit(caller, request_id, timeout + 5.0)
+        except RateLimited as exc:
+            await self._plain(send, 429, exc.error.to_body(), exc.headers)
+            return
+        tokens = [0]
+        try:
+            await self._dispatch(body, req.stream, request_id, timeout, receive, send, limits, caller, tokens)
+        finally:
+            self.access.done(caller, request_id, tokens[0])
+
+    async def _dispatch(self, body: bytes, stream: bool, request_id: str, timeout: float, receive: Receive,
+                        send: Send, limits: list[tuple[bytes, bytes]], caller: Caller, tokens: list[int]) -> None:
         headers = {subjects.H_REQUEST_ID: request_id, subjects.H_TIMEOUT_MS: str(int(timeout * 1000))}
+        if caller.record is not None:  # the key's options travel with the request
+            if caller.record.default_policy:
+                headers[subjects.H_DEFAULT_POLICY] = caller.record.default_policy
+            if caller.record.label:
+                headers[subjects.H_LABEL] = caller.record.label
         if not self.nc.is_connected:  # fail fast: buffered until the broker is back, it may be lost
             raise ZMLConnectionError("the gateway has lost its broker connection; retry", retry_after=1.0)
-        owned = self.inflight.claim(scope, request_id, headers)
+        owned = self.inflight.claim(caller.identity, request_id, headers)
         try:
-            if req.stream:
-                await self._infer_stream(body, headers, request_id, timeout, receive, send, limits)
+            if stream:
+                await self._infer_stream(body, headers, request_id, timeout, receive, send, limits, tokens)
             else:
-                await self._infer_once(body, headers, request_id, timeout, receive, send, limits)
+                await self._infer_once(body, headers, request_id, timeout, receive, send, limits, tokens)
         finally:
             self.inflight.release(owned)
 
@@ -295,10 +269,8 @@ class Gateway:
         await self.nc.publish(subjects.cancel(request_id, self.owner), b"",
                               headers={subjects.H_OWNER: headers[subjects.H_OWNER]})
 
-    async def _infer_once(
-        self, body: bytes, headers: dict[str, str], request_id: str, timeout: float, receive: Receive, send: Send,
-        limits: list[tuple[bytes, bytes]],
-    ) -> None:
+    async def _infer_once(self, body: bytes, headers: dict[str, str], request_id: str, timeout: float,
+                          receive: Receive, send: Send, limits: list[tuple[bytes, bytes]], tokens: list[int]) -> None:
         # Watch for the client going away while the request runs: then cancel it on the node.
         request = asyncio.ensure_future(self.nc.request(subjects.INFER, body, timeout=timeout + 1.0, headers=headers))
         watch = asyncio.ensure_future(receive())
@@ -331,12 +303,13 @@ class Gateway:
             value = rh.get(nats_name)
             if value is not None:
                 out.append((http_name, value.encode()))
+        tokens[0] = _total_tokens(reply.data)
         await send({"type": "http.response.start", "status": 200, "headers": out})
         await send({"type": "http.response.body", "body": reply.data})
 
     async def _infer_stream(
         self, body: bytes, headers: dict[str, str], request_id: str, timeout: float, receive: Receive, send: Send,
-        limits: list[tuple[bytes, bytes]],
+        limits: list[tuple[bytes, bytes]], tokens: list[int],
     ) -> None:
         queue: asyncio.Queue[Any] = asyncio.Queue(self.cfg.gateway.stream_buffer)
         overflow: list[bool] = []
@@ -411,6 +384,7 @@ class Gateway:
                     await send({"type": "http.response.start", "status": 200, "headers": out})
                     started = True
                 elif kind == subjects.STREAM_END:
+                    tokens[0] = _total_tokens(msg.data)
                     await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
                     return
                 else:  # error (or a non-stream reply from a router that ignored stream)

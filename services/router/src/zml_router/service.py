@@ -105,7 +105,7 @@ class _Outcome:
     """What happened to one request, for its completion event."""
 
     __slots__ = ("model", "node_id", "family", "ok", "error_code", "node_error", "failed_nodes",
-                 "attempts", "info", "queued", "slow_nodes")
+                 "attempts", "info", "queued", "slow_nodes", "label")
 
     def __init__(self) -> None:
         self.model = ""
@@ -119,6 +119,7 @@ class _Outcome:
         self.attempts = 0
         self.info: RoutingInfo | None = None
         self.queued = False  # parked in the saturation queue: its event comes when it is served
+        self.label = ""  # the API key's cost-attribution label (gateway header)
 
 
 _EVENT_COMPLETED = subjects.event(subjects.EVENT_COMPLETED)
@@ -295,6 +296,10 @@ class RouterService:
             req = decode_request(msg.data, max_depth=self.cfg.defaults.max_json_depth)
             stream = req.stream
             request_id = check_request_id(asked_id or req.request_id or _new_id())
+            # The gateway passes the API key's options: its default policy, its cost label.
+            if req.policy is None and req.routing is None and subjects.H_DEFAULT_POLICY in headers:
+                req.routing = headers[subjects.H_DEFAULT_POLICY]
+            out.label = headers.get(subjects.H_LABEL, "")[:200]
             timeout = request_timeout_s(req.timeout_ms, headers.get(subjects.H_TIMEOUT_MS),
                                         self._default_timeout, self.cfg.defaults.max_request_timeout_s)
             task = asyncio.current_task()
@@ -385,6 +390,7 @@ class RouterService:
                 request_id=request_id,
                 attempts=attempt,
                 router_id=self.router_id,
+                label=out.label,
             )
             out.info = info
             served = self.table.views[decision.node_id].state.served_names.get(model)
@@ -446,7 +452,7 @@ class RouterService:
             node_error=node_error, failed_nodes=failed, ts=time.time(),
             ttft_s=info.time_to_first_token if info is not None and out.ok else None,
             latency_s=time.monotonic() - t0, attempts=out.attempts, router_id=self.router_id,
-            request_id=request_id, slow_nodes=out.slow_nodes,
+            request_id=request_id, slow_nodes=out.slow_nodes, label=out.label,
         )
         try:
             await self.nc.publish(_EVENT_COMPLETED, completed_encoder.encode(ev))
@@ -516,9 +522,9 @@ class RouterService:
         wait_s = (max_queue_ms or 0) / 1000.0
         deadline = now + min(wait_s, timeout)
         headers = {subjects.H_REQUEST_ID: request_id, subjects.H_TIMEOUT_MS: str(int(timeout * 1000))}
-        owner = (msg.headers or {}).get(subjects.H_OWNER)
-        if owner:
-            headers[subjects.H_OWNER] = owner
+        for name in (subjects.H_DEFAULT_POLICY, subjects.H_LABEL, subjects.H_OWNER):  # the key's options wait with it
+            if msg.headers and name in msg.headers:
+                headers[name] = msg.headers[name]
         if isinstance(msg, QueuedMsg):
             # Back in the queue after losing a race for capacity: keep its deadlines.
             deadline = float(msg.headers.get(H_DEADLINE, deadline))

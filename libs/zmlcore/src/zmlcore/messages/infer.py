@@ -83,6 +83,8 @@ class RoutingInfo(msgspec.Struct, kw_only=True):
     #: reply for non-streaming backends that send everything at once).
     time_to_first_token: float | None = None
     total_tokens: int | None = None
+    #: The API key's cost-attribution label ("" without one).
+    label: str = ""
 
 
 class StreamStart(msgspec.Struct, kw_only=True):
