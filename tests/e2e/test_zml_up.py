@@ -37,8 +37,8 @@ def test_zml_up_runs_the_demo_fleet_and_stops_everything(tmp_path: Path) -> None
     data = tmp_path / "zml-data"
     proc = spawn("zml-up", _zml("up", "--gateway-port", str(gw), "--nats-port", str(nats_port), "--data-dir", str(data)))
     try:
-        assert proc.wait_for("ready", 90), proc.tail()
-        ready = next(line for line in proc.lines if "ready" in line)
+        assert proc.wait_for("zml ready", 90), proc.tail()
+        ready = next(line for line in proc.lines if "zml ready" in line)
         assert f"http://127.0.0.1:{gw}" in ready
         # Secure by default: it says how to get a client identity, and the broker refuses strangers.
         assert any("zml creds issue NAME" in line for line in proc.lines), proc.tail()

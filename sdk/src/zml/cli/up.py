@@ -1,7 +1,9 @@
 """`zml up`: embedded NATS + every service + the simulated demo fleet, in one command.
 
-Prints one line with ``ready`` and the gateway URL once a request would succeed; Ctrl-C or
-SIGTERM stops every child it started (by PID, in reverse order).
+Prints one line with ``ready`` and the gateway URL once a request would succeed. Every child
+(nats-server, services, sim fleet) is supervised: one that exits is started again after a backoff
+(0.5 s doubling to 10 s; reset after a minute up) and the restart is logged. Only Ctrl-C or
+SIGTERM stops `zml up`, and with it every child it started (by PID).
 
 Secure by default: the embedded nats-server runs with authorization (an nkey identity per
 service, each allowed only its own subjects, see docs/security.md), from a persistent data
@@ -21,6 +23,10 @@ import urllib.error
 import urllib.request
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from zmlcore.supervise import Supervisor
 
 
 def demo_config_path() -> str:
@@ -67,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
     from zmlcore.errors import ConfigError
     from zmlcore.launch import endpoint_port, port_in_use, service_argv, spawn, start_nats, wait_port
     from zmlcore.natscreds import default_data_dir, ensure_builtin, write_server_config
+    from zmlcore.supervise import Supervisor
 
     config = args.config or demo_config_path()
     try:
@@ -82,7 +89,7 @@ def run(args: argparse.Namespace) -> int:
         if port_in_use(host, port):
             return _fail(f"port {port} on {host} is already in use: needed by {what}")
 
-    procs = []
+    sup = Supervisor()
     stopping = False
 
     def on_signal(signum: int, frame: object) -> None:
@@ -92,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     tmp = None
+    v = args.verbose
     envs: dict[str, dict[str, str]] = {}  # per service: its identity (ZML_NATS_NKEY)
     data_dir = None
     try:
@@ -112,32 +120,35 @@ def run(args: argparse.Namespace) -> int:
                 except ConfigError as exc:
                     return _fail(str(exc))
                 envs = {name: {"ZML_NATS_NKEY": ident.seed_file} for name, ident in ids.items()}
-            procs.append(start_nats(args.host, args.nats_port, str(data_dir / "jetstream"), echo=args.verbose,
-                                    config=conf))
+            store = str(data_dir / "jetstream")
+            # Restarted on the same port and store: services reconnect and re-watch.
+            sup.add("nats", lambda: start_nats(args.host, args.nats_port, store, echo=v, config=conf))
             nats_url = f"nats://{args.host}:{args.nats_port}"
+
+        def service(name: str, *argv: str) -> None:
+            env = envs.get(name.split("-")[0])  # router-2 runs as the router identity
+            sup.add(name, lambda: spawn(name, list(argv), echo=v, env=env))
+
         if sim_nodes:
-            sim = spawn("sim", service_argv("sim", config, nats_url), echo=args.verbose)
-            procs.append(sim)
-        procs.append(spawn("health", service_argv("health", config, nats_url), echo=args.verbose, env=envs.get("health")))
-        procs.append(spawn("warmup", service_argv("warmup", config, nats_url), echo=args.verbose, env=envs.get("warmup")))
+            service("sim", *service_argv("sim", config, nats_url))
+        service("health", *service_argv("health", config, nats_url))
+        service("warmup", *service_argv("warmup", config, nats_url))
         for i in range(max(1, args.routers)):
-            procs.append(spawn(f"router-{i + 1}", service_argv("router", config, nats_url, "--router-id", f"router-{i + 1}"),
-                               echo=args.verbose, env=envs.get("router")))
-        gw_argv = service_argv("gateway", config, nats_url, "--host", args.host, "--port", str(args.gateway_port))
-        procs.append(spawn("gateway", gw_argv, echo=args.verbose, env=envs.get("gateway")))
+            service(f"router-{i + 1}", *service_argv("router", config, nats_url, "--router-id", f"router-{i + 1}"))
+        service("gateway", *service_argv("gateway", config, nats_url, "--host", args.host,
+                                          "--port", str(args.gateway_port)))
         url = f"http://{args.host}:{args.gateway_port}"
-        if not wait_port(args.host, args.gateway_port, 30):
-            return _died(procs) or _fail("the gateway did not start")
         model = next(iter(sorted({m for n in cfg.nodes for m in n.models})), None)
         deadline = time.monotonic() + args.ready_timeout
         last = (0, "")
         while model is not None and not stopping:
-            last = _probe(url, model)
+            sup.tick()
+            failed = _config_failure(sup)
+            if failed:
+                return failed
+            last = _probe(url, model) if wait_port(args.host, args.gateway_port, 0.5) else (0, "gateway not listening")
             if last[0] == 200:
                 break
-            dead = _died(procs)
-            if dead:
-                return dead
             if time.monotonic() > deadline:
                 return _fail(f"no successful request within {args.ready_timeout:g} s (last: {last[0]} {last[1]})")
             time.sleep(0.5)
@@ -145,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
             if envs and data_dir is not None:
                 print(f"zml up: NATS authorization on (identities in {data_dir}). A client identity for raw NATS or "
                       f"the SDK: `zml creds issue NAME --data-dir {data_dir}`, then ZML_NATS_NKEY=<the file it "
-                      f"writes>. Operator commands (zml nodes/cost/serve): "
+                      f"writes>. Operator commands (zml nodes/cost/serve/keys): "
                       f"ZML_NATS_NKEY={data_dir / 'creds' / 'admin.nk'}", flush=True)
             elif not args.nats_url:
                 print("zml up: --insecure: NATS has no authorization; anyone who reaches "
@@ -153,25 +164,21 @@ def run(args: argparse.Namespace) -> int:
             print(f"zml ready: {url}  (OpenAI API at {url}/v1, NATS {nats_url}, {len(cfg.nodes)} nodes; Ctrl-C to stop)",
                   flush=True)
         while not stopping:
-            dead = _died(procs)
-            if dead:
-                return dead
+            sup.tick()
             time.sleep(0.2)
         return 0
     finally:
-        # Signal every child at once, then wait: stopping them one by one adds up the drains.
-        for proc in procs:
-            proc.terminate()
-        for proc in reversed(procs):
-            proc.stop()
+        sup.stop_all()
         if tmp is not None:
             tmp.cleanup()
         print("zml up: stopped", file=sys.stderr, flush=True)
 
 
-def _died(procs: list) -> int:  # type: ignore[type-arg]
-    for proc in procs:
-        if not proc.alive():
-            print(f"zml up: {proc.name} exited with code {proc.popen.returncode}:\n{proc.tail()}", file=sys.stderr)
+def _config_failure(sup: "Supervisor") -> int:
+    """Before ready, a child that exits with code 2 (bad config, port taken) will not do better
+    when restarted: stop with its message instead of looping."""
+    for child in sup.children:
+        if child.exits and child.exits[-1] == 2 and child.proc is not None:
+            print(f"zml up: {child.name} failed to start:\n{child.proc.tail()}", file=sys.stderr)
             return 1
     return 0

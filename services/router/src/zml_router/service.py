@@ -68,6 +68,8 @@ from zml_router.dispatch import (
     within_first_byte,
 )
 from zml_router.firstbyte import expected_s, first_byte_timeout
+from zml_router.kinds import PATHS, check_kind
+from zml_router.rename import Renamer
 from zml_router.queue import H_DEADLINE, H_ENQUEUED, H_TOTAL_MS, QueuedMsg, SaturationQueue
 from zml_router.table import NodeTable
 
@@ -98,7 +100,6 @@ def _with_routing(raw: bytes, info: RoutingInfo) -> bytes:
     raise AttemptError(Failure.SERVER, 200, f"node answered a non-object JSON body: {raw[:100]!r}")
 
 
-_PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
 
 class _Outcome:
@@ -143,7 +144,7 @@ class RouterService:
     def __init__(self, cfg: ZMLConfig, router_id: str | None = None) -> None:
         self.cfg = cfg
         self.router_id = router_id or f"router-{_new_id()[:6]}"
-        self.table = NodeTable()
+        self.table = NodeTable(cfg.families())
         self.marks = Marks(self.table, self.router_id)
         self.state = RoutingState()
         self.nc: NATS | None = None
@@ -339,8 +340,11 @@ class RouterService:
     def _prepare(self, req: InferRequest, raw: bytes) -> tuple[str, ResolvedPolicy, RouteRequest]:
         model = self.cfg.resolve_model(req.model)
         per_call = req.policy if req.policy is not None else req.routing
-        policy = resolve_policy(self.cfg, model, per_call)
-        max_tokens = req.max_tokens or req.max_completion_tokens or 512
+        # Chains may name families registered at run time, not only zml.toml's.
+        policy = resolve_policy(self.cfg, model, per_call, self.table.families())
+        check_kind(self.cfg, model, req)
+        # An embedding is a prefill and no decode: one "output token" for the estimate.
+        max_tokens = 1 if req.input is not None else req.max_tokens or req.max_completion_tokens or 512
         # ~4 bytes per token of JSON body: good enough for a TTFT estimate, and O(1).
         rr = RouteRequest(model=model, prompt_tokens=len(raw) // 4, max_tokens=max_tokens,
                           accelerator_id=req.accelerator_id)
@@ -396,11 +400,13 @@ class RouterService:
             served = self.table.views[decision.node_id].state.served_names.get(model)
             node_body = self._backend_body(msg.data, served, req.model) if served else body
             first_byte = self._first_byte_s(decision.node_id, req, rr)
+            # The engine answers with its own name: the client gets back the name it asked for.
+            rename = Renamer(served, req.model) if served and served != req.model else None
             try:
                 if req.stream:
-                    await self._dispatch_stream(msg, req, node_body, info, t0, first_byte)
+                    await self._dispatch_stream(msg, req, node_body, info, t0, first_byte, rename)
                 else:
-                    await self._dispatch_once(msg, req, node_body, info, t0, first_byte)
+                    await self._dispatch_once(msg, req, node_body, info, t0, first_byte, rename)
                 out.ok = True
                 return
             except AttemptError as err:
@@ -426,9 +432,11 @@ class RouterService:
                 out.queued = True
                 await self._saturated(msg, req, model, request_id, policy.config.max_queue_ms, timeout)
                 return
+            pinned = req.accelerator_id is not None  # the node was the caller's choice, not the policy's
             raise QueueFullError(
+                f"node {req.accelerator_id!r} is overloaded" if pinned else
                 f"every node tried for {model!r} is overloaded ({len(excluded)} tried)",
-                routing_context={"policy": policy.name, "final_error": "all_nodes_over_capacity",
+                routing_context={"policy": "pinned" if pinned else policy.name, "final_error": "all_nodes_over_capacity",
                                  "nodes_tried": sorted(excluded),
                                  "recommendation": "increase fleet capacity or enable queue_on_saturation"},
                 retry_after=last.retry_after or 1.0,
@@ -630,7 +638,7 @@ class RouterService:
         return h
 
     def _url(self, info: RoutingInfo, req: InferRequest) -> str:
-        return self.table.views[info.node_id].state.endpoint.rstrip("/") + _PATHS[req.kind()]
+        return self.table.views[info.node_id].state.endpoint.rstrip("/") + PATHS[req.kind()]
 
     # --- in-flight accounting ----------------------------------------------------------------
     async def _count(self, node_id: str, outstanding: int, pending: int) -> None:
@@ -646,7 +654,7 @@ class RouterService:
             await self.nc.publish(subjects.INFLIGHT, _encode(delta))
 
     async def _dispatch_once(self, msg: Msg | QueuedMsg, req: InferRequest, body: bytes, info: RoutingInfo, t0: float,
-                             first_byte: float | None = None) -> None:
+                             first_byte: float | None = None, rename: Renamer | None = None) -> None:
         # A non-streamed reply shows no first token: pending ends with the request.
         await self._count(info.node_id, 1, 1)
         try:
@@ -655,10 +663,12 @@ class RouterService:
         finally:
             await self._count(info.node_id, -1, -1)
         info.time_to_first_token = time.monotonic() - t0
+        if rename is not None:
+            raw = rename(raw)
         await self._publish(msg.reply, _with_routing(raw, info), self._routing_headers(info))
 
     async def _dispatch_stream(self, msg: Msg | QueuedMsg, req: InferRequest, body: bytes, info: RoutingInfo, t0: float,
-                               first_byte: float | None = None) -> None:
+                               first_byte: float | None = None, rename: Renamer | None = None) -> None:
         await self._count(info.node_id, 1, 1)
         pending = 1
         started = False
@@ -682,6 +692,8 @@ class RouterService:
                             info.total_tokens = usage["total_tokens"]
                     except msgspec.DecodeError:
                         pass
+                if rename is not None:
+                    chunk = rename(chunk)
                 seq += 1  # numbered so that a receiver notices a lost message (zmlcore.streamseq)
                 await self._publish(msg.reply, chunk, {subjects.H_STREAM: subjects.STREAM_CHUNK, subjects.H_SEQ: str(seq)})
             if not started:  # a stream with no chunk at all
