@@ -186,17 +186,29 @@ def write_server_config(data_dir: str | os.PathLike[str], *, tls_cert: str | Non
     return str(path)
 
 
-def reload_server(data_dir: str | os.PathLike[str]) -> int | None:
-    """Ask the running nats-server of ``data_dir`` to reload its config (SIGHUP to the PID in
-    its pid file). Returns the PID, or None if no server of this folder is running."""
-    pid_file = Path(data_dir) / "nats.pid"
+def running_server(data_dir: str | os.PathLike[str]) -> int | None:
+    """The PID of the nats-server running from ``data_dir`` (its pid file), or None."""
     try:
-        pid = int(pid_file.read_text().strip())
+        pid = int((Path(data_dir) / "nats.pid").read_text().strip())
     except (OSError, ValueError):
         return None
     cmdline = Path(f"/proc/{pid}/cmdline")
-    if cmdline.exists() and b"nats-server" not in cmdline.read_bytes():
-        return None  # a stale pid file: that PID is someone else's process now
+    try:
+        if cmdline.exists() and b"nats-server" not in cmdline.read_bytes():
+            return None  # a stale pid file: that PID is someone else's process now
+        os.kill(pid, 0)
+    except (ProcessLookupError, PermissionError, OSError):
+        return None
+    return pid
+
+
+def reload_server(data_dir: str | os.PathLike[str]) -> int | None:
+    """Ask the running nats-server of ``data_dir`` to reload its config (SIGHUP to the PID in
+    its pid file, what ``nats-server --signal reload`` sends). Returns the PID, or None if no
+    server of this folder is running."""
+    pid = running_server(data_dir)
+    if pid is None:
+        return None
     try:
         os.kill(pid, signal.SIGHUP)
     except ProcessLookupError:

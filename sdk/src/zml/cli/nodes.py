@@ -10,12 +10,12 @@ from typing import Any
 from zml._client import Client
 from zml.cli._common import add_client_args, client_kwargs
 
-COLUMNS = ("NODE", "TYPE", "FAMILY", "MODELS", "HEALTH", "QUEUE", "STATE", "COOLDOWN")
+COLUMNS = ("NODE", "TYPE", "FAMILY", "MODELS", "HEALTH", "QUEUE", "STATE", "COOLDOWN", "ENDPOINT")
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("nodes", help="show the accelerator fleet", description="Show the fleet: node, type, "
-                       "models, health score, queue depth (running+waiting), state and cooldown.")
+                       "models, health score, queue depth (running+waiting), state, cooldown and endpoint.")
     p.add_argument("action", nargs="?", choices=("list", "add", "remove"), default="list",
                    help="list (default), add a node at run time, or remove one")
     p.add_argument("node_id", nargs="?", help="add/remove: the node id")
@@ -109,6 +109,7 @@ def rows(nodes: list[dict[str, Any]], now: float) -> list[tuple[str, ...]]:
         out.append((
             str(n.get("node_id", "?")), str(n.get("accelerator_type", "")), str(n.get("family", "")), models,
             f"{float(n.get('health_score', 0.0)):.0f}", str(queue), state, _cooldown(n, now),
+            str(n.get("endpoint") or "-"),
         ))
     return out
 

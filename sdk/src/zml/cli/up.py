@@ -42,6 +42,9 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     g.add_argument("--nats-port", type=int, default=4222, help="port of the embedded NATS (default 4222)")
     g.add_argument("--nats-url", help="use this NATS server (with JetStream) instead of starting one")
     p.add_argument("--routers", type=int, default=1, help="router replicas (default 1)")
+    p.add_argument("--sim-port-base", type=int, metavar="N",
+                   help="put the simulated nodes on ports N, N+1, ... (default: free ports for the demo fleet, "
+                        "the endpoints of --config as written)")
     p.add_argument("--data-dir", help="identities, NATS config and JetStream storage (default: ~/.local/share/zml; "
                                       "with --insecure a temporary folder)")
     p.add_argument("--insecure", action="store_true",
@@ -72,12 +75,18 @@ def run(args: argparse.Namespace) -> int:
     from zmlcore.config import load_config
     from zmlcore.errors import ConfigError
     from zmlcore.launch import endpoint_port, port_in_use, service_argv, spawn, start_nats, wait_port
-    from zmlcore.natscreds import default_data_dir, ensure_builtin, write_server_config
+    from zmlcore.natscreds import default_data_dir, ensure_builtin, running_server, write_server_config
     from zmlcore.supervise import Supervisor
+    from zml.cli._simports import relocate
 
     config = args.config or demo_config_path()
+    ports_dir = None
     try:
         cfg = load_config(config)
+        if args.sim_port_base is not None or args.config is None:
+            # The demo fleet on free ports (or from --sim-port-base): two `zml up` can share a host.
+            ports_dir = tempfile.TemporaryDirectory(prefix="zml-up-")
+            config, cfg = relocate(config, cfg, args.sim_port_base, Path(ports_dir.name))
     except ConfigError as exc:
         return _fail(str(exc))
     sim_nodes = [n for n in cfg.nodes if n.sim is not None]
@@ -110,6 +119,10 @@ def run(args: argparse.Namespace) -> int:
                 tmp = tempfile.TemporaryDirectory(prefix="zml-nats-")
             data_dir = Path(args.data_dir or (tmp.name if tmp else default_data_dir()))
             data_dir.mkdir(parents=True, exist_ok=True)
+            other = running_server(data_dir)
+            if other is not None:
+                return _fail(f"{data_dir} is in use by a running nats-server (PID {other}), probably another "
+                             "`zml up`: give this one its own --data-dir")
             conf = None
             if not args.insecure:
                 try:
@@ -163,6 +176,9 @@ def run(args: argparse.Namespace) -> int:
                       f"{nats_url} can read every prompt and reply and register nodes", flush=True)
             print(f"zml ready: {url}  (OpenAI API at {url}/v1, NATS {nats_url}, {len(cfg.nodes)} nodes; Ctrl-C to stop)",
                   flush=True)
+            if sim_nodes:
+                print("zml up: simulated nodes " + ", ".join(f"{n.id} {n.endpoint}" for n in sim_nodes)
+                      + " (`zml nodes` lists them)", flush=True)
         while not stopping:
             sup.tick()
             time.sleep(0.2)
@@ -171,6 +187,8 @@ def run(args: argparse.Namespace) -> int:
         sup.stop_all()
         if tmp is not None:
             tmp.cleanup()
+        if ports_dir is not None:
+            ports_dir.cleanup()
         print("zml up: stopped", file=sys.stderr, flush=True)
 
 
