@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -64,6 +65,16 @@ def test_two_zml_up_on_one_machine_run_the_demo_fleet_and_stop_everything(tmp_pa
             nodes = httpx.get(f"http://127.0.0.1:{gw}/v1/nodes", timeout=10).json()["nodes"]
             assert {n["accelerator_type"] for n in nodes} >= {"nvidia_h100", "nvidia_a100", "amd_mi300x", "intel_gaudi2"}
             endpoints.append({n["node_id"]: n["endpoint"] for n in nodes})
+            # Prometheus /metrics: the gateway on its own port, health, warmup and the router on
+            # ports of their own (free ones by default, so two `zml up` do not clash), printed.
+            line = next(line for line in proc.lines if line.startswith("zml metrics:"))
+            ports = dict(re.findall(r"([\w-]+) :(\d+)", line))
+            assert set(ports) == {"health", "warmup", "router-1"}, line
+            for name, port in [("gateway", gw), *ports.items()]:
+                m = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10)
+                assert m.status_code == 200 and "process_cpu_seconds_total" in m.text, name
+            assert "zml_router_requests_total" in httpx.get(f"http://127.0.0.1:{ports['router-1']}/metrics").text
+            used += [("127.0.0.1", int(port)) for port in ports.values()]
             # `zml nodes` shows where each simulated node listens.
             table = subprocess.run(_zml("nodes", "--endpoint", f"http://127.0.0.1:{gw}"), capture_output=True,
                                    text=True, timeout=30)

@@ -84,7 +84,7 @@ def _grants(role: str, owner: str) -> tuple[list[str], list[str], bool]:
     if role == "gateway":
         pub = [subjects.INFER, own_cancel, subjects.ROUTERS_STATE, *kv_read(subjects.NODES_BUCKET),
                *kv_read(subjects.COSTS_BUCKET), *kv_read(subjects.KEYS_BUCKET), *kv_write(subjects.LIMITS_BUCKET)]
-        return pub, [inbox], False
+        return pub, [inbox, completed], False  # completion events feed the /dashboard
     if role == "router":
         pub = [f"{subjects.INBOX_ROOT}.>", subjects.INFLIGHT, subjects.INFLIGHT_SNAPSHOT, subjects.NODE_MARKS,
                completed, subjects.QUEUE_BUSY, *_queue_stream(), *kv_write(subjects.QUEUE_CLAIMS_BUCKET),

@@ -50,6 +50,10 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     p.add_argument("--insecure", action="store_true",
                    help="run NATS without authorization: anyone who reaches the port can read and inject anything")
     p.add_argument("--ready-timeout", type=float, default=90.0, help="seconds to wait for the first good request")
+    p.add_argument("--metrics-port", type=int, metavar="N",
+                   help="Prometheus /metrics ports N, N+1, ...: health, warmup, then one per router (default: free "
+                        "ports, printed at start; 0: none). The gateway serves /metrics on its own port")
+    p.add_argument("--log-format", choices=("text", "json"), default="text", help="children's log lines")
     p.add_argument("-v", "--verbose", action="store_true", help="echo every child's log")
     p.set_defaults(func=run)
 
@@ -74,7 +78,7 @@ def _probe(url: str, model: str) -> tuple[int, str]:
 def run(args: argparse.Namespace) -> int:
     from zmlcore.config import load_config
     from zmlcore.errors import ConfigError
-    from zmlcore.launch import endpoint_port, port_in_use, service_argv, spawn, start_nats, wait_port
+    from zmlcore.launch import endpoint_port, free_port, port_in_use, service_argv, spawn, start_nats, wait_port
     from zmlcore.natscreds import default_data_dir, ensure_builtin, running_server, write_server_config
     from zmlcore.supervise import Supervisor
     from zml.cli._simports import relocate
@@ -94,6 +98,14 @@ def run(args: argparse.Namespace) -> int:
     if not args.nats_url:
         wanted.append((args.host, args.nats_port, "NATS (--nats-port, or --nats-url to use a running server)"))
     wanted += [(*endpoint_port(n.endpoint), f"sim node {n.id} (endpoint in {config})") for n in sim_nodes]
+    metrics_ports: dict[str, int] = {}
+    if args.metrics_port != 0:
+        names = ["health", "warmup", *(f"router-{i + 1}" for i in range(max(1, args.routers)))]
+        if args.metrics_port is None:
+            metrics_ports = {name: free_port(args.host) for name in names}
+        else:
+            metrics_ports = {name: args.metrics_port + i for i, name in enumerate(names)}
+            wanted += [(args.host, port, f"{name} metrics (--metrics-port)") for name, port in metrics_ports.items()]
     for host, port, what in wanted:
         if port_in_use(host, port):
             return _fail(f"port {port} on {host} is already in use: needed by {what}")
@@ -144,12 +156,20 @@ def run(args: argparse.Namespace) -> int:
 
         if sim_nodes:
             service("sim", *service_argv("sim", config, nats_url))
-        service("health", *service_argv("health", config, nats_url))
-        service("warmup", *service_argv("warmup", config, nats_url))
+
+        def extra(name: str) -> list[str]:
+            out = ["--log-format", args.log_format]
+            if name in metrics_ports:
+                out += ["--metrics-port", str(metrics_ports[name])]
+            return out
+
+        service("health", *service_argv("health", config, nats_url, *extra("health")))
+        service("warmup", *service_argv("warmup", config, nats_url, *extra("warmup")))
         for i in range(max(1, args.routers)):
-            service(f"router-{i + 1}", *service_argv("router", config, nats_url, "--router-id", f"router-{i + 1}"))
+            name = f"router-{i + 1}"
+            service(name, *service_argv("router", config, nats_url, "--router-id", name, *extra(name)))
         service("gateway", *service_argv("gateway", config, nats_url, "--host", args.host,
-                                          "--port", str(args.gateway_port)))
+                                          "--port", str(args.gateway_port), "--log-format", args.log_format))
         url = f"http://{args.host}:{args.gateway_port}"
         model = next(iter(sorted({m for n in cfg.nodes for m in n.models})), None)
         deadline = time.monotonic() + args.ready_timeout
@@ -179,6 +199,9 @@ def run(args: argparse.Namespace) -> int:
             if sim_nodes:
                 print("zml up: simulated nodes " + ", ".join(f"{n.id} {n.endpoint}" for n in sim_nodes)
                       + " (`zml nodes` lists them)", flush=True)
+            where = ", ".join(f"{name} :{port}" for name, port in metrics_ports.items())
+            print(f"zml metrics: {url}/metrics, dashboard {url}/dashboard" + (f"; /metrics also on {where}" if where else ""),
+                  flush=True)
         while not stopping:
             sup.tick()
             time.sleep(0.2)

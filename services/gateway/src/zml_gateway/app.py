@@ -47,6 +47,7 @@ from zmlcore.keys import KeyRing
 from zmlcore.natsauth import config_owner
 from zml_gateway.owners import InFlight
 from zmlcore.streamseq import SeqCheck
+from zml_gateway import metrics
 from zml_gateway.access import Access, Caller, RateLimited
 from zmlcore.validate import check_request_id, clip, decode_request, request_timeout_s
 from zml_gateway.models import model_list, model_object
@@ -234,6 +235,7 @@ class Gateway:
         try:
             limits = await self.access.admit(caller, request_id, timeout + 5.0)
         except RateLimited as exc:
+            metrics.rate_limited(caller)
             await self._plain(send, 429, exc.error.to_body(), exc.headers)
             return
         tokens = [0]

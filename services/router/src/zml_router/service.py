@@ -45,6 +45,7 @@ from zmlcore.messages import (
 )
 from zmlcore.kvfollow import KVFollower
 from zmlcore.runner import cancel_and_wait
+from zmlcore.telemetry import DECISION_ID, REQUEST_ID
 from zmlcore.validate import check_request_id, decode_request, request_timeout_s
 from zmlcore.policy import (
     Decision,
@@ -57,6 +58,7 @@ from zmlcore.policy import (
 )
 from zmlcore.policy.resolve import builtin_policy
 from zml_router.cancels import CancelBook
+from zml_router.metrics import RouterMetrics
 from zml_router.cooldowns import Marks
 from zml_router.dispatch import (
     AttemptError,
@@ -106,10 +108,11 @@ class _Outcome:
     """What happened to one request, for its completion event."""
 
     __slots__ = ("model", "node_id", "family", "ok", "error_code", "node_error", "failed_nodes",
-                 "attempts", "info", "queued", "slow_nodes", "label")
+                 "attempts", "info", "queued", "slow_nodes", "label", "op")
 
     def __init__(self) -> None:
         self.model = ""
+        self.op = ""  # chat | completion
         self.node_id = ""
         self.family = ""
         self.ok = False
@@ -161,6 +164,7 @@ class RouterService:
         self._cancelled = CancelBook()
         self.queue: SaturationQueue | None = None
         self._default_timeout = cfg.defaults.request_timeout_s
+        self.metrics = RouterMetrics(self)
 
     # --- lifecycle -------------------------------------------------------------------------
     async def start(self, nc: NATS) -> None:
@@ -184,6 +188,7 @@ class RouterService:
         self._subs.append(await nc.subscribe(subjects.INFLIGHT_SNAPSHOT, cb=self._on_snapshot))
         self._subs.append(await nc.subscribe(subjects.NODE_MARKS, cb=self._on_mark))
         self._heartbeat = asyncio.create_task(self._publish_snapshots())
+        self.metrics.start()
         self._subs.append(await nc.subscribe(f"{subjects.CANCEL_PREFIX}.>", cb=self._on_cancel))
         self._subs.append(await nc.subscribe(subjects.router_state(self.router_id), cb=self._on_state))
         self._subs.append(await nc.subscribe(subjects.ROUTERS_STATE, cb=self._on_state))
@@ -204,6 +209,7 @@ class RouterService:
         if self.queue is not None:
             await self.queue.stop()
         await cancel_and_wait([t for t in (self._follow, self._heartbeat, self._follow_costs) if t is not None])
+        await self.metrics.stop()
         if self.http:
             await self.http.aclose()
 
@@ -297,6 +303,7 @@ class RouterService:
             req = decode_request(msg.data, max_depth=self.cfg.defaults.max_json_depth)
             stream = req.stream
             request_id = check_request_id(asked_id or req.request_id or _new_id())
+            REQUEST_ID.set(request_id)  # on every log line of this request (JSON logs)
             # The gateway passes the API key's options: its default policy, its cost label.
             if req.policy is None and req.routing is None and subjects.H_DEFAULT_POLICY in headers:
                 req.routing = headers[subjects.H_DEFAULT_POLICY]
@@ -330,6 +337,7 @@ class RouterService:
             out.error_code = ZMLError.code
             log.exception("internal error on request %s", request_id)
             await self._reply_error(msg, ZMLError(f"internal error: {type(exc).__name__}"), stream)
+        self.metrics.finished(out, time.monotonic() - t0)
         if out.model and not out.queued:
             await self._completed(out, request_id, t0)
 
@@ -352,7 +360,7 @@ class RouterService:
 
     async def _route(self, msg: Msg | QueuedMsg, req: InferRequest, request_id: str, t0: float,
                      timeout: float, out: _Outcome) -> None:
-        out.model = self.cfg.resolve_model(req.model)
+        out.model, out.op = self.cfg.resolve_model(req.model), req.kind()
         model, policy, rr = self._prepare(req, msg.data)
         max_tokens = rr.max_tokens
         body = self._backend_body(msg.data, model, req.model)
@@ -369,7 +377,7 @@ class RouterService:
                 rr = RouteRequest(model=model, prompt_tokens=rr.prompt_tokens, max_tokens=max_tokens,
                                   accelerator_id=req.accelerator_id, exclude=frozenset(excluded))
             try:
-                decision = self._decide(rr, policy)
+                decision = self.metrics.decide(self._decide, rr, policy)
             except QueueFullError:
                 if last is None and policy.config.queue_on_saturation and self.queue is not None and msg.reply:
                     out.queued = True
@@ -397,6 +405,7 @@ class RouterService:
                 label=out.label,
             )
             out.info = info
+            DECISION_ID.set(info.decision_id)
             served = self.table.views[decision.node_id].state.served_names.get(model)
             node_body = self._backend_body(msg.data, served, req.model) if served else body
             first_byte = self._first_byte_s(decision.node_id, req, rr)
@@ -411,6 +420,7 @@ class RouterService:
                 return
             except AttemptError as err:
                 last = err
+                self.metrics.failover(decision.node_id, err.failure.value)
                 out.node_error = err.failure in (Failure.NETWORK, Failure.SERVER, Failure.SLOW)
                 if out.node_error:
                     out.failed_nodes.append(decision.node_id)
@@ -539,6 +549,7 @@ class RouterService:
             headers[H_ENQUEUED] = msg.headers.get(H_ENQUEUED, f"{now:.3f}")
             headers[subjects.H_TIMEOUT_MS] = msg.headers.get(H_TOTAL_MS, headers[subjects.H_TIMEOUT_MS])
         await self.queue.enqueue(model, msg.data, msg.reply, headers, deadline)
+        self.metrics.enqueued(model)
         log.info("request %s queued for %s (up to %.0f ms)", request_id, model, wait_s * 1000)
 
     def _room_for_queued(self, qmsg: QueuedMsg) -> bool:
@@ -547,6 +558,7 @@ class RouterService:
             req = infer_request_decoder.decode(qmsg.data)
             model, policy, rr = self._prepare(req, qmsg.data)
             self._decide(rr, policy)
+            self.metrics.waited(model, time.time() - float(qmsg.headers.get(H_ENQUEUED, time.time())))
         except QueueFullError:
             return False
         except (ZMLError, msgspec.DecodeError, msgspec.ValidationError):
@@ -574,6 +586,7 @@ class RouterService:
         return True
 
     async def _expire_queued(self, qmsg: QueuedMsg, enqueued_at: float) -> None:
+        self.metrics.expired(qmsg.data)
         waited_ms = int((time.time() - enqueued_at) * 1000)
         try:
             stream = infer_request_decoder.decode(qmsg.data).stream
@@ -663,6 +676,7 @@ class RouterService:
         finally:
             await self._count(info.node_id, -1, -1)
         info.time_to_first_token = time.monotonic() - t0
+        self.metrics.usage(req.kind(), req.model, raw)
         if rename is not None:
             raw = rename(raw)
         await self._publish(msg.reply, _with_routing(raw, info), self._routing_headers(info))
@@ -690,6 +704,7 @@ class RouterService:
                         usage = _decode_any.decode(chunk).get("usage")
                         if isinstance(usage, dict) and isinstance(usage.get("total_tokens"), int):
                             info.total_tokens = usage["total_tokens"]
+                            self.metrics.usage_dict(req.kind(), req.model, usage)
                     except msgspec.DecodeError:
                         pass
                 if rename is not None:
