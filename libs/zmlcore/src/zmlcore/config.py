@@ -176,7 +176,7 @@ class NodeConfig(msgspec.Struct, **_Base):
     """Unique node id (letters, digits, - and _)."""
     accelerator: str
     """Accelerator type ID from the API reference: nvidia_h100, nvidia_a100, amd_mi300x,
-    intel_gaudi2, aws_inferentia2."""
+    intel_gaudi2, aws_inferentia2, cpu."""
     endpoint: str
     """Base URL of the serving engine, e.g. http://10.0.0.5:8000 (no /v1)."""
     backend: Backend = "vllm"

@@ -21,7 +21,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("node_id", nargs="?", help="add/remove: the node id")
     p.add_argument("--json", action="store_true", help="print the node list as JSON")
     a = p.add_argument_group("add / remove (a request to the health service over NATS; survives its restarts)")
-    a.add_argument("--accelerator", help="type ID: nvidia_h100, nvidia_a100, amd_mi300x, intel_gaudi2, aws_inferentia2")
+    a.add_argument("--accelerator", help="type ID: nvidia_h100, nvidia_a100, amd_mi300x, intel_gaudi2, aws_inferentia2, cpu")
     a.add_argument("--url", dest="node_url", help="the engine's base URL, e.g. http://10.0.0.9:8000")
     a.add_argument("--backend", default="vllm", help="vllm, tgi, sglang, llamacpp or openai (default vllm)")
     a.add_argument("--serves", action="append", default=[], metavar="MODEL", help="a model it serves (repeatable)")
@@ -104,6 +104,8 @@ def rows(nodes: list[dict[str, Any]], now: float) -> list[tuple[str, ...]]:
         state = str(n.get("status", "unknown"))
         if n.get("reason") and state != "up":
             state += f" ({n['reason']})"
+        if n.get("sleeping"):
+            state += " (asleep)"
         queue = int(n.get("queue_running", 0)) + int(n.get("queue_waiting", 0))
         out.append((
             str(n.get("node_id", "?")), str(n.get("accelerator_type", "")), str(n.get("family", "")), models,
