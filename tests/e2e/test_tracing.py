@@ -189,6 +189,8 @@ def test_an_http_request_is_one_trace_continuing_the_callers(traced: tuple[Stack
     assert a["zml.candidates"] and a["zml.family"] and "zml.estimated_ttft_s" in a and "zml.queue_depth" in a
     assert at[0]["attrs"]["zml.node_id"] == node and at[0]["attrs"]["zml.decision_id"] == decision
     # The node received the attempt span as its parent.
+    if os.environ.get("ZML_SCREENSHOT_DIR") and not stream:  # the trace picture in docs/observability.md
+        Path(os.environ["ZML_SCREENSHOT_DIR"], "trace.json").write_text(json.dumps(spans, indent=1, default=str))
     tp = stack.sim_state(node)["last_traceparent"]
     assert tp.startswith(f"00-{trace_id}-{at[0]['span_id']}-"), tp  # flags: sampled (+ random)
     no_prompt(spans)
