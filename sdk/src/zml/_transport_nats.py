@@ -3,8 +3,12 @@
 :class:`AsyncNatsTransport` is the real one. :class:`SyncNatsTransport` is the one bridge of
 the SDK: nats-py is asyncio-only, so the sync client runs the async transport on a private
 event-loop thread. Cancelling (closing a stream, a timeout, Ctrl-C) publishes on
-``zml.cancel.<request_id>`` so the router aborts the call on the node. nats exceptions become
-ZML errors here and nowhere else.
+``zml.cancel.<owner>.<request_id>`` so the router aborts the call on the node. nats exceptions
+become ZML errors here and nowhere else.
+
+The identity (nkey seed, env ZML_NATS_NKEY or ``[nats] nkey_file``) and TLS come from the
+configuration: with an identity, replies arrive on the identity's own inbox prefix and the
+owner in cancel subjects is its public key (see docs/security.md).
 """
 
 from __future__ import annotations
@@ -30,8 +34,10 @@ from zml._core import (
     no_router_error,
     timeout_error,
 )
-from zml._errors import ConnectionError, StreamInterruptedError, ZMLError
+from zml._errors import AuthError, ConnectionError, StreamInterruptedError, ZMLError
 from zmlcore import subjects
+from zmlcore.config import NatsConfig
+from zmlcore.natsauth import connect_options, owner_of
 from zmlcore.streamseq import SeqCheck
 
 __all__ = ["AsyncNatsStream", "AsyncNatsTransport", "SyncNatsStream", "SyncNatsTransport"]
@@ -45,12 +51,16 @@ def _reply(msg: Msg) -> RawReply:
 
 
 class AsyncNatsTransport:
-    def __init__(self, url: str, timeout: float, connect_timeout: float = 2.0) -> None:
+    def __init__(self, url: str, timeout: float, connect_timeout: float = 2.0, nats_config: NatsConfig | None = None) -> None:
         self.url = url
         self.timeout = timeout
         self.connect_timeout = connect_timeout
+        self._options = connect_options(nats_config or NatsConfig(url=url))
+        self.owner = owner_of(self._options)
         self._nc: NATS | None = None
         self._lock: asyncio.Lock | None = None
+        #: The server's last "permissions violation" message (a subject this identity may not use).
+        self._denied = ""
 
     async def _conn(self) -> NATS:
         if self._nc is not None and self._nc.is_connected:
@@ -61,8 +71,9 @@ class AsyncNatsTransport:
             if self._nc is not None and self._nc.is_connected:
                 return self._nc
 
-            async def _quiet(_: Exception) -> None:  # nats-py logs every error otherwise
-                return None
+            async def _quiet(exc: Exception) -> None:  # nats-py logs every error otherwise
+                if "permissions violation" in str(exc).lower() or "authorization violation" in str(exc).lower():
+                    self._denied = str(exc)
 
             try:
                 self._nc = await nats.connect(
@@ -73,8 +84,12 @@ class AsyncNatsTransport:
                     allow_reconnect=True,
                     error_cb=_quiet,
                     name="zml-sdk",
+                    **self._options,
                 )
             except (nats.errors.Error, OSError, asyncio.TimeoutError) as exc:
+                if "authorization violation" in f"{exc} {self._denied}".lower():
+                    raise AuthError(f"NATS at {self.url} refused this client's identity: set ZML_NATS_NKEY to a seed "
+                                    "file from `zml creds issue NAME` (or check that it was not revoked)") from exc
                 raise ConnectionError(
                     f"cannot connect to NATS at {self.url} ({type(exc).__name__}: {exc}). "
                     "Is `zml up` running? Check --endpoint / ZML_ENDPOINT."
@@ -88,6 +103,9 @@ class AsyncNatsTransport:
         except nats.errors.NoRespondersError as exc:
             raise no_router_error(subject) from exc
         except nats.errors.TimeoutError as exc:
+            if f'"{subject.lower()}"' in self._denied.lower():  # no reply because the server refused the publish
+                raise AuthError(f"this NATS identity may not use {subject} ({self._denied}); "
+                                "see docs/security.md for what each role may do") from exc
             raise timeout_error(timeout_s, (headers or {}).get(subjects.H_REQUEST_ID, "-")) from exc
         except (nats.errors.ConnectionClosedError, nats.errors.StaleConnectionError, OSError) as exc:
             raise ConnectionError(f"NATS connection to {self.url} lost: {exc}") from exc
@@ -96,7 +114,7 @@ class AsyncNatsTransport:
     async def cancel(self, request_id: str) -> None:
         with contextlib.suppress(Exception):
             nc = await self._conn()
-            await nc.publish(subjects.cancel(request_id), b"")
+            await nc.publish(subjects.cancel(request_id, self.owner), b"")
             await nc.flush(timeout=1)
 
     async def infer(self, call: InferCall) -> RawReply:
@@ -181,12 +199,12 @@ class AsyncNatsStream:
 class SyncNatsTransport:
     """The async transport driven from a private event-loop thread (the SDK's only bridge)."""
 
-    def __init__(self, url: str, timeout: float, connect_timeout: float = 2.0) -> None:
+    def __init__(self, url: str, timeout: float, connect_timeout: float = 2.0, nats_config: NatsConfig | None = None) -> None:
         self.url = url
+        self._async = AsyncNatsTransport(url, timeout, connect_timeout, nats_config)  # checks the identity first
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="zml-nats", daemon=True)
         self._thread.start()
-        self._async = AsyncNatsTransport(url, timeout, connect_timeout)
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
