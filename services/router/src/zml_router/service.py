@@ -44,6 +44,7 @@ from zmlcore.messages import (
 )
 from zmlcore.kvfollow import KVFollower
 from zmlcore.runner import cancel_and_wait
+from zmlcore.bigreply import maybe_stash
 from zmlcore.validate import check_request_id, decode_request, request_timeout_s
 from zmlcore.policy import (
     Decision,
@@ -630,7 +631,10 @@ class RouterService:
         finally:
             await self._count(info.node_id, -1, -1)
         info.time_to_first_token = time.monotonic() - t0
-        await self._publish(msg.reply, _with_routing(raw, info), self._routing_headers(info))
+        # Over max_payload, the body goes through the object store instead of being lost.
+        data, headers = await maybe_stash(self.nc, f"{info.request_id}-{info.decision_id}",  # type: ignore[arg-type]
+                                          _with_routing(raw, info), self._routing_headers(info))
+        await self._publish(msg.reply, data, headers)
 
     async def _dispatch_stream(self, msg: Msg | QueuedMsg, req: InferRequest, body: bytes, info: RoutingInfo, t0: float,
                                first_byte: float | None = None) -> None:
