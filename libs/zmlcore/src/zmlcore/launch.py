@@ -77,7 +77,7 @@ class Proc:
             assert self.popen.stdout is not None
             for line in self.popen.stdout:
                 line = line.rstrip("\n")
-                if line.startswith("Traceback (most recent call last)"):
+                if line.startswith("Traceback (most recent call last)") or '"exc":"Traceback' in line:
                     self.tracebacks += 1
                 with self._seen:
                     self.lines.append(line)
