@@ -33,7 +33,7 @@ from zml._models import (
     Usage,
 )
 from zmlcore import subjects
-from zmlcore.config import ZMLConfig
+from zmlcore.config import NatsConfig, ZMLConfig
 from zmlcore.messages import NodeState
 
 log = logging.getLogger("zml")
@@ -90,7 +90,27 @@ class InferCall:
         return {
             subjects.H_REQUEST_ID: self.request_id,
             subjects.H_TIMEOUT_MS: str(int(self.body.get("timeout_ms") or self.timeout_s * 1000)),
+            **trace_headers(),
         }
+
+
+def trace_headers() -> dict[str, str]:
+    """``traceparent`` (W3C) of the caller's current OpenTelemetry span, if there is one: ZML's
+    spans join the caller's trace. Empty without a recording span."""
+    if _propagator is None or not _otel_trace.get_current_span().get_span_context().is_valid:
+        return {}
+    out: dict[str, str] = {}
+    _propagator.inject(out)
+    return out
+
+
+try:  # opentelemetry-api comes with zml; an SDK vendored without it simply sends no context
+    from opentelemetry import trace as _otel_trace
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    _propagator: TraceContextTextMapPropagator | None = TraceContextTextMapPropagator()
+except ImportError:  # pragma: no cover
+    _propagator = None
 
 
 def new_request_id() -> str:
@@ -701,3 +721,11 @@ class ClientSettings:
         self.default_request_kwargs: dict[str, Any] = dict(default_request_kwargs or {})
         self._limiter = RateLimiter(**limits, now=time.monotonic())
         return max(int(max_connections), self.max_parallel_requests)
+
+    def nats_config(self) -> NatsConfig:
+        """NATS identity and TLS for a nats:// endpoint: zml.toml's ``[nats]`` (or the defaults)
+        with the environment's overrides (ZML_NATS_NKEY, ZML_NATS_TLS_*)."""
+        from zmlcore.config import load_config
+
+        base = self.config.nats if self.config is not None else load_config(None).nats
+        return msgspec.structs.replace(base, url=self.endpoint)

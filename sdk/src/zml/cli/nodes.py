@@ -46,12 +46,13 @@ def _admin(args: argparse.Namespace) -> int:
     from zmlcore.errors import BadRequestError
     from zmlcore.health.registry import add_node_sync, remove_node_sync
     from zmlcore.messages import NodeSpec
+    from zmlcore.natsauth import cli_options
 
     if not args.node_id:
         raise BadRequestError(f"zml nodes {args.action} needs a node id")
     url = args.nats_url or os.environ.get("ZML_NATS_URL") or load_config(args.config_path or find_config()).nats.url
     if args.action == "remove":
-        remove_node_sync(url, args.node_id)
+        remove_node_sync(url, args.node_id, connect_options=cli_options(args.config_path))
         print(f"{args.node_id}: removed")
         return 0
     if not (args.accelerator and args.node_url):
@@ -67,7 +68,7 @@ def _admin(args: argparse.Namespace) -> int:
         spec = msgspec.convert({k: v for k, v in raw.items() if v is not None}, NodeSpec)
     except msgspec.ValidationError as exc:
         raise BadRequestError(f"invalid node: {exc}") from exc
-    add_node_sync(url, spec, replace=args.replace)
+    add_node_sync(url, spec, replace=args.replace, connect_options=cli_options(args.config_path))
     print(f"{args.node_id}: added ({args.accelerator} at {args.node_url}); `zml nodes` shows it after its first poll")
     return 0
 

@@ -49,7 +49,9 @@ H_REPLY = "Zml-Reply"
 H_DEADLINE = "Zml-Deadline"  # unix seconds: when a queued request expires with QUEUE_FULL
 H_ENQUEUED = "Zml-Enqueued"
 H_TOTAL_MS = "Zml-Total-Timeout-Ms"  # a re-queued request's original timeout
-H_QUEUED_HEADERS = (subjects.H_REQUEST_ID, subjects.H_TIMEOUT_MS)
+#: Headers a queued request keeps: its id, timeout and owner, and its W3C trace context (the
+#: spans of the router that serves it join the trace that queued it).
+H_QUEUED_HEADERS = (subjects.H_REQUEST_ID, subjects.H_TIMEOUT_MS, subjects.H_OWNER, "traceparent", "tracestate")
 
 ACK_WAIT_S = 5.0
 #: Queued entries live at most this long (the stream's max_age), and so do their claims.
@@ -90,7 +92,7 @@ Expire = Callable[[QueuedMsg, float], Awaitable[None]]
 
 class SaturationQueue:
     def __init__(self, nc: NATS, has_room: HasRoom, dispatch: Dispatch, expire: Expire,
-                 is_cancelled: Callable[[str], bool], owner: str = "") -> None:
+                 is_cancelled: Callable[[QueuedMsg], bool], owner: str = "") -> None:
         self.nc = nc
         self.js: JetStreamContext = nc.jetstream()
         self._has_room = has_room
@@ -275,7 +277,7 @@ class SaturationQueue:
         last_progress = time.monotonic()
         while True:
             now = time.time()
-            if request_id and self._is_cancelled(request_id):
+            if request_id and self._is_cancelled(qmsg):
                 await jmsg.ack()
                 return
             if now >= deadline:
