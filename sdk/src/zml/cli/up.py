@@ -37,6 +37,12 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     g.add_argument("--nats-port", type=int, default=4222, help="port of the embedded NATS (default 4222)")
     g.add_argument("--nats-url", help="use this NATS server (with JetStream) instead of starting one")
     p.add_argument("--routers", type=int, default=1, help="router replicas (default 1)")
+    p.add_argument("--standby", type=int, default=1, metavar="N",
+                   help="standby replicas of health and warmup beside the active one, which take over "
+                        "through a leader lease (default 1: two of each; 0: one of each)")
+    p.add_argument("--cluster", type=int, choices=(1, 3, 5), default=1, metavar="N",
+                   help="run a local N-server NATS cluster (3 or 5) with JetStream replicas = 3 for every "
+                        "bucket and stream, and point every service at all its servers (default 1: one server)")
     p.add_argument("--data-dir", help="JetStream storage (default: a temporary folder)")
     p.add_argument("--ready-timeout", type=float, default=90.0, help="seconds to wait for the first good request")
     p.add_argument("-v", "--verbose", action="store_true", help="echo every child's log")
@@ -63,7 +69,8 @@ def _probe(url: str, model: str) -> tuple[int, str]:
 def run(args: argparse.Namespace) -> int:
     from zmlcore.config import load_config
     from zmlcore.errors import ConfigError
-    from zmlcore.launch import endpoint_port, port_in_use, service_argv, spawn, start_nats, wait_port
+    from zmlcore.launch import (ClusterPlan, endpoint_port, port_in_use, service_argv, spawn, start_nats,
+                                wait_jetstream, wait_port)
     from zmlcore.supervise import Supervisor
 
     config = args.config or demo_config_path()
@@ -91,6 +98,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     tmp = None
     v = args.verbose
+    env: dict[str, str] = {}
     try:
         if args.nats_url:
             nats_url = args.nats_url
@@ -101,16 +109,30 @@ def run(args: argparse.Namespace) -> int:
                 data_dir = tmp.name
             Path(data_dir).mkdir(parents=True, exist_ok=True)
             # Restarted on the same port and store: services reconnect and re-watch.
-            sup.add("nats", lambda: start_nats(args.host, args.nats_port, data_dir, echo=v))
-            nats_url = f"nats://{args.host}:{args.nats_port}"
+            if args.cluster == 1:
+                sup.add("nats", lambda: start_nats(args.host, args.nats_port, data_dir, echo=v))
+                nats_url = f"nats://{args.host}:{args.nats_port}"
+            else:
+                plan = ClusterPlan.make(args.host, args.cluster, data_dir, first_port=args.nats_port)
+                for i in range(args.cluster):
+                    sup.add(f"nats-{i + 1}", lambda i=i: plan.start(i, echo=v))
+                nats_url = plan.urls
+                env["ZML_NATS_REPLICAS"] = "3"
+                try:
+                    wait_jetstream(nats_url, 60, replicas=3)
+                except RuntimeError as exc:
+                    return _fail(str(exc))
 
         def service(name: str, *argv: str) -> None:
-            sup.add(name, lambda: spawn(name, list(argv), echo=v))
+            sup.add(name, lambda: spawn(name, list(argv), echo=v, env=env))
 
         if sim_nodes:
             service("sim", *service_argv("sim", config, nats_url))
-        service("health", *service_argv("health", config, nats_url))
-        service("warmup", *service_argv("warmup", config, nats_url))
+        for i in range(1 + max(0, args.standby)):  # one active, the others standing by (leader lease)
+            suffix = f"-{i + 1}" if args.standby > 0 else ""
+            ha = ["--ha"] if args.standby > 0 else []
+            service(f"health{suffix}", *service_argv("health", config, nats_url, *ha))
+            service(f"warmup{suffix}", *service_argv("warmup", config, nats_url, *ha))
         for i in range(max(1, args.routers)):
             service(f"router-{i + 1}", *service_argv("router", config, nats_url, "--router-id", f"router-{i + 1}"))
         service("gateway", *service_argv("gateway", config, nats_url, "--host", args.host,
