@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 async def router_ages(nats_url: str, names: list[str]) -> dict[str, float]:
     """Each router's oldest node state (seconds), from its own admin subject."""
-    nc = await nats.connect(nats_url)
+    nc = await nats.connect(servers=nats_url.split(","))
     try:
         out = {}
         for name in names:
