@@ -85,6 +85,8 @@ class Stack:
     node_ids: list[str]
     node_ports: dict[str, int]
     procs: dict[str, Proc] = field(default_factory=dict)
+    #: service name -> its Prometheus /metrics port (routers and health; the gateway uses its own)
+    metrics_ports: dict[str, int] = field(default_factory=dict)
 
     def sim_url(self, node_id: str) -> str:
         return f"http://127.0.0.1:{self.node_ports[node_id]}"
@@ -102,7 +104,9 @@ class Stack:
         return httpx.get(self.sim_url(node_id) + "/sim/state", timeout=5).json()
 
     def start_router(self, name: str) -> Proc:
-        proc = spawn(name, service_argv("router", self.config_path, self.nats_url, "--router-id", name))
+        self.metrics_ports[name] = port = free_port()
+        proc = spawn(name, service_argv("router", self.config_path, self.nats_url, "--router-id", name,
+                                        "--metrics-port", str(port)))
         self.procs[name] = proc
         return proc
 
@@ -145,7 +149,9 @@ def launch_stack(nats_url: str, tmp: Path, *, fleet: list[tuple[str, str, list[s
     stack = Stack(f"http://127.0.0.1:{gw_port}", nats_url, str(config), MODEL, [f[0] for f in fleet], ports, procs)
     try:
         procs["sim"] = spawn("sim", service_argv("sim", str(config), nats_url))
-        procs["health"] = spawn("health", service_argv("health", str(config), nats_url))
+        stack.metrics_ports["health"] = free_port()
+        procs["health"] = spawn("health", service_argv("health", str(config), nats_url, "--metrics-port",
+                                                       str(stack.metrics_ports["health"])))
         for i in range(1, routers + 1):
             stack.start_router(f"router-{i}")
         procs["gateway"] = spawn("gateway", service_argv("gateway", str(config), nats_url, "--port", str(gw_port)))

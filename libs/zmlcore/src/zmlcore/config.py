@@ -262,6 +262,10 @@ class ModelConfig(msgspec.Struct, **_Base):
     keep_warm_after_s: PosFloat | None = None
     """If set, a node that served no request for this model for this long gets a one-token probe
     request so caches and graphs stay warm."""
+    embedding: bool = False
+    """An embedding model: it answers POST /v1/embeddings (an InferRequest with ``input``) and
+    chat/completion requests for it are refused with 400, as embeddings requests for a model
+    configured without it are. Models not in [models] are not checked (the node decides)."""
 
 
 class WarmupConfig(msgspec.Struct, **_Base):
@@ -288,6 +292,23 @@ class WarmupConfig(msgspec.Struct, **_Base):
     """Also measure request rate from the nodes' metrics (for routers that publish no events)."""
 
 
+class MetricsConfig(msgspec.Struct, **_Base):
+    """Prometheus metrics (docs/observability.md). The gateway serves them on its own port at
+    GET /metrics; the router, health and warmup services get a small port of their own."""
+
+    gateway: bool = True
+    """Serve GET /metrics on the gateway's port."""
+    host: str = "127.0.0.1"
+    """Interface the router/health/warmup metrics ports bind (env ZML_METRICS_HOST)."""
+    router_port: Port | None = None
+    """Router metrics port (0: any free port, logged at start; None: no metrics port). With
+    several replicas on one host give each its own with `--metrics-port` (`zml up` does)."""
+    health_port: Port | None = None
+    """Health service metrics port (0: any free port; None: none)."""
+    warmup_port: Port | None = None
+    """Warmup service metrics port (0: any free port; None: none)."""
+
+
 class DefaultsConfig(msgspec.Struct, **_Base):
     policy: str = "balanced"
     """Account-level default policy."""
@@ -306,6 +327,7 @@ class ZMLConfig(msgspec.Struct, **_Base):
     health: HealthConfig = msgspec.field(default_factory=HealthConfig)
     warmup: WarmupConfig = msgspec.field(default_factory=WarmupConfig)
     defaults: DefaultsConfig = msgspec.field(default_factory=DefaultsConfig)
+    metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
     nodes: list[NodeConfig] = []
     models: dict[str, ModelConfig] = {}
     policy: dict[str, PolicyConfig] = {}
@@ -437,6 +459,7 @@ _ENV: list[tuple[str, str, str, type]] = [
     ("ZML_NATS_REPLICAS", "nats", "replicas", int),
     ("ZML_GATEWAY_HOST", "gateway", "host", str),
     ("ZML_GATEWAY_PORT", "gateway", "port", int),
+    ("ZML_METRICS_HOST", "metrics", "host", str),
 ]
 
 
@@ -444,7 +467,7 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: dict[str, st
     """Load and validate zml.toml; ``None`` means defaults plus environment overrides.
 
     Environment overrides (applied here and nowhere else): ZML_NATS_URL, ZML_NATS_REPLICAS, ZML_GATEWAY_HOST,
-    ZML_GATEWAY_PORT, ZML_API_KEYS (comma-separated).
+    ZML_GATEWAY_PORT, ZML_METRICS_HOST, ZML_API_KEYS (comma-separated).
     """
     env = dict(os.environ) if env is None else env
     data: dict[str, Any] = {}
@@ -491,7 +514,8 @@ def reference_markdown() -> str:
     classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
     sections = [
         ("[nats]", "NatsConfig"), ("[gateway]", "GatewayConfig"), ("[router]", "RouterConfig"),
-        ("[health]", "HealthConfig"), ("[warmup]", "WarmupConfig"), ("[defaults]", "DefaultsConfig"), ("[[nodes]]", "NodeConfig"),
+        ("[health]", "HealthConfig"), ("[warmup]", "WarmupConfig"), ("[defaults]", "DefaultsConfig"),
+        ("[metrics]", "MetricsConfig"), ("[[nodes]]", "NodeConfig"),
         ("[nodes.sim]", "SimConfig"), ('[models."NAME"]', "ModelConfig"),
         ("[policy.NAME] / [policies.NAME]", "PolicyConfig"),
     ]

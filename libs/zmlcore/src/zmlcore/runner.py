@@ -21,6 +21,7 @@ from zmlcore.config import ZMLConfig, load_config
 from zmlcore.errors import ConfigError
 from zmlcore.lease import Lease
 from zmlcore.link import link_of
+from zmlcore.metrics import MetricsServer, serve_metrics
 from zmlcore.natsio import connect
 from zmlcore.telemetry import setup_logging, setup_tracing
 
@@ -142,6 +143,11 @@ def service_parser(name: str, description: str) -> argparse.ArgumentParser:
     p.add_argument("--config", help="path to zml.toml")
     p.add_argument("--nats-url", help="NATS URL, or several comma-separated (servers of one cluster); "
                                       "overrides zml.toml and ZML_NATS_URL")
+    p.add_argument("--log-format", choices=("text", "json"), default=None,
+                   help="log lines as text (default) or one JSON object each (env ZML_LOG_FORMAT)")
+    if name != "gateway":  # the gateway serves /metrics on its own port
+        p.add_argument("--metrics-port", type=int, default=None,
+                       help=f"serve Prometheus /metrics on this port (0: a free one; default [metrics] {name}_port)")
     p.add_argument("--alive-file", help="touch this file every 2 s while running and connected, for "
                                         "healthchecks: python -m zmlcore.alive FILE")
     return p
@@ -162,10 +168,11 @@ def service_main(
     one active replica at a time (lease TTL from the config), and a replica whose lease was taken
     over exits 4.
     """
-    setup_logging(name)
+    setup_logging(name, fmt=getattr(args, "log_format", None))
     try:
         cfg = load_config(args.config)
         service = make(cfg, args)
+        metrics = start_metrics(name, cfg, getattr(args, "metrics_port", None))
     except ConfigError as exc:
         print(f"zml {name}: {exc}", file=sys.stderr)
         return 2
@@ -185,7 +192,22 @@ def service_main(
     except LeaseLost:
         print(f"zml {name}: another replica took over; exiting to restart as a standby", file=sys.stderr, flush=True)
         return 4
+    finally:
+        if metrics is not None:
+            metrics.close()
     return 0
+
+
+def start_metrics(name: str, cfg: ZMLConfig, port: int | None) -> "MetricsServer | None":
+    """The service's /metrics port: the flag, else ``[metrics] <name>_port``, else none."""
+    if port is None:
+        port = getattr(cfg.metrics, f"{name}_port", None)
+    if port is None:
+        return None
+    try:
+        return serve_metrics(cfg.metrics.host, port)
+    except OSError as exc:
+        raise ConfigError(f"metrics port {port} on {cfg.metrics.host}: {exc.strerror or exc}") from exc
 
 
 async def cancel_and_wait(tasks: "Iterable[asyncio.Task[object]]", timeout: float = 5.0) -> None:

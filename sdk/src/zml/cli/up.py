@@ -43,8 +43,15 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     p.add_argument("--cluster", type=int, choices=(1, 3, 5), default=1, metavar="N",
                    help="run a local N-server NATS cluster (3 or 5) with JetStream replicas = 3 for every "
                         "bucket and stream, and point every service at all its servers (default 1: one server)")
+    p.add_argument("--sim-port-base", type=int, metavar="N",
+                   help="put the simulated nodes on ports N, N+1, ... (default: free ports for the demo fleet, "
+                        "the endpoints of --config as written)")
     p.add_argument("--data-dir", help="JetStream storage (default: a temporary folder)")
     p.add_argument("--ready-timeout", type=float, default=90.0, help="seconds to wait for the first good request")
+    p.add_argument("--metrics-port", type=int, metavar="N",
+                   help="Prometheus /metrics ports N, N+1, ...: health and warmup (each replica), then one per router (default: free "
+                        "ports, printed at start; 0: none). The gateway serves /metrics on its own port")
+    p.add_argument("--log-format", choices=("text", "json"), default="text", help="children's log lines")
     p.add_argument("-v", "--verbose", action="store_true", help="echo every child's log")
     p.set_defaults(func=run)
 
@@ -69,13 +76,19 @@ def _probe(url: str, model: str) -> tuple[int, str]:
 def run(args: argparse.Namespace) -> int:
     from zmlcore.config import load_config
     from zmlcore.errors import ConfigError
-    from zmlcore.launch import (ClusterPlan, endpoint_port, port_in_use, service_argv, spawn, start_nats,
+    from zmlcore.launch import (ClusterPlan, endpoint_port, free_port, port_in_use, service_argv, spawn, start_nats,
                                 wait_jetstream, wait_port)
     from zmlcore.supervise import Supervisor
+    from zml.cli._simports import relocate
 
     config = args.config or demo_config_path()
+    ports_dir = None
     try:
         cfg = load_config(config)
+        if args.sim_port_base is not None or args.config is None:
+            # The demo fleet on free ports (or from --sim-port-base): two `zml up` can share a host.
+            ports_dir = tempfile.TemporaryDirectory(prefix="zml-up-")
+            config, cfg = relocate(config, cfg, args.sim_port_base, Path(ports_dir.name))
     except ConfigError as exc:
         return _fail(str(exc))
     sim_nodes = [n for n in cfg.nodes if n.sim is not None]
@@ -83,6 +96,16 @@ def run(args: argparse.Namespace) -> int:
     if not args.nats_url:
         wanted.append((args.host, args.nats_port, "NATS (--nats-port, or --nats-url to use a running server)"))
     wanted += [(*endpoint_port(n.endpoint), f"sim node {n.id} (endpoint in {config})") for n in sim_nodes]
+    standby = max(0, args.standby)
+    singletons = [f"{role}-{i + 1}" if standby else role for role in ("health", "warmup") for i in range(1 + standby)]
+    metrics_ports: dict[str, int] = {}
+    if args.metrics_port != 0:
+        names = [*singletons, *(f"router-{i + 1}" for i in range(max(1, args.routers)))]
+        if args.metrics_port is None:
+            metrics_ports = {name: free_port(args.host) for name in names}
+        else:
+            metrics_ports = {name: args.metrics_port + i for i, name in enumerate(names)}
+            wanted += [(args.host, port, f"{name} metrics (--metrics-port)") for name, port in metrics_ports.items()]
     for host, port, what in wanted:
         if port_in_use(host, port):
             return _fail(f"port {port} on {host} is already in use: needed by {what}")
@@ -128,15 +151,21 @@ def run(args: argparse.Namespace) -> int:
 
         if sim_nodes:
             service("sim", *service_argv("sim", config, nats_url))
-        for i in range(1 + max(0, args.standby)):  # one active, the others standing by (leader lease)
-            suffix = f"-{i + 1}" if args.standby > 0 else ""
-            ha = ["--ha"] if args.standby > 0 else []
-            service(f"health{suffix}", *service_argv("health", config, nats_url, *ha))
-            service(f"warmup{suffix}", *service_argv("warmup", config, nats_url, *ha))
+
+        def extra(name: str) -> list[str]:
+            out = ["--log-format", args.log_format]
+            if name in metrics_ports:
+                out += ["--metrics-port", str(metrics_ports[name])]
+            return out
+
+        ha = ["--ha"] if args.standby > 0 else []  # one active, the others standing by (leader lease)
+        for name in singletons:
+            service(name, *service_argv(name.split("-")[0], config, nats_url, *ha, *extra(name)))
         for i in range(max(1, args.routers)):
-            service(f"router-{i + 1}", *service_argv("router", config, nats_url, "--router-id", f"router-{i + 1}"))
+            name = f"router-{i + 1}"
+            service(name, *service_argv("router", config, nats_url, "--router-id", name, *extra(name)))
         service("gateway", *service_argv("gateway", config, nats_url, "--host", args.host,
-                                          "--port", str(args.gateway_port)))
+                                          "--port", str(args.gateway_port), "--log-format", args.log_format))
         url = f"http://{args.host}:{args.gateway_port}"
         model = next(iter(sorted({m for n in cfg.nodes for m in n.models})), None)
         deadline = time.monotonic() + args.ready_timeout
@@ -155,6 +184,12 @@ def run(args: argparse.Namespace) -> int:
         if not stopping:
             print(f"zml ready: {url}  (OpenAI API at {url}/v1, NATS {nats_url}, {len(cfg.nodes)} nodes; Ctrl-C to stop)",
                   flush=True)
+            if sim_nodes:
+                print("zml up: simulated nodes " + ", ".join(f"{n.id} {n.endpoint}" for n in sim_nodes)
+                      + " (`zml nodes` lists them)", flush=True)
+            where = ", ".join(f"{name} :{port}" for name, port in metrics_ports.items())
+            print(f"zml metrics: {url}/metrics, dashboard {url}/dashboard" + (f"; /metrics also on {where}" if where else ""),
+                  flush=True)
         while not stopping:
             sup.tick()
             time.sleep(0.2)
@@ -163,6 +198,8 @@ def run(args: argparse.Namespace) -> int:
         sup.stop_all()
         if tmp is not None:
             tmp.cleanup()
+        if ports_dir is not None:
+            ports_dir.cleanup()
         print("zml up: stopped", file=sys.stderr, flush=True)
 
 

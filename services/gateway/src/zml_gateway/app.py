@@ -2,7 +2,8 @@
 dict lookups, a NATS request and a write).
 
 Routes: POST /v1/chat/completions, POST /v1/completions (OpenAI-compatible, streaming or not),
-GET /v1/models, GET /v1/nodes, GET /healthz; any other path is 404, a known path with the wrong
+POST /v1/embeddings, GET /v1/models, GET /v1/models/{id}, GET /v1/nodes,
+GET /healthz; any other path is 404, a known path with the wrong
 method 405. The body is validated here with the router's own rules (zmlcore.validate), so a
 bad request is a 400 before it costs a NATS round trip, and then goes to ``zml.infer`` as is.
 Every answer that is not a 200 carries OpenAI's error body (``message``, ``type``, ``code``).
@@ -44,8 +45,10 @@ from zmlcore.link import link_of
 from zmlcore.messages import NodeState
 from zmlcore.keys import KeyRing
 from zmlcore.streamseq import SeqCheck
+from zml_gateway import metrics
 from zml_gateway.access import Access, Caller, RateLimited
 from zmlcore.validate import check_request_id, clip, decode_request, request_timeout_s
+from zml_gateway.models import model_list, model_object
 
 log = logging.getLogger("zml.gateway")
 
@@ -56,7 +59,7 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 _encode = msgspec.json.encode
 
 
-_ROUTES = {"/v1/chat/completions": "POST", "/v1/completions": "POST", "/v1/models": "GET",
+_ROUTES = {"/v1/chat/completions": "POST", "/v1/completions": "POST", "/v1/embeddings": "POST", "/v1/models": "GET",
            "/v1/nodes": "GET", "/healthz": "GET"}
 #: Room left in a NATS message for our headers when the body limit follows max_payload.
 _HEADER_ROOM = 4096
@@ -115,7 +118,7 @@ class Gateway:
             return
         method, path = scope["method"], scope["path"]
         try:
-            allowed = _ROUTES.get(path)
+            allowed = _ROUTES.get(path) or ("GET" if path.startswith("/v1/models/") else None)
             if allowed is None:
                 raise NotFoundError(f"no route {clip(path, 80)}: see /v1/chat/completions, /v1/completions, /v1/models")
             if method != allowed:
@@ -127,7 +130,9 @@ class Gateway:
                 return await self._plain(send, 200 if ok else 503, {"status": "ok" if ok else "nats_disconnected"})
             self.access.authenticate(scope)
             if path == "/v1/models":
-                return await self._plain(send, 200, self._models())
+                return await self._plain(send, 200, model_list(self.cfg, self.nodes))
+            if path.startswith("/v1/models/"):
+                return await self._plain(send, 200, model_object(self.cfg, self.nodes, path[len("/v1/models/"):]))
             return await self._plain(send, 200, {"nodes": await self._node_table()})
         except ZMLError as exc:
             await self._error(send, exc, scope)
@@ -146,15 +151,6 @@ class Gateway:
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
-    def _models(self) -> dict[str, Any]:
-        names = self.cfg.model_names()
-        for st in self.nodes.values():
-            names.update(st.models)
-        data = []
-        for name in sorted(names):
-            serving = [s.node_id for s in self.nodes.values() if name in s.models and s.status == "up"]
-            data.append({"id": name, "object": "model", "owned_by": "zml", "created": 0, "zml": {"nodes_up": serving}})
-        return {"object": "list", "data": data}
 
     async def _node_table(self) -> list[dict[str, Any]]:
         """Health's view of every node, with run-time prices and the routers' view (in flight,
@@ -177,6 +173,7 @@ class Gateway:
         out = []
         for node_id in sorted(self.nodes):
             row: dict[str, Any] = msgspec.to_builtins(self.costs.apply(self.nodes[node_id]))
+            row.setdefault("cost_per_hour", 0.0)  # omitted as a default, yet a free node's price
             seen = [v["nodes"][node_id] for v in views if node_id in v.get("nodes", {})]
             row["routers"] = len(seen)
             row["in_flight"] = max((r["outstanding"] for r in seen), default=0)
@@ -234,6 +231,7 @@ class Gateway:
         try:
             limits = await self.access.admit(caller, request_id, timeout + 5.0)
         except RateLimited as exc:
+            metrics.rate_limited(caller)
             await self._plain(send, 429, exc.error.to_body(), exc.headers)
             return
         tokens = [0]

@@ -19,6 +19,8 @@ from zmlcore.keys import KeyRing
 from zmlcore.limiter import SharedLimiter
 from zml_gateway.access import Access
 from zml_gateway.app import Gateway
+from zml_gateway.dashboard import Dashboard
+from zml_gateway.observe import Observed
 from zml_gateway.protocol import BoundedHttpTools
 
 log = logging.getLogger("zml.gateway")
@@ -40,6 +42,7 @@ class GatewayService:
         self._server: _Server | None = None
         self._serve: asyncio.Task[None] | None = None
         self._follow: asyncio.Task[None] | None = None
+        self._dashboard: Dashboard | None = None
         self._follow_keys: asyncio.Task[None] | None = None
         self.limiter: SharedLimiter | None = None
 
@@ -52,7 +55,10 @@ class GatewayService:
         self._follow_keys = asyncio.create_task(keys.run())
         await keys.wait_ready(2.0)  # keys known before the first request (else: 401s at start)
         self.limiter = await SharedLimiter.open(nc)
-        app = Gateway(self.cfg, nc, self.nodes, self.costs, Access(self.cfg, ring, self.limiter))
+        gateway = Gateway(self.cfg, nc, self.nodes, self.costs, Access(self.cfg, ring, self.limiter))
+        self._dashboard = Dashboard(gateway)
+        await self._dashboard.start()
+        app = Observed(gateway, serve_metrics=self.cfg.metrics.gateway, dashboard=self._dashboard)
         g = self.cfg.gateway
         protocol = BoundedHttpTools.with_limits(g.max_header_bytes, g.max_headers, g.header_timeout_s)
         config = uvicorn.Config(
@@ -72,6 +78,8 @@ class GatewayService:
             self._server.should_exit = True
         if self._serve is not None:
             await asyncio.wait([self._serve], timeout=10)
+        if self._dashboard is not None:
+            await self._dashboard.stop()
         if self.limiter is not None:
             await self.limiter.close()
         for task in (self._follow, self._follow_costs, self._follow_keys):

@@ -41,7 +41,7 @@ from zmlcore.messages.warmup import completed_decoder, warmup_event_decoder
 from zmlcore.natsio import ensure_kv, nodes_kv
 from zmlcore.runner import cancel_and_wait
 from zmlcore.sim.model import SimProfile
-from zml_health import nodeprobe
+from zml_health import metrics, nodeprobe
 from zml_health.adapters import adapter_for, sglang
 from zml_health.adapters.base import Probe
 from zml_health.tracker import Tracker
@@ -204,6 +204,7 @@ class HealthService:
         rt = self.runtime[node.id]
         probe_fn = adapter_for(node.backend)
         endpoint = node.endpoint.rstrip("/")
+        t0 = time.perf_counter()
         async with self._sem:
             probe = await probe_fn(self.http, endpoint, hc.probe_timeout_s, tr.polls)
             # Also when not validating: the node probe reports loading models and free memory.
@@ -213,6 +214,7 @@ class HealthService:
         check = self._hardware(node, rt)
         state = self._state(node, tr, rt, probe, status, check, now)
         self.states[node.id] = state
+        metrics.polled(node.id, probe.ok, probe.loading, probe.slow, time.perf_counter() - t0, state)
         if node.id in self._tasks:  # not removed while we probed
             await self.kv.put(node.id, _encode(state))
         return state

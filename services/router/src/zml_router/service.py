@@ -44,6 +44,7 @@ from zmlcore.messages import (
 )
 from zmlcore.kvfollow import KVFollower
 from zmlcore.runner import cancel_and_wait
+from zmlcore.telemetry import DECISION_ID, REQUEST_ID
 from zmlcore.validate import check_request_id, decode_request, request_timeout_s
 from zmlcore.policy import (
     Decision,
@@ -56,6 +57,7 @@ from zmlcore.policy import (
 )
 from zmlcore.policy.resolve import builtin_policy
 from zml_router.cancels import CancelBook
+from zml_router.metrics import RouterMetrics
 from zml_router.cooldowns import Marks
 from zml_router.dispatch import (
     AttemptError,
@@ -67,6 +69,8 @@ from zml_router.dispatch import (
     within_first_byte,
 )
 from zml_router.firstbyte import expected_s, first_byte_timeout
+from zml_router.kinds import PATHS, check_kind
+from zml_router.rename import Renamer
 from zml_router.queue import H_DEADLINE, H_ENQUEUED, H_TOTAL_MS, QueuedMsg, SaturationQueue
 from zml_router.table import NodeTable
 
@@ -97,17 +101,17 @@ def _with_routing(raw: bytes, info: RoutingInfo) -> bytes:
     raise AttemptError(Failure.SERVER, 200, f"node answered a non-object JSON body: {raw[:100]!r}")
 
 
-_PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
 
 class _Outcome:
     """What happened to one request, for its completion event."""
 
     __slots__ = ("model", "node_id", "family", "ok", "error_code", "node_error", "failed_nodes",
-                 "attempts", "info", "queued", "slow_nodes", "label")
+                 "attempts", "info", "queued", "slow_nodes", "label", "op")
 
     def __init__(self) -> None:
         self.model = ""
+        self.op = ""  # chat | completion
         self.node_id = ""
         self.family = ""
         self.ok = False
@@ -132,7 +136,7 @@ class RouterService:
     def __init__(self, cfg: ZMLConfig, router_id: str | None = None) -> None:
         self.cfg = cfg
         self.router_id = router_id or f"router-{_new_id()[:6]}"
-        self.table = NodeTable()
+        self.table = NodeTable(cfg.families())
         self.marks = Marks(self.table, self.router_id)
         self.state = RoutingState()
         self.nc: NATS | None = None
@@ -148,6 +152,7 @@ class RouterService:
         self._cancelled = CancelBook()
         self.queue: SaturationQueue | None = None
         self._default_timeout = cfg.defaults.request_timeout_s
+        self.metrics = RouterMetrics(self)
 
     # --- lifecycle -------------------------------------------------------------------------
     async def start(self, nc: NATS) -> None:
@@ -171,6 +176,7 @@ class RouterService:
         self._subs.append(await nc.subscribe(subjects.INFLIGHT_SNAPSHOT, cb=self._on_snapshot))
         self._subs.append(await nc.subscribe(subjects.NODE_MARKS, cb=self._on_mark))
         self._heartbeat = asyncio.create_task(self._publish_snapshots())
+        self.metrics.start()
         self._subs.append(await nc.subscribe(subjects.cancel("*"), cb=self._on_cancel))
         self._subs.append(await nc.subscribe(subjects.router_state(self.router_id), cb=self._on_state))
         self._subs.append(await nc.subscribe(subjects.ROUTERS_STATE, cb=self._on_state))
@@ -191,6 +197,7 @@ class RouterService:
         if self.queue is not None:
             await self.queue.stop()
         await cancel_and_wait([t for t in (self._follow, self._heartbeat, self._follow_costs) if t is not None])
+        await self.metrics.stop()
         if self.http:
             await self.http.aclose()
 
@@ -278,6 +285,7 @@ class RouterService:
             req = decode_request(msg.data, max_depth=self.cfg.defaults.max_json_depth)
             stream = req.stream
             request_id = check_request_id(asked_id or req.request_id or _new_id())
+            REQUEST_ID.set(request_id)  # on every log line of this request (JSON logs)
             # The gateway passes the API key's options: its default policy, its cost label.
             if req.policy is None and req.routing is None and subjects.H_DEFAULT_POLICY in headers:
                 req.routing = headers[subjects.H_DEFAULT_POLICY]
@@ -308,14 +316,18 @@ class RouterService:
             out.error_code = ZMLError.code
             log.exception("internal error on request %s", request_id)
             await self._reply_error(msg, ZMLError(f"internal error: {type(exc).__name__}"), stream)
+        self.metrics.finished(out, time.monotonic() - t0)
         if out.model and not out.queued:
             await self._completed(out, request_id, t0)
 
     def _prepare(self, req: InferRequest, raw: bytes) -> tuple[str, ResolvedPolicy, RouteRequest]:
         model = self.cfg.resolve_model(req.model)
         per_call = req.policy if req.policy is not None else req.routing
-        policy = resolve_policy(self.cfg, model, per_call)
-        max_tokens = req.max_tokens or req.max_completion_tokens or 512
+        # Chains may name families registered at run time, not only zml.toml's.
+        policy = resolve_policy(self.cfg, model, per_call, self.table.families())
+        check_kind(self.cfg, model, req)
+        # An embedding is a prefill and no decode: one "output token" for the estimate.
+        max_tokens = 1 if req.input is not None else req.max_tokens or req.max_completion_tokens or 512
         # ~4 bytes per token of JSON body: good enough for a TTFT estimate, and O(1).
         rr = RouteRequest(model=model, prompt_tokens=len(raw) // 4, max_tokens=max_tokens,
                           accelerator_id=req.accelerator_id)
@@ -323,7 +335,7 @@ class RouterService:
 
     async def _route(self, msg: Msg | QueuedMsg, req: InferRequest, request_id: str, t0: float,
                      timeout: float, out: _Outcome) -> None:
-        out.model = self.cfg.resolve_model(req.model)
+        out.model, out.op = self.cfg.resolve_model(req.model), req.kind()
         model, policy, rr = self._prepare(req, msg.data)
         max_tokens = rr.max_tokens
         body = self._backend_body(msg.data, model, req.model)
@@ -340,7 +352,7 @@ class RouterService:
                 rr = RouteRequest(model=model, prompt_tokens=rr.prompt_tokens, max_tokens=max_tokens,
                                   accelerator_id=req.accelerator_id, exclude=frozenset(excluded))
             try:
-                decision = self._decide(rr, policy)
+                decision = self.metrics.decide(self._decide, rr, policy)
             except QueueFullError:
                 if last is None and policy.config.queue_on_saturation and self.queue is not None and msg.reply:
                     out.queued = True
@@ -368,18 +380,22 @@ class RouterService:
                 label=out.label,
             )
             out.info = info
+            DECISION_ID.set(info.decision_id)
             served = self.table.views[decision.node_id].state.served_names.get(model)
             node_body = self._backend_body(msg.data, served, req.model) if served else body
             first_byte = self._first_byte_s(decision.node_id, req, rr)
+            # The engine answers with its own name: the client gets back the name it asked for.
+            rename = Renamer(served, req.model) if served and served != req.model else None
             try:
                 if req.stream:
-                    await self._dispatch_stream(msg, req, node_body, info, t0, first_byte)
+                    await self._dispatch_stream(msg, req, node_body, info, t0, first_byte, rename)
                 else:
-                    await self._dispatch_once(msg, req, node_body, info, t0, first_byte)
+                    await self._dispatch_once(msg, req, node_body, info, t0, first_byte, rename)
                 out.ok = True
                 return
             except AttemptError as err:
                 last = err
+                self.metrics.failover(decision.node_id, err.failure.value)
                 out.node_error = err.failure in (Failure.NETWORK, Failure.SERVER, Failure.SLOW)
                 if out.node_error:
                     out.failed_nodes.append(decision.node_id)
@@ -401,9 +417,11 @@ class RouterService:
                 out.queued = True
                 await self._saturated(msg, req, model, request_id, policy.config.max_queue_ms, timeout)
                 return
+            pinned = req.accelerator_id is not None  # the node was the caller's choice, not the policy's
             raise QueueFullError(
+                f"node {req.accelerator_id!r} is overloaded" if pinned else
                 f"every node tried for {model!r} is overloaded ({len(excluded)} tried)",
-                routing_context={"policy": policy.name, "final_error": "all_nodes_over_capacity",
+                routing_context={"policy": "pinned" if pinned else policy.name, "final_error": "all_nodes_over_capacity",
                                  "nodes_tried": sorted(excluded),
                                  "recommendation": "increase fleet capacity or enable queue_on_saturation"},
                 retry_after=last.retry_after or 1.0,
@@ -506,6 +524,7 @@ class RouterService:
             headers[H_ENQUEUED] = msg.headers.get(H_ENQUEUED, f"{now:.3f}")
             headers[subjects.H_TIMEOUT_MS] = msg.headers.get(H_TOTAL_MS, headers[subjects.H_TIMEOUT_MS])
         await self.queue.enqueue(model, msg.data, msg.reply, headers, deadline)
+        self.metrics.enqueued(model)
         log.info("request %s queued for %s (up to %.0f ms)", request_id, model, wait_s * 1000)
 
     def _room_for_queued(self, qmsg: QueuedMsg) -> bool:
@@ -514,6 +533,7 @@ class RouterService:
             req = infer_request_decoder.decode(qmsg.data)
             model, policy, rr = self._prepare(req, qmsg.data)
             self._decide(rr, policy)
+            self.metrics.waited(model, time.time() - float(qmsg.headers.get(H_ENQUEUED, time.time())))
         except QueueFullError:
             return False
         except (ZMLError, msgspec.DecodeError, msgspec.ValidationError):
@@ -541,6 +561,7 @@ class RouterService:
         return True
 
     async def _expire_queued(self, qmsg: QueuedMsg, enqueued_at: float) -> None:
+        self.metrics.expired(qmsg.data)
         waited_ms = int((time.time() - enqueued_at) * 1000)
         try:
             stream = infer_request_decoder.decode(qmsg.data).stream
@@ -605,7 +626,7 @@ class RouterService:
         return h
 
     def _url(self, info: RoutingInfo, req: InferRequest) -> str:
-        return self.table.views[info.node_id].state.endpoint.rstrip("/") + _PATHS[req.kind()]
+        return self.table.views[info.node_id].state.endpoint.rstrip("/") + PATHS[req.kind()]
 
     # --- in-flight accounting ----------------------------------------------------------------
     async def _count(self, node_id: str, outstanding: int, pending: int) -> None:
@@ -621,7 +642,7 @@ class RouterService:
             await self.nc.publish(subjects.INFLIGHT, _encode(delta))
 
     async def _dispatch_once(self, msg: Msg | QueuedMsg, req: InferRequest, body: bytes, info: RoutingInfo, t0: float,
-                             first_byte: float | None = None) -> None:
+                             first_byte: float | None = None, rename: Renamer | None = None) -> None:
         # A non-streamed reply shows no first token: pending ends with the request.
         await self._count(info.node_id, 1, 1)
         try:
@@ -630,10 +651,13 @@ class RouterService:
         finally:
             await self._count(info.node_id, -1, -1)
         info.time_to_first_token = time.monotonic() - t0
+        self.metrics.usage(req.kind(), req.model, raw)
+        if rename is not None:
+            raw = rename(raw)
         await self._publish(msg.reply, _with_routing(raw, info), self._routing_headers(info))
 
     async def _dispatch_stream(self, msg: Msg | QueuedMsg, req: InferRequest, body: bytes, info: RoutingInfo, t0: float,
-                               first_byte: float | None = None) -> None:
+                               first_byte: float | None = None, rename: Renamer | None = None) -> None:
         await self._count(info.node_id, 1, 1)
         pending = 1
         started = False
@@ -655,8 +679,11 @@ class RouterService:
                         usage = _decode_any.decode(chunk).get("usage")
                         if isinstance(usage, dict) and isinstance(usage.get("total_tokens"), int):
                             info.total_tokens = usage["total_tokens"]
+                            self.metrics.usage_dict(req.kind(), req.model, usage)
                     except msgspec.DecodeError:
                         pass
+                if rename is not None:
+                    chunk = rename(chunk)
                 seq += 1  # numbered so that a receiver notices a lost message (zmlcore.streamseq)
                 await self._publish(msg.reply, chunk, {subjects.H_STREAM: subjects.STREAM_CHUNK, subjects.H_SEQ: str(seq)})
             if not started:  # a stream with no chunk at all

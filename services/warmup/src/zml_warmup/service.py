@@ -30,7 +30,7 @@ from zmlcore.messages.admin import registry_entry_decoder
 from zmlcore.messages.warmup import completed_decoder, serve_request_decoder
 from zmlcore.kvfollow import KVFollower
 from zmlcore.runner import cancel_and_wait
-from zml_warmup import loader
+from zml_warmup import loader, metrics
 from zml_warmup.planner import Load, Want, keep_warm_due, plan_loads
 from zml_warmup.rate import QuietDetector, RateTracker, metrics_rate
 
@@ -247,6 +247,7 @@ class WarmupService:
                                reason="keep_warm", mechanism="warmup_request", message=res.message, ts=self.clock()))
 
     def _emit(self, ev: WarmupEvent) -> None:
+        metrics.event(ev)
         self.events.append(ev)
         del self.events[:-200]
         if self.nc is not None and self.nc.is_connected:
