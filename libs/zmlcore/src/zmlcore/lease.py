@@ -4,7 +4,7 @@
 - Acquire: ``create`` the key (succeeds only if it is absent or deleted).
 - Hold: every ``ttl/3`` seconds ``update`` it with the revision we last wrote. A wrong-revision
   answer means another replica took over: we have lost it.
-- Take over: a standby reads the key every ``ttl/4`` seconds; if its revision has not changed for
+- Take over: a standby reads the key every ``ttl/8`` seconds; if its revision has not changed for
   ``ttl`` seconds *as measured by the standby's own clock* (no clock skew between machines
   matters), the holder is gone, and the standby ``update``s it with the revision it saw: of
   several standbys exactly one wins. A standby that cannot read the key (broker away) restarts
@@ -46,8 +46,9 @@ MIN_TTL_S = 2.0
 
 def lease_ttl_s(interval_s: float) -> float:
     """The lease TTL for a service that works every ``interval_s`` (a health poll, a warmup
-    sweep): one interval (at least MIN_TTL_S), so a standby takes over within
-    ``ttl + ttl/4`` of the active one's last renewal, under two intervals."""
+    sweep): one interval (at least MIN_TTL_S), so a standby takes over within about
+    ``ttl + ttl/4`` of the active one's last renewal (it sees each renewal up to ttl/8 late and
+    checks every ttl/8): under two intervals."""
     return max(MIN_TTL_S, interval_s)
 
 
@@ -109,7 +110,7 @@ class Lease:
             except Exception as exc:  # broker away: we cannot judge the holder, count again
                 log.debug("lease %s: %s", self.role, exc)
                 seen_rev = None
-            await asyncio.sleep(self.ttl / 4)
+            await asyncio.sleep(self.ttl / 8)
 
     async def hold(self) -> None:
         """Renew until the lease is lost (another replica holds it); then return."""
