@@ -13,6 +13,7 @@ import signal
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import nats
 import pytest
@@ -21,17 +22,19 @@ from conftest import MODEL, launch_stack
 from loadgen import Load
 from test_broker_restart import router_ages
 from zmlcore import subjects
-from zmlcore.launch import ClusterPlan, free_port, spawn, wait_jetstream
+from zmlcore.launch import ClusterPlan, free_port, spawn
+from zmlcore.natscreds import get as identity
 
 pytestmark = pytest.mark.slow
 
 
-async def _replicas(urls: str) -> dict[str, int]:
-    nc = await nats.connect(servers=urls.split(","))
+async def _replicas(urls: str, streams: tuple[str, ...] = (
+        f"KV_{subjects.NODES_BUCKET}", f"KV_{subjects.COSTS_BUCKET}", subjects.QUEUE_STREAM), **opts: Any) -> dict[str, int]:
+    nc = await nats.connect(servers=urls.split(","), **opts)
     try:
         js = nc.jetstream()
         out = {}
-        for stream in (f"KV_{subjects.NODES_BUCKET}", f"KV_{subjects.COSTS_BUCKET}", subjects.QUEUE_STREAM):
+        for stream in streams:
             out[stream] = (await js.stream_info(stream)).config.num_replicas
         return out
     finally:
@@ -43,7 +46,7 @@ def test_kill_one_server_of_three_under_load(tmp_path: Path, monkeypatch: pytest
     servers = [plan.start(i) for i in range(3)]
     stack = None
     try:
-        wait_jetstream(plan.urls, 60, replicas=3)
+        plan.wait_ready(60)
         monkeypatch.setenv("ZML_NATS_REPLICAS", "3")  # inherited by every service
         stack = launch_stack(plan.urls, tmp_path, routers=2)
         assert set(asyncio.run(_replicas(plan.urls)).values()) == {3}
@@ -84,8 +87,9 @@ def test_kill_one_server_of_three_under_load(tmp_path: Path, monkeypatch: pytest
 
 
 def test_zml_up_cluster_3(tmp_path: Path) -> None:
-    gw = free_port()
-    up = spawn("zml-up", [sys.executable, "-m", "zml.cli", "up", "--cluster", "3", "--standby", "0",
+    """Secure by default as well: every member runs with the same authorization."""
+    gw, data = free_port(), tmp_path / "data"
+    up = spawn("zml-up", [sys.executable, "-m", "zml.cli", "up", "--cluster", "3", "--data-dir", str(data),
                           "--gateway-port", str(gw), "--nats-port", str(free_port()), "--config",
                           _fleet(tmp_path)])
     try:
@@ -93,7 +97,11 @@ def test_zml_up_cluster_3(tmp_path: Path) -> None:
         ready = next(line for line in up.lines if "zml ready" in line)
         urls = ready.split("NATS ")[1].split(",  ")[0].split(" ")[0].rstrip(",")
         assert urls.count("nats://") == 3, ready
-        assert set(asyncio.run(_replicas(urls)).values()) == {3}
+        admin = identity(data, "admin")
+        assert admin is not None
+        opts = {"nkeys_seed": admin.seed_file, "inbox_prefix": subjects.inbox_prefix(admin.public_key)}
+        buckets = (f"KV_{subjects.NODES_BUCKET}", f"KV_{subjects.REGISTRY_BUCKET}", f"KV_{subjects.COSTS_BUCKET}")
+        assert set(asyncio.run(_replicas(urls, buckets, **opts)).values()) == {3}
     finally:
         up.popen.send_signal(signal.SIGTERM)
         assert up.popen.wait(60) == 0, up.tail(20)

@@ -13,7 +13,6 @@ import signal
 import sys
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import nats
 import pytest
@@ -55,7 +54,7 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Proc, str, st
                                  extra=f"[warmup]\nsweep_interval_s = {POLL_S}\n"))
     gw, nats_port = free_port(), free_port()
     proc = spawn("zml-up", [sys.executable, "-m", "zml.cli", "up", "--config", str(config), "--routers", "2",
-                            "--gateway-port", str(gw), "--nats-port", str(nats_port)])
+                            "--gateway-port", str(gw), "--nats-port", str(nats_port), "--insecure"])
     try:
         assert proc.wait_for("zml ready", 120), proc.tail(40)
         yield proc, f"http://127.0.0.1:{gw}", f"nats://127.0.0.1:{nats_port}"

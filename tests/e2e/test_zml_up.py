@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
 import re
 import signal
 import socket
@@ -9,10 +11,14 @@ import subprocess
 import sys
 import time
 
+from pathlib import Path
+
 import httpx
+import nats
+import nats.errors
 import pytest
 
-from zmlcore.launch import free_port, port_in_use, spawn
+from zmlcore.launch import Proc, free_port, port_in_use, spawn
 from zml.cli.up import demo_config_path
 from zmlcore.config import load_config
 from zmlcore.launch import endpoint_port
@@ -31,8 +37,8 @@ def _port_base(n: int) -> int:
     raise RuntimeError("no run of free ports")
 
 
-@pytest.mark.timeout(240)
-def test_two_zml_up_on_one_machine_run_the_demo_fleet_and_stop_everything() -> None:
+@pytest.mark.timeout(300)
+def test_two_zml_up_on_one_machine_run_the_demo_fleet_and_stop_everything(tmp_path: Path) -> None:
     # Issue 10 item 11: the demo fleet used to bind 9101-9107 always, so a second `zml up`
     # failed with "port 9101 ... already in use". Now one picks free ports, the other a base.
     cfg = load_config(demo_config_path())
@@ -40,7 +46,9 @@ def test_two_zml_up_on_one_machine_run_the_demo_fleet_and_stop_everything() -> N
     runs = []
     for extra in ((), ("--sim-port-base", str(base))):
         gw, nats_port = free_port(), free_port()
-        proc = spawn(f"zml-up-{len(runs)}", _zml("up", "--gateway-port", str(gw), "--nats-port", str(nats_port), *extra))
+        data = tmp_path / f"zml-data-{len(runs)}"  # each its own identities and store
+        proc = spawn(f"zml-up-{len(runs)}", _zml("up", "--gateway-port", str(gw), "--nats-port", str(nats_port),
+                                                 "--data-dir", str(data), *extra))
         runs.append((proc, gw, nats_port))
     used: list[tuple[str, int]] = []
     try:
@@ -81,6 +89,7 @@ def test_two_zml_up_on_one_machine_run_the_demo_fleet_and_stop_everything() -> N
         assert not free_ports & based_ports
         assert based_ports == set(range(base, base + len(cfg.nodes)))
         assert endpoints[1]["h100-1"] == f"http://127.0.0.1:{base}"  # in the demo file's order
+        _check_secure_by_default(runs[0][0], tmp_path / "zml-data-0", runs[0][2])
     finally:
         for proc, _, _ in runs:
             proc.popen.send_signal(signal.SIGTERM)
@@ -91,6 +100,59 @@ def test_two_zml_up_on_one_machine_run_the_demo_fleet_and_stop_everything() -> N
     while time.monotonic() < deadline and any(port_in_use(h, p) for h, p in used):
         time.sleep(0.2)
     assert not [p for h, p in used if port_in_use(h, p)]
+
+
+def _check_secure_by_default(proc: Proc, data: Path, nats_port: int) -> None:
+    """It says how to get a client identity, the seeds are private, the broker refuses
+    strangers, and the operator's commands work with the admin identity only."""
+    assert any("zml creds issue NAME" in line for line in proc.lines), proc.tail()
+    for name in ("gateway", "router", "health", "warmup", "admin"):
+        assert (data / "creds" / f"{name}.nk").stat().st_mode & 0o777 == 0o600
+    assert _anonymous_refused(f"nats://127.0.0.1:{nats_port}")
+    serve = [*_zml("serve", "meta-llama/llama-3-8b-instruct", "--nats-url", f"nats://127.0.0.1:{nats_port}",
+                   "--timeout", "60")]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ZML_")}
+    out = subprocess.run(serve, capture_output=True, text=True, timeout=90,
+                         env={**env, "ZML_NATS_NKEY": str(data / "creds" / "admin.nk")})
+    assert out.returncode == 0, out.stdout + out.stderr  # zml serve: warmup service + KV watch
+    issued = subprocess.run(_zml("creds", "issue", "someone", "--data-dir", str(data)), capture_output=True,
+                            text=True, timeout=30)
+    assert issued.returncode == 0 and "reloaded" in issued.stdout, issued.stdout + issued.stderr
+    out = subprocess.run([*serve[:-1], "5"], capture_output=True, text=True, timeout=90,
+                         env={**env, "ZML_NATS_NKEY": str(data / "creds" / "someone.nk")})
+    assert out.returncode != 0 and "did not answer" in out.stdout + out.stderr
+
+
+def _anonymous_refused(url: str) -> bool:
+    async def attempt() -> bool:
+        try:
+            nc = await nats.connect(url, allow_reconnect=False, connect_timeout=5)
+        except nats.errors.Error as exc:
+            return "Authorization Violation" in str(exc)
+        await nc.close()
+        return False
+
+    return asyncio.run(attempt())
+
+
+@pytest.mark.timeout(150)
+def test_zml_up_insecure_is_an_explicit_open_broker(tmp_path: Path) -> None:
+    """--insecure keeps the old open broker (and says so)."""
+    gw, nats_port = free_port(), free_port()
+    proc = spawn("zml-up", _zml("up", "--gateway-port", str(gw), "--nats-port", str(nats_port), "--insecure"))
+    try:
+        assert proc.wait_for("zml ready", 90), proc.tail()
+        assert any("no authorization" in line for line in proc.lines), proc.tail()
+
+        async def open_connect() -> bool:
+            nc = await nats.connect(f"nats://127.0.0.1:{nats_port}", allow_reconnect=False, connect_timeout=5)
+            await nc.close()
+            return True
+
+        assert asyncio.run(open_connect())
+    finally:
+        proc.popen.send_signal(signal.SIGTERM)
+        assert proc.popen.wait(30) == 0, proc.tail()
 
 
 def test_zml_up_port_in_use_is_one_clear_line() -> None:

@@ -79,7 +79,7 @@ def _up(tmp: Path, *extra: str) -> tuple[Proc, str]:
 @pytest.fixture()
 def up_two_routers(tmp_path: Path) -> Iterator[tuple[Proc, str, str]]:
     nats_port = free_port()
-    proc, url = _up(tmp_path, "--routers", "2", "--nats-port", str(nats_port))
+    proc, url = _up(tmp_path, "--routers", "2", "--nats-port", str(nats_port), "--insecure")
     try:
         yield proc, url, f"nats://127.0.0.1:{nats_port}"
     finally:

@@ -85,6 +85,9 @@ def test_nodes_table() -> None:
     assert lines[0].split() == ["NODE", "TYPE", "FAMILY", "MODELS", "HEALTH", "QUEUE", "STATE", "COOLDOWN", "ENDPOINT"]
     assert lines[1].split() == ["h100-1", "nvidia_h100", "H100", "m", "97", "3", "up", "-", "http://127.0.0.1:40123"]
     assert "(loading: m)" in lines[2] and "down (driver too old)" in lines[2] and lines[2].split()[-2:] == ["5.0s", "-"]
+    asleep = {"node_id": "cpu-1", "accelerator_type": "cpu", "family": "CPU", "models": ["m"], "status": "up",
+              "sleeping": True, "health_score": 100.0}
+    assert "up (asleep)" in render([asleep], now=100.0).splitlines()[1]
 
 
 def test_parsers_and_inline_policy() -> None:

@@ -12,7 +12,7 @@ import logging
 import signal
 import sys
 from collections.abc import Callable, Iterable
-from typing import Protocol
+from typing import Any, Protocol
 
 from nats.aio.client import Client as NATS
 
@@ -20,6 +20,7 @@ from zmlcore.alive import beat
 from zmlcore.config import ZMLConfig, load_config
 from zmlcore.errors import ConfigError
 from zmlcore.lease import Lease
+from zmlcore.natsauth import connect_options
 from zmlcore.link import link_of
 from zmlcore.metrics import MetricsServer, serve_metrics
 from zmlcore.natsio import connect
@@ -57,9 +58,11 @@ class LeaseLost(Exception):
 async def run_service(
     service: Service, nats_url: str, name: str, *, ready_line: str | None = None, no_echo: bool = False,
     replicas: int = 1, alive_file: str | None = None, lease_role: str | None = None, lease_ttl_s: float = 1.0,
+    connect_options: dict[str, Any] | None = None,
 ) -> None:
     """``nats_url``: one URL or several, comma-separated. ``no_echo``: the broker does not send
     this connection its own messages back (routers publish in-flight counts they already applied).
+    ``connect_options``: identity and TLS (zmlcore.natsauth.connect_options).
 
     Raises :class:`ConnectionClosed` if the connection closes for good before SIGTERM/SIGINT.
     ``alive_file``: touched while the service runs connected (:mod:`zmlcore.alive`).
@@ -70,7 +73,7 @@ async def run_service(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)  # the handler only sets a flag
-    nc = await connect(nats_url, name, no_echo=no_echo, replicas=replicas)
+    nc = await connect(nats_url, name, no_echo=no_echo, replicas=replicas, **(connect_options or {}))
     link = link_of(nc)
     closed = asyncio.ensure_future(link.closed.wait())
     stopped = asyncio.ensure_future(stop.wait())
@@ -171,6 +174,7 @@ def service_main(
     setup_logging(name, fmt=getattr(args, "log_format", None))
     try:
         cfg = load_config(args.config)
+        options = connect_options(cfg.nats)
         service = make(cfg, args)
         metrics = start_metrics(name, cfg, getattr(args, "metrics_port", None))
     except ConfigError as exc:
@@ -184,7 +188,7 @@ def service_main(
         asyncio.run(run_service(service, args.nats_url or cfg.nats.url, f"zml-{name}", no_echo=no_echo,
                                 replicas=cfg.nats.replicas, alive_file=getattr(args, "alive_file", None),
                                 lease_role=name if lease_ttl else None,
-                                lease_ttl_s=lease_ttl(cfg) if lease_ttl else 1.0))
+                                lease_ttl_s=lease_ttl(cfg) if lease_ttl else 1.0, connect_options=options))
     except ConnectionClosed as exc:
         print(f"zml {name}: NATS connection closed for good ({exc}); exiting so that a supervisor "
               "restarts it", file=sys.stderr, flush=True)

@@ -4,6 +4,11 @@ Prints one line with ``ready`` and the gateway URL once a request would succeed.
 (nats-server, services, sim fleet) is supervised: one that exits is started again after a backoff
 (0.5 s doubling to 10 s; reset after a minute up) and the restart is logged. Only Ctrl-C or
 SIGTERM stops `zml up`, and with it every child it started (by PID).
+
+Secure by default: the embedded nats-server runs with authorization (an nkey identity per
+service, each allowed only its own subjects, see docs/security.md), from a persistent data
+folder (``--data-dir``, default ``~/.local/share/zml``) holding the seeds (mode 0600).
+``--insecure`` runs an open broker, as before (tests, throw-away demos).
 """
 
 from __future__ import annotations
@@ -46,7 +51,10 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     p.add_argument("--sim-port-base", type=int, metavar="N",
                    help="put the simulated nodes on ports N, N+1, ... (default: free ports for the demo fleet, "
                         "the endpoints of --config as written)")
-    p.add_argument("--data-dir", help="JetStream storage (default: a temporary folder)")
+    p.add_argument("--data-dir", help="identities, NATS config and JetStream storage (default: ~/.local/share/zml; "
+                                      "with --insecure a temporary folder)")
+    p.add_argument("--insecure", action="store_true",
+                   help="run NATS without authorization: anyone who reaches the port can read and inject anything")
     p.add_argument("--ready-timeout", type=float, default=90.0, help="seconds to wait for the first good request")
     p.add_argument("--metrics-port", type=int, metavar="N",
                    help="Prometheus /metrics ports N, N+1, ...: health and warmup (each replica), then one per router (default: free "
@@ -76,8 +84,8 @@ def _probe(url: str, model: str) -> tuple[int, str]:
 def run(args: argparse.Namespace) -> int:
     from zmlcore.config import load_config
     from zmlcore.errors import ConfigError
-    from zmlcore.launch import (ClusterPlan, endpoint_port, free_port, port_in_use, service_argv, spawn, start_nats,
-                                wait_jetstream, wait_port)
+    from zmlcore.launch import ClusterPlan, endpoint_port, free_port, port_in_use, service_argv, spawn, start_nats, wait_port
+    from zmlcore.natscreds import default_data_dir, ensure_builtin, running_server, write_server_config
     from zmlcore.supervise import Supervisor
     from zml.cli._simports import relocate
 
@@ -121,32 +129,50 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     tmp = None
     v = args.verbose
-    env: dict[str, str] = {}
+    envs: dict[str, dict[str, str]] = {}  # per service: its identity (ZML_NATS_NKEY)
+    common: dict[str, str] = {}  # for every service
+    data_dir = None
     try:
         if args.nats_url:
             nats_url = args.nats_url
         else:
-            data_dir = args.data_dir
-            if data_dir is None:
+            if args.data_dir is None and args.insecure:
                 tmp = tempfile.TemporaryDirectory(prefix="zml-nats-")
-                data_dir = tmp.name
-            Path(data_dir).mkdir(parents=True, exist_ok=True)
+            data_dir = Path(args.data_dir or (tmp.name if tmp else default_data_dir()))
+            data_dir.mkdir(parents=True, exist_ok=True)
+            other = running_server(data_dir)
+            if other is not None:
+                return _fail(f"{data_dir} is in use by a running nats-server (PID {other}), probably another "
+                             "`zml up`: give this one its own --data-dir")
+            conf = None
+            if not args.insecure:
+                try:
+                    ids = ensure_builtin(data_dir)
+                    n = cfg.nats
+                    conf = write_server_config(data_dir, tls_cert=n.server_tls_cert_file, tls_key=n.server_tls_key_file,
+                                               tls_ca=n.tls_ca_file, verify_clients=n.server_tls_verify_clients)
+                except ConfigError as exc:
+                    return _fail(str(exc))
+                envs = {name: {"ZML_NATS_NKEY": ident.seed_file} for name, ident in ids.items()}
+            store = str(data_dir / "jetstream")
             # Restarted on the same port and store: services reconnect and re-watch.
             if args.cluster == 1:
-                sup.add("nats", lambda: start_nats(args.host, args.nats_port, data_dir, echo=v))
+                sup.add("nats", lambda: start_nats(args.host, args.nats_port, store, echo=v, config=conf))
                 nats_url = f"nats://{args.host}:{args.nats_port}"
             else:
-                plan = ClusterPlan.make(args.host, args.cluster, data_dir, first_port=args.nats_port)
+                plan = ClusterPlan.make(args.host, args.cluster, store, first_port=args.nats_port)
                 for i in range(args.cluster):
-                    sup.add(f"nats-{i + 1}", lambda i=i: plan.start(i, echo=v))
+                    member_conf = _member_config(conf, i)
+                    sup.add(f"nats-{i + 1}", lambda i=i, c=member_conf: plan.start(i, echo=v, config=c))
                 nats_url = plan.urls
-                env["ZML_NATS_REPLICAS"] = "3"
+                common["ZML_NATS_REPLICAS"] = "3"
                 try:
-                    wait_jetstream(nats_url, 60, replicas=3)
+                    plan.wait_ready(60)
                 except RuntimeError as exc:
                     return _fail(str(exc))
 
         def service(name: str, *argv: str) -> None:
+            env = {**common, **envs.get(name.split("-")[0], {})}  # router-2 runs as the router identity
             sup.add(name, lambda: spawn(name, list(argv), echo=v, env=env))
 
         if sim_nodes:
@@ -182,6 +208,14 @@ def run(args: argparse.Namespace) -> int:
                 return _fail(f"no successful request within {args.ready_timeout:g} s (last: {last[0]} {last[1]})")
             time.sleep(0.5)
         if not stopping:
+            if envs and data_dir is not None:
+                print(f"zml up: NATS authorization on (identities in {data_dir}). A client identity for raw NATS or "
+                      f"the SDK: `zml creds issue NAME --data-dir {data_dir}`, then ZML_NATS_NKEY=<the file it "
+                      f"writes>. Operator commands (zml nodes/cost/serve/keys): "
+                      f"ZML_NATS_NKEY={data_dir / 'creds' / 'admin.nk'}", flush=True)
+            elif not args.nats_url:
+                print("zml up: --insecure: NATS has no authorization; anyone who reaches "
+                      f"{nats_url} can read every prompt and reply and register nodes", flush=True)
             print(f"zml ready: {url}  (OpenAI API at {url}/v1, NATS {nats_url}, {len(cfg.nodes)} nodes; Ctrl-C to stop)",
                   flush=True)
             if sim_nodes:
@@ -201,6 +235,17 @@ def run(args: argparse.Namespace) -> int:
         if ports_dir is not None:
             ports_dir.cleanup()
         print("zml up: stopped", file=sys.stderr, flush=True)
+
+
+def _member_config(conf: str | None, i: int) -> str | None:
+    """Member ``i`` of a cluster shares the first server's config (authorization, TLS) but
+    needs a pid file of its own (`zml creds` reloads every member through them)."""
+    if conf is None or i == 0:
+        return conf
+    path = Path(conf).with_name(f"nats-{i + 1}.conf")
+    path.write_text(Path(conf).read_text().replace("nats.pid", f"nats-{i + 1}.pid"))
+    path.chmod(0o600)
+    return str(path)
 
 
 def _config_failure(sup: "Supervisor") -> int:

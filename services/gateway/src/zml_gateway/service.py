@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 
 import msgspec
 import uvicorn
@@ -61,9 +62,14 @@ class GatewayService:
         app = Observed(gateway, serve_metrics=self.cfg.metrics.gateway, dashboard=self._dashboard)
         g = self.cfg.gateway
         protocol = BoundedHttpTools.with_limits(g.max_header_bytes, g.max_headers, g.header_timeout_s)
+        tls: dict[str, object] = {}
+        if g.tls_cert_file:  # HTTPS; with a client CA, clients must present a certificate it signed
+            tls = {"ssl_certfile": g.tls_cert_file, "ssl_keyfile": g.tls_key_file}
+            if g.tls_client_ca_file:
+                tls |= {"ssl_ca_certs": g.tls_client_ca_file, "ssl_cert_reqs": ssl.CERT_REQUIRED}
         config = uvicorn.Config(
             app, host=self.host, port=self.port, http=protocol, loop="none", lifespan="off",
-            log_level="warning", access_log=False, timeout_keep_alive=30, backlog=2048,
+            log_level="warning", access_log=False, timeout_keep_alive=30, backlog=2048, **tls,  # type: ignore[arg-type]
         )
         self._server = _Server(config)
         self._serve = asyncio.create_task(self._server.serve())

@@ -262,6 +262,9 @@ class HealthService:
         # The engine reports its own names; the fleet speaks ZML's.
         back = {served: name for name, served in node.served_names.items()}
         models = [back.get(m, m) for m in probe.models] if probe.ok else (prev.models if prev else [])
+        sleeping = probe.sleeping if probe.ok else (prev.sleeping if prev else False)
+        if sleeping and node.backend == "vllm":
+            models = []  # a sleeping vLLM answers nothing until woken (warmup's /wake_up)
         running = probe.running if probe.ok else (prev.queue_running if prev else 0)
         waiting = probe.waiting if probe.ok else (prev.queue_waiting if prev else 0)
         loading = self._loading_models(node, rt, probe, status, models, now)
@@ -283,6 +286,7 @@ class HealthService:
             models=[m for m in models if m not in loading],
             served_names=dict(node.served_names),
             loading_models=loading,
+            sleeping=sleeping,
             queue_running=running,
             queue_waiting=waiting,
             max_concurrency=capacity,
@@ -316,7 +320,8 @@ class HealthService:
                         models: list[str], now: float) -> list[str]:
         loading: dict[str, None] = {}
         doc_loading = (rt.doc or {}).get("loading_models") if probe.ok or probe.loading else None
-        for m in doc_loading or []:
+        back = {served: name for name, served in node.served_names.items()}
+        for m in [*(doc_loading or []), *(back.get(m, m) for m in probe.loading_models)]:
             if isinstance(m, str):
                 loading[m] = None
         for m, deadline in list(rt.pending_loads.items()):

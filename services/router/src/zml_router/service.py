@@ -25,6 +25,7 @@ from zmlcore.errors import (
     BackendError,
     BadRequestError,
     CancelledError,
+    DuplicateRequestError,
     ModelNotLoadedError,
     NoHealthyNodesError,
     QueueFullError,
@@ -132,6 +133,16 @@ def _new_id() -> str:
     return os.urandom(8).hex()
 
 
+def _owner_key(reply: str, headers: dict[str, str], request_id: str) -> str:
+    """Whose request id this is: the identity owning the reply inbox, narrowed by a front
+    door's ``Zml-Owner`` (which can only split the sender's own namespace further)."""
+    return _key(subjects.reply_owner(reply), headers.get(subjects.H_OWNER, ""), request_id)
+
+
+def _key(owner: str, front_door_owner: str, request_id: str) -> str:
+    return f"{owner}\x00{front_door_owner}\x00{request_id}"
+
+
 class RouterService:
     def __init__(self, cfg: ZMLConfig, router_id: str | None = None) -> None:
         self.cfg = cfg
@@ -143,12 +154,13 @@ class RouterService:
         self.http: NodeClient | None = None
         self._subs: list[Subscription] = []
         self._tasks: set[asyncio.Task[None]] = set()
+        #: In-flight requests by (owner, front-door owner, request id): ids are scoped to owners.
         self._by_request: dict[str, asyncio.Task[None]] = {}
         self._follow: asyncio.Task[None] | None = None
         self._heartbeat: asyncio.Task[None] | None = None
         self._follow_costs: asyncio.Task[None] | None = None
         self._api_keys = {n.id: n.api_key for n in cfg.nodes if n.api_key}
-        #: Cancelled request ids not held here (not arrived yet, or waiting in the queue).
+        #: Cancelled requests (by owner key) not held here (not arrived yet, or waiting in the queue).
         self._cancelled = CancelBook()
         self.queue: SaturationQueue | None = None
         self._default_timeout = cfg.defaults.request_timeout_s
@@ -169,7 +181,7 @@ class RouterService:
         # A snapshot before taking traffic; an empty bucket has nothing to wait for.
         await self.nodes_follower.wait_ready(2.0)
         self.queue = SaturationQueue(nc, self._room_for_queued, self._dispatch_queued, self._expire_queued,
-                                     lambda rid: self._cancelled.seen(rid, time.time()), owner=self.router_id)
+                                     self._queued_cancelled, owner=self.router_id)
         self.table.on_change = self.queue.capacity.set
         await self.queue.start(sorted(self.cfg.model_names()))
         self._subs.append(await nc.subscribe(subjects.INFLIGHT, cb=self._on_delta))
@@ -177,7 +189,7 @@ class RouterService:
         self._subs.append(await nc.subscribe(subjects.NODE_MARKS, cb=self._on_mark))
         self._heartbeat = asyncio.create_task(self._publish_snapshots())
         self.metrics.start()
-        self._subs.append(await nc.subscribe(subjects.cancel("*"), cb=self._on_cancel))
+        self._subs.append(await nc.subscribe(f"{subjects.CANCEL_PREFIX}.>", cb=self._on_cancel))
         self._subs.append(await nc.subscribe(subjects.router_state(self.router_id), cb=self._on_state))
         self._subs.append(await nc.subscribe(subjects.ROUTERS_STATE, cb=self._on_state))
         self._subs.append(
@@ -246,13 +258,19 @@ class RouterService:
                 await self.nc.publish(subjects.INFLIGHT_SNAPSHOT, _encode(snap))
 
     async def _on_cancel(self, msg: Msg) -> None:
-        request_id = msg.subject.rsplit(".", 1)[-1]
-        task = self._by_request.get(request_id)
+        # The owner is the subject token that permissions pin to the sender's identity: a
+        # cancel for another owner's request id names a different key and matches nothing.
+        parsed = subjects.parse_cancel(msg.subject)
+        if parsed is None:
+            return
+        owner, request_id = parsed
+        key = _key(owner, (msg.headers or {}).get(subjects.H_OWNER, ""), request_id)
+        task = self._by_request.get(key)
         if task is not None:
             task.cancel()
             return
         # Not arrived yet, or waiting in the saturation queue: remember it (bounded, expiring).
-        self._cancelled.add(request_id, time.time())
+        self._cancelled.add(key, time.time())
 
     async def _on_state(self, msg: Msg) -> None:
         now = time.time()
@@ -294,16 +312,19 @@ class RouterService:
                                         self._default_timeout, self.cfg.defaults.max_request_timeout_s)
             task = asyncio.current_task()
             assert task is not None
-            self._by_request[request_id] = task
+            key = _owner_key(msg.reply, headers, request_id)
+            if key in self._by_request:
+                raise DuplicateRequestError(f"request_id {request_id!r} is already in flight for this caller")
+            self._by_request[key] = task
             try:
-                if self._cancelled.take(request_id, time.time()):  # the cancel overtook the request
+                if self._cancelled.take(key, time.time()):  # the cancel overtook the request
                     raise asyncio.CancelledError
                 async with asyncio.timeout(timeout):
                     await self._route(msg, req, request_id, t0, timeout, out)
             except asyncio.TimeoutError as exc:
                 raise TimeoutError(f"request exceeded its timeout of {timeout:g} s") from exc
             finally:
-                self._by_request.pop(request_id, None)
+                self._by_request.pop(key, None)
                 if isinstance(msg, QueuedMsg) and msg.placed is not None and not msg.placed.done():
                     msg.placed.set_result(True)
         except asyncio.CancelledError:
@@ -319,6 +340,10 @@ class RouterService:
         self.metrics.finished(out, time.monotonic() - t0)
         if out.model and not out.queued:
             await self._completed(out, request_id, t0)
+
+    def _queued_cancelled(self, qmsg: QueuedMsg) -> bool:
+        request_id = qmsg.headers.get(subjects.H_REQUEST_ID, "")
+        return self._cancelled.seen(_owner_key(qmsg.reply, qmsg.headers, request_id), time.time())
 
     def _prepare(self, req: InferRequest, raw: bytes) -> tuple[str, ResolvedPolicy, RouteRequest]:
         model = self.cfg.resolve_model(req.model)
@@ -515,7 +540,7 @@ class RouterService:
         wait_s = (max_queue_ms or 0) / 1000.0
         deadline = now + min(wait_s, timeout)
         headers = {subjects.H_REQUEST_ID: request_id, subjects.H_TIMEOUT_MS: str(int(timeout * 1000))}
-        for name in (subjects.H_DEFAULT_POLICY, subjects.H_LABEL):  # the key's options wait with it
+        for name in (subjects.H_DEFAULT_POLICY, subjects.H_LABEL, subjects.H_OWNER):  # the key's options wait with it
             if msg.headers and name in msg.headers:
                 headers[name] = msg.headers[name]
         if isinstance(msg, QueuedMsg):
