@@ -28,7 +28,14 @@ async def router_ages(nats_url: str, names: list[str]) -> dict[str, float]:
     try:
         out = {}
         for name in names:
-            msg = await nc.request(subjects.router_state(name), b"", timeout=5)
+            for attempt in range(30):  # a router that is reconnecting has no responder for a moment
+                try:
+                    msg = await nc.request(subjects.router_state(name), b"", timeout=5)
+                    break
+                except nats.errors.NoRespondersError:
+                    if attempt == 29:
+                        raise
+                    await asyncio.sleep(0.1)
             nodes = json.loads(msg.data)["nodes"]
             out[name] = max(n["state_age_s"] for n in nodes.values()) if nodes else float("inf")
         return out

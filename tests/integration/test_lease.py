@@ -55,7 +55,7 @@ async def test_one_holder_and_takeover_after_silence(clients) -> None:  # type: 
     done, pending = await asyncio.wait(waiting, timeout=4 * ttl, return_when=asyncio.FIRST_COMPLETED)
     took = time.monotonic() - silent_at
     assert len(done) == 1, "exactly one standby takes over"
-    assert 0.8 * ttl <= took <= 2 * ttl, took  # about ttl + ttl/4: never two intervals late
+    assert 0.6 * ttl <= took <= 2 * ttl, took  # ttl after the last renewal (up to ttl/3 before the freeze), never two late
     winner = b if waiting[0] in done else c
     winner_hold = asyncio.create_task(winner.hold())
     await asyncio.sleep(1.5 * ttl)
