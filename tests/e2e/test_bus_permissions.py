@@ -417,3 +417,27 @@ async def test_issue_and_revoke_take_effect_without_a_restart(stack: Stack, secu
     assert r.status_code == 200, r.text
     assert not natscreds.get(secure_bus.data_dir, "carol")
 
+
+
+async def test_http_duplicate_id_from_the_same_caller_is_409_and_the_first_still_runs(stack: Stack) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "request_id": "http-dup",
+            "max_tokens": 3000, "stream": True}
+    async with httpx.AsyncClient(timeout=60) as http:
+        async with http.stream("POST", stack.gateway_url + "/v1/chat/completions", json=body) as first:
+            assert first.status_code == 200
+            lines = first.aiter_lines()
+            assert (await anext(lines)).startswith("data: ")  # the first request is running
+            second = await http.post(stack.gateway_url + "/v1/chat/completions", json={**body, "stream": False})
+            assert second.status_code == 409, second.text
+            assert second.json()["error"]["code"] == "DUPLICATE_REQUEST_ID"
+            more = await anext(lines)
+            assert more.startswith("data: ") or more == ""
+    # The id is free again once the first request has ended (closing the stream cancelled it).
+    deadline = time.monotonic() + 10
+    while True:
+        r = httpx.post(stack.gateway_url + "/v1/chat/completions", timeout=30,
+                       json={**body, "stream": False, "max_tokens": 2})
+        if r.status_code == 200 or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.2)
+    assert r.status_code == 200, r.text

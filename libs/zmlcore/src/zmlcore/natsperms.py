@@ -83,7 +83,8 @@ def _grants(role: str, owner: str) -> tuple[list[str], list[str], bool]:
         return [subjects.INFER, own_cancel], [inbox], False
     if role == "gateway":
         pub = [subjects.INFER, own_cancel, subjects.ROUTERS_STATE, *kv_read(subjects.NODES_BUCKET),
-               *kv_read(subjects.COSTS_BUCKET), *kv_read(subjects.KEYS_BUCKET), *kv_write(subjects.LIMITS_BUCKET)]
+               *kv_read(subjects.COSTS_BUCKET), *kv_read(subjects.KEYS_BUCKET), *kv_write(subjects.LIMITS_BUCKET),
+               f"$JS.API.CONSUMER.LIST.{subjects.QUEUE_STREAM}"]  # the dashboard's saturation-queue depth
         return pub, [inbox, completed], False  # completion events feed the /dashboard
     if role == "router":
         pub = [f"{subjects.INBOX_ROOT}.>", subjects.INFLIGHT, subjects.INFLIGHT_SNAPSHOT, subjects.NODE_MARKS,
