@@ -441,3 +441,19 @@ async def test_http_duplicate_id_from_the_same_caller_is_409_and_the_first_still
             break
         await asyncio.sleep(0.2)
     assert r.status_code == 200, r.text
+
+
+def test_sdk_says_what_is_wrong_with_an_identity(stack: Stack, secure_bus: SecureBus,
+                                                 monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A client identity asking for node state is told it may not (not a bare TIMEOUT); a seed
+    the server does not know is AUTH_FAILED, not "is zml up running?"."""
+    monkeypatch.setenv("ZML_NATS_NKEY", secure_bus.seeds["alice"])
+    with zml.Client(secure_bus.url, timeout=2, max_retries=0) as client:
+        with pytest.raises(zml.AuthError, match="may not use zml.admin.nodes.list"):
+            client.nodes()
+    stranger = tmp_path / "stranger.nk"
+    stranger.write_text(natscreds._new_seed() + "\n")
+    monkeypatch.setenv("ZML_NATS_NKEY", str(stranger))
+    with zml.Client(secure_bus.url, timeout=5) as client:
+        with pytest.raises(zml.AuthError, match="refused this client's identity"):
+            client.infer(MODEL, "hi", max_tokens=1)
