@@ -687,7 +687,8 @@ class RouterService:
         self.metrics.usage(req.kind(), req.model, raw)
         if rename is not None:
             raw = rename(raw)
-        # Over max_payload, the body goes through the object store instead of being lost.
+        # Over max_payload, the body goes through the object store instead of being lost (or
+        # refused after the node did the work).
         data, headers = await maybe_stash(self.nc, f"{info.request_id}-{info.decision_id}",  # type: ignore[arg-type]
                                           _with_routing(raw, info), self._routing_headers(info))
         await self._publish(msg.reply, data, headers)
