@@ -68,7 +68,10 @@ def _up(tmp: Path, *extra: str) -> tuple[Proc, str]:
     config = tmp / "zml.toml"
     config.write_text(fleet_toml(ports))
     gw = free_port()
-    argv = [sys.executable, "-m", "zml.cli", "up", "--config", str(config), "--gateway-port", str(gw), *extra]
+    # Supervision, not security, is under test: an open broker in a temporary folder (the secure
+    # default is tested in test_zml_up.py and test_bus_permissions.py).
+    argv = [sys.executable, "-m", "zml.cli", "up", "--config", str(config), "--gateway-port", str(gw), "--insecure",
+            *extra]
     proc = spawn("zml-up", argv)
     if not proc.wait_for("zml ready", 120):
         proc.stop()

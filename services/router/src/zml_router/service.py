@@ -129,6 +129,8 @@ class _Outcome:
 
 
 _EVENT_COMPLETED = subjects.event(subjects.EVENT_COMPLETED)
+#: Bytes of a NATS message left for our reply headers.
+REPLY_HEADROOM = 4096
 
 
 def _new_id() -> str:
@@ -686,7 +688,14 @@ class RouterService:
         self.metrics.usage(req.kind(), req.model, raw)
         if rename is not None:
             raw = rename(raw)
-        await self._publish(msg.reply, _with_routing(raw, info), self._routing_headers(info))
+        reply = _with_routing(raw, info)
+        if self.nc is not None and len(reply) + REPLY_HEADROOM > self.nc.max_payload:
+            # NATS would refuse it (and the caller would see only a timeout or an INTERNAL).
+            raise BadRequestError(
+                f"the reply ({len(reply)} bytes) is larger than the message bus carries ({self.nc.max_payload} "
+                "bytes, NATS max_payload): ask for less per request (fewer embeddings inputs, "
+                "encoding_format=base64, a smaller max_tokens)")
+        await self._publish(msg.reply, reply, self._routing_headers(info))
 
     async def _dispatch_stream(self, msg: Msg | QueuedMsg, req: InferRequest, body: bytes, info: RoutingInfo, t0: float,
                                first_byte: float | None = None, rename: Renamer | None = None) -> None:
