@@ -95,6 +95,8 @@ async def _router_answers(nats_url: str, router_id: str) -> bool:
     try:
         msg = await nc.request(subjects.router_state(router_id), b"", timeout=5)
         return bool(json.loads(msg.data)["nodes"])
+    except nats.errors.Error:  # still starting: no responders yet
+        return False
     finally:
         await nc.close()
 
@@ -125,7 +127,7 @@ def test_kill_9_a_router_under_load(up_two_routers: tuple[Proc, str, str]) -> No
           f"failed {len(failed)}; router-1 pid {before['router-1']} -> {new_pid}")
     assert late and not failed, failed[:5]
     # The restarted replica is back in the fleet with a node table of its own.
-    assert asyncio.run(_router_answers(nats_url, "router-1"))
+    _wait(lambda: asyncio.run(_router_answers(nats_url, "router-1")), 30, "router-1 answering")
 
 
 def _broker_conf(path: Path, port: int, store: Path, *, auth: bool) -> None:

@@ -21,7 +21,7 @@ PARSERS = {
     "health": "zml_health.__main__",
     "warmup": "zml_warmup.__main__",
 }
-KNOWN_ENV = {"ZML_LOG_LEVEL", "ZML_LOG_FORMAT", "ZML_NATS_URL", "ZML_GATEWAY_HOST", "ZML_GATEWAY_PORT",
+KNOWN_ENV = {"ZML_LOG_LEVEL", "ZML_LOG_FORMAT", "ZML_NATS_URL", "ZML_NATS_REPLICAS", "ZML_GATEWAY_HOST", "ZML_GATEWAY_PORT",
              "ZML_API_KEYS", "ZML_NATS_NKEY", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_TRACES_SAMPLER"}
 #: Observability services from their official images (tests/e2e/test_compose_observability.py).
 OBSERVABILITY = {"prometheus", "grafana", "otel-collector", "jaeger"}
@@ -29,12 +29,16 @@ OBSERVABILITY = {"prometheus", "grafana", "otel-collector", "jaeger"}
 NO_PROBE = {"otel-collector", "jaeger"}
 
 
+CLUSTER_URLS = "nats://nats:4222,nats://nats-2:4222,nats://nats-3:4222"
+
+
 def _in_repo(path: str) -> Path:
     assert path.startswith("/app/"), path  # the Dockerfile copies the repo to /app
     return ROOT / path[len("/app/"):]
 
 
-@pytest.mark.parametrize("name", [n for n in SERVICES if n not in ("nats", "creds") and n not in OBSERVABILITY])
+@pytest.mark.parametrize("name", [n for n in SERVICES
+                                  if not n.startswith("nats") and n != "creds" and n not in OBSERVABILITY])
 def test_each_command_parses_with_the_service_cli(name: str) -> None:
     command = SERVICES[name]["command"]
     sub, args = command[0], command[1:]
@@ -44,7 +48,7 @@ def test_each_command_parses_with_the_service_cli(name: str) -> None:
     assert _in_repo(ns.config).is_file()
     load_config(_in_repo(ns.config), env={})
     if name != "sim":
-        assert ns.nats_url == "nats://nats:4222"
+        assert ns.nats_url == CLUSTER_URLS
 
 
 def test_env_vars_are_ones_the_services_read() -> None:
@@ -66,7 +70,7 @@ def test_ports_match() -> None:
     for node in cfg.nodes:
         host, node_port = endpoint_port(node.endpoint)
         assert host == "sim" and str(node_port) in exposed, node.id
-    assert cfg.nats.url == "nats://nats:4222"
+    assert cfg.nats.url == CLUSTER_URLS and cfg.nats.replicas == 3
 
 
 def test_dockerfile_installs_the_repo_and_runs_zml() -> None:
@@ -96,6 +100,25 @@ def test_every_service_restarts_and_has_a_healthcheck() -> None:
             assert svc["depends_on"]["nats"]["condition"] == "service_healthy", name
     sim_check = " ".join(SERVICES["sim"]["healthcheck"]["test"])
     assert "/health" in sim_check and any(f"127.0.0.1:{p}" in sim_check for p in SERVICES["sim"]["expose"])
+
+
+def test_a_three_server_nats_cluster() -> None:
+    servers = {name: svc for name, svc in SERVICES.items() if name.startswith("nats")}
+    assert len(servers) == 3
+    names, volumes = set(), set()
+    for name, svc in servers.items():
+        cmd = svc["command"]
+        names.add(cmd[cmd.index("--server_name") + 1])
+        volumes.add(svc["volumes"][0].split(":")[0])
+        assert "-js" in cmd and cmd[cmd.index("--cluster_name") + 1] == "zml"
+        routes = cmd[cmd.index("--routes") + 1].split(",")
+        # routes to the two others, by their compose names
+        assert sorted(r.split("//")[1].split(":")[0] for r in routes) == sorted(n for n in servers if n != name)
+    assert len(names) == 3 and len(volumes) == 3  # distinct JetStream names and stores
+    for url in CLUSTER_URLS.split(","):
+        assert url.split("//")[1].split(":")[0] in servers
+    for name in ("health", "warmup"):
+        assert "--ha" in SERVICES[name]["command"] and SERVICES[name]["deploy"]["replicas"] >= 2
 
 
 def test_nats_runs_with_authorization_and_each_service_with_its_identity() -> None:
