@@ -26,7 +26,7 @@ from nats.js.kv import KeyValue
 from zmlcore import subjects
 from zmlcore.errors import BadRequestError
 from zmlcore.kvfollow import KVFollower
-from zmlcore.messages.keys import ApiKeyRecord, PlanLimits, api_key_decoder
+from zmlcore.messages.keys import ApiKeyRecord, IdentityPlan, PlanLimits, api_key_decoder
 from zmlcore.natsio import ensure_kv
 
 log = logging.getLogger("zml.keys")
@@ -35,6 +35,8 @@ _PREFIX = "zml"
 #: Written with the first run-time key and never by revoke: revoking the last key must not turn
 #: authentication off (an empty ring would mean "no keys configured": open).
 ENFORCED = "_enforced"
+#: Entries ``identity.<public key>``: a NATS client identity's plan (IdentityPlan), for routers.
+IDENTITY_PREFIX = "identity."
 
 
 def hash_key(key: str | bytes) -> str:
@@ -85,7 +87,7 @@ async def list_keys(nc: NATS) -> list[ApiKeyRecord]:
     except Exception:  # nats-py raises NoKeysError (a NotFoundError) for an empty bucket
         return []
     for key_id in names:
-        if key_id == ENFORCED:
+        if key_id == ENFORCED or key_id.startswith(IDENTITY_PREFIX):
             continue
         try:
             entry = await kv.get(key_id)
@@ -99,13 +101,34 @@ async def list_keys(nc: NATS) -> list[ApiKeyRecord]:
 async def revoke_key(nc: NATS, key_id: str) -> bool:
     """Delete the key's record; every gateway drops it as soon as its watch delivers the delete."""
     kv = await keys_kv(nc)
-    if key_id == ENFORCED:
+    if key_id == ENFORCED or key_id.startswith(IDENTITY_PREFIX):
         return False
     try:
         await kv.get(key_id)
     except KeyNotFoundError:
         return False
     await kv.purge(key_id)
+    return True
+
+
+async def set_identity_plan(nc: NATS, plan: IdentityPlan) -> None:
+    """Give a NATS identity a plan (or change it): every router applies it within a second."""
+    if plan.key_id:
+        try:
+            await (await keys_kv(nc)).get(plan.key_id)
+        except KeyNotFoundError:
+            raise BadRequestError(f"no API key {plan.key_id!r} to share a plan with") from None
+    await (await keys_kv(nc)).put(IDENTITY_PREFIX + plan.public_key, msgspec.json.encode(plan))
+
+
+async def remove_identity_plan(nc: NATS, public_key: str) -> bool:
+    """The identity is no longer limited by a plan (its entry purged); False if it had none."""
+    kv = await keys_kv(nc)
+    try:
+        await kv.get(IDENTITY_PREFIX + public_key)
+    except KeyNotFoundError:
+        return False
+    await kv.purge(IDENTITY_PREFIX + public_key)
     return True
 
 
@@ -142,6 +165,8 @@ class KeyRing:
         return KVFollower(nc, subjects.KEYS_BUCKET, on_put=self.put_raw, on_delete=self.delete_raw)
 
     def put_raw(self, key: str, value: bytes) -> None:
+        if key.startswith(IDENTITY_PREFIX):  # a NATS identity's plan: the routers' business
+            return
         if key == ENFORCED:
             self.enforced = True
             return

@@ -97,7 +97,9 @@ def _grants(role: str, owner: str) -> tuple[list[str], list[str], bool]:
     if role == "router":
         pub = [f"{subjects.INBOX_ROOT}.>", subjects.INFLIGHT, subjects.INFLIGHT_SNAPSHOT, subjects.NODE_MARKS,
                completed, subjects.QUEUE_BUSY, *_queue_stream(), *kv_write(subjects.QUEUE_CLAIMS_BUCKET),
-               *kv_read(subjects.NODES_BUCKET), *kv_read(subjects.COSTS_BUCKET), *replies_store()]
+               *kv_read(subjects.NODES_BUCKET), *kv_read(subjects.COSTS_BUCKET), *replies_store(),
+               # client identities' plans (zml_router.limits), counted with the gateways'
+               *kv_read(subjects.KEYS_BUCKET), *kv_write(subjects.LIMITS_BUCKET)]
         sub = [inbox, f"{subjects.INFER} {subjects.ROUTER_QUEUE}",  # only inside the queue group
                subjects.INFLIGHT, subjects.INFLIGHT_SNAPSHOT, subjects.NODE_MARKS, f"{subjects.CANCEL_PREFIX}.>",
                subjects.ROUTERS_STATE, subjects.router_state("*"), subjects.QUEUE_BUSY]

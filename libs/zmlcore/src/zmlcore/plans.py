@@ -38,6 +38,35 @@ class Verdict:
     tokens_reset_s: float = 0.0
 
 
+def verdict_headers(v: Verdict) -> list[tuple[str, str]]:
+    """The ``x-ratelimit-*`` header pairs of a verdict (HTTP headers at the gateway, NATS
+    headers of the router's RATE_LIMITED reply to a client identity)."""
+    out: list[tuple[str, str]] = []
+    if v.requests_limit is not None:
+        out += [("x-ratelimit-limit-requests", str(v.requests_limit)),
+                ("x-ratelimit-remaining-requests", str(v.requests_remaining)),
+                ("x-ratelimit-reset-requests", f"{v.requests_reset_s:.3f}s")]
+    if v.tokens_limit is not None:
+        out += [("x-ratelimit-limit-tokens", str(v.tokens_limit)),
+                ("x-ratelimit-remaining-tokens", str(v.tokens_remaining)),
+                ("x-ratelimit-reset-tokens", f"{v.tokens_reset_s:.3f}s")]
+    return out
+
+
+def refusal(plan: str, limits: PlanLimits, v: Verdict) -> str:
+    """The message of a RATE_LIMITED answer."""
+    what = {"requests": f"{limits.requests_per_minute} requests/minute",
+            "tokens": f"{limits.tokens_per_minute} tokens/minute",
+            "concurrent": f"{limits.concurrent} concurrent requests",
+            "contended": "the limiter's retries"}.get(v.reason, v.reason)
+    return f"plan {plan!r}: over {what}; retry in {v.retry_after_s:.1f} s"
+
+
+def limited(limits: PlanLimits) -> bool:
+    """Does the plan limit anything at all?"""
+    return not (limits.requests_per_minute is None and limits.concurrent is None and limits.tokens_per_minute is None)
+
+
 def _roll(state: LimitState, now: float) -> LimitState:
     """The state with its windows moved to the one ``now`` falls in, and expired leases gone."""
     window = int(now // WINDOW_S)

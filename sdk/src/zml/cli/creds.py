@@ -3,13 +3,23 @@
 Issuing writes the identity's nkey seed (mode 0600) and adds it, with its role's permissions,
 to the server's auth.conf; revoking removes both. Either way the running nats-server of that
 folder reloads its config (SIGHUP: no restart) and closes a revoked identity's connections.
+
+A client identity may get a plan, as an API key does (``--plan maker|team|custom``, ``--rpm``,
+``--concurrent``, ``--tpm``, or ``--key ID`` to share an API key's plan and budget): it is
+written to the keys bucket over NATS (as the admin identity) and every router applies it to
+the identity's raw NATS requests within a second. ``zml creds plan NAME ...`` changes it,
+``zml creds plan NAME --none`` removes it.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import shutil
 import sys
+from typing import Any
+
+from zmlcore.errors import ConfigError
 
 
 def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
@@ -24,10 +34,24 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     i.add_argument("--out", help="also copy the seed file here (mode 0600)")
     r = verbs.add_parser("revoke", help="delete an identity; its connections are closed at once")
     r.add_argument("name")
+    pl = verbs.add_parser("plan", help="give a client identity a plan, change it, or remove it (--none)")
+    pl.add_argument("name")
+    pl.add_argument("--none", action="store_true", help="remove the identity's plan (no limits on raw NATS)")
+    for q in (i, pl):
+        q.add_argument("--plan", choices=("maker", "team", "custom"),
+                       help="limit this identity's raw NATS requests: maker 60 requests/min, 5 concurrent; "
+                            "team 600 and 50; custom: the numbers below")
+        q.add_argument("--rpm", type=int, help="requests per minute (overrides the plan's)")
+        q.add_argument("--concurrent", type=int, help="requests at once (overrides the plan's)")
+        q.add_argument("--tpm", type=int, help="tokens per minute")
+        q.add_argument("--key", dest="key_id", help="share this API key's plan and budget (HTTP and NATS count together)")
+    for q in (i, r, pl):
+        q.add_argument("--nats-url", help="for plans: NATS URL (default: ZML_NATS_URL, then zml.toml)")
+        q.add_argument("--config", help="for plans: zml.toml (default: found in this folder or a parent)")
     ls = verbs.add_parser("list", help="every identity with its role and public key")
     init = verbs.add_parser("init", help="create the service and admin identities and nats.conf (what `zml up` "
                                          "does first; compose runs it once)")
-    for q in (i, r, ls, init):
+    for q in (i, r, pl, ls, init):
         q.add_argument("--data-dir", help="the `zml up` data folder (default ~/.local/share/zml)")
     p.set_defaults(func=run)
 
@@ -47,7 +71,16 @@ def run(args: argparse.Namespace) -> int:
         for ident in natscreds.identities(data_dir):
             print(f"{ident.name:<20} {ident.role:<8} {ident.public_key}")
         return 0
+    wants_plan = bool(getattr(args, "plan", None) or getattr(args, "key_id", None)
+                      or any(getattr(args, k, None) is not None for k in ("rpm", "concurrent", "tpm")))
+    if args.verb == "plan":
+        ident = natscreds.get(data_dir, args.name)
+        if ident is None:
+            raise ConfigError(f"no identity {args.name!r} in {data_dir}")
+        return asyncio.run(_plan(args, data_dir, ident, remove=args.none or not wants_plan))
     if args.verb == "issue":
+        if wants_plan and args.role != "client":
+            raise ConfigError("plans are for client identities (services are limited at the gateway)")
         ident = natscreds.issue(data_dir, args.name, role=args.role)
         path = ident.seed_file
         if args.out:
@@ -56,9 +89,17 @@ def run(args: argparse.Namespace) -> int:
             path = args.out
         print(f"issued {ident.name} ({ident.role}) {ident.public_key}")
         print(f"seed file: {path}  (keep it secret; use it with ZML_NATS_NKEY={path})")
+        if wants_plan:
+            asyncio.run(_plan(args, data_dir, ident, remove=False))
     else:
         ident = natscreds.revoke(data_dir, args.name)
         print(f"revoked {ident.name} ({ident.role}) {ident.public_key}")
+        if ident.role == "client":  # its plan goes too (best effort: the broker may be down)
+            try:
+                asyncio.run(_plan(args, data_dir, ident, remove=True, quiet=True))
+            except Exception as exc:
+                print(f"plan of {ident.name} not removed ({type(exc).__name__}): "
+                      f"`zml creds plan {ident.name} --none` later", file=sys.stderr)
     pid = natscreds.reload_server(data_dir)
     if pid is None:
         print(f"no running nats-server for {data_dir}: the change applies when it starts "
@@ -66,3 +107,47 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"nats-server {pid} reloaded its authorization (no restart)")
     return 0
+
+
+async def _plan(args: argparse.Namespace, data_dir: str, ident: Any, *, remove: bool, quiet: bool = False) -> int:
+    """Write (or remove) ``ident``'s plan in the keys bucket, as the admin identity."""
+    import os
+    import time
+
+    import msgspec
+
+    from zmlcore.config import find_config, load_config
+    from zmlcore.errors import BadRequestError
+    from zmlcore.keys import remove_identity_plan, set_identity_plan
+    from zmlcore.messages.keys import IdentityPlan
+    from zmlcore.natsauth import connect_options
+    from zmlcore.natsio import connect
+    from zmlcore.plans import plan_limits
+
+    if ident.role != "client":
+        raise ConfigError("plans are for client identities (services are limited at the gateway)")
+    for value in (args.rpm, args.concurrent, args.tpm) if not remove else ():
+        if value is not None and value < 1:
+            raise BadRequestError("limits must be >= 1")
+    cfg = load_config(args.config or find_config()).nats
+    admin = os.path.join(data_dir, "creds", "admin.nk")
+    seed = cfg.nkey_file or (admin if os.path.isfile(admin) else None)
+    url = args.nats_url or os.environ.get("ZML_NATS_URL") or cfg.url
+    nc = await connect(url, "zml-cli", connect_timeout=3, **connect_options(cfg, seed_file=seed))
+    try:
+        if remove:
+            gone = await remove_identity_plan(nc, ident.public_key)
+            if not quiet:
+                print(f"{ident.name}: plan removed" if gone else f"{ident.name}: had no plan")
+            return 0
+        plan = args.plan or "custom"
+        limits = plan_limits(plan, requests_per_minute=args.rpm, concurrent=args.concurrent, tokens_per_minute=args.tpm)
+        record = IdentityPlan(name=ident.name, public_key=ident.public_key, plan=plan, limits=limits,
+                              key_id=args.key_id or "", created_at=time.time())
+        await set_identity_plan(nc, record)
+        what = f"API key {record.key_id}'s plan and budget" if record.key_id else \
+            f"plan {plan} {msgspec.json.encode(limits).decode()}"
+        print(f"{ident.name}: {what} (every router applies it within a second)")
+        return 0
+    finally:
+        await nc.close()

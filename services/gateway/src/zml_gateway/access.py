@@ -19,7 +19,7 @@ from zmlcore.errors import AuthError, PermissionDeniedError, RateLimitError
 from zmlcore.keys import KeyRing
 from zmlcore.limiter import SharedLimiter
 from zmlcore.messages.keys import ApiKeyRecord
-from zmlcore.plans import Verdict
+from zmlcore.plans import Verdict, limited, refusal, verdict_headers
 from zmlcore.ratelimit import TokenBucket
 
 Headers = list[tuple[bytes, bytes]]
@@ -39,16 +39,7 @@ class Caller:
 
 
 def _verdict_headers(v: Verdict) -> Headers:
-    out: Headers = []
-    if v.requests_limit is not None:
-        out += [(b"x-ratelimit-limit-requests", str(v.requests_limit).encode()),
-                (b"x-ratelimit-remaining-requests", str(v.requests_remaining).encode()),
-                (b"x-ratelimit-reset-requests", f"{v.requests_reset_s:.3f}s".encode())]
-    if v.tokens_limit is not None:
-        out += [(b"x-ratelimit-limit-tokens", str(v.tokens_limit).encode()),
-                (b"x-ratelimit-remaining-tokens", str(v.tokens_remaining).encode()),
-                (b"x-ratelimit-reset-tokens", f"{v.tokens_reset_s:.3f}s".encode())]
-    return out
+    return [(k.encode(), val.encode()) for k, val in verdict_headers(v)]
 
 
 class Access:
@@ -84,18 +75,12 @@ class Access:
         record = caller.record
         if record is not None:
             limits = record.limits
-            if self.limiter is None or (limits.requests_per_minute is None and limits.concurrent is None
-                                        and limits.tokens_per_minute is None):
+            if self.limiter is None or not limited(limits):
                 return []
             v = await self.limiter.acquire(caller.identity, limits, lease_id=request_id, lease_s=lease_s)
             headers = _verdict_headers(v)
             if not v.ok:
-                what = {"requests": f"{limits.requests_per_minute} requests/minute",
-                        "tokens": f"{limits.tokens_per_minute} tokens/minute",
-                        "concurrent": f"{limits.concurrent} concurrent requests",
-                        "contended": "the limiter's retries"}.get(v.reason, v.reason)
-                raise RateLimited(RateLimitError(f"plan {record.plan!r}: over {what}; retry in {v.retry_after_s:.1f} s",
-                                                 retry_after=v.retry_after_s),
+                raise RateLimited(RateLimitError(refusal(record.plan, limits, v), retry_after=v.retry_after_s),
                                   [*headers, (b"retry-after", str(max(1, math.ceil(v.retry_after_s))).encode())])
             caller.leased = True
             return headers

@@ -74,6 +74,7 @@ from zml_router.dispatch import (
 )
 from zml_router.firstbyte import expected_s, first_byte_timeout
 from zml_router.kinds import PATHS, check_kind
+from zml_router.limits import IdentityLimits, Lease
 from zml_router.rename import Renamer
 from zml_router.queue import H_DEADLINE, H_ENQUEUED, H_TOTAL_MS, QueuedMsg, SaturationQueue
 from zml_router.table import NodeTable
@@ -168,6 +169,8 @@ class RouterService:
         self.queue: SaturationQueue | None = None
         self._default_timeout = cfg.defaults.request_timeout_s
         self.metrics = RouterMetrics(self)
+        #: Plans of NATS client identities (zml creds issue NAME --plan ...): zml_router.limits.
+        self.limits = IdentityLimits()
 
     # --- lifecycle -------------------------------------------------------------------------
     async def start(self, nc: NATS) -> None:
@@ -183,6 +186,7 @@ class RouterService:
         self._follow_costs = asyncio.create_task(self.table.costs.follower(nc).run())
         # A snapshot before taking traffic; an empty bucket has nothing to wait for.
         await self.nodes_follower.wait_ready(2.0)
+        await self.limits.start(nc)
         self.queue = SaturationQueue(nc, self._room_for_queued, self._dispatch_queued, self._expire_queued,
                                      self._queued_cancelled, owner=self.router_id)
         self.table.on_change = self.queue.capacity.set
@@ -213,6 +217,7 @@ class RouterService:
             await self.queue.stop()
         await cancel_and_wait([t for t in (self._follow, self._heartbeat, self._follow_costs) if t is not None])
         await self.metrics.stop()
+        await self.limits.stop()
         if self.http:
             await self.http.aclose()
 
@@ -311,8 +316,13 @@ class RouterService:
             stream = req.stream
             request_id = check_request_id(asked_id or req.request_id or _new_id())
             REQUEST_ID.set(request_id)  # on every log line of this request (JSON logs)
-            # The gateway passes the API key's options: its default policy, its cost label.
-            if req.policy is None and req.routing is None and subjects.H_DEFAULT_POLICY in headers:
+            # The gateway passes the API key's options: its default policy, its cost label. An
+            # identity sharing a key's plan gets that key's (its own headers cannot override them).
+            owner = subjects.reply_owner(msg.reply)
+            shared = self.limits.options(owner)
+            if shared is not None:
+                headers = {**headers, subjects.H_DEFAULT_POLICY: shared.default_policy, subjects.H_LABEL: shared.label}
+            if req.policy is None and req.routing is None and headers.get(subjects.H_DEFAULT_POLICY):
                 req.routing = headers[subjects.H_DEFAULT_POLICY]
             out.label = headers.get(subjects.H_LABEL, "")[:200]
             timeout = request_timeout_s(req.timeout_ms, headers.get(subjects.H_TIMEOUT_MS),
@@ -323,15 +333,19 @@ class RouterService:
             if key in self._by_request:
                 raise DuplicateRequestError(f"request_id {request_id!r} is already in flight for this caller")
             self._by_request[key] = task
+            lease: Lease | None = None
             try:
                 if self._cancelled.take(key, time.time()):  # the cancel overtook the request
                     raise asyncio.CancelledError
+                if not isinstance(msg, QueuedMsg):  # a queued request was counted when it arrived
+                    lease = await self.limits.admit(owner, request_id, timeout)
                 async with asyncio.timeout(timeout):
                     await self._route(msg, req, request_id, t0, timeout, out)
             except asyncio.TimeoutError as exc:
                 raise TimeoutError(f"request exceeded its timeout of {timeout:g} s") from exc
             finally:
                 self._by_request.pop(key, None)
+                self.limits.done(lease, (out.info.total_tokens or 0) if out.ok and out.info else 0)
                 if isinstance(msg, QueuedMsg) and msg.placed is not None and not msg.placed.done():
                     msg.placed.set_result(True)
         except asyncio.CancelledError:
@@ -755,7 +769,7 @@ class RouterService:
             await self.nc.publish(reply, data, headers=headers)
 
     async def _reply_error(self, msg: Msg | QueuedMsg, exc: ZMLError, stream: bool) -> None:
-        headers = {subjects.H_ERROR_CODE: exc.code}
+        headers = {subjects.H_ERROR_CODE: exc.code, **getattr(exc, "headers", {})}
         if exc.retry_after is not None:
             headers[subjects.H_RETRY_AFTER] = f"{exc.retry_after:g}"
         if stream:

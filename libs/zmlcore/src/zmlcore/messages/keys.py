@@ -30,6 +30,21 @@ class ApiKeyRecord(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
     created_at: float = 0.0
 
 
+class IdentityPlan(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A NATS client identity's plan (``zml creds issue NAME --plan ...``), stored in the keys
+    bucket under ``identity.<public key>`` so that every router finds it. The router limits
+    requests whose reply inbox names that identity exactly as a gateway limits an API key."""
+
+    name: str
+    public_key: str
+    plan: str = "custom"
+    limits: PlanLimits = PlanLimits()
+    #: Share this API key's plan and budget instead (HTTP and NATS count together); its label
+    #: and default policy apply too.
+    key_id: str = ""
+    created_at: float = 0.0
+
+
 class LimitState(msgspec.Struct, kw_only=True, omit_defaults=True):
     """One limited identity's usage, shared by every gateway through compare-and-set.
 
@@ -46,4 +61,5 @@ class LimitState(msgspec.Struct, kw_only=True, omit_defaults=True):
 
 
 api_key_decoder = msgspec.json.Decoder(ApiKeyRecord)
+identity_plan_decoder = msgspec.json.Decoder(IdentityPlan)
 limit_state_decoder = msgspec.json.Decoder(LimitState)

@@ -1,0 +1,168 @@
+"""Plans for raw NATS clients (issue 9): a client identity with a plan (`zml creds issue NAME
+--plan ...`) is limited by the routers as an API key is by the gateways, with one budget shared by
+every router replica, and by HTTP and NATS when the identity shares an API key's plan.
+
+A secure broker of the module's own (identities and permissions as `zml up` runs them) with two
+routers; the clients connect with their own nkey seeds, exactly as an external system would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import httpx
+import nats
+import pytest
+from nats.aio.client import Client as NATS
+
+from conftest import MODEL, SecureBus, Stack, launch_stack
+from zmlcore import subjects
+from zmlcore.config import NatsConfig
+from zmlcore.natsauth import connect_options
+
+OK = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+RPM = 10
+
+
+@pytest.fixture(scope="module")
+def stack(secure_bus: SecureBus, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = launch_stack(secure_bus.url, tmp_path_factory.mktemp("plans"), routers=2, identities=secure_bus.seeds)
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def _creds(bus: SecureBus, stack: Stack, *args: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "zml.cli", "creds", *args, "--data-dir", str(bus.data_dir),
+                          "--nats-url", bus.url, "--config", stack.config_path],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+def _issue(bus: SecureBus, stack: Stack, name: str, *plan: str) -> None:
+    _creds(bus, stack, "issue", name, *plan)
+    bus.seeds[name] = str(bus.data_dir / "creds" / f"{name}.nk")
+
+
+async def _connect(bus: SecureBus, name: str) -> NATS:
+    # A freshly issued identity is known once the server has reloaded auth.conf.
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            return await nats.connect(bus.url, allow_reconnect=False, connect_timeout=5,
+                                      **connect_options(NatsConfig(url=bus.url), seed_file=bus.seeds[name]))
+        except Exception:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.1)
+
+
+async def _ask(nc: NATS) -> tuple[str, dict[str, str], dict]:  # type: ignore[type-arg]
+    """(error code or "", headers, body) of one chat request over raw NATS."""
+    msg = await nc.request(subjects.INFER, json.dumps(OK).encode(), timeout=30)
+    headers = dict(msg.headers or {})
+    return headers.get(subjects.H_ERROR_CODE, ""), headers, json.loads(msg.data)
+
+
+async def _until(check, timeout: float = 10.0) -> float:  # type: ignore[no-untyped-def]
+    t0 = time.monotonic()
+    while not await check():
+        assert time.monotonic() - t0 < timeout, "condition not reached"
+        await asyncio.sleep(0.02)
+    return time.monotonic() - t0
+
+
+async def test_plan_limits_a_client_identity_across_two_routers(secure_bus: SecureBus, stack: Stack) -> None:
+    _issue(secure_bus, stack, "metered", "--plan", "custom", "--rpm", str(RPM))
+    _issue(secure_bus, stack, "unplanned")
+    metered, free = await _connect(secure_bus, "metered"), await _connect(secure_bus, "unplanned")
+    try:
+        results = [await _ask(metered) for _ in range(3 * RPM)]
+        served = [body for code, _, body in results if not code]
+        refused = [(code, h) for code, h, _ in results if code]
+        # One budget for both replicas: per-replica counting would admit up to twice the rate.
+        assert len(served) == RPM, [c for c, _, _ in results]
+        assert {b["zml"]["router_id"] for b in served} == {"router-1", "router-2"}, "one router took every request"
+        assert all(code == "RATE_LIMITED" for code, _ in refused)
+        _, h = refused[-1]
+        assert h["x-ratelimit-limit-requests"] == str(RPM)
+        assert h["x-ratelimit-remaining-requests"] == "0"
+        assert float(h[subjects.H_RETRY_AFTER]) > 0 and int(h["retry-after"]) >= 1
+        assert h["x-ratelimit-reset-requests"].endswith("s")
+        # An identity without a plan is not limited on raw NATS.
+        assert [(await _ask(free))[0] for _ in range(3 * RPM)] == [""] * (3 * RPM)
+
+        # Changing the plan applies on every router within a second (both must let it through).
+        _creds(secure_bus, stack, "plan", "metered", "--plan", "team")
+        t0 = time.monotonic()
+
+        async def admitted() -> bool:
+            codes = [(await _ask(metered))[0] for _ in range(4)]
+            return codes == [""] * 4
+        await _until(admitted, 10.0)
+        assert time.monotonic() - t0 < 1.5
+        # Back to a small plan, then removed: no limit at all.
+        _creds(secure_bus, stack, "plan", "metered", "--plan", "custom", "--rpm", "1")
+
+        async def limited() -> bool:
+            return (await _ask(metered))[0] == "RATE_LIMITED"
+        await _until(limited, 10.0)
+        _creds(secure_bus, stack, "plan", "metered", "--none")
+        t0 = time.monotonic()
+        await _until(admitted, 10.0)
+        assert time.monotonic() - t0 < 1.5
+    finally:
+        await metered.close()
+        await free.close()
+
+
+async def test_concurrency_of_a_plan_over_nats(secure_bus: SecureBus, stack: Stack) -> None:
+    _issue(secure_bus, stack, "narrow", "--plan", "custom", "--concurrent", "2")
+    nc = await _connect(secure_bus, "narrow")
+    try:
+        slow = {**OK, "max_tokens": 200}  # the sim takes a while over 200 tokens
+        replies = await asyncio.gather(*(nc.request(subjects.INFER, json.dumps(slow).encode(), timeout=60)
+                                         for _ in range(6)))
+        codes = [(m.headers or {}).get(subjects.H_ERROR_CODE, "") for m in replies]
+        assert codes.count("") >= 2 and "RATE_LIMITED" in codes, codes
+        assert codes.count("") < 6
+        # The leases are released: the identity is served again.
+        assert (await _ask(nc))[0] == ""
+    finally:
+        await nc.close()
+
+
+async def test_identity_shares_an_api_keys_plan_with_http(secure_bus: SecureBus, stack: Stack) -> None:
+    admin = await nats.connect(secure_bus.url, **connect_options(NatsConfig(url=secure_bus.url),
+                                                                 seed_file=secure_bus.seeds["admin"]))
+    try:
+        from zmlcore.keys import create_key
+        from zmlcore.messages.keys import PlanLimits
+
+        key, rec = await create_key(admin, plan="custom", limits=PlanLimits(requests_per_minute=6), label="billing")
+    finally:
+        await admin.close()
+    _issue(secure_bus, stack, "partner", "--key", rec.id)
+    nc = await _connect(secure_bus, "partner")
+    try:
+        async with httpx.AsyncClient(timeout=30) as c:
+            async def http_ok() -> bool:  # the gateway knows the new key once its watch delivers it
+                r = await c.post(stack.gateway_url + "/v1/chat/completions", json=OK,
+                                 headers={"authorization": f"Bearer {key}"})
+                return r.status_code == 200
+            await _until(http_ok, 10.0)
+            for _ in range(2):
+                assert await http_ok()
+        results = [await _ask(nc) for _ in range(5)]
+        codes = [code for code, _, _ in results]
+        assert codes == ["", "", "", "RATE_LIMITED", "RATE_LIMITED"], codes  # 3 over HTTP + 3 over NATS = 6
+        assert results[0][2]["zml"]["label"] == "billing"  # the key's options come with its plan
+    finally:
+        await nc.close()
