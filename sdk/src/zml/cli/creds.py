@@ -74,10 +74,10 @@ def run(args: argparse.Namespace) -> int:
     wants_plan = bool(getattr(args, "plan", None) or getattr(args, "key_id", None)
                       or any(getattr(args, k, None) is not None for k in ("rpm", "concurrent", "tpm")))
     if args.verb == "plan":
-        ident = natscreds.get(data_dir, args.name)
-        if ident is None:
+        found = natscreds.get(data_dir, args.name)
+        if found is None:
             raise ConfigError(f"no identity {args.name!r} in {data_dir}")
-        return asyncio.run(_plan(args, data_dir, ident, remove=args.none or not wants_plan))
+        return asyncio.run(_plan(args, data_dir, found, remove=args.none or not wants_plan))
     if args.verb == "issue":
         if wants_plan and args.role != "client":
             raise ConfigError("plans are for client identities (services are limited at the gateway)")
@@ -94,12 +94,13 @@ def run(args: argparse.Namespace) -> int:
     else:
         ident = natscreds.revoke(data_dir, args.name)
         print(f"revoked {ident.name} ({ident.role}) {ident.public_key}")
-        if ident.role == "client":  # its plan goes too (best effort: the broker may be down)
+        # Its plan entry can never apply again (the seed is gone; a re-issued name gets a new
+        # key), so it is removed only when a broker was named: best effort, bounded.
+        if ident.role == "client" and (args.nats_url or os.environ.get("ZML_NATS_URL")):
             try:
-                asyncio.run(_plan(args, data_dir, ident, remove=True, quiet=True))
+                asyncio.run(asyncio.wait_for(_plan(args, data_dir, ident, remove=True, quiet=True), 10))
             except Exception as exc:
-                print(f"plan of {ident.name} not removed ({type(exc).__name__}): "
-                      f"`zml creds plan {ident.name} --none` later", file=sys.stderr)
+                print(f"plan of {ident.name} not removed ({type(exc).__name__})", file=sys.stderr)
     pid = natscreds.reload_server(data_dir)
     if pid is None:
         print(f"no running nats-server for {data_dir}: the change applies when it starts "
@@ -121,7 +122,7 @@ async def _plan(args: argparse.Namespace, data_dir: str, ident: Any, *, remove: 
     from zmlcore.keys import remove_identity_plan, set_identity_plan
     from zmlcore.messages.keys import IdentityPlan
     from zmlcore.natsauth import connect_options
-    from zmlcore.natsio import connect
+    from zmlcore.link import split_urls
     from zmlcore.plans import plan_limits
 
     if ident.role != "client":
@@ -133,7 +134,11 @@ async def _plan(args: argparse.Namespace, data_dir: str, ident: Any, *, remove: 
     admin = os.path.join(data_dir, "creds", "admin.nk")
     seed = cfg.nkey_file or (admin if os.path.isfile(admin) else None)
     url = args.nats_url or os.environ.get("ZML_NATS_URL") or cfg.url
-    nc = await connect(url, "zml-cli", connect_timeout=3, **connect_options(cfg, seed_file=seed))
+    import nats
+
+    # One attempt, no reconnects: a command must fail, not hang, when the broker is not there.
+    nc = await nats.connect(split_urls(url), name="zml-cli", connect_timeout=3, allow_reconnect=False,
+                            **connect_options(cfg, seed_file=seed))
     try:
         if remove:
             gone = await remove_identity_plan(nc, ident.public_key)
