@@ -164,5 +164,22 @@ async def test_identity_shares_an_api_keys_plan_with_http(secure_bus: SecureBus,
         codes = [code for code, _, _ in results]
         assert codes == ["", "", "", "RATE_LIMITED", "RATE_LIMITED"], codes  # 3 over HTTP + 3 over NATS = 6
         assert results[0][2]["zml"]["label"] == "billing"  # the key's options come with its plan
+        # Identity plans live beside the keys but are not keys: `zml keys list` and revoke skip them.
+        admin = await nats.connect(secure_bus.url, **connect_options(NatsConfig(url=secure_bus.url),
+                                                                     seed_file=secure_bus.seeds["admin"]))
+        try:
+            from zmlcore.keys import IDENTITY_PREFIX, list_keys, revoke_key
+
+            assert [r.id for r in await list_keys(admin)] == [rec.id]
+            assert not await revoke_key(admin, IDENTITY_PREFIX + "x")
+            # Revoking the shared key refuses the identity too (its plan went with the key).
+            assert await revoke_key(admin, rec.id)
+
+            async def refused() -> bool:
+                code, _, body = await _ask(nc)
+                return code == "RATE_LIMITED" and "revoked" in body["error"]["message"]
+            await _until(refused, 5.0)
+        finally:
+            await admin.close()
     finally:
         await nc.close()
