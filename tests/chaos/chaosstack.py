@@ -173,11 +173,23 @@ class ChaosStack:
         self.procs[name] = proc
         return proc
 
-    def restart(self, name: str) -> Proc:
+    def restart(self, name: str, timeout: float = 60.0) -> Proc:
+        """Start ``name`` again (stopping it first if alive); a sim or gateway once it listens."""
         old = self.procs.get(name)
         if old is not None and old.alive():
             old.stop()
-        return self._spawn(name)
+        proc = self._spawn(name)
+        ports: list[int] = []
+        if name == "sim":
+            ports = [p for n, p in self.node_ports.items() if n != VICTIM]
+        elif name.startswith("sim-"):
+            ports = [self.node_ports[name[4:]]]
+        elif name.startswith("gateway-"):
+            ports = [self.gateway_ports[int(name.split("-")[1]) - 1]]
+        for port in ports:
+            if not wait_port("127.0.0.1", port, timeout):
+                raise RuntimeError(f"{name} did not listen again:\n{proc.tail()}")
+        return proc
 
     def kill(self, name: str) -> None:
         kill9(self.procs[name])
@@ -196,6 +208,9 @@ class ChaosStack:
     # --- faults ----------------------------------------------------------------------------
     def sim_url(self, node_id: str) -> str:
         return f"http://127.0.0.1:{self.node_ports[node_id]}"
+
+    def sim_state(self, node_id: str) -> dict[str, Any]:
+        return httpx.get(self.sim_url(node_id) + "/sim/state", timeout=10).json()
 
     def faults(self, node_id: str, **faults: Any) -> None:
         r = httpx.post(self.sim_url(node_id) + "/sim/faults", json=faults, timeout=10)
