@@ -179,6 +179,7 @@ class Load:
     timeout_s: float = 10.0
     grace_s: float = 5.0
     seed: int = 1
+    prompt_chars: int = 5  # the sim counts 4 characters a token
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -207,7 +208,7 @@ class LoadGen:
         ld = self.load
         n = self.rng.randint(*ld.tokens)
         stream = self.rng.random() < ld.stream_share
-        body: dict[str, Any] = {"model": ld.model, "messages": [{"role": "user", "content": "chaos"}],
+        body: dict[str, Any] = {"model": ld.model, "messages": [{"role": "user", "content": ("chaos " * (ld.prompt_chars // 6 + 1))[:ld.prompt_chars]}],
                                 "max_tokens": n, "stream": stream, "timeout_ms": int(ld.timeout_s * 1000), **ld.extra}
         if stream:
             body["stream_options"] = {"include_usage": True}

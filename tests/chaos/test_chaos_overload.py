@@ -1,0 +1,110 @@
+"""Overload at 150% of the fleet's capacity, then back to 50%: the excess is shed at once with
+QUEUE_FULL + Retry-After, the nodes stay busy (goodput >= 95% of capacity), and once the load
+drops every request completes again within seconds.
+
+Capacity is the sims' own model (``SimProfile.capacity_rps`` at the requests' mean lengths, times
+``time_scale``, summed over the fleet): what the nodes can do, not what this box's CPU can push.
+Requests are open-loop Poisson arrivals, half streamed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from chaosload import Load, LoadGen, Report, record
+from chaosstack import FLEET, ChaosStack, NatsServer
+from conftest import MODEL
+from zmlcore.launch import free_port
+from zmlcore.sim.model import SimProfile
+
+pytestmark = pytest.mark.timeout(240)
+
+TIME_SCALE = 2.5
+MAX_CONCURRENCY = 4
+# The reference workload's mean lengths (816-token prompts, 274-token outputs): the routers'
+# TTFT estimate assumes them for requests already queued, so the admission bound means what it
+# says. (With 2-token prompts and 32-token outputs it overestimates queues ~8x and sheds half.)
+TOKENS = (240, 308)
+PROMPT_TOKENS = 816
+OVER_S = 14.0
+UNDER_S = 8.0
+
+
+def capacity_rps() -> float:
+    mean_out = sum(TOKENS) / 2
+    return sum(SimProfile.for_type(acc, max_concurrency=MAX_CONCURRENCY).capacity_rps(PROMPT_TOKENS, mean_out)
+               for _, acc, _ in FLEET) * TIME_SCALE
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ChaosStack]:
+    tmp: Path = tmp_path_factory.mktemp("overload")
+    broker = NatsServer("nats", free_port(), tmp / "nats")
+    broker.start()
+    # The routers shed what would wait more than 2 s for its first token.
+    s = ChaosStack(tmp, [broker.url], routers=2, gateways=1, health=1, time_scale=TIME_SCALE,
+                   sim_extra=f"max_concurrency = {MAX_CONCURRENCY}\n",
+                   router_toml="cooldown_s = 5\nadmission_ttft_s = 2.0\n")
+    try:
+        s.start()
+        yield s
+    finally:
+        s.stop()
+        broker.stop()
+
+
+def test_overload_150_percent(stack: ChaosStack) -> None:
+    cap = capacity_rps()
+    report = Report("overload 150% of capacity, then 50%")
+
+    occupancy: list[float] = []
+
+    async def sample(stop: asyncio.Event) -> None:
+        """Share of the fleet's slots running a request, every 0.25 s (the sims' own view)."""
+        slots = MAX_CONCURRENCY * len(FLEET)
+        while not stop.is_set():
+            states = await asyncio.gather(*(asyncio.to_thread(stack.sim_state, n) for n, _, _ in FLEET))
+            occupancy.append(sum(st["batch"]["running"] for st in states) / slots)
+            await asyncio.sleep(0.25)
+
+    async def scenario() -> float:
+        load = Load(stack.gateway_urls, MODEL, tokens=TOKENS, timeout_s=10.0, grace_s=5.0, seed=3,
+                    prompt_chars=4 * PROMPT_TOKENS)
+        async with LoadGen(load) as lg:
+            stop = asyncio.Event()
+            warm = asyncio.create_task(lg.open(report, rate=1.5 * cap, duration_s=OVER_S, max_in_flight=128))
+            await asyncio.sleep(3)
+            sampler = asyncio.create_task(sample(stop))
+            await warm
+            stop.set()
+            await sampler
+            drop_t = time.monotonic()
+            await lg.open(report, rate=0.5 * cap, duration_s=UNDER_S, max_in_flight=128)
+        return drop_t
+
+    drop_t = asyncio.run(scenario())
+    t0 = report.t0
+    # Goodput over the overload's steady part: completions that ended in [t0 + 3 s, drop_t].
+    steady = [r for r in report.results if r.outcome == "completed" and t0 + 3 <= r.t_start + r.elapsed <= drop_t]
+    goodput = len(steady) / (drop_t - t0 - 3)
+    shed = [r for r in report.results if r.outcome == "error"]
+    late_errors = [r for r in report.results if r.outcome != "completed" and r.t_start >= drop_t]
+    last_shed = max((r.t_start for r in shed if r.t_start >= drop_t), default=drop_t)
+    report.notes.update({
+        "capacity_rps": round(cap, 2), "offered_rps": round(1.5 * cap, 2),
+        "goodput_rps": round(goodput, 2), "goodput_share": round(goodput / cap, 3),
+        "slot_occupancy": round(sum(occupancy) / max(1, len(occupancy)), 3),
+        "shed_after_drop": len(late_errors), "recovered_after_s": round(last_shed - drop_t, 2),
+    })
+    record(report)
+    report.assert_clean(min_completed=0.5)
+    assert shed, report.summary()  # the excess was shed ...
+    assert set(report.codes()) == {"QUEUE_FULL"}, report.summary()  # ... as QUEUE_FULL (+ Retry-After: checked)
+    assert goodput >= 0.95 * cap, report.summary()
+    # Recovery within seconds: requests sent 3 s after the load dropped all complete.
+    assert all(r.outcome == "completed" for r in report.results if r.t_start >= drop_t + 3), report.summary()
