@@ -214,7 +214,7 @@ def test_http_disconnect_cancels_on_the_node(stack: Stack) -> None:
     assert running() == 0
     with httpx.Client(base_url=stack.gateway_url, timeout=30) as client:
         with client.stream("POST", "/v1/chat/completions", json={
-                "model": MODEL, "messages": CHAT, "max_tokens": 50_000, "stream": True}) as r:
+                "model": MODEL, "messages": CHAT, "max_tokens": 8_000, "stream": True}) as r:
             assert r.status_code == 200
             lines = r.iter_lines()  # keep the iterator: dropping it closes the response
             next(lines)
@@ -231,7 +231,7 @@ def test_http_disconnect_cancels_on_the_node(stack: Stack) -> None:
 async def test_nats_cancel_message_aborts_the_backend_call(stack: Stack) -> None:
     nc = await nats.connect(stack.nats_url)
     try:
-        body = {"model": MODEL, "messages": CHAT, "max_tokens": 50_000, "request_id": "cancel-me"}
+        body = {"model": MODEL, "messages": CHAT, "max_tokens": 8_000, "request_id": "cancel-me"}
         fut = asyncio.ensure_future(nc.request(subjects.INFER, json.dumps(body).encode(), timeout=20))
         await asyncio.sleep(0.5)
         assert sum(stack.sim_state(n)["batch"]["running"] for n in stack.node_ids) == 1

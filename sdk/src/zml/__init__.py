@@ -28,6 +28,7 @@ from zml._errors import (
     QueueFullError,
     RateLimitError,
     RoutingError,
+    StreamInterruptedError,
     TimeoutError,
     ZMLError,
 )
@@ -74,6 +75,7 @@ __all__ = [
     "RoutingError",
     "Stream",
     "StreamChunk",
+    "StreamInterruptedError",
     "TimeoutError",
     "Usage",
     "ZMLError",

@@ -4,6 +4,7 @@
 
     ZMLError (.code, .message, .routing_context, .retry_after, .retryable)
     ├── BadRequestError, AuthError, RateLimitError, TimeoutError, CancelledError, BackendError
+    │   (BackendError -> StreamInterruptedError: a streamed reply lost a message in transit)
     ├── ConnectionError      CONNECTION_FAILED  (the endpoint could not be reached)
     ├── ConfigError -> PolicyConfigError
     └── RoutingError -> NoHealthyNodesError, ModelNotLoadedError, QueueFullError
@@ -28,6 +29,7 @@ from zmlcore.errors import (
     QueueFullError,
     RateLimitError,
     RoutingError,
+    StreamInterruptedError,
     TimeoutError,
     ZMLError,
     error_class,
@@ -49,6 +51,7 @@ __all__ = [
     "QueueFullError",
     "RateLimitError",
     "RoutingError",
+    "StreamInterruptedError",
     "TimeoutError",
     "ZMLError",
     "error_class",

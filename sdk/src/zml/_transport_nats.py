@@ -30,8 +30,9 @@ from zml._core import (
     no_router_error,
     timeout_error,
 )
-from zml._errors import ConnectionError, ZMLError
+from zml._errors import ConnectionError, StreamInterruptedError, ZMLError
 from zmlcore import subjects
+from zmlcore.streamseq import SeqCheck
 
 __all__ = ["AsyncNatsStream", "AsyncNatsTransport", "SyncNatsStream", "SyncNatsTransport"]
 
@@ -144,6 +145,7 @@ class AsyncNatsStream:
         self.headers: dict[str, str] = {}
 
     async def events(self) -> AsyncIterator[StreamEvent]:
+        seq = SeqCheck()  # a lost message ends the stream with an error, never silently short
         while True:
             try:
                 msg = await self._sub.next_msg(timeout=self._call.timeout_s)
@@ -158,6 +160,10 @@ class AsyncNatsStream:
                 yield StreamEvent("error", error=no_router_error())
                 return
             ev = decode_nats_stream(headers, msg.data)
+            gap = seq.gap(headers.get(subjects.H_SEQ.lower())) if ev.kind != "error" else None
+            if gap is not None:  # left unfinished: closing the stream cancels the request
+                yield StreamEvent("error", error=StreamInterruptedError(f"{gap}; the stream is incomplete"))
+                return
             if ev.kind in ("end", "error"):
                 self._finished = True
             yield ev

@@ -45,9 +45,14 @@ _Base = {"kw_only": True, "forbid_unknown_fields": True}
 
 class NatsConfig(msgspec.Struct, **_Base):
     url: str = "nats://127.0.0.1:4222"
-    """NATS server URL (env ZML_NATS_URL)."""
+    """NATS server URL, or several comma-separated (servers of one cluster: a client moves to
+    another when its server goes away). Env ZML_NATS_URL."""
     connect_timeout_s: PosFloat = 2.0
     """Seconds to wait for the first connection."""
+    replicas: Annotated[int, msgspec.Meta(ge=1, le=5)] = 1
+    """JetStream replicas of every KV bucket and stream ZML creates: 1 on a single server, 3 on
+    a 3-server cluster (a bucket then survives the loss of one server). Applies when a bucket or
+    stream is first created."""
 
 
 class GatewayConfig(msgspec.Struct, **_Base):
@@ -67,6 +72,19 @@ class GatewayConfig(msgspec.Struct, **_Base):
     request_burst: PosInt | None = None
     """Requests a key may send at once above the steady rate (default: one second's worth, at
     least 1)."""
+    max_concurrent: PosInt = 1024
+    """Inference requests this gateway replica holds at once; above it, 503 QUEUE_FULL with
+    Retry-After (a bound on memory and NATS inboxes, not a fairness limit: plans do that)."""
+    max_header_bytes: PosInt = 16 * 1024
+    """Largest request line plus headers; above it the connection gets 431 and is closed."""
+    max_headers: PosInt = 100
+    """Most header lines in one request; above it, 431."""
+    header_timeout_s: PosFloat = 10.0
+    """Seconds a client has to send a request's headers (slow-loris bound)."""
+    stream_buffer: PosInt = 256
+    """Chunks of one streamed reply buffered while the HTTP client is slow to read; when full,
+    the request is cancelled upstream and the stream ends with an error (a client that stops
+    reading cannot make the gateway buffer a whole reply)."""
 
 
 class RouterConfig(msgspec.Struct, **_Base):
@@ -86,6 +104,13 @@ class RouterConfig(msgspec.Struct, **_Base):
     """TCP connect timeout towards a node."""
     max_connections: PosInt = 512
     """Connection pool size towards all nodes together."""
+    first_byte_floor_s: PosFloat = 5.0
+    """Per-attempt first-byte timeout, lower bound: a node that sends nothing (no first
+    token when streaming, no reply otherwise) within max(this, first_byte_factor x its
+    estimated time) is abandoned, marked slow and cooled down, and the request fails over."""
+    first_byte_factor: NonNeg = 4.0
+    """Multiple of the node's estimated time to first token (to the whole reply when not
+    streaming) allowed before the first byte; 0 makes first_byte_floor_s a fixed timeout."""
 
 
 class HealthConfig(msgspec.Struct, **_Base):
@@ -268,6 +293,10 @@ class DefaultsConfig(msgspec.Struct, **_Base):
     """Account-level default policy."""
     request_timeout_s: PosFloat = 30.0
     """Timeout of a request when the caller gives none."""
+    max_request_timeout_s: PosFloat = 600.0
+    """Largest timeout a caller may ask for (``timeout_ms``, ``Zml-Timeout-Ms``); above it, 400."""
+    max_json_depth: PosInt = 32
+    """Deepest nesting of lists/objects accepted in a request body; deeper, 400."""
 
 
 class ZMLConfig(msgspec.Struct, **_Base):

@@ -1,7 +1,8 @@
 """The run-time cost table: prices per node that override zml.toml without a restart.
 
 Anything that can write to NATS KV can feed it (a spot-price poller, `zml cost set`, another
-system); every router applies an entry to its node table as soon as the KV watch delivers it.
+system); every router applies an entry to its node table as soon as the KV watch delivers it (a
+:class:`~zmlcore.kvfollow.KVFollower`, so a broker restart does not freeze prices).
 
     await set_cost(nc, "mi300x-1", 2.1, source="spot:aws")
 """
@@ -19,6 +20,7 @@ from nats.js.kv import KeyValue
 from zmlcore import subjects
 from zmlcore.errors import BadRequestError
 from zmlcore.messages import CostEntry, NodeState, cost_entry_decoder
+from zmlcore.kvfollow import KVFollower
 from zmlcore.natsio import ensure_kv
 
 log = logging.getLogger("zml.costs")
@@ -54,18 +56,20 @@ class CostTable:
             return state
         return msgspec.structs.replace(state, cost_per_hour=entry.cost_per_hour)
 
-    async def follow(self, kv: KeyValue) -> None:
-        watcher = await kv.watchall()
-        async for entry in watcher:
-            if entry is None:
-                continue
-            if entry.operation in ("DEL", "PURGE") or not entry.value:
-                self.entries.pop(entry.key, None)
-            else:
-                try:
-                    self.entries[entry.key] = cost_entry_decoder.decode(entry.value)
-                except msgspec.DecodeError:
-                    log.warning("bad cost entry for %s", entry.key)
-                    continue
-            if self.on_change is not None:
-                self.on_change(entry.key)
+    def follower(self, nc: NATS) -> KVFollower:
+        """The bucket's follower feeding this table (run it as a task)."""
+        return KVFollower(nc, subjects.COSTS_BUCKET, on_put=self.put_raw, on_delete=self.delete_raw)
+
+    def put_raw(self, key: str, value: bytes) -> None:
+        try:
+            self.entries[key] = cost_entry_decoder.decode(value)
+        except msgspec.DecodeError:
+            log.warning("bad cost entry for %s", key)
+            return
+        if self.on_change is not None:
+            self.on_change(key)
+
+    def delete_raw(self, key: str) -> None:
+        self.entries.pop(key, None)
+        if self.on_change is not None:
+            self.on_change(key)

@@ -4,6 +4,10 @@
 
     ZMLError                      INTERNAL            500
     ├── BadRequestError           BAD_REQUEST         400
+    │   ├── NotFoundError         NOT_FOUND           404  (unknown HTTP path)
+    │   ├── MethodNotAllowedError METHOD_NOT_ALLOWED  405
+    │   ├── RequestTooLargeError  REQUEST_TOO_LARGE   413
+    │   └── HeadersTooLargeError  HEADERS_TOO_LARGE   431
     ├── ConfigError               CONFIG_INVALID      (start-up only)
     │   └── PolicyConfigError     POLICY_CONFIG       400
     ├── AuthError                 AUTH_FAILED         401
@@ -11,6 +15,7 @@
     ├── TimeoutError              TIMEOUT             504  retryable
     ├── CancelledError            CANCELLED           499
     ├── BackendError              BACKEND_ERROR       502  retryable
+    │   └── StreamInterruptedError STREAM_INTERRUPTED 502  retryable (a relayed stream lost a message)
     ├── ConnectionError           CONNECTION_FAILED   503  retryable (client side: endpoint unreachable)
     └── RoutingError              (routing_context attached)
         ├── NoHealthyNodesError   NO_HEALTHY_NODES    503  retryable
@@ -37,12 +42,17 @@ __all__ = [
     "ConnectionError",
     "ErrorBody",
     "ErrorDetail",
+    "HeadersTooLargeError",
+    "MethodNotAllowedError",
     "ModelNotLoadedError",
+    "NotFoundError",
+    "RequestTooLargeError",
     "NoHealthyNodesError",
     "PolicyConfigError",
     "QueueFullError",
     "RateLimitError",
     "RoutingError",
+    "StreamInterruptedError",
     "TimeoutError",
     "ZMLError",
     "error_class",
@@ -95,6 +105,35 @@ class BadRequestError(ZMLError):
     code = "BAD_REQUEST"
     http_status = 400
     openai_type = "invalid_request_error"
+
+
+class NotFoundError(BadRequestError):
+    """No such path on this server."""
+
+    code = "NOT_FOUND"
+    http_status = 404
+
+
+class MethodNotAllowedError(BadRequestError):
+    """The path exists but not with this HTTP method."""
+
+    code = "METHOD_NOT_ALLOWED"
+    http_status = 405
+
+
+class RequestTooLargeError(BadRequestError):
+    """The request body is larger than this deployment accepts (the gateway's
+    ``max_body_bytes`` or the NATS server's ``max_payload``, whichever is smaller)."""
+
+    code = "REQUEST_TOO_LARGE"
+    http_status = 413
+
+
+class HeadersTooLargeError(BadRequestError):
+    """Too many request headers, or too large."""
+
+    code = "HEADERS_TOO_LARGE"
+    http_status = 431
 
 
 class ConfigError(ZMLError):
@@ -156,6 +195,16 @@ class BackendError(ZMLError):
     openai_type = "server_error"
 
 
+class StreamInterruptedError(BackendError):
+    """A streamed reply lost a message on its way (core NATS is at-most-once, e.g. across a
+    broker restart): the stream ends with this error rather than with silently missing text."""
+
+    code = "STREAM_INTERRUPTED"
+    http_status = 502
+    retryable = True
+    openai_type = "server_error"
+
+
 class ConnectionError(ZMLError):  # noqa: A001 - scoped like TimeoutError
     """The ZML endpoint could not be reached. Is `zml up` running? Check ZML_ENDPOINT."""
 
@@ -200,11 +249,13 @@ class QueueFullError(RoutingError):
 
 
 class ErrorDetail(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
-    """OpenAI's ``error`` object plus ZML's fields."""
+    """OpenAI's ``error`` object plus ZML's fields. ``type`` and ``code`` default to "" so that
+    ``omit_defaults`` never drops a real value (it dropped ``"server_error"`` from every 5xx);
+    a peer that sent neither decodes as ``server_error``/``INTERNAL``."""
 
     message: str
-    type: str = "server_error"
-    code: str = "INTERNAL"
+    type: str = ""
+    code: str = ""
     param: str | None = None
     routing_context: dict[str, Any] | None = None
     retry_after: float | None = None
@@ -233,8 +284,8 @@ def error_class(code: str) -> type[ZMLError]:
 
 def from_wire(detail: ErrorDetail) -> ZMLError:
     """Rebuild the exception a peer sent. Unknown codes keep their code on a ZMLError."""
-    cls = error_class(detail.code)
+    cls = error_class(detail.code or ZMLError.code)
     exc = cls(detail.message, routing_context=detail.routing_context, retry_after=detail.retry_after)
-    if cls is ZMLError and detail.code != ZMLError.code:
+    if cls is ZMLError and detail.code and detail.code != ZMLError.code:
         exc.code = detail.code  # type: ignore[misc]  # instance attribute shadows the ClassVar
     return exc

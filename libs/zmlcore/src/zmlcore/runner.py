@@ -18,6 +18,7 @@ from nats.aio.client import Client as NATS
 
 from zmlcore.config import ZMLConfig, load_config
 from zmlcore.errors import ConfigError
+from zmlcore.link import link_of
 from zmlcore.natsio import connect
 from zmlcore.telemetry import setup_logging, setup_tracing
 
@@ -41,16 +42,28 @@ def install_uvloop() -> None:
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
+class ConnectionClosed(Exception):
+    """The NATS connection closed for good (nats-py does not reconnect after some server
+    errors): the service exits non-zero so that its supervisor restarts it."""
+
+
 async def run_service(
-    service: Service, nats_url: str, name: str, *, ready_line: str | None = None, no_echo: bool = False
+    service: Service, nats_url: str, name: str, *, ready_line: str | None = None, no_echo: bool = False,
+    replicas: int = 1,
 ) -> None:
-    """``no_echo``: the broker does not send this connection its own messages back (routers
-    publish in-flight counts they already applied)."""
+    """``nats_url``: one URL or several, comma-separated. ``no_echo``: the broker does not send
+    this connection its own messages back (routers publish in-flight counts they already applied).
+
+    Raises :class:`ConnectionClosed` if the connection closes for good before SIGTERM/SIGINT.
+    """
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)  # the handler only sets a flag
-    nc = await connect(nats_url, name, no_echo=no_echo)
+    nc = await connect(nats_url, name, no_echo=no_echo, replicas=replicas)
+    link = link_of(nc)
+    closed = asyncio.ensure_future(link.closed.wait())
+    stopped = asyncio.ensure_future(stop.wait())
     try:
         await service.start(nc)
         # Start-up objects (config, modules, tables) live for the whole run: keep them out of
@@ -61,10 +74,17 @@ async def run_service(
         log.info("%s started (nats %s)", name, nats_url)
         if ready_line:
             print(ready_line, flush=True)
-        await stop.wait()
+        await asyncio.wait({closed, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if link.closed.is_set() and not stop.is_set():
+            log.error("%s: NATS connection closed for good (%s); exiting", name, nc.last_error)
+            await _stop_quietly(service)
+            raise ConnectionClosed(str(nc.last_error))
         log.info("%s stopping", name)
         await service.stop()
     finally:
+        link.closing = True
+        closed.cancel()
+        stopped.cancel()
         # The service has already unsubscribed and finished its in-flight work in stop(), so
         # flushing what is buffered is enough; drain() would also wait on JetStream consumers'
         # subscriptions (KV watchers, pull fetches) for seconds.
@@ -75,11 +95,20 @@ async def run_service(
         await nc.close()
 
 
+async def _stop_quietly(service: Service) -> None:
+    """Stop what can be stopped without a broker; bounded, as the supervisor is waiting."""
+    try:
+        await asyncio.wait_for(service.stop(), 5.0)
+    except Exception:
+        log.debug("stop after a closed connection failed", exc_info=True)
+
+
 def service_parser(name: str, description: str) -> argparse.ArgumentParser:
     """The arguments every service takes; services add their own."""
     p = argparse.ArgumentParser(prog=f"zml {name}", description=description)
     p.add_argument("--config", help="path to zml.toml")
-    p.add_argument("--nats-url", help="NATS URL (overrides zml.toml and ZML_NATS_URL)")
+    p.add_argument("--nats-url", help="NATS URL, or several comma-separated (servers of one cluster); "
+                                      "overrides zml.toml and ZML_NATS_URL")
     return p
 
 
@@ -103,7 +132,13 @@ def service_main(
         return 2
     setup_tracing(f"zml-{name}")
     install_uvloop()
-    asyncio.run(run_service(service, args.nats_url or cfg.nats.url, f"zml-{name}", no_echo=no_echo))
+    try:
+        asyncio.run(run_service(service, args.nats_url or cfg.nats.url, f"zml-{name}", no_echo=no_echo,
+                                replicas=cfg.nats.replicas))
+    except ConnectionClosed as exc:
+        print(f"zml {name}: NATS connection closed for good ({exc}); exiting so that a supervisor "
+              "restarts it", file=sys.stderr, flush=True)
+        return 3
     return 0
 
 

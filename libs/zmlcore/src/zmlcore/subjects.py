@@ -6,12 +6,14 @@ No other module writes a subject literal: services and the SDK import these name
     zml.infer                      request-reply: one inference request (JSON InferRequest)
     zml.cancel.<request_id>        fire-and-forget: cancel an in-flight request
     zml.node.inflight              router replicas share dispatch/completion deltas
+    zml.node.marks                 router replicas share cooldown/saturation marks (NodeMark)
     zml.admin.nodes.<verb>         node registration (add/remove/list)
     zml.events.completed           routers: one event per finished request (warmup, health)
     zml.events.warmup              warmup service: load started / finished / failed
     zml.warmup.serve               request-reply: load a model now (`zml serve`)
     KV bucket zml_registry         nodes added at run time (health service)
     KV bucket zml_nodes            node state written by health, watched by routers
+    KV bucket zml_queue_claims     routers: create-only dispatch claims on queued requests
 """
 
 from __future__ import annotations
@@ -33,6 +35,10 @@ CANCEL_PREFIX = f"{PREFIX}.cancel"
 INFLIGHT = f"{PREFIX}.node.inflight"
 #: ... and, every second, a snapshot of their own counts (heals lost deltas, expires dead peers).
 INFLIGHT_SNAPSHOT = f"{PREFIX}.node.inflight_snapshot"
+
+#: Router replicas share cooldown and saturation marks here (``NodeMark``): a node one replica
+#: saw fail is skipped by all of them.
+NODE_MARKS = f"{PREFIX}.node.marks"
 
 #: Run-time node registration and listing (request-reply).
 ADMIN_NODES_PREFIX = f"{PREFIX}.admin.nodes"
@@ -57,6 +63,9 @@ REGISTRY_BUCKET = "zml_registry"
 #: JetStream stream holding requests waiting for capacity (queue_on_saturation).
 QUEUE_STREAM = "ZML_QUEUE"
 QUEUE_SUBJECT_PREFIX = f"{PREFIX}.queue"
+#: JetStream KV bucket of dispatch claims on queued entries (key ``<model key>.<stream seq>``):
+#: create-only, so a redelivered entry is never dispatched a second time.
+QUEUE_CLAIMS_BUCKET = "zml_queue_claims"
 #: Routers announce "model X has requests waiting" here, so new arrivals queue behind them.
 QUEUE_BUSY = f"{PREFIX}.queue_busy"
 
@@ -104,6 +113,10 @@ H_FAMILY = "Zml-Family"
 H_QUEUE_DEPTH = "Zml-Queue-Depth"
 H_DECISION_ID = "Zml-Decision-Id"
 H_ROUTING = "Zml-Routing"  # the single header sent to backends: compact routing metadata
+#: On every message of a streamed reply: 0 on ``start``, then 1, 2, ... on each chunk and on the
+#: final ``end``/``error``. A receiver that sees a number skipped lost a message (core NATS is
+#: at-most-once) and ends the stream with STREAM_INTERRUPTED instead of returning less text.
+H_SEQ = "Zml-Seq"
 
 STREAM_CHUNK = "chunk"
 STREAM_END = "end"

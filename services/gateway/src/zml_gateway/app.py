@@ -2,8 +2,10 @@
 dict lookups, a NATS request and a write).
 
 Routes: POST /v1/chat/completions, POST /v1/completions (OpenAI-compatible, streaming or not),
-GET /v1/models, GET /v1/nodes, GET /healthz. The body goes to NATS ``zml.infer`` as is; the
-router validates it, so the gateway only peeks at the fields it needs itself.
+GET /v1/models, GET /v1/nodes, GET /healthz; any other path is 404, a known path with the wrong
+method 405. The body is validated here with the router's own rules (zmlcore.validate), so a
+bad request is a 400 before it costs a NATS round trip, and then goes to ``zml.infer`` as is.
+Every answer that is not a 200 carries OpenAI's error body (``message``, ``type``, ``code``).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import math
 import os
 import time
 from collections.abc import Awaitable, Callable
-from typing import Annotated, Any
+from typing import Any
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -26,15 +28,24 @@ from zmlcore.config import ZMLConfig
 from zmlcore.costs import CostTable
 from zmlcore.errors import (
     AuthError,
+    BackendError,
     RateLimitError,
-    BadRequestError,
+    MethodNotAllowedError,
     NoHealthyNodesError,
+    NotFoundError,
+    QueueFullError,
+    RequestTooLargeError,
+    StreamInterruptedError,
     TimeoutError,
     ZMLError,
     error_class,
 )
+from zmlcore.errors import ConnectionError as ZMLConnectionError
+from zmlcore.link import link_of
 from zmlcore.messages import NodeState
 from zmlcore.ratelimit import TokenBucket
+from zmlcore.streamseq import SeqCheck
+from zmlcore.validate import check_request_id, clip, decode_request, request_timeout_s
 
 log = logging.getLogger("zml.gateway")
 
@@ -45,17 +56,14 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 _encode = msgspec.json.encode
 
 
-class _Peek(msgspec.Struct):
-    """The only fields the gateway reads itself (msgspec skips the rest without building it)."""
-
-    stream: bool = False
-    request_id: str | None = None
-    timeout_ms: Annotated[int, msgspec.Meta(ge=1)] | None = None
-
-
-_peek = msgspec.json.Decoder(_Peek)
+_ROUTES = {"/v1/chat/completions": "POST", "/v1/completions": "POST", "/v1/models": "GET",
+           "/v1/nodes": "GET", "/healthz": "GET"}
+#: Room left in a NATS message for our headers when the body limit follows max_payload.
+_HEADER_ROOM = 4096
 
 _JSON = (b"content-type", b"application/json")
+#: Stream messages that carry Zml-Seq (an error ends the stream whatever its number).
+_SEQUENCED = ("start", subjects.STREAM_CHUNK, subjects.STREAM_END)
 _SSE_HEADERS = [
     (b"content-type", b"text/event-stream"),
     (b"cache-control", b"no-cache"),
@@ -79,6 +87,11 @@ class _RateLimited(Exception):
         self.reset = reset
 
 
+def _broker_lost() -> ZMLError:
+    return ZMLConnectionError("the broker connection was lost while the request was in flight; retry",
+                              retry_after=0.5)
+
+
 class Gateway:
     def __init__(self, cfg: ZMLConfig, nc: NATS, nodes: dict[str, NodeState], costs: CostTable | None = None) -> None:
         self.cfg = cfg
@@ -87,6 +100,7 @@ class Gateway:
         self.costs = costs or CostTable()
         self.timeout = cfg.defaults.request_timeout_s
         self.max_body = cfg.gateway.max_body_bytes
+        self.in_flight = 0  # inference requests held now (bounded by [gateway] max_concurrent)
         self.keys = {f"Bearer {k}".encode() for k in cfg.gateway.api_keys}
         rpm = cfg.gateway.requests_per_minute
         self.rpm = rpm
@@ -101,25 +115,28 @@ class Gateway:
             return
         method, path = scope["method"], scope["path"]
         try:
-            if path in ("/v1/chat/completions", "/v1/completions"):
-                if method != "POST":
-                    return await self._plain(send, 405, {"error": {"message": "use POST", "code": "BAD_REQUEST"}})
+            allowed = _ROUTES.get(path)
+            if allowed is None:
+                raise NotFoundError(f"no route {clip(path, 80)}: see /v1/chat/completions, /v1/completions, /v1/models")
+            if method != allowed:
+                raise MethodNotAllowedError(f"{clip(path, 80)} takes {allowed}, not {clip(method, 20)}")
+            if allowed == "POST":
                 self._auth(scope)
                 return await self._infer(scope, receive, send)
-            if method != "GET":
-                return await self._plain(send, 405, {"error": {"message": "method not allowed", "code": "BAD_REQUEST"}})
             if path == "/healthz":
                 ok = self.nc.is_connected
                 return await self._plain(send, 200 if ok else 503, {"status": "ok" if ok else "nats_disconnected"})
+            self._auth(scope)
             if path == "/v1/models":
-                self._auth(scope)
                 return await self._plain(send, 200, self._models())
-            if path == "/v1/nodes":
-                self._auth(scope)
-                return await self._plain(send, 200, {"nodes": await self._node_table()})
-            return await self._plain(send, 404, {"error": {"message": f"no route {path}", "code": "NOT_FOUND"}})
+            return await self._plain(send, 200, {"nodes": await self._node_table()})
         except ZMLError as exc:
-            await self._error(send, exc)
+            await self._error(send, exc, scope)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # a bug must not answer with a traceback: log it, answer INTERNAL
+            log.exception("internal error on %s %s", method, clip(path, 80))
+            await self._error(send, ZMLError("internal error in the gateway"), scope)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -178,7 +195,19 @@ class Gateway:
         return out
 
     # --- inference -------------------------------------------------------------------------
-    async def _read_body(self, receive: Receive) -> bytes:
+    def body_limit(self) -> int:
+        """[gateway] max_body_bytes, or less when the NATS server's max_payload is smaller: a
+        body the gateway accepts must fit in one NATS message."""
+        payload = self.nc.max_payload or self.max_body
+        return max(1, min(self.max_body, payload - _HEADER_ROOM))
+
+    async def _read_body(self, scope: Scope, receive: Receive) -> bytes:
+        limit = self.body_limit()
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                if value.isdigit() and int(value) > limit:
+                    raise RequestTooLargeError(f"request body of {int(value)} bytes is over the limit of {limit} bytes")
+                break
         chunks: list[bytes] = []
         size = 0
         while True:
@@ -187,8 +216,8 @@ class Gateway:
                 raise asyncio.CancelledError
             chunk = message.get("body", b"")
             size += len(chunk)
-            if size > self.max_body:
-                raise BadRequestError(f"request body larger than {self.max_body} bytes")
+            if size > limit:
+                raise RequestTooLargeError(f"request body larger than the limit of {limit} bytes")
             chunks.append(chunk)
             if not message.get("more_body"):
                 return chunks[0] if len(chunks) == 1 else b"".join(chunks)
@@ -230,24 +259,41 @@ class Gateway:
                 retry_after=exc.reset).to_body(),
                 [*exc.headers, (b"retry-after", str(max(1, math.ceil(exc.reset))).encode())])
             return
-        body = await self._read_body(receive)
+        if self.in_flight >= self.cfg.gateway.max_concurrent:
+            raise QueueFullError(f"this gateway holds {self.in_flight} requests, its limit: retry shortly",
+                                 retry_after=1.0)
+        self.in_flight += 1
         try:
-            peek = _peek.decode(body)
-        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
-            raise BadRequestError(f"invalid JSON body: {exc}") from exc
-        request_id = peek.request_id or os.urandom(8).hex()
-        timeout = peek.timeout_ms / 1000.0 if peek.timeout_ms else self.timeout
+            await self._infer_admitted(scope, receive, send, limits)
+        finally:
+            self.in_flight -= 1
+
+    async def _infer_admitted(self, scope: Scope, receive: Receive, send: Send,
+                              limits: list[tuple[bytes, bytes]]) -> None:
+        body = await self._read_body(scope, receive)
+        d = self.cfg.defaults
+        req = decode_request(body, max_depth=d.max_json_depth)
+        request_id = check_request_id(req.request_id) if req.request_id else os.urandom(8).hex()
+        timeout = request_timeout_s(req.timeout_ms, None, self.timeout, d.max_request_timeout_s)
         headers = {subjects.H_REQUEST_ID: request_id, subjects.H_TIMEOUT_MS: str(int(timeout * 1000))}
-        if peek.stream:
+        if not self.nc.is_connected:  # fail fast: buffered until the broker is back, it may be lost
+            raise ZMLConnectionError("the gateway has lost its broker connection; retry", retry_after=1.0)
+        if req.stream:
             await self._infer_stream(body, headers, request_id, timeout, receive, send, limits)
             return
         # Watch for the client going away while the request runs: then cancel it on the node.
         request = asyncio.ensure_future(self.nc.request(subjects.INFER, body, timeout=timeout + 1.0, headers=headers))
         watch = asyncio.ensure_future(receive())
-        done, _ = await asyncio.wait((request, watch), return_when=asyncio.FIRST_COMPLETED)
+        # A reply sent while the broker was away is lost: do not wait the whole timeout for it.
+        blink = asyncio.ensure_future(link_of(self.nc).reconnected(link_of(self.nc).generation))
+        done, _ = await asyncio.wait((request, watch, blink), return_when=asyncio.FIRST_COMPLETED)
+        blink.cancel()
         if request not in done:
             request.cancel()
             await self.nc.publish(subjects.cancel(request_id), b"")
+            if blink in done:
+                watch.cancel()
+                raise _broker_lost()
             return
         watch.cancel()
         try:
@@ -274,22 +320,37 @@ class Gateway:
         self, body: bytes, headers: dict[str, str], request_id: str, timeout: float, receive: Receive, send: Send,
         limits: list[tuple[bytes, bytes]],
     ) -> None:
-        queue: asyncio.Queue[Any] = asyncio.Queue()
+        queue: asyncio.Queue[Any] = asyncio.Queue(self.cfg.gateway.stream_buffer)
+        overflow: list[bool] = []
 
         async def on_msg(msg: Any) -> None:
-            queue.put_nowait(msg)
+            try:
+                queue.put_nowait(msg)
+            except asyncio.QueueFull:  # the HTTP client reads slower than the node writes
+                overflow.append(True)
 
         inbox = self.nc.new_inbox()
         sub = await self.nc.subscribe(inbox, cb=on_msg)
         watch = asyncio.ensure_future(receive())
+        blink = asyncio.ensure_future(link_of(self.nc).reconnected(link_of(self.nc).generation))
         started = False
+        seq = SeqCheck()  # a lost message ends the stream with an error, never silently short
         deadline = time.monotonic() + timeout + 1.0
         try:
             await self.nc.publish(subjects.INFER, body, reply=inbox, headers=headers)
             while True:
                 get = asyncio.ensure_future(queue.get())
                 remaining = deadline - time.monotonic()
-                done, _ = await asyncio.wait((get, watch), timeout=max(remaining, 0), return_when=asyncio.FIRST_COMPLETED)
+                done, _ = await asyncio.wait((get, watch, blink), timeout=max(remaining, 0),
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if blink in done and get not in done:  # chunks sent while the broker was away are lost
+                    get.cancel()
+                    await self.nc.publish(subjects.cancel(request_id), b"")
+                    if started:
+                        await self._sse_error(send, StreamInterruptedError(
+                            "the broker connection was lost mid-stream; the stream is incomplete").to_body())
+                        return
+                    raise _broker_lost()
                 if watch in done:  # client went away
                     get.cancel()
                     await self.nc.publish(subjects.cancel(request_id), b"")
@@ -303,8 +364,24 @@ class Gateway:
                         return
                     raise exc
                 msg = get.result()
+                if overflow:
+                    await self.nc.publish(subjects.cancel(request_id), b"")
+                    exc = BackendError(f"client read too slowly: more than {queue.maxsize} chunks waiting; "
+                                       "request cancelled")
+                    if started:
+                        await self._sse_error(send, exc.to_body())
+                        return
+                    raise exc
                 mh = msg.headers or {}
                 kind = mh.get(subjects.H_STREAM)
+                gap = seq.gap(mh.get(subjects.H_SEQ)) if kind in _SEQUENCED else None
+                if gap is not None:
+                    await self.nc.publish(subjects.cancel(request_id), b"")
+                    lost = StreamInterruptedError(f"{gap}; the stream is incomplete")
+                    if not started:
+                        raise lost
+                    await self._sse_error(send, lost.to_body())
+                    return
                 if kind == subjects.STREAM_CHUNK:
                     await send({"type": "http.response.body", "body": b"data: " + msg.data + b"\n\n", "more_body": True})
                 elif kind == "start":
@@ -327,6 +404,7 @@ class Gateway:
                     return
         finally:
             watch.cancel()
+            blink.cancel()
             await sub.unsubscribe()
 
     async def _sse_error(self, send: Send, body: Any) -> None:
@@ -337,8 +415,10 @@ class Gateway:
         await send({"type": "http.response.start", "status": status, "headers": [_JSON, *(extra or [])]})
         await send({"type": "http.response.body", "body": _encode(payload)})
 
-    async def _error(self, send: Send, exc: ZMLError) -> None:
+    async def _error(self, send: Send, exc: ZMLError, scope: Scope | None = None) -> None:
         extra = []
+        if exc.http_status == 405 and scope is not None:
+            extra.append((b"allow", _ROUTES.get(scope["path"], "GET").encode()))
         if exc.retry_after is not None:
             extra.append((b"retry-after", str(max(1, round(exc.retry_after))).encode()))
         await self._plain(send, exc.http_status, exc.to_body(), extra)

@@ -10,11 +10,13 @@ import msgspec
 import uvicorn
 from nats.aio.client import Client as NATS
 
+from zmlcore import subjects
 from zmlcore.config import ZMLConfig
+from zmlcore.costs import CostTable
+from zmlcore.kvfollow import KVFollower
 from zmlcore.messages import NodeState, node_state_decoder
-from zmlcore.costs import CostTable, costs_kv
-from zmlcore.natsio import nodes_kv
 from zml_gateway.app import Gateway
+from zml_gateway.protocol import BoundedHttpTools
 
 log = logging.getLogger("zml.gateway")
 
@@ -37,12 +39,14 @@ class GatewayService:
         self._follow: asyncio.Task[None] | None = None
 
     async def start(self, nc: NATS) -> None:
-        kv = await nodes_kv(nc.jetstream())
-        self._follow = asyncio.create_task(self._follow_nodes(kv))
-        self._follow_costs = asyncio.create_task(self.costs.follow(await costs_kv(nc)))
+        follower = KVFollower(nc, subjects.NODES_BUCKET, on_put=self._put_node, on_delete=self._delete_node)
+        self._follow = asyncio.create_task(follower.run())
+        self._follow_costs = asyncio.create_task(self.costs.follower(nc).run())
         app = Gateway(self.cfg, nc, self.nodes, self.costs)
+        g = self.cfg.gateway
+        protocol = BoundedHttpTools.with_limits(g.max_header_bytes, g.max_headers, g.header_timeout_s)
         config = uvicorn.Config(
-            app, host=self.host, port=self.port, http="httptools", loop="none", lifespan="off",
+            app, host=self.host, port=self.port, http=protocol, loop="none", lifespan="off",
             log_level="warning", access_log=False, timeout_keep_alive=30, backlog=2048,
         )
         self._server = _Server(config)
@@ -62,15 +66,11 @@ class GatewayService:
             if task is not None:
                 task.cancel()
 
-    async def _follow_nodes(self, kv) -> None:  # type: ignore[no-untyped-def]
-        watcher = await kv.watchall()
-        async for entry in watcher:
-            if entry is None:
-                continue
-            if entry.operation in ("DEL", "PURGE") or not entry.value:
-                self.nodes.pop(entry.key, None)
-                continue
-            try:
-                self.nodes[entry.key] = node_state_decoder.decode(entry.value)
-            except msgspec.DecodeError:
-                log.warning("bad node state for %s", entry.key)
+    def _put_node(self, key: str, value: bytes) -> None:
+        try:
+            self.nodes[key] = node_state_decoder.decode(value)
+        except msgspec.DecodeError:
+            log.warning("bad node state for %s", key)
+
+    def _delete_node(self, key: str) -> None:
+        self.nodes.pop(key, None)

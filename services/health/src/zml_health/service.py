@@ -97,7 +97,9 @@ class HealthService:
     async def start(self, nc: NATS) -> None:
         self.nc = nc
         js = nc.jetstream()
-        self.kv = await nodes_kv(js)
+        # A state put that is not acknowledged within about a poll is stale anyway; the next poll
+        # puts a fresh one (after a broker restart, a put sent before JetStream was back is lost).
+        self.kv = await nodes_kv(nc.jetstream(timeout=min(5.0, max(1.0, 2 * self.cfg.health.poll_interval_s))))
         self.registry = await ensure_kv(js, subjects.REGISTRY_BUCKET)
         self.http = httpx.AsyncClient(limits=httpx.Limits(max_connections=self.cfg.health.max_concurrent_probes))
         await self._load_registry()
@@ -290,7 +292,8 @@ class HealthService:
             prefill_tps=round(tr.speed.prefill_tps or prof.prefill_tps * scale, 3),
             decode_tps=round(tr.speed.decode_tps or prof.decode_tps * scale, 3),
             speeds_measured=tr.speed.prefill_tps is not None and tr.speed.decode_tps is not None,
-            health_score=health_score(error_rate, running, waiting, capacity) if status == "up" else 0.0,
+            health_score=tr.slowed(health_score(error_rate, running, waiting, capacity), now,
+                                   self.cfg.health.error_window_s) if status == "up" else 0.0,
             cost_per_hour=node.effective_cost,
             last_ok=tr.last_ok,
             updated_at=now,
@@ -302,7 +305,7 @@ class HealthService:
             driver_version=str(doc.get("driver_version") or ""),
             device_count=count if isinstance(count, int) else 0,
             memory_gib=float(total) if isinstance(total, (int, float)) else None,
-            note=check.note if check is not None else "",
+            note=tr.slow_note(now, self.cfg.health.error_window_s) or (check.note if check is not None else ""),
             source=self.sources.get(node.id, "config"),
             poll_interval_s=self.cfg.health.poll_interval_s,
         )
@@ -338,6 +341,9 @@ class HealthService:
         for node_id in ev.failed_nodes:
             if node_id != ev.node_id and (other := self.trackers.get(node_id)) is not None:
                 other.record_request(ts, False, True)
+        for node_id in ev.slow_nodes:
+            if (slow := self.trackers.get(node_id)) is not None:
+                slow.last_slow_at = max(slow.last_slow_at, ts)
 
     async def _on_warmup(self, msg: Msg) -> None:
         try:

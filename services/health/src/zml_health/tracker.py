@@ -57,6 +57,21 @@ class Tracker:
     history: deque[float] = field(default_factory=deque)
     #: Prefill/decode speeds measured from the engine's counters (vLLM), when it reports them.
     speed: SpeedMeter = field(default_factory=SpeedMeter)
+    #: Last time a router abandoned a request here for want of a first byte (completion
+    #: events' ``slow_nodes``): its probes may pass while inference hangs.
+    last_slow_at: float = 0.0
+
+    def slow_note(self, now: float, window: float) -> str:
+        if not self.last_slow_at or now - self.last_slow_at > window:
+            return ""
+        return f"slow: a router got no first byte in time {now - self.last_slow_at:.0f} s ago"
+
+    def slowed(self, score: float, now: float, window: float) -> float:
+        """A node found slow within the error window scores at most half (its probes pass
+        while inference hangs; the routers' error share only counts after MIN_EVENTS)."""
+        if self.last_slow_at and now - self.last_slow_at <= window:
+            return round(score / 2, 1)
+        return score
 
     def error_rate(self, now: float, window: float) -> float:
         self._trim(now, window)

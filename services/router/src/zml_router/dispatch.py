@@ -7,8 +7,9 @@ place, so the router's retry loop only sees :class:`Attempt` results.
 
 from __future__ import annotations
 
+import asyncio
 import enum
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 
 import httpx
@@ -20,6 +21,7 @@ class Failure(enum.Enum):
     NETWORK = "network"  # connect/read error, dropped connection: cooldown, retry elsewhere
     SERVER = "server"  # 5xx: cooldown, retry elsewhere
     OVERLOADED = "overloaded"  # vLLM 503 queue overflow, TGI 429: saturated, retry elsewhere
+    SLOW = "slow"  # no first byte within the attempt's deadline: cooldown, retry elsewhere
     NO_MODEL = "no_model"  # 404 for the model: the node does not have it, retry elsewhere
     CLIENT = "client"  # other 4xx: the request is at fault; no retry, no cooldown
 
@@ -30,6 +32,9 @@ class AttemptError(Exception):
     status: int
     detail: str
     retry_after: float | None = None
+    #: True when the caller had already received part of the answer (a stream broken after its
+    #: first token): the request cannot fail over, but the node is at fault all the same.
+    mid_stream: bool = False
 
 
 class NodeClient:
@@ -132,3 +137,34 @@ async def stream_sse(client: NodeClient, url: str, body: bytes, headers: dict[st
         raise AttemptError(Failure.NETWORK, 0, "stream ended without [DONE]")
     finally:
         await resp.aclose()
+
+
+async def within_first_byte(call: Awaitable[bytes], seconds: float | None) -> bytes:
+    """``call`` (a whole non-streamed reply) or AttemptError(SLOW) after ``seconds``."""
+    if seconds is None:
+        return await call
+    try:
+        async with asyncio.timeout(seconds):
+            return await call
+    except TimeoutError:  # ours only: the request's own deadline arrives as a cancellation
+        raise AttemptError(Failure.SLOW, 0, f"no reply within the first-byte deadline of {seconds:.1f} s") from None
+
+
+async def first_chunk_within(chunks: AsyncIterator[bytes], seconds: float | None) -> AsyncIterator[bytes]:
+    """The chunks of ``chunks``, the first one due within ``seconds`` (AttemptError SLOW)."""
+    try:
+        if seconds is not None:
+            try:
+                async with asyncio.timeout(seconds):
+                    first = await anext(chunks)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                raise AttemptError(Failure.SLOW, 0, f"no first token within {seconds:.1f} s") from None
+            yield first
+        async for chunk in chunks:
+            yield chunk
+    finally:
+        aclose = getattr(chunks, "aclose", None)
+        if aclose is not None:
+            await aclose()

@@ -5,10 +5,20 @@ publishes the request (with its reply inbox and deadline in headers) to ``zml.qu
 in the work-queue stream ``ZML_QUEUE`` instead of failing with QUEUE_FULL. Each model has one
 durable pull consumer shared by all router replicas with ``max_ack_pending = 1``: exactly one
 replica holds the head of a model's queue at a time, so requests leave in arrival order. The
-holder waits for capacity (local completions, peer deltas, state updates), then acks and
-dispatches. If it dies, JetStream redelivers the head to another replica after ``ack_wait``;
-the queue is on disk, so it survives router (and broker) restarts. A request whose deadline
-passes answers QUEUE_FULL.
+holder waits for capacity (local completions, peer deltas, state updates), then dispatches. If
+it dies while waiting, JetStream redelivers the head to another replica after ``ack_wait``; the
+queue is on disk, so it survives router (and broker) restarts. A request whose deadline passes
+answers QUEUE_FULL.
+
+Never dispatched twice: the head stays unacknowledged until a node has taken it (a node that
+refuses it at once hands it back to the holder, which keeps its place), so a holder dying
+between dispatch and ack would leave JetStream to redeliver an entry that is already running.
+Before dispatching, the holder therefore *claims* the entry: a create-only key (the entry's
+stream sequence) in the KV bucket ``zml_queue_claims``, which at most one replica can create.
+A replica that receives an entry already claimed acks and drops it (the request ran, or died
+with the replica running it: its caller gets a timeout, never a second answer). A refused
+dispatch deletes the claim, so the holder may claim again. No claim, no dispatch: if the
+bucket cannot be reached the head waits.
 """
 
 from __future__ import annotations
@@ -25,8 +35,12 @@ from nats.aio.client import Client as NATS
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StorageType, StreamConfig
+from nats.js.errors import KeyWrongLastSequenceError
+from nats.js.kv import KeyValue
 
 from zmlcore import subjects
+from zmlcore.link import link_of
+from zmlcore.natsio import ensure_kv
 from zmlcore.runner import cancel_and_wait
 
 log = logging.getLogger("zml.router.queue")
@@ -38,6 +52,8 @@ H_TOTAL_MS = "Zml-Total-Timeout-Ms"  # a re-queued request's original timeout
 H_QUEUED_HEADERS = (subjects.H_REQUEST_ID, subjects.H_TIMEOUT_MS)
 
 ACK_WAIT_S = 5.0
+#: Queued entries live at most this long (the stream's max_age), and so do their claims.
+MAX_AGE_S = 3600.0
 #: How long a "requests waiting" announcement holds unless renewed (the holder renews it).
 BUSY_TTL_S = 2.0
 
@@ -65,16 +81,22 @@ class QueuedMsg:
     placed: asyncio.Future[bool] | None = None
 
 
-# (queued message, deadline) -> True if it was dispatched, False if there is still no room.
-TryDispatch = Callable[[QueuedMsg, float], Awaitable[bool]]
+# queued message -> True if a node has room for it now.
+HasRoom = Callable[[QueuedMsg], bool]
+# (queued message, deadline) -> True once a node has taken it, False if it refused it at once.
+Dispatch = Callable[[QueuedMsg, float], Awaitable[bool]]
 Expire = Callable[[QueuedMsg, float], Awaitable[None]]
 
 
 class SaturationQueue:
-    def __init__(self, nc: NATS, try_dispatch: TryDispatch, expire: Expire, is_cancelled: Callable[[str], bool]) -> None:
+    def __init__(self, nc: NATS, has_room: HasRoom, dispatch: Dispatch, expire: Expire,
+                 is_cancelled: Callable[[str], bool], owner: str = "") -> None:
         self.nc = nc
         self.js: JetStreamContext = nc.jetstream()
-        self._try_dispatch = try_dispatch
+        self._has_room = has_room
+        self._dispatch = dispatch
+        self._owner = owner.encode() or b"router"
+        self.claims: KeyValue | None = None
         self._expire = expire
         self._is_cancelled = is_cancelled
         self._workers: dict[str, asyncio.Task[None]] = {}
@@ -85,18 +107,23 @@ class SaturationQueue:
         self.busy: dict[str, float] = {}
         self._busy_sub: object | None = None
 
-    async def start(self, models: list[str]) -> None:
+    async def _ensure_stream(self) -> None:
         cfg = StreamConfig(
             name=subjects.QUEUE_STREAM,
             subjects=[f"{subjects.QUEUE_SUBJECT_PREFIX}.>"],
             retention=RetentionPolicy.WORK_QUEUE,
             storage=StorageType.FILE,
-            max_age=3600.0,
+            max_age=MAX_AGE_S,
+            num_replicas=link_of(self.nc).replicas,
         )
         try:
             await self.js.add_stream(cfg)
         except Exception:  # exists (created by another replica): fine
             await self.js.stream_info(subjects.QUEUE_STREAM)
+
+    async def start(self, models: list[str]) -> None:
+        await self._ensure_stream()
+        self.claims = await self._claims_bucket()
         # Models in the config, plus any with a consumer already (a queue left by a restart).
         try:
             for info in await self.js.consumers_info(subjects.QUEUE_STREAM):
@@ -108,6 +135,34 @@ class SaturationQueue:
         for model in models:
             self._ensure_worker_key(model_key(model))
         self._busy_sub = await self.nc.subscribe(subjects.QUEUE_BUSY, cb=self._on_busy)
+
+    async def _claims_bucket(self) -> KeyValue:
+        return await ensure_kv(self.js, subjects.QUEUE_CLAIMS_BUCKET, ttl=MAX_AGE_S)
+
+    async def _claim(self, key: str) -> bool | None:
+        """True: ours to dispatch; False: claimed already (dispatched); None: bucket unreachable."""
+        if self.claims is None:
+            return None
+        try:
+            await self.claims.create(key, self._owner)
+            return True
+        except KeyWrongLastSequenceError:
+            return False
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.warning("queue claim %s failed; holding the entry", key, exc_info=True)
+            return None
+
+    async def _release(self, key: str) -> None:
+        if self.claims is None:
+            return
+        try:
+            await self.claims.delete(key)
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # the claim stays: the entry is dropped rather than risk running twice
+            log.warning("queue claim %s not released", key, exc_info=True)
 
     def has_waiting(self, model: str) -> bool:
         return self.busy.get(model_key(model), 0.0) > time.time()
@@ -152,17 +207,30 @@ class SaturationQueue:
             max_ack_pending=1,
             filter_subject=subjects.queue(key),
         )
+        link = link_of(self.nc)
         while True:
+            # (Re-)create the pull consumer: at start, and after every reconnect, since a broker
+            # restarted without its store (or a lost cluster server) no longer has it.
+            gen = link.generation
             try:
+                if gen:
+                    await self._ensure_stream()
                 psub = await self.js.pull_subscribe(subjects.queue(key), durable=durable,
                                                     stream=subjects.QUEUE_STREAM, config=config)
-                break
             except asyncio.CancelledError:
                 raise
             except Exception:
-                log.warning("queue consumer %s not ready; retrying", durable, exc_info=True)
-                await asyncio.sleep(1.0)
-        while True:
+                log.warning("queue consumer %s not ready; retrying", durable, exc_info=not gen)
+                await asyncio.sleep(0.5)
+                continue
+            await self._fetch_loop(key, psub, lambda: link.generation != gen)
+            try:
+                await psub.unsubscribe()
+            except Exception:  # connection gone
+                pass
+
+    async def _fetch_loop(self, key: str, psub, stale: Callable[[], bool]) -> None:  # type: ignore[no-untyped-def]
+        while not stale():
             try:
                 msgs = await psub.fetch(1, timeout=1.0)
             except (NatsTimeout, asyncio.TimeoutError):
@@ -171,8 +239,8 @@ class SaturationQueue:
                 continue
             except asyncio.CancelledError:
                 raise
-            except Exception:
-                log.warning("queue fetch failed on %s", key, exc_info=True)
+            except Exception as exc:
+                log.warning("queue fetch failed on %s: %s", key, exc)
                 await asyncio.sleep(0.5)
                 continue
             for jmsg in msgs:
@@ -183,6 +251,7 @@ class SaturationQueue:
         qmsg = QueuedMsg(subject=subjects.INFER, data=jmsg.data, reply=h.pop(H_REPLY, ""), headers=h)
         deadline = float(h.get(H_DEADLINE, "0") or 0)
         request_id = h.get(subjects.H_REQUEST_ID, "")
+        claim_key = f"{key_of(jmsg)}.{jmsg.metadata.sequence.stream}"
         last_progress = time.monotonic()
         while True:
             now = time.time()
@@ -194,9 +263,18 @@ class SaturationQueue:
                 await self._expire(qmsg, float(h.get(H_ENQUEUED, now)))
                 return
             self.capacity.clear()
-            if await self._try_dispatch(qmsg, deadline):
-                await jmsg.ack()
-                return
+            if self._has_room(qmsg):
+                claimed = await self._claim(claim_key)
+                if claimed is False:
+                    log.warning("queued request %s was dispatched by a replica that died before acking it; "
+                                "not dispatching it again", request_id or claim_key)
+                    await jmsg.ack()
+                    return
+                if claimed:
+                    if await self._dispatch(qmsg, deadline):
+                        await jmsg.ack()
+                        return
+                    await self._release(claim_key)  # refused before running: still to place
             # Hold the head; tell JetStream we are alive so it is not redelivered elsewhere, and
             # the other replicas that this model still has requests waiting.
             if time.monotonic() - last_progress > ACK_WAIT_S / 3:

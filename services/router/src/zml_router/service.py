@@ -40,10 +40,11 @@ from zmlcore.messages import (
     RoutingInfo,
     StreamStart,
     infer_request_decoder,
+    node_mark_decoder,
 )
-from zmlcore.costs import costs_kv
-from zmlcore.natsio import nodes_kv
+from zmlcore.kvfollow import KVFollower
 from zmlcore.runner import cancel_and_wait
+from zmlcore.validate import check_request_id, decode_request, request_timeout_s
 from zmlcore.policy import (
     Decision,
     ResolvedPolicy,
@@ -54,7 +55,18 @@ from zmlcore.policy import (
     resolve_policy,
 )
 from zmlcore.policy.resolve import builtin_policy
-from zml_router.dispatch import AttemptError, Failure, NodeClient, post_json, stream_sse
+from zml_router.cancels import CancelBook
+from zml_router.cooldowns import Marks
+from zml_router.dispatch import (
+    AttemptError,
+    Failure,
+    NodeClient,
+    first_chunk_within,
+    post_json,
+    stream_sse,
+    within_first_byte,
+)
+from zml_router.firstbyte import expected_s, first_byte_timeout
 from zml_router.queue import H_DEADLINE, H_ENQUEUED, H_TOTAL_MS, QueuedMsg, SaturationQueue
 from zml_router.table import NodeTable
 
@@ -92,7 +104,7 @@ class _Outcome:
     """What happened to one request, for its completion event."""
 
     __slots__ = ("model", "node_id", "family", "ok", "error_code", "node_error", "failed_nodes",
-                 "attempts", "info", "queued")
+                 "attempts", "info", "queued", "slow_nodes")
 
     def __init__(self) -> None:
         self.model = ""
@@ -102,6 +114,7 @@ class _Outcome:
         self.error_code = ""
         self.node_error = False
         self.failed_nodes: list[str] = []
+        self.slow_nodes: list[str] = []
         self.attempts = 0
         self.info: RoutingInfo | None = None
         self.queued = False  # parked in the saturation queue: its event comes when it is served
@@ -119,6 +132,7 @@ class RouterService:
         self.cfg = cfg
         self.router_id = router_id or f"router-{_new_id()[:6]}"
         self.table = NodeTable()
+        self.marks = Marks(self.table, self.router_id)
         self.state = RoutingState()
         self.nc: NATS | None = None
         self.http: NodeClient | None = None
@@ -129,8 +143,8 @@ class RouterService:
         self._heartbeat: asyncio.Task[None] | None = None
         self._follow_costs: asyncio.Task[None] | None = None
         self._api_keys = {n.id: n.api_key for n in cfg.nodes if n.api_key}
-        #: Cancelled request ids not held here (they may be waiting in the queue).
-        self._cancelled: dict[str, float] = {}
+        #: Cancelled request ids not held here (not arrived yet, or waiting in the queue).
+        self._cancelled = CancelBook()
         self.queue: SaturationQueue | None = None
         self._default_timeout = cfg.defaults.request_timeout_s
 
@@ -141,18 +155,20 @@ class RouterService:
         if self.cfg.router.stale_after_s < 2 * self.cfg.health.poll_interval_s:
             log.warning("[router] stale_after_s (%g s) is under two health polls (%g s each): nodes will "
                         "flap to stale between polls", self.cfg.router.stale_after_s, self.cfg.health.poll_interval_s)
-        kv = await nodes_kv(nc.jetstream())
-        self._follow = asyncio.create_task(self.table.follow(kv))
-        self._follow_costs = asyncio.create_task(self.table.costs.follow(await costs_kv(nc)))
-        try:  # a snapshot before taking traffic; an empty bucket has nothing to wait for
-            await asyncio.wait_for(self.table.ready.wait(), 2.0)
-        except asyncio.TimeoutError:
-            pass
-        self.queue = SaturationQueue(nc, self._try_queued, self._expire_queued, self._cancelled.__contains__)
+        # Followers re-create their watch (and re-read the snapshot) after every reconnect.
+        self.nodes_follower = KVFollower(nc, subjects.NODES_BUCKET, on_put=self.table.put_raw,
+                                         on_delete=self.table.delete_raw)
+        self._follow = asyncio.create_task(self.nodes_follower.run())
+        self._follow_costs = asyncio.create_task(self.table.costs.follower(nc).run())
+        # A snapshot before taking traffic; an empty bucket has nothing to wait for.
+        await self.nodes_follower.wait_ready(2.0)
+        self.queue = SaturationQueue(nc, self._room_for_queued, self._dispatch_queued, self._expire_queued,
+                                     lambda rid: self._cancelled.seen(rid, time.time()), owner=self.router_id)
         self.table.on_change = self.queue.capacity.set
         await self.queue.start(sorted(self.cfg.model_names()))
         self._subs.append(await nc.subscribe(subjects.INFLIGHT, cb=self._on_delta))
         self._subs.append(await nc.subscribe(subjects.INFLIGHT_SNAPSHOT, cb=self._on_snapshot))
+        self._subs.append(await nc.subscribe(subjects.NODE_MARKS, cb=self._on_mark))
         self._heartbeat = asyncio.create_task(self._publish_snapshots())
         self._subs.append(await nc.subscribe(subjects.cancel("*"), cb=self._on_cancel))
         self._subs.append(await nc.subscribe(subjects.router_state(self.router_id), cb=self._on_state))
@@ -202,6 +218,15 @@ class RouterService:
         if snap.router_id != self.router_id:
             self.table.apply_snapshot(snap, time.time())
 
+    async def _on_mark(self, msg: Msg) -> None:
+        try:
+            mark = node_mark_decoder.decode(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return
+        if self.marks.apply_peer(mark, time.time()):
+            log.info("%s marked %s %s for %.1f s (%s)", mark.router_id, mark.node_id, mark.kind, mark.for_s,
+                     mark.reason)
+
     async def _publish_snapshots(self) -> None:
         while True:
             await asyncio.sleep(SNAPSHOT_EVERY_S)
@@ -218,11 +243,8 @@ class RouterService:
         if task is not None:
             task.cancel()
             return
-        # Maybe waiting in the saturation queue: remember it (bounded) so it is dropped there.
-        self._cancelled[request_id] = time.time()
-        if len(self._cancelled) > 10_000:
-            for key in list(self._cancelled)[:5_000]:
-                del self._cancelled[key]
+        # Not arrived yet, or waiting in the saturation queue: remember it (bounded, expiring).
+        self._cancelled.add(request_id, time.time())
 
     async def _on_state(self, msg: Msg) -> None:
         now = time.time()
@@ -237,6 +259,7 @@ class RouterService:
                 "saturated_s": round(max(0.0, v.saturated_until - now), 3),
                 "state_age_s": round(now - v.state.updated_at, 3),
                 "cost_per_hour": v.state.cost_per_hour,
+                **self.marks.describe(v.node_id, now),
             }
             for v in self.table.nodes()
         }
@@ -246,23 +269,22 @@ class RouterService:
     async def _handle(self, msg: Msg | QueuedMsg) -> None:
         t0 = time.monotonic()
         headers = msg.headers or {}
-        request_id = headers.get(subjects.H_REQUEST_ID, "")
+        asked_id = headers.get(subjects.H_REQUEST_ID, "")
+        request_id = ""  # set once validated: it goes into subjects, headers and logs
         stream = False
         out = _Outcome()
         try:
-            try:
-                req = infer_request_decoder.decode(msg.data)
-            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-                raise BadRequestError(f"invalid request: {exc}") from exc
-            if (req.messages is None) == (req.prompt is None):
-                raise BadRequestError("give exactly one of `messages` or `prompt`")
+            req = decode_request(msg.data, max_depth=self.cfg.defaults.max_json_depth)
             stream = req.stream
-            request_id = request_id or req.request_id or _new_id()
-            timeout = self._timeout(req, headers)
+            request_id = check_request_id(asked_id or req.request_id or _new_id())
+            timeout = request_timeout_s(req.timeout_ms, headers.get(subjects.H_TIMEOUT_MS),
+                                        self._default_timeout, self.cfg.defaults.max_request_timeout_s)
             task = asyncio.current_task()
             assert task is not None
             self._by_request[request_id] = task
             try:
+                if self._cancelled.take(request_id, time.time()):  # the cancel overtook the request
+                    raise asyncio.CancelledError
                 async with asyncio.timeout(timeout):
                     await self._route(msg, req, request_id, t0, timeout, out)
             except asyncio.TimeoutError as exc:
@@ -283,15 +305,6 @@ class RouterService:
             await self._reply_error(msg, ZMLError(f"internal error: {type(exc).__name__}"), stream)
         if out.model and not out.queued:
             await self._completed(out, request_id, t0)
-
-    def _timeout(self, req: InferRequest, headers: dict[str, str]) -> float:
-        ms = req.timeout_ms
-        if subjects.H_TIMEOUT_MS in headers:
-            try:
-                ms = int(headers[subjects.H_TIMEOUT_MS])
-            except ValueError:
-                raise BadRequestError(f"{subjects.H_TIMEOUT_MS} must be an integer") from None
-        return ms / 1000.0 if ms else self._default_timeout
 
     def _prepare(self, req: InferRequest, raw: bytes) -> tuple[str, ResolvedPolicy, RouteRequest]:
         model = self.cfg.resolve_model(req.model)
@@ -351,21 +364,27 @@ class RouterService:
             out.info = info
             served = self.table.views[decision.node_id].state.served_names.get(model)
             node_body = self._backend_body(msg.data, served, req.model) if served else body
+            first_byte = self._first_byte_s(decision.node_id, req, rr)
             try:
                 if req.stream:
-                    await self._dispatch_stream(msg, req, node_body, info, t0)
+                    await self._dispatch_stream(msg, req, node_body, info, t0, first_byte)
                 else:
-                    await self._dispatch_once(msg, req, node_body, info, t0)
+                    await self._dispatch_once(msg, req, node_body, info, t0, first_byte)
                 out.ok = True
                 return
             except AttemptError as err:
                 last = err
-                out.node_error = err.failure in (Failure.NETWORK, Failure.SERVER)
+                out.node_error = err.failure in (Failure.NETWORK, Failure.SERVER, Failure.SLOW)
                 if out.node_error:
                     out.failed_nodes.append(decision.node_id)
+                if err.failure is Failure.SLOW:
+                    out.slow_nodes.append(decision.node_id)
                 if err.failure is Failure.CLIENT:
                     raise BadRequestError(f"node {decision.node_id} rejected the request: {err.detail}") from None
-                self._penalise(decision, err)
+                await self._penalise(decision, err)
+                if err.mid_stream:  # part of the answer is out: no invisible failover now
+                    raise BackendError(f"node {decision.node_id} failed mid-stream: {err.failure.value} {err.detail}",
+                                       retry_after=1.0) from None
                 excluded.add(decision.node_id)
                 log.info("attempt %d on %s failed (%s %s); re-routing", attempt, decision.node_id,
                          err.failure.value, err.status)
@@ -402,7 +421,7 @@ class RouterService:
             node_error=node_error, failed_nodes=failed, ts=time.time(),
             ttft_s=info.time_to_first_token if info is not None and out.ok else None,
             latency_s=time.monotonic() - t0, attempts=out.attempts, router_id=self.router_id,
-            request_id=request_id,
+            request_id=request_id, slow_nodes=out.slow_nodes,
         )
         try:
             await self.nc.publish(_EVENT_COMPLETED, completed_encoder.encode(ev))
@@ -480,8 +499,8 @@ class RouterService:
         await self.queue.enqueue(model, msg.data, msg.reply, headers, deadline)
         log.info("request %s queued for %s (up to %.0f ms)", request_id, model, wait_s * 1000)
 
-    async def _try_queued(self, qmsg: QueuedMsg, deadline: float) -> bool:
-        """Dispatch the head of a model's queue if a node has room now."""
+    def _room_for_queued(self, qmsg: QueuedMsg) -> bool:
+        """Has a node room for the head of a model's queue now?"""
         try:
             req = infer_request_decoder.decode(qmsg.data)
             model, policy, rr = self._prepare(req, qmsg.data)
@@ -490,13 +509,18 @@ class RouterService:
             return False
         except (ZMLError, msgspec.DecodeError, msgspec.ValidationError):
             pass  # not a capacity question: the normal path answers it
+        return True
+
+    async def _dispatch_queued(self, qmsg: QueuedMsg, deadline: float) -> bool:
+        """Dispatch the (claimed) head of a model's queue; False if a node refused it at once."""
         # The request's timeout counts from when it first arrived, not from now.
         enqueued = float(qmsg.headers.get(H_ENQUEUED, time.time()))
         total_ms = int(qmsg.headers.get(subjects.H_TIMEOUT_MS, "0") or 0) or int(self._default_timeout * 1000)
         left_ms = max(1, total_ms - int((time.time() - enqueued) * 1000))
         headers = {**qmsg.headers, subjects.H_TIMEOUT_MS: str(left_ms), H_TOTAL_MS: str(total_ms)}
         # The head stays unacknowledged (in JetStream) until a node has taken the request: an
-        # immediate overload answer hands it back here, and a router dying meanwhile loses nothing.
+        # immediate overload answer hands it back here. Its claim (queue.py) keeps a replica
+        # that gets it redelivered after we die from running it a second time.
         placed: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         task = asyncio.create_task(self._handle(QueuedMsg(qmsg.subject, qmsg.data, qmsg.reply, headers, placed)))
         self._tasks.add(task)
@@ -521,17 +545,32 @@ class RouterService:
         )
         await self._reply_error(qmsg, exc, stream)
 
-    def _penalise(self, decision: Decision, err: AttemptError) -> None:
-        view = self.table.views.get(decision.node_id)
-        if view is None:
-            return
-        now = time.time()
+    async def _penalise(self, decision: Decision, err: AttemptError) -> None:
+        """Skip a node that failed or refused, here and (over NATS) on every replica."""
         rc = self.cfg.router
+        reason = "mid_stream" if err.mid_stream else err.failure.value
         if err.failure is Failure.OVERLOADED:
             # "Retry-After: 0" from an overloaded node would mean "hammer me": use the default.
-            view.saturated_until = now + (err.retry_after or rc.saturated_s)
-        elif err.failure in (Failure.NETWORK, Failure.SERVER):
-            view.cooldown_until = now + (err.retry_after if err.retry_after is not None else rc.cooldown_s)
+            kind, for_s = "saturated", err.retry_after or rc.saturated_s
+        elif err.failure in (Failure.NETWORK, Failure.SERVER, Failure.SLOW):
+            kind, for_s = "cooldown", err.retry_after if err.retry_after is not None else rc.cooldown_s
+        else:
+            return
+        mark = self.marks.mark(decision.node_id, kind, for_s, reason, time.time())
+        if mark is not None and self.nc is not None:
+            try:
+                await self.nc.publish(subjects.NODE_MARKS, _encode(mark))
+            except Exception:  # a peer learning late is no reason to fail the request
+                log.debug("node mark not published", exc_info=True)
+
+    def _first_byte_s(self, node_id: str, req: InferRequest, rr: RouteRequest) -> float | None:
+        """The attempt's first-byte deadline (none for a pinned request: it cannot move)."""
+        view = self.table.views.get(node_id)
+        if view is None or req.accelerator_id is not None:
+            return None
+        rc = self.cfg.router
+        expected = expected_s(view.state, view.outstanding, view.pending, rr.prompt_tokens, rr.max_tokens, req.stream)
+        return first_byte_timeout(expected, rc.first_byte_floor_s, rc.first_byte_factor)
 
     def _backend_body(self, raw: bytes, model: str, asked: str) -> bytes:
         if model == asked and not any(k in raw for k in _ZML_KEYS_BYTES):
@@ -572,22 +611,27 @@ class RouterService:
             # publish() only appends to the client's buffer; its flusher sends batches.
             await self.nc.publish(subjects.INFLIGHT, _encode(delta))
 
-    async def _dispatch_once(self, msg: Msg | QueuedMsg, req: InferRequest, body: bytes, info: RoutingInfo, t0: float) -> None:
+    async def _dispatch_once(self, msg: Msg | QueuedMsg, req: InferRequest, body: bytes, info: RoutingInfo, t0: float,
+                             first_byte: float | None = None) -> None:
         # A non-streamed reply shows no first token: pending ends with the request.
         await self._count(info.node_id, 1, 1)
         try:
-            raw = await post_json(self.http, self._url(info, req), body, self._backend_headers(info))  # type: ignore[arg-type]
+            raw = await within_first_byte(
+                post_json(self.http, self._url(info, req), body, self._backend_headers(info)), first_byte)  # type: ignore[arg-type]
         finally:
             await self._count(info.node_id, -1, -1)
         info.time_to_first_token = time.monotonic() - t0
         await self._publish(msg.reply, _with_routing(raw, info), self._routing_headers(info))
 
-    async def _dispatch_stream(self, msg: Msg | QueuedMsg, req: InferRequest, body: bytes, info: RoutingInfo, t0: float) -> None:
+    async def _dispatch_stream(self, msg: Msg | QueuedMsg, req: InferRequest, body: bytes, info: RoutingInfo, t0: float,
+                               first_byte: float | None = None) -> None:
         await self._count(info.node_id, 1, 1)
         pending = 1
         started = False
+        seq = 0
+        chunks = stream_sse(self.http, self._url(info, req), body, self._backend_headers(info))  # type: ignore[arg-type]
         try:
-            async for chunk in stream_sse(self.http, self._url(info, req), body, self._backend_headers(info)):  # type: ignore[arg-type]
+            async for chunk in first_chunk_within(chunks, first_byte):
                 if not started:
                     started = True
                     pending = 0
@@ -596,7 +640,7 @@ class RouterService:
                     await self._count(info.node_id, 0, -1)
                     info.time_to_first_token = time.monotonic() - t0
                     await self._publish(msg.reply, _encode(StreamStart(routing=info)),
-                                        {**self._routing_headers(info), subjects.H_STREAM: "start"})
+                                        {**self._routing_headers(info), subjects.H_STREAM: "start", subjects.H_SEQ: "0"})
                 if b'"usage"' in chunk:
                     try:
                         usage = _decode_any.decode(chunk).get("usage")
@@ -604,16 +648,19 @@ class RouterService:
                             info.total_tokens = usage["total_tokens"]
                     except msgspec.DecodeError:
                         pass
-                await self._publish(msg.reply, chunk, {subjects.H_STREAM: subjects.STREAM_CHUNK})
+                seq += 1  # numbered so that a receiver notices a lost message (zmlcore.streamseq)
+                await self._publish(msg.reply, chunk, {subjects.H_STREAM: subjects.STREAM_CHUNK, subjects.H_SEQ: str(seq)})
             if not started:  # a stream with no chunk at all
                 info.time_to_first_token = time.monotonic() - t0
                 await self._publish(msg.reply, _encode(StreamStart(routing=info)),
-                                    {**self._routing_headers(info), subjects.H_STREAM: "start"})
-            await self._publish(msg.reply, _encode(StreamStart(routing=info)), {subjects.H_STREAM: subjects.STREAM_END})
+                                    {**self._routing_headers(info), subjects.H_STREAM: "start", subjects.H_SEQ: "0"})
+            await self._publish(msg.reply, _encode(StreamStart(routing=info)),
+                                {subjects.H_STREAM: subjects.STREAM_END, subjects.H_SEQ: str(seq + 1)})
         except AttemptError as err:
-            if not started:
-                raise  # before the first token: re-dispatched invisibly by _route
-            raise BackendError(f"node {info.node_id} failed mid-stream: {err.failure.value} {err.detail}") from None
+            # Before the first token _route re-dispatches invisibly; after it, it cools the node
+            # and ends the stream with an error.
+            err.mid_stream = started
+            raise
         finally:
             await self._count(info.node_id, -1, -pending)
 

@@ -10,20 +10,16 @@ falls silent (killed) stops counting after ``PEER_TTL_S``. A node's ``outstandin
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable
 
 import msgspec
-from nats.js.kv import KeyValue
-
 from zmlcore.costs import CostTable
 from zmlcore.messages import InflightDelta, InflightSnapshot, NodeState, node_state_decoder
 from zmlcore.policy import NodeView
 
 log = logging.getLogger("zml.router.table")
 
-_KV_DELETE = ("DEL", "PURGE")
 PEER_TTL_S = 3.0
 
 
@@ -32,7 +28,6 @@ class NodeTable:
         self.views: dict[str, NodeView] = {}
         # Cached list for choose_node; rebuilt only when membership changes.
         self._list: list[NodeView] | None = None
-        self.ready = asyncio.Event()
         #: Called after every state update (the saturation queue re-checks capacity).
         self.on_change: Callable[[], None] | None = None
         #: node id -> [outstanding, pending] dispatched by this replica.
@@ -117,27 +112,17 @@ class NodeTable:
                 self._refresh(node_id)
         return gone
 
-    async def follow(self, kv: KeyValue) -> None:
-        """Apply every KV update forever (snapshot first: a late router still sees all)."""
-        watcher = await kv.watchall()
+    # --- the node bucket (fed by zmlcore.kvfollow.KVFollower) -------------------------------
+    def put_raw(self, key: str, value: bytes) -> None:
         try:
-            async for entry in watcher:
-                if entry is None:  # initial snapshot delivered
-                    self.ready.set()
-                    continue
-                if entry.operation in _KV_DELETE or not entry.value:
-                    self.remove(entry.key)
-                    continue
-                try:
-                    self.upsert(node_state_decoder.decode(entry.value))
-                except msgspec.DecodeError as exc:
-                    log.warning("bad node state for %s: %s", entry.key, exc)
-                if self.on_change is not None:
-                    self.on_change()
-                if entry.delta == 0:
-                    self.ready.set()
-        finally:
-            try:
-                await watcher.stop()
-            except Exception:
-                pass
+            self.upsert(node_state_decoder.decode(value))
+        except msgspec.DecodeError as exc:
+            log.warning("bad node state for %s: %s", key, exc)
+            return
+        if self.on_change is not None:
+            self.on_change()
+
+    def delete_raw(self, key: str) -> None:
+        self.remove(key)
+        if self.on_change is not None:
+            self.on_change()

@@ -20,7 +20,6 @@ import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
-from nats.js.kv import KeyValue
 
 from zmlcore import subjects
 from zmlcore.accelerators import ACCELERATORS, canonical_family
@@ -29,7 +28,7 @@ from zmlcore.errors import BadRequestError, ZMLError
 from zmlcore.messages import NodeState, ServeReply, ServeTarget, WarmupEvent, node_state_decoder
 from zmlcore.messages.admin import registry_entry_decoder
 from zmlcore.messages.warmup import completed_decoder, serve_request_decoder
-from zmlcore.natsio import ensure_kv, nodes_kv
+from zmlcore.kvfollow import KVFollower
 from zmlcore.runner import cancel_and_wait
 from zml_warmup import loader
 from zml_warmup.planner import Load, Want, keep_warm_due, plan_loads
@@ -38,7 +37,6 @@ from zml_warmup.rate import QuietDetector, RateTracker, metrics_rate
 log = logging.getLogger("zml.warmup")
 
 _encode = msgspec.json.encode
-_KV_DELETE = ("DEL", "PURGE")
 #: A failed load is not retried for this long.
 FAILURE_BACKOFF_S = 60.0
 
@@ -74,17 +72,14 @@ class WarmupService:
     # --- lifecycle -------------------------------------------------------------------------
     async def start(self, nc: NATS) -> None:
         self.nc = nc
-        js = nc.jetstream()
         self.http = httpx.AsyncClient()
-        nodes = await nodes_kv(js)
-        registry = await ensure_kv(js, subjects.REGISTRY_BUCKET)
-        ready = asyncio.Event()
-        self._tasks.append(asyncio.create_task(self._follow_nodes(nodes, ready)))
-        self._tasks.append(asyncio.create_task(self._follow_registry(registry)))
-        try:
-            await asyncio.wait_for(ready.wait(), 2.0)
-        except asyncio.TimeoutError:
-            pass
+        # Followers re-create their watch (and re-read the snapshot) after every reconnect.
+        nodes = KVFollower(nc, subjects.NODES_BUCKET, on_put=self._put_node, on_delete=self._delete_node)
+        registry = KVFollower(nc, subjects.REGISTRY_BUCKET, on_put=self._put_registry,
+                              on_delete=self._delete_registry)
+        self._tasks.append(asyncio.create_task(nodes.run()))
+        self._tasks.append(asyncio.create_task(registry.run()))
+        await nodes.wait_ready(2.0)
         self._subs.append(await nc.subscribe(subjects.event(subjects.EVENT_COMPLETED), cb=self._on_completed))
         self._subs.append(await nc.subscribe(subjects.WARMUP_SERVE, cb=self._on_serve))
         self._tasks.append(asyncio.create_task(self._sweep_forever()))
@@ -99,47 +94,36 @@ class WarmupService:
         if self.http:
             await self.http.aclose()
 
-    async def _follow_nodes(self, kv: KeyValue, ready: asyncio.Event) -> None:
-        watcher = await kv.watchall()
-        async for entry in watcher:
-            if entry is None:
-                ready.set()
-                continue
-            if entry.operation in _KV_DELETE or not entry.value:
-                self.states.pop(entry.key, None)
-            else:
-                try:
-                    st = node_state_decoder.decode(entry.value)
-                except msgspec.DecodeError:
-                    continue
-                self.states[entry.key] = st
-                self._check_progress(st)
-            if entry.delta == 0:
-                ready.set()
+    def _put_node(self, key: str, value: bytes) -> None:
+        try:
+            st = node_state_decoder.decode(value)
+        except msgspec.DecodeError:
+            return
+        self.states[key] = st
+        self._check_progress(st)
 
-    async def _follow_registry(self, kv: KeyValue) -> None:
-        watcher = await kv.watchall()
-        async for entry in watcher:
-            if entry is None:
-                continue
-            if entry.operation in _KV_DELETE or not entry.value:
-                self.registry_wants.pop(entry.key, None)
-                self.removed.discard(entry.key)
-                continue
-            try:
-                reg = registry_entry_decoder.decode(entry.value)
-            except msgspec.DecodeError:
-                continue
-            if reg.removed or reg.node is None:
-                self.removed.add(entry.key)
-                self.registry_wants.pop(entry.key, None)
-            else:
-                n = reg.node
-                self.removed.discard(entry.key)
-                fam = n.family or (self.states[n.id].family if n.id in self.states else "")
-                fam = fam or (ACCELERATORS[n.accelerator].family if n.accelerator in ACCELERATORS else "")
-                self.registry_wants[n.id] = Want(n.id, n.accelerator, fam, tuple(n.models))
-                self.endpoints[n.id] = (n.endpoint, n.backend, None)
+    def _delete_node(self, key: str) -> None:
+        self.states.pop(key, None)
+
+    def _delete_registry(self, key: str) -> None:
+        self.registry_wants.pop(key, None)
+        self.removed.discard(key)
+
+    def _put_registry(self, key: str, value: bytes) -> None:
+        try:
+            reg = registry_entry_decoder.decode(value)
+        except msgspec.DecodeError:
+            return
+        if reg.removed or reg.node is None:
+            self.removed.add(key)
+            self.registry_wants.pop(key, None)
+        else:
+            n = reg.node
+            self.removed.discard(key)
+            fam = n.family or (self.states[n.id].family if n.id in self.states else "")
+            fam = fam or (ACCELERATORS[n.accelerator].family if n.accelerator in ACCELERATORS else "")
+            self.registry_wants[n.id] = Want(n.id, n.accelerator, fam, tuple(n.models))
+            self.endpoints[n.id] = (n.endpoint, n.backend, None)
 
     def wants(self) -> list[Want]:
         merged = {**self.config_wants, **self.registry_wants}

@@ -12,7 +12,15 @@ from zmlcore.messages.infer import (
     routing_info_decoder,
 )
 from zmlcore.messages.admin import NodeAdd, NodeAdded, NodeRemove, NodeRemoved, NodeSpec, RegistryEntry
-from zmlcore.messages.node import InflightDelta, InflightSnapshot, NodeState, NodeStatus, node_state_decoder
+from zmlcore.messages.node import (
+    InflightDelta,
+    InflightSnapshot,
+    NodeMark,
+    NodeState,
+    NodeStatus,
+    node_mark_decoder,
+    node_state_decoder,
+)
 from zmlcore.messages.warmup import (
     RequestCompleted,
     ServeReply,
@@ -31,6 +39,7 @@ __all__ = [
     "InlinePolicy",
     "NodeAdd",
     "NodeAdded",
+    "NodeMark",
     "NodeRemove",
     "NodeRemoved",
     "NodeSpec",
@@ -46,6 +55,7 @@ __all__ = [
     "WarmupEvent",
     "cost_entry_decoder",
     "infer_request_decoder",
+    "node_mark_decoder",
     "node_state_decoder",
     "routing_info_decoder",
 ]

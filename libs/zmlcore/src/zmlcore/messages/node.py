@@ -1,4 +1,5 @@
-"""Node state (health -> routers, KV bucket ``zml_nodes``) and router in-flight deltas."""
+"""Node state (health -> routers, KV bucket ``zml_nodes``), router in-flight deltas and the
+replicas' shared cooldown/saturation marks."""
 
 from __future__ import annotations
 
@@ -92,4 +93,23 @@ class InflightSnapshot(msgspec.Struct, kw_only=True):
     nodes: dict[str, tuple[int, int]] = {}
 
 
+MarkKind = Literal["cooldown", "saturated"]
+
+
+class NodeMark(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """A router replica's verdict on a node, shared on ``zml.node.marks`` so that every
+    replica skips a node one of them has just seen fail (``cooldown``) or refuse work
+    (``saturated``). ``for_s`` is relative to receipt, so replicas need no shared clock."""
+
+    router_id: str
+    node_id: str
+    kind: MarkKind
+    #: Seconds the node is skipped from now.
+    for_s: float
+    #: Why: "network", "server", "slow" (no first byte in time), "mid_stream", "overloaded".
+    reason: str = ""
+    ts: float = 0.0
+
+
 node_state_decoder = msgspec.json.Decoder(NodeState)
+node_mark_decoder = msgspec.json.Decoder(NodeMark)

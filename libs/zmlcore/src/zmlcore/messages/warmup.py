@@ -49,6 +49,9 @@ class RequestCompleted(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=
     attempts: int = 1
     router_id: str = ""
     request_id: str = ""
+    #: Nodes abandoned for this request because no first byte came within the router's
+    #: per-attempt deadline (also in ``failed_nodes``/``node_id``): health marks them slow.
+    slow_nodes: list[str] = []
 
 
 WarmupPhase = Literal["started", "loaded", "failed", "probed"]

@@ -43,6 +43,9 @@ LISTEN_AFTER_LOAD = frozenset({"vllm", "tgi", "openai"})
 DEFAULT_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 #: Retry-After sent with an overload answer when the retry_after_s fault is unset.
 DEFAULT_RETRY_AFTER_S = 1
+#: Context window every simulated model advertises (vLLM's /v1/models ``max_model_len``) and
+#: enforces: prompt + max_tokens above it is a 400, as vLLM answers.
+MAX_MODEL_LEN = 8192
 
 _json = msgspec.json.Encoder()
 _decode = msgspec.json.Decoder()
@@ -362,7 +365,11 @@ class SimNode:
                 if isinstance(content, str):
                     parts.append(content)
                 elif isinstance(content, list):
-                    parts.extend(p.get("text", "") for p in content if isinstance(p, dict))
+                    for p in content:  # a part's text must be a string (it crashed the sim: 500)
+                        text = p.get("text", "") if isinstance(p, dict) else None
+                        if not isinstance(text, str):
+                            raise _BadRequest("Each content part must be an object whose 'text' is a string")
+                        parts.append(text)
             prompt_tokens = estimate_tokens("".join(parts))
         else:
             prompt = body.get("prompt")
@@ -380,6 +387,12 @@ class SimNode:
         if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
                                        or max_tokens < 1):
             raise _BadRequest("max_tokens must be an integer >= 1")
+        requested = prompt_tokens + (max_tokens or 0)
+        if prompt_tokens >= MAX_MODEL_LEN or requested > MAX_MODEL_LEN:  # vLLM's check and wording
+            raise _BadRequest(
+                f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, you requested "
+                f"{requested} tokens ({prompt_tokens} in the messages, {max_tokens or 0} in the completion). "
+                "Please reduce the length of the messages or completion.")
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise _BadRequest("Field 'model' must be a string")
@@ -520,7 +533,7 @@ class SimNode:
         owner = {"vllm": "vllm", "sglang": "sglang", "llamacpp": "llamacpp", "tgi": "tgi"}.get(
             self.engine_kind, "system")
         data = [{"id": m, "object": "model", "created": created, "owned_by": owner, "root": m,
-                 "parent": None, "max_model_len": 8192} for m in self.engine.models]
+                 "parent": None, "max_model_len": MAX_MODEL_LEN} for m in self.engine.models]
         return _json_response({"object": "list", "data": data})
 
     async def _health(self, request: web.Request) -> web.Response:
@@ -566,7 +579,7 @@ class SimNode:
             "model_id": next(iter(self.engine.models), None), "model_dtype": "torch.float16",
             "model_device_type": "cuda", "max_concurrent_requests": p.max_concurrency,
             "max_best_of": 2, "max_stop_sequences": 4, "max_input_tokens": 8191,
-            "max_total_tokens": 8192, "max_waiting_tokens": 20,
+            "max_total_tokens": MAX_MODEL_LEN, "max_waiting_tokens": 20,
             "max_client_batch_size": 4, "validation_workers": 2, "version": "3.3.0",
             "router": "text-generation-router",
         })
@@ -579,7 +592,7 @@ class SimNode:
         slots = []
         for i in range(eng.profile.max_concurrency):
             req = busy[i] if i < len(busy) else None
-            slots.append({"id": i, "id_task": req.id if req else -1, "n_ctx": 8192,
+            slots.append({"id": i, "id_task": req.id if req else -1, "n_ctx": MAX_MODEL_LEN,
                           "is_processing": req is not None,
                           "next_token": {"n_decoded": req.generated if req else 0,
                                          "n_remain": req.remaining if req else -1}})
@@ -588,7 +601,7 @@ class SimNode:
     async def _llamacpp_props(self, request: web.Request) -> web.Response:
         return _json_response({"total_slots": self.engine.profile.max_concurrency,
                                "model_path": next(iter(self.engine.models), None),
-                               "default_generation_settings": {"n_ctx": 8192}})
+                               "default_generation_settings": {"n_ctx": MAX_MODEL_LEN}})
 
     async def _node(self, request: web.Request) -> web.Response:
         return _json_response(self.probe())

@@ -1,0 +1,169 @@
+"""Follow a KV bucket for as long as the service runs: a snapshot, then every update and delete,
+surviving broker restarts, the loss of a cluster server and stalled watches.
+
+nats-py's KV watch is an ordered consumer: the server holds it in memory, so it dies with the
+broker (or with the cluster server that held it). nats-py only notices after two missed idle
+heartbeats (~10 s) and resumes at the next stream sequence, which after a broker that lost its
+state may not exist. Here the watch is re-created, with a fresh snapshot, as soon as the
+connection comes back, or when a periodic check finds its consumer gone. A key missing from the
+new snapshot was deleted meanwhile and is reported as deleted.
+
+    follower = KVFollower(nc, subjects.NODES_BUCKET, on_put=table.put_raw, on_delete=table.remove)
+    task = asyncio.create_task(follower.run())
+    await follower.wait_ready(2.0)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from nats.aio.client import Client as NATS
+from nats.js.errors import NotFoundError
+from nats.js.kv import KeyValue
+
+from zmlcore.link import link_of
+from zmlcore.natsio import ensure_kv
+
+log = logging.getLogger("zml.kvfollow")
+
+_DELETE_OPS = ("DEL", "PURGE")
+
+
+class KVFollower:
+    """Calls ``on_put(key, value)`` and ``on_delete(key)`` for the live contents of ``bucket``.
+
+    ``check_s``: how often the watch's consumer is checked while no reconnect is seen (a cluster
+    server that held it died, or the watch stalled); at most one JetStream API call each time.
+    """
+
+    def __init__(self, nc: NATS, bucket: str, *, on_put: Callable[[str, bytes], None],
+                 on_delete: Callable[[str], None], on_synced: Callable[[], None] | None = None,
+                 check_s: float = 1.0) -> None:
+        self.nc = nc
+        self.bucket = bucket
+        self.on_put = on_put
+        self.on_delete = on_delete
+        self.on_synced = on_synced
+        self.check_s = check_s
+        self.ready = asyncio.Event()
+        #: Keys currently live, as last delivered.
+        self.keys: set[str] = set()
+        #: How many times the watch was (re-)created; the time of the last snapshot (monotonic).
+        self.watches = 0
+        self.synced_at = 0.0
+        self._misses = 0
+
+    async def wait_ready(self, timeout: float) -> bool:
+        try:
+            await asyncio.wait_for(self.ready.wait(), timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    async def run(self) -> None:
+        link = link_of(self.nc)
+        backoff = 0.1
+        while not link.closed.is_set():
+            gen = link.generation
+            try:
+                kv = await ensure_kv(self.nc.jetstream(), self.bucket)
+                watcher = await kv.watchall()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # broker or JetStream not back yet
+                log.debug("watch on %s not ready: %s", self.bucket, exc)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+                continue
+            backoff = 0.1
+            self._misses = 0
+            self.watches += 1
+            try:
+                reason = await self._consume(watcher, kv, gen)
+            finally:
+                try:
+                    await watcher.stop()
+                except Exception:  # connection gone: nothing to unsubscribe
+                    pass
+            log.info("re-watching %s: %s", self.bucket, reason)
+
+    async def _consume(self, watcher: KeyValue.KeyWatcher, kv: KeyValue, gen: int) -> str:
+        """Apply entries until the watch must be re-created; returns why."""
+        link = link_of(self.nc)
+        seen: set[str] | None = set()  # keys of the snapshot being read; None once it is done
+        reconnect = asyncio.ensure_future(link.reconnected(gen))
+        nxt: asyncio.Future[object] | None = None
+        last_check = time.monotonic()
+        try:
+            while True:
+                if nxt is None:
+                    nxt = asyncio.ensure_future(watcher._updates.get())
+                done, _ = await asyncio.wait({nxt, reconnect}, timeout=self.check_s,
+                                             return_when=asyncio.FIRST_COMPLETED)
+                if nxt in done:
+                    entry = nxt.result()
+                    nxt = None
+                    if isinstance(entry, KeyValue.Entry):
+                        self._apply(entry, seen)
+                        if seen is not None and entry.delta == 0:
+                            seen = self._synced(seen)
+                    elif entry is None and seen is not None:  # end of the initial snapshot
+                        seen = self._synced(seen)
+                    elif entry is not None:  # stopped under us
+                        return "watch stopped"
+                    if time.monotonic() - last_check < self.check_s:
+                        continue
+                if reconnect.done():
+                    return "reconnected"
+                last_check = time.monotonic()
+                if not await self._alive(watcher):
+                    return "watch consumer lost"
+        finally:
+            for fut in (nxt, reconnect):
+                if fut is not None and not fut.done():
+                    fut.cancel()
+
+    def _apply(self, entry: KeyValue.Entry, seen: set[str] | None) -> None:
+        key = entry.key
+        if entry.operation in _DELETE_OPS or not entry.value:
+            if seen is not None:
+                seen.discard(key)
+            if key in self.keys:
+                self.keys.discard(key)
+                self.on_delete(key)
+            return
+        if seen is not None:
+            seen.add(key)
+        self.keys.add(key)
+        self.on_put(key, entry.value)
+
+    def _synced(self, seen: set[str]) -> None:
+        for key in self.keys - seen:  # deleted while we were not watching
+            self.keys.discard(key)
+            self.on_delete(key)
+        self.synced_at = time.monotonic()
+        self.ready.set()
+        if self.on_synced is not None:
+            self.on_synced()
+        return None
+
+    async def _alive(self, watcher: KeyValue.KeyWatcher) -> bool:
+        """False if the watch's consumer is gone, or two checks in a row got no answer (its
+        server died while ours lives on; a reconnect is handled without asking)."""
+        if not self.nc.is_connected:
+            return True  # the reconnect will re-create it
+        sub = watcher._sub
+        try:
+            await sub._js._jsm.consumer_info(sub._stream, sub._consumer, timeout=self.check_s)
+        except NotFoundError:
+            return False
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            self._misses += 1
+            return self._misses < 2
+        self._misses = 0
+        return True

@@ -1,0 +1,189 @@
+"""The front door under hostile input (issue 9): every bad input gets a 4xx with OpenAI's error
+body, over HTTP and raw NATS alike, and the services keep serving."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import nats
+import pytest
+
+from conftest import MODEL, Stack
+from zmlcore import subjects
+from zmlcore.launch import free_port, service_argv, spawn, wait_port
+
+CHAT = [{"role": "user", "content": "hi"}]
+OK = {"model": MODEL, "messages": CHAT, "max_tokens": 1}
+DEEP = b'{"model": "' + MODEL.encode() + b'", "prompt": "x", "junk": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+BAD_TEXT_PART = {"model": MODEL, "messages": [{"role": "user", "content": [{"type": "text", "text": {"a": 1}}]}]}
+
+
+@pytest.fixture()
+def http(zml_stack: Stack) -> Iterator[httpx.Client]:
+    with httpx.Client(base_url=zml_stack.gateway_url, timeout=30) as client:
+        yield client
+
+
+def _error(r: httpx.Response, status: int, code: str) -> dict[str, str]:
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert err["code"] == code and err["message"] and err["type"], err
+    return err
+
+
+def _served(http: httpx.Client) -> None:
+    r = http.post("/v1/chat/completions", json=OK)
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize(("body", "what"), [
+    (DEEP, "nested deeper"),
+    (json.dumps(BAD_TEXT_PART).encode(), "must be a string"),
+    (json.dumps({"model": MODEL, "prompt": "x", "request_id": "has space"}).encode(), "request_id"),
+    (json.dumps({"model": MODEL, "prompt": "x", "request_id": "a.b"}).encode(), "request_id"),
+    (json.dumps({"model": MODEL, "prompt": "x", "request_id": "x" * 600_000}).encode(), "request_id"),
+    (json.dumps({"model": MODEL, "prompt": "x", "timeout_ms": 10**9}).encode(), "cap"),
+    (json.dumps({"model": "m" * 600_000, "prompt": "x"}).encode(), "model name"),
+    (json.dumps({"model": MODEL, "messages": [{"role": "root", "content": "x"}]}).encode(), "role"),
+])
+def test_http_bad_input_is_a_400(http: httpx.Client, body: bytes, what: str) -> None:
+    err = _error(http.post("/v1/chat/completions", content=body), 400, "BAD_REQUEST")
+    assert what in err["message"] and len(err["message"]) < 500
+    _served(http)
+
+
+def test_bad_content_part_never_reaches_or_cools_a_node(http: httpx.Client, zml_stack: Stack) -> None:
+    before = {n: zml_stack.sim_state(n)["counters"] for n in zml_stack.node_ids}
+    for _ in range(5):
+        _error(http.post("/v1/chat/completions", json=BAD_TEXT_PART), 400, "BAD_REQUEST")
+    assert {n: zml_stack.sim_state(n)["counters"] for n in zml_stack.node_ids} == before
+    assert all(n["cooldown_s"] == 0 for n in http.get("/v1/nodes").json()["nodes"])
+    # The sim itself answers 400 (it crashed with a 500 before), as vLLM would.
+    node = zml_stack.node_ids[0]
+    r = httpx.post(zml_stack.sim_url(node) + "/v1/chat/completions", json=BAD_TEXT_PART, timeout=10)
+    assert r.status_code == 400, r.text
+
+
+def test_over_max_model_len_is_a_400(http: httpx.Client, zml_stack: Stack) -> None:
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 100_000}
+    err = _error(http.post("/v1/chat/completions", json=body), 400, "BAD_REQUEST")
+    assert "maximum context length" in err["message"]
+    node = zml_stack.node_ids[0]
+    r = httpx.post(zml_stack.sim_url(node) + "/v1/completions",
+                   json={"model": MODEL, "prompt": "word " * 40_000, "max_tokens": 1}, timeout=10)
+    assert r.status_code == 400 and "maximum context length" in r.json()["error"]["message"]
+    assert all(n["cooldown_s"] == 0 for n in http.get("/v1/nodes").json()["nodes"])
+
+
+def test_bodies_over_max_payload_are_413(http: httpx.Client) -> None:
+    # Between NATS's max_payload (1 MiB) and max_body_bytes (8 MiB): was a 500 MaxPayloadError.
+    big = json.dumps({"model": MODEL, "prompt": "x" * (2 * 1024 * 1024)}).encode()
+    _error(http.post("/v1/completions", content=big), 413, "REQUEST_TOO_LARGE")
+    huge = b"x" * (50 * 1024 * 1024)  # 50 MB: refused on its content-length, not read
+    _error(http.post("/v1/completions", content=huge), 413, "REQUEST_TOO_LARGE")
+    _served(http)
+
+
+def test_paths_and_methods(http: httpx.Client) -> None:
+    _error(http.post("/nope"), 404, "NOT_FOUND")
+    _error(http.get("/v1/nope"), 404, "NOT_FOUND")
+    err = _error(http.get("/v1/chat/completions"), 405, "METHOD_NOT_ALLOWED")
+    assert err["type"] == "invalid_request_error"
+    r = http.delete("/v1/models")
+    assert r.status_code == 405 and r.headers["allow"] == "GET"
+    long = http.post("/" + "p" * 5000)
+    assert long.status_code == 404 and len(long.json()["error"]["message"]) < 400
+
+
+def test_5xx_bodies_keep_openais_type(http: httpx.Client) -> None:
+    # A pinned node that does not exist is a 400; a timeout from the fleet is a 504 with its type.
+    r = http.post("/v1/chat/completions", json={**OK, "max_tokens": 4000, "timeout_ms": 50})
+    assert r.status_code == 504, r.text
+    assert r.json()["error"] == {**r.json()["error"], "type": "timeout_error", "code": "TIMEOUT"}
+
+
+def test_header_limits(http: httpx.Client) -> None:
+    _error(http.post("/v1/chat/completions", json=OK, headers={"x-big": "a" * 64 * 1024}), 431, "HEADERS_TOO_LARGE")
+    many = [(f"x-h{i}", "v") for i in range(10_000)]
+    r = http.post("/v1/chat/completions", json=OK, headers=many)
+    _error(r, 431, "HEADERS_TOO_LARGE")
+    _served(http)
+
+
+async def _nats_error(nc: nats.NATS, payload: bytes, headers: dict[str, str] | None = None) -> dict[str, str]:
+    msg = await nc.request(subjects.INFER, payload, timeout=15, headers=headers)
+    assert msg.headers and msg.headers[subjects.H_ERROR_CODE] == "BAD_REQUEST", msg.data[:300]
+    err = json.loads(msg.data)["error"]
+    assert err["type"] == "invalid_request_error" and len(err["message"]) < 500
+    return err
+
+
+async def test_raw_nats_bad_input_is_bad_request(zml_stack: Stack) -> None:
+    nc = await nats.connect(zml_stack.nats_url)
+    try:
+        ok = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 1}).encode()
+        await _nats_error(nc, DEEP)
+        await _nats_error(nc, json.dumps(BAD_TEXT_PART).encode())
+        await _nats_error(nc, json.dumps({"model": "m" * 600_000, "prompt": "x"}).encode())
+        for rid in ("a b", "a.b", "tab\there", "é", "x" * 200):
+            await _nats_error(nc, json.dumps({"model": MODEL, "prompt": "x", "request_id": rid}).encode())
+        for value in ("0", "-1", "soon"):
+            await _nats_error(nc, ok, {subjects.H_TIMEOUT_MS: value})
+        for rid in ("a b", "a.b", "é", "x" * 600_000):
+            await _nats_error(nc, ok, {subjects.H_REQUEST_ID: rid})
+        good = await nc.request(subjects.INFER, ok, timeout=15)
+        assert subjects.H_ERROR_CODE not in (good.headers or {}), good.data
+    finally:
+        await nc.close()
+
+
+@pytest.fixture(scope="module")
+def strict(zml_stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, object]]:
+    """A second gateway with tight bounds: 1 s for headers, 2 requests at once."""
+    base = Path(zml_stack.config_path).read_text()
+    cfg = tmp_path_factory.mktemp("strict") / "zml.toml"
+    cfg.write_text("[gateway]\nheader_timeout_s = 1.0\nmax_concurrent = 2\n" + base)
+    port = free_port()
+    proc = spawn("gateway-strict", service_argv("gateway", str(cfg), zml_stack.nats_url, "--port", str(port)))
+    try:
+        assert wait_port("127.0.0.1", port, 20), proc.tail()
+        yield f"http://127.0.0.1:{port}", proc
+    finally:
+        proc.stop()
+
+
+def test_slow_headers_are_cut_off(strict: tuple[str, object]) -> None:
+    url, proc = strict
+    port = int(url.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+        t0 = time.monotonic()
+        data = s.recv(4096)
+        assert data.startswith(b"HTTP/1.1 408"), data
+        assert time.monotonic() - t0 < 8
+    with httpx.Client(base_url=url, timeout=30) as c:
+        _served(c)
+
+
+async def test_concurrency_limit(strict: tuple[str, object]) -> None:
+    url, _ = strict
+    slow = {"model": MODEL, "messages": CHAT, "max_tokens": 300}
+    async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+        rs = await asyncio.gather(*(c.post("/v1/chat/completions", json=slow) for _ in range(6)))
+        codes = sorted(r.status_code for r in rs)
+        assert codes.count(200) >= 2 and 503 in codes, codes
+        for r in rs:
+            if r.status_code == 503:
+                assert r.json()["error"]["code"] == "QUEUE_FULL" and r.headers["retry-after"]
+        assert (await c.post("/v1/chat/completions", json=OK)).status_code == 200
+
+
+def test_no_tracebacks_in_the_services(zml_stack: Stack) -> None:
+    for name, proc in zml_stack.procs.items():
+        assert "Traceback" not in proc.tail(2000), f"{name}:\n{proc.tail(60)}"

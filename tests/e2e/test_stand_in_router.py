@@ -1,0 +1,172 @@
+"""The gateway and the SDK against a stand-in router (issue 8 items 6 and 7).
+
+Item 7: a streamed reply that loses a message on the bus ends with an error event
+(STREAM_INTERRUPTED) at the gateway and in the SDK's NATS transport, never silently short.
+Item 6: the SDK cancels an attempt that timed out before it retries under a new id.
+
+A stand-in router (the test's own subscriber in the routers' queue group, on a broker of this
+module's own) answers streams the way the router does, numbered with Zml-Seq, except that it
+skips one message, as a broker restart does to an at-most-once stream. The real router's
+numbering is checked in test_router_faults.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import httpx
+import nats
+import pytest
+
+import zml
+from zmlcore import subjects
+from zmlcore.launch import free_port, service_argv, spawn, wait_port
+
+MODEL = "gap/model"
+ROUTING = {"node_id": "n1", "accelerator_type": "nvidia_h100", "family": "H100", "policy": "latency",
+           "queue_depth_at_dispatch": 0, "decision_id": "d1"}
+
+
+def _chunk(text: str) -> bytes:
+    return json.dumps({"id": "c", "object": "chat.completion.chunk", "model": MODEL,
+                       "choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None}]}).encode()
+
+
+@pytest.fixture(scope="module")
+def gateway(own_nats: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    config = Path(tmp_path_factory.mktemp("gap")) / "zml.toml"
+    config.write_text("[defaults]\nrequest_timeout_s = 10\n")
+    port = free_port()
+    proc = spawn("gateway", service_argv("gateway", str(config), own_nats, "--port", str(port)))
+    try:
+        for _ in range(150):
+            if wait_port("127.0.0.1", port, 0.2):
+                break
+            assert proc.alive(), proc.tail(30)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.stop()
+
+
+@pytest.fixture()
+async def lossy_router(own_nats: str) -> AsyncIterator[list[int]]:
+    """Answers every stream with start, chunks 1..4 and end, but never sends the messages
+    numbered in ``skip`` (a list the test fills)."""
+    skip: list[int] = []
+    nc = await nats.connect(own_nats)
+
+    async def serve(msg) -> None:  # type: ignore[no-untyped-def]
+        rid = (msg.headers or {}).get(subjects.H_REQUEST_ID, "r")
+        out = [(json.dumps({"routing": {**ROUTING, "request_id": rid}}).encode(),
+                {subjects.H_STREAM: "start", subjects.H_NODE_ID: "n1"})]
+        out += [(_chunk(f"w{i} "), {subjects.H_STREAM: subjects.STREAM_CHUNK}) for i in range(1, 5)]
+        out.append((json.dumps({"routing": {**ROUTING, "request_id": rid}}).encode(), {subjects.H_STREAM: subjects.STREAM_END}))
+        for seq, (data, headers) in enumerate(out):
+            if seq not in skip:
+                await nc.publish(msg.reply, data, headers={**headers, subjects.H_SEQ: str(seq)})
+
+    sub = await nc.subscribe(subjects.INFER, queue=subjects.ROUTER_QUEUE, cb=serve)
+    await nc.flush()
+    try:
+        yield skip
+    finally:
+        await sub.unsubscribe()
+        await nc.close()
+
+
+async def _sse(gateway: str) -> tuple[int, list[str]]:
+    async with httpx.AsyncClient(base_url=gateway, timeout=20) as client:
+        async with client.stream("POST", "/v1/chat/completions", json={
+                "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True}) as r:
+            return r.status_code, [line async for line in r.aiter_lines() if line]
+
+
+async def test_gateway_ends_a_stream_with_a_lost_chunk_with_an_error_event(gateway: str, lossy_router: list[int]) -> None:
+    status, lines = await _sse(gateway)  # control: nothing lost, the whole text and [DONE]
+    assert status == 200 and lines[-1] == "data: [DONE]" and len(lines) == 5, lines
+    lossy_router.append(3)
+    status, lines = await _sse(gateway)
+    assert status == 200
+    assert "data: [DONE]" not in lines
+    err = json.loads(lines[-1][len("data: "):])["error"]
+    assert err["code"] == "STREAM_INTERRUPTED" and "2" not in err["message"] and "3" in err["message"], err
+    assert len(lines) == 3  # w1, w2, then the error: w4 is not relayed after the gap
+
+
+async def test_gateway_answers_502_when_the_start_is_lost(gateway: str, lossy_router: list[int]) -> None:
+    lossy_router.append(0)
+    async with httpx.AsyncClient(base_url=gateway, timeout=20) as client:
+        r = await client.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True})
+    assert r.status_code == 502 and r.json()["error"]["code"] == "STREAM_INTERRUPTED", r.text
+
+
+async def test_sdk_nats_stream_with_a_lost_chunk_raises(own_nats: str, lossy_router: list[int]) -> None:
+    lossy_router.append(2)
+    async with zml.AsyncClient(endpoint=own_nats, model=MODEL, max_retries=0) as client:
+        got: list[str] = []
+        with pytest.raises(zml.StreamInterruptedError):
+            async with client.infer_stream(prompt="hi") as stream:
+                async for chunk in stream:
+                    got.append(chunk.text)
+        assert got == ["w1 "]  # what came before the gap, and then an error: never a short "success"
+        lossy_router.clear()
+        async with client.infer_stream(prompt="hi") as stream:
+            text = "".join([c.text async for c in stream])
+        assert text == "w1 w2 w3 w4 "
+
+
+
+@pytest.fixture()
+async def silent_router(own_nats: str) -> AsyncIterator[list[tuple[str, str]]]:
+    """Takes every request and never answers; records (what, request id) in arrival order."""
+    seen: list[tuple[str, str]] = []
+    nc = await nats.connect(own_nats)
+
+    async def on_infer(msg) -> None:  # type: ignore[no-untyped-def]
+        seen.append(("infer", json.loads(msg.data).get("request_id") or (msg.headers or {}).get(subjects.H_REQUEST_ID, "")))
+
+    async def on_cancel(msg) -> None:  # type: ignore[no-untyped-def]
+        seen.append(("cancel", msg.subject.rsplit(".", 1)[-1]))
+
+    subs = [await nc.subscribe(subjects.INFER, queue=subjects.ROUTER_QUEUE, cb=on_infer),
+            await nc.subscribe(subjects.cancel("*"), cb=on_cancel)]
+    await nc.flush()
+    try:
+        yield seen
+    finally:
+        for sub in subs:
+            await sub.unsubscribe()
+        await nc.close()
+
+
+def _cancelled_before_retry(seen: list[tuple[str, str]]) -> None:
+    ids = [rid for what, rid in seen if what == "infer"]
+    assert len(ids) == 2 and ids[0] != ids[1], seen  # retried once, under a new id
+    assert seen.index(("cancel", ids[0])) < seen.index(("infer", ids[1])), seen
+
+
+@pytest.mark.parametrize("endpoint", ["nats", "http"])
+async def test_sdk_cancels_a_timed_out_attempt_before_retrying(
+        endpoint: str, own_nats: str, gateway: str, silent_router: list[tuple[str, str]]) -> None:
+    url = own_nats if endpoint == "nats" else gateway
+    async with zml.AsyncClient(endpoint=url, model=MODEL, timeout=1.0, max_retries=1) as client:
+        with pytest.raises(zml.TimeoutError):
+            await client.infer(prompt="hi")
+    await asyncio.sleep(0.5)
+    _cancelled_before_retry(silent_router)
+
+
+async def test_sync_sdk_cancels_a_timed_out_stream_before_retrying(own_nats: str, silent_router: list[tuple[str, str]]) -> None:
+    def run() -> None:  # the sync client, in a thread: the recorder lives on this loop
+        with zml.Client(endpoint=own_nats, model=MODEL, timeout=1.0, max_retries=1) as client:
+            with pytest.raises(zml.TimeoutError):
+                with client.infer_stream(prompt="hi") as stream:
+                    list(stream)
+
+    await asyncio.to_thread(run)
+    await asyncio.sleep(0.5)
+    _cancelled_before_retry(silent_router)

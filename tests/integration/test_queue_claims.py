@@ -1,0 +1,104 @@
+"""The saturation queue never dispatches one entry twice (issue 8 item 6), on a real broker.
+
+Two SaturationQueue instances play two router replicas. The first takes the head, dispatches
+it and dies before acknowledging it (its connection is closed: JetStream redelivers the head
+after ack_wait). The second must not dispatch it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import nats
+
+from zmlcore import subjects
+from zml_router.queue import ACK_WAIT_S, QueuedMsg, SaturationQueue
+
+MODEL = "claims/model"
+
+
+async def _wait(cond, timeout: float) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        await asyncio.sleep(0.05)
+    return cond()
+
+
+class Replica:
+    """The router's side of the queue, reduced to what the test watches."""
+
+    def __init__(self, name: str, *, hang: bool = False, refuse_first: int = 0) -> None:
+        self.name = name
+        self.hang = hang
+        self.refuse = refuse_first
+        self.dispatched: list[bytes] = []
+
+    def has_room(self, qmsg: QueuedMsg) -> bool:
+        return True
+
+    async def dispatch(self, qmsg: QueuedMsg, deadline: float) -> bool:
+        self.dispatched.append(qmsg.data)
+        if self.hang:  # running on a node when the replica dies: never answers, never acks
+            await asyncio.Event().wait()
+        if self.refuse:
+            self.refuse -= 1
+            return False  # the node refused it at once: the holder keeps it
+        return True
+
+    async def expire(self, qmsg: QueuedMsg, enqueued_at: float) -> None:
+        raise AssertionError("nothing here should expire")
+
+    async def start(self, url: str) -> tuple[nats.NATS, SaturationQueue]:
+        nc = await nats.connect(url)
+        q = SaturationQueue(nc, self.has_room, self.dispatch, self.expire, lambda rid: False, owner=self.name)
+        await q.start([MODEL])
+        return nc, q
+
+
+async def _queued_count(nc: nats.NATS) -> int:
+    info = await nc.jetstream().stream_info(subjects.QUEUE_STREAM)
+    return info.state.messages
+
+
+async def test_a_replica_dying_after_dispatch_does_not_get_its_entry_dispatched_again(own_nats: str) -> None:
+    a = Replica("router-a", hang=True)
+    nc_a, q_a = await a.start(own_nats)
+    await q_a.enqueue(MODEL, b'{"n": 1}', "_INBOX.x", {subjects.H_REQUEST_ID: "r1"}, time.time() + 60)
+    assert await _wait(lambda: a.dispatched, 5), "replica A never took the head"
+    # A dies holding the dispatched head, unacknowledged.
+    await q_a.stop()
+    await nc_a.close()
+
+    b = Replica("router-b")
+    nc_b, q_b = await b.start(own_nats)
+    try:
+        # JetStream redelivers the head to B after ack_wait; B sees the claim and drops it.
+        await asyncio.sleep(ACK_WAIT_S + 3)
+        assert b.dispatched == [], "the entry ran twice"
+        assert await _queued_count(nc_b) == 0  # dropped (acked), not stuck at the head
+        # B does dispatch what nobody has claimed.
+        await q_b.enqueue(MODEL, b'{"n": 2}', "_INBOX.y", {subjects.H_REQUEST_ID: "r2"}, time.time() + 60)
+        assert await _wait(lambda: b.dispatched == [b'{"n": 2}'], 5), b.dispatched
+    finally:
+        await q_b.stop()
+        await nc_b.close()
+
+
+async def test_an_entry_refused_at_once_is_dispatched_again_by_its_holder(own_nats: str) -> None:
+    r = Replica("router-c", refuse_first=2)
+    nc, q = await r.start(own_nats)
+    try:
+        await q.enqueue(MODEL, b'{"n": 3}', "_INBOX.z", {subjects.H_REQUEST_ID: "r3"}, time.time() + 60)
+        assert await _wait(lambda: len(r.dispatched) == 3, 10), r.dispatched
+        await asyncio.sleep(0.5)
+        assert r.dispatched == [b'{"n": 3}'] * 3  # refused twice, placed on the third try
+        deadline = time.monotonic() + 5
+        while await _queued_count(nc) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert await _queued_count(nc) == 0
+    finally:
+        await q.stop()
+        await nc.close()

@@ -1,0 +1,19 @@
+"""The router's book of cancels for requests it does not hold (pure)."""
+
+from zml_router.cancels import CancelBook
+
+
+def test_a_cancel_is_remembered_then_used_up() -> None:
+    book = CancelBook(ttl_s=10)
+    book.add("a", now=100.0)
+    assert book.seen("a", 105.0) and book.take("a", 105.0)
+    assert not book.seen("a", 105.0) and not book.take("a", 105.0)
+
+
+def test_cancels_expire_and_are_bounded() -> None:
+    book = CancelBook(ttl_s=10, max_entries=3)
+    book.add("old", now=0.0)
+    assert not book.seen("old", 11.0) and not book.take("old", 11.0)
+    for i in range(5):
+        book.add(str(i), now=20.0)
+    assert len(book) == 3 and not book.seen("0", 20.0) and book.seen("4", 20.0)
