@@ -58,6 +58,7 @@ class Result:
     detail: str = ""
     gateway: int = 0
     retried: int = 0  # times sent to another gateway
+    retry_after: float = 0.0  # the error's Retry-After (s), which a closed-loop client honours
 
 
 @dataclass
@@ -186,6 +187,7 @@ class Load:
 class LoadGen:
     def __init__(self, load: Load) -> None:
         self.load = load
+        self._retry_after: dict[int, float] = {}  # per task: the last error answer's Retry-After
         self.rng = random.Random(load.seed)
         self.clients = [httpx.AsyncClient(base_url=g, timeout=httpx.Timeout(load.timeout_s + load.grace_s),
                                           limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
@@ -247,7 +249,14 @@ class LoadGen:
         finally:
             self.in_flight -= 1
         node = detail if outcome == "completed" else ""
-        return Result(outcome, stream, t0, time.monotonic() - t0, code, node, "" if node else detail, gw, retried)
+        ra = self._retry_after.pop(id(asyncio.current_task()), 0.0)
+        return Result(outcome, stream, t0, time.monotonic() - t0, code, node, "" if node else detail, gw, retried, ra)
+
+    def _note_retry_after(self, headers: httpx.Headers) -> None:
+        try:
+            self._retry_after[id(asyncio.current_task())] = float(headers.get("retry-after") or 0)
+        except ValueError:
+            pass
 
     async def _json(self, client: httpx.AsyncClient, body: dict[str, Any], n: int) -> tuple[str, str, str]:
         try:
@@ -257,6 +266,7 @@ class LoadGen:
                 raise _Unstarted from exc
             raise
         if r.status_code != 200:
+            self._note_retry_after(r.headers)
             return classify_error(r.status_code, r.content, r.headers)
         try:
             data = r.json()
@@ -276,6 +286,7 @@ class LoadGen:
             raise
         try:
             if r.status_code != 200:
+                self._note_retry_after(r.headers)
                 return classify_error(r.status_code, await r.aread(), r.headers)
             parts: list[str] = []
             usage: dict[str, Any] | None = None
@@ -317,7 +328,8 @@ class LoadGen:
     async def closed(self, report: Report, *, clients: int = 8, total: int | None = None,
                      duration_s: float | None = None, pace_s: float = 0.0,
                      on_progress: Callable[[int], Any] | None = None) -> Report:
-        """``clients`` workers, each sending its next request when the last one ends."""
+        """``clients`` workers, each sending its next request when the last one ends (after the
+        last answer's Retry-After, at most 1 s, as a well-behaved client would)."""
         assert total is not None or duration_s is not None
         report.t0 = report.t0 or time.monotonic()
         end = time.monotonic() + duration_s if duration_s is not None else math.inf
@@ -327,11 +339,12 @@ class LoadGen:
             nonlocal issued
             while (total is None or issued < total) and time.monotonic() < end:
                 issued += 1
-                report.results.append(await self.one())
+                result = await self.one()
+                report.results.append(result)
                 if on_progress is not None:
                     on_progress(len(report.results))
-                if pace_s:
-                    await asyncio.sleep(pace_s)
+                if pace_s or result.retry_after:
+                    await asyncio.sleep(max(pace_s, min(result.retry_after, 1.0)))
 
         await asyncio.gather(*(worker() for _ in range(clients)))
         report.t1 = time.monotonic()
@@ -380,3 +393,26 @@ def record(report: Report) -> dict[str, Any]:
         with open(path, "a") as f:
             f.write(json.dumps(s) + "\n")
     return s
+
+
+def markdown_table(rows: list[dict[str, Any]]) -> str:
+    """docs/reliability.md's table from record()'s JSON lines."""
+    head = ("| scenario | requests (streamed) | completed | clean errors (codes) | hangs | truncated | lost "
+            "| unclean | p50 / p99 s | other figures |")
+    out = [head, "|" + "---|" * 10]
+    std = {"scenario", "requests", "streamed", "error_codes", "p50_s", "p99_s", "duration_s", "fault_t",
+           "in_flight_at_fault", *OUTCOMES}
+    for r in rows:
+        codes = ", ".join(f"{k} {v}" for k, v in sorted(r["error_codes"].items())) or "-"
+        other = ", ".join(f"{k} {v}" for k, v in r.items() if k not in std)
+        out.append(f"| {r['scenario']} | {r['requests']} ({r['streamed']}) | {r['completed']} | {r['error']} ({codes}) "
+                   f"| {r['hang']} | {r['truncated']} | {r['lost']} | {r['unclean']} | {r['p50_s']} / {r['p99_s']} "
+                   f"| {other or '-'} |")
+    return "\n".join(out)
+
+
+if __name__ == "__main__":  # python tests/chaos/chaosload.py /tmp/chaos.jsonl
+    import sys
+
+    with open(sys.argv[1]) as f:
+        print(markdown_table([json.loads(line) for line in f if line.strip()]))

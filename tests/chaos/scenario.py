@@ -23,7 +23,7 @@ def load_for(stack: ChaosStack, **kw: Any) -> Load:
 
 
 async def run(stack: ChaosStack, name: str, inject: Callable[[], Awaitable[Any]] | None = None, *,
-              total: int = 200, fault_at: int = 40, clients: int = 8, max_s: float = 60.0,
+              total: int = 160, fault_at: int = 40, clients: int = 8, max_s: float = 60.0,
               load: Load | None = None, report: Report | None = None) -> Report:
     """``total`` requests from ``clients`` workers (at most ``max_s`` seconds); ``inject`` runs
     once ``fault_at`` requests have finished. ``report.notes['fault_t']`` is when it ran."""

@@ -91,7 +91,7 @@ def test_kill_and_restart_nats_server(tmp_path: Path) -> None:
         async def scenario() -> tuple[Report, StateWatch]:
             async with StateWatch(stack) as watch:
                 report = await run(stack, "kill -9 nats-server, restart it", inject, total=10_000,
-                                   max_s=16, fault_at=60)
+                                   max_s=12, fault_at=60)
             return report, watch
 
         report, watch = asyncio.run(scenario())
@@ -119,7 +119,7 @@ def test_kill_one_server_of_a_3_server_cluster(tmp_path: Path) -> None:
         async def scenario() -> tuple[Report, StateWatch]:
             async with StateWatch(stack) as watch:
                 report = await run(stack, "kill -9 one server of a 3-server cluster", inject, total=10_000,
-                                   max_s=14, fault_at=60)
+                                   max_s=10, fault_at=60)
             return report, watch
 
         report, watch = asyncio.run(scenario())

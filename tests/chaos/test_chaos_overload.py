@@ -31,8 +31,8 @@ MAX_CONCURRENCY = 4
 # says. (With 2-token prompts and 32-token outputs it overestimates queues ~8x and sheds half.)
 TOKENS = (240, 308)
 PROMPT_TOKENS = 816
-OVER_S = 14.0
-UNDER_S = 8.0
+OVER_S = 12.0
+UNDER_S = 6.0
 
 
 def capacity_rps() -> float:

@@ -206,7 +206,7 @@ def test_drop_connections_mid_stream(calm_stack: ChaosStack) -> None:
 
 #: The issue's probe-loss run is 10 minutes; in CI the window is this long (the full run is the
 #: soak bench's `--probe-loss` mode).
-PROBE_LOSS_WINDOW_S = 20.0
+PROBE_LOSS_WINDOW_S = 15.0
 
 
 def test_probe_loss_10_percent_no_flaps(calm_stack: ChaosStack) -> None:
