@@ -58,3 +58,19 @@ def test_sdk_retries_a_rate_limit_and_succeeds(limited: str) -> None:
         results = [client.infer(MODEL, prompt="x", max_tokens=1) for _ in range(5)]
     assert all(r.text for r in results)
     assert sum(r.metrics.retries for r in results) >= 1  # at 5 requests against a burst of 3
+
+
+def test_without_keys_the_limit_is_per_client_address(zml_stack: Stack, tmp_path: Path) -> None:
+    """Rotating the Authorization header gave a fresh bucket each time (issue 9)."""
+    cfg = tmp_path / "zml.toml"
+    cfg.write_text("[gateway]\nrequests_per_minute = 60\nrequest_burst = 2\n" + Path(zml_stack.config_path).read_text())
+    port = free_port()
+    proc = spawn("gateway-anon", service_argv("gateway", str(cfg), zml_stack.nats_url, "--port", str(port)))
+    try:
+        assert wait_port("127.0.0.1", port, 20), proc.tail()
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=20) as c:
+            codes = [c.post("/v1/chat/completions", json=BODY, headers={"authorization": f"Bearer rotated-{i}"}).status_code
+                     for i in range(4)]
+        assert codes[:2] == [200, 200] and 429 in codes[2:], codes
+    finally:
+        proc.stop()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from collections.abc import Iterator
 
@@ -41,4 +42,12 @@ def test_requests_carry_the_engines_name_and_state_reports_zmls(stack: Stack) ->
                                                  "max_tokens": 2, "accelerator_id": "mi300x-path"})
         assert r.status_code == 200, r.text
         assert r.json()["zml"]["node_id"] == "mi300x-path"
-        assert r.json()["model"] == ENGINE_NAME  # the engine answered for the name it knows
+        # The engine answered for the name it knows; the client reads back the name it asked for
+        # (issue 10 item 2), in a plain reply and in every streamed chunk.
+        assert r.json()["model"] == MODEL
+        with c.stream("POST", "/v1/chat/completions",
+                      json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                            "accelerator_id": "mi300x-path", "stream": True}) as s:
+            assert s.status_code == 200
+            chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+        assert chunks and all(ch["model"] == MODEL for ch in chunks)

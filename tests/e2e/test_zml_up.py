@@ -30,8 +30,8 @@ def test_zml_up_runs_the_demo_fleet_and_stops_everything() -> None:
     gw, nats_port = free_port(), free_port()
     proc = spawn("zml-up", _zml("up", "--gateway-port", str(gw), "--nats-port", str(nats_port)))
     try:
-        assert proc.wait_for("ready", 90), proc.tail()
-        ready = next(line for line in proc.lines if "ready" in line)
+        assert proc.wait_for("zml ready", 90), proc.tail()
+        ready = next(line for line in proc.lines if "zml ready" in line)
         assert f"http://127.0.0.1:{gw}" in ready
         r = httpx.post(f"http://127.0.0.1:{gw}/v1/chat/completions", timeout=30,
                        json={"model": "meta-llama/llama-3-8b-instruct",

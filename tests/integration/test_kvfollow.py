@@ -14,6 +14,8 @@ from typing import TypeVar
 import pytest
 
 from test_health_helpers import eventually
+from zmlcore.alive import BEAT_S
+from zmlcore.alive import main as alive_main
 from zmlcore.kvfollow import KVFollower
 from zmlcore.launch import Proc, free_port, spawn, nats_server_binary, start_nats, wait_port
 from zmlcore.link import link_of, split_urls
@@ -176,3 +178,32 @@ async def test_run_service_exits_when_the_connection_closes_for_good(tmp_path: P
             await asyncio.wait_for(run_service(Oversize(), url, "zml-test"), 15)
     finally:
         proc.stop()
+
+
+async def test_alive_file_beats_while_connected(broker: Broker, tmp_path: Path) -> None:
+    alive = tmp_path / "alive"
+
+    class Idle:
+        async def start(self, nc) -> None:  # type: ignore[no-untyped-def]
+            pass
+
+        async def stop(self) -> None:
+            pass
+
+    task = asyncio.create_task(run_service(Idle(), broker.url, "zml-test", alive_file=str(alive)))
+    try:
+        await eventually(lambda: alive.exists(), what="first beat")
+        first = alive.stat().st_mtime
+        await eventually(lambda: alive.stat().st_mtime > first, timeout=6, what="second beat")
+        assert alive_main([str(alive), "--max-age", "5"]) == 0
+        assert alive_main([str(tmp_path / "never"), "--max-age", "5"]) == 1
+        broker.kill()  # disconnected: no more beats
+        await asyncio.sleep(0.5)
+        stopped_at = alive.stat().st_mtime
+        await asyncio.sleep(2 * BEAT_S + 0.5)
+        assert alive.stat().st_mtime == stopped_at
+        broker.start()
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task

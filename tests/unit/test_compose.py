@@ -72,3 +72,17 @@ def test_dockerfile_installs_the_repo_and_runs_zml() -> None:
 
 def test_every_long_running_service_is_in_compose() -> None:
     assert {"nats", "sim", "health", "warmup", "router", "gateway"} <= set(SERVICES)
+
+
+def test_every_service_restarts_and_has_a_healthcheck() -> None:
+    for name, svc in SERVICES.items():
+        assert svc.get("restart") in ("unless-stopped", "always"), name
+        check = svc.get("healthcheck")
+        assert check and check["test"][0] == "CMD", name
+        if name in PARSERS and name != "sim":
+            # the file the healthcheck reads is the one the service touches
+            ns = importlib.import_module(PARSERS[name]).build_parser().parse_args(svc["command"][1:])
+            assert ns.alive_file and ns.alive_file in check["test"], name
+            assert svc["depends_on"]["nats"]["condition"] == "service_healthy", name
+    sim_check = " ".join(SERVICES["sim"]["healthcheck"]["test"])
+    assert "/health" in sim_check and any(f"127.0.0.1:{p}" in sim_check for p in SERVICES["sim"]["expose"])

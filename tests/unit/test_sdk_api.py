@@ -47,7 +47,8 @@ def test_every_public_name_is_documented() -> None:
     doc = (ROOT / "docs" / "sdk.md").read_text()
     missing = [n for n in zml.__all__ if f"`zml.{n}" not in doc and f"`{n}" not in doc]
     assert not missing, f"docs/sdk.md does not document {missing}"
-    for method in ("infer", "infer_stream", "infer_batch", "nodes", "models", "close", "generate", "generate_batch"):
+    for method in ("infer", "infer_stream", "infer_batch", "nodes", "models", "close", "generate", "generate_batch",
+                   "embed"):
         assert f"{method}(" in doc, method
 
 
@@ -56,7 +57,7 @@ def test_py_typed_is_shipped() -> None:
 
 
 def test_sync_and_async_clients_are_twins() -> None:
-    for name in ("infer", "infer_stream", "infer_batch", "nodes", "models", "generate", "generate_batch"):
+    for name in ("infer", "infer_stream", "infer_batch", "nodes", "models", "generate", "generate_batch", "embed"):
         s = inspect.signature(getattr(zml.Client, name))
         a = inspect.signature(getattr(zml.AsyncClient, name))
         assert list(s.parameters) == list(a.parameters), name

@@ -35,6 +35,7 @@ from zml._errors import (
 from zml._models import (
     BatchResult,
     Choice,
+    EmbeddingResult,
     InferMeta,
     InferResult,
     Message,
@@ -60,6 +61,7 @@ __all__ = [
     "Client",
     "ConfigError",
     "ConnectionError",
+    "EmbeddingResult",
     "InferMeta",
     "InferResult",
     "Message",

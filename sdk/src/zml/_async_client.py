@@ -8,16 +8,19 @@ import logging
 import os
 import random
 import time
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Iterable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Literal, Protocol, overload
+from typing import Any, Literal, Protocol, TypeVar, overload
 
 from zml import _core
 from zml._batch import BatchItem, OnResult, run_async
 from zml._errors import ZMLError
-from zml._models import BatchResult, InferMeta, InferResult, Metrics, Policy, Routing, StreamChunk, Usage
+from zml._models import BatchResult, EmbeddingResult, InferMeta, InferResult, Metrics, Policy, Routing, StreamChunk, Usage
 from zml._ratelimit import HeaderScope
 from zmlcore.messages import NodeState
+
+#: What a call decodes to (both carry routing, metadata, usage and metrics).
+R = TypeVar("R", InferResult, EmbeddingResult)
 
 __all__ = ["AsyncClient", "AsyncStream"]
 
@@ -143,6 +146,9 @@ class AsyncClient(_core.ClientSettings):
             call.request_id = call.body["request_id"] = _core.new_request_id()
 
     async def _infer_call(self, call: _core.InferCall, explicit_id: bool) -> InferResult:
+        return await self._call(call, explicit_id, _core.decode_reply)
+
+    async def _call(self, call: _core.InferCall, explicit_id: bool, decode: Callable[[_core.RawReply, _core.InferCall], R]) -> R:
         started = time.monotonic()
         retries, waited = 0, 0.0
         while True:
@@ -151,7 +157,7 @@ class AsyncClient(_core.ClientSettings):
             try:
                 raw = await self._transport.infer(call)
                 self._after(call, raw.headers, None)
-                result = _core.decode_reply(raw, call)
+                result = decode(raw, call)
             except ZMLError as exc:
                 await self._backoff(exc, retries, call, explicit_id)
                 retries += 1
@@ -253,6 +259,21 @@ class AsyncClient(_core.ClientSettings):
     async def models(self) -> list[str]:
         """Model ids the fleet serves."""
         return _core.decode_models(await self._transport.models())
+
+    # ---------------------------------------------------------------- embeddings
+    async def embed(
+        self, model: str | None = None, input: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]] = "", *,
+        dimensions: int | None = None, routing: str | None = None, policy: PolicyArg = None,
+        accelerator_id: str | None = None, **kwargs: Any,
+    ) -> EmbeddingResult:
+        """Embed ``input`` (see :meth:`zml.Client.embed`)."""
+        call = _core.build_embed(
+            model=model or self.model, input=input, dimensions=dimensions, routing=routing, policy=policy,
+            accelerator_id=accelerator_id, defaults=self.default_request_kwargs, extra=kwargs,
+            client_timeout_s=self.timeout,
+        )
+        explicit_id = "request_id" in kwargs or "request_id" in self.default_request_kwargs
+        return await self._call(call, explicit_id, _core.decode_embeddings)
 
 
 class AsyncStream:

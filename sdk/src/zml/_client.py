@@ -8,16 +8,19 @@ import os
 import random
 import threading
 import time
-from collections.abc import Generator, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from types import TracebackType
-from typing import Any, Literal, Protocol, overload
+from typing import Any, Literal, Protocol, TypeVar, overload
 
 from zml import _core
 from zml._batch import BatchItem, OnResult, run_sync
 from zml._errors import ZMLError
-from zml._models import BatchResult, InferMeta, InferResult, Metrics, Policy, Routing, StreamChunk, Usage
+from zml._models import BatchResult, EmbeddingResult, InferMeta, InferResult, Metrics, Policy, Routing, StreamChunk, Usage
 from zml._ratelimit import HeaderScope
 from zmlcore.messages import NodeState
+
+#: What a call decodes to (both carry routing, metadata, usage and metrics).
+R = TypeVar("R", InferResult, EmbeddingResult)
 
 __all__ = ["Client", "Stream"]
 
@@ -141,6 +144,9 @@ class Client(_core.ClientSettings):
             call.request_id = call.body["request_id"] = _core.new_request_id()
 
     def _infer_call(self, call: _core.InferCall, explicit_id: bool) -> InferResult:
+        return self._call(call, explicit_id, _core.decode_reply)
+
+    def _call(self, call: _core.InferCall, explicit_id: bool, decode: Callable[[_core.RawReply, _core.InferCall], R]) -> R:
         started = time.monotonic()
         retries, waited = 0, 0.0
         while True:
@@ -149,7 +155,7 @@ class Client(_core.ClientSettings):
             try:
                 raw = self._transport.infer(call)
                 self._after(call, raw.headers, None)
-                result = _core.decode_reply(raw, call)
+                result = decode(raw, call)
             except ZMLError as exc:
                 self._backoff(exc, retries, call, explicit_id)
                 retries += 1
@@ -259,6 +265,30 @@ class Client(_core.ClientSettings):
     def models(self) -> list[str]:
         """Model ids the fleet serves."""
         return _core.decode_models(self._transport.models())
+
+    # ---------------------------------------------------------------- embeddings
+    def embed(
+        self, model: str | None = None, input: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]] = "", *,
+        dimensions: int | None = None, routing: str | None = None, policy: PolicyArg = None,
+        accelerator_id: str | None = None, **kwargs: Any,
+    ) -> EmbeddingResult:
+        """Embed ``input`` (a string, strings, or token ids) with an embedding model: one vector
+        per input, in input order, routed like ``infer()`` (``routing``/``policy``,
+        ``accelerator_id``) and retried the same way. Other keyword arguments (``user``,
+        ``encoding_format``, ``timeout``, ``request_id``) go with the request.
+
+        Example::
+
+            r = client.embed("BAAI/bge-small-en-v1.5", ["a cat", "a dog"])
+            print(len(r.embeddings), r.routing.node_id)
+        """
+        call = _core.build_embed(
+            model=model or self.model, input=input, dimensions=dimensions, routing=routing, policy=policy,
+            accelerator_id=accelerator_id, defaults=self.default_request_kwargs, extra=kwargs,
+            client_timeout_s=self.timeout,
+        )
+        explicit_id = "request_id" in kwargs or "request_id" in self.default_request_kwargs
+        return self._call(call, explicit_id, _core.decode_embeddings)
 
 
 class Stream:

@@ -7,9 +7,11 @@ randomness in, so every decision is unit-testable without a server.
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import os
+import struct
 import time
 import uuid
 from collections.abc import Mapping, Sequence
@@ -19,7 +21,17 @@ from typing import Any, Literal
 import msgspec
 
 from zml._errors import BackendError, BadRequestError, ErrorBody, TimeoutError, ZMLError, error_class, from_wire
-from zml._models import Choice, InferMeta, InferResult, Message, Policy, Routing, StreamChunk, Usage
+from zml._models import (
+    Choice,
+    EmbeddingResult,
+    InferMeta,
+    InferResult,
+    Message,
+    Policy,
+    Routing,
+    StreamChunk,
+    Usage,
+)
 from zmlcore import subjects
 from zmlcore.config import ZMLConfig
 from zmlcore.messages import NodeState
@@ -40,7 +52,8 @@ def grace_s(timeout_s: float) -> float:
     """The client's extra wait beyond a server-side timeout of ``timeout_s``."""
     return min(TIMEOUT_GRACE_S, 0.25 + 0.1 * timeout_s)
 
-Kind = Literal["chat", "completion"]
+Kind = Literal["chat", "completion", "embedding"]
+_PATHS: dict[str, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions", "embedding": "/v1/embeddings"}
 
 _json_encoder = msgspec.json.Encoder()
 _error_decoder = msgspec.json.Decoder(ErrorBody)
@@ -71,7 +84,7 @@ class InferCall:
 
     @property
     def http_path(self) -> str:
-        return "/v1/chat/completions" if self.kind == "chat" else "/v1/completions"
+        return _PATHS[self.kind]
 
     def nats_headers(self) -> dict[str, str]:
         return {
@@ -202,12 +215,7 @@ def build_infer(
         merged["prompt"] = list(merged["prompt"])
     merged.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
     merged.setdefault("temperature", DEFAULT_TEMPERATURE)
-    pol = merged.get("policy")
-    if isinstance(pol, Policy):
-        wire = msgspec.to_builtins(pol.to_wire())
-        merged["policy"] = {k: v for k, v in wire.items() if v is not None}
-    elif isinstance(pol, Mapping):
-        merged["policy"] = dict(pol)
+    _policy_to_wire(merged)
     wire_rf = response_format_wire(rf)
     if wire_rf is not None:
         merged["response_format"] = wire_rf
@@ -223,6 +231,98 @@ def build_infer(
         response_format=rf,
         est_tokens=estimate_tokens(merged, default_output_tokens),
         stream=bool(stream),
+    )
+
+
+def _policy_to_wire(body: dict[str, Any]) -> None:
+    pol = body.get("policy")
+    if isinstance(pol, Policy):
+        wire = msgspec.to_builtins(pol.to_wire())
+        body["policy"] = {k: v for k, v in wire.items() if v is not None}
+    elif isinstance(pol, Mapping):
+        body["policy"] = dict(pol)
+
+
+#: Of ``default_request_kwargs``, what applies to embeddings (not max_tokens, temperature...).
+EMBED_DEFAULTS = ("policy", "routing", "accelerator_id", "timeout", "timeout_ms", "user", "dimensions",
+                  "encoding_format")
+
+
+def build_embed(
+    *,
+    model: str | None,
+    input: str | Sequence[str] | Sequence[int] | Sequence[Sequence[int]],
+    dimensions: int | None = None,
+    routing: str | None = None,
+    policy: str | Policy | Mapping[str, Any] | None = None,
+    accelerator_id: str | None = None,
+    defaults: Mapping[str, Any] | None = None,
+    extra: Mapping[str, Any] | None = None,
+    client_timeout_s: float = 30.0,
+) -> InferCall:
+    """The body of an embeddings request (OpenAI's plus ZML's routing fields). Vectors come
+    back as floats (``encoding_format="float"``) unless ``extra`` asks for base64."""
+    merged: dict[str, Any] = {k: v for k, v in (defaults or {}).items() if k in EMBED_DEFAULTS}
+    merged.update(extra or {})
+    explicit = {"model": model, "dimensions": dimensions, "routing": routing, "policy": policy,
+                "accelerator_id": accelerator_id}
+    merged.update({k: v for k, v in explicit.items() if v is not None})
+    timeout = merged.pop("timeout", None)
+    timeout_s = float(timeout) if timeout is not None else client_timeout_s
+    request_id = str(merged.pop("request_id", None) or new_request_id())
+    if not merged.get("model"):
+        raise _bad_request("model is required (pass model=... or set it on the client)")
+    if isinstance(input, str):
+        merged["input"] = input
+    else:
+        items: list[Any] = list(input)
+        if not items:
+            raise _bad_request("input is empty")
+        merged["input"] = [i if isinstance(i, (str, int)) else list(i) for i in items]
+    merged.setdefault("encoding_format", "float")
+    _policy_to_wire(merged)
+    merged["request_id"] = request_id
+    merged.setdefault("timeout_ms", max(1, int(timeout_s * 1000)))
+    server_timeout_s = merged["timeout_ms"] / 1000.0
+    chars = sum(len(i) for i in ([input] if isinstance(input, str) else merged["input"]) if isinstance(i, str))
+    return InferCall(
+        body=merged, kind="embedding", request_id=request_id,
+        timeout_s=server_timeout_s + grace_s(server_timeout_s), est_tokens=max(1, chars // 4),
+    )
+
+
+def _vector(v: Any) -> list[float]:
+    if isinstance(v, str):  # encoding_format="base64": little-endian float32
+        raw = base64.b64decode(v)
+        return list(struct.unpack(f"<{len(raw) // 4}f", raw))
+    if isinstance(v, list):
+        return [float(x) for x in v]
+    raise BackendError(f"embedding is neither a list nor base64: {str(v)[:100]}")
+
+
+def decode_embeddings(raw: RawReply, call: InferCall) -> EmbeddingResult:
+    """The result of an embeddings reply; raises the ZMLError of an error reply."""
+    if raw.status >= 400:
+        raise decode_error(raw)
+    try:
+        data = msgspec.json.decode(raw.body)
+    except msgspec.DecodeError as exc:
+        raise BackendError(f"reply is not JSON: {raw.body[:200]!r}") from exc
+    if not isinstance(data, dict) or not isinstance(data.get("data"), list):
+        if isinstance(data, dict) and "error" in data:
+            raise decode_error(RawReply(status=500, headers=raw.headers, body=raw.body))
+        raise BackendError(f"reply is not an embeddings list: {raw.body[:200]!r}")
+    items = sorted((d for d in data["data"] if isinstance(d, Mapping)), key=lambda d: _int(d.get("index")))
+    zml = data.get("zml")
+    routing = routing_from_dict(zml) if isinstance(zml, Mapping) else (routing_from_headers(raw.headers) or Routing())
+    usage = _usage(data.get("usage"))
+    return EmbeddingResult(
+        embeddings=[_vector(d.get("embedding")) for d in items],
+        routing=routing,
+        metadata=metadata_for(routing, usage, None),
+        usage=usage,
+        model=str(data.get("model", call.body.get("model", ""))),
+        raw=data,
     )
 
 

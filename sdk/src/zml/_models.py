@@ -20,6 +20,7 @@ from zmlcore.messages import InlinePolicy
 __all__ = [
     "BatchResult",
     "Choice",
+    "EmbeddingResult",
     "InferMeta",
     "InferResult",
     "Message",
@@ -48,6 +49,11 @@ def _registered_families(config_path: str | os.PathLike[str] | None) -> list[str
     return cfg.families() or None
 
 
+def _unknown(chain: list[str], known: list[str] | None) -> bool:
+    have = {f.lower() for f in known or ()}
+    return any(f.lower() not in have for f in chain)
+
+
 @dataclass(frozen=True, kw_only=False)
 class Policy:
     """A routing policy passed per call, validated when created.
@@ -63,9 +69,12 @@ class Policy:
         client.infer(model=..., messages=[...], policy=policy)
 
     Values are checked at once (known ``strategy``/``cost_priority``, non-negative weights,
-    consistent options) and, when a zml.toml is known (``config_path``, or found in the working
-    directory or a parent) or ``families`` is given, every family of the chain must be
-    registered. Any problem raises :class:`zml.PolicyConfigError`.
+    consistent options) and every family of the chain must be registered: in ``families`` when
+    given, else in the zml.toml (``config_path``, or found in the working directory or a
+    parent) or in the fleet the SDK talks to (``ZML_ENDPOINT`` or that zml.toml's gateway,
+    asked once for families registered at run time). With neither a zml.toml nor
+    ``ZML_ENDPOINT`` (or a fleet that does not answer) only the values are checked. Any
+    problem raises :class:`zml.PolicyConfigError`.
     """
 
     name: str
@@ -95,6 +104,13 @@ class Policy:
         except msgspec.ValidationError as exc:
             raise PolicyConfigError(f"policy {self.name!r}: {exc}") from exc
         known = list(families) if families is not None else _registered_families(config_path)
+        if families is None and _unknown(cfg.chain(), known):
+            # Not in the local zml.toml (or none): the family may be registered at run time.
+            from zml._fleet import fleet_families
+
+            fleet = fleet_families(config_path)
+            if fleet is not None:
+                known = [*(known or ()), *fleet]
         # Without a known fleet only the values are checked: the chain checks itself.
         validate_policy(self.name, cfg, known if known is not None else cfg.chain(), f"policy {self.name!r}")
 
@@ -219,6 +235,26 @@ class InferResult:
     def output_text(self) -> str:
         """Alias of ``text``."""
         return self.text
+
+
+@dataclass(slots=True)
+class EmbeddingResult:
+    """The reply of ``embed()``: one vector per input, in input order, and the routing.
+
+    Example::
+
+        r = client.embed("BAAI/bge-small-en-v1.5", ["first text", "second text"])
+        print(len(r.embeddings), len(r.embeddings[0]), r.routing.node_id, r.usage.prompt_tokens)
+    """
+
+    embeddings: list[list[float]]
+    routing: Routing
+    metadata: InferMeta
+    usage: Usage = field(default_factory=Usage)
+    metrics: Metrics = field(default_factory=Metrics)
+    model: str = ""
+    #: The reply JSON as received (OpenAI's ``{"object": "list", "data": [...]}``).
+    raw: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)

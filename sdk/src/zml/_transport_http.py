@@ -12,6 +12,7 @@ from httpx_aiohttp import HttpxAiohttpClient
 
 from zml._core import InferCall, RawReply, SSEDecoder, StreamEvent, decode_error, lower_headers, routing_from_headers
 from zml._errors import BackendError, ConnectionError, TimeoutError, ZMLError
+from zmlcore.sse import SSELineTooLong, aiter_sse_lines, iter_sse_lines
 
 __all__ = ["AsyncHTTPTransport", "AsyncHTTPStream", "SyncHTTPStream", "SyncHTTPTransport"]
 
@@ -111,8 +112,9 @@ class SyncHTTPStream:
         yield StreamEvent("start", routing=routing_from_headers(self.headers))
         dec = SSEDecoder()
         try:
-            for line in self._resp.iter_lines():
-                ev = dec.feed(line)
+            # SSE lines end at CR/LF only: iter_lines() would also split at U+2028 & co.
+            for line in iter_sse_lines(self._resp.iter_bytes()):
+                ev = dec.feed(line.decode("utf-8", "replace"))
                 if ev is None:
                     continue
                 yield ev
@@ -125,6 +127,8 @@ class SyncHTTPStream:
                     return
         except httpx.HTTPError as exc:
             raise _translate(exc, self._url) from exc
+        except SSELineTooLong as exc:
+            raise BackendError(f"{self._url}: {exc}") from exc
         yield StreamEvent("error", error=BackendError("the stream ended before [DONE]"))
 
     def close(self) -> None:
@@ -199,8 +203,8 @@ class AsyncHTTPStream:
         yield StreamEvent("start", routing=routing_from_headers(self.headers))
         dec = SSEDecoder()
         try:
-            async for line in self._resp.aiter_lines():
-                ev = dec.feed(line)
+            async for line in aiter_sse_lines(self._resp.aiter_bytes()):
+                ev = dec.feed(line.decode("utf-8", "replace"))
                 if ev is None:
                     continue
                 yield ev
@@ -208,6 +212,8 @@ class AsyncHTTPStream:
                     return
         except httpx.HTTPError as exc:
             raise _translate(exc, self._url) from exc
+        except SSELineTooLong as exc:
+            raise BackendError(f"{self._url}: {exc}") from exc
         yield StreamEvent("error", error=BackendError("the stream ended before [DONE]"))
 
     async def aclose(self) -> None:

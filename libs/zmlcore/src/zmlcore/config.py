@@ -262,6 +262,10 @@ class ModelConfig(msgspec.Struct, **_Base):
     keep_warm_after_s: PosFloat | None = None
     """If set, a node that served no request for this model for this long gets a one-token probe
     request so caches and graphs stay warm."""
+    embedding: bool = False
+    """An embedding model: it answers POST /v1/embeddings (an InferRequest with ``input``) and
+    chat/completion requests for it are refused with 400, as embeddings requests for a model
+    configured without it are. Models not in [models] are not checked (the node decides)."""
 
 
 class WarmupConfig(msgspec.Struct, **_Base):

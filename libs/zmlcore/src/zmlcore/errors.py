@@ -11,6 +11,7 @@
     ├── ConfigError               CONFIG_INVALID      (start-up only)
     │   └── PolicyConfigError     POLICY_CONFIG       400
     ├── AuthError                 AUTH_FAILED         401
+    │   └── PermissionDeniedError MODEL_NOT_ALLOWED   403  (the key may not use this model)
     ├── RateLimitError            RATE_LIMITED        429  retryable
     ├── TimeoutError              TIMEOUT             504  retryable
     ├── CancelledError            CANCELLED           499
@@ -46,6 +47,7 @@ __all__ = [
     "MethodNotAllowedError",
     "ModelNotLoadedError",
     "NotFoundError",
+    "PermissionDeniedError",
     "RequestTooLargeError",
     "NoHealthyNodesError",
     "PolicyConfigError",
@@ -158,6 +160,14 @@ class AuthError(ZMLError):
     code = "AUTH_FAILED"
     http_status = 401
     openai_type = "authentication_error"
+
+
+class PermissionDeniedError(AuthError):
+    """This API key may not use the requested model."""
+
+    code = "MODEL_NOT_ALLOWED"
+    http_status = 403
+    openai_type = "permission_error"
 
 
 class RateLimitError(ZMLError):

@@ -16,6 +16,7 @@ from typing import Protocol
 
 from nats.aio.client import Client as NATS
 
+from zmlcore.alive import beat
 from zmlcore.config import ZMLConfig, load_config
 from zmlcore.errors import ConfigError
 from zmlcore.link import link_of
@@ -49,12 +50,13 @@ class ConnectionClosed(Exception):
 
 async def run_service(
     service: Service, nats_url: str, name: str, *, ready_line: str | None = None, no_echo: bool = False,
-    replicas: int = 1,
+    replicas: int = 1, alive_file: str | None = None,
 ) -> None:
     """``nats_url``: one URL or several, comma-separated. ``no_echo``: the broker does not send
     this connection its own messages back (routers publish in-flight counts they already applied).
 
     Raises :class:`ConnectionClosed` if the connection closes for good before SIGTERM/SIGINT.
+    ``alive_file``: touched while the service runs connected (:mod:`zmlcore.alive`).
     """
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -64,6 +66,7 @@ async def run_service(
     link = link_of(nc)
     closed = asyncio.ensure_future(link.closed.wait())
     stopped = asyncio.ensure_future(stop.wait())
+    beating = asyncio.ensure_future(beat(alive_file, lambda: nc.is_connected)) if alive_file else None
     try:
         await service.start(nc)
         # Start-up objects (config, modules, tables) live for the whole run: keep them out of
@@ -85,6 +88,10 @@ async def run_service(
         link.closing = True
         closed.cancel()
         stopped.cancel()
+        if beating is not None:
+            beating.cancel()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
         # The service has already unsubscribed and finished its in-flight work in stop(), so
         # flushing what is buffered is enough; drain() would also wait on JetStream consumers'
         # subscriptions (KV watchers, pull fetches) for seconds.
@@ -109,6 +116,8 @@ def service_parser(name: str, description: str) -> argparse.ArgumentParser:
     p.add_argument("--config", help="path to zml.toml")
     p.add_argument("--nats-url", help="NATS URL, or several comma-separated (servers of one cluster); "
                                       "overrides zml.toml and ZML_NATS_URL")
+    p.add_argument("--alive-file", help="touch this file every 2 s while running and connected, for "
+                                        "healthchecks: python -m zmlcore.alive FILE")
     return p
 
 
@@ -134,7 +143,7 @@ def service_main(
     install_uvloop()
     try:
         asyncio.run(run_service(service, args.nats_url or cfg.nats.url, f"zml-{name}", no_echo=no_echo,
-                                replicas=cfg.nats.replicas))
+                                replicas=cfg.nats.replicas, alive_file=getattr(args, "alive_file", None)))
     except ConnectionClosed as exc:
         print(f"zml {name}: NATS connection closed for good ({exc}); exiting so that a supervisor "
               "restarts it", file=sys.stderr, flush=True)

@@ -121,3 +121,15 @@ H_SEQ = "Zml-Seq"
 STREAM_CHUNK = "chunk"
 STREAM_END = "end"
 STREAM_ERROR = "error"
+
+# --- API keys and plans (gateway) -------------------------------------------------------------
+#: JetStream KV bucket of API keys created at run time (`zml keys create`): key = key id, value
+#: ApiKeyRecord JSON holding a SHA-256 of the key, never the key. Gateways watch it.
+KEYS_BUCKET = "zml_keys"
+#: JetStream KV bucket of plan usage shared by every gateway replica (key = limited id, value
+#: LimitState JSON, updated with compare-and-set); entries expire when idle.
+LIMITS_BUCKET = "zml_limits"
+#: Gateway -> router: the API key's default policy (used when the request names none) and its
+#: cost-attribution label (copied into routing metadata and completion events).
+H_DEFAULT_POLICY = "Zml-Default-Policy"
+H_LABEL = "Zml-Label"

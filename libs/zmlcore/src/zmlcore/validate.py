@@ -129,8 +129,9 @@ def decode_request(raw: bytes, *, max_depth: int = 32) -> InferRequest:
         raise BadRequestError(f"invalid request: {clip(str(exc), 300)[1:-1]}") from None
     if len(req.model) > MAX_MODEL_NAME:
         raise BadRequestError(f"model name longer than {MAX_MODEL_NAME} characters: {clip(req.model, 60)}")
-    if (req.messages is None) == (req.prompt is None):
-        raise BadRequestError("give exactly one of `messages` or `prompt`")
+    problem = req.shape_error()  # one of messages / prompt / input (embeddings), consistent
+    if problem is not None:
+        raise BadRequestError(problem)
     if req.messages is not None:
         if not req.messages:
             raise BadRequestError("`messages` must not be empty")

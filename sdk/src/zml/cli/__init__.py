@@ -18,6 +18,7 @@ _COMMANDS = (
     "zml.cli.bench",
     "zml.cli.nodes",
     "zml.cli.cost",
+    "zml.cli.keys",
     "zml.cli.serve",
     "zml.cli.warmup",
     "zml.cli.node_agent",

@@ -25,6 +25,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     a.add_argument("--url", dest="node_url", help="the engine's base URL, e.g. http://10.0.0.9:8000")
     a.add_argument("--backend", default="vllm", help="vllm, tgi, sglang, llamacpp or openai (default vllm)")
     a.add_argument("--serves", action="append", default=[], metavar="MODEL", help="a model it serves (repeatable)")
+    a.add_argument("--served-name", action="append", default=[], metavar="MODEL=NAME",
+                   help="the engine's own name for a model it serves, e.g. "
+                        "llama-3-8b=/models/Meta-Llama-3-8B.gguf (repeatable)")
     a.add_argument("--family", help="family for policy chains (default: the accelerator's)")
     a.add_argument("--cost-per-hour", type=float, help="price (default: the accelerator's list price)")
     a.add_argument("--probe-endpoint", help="node probe (zml node-agent) URL")
@@ -53,9 +56,13 @@ def _admin(args: argparse.Namespace) -> int:
         return 0
     if not (args.accelerator and args.node_url):
         raise BadRequestError("zml nodes add needs --accelerator and --url")
+    names = served_names(args.served_name)
+    unserved = sorted(set(names) - set(args.serves))
+    if unserved:
+        raise BadRequestError(f"--served-name for {unserved[0]!r}, which is not given with --serves")
     raw = {"id": args.node_id, "accelerator": args.accelerator, "endpoint": args.node_url, "backend": args.backend,
            "models": args.serves, "family": args.family, "cost_per_hour": args.cost_per_hour,
-           "probe_endpoint": args.probe_endpoint}
+           "probe_endpoint": args.probe_endpoint, "served_names": names or None}
     try:
         spec = msgspec.convert({k: v for k, v in raw.items() if v is not None}, NodeSpec)
     except msgspec.ValidationError as exc:
@@ -63,6 +70,19 @@ def _admin(args: argparse.Namespace) -> int:
     add_node_sync(url, spec, replace=args.replace)
     print(f"{args.node_id}: added ({args.accelerator} at {args.node_url}); `zml nodes` shows it after its first poll")
     return 0
+
+
+def served_names(pairs: list[str]) -> dict[str, str]:
+    """``["MODEL=NAME", ...]`` -> ``{MODEL: NAME}`` (the name may itself contain ``=``)."""
+    from zmlcore.errors import BadRequestError
+
+    out: dict[str, str] = {}
+    for pair in pairs:
+        model, sep, name = pair.partition("=")
+        if not sep or not model.strip() or not name.strip():
+            raise BadRequestError(f"--served-name {pair!r}: expected MODEL=ENGINE_NAME")
+        out[model.strip()] = name.strip()
+    return out
 
 
 def _cooldown(n: dict[str, Any], now: float) -> str:

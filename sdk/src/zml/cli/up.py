@@ -1,7 +1,9 @@
 """`zml up`: embedded NATS + every service + the simulated demo fleet, in one command.
 
-Prints one line with ``ready`` and the gateway URL once a request would succeed; Ctrl-C or
-SIGTERM stops every child it started (by PID, in reverse order).
+Prints one line with ``ready`` and the gateway URL once a request would succeed. Every child
+(nats-server, services, sim fleet) is supervised: one that exits is started again after a backoff
+(0.5 s doubling to 10 s; reset after a minute up) and the restart is logged. Only Ctrl-C or
+SIGTERM stops `zml up`, and with it every child it started (by PID).
 """
 
 from __future__ import annotations
@@ -16,6 +18,10 @@ import urllib.error
 import urllib.request
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from zmlcore.supervise import Supervisor
 
 
 def demo_config_path() -> str:
@@ -58,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
     from zmlcore.config import load_config
     from zmlcore.errors import ConfigError
     from zmlcore.launch import endpoint_port, port_in_use, service_argv, spawn, start_nats, wait_port
+    from zmlcore.supervise import Supervisor
 
     config = args.config or demo_config_path()
     try:
@@ -73,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         if port_in_use(host, port):
             return _fail(f"port {port} on {host} is already in use: needed by {what}")
 
-    procs = []
+    sup = Supervisor()
     stopping = False
 
     def on_signal(signum: int, frame: object) -> None:
@@ -83,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     tmp = None
+    v = args.verbose
     try:
         if args.nats_url:
             nats_url = args.nats_url
@@ -92,31 +100,33 @@ def run(args: argparse.Namespace) -> int:
                 tmp = tempfile.TemporaryDirectory(prefix="zml-nats-")
                 data_dir = tmp.name
             Path(data_dir).mkdir(parents=True, exist_ok=True)
-            procs.append(start_nats(args.host, args.nats_port, data_dir, echo=args.verbose))
+            # Restarted on the same port and store: services reconnect and re-watch.
+            sup.add("nats", lambda: start_nats(args.host, args.nats_port, data_dir, echo=v))
             nats_url = f"nats://{args.host}:{args.nats_port}"
+
+        def service(name: str, *argv: str) -> None:
+            sup.add(name, lambda: spawn(name, list(argv), echo=v))
+
         if sim_nodes:
-            sim = spawn("sim", service_argv("sim", config, nats_url), echo=args.verbose)
-            procs.append(sim)
-        procs.append(spawn("health", service_argv("health", config, nats_url), echo=args.verbose))
-        procs.append(spawn("warmup", service_argv("warmup", config, nats_url), echo=args.verbose))
+            service("sim", *service_argv("sim", config, nats_url))
+        service("health", *service_argv("health", config, nats_url))
+        service("warmup", *service_argv("warmup", config, nats_url))
         for i in range(max(1, args.routers)):
-            procs.append(spawn(f"router-{i + 1}", service_argv("router", config, nats_url, "--router-id", f"router-{i + 1}"),
-                               echo=args.verbose))
-        gw_argv = service_argv("gateway", config, nats_url, "--host", args.host, "--port", str(args.gateway_port))
-        procs.append(spawn("gateway", gw_argv, echo=args.verbose))
+            service(f"router-{i + 1}", *service_argv("router", config, nats_url, "--router-id", f"router-{i + 1}"))
+        service("gateway", *service_argv("gateway", config, nats_url, "--host", args.host,
+                                          "--port", str(args.gateway_port)))
         url = f"http://{args.host}:{args.gateway_port}"
-        if not wait_port(args.host, args.gateway_port, 30):
-            return _died(procs) or _fail("the gateway did not start")
         model = next(iter(sorted({m for n in cfg.nodes for m in n.models})), None)
         deadline = time.monotonic() + args.ready_timeout
         last = (0, "")
         while model is not None and not stopping:
-            last = _probe(url, model)
+            sup.tick()
+            failed = _config_failure(sup)
+            if failed:
+                return failed
+            last = _probe(url, model) if wait_port(args.host, args.gateway_port, 0.5) else (0, "gateway not listening")
             if last[0] == 200:
                 break
-            dead = _died(procs)
-            if dead:
-                return dead
             if time.monotonic() > deadline:
                 return _fail(f"no successful request within {args.ready_timeout:g} s (last: {last[0]} {last[1]})")
             time.sleep(0.5)
@@ -124,25 +134,21 @@ def run(args: argparse.Namespace) -> int:
             print(f"zml ready: {url}  (OpenAI API at {url}/v1, NATS {nats_url}, {len(cfg.nodes)} nodes; Ctrl-C to stop)",
                   flush=True)
         while not stopping:
-            dead = _died(procs)
-            if dead:
-                return dead
+            sup.tick()
             time.sleep(0.2)
         return 0
     finally:
-        # Signal every child at once, then wait: stopping them one by one adds up the drains.
-        for proc in procs:
-            proc.terminate()
-        for proc in reversed(procs):
-            proc.stop()
+        sup.stop_all()
         if tmp is not None:
             tmp.cleanup()
         print("zml up: stopped", file=sys.stderr, flush=True)
 
 
-def _died(procs: list) -> int:  # type: ignore[type-arg]
-    for proc in procs:
-        if not proc.alive():
-            print(f"zml up: {proc.name} exited with code {proc.popen.returncode}:\n{proc.tail()}", file=sys.stderr)
+def _config_failure(sup: "Supervisor") -> int:
+    """Before ready, a child that exits with code 2 (bad config, port taken) will not do better
+    when restarted: stop with its message instead of looping."""
+    for child in sup.children:
+        if child.exits and child.exits[-1] == 2 and child.proc is not None:
+            print(f"zml up: {child.name} failed to start:\n{child.proc.tail()}", file=sys.stderr)
             return 1
     return 0

@@ -2,7 +2,8 @@
 dict lookups, a NATS request and a write).
 
 Routes: POST /v1/chat/completions, POST /v1/completions (OpenAI-compatible, streaming or not),
-GET /v1/models, GET /v1/nodes, GET /healthz; any other path is 404, a known path with the wrong
+POST /v1/embeddings, GET /v1/models, GET /v1/models/{id}, GET /v1/nodes,
+GET /healthz; any other path is 404, a known path with the wrong
 method 405. The body is validated here with the router's own rules (zmlcore.validate), so a
 bad request is a 400 before it costs a NATS round trip, and then goes to ``zml.infer`` as is.
 Every answer that is not a 200 carries OpenAI's error body (``message``, ``type``, ``code``).
@@ -14,6 +15,7 @@ import asyncio
 import logging
 import math
 import os
+import re
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -27,9 +29,7 @@ from zmlcore import subjects
 from zmlcore.config import ZMLConfig
 from zmlcore.costs import CostTable
 from zmlcore.errors import (
-    AuthError,
     BackendError,
-    RateLimitError,
     MethodNotAllowedError,
     NoHealthyNodesError,
     NotFoundError,
@@ -43,9 +43,11 @@ from zmlcore.errors import (
 from zmlcore.errors import ConnectionError as ZMLConnectionError
 from zmlcore.link import link_of
 from zmlcore.messages import NodeState
-from zmlcore.ratelimit import TokenBucket
+from zmlcore.keys import KeyRing
 from zmlcore.streamseq import SeqCheck
+from zml_gateway.access import Access, Caller, RateLimited
 from zmlcore.validate import check_request_id, clip, decode_request, request_timeout_s
+from zml_gateway.models import model_list, model_object
 
 log = logging.getLogger("zml.gateway")
 
@@ -56,7 +58,7 @@ Send = Callable[[dict[str, Any]], Awaitable[None]]
 _encode = msgspec.json.encode
 
 
-_ROUTES = {"/v1/chat/completions": "POST", "/v1/completions": "POST", "/v1/models": "GET",
+_ROUTES = {"/v1/chat/completions": "POST", "/v1/completions": "POST", "/v1/embeddings": "POST", "/v1/models": "GET",
            "/v1/nodes": "GET", "/healthz": "GET"}
 #: Room left in a NATS message for our headers when the body limit follows max_payload.
 _HEADER_ROOM = 4096
@@ -81,10 +83,13 @@ _ROUTING_HEADERS = (
 )
 
 
-class _RateLimited(Exception):
-    def __init__(self, headers: list[tuple[bytes, bytes]], reset: float) -> None:
-        self.headers = headers
-        self.reset = reset
+_TOTAL_TOKENS = re.compile(rb'"total_tokens"\s*:\s*(\d+)')
+
+
+def _total_tokens(data: bytes) -> int:
+    """Tokens a reply used (the last total_tokens: the routing metadata's), for plan limits."""
+    found = _TOTAL_TOKENS.findall(data[-4096:])
+    return int(found[-1]) if found else 0
 
 
 def _broker_lost() -> ZMLError:
@@ -93,7 +98,8 @@ def _broker_lost() -> ZMLError:
 
 
 class Gateway:
-    def __init__(self, cfg: ZMLConfig, nc: NATS, nodes: dict[str, NodeState], costs: CostTable | None = None) -> None:
+    def __init__(self, cfg: ZMLConfig, nc: NATS, nodes: dict[str, NodeState], costs: CostTable | None = None,
+                 access: Access | None = None) -> None:
         self.cfg = cfg
         self.nc = nc
         self.nodes = nodes  # kept current by the service from the KV stream
@@ -101,11 +107,7 @@ class Gateway:
         self.timeout = cfg.defaults.request_timeout_s
         self.max_body = cfg.gateway.max_body_bytes
         self.in_flight = 0  # inference requests held now (bounded by [gateway] max_concurrent)
-        self.keys = {f"Bearer {k}".encode() for k in cfg.gateway.api_keys}
-        rpm = cfg.gateway.requests_per_minute
-        self.rpm = rpm
-        self.burst = float(cfg.gateway.request_burst or max(1, round((rpm or 0) / 60)))
-        self.buckets: dict[bytes, TokenBucket] = {}
+        self.access = access or Access(cfg, KeyRing(cfg.gateway.api_keys), None)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -115,20 +117,21 @@ class Gateway:
             return
         method, path = scope["method"], scope["path"]
         try:
-            allowed = _ROUTES.get(path)
+            allowed = _ROUTES.get(path) or ("GET" if path.startswith("/v1/models/") else None)
             if allowed is None:
                 raise NotFoundError(f"no route {clip(path, 80)}: see /v1/chat/completions, /v1/completions, /v1/models")
             if method != allowed:
                 raise MethodNotAllowedError(f"{clip(path, 80)} takes {allowed}, not {clip(method, 20)}")
             if allowed == "POST":
-                self._auth(scope)
                 return await self._infer(scope, receive, send)
             if path == "/healthz":
                 ok = self.nc.is_connected
                 return await self._plain(send, 200 if ok else 503, {"status": "ok" if ok else "nats_disconnected"})
-            self._auth(scope)
+            self.access.authenticate(scope)
             if path == "/v1/models":
-                return await self._plain(send, 200, self._models())
+                return await self._plain(send, 200, model_list(self.cfg, self.nodes))
+            if path.startswith("/v1/models/"):
+                return await self._plain(send, 200, model_object(self.cfg, self.nodes, path[len("/v1/models/"):]))
             return await self._plain(send, 200, {"nodes": await self._node_table()})
         except ZMLError as exc:
             await self._error(send, exc, scope)
@@ -147,23 +150,6 @@ class Gateway:
                 await send({"type": "lifespan.shutdown.complete"})
                 return
 
-    def _auth(self, scope: Scope) -> None:
-        if not self.keys:
-            return
-        for name, value in scope["headers"]:
-            if name == b"authorization" and value in self.keys:
-                return
-        raise AuthError("invalid or missing API key: send `Authorization: Bearer <key>` (ZML_API_KEY)")
-
-    def _models(self) -> dict[str, Any]:
-        names = self.cfg.model_names()
-        for st in self.nodes.values():
-            names.update(st.models)
-        data = []
-        for name in sorted(names):
-            serving = [s.node_id for s in self.nodes.values() if name in s.models and s.status == "up"]
-            data.append({"id": name, "object": "model", "owned_by": "zml", "created": 0, "zml": {"nodes_up": serving}})
-        return {"object": "list", "data": data}
 
     async def _node_table(self) -> list[dict[str, Any]]:
         """Health's view of every node, with run-time prices and the routers' view (in flight,
@@ -186,6 +172,7 @@ class Gateway:
         out = []
         for node_id in sorted(self.nodes):
             row: dict[str, Any] = msgspec.to_builtins(self.costs.apply(self.nodes[node_id]))
+            row.setdefault("cost_per_hour", 0.0)  # omitted as a default, yet a free node's price
             seen = [v["nodes"][node_id] for v in views if node_id in v.get("nodes", {})]
             row["routers"] = len(seen)
             row["in_flight"] = max((r["outstanding"] for r in seen), default=0)
@@ -222,64 +209,47 @@ class Gateway:
             if not message.get("more_body"):
                 return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
-    def _rate_limit(self, scope: Scope) -> list[tuple[bytes, bytes]]:
-        """Take one request from the caller's bucket; the x-ratelimit-* headers to send."""
-        if self.rpm is None:
-            return []
-        who = b""
-        for name, value in scope["headers"]:
-            if name == b"authorization":
-                who = value
-                break
-        if not who:
-            client = scope.get("client")
-            who = str(client[0] if client else "").encode()
-        now = time.monotonic()
-        bucket = self.buckets.get(who)
-        if bucket is None:
-            if len(self.buckets) > 10_000:  # forget callers whose buckets have refilled
-                self.buckets = {k: b for k, b in self.buckets.items() if b.take(now, 0)[2] > 0}
-            bucket = self.buckets[who] = TokenBucket(self.rpm / 60.0, self.burst, now)
-        ok, remaining, reset = bucket.take(now)
-        headers = [
-            (b"x-ratelimit-limit-requests", str(self.rpm).encode()),
-            (b"x-ratelimit-remaining-requests", str(remaining).encode()),
-            (b"x-ratelimit-reset-requests", f"{reset:.3f}s".encode()),
-        ]
-        if not ok:
-            raise _RateLimited(headers, reset)
-        return headers
-
     async def _infer(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            limits = self._rate_limit(scope)
-        except _RateLimited as exc:
-            await self._plain(send, 429, RateLimitError(
-                f"more than {self.rpm} requests/minute for this key: retry in {exc.reset:.1f} s",
-                retry_after=exc.reset).to_body(),
-                [*exc.headers, (b"retry-after", str(max(1, math.ceil(exc.reset))).encode())])
-            return
+        caller = self.access.authenticate(scope)
         if self.in_flight >= self.cfg.gateway.max_concurrent:
             raise QueueFullError(f"this gateway holds {self.in_flight} requests, its limit: retry shortly",
                                  retry_after=1.0)
         self.in_flight += 1
         try:
-            await self._infer_admitted(scope, receive, send, limits)
+            await self._infer_admitted(scope, receive, send, caller)
         finally:
             self.in_flight -= 1
 
-    async def _infer_admitted(self, scope: Scope, receive: Receive, send: Send,
-                              limits: list[tuple[bytes, bytes]]) -> None:
+    async def _infer_admitted(self, scope: Scope, receive: Receive, send: Send, caller: Caller) -> None:
         body = await self._read_body(scope, receive)
         d = self.cfg.defaults
         req = decode_request(body, max_depth=d.max_json_depth)
         request_id = check_request_id(req.request_id) if req.request_id else os.urandom(8).hex()
         timeout = request_timeout_s(req.timeout_ms, None, self.timeout, d.max_request_timeout_s)
+        self.access.check_model(caller, req.model, self.cfg.resolve_model(req.model))
+        try:
+            limits = await self.access.admit(caller, request_id, timeout + 5.0)
+        except RateLimited as exc:
+            await self._plain(send, 429, exc.error.to_body(), exc.headers)
+            return
+        tokens = [0]
+        try:
+            await self._dispatch(body, req.stream, request_id, timeout, receive, send, limits, caller, tokens)
+        finally:
+            self.access.done(caller, request_id, tokens[0])
+
+    async def _dispatch(self, body: bytes, stream: bool, request_id: str, timeout: float, receive: Receive,
+                        send: Send, limits: list[tuple[bytes, bytes]], caller: Caller, tokens: list[int]) -> None:
         headers = {subjects.H_REQUEST_ID: request_id, subjects.H_TIMEOUT_MS: str(int(timeout * 1000))}
+        if caller.record is not None:  # the key's options travel with the request
+            if caller.record.default_policy:
+                headers[subjects.H_DEFAULT_POLICY] = caller.record.default_policy
+            if caller.record.label:
+                headers[subjects.H_LABEL] = caller.record.label
         if not self.nc.is_connected:  # fail fast: buffered until the broker is back, it may be lost
             raise ZMLConnectionError("the gateway has lost its broker connection; retry", retry_after=1.0)
-        if req.stream:
-            await self._infer_stream(body, headers, request_id, timeout, receive, send, limits)
+        if stream:
+            await self._infer_stream(body, headers, request_id, timeout, receive, send, limits, tokens)
             return
         # Watch for the client going away while the request runs: then cancel it on the node.
         request = asyncio.ensure_future(self.nc.request(subjects.INFER, body, timeout=timeout + 1.0, headers=headers))
@@ -313,12 +283,13 @@ class Gateway:
             value = rh.get(nats_name)
             if value is not None:
                 out.append((http_name, value.encode()))
+        tokens[0] = _total_tokens(reply.data)
         await send({"type": "http.response.start", "status": 200, "headers": out})
         await send({"type": "http.response.body", "body": reply.data})
 
     async def _infer_stream(
         self, body: bytes, headers: dict[str, str], request_id: str, timeout: float, receive: Receive, send: Send,
-        limits: list[tuple[bytes, bytes]],
+        limits: list[tuple[bytes, bytes]], tokens: list[int],
     ) -> None:
         queue: asyncio.Queue[Any] = asyncio.Queue(self.cfg.gateway.stream_buffer)
         overflow: list[bool] = []
@@ -393,6 +364,7 @@ class Gateway:
                     await send({"type": "http.response.start", "status": 200, "headers": out})
                     started = True
                 elif kind == subjects.STREAM_END:
+                    tokens[0] = _total_tokens(msg.data)
                     await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
                     return
                 else:  # error (or a non-stream reply from a router that ignored stream)

@@ -15,6 +15,9 @@ from zmlcore.config import ZMLConfig
 from zmlcore.costs import CostTable
 from zmlcore.kvfollow import KVFollower
 from zmlcore.messages import NodeState, node_state_decoder
+from zmlcore.keys import KeyRing
+from zmlcore.limiter import SharedLimiter
+from zml_gateway.access import Access
 from zml_gateway.app import Gateway
 from zml_gateway.protocol import BoundedHttpTools
 
@@ -37,12 +40,19 @@ class GatewayService:
         self._server: _Server | None = None
         self._serve: asyncio.Task[None] | None = None
         self._follow: asyncio.Task[None] | None = None
+        self._follow_keys: asyncio.Task[None] | None = None
+        self.limiter: SharedLimiter | None = None
 
     async def start(self, nc: NATS) -> None:
         follower = KVFollower(nc, subjects.NODES_BUCKET, on_put=self._put_node, on_delete=self._delete_node)
         self._follow = asyncio.create_task(follower.run())
         self._follow_costs = asyncio.create_task(self.costs.follower(nc).run())
-        app = Gateway(self.cfg, nc, self.nodes, self.costs)
+        ring = KeyRing(self.cfg.gateway.api_keys)
+        keys = ring.follower(nc)
+        self._follow_keys = asyncio.create_task(keys.run())
+        await keys.wait_ready(2.0)  # keys known before the first request (else: 401s at start)
+        self.limiter = await SharedLimiter.open(nc)
+        app = Gateway(self.cfg, nc, self.nodes, self.costs, Access(self.cfg, ring, self.limiter))
         g = self.cfg.gateway
         protocol = BoundedHttpTools.with_limits(g.max_header_bytes, g.max_headers, g.header_timeout_s)
         config = uvicorn.Config(
@@ -62,7 +72,9 @@ class GatewayService:
             self._server.should_exit = True
         if self._serve is not None:
             await asyncio.wait([self._serve], timeout=10)
-        for task in (self._follow, self._follow_costs):
+        if self.limiter is not None:
+            await self.limiter.close()
+        for task in (self._follow, self._follow_costs, self._follow_keys):
             if task is not None:
                 task.cancel()
 

@@ -16,6 +16,8 @@ import httpx
 import aiohttp
 from httpx_aiohttp import AiohttpTransport
 
+from zmlcore.sse import SSELineTooLong, aiter_sse_lines, data_field
+
 
 class Failure(enum.Enum):
     NETWORK = "network"  # connect/read error, dropped connection: cooldown, retry elsewhere
@@ -124,15 +126,20 @@ async def stream_sse(client: NodeClient, url: str, body: bytes, headers: dict[st
         if resp.status_code >= 300:
             raise classify(resp, await resp.aread())
         try:
-            async for line in resp.aiter_lines():
-                if not line.startswith("data:"):
+            # Lines end at CR/LF only (zmlcore.sse): not at U+2028 & co. inside JSON strings.
+            async for line in aiter_sse_lines(resp.aiter_bytes()):
+                data = data_field(line)
+                if data is None:
                     continue
-                data = line[5:].strip()
-                if data == "[DONE]":
+                data = data.strip()
+                if data == b"[DONE]":
                     return
-                yield data.encode()
+                if data:
+                    yield data
         except httpx.HTTPError as exc:
             raise AttemptError(Failure.NETWORK, 0, f"stream broken: {type(exc).__name__}: {exc}") from exc
+        except SSELineTooLong as exc:
+            raise AttemptError(Failure.SERVER, 200, f"stream broken: {exc}") from exc
         # The server closed the stream without [DONE]: treat as a broken stream.
         raise AttemptError(Failure.NETWORK, 0, "stream ended without [DONE]")
     finally:

@@ -67,6 +67,8 @@ from zml_router.dispatch import (
     within_first_byte,
 )
 from zml_router.firstbyte import expected_s, first_byte_timeout
+from zml_router.kinds import PATHS, check_kind
+from zml_router.rename import Renamer
 from zml_router.queue import H_DEADLINE, H_ENQUEUED, H_TOTAL_MS, QueuedMsg, SaturationQueue
 from zml_router.table import NodeTable
 
@@ -97,14 +99,13 @@ def _with_routing(raw: bytes, info: RoutingInfo) -> bytes:
     raise AttemptError(Failure.SERVER, 200, f"node answered a non-object JSON body: {raw[:100]!r}")
 
 
-_PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions"}
 
 
 class _Outcome:
     """What happened to one request, for its completion event."""
 
     __slots__ = ("model", "node_id", "family", "ok", "error_code", "node_error", "failed_nodes",
-                 "attempts", "info", "queued", "slow_nodes")
+                 "attempts", "info", "queued", "slow_nodes", "label")
 
     def __init__(self) -> None:
         self.model = ""
@@ -118,6 +119,7 @@ class _Outcome:
         self.attempts = 0
         self.info: RoutingInfo | None = None
         self.queued = False  # parked in the saturation queue: its event comes when it is served
+        self.label = ""  # the API key's cost-attribution label (gateway header)
 
 
 _EVENT_COMPLETED = subjects.event(subjects.EVENT_COMPLETED)
@@ -131,7 +133,7 @@ class RouterService:
     def __init__(self, cfg: ZMLConfig, router_id: str | None = None) -> None:
         self.cfg = cfg
         self.router_id = router_id or f"router-{_new_id()[:6]}"
-        self.table = NodeTable()
+        self.table = NodeTable(cfg.families())
         self.marks = Marks(self.table, self.router_id)
         self.state = RoutingState()
         self.nc: NATS | None = None
@@ -277,6 +279,10 @@ class RouterService:
             req = decode_request(msg.data, max_depth=self.cfg.defaults.max_json_depth)
             stream = req.stream
             request_id = check_request_id(asked_id or req.request_id or _new_id())
+            # The gateway passes the API key's options: its default policy, its cost label.
+            if req.policy is None and req.routing is None and subjects.H_DEFAULT_POLICY in headers:
+                req.routing = headers[subjects.H_DEFAULT_POLICY]
+            out.label = headers.get(subjects.H_LABEL, "")[:200]
             timeout = request_timeout_s(req.timeout_ms, headers.get(subjects.H_TIMEOUT_MS),
                                         self._default_timeout, self.cfg.defaults.max_request_timeout_s)
             task = asyncio.current_task()
@@ -309,8 +315,11 @@ class RouterService:
     def _prepare(self, req: InferRequest, raw: bytes) -> tuple[str, ResolvedPolicy, RouteRequest]:
         model = self.cfg.resolve_model(req.model)
         per_call = req.policy if req.policy is not None else req.routing
-        policy = resolve_policy(self.cfg, model, per_call)
-        max_tokens = req.max_tokens or req.max_completion_tokens or 512
+        # Chains may name families registered at run time, not only zml.toml's.
+        policy = resolve_policy(self.cfg, model, per_call, self.table.families())
+        check_kind(self.cfg, model, req)
+        # An embedding is a prefill and no decode: one "output token" for the estimate.
+        max_tokens = 1 if req.input is not None else req.max_tokens or req.max_completion_tokens or 512
         # ~4 bytes per token of JSON body: good enough for a TTFT estimate, and O(1).
         rr = RouteRequest(model=model, prompt_tokens=len(raw) // 4, max_tokens=max_tokens,
                           accelerator_id=req.accelerator_id)
@@ -360,16 +369,19 @@ class RouterService:
                 request_id=request_id,
                 attempts=attempt,
                 router_id=self.router_id,
+                label=out.label,
             )
             out.info = info
             served = self.table.views[decision.node_id].state.served_names.get(model)
             node_body = self._backend_body(msg.data, served, req.model) if served else body
             first_byte = self._first_byte_s(decision.node_id, req, rr)
+            # The engine answers with its own name: the client gets back the name it asked for.
+            rename = Renamer(served, req.model) if served and served != req.model else None
             try:
                 if req.stream:
-                    await self._dispatch_stream(msg, req, node_body, info, t0, first_byte)
+                    await self._dispatch_stream(msg, req, node_body, info, t0, first_byte, rename)
                 else:
-                    await self._dispatch_once(msg, req, node_body, info, t0, first_byte)
+                    await self._dispatch_once(msg, req, node_body, info, t0, first_byte, rename)
                 out.ok = True
                 return
             except AttemptError as err:
@@ -395,9 +407,11 @@ class RouterService:
                 out.queued = True
                 await self._saturated(msg, req, model, request_id, policy.config.max_queue_ms, timeout)
                 return
+            pinned = req.accelerator_id is not None  # the node was the caller's choice, not the policy's
             raise QueueFullError(
+                f"node {req.accelerator_id!r} is overloaded" if pinned else
                 f"every node tried for {model!r} is overloaded ({len(excluded)} tried)",
-                routing_context={"policy": policy.name, "final_error": "all_nodes_over_capacity",
+                routing_context={"policy": "pinned" if pinned else policy.name, "final_error": "all_nodes_over_capacity",
                                  "nodes_tried": sorted(excluded),
                                  "recommendation": "increase fleet capacity or enable queue_on_saturation"},
                 retry_after=last.retry_after or 1.0,
@@ -421,7 +435,7 @@ class RouterService:
             node_error=node_error, failed_nodes=failed, ts=time.time(),
             ttft_s=info.time_to_first_token if info is not None and out.ok else None,
             latency_s=time.monotonic() - t0, attempts=out.attempts, router_id=self.router_id,
-            request_id=request_id, slow_nodes=out.slow_nodes,
+            request_id=request_id, slow_nodes=out.slow_nodes, label=out.label,
         )
         try:
             await self.nc.publish(_EVENT_COMPLETED, completed_encoder.encode(ev))
@@ -491,6 +505,9 @@ class RouterService:
         wait_s = (max_queue_ms or 0) / 1000.0
         deadline = now + min(wait_s, timeout)
         headers = {subjects.H_REQUEST_ID: request_id, subjects.H_TIMEOUT_MS: str(int(timeout * 1000))}
+        for name in (subjects.H_DEFAULT_POLICY, subjects.H_LABEL):  # the key's options wait with it
+            if msg.headers and name in msg.headers:
+                headers[name] = msg.headers[name]
         if isinstance(msg, QueuedMsg):
             # Back in the queue after losing a race for capacity: keep its deadlines.
             deadline = float(msg.headers.get(H_DEADLINE, deadline))
@@ -596,7 +613,7 @@ class RouterService:
         return h
 
     def _url(self, info: RoutingInfo, req: InferRequest) -> str:
-        return self.table.views[info.node_id].state.endpoint.rstrip("/") + _PATHS[req.kind()]
+        return self.table.views[info.node_id].state.endpoint.rstrip("/") + PATHS[req.kind()]
 
     # --- in-flight accounting ----------------------------------------------------------------
     async def _count(self, node_id: str, outstanding: int, pending: int) -> None:
@@ -612,7 +629,7 @@ class RouterService:
             await self.nc.publish(subjects.INFLIGHT, _encode(delta))
 
     async def _dispatch_once(self, msg: Msg | QueuedMsg, req: InferRequest, body: bytes, info: RoutingInfo, t0: float,
-                             first_byte: float | None = None) -> None:
+                             first_byte: float | None = None, rename: Renamer | None = None) -> None:
         # A non-streamed reply shows no first token: pending ends with the request.
         await self._count(info.node_id, 1, 1)
         try:
@@ -621,10 +638,12 @@ class RouterService:
         finally:
             await self._count(info.node_id, -1, -1)
         info.time_to_first_token = time.monotonic() - t0
+        if rename is not None:
+            raw = rename(raw)
         await self._publish(msg.reply, _with_routing(raw, info), self._routing_headers(info))
 
     async def _dispatch_stream(self, msg: Msg | QueuedMsg, req: InferRequest, body: bytes, info: RoutingInfo, t0: float,
-                               first_byte: float | None = None) -> None:
+                               first_byte: float | None = None, rename: Renamer | None = None) -> None:
         await self._count(info.node_id, 1, 1)
         pending = 1
         started = False
@@ -648,6 +667,8 @@ class RouterService:
                             info.total_tokens = usage["total_tokens"]
                     except msgspec.DecodeError:
                         pass
+                if rename is not None:
+                    chunk = rename(chunk)
                 seq += 1  # numbered so that a receiver notices a lost message (zmlcore.streamseq)
                 await self._publish(msg.reply, chunk, {subjects.H_STREAM: subjects.STREAM_CHUNK, subjects.H_SEQ: str(seq)})
             if not started:  # a stream with no chunk at all

@@ -24,8 +24,10 @@ PEER_TTL_S = 3.0
 
 
 class NodeTable:
-    def __init__(self) -> None:
+    def __init__(self, configured_families: list[str] | None = None) -> None:
         self.views: dict[str, NodeView] = {}
+        self._configured = list(configured_families or ())
+        self._families: list[str] | None = None
         # Cached list for choose_node; rebuilt only when membership changes.
         self._list: list[NodeView] | None = None
         #: Called after every state update (the saturation queue re-checks capacity).
@@ -37,6 +39,16 @@ class NodeTable:
         #: States as the health service sent them; views carry them with run-time prices.
         self.raw: dict[str, NodeState] = {}
         self.costs = CostTable(on_change=self._cost_changed)
+
+    def families(self) -> list[str]:
+        """What a policy's chain may name: zml.toml's families, then those of nodes seen in the
+        KV bucket (registered at run time with ``zml nodes add --family``), in that order."""
+        if self._families is None:
+            seen = dict.fromkeys(self._configured)
+            for v in self.views.values():
+                seen.setdefault(v.state.family, None)
+            self._families = list(seen)
+        return self._families
 
     def nodes(self) -> list[NodeView]:
         if self._list is None:
@@ -55,14 +67,18 @@ class NodeTable:
         if view is None:
             view = self.views[state.node_id] = NodeView(state)
             self._list = None
+            self._families = None
             self._refresh(state.node_id)
         else:
+            if view.state.family != state.family:
+                self._families = None
             view.state = state
 
     def remove(self, node_id: str) -> None:
         self.raw.pop(node_id, None)
         if self.views.pop(node_id, None) is not None:
             self._list = None
+            self._families = None
 
     # --- in-flight counts -----------------------------------------------------------------------
     def _refresh(self, node_id: str) -> None:

@@ -1,7 +1,7 @@
 """Inference request and reply messages (subject ``zml.infer``).
 
-The request is an OpenAI chat-completions (or completions) body plus ZML's optional routing
-fields, so a raw NATS publisher sends the same JSON it would POST to the gateway. Unknown
+The request is an OpenAI chat-completions (or completions, or embeddings) body plus ZML's
+optional routing fields, so a raw NATS publisher sends the same JSON it would POST to the gateway. Unknown
 OpenAI parameters (``top_p``, ``stop``, ``seed``...) are not declared here: they are kept in
 the raw payload and forwarded to the backend untouched.
 """
@@ -46,6 +46,9 @@ class InferRequest(msgspec.Struct, kw_only=True):
     messages: list[ChatMessage] | None = None
     #: Completions-style prompt (``/v1/completions`` or the SDK's ``prompt=``).
     prompt: str | list[str] | None = None
+    #: Text to embed (``/v1/embeddings``): a string, a list of strings, token ids or lists of
+    #: token ids. ``encoding_format`` and ``dimensions`` are forwarded as sent.
+    input: str | list[Any] | None = None
     max_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
     max_completion_tokens: Annotated[int, msgspec.Meta(ge=1)] | None = None
     temperature: Annotated[float, msgspec.Meta(ge=0)] | None = None
@@ -61,8 +64,27 @@ class InferRequest(msgspec.Struct, kw_only=True):
     request_id: str | None = None
     timeout_ms: Annotated[int, msgspec.Meta(ge=1)] | None = None
 
-    def kind(self) -> Literal["chat", "completion"]:
+    def kind(self) -> Literal["chat", "completion", "embedding"]:
+        if self.input is not None:
+            return "embedding"
         return "chat" if self.messages is not None else "completion"
+
+    def shape_error(self) -> str | None:
+        """Why the request cannot be served whatever the fleet, or None."""
+        given = [k for k in ("messages", "prompt", "input") if getattr(self, k) is not None]
+        if len(given) != 1:
+            return "give exactly one of `messages` (chat), `prompt` (completions) or `input` (embeddings)"
+        if self.input is None:
+            return None
+        if self.stream:
+            return "embeddings are not streamed: drop `stream`"
+        items = [self.input] if isinstance(self.input, str) else self.input
+        if not items:
+            return "`input` is empty"
+        if not (all(isinstance(i, str) for i in items) or all(isinstance(i, int) for i in items)
+                or all(isinstance(i, list) and i and all(isinstance(t, int) for t in i) for i in items)):
+            return "`input` must be a string, a list of strings, token ids or lists of token ids"
+        return None
 
 
 class RoutingInfo(msgspec.Struct, kw_only=True):
@@ -83,6 +105,8 @@ class RoutingInfo(msgspec.Struct, kw_only=True):
     #: reply for non-streaming backends that send everything at once).
     time_to_first_token: float | None = None
     total_tokens: int | None = None
+    #: The API key's cost-attribution label ("" without one).
+    label: str = ""
 
 
 class StreamStart(msgspec.Struct, kw_only=True):

@@ -52,6 +52,8 @@ class RequestCompleted(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=
     #: Nodes abandoned for this request because no first byte came within the router's
     #: per-attempt deadline (also in ``failed_nodes``/``node_id``): health marks them slow.
     slow_nodes: list[str] = []
+    #: The API key's cost-attribution label ("" without one).
+    label: str = ""
 
 
 WarmupPhase = Literal["started", "loaded", "failed", "probed"]

@@ -47,11 +47,10 @@ def node_speeds(st: NodeState) -> tuple[float, float, int]:
 
 
 def node_cost(st: NodeState) -> float:
-    """$/hour of a node (the polled value, else the type's list price)."""
-    if st.cost_per_hour > 0:
-        return st.cost_per_hour
-    a = ACCELERATORS.get(st.accelerator_type)
-    return a.cost_per_hour if a else 0.0
+    """$/hour of a node: its state's price. The health service fills it in (zml.toml's price,
+    else the type's list price) and ``zml cost set`` overrides it, so 0 is a real price (a
+    free node), not "unset"."""
+    return st.cost_per_hour
 
 
 def bucket(x: float) -> int:

@@ -56,6 +56,8 @@ def build_parser() -> argparse.ArgumentParser:
     faults.add_argument("--hang", action="store_true", help="accept requests and never answer")
     faults.add_argument("--overload", action="store_true", help="answer the engine's overload error")
     faults.add_argument("--retry-after-s", type=float, default=None, help="Retry-After on errors/overload")
+    faults.add_argument("--separator-tokens", action="store_true",
+                        help="output words holding U+2028/U+2029/U+0085 (JSON-legal, not SSE line ends)")
     return p
 
 
@@ -64,6 +66,7 @@ def _faults(args: argparse.Namespace) -> Faults:
         "error_rate": args.error_rate, "error_status": args.error_status,
         "drop_mid_stream": args.drop_mid_stream, "slowdown": args.slowdown, "hang": args.hang,
         "overload": args.overload, "retry_after_s": args.retry_after_s,
+        "separator_tokens": args.separator_tokens,
     })
 
 

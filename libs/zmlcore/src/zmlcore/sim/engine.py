@@ -63,15 +63,23 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
 
 
-def token_text(node_id: str, index: int) -> str:
-    """Text of output token ``index``: the first names the node, then one word per token."""
+#: Words with the separators a real vocabulary has (llama's has U+2028) that JSON carries raw
+#: and only a wrong SSE reader splits lines at: LINE SEPARATOR, PARAGRAPH SEPARATOR, NEXT LINE.
+SEPARATOR_WORDS = ("line\u2028separator", "paragraph\u2029separator", "next\u0085line")
+
+
+def token_text(node_id: str, index: int, separators: bool = False) -> str:
+    """Text of output token ``index``: the first names the node, then one word per token
+    (with ``separators``, every other word is one of :data:`SEPARATOR_WORDS`)."""
     if index == 0:
         return f"[{node_id}] "
+    if separators and index % 2:
+        return SEPARATOR_WORDS[(index // 2) % len(SEPARATOR_WORDS)] + " "
     return WORDS[(index - 1) % len(WORDS)] + " "
 
 
-def filler_text(node_id: str, start: int, stop: int) -> str:
-    return "".join(token_text(node_id, i) for i in range(start, stop))
+def filler_text(node_id: str, start: int, stop: int, separators: bool = False) -> str:
+    return "".join(token_text(node_id, i, separators) for i in range(start, stop))
 
 
 class SimError(Exception):
@@ -101,6 +109,8 @@ class Faults:
     """Retry-After header on error and overload answers."""
     probe_loss: float = 0.0
     """Share of ``/health`` requests lost: the connection is closed without an answer."""
+    separator_tokens: bool = False
+    """Every other output word holds U+2028, U+2029 or U+0085 (sent raw in JSON, as engines do)."""
 
     def updated(self, data: dict[str, Any]) -> Faults:
         """A copy with ``data`` applied; raises ValueError naming a bad field."""
@@ -243,7 +253,8 @@ class SimRequest:
         return "".join(pieces)
 
     def _emit(self, n: int) -> None:
-        self._queue.put_nowait(filler_text(self.engine.node_id, self.generated, self.generated + n))
+        self._queue.put_nowait(filler_text(self.engine.node_id, self.generated, self.generated + n,
+                                           self.engine.faults.separator_tokens))
         self.generated += n
 
     def _close(self, state: str, error: str | None = None) -> None:

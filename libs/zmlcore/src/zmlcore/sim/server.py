@@ -32,6 +32,7 @@ from aiohttp import web
 
 from zmlcore.accelerators import ACCELERATORS
 from zmlcore.config import NodeConfig
+from zmlcore.sim import embeddings
 from zmlcore.sim.engine import Faults, SimEngine, SimError, SimRequest
 from zmlcore.sim.model import SimProfile, estimate_tokens
 
@@ -263,6 +264,7 @@ class SimNode:
         r = app.router
         r.add_post("/v1/chat/completions", self._chat)
         r.add_post("/v1/completions", self._completions)
+        r.add_post("/v1/embeddings", self._embeddings)
         r.add_get("/v1/models", self._models)
         r.add_get("/health", self._health)
         r.add_get("/metrics", self._metrics)
@@ -444,6 +446,37 @@ class SimNode:
             return await self._complete(request, req, chat=chat, drop=drop)
         finally:
             eng.cancel(req)
+
+    async def _embeddings(self, request: web.Request) -> web.StreamResponse:
+        """Deterministic vectors (``zmlcore.sim.embeddings``), scheduled as a prefill."""
+        eng = self.engine
+        try:
+            model, texts, dims, fmt, tokens = embeddings.parse(_decode.decode(await request.read()))
+        except msgspec.DecodeError as exc:
+            return self._error(400, f"Invalid JSON in request body: {exc}", "bad_request")
+        except embeddings.EmbeddingRequestError as exc:
+            return self._error(400, str(exc), "bad_request")
+        if model is None:
+            if not eng.models:
+                return self._loading_error() if eng.loading else self._error(404, "No model is loaded", "not_found")
+            model = next(iter(eng.models))
+        if model not in eng.models:
+            if model in eng.loading and self.engine_kind in ("sglang", "llamacpp"):
+                return self._loading_error()
+            return self._error(404, f"The model `{model}` does not exist.", "not_found")
+        if eng.overloaded:
+            return self._overload()
+        if eng.sample_error():
+            return self._error(eng.faults.error_status, "Injected fault: internal server error", "internal",
+                               self._retry_headers())
+        req = eng.submit(model, tokens, 1)
+        try:
+            await req.text()
+        except SimError as exc:
+            return self._error(500, str(exc), "internal")
+        finally:
+            eng.cancel(req)
+        return _json_response(embeddings.response(model, texts, dims, fmt, tokens))
 
     def _envelope(self, req: SimRequest, chat: bool, chunk: bool) -> dict[str, Any]:
         prefix = "chatcmpl" if chat else "cmpl"

@@ -1,0 +1,96 @@
+"""`zml keys create|list|revoke`: API keys with plans, stored hashed in NATS KV (no restart).
+
+    zml keys create --plan team --name ci       # prints the key once
+    zml keys list
+    zml keys revoke 3f9a0c21b7de                # every gateway refuses it within a second
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import time
+
+
+def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
+    p = sub.add_parser("keys", help="create, list and revoke API keys (plans: maker, team, custom)")
+    verbs = p.add_subparsers(dest="verb", required=True)
+    c = verbs.add_parser("create", help="create a key; it is printed once and stored only as a SHA-256")
+    c.add_argument("--plan", default="maker", choices=("maker", "team", "custom"),
+                   help="maker: 60 requests/min, 5 concurrent; team: 600 and 50; custom: the numbers below")
+    c.add_argument("--name", default="", help="who or what the key is for")
+    c.add_argument("--rpm", type=int, help="requests per minute (overrides the plan's)")
+    c.add_argument("--concurrent", type=int, help="requests at once (overrides the plan's)")
+    c.add_argument("--tpm", type=int, help="tokens per minute")
+    c.add_argument("--model", action="append", default=[], dest="models", metavar="MODEL",
+                   help="a model the key may use (repeatable; default: all)")
+    c.add_argument("--policy", default="", help="routing policy for requests that name none")
+    c.add_argument("--label", default="", help="cost-attribution label (routing metadata, completion events)")
+    ls = verbs.add_parser("list", help="list keys (ids, plans, limits; never the keys)")
+    ls.add_argument("--json", action="store_true")
+    r = verbs.add_parser("revoke", help="revoke a key by id")
+    r.add_argument("key_id")
+    for q in (c, ls, r):
+        q.add_argument("--nats-url", help="NATS URL (default: ZML_NATS_URL, then zml.toml, then nats://127.0.0.1:4222)")
+        q.add_argument("--config", help="zml.toml (default: found in this folder or a parent)")
+    p.set_defaults(func=run)
+
+
+def _limits_text(limits: dict[str, int]) -> str:
+    parts = [f"{limits[k]} {label}" for k, label in (("requests_per_minute", "req/min"), ("concurrent", "concurrent"),
+                                                     ("tokens_per_minute", "tok/min")) if limits.get(k) is not None]
+    return ", ".join(parts) or "no limits"
+
+
+def run(args: argparse.Namespace) -> int:
+    import os
+
+    import msgspec
+
+    from zmlcore.config import find_config, load_config
+    from zmlcore.errors import BadRequestError
+    from zmlcore.keys import create_key, list_keys, revoke_key
+    from zmlcore.natsio import connect
+    from zmlcore.plans import plan_limits
+
+    url = args.nats_url or os.environ.get("ZML_NATS_URL") or load_config(args.config or find_config()).nats.url
+    for value in (getattr(args, "rpm", None), getattr(args, "concurrent", None), getattr(args, "tpm", None)):
+        if value is not None and value < 1:
+            raise BadRequestError("limits must be >= 1")
+
+    async def go() -> int:
+        nc = await connect(url, "zml-cli", connect_timeout=3)
+        try:
+            if args.verb == "create":
+                limits = plan_limits(args.plan, requests_per_minute=args.rpm, concurrent=args.concurrent,
+                                     tokens_per_minute=args.tpm)
+                key, rec = await create_key(nc, plan=args.plan, limits=limits, name=args.name, models=args.models,
+                                            default_policy=args.policy, label=args.label)
+                print(f"id:   {rec.id}\nplan: {rec.plan} ({_limits_text(msgspec.to_builtins(rec.limits))})")
+                print(f"key:  {key}\n(shown once: only its SHA-256 is stored)")
+                return 0
+            if args.verb == "list":
+                records = await list_keys(nc)
+                if args.json:
+                    print(json.dumps([{k: v for k, v in msgspec.to_builtins(r).items() if k != "sha256"}
+                                      for r in records], indent=2))
+                    return 0
+                if not records:
+                    print("no API keys (create one with `zml keys create --plan maker`)")
+                for r in records:
+                    created = time.strftime("%Y-%m-%d %H:%M", time.gmtime(r.created_at))
+                    extra = "".join(f"  {k}={v}" for k, v in (("models", ",".join(r.models)), ("policy", r.default_policy),
+                                                              ("label", r.label)) if v)
+                    print(f"{r.id}  {r.plan:<6}  {_limits_text(msgspec.to_builtins(r.limits)):<34}  "
+                          f"{created}  {r.name or '-'}{extra}")
+                return 0
+            if await revoke_key(nc, args.key_id):
+                print(f"{args.key_id}: revoked")
+                return 0
+            print(f"{args.key_id}: no such key")
+            return 1
+        finally:
+            await nc.close()
+
+    return asyncio.run(go())

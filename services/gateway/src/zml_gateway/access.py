@@ -1,0 +1,128 @@
+"""Who is calling and how much they may: API keys, plans, and the per-address fallback.
+
+- A run-time key (``zml keys create``) carries a plan: its limits are shared by every gateway
+  replica through :class:`~zmlcore.limiter.SharedLimiter` (KV compare-and-set).
+- A static zml.toml key, or an anonymous caller when no key is configured, is limited by
+  ``[gateway] requests_per_minute`` in a token bucket of this replica. Anonymous callers are
+  told apart by client address only: a made-up ``Authorization`` header is not an identity
+  (rotating it gave a fresh bucket each time).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+from zmlcore.config import ZMLConfig
+from zmlcore.errors import AuthError, PermissionDeniedError, RateLimitError
+from zmlcore.keys import KeyRing
+from zmlcore.limiter import SharedLimiter
+from zmlcore.messages.keys import ApiKeyRecord
+from zmlcore.plans import Verdict
+from zmlcore.ratelimit import TokenBucket
+
+Headers = list[tuple[bytes, bytes]]
+
+
+class RateLimited(Exception):
+    def __init__(self, error: RateLimitError, headers: Headers) -> None:
+        self.error = error
+        self.headers = headers
+
+
+@dataclass(slots=True)
+class Caller:
+    identity: str
+    record: ApiKeyRecord | None = None
+    leased: bool = field(default=False)
+
+
+def _verdict_headers(v: Verdict) -> Headers:
+    out: Headers = []
+    if v.requests_limit is not None:
+        out += [(b"x-ratelimit-limit-requests", str(v.requests_limit).encode()),
+                (b"x-ratelimit-remaining-requests", str(v.requests_remaining).encode()),
+                (b"x-ratelimit-reset-requests", f"{v.requests_reset_s:.3f}s".encode())]
+    if v.tokens_limit is not None:
+        out += [(b"x-ratelimit-limit-tokens", str(v.tokens_limit).encode()),
+                (b"x-ratelimit-remaining-tokens", str(v.tokens_remaining).encode()),
+                (b"x-ratelimit-reset-tokens", f"{v.tokens_reset_s:.3f}s".encode())]
+    return out
+
+
+class Access:
+    def __init__(self, cfg: ZMLConfig, ring: KeyRing, limiter: SharedLimiter | None) -> None:
+        self.ring = ring
+        self.limiter = limiter
+        self.rpm = cfg.gateway.requests_per_minute
+        self.burst = float(cfg.gateway.request_burst or max(1, round((self.rpm or 0) / 60)))
+        self.buckets: dict[str, TokenBucket] = {}
+
+    def authenticate(self, scope: dict) -> Caller:  # type: ignore[type-arg]
+        if not self.ring.enabled:
+            client = scope.get("client")
+            return Caller(f"addr:{client[0] if client else ''}")
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                found = self.ring.verify(value)
+                if isinstance(found, ApiKeyRecord):
+                    return Caller(f"key:{found.id}", found)
+                if found is not None:
+                    return Caller(found)
+                break
+        raise AuthError("invalid, revoked or missing API key: send `Authorization: Bearer <key>` (ZML_API_KEY)")
+
+    @staticmethod
+    def check_model(caller: Caller, asked: str, canonical: str) -> None:
+        allowed = caller.record.models if caller.record is not None else None
+        if allowed and asked not in allowed and canonical not in allowed:
+            raise PermissionDeniedError(f"this API key may not use model {canonical!r}")
+
+    async def admit(self, caller: Caller, request_id: str, lease_s: float) -> Headers:
+        """Count one request; the x-ratelimit-* headers to send. Raises RateLimited."""
+        record = caller.record
+        if record is not None:
+            limits = record.limits
+            if self.limiter is None or (limits.requests_per_minute is None and limits.concurrent is None
+                                        and limits.tokens_per_minute is None):
+                return []
+            v = await self.limiter.acquire(caller.identity, limits, lease_id=request_id, lease_s=lease_s)
+            headers = _verdict_headers(v)
+            if not v.ok:
+                what = {"requests": f"{limits.requests_per_minute} requests/minute",
+                        "tokens": f"{limits.tokens_per_minute} tokens/minute",
+                        "concurrent": f"{limits.concurrent} concurrent requests",
+                        "contended": "the limiter's retries"}.get(v.reason, v.reason)
+                raise RateLimited(RateLimitError(f"plan {record.plan!r}: over {what}; retry in {v.retry_after_s:.1f} s",
+                                                 retry_after=v.retry_after_s),
+                                  [*headers, (b"retry-after", str(max(1, math.ceil(v.retry_after_s))).encode())])
+            caller.leased = True
+            return headers
+        return self._local(caller)
+
+    def _local(self, caller: Caller) -> Headers:
+        if self.rpm is None:
+            return []
+        now = time.monotonic()
+        bucket = self.buckets.get(caller.identity)
+        if bucket is None:
+            if len(self.buckets) > 10_000:  # forget callers whose buckets have refilled
+                self.buckets = {k: b for k, b in self.buckets.items() if b.take(now, 0)[2] > 0}
+            bucket = self.buckets[caller.identity] = TokenBucket(self.rpm / 60.0, self.burst, now)
+        ok, remaining, reset = bucket.take(now)
+        headers = [
+            (b"x-ratelimit-limit-requests", str(self.rpm).encode()),
+            (b"x-ratelimit-remaining-requests", str(remaining).encode()),
+            (b"x-ratelimit-reset-requests", f"{reset:.3f}s".encode()),
+        ]
+        if not ok:
+            raise RateLimited(RateLimitError(f"more than {self.rpm} requests/minute for this key: retry in {reset:.1f} s",
+                                             retry_after=reset),
+                              [*headers, (b"retry-after", str(max(1, math.ceil(reset))).encode())])
+        return headers
+
+    def done(self, caller: Caller, request_id: str, tokens: int) -> None:
+        if caller.leased and self.limiter is not None:
+            caller.leased = False
+            self.limiter.release_soon(caller.identity, lease_id=request_id, tokens=tokens)

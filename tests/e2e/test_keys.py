@@ -1,0 +1,205 @@
+"""API keys with plans (issue 9): created, listed and revoked at run time over NATS KV, limits
+shared by two gateway replicas, per-key models/policy/label. A broker of its own: a key in the
+bucket turns authentication on for every gateway on that broker."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import nats
+import pytest
+
+from conftest import LLAMA3_POLICY, MODEL, MODEL_2, Stack, launch_stack
+from zmlcore import subjects
+from zmlcore.keys import create_key, keys_kv, revoke_key
+from zmlcore.launch import free_port, service_argv, spawn, wait_port
+from zmlcore.messages.keys import PlanLimits
+
+CHAT = [{"role": "user", "content": "hi"}]
+OK = {"model": MODEL, "messages": CHAT, "max_tokens": 1}
+
+
+@pytest.fixture(scope="module")
+def two_gateways(own_nats: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, list[str]]]:
+    stack = launch_stack(own_nats, tmp_path_factory.mktemp("keys"), routers=1, extra=LLAMA3_POLICY)
+    port = free_port()
+    proc = spawn("gateway-2", service_argv("gateway", stack.config_path, own_nats, "--port", str(port)))
+    stack.procs["gateway-2"] = proc
+    try:
+        assert wait_port("127.0.0.1", port, 20), proc.tail()
+        yield stack, [stack.gateway_url, f"http://127.0.0.1:{port}"]
+    finally:
+        stack.stop()
+
+
+def _cli(stack: Stack, *args: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "zml.cli", "keys", *args, "--nats-url", stack.nats_url],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+async def _key(stack: Stack, **kw: object) -> tuple[str, str]:
+    nc = await nats.connect(stack.nats_url)
+    try:
+        key, rec = await create_key(nc, plan=str(kw.pop("plan", "custom")), **kw)  # type: ignore[arg-type]
+    finally:
+        await nc.close()
+    return key, rec.id
+
+
+def _auth(key: str) -> dict[str, str]:
+    return {"authorization": f"Bearer {key}"}
+
+
+async def _until(check, timeout: float = 10.0) -> float:  # type: ignore[no-untyped-def]
+    t0 = time.monotonic()
+    while not await check():
+        assert time.monotonic() - t0 < timeout, "condition not reached"
+        await asyncio.sleep(0.02)
+    return time.monotonic() - t0
+
+
+def test_cli_create_list_and_the_key_is_stored_hashed(two_gateways: tuple[Stack, list[str]]) -> None:
+    stack, urls = two_gateways
+    out = _cli(stack, "create", "--plan", "team", "--name", "ci-bot", "--label", "team-a")
+    key = next(line.split()[1] for line in out.splitlines() if line.startswith("key:"))
+    key_id = next(line.split()[1] for line in out.splitlines() if line.startswith("id:"))
+    assert "600 req/min, 50 concurrent" in out
+    listing = _cli(stack, "list")
+    assert key_id in listing and "ci-bot" in listing and key not in listing
+
+    async def stored() -> bytes:
+        nc = await nats.connect(stack.nats_url)
+        try:
+            return (await (await keys_kv(nc)).get(key_id)).value
+        finally:
+            await nc.close()
+
+    raw = asyncio.run(stored())
+    assert key.encode() not in raw and key.split("_")[2].encode() not in raw
+    assert json.loads(raw)["sha256"] and json.loads(raw)["plan"] == "team"
+    for url in urls:
+        with httpx.Client(base_url=url, timeout=30) as c:
+            # Keys are on now: none, an unknown one, a rotated one are all AUTH_FAILED.
+            for headers in ({}, _auth("zml_000000000000_nope"), _auth(key + "x"), {"authorization": key}):
+                r = c.post("/v1/chat/completions", json=OK, headers=headers)
+                assert r.status_code == 401 and r.json()["error"]["code"] == "AUTH_FAILED", r.text
+            r = c.post("/v1/chat/completions", json=OK, headers=_auth(key))
+            assert r.status_code == 200, r.text
+            assert r.headers["x-ratelimit-limit-requests"] == "600"
+            assert r.json()["zml"]["label"] == "team-a"
+    assert "revoked" in _cli(stack, "revoke", key_id)
+
+
+async def test_two_gateways_admit_the_plan_rate_together(two_gateways: tuple[Stack, list[str]]) -> None:
+    stack, urls = two_gateways
+    key, _ = await _key(stack, limits=PlanLimits(requests_per_minute=10))
+    codes = []
+    async with httpx.AsyncClient(timeout=30) as c:
+        for i in range(24):
+            r = await c.post(urls[i % 2] + "/v1/chat/completions", json=OK, headers=_auth(key))
+            codes.append(r.status_code)
+            if r.status_code == 429:
+                assert r.json()["error"]["code"] == "RATE_LIMITED"
+                assert int(r.headers["retry-after"]) >= 1 and r.headers["x-ratelimit-remaining-requests"] == "0"
+    # A fresh key in one minute: 10 in all (a window edge during the run can free at most a few).
+    assert 10 <= codes.count(200) <= 13, codes
+    assert codes[:10] == [200] * 10, codes
+
+
+async def test_concurrency_is_shared(two_gateways: tuple[Stack, list[str]]) -> None:
+    stack, urls = two_gateways
+    key, _ = await _key(stack, limits=PlanLimits(concurrent=2))
+    slow = {"model": MODEL, "messages": CHAT, "max_tokens": 400}
+    async with httpx.AsyncClient(timeout=60) as c:
+        rs = await asyncio.gather(*(c.post(urls[i % 2] + "/v1/chat/completions", json=slow, headers=_auth(key))
+                                    for i in range(6)))
+        codes = sorted(r.status_code for r in rs)
+        assert codes.count(200) >= 2 and codes.count(429) >= 2, codes
+        assert all("concurrent" in r.json()["error"]["message"] for r in rs if r.status_code == 429)
+        # Leases are freed when requests end.
+        async def freed() -> bool:
+            return (await c.post(urls[0] + "/v1/chat/completions", json=OK, headers=_auth(key))).status_code == 200
+        await _until(freed)
+
+
+async def test_tokens_per_minute(two_gateways: tuple[Stack, list[str]]) -> None:
+    stack, urls = two_gateways
+    key, _ = await _key(stack, limits=PlanLimits(tokens_per_minute=60))
+    body = {"model": MODEL, "messages": CHAT, "max_tokens": 40}
+    async with httpx.AsyncClient(timeout=30) as c:
+        first = await c.post(urls[0] + "/v1/chat/completions", json=body, headers=_auth(key))
+        assert first.status_code == 200 and first.headers["x-ratelimit-limit-tokens"] == "60"
+
+        async def refused() -> bool:  # the tokens are counted just after the reply
+            r = await c.post(urls[1] + "/v1/chat/completions", json=body, headers=_auth(key))
+            return r.status_code == 429 and "tokens/minute" in r.json()["error"]["message"]
+        await _until(refused)
+
+
+async def test_revocation_reaches_every_gateway_within_a_second(two_gateways: tuple[Stack, list[str]]) -> None:
+    stack, urls = two_gateways
+    key, key_id = await _key(stack, limits=PlanLimits())
+    async with httpx.AsyncClient(timeout=30) as c:
+        for url in urls:
+            assert (await c.post(url + "/v1/chat/completions", json=OK, headers=_auth(key))).status_code == 200
+        nc = await nats.connect(stack.nats_url)
+        try:
+            assert await revoke_key(nc, key_id)
+        finally:
+            await nc.close()
+        t0 = time.monotonic()
+        for url in urls:
+            async def gone(url: str = url) -> bool:
+                r = await c.get(url + "/v1/models", headers=_auth(key))
+                return r.status_code == 401
+            await _until(gone, 5.0)
+        elapsed = time.monotonic() - t0
+    assert elapsed < 1.5, f"revocation took {elapsed:.2f} s to reach both gateways"
+
+
+async def test_allowed_models_default_policy_and_label_in_events(two_gateways: tuple[Stack, list[str]]) -> None:
+    stack, urls = two_gateways
+    key, _ = await _key(stack, limits=PlanLimits(), models=[MODEL], default_policy="cost", label="dept-42")
+    nc = await nats.connect(stack.nats_url)
+    events = await nc.subscribe(subjects.event(subjects.EVENT_COMPLETED))
+    try:
+        async with httpx.AsyncClient(timeout=30) as c:
+            r = await c.post(urls[1] + "/v1/chat/completions", json={**OK, "model": MODEL_2}, headers=_auth(key))
+            assert r.status_code == 403 and r.json()["error"]["code"] == "MODEL_NOT_ALLOWED", r.text
+            r = await c.post(urls[1] + "/v1/chat/completions", json={**OK, "request_id": "label-check"},
+                             headers=_auth(key))
+            assert r.status_code == 200, r.text
+            assert r.json()["zml"]["policy"] == "cost" and r.json()["zml"]["label"] == "dept-42"
+            r = await c.post(urls[1] + "/v1/chat/completions", json={**OK, "routing": "latency"}, headers=_auth(key))
+            assert r.json()["zml"]["policy"] == "latency"  # a request's own policy wins
+        while True:
+            ev = json.loads((await events.next_msg(timeout=10)).data)
+            if ev.get("request_id") == "label-check":
+                assert ev["label"] == "dept-42"
+                break
+    finally:
+        await nc.close()
+
+
+def test_static_keys_still_work(two_gateways: tuple[Stack, list[str]], tmp_path: Path) -> None:
+    stack, _ = two_gateways
+    cfg = tmp_path / "zml.toml"
+    cfg.write_text('[gateway]\napi_keys = ["static-secret"]\n' + Path(stack.config_path).read_text())
+    port = free_port()
+    proc = spawn("gateway-static", service_argv("gateway", str(cfg), stack.nats_url, "--port", str(port)))
+    try:
+        assert wait_port("127.0.0.1", port, 20), proc.tail()
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=30) as c:
+            assert c.post("/v1/chat/completions", json=OK, headers=_auth("static-secret")).status_code == 200
+            assert c.post("/v1/chat/completions", json=OK, headers=_auth("static-secreT")).status_code == 401
+    finally:
+        proc.stop()

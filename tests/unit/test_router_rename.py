@@ -1,0 +1,44 @@
+"""The reply's ``model`` is the name the client asked for (issue 10 item 2): the router's
+targeted rewrite of the engine's name, on bodies shaped as real engines send them."""
+
+from __future__ import annotations
+
+import json
+
+from zml_router.rename import Renamer
+
+ENGINE = "/models/Meta-Llama-3-8B-Instruct.Q4_K_M.gguf"
+ASKED = "meta-llama/llama-3-8b-instruct"
+
+
+def test_vllm_style_body() -> None:
+    body = json.dumps({"id": "c", "object": "chat.completion", "model": ENGINE,
+                       "choices": [{"message": {"content": "the model said \"model\": x"}}]}).encode()
+    out = json.loads(Renamer(ENGINE, ASKED)(body))
+    assert out["model"] == ASKED
+    assert out["choices"][0]["message"]["content"] == 'the model said "model": x'
+
+
+def test_llamacpp_style_compact_body_with_model_last() -> None:
+    body = (b'{"choices":[{"delta":{"content":"model"}}],"created":1,"id":"x",'
+            b'"model":"' + ENGINE.encode() + b'","object":"chat.completion.chunk"}')
+    assert json.loads(Renamer(ENGINE, ASKED)(body))["model"] == ASKED
+
+
+def test_whitespace_around_the_colon() -> None:
+    body = b'{ "model" :\n "' + ENGINE.encode() + b'" }'
+    assert json.loads(Renamer(ENGINE, ASKED)(body)) == {"model": ASKED}
+
+
+def test_escaped_slashes_fall_back_to_a_decode() -> None:
+    body = b'{"model":"' + ENGINE.replace("/", "\\/").encode() + b'","choices":[]}'
+    assert json.loads(Renamer(ENGINE, ASKED)(body)) == {"model": ASKED, "choices": []}
+
+
+def test_other_names_and_bodies_without_model_are_untouched() -> None:
+    r = Renamer(ENGINE, ASKED)
+    other = b'{"model":"something-else","choices":[]}'
+    assert r(other) is other or r(other) == other
+    no_model = b'{"choices":[],"usage":{"total_tokens":3}}'
+    assert r(no_model) == no_model
+    assert r(b"not json") == b"not json"

@@ -1,0 +1,85 @@
+"""SSE lines end at CR, LF or CRLF only (issue 10 item 1): never at U+2028, U+2029, U+0085 or
+the other characters str.splitlines() (and httpx's iter_lines) treat as line ends."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from zml._core import SSEDecoder
+from zmlcore.sse import SSELineSplitter, SSELineTooLong, aiter_sse_lines, data_field, iter_sse_lines
+
+# Legal raw in a JSON string (JSON escapes only U+0000..U+001F), and line ends to splitlines().
+SEPARATORS = "\u2028\u2029\u0085"
+EVENT = ('data: {"choices":[{"delta":{"content":"a' + SEPARATORS + 'b"}}]}').encode()
+
+
+def test_unicode_separators_stay_inside_the_line() -> None:
+    assert len(EVENT.decode().splitlines()) == 4  # what a generic splitter would do
+    assert list(iter_sse_lines([EVENT + b"\n\n"])) == [EVENT, b""]
+
+
+def test_other_splitlines_breaks_are_not_line_ends_either() -> None:
+    line = "data: a\x0b\x0c\x1c\x1d\x1eb".encode()
+    assert list(iter_sse_lines([line + b"\n"])) == [line]
+
+
+@pytest.mark.parametrize("end", [b"\n", b"\r", b"\r\n"])
+def test_each_spec_line_end(end: bytes) -> None:
+    stream = EVENT + end + end + b"data: [DONE]" + end + end
+    assert list(iter_sse_lines([stream])) == [EVENT, b"", b"data: [DONE]", b""]
+
+
+def test_any_chunking_gives_the_same_lines() -> None:
+    stream = EVENT + b"\r\n\r\n" + EVENT + b"\r\rdata: [DONE]\n\n"
+    want = list(iter_sse_lines([stream]))
+    assert want == [EVENT, b"", EVENT, b"", b"data: [DONE]", b""]
+    for size in (1, 2, 3, 7, 64):
+        chunks = [stream[i:i + size] for i in range(0, len(stream), size)]
+        assert list(iter_sse_lines(chunks)) == want, size
+
+
+def test_crlf_split_across_chunks_is_one_line_end() -> None:
+    s = SSELineSplitter()
+    assert s.feed(b"data: 1\r") == [b"data: 1"]
+    assert s.feed(b"\n") == []
+    assert s.feed(b"\ndata: 2\n") == [b"", b"data: 2"]
+
+
+def test_unterminated_last_line_is_flushed() -> None:
+    assert list(iter_sse_lines([b"data: 1\ndata: 2"])) == [b"data: 1", b"data: 2"]
+
+
+def test_a_line_without_end_is_bounded() -> None:
+    s = SSELineSplitter(max_line=100)
+    s.feed(b"x" * 100)
+    with pytest.raises(SSELineTooLong):
+        s.feed(b"x")
+
+
+def test_async_twin() -> None:
+    async def chunks():  # type: ignore[no-untyped-def]
+        for c in (EVENT[:10], EVENT[10:] + b"\n", b"\n"):
+            yield c
+
+    async def collect() -> list[bytes]:
+        return [line async for line in aiter_sse_lines(chunks())]
+
+    assert asyncio.run(collect()) == [EVENT, b""]
+
+
+def test_data_field() -> None:
+    assert data_field(b"data: x") == b"x"
+    assert data_field(b"data:x") == b"x"
+    assert data_field(b"data:  x") == b" x"
+    assert data_field(b": keep-alive") is None
+    assert data_field(b"event: y") is None
+
+
+def test_sdk_decoder_keeps_the_separators_in_the_text() -> None:
+    dec = SSEDecoder()
+    events = [dec.feed(line.decode()) for line in iter_sse_lines([EVENT + b"\n\n"])]
+    chunk = next(e for e in events if e is not None)
+    assert chunk.kind == "chunk" and chunk.chunk is not None
+    assert chunk.chunk.text == "a" + SEPARATORS + "b"
