@@ -14,7 +14,7 @@ from conftest import MODEL
 
 #: Every request's own timeout (timeout_ms) and the grace after which it counts as a hang.
 TIMEOUT_S = 6.0
-GRACE_S = 4.0
+GRACE_S = 10.0  # generous: the CI box is 2 cores shared by many
 
 
 def load_for(stack: ChaosStack, **kw: Any) -> Load:

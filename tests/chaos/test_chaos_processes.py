@@ -19,6 +19,7 @@ import pytest
 
 from chaosload import Report, record
 from chaosstack import VICTIM, ChaosStack, NatsServer, nats_connect, poll_until
+import overload
 from scenario import calm, run, to_thread
 from zmlcore import subjects
 from zmlcore.launch import free_port
@@ -32,7 +33,11 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ChaosStack]:
     broker = NatsServer("nats", free_port(), tmp / "nats")
     broker.start()
     # Health's default thresholds (3 failed probes for down): the probe-loss scenario's subject.
-    s = ChaosStack(tmp, [broker.url], routers=2, gateways=2, health=2, warmup=2, health_toml={"down_after": 3})
+    # Sims with 4 slots each at time_scale 2.5 and routers shedding beyond a 2 s TTFT estimate:
+    # the overload scenario's capacity model (overload.py); the others run well inside it.
+    s = ChaosStack(tmp, [broker.url], routers=2, gateways=2, health=2, warmup=2, health_toml={"down_after": 3},
+                   time_scale=overload.TIME_SCALE, sim_extra=f"max_concurrency = {overload.MAX_CONCURRENCY}\n",
+                   router_toml="cooldown_s = 5\nadmission_ttft_s = 2.0\n")
     try:
         s.start()
         yield s
@@ -98,11 +103,25 @@ def test_kill_a_gateway(calm_stack: ChaosStack) -> None:
     calm_stack.restart("gateway-1")
 
 
+async def _active(stack: ChaosStack, nc: object, role: str) -> str:
+    """The replica holding ``role``'s leader lease (KV ``zml_leases``, value ``role@host:pid``),
+    or ``role-1`` where no lease is kept (every replica active)."""
+    try:
+        kv = await nc.jetstream().key_value("zml_leases")  # type: ignore[attr-defined]
+        holder = (await kv.get(role)).value.decode()
+        pid = int(holder.rsplit(":", 1)[1])
+        return next(name for name, p in stack.procs.items() if p.pid == pid and p.alive())
+    except Exception:
+        return f"{role}-1"
+
+
 def test_kill_health_and_warmup(calm_stack: ChaosStack) -> None:
-    """The active health and warmup die: node state keeps flowing (the other replicas take over
-    within two poll intervals), so no router ever sees a node state go stale."""
+    """The active health and warmup die: node state keeps flowing (a standby takes the lease
+    over), so no router ever sees a node state go stale."""
     poll_s = 0.5
+    ttl_s = max(2.0, poll_s)  # the lease's TTL: one poll interval, at least 2 s
     ages: list[tuple[float, float]] = []
+    killed: list[str] = []
 
     async def scenario() -> None:
         nc = await nats_connect(calm_stack.nats_urls)
@@ -117,25 +136,30 @@ def test_kill_health_and_warmup(calm_stack: ChaosStack) -> None:
                 await asyncio.sleep(0.2)
 
         async def inject() -> None:
-            calm_stack.kill("health-1")
-            calm_stack.kill("warmup-1")
+            for role in ("health", "warmup"):
+                killed.append(await _active(calm_stack, nc, role))
+                calm_stack.kill(killed[-1])
 
         watcher = asyncio.create_task(watch())
         try:
-            report = await run(calm_stack, "kill -9 health + warmup", inject)
+            report = await run(calm_stack, "kill -9 active health + warmup", inject)
         finally:
             stop.set()
             await watcher
             await nc.close()
+        report.notes["killed"] = "+".join(killed)
         report.notes["max_state_age_s"] = round(max(a for _, a in ages), 2)
         record(report)
         report.assert_clean()
         _no_connection_errors(report)
-        assert report.notes["max_state_age_s"] <= 2 * poll_s + 1.0, report.summary()
+        # A standby takes over within ttl + ttl/4 of the last renewal, then polls: the oldest
+        # node state any router holds stays under that plus a poll and a 1 s margin (the
+        # routers call a state stale after stale_after_s = 15 s).
+        assert report.notes["max_state_age_s"] <= 1.25 * ttl_s + poll_s + 1.0, report.summary()
 
     asyncio.run(scenario())
-    calm_stack.restart("health-1")
-    calm_stack.restart("warmup-1")
+    for name in killed:
+        calm_stack.restart(name)
 
 
 def test_kill_a_node_mid_stream(calm_stack: ChaosStack) -> None:
@@ -206,7 +230,7 @@ def test_drop_connections_mid_stream(calm_stack: ChaosStack) -> None:
 
 #: The issue's probe-loss run is 10 minutes; in CI the window is this long (the full run is the
 #: soak bench's `--probe-loss` mode).
-PROBE_LOSS_WINDOW_S = 15.0
+PROBE_LOSS_WINDOW_S = 10.0
 
 
 def test_probe_loss_10_percent_no_flaps(calm_stack: ChaosStack) -> None:
@@ -255,3 +279,7 @@ def test_probe_loss_10_percent_no_flaps(calm_stack: ChaosStack) -> None:
     assert report.notes["nodes_watched"] == len(calm_stack.node_ports), report.summary()
     report.assert_clean(min_completed=0.99)
     assert not flaps, flaps
+
+
+def test_overload_150_percent(calm_stack: ChaosStack) -> None:
+    overload.overload_150_percent(calm_stack)

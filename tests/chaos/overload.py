@@ -4,25 +4,21 @@ completes again within seconds. Goodput and slot occupancy are measured and reco
 
 Capacity is the sims' own model (``SimProfile.capacity_rps`` at the requests' mean lengths, times
 ``time_scale``, summed over the fleet): what the nodes can do, not what this box's CPU can push.
-Requests are open-loop Poisson arrivals, half streamed.
+Requests are open-loop Poisson arrivals, half streamed. Run by test_chaos_processes.py on its
+stack (sims with 4 slots each at time_scale 2.5, routers shedding beyond a 2 s TTFT estimate).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
-import pytest
 
 from chaosload import Load, LoadGen, Report, record
-from chaosstack import FLEET, ChaosStack, NatsServer
+from chaosstack import FLEET, ChaosStack
 from conftest import MODEL
-from zmlcore.launch import free_port
 from zmlcore.sim.model import SimProfile
 
-pytestmark = pytest.mark.timeout(240)
 
 TIME_SCALE = 2.5
 MAX_CONCURRENCY = 4
@@ -41,24 +37,7 @@ def capacity_rps() -> float:
                for _, acc, _ in FLEET) * TIME_SCALE
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ChaosStack]:
-    tmp: Path = tmp_path_factory.mktemp("overload")
-    broker = NatsServer("nats", free_port(), tmp / "nats")
-    broker.start()
-    # The routers shed what would wait more than 2 s for its first token.
-    s = ChaosStack(tmp, [broker.url], routers=2, gateways=1, health=1, time_scale=TIME_SCALE,
-                   sim_extra=f"max_concurrency = {MAX_CONCURRENCY}\n",
-                   router_toml="cooldown_s = 5\nadmission_ttft_s = 2.0\n")
-    try:
-        s.start()
-        yield s
-    finally:
-        s.stop()
-        broker.stop()
-
-
-def test_overload_150_percent(stack: ChaosStack) -> None:
+def overload_150_percent(stack: ChaosStack) -> None:
     cap = capacity_rps()
     report = Report("overload 150% of capacity, then 50%")
 
@@ -73,7 +52,7 @@ def test_overload_150_percent(stack: ChaosStack) -> None:
             await asyncio.sleep(0.25)
 
     async def scenario() -> float:
-        load = Load(stack.gateway_urls, MODEL, tokens=TOKENS, timeout_s=10.0, grace_s=5.0, seed=3,
+        load = Load(stack.gateway_urls, MODEL, tokens=TOKENS, timeout_s=10.0, grace_s=10.0, seed=3,
                     prompt_chars=4 * PROMPT_TOKENS)
         async with LoadGen(load) as lg:
             stop = asyncio.Event()
