@@ -194,6 +194,11 @@ class LoadGen:
                         for g in load.gateways]
         self._next_gw = 0
         self.in_flight = 0
+        self._stopping = False
+
+    def stop(self) -> None:
+        """Closed-loop workers send nothing more (requests in flight finish)."""
+        self._stopping = True
 
     async def aclose(self) -> None:
         for c in self.clients:
@@ -337,7 +342,7 @@ class LoadGen:
 
         async def worker() -> None:
             nonlocal issued
-            while (total is None or issued < total) and time.monotonic() < end:
+            while (total is None or issued < total) and time.monotonic() < end and not self._stopping:
                 issued += 1
                 result = await self.one()
                 report.results.append(result)

@@ -23,10 +23,13 @@ def load_for(stack: ChaosStack, **kw: Any) -> Load:
 
 
 async def run(stack: ChaosStack, name: str, inject: Callable[[], Awaitable[Any]] | None = None, *,
-              total: int = 160, fault_at: int = 40, clients: int = 8, max_s: float = 60.0,
-              load: Load | None = None, report: Report | None = None) -> Report:
+              total: int = 160, fault_at: int = 40, clients: int = 8, max_s: float = 90.0,
+              after_fault_s: float | None = None, load: Load | None = None,
+              report: Report | None = None) -> Report:
     """``total`` requests from ``clients`` workers (at most ``max_s`` seconds); ``inject`` runs
-    once ``fault_at`` requests have finished. ``report.notes['fault_t']`` is when it ran."""
+    once ``fault_at`` requests have finished (or a third of ``max_s`` has passed, on a slow
+    box). With ``after_fault_s`` the load runs that long after the fault, however many requests
+    that takes. ``report.notes['fault_t']`` is when the fault was injected."""
     report = report or Report(name)
     reached = asyncio.Event()
 
@@ -35,15 +38,19 @@ async def run(stack: ChaosStack, name: str, inject: Callable[[], Awaitable[Any]]
             reached.set()
 
     async with LoadGen(load or load_for(stack)) as lg:
-        task = asyncio.create_task(lg.closed(report, clients=clients, total=total, duration_s=max_s,
-                                             on_progress=progress))
+        task = asyncio.create_task(lg.closed(report, clients=clients, total=None if after_fault_s else total,
+                                             duration_s=max_s, on_progress=progress))
         if inject is not None:
-            done, _ = await asyncio.wait([task, asyncio.ensure_future(reached.wait())],
-                                         return_when=asyncio.FIRST_COMPLETED)
-            if task not in done:
-                report.notes["fault_t"] = time.monotonic()
-                report.notes["in_flight_at_fault"] = lg.in_flight
-                await inject()
+            try:
+                await asyncio.wait_for(reached.wait(), max_s / 3)
+            except asyncio.TimeoutError:
+                pass
+            report.notes["fault_t"] = time.monotonic()
+            report.notes["in_flight_at_fault"] = lg.in_flight
+            await inject()
+            if after_fault_s is not None:
+                await asyncio.sleep(after_fault_s)
+                lg.stop()
         await task
     return report
 

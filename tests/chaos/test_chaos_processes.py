@@ -20,7 +20,7 @@ import pytest
 from chaosload import Report, record
 from chaosstack import VICTIM, ChaosStack, NatsServer, nats_connect, poll_until
 import overload
-from scenario import calm, run, to_thread
+from scenario import calm, load_for, run, to_thread
 from zmlcore import subjects
 from zmlcore.launch import free_port
 
@@ -195,7 +195,11 @@ def test_hang_a_node(calm_stack: ChaosStack) -> None:
     async def inject() -> None:
         await to_thread(calm_stack.faults, "h100-a", hang=True)
 
-    report = asyncio.run(run(calm_stack, "hang a node", inject, max_s=25))
+    # The router's first-byte deadline is at least 5 s (first_byte_floor_s): requests get 20 s,
+    # the suite's usual request_timeout_s, so one failover fits on a starved box.
+    load = load_for(calm_stack)
+    load.timeout_s = 20.0
+    report = asyncio.run(run(calm_stack, "hang a node", inject, max_s=45, load=load))
     record(report)
     report.assert_clean(min_completed=0.95)
     assert report.codes()["TIMEOUT"] == 0, report.summary()
