@@ -85,6 +85,13 @@ class Stack:
     node_ids: list[str]
     node_ports: dict[str, int]
     procs: dict[str, Proc] = field(default_factory=dict)
+    #: service name -> its Prometheus /metrics port (routers and health; the gateway uses its own)
+    metrics_ports: dict[str, int] = field(default_factory=dict)
+    #: role -> nkey seed file, for a broker with authorization (SecureBus); empty: open broker.
+    identities: dict[str, str] = field(default_factory=dict)
+
+    def env_of(self, role: str) -> dict[str, str] | None:
+        return {"ZML_NATS_NKEY": self.identities[role]} if role in self.identities else None
 
     def sim_url(self, node_id: str) -> str:
         return f"http://127.0.0.1:{self.node_ports[node_id]}"
@@ -102,7 +109,10 @@ class Stack:
         return httpx.get(self.sim_url(node_id) + "/sim/state", timeout=5).json()
 
     def start_router(self, name: str) -> Proc:
-        proc = spawn(name, service_argv("router", self.config_path, self.nats_url, "--router-id", name))
+        self.metrics_ports[name] = port = free_port()
+        proc = spawn(name, service_argv("router", self.config_path, self.nats_url, "--router-id", name,
+                                        "--metrics-port", str(port)),
+                     env=self.env_of("router"))
         self.procs[name] = proc
         return proc
 
@@ -134,21 +144,27 @@ def wait_ready(gateway_url: str, model: str, timeout: float = 60.0, want_nodes: 
 
 
 def launch_stack(nats_url: str, tmp: Path, *, fleet: list[tuple[str, str, list[str]]] | None = None,
-                 routers: int = 2, **toml: Any) -> Stack:
-    """Sims + health + routers + gateway as separate processes, started as `zml up` does."""
+                 routers: int = 2, identities: dict[str, str] | None = None, **toml: Any) -> Stack:
+    """Sims + health + routers + gateway as separate processes, started as `zml up` does.
+    ``identities``: role -> seed file when the broker has authorization (SecureBus.seeds)."""
     fleet = fleet or FLEET
     ports = {node_id: free_port() for node_id, _, _ in fleet}
     config = tmp / "zml.toml"
     config.write_text(fleet_toml(ports, fleet=fleet, **toml))
     gw_port = free_port()
     procs: dict[str, Proc] = {}
-    stack = Stack(f"http://127.0.0.1:{gw_port}", nats_url, str(config), MODEL, [f[0] for f in fleet], ports, procs)
+    stack = Stack(f"http://127.0.0.1:{gw_port}", nats_url, str(config), MODEL, [f[0] for f in fleet], ports, procs,
+                  identities=dict(identities or {}))
     try:
         procs["sim"] = spawn("sim", service_argv("sim", str(config), nats_url))
-        procs["health"] = spawn("health", service_argv("health", str(config), nats_url))
+        stack.metrics_ports["health"] = free_port()
+        procs["health"] = spawn("health", service_argv("health", str(config), nats_url, "--metrics-port",
+                                                       str(stack.metrics_ports["health"])),
+                                env=stack.env_of("health"))
         for i in range(1, routers + 1):
             stack.start_router(f"router-{i}")
-        procs["gateway"] = spawn("gateway", service_argv("gateway", str(config), nats_url, "--port", str(gw_port)))
+        procs["gateway"] = spawn("gateway", service_argv("gateway", str(config), nats_url, "--port", str(gw_port)),
+                                 env=stack.env_of("gateway"))
         deadline = time.monotonic() + 30
         while not wait_port("127.0.0.1", gw_port, 0.2):
             dead = [p.name for p in procs.values() if not p.alive()]
@@ -181,3 +197,42 @@ def own_nats(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield f"nats://127.0.0.1:{port}"
     finally:
         proc.stop()
+
+
+@dataclass
+class SecureBus:
+    """A nats-server with authorization as `zml up` runs it: an nkey identity per service and
+    for the admin CLI, each with its role's permissions (zmlcore.natsperms)."""
+
+    url: str
+    data_dir: Path
+    proc: Proc
+    seeds: dict[str, str]  # role/name -> seed file
+
+    def issue(self, name: str, role: str = "client") -> str:
+        from zmlcore import natscreds
+
+        ident = natscreds.issue(self.data_dir, name, role=role)
+        natscreds.reload_server(self.data_dir)
+        self.seeds[name] = ident.seed_file
+        return ident.seed_file
+
+
+def start_secure_bus(data_dir: Path, **tls: Any) -> SecureBus:
+    from zmlcore import natscreds
+
+    ids = natscreds.ensure_builtin(data_dir)
+    conf = natscreds.write_server_config(data_dir, **tls)
+    port = free_port()
+    proc = start_nats("127.0.0.1", port, str(data_dir / "jetstream"), config=conf)
+    return SecureBus(f"nats://127.0.0.1:{port}", data_dir, proc, {n: i.seed_file for n, i in ids.items()})
+
+
+@pytest.fixture(scope="module")
+def secure_bus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureBus]:
+    """A broker of the module's own with authorization on (what `zml up` runs by default)."""
+    bus = start_secure_bus(tmp_path_factory.mktemp("secure-nats"))
+    try:
+        yield bus
+    finally:
+        bus.proc.stop()

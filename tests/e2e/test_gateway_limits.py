@@ -18,7 +18,7 @@ def limited(zml_stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Itera
     """A second gateway on the same system, with keys and a limit of 120/min, burst 3."""
     base = Path(zml_stack.config_path).read_text()
     cfg = tmp_path_factory.mktemp("limits") / "zml.toml"
-    cfg.write_text('[gateway]\napi_keys = ["k-one", "k-two"]\nrequests_per_minute = 120\nrequest_burst = 3\n' + base)
+    cfg.write_text('[gateway]\napi_keys = ["k-one", "k-two", "k-three"]\nrequests_per_minute = 120\nrequest_burst = 3\n' + base)
     port = free_port()
     proc = spawn("gateway-limited", service_argv("gateway", str(cfg), zml_stack.nats_url, "--port", str(port)))
     try:
@@ -74,3 +74,21 @@ def test_without_keys_the_limit_is_per_client_address(zml_stack: Stack, tmp_path
         assert codes[:2] == [200, 200] and 429 in codes[2:], codes
     finally:
         proc.stop()
+
+
+def test_rate_limit_rejections_are_counted_by_key_label(limited: str) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from zmlcore.keys import hash_key
+
+    label = f"static-{hash_key('k-three')[:12]}"  # a static key's id (run-time keys: their label)
+    with httpx.Client(base_url=limited, timeout=20) as c:
+        codes = [c.post("/v1/chat/completions", json=BODY, headers={"authorization": "Bearer k-three"}).status_code
+                 for _ in range(8)]  # a burst of 3: some are refused
+        text = c.get("/metrics").text
+    refused = codes.count(429)
+    assert refused >= 1, codes
+    counted = sum(s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+                  if s.name == "zml_gateway_rate_limited_total" and s.labels.get("key") == label)
+    assert counted == refused
+    assert "k-three" not in text  # the label, never the key

@@ -304,6 +304,8 @@ async def test_killing_one_of_two_routers_under_load_loses_nothing(stack: Stack)
     assert max(elapsed for _, _, elapsed, _ in results) < timeout_ms / 1000 + 2.5  # none hangs
     # The survivor forgets the dead replica's in-flight share within its TTL.
     await asyncio.sleep(3.5)
+    # router_states asks every live replica: the restarted one must be listening (slow on a busy box).
+    assert await asyncio.to_thread(stack.procs["router-2"].wait_for, "started", 30), stack.procs["router-2"].tail()
     states = await router_states(stack)
     assert sum(v["outstanding"] for v in states["router-1"]["nodes"].values()) == 0
 

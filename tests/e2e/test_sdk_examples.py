@@ -38,14 +38,19 @@ def examples_stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[s
     nats_url = f"nats://127.0.0.1:{nats_port}"
     procs: list[Proc] = []
     try:
-        # The samples run against `zml up`, exactly as a user starts it.
+        # The samples run against `zml up`, exactly as a user starts it (NATS authorization on).
+        data = tmp / "zml-data"
         up = spawn("zml-up", [sys.executable, "-m", "zml.cli", "up", "--config", str(config),
-                              "--gateway-port", str(gw_port), "--nats-port", str(nats_port)])
+                              "--gateway-port", str(gw_port), "--nats-port", str(nats_port), "--data-dir", str(data)])
         procs.append(up)
         assert up.wait_for("ready", 90), up.tail()
+        # The NATS samples run as an external system would: with a client identity of their own.
+        issued = subprocess.run([sys.executable, "-m", "zml.cli", "creds", "issue", "examples", "--data-dir", str(data)],
+                                capture_output=True, text=True, timeout=60)
+        assert issued.returncode == 0, issued.stderr
         # A second gateway on the same fleet that requires an API key (ZML_API_KEYS).
         procs.append(spawn("gateway-auth", service_argv("gateway", str(config), nats_url, "--port", str(auth_port)),
-                           env={"ZML_API_KEYS": "sk-right"}))
+                           env={"ZML_API_KEYS": "sk-right", "ZML_NATS_NKEY": str(data / "creds" / "gateway.nk")}))
         assert wait_port("127.0.0.1", auth_port, 30), procs[-1].tail()
         url = f"http://127.0.0.1:{gw_port}"
         wait_ready(url, MODEL, want_nodes=4)
@@ -68,6 +73,8 @@ def example_runs(examples_stack: tuple[str, str, Path, str]) -> dict[tuple[str, 
         for script in SCRIPTS:
             env = {k: v for k, v in os.environ.items() if not k.startswith("ZML_")}
             env["ZML_ENDPOINT"] = url if transport == "http" else nats_url
+            if transport == "nats":
+                env["ZML_NATS_NKEY"] = str(cwd / "zml-data" / "creds" / "examples.nk")
             folder = cwd / f"{transport}-{script}"
             folder.mkdir()
             shutil.copy(cwd / "zml.toml", folder / "zml.toml")

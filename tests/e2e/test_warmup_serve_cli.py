@@ -30,10 +30,11 @@ def nats_url(own_nats: str) -> str:
 
 @pytest.fixture(scope="module")
 async def stack(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[str]:
-    sims = [await start_sim("mi300x-1", "amd_mi300x", [M], time_scale=10.0, load_time_s=3.0),
-            await start_sim("h100-1", "nvidia_h100", [M], time_scale=10.0, load_time_s=2.0)]
+    # llama.cpp nodes: router mode loads a model on demand (POST /models/load).
+    sims = [await start_sim("mi300x-1", "amd_mi300x", [M], time_scale=10.0, load_time_s=3.0, engine="llamacpp"),
+            await start_sim("h100-1", "nvidia_h100", [M], time_scale=10.0, load_time_s=2.0, engine="llamacpp")]
     path = tmp_path_factory.mktemp("serve") / "zml.toml"
-    nodes = "\n".join(f'[[nodes]]\nid = "{s.node_id}"\naccelerator = "{s.accelerator}"\nendpoint = "{s.url}"\n'
+    nodes = "\n".join(f'[[nodes]]\nid = "{s.node_id}"\naccelerator = "{s.accelerator}"\nendpoint = "{s.url}"\nbackend = "llamacpp"\n'
                       f'models = ["{M}", "{COLD}"]\n' for s in sims)
     path.write_text(f'[nats]\nurl = "{nats_url}"\n[health]\npoll_interval_s = 0.1\nstartup_grace_s = 1.0\n'
                     f'[warmup]\nsweep_interval_s = 0.2\nquiet_min_s = 3600\n{nodes}')
@@ -71,7 +72,7 @@ async def test_model_not_loaded_then_zml_serve_then_ok(stack: str, nats_url: str
         out, _ = await asyncio.wait_for(proc.communicate(), 30)
         text = out.decode()
         assert proc.returncode == 0, text
-        assert "mi300x-1: loading via sim_load" in text and "mi300x-1: ready" in text and "h100-1" not in text
+        assert "mi300x-1: loading via llamacpp_load" in text and "mi300x-1: ready" in text and "h100-1" not in text
         code, body = await infer(nc, COLD)
         assert code == "OK" and body["zml"]["node_id"] == "mi300x-1", body
     finally:

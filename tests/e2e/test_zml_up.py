@@ -2,16 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
+import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
 
+from pathlib import Path
+
 import httpx
+import nats
+import nats.errors
 import pytest
 
-from zmlcore.launch import free_port, port_in_use, spawn
+from zmlcore.launch import Proc, free_port, port_in_use, spawn
 from zml.cli.up import demo_config_path
 from zmlcore.config import load_config
 from zmlcore.launch import endpoint_port
@@ -21,34 +28,130 @@ def _zml(*args: str) -> list[str]:
     return [sys.executable, "-m", "zml.cli", *args]
 
 
-@pytest.mark.timeout(120)
-def test_zml_up_runs_the_demo_fleet_and_stops_everything() -> None:
+def _port_base(n: int) -> int:
+    """A port with the n after it free (for --sim-port-base)."""
+    for _ in range(50):
+        base = free_port()
+        if base + n < 65536 and not any(port_in_use("127.0.0.1", base + i) for i in range(n)):
+            return base
+    raise RuntimeError("no run of free ports")
+
+
+@pytest.mark.timeout(300)
+def test_two_zml_up_on_one_machine_run_the_demo_fleet_and_stop_everything(tmp_path: Path) -> None:
+    # Issue 10 item 11: the demo fleet used to bind 9101-9107 always, so a second `zml up`
+    # failed with "port 9101 ... already in use". Now one picks free ports, the other a base.
     cfg = load_config(demo_config_path())
-    sim_ports = [endpoint_port(n.endpoint) for n in cfg.nodes]
-    if any(port_in_use(h, p) for h, p in sim_ports):
-        pytest.skip("a demo fleet port (91xx) is taken on this machine")
-    gw, nats_port = free_port(), free_port()
-    proc = spawn("zml-up", _zml("up", "--gateway-port", str(gw), "--nats-port", str(nats_port)))
+    base = _port_base(len(cfg.nodes))
+    runs = []
+    for extra in ((), ("--sim-port-base", str(base))):
+        gw, nats_port = free_port(), free_port()
+        data = tmp_path / f"zml-data-{len(runs)}"  # each its own identities and store
+        proc = spawn(f"zml-up-{len(runs)}", _zml("up", "--gateway-port", str(gw), "--nats-port", str(nats_port),
+                                                 "--data-dir", str(data), *extra))
+        runs.append((proc, gw, nats_port))
+    used: list[tuple[str, int]] = []
     try:
-        assert proc.wait_for("zml ready", 90), proc.tail()
-        ready = next(line for line in proc.lines if "zml ready" in line)
-        assert f"http://127.0.0.1:{gw}" in ready
-        r = httpx.post(f"http://127.0.0.1:{gw}/v1/chat/completions", timeout=30,
-                       json={"model": "meta-llama/llama-3-8b-instruct",
-                             "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4})
-        assert r.status_code == 200, r.text
-        assert r.json()["zml"]["node_id"] in {n.id for n in cfg.nodes}
-        nodes = httpx.get(f"http://127.0.0.1:{gw}/v1/nodes", timeout=10).json()["nodes"]
-        assert {n["accelerator_type"] for n in nodes} >= {"nvidia_h100", "nvidia_a100", "amd_mi300x", "intel_gaudi2"}
+        endpoints = []
+        for proc, gw, nats_port in runs:
+            assert proc.wait_for("zml ready", 150), proc.tail()
+            ready = next(line for line in proc.lines if "zml ready" in line)
+            assert f"http://127.0.0.1:{gw}" in ready
+            r = httpx.post(f"http://127.0.0.1:{gw}/v1/chat/completions", timeout=30,
+                           json={"model": "meta-llama/llama-3-8b-instruct",
+                                 "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4})
+            assert r.status_code == 200, r.text
+            assert r.json()["zml"]["node_id"] in {n.id for n in cfg.nodes}
+            nodes = httpx.get(f"http://127.0.0.1:{gw}/v1/nodes", timeout=10).json()["nodes"]
+            assert {n["accelerator_type"] for n in nodes} >= {"nvidia_h100", "nvidia_a100", "amd_mi300x", "intel_gaudi2"}
+            endpoints.append({n["node_id"]: n["endpoint"] for n in nodes})
+            # Prometheus /metrics: the gateway on its own port, health, warmup and the router on
+            # ports of their own (free ones by default, so two `zml up` do not clash), printed.
+            line = next(line for line in proc.lines if line.startswith("zml metrics:"))
+            ports = dict(re.findall(r"([\w-]+) :(\d+)", line))
+            assert set(ports) == {"health", "warmup", "router-1"}, line
+            for name, port in [("gateway", gw), *ports.items()]:
+                m = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10)
+                assert m.status_code == 200 and "process_cpu_seconds_total" in m.text, name
+            assert "zml_router_requests_total" in httpx.get(f"http://127.0.0.1:{ports['router-1']}/metrics").text
+            used += [("127.0.0.1", int(port)) for port in ports.values()]
+            # `zml nodes` shows where each simulated node listens.
+            table = subprocess.run(_zml("nodes", "--endpoint", f"http://127.0.0.1:{gw}"), capture_output=True,
+                                   text=True, timeout=30)
+            assert table.returncode == 0, table.stderr
+            assert "ENDPOINT" in table.stdout
+            assert all(ep in table.stdout for ep in endpoints[-1].values())
+            used += [("127.0.0.1", gw), ("127.0.0.1", nats_port)]
+            used += [endpoint_port(ep) for ep in endpoints[-1].values()]
+        free_ports = {endpoint_port(ep)[1] for ep in endpoints[0].values()}
+        based_ports = {endpoint_port(ep)[1] for ep in endpoints[1].values()}
+        assert not free_ports & based_ports
+        assert based_ports == set(range(base, base + len(cfg.nodes)))
+        assert endpoints[1]["h100-1"] == f"http://127.0.0.1:{base}"  # in the demo file's order
+        _check_secure_by_default(runs[0][0], tmp_path / "zml-data-0", runs[0][2])
     finally:
-        proc.popen.send_signal(signal.SIGTERM)
-        assert proc.popen.wait(30) == 0, proc.tail()
-    # Every child is gone: the ports it used are free again.
+        for proc, _, _ in runs:
+            proc.popen.send_signal(signal.SIGTERM)
+        for proc, _, _ in runs:
+            assert proc.popen.wait(30) == 0, proc.tail()
+    # Every child is gone: the ports they used are free again.
     deadline = time.monotonic() + 10
-    used = [("127.0.0.1", gw), ("127.0.0.1", nats_port), *sim_ports]
     while time.monotonic() < deadline and any(port_in_use(h, p) for h, p in used):
         time.sleep(0.2)
     assert not [p for h, p in used if port_in_use(h, p)]
+
+
+def _check_secure_by_default(proc: Proc, data: Path, nats_port: int) -> None:
+    """It says how to get a client identity, the seeds are private, the broker refuses
+    strangers, and the operator's commands work with the admin identity only."""
+    assert any("zml creds issue NAME" in line for line in proc.lines), proc.tail()
+    for name in ("gateway", "router", "health", "warmup", "admin"):
+        assert (data / "creds" / f"{name}.nk").stat().st_mode & 0o777 == 0o600
+    assert _anonymous_refused(f"nats://127.0.0.1:{nats_port}")
+    serve = [*_zml("serve", "meta-llama/llama-3-8b-instruct", "--nats-url", f"nats://127.0.0.1:{nats_port}",
+                   "--timeout", "60")]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ZML_")}
+    out = subprocess.run(serve, capture_output=True, text=True, timeout=90,
+                         env={**env, "ZML_NATS_NKEY": str(data / "creds" / "admin.nk")})
+    assert out.returncode == 0, out.stdout + out.stderr  # zml serve: warmup service + KV watch
+    issued = subprocess.run(_zml("creds", "issue", "someone", "--data-dir", str(data)), capture_output=True,
+                            text=True, timeout=30)
+    assert issued.returncode == 0 and "reloaded" in issued.stdout, issued.stdout + issued.stderr
+    out = subprocess.run([*serve[:-1], "5"], capture_output=True, text=True, timeout=90,
+                         env={**env, "ZML_NATS_NKEY": str(data / "creds" / "someone.nk")})
+    assert out.returncode != 0 and "did not answer" in out.stdout + out.stderr
+
+
+def _anonymous_refused(url: str) -> bool:
+    async def attempt() -> bool:
+        try:
+            nc = await nats.connect(url, allow_reconnect=False, connect_timeout=5)
+        except nats.errors.Error as exc:
+            return "Authorization Violation" in str(exc)
+        await nc.close()
+        return False
+
+    return asyncio.run(attempt())
+
+
+@pytest.mark.timeout(150)
+def test_zml_up_insecure_is_an_explicit_open_broker(tmp_path: Path) -> None:
+    """--insecure keeps the old open broker (and says so)."""
+    gw, nats_port = free_port(), free_port()
+    proc = spawn("zml-up", _zml("up", "--gateway-port", str(gw), "--nats-port", str(nats_port), "--insecure"))
+    try:
+        assert proc.wait_for("zml ready", 90), proc.tail()
+        assert any("no authorization" in line for line in proc.lines), proc.tail()
+
+        async def open_connect() -> bool:
+            nc = await nats.connect(f"nats://127.0.0.1:{nats_port}", allow_reconnect=False, connect_timeout=5)
+            await nc.close()
+            return True
+
+        assert asyncio.run(open_connect())
+    finally:
+        proc.popen.send_signal(signal.SIGTERM)
+        assert proc.popen.wait(30) == 0, proc.tail()
 
 
 def test_zml_up_port_in_use_is_one_clear_line() -> None:

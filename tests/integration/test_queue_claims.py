@@ -11,6 +11,7 @@ import asyncio
 import time
 
 import nats
+import pytest
 
 from zmlcore import subjects
 from zml_router.queue import ACK_WAIT_S, QueuedMsg, SaturationQueue
@@ -30,14 +31,16 @@ async def _wait(cond, timeout: float) -> bool:  # type: ignore[no-untyped-def]
 class Replica:
     """The router's side of the queue, reduced to what the test watches."""
 
-    def __init__(self, name: str, *, hang: bool = False, refuse_first: int = 0) -> None:
+    def __init__(self, name: str, *, hang: bool = False, refuse_first: int = 0, room: bool = True) -> None:
         self.name = name
         self.hang = hang
         self.refuse = refuse_first
+        self.room = room
         self.dispatched: list[bytes] = []
+        self.expired: list[bytes] = []
 
     def has_room(self, qmsg: QueuedMsg) -> bool:
-        return True
+        return self.room
 
     async def dispatch(self, qmsg: QueuedMsg, deadline: float) -> bool:
         self.dispatched.append(qmsg.data)
@@ -49,7 +52,7 @@ class Replica:
         return True
 
     async def expire(self, qmsg: QueuedMsg, enqueued_at: float) -> None:
-        raise AssertionError("nothing here should expire")
+        self.expired.append(qmsg.data)  # would answer QUEUE_FULL to the caller
 
     async def start(self, url: str) -> tuple[nats.NATS, SaturationQueue]:
         nc = await nats.connect(url)
@@ -63,22 +66,28 @@ async def _queued_count(nc: nats.NATS) -> int:
     return info.state.messages
 
 
-async def test_a_replica_dying_after_dispatch_does_not_get_its_entry_dispatched_again(own_nats: str) -> None:
+@pytest.mark.parametrize("room", [True, False], ids=["room", "no-room"])
+async def test_a_replica_dying_after_dispatch_does_not_get_its_entry_dispatched_again(own_nats: str, room: bool) -> None:
     a = Replica("router-a", hang=True)
     nc_a, q_a = await a.start(own_nats)
-    await q_a.enqueue(MODEL, b'{"n": 1}', "_INBOX.x", {subjects.H_REQUEST_ID: "r1"}, time.time() + 60)
+    # Without room the entry would expire while B holds it: that answer (QUEUE_FULL) must not
+    # reach a caller that may be reading the answer of the dispatch that did happen.
+    deadline = time.time() + (60 if room else ACK_WAIT_S + 2)
+    await q_a.enqueue(MODEL, b'{"n": 1}', "_INBOX.x", {subjects.H_REQUEST_ID: "r1"}, deadline)
     assert await _wait(lambda: a.dispatched, 5), "replica A never took the head"
     # A dies holding the dispatched head, unacknowledged.
     await q_a.stop()
     await nc_a.close()
 
-    b = Replica("router-b")
+    b = Replica("router-b", room=room)
     nc_b, q_b = await b.start(own_nats)
     try:
         # JetStream redelivers the head to B after ack_wait; B sees the claim and drops it.
-        await asyncio.sleep(ACK_WAIT_S + 3)
+        await asyncio.sleep(ACK_WAIT_S + 4)
         assert b.dispatched == [], "the entry ran twice"
+        assert b.expired == [], "a second answer (QUEUE_FULL) for an entry that ran"
         assert await _queued_count(nc_b) == 0  # dropped (acked), not stuck at the head
+        b.room = True
         # B does dispatch what nobody has claimed.
         await q_b.enqueue(MODEL, b'{"n": 2}', "_INBOX.y", {subjects.H_REQUEST_ID: "r2"}, time.time() + 60)
         assert await _wait(lambda: b.dispatched == [b'{"n": 2}'], 5), b.dispatched

@@ -13,15 +13,16 @@ DATA = Path(__file__).resolve().parents[1] / "data" / "engines"
 BASE = "http://node:8000"
 
 
-def recorded(routes: dict[str, tuple[int, str]]) -> httpx.AsyncClient:
-    def handler(request: httpx.Request) -> httpx.Response:
-        if request.url.path not in routes:
-            return httpx.Response(404, json={"detail": "Not Found"})
-        status, name = routes[request.url.path]
-        body = (DATA / name).read_bytes() if name else b""
-        return httpx.Response(status, content=body)
+def answer(routes: dict[str, tuple[int, str]], request: httpx.Request) -> httpx.Response:
+    if request.url.path not in routes:
+        return httpx.Response(404, json={"detail": "Not Found"})
+    status, name = routes[request.url.path]
+    body = (DATA / name).read_bytes() if name else b""
+    return httpx.Response(status, content=body)
 
-    return httpx.AsyncClient(transport=httpx.MockTransport(handler))
+
+def recorded(routes: dict[str, tuple[int, str]]) -> httpx.AsyncClient:
+    return httpx.AsyncClient(transport=httpx.MockTransport(lambda request: answer(routes, request)))
 
 
 def refusing() -> httpx.AsyncClient:
@@ -102,22 +103,31 @@ async def test_llamacpp_loading_model_503() -> None:
     assert not p.ok and p.loading and p.error == "Loading model"
 
 
-async def test_llamacpp_metrics_and_slots() -> None:
-    p = await probe("llamacpp", recorded({"/health": (200, "llamacpp/health_ok.json"),
-                                          "/v1/models": (200, "llamacpp/models.json"),
-                                          "/slots": (200, "llamacpp/slots.json"),
-                                          "/metrics": (200, "llamacpp/metrics.txt")}))
+def never_slots(routes: dict[str, tuple[int, str]]) -> httpx.AsyncClient:
+    """Recorded answers; GET /slots fails the test (it wakes a sleeping llama-server)."""
+    def handler(request: httpx.Request) -> httpx.Response:
+        assert request.url.path != "/slots", "the llama.cpp adapter must not poll /slots"
+        return answer(routes, request)
+
+    return httpx.AsyncClient(transport=httpx.MockTransport(handler))
+
+
+async def test_llamacpp_reads_metrics_never_slots() -> None:
+    p = await probe("llamacpp", never_slots({"/health": (200, "llamacpp/health_ok.json"),
+                                             "/v1/models": (200, "llamacpp/models.json"),
+                                             "/slots": (200, "llamacpp/slots.json"),
+                                             "/metrics": (200, "llamacpp/metrics.txt")}))
     assert p.ok and p.models == ["llama-3.1-8b-instruct-q4_k_m.gguf"]
-    assert (p.running, p.waiting, p.max_concurrency, p.kv_cache_usage) == (2, 1, 4, 0.25)
-    assert p.generation_tokens_total == 8123
+    assert (p.running, p.waiting, p.kv_cache_usage) == (2, 1, 0.0)
+    assert (p.generation_tokens_total, p.prompt_tokens_total, p.prefill_time_sum) == (8123, 20481, 12.3)
 
 
-async def test_llamacpp_without_metrics_flag_counts_busy_slots() -> None:
-    p = await probe("llamacpp", recorded({"/health": (200, "llamacpp/health_ok.json"),
-                                          "/v1/models": (200, "llamacpp/models.json"),
-                                          "/slots": (200, "llamacpp/slots.json"),
-                                          "/metrics": (501, "")}))
-    assert p.ok and p.running == 2 and p.waiting == 0
+async def test_llamacpp_without_metrics_flag_is_up_without_queue_counts() -> None:
+    p = await probe("llamacpp", never_slots({"/health": (200, "llamacpp/health_ok.json"),
+                                             "/v1/models": (200, "llamacpp/models.json"),
+                                             "/slots": (200, "llamacpp/slots.json"),
+                                             "/metrics": (501, "")}))
+    assert p.ok and (p.running, p.waiting) == (0, 0) and p.prompt_tokens_total is None
 
 
 async def test_openai_fallback_lists_models() -> None:

@@ -92,7 +92,7 @@ class Client(_core.ClientSettings):
         if self.endpoint.startswith(("nats://", "tls://")):
             from zml._transport_nats import SyncNatsTransport  # imported on use: nats-py is heavy
 
-            self._transport = SyncNatsTransport(self.endpoint, self.timeout)
+            self._transport = SyncNatsTransport(self.endpoint, self.timeout, nats_config=self.nats_config())
         else:
             from zml._transport_http import SyncHTTPTransport
 

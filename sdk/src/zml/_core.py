@@ -33,7 +33,7 @@ from zml._models import (
     Usage,
 )
 from zmlcore import subjects
-from zmlcore.config import ZMLConfig
+from zmlcore.config import NatsConfig, ZMLConfig
 from zmlcore.messages import NodeState
 
 log = logging.getLogger("zml")
@@ -701,3 +701,11 @@ class ClientSettings:
         self.default_request_kwargs: dict[str, Any] = dict(default_request_kwargs or {})
         self._limiter = RateLimiter(**limits, now=time.monotonic())
         return max(int(max_connections), self.max_parallel_requests)
+
+    def nats_config(self) -> NatsConfig:
+        """NATS identity and TLS for a nats:// endpoint: zml.toml's ``[nats]`` (or the defaults)
+        with the environment's overrides (ZML_NATS_NKEY, ZML_NATS_TLS_*)."""
+        from zmlcore.config import load_config
+
+        base = self.config.nats if self.config is not None else load_config(None).nats
+        return msgspec.structs.replace(base, url=self.endpoint)

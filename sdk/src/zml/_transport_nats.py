@@ -3,8 +3,12 @@
 :class:`AsyncNatsTransport` is the real one. :class:`SyncNatsTransport` is the one bridge of
 the SDK: nats-py is asyncio-only, so the sync client runs the async transport on a private
 event-loop thread. Cancelling (closing a stream, a timeout, Ctrl-C) publishes on
-``zml.cancel.<request_id>`` so the router aborts the call on the node. nats exceptions become
-ZML errors here and nowhere else.
+``zml.cancel.<owner>.<request_id>`` so the router aborts the call on the node. nats exceptions
+become ZML errors here and nowhere else.
+
+The identity (nkey seed, env ZML_NATS_NKEY or ``[nats] nkey_file``) and TLS come from the
+configuration: with an identity, replies arrive on the identity's own inbox prefix and the
+owner in cancel subjects is its public key (see docs/security.md).
 """
 
 from __future__ import annotations
@@ -32,6 +36,8 @@ from zml._core import (
 )
 from zml._errors import ConnectionError, StreamInterruptedError, ZMLError
 from zmlcore import subjects
+from zmlcore.config import NatsConfig
+from zmlcore.natsauth import connect_options, owner_of
 from zmlcore.streamseq import SeqCheck
 
 __all__ = ["AsyncNatsStream", "AsyncNatsTransport", "SyncNatsStream", "SyncNatsTransport"]
@@ -45,10 +51,12 @@ def _reply(msg: Msg) -> RawReply:
 
 
 class AsyncNatsTransport:
-    def __init__(self, url: str, timeout: float, connect_timeout: float = 2.0) -> None:
+    def __init__(self, url: str, timeout: float, connect_timeout: float = 2.0, nats_config: NatsConfig | None = None) -> None:
         self.url = url
         self.timeout = timeout
         self.connect_timeout = connect_timeout
+        self._options = connect_options(nats_config or NatsConfig(url=url))
+        self.owner = owner_of(self._options)
         self._nc: NATS | None = None
         self._lock: asyncio.Lock | None = None
 
@@ -73,6 +81,7 @@ class AsyncNatsTransport:
                     allow_reconnect=True,
                     error_cb=_quiet,
                     name="zml-sdk",
+                    **self._options,
                 )
             except (nats.errors.Error, OSError, asyncio.TimeoutError) as exc:
                 raise ConnectionError(
@@ -96,7 +105,7 @@ class AsyncNatsTransport:
     async def cancel(self, request_id: str) -> None:
         with contextlib.suppress(Exception):
             nc = await self._conn()
-            await nc.publish(subjects.cancel(request_id), b"")
+            await nc.publish(subjects.cancel(request_id, self.owner), b"")
             await nc.flush(timeout=1)
 
     async def infer(self, call: InferCall) -> RawReply:
@@ -181,12 +190,12 @@ class AsyncNatsStream:
 class SyncNatsTransport:
     """The async transport driven from a private event-loop thread (the SDK's only bridge)."""
 
-    def __init__(self, url: str, timeout: float, connect_timeout: float = 2.0) -> None:
+    def __init__(self, url: str, timeout: float, connect_timeout: float = 2.0, nats_config: NatsConfig | None = None) -> None:
         self.url = url
+        self._async = AsyncNatsTransport(url, timeout, connect_timeout, nats_config)  # checks the identity first
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="zml-nats", daemon=True)
         self._thread.start()
-        self._async = AsyncNatsTransport(url, timeout, connect_timeout)
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         fut = asyncio.run_coroutine_threadsafe(coro, self._loop)

@@ -64,6 +64,14 @@ ACCELERATORS: dict[str, AcceleratorType] = {
             min_driver="2.18", driver_label="Neuron SDK 2.18", speed=0.3, max_concurrency=16,
             cost_per_hour=0.8, memory_gib=32.0, load_time_s=40.0,
         ),
+        # llama.cpp (or another CPU engine) on a CPU. Its table speeds (prefill 500, decode 3
+        # tokens/s: an 8B model at 4 bits on a server CPU) are only a first guess: llama.cpp
+        # reports its counters, and the health service measures the node's real speeds.
+        AcceleratorType(
+            type_id="cpu", family="CPU", hardware="CPU (llama.cpp and other CPU engines)", vendor="cpu",
+            min_driver="0", driver_label="none", speed=0.05, max_concurrency=4,
+            cost_per_hour=0.2, memory_gib=64.0, load_time_s=10.0,
+        ),
     )
 }
 
@@ -75,6 +83,7 @@ FAMILY_ALIASES: dict[str, str] = {
     "gaudi2": "Gaudi2",
     "inferentia2": "Inferentia2",
     "inf2": "Inferentia2",
+    "cpu": "CPU",
 }
 for _a in ACCELERATORS.values():
     FAMILY_ALIASES[_a.type_id] = _a.family

@@ -53,6 +53,23 @@ class NatsConfig(msgspec.Struct, **_Base):
     """JetStream replicas of every KV bucket and stream ZML creates: 1 on a single server, 3 on
     a 3-server cluster (a bucket then survives the loss of one server). Applies when a bucket or
     stream is first created."""
+    nkey_file: str | None = None
+    """This process's NATS identity: a file holding its nkey seed (mode 0600; `zml up` and
+    `zml creds issue` write them). Each service needs its own, so it is usually given per
+    process by env ZML_NATS_NKEY. None: no identity (an open broker, `zml up --insecure`)."""
+    tls_ca_file: str | None = None
+    """CA certificate(s) that verify the NATS server (env ZML_NATS_TLS_CA). Set (or a tls://
+    URL): connect over TLS."""
+    tls_cert_file: str | None = None
+    """Client certificate for a server that verifies clients (mutual TLS; env ZML_NATS_TLS_CERT)."""
+    tls_key_file: str | None = None
+    """Private key of tls_cert_file (env ZML_NATS_TLS_KEY)."""
+    server_tls_cert_file: str | None = None
+    """`zml up`'s embedded nats-server: its certificate. Set: clients must use TLS."""
+    server_tls_key_file: str | None = None
+    """... and its private key."""
+    server_tls_verify_clients: bool = False
+    """`zml up`'s nats-server requires a client certificate signed by tls_ca_file (mutual TLS)."""
 
 
 class GatewayConfig(msgspec.Struct, **_Base):
@@ -85,6 +102,12 @@ class GatewayConfig(msgspec.Struct, **_Base):
     """Chunks of one streamed reply buffered while the HTTP client is slow to read; when full,
     the request is cancelled upstream and the stream ends with an error (a client that stops
     reading cannot make the gateway buffer a whole reply)."""
+    tls_cert_file: str | None = None
+    """Serve HTTPS with this certificate (PEM; env ZML_GATEWAY_TLS_CERT). None: plain HTTP."""
+    tls_key_file: str | None = None
+    """Private key of tls_cert_file (env ZML_GATEWAY_TLS_KEY)."""
+    tls_client_ca_file: str | None = None
+    """Require client certificates signed by this CA (mutual TLS). None: any client."""
 
 
 class RouterConfig(msgspec.Struct, **_Base):
@@ -176,7 +199,7 @@ class NodeConfig(msgspec.Struct, **_Base):
     """Unique node id (letters, digits, - and _)."""
     accelerator: str
     """Accelerator type ID from the API reference: nvidia_h100, nvidia_a100, amd_mi300x,
-    intel_gaudi2, aws_inferentia2."""
+    intel_gaudi2, aws_inferentia2, cpu."""
     endpoint: str
     """Base URL of the serving engine, e.g. http://10.0.0.5:8000 (no /v1)."""
     backend: Backend = "vllm"
@@ -292,6 +315,23 @@ class WarmupConfig(msgspec.Struct, **_Base):
     """Also measure request rate from the nodes' metrics (for routers that publish no events)."""
 
 
+class MetricsConfig(msgspec.Struct, **_Base):
+    """Prometheus metrics (docs/observability.md). The gateway serves them on its own port at
+    GET /metrics; the router, health and warmup services get a small port of their own."""
+
+    gateway: bool = True
+    """Serve GET /metrics on the gateway's port."""
+    host: str = "127.0.0.1"
+    """Interface the router/health/warmup metrics ports bind (env ZML_METRICS_HOST)."""
+    router_port: Port | None = None
+    """Router metrics port (0: any free port, logged at start; None: no metrics port). With
+    several replicas on one host give each its own with `--metrics-port` (`zml up` does)."""
+    health_port: Port | None = None
+    """Health service metrics port (0: any free port; None: none)."""
+    warmup_port: Port | None = None
+    """Warmup service metrics port (0: any free port; None: none)."""
+
+
 class DefaultsConfig(msgspec.Struct, **_Base):
     policy: str = "balanced"
     """Account-level default policy."""
@@ -310,6 +350,7 @@ class ZMLConfig(msgspec.Struct, **_Base):
     health: HealthConfig = msgspec.field(default_factory=HealthConfig)
     warmup: WarmupConfig = msgspec.field(default_factory=WarmupConfig)
     defaults: DefaultsConfig = msgspec.field(default_factory=DefaultsConfig)
+    metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
     nodes: list[NodeConfig] = []
     models: dict[str, ModelConfig] = {}
     policy: dict[str, PolicyConfig] = {}
@@ -390,6 +431,12 @@ def parse_window(text: str) -> tuple[int, int]:
 
 
 def _validate(cfg: ZMLConfig, src: str) -> None:
+    if bool(cfg.gateway.tls_cert_file) != bool(cfg.gateway.tls_key_file):
+        raise ConfigError(f"{src}: gateway.tls_cert_file and gateway.tls_key_file go together")
+    if cfg.gateway.tls_client_ca_file and not cfg.gateway.tls_cert_file:
+        raise ConfigError(f"{src}: gateway.tls_client_ca_file needs gateway.tls_cert_file (HTTPS)")
+    if bool(cfg.nats.tls_cert_file) != bool(cfg.nats.tls_key_file):
+        raise ConfigError(f"{src}: nats.tls_cert_file and nats.tls_key_file go together")
     seen: set[str] = set()
     for i, node in enumerate(cfg.nodes):
         where = f"{src}: nodes[{i}]"
@@ -440,6 +487,13 @@ _ENV: list[tuple[str, str, str, type]] = [
     ("ZML_NATS_URL", "nats", "url", str),
     ("ZML_GATEWAY_HOST", "gateway", "host", str),
     ("ZML_GATEWAY_PORT", "gateway", "port", int),
+    ("ZML_METRICS_HOST", "metrics", "host", str),
+    ("ZML_NATS_NKEY", "nats", "nkey_file", str),
+    ("ZML_NATS_TLS_CA", "nats", "tls_ca_file", str),
+    ("ZML_NATS_TLS_CERT", "nats", "tls_cert_file", str),
+    ("ZML_NATS_TLS_KEY", "nats", "tls_key_file", str),
+    ("ZML_GATEWAY_TLS_CERT", "gateway", "tls_cert_file", str),
+    ("ZML_GATEWAY_TLS_KEY", "gateway", "tls_key_file", str),
 ]
 
 
@@ -447,7 +501,8 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: dict[str, st
     """Load and validate zml.toml; ``None`` means defaults plus environment overrides.
 
     Environment overrides (applied here and nowhere else): ZML_NATS_URL, ZML_GATEWAY_HOST,
-    ZML_GATEWAY_PORT, ZML_API_KEYS (comma-separated).
+    ZML_GATEWAY_PORT, ZML_METRICS_HOST, ZML_API_KEYS (comma-separated), ZML_NATS_NKEY,
+    ZML_NATS_TLS_CA/CERT/KEY, ZML_GATEWAY_TLS_CERT/KEY.
     """
     env = dict(os.environ) if env is None else env
     data: dict[str, Any] = {}
@@ -494,7 +549,8 @@ def reference_markdown() -> str:
     classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
     sections = [
         ("[nats]", "NatsConfig"), ("[gateway]", "GatewayConfig"), ("[router]", "RouterConfig"),
-        ("[health]", "HealthConfig"), ("[warmup]", "WarmupConfig"), ("[defaults]", "DefaultsConfig"), ("[[nodes]]", "NodeConfig"),
+        ("[health]", "HealthConfig"), ("[warmup]", "WarmupConfig"), ("[defaults]", "DefaultsConfig"),
+        ("[metrics]", "MetricsConfig"), ("[[nodes]]", "NodeConfig"),
         ("[nodes.sim]", "SimConfig"), ('[models."NAME"]', "ModelConfig"),
         ("[policy.NAME] / [policies.NAME]", "PolicyConfig"),
     ]

@@ -7,7 +7,8 @@
     │   ├── NotFoundError         NOT_FOUND           404  (unknown HTTP path)
     │   ├── MethodNotAllowedError METHOD_NOT_ALLOWED  405
     │   ├── RequestTooLargeError  REQUEST_TOO_LARGE   413
-    │   └── HeadersTooLargeError  HEADERS_TOO_LARGE   431
+    │   ├── HeadersTooLargeError  HEADERS_TOO_LARGE   431
+    │   └── DuplicateRequestError DUPLICATE_REQUEST_ID 409 (the owner has this request id in flight)
     ├── ConfigError               CONFIG_INVALID      (start-up only)
     │   └── PolicyConfigError     POLICY_CONFIG       400
     ├── AuthError                 AUTH_FAILED         401
@@ -41,6 +42,7 @@ __all__ = [
     "CancelledError",
     "ConfigError",
     "ConnectionError",
+    "DuplicateRequestError",
     "ErrorBody",
     "ErrorDetail",
     "HeadersTooLargeError",
@@ -136,6 +138,14 @@ class HeadersTooLargeError(BadRequestError):
 
     code = "HEADERS_TOO_LARGE"
     http_status = 431
+
+
+class DuplicateRequestError(BadRequestError):
+    """The caller already has a request with this ``request_id`` in flight: wait for it, cancel
+    it, or use a new id (ids are scoped to their owner, so another caller's ids never clash)."""
+
+    code = "DUPLICATE_REQUEST_ID"
+    http_status = 409
 
 
 class ConfigError(ZMLError):

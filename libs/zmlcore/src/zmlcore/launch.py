@@ -132,8 +132,11 @@ def spawn(name: str, argv: Sequence[str], *, env: dict[str, str] | None = None, 
     return proc
 
 
-def start_nats(host: str, port: int, store_dir: str, *, echo: bool = False) -> Proc:
+def start_nats(host: str, port: int, store_dir: str, *, echo: bool = False, config: str | None = None) -> Proc:
+    """``config``: a nats.conf (authorization, TLS) from zmlcore.natscreds; the flags here win."""
     argv = [nats_server_binary(), "-js", "-a", host, "-p", str(port), "-sd", store_dir]
+    if config:
+        argv += ["-c", config]
     proc = spawn("nats", argv, echo=echo)
     if not wait_port(host, port, 15):
         proc.stop()

@@ -12,14 +12,16 @@ import logging
 import signal
 import sys
 from collections.abc import Callable, Iterable
-from typing import Protocol
+from typing import Any, Protocol
 
 from nats.aio.client import Client as NATS
 
 from zmlcore.alive import beat
 from zmlcore.config import ZMLConfig, load_config
 from zmlcore.errors import ConfigError
+from zmlcore.natsauth import connect_options
 from zmlcore.link import link_of
+from zmlcore.metrics import MetricsServer, serve_metrics
 from zmlcore.natsio import connect
 from zmlcore.telemetry import setup_logging, setup_tracing
 
@@ -51,9 +53,11 @@ class ConnectionClosed(Exception):
 async def run_service(
     service: Service, nats_url: str, name: str, *, ready_line: str | None = None, no_echo: bool = False,
     replicas: int = 1, alive_file: str | None = None,
+    connect_options: dict[str, Any] | None = None,
 ) -> None:
     """``nats_url``: one URL or several, comma-separated. ``no_echo``: the broker does not send
     this connection its own messages back (routers publish in-flight counts they already applied).
+    ``connect_options``: identity and TLS (zmlcore.natsauth.connect_options).
 
     Raises :class:`ConnectionClosed` if the connection closes for good before SIGTERM/SIGINT.
     ``alive_file``: touched while the service runs connected (:mod:`zmlcore.alive`).
@@ -62,7 +66,7 @@ async def run_service(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)  # the handler only sets a flag
-    nc = await connect(nats_url, name, no_echo=no_echo, replicas=replicas)
+    nc = await connect(nats_url, name, no_echo=no_echo, replicas=replicas, **(connect_options or {}))
     link = link_of(nc)
     closed = asyncio.ensure_future(link.closed.wait())
     stopped = asyncio.ensure_future(stop.wait())
@@ -116,6 +120,11 @@ def service_parser(name: str, description: str) -> argparse.ArgumentParser:
     p.add_argument("--config", help="path to zml.toml")
     p.add_argument("--nats-url", help="NATS URL, or several comma-separated (servers of one cluster); "
                                       "overrides zml.toml and ZML_NATS_URL")
+    p.add_argument("--log-format", choices=("text", "json"), default=None,
+                   help="log lines as text (default) or one JSON object each (env ZML_LOG_FORMAT)")
+    if name != "gateway":  # the gateway serves /metrics on its own port
+        p.add_argument("--metrics-port", type=int, default=None,
+                       help=f"serve Prometheus /metrics on this port (0: a free one; default [metrics] {name}_port)")
     p.add_argument("--alive-file", help="touch this file every 2 s while running and connected, for "
                                         "healthchecks: python -m zmlcore.alive FILE")
     return p
@@ -132,10 +141,12 @@ def service_main(
 
     A bad config (or ``make`` raising ConfigError, e.g. a port in use) is one line and exit 2.
     """
-    setup_logging(name)
+    setup_logging(name, fmt=getattr(args, "log_format", None))
     try:
         cfg = load_config(args.config)
+        options = connect_options(cfg.nats)
         service = make(cfg, args)
+        metrics = start_metrics(name, cfg, getattr(args, "metrics_port", None))
     except ConfigError as exc:
         print(f"zml {name}: {exc}", file=sys.stderr)
         return 2
@@ -143,12 +154,28 @@ def service_main(
     install_uvloop()
     try:
         asyncio.run(run_service(service, args.nats_url or cfg.nats.url, f"zml-{name}", no_echo=no_echo,
-                                replicas=cfg.nats.replicas, alive_file=getattr(args, "alive_file", None)))
+                                replicas=cfg.nats.replicas, alive_file=getattr(args, "alive_file", None),
+                                connect_options=options))
     except ConnectionClosed as exc:
         print(f"zml {name}: NATS connection closed for good ({exc}); exiting so that a supervisor "
               "restarts it", file=sys.stderr, flush=True)
         return 3
+    finally:
+        if metrics is not None:
+            metrics.close()
     return 0
+
+
+def start_metrics(name: str, cfg: ZMLConfig, port: int | None) -> "MetricsServer | None":
+    """The service's /metrics port: the flag, else ``[metrics] <name>_port``, else none."""
+    if port is None:
+        port = getattr(cfg.metrics, f"{name}_port", None)
+    if port is None:
+        return None
+    try:
+        return serve_metrics(cfg.metrics.host, port)
+    except OSError as exc:
+        raise ConfigError(f"metrics port {port} on {cfg.metrics.host}: {exc.strerror or exc}") from exc
 
 
 async def cancel_and_wait(tasks: "Iterable[asyncio.Task[object]]", timeout: float = 5.0) -> None:

@@ -4,7 +4,9 @@ No other module writes a subject literal: services and the SDK import these name
 ``docs/nats-api.md`` documents them for systems that publish raw JSON.
 
     zml.infer                      request-reply: one inference request (JSON InferRequest)
-    zml.cancel.<request_id>        fire-and-forget: cancel an in-flight request
+    zml.cancel.<owner>.<request_id> fire-and-forget: cancel one's own in-flight request
+    zml.cancel.<request_id>        ... the same for an anonymous owner (open broker, no identity)
+    _ZML_INBOX.<owner>.>           one identity's private reply inbox (owner = its public nkey)
     zml.node.inflight              router replicas share dispatch/completion deltas
     zml.node.marks                 router replicas share cooldown/saturation marks (NodeMark)
     zml.admin.nodes.<verb>         node registration (add/remove/list)
@@ -26,9 +28,16 @@ INFER = f"{PREFIX}.infer"
 #: Queue group shared by every router replica: NATS hands each request to exactly one of them.
 ROUTER_QUEUE = "zml-routers"
 
-#: Cancellation: publish anything to ``zml.cancel.<request_id>``; the router holding the
-#: request aborts the backend call.
+#: Cancellation: publish anything to ``zml.cancel.<owner>.<request_id>``; the router holding
+#: that owner's request aborts the backend call. A request id belongs to its owner: the
+#: identity whose inbox the reply goes to (permissions pin each identity to its own inbox and
+#: its own cancel subjects), refined by a front door's ``Zml-Owner`` header (the gateway's API
+#: key or client address). A cancel from another owner matches nothing.
 CANCEL_PREFIX = f"{PREFIX}.cancel"
+
+#: Root of the per-identity reply inboxes: ``_ZML_INBOX.<owner>.<...>``. nats-py's
+#: ``inbox_prefix`` connect option puts every reply subject of a connection under it.
+INBOX_ROOT = "_ZML_INBOX"
 
 #: Router replicas publish in-flight deltas here so that each replica's view of node load
 #: includes the others' dispatches.
@@ -70,9 +79,31 @@ QUEUE_CLAIMS_BUCKET = "zml_queue_claims"
 QUEUE_BUSY = f"{PREFIX}.queue_busy"
 
 
-def cancel(request_id: str) -> str:
-    """Subject on which a cancel for ``request_id`` is published."""
-    return f"{CANCEL_PREFIX}.{request_id}"
+def cancel(request_id: str, owner: str = "") -> str:
+    """Subject on which ``owner`` cancels its request ``request_id`` ("" = no identity)."""
+    return f"{CANCEL_PREFIX}.{owner}.{request_id}" if owner else f"{CANCEL_PREFIX}.{request_id}"
+
+
+def parse_cancel(subject: str) -> tuple[str, str] | None:
+    """``(owner, request_id)`` of a cancel subject; None if it is not one."""
+    parts = subject.split(".")
+    if len(parts) == 3:
+        return "", parts[2]
+    if len(parts) == 4:
+        return parts[2], parts[3]
+    return None
+
+
+def inbox_prefix(owner: str) -> str:
+    """The inbox prefix of identity ``owner`` (its public nkey): ``_ZML_INBOX.<owner>``."""
+    return f"{INBOX_ROOT}.{owner}"
+
+
+def reply_owner(reply: str) -> str:
+    """The identity a reply subject belongs to ("" for the default ``_INBOX`` or none)."""
+    if reply.startswith(INBOX_ROOT + "."):
+        return reply.split(".", 2)[1]
+    return ""
 
 
 def admin_nodes(verb: str) -> str:
@@ -113,6 +144,9 @@ H_FAMILY = "Zml-Family"
 H_QUEUE_DEPTH = "Zml-Queue-Depth"
 H_DECISION_ID = "Zml-Decision-Id"
 H_ROUTING = "Zml-Routing"  # the single header sent to backends: compact routing metadata
+#: Set by a front door (the gateway) on requests and cancels: whom, within the sending identity,
+#: the request id belongs to. It only narrows the sender's own namespace, so it needs no trust.
+H_OWNER = "Zml-Owner"
 #: On every message of a streamed reply: 0 on ``start``, then 1, 2, ... on each chunk and on the
 #: final ``end``/``error``. A receiver that sees a number skipped lost a message (core NATS is
 #: at-most-once) and ends the stream with STREAM_INTERRUPTED instead of returning less text.

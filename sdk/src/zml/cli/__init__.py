@@ -22,6 +22,7 @@ _COMMANDS = (
     "zml.cli.serve",
     "zml.cli.warmup",
     "zml.cli.node_agent",
+    "zml.cli.creds",
 )
 
 

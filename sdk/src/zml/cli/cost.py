@@ -24,12 +24,13 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
 def run(args: argparse.Namespace) -> int:
     from zmlcore.config import find_config, load_config
     from zmlcore.costs import clear_cost, set_cost
+    from zmlcore.natsauth import cli_options
     from zmlcore.natsio import connect
 
     url = args.nats_url or load_config(args.config or find_config()).nats.url
 
     async def go() -> None:
-        nc = await connect(url, "zml-cli", connect_timeout=3)
+        nc = await connect(url, "zml-cli", connect_timeout=3, **cli_options(args.config))
         try:
             if args.verb == "set":
                 entry = await set_cost(nc, args.node, args.cost_per_hour, source=args.source)

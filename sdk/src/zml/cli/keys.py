@@ -51,6 +51,7 @@ def run(args: argparse.Namespace) -> int:
     from zmlcore.config import find_config, load_config
     from zmlcore.errors import BadRequestError
     from zmlcore.keys import create_key, list_keys, revoke_key
+    from zmlcore.natsauth import cli_options
     from zmlcore.natsio import connect
     from zmlcore.plans import plan_limits
 
@@ -60,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
             raise BadRequestError("limits must be >= 1")
 
     async def go() -> int:
-        nc = await connect(url, "zml-cli", connect_timeout=3)
+        nc = await connect(url, "zml-cli", connect_timeout=3, **cli_options(args.config))
         try:
             if args.verb == "create":
                 limits = plan_limits(args.plan, requests_per_minute=args.rpm, concurrent=args.concurrent,

@@ -10,18 +10,18 @@ from typing import Any
 from zml._client import Client
 from zml.cli._common import add_client_args, client_kwargs
 
-COLUMNS = ("NODE", "TYPE", "FAMILY", "MODELS", "HEALTH", "QUEUE", "STATE", "COOLDOWN")
+COLUMNS = ("NODE", "TYPE", "FAMILY", "MODELS", "HEALTH", "QUEUE", "STATE", "COOLDOWN", "ENDPOINT")
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("nodes", help="show the accelerator fleet", description="Show the fleet: node, type, "
-                       "models, health score, queue depth (running+waiting), state and cooldown.")
+                       "models, health score, queue depth (running+waiting), state, cooldown and endpoint.")
     p.add_argument("action", nargs="?", choices=("list", "add", "remove"), default="list",
                    help="list (default), add a node at run time, or remove one")
     p.add_argument("node_id", nargs="?", help="add/remove: the node id")
     p.add_argument("--json", action="store_true", help="print the node list as JSON")
     a = p.add_argument_group("add / remove (a request to the health service over NATS; survives its restarts)")
-    a.add_argument("--accelerator", help="type ID: nvidia_h100, nvidia_a100, amd_mi300x, intel_gaudi2, aws_inferentia2")
+    a.add_argument("--accelerator", help="type ID: nvidia_h100, nvidia_a100, amd_mi300x, intel_gaudi2, aws_inferentia2, cpu")
     a.add_argument("--url", dest="node_url", help="the engine's base URL, e.g. http://10.0.0.9:8000")
     a.add_argument("--backend", default="vllm", help="vllm, tgi, sglang, llamacpp or openai (default vllm)")
     a.add_argument("--serves", action="append", default=[], metavar="MODEL", help="a model it serves (repeatable)")
@@ -46,12 +46,13 @@ def _admin(args: argparse.Namespace) -> int:
     from zmlcore.errors import BadRequestError
     from zmlcore.health.registry import add_node_sync, remove_node_sync
     from zmlcore.messages import NodeSpec
+    from zmlcore.natsauth import cli_options
 
     if not args.node_id:
         raise BadRequestError(f"zml nodes {args.action} needs a node id")
     url = args.nats_url or os.environ.get("ZML_NATS_URL") or load_config(args.config_path or find_config()).nats.url
     if args.action == "remove":
-        remove_node_sync(url, args.node_id)
+        remove_node_sync(url, args.node_id, connect_options=cli_options(args.config_path))
         print(f"{args.node_id}: removed")
         return 0
     if not (args.accelerator and args.node_url):
@@ -67,7 +68,7 @@ def _admin(args: argparse.Namespace) -> int:
         spec = msgspec.convert({k: v for k, v in raw.items() if v is not None}, NodeSpec)
     except msgspec.ValidationError as exc:
         raise BadRequestError(f"invalid node: {exc}") from exc
-    add_node_sync(url, spec, replace=args.replace)
+    add_node_sync(url, spec, replace=args.replace, connect_options=cli_options(args.config_path))
     print(f"{args.node_id}: added ({args.accelerator} at {args.node_url}); `zml nodes` shows it after its first poll")
     return 0
 
@@ -104,10 +105,13 @@ def rows(nodes: list[dict[str, Any]], now: float) -> list[tuple[str, ...]]:
         state = str(n.get("status", "unknown"))
         if n.get("reason") and state != "up":
             state += f" ({n['reason']})"
+        if n.get("sleeping"):
+            state += " (asleep)"
         queue = int(n.get("queue_running", 0)) + int(n.get("queue_waiting", 0))
         out.append((
             str(n.get("node_id", "?")), str(n.get("accelerator_type", "")), str(n.get("family", "")), models,
             f"{float(n.get('health_score', 0.0)):.0f}", str(queue), state, _cooldown(n, now),
+            str(n.get("endpoint") or "-"),
         ))
     return out
 

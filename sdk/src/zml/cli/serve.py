@@ -40,11 +40,11 @@ def _nats_url(args: argparse.Namespace) -> str:
 def run(args: argparse.Namespace) -> int:
     return asyncio.run(serve(args.model, nodes=[n for n in (args.nodes or "").split(",") if n],
                              family=args.family, nats_url=_nats_url(args), timeout=args.timeout,
-                             wait=not args.no_wait))
+                             wait=not args.no_wait, config=args.config))
 
 
 async def serve(model: str, *, nodes: list[str], family: list[str], nats_url: str, timeout: float,
-                wait: bool = True, out: "object" = None) -> int:
+                wait: bool = True, out: "object" = None, config: str | None = None) -> int:
     import msgspec
     import nats
     from nats.errors import NoRespondersError
@@ -62,7 +62,9 @@ async def serve(model: str, *, nodes: list[str], family: list[str], nats_url: st
         print(line, file=stream, flush=True)  # type: ignore[arg-type]
 
     t0 = time.monotonic()
-    nc = await nats.connect(nats_url, connect_timeout=3, max_reconnect_attempts=0)
+    from zmlcore.natsauth import cli_options
+
+    nc = await nats.connect(nats_url, connect_timeout=3, max_reconnect_attempts=0, **cli_options(config))
     try:
         req = ServeRequest(model=model, nodes=nodes, family=family)
         try:

@@ -4,6 +4,11 @@ Prints one line with ``ready`` and the gateway URL once a request would succeed.
 (nats-server, services, sim fleet) is supervised: one that exits is started again after a backoff
 (0.5 s doubling to 10 s; reset after a minute up) and the restart is logged. Only Ctrl-C or
 SIGTERM stops `zml up`, and with it every child it started (by PID).
+
+Secure by default: the embedded nats-server runs with authorization (an nkey identity per
+service, each allowed only its own subjects, see docs/security.md), from a persistent data
+folder (``--data-dir``, default ``~/.local/share/zml``) holding the seeds (mode 0600).
+``--insecure`` runs an open broker, as before (tests, throw-away demos).
 """
 
 from __future__ import annotations
@@ -37,8 +42,18 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     g.add_argument("--nats-port", type=int, default=4222, help="port of the embedded NATS (default 4222)")
     g.add_argument("--nats-url", help="use this NATS server (with JetStream) instead of starting one")
     p.add_argument("--routers", type=int, default=1, help="router replicas (default 1)")
-    p.add_argument("--data-dir", help="JetStream storage (default: a temporary folder)")
+    p.add_argument("--sim-port-base", type=int, metavar="N",
+                   help="put the simulated nodes on ports N, N+1, ... (default: free ports for the demo fleet, "
+                        "the endpoints of --config as written)")
+    p.add_argument("--data-dir", help="identities, NATS config and JetStream storage (default: ~/.local/share/zml; "
+                                      "with --insecure a temporary folder)")
+    p.add_argument("--insecure", action="store_true",
+                   help="run NATS without authorization: anyone who reaches the port can read and inject anything")
     p.add_argument("--ready-timeout", type=float, default=90.0, help="seconds to wait for the first good request")
+    p.add_argument("--metrics-port", type=int, metavar="N",
+                   help="Prometheus /metrics ports N, N+1, ...: health, warmup, then one per router (default: free "
+                        "ports, printed at start; 0: none). The gateway serves /metrics on its own port")
+    p.add_argument("--log-format", choices=("text", "json"), default="text", help="children's log lines")
     p.add_argument("-v", "--verbose", action="store_true", help="echo every child's log")
     p.set_defaults(func=run)
 
@@ -63,12 +78,19 @@ def _probe(url: str, model: str) -> tuple[int, str]:
 def run(args: argparse.Namespace) -> int:
     from zmlcore.config import load_config
     from zmlcore.errors import ConfigError
-    from zmlcore.launch import endpoint_port, port_in_use, service_argv, spawn, start_nats, wait_port
+    from zmlcore.launch import endpoint_port, free_port, port_in_use, service_argv, spawn, start_nats, wait_port
+    from zmlcore.natscreds import default_data_dir, ensure_builtin, running_server, write_server_config
     from zmlcore.supervise import Supervisor
+    from zml.cli._simports import relocate
 
     config = args.config or demo_config_path()
+    ports_dir = None
     try:
         cfg = load_config(config)
+        if args.sim_port_base is not None or args.config is None:
+            # The demo fleet on free ports (or from --sim-port-base): two `zml up` can share a host.
+            ports_dir = tempfile.TemporaryDirectory(prefix="zml-up-")
+            config, cfg = relocate(config, cfg, args.sim_port_base, Path(ports_dir.name))
     except ConfigError as exc:
         return _fail(str(exc))
     sim_nodes = [n for n in cfg.nodes if n.sim is not None]
@@ -76,6 +98,14 @@ def run(args: argparse.Namespace) -> int:
     if not args.nats_url:
         wanted.append((args.host, args.nats_port, "NATS (--nats-port, or --nats-url to use a running server)"))
     wanted += [(*endpoint_port(n.endpoint), f"sim node {n.id} (endpoint in {config})") for n in sim_nodes]
+    metrics_ports: dict[str, int] = {}
+    if args.metrics_port != 0:
+        names = ["health", "warmup", *(f"router-{i + 1}" for i in range(max(1, args.routers)))]
+        if args.metrics_port is None:
+            metrics_ports = {name: free_port(args.host) for name in names}
+        else:
+            metrics_ports = {name: args.metrics_port + i for i, name in enumerate(names)}
+            wanted += [(args.host, port, f"{name} metrics (--metrics-port)") for name, port in metrics_ports.items()]
     for host, port, what in wanted:
         if port_in_use(host, port):
             return _fail(f"port {port} on {host} is already in use: needed by {what}")
@@ -91,30 +121,55 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, on_signal)
     tmp = None
     v = args.verbose
+    envs: dict[str, dict[str, str]] = {}  # per service: its identity (ZML_NATS_NKEY)
+    data_dir = None
     try:
         if args.nats_url:
             nats_url = args.nats_url
         else:
-            data_dir = args.data_dir
-            if data_dir is None:
+            if args.data_dir is None and args.insecure:
                 tmp = tempfile.TemporaryDirectory(prefix="zml-nats-")
-                data_dir = tmp.name
-            Path(data_dir).mkdir(parents=True, exist_ok=True)
+            data_dir = Path(args.data_dir or (tmp.name if tmp else default_data_dir()))
+            data_dir.mkdir(parents=True, exist_ok=True)
+            other = running_server(data_dir)
+            if other is not None:
+                return _fail(f"{data_dir} is in use by a running nats-server (PID {other}), probably another "
+                             "`zml up`: give this one its own --data-dir")
+            conf = None
+            if not args.insecure:
+                try:
+                    ids = ensure_builtin(data_dir)
+                    n = cfg.nats
+                    conf = write_server_config(data_dir, tls_cert=n.server_tls_cert_file, tls_key=n.server_tls_key_file,
+                                               tls_ca=n.tls_ca_file, verify_clients=n.server_tls_verify_clients)
+                except ConfigError as exc:
+                    return _fail(str(exc))
+                envs = {name: {"ZML_NATS_NKEY": ident.seed_file} for name, ident in ids.items()}
+            store = str(data_dir / "jetstream")
             # Restarted on the same port and store: services reconnect and re-watch.
-            sup.add("nats", lambda: start_nats(args.host, args.nats_port, data_dir, echo=v))
+            sup.add("nats", lambda: start_nats(args.host, args.nats_port, store, echo=v, config=conf))
             nats_url = f"nats://{args.host}:{args.nats_port}"
 
         def service(name: str, *argv: str) -> None:
-            sup.add(name, lambda: spawn(name, list(argv), echo=v))
+            env = envs.get(name.split("-")[0])  # router-2 runs as the router identity
+            sup.add(name, lambda: spawn(name, list(argv), echo=v, env=env))
 
         if sim_nodes:
             service("sim", *service_argv("sim", config, nats_url))
-        service("health", *service_argv("health", config, nats_url))
-        service("warmup", *service_argv("warmup", config, nats_url))
+
+        def extra(name: str) -> list[str]:
+            out = ["--log-format", args.log_format]
+            if name in metrics_ports:
+                out += ["--metrics-port", str(metrics_ports[name])]
+            return out
+
+        service("health", *service_argv("health", config, nats_url, *extra("health")))
+        service("warmup", *service_argv("warmup", config, nats_url, *extra("warmup")))
         for i in range(max(1, args.routers)):
-            service(f"router-{i + 1}", *service_argv("router", config, nats_url, "--router-id", f"router-{i + 1}"))
+            name = f"router-{i + 1}"
+            service(name, *service_argv("router", config, nats_url, "--router-id", name, *extra(name)))
         service("gateway", *service_argv("gateway", config, nats_url, "--host", args.host,
-                                          "--port", str(args.gateway_port)))
+                                          "--port", str(args.gateway_port), "--log-format", args.log_format))
         url = f"http://{args.host}:{args.gateway_port}"
         model = next(iter(sorted({m for n in cfg.nodes for m in n.models})), None)
         deadline = time.monotonic() + args.ready_timeout
@@ -131,7 +186,21 @@ def run(args: argparse.Namespace) -> int:
                 return _fail(f"no successful request within {args.ready_timeout:g} s (last: {last[0]} {last[1]})")
             time.sleep(0.5)
         if not stopping:
+            if envs and data_dir is not None:
+                print(f"zml up: NATS authorization on (identities in {data_dir}). A client identity for raw NATS or "
+                      f"the SDK: `zml creds issue NAME --data-dir {data_dir}`, then ZML_NATS_NKEY=<the file it "
+                      f"writes>. Operator commands (zml nodes/cost/serve/keys): "
+                      f"ZML_NATS_NKEY={data_dir / 'creds' / 'admin.nk'}", flush=True)
+            elif not args.nats_url:
+                print("zml up: --insecure: NATS has no authorization; anyone who reaches "
+                      f"{nats_url} can read every prompt and reply and register nodes", flush=True)
             print(f"zml ready: {url}  (OpenAI API at {url}/v1, NATS {nats_url}, {len(cfg.nodes)} nodes; Ctrl-C to stop)",
+                  flush=True)
+            if sim_nodes:
+                print("zml up: simulated nodes " + ", ".join(f"{n.id} {n.endpoint}" for n in sim_nodes)
+                      + " (`zml nodes` lists them)", flush=True)
+            where = ", ".join(f"{name} :{port}" for name, port in metrics_ports.items())
+            print(f"zml metrics: {url}/metrics, dashboard {url}/dashboard" + (f"; /metrics also on {where}" if where else ""),
                   flush=True)
         while not stopping:
             sup.tick()
@@ -141,6 +210,8 @@ def run(args: argparse.Namespace) -> int:
         sup.stop_all()
         if tmp is not None:
             tmp.cleanup()
+        if ports_dir is not None:
+            ports_dir.cleanup()
         print("zml up: stopped", file=sys.stderr, flush=True)
 
 

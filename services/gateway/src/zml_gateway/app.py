@@ -44,7 +44,10 @@ from zmlcore.errors import ConnectionError as ZMLConnectionError
 from zmlcore.link import link_of
 from zmlcore.messages import NodeState
 from zmlcore.keys import KeyRing
+from zmlcore.natsauth import config_owner
+from zml_gateway.owners import InFlight
 from zmlcore.streamseq import SeqCheck
+from zml_gateway import metrics
 from zml_gateway.access import Access, Caller, RateLimited
 from zmlcore.validate import check_request_id, clip, decode_request, request_timeout_s
 from zml_gateway.models import model_list, model_object
@@ -108,6 +111,8 @@ class Gateway:
         self.max_body = cfg.gateway.max_body_bytes
         self.in_flight = 0  # inference requests held now (bounded by [gateway] max_concurrent)
         self.access = access or Access(cfg, KeyRing(cfg.gateway.api_keys), None)
+        self.owner = config_owner(cfg.nats)  # this gateway's NATS identity: its cancel subjects
+        self.inflight = InFlight()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -230,6 +235,7 @@ class Gateway:
         try:
             limits = await self.access.admit(caller, request_id, timeout + 5.0)
         except RateLimited as exc:
+            metrics.rate_limited(caller)
             await self._plain(send, 429, exc.error.to_body(), exc.headers)
             return
         tokens = [0]
@@ -248,9 +254,21 @@ class Gateway:
                 headers[subjects.H_LABEL] = caller.record.label
         if not self.nc.is_connected:  # fail fast: buffered until the broker is back, it may be lost
             raise ZMLConnectionError("the gateway has lost its broker connection; retry", retry_after=1.0)
-        if stream:
-            await self._infer_stream(body, headers, request_id, timeout, receive, send, limits, tokens)
-            return
+        owned = self.inflight.claim(caller.identity, request_id, headers)
+        try:
+            if stream:
+                await self._infer_stream(body, headers, request_id, timeout, receive, send, limits, tokens)
+            else:
+                await self._infer_once(body, headers, request_id, timeout, receive, send, limits, tokens)
+        finally:
+            self.inflight.release(owned)
+
+    async def _cancel(self, request_id: str, headers: dict[str, str]) -> None:
+        await self.nc.publish(subjects.cancel(request_id, self.owner), b"",
+                              headers={subjects.H_OWNER: headers[subjects.H_OWNER]})
+
+    async def _infer_once(self, body: bytes, headers: dict[str, str], request_id: str, timeout: float,
+                          receive: Receive, send: Send, limits: list[tuple[bytes, bytes]], tokens: list[int]) -> None:
         # Watch for the client going away while the request runs: then cancel it on the node.
         request = asyncio.ensure_future(self.nc.request(subjects.INFER, body, timeout=timeout + 1.0, headers=headers))
         watch = asyncio.ensure_future(receive())
@@ -260,7 +278,7 @@ class Gateway:
         blink.cancel()
         if request not in done:
             request.cancel()
-            await self.nc.publish(subjects.cancel(request_id), b"")
+            await self._cancel(request_id, headers)
             if blink in done:
                 watch.cancel()
                 raise _broker_lost()
@@ -271,7 +289,7 @@ class Gateway:
         except NoRespondersError:
             raise NoHealthyNodesError("no router is running (no responders on zml.infer)", retry_after=1.0) from None
         except NatsTimeout:
-            await self.nc.publish(subjects.cancel(request_id), b"")
+            await self._cancel(request_id, headers)
             raise TimeoutError(f"no reply within {timeout:g} s") from None
         rh = reply.headers or {}
         code = rh.get(subjects.H_ERROR_CODE)
@@ -316,7 +334,7 @@ class Gateway:
                                              return_when=asyncio.FIRST_COMPLETED)
                 if blink in done and get not in done:  # chunks sent while the broker was away are lost
                     get.cancel()
-                    await self.nc.publish(subjects.cancel(request_id), b"")
+                    await self._cancel(request_id, headers)
                     if started:
                         await self._sse_error(send, StreamInterruptedError(
                             "the broker connection was lost mid-stream; the stream is incomplete").to_body())
@@ -324,11 +342,11 @@ class Gateway:
                     raise _broker_lost()
                 if watch in done:  # client went away
                     get.cancel()
-                    await self.nc.publish(subjects.cancel(request_id), b"")
+                    await self._cancel(request_id, headers)
                     return
                 if get not in done:
                     get.cancel()
-                    await self.nc.publish(subjects.cancel(request_id), b"")
+                    await self._cancel(request_id, headers)
                     exc = TimeoutError(f"no reply within {timeout:g} s")
                     if started:
                         await self._sse_error(send, exc.to_body())
@@ -336,7 +354,7 @@ class Gateway:
                     raise exc
                 msg = get.result()
                 if overflow:
-                    await self.nc.publish(subjects.cancel(request_id), b"")
+                    await self._cancel(request_id, headers)
                     exc = BackendError(f"client read too slowly: more than {queue.maxsize} chunks waiting; "
                                        "request cancelled")
                     if started:
@@ -347,7 +365,7 @@ class Gateway:
                 kind = mh.get(subjects.H_STREAM)
                 gap = seq.gap(mh.get(subjects.H_SEQ)) if kind in _SEQUENCED else None
                 if gap is not None:
-                    await self.nc.publish(subjects.cancel(request_id), b"")
+                    await self._cancel(request_id, headers)
                     lost = StreamInterruptedError(f"{gap}; the stream is incomplete")
                     if not started:
                         raise lost

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 
 import msgspec
 import uvicorn
@@ -19,6 +20,8 @@ from zmlcore.keys import KeyRing
 from zmlcore.limiter import SharedLimiter
 from zml_gateway.access import Access
 from zml_gateway.app import Gateway
+from zml_gateway.dashboard import Dashboard
+from zml_gateway.observe import Observed
 from zml_gateway.protocol import BoundedHttpTools
 
 log = logging.getLogger("zml.gateway")
@@ -40,6 +43,7 @@ class GatewayService:
         self._server: _Server | None = None
         self._serve: asyncio.Task[None] | None = None
         self._follow: asyncio.Task[None] | None = None
+        self._dashboard: Dashboard | None = None
         self._follow_keys: asyncio.Task[None] | None = None
         self.limiter: SharedLimiter | None = None
 
@@ -52,12 +56,20 @@ class GatewayService:
         self._follow_keys = asyncio.create_task(keys.run())
         await keys.wait_ready(2.0)  # keys known before the first request (else: 401s at start)
         self.limiter = await SharedLimiter.open(nc)
-        app = Gateway(self.cfg, nc, self.nodes, self.costs, Access(self.cfg, ring, self.limiter))
+        gateway = Gateway(self.cfg, nc, self.nodes, self.costs, Access(self.cfg, ring, self.limiter))
+        self._dashboard = Dashboard(gateway)
+        await self._dashboard.start()
+        app = Observed(gateway, serve_metrics=self.cfg.metrics.gateway, dashboard=self._dashboard)
         g = self.cfg.gateway
         protocol = BoundedHttpTools.with_limits(g.max_header_bytes, g.max_headers, g.header_timeout_s)
+        tls: dict[str, object] = {}
+        if g.tls_cert_file:  # HTTPS; with a client CA, clients must present a certificate it signed
+            tls = {"ssl_certfile": g.tls_cert_file, "ssl_keyfile": g.tls_key_file}
+            if g.tls_client_ca_file:
+                tls |= {"ssl_ca_certs": g.tls_client_ca_file, "ssl_cert_reqs": ssl.CERT_REQUIRED}
         config = uvicorn.Config(
             app, host=self.host, port=self.port, http=protocol, loop="none", lifespan="off",
-            log_level="warning", access_log=False, timeout_keep_alive=30, backlog=2048,
+            log_level="warning", access_log=False, timeout_keep_alive=30, backlog=2048, **tls,  # type: ignore[arg-type]
         )
         self._server = _Server(config)
         self._serve = asyncio.create_task(self._server.serve())
@@ -72,6 +84,8 @@ class GatewayService:
             self._server.should_exit = True
         if self._serve is not None:
             await asyncio.wait([self._serve], timeout=10)
+        if self._dashboard is not None:
+            await self._dashboard.stop()
         if self.limiter is not None:
             await self.limiter.close()
         for task in (self._follow, self._follow_costs, self._follow_keys):

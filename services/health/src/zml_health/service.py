@@ -41,7 +41,7 @@ from zmlcore.messages.warmup import completed_decoder, warmup_event_decoder
 from zmlcore.natsio import ensure_kv, nodes_kv
 from zmlcore.runner import cancel_and_wait
 from zmlcore.sim.model import SimProfile
-from zml_health import nodeprobe
+from zml_health import metrics, nodeprobe
 from zml_health.adapters import adapter_for, sglang
 from zml_health.adapters.base import Probe
 from zml_health.tracker import Tracker
@@ -204,6 +204,7 @@ class HealthService:
         rt = self.runtime[node.id]
         probe_fn = adapter_for(node.backend)
         endpoint = node.endpoint.rstrip("/")
+        t0 = time.perf_counter()
         async with self._sem:
             probe = await probe_fn(self.http, endpoint, hc.probe_timeout_s, tr.polls)
             if not probe.ok and not probe.slow and not probe.loading and tr.status == "up":
@@ -217,6 +218,7 @@ class HealthService:
         check = self._hardware(node, rt)
         state = self._state(node, tr, rt, probe, status, check, now)
         self.states[node.id] = state
+        metrics.polled(node.id, probe.ok, probe.loading, probe.slow, time.perf_counter() - t0, state)
         if node.id in self._tasks:  # not removed while we probed
             await self.kv.put(node.id, _encode(state))
         return state
@@ -264,6 +266,9 @@ class HealthService:
         # The engine reports its own names; the fleet speaks ZML's.
         back = {served: name for name, served in node.served_names.items()}
         models = [back.get(m, m) for m in probe.models] if probe.ok else (prev.models if prev else [])
+        sleeping = probe.sleeping if probe.ok else (prev.sleeping if prev else False)
+        if sleeping and node.backend == "vllm":
+            models = []  # a sleeping vLLM answers nothing until woken (warmup's /wake_up)
         running = probe.running if probe.ok else (prev.queue_running if prev else 0)
         waiting = probe.waiting if probe.ok else (prev.queue_waiting if prev else 0)
         loading = self._loading_models(node, rt, probe, status, models, now)
@@ -285,6 +290,7 @@ class HealthService:
             models=[m for m in models if m not in loading],
             served_names=dict(node.served_names),
             loading_models=loading,
+            sleeping=sleeping,
             queue_running=running,
             queue_waiting=waiting,
             max_concurrency=capacity,
@@ -318,7 +324,8 @@ class HealthService:
                         models: list[str], now: float) -> list[str]:
         loading: dict[str, None] = {}
         doc_loading = (rt.doc or {}).get("loading_models") if probe.ok or probe.loading else None
-        for m in doc_loading or []:
+        back = {served: name for name, served in node.served_names.items()}
+        for m in [*(doc_loading or []), *(back.get(m, m) for m in probe.loading_models)]:
             if isinstance(m, str):
                 loading[m] = None
         for m, deadline in list(rt.pending_loads.items()):

@@ -55,7 +55,7 @@ class Tracker:
     ttft_s: float | None = None
     last_inference_at: float = 0.0
     history: deque[float] = field(default_factory=deque)
-    #: Prefill/decode speeds measured from the engine's counters (vLLM), when it reports them.
+    #: Prefill/decode speeds measured from the engine's counters (vLLM, llama.cpp), when it reports them.
     speed: SpeedMeter = field(default_factory=SpeedMeter)
     #: Last time a router abandoned a request here for want of a first byte (completion
     #: events' ``slow_nodes``): its probes may pass while inference hangs.
@@ -148,7 +148,8 @@ class Tracker:
         readings = (probe.prompt_tokens_total, probe.prefill_time_sum, probe.request_gen_tokens_sum,
                     probe.request_gen_tokens_count, probe.decode_time_sum)
         if all(v is not None for v in readings):
-            self.speed.observe(Readings(*readings), probe.running)  # type: ignore[arg-type]
+            self.speed.observe(Readings(*readings, probe.decode_steps_total,  # type: ignore[arg-type]
+                                        probe.busy_slot_steps_total), probe.running)
         self.history.append(round(self.tokens_per_s, 3))
         while len(self.history) > self.history_len:
             self.history.popleft()

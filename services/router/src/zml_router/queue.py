@@ -35,7 +35,7 @@ from nats.aio.client import Client as NATS
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, RetentionPolicy, StorageType, StreamConfig
-from nats.js.errors import KeyWrongLastSequenceError
+from nats.js.errors import KeyDeletedError, KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from zmlcore import subjects
@@ -49,7 +49,7 @@ H_REPLY = "Zml-Reply"
 H_DEADLINE = "Zml-Deadline"  # unix seconds: when a queued request expires with QUEUE_FULL
 H_ENQUEUED = "Zml-Enqueued"
 H_TOTAL_MS = "Zml-Total-Timeout-Ms"  # a re-queued request's original timeout
-H_QUEUED_HEADERS = (subjects.H_REQUEST_ID, subjects.H_TIMEOUT_MS)
+H_QUEUED_HEADERS = (subjects.H_REQUEST_ID, subjects.H_TIMEOUT_MS, subjects.H_OWNER)
 
 ACK_WAIT_S = 5.0
 #: Queued entries live at most this long (the stream's max_age), and so do their claims.
@@ -90,7 +90,7 @@ Expire = Callable[[QueuedMsg, float], Awaitable[None]]
 
 class SaturationQueue:
     def __init__(self, nc: NATS, has_room: HasRoom, dispatch: Dispatch, expire: Expire,
-                 is_cancelled: Callable[[str], bool], owner: str = "") -> None:
+                 is_cancelled: Callable[[QueuedMsg], bool], owner: str = "") -> None:
         self.nc = nc
         self.js: JetStreamContext = nc.jetstream()
         self._has_room = has_room
@@ -153,6 +153,19 @@ class SaturationQueue:
         except Exception:
             log.warning("queue claim %s failed; holding the entry", key, exc_info=True)
             return None
+
+    async def _is_claimed(self, key: str) -> bool:
+        if self.claims is None:
+            return False
+        try:
+            await self.claims.get(key)
+            return True
+        except (KeyNotFoundError, KeyDeletedError):  # never claimed, or released
+            return False
+        except asyncio.CancelledError:
+            raise
+        except Exception:  # unknown: the claim at dispatch time decides
+            return False
 
     async def _release(self, key: str) -> None:
         if self.claims is None:
@@ -252,10 +265,17 @@ class SaturationQueue:
         deadline = float(h.get(H_DEADLINE, "0") or 0)
         request_id = h.get(subjects.H_REQUEST_ID, "")
         claim_key = f"{key_of(jmsg)}.{jmsg.metadata.sequence.stream}"
+        if jmsg.metadata.num_delivered > 1 and await self._is_claimed(claim_key):
+            # Redelivered after its holder died having dispatched it: it ran (or died with that
+            # holder). No dispatch, and no QUEUE_FULL either: its caller may be reading its answer.
+            log.warning("queued request %s was dispatched by a replica that died before acking it; "
+                        "not dispatching it again", request_id or claim_key)
+            await jmsg.ack()
+            return
         last_progress = time.monotonic()
         while True:
             now = time.time()
-            if request_id and self._is_cancelled(request_id):
+            if request_id and self._is_cancelled(qmsg):
                 await jmsg.ack()
                 return
             if now >= deadline:

@@ -25,6 +25,7 @@ from zmlcore.errors import (
     BackendError,
     BadRequestError,
     CancelledError,
+    DuplicateRequestError,
     ModelNotLoadedError,
     NoHealthyNodesError,
     QueueFullError,
@@ -44,6 +45,7 @@ from zmlcore.messages import (
 )
 from zmlcore.kvfollow import KVFollower
 from zmlcore.runner import cancel_and_wait
+from zmlcore.telemetry import DECISION_ID, REQUEST_ID
 from zmlcore.validate import check_request_id, decode_request, request_timeout_s
 from zmlcore.policy import (
     Decision,
@@ -56,6 +58,7 @@ from zmlcore.policy import (
 )
 from zmlcore.policy.resolve import builtin_policy
 from zml_router.cancels import CancelBook
+from zml_router.metrics import RouterMetrics
 from zml_router.cooldowns import Marks
 from zml_router.dispatch import (
     AttemptError,
@@ -105,10 +108,11 @@ class _Outcome:
     """What happened to one request, for its completion event."""
 
     __slots__ = ("model", "node_id", "family", "ok", "error_code", "node_error", "failed_nodes",
-                 "attempts", "info", "queued", "slow_nodes", "label")
+                 "attempts", "info", "queued", "slow_nodes", "label", "op")
 
     def __init__(self) -> None:
         self.model = ""
+        self.op = ""  # chat | completion
         self.node_id = ""
         self.family = ""
         self.ok = False
@@ -129,6 +133,16 @@ def _new_id() -> str:
     return os.urandom(8).hex()
 
 
+def _owner_key(reply: str, headers: dict[str, str], request_id: str) -> str:
+    """Whose request id this is: the identity owning the reply inbox, narrowed by a front
+    door's ``Zml-Owner`` (which can only split the sender's own namespace further)."""
+    return _key(subjects.reply_owner(reply), headers.get(subjects.H_OWNER, ""), request_id)
+
+
+def _key(owner: str, front_door_owner: str, request_id: str) -> str:
+    return f"{owner}\x00{front_door_owner}\x00{request_id}"
+
+
 class RouterService:
     def __init__(self, cfg: ZMLConfig, router_id: str | None = None) -> None:
         self.cfg = cfg
@@ -140,15 +154,17 @@ class RouterService:
         self.http: NodeClient | None = None
         self._subs: list[Subscription] = []
         self._tasks: set[asyncio.Task[None]] = set()
+        #: In-flight requests by (owner, front-door owner, request id): ids are scoped to owners.
         self._by_request: dict[str, asyncio.Task[None]] = {}
         self._follow: asyncio.Task[None] | None = None
         self._heartbeat: asyncio.Task[None] | None = None
         self._follow_costs: asyncio.Task[None] | None = None
         self._api_keys = {n.id: n.api_key for n in cfg.nodes if n.api_key}
-        #: Cancelled request ids not held here (not arrived yet, or waiting in the queue).
+        #: Cancelled requests (by owner key) not held here (not arrived yet, or waiting in the queue).
         self._cancelled = CancelBook()
         self.queue: SaturationQueue | None = None
         self._default_timeout = cfg.defaults.request_timeout_s
+        self.metrics = RouterMetrics(self)
 
     # --- lifecycle -------------------------------------------------------------------------
     async def start(self, nc: NATS) -> None:
@@ -165,14 +181,15 @@ class RouterService:
         # A snapshot before taking traffic; an empty bucket has nothing to wait for.
         await self.nodes_follower.wait_ready(2.0)
         self.queue = SaturationQueue(nc, self._room_for_queued, self._dispatch_queued, self._expire_queued,
-                                     lambda rid: self._cancelled.seen(rid, time.time()), owner=self.router_id)
+                                     self._queued_cancelled, owner=self.router_id)
         self.table.on_change = self.queue.capacity.set
         await self.queue.start(sorted(self.cfg.model_names()))
         self._subs.append(await nc.subscribe(subjects.INFLIGHT, cb=self._on_delta))
         self._subs.append(await nc.subscribe(subjects.INFLIGHT_SNAPSHOT, cb=self._on_snapshot))
         self._subs.append(await nc.subscribe(subjects.NODE_MARKS, cb=self._on_mark))
         self._heartbeat = asyncio.create_task(self._publish_snapshots())
-        self._subs.append(await nc.subscribe(subjects.cancel("*"), cb=self._on_cancel))
+        self.metrics.start()
+        self._subs.append(await nc.subscribe(f"{subjects.CANCEL_PREFIX}.>", cb=self._on_cancel))
         self._subs.append(await nc.subscribe(subjects.router_state(self.router_id), cb=self._on_state))
         self._subs.append(await nc.subscribe(subjects.ROUTERS_STATE, cb=self._on_state))
         self._subs.append(
@@ -192,6 +209,7 @@ class RouterService:
         if self.queue is not None:
             await self.queue.stop()
         await cancel_and_wait([t for t in (self._follow, self._heartbeat, self._follow_costs) if t is not None])
+        await self.metrics.stop()
         if self.http:
             await self.http.aclose()
 
@@ -240,13 +258,19 @@ class RouterService:
                 await self.nc.publish(subjects.INFLIGHT_SNAPSHOT, _encode(snap))
 
     async def _on_cancel(self, msg: Msg) -> None:
-        request_id = msg.subject.rsplit(".", 1)[-1]
-        task = self._by_request.get(request_id)
+        # The owner is the subject token that permissions pin to the sender's identity: a
+        # cancel for another owner's request id names a different key and matches nothing.
+        parsed = subjects.parse_cancel(msg.subject)
+        if parsed is None:
+            return
+        owner, request_id = parsed
+        key = _key(owner, (msg.headers or {}).get(subjects.H_OWNER, ""), request_id)
+        task = self._by_request.get(key)
         if task is not None:
             task.cancel()
             return
         # Not arrived yet, or waiting in the saturation queue: remember it (bounded, expiring).
-        self._cancelled.add(request_id, time.time())
+        self._cancelled.add(key, time.time())
 
     async def _on_state(self, msg: Msg) -> None:
         now = time.time()
@@ -279,6 +303,7 @@ class RouterService:
             req = decode_request(msg.data, max_depth=self.cfg.defaults.max_json_depth)
             stream = req.stream
             request_id = check_request_id(asked_id or req.request_id or _new_id())
+            REQUEST_ID.set(request_id)  # on every log line of this request (JSON logs)
             # The gateway passes the API key's options: its default policy, its cost label.
             if req.policy is None and req.routing is None and subjects.H_DEFAULT_POLICY in headers:
                 req.routing = headers[subjects.H_DEFAULT_POLICY]
@@ -287,16 +312,19 @@ class RouterService:
                                         self._default_timeout, self.cfg.defaults.max_request_timeout_s)
             task = asyncio.current_task()
             assert task is not None
-            self._by_request[request_id] = task
+            key = _owner_key(msg.reply, headers, request_id)
+            if key in self._by_request:
+                raise DuplicateRequestError(f"request_id {request_id!r} is already in flight for this caller")
+            self._by_request[key] = task
             try:
-                if self._cancelled.take(request_id, time.time()):  # the cancel overtook the request
+                if self._cancelled.take(key, time.time()):  # the cancel overtook the request
                     raise asyncio.CancelledError
                 async with asyncio.timeout(timeout):
                     await self._route(msg, req, request_id, t0, timeout, out)
             except asyncio.TimeoutError as exc:
                 raise TimeoutError(f"request exceeded its timeout of {timeout:g} s") from exc
             finally:
-                self._by_request.pop(request_id, None)
+                self._by_request.pop(key, None)
                 if isinstance(msg, QueuedMsg) and msg.placed is not None and not msg.placed.done():
                     msg.placed.set_result(True)
         except asyncio.CancelledError:
@@ -309,8 +337,13 @@ class RouterService:
             out.error_code = ZMLError.code
             log.exception("internal error on request %s", request_id)
             await self._reply_error(msg, ZMLError(f"internal error: {type(exc).__name__}"), stream)
+        self.metrics.finished(out, time.monotonic() - t0)
         if out.model and not out.queued:
             await self._completed(out, request_id, t0)
+
+    def _queued_cancelled(self, qmsg: QueuedMsg) -> bool:
+        request_id = qmsg.headers.get(subjects.H_REQUEST_ID, "")
+        return self._cancelled.seen(_owner_key(qmsg.reply, qmsg.headers, request_id), time.time())
 
     def _prepare(self, req: InferRequest, raw: bytes) -> tuple[str, ResolvedPolicy, RouteRequest]:
         model = self.cfg.resolve_model(req.model)
@@ -327,7 +360,7 @@ class RouterService:
 
     async def _route(self, msg: Msg | QueuedMsg, req: InferRequest, request_id: str, t0: float,
                      timeout: float, out: _Outcome) -> None:
-        out.model = self.cfg.resolve_model(req.model)
+        out.model, out.op = self.cfg.resolve_model(req.model), req.kind()
         model, policy, rr = self._prepare(req, msg.data)
         max_tokens = rr.max_tokens
         body = self._backend_body(msg.data, model, req.model)
@@ -344,7 +377,7 @@ class RouterService:
                 rr = RouteRequest(model=model, prompt_tokens=rr.prompt_tokens, max_tokens=max_tokens,
                                   accelerator_id=req.accelerator_id, exclude=frozenset(excluded))
             try:
-                decision = self._decide(rr, policy)
+                decision = self.metrics.decide(self._decide, rr, policy)
             except QueueFullError:
                 if last is None and policy.config.queue_on_saturation and self.queue is not None and msg.reply:
                     out.queued = True
@@ -372,6 +405,7 @@ class RouterService:
                 label=out.label,
             )
             out.info = info
+            DECISION_ID.set(info.decision_id)
             served = self.table.views[decision.node_id].state.served_names.get(model)
             node_body = self._backend_body(msg.data, served, req.model) if served else body
             first_byte = self._first_byte_s(decision.node_id, req, rr)
@@ -386,6 +420,7 @@ class RouterService:
                 return
             except AttemptError as err:
                 last = err
+                self.metrics.failover(decision.node_id, err.failure.value)
                 out.node_error = err.failure in (Failure.NETWORK, Failure.SERVER, Failure.SLOW)
                 if out.node_error:
                     out.failed_nodes.append(decision.node_id)
@@ -505,7 +540,7 @@ class RouterService:
         wait_s = (max_queue_ms or 0) / 1000.0
         deadline = now + min(wait_s, timeout)
         headers = {subjects.H_REQUEST_ID: request_id, subjects.H_TIMEOUT_MS: str(int(timeout * 1000))}
-        for name in (subjects.H_DEFAULT_POLICY, subjects.H_LABEL):  # the key's options wait with it
+        for name in (subjects.H_DEFAULT_POLICY, subjects.H_LABEL, subjects.H_OWNER):  # the key's options wait with it
             if msg.headers and name in msg.headers:
                 headers[name] = msg.headers[name]
         if isinstance(msg, QueuedMsg):
@@ -514,6 +549,7 @@ class RouterService:
             headers[H_ENQUEUED] = msg.headers.get(H_ENQUEUED, f"{now:.3f}")
             headers[subjects.H_TIMEOUT_MS] = msg.headers.get(H_TOTAL_MS, headers[subjects.H_TIMEOUT_MS])
         await self.queue.enqueue(model, msg.data, msg.reply, headers, deadline)
+        self.metrics.enqueued(model)
         log.info("request %s queued for %s (up to %.0f ms)", request_id, model, wait_s * 1000)
 
     def _room_for_queued(self, qmsg: QueuedMsg) -> bool:
@@ -522,6 +558,7 @@ class RouterService:
             req = infer_request_decoder.decode(qmsg.data)
             model, policy, rr = self._prepare(req, qmsg.data)
             self._decide(rr, policy)
+            self.metrics.waited(model, time.time() - float(qmsg.headers.get(H_ENQUEUED, time.time())))
         except QueueFullError:
             return False
         except (ZMLError, msgspec.DecodeError, msgspec.ValidationError):
@@ -549,6 +586,7 @@ class RouterService:
         return True
 
     async def _expire_queued(self, qmsg: QueuedMsg, enqueued_at: float) -> None:
+        self.metrics.expired(qmsg.data)
         waited_ms = int((time.time() - enqueued_at) * 1000)
         try:
             stream = infer_request_decoder.decode(qmsg.data).stream
@@ -638,6 +676,7 @@ class RouterService:
         finally:
             await self._count(info.node_id, -1, -1)
         info.time_to_first_token = time.monotonic() - t0
+        self.metrics.usage(req.kind(), req.model, raw)
         if rename is not None:
             raw = rename(raw)
         await self._publish(msg.reply, _with_routing(raw, info), self._routing_headers(info))
@@ -665,6 +704,7 @@ class RouterService:
                         usage = _decode_any.decode(chunk).get("usage")
                         if isinstance(usage, dict) and isinstance(usage.get("total_tokens"), int):
                             info.total_tokens = usage["total_tokens"]
+                            self.metrics.usage_dict(req.kind(), req.model, usage)
                     except msgspec.DecodeError:
                         pass
                 if rename is not None:

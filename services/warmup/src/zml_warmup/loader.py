@@ -1,9 +1,17 @@
-"""Asking a node to load a model, through the engine's own mechanism where there is one.
+"""Asking a node to load (or wake) a model, through its engine's own mechanism.
 
-In order: vLLM sleep mode (``GET /is_sleeping`` -> ``POST /wake_up``; needs the server started
-with ``--enable-sleep-mode`` and ``VLLM_SERVER_DEV_MODE=1``), ``zml sim``'s ``POST /sim/load``,
-else a one-token warm-up request (which warms caches and graphs on engines that serve the model
-but cannot load one on demand).
+* vLLM: sleep mode (``GET /is_sleeping`` -> ``POST /wake_up``, which returns once the weights
+  are back; needs ``--enable-sleep-mode`` and ``VLLM_SERVER_DEV_MODE=1``). vLLM cannot load a
+  model it was not started with, so an awake vLLM gets a warm-up request.
+* llama.cpp: router mode (llama-server started without ``--model``, with ``--models-dir`` or
+  ``--models-preset``) loads on ``POST /models/load {"model": ...}`` (400 "already running" when
+  it is). A single-model server has no such route (404): a warm-up request, which also wakes a
+  server sleeping after ``--sleep-idle-seconds``.
+* Any other engine: a one-token warm-up request (warms caches and graphs; a node that does not
+  serve the model answers 404, reported as such).
+
+Requests carry the engine's name for the model (the node's ``served_names``), never ZML's.
+``zml sim`` imitates each engine's mechanism; its own ``/sim/load`` is never sent here.
 """
 
 from __future__ import annotations
@@ -37,24 +45,31 @@ def _detail(resp: httpx.Response) -> str:
 
 
 async def load(client: httpx.AsyncClient, endpoint: str, backend: str, model: str, *,
-               timeout: float = 10.0, api_key: str | None = None) -> LoadResult:
+               served: str | None = None, timeout: float = 10.0, api_key: str | None = None) -> LoadResult:
+    """Load ``model`` (ZML's name; ``served`` is the engine's, when it differs) on a node."""
     base = endpoint.rstrip("/")
+    name = served or model
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         if backend == "vllm":
             r = await client.get(base + "/is_sleeping", timeout=timeout, headers=headers)
-            if r.status_code == 200 and isinstance(r.json(), dict) and r.json().get("is_sleeping"):
+            if r.status_code == 200 and isinstance(r.json(), dict) and r.json().get("is_sleeping") is True:
                 w = await client.post(base + "/wake_up", timeout=timeout, headers=headers)
                 if w.status_code == 200:
-                    return LoadResult(True, "vllm_wake_up")
+                    return LoadResult(True, "vllm_wake_up", done=True)
                 return LoadResult(False, "vllm_wake_up", f"/wake_up answered {w.status_code}: {_detail(w)}")
-        r = await client.post(base + "/sim/load", json={"model": model}, timeout=timeout)
-        if r.status_code in (200, 202):
-            state = r.json().get("state") if isinstance(r.json(), dict) else None
-            return LoadResult(True, "sim_load", done=state == "loaded")
-        if r.status_code not in (404, 405):
-            return LoadResult(False, "sim_load", f"/sim/load answered {r.status_code}: {_detail(r)}")
-        return await warmup_request(client, base, model, timeout=timeout, headers=headers)
+        elif backend == "llamacpp":
+            r = await client.post(base + "/models/load", json={"model": name}, timeout=timeout, headers=headers)
+            if r.status_code == 200:
+                return LoadResult(True, "llamacpp_load")
+            if r.status_code == 400 and "already running" in _detail(r):
+                return LoadResult(True, "llamacpp_load", done=True)
+            if r.status_code not in (404, 405):  # 404: not router mode (or an unknown model, below)
+                return LoadResult(False, "llamacpp_load", f"/models/load answered {r.status_code}: {_detail(r)}")
+            if r.status_code == 404 and "model is not found" in _detail(r):
+                return LoadResult(False, "llamacpp_load", f"llama-server (router mode) has no model {name!r} "
+                                  "in its --models-dir / --models-preset")
+        return await warmup_request(client, base, name, timeout=timeout, headers=headers)
     except httpx.HTTPError as exc:
         return LoadResult(False, "", f"{type(exc).__name__}: {exc}")
     except ValueError as exc:
@@ -63,7 +78,8 @@ async def load(client: httpx.AsyncClient, endpoint: str, backend: str, model: st
 
 async def warmup_request(client: httpx.AsyncClient, base: str, model: str, *, timeout: float,
                          headers: dict[str, str] | None = None) -> LoadResult:
-    """A one-token completion straight to the node (not through a router)."""
+    """A one-token completion straight to the node (not through a router). ``model`` is the
+    engine's name for it."""
     r = await client.post(base + "/v1/chat/completions", json={"model": model, **WARMUP_BODY},
                           timeout=timeout, headers=headers or {})
     if r.status_code == 200:
@@ -71,5 +87,5 @@ async def warmup_request(client: httpx.AsyncClient, base: str, model: str, *, ti
     if r.status_code == 404:
         return LoadResult(False, "warmup_request",
                           f"the engine does not serve {model!r} and has no load endpoint: start it with "
-                          "the model, or use vLLM sleep mode")
+                          "the model (or use vLLM sleep mode / llama.cpp router mode)")
     return LoadResult(False, "warmup_request", f"warm-up request answered {r.status_code}: {_detail(r)}")

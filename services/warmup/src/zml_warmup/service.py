@@ -30,7 +30,7 @@ from zmlcore.messages.admin import registry_entry_decoder
 from zmlcore.messages.warmup import completed_decoder, serve_request_decoder
 from zmlcore.kvfollow import KVFollower
 from zmlcore.runner import cancel_and_wait
-from zml_warmup import loader
+from zml_warmup import loader, metrics
 from zml_warmup.planner import Load, Want, keep_warm_due, plan_loads
 from zml_warmup.rate import QuietDetector, RateTracker, metrics_rate
 
@@ -54,6 +54,8 @@ class WarmupService:
         self.removed: set[str] = set()
         self.endpoints: dict[str, tuple[str, str, str | None]] = {
             n.id: (n.endpoint, n.backend, n.api_key) for n in cfg.nodes}
+        #: node -> ZML model name -> the engine's name for it (requests carry the latter).
+        self.served_names: dict[str, dict[str, str]] = {n.id: dict(n.served_names) for n in cfg.nodes}
         self.rates = RateTracker(self.wc.rate_window_s, now)
         self.quiet = QuietDetector(self.wc, now)
         self.warm_models = [m for m, mc in cfg.models.items() if mc.warm]
@@ -124,6 +126,7 @@ class WarmupService:
             fam = fam or (ACCELERATORS[n.accelerator].family if n.accelerator in ACCELERATORS else "")
             self.registry_wants[n.id] = Want(n.id, n.accelerator, fam, tuple(n.models))
             self.endpoints[n.id] = (n.endpoint, n.backend, None)
+            self.served_names[n.id] = dict(n.served_names)
 
     def wants(self) -> list[Want]:
         merged = {**self.config_wants, **self.registry_wants}
@@ -214,8 +217,8 @@ class WarmupService:
             known = self.states[ld.node_id]
             endpoint, backend = known.endpoint, known.backend
         self._emit(WarmupEvent(node_id=ld.node_id, model=ld.model, phase="started", reason=reason, ts=self.clock()))
-        res = await loader.load(self.http, endpoint, backend, ld.model, timeout=min(self.wc.load_timeout_s, 600.0),
-                                api_key=api_key)
+        res = await loader.load(self.http, endpoint, backend, ld.model, served=self._served(ld),
+                                timeout=min(self.wc.load_timeout_s, 600.0), api_key=api_key)
         now = self.clock()
         if not res.ok:
             self.in_progress.pop(key, None)
@@ -232,6 +235,14 @@ class WarmupService:
             self._check_progress(st)
         return res
 
+    def _served(self, ld: Load) -> str | None:
+        """The engine's name for the model: the node's served_names (registry/zml.toml, else
+        what health last published)."""
+        names = self.served_names.get(ld.node_id)
+        if names is None and ld.node_id in self.states:
+            names = self.states[ld.node_id].served_names
+        return (names or {}).get(ld.model)
+
     async def _probe(self, ld: Load) -> None:
         assert self.http is not None
         endpoint, _, api_key = self.endpoints.get(ld.node_id, ("", "", None))
@@ -240,13 +251,15 @@ class WarmupService:
             return
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
         try:
-            res = await loader.warmup_request(self.http, endpoint.rstrip("/"), ld.model, timeout=30.0, headers=headers)
+            res = await loader.warmup_request(self.http, endpoint.rstrip("/"), self._served(ld) or ld.model,
+                                              timeout=30.0, headers=headers)
         except httpx.HTTPError as exc:
             res = loader.LoadResult(False, "warmup_request", str(exc))
         self._emit(WarmupEvent(node_id=ld.node_id, model=ld.model, phase="probed" if res.ok else "failed",
                                reason="keep_warm", mechanism="warmup_request", message=res.message, ts=self.clock()))
 
     def _emit(self, ev: WarmupEvent) -> None:
+        metrics.event(ev)
         self.events.append(ev)
         del self.events[:-200]
         if self.nc is not None and self.nc.is_connected:

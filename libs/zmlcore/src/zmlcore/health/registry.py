@@ -76,7 +76,7 @@ def _sync(nats_url: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
         import nats
 
         nc = await nats.connect(nats_url, connect_timeout=kwargs.pop("connect_timeout", 2.0),
-                                max_reconnect_attempts=0)
+                                max_reconnect_attempts=0, **(kwargs.pop("connect_options", None) or {}))
         try:
             return await fn(nc, *args, **kwargs)
         finally:
@@ -85,11 +85,14 @@ def _sync(nats_url: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
     return asyncio.run(run())
 
 
-def add_node_sync(nats_url: str, node: NodeSpec, *, replace: bool = False, timeout: float = 5.0) -> NodeAdded:
-    """:func:`add_node` for callers without an event loop (the CLI)."""
-    return _sync(nats_url, add_node, node, replace=replace, timeout=timeout)  # type: ignore[no-any-return]
+def add_node_sync(nats_url: str, node: NodeSpec, *, replace: bool = False, timeout: float = 5.0,
+                  connect_options: dict[str, Any] | None = None) -> NodeAdded:
+    """:func:`add_node` for callers without an event loop (the CLI); ``connect_options``: the
+    caller's identity and TLS (zmlcore.natsauth)."""
+    return _sync(nats_url, add_node, node, replace=replace, timeout=timeout, connect_options=connect_options)  # type: ignore[no-any-return]
 
 
-def remove_node_sync(nats_url: str, node_id: str, *, timeout: float = 5.0) -> NodeRemoved:
+def remove_node_sync(nats_url: str, node_id: str, *, timeout: float = 5.0,
+                     connect_options: dict[str, Any] | None = None) -> NodeRemoved:
     """:func:`remove_node` for callers without an event loop (the CLI)."""
-    return _sync(nats_url, remove_node, node_id, timeout=timeout)  # type: ignore[no-any-return]
+    return _sync(nats_url, remove_node, node_id, timeout=timeout, connect_options=connect_options)  # type: ignore[no-any-return]

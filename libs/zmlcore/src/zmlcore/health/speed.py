@@ -9,6 +9,12 @@ vLLM reports per-request prefill and decode intervals (``vllm:request_prefill_ti
   at the batch sizes the node ran; divided back to batch 1 with the fleet model's 2% per extra
   sequence (``zmlcore.accelerators.DECODE_BATCH_PENALTY``) using the running count.
 
+llama.cpp counts prefill and decode time per slot (``llamacpp:prompt_seconds_total``,
+``llamacpp:tokens_predicted_seconds_total``) beside the tokens (``prompt_tokens_total``,
+``tokens_predicted_total``; no first token to subtract: ``gen_requests`` is 0), and the batch
+size of a window is Δ(busy slots summed over decode steps) / Δ(decode steps), which is better
+than the running count sampled at the poll.
+
 Both are smoothed (EWMA) and only updated from windows with enough tokens, so one short request
 does not swing them. Routers use them for TTFT estimates instead of the accelerator type's
 assumed speeds: a node that is slower than its type (thermal throttling, a bigger model, a bad
@@ -19,6 +25,11 @@ driver) is seen as slower.
     >>> m.observe(Readings(10_000, 1.0, 2_010, 10, 40.0), running=1)
     >>> round(m.prefill_tps), round(m.decode_tps)
     (10000, 50)
+    >>> m = SpeedMeter()  # llama.cpp: 3 sequences per decode step in the window
+    >>> m.observe(Readings(0, 0.0, 0, 0, 0.0, 0, 0), running=0)
+    >>> m.observe(Readings(500, 0.5, 1_000, 0, 10.0, 400, 1_200), running=0)
+    >>> round(m.prefill_tps), round(m.decode_tps)
+    (1000, 104)
 """
 
 from __future__ import annotations
@@ -38,6 +49,9 @@ class Readings:
     gen_tokens: float  # sum over finished requests
     gen_requests: float  # how many finished requests that sum covers
     decode_time: float
+    #: Decode steps and busy slots summed over them (llama.cpp); None: use the running count.
+    decode_steps: float | None = None
+    busy_slot_steps: float | None = None
 
 
 @dataclass(slots=True)
@@ -46,7 +60,7 @@ class SpeedMeter:
     decode_tps: float | None = None
     last: Readings | None = None
 
-    def observe(self, r: Readings, running: int) -> None:
+    def observe(self, r: Readings, running: float) -> None:
         prev, self.last = self.last, r
         if prev is None:
             return
@@ -58,7 +72,12 @@ class SpeedMeter:
         if dp >= MIN_TOKENS and dpt > 0:
             self.prefill_tps = _ewma(self.prefill_tps, dp / dpt)
         if dd >= MIN_TOKENS and ddt > 0:
-            batch1 = dd / ddt * (1.0 + DECODE_BATCH_PENALTY * (max(running, 1) - 1))
+            batch = float(running)
+            if None not in (r.decode_steps, prev.decode_steps, r.busy_slot_steps, prev.busy_slot_steps):
+                steps = r.decode_steps - prev.decode_steps  # type: ignore[operator]
+                if steps > 0:
+                    batch = (r.busy_slot_steps - prev.busy_slot_steps) / steps  # type: ignore[operator]
+            batch1 = dd / ddt * (1.0 + DECODE_BATCH_PENALTY * (max(batch, 1.0) - 1))
             self.decode_tps = _ewma(self.decode_tps, batch1)
 
 

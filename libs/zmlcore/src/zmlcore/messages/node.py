@@ -26,6 +26,10 @@ class NodeState(msgspec.Struct, kw_only=True, omit_defaults=True):
     served_names: dict[str, str] = {}
     #: Models the node is loading now (not routable for them yet).
     loading_models: list[str] = []
+    #: The engine has put its model to sleep (llama.cpp ``--sleep-idle-seconds``: the next
+    #: request wakes it, paying the load time; vLLM sleep mode: its models are not routable
+    #: until warmup wakes it with ``/wake_up``).
+    sleeping: bool = False
     queue_running: int = 0
     queue_waiting: int = 0
     max_concurrency: int = 0

@@ -65,7 +65,7 @@ class WarmupEvent(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     phase: WarmupPhase
     #: "quiet_window", "fixed_window", "serve", "keep_warm".
     reason: str = ""
-    #: How the load was asked for: "sim_load", "vllm_wake_up", "warmup_request".
+    #: How the load was asked for: "vllm_wake_up", "llamacpp_load", "warmup_request".
     mechanism: str = ""
     message: str = ""
     ts: float = 0.0

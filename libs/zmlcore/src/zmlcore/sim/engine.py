@@ -295,6 +295,11 @@ class SimEngine:
         self.prefilling: SimRequest | None = None
         self.decoding: list[SimRequest] = []
         self.admitted = 0
+        #: llama.cpp's node-wide counters: decode steps, busy slots summed over them, and
+        #: decode time summed per slot (real seconds).
+        self.decode_steps = 0
+        self.busy_slot_steps = 0
+        self.decode_slot_seconds = 0.0
         self.model_loaded = asyncio.Event()
         self._length_rng = random.Random(seed)
         self._fault_rng = random.Random(seed * 1_000_003 + 7)
@@ -338,6 +343,8 @@ class SimEngine:
         self.model_loaded.clear()
         if clear_stats:
             self.stats.clear()
+            self.decode_steps = self.busy_slot_steps = 0
+            self.decode_slot_seconds = 0.0
         self._wake.set()
 
     # ----- models ------------------------------------------------------------------------------
@@ -602,6 +609,10 @@ class SimEngine:
                     await asyncio.sleep(max(0.0, end - loop.time()))
                 break
         now = loop.time()
+        active = sum(1 for r in batch if not r.finished and r.state == "decoding")
+        self.decode_steps += k
+        self.busy_slot_steps += k * active
+        self.decode_slot_seconds += (end - start) * active
         for req in batch:
             if req.finished or req.state != "decoding":
                 continue

@@ -34,6 +34,8 @@ from zmlcore.accelerators import ACCELERATORS
 from zmlcore.config import NodeConfig
 from zmlcore.sim import embeddings
 from zmlcore.sim.engine import Faults, SimEngine, SimError, SimRequest
+from zmlcore.sim import engine_api
+from zmlcore.sim.metrics import render_metrics
 from zmlcore.sim.model import SimProfile, estimate_tokens
 
 log = logging.getLogger("zmlcore.sim")
@@ -129,6 +131,8 @@ class SimNode:
         self._revive_task: asyncio.Task[None] | None = None
         self._tasks: set[asyncio.Task[Any]] = set()
         self._hung: set[asyncio.Future[None]] = set()
+        #: vLLM sleep mode: the models offloaded by POST /sleep, reloaded by POST /wake_up.
+        self.sleeping: list[str] = []
 
     @classmethod
     def from_config(cls, node: NodeConfig, *, time_scale: float | None = None) -> SimNode:
@@ -284,11 +288,9 @@ class SimNode:
             r.add_get("/health_generate", self._health_generate)
             r.add_get("/get_model_info", self._sglang_model_info)
             r.add_get("/get_server_info", self._sglang_server_info)
-        elif self.engine_kind == "llamacpp":
-            r.add_get("/slots", self._slots)
-            r.add_get("/props", self._llamacpp_props)
         elif self.engine_kind == "tgi":
             r.add_get("/info", self._tgi_info)
+        engine_api.add_routes(self, r)
         return app
 
     # ----- errors, engine-shaped ---------------------------------------------------------------
@@ -566,7 +568,7 @@ class SimNode:
         owner = {"vllm": "vllm", "sglang": "sglang", "llamacpp": "llamacpp", "tgi": "tgi"}.get(
             self.engine_kind, "system")
         data = [{"id": m, "object": "model", "created": created, "owned_by": owner, "root": m,
-                 "parent": None, "max_model_len": MAX_MODEL_LEN} for m in self.engine.models]
+                 "parent": None, "max_model_len": MAX_MODEL_LEN} for m in [*self.engine.models, *self.sleeping]]
         return _json_response({"object": "list", "data": data})
 
     async def _health(self, request: web.Request) -> web.Response:
@@ -574,7 +576,7 @@ class SimNode:
             if request.transport is not None:
                 request.transport.abort()
             raise asyncio.CancelledError
-        if not self.engine.models:
+        if not self.engine.models and not self.sleeping:
             return self._loading_error()
         if self.engine_kind == "llamacpp":
             return _json_response({"status": "ok"})
@@ -616,25 +618,6 @@ class SimNode:
             "max_client_batch_size": 4, "validation_workers": 2, "version": "3.3.0",
             "router": "text-generation-router",
         })
-
-    async def _slots(self, request: web.Request) -> web.Response:
-        eng = self.engine
-        busy = [*eng.decoding, *eng.prefill_queue]
-        if eng.prefilling is not None and not eng.prefilling.finished:
-            busy.insert(0, eng.prefilling)
-        slots = []
-        for i in range(eng.profile.max_concurrency):
-            req = busy[i] if i < len(busy) else None
-            slots.append({"id": i, "id_task": req.id if req else -1, "n_ctx": MAX_MODEL_LEN,
-                          "is_processing": req is not None,
-                          "next_token": {"n_decoded": req.generated if req else 0,
-                                         "n_remain": req.remaining if req else -1}})
-        return _json_response(slots)
-
-    async def _llamacpp_props(self, request: web.Request) -> web.Response:
-        return _json_response({"total_slots": self.engine.profile.max_concurrency,
-                               "model_path": next(iter(self.engine.models), None),
-                               "default_generation_settings": {"n_ctx": MAX_MODEL_LEN}})
 
     async def _node(self, request: web.Request) -> web.Response:
         return _json_response(self.probe())
@@ -788,137 +771,6 @@ class SimNode:
         if not self.engine.unload(model):
             return self._error(404, f"The model `{model}` is not loaded.", "not_found")
         return _json_response({"model": model, "state": "unloaded"})
-
-
-# ----- Prometheus text ---------------------------------------------------------------------------
-
-
-def _labels(pairs: dict[str, str]) -> str:
-    if not pairs:
-        return ""
-    inner = ",".join(f'{k}="{v.replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"'
-                     for k, v in pairs.items())
-    return "{" + inner + "}"
-
-
-def _fmt(value: float) -> str:
-    return repr(float(value))
-
-
-class _Prom:
-    def __init__(self) -> None:
-        self.lines: list[str] = []
-
-    def family(self, name: str, kind: str, help_text: str) -> None:
-        self.lines.append(f"# HELP {name} {help_text}")
-        self.lines.append(f"# TYPE {name} {kind}")
-
-    def sample(self, name: str, labels: dict[str, str], value: float) -> None:
-        self.lines.append(f"{name}{_labels(labels)} {_fmt(value)}")
-
-    def histogram(self, name: str, help_text: str, series: list[tuple[dict[str, str], Any]]) -> None:
-        self.family(name, "histogram", help_text)
-        for labels, hist in series:
-            for bound, count in zip(hist.buckets, hist.counts):
-                self.sample(f"{name}_bucket", {**labels, "le": _fmt(bound)}, count)
-            self.sample(f"{name}_bucket", {**labels, "le": "+Inf"}, hist.count)
-            self.sample(f"{name}_sum", labels, hist.sum)
-            self.sample(f"{name}_count", labels, hist.count)
-
-    def text(self) -> str:
-        return "\n".join(self.lines) + "\n"
-
-
-def render_metrics(node: SimNode) -> str:
-    """Prometheus exposition in the imitated engine's metric names."""
-    eng = node.engine
-    models = list(dict.fromkeys([*eng.models, *eng.stats]))
-    stats = [eng.stats_for(m) for m in models]
-    p = _Prom()
-    kind = node.engine_kind
-    if kind in ("vllm", "openai", "sglang"):
-        pre = "sglang:" if kind == "sglang" else "vllm:"
-        lab = [{"model_name": m} for m in models]
-        gauges: list[tuple[str, str, Callable[[str], float]]]
-        if kind == "sglang":
-            gauges = [
-                ("num_running_reqs", "The number of running requests.", eng.running_for),
-                ("num_queue_reqs", "The number of requests in the waiting queue.", eng.waiting_for),
-                ("token_usage", "The token usage.", lambda m: eng.kv_cache_usage),
-            ]
-        else:
-            gauges = [
-                ("num_requests_running", "Number of requests currently running on GPU.", eng.running_for),
-                ("num_requests_waiting", "Number of requests waiting to be processed.", eng.waiting_for),
-                ("kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
-                 lambda m: eng.kv_cache_usage),
-                ("gpu_cache_usage_perc", "GPU KV-cache usage. 1 means 100 percent usage.",
-                 lambda m: eng.kv_cache_usage),
-            ]
-        for name, help_text, fn in gauges:
-            p.family(pre + name, "gauge", help_text)
-            for m, labels in zip(models, lab):
-                p.sample(pre + name, labels, fn(m))
-        p.family(pre + "prompt_tokens_total", "counter", "Number of prefill tokens processed.")
-        for labels, s in zip(lab, stats):
-            p.sample(pre + "prompt_tokens_total", labels, s.prompt_tokens)
-        p.family(pre + "generation_tokens_total", "counter", "Number of generation tokens processed.")
-        for labels, s in zip(lab, stats):
-            p.sample(pre + "generation_tokens_total", labels, s.generation_tokens)
-        if kind == "sglang":
-            p.family("sglang:num_requests_total", "counter", "Number of requests processed.")
-            for labels, s in zip(lab, stats):
-                p.sample("sglang:num_requests_total", labels, sum(s.success.values()))
-        else:
-            p.family("vllm:request_success_total", "counter", "Count of successfully processed requests.")
-            for labels, s in zip(lab, stats):
-                for reason, count in sorted(s.success.items()):
-                    p.sample("vllm:request_success_total", {**labels, "finished_reason": reason}, count)
-        p.histogram(pre + "time_to_first_token_seconds", "Histogram of time to first token in seconds.",
-                    [(labels, s.ttft) for labels, s in zip(lab, stats)])
-        p.histogram(pre + "e2e_request_latency_seconds", "Histogram of end to end request latency in seconds.",
-                    [(labels, s.e2e) for labels, s in zip(lab, stats)])
-        if kind != "sglang":
-            p.histogram("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
-                        [(labels, s.prefill) for labels, s in zip(lab, stats)])
-            p.histogram("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
-                        [(labels, s.decode) for labels, s in zip(lab, stats)])
-            p.histogram("vllm:request_generation_tokens", "Number of generation tokens processed.",
-                        [(labels, s.gen_tokens) for labels, s in zip(lab, stats)])
-    elif kind == "llamacpp":
-        p.family("llamacpp:prompt_tokens_total", "counter", "Number of prompt tokens processed.")
-        p.sample("llamacpp:prompt_tokens_total", {}, sum(s.prompt_tokens for s in stats))
-        p.family("llamacpp:tokens_predicted_total", "counter", "Number of generation tokens processed.")
-        p.sample("llamacpp:tokens_predicted_total", {}, sum(s.generation_tokens for s in stats))
-        p.family("llamacpp:kv_cache_usage_ratio", "gauge", "KV-cache usage. 1 means 100 percent usage.")
-        p.sample("llamacpp:kv_cache_usage_ratio", {}, eng.kv_cache_usage)
-        p.family("llamacpp:kv_cache_tokens", "gauge", "KV-cache tokens.")
-        p.sample("llamacpp:kv_cache_tokens", {}, eng.kv_used_tokens)
-        p.family("llamacpp:requests_processing", "gauge", "Number of requests processing.")
-        p.sample("llamacpp:requests_processing", {}, eng.running)
-        p.family("llamacpp:requests_deferred", "gauge", "Number of requests deferred.")
-        p.sample("llamacpp:requests_deferred", {}, len(eng.waiting))
-    else:  # tgi
-        p.family("tgi_queue_size", "gauge", "Number of requests waiting in the internal queue.")
-        p.sample("tgi_queue_size", {}, len(eng.waiting))
-        p.family("tgi_batch_current_size", "gauge", "Current batch size.")
-        p.sample("tgi_batch_current_size", {}, eng.running)
-        p.family("tgi_request_success", "counter", "Number of successful requests.")
-        p.sample("tgi_request_success", {}, sum(sum(s.success.values()) for s in stats))
-        p.family("tgi_request_failure", "counter", "Number of failed requests.")
-        p.sample("tgi_request_failure", {}, sum(s.failed for s in stats))
-        p.family("tgi_request_input_count", "counter", "Number of prompt tokens.")
-        p.sample("tgi_request_input_count", {}, sum(s.prompt_tokens for s in stats))
-        p.family("tgi_request_generated_tokens_count", "counter", "Number of generated tokens.")
-        p.sample("tgi_request_generated_tokens_count", {}, sum(s.generation_tokens for s in stats))
-        if stats:
-            merged = stats[0].e2e.__class__(stats[0].e2e.buckets)
-            for s in stats:
-                merged.sum += s.e2e.sum
-                merged.count += s.e2e.count
-                merged.counts = [a + b for a, b in zip(merged.counts, s.e2e.counts)]
-            p.histogram("tgi_request_duration", "Request duration in seconds.", [({}, merged)])
-    return p.text()
 
 
 # ----- fleet -------------------------------------------------------------------------------------

@@ -17,7 +17,11 @@ class Probe:
     loading: bool = False
     #: The probe timed out: the node may just be busy (counts towards "down", not the error rate).
     slow: bool = False
+    #: The engine put its model to sleep (llama.cpp --sleep-idle-seconds, vLLM sleep mode).
+    sleeping: bool = False
     models: list[str] = field(default_factory=list)
+    #: Models the engine says it is loading (llama.cpp router mode).
+    loading_models: list[str] = field(default_factory=list)
     running: int = 0
     waiting: int = 0
     kv_cache_usage: float = 0.0
@@ -36,6 +40,10 @@ class Probe:
     decode_time_sum: float | None = None
     request_gen_tokens_sum: float | None = None
     request_gen_tokens_count: float | None = None
+    #: llama.cpp: decode steps, and busy slots summed over them (the window's batch size is
+    #: their ratio); None: the running count stands for the batch size.
+    decode_steps_total: float | None = None
+    busy_slot_steps_total: float | None = None
     error: str = ""
 
 

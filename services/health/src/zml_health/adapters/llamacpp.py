@@ -1,17 +1,33 @@
-"""llama.cpp server: ``/health``, ``/slots``, ``/v1/models``, ``/metrics``.
+"""llama.cpp server (llama-server): ``/health``, ``/v1/models``, ``/props``, ``/metrics``.
 
-``/health`` answers 503 ``{"error": {"code": 503, "message": "Loading model", ...}}`` while the
-model loads: "loading". ``/metrics`` exists only with ``--metrics`` (``llamacpp:requests_processing``,
-``llamacpp:requests_deferred``, ``llamacpp:tokens_predicted_total``,
-``llamacpp:kv_cache_usage_ratio``); without it the running count comes from ``/slots``
-(``is_processing``), which also gives the capacity (one slot per parallel sequence).
+Only endpoints that do not wake a sleeping server (``--sleep-idle-seconds``) are polled: llama.cpp
+answers ``/health``, ``/props``, ``/v1/models`` and ``/metrics`` from a cache while asleep and
+does not count them as activity, whereas ``/slots`` queues a task that reloads the model.
+
+* ``/health`` answers 503 ``{"error": {"code": 503, "message": "Loading model", ...}}`` while the
+  model loads: "loading".
+* ``/v1/models``: a single-model server lists its model; router mode (no ``--model``) lists every
+  model it can load with ``status.value``: "loaded" and "sleeping" ones are served (a request
+  wakes a sleeping one), "loading" ones are loading, the rest are not served.
+* ``/props`` gives the capacity (``total_slots``: one per parallel sequence) and ``is_sleeping``.
+* ``/metrics`` (only with ``--metrics``): ``llamacpp:requests_processing`` (running),
+  ``llamacpp:requests_deferred`` (waiting), and the counters that give measured speeds:
+  ``prompt_tokens_total`` / ``prompt_seconds_total`` (prefill tokens/s) and
+  ``tokens_predicted_total`` / ``tokens_predicted_seconds_total`` (decode tokens/s of one
+  sequence), with ``n_decode_total`` and ``n_busy_slots_per_decode`` (mean sequences per decode
+  step since start) giving the batch size of each window, to divide decode back to batch 1.
+  Times are summed per slot, so both are per-sequence speeds.
+
+llama-server exposes no KV-cache gauge: ``kv_cache_usage`` stays 0.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
 import httpx
 
-from zml_health.adapters.base import Probe, error_message, failure, get_models
+from zml_health.adapters.base import Probe, error_message, failure
 from zml_health.prometheus import parse_metrics
 
 
@@ -23,30 +39,61 @@ async def probe(client: httpx.AsyncClient, endpoint: str, timeout: float, poll: 
             return Probe(ok=False, loading="loading" in msg.lower(), error=msg or "/health answered 503")
         if health.status_code != 200:
             return Probe(ok=False, error=f"/health answered {health.status_code}")
-        models = await get_models(client, endpoint, timeout)
-        slots = await client.get(endpoint + "/slots", timeout=timeout)
+        listed = await client.get(endpoint + "/v1/models", timeout=timeout)
+        listed.raise_for_status()
+        models, loading = router_models(listed.json())
+        props = await client.get(endpoint + "/props", timeout=timeout)
         metrics = await client.get(endpoint + "/metrics", timeout=timeout)
     except httpx.HTTPError as exc:
         return failure(exc, "llama.cpp probe")
     except ValueError as exc:
         return Probe(ok=False, error=f"/v1/models: bad JSON ({exc})")
     try:
-        slot_list = slots.json() if slots.status_code == 200 else None
+        body = props.json() if props.status_code == 200 else {}
     except ValueError:
-        slot_list = None
+        body = {}
     m = parse_metrics(metrics.text) if metrics.status_code == 200 else {}
-    return from_parts(models, slot_list if isinstance(slot_list, list) else None, m)
+    p = from_parts(models, body if isinstance(body, dict) else {}, m)
+    p.loading_models = loading
+    return p
 
 
-def from_parts(models: list[str], slots: list[object] | None, m: dict[str, float]) -> Probe:
-    busy = sum(1 for s in slots or [] if isinstance(s, dict) and s.get("is_processing")) if slots is not None else 0
-    running = int(m["llamacpp:requests_processing"]) if "llamacpp:requests_processing" in m else busy
+def router_models(payload: Any) -> tuple[list[str], list[str]]:
+    """(served, loading) model ids from ``/v1/models`` (single-model or router mode)."""
+    served: list[str] = []
+    loading: list[str] = []
+    data = payload.get("data", []) if isinstance(payload, dict) else []
+    for m in data:
+        if not isinstance(m, dict) or not isinstance(m.get("id"), str):
+            continue
+        status = m.get("status")
+        value = status.get("value") if isinstance(status, dict) else None
+        if value is None or value in ("loaded", "sleeping"):
+            served.append(m["id"])
+        elif value == "loading":
+            loading.append(m["id"])
+    return served, loading
+
+
+def from_parts(models: list[str], props: dict[str, Any], m: dict[str, float]) -> Probe:
+    slots = props.get("total_slots")
+    steps = m.get("llamacpp:n_decode_total")
+    per_step = m.get("llamacpp:n_busy_slots_per_decode")
     return Probe(
         ok=True,
         models=models,
-        running=running,
+        sleeping=props.get("is_sleeping") is True,
+        running=int(m.get("llamacpp:requests_processing", 0)),
         waiting=int(m.get("llamacpp:requests_deferred", 0)),
-        kv_cache_usage=m.get("llamacpp:kv_cache_usage_ratio", 0.0),
-        max_concurrency=len(slots) if slots else None,
+        max_concurrency=slots if isinstance(slots, int) and not isinstance(slots, bool) and slots > 0 else None,
         generation_tokens_total=m.get("llamacpp:tokens_predicted_total"),
+        prompt_tokens_total=m.get("llamacpp:prompt_tokens_total"),
+        prefill_time_sum=m.get("llamacpp:prompt_seconds_total"),
+        # Counted while decoding, so no per-request first token to subtract.
+        request_gen_tokens_sum=m.get("llamacpp:tokens_predicted_total"),
+        request_gen_tokens_count=0.0 if "llamacpp:tokens_predicted_total" in m else None,
+        decode_time_sum=m.get("llamacpp:tokens_predicted_seconds_total"),
+        decode_steps_total=steps,
+        # The gauge is a mean since start: times the step count it gives the busy-slot counter.
+        busy_slot_steps_total=per_step * steps if steps is not None and per_step is not None else None,
     )

@@ -5,6 +5,11 @@ Metrics read: ``vllm:num_requests_running``, ``vllm:num_requests_waiting``,
 ``vllm:generation_tokens_total``, ``vllm:request_success_total`` and the
 ``vllm:time_to_first_token_seconds`` histogram (sum/count).
 
+Sleep mode (``--enable-sleep-mode`` with ``VLLM_SERVER_DEV_MODE=1``): ``GET /is_sleeping``
+(``{"is_sleeping": true}``) says the weights are offloaded; a server without it answers 404.
+A sleeping vLLM still answers ``/health``; its models are not routable until ``POST /wake_up``
+(warmup's job).
+
 vLLM's API server refuses connections until its model is loaded, so a refused connection in the
 start-up grace window means "loading" (decided by the tracker, which knows the window).
 """
@@ -24,12 +29,26 @@ async def probe(client: httpx.AsyncClient, endpoint: str, timeout: float, poll: 
             return Probe(ok=False, error=f"/health answered {health.status_code}")
         models = await get_models(client, endpoint, timeout)
         metrics = await client.get(endpoint + "/metrics", timeout=timeout)
+        asleep = await client.get(endpoint + "/is_sleeping", timeout=timeout)
     except httpx.HTTPError as exc:
         return failure(exc, "vLLM probe")
     except ValueError as exc:
         return Probe(ok=False, error=f"/v1/models: bad JSON ({exc})")
     m = parse_metrics(metrics.text) if metrics.status_code == 200 else {}
-    return from_metrics(m, models)
+    p = from_metrics(m, models)
+    p.sleeping = is_sleeping(asleep)
+    return p
+
+
+def is_sleeping(resp: httpx.Response) -> bool:
+    """``GET /is_sleeping``: 404 on a server without sleep mode (awake, then)."""
+    if resp.status_code != 200:
+        return False
+    try:
+        body = resp.json()
+    except ValueError:
+        return False
+    return isinstance(body, dict) and body.get("is_sleeping") is True
 
 
 def from_metrics(m: dict[str, float], models: list[str]) -> Probe:

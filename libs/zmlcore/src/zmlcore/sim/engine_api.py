@@ -1,0 +1,144 @@
+"""The engine-specific endpoints a simulated node adds to the OpenAI API: how each engine reports
+its state and loads or wakes a model, imitated after the real servers.
+
+* vLLM sleep mode (a real server needs ``--enable-sleep-mode`` and ``VLLM_SERVER_DEV_MODE=1``):
+  ``POST /sleep`` offloads the weights (the models stay listed, ``/health`` stays 200, requests
+  fail), ``GET /is_sleeping`` -> ``{"is_sleeping": bool}``, ``POST /wake_up`` reloads them
+  (the load time applies) and answers once they are back.
+* llama.cpp: ``GET /props`` (``total_slots``, ``is_sleeping``, ``model_path``), ``GET /slots``,
+  and router mode's ``GET /models`` (each model with ``status.value`` "loaded" / "loading"),
+  ``POST /models/load {"model"}`` (200 ``{"success": true}``; 400 "model is already running")
+  and ``POST /models/unload``. A sim llama.cpp node serves router mode's load routes beside
+  the single-model ``/metrics`` and ``/props`` (a real router proxies those per model).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from zmlcore.sim.engine import SimError
+
+if TYPE_CHECKING:
+    from zmlcore.sim.server import SimNode
+
+
+def add_routes(node: SimNode, r: web.UrlDispatcher) -> None:
+    if node.engine_kind == "vllm":
+        r.add_get("/is_sleeping", partial(_is_sleeping, node))
+        r.add_post("/sleep", partial(_sleep, node))
+        r.add_post("/wake_up", partial(_wake_up, node))
+    elif node.engine_kind == "llamacpp":
+        r.add_get("/props", partial(_props, node))
+        r.add_get("/slots", partial(_slots, node))
+        r.add_get("/models", partial(_router_models, node))
+        r.add_post("/models/load", partial(_router_load, node))
+        r.add_post("/models/unload", partial(_router_unload, node))
+
+
+def _n_ctx() -> int:
+    from zmlcore.sim.server import MAX_MODEL_LEN  # (server imports this module)
+
+    return MAX_MODEL_LEN
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.json_response(data, status=status)
+
+
+# ----- vLLM sleep mode ---------------------------------------------------------------------------
+
+
+async def _is_sleeping(node: SimNode, req: web.Request) -> web.Response:
+    return _json({"is_sleeping": bool(node.sleeping)})
+
+
+async def _sleep(node: SimNode, req: web.Request) -> web.Response:
+    eng = node.engine
+    for model in list(eng.models):
+        node.sleeping.append(model)
+        eng.unload(model)
+    return web.Response(status=200)
+
+
+async def _wake_up(node: SimNode, req: web.Request) -> web.Response:
+    eng = node.engine
+    models, node.sleeping = list(node.sleeping), []
+    try:
+        for model in models:
+            eng.load(model)
+        await asyncio.gather(*(eng.wait_loaded(m) for m in models))
+    except SimError as exc:
+        return node._error(500, str(exc), "internal")
+    return web.Response(status=200)
+
+
+# ----- llama.cpp ---------------------------------------------------------------------------------
+
+
+async def _props(node: SimNode, req: web.Request) -> web.Response:
+    eng = node.engine
+    return _json({"total_slots": eng.profile.max_concurrency, "is_sleeping": False,
+                  "model_path": next(iter(eng.models), None), "model_alias": next(iter(eng.models), None),
+                  "default_generation_settings": {"n_ctx": _n_ctx()}})
+
+
+async def _slots(node: SimNode, req: web.Request) -> web.Response:
+    eng = node.engine
+    busy = [*eng.decoding, *eng.prefill_queue]
+    if eng.prefilling is not None and not eng.prefilling.finished:
+        busy.insert(0, eng.prefilling)
+    slots = []
+    for i in range(eng.profile.max_concurrency):
+        req = busy[i] if i < len(busy) else None
+        slots.append({"id": i, "id_task": req.id if req else -1, "n_ctx": _n_ctx(),
+                      "is_processing": req is not None,
+                      "next_token": {"n_decoded": req.generated if req else 0,
+                                     "n_remain": req.remaining if req else -1}})
+    return _json(slots)
+
+
+async def _router_models(node: SimNode, req: web.Request) -> web.Response:
+    eng = node.engine
+    now = int(time.time())
+    data = [{"id": m, "object": "model", "owned_by": "llamacpp", "created": now, "aliases": [], "tags": [],
+             "status": {"value": state}}
+            for state, names in (("loaded", eng.models), ("loading", eng.loading)) for m in names]
+    return _json({"data": data, "object": "list"})
+
+
+async def _model_field(node: SimNode, req: web.Request) -> str | web.Response:
+    try:
+        body = await req.json()
+    except ValueError:
+        return node._error(400, "Invalid JSON", "bad_request")
+    model = body.get("model") if isinstance(body, dict) else None
+    if not isinstance(model, str) or not model:
+        return node._error(404, "model is not found", "not_found")
+    return model
+
+
+async def _router_load(node: SimNode, req: web.Request) -> web.Response:
+    model = await _model_field(node, req)
+    if isinstance(model, web.Response):
+        return model
+    try:
+        started = node.engine.load(model)
+    except SimError as exc:
+        return node._error(500, str(exc), "internal")
+    if not started:
+        return node._error(400, "model is already running", "bad_request")
+    return _json({"success": True})
+
+
+async def _router_unload(node: SimNode, req: web.Request) -> web.Response:
+    model = await _model_field(node, req)
+    if isinstance(model, web.Response):
+        return model
+    if not node.engine.unload(model):
+        return node._error(400, "model is not running", "bad_request")
+    return _json({"success": True})

@@ -1,0 +1,200 @@
+"""GET /dashboard: the live fleet page (static HTML/JS/CSS shipped in zml_gateway/static, no
+build step, no CDN) and GET /dashboard/state, the JSON it polls every second.
+
+The state joins three sources: the gateway's node table (health's KV view, run-time prices and
+every router replica's in-flight/cooldown/saturation, gathered by ``Gateway._node_table``), the
+routers' completion events (``zml.events.completed``: decisions per second by family and node,
+TTFT and latency percentiles, errors by code, over a sliding window) and the saturation queue's
+depth (JetStream consumer info). One state is built at most every ``CACHE_S`` however many
+pages poll. With keys on, /dashboard/state wants an operator key, one of zml.toml's
+``[gateway] api_keys`` (the page asks for it and keeps it in the tab's sessionStorage); the
+static files carry no data.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter, deque
+from importlib import resources
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from nats.aio.msg import Msg
+
+from zmlcore import subjects
+from zmlcore.errors import MethodNotAllowedError, NotFoundError, PermissionDeniedError
+from zmlcore.messages.warmup import RequestCompleted
+from zmlcore.queueinfo import queue_depths
+
+if TYPE_CHECKING:
+    from zml_gateway.app import Gateway, Receive, Scope, Send
+
+log = logging.getLogger("zml.gateway.dashboard")
+
+RATE_WINDOW_S = 10.0
+STATS_WINDOW_S = 60.0
+MAX_EVENTS = 50_000
+CACHE_S = 0.5
+
+_FILES = {
+    "/dashboard": ("dashboard.html", b"text/html; charset=utf-8"),
+    "/dashboard/": ("dashboard.html", b"text/html; charset=utf-8"),
+    "/dashboard/app.js": ("dashboard.js", b"text/javascript; charset=utf-8"),
+    "/dashboard/app.css": ("dashboard.css", b"text/css; charset=utf-8"),
+}
+_SECURITY = [
+    (b"cache-control", b"no-store"),
+    (b"x-content-type-options", b"nosniff"),
+    # Everything comes from this origin: nothing from a CDN, no inline script.
+    (b"content-security-policy", b"default-src 'self'; img-src 'self' data:; frame-ancestors 'none'"),
+]
+_completed = msgspec.json.Decoder(RequestCompleted)
+
+
+def percentiles(values: list[float]) -> dict[str, float | int | None]:
+    if not values:
+        return {"n": 0, "p50": None, "p90": None, "p99": None}
+    s = sorted(values)
+
+    def at(q: float) -> float:
+        return round(s[min(len(s) - 1, int(q * len(s)))], 4)
+
+    return {"n": len(s), "p50": at(0.5), "p90": at(0.9), "p99": at(0.99)}
+
+
+class Dashboard:
+    def __init__(self, app: "Gateway") -> None:
+        self.app = app
+        #: (monotonic time received, family, node, ok, error code, ttft, latency)
+        self.events: deque[tuple[float, str, str, bool, str, float | None, float | None]] = deque(maxlen=MAX_EVENTS)
+        self._sub: Any = None
+        self._files: dict[str, bytes] = {}
+        self._cached: tuple[float, bytes] | None = None
+        self._building: asyncio.Future[bytes] | None = None
+
+    async def start(self) -> None:
+        self._sub = await self.app.nc.subscribe(subjects.event(subjects.EVENT_COMPLETED), cb=self._on_completed)
+
+    async def stop(self) -> None:
+        if self._sub is not None:
+            try:
+                await self._sub.unsubscribe()
+            except Exception:  # connection already closing
+                pass
+
+    async def _on_completed(self, msg: Msg) -> None:
+        try:
+            ev = _completed.decode(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return
+        self.events.append((time.monotonic(), ev.family, ev.node_id, ev.ok, ev.error_code, ev.ttft_s, ev.latency_s))
+
+    # --- HTTP ----------------------------------------------------------------------------------
+    async def handle(self, scope: "Scope", receive: "Receive", send: "Send") -> None:
+        path = scope["path"]
+        if scope["method"] != "GET":
+            raise MethodNotAllowedError(f"{path[:80]} takes GET")
+        if path == "/dashboard/state":
+            self.authorize(scope)
+            body = await self.state_json()
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", b"application/json"), *_SECURITY]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        entry = _FILES.get(path)
+        if entry is None:
+            raise NotFoundError(f"no route {path[:80]}: the dashboard is at /dashboard")
+        name, ctype = entry
+        data = self._files.get(name)
+        if data is None:
+            data = self._files[name] = (resources.files("zml_gateway") / "static" / name).read_bytes()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", ctype), *_SECURITY]})
+        await send({"type": "http.response.body", "body": data})
+
+    def authorize(self, scope: "Scope") -> None:
+        """With keys on, the fleet's state is for operators: a zml.toml key ([gateway] api_keys),
+        not a customer's run-time key (`zml keys create`), which gets 403."""
+        caller = self.app.access.authenticate(scope)  # 401 without a valid key
+        if caller.record is not None:
+            raise PermissionDeniedError("the dashboard wants an operator key ([gateway] api_keys in zml.toml), "
+                                        "not a run-time API key")
+
+    async def state_json(self) -> bytes:
+        now = time.monotonic()
+        if self._cached is not None and now - self._cached[0] < CACHE_S:
+            return self._cached[1]
+        if self._building is not None:  # another poll is building it: share the result
+            return await asyncio.shield(self._building)
+        self._building = asyncio.get_running_loop().create_future()
+        try:
+            body = msgspec.json.encode(await self._state())
+            self._cached = (time.monotonic(), body)
+            self._building.set_result(body)
+            return body
+        except BaseException as exc:
+            self._building.set_exception(exc)
+            self._building.exception()  # retrieved: no "never retrieved" warning if nobody waits
+            raise
+        finally:
+            self._building = None
+
+    async def _state(self) -> dict[str, Any]:
+        nodes, depths = await asyncio.gather(self.app._node_table(), self._queue())
+        rows = []
+        for n in nodes:
+            rows.append({
+                "node_id": n["node_id"], "accelerator_type": n.get("accelerator_type", ""),
+                "family": n.get("family", ""), "engine": n.get("backend", "openai"),
+                "status": n.get("status", "unknown"), "reason": n.get("reason", ""),
+                "health_score": n.get("health_score", 0.0),
+                "queue_depth": n.get("queue_running", 0) + n.get("queue_waiting", 0),
+                "in_flight": n.get("in_flight", 0), "cooldown_s": n.get("cooldown_s", 0.0),
+                "saturated_s": n.get("saturated_s", 0.0), "price_per_hour": n.get("cost_per_hour", 0.0),
+                "models": n.get("models", []), "routers": n.get("routers", 0),
+            })
+        return {"ts": time.time(), "nodes": rows, "queue": depths, **self.stats(time.monotonic())}
+
+    async def _queue(self) -> dict[str, int]:
+        try:
+            return await queue_depths(self.app.nc)
+        except Exception:  # the page still shows the fleet when JetStream is slow
+            log.debug("queue depth not read", exc_info=True)
+            return {}
+
+    def stats(self, now: float) -> dict[str, Any]:
+        by_family: Counter[str] = Counter()
+        by_node: Counter[str] = Counter()
+        errors: Counter[str] = Counter()
+        ttft: list[float] = []
+        latency: list[float] = []
+        served = 0
+        for ts, family, node, ok, code, t1, lat in reversed(self.events):
+            age = now - ts
+            if age > STATS_WINDOW_S:
+                break
+            if age <= RATE_WINDOW_S and node:
+                by_family[family] += 1
+                by_node[node] += 1
+            if ok:
+                served += 1
+                if t1 is not None:
+                    ttft.append(t1)
+            else:
+                errors[code or "INTERNAL"] += 1
+            if lat is not None:
+                latency.append(lat)
+        return {
+            "rate_window_s": RATE_WINDOW_S,
+            "stats_window_s": STATS_WINDOW_S,
+            "decisions_per_s": {
+                "total": round(sum(by_node.values()) / RATE_WINDOW_S, 2),
+                "by_family": {k: round(v / RATE_WINDOW_S, 2) for k, v in sorted(by_family.items())},
+                "by_node": {k: round(v / RATE_WINDOW_S, 2) for k, v in sorted(by_node.items())},
+            },
+            "served": served,
+            "errors_by_code": dict(sorted(errors.items())),
+            "ttft_s": percentiles(ttft),
+            "latency_s": percentiles(latency),
+        }

@@ -1,0 +1,72 @@
+"""ASGI middleware around the gateway: GET /metrics, the /dashboard routes, and the HTTP
+metrics of the inference routes (status and duration), so the gateway's own code is unchanged.
+
+The only per-request work is a send wrapper on the two inference paths: it notes the status
+of ``http.response.start``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+from zmlcore.errors import MethodNotAllowedError, ZMLError
+from zmlcore.metrics import CONTENT_TYPE, exposition
+from zml_gateway import metrics
+
+if TYPE_CHECKING:
+    from zml_gateway.app import Gateway, Receive, Scope, Send
+    from zml_gateway.dashboard import Dashboard
+
+_INFER = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
+_STATUS = {s: str(s) for s in range(100, 600)}
+
+
+class _Watch:
+    __slots__ = ("send", "status")
+
+    def __init__(self, send: "Send") -> None:
+        self.send = send
+        self.status = 0
+
+    async def __call__(self, message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.start":
+            self.status = message["status"]
+        await self.send(message)
+
+
+class Observed:
+    def __init__(self, app: "Gateway", *, serve_metrics: bool = True, dashboard: "Dashboard | None" = None) -> None:
+        self.app = app
+        self.serve_metrics = serve_metrics
+        self.dashboard = dashboard
+
+    async def __call__(self, scope: "Scope", receive: "Receive", send: "Send") -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        path = scope["path"]
+        route = _INFER.get(path)
+        if route is not None and scope["method"] == "POST":
+            t0 = time.perf_counter()
+            watch = _Watch(send)
+            try:
+                await self.app(scope, receive, watch)
+            finally:
+                metrics.REQUESTS(route, _STATUS.get(watch.status, "0")).inc()
+                metrics.DURATION(route).observe(time.perf_counter() - t0)
+            return
+        if path == "/metrics" and self.serve_metrics:
+            if scope["method"] != "GET":
+                return await self.app._error(send, MethodNotAllowedError("/metrics takes GET"), scope)
+            body = exposition()
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-type", CONTENT_TYPE.encode())]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        if self.dashboard is not None and path.startswith("/dashboard"):
+            try:
+                await self.dashboard.handle(scope, receive, send)
+            except ZMLError as exc:
+                await self.app._error(send, exc, scope)  # allow: GET on a 405
+            return
+        await self.app(scope, receive, send)

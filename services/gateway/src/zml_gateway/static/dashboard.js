@@ -1,0 +1,149 @@
+// The ZML fleet page: polls /dashboard/state every second and redraws. No framework, no build
+// step; every value is set with textContent (node ids and reasons come from operators' config).
+"use strict";
+
+const POLL_MS = 1000;
+const $ = (id) => document.getElementById(id);
+
+function key() {
+  const fromHash = new URLSearchParams(location.hash.slice(1)).get("key");
+  if (fromHash) {
+    sessionStorage.setItem("zml-key", fromHash);
+    history.replaceState(null, "", location.pathname);  // keep the key out of the address bar
+  }
+  return sessionStorage.getItem("zml-key") || "";
+}
+
+function el(tag, text, cls) {
+  const e = document.createElement(tag);
+  if (text !== undefined && text !== null) e.textContent = String(text);
+  if (cls) e.className = cls;
+  return e;
+}
+
+function fmtS(v) {
+  if (v === null || v === undefined) return "–";
+  return v < 1 ? `${Math.round(v * 1000)} ms` : `${v.toFixed(2)} s`;
+}
+
+function pct(p) {
+  return p && p.n ? `${fmtS(p.p50)} / ${fmtS(p.p90)} / ${fmtS(p.p99)}` : "–";
+}
+
+function replaceRows(tbody, rows) {
+  tbody.replaceChildren(...rows);
+}
+
+function renderNodes(state) {
+  const rates = state.decisions_per_s.by_node;
+  const rows = state.nodes.map((n) => {
+    const tr = el("tr");
+    tr.dataset.node = n.node_id;
+    tr.dataset.status = n.status;
+    tr.append(el("td", n.node_id), el("td", n.accelerator_type), el("td", n.family), el("td", n.engine));
+    const st = el("td");
+    const badge = el("span", n.status, `state ${n.status}`);
+    if (n.reason) badge.title = n.reason;
+    st.append(badge);
+    tr.append(st);
+    const h = el("td");
+    const bar = el("span", null, "health");
+    const fill = el("div");
+    const score = Math.max(0, Math.min(100, n.health_score));  // 0-100
+    fill.style.width = `${Math.round(score)}%`;
+    if (score < 50) fill.className = "low";
+    bar.append(fill);
+    h.append(bar, document.createTextNode(score.toFixed(0)));
+    tr.append(h);
+    tr.append(el("td", n.queue_depth, "num"), el("td", n.in_flight, "num"));
+    tr.append(el("td", n.cooldown_s > 0 ? `${n.cooldown_s.toFixed(1)} s` : "–", n.cooldown_s > 0 ? "num bad" : "num"));
+    tr.append(el("td", n.saturated_s > 0 ? `${n.saturated_s.toFixed(1)} s` : "–", n.saturated_s > 0 ? "num warn" : "num"));
+    tr.append(el("td", n.price_per_hour.toFixed(2), "num"));
+    tr.append(el("td", (rates[n.node_id] || 0).toFixed(1), "num rate"));
+    return tr;
+  });
+  replaceRows($("nodes").tBodies[0], rows);
+}
+
+function renderBars(target, values) {
+  const max = Math.max(0.1, ...Object.values(values));
+  const rows = Object.entries(values).map(([name, v]) => {
+    const row = el("div", null, "row");
+    const bar = el("div", null, "bar");
+    bar.style.width = `${(v / max) * 100}%`;
+    const track = el("div");
+    track.append(bar);
+    row.append(el("span", name), track, el("span", v.toFixed(1), "num"));
+    return row;
+  });
+  if (!rows.length) rows.push(el("div", "no traffic", "muted"));
+  target.replaceChildren(...rows);
+}
+
+function renderTable(tbody, values, empty, cls) {
+  const rows = Object.entries(values).map(([k, v]) => {
+    const tr = el("tr");
+    tr.append(el("td", k, cls), el("td", v, "num"));
+    return tr;
+  });
+  if (!rows.length) {
+    const tr = el("tr");
+    tr.append(el("td", empty, "muted"));
+    rows.push(tr);
+  }
+  replaceRows(tbody, rows);
+}
+
+function render(state) {
+  const d = state.decisions_per_s;
+  $("rate").textContent = d.total.toFixed(1);
+  $("served").textContent = state.served;
+  const errs = Object.values(state.errors_by_code).reduce((a, b) => a + b, 0);
+  $("errors").textContent = errs;
+  $("errors").className = errs ? "value bad" : "value";
+  $("ttft").textContent = pct(state.ttft_s);
+  $("latency").textContent = pct(state.latency_s);
+  const queued = Object.values(state.queue).reduce((a, b) => a + b, 0);
+  $("queued").textContent = queued;
+  $("queued").className = queued ? "value warn" : "value";
+  renderNodes(state);
+  renderBars($("families"), d.by_family);
+  renderTable($("codes").tBodies[0], state.errors_by_code, "no errors", "bad");
+  renderTable($("queue").tBodies[0], state.queue, "empty");
+  $("updated").textContent = `updated ${new Date(state.ts * 1000).toLocaleTimeString()}`;
+}
+
+async function poll() {
+  const headers = {};
+  const k = key();
+  if (k) headers.Authorization = `Bearer ${k}`;
+  try {
+    const r = await fetch("/dashboard/state", { headers, cache: "no-store" });
+    if (r.status === 401) {
+      $("keyform").hidden = false;
+      $("keyerror").textContent = k ? "key refused" : "";
+      $("status").textContent = "key needed";
+      $("status").className = "status down";
+      return;
+    }
+    if (!r.ok) throw new Error(`HTTP ${r.status}`);
+    $("keyform").hidden = true;
+    render(await r.json());
+    $("status").textContent = "live";
+    $("status").className = "status live";
+  } catch (err) {
+    $("status").textContent = `gateway unreachable (${err.message})`;
+    $("status").className = "status down";
+  } finally {
+    setTimeout(poll, POLL_MS);
+  }
+}
+
+document.addEventListener("DOMContentLoaded", () => {
+  $("keyform").addEventListener("submit", (ev) => {
+    ev.preventDefault();
+    sessionStorage.setItem("zml-key", $("key").value.trim());
+    $("key").value = "";
+  });
+  poll();
+});

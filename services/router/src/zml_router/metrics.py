@@ -1,0 +1,224 @@
+"""The router's Prometheus metrics (docs/observability.md lists them all).
+
+Counters and histograms are bumped on the request path through cached label children; the
+per-node gauges and the saturation queue's depth are read from the node table when Prometheus
+scrapes (a collector), so they cost the request path nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from prometheus_client import REGISTRY, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from zmlcore.metrics import (
+    DECISION_BUCKETS,
+    DURATION_BUCKETS,
+    TOKEN_BUCKETS,
+    TTFT_BUCKETS,
+    WAIT_BUCKETS,
+    Children,
+)
+from zmlcore.policy import Decision
+from zmlcore.queueinfo import queue_depths
+
+if TYPE_CHECKING:
+    from zml_router.service import RouterService, _Outcome
+
+log = logging.getLogger("zml.router.metrics")
+
+#: GenAI operation names (gen_ai.operation.name) for the two request kinds.
+OPERATION = {"chat": "chat", "completion": "text_completion"}
+
+REQUESTS = Children(Counter(
+    "zml_router_requests", "Requests finished by this router, by outcome (code OK or the ZML error code).",
+    ["model", "policy", "family", "node", "code"]))
+TTFT = Children(Histogram(
+    "gen_ai_server_time_to_first_token_seconds",
+    "Time from the router receiving a request to the first token (the whole reply when not streamed).",
+    ["gen_ai_operation_name", "gen_ai_request_model", "zml_family", "zml_node"], buckets=TTFT_BUCKETS))
+DURATION = Children(Histogram(
+    "gen_ai_server_request_duration_seconds", "End-to-end request duration at the router (error_type set on failures).",
+    ["gen_ai_operation_name", "gen_ai_request_model", "zml_family", "zml_node", "error_type"],
+    buckets=DURATION_BUCKETS))
+TOKENS = Children(Histogram(
+    "gen_ai_client_token_usage", "Tokens per request as the node reported them (input and output).",
+    ["gen_ai_operation_name", "gen_ai_request_model", "gen_ai_token_type"], buckets=TOKEN_BUCKETS))
+DECISION_TIME = Children(Histogram(
+    "zml_router_decision_seconds", "Time to choose a node (policy maths on the local table).", ["policy"],
+    buckets=DECISION_BUCKETS))
+DECISIONS = Children(Counter(
+    "zml_router_decisions", "Routing decisions: policy -> family -> node chosen (failover attempts included).",
+    ["policy", "family", "node"]))
+FAILOVERS = Children(Counter(
+    "zml_router_failovers",
+    "Attempts that failed before the first token and were re-routed or given up, by node and cause "
+    "(network, server, slow, overloaded, no_model, client).", ["node", "cause"]))
+RETRIES = Children(Counter(
+    "zml_router_retries", "Requests served on a second or later attempt, by the node that served them.", ["node"]))
+QUEUED = Children(Counter(
+    "zml_router_queue_enqueued", "Requests put in the saturation queue.", ["model"]))
+QUEUE_EXPIRED = Children(Counter(
+    "zml_router_queue_expired", "Queued requests answered QUEUE_FULL because no node had room within max_queue_ms.",
+    ["model"]))
+QUEUE_WAIT = Children(Histogram(
+    "zml_router_queue_wait_seconds", "Time a queued request waited until a node had room for it.", ["model"],
+    buckets=WAIT_BUCKETS))
+
+class _ModelOnly(msgspec.Struct):
+    model: str = ""
+
+
+_model_only = msgspec.json.Decoder(_ModelOnly)
+_PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
+_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
+
+QUEUE_PROBE_S = 2.0
+
+
+class RouterMetrics(Collector):
+    """Hooks the request path calls, and the scrape-time view of the router's table."""
+
+    def __init__(self, service: "RouterService") -> None:
+        self.svc = service
+        #: model key -> messages waiting in the shared saturation queue (polled, not per request).
+        self.queue_depth: dict[str, int] = {}
+        self._probe: asyncio.Task[None] | None = None
+        _VIEW.service = self
+
+    # --- request path ----------------------------------------------------------------------
+    def decide(self, decide: Callable[..., Decision], *args: Any) -> Decision:
+        t = time.perf_counter()
+        d = decide(*args)
+        DECISION_TIME(d.policy).observe(time.perf_counter() - t)
+        DECISIONS(d.policy, d.family, d.node_id).inc()
+        return d
+
+    def failover(self, node_id: str, cause: str) -> None:
+        FAILOVERS(node_id, cause).inc()
+
+    def usage(self, op: str, model: str, raw: bytes) -> None:
+        m = _PROMPT_TOKENS.search(raw)
+        if m:
+            TOKENS(OPERATION.get(op, op), model, "input").observe(int(m.group(1)))
+        m = _COMPLETION_TOKENS.search(raw)
+        if m:
+            TOKENS(OPERATION.get(op, op), model, "output").observe(int(m.group(1)))
+
+    def usage_dict(self, op: str, model: str, usage: dict[str, Any]) -> None:
+        for key, kind in (("prompt_tokens", "input"), ("completion_tokens", "output")):
+            n = usage.get(key)
+            if isinstance(n, int):
+                TOKENS(OPERATION.get(op, op), model, kind).observe(n)
+
+    def finished(self, out: "_Outcome", elapsed: float) -> None:
+        if out.queued:
+            return  # counted when served (or expired)
+        info = out.info
+        policy = info.policy if info is not None else ""
+        code = "OK" if out.ok else (out.error_code or "INTERNAL")
+        REQUESTS(out.model, policy, out.family, out.node_id, code).inc()
+        op = OPERATION.get(out.op, out.op)
+        DURATION(op, out.model, out.family, out.node_id, "" if out.ok else code).observe(elapsed)
+        if out.ok and info is not None:
+            TTFT(op, out.model, out.family, out.node_id).observe(info.time_to_first_token)
+            if out.attempts > 1:
+                RETRIES(out.node_id).inc()
+
+    def enqueued(self, model: str) -> None:
+        QUEUED(model).inc()
+
+    def waited(self, model: str, seconds: float) -> None:
+        QUEUE_WAIT(model).observe(max(0.0, seconds))
+
+    def expired(self, data: bytes) -> None:
+        try:
+            model = self.svc.cfg.resolve_model(_model_only.decode(data).model)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            model = ""
+        QUEUE_EXPIRED(model).inc()
+
+    # --- the saturation queue's depth (JetStream consumer info, every QUEUE_PROBE_S) -----------
+    def start(self) -> None:
+        self._probe = asyncio.create_task(self._probe_queue())
+
+    async def stop(self) -> None:
+        if self._probe is not None:
+            self._probe.cancel()
+            await asyncio.gather(self._probe, return_exceptions=True)
+
+    async def _probe_queue(self) -> None:
+        while True:
+            await asyncio.sleep(QUEUE_PROBE_S)
+            nc = self.svc.nc
+            if nc is None or not nc.is_connected:
+                continue
+            try:
+                self.queue_depth = await queue_depths(nc)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the queue stream may not exist yet; a statistic is never fatal
+                log.debug("queue depth not read", exc_info=True)
+
+    # --- scrape time ---------------------------------------------------------------------------
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        svc = self.svc
+        now = time.time()
+        labels = ["node", "family", "accelerator_type", "engine"]
+        state = GaugeMetricFamily("zml_node_state", "1 for the node's current status (up, down, loading, ...).",
+                                  labels=[*labels, "status"])
+        gauges = {
+            "score": GaugeMetricFamily("zml_node_health_score", "Health score (0-100) from the health service.", labels=labels),
+            "queue": GaugeMetricFamily("zml_node_queue_depth", "Requests running plus waiting on the node (last poll).",
+                                       labels=labels),
+            "inflight": GaugeMetricFamily("zml_node_in_flight",
+                                          "Requests dispatched to the node and not finished (all routers, as this one sees it).",
+                                          labels=labels),
+            "cooldown": GaugeMetricFamily("zml_node_cooldown_seconds", "Seconds left before a failed node is tried again.",
+                                          labels=labels),
+            "saturated": GaugeMetricFamily("zml_node_saturated_seconds",
+                                           "Seconds left before an overloaded node is tried again.", labels=labels),
+            "price": GaugeMetricFamily("zml_node_price_per_hour", "The node's price (run-time costs applied).", labels=labels),
+        }
+        for v in list(svc.table.views.values()):
+            st = v.state
+            lv = [v.node_id, st.family, st.accelerator_type, st.backend]
+            state.add_metric([*lv, st.status], 1.0)
+            gauges["score"].add_metric(lv, st.health_score)
+            gauges["queue"].add_metric(lv, st.queue_running + st.queue_waiting)
+            gauges["inflight"].add_metric(lv, v.effective_outstanding())
+            gauges["cooldown"].add_metric(lv, max(0.0, v.cooldown_until - now))
+            gauges["saturated"].add_metric(lv, max(0.0, v.saturated_until - now))
+            gauges["price"].add_metric(lv, st.cost_per_hour)
+        yield state
+        yield from gauges.values()
+        depth = GaugeMetricFamily("zml_router_queue_depth", "Requests waiting in the saturation queue (all routers).",
+                                  labels=["queue"])
+        for key, n in sorted(self.queue_depth.items()):
+            depth.add_metric([key], n)
+        yield depth
+        yield GaugeMetricFamily("zml_router_in_flight", "Requests this router is handling now.",
+                                value=len(svc._by_request))
+
+
+class _View(Collector):
+    """Registered once per process; forwards to the router service of the moment (tests build
+    several in one process, and a registry refuses the same metric names twice)."""
+
+    service: RouterMetrics | None = None
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        if self.service is not None:
+            yield from self.service.collect()
+
+
+_VIEW = _View()
+REGISTRY.register(_VIEW)

@@ -1,0 +1,134 @@
+"""Fixtures for the real-engine suite (imported by its test modules: a second conftest.py would
+clash with tests/conftest.py): llama-server processes serving the tiny generated model,
+in a ZML fleet beside `zml sim` nodes, started the way `zml up` starts the services.
+
+Run with ``python -m pytest -m engine`` (``.ci/llama-server`` gets the engine). Without it every
+test here skips, saying what is missing.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+import llamaserver
+from conftest import MODEL, Stack, launch_stack
+from zmlcore.launch import Proc, free_port
+
+#: The real nodes' engine name for MODEL (llama-server --alias): served_names maps it.
+SERVED = "tiny-llama"
+SLEEP_IDLE_S = 2
+SIM_FLEET = [("h100-1", "nvidia_h100", [MODEL]), ("a100-1", "nvidia_a100", [MODEL])]
+POLICIES = (
+    '[policies.cpu-only]\naccelerator_chain = ["CPU"]\nlatency_target_ms = 60000\n'
+    '[policies.gpu-only]\naccelerator_chain = ["H100", "A100"]\nlatency_target_ms = 60000\n'
+)
+
+
+@dataclass
+class Llama:
+    binary: str
+    model: Path
+
+
+@pytest.fixture(scope="session")
+def llama() -> Llama:
+    reason = llamaserver.unavailable()
+    if reason:
+        pytest.skip(reason)
+    binary = llamaserver.llama_server_binary()
+    vocab = llamaserver.vocab_file()
+    assert binary and vocab
+    return Llama(binary, llamaserver.cached_model(vocab))
+
+
+@dataclass
+class RealNode:
+    node_id: str
+    port: int
+    extra: tuple[str, ...] = ()
+    proc: Proc | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, llama: Llama) -> None:
+        self.proc = llamaserver.start_server(self.node_id, llama.binary, llama.model, self.port, *self.extra,
+                                             alias=SERVED)
+        llamaserver.wait_healthy(self.url, self.proc)
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, not a clean stop."""
+        if self.proc is not None and self.proc.alive():
+            self.proc.popen.kill()
+            self.proc.popen.wait(10)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.proc.stop()
+
+
+def real_node_toml(node: RealNode, *, startup_grace_s: float = 5.0, family: str = "") -> str:
+    fam = f'family = "{family}"\n' if family else ""
+    return (f'[[nodes]]\nid = "{node.node_id}"\naccelerator = "cpu"\nbackend = "llamacpp"\n{fam}'
+            f'endpoint = "{node.url}"\nmodels = ["{MODEL}"]\nstartup_grace_s = {startup_grace_s}\n'
+            f'[nodes.served_names]\n"{MODEL}" = "{SERVED}"\n')
+
+
+@dataclass
+class EngineFleet:
+    stack: Stack
+    llama: Llama
+    real: dict[str, RealNode] = field(default_factory=dict)
+
+    def nodes(self) -> dict[str, dict[str, Any]]:
+        rows = httpx.get(self.stack.gateway_url + "/v1/nodes", timeout=10).json()["nodes"]
+        return {n["node_id"]: n for n in rows}
+
+    def wait_node(self, node_id: str, pred: Any, timeout: float = 60.0, what: str = "") -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        last: dict[str, Any] = {}
+        while time.monotonic() < deadline:
+            last = self.nodes().get(node_id, {})
+            if last and pred(last):
+                return last
+            time.sleep(0.2)
+        raise AssertionError(f"{node_id}: {what or 'condition'} not reached in {timeout:g} s; last: {last}")
+
+    def chat(self, *, max_tokens: int = 16, timeout: float = 60.0, **zml: Any) -> httpx.Response:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "Say something."}],
+                "max_tokens": max_tokens, **zml}
+        return httpx.post(self.stack.gateway_url + "/v1/chat/completions", json=body, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def engine_fleet(llama: Llama, own_nats: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineFleet]:
+    """Two real llama-server nodes (CPU family) and two sims (H100, A100), one ZML model; and a
+    third llama-server that sleeps after 2 idle seconds, in a family of its own (SLEEPY) so that
+    only requests pinned to it wake it."""
+    real = {n: RealNode(n, free_port()) for n in ("llama-1", "llama-2")}
+    real["llama-sleepy"] = RealNode("llama-sleepy", free_port(), ("--sleep-idle-seconds", str(SLEEP_IDLE_S)))
+    for node in real.values():
+        node.start(llama)
+    stack = None
+    try:
+        extra = POLICIES + "\n" + "".join(
+            real_node_toml(n, family="SLEEPY" if n.node_id == "llama-sleepy" else "") for n in real.values())
+        stack = launch_stack(own_nats, tmp_path_factory.mktemp("engine"), fleet=SIM_FLEET, extra=extra,
+                             poll_s=0.5)
+        fleet = EngineFleet(stack, llama, real)
+        for node_id in real:
+            fleet.wait_node(node_id, lambda n: n["status"] == "up" and MODEL in n["models"], what="up")
+        yield fleet
+    finally:
+        if stack is not None:
+            stack.stop()
+        for node in real.values():
+            node.stop()
