@@ -90,8 +90,11 @@ class Stack:
     #: role -> nkey seed file, for a broker with authorization (SecureBus); empty: open broker.
     identities: dict[str, str] = field(default_factory=dict)
 
+    env: dict[str, str] = field(default_factory=dict)  # for every service (TLS settings)
+
     def env_of(self, role: str) -> dict[str, str] | None:
-        return {"ZML_NATS_NKEY": self.identities[role]} if role in self.identities else None
+        out = {**self.env, **({"ZML_NATS_NKEY": self.identities[role]} if role in self.identities else {})}
+        return out or None
 
     def sim_url(self, node_id: str) -> str:
         return f"http://127.0.0.1:{self.node_ports[node_id]}"
@@ -121,10 +124,11 @@ class Stack:
             p.stop()
 
 
-def wait_ready(gateway_url: str, model: str, timeout: float = 60.0, want_nodes: int = 1) -> None:
+def wait_ready(gateway_url: str, model: str, timeout: float = 60.0, want_nodes: int = 1,
+               verify: Any = True) -> None:
     deadline = time.monotonic() + timeout
     last = ""
-    with httpx.Client(timeout=5) as client:
+    with httpx.Client(timeout=5, verify=verify) as client:
         while time.monotonic() < deadline:
             try:
                 nodes = client.get(gateway_url + "/v1/nodes").json()["nodes"]
@@ -144,17 +148,21 @@ def wait_ready(gateway_url: str, model: str, timeout: float = 60.0, want_nodes: 
 
 
 def launch_stack(nats_url: str, tmp: Path, *, fleet: list[tuple[str, str, list[str]]] | None = None,
-                 routers: int = 2, identities: dict[str, str] | None = None, **toml: Any) -> Stack:
+                 routers: int = 2, identities: dict[str, str] | None = None, env: dict[str, str] | None = None,
+                 https_verify: Any = None, **toml: Any) -> Stack:
     """Sims + health + routers + gateway as separate processes, started as `zml up` does.
-    ``identities``: role -> seed file when the broker has authorization (SecureBus.seeds)."""
+    ``identities``: role -> seed file when the broker has authorization (SecureBus.seeds);
+    ``env``: for every service (e.g. ZML_NATS_TLS_*); ``https_verify``: the gateway serves HTTPS
+    (ZML_GATEWAY_TLS_* in ``env``), verified with this (a CA file or an SSLContext)."""
     fleet = fleet or FLEET
     ports = {node_id: free_port() for node_id, _, _ in fleet}
     config = tmp / "zml.toml"
     config.write_text(fleet_toml(ports, fleet=fleet, **toml))
     gw_port = free_port()
     procs: dict[str, Proc] = {}
-    stack = Stack(f"http://127.0.0.1:{gw_port}", nats_url, str(config), MODEL, [f[0] for f in fleet], ports, procs,
-                  identities=dict(identities or {}))
+    scheme = "https" if https_verify is not None else "http"
+    stack = Stack(f"{scheme}://127.0.0.1:{gw_port}", nats_url, str(config), MODEL, [f[0] for f in fleet], ports, procs,
+                  identities=dict(identities or {}), env=dict(env or {}))
     try:
         procs["sim"] = spawn("sim", service_argv("sim", str(config), nats_url))
         stack.metrics_ports["health"] = free_port()
@@ -170,7 +178,8 @@ def launch_stack(nats_url: str, tmp: Path, *, fleet: list[tuple[str, str, list[s
             dead = [p.name for p in procs.values() if not p.alive()]
             assert not dead and time.monotonic() < deadline, f"not started: {dead or 'gateway'}"
 
-        wait_ready(stack.gateway_url, MODEL, want_nodes=len([f for f in fleet if MODEL in f[2]]))
+        wait_ready(stack.gateway_url, MODEL, want_nodes=len([f for f in fleet if MODEL in f[2]]),
+                   verify=True if https_verify is None else https_verify)
     except BaseException:
         for p in procs.values():
             print(f"--- {p.name}\n{p.tail(30)}")

@@ -24,11 +24,18 @@ pytestmark = pytest.mark.slow
 
 async def router_ages(nats_url: str, names: list[str]) -> dict[str, float]:
     """Each router's oldest node state (seconds), from its own admin subject."""
-    nc = await nats.connect(nats_url)
+    nc = await nats.connect(servers=nats_url.split(","))
     try:
         out = {}
         for name in names:
-            msg = await nc.request(subjects.router_state(name), b"", timeout=5)
+            for attempt in range(30):  # a router that is reconnecting has no responder for a moment
+                try:
+                    msg = await nc.request(subjects.router_state(name), b"", timeout=5)
+                    break
+                except nats.errors.NoRespondersError:
+                    if attempt == 29:
+                        raise
+                    await asyncio.sleep(0.1)
             nodes = json.loads(msg.data)["nodes"]
             out[name] = max(n["state_age_s"] for n in nodes.values()) if nodes else float("inf")
         return out

@@ -417,3 +417,43 @@ async def test_issue_and_revoke_take_effect_without_a_restart(stack: Stack, secu
     assert r.status_code == 200, r.text
     assert not natscreds.get(secure_bus.data_dir, "carol")
 
+
+
+async def test_http_duplicate_id_from_the_same_caller_is_409_and_the_first_still_runs(stack: Stack) -> None:
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "request_id": "http-dup",
+            "max_tokens": 3000, "stream": True}
+    async with httpx.AsyncClient(timeout=60) as http:
+        async with http.stream("POST", stack.gateway_url + "/v1/chat/completions", json=body) as first:
+            assert first.status_code == 200
+            lines = first.aiter_lines()
+            assert (await anext(lines)).startswith("data: ")  # the first request is running
+            second = await http.post(stack.gateway_url + "/v1/chat/completions", json={**body, "stream": False})
+            assert second.status_code == 409, second.text
+            assert second.json()["error"]["code"] == "DUPLICATE_REQUEST_ID"
+            more = await anext(lines)
+            assert more.startswith("data: ") or more == ""
+    # The id is free again once the first request has ended (closing the stream cancelled it).
+    deadline = time.monotonic() + 10
+    while True:
+        r = httpx.post(stack.gateway_url + "/v1/chat/completions", timeout=30,
+                       json={**body, "stream": False, "max_tokens": 2})
+        if r.status_code == 200 or time.monotonic() > deadline:
+            break
+        await asyncio.sleep(0.2)
+    assert r.status_code == 200, r.text
+
+
+def test_sdk_says_what_is_wrong_with_an_identity(stack: Stack, secure_bus: SecureBus,
+                                                 monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A client identity asking for node state is told it may not (not a bare TIMEOUT); a seed
+    the server does not know is AUTH_FAILED, not "is zml up running?"."""
+    monkeypatch.setenv("ZML_NATS_NKEY", secure_bus.seeds["alice"])
+    with zml.Client(secure_bus.url, timeout=2, max_retries=0) as client:
+        with pytest.raises(zml.AuthError, match="may not use zml.admin.nodes.list"):
+            client.nodes()
+    stranger = tmp_path / "stranger.nk"
+    stranger.write_text(natscreds._new_seed() + "\n")
+    monkeypatch.setenv("ZML_NATS_NKEY", str(stranger))
+    with zml.Client(secure_bus.url, timeout=5) as client:
+        with pytest.raises(zml.AuthError, match="refused this client's identity"):
+            client.infer(MODEL, "hi", max_tokens=1)

@@ -1,7 +1,7 @@
 """The fleet as changed at run time (issue 10 items 2, 6, 7, 8): a node added with
-`zml nodes add --family Edge --served-name ...` is routable by a chain naming Edge, answers
-with the model name the client asked for, and `zml.Policy` validates Edge against the fleet; a
-price of 0 set with `zml cost set` makes a node free."""
+`zml nodes add --family Edge` is routable by a chain naming Edge and `zml.Policy` validates Edge
+against the fleet; one added with `--served-name` is sent the engine's name and answers with the
+name the client asked for; a price of 0 set with `zml cost set` makes a node free."""
 
 from __future__ import annotations
 
@@ -50,21 +50,45 @@ def wait_node(stack: Stack, node_id: str, model: str, timeout: float = 30.0) -> 
         time.sleep(0.2)
 
 
+def _sim(stack: Stack, name: str, node_id: str, model: str) -> int:
+    port = free_port()
+    sim = spawn(name, [sys.executable, "-m", "zmlcore.sim", "--accelerator", "nvidia_a100", "--port", str(port),
+                       "--node-id", node_id, "--model", model, "--time-scale", "20", "--load-time-s", "0.1"])
+    stack.procs[name] = sim
+    assert sim.wait_for("ready", 30), sim.tail()
+    return port
+
+
 @pytest.fixture(scope="module")
 def edge(stack: Stack) -> Iterator[str]:
-    """A node of a family no zml.toml names, whose engine calls the model by a file path."""
-    port = free_port()
-    sim = spawn("sim-edge", [sys.executable, "-m", "zmlcore.sim", "--accelerator", "nvidia_a100", "--port", str(port),
-                             "--node-id", "edge-1", "--model", ENGINE_NAME, "--time-scale", "20", "--load-time-s", "0.1"])
-    stack.procs["sim-edge"] = sim
-    assert sim.wait_for("ready", 30), sim.tail()
+    """A node of a family no zml.toml names (item 6)."""
+    port = _sim(stack, "sim-edge", "edge-1", EDGE_MODEL)
     out = zml_cli("nodes", "add", "edge-1", "--accelerator", "nvidia_a100", "--url", f"http://127.0.0.1:{port}",
-                  "--serves", EDGE_MODEL, "--served-name", f"{EDGE_MODEL}={ENGINE_NAME}", "--family", "Edge",
+                  "--serves", EDGE_MODEL, "--family", "Edge", "--nats-url", stack.nats_url)
+    assert out.returncode == 0, out.stderr
+    assert wait_node(stack, "edge-1", EDGE_MODEL)["family"] == "Edge"
+    return "edge-1"
+
+
+def test_served_names_from_the_cli_reach_the_engine_and_stay_hidden(stack: Stack) -> None:
+    # Items 8 and 2: the engine knows the model by a file path; clients never see that path.
+    port = _sim(stack, "sim-path", "path-1", ENGINE_NAME)
+    out = zml_cli("nodes", "add", "path-1", "--accelerator", "nvidia_a100", "--url", f"http://127.0.0.1:{port}",
+                  "--serves", EDGE_MODEL, "--served-name", f"{EDGE_MODEL}={ENGINE_NAME}", "--family", "Paths",
                   "--nats-url", stack.nats_url)
     assert out.returncode == 0, out.stderr
-    node = wait_node(stack, "edge-1", EDGE_MODEL)
-    assert node["family"] == "Edge" and node["served_names"] == {EDGE_MODEL: ENGINE_NAME}
-    return "edge-1"
+    node = wait_node(stack, "path-1", EDGE_MODEL)
+    assert node["served_names"] == {EDGE_MODEL: ENGINE_NAME}
+    body = {"model": EDGE_MODEL, "messages": CHAT, "max_tokens": 3, "accelerator_id": "path-1"}
+    with httpx.Client(base_url=stack.gateway_url, timeout=30) as c:
+        r = c.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert r.json()["zml"]["node_id"] == "path-1" and r.json()["model"] == EDGE_MODEL
+        with c.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as s:
+            assert s.status_code == 200
+            chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
+        assert chunks and all(ch["model"] == EDGE_MODEL for ch in chunks)
+    assert zml_cli("nodes", "remove", "path-1", "--nats-url", stack.nats_url).returncode == 0
 
 
 def test_served_name_needs_a_served_model(stack: Stack) -> None:
@@ -83,12 +107,9 @@ def test_a_chain_naming_a_run_time_family_routes(stack: Stack, edge: str) -> Non
             r = c.post("/v1/chat/completions", json=body)
             assert r.status_code == 200, r.text
             assert r.json()["zml"]["node_id"] == edge and r.json()["zml"]["family"] == "Edge"
-            # The engine answered for ENGINE_NAME; the client reads back the name it asked for.
-            assert r.json()["model"] == EDGE_MODEL
         with c.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as s:
             assert s.status_code == 200
-            chunks = [json.loads(line[6:]) for line in s.iter_lines() if line.startswith("data: {")]
-        assert chunks and all(ch["model"] == EDGE_MODEL for ch in chunks)
+            assert any(line.startswith("data: {") for line in s.iter_lines())
         bad = c.post("/v1/chat/completions", json={**body, "policy": {"accelerator_chain": ["Nowhere"]}})
         assert bad.status_code == 400 and bad.json()["error"]["code"] == "POLICY_CONFIG"
 

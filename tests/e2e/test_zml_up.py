@@ -65,11 +65,12 @@ def test_two_zml_up_on_one_machine_run_the_demo_fleet_and_stop_everything(tmp_pa
             nodes = httpx.get(f"http://127.0.0.1:{gw}/v1/nodes", timeout=10).json()["nodes"]
             assert {n["accelerator_type"] for n in nodes} >= {"nvidia_h100", "nvidia_a100", "amd_mi300x", "intel_gaudi2"}
             endpoints.append({n["node_id"]: n["endpoint"] for n in nodes})
-            # Prometheus /metrics: the gateway on its own port, health, warmup and the router on
-            # ports of their own (free ones by default, so two `zml up` do not clash), printed.
+            # Prometheus /metrics: the gateway on its own port, health, warmup (two of each, one
+            # active) and the router on ports of their own (free ones by default, so two `zml up`
+            # do not clash), printed.
             line = next(line for line in proc.lines if line.startswith("zml metrics:"))
             ports = dict(re.findall(r"([\w-]+) :(\d+)", line))
-            assert set(ports) == {"health", "warmup", "router-1"}, line
+            assert set(ports) == {"health-1", "health-2", "warmup-1", "warmup-2", "router-1"}, line
             for name, port in [("gateway", gw), *ports.items()]:
                 m = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10)
                 assert m.status_code == 200 and "process_cpu_seconds_total" in m.text, name

@@ -68,7 +68,10 @@ def _up(tmp: Path, *extra: str) -> tuple[Proc, str]:
     config = tmp / "zml.toml"
     config.write_text(fleet_toml(ports))
     gw = free_port()
-    argv = [sys.executable, "-m", "zml.cli", "up", "--config", str(config), "--gateway-port", str(gw), *extra]
+    # Supervision, not security, is under test: an open broker in a temporary folder (the secure
+    # default is tested in test_zml_up.py and test_bus_permissions.py).
+    argv = [sys.executable, "-m", "zml.cli", "up", "--config", str(config), "--gateway-port", str(gw), "--insecure",
+            *extra]
     proc = spawn("zml-up", argv)
     if not proc.wait_for("zml ready", 120):
         proc.stop()
@@ -92,6 +95,8 @@ async def _router_answers(nats_url: str, router_id: str) -> bool:
     try:
         msg = await nc.request(subjects.router_state(router_id), b"", timeout=5)
         return bool(json.loads(msg.data)["nodes"])
+    except nats.errors.Error:  # still starting: no responders yet
+        return False
     finally:
         await nc.close()
 
@@ -122,7 +127,7 @@ def test_kill_9_a_router_under_load(up_two_routers: tuple[Proc, str, str]) -> No
           f"failed {len(failed)}; router-1 pid {before['router-1']} -> {new_pid}")
     assert late and not failed, failed[:5]
     # The restarted replica is back in the fleet with a node table of its own.
-    assert asyncio.run(_router_answers(nats_url, "router-1"))
+    _wait(lambda: asyncio.run(_router_answers(nats_url, "router-1")), 30, "router-1 answering")
 
 
 def _broker_conf(path: Path, port: int, store: Path, *, auth: bool) -> None:

@@ -90,7 +90,27 @@ class InferCall:
         return {
             subjects.H_REQUEST_ID: self.request_id,
             subjects.H_TIMEOUT_MS: str(int(self.body.get("timeout_ms") or self.timeout_s * 1000)),
+            **trace_headers(),
         }
+
+
+def trace_headers() -> dict[str, str]:
+    """``traceparent`` (W3C) of the caller's current OpenTelemetry span, if there is one: ZML's
+    spans join the caller's trace. Empty without a recording span."""
+    if _propagator is None or not _otel_trace.get_current_span().get_span_context().is_valid:
+        return {}
+    out: dict[str, str] = {}
+    _propagator.inject(out)
+    return out
+
+
+try:  # opentelemetry-api comes with zml; an SDK vendored without it simply sends no context
+    from opentelemetry import trace as _otel_trace
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+    _propagator: TraceContextTextMapPropagator | None = TraceContextTextMapPropagator()
+except ImportError:  # pragma: no cover
+    _propagator = None
 
 
 def new_request_id() -> str:

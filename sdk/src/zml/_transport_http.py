@@ -10,7 +10,16 @@ from collections.abc import AsyncIterator, Iterator
 import httpx
 from httpx_aiohttp import HttpxAiohttpClient
 
-from zml._core import InferCall, RawReply, SSEDecoder, StreamEvent, decode_error, lower_headers, routing_from_headers
+from zml._core import (
+    InferCall,
+    RawReply,
+    SSEDecoder,
+    StreamEvent,
+    decode_error,
+    lower_headers,
+    routing_from_headers,
+    trace_headers,
+)
 from zml._errors import BackendError, ConnectionError, TimeoutError, ZMLError
 from zmlcore.sse import SSELineTooLong, aiter_sse_lines, iter_sse_lines
 
@@ -60,7 +69,7 @@ class SyncHTTPTransport:
         try:
             resp = self._client.request(
                 method, path, content=body, timeout=_timeout(timeout_s) if timeout_s else httpx.USE_CLIENT_DEFAULT,
-                headers={"content-type": "application/json"} if body is not None else None,
+                headers={"content-type": "application/json", **trace_headers()} if body is not None else None,
             )
         except httpx.HTTPError as exc:
             raise _translate(exc, url) from exc
@@ -79,7 +88,7 @@ class SyncHTTPTransport:
         url = self.base_url + call.http_path
         req = self._client.build_request(
             "POST", call.http_path, content=call.encode(), timeout=_timeout(call.timeout_s),
-            headers={"content-type": "application/json", "accept": "text/event-stream"},
+            headers={"content-type": "application/json", "accept": "text/event-stream", **trace_headers()},
         )
         try:
             resp = self._client.send(req, stream=True)
@@ -154,7 +163,7 @@ class AsyncHTTPTransport:
         try:
             resp = await self._client.request(
                 method, path, content=body, timeout=_timeout(timeout_s) if timeout_s else httpx.USE_CLIENT_DEFAULT,
-                headers={"content-type": "application/json"} if body is not None else None,
+                headers={"content-type": "application/json", **trace_headers()} if body is not None else None,
             )
         except httpx.HTTPError as exc:
             raise _translate(exc, url) from exc
@@ -173,7 +182,7 @@ class AsyncHTTPTransport:
         url = self.base_url + call.http_path
         req = self._client.build_request(
             "POST", call.http_path, content=call.encode(), timeout=_timeout(call.timeout_s),
-            headers={"content-type": "application/json", "accept": "text/event-stream"},
+            headers={"content-type": "application/json", "accept": "text/event-stream", **trace_headers()},
         )
         try:
             resp = await self._client.send(req, stream=True)

@@ -34,7 +34,7 @@ from zml._core import (
     no_router_error,
     timeout_error,
 )
-from zml._errors import ConnectionError, StreamInterruptedError, ZMLError
+from zml._errors import AuthError, ConnectionError, StreamInterruptedError, ZMLError
 from zmlcore import subjects
 from zmlcore.config import NatsConfig
 from zmlcore.natsauth import connect_options, owner_of
@@ -59,6 +59,8 @@ class AsyncNatsTransport:
         self.owner = owner_of(self._options)
         self._nc: NATS | None = None
         self._lock: asyncio.Lock | None = None
+        #: The server's last "permissions violation" message (a subject this identity may not use).
+        self._denied = ""
 
     async def _conn(self) -> NATS:
         if self._nc is not None and self._nc.is_connected:
@@ -69,8 +71,9 @@ class AsyncNatsTransport:
             if self._nc is not None and self._nc.is_connected:
                 return self._nc
 
-            async def _quiet(_: Exception) -> None:  # nats-py logs every error otherwise
-                return None
+            async def _quiet(exc: Exception) -> None:  # nats-py logs every error otherwise
+                if "permissions violation" in str(exc).lower() or "authorization violation" in str(exc).lower():
+                    self._denied = str(exc)
 
             try:
                 self._nc = await nats.connect(
@@ -84,6 +87,9 @@ class AsyncNatsTransport:
                     **self._options,
                 )
             except (nats.errors.Error, OSError, asyncio.TimeoutError) as exc:
+                if "authorization violation" in f"{exc} {self._denied}".lower():
+                    raise AuthError(f"NATS at {self.url} refused this client's identity: set ZML_NATS_NKEY to a seed "
+                                    "file from `zml creds issue NAME` (or check that it was not revoked)") from exc
                 raise ConnectionError(
                     f"cannot connect to NATS at {self.url} ({type(exc).__name__}: {exc}). "
                     "Is `zml up` running? Check --endpoint / ZML_ENDPOINT."
@@ -97,6 +103,9 @@ class AsyncNatsTransport:
         except nats.errors.NoRespondersError as exc:
             raise no_router_error(subject) from exc
         except nats.errors.TimeoutError as exc:
+            if f'"{subject.lower()}"' in self._denied.lower():  # no reply because the server refused the publish
+                raise AuthError(f"this NATS identity may not use {subject} ({self._denied}); "
+                                "see docs/security.md for what each role may do") from exc
             raise timeout_error(timeout_s, (headers or {}).get(subjects.H_REQUEST_ID, "-")) from exc
         except (nats.errors.ConnectionClosedError, nats.errors.StaleConnectionError, OSError) as exc:
             raise ConnectionError(f"NATS connection to {self.url} lost: {exc}") from exc

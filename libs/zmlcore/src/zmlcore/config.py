@@ -52,7 +52,7 @@ class NatsConfig(msgspec.Struct, **_Base):
     replicas: Annotated[int, msgspec.Meta(ge=1, le=5)] = 1
     """JetStream replicas of every KV bucket and stream ZML creates: 1 on a single server, 3 on
     a 3-server cluster (a bucket then survives the loss of one server). Applies when a bucket or
-    stream is first created."""
+    stream is first created. Env ZML_NATS_REPLICAS."""
     nkey_file: str | None = None
     """This process's NATS identity: a file holding its nkey seed (mode 0600; `zml up` and
     `zml creds issue` write them). Each service needs its own, so it is usually given per
@@ -485,6 +485,7 @@ def parse_config(data: dict[str, Any], source: str = "<memory>") -> ZMLConfig:
 
 _ENV: list[tuple[str, str, str, type]] = [
     ("ZML_NATS_URL", "nats", "url", str),
+    ("ZML_NATS_REPLICAS", "nats", "replicas", int),
     ("ZML_GATEWAY_HOST", "gateway", "host", str),
     ("ZML_GATEWAY_PORT", "gateway", "port", int),
     ("ZML_METRICS_HOST", "metrics", "host", str),
@@ -500,7 +501,7 @@ _ENV: list[tuple[str, str, str, type]] = [
 def load_config(path: str | os.PathLike[str] | None = None, *, env: dict[str, str] | None = None) -> ZMLConfig:
     """Load and validate zml.toml; ``None`` means defaults plus environment overrides.
 
-    Environment overrides (applied here and nowhere else): ZML_NATS_URL, ZML_GATEWAY_HOST,
+    Environment overrides (applied here and nowhere else): ZML_NATS_URL, ZML_NATS_REPLICAS, ZML_GATEWAY_HOST,
     ZML_GATEWAY_PORT, ZML_METRICS_HOST, ZML_API_KEYS (comma-separated), ZML_NATS_NKEY,
     ZML_NATS_TLS_CA/CERT/KEY, ZML_GATEWAY_TLS_CERT/KEY.
     """

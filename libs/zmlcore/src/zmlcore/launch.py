@@ -132,16 +132,82 @@ def spawn(name: str, argv: Sequence[str], *, env: dict[str, str] | None = None, 
     return proc
 
 
-def start_nats(host: str, port: int, store_dir: str, *, echo: bool = False, config: str | None = None) -> Proc:
-    """``config``: a nats.conf (authorization, TLS) from zmlcore.natscreds; the flags here win."""
+def start_nats(host: str, port: int, store_dir: str, *, echo: bool = False, config: str | None = None,
+               name: str = "nats", cluster_port: int | None = None, routes: Sequence[str] = (),
+               cluster_name: str = "zml", monitor_port: int | None = None) -> Proc:
+    """A nats-server with JetStream. ``config``: a nats.conf (authorization, TLS) from
+    zmlcore.natscreds; the flags here win. With ``cluster_port``: one server of a cluster whose
+    other members listen for routes at ``routes`` (``nats://host:port``); a cluster member needs
+    its own ``store_dir`` and ``name`` (its JetStream server name). ``monitor_port``: HTTP
+    monitoring (/healthz) on the same host."""
     argv = [nats_server_binary(), "-js", "-a", host, "-p", str(port), "-sd", store_dir]
     if config:
         argv += ["-c", config]
-    proc = spawn("nats", argv, echo=echo)
+    if cluster_port is not None:
+        argv += ["--server_name", name, "--cluster_name", cluster_name,
+                 "--cluster", f"nats://{host}:{cluster_port}", "--routes", ",".join(routes)]
+    if monitor_port is not None:
+        argv += ["-m", str(monitor_port)]
+    proc = spawn(name, argv, echo=echo)
     if not wait_port(host, port, 15):
         proc.stop()
         raise RuntimeError(f"nats-server did not start on {host}:{port}:\n{proc.tail()}")
     return proc
+
+
+@dataclass
+class ClusterPlan:
+    """Ports and stores of a local N-server NATS cluster (`zml up --cluster N`, tests)."""
+
+    host: str
+    client_ports: list[int]
+    cluster_ports: list[int]
+    monitor_ports: list[int]
+    stores: list[str]
+
+    @classmethod
+    def make(cls, host: str, size: int, data_dir: str, first_port: int | None = None) -> "ClusterPlan":
+        ports = [first_port or free_port(host)] + [free_port(host) for _ in range(size - 1)]
+        stores = [str(Path(data_dir) / f"n{i + 1}") for i in range(size)]
+        for store in stores:
+            Path(store).mkdir(parents=True, exist_ok=True)
+        return cls(host, ports, [free_port(host) for _ in range(size)], [free_port(host) for _ in range(size)],
+                   stores)
+
+    @property
+    def urls(self) -> str:
+        """Every client URL, comma-separated (what --nats-url takes)."""
+        return ",".join(f"nats://{self.host}:{p}" for p in self.client_ports)
+
+    def start(self, i: int, *, echo: bool = False, config: str | None = None) -> Proc:
+        """Start member ``i`` (also to restart it after it died: same ports and store)."""
+        routes = [f"nats://{self.host}:{p}" for j, p in enumerate(self.cluster_ports) if j != i]
+        proc = start_nats(self.host, self.client_ports[i], self.stores[i], echo=echo, name=f"nats-{i + 1}",
+                          config=config, cluster_port=self.cluster_ports[i], routes=routes,
+                          monitor_port=self.monitor_ports[i])
+        return proc
+
+    def wait_ready(self, timeout: float) -> None:
+        """Block until every member's /healthz says JetStream is ready (a fresh cluster elects its
+        meta leader first); no client credentials needed. RuntimeError after ``timeout``."""
+        import urllib.error
+        import urllib.request
+
+        deadline = time.monotonic() + timeout
+        pending = list(self.monitor_ports)
+        last = ""
+        while pending:
+            port = pending[0]
+            try:
+                with urllib.request.urlopen(f"http://{self.host}:{port}/healthz", timeout=2) as r:
+                    if r.status == 200:
+                        pending.pop(0)
+                        continue
+            except (urllib.error.URLError, OSError) as exc:
+                last = str(exc)
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"NATS cluster not ready (monitor port {port}): {last}")
+            time.sleep(0.25)
 
 
 def service_argv(service: str, config: str | None, nats_url: str, *extra: str) -> list[str]:

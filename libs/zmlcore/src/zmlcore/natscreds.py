@@ -204,11 +204,19 @@ def running_server(data_dir: str | os.PathLike[str]) -> int | None:
 
 def reload_server(data_dir: str | os.PathLike[str]) -> int | None:
     """Ask the running nats-server of ``data_dir`` to reload its config (SIGHUP to the PID in
-    its pid file, what ``nats-server --signal reload`` sends). Returns the PID, or None if no
-    server of this folder is running."""
+    its pid file, what ``nats-server --signal reload`` sends), and every other member of a
+    `zml up --cluster` (``nats-N.pid``). Returns the first server's PID, or None if no server of
+    this folder is running."""
     pid = running_server(data_dir)
     if pid is None:
         return None
+    for other in sorted(Path(data_dir).glob("nats-*.pid")):
+        try:
+            member = int(other.read_text().strip())
+            if b"nats-server" in Path(f"/proc/{member}/cmdline").read_bytes():
+                os.kill(member, signal.SIGHUP)
+        except (OSError, ValueError):
+            pass  # that member is down: it reads the new file when it starts
     try:
         os.kill(pid, signal.SIGHUP)
     except ProcessLookupError:

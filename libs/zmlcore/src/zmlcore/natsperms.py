@@ -83,7 +83,8 @@ def _grants(role: str, owner: str) -> tuple[list[str], list[str], bool]:
         return [subjects.INFER, own_cancel], [inbox], False
     if role == "gateway":
         pub = [subjects.INFER, own_cancel, subjects.ROUTERS_STATE, *kv_read(subjects.NODES_BUCKET),
-               *kv_read(subjects.COSTS_BUCKET), *kv_read(subjects.KEYS_BUCKET), *kv_write(subjects.LIMITS_BUCKET)]
+               *kv_read(subjects.COSTS_BUCKET), *kv_read(subjects.KEYS_BUCKET), *kv_write(subjects.LIMITS_BUCKET),
+               f"$JS.API.CONSUMER.LIST.{subjects.QUEUE_STREAM}"]  # the dashboard's saturation-queue depth
         return pub, [inbox, completed], False  # completion events feed the /dashboard
     if role == "router":
         pub = [f"{subjects.INBOX_ROOT}.>", subjects.INFLIGHT, subjects.INFLIGHT_SNAPSHOT, subjects.NODE_MARKS,
@@ -95,12 +96,13 @@ def _grants(role: str, owner: str) -> tuple[list[str], list[str], bool]:
         return pub, sub, False
     if role == "health":
         pub = [subjects.event(subjects.EVENT_WARMUP), *kv_write(subjects.NODES_BUCKET),
-               *kv_write(subjects.REGISTRY_BUCKET), *kv_read(subjects.COSTS_BUCKET)]
+               *kv_write(subjects.REGISTRY_BUCKET), *kv_read(subjects.COSTS_BUCKET),
+               *kv_write(subjects.LEASES_BUCKET)]  # --ha: one active replica (zmlcore.lease)
         sub = [inbox, f"{subjects.ADMIN_NODES_PREFIX}.*", completed, subjects.event(subjects.EVENT_WARMUP)]
         return pub, sub, True
     if role == "warmup":
         pub = [subjects.event(subjects.EVENT_WARMUP), *kv_read(subjects.NODES_BUCKET),
-               *kv_read(subjects.REGISTRY_BUCKET)]
+               *kv_read(subjects.REGISTRY_BUCKET), *kv_write(subjects.LEASES_BUCKET)]
         sub = [inbox, completed, subjects.WARMUP_SERVE]
         return pub, sub, True
     if role == "admin":  # the operator's CLI: zml nodes add/remove/list, zml cost, zml serve, zml keys

@@ -19,6 +19,7 @@ from nats.aio.client import Client as NATS
 from zmlcore.alive import beat
 from zmlcore.config import ZMLConfig, load_config
 from zmlcore.errors import ConfigError
+from zmlcore.lease import Lease
 from zmlcore.natsauth import connect_options
 from zmlcore.link import link_of
 from zmlcore.metrics import MetricsServer, serve_metrics
@@ -50,9 +51,13 @@ class ConnectionClosed(Exception):
     errors): the service exits non-zero so that its supervisor restarts it."""
 
 
+class LeaseLost(Exception):
+    """Another replica took over this one's role: it exits and is restarted as a standby."""
+
+
 async def run_service(
     service: Service, nats_url: str, name: str, *, ready_line: str | None = None, no_echo: bool = False,
-    replicas: int = 1, alive_file: str | None = None,
+    replicas: int = 1, alive_file: str | None = None, lease_role: str | None = None, lease_ttl_s: float = 1.0,
     connect_options: dict[str, Any] | None = None,
 ) -> None:
     """``nats_url``: one URL or several, comma-separated. ``no_echo``: the broker does not send
@@ -61,6 +66,8 @@ async def run_service(
 
     Raises :class:`ConnectionClosed` if the connection closes for good before SIGTERM/SIGINT.
     ``alive_file``: touched while the service runs connected (:mod:`zmlcore.alive`).
+    ``lease_role``: run as one of several replicas with one active (:mod:`zmlcore.lease`): wait as
+    a standby until this replica holds the lease; raises :class:`LeaseLost` if it is taken over.
     """
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -71,7 +78,18 @@ async def run_service(
     closed = asyncio.ensure_future(link.closed.wait())
     stopped = asyncio.ensure_future(stop.wait())
     beating = asyncio.ensure_future(beat(alive_file, lambda: nc.is_connected)) if alive_file else None
+    lease = Lease(nc, lease_role, ttl_s=lease_ttl_s) if lease_role else None
+    holding: asyncio.Future[None] | None = None
     try:
+        if lease is not None:
+            acquiring = asyncio.ensure_future(lease.acquire())
+            await asyncio.wait({acquiring, closed, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            if not acquiring.done():  # stopped (or closed) while standing by
+                acquiring.cancel()
+                if link.closed.is_set() and not stop.is_set():
+                    raise ConnectionClosed(str(nc.last_error))
+                return
+            holding = asyncio.ensure_future(lease.hold())
         await service.start(nc)
         # Start-up objects (config, modules, tables) live for the whole run: keep them out of
         # every later collection, and collect young objects less often (~4% of router CPU).
@@ -81,14 +99,22 @@ async def run_service(
         log.info("%s started (nats %s)", name, nats_url)
         if ready_line:
             print(ready_line, flush=True)
-        await asyncio.wait({closed, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({closed, stopped, *([holding] if holding else [])}, return_when=asyncio.FIRST_COMPLETED)
         if link.closed.is_set() and not stop.is_set():
             log.error("%s: NATS connection closed for good (%s); exiting", name, nc.last_error)
             await _stop_quietly(service)
             raise ConnectionClosed(str(nc.last_error))
+        if holding is not None and holding.done() and not stop.is_set():
+            log.error("%s: lease lost; exiting to restart as a standby", name)
+            await _stop_quietly(service)
+            raise LeaseLost(name)
         log.info("%s stopping", name)
         await service.stop()
+        if lease is not None:
+            await lease.release()  # a standby takes over now, not after the lease's TTL
     finally:
+        if holding is not None:
+            holding.cancel()
         link.closing = True
         closed.cancel()
         stopped.cancel()
@@ -136,10 +162,14 @@ def service_main(
     make: Callable[[ZMLConfig, argparse.Namespace], Service],
     *,
     no_echo: bool = False,
+    lease_ttl: Callable[[ZMLConfig], float] | None = None,
 ) -> int:
     """Load and validate config, build the service, run it until SIGTERM/SIGINT.
 
-    A bad config (or ``make`` raising ConfigError, e.g. a port in use) is one line and exit 2.
+    A bad config (or ``make`` raising ConfigError, e.g. a port in use) is one line and exit 2;
+    a connection closed for good exits 3; ``lease_ttl`` given and ``--ha`` on the command line:
+    one active replica at a time (lease TTL from the config), and a replica whose lease was taken
+    over exits 4.
     """
     setup_logging(name, fmt=getattr(args, "log_format", None))
     try:
@@ -152,14 +182,20 @@ def service_main(
         return 2
     setup_tracing(f"zml-{name}")
     install_uvloop()
+    if not getattr(args, "ha", False):
+        lease_ttl = None
     try:
         asyncio.run(run_service(service, args.nats_url or cfg.nats.url, f"zml-{name}", no_echo=no_echo,
                                 replicas=cfg.nats.replicas, alive_file=getattr(args, "alive_file", None),
-                                connect_options=options))
+                                lease_role=name if lease_ttl else None,
+                                lease_ttl_s=lease_ttl(cfg) if lease_ttl else 1.0, connect_options=options))
     except ConnectionClosed as exc:
         print(f"zml {name}: NATS connection closed for good ({exc}); exiting so that a supervisor "
               "restarts it", file=sys.stderr, flush=True)
         return 3
+    except LeaseLost:
+        print(f"zml {name}: another replica took over; exiting to restart as a standby", file=sys.stderr, flush=True)
+        return 4
     finally:
         if metrics is not None:
             metrics.close()

@@ -15,6 +15,7 @@ No other module writes a subject literal: services and the SDK import these name
     zml.warmup.serve               request-reply: load a model now (`zml serve`)
     KV bucket zml_registry         nodes added at run time (health service)
     KV bucket zml_nodes            node state written by health, watched by routers
+    KV bucket zml_leases           one key per role (health, warmup): which replica is active
     KV bucket zml_queue_claims     routers: create-only dispatch claims on queued requests
 """
 
@@ -69,6 +70,9 @@ NODES_BUCKET = "zml_nodes"
 COSTS_BUCKET = "zml_costs"
 #: JetStream KV bucket holding registered nodes added at run time (survives health restarts).
 REGISTRY_BUCKET = "zml_registry"
+#: JetStream KV bucket of leader leases: key = role ("health", "warmup"), value = the active
+#: replica's id, renewed with compare-and-set (zmlcore.lease).
+LEASES_BUCKET = "zml_leases"
 #: JetStream stream holding requests waiting for capacity (queue_on_saturation).
 QUEUE_STREAM = "ZML_QUEUE"
 QUEUE_SUBJECT_PREFIX = f"{PREFIX}.queue"

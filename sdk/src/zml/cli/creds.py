@@ -25,7 +25,9 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     r = verbs.add_parser("revoke", help="delete an identity; its connections are closed at once")
     r.add_argument("name")
     ls = verbs.add_parser("list", help="every identity with its role and public key")
-    for q in (i, r, ls):
+    init = verbs.add_parser("init", help="create the service and admin identities and nats.conf (what `zml up` "
+                                         "does first; compose runs it once)")
+    for q in (i, r, ls, init):
         q.add_argument("--data-dir", help="the `zml up` data folder (default ~/.local/share/zml)")
     p.set_defaults(func=run)
 
@@ -36,6 +38,11 @@ def run(args: argparse.Namespace) -> int:
     from zmlcore import natscreds
 
     data_dir = args.data_dir or str(natscreds.default_data_dir())
+    if args.verb == "init":
+        ids = natscreds.ensure_builtin(data_dir)
+        conf = natscreds.write_server_config(data_dir)
+        print(f"{len(ids)} identities in {data_dir}; nats-server config: {conf}")
+        return 0
     if args.verb == "list":
         for ident in natscreds.identities(data_dir):
             print(f"{ident.name:<20} {ident.role:<8} {ident.public_key}")

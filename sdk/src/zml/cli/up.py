@@ -42,6 +42,12 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     g.add_argument("--nats-port", type=int, default=4222, help="port of the embedded NATS (default 4222)")
     g.add_argument("--nats-url", help="use this NATS server (with JetStream) instead of starting one")
     p.add_argument("--routers", type=int, default=1, help="router replicas (default 1)")
+    p.add_argument("--standby", type=int, default=1, metavar="N",
+                   help="standby replicas of health and warmup beside the active one, which take over "
+                        "through a leader lease (default 1: two of each; 0: one of each)")
+    p.add_argument("--cluster", type=int, choices=(1, 3, 5), default=1, metavar="N",
+                   help="run a local N-server NATS cluster (3 or 5) with JetStream replicas = 3 for every "
+                        "bucket and stream, and point every service at all its servers (default 1: one server)")
     p.add_argument("--sim-port-base", type=int, metavar="N",
                    help="put the simulated nodes on ports N, N+1, ... (default: free ports for the demo fleet, "
                         "the endpoints of --config as written)")
@@ -51,7 +57,7 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
                    help="run NATS without authorization: anyone who reaches the port can read and inject anything")
     p.add_argument("--ready-timeout", type=float, default=90.0, help="seconds to wait for the first good request")
     p.add_argument("--metrics-port", type=int, metavar="N",
-                   help="Prometheus /metrics ports N, N+1, ...: health, warmup, then one per router (default: free "
+                   help="Prometheus /metrics ports N, N+1, ...: health and warmup (each replica), then one per router (default: free "
                         "ports, printed at start; 0: none). The gateway serves /metrics on its own port")
     p.add_argument("--log-format", choices=("text", "json"), default="text", help="children's log lines")
     p.add_argument("-v", "--verbose", action="store_true", help="echo every child's log")
@@ -78,7 +84,7 @@ def _probe(url: str, model: str) -> tuple[int, str]:
 def run(args: argparse.Namespace) -> int:
     from zmlcore.config import load_config
     from zmlcore.errors import ConfigError
-    from zmlcore.launch import endpoint_port, free_port, port_in_use, service_argv, spawn, start_nats, wait_port
+    from zmlcore.launch import ClusterPlan, endpoint_port, free_port, port_in_use, service_argv, spawn, start_nats, wait_port
     from zmlcore.natscreds import default_data_dir, ensure_builtin, running_server, write_server_config
     from zmlcore.supervise import Supervisor
     from zml.cli._simports import relocate
@@ -98,9 +104,11 @@ def run(args: argparse.Namespace) -> int:
     if not args.nats_url:
         wanted.append((args.host, args.nats_port, "NATS (--nats-port, or --nats-url to use a running server)"))
     wanted += [(*endpoint_port(n.endpoint), f"sim node {n.id} (endpoint in {config})") for n in sim_nodes]
+    standby = max(0, args.standby)
+    singletons = [f"{role}-{i + 1}" if standby else role for role in ("health", "warmup") for i in range(1 + standby)]
     metrics_ports: dict[str, int] = {}
     if args.metrics_port != 0:
-        names = ["health", "warmup", *(f"router-{i + 1}" for i in range(max(1, args.routers)))]
+        names = [*singletons, *(f"router-{i + 1}" for i in range(max(1, args.routers)))]
         if args.metrics_port is None:
             metrics_ports = {name: free_port(args.host) for name in names}
         else:
@@ -122,6 +130,7 @@ def run(args: argparse.Namespace) -> int:
     tmp = None
     v = args.verbose
     envs: dict[str, dict[str, str]] = {}  # per service: its identity (ZML_NATS_NKEY)
+    common: dict[str, str] = {}  # for every service
     data_dir = None
     try:
         if args.nats_url:
@@ -147,11 +156,23 @@ def run(args: argparse.Namespace) -> int:
                 envs = {name: {"ZML_NATS_NKEY": ident.seed_file} for name, ident in ids.items()}
             store = str(data_dir / "jetstream")
             # Restarted on the same port and store: services reconnect and re-watch.
-            sup.add("nats", lambda: start_nats(args.host, args.nats_port, store, echo=v, config=conf))
-            nats_url = f"nats://{args.host}:{args.nats_port}"
+            if args.cluster == 1:
+                sup.add("nats", lambda: start_nats(args.host, args.nats_port, store, echo=v, config=conf))
+                nats_url = f"nats://{args.host}:{args.nats_port}"
+            else:
+                plan = ClusterPlan.make(args.host, args.cluster, store, first_port=args.nats_port)
+                for i in range(args.cluster):
+                    member_conf = _member_config(conf, i)
+                    sup.add(f"nats-{i + 1}", lambda i=i, c=member_conf: plan.start(i, echo=v, config=c))
+                nats_url = plan.urls
+                common["ZML_NATS_REPLICAS"] = "3"
+                try:
+                    plan.wait_ready(60)
+                except RuntimeError as exc:
+                    return _fail(str(exc))
 
         def service(name: str, *argv: str) -> None:
-            env = envs.get(name.split("-")[0])  # router-2 runs as the router identity
+            env = {**common, **envs.get(name.split("-")[0], {})}  # router-2 runs as the router identity
             sup.add(name, lambda: spawn(name, list(argv), echo=v, env=env))
 
         if sim_nodes:
@@ -163,8 +184,9 @@ def run(args: argparse.Namespace) -> int:
                 out += ["--metrics-port", str(metrics_ports[name])]
             return out
 
-        service("health", *service_argv("health", config, nats_url, *extra("health")))
-        service("warmup", *service_argv("warmup", config, nats_url, *extra("warmup")))
+        ha = ["--ha"] if args.standby > 0 else []  # one active, the others standing by (leader lease)
+        for name in singletons:
+            service(name, *service_argv(name.split("-")[0], config, nats_url, *ha, *extra(name)))
         for i in range(max(1, args.routers)):
             name = f"router-{i + 1}"
             service(name, *service_argv("router", config, nats_url, "--router-id", name, *extra(name)))
@@ -213,6 +235,17 @@ def run(args: argparse.Namespace) -> int:
         if ports_dir is not None:
             ports_dir.cleanup()
         print("zml up: stopped", file=sys.stderr, flush=True)
+
+
+def _member_config(conf: str | None, i: int) -> str | None:
+    """Member ``i`` of a cluster shares the first server's config (authorization, TLS) but
+    needs a pid file of its own (`zml creds` reloads every member through them)."""
+    if conf is None or i == 0:
+        return conf
+    path = Path(conf).with_name(f"nats-{i + 1}.conf")
+    path.write_text(Path(conf).read_text().replace("nats.pid", f"nats-{i + 1}.pid"))
+    path.chmod(0o600)
+    return str(path)
 
 
 def _config_failure(sup: "Supervisor") -> int:

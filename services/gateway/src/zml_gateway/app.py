@@ -25,7 +25,7 @@ from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
-from zmlcore import subjects
+from zmlcore import subjects, tracing
 from zmlcore.config import ZMLConfig
 from zmlcore.costs import CostTable
 from zmlcore.errors import (
@@ -48,6 +48,7 @@ from zmlcore.natsauth import config_owner
 from zml_gateway.owners import InFlight
 from zmlcore.streamseq import SeqCheck
 from zml_gateway import metrics
+from zml_gateway import observe as gateway_tracing
 from zml_gateway.access import Access, Caller, RateLimited
 from zmlcore.validate import check_request_id, clip, decode_request, request_timeout_s
 from zml_gateway.models import model_list, model_object
@@ -252,6 +253,8 @@ class Gateway:
                 headers[subjects.H_DEFAULT_POLICY] = caller.record.default_policy
             if caller.record.label:
                 headers[subjects.H_LABEL] = caller.record.label
+        if tracing.ON:  # the router's span continues the gateway's
+            gateway_tracing.forward(headers)
         if not self.nc.is_connected:  # fail fast: buffered until the broker is back, it may be lost
             raise ZMLConnectionError("the gateway has lost its broker connection; retry", retry_after=1.0)
         owned = self.inflight.claim(caller.identity, request_id, headers)

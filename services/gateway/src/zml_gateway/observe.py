@@ -10,6 +10,10 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, Any
 
+from opentelemetry import trace
+from opentelemetry.trace import SpanKind, Status, StatusCode
+
+from zmlcore import subjects, tracing
 from zmlcore.errors import MethodNotAllowedError, ZMLError
 from zmlcore.metrics import CONTENT_TYPE, exposition
 from zml_gateway import metrics
@@ -50,7 +54,10 @@ class Observed:
             t0 = time.perf_counter()
             watch = _Watch(send)
             try:
-                await self.app(scope, receive, watch)
+                if tracing.ON:
+                    await self._traced(scope, receive, watch, path)
+                else:
+                    await self.app(scope, receive, watch)
             finally:
                 metrics.REQUESTS(route, _STATUS.get(watch.status, "0")).inc()
                 metrics.DURATION(route).observe(time.perf_counter() - t0)
@@ -70,3 +77,27 @@ class Observed:
                 await self.app._error(send, exc, scope)  # allow: GET on a 405
             return
         await self.app(scope, receive, send)
+
+    async def _traced(self, scope: "Scope", receive: "Receive", watch: _Watch, path: str) -> None:
+        """The request in a SERVER span that continues the caller's ``traceparent``."""
+        parent = tracing.extract_asgi(scope["headers"])
+        client = scope.get("client")
+        with tracing.tracer().start_as_current_span(
+                f"POST {path}", context=parent, kind=SpanKind.SERVER,
+                attributes={"http.request.method": "POST", "url.path": path, "http.route": path,
+                            "client.address": client[0] if client else ""}) as span:
+            await self.app(scope, receive, watch)
+            span.set_attribute("http.response.status_code", watch.status)
+            if watch.status >= 500:
+                span.set_status(Status(StatusCode.ERROR))
+                span.set_attribute("error.type", str(watch.status))
+
+
+def forward(headers: dict[str, str]) -> None:
+    """The NATS request to the routers carries the gateway span's ``traceparent``."""
+    span = trace.get_current_span()
+    if span.is_recording():
+        request_id = headers.get(subjects.H_REQUEST_ID)
+        if request_id:
+            span.set_attribute("zml.request_id", request_id)
+    tracing.inject(headers)

@@ -27,7 +27,12 @@ from zmlcore.metrics import (
     WAIT_BUCKETS,
     Children,
 )
-from zmlcore.policy import Decision
+from zmlcore import tracing
+from zmlcore.messages import RoutingInfo
+from zmlcore.policy import Decision, RouteRequest
+from zmlcore.telemetry import REQUEST_ID
+from zml_router import tracing as rtrace
+from zml_router.queue import H_ENQUEUED
 from zmlcore.queueinfo import queue_depths
 
 if TYPE_CHECKING:
@@ -95,31 +100,48 @@ class RouterMetrics(Collector):
         _VIEW.service = self
 
     # --- request path ----------------------------------------------------------------------
-    def decide(self, decide: Callable[..., Decision], *args: Any) -> Decision:
+    def decide(self, decide: Callable[..., Decision], rr: RouteRequest, *args: Any) -> Decision:
         t = time.perf_counter()
-        d = decide(*args)
+        d = decide(rr, *args)
         DECISION_TIME(d.policy).observe(time.perf_counter() - t)
         DECISIONS(d.policy, d.family, d.node_id).inc()
+        if tracing.ON:
+            rtrace.decided(d, rr)
         return d
+
+    def dispatching(self, headers: dict[str, str], info: RoutingInfo) -> None:
+        if tracing.ON:
+            rtrace.dispatching(headers, info.decision_id)
 
     def failover(self, node_id: str, cause: str) -> None:
         FAILOVERS(node_id, cause).inc()
+        if tracing.ON:
+            rtrace.failed(cause)
 
     def usage(self, op: str, model: str, raw: bytes) -> None:
         m = _PROMPT_TOKENS.search(raw)
-        if m:
-            TOKENS(OPERATION.get(op, op), model, "input").observe(int(m.group(1)))
+        p = int(m.group(1)) if m else None
+        if p is not None:
+            TOKENS(OPERATION.get(op, op), model, "input").observe(p)
         m = _COMPLETION_TOKENS.search(raw)
-        if m:
-            TOKENS(OPERATION.get(op, op), model, "output").observe(int(m.group(1)))
+        c = int(m.group(1)) if m else None
+        if c is not None:
+            TOKENS(OPERATION.get(op, op), model, "output").observe(c)
+        if tracing.ON:
+            rtrace.usage(p, c)
 
     def usage_dict(self, op: str, model: str, usage: dict[str, Any]) -> None:
         for key, kind in (("prompt_tokens", "input"), ("completion_tokens", "output")):
             n = usage.get(key)
             if isinstance(n, int):
                 TOKENS(OPERATION.get(op, op), model, kind).observe(n)
+        if tracing.ON:
+            p, c = usage.get("prompt_tokens"), usage.get("completion_tokens")
+            rtrace.usage(p if isinstance(p, int) else None, c if isinstance(c, int) else None)
 
     def finished(self, out: "_Outcome", elapsed: float) -> None:
+        if tracing.ON:
+            rtrace.finished(out, REQUEST_ID.get())
         if out.queued:
             return  # counted when served (or expired)
         info = out.info
@@ -133,11 +155,21 @@ class RouterMetrics(Collector):
             if out.attempts > 1:
                 RETRIES(out.node_id).inc()
 
-    def enqueued(self, model: str) -> None:
+    def enqueued(self, model: str, headers: dict[str, str]) -> None:
+        """Before the request goes into the queue: its trace context goes with it."""
         QUEUED(model).inc()
+        if tracing.ON:
+            tracing.inject(headers)
 
-    def waited(self, model: str, seconds: float) -> None:
-        QUEUE_WAIT(model).observe(max(0.0, seconds))
+    def waited(self, model: str, headers: dict[str, str]) -> None:
+        now = time.time()
+        try:
+            enqueued = float(headers.get(H_ENQUEUED, now))
+        except ValueError:
+            enqueued = now
+        QUEUE_WAIT(model).observe(max(0.0, now - enqueued))
+        if tracing.ON:
+            rtrace.queue_waited(headers, enqueued, now)
 
     def expired(self, data: bytes) -> None:
         try:

@@ -49,7 +49,9 @@ H_REPLY = "Zml-Reply"
 H_DEADLINE = "Zml-Deadline"  # unix seconds: when a queued request expires with QUEUE_FULL
 H_ENQUEUED = "Zml-Enqueued"
 H_TOTAL_MS = "Zml-Total-Timeout-Ms"  # a re-queued request's original timeout
-H_QUEUED_HEADERS = (subjects.H_REQUEST_ID, subjects.H_TIMEOUT_MS, subjects.H_OWNER)
+#: Headers a queued request keeps: its id, timeout and owner, and its W3C trace context (the
+#: spans of the router that serves it join the trace that queued it).
+H_QUEUED_HEADERS = (subjects.H_REQUEST_ID, subjects.H_TIMEOUT_MS, subjects.H_OWNER, "traceparent", "tracestate")
 
 ACK_WAIT_S = 5.0
 #: Queued entries live at most this long (the stream's max_age), and so do their claims.

@@ -12,6 +12,7 @@ import logging
 import os
 import re
 import time
+from collections.abc import Coroutine
 from typing import Any
 
 import msgspec
@@ -19,7 +20,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from zmlcore import subjects
+from zmlcore import subjects, tracing
 from zmlcore.config import ZMLConfig
 from zmlcore.errors import (
     BackendError,
@@ -58,6 +59,7 @@ from zmlcore.policy import (
 )
 from zmlcore.policy.resolve import builtin_policy
 from zml_router.cancels import CancelBook
+from zml_router import tracing as rtrace
 from zml_router.metrics import RouterMetrics
 from zml_router.cooldowns import Marks
 from zml_router.dispatch import (
@@ -127,6 +129,8 @@ class _Outcome:
 
 
 _EVENT_COMPLETED = subjects.event(subjects.EVENT_COMPLETED)
+#: Bytes of a NATS message left for our reply headers.
+REPLY_HEADROOM = 4096
 
 
 def _new_id() -> str:
@@ -216,7 +220,7 @@ class RouterService:
     # --- subscriptions ---------------------------------------------------------------------
     async def _on_request(self, msg: Msg) -> None:
         # nats-py runs a subscription's callbacks one after another: hand off at once.
-        task = asyncio.create_task(self._handle(msg))
+        task = asyncio.create_task(self._enter(msg))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -292,6 +296,10 @@ class RouterService:
         await msg.respond(_encode({"router_id": self.router_id, "in_flight": len(self._by_request), "nodes": nodes}))
 
     # --- the request path ------------------------------------------------------------------
+    def _enter(self, msg: Msg | QueuedMsg) -> Coroutine[Any, Any, None]:
+        """The request path; inside a server span when tracing is on (zml_router.tracing)."""
+        return rtrace.handle(self, msg) if tracing.ON else self._handle(msg)
+
     async def _handle(self, msg: Msg | QueuedMsg) -> None:
         t0 = time.monotonic()
         headers = msg.headers or {}
@@ -548,8 +556,8 @@ class RouterService:
             deadline = float(msg.headers.get(H_DEADLINE, deadline))
             headers[H_ENQUEUED] = msg.headers.get(H_ENQUEUED, f"{now:.3f}")
             headers[subjects.H_TIMEOUT_MS] = msg.headers.get(H_TOTAL_MS, headers[subjects.H_TIMEOUT_MS])
+        self.metrics.enqueued(model, headers)
         await self.queue.enqueue(model, msg.data, msg.reply, headers, deadline)
-        self.metrics.enqueued(model)
         log.info("request %s queued for %s (up to %.0f ms)", request_id, model, wait_s * 1000)
 
     def _room_for_queued(self, qmsg: QueuedMsg) -> bool:
@@ -558,7 +566,7 @@ class RouterService:
             req = infer_request_decoder.decode(qmsg.data)
             model, policy, rr = self._prepare(req, qmsg.data)
             self._decide(rr, policy)
-            self.metrics.waited(model, time.time() - float(qmsg.headers.get(H_ENQUEUED, time.time())))
+            self.metrics.waited(model, qmsg.headers)
         except QueueFullError:
             return False
         except (ZMLError, msgspec.DecodeError, msgspec.ValidationError):
@@ -576,7 +584,7 @@ class RouterService:
         # immediate overload answer hands it back here. Its claim (queue.py) keeps a replica
         # that gets it redelivered after we die from running it a second time.
         placed: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        task = asyncio.create_task(self._handle(QueuedMsg(qmsg.subject, qmsg.data, qmsg.reply, headers, placed)))
+        task = asyncio.create_task(self._enter(QueuedMsg(qmsg.subject, qmsg.data, qmsg.reply, headers, placed)))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         await asyncio.wait([placed, task], timeout=PLACEMENT_WAIT_S, return_when=asyncio.FIRST_COMPLETED)
@@ -648,6 +656,7 @@ class RouterService:
         key = self._api_keys.get(info.node_id)
         if key:
             h["authorization"] = f"Bearer {key}"
+        self.metrics.dispatching(h, info)  # traceparent of the attempt span, when tracing
         return h
 
     def _url(self, info: RoutingInfo, req: InferRequest) -> str:
@@ -679,7 +688,14 @@ class RouterService:
         self.metrics.usage(req.kind(), req.model, raw)
         if rename is not None:
             raw = rename(raw)
-        await self._publish(msg.reply, _with_routing(raw, info), self._routing_headers(info))
+        reply = _with_routing(raw, info)
+        if self.nc is not None and len(reply) + REPLY_HEADROOM > self.nc.max_payload:
+            # NATS would refuse it (and the caller would see only a timeout or an INTERNAL).
+            raise BadRequestError(
+                f"the reply ({len(reply)} bytes) is larger than the message bus carries ({self.nc.max_payload} "
+                "bytes, NATS max_payload): ask for less per request (fewer embeddings inputs, "
+                "encoding_format=base64, a smaller max_tokens)")
+        await self._publish(msg.reply, reply, self._routing_headers(info))
 
     async def _dispatch_stream(self, msg: Msg | QueuedMsg, req: InferRequest, body: bytes, info: RoutingInfo, t0: float,
                                first_byte: float | None = None, rename: Renamer | None = None) -> None:

@@ -115,6 +115,7 @@ class SimNode:
         if engine not in ENGINES:
             raise ValueError(f"unknown engine {engine!r} (one of {', '.join(ENGINES)})")
         self.node_id = node_id
+        self.last_traceparent = ""
         self.accelerator = accelerator
         self.engine_kind = engine
         self.initial_models = list(models)
@@ -345,9 +346,11 @@ class SimNode:
     # ----- inference ---------------------------------------------------------------------------
 
     async def _chat(self, request: web.Request) -> web.StreamResponse:
+        self.last_traceparent = request.headers.get("traceparent", "")[:100]
         return await self._generate(request, chat=True)
 
     async def _completions(self, request: web.Request) -> web.StreamResponse:
+        self.last_traceparent = request.headers.get("traceparent", "")[:100]
         return await self._generate(request, chat=False)
 
     def _parse(self, raw: bytes, chat: bool) -> dict[str, Any]:
@@ -654,6 +657,9 @@ class SimNode:
             "engine": self.engine_kind,
             "url": self.url,
             "listening": self.listening,
+            # The W3C trace context of the last inference request (a real engine with
+            # OpenTelemetry would continue that trace).
+            "last_traceparent": self.last_traceparent,
             "time_scale": eng.time_scale,
             "seed": eng.seed,
             "models": list(eng.models),

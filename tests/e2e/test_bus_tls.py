@@ -1,0 +1,153 @@
+"""TLS is a configuration switch: NATS with mutual TLS (and identities) and an HTTPS gateway,
+with a CA and certificates this test makes itself (the ``cryptography`` package).
+
+The whole stack runs over it: health, router and gateway verify the server and present client
+certificates (ZML_NATS_TLS_CA/CERT/KEY), the gateway serves HTTPS (ZML_GATEWAY_TLS_CERT/KEY);
+a client without a certificate, with one from another CA, or without TLS is refused.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import ssl
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import nats
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
+
+from conftest import MODEL, SecureBus, Stack, launch_stack, start_secure_bus
+from zmlcore.config import NatsConfig
+from zmlcore.natsauth import connect_options
+
+
+@dataclass
+class Pki:
+    ca: str
+    server_cert: str
+    server_key: str
+    client_cert: str
+    client_key: str
+    rogue_cert: str  # a client certificate from another CA
+    rogue_key: str
+
+
+def _name(cn: str) -> x509.Name:
+    return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
+
+
+def _issue(folder: Path, stem: str, cn: str, issuer: tuple[x509.Certificate, ec.EllipticCurvePrivateKey] | None,
+           *, ca: bool = False, server: bool = False) -> tuple[x509.Certificate, ec.EllipticCurvePrivateKey]:
+    key = ec.generate_private_key(ec.SECP256R1())
+    now = datetime.datetime.now(datetime.timezone.utc)
+    builder = (x509.CertificateBuilder().subject_name(_name(cn))
+               .issuer_name(issuer[0].subject if issuer else _name(cn))
+               .public_key(key.public_key()).serial_number(x509.random_serial_number())
+               .not_valid_before(now - datetime.timedelta(minutes=5)).not_valid_after(now + datetime.timedelta(days=1))
+               .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    if ca:
+        builder = builder.add_extension(x509.KeyUsage(digital_signature=True, key_cert_sign=True, crl_sign=True,
+                                                      content_commitment=False, key_encipherment=False,
+                                                      data_encipherment=False, key_agreement=False,
+                                                      encipher_only=False, decipher_only=False), critical=True)
+    else:
+        usage = ExtendedKeyUsageOID.SERVER_AUTH if server else ExtendedKeyUsageOID.CLIENT_AUTH
+        builder = builder.add_extension(x509.ExtendedKeyUsage([usage]), critical=False)
+    if server:
+        builder = builder.add_extension(x509.SubjectAlternativeName(
+            [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
+    cert = builder.sign(issuer[1] if issuer else key, hashes.SHA256())
+    (folder / f"{stem}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    (folder / f"{stem}.key").write_bytes(key.private_bytes(serialization.Encoding.PEM,
+                                                           serialization.PrivateFormat.PKCS8,
+                                                           serialization.NoEncryption()))
+    (folder / f"{stem}.key").chmod(0o600)
+    return cert, key
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    d = tmp_path_factory.mktemp("pki")
+    ca = _issue(d, "ca", "zml test CA", None, ca=True)
+    _issue(d, "server", "localhost", ca, server=True)
+    _issue(d, "client", "zml service", ca)
+    rogue_ca = _issue(d, "rogue-ca", "someone else's CA", None, ca=True)
+    _issue(d, "rogue", "intruder", rogue_ca)
+    return Pki(*(str(d / n) for n in ("ca.pem", "server.pem", "server.key", "client.pem", "client.key",
+                                      "rogue.pem", "rogue.key")))
+
+
+@pytest.fixture(scope="module")
+def tls_bus(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureBus]:
+    bus = start_secure_bus(tmp_path_factory.mktemp("tls-nats"), tls_cert=pki.server_cert, tls_key=pki.server_key,
+                           tls_ca=pki.ca, verify_clients=True)
+    try:
+        yield bus
+    finally:
+        bus.proc.stop()
+
+
+@pytest.fixture(scope="module")
+def tls_stack(tls_bus: SecureBus, pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    env = {"ZML_NATS_TLS_CA": pki.ca, "ZML_NATS_TLS_CERT": pki.client_cert, "ZML_NATS_TLS_KEY": pki.client_key,
+           "ZML_GATEWAY_TLS_CERT": pki.server_cert, "ZML_GATEWAY_TLS_KEY": pki.server_key}
+    s = launch_stack(tls_bus.url, tmp_path_factory.mktemp("tls-stack"), fleet=[("h100-1", "nvidia_h100", [MODEL])],
+                     routers=1, identities=tls_bus.seeds, env=env, https_verify=_trust(pki))
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def test_the_stack_runs_over_mutual_tls_and_serves_https(tls_stack: Stack, pki: Pki) -> None:
+    assert tls_stack.gateway_url.startswith("https://")
+    r = httpx.post(tls_stack.gateway_url + "/v1/chat/completions", verify=_trust(pki), timeout=30,
+                   json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})
+    assert r.status_code == 200, r.text
+    assert r.json()["zml"]["node_id"] == "h100-1"
+    with pytest.raises(httpx.TransportError):  # plain HTTP is not served
+        httpx.get(tls_stack.gateway_url.replace("https://", "http://") + "/healthz", timeout=5)
+
+
+def _trust(pki: Pki) -> ssl.SSLContext:
+    return ssl.create_default_context(cafile=pki.ca)
+
+
+def _tls(pki: Pki, cert: str | None, key: str | None) -> NatsConfig:
+    return NatsConfig(tls_ca_file=pki.ca, tls_cert_file=cert, tls_key_file=key)
+
+
+async def test_nats_client_with_identity_and_certificate_connects(tls_stack: Stack, tls_bus: SecureBus,
+                                                                  pki: Pki) -> None:
+    tls_bus.issue("tls-client")
+    opts = connect_options(_tls(pki, pki.client_cert, pki.client_key), seed_file=tls_bus.seeds["tls-client"])
+    nc = await nats.connect(tls_bus.url, allow_reconnect=False, connect_timeout=5, **opts)
+    try:
+        reply = await nc.request("zml.infer", b'{"model": "%s", "prompt": "hi", "max_tokens": 2}' % MODEL.encode(),
+                                 timeout=30)
+        assert "Zml-Error-Code" not in (reply.headers or {}), reply.data
+    finally:
+        await nc.close()
+
+
+@pytest.mark.parametrize("case", ["no client certificate", "certificate from another CA", "no TLS at all"])
+async def test_nats_refuses_clients_without_a_good_certificate(tls_stack: Stack, tls_bus: SecureBus, pki: Pki,
+                                                               case: str) -> None:
+    seed = tls_bus.seeds["gateway"]  # even a valid identity is not enough
+    if case == "no client certificate":
+        opts = connect_options(_tls(pki, None, None), seed_file=seed)
+    elif case == "certificate from another CA":
+        opts = connect_options(_tls(pki, pki.rogue_cert, pki.rogue_key), seed_file=seed)
+    else:
+        opts = connect_options(NatsConfig(), seed_file=seed)
+    with pytest.raises(Exception) as ei:
+        nc = await nats.connect(tls_bus.url, allow_reconnect=False, connect_timeout=5, **opts)
+        await nc.close()
+    assert isinstance(ei.value, (ssl.SSLError, nats.errors.Error, OSError, TimeoutError)), repr(ei.value)

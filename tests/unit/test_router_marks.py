@@ -1,0 +1,74 @@
+"""Pure pieces of issue 8's router work: shared marks, the first-byte deadline, stream
+sequence checks."""
+
+from __future__ import annotations
+
+from zmlcore.messages import NodeMark, NodeState, node_mark_decoder
+from zmlcore.streamseq import SeqCheck
+from zml_router.cooldowns import Marks
+from zml_router.firstbyte import expected_s, first_byte_timeout
+from zml_router.table import NodeTable
+
+
+def _table(*ids: str) -> NodeTable:
+    t = NodeTable()
+    for i in ids:
+        t.upsert(NodeState(node_id=i, accelerator_type="nvidia_h100", family="H100", endpoint="http://x",
+                           status="up", models=["m"]))
+    return t
+
+
+def test_own_mark_applies_locally_and_is_published_for_peers() -> None:
+    t = _table("n1")
+    mark = Marks(t, "r1").mark("n1", "cooldown", 30.0, "slow", now=100.0)
+    assert mark is not None and t.views["n1"].cooldown_until == 130.0
+    assert node_mark_decoder.decode(b'{"router_id":"r1","node_id":"n1","kind":"cooldown","for_s":30.0}') == \
+        NodeMark(router_id="r1", node_id="n1", kind="cooldown", for_s=30.0)
+
+
+def test_peer_marks_extend_never_shorten_and_own_echoes_are_ignored() -> None:
+    t = _table("n1")
+    m = Marks(t, "r2")
+    assert m.apply_peer(NodeMark(router_id="r1", node_id="n1", kind="cooldown", for_s=30, reason="server"), 100.0)
+    assert t.views["n1"].cooldown_until == 130.0
+    assert m.describe("n1", 110.0) == {"cooldown_reason": "server", "cooldown_by": "r1"}
+    assert not m.apply_peer(NodeMark(router_id="r3", node_id="n1", kind="cooldown", for_s=5), 100.0)
+    assert t.views["n1"].cooldown_until == 130.0
+    assert not m.apply_peer(NodeMark(router_id="r2", node_id="n1", kind="cooldown", for_s=60), 100.0)
+    assert m.apply_peer(NodeMark(router_id="r1", node_id="n1", kind="saturated", for_s=2), 100.0)
+    assert t.views["n1"].saturated_until == 102.0
+
+
+def test_hostile_marks_are_bounded_or_ignored() -> None:
+    t = _table("n1")
+    m = Marks(t, "r2")
+    assert m.apply_peer(NodeMark(router_id="x", node_id="n1", kind="cooldown", for_s=1e12), 0.0)
+    assert t.views["n1"].cooldown_until == 3600.0  # an hour at most
+    assert not m.apply_peer(NodeMark(router_id="x", node_id="nope", kind="cooldown", for_s=5), 0.0)
+    assert not m.apply_peer(NodeMark(router_id="x", node_id="n1", kind="cooldown", for_s=-5), 0.0)
+
+
+def test_first_byte_deadline_grows_with_the_work_and_keeps_its_floor() -> None:
+    st = NodeState(node_id="n", accelerator_type="nvidia_h100", family="H100", endpoint="")
+    idle = expected_s(st, 0, 0, 100, 512, stream=True)
+    assert first_byte_timeout(idle, 5.0, 4.0) == 5.0
+    busy = expected_s(st, 200, 100, 100, 512, stream=True)  # a prefill backlog and full slots
+    assert busy > idle and first_byte_timeout(busy, 5.0, 4.0) == 4.0 * busy
+    whole = expected_s(st, 0, 0, 100, 512, stream=False)  # a non-streamed reply comes at the end
+    assert whole > idle + 512 / 100
+    assert first_byte_timeout(whole, 5.0, 0.0) == 5.0  # factor 0: a fixed timeout
+
+
+def test_seq_check_reports_losses_duplicates_and_garbage() -> None:
+    c = SeqCheck()
+    assert [c.gap(s) for s in ("0", "1", None, "2")] == [None, None, None, None]
+    assert c.gap("5") == "stream message 3-4 was lost (next one received: 5)"
+    assert "out of order" in _dup()
+    assert "invalid" in (SeqCheck().gap("x" * 100) or "")
+
+
+def _dup() -> str:
+    c = SeqCheck()
+    c.gap("0")
+    c.gap("1")
+    return c.gap("1") or ""
