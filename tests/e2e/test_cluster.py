@@ -58,7 +58,7 @@ def test_kill_one_server_of_three_under_load(tmp_path: Path, monkeypatch: pytest
             servers[0].popen.wait(10)
             killed = time.monotonic()
             ages: list[tuple[float, float]] = []  # (since the kill, oldest state in any router)
-            while time.monotonic() - killed < 8.0:
+            while time.monotonic() - killed < 14.0:
                 a = asyncio.run(router_ages(plan.urls, ["router-1", "router-2"]))
                 ages.append((time.monotonic() - killed, max(a.values())))
                 time.sleep(0.2)
@@ -76,7 +76,8 @@ def test_kill_one_server_of_three_under_load(tmp_path: Path, monkeypatch: pytest
         assert first_ok < 2.0, first_ok
         assert late and not late_failed, late_failed[:5]
         # The KV stream's leader may have been on the dead server: puts pause for its election
-        # (a few seconds), but node state never gets near stale and is fresh again after.
+        # (nats-server's RAFT election timeout is 4-9 s), but node state never gets stale (the
+        # routers' stale_after_s is 15 s) and is fresh again after.
         assert worst < 15.0 and fresh_again is not None, ages
         assert all(p.alive() for p in stack.procs.values())
     finally:

@@ -77,7 +77,8 @@ class AsyncNatsTransport:
 
             try:
                 self._nc = await nats.connect(
-                    servers=[self.url],
+                    # one URL or several (the servers of one cluster), comma-separated
+                    servers=[u.strip() for u in self.url.split(",") if u.strip()],
                     connect_timeout=self.connect_timeout,
                     max_reconnect_attempts=3,
                     reconnect_time_wait=0.2,

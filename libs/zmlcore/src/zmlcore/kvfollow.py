@@ -19,6 +19,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from typing import Any
 
 from nats.aio.client import Client as NATS
 from nats.js.errors import NotFoundError
@@ -85,7 +86,7 @@ class KVFollower:
                 reason = await self._consume(watcher, kv, gen)
             finally:
                 try:
-                    await watcher.stop()
+                    await watcher.stop()  # type: ignore[no-untyped-call]
                 except Exception:  # connection gone: nothing to unsubscribe
                     pass
             log.info("re-watching %s: %s", self.bucket, reason)
@@ -95,7 +96,7 @@ class KVFollower:
         link = link_of(self.nc)
         seen: set[str] | None = set()  # keys of the snapshot being read; None once it is done
         reconnect = asyncio.ensure_future(link.reconnected(gen))
-        nxt: asyncio.Future[object] | None = None
+        nxt: asyncio.Future[Any] | None = None
         last_check = time.monotonic()
         try:
             while True:
@@ -109,9 +110,11 @@ class KVFollower:
                     if isinstance(entry, KeyValue.Entry):
                         self._apply(entry, seen)
                         if seen is not None and entry.delta == 0:
-                            seen = self._synced(seen)
+                            self._synced(seen)
+                            seen = None
                     elif entry is None and seen is not None:  # end of the initial snapshot
-                        seen = self._synced(seen)
+                        self._synced(seen)
+                        seen = None
                     elif entry is not None:  # stopped under us
                         return "watch stopped"
                     if time.monotonic() - last_check < self.check_s:
@@ -148,7 +151,6 @@ class KVFollower:
         self.ready.set()
         if self.on_synced is not None:
             self.on_synced()
-        return None
 
     async def _alive(self, watcher: KeyValue.KeyWatcher) -> bool:
         """False if the watch's consumer is gone, or two checks in a row got no answer (its
@@ -156,6 +158,8 @@ class KVFollower:
         if not self.nc.is_connected:
             return True  # the reconnect will re-create it
         sub = watcher._sub
+        if sub is None:
+            return False
         try:
             await sub._js._jsm.consumer_info(sub._stream, sub._consumer, timeout=self.check_s)
         except NotFoundError:

@@ -64,7 +64,7 @@ async def serve(model: str, *, nodes: list[str], family: list[str], nats_url: st
     t0 = time.monotonic()
     from zmlcore.natsauth import cli_options
 
-    nc = await nats.connect(nats_url, connect_timeout=3, max_reconnect_attempts=0, **cli_options(config))
+    nc = await nats.connect(servers=[u.strip() for u in nats_url.split(",") if u.strip()], connect_timeout=3, max_reconnect_attempts=0, **cli_options(config))
     try:
         req = ServeRequest(model=model, nodes=nodes, family=family)
         try:

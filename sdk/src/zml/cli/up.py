@@ -26,6 +26,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from zmlcore.launch import Proc
     from zmlcore.supervise import Supervisor
 
 
@@ -161,9 +164,12 @@ def run(args: argparse.Namespace) -> int:
                 nats_url = f"nats://{args.host}:{args.nats_port}"
             else:
                 plan = ClusterPlan.make(args.host, args.cluster, store, first_port=args.nats_port)
-                for i in range(args.cluster):
+                def member(i: int) -> Callable[[], Proc]:
                     member_conf = _member_config(conf, i)
-                    sup.add(f"nats-{i + 1}", lambda i=i, c=member_conf: plan.start(i, echo=v, config=c))
+                    return lambda: plan.start(i, echo=v, config=member_conf)
+
+                for i in range(args.cluster):
+                    sup.add(f"nats-{i + 1}", member(i))
                 nats_url = plan.urls
                 common["ZML_NATS_REPLICAS"] = "3"
                 try:

@@ -75,7 +75,9 @@ def _sync(nats_url: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
     async def run() -> Any:
         import nats
 
-        nc = await nats.connect(nats_url, connect_timeout=kwargs.pop("connect_timeout", 2.0),
+        from zmlcore.link import split_urls
+
+        nc = await nats.connect(servers=split_urls(nats_url), connect_timeout=kwargs.pop("connect_timeout", 2.0),
                                 max_reconnect_attempts=0, **(kwargs.pop("connect_options", None) or {}))
         try:
             return await fn(nc, *args, **kwargs)
