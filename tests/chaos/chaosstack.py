@@ -166,6 +166,8 @@ class ChaosStack:
             extra = ["--router-id", name]
         elif kind == "gateway":
             extra = ["--port", str(self.gateway_ports[int(name.split("-")[1]) - 1])]
+        elif kind in ("health", "warmup") and getattr(self, kind) > 1:
+            extra = ["--ha"]  # several replicas: one active, holding the leader lease (zml_leases)
         return service_argv(kind, self.config_path, self.nats_url, *extra)
 
     def _spawn(self, name: str) -> Proc:
