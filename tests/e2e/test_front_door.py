@@ -187,3 +187,31 @@ async def test_concurrency_limit(strict: tuple[str, object]) -> None:
 def test_no_tracebacks_in_the_services(zml_stack: Stack) -> None:
     for name, proc in zml_stack.procs.items():
         assert "Traceback" not in proc.tail(2000), f"{name}:\n{proc.tail(60)}"
+
+
+async def test_500_slow_loris_connections_while_normal_clients_are_served(strict: tuple[str, object]) -> None:
+    """500 connections trickling their headers: normal clients keep being served, and each slow
+    connection is cut off with 408 once header_timeout_s has passed."""
+    url, _ = strict
+    port = int(url.rsplit(":", 1)[1])
+    writers: list[asyncio.StreamWriter] = []
+    answers: list[asyncio.Task[bytes]] = []  # read at once: the 408 comes before our next write fails
+    for _ in range(500):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+        answers.append(asyncio.ensure_future(reader.read(200)))
+        writers.append(writer)
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=30) as c:
+            for i in range(6):  # keep trickling while normal requests are served
+                for w, answer in zip(writers, answers):
+                    if not answer.done() and not w.is_closing():
+                        w.write(b"X-Slow-%d: a\r\n" % i)
+                r = await c.post("/v1/chat/completions", json=OK)
+                assert r.status_code == 200, r.text
+                await asyncio.sleep(0.3)
+        got = await asyncio.wait_for(asyncio.gather(*answers, return_exceptions=True), 60)
+        assert sum(isinstance(a, bytes) and a.startswith(b"HTTP/1.1 408") for a in got) == 500, got[:3]
+    finally:
+        for w in writers:
+            w.close()

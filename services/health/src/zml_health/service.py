@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 import msgspec
+import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
@@ -193,6 +194,9 @@ class HealthService:
                 await self.poll_once(node)
             except asyncio.CancelledError:
                 raise
+            except (nats.errors.TimeoutError, asyncio.TimeoutError) as exc:
+                # A slow broker (or a starved box) is not a bug: no traceback, the next poll retries.
+                log.warning("poll of %s: NATS timed out (%s); retrying at the next poll", node.id, type(exc).__name__)
             except Exception:
                 log.exception("poll of %s failed", node.id)
             await asyncio.sleep(hc.poll_interval_s * random.uniform(1 - hc.jitter, 1 + hc.jitter))

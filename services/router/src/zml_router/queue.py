@@ -228,8 +228,9 @@ class SaturationQueue:
             # restarted without its store (or a lost cluster server) no longer has it.
             gen = link.generation
             try:
-                if gen:
+                if gen:  # a broker that lost its store lost the claims bucket too
                     await self._ensure_stream()
+                    self.claims = await self._claims_bucket()
                 psub = await self.js.pull_subscribe(subjects.queue(key), durable=durable,
                                                     stream=subjects.QUEUE_STREAM, config=config)
             except asyncio.CancelledError:

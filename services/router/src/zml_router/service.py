@@ -46,6 +46,7 @@ from zmlcore.messages import (
 )
 from zmlcore.kvfollow import KVFollower
 from zmlcore.runner import cancel_and_wait
+from zmlcore.bigreply import maybe_stash
 from zmlcore.telemetry import DECISION_ID, REQUEST_ID
 from zmlcore.validate import check_request_id, decode_request, request_timeout_s
 from zmlcore.policy import (
@@ -129,8 +130,6 @@ class _Outcome:
 
 
 _EVENT_COMPLETED = subjects.event(subjects.EVENT_COMPLETED)
-#: Bytes of a NATS message left for our reply headers.
-REPLY_HEADROOM = 4096
 
 
 def _new_id() -> str:
@@ -688,14 +687,11 @@ class RouterService:
         self.metrics.usage(req.kind(), req.model, raw)
         if rename is not None:
             raw = rename(raw)
-        reply = _with_routing(raw, info)
-        if self.nc is not None and len(reply) + REPLY_HEADROOM > self.nc.max_payload:
-            # NATS would refuse it (and the caller would see only a timeout or an INTERNAL).
-            raise BadRequestError(
-                f"the reply ({len(reply)} bytes) is larger than the message bus carries ({self.nc.max_payload} "
-                "bytes, NATS max_payload): ask for less per request (fewer embeddings inputs, "
-                "encoding_format=base64, a smaller max_tokens)")
-        await self._publish(msg.reply, reply, self._routing_headers(info))
+        # Over max_payload, the body goes through the object store instead of being lost (or
+        # refused after the node did the work).
+        data, headers = await maybe_stash(self.nc, f"{info.request_id}-{info.decision_id}",  # type: ignore[arg-type]
+                                          _with_routing(raw, info), self._routing_headers(info))
+        await self._publish(msg.reply, data, headers)
 
     async def _dispatch_stream(self, msg: Msg | QueuedMsg, req: InferRequest, body: bytes, info: RoutingInfo, t0: float,
                                first_byte: float | None = None, rename: Renamer | None = None) -> None:
