@@ -56,6 +56,8 @@ def exported_names(stack: Stack) -> set[str]:
     port = next(p for n, p in stack.metrics_ports.items() if n.startswith("router"))
     text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
     names.update(m.group(1) for m in re.finditer(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)[{ ]", text, re.M))
+    # Families declared at scrape time whose samples may not exist yet (an empty queue).
+    names.update(m.group(1) for m in re.finditer(r"^# TYPE (\S+) gauge$", text, re.M))
     return names
 
 

@@ -107,7 +107,9 @@ def traced(own_nats: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)  # the services started below inherit it (spawn copies os.environ)
     try:
-        stack = launch_stack(own_nats, tmp_path_factory.mktemp("traced"), fleet=FLEET2, routers=1)
+        stack = launch_stack(own_nats, tmp_path_factory.mktemp("traced"), fleet=FLEET2, routers=1,
+                             extra='[policies.queued]\naccelerator_chain = ["H100", "A100"]\n'
+                                   'queue_on_saturation = true\nmax_queue_ms = 20000\n')
     finally:
         for k, v in saved.items():
             if v is None:
@@ -217,21 +219,24 @@ def test_raw_nats_traceparent_is_continued(traced: tuple[Stack, Receiver]) -> No
     no_prompt(spans)
 
 
-def test_the_sdk_sends_the_callers_context_over_nats(traced: tuple[Stack, Receiver],
-                                                     caller: tuple[Any, InMemorySpanExporter]) -> None:
+@pytest.mark.parametrize("transport", ["nats", "http"])
+def test_the_sdk_sends_the_callers_context(traced: tuple[Stack, Receiver],
+                                           caller: tuple[Any, InMemorySpanExporter], transport: str) -> None:
     import zml
 
     stack, receiver = traced
     tracer, exporter = caller
+    endpoint = stack.nats_url if transport == "nats" else stack.gateway_url
     with tracer.start_as_current_span("app.sdk") as app_span:
-        with zml.Client(stack.nats_url, timeout=20, max_retries=0) as client:
+        with zml.Client(endpoint, timeout=20, max_retries=0) as client:
             result = client.infer(MODEL, prompt=PROMPT, max_tokens=3)
             assert result.text
     ctx = app_span.get_span_context()
     assert any(s.context.span_id == ctx.span_id for s in exporter.get_finished_spans())
-    spans = receiver.trace(format_trace_id(ctx.trace_id), want=2)
+    spans = receiver.trace(format_trace_id(ctx.trace_id), want=2 if transport == "nats" else 3)
     rt = by(spans, "zml-router", "SERVER")
-    assert len(rt) == 1 and rt[0]["parent"] == format_span_id(ctx.span_id)
+    first = by(spans, "zml-gateway", "SERVER")[0] if transport == "http" else rt[0]
+    assert len(rt) == 1 and first["parent"] == format_span_id(ctx.span_id)
     assert rt[0]["attrs"]["gen_ai.operation.name"] == "text_completion"
     no_prompt(spans)
 
@@ -279,3 +284,41 @@ def test_a_failover_is_a_failed_attempt_span_and_logs_carry_the_ids(traced: tupl
     assert line["trace_id"] == trace_id and line["request_id"] == zml_meta["request_id"]
     assert line["decision_id"] and line["service"] == "zml-router" and line["level"] in ("info", "warning")
     assert all(PROMPT not in raw for p in stack.procs.values() for raw in list(p.lines))
+
+
+def test_the_saturation_queue_wait_is_a_span_of_the_same_trace(traced: tuple[Stack, Receiver]) -> None:
+    stack, receiver = traced
+    trace_id, parent = os.urandom(16).hex(), os.urandom(8).hex()
+    for node in stack.node_ids:
+        stack.faults(node, overload=True, retry_after_s=0.5)
+
+    async def call() -> None:
+        nc = await nats.connect(stack.nats_url)
+        try:
+            request = asyncio.ensure_future(nc.request(
+                subjects.INFER, json.dumps({**body(), "policy": "queued", "timeout_ms": 25000}).encode(), timeout=30,
+                headers={"traceparent": f"00-{trace_id}-{parent}-01"}))
+            await asyncio.sleep(1.5)
+            assert not request.done()  # waiting in the queue
+            for node in stack.node_ids:
+                stack.faults(node, overload=False)
+            msg = await request
+            assert subjects.H_ERROR_CODE not in (msg.headers or {}), msg.data
+        finally:
+            await nc.close()
+
+    try:
+        asyncio.run(call())
+    finally:
+        stack.clear_faults()
+    spans = receiver.trace(trace_id, want=4)
+    servers = sorted(by(spans, "zml-router", "SERVER"), key=lambda s: s["start"])
+    waits = [s for s in spans if s["name"] == "zml.queue.wait"]
+    assert len(waits) == 1, spans
+    first = servers[0]
+    assert first["parent"] == parent and first["attrs"].get("zml.queued") is True
+    assert waits[0]["parent"] == first["span_id"]
+    assert waits[0]["attrs"]["zml.queue_wait_s"] >= 1.0
+    served = servers[-1]  # the router that served it from the queue continues the same trace
+    assert served["parent"] == first["span_id"] and served["attrs"]["zml.node_id"]
+    no_prompt(spans)

@@ -24,10 +24,14 @@ from zmlcore.launch import Proc, free_port
 #: The real nodes' engine name for MODEL (llama-server --alias): served_names maps it.
 SERVED = "tiny-llama"
 SLEEP_IDLE_S = 2
+#: An embedding model: llama-server --embeddings (mean pooling) on the same tiny llama.
+EMBED = "tiny/embed"
+EMBED_SERVED = "tiny-embed"
 SIM_FLEET = [("h100-1", "nvidia_h100", [MODEL]), ("a100-1", "nvidia_a100", [MODEL])]
 POLICIES = (
     '[policies.cpu-only]\naccelerator_chain = ["CPU"]\nlatency_target_ms = 60000\n'
     '[policies.gpu-only]\naccelerator_chain = ["H100", "A100"]\nlatency_target_ms = 60000\n'
+    f'[models."{EMBED}"]\nembedding = true\n'
 )
 
 
@@ -53,6 +57,7 @@ class RealNode:
     node_id: str
     port: int
     extra: tuple[str, ...] = ()
+    alias: str = SERVED
     proc: Proc | None = None
 
     @property
@@ -61,7 +66,7 @@ class RealNode:
 
     def start(self, llama: Llama) -> None:
         self.proc = llamaserver.start_server(self.node_id, llama.binary, llama.model, self.port, *self.extra,
-                                             alias=SERVED)
+                                             alias=self.alias)
         llamaserver.wait_healthy(self.url, self.proc)
 
     def kill(self) -> None:
@@ -75,11 +80,11 @@ class RealNode:
             self.proc.stop()
 
 
-def real_node_toml(node: RealNode, *, startup_grace_s: float = 5.0, family: str = "") -> str:
+def real_node_toml(node: RealNode, *, startup_grace_s: float = 5.0, family: str = "", model: str = MODEL) -> str:
     fam = f'family = "{family}"\n' if family else ""
     return (f'[[nodes]]\nid = "{node.node_id}"\naccelerator = "cpu"\nbackend = "llamacpp"\n{fam}'
-            f'endpoint = "{node.url}"\nmodels = ["{MODEL}"]\nstartup_grace_s = {startup_grace_s}\n'
-            f'[nodes.served_names]\n"{MODEL}" = "{SERVED}"\n')
+            f'endpoint = "{node.url}"\nmodels = ["{model}"]\nstartup_grace_s = {startup_grace_s}\n'
+            f'[nodes.served_names]\n"{model}" = "{node.alias}"\n')
 
 
 @dataclass
@@ -87,6 +92,7 @@ class EngineFleet:
     stack: Stack
     llama: Llama
     real: dict[str, RealNode] = field(default_factory=dict)
+    late: RealNode | None = None
 
     def nodes(self) -> dict[str, dict[str, Any]]:
         rows = httpx.get(self.stack.gateway_url + "/v1/nodes", timeout=10).json()["nodes"]
@@ -102,33 +108,42 @@ class EngineFleet:
             time.sleep(0.2)
         raise AssertionError(f"{node_id}: {what or 'condition'} not reached in {timeout:g} s; last: {last}")
 
-    def chat(self, *, max_tokens: int = 16, timeout: float = 60.0, **zml: Any) -> httpx.Response:
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "Say something."}],
-                "max_tokens": max_tokens, **zml}
+    def chat(self, *, max_tokens: int = 16, timeout: float = 60.0, content: str = "Say something.",
+             **zml: Any) -> httpx.Response:
+        body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, **zml}
         return httpx.post(self.stack.gateway_url + "/v1/chat/completions", json=body, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
 def engine_fleet(llama: Llama, own_nats: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EngineFleet]:
-    """Two real llama-server nodes (CPU family) and two sims (H100, A100), one ZML model; and a
+    """Two real llama-server nodes (CPU family) and two sims (H100, A100), one ZML model; a
     third llama-server that sleeps after 2 idle seconds, in a family of its own (SLEEPY) so that
-    only requests pinned to it wake it."""
+    only requests pinned to it wake it; a fourth serving embeddings (EMBED)."""
     real = {n: RealNode(n, free_port()) for n in ("llama-1", "llama-2")}
     real["llama-sleepy"] = RealNode("llama-sleepy", free_port(), ("--sleep-idle-seconds", str(SLEEP_IDLE_S)))
+    real["llama-embed"] = RealNode("llama-embed", free_port(), ("--embeddings", "--pooling", "mean"),
+                                   alias=EMBED_SERVED)
     for node in real.values():
         node.start(llama)
     stack = None
+    fleet: EngineFleet | None = None
     try:
         extra = POLICIES + "\n" + "".join(
-            real_node_toml(n, family="SLEEPY" if n.node_id == "llama-sleepy" else "") for n in real.values())
+            real_node_toml(n, family="SLEEPY" if n.node_id == "llama-sleepy" else "",
+                           model=EMBED if n.node_id == "llama-embed" else MODEL) for n in real.values())
+        # Registered but not started: "loading" (never answered, in its start-up grace window)
+        # until a test starts it.
+        late = RealNode("llama-late", free_port())
+        extra += real_node_toml(late, startup_grace_s=600, family="LATE")
         stack = launch_stack(own_nats, tmp_path_factory.mktemp("engine"), fleet=SIM_FLEET, extra=extra,
                              poll_s=0.5)
         fleet = EngineFleet(stack, llama, real)
+        fleet.late = late
         for node_id in real:
-            fleet.wait_node(node_id, lambda n: n["status"] == "up" and MODEL in n["models"], what="up")
+            fleet.wait_node(node_id, lambda n: n["status"] == "up" and n["models"], what="up")
         yield fleet
     finally:
         if stack is not None:
             stack.stop()
-        for node in real.values():
+        for node in [*real.values(), *([fleet.late] if fleet is not None and fleet.late else [])]:
             node.stop()

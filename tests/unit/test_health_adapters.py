@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
 
 import httpx
@@ -112,22 +114,73 @@ def never_slots(routes: dict[str, tuple[int, str]]) -> httpx.AsyncClient:
     return httpx.AsyncClient(transport=httpx.MockTransport(handler))
 
 
-async def test_llamacpp_reads_metrics_never_slots() -> None:
-    p = await probe("llamacpp", never_slots({"/health": (200, "llamacpp/health_ok.json"),
-                                             "/v1/models": (200, "llamacpp/models.json"),
-                                             "/slots": (200, "llamacpp/slots.json"),
-                                             "/metrics": (200, "llamacpp/metrics.txt")}))
-    assert p.ok and p.models == ["llama-3.1-8b-instruct-q4_k_m.gguf"]
-    assert (p.running, p.waiting, p.kv_cache_usage) == (2, 1, 0.0)
-    assert (p.generation_tokens_total, p.prompt_tokens_total, p.prefill_time_sum) == (8123, 20481, 12.3)
+def sample(text: str, name: str) -> float:
+    """One unlabelled sample of the recorded exposition (read independently of the adapter)."""
+    found = re.search(rf"^{re.escape(name)} (\S+)$", text, re.M)
+    assert found, f"{name} missing from the recording"
+    return float(found[1])
+
+
+LLAMACPP_LIVE = {"/health": (200, "llamacpp/health_ok.json"), "/v1/models": (200, "llamacpp/models.json"),
+                 "/props": (200, "llamacpp/props.json"), "/slots": (200, "llamacpp/slots.json"),
+                 "/metrics": (200, "llamacpp/metrics.txt")}
+
+
+async def test_llamacpp_reads_real_metric_names_and_props_never_slots() -> None:
+    p = await probe("llamacpp", never_slots(LLAMACPP_LIVE))
+    m = (DATA / "llamacpp" / "metrics.txt").read_text()
+    props = json.loads((DATA / "llamacpp" / "props.json").read_text())
+    assert p.ok and p.models == [props["model_alias"]] and not p.sleeping
+    assert p.max_concurrency == props["total_slots"] == 4
+    assert p.running == sample(m, "llamacpp:requests_processing")
+    assert p.waiting == sample(m, "llamacpp:requests_deferred")
+    assert p.generation_tokens_total == sample(m, "llamacpp:tokens_predicted_total") > 0
+    assert p.prompt_tokens_total == sample(m, "llamacpp:prompt_tokens_total") > 0
+    assert p.prefill_time_sum == sample(m, "llamacpp:prompt_seconds_total") > 0
+    assert p.decode_time_sum == sample(m, "llamacpp:tokens_predicted_seconds_total") > 0
+    steps = sample(m, "llamacpp:n_decode_total")
+    assert p.decode_steps_total == steps > 0
+    assert p.busy_slot_steps_total == pytest.approx(sample(m, "llamacpp:n_busy_slots_per_decode") * steps)
+    # real llama-server has no KV-cache gauge (the invented fixture had one)
+    assert "kv_cache" not in m and p.kv_cache_usage == 0.0
+
+
+async def test_llamacpp_sleeping_server_is_up_and_asleep() -> None:
+    routes = {**LLAMACPP_LIVE, "/props": (200, "llamacpp/props_sleeping.json"),
+              "/metrics": (200, "llamacpp/metrics_sleeping.txt")}
+    p = await probe("llamacpp", never_slots(routes))
+    assert p.ok and p.sleeping and p.max_concurrency == 4
+
+
+async def test_llamacpp_speeds_from_two_recordings() -> None:
+    """The recorded server's own counters give its speeds: zero at start, then the recording."""
+    from zmlcore.health.speed import Readings, SpeedMeter
+
+    p = await probe("llamacpp", never_slots(LLAMACPP_LIVE))
+    meter = SpeedMeter()
+    meter.observe(Readings(0, 0.0, 0, 0, 0.0, 0, 0), running=0)
+    meter.observe(Readings(p.prompt_tokens_total, p.prefill_time_sum, p.request_gen_tokens_sum,  # type: ignore[arg-type]
+                           p.request_gen_tokens_count, p.decode_time_sum, p.decode_steps_total,
+                           p.busy_slot_steps_total), running=p.running)
+    assert meter.prefill_tps and meter.decode_tps
+    m = (DATA / "llamacpp" / "metrics.txt").read_text()
+    assert meter.prefill_tps == pytest.approx(sample(m, "llamacpp:prompt_tokens_total")
+                                              / sample(m, "llamacpp:prompt_seconds_total"))
 
 
 async def test_llamacpp_without_metrics_flag_is_up_without_queue_counts() -> None:
-    p = await probe("llamacpp", never_slots({"/health": (200, "llamacpp/health_ok.json"),
-                                             "/v1/models": (200, "llamacpp/models.json"),
-                                             "/slots": (200, "llamacpp/slots.json"),
-                                             "/metrics": (501, "")}))
+    p = await probe("llamacpp", never_slots({**LLAMACPP_LIVE, "/metrics": (501, "")}))
     assert p.ok and (p.running, p.waiting) == (0, 0) and p.prompt_tokens_total is None
+    assert p.max_concurrency == 4
+
+
+def test_llamacpp_router_mode_lists_loaded_and_loading_models() -> None:
+    from zml_health.adapters.llamacpp import router_models
+
+    listing = {"data": [{"id": "a", "status": {"value": "loaded"}}, {"id": "b", "status": {"value": "loading"}},
+                        {"id": "c", "status": {"value": "unloaded"}}, {"id": "d", "status": {"value": "sleeping"}},
+                        {"id": "single-model-server"}]}
+    assert router_models(listing) == (["a", "d", "single-model-server"], ["b"])
 
 
 async def test_openai_fallback_lists_models() -> None:
