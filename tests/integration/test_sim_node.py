@@ -328,6 +328,22 @@ async def test_drop_mid_stream_closes_after_the_first_token(client: httpx.AsyncC
     assert "[h100-1]" in "".join(c["choices"][0]["delta"].get("content", "") for c in events)
 
 
+async def test_probe_loss_drops_health_probes_only(client: httpx.AsyncClient) -> None:
+    await client.post("/sim/faults", json={"probe_loss": 0.5})
+    lost = 0
+    for _ in range(40):
+        try:
+            assert (await client.get("/health")).status_code == 200
+        except httpx.TransportError:
+            lost += 1
+    assert 8 <= lost <= 32  # seeded: about half, never all or none
+    r = await client.post("/v1/chat/completions", json=CHAT)  # inference is untouched
+    assert r.status_code == 200
+    assert (await client.post("/sim/faults", json={"probe_loss": 1.5})).status_code == 400
+    await client.post("/sim/faults", json={"probe_loss": 0.0})
+    assert (await client.get("/health")).status_code == 200
+
+
 async def test_vllm_overload_is_503_with_retry_after(node: SimNode, client: httpx.AsyncClient) -> None:
     r = await client.post("/sim/faults", json={"overload": True})
     r = await client.post("/v1/chat/completions", json=CHAT)

@@ -211,6 +211,10 @@ class HealthService:
         t0 = time.perf_counter()
         async with self._sem:
             probe = await probe_fn(self.http, endpoint, hc.probe_timeout_s, tr.polls)
+            if not probe.ok and not probe.slow and not probe.loading and tr.status == "up":
+                # One lost probe is not a dead node: ask again at once before counting a failure,
+                # so 10% probe loss makes no flaps (a dead node fails both at once).
+                probe = await probe_fn(self.http, endpoint, hc.probe_timeout_s, tr.polls)
             # Also when not validating: the node probe reports loading models and free memory.
             await self._node_probe(node, rt, tr.polls, probe)
         now = self.clock()

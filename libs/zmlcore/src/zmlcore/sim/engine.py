@@ -107,6 +107,8 @@ class Faults:
     """Answer every request with the engine's overload error."""
     retry_after_s: float | None = None
     """Retry-After header on error and overload answers."""
+    probe_loss: float = 0.0
+    """Share of ``/health`` requests lost: the connection is closed without an answer."""
     separator_tokens: bool = False
     """Every other output word holds U+2028, U+2029 or U+0085 (sent raw in JSON, as engines do)."""
 
@@ -124,7 +126,7 @@ class Faults:
                 continue
             if key not in known:
                 raise ValueError(f"unknown fault {key!r} (one of {', '.join(sorted(known))})")
-            if key in ("error_rate", "drop_mid_stream"):
+            if key in ("error_rate", "drop_mid_stream", "probe_loss"):
                 changes[key] = _num(value, key, lo=0.0, hi=1.0)
             elif key == "slowdown":
                 changes[key] = _num(value, key, lo=1.0)
@@ -301,6 +303,7 @@ class SimEngine:
         self.model_loaded = asyncio.Event()
         self._length_rng = random.Random(seed)
         self._fault_rng = random.Random(seed * 1_000_003 + 7)
+        self._probe_rng = random.Random(seed * 1_000_003 + 11)  # its own: probes do not shift request faults
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -424,6 +427,9 @@ class SimEngine:
 
     def sample_drop(self) -> bool:
         return self.faults.drop_mid_stream > 0 and self._fault_rng.random() < self.faults.drop_mid_stream
+
+    def sample_probe_loss(self) -> bool:
+        return self.faults.probe_loss > 0 and self._probe_rng.random() < self.faults.probe_loss
 
     @property
     def overloaded(self) -> bool:

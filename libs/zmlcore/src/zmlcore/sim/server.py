@@ -575,6 +575,10 @@ class SimNode:
         return _json_response({"object": "list", "data": data})
 
     async def _health(self, request: web.Request) -> web.Response:
+        if self.engine.sample_probe_loss():  # a lost probe: no answer at all
+            if request.transport is not None:
+                request.transport.abort()
+            raise asyncio.CancelledError
         if not self.engine.models and not self.sleeping:
             return self._loading_error()
         if self.engine_kind == "llamacpp":

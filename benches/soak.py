@@ -1,0 +1,223 @@
+#!/usr/bin/env python3
+"""Soak: a long run at a fraction of the fleet's capacity through the gateway, watching memory
+and latency drift (issue 8's soak; the chaos suite's long runs).
+
+Starts nats-server and the chaos suite's stack (tests/chaos/chaosstack.py: 4 sim nodes in two
+processes, health, warmup, 2 routers, a gateway; every process by PID), then drives open-loop
+Poisson load (the reference workload's mean lengths: 816-token prompts, 240-308-token outputs,
+half streamed) at ``--load`` x the sims' modelled capacity for ``--duration`` seconds. Every
+request is classified as in the chaos suite (completed / clean error / hang / truncated / lost).
+
+Pass criteria (printed, exit status 1 if any fails):
+* RSS of every process at the end within 5% of its value after ``--warmup`` seconds;
+* p99 latency of the last minute within 10% of the first minute after warm-up;
+* nothing hung, truncated, lost or unclean.
+
+Modes: ``--overload`` runs 150% of capacity instead and asserts goodput >= 95% of capacity
+(the chaos suite records it; this is where it is judged); ``--probe-loss 0.1`` loses that share
+of health probes on every node for the whole run and counts node state flaps (must be 0).
+
+    python benches/soak.py --duration 600 --load 0.7 --save /tmp/soak.json
+    python benches/soak.py --duration 120 --overload
+    python benches/soak.py --duration 600 --load 0.3 --probe-loss 0.1
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent / "tests"), str(HERE.parent / "tests" / "chaos")]
+
+from chaosload import Load, LoadGen, Report  # noqa: E402
+from chaosstack import FLEET, ChaosStack, NatsServer, nats_connect  # noqa: E402
+from conftest import MODEL  # noqa: E402
+from zmlcore import subjects  # noqa: E402
+from zmlcore.launch import free_port  # noqa: E402
+from zmlcore.sim.model import SimProfile  # noqa: E402
+
+MAX_CONCURRENCY = 4
+TOKENS = (240, 308)
+PROMPT_TOKENS = 816
+
+
+def capacity_rps(time_scale: float) -> float:
+    mean_out = sum(TOKENS) / 2
+    return sum(SimProfile.for_type(acc, max_concurrency=MAX_CONCURRENCY).capacity_rps(PROMPT_TOKENS, mean_out)
+               for _, acc, _ in FLEET) * time_scale
+
+
+def rss_kib(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        return None
+    return None
+
+
+def p99(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, max(0, math.ceil(0.99 * len(xs)) - 1))] if xs else float("nan")
+
+
+async def soak(args: argparse.Namespace, stack: ChaosStack, pids: dict[str, int]) -> dict[str, Any]:
+    cap = capacity_rps(args.time_scale)
+    rate = (1.5 if args.overload else args.load) * cap
+    report = Report("soak")
+    rss: dict[str, list[tuple[float, int]]] = {name: [] for name in pids}
+    occupancy: list[float] = []
+    flaps: list[str] = []
+    stop = asyncio.Event()
+
+    async def sample() -> None:
+        slots = MAX_CONCURRENCY * len(FLEET)
+        while not stop.is_set():
+            now = time.monotonic()
+            for name, pid in pids.items():
+                kib = rss_kib(pid)
+                if kib is not None:
+                    rss[name].append((now, kib))
+            states = await asyncio.gather(*(asyncio.to_thread(stack.sim_state, n) for n, _, _ in FLEET),
+                                          return_exceptions=True)
+            ok = [s for s in states if isinstance(s, dict)]
+            if len(ok) == len(FLEET):
+                occupancy.append(sum(s["batch"]["running"] for s in ok) / slots)
+            try:
+                await asyncio.wait_for(stop.wait(), args.sample_s)
+            except asyncio.TimeoutError:
+                pass
+
+    async def watch_flaps() -> None:
+        nc = await nats_connect(stack.nats_urls)
+        kv = await nc.jetstream().key_value(subjects.NODES_BUCKET)
+        watcher = await kv.watchall()
+        status: dict[str, str] = {}
+        try:
+            while not stop.is_set():
+                try:
+                    entry = await watcher.updates(timeout=0.5)
+                except Exception:
+                    continue
+                if entry is None or not entry.value:
+                    continue
+                st = json.loads(entry.value)["status"]
+                if status.get(entry.key) == "up" and st != "up":
+                    flaps.append(f"{entry.key} up->{st}")
+                status[entry.key] = st
+        finally:
+            await watcher.stop()
+            await nc.close()
+
+    if args.probe_loss:
+        for node, _, _ in FLEET:
+            await asyncio.to_thread(stack.faults, node, probe_loss=args.probe_loss)
+    load = Load(stack.gateway_urls, MODEL, tokens=TOKENS, timeout_s=args.timeout, grace_s=5.0, seed=7,
+                prompt_chars=4 * PROMPT_TOKENS)
+    t0 = time.monotonic()
+    bg = [asyncio.create_task(sample()), asyncio.create_task(watch_flaps())]
+    async with LoadGen(load) as lg:
+        await lg.open(report, rate=rate, duration_s=args.duration, max_in_flight=256)
+    stop.set()
+    await asyncio.gather(*bg)
+    warm_t = t0 + args.warmup
+    end_t = t0 + args.duration
+
+    def rss_at(name: str, t: float) -> int | None:
+        xs = [kib for ts, kib in rss[name] if ts >= t]
+        return xs[0] if xs else None
+
+    rss_rows = {}
+    for name in pids:
+        base = rss_at(name, warm_t)
+        last = rss[name][-1][1] if rss[name] else None
+        if base and last:
+            rss_rows[name] = {"after_warmup_kib": base, "end_kib": last, "change": round(last / base - 1, 4)}
+    done = [r for r in report.results if r.outcome == "completed"]
+    first = [r.elapsed for r in done if warm_t <= r.t_start < warm_t + 60]
+    last_min = [r.elapsed for r in done if end_t - 60 <= r.t_start < end_t]
+    steady = [r for r in done if warm_t <= r.t_start + r.elapsed <= end_t]
+    goodput = len(steady) / max(1e-9, end_t - warm_t)
+    out: dict[str, Any] = {
+        **report.summary(),
+        "mode": "overload" if args.overload else ("probe-loss" if args.probe_loss else "soak"),
+        "capacity_rps": round(cap, 2), "offered_rps": round(rate, 2), "goodput_rps": round(goodput, 2),
+        "goodput_share": round(goodput / cap, 3),
+        "slot_occupancy": round(sum(occupancy) / max(1, len(occupancy)), 3),
+        "p99_first_min_s": round(p99(first), 3), "p99_last_min_s": round(p99(last_min), 3),
+        "rss": rss_rows, "state_flaps": len(flaps), "flaps": flaps[:20],
+    }
+    checks = {
+        "clean": all(out[o] == 0 for o in ("unclean", "hang", "truncated", "lost")),
+    }
+    if args.overload:
+        checks["goodput >= 95% of capacity"] = goodput >= 0.95 * cap
+        checks["shed only as QUEUE_FULL"] = set(report.codes()) <= {"QUEUE_FULL"}
+    else:
+        checks["rss within 5%"] = bool(rss_rows) and all(abs(r["change"]) <= 0.05 for r in rss_rows.values())
+        checks["p99 last minute within 10% of first"] = (
+            bool(first and last_min) and out["p99_last_min_s"] <= 1.10 * out["p99_first_min_s"])
+    if args.probe_loss:
+        checks["0 node state flaps"] = not flaps
+    out["checks"] = checks
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--duration", type=float, default=600.0, help="seconds of load (default 600)")
+    ap.add_argument("--warmup", type=float, default=60.0, help="seconds before the RSS/p99 baselines")
+    ap.add_argument("--load", type=float, default=0.7, help="fraction of modelled capacity (default 0.7)")
+    ap.add_argument("--overload", action="store_true", help="150%% of capacity; judge goodput")
+    ap.add_argument("--probe-loss", type=float, default=0.0, help="share of health probes lost on every node")
+    ap.add_argument("--time-scale", type=float, default=2.5, help="sim time scale (default 2.5)")
+    ap.add_argument("--timeout", type=float, default=20.0, help="each request's timeout_ms, in seconds")
+    ap.add_argument("--sample-s", type=float, default=5.0, help="RSS / occupancy sampling period")
+    ap.add_argument("--save", help="write the JSON result here")
+    args = ap.parse_args()
+    tmp = Path(tempfile.mkdtemp(prefix="zml-soak-"))
+    broker = NatsServer("nats", free_port(), tmp / "nats")
+    broker.start()
+    stack = ChaosStack(tmp, [broker.url], routers=2, gateways=1, health=1, warmup=1, time_scale=args.time_scale,
+                       sim_extra=f"max_concurrency = {MAX_CONCURRENCY}\n",
+                       router_toml="cooldown_s = 5\nadmission_ttft_s = 2.0\n",
+                       health_toml={"down_after": 3})
+    try:
+        stack.start()
+        pids = {"nats-server": broker.proc.pid if broker.proc else 0, **stack.service_pids()}
+        started = time.time()
+        load_before = os.getloadavg()
+        out = asyncio.run(soak(args, stack, pids))
+        out.update({
+            "machine": f"{platform.node()} {platform.machine()} {os.cpu_count()} cores, {platform.platform()}",
+            "started_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(started)),
+            "loadavg_before": [round(x, 1) for x in load_before],
+            "loadavg_after": [round(x, 1) for x in os.getloadavg()],
+            "command": " ".join([Path(sys.executable).name, *sys.argv]),
+        })
+    finally:
+        stack.stop()
+        broker.stop()
+    text = json.dumps(out, indent=2)
+    print(text)
+    if args.save:
+        Path(args.save).write_text(text + "\n")
+    failed = [k for k, ok in out["checks"].items() if not ok]
+    print("FAILED: " + ", ".join(failed) if failed else "all checks passed", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
