@@ -11,7 +11,7 @@ NATS together get the plan's rate, not twice it. An identity without a plan (and
 identity, the gateway's included: its callers were limited at the gateway) is not limited here.
 
     limits = IdentityLimits(); await limits.start(nc)
-    lease = await limits.admit(owner, request_id, lease_s=timeout)   # raises RateLimited
+    lease = await limits.admit(owner, request_id, lease_s=timeout)   # raises RateLimitError
     ...
     limits.done(lease, tokens=123)
 """
@@ -38,12 +38,12 @@ from zmlcore.runner import cancel_and_wait
 log = logging.getLogger("zml.router.limits")
 
 
-class RateLimited(RateLimitError):
-    """RATE_LIMITED with the ``x-ratelimit-*`` values for the reply's NATS headers."""
-
-    def __init__(self, message: str, *, retry_after: float, headers: dict[str, str]) -> None:
-        super().__init__(message, retry_after=retry_after)
-        self.headers = headers
+def rate_limited(message: str, *, retry_after: float, headers: dict[str, str]) -> RateLimitError:
+    """RATE_LIMITED carrying the ``x-ratelimit-*`` values for the reply's NATS headers (an
+    attribute, not a subclass: one error class per code)."""
+    exc = RateLimitError(message, retry_after=retry_after)
+    exc.nats_headers = headers  # type: ignore[attr-defined]
+    return exc
 
 
 @dataclass(slots=True)
@@ -105,7 +105,7 @@ class IdentityLimits:
         return self.keys.get(plan.key_id) if plan is not None and plan.key_id else None
 
     async def admit(self, owner: str, request_id: str, lease_s: float) -> Lease | None:
-        """Count one request of ``owner``; None when it has no plan. Raises RateLimited."""
+        """Count one request of ``owner``; None when it has no plan. Raises RateLimitError."""
         found = self.lookup(owner)
         if found is None or self.limiter is None:
             return None
@@ -117,7 +117,7 @@ class IdentityLimits:
         if not v.ok:
             headers = dict(verdict_headers(v))
             headers["retry-after"] = str(max(1, math.ceil(v.retry_after_s)))
-            raise RateLimited(refusal(plan, limits, v), retry_after=v.retry_after_s, headers=headers)
+            raise rate_limited(refusal(plan, limits, v), retry_after=v.retry_after_s, headers=headers)
         return Lease(identity, lease_id)
 
     def done(self, lease: Lease | None, tokens: int) -> None:

@@ -769,7 +769,7 @@ class RouterService:
             await self.nc.publish(reply, data, headers=headers)
 
     async def _reply_error(self, msg: Msg | QueuedMsg, exc: ZMLError, stream: bool) -> None:
-        headers = {subjects.H_ERROR_CODE: exc.code, **getattr(exc, "headers", {})}
+        headers = {subjects.H_ERROR_CODE: exc.code, **getattr(exc, "nats_headers", {})}
         if exc.retry_after is not None:
             headers[subjects.H_RETRY_AFTER] = f"{exc.retry_after:g}"
         if stream:
