@@ -17,7 +17,7 @@ from chaosstack import ChaosStack, NatsServer, nats_connect, start_cluster
 from scenario import run
 from zmlcore.launch import free_port
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.chaos, pytest.mark.timeout(240)]
 
 #: Requests started this long after the broker is back must all complete.
 RECOVERY_S = 2.0

@@ -24,7 +24,7 @@ from scenario import calm, load_for, run, to_thread
 from zmlcore import subjects
 from zmlcore.launch import free_port
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.chaos, pytest.mark.timeout(240)]
 
 
 @pytest.fixture(scope="module")
