@@ -20,6 +20,10 @@ from typing import Any
 import httpx
 import nats
 import pytest
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+    ExportMetricsServiceRequest,
+    ExportMetricsServiceResponse,
+)
 from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
     ExportTraceServiceRequest,
     ExportTraceServiceResponse,
@@ -38,20 +42,28 @@ KINDS = {1: "INTERNAL", 2: "SERVER", 3: "CLIENT", 4: "PRODUCER", 5: "CONSUMER"}
 
 
 class Receiver:
-    """An OTLP/HTTP traces endpoint: POST /v1/traces, protobuf ExportTraceServiceRequest."""
+    """An OTLP/HTTP endpoint: POST /v1/traces (spans, flattened) and /v1/metrics (requests kept
+    whole, for tests/e2e/test_otlp_metrics.py), protobuf."""
 
     def __init__(self) -> None:
         self.spans: list[dict[str, Any]] = []
+        self.metrics: list[ExportMetricsServiceRequest] = []
         self.lock = threading.Lock()
         receiver = self
 
         class Handler(BaseHTTPRequestHandler):
             def do_POST(self) -> None:  # noqa: N802 (http.server's name)
                 body = self.rfile.read(int(self.headers.get("content-length", "0")))
-                ok = self.path == "/v1/traces" and self.headers.get("content-type") == "application/x-protobuf"
-                if ok:
-                    receiver.add(ExportTraceServiceRequest.FromString(body))
-                out = ExportTraceServiceResponse().SerializeToString()
+                ok = self.headers.get("content-type") == "application/x-protobuf"
+                if ok and self.path == "/v1/metrics":
+                    with receiver.lock:
+                        receiver.metrics.append(ExportMetricsServiceRequest.FromString(body))
+                    out = ExportMetricsServiceResponse().SerializeToString()
+                else:
+                    ok = ok and self.path == "/v1/traces"
+                    if ok:
+                        receiver.add(ExportTraceServiceRequest.FromString(body))
+                    out = ExportTraceServiceResponse().SerializeToString()
                 self.send_response(200 if ok else 400)
                 self.send_header("content-type", "application/x-protobuf")
                 self.send_header("content-length", str(len(out)))

@@ -22,7 +22,8 @@ PARSERS = {
     "warmup": "zml_warmup.__main__",
 }
 KNOWN_ENV = {"ZML_LOG_LEVEL", "ZML_LOG_FORMAT", "ZML_NATS_URL", "ZML_NATS_REPLICAS", "ZML_GATEWAY_HOST", "ZML_GATEWAY_PORT",
-             "ZML_API_KEYS", "ZML_NATS_NKEY", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_TRACES_SAMPLER"}
+             "ZML_API_KEYS", "ZML_NATS_NKEY", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_TRACES_SAMPLER",
+             "OTEL_METRICS_EXPORTER"}
 #: Observability services from their official images (tests/e2e/test_compose_observability.py).
 OBSERVABILITY = {"prometheus", "grafana", "otel-collector", "jaeger"}
 #: ...of which these images are distroless: no binary a healthcheck could run.

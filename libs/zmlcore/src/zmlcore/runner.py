@@ -24,6 +24,7 @@ from zmlcore.natsauth import connect_options
 from zmlcore.link import link_of
 from zmlcore.metrics import MetricsServer, serve_metrics
 from zmlcore.natsio import connect
+from zmlcore.otlpmetrics import setup_otlp_metrics
 from zmlcore.telemetry import setup_logging, setup_tracing
 
 log = logging.getLogger("zml.runner")
@@ -181,6 +182,7 @@ def service_main(
         print(f"zml {name}: {exc}", file=sys.stderr)
         return 2
     setup_tracing(f"zml-{name}")
+    otlp_metrics = setup_otlp_metrics(f"zml-{name}")  # None unless OTEL_* ask for it
     install_uvloop()
     if not getattr(args, "ha", False):
         lease_ttl = None
@@ -197,6 +199,8 @@ def service_main(
         print(f"zml {name}: another replica took over; exiting to restart as a standby", file=sys.stderr, flush=True)
         return 4
     finally:
+        if otlp_metrics is not None:
+            otlp_metrics.close()  # the final flush
         if metrics is not None:
             metrics.close()
     return 0
