@@ -3,7 +3,7 @@ nodes (one in a process of its own), a broker of its own. Each scenario: 8 clien
 hundred requests (half streamed, 16-48 tokens each, round_robin so every node gets its share),
 one fault; nothing may hang, be truncated, be lost or end in an unclean error.
 
-Figures: `ZML_CHAOS_REPORT=/tmp/chaos.jsonl python -m pytest tests/chaos -s` (docs/reliability.md).
+Figures: `ZML_CHAOS_REPORT=/tmp/chaos.jsonl python -m pytest -m chaos -s` (docs/reliability.md).
 """
 
 from __future__ import annotations
