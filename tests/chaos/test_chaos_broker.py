@@ -129,9 +129,6 @@ def test_kill_and_restart_nats_server(broker_restart: tuple[Report, float]) -> N
     check_recovery(report, back_t, max_age_s=2 * POLL_S + 3.0, unclean_ok=True)
 
 
-@pytest.mark.xfail(strict=False, reason="known bug: the gateway answers some streams sent during a broker "
-                   "outage with HTTP 500 and an empty body (an exception before the response starts); "
-                   "seen in 3 of 10 runs, see docs/reliability.md")
 def test_nats_restart_no_unclean_errors(broker_restart: tuple[Report, float]) -> None:
     report, _ = broker_restart
     assert report.count("unclean") == 0, report.bad()

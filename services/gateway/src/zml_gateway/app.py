@@ -102,6 +102,16 @@ def _broker_lost() -> ZMLError:
                               retry_after=0.5)
 
 
+
+#: nats-py puts a status line (e.g. the broker's "503 no responders") in this header.
+_NATS_STATUS = "Status"
+_NO_RESPONDERS = "503"
+
+
+def _no_router() -> NoHealthyNodesError:
+    return NoHealthyNodesError("no router is running (no responders on zml.infer)", retry_after=1.0)
+
+
 class Gateway:
     def __init__(self, cfg: ZMLConfig, nc: NATS, nodes: dict[str, NodeState], costs: CostTable | None = None,
                  access: Access | None = None) -> None:
@@ -291,7 +301,7 @@ class Gateway:
         try:
             reply = request.result()
         except NoRespondersError:
-            raise NoHealthyNodesError("no router is running (no responders on zml.infer)", retry_after=1.0) from None
+            raise _no_router() from None
         except NatsTimeout:
             await self._cancel(request_id, headers)
             raise TimeoutError(f"no reply within {timeout:g} s") from None
@@ -367,6 +377,14 @@ class Gateway:
                         return
                     raise exc
                 mh = msg.headers or {}
+                if mh.get(_NATS_STATUS) == _NO_RESPONDERS and not msg.data:
+                    # The broker's "no responders" status (routers not re-subscribed yet after a
+                    # restart): a clean retryable error, not an empty 500.
+                    exc = _no_router()
+                    if not started:
+                        raise exc
+                    await self._sse_error(send, exc.to_body())
+                    return
                 kind = mh.get(subjects.H_STREAM)
                 gap = seq.gap(mh.get(subjects.H_SEQ)) if kind in _SEQUENCED else None
                 if gap is not None:
@@ -421,6 +439,8 @@ class Gateway:
     async def _relay_error(self, send: Send, code: str, data: bytes, retry_after: str | None = None,
                            limits: list[tuple[bytes, bytes]] | None = None) -> None:
         cls = error_class(code)
+        if not data:  # never an empty error body: say what the code means
+            data = _encode(cls(f"{code} from the router").to_body())
         extra = list(limits or ())
         if retry_after is not None:  # HTTP wants whole seconds
             extra.append((b"retry-after", str(max(1, math.ceil(float(retry_after)))).encode()))
