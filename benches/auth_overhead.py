@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """What API keys and plan limits cost on the whole path (gateway -> NATS -> router -> stub),
-measured with the shared peers harness's stub backend and load generator (/work/shared/peers:
+measured with the shared peers harness's stub backend and load generator (../shared/peers:
 stub_backend.py, load.py; read, not copied into this repo).
 
 Three gateways on one stack, measured in turn, interleaved over repetitions:

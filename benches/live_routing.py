@@ -12,7 +12,7 @@ lognormal(median 200, sigma 0.8) clipped [1, 2048], sent as max_tokens. TTFT = f
 chunk at the client minus the request's *scheduled* arrival (client lag counts), reported in
 virtual seconds (real x time_scale).
 
-    /work/venv/bin/python benches/live_routing.py --time-scale 4 --loads 50,80 \
+    python benches/live_routing.py --time-scale 4 --loads 50,80 \
         --policies round_robin,latency --window 90 --drain 30 --save /tmp/live.json
 
 Services run from a `git archive` snapshot of --zml-ref (default HEAD), like peers_path.py: other

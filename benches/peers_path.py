@@ -2,7 +2,7 @@
 """Whole-path overhead of ZML (HTTP gateway -> NATS -> router -> node) vs calling the backend
 directly and vs LiteLLM's proxy, measured with the shared peers harness in one run.
 
-The harness (/work/shared/peers: stub_backend.py, load.py, post.lua, bench.py, configs) is NOT
+The harness (../shared/peers: stub_backend.py, load.py, post.lua, bench.py, configs) is NOT
 part of this repo. This script copies it to a scratch directory at run time, adds ZML targets
 to the copy's ``bench.py`` (``TARGETS`` entries with an argv, plus a per-process CPU split), and
 runs it, so direct, LiteLLM and ZML see the same stubs, load tools, C levels and CPU accounting.
@@ -17,10 +17,10 @@ Usage (from the repo root):
   # once (~3 min): venvs with the pinned harness + LiteLLM versions, and wrk
   python benches/peers_path.py --setup-dir /tmp/peers_setup --setup-only
   # the matrix (~10 min), tables to stdout and <workdir>/summary.md
-  /work/venv/bin/python benches/peers_path.py --setup-dir /tmp/peers_setup \
+  python benches/peers_path.py --setup-dir /tmp/peers_setup \
       --targets direct,litellm1,zml1,zml2rr --conc 1,8,32,64 --reps 2
   # where the CPU goes: py-spy on gateway and router under load.py C=32 (zml1)
-  /work/venv/bin/python benches/peers_path.py --setup-dir /tmp/peers_setup --profile --targets zml1
+  python benches/peers_path.py --setup-dir /tmp/peers_setup --profile --targets zml1
 
 Every process is started by PID and stopped by PID (the harness's Proc.stop, the launcher's
 SIGTERM handler, or this script's finally: blocks). Everything binds 127.0.0.1.
@@ -38,10 +38,12 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 import time
 from collections import Counter, defaultdict
 
-HARNESS = "/work/shared/peers"
+#: The shared harness: ../shared/peers from the repository root (override with --harness).
+HARNESS = str(Path(__file__).resolve().parents[2] / "shared" / "peers")
 ZML_PY = sys.executable  # the interpreter with zml installed (the project venv)
 
 # --------------------------------------------------------------------------------------------
