@@ -76,7 +76,7 @@ from zml_router.firstbyte import expected_s, first_byte_timeout
 from zml_router.kinds import PATHS, check_kind
 from zml_router.limits import IdentityLimits, Lease
 from zml_router.rename import Renamer
-from zml_router.queue import H_DEADLINE, H_ENQUEUED, H_TOTAL_MS, QueuedMsg, SaturationQueue
+from zml_router.queue import H_DEADLINE, H_ENQUEUED, H_QUEUED_HEADERS, H_TOTAL_MS, QueuedMsg, SaturationQueue
 from zml_router.table import NodeTable
 
 log = logging.getLogger("zml.router")
@@ -560,10 +560,10 @@ class RouterService:
         now = time.time()
         wait_s = (max_queue_ms or 0) / 1000.0
         deadline = now + min(wait_s, timeout)
-        headers = {subjects.H_REQUEST_ID: request_id, subjects.H_TIMEOUT_MS: str(int(timeout * 1000))}
-        for name in (subjects.H_DEFAULT_POLICY, subjects.H_LABEL, subjects.H_OWNER):  # the key's options wait with it
-            if msg.headers and name in msg.headers:
-                headers[name] = msg.headers[name]
+        # What waits with the request (owner, the key's options, trace context): queue.H_QUEUED_HEADERS.
+        headers = {k: v for k, v in (msg.headers or {}).items() if k in H_QUEUED_HEADERS}
+        headers[subjects.H_REQUEST_ID] = request_id
+        headers[subjects.H_TIMEOUT_MS] = str(int(timeout * 1000))
         if isinstance(msg, QueuedMsg):
             # Back in the queue after losing a race for capacity: keep its deadlines.
             deadline = float(msg.headers.get(H_DEADLINE, deadline))
