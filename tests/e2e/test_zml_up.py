@@ -18,7 +18,7 @@ import nats
 import nats.errors
 import pytest
 
-from zmlcore.launch import Proc, free_port, port_in_use, spawn
+from zmlcore.launch import Proc, free_port, listen_ports, port_in_use, spawn
 from zml.cli.up import demo_config_path
 from zmlcore.config import load_config
 from zmlcore.launch import endpoint_port
@@ -29,12 +29,8 @@ def _zml(*args: str) -> list[str]:
 
 
 def _port_base(n: int) -> int:
-    """A port with the n after it free (for --sim-port-base)."""
-    for _ in range(50):
-        base = free_port()
-        if base + n < 65536 and not any(port_in_use("127.0.0.1", base + i) for i in range(n)):
-            return base
-    raise RuntimeError("no run of free ports")
+    """A run of n free ports for --sim-port-base (below the ephemeral range, see listen_ports)."""
+    return listen_ports(n)
 
 
 @pytest.mark.timeout(300)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import os
+import random
 import shutil
 import signal
 import socket
@@ -26,6 +27,38 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def listen_ports(n: int = 1, host: str = "127.0.0.1") -> int:
+    """The first of ``n`` consecutive free ports for a server another process binds later.
+
+    Picked below the kernel's ephemeral range: ports there are also handed out as source ports
+    of outbound connections (every service dialling NATS), so one picked there can be taken
+    before its server binds it. ``free_port`` suits a port bound at once."""
+    low = _ephemeral_low()
+    if low - 12000 < 1024 + n:
+        return free_port(host) if n == 1 else _free_run(n, host)
+    rng = random.Random()
+    for _ in range(500):
+        base = rng.randrange(low - 12000, low - n)
+        if not any(port_in_use(host, base + i) for i in range(n)):
+            return base
+    raise OSError(errno.EADDRINUSE, f"no {n} free consecutive ports on {host}")
+
+
+def _free_run(n: int, host: str) -> int:
+    for _ in range(200):
+        base = free_port(host)
+        if base + n < 65536 and not any(port_in_use(host, base + i) for i in range(n)):
+            return base
+    raise OSError(errno.EADDRINUSE, f"no {n} free consecutive ports on {host}")
 
 
 def port_in_use(host: str, port: int) -> bool:

@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 
 from zmlcore.config import NodeConfig, ZMLConfig, load_config
 from zmlcore.errors import ConfigError
-from zmlcore.launch import free_port
+from zmlcore.launch import listen_ports
 
 
 def pick_ports(nodes: list[NodeConfig], base: int | None, host: str = "127.0.0.1") -> dict[str, int]:
@@ -23,9 +23,9 @@ def pick_ports(nodes: list[NodeConfig], base: int | None, host: str = "127.0.0.1
         return {n.id: base + i for i, n in enumerate(nodes)}
     ports: dict[str, int] = {}
     for n in nodes:
-        port = free_port(host)
+        port = listen_ports(1, host)
         while port in ports.values():
-            port = free_port(host)
+            port = listen_ports(1, host)
         ports[n.id] = port
     return ports
 

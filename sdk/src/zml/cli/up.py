@@ -87,7 +87,7 @@ def _probe(url: str, model: str) -> tuple[int, str]:
 def run(args: argparse.Namespace) -> int:
     from zmlcore.config import load_config
     from zmlcore.errors import ConfigError
-    from zmlcore.launch import ClusterPlan, endpoint_port, free_port, port_in_use, service_argv, spawn, start_nats, wait_port
+    from zmlcore.launch import ClusterPlan, endpoint_port, listen_ports, port_in_use, service_argv, spawn, start_nats, wait_port
     from zmlcore.natscreds import default_data_dir, ensure_builtin, running_server, write_server_config
     from zmlcore.supervise import Supervisor
     from zml.cli._simports import relocate
@@ -113,7 +113,7 @@ def run(args: argparse.Namespace) -> int:
     if args.metrics_port != 0:
         names = [*singletons, *(f"router-{i + 1}" for i in range(max(1, args.routers)))]
         if args.metrics_port is None:
-            metrics_ports = {name: free_port(args.host) for name in names}
+            metrics_ports = {name: listen_ports(1, args.host) for name in names}
         else:
             metrics_ports = {name: args.metrics_port + i for i, name in enumerate(names)}
             wanted += [(args.host, port, f"{name} metrics (--metrics-port)") for name, port in metrics_ports.items()]
