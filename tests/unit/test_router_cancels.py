@@ -17,3 +17,13 @@ def test_cancels_expire_and_are_bounded() -> None:
     for i in range(5):
         book.add(str(i), now=20.0)
     assert len(book) == 3 and not book.seen("0", 20.0) and book.seen("4", 20.0)
+
+
+def test_expired_cancels_are_dropped_so_a_steady_trickle_never_fills_the_book() -> None:
+    # A cancel per second for an hour (the gateway cancels every abandoned request, and every
+    # replica that does not hold it books it): the book holds one TTL's worth, not 3,600.
+    book = CancelBook(ttl_s=60, max_entries=10_000)
+    for i in range(3600):
+        book.add(f"r{i}", now=float(i))
+        assert len(book) <= 61
+    assert book.seen("r3599", 3599.0) and not book.seen("r3000", 3599.0)

@@ -8,6 +8,12 @@ state may not exist. Here the watch is re-created, with a fresh snapshot, as soo
 connection comes back, or when a periodic check finds its consumer gone. A key missing from the
 new snapshot was deleted meanwhile and is reported as deleted.
 
+Every watch's consumer is created with a short ``inactive_threshold`` (:data:`WATCH_INACTIVE_S`)
+and a re-created watch deletes the consumer it replaces. nats-py's default keeps a consumer
+nobody listens to for 5 minutes, and nats-py itself replaces an ordered consumer whenever it
+sees a sequence gap or misses heartbeats (a CPU-starved client), leaving the old one behind:
+under load, orphans piled up on the server (9 consumers on ``zml_nodes`` for 6 live watches).
+
     follower = KVFollower(nc, subjects.NODES_BUCKET, on_put=table.put_raw, on_delete=table.remove)
     task = asyncio.create_task(follower.run())
     await follower.wait_ready(2.0)
@@ -32,6 +38,32 @@ log = logging.getLogger("zml.kvfollow")
 
 _DELETE_OPS = ("DEL", "PURGE")
 
+#: Seconds the server keeps a watch's consumer once nothing listens to it. A live watch always
+#: listens; a client that reconnects later re-creates its watches anyway (see above).
+WATCH_INACTIVE_S = 10.0
+
+
+async def watch_bucket(kv: KeyValue, *, inactive_s: float = WATCH_INACTIVE_S, **kwargs: Any) -> KeyValue.KeyWatcher:
+    """``kv.watchall(**kwargs)`` whose consumer the server drops ``inactive_s`` after its
+    watcher stops or is replaced (every KV watch in ZML goes through here)."""
+    return await kv.watchall(inactive_threshold=inactive_s, **kwargs)
+
+
+async def drop_watch(watcher: KeyValue.KeyWatcher) -> None:
+    """Stop a watcher and delete its consumer now (best effort: without a connection the
+    server drops it after its inactive threshold)."""
+    sub = watcher._sub
+    try:
+        await watcher.stop()  # type: ignore[no-untyped-call]
+    except Exception:  # connection gone: nothing to unsubscribe
+        return
+    if sub is None or not sub._consumer or not sub._js._nc.is_connected:
+        return
+    try:
+        await sub._js._jsm.delete_consumer(sub._stream, sub._consumer)
+    except Exception:  # gone already (inactive, or the broker restarted)
+        pass
+
 
 class KVFollower:
     """Calls ``on_put(key, value)`` and ``on_delete(key)`` for the live contents of ``bucket``.
@@ -42,13 +74,14 @@ class KVFollower:
 
     def __init__(self, nc: NATS, bucket: str, *, on_put: Callable[[str, bytes], None],
                  on_delete: Callable[[str], None], on_synced: Callable[[], None] | None = None,
-                 check_s: float = 1.0) -> None:
+                 check_s: float = 1.0, inactive_s: float = WATCH_INACTIVE_S) -> None:
         self.nc = nc
         self.bucket = bucket
         self.on_put = on_put
         self.on_delete = on_delete
         self.on_synced = on_synced
         self.check_s = check_s
+        self.inactive_s = inactive_s
         self.ready = asyncio.Event()
         #: Keys currently live, as last delivered.
         self.keys: set[str] = set()
@@ -71,7 +104,7 @@ class KVFollower:
             gen = link.generation
             try:
                 kv = await ensure_kv(self.nc.jetstream(), self.bucket)
-                watcher = await kv.watchall()
+                watcher = await watch_bucket(kv, inactive_s=self.inactive_s)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # broker or JetStream not back yet
@@ -85,10 +118,7 @@ class KVFollower:
             try:
                 reason = await self._consume(watcher, kv, gen)
             finally:
-                try:
-                    await watcher.stop()  # type: ignore[no-untyped-call]
-                except Exception:  # connection gone: nothing to unsubscribe
-                    pass
+                await drop_watch(watcher)
             log.info("re-watching %s: %s", self.bucket, reason)
 
     async def _consume(self, watcher: KeyValue.KeyWatcher, kv: KeyValue, gen: int) -> str:

@@ -52,6 +52,7 @@ async def serve(model: str, *, nodes: list[str], family: list[str], nats_url: st
 
     from zmlcore import subjects
     from zmlcore.errors import ErrorBody, from_wire
+    from zmlcore.kvfollow import drop_watch, watch_bucket
     from zmlcore.messages import ServeRequest, node_state_decoder
     from zmlcore.messages.warmup import serve_reply_decoder
     from zmlcore.natsio import nodes_kv
@@ -92,7 +93,7 @@ async def serve(model: str, *, nodes: list[str], family: list[str], nats_url: st
                 say(f"{reply.model}: ready on {sum(t.state == 'loaded' for t in reply.targets)} node(s)")
             return 1 if failed else 0
         kv = await nodes_kv(nc.jetstream())
-        watcher = await kv.watchall()
+        watcher = await watch_bucket(kv)
         deadline = t0 + timeout
         try:
             while pending:
@@ -118,7 +119,7 @@ async def serve(model: str, *, nodes: list[str], family: list[str], nats_url: st
                     pending[entry.key] = st.status
                     say(f"{entry.key}: loading ({time.monotonic() - t0:.1f} s, node {st.status})")
         finally:
-            await watcher.stop()  # type: ignore[no-untyped-call]
+            await drop_watch(watcher)
         if not failed:
             say(f"{reply.model}: ready on {sum(t.state in ('loaded', 'loading') for t in reply.targets)} node(s) "
                 f"in {time.monotonic() - t0:.1f} s")

@@ -28,6 +28,7 @@ from zmlcore.config import NodeConfig, ZMLConfig, parse_config
 from zmlcore.errors import BadRequestError, ConfigError, ZMLError
 from zmlcore.health.hardware import HardwareCheck, validate_hardware
 from zmlcore.health.score import health_score
+from zmlcore.kvfollow import drop_watch, watch_bucket
 from zmlcore.messages import NodeState
 from zmlcore.messages.admin import (
     NodeAdded,
@@ -130,7 +131,7 @@ class HealthService:
     async def _keys(kv: KeyValue) -> list[str]:
         """Live keys. Not ``kv.keys()``: with ignore_deletes it never ends when the bucket's last
         entries are deletes (the end-of-snapshot marker rides on the skipped delete)."""
-        watcher = await kv.watchall(meta_only=True)
+        watcher = await watch_bucket(kv, meta_only=True)
         live: dict[str, None] = {}
         try:
             while True:
@@ -146,7 +147,7 @@ class HealthService:
                 else:
                     live[entry.key] = None
         finally:
-            await watcher.stop()  # type: ignore[no-untyped-call]
+            await drop_watch(watcher)
         return list(live)
 
     async def _load_registry(self) -> None:

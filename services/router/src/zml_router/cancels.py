@@ -6,7 +6,9 @@ cancel can overtake its request: different subjects, different connections) or m
 in the saturation queue. A request whose id is remembered is answered CANCELLED as soon as it
 is registered. Every replica keeps the id until ``ttl_s`` passes, so an id cancelled once is
 refused for that long whichever replica its next use reaches (request ids are meant to be
-unique); then it is forgotten. The book is bounded (a flood of cancels costs memory once).
+unique); then it is forgotten: expired ids are dropped as new ones arrive, so the book holds
+about one TTL's worth of cancels (a steady trickle never fills it), and it is bounded (a flood of
+cancels costs memory once).
 """
 
 from __future__ import annotations
@@ -23,8 +25,17 @@ class CancelBook:
     def add(self, request_id: str, now: float) -> None:
         self._at[request_id] = now
         self._at.move_to_end(request_id)
+        self._expire(now)
         while len(self._at) > self.max_entries:
             self._at.popitem(last=False)
+
+    def _expire(self, now: float) -> None:
+        # Oldest first (add moves an id to the end), so stop at the first one still live.
+        while self._at:
+            request_id, at = next(iter(self._at.items()))
+            if now - at <= self.ttl_s:
+                break
+            del self._at[request_id]
 
     def seen(self, request_id: str, now: float) -> bool:
         """A cancel for ``request_id`` arrived within ``ttl_s``."""
