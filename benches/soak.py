@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent / "tests"), str(HERE.parent / "tests" / "chaos")]
 
@@ -68,6 +70,25 @@ def rss_kib(pid: int) -> int | None:
     return None
 
 
+def per_minute(samples: list[tuple[float, Any]], t0: float) -> list[Any]:
+    """The first sample of each minute since ``t0``."""
+    out: dict[int, Any] = {}
+    for ts, value in samples:
+        out.setdefault(int((ts - t0) // 60), value)
+    return [out[k] for k in sorted(out)]
+
+
+def broker_stats(port: int) -> dict[str, Any] | None:
+    """nats-server's own view (its monitoring port): memory, subscriptions, JetStream consumers."""
+    try:
+        varz = httpx.get(f"http://127.0.0.1:{port}/varz", timeout=5).json()
+        jsz = httpx.get(f"http://127.0.0.1:{port}/jsz", timeout=5).json()
+    except (httpx.HTTPError, ValueError):
+        return None
+    return {"go_mem_mib": round(varz.get("mem", 0) / 2**20, 1), "subscriptions": varz.get("subscriptions"),
+            "consumers": jsz.get("consumers"), "js_bytes": jsz.get("bytes", jsz.get("storage"))}
+
+
 def p99(xs: list[float]) -> float:
     xs = sorted(xs)
     return xs[min(len(xs) - 1, max(0, math.ceil(0.99 * len(xs)) - 1))] if xs else float("nan")
@@ -78,6 +99,7 @@ async def soak(args: argparse.Namespace, stack: ChaosStack, pids: dict[str, int]
     rate = (1.5 if args.overload else args.load) * cap
     report = Report("soak")
     rss: dict[str, list[tuple[float, int]]] = {name: [] for name in pids}
+    broker_rows: list[dict[str, Any]] = []
     occupancy: list[float] = []
     flaps: list[str] = []
     stop = asyncio.Event()
@@ -95,6 +117,10 @@ async def soak(args: argparse.Namespace, stack: ChaosStack, pids: dict[str, int]
             ok = [s for s in states if isinstance(s, dict)]
             if len(ok) == len(FLEET):
                 occupancy.append(sum(s["batch"]["running"] for s in ok) / slots)
+            if args.monitor_port:
+                row = await asyncio.to_thread(broker_stats, args.monitor_port)
+                if row:
+                    broker_rows.append({"t": now, **row})
             try:
                 await asyncio.wait_for(stop.wait(), args.sample_s)
             except asyncio.TimeoutError:
@@ -144,7 +170,13 @@ async def soak(args: argparse.Namespace, stack: ChaosStack, pids: dict[str, int]
         base = rss_at(name, warm_t)
         last = rss[name][-1][1] if rss[name] else None
         if base and last:
-            rss_rows[name] = {"after_warmup_kib": base, "end_kib": last, "change": round(last / base - 1, 4)}
+            rss_rows[name] = {"after_warmup_kib": base, "end_kib": last, "change": round(last / base - 1, 4),
+                              # one sample a minute (MiB): whether growth levels off or keeps going
+                              "per_minute_mib": [round(kib / 1024, 1) for kib in per_minute(rss[name], t0)]}
+    broker = {}
+    if broker_rows:
+        broker = {k: [r[k] for r in per_minute([(r["t"], r) for r in broker_rows], t0)]
+                  for k in ("go_mem_mib", "subscriptions", "consumers", "js_bytes")}
     done = [r for r in report.results if r.outcome == "completed"]
     first = [r.elapsed for r in done if warm_t <= r.t_start < warm_t + 60]
     last_min = [r.elapsed for r in done if end_t - 60 <= r.t_start < end_t]
@@ -158,6 +190,7 @@ async def soak(args: argparse.Namespace, stack: ChaosStack, pids: dict[str, int]
         "slot_occupancy": round(sum(occupancy) / max(1, len(occupancy)), 3),
         "p99_first_min_s": round(p99(first), 3), "p99_last_min_s": round(p99(last_min), 3),
         "rss": rss_rows, "state_flaps": len(flaps), "flaps": flaps[:20],
+        "nats_per_minute": broker,
     }
     checks = {
         "clean": all(out[o] == 0 for o in ("unclean", "hang", "truncated", "lost")),
@@ -188,7 +221,8 @@ def main() -> int:
     ap.add_argument("--save", help="write the JSON result here")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="zml-soak-"))
-    broker = NatsServer("nats", free_port(), tmp / "nats")
+    args.monitor_port = free_port()
+    broker = NatsServer("nats", free_port(), tmp / "nats", monitor_port=args.monitor_port)
     broker.start()
     stack = ChaosStack(tmp, [broker.url], routers=2, gateways=1, health=1, warmup=1, time_scale=args.time_scale,
                        sim_extra=f"max_concurrency = {MAX_CONCURRENCY}\n",

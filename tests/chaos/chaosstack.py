@@ -45,6 +45,8 @@ class NatsServer:
     store: Path
     cluster_port: int | None = None
     routes: list[int] = field(default_factory=list)
+    #: HTTP monitoring (/varz, /jsz) on this port, if set (the soak bench reads it).
+    monitor_port: int | None = None
     proc: Proc | None = None
 
     @property
@@ -57,6 +59,8 @@ class NatsServer:
         if self.cluster_port is not None:
             argv += ["--cluster_name", "zml-chaos", "--cluster", f"nats://127.0.0.1:{self.cluster_port}",
                      "--routes", ",".join(f"nats://127.0.0.1:{p}" for p in self.routes)]
+        if self.monitor_port is not None:
+            argv += ["-m", str(self.monitor_port)]
         return argv
 
     def start(self, wait: bool = True) -> None:

@@ -16,7 +16,7 @@ import pytest
 from test_health_helpers import eventually
 from zmlcore.alive import BEAT_S
 from zmlcore.alive import main as alive_main
-from zmlcore.kvfollow import KVFollower
+from zmlcore.kvfollow import KVFollower, drop_watch, watch_bucket
 from zmlcore.launch import Proc, free_port, spawn, nats_server_binary, start_nats, wait_port
 from zmlcore.link import link_of, split_urls
 from zmlcore.natsio import connect, ensure_kv
@@ -151,6 +151,44 @@ async def test_follower_rewatches_when_its_consumer_is_lost(broker: Broker) -> N
         task.cancel()
         await nc.close()
 
+
+
+async def test_replaced_and_stopped_watch_consumers_do_not_pile_up(broker: Broker) -> None:
+    """nats-py replaces an ordered consumer on a sequence gap or missed heartbeats and leaves the
+    old one on the server; with its 5-minute default they piled up under load (soak). A watch's
+    consumer goes once nobody listens to it, and a stopped watch deletes its consumer at once."""
+    nc = await connect(broker.url, "follower")
+    js = nc.jetstream()
+    stream = f"KV_{BUCKET}"
+    seen: dict[str, bytes] = {}
+    follower = KVFollower(nc, BUCKET, on_put=seen.__setitem__, on_delete=seen.pop, inactive_s=1.0)
+    task = asyncio.create_task(follower.run())
+    try:
+        kv = await ensure_kv(js, BUCKET)
+        assert await follower.wait_ready(5)
+        await kv.put("x", b"1")
+        await eventually(lambda: seen.get("x") == b"1", what="first value")
+        [first] = await js.consumers_info(stream)
+        assert first.config.inactive_threshold == 1.0
+        watcher = follower.watcher
+        assert watcher is not None and watcher._sub is not None
+        # What nats-py does on a gap: a new consumer, the old one's deliver subject unsubscribed.
+        jsi = watcher._sub._sub._jsi
+        await jsi.reset_ordered_consumer(jsi._sseq + 1)
+
+        async def only_the_new_one() -> bool:
+            names = [c.name for c in await js.consumers_info(stream)]
+            return len(names) == 1 and names[0] != first.name
+        await eventually(only_the_new_one, timeout=15, interval=0.2, what="the replaced consumer dropped")
+        await kv.put("x", b"2")
+        await eventually(lambda: seen.get("x") == b"2", what="updates through the new consumer")
+        one_shot = await watch_bucket(kv)
+        assert len(await js.consumers_info(stream)) == 2
+        await drop_watch(one_shot)
+        assert len(await js.consumers_info(stream)) == 1  # deleted, not left to time out
+    finally:
+        task.cancel()
+        await nc.close()
 
 def _small_broker(tmp: Path, max_payload: int) -> tuple[Proc, str]:
     port = free_port()

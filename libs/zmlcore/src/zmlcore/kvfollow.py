@@ -88,6 +88,8 @@ class KVFollower:
         #: How many times the watch was (re-)created; the time of the last snapshot (monotonic).
         self.watches = 0
         self.synced_at = 0.0
+        #: The live watch (None between watches).
+        self.watcher: KeyValue.KeyWatcher | None = None
         self._misses = 0
 
     async def wait_ready(self, timeout: float) -> bool:
@@ -115,9 +117,11 @@ class KVFollower:
             backoff = 0.1
             self._misses = 0
             self.watches += 1
+            self.watcher = watcher
             try:
                 reason = await self._consume(watcher, kv, gen)
             finally:
+                self.watcher = None
                 await drop_watch(watcher)
             log.info("re-watching %s: %s", self.bucket, reason)
 
