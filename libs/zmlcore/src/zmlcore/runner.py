@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import logging
 import signal
 import sys
@@ -16,6 +15,7 @@ from typing import Any, Protocol
 
 from nats.aio.client import Client as NATS
 
+from zmlcore import gcpace
 from zmlcore.alive import beat
 from zmlcore.config import ZMLConfig, load_config
 from zmlcore.errors import ConfigError
@@ -81,6 +81,7 @@ async def run_service(
     beating = asyncio.ensure_future(beat(alive_file, lambda: nc.is_connected)) if alive_file else None
     lease = Lease(nc, lease_role, ttl_s=lease_ttl_s) if lease_role else None
     holding: asyncio.Future[None] | None = None
+    collecting: asyncio.Future[None] | None = None
     try:
         if lease is not None:
             acquiring = asyncio.ensure_future(lease.acquire())
@@ -92,11 +93,8 @@ async def run_service(
                 return
             holding = asyncio.ensure_future(lease.hold())
         await service.start(nc)
-        # Start-up objects (config, modules, tables) live for the whole run: keep them out of
-        # every later collection, and collect young objects less often (~4% of router CPU).
-        gc.collect()
-        gc.freeze()
-        gc.set_threshold(50_000, 20, 20)
+        gcpace.settle()  # start-up objects frozen; collections paced by time (zmlcore.gcpace)
+        collecting = asyncio.ensure_future(gcpace.collect_every())
         log.info("%s started (nats %s)", name, nats_url)
         if ready_line:
             print(ready_line, flush=True)
@@ -116,6 +114,8 @@ async def run_service(
     finally:
         if holding is not None:
             holding.cancel()
+        if collecting is not None:
+            collecting.cancel()
         link.closing = True
         closed.cancel()
         stopped.cancel()
