@@ -177,7 +177,9 @@ async def soak(args: argparse.Namespace, stack: ChaosStack, pids: dict[str, int]
         base = rss_at(name, warm_t)
         last = rss[name][-1][1] if rss[name] else None
         if base and last:
+            peak = max(kib for ts, kib in rss[name] if ts >= warm_t)
             rss_rows[name] = {"after_warmup_kib": base, "end_kib": last, "change": round(last / base - 1, 4),
+                              "peak_after_warmup_kib": peak, "peak_change": round(peak / base - 1, 4),
                               # one sample a minute (MiB): whether growth levels off or keeps going
                               "per_minute_mib": [round(kib / 1024, 1) for kib in per_minute(rss[name], t0)]}
     broker = {}
