@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
-from nats.js.api import Header
 from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
@@ -47,6 +46,7 @@ from zmlcore.natsio import ensure_kv
 
 log = logging.getLogger("zml.router.ids")
 
+_EXPECT_LAST = "Nats-Expected-Last-Subject-Sequence"  # JetStream's compare-and-set header
 #: A claim outlives its request's timeout by this much (the reply, the release, a queue hop).
 SLACK_S = 10.0
 #: How long the delete marker of a released claim stays (the server's smallest TTL).
@@ -106,8 +106,8 @@ class RequestIds:
                     holder = (entry.value or b"").decode(errors="replace")
                     last = entry.revision or 0
                 except KeyNotFoundError as err:  # a released claim's marker (or expired): write over it
-                    entry = getattr(err, "entry", None)
-                    holder, last = "", (entry.revision or 0) if entry is not None else 0
+                    marker = getattr(err, "entry", None)
+                    holder, last = "", (marker.revision or 0) if marker is not None else 0
                 if holder:
                     if holder == self.router_id or await self._alive(holder):
                         raise DuplicateRequestError(
@@ -136,7 +136,7 @@ class RequestIds:
         """Delete the claim, if it is still this revision (its TTL may have handed it on)."""
         if claim is None or self.kv is None or not self.nc.is_connected:
             return
-        headers = {"KV-Operation": "DEL", Header.EXPECTED_LAST_SUBJECT_SEQUENCE: str(claim.revision)}
+        headers = {"KV-Operation": "DEL", _EXPECT_LAST: str(claim.revision)}
         try:
             await self.nc.jetstream().publish(self._pre + claim.key, b"", headers=headers, msg_ttl=MARKER_TTL_S)
         except KeyWrongLastSequenceError:
@@ -145,7 +145,7 @@ class RequestIds:
             log.debug("request id claim %s not released", claim.key, exc_info=True)
 
     async def _put(self, key: str, last: int, ttl: float) -> int:
-        headers = {Header.EXPECTED_LAST_SUBJECT_SEQUENCE: str(last)}
+        headers = {_EXPECT_LAST: str(last)}
         try:
             ack = await self.nc.jetstream().publish(self._pre + key, self.router_id.encode(), headers=headers,
                                                     msg_ttl=max(1.0, ttl))
