@@ -5,7 +5,7 @@ max_payload. The router sends it in parts on the requester's own inbox (zmlcore.
 it reaches every way in: HTTP through the gateway, the SDK over NATS with a *client* identity
 (sync and async), and a raw nats-py client identity that declares ``Zml-Accept-Parts``. A raw
 client that does not declare it is refused with REPLY_TOO_LARGE before the node runs (the
-node's counters do not move). Lost parts: tests/e2e/test_stand_in_router.py.
+node's counters do not move). Lost parts: tests/e2e/test_reply_parts_lost.py.
 """
 
 from __future__ import annotations

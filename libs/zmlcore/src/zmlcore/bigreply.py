@@ -59,7 +59,8 @@ def part_bytes(max_payload: int | None) -> int:
 def accepted(headers: Mapping[str, str] | None) -> int | None:
     """The requester's ``Zml-Accept-Parts`` limit in bytes, or None (it collects no parts)."""
     value = (headers or {}).get(subjects.H_ACCEPT_PARTS, "")
-    return int(value) if value.isdigit() and 0 < len(value) <= 15 else None
+    limit = int(value) if value.isascii() and value.isdigit() and len(value) <= 15 else 0
+    return limit or None
 
 
 def split(data: bytes, headers: dict[str, str], part_bytes: int) -> list[tuple[bytes, dict[str, str]]]:
