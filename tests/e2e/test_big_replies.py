@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -102,6 +104,19 @@ async def test_raw_nats_client_that_declares_parts_collects_them(stack: Stack, s
         assert first.headers[subjects.H_NODE_ID] == NODE and body["zml"]["node_id"] == NODE
     finally:
         await nc.close()
+
+
+async def test_the_docs_example_collects_parts(stack: Stack, secure_bus: SecureBus) -> None:
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "nats-api.md").read_text()
+    code = re.search(r"## Replies larger than max_payload\n.*?```python\n(.*?)```", doc, re.S).group(1)  # type: ignore[union-attr]
+    ns: dict[str, Any] = {}
+    exec(compile(code, "docs/nats-api.md", "exec"), ns)  # noqa: S102 - the docs' own example, as written
+    nc = await _connect(secure_bus)
+    try:
+        body = await ns["infer_big"](nc, BIG)
+    finally:
+        await nc.close()
+    _check_vectors(body["data"])
 
 
 def _served(stack: Stack) -> int:
