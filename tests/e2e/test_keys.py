@@ -152,9 +152,9 @@ async def test_two_gateways_hold_the_plan_under_a_burst(two_gateways: tuple[Stac
         writes = (await nc.jetstream().stream_info("KV_" + subjects.LIMITS_BUCKET)).state.last_seq - seq0
         ok = [r for r in rs if r.status_code == 200]
         refused = [r for r in rs if r.status_code != 200]
-        # Never more than the plan (a window edge during the burst frees a few); leases left unspent
+        # Never more than the plan (a window edge during the burst frees ~3/s); leases left unspent
         # on the other gateway when one is refused are at most 1/SHARE of what was left each.
-        assert rpm - 2 * SHARE <= len(ok) <= rpm + 6, len(ok)
+        assert rpm - 2 * SHARE <= len(ok) <= rpm + rpm // 10, len(ok)
         assert writes < len(ok), f"{writes} KV writes for {len(ok)} requests: no leases"  # measured: ~45 for 200
         assert all(r.status_code == 429 and r.json()["error"]["code"] == "RATE_LIMITED" for r in refused)
         assert all(r.headers["x-ratelimit-remaining-requests"] == "0" and int(r.headers["retry-after"]) >= 1
