@@ -11,7 +11,7 @@ Presets as the API reference gives them (Maker 60 requests/minute and 5 concurre
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import msgspec
 
@@ -114,19 +114,19 @@ def refusal_of(s: LimitState, limits: PlanLimits, *, now: float, busy: int) -> V
     rpm, tpm, conc = limits.requests_per_minute, limits.tokens_per_minute, limits.concurrent
     used_r = used(s.prev_requests, s.requests, frac)
     used_t = used(s.prev_tokens, s.tokens, frac)
-    base = dict(requests_limit=rpm, tokens_limit=tpm,
-                tokens_remaining=max(0, math.floor(tpm - used_t)) if tpm else 0,
-                tokens_reset_s=_reset(s.prev_tokens, s.tokens, frac),
-                requests_reset_s=_reset(s.prev_requests, s.requests, frac))
     left = max(0, math.floor(rpm - used_r + 1e-9)) if rpm else 0
+    base = Verdict(False, requests_limit=rpm, requests_remaining=left,
+                   requests_reset_s=_reset(s.prev_requests, s.requests, frac), tokens_limit=tpm,
+                   tokens_remaining=max(0, math.floor(tpm - used_t)) if tpm else 0,
+                   tokens_reset_s=_reset(s.prev_tokens, s.tokens, frac))
     if rpm is not None and used_r + 1 > rpm + 1e-9:  # float slack: 2/3 of 60 is 40, not 40.000001
         wait = _wait(s.prev_requests, s.requests, frac, rpm, 1)
-        return Verdict(False, "requests", max(wait, 0.001), requests_remaining=0, **base)
+        return replace(base, reason="requests", retry_after_s=max(wait, 0.001), requests_remaining=0)
     if tpm is not None and used_t >= tpm:
         wait = _wait(s.prev_tokens, s.tokens, frac, tpm, 1)
-        return Verdict(False, "tokens", max(wait, 0.001), requests_remaining=left, **base)
+        return replace(base, reason="tokens", retry_after_s=max(wait, 0.001))
     if conc is not None and busy >= conc:
-        return Verdict(False, "concurrent", 1.0, requests_remaining=left, **base)
+        return replace(base, reason="concurrent", retry_after_s=1.0)
     return None
 
 
