@@ -26,7 +26,6 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
 from zmlcore import subjects, tracing
-from zmlcore.bigreply import fetch_reply
 from zmlcore.config import ZMLConfig
 from zmlcore.costs import CostTable
 from zmlcore.errors import (
@@ -43,6 +42,7 @@ from zmlcore.errors import (
 )
 from zmlcore.errors import ConnectionError as ZMLConnectionError
 from zmlcore.link import link_of
+from zmlcore.replyparts import PartsRequester
 from zmlcore.messages import NodeState
 from zmlcore.keys import KeyRing
 from zmlcore.natsauth import config_owner
@@ -125,6 +125,8 @@ class Gateway:
         self.access = access or Access(cfg, KeyRing(cfg.gateway.api_keys), None)
         self.owner = config_owner(cfg.nats)  # this gateway's NATS identity: its cancel subjects
         self.inflight = InFlight()
+        #: Non-streamed replies, in parts when over max_payload (zmlcore.bigreply).
+        self.replies = PartsRequester(nc, cfg.nats.max_reply_bytes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -288,7 +290,7 @@ class Gateway:
     async def _infer_once(self, body: bytes, headers: dict[str, str], request_id: str, timeout: float,
                           receive: Receive, send: Send, limits: list[tuple[bytes, bytes]], tokens: list[int]) -> None:
         # Watch for the client going away while the request runs: then cancel it on the node.
-        request = asyncio.ensure_future(self.nc.request(subjects.FRONT_DOOR_INFER, body, timeout=timeout + 1.0, headers=headers))
+        request = asyncio.ensure_future(self.replies.request(subjects.FRONT_DOOR_INFER, body, headers, timeout + 1.0))
         watch = asyncio.ensure_future(receive())
         # A reply sent while the broker was away is lost: do not wait the whole timeout for it.
         blink = asyncio.ensure_future(link_of(self.nc).reconnected(link_of(self.nc).generation))
@@ -319,7 +321,7 @@ class Gateway:
             value = rh.get(nats_name)
             if value is not None:
                 out.append((http_name, value.encode()))
-        data = await fetch_reply(self.nc, reply.data, rh)  # a reply over max_payload: from the object store
+        data = reply.data
         tokens[0] = _total_tokens(data)
         await send({"type": "http.response.start", "status": 200, "headers": out})
         await send({"type": "http.response.body", "body": data})

@@ -46,7 +46,8 @@ from zmlcore.messages import (
 )
 from zmlcore.kvfollow import KVFollower
 from zmlcore.runner import cancel_and_wait
-from zmlcore.bigreply import maybe_stash
+from zmlcore.bigreply import accepted, check_fits
+from zmlcore.replyparts import publish_reply
 from zmlcore.telemetry import DECISION_ID, REQUEST_ID
 from zmlcore.validate import check_request_id, decode_request, request_timeout_s
 from zmlcore.policy import (
@@ -328,6 +329,9 @@ class RouterService:
             stream = req.stream
             request_id = check_request_id(asked_id or req.request_id or _new_id())
             REQUEST_ID.set(request_id)  # on every log line of this request (JSON logs)
+            if msg.reply and self.nc is not None:  # a reply the requester could not receive: refuse now
+                mc = self.cfg.models.get(self.cfg.resolve_model(req.model))
+                check_fits(msg.data, req, headers, self.nc.max_payload, mc.max_model_len if mc else None)
             # The gateway passes the API key's options: its default policy, its cost label. An
             # identity sharing a key's plan gets that key's (its own headers cannot override them).
             owner = subjects.reply_owner(msg.reply)
@@ -731,19 +735,20 @@ class RouterService:
         await self._count(info.node_id, 1, 1)
         try:
             raw = await within_first_byte(
-                post_json(self.http, self._url(info, req), body, self._backend_headers(info)), first_byte)  # type: ignore[arg-type]
+                post_json(self.http, self._url(info, req), body, self._backend_headers(info),
+                          self.cfg.nats.max_reply_bytes), first_byte)  # type: ignore[arg-type]
         finally:
             await self._count(info.node_id, -1, -1)
         info.time_to_first_token = time.monotonic() - t0
         self.metrics.usage(req.kind(), req.model, raw)
         if rename is not None:
             raw = rename(raw)
-        # Over max_payload, the body goes through the object store instead of being lost (or
-        # refused after the node did the work).
-        data, headers = await maybe_stash(self.nc, f"{info.request_id}-{info.decision_id}",  # type: ignore[arg-type]
-                                          _with_routing(raw, info), self._routing_headers(info))
+        # Over max_payload: in parts to a requester that collects them (zmlcore.bigreply), else
+        # REPLY_TOO_LARGE (raised before anything is sent), never a lost reply.
         await self.ids.release_current()  # type: ignore[union-attr]  # before the caller can reuse the id
-        await self._publish(msg.reply, data, headers)
+        if msg.reply and self.nc is not None:
+            await publish_reply(self.nc, msg.reply, _with_routing(raw, info), self._routing_headers(info),
+                                accepted(msg.headers))
 
     async def _dispatch_stream(self, msg: Msg | QueuedMsg, req: InferRequest, body: bytes, info: RoutingInfo, t0: float,
                                first_byte: float | None = None, rename: Renamer | None = None) -> None:
