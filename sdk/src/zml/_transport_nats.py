@@ -36,9 +36,9 @@ from zml._core import (
 )
 from zml._errors import AuthError, ConnectionError, StreamInterruptedError, ZMLError
 from zmlcore import subjects
-from zmlcore.bigreply import fetch_reply
 from zmlcore.config import NatsConfig
 from zmlcore.natsauth import connect_options, owner_of
+from zmlcore.replyparts import PartsRequester, Reply
 from zmlcore.streamseq import SeqCheck
 
 __all__ = ["AsyncNatsStream", "AsyncNatsTransport", "SyncNatsStream", "SyncNatsTransport"]
@@ -46,7 +46,7 @@ __all__ = ["AsyncNatsStream", "AsyncNatsTransport", "SyncNatsStream", "SyncNatsT
 T = TypeVar("T")
 
 
-def _reply(msg: Msg) -> RawReply:
+def _reply(msg: Msg | Reply) -> RawReply:
     headers = lower_headers(msg.headers)
     return RawReply(status=nats_status(headers), headers=headers, body=msg.data)
 
@@ -56,7 +56,11 @@ class AsyncNatsTransport:
         self.url = url
         self.timeout = timeout
         self.connect_timeout = connect_timeout
-        self._options = connect_options(nats_config or NatsConfig(url=url))
+        nats_config = nats_config or NatsConfig(url=url)
+        self._options = connect_options(nats_config)
+        #: Largest reply collected in parts (replies over max_payload: zmlcore.bigreply).
+        self.max_reply_bytes = nats_config.max_reply_bytes
+        self._replies: PartsRequester | None = None
         self.owner = owner_of(self._options)
         self._nc: NATS | None = None
         self._lock: asyncio.Lock | None = None
@@ -96,12 +100,18 @@ class AsyncNatsTransport:
                     f"cannot connect to NATS at {self.url} ({type(exc).__name__}: {exc}). "
                     "Is `zml up` running? Check --endpoint / ZML_ENDPOINT."
                 ) from exc
+            self._replies = PartsRequester(self._nc, self.max_reply_bytes)
             return self._nc
 
-    async def request(self, subject: str, body: bytes, headers: dict[str, str] | None, timeout_s: float) -> RawReply:
+    async def request(self, subject: str, body: bytes, headers: dict[str, str] | None, timeout_s: float,
+                      parts: bool = False) -> RawReply:
+        """One request-reply; with ``parts``, a reply over max_payload is collected in parts."""
         nc = await self._conn()
         try:
-            msg = await nc.request(subject, body, timeout=timeout_s, headers=headers)
+            if parts and self._replies is not None:
+                msg: Msg | Reply = await self._replies.request(subject, body, headers, timeout_s)
+            else:
+                msg = await nc.request(subject, body, timeout=timeout_s, headers=headers)
         except nats.errors.NoRespondersError as exc:
             raise no_router_error(subject) from exc
         except nats.errors.TimeoutError as exc:
@@ -111,8 +121,6 @@ class AsyncNatsTransport:
             raise timeout_error(timeout_s, (headers or {}).get(subjects.H_REQUEST_ID, "-")) from exc
         except (nats.errors.ConnectionClosedError, nats.errors.StaleConnectionError, OSError) as exc:
             raise ConnectionError(f"NATS connection to {self.url} lost: {exc}") from exc
-        if msg.headers and subjects.H_REPLY_OBJECT in msg.headers:  # over max_payload: stored
-            msg.data = await fetch_reply(nc, msg.data, msg.headers)
         return _reply(msg)
 
     async def cancel(self, request_id: str) -> None:
@@ -123,7 +131,7 @@ class AsyncNatsTransport:
 
     async def infer(self, call: InferCall) -> RawReply:
         try:
-            return await self.request(subjects.INFER, call.encode(), call.nats_headers(), call.timeout_s)
+            return await self.request(subjects.INFER, call.encode(), call.nats_headers(), call.timeout_s, parts=True)
         except asyncio.CancelledError:
             await asyncio.shield(self.cancel(call.request_id))
             raise

@@ -5,7 +5,7 @@ Routes: POST /v1/chat/completions, POST /v1/completions (OpenAI-compatible, stre
 POST /v1/embeddings, GET /v1/models, GET /v1/models/{id}, GET /v1/nodes,
 GET /healthz; any other path is 404, a known path with the wrong
 method 405. The body is validated here with the router's own rules (zmlcore.validate), so a
-bad request is a 400 before it costs a NATS round trip, and then goes to ``zml.infer`` as is.
+bad request is a 400 before it costs a NATS round trip, and then goes to the front-door subject ``zml.gateway.infer`` as is.
 Every answer that is not a 200 carries OpenAI's error body (``message``, ``type``, ``code``).
 """
 
@@ -26,7 +26,6 @@ from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeout
 
 from zmlcore import subjects, tracing
-from zmlcore.bigreply import fetch_reply
 from zmlcore.config import ZMLConfig
 from zmlcore.costs import CostTable
 from zmlcore.errors import (
@@ -43,6 +42,7 @@ from zmlcore.errors import (
 )
 from zmlcore.errors import ConnectionError as ZMLConnectionError
 from zmlcore.link import link_of
+from zmlcore.replyparts import PartsRequester
 from zmlcore.messages import NodeState
 from zmlcore.keys import KeyRing
 from zmlcore.natsauth import config_owner
@@ -109,7 +109,7 @@ _NO_RESPONDERS = "503"
 
 
 def _no_router() -> NoHealthyNodesError:
-    return NoHealthyNodesError("no router is running (no responders on zml.infer)", retry_after=1.0)
+    return NoHealthyNodesError("no router is running (no responders on zml.gateway.infer)", retry_after=1.0)
 
 
 class Gateway:
@@ -125,6 +125,8 @@ class Gateway:
         self.access = access or Access(cfg, KeyRing(cfg.gateway.api_keys), None)
         self.owner = config_owner(cfg.nats)  # this gateway's NATS identity: its cancel subjects
         self.inflight = InFlight()
+        #: Non-streamed replies, in parts when over max_payload (zmlcore.bigreply).
+        self.replies = PartsRequester(nc, cfg.nats.max_reply_bytes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -252,13 +254,17 @@ class Gateway:
             return
         tokens = [0]
         try:
-            await self._dispatch(body, req.stream, request_id, timeout, receive, send, limits, caller, tokens)
+            await self._dispatch(body, req.stream, request_id, timeout, receive, send, limits, caller, tokens,
+                                 generated=not req.request_id)
         finally:
             self.access.done(caller, request_id, tokens[0])
 
     async def _dispatch(self, body: bytes, stream: bool, request_id: str, timeout: float, receive: Receive,
-                        send: Send, limits: list[tuple[bytes, bytes]], caller: Caller, tokens: list[int]) -> None:
+                        send: Send, limits: list[tuple[bytes, bytes]], caller: Caller, tokens: list[int],
+                        generated: bool = False) -> None:
         headers = {subjects.H_REQUEST_ID: request_id, subjects.H_TIMEOUT_MS: str(int(timeout * 1000))}
+        if generated:  # unique by construction: routers skip the cross-replica duplicate check
+            headers[subjects.H_ID_GENERATED] = "1"
         if caller.record is not None:  # the key's options travel with the request
             if caller.record.default_policy:
                 headers[subjects.H_DEFAULT_POLICY] = caller.record.default_policy
@@ -284,7 +290,7 @@ class Gateway:
     async def _infer_once(self, body: bytes, headers: dict[str, str], request_id: str, timeout: float,
                           receive: Receive, send: Send, limits: list[tuple[bytes, bytes]], tokens: list[int]) -> None:
         # Watch for the client going away while the request runs: then cancel it on the node.
-        request = asyncio.ensure_future(self.nc.request(subjects.INFER, body, timeout=timeout + 1.0, headers=headers))
+        request = asyncio.ensure_future(self.replies.request(subjects.FRONT_DOOR_INFER, body, headers, timeout + 1.0))
         watch = asyncio.ensure_future(receive())
         # A reply sent while the broker was away is lost: do not wait the whole timeout for it.
         blink = asyncio.ensure_future(link_of(self.nc).reconnected(link_of(self.nc).generation))
@@ -315,7 +321,7 @@ class Gateway:
             value = rh.get(nats_name)
             if value is not None:
                 out.append((http_name, value.encode()))
-        data = await fetch_reply(self.nc, reply.data, rh)  # a reply over max_payload: from the object store
+        data = reply.data
         tokens[0] = _total_tokens(data)
         await send({"type": "http.response.start", "status": 200, "headers": out})
         await send({"type": "http.response.body", "body": data})
@@ -341,7 +347,7 @@ class Gateway:
         seq = SeqCheck()  # a lost message ends the stream with an error, never silently short
         deadline = time.monotonic() + timeout + 1.0
         try:
-            await self.nc.publish(subjects.INFER, body, reply=inbox, headers=headers)
+            await self.nc.publish(subjects.FRONT_DOOR_INFER, body, reply=inbox, headers=headers)
             while True:
                 get = asyncio.ensure_future(queue.get())
                 remaining = deadline - time.monotonic()

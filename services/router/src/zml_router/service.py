@@ -46,7 +46,8 @@ from zmlcore.messages import (
 )
 from zmlcore.kvfollow import KVFollower
 from zmlcore.runner import cancel_and_wait
-from zmlcore.bigreply import maybe_stash
+from zmlcore.bigreply import accepted, check_fits
+from zmlcore.replyparts import publish_reply
 from zmlcore.telemetry import DECISION_ID, REQUEST_ID
 from zmlcore.validate import check_request_id, decode_request, request_timeout_s
 from zmlcore.policy import (
@@ -73,11 +74,14 @@ from zml_router.dispatch import (
     within_first_byte,
 )
 from zml_router.firstbyte import expected_s, first_byte_timeout
+from zml_router import ids as idclaims
+from zml_router.ids import RequestIds, claim_key
 from zml_router.kinds import PATHS, check_kind
 from zml_router.limits import IdentityLimits, Lease
 from zml_router.rename import Renamer
 from zml_router.queue import H_DEADLINE, H_ENQUEUED, H_QUEUED_HEADERS, H_TOTAL_MS, QueuedMsg, SaturationQueue
 from zml_router.table import NodeTable
+from zml_router.trust import front_door_headers
 
 log = logging.getLogger("zml.router")
 
@@ -144,7 +148,7 @@ def _owner_key(reply: str, headers: dict[str, str], request_id: str) -> str:
 
 
 def _key(owner: str, front_door_owner: str, request_id: str) -> str:
-    return f"{owner}\x00{front_door_owner}\x00{request_id}"
+    return claim_key(owner, front_door_owner, request_id)
 
 
 class RouterService:
@@ -171,6 +175,8 @@ class RouterService:
         self.metrics = RouterMetrics(self)
         #: Plans of NATS client identities (zml creds issue NAME --plan ...): zml_router.limits.
         self.limits = IdentityLimits()
+        #: Callers' request ids in flight on every replica (zml_router.ids).
+        self.ids: RequestIds | None = None
 
     # --- lifecycle -------------------------------------------------------------------------
     async def start(self, nc: NATS) -> None:
@@ -187,6 +193,8 @@ class RouterService:
         # A snapshot before taking traffic; an empty bucket has nothing to wait for.
         await self.nodes_follower.wait_ready(2.0)
         await self.limits.start(nc)
+        self.ids = RequestIds(nc, self.router_id, self.cfg.defaults.max_request_timeout_s)
+        await self.ids.open()
         self.queue = SaturationQueue(nc, self._room_for_queued, self._dispatch_queued, self._expire_queued,
                                      self._queued_cancelled, owner=self.router_id)
         self.table.on_change = self.queue.capacity.set
@@ -201,6 +209,9 @@ class RouterService:
         self._subs.append(await nc.subscribe(subjects.ROUTERS_STATE, cb=self._on_state))
         self._subs.append(
             await nc.subscribe(subjects.INFER, queue=subjects.ROUTER_QUEUE, cb=self._on_request)
+        )
+        self._subs.append(
+            await nc.subscribe(subjects.FRONT_DOOR_INFER, queue=subjects.ROUTER_QUEUE, cb=self._on_request)
         )
 
     async def stop(self) -> None:
@@ -224,6 +235,7 @@ class RouterService:
     # --- subscriptions ---------------------------------------------------------------------
     async def _on_request(self, msg: Msg) -> None:
         # nats-py runs a subscription's callbacks one after another: hand off at once.
+        front_door_headers(msg)  # what the sender may not set is dropped here (zml_router.trust)
         task = asyncio.create_task(self._enter(msg))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -311,11 +323,15 @@ class RouterService:
         request_id = ""  # set once validated: it goes into subjects, headers and logs
         stream = False
         out = _Outcome()
+        idclaims.CURRENT.set(None)  # not one inherited from the task that started this one
         try:
             req = decode_request(msg.data, max_depth=self.cfg.defaults.max_json_depth)
             stream = req.stream
             request_id = check_request_id(asked_id or req.request_id or _new_id())
             REQUEST_ID.set(request_id)  # on every log line of this request (JSON logs)
+            if msg.reply and self.nc is not None:  # a reply the requester could not receive: refuse now
+                mc = self.cfg.models.get(self.cfg.resolve_model(req.model))
+                check_fits(msg.data, req, headers, self.nc.max_payload, mc.max_model_len if mc else None)
             # The gateway passes the API key's options: its default policy, its cost label. An
             # identity sharing a key's plan gets that key's (its own headers cannot override them).
             owner = subjects.reply_owner(msg.reply)
@@ -337,6 +353,7 @@ class RouterService:
             try:
                 if self._cancelled.take(key, time.time()):  # the cancel overtook the request
                     raise asyncio.CancelledError
+                idclaims.CURRENT.set(await self._claim_id(msg, headers, key, req, timeout, request_id))
                 if not isinstance(msg, QueuedMsg):  # a queued request was counted when it arrived
                     lease = await self.limits.admit(owner, request_id, timeout)
                 async with asyncio.timeout(timeout):
@@ -345,6 +362,8 @@ class RouterService:
                 raise TimeoutError(f"request exceeded its timeout of {timeout:g} s") from exc
             finally:
                 self._by_request.pop(key, None)
+                if not out.queued:  # a queued request keeps its claim until it is answered
+                    await self.ids.release_current()  # type: ignore[union-attr]
                 self.limits.done(lease, (out.info.total_tokens or 0) if out.ok and out.info else 0)
                 if isinstance(msg, QueuedMsg) and msg.placed is not None and not msg.placed.done():
                     msg.placed.set_result(True)
@@ -362,9 +381,26 @@ class RouterService:
         if out.model and not out.queued:
             await self._completed(out, request_id, t0)
 
+    async def _claim_id(self, msg: Msg | QueuedMsg, headers: dict[str, str], key: str, req: InferRequest,
+                        timeout: float, request_id: str) -> idclaims.Claim | None:
+        """The request's claim on its id across replicas: taken here for an id the caller chose,
+        carried along by a queued request, none for an id generated by its sender or by us."""
+        if isinstance(msg, QueuedMsg):
+            return idclaims.queued_claim(key, msg.headers)
+        if not (headers.get(subjects.H_REQUEST_ID) or req.request_id) or headers.get(subjects.H_ID_GENERATED) == "1":
+            return None
+        return await self.ids.claim(key, timeout, request_id)  # type: ignore[union-attr]
+
     def _queued_cancelled(self, qmsg: QueuedMsg) -> bool:
         request_id = qmsg.headers.get(subjects.H_REQUEST_ID, "")
-        return self._cancelled.seen(_owner_key(qmsg.reply, qmsg.headers, request_id), time.time())
+        key = _owner_key(qmsg.reply, qmsg.headers, request_id)
+        if not self._cancelled.seen(key, time.time()):
+            return False
+        if self.ids is not None:  # dropped from the queue without a reply: free its id now
+            task = asyncio.create_task(self.ids.release(idclaims.queued_claim(key, qmsg.headers)))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        return True
 
     def _prepare(self, req: InferRequest, raw: bytes) -> tuple[str, ResolvedPolicy, RouteRequest]:
         model = self.cfg.resolve_model(req.model)
@@ -564,6 +600,9 @@ class RouterService:
         headers = {k: v for k, v in (msg.headers or {}).items() if k in H_QUEUED_HEADERS}
         headers[subjects.H_REQUEST_ID] = request_id
         headers[subjects.H_TIMEOUT_MS] = str(int(timeout * 1000))
+        claim = idclaims.CURRENT.get()
+        if claim is not None:  # the request keeps its id while it waits (zml_router.ids)
+            headers[idclaims.H_ID_CLAIM] = str(claim.revision)
         if isinstance(msg, QueuedMsg):
             # Back in the queue after losing a race for capacity: keep its deadlines.
             deadline = float(msg.headers.get(H_DEADLINE, deadline))
@@ -608,6 +647,8 @@ class RouterService:
 
     async def _expire_queued(self, qmsg: QueuedMsg, enqueued_at: float) -> None:
         self.metrics.expired(qmsg.data)
+        request_id = qmsg.headers.get(subjects.H_REQUEST_ID, "")
+        idclaims.CURRENT.set(idclaims.queued_claim(_owner_key(qmsg.reply, qmsg.headers, request_id), qmsg.headers))
         waited_ms = int((time.time() - enqueued_at) * 1000)
         try:
             stream = infer_request_decoder.decode(qmsg.data).stream
@@ -694,18 +735,20 @@ class RouterService:
         await self._count(info.node_id, 1, 1)
         try:
             raw = await within_first_byte(
-                post_json(self.http, self._url(info, req), body, self._backend_headers(info)), first_byte)  # type: ignore[arg-type]
+                post_json(self.http, self._url(info, req), body, self._backend_headers(info),
+                          self.cfg.nats.max_reply_bytes), first_byte)  # type: ignore[arg-type]
         finally:
             await self._count(info.node_id, -1, -1)
         info.time_to_first_token = time.monotonic() - t0
         self.metrics.usage(req.kind(), req.model, raw)
         if rename is not None:
             raw = rename(raw)
-        # Over max_payload, the body goes through the object store instead of being lost (or
-        # refused after the node did the work).
-        data, headers = await maybe_stash(self.nc, f"{info.request_id}-{info.decision_id}",  # type: ignore[arg-type]
-                                          _with_routing(raw, info), self._routing_headers(info))
-        await self._publish(msg.reply, data, headers)
+        # Over max_payload: in parts to a requester that collects them (zmlcore.bigreply), else
+        # REPLY_TOO_LARGE (raised before anything is sent), never a lost reply.
+        await self.ids.release_current()  # type: ignore[union-attr]  # before the caller can reuse the id
+        if msg.reply and self.nc is not None:
+            await publish_reply(self.nc, msg.reply, _with_routing(raw, info), self._routing_headers(info),
+                                accepted(msg.headers))
 
     async def _dispatch_stream(self, msg: Msg | QueuedMsg, req: InferRequest, body: bytes, info: RoutingInfo, t0: float,
                                first_byte: float | None = None, rename: Renamer | None = None) -> None:
@@ -741,6 +784,7 @@ class RouterService:
                 info.time_to_first_token = time.monotonic() - t0
                 await self._publish(msg.reply, _encode(StreamStart(routing=info)),
                                     {**self._routing_headers(info), subjects.H_STREAM: "start", subjects.H_SEQ: "0"})
+            await self.ids.release_current()  # type: ignore[union-attr]
             await self._publish(msg.reply, _encode(StreamStart(routing=info)),
                                 {subjects.H_STREAM: subjects.STREAM_END, subjects.H_SEQ: str(seq + 1)})
         except AttemptError as err:
@@ -775,6 +819,8 @@ class RouterService:
         if stream:
             headers[subjects.H_STREAM] = subjects.STREAM_ERROR
         try:
+            if self.ids is not None:
+                await self.ids.release_current()
             await self._publish(msg.reply, _encode(exc.to_body()), headers)
         except Exception:  # connection closing: the requester times out on its side
             log.warning("could not send error reply %s", exc.code)
