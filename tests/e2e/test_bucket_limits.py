@@ -9,7 +9,7 @@ from typing import Any
 
 import nats
 
-from zmlcore import bigreply, subjects
+from zmlcore import subjects
 from zmlcore.costs import costs_kv
 from zmlcore.keys import keys_kv
 from zmlcore.lease import Lease
@@ -31,7 +31,6 @@ async def test_every_bucket_and_stream_zml_creates_is_bounded(zml_stack: Any, na
     try:
         # The ones created on first use, which a plain stack may not have touched yet.
         await SharedLimiter.open(nc)
-        await bigreply._store(nc)
         await Lease(nc, "bounds-test", ttl_s=5.0)._bucket()
         await keys_kv(nc)
         await costs_kv(nc)
@@ -49,7 +48,7 @@ async def test_every_bucket_and_stream_zml_creates_is_bounded(zml_stack: Any, na
             one_per_key = bucket in ONE_PER_KEY and cfg.max_msgs_per_subject == 1
             assert expires or one_per_key, f"{name}: no bound (max_age={cfg.max_age}, " \
                                            f"max_msgs_per_subject={cfg.max_msgs_per_subject})"
-        assert {subjects.NODES_BUCKET, subjects.LIMITS_BUCKET, subjects.REPLIES_BUCKET, subjects.LEASES_BUCKET,
-                subjects.KEYS_BUCKET, subjects.COSTS_BUCKET} <= checked, checked
+        assert {subjects.NODES_BUCKET, subjects.LIMITS_BUCKET, subjects.LEASES_BUCKET, subjects.KEYS_BUCKET,
+                subjects.COSTS_BUCKET, subjects.REQUEST_IDS_BUCKET} <= checked, checked
     finally:
         await nc.close()
