@@ -50,8 +50,9 @@ async def watch_bucket(kv: KeyValue, *, inactive_s: float = WATCH_INACTIVE_S, **
 
 
 async def drop_watch(watcher: KeyValue.KeyWatcher) -> None:
-    """Stop a watcher and delete its consumer now (best effort: without a connection the
-    server drops it after its inactive threshold)."""
+    """Stop a watcher and delete its consumer (best effort, in the background: a re-watch after
+    a broker restart must not wait on JetStream; without a connection the server drops the
+    consumer after its inactive threshold anyway)."""
     sub = watcher._sub
     try:
         await watcher.stop()  # type: ignore[no-untyped-call]
@@ -59,9 +60,18 @@ async def drop_watch(watcher: KeyValue.KeyWatcher) -> None:
         return
     if sub is None or not sub._consumer or not sub._js._nc.is_connected:
         return
+    task = asyncio.ensure_future(_delete_consumer(sub._js, sub._stream, sub._consumer))
+    _deleting.add(task)
+    task.add_done_callback(_deleting.discard)
+
+
+_deleting: set[asyncio.Future[None]] = set()
+
+
+async def _delete_consumer(js: Any, stream: str, consumer: str) -> None:
     try:
-        await sub._js._jsm.delete_consumer(sub._stream, sub._consumer)
-    except Exception:  # gone already (inactive, or the broker restarted)
+        await asyncio.wait_for(js._jsm.delete_consumer(stream, consumer), 2.0)
+    except Exception:  # gone already (inactive, or the broker restarted), or no answer in time
         pass
 
 
