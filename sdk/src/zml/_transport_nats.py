@@ -9,6 +9,10 @@ become ZML errors here and nowhere else.
 The identity (nkey seed, env ZML_NATS_NKEY or ``[nats] nkey_file``) and TLS come from the
 configuration: with an identity, replies arrive on the identity's own inbox prefix and the
 owner in cancel subjects is its public key (see docs/security.md).
+
+Inference goes through :class:`zmlcore.exchange.Exchange`: the transport asks the routers for
+keepalives, and a request whose router dies (3 silent intervals) is sent once more to another
+router, invisibly unless a stream had already started (then it ends with STREAM_INTERRUPTED).
 """
 
 from __future__ import annotations
@@ -38,12 +42,17 @@ from zml._errors import AuthError, ConnectionError, StreamInterruptedError, ZMLE
 from zmlcore import subjects
 from zmlcore.bigreply import fetch_reply
 from zmlcore.config import NatsConfig
+from zmlcore.exchange import Exchange
 from zmlcore.natsauth import connect_options, owner_of
 from zmlcore.streamseq import SeqCheck
 
 __all__ = ["AsyncNatsStream", "AsyncNatsTransport", "SyncNatsStream", "SyncNatsTransport"]
 
 T = TypeVar("T")
+
+#: Keepalive interval asked of the routers (``Zml-Keepalive``): a dead router is noticed after
+#: three of them. None turns keepalives (and so router failover) off.
+ROUTER_KEEPALIVE_S: float | None = 1.0
 
 
 def _reply(msg: Msg) -> RawReply:
@@ -52,9 +61,11 @@ def _reply(msg: Msg) -> RawReply:
 
 
 class AsyncNatsTransport:
-    def __init__(self, url: str, timeout: float, connect_timeout: float = 2.0, nats_config: NatsConfig | None = None) -> None:
+    def __init__(self, url: str, timeout: float, connect_timeout: float = 2.0, nats_config: NatsConfig | None = None,
+                 keepalive_s: float | None = ROUTER_KEEPALIVE_S) -> None:
         self.url = url
         self.timeout = timeout
+        self.keepalive_s = keepalive_s
         self.connect_timeout = connect_timeout
         self._options = connect_options(nats_config or NatsConfig(url=url))
         self.owner = owner_of(self._options)
@@ -121,9 +132,42 @@ class AsyncNatsTransport:
             await nc.publish(subjects.cancel(request_id, self.owner), b"")
             await nc.flush(timeout=1)
 
+    def _exchange(self, nc: NATS, call: InferCall, buffer: int) -> Exchange:
+        headers = call.nats_headers()
+        return Exchange(nc, call.encode(), headers, timeout_s=int(headers[subjects.H_TIMEOUT_MS]) / 1000.0,
+                        wait_s=call.timeout_s, keepalive_s=self.keepalive_s, buffer=buffer)
+
+    async def _send(self, call: InferCall, buffer: int) -> Exchange:
+        nc = await self._conn()
+        ex = self._exchange(nc, call, buffer)
+        try:
+            await ex.send()
+        except (nats.errors.Error, OSError) as exc:
+            raise ConnectionError(f"NATS connection to {self.url} lost: {exc}") from exc
+        return ex
+
+    async def _infer_once(self, call: InferCall) -> RawReply:
+        ex = await self._send(call, 8)
+        try:
+            msg = await ex.next()
+        except (nats.errors.ConnectionClosedError, OSError) as exc:
+            raise ConnectionError(f"NATS connection to {self.url} lost: {exc}") from exc
+        except ZMLError as exc:
+            if exc.code == "TIMEOUT":  # the SDK's own wording (request id, what to change)
+                raise timeout_error(call.timeout_s, call.request_id) from None
+            raise
+        finally:
+            ex.close()
+        headers = lower_headers(msg.headers)
+        if headers.get("status") == "503" and not msg.data:
+            raise no_router_error(subjects.INFER)
+        if msg.headers and subjects.H_REPLY_OBJECT in msg.headers:  # over max_payload: stored
+            msg.data = await fetch_reply(ex.nc, msg.data, msg.headers)
+        return _reply(msg)
+
     async def infer(self, call: InferCall) -> RawReply:
         try:
-            return await self.request(subjects.INFER, call.encode(), call.nats_headers(), call.timeout_s)
+            return await self._infer_once(call)
         except asyncio.CancelledError:
             await asyncio.shield(self.cancel(call.request_id))
             raise
@@ -140,14 +184,9 @@ class AsyncNatsTransport:
         return nodes  # the CLI derives models from the node list over NATS
 
     async def open_stream(self, call: InferCall) -> AsyncNatsStream:
-        nc = await self._conn()
-        inbox = nc.new_inbox()
-        try:
-            sub = await nc.subscribe(inbox)
-            await nc.publish(subjects.INFER, call.encode(), reply=inbox, headers=call.nats_headers())
-        except (nats.errors.Error, OSError) as exc:
-            raise ConnectionError(f"NATS connection to {self.url} lost: {exc}") from exc
-        return AsyncNatsStream(self, sub, call)
+        # Generous: a stream's chunks wait here until the caller iterates (the router does not
+        # wait for a slow reader; overflow ends the stream with an error).
+        return AsyncNatsStream(self, await self._send(call, 65536), call)
 
     async def aclose(self) -> None:
         if self._nc is not None:
@@ -159,9 +198,9 @@ class AsyncNatsTransport:
 class AsyncNatsStream:
     """Stream events of one streamed reply; ``aclose()`` before the end cancels the request."""
 
-    def __init__(self, transport: AsyncNatsTransport, sub: Any, call: InferCall) -> None:
+    def __init__(self, transport: AsyncNatsTransport, ex: Exchange, call: InferCall) -> None:
         self._t = transport
-        self._sub = sub
+        self._ex = ex
         self._call = call
         self._finished = False
         self.headers: dict[str, str] = {}
@@ -170,12 +209,19 @@ class AsyncNatsStream:
         seq = SeqCheck()  # a lost message ends the stream with an error, never silently short
         while True:
             try:
-                msg = await self._sub.next_msg(timeout=self._call.timeout_s)
-            except nats.errors.TimeoutError:
-                yield StreamEvent("error", error=timeout_error(self._call.timeout_s, self._call.request_id))
+                msg = await self._ex.next()
+            except ZMLError as exc:  # TIMEOUT, or its router gone (STREAM_INTERRUPTED once started)
+                if exc.code == "TIMEOUT":
+                    exc = timeout_error(self._call.timeout_s, self._call.request_id)
+                yield StreamEvent("error", error=exc)
                 return
             except (nats.errors.ConnectionClosedError, OSError) as exc:
                 raise ConnectionError(f"NATS connection to {self._t.url} lost: {exc}") from exc
+            if self._ex.overflowed:
+                yield StreamEvent("error", error=StreamInterruptedError(
+                    "more stream messages arrived than the client buffers while it was not reading; "
+                    "the stream is incomplete", retry_after=1.0))
+                return
             headers = lower_headers(msg.headers)
             if headers.get("status") == "503":
                 self._finished = True
@@ -196,16 +242,17 @@ class AsyncNatsStream:
         if not self._finished:
             self._finished = True
             await self._t.cancel(self._call.request_id)
-        with contextlib.suppress(Exception):
-            await self._sub.unsubscribe()
+        self._ex.close()
 
 
 class SyncNatsTransport:
     """The async transport driven from a private event-loop thread (the SDK's only bridge)."""
 
-    def __init__(self, url: str, timeout: float, connect_timeout: float = 2.0, nats_config: NatsConfig | None = None) -> None:
+    def __init__(self, url: str, timeout: float, connect_timeout: float = 2.0, nats_config: NatsConfig | None = None,
+                 keepalive_s: float | None = ROUTER_KEEPALIVE_S) -> None:
         self.url = url
-        self._async = AsyncNatsTransport(url, timeout, connect_timeout, nats_config)  # checks the identity first
+        # checks the identity first
+        self._async = AsyncNatsTransport(url, timeout, connect_timeout, nats_config, keepalive_s)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="zml-nats", daemon=True)
         self._thread.start()
