@@ -346,7 +346,7 @@ class RouterService:
                 # answers an inbox nobody reads any more. This one replaces it.
                 held.cancel()
             if headers.get(subjects.H_RESEND):
-                log.info("request %s sent again by its requester: the router holding it went silent", request_id)
+                log.warning("request %s sent again by its requester: the router holding it went silent", request_id)
             self._by_request[key] = task
             if keepalive is not None and msg.reply:
                 self.keepalives.add(msg.reply, keepalive, time.monotonic())
