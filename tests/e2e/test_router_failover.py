@@ -27,12 +27,18 @@ FLEET = [("h100-a", "nvidia_h100", [MODEL])]
 TOKENS = 300  # ~0.5 s of decoding at time_scale 10 (60 tokens/s model time)
 TIMEOUT_S = 60.0
 QUICK_S = 30.0  # what "well before the timeout" means on a shared 2-core box
+QUEUED_POLICY = """
+[policies.queued]
+accelerator_chain = ["H100"]
+queue_on_saturation = true
+max_queue_ms = 20000
+"""
 
 
 @pytest.fixture(scope="module")
 def stack(own_nats: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     s = launch_stack(own_nats, tmp_path_factory.mktemp("failover"), fleet=FLEET, routers=2, time_scale=10.0,
-                     sim_extra="max_concurrency = 2\n",
+                     sim_extra="max_concurrency = 2\n", extra=QUEUED_POLICY,
                      router="first_byte_floor_s = 120\nadmission_ttft_s = 600\ncooldown_s = 1\n")
     try:
         yield s
@@ -112,6 +118,80 @@ async def _via_sdk(client: zml.AsyncClient, i: int, stream: bool) -> dict[str, A
     return out
 
 
+async def _raw(nc: Any, headers: dict[str, str], max_tokens: int, settle: float = 0.3, **body: Any) -> list[Any]:
+    """Every message on the reply subject of one request sent as a raw NATS client would."""
+    inbox = nc.new_inbox()
+    got: list[Any] = []
+    done = asyncio.Event()
+
+    async def on(msg: Any) -> None:
+        got.append(msg)
+        if not (msg.headers or {}).get(subjects.H_KEEPALIVE):
+            done.set()
+
+    sub = await nc.subscribe(inbox, cb=on)
+    payload = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "raw"}],
+                          "max_tokens": max_tokens, **body}).encode()
+    await nc.publish(subjects.INFER, payload, reply=inbox, headers=headers)
+    await asyncio.wait_for(done.wait(), 30)
+    await asyncio.sleep(settle)  # nothing may follow the reply
+    await sub.unsubscribe()
+    return got
+
+
+def _kinds(msgs: list[Any]) -> list[str]:
+    return [(m.headers or {}).get(subjects.H_KEEPALIVE) or (m.headers or {}).get(subjects.H_ERROR_CODE) or "reply"
+            for m in msgs]
+
+
+async def test_keepalives_only_for_requests_that_ask(stack: Stack) -> None:
+    nc = await nats.connect(stack.nats_url)
+    try:
+        asked = _kinds(await _raw(nc, {subjects.H_KEEPALIVE: "200"}, 600))  # ~1 s of decoding
+        assert asked[-1] == "reply" and set(asked[:-1]) == {"alive"} and len(asked) >= 3, asked
+        # A raw client that asks nothing gets the reply alone (its request() takes the first message).
+        assert _kinds(await _raw(nc, {}, 300)) == ["reply"]
+        # A request done within its interval costs no keepalive.
+        assert _kinds(await _raw(nc, {subjects.H_KEEPALIVE: "5000"}, 2)) == ["reply"]
+        for bad in ("soon", "0", "-1", "x" * 400):
+            assert _kinds(await _raw(nc, {subjects.H_KEEPALIVE: bad}, 2, settle=0)) == ["BAD_REQUEST"], bad
+    finally:
+        await nc.close()
+
+
+async def test_a_queued_request_says_queued_then_alive(stack: Stack) -> None:
+    """A requester is told "queued" (and must not send it again while it waits, however long the
+    silence); the replica that takes it out of the queue says "alive" before running it."""
+    stack.faults("h100-a", overload=True, retry_after_s=0.3)
+    nc = await nats.connect(stack.nats_url)
+    try:
+        task = asyncio.create_task(_raw(nc, {subjects.H_KEEPALIVE: "200"}, 2, policy="queued"))
+        await asyncio.sleep(1.5)  # 7 intervals of silence while queued
+        stack.faults("h100-a", overload=False)
+        kinds = _kinds(await task)
+    finally:
+        stack.faults("h100-a", overload=False)
+        await nc.close()
+    assert kinds[0] == "queued" and kinds[-1] == "reply" and "alive" in kinds, kinds
+    assert "alive" not in kinds[:kinds.index("queued")], kinds
+
+
+async def test_a_resend_reaching_the_router_that_holds_it_replaces_it(stack: Stack) -> None:
+    """A router that only looked dead (stalled) may get the resend itself: it serves it, it does
+    not refuse it as a duplicate of the attempt nobody listens to any more."""
+    nc = await nats.connect(stack.nats_url)
+    try:
+        for i in range(3):  # with 2 replicas, some resends reach the holder
+            rid = f"stalled-{i}"
+            first = asyncio.create_task(_raw(nc, {subjects.H_REQUEST_ID: rid}, 600))
+            await asyncio.sleep(0.2)
+            kinds = _kinds(await _raw(nc, {subjects.H_REQUEST_ID: rid, subjects.H_RESEND: "1"}, 2, settle=0))
+            assert kinds == ["reply"], kinds
+            first.cancel()
+    finally:
+        await nc.close()
+
+
 async def test_a_killed_routers_requests_are_taken_over(stack: Stack) -> None:
     nc = await nats.connect(stack.nats_url)
     try:
@@ -132,7 +212,7 @@ async def test_a_killed_routers_requests_are_taken_over(stack: Stack) -> None:
         ended = time.monotonic() - killed_at
     finally:
         await nc.close()
-    resent = set(re.findall(r"request (\S+) sent again", stack.procs["router-1"].tail(200)))
+    resent = set(re.findall(r"request ((?:gw|sdk)-\d+) sent again", stack.procs["router-1"].tail(200)))
     problems = []
     for r in results:
         if r.get("code") == "TIMEOUT" or r["took"] >= QUICK_S:
@@ -141,7 +221,6 @@ async def test_a_killed_routers_requests_are_taken_over(stack: Stack) -> None:
             problems.append(("not completed", r))  # a plain request never fails: it is sent again
         elif r["stream"] and not (r.get("done") and r["tokens"] == TOKENS) and r.get("code") != "STREAM_INTERRUPTED":
             problems.append(("stream neither whole nor interrupted", r))
-    print(results, resent)
     assert not problems, (problems, resent)
     assert ended < QUICK_S, ended
     # The dead router's requests were sent again and served by the survivor: some through the
@@ -149,4 +228,3 @@ async def test_a_killed_routers_requests_are_taken_over(stack: Stack) -> None:
     assert any(i.startswith("gw-") for i in resent) and any(i.startswith("sdk-") for i in resent), resent
     by_id = {r["id"]: r for r in results}
     assert all(by_id[i].get("status") == 200 for i in resent if not by_id[i]["stream"]), resent
-    stack.procs["router-2"] = stack.start_router("router-2")

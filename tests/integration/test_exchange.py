@@ -20,7 +20,7 @@ from zmlcore.errors import BackendError, StreamInterruptedError, TimeoutError
 from zmlcore.exchange import Exchange
 from zmlcore.keepalive import MISSES, QUEUED, keepalive_headers
 
-KA = 0.2  # keepalive interval of these tests: a silent router is gone after 0.6 s
+KA = 0.15  # keepalive interval of these tests: a silent router is gone after 0.45 s
 
 
 @pytest.fixture()
@@ -181,12 +181,12 @@ async def test_without_keepalives_nothing_changes(nc: Any) -> None:
         return
 
     _, seen = await responder(nc, subj, script)
-    ex = exchange(nc, subj, keepalive_s=None, timeout_s=0.6, wait_s=0.8)  # a router gone: 0.6 s
+    ex = exchange(nc, subj, keepalive_s=None, timeout_s=0.5, wait_s=0.7)  # a router gone: 0.45 s
     t0 = time.monotonic()
     await ex.send()
     with pytest.raises(TimeoutError):
         await ex.next()
-    assert time.monotonic() - t0 >= 0.75
+    assert time.monotonic() - t0 >= 0.65
     assert len(seen) == 1 and subjects.H_KEEPALIVE not in (seen[0].headers or {})
 
 
