@@ -3,15 +3,17 @@
 measured with the shared peers harness's stub backend and load generator (../shared/peers:
 stub_backend.py, load.py; read, not copied into this repo).
 
-Three gateways on one stack, measured in turn, interleaved over repetitions:
+Gateways on one stack, measured in turn, interleaved over repetitions:
   open    no keys, no limits (the self-hosted default)
   static  a zml.toml key + [gateway] requests_per_minute (this replica's token bucket)
-  plan    a run-time key (`zml keys create`) with a custom plan: every request reads and
-          compare-and-sets its zml_limits KV entry, and frees its lease after the reply
+  plan    a run-time key (`zml keys create`) with a custom plan: the shared zml_limits KV entry,
+          through this replica's leases (zmlcore.leases: about one compare-and-set per second)
+  base    with --baseline REV: the same, on a gateway running REV's code (extracted with
+          `git archive`, first on PYTHONPATH) with a key of its own: before/after in one run
 
 Limits are set far above the offered load, so what is measured is the cost, not refusals.
 
-    python benches/auth_overhead.py --conc 8,32 --reps 3 --requests 1500
+    python benches/auth_overhead.py --conc 8,32 --reps 3 --requests 1500 [--baseline 85225e6]
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 from zmlcore.launch import free_port, service_argv, spawn, start_nats, wait_port
 
@@ -71,6 +74,7 @@ def main() -> int:
     ap.add_argument("--conc", default="8,32")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--requests", type=int, default=1500)
+    ap.add_argument("--baseline", default="", help="a git revision whose gateway is measured too (target 'base')")
     a = ap.parse_args()
     tmp = tempfile.mkdtemp(prefix="zml-auth-bench-")
     procs = []
@@ -94,18 +98,29 @@ def main() -> int:
         for b, url_ in brokers.items():
             procs.append(spawn("health" + b, service_argv("health", paths["open"], url_)))
             procs.append(spawn("router" + b, service_argv("router", paths["open"], url_)))
-        key = asyncio.run(_make_key(brokers["B"]))
+        keys = {"open": "none", "static": "sk-bench", "plan": asyncio.run(_make_key(brokers["B"]))}
+        targets = [("open", "open", "A", None), ("static", "static", "B", None), ("plan", "open", "B", None)]
+        if a.baseline:
+            src = os.path.join(tmp, "baseline")
+            os.makedirs(src)
+            root = Path(__file__).resolve().parent.parent
+            tar = subprocess.run(["git", "-C", str(root), "archive", a.baseline, "libs", "services"],
+                                 capture_output=True, check=True).stdout
+            subprocess.run(["tar", "-x", "-C", src], input=tar, check=True)
+            path = os.pathsep.join(os.path.join(src, p) for p in ("libs/zmlcore/src", "services/gateway/src"))
+            keys["base"] = asyncio.run(_make_key(brokers["B"]))  # its own entry in zml_limits
+            targets.append(("base", "open", "B", {"PYTHONPATH": path}))
         ports: dict[str, int] = {}
-        for name, cfg, b in (("open", "open", "A"), ("static", "static", "B"), ("plan", "open", "B")):
+        for name, cfg, b, env in targets:
             ports[name] = free_port()
-            procs.append(spawn("gw-" + name, service_argv("gateway", paths[cfg], brokers[b], "--port", str(ports[name]))))
+            procs.append(spawn("gw-" + name, service_argv("gateway", paths[cfg], brokers[b], "--port", str(ports[name])),
+                               env=env))
             assert wait_port("127.0.0.1", ports[name], 30)
         time.sleep(3)  # first health polls
-        keys = {"open": "none", "static": "sk-bench", "plan": key}
         results: dict[tuple[str, int], list[dict]] = {}
         for rep in range(a.reps):  # interleaved, so a busy spell hits every target alike
             for c in (int(c) for c in a.conc.split(",")):
-                for name in ("open", "static", "plan"):
+                for name in keys:
                     run = _load(f"http://127.0.0.1:{ports[name]}/v1/chat/completions", keys[name], c, a.requests, name)
                     results.setdefault((name, c), []).append(run)
                     print(json.dumps(run), flush=True)

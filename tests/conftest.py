@@ -222,7 +222,8 @@ class SecureBus:
         from zmlcore import natscreds
 
         ident = natscreds.issue(self.data_dir, name, role=role)
-        natscreds.reload_server(self.data_dir)
+        done = natscreds.reload_server(self.data_dir)
+        assert done is not None and done.confirmed, "nats-server did not confirm the reload"
         self.seeds[name] = ident.seed_file
         return ident.seed_file
 

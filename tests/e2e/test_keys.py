@@ -20,7 +20,9 @@ from conftest import LLAMA3_POLICY, MODEL, MODEL_2, Stack, launch_stack
 from zmlcore import subjects
 from zmlcore.keys import create_key, keys_kv, revoke_key
 from zmlcore.launch import free_port, service_argv, spawn, wait_port
-from zmlcore.messages.keys import PlanLimits
+from zmlcore.leases import SHARE
+from zmlcore.limiter import limit_key
+from zmlcore.messages.keys import PlanLimits, limit_state_decoder
 
 CHAT = [{"role": "user", "content": "hi"}]
 OK = {"model": MODEL, "messages": CHAT, "max_tokens": 1}
@@ -129,6 +131,44 @@ async def test_concurrency_is_shared(two_gateways: tuple[Stack, list[str]]) -> N
         async def freed() -> bool:
             return (await c.post(urls[0] + "/v1/chat/completions", json=OK, headers=_auth(key))).status_code == 200
         await _until(freed)
+
+
+async def test_two_gateways_hold_the_plan_under_a_burst(two_gateways: tuple[Stack, list[str]]) -> None:
+    """A burst on one key through both gateways: each spends leases of several requests without a
+    round trip (zmlcore.leases), and together they still admit the plan's rate, not more."""
+    stack, urls = two_gateways
+    rpm = 200
+    key, key_id = await _key(stack, limits=PlanLimits(requests_per_minute=rpm))
+    nc = await nats.connect(stack.nats_url)
+    try:
+        kv = await nc.jetstream().key_value(subjects.LIMITS_BUCKET)
+        seq0 = (await nc.jetstream().stream_info("KV_" + subjects.LIMITS_BUCKET)).state.last_seq
+        sem = asyncio.Semaphore(16)
+        async with httpx.AsyncClient(timeout=60) as c:
+            async def one(i: int) -> httpx.Response:
+                async with sem:
+                    return await c.post(urls[i % 2] + "/v1/chat/completions", json=OK, headers=_auth(key))
+            rs = await asyncio.gather(*(one(i) for i in range(2 * rpm)))
+        writes = (await nc.jetstream().stream_info("KV_" + subjects.LIMITS_BUCKET)).state.last_seq - seq0
+        ok = [r for r in rs if r.status_code == 200]
+        refused = [r for r in rs if r.status_code != 200]
+        # Never more than the plan (a window edge during the burst frees ~3/s); leases left unspent
+        # on the other gateway when one is refused are at most 1/SHARE of what was left each.
+        assert rpm - 2 * SHARE <= len(ok) <= rpm + rpm // 10, len(ok)
+        assert writes < len(ok), f"{writes} KV writes for {len(ok)} requests: no leases"  # measured: ~45 for 200
+        assert all(r.status_code == 429 and r.json()["error"]["code"] == "RATE_LIMITED" for r in refused)
+        assert all(r.headers["x-ratelimit-remaining-requests"] == "0" and int(r.headers["retry-after"]) >= 1
+                   for r in refused)
+        remaining = [int(r.headers["x-ratelimit-remaining-requests"]) for r in ok]
+        assert max(remaining) == rpm - 1 and min(remaining) < 2 * SHARE
+
+        # Unspent leases go back to the shared entry when they end: it then counts what was admitted.
+        async def settled() -> bool:
+            s = limit_state_decoder.decode((await kv.get(limit_key(f"key:{key_id}"))).value)
+            return s.requests + s.prev_requests == len(ok)
+        await _until(settled, 10.0)
+    finally:
+        await nc.close()
 
 
 async def test_tokens_per_minute(two_gateways: tuple[Stack, list[str]]) -> None:

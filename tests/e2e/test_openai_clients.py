@@ -104,7 +104,7 @@ async def test_embeddings_over_raw_nats_and_the_sdk(stack: Stack) -> None:
 
 def test_an_embeddings_reply_larger_than_the_bus_carries_is_delivered_whole(stack: Stack) -> None:
     # 800 vectors of 384 floats as JSON are ~6 MB; NATS carries 1 MB by default. The router
-    # hands such replies over through the zml_replies object store (never lost after the work).
+    # sends such replies in parts to the gateway (zmlcore.bigreply; never lost after the work).
     r = httpx.post(stack.gateway_url + "/v1/embeddings", timeout=60,
                    json={"model": EMBED, "input": [f"text {i}" for i in range(800)]})
     assert r.status_code == 200, r.text[:300]

@@ -18,15 +18,10 @@ import pytest
 
 from zmlcore.config import parse_config
 from zmlcore.sim.server import SimNode, start_fleet
+from zmlcore.launch import free_port
 
 M = "llama-3-8b"
 CHAT = {"model": M, "messages": [{"role": "user", "content": "x" * 400}], "max_tokens": 12}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def sse(lines: list[str]) -> list[Any]:

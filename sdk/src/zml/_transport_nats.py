@@ -40,10 +40,10 @@ from zml._core import (
 )
 from zml._errors import AuthError, ConnectionError, StreamInterruptedError, ZMLError
 from zmlcore import subjects
-from zmlcore.bigreply import fetch_reply
 from zmlcore.config import NatsConfig
-from zmlcore.exchange import Exchange
+from zmlcore.exchange import Exchange, parts_buffer
 from zmlcore.natsauth import connect_options, owner_of
+from zmlcore.replyparts import PartsRequester, Reply
 from zmlcore.streamseq import SeqCheck
 
 __all__ = ["AsyncNatsStream", "AsyncNatsTransport", "SyncNatsStream", "SyncNatsTransport"]
@@ -55,7 +55,7 @@ T = TypeVar("T")
 ROUTER_KEEPALIVE_S: float | None = 1.0
 
 
-def _reply(msg: Msg) -> RawReply:
+def _reply(msg: Msg | Reply) -> RawReply:
     headers = lower_headers(msg.headers)
     return RawReply(status=nats_status(headers), headers=headers, body=msg.data)
 
@@ -67,7 +67,11 @@ class AsyncNatsTransport:
         self.timeout = timeout
         self.keepalive_s = keepalive_s
         self.connect_timeout = connect_timeout
-        self._options = connect_options(nats_config or NatsConfig(url=url))
+        nats_config = nats_config or NatsConfig(url=url)
+        self._options = connect_options(nats_config)
+        #: Largest reply collected in parts (replies over max_payload: zmlcore.bigreply).
+        self.max_reply_bytes = nats_config.max_reply_bytes
+        self._replies: PartsRequester | None = None
         self.owner = owner_of(self._options)
         self._nc: NATS | None = None
         self._lock: asyncio.Lock | None = None
@@ -107,12 +111,18 @@ class AsyncNatsTransport:
                     f"cannot connect to NATS at {self.url} ({type(exc).__name__}: {exc}). "
                     "Is `zml up` running? Check --endpoint / ZML_ENDPOINT."
                 ) from exc
+            self._replies = PartsRequester(self._nc, self.max_reply_bytes)
             return self._nc
 
-    async def request(self, subject: str, body: bytes, headers: dict[str, str] | None, timeout_s: float) -> RawReply:
+    async def request(self, subject: str, body: bytes, headers: dict[str, str] | None, timeout_s: float,
+                      parts: bool = False) -> RawReply:
+        """One request-reply; with ``parts``, a reply over max_payload is collected in parts."""
         nc = await self._conn()
         try:
-            msg = await nc.request(subject, body, timeout=timeout_s, headers=headers)
+            if parts and self._replies is not None:
+                msg: Msg | Reply = await self._replies.request(subject, body, headers, timeout_s)
+            else:
+                msg = await nc.request(subject, body, timeout=timeout_s, headers=headers)
         except nats.errors.NoRespondersError as exc:
             raise no_router_error(subject) from exc
         except nats.errors.TimeoutError as exc:
@@ -122,8 +132,6 @@ class AsyncNatsTransport:
             raise timeout_error(timeout_s, (headers or {}).get(subjects.H_REQUEST_ID, "-")) from exc
         except (nats.errors.ConnectionClosedError, nats.errors.StaleConnectionError, OSError) as exc:
             raise ConnectionError(f"NATS connection to {self.url} lost: {exc}") from exc
-        if msg.headers and subjects.H_REPLY_OBJECT in msg.headers:  # over max_payload: stored
-            msg.data = await fetch_reply(nc, msg.data, msg.headers)
         return _reply(msg)
 
     async def cancel(self, request_id: str) -> None:
@@ -132,12 +140,15 @@ class AsyncNatsTransport:
             await nc.publish(subjects.cancel(request_id, self.owner), b"")
             await nc.flush(timeout=1)
 
-    def _exchange(self, nc: NATS, call: InferCall, buffer: int) -> Exchange:
+    def _exchange(self, nc: NATS, call: InferCall, buffer: int | None) -> Exchange:
+        """``buffer`` None: a plain reply, collected in parts when over max_payload."""
         headers = call.nats_headers()
         return Exchange(nc, call.encode(), headers, timeout_s=int(headers[subjects.H_TIMEOUT_MS]) / 1000.0,
-                        wait_s=call.timeout_s, keepalive_s=self.keepalive_s, buffer=buffer)
+                        wait_s=call.timeout_s, keepalive_s=self.keepalive_s,
+                        accept_parts=None if buffer else self.max_reply_bytes,
+                        buffer=buffer or parts_buffer(self.max_reply_bytes, nc.max_payload))
 
-    async def _send(self, call: InferCall, buffer: int) -> Exchange:
+    async def _send(self, call: InferCall, buffer: int | None) -> Exchange:
         nc = await self._conn()
         ex = self._exchange(nc, call, buffer)
         try:
@@ -147,23 +158,23 @@ class AsyncNatsTransport:
         return ex
 
     async def _infer_once(self, call: InferCall) -> RawReply:
-        ex = await self._send(call, 8)
+        ex = await self._send(call, None)
         try:
-            msg = await ex.next()
+            reply = await ex.reply()
         except (nats.errors.ConnectionClosedError, OSError) as exc:
             raise ConnectionError(f"NATS connection to {self.url} lost: {exc}") from exc
         except ZMLError as exc:
+            if f'"{subjects.INFER}"' in self._denied.lower():  # silence because the server refused the publish
+                raise AuthError(f"this NATS identity may not use {subjects.INFER} ({self._denied}); "
+                                "see docs/security.md for what each role may do") from exc
             if exc.code == "TIMEOUT":  # the SDK's own wording (request id, what to change)
                 raise timeout_error(call.timeout_s, call.request_id) from None
             raise
         finally:
             ex.close()
-        headers = lower_headers(msg.headers)
-        if headers.get("status") == "503" and not msg.data:
+        if lower_headers(reply.headers).get("status") == "503" and not reply.data:
             raise no_router_error(subjects.INFER)
-        if msg.headers and subjects.H_REPLY_OBJECT in msg.headers:  # over max_payload: stored
-            msg.data = await fetch_reply(ex.nc, msg.data, msg.headers)
-        return _reply(msg)
+        return _reply(reply)
 
     async def infer(self, call: InferCall) -> RawReply:
         try:

@@ -58,6 +58,10 @@ class NatsConfig(msgspec.Struct, **_Base):
     """This process's NATS identity: a file holding its nkey seed (mode 0600; `zml up` and
     `zml creds issue` write them). Each service needs its own, so it is usually given per
     process by env ZML_NATS_NKEY. None: no identity (an open broker, `zml up --insecure`)."""
+    max_reply_bytes: PosInt = 64 * 1024 * 1024
+    """Largest non-streamed reply the gateway or the SDK collects over NATS. A reply larger than
+    the server's max_payload arrives in parts (zmlcore.bigreply); the requester tells the router
+    this limit (``Zml-Accept-Parts``), and a reply over it is answered REPLY_TOO_LARGE instead."""
     tls_ca_file: str | None = None
     """CA certificate(s) that verify the NATS server (env ZML_NATS_TLS_CA). Set (or a tls://
     URL): connect over TLS."""
@@ -292,6 +296,10 @@ class ModelConfig(msgspec.Struct, **_Base):
     keep_warm_after_s: PosFloat | None = None
     """If set, a node that served no request for this model for this long gets a one-token probe
     request so caches and graphs stay warm."""
+    max_model_len: PosInt | None = None
+    """The model's context window in tokens (vLLM's ``max_model_len``). It bounds the size of a
+    reply when a request gives no ``max_tokens``, for refusing, before the node runs, a raw NATS
+    requester that could not receive it (REPLY_TOO_LARGE). None: 32768 is assumed."""
     embedding: bool = False
     """An embedding model: it answers POST /v1/embeddings (an InferRequest with ``input``) and
     chat/completion requests for it are refused with 400, as embeddings requests for a model

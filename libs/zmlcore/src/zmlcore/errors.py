@@ -8,7 +8,8 @@
     │   ├── MethodNotAllowedError METHOD_NOT_ALLOWED  405
     │   ├── RequestTooLargeError  REQUEST_TOO_LARGE   413
     │   ├── HeadersTooLargeError  HEADERS_TOO_LARGE   431
-    │   └── DuplicateRequestError DUPLICATE_REQUEST_ID 409 (the owner has this request id in flight)
+    │   ├── DuplicateRequestError DUPLICATE_REQUEST_ID 409 (the owner has this request id in flight)
+    │   └── ReplyTooLargeError    REPLY_TOO_LARGE     400  (over max_payload and not collected in parts)
     ├── ConfigError               CONFIG_INVALID      (start-up only)
     │   └── PolicyConfigError     POLICY_CONFIG       400
     ├── AuthError                 AUTH_FAILED         401
@@ -17,7 +18,8 @@
     ├── TimeoutError              TIMEOUT             504  retryable
     ├── CancelledError            CANCELLED           499
     ├── BackendError              BACKEND_ERROR       502  retryable
-    │   └── StreamInterruptedError STREAM_INTERRUPTED 502  retryable (a relayed stream lost a message)
+    │   ├── StreamInterruptedError STREAM_INTERRUPTED 502  retryable (a relayed stream lost a message)
+    │   └── ReplyIncompleteError  REPLY_INCOMPLETE    502  retryable (a reply in parts lost a part)
     ├── ConnectionError           CONNECTION_FAILED   503  retryable (client side: endpoint unreachable)
     └── RoutingError              (routing_context attached)
         ├── NoHealthyNodesError   NO_HEALTHY_NODES    503  retryable
@@ -55,6 +57,8 @@ __all__ = [
     "PolicyConfigError",
     "QueueFullError",
     "RateLimitError",
+    "ReplyIncompleteError",
+    "ReplyTooLargeError",
     "RoutingError",
     "StreamInterruptedError",
     "TimeoutError",
@@ -148,6 +152,16 @@ class DuplicateRequestError(BadRequestError):
     http_status = 409
 
 
+class ReplyTooLargeError(BadRequestError):
+    """The reply is (or could be) larger than one NATS message and the requester does not
+    collect replies in parts: send the request with the header ``Zml-Accept-Parts: <bytes>``
+    (docs/security.md), or ask for less (``max_tokens``, ``n``, fewer inputs). Also the answer
+    when a reply is over the requester's own ``Zml-Accept-Parts`` limit."""
+
+    code = "REPLY_TOO_LARGE"
+    http_status = 400
+
+
 class ConfigError(ZMLError):
     """zml.toml (or another configuration source) is invalid."""
 
@@ -220,6 +234,17 @@ class StreamInterruptedError(BackendError):
     broker restart): the stream ends with this error rather than with silently missing text."""
 
     code = "STREAM_INTERRUPTED"
+    http_status = 502
+    retryable = True
+    openai_type = "server_error"
+
+
+class ReplyIncompleteError(BackendError):
+    """A reply sent in parts (it was larger than one NATS message) lost a part on its way
+    (core NATS is at-most-once): the request fails with this error rather than with a
+    truncated body. Retrying runs it again."""
+
+    code = "REPLY_INCOMPLETE"
     http_status = 502
     retryable = True
     openai_type = "server_error"

@@ -34,10 +34,18 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from zmlcore import subjects
+from zmlcore.bigreply import PART_WAIT_S, Collector, part_bytes
 from zmlcore.errors import BackendError, StreamInterruptedError, TimeoutError
 from zmlcore.keepalive import QUEUED, Silence, after_silence, keepalive_state
+from zmlcore.replyparts import Reply
 
 log = logging.getLogger("zml.exchange")
+
+
+def parts_buffer(max_reply_bytes: int, max_payload: int | None) -> int:
+    """Messages a plain reply's buffer must hold: every part of the largest reply collected
+    (they are published back to back), plus keepalives."""
+    return -(-max_reply_bytes // part_bytes(max_payload)) + 16
 
 
 class ReplyMux:
@@ -102,7 +110,7 @@ class Exchange:
 
     def __init__(self, nc: NATS, body: bytes, headers: dict[str, str], *, timeout_s: float,
                  keepalive_s: float | None, wait_s: float | None = None, buffer: int = 64,
-                 subject: str = subjects.INFER) -> None:
+                 subject: str = subjects.INFER, accept_parts: int | None = None) -> None:
         self.nc = nc
         self.subject = subject
         self.body = body
@@ -110,6 +118,10 @@ class Exchange:
         self.keepalive_s = keepalive_s
         if keepalive_s is not None:
             self.headers[subjects.H_KEEPALIVE] = str(max(1, int(keepalive_s * 1000)))
+        #: Replies over max_payload are collected in parts up to this many bytes (zmlcore.bigreply).
+        self.accept_parts = accept_parts
+        if accept_parts:
+            self.headers[subjects.H_ACCEPT_PARTS] = str(accept_parts)
         self.t0 = time.monotonic()
         self.timeout_s = timeout_s
         self.wait_until = self.t0 + (wait_s if wait_s is not None else timeout_s)
@@ -175,6 +187,22 @@ class Exchange:
                 self._silence.heard(time.monotonic())
             self.committed = True
             return msg
+
+    async def reply(self) -> Reply:
+        """The whole non-streamed reply, put back together when it comes in parts (a part
+        missing, or more than PART_WAIT_S late: REPLY_INCOMPLETE, retryable)."""
+        collector = Collector(self.accept_parts or 0)
+        while True:
+            if not collector.started:
+                msg = await self.next()
+            else:
+                try:
+                    msg = await asyncio.wait_for(self.next(), PART_WAIT_S)
+                except asyncio.TimeoutError:
+                    raise collector.lost() from None
+            body = collector.feed(msg.data, msg.headers)
+            if body is not None:
+                return Reply(body, collector.headers)
 
     async def _router_gone(self) -> None:
         assert self.keepalive_s is not None

@@ -24,6 +24,11 @@ from urllib.parse import urlparse
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A free port for a server to bind (below the ephemeral range: see ``listen_ports``)."""
+    return listen_ports(1, host)
+
+
+def _kernel_port(host: str) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
@@ -41,10 +46,10 @@ def listen_ports(n: int = 1, host: str = "127.0.0.1") -> int:
 
     Picked below the kernel's ephemeral range: ports there are also handed out as source ports
     of outbound connections (every service dialling NATS), so one picked there can be taken
-    before its server binds it. ``free_port`` suits a port bound at once."""
+    before its server binds it."""
     low = _ephemeral_low()
     if low - 12000 < 1024 + n:
-        return free_port(host) if n == 1 else _free_run(n, host)
+        return _kernel_port(host) if n == 1 else _free_run(n, host)
     rng = random.Random()
     for _ in range(500):
         base = rng.randrange(low - 12000, low - n)
@@ -55,7 +60,7 @@ def listen_ports(n: int = 1, host: str = "127.0.0.1") -> int:
 
 def _free_run(n: int, host: str) -> int:
     for _ in range(200):
-        base = free_port(host)
+        base = _kernel_port(host)
         if base + n < 65536 and not any(port_in_use(host, base + i) for i in range(n)):
             return base
     raise OSError(errno.EADDRINUSE, f"no {n} free consecutive ports on {host}")

@@ -1,25 +1,29 @@
-"""Plan limits shared by every gateway replica: one KV entry per limited identity, updated
-with compare-and-set (JetStream's "expected last subject sequence").
+"""Plan limits shared by every gateway and router replica: one KV entry per limited identity,
+updated with compare-and-set (JetStream's "expected last subject sequence").
 
-Each admission reads the entry, applies :func:`zmlcore.plans.admit` and writes it back only if
-nobody wrote in between; a lost race re-reads and re-decides. Two gateways behind one key
-therefore admit the plan's rate together, not twice it. A release (lease freed, tokens counted)
-does the same off the response path. Entries expire from the bucket when idle (max_age).
+A replica does not write the entry for every request: it leases several requests and holds
+concurrency slots at once and spends them locally (:mod:`zmlcore.leases`, the pure half: sizes,
+slack and what the headers mean). A round trip happens when a lease runs out or ends (about one
+per second per replica on a hot key, always one per request near the limit), and a background
+sweep gives back what a lease left unspent, renews held slots and adds the tokens counted here.
+Two gateways behind one key therefore admit the plan's rate together, not twice it. A lost
+compare-and-set race re-reads and re-decides. Entries expire from the bucket when idle (max_age).
 
-Cost: two JetStream round trips on the admission path (get + update), measured in
-docs/benchmarks.md. If JetStream cannot be reached the limiter fails open (logs a warning): an
-outage of the limit store must not take inference down with it.
+If JetStream cannot be reached the limiter fails open (logs a warning): an outage of the limit
+store must not take inference down with it.
 
     limiter = await SharedLimiter.open(nc)
     verdict = await limiter.acquire("key-id", PLANS["team"], lease_id=request_id, lease_s=60)
     ...
     limiter.release_soon("key-id", lease_id=request_id, tokens=123)
+    await limiter.close()   # gives back unspent leases and held slots
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 import time
 
@@ -30,8 +34,10 @@ from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSe
 from nats.js.kv import KeyValue
 
 from zmlcore import subjects
+from zmlcore.leases import LEASE_S, Book
 from zmlcore.messages.keys import LimitState, PlanLimits, limit_state_decoder
-from zmlcore.plans import WINDOW_S, Verdict, admit, release
+from zmlcore.plans import WINDOW_S, Verdict
+from zmlcore.runner import cancel_and_wait
 
 log = logging.getLogger("zml.limiter")
 
@@ -46,12 +52,15 @@ def limit_key(identity: str) -> str:
 
 
 class SharedLimiter:
-    def __init__(self, kv: KeyValue) -> None:
+    def __init__(self, kv: KeyValue, holder: str = "") -> None:
         self.kv = kv
+        #: This replica's name in the entries' holds (unique per process and limiter).
+        self.holder = holder or f"{os.getpid()}-{os.urandom(4).hex()}"
+        self.books: dict[str, Book] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        # One read-decide-write per key at a time in this replica: concurrent requests on one key
-        # otherwise race each other's compare-and-set and retry in storms (measured: 115 of 1,000
-        # requests refused as contended at C=32 on one key). Only other replicas can race now.
+        self._sweeper: asyncio.Task[None] | None = None
+        # One read-decide-write per key at a time in this replica: concurrent requests whose lease
+        # ran out wait for one refill instead of racing each other's compare-and-set.
         self._locks: dict[str, asyncio.Lock] = {}
 
     def _lock(self, key: str) -> asyncio.Lock:
@@ -97,45 +106,95 @@ class SharedLimiter:
         except KeyWrongLastSequenceError:
             return False
 
-    async def acquire(self, identity: str, limits: PlanLimits, *, lease_id: str, lease_s: float) -> Verdict:
-        key = limit_key(identity)
+    async def _settle(self, key: str, book: Book, limits: PlanLimits, *, take: bool, lease_id: str = "",
+                      lease_s: float = 0.0, closing: bool = False) -> Verdict | None:
+        """Read, merge the book (:meth:`Book.settle`), compare-and-set; under the key's lock."""
+        book.writing = True
         try:
-            async with self._lock(key):
-                for attempt in range(MAX_TRIES):
-                    state, revision = await self._read(key)
-                    new, verdict = admit(state, limits, now=time.time(), lease_id=lease_id, lease_s=lease_s)
-                    if new is None or await self._write(key, new, revision):
-                        return verdict
-                    await asyncio.sleep(random.uniform(0, 0.002 * (attempt + 1)))
+            for attempt in range(MAX_TRIES):
+                state, revision = await self._read(key)
+                now = time.time()
+                st = book.settle(state, limits, now=now, holder=self.holder, take=take, lease_id=lease_id,
+                                 lease_s=lease_s, closing=closing)
+                if st.state is None or await self._write(key, st.state, revision):
+                    book.commit(st, limits, now=now, lease_id=lease_id, lease_s=lease_s)
+                    return st.verdict
+                await asyncio.sleep(random.uniform(0, 0.002 * (attempt + 1)))
+        finally:
+            book.writing = False
+        if not take:
+            return None
+        return Verdict(False, "contended", 1.0, requests_limit=limits.requests_per_minute,
+                       tokens_limit=limits.tokens_per_minute)
+
+    async def acquire(self, identity: str, limits: PlanLimits, *, lease_id: str, lease_s: float) -> Verdict:
+        """Admit one request of ``identity`` (free it with :meth:`release_soon`)."""
+        key = limit_key(identity)
+        book = self.books.get(key)
+        if book is None:
+            book = self.books[key] = Book(limits)
+            if self._sweeper is None:
+                self._sweeper = asyncio.create_task(self._sweep())
+        verdict = book.spend(limits, now=time.time(), lease_id=lease_id, lease_s=lease_s)
+        if verdict is not None:  # the hot path: no round trip
+            return verdict
+        try:
+            # Shielded: a caller cancelled between the write and its commit would leave the book
+            # believing in a lease the entry no longer has.
+            return await asyncio.shield(self._refill(key, book, limits, lease_id, lease_s))
         except (asyncio.CancelledError, KeyboardInterrupt):
             raise
         except Exception as exc:  # the limit store is down: fail open, loudly
             log.warning("plan limits not enforced for %s: %s: %s", key, type(exc).__name__, exc)
             return Verdict(True, requests_limit=limits.requests_per_minute, tokens_limit=limits.tokens_per_minute)
-        return Verdict(False, "contended", 1.0, requests_limit=limits.requests_per_minute,
-                       tokens_limit=limits.tokens_per_minute)
 
-    async def release(self, identity: str, *, lease_id: str, tokens: int) -> None:
-        key = limit_key(identity)
+    async def _refill(self, key: str, book: Book, limits: PlanLimits, lease_id: str, lease_s: float) -> Verdict:
+        async with self._lock(key):
+            verdict = book.spend(limits, now=time.time(), lease_id=lease_id, lease_s=lease_s)
+            if verdict is None:  # nobody refilled the lease while we waited: refill it
+                verdict = await self._settle(key, book, limits, take=True, lease_id=lease_id, lease_s=lease_s)
+            assert verdict is not None
+            return verdict
+
+    async def _flush(self, key: str, *, closing: bool = False) -> None:
+        book = self.books.get(key)
+        if book is None:
+            return
         try:
             async with self._lock(key):
-                for _ in range(MAX_TRIES):
-                    state, revision = await self._read(key)
-                    if await self._write(key, release(state, now=time.time(), lease_id=lease_id, tokens=tokens),
-                                         revision):
-                        return
-                    await asyncio.sleep(random.uniform(0, 0.005))
+                await self._settle(key, book, book.limits, take=False, closing=closing)
         except (asyncio.CancelledError, KeyboardInterrupt):
             raise
-        except Exception as exc:  # the lease expires on its own
-            log.warning("release for %s not recorded: %s", key, exc)
+        except Exception as exc:  # the lease and holds expire on their own
+            log.warning("limits of %s not written: %s: %s", key, type(exc).__name__, exc)
 
     def release_soon(self, identity: str, *, lease_id: str, tokens: int) -> None:
-        """Release off the response path (the caller has its answer already)."""
-        task = asyncio.ensure_future(self.release(identity, lease_id=lease_id, tokens=tokens))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        """The request ended: free its slot and count its tokens, here; the shared entry hears
+        of it with this replica's next write (off the response path, at once near the limit)."""
+        key = limit_key(identity)
+        book = self.books.get(key)
+        if book is not None and book.done(lease_id, tokens=tokens, now=time.time()):
+            task = asyncio.ensure_future(self._flush(key))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _sweep(self) -> None:
+        """Give back ended leases, renew or give back holds, write pending tokens; forget idle books."""
+        while True:
+            await asyncio.sleep(LEASE_S / 2)
+            now = time.time()
+            for key, book in list(self.books.items()):
+                if book.due(now):
+                    await self._flush(key)
+                elif book.idle():
+                    del self.books[key]
 
     async def close(self) -> None:
-        if self._tasks:
-            await asyncio.wait(list(self._tasks), timeout=2)
+        """Give back every unspent lease and held slot (bounded: at most 2 s)."""
+        if self._sweeper is not None:
+            await cancel_and_wait([self._sweeper])
+            self._sweeper = None
+        keys = [k for k, b in self.books.items() if not b.idle()]
+        tasks = [*self._tasks, *(asyncio.ensure_future(self._flush(k, closing=True)) for k in keys)]
+        if tasks:
+            await asyncio.wait(tasks, timeout=2)

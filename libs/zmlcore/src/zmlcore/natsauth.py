@@ -24,7 +24,7 @@ from zmlcore.errors import ConfigError
 
 def public_key(seed_file: str) -> str:
     """The public nkey (``U...``) of the seed in ``seed_file``; ConfigError if unreadable."""
-    import nkeys  # type: ignore[import-untyped,unused-ignore]
+    import nkeys  # type: ignore[import-untyped,import-not-found,unused-ignore]
 
     try:
         with open(seed_file, "rb") as fh:

@@ -8,10 +8,14 @@ A data folder (``zml up``'s, default ``~/.local/share/zml``) holds::
                       the permissions of its role (zmlcore.natsperms); written from identities.json
     nats.conf         the embedded server's config: includes auth.conf, optional TLS, pid file
     nats.pid          written by nats-server; `zml creds issue/revoke` signal it to reload
+    *_PID.ports       written by nats-server: its ports, incl. a loopback-only monitoring port
+                      whose /varz ``config_load_time`` confirms that a reload took effect
 
 Issuing or revoking an identity rewrites auth.conf and asks the running server to reload it
 (SIGHUP, what ``nats-server --signal reload`` sends): no restart, and a revoked identity's
-connections are closed by the server at once.
+connections are closed by the server at once. A signal is only a request: ``reload_server``
+returns once every server's /varz shows a newer config load, so an identity just issued can
+connect as soon as the command returns.
 
     ident = issue(data_dir, "billing-batch")        # role "client"
     print(ident.seed_file, ident.public_key)
@@ -24,7 +28,10 @@ import json
 import os
 import re
 import signal
+import time
+import urllib.request
 from dataclasses import dataclass
+from typing import NamedTuple
 from pathlib import Path
 
 from zmlcore.errors import ConfigError
@@ -169,6 +176,10 @@ def write_server_config(data_dir: str | os.PathLike[str], *, tls_cert: str | Non
     d = Path(data_dir)
     lines = ["# Written by `zml up`: authorization is in auth.conf (zml creds issue/revoke edit it).",
              f"pid_file: {json.dumps(str(d / 'nats.pid'))}",
+             # Monitoring on a free loopback port (a member's -m flag wins), named in the ports
+             # file: its /varz tells `zml creds` when a reload has taken effect.
+             'http: "127.0.0.1:-1"',
+             f"ports_file_dir: {json.dumps(str(d))}",
              "include auth.conf"]
     if tls_cert or tls_key:
         if not (tls_cert and tls_key):
@@ -202,23 +213,57 @@ def running_server(data_dir: str | os.PathLike[str]) -> int | None:
     return pid
 
 
-def reload_server(data_dir: str | os.PathLike[str]) -> int | None:
+class Reloaded(NamedTuple):
+    pid: int
+    #: every running server showed a newer config load within the wait (False: it may still
+    #: be reloading, or it has no monitoring port to ask, or it rejected the new file)
+    confirmed: bool
+
+
+def reload_server(data_dir: str | os.PathLike[str], wait_s: float = 5.0) -> Reloaded | None:
     """Ask the running nats-server of ``data_dir`` to reload its config (SIGHUP to the PID in
     its pid file, what ``nats-server --signal reload`` sends), and every other member of a
-    `zml up --cluster` (``nats-N.pid``). Returns the first server's PID, or None if no server of
-    this folder is running."""
+    `zml up --cluster` (``nats-N.pid``), then wait up to ``wait_s`` for each to show a newer
+    ``config_load_time`` on /varz. None if no server of this folder is running."""
     pid = running_server(data_dir)
     if pid is None:
         return None
+    pids = [pid]
     for other in sorted(Path(data_dir).glob("nats-*.pid")):
         try:
             member = int(other.read_text().strip())
-            if b"nats-server" in Path(f"/proc/{member}/cmdline").read_bytes():
-                os.kill(member, signal.SIGHUP)
+            if member != pid and b"nats-server" in Path(f"/proc/{member}/cmdline").read_bytes():
+                pids.append(member)
         except (OSError, ValueError):
             pass  # that member is down: it reads the new file when it starts
-    try:
-        os.kill(pid, signal.SIGHUP)
-    except ProcessLookupError:
+    before = {p: _config_load_time(data_dir, p) for p in pids}
+    signalled = []
+    for p in pids:
+        try:
+            os.kill(p, signal.SIGHUP)
+            signalled.append(p)
+        except ProcessLookupError:
+            pass
+    if pid not in signalled:
         return None
-    return pid
+    deadline = time.monotonic() + wait_s
+    waiting = [p for p in signalled if before[p] is not None]
+    while waiting and time.monotonic() < deadline:
+        waiting = [p for p in waiting if _config_load_time(data_dir, p) in (None, before[p])]
+        if waiting:
+            time.sleep(0.02)
+    return Reloaded(pid, confirmed=not waiting and all(before[p] is not None for p in signalled))
+
+
+def _config_load_time(data_dir: str | os.PathLike[str], pid: int) -> str | None:
+    """``config_load_time`` from /varz of server ``pid`` (its ports file names the monitoring
+    URL); None when it has none or does not answer."""
+    for ports in Path(data_dir).glob(f"*_{pid}.ports"):
+        try:
+            urls = json.loads(ports.read_text()).get("monitoring") or []
+            with urllib.request.urlopen(f"{urls[0]}/varz", timeout=2) as r:  # noqa: S310 (loopback)
+                value = json.loads(r.read()).get("config_load_time")
+                return value if isinstance(value, str) else None
+        except (OSError, ValueError, IndexError, AttributeError):
+            return None
+    return None

@@ -60,13 +60,6 @@ def kv_write(bucket: str) -> list[str]:
     return [*kv_read(bucket), f"$KV.{bucket}.>"]
 
 
-def replies_store() -> list[str]:
-    """The object store of replies over max_payload (zmlcore.bigreply): the router puts, the
-    gateway gets and deletes (meta + chunk subjects, purge on delete)."""
-    stream = f"OBJ_{subjects.REPLIES_BUCKET}"
-    return [*_stream_read(stream), f"$O.{subjects.REPLIES_BUCKET}.>", f"$JS.API.STREAM.PURGE.{stream}"]
-
-
 def _queue_stream() -> list[str]:
     """The routers' saturation queue: create the stream, durable pull consumers, fetch, ack."""
     s = subjects.QUEUE_STREAM
@@ -91,13 +84,12 @@ def _grants(role: str, owner: str) -> tuple[list[str], list[str], bool]:
     if role == "gateway":
         pub = [subjects.INFER, own_cancel, subjects.ROUTERS_STATE, *kv_read(subjects.NODES_BUCKET),
                *kv_read(subjects.COSTS_BUCKET), *kv_read(subjects.KEYS_BUCKET), *kv_write(subjects.LIMITS_BUCKET),
-               f"$JS.API.CONSUMER.LIST.{subjects.QUEUE_STREAM}",  # the dashboard's saturation-queue depth
-               *replies_store()]
+               f"$JS.API.CONSUMER.LIST.{subjects.QUEUE_STREAM}"]  # the dashboard's saturation-queue depth
         return pub, [inbox, completed], False  # completion events feed the /dashboard
     if role == "router":
         pub = [f"{subjects.INBOX_ROOT}.>", subjects.INFLIGHT, subjects.INFLIGHT_SNAPSHOT, subjects.NODE_MARKS,
                completed, subjects.QUEUE_BUSY, *_queue_stream(), *kv_write(subjects.QUEUE_CLAIMS_BUCKET),
-               *kv_read(subjects.NODES_BUCKET), *kv_read(subjects.COSTS_BUCKET), *replies_store(),
+               *kv_read(subjects.NODES_BUCKET), *kv_read(subjects.COSTS_BUCKET),
                # client identities' plans (zml_router.limits), counted with the gateways'
                *kv_read(subjects.KEYS_BUCKET), *kv_write(subjects.LIMITS_BUCKET)]
         sub = [inbox, f"{subjects.INFER} {subjects.ROUTER_QUEUE}",  # only inside the queue group

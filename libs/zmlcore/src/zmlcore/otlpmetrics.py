@@ -155,7 +155,7 @@ class OTLPMetricsPusher:
                     scope_metrics=[ScopeMetrics(scope=self.scope, metrics=metrics, schema_url="")])])
                 timeout = timeout_ms or _ms("OTEL_METRIC_EXPORT_TIMEOUT", DEFAULT_TIMEOUT_MS)
                 ok = self.exporter.export(data, timeout_millis=timeout)
-                return ok == MetricExportResult.SUCCESS
+                return bool(ok == MetricExportResult.SUCCESS)
             except Exception:  # a bad collector or exporter must not kill the thread or the service
                 log.exception("OTLP metrics export failed")
                 return False

@@ -11,7 +11,7 @@ Presets as the API reference gives them (Maker 60 requests/minute and 5 concurre
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import msgspec
 
@@ -67,18 +67,20 @@ def limited(limits: PlanLimits) -> bool:
     return not (limits.requests_per_minute is None and limits.concurrent is None and limits.tokens_per_minute is None)
 
 
-def _roll(state: LimitState, now: float) -> LimitState:
+def roll(state: LimitState, now: float) -> LimitState:
     """The state with its windows moved to the one ``now`` falls in, and expired leases gone."""
     window = int(now // WINDOW_S)
     leases = {k: v for k, v in state.leases.items() if v > now}
+    holds = {k: h for k, h in state.holds.items() if h.until > now}
     if window == state.window:
-        return msgspec.structs.replace(state, leases=leases)
+        return msgspec.structs.replace(state, leases=leases, holds=holds)
     if window == state.window + 1:
-        return LimitState(window=window, prev_requests=state.requests, prev_tokens=state.tokens, leases=leases)
-    return LimitState(window=window, leases=leases)
+        return LimitState(window=window, prev_requests=state.requests, prev_tokens=state.tokens, leases=leases,
+                          holds=holds)
+    return LimitState(window=window, leases=leases, holds=holds)
 
 
-def _used(prev: int, cur: int, frac: float) -> float:
+def used(prev: int, cur: int, frac: float) -> float:
     return prev * (1.0 - frac) + cur
 
 
@@ -100,40 +102,66 @@ def _reset(prev: int, cur: int, frac: float) -> float:
     return (1.0 - frac) * WINDOW_S if prev else 0.0
 
 
-def admit(state: LimitState, limits: PlanLimits, *, now: float, lease_id: str,
-          lease_s: float) -> tuple[LimitState | None, Verdict]:
-    """Count one request against ``limits``. Returns the new state (None when refused: nothing
-    to write) and the verdict with what the x-ratelimit-* headers say."""
-    s = _roll(state, now)
+def in_use(s: LimitState, *, but: str = "") -> int:
+    """Concurrency slots taken in ``s`` (rolled: expired ones gone), except holder ``but``'s."""
+    return len(s.leases) + sum(h.slots for k, h in s.holds.items() if k != but)
+
+
+def refusal_of(s: LimitState, limits: PlanLimits, *, now: float, busy: int) -> Verdict | None:
+    """Why one more request is refused against rolled state ``s`` with ``busy`` slots taken
+    (None: it fits), with what the x-ratelimit-* headers say."""
     frac = (now % WINDOW_S) / WINDOW_S
     rpm, tpm, conc = limits.requests_per_minute, limits.tokens_per_minute, limits.concurrent
-    used_r = _used(s.prev_requests, s.requests, frac)
-    used_t = _used(s.prev_tokens, s.tokens, frac)
-    base = dict(requests_limit=rpm, tokens_limit=tpm,
-                tokens_remaining=max(0, math.floor(tpm - used_t)) if tpm else 0,
-                tokens_reset_s=_reset(s.prev_tokens, s.tokens, frac))
+    used_r = used(s.prev_requests, s.requests, frac)
+    used_t = used(s.prev_tokens, s.tokens, frac)
+    left = max(0, math.floor(rpm - used_r + 1e-9)) if rpm else 0
+    base = Verdict(False, requests_limit=rpm, requests_remaining=left,
+                   requests_reset_s=_reset(s.prev_requests, s.requests, frac), tokens_limit=tpm,
+                   tokens_remaining=max(0, math.floor(tpm - used_t)) if tpm else 0,
+                   tokens_reset_s=_reset(s.prev_tokens, s.tokens, frac))
     if rpm is not None and used_r + 1 > rpm + 1e-9:  # float slack: 2/3 of 60 is 40, not 40.000001
         wait = _wait(s.prev_requests, s.requests, frac, rpm, 1)
-        return None, Verdict(False, "requests", max(wait, 0.001), requests_remaining=0,
-                             requests_reset_s=_reset(s.prev_requests, s.requests, frac), **base)
+        return replace(base, reason="requests", retry_after_s=max(wait, 0.001), requests_remaining=0)
     if tpm is not None and used_t >= tpm:
         wait = _wait(s.prev_tokens, s.tokens, frac, tpm, 1)
-        return None, Verdict(False, "tokens", max(wait, 0.001),
-                             requests_remaining=max(0, math.floor(rpm - used_r)) if rpm else 0,
-                             requests_reset_s=_reset(s.prev_requests, s.requests, frac), **base)
-    if conc is not None and len(s.leases) >= conc:
-        return None, Verdict(False, "concurrent", 1.0,
-                             requests_remaining=max(0, math.floor(rpm - used_r)) if rpm else 0,
-                             requests_reset_s=_reset(s.prev_requests, s.requests, frac), **base)
-    leases = s.leases if conc is None else {**s.leases, lease_id: now + lease_s}
+        return replace(base, reason="tokens", retry_after_s=max(wait, 0.001))
+    if conc is not None and busy >= conc:
+        return replace(base, reason="concurrent", retry_after_s=1.0)
+    return None
+
+
+def granted(s: LimitState, limits: PlanLimits, *, now: float, unspent: int = 0, tokens: int = 0) -> Verdict:
+    """The verdict of an admitted request once ``s`` counts it (and ``unspent`` more requests
+    leased but not spent yet, which are still the caller's to use; ``tokens`` used but not yet
+    in ``s``)."""
+    frac = (now % WINDOW_S) / WINDOW_S
+    rpm, tpm = limits.requests_per_minute, limits.tokens_per_minute
+    used_r = used(s.prev_requests, s.requests, frac)
+    used_t = used(s.prev_tokens, s.tokens, frac) + tokens
+    return Verdict(True, requests_limit=rpm, tokens_limit=tpm,
+                   requests_remaining=max(0, math.floor(rpm - used_r + 1e-9) + unspent) if rpm else 0,
+                   requests_reset_s=_reset(s.prev_requests, s.requests, frac),
+                   tokens_remaining=max(0, math.floor(tpm - used_t)) if tpm else 0,
+                   tokens_reset_s=_reset(s.prev_tokens, s.tokens, frac))
+
+
+def admit(state: LimitState, limits: PlanLimits, *, now: float, lease_id: str,
+          lease_s: float) -> tuple[LimitState | None, Verdict]:
+    """Count one request against ``limits`` (one shared entry per request, no replica leases).
+    Returns the new state (None when refused: nothing to write) and the verdict with what the
+    x-ratelimit-* headers say."""
+    s = roll(state, now)
+    refused = refusal_of(s, limits, now=now, busy=in_use(s))
+    if refused is not None:
+        return None, refused
+    leases = s.leases if limits.concurrent is None else {**s.leases, lease_id: now + lease_s}
     new = msgspec.structs.replace(s, requests=s.requests + 1, leases=leases)
-    return new, Verdict(True, requests_remaining=max(0, math.floor(rpm - used_r - 1)) if rpm else 0,
-                        requests_reset_s=_reset(new.prev_requests, new.requests, frac), **base)
+    return new, granted(new, limits, now=now)
 
 
 def release(state: LimitState, *, now: float, lease_id: str, tokens: int) -> LimitState:
     """The request ended: free its lease and count the tokens it used."""
-    s = _roll(state, now)
+    s = roll(state, now)
     leases = {k: v for k, v in s.leases.items() if k != lease_id}
     return msgspec.structs.replace(s, tokens=s.tokens + max(0, tokens), leases=leases)
 

@@ -100,7 +100,8 @@ async def run_service(
         log.info("%s started (nats %s)", name, nats_url)
         if ready_line:
             print(ready_line, flush=True)
-        await asyncio.wait({closed, stopped, *([holding] if holding else [])}, return_when=asyncio.FIRST_COMPLETED)
+        ends: set[asyncio.Future[Any]] = {closed, stopped, *([holding] if holding else [])}
+        await asyncio.wait(ends, return_when=asyncio.FIRST_COMPLETED)
         if link.closed.is_set() and not stop.is_set():
             log.error("%s: NATS connection closed for good (%s); exiting", name, nc.last_error)
             await _stop_quietly(service)

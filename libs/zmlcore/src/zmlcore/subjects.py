@@ -178,8 +178,12 @@ LIMITS_BUCKET = "zml_limits"
 H_DEFAULT_POLICY = "Zml-Default-Policy"
 H_LABEL = "Zml-Label"
 
-#: JetStream object store for replies larger than NATS's max_payload: the router stores the body
-#: there and replies with ``Zml-Reply-Object: <name>``; the gateway and the SDK fetch it (and
-#: delete it). Objects expire after a few minutes if nobody fetches them.
-REPLIES_BUCKET = "zml_replies"
-H_REPLY_OBJECT = "Zml-Reply-Object"
+#: Replies larger than NATS's max_payload (zmlcore.bigreply). A requester that collects a reply
+#: in parts says so on its request with ``Zml-Accept-Parts: <most bytes it collects>`` (the
+#: gateway and the SDK always do); such a reply then arrives on its reply subject as several
+#: messages, each with ``Zml-Part: k`` (1-based) and ``Zml-Parts: n``, in order. Part 1 carries
+#: the usual reply headers. A requester that does not declare it is refused before the node runs
+#: when the reply could exceed max_payload (REPLY_TOO_LARGE).
+H_ACCEPT_PARTS = "Zml-Accept-Parts"
+H_PART = "Zml-Part"
+H_PARTS = "Zml-Parts"

@@ -98,7 +98,7 @@ def json_depth(raw: bytes) -> int:
     if not brackets:
         return 0
     # Each byte is 2 (open) or 0 (close): depth after i brackets = sum - i.
-    return max(map(operator.sub, itertools.accumulate(brackets), itertools.count(1)))
+    return int(max(map(operator.sub, itertools.accumulate(brackets), itertools.count(1))))
 
 
 def _check_parts(i: int, parts: list[Any]) -> None:

@@ -101,12 +101,15 @@ def run(args: argparse.Namespace) -> int:
                 asyncio.run(asyncio.wait_for(_plan(args, data_dir, ident, remove=True, quiet=True), 10))
             except Exception as exc:
                 print(f"plan of {ident.name} not removed ({type(exc).__name__})", file=sys.stderr)
-    pid = natscreds.reload_server(data_dir)
-    if pid is None:
+    done = natscreds.reload_server(data_dir)
+    if done is None:
         print(f"no running nats-server for {data_dir}: the change applies when it starts "
               "(elsewhere: `nats-server --signal reload`)", file=sys.stderr)
+    elif done.confirmed:
+        print(f"nats-server {done.pid} reloaded its authorization (no restart)")
     else:
-        print(f"nats-server {pid} reloaded its authorization (no restart)")
+        print(f"nats-server {done.pid} was asked to reload its authorization; it did not confirm within "
+              "5 s (see its log)", file=sys.stderr)
     return 0
 
 

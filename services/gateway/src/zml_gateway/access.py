@@ -1,7 +1,7 @@
 """Who is calling and how much they may: API keys, plans, and the per-address fallback.
 
 - A run-time key (``zml keys create``) carries a plan: its limits are shared by every gateway
-  replica through :class:`~zmlcore.limiter.SharedLimiter` (KV compare-and-set).
+  replica through :class:`~zmlcore.limiter.SharedLimiter` (one KV entry, spent through leases).
 - A static zml.toml key, or an anonymous caller when no key is configured, is limited by
   ``[gateway] requests_per_minute`` in a token bucket of this replica. Anonymous callers are
   told apart by client address only: a made-up ``Authorization`` header is not an identity

@@ -24,10 +24,9 @@ import msgspec
 from nats.aio.client import Client as NATS
 
 from zmlcore import subjects, tracing
-from zmlcore.bigreply import fetch_reply
 from zmlcore.config import ZMLConfig
 from zmlcore.costs import CostTable
-from zmlcore.exchange import Exchange
+from zmlcore.exchange import Exchange, parts_buffer
 from zmlcore.errors import (
     BackendError,
     MethodNotAllowedError,
@@ -280,18 +279,21 @@ class Gateway:
         await self.nc.publish(subjects.cancel(request_id, self.owner), b"",
                               headers={subjects.H_OWNER: headers[subjects.H_OWNER]})
 
-    def _exchange(self, body: bytes, headers: dict[str, str], timeout: float, buffer: int) -> Exchange:
-        """The request to the routers: keepalives asked for, a dead router's request sent again."""
+    def _exchange(self, body: bytes, headers: dict[str, str], timeout: float, buffer: int | None = None) -> Exchange:
+        """The request to the routers: keepalives asked for, a dead router's request sent again;
+        a plain reply over max_payload collected in parts (``buffer`` None: room for all of them)."""
         ka = self.cfg.gateway.router_keepalive_ms
+        limit = self.cfg.nats.max_reply_bytes
         return Exchange(self.nc, body, headers, timeout_s=timeout, wait_s=timeout + 1.0,
-                        keepalive_s=ka / 1000.0 if ka else None, buffer=buffer)
+                        keepalive_s=ka / 1000.0 if ka else None, accept_parts=None if buffer else limit,
+                        buffer=buffer or parts_buffer(limit, self.nc.max_payload))
 
     async def _infer_once(self, body: bytes, headers: dict[str, str], request_id: str, timeout: float,
                           receive: Receive, send: Send, limits: list[tuple[bytes, bytes]], tokens: list[int]) -> None:
-        ex = self._exchange(body, headers, timeout, 8)
+        ex = self._exchange(body, headers, timeout)
         await ex.send()
         # Watch for the client going away while the request runs: then cancel it on the node.
-        request = asyncio.ensure_future(ex.next())
+        request = asyncio.ensure_future(ex.reply())
         watch = asyncio.ensure_future(receive())
         # A reply sent while the broker was away is lost: do not wait the whole timeout for it.
         blink = asyncio.ensure_future(link_of(self.nc).reconnected(link_of(self.nc).generation))
@@ -325,7 +327,7 @@ class Gateway:
             value = rh.get(nats_name)
             if value is not None:
                 out.append((http_name, value.encode()))
-        data = await fetch_reply(self.nc, reply.data, rh)  # a reply over max_payload: from the object store
+        data = reply.data
         tokens[0] = _total_tokens(data)
         await send({"type": "http.response.start", "status": 200, "headers": out})
         await send({"type": "http.response.body", "body": data})

@@ -5,7 +5,7 @@ The plan is an ``identity.<public key>`` entry of the keys bucket (IdentityPlan)
 by every router: a change or removal applies within a second. The request's owner is the
 identity whose reply inbox (``_ZML_INBOX.<public key>``) the request names, which the server's
 permissions pin to the sender. Admission is :class:`~zmlcore.limiter.SharedLimiter` on the same
-bucket and arithmetic as the gateway's: every router replica counts into one entry, and an
+bucket, leases and arithmetic as the gateway's: every router replica counts into one entry, and an
 identity that shares an API key's plan (``--key ID``) counts into that key's entry, so HTTP and
 NATS together get the plan's rate, not twice it. An identity without a plan (and every service
 identity, the gateway's included: its callers were limited at the gateway) is not limited here.

@@ -151,7 +151,8 @@ class RouterMetrics(Collector):
         op = OPERATION.get(out.op, out.op)
         DURATION(op, out.model, out.family, out.node_id, "" if out.ok else code).observe(elapsed)
         if out.ok and info is not None:
-            TTFT(op, out.model, out.family, out.node_id).observe(info.time_to_first_token)
+            if info.time_to_first_token is not None:
+                TTFT(op, out.model, out.family, out.node_id).observe(info.time_to_first_token)
             if out.attempts > 1:
                 RETRIES(out.node_id).inc()
 

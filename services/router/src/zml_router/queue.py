@@ -50,10 +50,11 @@ H_DEADLINE = "Zml-Deadline"  # unix seconds: when a queued request expires with 
 H_ENQUEUED = "Zml-Enqueued"
 H_TOTAL_MS = "Zml-Total-Timeout-Ms"  # a re-queued request's original timeout
 #: Headers a queued request keeps: its id, timeout and owner, its API key's options (default
-#: policy, cost label), and its W3C trace context (the spans of the router that serves it join
+#: policy, cost label), what its requester handles (reply parts, keepalives), and its W3C trace context (the spans of the router that serves it join
 #: the trace that queued it).
 H_QUEUED_HEADERS = (subjects.H_REQUEST_ID, subjects.H_TIMEOUT_MS, subjects.H_OWNER, subjects.H_DEFAULT_POLICY,
-                    subjects.H_LABEL, subjects.H_KEEPALIVE, "traceparent", "tracestate")
+                    subjects.H_LABEL, subjects.H_ACCEPT_PARTS, subjects.H_KEEPALIVE, "traceparent",
+                    "tracestate")
 
 ACK_WAIT_S = 5.0
 #: Queued entries live at most this long (the stream's max_age), and so do their claims.

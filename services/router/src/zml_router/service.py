@@ -47,7 +47,8 @@ from zmlcore.messages import (
 from zmlcore.keepalive import QUEUED, KeepaliveBook, keepalive_headers, parse_interval
 from zmlcore.kvfollow import KVFollower
 from zmlcore.runner import cancel_and_wait
-from zmlcore.bigreply import maybe_stash
+from zmlcore.bigreply import accepted, check_fits
+from zmlcore.replyparts import publish_reply
 from zmlcore.telemetry import DECISION_ID, REQUEST_ID
 from zmlcore.validate import check_request_id, decode_request, request_timeout_s
 from zmlcore.policy import (
@@ -323,6 +324,9 @@ class RouterService:
             stream = req.stream
             request_id = check_request_id(asked_id or req.request_id or _new_id())
             REQUEST_ID.set(request_id)  # on every log line of this request (JSON logs)
+            if msg.reply and self.nc is not None:  # a reply the requester could not receive: refuse now
+                mc = self.cfg.models.get(self.cfg.resolve_model(req.model))
+                check_fits(msg.data, req, headers, self.nc.max_payload, mc.max_model_len if mc else None)
             # The gateway passes the API key's options: its default policy, its cost label. An
             # identity sharing a key's plan gets that key's (its own headers cannot override them).
             owner = subjects.reply_owner(msg.reply)
@@ -730,11 +734,11 @@ class RouterService:
         self.metrics.usage(req.kind(), req.model, raw)
         if rename is not None:
             raw = rename(raw)
-        # Over max_payload, the body goes through the object store instead of being lost (or
-        # refused after the node did the work).
-        data, headers = await maybe_stash(self.nc, f"{info.request_id}-{info.decision_id}",  # type: ignore[arg-type]
-                                          _with_routing(raw, info), self._routing_headers(info))
-        await self._publish(msg.reply, data, headers)
+        # Over max_payload: in parts to a requester that collects them (zmlcore.bigreply), else
+        # REPLY_TOO_LARGE (raised before anything is sent), never a lost reply.
+        if msg.reply and self.nc is not None:
+            await publish_reply(self.nc, msg.reply, _with_routing(raw, info), self._routing_headers(info),
+                                accepted(msg.headers))
 
     async def _dispatch_stream(self, msg: Msg | QueuedMsg, req: InferRequest, body: bytes, info: RoutingInfo, t0: float,
                                first_byte: float | None = None, rename: Renamer | None = None) -> None:

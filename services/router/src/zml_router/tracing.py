@@ -58,7 +58,7 @@ def decided(d: Decision, rr: RouteRequest) -> None:
         return
     candidates = [f"{e.family}: {e.nodes_checked} checked" + (f", rejected: {e.rejected_reason}" if e.rejected_reason else "")
                   for e in d.evaluated]
-    attrs = {
+    attrs: dict[str, Any] = {
         "zml.policy": d.policy, "zml.family": d.family, "zml.node_id": d.node_id,
         "zml.queue_depth": d.queue_depth, "zml.estimated_ttft_s": round(d.estimated_ttft_s, 4),
         "zml.candidates": candidates, "gen_ai.request.model": rr.model, "gen_ai.request.max_tokens": rr.max_tokens,
@@ -106,7 +106,7 @@ def finished(out: "_Outcome", request_id: str) -> None:
         "gen_ai.response.model": out.model if out.ok else None,
         "zml.request_id": request_id, "zml.node_id": out.node_id, "zml.family": out.family,
         "zml.attempts": out.attempts, "zml.queued": out.queued or None,
-        "zml.ttft_s": round(info.time_to_first_token, 4) if out.ok and info is not None else None,
+        "zml.ttft_s": round(info.time_to_first_token, 4) if out.ok and info is not None and info.time_to_first_token is not None else None,
     })
     if not out.ok and not out.queued:
         server.set_attribute("error.type", out.error_code or "INTERNAL")

@@ -45,6 +45,14 @@ class IdentityPlan(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
     created_at: float = 0.0
 
 
+class Hold(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
+    """Concurrency slots one limiter replica holds for its in-flight requests (renewed while
+    it holds any, so a replica that dies frees them when ``until`` passes)."""
+
+    slots: int = 0
+    until: float = 0.0
+
+
 class LimitState(msgspec.Struct, kw_only=True, omit_defaults=True):
     """One limited identity's usage, shared by every gateway through compare-and-set.
 
@@ -57,7 +65,10 @@ class LimitState(msgspec.Struct, kw_only=True, omit_defaults=True):
     tokens: int = 0
     prev_tokens: int = 0
     #: In-flight request id -> unix time its lease ends (a gateway that dies cannot leak them).
+    #: Written by limiters before per-replica leases; still counted, no longer written.
     leases: dict[str, float] = {}
+    #: Limiter replica -> the concurrency slots it holds (zmlcore.leases).
+    holds: dict[str, Hold] = {}
 
 
 api_key_decoder = msgspec.json.Decoder(ApiKeyRecord)

@@ -94,11 +94,11 @@ async def _slots(node: SimNode, req: web.Request) -> web.Response:
         busy.insert(0, eng.prefilling)
     slots = []
     for i in range(eng.profile.max_concurrency):
-        req = busy[i] if i < len(busy) else None
-        slots.append({"id": i, "id_task": req.id if req else -1, "n_ctx": _n_ctx(),
-                      "is_processing": req is not None,
-                      "next_token": {"n_decoded": req.generated if req else 0,
-                                     "n_remain": req.remaining if req else -1}})
+        held = busy[i] if i < len(busy) else None
+        slots.append({"id": i, "id_task": held.id if held else -1, "n_ctx": _n_ctx(),
+                      "is_processing": held is not None,
+                      "next_token": {"n_decoded": held.generated if held else 0,
+                                     "n_remain": held.remaining if held else -1}})
     return _json(slots)
 
 

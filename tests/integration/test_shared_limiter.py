@@ -1,0 +1,93 @@
+"""SharedLimiter's I/O half against a real nats-server: two limiters (two replicas, each with its
+own connection) spending one key's plan through leases on the zml_limits bucket."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator
+
+import nats
+import pytest
+from nats.aio.client import Client as NATS
+
+from zmlcore import subjects
+from zmlcore.leases import SHARE
+from zmlcore.limiter import SharedLimiter, limit_key
+from zmlcore.messages.keys import LimitState, PlanLimits, limit_state_decoder
+
+
+@pytest.fixture
+async def replicas(nats_url: str) -> AsyncIterator[tuple[SharedLimiter, SharedLimiter, NATS]]:
+    conns = [await nats.connect(nats_url) for _ in range(3)]
+    a, b = SharedLimiter.open(conns[0]), SharedLimiter.open(conns[1])
+    la, lb = await a, await b
+    try:
+        yield la, lb, conns[2]
+    finally:
+        await la.close()
+        await lb.close()
+        for nc in conns:
+            await nc.close()
+
+
+async def _entry(nc: NATS, identity: str) -> LimitState:
+    kv = await nc.jetstream().key_value(subjects.LIMITS_BUCKET)
+    return limit_state_decoder.decode((await kv.get(limit_key(identity))).value)
+
+
+async def _writes(nc: NATS) -> int:
+    return (await nc.jetstream().stream_info("KV_" + subjects.LIMITS_BUCKET)).state.last_seq
+
+
+async def _until(check, timeout: float = 10.0) -> None:  # type: ignore[no-untyped-def]
+    t0 = time.monotonic()
+    while not await check():
+        assert time.monotonic() - t0 < timeout, "condition not reached"
+        await asyncio.sleep(0.02)
+
+
+async def test_two_replicas_spend_one_plan_with_few_writes(replicas: tuple[SharedLimiter, SharedLimiter, NATS]) -> None:
+    a, b, nc = replicas
+    ident, rpm = f"key:test-{os.urandom(4).hex()}", 300
+    limits = PlanLimits(requests_per_minute=rpm)
+    seq0 = await _writes(nc)
+
+    async def one(lim: SharedLimiter, i: int) -> bool:
+        v = await lim.acquire(ident, limits, lease_id=f"r{i}", lease_s=30)
+        if v.ok:
+            await asyncio.sleep(0.001)
+            lim.release_soon(ident, lease_id=f"r{i}", tokens=1)
+        return v.ok
+
+    oks = await asyncio.gather(*(one((a, b)[i % 2], i) for i in range(2 * rpm)))
+    served = sum(oks)
+    assert rpm - 2 * SHARE <= served <= rpm + rpm // 20, served  # one window, or a few freed at its edge
+    assert await _writes(nc) - seq0 < served // 3  # leases: not a compare-and-set per request
+    # Closing gives back unspent leases and writes the tokens: the entry counts what was served.
+    await a.close()
+    await b.close()
+    s = await _entry(nc, ident)
+    assert s.requests + s.prev_requests == served and s.tokens + s.prev_tokens == served
+    assert s.holds == {}
+
+
+async def test_concurrency_slots_move_between_replicas(replicas: tuple[SharedLimiter, SharedLimiter, NATS]) -> None:
+    a, b, nc = replicas
+    ident = f"key:test-{os.urandom(4).hex()}"
+    limits = PlanLimits(concurrent=3)
+    assert all([(await a.acquire(ident, limits, lease_id=f"a{i}", lease_s=30)).ok for i in range(3)])
+    v = await b.acquire(ident, limits, lease_id="b0", lease_s=30)
+    assert not v.ok and v.reason == "concurrent" and v.retry_after_s > 0
+    assert (await _entry(nc, ident)).holds[a.holder].slots == 3
+    a.release_soon(ident, lease_id="a0", tokens=0)  # near the limit: the slot goes back at once
+
+    async def admitted() -> bool:
+        return (await b.acquire(ident, limits, lease_id="b1", lease_s=30)).ok
+    await _until(admitted, 5.0)
+    assert not (await a.acquire(ident, limits, lease_id="a9", lease_s=30)).ok
+    await a.close()  # shutdown frees a's held slots for the other replica
+    s = await _entry(nc, ident)
+    assert a.holder not in s.holds and s.holds[b.holder].slots == 1
+    assert (await b.acquire(ident, limits, lease_id="b2", lease_s=30)).ok
