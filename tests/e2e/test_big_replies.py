@@ -5,7 +5,9 @@ max_payload. The router sends it in parts on the requester's own inbox (zmlcore.
 it reaches every way in: HTTP through the gateway, the SDK over NATS with a *client* identity
 (sync and async), and a raw nats-py client identity that declares ``Zml-Accept-Parts``. A raw
 client that does not declare it is refused with REPLY_TOO_LARGE before the node runs (the
-node's counters do not move). Lost parts: tests/e2e/test_reply_parts_lost.py.
+node's counters do not move); when a node answers far more than the request's bound (a tiny
+HTTP node that ignores max_tokens), such a client gets REPLY_TOO_LARGE after the work, never
+silence. Lost parts: tests/e2e/test_reply_parts_lost.py.
 """
 
 from __future__ import annotations
@@ -13,7 +15,10 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import threading
+import time
 from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +30,7 @@ import zml
 from conftest import MODEL, SecureBus, Stack, launch_stack
 from zmlcore import subjects
 from zmlcore.config import NatsConfig
+from zmlcore.launch import free_port
 from zmlcore.natsauth import connect_options
 
 EMBED = "BAAI/bge-small-en-v1.5"
@@ -34,12 +40,60 @@ BIG = {"model": EMBED, "input": INPUTS}
 NODE = "h100-big"
 
 
+#: A tiny OpenAI-compatible node that ignores max_tokens: its reply is far over any bound.
+WORDY = "wordy/model"
+WORDY_TEXT = "y" * 2_500_000
+
+
+class _Wordy(BaseHTTPRequestHandler):
+    calls = 0
+
+    def _json(self, obj: Any) -> None:
+        data = json.dumps(obj).encode()
+        self.send_response(200)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        if self.path == "/v1/models":
+            self._json({"object": "list", "data": [{"id": WORDY, "object": "model"}]})
+        else:
+            self.send_error(404)
+
+    def do_POST(self) -> None:  # noqa: N802
+        self.rfile.read(int(self.headers.get("content-length", "0")))
+        type(self).calls += 1
+        self._json({"id": "w", "object": "chat.completion", "model": WORDY,
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": WORDY_TEXT},
+                                 "finish_reason": "length"}],
+                    "usage": {"prompt_tokens": 1, "completion_tokens": 4, "total_tokens": 5}})
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
 @pytest.fixture(scope="module")
-def stack(secure_bus: SecureBus, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+def wordy_port() -> Iterator[int]:
+    server = ThreadingHTTPServer(("127.0.0.1", free_port()), _Wordy)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield server.server_address[1]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.fixture(scope="module")
+def stack(secure_bus: SecureBus, wordy_port: int, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     secure_bus.issue("carol")
+    wordy = (f'[[nodes]]\nid = "wordy-1"\naccelerator = "nvidia_h100"\nbackend = "openai"\n'
+             f'endpoint = "http://127.0.0.1:{wordy_port}"\nmodels = ["{WORDY}"]\n')
     s = launch_stack(secure_bus.url, tmp_path_factory.mktemp("big-replies"), routers=1,
                      fleet=[(NODE, "nvidia_h100", [MODEL, EMBED])], identities=secure_bus.seeds,
-                     extra=f'[models."{EMBED}"]\nembedding = true\n')
+                     extra=f'[models."{EMBED}"]\nembedding = true\n' + wordy)
     try:
         yield s
     finally:
@@ -145,3 +199,33 @@ async def test_raw_client_that_does_not_declare_parts_is_refused_before_the_node
         await nc.close()
     await asyncio.sleep(0.5)  # nothing is in flight; give a wrongly dispatched request time to count
     assert _served(stack) == before + 1  # only the small request reached the node
+
+
+def _wordy_up(stack: Stack) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        nodes = httpx.get(stack.gateway_url + "/v1/nodes", timeout=5).json()["nodes"]
+        if any(n["node_id"] == "wordy-1" and n.get("status") == "up" for n in nodes):
+            return
+        time.sleep(0.2)
+    raise AssertionError(f"wordy-1 not up: {nodes}")
+
+
+async def test_a_reply_bigger_than_its_bound_is_an_error_to_an_undeclared_raw_client_not_silence(
+        stack: Stack, secure_bus: SecureBus) -> None:
+    await asyncio.to_thread(_wordy_up, stack)
+    body = json.dumps({"model": WORDY, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}).encode()
+    before = _Wordy.calls
+    nc = await _connect(secure_bus)
+    try:  # max_tokens 4 passes the bound; the node then answers 2.5 MB anyway
+        reply = await nc.request(subjects.INFER, body, timeout=30)
+    finally:
+        await nc.close()
+    assert _Wordy.calls == before + 1
+    assert (reply.headers or {}).get(subjects.H_ERROR_CODE) == "REPLY_TOO_LARGE", reply.data[:300]
+    assert subjects.H_ACCEPT_PARTS in json.loads(reply.data)["error"]["message"]
+    # The gateway declares parts: the same request gets the whole reply.
+    async with httpx.AsyncClient(timeout=60) as client:
+        r = await client.post(stack.gateway_url + "/v1/chat/completions", content=body,
+                              headers={"content-type": "application/json"})
+    assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == WORDY_TEXT

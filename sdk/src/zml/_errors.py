@@ -4,7 +4,9 @@
 
     ZMLError (.code, .message, .routing_context, .retry_after, .retryable)
     ├── BadRequestError, AuthError, RateLimitError, TimeoutError, CancelledError, BackendError
-    │   (BackendError -> StreamInterruptedError: a streamed reply lost a message in transit)
+    │   (BackendError -> StreamInterruptedError: a streamed reply lost a message in transit;
+    │    BackendError -> ReplyIncompleteError: a reply over max_payload lost one of its parts;
+    │    BadRequestError -> ReplyTooLargeError: a reply over [nats] max_reply_bytes)
     ├── ConnectionError      CONNECTION_FAILED  (the endpoint could not be reached)
     ├── ConfigError -> PolicyConfigError
     └── RoutingError -> NoHealthyNodesError, ModelNotLoadedError, QueueFullError
@@ -28,6 +30,8 @@ from zmlcore.errors import (
     PolicyConfigError,
     QueueFullError,
     RateLimitError,
+    ReplyIncompleteError,
+    ReplyTooLargeError,
     RoutingError,
     StreamInterruptedError,
     TimeoutError,
@@ -50,6 +54,8 @@ __all__ = [
     "PolicyConfigError",
     "QueueFullError",
     "RateLimitError",
+    "ReplyIncompleteError",
+    "ReplyTooLargeError",
     "RoutingError",
     "StreamInterruptedError",
     "TimeoutError",

@@ -16,6 +16,7 @@ import httpx
 import aiohttp
 from httpx_aiohttp import AiohttpTransport
 
+from zmlcore.errors import ReplyTooLargeError
 from zmlcore.sse import SSELineTooLong, aiter_sse_lines, data_field
 
 
@@ -100,20 +101,43 @@ def classify(resp: httpx.Response, body: bytes) -> AttemptError:
     return AttemptError(Failure.CLIENT, status, detail, ra)
 
 
+#: What is read of a node's error body: enough for any engine's error JSON.
+MAX_ERROR_BODY = 64 * 1024
+
+
 # No read timeout here: the router bounds each request as a whole with asyncio.timeout().
-async def post_json(client: NodeClient, url: str, body: bytes, headers: dict[str, str]) -> bytes:
-    """POST and return the body of a 2xx answer; raise AttemptError otherwise."""
+
+async def post_json(client: NodeClient, url: str, body: bytes, headers: dict[str, str],
+                    max_bytes: int = 64 * 1024 * 1024) -> bytes:
+    """POST and return the body of a 2xx answer; raise AttemptError otherwise. A node's reply
+    is read up to ``max_bytes`` (what any requester accepts, ``[nats] max_reply_bytes``): past
+    that, ReplyTooLargeError — the request asked for more than can be delivered, so no other
+    node would do better."""
     try:
         resp = await client.send(url, body, headers)
         try:
-            content = await resp.aread()
+            if resp.status_code >= 300:
+                raise classify(resp, await _head(resp, MAX_ERROR_BODY))
+            content = await _head(resp, max_bytes + 1)
         finally:
             await resp.aclose()
     except httpx.HTTPError as exc:
         raise AttemptError(Failure.NETWORK, 0, f"{type(exc).__name__}: {exc}") from exc
-    if resp.status_code >= 300:
-        raise classify(resp, content)
+    if len(content) > max_bytes:
+        raise ReplyTooLargeError(f"the node's reply is over {max_bytes} bytes ([nats] max_reply_bytes)")
     return content
+
+
+async def _head(resp: httpx.Response, limit: int) -> bytes:
+    """At most ``limit`` bytes of a body (the rest is not read)."""
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in resp.aiter_bytes():
+        parts.append(chunk[: limit - size])
+        size += len(chunk)
+        if size >= limit:
+            break
+    return b"".join(parts)
 
 
 async def stream_sse(client: NodeClient, url: str, body: bytes, headers: dict[str, str]) -> AsyncIterator[bytes]:
@@ -124,7 +148,7 @@ async def stream_sse(client: NodeClient, url: str, body: bytes, headers: dict[st
         raise AttemptError(Failure.NETWORK, 0, f"{type(exc).__name__}: {exc}") from exc
     try:
         if resp.status_code >= 300:
-            raise classify(resp, await resp.aread())
+            raise classify(resp, await _head(resp, MAX_ERROR_BODY))
         try:
             # Lines end at CR/LF only (zmlcore.sse): not at U+2028 & co. inside JSON strings.
             async for line in aiter_sse_lines(resp.aiter_bytes()):

@@ -727,7 +727,8 @@ class RouterService:
         await self._count(info.node_id, 1, 1)
         try:
             raw = await within_first_byte(
-                post_json(self.http, self._url(info, req), body, self._backend_headers(info)), first_byte)  # type: ignore[arg-type]
+                post_json(self.http, self._url(info, req), body, self._backend_headers(info),
+                          self.cfg.nats.max_reply_bytes), first_byte)  # type: ignore[arg-type]
         finally:
             await self._count(info.node_id, -1, -1)
         info.time_to_first_token = time.monotonic() - t0
