@@ -43,7 +43,7 @@ from zmlcore import subjects
 from zmlcore.config import NatsConfig
 from zmlcore.exchange import Exchange, parts_buffer
 from zmlcore.natsauth import connect_options, owner_of
-from zmlcore.replyparts import PartsRequester, Reply
+from zmlcore.replyparts import Reply
 from zmlcore.streamseq import SeqCheck
 
 __all__ = ["AsyncNatsStream", "AsyncNatsTransport", "SyncNatsStream", "SyncNatsTransport"]
@@ -71,7 +71,6 @@ class AsyncNatsTransport:
         self._options = connect_options(nats_config)
         #: Largest reply collected in parts (replies over max_payload: zmlcore.bigreply).
         self.max_reply_bytes = nats_config.max_reply_bytes
-        self._replies: PartsRequester | None = None
         self.owner = owner_of(self._options)
         self._nc: NATS | None = None
         self._lock: asyncio.Lock | None = None
@@ -111,18 +110,13 @@ class AsyncNatsTransport:
                     f"cannot connect to NATS at {self.url} ({type(exc).__name__}: {exc}). "
                     "Is `zml up` running? Check --endpoint / ZML_ENDPOINT."
                 ) from exc
-            self._replies = PartsRequester(self._nc, self.max_reply_bytes)
             return self._nc
 
-    async def request(self, subject: str, body: bytes, headers: dict[str, str] | None, timeout_s: float,
-                      parts: bool = False) -> RawReply:
-        """One request-reply; with ``parts``, a reply over max_payload is collected in parts."""
+    async def request(self, subject: str, body: bytes, headers: dict[str, str] | None, timeout_s: float) -> RawReply:
+        """One request-reply (admin subjects; inference goes through :meth:`infer`)."""
         nc = await self._conn()
         try:
-            if parts and self._replies is not None:
-                msg: Msg | Reply = await self._replies.request(subject, body, headers, timeout_s)
-            else:
-                msg = await nc.request(subject, body, timeout=timeout_s, headers=headers)
+            msg = await nc.request(subject, body, timeout=timeout_s, headers=headers)
         except nats.errors.NoRespondersError as exc:
             raise no_router_error(subject) from exc
         except nats.errors.TimeoutError as exc:

@@ -33,11 +33,10 @@ from typing import Any
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from zmlcore import subjects
-from zmlcore.bigreply import PART_WAIT_S, Collector, part_bytes
+from zmlcore import replyparts, subjects
+from zmlcore.bigreply import Collector, part_bytes
 from zmlcore.errors import BackendError, StreamInterruptedError, TimeoutError
 from zmlcore.keepalive import QUEUED, Silence, after_silence, keepalive_state
-from zmlcore.replyparts import Reply
 
 log = logging.getLogger("zml.exchange")
 
@@ -188,21 +187,21 @@ class Exchange:
             self.committed = True
             return msg
 
-    async def reply(self) -> Reply:
+    async def reply(self) -> replyparts.Reply:
         """The whole non-streamed reply, put back together when it comes in parts (a part
-        missing, or more than PART_WAIT_S late: REPLY_INCOMPLETE, retryable)."""
+        missing, more than PART_WAIT_S late, or its router gone: REPLY_INCOMPLETE, retryable)."""
         collector = Collector(self.accept_parts or 0)
         while True:
             if not collector.started:
                 msg = await self.next()
             else:
                 try:
-                    msg = await asyncio.wait_for(self.next(), PART_WAIT_S)
-                except asyncio.TimeoutError:
+                    msg = await asyncio.wait_for(self.next(), replyparts.PART_WAIT_S)
+                except (asyncio.TimeoutError, StreamInterruptedError):
                     raise collector.lost() from None
             body = collector.feed(msg.data, msg.headers)
             if body is not None:
-                return Reply(body, collector.headers)
+                return replyparts.Reply(body, collector.headers)
 
     async def _router_gone(self) -> None:
         assert self.keepalive_s is not None
