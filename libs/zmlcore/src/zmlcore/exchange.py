@@ -36,7 +36,7 @@ from nats.aio.msg import Msg
 from zmlcore import replyparts, subjects
 from zmlcore.bigreply import Collector, part_bytes
 from zmlcore.errors import BackendError, StreamInterruptedError, TimeoutError
-from zmlcore.keepalive import QUEUED, Silence, after_silence, keepalive_state
+from zmlcore.keepalive import MAX_INTERVAL_MS, MIN_INTERVAL_MS, QUEUED, Silence, after_silence, keepalive_state
 
 log = logging.getLogger("zml.exchange")
 
@@ -114,9 +114,10 @@ class Exchange:
         self.subject = subject
         self.body = body
         self.headers = dict(headers)
+        if keepalive_s is not None:  # as the router clamps it: the watch must expect what it gets
+            keepalive_s = min(max(keepalive_s, MIN_INTERVAL_MS / 1000), MAX_INTERVAL_MS / 1000)
+            self.headers[subjects.H_KEEPALIVE] = str(int(keepalive_s * 1000))
         self.keepalive_s = keepalive_s
-        if keepalive_s is not None:
-            self.headers[subjects.H_KEEPALIVE] = str(max(1, int(keepalive_s * 1000)))
         #: Replies over max_payload are collected in parts up to this many bytes (zmlcore.bigreply).
         self.accept_parts = accept_parts
         if accept_parts:
