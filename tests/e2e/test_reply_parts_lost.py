@@ -65,12 +65,15 @@ async def parts_router(own_nats: str) -> AsyncIterator[list[int]]:
             if int(h[subjects.H_PART]) not in skip:
                 await nc.publish(msg.reply, data, headers=h)
 
-    sub = await nc.subscribe(subjects.INFER, queue=subjects.ROUTER_QUEUE, cb=serve)
+    # The gateway sends on the front-door subject, the SDK on zml.infer: stand in on both.
+    subs = [await nc.subscribe(s, queue=subjects.ROUTER_QUEUE, cb=serve)
+            for s in (subjects.INFER, subjects.FRONT_DOOR_INFER)]
     await nc.flush()
     try:
         yield skip
     finally:
-        await sub.unsubscribe()
+        for sub in subs:
+            await sub.unsubscribe()
         await nc.close()
 
 

@@ -445,3 +445,28 @@ async def test_cancel_drops_a_queued_request(stack: Stack) -> None:
     finally:
         stack.clear_faults()
         await nc.close()
+
+
+async def test_a_queued_request_keeps_its_id(stack: Stack) -> None:
+    """Issue 9: while a request waits in the saturation queue (held by no router's own table), the
+    same owner's id is still refused on every replica; once it is answered the id is free."""
+    for node in stack.node_ids:
+        stack.faults(node, overload=True, retry_after_s=0.5)
+    nc = await nats.connect(stack.nats_url)
+    try:
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        body = {"model": MODEL, "messages": CHAT, "max_tokens": 2, "policy": "queued-long", "request_id": "q-keeps"}
+        await nc.publish(subjects.INFER, json.dumps(body).encode(), reply=inbox)
+        await asyncio.sleep(1.0)  # queued by now (every node refuses)
+        for _ in range(4):  # whichever router each copy reaches
+            dup = await nc.request(subjects.INFER, json.dumps(body).encode(), timeout=10)
+            assert (dup.headers or {}).get(subjects.H_ERROR_CODE) == "DUPLICATE_REQUEST_ID", dup.data
+        stack.clear_faults()
+        first = await sub.next_msg(timeout=20)
+        assert subjects.H_ERROR_CODE not in (first.headers or {}), first.data
+        again = await nc.request(subjects.INFER, json.dumps({**body, "policy": "h100-first"}).encode(), timeout=20)
+        assert subjects.H_ERROR_CODE not in (again.headers or {}), again.data
+    finally:
+        stack.clear_faults()
+        await nc.close()

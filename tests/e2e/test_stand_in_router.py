@@ -68,12 +68,15 @@ async def lossy_router(own_nats: str) -> AsyncIterator[list[int]]:
             if seq not in skip:
                 await nc.publish(msg.reply, data, headers={**headers, subjects.H_SEQ: str(seq)})
 
-    sub = await nc.subscribe(subjects.INFER, queue=subjects.ROUTER_QUEUE, cb=serve)
+    # The gateway sends on the front-door subject, the SDK on zml.infer: stand in on both.
+    subs = [await nc.subscribe(s, queue=subjects.ROUTER_QUEUE, cb=serve)
+            for s in (subjects.INFER, subjects.FRONT_DOOR_INFER)]
     await nc.flush()
     try:
         yield skip
     finally:
-        await sub.unsubscribe()
+        for sub in subs:
+            await sub.unsubscribe()
         await nc.close()
 
 
@@ -133,6 +136,7 @@ async def silent_router(own_nats: str) -> AsyncIterator[list[tuple[str, str]]]:
         seen.append(("cancel", msg.subject.rsplit(".", 1)[-1]))
 
     subs = [await nc.subscribe(subjects.INFER, queue=subjects.ROUTER_QUEUE, cb=on_infer),
+            await nc.subscribe(subjects.FRONT_DOOR_INFER, queue=subjects.ROUTER_QUEUE, cb=on_infer),
             await nc.subscribe(subjects.cancel("*"), cb=on_cancel)]
     await nc.flush()
     try:

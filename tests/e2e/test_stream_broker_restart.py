@@ -116,7 +116,8 @@ class StandIn:
 async def stand_in(broker: Broker) -> AsyncIterator[StandIn]:
     s = StandIn()
     s.nc = await nats.connect(broker.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
-    await s.nc.subscribe(subjects.INFER, queue=subjects.ROUTER_QUEUE, cb=s.on_request)
+    for subject in (subjects.INFER, subjects.FRONT_DOOR_INFER):  # the SDK's and the gateway's
+        await s.nc.subscribe(subject, queue=subjects.ROUTER_QUEUE, cb=s.on_request)
     await s.nc.flush()
     try:
         yield s

@@ -78,6 +78,9 @@ class InferCall:
     #: Tokens reserved in the client's rate limiter for this call.
     est_tokens: int = 0
     stream: bool = False
+    #: The SDK made up ``request_id`` (the caller gave none): unique, so routers skip their
+    #: cross-replica duplicate check.
+    id_generated: bool = False
 
     def encode(self) -> bytes:
         return _json_encoder.encode(self.body)
@@ -90,6 +93,7 @@ class InferCall:
         return {
             subjects.H_REQUEST_ID: self.request_id,
             subjects.H_TIMEOUT_MS: str(int(self.body.get("timeout_ms") or self.timeout_s * 1000)),
+            **({subjects.H_ID_GENERATED: "1"} if self.id_generated else {}),
             **trace_headers(),
         }
 
@@ -220,7 +224,8 @@ def build_infer(
     timeout = merged.pop("timeout", None)
     timeout_s = float(timeout) if timeout is not None else client_timeout_s
     rf = merged.pop("response_format", None)
-    request_id = str(merged.pop("request_id", None) or new_request_id())
+    asked_id = merged.pop("request_id", None)
+    request_id = str(asked_id or new_request_id())
 
     if not merged.get("model"):
         raise _bad_request("model is required (pass model=... or set it on the client)")
@@ -247,6 +252,7 @@ def build_infer(
         body=merged,
         kind=kind,
         request_id=request_id,
+        id_generated=not asked_id,
         timeout_s=server_timeout_s + grace_s(server_timeout_s),
         response_format=rf,
         est_tokens=estimate_tokens(merged, default_output_tokens),
@@ -289,7 +295,8 @@ def build_embed(
     merged.update({k: v for k, v in explicit.items() if v is not None})
     timeout = merged.pop("timeout", None)
     timeout_s = float(timeout) if timeout is not None else client_timeout_s
-    request_id = str(merged.pop("request_id", None) or new_request_id())
+    asked_id = merged.pop("request_id", None)
+    request_id = str(asked_id or new_request_id())
     if not merged.get("model"):
         raise _bad_request("model is required (pass model=... or set it on the client)")
     if isinstance(input, str):
@@ -306,7 +313,7 @@ def build_embed(
     server_timeout_s = merged["timeout_ms"] / 1000.0
     chars = sum(len(i) for i in ([input] if isinstance(input, str) else merged["input"]) if isinstance(i, str))
     return InferCall(
-        body=merged, kind="embedding", request_id=request_id,
+        body=merged, kind="embedding", request_id=request_id, id_generated=not asked_id,
         timeout_s=server_timeout_s + grace_s(server_timeout_s), est_tokens=max(1, chars // 4),
     )
 

@@ -9,7 +9,7 @@ from typing import Any
 import nats
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
-from nats.js.api import KeyValueConfig
+from nats.js.api import KeyValueConfig, StorageType
 from nats.js.errors import BucketNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
@@ -58,16 +58,19 @@ async def connect(urls: str | Sequence[str], name: str, *, connect_timeout: floa
     return nc
 
 
-async def ensure_kv(js: JetStreamContext, bucket: str, *, history: int = 1, ttl: float | None = None) -> KeyValue:
+async def ensure_kv(js: JetStreamContext, bucket: str, *, history: int = 1, ttl: float | None = None,
+                    memory: bool = False, max_bytes: int | None = None) -> KeyValue:
     """Open a KV bucket, creating it on first use (every service may start first) with the
-    connection's JetStream replicas (``[nats] replicas``)."""
+    connection's JetStream replicas (``[nats] replicas``); ``memory``: not kept on disk."""
     try:
         return await js.key_value(bucket)
     except (BucketNotFoundError, NotFoundError):
         pass
     replicas = link_of(js._nc).replicas
     try:
-        return await js.create_key_value(KeyValueConfig(bucket=bucket, history=history, replicas=replicas, ttl=ttl))
+        return await js.create_key_value(KeyValueConfig(
+            bucket=bucket, history=history, replicas=replicas, ttl=ttl, max_bytes=max_bytes,
+            storage=StorageType.MEMORY if memory else None))
     except Exception:  # created concurrently by another service: open it
         return await js.key_value(bucket)
 

@@ -82,17 +82,22 @@ def _grants(role: str, owner: str) -> tuple[list[str], list[str], bool]:
     if role == "client":
         return [subjects.INFER, own_cancel], [inbox], False
     if role == "gateway":
-        pub = [subjects.INFER, own_cancel, subjects.ROUTERS_STATE, *kv_read(subjects.NODES_BUCKET),
+        # Requests go to the front-door subject: only there does a router honour the key's
+        # label and default policy (zml_router.trust).
+        pub = [subjects.FRONT_DOOR_INFER, own_cancel, subjects.ROUTERS_STATE, *kv_read(subjects.NODES_BUCKET),
                *kv_read(subjects.COSTS_BUCKET), *kv_read(subjects.KEYS_BUCKET), *kv_write(subjects.LIMITS_BUCKET),
                f"$JS.API.CONSUMER.LIST.{subjects.QUEUE_STREAM}"]  # the dashboard's saturation-queue depth
         return pub, [inbox, completed], False  # completion events feed the /dashboard
     if role == "router":
         pub = [f"{subjects.INBOX_ROOT}.>", subjects.INFLIGHT, subjects.INFLIGHT_SNAPSHOT, subjects.NODE_MARKS,
                completed, subjects.QUEUE_BUSY, *_queue_stream(), *kv_write(subjects.QUEUE_CLAIMS_BUCKET),
+               # request ids in flight on every replica; is a claim's holder still running?
+               *kv_write(subjects.REQUEST_IDS_BUCKET), subjects.router_state("*"),
                *kv_read(subjects.NODES_BUCKET), *kv_read(subjects.COSTS_BUCKET),
                # client identities' plans (zml_router.limits), counted with the gateways'
                *kv_read(subjects.KEYS_BUCKET), *kv_write(subjects.LIMITS_BUCKET)]
         sub = [inbox, f"{subjects.INFER} {subjects.ROUTER_QUEUE}",  # only inside the queue group
+               f"{subjects.FRONT_DOOR_INFER} {subjects.ROUTER_QUEUE}",
                subjects.INFLIGHT, subjects.INFLIGHT_SNAPSHOT, subjects.NODE_MARKS, f"{subjects.CANCEL_PREFIX}.>",
                subjects.ROUTERS_STATE, subjects.router_state("*"), subjects.QUEUE_BUSY]
         return pub, sub, False

@@ -17,6 +17,7 @@ No other module writes a subject literal: services and the SDK import these name
     KV bucket zml_nodes            node state written by health, watched by routers
     KV bucket zml_leases           one key per role (health, warmup): which replica is active
     KV bucket zml_queue_claims     routers: create-only dispatch claims on queued requests
+    KV bucket zml_request_ids      routers: create-only claims on callers' in-flight request ids
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ PREFIX = "zml"
 #: Inference requests. Routers subscribe in :data:`ROUTER_QUEUE`; each request is answered on
 #: its reply subject (one message, or a chunk sequence when ``stream`` is true).
 INFER = f"{PREFIX}.infer"
+#: The same requests from a front door (the gateway role, the only identity allowed to publish
+#: here): the router honours the front-door headers (``Zml-Label``, ``Zml-Default-Policy``) only
+#: on this subject; on :data:`INFER` they come from the sender's key record or not at all.
+FRONT_DOOR_INFER = f"{PREFIX}.gateway.infer"
 #: Queue group shared by every router replica: NATS hands each request to exactly one of them.
 ROUTER_QUEUE = "zml-routers"
 
@@ -79,6 +84,11 @@ QUEUE_SUBJECT_PREFIX = f"{PREFIX}.queue"
 #: JetStream KV bucket of dispatch claims on queued entries (key ``<model key>.<stream seq>``):
 #: create-only, so a redelivered entry is never dispatched a second time.
 QUEUE_CLAIMS_BUCKET = "zml_queue_claims"
+#: JetStream KV bucket (memory) of request ids in flight, so that a caller's duplicate id is
+#: refused on every router replica: key = hash of (owner, front-door owner, id), value = the
+#: holding router's id, created (create-only) before dispatch and deleted when the request ends;
+#: each entry has a TTL, so a dead router's claims go away (zml_router.ids).
+REQUEST_IDS_BUCKET = "zml_request_ids"
 #: Routers announce "model X has requests waiting" here, so new arrivals queue behind them.
 QUEUE_BUSY = f"{PREFIX}.queue_busy"
 
@@ -151,6 +161,12 @@ H_ROUTING = "Zml-Routing"  # the single header sent to backends: compact routing
 #: Set by a front door (the gateway) on requests and cancels: whom, within the sending identity,
 #: the request id belongs to. It only narrows the sender's own namespace, so it needs no trust.
 H_OWNER = "Zml-Owner"
+#: "1": the sender generated this request id itself (unique by construction; the gateway and the
+#: SDK set it when the caller gave none), so routers skip the cross-replica duplicate check. Only
+#: the sender's own namespace is affected, so it needs no trust.
+H_ID_GENERATED = "Zml-Id-Generated"
+#: Router-internal, on a queued request: the KV revision of its claim on its id (zml_router.ids).
+H_ID_CLAIM = "Zml-Id-Claim"
 #: On every message of a streamed reply: 0 on ``start``, then 1, 2, ... on each chunk and on the
 #: final ``end``/``error``. A receiver that sees a number skipped lost a message (core NATS is
 #: at-most-once) and ends the stream with STREAM_INTERRUPTED instead of returning less text.

@@ -5,7 +5,7 @@ Routes: POST /v1/chat/completions, POST /v1/completions (OpenAI-compatible, stre
 POST /v1/embeddings, GET /v1/models, GET /v1/models/{id}, GET /v1/nodes,
 GET /healthz; any other path is 404, a known path with the wrong
 method 405. The body is validated here with the router's own rules (zmlcore.validate), so a
-bad request is a 400 before it costs a NATS round trip, and then goes to ``zml.infer`` as is.
+bad request is a 400 before it costs a NATS round trip, and then goes to the front-door subject ``zml.gateway.infer`` as is.
 Every answer that is not a 200 carries OpenAI's error body (``message``, ``type``, ``code``).
 """
 
@@ -107,7 +107,7 @@ _NO_RESPONDERS = "503"
 
 
 def _no_router() -> NoHealthyNodesError:
-    return NoHealthyNodesError("no router is running (no responders on zml.infer)", retry_after=1.0)
+    return NoHealthyNodesError("no router is running (no responders on zml.gateway.infer)", retry_after=1.0)
 
 
 class Gateway:
@@ -250,13 +250,17 @@ class Gateway:
             return
         tokens = [0]
         try:
-            await self._dispatch(body, req.stream, request_id, timeout, receive, send, limits, caller, tokens)
+            await self._dispatch(body, req.stream, request_id, timeout, receive, send, limits, caller, tokens,
+                                 generated=not req.request_id)
         finally:
             self.access.done(caller, request_id, tokens[0])
 
     async def _dispatch(self, body: bytes, stream: bool, request_id: str, timeout: float, receive: Receive,
-                        send: Send, limits: list[tuple[bytes, bytes]], caller: Caller, tokens: list[int]) -> None:
+                        send: Send, limits: list[tuple[bytes, bytes]], caller: Caller, tokens: list[int],
+                        generated: bool = False) -> None:
         headers = {subjects.H_REQUEST_ID: request_id, subjects.H_TIMEOUT_MS: str(int(timeout * 1000))}
+        if generated:  # unique by construction: routers skip the cross-replica duplicate check
+            headers[subjects.H_ID_GENERATED] = "1"
         if caller.record is not None:  # the key's options travel with the request
             if caller.record.default_policy:
                 headers[subjects.H_DEFAULT_POLICY] = caller.record.default_policy
@@ -284,7 +288,7 @@ class Gateway:
         a plain reply over max_payload collected in parts (``buffer`` None: room for all of them)."""
         ka = self.cfg.gateway.router_keepalive_ms
         limit = self.cfg.nats.max_reply_bytes
-        return Exchange(self.nc, body, headers, timeout_s=timeout, wait_s=timeout + 1.0,
+        return Exchange(self.nc, body, headers, timeout_s=timeout, wait_s=timeout + 1.0, subject=subjects.FRONT_DOOR_INFER,
                         keepalive_s=ka / 1000.0 if ka else None, accept_parts=None if buffer else limit,
                         buffer=buffer or parts_buffer(limit, self.nc.max_payload))
 

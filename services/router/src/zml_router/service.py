@@ -76,11 +76,14 @@ from zml_router.dispatch import (
 )
 from zml_router.firstbyte import expected_s, first_byte_timeout
 from zml_router.keepalives import send_keepalives
+from zml_router import ids as idclaims
+from zml_router.ids import RequestIds, claim_key
 from zml_router.kinds import PATHS, check_kind
 from zml_router.limits import IdentityLimits, Lease
 from zml_router.rename import Renamer
 from zml_router.queue import H_DEADLINE, H_ENQUEUED, H_QUEUED_HEADERS, H_TOTAL_MS, QueuedMsg, SaturationQueue
 from zml_router.table import NodeTable
+from zml_router.trust import front_door_headers
 
 log = logging.getLogger("zml.router")
 
@@ -147,7 +150,7 @@ def _owner_key(reply: str, headers: dict[str, str], request_id: str) -> str:
 
 
 def _key(owner: str, front_door_owner: str, request_id: str) -> str:
-    return f"{owner}\x00{front_door_owner}\x00{request_id}"
+    return claim_key(owner, front_door_owner, request_id)
 
 
 class RouterService:
@@ -177,6 +180,8 @@ class RouterService:
         #: Requests whose requester asked for keepalives (zmlcore.keepalive), by reply subject.
         self.keepalives = KeepaliveBook()
         self._keepalive_task: asyncio.Task[None] | None = None
+        #: Callers' request ids in flight on every replica (zml_router.ids).
+        self.ids: RequestIds | None = None
 
     # --- lifecycle -------------------------------------------------------------------------
     async def start(self, nc: NATS) -> None:
@@ -193,6 +198,8 @@ class RouterService:
         # A snapshot before taking traffic; an empty bucket has nothing to wait for.
         await self.nodes_follower.wait_ready(2.0)
         await self.limits.start(nc)
+        self.ids = RequestIds(nc, self.router_id, self.cfg.defaults.max_request_timeout_s)
+        await self.ids.open()
         self.queue = SaturationQueue(nc, self._room_for_queued, self._dispatch_queued, self._expire_queued,
                                      self._queued_cancelled, owner=self.router_id)
         self.table.on_change = self.queue.capacity.set
@@ -208,6 +215,9 @@ class RouterService:
         self._subs.append(await nc.subscribe(subjects.ROUTERS_STATE, cb=self._on_state))
         self._subs.append(
             await nc.subscribe(subjects.INFER, queue=subjects.ROUTER_QUEUE, cb=self._on_request)
+        )
+        self._subs.append(
+            await nc.subscribe(subjects.FRONT_DOOR_INFER, queue=subjects.ROUTER_QUEUE, cb=self._on_request)
         )
 
     async def stop(self) -> None:
@@ -232,6 +242,7 @@ class RouterService:
     # --- subscriptions ---------------------------------------------------------------------
     async def _on_request(self, msg: Msg) -> None:
         # nats-py runs a subscription's callbacks one after another: hand off at once.
+        front_door_headers(msg)  # what the sender may not set is dropped here (zml_router.trust)
         task = asyncio.create_task(self._enter(msg))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -319,6 +330,7 @@ class RouterService:
         request_id = ""  # set once validated: it goes into subjects, headers and logs
         stream = False
         out = _Outcome()
+        idclaims.CURRENT.set(None)  # not one inherited from the task that started this one
         try:
             req = decode_request(msg.data, max_depth=self.cfg.defaults.max_json_depth)
             stream = req.stream
@@ -360,6 +372,7 @@ class RouterService:
             try:
                 if self._cancelled.take(key, time.time()):  # the cancel overtook the request
                     raise asyncio.CancelledError
+                idclaims.CURRENT.set(await self._claim_id(msg, headers, key, req, timeout, request_id))
                 if not isinstance(msg, QueuedMsg):  # a queued request was counted when it arrived
                     lease = await self.limits.admit(owner, request_id, timeout)
                 async with asyncio.timeout(timeout):
@@ -370,6 +383,8 @@ class RouterService:
                 if self._by_request.get(key) is task:
                     del self._by_request[key]
                 self.keepalives.remove(msg.reply)
+                if not out.queued:  # a queued request keeps its claim until it is answered
+                    await self.ids.release_current()  # type: ignore[union-attr]
                 self.limits.done(lease, (out.info.total_tokens or 0) if out.ok and out.info else 0)
                 if isinstance(msg, QueuedMsg) and msg.placed is not None and not msg.placed.done():
                     msg.placed.set_result(True)
@@ -387,9 +402,27 @@ class RouterService:
         if out.model and not out.queued:
             await self._completed(out, request_id, t0)
 
+    async def _claim_id(self, msg: Msg | QueuedMsg, headers: dict[str, str], key: str, req: InferRequest,
+                        timeout: float, request_id: str) -> idclaims.Claim | None:
+        """The request's claim on its id across replicas: taken here for an id the caller chose,
+        carried along by a queued request, none for an id generated by its sender or by us."""
+        if isinstance(msg, QueuedMsg):
+            return idclaims.queued_claim(key, msg.headers)
+        if not (headers.get(subjects.H_REQUEST_ID) or req.request_id) or headers.get(subjects.H_ID_GENERATED) == "1":
+            return None
+        return await self.ids.claim(key, timeout, request_id,  # type: ignore[union-attr]
+                                    takeover=bool(headers.get(subjects.H_RESEND)))
+
     def _queued_cancelled(self, qmsg: QueuedMsg) -> bool:
         request_id = qmsg.headers.get(subjects.H_REQUEST_ID, "")
-        return self._cancelled.seen(_owner_key(qmsg.reply, qmsg.headers, request_id), time.time())
+        key = _owner_key(qmsg.reply, qmsg.headers, request_id)
+        if not self._cancelled.seen(key, time.time()):
+            return False
+        if self.ids is not None:  # dropped from the queue without a reply: free its id now
+            task = asyncio.create_task(self.ids.release(idclaims.queued_claim(key, qmsg.headers)))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        return True
 
     def _prepare(self, req: InferRequest, raw: bytes) -> tuple[str, ResolvedPolicy, RouteRequest]:
         model = self.cfg.resolve_model(req.model)
@@ -589,6 +622,9 @@ class RouterService:
         headers = {k: v for k, v in (msg.headers or {}).items() if k in H_QUEUED_HEADERS}
         headers[subjects.H_REQUEST_ID] = request_id
         headers[subjects.H_TIMEOUT_MS] = str(int(timeout * 1000))
+        claim = idclaims.CURRENT.get()
+        if claim is not None:  # the request keeps its id while it waits (zml_router.ids)
+            headers[idclaims.H_ID_CLAIM] = str(claim.revision)
         if isinstance(msg, QueuedMsg):
             # Back in the queue after losing a race for capacity: keep its deadlines.
             deadline = float(msg.headers.get(H_DEADLINE, deadline))
@@ -641,6 +677,8 @@ class RouterService:
 
     async def _expire_queued(self, qmsg: QueuedMsg, enqueued_at: float) -> None:
         self.metrics.expired(qmsg.data)
+        request_id = qmsg.headers.get(subjects.H_REQUEST_ID, "")
+        idclaims.CURRENT.set(idclaims.queued_claim(_owner_key(qmsg.reply, qmsg.headers, request_id), qmsg.headers))
         waited_ms = int((time.time() - enqueued_at) * 1000)
         try:
             stream = infer_request_decoder.decode(qmsg.data).stream
@@ -737,6 +775,7 @@ class RouterService:
             raw = rename(raw)
         # Over max_payload: in parts to a requester that collects them (zmlcore.bigreply), else
         # REPLY_TOO_LARGE (raised before anything is sent), never a lost reply.
+        await self.ids.release_current()  # type: ignore[union-attr]  # before the caller can reuse the id
         if msg.reply and self.nc is not None:
             await publish_reply(self.nc, msg.reply, _with_routing(raw, info), self._routing_headers(info),
                                 accepted(msg.headers))
@@ -775,6 +814,7 @@ class RouterService:
                 info.time_to_first_token = time.monotonic() - t0
                 await self._publish(msg.reply, _encode(StreamStart(routing=info)),
                                     {**self._routing_headers(info), subjects.H_STREAM: "start", subjects.H_SEQ: "0"})
+            await self.ids.release_current()  # type: ignore[union-attr]
             await self._publish(msg.reply, _encode(StreamStart(routing=info)),
                                 {subjects.H_STREAM: subjects.STREAM_END, subjects.H_SEQ: str(seq + 1)})
         except AttemptError as err:
@@ -811,6 +851,8 @@ class RouterService:
         if stream:
             headers[subjects.H_STREAM] = subjects.STREAM_ERROR
         try:
+            if self.ids is not None:
+                await self.ids.release_current()
             await self._publish(msg.reply, _encode(exc.to_body()), headers)
         except Exception:  # connection closing: the requester times out on its side
             log.warning("could not send error reply %s", exc.code)

@@ -1,0 +1,97 @@
+"""Claims on callers' request ids (zml_router.ids) on a real broker: two RequestIds play two
+router replicas; a dead holder's claim is taken over, a live one's is not, and an abandoned claim
+expires by its TTL."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import nats
+import pytest
+from nats.aio.client import Client as NATS
+from nats.js.errors import KeyNotFoundError
+
+from zmlcore import subjects
+from zmlcore.errors import DuplicateRequestError
+from zml_router import ids as idclaims
+from zml_router.ids import RequestIds, claim_key
+
+
+@pytest.fixture()
+async def conns(nats_url: str) -> AsyncIterator[list[NATS]]:
+    ncs = [await nats.connect(nats_url) for _ in range(3)]
+    try:
+        yield ncs
+    finally:
+        for nc in ncs:
+            await nc.close()
+
+
+async def _answer(msg) -> None:  # type: ignore[no-untyped-def]
+    await msg.respond(b"{}")
+
+
+async def _replicas(ncs: list[NATS]) -> tuple[RequestIds, RequestIds]:
+    a, b = RequestIds(ncs[0], "router-a", 60), RequestIds(ncs[1], "router-b", 60)
+    await a.open()
+    await b.open()
+    return a, b
+
+
+async def test_one_claim_per_key_across_replicas_and_reuse_after_release(conns: list[NATS]) -> None:
+    a, b = await _replicas(conns)
+    # router-a answers its state subject: it is alive.
+    alive = [await conns[0].subscribe(subjects.router_state("router-a"), cb=_answer),
+             await conns[1].subscribe(subjects.router_state("router-b"), cb=_answer)]
+    key = claim_key("owner", "", "same")
+    first = await a.claim(key, 30, "same")
+    assert first is not None
+    for replica in (a, b):
+        with pytest.raises(DuplicateRequestError, match="same"):
+            await replica.claim(key, 30, "same")
+    assert await b.claim(claim_key("other-owner", "", "same"), 30, "same") is not None  # ids are per owner
+    assert await b.claim(claim_key("owner", "key-2", "same"), 30, "same") is not None  # ... and per front-door owner
+    await a.release(first)
+    again = await b.claim(key, 30, "same")  # at once, on the other replica
+    assert again is not None
+    await a.release(first)  # a stale release (old revision) does not free the new holder's claim
+    with pytest.raises(DuplicateRequestError):
+        await a.claim(key, 30, "same")
+    for sub in alive:
+        await sub.unsubscribe()
+
+
+async def test_a_dead_holders_claim_is_taken_over(conns: list[NATS]) -> None:
+    a, b = await _replicas(conns)
+    key = claim_key("owner", "", "resent")
+    assert await a.claim(key, 30, "resent") is not None
+    # Nobody answers zml.admin.router.router-a.state: router-a is gone (no responders).
+    taken = await b.claim(key, 30, "resent")
+    assert taken is not None
+    alive = await conns[1].subscribe(subjects.router_state("router-b"), cb=_answer)
+    with pytest.raises(DuplicateRequestError):  # and now b (alive) holds it
+        await a.claim(key, 30, "resent")
+    await alive.unsubscribe()
+
+
+async def test_an_abandoned_claim_expires(conns: list[NATS], monkeypatch: pytest.MonkeyPatch) -> None:
+    a, _ = await _replicas(conns)
+    alive = await conns[2].subscribe(subjects.router_state("router-a"), cb=_answer)
+    monkeypatch.setattr(idclaims, "SLACK_S", 0.0)
+    key = claim_key("owner", "", "crashed")
+    assert await a.claim(key, 1.0, "crashed") is not None  # TTL 1 s; never released
+    kv = await conns[1].jetstream().key_value(subjects.REQUEST_IDS_BUCKET)
+    t0 = time.monotonic()
+    while True:
+        try:
+            await kv.get(key)
+        except KeyNotFoundError:
+            break  # the server removed it
+        assert time.monotonic() - t0 < 10, "the claim never expired"
+        await asyncio.sleep(0.2)
+    b = RequestIds(conns[1], "router-b", 60)
+    await b.open()
+    assert await b.claim(key, 30, "crashed") is not None
+    await alive.unsubscribe()
