@@ -252,5 +252,8 @@ async def test_a_killed_routers_requests_are_taken_over(stack: Stack) -> None:
     # The dead router's requests were sent again and served by the survivor: some through the
     # gateway, some through the SDK, streams among them (those that had not started).
     assert any(i.startswith("gw") for i in resent) and any(i.startswith("sdk") for i in resent), resent
+    metrics = httpx.get(f"http://127.0.0.1:{stack.metrics_ports['router-1']}/metrics", timeout=10).text
+    taken = re.search(r'^zml_router_taken_over_total\{previous="other"\} (\S+)$', metrics, re.M)
+    assert taken and float(taken.group(1)) >= len(resent), taken
     by_id = {r["id"]: r for r in results}
     assert all(by_id[i].get("status") == 200 for i in resent if not by_id[i]["stream"]), resent

@@ -363,6 +363,7 @@ class RouterService:
                 held.cancel()
             if headers.get(subjects.H_RESEND):
                 log.warning("request %s sent again by its requester: the router holding it went silent", request_id)
+                self.metrics.taken_over("self" if held is not None else "other")
             self._by_request[key] = task
             if keepalive is not None and msg.reply:
                 self.keepalives.add(msg.reply, keepalive, time.monotonic())
