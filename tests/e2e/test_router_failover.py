@@ -215,6 +215,44 @@ async def test_a_resend_reaching_the_router_that_holds_it_replaces_it(stack: Sta
         await nc.close()
 
 
+async def test_a_dequeued_request_whose_router_dies_runs_again_once(stack: Stack) -> None:
+    """The saturation queue and keepalives together: a request waits in the queue (the gateway
+    does not send it again however long that takes), a replica claims it and runs it, and dies.
+    The gateway sends it again (its keepalives stopped) and the survivor serves it; the queue's
+    claim keeps the entry from being dispatched a second time by redelivery."""
+    stack.faults("h100-a", overload=True, retry_after_s=0.3)
+    nc = await nats.connect(stack.nats_url)
+    try:
+        async with httpx.AsyncClient(base_url=stack.gateway_url, timeout=TIMEOUT_S + 10) as http:
+            t0 = time.monotonic()
+            job = asyncio.create_task(http.post("/v1/chat/completions", json={
+                "model": MODEL, "messages": [{"role": "user", "content": "queued"}], "max_tokens": 600,
+                "policy": "queued", "timeout_ms": int(TIMEOUT_S * 1000), "request_id": "q-kill"}))
+            await asyncio.sleep(3.5)  # > 3 keepalive intervals in the queue: not sent again
+            stack.faults("h100-a", overload=False)
+            deadline = time.monotonic() + 20
+            while True:  # the replica that took it out of the queue runs it
+                held = {r: n for r, n in (await _in_flight(nc)).items() if n}
+                if held:
+                    break
+                assert time.monotonic() < deadline and not job.done(), held
+            victim = next(iter(held))
+            stack.procs[victim].popen.kill()
+            r = await job
+            took = time.monotonic() - t0
+    finally:
+        stack.faults("h100-a", overload=False)
+        await nc.close()
+    survivor = "router-1" if victim == "router-2" else "router-2"
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 600, r.text[:300]
+    assert r.json()["zml"]["router_id"] == survivor
+    assert took < QUICK_S, took
+    log = stack.procs[survivor].tail(200)
+    assert log.count("request q-kill sent again") == 1, log  # once, not while it was queued
+    stack.procs[victim] = stack.start_router(victim)
+    assert await asyncio.to_thread(stack.procs[victim].wait_for, "started", 30), stack.procs[victim].tail()
+
+
 async def test_a_killed_routers_requests_are_taken_over(stack: Stack) -> None:
     nc = await nats.connect(stack.nats_url)
     try:

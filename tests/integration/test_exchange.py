@@ -1,7 +1,8 @@
 """zmlcore.exchange against a real nats-server: keepalives are consumed, a silent router's
 request is sent again once (same id, new inbox, the timeout left), a late reply of the first
 attempt is never mixed in, a started stream ends with STREAM_INTERRUPTED, a queued request is
-never sent again, and without keepalives nothing changes. The "routers" here are scripted
+never sent again (out of the queue it is watched again: tests/e2e/test_router_failover.py), and
+without keepalives nothing changes. The "routers" here are scripted
 responders on a subject of the test's own: what they do is the point of each test."""
 
 from __future__ import annotations
@@ -153,25 +154,6 @@ async def test_a_queued_request_is_never_sent_again(nc: Any) -> None:
     reply = await ex.next()
     ex.close()
     assert reply.data == b'{"served": true}' and len(seen) == 1 and ex.resends == 0
-
-
-async def test_out_of_the_queue_it_is_watched_again(nc: Any) -> None:
-    subj = subject()
-
-    async def script(msg: Any, attempt: int) -> None:
-        if attempt == 1:  # queued, dispatched by a replica that then dies
-            await nc.publish(msg.reply, b"", headers=keepalive_headers(QUEUED))
-            await asyncio.sleep(MISSES * KA * 1.5)
-            await nc.publish(msg.reply, b"", headers=keepalive_headers())
-            return
-        await nc.publish(msg.reply, b'{"from": 2}')
-
-    _, seen = await responder(nc, subj, script)
-    ex = exchange(nc, subj)
-    await ex.send()
-    reply = await ex.next()
-    ex.close()
-    assert reply.data == b'{"from": 2}' and len(seen) == 2
 
 
 async def test_without_keepalives_nothing_changes(nc: Any) -> None:
