@@ -372,11 +372,11 @@ class Gateway:
                 if get not in done:
                     get.cancel()
                     await self._cancel(request_id, headers)
-                    exc = TimeoutError(f"no reply within {timeout:g} s")
+                    late = TimeoutError(f"no reply within {timeout:g} s")
                     if started:
-                        await self._sse_error(send, exc.to_body())
+                        await self._sse_error(send, late.to_body())
                         return
-                    raise exc
+                    raise late
                 try:
                     msg = get.result()
                 except ZMLError as exc:  # its router gone (STREAM_INTERRUPTED once relaying), or TIMEOUT
@@ -387,20 +387,20 @@ class Gateway:
                     raise
                 if ex.overflowed:
                     await self._cancel(request_id, headers)
-                    exc = BackendError(f"client read too slowly: more than {ex.buffer} chunks waiting; "
-                                       "request cancelled")
+                    slow = BackendError(f"client read too slowly: more than {ex.buffer} chunks waiting; "
+                                        "request cancelled")
                     if started:
-                        await self._sse_error(send, exc.to_body())
+                        await self._sse_error(send, slow.to_body())
                         return
-                    raise exc
+                    raise slow
                 mh = msg.headers or {}
                 if mh.get(_NATS_STATUS) == _NO_RESPONDERS and not msg.data:
                     # The broker's "no responders" status (routers not re-subscribed yet after a
                     # restart): a clean retryable error, not an empty 500.
-                    exc = _no_router()
+                    gone = _no_router()
                     if not started:
-                        raise exc
-                    await self._sse_error(send, exc.to_body())
+                        raise gone
+                    await self._sse_error(send, gone.to_body())
                     return
                 kind = mh.get(subjects.H_STREAM)
                 gap = seq.gap(mh.get(subjects.H_SEQ)) if kind in _SEQUENCED else None

@@ -667,7 +667,8 @@ class RouterService:
         task = asyncio.create_task(self._enter(QueuedMsg(qmsg.subject, qmsg.data, qmsg.reply, headers, placed)))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        await asyncio.wait([placed, task], timeout=PLACEMENT_WAIT_S, return_when=asyncio.FIRST_COMPLETED)
+        waits: list[asyncio.Future[Any]] = [placed, task]
+        await asyncio.wait(waits, timeout=PLACEMENT_WAIT_S, return_when=asyncio.FIRST_COMPLETED)
         if placed.done():
             if not placed.result() and subjects.H_KEEPALIVE in qmsg.headers:
                 # Back to waiting (the claim is released after this): not watched meanwhile.
@@ -766,8 +767,8 @@ class RouterService:
         await self._count(info.node_id, 1, 1)
         try:
             raw = await within_first_byte(
-                post_json(self.http, self._url(info, req), body, self._backend_headers(info),
-                          self.cfg.nats.max_reply_bytes), first_byte)  # type: ignore[arg-type]
+                post_json(self.http, self._url(info, req), body, self._backend_headers(info),  # type: ignore[arg-type]
+                          self.cfg.nats.max_reply_bytes), first_byte)
         finally:
             await self._count(info.node_id, -1, -1)
         info.time_to_first_token = time.monotonic() - t0
