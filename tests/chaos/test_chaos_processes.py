@@ -20,7 +20,7 @@ import pytest
 from chaosload import Report, record
 from chaosstack import VICTIM, ChaosStack, NatsServer, nats_connect, poll_until
 import overload
-from scenario import calm, load_for, run, to_thread
+from scenario import TIMEOUT_S, calm, load_for, run, to_thread
 from zmlcore import subjects
 from zmlcore.launch import free_port
 
@@ -76,9 +76,18 @@ def test_kill_a_router(calm_stack: ChaosStack) -> None:
         calm_stack.kill("router-2")
 
     report = asyncio.run(run(calm_stack, "kill -9 a router", inject))
+    # What the dead router held was sent again by the gateways (its keepalives stopped): count
+    # the survivor's log lines saying so.
+    report.notes["taken_over"] = calm_stack.procs["router-1"].tail(200).count("sent again by its requester")
+    report.notes["slowest_s"] = round(max(r.elapsed for r in report.results), 2)
     record(report)
     report.assert_clean()
     _no_connection_errors(report)
+    # Nothing the dead router held waits out its timeout: plain requests and streams not yet
+    # started complete through the survivor, started streams end with STREAM_INTERRUPTED at once.
+    assert report.codes()["TIMEOUT"] == 0, report.summary()
+    slow = [r for r in report.results if r.elapsed >= TIMEOUT_S]
+    assert not slow, (slow[:4], report.summary())
     # After the kill only the survivor answers, and everything sent after it settled completes.
     settled = report.notes["fault_t"] + TIMEOUT_AFTER
     late = [r for r in report.results if r.t_start >= settled]

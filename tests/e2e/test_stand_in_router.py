@@ -174,3 +174,48 @@ async def test_sync_sdk_cancels_a_timed_out_stream_before_retrying(own_nats: str
     await asyncio.to_thread(run)
     await asyncio.sleep(0.5)
     _cancelled_before_retry(silent_router)
+
+
+@pytest.fixture()
+async def header_router(own_nats: str) -> AsyncIterator[list[str | None]]:
+    """Answers every request at once; records the Zml-Id-Generated header each one came with."""
+    seen: list[str | None] = []
+    nc = await nats.connect(own_nats)
+
+    async def serve(msg) -> None:  # type: ignore[no-untyped-def]
+        headers = msg.headers or {}
+        seen.append(headers.get(subjects.H_ID_GENERATED))
+        rid = headers.get(subjects.H_REQUEST_ID, "r")
+        body = {"id": "c", "object": "chat.completion", "model": MODEL,
+                "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}, "finish_reason": "stop"}],
+                "zml": {**ROUTING, "request_id": rid}}
+        await nc.publish(msg.reply, json.dumps(body).encode(), headers={subjects.H_REQUEST_ID: rid, subjects.H_NODE_ID: "n1"})
+
+    subs = [await nc.subscribe(s, queue=subjects.ROUTER_QUEUE, cb=serve)
+            for s in (subjects.INFER, subjects.FRONT_DOOR_INFER)]
+    await nc.flush()
+    try:
+        yield seen
+    finally:
+        for sub in subs:
+            await sub.unsubscribe()
+        await nc.close()
+
+
+@pytest.mark.parametrize("way", ["sdk-nats", "sdk-http", "http"])
+@pytest.mark.parametrize("request_id", [None, "mine"], ids=["generated", "client-id"])
+async def test_only_a_client_chosen_id_needs_the_shared_duplicate_check(
+        way: str, request_id: str | None, own_nats: str, gateway: str, header_router: list[str | None]) -> None:
+    """Issue 9: ids made up by the SDK or the gateway reach the router marked Zml-Id-Generated
+    (no cross-replica claim, no extra round trip); an id the caller chose does not."""
+    extra = {"request_id": request_id} if request_id else {}
+    if way == "http":
+        async with httpx.AsyncClient(timeout=10) as http:
+            r = await http.post(gateway + "/v1/chat/completions",
+                                json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}], **extra})
+            assert r.status_code == 200, r.text
+    else:
+        async with zml.AsyncClient(endpoint=own_nats if way == "sdk-nats" else gateway, model=MODEL,
+                                   max_retries=0) as client:
+            assert (await client.infer(prompt="hi", **extra)).text == "ok"  # type: ignore[arg-type]
+    assert header_router == [None if request_id else "1"]

@@ -65,6 +65,10 @@ _nodes_decoder = msgspec.json.Decoder(dict[str, Any])
 # --------------------------------------------------------------------------------------------
 
 
+#: HTTP twin of ``Zml-Id-Generated``: the request id in the body was made up by the SDK.
+H_HTTP_ID_GENERATED = "x-zml-id-generated"
+
+
 @dataclass(slots=True)
 class InferCall:
     """A built request: the JSON body plus what the client needs to send and decode it."""
@@ -88,6 +92,10 @@ class InferCall:
     @property
     def http_path(self) -> str:
         return _PATHS[self.kind]
+
+    def http_headers(self) -> dict[str, str]:
+        """Tells the gateway the id is the SDK's own (no cross-replica duplicate check needed)."""
+        return {H_HTTP_ID_GENERATED: "1"} if self.id_generated else {}
 
     def nats_headers(self) -> dict[str, str]:
         return {

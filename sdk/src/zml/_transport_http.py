@@ -64,19 +64,21 @@ class SyncHTTPTransport:
             limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
         )
 
-    def request(self, method: str, path: str, body: bytes | None = None, timeout_s: float | None = None) -> RawReply:
+    def request(self, method: str, path: str, body: bytes | None = None, timeout_s: float | None = None,
+                headers: dict[str, str] | None = None) -> RawReply:
         url = self.base_url + path
         try:
             resp = self._client.request(
                 method, path, content=body, timeout=_timeout(timeout_s) if timeout_s else httpx.USE_CLIENT_DEFAULT,
-                headers={"content-type": "application/json", **trace_headers()} if body is not None else None,
+                headers={"content-type": "application/json", **trace_headers(), **(headers or {})}
+                if body is not None else None,
             )
         except httpx.HTTPError as exc:
             raise _translate(exc, url) from exc
         return _reply(resp)
 
     def infer(self, call: InferCall) -> RawReply:
-        return self.request("POST", call.http_path, call.encode(), call.timeout_s)
+        return self.request("POST", call.http_path, call.encode(), call.timeout_s, call.http_headers())
 
     def nodes(self) -> RawReply:
         return self.request("GET", "/v1/nodes")
@@ -88,7 +90,8 @@ class SyncHTTPTransport:
         url = self.base_url + call.http_path
         req = self._client.build_request(
             "POST", call.http_path, content=call.encode(), timeout=_timeout(call.timeout_s),
-            headers={"content-type": "application/json", "accept": "text/event-stream", **trace_headers()},
+            headers={"content-type": "application/json", "accept": "text/event-stream", **trace_headers(),
+                     **call.http_headers()},
         )
         try:
             resp = self._client.send(req, stream=True)
@@ -157,20 +160,22 @@ class AsyncHTTPTransport:
         )
 
     async def request(
-        self, method: str, path: str, body: bytes | None = None, timeout_s: float | None = None
+        self, method: str, path: str, body: bytes | None = None, timeout_s: float | None = None,
+        headers: dict[str, str] | None = None,
     ) -> RawReply:
         url = self.base_url + path
         try:
             resp = await self._client.request(
                 method, path, content=body, timeout=_timeout(timeout_s) if timeout_s else httpx.USE_CLIENT_DEFAULT,
-                headers={"content-type": "application/json", **trace_headers()} if body is not None else None,
+                headers={"content-type": "application/json", **trace_headers(), **(headers or {})}
+                if body is not None else None,
             )
         except httpx.HTTPError as exc:
             raise _translate(exc, url) from exc
         return _reply(resp)
 
     async def infer(self, call: InferCall) -> RawReply:
-        return await self.request("POST", call.http_path, call.encode(), call.timeout_s)
+        return await self.request("POST", call.http_path, call.encode(), call.timeout_s, call.http_headers())
 
     async def nodes(self) -> RawReply:
         return await self.request("GET", "/v1/nodes")
@@ -182,7 +187,8 @@ class AsyncHTTPTransport:
         url = self.base_url + call.http_path
         req = self._client.build_request(
             "POST", call.http_path, content=call.encode(), timeout=_timeout(call.timeout_s),
-            headers={"content-type": "application/json", "accept": "text/event-stream", **trace_headers()},
+            headers={"content-type": "application/json", "accept": "text/event-stream", **trace_headers(),
+                     **call.http_headers()},
         )
         try:
             resp = await self._client.send(req, stream=True)

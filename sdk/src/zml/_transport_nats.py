@@ -9,6 +9,10 @@ become ZML errors here and nowhere else.
 The identity (nkey seed, env ZML_NATS_NKEY or ``[nats] nkey_file``) and TLS come from the
 configuration: with an identity, replies arrive on the identity's own inbox prefix and the
 owner in cancel subjects is its public key (see docs/security.md).
+
+Inference goes through :class:`zmlcore.exchange.Exchange`: the transport asks the routers for
+keepalives, and a request whose router dies (3 silent intervals) is sent once more to another
+router, invisibly unless a stream had already started (then it ends with STREAM_INTERRUPTED).
 """
 
 from __future__ import annotations
@@ -37,13 +41,18 @@ from zml._core import (
 from zml._errors import AuthError, ConnectionError, StreamInterruptedError, ZMLError
 from zmlcore import subjects
 from zmlcore.config import NatsConfig
+from zmlcore.exchange import Exchange, parts_buffer
 from zmlcore.natsauth import connect_options, owner_of
-from zmlcore.replyparts import PartsRequester, Reply
+from zmlcore.replyparts import Reply
 from zmlcore.streamseq import SeqCheck
 
 __all__ = ["AsyncNatsStream", "AsyncNatsTransport", "SyncNatsStream", "SyncNatsTransport"]
 
 T = TypeVar("T")
+
+#: Keepalive interval asked of the routers (``Zml-Keepalive``): a dead router is noticed after
+#: three of them. None turns keepalives (and so router failover) off.
+ROUTER_KEEPALIVE_S: float | None = 1.0
 
 
 def _reply(msg: Msg | Reply) -> RawReply:
@@ -52,15 +61,16 @@ def _reply(msg: Msg | Reply) -> RawReply:
 
 
 class AsyncNatsTransport:
-    def __init__(self, url: str, timeout: float, connect_timeout: float = 2.0, nats_config: NatsConfig | None = None) -> None:
+    def __init__(self, url: str, timeout: float, connect_timeout: float = 2.0, nats_config: NatsConfig | None = None,
+                 keepalive_s: float | None = ROUTER_KEEPALIVE_S) -> None:
         self.url = url
         self.timeout = timeout
+        self.keepalive_s = keepalive_s
         self.connect_timeout = connect_timeout
         nats_config = nats_config or NatsConfig(url=url)
         self._options = connect_options(nats_config)
         #: Largest reply collected in parts (replies over max_payload: zmlcore.bigreply).
         self.max_reply_bytes = nats_config.max_reply_bytes
-        self._replies: PartsRequester | None = None
         self.owner = owner_of(self._options)
         self._nc: NATS | None = None
         self._lock: asyncio.Lock | None = None
@@ -100,18 +110,13 @@ class AsyncNatsTransport:
                     f"cannot connect to NATS at {self.url} ({type(exc).__name__}: {exc}). "
                     "Is `zml up` running? Check --endpoint / ZML_ENDPOINT."
                 ) from exc
-            self._replies = PartsRequester(self._nc, self.max_reply_bytes)
             return self._nc
 
-    async def request(self, subject: str, body: bytes, headers: dict[str, str] | None, timeout_s: float,
-                      parts: bool = False) -> RawReply:
-        """One request-reply; with ``parts``, a reply over max_payload is collected in parts."""
+    async def request(self, subject: str, body: bytes, headers: dict[str, str] | None, timeout_s: float) -> RawReply:
+        """One request-reply (admin subjects; inference goes through :meth:`infer`)."""
         nc = await self._conn()
         try:
-            if parts and self._replies is not None:
-                msg: Msg | Reply = await self._replies.request(subject, body, headers, timeout_s)
-            else:
-                msg = await nc.request(subject, body, timeout=timeout_s, headers=headers)
+            msg = await nc.request(subject, body, timeout=timeout_s, headers=headers)
         except nats.errors.NoRespondersError as exc:
             raise no_router_error(subject) from exc
         except nats.errors.TimeoutError as exc:
@@ -129,9 +134,45 @@ class AsyncNatsTransport:
             await nc.publish(subjects.cancel(request_id, self.owner), b"")
             await nc.flush(timeout=1)
 
+    def _exchange(self, nc: NATS, call: InferCall, buffer: int | None) -> Exchange:
+        """``buffer`` None: a plain reply, collected in parts when over max_payload."""
+        headers = call.nats_headers()
+        return Exchange(nc, call.encode(), headers, timeout_s=int(headers[subjects.H_TIMEOUT_MS]) / 1000.0,
+                        wait_s=call.timeout_s, keepalive_s=self.keepalive_s,
+                        accept_parts=None if buffer else self.max_reply_bytes,
+                        buffer=buffer or parts_buffer(self.max_reply_bytes, nc.max_payload))
+
+    async def _send(self, call: InferCall, buffer: int | None) -> Exchange:
+        nc = await self._conn()
+        ex = self._exchange(nc, call, buffer)
+        try:
+            await ex.send()
+        except (nats.errors.Error, OSError) as exc:
+            raise ConnectionError(f"NATS connection to {self.url} lost: {exc}") from exc
+        return ex
+
+    async def _infer_once(self, call: InferCall) -> RawReply:
+        ex = await self._send(call, None)
+        try:
+            reply = await ex.reply()
+        except (nats.errors.ConnectionClosedError, OSError) as exc:
+            raise ConnectionError(f"NATS connection to {self.url} lost: {exc}") from exc
+        except ZMLError as exc:
+            if f'"{subjects.INFER}"' in self._denied.lower():  # silence because the server refused the publish
+                raise AuthError(f"this NATS identity may not use {subjects.INFER} ({self._denied}); "
+                                "see docs/security.md for what each role may do") from exc
+            if exc.code == "TIMEOUT":  # the SDK's own wording (request id, what to change)
+                raise timeout_error(call.timeout_s, call.request_id) from None
+            raise
+        finally:
+            ex.close()
+        if lower_headers(reply.headers).get("status") == "503" and not reply.data:
+            raise no_router_error(subjects.INFER)
+        return _reply(reply)
+
     async def infer(self, call: InferCall) -> RawReply:
         try:
-            return await self.request(subjects.INFER, call.encode(), call.nats_headers(), call.timeout_s, parts=True)
+            return await self._infer_once(call)
         except asyncio.CancelledError:
             await asyncio.shield(self.cancel(call.request_id))
             raise
@@ -148,14 +189,9 @@ class AsyncNatsTransport:
         return nodes  # the CLI derives models from the node list over NATS
 
     async def open_stream(self, call: InferCall) -> AsyncNatsStream:
-        nc = await self._conn()
-        inbox = nc.new_inbox()
-        try:
-            sub = await nc.subscribe(inbox)
-            await nc.publish(subjects.INFER, call.encode(), reply=inbox, headers=call.nats_headers())
-        except (nats.errors.Error, OSError) as exc:
-            raise ConnectionError(f"NATS connection to {self.url} lost: {exc}") from exc
-        return AsyncNatsStream(self, sub, call)
+        # Generous: a stream's chunks wait here until the caller iterates (the router does not
+        # wait for a slow reader; overflow ends the stream with an error).
+        return AsyncNatsStream(self, await self._send(call, 65536), call)
 
     async def aclose(self) -> None:
         if self._nc is not None:
@@ -167,9 +203,9 @@ class AsyncNatsTransport:
 class AsyncNatsStream:
     """Stream events of one streamed reply; ``aclose()`` before the end cancels the request."""
 
-    def __init__(self, transport: AsyncNatsTransport, sub: Any, call: InferCall) -> None:
+    def __init__(self, transport: AsyncNatsTransport, ex: Exchange, call: InferCall) -> None:
         self._t = transport
-        self._sub = sub
+        self._ex = ex
         self._call = call
         self._finished = False
         self.headers: dict[str, str] = {}
@@ -178,12 +214,19 @@ class AsyncNatsStream:
         seq = SeqCheck()  # a lost message ends the stream with an error, never silently short
         while True:
             try:
-                msg = await self._sub.next_msg(timeout=self._call.timeout_s)
-            except nats.errors.TimeoutError:
-                yield StreamEvent("error", error=timeout_error(self._call.timeout_s, self._call.request_id))
+                msg = await self._ex.next()
+            except ZMLError as exc:  # TIMEOUT, or its router gone (STREAM_INTERRUPTED once started)
+                if exc.code == "TIMEOUT":
+                    exc = timeout_error(self._call.timeout_s, self._call.request_id)
+                yield StreamEvent("error", error=exc)
                 return
             except (nats.errors.ConnectionClosedError, OSError) as exc:
                 raise ConnectionError(f"NATS connection to {self._t.url} lost: {exc}") from exc
+            if self._ex.overflowed:
+                yield StreamEvent("error", error=StreamInterruptedError(
+                    "more stream messages arrived than the client buffers while it was not reading; "
+                    "the stream is incomplete", retry_after=1.0))
+                return
             headers = lower_headers(msg.headers)
             if headers.get("status") == "503":
                 self._finished = True
@@ -204,16 +247,17 @@ class AsyncNatsStream:
         if not self._finished:
             self._finished = True
             await self._t.cancel(self._call.request_id)
-        with contextlib.suppress(Exception):
-            await self._sub.unsubscribe()
+        self._ex.close()
 
 
 class SyncNatsTransport:
     """The async transport driven from a private event-loop thread (the SDK's only bridge)."""
 
-    def __init__(self, url: str, timeout: float, connect_timeout: float = 2.0, nats_config: NatsConfig | None = None) -> None:
+    def __init__(self, url: str, timeout: float, connect_timeout: float = 2.0, nats_config: NatsConfig | None = None,
+                 keepalive_s: float | None = ROUTER_KEEPALIVE_S) -> None:
         self.url = url
-        self._async = AsyncNatsTransport(url, timeout, connect_timeout, nats_config)  # checks the identity first
+        # checks the identity first
+        self._async = AsyncNatsTransport(url, timeout, connect_timeout, nats_config, keepalive_s)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="zml-nats", daemon=True)
         self._thread.start()

@@ -33,6 +33,7 @@ NonNeg = Annotated[float, msgspec.Meta(ge=0)]
 PosFloat = Annotated[float, msgspec.Meta(gt=0)]
 PosInt = Annotated[int, msgspec.Meta(ge=1)]
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+KeepaliveMs = Annotated[int, msgspec.Meta(ge=0, le=60_000)]
 
 Backend = Literal["vllm", "tgi", "sglang", "llamacpp", "openai"]
 Strategy = Literal["latency", "cost", "availability", "round_robin", "weighted", "balanced", "chain"]
@@ -106,6 +107,12 @@ class GatewayConfig(msgspec.Struct, **_Base):
     """Chunks of one streamed reply buffered while the HTTP client is slow to read; when full,
     the request is cancelled upstream and the stream ends with an error (a client that stops
     reading cannot make the gateway buffer a whole reply)."""
+    router_keepalive_ms: KeepaliveMs = 1000
+    """Ask routers for a keepalive every this many ms while they work on a request
+    (``Zml-Keepalive``); after 3 silent intervals the router counts as dead and the request is
+    sent once more to another router (not yet answered: invisibly; a stream already relayed
+    ends with STREAM_INTERRUPTED). 0: no keepalives, a dead router's requests wait out their
+    timeout. Values under 100 are raised to 100."""
     tls_cert_file: str | None = None
     """Serve HTTPS with this certificate (PEM; env ZML_GATEWAY_TLS_CERT). None: plain HTTP."""
     tls_key_file: str | None = None

@@ -171,6 +171,12 @@ H_ID_CLAIM = "Zml-Id-Claim"
 #: final ``end``/``error``. A receiver that sees a number skipped lost a message (core NATS is
 #: at-most-once) and ends the stream with STREAM_INTERRUPTED instead of returning less text.
 H_SEQ = "Zml-Seq"
+#: On a request: "send me keepalives every <ms> while you work on it" (zmlcore.keepalive). On
+#: a message on the reply subject: it is a keepalive (``alive``, or ``queued`` once the request
+#: waits in the saturation queue), not part of the reply.
+H_KEEPALIVE = "Zml-Keepalive"
+#: On a request sent again because the router holding it went silent (same id, new inbox).
+H_RESEND = "Zml-Resend"
 
 STREAM_CHUNK = "chunk"
 STREAM_END = "end"

@@ -22,12 +22,11 @@ from typing import Any
 
 import msgspec
 from nats.aio.client import Client as NATS
-from nats.errors import NoRespondersError
-from nats.errors import TimeoutError as NatsTimeout
 
 from zmlcore import subjects, tracing
 from zmlcore.config import ZMLConfig
 from zmlcore.costs import CostTable
+from zmlcore.exchange import Exchange, parts_buffer
 from zmlcore.errors import (
     BackendError,
     MethodNotAllowedError,
@@ -42,7 +41,6 @@ from zmlcore.errors import (
 )
 from zmlcore.errors import ConnectionError as ZMLConnectionError
 from zmlcore.link import link_of
-from zmlcore.replyparts import PartsRequester
 from zmlcore.messages import NodeState
 from zmlcore.keys import KeyRing
 from zmlcore.natsauth import config_owner
@@ -125,8 +123,6 @@ class Gateway:
         self.access = access or Access(cfg, KeyRing(cfg.gateway.api_keys), None)
         self.owner = config_owner(cfg.nats)  # this gateway's NATS identity: its cancel subjects
         self.inflight = InFlight()
-        #: Non-streamed replies, in parts when over max_payload (zmlcore.bigreply).
-        self.replies = PartsRequester(nc, cfg.nats.max_reply_bytes)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -254,8 +250,11 @@ class Gateway:
             return
         tokens = [0]
         try:
+            # An id the caller's SDK made up (x-zml-id-generated) is unique like ours: no shared
+            # claim needed. Set on its own ids, it only drops that check for this caller.
+            generated = not req.request_id or (b"x-zml-id-generated", b"1") in scope["headers"]
             await self._dispatch(body, req.stream, request_id, timeout, receive, send, limits, caller, tokens,
-                                 generated=not req.request_id)
+                                 generated=generated)
         finally:
             self.access.done(caller, request_id, tokens[0])
 
@@ -287,15 +286,29 @@ class Gateway:
         await self.nc.publish(subjects.cancel(request_id, self.owner), b"",
                               headers={subjects.H_OWNER: headers[subjects.H_OWNER]})
 
+    def _exchange(self, body: bytes, headers: dict[str, str], timeout: float, buffer: int | None = None) -> Exchange:
+        """The request to the routers: keepalives asked for, a dead router's request sent again;
+        a plain reply over max_payload collected in parts (``buffer`` None: room for all of them)."""
+        ka = self.cfg.gateway.router_keepalive_ms
+        limit = self.cfg.nats.max_reply_bytes
+        return Exchange(self.nc, body, headers, timeout_s=timeout, wait_s=timeout + 1.0, subject=subjects.FRONT_DOOR_INFER,
+                        keepalive_s=ka / 1000.0 if ka else None, accept_parts=None if buffer else limit,
+                        buffer=buffer or parts_buffer(limit, self.nc.max_payload))
+
     async def _infer_once(self, body: bytes, headers: dict[str, str], request_id: str, timeout: float,
                           receive: Receive, send: Send, limits: list[tuple[bytes, bytes]], tokens: list[int]) -> None:
+        ex = self._exchange(body, headers, timeout)
+        await ex.send()
         # Watch for the client going away while the request runs: then cancel it on the node.
-        request = asyncio.ensure_future(self.replies.request(subjects.FRONT_DOOR_INFER, body, headers, timeout + 1.0))
+        request = asyncio.ensure_future(ex.reply())
         watch = asyncio.ensure_future(receive())
         # A reply sent while the broker was away is lost: do not wait the whole timeout for it.
         blink = asyncio.ensure_future(link_of(self.nc).reconnected(link_of(self.nc).generation))
-        done, _ = await asyncio.wait((request, watch, blink), return_when=asyncio.FIRST_COMPLETED)
-        blink.cancel()
+        try:
+            done, _ = await asyncio.wait((request, watch, blink), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            blink.cancel()
+            ex.close()
         if request not in done:
             request.cancel()
             await self._cancel(request_id, headers)
@@ -306,12 +319,12 @@ class Gateway:
         watch.cancel()
         try:
             reply = request.result()
-        except NoRespondersError:
-            raise _no_router() from None
-        except NatsTimeout:
+        except ZMLError:  # TIMEOUT, or its router gone (and gone again after a resend)
             await self._cancel(request_id, headers)
-            raise TimeoutError(f"no reply within {timeout:g} s") from None
+            raise
         rh = reply.headers or {}
+        if rh.get(_NATS_STATUS) == _NO_RESPONDERS and not reply.data:
+            raise _no_router()
         code = rh.get(subjects.H_ERROR_CODE)
         if code is not None:
             await self._relay_error(send, code, reply.data, rh.get(subjects.H_RETRY_AFTER), limits)
@@ -330,26 +343,17 @@ class Gateway:
         self, body: bytes, headers: dict[str, str], request_id: str, timeout: float, receive: Receive, send: Send,
         limits: list[tuple[bytes, bytes]], tokens: list[int],
     ) -> None:
-        queue: asyncio.Queue[Any] = asyncio.Queue(self.cfg.gateway.stream_buffer)
-        overflow: list[bool] = []
-
-        async def on_msg(msg: Any) -> None:
-            try:
-                queue.put_nowait(msg)
-            except asyncio.QueueFull:  # the HTTP client reads slower than the node writes
-                overflow.append(True)
-
-        inbox = self.nc.new_inbox()
-        sub = await self.nc.subscribe(inbox, cb=on_msg)
+        # Chunks wait in a bounded buffer while the HTTP client is slow to read (overflow: cancel).
+        ex = self._exchange(body, headers, timeout, self.cfg.gateway.stream_buffer)
         watch = asyncio.ensure_future(receive())
         blink = asyncio.ensure_future(link_of(self.nc).reconnected(link_of(self.nc).generation))
         started = False
         seq = SeqCheck()  # a lost message ends the stream with an error, never silently short
         deadline = time.monotonic() + timeout + 1.0
         try:
-            await self.nc.publish(subjects.FRONT_DOOR_INFER, body, reply=inbox, headers=headers)
+            await ex.send()
             while True:
-                get = asyncio.ensure_future(queue.get())
+                get = asyncio.ensure_future(ex.next())
                 remaining = deadline - time.monotonic()
                 done, _ = await asyncio.wait((get, watch, blink), timeout=max(remaining, 0),
                                              return_when=asyncio.FIRST_COMPLETED)
@@ -368,28 +372,35 @@ class Gateway:
                 if get not in done:
                     get.cancel()
                     await self._cancel(request_id, headers)
-                    exc = TimeoutError(f"no reply within {timeout:g} s")
+                    late = TimeoutError(f"no reply within {timeout:g} s")
                     if started:
-                        await self._sse_error(send, exc.to_body())
+                        await self._sse_error(send, late.to_body())
                         return
-                    raise exc
-                msg = get.result()
-                if overflow:
+                    raise late
+                try:
+                    msg = get.result()
+                except ZMLError as exc:  # its router gone (STREAM_INTERRUPTED once relaying), or TIMEOUT
                     await self._cancel(request_id, headers)
-                    exc = BackendError(f"client read too slowly: more than {queue.maxsize} chunks waiting; "
-                                       "request cancelled")
                     if started:
                         await self._sse_error(send, exc.to_body())
                         return
-                    raise exc
+                    raise
+                if ex.overflowed:
+                    await self._cancel(request_id, headers)
+                    slow = BackendError(f"client read too slowly: more than {ex.buffer} chunks waiting; "
+                                        "request cancelled")
+                    if started:
+                        await self._sse_error(send, slow.to_body())
+                        return
+                    raise slow
                 mh = msg.headers or {}
                 if mh.get(_NATS_STATUS) == _NO_RESPONDERS and not msg.data:
                     # The broker's "no responders" status (routers not re-subscribed yet after a
                     # restart): a clean retryable error, not an empty 500.
-                    exc = _no_router()
+                    gone = _no_router()
                     if not started:
-                        raise exc
-                    await self._sse_error(send, exc.to_body())
+                        raise gone
+                    await self._sse_error(send, gone.to_body())
                     return
                 kind = mh.get(subjects.H_STREAM)
                 gap = seq.gap(mh.get(subjects.H_SEQ)) if kind in _SEQUENCED else None
@@ -424,7 +435,7 @@ class Gateway:
         finally:
             watch.cancel()
             blink.cancel()
-            await sub.unsubscribe()
+            ex.close()
 
     async def _sse_error(self, send: Send, body: Any) -> None:
         await send({"type": "http.response.body", "body": b"data: " + _encode(body) + b"\n\n"})

@@ -14,7 +14,9 @@ answer may reuse the id at once.
 - A router that dies leaves its claims behind. Each has a TTL (the request's timeout plus
   :data:`SLACK_S`), and a replica that meets one asks the holder (``zml.admin.router.<id>.state``):
   no responders means it is gone, and the claim is taken over with compare-and-set. A request
-  resent after its router died is therefore not refused as its own duplicate.
+  resent after its router went silent (``Zml-Resend``, zmlcore.keepalive) takes the claim over
+  whoever holds it: its requester stopped listening to the first attempt, and it touches only
+  its sender's own ids.
 - The bucket is memory storage (claims are worthless after a broker restart) with a bounded
   size and age. If it cannot be reached, the replica's own check still holds and the request
   goes on (logged): a caller's duplicate ids harm only that caller.
@@ -86,9 +88,11 @@ class RequestIds:
             log.warning("bucket %s unavailable: duplicate ids are refused per replica only",
                         subjects.REQUEST_IDS_BUCKET, exc_info=True)
 
-    async def claim(self, key: str, timeout_s: float, request_id: str) -> Claim | None:
+    async def claim(self, key: str, timeout_s: float, request_id: str, takeover: bool = False) -> Claim | None:
         """Take ``key`` for a request of ``timeout_s``; DuplicateRequestError if a live request
-        holds it. None: the bucket could not be reached (the request goes on unclaimed)."""
+        holds it. None: the bucket could not be reached (the request goes on unclaimed).
+        ``takeover``: the request was sent again because its router went silent (``Zml-Resend``):
+        it takes the claim whoever holds it (it only touches its sender's own ids)."""
         if self.kv is None:
             await self.open()
             if self.kv is None:
@@ -108,7 +112,7 @@ class RequestIds:
                 except KeyNotFoundError as err:  # a released claim's marker (or expired): write over it
                     marker = getattr(err, "entry", None)
                     holder, last = "", (marker.revision or 0) if marker is not None else 0
-                if holder:
+                if holder and not takeover:
                     if holder == self.router_id or await self._alive(holder):
                         raise DuplicateRequestError(
                             f"request_id {request_id!r} is already in flight for this caller")

@@ -69,6 +69,10 @@ FAILOVERS = Children(Counter(
     "(network, server, slow, overloaded, no_model, client).", ["node", "cause"]))
 RETRIES = Children(Counter(
     "zml_router_retries", "Requests served on a second or later attempt, by the node that served them.", ["node"]))
+TAKEN_OVER = Children(Counter(
+    "zml_router_taken_over",
+    "Requests sent again by their requester (Zml-Resend) because the router holding them went silent, served "
+    "here; previous: 'other' (a replica gone) or 'self' (this one, stalled).", ["previous"]))
 QUEUED = Children(Counter(
     "zml_router_queue_enqueued", "Requests put in the saturation queue.", ["model"]))
 QUEUE_EXPIRED = Children(Counter(
@@ -155,6 +159,9 @@ class RouterMetrics(Collector):
                 TTFT(op, out.model, out.family, out.node_id).observe(info.time_to_first_token)
             if out.attempts > 1:
                 RETRIES(out.node_id).inc()
+
+    def taken_over(self, previous: str) -> None:
+        TAKEN_OVER(previous).inc()
 
     def enqueued(self, model: str, headers: dict[str, str]) -> None:
         """Before the request goes into the queue: its trace context goes with it."""

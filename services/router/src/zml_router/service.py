@@ -44,6 +44,7 @@ from zmlcore.messages import (
     infer_request_decoder,
     node_mark_decoder,
 )
+from zmlcore.keepalive import QUEUED, KeepaliveBook, keepalive_headers, parse_interval
 from zmlcore.kvfollow import KVFollower
 from zmlcore.runner import cancel_and_wait
 from zmlcore.bigreply import accepted, check_fits
@@ -74,6 +75,7 @@ from zml_router.dispatch import (
     within_first_byte,
 )
 from zml_router.firstbyte import expected_s, first_byte_timeout
+from zml_router.keepalives import send_keepalives
 from zml_router import ids as idclaims
 from zml_router.ids import RequestIds, claim_key
 from zml_router.kinds import PATHS, check_kind
@@ -175,6 +177,9 @@ class RouterService:
         self.metrics = RouterMetrics(self)
         #: Plans of NATS client identities (zml creds issue NAME --plan ...): zml_router.limits.
         self.limits = IdentityLimits()
+        #: Requests whose requester asked for keepalives (zmlcore.keepalive), by reply subject.
+        self.keepalives = KeepaliveBook()
+        self._keepalive_task: asyncio.Task[None] | None = None
         #: Callers' request ids in flight on every replica (zml_router.ids).
         self.ids: RequestIds | None = None
 
@@ -203,6 +208,7 @@ class RouterService:
         self._subs.append(await nc.subscribe(subjects.INFLIGHT_SNAPSHOT, cb=self._on_snapshot))
         self._subs.append(await nc.subscribe(subjects.NODE_MARKS, cb=self._on_mark))
         self._heartbeat = asyncio.create_task(self._publish_snapshots())
+        self._keepalive_task = asyncio.create_task(send_keepalives(self.keepalives, nc))
         self.metrics.start()
         self._subs.append(await nc.subscribe(f"{subjects.CANCEL_PREFIX}.>", cb=self._on_cancel))
         self._subs.append(await nc.subscribe(subjects.router_state(self.router_id), cb=self._on_state))
@@ -226,7 +232,8 @@ class RouterService:
         await cancel_and_wait(list(self._tasks))
         if self.queue is not None:
             await self.queue.stop()
-        await cancel_and_wait([t for t in (self._follow, self._heartbeat, self._follow_costs) if t is not None])
+        await cancel_and_wait([t for t in (self._follow, self._heartbeat, self._follow_costs, self._keepalive_task)
+                               if t is not None])
         await self.metrics.stop()
         await self.limits.stop()
         if self.http:
@@ -346,9 +353,22 @@ class RouterService:
             task = asyncio.current_task()
             assert task is not None
             key = _owner_key(msg.reply, headers, request_id)
-            if key in self._by_request:
-                raise DuplicateRequestError(f"request_id {request_id!r} is already in flight for this caller")
+            keepalive = parse_interval(headers.get(subjects.H_KEEPALIVE))
+            held = self._by_request.get(key)
+            if held is not None:
+                if not headers.get(subjects.H_RESEND):
+                    raise DuplicateRequestError(f"request_id {request_id!r} is already in flight for this caller")
+                # Sent again because this replica looked dead (stalled): its first attempt
+                # answers an inbox nobody reads any more. This one replaces it.
+                held.cancel()
+            if headers.get(subjects.H_RESEND):
+                log.warning("request %s sent again by its requester: the router holding it went silent", request_id)
+                self.metrics.taken_over("self" if held is not None else "other")
             self._by_request[key] = task
+            if keepalive is not None and msg.reply:
+                self.keepalives.add(msg.reply, keepalive, time.monotonic())
+                if isinstance(msg, QueuedMsg):  # out of the queue: the requester watches again
+                    await self._publish(msg.reply, b"", keepalive_headers())
             lease: Lease | None = None
             try:
                 if self._cancelled.take(key, time.time()):  # the cancel overtook the request
@@ -361,7 +381,9 @@ class RouterService:
             except asyncio.TimeoutError as exc:
                 raise TimeoutError(f"request exceeded its timeout of {timeout:g} s") from exc
             finally:
-                self._by_request.pop(key, None)
+                if self._by_request.get(key) is task:
+                    del self._by_request[key]
+                self.keepalives.remove(msg.reply)
                 if not out.queued:  # a queued request keeps its claim until it is answered
                     await self.ids.release_current()  # type: ignore[union-attr]
                 self.limits.done(lease, (out.info.total_tokens or 0) if out.ok and out.info else 0)
@@ -389,7 +411,8 @@ class RouterService:
             return idclaims.queued_claim(key, msg.headers)
         if not (headers.get(subjects.H_REQUEST_ID) or req.request_id) or headers.get(subjects.H_ID_GENERATED) == "1":
             return None
-        return await self.ids.claim(key, timeout, request_id)  # type: ignore[union-attr]
+        return await self.ids.claim(key, timeout, request_id,  # type: ignore[union-attr]
+                                    takeover=bool(headers.get(subjects.H_RESEND)))
 
     def _queued_cancelled(self, qmsg: QueuedMsg) -> bool:
         request_id = qmsg.headers.get(subjects.H_REQUEST_ID, "")
@@ -609,6 +632,11 @@ class RouterService:
             headers[H_ENQUEUED] = msg.headers.get(H_ENQUEUED, f"{now:.3f}")
             headers[subjects.H_TIMEOUT_MS] = msg.headers.get(H_TOTAL_MS, headers[subjects.H_TIMEOUT_MS])
         self.metrics.enqueued(model, headers)
+        if subjects.H_KEEPALIVE in headers:
+            # Before the entry exists: a requester told "queued" never sends it again, while one
+            # that missed this (we died first) finds nothing queued that could run twice.
+            self.keepalives.remove(msg.reply)
+            await self._publish(msg.reply, b"", keepalive_headers(QUEUED))
         await self.queue.enqueue(model, msg.data, msg.reply, headers, deadline)
         log.info("request %s queued for %s (up to %.0f ms)", request_id, model, wait_s * 1000)
 
@@ -639,8 +667,12 @@ class RouterService:
         task = asyncio.create_task(self._enter(QueuedMsg(qmsg.subject, qmsg.data, qmsg.reply, headers, placed)))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
-        await asyncio.wait([placed, task], timeout=PLACEMENT_WAIT_S, return_when=asyncio.FIRST_COMPLETED)
+        waits: list[asyncio.Future[Any]] = [placed, task]
+        await asyncio.wait(waits, timeout=PLACEMENT_WAIT_S, return_when=asyncio.FIRST_COMPLETED)
         if placed.done():
+            if not placed.result() and subjects.H_KEEPALIVE in qmsg.headers:
+                # Back to waiting (the claim is released after this): not watched meanwhile.
+                await self._publish(qmsg.reply, b"", keepalive_headers(QUEUED))
             return placed.result()
         placed.set_result(True)  # still running on a node after the wait: it has been taken
         return True
@@ -735,8 +767,8 @@ class RouterService:
         await self._count(info.node_id, 1, 1)
         try:
             raw = await within_first_byte(
-                post_json(self.http, self._url(info, req), body, self._backend_headers(info),
-                          self.cfg.nats.max_reply_bytes), first_byte)  # type: ignore[arg-type]
+                post_json(self.http, self._url(info, req), body, self._backend_headers(info),  # type: ignore[arg-type]
+                          self.cfg.nats.max_reply_bytes), first_byte)
         finally:
             await self._count(info.node_id, -1, -1)
         info.time_to_first_token = time.monotonic() - t0
@@ -811,6 +843,8 @@ class RouterService:
     async def _publish(self, reply: str, data: bytes, headers: dict[str, str]) -> None:
         if reply and self.nc is not None:
             await self.nc.publish(reply, data, headers=headers)
+            if self.keepalives:  # the next keepalive is an interval after this message
+                self.keepalives.sent(reply, time.monotonic())
 
     async def _reply_error(self, msg: Msg | QueuedMsg, exc: ZMLError, stream: bool) -> None:
         headers = {subjects.H_ERROR_CODE: exc.code, **getattr(exc, "nats_headers", {})}

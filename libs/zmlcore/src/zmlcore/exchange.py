@@ -1,0 +1,239 @@
+"""One inference request on ``zml.infer`` and its reply messages, with router failover: the
+gateway's and the SDK's NATS path (the I/O beside :mod:`zmlcore.keepalive`).
+
+The request declares ``Zml-Keepalive``; keepalives are consumed here and never reach the
+caller. When the router falls silent for ``keepalive.MISSES`` intervals it is taken for dead:
+before anything of the answer was returned, the request is published once more (same request
+id, same headers, ``Zml-Resend: 1``, the timeout left, and a **new reply inbox**, so a late
+message of the first attempt is dropped rather than mixed in); after, or when that fails
+too, :meth:`Exchange.next` raises a clean retryable error at once instead of waiting out the
+timeout (STREAM_INTERRUPTED for a stream already relayed, else BACKEND_ERROR).
+
+Replies arrive through one wildcard subscription per connection (:class:`ReplyMux`, like
+nats-py's own request mux): no SUB/UNSUB round per request.
+
+Example::
+
+    ex = Exchange(nc, body, headers, timeout_s=30, keepalive_s=1.0)
+    await ex.send()
+    try:
+        msg = await ex.next()      # the reply (or, for a stream, its next message)
+    finally:
+        ex.close()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import weakref
+from typing import Any
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from zmlcore import replyparts, subjects
+from zmlcore.bigreply import Collector, part_bytes
+from zmlcore.errors import BackendError, StreamInterruptedError, TimeoutError
+from zmlcore.keepalive import MAX_INTERVAL_MS, MIN_INTERVAL_MS, QUEUED, Silence, after_silence, keepalive_state
+
+log = logging.getLogger("zml.exchange")
+
+
+def parts_buffer(max_reply_bytes: int, max_payload: int | None) -> int:
+    """Messages a plain reply's buffer must hold: every part of the largest reply collected
+    (they are published back to back), plus keepalives."""
+    return -(-max_reply_bytes // part_bytes(max_payload)) + 16
+
+
+class ReplyMux:
+    """One subscription to ``<inbox>.*`` per connection; each exchange owns one token of it."""
+
+    def __init__(self, nc: NATS) -> None:
+        self.nc = nc
+        self.prefix = nc.new_inbox() + "."
+        self._sinks: dict[str, asyncio.Queue[Msg]] = {}
+        self._next = 0
+        self.overflowed: set[str] = set()
+
+    @classmethod
+    async def of(cls, nc: NATS) -> ReplyMux:
+        fut = _MUXES.get(nc)
+        if fut is None:
+            fut = _MUXES[nc] = asyncio.get_running_loop().create_future()
+            mux = cls(nc)
+            try:
+                await nc.subscribe(mux.prefix + "*", cb=mux._on_msg)
+            except BaseException as exc:
+                del _MUXES[nc]
+                fut.set_exception(exc)
+                fut.exception()  # retrieved: a later caller makes its own attempt
+                raise
+            fut.set_result(mux)
+        return await asyncio.shield(fut)
+
+    def open(self, maxsize: int) -> tuple[str, asyncio.Queue[Msg]]:
+        self._next += 1  # the prefix is random: a counter is enough under it
+        token = str(self._next)
+        queue: asyncio.Queue[Msg] = asyncio.Queue(maxsize)
+        self._sinks[token] = queue
+        return self.prefix + token, queue
+
+    def close(self, inbox: str) -> None:
+        token = inbox[len(self.prefix):]
+        self._sinks.pop(token, None)
+        self.overflowed.discard(token)
+
+    async def _on_msg(self, msg: Msg) -> None:
+        token = msg.subject[len(self.prefix):]
+        queue = self._sinks.get(token)
+        if queue is None:  # a closed exchange, or an attempt given up on: dropped
+            return
+        try:
+            queue.put_nowait(msg)
+        except asyncio.QueueFull:  # the caller reads slower than the router writes
+            self.overflowed.add(token)
+
+
+_MUXES: weakref.WeakKeyDictionary[NATS, asyncio.Future[ReplyMux]] = weakref.WeakKeyDictionary()
+
+
+class Exchange:
+    """Publish a request to the routers and read its reply messages (see the module doc).
+
+    ``timeout_s`` is the request's own timeout (what the router enforces); ``wait_s`` how long
+    the caller waits in all (the timeout plus some grace), after which :meth:`next` raises
+    TIMEOUT. ``keepalive_s`` None: no keepalives asked, no failover (the old behaviour).
+    """
+
+    def __init__(self, nc: NATS, body: bytes, headers: dict[str, str], *, timeout_s: float,
+                 keepalive_s: float | None, wait_s: float | None = None, buffer: int = 64,
+                 subject: str = subjects.INFER, accept_parts: int | None = None) -> None:
+        self.nc = nc
+        self.subject = subject
+        self.body = body
+        self.headers = dict(headers)
+        if keepalive_s is not None:  # as the router clamps it: the watch must expect what it gets
+            keepalive_s = min(max(keepalive_s, MIN_INTERVAL_MS / 1000), MAX_INTERVAL_MS / 1000)
+            self.headers[subjects.H_KEEPALIVE] = str(int(keepalive_s * 1000))
+        self.keepalive_s = keepalive_s
+        #: Replies over max_payload are collected in parts up to this many bytes (zmlcore.bigreply).
+        self.accept_parts = accept_parts
+        if accept_parts:
+            self.headers[subjects.H_ACCEPT_PARTS] = str(accept_parts)
+        self.t0 = time.monotonic()
+        self.timeout_s = timeout_s
+        self.wait_until = self.t0 + (wait_s if wait_s is not None else timeout_s)
+        self.buffer = buffer
+        #: Something of the answer was returned: the request cannot be sent again invisibly.
+        self.committed = False
+        self.resends = 0
+        self._mux: ReplyMux | None = None
+        self._inbox = ""
+        self._queue: asyncio.Queue[Msg] | None = None
+        self._silence: Silence | None = None
+
+    @property
+    def request_id(self) -> str:
+        return self.headers.get(subjects.H_REQUEST_ID, "")
+
+    @property
+    def overflowed(self) -> bool:
+        return self._mux is not None and self._inbox[len(self._mux.prefix):] in self._mux.overflowed
+
+    async def send(self) -> None:
+        """Publish the request (first attempt)."""
+        self._mux = await ReplyMux.of(self.nc)
+        await self._publish(self.headers)
+
+    async def _publish(self, headers: dict[str, str]) -> None:
+        assert self._mux is not None
+        if self._inbox:
+            self._mux.close(self._inbox)
+        self._inbox, self._queue = self._mux.open(self.buffer)
+        if self.keepalive_s is not None:
+            self._silence = Silence(self.keepalive_s, time.monotonic())
+        await self.nc.publish(self.subject, self.body, reply=self._inbox, headers=headers)
+
+    async def next(self) -> Msg:
+        """The next reply message (keepalives consumed). Raises TIMEOUT once ``wait_s`` has
+        passed, and BACKEND_ERROR / STREAM_INTERRUPTED when the router is gone for good."""
+        assert self._queue is not None, "send() first"
+        while True:
+            try:
+                msg = self._queue.get_nowait()  # arrived already (a caller slow to iterate)
+            except asyncio.QueueEmpty:
+                now = time.monotonic()
+                left = self.wait_until - now
+                if left <= 0:
+                    raise TimeoutError(f"no reply within {self.timeout_s:g} s") from None
+                silent = self._silence.wait_s(now) if self._silence is not None else None
+                try:
+                    msg = await asyncio.wait_for(self._queue.get(), left if silent is None else min(left, silent))
+                except asyncio.TimeoutError:
+                    if self._silence is not None and self._silence.gone(time.monotonic()):
+                        await self._router_gone()
+                    continue
+            state = keepalive_state(msg.headers)
+            if state is not None and not msg.data:
+                if self._silence is not None:
+                    if state == QUEUED:
+                        self._silence.queued()
+                    else:
+                        self._silence.heard(time.monotonic())
+                continue
+            if self._silence is not None:
+                self._silence.heard(time.monotonic())
+            self.committed = True
+            return msg
+
+    async def reply(self) -> replyparts.Reply:
+        """The whole non-streamed reply, put back together when it comes in parts (a part
+        missing, more than PART_WAIT_S late, or its router gone: REPLY_INCOMPLETE, retryable)."""
+        collector = Collector(self.accept_parts or 0)
+        while True:
+            if not collector.started:
+                msg = await self.next()
+            else:
+                try:
+                    msg = await asyncio.wait_for(self.next(), replyparts.PART_WAIT_S)
+                except (asyncio.TimeoutError, StreamInterruptedError):
+                    raise collector.lost() from None
+            body = collector.feed(msg.data, msg.headers)
+            if body is not None:
+                return replyparts.Reply(body, collector.headers)
+
+    async def _router_gone(self) -> None:
+        assert self.keepalive_s is not None
+        remaining = self.t0 + self.timeout_s - time.monotonic()
+        decision = after_silence(committed=self.committed, resends=self.resends, remaining_s=remaining,
+                                 interval_s=self.keepalive_s)
+        silent_s = self.keepalive_s * 3
+        if decision == "resend":
+            self.resends += 1
+            log.warning("request %s: its router sent nothing for %.1f s; sending it again", self.request_id, silent_s)
+            headers = {**self.headers, subjects.H_RESEND: str(self.resends),
+                       subjects.H_TIMEOUT_MS: str(max(1, int(remaining * 1000)))}
+            await self._publish(headers)
+            return
+        self.close()
+        if self.committed:
+            raise StreamInterruptedError(
+                f"the router relaying this stream sent nothing for {silent_s:.1f} s (it is gone); "
+                "the stream is incomplete", retry_after=1.0)
+        raise BackendError(
+            f"the router handling this request sent nothing for {silent_s:.1f} s"
+            f"{' after it was sent again' if self.resends else ''}; retry", retry_after=1.0)
+
+    def close(self) -> None:
+        """Stop receiving (later messages of any attempt are dropped)."""
+        if self._mux is not None and self._inbox:
+            self._mux.close(self._inbox)
+            self._inbox = ""
+
+    def __enter__(self) -> Exchange:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

@@ -1,0 +1,32 @@
+"""The router's one keepalive task: walks the requests that asked for keepalives
+(zmlcore.keepalive.KeepaliveBook) and sends one on each reply subject silent for its interval.
+One task for all requests, not a timer each; with no such request in flight it only wakes."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from nats.aio.client import Client as NATS
+
+from zmlcore.keepalive import MIN_INTERVAL_MS, KeepaliveBook, keepalive_headers
+
+log = logging.getLogger("zml.router")
+
+#: Half the shortest interval a request may ask for: a keepalive is at most this late.
+TICK_S = MIN_INTERVAL_MS / 2000.0
+
+
+async def send_keepalives(book: KeepaliveBook, nc: NATS) -> None:
+    headers = keepalive_headers()
+    while True:
+        await asyncio.sleep(TICK_S)
+        if not book or not nc.is_connected:
+            continue
+        for reply in book.due(time.monotonic()):
+            try:
+                await nc.publish(reply, b"", headers=headers)
+            except Exception:  # connection closing: the requester's own watch decides
+                log.debug("keepalive not sent", exc_info=True)
+                break

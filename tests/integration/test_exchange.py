@@ -1,0 +1,192 @@
+"""zmlcore.exchange against a real nats-server: keepalives are consumed, a silent router's
+request is sent again once (same id, new inbox, the timeout left), a late reply of the first
+attempt is never mixed in, a started stream ends with STREAM_INTERRUPTED, a queued request is
+never sent again (out of the queue it is watched again: tests/e2e/test_router_failover.py), and
+without keepalives nothing changes. The "routers" here are scripted
+responders on a subject of the test's own: what they do is the point of each test."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import nats
+import pytest
+
+from zmlcore import subjects
+from zmlcore.errors import BackendError, StreamInterruptedError, TimeoutError
+from zmlcore.exchange import Exchange
+from zmlcore.keepalive import MISSES, QUEUED, keepalive_headers
+
+KA = 0.15  # keepalive interval of these tests: a silent router is gone after 0.45 s
+
+
+@pytest.fixture()
+async def nc(nats_url: str) -> AsyncIterator[Any]:
+    c = await nats.connect(nats_url)
+    yield c
+    await c.close()
+
+
+Script = Callable[[Any, int], Awaitable[None]]
+
+
+async def responder(nc: Any, subject: str, script: Script) -> tuple[Any, list[Any]]:
+    """Runs ``script(msg, attempt)`` for each request (attempt 1, 2, ...); returns the requests."""
+    seen: list[Any] = []
+
+    async def on(msg: Any) -> None:
+        seen.append(msg)
+        asyncio.ensure_future(script(msg, len(seen)))
+
+    return await nc.subscribe(subject, cb=on), seen
+
+
+def subject() -> str:
+    return f"test.exchange.{os.urandom(4).hex()}"
+
+
+def exchange(nc: Any, subj: str, **kw: Any) -> Exchange:
+    kw.setdefault("keepalive_s", KA)
+    kw.setdefault("timeout_s", 20.0)
+    return Exchange(nc, b"{}", {subjects.H_REQUEST_ID: "r1", subjects.H_TIMEOUT_MS: "20000"}, subject=subj, **kw)
+
+
+async def test_keepalives_are_consumed_and_the_reply_returned(nc: Any) -> None:
+    subj = subject()
+
+    async def script(msg: Any, attempt: int) -> None:
+        for _ in range(4):  # 0.8 s of work, more than a silent router would get
+            await asyncio.sleep(KA)
+            await nc.publish(msg.reply, b"", headers=keepalive_headers())
+        await nc.publish(msg.reply, b'{"ok": true}')
+
+    _, seen = await responder(nc, subj, script)
+    ex = exchange(nc, subj)
+    await ex.send()
+    reply = await ex.next()
+    ex.close()
+    assert reply.data == b'{"ok": true}' and len(seen) == 1 and ex.resends == 0
+    assert seen[0].headers[subjects.H_KEEPALIVE] == str(int(KA * 1000))
+
+
+async def test_a_silent_router_is_replaced_and_its_late_reply_dropped(nc: Any) -> None:
+    subj = subject()
+    first_reply: list[str] = []
+
+    async def script(msg: Any, attempt: int) -> None:
+        if attempt == 1:  # "killed": silent, then a late answer on the first inbox
+            first_reply.append(msg.reply)
+            await asyncio.sleep(MISSES * KA + 0.5)
+            await nc.publish(msg.reply, b'{"from": 1}')
+            return
+        for _ in range(4):  # working (and saying so) until after attempt 1's late answer went out
+            await asyncio.sleep(KA)
+            await nc.publish(msg.reply, b"", headers=keepalive_headers())
+        await nc.publish(msg.reply, b'{"from": 2}')
+
+    _, seen = await responder(nc, subj, script)
+    ex = exchange(nc, subj)
+    t0 = time.monotonic()
+    await ex.send()
+    reply = await ex.next()
+    ex.close()
+    assert reply.data == b'{"from": 2}'
+    assert len(seen) == 2 and ex.resends == 1
+    again = seen[1]
+    assert again.reply != first_reply[0]
+    assert again.headers[subjects.H_REQUEST_ID] == "r1" and again.headers[subjects.H_RESEND] == "1"
+    assert 0 < int(again.headers[subjects.H_TIMEOUT_MS]) < 20000  # the timeout left, not a new one
+    assert time.monotonic() - t0 < 5
+
+
+async def test_gone_twice_ends_with_a_clean_error_quickly(nc: Any) -> None:
+    subj = subject()
+
+    async def script(msg: Any, attempt: int) -> None:
+        return  # every router dies
+
+    _, seen = await responder(nc, subj, script)
+    ex = exchange(nc, subj)
+    t0 = time.monotonic()
+    await ex.send()
+    with pytest.raises(BackendError) as e:
+        await ex.next()
+    assert type(e.value) is BackendError and e.value.retryable and e.value.retry_after
+    assert len(seen) == 2
+    assert time.monotonic() - t0 < 2 * MISSES * KA + 2  # not the 20 s timeout
+
+
+async def test_a_started_stream_is_interrupted_not_resent(nc: Any) -> None:
+    subj = subject()
+
+    async def script(msg: Any, attempt: int) -> None:
+        await nc.publish(msg.reply, b"{}", headers={subjects.H_STREAM: "start", subjects.H_SEQ: "0"})
+
+    _, seen = await responder(nc, subj, script)
+    ex = exchange(nc, subj)
+    await ex.send()
+    first = await ex.next()
+    assert first.headers[subjects.H_STREAM] == "start"
+    t0 = time.monotonic()
+    with pytest.raises(StreamInterruptedError) as e:
+        await ex.next()
+    assert e.value.retryable and len(seen) == 1
+    assert time.monotonic() - t0 < MISSES * KA + 2
+
+
+async def test_a_queued_request_is_never_sent_again(nc: Any) -> None:
+    subj = subject()
+
+    async def script(msg: Any, attempt: int) -> None:
+        await nc.publish(msg.reply, b"", headers=keepalive_headers(QUEUED))
+        await asyncio.sleep(MISSES * KA * 2)  # waits in the queue, silent: not a dead router
+        await nc.publish(msg.reply, b"", headers=keepalive_headers())  # out of the queue
+        await asyncio.sleep(KA)
+        await nc.publish(msg.reply, b'{"served": true}')
+
+    _, seen = await responder(nc, subj, script)
+    ex = exchange(nc, subj)
+    await ex.send()
+    reply = await ex.next()
+    ex.close()
+    assert reply.data == b'{"served": true}' and len(seen) == 1 and ex.resends == 0
+
+
+async def test_without_keepalives_nothing_changes(nc: Any) -> None:
+    subj = subject()
+
+    async def script(msg: Any, attempt: int) -> None:
+        return
+
+    _, seen = await responder(nc, subj, script)
+    ex = exchange(nc, subj, keepalive_s=None, timeout_s=0.5, wait_s=0.7)  # a router gone: 0.45 s
+    t0 = time.monotonic()
+    await ex.send()
+    with pytest.raises(TimeoutError):
+        await ex.next()
+    assert time.monotonic() - t0 >= 0.65
+    assert len(seen) == 1 and subjects.H_KEEPALIVE not in (seen[0].headers or {})
+
+
+async def test_a_slow_reader_overflows_its_own_buffer_only(nc: Any) -> None:
+    subj = subject()
+
+    async def script(msg: Any, attempt: int) -> None:
+        for i in range(10):
+            await nc.publish(msg.reply, b"x", headers={subjects.H_STREAM: "chunk"})
+
+    await responder(nc, subj, script)
+    small, other = exchange(nc, subj, buffer=3), exchange(nc, subj)
+    await small.send()
+    await other.send()
+    deadline = time.monotonic() + 5
+    while not small.overflowed and time.monotonic() < deadline:
+        await asyncio.sleep(0.02)
+    await asyncio.sleep(0.05)
+    assert small.overflowed and not other.overflowed
+    small.close()
+    other.close()
