@@ -18,7 +18,8 @@ shorter, because nats-server's memory fills up to a bound over the first minutes
 file store keeps a write cache of the last block of each stream, and ``zml_nodes`` (health
 writes every node's state every poll: 8 writes/s here) passes 1 MB of writes in its current
 block after ~2.5 minutes, when the cache moves to a 4 MB buffer (and Go's heap target doubles
-with it). It stays there: the block is never larger than 4 MB (docs/reliability.md, Soak).
+with it). From then on it saws within that bound as 4 MB blocks fill and a new one starts
+(docs/reliability.md, Soak).
 
 Modes: ``--overload`` runs 150% of capacity instead and asserts goodput >= 95% of capacity
 (the chaos suite records it; this is where it is judged); ``--probe-loss 0.1`` loses that share
