@@ -89,7 +89,12 @@ class Dashboard:
             ev = _completed.decode(msg.data)
         except (msgspec.DecodeError, msgspec.ValidationError):
             return
-        self.events.append((time.monotonic(), ev.family, ev.node_id, ev.ok, ev.error_code, ev.ttft_s, ev.latency_s))
+        now = time.monotonic()
+        events = self.events
+        # Only the last STATS_WINDOW_S are ever shown: keep no more (MAX_EVENTS caps a burst).
+        while events and now - events[0][0] > STATS_WINDOW_S:
+            events.popleft()
+        events.append((now, ev.family, ev.node_id, ev.ok, ev.error_code, ev.ttft_s, ev.latency_s))
 
     # --- HTTP ----------------------------------------------------------------------------------
     async def handle(self, scope: "Scope", receive: "Receive", send: "Send") -> None:
