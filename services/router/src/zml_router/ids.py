@@ -68,8 +68,14 @@ class Claim:
 
 
 def claim_key(owner: str, front_door_owner: str, request_id: str) -> str:
-    """The bucket key of an owner's request id (a hash: ids may hold any allowed character)."""
-    return hashlib.sha256(f"{owner}\x00{front_door_owner}\x00{request_id}".encode()).hexdigest()[:40]
+    """An owner's request id, as the router keys its requests, cancels and claims."""
+    return f"{owner}\x00{front_door_owner}\x00{request_id}"
+
+
+def bucket_key(key: str) -> str:
+    """The KV key of a claim (a hash: ids may hold any allowed character). Computed only when
+    a claim is taken or carried, not on every request."""
+    return hashlib.sha256(key.encode()).hexdigest()[:40]
 
 
 class RequestIds:
@@ -97,6 +103,7 @@ class RequestIds:
             await self.open()
             if self.kv is None:
                 return None
+        key = bucket_key(key)
         ttl = timeout_s + SLACK_S
         try:
             for _ in range(3):  # a marker or a dead holder in the way: one more try each
@@ -182,4 +189,4 @@ def queued_claim(key: str, headers: dict[str, str]) -> Claim | None:
         rev = int(headers.get(H_ID_CLAIM, "") or 0)
     except ValueError:
         return None
-    return Claim(key, rev, 0.0) if rev > 0 else None
+    return Claim(bucket_key(key), rev, 0.0) if rev > 0 else None

@@ -146,11 +146,7 @@ def _new_id() -> str:
 def _owner_key(reply: str, headers: dict[str, str], request_id: str) -> str:
     """Whose request id this is: the identity owning the reply inbox, narrowed by a front
     door's ``Zml-Owner`` (which can only split the sender's own namespace further)."""
-    return _key(subjects.reply_owner(reply), headers.get(subjects.H_OWNER, ""), request_id)
-
-
-def _key(owner: str, front_door_owner: str, request_id: str) -> str:
-    return claim_key(owner, front_door_owner, request_id)
+    return claim_key(subjects.reply_owner(reply), headers.get(subjects.H_OWNER, ""), request_id)
 
 
 class RouterService:
@@ -291,7 +287,7 @@ class RouterService:
         if parsed is None:
             return
         owner, request_id = parsed
-        key = _key(owner, (msg.headers or {}).get(subjects.H_OWNER, ""), request_id)
+        key = claim_key(owner, (msg.headers or {}).get(subjects.H_OWNER, ""), request_id)
         task = self._by_request.get(key)
         if task is not None:
             task.cancel()
