@@ -10,6 +10,7 @@ import os
 import tempfile
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -195,6 +196,24 @@ def zml_stack(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         yield stack
     finally:
         stack.stop()
+
+
+@contextmanager
+def lone_gateway(nats_url: str, folder: Path, request_timeout_s: int = 10) -> Iterator[str]:
+    """A gateway alone on ``nats_url`` (no router, no fleet), for tests that stand in for the
+    router on NATS; yields its URL once it listens."""
+    config = folder / "zml.toml"
+    config.write_text(f"[defaults]\nrequest_timeout_s = {request_timeout_s}\n")
+    port = free_port()
+    proc = spawn("gateway", service_argv("gateway", str(config), nats_url, "--port", str(port)))
+    try:
+        for _ in range(150):
+            if wait_port("127.0.0.1", port, 0.2):
+                break
+            assert proc.alive(), proc.tail(30)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        proc.stop()
 
 
 @pytest.fixture(scope="module")

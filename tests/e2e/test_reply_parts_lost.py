@@ -21,7 +21,7 @@ import pytest
 import zml
 from zmlcore import replyparts, subjects
 from zmlcore.bigreply import split
-from zmlcore.launch import free_port, service_argv, spawn, wait_port
+from conftest import lone_gateway
 
 MODEL = "parts/model"
 TEXT = "x" * 9000
@@ -31,18 +31,8 @@ ROUTING = {"node_id": "n1", "accelerator_type": "nvidia_h100", "family": "H100",
 
 @pytest.fixture(scope="module")
 def gateway(own_nats: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    config = Path(tmp_path_factory.mktemp("parts")) / "zml.toml"
-    config.write_text("[defaults]\nrequest_timeout_s = 10\n")
-    port = free_port()
-    proc = spawn("gateway", service_argv("gateway", str(config), own_nats, "--port", str(port)))
-    try:
-        for _ in range(150):
-            if wait_port("127.0.0.1", port, 0.2):
-                break
-            assert proc.alive(), proc.tail(30)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.stop()
+    with lone_gateway(own_nats, Path(tmp_path_factory.mktemp("parts")), request_timeout_s=10) as gateway_url:
+        yield gateway_url
 
 
 @pytest.fixture()

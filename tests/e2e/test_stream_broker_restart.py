@@ -29,7 +29,8 @@ import pytest
 
 import zml
 from zmlcore import subjects
-from zmlcore.launch import Proc, free_port, service_argv, spawn, start_nats, wait_port
+from zmlcore.launch import Proc, free_port, start_nats
+from conftest import lone_gateway
 
 MODEL = "restart/model"
 WORDS = ["w1 ", "w2 ", "w3 ", "w4 "]
@@ -61,18 +62,8 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Broker]:
 
 @pytest.fixture(scope="module")
 def gateway(broker: Broker, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    config = Path(tmp_path_factory.mktemp("gw-restart")) / "zml.toml"
-    config.write_text("[defaults]\nrequest_timeout_s = 15\n")
-    port = free_port()
-    proc = spawn("gateway", service_argv("gateway", str(config), broker.url, "--port", str(port)))
-    try:
-        for _ in range(150):
-            if wait_port("127.0.0.1", port, 0.2):
-                break
-            assert proc.alive(), proc.tail(30)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.stop()
+    with lone_gateway(broker.url, Path(tmp_path_factory.mktemp("gw-restart")), request_timeout_s=15) as gateway_url:
+        yield gateway_url
 
 
 class StandIn:
