@@ -68,7 +68,7 @@ _HEADER_ROOM = 4096
 
 _JSON = (b"content-type", b"application/json")
 #: Stream messages that carry Zml-Seq (an error ends the stream whatever its number).
-_SEQUENCED = ("start", subjects.STREAM_CHUNK, subjects.STREAM_END)
+_SEQUENCED = ("start", subjects.STREAM_CHUNK, subjects.STREAM_EVENTS, subjects.STREAM_END)
 _SSE_HEADERS = [
     (b"content-type", b"text/event-stream"),
     (b"cache-control", b"no-cache"),
@@ -365,6 +365,7 @@ class Gateway:
         limits: list[tuple[bytes, bytes]], tokens: list[int],
     ) -> None:
         # Chunks wait in a bounded buffer while the HTTP client is slow to read (overflow: cancel).
+        headers[subjects.H_ACCEPT_STREAM] = subjects.STREAM_EVENTS  # SSE relayed as the node framed it
         ex = self._exchange(body, headers, timeout, self.cfg.gateway.stream_buffer)
         stop = self._watch(ex, receive)
         started = False
@@ -416,7 +417,9 @@ class Gateway:
                         raise lost
                     await self._sse_error(send, lost.to_body())
                     return
-                if kind == subjects.STREAM_CHUNK:
+                if kind == subjects.STREAM_EVENTS:  # whole SSE events, relayed as the node framed them
+                    await send({"type": "http.response.body", "body": msg.data, "more_body": True})
+                elif kind == subjects.STREAM_CHUNK:
                     await send({"type": "http.response.body", "body": b"data: " + msg.data + b"\n\n", "more_body": True})
                 elif kind == "start":
                     out = [*_SSE_HEADERS, *limits]

@@ -16,10 +16,11 @@ from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 
 import aiohttp
+import msgspec
 from yarl import URL
 
 from zmlcore.errors import ReplyTooLargeError
-from zmlcore.sse import SSELineTooLong, aiter_sse_lines, data_field
+from zmlcore.sse import EventRelay, SSELineTooLong, aiter_sse_lines, data_field, event_payloads
 
 
 class Failure(enum.Enum):
@@ -41,6 +42,8 @@ class AttemptError(Exception):
     #: first token): the request cannot fail over, but the node is at fault all the same.
     mid_stream: bool = False
 
+
+_decode_any = msgspec.json.Decoder()
 
 #: Errors of the call itself (connect, reset, timeout of the connect, malformed HTTP): the node's fault.
 _NETWORK_ERRORS = (aiohttp.ClientError, OSError)
@@ -152,8 +155,11 @@ async def _head(resp: aiohttp.ClientResponse, limit: int) -> bytes:
     return b"".join(parts)
 
 
-async def stream_sse(client: NodeClient, url: str, body: bytes, headers: dict[str, str]) -> AsyncIterator[bytes]:
-    """Yield the payload of each SSE ``data:`` line up to (not including) ``[DONE]``."""
+async def stream_sse(client: NodeClient, url: str, body: bytes, headers: dict[str, str],
+                     relay: bool = False) -> AsyncIterator[bytes]:
+    """Yield the payload of each SSE ``data:`` line up to (not including) ``[DONE]``; with
+    ``relay``, blocks of whole framed events instead, as they came (zmlcore.sse.EventRelay):
+    one per read from the node, however many events it held."""
     try:
         resp = await client.send(url, body, headers)
     except _NETWORK_ERRORS as exc:
@@ -165,16 +171,25 @@ async def stream_sse(client: NodeClient, url: str, body: bytes, headers: dict[st
             except _NETWORK_ERRORS as exc:
                 raise AttemptError(Failure.NETWORK, 0, f"{type(exc).__name__}: {exc}") from exc
         try:
-            # Lines end at CR/LF only (zmlcore.sse): not at U+2028 & co. inside JSON strings.
-            async for line in aiter_sse_lines(resp.content.iter_any()):
-                data = data_field(line)
-                if data is None:
-                    continue
-                data = data.strip()
-                if data == b"[DONE]":
-                    return
-                if data:
-                    yield data
+            if relay:
+                events = EventRelay()
+                async for raw in resp.content.iter_any():
+                    block = events.feed(raw)
+                    if block:
+                        yield block
+                    if events.done:
+                        return
+            else:
+                # Lines end at CR/LF only (zmlcore.sse): not at U+2028 & co. inside JSON strings.
+                async for line in aiter_sse_lines(resp.content.iter_any()):
+                    data = data_field(line)
+                    if data is None:
+                        continue
+                    data = data.strip()
+                    if data == b"[DONE]":
+                        return
+                    if data:
+                        yield data
         except _NETWORK_ERRORS as exc:
             raise AttemptError(Failure.NETWORK, 0, f"stream broken: {type(exc).__name__}: {exc}") from exc
         except SSELineTooLong as exc:
@@ -183,6 +198,22 @@ async def stream_sse(client: NodeClient, url: str, body: bytes, headers: dict[st
         raise AttemptError(Failure.NETWORK, 0, "stream ended without [DONE]")
     finally:
         resp.release()
+
+
+def stream_usage(chunk: bytes) -> dict | None:  # type: ignore[type-arg]
+    """The ``usage`` object of a stream chunk (one payload, or a relayed block of events)."""
+    if b'"usage"' not in chunk:
+        return None
+    for payload in event_payloads(chunk) if chunk.startswith(b"data:") else (chunk,):
+        if b'"usage"' not in payload:
+            continue
+        try:
+            usage = _decode_any.decode(payload).get("usage")
+        except (msgspec.DecodeError, AttributeError):
+            continue
+        if isinstance(usage, dict) and isinstance(usage.get("total_tokens"), int):
+            return usage
+    return None
 
 
 async def within_first_byte(call: Awaitable[bytes], seconds: float | None) -> bytes:
