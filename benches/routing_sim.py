@@ -392,6 +392,9 @@ def main(argv: list[str] | None = None) -> None:
                     help="prompt length the policies see: the router's body-size estimate, or exact")
     ap.add_argument("--admission", type=float, default=DEFAULT_OPTS["admission_s"],
                     help="admission bound on estimated TTFT, s (0: none)")
+    ap.add_argument("--pending-expiry", type=float, default=DEFAULT_OPTS["pending_expiry"],
+                    help="a non-streamed request stops counting as pending after this many times its "
+                         "estimated TTFT (0: at completion)")
     ap.add_argument("--loads", default="50,80,95,110")
     ap.add_argument("--workloads", default="poisson,bursty")
     ap.add_argument("--policies", default=",".join(DEFAULT_POLICIES))
@@ -416,7 +419,8 @@ def main(argv: list[str] | None = None) -> None:
     warm = args.warmup if args.warmup is not None else min(5000, n // 10)
     loads = [float(x) / 100 for x in args.loads.split(",")]
     pols = args.policies.split(",")
-    opts = {"stream_share": args.stream_share, "estimate": args.estimate, "admission_s": args.admission}
+    opts = {"stream_share": args.stream_share, "estimate": args.estimate, "admission_s": args.admission,
+            "pending_expiry": args.pending_expiry}
     seeds = range(args.first_seed, args.first_seed + args.seeds)
     tasks = [(p, w, ld, s, n, warm, opts) for w in args.workloads.split(",") for ld in loads for s in seeds for p in pols]
     tasks.sort(key=lambda t: (t[0] != "oracle", -t[2]))  # longest first

@@ -106,3 +106,20 @@ def test_lagged_replicas_run_and_report() -> None:
     res = routing_sim.run("latency_r4_lag10_50", "poisson", 0.8, 5, 3000, 300)
     assert res["rejected"] == 0.0 and 0.5 < res["thr"] < 1.0 and res["p99"] < 5.0
     assert res["opts"]["pending_expiry"] == routing_sim.DEFAULT_OPTS["pending_expiry"]
+
+
+def test_the_routers_pending_window_is_the_decisions_estimate() -> None:
+    """The router computes the window from its view just before dispatch; the simulator takes
+    the decision's estimate: the same number."""
+    from zmlcore.policy import FleetIndex, RouteRequest, RoutingState, builtin_policy, choose_node
+    from zmlcore.policy.estimate import NONSTREAM_PENDING_FOR, nonstream_pending_s
+
+    views = [NodeView(NodeState(node_id="h", accelerator_type="nvidia_h100", family="H100", endpoint="",
+                                status="up", models=["m"], updated_at=0.0, queue_running=40, queue_waiting=3),
+                      outstanding=2, pending=1)]
+    d = choose_node(FleetIndex(views), RouteRequest(model="m", prompt_tokens=700), builtin_policy("latency"),
+                    0.0, RoutingState())
+    v = views[0]
+    assert nonstream_pending_s(v.state, v.effective_outstanding(), v.effective_pending(), 700) == pytest.approx(
+        NONSTREAM_PENDING_FOR * d.estimated_ttft_s)
+    assert d.estimated_ttft_s > 1.0  # the slot wait counts

@@ -129,3 +129,10 @@ def estimate_ttft(
     pf, dec, maxc = node_speeds(st)
     c = Coeffs(pf, dec, maxc, 0.0, mean_prompt, mean_output)
     return c.load_key(outstanding, pending) + prompt_tokens * c.inv_pf
+
+
+def nonstream_pending_s(st: NodeState, outstanding: int, pending: int, prompt_tokens: float) -> float:
+    """How long the router counts a non-streamed request as ``pending`` (see
+    :data:`NONSTREAM_PENDING_FOR`), from the node's counters just before it is dispatched:
+    the same estimate the policy chose it by."""
+    return NONSTREAM_PENDING_FOR * estimate_ttft(st, outstanding, pending, prompt_tokens)
