@@ -125,6 +125,10 @@ class GatewayConfig(msgspec.Struct, **_Base):
     HTTP/1.1 only."""
     http2_max_streams: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 100
     """Concurrent streams one HTTP/2 connection may open (SETTINGS_MAX_CONCURRENT_STREAMS)."""
+    processes: PosInt | Literal["auto"] = "auto"
+    """Gateway processes `zml up` runs on the one port (SO_REUSEPORT: the kernel spreads
+    connections over them). "auto": sized to the machine's cores (zmlcore.sizing); `zml up
+    --gateways N` overrides. Each process has its own /metrics, dashboard and max_concurrent."""
 
 
 class RouterConfig(msgspec.Struct, **_Base):
@@ -151,6 +155,9 @@ class RouterConfig(msgspec.Struct, **_Base):
     first_byte_factor: NonNeg = 4.0
     """Multiple of the node's estimated time to first token (to the whole reply when not
     streaming) allowed before the first byte; 0 makes first_byte_floor_s a fixed timeout."""
+    processes: PosInt | Literal["auto"] = "auto"
+    """Router replicas `zml up` runs (one queue group). "auto": sized to the machine's cores
+    (zmlcore.sizing); `zml up --routers N` overrides."""
 
 
 class HealthConfig(msgspec.Struct, **_Base):
