@@ -2,11 +2,10 @@
 estimates, and the candidates the strategies choose among. Internal to :mod:`zmlcore.policy`.
 
 Reads the :class:`~zmlcore.policy.FleetIndex`, never writes it. Rows whose status or model rule
-them out have an INF load key in the index; the time-dependent and per-policy checks
-(staleness, cooldown, saturation, health threshold) are tried optimistically: the strategies'
-candidates are checked one by one, and only when one fails is the whole table masked and the
-candidates recomputed (two passes at most). Excluded nodes and families outside the chain are
-masked up front.
+them out have an INF load key in the index; the time-dependent and per-request checks
+(staleness, cooldown, saturation, health threshold, excluded nodes, families outside the chain)
+are a boolean mask computed per decision, from the index's copies of the fields
+``is_routable`` reads.
 
 Candidates. Every node is its own candidate, but handing the strategies 1,000 of them would
 cost more than the decision budget, so :meth:`Ctx.candidates` drops nodes that cannot win under
@@ -18,7 +17,8 @@ the earlier chain rank, then the earlier node: ``y`` wins wherever ``x`` would, 
 keeps the cheapest cost of any estimate-bounded set it belongs to. Nodes exactly as cheap as
 the cheapest one but slower are dropped too unless the score ignores the estimate (a weighted
 policy without latency weight), where rank may decide between them. What remains is that
-(estimate, cost) front plus each family's fastest node (chain walks take a family's best);
+(estimate, cost) front (plus each family's fastest node for a chain walk, which takes each
+family's best in turn);
 tests/unit/test_policy_index.py checks the picks against a scan of every node. (A weighted sum
 can tie two nodes whose estimates and costs differ by a few ulps; ignored.)
 """
@@ -55,7 +55,7 @@ class Cand:
 class Ctx:
     __slots__ = (
         "fleet", "table", "req", "policy", "now", "state", "stale_after", "prompt", "target_s",
-        "families", "health_min", "evaluated", "ranks", "rank_arr", "masked", "_outside", "_est", "_drain", "_cost",
+        "families", "health_min", "evaluated", "ranks", "rank_arr", "_outside", "_bad", "_est", "_drain", "_cost",
     )
 
     def __init__(
@@ -94,8 +94,7 @@ class Ctx:
         self.families, self.ranks, self.rank_arr = cached
         self._outside = min(self.ranks) < 0
         self.evaluated: list[FamilyEval] | None = None
-        #: second pass: every row checked up front
-        self.masked = False
+        self._bad: np.ndarray | bool | None = None
         self._est: np.ndarray | None = None
         self._drain: np.ndarray | None = None
         self._cost: np.ndarray | None = None
@@ -111,28 +110,45 @@ class Ctx:
             or (self.health_min is not None and st.health_score < self.health_min)
         )
 
+    def bad(self) -> np.ndarray | None:
+        """Rows that fail :meth:`ok` (from the index's copies of the same fields), are excluded
+        or outside the chain; None when there are none (the usual case: no row to hide)."""
+        b = self._bad
+        if b is None:
+            t = self.table
+            now = self.now
+            # One reduction per check first: usually no row is stale, cooling down or unhealthy.
+            # (``now - u`` is monotone in ``u``, so the oldest row decides staleness exactly.)
+            hmin = self.health_min
+            if (
+                now - t.updated.min() > self.stale_after or t.blocked.max() > now
+                or (hmin is not None and t.health.min() < hmin)
+            ):
+                b = (now - t.updated) > self.stale_after
+                b |= t.blocked > now
+                if hmin is not None:
+                    b |= t.health < hmin
+                b = b if b.any() else None
+            else:
+                b = None
+            if self._outside:
+                out = (self.rank_arr < 0)[t.fam]
+                b = out if b is None else b | out
+            for nid in self.req.exclude:
+                j = self.fleet.where(nid, t)
+                if j is not None:
+                    if b is None:
+                        b = np.zeros(len(t.views), dtype=bool)
+                    b[j] = True
+            self._bad = False if b is None else b
+        return None if b is False else b
+
     def _hide(self, a: np.ndarray) -> np.ndarray:
         """``a`` (a fresh array) with INF where the row may not take this request."""
-        t = self.table
-        if self.masked:
-            now = self.now
-            bad = (now - t.updated) > self.stale_after
-            bad |= t.blocked > now
-            if self.health_min is not None:
-                bad |= t.health < self.health_min
-            a[bad] = INF
-        if self._outside:
-            a[(self.rank_arr < 0)[t.fam]] = INF
-        for nid in self.req.exclude:
-            j = self.fleet.where(nid, t)
-            if j is not None:
-                a[j] = INF
+        b = self.bad()
+        if b is not None:
+            a[b] = INF
         return a
-
-    def _mask_all(self) -> None:
-        """Switch to the second pass: a candidate failed its checks, so check every row."""
-        self.masked = True
-        self._est = self._drain = self._cost = None
 
     def estimates(self) -> np.ndarray:
         """Estimated TTFT of every row for this request; INF where the row may not take it."""
@@ -144,39 +160,27 @@ class Ctx:
 
     def check(self, cls: FamilyGroup, i: int) -> bool:
         """May row ``i`` (whose load key is finite) take this request now?"""
-        return self.ok(i) and bool(self.estimates()[i] != INF)
+        return bool(self.estimates()[i] != INF)
 
     def est(self, cls: FamilyGroup, i: int) -> float:
         t = self.table
-        return t.key.item(i) + self.prompt * t.inv_pf.item(i)
+        return float(t.key.item(i)) + self.prompt * float(t.inv_pf.item(i))
 
     def best_drain(self, cls: FamilyGroup) -> int | None:
         """The group's row with the smallest drain key that may take the request (first wins)."""
         s, e = cls.start, cls.stop
-        if e == s:
-            return None
-        while True:
-            d = self._drain
-            if d is None:
-                d = self._drain = self._hide(self.table.drain.copy())
-            i = s + int(d[s:e].argmin())
-            if d[i] == INF:
-                return None
-            if self.masked or self.ok(i):
-                return i
-            self._mask_all()
+        d = self._drain
+        if d is None:
+            d = self._drain = self._hide(self.table.drain.copy())
+        i = s + int(d[s:e].argmin())
+        return None if d[i] == INF else i
 
     # --- candidates ---
     def candidates(self) -> list[Cand]:
         """Every node that can win (see the module docstring), in (chain rank, row) order."""
-        while True:
-            rows = self._rows()
-            if self.masked or all(self.ok(i) for i in rows):
-                break
-            self._mask_all()
         t = self.table
+        r = sorted(self._rows())
         p = self.prompt
-        r = sorted(rows)
         group_of, ranks = t.group_of, self.ranks
         out = [
             Cand(group_of[i], i, k + p * f, ranks[fam], c)
@@ -193,25 +197,29 @@ class Ctx:
         evaluated: list[FamilyEval] = []
         counts = t.counts
         ranks = self.ranks
-        fastest_row: tuple[float, int, int] | None = None
+        best = np.minimum.reduceat(est, t.starts).tolist()  # each family's fastest estimate
+        walks = self.policy.config.cost_priority == "latency"  # a chain walk takes each family's best
+        first: tuple[float, int, int] | None = None  # (estimate, rank, family) of the fastest node
         for fam, groups in self.families:
             n = 0
             for g in groups:
-                if g.stop > g.start:
-                    i = g.start + int(est[g.start:g.stop].argmin())
-                    e = est.item(i)
-                    if e != INF:
-                        rows.add(i)
-                        n += 1
-                        here = (e, ranks[t.fam.item(i)], i)
-                        if fastest_row is None or here < fastest_row:
-                            fastest_row = here
+                e = best[g.k]
+                if e != INF:
+                    n += 1
+                    if walks:
+                        rows.add(g.start + int(est[g.start:g.stop].argmin()))
+                    here = (e, ranks[g.k], g.k)
+                    if first is None or here < first:
+                        first = here
             evaluated.append(
                 FamilyEval(fam, counts.get(fam.lower(), 0), None if n else ("no_routable_node" if groups else "no_nodes"))
             )
         self.evaluated = evaluated
-        if fastest_row is None:
+        if first is None:
             return rows
+        g = t.groups[first[2]]
+        f = g.start + int(est[g.start:g.stop].argmin())
+        rows.add(f)
         cfg = self.policy.config
         weighted = self.policy.strategy == "weighted"
         if weighted and not cfg.latency_weight and not cfg.cost_weight:
@@ -220,12 +228,9 @@ class Ctx:
             return rows
         cost = self._cost
         if cost is None:
-            cost = self._cost = (
-                t.cost_ok if not (self.masked or self._outside or self.req.exclude)
-                else np.where(est != INF, t.cost_ok, INF)
-            )
+            cost = self._cost = self._hide(t.cost_ok.copy()) if self.bad() is not None else t.cost_ok
         # With no latency weight, equally cheap but slower nodes tie on score (rank decides).
-        rows.update(self._front(est, cost, fastest_row[2], weighted and not cfg.latency_weight))
+        rows.update(self._front(est, cost, f, weighted and not cfg.latency_weight))
         qt = cfg.queue_threshold
         if qt is not None:
             over = t.depth > qt
@@ -256,13 +261,14 @@ class Ctx:
             keep &= cost <= cost[f]
         s = np.flatnonzero(keep)
         if len(s) <= 1:
-            return s.tolist()
+            return [int(i) for i in s]
         # Exact front of the few survivors: in (estimate, rank, row) order, keep a row unless an
         # earlier one is strictly cheaper (lexsort is stable and ``s`` ascending: row breaks ties).
         order = np.lexsort((self.rank_arr[self.table.fam[s]], est[s]))
         cs = cost[s][order]
         before = np.minimum.accumulate(np.concatenate(([INF], cs[:-1])))
-        return s[order[cs <= before]].tolist()
+        front: list[int] = s[order[cs <= before]].tolist()
+        return front
 
 
 def _by_rank(c: Cand) -> int:

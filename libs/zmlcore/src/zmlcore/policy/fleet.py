@@ -36,11 +36,13 @@ class FamilyGroup:
     (what the strategies index with a candidate's ``i``).
     """
 
-    __slots__ = ("family", "table", "start", "stop")
+    __slots__ = ("family", "table", "k", "start", "stop")
 
-    def __init__(self, family: str, table: ModelTable, start: int, stop: int) -> None:
+    def __init__(self, family: str, table: ModelTable, k: int, start: int, stop: int) -> None:
         self.family = family
         self.table = table
+        #: index in the table's ``families`` / ``groups``
+        self.k = k
         self.start = start
         self.stop = stop
 
@@ -62,8 +64,8 @@ class ModelTable:
     registration order (first node seen), nodes in registration order within a family."""
 
     __slots__ = (
-        "model", "families", "by_family", "groups", "group_of", "chains", "counts", "flat", "n_loaded", "views", "coeffs", "inputs",
-        "fam", "key", "drain", "inv_pf", "cost_cap", "cost_ok", "depth", "updated", "blocked", "health",
+        "model", "families", "by_family", "groups", "starts", "group_of", "chains", "counts", "flat", "n_loaded", "views", "coeffs", "inputs",
+        "up", "fam", "key", "drain", "inv_pf", "cost_cap", "cost_ok", "depth", "updated", "blocked", "health",
     )
 
     def __init__(self, model: str, views: list[NodeView], families: list[str]) -> None:
@@ -73,6 +75,8 @@ class ModelTable:
         #: families as first written, in registration order
         self.families = families
         self.groups: list[FamilyGroup] = []
+        #: first row of each group (every group has one)
+        self.starts = np.zeros(0, dtype=np.intp)
         #: the group of each row
         self.group_of: list[FamilyGroup] = []
         #: per chain: (families in chain order with their groups, rank of each table family as
@@ -86,6 +90,8 @@ class ModelTable:
         self.coeffs: list[Coeffs | None] = [None] * n
         #: (pf, dec, maxc, cost) each row's Coeffs were computed from
         self.inputs: list[tuple[float, float, int, float] | None] = [None] * n
+        #: status up and the model loaded (not only loading)
+        self.up = [False] * n
         #: family number (index in ``families``) of each row
         self.fam = np.zeros(n, dtype=np.int32)
         #: Coeffs.load_key / drain_key of the node's counters; INF while not routable
@@ -191,26 +197,25 @@ class FleetIndex(Sequence[NodeView]):
             c = t.coeffs[j] = Coeffs(*inputs, self.mean_prompt, self.mean_output)
             t.inv_pf[j] = c.inv_pf
             t.cost_cap[j] = c.cost_cap
+        up = t.up[j] = st.status == "up" and t.model in st.models
+        t.cost_ok[j] = t.cost_cap[j] if up else INF
         t.updated[j] = st.updated_at
         t.health[j] = st.health_score
         self._set_counters(t, j, v)
 
     @staticmethod
     def _set_counters(t: ModelTable, j: int, v: NodeView) -> None:
-        c = t.coeffs[j]
-        assert c is not None
         out = v.effective_outstanding()
-        st = v.state
         t.depth[j] = out
         t.blocked[j] = max(v.cooldown_until, v.saturated_until)
-        if st.status == "up" and t.model in st.models:
+        if t.up[j]:
+            c = t.coeffs[j]
+            assert c is not None
             t.key[j] = c.load_key(out, v.effective_pending())
             t.drain[j] = c.drain_key(out)
-            t.cost_ok[j] = c.cost_cap
         else:
             t.key[j] = INF
             t.drain[j] = INF
-            t.cost_ok[j] = INF
 
     # --- tables ---
     def table(self, model: str) -> ModelTable:
@@ -239,7 +244,7 @@ class FleetIndex(Sequence[NodeView]):
         start = 0
         for k, fam in enumerate(families):
             members = rows[fam.lower()]
-            g = FamilyGroup(fam, t, start, start + len(members))
+            g = FamilyGroup(fam, t, k, start, start + len(members))
             t.groups.append(g)
             t.by_family[fam.lower()] = [g]
             t.counts[fam.lower()] = len(members)
@@ -251,6 +256,7 @@ class FleetIndex(Sequence[NodeView]):
                 t.n_loaded += model in v.state.models
                 self._where.setdefault(v.node_id, []).append((t, j))
             start += len(members)
+        t.starts = np.array([g.start for g in t.groups], dtype=np.intp)
         group_of = t.group_of = [t.groups[int(k)] for k in t.fam]
         for v in self._views:
             j = row_of.get(v.node_id, -1)
