@@ -3,7 +3,8 @@
 run-time registration (``zml.admin.nodes.add|remove|list``, persisted in ``zml_registry``).
 
 Per poll of a node: engine adapter probe -> node probe (hardware, loading models, free memory)
--> tracker (status, rates, error rate) -> hardware check -> NodeState -> KV put.
+-> tracker (status, rates, error rate) -> hardware check -> NodeState -> KV put when it changed
+meaningfully or the heartbeat is due (see ``publish``).
 """
 
 from __future__ import annotations
@@ -39,13 +40,14 @@ from zmlcore.messages.admin import (
     node_remove_decoder,
     registry_entry_decoder,
 )
-from zmlcore.messages.warmup import completed_decoder, warmup_event_decoder
+from zmlcore.messages.warmup import completion_counts_decoder, warmup_event_decoder
 from zmlcore.natsio import ensure_kv, nodes_kv
 from zmlcore.runner import cancel_and_wait
 from zmlcore.sim.model import SimProfile
 from zml_health import metrics, nodeprobe
 from zml_health.adapters import adapter_for, sglang
 from zml_health.adapters.base import Probe
+from zml_health.publish import Writes, effective_heartbeat
 from zml_health.tracker import Tracker
 
 log = logging.getLogger("zml.health")
@@ -93,6 +95,8 @@ class HealthService:
         self._subs: list[Subscription] = []
         self._sem = asyncio.Semaphore(cfg.health.max_concurrent_probes)
         self._admin_lock = asyncio.Lock()
+        #: which polled states go to the KV bucket (on change, else as a heartbeat)
+        self.writes = Writes(effective_heartbeat(cfg.health.kv_heartbeat_s, cfg.router.stale_after_s))
         sglang.GENERATE_EVERY = cfg.health.generate_probe_every
 
     # --- lifecycle -------------------------------------------------------------------------
@@ -185,6 +189,7 @@ class HealthService:
         self.trackers.pop(node_id, None)
         self.runtime.pop(node_id, None)
         self.states.pop(node_id, None)
+        self.writes.forget(node_id)
 
     async def _poll_forever(self, node: NodeConfig) -> None:
         hc = self.cfg.health
@@ -224,8 +229,9 @@ class HealthService:
         state = self._state(node, tr, rt, probe, status, check, now)
         self.states[node.id] = state
         metrics.polled(node.id, probe.ok, probe.loading, probe.slow, time.perf_counter() - t0, state)
-        if node.id in self._tasks:  # not removed while we probed
-            await self.kv.put(node.id, _encode(state))
+        if node.id in self._tasks and self.writes.due(state, now, hc.poll_interval_s * (1 + hc.jitter)):
+            await self.kv.put(node.id, _encode(state))  # not removed while we probed
+            self.writes.wrote(state, now)
         return state
 
     async def _node_probe(self, node: NodeConfig, rt: _NodeRuntime, poll: int, probe: Probe) -> None:
@@ -347,7 +353,7 @@ class HealthService:
     # --- events ----------------------------------------------------------------------------
     async def _on_completed(self, msg: Msg) -> None:
         try:
-            ev = completed_decoder.decode(msg.data)
+            ev = completion_counts_decoder.decode(msg.data)
         except msgspec.DecodeError:
             return
         ts = ev.ts or self.clock()
