@@ -58,7 +58,7 @@ class RefCtx:
         self.prompt = float(req.prompt_tokens) if req.prompt_tokens > 0 else MEAN_PROMPT_TOKENS
         chain = policy.chain or tuple(fams)
         in_chain = {f.lower() for f in chain}
-        t = self.table = SimpleNamespace(keys=[], drains=[], cost_cap=[], inv_pf=[], flat=[])
+        t = self.table = SimpleNamespace(keys=[], drains=[], cost_cap=[], inv_pf=[], pf=[], flat=[])
         groups = {f.lower(): RefGroup(f, serving, t) for f in fams}
         self.ok: list[bool] = []
         for i, v in enumerate(serving):
@@ -69,6 +69,7 @@ class RefCtx:
             t.drains.append(c.drain_key(v.effective_outstanding()) if up else INF)
             t.cost_cap.append(c.cost_cap)
             t.inv_pf.append(c.inv_pf)
+            t.pf.append(c.pf)
             g = groups[st.family.lower()]
             g.members.append(i)
             t.flat.append((g, i))

@@ -29,7 +29,7 @@ from zmlcore.config import NodeConfig, ZMLConfig, parse_config
 from zmlcore.errors import BadRequestError, ConfigError, ZMLError
 from zmlcore.health.hardware import HardwareCheck, validate_hardware
 from zmlcore.health.score import health_score
-from zmlcore.kvfollow import drop_watch, watch_bucket
+from zmlcore.kvfollow import live_keys
 from zmlcore.messages import NodeState
 from zmlcore.messages.admin import (
     NodeAdded,
@@ -110,7 +110,7 @@ class HealthService:
         self.http = httpx.AsyncClient(limits=httpx.Limits(max_connections=self.cfg.health.max_concurrent_probes))
         await self._load_registry()
         # Entries for nodes no longer registered would mislead routers: remove them.
-        for key in await self._keys(self.kv):
+        for key in await live_keys(self.kv):
             if key not in self.nodes:
                 await self.kv.delete(key)
         now = self.clock()
@@ -131,32 +131,9 @@ class HealthService:
         if self.http:
             await self.http.aclose()
 
-    @staticmethod
-    async def _keys(kv: KeyValue) -> list[str]:
-        """Live keys. Not ``kv.keys()``: with ignore_deletes it never ends when the bucket's last
-        entries are deletes (the end-of-snapshot marker rides on the skipped delete)."""
-        watcher = await watch_bucket(kv, meta_only=True)
-        live: dict[str, None] = {}
-        try:
-            while True:
-                try:
-                    entry = await watcher.updates(timeout=5.0)  # type: ignore[no-untyped-call]
-                except Exception:  # nats TimeoutError: keep what we have
-                    log.warning("listing bucket keys timed out")
-                    break
-                if entry is None:
-                    break
-                if entry.operation in ("DEL", "PURGE"):
-                    live.pop(entry.key, None)
-                else:
-                    live[entry.key] = None
-        finally:
-            await drop_watch(watcher)
-        return list(live)
-
     async def _load_registry(self) -> None:
         assert self.registry is not None
-        for key in await self._keys(self.registry):
+        for key in await live_keys(self.registry):
             try:
                 entry = await self.registry.get(key)
                 reg = registry_entry_decoder.decode(entry.value or b"")

@@ -51,6 +51,11 @@ class Cand:
     def depth(self) -> int:
         return self.cls.views[self.i].effective_outstanding()
 
+    @property
+    def pf(self) -> float:
+        """The node's prefill speed (tokens/s, Coeffs.pf)."""
+        return float(self.cls.table.pf[self.i])
+
 
 class Ctx:
     __slots__ = (
@@ -113,35 +118,35 @@ class Ctx:
     def bad(self) -> np.ndarray | None:
         """Rows that fail :meth:`ok` (from the index's copies of the same fields), are excluded
         or outside the chain; None when there are none (the usual case: no row to hide)."""
-        b = self._bad
-        if b is None:
-            t = self.table
-            now = self.now
-            # One reduction per check first: usually no row is stale, cooling down or unhealthy.
-            # (``now - u`` is monotone in ``u``, so the oldest row decides staleness exactly.)
-            hmin = self.health_min
-            if (
-                now - t.updated.min() > self.stale_after or t.blocked.max() > now
-                or (hmin is not None and t.health.min() < hmin)
-            ):
-                b = (now - t.updated) > self.stale_after
-                b |= t.blocked > now
-                if hmin is not None:
-                    b |= t.health < hmin
-                b = b if b.any() else None
-            else:
-                b = None
-            if self._outside:
-                out = (self.rank_arr < 0)[t.fam]
-                b = out if b is None else b | out
-            for nid in self.req.exclude:
-                j = self.fleet.where(nid, t)
-                if j is not None:
-                    if b is None:
-                        b = np.zeros(len(t.views), dtype=bool)
-                    b[j] = True
-            self._bad = False if b is None else b
-        return None if b is False else b
+        cached = self._bad
+        if cached is not None:
+            return None if cached is False else cached  # type: ignore[return-value]
+        t = self.table
+        now = self.now
+        hmin = self.health_min
+        b: np.ndarray | None = None
+        # One reduction per check first: usually no row is stale, cooling down or unhealthy.
+        # (``now - u`` is monotone in ``u``, so the oldest row decides staleness exactly.)
+        if (
+            now - t.updated.min() > self.stale_after or t.blocked.max() > now
+            or (hmin is not None and t.health.min() < hmin)
+        ):
+            m = (now - t.updated) > self.stale_after
+            m |= t.blocked > now
+            if hmin is not None:
+                m |= t.health < hmin
+            b = m if m.any() else None
+        if self._outside:
+            out = (self.rank_arr < 0)[t.fam]
+            b = out if b is None else b | out
+        for nid in self.req.exclude:
+            j = self.fleet.where(nid, t)
+            if j is not None:
+                if b is None:
+                    b = np.zeros(len(t.views), dtype=bool)
+                b[j] = True
+        self._bad = False if b is None else b
+        return b
 
     def _hide(self, a: np.ndarray) -> np.ndarray:
         """``a`` (a fresh array) with INF where the row may not take this request."""
@@ -220,6 +225,8 @@ class Ctx:
         g = t.groups[first[2]]
         f = g.start + int(est[g.start:g.stop].argmin())
         rows.add(f)
+        if self.policy.strategy == "latency":
+            rows.update(self._slowest_near(est, first[0]))
         cfg = self.policy.config
         weighted = self.policy.strategy == "weighted"
         if weighted and not cfg.latency_weight and not cfg.cost_weight:
@@ -236,6 +243,19 @@ class Ctx:
             over = t.depth > qt
             rows.update(self._front(np.where(over, INF, est), np.where(over, INF, cost), None, True))
         return rows
+
+    def _slowest_near(self, est: np.ndarray, e0: float) -> list[int]:
+        """``latency``'s near-tie winner: of the rows within ``TIE_S`` of the fastest estimate
+        (while that is under ``TIE_BELOW_S``), the slowest prefill, then estimate, rank, row."""
+        from zmlcore.policy.strategies import latency
+
+        tie, below = getattr(latency, "TIE_S", 0.0), getattr(latency, "TIE_BELOW_S", 0.0)
+        if tie <= 0.0 or e0 > below:
+            return []
+        pf = np.where(est <= e0 + tie, self.table.pf, INF)
+        rows = np.flatnonzero(pf == pf.min()).tolist()
+        fam, ranks = self.table.fam, self.ranks
+        return [min(rows, key=lambda i: (est.item(i), ranks[fam.item(i)], i))]
 
     def _front(self, est: np.ndarray, cost: np.ndarray, f: int | None, ties: bool) -> list[int]:
         """Rows that may win on (estimate, cost) (see the module docstring); INF rows excluded.

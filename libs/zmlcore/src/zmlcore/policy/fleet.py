@@ -65,7 +65,7 @@ class ModelTable:
 
     __slots__ = (
         "model", "families", "by_family", "groups", "starts", "group_of", "chains", "counts", "flat", "n_loaded", "views", "coeffs", "inputs",
-        "up", "fam", "key", "drain", "inv_pf", "cost_cap", "cost_ok", "depth", "updated", "blocked", "health",
+        "up", "fam", "key", "drain", "pf", "inv_pf", "cost_cap", "cost_ok", "depth", "updated", "blocked", "health",
     )
 
     def __init__(self, model: str, views: list[NodeView], families: list[str]) -> None:
@@ -98,6 +98,7 @@ class ModelTable:
         #: (status not up, or the model only loading)
         self.key = np.full(n, INF)
         self.drain = np.full(n, INF)
+        self.pf = np.ones(n)
         self.inv_pf = np.ones(n)
         self.cost_cap = np.zeros(n)
         #: cost_cap where the load key is finite, else INF
@@ -195,6 +196,7 @@ class FleetIndex(Sequence[NodeView]):
         if t.inputs[j] != inputs:
             t.inputs[j] = inputs
             c = t.coeffs[j] = Coeffs(*inputs, self.mean_prompt, self.mean_output)
+            t.pf[j] = c.pf
             t.inv_pf[j] = c.inv_pf
             t.cost_cap[j] = c.cost_cap
         up = t.up[j] = st.status == "up" and t.model in st.models
