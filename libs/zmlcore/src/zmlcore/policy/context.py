@@ -60,7 +60,7 @@ class Cand:
 class Ctx:
     __slots__ = (
         "fleet", "table", "req", "policy", "now", "state", "stale_after", "prompt", "target_s",
-        "families", "health_min", "evaluated", "ranks", "rank_arr", "_outside", "_bad", "_est", "_drain", "_cost",
+        "families", "health_min", "evaluated", "ranks", "rank_arr", "counts", "strategy", "_outside", "_bad", "_est", "_drain", "_cost",
     )
 
     def __init__(
@@ -91,12 +91,14 @@ class Ctx:
             for r, f in enumerate(chain):
                 first.setdefault(f.lower(), r)
             ranks = [first.get(f.lower(), -1) for f in table.families] or [0]
+            families = [(f, table.by_family.get(f.lower(), [])) for f in chain]
             cached = table.chains[chain] = (
-                [(f, table.by_family.get(f.lower(), [])) for f in chain], ranks, np.array(ranks),
+                families, ranks, np.array(ranks), [table.counts.get(f.lower(), 0) for f in chain],
             )
         #: (family as written in the chain, its group) in evaluation order; the chain rank of
-        #: each of the table's families (-1: not in the chain)
-        self.families, self.ranks, self.rank_arr = cached
+        #: each of the table's families (-1: not in the chain); nodes per chain family
+        self.families, self.ranks, self.rank_arr, self.counts = cached
+        self.strategy = policy.strategy
         self._outside = min(self.ranks) < 0
         self.evaluated: list[FamilyEval] | None = None
         self._bad: np.ndarray | bool | None = None
@@ -200,12 +202,11 @@ class Ctx:
         t = self.table
         rows: set[int] = set()
         evaluated: list[FamilyEval] = []
-        counts = t.counts
         ranks = self.ranks
         best = np.minimum.reduceat(est, t.starts).tolist()  # each family's fastest estimate
         walks = self.policy.config.cost_priority == "latency"  # a chain walk takes each family's best
         first: tuple[float, int, int] | None = None  # (estimate, rank, family) of the fastest node
-        for fam, groups in self.families:
+        for (fam, groups), count in zip(self.families, self.counts):
             n = 0
             for g in groups:
                 e = best[g.k]
@@ -217,7 +218,7 @@ class Ctx:
                     if first is None or here < first:
                         first = here
             evaluated.append(
-                FamilyEval(fam, counts.get(fam.lower(), 0), None if n else ("no_routable_node" if groups else "no_nodes"))
+                FamilyEval(fam, count, None if n else ("no_routable_node" if groups else "no_nodes"))
             )
         self.evaluated = evaluated
         if first is None:
@@ -225,10 +226,10 @@ class Ctx:
         g = t.groups[first[2]]
         f = g.start + int(est[g.start:g.stop].argmin())
         rows.add(f)
-        if self.policy.strategy == "latency":
+        if self.strategy == "latency":
             rows.update(self._slowest_near(est, first[0]))
         cfg = self.policy.config
-        weighted = self.policy.strategy == "weighted"
+        weighted = self.strategy == "weighted"
         if weighted and not cfg.latency_weight and not cfg.cost_weight:
             # Every score is 0 and list order decides: no node may be dropped.
             rows.update(np.flatnonzero(est != INF).tolist())
@@ -265,26 +266,41 @@ class Ctx:
         slower (only a score that ignores the estimate can prefer them).
         """
         z = int(cost.argmin())
-        cmin = cost[z]
+        cmin = cost.item(z)
         if cmin == INF:
             return []
         # Bounds first: slower than the cheapest node or dearer than the fastest loses to it.
+        ez = est.item(z)
         if f is None:
             f = int(est.argmin())
-            keep = (cost <= cost[f]) | (est == est[f])
-            keep &= (est <= est[z]) | (cost == cmin) if ties else est <= est[z]
+            keep = (cost <= cost.item(f)) | (est == est.item(f))
+            keep &= (est <= ez) | (cost == cmin) if ties else est <= ez
         elif ties:
-            keep = (est <= est[z]) | (cost == cmin)
-            keep &= cost <= cost[f]
+            keep = (est <= ez) | (cost == cmin)
+            keep &= cost <= cost.item(f)
         else:
-            keep = est <= est[z]
-            keep &= cost <= cost[f]
+            keep = est <= ez
+            keep &= cost <= cost.item(f)
         s = np.flatnonzero(keep)
-        if len(s) <= 1:
+        k = len(s)
+        if k <= 1:
             return [int(i) for i in s]
-        # Exact front of the few survivors: in (estimate, rank, row) order, keep a row unless an
+        fam = self.table.fam
+        if k <= 16:  # few survivors: plain Python beats a dozen small numpy calls
+            rows = s.tolist()
+            ranks = self.ranks
+            key = [(e, ranks[r], i, c) for e, r, i, c in zip(est[s].tolist(), fam[s].tolist(), rows, cost[s].tolist())]
+            key.sort()
+            out = []
+            low = INF
+            for _e, _r, i, c in key:
+                if c <= low:
+                    out.append(i)
+                    low = c
+            return out
+        # Exact front of the survivors: in (estimate, rank, row) order, keep a row unless an
         # earlier one is strictly cheaper (lexsort is stable and ``s`` ascending: row breaks ties).
-        order = np.lexsort((self.rank_arr[self.table.fam[s]], est[s]))
+        order = np.lexsort((self.rank_arr[fam[s]], est[s]))
         cs = cost[s][order]
         before = np.minimum.accumulate(np.concatenate(([INF], cs[:-1])))
         front: list[int] = s[order[cs <= before]].tolist()

@@ -59,6 +59,9 @@ class FamilyGroup:
         return self.table.drain
 
 
+ChainView = tuple[list[tuple[str, list[FamilyGroup]]], list[int], np.ndarray, list[int]]
+
+
 class ModelTable:
     """Every node that serves (or is loading) one model: one row each, grouped by family in
     registration order (first node seen), nodes in registration order within a family."""
@@ -80,8 +83,8 @@ class ModelTable:
         #: the group of each row
         self.group_of: list[FamilyGroup] = []
         #: per chain: (families in chain order with their groups, rank of each table family as
-        #: a list and an array); a cache for Ctx, filled on first use
-        self.chains: dict[tuple[str, ...], tuple[list[tuple[str, list[FamilyGroup]]], list[int], np.ndarray]] = {}
+        #: a list and an array, nodes per chain family); a cache for Ctx, filled on first use
+        self.chains: dict[tuple[str, ...], ChainView] = {}
         self.by_family: dict[str, list[FamilyGroup]] = {}
         self.counts: dict[str, int] = {}
         #: (group, row) in node registration order (round robin's cycle)
