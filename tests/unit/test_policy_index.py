@@ -242,3 +242,23 @@ def test_poll_updates_are_constant_work_and_never_rebuild() -> None:
     views[0].state = msgspec.structs.replace(st, models=[*st.models, "new"])
     fleet.table("m")
     assert fleet.rebuilds == builds + 1
+
+
+def test_latency_near_ties_pick_the_slowest_prefill_like_the_scan() -> None:
+    """An idle pool of one type whose speeds differ a little: the fastest node dominates every
+    other on (estimate, cost), yet ``latency`` gives a near-tie to the slowest prefill."""
+    rng = random.Random(11)
+    views = []
+    for i in range(60):
+        v = node(f"h{i}")
+        v.state = msgspec.structs.replace(v.state, prefill_tps=10_000 * rng.uniform(0.9, 1.1), decode_tps=60.0)
+        views.append(v)
+    fleet = FleetIndex(views)
+    pol = builtin_policy("latency")
+    for prompt in (50, 200, 400):
+        req = RouteRequest(model="m", prompt_tokens=prompt)
+        ref = reference(views, req, pol, NOW, RoutingState())
+        d = choose_node(fleet, req, pol, NOW, RoutingState(), stale_after_s=STALE)
+        assert ref is not None and (d.node_id, d.estimated_ttft_s) == ref[:2]
+    slowest = min(views, key=lambda v: v.state.prefill_tps).node_id
+    assert choose_node(fleet, RouteRequest(model="m", prompt_tokens=50), pol, NOW, RoutingState()).node_id == slowest
