@@ -188,6 +188,11 @@ class HealthConfig(msgspec.Struct, **_Base):
     generate_probe_every: PosInt = 12
     """SGLang: every Nth poll also calls /health_generate (a one-token generation); the other
     polls use the cheap /ready."""
+    kv_heartbeat_s: PosFloat = 5.0
+    """A node's state goes to the KV bucket when something readers act on changed (status,
+    models, queue, speeds by over 2%...), else often enough that the written state is never
+    older than this (capped at a third of router.stale_after_s, so a live node never looks
+    stale and a dead health service still makes every node stale)."""
 
 
 class SimConfig(msgspec.Struct, **_Base):
