@@ -66,6 +66,7 @@ from zml_router.cancels import CancelBook
 from zml_router import tracing as rtrace
 from zml_router.metrics import RouterMetrics
 from zml_router.cooldowns import Marks
+from zml_router.deltas import DeltaWindow
 from zml_router.dispatch import (
     AttemptError,
     Failure,
@@ -185,12 +186,14 @@ class RouterService:
         self.ids: RequestIds | None = None
         #: Completion events, published together every few ms (zmlcore.batchpub).
         self.events: BatchPublisher | None = None
+        self.deltas: DeltaWindow | None = None
 
     # --- lifecycle -------------------------------------------------------------------------
     async def start(self, nc: NATS) -> None:
         self.nc = nc
         self.http = NodeClient(self.cfg.router.max_connections, self.cfg.router.connect_timeout_s)
         self.events = BatchPublisher(nc, _EVENT_COMPLETED, COMPLETED_WINDOW_S)
+        self.deltas = DeltaWindow(nc, self.router_id)
         self.events.start()
         if self.cfg.router.stale_after_s < 2 * self.cfg.health.poll_interval_s:
             log.warning("[router] stale_after_s (%g s) is under two health polls (%g s each): nodes will "
@@ -241,6 +244,8 @@ class RouterService:
                                if t is not None])
         if self.events is not None:
             await self.events.stop()
+        if self.deltas is not None:
+            self.deltas.close()
         await self.metrics.stop()
         await self.limits.stop()
         if self.http:
@@ -288,8 +293,12 @@ class RouterService:
             if self.table.expire_peers(now) and self.queue is not None:
                 self.queue.capacity.set()
             if self.nc is not None and self.nc.is_connected:
-                snap = InflightSnapshot(router_id=self.router_id, ts=now, nodes=self.table.own_snapshot())
-                await self.nc.publish(subjects.INFLIGHT_SNAPSHOT, _encode(snap))
+                def snap() -> bytes:
+                    return _encode(InflightSnapshot(router_id=self.router_id, ts=now, nodes=self.table.own_snapshot()))
+                if self.deltas is not None:  # in order with the deltas (zml_router.deltas)
+                    await self.deltas.then(subjects.INFLIGHT_SNAPSHOT, snap)
+                else:
+                    await self.nc.publish(subjects.INFLIGHT_SNAPSHOT, snap())
 
     async def _on_cancel(self, msg: Msg) -> None:
         # The owner is the subject token that permissions pin to the sender's identity: a
@@ -760,11 +769,8 @@ class RouterService:
             self.queue.capacity.set()
         # Deltas are for peers: alone, skip them (a replica that joins learns our counts from
         # the next 1 s snapshot). Saves a NATS send per message on the hot path.
-        if self.nc is not None and self.table.peers:
-            delta = InflightDelta(router_id=self.router_id, node_id=node_id, outstanding=outstanding,
-                                  pending=pending, ts=time.time())
-            # publish() only appends to the client's buffer; its flusher sends batches.
-            await self.nc.publish(subjects.INFLIGHT, _encode(delta))
+        if self.deltas is not None and self.table.peers:
+            self.deltas.add(node_id, outstanding, pending)  # summed per node for 2 ms (zml_router.deltas)
 
     async def _dispatch_once(self, msg: Msg | QueuedMsg, req: InferRequest, body: bytes, info: RoutingInfo, t0: float,
                              first_byte: float | None = None, rename: Renamer | None = None) -> None:
