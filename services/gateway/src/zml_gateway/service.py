@@ -21,6 +21,7 @@ from zmlcore.limiter import SharedLimiter
 from zml_gateway.access import Access
 from zml_gateway.app import Gateway
 from zml_gateway.dashboard import Dashboard
+from zml_gateway.grpc_front import GrpcFront
 from zml_gateway.observe import Observed
 from zml_gateway.protocol import BoundedHttpTools
 
@@ -33,10 +34,13 @@ class _Server(uvicorn.Server):
 
 
 class GatewayService:
-    def __init__(self, cfg: ZMLConfig, host: str | None = None, port: int | None = None) -> None:
+    def __init__(self, cfg: ZMLConfig, host: str | None = None, port: int | None = None,
+                 grpc_port: int | None = None) -> None:
         self.cfg = cfg
         self.host = host or cfg.gateway.host
         self.port = cfg.gateway.port if port is None else port
+        self.grpc_port = cfg.gateway.grpc_port if grpc_port is None else grpc_port
+        self._grpc: GrpcFront | None = None
         self.nodes: dict[str, NodeState] = {}
         self.costs = CostTable()
         self._follow_costs: asyncio.Task[None] | None = None
@@ -71,6 +75,9 @@ class GatewayService:
             app, host=self.host, port=self.port, http=protocol, loop="none", lifespan="off",
             log_level="warning", access_log=False, timeout_keep_alive=30, backlog=2048, **tls,  # type: ignore[arg-type]
         )
+        if self.grpc_port:  # zml.v1.Zml beside HTTP, through the same app (zml_gateway.grpc_front)
+            self._grpc = GrpcFront(app, gateway, self.host, self.grpc_port)
+            await self._grpc.start()
         self._server = _Server(config)
         self._serve = asyncio.create_task(self._server.serve())
         while not self._server.started:
@@ -80,6 +87,8 @@ class GatewayService:
             await asyncio.sleep(0.01)
 
     async def stop(self) -> None:
+        if self._grpc is not None:
+            await self._grpc.stop()
         if self._server is not None:
             self._server.should_exit = True
         if self._serve is not None:

@@ -1,0 +1,136 @@
+"""The gateway's gRPC front (zml.v1.Zml) with a real grpcio client against the real stack.
+
+Same path as HTTP: the same replies and routing metadata, the same errors as gRPC status plus
+``zml-code``, hostile input refused with a status (never a crash). Auth, deadlines,
+cancellation and size bounds are in test_grpc_front_door.py (a gateway with keys and a
+stand-in router that records cancels).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+
+import grpc
+import msgspec
+import pytest
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from zmlcore.rpc import zml_pb2 as pb
+from zmlcore.rpc import zml_pb2_grpc
+from conftest import MODEL, Stack
+
+
+@pytest.fixture()
+async def stub(zml_stack: Stack) -> AsyncIterator[zml_pb2_grpc.ZmlStub]:
+    async with grpc.aio.insecure_channel(zml_stack.grpc_target) as channel:
+        yield zml_pb2_grpc.ZmlStub(channel)
+
+
+def _md(call_md: object) -> dict[str, str | bytes]:
+    return {k: v for k, v in (call_md or ())}  # type: ignore[attr-defined]
+
+
+async def test_infer_chat_reply_and_routing_metadata(stub: zml_pb2_grpc.ZmlStub) -> None:
+    call = stub.Infer(pb.InferRequest(model=MODEL, messages=[pb.ChatMessage(role="user", content="hello there")],
+                                      max_tokens=8, policy="latency", request_id="grpc-chat-1"))
+    reply = await call
+    trailing = _md(await call.trailing_metadata())
+    assert reply.choices and reply.choices[0].text and reply.choices[0].role == "assistant"
+    assert reply.usage.completion_tokens > 0 and reply.usage.total_tokens >= reply.usage.completion_tokens
+    body = json.loads(reply.json)  # the HTTP body, byte for byte
+    assert body["choices"][0]["message"]["content"] == reply.choices[0].text
+    assert reply.routing.node_id and reply.routing.policy == "latency" and reply.routing.request_id == "grpc-chat-1"
+    assert trailing["zml-node-id"] == reply.routing.node_id
+    assert trailing["zml-request-id"] == "grpc-chat-1" and trailing["zml-policy"] == "latency"
+    assert await call.code() == grpc.StatusCode.OK
+
+
+async def test_infer_completions_and_extra_fields(stub: zml_pb2_grpc.ZmlStub) -> None:
+    reply = await stub.Infer(pb.InferRequest(model="llama-3-8b", prompts=["one", "two"], max_tokens=4,
+                                             extra_json=json.dumps({"top_p": 0.5, "seed": 3}).encode()))
+    assert reply.choices and all(c.text for c in reply.choices)  # (the sim answers a prompt list once)
+    assert json.loads(reply.json)["object"] == "text_completion" and reply.model == MODEL
+
+
+async def test_infer_stream_chunks_and_metadata(stub: zml_pb2_grpc.ZmlStub) -> None:
+    call = stub.InferStream(pb.InferRequest(model=MODEL, messages=[pb.ChatMessage(role="user", content="count")],
+                                            max_tokens=12))
+    initial = _md(await call.initial_metadata())
+    chunks = [c async for c in call]
+    trailing = _md(await call.trailing_metadata())
+    assert await call.code() == grpc.StatusCode.OK
+    assert initial["zml-node-id"] and trailing["zml-node-id"] == initial["zml-node-id"]
+    text = "".join(c.text for c in chunks)
+    assert text and sum(1 for c in chunks if c.finish_reason) == 1
+    assert all(json.loads(c.json)["object"] == "chat.completion.chunk" for c in chunks)
+
+
+@pytest.mark.parametrize(("request_", "status", "code"), [
+    (pb.InferRequest(model="no/such-model", prompt="hi"), grpc.StatusCode.NOT_FOUND, "MODEL_NOT_LOADED"),
+    (pb.InferRequest(prompt="hi"), grpc.StatusCode.INVALID_ARGUMENT, "BAD_REQUEST"),
+    (pb.InferRequest(model=MODEL), grpc.StatusCode.INVALID_ARGUMENT, "BAD_REQUEST"),
+    (pb.InferRequest(model=MODEL, prompt="a", prompts=["b"]), grpc.StatusCode.INVALID_ARGUMENT, "BAD_REQUEST"),
+    (pb.InferRequest(model=MODEL, messages=[pb.ChatMessage(role="robot", content="x")]),
+     grpc.StatusCode.INVALID_ARGUMENT, "BAD_REQUEST"),
+    (pb.InferRequest(model=MODEL, prompt="hi", extra_json=b"{not json"), grpc.StatusCode.INVALID_ARGUMENT, "BAD_REQUEST"),
+    (pb.InferRequest(model=MODEL, prompt="hi", extra_json=b"[1]"), grpc.StatusCode.INVALID_ARGUMENT, "BAD_REQUEST"),
+    (pb.InferRequest(model=MODEL, prompt="hi", extra_json=b'{"prompt": "again"}'),
+     grpc.StatusCode.INVALID_ARGUMENT, "BAD_REQUEST"),
+    (pb.InferRequest(model=MODEL, prompt="hi", extra_json=b'{"stream": true}'),
+     grpc.StatusCode.INVALID_ARGUMENT, "BAD_REQUEST"),
+    (pb.InferRequest(model=MODEL, prompt="hi", extra_json=b"[" * 5000 + b"]" * 5000),
+     grpc.StatusCode.INVALID_ARGUMENT, "BAD_REQUEST"),
+    (pb.InferRequest(model=MODEL, prompt="hi", request_id="has spaces.and.dots"),
+     grpc.StatusCode.INVALID_ARGUMENT, "BAD_REQUEST"),
+    (pb.InferRequest(model=MODEL, prompt="hi", policy="no-such-policy"), grpc.StatusCode.INVALID_ARGUMENT,
+     "POLICY_CONFIG"),
+])
+@pytest.mark.parametrize("method", ["Infer", "InferStream"])
+async def test_errors_are_status_and_zml_code(stub: zml_pb2_grpc.ZmlStub, method: str, request_: pb.InferRequest,
+                                              status: grpc.StatusCode, code: str) -> None:
+    call = getattr(stub, method)(request_)
+    with pytest.raises(grpc.aio.AioRpcError) as info:
+        if method == "Infer":
+            await call
+        else:
+            [c async for c in call]
+    err = info.value
+    trailing = _md(err.trailing_metadata())
+    assert err.code() == status, (err.code(), err.details())
+    assert trailing["zml-code"] == code
+    body = msgspec.json.decode(trailing["zml-error-bin"])
+    assert body["error"]["code"] == code and body["error"]["message"] == err.details()
+
+
+async def test_malformed_protobuf_is_invalid_argument(zml_stack: Stack) -> None:
+    async with grpc.aio.insecure_channel(zml_stack.grpc_target) as channel:
+        for path in ("/zml.v1.Zml/Infer", "/zml.v1.Zml/InferStream"):
+            raw = channel.unary_unary(path) if path.endswith("Infer") else channel.unary_stream(path)
+            for junk in (b"\xff\xff\xff\xff", b"\x0a\xff\x01", b"\x0a\x02\xc3\x28"):  # bad tag, short, bad UTF-8
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    call = raw(junk)
+                    if path.endswith("Infer"):
+                        await call
+                    else:
+                        [c async for c in call]
+                assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, info.value
+                assert _md(info.value.trailing_metadata())["zml-code"] == "BAD_REQUEST"
+        unknown = channel.unary_unary("/zml.v1.Zml/NoSuchMethod")
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await unknown(b"")
+        assert info.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        # and the service still answers
+        reply = await zml_pb2_grpc.ZmlStub(channel).Infer(pb.InferRequest(model=MODEL, prompt="ok", max_tokens=2))
+        assert reply.choices
+
+
+async def test_server_reflection_lists_the_service(zml_stack: Stack) -> None:
+    async with grpc.aio.insecure_channel(zml_stack.grpc_target) as channel:
+        refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+        answers = [a async for a in refl.ServerReflectionInfo(iter([
+            reflection_pb2.ServerReflectionRequest(list_services=""),
+            reflection_pb2.ServerReflectionRequest(file_containing_symbol="zml.v1.Zml")]))]
+    names = {s.name for s in answers[0].list_services_response.service}
+    assert "zml.v1.Zml" in names
+    assert answers[1].file_descriptor_response.file_descriptor_proto  # what grpcurl describes the API from
