@@ -134,3 +134,14 @@ async def test_server_reflection_lists_the_service(zml_stack: Stack) -> None:
     names = {s.name for s in answers[0].list_services_response.service}
     assert "zml.v1.Zml" in names
     assert answers[1].file_descriptor_response.file_descriptor_proto  # what grpcurl describes the API from
+
+
+async def test_list_models_and_nodes(stub: zml_pb2_grpc.ZmlStub, zml_stack: Stack) -> None:
+    models = await stub.ListModels(pb.ListModelsRequest())
+    by_id = {m.id: m for m in models.models}
+    assert MODEL in by_id and by_id[MODEL].nodes_up
+    assert json.loads(models.json)["object"] == "list"
+    nodes = await stub.ListNodes(pb.ListNodesRequest())
+    assert {n.node_id for n in nodes.nodes} == set(zml_stack.node_ids)
+    assert all(n.status and n.accelerator_type and n.models for n in nodes.nodes)
+    assert len(json.loads(nodes.json)["nodes"]) == len(zml_stack.node_ids)

@@ -23,9 +23,10 @@ def zml_cli(*args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]
     return subprocess.run([*ZML, *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
-@pytest.fixture(params=["http", "nats"])
+@pytest.fixture(params=["http", "grpc", "nats"])
 def endpoint(request: pytest.FixtureRequest, zml_stack: Stack) -> str:
-    return zml_stack.gateway_url if request.param == "http" else zml_stack.nats_url
+    return {"http": zml_stack.gateway_url, "grpc": f"grpc://{zml_stack.grpc_target}",
+            "nats": zml_stack.nats_url}[request.param]
 
 
 def test_infer(endpoint: str) -> None:

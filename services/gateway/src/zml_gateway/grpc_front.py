@@ -135,12 +135,12 @@ class ZmlService:
         self.app = app
         self.gateway = gateway
 
-    def _scope(self, path: str, ctx: grpc.aio.ServicerContext, size: int) -> Scope:
-        headers = [(b"content-length", str(size).encode())]
+    def _scope(self, method: str, path: str, ctx: grpc.aio.ServicerContext, size: int) -> Scope:
+        headers = [(b"content-length", str(size).encode())] if method == "POST" else []
         for key, value in ctx.invocation_metadata() or ():
             if key in _PASSED and isinstance(value, str):
                 headers.append((key.encode(), value.encode("latin-1", "replace")))
-        return {"type": "http", "asgi": {"version": "3.0"}, "http_version": "2", "method": "POST",
+        return {"type": "http", "asgi": {"version": "3.0"}, "http_version": "2", "method": method,
                 "scheme": "grpc", "path": path, "raw_path": path.encode(), "query_string": b"", "root_path": "",
                 "headers": headers, "client": _client(ctx.peer() or ""), "server": None}
 
@@ -154,14 +154,11 @@ class ZmlService:
         cap = None if remaining is None else max(1, int(min(remaining, d.max_request_timeout_s) * 1000))
         return codec.request_body(req, stream=stream, max_depth=d.max_json_depth, timeout_cap_ms=cap)
 
-    async def _run(self, raw: bytes, ctx: grpc.aio.ServicerContext, stream: bool) -> _Bridge:
-        try:
-            path, body = self._decode(raw, ctx, stream)
-        except ZMLError as exc:
-            await _abort(ctx, msgspec.json.encode(exc.to_body()), exc.http_status, [])
-            raise AssertionError("unreachable")  # abort raises
+    async def _run(self, ctx: grpc.aio.ServicerContext, method: str, path: str, body: bytes,
+                   stream: bool = False) -> _Bridge:
+        """Serve ``method path`` with ``body`` through the app; abort the call on an error."""
         bridge = _Bridge(body, ctx if stream else None)
-        scope = self._scope(path, ctx, len(body))
+        scope = self._scope(method, path, ctx, len(body))
         task = asyncio.ensure_future(self.app(scope, bridge.receive, bridge.send))
         try:
             await asyncio.shield(task)
@@ -175,18 +172,34 @@ class ZmlService:
             await _abort(ctx, b"".join(bridge.data), bridge.status, bridge.headers)
         return bridge
 
+    async def _infer(self, raw: bytes, ctx: grpc.aio.ServicerContext, stream: bool) -> _Bridge:
+        try:
+            path, body = self._decode(raw, ctx, stream)
+        except ZMLError as exc:
+            await _abort(ctx, msgspec.json.encode(exc.to_body()), exc.http_status, [])
+            raise AssertionError("unreachable") from exc  # abort raises
+        return await self._run(ctx, "POST", path, body, stream)
+
     async def infer(self, raw: bytes, ctx: grpc.aio.ServicerContext) -> pb.InferReply:
-        bridge = await self._run(raw, ctx, stream=False)
+        bridge = await self._infer(raw, ctx, stream=False)
         md = tuple(_metadata(bridge.headers))
         await ctx.send_initial_metadata(md)
         ctx.set_trailing_metadata(md)
         return codec.reply_from_json(b"".join(bridge.data))
 
     async def infer_stream(self, raw: bytes, ctx: grpc.aio.ServicerContext) -> None:
-        bridge = await self._run(raw, ctx, stream=True)
+        bridge = await self._infer(raw, ctx, stream=True)
         if bridge.error is not None:
             await _abort(ctx, bridge.error, 502, bridge.headers)
         ctx.set_trailing_metadata(tuple(_metadata(bridge.headers)))
+
+    async def list_models(self, raw: bytes, ctx: grpc.aio.ServicerContext) -> pb.ListModelsReply:
+        bridge = await self._run(ctx, "GET", "/v1/models", b"")
+        return codec.models_from_json(b"".join(bridge.data))
+
+    async def list_nodes(self, raw: bytes, ctx: grpc.aio.ServicerContext) -> pb.ListNodesReply:
+        bridge = await self._run(ctx, "GET", "/v1/nodes", b"")
+        return codec.nodes_from_json(b"".join(bridge.data))
 
     def handler(self) -> grpc.GenericRpcHandler:
         # Requests arrive as bytes (no deserializer): a malformed message is our
@@ -196,6 +209,10 @@ class ZmlService:
                 self.infer, response_serializer=pb.InferReply.SerializeToString),
             "InferStream": grpc.unary_stream_rpc_method_handler(
                 self.infer_stream, response_serializer=pb.InferChunk.SerializeToString),
+            "ListModels": grpc.unary_unary_rpc_method_handler(
+                self.list_models, response_serializer=pb.ListModelsReply.SerializeToString),
+            "ListNodes": grpc.unary_unary_rpc_method_handler(
+                self.list_nodes, response_serializer=pb.ListNodesReply.SerializeToString),
         })
 
 
@@ -251,9 +268,9 @@ class GrpcFront:
             raise ConfigError(f"gRPC could not listen on {address} ([gateway] grpc_port)")
         await server.start()
         self.server = server
-        self.port = bound
-        log.info("gRPC zml.v1.Zml on %s:%d", self.host, bound)
-        return bound
+        self.port = int(bound)
+        log.info("gRPC zml.v1.Zml on %s:%d", self.host, self.port)
+        return self.port
 
     async def stop(self) -> None:
         if self.server is not None:

@@ -26,7 +26,8 @@ from zmlcore.validate import clip, json_depth
 
 __all__ = [
     "GRPC_STATUS", "MD_CODE", "MD_ERROR", "MD_RETRY_AFTER", "ROUTING_METADATA", "chunk_from_json",
-    "code_for_status", "error_metadata", "reply_from_json", "request_body", "request_from_body", "status_for",
+    "code_for_status", "error_metadata", "models_from_json", "nodes_from_json", "reply_from_json",
+    "request_body", "request_from_body", "status_for",
 ]
 
 #: Trailing metadata of an error: the ZML code, the whole ErrorBody JSON (routing_context...),
@@ -354,3 +355,57 @@ def error_metadata(exc_body: bytes, code: str, retry_after: float | None) -> lis
     if retry_after is not None:
         md.append((MD_RETRY_AFTER, f"{retry_after:g}"))
     return md
+
+
+# --------------------------------------------------------------------------------------------
+# Fleet
+# --------------------------------------------------------------------------------------------
+
+
+class _ModelObj(msgspec.Struct):
+    id: str = ""
+    zml: dict[str, Any] | None = None
+
+
+class _Models(msgspec.Struct):
+    data: list[_ModelObj] = []
+
+
+class _NodeRow(msgspec.Struct):
+    node_id: str = ""
+    accelerator_type: str = ""
+    family: str = ""
+    status: str = ""
+    models: list[str] = []
+    in_flight: int = 0
+    cost_per_hour: float = 0.0
+
+
+class _Nodes(msgspec.Struct):
+    nodes: list[_NodeRow] = []
+
+
+def models_from_json(data: bytes) -> pb.ListModelsReply:
+    """ListModels' reply from GET /v1/models's body."""
+    out = pb.ListModelsReply(json=data)
+    try:
+        models = msgspec.json.decode(data, type=_Models)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return out
+    for m in models.data:
+        up = (m.zml or {}).get("nodes_up")
+        out.models.add(id=m.id, nodes_up=[n for n in up if isinstance(n, str)] if isinstance(up, list) else [])
+    return out
+
+
+def nodes_from_json(data: bytes) -> pb.ListNodesReply:
+    """ListNodes' reply from GET /v1/nodes's body."""
+    out = pb.ListNodesReply(json=data)
+    try:
+        nodes = msgspec.json.decode(data, type=_Nodes)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return out
+    for n in nodes.nodes:
+        out.nodes.add(node_id=n.node_id, accelerator_type=n.accelerator_type, family=n.family, status=n.status,
+                      models=n.models, in_flight=_u32(n.in_flight), cost_per_hour=n.cost_per_hour)
+    return out

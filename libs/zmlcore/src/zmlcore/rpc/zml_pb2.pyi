@@ -145,3 +145,53 @@ class Routing(_message.Message):
     time_to_first_token: float
     total_tokens: int
     def __init__(self, node_id: _Optional[str] = ..., accelerator_type: _Optional[str] = ..., family: _Optional[str] = ..., policy: _Optional[str] = ..., queue_depth_at_dispatch: _Optional[int] = ..., decision_id: _Optional[str] = ..., request_id: _Optional[str] = ..., attempts: _Optional[int] = ..., time_to_first_token: _Optional[float] = ..., total_tokens: _Optional[int] = ...) -> None: ...
+
+class ListModelsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListModelsReply(_message.Message):
+    __slots__ = ("models", "json")
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    JSON_FIELD_NUMBER: _ClassVar[int]
+    models: _containers.RepeatedCompositeFieldContainer[Model]
+    json: bytes
+    def __init__(self, models: _Optional[_Iterable[_Union[Model, _Mapping]]] = ..., json: _Optional[bytes] = ...) -> None: ...
+
+class Model(_message.Message):
+    __slots__ = ("id", "nodes_up")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NODES_UP_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    nodes_up: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, id: _Optional[str] = ..., nodes_up: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ListNodesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListNodesReply(_message.Message):
+    __slots__ = ("nodes", "json")
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    JSON_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedCompositeFieldContainer[Node]
+    json: bytes
+    def __init__(self, nodes: _Optional[_Iterable[_Union[Node, _Mapping]]] = ..., json: _Optional[bytes] = ...) -> None: ...
+
+class Node(_message.Message):
+    __slots__ = ("node_id", "accelerator_type", "family", "status", "models", "in_flight", "cost_per_hour")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ACCELERATOR_TYPE_FIELD_NUMBER: _ClassVar[int]
+    FAMILY_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    MODELS_FIELD_NUMBER: _ClassVar[int]
+    IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
+    COST_PER_HOUR_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    accelerator_type: str
+    family: str
+    status: str
+    models: _containers.RepeatedScalarFieldContainer[str]
+    in_flight: int
+    cost_per_hour: float
+    def __init__(self, node_id: _Optional[str] = ..., accelerator_type: _Optional[str] = ..., family: _Optional[str] = ..., status: _Optional[str] = ..., models: _Optional[_Iterable[str]] = ..., in_flight: _Optional[int] = ..., cost_per_hour: _Optional[float] = ...) -> None: ...

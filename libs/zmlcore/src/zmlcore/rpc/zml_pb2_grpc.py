@@ -44,6 +44,16 @@ class ZmlStub:
                 request_serializer=zml_dot_v1_dot_zml__pb2.InferRequest.SerializeToString,
                 response_deserializer=zml_dot_v1_dot_zml__pb2.InferChunk.FromString,
                 _registered_method=True)
+        self.ListModels = channel.unary_unary(
+                '/zml.v1.Zml/ListModels',
+                request_serializer=zml_dot_v1_dot_zml__pb2.ListModelsRequest.SerializeToString,
+                response_deserializer=zml_dot_v1_dot_zml__pb2.ListModelsReply.FromString,
+                _registered_method=True)
+        self.ListNodes = channel.unary_unary(
+                '/zml.v1.Zml/ListNodes',
+                request_serializer=zml_dot_v1_dot_zml__pb2.ListNodesRequest.SerializeToString,
+                response_deserializer=zml_dot_v1_dot_zml__pb2.ListNodesReply.FromString,
+                _registered_method=True)
 
 
 class ZmlServicer:
@@ -63,6 +73,20 @@ class ZmlServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListModels(self, request, context):
+        """The models the fleet and zml.toml name (GET /v1/models).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListNodes(self, request, context):
+        """The fleet as health sees it, with the routers' view (GET /v1/nodes).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ZmlServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +99,16 @@ def add_ZmlServicer_to_server(servicer, server):
                     servicer.InferStream,
                     request_deserializer=zml_dot_v1_dot_zml__pb2.InferRequest.FromString,
                     response_serializer=zml_dot_v1_dot_zml__pb2.InferChunk.SerializeToString,
+            ),
+            'ListModels': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListModels,
+                    request_deserializer=zml_dot_v1_dot_zml__pb2.ListModelsRequest.FromString,
+                    response_serializer=zml_dot_v1_dot_zml__pb2.ListModelsReply.SerializeToString,
+            ),
+            'ListNodes': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListNodes,
+                    request_deserializer=zml_dot_v1_dot_zml__pb2.ListNodesRequest.FromString,
+                    response_serializer=zml_dot_v1_dot_zml__pb2.ListNodesReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +165,60 @@ class Zml:
             '/zml.v1.Zml/InferStream',
             zml_dot_v1_dot_zml__pb2.InferRequest.SerializeToString,
             zml_dot_v1_dot_zml__pb2.InferChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListModels(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/zml.v1.Zml/ListModels',
+            zml_dot_v1_dot_zml__pb2.ListModelsRequest.SerializeToString,
+            zml_dot_v1_dot_zml__pb2.ListModelsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListNodes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/zml.v1.Zml/ListNodes',
+            zml_dot_v1_dot_zml__pb2.ListNodesRequest.SerializeToString,
+            zml_dot_v1_dot_zml__pb2.ListNodesReply.FromString,
             options,
             channel_credentials,
             insecure,
