@@ -135,6 +135,11 @@ async def test_api_keys(stub: zml_pb2_grpc.ZmlStub, router: Seen) -> None:
         assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
         assert dict(info.value.trailing_metadata())["zml-code"] == "AUTH_FAILED"
     assert not router.requests  # refused before the bus
+    for list_call, request in ((stub.ListModels, pb.ListModelsRequest()), (stub.ListNodes, pb.ListNodesRequest())):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await list_call(request)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert (await list_call(request, metadata=_key("k-ok"))).json  # with a key: the (empty) fleet
     call = stub.Infer(_req("ok"), metadata=_key("k-ok"))
     reply = await call
     assert reply.choices[0].text == "fine" and reply.routing.node_id == "n1"
