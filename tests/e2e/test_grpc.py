@@ -18,6 +18,8 @@ from pathlib import Path
 import grpc
 import msgspec
 import pytest
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from zmlcore.rpc import zml_pb2 as pb
@@ -179,3 +181,66 @@ async def test_doc_grpcurl_request_is_a_valid_infer_request(stub: zml_pb2_grpc.Z
                                  pb.InferRequest())  # base64 of {"top_p": 0.9}, as the doc's printf | base64 makes
     assert json.loads(streamed.extra_json) == {"top_p": 0.9}
     assert "".join([c.text async for c in stub.InferStream(streamed)])
+
+
+# --- hostile input, generated -------------------------------------------------------------------
+
+_text = st.text(max_size=30) | st.sampled_from(["", " ", "a.b", "é", "\x00", "x" * 300, "\u2028", "*", ">"])
+_json = st.recursive(st.none() | st.booleans() | st.integers(-2**70, 2**70) | st.floats() | _text,
+                     lambda inner: st.lists(inner, max_size=3) | st.dictionaries(_text, inner, max_size=3),
+                     max_leaves=10)
+
+
+@st.composite
+def _hostile(draw: st.DrawFn) -> bytes:
+    if draw(st.booleans()):
+        return draw(st.binary(max_size=300))  # not protobuf at all, mostly
+    req = pb.InferRequest(model=draw(st.sampled_from(["nope", "", "m" * 5000]) | _text))
+    for _ in range(draw(st.integers(0, 2))):
+        req.messages.add(role=draw(st.sampled_from(["user", "robot", ""]) | _text), content=draw(_text))
+    req.prompt = draw(_text)
+    req.prompts.extend(draw(st.lists(_text, max_size=2)))
+    if draw(st.booleans()):
+        req.max_tokens = draw(st.integers(0, 2**32 - 1))
+    if draw(st.booleans()):
+        req.temperature = draw(st.floats())
+    req.policy = draw(st.sampled_from(["", "latency", "nope"]) | _text)
+    req.request_id = draw(st.sampled_from(["", "ok-1"]) | _text)
+    if draw(st.booleans()):
+        req.timeout_ms = draw(st.integers(0, 2**32 - 1))
+    extra = draw(st.none() | _json | st.binary(max_size=50))
+    if extra is not None:
+        req.extra_json = extra if isinstance(extra, bytes) else json.dumps(extra).encode()
+    return req.SerializeToString()
+
+
+_REFUSALS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.RESOURCE_EXHAUSTED,
+             grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.ALREADY_EXISTS}
+
+
+def test_fuzzed_requests_get_a_status_never_a_crash(zml_stack: Stack) -> None:
+    """Generated hostile messages (random bytes, hostile field values; never a valid model, so
+    nothing reaches a node): each one a refusal with a ZML code, none INTERNAL/UNKNOWN, and the
+    service answers a valid request afterwards."""
+    seen: set[grpc.StatusCode] = set()
+    with grpc.insecure_channel(zml_stack.grpc_target) as channel:
+        calls = {"Infer": channel.unary_unary("/zml.v1.Zml/Infer"),
+                 "InferStream": channel.unary_stream("/zml.v1.Zml/InferStream")}
+
+        @settings(max_examples=60, deadline=None, database=None, derandomize=True,
+                  suppress_health_check=list(HealthCheck), phases=[Phase.generate])
+        @given(raw=_hostile(), method=st.sampled_from(sorted(calls)))
+        def one(raw: bytes, method: str) -> None:
+            try:
+                call = calls[method](raw, timeout=10)
+                list(call) if method == "InferStream" else call  # noqa: B018
+                raise AssertionError(f"accepted: {raw!r}")
+            except grpc.RpcError as exc:
+                seen.add(exc.code())
+                assert exc.code() in _REFUSALS, (exc.code(), exc.details(), raw)
+                assert dict(exc.trailing_metadata() or ())["zml-code"], raw
+
+        one()
+        reply = zml_pb2_grpc.ZmlStub(channel).Infer(pb.InferRequest(model=MODEL, prompt="still there", max_tokens=2))
+        assert reply.choices
+    assert grpc.StatusCode.INVALID_ARGUMENT in seen
