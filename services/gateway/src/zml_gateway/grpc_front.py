@@ -27,6 +27,7 @@ from grpc_reflection.v1alpha import reflection
 from zmlcore.errors import BadRequestError, ConfigError, ErrorBody, ZMLError, error_class
 from zmlcore.rpc import codec
 from zmlcore.rpc import zml_pb2 as pb
+from zmlcore.sse import SSELineSplitter, data_field
 from zml_gateway.app import Gateway, Scope
 
 log = logging.getLogger("zml.gateway.grpc")
@@ -53,7 +54,7 @@ class _Bridge:
     to the call as the app sends them: gRPC's flow control is the app's backpressure, as a
     slow HTTP client's socket is (the app's bounded buffer then cancels the request)."""
 
-    __slots__ = ("body", "gone", "status", "headers", "data", "ctx", "pending", "error")
+    __slots__ = ("body", "gone", "status", "headers", "data", "ctx", "lines", "error")
 
     def __init__(self, body: bytes, stream_ctx: grpc.aio.ServicerContext | None) -> None:
         self.body: bytes | None = body
@@ -62,7 +63,7 @@ class _Bridge:
         self.headers: list[tuple[bytes, bytes]] = []
         self.data: list[bytes] = []
         self.ctx = stream_ctx
-        self.pending = b""
+        self.lines = SSELineSplitter()
         self.error: bytes | None = None  # the error event that ended a started stream
 
     async def receive(self) -> dict[str, Any]:
@@ -83,15 +84,10 @@ class _Bridge:
         if self.ctx is None or self.status != 200:
             self.data.append(body)
             return
-        buf = self.pending + body if self.pending else body
-        frames = buf.split(b"\n\n")
-        self.pending = frames.pop()
-        for frame in frames:
-            if not frame.startswith(b"data:"):
-                continue  # an SSE comment
-            data = frame[5:].lstrip(b" ")
-            if data == b"[DONE]":
-                continue
+        for line in self.lines.feed(body):  # SSE as the app writes it (whole events, or the node's)
+            data = data_field(line)
+            if data is None or data == b"[DONE]":
+                continue  # the blank line ending an event, a comment, the end marker
             if data.startswith((b'{"error"', b'{ "error"')):
                 self.error = data
                 continue
