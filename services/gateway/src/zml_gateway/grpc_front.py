@@ -215,8 +215,9 @@ class ZmlService:
 class GrpcFront:
     """The gRPC server beside uvicorn in the gateway process (``start`` / ``stop``)."""
 
-    def __init__(self, app: Any, gateway: Gateway, host: str, port: int) -> None:
+    def __init__(self, app: Any, gateway: Gateway, host: str, port: int, reuse_port: bool = False) -> None:
         self.service = ZmlService(app, gateway)
+        self.reuse_port = reuse_port  # several gateway processes on one port (`zml up`)
         self.gateway = gateway
         self.host = host
         self.port = port
@@ -236,6 +237,8 @@ class GrpcFront:
             ("grpc.http2.max_pings_without_data", 0),
             ("grpc.keepalive_permit_without_calls", 1),
             ("grpc.max_connection_idle_ms", 300_000),
+            # grpc shares ports by default: only when asked, like the HTTP port.
+            ("grpc.so_reuseport", 1 if self.reuse_port else 0),
         ]
         server = grpc.aio.server(options=options)
         server.add_generic_rpc_handlers((self.service.handler(),))
