@@ -77,8 +77,11 @@ class _Bridge:
         if message["type"] == "http.response.start":
             self.status = message["status"]
             self.headers = list(message.get("headers", ()))
-            if self.ctx is not None and self.status == 200:
-                await self.ctx.send_initial_metadata(_metadata(self.headers))
+            if self.ctx is not None and self.status == 200 and not self.gone.is_set():
+                try:
+                    await self.ctx.send_initial_metadata(_metadata(self.headers))
+                except Exception:  # the call ended under us
+                    self.gone.set()
             return
         body = message.get("body", b"")
         if self.ctx is None or self.status != 200:
@@ -91,7 +94,13 @@ class _Bridge:
             if data.startswith((b'{"error"', b'{ "error"')):
                 self.error = data
                 continue
-            await self.ctx.write(codec.chunk_from_json(data))
+            if self.gone.is_set():
+                return  # as uvicorn does after a disconnect: writes go nowhere, the watch cancels
+            try:
+                await self.ctx.write(codec.chunk_from_json(data))
+            except Exception:  # the call ended under us (client gone, RST): a disconnect to the app
+                self.gone.set()
+                return
 
 
 def _metadata(headers: list[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
