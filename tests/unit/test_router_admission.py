@@ -69,3 +69,27 @@ def test_when_every_node_cools_down_the_soonest_gets_one_more_chance() -> None:
     with pytest.raises(Exception) as info:
         svc2.admission.decide(RouteRequest(model="m"), builtin_policy("latency"))
     assert info.value.code == "NO_HEALTHY_NODES"
+
+
+def _wait_count(model: str) -> float:
+    from zml_router.metrics import QUEUE_WAIT
+    return sum(s.value for m in QUEUE_WAIT.metric.collect() for s in m.samples
+               if s.name.endswith("_count") and s.labels.get("model") == model)
+
+
+def test_asking_whether_a_queued_head_has_room_does_not_observe_its_wait() -> None:
+    """Regression: the queue asks again each time capacity may have freed (and after a node
+    refused the head at once); every "yes" used to observe the head's queue wait, so one
+    request's wait was counted several times. It is observed once, when a node takes it."""
+    import json
+
+    from zml_router.queue import H_ENQUEUED, QueuedMsg
+
+    svc = _service(30.0)
+    qmsg = QueuedMsg("zml.infer", json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).encode(),
+                     "_INBOX.x", {H_ENQUEUED: f"{time.time() - 1:.3f}"})
+    before = _wait_count("m")
+    assert svc.glue.has_room(qmsg) and svc.glue.has_room(qmsg)
+    assert _wait_count("m") == before
+    svc.glue._waited(qmsg)
+    assert _wait_count("m") == before + 1
