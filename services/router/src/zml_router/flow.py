@@ -37,10 +37,13 @@ from zmlcore.errors import (
     TimeoutError,
     ZMLError,
 )
-from zmlcore.messages import RoutingInfo
-from zmlcore.policy import Decision, RouteRequest
+from zmlcore.config import ZMLConfig
+from zmlcore.messages import InferRequest, RoutingInfo
+from zmlcore.messages.warmup import RequestCompleted
+from zmlcore.policy import Decision, ResolvedPolicy, RouteRequest, resolve_policy
 
 from zml_router.dispatch import AttemptError, Failure
+from zml_router.kinds import check_kind
 
 log = logging.getLogger("zml.router")
 
@@ -68,6 +71,22 @@ class Outcome:
         self.info: RoutingInfo | None = None
         self.queued = False  # parked in the saturation queue: its event comes when it is served
         self.label = ""  # the API key's cost-attribution label (gateway header)
+
+
+def prepare(cfg: ZMLConfig, families: list[str], req: InferRequest,
+            raw: bytes) -> tuple[str, ResolvedPolicy, RouteRequest]:
+    """The request's model, policy and what the policies see of it (errors: bad policy/kind)."""
+    model = cfg.resolve_model(req.model)
+    per_call = req.policy if req.policy is not None else req.routing
+    # Chains may name families registered at run time, not only zml.toml's.
+    policy = resolve_policy(cfg, model, per_call, families)
+    check_kind(cfg, model, req)
+    # An embedding is a prefill and no decode: one "output token" for the estimate.
+    max_tokens = 1 if req.input is not None else req.max_tokens or req.max_completion_tokens or 512
+    # ~4 bytes per token of JSON body: good enough for a TTFT estimate, and O(1).
+    rr = RouteRequest(model=model, prompt_tokens=len(raw) // 4, max_tokens=max_tokens,
+                      accelerator_id=req.accelerator_id)
+    return model, policy, rr
 
 
 @dataclass(slots=True)
@@ -218,3 +237,19 @@ def penalty(err: AttemptError, saturated_s: float, cooldown_s: float) -> tuple[s
     if err.failure in NODE_FAULTS:
         return "cooldown", err.retry_after if err.retry_after is not None else cooldown_s
     return None
+
+
+def completion(out: Outcome, request_id: str, now: float, latency_s: float, router_id: str) -> RequestCompleted:
+    """The event of a finished request (warmup measures demand, health counts node errors).
+    A request that failed on its last node blames that node as ``node_id``; the others it
+    failed on before are ``failed_nodes``."""
+    info = out.info
+    node_error = not out.ok and out.node_error
+    failed = out.failed_nodes[:-1] if node_error else out.failed_nodes
+    return RequestCompleted(
+        model=out.model, node_id=out.node_id, family=out.family, ok=out.ok, error_code=out.error_code,
+        node_error=node_error, failed_nodes=failed, ts=now,
+        ttft_s=info.time_to_first_token if info is not None and out.ok else None,
+        latency_s=latency_s, attempts=out.attempts, router_id=router_id,
+        request_id=request_id, slow_nodes=out.slow_nodes, label=out.label,
+    )

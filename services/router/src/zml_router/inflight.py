@@ -17,7 +17,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from zmlcore import subjects
-from zmlcore.messages import InflightDelta, InflightSnapshot, node_mark_decoder
+from zmlcore.messages import InflightDelta, InflightSnapshot, RouterNodeState, RouterState, node_mark_decoder
 
 from zml_router.cooldowns import Marks
 from zml_router.table import NodeTable
@@ -77,6 +77,21 @@ class Sharing:
             if self.nc is not None and self.nc.is_connected:
                 snap = InflightSnapshot(router_id=self.router_id, ts=now, nodes=self.table.own_snapshot())
                 await self.nc.publish(subjects.INFLIGHT_SNAPSHOT, _encode(snap))
+
+    def state(self, in_flight: int, now: float) -> RouterState:
+        """This replica's view of every node (its answer to a state request)."""
+        nodes = {}
+        for v in self.table.nodes():
+            own = self.table.own.get(v.node_id, [0, 0])
+            why = self.marks.describe(v.node_id, now)
+            nodes[v.node_id] = RouterNodeState(
+                status=v.state.status, outstanding=v.outstanding, pending=v.pending, own=list(own),
+                effective_outstanding=v.effective_outstanding(),
+                cooldown_s=round(max(0.0, v.cooldown_until - now), 3),
+                saturated_s=round(max(0.0, v.saturated_until - now), 3),
+                state_age_s=round(now - v.state.updated_at, 3), cost_per_hour=v.state.cost_per_hour,
+                cooldown_reason=why.get("cooldown_reason", ""), cooldown_by=why.get("cooldown_by", ""))
+        return RouterState(router_id=self.router_id, in_flight=in_flight, nodes=nodes)
 
     # --- the peers', to us ----------------------------------------------------------------------
     async def _on_delta(self, msg: Msg) -> None:

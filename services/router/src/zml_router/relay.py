@@ -18,9 +18,11 @@ from nats.aio.msg import Msg
 from zmlcore import routingmeta, subjects
 from zmlcore.bigreply import accepted
 from zmlcore.messages import ZML_REQUEST_KEYS, InferRequest, RoutingInfo, StreamStart
+from zmlcore.policy import RouteRequest
 from zmlcore.replyparts import publish_reply
 
 from zml_router.dispatch import AttemptError, Failure, first_chunk_within, post_json, stream_sse, within_first_byte
+from zml_router.firstbyte import expected_s, first_byte_timeout
 from zml_router.kinds import PATHS
 from zml_router.queue import QueuedMsg
 from zml_router.rename import Renamer
@@ -73,6 +75,15 @@ class Relay:
             h["authorization"] = f"Bearer {key}"
         self.svc.metrics.dispatching(h, info)  # traceparent of the attempt span, when tracing
         return h
+
+    def first_byte_s(self, node_id: str, req: InferRequest, rr: RouteRequest) -> float | None:
+        """The attempt's first-byte deadline (none for a pinned request: it cannot move)."""
+        view = self.svc.table.views.get(node_id)
+        if view is None or req.accelerator_id is not None:
+            return None
+        rc = self.svc.cfg.router
+        expected = expected_s(view.state, view.outstanding, view.pending, rr.prompt_tokens, rr.max_tokens, req.stream)
+        return first_byte_timeout(expected, rc.first_byte_floor_s, rc.first_byte_factor)
 
     def _url(self, info: RoutingInfo, req: InferRequest) -> str:
         return self.svc.table.views[info.node_id].state.endpoint.rstrip("/") + PATHS[req.kind()]

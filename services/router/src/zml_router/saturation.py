@@ -19,7 +19,7 @@ from zmlcore.keepalive import QUEUED, keepalive_headers
 from zmlcore.messages import InferRequest, infer_request_decoder
 
 from zml_router import ids as idclaims
-from zml_router.flow import queue_expired
+from zml_router.flow import prepare, queue_expired
 from zml_router.ids import claim_key
 from zml_router.queue import H_DEADLINE, H_ENQUEUED, H_QUEUED_HEADERS, H_TOTAL_MS, QueuedMsg
 
@@ -86,7 +86,7 @@ class QueueGlue:
         svc = self.svc
         try:
             req = infer_request_decoder.decode(qmsg.data)
-            _, policy, rr = svc.prepare(req, qmsg.data)
+            _, policy, rr = prepare(svc.cfg, svc.table.families(), req, qmsg.data)
             svc.admission.decide(rr, policy)
         except QueueFullError:
             return False

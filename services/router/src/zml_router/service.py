@@ -29,8 +29,8 @@ from zmlcore.errors import CancelledError, DuplicateRequestError, ZMLError
 from zmlcore.keepalive import KeepaliveBook, keepalive_headers, parse_interval
 from zmlcore.kvfollow import KVFollower
 from zmlcore.messages import InferRequest, RoutingInfo
-from zmlcore.messages.warmup import RequestCompleted, completed_encoder
-from zmlcore.policy import ResolvedPolicy, RouteRequest, RoutingState, resolve_policy
+from zmlcore.messages.warmup import completed_encoder
+from zmlcore.policy import RoutingState
 from zmlcore.runner import cancel_and_wait
 from zmlcore.telemetry import DECISION_ID, REQUEST_ID
 from zmlcore.validate import check_request_id, decode_request, request_timeout_s
@@ -41,12 +41,10 @@ from zml_router.admission import Admission
 from zml_router.cancels import CancelBook
 from zml_router.cooldowns import Marks
 from zml_router.dispatch import AttemptError, NodeClient
-from zml_router.firstbyte import expected_s, first_byte_timeout
 from zml_router.flow import Outcome
 from zml_router.ids import RequestIds, claim_key
 from zml_router.inflight import Sharing
 from zml_router.keepalives import send_keepalives
-from zml_router.kinds import check_kind
 from zml_router.limits import IdentityLimits, Lease
 from zml_router.metrics import RouterMetrics
 from zml_router.queue import QueuedMsg, SaturationQueue
@@ -175,23 +173,7 @@ class RouterService:
         self.cancelled.add(key, time.time())
 
     async def _on_state(self, msg: Msg) -> None:
-        now = time.time()
-        nodes = {
-            v.node_id: {
-                "status": v.state.status,
-                "outstanding": v.outstanding,
-                "pending": v.pending,
-                "own": self.table.own.get(v.node_id, [0, 0]),
-                "effective_outstanding": v.effective_outstanding(),
-                "cooldown_s": round(max(0.0, v.cooldown_until - now), 3),
-                "saturated_s": round(max(0.0, v.saturated_until - now), 3),
-                "state_age_s": round(now - v.state.updated_at, 3),
-                "cost_per_hour": v.state.cost_per_hour,
-                **self.marks.describe(v.node_id, now),
-            }
-            for v in self.table.nodes()
-        }
-        await msg.respond(_encode({"router_id": self.router_id, "in_flight": len(self._by_request), "nodes": nodes}))
+        await msg.respond(_encode(self.sharing.state(len(self._by_request), time.time())))
 
     # --- the request path ------------------------------------------------------------------
     def enter(self, msg: Msg | QueuedMsg) -> Coroutine[Any, Any, None]:
@@ -289,24 +271,11 @@ class RouterService:
         return await self.ids.claim(key, timeout, request_id,  # type: ignore[union-attr]
                                     takeover=bool(headers.get(subjects.H_RESEND)))
 
-    def prepare(self, req: InferRequest, raw: bytes) -> tuple[str, ResolvedPolicy, RouteRequest]:
-        model = self.cfg.resolve_model(req.model)
-        per_call = req.policy if req.policy is not None else req.routing
-        # Chains may name families registered at run time, not only zml.toml's.
-        policy = resolve_policy(self.cfg, model, per_call, self.table.families())
-        check_kind(self.cfg, model, req)
-        # An embedding is a prefill and no decode: one "output token" for the estimate.
-        max_tokens = 1 if req.input is not None else req.max_tokens or req.max_completion_tokens or 512
-        # ~4 bytes per token of JSON body: good enough for a TTFT estimate, and O(1).
-        rr = RouteRequest(model=model, prompt_tokens=len(raw) // 4, max_tokens=max_tokens,
-                          accelerator_id=req.accelerator_id)
-        return model, policy, rr
-
     async def _route(self, msg: Msg | QueuedMsg, req: InferRequest, request_id: str, t0: float,
                      timeout: float, out: Outcome) -> None:
         """Drive the request's flow (zml_router.flow): each action it yields, done here."""
         out.model, out.op = self.cfg.resolve_model(req.model), req.kind()
-        model, policy, rr = self.prepare(req, msg.data)
+        model, policy, rr = flow.prepare(self.cfg, self.table.families(), req, msg.data)
         body = backend_body(msg.data, model, req.model)
         cfg = policy.config
         can_queue = bool(cfg.queue_on_saturation and self.queue is not None and msg.reply)
@@ -351,7 +320,7 @@ class RouterService:
         DECISION_ID.set(info.decision_id)
         served = view.state.served_names.get(model)
         node_body = backend_body(msg.data, served, req.model) if served else body
-        first_byte = self._first_byte_s(decision.node_id, req, action.rr)
+        first_byte = self.relay.first_byte_s(decision.node_id, req, action.rr)
         # The engine answers with its own name: the client gets back the name it asked for.
         rename = Renamer(served, req.model) if served and served != req.model else None
         try:
@@ -373,29 +342,11 @@ class RouterService:
             await self.sharing.mark(action.decision.node_id, how[0], how[1],
                                     "mid_stream" if err.mid_stream else err.failure.value)
 
-    def _first_byte_s(self, node_id: str, req: InferRequest, rr: RouteRequest) -> float | None:
-        """The attempt's first-byte deadline (none for a pinned request: it cannot move)."""
-        view = self.table.views.get(node_id)
-        if view is None or req.accelerator_id is not None:
-            return None
-        rc = self.cfg.router
-        expected = expected_s(view.state, view.outstanding, view.pending, rr.prompt_tokens, rr.max_tokens, req.stream)
-        return first_byte_timeout(expected, rc.first_byte_floor_s, rc.first_byte_factor)
-
     async def _completed(self, out: Outcome, request_id: str, t0: float) -> None:
         """One event per finished request (warmup measures demand, health counts node errors)."""
         if self.nc is None:
             return
-        info = out.info
-        node_error = not out.ok and out.node_error
-        failed = out.failed_nodes[:-1] if node_error else out.failed_nodes
-        ev = RequestCompleted(
-            model=out.model, node_id=out.node_id, family=out.family, ok=out.ok, error_code=out.error_code,
-            node_error=node_error, failed_nodes=failed, ts=time.time(),
-            ttft_s=info.time_to_first_token if info is not None and out.ok else None,
-            latency_s=time.monotonic() - t0, attempts=out.attempts, router_id=self.router_id,
-            request_id=request_id, slow_nodes=out.slow_nodes, label=out.label,
-        )
+        ev = flow.completion(out, request_id, time.time(), time.monotonic() - t0, self.router_id)
         try:
             await self.nc.publish(_EVENT_COMPLETED, completed_encoder.encode(ev))
         except Exception:  # losing a statistic must never fail a request
