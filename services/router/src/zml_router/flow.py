@@ -17,7 +17,7 @@ an error the requester gets is raised as the ZMLError to reply with.
 
     flow = route(plan, out)
     action = next(flow)
-    while True:                 # see RouterService._drive
+    while True:                 # see RouterService._route
         result = do(action)     # decide / dispatch / penalise / enqueue
         action = flow.send(result)
 """
