@@ -34,10 +34,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from routing_simnode import EPS, SimNode  # noqa: E402
+from routing_simrouter import DELTA, EXPIRE, SimRouters  # noqa: E402
 
 from zmlcore.config import PolicyConfig  # noqa: E402
 from zmlcore.messages import NodeState  # noqa: E402
 from zmlcore.policy import FleetIndex, NodeView, RouteRequest, RoutingState, builtin_policy, choose_node  # noqa: E402
+from zmlcore.policy.estimate import prompt_tokens_from_body  # noqa: E402
 from zmlcore.policy.resolve import ResolvedPolicy  # noqa: E402
 from zmlcore.sim.model import SimProfile  # noqa: E402
 
@@ -49,6 +51,12 @@ FLEET = [
 MEAN_P, MEAN_O = 816.0, 274.0
 TARGET_S = 0.5
 MODEL = "m"
+#: Characters of prompt text per token: median and lognormal sigma across requests (English
+#: prose ~4, code and other scripts lower or higher), and the chat-completions JSON envelope
+#: (model, role, max_tokens, stream flag and escaping) in bytes.
+CHARS_PER_TOKEN = 4.0
+CHARS_PER_TOKEN_SIGMA = 0.25
+ENVELOPE_BYTES = (80, 240)
 
 
 def capacity_rps() -> float:
@@ -75,6 +83,17 @@ def make_trace(n: int, lam: float, bursty: bool, seed: int) -> tuple[list[float]
             on = not on
         arr = np.array(out[:n])
     return arr.tolist(), P.tolist(), O.tolist()
+
+
+def make_requests(P: list[int], seed: int, stream_share: float) -> tuple[list[int], list[bool]]:
+    """What the router sees of each request: its body size in bytes (the prompt's text at a
+    per-request chars-per-token ratio, plus the JSON envelope) and whether it streams. Drawn
+    from their own generator so that arrivals and lengths stay those of ``make_trace``."""
+    rng = np.random.default_rng([seed, 2])
+    cpt = np.clip(rng.lognormal(math.log(CHARS_PER_TOKEN), CHARS_PER_TOKEN_SIGMA, len(P)), 1.5, 12.0)
+    body = (np.asarray(P) * cpt + rng.integers(ENVELOPE_BYTES[0], ENVELOPE_BYTES[1], len(P))).astype(int)
+    stream = rng.random(len(P)) < stream_share
+    return body.tolist(), stream.tolist()
 
 
 # --- policy specs -----------------------------------------------------------------------
@@ -104,6 +123,8 @@ POLICIES: dict[str, dict[str, Any]] = {
     "latency_poll_only": _zml(builtin_policy("latency"), local=False),
     "latency_poll_outstanding": _zml(builtin_policy("latency"), pending=False),
     "latency_r4_shared": _zml(builtin_policy("latency"), replicas=4, share=True),
+    "latency_r4_lag1_5": _zml(builtin_policy("latency"), replicas=4, lag=(0.001, 0.005)),
+    "latency_r4_lag10_50": _zml(builtin_policy("latency"), replicas=4, lag=(0.010, 0.050)),
     "latency_r4_noshare": _zml(builtin_policy("latency"), replicas=4, share=False),
 }
 DEFAULT_POLICIES = list(POLICIES)
@@ -111,7 +132,7 @@ DEFAULT_POLICIES = list(POLICIES)
 
 # --- one run ----------------------------------------------------------------------------
 
-PREFILL, DECODE, POLL = 0, 1, 2
+PREFILL, DECODE, POLL = 0, 1, 2  # and DELTA, EXPIRE (routing_simrouter)
 
 
 def _state(node: SimNode, now: float) -> NodeState:
@@ -129,13 +150,25 @@ def _family(node: SimNode) -> str:
     return ACCELERATORS[node.prof.accelerator].family
 
 
-def run(policy: str, workload: str, load: float, seed: int, n: int, warm: int) -> dict[str, Any]:
+#: What the simulated router knows, by default the live router's situation: the body-size
+#: prompt estimate, half the requests streamed (the others hold ``pending`` until completion)
+#: and the ``admission_ttft_s`` bound (RouterConfig's default, 30 s).
+DEFAULT_OPTS: dict[str, Any] = {"stream_share": 0.5, "estimate": "body", "admission_s": 30.0, "pending_expiry": 0.0}
+
+
+def run(policy: str, workload: str, load: float, seed: int, n: int, warm: int,
+        opts: dict[str, Any] | None = None) -> dict[str, Any]:
+    o_ = {**DEFAULT_OPTS, **(opts or {})}
     spec = POLICIES[policy]
     cap = capacity_rps()
     arr, P, O = make_trace(n, load * cap, workload == "bursty", seed)
+    body, streamed = make_requests(P, seed, o_["stream_share"])
+    est_p = [prompt_tokens_from_body(b) for b in body] if o_["estimate"] == "body" else P
+    bound = o_["admission_s"] or math.inf
     rnd = random.Random(seed * 7919 + 1)
     nodes = [SimNode(i, name, SimProfile.for_type(t)) for i, (name, t) in enumerate(FLEET)]
     ttft = [math.nan] * n
+    rejected = [False] * n
     heap: list[tuple[float, int, int, int, int]] = []
     seq = 0
     tw, te = arr[warm], arr[-1]
@@ -147,12 +180,13 @@ def run(policy: str, workload: str, load: float, seed: int, n: int, warm: int) -
     for _ in range(R):
         views = [NodeView(_state(nd, 0.0)) for nd in nodes]
         reps.append((views, FleetIndex(views), RoutingState()))
-    share = spec.get("share", True)
     local = spec.get("local", True)
     count_pending = spec.get("pending", True)
     poll = spec.get("poll", 5.0)
     fresh = kind == "zml" and poll == 0.0
-    rep_of = [0] * n
+    routers = SimRouters([v for v, _f, _s in reps], n, share=spec.get("share", True), lag=spec.get("lag"),
+                         local=local, count_pending=count_pending, expiry=o_["pending_expiry"],
+                         seed=seed * 7919 + 2)
     pred = [math.nan] * n  # the oracle's predicted TTFT, checked against the realised one
     if kind == "zml" and not fresh:
         for ri in range(R):
@@ -160,9 +194,7 @@ def run(policy: str, workload: str, load: float, seed: int, n: int, warm: int) -
                 seq += 1
                 heapq.heappush(heap, (rnd.uniform(0, poll), seq, POLL, ri, nd.idx))
     pol: ResolvedPolicy | None = spec.get("policy")
-
-    def views_for(ri: int) -> list[list[NodeView]]:
-        return [v for v, _f, _s in reps] if share else [reps[ri][0]]
+    fallback = builtin_policy("latency")
 
     def push(t: float, k: int, a: int, b: int) -> None:
         nonlocal seq
@@ -205,9 +237,8 @@ def run(policy: str, workload: str, load: float, seed: int, n: int, warm: int) -
             nd.admitted += 1
             nd.prefq.append(r2)
             nd.prefq_tok += P[r2]
-        if R and local:
-            for views in views_for(rep_of[r]):
-                views[nd.idx].outstanding -= 1
+        if R:
+            routers.complete(r, now, push)
 
     def arrive(nd: SimNode, r: int, now: float) -> None:
         nd.advance(now)
@@ -230,15 +261,20 @@ def run(policy: str, workload: str, load: float, seed: int, n: int, warm: int) -
         next_arr = arr[k] if k < n else math.inf
         if heap and heap[0][0] < next_arr:
             now, _, ev, a, b = heapq.heappop(heap)
+            if ev == EXPIRE:  # non-streamed a's estimated first token: no longer pending
+                routers.expire(a, now, push)
+                continue
+            if ev == DELTA:  # a peer's in-flight delta reaches replica a
+                routers.deliver(a, b)
+                continue
             nd = nodes[a] if ev != POLL else nodes[b]
             if ev == PREFILL:
                 r = nd.cur
                 nd.cur = -1
                 nd.last_t = now
                 ttft[r] = now - arr[r]
-                if R and local and count_pending:
-                    for views in views_for(rep_of[r]):
-                        views[nd.idx].pending -= 1
+                if R:
+                    routers.first_token(r, streamed[r], now, push)
                 o = O[r] - 1
                 if o > 0:
                     heapq.heappush(nd.decoding, (nd.vt + o, r))
@@ -266,40 +302,49 @@ def run(policy: str, workload: str, load: float, seed: int, n: int, warm: int) -
         now = arr[r]
         if kind == "zml":
             ri = r % R
-            rep_of[r] = ri
             views, fleet, rstate = reps[ri]
             if fresh:
                 for nd in nodes:
                     views[nd.idx].state = _state(nd, now)
             assert pol is not None
-            d = choose_node(fleet, RouteRequest(model=MODEL, prompt_tokens=P[r]), pol, now, rstate)
+            rr = RouteRequest(model=MODEL, prompt_tokens=est_p[r])
+            d = choose_node(fleet, rr, pol, now, rstate)
+            if d.estimated_ttft_s > bound:  # the router's admission bound (service._decide)
+                if pol.strategy != "latency":
+                    d = choose_node(fleet, rr, fallback, now, rstate)
+                if d.estimated_ttft_s > bound:
+                    rejected[r] = True
+                    done += 1
+                    continue
             nd = nodes[_index[d.node_id]]
-            if local:
-                for vs in views_for(ri):
-                    v = vs[nd.idx]
-                    v.outstanding += 1
-                    if count_pending:
-                        v.pending += 1
+            routers.dispatch(r, ri, nd.idx, streamed[r], d.estimated_ttft_s, now, push)
         elif kind == "least_busy":
             nd = min(nodes, key=lambda x: (x.outstanding, rnd.random()))
         elif kind == "p2c":
             a1, a2 = rnd.sample(nodes, 2)
             nd = a1 if (a1.outstanding, rnd.random()) < (a2.outstanding, rnd.random()) else a2
-        else:  # oracle
-            nd, pred[r] = _oracle(nodes, now, P[r], P, O)
+        else:  # oracle: the same admission bound, on the exact TTFT
+            nd, pred[r] = _oracle(nodes, now, P[r], P, O, bound)
+            if pred[r] > bound:
+                rejected[r] = True
+                done += 1
+                continue
         arrive(nd, r, now)
 
-    meas = np.array(ttft[warm:])
-    pred_err = float(np.nanmax(np.abs(np.array(pred) - np.array(ttft)))) if kind == "oracle" else 0.0
+    served_mask = ~np.array(rejected[warm:])
+    meas = np.array(ttft[warm:])[served_mask]
+    ok = ~np.isnan(np.array(pred)) & ~np.array(rejected)
+    pred_err = float(np.max(np.abs(np.array(pred)[ok] - np.array(ttft)[ok]))) if kind == "oracle" and ok.any() else 0.0
     window = te - tw
     served = sum(nd.done_in_window for nd in nodes) / window
     tokens = sum(nd.tokens_in_window for nd in nodes)
     dollars = sum(nd.busy / 3600.0 * nd.cost for nd in nodes)
     util = [nd.done_in_window / window / nd.prof.capacity_rps(MEAN_P, MEAN_O) for nd in nodes]
     return {
-        "policy": policy, "workload": workload, "load": load, "seed": seed,
+        "policy": policy, "workload": workload, "load": load, "seed": seed, "n": n, "opts": o_,
         "p50": float(np.percentile(meas, 50)), "p99": float(np.percentile(meas, 99)),
         "share": float(np.mean(meas <= TARGET_S)), "thr": served / cap,
+        "rejected": float(np.mean(rejected[warm:])),
         "cost": dollars / (tokens / 1e6), "imb": max(util) / (sum(util) / len(util)), "pred_err": pred_err,
     }
 
@@ -307,7 +352,9 @@ def run(policy: str, workload: str, load: float, seed: int, n: int, warm: int) -
 _index = {name: i for i, (name, _t) in enumerate(FLEET)}
 
 
-def _oracle(nodes: list[SimNode], now: float, p: int, P: list[int], O: list[int]) -> tuple[SimNode, float]:
+def _oracle(nodes: list[SimNode], now: float, p: int, P: list[int], O: list[int],
+            bound: float = math.inf) -> tuple[SimNode, float]:
+    """The node with the smallest exact TTFT, and that TTFT (inf: every node is over ``bound``)."""
     best, best_t = nodes[0], math.inf
     full = []
     for nd in nodes:
@@ -321,7 +368,7 @@ def _oracle(nodes: list[SimNode], now: float, p: int, P: list[int], O: list[int]
     for nd in full:
         if nd.lower_bound(now, p) >= best_t:
             break
-        t = nd.predict_ttft(now, p, P, O, best_t)
+        t = nd.predict_ttft(now, p, P, O, min(best_t, bound))
         if t < best_t:
             best, best_t = nd, t
     return best, best_t
@@ -329,7 +376,7 @@ def _oracle(nodes: list[SimNode], now: float, p: int, P: list[int], O: list[int]
 
 # --- driver -----------------------------------------------------------------------------
 
-def _task(args: tuple[str, str, float, int, int, int]) -> dict[str, Any]:
+def _task(args: tuple[str, str, float, int, int, int, dict[str, Any]]) -> dict[str, Any]:
     return run(*args)
 
 
@@ -338,10 +385,21 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--requests", type=int, default=20_000)
     ap.add_argument("--warmup", type=int, default=None, help="discarded first requests (default 10%%, max 5000)")
     ap.add_argument("--seeds", type=int, default=1)
+    ap.add_argument("--first-seed", type=int, default=1, help="seeds are first-seed .. first-seed+seeds-1")
+    ap.add_argument("--stream-share", type=float, default=DEFAULT_OPTS["stream_share"],
+                    help="share of streamed requests (the others stay pending until completion)")
+    ap.add_argument("--estimate", choices=("body", "exact"), default=DEFAULT_OPTS["estimate"],
+                    help="prompt length the policies see: the router's body-size estimate, or exact")
+    ap.add_argument("--admission", type=float, default=DEFAULT_OPTS["admission_s"],
+                    help="admission bound on estimated TTFT, s (0: none)")
+    ap.add_argument("--pending-expiry", type=float, default=DEFAULT_OPTS["pending_expiry"],
+                    help="a non-streamed request stops counting as pending after this many times its "
+                         "estimated TTFT (0: at completion)")
     ap.add_argument("--loads", default="50,80,95,110")
     ap.add_argument("--workloads", default="poisson,bursty")
     ap.add_argument("--policies", default=",".join(DEFAULT_POLICIES))
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--append", action="store_true", help="with --save: add to the file's results (same key replaced)")
     ap.add_argument("--plot", default=None, help="write a PNG plot here (e.g. docs/routing-sim.png)")
     ap.add_argument("--save", default=None, help="write the per-run results as JSON")
     ap.add_argument("--load-results", default=None, help="report/plot saved results instead of simulating")
@@ -361,10 +419,10 @@ def main(argv: list[str] | None = None) -> None:
     warm = args.warmup if args.warmup is not None else min(5000, n // 10)
     loads = [float(x) / 100 for x in args.loads.split(",")]
     pols = args.policies.split(",")
-    tasks = [
-        (p, w, ld, s, n, warm)
-        for w in args.workloads.split(",") for ld in loads for s in range(1, args.seeds + 1) for p in pols
-    ]
+    opts = {"stream_share": args.stream_share, "estimate": args.estimate, "admission_s": args.admission,
+            "pending_expiry": args.pending_expiry}
+    seeds = range(args.first_seed, args.first_seed + args.seeds)
+    tasks = [(p, w, ld, s, n, warm, opts) for w in args.workloads.split(",") for ld in loads for s in seeds for p in pols]
     tasks.sort(key=lambda t: (t[0] != "oracle", -t[2]))  # longest first
     t0 = time.perf_counter()
     with Pool(args.jobs) as pool:
@@ -375,7 +433,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.save:
         import json
 
-        Path(args.save).write_text(json.dumps(results))
+        old = json.loads(Path(args.save).read_text()) if args.append and Path(args.save).exists() else []
+        key = lambda r: (r["policy"], r["workload"], r["load"], r["seed"])  # noqa: E731
+        new = {key(r) for r in results}
+        Path(args.save).write_text(json.dumps([r for r in old if key(r) not in new] + results))
     errs = [r["pred_err"] for r in results if r["policy"] == "oracle"]
     if errs:
         print(f"oracle: largest |predicted - realised TTFT| = {max(errs):.1e} s\n")
@@ -403,19 +464,21 @@ def report(results: list[dict[str, Any]], pols: list[str], loads: list[float], w
                 rt = f" / {np.mean(ratio):.2f}x" if ratio else ""
                 cells.append(f"{_m(rs, 'p99'):.2f}{rt} / {100*_m(rs, 'share'):.1f}% / {_m(rs, 'p50'):.2f}")
             print(f"| {p} | " + " | ".join(cells) + " |")
-        print(f"\n### {w}: throughput / capacity, $ per 1M output tokens (busy-time billing), imbalance (max/mean utilisation)\n")
+        print(f"\n### {w}: throughput / capacity, rejected by admission, $ per 1M output tokens (busy-time billing), "
+              "imbalance (max/mean utilisation)\n")
         print("| policy | " + " | ".join(f"{int(ld*100)}%" for ld in loads) + " |")
         print("|---|" + "---|" * len(loads))
         for p in pols:
             cells = []
             for ld in loads:
                 rs = [by[(p, w, ld, s)] for s in seeds if (p, w, ld, s) in by]
-                cells.append(f"{_m(rs, 'thr'):.3f} / ${_m(rs, 'cost'):.3f} / {_m(rs, 'imb'):.2f}" if rs else "-")
+                cells.append(f"{_m(rs, 'thr'):.3f} / {100*_m(rs, 'rejected'):.1f}% / ${_m(rs, 'cost'):.3f} / "
+                             f"{_m(rs, 'imb'):.2f}" if rs else "-")
             print(f"| {p} | " + " | ".join(cells) + " |")
 
 
 def _m(rs: list[dict[str, Any]], k: str) -> float:
-    return float(np.mean([r[k] for r in rs]))
+    return float(np.mean([r.get(k, 0.0) for r in rs]))
 
 
 def plot(results: list[dict[str, Any]], pols: list[str], loads: list[float], workloads: list[str], path: str) -> None:

@@ -23,10 +23,30 @@ def weighted(**kw) -> ResolvedPolicy:
 # --- latency ---
 
 def test_latency_idle_fleet_picks_fastest_prefill():
-    d = pick(fleet5(), builtin_policy("latency"))
+    # 2,000 tokens: 200 ms on the H100, above the near-tie window's 100 ms gate.
+    d = pick(fleet5(), builtin_policy("latency"), RouteRequest(model="m", prompt_tokens=2000))
     assert d.node_id == "h100"
-    assert d.estimated_ttft_s == pytest.approx(1000 / 10_000)
+    assert d.estimated_ttft_s == pytest.approx(2000 / 10_000)
     assert d.policy == "latency"
+
+
+def test_latency_near_tie_goes_to_the_slowest_prefill():
+    # 250 tokens: H100 25 ms, MI300X 28 ms, A100 45 ms, Gaudi2 50 ms, Inf2 83 ms. Within
+    # 30 ms of the best: all but the Inf2 -> the slowest prefill of those, the Gaudi2.
+    d = pick(fleet5(), builtin_policy("latency"), RouteRequest(model="m", prompt_tokens=250))
+    assert d.node_id == "gaudi2"
+    assert d.estimated_ttft_s == pytest.approx(250 / 5_000)
+
+
+def test_latency_near_tie_window_is_bounded():
+    from zmlcore.policy.strategies import latency
+
+    # The window only applies while the best estimate is under TIE_BELOW_S; past it the
+    # lowest estimate wins.
+    assert latency.TIE_S > 0 and latency.TIE_BELOW_S > latency.TIE_S
+    p = int(latency.TIE_BELOW_S * 10_000) + 500  # H100's estimate just above the gate
+    d = pick(fleet5(), builtin_policy("latency"), RouteRequest(model="m", prompt_tokens=p))
+    assert d.node_id == "h100"
 
 
 def test_latency_prefers_node_with_shorter_prefill_backlog():
@@ -105,8 +125,9 @@ def test_round_robin_cycles_over_healthy_nodes_ignoring_load():
 # --- weighted ---
 
 def test_weighted_latency_only_equals_latency():
-    nodes = fleet5()
-    assert pick(nodes, weighted(latency_weight=1.0)).node_id == pick(nodes, builtin_policy("latency")).node_id
+    nodes = fleet5()  # (a long prompt: no near-tie, which only `latency` applies)
+    req = RouteRequest(model="m", prompt_tokens=2000)
+    assert pick(nodes, weighted(latency_weight=1.0), req).node_id == pick(nodes, builtin_policy("latency"), req).node_id
 
 
 def test_weighted_cost_only_picks_cheapest():
@@ -126,7 +147,7 @@ def test_weighted_queue_threshold_and_fallback():
     # every node above the threshold: latency fallback
     nodes = [node("mi", "amd_mi300x", running=10, outstanding=0), node("h", running=9)]
     d = pick(nodes, weighted(cost_weight=1.0, queue_threshold=8))
-    assert d.node_id == pick(nodes, builtin_policy("latency")).node_id
+    assert d.node_id == "h" and d.estimated_ttft_s == pytest.approx(1000 / 10_000)  # the lowest estimate
 
 
 # --- determinism and index equivalence ---

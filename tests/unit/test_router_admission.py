@@ -26,7 +26,7 @@ def _service(bound: float) -> RouterService:
 
 def test_under_the_bound_the_policy_decides() -> None:
     svc = _service(30.0)
-    d = svc.admission.decide(RouteRequest(model="m", prompt_tokens=100), builtin_policy("latency"))
+    d = svc.admission.decide(RouteRequest(model="m", prompt_tokens=2000), builtin_policy("latency"))
     assert d.node_id == "h1" and d.estimated_ttft_s < 1
 
 

@@ -119,6 +119,12 @@ class GatewayConfig(msgspec.Struct, **_Base):
     """Private key of tls_cert_file (env ZML_GATEWAY_TLS_KEY)."""
     tls_client_ca_file: str | None = None
     """Require client certificates signed by this CA (mutual TLS). None: any client."""
+    http2: bool = True
+    """Serve HTTP/2 on the same port as HTTP/1.1: cleartext with prior knowledge (h2c), and
+    over TLS when ALPN chooses ``h2``. The header bounds above apply to it as well. False:
+    HTTP/1.1 only."""
+    http2_max_streams: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 100
+    """Concurrent streams one HTTP/2 connection may open (SETTINGS_MAX_CONCURRENT_STREAMS)."""
 
 
 class RouterConfig(msgspec.Struct, **_Base):

@@ -21,7 +21,15 @@ from zmlcore.messages import ZML_REQUEST_KEYS, InferRequest, RoutingInfo, Stream
 from zmlcore.policy import RouteRequest
 from zmlcore.replyparts import publish_reply
 
-from zml_router.dispatch import AttemptError, Failure, first_chunk_within, post_json, stream_sse, within_first_byte
+from zml_router.dispatch import (
+    AttemptError,
+    Failure,
+    first_chunk_within,
+    post_json,
+    stream_sse,
+    stream_usage,
+    within_first_byte,
+)
 from zml_router.firstbyte import expected_s, first_byte_timeout
 from zml_router.kinds import PATHS
 from zml_router.queue import QueuedMsg
@@ -119,7 +127,10 @@ class Relay:
         pending = 1
         started = False
         seq = 0
-        chunks = stream_sse(svc.http, self._url(info, req), body, self._headers(info))  # type: ignore[arg-type]
+        # Relayed as the node framed it to a requester that writes SSE itself (the gateway).
+        relay = rename is None and (msg.headers or {}).get(subjects.H_ACCEPT_STREAM) == subjects.STREAM_EVENTS
+        kind = subjects.STREAM_EVENTS if relay else subjects.STREAM_CHUNK
+        chunks = stream_sse(svc.http, self._url(info, req), body, self._headers(info), relay)  # type: ignore[arg-type]
         try:
             async for chunk in first_chunk_within(chunks, first_byte):
                 if not started:
@@ -131,18 +142,14 @@ class Relay:
                     info.time_to_first_token = time.monotonic() - t0
                     await publish(msg.reply, _encode(StreamStart(routing=info)),
                                   {**routingmeta.nats_headers(info), subjects.H_STREAM: "start", subjects.H_SEQ: "0"})
-                if b'"usage"' in chunk:
-                    try:
-                        usage = _decode_any.decode(chunk).get("usage")
-                        if isinstance(usage, dict) and isinstance(usage.get("total_tokens"), int):
-                            info.total_tokens = usage["total_tokens"]
-                            svc.metrics.usage_dict(req.kind(), req.model, usage)
-                    except msgspec.DecodeError:
-                        pass
+                usage = stream_usage(chunk)
+                if usage is not None:
+                    info.total_tokens = usage["total_tokens"]
+                    svc.metrics.usage_dict(req.kind(), req.model, usage)
                 if rename is not None:
                     chunk = rename(chunk)
                 seq += 1  # numbered so that a receiver notices a lost message (zmlcore.streamseq)
-                await publish(msg.reply, chunk, {subjects.H_STREAM: subjects.STREAM_CHUNK, subjects.H_SEQ: str(seq)})
+                await publish(msg.reply, chunk, {subjects.H_STREAM: kind, subjects.H_SEQ: str(seq)})
             if not started:  # a stream with no chunk at all
                 info.time_to_first_token = time.monotonic() - t0
                 await publish(msg.reply, _encode(StreamStart(routing=info)),

@@ -28,6 +28,13 @@ MEAN_OUTPUT_TOKENS = 274.0
 DEFAULT_LATENCY_TARGET_S = 0.5
 #: Speeds within this ratio share an index class (see FleetIndex).
 SPEED_BUCKET = 1.02
+#: A non-streamed request shows the router no first token, so its ``pending`` ends when this
+#: many times its estimated TTFT has passed (or at completion, if sooner) rather than at
+#: completion: counted as pending through its decode, it made the node look prefill-bound.
+NONSTREAM_PENDING_FOR = 1.0
+#: Bytes of request body per prompt token for the router's estimate: ~4 characters of text
+#: per token. The envelope is small next to a prompt, and an O(1) length beats a tokenizer.
+BODY_BYTES_PER_TOKEN = 4
 
 INF = math.inf
 
@@ -51,6 +58,15 @@ def node_cost(st: NodeState) -> float:
     else the type's list price) and ``zml cost set`` overrides it, so 0 is a real price (a
     free node), not "unset"."""
     return st.cost_per_hour
+
+
+def prompt_tokens_from_body(nbytes: int) -> int:
+    """The router's prompt-length estimate from the size of the request body.
+
+    >>> prompt_tokens_from_body(4000)
+    1000
+    """
+    return nbytes // BODY_BYTES_PER_TOKEN
 
 
 def bucket(x: float) -> int:
@@ -113,3 +129,10 @@ def estimate_ttft(
     pf, dec, maxc = node_speeds(st)
     c = Coeffs(pf, dec, maxc, 0.0, mean_prompt, mean_output)
     return c.load_key(outstanding, pending) + prompt_tokens * c.inv_pf
+
+
+def nonstream_pending_s(st: NodeState, outstanding: int, pending: int, prompt_tokens: float) -> float:
+    """How long the router counts a non-streamed request as ``pending`` (see
+    :data:`NONSTREAM_PENDING_FOR`), from the node's counters just before it is dispatched:
+    the same estimate the policy chose it by."""
+    return NONSTREAM_PENDING_FOR * estimate_ttft(st, outstanding, pending, prompt_tokens)

@@ -1,7 +1,10 @@
-"""HTTP face of a simulated node: vLLM's OpenAI server by default, or TGI / SGLang / llama.cpp.
+"""HTTP server of a simulated node: vLLM's OpenAI server by default, or TGI / SGLang / llama.cpp /
+a plain OpenAI-compatible server.
 
 Each :class:`SimNode` owns one :class:`~zmlcore.sim.engine.SimEngine` and one aiohttp
-``AppRunner``, so a whole fleet runs in one process and one event loop.
+``AppRunner``, so a whole fleet runs in one process and one event loop. This module is what the
+engines share (the OpenAI API, health, metrics, the /sim admin routes); what differs between
+them is the node's *face*, one module per engine under :mod:`zmlcore.sim.faces`.
 
 Example::
 
@@ -32,23 +35,20 @@ from aiohttp import web
 
 from zmlcore.accelerators import ACCELERATORS
 from zmlcore.config import NodeConfig
-from zmlcore.sim import embeddings
+from zmlcore.sim import admin, embeddings
 from zmlcore.sim.engine import Faults, SimEngine, SimError, SimRequest
-from zmlcore.sim import engine_api
+from zmlcore.sim.faces import ENGINES, FACES
+from zmlcore.sim.faces.base import DEFAULT_RETRY_AFTER_S, MAX_MODEL_LEN, json_response, retry_headers
 from zmlcore.sim.metrics import render_metrics
 from zmlcore.sim.model import SimProfile, estimate_tokens
 
 log = logging.getLogger("zmlcore.sim")
 
-ENGINES = ("vllm", "tgi", "sglang", "llamacpp", "openai")
 #: Engines that do not accept connections until their model is loaded.
-LISTEN_AFTER_LOAD = frozenset({"vllm", "tgi", "openai"})
+LISTEN_AFTER_LOAD = frozenset(n for n, f in FACES.items() if f.listen_after_load)
 DEFAULT_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
-#: Retry-After sent with an overload answer when the retry_after_s fault is unset.
-DEFAULT_RETRY_AFTER_S = 1
-#: Context window every simulated model advertises (vLLM's /v1/models ``max_model_len``) and
-#: enforces: prompt + max_tokens above it is a 400, as vLLM answers.
-MAX_MODEL_LEN = 8192
+__all__ = ["DEFAULT_MODEL", "DEFAULT_RETRY_AFTER_S", "ENGINES", "LISTEN_AFTER_LOAD", "MAX_MODEL_LEN",
+           "SimNode", "SimPortInUseError", "endpoint_port", "start_fleet"]
 
 _json = msgspec.json.Encoder()
 _decode = msgspec.json.Decoder()
@@ -87,9 +87,7 @@ def _bind(node_id: str, host: str, port: int) -> socket.socket:
     return sock
 
 
-def _json_response(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(body=_json.encode(data), status=status, headers=headers,
-                        content_type="application/json")
+_json_response = json_response
 
 
 class SimNode:
@@ -118,6 +116,8 @@ class SimNode:
         self.last_traceparent = ""
         self.accelerator = accelerator
         self.engine_kind = engine
+        #: what is engine-specific about this node's HTTP answers (zmlcore.sim.faces)
+        self.face = FACES[engine]
         self.initial_models = list(models)
         self.driver_version = driver_version or ACCELERATORS[accelerator].min_driver
         profile = SimProfile.for_type(accelerator, **profile_overrides)
@@ -187,7 +187,7 @@ class SimNode:
             await asyncio.shield(self._serve_task)
 
     async def _serve(self) -> None:
-        if self.engine_kind in LISTEN_AFTER_LOAD:
+        if self.face.listen_after_load:
             for model in list(self.engine.loading):
                 await self.engine.wait_loaded(model)
         sock, self._sock = self._sock, None
@@ -274,24 +274,8 @@ class SimNode:
         r.add_get("/health", self._health)
         r.add_get("/metrics", self._metrics)
         r.add_get("/zml/v1/node", self._node)
-        r.add_get("/sim/state", self._state)
-        r.add_get("/sim/faults", self._faults_get)
-        r.add_post("/sim/faults", self._faults_post)
-        r.add_get("/sim/profile", self._profile_get)
-        r.add_post("/sim/profile", self._profile_post)
-        r.add_post("/sim/load", self._load)
-        r.add_post("/sim/unload", self._unload)
-        if self.engine_kind == "vllm":
-            r.add_get("/version", self._version)
-            r.add_get("/ping", self._health)
-        elif self.engine_kind == "sglang":
-            r.add_get("/ready", self._health)
-            r.add_get("/health_generate", self._health_generate)
-            r.add_get("/get_model_info", self._sglang_model_info)
-            r.add_get("/get_server_info", self._sglang_server_info)
-        elif self.engine_kind == "tgi":
-            r.add_get("/info", self._tgi_info)
-        engine_api.add_routes(self, r)
+        admin.add_routes(self, r)
+        self.face.add_routes(self, r)
         return app
 
     # ----- errors, engine-shaped ---------------------------------------------------------------
@@ -300,48 +284,16 @@ class SimNode:
                headers: dict[str, str] | None = None) -> web.Response:
         """An error body in the imitated engine's shape. ``kind``: bad_request, not_found,
         overloaded, loading, internal."""
-        eng = self.engine_kind
-        if eng == "tgi":
-            tgi_type = {"bad_request": "validation", "not_found": "validation",
-                        "overloaded": "overloaded", "loading": "unavailable"}.get(kind, "generation")
-            body: Any = {"error": message, "error_type": tgi_type}
-        elif eng == "llamacpp":
-            ltype = {"bad_request": "invalid_request_error", "not_found": "not_found_error",
-                     "overloaded": "unavailable_error", "loading": "unavailable_error"}.get(kind, "server_error")
-            body = {"error": {"code": status, "message": message, "type": ltype}}
-        elif eng == "openai":
-            otype = {"bad_request": "invalid_request_error", "not_found": "invalid_request_error",
-                     "overloaded": "requests"}.get(kind, "server_error")
-            code = {"not_found": "model_not_found", "overloaded": "rate_limit_exceeded"}.get(kind)
-            body = {"error": {"message": message, "type": otype, "param": None, "code": code}}
-        else:  # vllm, sglang
-            vtype = {"bad_request": "BadRequestError", "not_found": "NotFoundError",
-                     "overloaded": "ServiceUnavailableError", "loading": "ServiceUnavailableError",
-                     }.get(kind, "InternalServerError")
-            body = {"error": {"message": message, "type": vtype, "param": None, "code": status}}
-        return _json_response(body, status, headers)
+        return self.face.error(status, message, kind, headers)
 
     def _retry_headers(self, default: float | None = None) -> dict[str, str]:
-        value = self.engine.faults.retry_after_s
-        if value is None:
-            value = default
-        if value is None:
-            return {}
-        return {"Retry-After": str(max(0, round(value)))}
+        return retry_headers(self, default)
 
     def _overload(self) -> web.Response:
-        if self.engine_kind == "tgi":
-            return _json_response({"error": "Model is overloaded", "error_type": "overloaded"}, 429,
-                                  self._retry_headers())
-        status = 429 if self.engine_kind == "openai" else 503
-        message = "The server is overloaded: too many requests waiting. Retry later."
-        return self._error(status, message, "overloaded", self._retry_headers(DEFAULT_RETRY_AFTER_S))
+        return self.face.overload(self)
 
     def _loading_error(self) -> web.Response:
-        if self.engine_kind == "llamacpp":
-            return _json_response({"error": {"code": 503, "message": "Loading model",
-                                             "type": "unavailable_error"}}, 503)
-        return self._error(503, "The model is still loading", "loading")
+        return self.face.loading_error()
 
     # ----- inference ---------------------------------------------------------------------------
 
@@ -425,7 +377,7 @@ class SimNode:
                     404, "No model is loaded", "not_found")
             model = next(iter(eng.models))
         if model not in eng.models:
-            if model in eng.loading and self.engine_kind in ("sglang", "llamacpp"):
+            if model in eng.loading and self.face.loading_answers_503:
                 return self._loading_error()
             return self._error(404, f"The model `{model}` does not exist.", "not_found")
         if eng.overloaded:
@@ -466,7 +418,7 @@ class SimNode:
                 return self._loading_error() if eng.loading else self._error(404, "No model is loaded", "not_found")
             model = next(iter(eng.models))
         if model not in eng.models:
-            if model in eng.loading and self.engine_kind in ("sglang", "llamacpp"):
+            if model in eng.loading and self.face.loading_answers_503:
                 return self._loading_error()
             return self._error(404, f"The model `{model}` does not exist.", "not_found")
         if eng.overloaded:
@@ -568,8 +520,7 @@ class SimNode:
 
     async def _models(self, request: web.Request) -> web.Response:
         created = int(self.started_at)
-        owner = {"vllm": "vllm", "sglang": "sglang", "llamacpp": "llamacpp", "tgi": "tgi"}.get(
-            self.engine_kind, "system")
+        owner = self.face.owner
         data = [{"id": m, "object": "model", "created": created, "owned_by": owner, "root": m,
                  "parent": None, "max_model_len": MAX_MODEL_LEN} for m in [*self.engine.models, *self.sleeping]]
         return _json_response({"object": "list", "data": data})
@@ -581,46 +532,7 @@ class SimNode:
             raise asyncio.CancelledError
         if not self.engine.models and not self.sleeping:
             return self._loading_error()
-        if self.engine_kind == "llamacpp":
-            return _json_response({"status": "ok"})
-        return web.Response(status=200)
-
-    async def _health_generate(self, request: web.Request) -> web.Response:
-        # SGLang runs a one-token generation through the scheduler.
-        if not self.engine.models:
-            return self._loading_error()
-        req = self.engine.submit(next(iter(self.engine.models)), 1, 1)
-        try:
-            await req.text()
-        except SimError:
-            return web.Response(status=503)
-        finally:
-            self.engine.cancel(req)
-        return web.Response(status=200)
-
-    async def _version(self, request: web.Request) -> web.Response:
-        return _json_response({"version": "0.8.5"})
-
-    async def _sglang_model_info(self, request: web.Request) -> web.Response:
-        model = next(iter(self.engine.models), None)
-        return _json_response({"model_path": model, "tokenizer_path": model, "is_generation": True})
-
-    async def _sglang_server_info(self, request: web.Request) -> web.Response:
-        p = self.engine.profile
-        return _json_response({"version": "0.4.6", "max_running_requests": p.max_concurrency,
-                               "max_total_num_tokens": self.engine.kv_capacity_tokens,
-                               "model_path": next(iter(self.engine.models), None)})
-
-    async def _tgi_info(self, request: web.Request) -> web.Response:
-        p = self.engine.profile
-        return _json_response({
-            "model_id": next(iter(self.engine.models), None), "model_dtype": "torch.float16",
-            "model_device_type": "cuda", "max_concurrent_requests": p.max_concurrency,
-            "max_best_of": 2, "max_stop_sequences": 4, "max_input_tokens": 8191,
-            "max_total_tokens": MAX_MODEL_LEN, "max_waiting_tokens": 20,
-            "max_client_batch_size": 4, "validation_workers": 2, "version": "3.3.0",
-            "router": "text-generation-router",
-        })
+        return self.face.health_ok()
 
     async def _node(self, request: web.Request) -> web.Response:
         return _json_response(self.probe())
@@ -675,108 +587,6 @@ class SimNode:
             "profile": asdict(eng.profile),
             "counters": {m: s.to_dict() for m, s in eng.stats.items()},
         }
-
-    async def _state(self, request: web.Request) -> web.Response:
-        return _json_response(self.state())
-
-    async def _json_body(self, request: web.Request) -> dict[str, Any]:
-        try:
-            body = _decode.decode(await request.read() or b"{}")
-        except msgspec.DecodeError as exc:
-            raise _BadRequest(f"Invalid JSON: {exc}") from exc
-        if not isinstance(body, dict):
-            raise _BadRequest("Request body must be a JSON object")
-        return body
-
-    async def _faults_get(self, request: web.Request) -> web.Response:
-        return _json_response(self.engine.faults.to_dict())
-
-    async def _faults_post(self, request: web.Request) -> web.Response:
-        try:
-            faults = self.engine.faults.updated(await self._json_body(request))
-        except (ValueError, _BadRequest) as exc:
-            return self._error(400, str(exc), "bad_request")
-        crash = faults.crash and not self.engine.faults.crash
-        self.engine.faults = faults
-        if crash:
-            # Answer first, then go down: the caller learns the fault was accepted.
-            self._spawn(self._crash_soon(faults.crash_for_s))
-        return _json_response(faults.to_dict())
-
-    async def _crash_soon(self, for_s: float | None) -> None:
-        await asyncio.sleep(0.02)
-        await self.crash(for_s)
-
-    async def _profile_get(self, request: web.Request) -> web.Response:
-        return _json_response({**asdict(self.engine.profile), "max_waiting": self.engine.max_waiting,
-                               "time_scale": self.engine.time_scale})
-
-    async def _profile_post(self, request: web.Request) -> web.Response:
-        """Change performance numbers at run time (speed rescales prefill and decode)."""
-        eng = self.engine
-        try:
-            body = await self._json_body(request)
-            prof = eng.profile
-            changes: dict[str, Any] = {}
-            for key, value in body.items():
-                if key == "max_waiting":
-                    if value is not None and (not isinstance(value, int) or value < 0):
-                        raise ValueError("max_waiting: expected an integer >= 0 or null")
-                    continue
-                if key not in ("speed", "prefill_tps", "decode_tps", "max_concurrency",
-                               "load_time_s", "memory_gib", "batch_penalty", "time_scale"):
-                    raise ValueError(f"unknown profile field {key!r}")
-                if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0 or (
-                        value == 0 and key not in ("load_time_s", "batch_penalty")):
-                    raise ValueError(f"{key}: expected a positive number")
-                if key == "max_concurrency" and not isinstance(value, int):
-                    raise ValueError("max_concurrency: expected an integer")
-                changes[key] = value
-        except (ValueError, _BadRequest) as exc:
-            return self._error(400, str(exc), "bad_request")
-        if "max_waiting" in body:
-            eng.max_waiting = body["max_waiting"]
-        if "time_scale" in changes:
-            eng.time_scale = float(changes.pop("time_scale"))
-        if "speed" in changes:
-            ratio = changes["speed"] / prof.speed
-            changes.setdefault("prefill_tps", prof.prefill_tps * ratio)
-            changes.setdefault("decode_tps", prof.decode_tps * ratio)
-        eng.profile = replace(prof, **changes)
-        eng._wake.set()  # a larger max_concurrency admits at once
-        return await self._profile_get(request)
-
-    async def _load(self, request: web.Request) -> web.Response:
-        try:
-            body = await self._json_body(request)
-            model = body.get("model")
-            size = body.get("size_gib")
-            if not isinstance(model, str) or not model:
-                raise _BadRequest("Field 'model' is required")
-            if size is not None and (not isinstance(size, (int, float)) or size <= 0):
-                raise _BadRequest("size_gib must be a positive number")
-        except _BadRequest as exc:
-            return self._error(400, str(exc), "bad_request")
-        try:
-            started = self.engine.load(model, None if size is None else float(size))
-        except SimError as exc:
-            return self._error(409, str(exc), "bad_request")
-        state = "loading" if started or model in self.engine.loading else "loaded"
-        return _json_response({"model": model, "state": state,
-                               "load_time_s": self.engine.real_seconds(self.engine.profile.load_time_s)},
-                              202 if started else 200)
-
-    async def _unload(self, request: web.Request) -> web.Response:
-        try:
-            body = await self._json_body(request)
-            model = body.get("model")
-            if not isinstance(model, str):
-                raise _BadRequest("Field 'model' is required")
-        except _BadRequest as exc:
-            return self._error(400, str(exc), "bad_request")
-        if not self.engine.unload(model):
-            return self._error(404, f"The model `{model}` is not loaded.", "not_found")
-        return _json_response({"model": model, "state": "unloaded"})
 
 
 # ----- fleet -------------------------------------------------------------------------------------

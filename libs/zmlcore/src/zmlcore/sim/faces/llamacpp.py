@@ -1,20 +1,12 @@
-"""The engine-specific endpoints a simulated node adds to the OpenAI API: how each engine reports
-its state and loads or wakes a model, imitated after the real servers.
-
-* vLLM sleep mode (a real server needs ``--enable-sleep-mode`` and ``VLLM_SERVER_DEV_MODE=1``):
-  ``POST /sleep`` offloads the weights (the models stay listed, ``/health`` stays 200, requests
-  fail), ``GET /is_sleeping`` -> ``{"is_sleeping": bool}``, ``POST /wake_up`` reloads them
-  (the load time applies) and answers once they are back.
-* llama.cpp: ``GET /props`` (``total_slots``, ``is_sleeping``, ``model_path``), ``GET /slots``,
-  and router mode's ``GET /models`` (each model with ``status.value`` "loaded" / "loading"),
-  ``POST /models/load {"model"}`` (200 ``{"success": true}``; 400 "model is already running")
-  and ``POST /models/unload``. A sim llama.cpp node serves router mode's load routes beside
-  the single-model ``/metrics`` and ``/props`` (a real router proxies those per model).
-"""
+"""llama.cpp's server: listens at once ("Loading model" 503 until loaded), ``/health`` answers
+``{"status": "ok"}``; ``GET /props`` (``total_slots``, ``is_sleeping``, ``model_path``),
+``GET /slots``, and router mode's ``GET /models`` (each model with ``status.value`` "loaded" /
+"loading"), ``POST /models/load {"model"}`` (200 ``{"success": true}``; 400 "model is already
+running") and ``POST /models/unload``. A sim llama.cpp node serves router mode's load routes
+beside the single-model ``/metrics`` and ``/props`` (a real router proxies those per model)."""
 
 from __future__ import annotations
 
-import asyncio
 import time
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -22,17 +14,30 @@ from typing import TYPE_CHECKING, Any
 from aiohttp import web
 
 from zmlcore.sim.engine import SimError
+from zmlcore.sim.faces.base import MAX_MODEL_LEN, Face, json_response
 
 if TYPE_CHECKING:
     from zmlcore.sim.server import SimNode
 
 
-def add_routes(node: SimNode, r: web.UrlDispatcher) -> None:
-    if node.engine_kind == "vllm":
-        r.add_get("/is_sleeping", partial(_is_sleeping, node))
-        r.add_post("/sleep", partial(_sleep, node))
-        r.add_post("/wake_up", partial(_wake_up, node))
-    elif node.engine_kind == "llamacpp":
+class LlamaCpp(Face):
+    name = "llamacpp"
+    owner = "llamacpp"
+    listen_after_load = False
+    loading_answers_503 = True
+
+    def error_body(self, status: int, message: str, kind: str) -> Any:
+        ltype = {"bad_request": "invalid_request_error", "not_found": "not_found_error",
+                 "overloaded": "unavailable_error", "loading": "unavailable_error"}.get(kind, "server_error")
+        return {"error": {"code": status, "message": message, "type": ltype}}
+
+    def loading_error(self) -> web.Response:
+        return json_response({"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}, 503)
+
+    def health_ok(self) -> web.Response:
+        return json_response({"status": "ok"})
+
+    def add_routes(self, node: SimNode, r: web.UrlDispatcher) -> None:
         r.add_get("/props", partial(_props, node))
         r.add_get("/slots", partial(_slots, node))
         r.add_get("/models", partial(_router_models, node))
@@ -40,51 +45,18 @@ def add_routes(node: SimNode, r: web.UrlDispatcher) -> None:
         r.add_post("/models/unload", partial(_router_unload, node))
 
 
-def _n_ctx() -> int:
-    from zmlcore.sim.server import MAX_MODEL_LEN  # (server imports this module)
-
-    return MAX_MODEL_LEN
+FACE = LlamaCpp()
 
 
 def _json(data: Any, status: int = 200) -> web.Response:
     return web.json_response(data, status=status)
 
 
-# ----- vLLM sleep mode ---------------------------------------------------------------------------
-
-
-async def _is_sleeping(node: SimNode, req: web.Request) -> web.Response:
-    return _json({"is_sleeping": bool(node.sleeping)})
-
-
-async def _sleep(node: SimNode, req: web.Request) -> web.Response:
-    eng = node.engine
-    for model in list(eng.models):
-        node.sleeping.append(model)
-        eng.unload(model)
-    return web.Response(status=200)
-
-
-async def _wake_up(node: SimNode, req: web.Request) -> web.Response:
-    eng = node.engine
-    models, node.sleeping = list(node.sleeping), []
-    try:
-        for model in models:
-            eng.load(model)
-        await asyncio.gather(*(eng.wait_loaded(m) for m in models))
-    except SimError as exc:
-        return node._error(500, str(exc), "internal")
-    return web.Response(status=200)
-
-
-# ----- llama.cpp ---------------------------------------------------------------------------------
-
-
 async def _props(node: SimNode, req: web.Request) -> web.Response:
     eng = node.engine
     return _json({"total_slots": eng.profile.max_concurrency, "is_sleeping": False,
                   "model_path": next(iter(eng.models), None), "model_alias": next(iter(eng.models), None),
-                  "default_generation_settings": {"n_ctx": _n_ctx()}})
+                  "default_generation_settings": {"n_ctx": MAX_MODEL_LEN}})
 
 
 async def _slots(node: SimNode, req: web.Request) -> web.Response:
@@ -95,7 +67,7 @@ async def _slots(node: SimNode, req: web.Request) -> web.Response:
     slots = []
     for i in range(eng.profile.max_concurrency):
         held = busy[i] if i < len(busy) else None
-        slots.append({"id": i, "id_task": held.id if held else -1, "n_ctx": _n_ctx(),
+        slots.append({"id": i, "id_task": held.id if held else -1, "n_ctx": MAX_MODEL_LEN,
                       "is_processing": held is not None,
                       "next_token": {"n_decoded": held.generated if held else 0,
                                      "n_remain": held.remaining if held else -1}})
