@@ -23,6 +23,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from zmlcore import subjects, tracing
+from zmlcore.batchpub import BatchPublisher
 from zmlcore.bigreply import check_fits
 from zmlcore.config import ZMLConfig
 from zmlcore.errors import CancelledError, DuplicateRequestError, ZMLError
@@ -58,6 +59,9 @@ log = logging.getLogger("zml.router")
 
 _encode = msgspec.json.encode
 _EVENT_COMPLETED = subjects.event(subjects.EVENT_COMPLETED)
+#: Completion events wait this long for others to go out with (health and warmup aggregate
+#: them over seconds; one wake-up per batch instead of per request for every subscriber).
+COMPLETED_WINDOW_S = 0.01
 
 
 def _new_id() -> str:
@@ -93,11 +97,15 @@ class RouterService:
         self.keepalives = KeepaliveBook()
         #: Callers' request ids in flight on every replica (zml_router.ids).
         self.ids: RequestIds | None = None
+        #: Completion events, published together every few ms (zmlcore.batchpub).
+        self.events: BatchPublisher | None = None
 
     # --- lifecycle -------------------------------------------------------------------------
     async def start(self, nc: NATS) -> None:
         self.nc = nc
         self.http = NodeClient(self.cfg.router.max_connections, self.cfg.router.connect_timeout_s)
+        self.events = BatchPublisher(nc, _EVENT_COMPLETED, COMPLETED_WINDOW_S)
+        self.events.start()
         if self.cfg.router.stale_after_s < 2 * self.cfg.health.poll_interval_s:
             log.warning("[router] stale_after_s (%g s) is under two health polls (%g s each): nodes will "
                         "flap to stale between polls", self.cfg.router.stale_after_s, self.cfg.health.poll_interval_s)
@@ -139,6 +147,8 @@ class RouterService:
         if self.queue is not None:
             await self.queue.stop()
         await cancel_and_wait(self._loops)
+        if self.events is not None:
+            await self.events.stop()
         await self.metrics.stop()
         await self.limits.stop()
         if self.http:
@@ -344,13 +354,9 @@ class RouterService:
 
     async def _completed(self, out: Outcome, request_id: str, t0: float) -> None:
         """One event per finished request (warmup measures demand, health counts node errors)."""
-        if self.nc is None:
-            return
-        ev = flow.completion(out, request_id, time.time(), time.monotonic() - t0, self.router_id)
-        try:
-            await self.nc.publish(_EVENT_COMPLETED, completed_encoder.encode(ev))
-        except Exception:  # losing a statistic must never fail a request
-            log.debug("completion event not published", exc_info=True)
+        if self.events is not None:  # sent off the request path, with the others of the next ms
+            ev = flow.completion(out, request_id, time.time(), time.monotonic() - t0, self.router_id)
+            self.events.add(completed_encoder.encode(ev))
 
     # --- replies -------------------------------------------------------------------------------
     async def publish(self, reply: str, data: bytes, headers: dict[str, str]) -> None:
