@@ -187,9 +187,8 @@ class ZmlService:
 
     async def infer(self, raw: bytes, ctx: grpc.aio.ServicerContext) -> pb.InferReply:
         bridge = await self._infer(raw, ctx, stream=False)
-        md = tuple(_metadata(bridge.headers))
-        await ctx.send_initial_metadata(md)
-        ctx.set_trailing_metadata(md)
+        # Trailing only: initial metadata of its own would cost grpc one more batch per call.
+        ctx.set_trailing_metadata(tuple(_metadata(bridge.headers)))
         return codec.reply_from_json(b"".join(bridge.data))
 
     async def infer_stream(self, raw: bytes, ctx: grpc.aio.ServicerContext) -> None:
