@@ -25,6 +25,28 @@ async def test_raw_json_request_reply(zml_stack: Stack) -> None:
         await nc.close()
 
 
+
+async def test_routing_metadata_travels_once_when_asked(zml_stack: Stack) -> None:
+    """Zml-Accept-Routing: body (what the gateway sends): no Zml-* routing headers, the same
+    metadata in the body's zml object and in a stream's start body."""
+    nc = await nats.connect(zml_stack.nats_url)
+    try:
+        payload = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4}
+        ask = {subjects.H_ACCEPT_ROUTING: subjects.ROUTING_IN_BODY}
+        msg = await nc.request(subjects.INFER, json.dumps(payload).encode(), timeout=10, headers=ask)
+        assert subjects.H_NODE_ID not in (msg.headers or {}) and subjects.H_DECISION_ID not in (msg.headers or {})
+        assert json.loads(msg.data)["zml"]["node_id"]
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        await nc.publish(subjects.INFER, json.dumps({**payload, "stream": True}).encode(), reply=inbox, headers=ask)
+        start = await sub.next_msg(timeout=10)
+        while not start.data:  # keepalives, if any
+            start = await sub.next_msg(timeout=10)
+        assert start.headers[subjects.H_STREAM] == "start" and subjects.H_NODE_ID not in start.headers
+        assert json.loads(start.data)["routing"]["node_id"]
+    finally:
+        await nc.close()
+
 @pytest.mark.parametrize(
     ("payload", "code"),
     [

@@ -39,3 +39,21 @@ def test_a_reply_without_routing_headers_has_no_routing() -> None:
 
 def test_the_backend_header_is_compact() -> None:
     assert routingmeta.backend_header(INFO) == "node=n1;family=H100;policy=latency;queue=3;decision=d1"
+
+
+def test_the_routing_metadata_is_read_back_from_a_reply_body_and_a_start_message() -> None:
+    import msgspec
+
+    from zmlcore import routingmeta
+    from zmlcore.messages import RoutingInfo, StreamStart
+
+    info = RoutingInfo(node_id="n1", accelerator_type="nvidia_h100", family="H100", policy="latency",
+                       queue_depth_at_dispatch=2, decision_id="d", request_id="r", total_tokens=21)
+    body = b'{"id":"x","choices":[{"message":{"content":"\\"zml\\": {}"}}],"zml":' + msgspec.json.encode(info) + b"}\n"
+    got = routingmeta.from_body(body)
+    assert got == info
+    assert routingmeta.http_headers_of(got) == routingmeta.http_headers(routingmeta.nats_headers(info))
+    assert routingmeta.from_start(msgspec.json.encode(StreamStart(routing=info))) == info
+    for junk in (b"", b"{}", b'{"zml":', b'{"zml": 3}', b'{"zml":{"node_id": 1}}'):
+        assert routingmeta.from_body(junk) is None
+    assert routingmeta.from_start(b"not json") is None

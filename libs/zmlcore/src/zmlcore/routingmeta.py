@@ -18,7 +18,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from zmlcore import subjects
-from zmlcore.messages import RoutingInfo
+import msgspec
+
+from zmlcore.messages import RoutingInfo, StreamStart, routing_info_decoder
 
 #: (RoutingInfo field, NATS header, HTTP header), in the order the HTTP headers are sent.
 FIELDS: tuple[tuple[str, str, str], ...] = (
@@ -73,3 +75,36 @@ def backend_header(info: RoutingInfo) -> str:
     """The compact ``x-zml-routing`` value sent to a node with each request."""
     return (f"node={info.node_id};family={info.family};policy={info.policy};"
             f"queue={info.queue_depth_at_dispatch};decision={info.decision_id}")
+
+
+_ZML = b'"zml":'
+_start_decoder = msgspec.json.Decoder(StreamStart)
+
+
+def from_body(data: bytes) -> RoutingInfo | None:
+    """The ``zml`` object a router appended to a reply body (the last key: one small decode
+    of the tail, not of the body), or None."""
+    i = data.rfind(_ZML)
+    if i < 0:
+        return None
+    tail = data[i + len(_ZML):].rstrip()
+    if tail[-1:] != b"}":
+        return None
+    try:
+        return routing_info_decoder.decode(tail[:-1])
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def from_start(data: bytes) -> RoutingInfo | None:
+    """The routing metadata of a stream's ``start`` message body, or None."""
+    try:
+        return _start_decoder.decode(data).routing
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+
+
+def http_headers_of(info: RoutingInfo) -> list[tuple[bytes, bytes]]:
+    """The ``x-zml-*`` HTTP headers (ASGI pairs) of ``info``, as :func:`http_headers` gives them
+    from a router's ``Zml-*`` headers."""
+    return http_headers(nats_headers(info))

@@ -202,6 +202,11 @@ STREAM_ERROR = "error"
 #: Without the header, one ``chunk`` message per event (docs/nats-api.md).
 H_ACCEPT_STREAM = "Zml-Accept-Stream"
 STREAM_EVENTS = "events"
+#: ``Zml-Accept-Routing: body`` on a request (the gateway): the routing metadata travels once,
+#: in the reply body's ``zml`` object (a stream's ``start`` body), without the ``Zml-*`` routing
+#: headers. Without it a reply carries both (docs/nats-api.md).
+H_ACCEPT_ROUTING = "Zml-Accept-Routing"
+ROUTING_IN_BODY = "body"
 
 # --- API keys and plans (gateway) -------------------------------------------------------------
 #: JetStream KV bucket of API keys created at run time (`zml keys create`): key = key id, value

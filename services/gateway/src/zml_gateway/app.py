@@ -260,6 +260,8 @@ class Gateway:
                         send: Send, limits: list[tuple[bytes, bytes]], caller: Caller, tokens: list[int],
                         generated: bool = False) -> None:
         headers = {subjects.H_REQUEST_ID: request_id, subjects.H_TIMEOUT_MS: str(int(timeout * 1000))}
+        # The routing metadata once, in the reply body: the HTTP headers are made from it here.
+        headers[subjects.H_ACCEPT_ROUTING] = subjects.ROUTING_IN_BODY
         if generated:  # unique by construction: routers skip the cross-replica duplicate check
             headers[subjects.H_ID_GENERATED] = "1"
         if caller.record is not None:  # the key's options travel with the request
@@ -340,9 +342,14 @@ class Gateway:
         if code is not None:
             await self._relay_error(send, code, reply.data, rh.get(subjects.H_RETRY_AFTER), limits)
             return
-        out = [_JSON, *limits, *routingmeta.http_headers(rh)]
         data = reply.data
-        tokens[0] = _total_tokens(data)
+        info = routingmeta.from_body(data)  # asked for in the body only (Zml-Accept-Routing)
+        if info is not None:
+            out = [_JSON, *limits, *routingmeta.http_headers_of(info)]
+            tokens[0] = info.total_tokens or 0
+        else:
+            out = [_JSON, *limits, *routingmeta.http_headers(rh)]
+            tokens[0] = _total_tokens(data)
         await send({"type": "http.response.start", "status": 200, "headers": out})
         await send({"type": "http.response.body", "body": data})
 
@@ -408,7 +415,9 @@ class Gateway:
                 elif kind == subjects.STREAM_CHUNK:
                     await send({"type": "http.response.body", "body": b"data: " + msg.data + b"\n\n", "more_body": True})
                 elif kind == "start":
-                    out = [*_SSE_HEADERS, *limits, *routingmeta.http_headers(mh)]
+                    info = None if subjects.H_NODE_ID in mh else routingmeta.from_start(msg.data)
+                    routing = routingmeta.http_headers_of(info) if info is not None else routingmeta.http_headers(mh)
+                    out = [*_SSE_HEADERS, *limits, *routing]
                     await send({"type": "http.response.start", "status": 200, "headers": out})
                     started = True
                 elif kind == subjects.STREAM_END:

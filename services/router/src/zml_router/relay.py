@@ -56,6 +56,14 @@ def with_routing(raw: bytes, info: RoutingInfo) -> bytes:
     raise AttemptError(Failure.SERVER, 200, f"node answered a non-object JSON body: {raw[:100]!r}")
 
 
+def _routing_headers(msg: Msg | QueuedMsg, info: RoutingInfo) -> dict[str, str]:
+    """The Zml-* routing headers of a reply, or none for a requester that reads the routing
+    metadata from the body (``Zml-Accept-Routing: body``): it travels once."""
+    if (msg.headers or {}).get(subjects.H_ACCEPT_ROUTING) == subjects.ROUTING_IN_BODY:
+        return {}
+    return routingmeta.nats_headers(info)
+
+
 def backend_body(raw: bytes, model: str, asked: str) -> bytes:
     """The body a node gets: the caller's, without ZML's own fields, naming ``model``."""
     if model == asked and not any(k in raw for k in _ZML_KEYS_BYTES):
@@ -116,7 +124,7 @@ class Relay:
         # REPLY_TOO_LARGE (raised before anything is sent), never a lost reply.
         await svc.ids.release_current()  # type: ignore[union-attr]  # before the caller can reuse the id
         if msg.reply and svc.nc is not None:
-            await publish_reply(svc.nc, msg.reply, with_routing(raw, info), routingmeta.nats_headers(info),
+            await publish_reply(svc.nc, msg.reply, with_routing(raw, info), _routing_headers(msg, info),
                                 accepted(msg.headers))
 
     async def stream(self, msg: Msg | QueuedMsg, req: InferRequest, body: bytes, info: RoutingInfo, t0: float,
@@ -141,7 +149,7 @@ class Relay:
                     await count(info.node_id, 0, -1)
                     info.time_to_first_token = time.monotonic() - t0
                     await publish(msg.reply, _encode(StreamStart(routing=info)),
-                                  {**routingmeta.nats_headers(info), subjects.H_STREAM: "start", subjects.H_SEQ: "0"})
+                                  {**_routing_headers(msg, info), subjects.H_STREAM: "start", subjects.H_SEQ: "0"})
                 usage = stream_usage(chunk)
                 if usage is not None:
                     info.total_tokens = usage["total_tokens"]
@@ -153,7 +161,7 @@ class Relay:
             if not started:  # a stream with no chunk at all
                 info.time_to_first_token = time.monotonic() - t0
                 await publish(msg.reply, _encode(StreamStart(routing=info)),
-                              {**routingmeta.nats_headers(info), subjects.H_STREAM: "start", subjects.H_SEQ: "0"})
+                              {**_routing_headers(msg, info), subjects.H_STREAM: "start", subjects.H_SEQ: "0"})
             await svc.ids.release_current()  # type: ignore[union-attr]
             await publish(msg.reply, _encode(StreamStart(routing=info)),
                           {subjects.H_STREAM: subjects.STREAM_END, subjects.H_SEQ: str(seq + 1)})
