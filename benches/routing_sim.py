@@ -412,6 +412,7 @@ def main(argv: list[str] | None = None) -> None:
         loads = sorted({r["load"] for r in results})
         workloads = list(dict.fromkeys(r["workload"] for r in results))
         report(results, pols, loads, workloads)
+        targets(results)
         if args.plot:
             plot(results, pols, loads, workloads, args.plot)
         return
@@ -441,6 +442,7 @@ def main(argv: list[str] | None = None) -> None:
     if errs:
         print(f"oracle: largest |predicted - realised TTFT| = {max(errs):.1e} s\n")
     report(results, pols, loads, args.workloads.split(","))
+    targets(results)
     if args.plot:
         plot(results, pols, loads, args.workloads.split(","), args.plot)
 
@@ -462,6 +464,8 @@ def report(results: list[dict[str, Any]], pols: list[str], loads: list[float], w
                 ratio = [by[(p, w, ld, s)]["p99"] / by[("oracle", w, ld, s)]["p99"] for s in seeds
                          if ("oracle", w, ld, s) in by]
                 rt = f" / {np.mean(ratio):.2f}x" if ratio else ""
+                if len(ratio) > 1:
+                    rt += f" [{min(ratio):.2f}-{max(ratio):.2f}]"
                 cells.append(f"{_m(rs, 'p99'):.2f}{rt} / {100*_m(rs, 'share'):.1f}% / {_m(rs, 'p50'):.2f}")
             print(f"| {p} | " + " | ".join(cells) + " |")
         print(f"\n### {w}: throughput / capacity, rejected by admission, $ per 1M output tokens (busy-time billing), "
@@ -475,6 +479,51 @@ def report(results: list[dict[str, Any]], pols: list[str], loads: list[float], w
                 cells.append(f"{_m(rs, 'thr'):.3f} / {100*_m(rs, 'rejected'):.1f}% / ${_m(rs, 'cost'):.3f} / "
                              f"{_m(rs, 'imb'):.2f}" if rs else "-")
             print(f"| {p} | " + " | ".join(cells) + " |")
+
+
+def targets(results: list[dict[str, Any]]) -> None:
+    """The issue's targets, per seed (Poisson unless said): what the tables average."""
+    by = {(r["policy"], r["workload"], r["load"], r["seed"]): r for r in results}
+    seeds = sorted({r["seed"] for r in results})
+
+    def per_seed(f: Any) -> list[float] | None:
+        try:
+            return [f(s) for s in seeds]
+        except KeyError:
+            return None
+
+    def p99(p: str, ld: float, s: int, w: str = "poisson") -> float:
+        return float(by[(p, w, ld, s)]["p99"])
+
+    rows: list[tuple[str, Any, str]] = []
+    for ld, lim in ((0.5, 1.05), (0.8, 1.10), (0.95, 1.05)):
+        rows.append((f"latency p99 / oracle p99, {int(ld*100)}%", per_seed(lambda s: p99("latency", ld, s) / p99("oracle", ld, s)),
+                     f"<= {lim:.2f}"))
+    for ld in (0.8, 0.95):
+        rows.append((f"least_busy p99 / latency p99, {int(ld*100)}%",
+                     per_seed(lambda s: p99("least_busy", ld, s) / p99("latency", ld, s)), ">= 5"))
+    for w in ("poisson", "bursty"):
+        rows.append((f"latency throughput / capacity, {w} 110%", per_seed(lambda s: by[("latency", w, 1.1, s)]["thr"]),
+                     ">= 0.99"))
+        rows.append((f"  rejected by admission, {w} 110%", per_seed(lambda s: by[("latency", w, 1.1, s)]["rejected"]), ""))
+    for lag in ("lag1_5", "lag10_50"):
+        for ld in (0.5, 0.8, 0.95):
+            rows.append((f"4 replicas {lag} p99 / one router, {int(ld*100)}%",
+                         per_seed(lambda s: p99(f"latency_r4_{lag}", ld, s) / p99("latency", ld, s)),
+                         "<= 1.2" if lag == "lag1_5" else ""))
+    for ld in (0.5, 0.8):
+        rows.append((f"cost $/1M tok vs latency, {int(ld*100)}%",
+                     per_seed(lambda s: by[("cost", "poisson", ld, s)]["cost"] / by[("latency", "poisson", ld, s)]["cost"] - 1),
+                     "<= -0.04"))
+        rows.append((f"  share <= 500 ms lost (pt), {int(ld*100)}%",
+                     per_seed(lambda s: 100 * (by[("latency", "poisson", ld, s)]["share"] - by[("cost", "poisson", ld, s)]["share"])),
+                     "<= 0.5"))
+    print(f"\n### targets, per seed ({', '.join(map(str, seeds))})\n")
+    print("| measure | per seed | target |")
+    print("|---|---|---|")
+    for name, vals, tgt in rows:
+        if vals is not None:
+            print(f"| {name} | {' / '.join(f'{v:.3f}' for v in vals)} | {tgt} |")
 
 
 def _m(rs: list[dict[str, Any]], k: str) -> float:
