@@ -83,3 +83,33 @@ def test_sdk_decoder_keeps_the_separators_in_the_text() -> None:
     chunk = next(e for e in events if e is not None)
     assert chunk.kind == "chunk" and chunk.chunk is not None
     assert chunk.chunk.text == "a" + SEPARATORS + "b"
+
+
+# --- EventRelay: whole events relayed as they came -------------------------------------------
+
+def test_a_read_of_whole_one_line_data_events_is_relayed_as_the_same_bytes() -> None:
+    from zmlcore.sse import EventRelay
+
+    raw = b'data: {"a":1}\n\ndata: {"b":"x\xe2\x80\xa8y"}\n\n'
+    relay = EventRelay()
+    assert relay.feed(raw) is raw and not relay.done
+
+
+def test_events_cut_across_reads_crlf_comments_and_done_are_reframed() -> None:
+    from zmlcore.sse import EventRelay, event_payloads
+
+    relay = EventRelay()
+    assert relay.feed(b'data: {"a"') == b""
+    assert relay.feed(b':1}\n\n: keep-alive\n\nevent: x\r\ndata: {"b":2}\r\n\r\n') == b'data: {"a":1}\n\ndata: {"b":2}\n\n'
+    assert relay.feed(b"data:\n\ndata: {\"c\":3}\n\ndata: [DONE]\n\ndata: {\"late\":1}\n\n") == b'data: {"c":3}\n\n'
+    assert relay.done
+    assert event_payloads(b'data: {"a":1}\n\ndata:{"b":2}\n\n') == [b'{"a":1}', b'{"b":2}']
+
+
+def test_a_relayed_block_never_carries_done_or_an_empty_event() -> None:
+    from zmlcore.sse import EventRelay
+
+    for raw in (b"data: [DONE]\n\n", b"data: \n\n", b'data: {"a":1}\n\n\n', b'data: {"a":1}\ndata: {"b":2}\n\n'):
+        out = EventRelay().feed(raw)
+        assert b"[DONE]" not in out and b"data: \n" not in out
+        assert out.count(b"\n") == 2 * out.count(b"\n\n")  # one line per event

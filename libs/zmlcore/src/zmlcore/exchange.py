@@ -28,6 +28,7 @@ import asyncio
 import logging
 import time
 import weakref
+from collections import deque
 from typing import Any
 
 from nats.aio.client import Client as NATS
@@ -47,15 +48,77 @@ def parts_buffer(max_reply_bytes: int, max_payload: int | None) -> int:
     return -(-max_reply_bytes // part_bytes(max_payload)) + 16
 
 
+class Sink:
+    """One exchange's reply messages: a bounded deque and at most one waiting reader.
+
+    A plain future is woken per message, and a timer (not a Task, not ``wait_for``) bounds
+    the wait: the per-message cost is a deque append and, when the reader waits, one
+    ``set_result``. :meth:`abort` wakes the reader with an exception (its client gone, the
+    broker lost)."""
+
+    __slots__ = ("_msgs", "_max", "_waiter", "overflowed", "aborted")
+
+    def __init__(self, maxsize: int) -> None:
+        self._msgs: deque[Msg] = deque()
+        self._max = maxsize
+        self._waiter: asyncio.Future[None] | None = None
+        self.overflowed = False
+        self.aborted: BaseException | None = None
+
+    def push(self, msg: Msg) -> None:
+        if len(self._msgs) >= self._max:  # the caller reads slower than the router writes
+            self.overflowed = True
+            return
+        self._msgs.append(msg)
+        self._wake()
+
+    def abort(self, exc: BaseException) -> None:
+        if self.aborted is None:
+            self.aborted = exc
+            self._wake()
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    @property
+    def empty(self) -> bool:
+        return not self._msgs and self.aborted is None
+
+    def pop(self) -> Msg | None:
+        if self.aborted is not None:
+            raise self.aborted
+        return self._msgs.popleft() if self._msgs else None
+
+    async def wait(self, timeout: float) -> None:
+        """Until a message (or an abort) arrives or ``timeout`` passes, whichever is first."""
+        if self._msgs or self.aborted is not None:
+            return
+        loop = asyncio.get_running_loop()
+        w = self._waiter = loop.create_future()
+        timer = loop.call_later(timeout, _expire, w)
+        try:
+            await w
+        finally:
+            timer.cancel()
+            self._waiter = None
+
+
+def _expire(w: asyncio.Future[None]) -> None:
+    if not w.done():
+        w.set_result(None)
+
+
 class ReplyMux:
     """One subscription to ``<inbox>.*`` per connection; each exchange owns one token of it."""
 
     def __init__(self, nc: NATS) -> None:
         self.nc = nc
         self.prefix = nc.new_inbox() + "."
-        self._sinks: dict[str, asyncio.Queue[Msg]] = {}
+        self._cut = len(self.prefix)
+        self._sinks: dict[str, Sink] = {}
         self._next = 0
-        self.overflowed: set[str] = set()
 
     @classmethod
     async def of(cls, nc: NATS) -> ReplyMux:
@@ -71,29 +134,23 @@ class ReplyMux:
                 fut.exception()  # retrieved: a later caller makes its own attempt
                 raise
             fut.set_result(mux)
+        if fut.done():
+            return fut.result()
         return await asyncio.shield(fut)
 
-    def open(self, maxsize: int) -> tuple[str, asyncio.Queue[Msg]]:
+    def open(self, maxsize: int) -> tuple[str, Sink]:
         self._next += 1  # the prefix is random: a counter is enough under it
         token = str(self._next)
-        queue: asyncio.Queue[Msg] = asyncio.Queue(maxsize)
-        self._sinks[token] = queue
-        return self.prefix + token, queue
+        sink = self._sinks[token] = Sink(maxsize)
+        return self.prefix + token, sink
 
     def close(self, inbox: str) -> None:
-        token = inbox[len(self.prefix):]
-        self._sinks.pop(token, None)
-        self.overflowed.discard(token)
+        self._sinks.pop(inbox[self._cut:], None)
 
     async def _on_msg(self, msg: Msg) -> None:
-        token = msg.subject[len(self.prefix):]
-        queue = self._sinks.get(token)
-        if queue is None:  # a closed exchange, or an attempt given up on: dropped
-            return
-        try:
-            queue.put_nowait(msg)
-        except asyncio.QueueFull:  # the caller reads slower than the router writes
-            self.overflowed.add(token)
+        sink = self._sinks.get(msg.subject[self._cut:])
+        if sink is not None:  # else a closed exchange, or an attempt given up on: dropped
+            sink.push(msg)
 
 
 _MUXES: weakref.WeakKeyDictionary[NATS, asyncio.Future[ReplyMux]] = weakref.WeakKeyDictionary()
@@ -131,8 +188,9 @@ class Exchange:
         self.resends = 0
         self._mux: ReplyMux | None = None
         self._inbox = ""
-        self._queue: asyncio.Queue[Msg] | None = None
+        self._sink: Sink | None = None
         self._silence: Silence | None = None
+        self._aborted: BaseException | None = None
 
     @property
     def request_id(self) -> str:
@@ -140,7 +198,14 @@ class Exchange:
 
     @property
     def overflowed(self) -> bool:
-        return self._mux is not None and self._inbox[len(self._mux.prefix):] in self._mux.overflowed
+        return self._sink is not None and self._sink.overflowed
+
+    def abort(self, exc: BaseException) -> None:
+        """Make the waiting (or next) :meth:`next` raise ``exc``: the caller's client went away,
+        or its broker connection was lost. Meant to be called from a callback or another task."""
+        self._aborted = exc
+        if self._sink is not None:
+            self._sink.abort(exc)
 
     async def send(self) -> None:
         """Publish the request (first attempt)."""
@@ -151,7 +216,9 @@ class Exchange:
         assert self._mux is not None
         if self._inbox:
             self._mux.close(self._inbox)
-        self._inbox, self._queue = self._mux.open(self.buffer)
+        self._inbox, self._sink = self._mux.open(self.buffer)
+        if self._aborted is not None:
+            self._sink.abort(self._aborted)
         if self.keepalive_s is not None:
             self._silence = Silence(self.keepalive_s, time.monotonic())
         await self.nc.publish(self.subject, self.body, reply=self._inbox, headers=headers)
@@ -159,22 +226,20 @@ class Exchange:
     async def next(self) -> Msg:
         """The next reply message (keepalives consumed). Raises TIMEOUT once ``wait_s`` has
         passed, and BACKEND_ERROR / STREAM_INTERRUPTED when the router is gone for good."""
-        assert self._queue is not None, "send() first"
+        assert self._sink is not None, "send() first"
         while True:
-            try:
-                msg = self._queue.get_nowait()  # arrived already (a caller slow to iterate)
-            except asyncio.QueueEmpty:
+            sink = self._sink  # a new one after a resend
+            msg = sink.pop()  # raises what abort() was given
+            if msg is None:
                 now = time.monotonic()
                 left = self.wait_until - now
                 if left <= 0:
                     raise TimeoutError(f"no reply within {self.timeout_s:g} s") from None
                 silent = self._silence.wait_s(now) if self._silence is not None else None
-                try:
-                    msg = await asyncio.wait_for(self._queue.get(), left if silent is None else min(left, silent))
-                except asyncio.TimeoutError:
-                    if self._silence is not None and self._silence.gone(time.monotonic()):
-                        await self._router_gone()
-                    continue
+                await sink.wait(left if silent is None else min(left, silent))
+                if sink.empty and self._silence is not None and self._silence.gone(time.monotonic()):
+                    await self._router_gone()
+                continue
             state = keepalive_state(msg.headers)
             if state is not None and not msg.data:
                 if self._silence is not None:

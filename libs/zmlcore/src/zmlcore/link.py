@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from nats.aio.client import Client as NATS
 
@@ -42,15 +42,29 @@ class Link:
         #: Set by the service's own shutdown, so a deliberate close is not a failure.
         self.closing = False
         self._changed = asyncio.Event()
+        self._callbacks: set[Callable[[], None]] = set()
 
     def bump(self) -> None:
         self.generation += 1
         self._changed.set()
         self._changed = asyncio.Event()
+        self._fire()
 
     def mark_closed(self) -> None:
         self.closed.set()
         self._changed.set()
+        self._fire()
+
+    def on_change(self, cb: Callable[[], None]) -> Callable[[], None]:
+        """Call ``cb()`` once at the next reconnect or close (no Task per watcher: what a
+        request in flight uses); returns the function that removes it."""
+        self._callbacks.add(cb)
+        return lambda: self._callbacks.discard(cb)
+
+    def _fire(self) -> None:
+        callbacks, self._callbacks = self._callbacks, set()
+        for cb in callbacks:
+            cb()
 
     async def reconnected(self, since: int) -> None:
         """Wait until a reconnect after generation ``since`` (or the connection closing)."""

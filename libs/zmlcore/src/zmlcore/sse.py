@@ -53,6 +53,11 @@ class SSELineSplitter:
         self._buf = rest
         return lines
 
+    @property
+    def idle(self) -> bool:
+        """Nothing held back: the bytes fed so far ended at a line end."""
+        return not self._buf and not self._skip_lf
+
     def flush(self) -> list[bytes]:
         """The unterminated last line, if any (at the end of the stream)."""
         rest, self._buf = self._buf, b""
@@ -84,3 +89,47 @@ def data_field(line: bytes) -> bytes | None:
         return None
     value = line[5:]
     return value[1:] if value[:1] == b" " else value
+
+
+class EventRelay:
+    """A node's SSE body in, blocks of whole ``data:`` events out, to relay as they are.
+
+    A read that holds only complete one-line ``data:`` events (what engines send: one JSON per
+    event) is passed on **as the same bytes**, with no split and no copy; anything else (CR line
+    ends, comments, ``event:`` lines, an event cut between two reads, ``[DONE]``) goes through
+    :class:`SSELineSplitter` and is re-framed as ``data: <payload>\\n\\n`` per data line, as the
+    per-event path does. :attr:`done` is set at ``[DONE]`` (not relayed: the receiver writes its own).
+    """
+
+    __slots__ = ("_split", "done")
+
+    def __init__(self, max_line: int = MAX_LINE_BYTES) -> None:
+        self._split = SSELineSplitter(max_line)
+        self.done = False
+
+    def feed(self, raw: bytes) -> bytes:
+        """The events of ``raw`` ready to relay (b"" when none is complete yet)."""
+        if (self._split.idle and raw.startswith(b"data:") and raw.endswith(b"\n\n") and b"\r" not in raw
+                and b"[DONE]" not in raw):
+            n = raw.count(b"\n\n")
+            # Each event one line, each line a data line, none empty.
+            if raw.count(b"\n") == 2 * n and raw.count(b"\ndata:") == n - 1 and b"data:\n" not in raw \
+                    and b"data: \n" not in raw:
+                return raw
+        out: list[bytes] = []
+        for line in self._split.feed(raw):
+            value = data_field(line)
+            if value is None:
+                continue
+            value = value.strip()
+            if value == b"[DONE]":
+                self.done = True
+                break
+            if value:
+                out.append(b"data: " + value + b"\n\n")
+        return b"".join(out)
+
+
+def event_payloads(block: bytes) -> list[bytes]:
+    """The data payloads of a block from :class:`EventRelay` (one per event)."""
+    return [line[5:].strip() for line in block.split(b"\n") if line.startswith(b"data:")]

@@ -181,6 +181,12 @@ H_RESEND = "Zml-Resend"
 STREAM_CHUNK = "chunk"
 STREAM_END = "end"
 STREAM_ERROR = "error"
+#: A requester that relays SSE as it is (the gateway) asks with ``Zml-Accept-Stream: events``;
+#: its stream's chunks then come as ``Zml-Stream: events`` messages: one or more whole framed
+#: events (``data: <chunk JSON>\n\n`` each), as the node sent them, numbered like chunks.
+#: Without the header, one ``chunk`` message per event (docs/nats-api.md).
+H_ACCEPT_STREAM = "Zml-Accept-Stream"
+STREAM_EVENTS = "events"
 
 # --- API keys and plans (gateway) -------------------------------------------------------------
 #: JetStream KV bucket of API keys created at run time (`zml keys create`): key = key id, value

@@ -68,7 +68,7 @@ _HEADER_ROOM = 4096
 
 _JSON = (b"content-type", b"application/json")
 #: Stream messages that carry Zml-Seq (an error ends the stream whatever its number).
-_SEQUENCED = ("start", subjects.STREAM_CHUNK, subjects.STREAM_END)
+_SEQUENCED = ("start", subjects.STREAM_CHUNK, subjects.STREAM_EVENTS, subjects.STREAM_END)
 _SSE_HEADERS = [
     (b"content-type", b"text/event-stream"),
     (b"cache-control", b"no-cache"),
@@ -104,6 +104,14 @@ def _broker_lost() -> ZMLError:
 #: nats-py puts a status line (e.g. the broker's "503 no responders") in this header.
 _NATS_STATUS = "Status"
 _NO_RESPONDERS = "503"
+
+
+class _ClientGone(Exception):
+    """The HTTP client went away while its request ran (an Exchange abort)."""
+
+
+class _BrokerLost(Exception):
+    """The broker connection was lost while a request ran (an Exchange abort)."""
 
 
 def _no_router() -> NoHealthyNodesError:
@@ -295,33 +303,46 @@ class Gateway:
                         keepalive_s=ka / 1000.0 if ka else None, accept_parts=None if buffer else limit,
                         buffer=buffer or parts_buffer(limit, self.nc.max_payload))
 
+    def _watch(self, ex: Exchange, receive: Receive) -> Callable[[], None]:
+        """While a request runs, the HTTP client going away and the broker connection being
+        lost both abort its exchange: one task waits on ``receive()``, the broker is a callback.
+        Returns what stops watching."""
+        async def client_gone() -> None:
+            try:
+                await receive()  # the body was read whole: what comes next is the disconnect
+            except Exception:
+                pass
+            ex.abort(_ClientGone())
+
+        task = asyncio.ensure_future(client_gone())
+        unwatch = link_of(self.nc).on_change(lambda: ex.abort(_BrokerLost()))
+
+        def stop() -> None:
+            task.cancel()
+            unwatch()
+        return stop
+
     async def _infer_once(self, body: bytes, headers: dict[str, str], request_id: str, timeout: float,
                           receive: Receive, send: Send, limits: list[tuple[bytes, bytes]], tokens: list[int]) -> None:
         ex = self._exchange(body, headers, timeout)
         await ex.send()
-        # Watch for the client going away while the request runs: then cancel it on the node.
-        request = asyncio.ensure_future(ex.reply())
-        watch = asyncio.ensure_future(receive())
-        # A reply sent while the broker was away is lost: do not wait the whole timeout for it.
-        blink = asyncio.ensure_future(link_of(self.nc).reconnected(link_of(self.nc).generation))
+        # The client going away cancels the request on the node; a reply sent while the broker
+        # was away is lost: neither waits the whole timeout.
+        stop = self._watch(ex, receive)
         try:
-            done, _ = await asyncio.wait((request, watch, blink), return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            blink.cancel()
-            ex.close()
-        if request not in done:
-            request.cancel()
+            reply = await ex.reply()
+        except _ClientGone:
             await self._cancel(request_id, headers)
-            if blink in done:
-                watch.cancel()
-                raise _broker_lost()
             return
-        watch.cancel()
-        try:
-            reply = request.result()
+        except _BrokerLost:
+            await self._cancel(request_id, headers)
+            raise _broker_lost() from None
         except ZMLError:  # TIMEOUT, or its router gone (and gone again after a resend)
             await self._cancel(request_id, headers)
             raise
+        finally:
+            stop()
+            ex.close()
         rh = reply.headers or {}
         if rh.get(_NATS_STATUS) == _NO_RESPONDERS and not reply.data:
             raise _no_router()
@@ -344,41 +365,26 @@ class Gateway:
         limits: list[tuple[bytes, bytes]], tokens: list[int],
     ) -> None:
         # Chunks wait in a bounded buffer while the HTTP client is slow to read (overflow: cancel).
+        headers[subjects.H_ACCEPT_STREAM] = subjects.STREAM_EVENTS  # SSE relayed as the node framed it
         ex = self._exchange(body, headers, timeout, self.cfg.gateway.stream_buffer)
-        watch = asyncio.ensure_future(receive())
-        blink = asyncio.ensure_future(link_of(self.nc).reconnected(link_of(self.nc).generation))
+        stop = self._watch(ex, receive)
         started = False
         seq = SeqCheck()  # a lost message ends the stream with an error, never silently short
-        deadline = time.monotonic() + timeout + 1.0
         try:
             await ex.send()
             while True:
-                get = asyncio.ensure_future(ex.next())
-                remaining = deadline - time.monotonic()
-                done, _ = await asyncio.wait((get, watch, blink), timeout=max(remaining, 0),
-                                             return_when=asyncio.FIRST_COMPLETED)
-                if blink in done and get not in done:  # chunks sent while the broker was away are lost
-                    get.cancel()
+                try:
+                    msg = await ex.next()  # TIMEOUT past the request's timeout (+1 s grace)
+                except _ClientGone:
+                    await self._cancel(request_id, headers)
+                    return
+                except _BrokerLost:  # chunks sent while the broker was away are lost
                     await self._cancel(request_id, headers)
                     if started:
                         await self._sse_error(send, StreamInterruptedError(
                             "the broker connection was lost mid-stream; the stream is incomplete").to_body())
                         return
-                    raise _broker_lost()
-                if watch in done:  # client went away
-                    get.cancel()
-                    await self._cancel(request_id, headers)
-                    return
-                if get not in done:
-                    get.cancel()
-                    await self._cancel(request_id, headers)
-                    late = TimeoutError(f"no reply within {timeout:g} s")
-                    if started:
-                        await self._sse_error(send, late.to_body())
-                        return
-                    raise late
-                try:
-                    msg = get.result()
+                    raise _broker_lost() from None
                 except ZMLError as exc:  # its router gone (STREAM_INTERRUPTED once relaying), or TIMEOUT
                     await self._cancel(request_id, headers)
                     if started:
@@ -411,7 +417,9 @@ class Gateway:
                         raise lost
                     await self._sse_error(send, lost.to_body())
                     return
-                if kind == subjects.STREAM_CHUNK:
+                if kind == subjects.STREAM_EVENTS:  # whole SSE events, relayed as the node framed them
+                    await send({"type": "http.response.body", "body": msg.data, "more_body": True})
+                elif kind == subjects.STREAM_CHUNK:
                     await send({"type": "http.response.body", "body": b"data: " + msg.data + b"\n\n", "more_body": True})
                 elif kind == "start":
                     out = [*_SSE_HEADERS, *limits]
@@ -433,8 +441,7 @@ class Gateway:
                         await send({"type": "http.response.body", "body": b"data: " + msg.data + b"\n\n"})
                     return
         finally:
-            watch.cancel()
-            blink.cancel()
+            stop()
             ex.close()
 
     async def _sse_error(self, send: Send, body: Any) -> None:

@@ -1,8 +1,11 @@
 """Calls to accelerator nodes over HTTP, and what each failure means for routing.
 
-httpx is used with the aiohttp transport: the same httpx API at ~1/7 of the default
-transport's CPU per request (see docs/benchmarks.md). Outcomes are classified here, in one
-place, so the router's retry loop only sees :class:`Attempt` results.
+aiohttp is called directly: one ``ClientSession`` (no cookie jar), node URLs parsed once, the
+body read with a bound. Measured against httpx's API over the same aiohttp transport (the
+design card's choice) it costs ~45% less CPU per call (docs/benchmarks.md): httpx's
+``Request``/``Response``/``Headers`` objects, built and unwrapped on every call, did nothing
+for calls to our own nodes. Outcomes are classified here, in one place, so the router's retry
+loop only sees :class:`Attempt` results.
 """
 
 from __future__ import annotations
@@ -12,12 +15,12 @@ import enum
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 
-import httpx
 import aiohttp
-from httpx_aiohttp import AiohttpTransport
+import msgspec
+from yarl import URL
 
 from zmlcore.errors import ReplyTooLargeError
-from zmlcore.sse import SSELineTooLong, aiter_sse_lines, data_field
+from zmlcore.sse import EventRelay, SSELineTooLong, aiter_sse_lines, data_field, event_payloads
 
 
 class Failure(enum.Enum):
@@ -40,45 +43,53 @@ class AttemptError(Exception):
     mid_stream: bool = False
 
 
+_decode_any = msgspec.json.Decoder()
+
+#: Errors of the call itself (connect, reset, timeout of the connect, malformed HTTP): the node's fault.
+_NETWORK_ERRORS = (aiohttp.ClientError, OSError)
+
+
 class NodeClient:
-    """HTTP to the nodes: httpx Requests and Responses over the aiohttp transport, sent
-    straight to the transport. The client layers above it (redirects, auth, cookie jar
-    updates) cost ~20% of the router's CPU per request (py-spy, docs/benchmarks.md) and do
-    nothing for calls to our own nodes."""
+    """HTTP/1.1 to the nodes: one aiohttp session, created inside the running loop.
+
+    Only the connect is timed here (``connect_timeout``); waiting for a free connection and
+    reading are bounded by the request's own deadline (the router's ``asyncio.timeout``)."""
 
     def __init__(self, max_connections: int, connect_timeout: float) -> None:
         self._max = max_connections
-        self._timeout = {"connect": connect_timeout, "read": None, "write": None, "pool": None}
-        self._transport: AiohttpTransport | None = None
-        self._urls: dict[str, httpx.URL] = {}
+        self._timeout = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=connect_timeout, sock_read=None)
+        self._session: aiohttp.ClientSession | None = None
+        self._urls: dict[str, URL] = {}
 
-    def _get_transport(self) -> AiohttpTransport:
-        # The aiohttp session must be created inside the running loop.
-        if self._transport is None:
-            session = aiohttp.ClientSession(
+    def _get_session(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=self._max, limit_per_host=0, ttl_dns_cache=300),
                 cookie_jar=aiohttp.DummyCookieJar(),
+                timeout=self._timeout,
+                # Replies are relayed as they come: ask for them uncompressed.
+                headers={"accept-encoding": "identity"},
             )
-            self._transport = AiohttpTransport(client=session)
-        return self._transport
+        return self._session
 
-    def url(self, url: str) -> httpx.URL:
+    def url(self, url: str) -> URL:
         u = self._urls.get(url)
         if u is None:
-            u = self._urls[url] = httpx.URL(url)
+            if len(self._urls) > 4096:  # endpoints come and go with the fleet: bounded
+                self._urls.clear()
+            u = self._urls[url] = URL(url)
         return u
 
-    async def send(self, url: str, body: bytes, headers: dict[str, str]) -> httpx.Response:
-        request = httpx.Request("POST", self.url(url), content=body, headers=headers,
-                                extensions={"timeout": self._timeout})
-        return await self._get_transport().handle_async_request(request)
+    async def send(self, url: str, body: bytes, headers: dict[str, str]) -> aiohttp.ClientResponse:
+        return await self._get_session().request("POST", self.url(url), data=body, headers=headers,
+                                                 allow_redirects=False)
 
     async def aclose(self) -> None:
-        if self._transport is not None:
-            await self._transport.aclose()
+        if self._session is not None:
+            await self._session.close()
 
 
-def _retry_after(resp: httpx.Response) -> float | None:
+def _retry_after(resp: aiohttp.ClientResponse) -> float | None:
     value = resp.headers.get("retry-after")
     if not value:
         return None
@@ -88,8 +99,8 @@ def _retry_after(resp: httpx.Response) -> float | None:
         return None
 
 
-def classify(resp: httpx.Response, body: bytes) -> AttemptError:
-    status = resp.status_code
+def classify(resp: aiohttp.ClientResponse, body: bytes) -> AttemptError:
+    status = resp.status
     detail = body[:500].decode("utf-8", "replace")
     ra = _retry_after(resp)
     if status == 429 or status == 503:
@@ -116,58 +127,93 @@ async def post_json(client: NodeClient, url: str, body: bytes, headers: dict[str
     try:
         resp = await client.send(url, body, headers)
         try:
-            if resp.status_code >= 300:
+            if resp.status >= 300:
                 raise classify(resp, await _head(resp, MAX_ERROR_BODY))
             content = await _head(resp, max_bytes + 1)
         finally:
-            await resp.aclose()
-    except httpx.HTTPError as exc:
+            resp.release()  # back to the pool when read to the end, else the connection is closed
+    except _NETWORK_ERRORS as exc:
         raise AttemptError(Failure.NETWORK, 0, f"{type(exc).__name__}: {exc}") from exc
     if len(content) > max_bytes:
         raise ReplyTooLargeError(f"the node's reply is over {max_bytes} bytes ([nats] max_reply_bytes)")
     return content
 
 
-async def _head(resp: httpx.Response, limit: int) -> bytes:
+async def _head(resp: aiohttp.ClientResponse, limit: int) -> bytes:
     """At most ``limit`` bytes of a body (the rest is not read)."""
+    length = resp.content_length
+    if length is not None and length < limit:  # the usual reply: one read, bounded by its length
+        return await resp.content.read()
     parts: list[bytes] = []
     size = 0
-    async for chunk in resp.aiter_bytes():
+    while size < limit:
+        chunk = await resp.content.readany()
+        if not chunk:
+            break
         parts.append(chunk[: limit - size])
         size += len(chunk)
-        if size >= limit:
-            break
     return b"".join(parts)
 
 
-async def stream_sse(client: NodeClient, url: str, body: bytes, headers: dict[str, str]) -> AsyncIterator[bytes]:
-    """Yield the payload of each SSE ``data:`` line up to (not including) ``[DONE]``."""
+async def stream_sse(client: NodeClient, url: str, body: bytes, headers: dict[str, str],
+                     relay: bool = False) -> AsyncIterator[bytes]:
+    """Yield the payload of each SSE ``data:`` line up to (not including) ``[DONE]``; with
+    ``relay``, blocks of whole framed events instead, as they came (zmlcore.sse.EventRelay):
+    one per read from the node, however many events it held."""
     try:
         resp = await client.send(url, body, headers)
-    except httpx.HTTPError as exc:
+    except _NETWORK_ERRORS as exc:
         raise AttemptError(Failure.NETWORK, 0, f"{type(exc).__name__}: {exc}") from exc
     try:
-        if resp.status_code >= 300:
-            raise classify(resp, await _head(resp, MAX_ERROR_BODY))
+        if resp.status >= 300:
+            try:
+                raise classify(resp, await _head(resp, MAX_ERROR_BODY))
+            except _NETWORK_ERRORS as exc:
+                raise AttemptError(Failure.NETWORK, 0, f"{type(exc).__name__}: {exc}") from exc
         try:
-            # Lines end at CR/LF only (zmlcore.sse): not at U+2028 & co. inside JSON strings.
-            async for line in aiter_sse_lines(resp.aiter_bytes()):
-                data = data_field(line)
-                if data is None:
-                    continue
-                data = data.strip()
-                if data == b"[DONE]":
-                    return
-                if data:
-                    yield data
-        except httpx.HTTPError as exc:
+            if relay:
+                events = EventRelay()
+                async for raw in resp.content.iter_any():
+                    block = events.feed(raw)
+                    if block:
+                        yield block
+                    if events.done:
+                        return
+            else:
+                # Lines end at CR/LF only (zmlcore.sse): not at U+2028 & co. inside JSON strings.
+                async for line in aiter_sse_lines(resp.content.iter_any()):
+                    data = data_field(line)
+                    if data is None:
+                        continue
+                    data = data.strip()
+                    if data == b"[DONE]":
+                        return
+                    if data:
+                        yield data
+        except _NETWORK_ERRORS as exc:
             raise AttemptError(Failure.NETWORK, 0, f"stream broken: {type(exc).__name__}: {exc}") from exc
         except SSELineTooLong as exc:
             raise AttemptError(Failure.SERVER, 200, f"stream broken: {exc}") from exc
         # The server closed the stream without [DONE]: treat as a broken stream.
         raise AttemptError(Failure.NETWORK, 0, "stream ended without [DONE]")
     finally:
-        await resp.aclose()
+        resp.release()
+
+
+def stream_usage(chunk: bytes) -> dict | None:  # type: ignore[type-arg]
+    """The ``usage`` object of a stream chunk (one payload, or a relayed block of events)."""
+    if b'"usage"' not in chunk:
+        return None
+    for payload in event_payloads(chunk) if chunk.startswith(b"data:") else (chunk,):
+        if b'"usage"' not in payload:
+            continue
+        try:
+            usage = _decode_any.decode(payload).get("usage")
+        except (msgspec.DecodeError, AttributeError):
+            continue
+        if isinstance(usage, dict) and isinstance(usage.get("total_tokens"), int):
+            return usage
+    return None
 
 
 async def within_first_byte(call: Awaitable[bytes], seconds: float | None) -> bytes:

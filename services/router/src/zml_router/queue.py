@@ -53,7 +53,7 @@ H_TOTAL_MS = "Zml-Total-Timeout-Ms"  # a re-queued request's original timeout
 #: policy, cost label), what its requester handles (reply parts, keepalives), and its W3C trace context (the spans of the router that serves it join
 #: the trace that queued it).
 H_QUEUED_HEADERS = (subjects.H_REQUEST_ID, subjects.H_TIMEOUT_MS, subjects.H_OWNER, subjects.H_DEFAULT_POLICY,
-                    subjects.H_LABEL, subjects.H_ACCEPT_PARTS, subjects.H_KEEPALIVE, "traceparent", "tracestate",
+                    subjects.H_LABEL, subjects.H_ACCEPT_PARTS, subjects.H_ACCEPT_STREAM, subjects.H_KEEPALIVE, "traceparent", "tracestate",
                     subjects.H_ID_CLAIM)  # a queued request keeps its claim on its id (zml_router.ids)
 
 ACK_WAIT_S = 5.0

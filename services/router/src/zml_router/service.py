@@ -72,6 +72,7 @@ from zml_router.dispatch import (
     first_chunk_within,
     post_json,
     stream_sse,
+    stream_usage,
     within_first_byte,
 )
 from zml_router.firstbyte import expected_s, first_byte_timeout
@@ -784,7 +785,10 @@ class RouterService:
         pending = 1
         started = False
         seq = 0
-        chunks = stream_sse(self.http, self._url(info, req), body, self._backend_headers(info))  # type: ignore[arg-type]
+        # Relayed as the node framed it to a requester that writes SSE itself (the gateway).
+        relay = rename is None and (msg.headers or {}).get(subjects.H_ACCEPT_STREAM) == subjects.STREAM_EVENTS
+        kind = subjects.STREAM_EVENTS if relay else subjects.STREAM_CHUNK
+        chunks = stream_sse(self.http, self._url(info, req), body, self._backend_headers(info), relay)  # type: ignore[arg-type]
         try:
             async for chunk in first_chunk_within(chunks, first_byte):
                 if not started:
@@ -796,18 +800,14 @@ class RouterService:
                     info.time_to_first_token = time.monotonic() - t0
                     await self._publish(msg.reply, _encode(StreamStart(routing=info)),
                                         {**self._routing_headers(info), subjects.H_STREAM: "start", subjects.H_SEQ: "0"})
-                if b'"usage"' in chunk:
-                    try:
-                        usage = _decode_any.decode(chunk).get("usage")
-                        if isinstance(usage, dict) and isinstance(usage.get("total_tokens"), int):
-                            info.total_tokens = usage["total_tokens"]
-                            self.metrics.usage_dict(req.kind(), req.model, usage)
-                    except msgspec.DecodeError:
-                        pass
+                usage = stream_usage(chunk)
+                if usage is not None:
+                    info.total_tokens = usage["total_tokens"]
+                    self.metrics.usage_dict(req.kind(), req.model, usage)
                 if rename is not None:
                     chunk = rename(chunk)
                 seq += 1  # numbered so that a receiver notices a lost message (zmlcore.streamseq)
-                await self._publish(msg.reply, chunk, {subjects.H_STREAM: subjects.STREAM_CHUNK, subjects.H_SEQ: str(seq)})
+                await self._publish(msg.reply, chunk, {subjects.H_STREAM: kind, subjects.H_SEQ: str(seq)})
             if not started:  # a stream with no chunk at all
                 info.time_to_first_token = time.monotonic() - t0
                 await self._publish(msg.reply, _encode(StreamStart(routing=info)),

@@ -1,0 +1,216 @@
+"""CPU per relayed stream chunk, all ZML processes (gateway + router + nats-server + health),
+HTTP client -> gateway -> NATS -> router -> a streaming stub node.
+
+The stub sends each SSE event in its own write, ``--gap-ms`` apart (as an engine sends one
+token at a time), so every chunk crosses every hop on its own. Two phases with the same
+requests and concurrency differ only in the number of chunks per stream (``--short`` and
+``--long`` events); the CPU per chunk is the difference of the ZML processes' CPU divided by
+the difference in chunks relayed, so the per-request cost (decision, dispatch, start/end
+messages) cancels out:
+
+    python benches/stream_chunk_cost.py [--conc 16] [--requests 400] [--short 2] [--long 66]
+
+CPU is read from /proc/<pid>/stat of each ZML process (utime + stime). The client (aiohttp,
+this process) and the stub (its own process) are not counted. Everything binds 127.0.0.1 on
+free ports; every process is started and stopped by PID.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+
+import aiohttp
+
+from zmlcore.launch import Proc, free_port, service_argv, spawn, start_nats, wait_port
+
+STUB = textwrap.dedent(r'''
+    import asyncio, json, sys
+    GAP = float(sys.argv[2]) / 1000.0
+    MODELS = b'{"object":"list","data":[{"id":"stub-model","object":"model","owned_by":"stub"}]}'
+    def event(i, n):
+        if i == n - 1:
+            d = {"id": "c", "object": "chat.completion.chunk", "model": "stub-model", "choices": [],
+                 "usage": {"prompt_tokens": 5, "completion_tokens": n, "total_tokens": 5 + n}}
+        else:
+            d = {"id": "c", "object": "chat.completion.chunk", "model": "stub-model",
+                 "choices": [{"index": 0, "delta": {"content": " tok"}, "finish_reason": None}]}
+        data = b"data: " + json.dumps(d, separators=(",", ":")).encode() + b"\n\n"
+        return b"%x\r\n%s\r\n" % (len(data), data)
+    async def handle(r, w):
+        try:
+            while True:
+                head = await r.readuntil(b"\r\n\r\n")
+                n = 0
+                for line in head.split(b"\r\n"):
+                    if line[:15].lower() == b"content-length:":
+                        n = int(line[15:])
+                body = await r.readexactly(n) if n else b""
+                if head.startswith(b"GET") and not head.startswith(b"GET /v1/models "):
+                    w.write(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
+                    continue
+                if head.startswith(b"GET"):
+                    w.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+                            % len(MODELS) + MODELS)
+                    continue
+                req = json.loads(body)
+                if not req.get("stream"):
+                    out = b'{"id":"c","object":"chat.completion","model":"stub-model","choices":[{"index":0,"message":{"role":"assistant","content":"x"},"finish_reason":"stop"}],"usage":{"prompt_tokens":1,"completion_tokens":1,"total_tokens":2}}'
+                    w.write(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
+                            % len(out) + out)
+                    continue
+                tokens = int(req.get("max_tokens") or 16)
+                w.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+                for i in range(tokens):
+                    await asyncio.sleep(GAP)
+                    w.write(event(i, tokens))
+                done = b"data: [DONE]\n\n"
+                w.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
+                await w.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            w.close()
+    async def main():
+        srv = await asyncio.start_server(handle, "127.0.0.1", int(sys.argv[1]))
+        await srv.serve_forever()
+    asyncio.run(main())
+''')
+
+CONFIG = """
+[defaults]
+request_timeout_s = 60
+[health]
+poll_interval_s = 1
+[[nodes]]
+id = "stub-1"
+accelerator = "nvidia_h100"
+endpoint = "http://127.0.0.1:{port}"
+backend = "openai"
+models = ["stub-model"]
+"""
+
+
+def cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def one_stream(session: aiohttp.ClientSession, url: str, tokens: int) -> int:
+    body = {"model": "stub-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": tokens,
+            "stream": True}
+    chunks = 0
+    async with session.post(url, json=body) as resp:
+        assert resp.status == 200, (resp.status, await resp.text())
+        async for line in resp.content:
+            if line.startswith(b"data: "):
+                if line.strip() == b"data: [DONE]":
+                    return chunks
+                chunks += 1
+    raise RuntimeError("stream ended without [DONE]")
+
+
+async def phase(url: str, tokens: int, requests: int, conc: int, pids: dict[str, int]) -> tuple[int, dict[str, float], float]:
+    async with aiohttp.ClientSession() as session:
+        await asyncio.gather(*(one_stream(session, url, tokens) for _ in range(conc)))  # warm
+        todo = list(range(requests))
+        chunks = 0
+
+        async def worker() -> None:
+            nonlocal chunks
+            while todo:
+                todo.pop()
+                got = await one_stream(session, url, tokens)  # not `chunks += await`: lost updates
+                chunks += got
+
+        before = {n: cpu_s(p) for n, p in pids.items()}
+        t0 = time.monotonic()
+        await asyncio.gather(*(worker() for _ in range(conc)))
+        wall = time.monotonic() - t0
+        after = {n: cpu_s(p) for n, p in pids.items()}
+    return chunks, {n: after[n] - before[n] for n in pids}, wall
+
+
+async def run(a: argparse.Namespace, url: str, pids: dict[str, int]) -> list[dict[str, float]]:
+    rows = []
+    for rep in range(a.reps):
+        short = await phase(url, a.short, a.requests, a.conc, pids)
+        long = await phase(url, a.long, a.requests, a.conc, pids)
+        dchunks = long[0] - short[0]
+        row = {n: (long[1][n] - short[1][n]) / dchunks * 1e6 for n in pids}
+        row["total"] = sum(row.values())
+        row["chunks/s"] = long[0] / long[2]
+        rows.append(row)
+        print(f"rep {rep + 1}: {short[0]} chunks in {short[2]:.1f} s, {long[0]} chunks in {long[2]:.1f} s ({row['chunks/s']:.0f}/s); "
+              "µs CPU per chunk: " + ", ".join(f"{n} {row[n]:.1f}" for n in (*pids, "total")), flush=True)
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--conc", type=int, default=16, help="streams at once")
+    ap.add_argument("--requests", type=int, default=400, help="streams per phase")
+    ap.add_argument("--short", type=int, default=2, help="chunks per stream, short phase")
+    ap.add_argument("--long", type=int, default=66, help="chunks per stream, long phase")
+    ap.add_argument("--gap-ms", type=float, default=2.0, help="the stub's pause before each chunk")
+    ap.add_argument("--reps", type=int, default=3)
+    a = ap.parse_args()
+    procs: list[Proc] = []
+    stub = None
+    with tempfile.TemporaryDirectory(prefix="zml-stream-bench-") as tmp:
+        try:
+            sport = free_port()
+            stub = subprocess.Popen([sys.executable, "-c", STUB, str(sport), str(a.gap_ms)])
+            cfg = os.path.join(tmp, "zml.toml")
+            with open(cfg, "w") as f:
+                f.write(CONFIG.format(port=sport))
+            nport = free_port()
+            nats_url = f"nats://127.0.0.1:{nport}"
+            procs.append(start_nats("127.0.0.1", nport, os.path.join(tmp, "js")))
+            procs.append(spawn("health", service_argv("health", cfg, nats_url)))
+            procs.append(spawn("router", service_argv("router", cfg, nats_url)))
+            gport = free_port()
+            procs.append(spawn("gateway", service_argv("gateway", cfg, nats_url, "--port", str(gport))))
+            if not wait_port("127.0.0.1", gport, 30):
+                raise RuntimeError("gateway did not start:\n" + procs[-1].tail())
+            url = f"http://127.0.0.1:{gport}/v1/chat/completions"
+            pids = {p.name: p.pid for p in procs}
+
+            async def go() -> list[dict[str, float]]:
+                deadline = time.monotonic() + 60
+                while True:  # the node is routable once health has polled it
+                    try:
+                        async with aiohttp.ClientSession() as s:
+                            await one_stream(s, url, 2)
+                        break
+                    except (AssertionError, aiohttp.ClientError):
+                        if time.monotonic() > deadline:
+                            raise
+                        await asyncio.sleep(0.5)
+                return await run(a, url, pids)
+
+            rows = asyncio.run(go())
+        finally:
+            for p in reversed(procs):
+                p.stop()
+            if stub is not None:
+                stub.terminate()
+                stub.wait(10)
+    names = [*(p.name for p in procs), "total"]
+    print(f"\nmedians of {a.reps} reps, C={a.conc}, {a.short} vs {a.long} chunks per stream, stub gap {a.gap_ms:g} ms, "
+          f"{statistics.median(r['chunks/s'] for r in rows):.0f} chunks/s in the long phase\n")
+    print("| " + " | ".join(names) + " |")
+    print("|" + "---|" * len(names))
+    print("| " + " | ".join(f"{statistics.median(r[n] for r in rows):.1f}" for n in names) + " |  (µs CPU per relayed chunk)")
+
+
+if __name__ == "__main__":
+    main()
