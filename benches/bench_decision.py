@@ -1,47 +1,88 @@
-"""Decision time of zmlcore.policy.choose_node: fleets of 10 to 10,000 nodes x chains of 1-5 families.
+"""Decision time of zmlcore.policy.choose_node at 100 / 1,000 / 10,000 nodes, index upkeep included.
 
-    python benches/bench_decision.py            # prints markdown tables (median / p99 in us)
-    python benches/bench_decision.py --quick    # fewer iterations
+    python benches/bench_decision.py                 # markdown tables (median / p99 / mean, us)
+    python benches/bench_decision.py --quick         # fewer decisions per cell
 
-The fleet cycles through the five accelerator types (one family each, list speeds, so five
-index classes); every node starts with random load. Each timed decision is followed, untimed,
-by what the router does next: the chosen node's outstanding/pending +1 and one random node's
--1 (so the index is exercised the way it is in production). The second table times the same
-counter update (the FleetIndex hook) and a full FleetIndex rebuild.
+The fleet is what a router sees: five accelerator types, and every node with its *own*
+measured speeds (health's EWMA over noisy per-request observations of a true speed that
+differs per node and wanders over time), so no two nodes score alike. Time runs virtually:
+decisions arrive at ``--rate`` per second and every node is polled every ``--poll-interval``
+seconds (+-10% jitter, phases spread like the health service's). Each timed unit is one
+decision plus all index upkeep since the previous one: the polled states that arrived
+(``view.state = new_state``, the router's KV handler) and the counter changes of the previous
+dispatch and of completions (``view.outstanding += 1`` ...). Building the new NodeState (the
+router's KV decode) is not index work and is not timed. GC stays on. Besides wall-clock time
+each unit's thread CPU time is reported: on a shared box it leaves out the time the process
+waited for a core (wall-clock p99s there are mostly other processes' time slices).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import heapq
+import math
+import os
 import platform
 import random
 import statistics
 import time
 
+import msgspec
+
 from zmlcore.accelerators import ACCELERATORS
 from zmlcore.config import PolicyConfig
 from zmlcore.messages import NodeState
 from zmlcore.policy import FleetIndex, NodeView, RouteRequest, RoutingState, builtin_policy, choose_node
+from zmlcore.policy.estimate import node_speeds
 from zmlcore.policy.resolve import ResolvedPolicy
 
 TYPES = list(ACCELERATORS)
 FAMILIES = [ACCELERATORS[t].family for t in TYPES]
+#: Per-node spread of true speeds around the type's list speed (lognormal sigma), the drift of
+#: a true speed per poll (random walk sigma), the noise of one observation and the EWMA weight.
+NODE_SPREAD, DRIFT, NOISE, ALPHA = 0.08, 0.01, 0.05, 0.2
 
 
-def make_fleet(n: int, rng: random.Random) -> list[NodeView]:
-    views = []
+class Node:
+    """A node's true speeds and the health service's EWMA of them."""
+
+    __slots__ = ("view", "true_pf", "true_dec", "pf", "dec", "maxc")
+
+    def __init__(self, view: NodeView, rng: random.Random) -> None:
+        self.view = view
+        pf, dec, self.maxc = node_speeds(view.state)
+        self.true_pf = pf * rng.lognormvariate(0, NODE_SPREAD)
+        self.true_dec = dec * rng.lognormvariate(0, NODE_SPREAD)
+        self.pf, self.dec = self.true_pf, self.true_dec
+
+    def poll(self, rng: random.Random, now: float) -> NodeState:
+        self.true_pf *= math.exp(rng.gauss(0, DRIFT))
+        self.true_dec *= math.exp(rng.gauss(0, DRIFT))
+        self.pf += ALPHA * (self.true_pf * (1 + rng.gauss(0, NOISE)) - self.pf)
+        self.dec += ALPHA * (self.true_dec * (1 + rng.gauss(0, NOISE)) - self.dec)
+        v = self.view
+        return msgspec.structs.replace(
+            v.state, prefill_tps=round(self.pf, 3), decode_tps=round(self.dec, 3), updated_at=now,
+            queue_running=min(self.maxc, v.outstanding + rng.randint(0, 2)), queue_waiting=rng.randint(0, 2),
+            health_score=round(rng.uniform(90, 100), 1),
+        )
+
+
+def make_fleet(n: int, rng: random.Random) -> list[Node]:
+    nodes = []
     for i in range(n):
         t = TYPES[i % len(TYPES)]
         a = ACCELERATORS[t]
         st = NodeState(
             node_id=f"n{i}", accelerator_type=t, family=a.family, endpoint=f"http://n{i}:8000", status="up",
-            models=["m"], queue_running=rng.randint(0, a.max_concurrency), queue_waiting=rng.randint(0, 3),
-            max_concurrency=a.max_concurrency, cost_per_hour=a.cost_per_hour, health_score=100.0, updated_at=1000.0,
+            models=["m"], max_concurrency=a.max_concurrency, cost_per_hour=a.cost_per_hour, health_score=100.0,
+            updated_at=0.0,
         )
-        v = NodeView(st, outstanding=rng.randint(0, 40), pending=rng.randint(0, 4))
-        views.append(v)
-    return views
+        node = Node(NodeView(st, outstanding=rng.randint(0, 40), pending=rng.randint(0, 4)), rng)
+        node.view.state = node.poll(rng, 0.0)
+        nodes.append(node)
+    return nodes
 
 
 def chain_policy(k: int, prio: str = "balanced") -> ResolvedPolicy:
@@ -49,98 +90,118 @@ def chain_policy(k: int, prio: str = "balanced") -> ResolvedPolicy:
     return ResolvedPolicy(f"chain{k}", PolicyConfig(accelerator_chain=chain, cost_priority=prio), tuple(chain))  # type: ignore[arg-type]
 
 
-def time_decisions(fleet: FleetIndex, pol: ResolvedPolicy, iters: int, rng: random.Random) -> tuple[float, float]:
+def run_cell(n: int, pol: ResolvedPolicy, iters: int, rate: float, poll_s: float, seed: int) -> dict[str, float]:
+    rng = random.Random(seed)
+    nodes = make_fleet(n, rng)
+    views = [nd.view for nd in nodes]
+    fleet = FleetIndex(views)
     state = RoutingState()
-    views = list(fleet)
-    samples = []
-    now = 1000.0
+    now = 1.0
+    polls = [(now + rng.uniform(0, poll_s), i) for i in range(n)]
+    heapq.heapify(polls)
     clock = time.perf_counter_ns
-    gc.disable()
-    try:
-        for it in range(iters + 200):
-            req = RouteRequest(model="m", prompt_tokens=rng.randint(50, 3000))
-            t0 = clock()
-            d = choose_node(fleet, req, pol, now, state)
-            t1 = clock()
-            if it >= 200:
-                samples.append((t1 - t0) / 1000.0)
-            v = fleet.get(d.node_id)
-            assert v is not None
-            v.outstanding += 1
-            v.pending += 1
-            w = views[rng.randrange(len(views))]
-            if w.outstanding > 0:
-                w.outstanding -= 1
-            if w.pending > 0:
-                w.pending -= 1
-            now += 0.001
-    finally:
-        gc.enable()
-    samples.sort()
-    return statistics.median(samples), samples[int(0.99 * (len(samples) - 1))]
+    cpu = time.thread_time_ns
+    warm = 200
+    units: list[float] = []
+    cpu_units: list[float] = []
+    decisions: list[float] = []
+    poll_costs: list[float] = []
+    n_polls = 0
+    last = None
+    choose_node(fleet, RouteRequest(model="m"), pol, now, state)  # build the table (not timed)
+    rebuilds = getattr(fleet, "rebuilds", 0)
+    gc.collect()
+    for it in range(iters + warm):
+        now += 1.0 / rate
+        # Polls that arrived since the last decision: the new states are decoded off the clock.
+        due = []
+        while polls[0][0] <= now:
+            t_due, i = heapq.heappop(polls)
+            due.append((nodes[i].view, nodes[i].poll(rng, t_due)))
+            heapq.heappush(polls, (t_due + poll_s * rng.uniform(0.9, 1.1), i))
+        done = views[rng.randrange(n)]
+        req = RouteRequest(model="m", prompt_tokens=rng.randint(50, 3000))
+        c0 = cpu()
+        t0 = clock()
+        for v, st in due:
+            p0 = clock()
+            v.state = st
+            poll_costs.append(clock() - p0)
+        if last is not None:  # the previous dispatch, and one completion
+            last.outstanding += 1
+            last.pending += 1
+        if done.outstanding > 0:
+            done.outstanding -= 1
+        if done.pending > 0:
+            done.pending -= 1
+        t2 = clock()
+        d = choose_node(fleet, req, pol, now, state)
+        t3 = clock()
+        c3 = cpu()
+        last = fleet.get(d.node_id)
+        if it >= warm:
+            units.append((t3 - t0) / 1000.0)
+            cpu_units.append((c3 - c0) / 1000.0)
+            decisions.append((t3 - t2) / 1000.0)
+            n_polls += len(due)
+    assert getattr(fleet, "rebuilds", 0) == rebuilds, "a poll forced a table rebuild"
+    for xs in (units, cpu_units, decisions, poll_costs):
+        xs.sort()
+    return {
+        "median": statistics.median(units), "p99": p99(units), "mean": statistics.fmean(units),
+        "cpu_median": statistics.median(cpu_units), "cpu_p99": p99(cpu_units),
+        "dec_median": statistics.median(decisions), "dec_p99": p99(decisions),
+        "polls_per_decision": n_polls / iters,
+        "poll_median": statistics.median(poll_costs) / 1000.0 if poll_costs else 0.0,
+        "poll_p99": p99(poll_costs) / 1000.0 if poll_costs else 0.0,
+    }
+
+
+def p99(xs: list[float]) -> float:
+    return xs[int(0.99 * (len(xs) - 1))]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--sizes", default="10,100,1000,10000")
+    ap.add_argument("--sizes", default="100,1000,10000")
+    ap.add_argument("--rate", type=float, default=1000.0, help="decisions per second (virtual time)")
+    ap.add_argument("--poll-intervals", default="5,1", help="seconds between polls of one node (health default 5)")
     args = ap.parse_args()
     iters = 1000 if args.quick else 5000
     sizes = [int(x) for x in args.sizes.split(",")]
-    print(f"# choose_node decision time (us), Python {platform.python_version()}, {iters} decisions per cell\n")
-    print("Policy chain with cost_priority=balanced (the account default's evaluation), median / p99:\n")
-    print("| nodes | " + " | ".join(f"chain of {k}" for k in range(1, 6)) + " |")
-    print("|---|" + "---|" * 5)
-    for n in sizes:
-        rng = random.Random(n)
-        fleet = FleetIndex(make_fleet(n, rng))
-        cells = []
-        for k in range(1, 6):
-            med, p99 = time_decisions(fleet, chain_policy(k), iters, rng)
-            cells.append(f"{med:.1f} / {p99:.1f}")
-        print(f"| {n:,} | " + " | ".join(cells) + " |")
-    print("\nEach strategy over all 5 families, median / p99:\n")
-    names = ["latency", "cost", "availability", "round_robin", "balanced"]
-    weighted = ResolvedPolicy("weighted", PolicyConfig(strategy="weighted", latency_weight=0.7, cost_weight=0.3, queue_threshold=24), ())
-    chain_lat = chain_policy(5, "latency")
-    chain_cost = chain_policy(5, "cost")
-    pols = [builtin_policy(x) for x in names] + [weighted, chain_lat, chain_cost]
-    labels = names + ["weighted", "chain/latency", "chain/cost"]
-    print("| nodes | " + " | ".join(labels) + " |")
-    print("|---|" + "---|" * len(labels))
-    for n in sizes:
-        rng = random.Random(n + 1)
-        fleet = FleetIndex(make_fleet(n, rng))
-        cells = []
-        for pol in pols:
-            med, p99 = time_decisions(fleet, pol, iters // 2, rng)
-            cells.append(f"{med:.1f} / {p99:.1f}")
-        print(f"| {n:,} | " + " | ".join(cells) + " |")
-    print("\nIndex upkeep (us): one counter change (`view.outstanding += 1`), and a full rebuild of the model table "
-          "(after a node joins, leaves or changes models/speeds); plain list = choose_node on a list (index built per call):\n")
-    print("| nodes | counter update | rebuild | plain list, latency |")
-    print("|---|---|---|---|")
-    for n in sizes:
-        rng = random.Random(n + 2)
-        views = make_fleet(n, rng)
-        fleet = FleetIndex(views)
-        choose_node(fleet, RouteRequest(model="m"), builtin_policy("latency"), 1000.0, RoutingState())
-        t0 = time.perf_counter_ns()
-        for i in range(2000):
-            views[i % n].outstanding += 1
-        upd = (time.perf_counter_ns() - t0) / 2000 / 1000
-        reps = max(3, 2000 // n)
-        t0 = time.perf_counter_ns()
-        for _ in range(reps):
-            fleet._invalidate()
-            fleet.table("m")
-        reb = (time.perf_counter_ns() - t0) / reps / 1000
-        reps = max(3, 1000 // n)
-        t0 = time.perf_counter_ns()
-        for _ in range(reps):
-            choose_node(views, RouteRequest(model="m"), builtin_policy("latency"), 1000.0, RoutingState())
-        plain = (time.perf_counter_ns() - t0) / reps / 1000
-        print(f"| {n:,} | {upd:.2f} | {reb:,.0f} | {plain:,.0f} |")
+    load0 = os.getloadavg()[0]
+    print(f"# choose_node incl. index upkeep (us), Python {platform.python_version()}, numpy "
+          f"{__import__('numpy').__version__}, {iters} decisions per cell, {args.rate:g} decisions/s\n")
+    names = ["balanced", "latency", "cost", "availability", "round_robin"]
+    weighted = ResolvedPolicy("weighted", PolicyConfig(strategy="weighted", latency_weight=0.7, cost_weight=0.3,
+                                                       queue_threshold=24), ())
+    pols = [builtin_policy(x) for x in names] + [weighted, chain_policy(5, "latency"), chain_policy(5, "cost")]
+    labels = names + ["weighted (qt 24)", "chain/latency", "chain/cost"]
+    for poll_s in (float(x) for x in args.poll_intervals.split(",")):
+        print(f"Poll interval {poll_s:g} s. Decision + index upkeep since the previous decision, wall-clock "
+              "median / p99 (CPU-time median / p99 in brackets):\n")
+        print("| nodes | polls per decision | " + " | ".join(labels) + " |")
+        print("|---|---|" + "---|" * len(labels))
+        detail = []
+        for n in sizes:
+            cells = []
+            ppd = 0.0
+            for k, pol in enumerate(pols):
+                r = run_cell(n, pol, iters, args.rate, poll_s, seed=n * 10 + k)
+                ppd = r["polls_per_decision"]
+                cells.append(f"{r['median']:.1f} / {r['p99']:.1f} ({r['cpu_median']:.0f} / {r['cpu_p99']:.0f})")
+                if pol.name == "balanced":
+                    detail.append((n, r))
+            print(f"| {n:,} | {ppd:.2f} | " + " | ".join(cells) + " |")
+        print("\nbalanced in detail (us, wall-clock): the decision alone, the mean unit, one poll's index update:\n")
+        print("| nodes | decision median / p99 | mean unit incl. upkeep | poll update median / p99 |")
+        print("|---|---|---|---|")
+        for n, r in detail:
+            print(f"| {n:,} | {r['dec_median']:.1f} / {r['dec_p99']:.1f} | {r['mean']:.1f} | "
+                  f"{r['poll_median']:.1f} / {r['poll_p99']:.1f} |")
+        print()
+    print(f"load average (1 min) before / after: {load0:.2f} / {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
 
 
 if __name__ == "__main__":

@@ -97,36 +97,48 @@ def test_index_is_a_sequence_and_close_unhooks():
     assert views[0]._watchers == []
 
 
-def test_measured_speeds_within_bucket_share_a_class():
+def test_measured_speeds_update_rows_in_place_without_rebuild():
     a, b = node("a"), node("b")
-    for v, pf in ((a, 10_000.0), (b, 10_050.0)):
+    fleet = FleetIndex([a, b])
+    t = fleet.table("m")
+    builds = fleet.rebuilds
+    for v, pf in ((a, 10_000.0), (b, 20_050.0)):
         st = v.state
         v.state = type(st)(**{**{f: getattr(st, f) for f in st.__struct_fields__}, "prefill_tps": pf})
-    fleet = FleetIndex([a, b])
-    assert len(fleet.table("m").by_family["h100"]) == 1
+    assert fleet.table("m") is t and fleet.rebuilds == builds
+    assert list(t.inv_pf) == [1 / 10_000.0, 1 / 20_050.0]
+    assert choose_node(fleet, RouteRequest(model="m", prompt_tokens=2000), LAT, NOW, RoutingState()).node_id == "b"
 
 
-def test_cached_argmin_stays_exact_under_random_updates():
+def test_rows_stay_exact_under_random_updates():
     import random
 
-    from zmlcore.policy.estimate import INF
+    from zmlcore.policy.estimate import INF, node_cost, node_speeds
 
     rng = random.Random(3)
     views = [node(f"n{i}", outstanding=rng.randint(0, 40), pending=rng.randint(0, 3)) for i in range(30)]
     fleet = FleetIndex(views)
-    (cls,) = fleet.table("m").by_family["h100"]
+    t = fleet.table("m")
     for _ in range(2000):
         v = views[rng.randrange(30)]
-        if rng.random() < 0.5:
+        r = rng.random()
+        if r < 0.4:
             v.outstanding = max(0, v.outstanding + rng.choice((-1, 1)))
-        else:
+        elif r < 0.8:
             v.pending = max(0, v.pending + rng.choice((-1, 1)))
+        else:
+            st = v.state
+            v.state = type(st)(**{**{f: getattr(st, f) for f in st.__struct_fields__},
+                                  "prefill_tps": rng.uniform(8000, 12000), "decode_tps": rng.uniform(60, 90),
+                                  "queue_running": rng.randint(0, 30), "status": rng.choice(("up", "up", "down"))})
         if rng.random() < 0.3:
-            i = cls.argmin_key()
-            m = min(cls.keys)
-            assert i == (cls.keys.index(m) if m != INF else -1)
-            j = cls.argmin_drain()
-            assert j == cls.drains.index(min(cls.drains))
+            for j, w in enumerate(t.views):
+                c = Coeffs(*node_speeds(w.state), node_cost(w.state))
+                up = w.state.status == "up"
+                assert t.key[j] == (c.load_key(w.effective_outstanding(), w.effective_pending()) if up else INF)
+                assert t.drain[j] == (c.drain_key(w.effective_outstanding()) if up else INF)
+                assert t.inv_pf[j] == c.inv_pf and t.cost_cap[j] == c.cost_cap
+    assert fleet.table("m") is t
 
 
 def test_reused_plain_list_gets_a_cached_watching_index():

@@ -119,6 +119,16 @@ class GatewayConfig(msgspec.Struct, **_Base):
     """Private key of tls_cert_file (env ZML_GATEWAY_TLS_KEY)."""
     tls_client_ca_file: str | None = None
     """Require client certificates signed by this CA (mutual TLS). None: any client."""
+    http2: bool = True
+    """Serve HTTP/2 on the same port as HTTP/1.1: cleartext with prior knowledge (h2c), and
+    over TLS when ALPN chooses ``h2``. The header bounds above apply to it as well. False:
+    HTTP/1.1 only."""
+    http2_max_streams: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 100
+    """Concurrent streams one HTTP/2 connection may open (SETTINGS_MAX_CONCURRENT_STREAMS)."""
+    processes: PosInt | Literal["auto"] = "auto"
+    """Gateway processes `zml up` runs on the one port (SO_REUSEPORT: the kernel spreads
+    connections over them). "auto": sized to the machine's cores (zmlcore.sizing); `zml up
+    --gateways N` overrides. Each process has its own /metrics, dashboard and max_concurrent."""
 
 
 class RouterConfig(msgspec.Struct, **_Base):
@@ -145,6 +155,9 @@ class RouterConfig(msgspec.Struct, **_Base):
     first_byte_factor: NonNeg = 4.0
     """Multiple of the node's estimated time to first token (to the whole reply when not
     streaming) allowed before the first byte; 0 makes first_byte_floor_s a fixed timeout."""
+    processes: PosInt | Literal["auto"] = "auto"
+    """Router replicas `zml up` runs (one queue group). "auto": sized to the machine's cores
+    (zmlcore.sizing); `zml up --routers N` overrides."""
 
 
 class HealthConfig(msgspec.Struct, **_Base):
@@ -175,6 +188,11 @@ class HealthConfig(msgspec.Struct, **_Base):
     generate_probe_every: PosInt = 12
     """SGLang: every Nth poll also calls /health_generate (a one-token generation); the other
     polls use the cheap /ready."""
+    kv_heartbeat_s: PosFloat = 5.0
+    """A node's state goes to the KV bucket when something readers act on changed (status,
+    models, queue, speeds by over 2%...), else often enough that the written state is never
+    older than this (capped at a third of router.stale_after_s, so a live node never looks
+    stale and a dead health service still makes every node stale)."""
 
 
 class SimConfig(msgspec.Struct, **_Base):

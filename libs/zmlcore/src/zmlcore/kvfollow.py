@@ -17,6 +17,10 @@ under load, orphans piled up on the server (9 consumers on ``zml_nodes`` for 6 l
     follower = KVFollower(nc, subjects.NODES_BUCKET, on_put=table.put_raw, on_delete=table.remove)
     task = asyncio.create_task(follower.run())
     await follower.wait_ready(2.0)
+
+Every KV reader in ZML goes through here: :class:`KVFollower` for the services' followers
+(router, gateway, warmup, keys, costs) and ``zml serve --wait``, :func:`live_keys` for a one-off
+listing (health at start).
 """
 
 from __future__ import annotations
@@ -73,6 +77,30 @@ async def _delete_consumer(js: Any, stream: str, consumer: str) -> None:
         await asyncio.wait_for(js._jsm.delete_consumer(stream, consumer), 2.0)
     except Exception:  # gone already (inactive, or the broker restarted), or no answer in time
         pass
+
+
+async def live_keys(kv: KeyValue, timeout: float = 5.0) -> list[str]:
+    """The bucket's live keys, once (a snapshot read through the same watch as a follower).
+    Not ``kv.keys()``: with ignore_deletes it never ends when the bucket's last entries are
+    deletes (the end-of-snapshot marker rides on the skipped delete)."""
+    watcher = await watch_bucket(kv, meta_only=True)
+    live: dict[str, None] = {}
+    try:
+        while True:
+            try:
+                entry = await watcher.updates(timeout=timeout)  # type: ignore[no-untyped-call]
+            except Exception:  # nats TimeoutError: keep what we have
+                log.warning("listing the keys of %s timed out", kv._name)
+                break
+            if entry is None:
+                break
+            if entry.operation in _DELETE_OPS:
+                live.pop(entry.key, None)
+            else:
+                live[entry.key] = None
+    finally:
+        await drop_watch(watcher)
+    return list(live)
 
 
 class KVFollower:

@@ -52,10 +52,9 @@ async def serve(model: str, *, nodes: list[str], family: list[str], nats_url: st
 
     from zmlcore import subjects
     from zmlcore.errors import ErrorBody, from_wire
-    from zmlcore.kvfollow import drop_watch, watch_bucket
+    from zmlcore.kvfollow import KVFollower
     from zmlcore.messages import ServeRequest, node_state_decoder
     from zmlcore.messages.warmup import serve_reply_decoder
-    from zmlcore.natsio import nodes_kv
 
     stream = out or sys.stdout
 
@@ -92,34 +91,36 @@ async def serve(model: str, *, nodes: list[str], family: list[str], nats_url: st
             if not failed:
                 say(f"{reply.model}: ready on {sum(t.state == 'loaded' for t in reply.targets)} node(s)")
             return 1 if failed else 0
-        kv = await nodes_kv(nc.jetstream())
-        watcher = await watch_bucket(kv)
-        deadline = t0 + timeout
+        done = asyncio.Event()
+
+        def on_put(key: str, value: bytes) -> None:
+            nonlocal failed
+            if key not in pending:
+                return
+            st = node_state_decoder.decode(value)
+            if reply.model in st.models and reply.model not in st.loading_models:
+                del pending[key]
+                say(f"{key}: ready ({time.monotonic() - t0:.1f} s)")
+            elif st.status in ("down", "invalid"):
+                del pending[key]
+                failed += 1
+                say(f"{key}: {st.status} ({st.reason})")
+            elif pending[key] != st.status:
+                pending[key] = st.status
+                say(f"{key}: loading ({time.monotonic() - t0:.1f} s, node {st.status})")
+            if not pending:
+                done.set()
+
+        follower = KVFollower(nc, subjects.NODES_BUCKET, on_put=on_put, on_delete=lambda key: None)
+        task = asyncio.create_task(follower.run())
         try:
-            while pending:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    say(f"zml serve: not ready after {timeout:g} s: {', '.join(sorted(pending))} still loading")
-                    return 1
-                try:
-                    entry = await asyncio.wait_for(watcher.updates(timeout=left), left + 1)  # type: ignore[no-untyped-call]
-                except (asyncio.TimeoutError, NatsTimeout):
-                    continue
-                if entry is None or entry.key not in pending or not entry.value:
-                    continue
-                st = node_state_decoder.decode(entry.value)
-                if reply.model in st.models and reply.model not in st.loading_models:
-                    del pending[entry.key]
-                    say(f"{entry.key}: ready ({time.monotonic() - t0:.1f} s)")
-                elif st.status in ("down", "invalid"):
-                    del pending[entry.key]
-                    failed += 1
-                    say(f"{entry.key}: {st.status} ({st.reason})")
-                elif pending[entry.key] != st.status:
-                    pending[entry.key] = st.status
-                    say(f"{entry.key}: loading ({time.monotonic() - t0:.1f} s, node {st.status})")
+            await asyncio.wait_for(done.wait(), max(0.0, t0 + timeout - time.monotonic()))
+        except asyncio.TimeoutError:
+            say(f"zml serve: not ready after {timeout:g} s: {', '.join(sorted(pending))} still loading")
+            return 1
         finally:
-            await drop_watch(watcher)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
         if not failed:
             say(f"{reply.model}: ready on {sum(t.state in ('loaded', 'loading') for t in reply.targets)} node(s) "
                 f"in {time.monotonic() - t0:.1f} s")

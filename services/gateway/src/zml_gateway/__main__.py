@@ -15,6 +15,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = service_parser("gateway", "ZML HTTP gateway (OpenAI-compatible)")
     p.add_argument("--host", help="bind address (default from zml.toml, 127.0.0.1)")
     p.add_argument("--port", type=int, help="HTTP port (default from zml.toml, 8080)")
+    p.add_argument("--reuse-port", action="store_true",
+                   help="bind with SO_REUSEPORT so several gateway processes share the port (`zml up` does)")
     return p
 
 
@@ -23,9 +25,9 @@ def _make(cfg: ZMLConfig, args: argparse.Namespace) -> Service:
 
     host = args.host or cfg.gateway.host
     port = cfg.gateway.port if args.port is None else args.port
-    if port and port_in_use(host, port):
+    if port and not args.reuse_port and port_in_use(host, port):
         raise ConfigError(f"port {port} on {host} is already in use (choose another with --port)")
-    return GatewayService(cfg, host, port)
+    return GatewayService(cfg, host, port, reuse_port=args.reuse_port)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -11,6 +11,10 @@ for ever (slow loris). Here:
 
 Bytes are counted before httptools buffers them, so memory per connection stays under
 ``max_header_bytes`` plus one read.
+
+A connection whose first bytes are the HTTP/2 client preface (h2c with prior knowledge, or
+TLS after ALPN chose ``h2``) is handed to :class:`zml_gateway.http2.H2Protocol`, which serves
+the same app with the same bounds.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import msgspec
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from zmlcore.errors import BadRequestError, HeadersTooLargeError
+from zml_gateway.http2 import PREFACE, H2Limits, H2Protocol
 
 
 class _Refused(Exception):
@@ -38,6 +43,7 @@ class BoundedHttpTools(HttpToolsProtocol):
     max_header_bytes = 16 * 1024
     max_headers = 100
     header_timeout_s = 10.0
+    h2_limits: H2Limits | None = H2Limits()  # None: HTTP/1.1 only
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -47,11 +53,13 @@ class BoundedHttpTools(HttpToolsProtocol):
         self._in_head = True
         self._refused = False
         self._head_timer: asyncio.TimerHandle | None = None
+        self._sniff = b"" if self.h2_limits is not None else None  # first bytes, until told h1 from h2
 
     @classmethod
-    def with_limits(cls, max_header_bytes: int, max_headers: int, header_timeout_s: float) -> type[BoundedHttpTools]:
+    def with_limits(cls, max_header_bytes: int, max_headers: int, header_timeout_s: float,
+                    h2_limits: H2Limits | None = None) -> type[BoundedHttpTools]:
         return type("BoundedHttpTools", (cls,), {"max_header_bytes": max_header_bytes, "max_headers": max_headers,
-                                                 "header_timeout_s": header_timeout_s})
+                                                 "header_timeout_s": header_timeout_s, "h2_limits": h2_limits})
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -92,11 +100,31 @@ class BoundedHttpTools(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return
+        if self._sniff is not None:
+            data = self._sniff + data
+            if PREFACE.startswith(data[:24]) and len(data) < 24:
+                self._sniff = data  # a prefix of the preface: wait for more (the head timer runs)
+                return
+            self._sniff = None
+            if data[:24] == PREFACE:
+                self._to_http2(data)
+                return
         if self._in_head:
             self._head_bytes += len(data)
         super().data_received(data)
         if self._in_head and not self._refused and self._head_bytes > self.max_header_bytes:
             self._too_large(f"request line and headers larger than {self.max_header_bytes} bytes")
+
+    def _to_http2(self, data: bytes) -> None:
+        """Hand this connection to the HTTP/2 protocol (same app, transport and server state)."""
+        assert self.h2_limits is not None
+        self._stop_timer()
+        self.connections.discard(self)
+        h2p = H2Protocol(self.app, self.server_state, self.server_state.default_headers, self.h2_limits,
+                         self.client, self.server, self.scheme or "http", self.loop)
+        self.transport.set_protocol(h2p)
+        h2p.connection_made(self.transport)
+        h2p.data_received(data)
 
     def send_400_response(self, msg: str) -> None:
         if not self._refused:  # not after our own refusal (raised from a callback to stop parsing)

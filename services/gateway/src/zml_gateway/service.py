@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import ssl
 
 import msgspec
@@ -22,9 +23,26 @@ from zml_gateway.access import Access
 from zml_gateway.app import Gateway
 from zml_gateway.dashboard import Dashboard
 from zml_gateway.observe import Observed
+from zml_gateway.http2 import H2Limits
 from zml_gateway.protocol import BoundedHttpTools
 
 log = logging.getLogger("zml.gateway")
+
+
+_KEEPALIVE_S = 30
+
+
+def _reuse_port_socket(host: str, port: int) -> socket.socket:
+    """A listening socket other gateway processes can bind too (SO_REUSEPORT): the kernel
+    spreads new connections over them, so `zml up` can run one per core on one port."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind((host, port))
+    sock.listen(2048)
+    sock.set_inheritable(True)
+    return sock
 
 
 class _Server(uvicorn.Server):
@@ -33,8 +51,10 @@ class _Server(uvicorn.Server):
 
 
 class GatewayService:
-    def __init__(self, cfg: ZMLConfig, host: str | None = None, port: int | None = None) -> None:
+    def __init__(self, cfg: ZMLConfig, host: str | None = None, port: int | None = None,
+                 reuse_port: bool = False) -> None:
         self.cfg = cfg
+        self.reuse_port = reuse_port  # several gateway processes on one port (`zml up`)
         self.host = host or cfg.gateway.host
         self.port = cfg.gateway.port if port is None else port
         self.nodes: dict[str, NodeState] = {}
@@ -61,7 +81,10 @@ class GatewayService:
         await self._dashboard.start()
         app = Observed(gateway, serve_metrics=self.cfg.metrics.gateway, dashboard=self._dashboard)
         g = self.cfg.gateway
-        protocol = BoundedHttpTools.with_limits(g.max_header_bytes, g.max_headers, g.header_timeout_s)
+        h2 = H2Limits(max_header_bytes=g.max_header_bytes, max_headers=g.max_headers,
+                      header_timeout_s=g.header_timeout_s, idle_timeout_s=_KEEPALIVE_S,
+                      max_streams=g.http2_max_streams) if g.http2 else None
+        protocol = BoundedHttpTools.with_limits(g.max_header_bytes, g.max_headers, g.header_timeout_s, h2)
         tls: dict[str, object] = {}
         if g.tls_cert_file:  # HTTPS; with a client CA, clients must present a certificate it signed
             tls = {"ssl_certfile": g.tls_cert_file, "ssl_keyfile": g.tls_key_file}
@@ -69,10 +92,14 @@ class GatewayService:
                 tls |= {"ssl_ca_certs": g.tls_client_ca_file, "ssl_cert_reqs": ssl.CERT_REQUIRED}
         config = uvicorn.Config(
             app, host=self.host, port=self.port, http=protocol, loop="none", lifespan="off",
-            log_level="warning", access_log=False, timeout_keep_alive=30, backlog=2048, **tls,  # type: ignore[arg-type]
+            log_level="warning", access_log=False, timeout_keep_alive=_KEEPALIVE_S, backlog=2048, **tls,  # type: ignore[arg-type]
         )
+        config.load()
+        if config.ssl is not None:  # ALPN: HTTP/2 when both sides speak it, else HTTP/1.1
+            config.ssl.set_alpn_protocols(["h2", "http/1.1"] if g.http2 else ["http/1.1"])
+        sockets = [_reuse_port_socket(self.host, self.port)] if self.reuse_port else None
         self._server = _Server(config)
-        self._serve = asyncio.create_task(self._server.serve())
+        self._serve = asyncio.create_task(self._server.serve(sockets=sockets))
         while not self._server.started:
             if self._serve.done():  # failed to bind: surface the error
                 self._serve.result()

@@ -3,7 +3,8 @@
 run-time registration (``zml.admin.nodes.add|remove|list``, persisted in ``zml_registry``).
 
 Per poll of a node: engine adapter probe -> node probe (hardware, loading models, free memory)
--> tracker (status, rates, error rate) -> hardware check -> NodeState -> KV put.
+-> tracker (status, rates, error rate) -> hardware check -> NodeState -> KV put when it changed
+meaningfully or the heartbeat is due (see ``publish``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from zmlcore.config import NodeConfig, ZMLConfig, parse_config
 from zmlcore.errors import BadRequestError, ConfigError, ZMLError
 from zmlcore.health.hardware import HardwareCheck, validate_hardware
 from zmlcore.health.score import health_score
-from zmlcore.kvfollow import drop_watch, watch_bucket
+from zmlcore.kvfollow import live_keys
 from zmlcore.messages import NodeState
 from zmlcore.messages.admin import (
     NodeAdded,
@@ -39,13 +40,14 @@ from zmlcore.messages.admin import (
     node_remove_decoder,
     registry_entry_decoder,
 )
-from zmlcore.messages.warmup import completed_decoder, warmup_event_decoder
+from zmlcore.messages.warmup import completion_counts_decoder, warmup_event_decoder
 from zmlcore.natsio import ensure_kv, nodes_kv
 from zmlcore.runner import cancel_and_wait
 from zmlcore.sim.model import SimProfile
 from zml_health import metrics, nodeprobe
 from zml_health.adapters import adapter_for, sglang
 from zml_health.adapters.base import Probe
+from zml_health.publish import Writes, effective_heartbeat
 from zml_health.tracker import Tracker
 
 log = logging.getLogger("zml.health")
@@ -93,6 +95,8 @@ class HealthService:
         self._subs: list[Subscription] = []
         self._sem = asyncio.Semaphore(cfg.health.max_concurrent_probes)
         self._admin_lock = asyncio.Lock()
+        #: which polled states go to the KV bucket (on change, else as a heartbeat)
+        self.writes = Writes(effective_heartbeat(cfg.health.kv_heartbeat_s, cfg.router.stale_after_s))
         sglang.GENERATE_EVERY = cfg.health.generate_probe_every
 
     # --- lifecycle -------------------------------------------------------------------------
@@ -106,7 +110,7 @@ class HealthService:
         self.http = httpx.AsyncClient(limits=httpx.Limits(max_connections=self.cfg.health.max_concurrent_probes))
         await self._load_registry()
         # Entries for nodes no longer registered would mislead routers: remove them.
-        for key in await self._keys(self.kv):
+        for key in await live_keys(self.kv):
             if key not in self.nodes:
                 await self.kv.delete(key)
         now = self.clock()
@@ -127,32 +131,9 @@ class HealthService:
         if self.http:
             await self.http.aclose()
 
-    @staticmethod
-    async def _keys(kv: KeyValue) -> list[str]:
-        """Live keys. Not ``kv.keys()``: with ignore_deletes it never ends when the bucket's last
-        entries are deletes (the end-of-snapshot marker rides on the skipped delete)."""
-        watcher = await watch_bucket(kv, meta_only=True)
-        live: dict[str, None] = {}
-        try:
-            while True:
-                try:
-                    entry = await watcher.updates(timeout=5.0)  # type: ignore[no-untyped-call]
-                except Exception:  # nats TimeoutError: keep what we have
-                    log.warning("listing bucket keys timed out")
-                    break
-                if entry is None:
-                    break
-                if entry.operation in ("DEL", "PURGE"):
-                    live.pop(entry.key, None)
-                else:
-                    live[entry.key] = None
-        finally:
-            await drop_watch(watcher)
-        return list(live)
-
     async def _load_registry(self) -> None:
         assert self.registry is not None
-        for key in await self._keys(self.registry):
+        for key in await live_keys(self.registry):
             try:
                 entry = await self.registry.get(key)
                 reg = registry_entry_decoder.decode(entry.value or b"")
@@ -185,6 +166,7 @@ class HealthService:
         self.trackers.pop(node_id, None)
         self.runtime.pop(node_id, None)
         self.states.pop(node_id, None)
+        self.writes.forget(node_id)
 
     async def _poll_forever(self, node: NodeConfig) -> None:
         hc = self.cfg.health
@@ -224,8 +206,9 @@ class HealthService:
         state = self._state(node, tr, rt, probe, status, check, now)
         self.states[node.id] = state
         metrics.polled(node.id, probe.ok, probe.loading, probe.slow, time.perf_counter() - t0, state)
-        if node.id in self._tasks:  # not removed while we probed
-            await self.kv.put(node.id, _encode(state))
+        if node.id in self._tasks and self.writes.due(state, now, hc.poll_interval_s * (1 + hc.jitter)):
+            await self.kv.put(node.id, _encode(state))  # not removed while we probed
+            self.writes.wrote(state, now)
         return state
 
     async def _node_probe(self, node: NodeConfig, rt: _NodeRuntime, poll: int, probe: Probe) -> None:
@@ -347,7 +330,7 @@ class HealthService:
     # --- events ----------------------------------------------------------------------------
     async def _on_completed(self, msg: Msg) -> None:
         try:
-            ev = completed_decoder.decode(msg.data)
+            ev = completion_counts_decoder.decode(msg.data)
         except msgspec.DecodeError:
             return
         ts = ev.ts or self.clock()

@@ -44,8 +44,10 @@ class Tracker:
     polls: int = 0
     #: (time, failed) per probe; slow and loading probes are not recorded.
     probes: deque[tuple[float, bool]] = field(default_factory=deque)
-    #: (time, node_error) per router completion event on this node.
-    events: deque[tuple[float, bool]] = field(default_factory=deque)
+    #: Router completion events on this node as [unix second, events, node errors] buckets:
+    #: O(1) per event and bounded by the error window (not one entry per request: 240,000 per
+    #: node a minute at 4,000 req/s).
+    events: deque[list[int]] = field(default_factory=deque)
     last_poll_at: float = 0.0
     last_tokens: float | None = None
     last_requests: float | None = None
@@ -77,18 +79,29 @@ class Tracker:
         self._trim(now, window)
         probe_rate = sum(1 for _, f in self.probes if f) / len(self.probes) if self.probes else 0.0
         req_rate = 0.0
-        if len(self.events) >= MIN_EVENTS:
-            req_rate = sum(1 for _, e in self.events if e) / len(self.events)
+        n = sum(b[1] for b in self.events)
+        if n >= MIN_EVENTS:
+            req_rate = sum(b[2] for b in self.events) / n
         return max(probe_rate, req_rate)
 
     def _trim(self, now: float, window: float) -> None:
-        for dq in (self.probes, self.events):
-            while dq and dq[0][0] < now - window:
-                dq.popleft()
+        probes, events = self.probes, self.events
+        while probes and probes[0][0] < now - window:
+            probes.popleft()
+        while events and events[0][0] + 1 <= now - window:  # the whole second is out
+            events.popleft()
 
     def record_request(self, ts: float, ok: bool, node_error: bool) -> None:
         """A router's completion event for this node."""
-        self.events.append((ts, node_error))
+        sec = int(ts)
+        events = self.events
+        if events and events[-1][0] >= sec:  # this second (or a router whose clock lags a little)
+            b = events[-1]
+        else:
+            b = [sec, 0, 0]
+            events.append(b)
+        b[1] += 1
+        b[2] += node_error
         if ok:
             self.last_inference_at = max(self.last_inference_at, ts)
 

@@ -56,6 +56,18 @@ class RequestCompleted(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=
     label: str = ""
 
 
+class CompletionCounts(msgspec.Struct, frozen=True, kw_only=True):
+    """The fields of :class:`RequestCompleted` the health service counts (decoding only these
+    skips the strings it never reads; a test keeps them a subset of RequestCompleted's)."""
+
+    node_id: str = ""
+    ok: bool = True
+    node_error: bool = False
+    failed_nodes: list[str] = []
+    ts: float = 0.0
+    slow_nodes: list[str] = []
+
+
 WarmupPhase = Literal["started", "loaded", "failed", "probed"]
 
 
@@ -97,6 +109,7 @@ class ServeReply(msgspec.Struct, frozen=True, kw_only=True):
 
 completed_encoder = msgspec.json.Encoder()
 completed_decoder = msgspec.json.Decoder(RequestCompleted)
+completion_counts_decoder = msgspec.json.Decoder(CompletionCounts)
 warmup_event_decoder = msgspec.json.Decoder(WarmupEvent)
 serve_request_decoder = msgspec.json.Decoder(ServeRequest)
 serve_reply_decoder = msgspec.json.Decoder(ServeReply)

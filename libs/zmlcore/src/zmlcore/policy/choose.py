@@ -1,7 +1,7 @@
-"""choose_node: the routing decision. Pure: no I/O, ``now`` is passed in.
+"""choose_node: the routing decision. Pure: no I/O, ``now`` is passed in, the index is only read.
 
-Flow: pinned ``accelerator_id`` bypasses the policy; otherwise the model's candidate table (see
-:class:`~zmlcore.policy.FleetIndex`) gives the best node of each class, the policy's strategy
+Flow: pinned ``accelerator_id`` bypasses the policy; otherwise the model's table (see
+:class:`~zmlcore.policy.FleetIndex`) gives the nodes that can win (see ``context``), the policy's strategy
 (one module each under ``strategies/``) picks among them, and a request with no routable node
 gets MODEL_NOT_LOADED / QUEUE_FULL / NO_HEALTHY_NODES with a ``routing_context``.
 """
@@ -64,8 +64,11 @@ def choose_node(
 ) -> Decision:
     """Pick the node for one request, or raise a RoutingError subclass with a routing_context.
 
-    ``nodes`` is best a :class:`FleetIndex` the router keeps (O(classes) per decision); a
-    plain sequence is indexed for this call only.
+    ``nodes`` is best a :class:`FleetIndex` the router keeps: a decision is a few vector
+    operations over its rows and never changes it (the index follows the NodeViews, whose
+    counters the caller updates after dispatching). A plain sequence is indexed for this call
+    (or, when the same list object comes back, once and cached in ``state``). The only state
+    a decision writes is ``state``: the round-robin cursor and that cached index.
 
     >>> from zmlcore.messages import NodeState
     >>> from zmlcore.policy import FleetIndex, NodeView, RouteRequest, RoutingState
@@ -90,14 +93,8 @@ def choose_node(
                 "recommendation": f"run `zml serve {req.model}` or add it to a node's models",
             },
         )
-    fleet.release(now)
     ctx = Ctx(fleet, table, req, policy, now, state, stale_after_s)
-    try:
-        if req.exclude:
-            ctx.hide_excluded()
-        pick = STRATEGIES.get(policy.strategy, chain.select)(ctx)
-    finally:
-        ctx.undo()
+    pick = STRATEGIES.get(policy.strategy, chain.select)(ctx)
     if pick is None:
         _fail(fleet, table.families, req, policy, now, stale_after_s)
     v = pick.cls.views[pick.i]

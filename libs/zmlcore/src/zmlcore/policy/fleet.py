@@ -1,124 +1,122 @@
-"""FleetIndex: a per-model candidate index that keeps routing O(classes), not O(nodes).
+"""FleetIndex: per-model columns of every node's scoring terms, kept exact at O(1) per change.
 
-Nodes of one family with the same speeds (2% buckets), slots and price form a *class*. Inside a
-class the estimated TTFT of every node is ``load_key + P / pf`` with the same ``pf``, so the best
-node is the one with the smallest load key: one C-level ``min()`` over a list of floats. The
-index keeps those lists exact because every :class:`NodeView` assignment (``outstanding``,
-``pending``, ``cooldown_until``, ``saturated_until``, ``state``) notifies it.
+Each node has its own measured, drifting speeds (health's EWMA), so nodes are not grouped by
+speed: a model's :class:`ModelTable` keeps one row per node, family by family, in numpy
+columns (load key, drain key, 1/prefill speed, cost per unit of capacity, depth, state age,
+cooldown). A row is recomputed with the pure functions of :mod:`~zmlcore.policy.estimate`
+whenever its :class:`NodeView` changes (a counter, a cooldown or a polled state): O(1), no
+re-indexing unless a node's family or set of models changes. A decision then evaluates every
+row's estimate ``key + P/pf`` in a few vector operations (see :mod:`~zmlcore.policy.context`).
 
-The router builds one index over its views and passes it as ``nodes`` to
+The router keeps one index over its views and passes it as ``nodes`` to
 :func:`~zmlcore.policy.choose_node` (it is a ``Sequence[NodeView]``)::
 
     fleet = FleetIndex(views)            # once, and again when nodes are added or removed
-    decision = choose_node(fleet, req, policy, now, state)
-    fleet.get(decision.node_id).outstanding += 1   # the index follows
+    decision = choose_node(fleet, req, policy, now, state)   # reads the index, never writes it
+    fleet.get(decision.node_id).outstanding += 1              # the index follows (O(1))
 
-A polled state that changes a node's models, family, speeds or price re-indexes lazily (next
-decision). Passing a plain list works too: a throw-away index is built per call (O(n)).
+Passing a plain list works too: a throw-away index is built per call (O(n)).
 """
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Iterator, Sequence
 from typing import overload
 
-from zmlcore.policy.estimate import INF, MEAN_OUTPUT_TOKENS, MEAN_PROMPT_TOKENS, Coeffs, bucket, node_cost, node_speeds
+import numpy as np
+
+from zmlcore.policy.estimate import INF, MEAN_OUTPUT_TOKENS, MEAN_PROMPT_TOKENS, Coeffs, node_cost, node_speeds
 from zmlcore.policy.types import NodeView
 
 
-class NodeClass:
-    """Nodes of one family and profile serving one model, with their current keys.
+class FamilyGroup:
+    """The rows ``start:stop`` of one family in a :class:`ModelTable`.
 
-    ``best_k`` / ``best_d`` cache the first index of the minimum of ``keys`` / ``drains``
-    (-1: unknown). Updates keep them exact in O(1) except when the best node's key rises (the
-    usual case right after it was chosen), which leaves them unknown until the next decision.
+    Row indices are table-wide, so ``views``, ``keys``, ``drains`` are the table's columns
+    (what the strategies index with a candidate's ``i``).
     """
 
-    __slots__ = ("family", "coeffs", "views", "ok", "keys", "drains", "best_k", "best_d")
+    __slots__ = ("family", "table", "k", "start", "stop")
 
-    def __init__(self, family: str, coeffs: Coeffs) -> None:
+    def __init__(self, family: str, table: ModelTable, k: int, start: int, stop: int) -> None:
         self.family = family
-        self.coeffs = coeffs
-        self.views: list[NodeView] = []
-        #: status up and model loaded (time-independent routability)
-        self.ok: list[bool] = []
-        #: Coeffs.load_key of each node, INF when not routable
-        self.keys: list[float] = []
-        #: Coeffs.drain_key of each node, INF when not routable
-        self.drains: list[float] = []
-        self.best_k = -1
-        self.best_d = -1
+        self.table = table
+        #: index in the table's ``families`` / ``groups``
+        self.k = k
+        self.start = start
+        self.stop = stop
 
-    def refresh(self, i: int) -> None:
-        if self.ok[i]:
-            v = self.views[i]
-            out = v.effective_outstanding()
-            c = self.coeffs
-            self.set(i, c.load_key(out, v.effective_pending()), (out + 1) / c.mu)
-        else:
-            self.set(i, INF, INF)
+    @property
+    def views(self) -> list[NodeView]:
+        return self.table.views
 
-    def set(self, i: int, key: float, drain: float) -> None:
-        keys = self.keys
-        b = self.best_k
-        if b >= 0:
-            if i == b:
-                if key > keys[i]:
-                    self.best_k = -1
-            elif key < keys[b] or (key == keys[b] and i < b):
-                self.best_k = i
-        keys[i] = key
-        drains = self.drains
-        b = self.best_d
-        if b >= 0:
-            if i == b:
-                if drain > drains[i]:
-                    self.best_d = -1
-            elif drain < drains[b] or (drain == drains[b] and i < b):
-                self.best_d = i
-        drains[i] = drain
+    @property
+    def keys(self) -> np.ndarray:
+        return self.table.key
 
-    def argmin_key(self) -> int:
-        """First index of the smallest key (-1 if every key is INF)."""
-        b = self.best_k
-        if b < 0:
-            keys = self.keys
-            m = min(keys)
-            b = self.best_k = keys.index(m)
-        return -1 if self.keys[b] == INF else b
+    @property
+    def drains(self) -> np.ndarray:
+        return self.table.drain
 
-    def argmin_drain(self) -> int:
-        b = self.best_d
-        if b < 0:
-            drains = self.drains
-            m = min(drains)
-            b = self.best_d = drains.index(m)
-        return -1 if self.drains[b] == INF else b
+
+ChainView = tuple[list[tuple[str, list[FamilyGroup]]], list[int], np.ndarray, list[int]]
 
 
 class ModelTable:
-    """Every node that serves (or is loading) one model, by family and class."""
+    """Every node that serves (or is loading) one model: one row each, grouped by family in
+    registration order (first node seen), nodes in registration order within a family."""
 
-    __slots__ = ("model", "families", "by_family", "counts", "flat", "n_loaded")
-
-    def __init__(self, model: str) -> None:
-        self.model = model
-        #: families in registration order (first node seen)
-        self.families: list[str] = []
-        self.by_family: dict[str, list[NodeClass]] = {}
-        self.counts: dict[str, int] = {}
-        self.flat: list[tuple[NodeClass, int]] = []
-        self.n_loaded = 0
-
-
-def _signature(v: NodeView) -> tuple[object, ...]:
-    st = v.state
-    pf, dec, maxc = node_speeds(st)
-    return (
-        st.family, st.accelerator_type, tuple(st.models), tuple(st.loading_models),
-        bucket(pf), bucket(dec), maxc, round(node_cost(st), 4),
+    __slots__ = (
+        "model", "families", "by_family", "groups", "starts", "group_of", "chains", "counts", "flat", "n_loaded", "views", "coeffs", "inputs",
+        "up", "fam", "key", "drain", "pf", "inv_pf", "cost_cap", "cost_ok", "depth", "updated", "blocked", "health",
     )
+
+    def __init__(self, model: str, views: list[NodeView], families: list[str]) -> None:
+        n = len(views)
+        self.model = model
+        self.views = views
+        #: families as first written, in registration order
+        self.families = families
+        self.groups: list[FamilyGroup] = []
+        #: first row of each group (every group has one)
+        self.starts = np.zeros(0, dtype=np.intp)
+        #: the group of each row
+        self.group_of: list[FamilyGroup] = []
+        #: per chain: (families in chain order with their groups, rank of each table family as
+        #: a list and an array, nodes per chain family); a cache for Ctx, filled on first use
+        self.chains: dict[tuple[str, ...], ChainView] = {}
+        self.by_family: dict[str, list[FamilyGroup]] = {}
+        self.counts: dict[str, int] = {}
+        #: (group, row) in node registration order (round robin's cycle)
+        self.flat: list[tuple[FamilyGroup, int]] = []
+        self.n_loaded = 0
+        self.coeffs: list[Coeffs | None] = [None] * n
+        #: (pf, dec, maxc, cost) each row's Coeffs were computed from
+        self.inputs: list[tuple[float, float, int, float] | None] = [None] * n
+        #: status up and the model loaded (not only loading)
+        self.up = [False] * n
+        #: family number (index in ``families``) of each row
+        self.fam = np.zeros(n, dtype=np.int32)
+        #: Coeffs.load_key / drain_key of the node's counters; INF while not routable
+        #: (status not up, or the model only loading)
+        self.key = np.full(n, INF)
+        self.drain = np.full(n, INF)
+        self.pf = np.ones(n)
+        self.inv_pf = np.ones(n)
+        self.cost_cap = np.zeros(n)
+        #: cost_cap where the load key is finite, else INF
+        self.cost_ok = np.full(n, INF)
+        #: effective outstanding requests (the strategies' queue depth)
+        self.depth = np.zeros(n)
+        #: state's updated_at; max(cooldown_until, saturated_until); health score
+        self.updated = np.zeros(n)
+        self.blocked = np.zeros(n)
+        self.health = np.zeros(n)
+
+
+def _membership(v: NodeView) -> tuple[str, frozenset[str]]:
+    st = v.state
+    return st.family, frozenset(st.models).union(st.loading_models)
 
 
 class FleetIndex(Sequence[NodeView]):
@@ -141,12 +139,12 @@ class FleetIndex(Sequence[NodeView]):
         self.mean_prompt = mean_prompt
         self.mean_output = mean_output
         self._tables: dict[str, ModelTable] = {}
-        self._where: dict[str, list[tuple[ModelTable, NodeClass, int]]] = {}
-        self._sig: dict[str, tuple[object, ...]] = {}
-        #: (release time, seq, class, index): nodes kept out of the lists until then
-        self._blocked: list[tuple[float, int, NodeClass, int]] = []
-        self._seq = 0
+        self._where: dict[str, list[tuple[ModelTable, int]]] = {}
+        #: (family, models + loading models) of each node when its tables were built
+        self._member: dict[str, tuple[str, frozenset[str]]] = {}
         self._watching = watch
+        #: full table builds so far (after a membership change); the bench and tests read it
+        self.rebuilds = 0
         if watch:
             for v in self._views:
                 v._watchers.append(self)
@@ -176,84 +174,105 @@ class FleetIndex(Sequence[NodeView]):
                     v._watchers.remove(self)
             self._watching = False
 
-    # --- index maintenance ---
+    # --- upkeep: O(1) per change ---
     def _node_changed(self, view: NodeView, structural: bool) -> None:
+        where = self._where.get(view.node_id, ())
         if structural and self._tables:
-            sig = _signature(view)
-            if self._sig.get(view.node_id) != sig:
-                self._sig[view.node_id] = sig
-                self._invalidate()
+            old = self._member.get(view.node_id)
+            st = view.state
+            if old is None or old[0] != st.family or old[1] != frozenset(st.models).union(st.loading_models):
+                # A node joins or leaves a model's table, or changes family: rebuild lazily.
+                self._tables.clear()
+                self._where.clear()
+                self._member.clear()
                 return
-            for table, cls, i in self._where.get(view.node_id, ()):
-                st = view.state
-                cls.ok[i] = st.status == "up" and table.model in st.models
-        for _table, cls, i in self._where.get(view.node_id, ()):
-            cls.refresh(i)
+            for table, j in where:
+                self._set_state(table, j, view)
+            return
+        for table, j in where:
+            self._set_counters(table, j, view)
 
-    def _invalidate(self) -> None:
-        self._tables.clear()
-        self._where.clear()
-        self._blocked.clear()
+    def _set_state(self, t: ModelTable, j: int, v: NodeView) -> None:
+        st = v.state
+        pf, dec, maxc = node_speeds(st)
+        inputs = (pf, dec, maxc, node_cost(st))
+        if t.inputs[j] != inputs:
+            t.inputs[j] = inputs
+            c = t.coeffs[j] = Coeffs(*inputs, self.mean_prompt, self.mean_output)
+            t.pf[j] = c.pf
+            t.inv_pf[j] = c.inv_pf
+            t.cost_cap[j] = c.cost_cap
+        up = t.up[j] = st.status == "up" and t.model in st.models
+        t.cost_ok[j] = t.cost_cap[j] if up else INF
+        t.updated[j] = st.updated_at
+        t.health[j] = st.health_score
+        self._set_counters(t, j, v)
 
+    @staticmethod
+    def _set_counters(t: ModelTable, j: int, v: NodeView) -> None:
+        out = v.effective_outstanding()
+        t.depth[j] = out
+        t.blocked[j] = max(v.cooldown_until, v.saturated_until)
+        if t.up[j]:
+            c = t.coeffs[j]
+            assert c is not None
+            t.key[j] = c.load_key(out, v.effective_pending())
+            t.drain[j] = c.drain_key(out)
+        else:
+            t.key[j] = INF
+            t.drain[j] = INF
+
+    # --- tables ---
     def table(self, model: str) -> ModelTable:
         t = self._tables.get(model)
         if t is None:
-            t = self._build(model)
-            self._tables[model] = t
+            t = self._tables[model] = self._build(model)
         return t
 
     def _build(self, model: str) -> ModelTable:
-        t = ModelTable(model)
-        classes: dict[tuple[object, ...], NodeClass] = {}
+        self.rebuilds += 1
+        families: list[str] = []
+        rows: dict[str, list[NodeView]] = {}
         for v in self._views:
             st = v.state
+            self._member.setdefault(v.node_id, _membership(v))
             if model not in st.models and model not in st.loading_models:
                 continue
-            sig = _signature(v)
-            self._sig[v.node_id] = sig
-            fam = st.family
-            key = sig[:1] + sig[4:]
-            cls = classes.get(key)
-            if cls is None:
-                pf, dec, maxc = node_speeds(st)
-                cls = NodeClass(fam, Coeffs(pf, dec, maxc, node_cost(st), self.mean_prompt, self.mean_output))
-                classes[key] = cls
-                fl = fam.lower()
-                if fl not in t.by_family:
-                    t.families.append(fam)
-                    t.by_family[fl] = []
-                    t.counts[fl] = 0
-                t.by_family[fl].append(cls)
-            i = len(cls.views)
-            cls.views.append(v)
-            ok = st.status == "up" and model in st.models
-            cls.ok.append(ok)
-            cls.keys.append(INF)
-            cls.drains.append(INF)
-            cls.best_k = cls.best_d = -1
-            cls.refresh(i)
-            t.counts[fam.lower()] += 1
-            t.flat.append((cls, i))
-            t.n_loaded += model in st.models
-            self._where.setdefault(v.node_id, []).append((t, cls, i))
+            fl = st.family.lower()
+            if fl not in rows:
+                families.append(st.family)
+                rows[fl] = []
+            rows[fl].append(v)
+        ordered = [v for f in families for v in rows[f.lower()]]
+        t = ModelTable(model, ordered, families)
+        row_of: dict[str, int] = {}
+        start = 0
+        for k, fam in enumerate(families):
+            members = rows[fam.lower()]
+            g = FamilyGroup(fam, t, k, start, start + len(members))
+            t.groups.append(g)
+            t.by_family[fam.lower()] = [g]
+            t.counts[fam.lower()] = len(members)
+            t.fam[start:start + len(members)] = k
+            for j in range(start, start + len(members)):
+                v = ordered[j]
+                row_of[v.node_id] = j
+                self._set_state(t, j, v)
+                t.n_loaded += model in v.state.models
+                self._where.setdefault(v.node_id, []).append((t, j))
+            start += len(members)
+        t.starts = np.array([g.start for g in t.groups], dtype=np.intp)
+        group_of = t.group_of = [t.groups[int(k)] for k in t.fam]
+        for v in self._views:
+            j = row_of.get(v.node_id, -1)
+            if j >= 0:
+                t.flat.append((group_of[j], j))
         return t
 
-    def block(self, cls: NodeClass, i: int, until: float) -> None:
-        """Keep node ``i`` of ``cls`` out of the lists until ``until`` (INF: until it changes)."""
-        cls.set(i, INF, INF)
-        if until != INF:
-            self._seq += 1
-            heapq.heappush(self._blocked, (until, self._seq, cls, i))
-
-    def release(self, now: float) -> None:
-        """Put back nodes whose cooldown or saturation has ended."""
-        b = self._blocked
-        while b and b[0][0] <= now:
-            _, _, cls, i = heapq.heappop(b)
-            cls.refresh(i)
-
-    def where(self, node_id: str, table: ModelTable) -> tuple[NodeClass, int] | None:
-        for t, cls, i in self._where.get(node_id, ()):
+    def where(self, node_id: str, table: ModelTable) -> int | None:
+        """The row of ``node_id`` in ``table`` (None if it does not serve the table's model)."""
+        for t, j in self._where.get(node_id, ()):
             if t is table:
-                return cls, i
+                return j
         return None
+

@@ -23,7 +23,7 @@ def pick(cands: list[Cand], tie_s: float, below_s: float) -> Cand | None:
         return best
     limit = best.est + tie_s
     for c in cands:
-        if c.est <= limit and (c.cls.coeffs.pf, c.est, c.rank) < (best.cls.coeffs.pf, best.est, best.rank):
+        if c.est <= limit and (c.pf, c.est, c.rank) < (best.pf, best.est, best.rank):
             best = c
     return best
 
