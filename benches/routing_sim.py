@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from routing_simnode import EPS, SimNode  # noqa: E402
 from routing_simrouter import DELTA, EXPIRE, SimRouters  # noqa: E402
 
-from zmlcore.config import PolicyConfig  # noqa: E402
+from zmlcore.config import PolicyConfig, RouterConfig  # noqa: E402
 from zmlcore.messages import NodeState  # noqa: E402
 from zmlcore.policy import FleetIndex, NodeView, RouteRequest, RoutingState, builtin_policy, choose_node  # noqa: E402
 from zmlcore.policy.estimate import prompt_tokens_from_body  # noqa: E402
@@ -152,8 +152,9 @@ def _family(node: SimNode) -> str:
 
 #: What the simulated router knows, by default the live router's situation: the body-size
 #: prompt estimate, half the requests streamed (the others hold ``pending`` until completion)
-#: and the ``admission_ttft_s`` bound (RouterConfig's default, 30 s).
-DEFAULT_OPTS: dict[str, Any] = {"stream_share": 0.5, "estimate": "body", "admission_s": 30.0, "pending_expiry": 0.0}
+#: and the ``admission_ttft_s`` bound (RouterConfig's default).
+DEFAULT_OPTS: dict[str, Any] = {"stream_share": 0.5, "estimate": "body",
+                                "admission_s": RouterConfig().admission_ttft_s, "pending_expiry": 0.0}
 
 
 def run(policy: str, workload: str, load: float, seed: int, n: int, warm: int,
@@ -344,6 +345,7 @@ def run(policy: str, workload: str, load: float, seed: int, n: int, warm: int,
         "policy": policy, "workload": workload, "load": load, "seed": seed, "n": n, "opts": o_,
         "p50": float(np.percentile(meas, 50)), "p99": float(np.percentile(meas, 99)),
         "share": float(np.mean(meas <= TARGET_S)), "thr": served / cap,
+        "offered": (n - 1 - warm) / window / cap,  # this trace's arrival rate in the window
         "rejected": float(np.mean(rejected[warm:])),
         "cost": dollars / (tokens / 1e6), "imb": max(util) / (sum(util) / len(util)), "pred_err": pred_err,
     }
