@@ -39,7 +39,7 @@ from routing_simrouter import DELTA, EXPIRE, SimRouters  # noqa: E402
 from zmlcore.config import PolicyConfig, RouterConfig  # noqa: E402
 from zmlcore.messages import NodeState  # noqa: E402
 from zmlcore.policy import FleetIndex, NodeView, RouteRequest, RoutingState, builtin_policy, choose_node  # noqa: E402
-from zmlcore.policy.estimate import prompt_tokens_from_body  # noqa: E402
+from zmlcore.policy.estimate import NONSTREAM_PENDING_FOR, prompt_tokens_from_body  # noqa: E402
 from zmlcore.policy.resolve import ResolvedPolicy  # noqa: E402
 from zmlcore.sim.model import SimProfile  # noqa: E402
 
@@ -151,10 +151,11 @@ def _family(node: SimNode) -> str:
 
 
 #: What the simulated router knows, by default the live router's situation: the body-size
-#: prompt estimate, half the requests streamed (the others hold ``pending`` until completion)
-#: and the ``admission_ttft_s`` bound (RouterConfig's default).
+#: prompt estimate, half the requests streamed (the others hold ``pending`` for their estimated
+#: TTFT, zml_router.pendinghold) and the ``admission_ttft_s`` bound (RouterConfig's default).
 DEFAULT_OPTS: dict[str, Any] = {"stream_share": 0.5, "estimate": "body",
-                                "admission_s": RouterConfig().admission_ttft_s, "pending_expiry": 0.0}
+                                "admission_s": RouterConfig().admission_ttft_s,
+                                "pending_expiry": NONSTREAM_PENDING_FOR}
 
 
 def run(policy: str, workload: str, load: float, seed: int, n: int, warm: int,
@@ -464,7 +465,7 @@ def report(results: list[dict[str, Any]], pols: list[str], loads: list[float], w
                     cells.append("-")
                     continue
                 ratio = [by[(p, w, ld, s)]["p99"] / by[("oracle", w, ld, s)]["p99"] for s in seeds
-                         if ("oracle", w, ld, s) in by]
+                         if ("oracle", w, ld, s) in by and (p, w, ld, s) in by]
                 rt = f" / {np.mean(ratio):.2f}x" if ratio else ""
                 if len(ratio) > 1:
                     rt += f" [{min(ratio):.2f}-{max(ratio):.2f}]"

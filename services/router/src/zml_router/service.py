@@ -61,6 +61,7 @@ from zmlcore.policy import (
     resolve_policy,
 )
 from zmlcore.policy.resolve import builtin_policy
+from zmlcore.policy.estimate import prompt_tokens_from_body
 from zml_router.cancels import CancelBook
 from zml_router import tracing as rtrace
 from zml_router.metrics import RouterMetrics
@@ -76,6 +77,7 @@ from zml_router.dispatch import (
     within_first_byte,
 )
 from zml_router.firstbyte import expected_s, first_byte_timeout
+from zml_router.pendinghold import PendingHold, window_s
 from zml_router.keepalives import send_keepalives
 from zml_router import ids as idclaims
 from zml_router.ids import RequestIds, claim_key
@@ -431,7 +433,7 @@ class RouterService:
         # An embedding is a prefill and no decode: one "output token" for the estimate.
         max_tokens = 1 if req.input is not None else req.max_tokens or req.max_completion_tokens or 512
         # ~4 bytes per token of JSON body: good enough for a TTFT estimate, and O(1).
-        rr = RouteRequest(model=model, prompt_tokens=len(raw) // 4, max_tokens=max_tokens,
+        rr = RouteRequest(model=model, prompt_tokens=prompt_tokens_from_body(len(raw)), max_tokens=max_tokens,
                           accelerator_id=req.accelerator_id)
         return model, policy, rr
 
@@ -760,14 +762,16 @@ class RouterService:
 
     async def _dispatch_once(self, msg: Msg | QueuedMsg, req: InferRequest, body: bytes, info: RoutingInfo, t0: float,
                              first_byte: float | None = None, rename: Renamer | None = None) -> None:
-        # A non-streamed reply shows no first token: pending ends with the request.
-        await self._count(info.node_id, 1, 1)
+        # A non-streamed reply shows no first token: pending ends at the estimated one.
+        v = self.table.views[info.node_id]
+        hold = await PendingHold.start(self._count, info.node_id,
+                                       window_s(v.state, v.effective_outstanding(), v.effective_pending(), len(body)))
         try:
             raw = await within_first_byte(
                 post_json(self.http, self._url(info, req), body, self._backend_headers(info),  # type: ignore[arg-type]
                           self.cfg.nats.max_reply_bytes), first_byte)
         finally:
-            await self._count(info.node_id, -1, -1)
+            await hold.close()
         info.time_to_first_token = time.monotonic() - t0
         self.metrics.usage(req.kind(), req.model, raw)
         if rename is not None:
