@@ -1,19 +1,24 @@
 """Routing-quality simulator: the reference fleet in virtual time, routed by the real choose_node.
 
     python benches/routing_sim.py                      # defaults: 20k requests, 1 seed, 50/80/95/110%
-    python benches/routing_sim.py --requests 50000 --seeds 3 --loads 50,80,95,110 --plot docs/routing-sim.png
+    python benches/routing_sim.py --requests 200000 --first-seed 1 --seeds 3 --jobs 1 --loads 50,80,95 \
+        --workloads poisson --policies oracle,least_busy,latency --save benches/routing_sim_results.json --append
     python benches/routing_sim.py --load-results benches/routing_sim_results.json   # reprint saved results
 
-The 1-seed default takes ~5.5 min on 2 cores; most of it is the oracle at 95-110% load, whose
-exact forward simulation grows with the queues.
+A 200k-request run takes 10-40 s of CPU for a ZML policy below 100% load; the oracle at 110%
+(exact forward simulation of long queues) takes minutes. Tuning seeds were 1001-1004; the
+reported ones are 1-3 (docs/benchmarks.md "Routing quality (simulation)").
 
-Fleet (shared/reference/routing-frontier.md): 2xH100, 1xA100, 2xMI300X, 1xGaudi2, 1xInf2, each a
-zmlcore.sim.model.SimProfile (the live sim node's model; dynamics in benches/routing_simnode.py).
-Workload: lognormal prompts (median 500, sigma 1.0, [16, 8192]) and outputs (median 200,
-sigma 0.8, [1, 2048]); Poisson or 2-state MMPP arrivals (burst 3x base, on/off 10 s / 40 s).
-Every policy of one (workload, load, seed) sees the same trace. The ZML policies run through
-zmlcore.policy.choose_node over a FleetIndex of NodeViews fed like the router feeds them: a
-polled NodeState every 5 s (+/-20% jitter) plus router-local outstanding/pending counters.
+Fleet (../shared/reference/routing-frontier.md from the repo root): 2xH100, 1xA100, 2xMI300X,
+1xGaudi2, 1xInf2, each a zmlcore.sim.model.SimProfile (the live sim node's model; dynamics in
+benches/routing_simnode.py). Workload: lognormal prompts (median 500, sigma 1.0, [16, 8192]) and
+outputs (median 200, sigma 0.8, [1, 2048]); Poisson or 2-state MMPP arrivals (burst 3x base,
+on/off 10 s / 40 s). Every policy of one (workload, load, seed) sees the same trace. The ZML
+policies run through zmlcore.policy.choose_node over a FleetIndex of NodeViews fed what the
+router has: a polled NodeState every 5 s (+/-20% jitter), router-local outstanding/pending
+counters (pending ends at the first token of a stream, at the estimated one for a plain reply),
+the body-size prompt estimate, the admission bound, and peers' counters after a NATS lag
+(benches/routing_simrouter.py).
 """
 
 from __future__ import annotations
