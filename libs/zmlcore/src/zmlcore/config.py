@@ -82,6 +82,10 @@ class GatewayConfig(msgspec.Struct, **_Base):
     """Interface the HTTP gateway binds (env ZML_GATEWAY_HOST)."""
     port: Port = 8080
     """HTTP port (env ZML_GATEWAY_PORT)."""
+    grpc_port: Port | None = None
+    """gRPC port of the ``zml.v1.Zml`` service (docs/grpc.md), on the same host, keys, plans and
+    limits as HTTP (its TLS too when tls_cert_file is set). None or 0: no gRPC (env
+    ZML_GATEWAY_GRPC_PORT)."""
     api_keys: list[str] = []
     """Accepted bearer keys. Empty: no authentication (self-hosted default). Env ZML_API_KEYS
     (comma-separated) replaces the list."""
@@ -523,6 +527,7 @@ _ENV: list[tuple[str, str, str, type]] = [
     ("ZML_NATS_REPLICAS", "nats", "replicas", int),
     ("ZML_GATEWAY_HOST", "gateway", "host", str),
     ("ZML_GATEWAY_PORT", "gateway", "port", int),
+    ("ZML_GATEWAY_GRPC_PORT", "gateway", "grpc_port", int),
     ("ZML_METRICS_HOST", "metrics", "host", str),
     ("ZML_NATS_NKEY", "nats", "nkey_file", str),
     ("ZML_NATS_TLS_CA", "nats", "tls_ca_file", str),
@@ -537,7 +542,7 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: dict[str, st
     """Load and validate zml.toml; ``None`` means defaults plus environment overrides.
 
     Environment overrides (applied here and nowhere else): ZML_NATS_URL, ZML_NATS_REPLICAS, ZML_GATEWAY_HOST,
-    ZML_GATEWAY_PORT, ZML_METRICS_HOST, ZML_API_KEYS (comma-separated), ZML_NATS_NKEY,
+    ZML_GATEWAY_PORT, ZML_GATEWAY_GRPC_PORT, ZML_METRICS_HOST, ZML_API_KEYS (comma-separated), ZML_NATS_NKEY,
     ZML_NATS_TLS_CA/CERT/KEY, ZML_GATEWAY_TLS_CERT/KEY.
     """
     env = dict(os.environ) if env is None else env
