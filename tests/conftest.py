@@ -93,6 +93,8 @@ class Stack:
     metrics_ports: dict[str, int] = field(default_factory=dict)
     #: role -> nkey seed file, for a broker with authorization (SecureBus); empty: open broker.
     identities: dict[str, str] = field(default_factory=dict)
+    #: The gateway's gRPC address ("127.0.0.1:PORT", zml.v1.Zml; docs/grpc.md).
+    grpc_target: str = ""
 
     env: dict[str, str] = field(default_factory=dict)  # for every service (TLS settings)
 
@@ -162,11 +164,11 @@ def launch_stack(nats_url: str, tmp: Path, *, fleet: list[tuple[str, str, list[s
     ports = {node_id: free_port() for node_id, _, _ in fleet}
     config = tmp / "zml.toml"
     config.write_text(fleet_toml(ports, fleet=fleet, **toml))
-    gw_port = free_port()
+    gw_port, grpc_port = free_port(), free_port()
     procs: dict[str, Proc] = {}
     scheme = "https" if https_verify is not None else "http"
     stack = Stack(f"{scheme}://127.0.0.1:{gw_port}", nats_url, str(config), MODEL, [f[0] for f in fleet], ports, procs,
-                  identities=dict(identities or {}), env=dict(env or {}))
+                  identities=dict(identities or {}), env=dict(env or {}), grpc_target=f"127.0.0.1:{grpc_port}")
     try:
         procs["sim"] = spawn("sim", service_argv("sim", str(config), nats_url))
         stack.metrics_ports["health"] = free_port()
@@ -175,7 +177,8 @@ def launch_stack(nats_url: str, tmp: Path, *, fleet: list[tuple[str, str, list[s
                                 env=stack.env_of("health"))
         for i in range(1, routers + 1):
             stack.start_router(f"router-{i}")
-        procs["gateway"] = spawn("gateway", service_argv("gateway", str(config), nats_url, "--port", str(gw_port)),
+        procs["gateway"] = spawn("gateway", service_argv("gateway", str(config), nats_url, "--port", str(gw_port),
+                                                               "--grpc-port", str(grpc_port)),
                                  env=stack.env_of("gateway"))
         deadline = time.monotonic() + 30
         while not wait_port("127.0.0.1", gw_port, 0.2):

@@ -151,3 +151,20 @@ async def test_nats_refuses_clients_without_a_good_certificate(tls_stack: Stack,
         nc = await nats.connect(tls_bus.url, allow_reconnect=False, connect_timeout=5, **opts)
         await nc.close()
     assert isinstance(ei.value, (ssl.SSLError, nats.errors.Error, OSError, TimeoutError)), repr(ei.value)
+
+
+async def test_grpc_port_serves_tls_with_the_gateway_certificate(tls_stack: Stack, pki: Pki) -> None:
+    import grpc
+
+    from zmlcore.rpc import zml_pb2 as pb
+    from zmlcore.rpc import zml_pb2_grpc
+
+    req = pb.InferRequest(model=MODEL, prompt="hi", max_tokens=2)
+    creds = grpc.ssl_channel_credentials(root_certificates=Path(pki.ca).read_bytes())
+    async with grpc.aio.secure_channel(tls_stack.grpc_target, creds) as channel:
+        reply = await zml_pb2_grpc.ZmlStub(channel).Infer(req, timeout=30)
+    assert reply.routing.node_id == "h100-1"
+    async with grpc.aio.insecure_channel(tls_stack.grpc_target) as channel:  # plaintext is not served
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await zml_pb2_grpc.ZmlStub(channel).Infer(req, timeout=5)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE

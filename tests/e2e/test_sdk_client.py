@@ -1,4 +1,4 @@
-"""The SDK against the real stack: every behaviour, sync and async, over HTTP and NATS."""
+"""The SDK against the real stack: every behaviour, sync and async, over HTTP, gRPC and NATS."""
 
 from __future__ import annotations
 
@@ -18,9 +18,10 @@ from conftest import MODEL, Stack
 CHAT = [{"role": "user", "content": "Explain tensor parallelism in two sentences."}]
 
 
-@pytest.fixture(params=["http", "nats"])
+@pytest.fixture(params=["http", "grpc", "nats"])
 def endpoint(request: pytest.FixtureRequest, zml_stack: Stack) -> str:
-    return zml_stack.gateway_url if request.param == "http" else zml_stack.nats_url
+    return {"http": zml_stack.gateway_url, "grpc": f"grpc://{zml_stack.grpc_target}",
+            "nats": zml_stack.nats_url}[request.param]
 
 
 @pytest.fixture()
@@ -218,14 +219,14 @@ def test_non_transient_errors_are_not_retried(endpoint: str) -> None:
 
 
 def test_unreachable_endpoint_is_a_zml_error() -> None:
-    for url in ("http://127.0.0.1:9", "nats://127.0.0.1:9"):
+    for url in ("http://127.0.0.1:9", "grpc://127.0.0.1:9", "nats://127.0.0.1:9"):
         with zml.Client(url, max_retries=0, timeout=2) as client:
             with pytest.raises(zml.ConnectionError) as ei:
                 client.infer(MODEL, "hi", max_tokens=1)
         assert ei.value.code == "CONNECTION_FAILED" and "zml up" in str(ei.value)
 
     async def go() -> None:
-        for url in ("http://127.0.0.1:9", "nats://127.0.0.1:9"):
+        for url in ("http://127.0.0.1:9", "grpc://127.0.0.1:9", "nats://127.0.0.1:9"):
             async with zml.AsyncClient(url, max_retries=0, timeout=2) as client:
                 with pytest.raises(zml.ConnectionError):
                     await client.infer(MODEL, "hi", max_tokens=1)

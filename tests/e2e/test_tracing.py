@@ -231,14 +231,14 @@ def test_raw_nats_traceparent_is_continued(traced: tuple[Stack, Receiver]) -> No
     no_prompt(spans)
 
 
-@pytest.mark.parametrize("transport", ["nats", "http"])
+@pytest.mark.parametrize("transport", ["nats", "http", "grpc"])
 def test_the_sdk_sends_the_callers_context(traced: tuple[Stack, Receiver],
                                            caller: tuple[Any, InMemorySpanExporter], transport: str) -> None:
     import zml
 
     stack, receiver = traced
     tracer, exporter = caller
-    endpoint = stack.nats_url if transport == "nats" else stack.gateway_url
+    endpoint = {"nats": stack.nats_url, "http": stack.gateway_url, "grpc": f"grpc://{stack.grpc_target}"}[transport]
     with tracer.start_as_current_span("app.sdk") as app_span:
         with zml.Client(endpoint, timeout=20, max_retries=0) as client:
             result = client.infer(MODEL, prompt=PROMPT, max_tokens=3)
@@ -247,7 +247,7 @@ def test_the_sdk_sends_the_callers_context(traced: tuple[Stack, Receiver],
     assert any(s.context.span_id == ctx.span_id for s in exporter.get_finished_spans())
     spans = receiver.trace(format_trace_id(ctx.trace_id), want=2 if transport == "nats" else 3)
     rt = by(spans, "zml-router", "SERVER")
-    first = by(spans, "zml-gateway", "SERVER")[0] if transport == "http" else rt[0]
+    first = by(spans, "zml-gateway", "SERVER")[0] if transport != "nats" else rt[0]
     assert len(rt) == 1 and first["parent"] == format_span_id(ctx.span_id)
     assert rt[0]["attrs"]["gen_ai.operation.name"] == "text_completion"
     no_prompt(spans)

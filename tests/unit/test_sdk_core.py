@@ -123,14 +123,24 @@ def test_decode_completion_reply_with_routing_from_headers() -> None:
 @pytest.mark.parametrize("code", ["NO_HEALTHY_NODES", "MODEL_NOT_LOADED", "QUEUE_FULL", "AUTH_FAILED", "TIMEOUT",
                                   "RATE_LIMITED", "BAD_REQUEST", "BACKEND_ERROR", "POLICY_CONFIG", "INTERNAL",
                                   "CANCELLED"])
-@pytest.mark.parametrize("transport", ["http", "nats"])
-def test_every_code_maps_to_its_class_on_both_transports(code: str, transport: str) -> None:
+@pytest.mark.parametrize("transport", ["http", "grpc", "nats"])
+def test_every_code_maps_to_its_class_on_every_transport(code: str, transport: str) -> None:
     cls = zerrors.error_class(code)
     ctx = {"policy": "p", "evaluated": [{"family": "H100", "nodes_checked": 3}], "final_error": "no_viable_node"}
     body = cls("boom", routing_context=ctx).to_body()
     payload = msgspec.json.encode(body)
     if transport == "http":
         raw = RawReply(status=cls.http_status, headers={"retry-after": "2"} if cls.retryable else {}, body=payload)
+    elif transport == "grpc":  # what the gateway's gRPC front ends a failed call with
+        import grpc
+
+        from zml._transport_grpc import _error
+        from zmlcore.rpc import codec
+
+        md = grpc.aio.Metadata(*codec.error_metadata(payload, code, 2.0 if cls.retryable else None))
+        got = _error(grpc.aio.AioRpcError(codec.status_for(code), grpc.aio.Metadata(), md, "boom"), "t")
+        assert isinstance(got, RawReply)
+        raw = got
     else:
         headers = {"zml-error-code": code}
         raw = RawReply(status=_core.nats_status(headers), headers=headers, body=payload)
@@ -140,7 +150,7 @@ def test_every_code_maps_to_its_class_on_both_transports(code: str, transport: s
     exc = ei.value
     assert type(exc) is cls and exc.code == code and exc.routing_context == ctx
     assert "routing_context=" in str(exc) and '"final_error":"no_viable_node"' in str(exc)
-    if transport == "http" and cls.retryable:
+    if transport in ("http", "grpc") and cls.retryable:
         assert exc.retry_after == 2.0
 
 

@@ -1,5 +1,5 @@
 """``zml.AsyncClient``: the asyncio twin of :class:`zml.Client`, same interface with ``await``.
-A thin shell over the sans-I/O core and an async transport (httpx.AsyncClient or nats-py)."""
+A thin shell over the sans-I/O core and an async transport (httpx.AsyncClient, grpc.aio or nats-py)."""
 
 from __future__ import annotations
 
@@ -93,6 +93,10 @@ class AsyncClient(_core.ClientSettings):
             from zml._transport_nats import AsyncNatsTransport  # imported on use: nats-py is heavy
 
             self._transport = AsyncNatsTransport(self.endpoint, self.timeout, nats_config=self.nats_config())
+        elif self.endpoint.startswith(("grpc://", "grpcs://")):
+            from zml._transport_grpc import AsyncGrpcTransport  # the gateway's zml.v1 service (docs/grpc.md)
+
+            self._transport = AsyncGrpcTransport(self.endpoint, self.api_key, self.timeout)
         else:
             from zml._transport_http import AsyncHTTPTransport
 

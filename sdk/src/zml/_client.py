@@ -1,5 +1,6 @@
 """``zml.Client``: the synchronous client. A thin shell over the sans-I/O core (``_core``) and a
-sync transport: ``httpx.Client`` for ``http(s)://``, the NATS bridge for ``nats://``."""
+sync transport: ``httpx.Client`` for ``http(s)://``, grpcio for ``grpc(s)://``, the NATS bridge
+for ``nats://``."""
 
 from __future__ import annotations
 
@@ -55,7 +56,8 @@ class Client(_core.ClientSettings):
             r = client.infer("meta-llama/llama-3-8b-instruct", "Hello", max_tokens=32)
             print(r.text, r.metadata.accelerator_id)
 
-    ``endpoint`` is ``http(s)://gateway`` or ``nats://server`` (straight to the routers).
+    ``endpoint`` is ``http(s)://gateway``, ``grpc(s)://gateway:grpc_port`` (docs/grpc.md) or
+    ``nats://server`` (straight to the routers).
     Transient errors are retried ``max_retries`` times; ``rpm``/``tpm``/``rpd``/``tpd`` turn on
     the client-side rate limiter; ``default_request_kwargs`` apply to every call.
     """
@@ -93,6 +95,10 @@ class Client(_core.ClientSettings):
             from zml._transport_nats import SyncNatsTransport  # imported on use: nats-py is heavy
 
             self._transport = SyncNatsTransport(self.endpoint, self.timeout, nats_config=self.nats_config())
+        elif self.endpoint.startswith(("grpc://", "grpcs://")):
+            from zml._transport_grpc import SyncGrpcTransport  # the gateway's zml.v1 service (docs/grpc.md)
+
+            self._transport = SyncGrpcTransport(self.endpoint, self.api_key, self.timeout)
         else:
             from zml._transport_http import SyncHTTPTransport
 

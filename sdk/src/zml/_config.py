@@ -17,7 +17,7 @@ from zml._errors import ConfigError
 from zmlcore.config import ZMLConfig, find_config, load_config
 
 DEFAULT_ENDPOINT = "http://127.0.0.1:8080"
-SCHEMES = ("http://", "https://", "nats://", "tls://")
+SCHEMES = ("http://", "https://", "nats://", "tls://", "grpc://", "grpcs://")
 
 
 @dataclass(slots=True)
@@ -60,5 +60,5 @@ def resolve(
     if api_key is None and cfg is not None and cfg.gateway.api_keys:
         api_key = cfg.gateway.api_keys[0]
     if not endpoint.startswith(SCHEMES):
-        raise ConfigError(f"endpoint {endpoint!r} must start with http://, https:// or nats://")
+        raise ConfigError(f"endpoint {endpoint!r} must start with http://, https://, nats:// or grpc://")
     return Settings(endpoint=endpoint.rstrip("/"), api_key=api_key, config=cfg)

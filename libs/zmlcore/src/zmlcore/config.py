@@ -82,6 +82,10 @@ class GatewayConfig(msgspec.Struct, **_Base):
     """Interface the HTTP gateway binds (env ZML_GATEWAY_HOST)."""
     port: Port = 8080
     """HTTP port (env ZML_GATEWAY_PORT)."""
+    grpc_port: Port | None = None
+    """gRPC port of the ``zml.v1.Zml`` service (docs/grpc.md), on the same host, keys, plans and
+    limits as HTTP (its TLS too when tls_cert_file is set). None or 0: no gRPC (env
+    ZML_GATEWAY_GRPC_PORT)."""
     api_keys: list[str] = []
     """Accepted bearer keys. Empty: no authentication (self-hosted default). Env ZML_API_KEYS
     (comma-separated) replaces the list."""
@@ -125,6 +129,10 @@ class GatewayConfig(msgspec.Struct, **_Base):
     HTTP/1.1 only."""
     http2_max_streams: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 100
     """Concurrent streams one HTTP/2 connection may open (SETTINGS_MAX_CONCURRENT_STREAMS)."""
+    processes: PosInt | Literal["auto"] = "auto"
+    """Gateway processes `zml up` runs on the one port (SO_REUSEPORT: the kernel spreads
+    connections over them). "auto": sized to the machine's cores (zmlcore.sizing); `zml up
+    --gateways N` overrides. Each process has its own /metrics, dashboard and max_concurrent."""
 
 
 class RouterConfig(msgspec.Struct, **_Base):
@@ -151,6 +159,9 @@ class RouterConfig(msgspec.Struct, **_Base):
     first_byte_factor: NonNeg = 4.0
     """Multiple of the node's estimated time to first token (to the whole reply when not
     streaming) allowed before the first byte; 0 makes first_byte_floor_s a fixed timeout."""
+    processes: PosInt | Literal["auto"] = "auto"
+    """Router replicas `zml up` runs (one queue group). "auto": sized to the machine's cores
+    (zmlcore.sizing); `zml up --routers N` overrides."""
 
 
 class HealthConfig(msgspec.Struct, **_Base):
@@ -514,6 +525,7 @@ _ENV: list[tuple[str, str, str, type]] = [
     ("ZML_NATS_REPLICAS", "nats", "replicas", int),
     ("ZML_GATEWAY_HOST", "gateway", "host", str),
     ("ZML_GATEWAY_PORT", "gateway", "port", int),
+    ("ZML_GATEWAY_GRPC_PORT", "gateway", "grpc_port", int),
     ("ZML_METRICS_HOST", "metrics", "host", str),
     ("ZML_NATS_NKEY", "nats", "nkey_file", str),
     ("ZML_NATS_TLS_CA", "nats", "tls_ca_file", str),
@@ -528,7 +540,7 @@ def load_config(path: str | os.PathLike[str] | None = None, *, env: dict[str, st
     """Load and validate zml.toml; ``None`` means defaults plus environment overrides.
 
     Environment overrides (applied here and nowhere else): ZML_NATS_URL, ZML_NATS_REPLICAS, ZML_GATEWAY_HOST,
-    ZML_GATEWAY_PORT, ZML_METRICS_HOST, ZML_API_KEYS (comma-separated), ZML_NATS_NKEY,
+    ZML_GATEWAY_PORT, ZML_GATEWAY_GRPC_PORT, ZML_METRICS_HOST, ZML_API_KEYS (comma-separated), ZML_NATS_NKEY,
     ZML_NATS_TLS_CA/CERT/KEY, ZML_GATEWAY_TLS_CERT/KEY.
     """
     env = dict(os.environ) if env is None else env

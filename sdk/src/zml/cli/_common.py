@@ -12,8 +12,8 @@ from zml._models import Policy
 
 def add_client_args(p: argparse.ArgumentParser, *, retries: int = 3) -> None:
     g = p.add_argument_group("connection")
-    g.add_argument("--endpoint", help="http(s)://gateway or nats://server (default: ZML_ENDPOINT, zml.toml, "
-                                      "http://127.0.0.1:8080)")
+    g.add_argument("--endpoint", help="http(s)://gateway, grpc://gateway:grpc_port or nats://server "
+                                      "(default: ZML_ENDPOINT, zml.toml, http://127.0.0.1:8080)")
     g.add_argument("--api-key", help="bearer key (default: ZML_API_KEY)")
     g.add_argument("--config", dest="config_path", help="zml.toml (default: found in . or a parent)")
     g.add_argument("--timeout", type=float, default=30.0, help="seconds per request (default 30)")

@@ -44,7 +44,11 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     g = p.add_mutually_exclusive_group()
     g.add_argument("--nats-port", type=int, default=4222, help="port of the embedded NATS (default 4222)")
     g.add_argument("--nats-url", help="use this NATS server (with JetStream) instead of starting one")
-    p.add_argument("--routers", type=int, default=1, help="router replicas (default 1)")
+    p.add_argument("--routers", type=int, metavar="N",
+                   help="router replicas (default: [router] processes, \"auto\": one per two cores, at least one)")
+    p.add_argument("--gateways", type=int, metavar="N",
+                   help="gateway processes sharing --gateway-port through SO_REUSEPORT (default: [gateway] processes, "
+                        "\"auto\": one per two cores, at least one)")
     p.add_argument("--standby", type=int, default=1, metavar="N",
                    help="standby replicas of health and warmup beside the active one, which take over "
                         "through a leader lease (default 1: two of each; 0: one of each)")
@@ -89,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
     from zmlcore.errors import ConfigError
     from zmlcore.launch import ClusterPlan, endpoint_port, listen_ports, port_in_use, service_argv, spawn, start_nats, wait_port
     from zmlcore.natscreds import default_data_dir, ensure_builtin, running_server, write_server_config
+    from zmlcore.sizing import plan_processes, usable_cores
     from zmlcore.supervise import Supervisor
     from zml.cli._simports import relocate
 
@@ -102,6 +107,8 @@ def run(args: argparse.Namespace) -> int:
             config, cfg = relocate(config, cfg, args.sim_port_base, Path(ports_dir.name))
     except ConfigError as exc:
         return _fail(str(exc))
+    gateways, routers = plan_processes(usable_cores(), args.gateways or cfg.gateway.processes,
+                                       args.routers or cfg.router.processes)
     sim_nodes = [n for n in cfg.nodes if n.sim is not None]
     wanted = [(args.host, args.gateway_port, "gateway (--gateway-port)")]
     if not args.nats_url:
@@ -111,7 +118,7 @@ def run(args: argparse.Namespace) -> int:
     singletons = [f"{role}-{i + 1}" if standby else role for role in ("health", "warmup") for i in range(1 + standby)]
     metrics_ports: dict[str, int] = {}
     if args.metrics_port != 0:
-        names = [*singletons, *(f"router-{i + 1}" for i in range(max(1, args.routers)))]
+        names = [*singletons, *(f"router-{i + 1}" for i in range(routers))]
         if args.metrics_port is None:
             metrics_ports = {name: listen_ports(1, args.host) for name in names}
         else:
@@ -193,11 +200,14 @@ def run(args: argparse.Namespace) -> int:
         ha = ["--ha"] if args.standby > 0 else []  # one active, the others standing by (leader lease)
         for name in singletons:
             service(name, *service_argv(name.split("-")[0], config, nats_url, *ha, *extra(name)))
-        for i in range(max(1, args.routers)):
+        for i in range(routers):
             name = f"router-{i + 1}"
             service(name, *service_argv("router", config, nats_url, "--router-id", name, *extra(name)))
-        service("gateway", *service_argv("gateway", config, nats_url, "--host", args.host,
-                                          "--port", str(args.gateway_port), "--log-format", args.log_format))
+        gw_argv = ["--host", args.host, "--port", str(args.gateway_port), "--log-format", args.log_format]
+        if gateways == 1:
+            service("gateway", *service_argv("gateway", config, nats_url, *gw_argv))
+        for i in range(gateways if gateways > 1 else 0):  # one port, the kernel spreads connections
+            service(f"gateway-{i + 1}", *service_argv("gateway", config, nats_url, *gw_argv, "--reuse-port"))
         url = f"http://{args.host}:{args.gateway_port}"
         model = next(iter(sorted({m for n in cfg.nodes for m in n.models})), None)
         deadline = time.monotonic() + args.ready_timeout
@@ -222,8 +232,9 @@ def run(args: argparse.Namespace) -> int:
             elif not args.nats_url:
                 print("zml up: --insecure: NATS has no authorization; anyone who reaches "
                       f"{nats_url} can read every prompt and reply and register nodes", flush=True)
-            print(f"zml ready: {url}  (OpenAI API at {url}/v1, NATS {nats_url}, {len(cfg.nodes)} nodes; Ctrl-C to stop)",
-                  flush=True)
+            print(f"zml ready: {url}  (OpenAI API at {url}/v1, NATS {nats_url}, {len(cfg.nodes)} nodes; "
+                  f"gateway processes {gateways}, routers {routers}; "
+                  "Ctrl-C to stop)", flush=True)
             if sim_nodes:
                 print("zml up: simulated nodes " + ", ".join(f"{n.id} {n.endpoint}" for n in sim_nodes)
                       + " (`zml nodes` lists them)", flush=True)

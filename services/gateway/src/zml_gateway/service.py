@@ -22,6 +22,7 @@ from zmlcore.limiter import SharedLimiter
 from zml_gateway.access import Access
 from zml_gateway.app import Gateway
 from zml_gateway.dashboard import Dashboard
+from zml_gateway.grpc_front import GrpcFront
 from zml_gateway.observe import Observed
 from zml_gateway.http2 import H2Limits
 from zml_gateway.protocol import BoundedHttpTools
@@ -52,11 +53,13 @@ class _Server(uvicorn.Server):
 
 class GatewayService:
     def __init__(self, cfg: ZMLConfig, host: str | None = None, port: int | None = None,
-                 reuse_port: bool = False) -> None:
+                 reuse_port: bool = False, grpc_port: int | None = None) -> None:
         self.cfg = cfg
         self.reuse_port = reuse_port  # several gateway processes on one port (`zml up`)
         self.host = host or cfg.gateway.host
         self.port = cfg.gateway.port if port is None else port
+        self.grpc_port = cfg.gateway.grpc_port if grpc_port is None else grpc_port
+        self._grpc: GrpcFront | None = None
         self.nodes: dict[str, NodeState] = {}
         self.costs = CostTable()
         self._follow_costs: asyncio.Task[None] | None = None
@@ -98,6 +101,9 @@ class GatewayService:
         if config.ssl is not None:  # ALPN: HTTP/2 when both sides speak it, else HTTP/1.1
             config.ssl.set_alpn_protocols(["h2", "http/1.1"] if g.http2 else ["http/1.1"])
         sockets = [_reuse_port_socket(self.host, self.port)] if self.reuse_port else None
+        if self.grpc_port:  # zml.v1.Zml beside HTTP, through the same app (zml_gateway.grpc_front)
+            self._grpc = GrpcFront(app, gateway, self.host, self.grpc_port, reuse_port=self.reuse_port)
+            await self._grpc.start()
         self._server = _Server(config)
         self._serve = asyncio.create_task(self._server.serve(sockets=sockets))
         while not self._server.started:
@@ -107,6 +113,8 @@ class GatewayService:
             await asyncio.sleep(0.01)
 
     async def stop(self) -> None:
+        if self._grpc is not None:
+            await self._grpc.stop()
         if self._server is not None:
             self._server.should_exit = True
         if self._serve is not None:

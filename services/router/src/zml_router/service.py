@@ -47,6 +47,7 @@ from zmlcore.messages import (
 from zmlcore.keepalive import QUEUED, KeepaliveBook, keepalive_headers, parse_interval
 from zmlcore.kvfollow import KVFollower
 from zmlcore.runner import cancel_and_wait
+from zmlcore.batchpub import BatchPublisher
 from zmlcore.bigreply import accepted, check_fits
 from zmlcore.replyparts import publish_reply
 from zmlcore.telemetry import DECISION_ID, REQUEST_ID
@@ -138,6 +139,9 @@ class _Outcome:
 
 
 _EVENT_COMPLETED = subjects.event(subjects.EVENT_COMPLETED)
+#: Completion events wait this long for others to go out with (health and warmup aggregate
+#: them over seconds; one wake-up per batch instead of per request for every subscriber).
+COMPLETED_WINDOW_S = 0.01
 
 
 def _new_id() -> str:
@@ -179,11 +183,15 @@ class RouterService:
         self._keepalive_task: asyncio.Task[None] | None = None
         #: Callers' request ids in flight on every replica (zml_router.ids).
         self.ids: RequestIds | None = None
+        #: Completion events, published together every few ms (zmlcore.batchpub).
+        self.events: BatchPublisher | None = None
 
     # --- lifecycle -------------------------------------------------------------------------
     async def start(self, nc: NATS) -> None:
         self.nc = nc
         self.http = NodeClient(self.cfg.router.max_connections, self.cfg.router.connect_timeout_s)
+        self.events = BatchPublisher(nc, _EVENT_COMPLETED, COMPLETED_WINDOW_S)
+        self.events.start()
         if self.cfg.router.stale_after_s < 2 * self.cfg.health.poll_interval_s:
             log.warning("[router] stale_after_s (%g s) is under two health polls (%g s each): nodes will "
                         "flap to stale between polls", self.cfg.router.stale_after_s, self.cfg.health.poll_interval_s)
@@ -231,6 +239,8 @@ class RouterService:
             await self.queue.stop()
         await cancel_and_wait([t for t in (self._follow, self._heartbeat, self._follow_costs, self._keepalive_task)
                                if t is not None])
+        if self.events is not None:
+            await self.events.stop()
         await self.metrics.stop()
         await self.limits.stop()
         if self.http:
@@ -549,10 +559,8 @@ class RouterService:
             latency_s=time.monotonic() - t0, attempts=out.attempts, router_id=self.router_id,
             request_id=request_id, slow_nodes=out.slow_nodes, label=out.label,
         )
-        try:
-            await self.nc.publish(_EVENT_COMPLETED, completed_encoder.encode(ev))
-        except Exception:  # losing a statistic must never fail a request
-            log.debug("completion event not published", exc_info=True)
+        if self.events is not None:  # sent off the request path, with the others of the next ms
+            self.events.add(completed_encoder.encode(ev))
 
     def _decide(self, rr: RouteRequest, policy: ResolvedPolicy) -> Decision:
         """choose_node plus the admission bound (pure maths, local table: no network)."""
