@@ -143,8 +143,8 @@ async def test_api_keys(stub: zml_pb2_grpc.ZmlStub, router: Seen) -> None:
     call = stub.Infer(_req("ok"), metadata=_key("k-ok"))
     reply = await call
     assert reply.choices[0].text == "fine" and reply.routing.node_id == "n1"
-    initial = dict(await call.initial_metadata())
-    assert initial["x-ratelimit-limit-requests"] == "60"  # the plan's headers, as over HTTP
+    trailing = dict(await call.trailing_metadata())
+    assert trailing["x-ratelimit-limit-requests"] == "60"  # the plan's headers, as over HTTP
 
 
 async def test_plan_limit_is_resource_exhausted_with_retry_after(stub: zml_pb2_grpc.ZmlStub, router: Seen) -> None:

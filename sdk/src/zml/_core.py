@@ -32,7 +32,7 @@ from zml._models import (
     StreamChunk,
     Usage,
 )
-from zmlcore import subjects
+from zmlcore import routingmeta, subjects
 from zmlcore.config import NatsConfig, ZMLConfig
 from zmlcore.messages import NodeState
 
@@ -454,21 +454,19 @@ def routing_from_dict(d: Mapping[str, Any]) -> Routing:
 
 
 def routing_from_headers(headers: Mapping[str, str]) -> Routing | None:
-    """Routing metadata from ``x-zml-*`` (HTTP) or ``zml-*`` (NATS) headers, if present."""
-    def get(name: str) -> str | None:
-        return headers.get(f"x-zml-{name}") or headers.get(f"zml-{name}")
-
-    node = get("node-id")
-    if node is None:
+    """Routing metadata from ``x-zml-*`` (HTTP) or ``zml-*`` (NATS) headers, if present
+    (lower-cased names; the map is zmlcore.routingmeta's)."""
+    got = routingmeta.read(headers)
+    if got is None:
         return None
     return Routing(
-        node_id=node,
-        accelerator_type=get("accelerator-type") or "",
-        family=get("family") or "",
-        policy=get("policy") or "",
-        queue_depth_at_dispatch=_int(get("queue-depth")),
-        decision_id=get("decision-id") or "",
-        request_id=get("request-id") or "",
+        node_id=got["node_id"],
+        accelerator_type=got.get("accelerator_type", ""),
+        family=got.get("family", ""),
+        policy=got.get("policy", ""),
+        queue_depth_at_dispatch=_int(got.get("queue_depth_at_dispatch")),
+        decision_id=got.get("decision_id", ""),
+        request_id=got.get("request_id", ""),
     )
 
 

@@ -89,8 +89,18 @@ QUEUE_CLAIMS_BUCKET = "zml_queue_claims"
 #: holding router's id, created (create-only) before dispatch and deleted when the request ends;
 #: each entry has a TTL, so a dead router's claims go away (zml_router.ids).
 REQUEST_IDS_BUCKET = "zml_request_ids"
-#: Routers announce "model X has requests waiting" here, so new arrivals queue behind them.
+#: Routers announce "model X has requests waiting" here (messages.QueueBusy), so new arrivals
+#: queue behind them.
 QUEUE_BUSY = f"{PREFIX}.queue_busy"
+#: Durable pull consumer of a model's saturation queue: ``zmlq-<model key>`` (one per model,
+#: shared by every router replica).
+QUEUE_CONSUMER_PREFIX = "zmlq"
+#: Headers of a queued entry (beside the request's own): its reply inbox, when it expires with
+#: QUEUE_FULL (unix seconds), when it was first queued, and a re-queued request's whole timeout.
+H_QUEUE_REPLY = "Zml-Reply"
+H_QUEUE_DEADLINE = "Zml-Deadline"
+H_QUEUE_ENQUEUED = "Zml-Enqueued"
+H_QUEUE_TOTAL_MS = "Zml-Total-Timeout-Ms"
 
 
 def cancel(request_id: str, owner: str = "") -> str:
@@ -142,6 +152,11 @@ def event(kind: str) -> str:
 def queue(model_key: str) -> str:
     """Subject of the saturation queue for one model (dots in the key are not allowed)."""
     return f"{QUEUE_SUBJECT_PREFIX}.{model_key}"
+
+
+def queue_consumer(model_key: str) -> str:
+    """The durable consumer name of a model's saturation queue."""
+    return f"{QUEUE_CONSUMER_PREFIX}-{model_key}"
 
 
 # --- Message headers (NATS). HTTP equivalents are lower-case ``x-zml-*``. -------------------

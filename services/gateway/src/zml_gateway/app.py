@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 from nats.aio.client import Client as NATS
 
-from zmlcore import subjects, tracing
+from zmlcore import routingmeta, subjects, tracing
 from zmlcore.config import ZMLConfig
 from zmlcore.costs import CostTable
 from zmlcore.exchange import Exchange, parts_buffer
@@ -74,16 +74,6 @@ _SSE_HEADERS = [
     (b"cache-control", b"no-cache"),
     (b"x-accel-buffering", b"no"),
 ]
-# NATS reply header -> HTTP header carrying routing metadata.
-_ROUTING_HEADERS = (
-    (subjects.H_NODE_ID, b"x-zml-node-id"),
-    (subjects.H_ACCELERATOR_TYPE, b"x-zml-accelerator-type"),
-    (subjects.H_FAMILY, b"x-zml-family"),
-    (subjects.H_POLICY, b"x-zml-policy"),
-    (subjects.H_QUEUE_DEPTH, b"x-zml-queue-depth"),
-    (subjects.H_DECISION_ID, b"x-zml-decision-id"),
-    (subjects.H_REQUEST_ID, b"x-zml-request-id"),
-)
 
 
 _TOTAL_TOKENS = re.compile(rb'"total_tokens"\s*:\s*(\d+)')
@@ -350,11 +340,7 @@ class Gateway:
         if code is not None:
             await self._relay_error(send, code, reply.data, rh.get(subjects.H_RETRY_AFTER), limits)
             return
-        out = [_JSON, *limits]
-        for nats_name, http_name in _ROUTING_HEADERS:
-            value = rh.get(nats_name)
-            if value is not None:
-                out.append((http_name, value.encode()))
+        out = [_JSON, *limits, *routingmeta.http_headers(rh)]
         data = reply.data
         tokens[0] = _total_tokens(data)
         await send({"type": "http.response.start", "status": 200, "headers": out})
@@ -422,11 +408,7 @@ class Gateway:
                 elif kind == subjects.STREAM_CHUNK:
                     await send({"type": "http.response.body", "body": b"data: " + msg.data + b"\n\n", "more_body": True})
                 elif kind == "start":
-                    out = [*_SSE_HEADERS, *limits]
-                    for nats_name, http_name in _ROUTING_HEADERS:
-                        value = mh.get(nats_name)
-                        if value is not None:
-                            out.append((http_name, value.encode()))
+                    out = [*_SSE_HEADERS, *limits, *routingmeta.http_headers(mh)]
                     await send({"type": "http.response.start", "status": 200, "headers": out})
                     started = True
                 elif kind == subjects.STREAM_END:

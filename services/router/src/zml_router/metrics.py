@@ -36,7 +36,8 @@ from zml_router.queue import H_ENQUEUED
 from zmlcore.queueinfo import queue_depths
 
 if TYPE_CHECKING:
-    from zml_router.service import RouterService, _Outcome
+    from zml_router.flow import Outcome as _Outcome
+    from zml_router.service import RouterService
 
 log = logging.getLogger("zml.router.metrics")
 

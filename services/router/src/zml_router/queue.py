@@ -31,6 +31,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
+import msgspec
 from nats.aio.client import Client as NATS
 from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
@@ -40,15 +41,17 @@ from nats.js.kv import KeyValue
 
 from zmlcore import subjects
 from zmlcore.link import link_of
+from zmlcore.messages import QueueBusy, queue_busy_decoder
 from zmlcore.natsio import ensure_kv
 from zmlcore.runner import cancel_and_wait
 
 log = logging.getLogger("zml.router.queue")
+_encode = msgspec.json.encode
 
-H_REPLY = "Zml-Reply"
-H_DEADLINE = "Zml-Deadline"  # unix seconds: when a queued request expires with QUEUE_FULL
-H_ENQUEUED = "Zml-Enqueued"
-H_TOTAL_MS = "Zml-Total-Timeout-Ms"  # a re-queued request's original timeout
+H_REPLY = subjects.H_QUEUE_REPLY
+H_DEADLINE = subjects.H_QUEUE_DEADLINE
+H_ENQUEUED = subjects.H_QUEUE_ENQUEUED
+H_TOTAL_MS = subjects.H_QUEUE_TOTAL_MS
 #: Headers a queued request keeps: its id, timeout and owner, its API key's options (default
 #: policy, cost label), what its requester handles (reply parts, keepalives), and its W3C trace context (the spans of the router that serves it join
 #: the trace that queued it).
@@ -188,16 +191,16 @@ class SaturationQueue:
     async def _announce(self, key: str, until: float) -> None:
         self.busy[key] = until
         try:
-            await self.nc.publish(subjects.QUEUE_BUSY, f"{key} {until:.3f}".encode())
+            await self.nc.publish(subjects.QUEUE_BUSY, _encode(QueueBusy(key=key, until=until)))
         except Exception:  # an announcement is an optimisation of fairness, never fatal
             pass
 
     async def _on_busy(self, msg) -> None:  # type: ignore[no-untyped-def]
         try:
-            key, until = msg.data.decode().split()
-            self.busy[key] = float(until)
-        except ValueError:
-            pass
+            busy = queue_busy_decoder.decode(msg.data)
+        except msgspec.DecodeError:
+            return
+        self.busy[busy.key] = busy.until
 
     async def stop(self) -> None:
         await cancel_and_wait(self._workers.values())
@@ -217,7 +220,7 @@ class SaturationQueue:
             self._workers[key] = asyncio.create_task(self._work(key))
 
     async def _work(self, key: str) -> None:
-        durable = f"zmlq-{key}"
+        durable = subjects.queue_consumer(key)
         config = ConsumerConfig(
             durable_name=durable,
             ack_policy=AckPolicy.EXPLICIT,

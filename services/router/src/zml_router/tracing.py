@@ -27,7 +27,8 @@ if TYPE_CHECKING:
     from nats.aio.msg import Msg
 
     from zml_router.queue import QueuedMsg
-    from zml_router.service import RouterService, _Outcome
+    from zml_router.flow import Outcome as _Outcome
+    from zml_router.service import RouterService
 
 OPERATION = {"chat": "chat", "completion": "text_completion"}
 

@@ -21,6 +21,13 @@ from zmlcore.messages.node import (
     node_mark_decoder,
     node_state_decoder,
 )
+from zmlcore.messages.router import (
+    QueueBusy,
+    RouterNodeState,
+    RouterState,
+    queue_busy_decoder,
+    router_state_decoder,
+)
 from zmlcore.messages.warmup import (
     RequestCompleted,
     ServeReply,
@@ -30,6 +37,11 @@ from zmlcore.messages.warmup import (
 )
 
 __all__ = [
+    "QueueBusy",
+    "RouterNodeState",
+    "RouterState",
+    "queue_busy_decoder",
+    "router_state_decoder",
     "ZML_REQUEST_KEYS",
     "ChatMessage",
     "CostEntry",

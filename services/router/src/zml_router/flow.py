@@ -1,0 +1,255 @@
+"""One request's way through the fleet, as a sans-I/O state machine.
+
+The model is httpx's ``auth_flow``: :func:`route` is a generator that yields what should
+happen next and receives how it went, so the retry, failover, queueing and error-mapping rules
+live here and are unit-tested without NATS or HTTP; the service (``zml_router.service``) does
+the I/O for each action:
+
+- :class:`Decide` -> the :class:`~zmlcore.policy.Decision` (choose_node plus admission,
+  ``zml_router.admission``), or the ZMLError it raised;
+- :class:`Dispatch` -> ``None`` once the node's answer went out to the requester, or the
+  :class:`~zml_router.dispatch.AttemptError` of a failed attempt;
+- :class:`Penalise` -> ``None`` (the node was marked here and for the peers);
+- :class:`Enqueue` -> nothing: the request waits in the saturation queue, the flow is over.
+
+The flow returns once the answer is out (``out.ok``) or the request queued (``out.queued``);
+an error the requester gets is raised as the ZMLError to reply with.
+
+    flow = route(plan, out)
+    action = next(flow)
+    while True:                 # see RouterService._route
+        result = do(action)     # decide / dispatch / penalise / enqueue
+        action = flow.send(result)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Generator
+from dataclasses import dataclass
+from typing import Union
+
+from zmlcore.errors import (
+    BackendError,
+    BadRequestError,
+    ModelNotLoadedError,
+    QueueFullError,
+    TimeoutError,
+    ZMLError,
+)
+from zmlcore.config import ZMLConfig
+from zmlcore.messages import InferRequest, RoutingInfo
+from zmlcore.messages.warmup import RequestCompleted
+from zmlcore.policy import Decision, ResolvedPolicy, RouteRequest, resolve_policy
+
+from zml_router.dispatch import AttemptError, Failure
+from zml_router.kinds import check_kind
+
+log = logging.getLogger("zml.router")
+
+#: Failures that are the node's fault: it is cooled down and counted as a node error.
+NODE_FAULTS = (Failure.NETWORK, Failure.SERVER, Failure.SLOW)
+
+
+class Outcome:
+    """What happened to one request, for its completion event and metrics."""
+
+    __slots__ = ("model", "node_id", "family", "ok", "error_code", "node_error", "failed_nodes",
+                 "attempts", "info", "queued", "slow_nodes", "label", "op")
+
+    def __init__(self) -> None:
+        self.model = ""
+        self.op = ""  # chat | completion | embedding
+        self.node_id = ""
+        self.family = ""
+        self.ok = False
+        self.error_code = ""
+        self.node_error = False
+        self.failed_nodes: list[str] = []
+        self.slow_nodes: list[str] = []
+        self.attempts = 0
+        self.info: RoutingInfo | None = None
+        self.queued = False  # parked in the saturation queue: its event comes when it is served
+        self.label = ""  # the API key's cost-attribution label (gateway header)
+
+
+def prepare(cfg: ZMLConfig, families: list[str], req: InferRequest,
+            raw: bytes) -> tuple[str, ResolvedPolicy, RouteRequest]:
+    """The request's model, policy and what the policies see of it (errors: bad policy/kind)."""
+    model = cfg.resolve_model(req.model)
+    per_call = req.policy if req.policy is not None else req.routing
+    # Chains may name families registered at run time, not only zml.toml's.
+    policy = resolve_policy(cfg, model, per_call, families)
+    check_kind(cfg, model, req)
+    # An embedding is a prefill and no decode: one "output token" for the estimate.
+    max_tokens = 1 if req.input is not None else req.max_tokens or req.max_completion_tokens or 512
+    # ~4 bytes per token of JSON body: good enough for a TTFT estimate, and O(1).
+    rr = RouteRequest(model=model, prompt_tokens=len(raw) // 4, max_tokens=max_tokens,
+                      accelerator_id=req.accelerator_id)
+    return model, policy, rr
+
+
+@dataclass(slots=True)
+class Plan:
+    """What the flow needs to know of one request (all decided before it starts)."""
+
+    model: str
+    policy: str  # the resolved policy's name, for error context
+    rr: RouteRequest
+    max_attempts: int
+    stream: bool = False
+    #: The policy queues on saturation and the request has somewhere to be answered.
+    can_queue: bool = False
+    #: Other requests for this model wait in the queue already (a new arrival goes behind them).
+    others_waiting: bool = False
+    #: This request is the head of the queue being placed (it never re-enters the queue behind others).
+    from_queue: bool = False
+
+
+@dataclass(slots=True)
+class Decide:
+    rr: RouteRequest
+
+
+@dataclass(slots=True)
+class Dispatch:
+    decision: Decision
+    attempt: int
+    rr: RouteRequest
+    stream: bool
+
+
+@dataclass(slots=True)
+class Penalise:
+    decision: Decision
+    error: AttemptError
+
+
+@dataclass(slots=True)
+class Enqueue:
+    #: True: no room now (a queue head goes back to its holder, keeping its place); False: it
+    #: joins the queue behind the requests already waiting there.
+    saturated: bool
+
+
+Action = Union[Decide, Dispatch, Penalise, Enqueue]
+#: What the service sends back: a Decision or ZMLError for Decide, None or AttemptError otherwise.
+Result = Union[Decision, ZMLError, AttemptError, None]
+Flow = Generator[Action, Result, None]
+
+
+def route(plan: Plan, out: Outcome) -> Flow:
+    """Decide, dispatch, fail over to another node, or queue; raises the ZMLError to answer."""
+    if plan.can_queue and not plan.from_queue and plan.others_waiting:
+        # Others are waiting for this model: take a place behind them, do not overtake.
+        out.queued = True
+        yield Enqueue(saturated=False)
+        return
+    rr = plan.rr
+    excluded: set[str] = set()
+    last: AttemptError | None = None
+    for attempt in range(1, plan.max_attempts + 1):
+        if excluded:
+            rr = RouteRequest(model=rr.model, prompt_tokens=rr.prompt_tokens, max_tokens=rr.max_tokens,
+                              accelerator_id=rr.accelerator_id, exclude=frozenset(excluded))
+        got = yield Decide(rr)
+        if isinstance(got, ZMLError):
+            if last is not None:  # we tried nodes and they failed: say so, not "no nodes"
+                break
+            if isinstance(got, QueueFullError) and plan.can_queue:
+                out.queued = True
+                yield Enqueue(saturated=True)
+                return
+            raise got
+        assert isinstance(got, Decision)
+        decision = got
+        out.node_id, out.family, out.attempts = decision.node_id, decision.family, attempt
+        out.info = None
+        err = yield Dispatch(decision, attempt, rr, plan.stream)
+        if err is None:
+            out.ok = True
+            return
+        assert isinstance(err, AttemptError)
+        last = err
+        out.node_error = err.failure in NODE_FAULTS
+        if out.node_error:
+            out.failed_nodes.append(decision.node_id)
+        if err.failure is Failure.SLOW:
+            out.slow_nodes.append(decision.node_id)
+        if err.failure is Failure.CLIENT:
+            raise BadRequestError(f"node {decision.node_id} rejected the request: {err.detail}")
+        yield Penalise(decision, err)
+        if err.mid_stream:  # part of the answer is out: no invisible failover now
+            raise BackendError(f"node {decision.node_id} failed mid-stream: {err.failure.value} {err.detail}",
+                               retry_after=1.0)
+        excluded.add(decision.node_id)
+        log.info("attempt %d on %s failed (%s %s); re-routing", attempt, decision.node_id,
+                 err.failure.value, err.status)
+    assert last is not None
+    if last.failure is Failure.OVERLOADED and plan.can_queue:
+        # Every node tried answered "overloaded": that is saturation, not a failure.
+        out.queued = True
+        yield Enqueue(saturated=True)
+        return
+    raise exhausted(plan, last, excluded)
+
+
+def exhausted(plan: Plan, last: AttemptError, tried: set[str]) -> ZMLError:
+    """The error for a request whose every attempt failed (``last`` the final one)."""
+    if last.failure is Failure.OVERLOADED:
+        pinned = plan.rr.accelerator_id  # the node was the caller's choice, not the policy's
+        return QueueFullError(
+            f"node {pinned!r} is overloaded" if pinned is not None else
+            f"every node tried for {plan.model!r} is overloaded ({len(tried)} tried)",
+            routing_context={"policy": "pinned" if pinned is not None else plan.policy,
+                             "final_error": "all_nodes_over_capacity", "nodes_tried": sorted(tried),
+                             "recommendation": "increase fleet capacity or enable queue_on_saturation"},
+            retry_after=last.retry_after or 1.0,
+        )
+    if last.failure is Failure.NO_MODEL:
+        return ModelNotLoadedError(f"no node could serve model {plan.model!r}: {last.detail}")
+    return BackendError(
+        f"{len(tried)} node(s) failed for this request; last: {last.failure.value} {last.status} {last.detail}".strip(),
+        retry_after=1.0,
+    )
+
+
+def deadline_passed(timeout_s: float) -> TimeoutError:
+    """The request's own deadline passed while it was being routed or served."""
+    return TimeoutError(f"request exceeded its timeout of {timeout_s:g} s")
+
+
+def queue_expired(waited_ms: int) -> QueueFullError:
+    """A queued request whose deadline passed before any node had room."""
+    return QueueFullError(
+        f"no node had room within max_queue_ms (waited {waited_ms} ms)",
+        routing_context={"final_error": "queue_timeout", "waited_ms": waited_ms,
+                         "recommendation": "increase fleet capacity or max_queue_ms"},
+        retry_after=1.0,
+    )
+
+
+def penalty(err: AttemptError, saturated_s: float, cooldown_s: float) -> tuple[str, float] | None:
+    """How a failed attempt marks its node: (kind, seconds), or None for no mark."""
+    if err.failure is Failure.OVERLOADED:
+        # "Retry-After: 0" from an overloaded node would mean "hammer me": use the default.
+        return "saturated", err.retry_after or saturated_s
+    if err.failure in NODE_FAULTS:
+        return "cooldown", err.retry_after if err.retry_after is not None else cooldown_s
+    return None
+
+
+def completion(out: Outcome, request_id: str, now: float, latency_s: float, router_id: str) -> RequestCompleted:
+    """The event of a finished request (warmup measures demand, health counts node errors).
+    A request that failed on its last node blames that node as ``node_id``; the others it
+    failed on before are ``failed_nodes``."""
+    info = out.info
+    node_error = not out.ok and out.node_error
+    failed = out.failed_nodes[:-1] if node_error else out.failed_nodes
+    return RequestCompleted(
+        model=out.model, node_id=out.node_id, family=out.family, ok=out.ok, error_code=out.error_code,
+        node_error=node_error, failed_nodes=failed, ts=now,
+        ttft_s=info.time_to_first_token if info is not None and out.ok else None,
+        latency_s=latency_s, attempts=out.attempts, router_id=router_id,
+        request_id=request_id, slow_nodes=out.slow_nodes, label=out.label,
+    )

@@ -1,0 +1,166 @@
+"""One attempt on one node, and the requester's answer: the body the node gets (ZML's own
+fields stripped, the engine's model name), the HTTP call, and the reply relayed over NATS
+(one message, or start / chunk... / end). Counts the attempt in flight while it runs.
+
+An attempt that fails raises :class:`~zml_router.dispatch.AttemptError`; the request flow
+(``zml_router.flow``) decides what follows.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from nats.aio.msg import Msg
+
+from zmlcore import routingmeta, subjects
+from zmlcore.bigreply import accepted
+from zmlcore.messages import ZML_REQUEST_KEYS, InferRequest, RoutingInfo, StreamStart
+from zmlcore.policy import RouteRequest
+from zmlcore.replyparts import publish_reply
+
+from zml_router.dispatch import (
+    AttemptError,
+    Failure,
+    first_chunk_within,
+    post_json,
+    stream_sse,
+    stream_usage,
+    within_first_byte,
+)
+from zml_router.firstbyte import expected_s, first_byte_timeout
+from zml_router.kinds import PATHS
+from zml_router.queue import QueuedMsg
+from zml_router.rename import Renamer
+
+if TYPE_CHECKING:
+    from zml_router.service import RouterService
+
+_encode = msgspec.json.encode
+_decode_any = msgspec.json.Decoder()
+_ZML_KEYS_BYTES = tuple(f'"{k}"'.encode() for k in ZML_REQUEST_KEYS)
+_TOTAL_TOKENS = re.compile(rb'"total_tokens"\s*:\s*(\d+)')
+
+
+def with_routing(raw: bytes, info: RoutingInfo) -> bytes:
+    """The node's JSON object with ``"zml": {...}`` appended, without re-encoding the body."""
+    m = _TOTAL_TOKENS.search(raw)
+    if m:
+        info.total_tokens = int(m.group(1))
+    body = raw.rstrip()
+    if body[:1] == b"{" and body[-1:] == b"}":
+        sep = b"," if body[1:-1].strip() else b""
+        return body[:-1] + sep + b'"zml":' + _encode(info) + b"}"
+    raise AttemptError(Failure.SERVER, 200, f"node answered a non-object JSON body: {raw[:100]!r}")
+
+
+def backend_body(raw: bytes, model: str, asked: str) -> bytes:
+    """The body a node gets: the caller's, without ZML's own fields, naming ``model``."""
+    if model == asked and not any(k in raw for k in _ZML_KEYS_BYTES):
+        return raw  # nothing of ours to strip: forward the caller's bytes untouched
+    data: dict[str, Any] = _decode_any.decode(raw)
+    for key in ZML_REQUEST_KEYS:
+        data.pop(key, None)
+    data["model"] = model
+    return _encode(data)
+
+
+class Relay:
+    def __init__(self, svc: RouterService) -> None:
+        self.svc = svc
+        self.api_keys = {n.id: n.api_key for n in svc.cfg.nodes if n.api_key}
+
+    def _headers(self, info: RoutingInfo) -> dict[str, str]:
+        h = {
+            "content-type": "application/json",
+            "x-zml-routing": routingmeta.backend_header(info),
+            "x-request-id": info.request_id,
+        }
+        key = self.api_keys.get(info.node_id)
+        if key:
+            h["authorization"] = f"Bearer {key}"
+        self.svc.metrics.dispatching(h, info)  # traceparent of the attempt span, when tracing
+        return h
+
+    def first_byte_s(self, node_id: str, req: InferRequest, rr: RouteRequest) -> float | None:
+        """The attempt's first-byte deadline (none for a pinned request: it cannot move)."""
+        view = self.svc.table.views.get(node_id)
+        if view is None or req.accelerator_id is not None:
+            return None
+        rc = self.svc.cfg.router
+        expected = expected_s(view.state, view.outstanding, view.pending, rr.prompt_tokens, rr.max_tokens, req.stream)
+        return first_byte_timeout(expected, rc.first_byte_floor_s, rc.first_byte_factor)
+
+    def _url(self, info: RoutingInfo, req: InferRequest) -> str:
+        return self.svc.table.views[info.node_id].state.endpoint.rstrip("/") + PATHS[req.kind()]
+
+    async def once(self, msg: Msg | QueuedMsg, req: InferRequest, body: bytes, info: RoutingInfo, t0: float,
+                   first_byte: float | None = None, rename: Renamer | None = None) -> None:
+        svc = self.svc
+        count = svc.sharing.count
+        # A non-streamed reply shows no first token: pending ends with the request.
+        await count(info.node_id, 1, 1)
+        try:
+            raw = await within_first_byte(
+                post_json(svc.http, self._url(info, req), body, self._headers(info),  # type: ignore[arg-type]
+                          svc.cfg.nats.max_reply_bytes), first_byte)
+        finally:
+            await count(info.node_id, -1, -1)
+        info.time_to_first_token = time.monotonic() - t0
+        svc.metrics.usage(req.kind(), req.model, raw)
+        if rename is not None:
+            raw = rename(raw)
+        # Over max_payload: in parts to a requester that collects them (zmlcore.bigreply), else
+        # REPLY_TOO_LARGE (raised before anything is sent), never a lost reply.
+        await svc.ids.release_current()  # type: ignore[union-attr]  # before the caller can reuse the id
+        if msg.reply and svc.nc is not None:
+            await publish_reply(svc.nc, msg.reply, with_routing(raw, info), routingmeta.nats_headers(info),
+                                accepted(msg.headers))
+
+    async def stream(self, msg: Msg | QueuedMsg, req: InferRequest, body: bytes, info: RoutingInfo, t0: float,
+                     first_byte: float | None = None, rename: Renamer | None = None) -> None:
+        svc = self.svc
+        count, publish = svc.sharing.count, svc.publish
+        await count(info.node_id, 1, 1)
+        pending = 1
+        started = False
+        seq = 0
+        # Relayed as the node framed it to a requester that writes SSE itself (the gateway).
+        relay = rename is None and (msg.headers or {}).get(subjects.H_ACCEPT_STREAM) == subjects.STREAM_EVENTS
+        kind = subjects.STREAM_EVENTS if relay else subjects.STREAM_CHUNK
+        chunks = stream_sse(svc.http, self._url(info, req), body, self._headers(info), relay)  # type: ignore[arg-type]
+        try:
+            async for chunk in first_chunk_within(chunks, first_byte):
+                if not started:
+                    started = True
+                    pending = 0
+                    if isinstance(msg, QueuedMsg) and msg.placed is not None and not msg.placed.done():
+                        msg.placed.set_result(True)
+                    await count(info.node_id, 0, -1)
+                    info.time_to_first_token = time.monotonic() - t0
+                    await publish(msg.reply, _encode(StreamStart(routing=info)),
+                                  {**routingmeta.nats_headers(info), subjects.H_STREAM: "start", subjects.H_SEQ: "0"})
+                usage = stream_usage(chunk)
+                if usage is not None:
+                    info.total_tokens = usage["total_tokens"]
+                    svc.metrics.usage_dict(req.kind(), req.model, usage)
+                if rename is not None:
+                    chunk = rename(chunk)
+                seq += 1  # numbered so that a receiver notices a lost message (zmlcore.streamseq)
+                await publish(msg.reply, chunk, {subjects.H_STREAM: kind, subjects.H_SEQ: str(seq)})
+            if not started:  # a stream with no chunk at all
+                info.time_to_first_token = time.monotonic() - t0
+                await publish(msg.reply, _encode(StreamStart(routing=info)),
+                              {**routingmeta.nats_headers(info), subjects.H_STREAM: "start", subjects.H_SEQ: "0"})
+            await svc.ids.release_current()  # type: ignore[union-attr]
+            await publish(msg.reply, _encode(StreamStart(routing=info)),
+                          {subjects.H_STREAM: subjects.STREAM_END, subjects.H_SEQ: str(seq + 1)})
+        except AttemptError as err:
+            # Before the first token the flow re-dispatches invisibly; after it, it cools the
+            # node and ends the stream with an error.
+            err.mid_stream = started
+            raise
+        finally:
+            await count(info.node_id, -1, -pending)

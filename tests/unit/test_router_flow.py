@@ -1,0 +1,283 @@
+"""The router's request flow (zml_router.flow) driven by hand: no NATS, no HTTP.
+
+Each test plays the service's part: it answers the flow's actions (Decide with a Decision or an
+error, Dispatch with None or an AttemptError) and checks what the flow asks for next and which
+error code the requester would get. The decisions come from the real admission code on a real
+node table where a test needs the half-open breaker.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import pytest
+
+from zmlcore.config import parse_config
+from zmlcore.errors import NoHealthyNodesError, QueueFullError, ZMLError
+from zmlcore.messages import NodeState
+from zmlcore.policy import Decision, RouteRequest, RoutingState
+from zmlcore.policy.resolve import builtin_policy
+from zml_router import flow
+from zml_router.admission import Admission
+from zml_router.dispatch import AttemptError, Failure
+from zml_router.flow import Decide, Dispatch, Enqueue, Outcome, Penalise, Plan
+from zml_router.table import NodeTable
+
+
+def _decision(node: str) -> Decision:
+    return Decision(node_id=node, family="H100", policy="latency", estimated_ttft_s=0.1, queue_depth=0)
+
+
+def _plan(**kw) -> Plan:  # type: ignore[no-untyped-def]
+    base = dict(model="m", policy="latency", rr=RouteRequest(model="m"), max_attempts=3)
+    base.update(kw)
+    return Plan(**base)  # type: ignore[arg-type]
+
+
+Decider = Callable[[RouteRequest], "Decision | ZMLError"]
+Attempt = Callable[[Dispatch], "AttemptError | None"]
+
+
+def _run(plan: Plan, decide: Decider, attempt: Attempt) -> tuple[list[object], Outcome, ZMLError | None]:
+    """Drive the flow as the service does; the actions seen, the outcome and the error raised."""
+    out = Outcome()
+    seen: list[object] = []
+    steps = flow.route(plan, out)
+    result: flow.Result = None
+    try:
+        while True:
+            action = steps.send(result)
+            seen.append(action)
+            if isinstance(action, Decide):
+                result = decide(action.rr)
+            elif isinstance(action, Dispatch):
+                result = attempt(action)
+            elif isinstance(action, Penalise):
+                result = None
+            else:
+                assert isinstance(action, Enqueue)
+                result = None
+    except StopIteration:
+        return seen, out, None
+    except ZMLError as exc:
+        return seen, out, exc
+
+
+def _fleet(*nodes: str) -> Decider:
+    """Decide among ``nodes`` minus the excluded ones, in order."""
+    def decide(rr: RouteRequest) -> Decision | ZMLError:
+        for n in nodes:
+            if n not in rr.exclude:
+                return _decision(n)
+        return NoHealthyNodesError("none left")
+    return decide
+
+
+def _failing(failures: dict[str, AttemptError]) -> Attempt:
+    return lambda d: failures.get(d.decision.node_id)
+
+
+def test_first_node_answers() -> None:
+    seen, out, err = _run(_plan(), _fleet("a", "b"), _failing({}))
+    assert err is None and out.ok and out.attempts == 1 and out.node_id == "a"
+    assert [type(a) for a in seen] == [Decide, Dispatch]
+
+
+def test_a_failed_node_is_penalised_excluded_and_the_next_one_serves() -> None:
+    boom = AttemptError(Failure.NETWORK, 0, "refused")
+    seen, out, err = _run(_plan(), _fleet("a", "b"), _failing({"a": boom}))
+    assert err is None and out.ok and out.node_id == "b" and out.attempts == 2
+    assert [type(a) for a in seen] == [Decide, Dispatch, Penalise, Decide, Dispatch]
+    assert seen[2].decision.node_id == "a" and seen[2].error is boom  # type: ignore[attr-defined]
+    assert seen[3].rr.exclude == frozenset({"a"})  # type: ignore[attr-defined]
+    assert out.failed_nodes == ["a"]
+
+
+def test_every_node_failing_is_backend_error_not_no_healthy_nodes() -> None:
+    boom = AttemptError(Failure.SERVER, 500, "oops")
+    _, out, err = _run(_plan(), _fleet("a", "b"), _failing({"a": boom, "b": boom}))
+    assert err is not None and err.code == "BACKEND_ERROR" and not out.ok
+    assert out.failed_nodes == ["a", "b"] and out.node_error
+
+
+def test_attempts_are_bounded() -> None:
+    boom = AttemptError(Failure.NETWORK, 0, "x")
+    seen, out, err = _run(_plan(max_attempts=2), _fleet("a", "b", "c"), _failing({n: boom for n in "abc"}))
+    assert err is not None and err.code == "BACKEND_ERROR"
+    assert sum(isinstance(a, Dispatch) for a in seen) == 2
+
+
+def test_slow_nodes_are_recorded_and_cooled() -> None:
+    slow = AttemptError(Failure.SLOW, 0, "no first byte")
+    _, out, err = _run(_plan(), _fleet("a", "b"), _failing({"a": slow}))
+    assert err is None and out.slow_nodes == ["a"] and out.failed_nodes == ["a"]
+    assert flow.penalty(slow, 1.0, 5.0) == ("cooldown", 5.0)
+
+
+def test_a_client_error_is_bad_request_with_no_retry_and_no_penalty() -> None:
+    seen, _, err = _run(_plan(), _fleet("a", "b"), _failing({"a": AttemptError(Failure.CLIENT, 400, "bad")}))
+    assert err is not None and err.code == "BAD_REQUEST"
+    assert [type(a) for a in seen] == [Decide, Dispatch]
+
+
+def test_no_model_everywhere_is_model_not_loaded() -> None:
+    gone = AttemptError(Failure.NO_MODEL, 404, "unknown model")
+    _, _, err = _run(_plan(), _fleet("a"), _failing({"a": gone}))
+    assert err is not None and err.code == "MODEL_NOT_LOADED"
+
+
+def test_no_node_at_all_passes_the_decision_error_through() -> None:
+    _, out, err = _run(_plan(), _fleet(), _failing({}))
+    assert err is not None and err.code == "NO_HEALTHY_NODES" and out.attempts == 0
+
+
+# --- saturation ------------------------------------------------------------------------------
+
+def _saturated(rr: RouteRequest) -> ZMLError:
+    return QueueFullError("all busy")
+
+
+def test_saturation_without_queueing_is_queue_full() -> None:
+    _, out, err = _run(_plan(), _saturated, _failing({}))
+    assert err is not None and err.code == "QUEUE_FULL" and not out.queued
+
+
+def test_saturation_with_queueing_enqueues() -> None:
+    seen, out, err = _run(_plan(can_queue=True), _saturated, _failing({}))
+    assert err is None and out.queued and not out.ok
+    assert isinstance(seen[-1], Enqueue) and seen[-1].saturated
+
+
+def test_arrivals_queue_behind_waiting_requests_without_deciding() -> None:
+    seen, out, err = _run(_plan(can_queue=True, others_waiting=True), _fleet("a"), _failing({}))
+    assert err is None and out.queued
+    assert len(seen) == 1 and isinstance(seen[0], Enqueue) and not seen[0].saturated
+    # The queue's own head is being placed: it does not go behind itself.
+    seen, out, _ = _run(_plan(can_queue=True, others_waiting=True, from_queue=True), _fleet("a"), _failing({}))
+    assert out.ok and [type(a) for a in seen] == [Decide, Dispatch]
+
+
+def test_every_node_overloaded_is_saturation() -> None:
+    busy = AttemptError(Failure.OVERLOADED, 503, "queue full", retry_after=2.0)
+    seen, out, err = _run(_plan(can_queue=True), _fleet("a", "b"), _failing({"a": busy, "b": busy}))
+    assert err is None and out.queued and isinstance(seen[-1], Enqueue) and seen[-1].saturated
+    assert out.failed_nodes == []  # overloaded is not a node fault
+    _, out, err = _run(_plan(), _fleet("a", "b"), _failing({"a": busy, "b": busy}))
+    assert err is not None and err.code == "QUEUE_FULL" and err.retry_after == 2.0
+    assert err.routing_context is not None and err.routing_context["nodes_tried"] == ["a", "b"]
+    assert flow.penalty(busy, 1.0, 5.0) == ("saturated", 2.0)
+    assert flow.penalty(AttemptError(Failure.OVERLOADED, 503, "", retry_after=0.0), 1.0, 5.0) == ("saturated", 1.0)
+
+
+def test_a_pinned_overloaded_node_says_so() -> None:
+    busy = AttemptError(Failure.OVERLOADED, 429, "")
+    _, _, err = _run(_plan(rr=RouteRequest(model="m", accelerator_id="a"), max_attempts=1), _fleet("a"),
+                     _failing({"a": busy}))
+    assert err is not None and err.code == "QUEUE_FULL" and "'a' is overloaded" in err.message
+    assert err.routing_context is not None and err.routing_context["policy"] == "pinned"
+
+
+def test_saturation_after_a_failure_is_the_failure_not_a_queue() -> None:
+    boom = AttemptError(Failure.NETWORK, 0, "reset")
+    decided: list[RouteRequest] = []
+
+    def decide(rr: RouteRequest) -> Decision | ZMLError:
+        decided.append(rr)
+        return _decision("a") if len(decided) == 1 else QueueFullError("busy")
+
+    _, out, err = _run(_plan(can_queue=True), decide, _failing({"a": boom}))
+    assert err is not None and err.code == "BACKEND_ERROR" and not out.queued
+
+
+# --- streaming ---------------------------------------------------------------------------------
+
+def test_a_stream_broken_before_its_first_token_fails_over() -> None:
+    boom = AttemptError(Failure.NETWORK, 0, "reset")
+    seen, out, err = _run(_plan(stream=True), _fleet("a", "b"), _failing({"a": boom}))
+    assert err is None and out.ok and out.node_id == "b"
+    assert all(a.stream for a in seen if isinstance(a, Dispatch))
+
+
+def test_a_stream_broken_mid_way_cools_the_node_and_ends_in_an_error() -> None:
+    broken = AttemptError(Failure.NETWORK, 0, "reset", mid_stream=True)
+    seen, out, err = _run(_plan(stream=True), _fleet("a", "b"), _failing({"a": broken}))
+    assert err is not None and err.code == "BACKEND_ERROR" and "mid-stream" in err.message
+    assert [type(a) for a in seen] == [Decide, Dispatch, Penalise]  # penalised, never re-dispatched
+    assert out.failed_nodes == ["a"]
+
+
+# --- deadlines -----------------------------------------------------------------------------------
+
+def test_deadline_errors_carry_the_right_codes() -> None:
+    err = flow.deadline_passed(2.5)
+    assert err.code == "TIMEOUT" and "2.5 s" in err.message
+    q = flow.queue_expired(1200)
+    assert q.code == "QUEUE_FULL" and q.retry_after == 1.0
+    assert q.routing_context == {"final_error": "queue_timeout", "waited_ms": 1200,
+                                 "recommendation": "increase fleet capacity or max_queue_ms"}
+
+
+# --- the half-open breaker, with the real admission code -------------------------------------------
+
+def _admission() -> tuple[Admission, NodeTable]:
+    cfg = parse_config({})
+    table = NodeTable(cfg.families())
+    now = time.time()
+    for node_id in ("a", "b"):
+        table.upsert(NodeState(node_id=node_id, accelerator_type="nvidia_h100", family="H100", endpoint="http://x",
+                               status="up", models=["m"], updated_at=now))
+    return Admission(cfg.router, table, RoutingState()), table
+
+
+def _deciding(adm: Admission) -> Decider:
+    policy = builtin_policy("latency")
+
+    def decide(rr: RouteRequest) -> Decision | ZMLError:
+        try:
+            return adm.decide(rr, policy)
+        except ZMLError as exc:
+            return exc
+    return decide
+
+
+def test_half_open_probe_when_every_node_cools_down() -> None:
+    adm, table = _admission()
+    now = time.time()
+    table.views["a"].cooldown_until = now + 30
+    table.views["b"].cooldown_until = now + 5
+    seen, out, err = _run(_plan(), _deciding(adm), _failing({}))
+    assert err is None and out.ok and out.node_id == "b"  # the soonest back gets one more chance
+    assert table.views["a"].cooldown_until > now
+
+
+def test_a_failed_half_open_probe_is_penalised_and_the_next_soonest_probed() -> None:
+    adm, table = _admission()
+    now = time.time()
+    table.views["a"].cooldown_until = now + 30
+    table.views["b"].cooldown_until = now + 5
+    boom = AttemptError(Failure.SERVER, 500, "still broken")
+    seen, out, err = _run(_plan(), _deciding(adm), _failing({"b": boom}))
+    penalised = [a.decision.node_id for a in seen if isinstance(a, Penalise)]
+    assert penalised == ["b"] and out.ok and out.node_id == "a"
+
+
+def test_no_probe_for_nodes_that_are_down() -> None:
+    adm, table = _admission()
+    for v in table.views.values():
+        v.state = NodeState(node_id=v.node_id, accelerator_type="nvidia_h100", family="H100", endpoint="http://x",
+                            status="down", models=["m"], updated_at=time.time())
+    _, _, err = _run(_plan(), _deciding(adm), _failing({}))
+    assert err is not None and err.code == "NO_HEALTHY_NODES"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_flow_is_a_plain_generator(stream: bool) -> None:
+    """No event loop, no I/O: the flow is a generator of actions (what the service drives)."""
+    steps = flow.route(_plan(stream=stream), Outcome())
+    first = next(steps)
+    assert isinstance(first, Decide)
+    second = steps.send(_decision("a"))
+    assert isinstance(second, Dispatch) and second.stream is stream and second.attempt == 1
+    with pytest.raises(StopIteration):
+        steps.send(None)
