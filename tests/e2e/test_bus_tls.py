@@ -168,3 +168,20 @@ async def test_grpc_port_serves_tls_with_the_gateway_certificate(tls_stack: Stac
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await zml_pb2_grpc.ZmlStub(channel).Infer(req, timeout=5)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_sdk_grpcs_endpoint_verifies_the_gateway(tls_stack: Stack, pki: Pki) -> None:
+    """``grpcs://`` in the SDK: TLS verified against the roots grpc is given (here the test CA,
+    through GRPC_DEFAULT_SSL_ROOTS_FILE_PATH, as docs/grpc.md says); without them, refused."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import zml\nwith zml.Client('grpcs://%s', max_retries=0, timeout=20) as c:\n"
+            "    print(c.infer(%r, 'hi', max_tokens=2).routing.node_id)\n") % (tls_stack.grpc_target, MODEL)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("ZML_", "GRPC_"))}
+    ok = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                        env={**env, "GRPC_DEFAULT_SSL_ROOTS_FILE_PATH": pki.ca})
+    assert ok.returncode == 0 and ok.stdout.strip() == "h100-1", ok.stderr[-2000:]
+    refused = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert refused.returncode != 0 and "CONNECTION_FAILED" in refused.stderr, refused.stderr[-2000:]

@@ -283,8 +283,17 @@ def test_retry_until_the_fleet_recovers(endpoint: str, zml_stack: Stack) -> None
 # --- rate limiting --------------------------------------------------------------------------------
 
 
+# The client-side limiter paces calls before any transport sees them (2 s a run): over HTTP and
+# NATS only, to keep the suite's time; the gateway's rate-limit metadata over gRPC is in
+# test_grpc_front_door.py.
+@pytest.fixture(params=["http", "nats"])
+def paced_endpoint(request: pytest.FixtureRequest, zml_stack: Stack) -> str:
+    return zml_stack.gateway_url if request.param == "http" else zml_stack.nats_url
+
+
 @pytest.mark.parametrize("kind", ["sync", "async"])
-def test_rate_limiter_holds_the_rate(endpoint: str, kind: str) -> None:
+def test_rate_limiter_holds_the_rate(paced_endpoint: str, kind: str) -> None:
+    endpoint = paced_endpoint
     rpm, n = 240.0, 9  # 4 requests/s with a burst of one: the 9 starts span >= 2 s
     starts: list[float] = []
 

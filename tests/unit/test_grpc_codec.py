@@ -16,6 +16,7 @@ from zml._core import build_embed, build_infer
 from zmlcore import errors
 from zmlcore.errors import BadRequestError
 from zmlcore.rpc import codec
+from zmlcore.rpc import status as rpc_status
 from zmlcore.rpc import zml_pb2 as pb
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -30,11 +31,11 @@ def test_generated_modules_match_the_proto() -> None:
 def test_every_zml_code_has_a_grpc_status() -> None:
     codes = {getattr(errors, name).code for name in errors.__all__
              if isinstance(getattr(errors, name), type) and issubclass(getattr(errors, name), errors.ZMLError)}
-    assert codes <= set(codec.GRPC_STATUS), codes - set(codec.GRPC_STATUS)
-    assert codec.status_for("QUEUE_FULL") == grpc.StatusCode.UNAVAILABLE
-    assert codec.status_for("SOMETHING_NEW") == grpc.StatusCode.UNKNOWN
+    assert codes <= set(rpc_status.GRPC_STATUS), codes - set(rpc_status.GRPC_STATUS)
+    assert rpc_status.status_for("QUEUE_FULL") == grpc.StatusCode.UNAVAILABLE
+    assert rpc_status.status_for("SOMETHING_NEW") == grpc.StatusCode.UNKNOWN
     # retryable codes are UNAVAILABLE (what gRPC retry policies retry), or quota / deadline
-    for code, status in codec.GRPC_STATUS.items():
+    for code, status in rpc_status.GRPC_STATUS.items():
         if errors.error_class(code).retryable:
             assert status in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED,
                               grpc.StatusCode.DEADLINE_EXCEEDED), code

@@ -135,10 +135,10 @@ def test_every_code_maps_to_its_class_on_every_transport(code: str, transport: s
         import grpc
 
         from zml._transport_grpc import _error
-        from zmlcore.rpc import codec
+        from zmlcore.rpc import status as rpc_status
 
-        md = grpc.aio.Metadata(*codec.error_metadata(payload, code, 2.0 if cls.retryable else None))
-        got = _error(grpc.aio.AioRpcError(codec.status_for(code), grpc.aio.Metadata(), md, "boom"), "t")
+        md = grpc.aio.Metadata(*rpc_status.error_metadata(payload, code, 2.0 if cls.retryable else None))
+        got = _error(grpc.aio.AioRpcError(rpc_status.status_for(code), grpc.aio.Metadata(), md, "boom"), "t")
         assert isinstance(got, RawReply)
         raw = got
     else:

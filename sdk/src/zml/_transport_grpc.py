@@ -30,6 +30,7 @@ from zml._core import (
 )
 from zml._errors import ZMLError, error_class
 from zmlcore.rpc import codec
+from zmlcore.rpc import status as rpc_status
 from zmlcore.rpc import zml_pb2 as pb
 
 __all__ = ["AsyncGrpcStream", "AsyncGrpcTransport", "SyncGrpcStream", "SyncGrpcTransport"]
@@ -78,15 +79,15 @@ def _error(exc: grpc.RpcError, target: str, call: InferCall | None = None) -> ZM
     else the ZMLError of its status alone (unreachable, the client's own deadline...)."""
     trailing = exc.trailing_metadata() or ()
     md = dict(trailing)
-    code = md.get(codec.MD_CODE)
-    body = md.get(codec.MD_ERROR)
+    code = md.get(rpc_status.MD_CODE)
+    body = md.get(rpc_status.MD_ERROR)
     if isinstance(code, str) and isinstance(body, bytes):
         headers = _headers(trailing)
-        if codec.MD_RETRY_AFTER in headers:
-            headers["retry-after"] = headers[codec.MD_RETRY_AFTER]
+        if rpc_status.MD_RETRY_AFTER in headers:
+            headers["retry-after"] = headers[rpc_status.MD_RETRY_AFTER]
         return RawReply(status=error_class(code).http_status, headers=headers, body=body)
     status = exc.code()
-    zml_code = codec.code_for_status(status)
+    zml_code = rpc_status.code_for_status(status)
     if zml_code == "TIMEOUT" and call is not None:
         return timeout_error(call.timeout_s, call.request_id)
     if status == grpc.StatusCode.UNAVAILABLE:

@@ -4,7 +4,7 @@ Each call is handed to the gateway's own ASGI app as the HTTP request it stands 
 :class:`_Bridge` plays the client): the same authentication, plans, body bounds, validation,
 NATS dispatch, router keepalives and failover as HTTP, with no second copy of that path. The
 bridge turns the HTTP answer back into gRPC: a 200 becomes InferReply / InferChunk messages,
-an error body the gRPC status of its ZML code (``zmlcore.rpc.codec.GRPC_STATUS``) with
+an error body the gRPC status of its ZML code (``zmlcore.rpc.status.GRPC_STATUS``) with
 ``zml-code`` and the ErrorBody in the trailing metadata; routing headers become trailing
 metadata (and initial metadata for streams, which know their node before the first chunk).
 
@@ -26,6 +26,7 @@ from grpc_reflection.v1alpha import reflection
 
 from zmlcore.errors import BadRequestError, ConfigError, ErrorBody, ZMLError, error_class
 from zmlcore.rpc import codec
+from zmlcore.rpc import status as rpc_status
 from zmlcore.rpc import zml_pb2 as pb
 from zmlcore.sse import SSELineSplitter, data_field
 from zml_gateway.app import Gateway, Scope
@@ -108,7 +109,7 @@ def _metadata(headers: list[tuple[bytes, bytes]]) -> list[tuple[str, str]]:
     out = []
     for name, value in headers:
         key = name.decode("latin-1")
-        md = codec.ROUTING_METADATA.get(key)
+        md = rpc_status.ROUTING_METADATA.get(key)
         if md is not None:
             out.append((md, value.decode("latin-1")))
         elif key.startswith("x-ratelimit-"):
@@ -129,8 +130,8 @@ async def _abort(ctx: grpc.aio.ServicerContext, data: bytes, status: int,
         for name, value in headers:
             if name == b"retry-after":
                 retry_after = float(value)
-    md = [*codec.error_metadata(data, code, retry_after), *_metadata(headers)]
-    await ctx.abort(codec.status_for(code), message, trailing_metadata=tuple(md))
+    md = [*rpc_status.error_metadata(data, code, retry_after), *_metadata(headers)]
+    await ctx.abort(rpc_status.status_for(code), message, trailing_metadata=tuple(md))
 
 
 class ZmlService:

@@ -128,6 +128,7 @@ class H2Protocol(asyncio.Protocol):
         self.writable.set()
         self.closing = False
         self.timer: asyncio.TimerHandle | None = None
+        self.flush_soon = False
 
     # -- transport callbacks -------------------------------------------------------------------
 
@@ -168,7 +169,7 @@ class H2Protocol(asyncio.Protocol):
         if not self.closing:
             self.closing = True
             self.conn.close_connection()
-            self._flush()
+            self._write_now()
         if not self.streams and self.transport is not None:
             self.transport.close()
 
@@ -179,7 +180,7 @@ class H2Protocol(asyncio.Protocol):
             self._goaway(ErrorCodes.ENHANCE_YOUR_CALM)
             return
         except h2.exceptions.ProtocolError:  # h2 has queued the GOAWAY with its error code
-            self._flush()
+            self._write_now()
             self._close()
             return
         except Exception:  # a bug in h2 or here must not kill the process: end this connection
@@ -450,7 +451,7 @@ class H2Protocol(asyncio.Protocol):
                 pass
         if not self.streams:
             if self.closing and self.transport is not None:
-                self._flush()
+                self._write_now()
                 self.transport.close()
             else:
                 self._arm(self.limits.idle_timeout_s)
@@ -458,6 +459,14 @@ class H2Protocol(asyncio.Protocol):
     # -- connection ----------------------------------------------------------------------------
 
     def _flush(self) -> None:
+        """Write what h2 has queued, once per loop iteration: a response's HEADERS and DATA, the
+        window update for its body and the frames of other streams leave in one write."""
+        if not self.flush_soon:
+            self.flush_soon = True
+            self.loop.call_soon(self._write_now)
+
+    def _write_now(self) -> None:
+        self.flush_soon = False
         data = self.conn.data_to_send()
         if data and self.transport is not None and not self.transport.is_closing():
             self.transport.write(data)
@@ -467,7 +476,7 @@ class H2Protocol(asyncio.Protocol):
             self.conn.close_connection(code)
         except h2.exceptions.H2Error:
             pass
-        self._flush()
+        self._write_now()
         self._close()
 
     def _close(self) -> None:

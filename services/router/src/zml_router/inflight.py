@@ -20,6 +20,7 @@ from zmlcore import subjects
 from zmlcore.messages import InflightDelta, InflightSnapshot, RouterNodeState, RouterState, node_mark_decoder
 
 from zml_router.cooldowns import Marks
+from zml_router.deltas import DeltaWindow
 from zml_router.table import NodeTable
 
 log = logging.getLogger("zml.router")
@@ -38,9 +39,12 @@ class Sharing:
         self.nc: NATS | None = None
         #: Called when capacity may have freed (the saturation queue's heads re-try then).
         self.freed: Callable[[], None] = lambda: None
+        #: Our deltas, summed per node over a short window before they go out.
+        self.deltas: DeltaWindow | None = None
 
     async def start(self, nc: NATS, freed: Callable[[], None]) -> list[Subscription]:
         self.nc, self.freed = nc, freed
+        self.deltas = DeltaWindow(nc, self.router_id)
         return [await nc.subscribe(subjects.INFLIGHT, cb=self._on_delta),
                 await nc.subscribe(subjects.INFLIGHT_SNAPSHOT, cb=self._on_snapshot),
                 await nc.subscribe(subjects.NODE_MARKS, cb=self._on_mark)]
@@ -52,11 +56,8 @@ class Sharing:
             self.freed()
         # Deltas are for peers: alone, skip them (a replica that joins learns our counts from
         # the next 1 s snapshot). Saves a NATS send per message on the hot path.
-        if self.nc is not None and self.table.peers:
-            delta = InflightDelta(router_id=self.router_id, node_id=node_id, outstanding=outstanding,
-                                  pending=pending, ts=time.time())
-            # publish() only appends to the client's buffer; its flusher sends batches.
-            await self.nc.publish(subjects.INFLIGHT, _encode(delta))
+        if self.deltas is not None and self.table.peers:
+            self.deltas.add(node_id, outstanding, pending)  # summed per node for 2 ms (zml_router.deltas)
 
     async def mark(self, node_id: str, kind: str, for_s: float, reason: str) -> None:
         """Skip a node here, and (over NATS) on every replica."""
@@ -75,8 +76,16 @@ class Sharing:
             if self.table.expire_peers(now):
                 self.freed()
             if self.nc is not None and self.nc.is_connected:
-                snap = InflightSnapshot(router_id=self.router_id, ts=now, nodes=self.table.own_snapshot())
-                await self.nc.publish(subjects.INFLIGHT_SNAPSHOT, _encode(snap))
+                def snap() -> bytes:
+                    return _encode(InflightSnapshot(router_id=self.router_id, ts=now, nodes=self.table.own_snapshot()))
+                if self.deltas is not None:  # in order with the deltas summed before it (zml_router.deltas)
+                    await self.deltas.then(subjects.INFLIGHT_SNAPSHOT, snap)
+                else:
+                    await self.nc.publish(subjects.INFLIGHT_SNAPSHOT, snap())
+
+    def close(self) -> None:
+        if self.deltas is not None:
+            self.deltas.close()
 
     def state(self, in_flight: int, now: float) -> RouterState:
         """This replica's view of every node (its answer to a state request)."""

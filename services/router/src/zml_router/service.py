@@ -149,6 +149,7 @@ class RouterService:
         await cancel_and_wait(self._loops)
         if self.events is not None:
             await self.events.stop()
+        self.sharing.close()
         await self.metrics.stop()
         await self.limits.stop()
         if self.http:
