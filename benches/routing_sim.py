@@ -1,19 +1,24 @@
 """Routing-quality simulator: the reference fleet in virtual time, routed by the real choose_node.
 
     python benches/routing_sim.py                      # defaults: 20k requests, 1 seed, 50/80/95/110%
-    python benches/routing_sim.py --requests 50000 --seeds 3 --loads 50,80,95,110 --plot docs/routing-sim.png
+    python benches/routing_sim.py --requests 200000 --first-seed 1 --seeds 3 --jobs 1 --loads 50,80,95 \
+        --workloads poisson --policies oracle,least_busy,latency --save benches/routing_sim_results.json --append
     python benches/routing_sim.py --load-results benches/routing_sim_results.json   # reprint saved results
 
-The 1-seed default takes ~5.5 min on 2 cores; most of it is the oracle at 95-110% load, whose
-exact forward simulation grows with the queues.
+A 200k-request run takes 10-40 s of CPU for a ZML policy below 100% load; the oracle at 110%
+(exact forward simulation of long queues) takes minutes. Tuning seeds were 1001-1004; the
+reported ones are 1-3 (docs/benchmarks.md "Routing quality (simulation)").
 
-Fleet (shared/reference/routing-frontier.md): 2xH100, 1xA100, 2xMI300X, 1xGaudi2, 1xInf2, each a
-zmlcore.sim.model.SimProfile (the live sim node's model; dynamics in benches/routing_simnode.py).
-Workload: lognormal prompts (median 500, sigma 1.0, [16, 8192]) and outputs (median 200,
-sigma 0.8, [1, 2048]); Poisson or 2-state MMPP arrivals (burst 3x base, on/off 10 s / 40 s).
-Every policy of one (workload, load, seed) sees the same trace. The ZML policies run through
-zmlcore.policy.choose_node over a FleetIndex of NodeViews fed like the router feeds them: a
-polled NodeState every 5 s (+/-20% jitter) plus router-local outstanding/pending counters.
+Fleet (../shared/reference/routing-frontier.md from the repo root): 2xH100, 1xA100, 2xMI300X,
+1xGaudi2, 1xInf2, each a zmlcore.sim.model.SimProfile (the live sim node's model; dynamics in
+benches/routing_simnode.py). Workload: lognormal prompts (median 500, sigma 1.0, [16, 8192]) and
+outputs (median 200, sigma 0.8, [1, 2048]); Poisson or 2-state MMPP arrivals (burst 3x base,
+on/off 10 s / 40 s). Every policy of one (workload, load, seed) sees the same trace. The ZML
+policies run through zmlcore.policy.choose_node over a FleetIndex of NodeViews fed what the
+router has: a polled NodeState every 5 s (+/-20% jitter), router-local outstanding/pending
+counters (pending ends at the first token of a stream, at the estimated one for a plain reply),
+the body-size prompt estimate, the admission bound, and peers' counters after a NATS lag
+(benches/routing_simrouter.py).
 """
 
 from __future__ import annotations
@@ -36,10 +41,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from routing_simnode import EPS, SimNode  # noqa: E402
 from routing_simrouter import DELTA, EXPIRE, SimRouters  # noqa: E402
 
-from zmlcore.config import PolicyConfig  # noqa: E402
+from zmlcore.config import PolicyConfig, RouterConfig  # noqa: E402
 from zmlcore.messages import NodeState  # noqa: E402
 from zmlcore.policy import FleetIndex, NodeView, RouteRequest, RoutingState, builtin_policy, choose_node  # noqa: E402
-from zmlcore.policy.estimate import prompt_tokens_from_body  # noqa: E402
+from zmlcore.policy.estimate import NONSTREAM_PENDING_FOR, prompt_tokens_from_body  # noqa: E402
 from zmlcore.policy.resolve import ResolvedPolicy  # noqa: E402
 from zmlcore.sim.model import SimProfile  # noqa: E402
 
@@ -151,9 +156,11 @@ def _family(node: SimNode) -> str:
 
 
 #: What the simulated router knows, by default the live router's situation: the body-size
-#: prompt estimate, half the requests streamed (the others hold ``pending`` until completion)
-#: and the ``admission_ttft_s`` bound (RouterConfig's default, 30 s).
-DEFAULT_OPTS: dict[str, Any] = {"stream_share": 0.5, "estimate": "body", "admission_s": 30.0, "pending_expiry": 0.0}
+#: prompt estimate, half the requests streamed (the others hold ``pending`` for their estimated
+#: TTFT, zml_router.pendinghold) and the ``admission_ttft_s`` bound (RouterConfig's default).
+DEFAULT_OPTS: dict[str, Any] = {"stream_share": 0.5, "estimate": "body",
+                                "admission_s": RouterConfig().admission_ttft_s,
+                                "pending_expiry": NONSTREAM_PENDING_FOR}
 
 
 def run(policy: str, workload: str, load: float, seed: int, n: int, warm: int,
@@ -344,6 +351,7 @@ def run(policy: str, workload: str, load: float, seed: int, n: int, warm: int,
         "policy": policy, "workload": workload, "load": load, "seed": seed, "n": n, "opts": o_,
         "p50": float(np.percentile(meas, 50)), "p99": float(np.percentile(meas, 99)),
         "share": float(np.mean(meas <= TARGET_S)), "thr": served / cap,
+        "offered": (n - 1 - warm) / window / cap,  # this trace's arrival rate in the window
         "rejected": float(np.mean(rejected[warm:])),
         "cost": dollars / (tokens / 1e6), "imb": max(util) / (sum(util) / len(util)), "pred_err": pred_err,
     }
@@ -412,6 +420,7 @@ def main(argv: list[str] | None = None) -> None:
         loads = sorted({r["load"] for r in results})
         workloads = list(dict.fromkeys(r["workload"] for r in results))
         report(results, pols, loads, workloads)
+        targets(results)
         if args.plot:
             plot(results, pols, loads, workloads, args.plot)
         return
@@ -441,6 +450,7 @@ def main(argv: list[str] | None = None) -> None:
     if errs:
         print(f"oracle: largest |predicted - realised TTFT| = {max(errs):.1e} s\n")
     report(results, pols, loads, args.workloads.split(","))
+    targets(results)
     if args.plot:
         plot(results, pols, loads, args.workloads.split(","), args.plot)
 
@@ -460,8 +470,10 @@ def report(results: list[dict[str, Any]], pols: list[str], loads: list[float], w
                     cells.append("-")
                     continue
                 ratio = [by[(p, w, ld, s)]["p99"] / by[("oracle", w, ld, s)]["p99"] for s in seeds
-                         if ("oracle", w, ld, s) in by]
+                         if ("oracle", w, ld, s) in by and (p, w, ld, s) in by]
                 rt = f" / {np.mean(ratio):.2f}x" if ratio else ""
+                if len(ratio) > 1:
+                    rt += f" [{min(ratio):.2f}-{max(ratio):.2f}]"
                 cells.append(f"{_m(rs, 'p99'):.2f}{rt} / {100*_m(rs, 'share'):.1f}% / {_m(rs, 'p50'):.2f}")
             print(f"| {p} | " + " | ".join(cells) + " |")
         print(f"\n### {w}: throughput / capacity, rejected by admission, $ per 1M output tokens (busy-time billing), "
@@ -475,6 +487,51 @@ def report(results: list[dict[str, Any]], pols: list[str], loads: list[float], w
                 cells.append(f"{_m(rs, 'thr'):.3f} / {100*_m(rs, 'rejected'):.1f}% / ${_m(rs, 'cost'):.3f} / "
                              f"{_m(rs, 'imb'):.2f}" if rs else "-")
             print(f"| {p} | " + " | ".join(cells) + " |")
+
+
+def targets(results: list[dict[str, Any]]) -> None:
+    """The issue's targets, per seed (Poisson unless said): what the tables average."""
+    by = {(r["policy"], r["workload"], r["load"], r["seed"]): r for r in results}
+    seeds = sorted({r["seed"] for r in results})
+
+    def per_seed(f: Any) -> list[float] | None:
+        try:
+            return [f(s) for s in seeds]
+        except KeyError:
+            return None
+
+    def p99(p: str, ld: float, s: int, w: str = "poisson") -> float:
+        return float(by[(p, w, ld, s)]["p99"])
+
+    rows: list[tuple[str, Any, str]] = []
+    for ld, lim in ((0.5, 1.05), (0.8, 1.10), (0.95, 1.05)):
+        rows.append((f"latency p99 / oracle p99, {int(ld*100)}%", per_seed(lambda s: p99("latency", ld, s) / p99("oracle", ld, s)),
+                     f"<= {lim:.2f}"))
+    for ld in (0.8, 0.95):
+        rows.append((f"least_busy p99 / latency p99, {int(ld*100)}%",
+                     per_seed(lambda s: p99("least_busy", ld, s) / p99("latency", ld, s)), ">= 5"))
+    for w in ("poisson", "bursty"):
+        rows.append((f"latency throughput / capacity, {w} 110%", per_seed(lambda s: by[("latency", w, 1.1, s)]["thr"]),
+                     ">= 0.99"))
+        rows.append((f"  rejected by admission, {w} 110%", per_seed(lambda s: by[("latency", w, 1.1, s)]["rejected"]), ""))
+    for lag in ("lag1_5", "lag10_50"):
+        for ld in (0.5, 0.8, 0.95):
+            rows.append((f"4 replicas {lag} p99 / one router, {int(ld*100)}%",
+                         per_seed(lambda s: p99(f"latency_r4_{lag}", ld, s) / p99("latency", ld, s)),
+                         "<= 1.2" if lag == "lag1_5" else ""))
+    for ld in (0.5, 0.8):
+        rows.append((f"cost $/1M tok vs latency, {int(ld*100)}%",
+                     per_seed(lambda s: by[("cost", "poisson", ld, s)]["cost"] / by[("latency", "poisson", ld, s)]["cost"] - 1),
+                     "<= -0.04"))
+        rows.append((f"  share <= 500 ms lost (pt), {int(ld*100)}%",
+                     per_seed(lambda s: 100 * (by[("latency", "poisson", ld, s)]["share"] - by[("cost", "poisson", ld, s)]["share"])),
+                     "<= 0.5"))
+    print(f"\n### targets, per seed ({', '.join(map(str, seeds))})\n")
+    print("| measure | per seed | target |")
+    print("|---|---|---|")
+    for name, vals, tgt in rows:
+        if vals is not None:
+            print(f"| {name} | {' / '.join(f'{v:.3f}' for v in vals)} | {tgt} |")
 
 
 def _m(rs: list[dict[str, Any]], k: str) -> float:

@@ -53,6 +53,7 @@ from chaosload import Load, LoadGen, Report  # noqa: E402
 from chaosstack import FLEET, ChaosStack, NatsServer, nats_connect  # noqa: E402
 from conftest import MODEL  # noqa: E402
 from zmlcore import subjects  # noqa: E402
+from zmlcore.kvfollow import KVFollower  # noqa: E402
 from zmlcore.launch import free_port  # noqa: E402
 from zmlcore.sim.model import SimProfile  # noqa: E402
 
@@ -136,23 +137,21 @@ async def soak(args: argparse.Namespace, stack: ChaosStack, pids: dict[str, int]
 
     async def watch_flaps() -> None:
         nc = await nats_connect(stack.nats_urls)
-        kv = await nc.jetstream().key_value(subjects.NODES_BUCKET)
-        watcher = await kv.watchall()
         status: dict[str, str] = {}
+
+        def on_put(key: str, value: bytes) -> None:
+            st = json.loads(value)["status"]
+            if status.get(key) == "up" and st != "up":
+                flaps.append(f"{key} up->{st}")
+            status[key] = st
+
+        follower = KVFollower(nc, subjects.NODES_BUCKET, on_put=on_put, on_delete=lambda key: None)
+        task = asyncio.create_task(follower.run())
         try:
-            while not stop.is_set():
-                try:
-                    entry = await watcher.updates(timeout=0.5)
-                except Exception:
-                    continue
-                if entry is None or not entry.value:
-                    continue
-                st = json.loads(entry.value)["status"]
-                if status.get(entry.key) == "up" and st != "up":
-                    flaps.append(f"{entry.key} up->{st}")
-                status[entry.key] = st
+            await stop.wait()
         finally:
-            await watcher.stop()
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
             await nc.close()
 
     if args.probe_loss:

@@ -89,3 +89,12 @@ def test_completion_events_are_counted_in_bounded_per_second_buckets() -> None:
     assert len(tr.events) == 100
     assert tr.error_rate(1100.0, 60.0) == 0.01
     assert len(tr.events) <= 61 and tr.last_inference_at == 1000.0 + 9_999 / 100
+
+
+def test_forget_all_after_a_reconnect_writes_every_node_again() -> None:
+    w = Writes(heartbeat_s=5.0)
+    w.wrote(ST, 100.0)
+    w.wrote(poll(node_id="n2"), 100.0)
+    w.forget_all()
+    assert w.due(poll(updated_at=100.5), 100.5, 1.0) == "new"
+    assert w.due(poll(node_id="n2", updated_at=100.5), 100.5, 1.0) == "new"

@@ -144,10 +144,12 @@ class RouterConfig(msgspec.Struct, **_Base):
     """Node state older than this is not routable."""
     max_attempts: PosInt = 3
     """Nodes tried for one request before giving up."""
-    admission_ttft_s: PosFloat = 30.0
+    admission_ttft_s: PosFloat = 60.0
     """Admission bound: when even the fastest node's estimated time to first token exceeds
     this, the fleet is saturated for the request (QUEUE_FULL, or the queue when the policy
-    has queue_on_saturation) instead of piling more work onto the nodes."""
+    has queue_on_saturation) instead of piling more work onto the nodes. The backlog it allows
+    is what carries bursts over quiet spells: at bursty 110% load 30 s served 97-98% of
+    capacity, 60 s 99% (benches/routing_sim.py); lower it to bound the worst wait instead."""
     connect_timeout_s: PosFloat = 2.0
     """TCP connect timeout towards a node."""
     max_connections: PosInt = 512

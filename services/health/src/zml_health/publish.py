@@ -90,6 +90,11 @@ class Writes:
     def wrote(self, state: NodeState, now: float) -> None:
         self._last[state.node_id] = (state, now)
 
+    def forget_all(self) -> None:
+        """After a reconnect: the broker may have restarted without the bucket, so every
+        node's next state is written at once."""
+        self._last.clear()
+
     def forget(self, node_id: str) -> None:
         """The node was removed or re-registered: its next state is written at once."""
         self._last.pop(node_id, None)

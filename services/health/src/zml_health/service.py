@@ -30,6 +30,7 @@ from zmlcore.errors import BadRequestError, ConfigError, ZMLError
 from zmlcore.health.hardware import HardwareCheck, validate_hardware
 from zmlcore.health.score import health_score
 from zmlcore.kvfollow import live_keys
+from zmlcore.link import link_of
 from zmlcore.messages import NodeState
 from zmlcore.messages.admin import (
     NodeAdded,
@@ -97,6 +98,7 @@ class HealthService:
         self._admin_lock = asyncio.Lock()
         #: which polled states go to the KV bucket (on change, else as a heartbeat)
         self.writes = Writes(effective_heartbeat(cfg.health.kv_heartbeat_s, cfg.router.stale_after_s))
+        self._link_gen = 0
         sglang.GENERATE_EVERY = cfg.health.generate_probe_every
 
     # --- lifecycle -------------------------------------------------------------------------
@@ -206,6 +208,10 @@ class HealthService:
         state = self._state(node, tr, rt, probe, status, check, now)
         self.states[node.id] = state
         metrics.polled(node.id, probe.ok, probe.loading, probe.slow, time.perf_counter() - t0, state)
+        gen = link_of(self.nc).generation if self.nc is not None else 0
+        if gen != self._link_gen:  # reconnected: the broker may have lost the bucket, write all
+            self._link_gen = gen
+            self.writes.forget_all()
         if node.id in self._tasks and self.writes.due(state, now, hc.poll_interval_s * (1 + hc.jitter)):
             await self.kv.put(node.id, _encode(state))  # not removed while we probed
             self.writes.wrote(state, now)

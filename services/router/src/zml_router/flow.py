@@ -41,6 +41,7 @@ from zmlcore.config import ZMLConfig
 from zmlcore.messages import InferRequest, RoutingInfo
 from zmlcore.messages.warmup import RequestCompleted
 from zmlcore.policy import Decision, ResolvedPolicy, RouteRequest, resolve_policy
+from zmlcore.policy.estimate import prompt_tokens_from_body
 
 from zml_router.dispatch import AttemptError, Failure
 from zml_router.kinds import check_kind
@@ -84,7 +85,7 @@ def prepare(cfg: ZMLConfig, families: list[str], req: InferRequest,
     # An embedding is a prefill and no decode: one "output token" for the estimate.
     max_tokens = 1 if req.input is not None else req.max_tokens or req.max_completion_tokens or 512
     # ~4 bytes per token of JSON body: good enough for a TTFT estimate, and O(1).
-    rr = RouteRequest(model=model, prompt_tokens=len(raw) // 4, max_tokens=max_tokens,
+    rr = RouteRequest(model=model, prompt_tokens=prompt_tokens_from_body(len(raw)), max_tokens=max_tokens,
                       accelerator_id=req.accelerator_id)
     return model, policy, rr
 

@@ -32,6 +32,7 @@ from zml_router.dispatch import (
 )
 from zml_router.firstbyte import expected_s, first_byte_timeout
 from zml_router.kinds import PATHS
+from zml_router.pendinghold import PendingHold, window_s
 from zml_router.queue import QueuedMsg
 from zml_router.rename import Renamer
 
@@ -107,15 +108,16 @@ class Relay:
     async def once(self, msg: Msg | QueuedMsg, req: InferRequest, body: bytes, info: RoutingInfo, t0: float,
                    first_byte: float | None = None, rename: Renamer | None = None) -> None:
         svc = self.svc
-        count = svc.sharing.count
-        # A non-streamed reply shows no first token: pending ends with the request.
-        await count(info.node_id, 1, 1)
+        # A non-streamed reply shows no first token: pending ends at the estimated one.
+        v = svc.table.views[info.node_id]
+        hold = await PendingHold.start(svc.sharing.count, info.node_id,
+                                       window_s(v.state, v.effective_outstanding(), v.effective_pending(), len(body)))
         try:
             raw = await within_first_byte(
                 post_json(svc.http, self._url(info, req), body, self._headers(info),  # type: ignore[arg-type]
                           svc.cfg.nats.max_reply_bytes), first_byte)
         finally:
-            await count(info.node_id, -1, -1)
+            await hold.close()
         info.time_to_first_token = time.monotonic() - t0
         svc.metrics.usage(req.kind(), req.model, raw)
         if rename is not None:

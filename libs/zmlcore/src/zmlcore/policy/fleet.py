@@ -67,7 +67,7 @@ class ModelTable:
     registration order (first node seen), nodes in registration order within a family."""
 
     __slots__ = (
-        "model", "families", "by_family", "groups", "starts", "group_of", "chains", "counts", "flat", "n_loaded", "views", "coeffs", "inputs",
+        "model", "families", "by_family", "groups", "starts", "group_of", "chains", "counts", "flat", "views", "coeffs", "inputs",
         "up", "fam", "key", "drain", "pf", "inv_pf", "cost_cap", "cost_ok", "depth", "updated", "blocked", "health",
     )
 
@@ -89,7 +89,6 @@ class ModelTable:
         self.counts: dict[str, int] = {}
         #: (group, row) in node registration order (round robin's cycle)
         self.flat: list[tuple[FamilyGroup, int]] = []
-        self.n_loaded = 0
         self.coeffs: list[Coeffs | None] = [None] * n
         #: (pf, dec, maxc, cost) each row's Coeffs were computed from
         self.inputs: list[tuple[float, float, int, float] | None] = [None] * n
@@ -258,7 +257,6 @@ class FleetIndex(Sequence[NodeView]):
                 v = ordered[j]
                 row_of[v.node_id] = j
                 self._set_state(t, j, v)
-                t.n_loaded += model in v.state.models
                 self._where.setdefault(v.node_id, []).append((t, j))
             start += len(members)
         t.starts = np.array([g.start for g in t.groups], dtype=np.intp)
