@@ -28,10 +28,13 @@ async def listen(nc: Any) -> tuple[list[Any], Any]:
     got: list[Any] = []
 
     async def on(msg: Any) -> None:
-        got.append((msg.subject, msg.data))
-    sub = await nc.subscribe(subjects.INFLIGHT_SNAPSHOT, cb=on)
-    sub2 = await nc.subscribe(subjects.INFLIGHT, cb=on)
-    return got, (sub, sub2)
+        if msg.subject in (subjects.INFLIGHT, subjects.INFLIGHT_SNAPSHOT):
+            got.append((msg.subject, msg.data))
+    # One subscription for both subjects: nats-py runs each subscription's callbacks in its own
+    # task, so two of them could reorder what the wire delivered in order.
+    prefix = subjects.INFLIGHT.rsplit(".", 1)[0]
+    assert subjects.INFLIGHT_SNAPSHOT.rsplit(".", 1)[0] == prefix
+    return got, await nc.subscribe(prefix + ".*", cb=on)
 
 
 async def settle(got: list[Any], n: int) -> None:
