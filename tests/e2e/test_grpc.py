@@ -227,7 +227,7 @@ def test_fuzzed_requests_get_a_status_never_a_crash(zml_stack: Stack) -> None:
         calls = {"Infer": channel.unary_unary("/zml.v1.Zml/Infer"),
                  "InferStream": channel.unary_stream("/zml.v1.Zml/InferStream")}
 
-        @settings(max_examples=60, deadline=None, database=None, derandomize=True,
+        @settings(max_examples=25, deadline=None, database=None, derandomize=True,
                   suppress_health_check=list(HealthCheck), phases=[Phase.generate])
         @given(raw=_hostile(), method=st.sampled_from(sorted(calls)))
         def one(raw: bytes, method: str) -> None:
