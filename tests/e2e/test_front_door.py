@@ -145,10 +145,10 @@ async def test_raw_nats_bad_input_is_bad_request(zml_stack: Stack) -> None:
 
 @pytest.fixture(scope="module")
 def strict(zml_stack: Stack, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, object]]:
-    """A second gateway with tight bounds: 1 s for headers, 2 requests at once."""
+    """A second gateway with tight bounds: 1 s for headers, 2 s for a body, 2 requests at once."""
     base = Path(zml_stack.config_path).read_text()
     cfg = tmp_path_factory.mktemp("strict") / "zml.toml"
-    cfg.write_text("[gateway]\nheader_timeout_s = 1.0\nmax_concurrent = 2\n" + base)
+    cfg.write_text("[gateway]\nheader_timeout_s = 1.0\nbody_timeout_s = 2.0\nmax_concurrent = 2\n" + base)
     port = free_port()
     proc = spawn("gateway-strict", service_argv("gateway", str(cfg), zml_stack.nats_url, "--port", str(port)))
     try:
@@ -167,6 +167,41 @@ def test_slow_headers_are_cut_off(strict: tuple[str, object]) -> None:
         data = s.recv(4096)
         assert data.startswith(b"HTTP/1.1 408"), data
         assert time.monotonic() - t0 < 8
+    with httpx.Client(base_url=url, timeout=30) as c:
+        _served(c)
+
+
+def test_slow_bodies_are_cut_off(strict: tuple[str, object]) -> None:
+    """Headers on time, then a body that stalls (or trickles): 408 once body_timeout_s has
+    passed, and the connection is closed rather than reading the rest as a next request."""
+    url, _ = strict
+    port = int(url.rsplit(":", 1)[1])
+    for trickle in (False, True):
+        with socket.create_connection(("127.0.0.1", port), timeout=1) as s:
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 100\r\n\r\n{\"model\"")
+            t0 = time.monotonic()
+            data = b""
+            while b"\r\n\r\n" not in data and time.monotonic() - t0 < 12:
+                if trickle:
+                    s.settimeout(0.4)
+                    try:
+                        s.sendall(b" ")
+                    except OSError:
+                        pass
+                try:
+                    part = s.recv(4096)
+                except TimeoutError:
+                    continue
+                if not part:
+                    break
+                data += part
+            assert data.startswith(b"HTTP/1.1 408"), data
+            assert b"BAD_REQUEST" in data or b"connection: close" in data.lower(), data
+            assert 1.5 < time.monotonic() - t0 < 10
+            s.settimeout(10)
+            while s.recv(4096):  # the gateway closes the connection
+                pass
     with httpx.Client(base_url=url, timeout=30) as c:
         _served(c)
 

@@ -32,7 +32,8 @@ from conftest import MODEL, Stack
 from zmlcore.launch import Proc, free_port, service_argv, spawn, wait_port
 
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
-LIMITS = "[gateway]\nmax_body_bytes = 65536\nhttp2_max_streams = 8\nmax_headers = 40\nheader_timeout_s = 2\n"
+LIMITS = ("[gateway]\nmax_body_bytes = 65536\nhttp2_max_streams = 8\nmax_headers = 40\nheader_timeout_s = 2\n"
+          "body_timeout_s = 2\n")
 
 
 @dataclass
@@ -286,6 +287,24 @@ def test_h2_stream_limit_and_oversized_headers(gw: Gateways) -> None:
     sid = c.request()
     c.read_until(lambda ev: c.status(sid) is not None)
     assert c.status(sid) == 200
+    c.close()
+    _alive(gw)
+
+
+def test_h2_stalled_body_gets_408(gw: Gateways) -> None:
+    """A stream whose body stops coming: 408 on that stream after body_timeout_s (2 s); other
+    streams on the connection keep working."""
+    c = RawH2(gw.port)
+    sid = c.request(path=b"/v1/chat/completions", extra=[(b"content-type", b"application/json"),
+                                                         (b"content-length", b"100")], end=False)
+    c.conn.send_data(sid, b'{"model"')
+    c.flush()
+    t0 = time.monotonic()
+    c.read_until(lambda ev: c.status(sid) is not None)
+    assert c.status(sid) == 408 and 1.5 < time.monotonic() - t0 < 10, c.events
+    other = c.request()
+    c.read_until(lambda ev: c.status(other) is not None)
+    assert c.status(other) == 200
     c.close()
     _alive(gw)
 

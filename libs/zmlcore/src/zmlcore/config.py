@@ -107,6 +107,10 @@ class GatewayConfig(msgspec.Struct, **_Base):
     """Most header lines in one request; above it, 431."""
     header_timeout_s: PosFloat = 10.0
     """Seconds a client has to send a request's headers (slow-loris bound)."""
+    body_timeout_s: PosFloat = 30.0
+    """Seconds a client has, once its headers arrived, to send the whole request body (the
+    slow-loris bound for bodies, HTTP/1.1 and HTTP/2); over it, 408 BAD_REQUEST and the
+    connection (HTTP/2: the stream) is closed."""
     stream_buffer: PosInt = 256
     """Chunks of one streamed reply buffered while the HTTP client is slow to read; when full,
     the request is cancelled upstream and the stream ends with an error (a client that stops

@@ -33,6 +33,7 @@ from zmlcore.errors import (
     NoHealthyNodesError,
     NotFoundError,
     QueueFullError,
+    BadRequestError,
     RequestTooLargeError,
     StreamInterruptedError,
     TimeoutError,
@@ -208,6 +209,17 @@ class Gateway:
                 if value.isdigit() and int(value) > limit:
                     raise RequestTooLargeError(f"request body of {int(value)} bytes is over the limit of {limit} bytes")
                 break
+        timeout = self.cfg.gateway.body_timeout_s
+        try:
+            async with asyncio.timeout(timeout):  # a client that sends headers, then trickles or stalls
+                return await self._read_rest(receive, limit)
+        except asyncio.TimeoutError:
+            slow = BadRequestError(f"request body not received within {timeout:g} s")
+            slow.http_status = 408  # type: ignore[misc]  # like the header timeout: BAD_REQUEST, 408
+            raise slow from None
+
+    @staticmethod
+    async def _read_rest(receive: Receive, limit: int) -> bytes:
         chunks: list[bytes] = []
         size = 0
         while True:
@@ -449,6 +461,8 @@ class Gateway:
             extra.append((b"allow", _ROUTES.get(scope["path"], "GET").encode()))
         if exc.retry_after is not None:
             extra.append((b"retry-after", str(max(1, round(exc.retry_after))).encode()))
+        if exc.http_status == 408:  # a body cut off: its rest would be read as a next request
+            extra.append((b"connection", b"close"))
         await self._plain(send, exc.http_status, exc.to_body(), extra)
 
     async def _relay_error(self, send: Send, code: str, data: bytes, retry_after: str | None = None,
