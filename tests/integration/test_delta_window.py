@@ -28,7 +28,11 @@ async def listen(nc: Any) -> tuple[list[Any], Any]:
     got: list[Any] = []
 
     async def on(msg: Any) -> None:
-        if msg.subject in (subjects.INFLIGHT, subjects.INFLIGHT_SNAPSHOT):
+        # Only this test's window (router "r1", snapshot b"snap"): the session's broker also
+        # carries the in-flight traffic of other suites' routers still running.
+        if msg.subject == subjects.INFLIGHT_SNAPSHOT and msg.data == b"snap":
+            got.append((msg.subject, msg.data))
+        elif msg.subject == subjects.INFLIGHT and msgspec.json.decode(msg.data, type=InflightDelta).router_id == "r1":
             got.append((msg.subject, msg.data))
     # One subscription for both subjects: nats-py runs each subscription's callbacks in its own
     # task, so two of them could reorder what the wire delivered in order.
