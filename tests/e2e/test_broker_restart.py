@@ -20,7 +20,9 @@ from loadgen import Load
 from zmlcore import subjects
 from zmlcore.launch import Proc, free_port, start_nats
 
-pytestmark = pytest.mark.slow
+# Kills and restarts processes or the broker: in the chaos suite (`pytest -m chaos`), which CI
+# runs after the default one, to keep the default suite within its 10 minutes.
+pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
 async def router_ages(nats_url: str, names: list[str]) -> dict[str, float]:
     """Each router's oldest node state (seconds), from its own admin subject."""

@@ -23,7 +23,9 @@ from test_broker_restart import router_ages
 from zmlcore import subjects
 from zmlcore.launch import Proc, free_port, spawn
 
-pytestmark = pytest.mark.slow
+# Kills and restarts processes or the broker: in the chaos suite (`pytest -m chaos`), which CI
+# runs after the default one, to keep the default suite within its 10 minutes.
+pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
 POLL_S = 2.0  # health poll and warmup sweep interval: the lease TTL follows them
 STALE_S = 12.0  # the routers' [router] stale_after_s

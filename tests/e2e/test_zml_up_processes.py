@@ -16,7 +16,9 @@ import pytest
 from conftest import FLEET, MODEL, fleet_toml
 from zmlcore.launch import free_port, spawn
 
-pytestmark = pytest.mark.slow
+# Kills and restarts processes or the broker: in the chaos suite (`pytest -m chaos`), which CI
+# runs after the default one, to keep the default suite within its 10 minutes.
+pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
 

@@ -28,7 +28,9 @@ from loadgen import Load
 from zmlcore import subjects
 from zmlcore.launch import Proc, free_port, nats_server_binary, spawn, wait_port
 
-pytestmark = pytest.mark.slow
+# Kills and restarts processes or the broker: in the chaos suite (`pytest -m chaos`), which CI
+# runs after the default one, to keep the default suite within its 10 minutes.
+pytestmark = [pytest.mark.slow, pytest.mark.chaos]
 
 
 def _children(pid: int) -> dict[str, int]:
