@@ -131,20 +131,25 @@ def _channel_async(target: str, tls: bool) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(target, options=_options())
 
 
+def _methods(channel: Any) -> tuple[Any, Any, Any, Any]:
+    """The service's four calls on a channel (blocking or grpc.aio: the same builders)."""
+    return (channel.unary_unary(_INFER, request_serializer=pb.InferRequest.SerializeToString,
+                                response_deserializer=pb.InferReply.FromString),
+            channel.unary_stream(_STREAM, request_serializer=pb.InferRequest.SerializeToString,
+                                 response_deserializer=pb.InferChunk.FromString),
+            channel.unary_unary(_MODELS, request_serializer=pb.ListModelsRequest.SerializeToString,
+                                response_deserializer=pb.ListModelsReply.FromString),
+            channel.unary_unary(_NODES, request_serializer=pb.ListNodesRequest.SerializeToString,
+                                response_deserializer=pb.ListNodesReply.FromString))
+
+
 class SyncGrpcTransport:
     def __init__(self, endpoint: str, api_key: str | None, timeout: float) -> None:
         self.target, tls = target_of(endpoint)
         self.api_key = api_key
         self.timeout = timeout
         self._channel = _channel_sync(self.target, tls)
-        self._infer = self._channel.unary_unary(_INFER, request_serializer=pb.InferRequest.SerializeToString,
-                                                response_deserializer=pb.InferReply.FromString)
-        self._stream = self._channel.unary_stream(_STREAM, request_serializer=pb.InferRequest.SerializeToString,
-                                                  response_deserializer=pb.InferChunk.FromString)
-        self._models = self._channel.unary_unary(_MODELS, request_serializer=pb.ListModelsRequest.SerializeToString,
-                                                 response_deserializer=pb.ListModelsReply.FromString)
-        self._nodes = self._channel.unary_unary(_NODES, request_serializer=pb.ListNodesRequest.SerializeToString,
-                                                response_deserializer=pb.ListNodesReply.FromString)
+        self._infer, self._stream, self._models, self._nodes = _methods(self._channel)
 
     def infer(self, call: InferCall) -> RawReply:
         try:
@@ -207,14 +212,7 @@ class AsyncGrpcTransport:
         self.api_key = api_key
         self.timeout = timeout
         self._channel = _channel_async(self.target, tls)
-        self._infer = self._channel.unary_unary(_INFER, request_serializer=pb.InferRequest.SerializeToString,
-                                                response_deserializer=pb.InferReply.FromString)
-        self._stream = self._channel.unary_stream(_STREAM, request_serializer=pb.InferRequest.SerializeToString,
-                                                  response_deserializer=pb.InferChunk.FromString)
-        self._models = self._channel.unary_unary(_MODELS, request_serializer=pb.ListModelsRequest.SerializeToString,
-                                                 response_deserializer=pb.ListModelsReply.FromString)
-        self._nodes = self._channel.unary_unary(_NODES, request_serializer=pb.ListNodesRequest.SerializeToString,
-                                                response_deserializer=pb.ListNodesReply.FromString)
+        self._infer, self._stream, self._models, self._nodes = _methods(self._channel)
 
     async def infer(self, call: InferCall) -> RawReply:
         rpc = self._infer(codec.request_from_body(call.body), timeout=call.timeout_s,
