@@ -13,7 +13,7 @@ chunk at the client minus the request's *scheduled* arrival (client lag counts),
 virtual seconds (real x time_scale).
 
     python benches/live_routing.py --time-scale 4 --loads 50,80 \
-        --policies round_robin,latency --window 90 --drain 30 --save /tmp/live.json
+        --policies round_robin,latency --window 90 --drain 30 --save $SCRATCH/live.json
 
 Services run from a `git archive` snapshot of --zml-ref (default HEAD), like peers_path.py: other
 engineers edit the working tree meanwhile. Health polls every 5 s / time_scale (the production

@@ -15,15 +15,15 @@ ZML targets (each one process tree, so the harness's per-tree CPU accounting cov
 
 Usage (from the repo root):
   # once (~3 min): venvs with the pinned harness + LiteLLM versions, and wrk
-  python benches/peers_path.py --setup-dir /tmp/peers_setup --setup-only
+  python benches/peers_path.py --setup-dir $SCRATCH/peers_setup --setup-only
   # the matrix (~10 min), tables to stdout and <workdir>/summary.md
-  python benches/peers_path.py --setup-dir /tmp/peers_setup \
+  python benches/peers_path.py --setup-dir $SCRATCH/peers_setup \
       --targets direct,litellm1,zml1,zml2rr --conc 1,8,32,64 --reps 2
   # where the CPU goes: py-spy on gateway and router under load.py C=32 (zml1)
-  python benches/peers_path.py --setup-dir /tmp/peers_setup --profile --targets zml1
+  python benches/peers_path.py --setup-dir $SCRATCH/peers_setup --profile --targets zml1
   # gRPC beside HTTP: zml1 with [gateway] grpc_port, benches/grpc_load.py vs load.py on
   # zml1's HTTP port and on the stub directly, C=1 and C=64, one run
-  python benches/peers_path.py --setup-dir /tmp/peers_setup --grpc --conc 1,64 --reps 3
+  python benches/peers_path.py --setup-dir $SCRATCH/peers_setup --grpc --conc 1,64 --reps 3
 
 Every process is started by PID and stopped by PID (the harness's Proc.stop, the launcher's
 SIGTERM handler, or this script's finally: blocks). Everything binds 127.0.0.1.

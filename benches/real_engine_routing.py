@@ -17,7 +17,7 @@ zmlcore.launch helpers `zml up` uses). Steps:
    (tokens after the first / time after the first token, batch-1-equivalent not applied: the
    client sees the batch the node ran).
 
-    .venv/bin/python benches/real_engine_routing.py --window 60 --save /tmp/real.json
+    .venv/bin/python benches/real_engine_routing.py --window 60 --save $SCRATCH/real.json
 
 Needs what the real-engine tests need (`.ci/llama-server`). Every process is stopped by PID.
 """

@@ -25,7 +25,7 @@ Modes: ``--overload`` runs 150% of capacity instead and asserts goodput >= 95% o
 (the chaos suite records it; this is where it is judged); ``--probe-loss 0.1`` loses that share
 of health probes on every node for the whole run and counts node state flaps (must be 0).
 
-    python benches/soak.py --duration 900 --warmup 300 --load 0.7 --save /tmp/soak.json
+    python benches/soak.py --duration 900 --warmup 300 --load 0.7 --save $SCRATCH/soak.json
     python benches/soak.py --duration 120 --overload
     python benches/soak.py --duration 600 --load 0.3 --probe-loss 0.1
 """
