@@ -184,6 +184,9 @@ class _Usage(msgspec.Struct):
 
 
 class _Routing(msgspec.Struct):
+    """RoutingInfo's fields, every one optional: a reply whose ``zml`` object lacks some still
+    maps (RoutingInfo itself requires them and would drop the whole typed reply)."""
+
     node_id: str = ""
     accelerator_type: str = ""
     family: str = ""
