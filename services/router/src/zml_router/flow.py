@@ -74,10 +74,10 @@ class Outcome:
         self.label = ""  # the API key's cost-attribution label (gateway header)
 
 
-def prepare(cfg: ZMLConfig, families: list[str], req: InferRequest,
-            raw: bytes) -> tuple[str, ResolvedPolicy, RouteRequest]:
-    """The request's model, policy and what the policies see of it (errors: bad policy/kind)."""
-    model = cfg.resolve_model(req.model)
+def prepare(cfg: ZMLConfig, families: list[str], req: InferRequest, raw: bytes,
+            model: str) -> tuple[ResolvedPolicy, RouteRequest]:
+    """The policy of a request for ``model`` (its name resolved from an alias: ``cfg.resolve_model``)
+    and what the policies see of it (errors: bad policy/kind)."""
     per_call = req.policy if req.policy is not None else req.routing
     # Chains may name families registered at run time, not only zml.toml's.
     policy = resolve_policy(cfg, model, per_call, families)
@@ -87,7 +87,7 @@ def prepare(cfg: ZMLConfig, families: list[str], req: InferRequest,
     # ~4 bytes per token of JSON body: good enough for a TTFT estimate, and O(1).
     rr = RouteRequest(model=model, prompt_tokens=prompt_tokens_from_body(len(raw)), max_tokens=max_tokens,
                       accelerator_id=req.accelerator_id)
-    return model, policy, rr
+    return policy, rr
 
 
 @dataclass(slots=True)

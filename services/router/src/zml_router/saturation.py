@@ -86,7 +86,7 @@ class QueueGlue:
         svc = self.svc
         try:
             req = infer_request_decoder.decode(qmsg.data)
-            _, policy, rr = prepare(svc.cfg, svc.table.families(), req, qmsg.data)
+            policy, rr = prepare(svc.cfg, svc.table.families(), req, qmsg.data, svc.cfg.resolve_model(req.model))
             svc.admission.decide(rr, policy)
         except QueueFullError:
             return False

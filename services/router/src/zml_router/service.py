@@ -204,8 +204,9 @@ class RouterService:
             stream = req.stream
             request_id = check_request_id(asked_id or req.request_id or _new_id())
             REQUEST_ID.set(request_id)  # on every log line of this request (JSON logs)
+            model = self.cfg.resolve_model(req.model)  # once per request: check_fits, the flow, metrics
             if msg.reply and self.nc is not None:  # a reply the requester could not receive: refuse now
-                mc = self.cfg.models.get(self.cfg.resolve_model(req.model))
+                mc = self.cfg.models.get(model)
                 check_fits(msg.data, req, headers, self.nc.max_payload, mc.max_model_len if mc else None)
             # The gateway passes the API key's options: its default policy, its cost label. An
             # identity sharing a key's plan gets that key's (its own headers cannot override them).
@@ -245,7 +246,7 @@ class RouterService:
                 if not isinstance(msg, QueuedMsg):  # a queued request was counted when it arrived
                     lease = await self.limits.admit(owner, request_id, timeout)
                 async with asyncio.timeout(timeout):
-                    await self._route(msg, req, request_id, t0, timeout, out)
+                    await self._route(msg, req, model, request_id, t0, timeout, out)
             except asyncio.TimeoutError as exc:
                 raise flow.deadline_passed(timeout) from exc
             finally:
@@ -282,11 +283,11 @@ class RouterService:
         return await self.ids.claim(key, timeout, request_id,  # type: ignore[union-attr]
                                     takeover=bool(headers.get(subjects.H_RESEND)))
 
-    async def _route(self, msg: Msg | QueuedMsg, req: InferRequest, request_id: str, t0: float,
+    async def _route(self, msg: Msg | QueuedMsg, req: InferRequest, model: str, request_id: str, t0: float,
                      timeout: float, out: Outcome) -> None:
         """Drive the request's flow (zml_router.flow): each action it yields, done here."""
-        out.model, out.op = self.cfg.resolve_model(req.model), req.kind()
-        model, policy, rr = flow.prepare(self.cfg, self.table.families(), req, msg.data)
+        out.model, out.op = model, req.kind()
+        policy, rr = flow.prepare(self.cfg, self.table.families(), req, msg.data, model)
         body = backend_body(msg.data, model, req.model)
         cfg = policy.config
         can_queue = bool(cfg.queue_on_saturation and self.queue is not None and msg.reply)
