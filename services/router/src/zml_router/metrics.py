@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -88,8 +87,6 @@ class _ModelOnly(msgspec.Struct):
 
 
 _model_only = msgspec.json.Decoder(_ModelOnly)
-_PROMPT_TOKENS = re.compile(rb'"prompt_tokens"\s*:\s*(\d+)')
-_COMPLETION_TOKENS = re.compile(rb'"completion_tokens"\s*:\s*(\d+)')
 
 QUEUE_PROBE_S = 2.0
 
@@ -122,18 +119,6 @@ class RouterMetrics(Collector):
         FAILOVERS(node_id, cause).inc()
         if tracing.ON:
             rtrace.failed(cause)
-
-    def usage(self, op: str, model: str, raw: bytes) -> None:
-        m = _PROMPT_TOKENS.search(raw)
-        p = int(m.group(1)) if m else None
-        if p is not None:
-            TOKENS(OPERATION.get(op, op), model, "input").observe(p)
-        m = _COMPLETION_TOKENS.search(raw)
-        c = int(m.group(1)) if m else None
-        if c is not None:
-            TOKENS(OPERATION.get(op, op), model, "output").observe(c)
-        if tracing.ON:
-            rtrace.usage(p, c)
 
     def usage_dict(self, op: str, model: str, usage: dict[str, Any]) -> None:
         for key, kind in (("prompt_tokens", "input"), ("completion_tokens", "output")):

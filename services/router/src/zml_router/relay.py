@@ -42,14 +42,20 @@ if TYPE_CHECKING:
 _encode = msgspec.json.encode
 _decode_any = msgspec.json.Decoder()
 _ZML_KEYS_BYTES = tuple(f'"{k}"'.encode() for k in ZML_REQUEST_KEYS)
-_TOTAL_TOKENS = re.compile(rb'"total_tokens"\s*:\s*(\d+)')
+_USAGE = re.compile(rb'"(prompt_tokens|completion_tokens|total_tokens)"\s*:\s*(\d+)')
+
+
+def reply_usage(raw: bytes) -> dict[str, Any]:
+    """The first prompt/completion/total token counts in a reply body, in one scan of it (for
+    the metrics, the trace and the routing metadata alike), without decoding the body."""
+    found: dict[str, Any] = {}
+    for m in _USAGE.finditer(raw):
+        found.setdefault(m.group(1).decode(), int(m.group(2)))
+    return found
 
 
 def with_routing(raw: bytes, info: RoutingInfo) -> bytes:
     """The node's JSON object with ``"zml": {...}`` appended, without re-encoding the body."""
-    m = _TOTAL_TOKENS.search(raw)
-    if m:
-        info.total_tokens = int(m.group(1))
     body = raw.rstrip()
     if body[:1] == b"{" and body[-1:] == b"}":
         sep = b"," if body[1:-1].strip() else b""
@@ -119,13 +125,16 @@ class Relay:
         finally:
             await hold.close()
         info.time_to_first_token = time.monotonic() - t0
-        svc.metrics.usage(req.kind(), req.model, raw)
+        usage = reply_usage(raw)
+        svc.metrics.usage_dict(req.kind(), req.model, usage)
         if rename is not None:
             raw = rename(raw)
         # Over max_payload: in parts to a requester that collects them (zmlcore.bigreply), else
         # REPLY_TOO_LARGE (raised before anything is sent), never a lost reply.
         await svc.ids.release_current()  # type: ignore[union-attr]  # before the caller can reuse the id
         if msg.reply and svc.nc is not None:
+            if "total_tokens" in usage:
+                info.total_tokens = usage["total_tokens"]
             await publish_reply(svc.nc, msg.reply, with_routing(raw, info), _routing_headers(msg, info),
                                 accepted(msg.headers))
 
