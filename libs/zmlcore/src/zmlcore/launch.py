@@ -51,11 +51,26 @@ def listen_ports(n: int = 1, host: str = "127.0.0.1") -> int:
     if low - 12000 < 1024 + n:
         return _kernel_port(host) if n == 1 else _free_run(n, host)
     rng = random.Random()
-    for _ in range(500):
-        base = rng.randrange(low - 12000, low - n)
-        if not any(port_in_use(host, base + i) for i in range(n)):
-            return base
+    now = time.monotonic()
+    with _HANDED_LOCK:
+        for port, at in list(_HANDED.items()):
+            if now - at > _HANDED_S:
+                del _HANDED[port]
+        for _ in range(500):
+            base = rng.randrange(low - 12000, low - n)
+            ports = range(base, base + n)
+            # Not one handed out moments ago and not yet bound: a stack picks all its ports
+            # before its servers start, and two picks could otherwise coincide.
+            if not any(p in _HANDED for p in ports) and not any(port_in_use(host, p) for p in ports):
+                _HANDED.update((p, now) for p in ports)
+                return base
     raise OSError(errno.EADDRINUSE, f"no {n} free consecutive ports on {host}")
+
+
+#: Ports listen_ports handed out recently (port -> when), so it does not hand one out twice.
+_HANDED: dict[int, float] = {}
+_HANDED_LOCK = threading.Lock()
+_HANDED_S = 120.0
 
 
 def _free_run(n: int, host: str) -> int:
