@@ -91,6 +91,14 @@ class Sink:
             raise self.aborted
         return self._msgs.popleft() if self._msgs else None
 
+    def pop_frame(self) -> Msg | None:
+        """The next message if it is here already and header-less (a stream frame,
+        zmlcore.streamframe), else None."""
+        msgs = self._msgs
+        if msgs and self.aborted is None and msgs[0].headers is None:
+            return msgs.popleft()
+        return None
+
     async def wait(self, timeout: float) -> None:
         """Until a message (or an abort) arrives or ``timeout`` passes, whichever is first."""
         if self._msgs or self.aborted is not None:
@@ -252,6 +260,11 @@ class Exchange:
                 self._silence.heard(time.monotonic())
             self.committed = True
             return msg
+
+    def next_frame(self) -> Msg | None:
+        """The next stream frame if it has arrived already (None: wait with :meth:`next`):
+        frames that queued up while the caller was busy go out in one write."""
+        return self._sink.pop_frame() if self._sink is not None else None
 
     async def reply(self) -> replyparts.Reply:
         """The whole non-streamed reply, put back together when it comes in parts (a part
