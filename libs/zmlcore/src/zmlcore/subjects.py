@@ -202,11 +202,22 @@ STREAM_ERROR = "error"
 #: Without the header, one ``chunk`` message per event (docs/nats-api.md).
 H_ACCEPT_STREAM = "Zml-Accept-Stream"
 STREAM_EVENTS = "events"
+#: ``Zml-Accept-Stream: frames``: as ``events``, but each chunk message header-less, its body
+#: the sequence number, ``\n`` and the events (zmlcore.streamframe): no header block per chunk.
+STREAM_FRAMES = "frames"
 #: ``Zml-Accept-Routing: body`` on a request (the gateway): the routing metadata travels once,
 #: in the reply body's ``zml`` object (a stream's ``start`` body), without the ``Zml-*`` routing
 #: headers. Without it a reply carries both (docs/nats-api.md).
 H_ACCEPT_ROUTING = "Zml-Accept-Routing"
 ROUTING_IN_BODY = "body"
+#: Front door only (dropped on ``zml.infer``: zml_router.trust). ``Zml-Body: clean``: the
+#: gateway validated the body (zmlcore.validate) and moved ZML's own fields out of it into
+#: ``Zml-Policy`` (the per-call policy as JSON: a name or an inline policy) and
+#: ``Zml-Accelerator-Id`` (zmlcore.frontdoor); the router reads it with one small decode.
+H_BODY = "Zml-Body"
+BODY_CLEAN = "clean"
+H_POLICY = "Zml-Policy"
+H_ACCELERATOR_ID = "Zml-Accelerator-Id"
 
 # --- API keys and plans (gateway) -------------------------------------------------------------
 #: JetStream KV bucket of API keys created at run time (`zml keys create`): key = key id, value

@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 from nats.aio.client import Client as NATS
 
-from zmlcore import routingmeta, subjects, tracing
+from zmlcore import frontdoor, routingmeta, streamframe, subjects, tracing
 from zmlcore.config import ZMLConfig
 from zmlcore.costs import CostTable
 from zmlcore.exchange import Exchange, parts_buffer
@@ -263,15 +263,19 @@ class Gateway:
             # An id the caller's SDK made up (x-zml-id-generated) is unique like ours: no shared
             # claim needed. Set on its own ids, it only drops that check for this caller.
             generated = not req.request_id or (b"x-zml-id-generated", b"1") in scope["headers"]
+            # The routers get the caller's bytes, ZML's own fields moved to headers (zmlcore.frontdoor).
+            body, fields = frontdoor.split(body, req)
             await self._dispatch(body, req.stream, request_id, timeout, receive, send, limits, caller, tokens,
-                                 generated=generated)
+                                 generated=generated, fields=fields)
         finally:
             self.access.done(caller, request_id, tokens[0])
 
     async def _dispatch(self, body: bytes, stream: bool, request_id: str, timeout: float, receive: Receive,
                         send: Send, limits: list[tuple[bytes, bytes]], caller: Caller, tokens: list[int],
-                        generated: bool = False) -> None:
+                        generated: bool = False, fields: dict[str, str] | None = None) -> None:
         headers = {subjects.H_REQUEST_ID: request_id, subjects.H_TIMEOUT_MS: str(int(timeout * 1000))}
+        if fields:
+            headers.update(fields)
         # The routing metadata once, in the reply body: the HTTP headers are made from it here.
         headers[subjects.H_ACCEPT_ROUTING] = subjects.ROUTING_IN_BODY
         if generated:  # unique by construction: routers skip the cross-replica duplicate check
@@ -370,7 +374,8 @@ class Gateway:
         limits: list[tuple[bytes, bytes]], tokens: list[int],
     ) -> None:
         # Chunks wait in a bounded buffer while the HTTP client is slow to read (overflow: cancel).
-        headers[subjects.H_ACCEPT_STREAM] = subjects.STREAM_EVENTS  # SSE relayed as the node framed it
+        # SSE relayed as the node framed it, chunks as header-less frames (zmlcore.streamframe).
+        headers[subjects.H_ACCEPT_STREAM] = subjects.STREAM_FRAMES
         ex = self._exchange(body, headers, timeout, self.cfg.gateway.stream_buffer)
         stop = self._watch(ex, receive)
         started = False
@@ -404,7 +409,18 @@ class Gateway:
                         await self._sse_error(send, slow.to_body())
                         return
                     raise slow
-                mh = msg.headers or {}
+                if msg.headers is None:  # a frame: events, written with any that queued up behind it
+                    body, lost = streamframe.collect(msg.data, ex.next_frame, seq)
+                    if body:
+                        await send({"type": "http.response.body", "body": body, "more_body": True})
+                    if lost is None:
+                        continue
+                    await self._cancel(request_id, headers)
+                    if not started:
+                        raise lost
+                    await self._sse_error(send, lost.to_body())
+                    return
+                mh = msg.headers
                 if mh.get(_NATS_STATUS) == _NO_RESPONDERS and not msg.data:
                     # The broker's "no responders" status (routers not re-subscribed yet after a
                     # restart): a clean retryable error, not an empty 500.

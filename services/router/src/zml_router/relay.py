@@ -1,5 +1,5 @@
-"""One attempt on one node, and the requester's answer: the body the node gets (ZML's own
-fields stripped, the engine's model name), the HTTP call, and the reply relayed over NATS
+"""One attempt on one node, and the requester's answer: the HTTP call with the body the node
+gets (zml_router.nodebody), and the reply relayed over NATS
 (one message, or start / chunk... / end). Counts the attempt in flight while it runs.
 
 An attempt that fails raises :class:`~zml_router.dispatch.AttemptError`; the request flow
@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from nats.aio.msg import Msg
 
-from zmlcore import routingmeta, subjects
+from zmlcore import routingmeta, streamframe, subjects
 from zmlcore.bigreply import accepted
-from zmlcore.messages import ZML_REQUEST_KEYS, InferRequest, RoutingInfo, StreamStart
+from zmlcore.messages import InferRequest, RoutingInfo, StreamStart
 from zmlcore.policy import RouteRequest
 from zmlcore.replyparts import publish_reply
 
@@ -40,8 +40,8 @@ if TYPE_CHECKING:
     from zml_router.service import RouterService
 
 _encode = msgspec.json.encode
-_decode_any = msgspec.json.Decoder()
-_ZML_KEYS_BYTES = tuple(f'"{k}"'.encode() for k in ZML_REQUEST_KEYS)
+#: Zml-Accept-Stream values that get the node's events relayed as they came.
+_RELAYED = (subjects.STREAM_EVENTS, subjects.STREAM_FRAMES)
 _USAGE = re.compile(rb'"(prompt_tokens|completion_tokens|total_tokens)"\s*:\s*(\d+)')
 
 
@@ -69,17 +69,6 @@ def _routing_headers(msg: Msg | QueuedMsg, info: RoutingInfo) -> dict[str, str]:
     if (msg.headers or {}).get(subjects.H_ACCEPT_ROUTING) == subjects.ROUTING_IN_BODY:
         return {}
     return routingmeta.nats_headers(info)
-
-
-def backend_body(raw: bytes, model: str, asked: str) -> bytes:
-    """The body a node gets: the caller's, without ZML's own fields, naming ``model``."""
-    if model == asked and not any(k in raw for k in _ZML_KEYS_BYTES):
-        return raw  # nothing of ours to strip: forward the caller's bytes untouched
-    data: dict[str, Any] = _decode_any.decode(raw)
-    for key in ZML_REQUEST_KEYS:
-        data.pop(key, None)
-    data["model"] = model
-    return _encode(data)
 
 
 class Relay:
@@ -141,13 +130,16 @@ class Relay:
     async def stream(self, msg: Msg | QueuedMsg, req: InferRequest, body: bytes, info: RoutingInfo, t0: float,
                      first_byte: float | None = None, rename: Renamer | None = None) -> None:
         svc = self.svc
-        count, publish = svc.sharing.count, svc.publish
+        count, publish, frame = svc.sharing.count, svc.publish, streamframe.encode
         await count(info.node_id, 1, 1)
         pending = 1
         started = False
         seq = 0
-        # Relayed as the node framed it to a requester that writes SSE itself (the gateway).
-        relay = rename is None and (msg.headers or {}).get(subjects.H_ACCEPT_STREAM) == subjects.STREAM_EVENTS
+        # Relayed as the node framed it to a requester that writes SSE itself (the gateway);
+        # as header-less frames when it asked for them (zmlcore.streamframe).
+        accept = (msg.headers or {}).get(subjects.H_ACCEPT_STREAM)
+        relay = rename is None and accept in _RELAYED
+        frames = relay and accept == subjects.STREAM_FRAMES
         kind = subjects.STREAM_EVENTS if relay else subjects.STREAM_CHUNK
         chunks = stream_sse(svc.http, self._url(info, req), body, self._headers(info), relay)  # type: ignore[arg-type]
         try:
@@ -168,7 +160,10 @@ class Relay:
                 if rename is not None:
                     chunk = rename(chunk)
                 seq += 1  # numbered so that a receiver notices a lost message (zmlcore.streamseq)
-                await publish(msg.reply, chunk, {subjects.H_STREAM: kind, subjects.H_SEQ: str(seq)})
+                if frames:
+                    await publish(msg.reply, frame(seq, chunk), None)
+                else:
+                    await publish(msg.reply, chunk, {subjects.H_STREAM: kind, subjects.H_SEQ: str(seq)})
             if not started:  # a stream with no chunk at all
                 info.time_to_first_token = time.monotonic() - t0
                 await publish(msg.reply, _encode(StreamStart(routing=info)),
