@@ -2,6 +2,7 @@
 
     python benches/bench_decision.py                 # markdown tables (median / p99 / mean, us)
     python benches/bench_decision.py --quick         # fewer decisions per cell
+    python benches/bench_decision.py --small         # 1-64 nodes, Python scan vs numpy rows
 
 The fleet is what a router sees: five accelerator types, and every node with its *own*
 measured speeds (health's EWMA over noisy per-request observations of a true speed that
@@ -34,6 +35,7 @@ from zmlcore.accelerators import ACCELERATORS
 from zmlcore.config import PolicyConfig
 from zmlcore.messages import NodeState
 from zmlcore.policy import FleetIndex, NodeView, RouteRequest, RoutingState, builtin_policy, choose_node
+from zmlcore.policy import fleet as fleet_module
 from zmlcore.policy.estimate import node_speeds
 from zmlcore.policy.resolve import ResolvedPolicy
 
@@ -157,6 +159,51 @@ def run_cell(n: int, pol: ResolvedPolicy, iters: int, rate: float, poll_s: float
     }
 
 
+def small_cell(n: int, pol: ResolvedPolicy, small_table: int, reps: int = 5, k: int = 2000) -> float:
+    """Median over ``reps`` of the mean time of one decision on an ``n``-node fleet (the
+    router's case: the same list object every call, so choose_node keeps a watching index),
+    with the table forced onto one path (``small_table``: fleet.SMALL_TABLE). Counter
+    changes happen between the timed decisions, as in the router."""
+    saved = fleet_module.SMALL_TABLE
+    fleet_module.SMALL_TABLE = small_table
+    try:
+        rng = random.Random(n)
+        views = [nd.view for nd in make_fleet(n, rng)]
+        state = RoutingState()
+        reqs = [RouteRequest(model="m", prompt_tokens=rng.randint(50, 3000)) for _ in range(k)]
+        for r in reqs[:3]:
+            choose_node(views, r, pol, 1.0, state)
+        clock = time.perf_counter_ns
+        times = []
+        for _ in range(reps):
+            total = 0
+            for j, r in enumerate(reqs):
+                t0 = clock()
+                d = choose_node(views, r, pol, 1.0, state)
+                total += clock() - t0
+                v = state.fleet.get(d.node_id)
+                v.outstanding += 1
+                w = views[j % n]
+                if w.outstanding > 0:
+                    w.outstanding -= 1
+            times.append(total / k / 1000.0)
+        return statistics.median(times)
+    finally:
+        fleet_module.SMALL_TABLE = saved
+
+
+def small_fleets(pols: list[ResolvedPolicy], labels: list[str]) -> None:
+    sizes = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+    print(f"Small fleets: one decision (us, mean of 2,000; median of 5 runs), Python scan / numpy rows; "
+          f"fleet.SMALL_TABLE = {fleet_module.SMALL_TABLE}:\n")
+    print("| nodes | " + " | ".join(labels) + " |")
+    print("|---|" + "---|" * len(labels))
+    for n in sizes:
+        cells = [f"{small_cell(n, pol, 10**9):.1f} / {small_cell(n, pol, 0):.1f}" for pol in pols]
+        print(f"| {n} | " + " | ".join(cells) + " |")
+    print()
+
+
 def p99(xs: list[float]) -> float:
     return xs[int(0.99 * (len(xs) - 1))]
 
@@ -167,6 +214,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="100,1000,10000")
     ap.add_argument("--rate", type=float, default=1000.0, help="decisions per second (virtual time)")
     ap.add_argument("--poll-intervals", default="5,1", help="seconds between polls of one node (health default 5)")
+    ap.add_argument("--small", action="store_true", help="only the small-fleet table (both decision paths)")
     args = ap.parse_args()
     iters = 1000 if args.quick else 5000
     sizes = [int(x) for x in args.sizes.split(",")]
@@ -178,6 +226,10 @@ def main() -> None:
                                                        queue_threshold=24), ())
     pols = [builtin_policy(x) for x in names] + [weighted, chain_policy(5, "latency"), chain_policy(5, "cost")]
     labels = names + ["weighted (qt 24)", "chain/latency", "chain/cost"]
+    if args.small:
+        small_fleets(pols, labels)
+        print(f"load average (1 min) before / after: {load0:.2f} / {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
+        return
     for poll_s in (float(x) for x in args.poll_intervals.split(",")):
         print(f"Poll interval {poll_s:g} s. Decision + index upkeep since the previous decision, wall-clock "
               "median / p99 (CPU-time median / p99 in brackets):\n")

@@ -110,8 +110,12 @@ class RouterService:
             log.warning("[router] stale_after_s (%g s) is under two health polls (%g s each): nodes will "
                         "flap to stale between polls", self.cfg.router.stale_after_s, self.cfg.health.poll_interval_s)
         # Followers re-create their watch (and re-read the snapshot) after every reconnect.
+        # A node a re-watch's snapshot lacks (no delete marker) ages out like one health stopped
+        # updating, instead of vanishing from routing at once (zmlcore.kvfollow says when).
+        stale_s = self.cfg.router.stale_after_s
         self.nodes_follower = KVFollower(nc, subjects.NODES_BUCKET, on_put=self.table.put_raw,
-                                         on_delete=self.table.delete_raw)
+                                         on_delete=self.table.delete_raw,
+                                         keep_vanished=lambda key: self.table.fresh_for(key, stale_s, time.time()))
         self._loops.append(asyncio.create_task(self.nodes_follower.run()))
         self._loops.append(asyncio.create_task(self.table.costs.follower(nc).run()))
         # A snapshot before taking traffic; an empty bucket has nothing to wait for.
