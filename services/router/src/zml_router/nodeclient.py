@@ -84,6 +84,7 @@ class NodeHTTP:
         if t is None:
             if len(self._targets) > 4096:  # endpoints come and go with the fleet: bounded
                 self._targets.clear()
+                self._idle = {k: v for k, v in self._idle.items() if v}
             t = self._targets[url] = _Target(url, self._ssl)
         return t
 
