@@ -336,3 +336,18 @@ def test_latency_near_tie_between_equal_prefill_speeds_takes_the_lower_estimate(
     d = choose_node(FleetIndex([a, b]), RouteRequest(model="m", prompt_tokens=100), builtin_policy("latency"), NOW,
                     RoutingState())
     assert d.node_id == "b"
+
+
+def test_chains_cached_per_table_stay_bounded() -> None:
+    """Inline policies may name any permutation of the families: the per-table cache is capped."""
+    import itertools
+
+    from zmlcore.policy.context import MAX_CHAINS
+
+    views = [node(f"n{i}", TYPES[i % 5]) for i in range(40)]
+    fleet = FleetIndex(views)
+    for n, chain in enumerate(itertools.islice(itertools.permutations(FAMS), 3 * MAX_CHAINS)):
+        pol = ResolvedPolicy(f"p{n}", PolicyConfig(cost_priority="latency"), chain)
+        d = choose_node(fleet, RouteRequest(model="m"), pol, NOW, RoutingState())
+        assert d.family == chain[0]
+        assert len(fleet.table("m").chains) <= MAX_CHAINS

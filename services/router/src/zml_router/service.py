@@ -365,7 +365,7 @@ class RouterService:
             self.events.add(completed_encoder.encode(ev))
 
     # --- replies -------------------------------------------------------------------------------
-    async def publish(self, reply: str, data: bytes, headers: dict[str, str]) -> None:
+    async def publish(self, reply: str, data: bytes, headers: dict[str, str] | None) -> None:
         if reply and self.nc is not None:
             await self.nc.publish(reply, data, headers=headers)
             if self.keepalives:  # the next keepalive is an interval after this message

@@ -30,6 +30,9 @@ from zmlcore.policy.fleet import FamilyGroup, FleetIndex, ModelTable
 from zmlcore.policy.resolve import ResolvedPolicy
 from zmlcore.policy.types import FamilyEval, RouteRequest, RoutingState
 
+#: Chains cached per table (a chain's ranks over the table's families).
+MAX_CHAINS = 64
+
 
 class Cand:
     """One candidate node (row ``i`` of the table behind ``cls``) for this request."""
@@ -113,6 +116,8 @@ class Ctx:
         key = policy.chain or tuple(table.families)
         chain: Chain | None = table.chains.get(key)
         if chain is None:
+            if len(table.chains) >= MAX_CHAINS:  # inline policies can name many chains: stay bounded
+                table.chains.clear()
             chain = table.chains[key] = Chain(table, key)
         self.chain: Chain = chain
         #: (family as written in the chain, its group or None) in evaluation order; whether
@@ -175,7 +180,9 @@ class Ctx:
                         continue
                     out.append(Cand(g, i, k + p * inv_pf[i], rank, cost[i]))
                     n += 1
-            evaluated.append(FamilyEval(fam, counts[rank], None if n else ("no_routable_node" if g else "no_nodes")))
+            evaluated.append(
+                FamilyEval(fam, counts[rank], None if n else ("no_routable_node" if g is not None else "no_nodes"))
+            )
         self.evaluated = evaluated
         return out
 
@@ -250,14 +257,6 @@ class VCtx(Ctx):
                 e[b] = INF
         return e
 
-    def best_drain(self, cls: FamilyGroup) -> int | None:
-        d = self.table.drain[cls.start:cls.stop]
-        b = self.bad()
-        if b is not None:
-            d = np.where(b[cls.start:cls.stop], INF, d)
-        i = int(d.argmin())
-        return None if d.item(i) == INF else cls.start + i
-
     def drains(self) -> np.ndarray:
         """Every row's drain key; INF where the row may not take the request."""
         d = self.table.drain
@@ -304,7 +303,8 @@ class VCtx(Ctx):
         self.evaluated = [
             FamilyEval(
                 fam, counts[r],
-                None if g is not None and first_of[r] and live[g.k] else ("no_routable_node" if g else "no_nodes"),
+                None if g is not None and first_of[r] and live[g.k]
+                else ("no_routable_node" if g is not None else "no_nodes"),
             )
             for r, (fam, g) in enumerate(self.families)
         ]

@@ -124,9 +124,9 @@ class ModelTable:
         self.health = col(0.0)
 
 
-def _membership(v: NodeView) -> tuple[str, frozenset[str]]:
+def _membership(v: NodeView) -> tuple[str, frozenset[str], list[str], list[str]]:
     st = v.state
-    return st.family, frozenset(st.models).union(st.loading_models)
+    return st.family, frozenset(st.models).union(st.loading_models), st.models, st.loading_models
 
 
 class FleetIndex(Sequence[NodeView]):
@@ -150,8 +150,9 @@ class FleetIndex(Sequence[NodeView]):
         self.mean_output = mean_output
         self._tables: dict[str, ModelTable] = {}
         self._where: dict[str, list[tuple[ModelTable, int]]] = {}
-        #: (family, models + loading models) of each node when its tables were built
-        self._member: dict[str, tuple[str, frozenset[str]]] = {}
+        #: (family, models + loading models, models, loading models) of each node when its
+        #: tables were built
+        self._member: dict[str, tuple[str, frozenset[str], list[str], list[str]]] = {}
         self._watching = watch
         #: full table builds so far (after a membership change); the bench and tests read it
         self.rebuilds = 0
@@ -186,11 +187,14 @@ class FleetIndex(Sequence[NodeView]):
 
     # --- upkeep: O(1) per change ---
     def _node_changed(self, view: NodeView, structural: bool) -> None:
-        where = self._where.get(view.node_id, ())
+        st = view._state
+        where = self._where.get(st.node_id, ())
         if structural and self._tables:
-            old = self._member.get(view.node_id)
-            st = view.state
-            if old is None or old[0] != st.family or old[1] != frozenset(st.models).union(st.loading_models):
+            old = self._member.get(st.node_id)
+            if old is None or old[0] != st.family or (
+                (old[2] != st.models or old[3] != st.loading_models)  # as lists first: no sets to build
+                and old[1] != frozenset(st.models).union(st.loading_models)
+            ):
                 # A node joins or leaves a model's table, or changes family: rebuild lazily.
                 self._tables.clear()
                 self._where.clear()
@@ -277,7 +281,8 @@ class FleetIndex(Sequence[NodeView]):
 def _set_counters(t: ModelTable, j: int, v: NodeView) -> None:
     out = v.effective_outstanding()
     t.depth[j] = out
-    t.blocked[j] = max(v.cooldown_until, v.saturated_until)
+    cool, sat = v._cooldown_until, v._saturated_until
+    t.blocked[j] = cool if cool > sat else sat
     c = t.coeffs[j]
     if t.up[j] and c is not None:
         t.key[j] = c.load_key(out, v.effective_pending())
