@@ -53,6 +53,7 @@ from zml_router.relay import Relay, backend_body
 from zml_router.rename import Renamer
 from zml_router.saturation import QueueGlue, owner_key
 from zml_router.table import NodeTable
+from zml_router.timers import Wheel
 from zml_router.trust import front_door_headers
 
 log = logging.getLogger("zml.router")
@@ -99,6 +100,8 @@ class RouterService:
         self.ids: RequestIds | None = None
         #: Completion events, published together every few ms (zmlcore.batchpub).
         self.events: BatchPublisher | None = None
+        #: Request and first-byte deadlines: one timer wheel, not a loop timer each (zml_router.timers).
+        self.timers = Wheel()
 
     # --- lifecycle -------------------------------------------------------------------------
     async def start(self, nc: NATS) -> None:
@@ -147,6 +150,7 @@ class RouterService:
         if self.queue is not None:
             await self.queue.stop()
         await cancel_and_wait(self._loops)
+        self.timers.close()
         if self.events is not None:
             await self.events.stop()
         self.sharing.close()
@@ -245,7 +249,7 @@ class RouterService:
                 idclaims.CURRENT.set(await self._claim_id(msg, headers, key, req, timeout, request_id))
                 if not isinstance(msg, QueuedMsg):  # a queued request was counted when it arrived
                     lease = await self.limits.admit(owner, request_id, timeout)
-                async with asyncio.timeout(timeout):
+                with self.timers.deadline(timeout):
                     await self._route(msg, req, model, request_id, t0, timeout, out)
             except asyncio.TimeoutError as exc:
                 raise flow.deadline_passed(timeout) from exc
