@@ -120,3 +120,28 @@ def test_deadlines_fire_under_uvloop() -> None:
 
     for late in uvloop.run(main()):
         assert -EARLY_S - 1e-6 <= late < TICK_S + 0.1
+
+
+async def test_slots_emptied_by_cancels_do_not_wake_the_loop(monkeypatch) -> None:
+    """Requests that end before their deadlines leave empty slots behind: the wheel skips them
+    (one wake-up for a run of them, not one per slot)."""
+    wheel, loop = Wheel(), asyncio.get_running_loop()
+    runs = 0
+    real = wheel._run
+
+    def counted() -> None:
+        nonlocal runs
+        runs += 1
+        real()
+
+    monkeypatch.setattr(wheel, "_run", counted)
+    start = loop.time()
+    first = wheel.call_at(start + 0.01, lambda: None)
+    for i in range(40):  # 40 "requests" in 40 later slots, all finished in time
+        wheel.call_at(start + 0.02 + i * TICK_S, lambda: None).cancel()
+    fired: list[bool] = []
+    wheel.call_at(start + 0.02 + 45 * TICK_S, lambda: fired.append(True))
+    await asyncio.sleep(0.02 + 45 * TICK_S + 0.2)
+    assert fired == [True]
+    assert not first._slot  # fired
+    assert runs == 2  # the first slot, then straight to the last one
