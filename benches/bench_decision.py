@@ -2,6 +2,7 @@
 
     python benches/bench_decision.py                 # markdown tables (median / p99 / mean, us)
     python benches/bench_decision.py --quick         # fewer decisions per cell
+    python benches/bench_decision.py --small         # 1-64 nodes, Python scan vs numpy rows
 
 The fleet is what a router sees: five accelerator types, and every node with its *own*
 measured speeds (health's EWMA over noisy per-request observations of a true speed that
@@ -34,6 +35,7 @@ from zmlcore.accelerators import ACCELERATORS
 from zmlcore.config import PolicyConfig
 from zmlcore.messages import NodeState
 from zmlcore.policy import FleetIndex, NodeView, RouteRequest, RoutingState, builtin_policy, choose_node
+from zmlcore.policy import fleet as fleet_module
 from zmlcore.policy.estimate import node_speeds
 from zmlcore.policy.resolve import ResolvedPolicy
 
@@ -157,6 +159,59 @@ def run_cell(n: int, pol: ResolvedPolicy, iters: int, rate: float, poll_s: float
     }
 
 
+def small_cell(n: int, pol: ResolvedPolicy, small_table: int | None, reps: int = 5, k: int = 2000) -> float:
+    """Thread CPU time (us) of one decision plus the two counter changes around it (this
+    dispatch, a completion), as the router does them, on an ``n``-node fleet passed as the
+    same list object every call (so choose_node keeps a watching index): the best of ``reps``
+    runs of ``k``. On the path the index picks, or forced onto one (``small_table``:
+    fleet.SMALL_TABLE)."""
+    saved = getattr(fleet_module, "SMALL_TABLE", None)
+    if small_table is not None:
+        fleet_module.SMALL_TABLE = small_table
+    try:
+        rng = random.Random(n)
+        views = [nd.view for nd in make_fleet(n, rng)]
+        state = RoutingState()
+        reqs = [RouteRequest(model="m", prompt_tokens=rng.randint(50, 3000)) for _ in range(k)]
+        for r in reqs[:3]:
+            choose_node(views, r, pol, 1.0, state)
+        by_id = {v.node_id: v for v in views}
+        times = []
+        for _ in range(reps):
+            t0 = time.thread_time_ns()
+            for j, r in enumerate(reqs):
+                by_id[choose_node(views, r, pol, 1.0, state).node_id].outstanding += 1
+                w = views[j % n]
+                if w.outstanding > 0:
+                    w.outstanding -= 1
+            times.append((time.thread_time_ns() - t0) / k / 1000.0)
+        return min(times)
+    finally:
+        if saved is not None:
+            fleet_module.SMALL_TABLE = saved
+
+
+def small_fleets(pols: list[ResolvedPolicy], labels: list[str]) -> None:
+    """Decision time on 1-64 nodes: as shipped, and (when the index has two paths) forced
+    onto the Python scan and onto the numpy rows, which is how SMALL_TABLE was chosen."""
+    threshold = getattr(fleet_module, "SMALL_TABLE", None)
+    sizes = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
+    what = "as shipped" if threshold is None else f"as shipped (SMALL_TABLE = {threshold}) [Python scan / numpy rows]"
+    print(f"Small fleets: one decision and its two counter changes, us of thread CPU time (best of 5 runs of "
+          f"2,000), {what}:\n")
+    print("| nodes | " + " | ".join(labels) + " |")
+    print("|---|" + "---|" * len(labels))
+    for n in sizes:
+        cells = []
+        for pol in pols:
+            cell = f"{small_cell(n, pol, None):.1f}"
+            if threshold is not None:
+                cell += f" [{small_cell(n, pol, 10**9):.1f} / {small_cell(n, pol, 0):.1f}]"
+            cells.append(cell)
+        print(f"| {n} | " + " | ".join(cells) + " |")
+    print()
+
+
 def p99(xs: list[float]) -> float:
     return xs[int(0.99 * (len(xs) - 1))]
 
@@ -167,17 +222,22 @@ def main() -> None:
     ap.add_argument("--sizes", default="100,1000,10000")
     ap.add_argument("--rate", type=float, default=1000.0, help="decisions per second (virtual time)")
     ap.add_argument("--poll-intervals", default="5,1", help="seconds between polls of one node (health default 5)")
+    ap.add_argument("--small", action="store_true", help="only the small-fleet table (both decision paths)")
     args = ap.parse_args()
     iters = 1000 if args.quick else 5000
     sizes = [int(x) for x in args.sizes.split(",")]
     load0 = os.getloadavg()[0]
-    print(f"# choose_node incl. index upkeep (us), Python {platform.python_version()}, numpy "
-          f"{__import__('numpy').__version__}, {iters} decisions per cell, {args.rate:g} decisions/s\n")
+    print(f"# choose_node (us), Python {platform.python_version()}, numpy {__import__('numpy').__version__}\n")
     names = ["balanced", "latency", "cost", "availability", "round_robin"]
     weighted = ResolvedPolicy("weighted", PolicyConfig(strategy="weighted", latency_weight=0.7, cost_weight=0.3,
                                                        queue_threshold=24), ())
     pols = [builtin_policy(x) for x in names] + [weighted, chain_policy(5, "latency"), chain_policy(5, "cost")]
     labels = names + ["weighted (qt 24)", "chain/latency", "chain/cost"]
+    if args.small:
+        small_fleets(pols, labels)
+        print(f"load average (1 min) before / after: {load0:.2f} / {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
+        return
+    print(f"Index upkeep included, {iters} decisions per cell, {args.rate:g} decisions/s (virtual time).\n")
     for poll_s in (float(x) for x in args.poll_intervals.split(",")):
         print(f"Poll interval {poll_s:g} s. Decision + index upkeep since the previous decision, wall-clock "
               "median / p99 (CPU-time median / p99 in brackets):\n")

@@ -34,6 +34,23 @@ from zmlcore.launch import Proc, free_port, service_argv, spawn, start_nats, wai
 STUB = textwrap.dedent(r'''
     import asyncio, json, sys
     GAP = float(sys.argv[2]) / 1000.0
+    STEPS = sys.argv[3] == "steps"
+    waiting = []  # steps mode: the streams waiting for the next decode step
+    async def step_clock():
+        while True:
+            await asyncio.sleep(GAP)
+            ready = waiting[:]
+            waiting.clear()
+            for f in ready:
+                if not f.done():
+                    f.set_result(None)
+    async def next_token():
+        if not STEPS:
+            await asyncio.sleep(GAP)
+            return
+        f = asyncio.get_running_loop().create_future()
+        waiting.append(f)
+        await f
     MODELS = b'{"object":"list","data":[{"id":"stub-model","object":"model","owned_by":"stub"}]}'
     def event(i, n):
         if i == n - 1:
@@ -69,7 +86,7 @@ STUB = textwrap.dedent(r'''
                 tokens = int(req.get("max_tokens") or 16)
                 w.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
                 for i in range(tokens):
-                    await asyncio.sleep(GAP)
+                    await next_token()
                     w.write(event(i, tokens))
                 done = b"data: [DONE]\n\n"
                 w.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
@@ -80,6 +97,7 @@ STUB = textwrap.dedent(r'''
             w.close()
     async def main():
         srv = await asyncio.start_server(handle, "127.0.0.1", int(sys.argv[1]))
+        clock = asyncio.ensure_future(step_clock()) if STEPS else None
         await srv.serve_forever()
     asyncio.run(main())
 ''')
@@ -161,6 +179,11 @@ def main() -> None:
     ap.add_argument("--short", type=int, default=2, help="chunks per stream, short phase")
     ap.add_argument("--long", type=int, default=66, help="chunks per stream, long phase")
     ap.add_argument("--gap-ms", type=float, default=2.0, help="the stub's pause before each chunk")
+    ap.add_argument("--pacing", choices=("alone", "steps"), default="alone",
+                    help="alone: each stream sleeps --gap-ms before each token, on its own clock (every "
+                         "event reaches the router alone); steps: one decode-step clock every --gap-ms for "
+                         "all streams, as a continuous-batching engine emits a token of every running "
+                         "sequence per step (still one write per event per stream)")
     ap.add_argument("--reps", type=int, default=3)
     a = ap.parse_args()
     procs: list[Proc] = []
@@ -168,7 +191,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="zml-stream-bench-") as tmp:
         try:
             sport = free_port()
-            stub = subprocess.Popen([sys.executable, "-c", STUB, str(sport), str(a.gap_ms)])
+            stub = subprocess.Popen([sys.executable, "-c", STUB, str(sport), str(a.gap_ms), a.pacing])
             cfg = os.path.join(tmp, "zml.toml")
             with open(cfg, "w") as f:
                 f.write(CONFIG.format(port=sport))
@@ -205,7 +228,8 @@ def main() -> None:
                 stub.terminate()
                 stub.wait(10)
     names = [*(p.name for p in procs), "total"]
-    print(f"\nmedians of {a.reps} reps, C={a.conc}, {a.short} vs {a.long} chunks per stream, stub gap {a.gap_ms:g} ms, "
+    print(f"\nmedians of {a.reps} reps, C={a.conc}, {a.short} vs {a.long} chunks per stream, stub gap {a.gap_ms:g} ms "
+          f"({a.pacing}), load average {os.getloadavg()[0]:.1f}, "
           f"{statistics.median(r['chunks/s'] for r in rows):.0f} chunks/s in the long phase\n")
     print("| " + " | ".join(names) + " |")
     print("|" + "---|" * len(names))

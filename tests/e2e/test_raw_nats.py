@@ -110,3 +110,38 @@ async def test_routers_publish_one_completion_event_per_request(zml_stack: Stack
         assert events["ev-bad"].get("ok", True) is False and events["ev-bad"]["error_code"] == "MODEL_NOT_LOADED"
     finally:
         await nc.close()
+
+
+async def test_raw_streaming_frames(zml_stack: Stack) -> None:
+    """``Zml-Accept-Stream: frames``: chunk messages without headers, each ``<seq>\\n`` and whole
+    SSE events (zmlcore.streamframe); start and end keep their headers; the text is the same."""
+    from zmlcore import streamframe
+    from zmlcore.sse import event_payloads
+
+    nc = await nats.connect(zml_stack.nats_url)
+    try:
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        payload = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 5, "stream": True}
+        await nc.publish(subjects.INFER, json.dumps(payload).encode(), reply=inbox,
+                         headers={subjects.H_ACCEPT_STREAM: subjects.STREAM_FRAMES})
+        kinds, seqs, texts = [], [], []
+        while True:
+            msg = await sub.next_msg(timeout=10)
+            if msg.headers is None:
+                seq, events = streamframe.decode(msg.data)
+                kinds.append("frame")
+                seqs.append(seq)
+                for data in event_payloads(events):
+                    texts.append(json.loads(data)["choices"][0]["delta"].get("content") or "")
+                continue
+            kind = msg.headers[subjects.H_STREAM]
+            kinds.append(kind)
+            seqs.append(int(msg.headers[subjects.H_SEQ]))
+            if kind in ("end", "error"):
+                break
+        assert kinds[0] == "start" and kinds[-1] == "end" and kinds.count("frame") >= 1, kinds
+        assert seqs == list(range(len(seqs)))  # one numbering across headed and header-less messages
+        assert "".join(texts).strip()
+    finally:
+        await nc.close()

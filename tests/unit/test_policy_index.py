@@ -14,12 +14,14 @@ import zlib
 from types import SimpleNamespace
 
 import msgspec
+import numpy as np
 import pytest
 from test_policy_helpers import NOW, node
 
 from zmlcore.config import PolicyConfig
 from zmlcore.errors import RoutingError
 from zmlcore.policy import FleetIndex, NodeView, RouteRequest, RoutingState, builtin_policy, choose_node, is_routable
+from zmlcore.policy import fleet as fleet_module
 from zmlcore.policy.choose import STRATEGIES
 from zmlcore.policy.context import Cand
 from zmlcore.policy.estimate import DEFAULT_LATENCY_TARGET_S, INF, MEAN_PROMPT_TOKENS, Coeffs, node_cost, node_speeds
@@ -78,7 +80,7 @@ class RefCtx:
                 and v.node_id not in req.exclude
                 and (cfg.health_threshold is None or st.health_score >= cfg.health_threshold)
             )
-        self.families = [(f, [groups[f.lower()]] if f.lower() in groups else []) for f in chain]
+        self.families = [(f, groups.get(f.lower())) for f in chain]
         self.evaluated: list[FamilyEval] | None = None
 
     def est(self, g: RefGroup, i: int) -> float:
@@ -98,16 +100,15 @@ class RefCtx:
         out: list[Cand] = []
         self.evaluated = []
         seen: set[str] = set()
-        for rank, (fam, groups) in enumerate(self.families):
+        for rank, (fam, g) in enumerate(self.families):
             n = 0
-            for g in groups:
-                for i in g.members:
-                    if self.ok[i] and fam.lower() not in seen:
-                        out.append(Cand(g, i, self.est(g, i), rank))  # type: ignore[arg-type]
-                        n += 1
+            for i in g.members if g is not None else ():
+                if self.ok[i] and fam.lower() not in seen:
+                    out.append(Cand(g, i, self.est(g, i), rank))  # type: ignore[arg-type]
+                    n += 1
             seen.add(fam.lower())
-            self.evaluated.append(FamilyEval(fam, len(groups[0].members) if groups else 0,
-                                             None if n else ("no_routable_node" if groups else "no_nodes")))
+            self.evaluated.append(FamilyEval(fam, len(g.members) if g is not None else 0,
+                                             None if n else ("no_routable_node" if g is not None else "no_nodes")))
         return out
 
 
@@ -160,23 +161,39 @@ def policies() -> list[ResolvedPolicy]:
         cfg = PolicyConfig(accelerator_chain=chain, cost_priority=prio, queue_threshold=30,  # type: ignore[arg-type]
                            health_threshold=50.0, latency_target_ms=300)
         out.append(ResolvedPolicy(f"chain-{prio}", cfg, tuple(chain)))
+    # Chains out of registration order (ties then go by rank, not row), with a family named
+    # twice in another case, or leaving families out, under every strategy that reads ranks.
+    every = ("Inferentia2", "H100", "Gaudi2", "A100", "MI300X")
+    out.append(ResolvedPolicy("latency-chain", PolicyConfig(strategy="latency"), every))
+    out.append(ResolvedPolicy("balanced-chain", PolicyConfig(cost_priority="balanced"), every))
+    dup = ("gaudi2", "A100", "Gaudi2", "h100")
+    out.append(ResolvedPolicy("weighted-dup", PolicyConfig(strategy="weighted", latency_weight=1.0, cost_weight=2.0), dup))
+    out.append(ResolvedPolicy("chain-latency-dup", PolicyConfig(cost_priority="latency", queue_threshold=20), dup))
+    out.append(ResolvedPolicy("availability-chain", PolicyConfig(strategy="availability"), ("MI300X", "A100")))
+    out.append(ResolvedPolicy("round_robin-chain", PolicyConfig(strategy="round_robin"), ("MI300X", "A100")))
+    out.append(ResolvedPolicy("cost-qt", PolicyConfig(strategy="cost", queue_threshold=12, health_threshold=70.0), ()))
     return out
 
 
-@pytest.mark.parametrize("pol", policies(), ids=lambda p: p.name)
-@pytest.mark.parametrize("seed", [1, 2, 3])
-def test_index_picks_what_a_scan_of_every_node_picks(pol: ResolvedPolicy, seed: int) -> None:
-    rng = random.Random(seed * 1000 + zlib.crc32(pol.name.encode()) % 997)
-    views = make_fleet(rng, rng.choice((8, 40, 150)))
+@pytest.fixture(params=["rows", "scan"])
+def path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Force every table onto one decision path: numpy over the rows, or Python over them."""
+    monkeypatch.setattr(fleet_module, "SMALL_TABLE", 0 if request.param == "rows" else 10**9)
+    return str(request.param)
+
+
+def agree(views: list[NodeView], pol: ResolvedPolicy, rng: random.Random, decisions: int) -> int:
+    """Route ``decisions`` requests through a FleetIndex and through the scan, with polls and
+    counter changes between them; assert they agree; return how many found a node."""
     fleet = FleetIndex(views)
     s_index, s_ref = RoutingState(), RoutingState()
     now = NOW
     agreed = 0
-    for _ in range(150):
+    for _ in range(decisions):
         for _ in range(rng.randint(0, 6)):  # polls since the last decision
             drifted(rng, rng.choice(views), now)
         prompt = rng.choice((0, rng.randint(1, 8000)))
-        exclude = frozenset(rng.sample([v.node_id for v in views], 2)) if rng.random() < 0.2 else frozenset()
+        exclude = frozenset(rng.sample([v.node_id for v in views], min(2, len(views)))) if rng.random() < 0.2 else frozenset()
         req = RouteRequest(model="m", prompt_tokens=prompt, exclude=exclude)
         ref = reference(views, req, pol, now, s_ref)
         try:
@@ -189,6 +206,8 @@ def test_index_picks_what_a_scan_of_every_node_picks(pol: ResolvedPolicy, seed: 
         assert (d.node_id, d.estimated_ttft_s) == (node_id, est)
         if evaluated is not None:
             assert [e.as_dict() for e in d.evaluated] == [e.as_dict() for e in evaluated]
+        else:
+            assert d.evaluated == []
         agreed += 1
         v = fleet.get(d.node_id)
         assert v is not None
@@ -200,7 +219,32 @@ def test_index_picks_what_a_scan_of_every_node_picks(pol: ResolvedPolicy, seed: 
         if rng.random() < 0.05:
             w.cooldown_until = now + rng.uniform(0, 0.05)
         now += rng.uniform(0, 0.01)
-    assert agreed > 50
+    fleet.close()
+    return agreed
+
+
+@pytest.mark.parametrize("pol", policies(), ids=lambda p: p.name)
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_index_picks_what_a_scan_of_every_node_picks(pol: ResolvedPolicy, seed: int, path: str) -> None:
+    rng = random.Random(seed * 1000 + zlib.crc32(pol.name.encode()) % 997)
+    views = make_fleet(rng, rng.choice((8, 40, 150)))
+    assert agree(views, pol, rng, 150) > 50
+
+
+@pytest.mark.parametrize("pol", policies(), ids=lambda p: p.name)
+def test_small_fleets_pick_what_a_scan_picks(pol: ResolvedPolicy, path: str) -> None:
+    """One to six nodes (what most routers see), many fleets."""
+    rng = random.Random(zlib.crc32(pol.name.encode()))
+    agreed = sum(agree(make_fleet(rng, n), pol, rng, 40) for n in (1, 1, 2, 2, 3, 4, 6) * 3)
+    assert agreed > 100
+
+
+def test_the_path_follows_the_table_size() -> None:
+    rng = random.Random(4)
+    small = FleetIndex(make_fleet(rng, 3)).table("m")
+    large = FleetIndex(make_fleet(rng, 4 * fleet_module.SMALL_TABLE)).table("m")
+    assert small.small and isinstance(small.key, list)
+    assert not large.small and isinstance(large.key, np.ndarray)
 
 
 def test_ties_between_identical_nodes_go_to_the_first_registered() -> None:
@@ -212,21 +256,23 @@ def test_ties_between_identical_nodes_go_to_the_first_registered() -> None:
                        RoutingState()).node_id == "h2"
 
 
-def test_decisions_do_not_change_the_index() -> None:
+def test_decisions_do_not_change_the_index(path: str) -> None:
     rng = random.Random(5)
     views = make_fleet(rng, 60)
     fleet = FleetIndex(views)
     t = fleet.table("m")
-    before = (t.key.copy(), t.drain.copy(), t.blocked.copy())
-    for name in ("latency", "cost", "availability", "balanced"):
+    cols = ("key", "drain", "pf", "inv_pf", "cost_cap", "depth", "updated", "blocked", "health", "up", "n_up")
+    before = [list(getattr(t, c)) for c in cols]
+    for pol in policies():
         for _ in range(20):
             try:
                 choose_node(fleet, RouteRequest(model="m", prompt_tokens=rng.randint(1, 4000),
                                                 exclude=frozenset({"n1", "n2"})),
-                            builtin_policy(name), NOW + 20, RoutingState(), stale_after_s=STALE)
+                            pol, NOW + rng.choice((0, 20)), RoutingState(), stale_after_s=STALE)
             except RoutingError:
                 pass
-    assert all((a == b).all() for a, b in zip(before, (t.key, t.drain, t.blocked), strict=True))
+    assert fleet.table("m") is t
+    assert [list(getattr(t, c)) for c in cols] == before
 
 
 def test_poll_updates_are_constant_work_and_never_rebuild() -> None:
@@ -262,3 +308,46 @@ def test_latency_near_ties_pick_the_slowest_prefill_like_the_scan() -> None:
         assert ref is not None and (d.node_id, d.estimated_ttft_s) == ref[:2]
     slowest = min(views, key=lambda v: v.state.prefill_tps).node_id
     assert choose_node(fleet, RouteRequest(model="m", prompt_tokens=50), pol, NOW, RoutingState()).node_id == slowest
+
+
+def test_exact_ties_go_to_the_earlier_chain_family_then_the_earlier_node(path: str) -> None:
+    """Two families of identical idle nodes, registered X first, chained Y first: every score
+    ties, and every strategy that ranks takes Y's first node (round robin takes the next in
+    registration order), on both paths."""
+    views = [node(n, family=n[0].upper()) for n in ("x1", "y1", "x2", "y2")]
+    for pol in policies():
+        if pol.name == "weighted-none":
+            continue
+        pol = ResolvedPolicy(pol.name, pol.config, ("Y", "X"))
+        fleet = FleetIndex(views)
+        req = RouteRequest(model="m", prompt_tokens=500)
+        d = choose_node(fleet, req, pol, NOW, RoutingState(), stale_after_s=STALE)
+        ref = reference(views, req, pol, NOW, RoutingState())
+        assert ref is not None and (d.node_id, d.estimated_ttft_s) == ref[:2], pol.name
+        assert d.node_id == ("x1" if pol.strategy == "round_robin" else "y1"), pol.name
+        fleet.close()
+
+
+def test_latency_near_tie_between_equal_prefill_speeds_takes_the_lower_estimate(path: str) -> None:
+    """Equal prefill speeds within the near-tie window: the lower estimate wins, not the row."""
+    a, b = node("a", pending=1), node("b")
+    for v in (a, b):
+        v.state = msgspec.structs.replace(v.state, prefill_tps=100_000.0)
+    d = choose_node(FleetIndex([a, b]), RouteRequest(model="m", prompt_tokens=100), builtin_policy("latency"), NOW,
+                    RoutingState())
+    assert d.node_id == "b"
+
+
+def test_chains_cached_per_table_stay_bounded() -> None:
+    """Inline policies may name any permutation of the families: the per-table cache is capped."""
+    import itertools
+
+    from zmlcore.policy.context import MAX_CHAINS
+
+    views = [node(f"n{i}", TYPES[i % 5]) for i in range(40)]
+    fleet = FleetIndex(views)
+    for n, chain in enumerate(itertools.islice(itertools.permutations(FAMS), 3 * MAX_CHAINS)):
+        pol = ResolvedPolicy(f"p{n}", PolicyConfig(cost_priority="latency"), chain)
+        d = choose_node(fleet, RouteRequest(model="m"), pol, NOW, RoutingState())
+        assert d.family == chain[0]
+        assert len(fleet.table("m").chains) <= MAX_CHAINS

@@ -53,15 +53,19 @@ class Sink:
 
     A plain future is woken per message, and a timer (not a Task, not ``wait_for``) bounds
     the wait: the per-message cost is a deque append and, when the reader waits, one
-    ``set_result``. :meth:`abort` wakes the reader with an exception (its client gone, the
-    broker lost)."""
+    ``set_result``. The timer outlives a wait that a message ended: the next wait keeps it
+    when it fires no later than that wait's deadline (it wakes the reader early at worst,
+    who waits again), so a stream pays for a timer per keepalive interval, not per chunk.
+    :meth:`abort` wakes the reader with an exception (its client gone, the broker lost)."""
 
-    __slots__ = ("_msgs", "_max", "_waiter", "overflowed", "aborted")
+    __slots__ = ("_msgs", "_max", "_waiter", "_timer", "_timer_at", "overflowed", "aborted")
 
     def __init__(self, maxsize: int) -> None:
         self._msgs: deque[Msg] = deque()
         self._max = maxsize
         self._waiter: asyncio.Future[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
         self.overflowed = False
         self.aborted: BaseException | None = None
 
@@ -91,23 +95,68 @@ class Sink:
             raise self.aborted
         return self._msgs.popleft() if self._msgs else None
 
+    def pop_frame(self) -> Msg | None:
+        """The next message if it is here already and header-less (a stream frame,
+        zmlcore.streamframe), else None."""
+        msgs = self._msgs
+        if msgs and self.aborted is None and msgs[0].headers is None:
+            return msgs.popleft()
+        return None
+
     async def wait(self, timeout: float) -> None:
         """Until a message (or an abort) arrives or ``timeout`` passes, whichever is first."""
         if self._msgs or self.aborted is not None:
             return
         loop = asyncio.get_running_loop()
         w = self._waiter = loop.create_future()
-        timer = loop.call_later(timeout, _expire, w)
+        at = loop.time() + timeout
+        if self._timer is None or self._timer_at > at:  # none armed, or one that fires too late
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = loop.call_at(at, self._expire)
+            self._timer_at = at
         try:
             await w
         finally:
-            timer.cancel()
             self._waiter = None
 
+    def _expire(self) -> None:
+        self._timer = None
+        self._wake()
 
-def _expire(w: asyncio.Future[None]) -> None:
-    if not w.done():
-        w.set_result(None)
+    def close(self) -> None:
+        """No more waits: the armed timer goes (it would hold the sink until it fires)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
+class _Deliver(asyncio.Queue):  # type: ignore[type-arg]
+    """Stands in for a nats-py subscription's pending queue, into which nats-py's reader puts
+    each message: handed on at once instead. A callback subscription would queue it for a
+    task of its own to take out and await the callback: a task switch per reply message
+    (per stream chunk), for a push into a deque. Never raises into nats-py's reader."""
+
+    def __init__(self, sub: Any, deliver: Any) -> None:
+        super().__init__()
+        self._sub = sub
+        self._deliver = deliver
+
+    def put_nowait(self, msg: Msg) -> None:
+        self._sub._pending_size -= len(msg.data)  # nats-py counts it as pending until taken
+        try:
+            self._deliver(msg)
+        except Exception:  # a bug of ours must not take the connection's reader down
+            log.exception("reply delivery failed")
+
+
+def _direct(sub: Any, deliver: Any) -> bool:
+    """Deliver ``sub``'s messages synchronously (see _Deliver); False if this nats-py's
+    subscription is not built as expected (then it keeps its queue)."""
+    if not isinstance(getattr(sub, "_pending_queue", None), asyncio.Queue) or not hasattr(sub, "_pending_size"):
+        return False
+    sub._pending_queue = _Deliver(sub, deliver)
+    return True
 
 
 class ReplyMux:
@@ -127,7 +176,10 @@ class ReplyMux:
             fut = _MUXES[nc] = asyncio.get_running_loop().create_future()
             mux = cls(nc)
             try:
-                await nc.subscribe(mux.prefix + "*", cb=mux._on_msg)
+                sub = await nc.subscribe(mux.prefix + "*")
+                if not _direct(sub, mux.deliver):
+                    await sub.unsubscribe()
+                    await nc.subscribe(mux.prefix + "*", cb=mux._on_msg)
             except BaseException as exc:
                 del _MUXES[nc]
                 fut.set_exception(exc)
@@ -145,12 +197,17 @@ class ReplyMux:
         return self.prefix + token, sink
 
     def close(self, inbox: str) -> None:
-        self._sinks.pop(inbox[self._cut:], None)
+        sink = self._sinks.pop(inbox[self._cut:], None)
+        if sink is not None:
+            sink.close()
 
-    async def _on_msg(self, msg: Msg) -> None:
+    def deliver(self, msg: Msg) -> None:
         sink = self._sinks.get(msg.subject[self._cut:])
         if sink is not None:  # else a closed exchange, or an attempt given up on: dropped
             sink.push(msg)
+
+    async def _on_msg(self, msg: Msg) -> None:
+        self.deliver(msg)
 
 
 _MUXES: weakref.WeakKeyDictionary[NATS, asyncio.Future[ReplyMux]] = weakref.WeakKeyDictionary()
@@ -252,6 +309,11 @@ class Exchange:
                 self._silence.heard(time.monotonic())
             self.committed = True
             return msg
+
+    def next_frame(self) -> Msg | None:
+        """The next stream frame if it has arrived already (None: wait with :meth:`next`):
+        frames that queued up while the caller was busy go out in one write."""
+        return self._sink.pop_frame() if self._sink is not None else None
 
     async def reply(self) -> replyparts.Reply:
         """The whole non-streamed reply, put back together when it comes in parts (a part

@@ -6,7 +6,19 @@ broker (or with the cluster server that held it). nats-py only notices after two
 heartbeats (~10 s) and resumes at the next stream sequence, which after a broker that lost its
 state may not exist. Here the watch is re-created, with a fresh snapshot, as soon as the
 connection comes back, or when a periodic check finds its consumer gone. A key missing from the
-new snapshot was deleted meanwhile and is reported as deleted.
+new snapshot was deleted meanwhile and is reported as deleted: at once, or after
+``keep_vanished(key)`` seconds for a follower that would rather let it age out (the router's
+node table, where a state older than ``stale_after_s`` is stale anyway). A delete or purge seen
+as such (the bucket keeps its marker) is always reported at once.
+
+The end of a snapshot: nats-py's watch emits its "nothing pending" marker (``None``) before any
+entry when the server has already sent the snapshot but the client has not read it yet (it asks
+``consumer_info`` after subscribing: ``num_pending`` 0, its own delivered count still 0; ~1
+watch in 300-1,000 on a busy box, nats-io/nats.py#842). Taken at its word, that read as an
+empty bucket: a re-watch after a broker restart reported every key deleted for a few
+milliseconds, and the router answered MODEL_NOT_LOADED. So a marker that comes before any entry
+is checked with the server (:func:`snapshot_empty`); otherwise the snapshot ends with the entry
+whose ``delta`` (pending count) is 0.
 
 Every watch's consumer is created with a short ``inactive_threshold`` (:data:`WATCH_INACTIVE_S`)
 and a re-created watch deletes the consumer it replaces. nats-py's default keeps a consumer
@@ -85,6 +97,7 @@ async def live_keys(kv: KeyValue, timeout: float = 5.0) -> list[str]:
     deletes (the end-of-snapshot marker rides on the skipped delete)."""
     watcher = await watch_bucket(kv, meta_only=True)
     live: dict[str, None] = {}
+    got = False  # any entry yet (nats-py's early marker comes before all of them)
     try:
         while True:
             try:
@@ -93,14 +106,35 @@ async def live_keys(kv: KeyValue, timeout: float = 5.0) -> list[str]:
                 log.warning("listing the keys of %s timed out", kv._name)
                 break
             if entry is None:
-                break
+                if got or await snapshot_empty(watcher, timeout):
+                    break
+                continue  # the snapshot is on its way (its last entry ends it), or no answer
+            got = True
             if entry.operation in _DELETE_OPS:
                 live.pop(entry.key, None)
             else:
                 live[entry.key] = None
+            if entry.delta == 0:
+                break
     finally:
         await drop_watch(watcher)
     return list(live)
+
+
+async def snapshot_empty(watcher: KeyValue.KeyWatcher, timeout: float) -> bool | None:
+    """Whether a new watch's snapshot really is empty, from its consumer on the server: nothing
+    delivered and nothing pending (None: no answer). Asked when nats-py's end-of-snapshot marker
+    comes before any entry, which it also does while the snapshot is still on the wire."""
+    sub = watcher._sub
+    if sub is None:
+        return None
+    try:
+        info = await sub._js._jsm.consumer_info(sub._stream, sub._consumer, timeout=timeout)
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        return None
+    return not info.delivered.consumer_seq and not info.num_pending
 
 
 class KVFollower:
@@ -108,11 +142,15 @@ class KVFollower:
 
     ``check_s``: how often the watch's consumer is checked while no reconnect is seen (a cluster
     server that held it died, or the watch stalled); at most one JetStream API call each time.
+    ``keep_vanished(key)``: seconds to keep a key that a re-watch's snapshot no longer has (and
+    no delete marker either) before reporting it deleted; None or <= 0: at once, as a bucket
+    whose deletes must take effect promptly (API keys) wants.
     """
 
     def __init__(self, nc: NATS, bucket: str, *, on_put: Callable[[str, bytes], None],
                  on_delete: Callable[[str], None], on_synced: Callable[[], None] | None = None,
-                 check_s: float = 1.0, inactive_s: float = WATCH_INACTIVE_S) -> None:
+                 check_s: float = 1.0, inactive_s: float = WATCH_INACTIVE_S,
+                 keep_vanished: Callable[[str], float] | None = None) -> None:
         self.nc = nc
         self.bucket = bucket
         self.on_put = on_put
@@ -128,6 +166,9 @@ class KVFollower:
         self.synced_at = 0.0
         #: The live watch (None between watches).
         self.watcher: KeyValue.KeyWatcher | None = None
+        self.keep_vanished = keep_vanished
+        #: Keys missing from a snapshot, kept until their timer reports them deleted.
+        self.vanished: dict[str, asyncio.TimerHandle] = {}
         self._misses = 0
 
     async def wait_ready(self, timeout: float) -> bool:
@@ -138,6 +179,14 @@ class KVFollower:
             return False
 
     async def run(self) -> None:
+        try:
+            await self._run()
+        finally:
+            for handle in self.vanished.values():
+                handle.cancel()
+            self.vanished.clear()
+
+    async def _run(self) -> None:
         link = link_of(self.nc)
         backoff = 0.1
         while not link.closed.is_set():
@@ -167,6 +216,8 @@ class KVFollower:
         """Apply entries until the watch must be re-created; returns why."""
         link = link_of(self.nc)
         seen: set[str] | None = set()  # keys of the snapshot being read; None once it is done
+        got = False  # any entry of this watch yet
+        unsure = False  # an early "nothing pending" the server has not confirmed yet
         reconnect = asyncio.ensure_future(link.reconnected(gen))
         nxt: asyncio.Future[Any] | None = None
         last_check = time.monotonic()
@@ -180,13 +231,17 @@ class KVFollower:
                     entry = nxt.result()
                     nxt = None
                     if isinstance(entry, KeyValue.Entry):
+                        got = True
                         self._apply(entry, seen)
                         if seen is not None and entry.delta == 0:
                             self._synced(seen)
                             seen = None
-                    elif entry is None and seen is not None:  # end of the initial snapshot
-                        self._synced(seen)
-                        seen = None
+                    elif entry is None and seen is not None:  # nats-py: "nothing pending"
+                        empty = True if got else await snapshot_empty(watcher, min(self.check_s, 2.0))
+                        if empty:
+                            self._synced(seen)
+                            seen = None
+                        unsure = empty is None  # False: the entries are on their way
                     elif entry is not None:  # stopped under us
                         return "watch stopped"
                     if time.monotonic() - last_check < self.check_s:
@@ -194,6 +249,12 @@ class KVFollower:
                 if reconnect.done():
                     return "reconnected"
                 last_check = time.monotonic()
+                if unsure and seen is not None and not got:
+                    empty = await snapshot_empty(watcher, min(self.check_s, 2.0))
+                    if empty:
+                        self._synced(seen)
+                        seen = None
+                    unsure = empty is None
                 if not await self._alive(watcher):
                     return "watch consumer lost"
         finally:
@@ -206,19 +267,35 @@ class KVFollower:
         if entry.operation in _DELETE_OPS or not entry.value:
             if seen is not None:
                 seen.discard(key)
-            if key in self.keys:
-                self.keys.discard(key)
-                self.on_delete(key)
+            self._drop(key)
             return
         if seen is not None:
             seen.add(key)
+        kept = self.vanished.pop(key, None)
+        if kept is not None:
+            kept.cancel()
         self.keys.add(key)
         self.on_put(key, entry.value)
 
-    def _synced(self, seen: set[str]) -> None:
-        for key in self.keys - seen:  # deleted while we were not watching
+    def _drop(self, key: str) -> None:
+        kept = self.vanished.pop(key, None)
+        if kept is not None:
+            kept.cancel()
+        if key in self.keys:
             self.keys.discard(key)
             self.on_delete(key)
+
+    def _synced(self, seen: set[str]) -> None:
+        gone = self.keys - seen  # deleted while we were not watching (no marker left), or lost
+        if gone:
+            log.info("%s: %d key(s) missing from the new snapshot: %s", self.bucket, len(gone),
+                     ", ".join(sorted(gone)[:5]))
+        for key in gone:
+            keep = self.keep_vanished(key) if self.keep_vanished is not None else 0.0
+            if keep <= 0:
+                self._drop(key)
+            elif key not in self.vanished:  # an earlier snapshot's timer keeps running
+                self.vanished[key] = asyncio.get_running_loop().call_later(keep, self._drop, key)
         self.synced_at = time.monotonic()
         self.ready.set()
         if self.on_synced is not None:

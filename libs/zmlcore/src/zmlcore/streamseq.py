@@ -47,3 +47,10 @@ class SeqCheck:
             return f"stream message {n} arrived twice or out of order (expected {self.expected})"
         self.expected = n + 1
         return None
+
+    def gap_n(self, n: int) -> str | None:
+        """:meth:`gap` for a number already parsed (a header-less frame's, zmlcore.streamframe)."""
+        if n == self.expected:
+            self.expected = n + 1
+            return None
+        return self.gap(str(n))

@@ -202,6 +202,9 @@ STREAM_ERROR = "error"
 #: Without the header, one ``chunk`` message per event (docs/nats-api.md).
 H_ACCEPT_STREAM = "Zml-Accept-Stream"
 STREAM_EVENTS = "events"
+#: ``Zml-Accept-Stream: frames``: as ``events``, but each chunk message header-less, its body
+#: the sequence number, ``\n`` and the events (zmlcore.streamframe): no header block per chunk.
+STREAM_FRAMES = "frames"
 #: ``Zml-Accept-Routing: body`` on a request (the gateway): the routing metadata travels once,
 #: in the reply body's ``zml`` object (a stream's ``start`` body), without the ``Zml-*`` routing
 #: headers. Without it a reply carries both (docs/nats-api.md).

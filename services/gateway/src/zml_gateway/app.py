@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 from nats.aio.client import Client as NATS
 
-from zmlcore import routingmeta, subjects, tracing
+from zmlcore import routingmeta, streamframe, subjects, tracing
 from zmlcore.config import ZMLConfig
 from zmlcore.costs import CostTable
 from zmlcore.exchange import Exchange, parts_buffer
@@ -370,7 +370,8 @@ class Gateway:
         limits: list[tuple[bytes, bytes]], tokens: list[int],
     ) -> None:
         # Chunks wait in a bounded buffer while the HTTP client is slow to read (overflow: cancel).
-        headers[subjects.H_ACCEPT_STREAM] = subjects.STREAM_EVENTS  # SSE relayed as the node framed it
+        # SSE relayed as the node framed it, chunks as header-less frames (zmlcore.streamframe).
+        headers[subjects.H_ACCEPT_STREAM] = subjects.STREAM_FRAMES
         ex = self._exchange(body, headers, timeout, self.cfg.gateway.stream_buffer)
         stop = self._watch(ex, receive)
         started = False
@@ -404,7 +405,18 @@ class Gateway:
                         await self._sse_error(send, slow.to_body())
                         return
                     raise slow
-                mh = msg.headers or {}
+                if msg.headers is None:  # a frame: events, written with any that queued up behind it
+                    body, lost = streamframe.collect(msg.data, ex.next_frame, seq)
+                    if body:
+                        await send({"type": "http.response.body", "body": body, "more_body": True})
+                    if lost is None:
+                        continue
+                    await self._cancel(request_id, headers)
+                    if not started:
+                        raise lost
+                    await self._sse_error(send, lost.to_body())
+                    return
+                mh = msg.headers
                 if mh.get(_NATS_STATUS) == _NO_RESPONDERS and not msg.data:
                     # The broker's "no responders" status (routers not re-subscribed yet after a
                     # restart): a clean retryable error, not an empty 500.

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from nats.aio.msg import Msg
 
-from zmlcore import routingmeta, subjects
+from zmlcore import routingmeta, streamframe, subjects
 from zmlcore.bigreply import accepted
 from zmlcore.messages import ZML_REQUEST_KEYS, InferRequest, RoutingInfo, StreamStart
 from zmlcore.policy import RouteRequest
@@ -41,6 +41,8 @@ if TYPE_CHECKING:
 _encode = msgspec.json.encode
 _decode_any = msgspec.json.Decoder()
 _ZML_KEYS_BYTES = tuple(f'"{k}"'.encode() for k in ZML_REQUEST_KEYS)
+#: Zml-Accept-Stream values that get the node's events relayed as they came.
+_RELAYED = (subjects.STREAM_EVENTS, subjects.STREAM_FRAMES)
 _USAGE = re.compile(rb'"(prompt_tokens|completion_tokens|total_tokens)"\s*:\s*(\d+)')
 
 
@@ -148,13 +150,16 @@ class Relay:
     async def stream(self, msg: Msg | QueuedMsg, req: InferRequest, body: bytes, info: RoutingInfo, t0: float,
                      first_byte: float | None = None, rename: Renamer | None = None) -> None:
         svc = self.svc
-        count, publish = svc.sharing.count, svc.publish
+        count, publish, frame = svc.sharing.count, svc.publish, streamframe.encode
         await count(info.node_id, 1, 1)
         pending = 1
         started = False
         seq = 0
-        # Relayed as the node framed it to a requester that writes SSE itself (the gateway).
-        relay = rename is None and (msg.headers or {}).get(subjects.H_ACCEPT_STREAM) == subjects.STREAM_EVENTS
+        # Relayed as the node framed it to a requester that writes SSE itself (the gateway);
+        # as header-less frames when it asked for them (zmlcore.streamframe).
+        accept = (msg.headers or {}).get(subjects.H_ACCEPT_STREAM)
+        relay = rename is None and accept in _RELAYED
+        frames = relay and accept == subjects.STREAM_FRAMES
         kind = subjects.STREAM_EVENTS if relay else subjects.STREAM_CHUNK
         chunks = stream_sse(svc.http, self._url(info, req), body, self._headers(info), relay)  # type: ignore[arg-type]
         try:
@@ -175,7 +180,10 @@ class Relay:
                 if rename is not None:
                     chunk = rename(chunk)
                 seq += 1  # numbered so that a receiver notices a lost message (zmlcore.streamseq)
-                await publish(msg.reply, chunk, {subjects.H_STREAM: kind, subjects.H_SEQ: str(seq)})
+                if frames:
+                    await publish(msg.reply, frame(seq, chunk), None)
+                else:
+                    await publish(msg.reply, chunk, {subjects.H_STREAM: kind, subjects.H_SEQ: str(seq)})
             if not started:  # a stream with no chunk at all
                 info.time_to_first_token = time.monotonic() - t0
                 await publish(msg.reply, _encode(StreamStart(routing=info)),

@@ -113,8 +113,12 @@ class RouterService:
             log.warning("[router] stale_after_s (%g s) is under two health polls (%g s each): nodes will "
                         "flap to stale between polls", self.cfg.router.stale_after_s, self.cfg.health.poll_interval_s)
         # Followers re-create their watch (and re-read the snapshot) after every reconnect.
+        # A node a re-watch's snapshot lacks (no delete marker) ages out like one health stopped
+        # updating, instead of vanishing from routing at once (zmlcore.kvfollow says when).
+        stale_s = self.cfg.router.stale_after_s
         self.nodes_follower = KVFollower(nc, subjects.NODES_BUCKET, on_put=self.table.put_raw,
-                                         on_delete=self.table.delete_raw)
+                                         on_delete=self.table.delete_raw,
+                                         keep_vanished=lambda key: self.table.fresh_for(key, stale_s, time.time()))
         self._loops.append(asyncio.create_task(self.nodes_follower.run()))
         self._loops.append(asyncio.create_task(self.table.costs.follower(nc).run()))
         # A snapshot before taking traffic; an empty bucket has nothing to wait for.
@@ -365,7 +369,7 @@ class RouterService:
             self.events.add(completed_encoder.encode(ev))
 
     # --- replies -------------------------------------------------------------------------------
-    async def publish(self, reply: str, data: bytes, headers: dict[str, str]) -> None:
+    async def publish(self, reply: str, data: bytes, headers: dict[str, str] | None) -> None:
         if reply and self.nc is not None:
             await self.nc.publish(reply, data, headers=headers)
             if self.keepalives:  # the next keepalive is an interval after this message

@@ -142,3 +142,12 @@ class NodeTable:
         self.remove(key)
         if self.on_change is not None:
             self.on_change()
+
+    def fresh_for(self, node_id: str, stale_after_s: float, now: float) -> float:
+        """Seconds until the node's state is stale (0 if unknown or stale already, at most
+        ``stale_after_s``): how long a node the KV bucket lost without a delete marker is kept.
+        Routing already skips a stale node; then the follower removes it from the table."""
+        raw = self.raw.get(node_id)
+        if raw is None:
+            return 0.0
+        return min(stale_after_s, max(0.0, stale_after_s - (now - raw.updated_at)))

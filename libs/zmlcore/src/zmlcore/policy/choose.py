@@ -1,9 +1,11 @@
 """choose_node: the routing decision. Pure: no I/O, ``now`` is passed in, the index is only read.
 
-Flow: pinned ``accelerator_id`` bypasses the policy; otherwise the model's table (see
-:class:`~zmlcore.policy.FleetIndex`) gives the nodes that can win (see ``context``), the policy's strategy
-(one module each under ``strategies/``) picks among them, and a request with no routable node
-gets MODEL_NOT_LOADED / QUEUE_FULL / NO_HEALTHY_NODES with a ``routing_context``.
+Flow: pinned ``accelerator_id`` bypasses the policy; otherwise the policy's strategy (one module
+each under ``strategies/``) picks among the rows of the model's table (see
+:class:`~zmlcore.policy.FleetIndex`): ``select`` over every routable row of a small table,
+``select_rows``, the same pick in vector operations, over a large one (see ``context``). A
+request with no routable node gets MODEL_NOT_LOADED / QUEUE_FULL / NO_HEALTHY_NODES with a
+``routing_context``.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
 from zmlcore.errors import BadRequestError, ModelNotLoadedError, NoHealthyNodesError, QueueFullError
-from zmlcore.policy.context import Cand, Ctx
+from zmlcore.policy.context import Cand, Ctx, VCtx
 from zmlcore.policy.fleet import FleetIndex
 from zmlcore.policy.resolve import ResolvedPolicy
 from zmlcore.policy.strategies import availability, chain, cost, latency, round_robin, weighted
@@ -26,6 +28,16 @@ STRATEGIES: dict[str, Callable[[Ctx], Cand | None]] = {
     "weighted": weighted.select,
     "balanced": chain.select,
     "chain": chain.select,
+}
+#: The same picks over a large table, as row numbers (see zmlcore.policy.context).
+ROW_STRATEGIES: dict[str, Callable[[VCtx], int | None]] = {
+    "latency": latency.select_rows,
+    "cost": cost.select_rows,
+    "availability": availability.select_rows,
+    "round_robin": round_robin.select_rows,
+    "weighted": weighted.select_rows,
+    "balanced": chain.select_rows,
+    "chain": chain.select_rows,
 }
 
 #: Reasons that say "busy, retry soon" (QUEUE_FULL) rather than "broken" (NO_HEALTHY_NODES).
@@ -64,11 +76,13 @@ def choose_node(
 ) -> Decision:
     """Pick the node for one request, or raise a RoutingError subclass with a routing_context.
 
-    ``nodes`` is best a :class:`FleetIndex` the router keeps: a decision is a few vector
-    operations over its rows and never changes it (the index follows the NodeViews, whose
-    counters the caller updates after dispatching). A plain sequence is indexed for this call
-    (or, when the same list object comes back, once and cached in ``state``). The only state
-    a decision writes is ``state``: the round-robin cursor and that cached index.
+    ``nodes`` is best a :class:`FleetIndex` the router keeps: a decision reads the model's
+    rows (a few vector operations, or a short Python scan of a small table) and never changes
+    what the index says; it only fills the index's caches (the model's table on first use, a
+    chain's ranks). The index follows the NodeViews, whose counters the caller updates after
+    dispatching. A plain sequence is indexed for this call (or, when the same list object
+    comes back, once and cached in ``state``). The only state a decision writes is ``state``:
+    the round-robin cursor and that cached index.
 
     >>> from zmlcore.messages import NodeState
     >>> from zmlcore.policy import FleetIndex, NodeView, RouteRequest, RoutingState
@@ -81,7 +95,9 @@ def choose_node(
     """
     if req.accelerator_id is not None:
         return _pinned(nodes, req, now, stale_after_s)
-    fleet = nodes if isinstance(nodes, FleetIndex) else _index_for(nodes, state)
+    fleet = state.fleet
+    if state.fleet_src is not nodes or len(fleet) != len(nodes):  # the router's list: its cached index
+        fleet = nodes if isinstance(nodes, FleetIndex) else _index_for(nodes, state)
     table = fleet.table(req.model)
     if not table.flat:
         raise ModelNotLoadedError(
@@ -93,11 +109,16 @@ def choose_node(
                 "recommendation": f"run `zml serve {req.model}` or add it to a node's models",
             },
         )
-    ctx = Ctx(fleet, table, req, policy, now, state, stale_after_s)
-    pick = STRATEGIES.get(policy.strategy, chain.select)(ctx)
+    if table.small:
+        ctx = Ctx(fleet, table, req, policy, now, state, stale_after_s)
+        pick = STRATEGIES.get(policy.strategy, chain.select)(ctx)
+    else:
+        ctx = VCtx(fleet, table, req, policy, now, state, stale_after_s)
+        row = ROW_STRATEGIES.get(policy.strategy, chain.select_rows)(ctx)
+        pick = None if row is None else ctx.cand(row)
     if pick is None:
         _fail(fleet, table.families, req, policy, now, stale_after_s)
-    v = pick.cls.views[pick.i]
+    v = table.views[pick.i]
     return Decision(
         v.node_id,
         v.state.family,

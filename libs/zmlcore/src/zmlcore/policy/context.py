@@ -1,26 +1,24 @@
-"""One decision's working set: which rows of the model's table may take this request, their
-estimates, and the candidates the strategies choose among. Internal to :mod:`zmlcore.policy`.
+"""One decision's view of a model's table: which rows may take this request, their estimates,
+and the two ways the strategies read them. Internal to :mod:`zmlcore.policy`.
 
 Reads the :class:`~zmlcore.policy.FleetIndex`, never writes it. Rows whose status or model rule
 them out have an INF load key in the index; the time-dependent and per-request checks
 (staleness, cooldown, saturation, health threshold, excluded nodes, families outside the chain)
-are a boolean mask computed per decision, from the index's copies of the fields
-``is_routable`` reads.
+are made per decision from the index's copies of the fields ``is_routable`` reads.
 
-Candidates. Every node is its own candidate, but handing the strategies 1,000 of them would
-cost more than the decision budget, so :meth:`Ctx.candidates` drops nodes that cannot win under
-any strategy: node ``x`` is dropped when some node ``y`` comes before it in (estimate, chain
-rank, row) order and is strictly cheaper per unit of capacity (and, when the policy has a
-``queue_threshold``, passes it whenever ``x`` does). Every strategy prefers a lower estimate,
-then a lower cost (lexicographically or by a weighted sum with weights >= 0), with ties going to
-the earlier chain rank, then the earlier node: ``y`` wins wherever ``x`` would, and ``y`` also
-keeps the cheapest cost of any estimate-bounded set it belongs to. Nodes exactly as cheap as
-the cheapest one but slower are dropped too unless the score ignores the estimate (a weighted
-policy without latency weight), where rank may decide between them. What remains is that
-(estimate, cost) front (plus each family's fastest node for a chain walk, which takes each
-family's best in turn);
-tests/unit/test_policy_index.py checks the picks against a scan of every node. (A weighted sum
-can tie two nodes whose estimates and costs differ by a few ulps; ignored.)
+* :class:`Ctx` (tables of up to ``SMALL_TABLE`` rows): :meth:`Ctx.candidates` hands the
+  strategy every row that may take the request as a :class:`Cand`, in (chain rank, row) order,
+  and the strategy's ``select`` picks among them. ``select`` is each strategy's definition.
+* :class:`VCtx` (larger tables): the strategy's ``select_rows`` computes the same pick with a
+  few numpy operations over the columns (:meth:`VCtx.estimates`, :meth:`VCtx.first`), with
+  no per-node Python. Floats are computed in the same order as ``select`` computes them, so
+  the picks are identical, ties included: tests/unit/test_policy_index.py checks both paths
+  against ``select`` over a scan of every node.
+
+Ties: every strategy keeps the first best candidate in (chain rank, row) order, which is what
+``argmin`` over the rows returns when the rows' ranks never decrease (the table keeps families
+in registration order, so: no chain, or one in registration order); otherwise
+:meth:`VCtx.first` breaks ties by rank explicitly.
 """
 
 from __future__ import annotations
@@ -31,6 +29,9 @@ from zmlcore.policy.estimate import DEFAULT_LATENCY_TARGET_S, INF
 from zmlcore.policy.fleet import FamilyGroup, FleetIndex, ModelTable
 from zmlcore.policy.resolve import ResolvedPolicy
 from zmlcore.policy.types import FamilyEval, RouteRequest, RoutingState
+
+#: Chains cached per table (a chain's ranks over the table's families).
+MAX_CHAINS = 64
 
 
 class Cand:
@@ -57,10 +58,38 @@ class Cand:
         return float(self.cls.table.pf[self.i])
 
 
+class Chain:
+    """A policy's chain as it falls on one table (cached in ``ModelTable.chains``)."""
+
+    __slots__ = ("families", "first", "counts", "ranks", "outside", "monotone", "outside_rows")
+
+    def __init__(self, table: ModelTable, chain: tuple[str, ...]) -> None:
+        first: dict[str, int] = {}
+        for r, f in enumerate(chain):
+            first.setdefault(f.lower(), r)
+        #: (family as written, its group or None) in chain order
+        self.families = [(f, table.by_family.get(f.lower())) for f in chain]
+        #: whether each chain position is its family's first (a repeat evaluates nothing)
+        self.first = [first[f.lower()] == r for r, f in enumerate(chain)]
+        #: nodes per chain position
+        self.counts = [g.stop - g.start if g is not None else 0 for _f, g in self.families]
+        #: chain rank of each of the table's groups (-1: not in the chain)
+        self.ranks = [first.get(f.lower(), -1) for f in table.families]
+        self.outside = min(self.ranks, default=0) < 0
+        inside = [r for r in self.ranks if r >= 0]
+        #: the rows' ranks never decrease: argmin's first row is the first in (rank, row) order
+        self.monotone = all(a <= b for a, b in zip(inside, inside[1:]))
+        self.outside_rows: np.ndarray | None = None
+        if self.outside and not table.small:
+            self.outside_rows = np.array([self.ranks[k] < 0 for k in table.fam], dtype=bool)
+
+
 class Ctx:
+    """The decision over a small table: plain Python over the rows (see the module docstring)."""
+
     __slots__ = (
-        "fleet", "table", "req", "policy", "now", "state", "stale_after", "prompt", "target_s",
-        "families", "health_min", "evaluated", "ranks", "rank_arr", "counts", "strategy", "_outside", "_bad", "_est", "_drain", "_cost",
+        "fleet", "table", "req", "policy", "now", "state", "stale_after", "prompt", "target_s", "health_min",
+        "families", "first_of", "ranks", "counts", "chain", "evaluated",
     )
 
     def __init__(
@@ -84,42 +113,102 @@ class Ctx:
         cfg = policy.config
         self.target_s = cfg.latency_target_ms / 1000.0 if cfg.latency_target_ms else DEFAULT_LATENCY_TARGET_S
         self.health_min = cfg.health_threshold
-        chain = policy.chain or tuple(table.families)
-        cached = table.chains.get(chain)
-        if cached is None:
-            first: dict[str, int] = {}
-            for r, f in enumerate(chain):
-                first.setdefault(f.lower(), r)
-            ranks = [first.get(f.lower(), -1) for f in table.families] or [0]
-            families = [(f, table.by_family.get(f.lower(), [])) for f in chain]
-            cached = table.chains[chain] = (
-                families, ranks, np.array(ranks), [table.counts.get(f.lower(), 0) for f in chain],
-            )
-        #: (family as written in the chain, its group) in evaluation order; the chain rank of
-        #: each of the table's families (-1: not in the chain); nodes per chain family
-        self.families, self.ranks, self.rank_arr, self.counts = cached
-        self.strategy = policy.strategy
-        self._outside = min(self.ranks) < 0
+        key = policy.chain or tuple(table.families)
+        chain: Chain | None = table.chains.get(key)
+        if chain is None:
+            if len(table.chains) >= MAX_CHAINS:  # inline policies can name many chains: stay bounded
+                table.chains.clear()
+            chain = table.chains[key] = Chain(table, key)
+        self.chain: Chain = chain
+        #: (family as written in the chain, its group or None) in evaluation order; whether
+        #: each is its family's first occurrence; the chain rank of each of the table's
+        #: groups (-1: not in the chain); nodes per chain position
+        self.families = chain.families
+        self.first_of = chain.first
+        self.ranks = chain.ranks
+        self.counts = chain.counts
+        #: per chain position, set by candidates() (a strategy may add a rejection reason)
         self.evaluated: list[FamilyEval] | None = None
-        self._bad: np.ndarray | bool | None = None
-        self._est: np.ndarray | None = None
-        self._drain: np.ndarray | None = None
-        self._cost: np.ndarray | None = None
 
-    # --- per-request views of the table ---
     def ok(self, i: int) -> bool:
-        """The time-dependent and policy checks of one row (``is_routable``'s, bar status/model)."""
-        v = self.table.views[i]
+        """The time-dependent and per-request checks of row ``i`` (``is_routable``'s, bar
+        status/model, which make the load key INF), the policy's health threshold and exclude."""
+        t = self.table
         now = self.now
-        st = v.state
+        hmin = self.health_min
         return not (
-            now - st.updated_at > self.stale_after or v.cooldown_until > now or v.saturated_until > now
-            or (self.health_min is not None and st.health_score < self.health_min)
+            now - t.updated[i] > self.stale_after or t.blocked[i] > now
+            or (hmin is not None and t.health[i] < hmin)
+            or (self.req.exclude and t.views[i].node_id in self.req.exclude)
         )
 
+    def check(self, cls: FamilyGroup, i: int) -> bool:
+        """May row ``i`` (whose load key is finite, of a family in the chain) take the request?"""
+        return self.ok(i)
+
+    def est(self, cls: FamilyGroup, i: int) -> float:
+        t = self.table
+        return float(t.key[i]) + self.prompt * float(t.inv_pf[i])
+
+    def best_drain(self, cls: FamilyGroup) -> int | None:
+        """The group's row with the smallest drain key that may take the request (first wins)."""
+        d = self.table.drain
+        best = None
+        for i in range(cls.start, cls.stop):
+            if d[i] != INF and (best is None or d[i] < d[best]) and self.ok(i):
+                best = i
+        return best
+
+    def candidates(self) -> list[Cand]:
+        """Every row that may take the request, in (chain rank, row) order; sets ``evaluated``."""
+        t = self.table
+        key, inv_pf, cost = t.key, t.inv_pf, t.cost_cap
+        updated, blocked, health, views = t.updated, t.blocked, t.health, t.views
+        p, now, stale, hmin, excl = self.prompt, self.now, self.stale_after, self.health_min, self.req.exclude
+        out: list[Cand] = []
+        evaluated: list[FamilyEval] = []
+        first_of, counts = self.first_of, self.counts
+        for rank, (fam, g) in enumerate(self.families):
+            n = 0
+            if g is not None and first_of[rank]:
+                for i in range(g.start, g.stop):
+                    k = key[i]
+                    if (
+                        k == INF or now - updated[i] > stale or blocked[i] > now
+                        or (hmin is not None and health[i] < hmin) or (excl and views[i].node_id in excl)
+                    ):
+                        continue
+                    out.append(Cand(g, i, k + p * inv_pf[i], rank, cost[i]))
+                    n += 1
+            evaluated.append(
+                FamilyEval(fam, counts[rank], None if n else ("no_routable_node" if g is not None else "no_nodes"))
+            )
+        self.evaluated = evaluated
+        return out
+
+
+class VCtx(Ctx):
+    """The decision over a large table: vector operations over its columns."""
+
+    __slots__ = ("_bad", "_est")
+
+    def __init__(
+        self,
+        fleet: FleetIndex,
+        table: ModelTable,
+        req: RouteRequest,
+        policy: ResolvedPolicy,
+        now: float,
+        state: RoutingState,
+        stale_after: float,
+    ) -> None:
+        super().__init__(fleet, table, req, policy, now, state, stale_after)
+        self._bad: np.ndarray | bool | None = None
+        self._est: np.ndarray | None = None
+
     def bad(self) -> np.ndarray | None:
-        """Rows that fail :meth:`ok` (from the index's copies of the same fields), are excluded
-        or outside the chain; None when there are none (the usual case: no row to hide)."""
+        """Rows that fail :meth:`ok` or lie outside the chain; None when there are none (the
+        usual case: no row to hide)."""
         cached = self._bad
         if cached is not None:
             return None if cached is False else cached  # type: ignore[return-value]
@@ -138,177 +227,87 @@ class Ctx:
             if hmin is not None:
                 m |= t.health < hmin
             b = m if m.any() else None
-        if self._outside:
-            out = (self.rank_arr < 0)[t.fam]
+        out = self.chain.outside_rows
+        if out is not None:
             b = out if b is None else b | out
         for nid in self.req.exclude:
             j = self.fleet.where(nid, t)
             if j is not None:
-                if b is None:
-                    b = np.zeros(len(t.views), dtype=bool)
+                b = np.zeros(len(t.views), dtype=bool) if b is None else b.copy() if b is out else b
                 b[j] = True
         self._bad = False if b is None else b
         return b
 
-    def _hide(self, a: np.ndarray) -> np.ndarray:
-        """``a`` (a fresh array) with INF where the row may not take this request."""
+    def ok(self, i: int) -> bool:
         b = self.bad()
-        if b is not None:
-            a[b] = INF
-        return a
+        return b is None or not b[i]
+
+    def est(self, cls: FamilyGroup, i: int) -> float:
+        t = self.table
+        return float(t.key.item(i)) + self.prompt * float(t.inv_pf.item(i))
 
     def estimates(self) -> np.ndarray:
         """Estimated TTFT of every row for this request; INF where the row may not take it."""
         e = self._est
         if e is None:
             t = self.table
-            e = self._est = self._hide(t.key + self.prompt * t.inv_pf)
+            e = self._est = t.key + self.prompt * t.inv_pf
+            b = self.bad()
+            if b is not None:
+                e[b] = INF
         return e
 
-    def check(self, cls: FamilyGroup, i: int) -> bool:
-        """May row ``i`` (whose load key is finite) take this request now?"""
-        return bool(self.estimates()[i] != INF)
+    def drains(self) -> np.ndarray:
+        """Every row's drain key; INF where the row may not take the request."""
+        d = self.table.drain
+        b = self.bad()
+        return d if b is None else np.where(b, INF, d)
 
-    def est(self, cls: FamilyGroup, i: int) -> float:
+    def first(self, a: np.ndarray) -> int | None:
+        """The row with the smallest value in ``a`` (INF: none), ties to the lowest (rank, row)."""
+        i = int(a.argmin())
+        v = a.item(i)
+        if v == INF:
+            return None
+        if not self.chain.monotone:
+            tied = np.flatnonzero(a == v)
+            if len(tied) > 1:
+                ranks, fam = self.ranks, self.table.fam
+                i = min(tied.tolist(), key=lambda r: (ranks[fam[r]], r))
+        return i
+
+    def first_of_rows(self, rows: np.ndarray, a: np.ndarray) -> int:
+        """Of ``rows`` (ascending, non-empty), the one with the smallest ``a``, ties to the
+        lowest (rank, row)."""
+        if len(rows) == 1:
+            return int(rows[0])
+        sub = a[rows]
+        tied = rows[sub == sub.min()]
+        if len(tied) == 1 or self.chain.monotone:
+            return int(tied[0])
+        ranks, fam = self.ranks, self.table.fam
+        return int(min(tied.tolist(), key=lambda r: (ranks[fam[r]], r)))
+
+    def cand(self, i: int) -> Cand:
+        g = self.table.group_of[i]
+        return Cand(g, i, self.est(g, i), self.ranks[g.k])
+
+    def evaluate(self) -> None:
+        """``evaluated`` as :meth:`Ctx.candidates` sets it."""
         t = self.table
-        return float(t.key.item(i)) + self.prompt * float(t.inv_pf.item(i))
-
-    def best_drain(self, cls: FamilyGroup) -> int | None:
-        """The group's row with the smallest drain key that may take the request (first wins)."""
-        s, e = cls.start, cls.stop
-        d = self._drain
-        if d is None:
-            d = self._drain = self._hide(self.table.drain.copy())
-        i = s + int(d[s:e].argmin())
-        return None if d[i] == INF else i
-
-    # --- candidates ---
-    def candidates(self) -> list[Cand]:
-        """Every node that can win (see the module docstring), in (chain rank, row) order."""
-        t = self.table
-        r = sorted(self._rows())
-        p = self.prompt
-        group_of, ranks = t.group_of, self.ranks
-        out = [
-            Cand(group_of[i], i, k + p * f, ranks[fam], c)
-            for i, k, f, fam, c in zip(r, t.key[r].tolist(), t.inv_pf[r].tolist(), t.fam[r].tolist(),
-                                       t.cost_cap[r].tolist())
-        ]
-        out.sort(key=_by_rank)
-        return out
-
-    def _rows(self) -> set[int]:
-        est = self.estimates()
-        t = self.table
-        rows: set[int] = set()
-        evaluated: list[FamilyEval] = []
-        ranks = self.ranks
-        best = np.minimum.reduceat(est, t.starts).tolist()  # each family's fastest estimate
-        walks = self.policy.config.cost_priority == "latency"  # a chain walk takes each family's best
-        first: tuple[float, int, int] | None = None  # (estimate, rank, family) of the fastest node
-        for (fam, groups), count in zip(self.families, self.counts):
-            n = 0
-            for g in groups:
-                e = best[g.k]
-                if e != INF:
-                    n += 1
-                    if walks:
-                        rows.add(g.start + int(est[g.start:g.stop].argmin()))
-                    here = (e, ranks[g.k], g.k)
-                    if first is None or here < first:
-                        first = here
-            evaluated.append(
-                FamilyEval(fam, count, None if n else ("no_routable_node" if groups else "no_nodes"))
-            )
-        self.evaluated = evaluated
-        if first is None:
-            return rows
-        g = t.groups[first[2]]
-        f = g.start + int(est[g.start:g.stop].argmin())
-        rows.add(f)
-        if self.strategy == "latency":
-            rows.update(self._slowest_near(est, first[0]))
-        cfg = self.policy.config
-        weighted = self.strategy == "weighted"
-        if weighted and not cfg.latency_weight and not cfg.cost_weight:
-            # Every score is 0 and list order decides: no node may be dropped.
-            rows.update(np.flatnonzero(est != INF).tolist())
-            return rows
-        cost = self._cost
-        if cost is None:
-            cost = self._cost = self._hide(t.cost_ok.copy()) if self.bad() is not None else t.cost_ok
-        # With no latency weight, equally cheap but slower nodes tie on score (rank decides).
-        rows.update(self._front(est, cost, f, weighted and not cfg.latency_weight))
-        qt = cfg.queue_threshold
-        if qt is not None:
-            over = t.depth > qt
-            rows.update(self._front(np.where(over, INF, est), np.where(over, INF, cost), None, True))
-        return rows
-
-    def _slowest_near(self, est: np.ndarray, e0: float) -> list[int]:
-        """``latency``'s near-tie winner: of the rows within ``TIE_S`` of the fastest estimate
-        (while that is under ``TIE_BELOW_S``), the slowest prefill, then estimate, rank, row."""
-        from zmlcore.policy.strategies import latency
-
-        tie, below = getattr(latency, "TIE_S", 0.0), getattr(latency, "TIE_BELOW_S", 0.0)
-        if tie <= 0.0 or e0 > below:
-            return []
-        pf = np.where(est <= e0 + tie, self.table.pf, INF)
-        rows = np.flatnonzero(pf == pf.min()).tolist()
-        fam, ranks = self.table.fam, self.ranks
-        return [min(rows, key=lambda i: (est.item(i), ranks[fam.item(i)], i))]
-
-    def _front(self, est: np.ndarray, cost: np.ndarray, f: int | None, ties: bool) -> list[int]:
-        """Rows that may win on (estimate, cost) (see the module docstring); INF rows excluded.
-
-        ``f`` is the first row in (estimate, rank, row) order if known: then nodes as fast but
-        dearer are behind it and need no test. ``ties`` keeps nodes as cheap as the cheapest but
-        slower (only a score that ignores the estimate can prefer them).
-        """
-        z = int(cost.argmin())
-        cmin = cost.item(z)
-        if cmin == INF:
-            return []
-        # Bounds first: slower than the cheapest node or dearer than the fastest loses to it.
-        ez = est.item(z)
-        if f is None:
-            f = int(est.argmin())
-            keep = (cost <= cost.item(f)) | (est == est.item(f))
-            keep &= (est <= ez) | (cost == cmin) if ties else est <= ez
-        elif ties:
-            keep = (est <= ez) | (cost == cmin)
-            keep &= cost <= cost.item(f)
+        if self.bad() is None:
+            live = t.n_up
         else:
-            keep = est <= ez
-            keep &= cost <= cost.item(f)
-        s = np.flatnonzero(keep)
-        k = len(s)
-        if k <= 1:
-            return [int(i) for i in s]
-        fam = self.table.fam
-        if k <= 16:  # few survivors: plain Python beats a dozen small numpy calls
-            rows = s.tolist()
-            ranks = self.ranks
-            key = [(e, ranks[r], i, c) for e, r, i, c in zip(est[s].tolist(), fam[s].tolist(), rows, cost[s].tolist())]
-            key.sort()
-            out = []
-            low = INF
-            for _e, _r, i, c in key:
-                if c <= low:
-                    out.append(i)
-                    low = c
-            return out
-        # Exact front of the survivors: in (estimate, rank, row) order, keep a row unless an
-        # earlier one is strictly cheaper (lexsort is stable and ``s`` ascending: row breaks ties).
-        order = np.lexsort((self.rank_arr[fam[s]], est[s]))
-        cs = cost[s][order]
-        before = np.minimum.accumulate(np.concatenate(([INF], cs[:-1])))
-        front: list[int] = s[order[cs <= before]].tolist()
-        return front
-
-
-def _by_rank(c: Cand) -> int:
-    return c.rank
+            live = (np.minimum.reduceat(self.estimates(), t.starts) != INF).tolist()
+        first_of, counts = self.first_of, self.counts
+        self.evaluated = [
+            FamilyEval(
+                fam, counts[r],
+                None if g is not None and first_of[r] and live[g.k]
+                else ("no_routable_node" if g is not None else "no_nodes"),
+            )
+            for r, (fam, g) in enumerate(self.families)
+        ]
 
 
 def fastest(cands: list[Cand]) -> Cand | None:

@@ -1,12 +1,16 @@
 """FleetIndex: per-model columns of every node's scoring terms, kept exact at O(1) per change.
 
 Each node has its own measured, drifting speeds (health's EWMA), so nodes are not grouped by
-speed: a model's :class:`ModelTable` keeps one row per node, family by family, in numpy
-columns (load key, drain key, 1/prefill speed, cost per unit of capacity, depth, state age,
-cooldown). A row is recomputed with the pure functions of :mod:`~zmlcore.policy.estimate`
-whenever its :class:`NodeView` changes (a counter, a cooldown or a polled state): O(1), no
-re-indexing unless a node's family or set of models changes. A decision then evaluates every
-row's estimate ``key + P/pf`` in a few vector operations (see :mod:`~zmlcore.policy.context`).
+speed: a model's :class:`ModelTable` keeps one row per node, family by family, in columns
+(load key, drain key, 1/prefill speed, cost per unit of capacity, depth, state age, cooldown).
+A row is recomputed with the pure functions of :mod:`~zmlcore.policy.estimate` whenever its
+:class:`NodeView` changes (a counter, a cooldown or a polled state): O(1), no re-indexing
+unless a node's family or set of models changes.
+
+Columns are numpy arrays when the table has more than :data:`SMALL_TABLE` rows, so a decision
+is a few vector operations over them (see :mod:`~zmlcore.policy.context`); below that they are
+plain lists and a decision scans the rows in Python, which costs less than the fixed overhead
+of a dozen numpy calls. The upkeep code is the same for both (item assignment).
 
 The router keeps one index over its views and passes it as ``nodes`` to
 :func:`~zmlcore.policy.choose_node` (it is a ``Sequence[NodeView]``)::
@@ -21,12 +25,16 @@ Passing a plain list works too: a throw-away index is built per call (O(n)).
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from typing import overload
+from typing import Any, overload
 
 import numpy as np
 
 from zmlcore.policy.estimate import INF, MEAN_OUTPUT_TOKENS, MEAN_PROMPT_TOKENS, Coeffs, node_cost, node_speeds
 from zmlcore.policy.types import NodeView
+
+#: Tables with at most this many rows keep list columns and are scanned in Python (chosen by
+#: measurement: benches/bench_decision.py --small, docs/benchmarks.md "Routing decision time").
+SMALL_TABLE = 16
 
 
 class FamilyGroup:
@@ -51,71 +59,74 @@ class FamilyGroup:
         return self.table.views
 
     @property
-    def keys(self) -> np.ndarray:
+    def keys(self) -> Any:
         return self.table.key
 
     @property
-    def drains(self) -> np.ndarray:
+    def drains(self) -> Any:
         return self.table.drain
-
-
-ChainView = tuple[list[tuple[str, list[FamilyGroup]]], list[int], np.ndarray, list[int]]
 
 
 class ModelTable:
     """Every node that serves (or is loading) one model: one row each, grouped by family in
-    registration order (first node seen), nodes in registration order within a family."""
+    registration order (first node seen), nodes in registration order within a family.
+
+    The float columns are numpy arrays, or lists when ``small`` (see the module docstring).
+    """
 
     __slots__ = (
-        "model", "families", "by_family", "groups", "starts", "group_of", "chains", "counts", "flat", "views", "coeffs", "inputs",
-        "up", "fam", "key", "drain", "pf", "inv_pf", "cost_cap", "cost_ok", "depth", "updated", "blocked", "health",
+        "model", "small", "families", "by_family", "groups", "starts", "fam", "group_of", "chains", "flat", "views",
+        "coeffs", "inputs", "up", "n_up", "key", "drain", "pf", "inv_pf", "cost_cap", "depth", "updated", "blocked",
+        "health",
     )
 
     def __init__(self, model: str, views: list[NodeView], families: list[str]) -> None:
         n = len(views)
         self.model = model
         self.views = views
+        self.small = n <= SMALL_TABLE
         #: families as first written, in registration order
         self.families = families
         self.groups: list[FamilyGroup] = []
+        self.by_family: dict[str, FamilyGroup] = {}
         #: first row of each group (every group has one)
         self.starts = np.zeros(0, dtype=np.intp)
-        #: the group of each row
+        #: the group number (index in ``groups``) and the group of each row
+        self.fam: list[int] = [0] * n
         self.group_of: list[FamilyGroup] = []
-        #: per chain: (families in chain order with their groups, rank of each table family as
-        #: a list and an array, nodes per chain family); a cache for Ctx, filled on first use
-        self.chains: dict[tuple[str, ...], ChainView] = {}
-        self.by_family: dict[str, list[FamilyGroup]] = {}
-        self.counts: dict[str, int] = {}
+        #: per chain: the decision's view of it (context.Chain), a cache filled on first use
+        self.chains: dict[tuple[str, ...], Any] = {}
         #: (group, row) in node registration order (round robin's cycle)
         self.flat: list[tuple[FamilyGroup, int]] = []
         self.coeffs: list[Coeffs | None] = [None] * n
         #: (pf, dec, maxc, cost) each row's Coeffs were computed from
         self.inputs: list[tuple[float, float, int, float] | None] = [None] * n
-        #: status up and the model loaded (not only loading)
+        #: status up and the model loaded (not only loading); how many rows are, per group
         self.up = [False] * n
-        #: family number (index in ``families``) of each row
-        self.fam = np.zeros(n, dtype=np.int32)
+        self.n_up: list[int] = []
+
+        def col(x: float) -> Any:
+            return [x] * n if self.small else np.full(n, x)
+
         #: Coeffs.load_key / drain_key of the node's counters; INF while not routable
         #: (status not up, or the model only loading)
-        self.key = np.full(n, INF)
-        self.drain = np.full(n, INF)
-        self.pf = np.ones(n)
-        self.inv_pf = np.ones(n)
-        self.cost_cap = np.zeros(n)
-        #: cost_cap where the load key is finite, else INF
-        self.cost_ok = np.full(n, INF)
+        self.key = col(INF)
+        self.drain = col(INF)
+        self.pf = col(1.0)
+        self.inv_pf = col(1.0)
+        #: $/h per req/s of capacity (Coeffs.cost_cap)
+        self.cost_cap = col(0.0)
         #: effective outstanding requests (the strategies' queue depth)
-        self.depth = np.zeros(n)
+        self.depth = col(0.0)
         #: state's updated_at; max(cooldown_until, saturated_until); health score
-        self.updated = np.zeros(n)
-        self.blocked = np.zeros(n)
-        self.health = np.zeros(n)
+        self.updated = col(0.0)
+        self.blocked = col(0.0)
+        self.health = col(0.0)
 
 
-def _membership(v: NodeView) -> tuple[str, frozenset[str]]:
+def _membership(v: NodeView) -> tuple[str, frozenset[str], list[str], list[str]]:
     st = v.state
-    return st.family, frozenset(st.models).union(st.loading_models)
+    return st.family, frozenset(st.models).union(st.loading_models), st.models, st.loading_models
 
 
 class FleetIndex(Sequence[NodeView]):
@@ -139,8 +150,9 @@ class FleetIndex(Sequence[NodeView]):
         self.mean_output = mean_output
         self._tables: dict[str, ModelTable] = {}
         self._where: dict[str, list[tuple[ModelTable, int]]] = {}
-        #: (family, models + loading models) of each node when its tables were built
-        self._member: dict[str, tuple[str, frozenset[str]]] = {}
+        #: (family, models + loading models, models, loading models) of each node when its
+        #: tables were built
+        self._member: dict[str, tuple[str, frozenset[str], list[str], list[str]]] = {}
         self._watching = watch
         #: full table builds so far (after a membership change); the bench and tests read it
         self.rebuilds = 0
@@ -175,11 +187,14 @@ class FleetIndex(Sequence[NodeView]):
 
     # --- upkeep: O(1) per change ---
     def _node_changed(self, view: NodeView, structural: bool) -> None:
-        where = self._where.get(view.node_id, ())
+        st = view._state
+        where = self._where.get(st.node_id, ())
         if structural and self._tables:
-            old = self._member.get(view.node_id)
-            st = view.state
-            if old is None or old[0] != st.family or old[1] != frozenset(st.models).union(st.loading_models):
+            old = self._member.get(st.node_id)
+            if old is None or old[0] != st.family or (
+                (old[2] != st.models or old[3] != st.loading_models)  # as lists first: no sets to build
+                and old[1] != frozenset(st.models).union(st.loading_models)
+            ):
                 # A node joins or leaves a model's table, or changes family: rebuild lazily.
                 self._tables.clear()
                 self._where.clear()
@@ -189,7 +204,7 @@ class FleetIndex(Sequence[NodeView]):
                 self._set_state(table, j, view)
             return
         for table, j in where:
-            self._set_counters(table, j, view)
+            _set_counters(table, j, view)
 
     def _set_state(self, t: ModelTable, j: int, v: NodeView) -> None:
         st = v.state
@@ -201,25 +216,13 @@ class FleetIndex(Sequence[NodeView]):
             t.pf[j] = c.pf
             t.inv_pf[j] = c.inv_pf
             t.cost_cap[j] = c.cost_cap
-        up = t.up[j] = st.status == "up" and t.model in st.models
-        t.cost_ok[j] = t.cost_cap[j] if up else INF
+        up = st.status == "up" and t.model in st.models
+        if up != t.up[j]:
+            t.up[j] = up
+            t.n_up[t.fam[j]] += 1 if up else -1
         t.updated[j] = st.updated_at
         t.health[j] = st.health_score
-        self._set_counters(t, j, v)
-
-    @staticmethod
-    def _set_counters(t: ModelTable, j: int, v: NodeView) -> None:
-        out = v.effective_outstanding()
-        t.depth[j] = out
-        t.blocked[j] = max(v.cooldown_until, v.saturated_until)
-        if t.up[j]:
-            c = t.coeffs[j]
-            assert c is not None
-            t.key[j] = c.load_key(out, v.effective_pending())
-            t.drain[j] = c.drain_key(out)
-        else:
-            t.key[j] = INF
-            t.drain[j] = INF
+        _set_counters(t, j, v)
 
     # --- tables ---
     def table(self, model: str) -> ModelTable:
@@ -250,21 +253,21 @@ class FleetIndex(Sequence[NodeView]):
             members = rows[fam.lower()]
             g = FamilyGroup(fam, t, k, start, start + len(members))
             t.groups.append(g)
-            t.by_family[fam.lower()] = [g]
-            t.counts[fam.lower()] = len(members)
-            t.fam[start:start + len(members)] = k
+            t.n_up.append(0)
+            t.by_family[fam.lower()] = g
             for j in range(start, start + len(members)):
-                v = ordered[j]
-                row_of[v.node_id] = j
-                self._set_state(t, j, v)
-                self._where.setdefault(v.node_id, []).append((t, j))
+                t.fam[j] = k
+                t.group_of.append(g)
             start += len(members)
+        for j, v in enumerate(ordered):
+            row_of[v.node_id] = j
+            self._set_state(t, j, v)
+            self._where.setdefault(v.node_id, []).append((t, j))
         t.starts = np.array([g.start for g in t.groups], dtype=np.intp)
-        group_of = t.group_of = [t.groups[int(k)] for k in t.fam]
         for v in self._views:
             j = row_of.get(v.node_id, -1)
             if j >= 0:
-                t.flat.append((group_of[j], j))
+                t.flat.append((t.group_of[j], j))
         return t
 
     def where(self, node_id: str, table: ModelTable) -> int | None:
@@ -274,3 +277,16 @@ class FleetIndex(Sequence[NodeView]):
                 return j
         return None
 
+
+def _set_counters(t: ModelTable, j: int, v: NodeView) -> None:
+    out = v.effective_outstanding()
+    t.depth[j] = out
+    cool, sat = v._cooldown_until, v._saturated_until
+    t.blocked[j] = cool if cool > sat else sat
+    c = t.coeffs[j]
+    if t.up[j] and c is not None:
+        t.key[j] = c.load_key(out, v.effective_pending())
+        t.drain[j] = c.drain_key(out)
+    else:
+        t.key[j] = INF
+        t.drain[j] = INF

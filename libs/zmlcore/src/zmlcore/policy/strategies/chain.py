@@ -13,9 +13,10 @@
 
 from __future__ import annotations
 
-from zmlcore.policy.context import Cand, Ctx, fastest
-from zmlcore.policy.strategies.cost import cheapest_within
-from zmlcore.policy.strategies.weighted import weighted_pick
+from zmlcore.policy.context import Cand, Ctx, VCtx, fastest
+from zmlcore.policy.estimate import INF
+from zmlcore.policy.strategies.cost import cheapest_within, cheapest_within_rows
+from zmlcore.policy.strategies.weighted import weighted_pick, weighted_rows
 
 BALANCED_FRACTION = 0.5
 
@@ -40,3 +41,38 @@ def select(ctx: Ctx) -> Cand | None:
     if near:
         return weighted_pick(near, 1.0, 1.0, target)
     return cheapest_within(cands, target, qt) or fastest(cands)
+
+
+def select_rows(ctx: VCtx) -> int | None:
+    """:func:`select` over every row."""
+    ctx.evaluate()
+    prio = ctx.policy.config.cost_priority or "balanced"
+    e = ctx.estimates()
+    target = ctx.target_s
+    qt = ctx.policy.config.queue_threshold
+    if prio == "latency":
+        depth = ctx.table.depth
+        evaluated = ctx.evaluated
+        assert evaluated is not None
+        for rank, (_fam, g) in enumerate(ctx.families):
+            if g is None or not ctx.first_of[rank]:
+                continue
+            i = g.start + int(e[g.start:g.stop].argmin())
+            best = e.item(i)
+            if best == INF:
+                continue
+            if best <= target and (qt is None or depth.item(i) <= qt):
+                return i
+            if not evaluated[rank].rejected_reason:
+                evaluated[rank].rejected_reason = "latency_target_exceeded"
+        return ctx.first(e)
+    if prio == "cost":
+        pick = cheapest_within_rows(ctx, target, qt)
+        return ctx.first(e) if pick is None else pick
+    near = e <= target * BALANCED_FRACTION
+    if qt is not None:
+        near &= ctx.table.depth <= qt
+    if near.any():
+        return weighted_rows(ctx, near, 1.0, 1.0, target)
+    pick = cheapest_within_rows(ctx, target, qt)
+    return ctx.first(e) if pick is None else pick

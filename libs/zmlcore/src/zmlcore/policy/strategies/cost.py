@@ -10,7 +10,9 @@ for < 0.5 point of within-target share (half the target, the reference's ``cost_
 
 from __future__ import annotations
 
-from zmlcore.policy.context import Cand, Ctx, fastest
+import numpy as np
+
+from zmlcore.policy.context import Cand, Ctx, VCtx, fastest
 
 #: Fraction of the latency target the cheap node's estimate must stay within.
 COST_THRESHOLD_FRACTION = 0.4
@@ -30,3 +32,24 @@ def select(ctx: Ctx) -> Cand | None:
     cands = ctx.candidates()
     pick = cheapest_within(cands, ctx.target_s * COST_THRESHOLD_FRACTION, ctx.policy.config.queue_threshold)
     return pick or fastest(cands)
+
+
+def cheapest_within_rows(ctx: VCtx, threshold_s: float, queue_threshold: float | None) -> int | None:
+    """:func:`cheapest_within` over every row: lowest (cost, estimate, rank, row)."""
+    e = ctx.estimates()
+    t = ctx.table
+    m = e <= threshold_s
+    if queue_threshold is not None:
+        m &= t.depth <= queue_threshold
+    c = np.where(m, t.cost_cap, np.inf)
+    z = int(c.argmin())
+    cmin = c.item(z)
+    if cmin == np.inf or not m.item(z):
+        return None
+    return ctx.first_of_rows(np.flatnonzero(c == cmin), e)
+
+
+def select_rows(ctx: VCtx) -> int | None:
+    ctx.evaluate()
+    pick = cheapest_within_rows(ctx, ctx.target_s * COST_THRESHOLD_FRACTION, ctx.policy.config.queue_threshold)
+    return ctx.first(ctx.estimates()) if pick is None else pick

@@ -8,7 +8,9 @@ free for it is what lowers the tail (the greedy rule, tie 0, takes the fast node
 
 from __future__ import annotations
 
-from zmlcore.policy.context import Cand, Ctx, fastest
+import numpy as np
+
+from zmlcore.policy.context import Cand, Ctx, VCtx, fastest
 
 #: Estimates within this many seconds of the lowest are a tie (chosen on tuning seeds of
 #: benches/routing_sim.py, reported on others: docs/benchmarks.md "Routing quality (simulation)").
@@ -30,3 +32,22 @@ def pick(cands: list[Cand], tie_s: float, below_s: float) -> Cand | None:
 
 def select(ctx: Ctx) -> Cand | None:
     return pick(ctx.candidates(), TIE_S, TIE_BELOW_S)
+
+
+def pick_rows(ctx: VCtx, tie_s: float, below_s: float) -> int | None:
+    """:func:`pick` over every row: the fastest, or of the rows within ``tie_s`` of it, the
+    lowest (prefill speed, estimate, rank, row)."""
+    e = ctx.estimates()
+    i = ctx.first(e)
+    if i is None or tie_s <= 0.0:
+        return i
+    e0 = e.item(i)
+    if e0 > below_s:
+        return i
+    pf = np.where(e <= e0 + tie_s, ctx.table.pf, np.inf)
+    return ctx.first_of_rows(np.flatnonzero(pf == pf.min()), e)
+
+
+def select_rows(ctx: VCtx) -> int | None:
+    ctx.evaluate()
+    return pick_rows(ctx, TIE_S, TIE_BELOW_S)

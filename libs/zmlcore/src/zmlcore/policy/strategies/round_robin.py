@@ -3,7 +3,7 @@ RoutingState). Unstable on a heterogeneous fleet above the slowest node's share 
 
 from __future__ import annotations
 
-from zmlcore.policy.context import Cand, Ctx
+from zmlcore.policy.context import Cand, Ctx, VCtx
 from zmlcore.policy.estimate import INF
 
 
@@ -22,3 +22,8 @@ def select(ctx: Ctx) -> Cand | None:
         ctx.state.rr_cursor = start + k + 1
         return Cand(cls, i, ctx.est(cls, i), rank)
     return None
+
+
+def select_rows(ctx: VCtx) -> int | None:
+    pick = select(ctx)
+    return None if pick is None else pick.i

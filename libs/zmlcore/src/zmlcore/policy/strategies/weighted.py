@@ -7,7 +7,9 @@ per unit of capacity by the cheapest candidate's, so the weights compare like wi
 
 from __future__ import annotations
 
-from zmlcore.policy.context import Cand, Ctx, fastest
+import numpy as np
+
+from zmlcore.policy.context import Cand, Ctx, VCtx, fastest
 
 
 def weighted_pick(cands: list[Cand], lw: float, cw: float, target_s: float) -> Cand | None:
@@ -31,3 +33,35 @@ def select(ctx: Ctx) -> Cand | None:
     if not ok:
         return fastest(cands)
     return weighted_pick(ok, cfg.latency_weight or 0.0, cfg.cost_weight or 0.0, ctx.target_s)
+
+
+def weighted_rows(ctx: VCtx, m: np.ndarray, lw: float, cw: float, target_s: float) -> int | None:
+    """:func:`weighted_pick` over the rows in mask ``m`` (rows with a finite estimate). The
+    score is computed as ``weighted_pick`` computes it, term by term; a weight of 1 multiplies
+    nothing and a weight of 0 adds 0 (both exact)."""
+    e = ctx.estimates()
+    cost = ctx.table.cost_cap
+    cheapest = np.where(m, cost, np.inf).min()
+    if cheapest == np.inf:
+        return None
+    cheapest = float(cheapest) or 1.0
+    s: np.ndarray | None = None
+    if lw:
+        s = (e if lw == 1.0 else lw * e) / target_s
+    if cw:
+        c = (cost if cw == 1.0 else cw * cost) / cheapest
+        s = c if s is None else s + c
+    return ctx.first(np.where(m, 0.0 if s is None else s, np.inf))
+
+
+def select_rows(ctx: VCtx) -> int | None:
+    ctx.evaluate()
+    e = ctx.estimates()
+    cfg = ctx.policy.config
+    qt = cfg.queue_threshold
+    m = e != np.inf
+    if qt is not None:
+        m &= ctx.table.depth <= qt
+    if not m.any():
+        return ctx.first(e)
+    return weighted_rows(ctx, m, cfg.latency_weight or 0.0, cfg.cost_weight or 0.0, ctx.target_s)
