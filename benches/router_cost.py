@@ -61,6 +61,7 @@ async def drive(url: str, conc: int, seconds: float, warm_s: float, router_pid: 
     n = 0
     errors = 0
     measuring = False
+    kinds: dict[str, int] = {}
 
     async def worker(i: int) -> None:
         nonlocal n, errors
@@ -70,10 +71,12 @@ async def drive(url: str, conc: int, seconds: float, warm_s: float, router_pid: 
             headers = {subjects.H_REQUEST_ID: f"b{i}-{k}", subjects.H_TIMEOUT_MS: "30000",
                        subjects.H_ACCEPT_ROUTING: subjects.ROUTING_IN_BODY, subjects.H_ID_GENERATED: "1"}
             try:
-                msg = await nc.request(subjects.INFER, BODY, timeout=30, headers=headers)
+                msg = await nc.request(subjects.INFER, BODY, timeout=10, headers=headers)
                 ok = not (msg.headers or {}).get(subjects.H_ERROR_CODE)
-            except Exception:
+            except Exception as exc:
                 ok = False
+                kinds[type(exc).__name__] = kinds.get(type(exc).__name__, 0) + 1
+                await asyncio.sleep(0.01)  # never spin: an error can come back without waiting
             if measuring:
                 if ok:
                     n += 1
@@ -89,10 +92,13 @@ async def drive(url: str, conc: int, seconds: float, warm_s: float, router_pid: 
     r1, s1 = ticks(router_pid), ticks(nats_pid)
     for t in tasks:
         t.cancel()
-    await asyncio.gather(*tasks, return_exceptions=True)
-    await nc.close()
-    if errors:
-        print(f"  {errors} errors", file=sys.stderr)
+    await asyncio.wait(tasks, timeout=15)
+    try:
+        await asyncio.wait_for(nc.close(), 5)
+    except Exception:
+        pass
+    if errors or kinds:
+        print(f"  {errors} errors while measuring; exceptions: {kinds}", file=sys.stderr, flush=True)
     return n, (r1 - r0) / TCK, (s1 - s0) / TCK
 
 
@@ -121,7 +127,8 @@ def one(pythonpath: str, stub: str, conc_levels: list[int], seconds: float, tmp:
         router = procs[-1]
         time.sleep(3.0)  # health polls the stub once, the router reads the node
         for c in conc_levels:
-            n, router_s, nats_s = asyncio.run(drive(url, c, seconds, 1.0, router.pid, nats_p.pid))
+            n, router_s, nats_s = asyncio.run(asyncio.wait_for(drive(url, c, seconds, 1.0, router.pid, nats_p.pid),
+                                                               seconds + 60))
             out[c] = (n / seconds, router_s / max(n, 1) * 1e6, nats_s / max(n, 1) * 1e6)
     finally:
         for p in reversed(procs):
