@@ -27,7 +27,6 @@ from zmlcore.batchpub import BatchPublisher
 from zmlcore.bigreply import check_fits
 from zmlcore.config import ZMLConfig
 from zmlcore.errors import CancelledError, DuplicateRequestError, ZMLError
-from zmlcore.exchange import _direct as direct_delivery
 from zmlcore.keepalive import KeepaliveBook, keepalive_headers, parse_interval
 from zmlcore.kvfollow import KVFollower
 from zmlcore.messages import InferRequest, RoutingInfo
@@ -140,13 +139,7 @@ class RouterService:
         self._subs.append(await nc.subscribe(subjects.router_state(self.router_id), cb=self._on_state))
         self._subs.append(await nc.subscribe(subjects.ROUTERS_STATE, cb=self._on_state))
         for subject in (subjects.INFER, subjects.FRONT_DOOR_INFER):
-            # Requests straight from nats-py's reader (zmlcore.exchange): no subscription task
-            # taking each one out of a queue only to spawn its own task.
-            sub = await nc.subscribe(subject, queue=subjects.ROUTER_QUEUE)
-            if not direct_delivery(sub, self._take):
-                await sub.unsubscribe()
-                sub = await nc.subscribe(subject, queue=subjects.ROUTER_QUEUE, cb=self._on_request)
-            self._subs.append(sub)
+            self._subs.append(await nc.subscribe(subject, queue=subjects.ROUTER_QUEUE, cb=self._on_request))
 
     async def stop(self) -> None:
         # Stop taking new requests, let in-flight ones finish (bounded), then close.
@@ -178,13 +171,10 @@ class RouterService:
         return task
 
     # --- subscriptions ---------------------------------------------------------------------
-    def _take(self, msg: Msg) -> None:
-        front_door_headers(msg)  # what the sender may not set is dropped here (zml_router.trust)
-        self.spawn(self.enter(msg))
-
     async def _on_request(self, msg: Msg) -> None:
         # nats-py runs a subscription's callbacks one after another: hand off at once.
-        self._take(msg)
+        front_door_headers(msg)  # what the sender may not set is dropped here (zml_router.trust)
+        self.spawn(self.enter(msg))
 
     async def _on_cancel(self, msg: Msg) -> None:
         # The owner is the subject token that permissions pin to the sender's identity: a
