@@ -15,6 +15,7 @@ import logging
 import os
 import time
 from collections.abc import Coroutine
+from random import getrandbits
 from typing import Any
 
 import msgspec
@@ -67,6 +68,11 @@ COMPLETED_WINDOW_S = 0.01
 
 def _new_id() -> str:
     return os.urandom(8).hex()
+
+
+def _decision_id() -> str:
+    """Unique, not secret (it names a decision in logs and traces): no getrandom syscall per attempt."""
+    return f"{getrandbits(64):016x}"
 
 
 class RouterService:
@@ -333,7 +339,7 @@ class RouterService:
         view = self.table.views[decision.node_id]
         info = RoutingInfo(
             node_id=decision.node_id, accelerator_type=view.state.accelerator_type, family=decision.family,
-            policy=decision.policy, queue_depth_at_dispatch=decision.queue_depth, decision_id=_new_id(),
+            policy=decision.policy, queue_depth_at_dispatch=decision.queue_depth, decision_id=_decision_id(),
             request_id=request_id, attempts=action.attempt, router_id=self.router_id, label=out.label,
         )
         out.info = info

@@ -7,10 +7,11 @@ request and deadline). Here a deadline is an entry in the dict of its slot (``TI
 arming and disarming are a dict insert and delete, and one loop timer wakes the wheel when the
 earliest slot that still holds a timer is due (slots emptied by cancels are skipped, so a router
 whose requests all finish in time wakes about once per deadline length, not once per request).
-Memory: at most one small dict per 5 ms of the longest deadline (max_request_timeout_s). A deadline fires at most one tick late (5 ms, on timeouts of seconds) and, like any
-loop timer under uvloop, up to 1 ms early.
+Memory: at most one small dict per 5 ms of the longest deadline (max_request_timeout_s).
+A deadline fires at most one tick late (5 ms, on timeouts of seconds) and, like any loop timer
+under uvloop, up to 1 ms early.
 
-    wheel = Wheel()                         # one per router (its event loop)
+    wheel = Wheel()                         # one per router: one event loop at a time
     with wheel.deadline(2.0):               # as ``async with asyncio.timeout(2.0):``
         await something()                   # TimeoutError once 2 s have passed
 """
@@ -52,6 +53,8 @@ class Wheel:
         self._order: list[int] = []  # heap of the slot numbers in _slots
         self._handle: asyncio.TimerHandle | None = None
         self._armed_for: int | None = None
+        #: The loop it serves, once known (asyncio.get_running_loop costs a getpid syscall on 3.11).
+        self.loop: asyncio.AbstractEventLoop | None = None
 
     def __len__(self) -> int:
         return sum(len(s) for s in self._slots.values())
@@ -72,17 +75,23 @@ class Wheel:
     def deadline(self, seconds: float) -> Deadline:
         return Deadline(self, seconds)
 
+    def running_loop(self) -> asyncio.AbstractEventLoop:
+        loop = self.loop
+        if loop is None or loop.is_closed():
+            loop = self.loop = asyncio.get_running_loop()
+        return loop
+
     def _arm(self, n: int) -> None:
         if self._handle is not None:
             self._handle.cancel()
         self._armed_for = n
-        self._handle = asyncio.get_running_loop().call_at(n * self.tick_s, self._run)
+        self._handle = self.running_loop().call_at(n * self.tick_s, self._run)
 
     def _run(self) -> None:
         self._handle = self._armed_for = None
         # uvloop's timers have 1 ms resolution and may wake up to that much before the slot's time:
         # a slot due within it runs now (as any loop timer would), not at a re-armed wake-up.
-        now = asyncio.get_running_loop().time() + EARLY_S
+        now = self.running_loop().time() + EARLY_S
         order = self._order
         while order and order[0] * self.tick_s <= now:
             slot = self._slots.pop(heapq.heappop(order))
@@ -119,12 +128,12 @@ class Deadline:
         self._timer: Timer | None = None
 
     def __enter__(self) -> Deadline:
-        task = asyncio.current_task()
+        loop = self._wheel.running_loop()
+        task = asyncio.current_task(loop)
         if task is None:
             raise RuntimeError("Deadline used outside a task")
         self._task = task
         self._cancelling = task.cancelling()
-        loop = asyncio.get_running_loop()
         self._timer = self._wheel.call_at(loop.time() + self._seconds, self._expire)
         return self
 
