@@ -92,3 +92,36 @@ def test_rate_limit_rejections_are_counted_by_key_label(limited: str) -> None:
                   if s.name == "zml_gateway_rate_limited_total" and s.labels.get("key") == label)
     assert counted == refused
     assert "k-three" not in text  # the label, never the key
+
+
+def _limited_by_address(stack: Stack, tmp_path: Path, extra: str) -> list[tuple[str, object]]:
+    """Gateways limited to 1 request per client address, each with its own [gateway] extra."""
+    base = Path(stack.config_path).read_text()
+    procs = []
+    for i, more in enumerate(("", extra)):
+        cfg = tmp_path / f"zml{i}.toml"
+        cfg.write_text(f"[gateway]\nrequests_per_minute = 1\nrequest_burst = 1\n{more}\n" + base)
+        port = free_port()
+        procs.append((f"http://127.0.0.1:{port}",
+                      spawn(f"gateway-xff{i}", service_argv("gateway", str(cfg), stack.nats_url, "--port", str(port)))))
+    return procs
+
+
+@pytest.mark.parametrize("proxies, honoured", [('["127.0.0.0/8"]', True), ('["192.0.2.7"]', False)])
+def test_x_forwarded_for_is_believed_only_from_configured_proxies(zml_stack: Stack, tmp_path: Path,
+                                                                  proxies: str, honoured: bool) -> None:
+    """uvicorn trusted X-Forwarded-For from 127.0.0.1 by default: a local client chose the
+    address the per-address limit counted. Now only [gateway] trusted_proxies are believed."""
+    gateways = _limited_by_address(zml_stack, tmp_path, f"trusted_proxies = {proxies}")
+    try:
+        codes = []
+        for url, proc in gateways:
+            assert wait_port("127.0.0.1", int(url.rsplit(":", 1)[1]), 20), proc.tail()  # type: ignore[attr-defined]
+            with httpx.Client(base_url=url, timeout=20) as c:
+                codes.append([c.post("/v1/chat/completions", json=BODY,
+                                     headers={"x-forwarded-for": f"198.51.100.{i}"}).status_code for i in range(3)])
+        assert codes[0] == [200, 429, 429], codes  # default: the TCP peer is the client
+        assert codes[1] == ([200, 200, 200] if honoured else [200, 429, 429]), codes
+    finally:
+        for _, proc in gateways:
+            proc.stop()  # type: ignore[attr-defined]

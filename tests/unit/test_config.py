@@ -105,3 +105,12 @@ def test_configuration_doc_is_current() -> None:
 
     doc = (Path(__file__).resolve().parents[2] / "docs" / "configuration.md").read_text()
     assert reference_markdown().strip() in doc, "regenerate the key reference in docs/configuration.md"
+
+
+def test_trusted_proxies_are_addresses_or_networks() -> None:
+    from zmlcore.config import parse_config
+
+    assert parse_config({"gateway": {"trusted_proxies": ["10.0.0.0/8", "::1", "192.0.2.7"]}}).gateway.trusted_proxies
+    for bad in ("*", "proxy.local", "10.0.0.0/40"):
+        with pytest.raises(ConfigError, match="trusted_proxies"):
+            parse_config({"gateway": {"trusted_proxies": [bad]}})

@@ -13,6 +13,7 @@ Example::
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import sys
@@ -133,6 +134,12 @@ class GatewayConfig(msgspec.Struct, **_Base):
     HTTP/1.1 only."""
     http2_max_streams: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 100
     """Concurrent streams one HTTP/2 connection may open (SETTINGS_MAX_CONCURRENT_STREAMS)."""
+    trusted_proxies: list[str] = []
+    """Addresses (IPs or CIDR networks) of reverse proxies in front of the gateway whose
+    X-Forwarded-For / X-Forwarded-Proto are believed: a request from one of them counts as
+    coming from the client address it names (what the per-address rate limit and logs see).
+    Empty (default): those headers are ignored and the TCP peer is the client, so no client,
+    local or not, can choose the address it is limited by."""
     processes: PosInt | Literal["auto"] = "auto"
     """Gateway processes `zml up` runs on the one port (SO_REUSEPORT: the kernel spreads
     connections over them). "auto": sized to the machine's cores (zmlcore.sizing); `zml up
@@ -478,6 +485,12 @@ def _validate(cfg: ZMLConfig, src: str) -> None:
         raise ConfigError(f"{src}: gateway.tls_cert_file and gateway.tls_key_file go together")
     if cfg.gateway.tls_client_ca_file and not cfg.gateway.tls_cert_file:
         raise ConfigError(f"{src}: gateway.tls_client_ca_file needs gateway.tls_cert_file (HTTPS)")
+    for i, proxy in enumerate(cfg.gateway.trusted_proxies):
+        try:
+            ipaddress.ip_network(proxy, strict=False)
+        except ValueError:
+            raise ConfigError(f"{src}: gateway.trusted_proxies[{i}]: {proxy!r} is not an IP address or "
+                              "CIDR network") from None
     if bool(cfg.nats.tls_cert_file) != bool(cfg.nats.tls_key_file):
         raise ConfigError(f"{src}: nats.tls_cert_file and nats.tls_key_file go together")
     seen: set[str] = set()

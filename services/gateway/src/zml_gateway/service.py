@@ -95,7 +95,11 @@ class GatewayService:
                 tls |= {"ssl_ca_certs": g.tls_client_ca_file, "ssl_cert_reqs": ssl.CERT_REQUIRED}
         config = uvicorn.Config(
             app, host=self.host, port=self.port, http=protocol, loop="none", lifespan="off",
-            log_level="warning", access_log=False, timeout_keep_alive=_KEEPALIVE_S, backlog=2048, **tls,  # type: ignore[arg-type]
+            log_level="warning", access_log=False, timeout_keep_alive=_KEEPALIVE_S, backlog=2048,
+            # X-Forwarded-For believed only from the operator's proxies (uvicorn's default
+            # trusts 127.0.0.1, letting a local client pick its rate-limit address), and no
+            # middleware on every request without them.
+            proxy_headers=bool(g.trusted_proxies), forwarded_allow_ips=list(g.trusted_proxies), **tls,  # type: ignore[arg-type]
         )
         config.load()
         if config.ssl is not None:  # ALPN: HTTP/2 when both sides speak it, else HTTP/1.1

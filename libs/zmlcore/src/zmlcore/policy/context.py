@@ -1,7 +1,8 @@
 """One decision's view of a model's table: which rows may take this request, their estimates,
 and the two ways the strategies read them. Internal to :mod:`zmlcore.policy`.
 
-Reads the :class:`~zmlcore.policy.FleetIndex`, never writes it. Rows whose status or model rule
+Reads the :class:`~zmlcore.policy.FleetIndex` and never changes what it says (it caches a chain's
+ranks over a table, :class:`Chain`). Rows whose status or model rule
 them out have an INF load key in the index; the time-dependent and per-request checks
 (staleness, cooldown, saturation, health threshold, excluded nodes, families outside the chain)
 are made per decision from the index's copies of the fields ``is_routable`` reads.

@@ -9,8 +9,8 @@ the prefill backlog ahead of the request plus, when every slot is taken, the tim
 sequences to finish (the node retires ``maxc * r(maxc) / E[O-1]`` sequences a second at full
 batch). The model is :class:`zmlcore.sim.model.SimProfile` (the reference fleet model); the
 estimate splits into a *load key* that depends only on the node's counters and a per-request
-``P / pf`` term, which is what lets :class:`~zmlcore.policy.FleetIndex` pick the best node of a
-class of identical nodes with one ``min()``.
+``P / pf`` term, which is what lets :class:`~zmlcore.policy.FleetIndex` keep each node's load key
+up to date per counter change and score every node for a request in one vector pass.
 """
 
 from __future__ import annotations
@@ -26,8 +26,6 @@ MEAN_PROMPT_TOKENS = 816.0
 MEAN_OUTPUT_TOKENS = 274.0
 #: Default latency target when a policy gives none (the reference SLA).
 DEFAULT_LATENCY_TARGET_S = 0.5
-#: Speeds within this ratio share an index class (see FleetIndex).
-SPEED_BUCKET = 1.02
 #: A non-streamed request shows the router no first token, so its ``pending`` ends when this
 #: many times its estimated TTFT has passed (or at completion, if sooner) rather than at
 #: completion: counted as pending through its decode, it made the node look prefill-bound.
@@ -69,13 +67,8 @@ def prompt_tokens_from_body(nbytes: int) -> int:
     return nbytes // BODY_BYTES_PER_TOKEN
 
 
-def bucket(x: float) -> int:
-    """Log bucket of a speed, so measured speeds that jitter by <2% share a class."""
-    return round(math.log(x) / math.log(SPEED_BUCKET)) if x > 0 else 0
-
-
 class Coeffs:
-    """Per-node constants of the estimate (computed once per node class)."""
+    """Per-node constants of the estimate (recomputed when a node's speeds or price change)."""
 
     __slots__ = ("pf", "inv_pf", "ep_over_pf", "maxc", "c_dec", "mu", "cost", "cost_cap")
 
