@@ -116,8 +116,9 @@ def test_header_limits(http: httpx.Client) -> None:
     _served(http)
 
 
-async def _nats_error(nc: nats.NATS, payload: bytes, headers: dict[str, str] | None = None) -> dict[str, str]:
-    msg = await nc.request(subjects.INFER, payload, timeout=15, headers=headers)
+async def _nats_error(nc: nats.NATS, payload: bytes, headers: dict[str, str] | None = None,
+                      subject: str = subjects.INFER) -> dict[str, str]:
+    msg = await nc.request(subject, payload, timeout=15, headers=headers)
     assert msg.headers and msg.headers[subjects.H_ERROR_CODE] == "BAD_REQUEST", msg.data[:300]
     err = json.loads(msg.data)["error"]
     assert err["type"] == "invalid_request_error" and len(err["message"]) < 500
@@ -250,3 +251,31 @@ async def test_500_slow_loris_connections_while_normal_clients_are_served(strict
     finally:
         for w in writers:
             w.close()
+
+
+async def test_front_door_headers_grant_nothing_on_zml_infer(zml_stack: Stack) -> None:
+    """The gateway's body headers (zmlcore.frontdoor) are honoured only on the front-door subject:
+    on zml.infer a body is checked in full whatever ``Zml-Body`` says, and ``Zml-Accelerator-Id``
+    pins nothing. On the front door (anyone may publish there on this open broker) hostile
+    header values are a 400 too."""
+    clean = {subjects.H_BODY: subjects.BODY_CLEAN}
+    nc = await nats.connect(zml_stack.nats_url)
+    try:
+        await _nats_error(nc, json.dumps(BAD_TEXT_PART).encode(), clean)
+        await _nats_error(nc, json.dumps({"model": MODEL, "messages": [{"role": "root", "content": "x"}]}).encode(), clean)
+        ok = json.dumps({"model": MODEL, "prompt": "x", "max_tokens": 1}).encode()
+        good = await nc.request(subjects.INFER, ok, timeout=15,
+                                headers={**clean, subjects.H_ACCELERATOR_ID: "no-such-node", subjects.H_POLICY: "{"})
+        assert subjects.H_ERROR_CODE not in (good.headers or {}), good.data
+        door = subjects.FRONT_DOOR_INFER
+        for headers in ({**clean, subjects.H_POLICY: "{"}, {**clean, subjects.H_POLICY: '{"strategy": 5}'},
+                        {**clean, subjects.H_POLICY: '["a"]'}):
+            await _nats_error(nc, ok, headers, door)
+        for body in (DEEP, b"[1]", b"{", json.dumps({"model": MODEL}).encode(),
+                     json.dumps({"model": MODEL, "prompt": "x", "messages": CHAT}).encode(),
+                     json.dumps({"model": "m" * 600_000, "prompt": "x"}).encode()):
+            await _nats_error(nc, body, clean, door)
+        good = await nc.request(door, ok, timeout=15, headers=clean)
+        assert subjects.H_ERROR_CODE not in (good.headers or {}), good.data
+    finally:
+        await nc.close()

@@ -210,6 +210,14 @@ STREAM_FRAMES = "frames"
 #: headers. Without it a reply carries both (docs/nats-api.md).
 H_ACCEPT_ROUTING = "Zml-Accept-Routing"
 ROUTING_IN_BODY = "body"
+#: Front door only (dropped on ``zml.infer``: zml_router.trust). ``Zml-Body: clean``: the
+#: gateway validated the body (zmlcore.validate) and moved ZML's own fields out of it into
+#: ``Zml-Policy`` (the per-call policy as JSON: a name or an inline policy) and
+#: ``Zml-Accelerator-Id`` (zmlcore.frontdoor); the router reads it with one small decode.
+H_BODY = "Zml-Body"
+BODY_CLEAN = "clean"
+H_POLICY = "Zml-Policy"
+H_ACCELERATOR_ID = "Zml-Accelerator-Id"
 
 # --- API keys and plans (gateway) -------------------------------------------------------------
 #: JetStream KV bucket of API keys created at run time (`zml keys create`): key = key id, value

@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 from nats.aio.client import Client as NATS
 
-from zmlcore import routingmeta, streamframe, subjects, tracing
+from zmlcore import frontdoor, routingmeta, streamframe, subjects, tracing
 from zmlcore.config import ZMLConfig
 from zmlcore.costs import CostTable
 from zmlcore.exchange import Exchange, parts_buffer
@@ -263,15 +263,19 @@ class Gateway:
             # An id the caller's SDK made up (x-zml-id-generated) is unique like ours: no shared
             # claim needed. Set on its own ids, it only drops that check for this caller.
             generated = not req.request_id or (b"x-zml-id-generated", b"1") in scope["headers"]
+            # The routers get the caller's bytes, ZML's own fields moved to headers (zmlcore.frontdoor).
+            body, fields = frontdoor.split(body, req)
             await self._dispatch(body, req.stream, request_id, timeout, receive, send, limits, caller, tokens,
-                                 generated=generated)
+                                 generated=generated, fields=fields)
         finally:
             self.access.done(caller, request_id, tokens[0])
 
     async def _dispatch(self, body: bytes, stream: bool, request_id: str, timeout: float, receive: Receive,
                         send: Send, limits: list[tuple[bytes, bytes]], caller: Caller, tokens: list[int],
-                        generated: bool = False) -> None:
+                        generated: bool = False, fields: dict[str, str] | None = None) -> None:
         headers = {subjects.H_REQUEST_ID: request_id, subjects.H_TIMEOUT_MS: str(int(timeout * 1000))}
+        if fields:
+            headers.update(fields)
         # The routing metadata once, in the reply body: the HTTP headers are made from it here.
         headers[subjects.H_ACCEPT_ROUTING] = subjects.ROUTING_IN_BODY
         if generated:  # unique by construction: routers skip the cross-replica duplicate check

@@ -58,7 +58,9 @@ H_TOTAL_MS = subjects.H_QUEUE_TOTAL_MS
 H_QUEUED_HEADERS = (subjects.H_REQUEST_ID, subjects.H_TIMEOUT_MS, subjects.H_OWNER, subjects.H_DEFAULT_POLICY,
                     subjects.H_LABEL, subjects.H_ACCEPT_PARTS, subjects.H_ACCEPT_STREAM,
                     subjects.H_ACCEPT_ROUTING, subjects.H_KEEPALIVE, "traceparent", "tracestate",
-                    subjects.H_ID_CLAIM)  # a queued request keeps its claim on its id (zml_router.ids)
+                    subjects.H_ID_CLAIM,  # a queued request keeps its claim on its id (zml_router.ids)
+                    # a gateway's validated body and its ZML fields (zmlcore.frontdoor)
+                    subjects.H_BODY, subjects.H_POLICY, subjects.H_ACCELERATOR_ID)
 
 ACK_WAIT_S = 5.0
 #: Queued entries live at most this long (the stream's max_age), and so do their claims.

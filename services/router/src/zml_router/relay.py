@@ -1,5 +1,5 @@
-"""One attempt on one node, and the requester's answer: the body the node gets (ZML's own
-fields stripped, the engine's model name), the HTTP call, and the reply relayed over NATS
+"""One attempt on one node, and the requester's answer: the HTTP call with the body the node
+gets (zml_router.nodebody), and the reply relayed over NATS
 (one message, or start / chunk... / end). Counts the attempt in flight while it runs.
 
 An attempt that fails raises :class:`~zml_router.dispatch.AttemptError`; the request flow
@@ -17,7 +17,7 @@ from nats.aio.msg import Msg
 
 from zmlcore import routingmeta, streamframe, subjects
 from zmlcore.bigreply import accepted
-from zmlcore.messages import ZML_REQUEST_KEYS, InferRequest, RoutingInfo, StreamStart
+from zmlcore.messages import InferRequest, RoutingInfo, StreamStart
 from zmlcore.policy import RouteRequest
 from zmlcore.replyparts import publish_reply
 
@@ -39,8 +39,6 @@ if TYPE_CHECKING:
     from zml_router.service import RouterService
 
 _encode = msgspec.json.encode
-_decode_any = msgspec.json.Decoder()
-_ZML_KEYS_BYTES = tuple(f'"{k}"'.encode() for k in ZML_REQUEST_KEYS)
 #: Zml-Accept-Stream values that get the node's events relayed as they came.
 _RELAYED = (subjects.STREAM_EVENTS, subjects.STREAM_FRAMES)
 _USAGE = re.compile(rb'"(prompt_tokens|completion_tokens|total_tokens)"\s*:\s*(\d+)')
@@ -70,17 +68,6 @@ def _routing_headers(msg: Msg | QueuedMsg, info: RoutingInfo) -> dict[str, str]:
     if (msg.headers or {}).get(subjects.H_ACCEPT_ROUTING) == subjects.ROUTING_IN_BODY:
         return {}
     return routingmeta.nats_headers(info)
-
-
-def backend_body(raw: bytes, model: str, asked: str) -> bytes:
-    """The body a node gets: the caller's, without ZML's own fields, naming ``model``."""
-    if model == asked and not any(k in raw for k in _ZML_KEYS_BYTES):
-        return raw  # nothing of ours to strip: forward the caller's bytes untouched
-    data: dict[str, Any] = _decode_any.decode(raw)
-    for key in ZML_REQUEST_KEYS:
-        data.pop(key, None)
-    data["model"] = model
-    return _encode(data)
 
 
 class Relay:

@@ -23,7 +23,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from zmlcore import subjects, tracing
+from zmlcore import frontdoor, subjects, tracing
 from zmlcore.batchpub import BatchPublisher
 from zmlcore.bigreply import check_fits
 from zmlcore.config import ZMLConfig
@@ -50,7 +50,8 @@ from zml_router.keepalives import send_keepalives
 from zml_router.limits import IdentityLimits, Lease
 from zml_router.metrics import RouterMetrics
 from zml_router.queue import QueuedMsg, SaturationQueue
-from zml_router.relay import Relay, backend_body
+from zml_router.nodebody import NodeBodies
+from zml_router.relay import Relay
 from zml_router.rename import Renamer
 from zml_router.saturation import QueueGlue, owner_key
 from zml_router.table import NodeTable
@@ -214,7 +215,10 @@ class RouterService:
         out = Outcome()
         idclaims.CURRENT.set(None)  # not one inherited from the task that started this one
         try:
-            req = decode_request(msg.data, max_depth=self.cfg.defaults.max_json_depth)
+            depth = self.cfg.defaults.max_json_depth
+            # Validated by the gateway, ZML's fields in headers: one small decode (zmlcore.frontdoor).
+            req = (frontdoor.decode(msg.data, headers, max_depth=depth)
+                   if headers.get(subjects.H_BODY) == subjects.BODY_CLEAN else decode_request(msg.data, max_depth=depth))
             stream = req.stream
             request_id = check_request_id(asked_id or req.request_id or _new_id())
             REQUEST_ID.set(request_id)  # on every log line of this request (JSON logs)
@@ -302,7 +306,7 @@ class RouterService:
         """Drive the request's flow (zml_router.flow): each action it yields, done here."""
         out.model, out.op = model, req.kind()
         policy, rr = flow.prepare(self.cfg, self.table.families(), req, msg.data, model)
-        body = backend_body(msg.data, model, req.model)
+        bodies = NodeBodies(msg.data, req.model, (msg.headers or {}).get(subjects.H_BODY) == subjects.BODY_CLEAN)
         cfg = policy.config
         can_queue = bool(cfg.queue_on_saturation and self.queue is not None and msg.reply)
         from_queue = isinstance(msg, QueuedMsg)
@@ -322,7 +326,7 @@ class RouterService:
                 except ZMLError as exc:
                     result = exc
             elif type(action) is flow.Dispatch:
-                result = await self._attempt(msg, req, body, model, action, request_id, t0, out)
+                result = await self._attempt(msg, req, bodies, model, action, request_id, t0, out)
             elif type(action) is flow.Penalise:
                 await self._penalise(action)
                 result = None
@@ -332,7 +336,7 @@ class RouterService:
                 await put(msg, req, model, request_id, cfg.max_queue_ms, timeout)
                 return
 
-    async def _attempt(self, msg: Msg | QueuedMsg, req: InferRequest, body: bytes, model: str, action: flow.Dispatch,
+    async def _attempt(self, msg: Msg | QueuedMsg, req: InferRequest, bodies: NodeBodies, model: str, action: flow.Dispatch,
                        request_id: str, t0: float, out: Outcome) -> AttemptError | None:
         """One attempt on the decided node: None once the answer is out, else how it failed."""
         decision = action.decision
@@ -345,7 +349,7 @@ class RouterService:
         out.info = info
         DECISION_ID.set(info.decision_id)
         served = view.state.served_names.get(model)
-        node_body = backend_body(msg.data, served, req.model) if served else body
+        node_body = bodies(served or model)
         first_byte = self.relay.first_byte_s(decision.node_id, req, action.rr)
         # The engine answers with its own name: the client gets back the name it asked for.
         rename = Renamer(served, req.model) if served and served != req.model else None
