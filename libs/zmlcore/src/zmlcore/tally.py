@@ -100,7 +100,7 @@ class HistogramTally(_Series):
         if bounds and bounds[-1] == float("inf"):
             bounds.pop()
         self.bounds = tuple(bounds)
-        self._les = [floatToGoString(b) for b in self.bounds] + ["+Inf"]
+        self._les = [floatToGoString(b) for b in self.bounds] + ["+Inf"]  # type: ignore[no-untyped-call]
 
     def observe(self, labels: Labels, value: float) -> None:
         v = self._series.get(labels)
