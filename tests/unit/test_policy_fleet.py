@@ -122,10 +122,12 @@ def test_rows_stay_exact_under_random_updates():
     for _ in range(2000):
         v = views[rng.randrange(30)]
         r = rng.random()
-        if r < 0.4:
+        if r < 0.3:
             v.outstanding = max(0, v.outstanding + rng.choice((-1, 1)))
-        elif r < 0.8:
+        elif r < 0.55:
             v.pending = max(0, v.pending + rng.choice((-1, 1)))
+        elif r < 0.8:  # the router's in-flight refresh: both at once, one index update
+            v.set_counts(max(0, v.outstanding + rng.choice((-1, 0, 1))), max(0, v.pending + rng.choice((-1, 0, 1))))
         else:
             st = v.state
             v.state = type(st)(**{**{f: getattr(st, f) for f in st.__struct_fields__},
@@ -158,3 +160,4 @@ def test_reused_plain_list_gets_a_cached_watching_index():
     choose_node(new_list, RouteRequest(model="m"), LAT, NOW, state)
     choose_node(new_list, RouteRequest(model="m"), LAT, NOW, state)
     assert state.fleet is not idx and views[0]._watchers == [state.fleet]
+

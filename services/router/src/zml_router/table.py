@@ -91,10 +91,7 @@ class NodeTable:
             if c is not None:
                 out += c[0]
                 pend += c[1]
-        if view.outstanding != out:
-            view.outstanding = out
-        if view.pending != pend:
-            view.pending = pend
+        view.set_counts(out, pend)  # one index update for both
 
     def add_own(self, node_id: str, outstanding: int, pending: int) -> None:
         c = self.own.setdefault(node_id, [0, 0])

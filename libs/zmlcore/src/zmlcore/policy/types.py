@@ -93,6 +93,15 @@ class NodeView:
         if self._watchers:
             self._notify(False)
 
+    def set_counts(self, outstanding: int, pending: int) -> None:
+        """Assign both counters with one index update (the router's in-flight refresh)."""
+        if outstanding == self._outstanding and pending == self._pending:
+            return
+        self._outstanding = outstanding
+        self._pending = pending
+        if self._watchers:
+            self._notify(False)
+
     @property
     def cooldown_until(self) -> float:
         return self._cooldown_until
