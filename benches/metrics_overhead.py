@@ -37,7 +37,7 @@ class _Out:
 def router_request(m: RouterMetrics, decision: Decision, rr: RouteRequest) -> None:
     m.decide(lambda rr, p: decision, rr, None)
     m.dispatching({}, SimpleNamespace(decision_id="d"))  # type: ignore[arg-type]
-    m.usage("chat", "m", RAW)
+    m.usage_dict("chat", "m", {"prompt_tokens": 12, "completion_tokens": 20, "total_tokens": 32})
     m.finished(_Out(), 0.1)  # type: ignore[arg-type]
 
 

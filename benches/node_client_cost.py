@@ -1,11 +1,13 @@
-"""CPU per call of the router's node client (zml_router.dispatch) against httpx's API over the
-same aiohttp transport (what the router used before), on one loop, against a stub node in
-another process (so its CPU is not counted).
+"""CPU per call of the router's node client (zml_router.dispatch over zml_router.nodeclient)
+against aiohttp called directly (the router's client before it), on one loop, in the same run,
+against a stub node in another process (so its CPU is not counted).
 
     python benches/node_client_cost.py [--calls 4000] [--reps 3]
 
-Prints CPU µs per call (this process only) at C=1 and C=32 for each client, per rep, and the
-median. The stub is a raw-asyncio HTTP/1.1 keep-alive server answering a fixed ~400-byte JSON.
+Prints CPU µs per call (this process only) per rep and the medians: non-streamed at C=1 and
+C=32 (a ~400-byte JSON reply), and streamed at C=8 (16 SSE events sent one write each, chunked,
+relayed as blocks as the router does with ``relay=True``). The stub is a raw-asyncio HTTP/1.1
+keep-alive server.
 """
 
 from __future__ import annotations
@@ -18,17 +20,25 @@ import sys
 import textwrap
 import time
 
-from zml_router.dispatch import NodeClient, post_json
+import aiohttp
+from yarl import URL
+
+from zml_router.dispatch import NodeClient, post_json, stream_sse
 from zmlcore.launch import free_port
+from zmlcore.sse import EventRelay
 
 BODY = b'{"model":"m","messages":[{"role":"user","content":"hello"}],"max_tokens":16}'
 HEADERS = {"content-type": "application/json", "x-zml-routing": "node=a;family=b;policy=c;queue=0;decision=d",
            "x-request-id": "r1"}
+EVENTS = 16
 
 STUB = textwrap.dedent('''
     import asyncio, sys
     REPLY = b'{"id":"x","object":"chat.completion","model":"m","choices":[{"index":0,"message":{"role":"assistant","content":"tok tok tok tok tok tok tok tok tok tok tok tok tok tok tok tok"},"finish_reason":"stop"}],"usage":{"prompt_tokens":5,"completion_tokens":16,"total_tokens":21}}'
     RESP = b"HTTP/1.1 200 OK\\r\\ncontent-type: application/json\\r\\ncontent-length: %d\\r\\n\\r\\n" % len(REPLY) + REPLY
+    SSE_HEAD = b"HTTP/1.1 200 OK\\r\\ncontent-type: text/event-stream\\r\\ntransfer-encoding: chunked\\r\\n\\r\\n"
+    EV = b'data: {"id":"x","object":"chat.completion.chunk","choices":[{"index":0,"delta":{"content":"tok"}}]}\\n\\n'
+    def chunk(b): return b"%x\\r\\n" % len(b) + b + b"\\r\\n"
     class P(asyncio.Protocol):
         def connection_made(self, t): self.t, self.buf = t, b""
         def data_received(self, d):
@@ -41,59 +51,93 @@ STUB = textwrap.dedent('''
                     if line[:15].lower() == b"content-length:": n = int(line[15:])
                 if len(rest) < n: return
                 self.buf = rest[n:]
-                self.t.write(RESP)
+                if b"/stream" in head.split(b"\\r\\n", 1)[0]:
+                    asyncio.ensure_future(self.stream())
+                else:
+                    self.t.write(RESP)
+        async def stream(self):
+            self.t.write(SSE_HEAD)
+            for _ in range(EVENTS_N):
+                self.t.write(chunk(EV))
+                await asyncio.sleep(0)
+            self.t.write(chunk(b"data: [DONE]\\n\\n") + b"0\\r\\n\\r\\n")
     async def main():
         srv = await asyncio.get_running_loop().create_server(P, "127.0.0.1", int(sys.argv[1]))
         await srv.serve_forever()
     asyncio.run(main())
-''')
+''').replace("EVENTS_N", str(EVENTS))
 
 
-class HttpxOverAiohttp:
-    """The previous client: httpx Requests/Responses sent straight to the aiohttp transport."""
+class Aiohttp:
+    """The router's previous node client: aiohttp called directly, as dispatch.py did."""
 
     def __init__(self) -> None:
-        import aiohttp
-        import httpx
-        from httpx_aiohttp import AiohttpTransport
+        self.session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=256, limit_per_host=0, ttl_dns_cache=300),
+            cookie_jar=aiohttp.DummyCookieJar(), headers={"accept-encoding": "identity"},
+            timeout=aiohttp.ClientTimeout(total=None, connect=None, sock_connect=5.0, sock_read=None))
+        self.urls: dict[str, URL] = {}
 
-        self.httpx = httpx
-        self.transport = AiohttpTransport(client=aiohttp.ClientSession(
-            connector=aiohttp.TCPConnector(limit=256, limit_per_host=0), cookie_jar=aiohttp.DummyCookieJar()))
-        self.timeout = {"connect": 5.0, "read": None, "write": None, "pool": None}
-        self.urls: dict[str, object] = {}
+    def _url(self, url: str) -> URL:
+        u = self.urls.get(url)
+        if u is None:
+            u = self.urls[url] = URL(url)
+        return u
 
     async def call(self, url: str) -> bytes:
-        u = self.urls.get(url) or self.urls.setdefault(url, self.httpx.URL(url))
-        req = self.httpx.Request("POST", u, content=BODY, headers=HEADERS, extensions={"timeout": self.timeout})
-        resp = await self.transport.handle_async_request(req)
+        resp = await self.session.request("POST", self._url(url), data=BODY, headers=HEADERS, allow_redirects=False)
         try:
-            return b"".join([c async for c in resp.aiter_bytes()])
+            if resp.content_length is not None:
+                return await resp.content.read()
+            return b"".join([c async for c in resp.content.iter_any()])
         finally:
-            await resp.aclose()
+            resp.release()
+
+    async def stream(self, url: str) -> int:
+        resp = await self.session.request("POST", self._url(url), data=BODY, headers=HEADERS, allow_redirects=False)
+        n = 0
+        try:
+            events = EventRelay()
+            async for raw in resp.content.iter_any():
+                if events.feed(raw):
+                    n += 1
+                if events.done:
+                    break
+        finally:
+            resp.release()
+        return n
 
     async def aclose(self) -> None:
-        await self.transport.aclose()
+        await self.session.close()
 
 
-class Direct:
+class Lean:
+    """zml_router.dispatch as the router calls it (zml_router.nodeclient underneath)."""
+
     def __init__(self) -> None:
         self.client = NodeClient(256, 5.0)
 
     async def call(self, url: str) -> bytes:
         return await post_json(self.client, url, BODY, HEADERS)
 
+    async def stream(self, url: str) -> int:
+        n = 0
+        async for _ in stream_sse(self.client, url, BODY, HEADERS, relay=True):
+            n += 1
+        return n
+
     async def aclose(self) -> None:
         await self.client.aclose()
 
 
-async def cost(client: HttpxOverAiohttp | Direct, url: str, calls: int, conc: int) -> float:
-    for _ in range(200):  # warm: connections open, caches filled
-        await client.call(url)
+async def cost(client: Aiohttp | Lean, url: str, calls: int, conc: int, streamed: bool) -> float:
+    op = client.stream if streamed else client.call
+    for _ in range(100):  # warm: connections open, caches filled
+        await op(url)
 
     async def worker(n: int) -> None:
         for _ in range(n):
-            await client.call(url)
+            await op(url)
 
     t0 = time.process_time()
     await asyncio.gather(*(worker(calls // conc) for _ in range(conc)))
@@ -107,26 +151,30 @@ async def main() -> None:
     a = ap.parse_args()
     port = free_port()
     stub = subprocess.Popen([sys.executable, "-c", STUB, str(port)])
-    results: dict[tuple[str, int], list[float]] = {}
+    results: dict[tuple[str, str], list[float]] = {}
+    cases = (("non-streamed C=1", "/v1/chat/completions", 1, False),
+             ("non-streamed C=32", "/v1/chat/completions", 32, False),
+             (f"streamed ({EVENTS} events) C=8", "/stream", 8, True))
     try:
         await asyncio.sleep(0.5)
-        url = f"http://127.0.0.1:{port}/v1/chat/completions"
+        base = f"http://127.0.0.1:{port}"
         for rep in range(a.reps):
-            for name, make in (("httpx over aiohttp", HttpxOverAiohttp), ("aiohttp direct (NodeClient)", Direct)):
+            for name, make in (("aiohttp direct", Aiohttp), ("nodeclient (httptools)", Lean)):
                 client = make()
                 try:
-                    for conc in (1, 32):
-                        us = await cost(client, url, a.calls, conc)
-                        results.setdefault((name, conc), []).append(us)
-                        print(f"rep {rep + 1}  {name:28s} C={conc:<3d} {us:7.1f} µs CPU/call", flush=True)
+                    for case, path, conc, streamed in cases:
+                        calls = a.calls // 4 if streamed else a.calls
+                        us = await cost(client, base + path, calls, conc, streamed)
+                        results.setdefault((name, case), []).append(us)
+                        print(f"rep {rep + 1}  {name:24s} {case:28s} {us:7.1f} µs CPU/call", flush=True)
                 finally:
                     await client.aclose()
     finally:
         stub.terminate()
         stub.wait(10)
-    print("\n| client | C | CPU µs/call (median) |\n|---|---|---|")
-    for (name, conc), v in results.items():
-        print(f"| {name} | {conc} | {statistics.median(v):.1f} |")
+    print("\n| client | case | CPU µs/call (median) |\n|---|---|---|")
+    for (name, case), v in sorted(results.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        print(f"| {name} | {case} | {statistics.median(v):.1f} |")
 
 
 if __name__ == "__main__":

@@ -2,13 +2,21 @@
 HTTP client -> gateway -> NATS -> router -> a streaming stub node.
 
 The stub sends each SSE event in its own write, ``--gap-ms`` apart (as an engine sends one
-token at a time), so every chunk crosses every hop on its own. Two phases with the same
+token at a time). ``--pacing alone`` (default): each stream on its own clock, so every chunk
+crosses every hop on its own (the worst case); ``--pacing steps``: one decode-step clock for
+all streams, as a continuous-batching engine (vLLM, SGLang, TGI, llama.cpp with slots) emits
+one token of every running sequence per step. Two phases with the same
 requests and concurrency differ only in the number of chunks per stream (``--short`` and
 ``--long`` events); the CPU per chunk is the difference of the ZML processes' CPU divided by
 the difference in chunks relayed, so the per-request cost (decision, dispatch, start/end
 messages) cancels out:
 
     python benches/stream_chunk_cost.py [--conc 16] [--requests 400] [--short 2] [--long 66]
+    python benches/stream_chunk_cost.py --conc 64 --gap-ms 15 --requests 256 --pacing steps
+
+"net of idle" also subtracts what the processes burn with nothing to do (measured for
+``--idle-s`` before each rep) over the long phase's extra time: at low chunk rates (one
+stream) that background, not the chunks, is most of the raw figure.
 
 CPU is read from /proc/<pid>/stat of each ZML process (utime + stime). The client (aiohttp,
 this process) and the stub (its own process) are not counted. Everything binds 127.0.0.1 on
@@ -157,18 +165,30 @@ async def phase(url: str, tokens: int, requests: int, conc: int, pids: dict[str,
     return chunks, {n: after[n] - before[n] for n in pids}, wall
 
 
+async def idle_rate(pids: dict[str, int], seconds: float) -> float:
+    """CPU seconds per second of the ZML processes with no request running (health polls,
+    timers, nats-server's own housekeeping)."""
+    before = sum(cpu_s(p) for p in pids.values())
+    await asyncio.sleep(seconds)
+    return (sum(cpu_s(p) for p in pids.values()) - before) / seconds
+
+
 async def run(a: argparse.Namespace, url: str, pids: dict[str, int]) -> list[dict[str, float]]:
     rows = []
     for rep in range(a.reps):
+        idle = await idle_rate(pids, a.idle_s)
         short = await phase(url, a.short, a.requests, a.conc, pids)
         long = await phase(url, a.long, a.requests, a.conc, pids)
         dchunks = long[0] - short[0]
         row = {n: (long[1][n] - short[1][n]) / dchunks * 1e6 for n in pids}
         row["total"] = sum(row.values())
+        # The long phase lasts longer: what the processes burn idle in that extra time is not
+        # the chunks' (it dominates at low chunk rates, e.g. one stream).
+        row["net of idle"] = row["total"] - idle * (long[2] - short[2]) / dchunks * 1e6
         row["chunks/s"] = long[0] / long[2]
         rows.append(row)
         print(f"rep {rep + 1}: {short[0]} chunks in {short[2]:.1f} s, {long[0]} chunks in {long[2]:.1f} s ({row['chunks/s']:.0f}/s); "
-              "µs CPU per chunk: " + ", ".join(f"{n} {row[n]:.1f}" for n in (*pids, "total")), flush=True)
+              "µs CPU per chunk: " + ", ".join(f"{n} {row[n]:.1f}" for n in (*pids, "total", "net of idle")), flush=True)
     return rows
 
 
@@ -185,6 +205,8 @@ def main() -> None:
                          "all streams, as a continuous-batching engine emits a token of every running "
                          "sequence per step (still one write per event per stream)")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--idle-s", type=float, default=3.0,
+                    help="seconds of idle CPU measured before each rep ('net of idle' subtracts it)")
     a = ap.parse_args()
     procs: list[Proc] = []
     stub = None
@@ -227,7 +249,7 @@ def main() -> None:
             if stub is not None:
                 stub.terminate()
                 stub.wait(10)
-    names = [*(p.name for p in procs), "total"]
+    names = [*(p.name for p in procs), "total", "net of idle"]
     print(f"\nmedians of {a.reps} reps, C={a.conc}, {a.short} vs {a.long} chunks per stream, stub gap {a.gap_ms:g} ms "
           f"({a.pacing}), load average {os.getloadavg()[0]:.1f}, "
           f"{statistics.median(r['chunks/s'] for r in rows):.0f} chunks/s in the long phase\n")

@@ -190,3 +190,30 @@ async def test_a_slow_reader_overflows_its_own_buffer_only(nc: Any) -> None:
     assert small.overflowed and not other.overflowed
     small.close()
     other.close()
+
+
+async def test_replies_skip_the_subscription_queue_and_keep_nats_py_accounting(nc: Any) -> None:
+    """With the installed nats-py, the reply mux takes messages from its reader directly (no
+    queue and task hop per message: zmlcore.exchange._Deliver), in order, and nats-py's
+    pending-bytes count stays at zero (else its slow-consumer check would trip on a long
+    stream)."""
+    from zmlcore.exchange import ReplyMux, _Deliver
+
+    mux = await ReplyMux.of(nc)
+    sub = next(s for s in nc._subs.values() if s.subject == mux.prefix + "*")
+    assert isinstance(sub._pending_queue, _Deliver)
+    inbox, sink = mux.open(1000)
+    for i in range(500):
+        await nc.publish(inbox, b"%d" % i + b"x" * 1000)
+    await nc.flush()
+    got: list[bytes] = []
+    deadline = time.monotonic() + 10
+    while len(got) < 500 and time.monotonic() < deadline:
+        msg = sink.pop()
+        if msg is None:
+            await sink.wait(0.5)
+            continue
+        got.append(msg.data)
+    assert [int(d.rstrip(b"x")) for d in got] == list(range(500))
+    assert sub._pending_size == 0 and sub.pending_msgs == 0
+    mux.close(inbox)

@@ -28,6 +28,8 @@ from zmlcore.streamseq import SeqCheck
 
 #: A sequence number longer than this is not one (2**40 chunks is more than any stream).
 MAX_SEQ_DIGITS = 12
+#: :func:`collect` stops taking waiting frames past this many bytes (one write stays small).
+MAX_COLLECT_BYTES = 64 * 1024
 
 
 class FrameError(ValueError):
@@ -58,7 +60,7 @@ def decode(data: bytes) -> tuple[int, bytes]:
 
 def collect(data: bytes, more: Callable[[], Any], seq: SeqCheck) -> tuple[bytes, ZMLError | None]:
     """The events of frame ``data`` and of the frames ``more()`` hands out after it (messages
-    already waiting, None when there are no more): one write for all. The error, if any, ends
+    already waiting, None when there are no more; up to MAX_COLLECT_BYTES): one write for all. The error, if any, ends
     the stream: a frame lost (STREAM_INTERRUPTED) or a message that is not a frame
     (BACKEND_ERROR); the events before it are returned with it, to write first.
 
@@ -71,6 +73,7 @@ def collect(data: bytes, more: Callable[[], Any], seq: SeqCheck) -> tuple[bytes,
     'STREAM_INTERRUPTED'
     """
     parts: list[bytes] = []
+    size = 0
     while True:
         try:
             n, events = decode(data)
@@ -80,7 +83,8 @@ def collect(data: bytes, more: Callable[[], Any], seq: SeqCheck) -> tuple[bytes,
         gap = seq.gap_n(n)
         if gap is not None:
             return b"".join(parts), StreamInterruptedError(f"{gap}; the stream is incomplete")
-        msg = more()
+        size += len(events)
+        msg = more() if size < MAX_COLLECT_BYTES else None  # the rest: the caller's next read
         if msg is None:
             if not parts:
                 return events, None

@@ -1,25 +1,25 @@
 """Calls to accelerator nodes over HTTP, and what each failure means for routing.
 
-aiohttp is called directly: one ``ClientSession`` (no cookie jar), node URLs parsed once, the
-body read with a bound. Measured against httpx's API over the same aiohttp transport (the
-design card's choice) it costs ~45% less CPU per call (docs/benchmarks.md): httpx's
-``Request``/``Response``/``Headers`` objects, built and unwrapped on every call, did nothing
-for calls to our own nodes. Outcomes are classified here, in one place, so the router's retry
-loop only sees :class:`Attempt` results.
+The HTTP is zml_router.nodeclient: a keep-alive HTTP/1.1 client on an asyncio Protocol with
+httptools' parser. Against aiohttp called directly (the previous client) it costs ~3-9x less
+CPU per call in benches/node_client_cost.py (docs/benchmarks.md): a whole reply is one wake-up
+of the caller, with no request/response objects, header multidicts or stream readers built
+per call. Outcomes are classified here, in one place, so the router's retry loop only sees
+:class:`Attempt` results.
 """
 
 from __future__ import annotations
 
 import asyncio
 import enum
+import ssl
 from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass
 
-import aiohttp
 import msgspec
-from yarl import URL
 
 from zmlcore.errors import ReplyTooLargeError
+from zml_router.nodeclient import NodeHTTP, NodeHTTPError, iter_body, read_body
 from zmlcore.sse import EventRelay, SSELineTooLong, aiter_sse_lines, data_field, event_payloads
 
 
@@ -45,52 +45,37 @@ class AttemptError(Exception):
 
 _decode_any = msgspec.json.Decoder()
 
-#: Errors of the call itself (connect, reset, timeout of the connect, malformed HTTP): the node's fault.
-_NETWORK_ERRORS = (aiohttp.ClientError, OSError)
+#: Errors of the call itself (connect, reset, early close, malformed HTTP): the node's fault.
+_NETWORK_ERRORS = (NodeHTTPError, OSError)
+
+#: What is read of a node's error body: enough for any engine's error JSON.
+MAX_ERROR_BODY = 64 * 1024
 
 
 class NodeClient:
-    """HTTP/1.1 to the nodes: one aiohttp session, created inside the running loop.
+    """HTTP/1.1 to the nodes (zml_router.nodeclient), created inside the running loop.
 
     Only the connect is timed here (``connect_timeout``); waiting for a free connection and
     reading are bounded by the request's own deadline (the router's ``asyncio.timeout``)."""
 
-    def __init__(self, max_connections: int, connect_timeout: float) -> None:
+    def __init__(self, max_connections: int, connect_timeout: float, ssl_context: ssl.SSLContext | None = None) -> None:
         self._max = max_connections
-        self._timeout = aiohttp.ClientTimeout(total=None, connect=None, sock_connect=connect_timeout, sock_read=None)
-        self._session: aiohttp.ClientSession | None = None
-        self._urls: dict[str, URL] = {}
+        self._connect_timeout = connect_timeout
+        self._ssl = ssl_context
+        self._http: NodeHTTP | None = None
 
-    def _get_session(self) -> aiohttp.ClientSession:
-        if self._session is None:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self._max, limit_per_host=0, ttl_dns_cache=300),
-                cookie_jar=aiohttp.DummyCookieJar(),
-                timeout=self._timeout,
-                # Replies are relayed as they come: ask for them uncompressed.
-                headers={"accept-encoding": "identity"},
-            )
-        return self._session
-
-    def url(self, url: str) -> URL:
-        u = self._urls.get(url)
-        if u is None:
-            if len(self._urls) > 4096:  # endpoints come and go with the fleet: bounded
-                self._urls.clear()
-            u = self._urls[url] = URL(url)
-        return u
-
-    async def send(self, url: str, body: bytes, headers: dict[str, str]) -> aiohttp.ClientResponse:
-        return await self._get_session().request("POST", self.url(url), data=body, headers=headers,
-                                                 allow_redirects=False)
+    def http(self) -> NodeHTTP:
+        if self._http is None:
+            self._http = NodeHTTP(self._max, self._connect_timeout, MAX_ERROR_BODY, self._ssl)
+        return self._http
 
     async def aclose(self) -> None:
-        if self._session is not None:
-            await self._session.close()
+        if self._http is not None:
+            await self._http.aclose()
 
 
-def _retry_after(resp: aiohttp.ClientResponse) -> float | None:
-    value = resp.headers.get("retry-after")
+def _retry_after(headers: dict[str, str]) -> float | None:
+    value = headers.get("retry-after")
     if not value:
         return None
     try:
@@ -99,10 +84,9 @@ def _retry_after(resp: aiohttp.ClientResponse) -> float | None:
         return None
 
 
-def classify(resp: aiohttp.ClientResponse, body: bytes) -> AttemptError:
-    status = resp.status
+def classify(status: int, headers: dict[str, str], body: bytes) -> AttemptError:
     detail = body[:500].decode("utf-8", "replace")
-    ra = _retry_after(resp)
+    ra = _retry_after(headers)
     if status == 429 or status == 503:
         return AttemptError(Failure.OVERLOADED, status, detail, ra)
     if status >= 500:
@@ -112,10 +96,6 @@ def classify(resp: aiohttp.ClientResponse, body: bytes) -> AttemptError:
     return AttemptError(Failure.CLIENT, status, detail, ra)
 
 
-#: What is read of a node's error body: enough for any engine's error JSON.
-MAX_ERROR_BODY = 64 * 1024
-
-
 # No read timeout here: the router bounds each request as a whole with asyncio.timeout().
 
 async def post_json(client: NodeClient, url: str, body: bytes, headers: dict[str, str],
@@ -123,36 +103,21 @@ async def post_json(client: NodeClient, url: str, body: bytes, headers: dict[str
     """POST and return the body of a 2xx answer; raise AttemptError otherwise. A node's reply
     is read up to ``max_bytes`` (what any requester accepts, ``[nats] max_reply_bytes``): past
     that, ReplyTooLargeError — the request asked for more than can be delivered, so no other
-    node would do better."""
+    node would do better. An error body is read up to MAX_ERROR_BODY."""
+    http = client.http()
     try:
-        resp = await client.send(url, body, headers)
-        try:
-            if resp.status >= 300:
-                raise classify(resp, await _head(resp, MAX_ERROR_BODY))
-            content = await _head(resp, max_bytes + 1)
-        finally:
-            resp.release()  # back to the pool when read to the end, else the connection is closed
+        conn = await http.send(url, body, headers, True, max_bytes)
     except _NETWORK_ERRORS as exc:
         raise AttemptError(Failure.NETWORK, 0, f"{type(exc).__name__}: {exc}") from exc
-    if len(content) > max_bytes:
-        raise ReplyTooLargeError(f"the node's reply is over {max_bytes} bytes ([nats] max_reply_bytes)")
-    return content
-
-
-async def _head(resp: aiohttp.ClientResponse, limit: int) -> bytes:
-    """At most ``limit`` bytes of a body (the rest is not read)."""
-    length = resp.content_length
-    if length is not None and length < limit:  # the usual reply: one read, bounded by its length
-        return await resp.content.read()
-    parts: list[bytes] = []
-    size = 0
-    while size < limit:
-        chunk = await resp.content.readany()
-        if not chunk:
-            break
-        parts.append(chunk[: limit - size])
-        size += len(chunk)
-    return b"".join(parts)
+    try:
+        content = conn.body[0] if len(conn.body) == 1 else b"".join(conn.body)
+        if conn.status >= 300:
+            raise classify(conn.status, conn.headers, content)
+        if conn.over:
+            raise ReplyTooLargeError(f"the node's reply is over {max_bytes} bytes ([nats] max_reply_bytes)")
+        return content
+    finally:
+        http.release(conn)  # back to the pool when read to the end, else closed
 
 
 async def stream_sse(client: NodeClient, url: str, body: bytes, headers: dict[str, str],
@@ -160,33 +125,37 @@ async def stream_sse(client: NodeClient, url: str, body: bytes, headers: dict[st
     """Yield the payload of each SSE ``data:`` line up to (not including) ``[DONE]``; with
     ``relay``, blocks of whole framed events instead, as they came (zmlcore.sse.EventRelay):
     one per read from the node, however many events it held."""
+    http = client.http()
     try:
-        resp = await client.send(url, body, headers)
+        conn = await http.send(url, body, headers, False)
     except _NETWORK_ERRORS as exc:
         raise AttemptError(Failure.NETWORK, 0, f"{type(exc).__name__}: {exc}") from exc
+    done = False
     try:
-        if resp.status >= 300:
+        if conn.status >= 300:
             try:
-                raise classify(resp, await _head(resp, MAX_ERROR_BODY))
+                raise classify(conn.status, conn.headers, await read_body(conn, MAX_ERROR_BODY))
             except _NETWORK_ERRORS as exc:
                 raise AttemptError(Failure.NETWORK, 0, f"{type(exc).__name__}: {exc}") from exc
         try:
             if relay:
                 events = EventRelay()
-                async for raw in resp.content.iter_any():
+                async for raw in iter_body(conn):
                     block = events.feed(raw)
                     if block:
                         yield block
                     if events.done:
+                        done = True
                         return
             else:
                 # Lines end at CR/LF only (zmlcore.sse): not at U+2028 & co. inside JSON strings.
-                async for line in aiter_sse_lines(resp.content.iter_any()):
+                async for line in aiter_sse_lines(iter_body(conn)):
                     data = data_field(line)
                     if data is None:
                         continue
                     data = data.strip()
                     if data == b"[DONE]":
+                        done = True
                         return
                     if data:
                         yield data
@@ -197,7 +166,7 @@ async def stream_sse(client: NodeClient, url: str, body: bytes, headers: dict[st
         # The server closed the stream without [DONE]: treat as a broken stream.
         raise AttemptError(Failure.NETWORK, 0, "stream ended without [DONE]")
     finally:
-        resp.release()
+        http.release(conn, linger=done)
 
 
 def stream_usage(chunk: bytes) -> dict | None:  # type: ignore[type-arg]

@@ -51,6 +51,10 @@ class Sharing:
 
     # --- ours, to the peers ---------------------------------------------------------------------
     async def count(self, node_id: str, outstanding: int, pending: int) -> None:
+        self.move(node_id, outstanding, pending)
+
+    def move(self, node_id: str, outstanding: int, pending: int) -> None:
+        """:meth:`count` without the coroutine (nothing in it waits)."""
         self.table.add_own(node_id, outstanding, pending)
         if outstanding < 0:
             self.freed()

@@ -1,8 +1,10 @@
 """The router's Prometheus metrics (docs/observability.md lists them all).
 
-Counters and histograms are bumped on the request path through cached label children; the
-per-node gauges and the saturation queue's depth are read from the node table when Prometheus
-scrapes (a collector), so they cost the request path nothing.
+The six a request bumps (requests, decisions, decision time, TTFT, duration, tokens) are tallies
+(``zmlcore.tally``: plain numbers per label set, folded into the same Prometheus families when
+``/metrics`` is scraped); the rare ones (failovers, retries, queue) are prometheus_client
+metrics through cached label children; the per-node gauges and the saturation queue's depth are
+read from the node table at scrape time (a collector), so they cost the request path nothing.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from zmlcore.metrics import (
     Children,
 )
 from zmlcore import tracing
+from zmlcore.tally import CounterTally, HistogramTally, Tallies
 from zmlcore.messages import RoutingInfo
 from zmlcore.policy import Decision, RouteRequest
 from zmlcore.telemetry import REQUEST_ID
@@ -43,26 +46,27 @@ log = logging.getLogger("zml.router.metrics")
 #: GenAI operation names (gen_ai.operation.name) for the two request kinds.
 OPERATION = {"chat": "chat", "completion": "text_completion"}
 
-REQUESTS = Children(Counter(
+REQUESTS = CounterTally(
     "zml_router_requests", "Requests finished by this router, by outcome (code OK or the ZML error code).",
-    ["model", "policy", "family", "node", "code"]))
-TTFT = Children(Histogram(
+    ["model", "policy", "family", "node", "code"])
+TTFT = HistogramTally(
     "gen_ai_server_time_to_first_token_seconds",
     "Time from the router receiving a request to the first token (the whole reply when not streamed).",
-    ["gen_ai_operation_name", "gen_ai_request_model", "zml_family", "zml_node"], buckets=TTFT_BUCKETS))
-DURATION = Children(Histogram(
+    ["gen_ai_operation_name", "gen_ai_request_model", "zml_family", "zml_node"], buckets=TTFT_BUCKETS)
+DURATION = HistogramTally(
     "gen_ai_server_request_duration_seconds", "End-to-end request duration at the router (error_type set on failures).",
     ["gen_ai_operation_name", "gen_ai_request_model", "zml_family", "zml_node", "error_type"],
-    buckets=DURATION_BUCKETS))
-TOKENS = Children(Histogram(
+    buckets=DURATION_BUCKETS)
+TOKENS = HistogramTally(
     "gen_ai_client_token_usage", "Tokens per request as the node reported them (input and output).",
-    ["gen_ai_operation_name", "gen_ai_request_model", "gen_ai_token_type"], buckets=TOKEN_BUCKETS))
-DECISION_TIME = Children(Histogram(
+    ["gen_ai_operation_name", "gen_ai_request_model", "gen_ai_token_type"], buckets=TOKEN_BUCKETS)
+DECISION_TIME = HistogramTally(
     "zml_router_decision_seconds", "Time to choose a node (policy maths on the local table).", ["policy"],
-    buckets=DECISION_BUCKETS))
-DECISIONS = Children(Counter(
+    buckets=DECISION_BUCKETS)
+DECISIONS = CounterTally(
     "zml_router_decisions", "Routing decisions: policy -> family -> node chosen (failover attempts included).",
-    ["policy", "family", "node"]))
+    ["policy", "family", "node"])
+REGISTRY.register(Tallies(REQUESTS, TTFT, DURATION, TOKENS, DECISION_TIME, DECISIONS))
 FAILOVERS = Children(Counter(
     "zml_router_failovers",
     "Attempts that failed before the first token and were re-routed or given up, by node and cause "
@@ -105,8 +109,8 @@ class RouterMetrics(Collector):
     def decide(self, decide: Callable[..., Decision], rr: RouteRequest, *args: Any) -> Decision:
         t = time.perf_counter()
         d = decide(rr, *args)
-        DECISION_TIME(d.policy).observe(time.perf_counter() - t)
-        DECISIONS(d.policy, d.family, d.node_id).inc()
+        DECISION_TIME.observe((d.policy,), time.perf_counter() - t)
+        DECISIONS.inc((d.policy, d.family, d.node_id))
         if tracing.ON:
             rtrace.decided(d, rr)
         return d
@@ -124,7 +128,7 @@ class RouterMetrics(Collector):
         for key, kind in (("prompt_tokens", "input"), ("completion_tokens", "output")):
             n = usage.get(key)
             if isinstance(n, int):
-                TOKENS(OPERATION.get(op, op), model, kind).observe(n)
+                TOKENS.observe((OPERATION.get(op, op), model, kind), n)
         if tracing.ON:
             p, c = usage.get("prompt_tokens"), usage.get("completion_tokens")
             rtrace.usage(p if isinstance(p, int) else None, c if isinstance(c, int) else None)
@@ -137,12 +141,12 @@ class RouterMetrics(Collector):
         info = out.info
         policy = info.policy if info is not None else ""
         code = "OK" if out.ok else (out.error_code or "INTERNAL")
-        REQUESTS(out.model, policy, out.family, out.node_id, code).inc()
+        REQUESTS.inc((out.model, policy, out.family, out.node_id, code))
         op = OPERATION.get(out.op, out.op)
-        DURATION(op, out.model, out.family, out.node_id, "" if out.ok else code).observe(elapsed)
+        DURATION.observe((op, out.model, out.family, out.node_id, "" if out.ok else code), elapsed)
         if out.ok and info is not None:
             if info.time_to_first_token is not None:
-                TTFT(op, out.model, out.family, out.node_id).observe(info.time_to_first_token)
+                TTFT.observe((op, out.model, out.family, out.node_id), info.time_to_first_token)
             if out.attempts > 1:
                 RETRIES(out.node_id).inc()
 

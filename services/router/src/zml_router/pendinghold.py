@@ -10,12 +10,13 @@ completion if that comes first. The simulator models exactly this (``--pending-e
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 from zmlcore.messages import NodeState
 from zmlcore.policy.estimate import nonstream_pending_s, prompt_tokens_from_body
 
-Count = Callable[[str, int, int], Awaitable[None]]
+#: Moves a node's (outstanding, pending) counts at once (``Sharing.move``: no I/O, no waiting).
+Move = Callable[[str, int, int], None]
 
 
 def window_s(st: NodeState, outstanding: int, pending: int, body_bytes: int) -> float:
@@ -25,32 +26,32 @@ def window_s(st: NodeState, outstanding: int, pending: int, body_bytes: int) -> 
 
 class PendingHold:
     """Counts one dispatched non-streamed request: +1 outstanding and pending now, pending -1
-    after ``seconds``, the rest at :meth:`close`. Use ``await PendingHold.start(...)``."""
+    after ``seconds`` (one loop timer, the count moved in its callback: no task), the rest at
+    :meth:`close`."""
 
-    def __init__(self, count: Count, node_id: str) -> None:
-        self._count = count
+    __slots__ = ("_move", "node_id", "pending", "_timer", "_closed")
+
+    def __init__(self, move: Move, node_id: str, seconds: float) -> None:
+        self._move = move
         self.node_id = node_id
         self.pending = True
-        self._timer: asyncio.TimerHandle | None = None
-        self._task: asyncio.Task[None] | None = None
-
-    @classmethod
-    async def start(cls, count: Count, node_id: str, seconds: float) -> PendingHold:
-        hold = cls(count, node_id)
-        await count(node_id, 1, 1)
-        hold._timer = asyncio.get_running_loop().call_later(max(0.0, seconds), hold._expire)
-        return hold
+        self._closed = False
+        move(node_id, 1, 1)
+        self._timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(max(0.0, seconds),
+                                                                                       self._expire)
 
     def _expire(self) -> None:
+        self._timer = None
         if self.pending:
             self.pending = False
-            self._task = asyncio.ensure_future(self._count(self.node_id, 0, -1))
+            self._move(self.node_id, 0, -1)
 
-    async def close(self) -> None:
-        """The request finished (reply, error or cancel): the rest of its count."""
+    def close(self) -> None:
+        """The request finished (reply, error or cancel): the rest of its count (once)."""
         if self._timer is not None:
             self._timer.cancel()
-        if self._task is not None:
-            await self._task  # keep the deltas in order for the peers
-        still, self.pending = self.pending, False
-        await self._count(self.node_id, -1, -1 if still else 0)
+            self._timer = None
+        if not self._closed:
+            self._closed = True
+            still, self.pending = self.pending, False
+            self._move(self.node_id, -1, -1 if still else 0)

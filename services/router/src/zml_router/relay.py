@@ -28,7 +28,6 @@ from zml_router.dispatch import (
     post_json,
     stream_sse,
     stream_usage,
-    within_first_byte,
 )
 from zml_router.firstbyte import expected_s, first_byte_timeout
 from zml_router.kinds import PATHS
@@ -105,14 +104,22 @@ class Relay:
         svc = self.svc
         # A non-streamed reply shows no first token: pending ends at the estimated one.
         v = svc.table.views[info.node_id]
-        hold = await PendingHold.start(svc.sharing.count, info.node_id,
-                                       window_s(v.state, v.effective_outstanding(), v.effective_pending(), len(body)))
+        hold = PendingHold(svc.sharing.move, info.node_id,
+                           window_s(v.state, v.effective_outstanding(), v.effective_pending(), len(body)))
         try:
-            raw = await within_first_byte(
-                post_json(svc.http, self._url(info, req), body, self._headers(info),  # type: ignore[arg-type]
-                          svc.cfg.nats.max_reply_bytes), first_byte)
+            call = post_json(svc.http, self._url(info, req), body, self._headers(info),  # type: ignore[arg-type]
+                             svc.cfg.nats.max_reply_bytes)
+            if first_byte is None:
+                raw = await call
+            else:
+                try:
+                    with svc.timers.deadline(first_byte):  # on the router's timer wheel (zml_router.timers)
+                        raw = await call
+                except TimeoutError:  # ours only: the request's own deadline arrives as a cancellation
+                    raise AttemptError(Failure.SLOW, 0,
+                                       f"no reply within the first-byte deadline of {first_byte:.1f} s") from None
         finally:
-            await hold.close()
+            hold.close()
         info.time_to_first_token = time.monotonic() - t0
         usage = reply_usage(raw)
         svc.metrics.usage_dict(req.kind(), req.model, usage)

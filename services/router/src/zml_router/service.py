@@ -15,6 +15,7 @@ import logging
 import os
 import time
 from collections.abc import Coroutine
+from random import getrandbits
 from typing import Any
 
 import msgspec
@@ -54,6 +55,7 @@ from zml_router.relay import Relay
 from zml_router.rename import Renamer
 from zml_router.saturation import QueueGlue, owner_key
 from zml_router.table import NodeTable
+from zml_router.timers import Wheel
 from zml_router.trust import front_door_headers
 
 log = logging.getLogger("zml.router")
@@ -67,6 +69,11 @@ COMPLETED_WINDOW_S = 0.01
 
 def _new_id() -> str:
     return os.urandom(8).hex()
+
+
+def _decision_id() -> str:
+    """Unique, not secret (it names a decision in logs and traces): no getrandom syscall per attempt."""
+    return f"{getrandbits(64):016x}"
 
 
 class RouterService:
@@ -100,6 +107,8 @@ class RouterService:
         self.ids: RequestIds | None = None
         #: Completion events, published together every few ms (zmlcore.batchpub).
         self.events: BatchPublisher | None = None
+        #: Request and first-byte deadlines: one timer wheel, not a loop timer each (zml_router.timers).
+        self.timers = Wheel()
 
     # --- lifecycle -------------------------------------------------------------------------
     async def start(self, nc: NATS) -> None:
@@ -152,6 +161,7 @@ class RouterService:
         if self.queue is not None:
             await self.queue.stop()
         await cancel_and_wait(self._loops)
+        self.timers.close()
         if self.events is not None:
             await self.events.stop()
         self.sharing.close()
@@ -253,7 +263,7 @@ class RouterService:
                 idclaims.CURRENT.set(await self._claim_id(msg, headers, key, req, timeout, request_id))
                 if not isinstance(msg, QueuedMsg):  # a queued request was counted when it arrived
                     lease = await self.limits.admit(owner, request_id, timeout)
-                async with asyncio.timeout(timeout):
+                with self.timers.deadline(timeout):
                     await self._route(msg, req, model, request_id, t0, timeout, out)
             except asyncio.TimeoutError as exc:
                 raise flow.deadline_passed(timeout) from exc
@@ -333,7 +343,7 @@ class RouterService:
         view = self.table.views[decision.node_id]
         info = RoutingInfo(
             node_id=decision.node_id, accelerator_type=view.state.accelerator_type, family=decision.family,
-            policy=decision.policy, queue_depth_at_dispatch=decision.queue_depth, decision_id=_new_id(),
+            policy=decision.policy, queue_depth_at_dispatch=decision.queue_depth, decision_id=_decision_id(),
             request_id=request_id, attempts=action.attempt, router_id=self.router_id, label=out.label,
         )
         out.info = info

@@ -1,0 +1,147 @@
+"""zml_router.timers: the router's timer wheel and the deadlines on it (asyncio.timeout's
+semantics: TimeoutError for its own expiry only, never early, at most a tick late)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from zml_router.timers import EARLY_S, TICK_S, Wheel
+
+
+async def test_a_timer_fires_after_its_time_and_within_a_tick() -> None:
+    wheel, loop = Wheel(), asyncio.get_running_loop()
+    fired: list[float] = []
+    start = loop.time()
+    for delay in (0.05, 0.02, 0.08):  # armed out of order: the wheel re-arms for the earliest
+        wheel.call_at(start + delay, lambda d=delay: fired.append((loop.time() - start, d)))
+    await asyncio.sleep(0.3)
+    assert [d for _, d in fired] == [0.02, 0.05, 0.08]
+    for at, delay in fired:
+        assert at >= delay - EARLY_S - 1e-6
+        assert at < delay + TICK_S + 0.1  # a tick late at most, plus a busy machine's slack
+    assert len(wheel) == 0
+
+
+async def test_a_cancelled_timer_never_fires_and_is_forgotten_at_once() -> None:
+    wheel, loop = Wheel(), asyncio.get_running_loop()
+    fired: list[int] = []
+    timers = [wheel.call_at(loop.time() + 0.02, lambda i=i: fired.append(i)) for i in range(1000)]
+    for t in timers[1:]:
+        t.cancel()
+        t.cancel()  # idempotent
+    assert len(wheel) == 1  # removed from its slot, not left to expire
+    await asyncio.sleep(0.2)
+    assert fired == [0]
+
+
+async def test_deadline_raises_timeout_error() -> None:
+    wheel = Wheel()
+    loop = asyncio.get_running_loop()
+    t = loop.time()
+    with pytest.raises(TimeoutError):
+        with wheel.deadline(0.05):
+            await asyncio.sleep(5)
+    assert 0.05 - EARLY_S - 1e-6 <= loop.time() - t < 2.0
+    assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
+
+
+async def test_deadline_not_reached_changes_nothing() -> None:
+    wheel = Wheel()
+    with wheel.deadline(5.0) as d:
+        await asyncio.sleep(0.01)
+    assert not d.expired and len(wheel) == 0
+
+
+async def test_a_cancel_from_elsewhere_stays_a_cancel() -> None:
+    """A requester's cancel (zml.cancel) must not turn into a timeout."""
+    wheel = Wheel()
+
+    async def work() -> None:
+        with wheel.deadline(5.0):
+            await asyncio.sleep(5)
+
+    task = asyncio.ensure_future(work())
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+
+
+async def test_nested_deadlines_the_outer_one_wins_when_it_passes_first() -> None:
+    """The request's deadline (outer) passing during an attempt's first-byte deadline (inner):
+    the inner one lets the cancellation through, the outer one raises TimeoutError."""
+    wheel = Wheel()
+    seen: list[str] = []
+
+    async def work() -> None:
+        try:
+            with wheel.deadline(0.05):
+                try:
+                    with wheel.deadline(5.0):
+                        await asyncio.sleep(5)
+                except TimeoutError:
+                    seen.append("inner timeout")
+                except asyncio.CancelledError:
+                    seen.append("inner cancelled")
+                    raise
+        except TimeoutError:
+            seen.append("outer timeout")
+
+    await work()
+    assert seen == ["inner cancelled", "outer timeout"]
+
+
+async def test_inner_deadline_first_is_the_inner_ones() -> None:
+    wheel = Wheel()
+    with wheel.deadline(5.0) as outer:
+        with pytest.raises(TimeoutError):
+            with wheel.deadline(0.03):
+                await asyncio.sleep(5)
+        await asyncio.sleep(0.01)  # the outer deadline still holds, the task is not cancelled
+    assert not outer.expired
+
+
+def test_deadlines_fire_under_uvloop() -> None:
+    """The services run on uvloop (zmlcore.runner): its loop has other internals and 1 ms timers."""
+    uvloop = pytest.importorskip("uvloop")
+
+    async def main() -> list[float]:
+        wheel, loop = Wheel(), asyncio.get_running_loop()
+        took = []
+        for delay in (0.013, 0.0301, 0.002):
+            t = loop.time()
+            with pytest.raises(TimeoutError):
+                with wheel.deadline(delay):
+                    await asyncio.sleep(5)
+            took.append(loop.time() - t - delay)
+        return took
+
+    for late in uvloop.run(main()):
+        assert -EARLY_S - 1e-6 <= late < TICK_S + 0.1
+
+
+async def test_slots_emptied_by_cancels_do_not_wake_the_loop(monkeypatch) -> None:
+    """Requests that end before their deadlines leave empty slots behind: the wheel skips them
+    (one wake-up for a run of them, not one per slot)."""
+    wheel, loop = Wheel(), asyncio.get_running_loop()
+    runs = 0
+    real = wheel._run
+
+    def counted() -> None:
+        nonlocal runs
+        runs += 1
+        real()
+
+    monkeypatch.setattr(wheel, "_run", counted)
+    start = loop.time()
+    first = wheel.call_at(start + 0.01, lambda: None)
+    for i in range(40):  # 40 "requests" in 40 later slots, all finished in time
+        wheel.call_at(start + 0.02 + i * TICK_S, lambda: None).cancel()
+    fired: list[bool] = []
+    wheel.call_at(start + 0.02 + 45 * TICK_S, lambda: fired.append(True))
+    await asyncio.sleep(0.02 + 45 * TICK_S + 0.2)
+    assert fired == [True]
+    assert not first._slot  # fired
+    assert runs == 2  # the first slot, then straight to the last one
