@@ -118,3 +118,12 @@ def test_5xx_bodies_keep_openais_type(cls: type[ZMLError]) -> None:
 def test_a_body_without_code_is_internal() -> None:
     back = from_wire(msgspec.json.decode(b'{"error": {"message": "x"}}', type=ErrorBody).error)
     assert back.code == "INTERNAL" and back.http_status == 500
+
+
+def test_deeper_than_agrees_with_json_depth() -> None:
+    from zmlcore.validate import deeper_than
+
+    for raw in (b'{"a": "[[[{{{\\"]]]", "b": [[1]]}', b'"x"', b"[" * 50 + b"]" * 50, b"[" * 3 + b"]" * 3,
+                b'{"m": [{"a": 1}, {"b": [2]}, {"c": {}}]}', b"[[" + b"1," * 40 + b"]]"):
+        for limit in range(0, 60, 3):
+            assert deeper_than(raw, limit) == (json_depth(raw) > limit), (raw[:40], limit)

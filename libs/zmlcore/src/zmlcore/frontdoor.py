@@ -26,11 +26,14 @@ import msgspec.structs
 from zmlcore import subjects
 from zmlcore.errors import BadRequestError
 from zmlcore.messages import ZML_REQUEST_KEYS, InferRequest, InlinePolicy
-from zmlcore.validate import MAX_MODEL_NAME, clip, json_depth
+from zmlcore.validate import MAX_MODEL_NAME, clip, deeper_than
 
 __all__ = ["FrontDoorRequest", "decode", "split", "has_zml_keys"]
 
-_ZML_KEYS = tuple(f'"{k}"'.encode() for k in ZML_REQUEST_KEYS)
+#: Which of ZML's keys a body has (null or not): a typed decode that skips the rest, ~2.5 µs for
+#: an 8 KB chat where six ``in`` byte searches took ~19 µs.
+_Present = msgspec.defstruct("_Present", [(k, msgspec.Raw, msgspec.UNSET) for k in ZML_REQUEST_KEYS])
+_present = msgspec.json.Decoder(_Present)
 _decode_any = msgspec.json.Decoder()
 _encode = msgspec.json.encode
 _encode_field = msgspec.json.encode  # a header's value (apart: tests count body encodes)
@@ -38,8 +41,9 @@ _policy = msgspec.json.Decoder(str | InlinePolicy)
 
 
 def has_zml_keys(raw: bytes) -> bool:
-    """Whether ``raw`` may hold one of ZML's own keys (a quick byte test: false positives only)."""
-    return any(k in raw for k in _ZML_KEYS)
+    """Whether the JSON object ``raw`` (already validated) has one of ZML's own keys at its top level."""
+    found = _present.decode(raw)
+    return any(getattr(found, k) is not msgspec.UNSET for k in ZML_REQUEST_KEYS)
 
 
 def split(raw: bytes, req: InferRequest) -> tuple[bytes, dict[str, str]]:
@@ -55,14 +59,11 @@ def split(raw: bytes, req: InferRequest) -> tuple[bytes, dict[str, str]]:
         headers[subjects.H_ACCELERATOR_ID] = req.accelerator_id
     given = (policy is not None or req.accelerator_id is not None or req.request_id is not None
              or req.timeout_ms is not None)
-    if not given and not has_zml_keys(raw):  # the bytes test: a ``null`` field, ``zml``, or a text
+    if not given and not has_zml_keys(raw):  # else a ``null`` field, or ``zml``
         return raw, headers
     data: dict[str, Any] = _decode_any.decode(raw)  # valid: decode_request read it
-    found = [k for k in ZML_REQUEST_KEYS if k in data]
-    if not found:  # the key's name in a message's text, not a field
-        return raw, headers
-    for key in found:
-        del data[key]
+    for key in ZML_REQUEST_KEYS:
+        data.pop(key, None)
     return _encode(data), headers
 
 
@@ -82,7 +83,7 @@ def decode(raw: bytes, headers: dict[str, str], *, max_depth: int = 32) -> Front
     """The router's decode of a front-door body (``Zml-Body: clean``) and its ZML headers.
     Bounded like :func:`zmlcore.validate.decode_request` (an open broker lets anyone publish
     on the front door): bad input is a BadRequestError, never a crash."""
-    if json_depth(raw) > max_depth:
+    if deeper_than(raw, max_depth):
         raise BadRequestError(f"JSON nested deeper than {max_depth} levels")
     try:
         req = _front_door.decode(raw)

@@ -31,6 +31,7 @@ __all__ = [
     "check_request_id",
     "clip",
     "decode_request",
+    "deeper_than",
     "json_depth",
     "request_timeout_s",
     "valid_request_id",
@@ -101,6 +102,15 @@ def json_depth(raw: bytes) -> int:
     return int(max(map(operator.sub, itertools.accumulate(brackets), itertools.count(1))))
 
 
+def deeper_than(raw: bytes, limit: int) -> bool:
+    """``json_depth(raw) > limit``, without the scan when ``raw`` has at most ``limit`` opening
+    brackets in all (a count at memchr speed: most bodies). The scan was 7 µs of a 196-byte
+    chat body's 12 µs decode, 90 µs of an 8 KB one's."""
+    if raw.count(b"[") + raw.count(b"{") <= limit:
+        return False
+    return json_depth(raw) > limit
+
+
 def _check_parts(i: int, parts: list[Any]) -> None:
     for j, part in enumerate(parts):
         where = f"messages[{i}].content[{j}]"
@@ -119,7 +129,7 @@ def _check_parts(i: int, parts: list[Any]) -> None:
 def decode_request(raw: bytes, *, max_depth: int = 32) -> InferRequest:
     """Decode and validate an inference request (OpenAI's chat or completions schema plus
     ZML's routing fields). Raises :class:`BadRequestError` with a short message."""
-    if json_depth(raw) > max_depth:
+    if deeper_than(raw, max_depth):
         raise BadRequestError(f"JSON nested deeper than {max_depth} levels")
     try:
         req = infer_request_decoder.decode(raw)

@@ -20,7 +20,7 @@ import msgspec
 
 from zmlcore.errors import BadRequestError
 from zmlcore.rpc import zml_pb2 as pb
-from zmlcore.validate import clip, json_depth
+from zmlcore.validate import clip, deeper_than
 
 __all__ = ["chunk_from_json", "models_from_json", "nodes_from_json", "reply_from_json", "request_body",
            "request_from_body"]
@@ -79,7 +79,7 @@ def request_body(req: pb.InferRequest, *, stream: bool, max_depth: int = 32,
     if req.HasField("timeout_ms"):
         body["timeout_ms"] = req.timeout_ms
     if req.extra_json:
-        if json_depth(req.extra_json) > max_depth:
+        if deeper_than(req.extra_json, max_depth):
             raise BadRequestError(f"extra_json nested deeper than {max_depth} levels")
         try:
             extra = msgspec.json.decode(req.extra_json)
