@@ -217,8 +217,9 @@ class RouterService:
         try:
             depth = self.cfg.defaults.max_json_depth
             # Validated by the gateway, ZML's fields in headers: one small decode (zmlcore.frontdoor).
+            clean = headers.get(subjects.H_BODY) == subjects.BODY_CLEAN
             req = (frontdoor.decode(msg.data, headers, max_depth=depth)
-                   if headers.get(subjects.H_BODY) == subjects.BODY_CLEAN else decode_request(msg.data, max_depth=depth))
+                   if clean else decode_request(msg.data, max_depth=depth))
             stream = req.stream
             request_id = check_request_id(asked_id or req.request_id or _new_id())
             REQUEST_ID.set(request_id)  # on every log line of this request (JSON logs)
@@ -264,7 +265,7 @@ class RouterService:
                 if not isinstance(msg, QueuedMsg):  # a queued request was counted when it arrived
                     lease = await self.limits.admit(owner, request_id, timeout)
                 with self.timers.deadline(timeout):
-                    await self._route(msg, req, model, request_id, t0, timeout, out)
+                    await self._route(msg, req, clean, model, request_id, t0, timeout, out)
             except asyncio.TimeoutError as exc:
                 raise flow.deadline_passed(timeout) from exc
             finally:
@@ -301,12 +302,12 @@ class RouterService:
         return await self.ids.claim(key, timeout, request_id,  # type: ignore[union-attr]
                                     takeover=bool(headers.get(subjects.H_RESEND)))
 
-    async def _route(self, msg: Msg | QueuedMsg, req: InferRequest, model: str, request_id: str, t0: float,
+    async def _route(self, msg: Msg | QueuedMsg, req: InferRequest, clean: bool, model: str, request_id: str, t0: float,
                      timeout: float, out: Outcome) -> None:
         """Drive the request's flow (zml_router.flow): each action it yields, done here."""
         out.model, out.op = model, req.kind()
         policy, rr = flow.prepare(self.cfg, self.table.families(), req, msg.data, model)
-        bodies = NodeBodies(msg.data, req.model, (msg.headers or {}).get(subjects.H_BODY) == subjects.BODY_CLEAN)
+        bodies = NodeBodies(msg.data, req.model, clean)
         cfg = policy.config
         can_queue = bool(cfg.queue_on_saturation and self.queue is not None and msg.reply)
         from_queue = isinstance(msg, QueuedMsg)
