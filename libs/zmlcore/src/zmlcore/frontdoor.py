@@ -28,7 +28,7 @@ from zmlcore.errors import BadRequestError
 from zmlcore.messages import ZML_REQUEST_KEYS, InferRequest, InlinePolicy
 from zmlcore.validate import MAX_MODEL_NAME, clip, deeper_than
 
-__all__ = ["FrontDoorRequest", "decode", "split", "has_zml_keys"]
+__all__ = ["FrontDoorRequest", "decode", "split", "has_zml_keys", "drop_zml_keys"]
 
 #: Which of ZML's keys a body has (null or not): a typed decode that skips the rest, ~2.5 µs for
 #: an 8 KB chat where six ``in`` byte searches took ~19 µs.
@@ -46,6 +46,13 @@ def has_zml_keys(raw: bytes) -> bool:
     return any(getattr(found, k) is not msgspec.UNSET for k in ZML_REQUEST_KEYS)
 
 
+def drop_zml_keys(data: dict[str, Any]) -> dict[str, Any]:
+    """``data`` (a decoded body) without ZML's own fields, in place: what a node must not see."""
+    for key in ZML_REQUEST_KEYS:
+        data.pop(key, None)
+    return data
+
+
 def split(raw: bytes, req: InferRequest) -> tuple[bytes, dict[str, str]]:
     """The body without ZML's own fields and the headers that carry them instead (``req`` is
     ``raw`` decoded and validated). ``raw`` itself when it has none of them."""
@@ -61,10 +68,7 @@ def split(raw: bytes, req: InferRequest) -> tuple[bytes, dict[str, str]]:
              or req.timeout_ms is not None)
     if not given and not has_zml_keys(raw):  # else a ``null`` field, or ``zml``
         return raw, headers
-    data: dict[str, Any] = _decode_any.decode(raw)  # valid: decode_request read it
-    for key in ZML_REQUEST_KEYS:
-        data.pop(key, None)
-    return _encode(data), headers
+    return _encode(drop_zml_keys(_decode_any.decode(raw))), headers  # valid: decode_request read it
 
 
 class FrontDoorRequest(InferRequest, kw_only=True):

@@ -14,8 +14,7 @@ from typing import Any
 
 import msgspec
 
-from zmlcore.frontdoor import has_zml_keys
-from zmlcore.messages import ZML_REQUEST_KEYS
+from zmlcore.frontdoor import drop_zml_keys, has_zml_keys
 
 _decode_any = msgspec.json.Decoder()
 _encode = msgspec.json.encode
@@ -42,10 +41,8 @@ class NodeBodies:
             else:
                 data = self._data
                 if data is None:
-                    data = self._data = _decode_any.decode(self.raw)
-                    if not self.clean:
-                        for key in ZML_REQUEST_KEYS:
-                            data.pop(key, None)
+                    data = _decode_any.decode(self.raw)
+                    self._data = data if self.clean else drop_zml_keys(data)
                 data["model"] = name
                 body = _encode(data)
             self._made[name] = body
