@@ -76,14 +76,16 @@ def test_prometheus_scrapes_every_service_and_answers_queries(zml_stack: Stack, 
                     lambda r: r and float(r[0]["value"][1]) >= 5)
         _eventually(base, 'sum(zml_gateway_requests_total{route="chat",status="200"})',
                     lambda r: r and float(r[0]["value"][1]) >= 5)
+        # A percentile query an operator would run works on the histograms. Asked right after the
+        # requests: the rate's 1-minute window must still hold them (the node gauges below can take
+        # a while on a stack an earlier test left with a node coming back).
+        q = _eventually(base, "histogram_quantile(0.9, sum by (le) (rate(gen_ai_server_request_duration_seconds_bucket[1m])))",
+                        lambda r: r and r[0]["value"][1] not in ("NaN",))
+        assert float(q[0]["value"][1]) > 0
         # The per-node gauges: every node of the fleet, by family.
         nodes = _eventually(base, 'max by (node, family) (zml_node_state{status="up"})',
                             lambda r: len(r) == len(FLEET))
         assert {s["metric"]["node"] for s in nodes} == {n for n, _, _ in FLEET}
-        # A percentile query an operator would run works on the histograms.
-        q = _eventually(base, "histogram_quantile(0.9, sum by (le) (rate(gen_ai_server_request_duration_seconds_bucket[1m])))",
-                        lambda r: r and r[0]["value"][1] not in ("NaN",))
-        assert float(q[0]["value"][1]) > 0
         _eventually(base, 'sum(zml_health_probes_total{result="ok"})', lambda r: r and float(r[0]["value"][1]) > 0)
     finally:
         proc.stop()
