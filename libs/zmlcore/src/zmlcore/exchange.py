@@ -34,7 +34,7 @@ from typing import Any
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from zmlcore import replyparts, subjects
+from zmlcore import natspub, replyparts, subjects
 from zmlcore.bigreply import Collector, part_bytes
 from zmlcore.errors import BackendError, StreamInterruptedError, TimeoutError
 from zmlcore.keepalive import MAX_INTERVAL_MS, MIN_INTERVAL_MS, QUEUED, Silence, after_silence, keepalive_state
@@ -278,7 +278,7 @@ class Exchange:
             self._sink.abort(self._aborted)
         if self.keepalive_s is not None:
             self._silence = Silence(self.keepalive_s, time.monotonic())
-        await self.nc.publish(self.subject, self.body, reply=self._inbox, headers=headers)
+        await natspub.publish(self.nc, self.subject, self.body, reply=self._inbox, headers=headers)
 
     async def next(self) -> Msg:
         """The next reply message (keepalives consumed). Raises TIMEOUT once ``wait_s`` has

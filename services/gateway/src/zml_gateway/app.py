@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 from nats.aio.client import Client as NATS
 
-from zmlcore import frontdoor, routingmeta, streamframe, subjects, tracing
+from zmlcore import frontdoor, natspub, routingmeta, streamframe, subjects, tracing
 from zmlcore.config import ZMLConfig
 from zmlcore.costs import CostTable
 from zmlcore.exchange import Exchange, parts_buffer
@@ -299,7 +299,7 @@ class Gateway:
             self.inflight.release(owned)
 
     async def _cancel(self, request_id: str, headers: dict[str, str]) -> None:
-        await self.nc.publish(subjects.cancel(request_id, self.owner), b"",
+        await natspub.publish(self.nc, subjects.cancel(request_id, self.owner), b"",
                               headers={subjects.H_OWNER: headers[subjects.H_OWNER]})
 
     def _exchange(self, body: bytes, headers: dict[str, str], timeout: float, buffer: int | None = None) -> Exchange:

@@ -23,7 +23,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from zmlcore import frontdoor, subjects, tracing
+from zmlcore import frontdoor, natspub, subjects, tracing
 from zmlcore.batchpub import BatchPublisher
 from zmlcore.bigreply import check_fits
 from zmlcore.config import ZMLConfig
@@ -88,6 +88,7 @@ class RouterService:
         self.relay = Relay(self)
         self.glue = QueueGlue(self)
         self.nc: NATS | None = None
+        self.pub: natspub.Publisher | None = None
         self.http: NodeClient | None = None
         self._subs: list[Subscription] = []
         self._tasks: set[asyncio.Task[None]] = set()
@@ -113,6 +114,7 @@ class RouterService:
     # --- lifecycle -------------------------------------------------------------------------
     async def start(self, nc: NATS) -> None:
         self.nc = nc
+        self.pub = natspub.Publisher.of(nc)  # replies and stream chunks: one write per loop iteration
         self.http = NodeClient(self.cfg.router.max_connections, self.cfg.router.connect_timeout_s)
         self.events = BatchPublisher(nc, _EVENT_COMPLETED, COMPLETED_WINDOW_S)
         self.events.start()
@@ -381,8 +383,8 @@ class RouterService:
 
     # --- replies -------------------------------------------------------------------------------
     async def publish(self, reply: str, data: bytes, headers: dict[str, str] | None) -> None:
-        if reply and self.nc is not None:
-            await self.nc.publish(reply, data, headers=headers)
+        if reply and self.pub is not None:
+            await self.pub.publish(reply, data, headers=headers)
             if self.keepalives:  # the next keepalive is an interval after this message
                 self.keepalives.sent(reply, time.monotonic())
 
