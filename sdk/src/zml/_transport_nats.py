@@ -32,6 +32,7 @@ from zml._core import (
     InferCall,
     RawReply,
     StreamEvent,
+    decode_nats_frame,
     decode_nats_stream,
     lower_headers,
     nats_status,
@@ -227,6 +228,12 @@ class AsyncNatsStream:
                     "more stream messages arrived than the client buffers while it was not reading; "
                     "the stream is incomplete", retry_after=1.0))
                 return
+            if not msg.headers:  # a chunk frame (asked for: InferCall.nats_headers)
+                for ev in decode_nats_frame(msg.data, seq):
+                    yield ev
+                    if ev.kind == "error":  # left unfinished: closing the stream cancels the request
+                        return
+                continue
             headers = lower_headers(msg.headers)
             if headers.get("status") == "503":
                 self._finished = True
