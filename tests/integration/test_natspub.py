@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+import signal
 import tempfile
 from collections.abc import AsyncIterator
 from typing import Any
@@ -194,3 +195,72 @@ async def test_disconnected_buffer_full_raises_like_nats_py() -> None:
         finally:
             with contextlib.suppress(ConnectionResetError):  # nats-py's close drains a dead socket
                 await c.close()
+
+
+def test_under_uvloop_order_and_back_pressure(nats_url: str) -> None:
+    """The services run on uvloop (zmlcore.runner): its transports must take the same path
+    (write-buffer limits read, forced flush past pending_size, order kept)."""
+    uvloop = pytest.importorskip("uvloop")
+
+    async def go() -> None:
+        c = await nats.connect(nats_url, pending_size=32 * 1024)
+        try:
+            got, _ = await collect(c, "np.uv")
+            pub = Publisher.of(c)
+            sent = []
+            for i in range(400):
+                data = b"%05d" % i + b"y" * (8192 if i % 2 else 10)
+                sent.append(data)
+                if i % 3:
+                    await pub.publish("np.uv", data, headers={"I": str(i)})
+                else:
+                    await c.publish("np.uv", data)
+                assert c._pending_data_size <= 32 * 1024 + 8192 + 200
+            await wait_for(lambda: len(got) == len(sent), 30)
+            assert [d for d, _ in got] == sent
+        finally:
+            await c.close()
+    uvloop.run(go())
+
+
+async def test_a_stalled_broker_blocks_publishers_with_bounded_buffers() -> None:
+    """nats-server stopped (SIGSTOP): once the kernel's socket buffers are full, the transport's
+    buffer stays under its high-water mark plus one batch, the pending list under pending_size
+    plus one message, and publishers wait (back-pressure); resumed, everything arrives in order."""
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="zml-natspub-") as store:
+        server = start_nats("127.0.0.1", port, store)
+        wait_port("127.0.0.1", port, 10)
+        pending_size = 256 * 1024
+        c = await nats.connect(f"nats://127.0.0.1:{port}", pending_size=pending_size)
+        try:
+            got, _ = await collect(c, "np.stall")
+            pub = Publisher.of(c)
+            msg = b"z" * 32 * 1024
+            n = 1500  # ~48 MB: more than loopback's socket buffers hold
+            done = 0
+            peak_transport = peak_pending = 0
+
+            async def publish_all() -> None:
+                nonlocal done, peak_pending, peak_transport
+                sock = c._transport._io_writer.transport
+                for i in range(n):
+                    await pub.publish("np.stall", b"%06d" % i + msg)
+                    done += 1
+                    peak_pending = max(peak_pending, c._pending_data_size)
+                    peak_transport = max(peak_transport, sock.get_write_buffer_size())
+            server.popen.send_signal(signal.SIGSTOP)
+            task = asyncio.create_task(publish_all())
+            await asyncio.sleep(1.5)
+            assert not task.done() and done < n  # blocked: nowhere for the bytes to go
+            server.popen.send_signal(signal.SIGCONT)
+            await asyncio.wait_for(task, 60)
+            await wait_for(lambda: len(got) == n, 60)
+            assert [d[:6] for d, _ in got] == [b"%06d" % i for i in range(n)]
+            high = 64 * 1024  # asyncio's default high-water mark
+            assert peak_pending <= pending_size + len(msg) + 200
+            assert peak_transport <= high + pending_size + 2 * (len(msg) + 200)
+        finally:
+            server.popen.send_signal(signal.SIGCONT)
+            await c.close()
+            server.stop()
