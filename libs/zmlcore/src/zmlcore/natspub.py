@@ -25,7 +25,7 @@ What stays nats-py's:
 
 This module is the only one that touches nats-py's privates (``_pending``, ``_transport``,
 ``_flush_queue``...); :meth:`Publisher.of` checks that they exist (natsio.connect calls it) and
-falls back to ``nc.publish`` for good if they do not. tests/unit/test_natspub.py pins the bytes
+falls back to ``nc.publish`` for good if they do not. tests/unit/test_natspub_encode.py pins the bytes
 against nats-py's own encoder.
 
 Example::
