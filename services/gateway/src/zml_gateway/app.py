@@ -300,7 +300,7 @@ class Gateway:
 
     async def _cancel(self, request_id: str, headers: dict[str, str]) -> None:
         await natspub.publish(self.nc, subjects.cancel(request_id, self.owner), b"",
-                              headers={subjects.H_OWNER: headers[subjects.H_OWNER]})
+                                headers={subjects.H_OWNER: headers[subjects.H_OWNER]})
 
     def _exchange(self, body: bytes, headers: dict[str, str], timeout: float, buffer: int | None = None) -> Exchange:
         """The request to the routers: keepalives asked for, a dead router's request sent again;
