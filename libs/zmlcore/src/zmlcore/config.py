@@ -122,6 +122,13 @@ class GatewayConfig(msgspec.Struct, **_Base):
     sent once more to another router (not yet answered: invisibly; a stream already relayed
     ends with STREAM_INTERRUPTED). 0: no keepalives, a dead router's requests wait out their
     timeout. Values under 100 are raised to 100."""
+    no_router_grace_s: Annotated[float, msgspec.Meta(ge=0, le=60)] = 2.0
+    """How long a request waits for a router when the broker says none is subscribed ("no
+    responders": for ~0.1 s after a broker restart, or while routers restart). Nothing received
+    it, so it is sent again after 10, 20, 50, then every 100 ms until a router takes it, within
+    this grace and never past the request's own timeout; after it, 503 NO_HEALTHY_NODES with
+    Retry-After. Waiting requests count toward max_concurrent; a client that goes away ends its
+    wait. 0: answer 503 at once. At most 60."""
     tls_cert_file: str | None = None
     """Serve HTTPS with this certificate (PEM; env ZML_GATEWAY_TLS_CERT). None: plain HTTP."""
     tls_key_file: str | None = None

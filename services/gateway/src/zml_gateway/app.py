@@ -303,13 +303,15 @@ class Gateway:
                               headers={subjects.H_OWNER: headers[subjects.H_OWNER]})
 
     def _exchange(self, body: bytes, headers: dict[str, str], timeout: float, buffer: int | None = None) -> Exchange:
-        """The request to the routers: keepalives asked for, a dead router's request sent again;
+        """The request to the routers: keepalives asked for, a dead router's request sent again
+        (and one that found no router, within [gateway] no_router_grace_s: zmlcore.norouter);
         a plain reply over max_payload collected in parts (``buffer`` None: room for all of them)."""
         ka = self.cfg.gateway.router_keepalive_ms
         limit = self.cfg.nats.max_reply_bytes
         return Exchange(self.nc, body, headers, timeout_s=timeout, wait_s=timeout + 1.0, subject=subjects.FRONT_DOOR_INFER,
                         keepalive_s=ka / 1000.0 if ka else None, accept_parts=None if buffer else limit,
-                        buffer=buffer or parts_buffer(limit, self.nc.max_payload))
+                        buffer=buffer or parts_buffer(limit, self.nc.max_payload),
+                        no_router_grace_s=self.cfg.gateway.no_router_grace_s)
 
     def _watch(self, ex: Exchange, receive: Receive) -> Callable[[], None]:
         """While a request runs, the HTTP client going away and the broker connection being
