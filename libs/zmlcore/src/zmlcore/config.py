@@ -300,9 +300,10 @@ class PolicyConfig(msgspec.Struct, **_Base):
     """latency, cost, availability, round_robin, weighted or balanced. Default: chain
     evaluation driven by cost_priority."""
     accelerator_chain: list[str] | None = None
-    """Families in preference order."""
+    """Families in preference order, each once (a repeat is refused at load)."""
     accelerator_preference: list[PreferenceEntry] | None = None
-    """Families with priorities (1 = first); the walkthrough's spelling of a chain."""
+    """Families with priorities (1 = first); the walkthrough's spelling of a chain (each family
+    once)."""
     latency_target_ms: PosFloat | None = None
     """Target time to first token."""
     cost_priority: CostPriority | None = None
@@ -457,11 +458,21 @@ def validate_policy(name: str, pol: PolicyConfig, families: list[str], where: st
     if pol.accelerator_chain and pol.accelerator_preference:
         raise PolicyConfigError(f"{where}: give accelerator_chain or accelerator_preference, not both")
     known = {f.lower() for f in families}
-    for fam in pol.chain():
+    key = "accelerator_preference" if pol.accelerator_preference else "accelerator_chain"
+    seen: dict[str, int] = {}
+    for i, fam in enumerate(pol.chain(), 1):
         if fam.lower() not in known:
             raise PolicyConfigError(
                 f"{where}.accelerator_chain: family {fam!r} is not registered "
                 f"(registered: {', '.join(families) or 'none'})"
+            )
+        # A repeat is a typo or a misunderstanding (a family is tried once, at its first place):
+        # say so at load rather than route as if it were not there.
+        first = seen.setdefault(fam.lower(), i)
+        if first != i:
+            raise PolicyConfigError(
+                f"{where}.{key}: family {fam!r} is listed more than once (places {first} and {i} of "
+                f"{' -> '.join(pol.chain())}); list each family once"
             )
     if pol.strategy == "weighted" and not (pol.latency_weight or pol.cost_weight):
         raise PolicyConfigError(f"{where}: strategy 'weighted' needs latency_weight or cost_weight > 0")
