@@ -259,6 +259,8 @@ class Gateway:
             await self._plain(send, 429, exc.error.to_body(), exc.headers)
             return
         tokens = [0]
+        if caller.leased:  # a plan's slot: freed before the answer's last message goes out
+            send = self._releasing(send, caller, request_id, tokens)
         try:
             # An id the caller's SDK made up (x-zml-id-generated) is unique like ours: no shared
             # claim needed. Set on its own ids, it only drops that check for this caller.
@@ -267,8 +269,18 @@ class Gateway:
             body, fields = frontdoor.split(body, req)
             await self._dispatch(body, req.stream, request_id, timeout, receive, send, limits, caller, tokens,
                                  generated=generated, fields=fields)
-        finally:
-            self.access.done(caller, request_id, tokens[0])
+        finally:  # before an error answer (sent by the caller of this): a no-op once released
+            await self.access.release(caller, request_id, tokens[0])
+
+    def _releasing(self, send: Send, caller: Caller, request_id: str, tokens: list[int]) -> Send:
+        """``send`` that frees the caller's plan slot just before the last body message: a client
+        that sends its next request on this answer never meets its own concurrency limit, on
+        any gateway. Only for plan-limited callers (others keep the bare send)."""
+        async def last_after_release(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                await self.access.release(caller, request_id, tokens[0])
+            await send(message)
+        return last_after_release
 
     async def _dispatch(self, body: bytes, stream: bool, request_id: str, timeout: float, receive: Receive,
                         send: Send, limits: list[tuple[bytes, bytes]], caller: Caller, tokens: list[int],
