@@ -238,7 +238,7 @@ async def test_a_request_that_found_no_router_is_sent_again_when_one_subscribes(
         await nc.flush()
 
     starter = asyncio.ensure_future(later())
-    ex = exchange(nc, subj, no_router_grace_s=5.0)
+    ex = exchange(nc, subj, no_router_grace_s=5.0, keepalive_s=None)  # no silence resends on a busy box
     t0 = time.monotonic()
     await ex.send()
     reply = await ex.next()
@@ -246,7 +246,7 @@ async def test_a_request_that_found_no_router_is_sent_again_when_one_subscribes(
     ex.close()
     await starter
     assert reply.data == b'{"ok": true}' and len(seen) == 1
-    assert 0.3 <= waited < 0.3 + 1.0  # served within a backoff step or so of the router arriving
+    assert 0.3 <= waited < 3.0  # served once the router is there (a busy box may lag), not at the grace
     h = seen[0].headers
     assert h[subjects.H_REQUEST_ID] == "r1" and subjects.H_RESEND not in h
     assert int(h[subjects.H_TIMEOUT_MS]) <= 20000 - 300
@@ -255,7 +255,7 @@ async def test_a_request_that_found_no_router_is_sent_again_when_one_subscribes(
 
 async def test_no_router_ever_returns_the_status_after_the_grace(nc: Any) -> None:
     subj = subject()
-    ex = exchange(nc, subj, no_router_grace_s=0.5)
+    ex = exchange(nc, subj, no_router_grace_s=0.5, keepalive_s=None)
     t0 = time.monotonic()
     await ex.send()
     msg = await ex.next()
@@ -267,7 +267,7 @@ async def test_no_router_ever_returns_the_status_after_the_grace(nc: Any) -> Non
 
 async def test_the_request_timeout_caps_the_grace(nc: Any) -> None:
     subj = subject()
-    ex = exchange(nc, subj, no_router_grace_s=10.0, timeout_s=0.3, wait_s=1.3)
+    ex = exchange(nc, subj, no_router_grace_s=10.0, timeout_s=0.3, wait_s=1.3, keepalive_s=None)
     t0 = time.monotonic()
     await ex.send()
     msg = await ex.next()
