@@ -91,6 +91,13 @@ def test_broker_kill_and_restart_under_load(broker_stack: tuple[Stack, dict[str,
     assert all(p.alive() for p in stack.procs.values()), [p.name for p in stack.procs.values() if not p.alive()]
 
 
+def until_health(url: str, status: int, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while httpx.get(url + "/healthz", timeout=5).status_code != status:
+        assert time.monotonic() < deadline, f"the gateway's /healthz never answered {status}"
+        time.sleep(0.02)
+
+
 def test_requests_wait_for_routers_that_reconnect_after_the_gateway(tmp_path: Path) -> None:
     """After a broker restart each client reconnects on its own schedule; a gateway back before
     the routers got the broker's "no responders" and answered 503 NO_HEALTHY_NODES (~0.1 s of
@@ -112,11 +119,11 @@ def test_requests_wait_for_routers_that_reconnect_after_the_gateway(tmp_path: Pa
         try:
             nats_proc.popen.kill()
             nats_proc.popen.wait(10)
+            # The gateway has seen the broker go (a loaded box may take a moment), then comes back
+            # to the new one while the routers cannot.
+            until_health(stack.gateway_url, 503)
             nats_proc = start_nats("127.0.0.1", port, store)
-            deadline = time.monotonic() + 20
-            while httpx.get(stack.gateway_url + "/healthz", timeout=5).status_code != 200:
-                assert time.monotonic() < deadline, "the gateway did not reconnect"
-                time.sleep(0.02)
+            until_health(stack.gateway_url, 200)
             back = time.monotonic()
             time.sleep(0.3)
         finally:
@@ -132,4 +139,4 @@ def test_requests_wait_for_routers_that_reconnect_after_the_gateway(tmp_path: Pa
     waited = max((r[1] - r[0] for r in after), default=0.0)
     print(f"\n{len(after)} requests sent after the gateway was back, {len(failed)} failed; longest {waited:.2f} s")
     assert after and not failed, failed[:5]
-    assert waited >= 0.3  # some did wait for the routers: the case this test is about happened
+    assert waited >= 0.15  # some waited for the routers (a served request takes ~0.05 s): the case happened
