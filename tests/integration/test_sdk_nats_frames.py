@@ -2,14 +2,16 @@
 zmlcore.streamframe) and decodes them: several events in one frame, frames mixed with
 header'd chunk messages (a router from before frames), a lost frame (STREAM_INTERRUPTED) and a
 header-less message that is not a frame (BACKEND_ERROR). A scripted responder on zml.infer
-plays the router on a bare nats-server; the real router is covered by the SDK behaviour tests
+plays the router on a nats-server of this module's own (no other test's subscriber on
+zml.infer can answer too); the real router is covered by the SDK behaviour tests
 (tests/e2e/test_sdk_client.py) over HTTP, NATS and gRPC."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
+import tempfile
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import nats
@@ -17,6 +19,7 @@ import pytest
 
 import zml
 from zmlcore import streamframe, subjects
+from zmlcore.launch import free_port, start_nats, wait_port
 
 ROUTING = {"node_id": "n1", "accelerator_type": "nvidia_h100", "family": "H100", "policy": "balanced",
            "queue_depth_at_dispatch": 0, "decision_id": "d", "request_id": "r"}
@@ -43,6 +46,18 @@ class Router:
         await nc.publish(msg.reply, json.dumps({"routing": ROUTING}).encode(), headers=headers("start", 0))
         for data, h in self.script:
             await nc.publish(msg.reply, data, headers=h)
+
+
+@pytest.fixture(scope="module")
+def nats_url() -> Iterator[str]:
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="zml-frames-nats-") as store:
+        proc = start_nats("127.0.0.1", port, store)
+        try:
+            wait_port("127.0.0.1", port, 10)
+            yield f"nats://127.0.0.1:{port}"
+        finally:
+            proc.stop()
 
 
 @pytest.fixture()
@@ -87,7 +102,7 @@ async def test_a_lost_frame_ends_the_stream_interrupted(nats_url: str, router: R
         (json.dumps({"routing": ROUTING}).encode(), headers(subjects.STREAM_END, 4)),
     ]
     texts, err = await collect(nats_url)
-    assert texts == ["a"]
+    assert texts == ["a"], err
     assert isinstance(err, zml.StreamInterruptedError)
 
 
