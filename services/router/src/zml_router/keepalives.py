@@ -13,6 +13,7 @@ import time
 from nats.aio.client import Client as NATS
 
 from zmlcore.keepalive import MIN_INTERVAL_MS, KeepaliveBook, keepalive_headers
+from zmlcore.natspub import Publisher
 
 log = logging.getLogger("zml.router")
 
@@ -24,6 +25,7 @@ PARK_AFTER = 20
 
 async def send_keepalives(book: KeepaliveBook, nc: NATS) -> None:
     headers = keepalive_headers()
+    pub = Publisher.of(nc)
     woken = asyncio.Event()
     empty = 0
     while True:
@@ -44,7 +46,7 @@ async def send_keepalives(book: KeepaliveBook, nc: NATS) -> None:
             continue
         for reply in book.due(time.monotonic()):
             try:
-                await nc.publish(reply, b"", headers=headers)
+                await pub.publish(reply, b"", headers=headers)
             except Exception:  # connection closing: the requester's own watch decides
                 log.debug("keepalive not sent", exc_info=True)
                 break
