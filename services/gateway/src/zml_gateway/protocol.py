@@ -57,7 +57,7 @@ class _Head:
 
 
 class FastCycle(RequestResponseCycle):
-    """uvicorn's request/response cycle, two costs per request cut (at C=1 they are paid on
+    """uvicorn's request/response cycle, with costs per request cut (at C=1 they are paid on
     the request's critical path, and by the client too):
 
     - a response with a ``content-length`` goes out in one write: uvicorn builds and checks
@@ -125,6 +125,8 @@ class FastCycle(RequestResponseCycle):
         if self.response_started or message["type"] != "http.response.start":
             await super().send(message)
             return
+        if self.flow.write_paused and not self.disconnected:
+            await self.flow.drain()  # here, so that nothing awaits while the transport is swapped
         transport, head = self.transport, _Head()
         self.transport = head  # type: ignore[assignment]
         try:
