@@ -134,6 +134,13 @@ def test_nats_restart_no_unclean_errors(broker_restart: tuple[Report, float]) ->
     assert report.count("unclean") == 0, report.bad()
 
 
+def test_nats_restart_no_router_503s(broker_restart: tuple[Report, float]) -> None:
+    """Routers re-subscribe a moment after the gateway reconnects: the requests of that moment
+    wait for them ([gateway] no_router_grace_s) instead of answering NO_HEALTHY_NODES."""
+    report, _ = broker_restart
+    assert report.codes().get("NO_HEALTHY_NODES", 0) == 0, report.bad()
+
+
 def test_kill_one_server_of_a_3_server_cluster(tmp_path: Path) -> None:
     servers = start_cluster(tmp_path)
     stack = ChaosStack(tmp_path, [s.url for s in servers], routers=2, gateways=1, health=1,

@@ -7,11 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import nats
 import pytest
 
@@ -87,3 +89,54 @@ def test_broker_kill_and_restart_under_load(broker_stack: tuple[Stack, dict[str,
     # The tables are current again: states at most a few polls (0.5 s each) old, not frozen.
     assert max(ages.values()) < 2.0, ages
     assert all(p.alive() for p in stack.procs.values()), [p.name for p in stack.procs.values() if not p.alive()]
+
+
+def until_health(url: str, status: int, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while httpx.get(url + "/healthz", timeout=5).status_code != status:
+        assert time.monotonic() < deadline, f"the gateway's /healthz never answered {status}"
+        time.sleep(0.02)
+
+
+def test_requests_wait_for_routers_that_reconnect_after_the_gateway(tmp_path: Path) -> None:
+    """After a broker restart each client reconnects on its own schedule; a gateway back before
+    the routers got the broker's "no responders" and answered 503 NO_HEALTHY_NODES (~0.1 s of
+    them in the chaos suite). Made deterministic here: the routers are paused (SIGSTOP) across
+    the restart and resumed 0.3 s after the gateway is back. Every request sent once the gateway
+    is connected again must succeed: it waits for a router ([gateway] no_router_grace_s)."""
+    port = free_port()
+    store = tempfile.mkdtemp(prefix="zml-restart-nats-", dir=tmp_path)
+    nats_proc = start_nats("127.0.0.1", port, store)
+    stack = launch_stack(f"nats://127.0.0.1:{port}", tmp_path, routers=2,
+                         extra="[gateway]\nno_router_grace_s = 10\n")  # room for a busy box's reconnects
+    routers = [stack.procs["router-1"], stack.procs["router-2"]]
+    load = Load(stack.gateway_url, clients=2)
+    try:
+        load.start()
+        time.sleep(1.0)
+        for r in routers:
+            r.popen.send_signal(signal.SIGSTOP)
+        try:
+            nats_proc.popen.kill()
+            nats_proc.popen.wait(10)
+            # The gateway has seen the broker go (a loaded box may take a moment), then comes back
+            # to the new one while the routers cannot.
+            until_health(stack.gateway_url, 503)
+            nats_proc = start_nats("127.0.0.1", port, store)
+            until_health(stack.gateway_url, 200)
+            back = time.monotonic()
+            time.sleep(0.3)
+        finally:
+            for r in routers:
+                r.popen.send_signal(signal.SIGCONT)
+        time.sleep(3.0)
+    finally:
+        load.stop()
+        stack.stop()
+        nats_proc.stop()
+    after = load.after(back)
+    failed = [r[3] for r in after if not r[2]]
+    waited = max((r[1] - r[0] for r in after), default=0.0)
+    print(f"\n{len(after)} requests sent after the gateway was back, {len(failed)} failed; longest {waited:.2f} s")
+    assert after and not failed, failed[:5]
+    assert waited >= 0.15  # some waited for the routers (a served request takes ~0.05 s): the case happened

@@ -136,6 +136,23 @@ async def test_concurrency_is_shared(two_gateways: tuple[Stack, list[str]]) -> N
         await _until(freed)
 
 
+async def test_a_sequential_client_never_meets_its_own_concurrency_limit(two_gateways: tuple[Stack, list[str]]) -> None:
+    """One request at a time at concurrency 1, alternating between the two gateways (and between
+    plain, streamed and refused-by-the-router requests): never 429. A gateway used to free the
+    slot after the response, in the shared entry by a background write, so the next request,
+    on the other gateway, could find it still held."""
+    stack, urls = two_gateways
+    key, _ = await _key(stack, limits=PlanLimits(concurrent=1))
+    codes = []
+    async with httpx.AsyncClient(timeout=30) as c:
+        for i in range(300):
+            body = {**OK, "stream": i % 3 == 1} if i % 3 != 2 else {**OK, "model": MODEL, "policy": "no-such"}
+            r = await c.post(urls[i % 2] + "/v1/chat/completions", json=body, headers=_auth(key))
+            codes.append(r.status_code)
+    assert 429 not in codes, codes
+    assert set(codes) == {200, 400}, codes  # an unknown policy: 400 from the router, after admission
+
+
 async def test_two_gateways_hold_the_plan_under_a_burst(two_gateways: tuple[Stack, list[str]]) -> None:
     """A burst on one key through both gateways: each spends leases of several requests without a
     round trip (zmlcore.leases), and together they still admit the plan's rate, not more."""

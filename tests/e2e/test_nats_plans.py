@@ -132,6 +132,28 @@ async def test_concurrency_of_a_plan_over_nats(secure_bus: SecureBus, stack: Sta
         await nc.close()
 
 
+async def test_a_sequential_client_never_meets_its_own_concurrency_limit(secure_bus: SecureBus, stack: Stack) -> None:
+    """One request at a time, each sent the moment the last reply arrived, at concurrency 1,
+    across two routers: never RATE_LIMITED. The slot used to be given back after the reply had
+    gone out (and to the shared entry in a background task), so the next request, on either
+    router, could still find it held."""
+    _issue(secure_bus, stack, "serial", "--plan", "custom", "--concurrent", "1")
+    nc = await _connect(secure_bus, "serial")
+    try:
+        results = [await _ask(nc) for _ in range(60)]
+        codes = [code for code, _, _ in results]
+        assert codes == [""] * 60, codes
+        assert {body["zml"]["router_id"] for _, _, body in results} == {"router-1", "router-2"}
+        # An error reply frees the slot before it goes out too (here: a model nobody serves).
+        bad = {**OK, "model": "no-such-model"}
+        for _ in range(30):
+            msg = await nc.request(subjects.INFER, json.dumps(bad).encode(), timeout=30)
+            assert (msg.headers or {}).get(subjects.H_ERROR_CODE) not in (None, "RATE_LIMITED"), msg.headers
+            assert (await _ask(nc))[0] == ""
+    finally:
+        await nc.close()
+
+
 async def test_identity_shares_an_api_keys_plan_with_http(secure_bus: SecureBus, stack: Stack) -> None:
     admin = await nats.connect(secure_bus.url, **connect_options(NatsConfig(url=secure_bus.url),
                                                                  seed_file=secure_bus.seeds["admin"]))

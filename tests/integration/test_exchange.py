@@ -217,3 +217,86 @@ async def test_replies_skip_the_subscription_queue_and_keep_nats_py_accounting(n
     assert [int(d.rstrip(b"x")) for d in got] == list(range(500))
     assert sub._pending_size == 0 and sub.pending_msgs == 0
     mux.close(inbox)
+
+
+# --- "no responders": no router subscribed yet (zmlcore.norouter) -------------------------------
+
+
+async def test_a_request_that_found_no_router_is_sent_again_when_one_subscribes(nc: Any) -> None:
+    """A router subscribing 300 ms after the request (as routers do after a broker restart)
+    gets it: same request id, the timeout left, not marked as a resend of a dead router's."""
+    subj = subject()
+    seen: list[Any] = []
+
+    async def later() -> None:
+        await asyncio.sleep(0.3)
+
+        async def on(msg: Any) -> None:
+            seen.append(msg)
+            await nc.publish(msg.reply, b'{"ok": true}')
+        await nc.subscribe(subj, cb=on)
+        await nc.flush()
+
+    starter = asyncio.ensure_future(later())
+    ex = exchange(nc, subj, no_router_grace_s=5.0, keepalive_s=None)  # no silence resends on a busy box
+    t0 = time.monotonic()
+    await ex.send()
+    reply = await ex.next()
+    waited = time.monotonic() - t0
+    ex.close()
+    await starter
+    assert reply.data == b'{"ok": true}' and len(seen) == 1
+    assert 0.3 <= waited < 3.0  # served once the router is there (a busy box may lag), not at the grace
+    h = seen[0].headers
+    assert h[subjects.H_REQUEST_ID] == "r1" and subjects.H_RESEND not in h
+    assert int(h[subjects.H_TIMEOUT_MS]) <= 20000 - 300
+    assert ex.resends == 0
+
+
+async def test_no_router_ever_returns_the_status_after_the_grace(nc: Any) -> None:
+    subj = subject()
+    ex = exchange(nc, subj, no_router_grace_s=0.5, keepalive_s=None)
+    t0 = time.monotonic()
+    await ex.send()
+    msg = await ex.next()
+    waited = time.monotonic() - t0
+    ex.close()
+    assert msg.headers and msg.headers.get("Status") == "503" and not msg.data
+    assert 0.5 <= waited < 1.5
+
+
+async def test_the_request_timeout_caps_the_grace(nc: Any) -> None:
+    subj = subject()
+    ex = exchange(nc, subj, no_router_grace_s=10.0, timeout_s=0.3, wait_s=1.3, keepalive_s=None)
+    t0 = time.monotonic()
+    await ex.send()
+    msg = await ex.next()
+    waited = time.monotonic() - t0
+    ex.close()
+    assert msg.headers and msg.headers.get("Status") == "503"  # NO_HEALTHY_NODES, not a TIMEOUT
+    assert 0.25 <= waited < 1.0
+
+
+async def test_without_grace_no_responders_is_returned_at_once(nc: Any) -> None:
+    ex = exchange(nc, subject())
+    t0 = time.monotonic()
+    await ex.send()
+    msg = await ex.next()
+    ex.close()
+    assert msg.headers and msg.headers.get("Status") == "503" and time.monotonic() - t0 < 0.5
+
+
+async def test_an_abort_ends_the_wait_for_a_router_at_once(nc: Any) -> None:
+    """The HTTP client going away (or the broker connection lost) while the request waits for
+    a router: the wait ends now, not at the grace."""
+    class Gone(Exception):
+        pass
+
+    ex = exchange(nc, subject(), no_router_grace_s=30.0)
+    await ex.send()
+    asyncio.get_running_loop().call_later(0.2, ex.abort, Gone())
+    t0 = time.monotonic()
+    with pytest.raises(Gone):
+        await ex.next()
+    assert time.monotonic() - t0 < 1.0
+    ex.close()

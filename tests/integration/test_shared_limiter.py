@@ -58,7 +58,7 @@ async def test_two_replicas_spend_one_plan_with_few_writes(replicas: tuple[Share
         v = await lim.acquire(ident, limits, lease_id=f"r{i}", lease_s=30)
         if v.ok:
             await asyncio.sleep(0.001)
-            lim.release_soon(ident, lease_id=f"r{i}", tokens=1)
+            await lim.release(ident, lease_id=f"r{i}", tokens=1)
         return v.ok
 
     oks = await asyncio.gather(*(one((a, b)[i % 2], i) for i in range(2 * rpm)))
@@ -91,3 +91,31 @@ async def test_concurrency_slots_move_between_replicas(replicas: tuple[SharedLim
     s = await _entry(nc, ident)
     assert a.holder not in s.holds and s.holds[b.holder].slots == 1
     assert (await b.acquire(ident, limits, lease_id="b2", lease_s=30)).ok
+
+
+async def test_a_released_slot_is_free_on_the_other_replica_when_release_returns(
+        replicas: tuple[SharedLimiter, SharedLimiter, NATS]) -> None:
+    """A sequential client at concurrency 1, its requests alternating between replicas: each
+    release is in the shared entry before it returns (the caller replies after it), so the
+    next request, on the other replica, is never refused. release_soon left that write to a
+    background task: the next admission could still see the slot held."""
+    a, b, nc = replicas
+    ident = f"key:test-{os.urandom(4).hex()}"
+    limits = PlanLimits(concurrent=1)
+    for i in range(40):
+        lim = (a, b)[i % 2]
+        v = await lim.acquire(ident, limits, lease_id=f"r{i}", lease_s=30)
+        assert v.ok, (i, v)
+        await lim.release(ident, lease_id=f"r{i}", tokens=1)
+    assert all(h.slots == 0 for h in (await _entry(nc, ident)).holds.values())
+
+
+async def test_release_without_urgency_costs_no_write(replicas: tuple[SharedLimiter, SharedLimiter, NATS]) -> None:
+    a, _, nc = replicas
+    ident = f"key:test-{os.urandom(4).hex()}"
+    limits = PlanLimits(concurrent=1000)  # slots plenty: nobody waits for this one's
+    assert (await a.acquire(ident, limits, lease_id="r0", lease_s=30)).ok
+    assert (await a.acquire(ident, limits, lease_id="r1", lease_s=30)).ok
+    seq = await _writes(nc)
+    await a.release(ident, lease_id="r0", tokens=0)
+    assert await _writes(nc) == seq

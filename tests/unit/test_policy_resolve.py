@@ -69,6 +69,7 @@ def test_unknown_policy_name():
         ({"cost_priority": "cheap"}, "cost_priority"),
         ({"accelerator_chain": ["Gaudi2"]}, "Gaudi2"),  # a known type, but not registered here
         ({"queue_on_saturation": True}, "max_queue_ms"),
+        ({"accelerator_chain": ["H100", "MI300X", "h100"]}, r"'H100' is listed more than once \(places 1 and 3"),
     ],
 )
 def test_invalid_inline_policy(inline, match):
@@ -103,6 +104,27 @@ def test_invalid_policy_fails_at_load(pol, match):
 def test_policy_objects_validated_at_creation(pc, match):
     with pytest.raises(PolicyConfigError, match=match):
         make_policy("p", pc, ["H100", "MI300X"])
+
+
+@pytest.mark.parametrize(
+    ("pol", "match"),
+    [
+        ({"accelerator_chain": ["H100", "MI300X", "H100"]},
+         r"policies\.bad\.accelerator_chain: family 'H100' is listed more than once \(places 1 and 3 of "
+         r"H100 -> MI300X -> H100\)"),
+        ({"accelerator_chain": ["MI300X", "mi300x"]}, r"'MI300X' is listed more than once \(places 1 and 2"),
+        ({"accelerator_chain": ["nvidia_h100", "H100"]}, r"'H100' is listed more than once"),  # alias of one family
+        ({"accelerator_preference": [{"family": "H100", "priority": 1}, {"family": "MI300X", "priority": 2},
+                                     {"family": "H100", "priority": 3}]},
+         r"policies\.bad\.accelerator_preference: family 'H100' is listed more than once"),
+    ],
+)
+def test_a_repeated_family_in_a_chain_is_refused_at_load(pol, match):
+    with pytest.raises(PolicyConfigError, match=match):
+        cfg(policies={"bad": pol})
+    with pytest.raises(PolicyConfigError, match="listed more than once"):
+        make_policy("p", PolicyConfig(**{k: v for k, v in pol.items() if k == "accelerator_chain"}
+                                      or {"accelerator_chain": ["H100", "H100"]}), ["H100", "MI300X"])
 
 
 def test_make_policy_ok_and_aliases():

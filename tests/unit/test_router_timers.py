@@ -93,6 +93,33 @@ async def test_nested_deadlines_the_outer_one_wins_when_it_passes_first() -> Non
     assert seen == ["inner cancelled", "outer timeout"]
 
 
+async def test_deadlines_due_in_one_tick_are_the_outer_ones() -> None:
+    """An attempt's first-byte deadline that falls in the same tick as the request's (the wheel
+    fires a whole slot at once, the request's armed first): TIMEOUT, not a failover (which would
+    cool the node for a slowness the request's deadline ended anyway)."""
+    wheel = Wheel()
+    seen: list[str] = []
+    loop = asyncio.get_running_loop()
+    for _ in range(5):
+        seen.clear()
+        try:
+            with wheel.deadline(0.05):
+                # The inner deadline's time, a hair before the outer's: the same slot.
+                inner_s = 0.05 - (loop.time() % wheel.tick_s) / 10
+                try:
+                    with wheel.deadline(inner_s):
+                        await asyncio.sleep(5)
+                except TimeoutError:
+                    seen.append("inner timeout")
+                except asyncio.CancelledError:
+                    seen.append("inner cancelled")
+                    raise
+        except TimeoutError:
+            seen.append("outer timeout")
+        assert seen == ["inner cancelled", "outer timeout"]
+        assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
+
+
 async def test_inner_deadline_first_is_the_inner_ones() -> None:
     wheel = Wheel()
     with wheel.deadline(5.0) as outer:

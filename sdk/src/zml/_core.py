@@ -20,7 +20,16 @@ from typing import Any, Literal
 
 import msgspec
 
-from zml._errors import BackendError, BadRequestError, ErrorBody, TimeoutError, ZMLError, error_class, from_wire
+from zml._errors import (
+    BackendError,
+    BadRequestError,
+    ErrorBody,
+    StreamInterruptedError,
+    TimeoutError,
+    ZMLError,
+    error_class,
+    from_wire,
+)
 from zml._models import (
     Choice,
     EmbeddingResult,
@@ -32,9 +41,11 @@ from zml._models import (
     StreamChunk,
     Usage,
 )
-from zmlcore import routingmeta, subjects
+from zmlcore import routingmeta, streamframe, subjects
 from zmlcore.config import NatsConfig, ZMLConfig
 from zmlcore.messages import NodeState
+from zmlcore.sse import SSELineSplitter, data_field
+from zmlcore.streamseq import SeqCheck
 
 log = logging.getLogger("zml")
 
@@ -102,6 +113,9 @@ class InferCall:
             subjects.H_REQUEST_ID: self.request_id,
             subjects.H_TIMEOUT_MS: str(int(self.body.get("timeout_ms") or self.timeout_s * 1000)),
             **({subjects.H_ID_GENERATED: "1"} if self.id_generated else {}),
+            # A stream's chunks as header-less frames: no header block to build or parse per
+            # chunk (zmlcore.streamframe; decoded by decode_nats_frame).
+            **({subjects.H_ACCEPT_STREAM: subjects.STREAM_FRAMES} if self.stream else {}),
             **trace_headers(),
         }
 
@@ -617,6 +631,35 @@ def decode_nats_stream(headers: Mapping[str, str], body: bytes) -> StreamEvent:
         routing = routing_from_dict(r) if isinstance(r, Mapping) else None
         return StreamEvent("start" if kind == "start" else "end", routing=routing)
     return decode_chunk(data)
+
+
+def decode_nats_frame(data: bytes, seq: SeqCheck) -> list[StreamEvent]:
+    """The chunk events of one header-less stream frame (``Zml-Accept-Stream: frames``: the
+    sequence number, a newline, whole SSE events; zmlcore.streamframe). Ends with an error event
+    (and nothing after it) for a message that is not a frame (BACKEND_ERROR), a lost message
+    (STREAM_INTERRUPTED), bad JSON or an error object from the node."""
+    try:
+        n, events = streamframe.decode(data)
+    except streamframe.FrameError as exc:
+        return [StreamEvent("error", error=BackendError(
+            f"the router sent a garbled stream message ({exc}); the stream is incomplete"))]
+    gap = seq.gap_n(n)
+    if gap is not None:
+        return [StreamEvent("error", error=StreamInterruptedError(f"{gap}; the stream is incomplete"))]
+    out: list[StreamEvent] = []
+    split = SSELineSplitter()
+    for line in split.feed(events) + split.flush():
+        value = data_field(line)
+        if not value or value.strip() == b"[DONE]":  # blank lines between events; [DONE] is never sent
+            continue
+        try:
+            ev = decode_chunk(msgspec.json.decode(value))
+        except msgspec.DecodeError:
+            ev = StreamEvent("error", error=BackendError(f"bad stream data: {value[:200]!r}"))
+        out.append(ev)
+        if ev.kind == "error":
+            break
+    return out
 
 
 def no_router_error(subject: str = subjects.INFER) -> ZMLError:

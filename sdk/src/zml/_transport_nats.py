@@ -13,6 +13,9 @@ owner in cancel subjects is its public key (see docs/security.md).
 Inference goes through :class:`zmlcore.exchange.Exchange`: the transport asks the routers for
 keepalives, and a request whose router dies (3 silent intervals) is sent once more to another
 router, invisibly unless a stream had already started (then it ends with STREAM_INTERRUPTED).
+A request that finds no router subscribed (the broker's "no responders": for a moment after a
+broker restart, or while routers restart) reached nobody, so it is sent again after a short
+backoff for up to ``no_router_grace_s`` (:mod:`zmlcore.norouter`) before NO_HEALTHY_NODES.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import threading
+import time
 from collections.abc import AsyncIterator, Coroutine, Iterator
 from typing import Any, TypeVar
 
@@ -32,6 +36,7 @@ from zml._core import (
     InferCall,
     RawReply,
     StreamEvent,
+    decode_nats_frame,
     decode_nats_stream,
     lower_headers,
     nats_status,
@@ -43,6 +48,7 @@ from zmlcore import subjects
 from zmlcore.config import NatsConfig
 from zmlcore.exchange import Exchange, parts_buffer
 from zmlcore.natsauth import connect_options, owner_of
+from zmlcore.norouter import NoRouterWait
 from zmlcore.replyparts import Reply
 from zmlcore.streamseq import SeqCheck
 
@@ -53,6 +59,9 @@ T = TypeVar("T")
 #: Keepalive interval asked of the routers (``Zml-Keepalive``): a dead router is noticed after
 #: three of them. None turns keepalives (and so router failover) off.
 ROUTER_KEEPALIVE_S: float | None = 1.0
+#: How long a request waits for a router when none is subscribed (as the gateway's
+#: ``[gateway] no_router_grace_s``); never past the request's own timeout. 0: fail at once.
+NO_ROUTER_GRACE_S = 2.0
 
 
 def _reply(msg: Msg | Reply) -> RawReply:
@@ -62,10 +71,11 @@ def _reply(msg: Msg | Reply) -> RawReply:
 
 class AsyncNatsTransport:
     def __init__(self, url: str, timeout: float, connect_timeout: float = 2.0, nats_config: NatsConfig | None = None,
-                 keepalive_s: float | None = ROUTER_KEEPALIVE_S) -> None:
+                 keepalive_s: float | None = ROUTER_KEEPALIVE_S, no_router_grace_s: float | None = None) -> None:
         self.url = url
         self.timeout = timeout
         self.keepalive_s = keepalive_s
+        self.no_router_grace_s = NO_ROUTER_GRACE_S if no_router_grace_s is None else no_router_grace_s
         self.connect_timeout = connect_timeout
         nats_config = nats_config or NatsConfig(url=url)
         self._options = connect_options(nats_config)
@@ -115,8 +125,19 @@ class AsyncNatsTransport:
     async def request(self, subject: str, body: bytes, headers: dict[str, str] | None, timeout_s: float) -> RawReply:
         """One request-reply (admin subjects; inference goes through :meth:`infer`)."""
         nc = await self._conn()
+        wait = NoRouterWait(self.no_router_grace_s)
+        deadline = time.monotonic() + timeout_s
         try:
-            msg = await nc.request(subject, body, timeout=timeout_s, headers=headers)
+            while True:
+                try:
+                    msg = await nc.request(subject, body, timeout=max(0.001, deadline - time.monotonic()),
+                                           headers=headers)
+                    break
+                except nats.errors.NoRespondersError:
+                    delay = wait.delay(time.monotonic(), deadline)  # nobody got it: safe to ask again
+                    if delay is None:
+                        raise
+                    await asyncio.sleep(delay)
         except nats.errors.NoRespondersError as exc:
             raise no_router_error(subject) from exc
         except nats.errors.TimeoutError as exc:
@@ -138,7 +159,7 @@ class AsyncNatsTransport:
         """``buffer`` None: a plain reply, collected in parts when over max_payload."""
         headers = call.nats_headers()
         return Exchange(nc, call.encode(), headers, timeout_s=int(headers[subjects.H_TIMEOUT_MS]) / 1000.0,
-                        wait_s=call.timeout_s, keepalive_s=self.keepalive_s,
+                        wait_s=call.timeout_s, keepalive_s=self.keepalive_s, no_router_grace_s=self.no_router_grace_s,
                         accept_parts=None if buffer else self.max_reply_bytes,
                         buffer=buffer or parts_buffer(self.max_reply_bytes, nc.max_payload))
 
@@ -227,6 +248,12 @@ class AsyncNatsStream:
                     "more stream messages arrived than the client buffers while it was not reading; "
                     "the stream is incomplete", retry_after=1.0))
                 return
+            if not msg.headers:  # a chunk frame (asked for: InferCall.nats_headers)
+                for ev in decode_nats_frame(msg.data, seq):
+                    yield ev
+                    if ev.kind == "error":  # left unfinished: closing the stream cancels the request
+                        return
+                continue
             headers = lower_headers(msg.headers)
             if headers.get("status") == "503":
                 self._finished = True
@@ -254,10 +281,10 @@ class SyncNatsTransport:
     """The async transport driven from a private event-loop thread (the SDK's only bridge)."""
 
     def __init__(self, url: str, timeout: float, connect_timeout: float = 2.0, nats_config: NatsConfig | None = None,
-                 keepalive_s: float | None = ROUTER_KEEPALIVE_S) -> None:
+                 keepalive_s: float | None = ROUTER_KEEPALIVE_S, no_router_grace_s: float | None = None) -> None:
         self.url = url
         # checks the identity first
-        self._async = AsyncNatsTransport(url, timeout, connect_timeout, nats_config, keepalive_s)
+        self._async = AsyncNatsTransport(url, timeout, connect_timeout, nats_config, keepalive_s, no_router_grace_s)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="zml-nats", daemon=True)
         self._thread.start()

@@ -21,6 +21,8 @@ import logging
 
 from nats.aio.client import Client as NATS
 
+from zmlcore.natspub import Publisher
+
 log = logging.getLogger("zml.batchpub")
 
 #: Messages held at most; past it the oldest are dropped (counted): a statistic must never grow
@@ -31,6 +33,7 @@ MAX_PENDING = 10_000
 class BatchPublisher:
     def __init__(self, nc: NATS, subject: str, window_s: float, max_pending: int = MAX_PENDING) -> None:
         self.nc = nc
+        self.pub = Publisher.of(nc)
         self.subject = subject
         self.window_s = window_s
         self.max_pending = max_pending
@@ -61,7 +64,7 @@ class BatchPublisher:
         batch, self._pending = self._pending, []
         for data in batch:
             try:
-                await self.nc.publish(self.subject, data)  # appends to the client's buffer: one write for all
+                await self.pub.publish(self.subject, data)  # appends to the client's buffer: one write for all
             except Exception:  # losing a statistic must never fail anything
                 log.debug("message on %s not published", self.subject, exc_info=True)
 

@@ -122,6 +122,13 @@ class GatewayConfig(msgspec.Struct, **_Base):
     sent once more to another router (not yet answered: invisibly; a stream already relayed
     ends with STREAM_INTERRUPTED). 0: no keepalives, a dead router's requests wait out their
     timeout. Values under 100 are raised to 100."""
+    no_router_grace_s: Annotated[float, msgspec.Meta(ge=0, le=60)] = 2.0
+    """How long a request waits for a router when the broker says none is subscribed ("no
+    responders": for ~0.1 s after a broker restart, or while routers restart). Nothing received
+    it, so it is sent again after 10, 20, 50, then every 100 ms until a router takes it, within
+    this grace and never past the request's own timeout; after it, 503 NO_HEALTHY_NODES with
+    Retry-After. Waiting requests count toward max_concurrent; a client that goes away ends its
+    wait. 0: answer 503 at once. At most 60."""
     tls_cert_file: str | None = None
     """Serve HTTPS with this certificate (PEM; env ZML_GATEWAY_TLS_CERT). None: plain HTTP."""
     tls_key_file: str | None = None
@@ -293,9 +300,10 @@ class PolicyConfig(msgspec.Struct, **_Base):
     """latency, cost, availability, round_robin, weighted or balanced. Default: chain
     evaluation driven by cost_priority."""
     accelerator_chain: list[str] | None = None
-    """Families in preference order."""
+    """Families in preference order, each once (a repeat is refused at load)."""
     accelerator_preference: list[PreferenceEntry] | None = None
-    """Families with priorities (1 = first); the walkthrough's spelling of a chain."""
+    """Families with priorities (1 = first); the walkthrough's spelling of a chain (each family
+    once)."""
     latency_target_ms: PosFloat | None = None
     """Target time to first token."""
     cost_priority: CostPriority | None = None
@@ -450,11 +458,21 @@ def validate_policy(name: str, pol: PolicyConfig, families: list[str], where: st
     if pol.accelerator_chain and pol.accelerator_preference:
         raise PolicyConfigError(f"{where}: give accelerator_chain or accelerator_preference, not both")
     known = {f.lower() for f in families}
-    for fam in pol.chain():
+    key = "accelerator_preference" if pol.accelerator_preference else "accelerator_chain"
+    seen: dict[str, int] = {}
+    for i, fam in enumerate(pol.chain(), 1):
         if fam.lower() not in known:
             raise PolicyConfigError(
                 f"{where}.accelerator_chain: family {fam!r} is not registered "
                 f"(registered: {', '.join(families) or 'none'})"
+            )
+        # A repeat is a typo or a misunderstanding (a family is tried once, at its first place):
+        # say so at load rather than route as if it were not there.
+        first = seen.setdefault(fam.lower(), i)
+        if first != i:
+            raise PolicyConfigError(
+                f"{where}.{key}: family {fam!r} is listed more than once (places {first} and {i} of "
+                f"{' -> '.join(pol.chain())}); list each family once"
             )
     if pol.strategy == "weighted" and not (pol.latency_weight or pol.cost_weight):
         raise PolicyConfigError(f"{where}: strategy 'weighted' needs latency_weight or cost_weight > 0")

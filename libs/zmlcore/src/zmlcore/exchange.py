@@ -9,6 +9,12 @@ message of the first attempt is dropped rather than mixed in); after, or when th
 too, :meth:`Exchange.next` raises a clean retryable error at once instead of waiting out the
 timeout (STREAM_INTERRUPTED for a stream already relayed, else BACKEND_ERROR).
 
+The broker's "no responders" status (no router subscribed: for a moment after a broker
+restart, or while routers restart) means nothing received the request: with
+``no_router_grace_s`` it is sent again after a short backoff (:mod:`zmlcore.norouter`) until a
+router answers or the grace (or the request's timeout) runs out; then :meth:`Exchange.next`
+returns that status message and the caller answers NO_HEALTHY_NODES as before.
+
 Replies arrive through one wildcard subscription per connection (:class:`ReplyMux`, like
 nats-py's own request mux): no SUB/UNSUB round per request.
 
@@ -34,10 +40,11 @@ from typing import Any
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
-from zmlcore import replyparts, subjects
+from zmlcore import natspub, replyparts, subjects
 from zmlcore.bigreply import Collector, part_bytes
 from zmlcore.errors import BackendError, StreamInterruptedError, TimeoutError
 from zmlcore.keepalive import MAX_INTERVAL_MS, MIN_INTERVAL_MS, QUEUED, Silence, after_silence, keepalive_state
+from zmlcore.norouter import NoRouterWait, is_no_responders
 
 log = logging.getLogger("zml.exchange")
 
@@ -219,11 +226,13 @@ class Exchange:
     ``timeout_s`` is the request's own timeout (what the router enforces); ``wait_s`` how long
     the caller waits in all (the timeout plus some grace), after which :meth:`next` raises
     TIMEOUT. ``keepalive_s`` None: no keepalives asked, no failover (the old behaviour).
+    ``no_router_grace_s``: how long "no responders" is waited out (0: returned at once).
     """
 
     def __init__(self, nc: NATS, body: bytes, headers: dict[str, str], *, timeout_s: float,
                  keepalive_s: float | None, wait_s: float | None = None, buffer: int = 64,
-                 subject: str = subjects.INFER, accept_parts: int | None = None) -> None:
+                 subject: str = subjects.INFER, accept_parts: int | None = None,
+                 no_router_grace_s: float = 0.0) -> None:
         self.nc = nc
         self.subject = subject
         self.body = body
@@ -248,6 +257,7 @@ class Exchange:
         self._sink: Sink | None = None
         self._silence: Silence | None = None
         self._aborted: BaseException | None = None
+        self._no_router = NoRouterWait(no_router_grace_s) if no_router_grace_s > 0 else None
 
     @property
     def request_id(self) -> str:
@@ -278,7 +288,7 @@ class Exchange:
             self._sink.abort(self._aborted)
         if self.keepalive_s is not None:
             self._silence = Silence(self.keepalive_s, time.monotonic())
-        await self.nc.publish(self.subject, self.body, reply=self._inbox, headers=headers)
+        await natspub.publish(self.nc, self.subject, self.body, reply=self._inbox, headers=headers)
 
     async def next(self) -> Msg:
         """The next reply message (keepalives consumed). Raises TIMEOUT once ``wait_s`` has
@@ -305,6 +315,9 @@ class Exchange:
                     else:
                         self._silence.heard(time.monotonic())
                 continue
+            if self._no_router is not None and not self.committed and is_no_responders(msg.headers, msg.data):
+                if await self._wait_for_router(sink):
+                    continue
             if self._silence is not None:
                 self._silence.heard(time.monotonic())
             self.committed = True
@@ -330,6 +343,29 @@ class Exchange:
             body = collector.feed(msg.data, msg.headers)
             if body is not None:
                 return replyparts.Reply(body, collector.headers)
+
+    async def _wait_for_router(self, sink: Sink) -> bool:
+        """After "no responders": wait the backoff's next delay, then publish again (True), or
+        False when the grace or the request's timeout is spent. An abort (client gone, broker
+        lost) ends the wait at once and is raised."""
+        assert self._no_router is not None
+        now = time.monotonic()
+        deadline = self.t0 + self.timeout_s
+        delay = self._no_router.delay(now, deadline)
+        if delay is None:
+            return False
+        until = now + delay
+        while sink.empty and (left := until - time.monotonic()) > 0:
+            await sink.wait(left)
+        if sink.aborted is not None:
+            raise sink.aborted
+        # Nothing received it: the same request (and resend count, if a dead router's request
+        # found no router), with the timeout left.
+        headers = {**self.headers, subjects.H_TIMEOUT_MS: str(max(1, int((deadline - time.monotonic()) * 1000)))}
+        if self.resends:
+            headers[subjects.H_RESEND] = str(self.resends)
+        await self._publish(headers)
+        return True
 
     async def _router_gone(self) -> None:
         assert self.keepalive_s is not None

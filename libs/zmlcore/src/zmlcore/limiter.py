@@ -15,7 +15,7 @@ store must not take inference down with it.
     limiter = await SharedLimiter.open(nc)
     verdict = await limiter.acquire("key-id", PLANS["team"], lease_id=request_id, lease_s=60)
     ...
-    limiter.release_soon("key-id", lease_id=request_id, tokens=123)
+    await limiter.release("key-id", lease_id=request_id, tokens=123)   # before the reply goes out
     await limiter.close()   # gives back unspent leases and held slots
 """
 
@@ -43,6 +43,9 @@ log = logging.getLogger("zml.limiter")
 
 #: Compare-and-set attempts before a contended admission is refused (429, retry in 1 s).
 MAX_TRIES = 32
+#: Longest a release waits for the shared entry to hear of it (a slow limit store delays a
+#: reply by at most this; the write carries on in the background).
+RELEASE_WAIT_S = 0.5
 _encode = msgspec.json.encode
 
 
@@ -156,17 +159,37 @@ class SharedLimiter:
             assert verdict is not None
             return verdict
 
-    async def _flush(self, key: str, *, closing: bool = False) -> None:
+    async def _flush(self, key: str, *, closing: bool = False, urgent_only: bool = False) -> None:
         book = self.books.get(key)
         if book is None:
             return
         try:
             async with self._lock(key):
+                if urgent_only and not book.urgent(time.time()):
+                    return
                 await self._settle(key, book, book.limits, take=False, closing=closing)
         except (asyncio.CancelledError, KeyboardInterrupt):
             raise
         except Exception as exc:  # the lease and holds expire on their own
             log.warning("limits of %s not written: %s: %s", key, type(exc).__name__, exc)
+
+    async def release(self, identity: str, *, lease_id: str, tokens: int) -> None:
+        """The request ended: free its slot and count its tokens. When the shared entry must
+        hear of it now (slots short, tokens nearly used: :meth:`Book.urgent`), this returns once
+        it has (bounded by RELEASE_WAIT_S). Called before the request's last reply goes out, so
+        a client that sends its next request on that reply finds its slot free on every
+        replica: a sequential client never meets its own concurrency limit."""
+        key = limit_key(identity)
+        book = self.books.get(key)
+        if book is None:
+            return
+        # A write in flight (another request's refill, the sweep) counted this request as busy:
+        # after it, this release may still have to be written.
+        if book.done(lease_id, tokens=tokens, now=time.time()) or book.writing:
+            task = asyncio.ensure_future(self._flush(key, urgent_only=True))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+            await asyncio.wait({task}, timeout=RELEASE_WAIT_S)  # never cancelled half-written
 
     def release_soon(self, identity: str, *, lease_id: str, tokens: int) -> None:
         """The request ended: free its slot and count its tokens, here; the shared entry hears

@@ -15,6 +15,7 @@ from nats.js.kv import KeyValue
 
 from zmlcore import subjects
 from zmlcore.link import Link, link_of, register, split_urls
+from zmlcore.natspub import Publisher
 
 log = logging.getLogger("zml.nats")
 
@@ -55,6 +56,7 @@ async def connect(urls: str | Sequence[str], name: str, *, connect_timeout: floa
         **kwargs,
     )
     register(nc, link)
+    Publisher.of(nc)  # checks, once, that nats-py has what zmlcore.natspub relies on
     return nc
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from nats.aio.client import Client as NATS
 
 from zmlcore.bigreply import PART_WAIT_S, plan
+from zmlcore.natspub import Publisher
 
 __all__ = ["PART_WAIT_S", "Reply", "publish_reply"]
 
@@ -20,8 +21,9 @@ __all__ = ["PART_WAIT_S", "Reply", "publish_reply"]
 async def publish_reply(nc: NATS, reply: str, data: bytes, headers: dict[str, str], accept: int | None) -> None:
     """Publish a finished reply (raises ReplyTooLargeError, before sending anything, when the
     requester cannot receive it: the caller answers with that error instead)."""
+    pub = Publisher.of(nc)
     for part, h in plan(data, headers, nc.max_payload, accept):
-        await nc.publish(reply, part, headers=h)  # nats-py flushes when its buffer is full
+        await pub.publish(reply, part, headers=h)  # bounded: a forced flush past pending_size
 
 
 @dataclass(slots=True)

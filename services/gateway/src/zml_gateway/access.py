@@ -107,7 +107,9 @@ class Access:
                               [*headers, (b"retry-after", str(max(1, math.ceil(reset))).encode())])
         return headers
 
-    def done(self, caller: Caller, request_id: str, tokens: int) -> None:
+    async def release(self, caller: Caller, request_id: str, tokens: int) -> None:
+        """The request is over: its plan's slot is free on every replica when this returns
+        (SharedLimiter.release). Called before the response's last message; once per request."""
         if caller.leased and self.limiter is not None:
             caller.leased = False
-            self.limiter.release_soon(caller.identity, lease_id=request_id, tokens=tokens)
+            await self.limiter.release(caller.identity, lease_id=request_id, tokens=tokens)

@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 from nats.aio.client import Client as NATS
 
-from zmlcore import frontdoor, routingmeta, streamframe, subjects, tracing
+from zmlcore import frontdoor, natspub, routingmeta, streamframe, subjects, tracing
 from zmlcore.config import ZMLConfig
 from zmlcore.costs import CostTable
 from zmlcore.exchange import Exchange, parts_buffer
@@ -269,6 +269,8 @@ class Gateway:
             await self._plain(send, 429, exc.error.to_body(), exc.headers)
             return
         tokens = [0]
+        if caller.leased:  # a plan's slot: freed before the answer's last message goes out
+            send = self._releasing(send, caller, request_id, tokens)
         try:
             # An id the caller's SDK made up (x-zml-id-generated) is unique like ours: no shared
             # claim needed. Set on its own ids, it only drops that check for this caller.
@@ -277,8 +279,18 @@ class Gateway:
             body, fields = frontdoor.split(body, req)
             await self._dispatch(body, req.stream, request_id, timeout, receive, send, limits, caller, tokens,
                                  generated=generated, fields=fields)
-        finally:
-            self.access.done(caller, request_id, tokens[0])
+        finally:  # before an error answer (sent by the caller of this): a no-op once released
+            await self.access.release(caller, request_id, tokens[0])
+
+    def _releasing(self, send: Send, caller: Caller, request_id: str, tokens: list[int]) -> Send:
+        """``send`` that frees the caller's plan slot just before the last body message: a client
+        that sends its next request on this answer never meets its own concurrency limit, on
+        any gateway. Only for plan-limited callers (others keep the bare send)."""
+        async def last_after_release(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                await self.access.release(caller, request_id, tokens[0])
+            await send(message)
+        return last_after_release
 
     async def _dispatch(self, body: bytes, stream: bool, request_id: str, timeout: float, receive: Receive,
                         send: Send, limits: list[tuple[bytes, bytes]], caller: Caller, tokens: list[int],
@@ -309,17 +321,19 @@ class Gateway:
             self.inflight.release(owned)
 
     async def _cancel(self, request_id: str, headers: dict[str, str]) -> None:
-        await self.nc.publish(subjects.cancel(request_id, self.owner), b"",
-                              headers={subjects.H_OWNER: headers[subjects.H_OWNER]})
+        await natspub.publish(self.nc, subjects.cancel(request_id, self.owner), b"",
+                                headers={subjects.H_OWNER: headers[subjects.H_OWNER]})
 
     def _exchange(self, body: bytes, headers: dict[str, str], timeout: float, buffer: int | None = None) -> Exchange:
-        """The request to the routers: keepalives asked for, a dead router's request sent again;
+        """The request to the routers: keepalives asked for, a dead router's request sent again
+        (and one that found no router, within [gateway] no_router_grace_s: zmlcore.norouter);
         a plain reply over max_payload collected in parts (``buffer`` None: room for all of them)."""
         ka = self.cfg.gateway.router_keepalive_ms
         limit = self.cfg.nats.max_reply_bytes
         return Exchange(self.nc, body, headers, timeout_s=timeout, wait_s=timeout + 1.0, subject=subjects.FRONT_DOOR_INFER,
                         keepalive_s=ka / 1000.0 if ka else None, accept_parts=None if buffer else limit,
-                        buffer=buffer or parts_buffer(limit, self.nc.max_payload))
+                        buffer=buffer or parts_buffer(limit, self.nc.max_payload),
+                        no_router_grace_s=self.cfg.gateway.no_router_grace_s)
 
     def _watch(self, ex: Exchange, receive: Receive) -> Callable[[], None]:
         """While a request runs, the HTTP client going away and the broker connection being

@@ -21,6 +21,7 @@ from nats.aio.client import Client as NATS
 
 from zmlcore import subjects
 from zmlcore.messages import InflightDelta
+from zmlcore.natspub import Publisher
 
 log = logging.getLogger("zml.router")
 
@@ -33,6 +34,7 @@ _encode = msgspec.json.encode
 class DeltaWindow:
     def __init__(self, nc: NATS, router_id: str, window_s: float = WINDOW_S) -> None:
         self.nc = nc
+        self.pub = Publisher.of(nc)
         self.router_id = router_id
         self.window_s = window_s
         #: node id -> [outstanding, pending] moved since the last send (bounded by the fleet).
@@ -67,7 +69,7 @@ class DeltaWindow:
             await before  # in order: a peer adds deltas up
         for data in deltas:
             try:
-                await self.nc.publish(subjects.INFLIGHT, data)  # buffered: one write for all
+                await self.pub.publish(subjects.INFLIGHT, data)  # buffered: one write for all
             except Exception:  # the next snapshot repairs a peer's counts
                 log.debug("in-flight delta not published", exc_info=True)
 
@@ -86,7 +88,7 @@ class DeltaWindow:
                 self._timer = None
             deltas, last = self._take(), make()  # the same instant
             await self._send(deltas)
-            await self.nc.publish(subject, last)
+            await self.pub.publish(subject, last)
         finally:
             mine.set_result(None)
 

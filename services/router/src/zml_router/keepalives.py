@@ -11,6 +11,7 @@ import time
 from nats.aio.client import Client as NATS
 
 from zmlcore.keepalive import MIN_INTERVAL_MS, KeepaliveBook, keepalive_headers
+from zmlcore.natspub import Publisher
 
 log = logging.getLogger("zml.router")
 
@@ -20,13 +21,14 @@ TICK_S = MIN_INTERVAL_MS / 2000.0
 
 async def send_keepalives(book: KeepaliveBook, nc: NATS) -> None:
     headers = keepalive_headers()
+    pub = Publisher.of(nc)
     while True:
         await asyncio.sleep(TICK_S)
         if not book or not nc.is_connected:
             continue
         for reply in book.due(time.monotonic()):
             try:
-                await nc.publish(reply, b"", headers=headers)
+                await pub.publish(reply, b"", headers=headers)
             except Exception:  # connection closing: the requester's own watch decides
                 log.debug("keepalive not sent", exc_info=True)
                 break

@@ -13,7 +13,7 @@ identity, the gateway's included: its callers were limited at the gateway) is no
     limits = IdentityLimits(); await limits.start(nc)
     lease = await limits.admit(owner, request_id, lease_s=timeout)   # raises RateLimitError
     ...
-    limits.done(lease, tokens=123)
+    await limits.release(lease, tokens=123)   # before the last reply goes out
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import msgspec
@@ -50,6 +51,11 @@ def rate_limited(message: str, *, retry_after: float, headers: dict[str, str]) -
 class Lease:
     identity: str
     lease_id: str
+    released: bool = False
+
+
+#: The lease of the request this task handles (released before its last reply: release_current).
+CURRENT: ContextVar[Lease | None] = ContextVar("zml_plan_lease", default=None)
 
 
 class IdentityLimits:
@@ -120,6 +126,16 @@ class IdentityLimits:
             raise rate_limited(refusal(plan, limits, v), retry_after=v.retry_after_s, headers=headers)
         return Lease(identity, lease_id)
 
-    def done(self, lease: Lease | None, tokens: int) -> None:
-        if lease is not None and self.limiter is not None:
-            self.limiter.release_soon(lease.identity, lease_id=lease.lease_id, tokens=tokens)
+    async def release(self, lease: Lease | None, tokens: int) -> None:
+        """The request is over: its slot is free on every replica when this returns (see
+        SharedLimiter.release). Once per lease; later calls do nothing."""
+        if lease is not None and not lease.released and self.limiter is not None:
+            lease.released = True
+            await self.limiter.release(lease.identity, lease_id=lease.lease_id, tokens=tokens)
+
+    async def release_current(self, tokens: int) -> None:
+        """Release this task's lease (:data:`CURRENT`), if any."""
+        lease = CURRENT.get()
+        if lease is not None:
+            CURRENT.set(None)
+            await self.release(lease, tokens)

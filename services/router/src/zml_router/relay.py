@@ -127,10 +127,10 @@ class Relay:
             raw = rename(raw)
         # Over max_payload: in parts to a requester that collects them (zmlcore.bigreply), else
         # REPLY_TOO_LARGE (raised before anything is sent), never a lost reply.
-        await svc.ids.release_current()  # type: ignore[union-attr]  # before the caller can reuse the id
+        if "total_tokens" in usage:
+            info.total_tokens = usage["total_tokens"]
+        await svc.before_last_reply(info.total_tokens or 0)  # the caller may send again at once
         if msg.reply and svc.nc is not None:
-            if "total_tokens" in usage:
-                info.total_tokens = usage["total_tokens"]
             await publish_reply(svc.nc, msg.reply, with_routing(raw, info), _routing_headers(msg, info),
                                 accepted(msg.headers))
 
@@ -175,7 +175,7 @@ class Relay:
                 info.time_to_first_token = time.monotonic() - t0
                 await publish(msg.reply, _encode(StreamStart(routing=info)),
                               {**_routing_headers(msg, info), subjects.H_STREAM: "start", subjects.H_SEQ: "0"})
-            await svc.ids.release_current()  # type: ignore[union-attr]
+            await svc.before_last_reply(info.total_tokens or 0)
             await publish(msg.reply, _encode(StreamStart(routing=info)),
                           {subjects.H_STREAM: subjects.STREAM_END, subjects.H_SEQ: str(seq + 1)})
         except AttemptError as err:

@@ -23,7 +23,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from zmlcore import frontdoor, subjects, tracing
+from zmlcore import frontdoor, natspub, subjects, tracing
 from zmlcore.batchpub import BatchPublisher
 from zmlcore.bigreply import check_fits
 from zmlcore.config import ZMLConfig
@@ -47,6 +47,7 @@ from zml_router.flow import Outcome
 from zml_router.ids import RequestIds, claim_key
 from zml_router.inflight import Sharing
 from zml_router.keepalives import send_keepalives
+from zml_router import limits as plan_limits
 from zml_router.limits import IdentityLimits, Lease
 from zml_router.metrics import RouterMetrics
 from zml_router.queue import QueuedMsg, SaturationQueue
@@ -88,6 +89,7 @@ class RouterService:
         self.relay = Relay(self)
         self.glue = QueueGlue(self)
         self.nc: NATS | None = None
+        self.pub: natspub.Publisher | None = None
         self.http: NodeClient | None = None
         self._subs: list[Subscription] = []
         self._tasks: set[asyncio.Task[None]] = set()
@@ -113,6 +115,7 @@ class RouterService:
     # --- lifecycle -------------------------------------------------------------------------
     async def start(self, nc: NATS) -> None:
         self.nc = nc
+        self.pub = natspub.Publisher.of(nc)  # replies and stream chunks: one write per loop iteration
         self.http = NodeClient(self.cfg.router.max_connections, self.cfg.router.connect_timeout_s)
         self.events = BatchPublisher(nc, _EVENT_COMPLETED, COMPLETED_WINDOW_S)
         self.events.start()
@@ -214,6 +217,7 @@ class RouterService:
         stream = False
         out = Outcome()
         idclaims.CURRENT.set(None)  # not one inherited from the task that started this one
+        plan_limits.CURRENT.set(None)
         try:
             depth = self.cfg.defaults.max_json_depth
             # Validated by the gateway, ZML's fields in headers: one small decode (zmlcore.frontdoor).
@@ -264,6 +268,7 @@ class RouterService:
                 idclaims.CURRENT.set(await self._claim_id(msg, headers, key, req, timeout, request_id))
                 if not isinstance(msg, QueuedMsg):  # a queued request was counted when it arrived
                     lease = await self.limits.admit(owner, request_id, timeout)
+                    plan_limits.CURRENT.set(lease)
                 with self.timers.deadline(timeout):
                     await self._route(msg, req, clean, model, request_id, t0, timeout, out)
             except asyncio.TimeoutError as exc:
@@ -274,7 +279,8 @@ class RouterService:
                 self.keepalives.remove(msg.reply)
                 if not out.queued:  # a queued request keeps its claim until it is answered
                     await self.ids.release_current()  # type: ignore[union-attr]
-                self.limits.done(lease, (out.info.total_tokens or 0) if out.ok and out.info else 0)
+                # Released before any error reply (below); a served request's went before its reply.
+                await self.limits.release(lease, (out.info.total_tokens or 0) if out.ok and out.info else 0)
                 if isinstance(msg, QueuedMsg) and msg.placed is not None and not msg.placed.done():
                     msg.placed.set_result(True)
         except asyncio.CancelledError:
@@ -381,10 +387,16 @@ class RouterService:
 
     # --- replies -------------------------------------------------------------------------------
     async def publish(self, reply: str, data: bytes, headers: dict[str, str] | None) -> None:
-        if reply and self.nc is not None:
-            await self.nc.publish(reply, data, headers=headers)
+        if reply and self.pub is not None:
+            await self.pub.publish(reply, data, headers=headers)
             if self.keepalives:  # the next keepalive is an interval after this message
                 self.keepalives.sent(reply, time.monotonic())
+
+    async def before_last_reply(self, tokens: int) -> None:
+        """Free what the caller may reuse the moment it has the last reply: the request id's
+        claim and the plan's concurrency slot (on every replica: zml_router.limits)."""
+        await self.ids.release_current()  # type: ignore[union-attr]
+        await self.limits.release_current(tokens)
 
     async def reply_error(self, msg: Msg | QueuedMsg, exc: ZMLError, stream: bool) -> None:
         headers = {subjects.H_ERROR_CODE: exc.code, **getattr(exc, "nats_headers", {})}

@@ -9,7 +9,11 @@ earliest slot that still holds a timer is due (slots emptied by cancels are skip
 whose requests all finish in time wakes about once per deadline length, not once per request).
 Memory: at most one small dict per 5 ms of the longest deadline (max_request_timeout_s).
 A deadline fires at most one tick late (5 ms, on timeouts of seconds) and, like any loop timer
-under uvloop, up to 1 ms early.
+under uvloop, up to 1 ms early. Late is not wrong for a client, even at timeout_ms = 10: the
+gateway waits the timeout + 1 s and the SDK + 0.25 s or more for the router's TIMEOUT, no node
+call has a total timeout of its own to race it, and an attempt's first-byte deadline that falls
+in the request deadline's tick fires after it (a slot fires in arming order): TIMEOUT, not a
+failover that cools the node.
 
     wheel = Wheel()                         # one per router: one event loop at a time
     with wheel.deadline(2.0):               # as ``async with asyncio.timeout(2.0):``
