@@ -33,23 +33,12 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import peers_path  # noqa: E402  (snapshot: git archive of a ref)
+from router_cost import config, ticks  # noqa: E402  (one stub-node config, /proc CPU ticks)
 
 from zmlcore.launch import free_port, nats_server_binary, wait_port  # noqa: E402
 
 TCK = os.sysconf("SC_CLK_TCK")
 NAMES = ("gateway", "router", "nats", "health")
-
-
-def ticks(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as f:
-        parts = f.read().rsplit(")", 1)[1].split()
-    return int(parts[11]) + int(parts[12])  # utime + stime
-
-
-def config(stub_port: int) -> str:
-    return (f'[defaults]\nrequest_timeout_s = 30\n[health]\npoll_interval_s = 1\n[[nodes]]\nid = "stub-1"\n'
-            f'accelerator = "nvidia_h100"\nendpoint = "http://127.0.0.1:{stub_port}"\nbackend = "openai"\n'
-            f'models = ["stub-model"]\n')
 
 
 class Stack:
