@@ -12,6 +12,8 @@ ZML targets (each one process tree, so the harness's per-tree CPU accounting cov
   zml1     1 node  (stub :8001), 1 router, default policy
   zml2rr   2 nodes (stubs :8001, :8002), 1 router, policy round_robin
   zml1r2   1 node, 2 router replicas (queue group)
+  zml1-NAME  zml1 with a runtime variant from --zml-variants (another interpreter, nats-server's
+           or the services' environment), interleaved with zml1 in the same run
 
 Usage (from the repo root):
   # once (~3 min): venvs with the pinned harness + LiteLLM versions, and wrk
@@ -24,6 +26,9 @@ Usage (from the repo root):
   # gRPC beside HTTP: zml1 with [gateway] grpc_port, benches/grpc_load.py vs load.py on
   # zml1's HTTP port and on the stub directly, C=1 and C=64, one run
   python benches/peers_path.py --setup-dir $SCRATCH/peers_setup --grpc --conc 1,64 --reps 3
+  # runtime settings interleaved in one run: nats-server with GOMAXPROCS=1, ZML on Python 3.12
+  python benches/peers_path.py --setup-dir $SCRATCH/peers_setup --targets direct,zml1,zml1-g1,zml1-py312 \
+      --zml-variants "g1:nats.GOMAXPROCS=1;py312:python=$SCRATCH/venv3.12/bin/python" --conc 1,64 --reps 3
 
 Every process is started by PID and stopped by PID (the harness's Proc.stop, the launcher's
 SIGTERM handler, or this script's finally: blocks). Everything binds 127.0.0.1.
@@ -89,7 +94,6 @@ models = ["stub-model"]
 # until SIGTERM, then stops the children by PID (gateway first, nats last).
 ZML_STACK = r'''#!/usr/bin/env python3
 import argparse, json, os, signal, subprocess, sys, tempfile, time
-from zmlcore.launch import free_port, nats_server_binary, service_argv, wait_port
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--config", required=True)
@@ -99,17 +103,29 @@ ap.add_argument("--logdir", required=True)
 ap.add_argument("--pids", required=True)
 ap.add_argument("--pythonpath", default="", help="ZML source snapshot dirs (os.pathsep-joined)")
 ap.add_argument("--grpc-port", type=int, default=0, help="also serve zml.v1 gRPC on this port")
+ap.add_argument("--nats-env", action="append", default=[], help="VAR=VALUE for nats-server only")
+ap.add_argument("--env", action="append", default=[], help="VAR=VALUE for the ZML services")
 a = ap.parse_args()
 child_env = {**os.environ, "PYTHONUNBUFFERED": "1"}
 if a.pythonpath:
     child_env["PYTHONPATH"] = a.pythonpath
+child_env.update(kv.split("=", 1) for kv in a.env)
+sys.path[:0] = [d for d in a.pythonpath.split(os.pathsep) if d]  # the snapshot's zmlcore, as the services
+from zmlcore.launch import free_port, nats_server_binary, service_argv, wait_port
+try:  # nats-server's Go settings as `zml up` sets them ([nats] server_gomaxprocs; refs before it: none)
+    from zmlcore.config import load_config
+    from zmlcore.sizing import nats_env as go_env, usable_cores
+    go = go_env(usable_cores(), load_config(a.config).nats.server_gomaxprocs)
+except ImportError:
+    go = {}
+nats_env = {**child_env, **go, **dict(kv.split("=", 1) for kv in a.nats_env)}
 procs = []
 stopping = False
 
-def start(name, argv):
+def start(name, argv, env=None):
     lf = open(os.path.join(a.logdir, name + ".log"), "w")
     p = subprocess.Popen(argv, stdout=lf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                         env=child_env)
+                         env=env or child_env)
     procs.append((name, p))
     return p
 
@@ -133,7 +149,7 @@ signal.signal(signal.SIGINT, stop_all)
 store = tempfile.mkdtemp(prefix="zml-nats-")
 nport = free_port()
 url = "nats://127.0.0.1:%d" % nport
-start("nats", [nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(nport), "-sd", store])
+start("nats", [nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(nport), "-sd", store], env=nats_env)
 if not wait_port("127.0.0.1", nport, 15):
     stop_all()
 start("health", service_argv("health", a.config, url))
@@ -158,6 +174,7 @@ import json, os, socket, time, urllib.request
 HERE = os.path.dirname(os.path.abspath(__file__))
 ZML_PY = %(zml_py)r
 ZML_PYTHONPATH = %(zml_pythonpath)r
+ZML_VARIANTS = %(zml_variants)r
 
 
 def _free_port():
@@ -166,11 +183,14 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def _target(name, config, routers=1):
+def _target(name, config, routers=1, variant=None):
     port = _free_port()
-    argv = [ZML_PY, os.path.join(HERE, "zml_stack.py"), "--config", os.path.join(HERE, config),
+    variant = variant or {}
+    argv = [variant.get("python", ZML_PY), os.path.join(HERE, "zml_stack.py"), "--config", os.path.join(HERE, config),
             "--port", str(port), "--routers", str(routers), "--logdir", os.path.join(HERE, "logs"),
             "--pids", os.path.join(HERE, "logs", name + ".pids.json"), "--pythonpath", ZML_PYTHONPATH]
+    argv += [arg for kv in variant.get("nats_env", ()) for arg in ("--nats-env", kv)]
+    argv += [arg for kv in variant.get("env", ()) for arg in ("--env", kv)]
     return dict(config=None, argv=argv, url="http://127.0.0.1:%%d/v1/chat/completions" %% port)
 
 
@@ -179,6 +199,8 @@ ZML_TARGETS = {
     "zml2rr": _target("zml2rr", "zml_2node_rr.toml"),
     "zml1r2": _target("zml1r2", "zml_1node.toml", routers=2),
 }
+ZML_TARGETS.update({"zml1-" + vname: _target("zml1-" + vname, "zml_1node.toml", variant=v)
+                    for vname, v in ZML_VARIANTS.items()})
 
 BODY = json.dumps({"model": "stub-model", "messages": [{"role": "user", "content": "hi"}],
                    "max_tokens": 16, "stream": False}).encode()
@@ -277,7 +299,31 @@ def snapshot(workdir: str, ref: str) -> tuple[str, str]:
     return commit, os.pathsep.join(dirs)
 
 
-def prepare(workdir: str, harness: str, setup_dir: str | None, pythonpath: str = "") -> None:
+def parse_variants(text: str) -> dict[str, dict]:
+    """``NAME:SPEC;NAME:SPEC`` -> variants of zml1 (targets ``zml1-NAME``), so that runtime settings are
+    compared interleaved in one run. SPEC is comma-separated: ``python=PATH`` (the interpreter of the
+    ZML services: another venv), ``nats.VAR=VALUE`` (environment of nats-server only), ``VAR=VALUE``
+    (environment of the ZML services)."""
+    out: dict[str, dict] = {}
+    for part in filter(None, (p.strip() for p in text.split(";"))):
+        name, _, spec = part.partition(":")
+        v: dict = {"nats_env": [], "env": []}
+        for item in filter(None, (i.strip() for i in spec.split(","))):
+            key, eq, val = item.partition("=")
+            if not eq:
+                raise SystemExit("--zml-variants: %r is not KEY=VALUE" % item)
+            if key == "python":
+                v["python"] = val
+            elif key.startswith("nats."):
+                v["nats_env"].append(key[5:] + "=" + val)
+            else:
+                v["env"].append(item)
+        out[name] = v
+    return out
+
+
+def prepare(workdir: str, harness: str, setup_dir: str | None, pythonpath: str = "",
+            variants: dict[str, dict] | None = None) -> None:
     for pat in ("*.py", "*.lua", "*.yaml", "*.sh"):
         for f in glob.glob(os.path.join(harness, pat)):
             shutil.copy(f, workdir)
@@ -289,7 +335,8 @@ def prepare(workdir: str, harness: str, setup_dir: str | None, pythonpath: str =
             raise SystemExit("bench.py changed: anchor %r found %d times" % (anchor, src.count(anchor)))
         src = src.replace(anchor, repl)
     open(bench, "w").write(src)
-    open(os.path.join(workdir, "zml_targets.py"), "w").write(ZML_TARGETS % {"zml_py": ZML_PY, "zml_pythonpath": pythonpath})
+    open(os.path.join(workdir, "zml_targets.py"), "w").write(ZML_TARGETS % {"zml_py": ZML_PY, "zml_pythonpath": pythonpath,
+                                                                             "zml_variants": variants or {}})
     open(os.path.join(workdir, "zml_stack.py"), "w").write(ZML_STACK)
     open(os.path.join(workdir, "zml_1node.toml"), "w").write(ZML_TOML_1)
     open(os.path.join(workdir, "zml_2node_rr.toml"), "w").write(ZML_TOML_2RR)
@@ -626,6 +673,10 @@ def main():
     ap.add_argument("--profile-seconds", type=int, default=20)
     ap.add_argument("--profile-rate", type=int, default=250)
     ap.add_argument("--profile-native", action="store_true", help="py-spy --native (C frames; pauses the target)")
+    ap.add_argument("--zml-variants", default="",
+                    help="NAME:SPEC;... adds targets zml1-NAME: zml1 with python=PATH (another venv's interpreter), "
+                         "nats.VAR=VALUE (nats-server's environment, e.g. nats.GOMAXPROCS=1) or VAR=VALUE (the "
+                         "services' environment); list them in --targets to interleave them with zml1")
     ap.add_argument("--grpc", action="store_true",
                     help="zml1 over gRPC (benches/grpc_load.py) beside zml1 over HTTP and direct (load.py)")
     a = ap.parse_args()
@@ -637,7 +688,7 @@ def main():
     workdir = a.workdir or tempfile.mkdtemp(prefix="zml-peers-")
     os.makedirs(workdir, exist_ok=True)
     commit, pythonpath = snapshot(workdir, a.zml_ref)
-    prepare(workdir, a.harness, a.setup_dir, pythonpath)
+    prepare(workdir, a.harness, a.setup_dir, pythonpath, parse_variants(a.zml_variants))
     open(os.path.join(workdir, "zml_commit.txt"), "w").write(commit + "\n")
     log("workdir", workdir, "ZML commit", commit)
     check_ports([8001, 8002] + ([4000] if "litellm" in a.targets else []))

@@ -22,6 +22,7 @@ from zmlcore.launch import Proc, free_port, listen_ports, port_in_use, spawn
 from zml.cli.up import demo_config_path
 from zmlcore.config import load_config
 from zmlcore.launch import endpoint_port
+from zmlcore.sizing import nats_gomaxprocs, usable_cores
 
 
 def _zml(*args: str) -> list[str]:
@@ -146,6 +147,14 @@ def test_zml_up_insecure_is_an_explicit_open_broker(tmp_path: Path) -> None:
             return True
 
         assert asyncio.run(open_connect())
+        # [nats] server_gomaxprocs = "auto" (the demo config): in nats-server's environment only.
+        want = f"GOMAXPROCS={nats_gomaxprocs(usable_cores())}".encode()
+        kids = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+        environ = [(Path(f"/proc/{k}/cmdline").read_bytes().split(b"\0")[0], Path(f"/proc/{k}/environ").read_bytes())
+                   for k in kids]
+        server = [env for cmd, env in environ if cmd.endswith(b"nats-server")]
+        assert len(server) == 1 and want in server[0].split(b"\0"), [cmd for cmd, _ in environ]
+        assert all(b"GOMAXPROCS=" not in env for cmd, env in environ if not cmd.endswith(b"nats-server"))
     finally:
         proc.popen.send_signal(signal.SIGTERM)
         assert proc.popen.wait(30) == 0, proc.tail()

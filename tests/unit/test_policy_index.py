@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import msgspec
 import numpy as np
 import pytest
-from test_policy_helpers import NOW, node
+from test_policy_helpers import NOW, fleet5, node
 
 from zmlcore.config import PolicyConfig
 from zmlcore.errors import RoutingError
@@ -60,7 +60,7 @@ class RefCtx:
         self.prompt = float(req.prompt_tokens) if req.prompt_tokens > 0 else MEAN_PROMPT_TOKENS
         chain = policy.chain or tuple(fams)
         in_chain = {f.lower() for f in chain}
-        t = self.table = SimpleNamespace(keys=[], drains=[], cost_cap=[], inv_pf=[], pf=[], flat=[])
+        t = self.table = SimpleNamespace(keys=[], drains=[], cost_cap=[], inv_pf=[], pf=[], depth=[], maxc=[], flat=[])
         groups = {f.lower(): RefGroup(f, serving, t) for f in fams}
         self.ok: list[bool] = []
         for i, v in enumerate(serving):
@@ -72,6 +72,8 @@ class RefCtx:
             t.cost_cap.append(c.cost_cap)
             t.inv_pf.append(c.inv_pf)
             t.pf.append(c.pf)
+            t.depth.append(v.effective_outstanding())
+            t.maxc.append(c.maxc)
             g = groups[st.family.lower()]
             g.members.append(i)
             t.flat.append((g, i))
@@ -351,3 +353,22 @@ def test_chains_cached_per_table_stay_bounded() -> None:
         d = choose_node(fleet, RouteRequest(model="m"), pol, NOW, RoutingState())
         assert d.family == chain[0]
         assert len(fleet.table("m").chains) <= MAX_CHAINS
+
+
+def test_latency_near_tie_window_shrinks_as_a_node_fills(path: str) -> None:
+    """A node's near-tie window shrinks with the share of its sequence slots taken (TIE_SLOTS):
+    a 250-token prompt is 25 ms on the H100, 45 ms on the A100, 50 ms on the Gaudi2 (16 slots).
+    With 1 request on the Gaudi2 its window is 28 ms and it wins the tie; with 8 (half its
+    slots) it is 15 ms, and the tie goes to the idle A100 (20 ms behind, full 30 ms window)."""
+    from zmlcore.policy.strategies import latency
+
+    assert latency.TIE_S == 0.03 and latency.TIE_SLOTS == 1.0
+    req = RouteRequest(model="m", prompt_tokens=250)
+    pol = builtin_policy("latency")
+    for outstanding, want in ((0, "gaudi2"), (1, "gaudi2"), (8, "a100"), (16, "a100")):
+        views = fleet5()
+        views[3].outstanding = outstanding
+        d = choose_node(FleetIndex(views), req, pol, NOW, RoutingState(), stale_after_s=STALE)
+        assert d.node_id == want, outstanding
+        ref = reference(views, req, pol, NOW, RoutingState())
+        assert ref is not None and (d.node_id, d.estimated_ttft_s) == ref[:2]

@@ -76,6 +76,11 @@ class NatsConfig(msgspec.Struct, **_Base):
     """... and its private key."""
     server_tls_verify_clients: bool = False
     """`zml up`'s nats-server requires a client certificate signed by tls_ca_file (mutual TLS)."""
+    server_gomaxprocs: PosInt | Literal["auto"] = "auto"
+    """`zml up`'s nats-server: cores its Go code runs on at once (GOMAXPROCS, set in its
+    environment only). "auto": one per four cores, at least one (zmlcore.sizing): on two cores
+    one spent less nats-server CPU per request than two (docs/benchmarks.md, "Runtime levers").
+    Go's own default is every core: give the core count for that."""
 
 
 class GatewayConfig(msgspec.Struct, **_Base):

@@ -28,6 +28,7 @@ Example (requester)::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 from zmlcore import subjects
@@ -82,12 +83,16 @@ class KeepaliveBook:
     []
     """
 
-    __slots__ = ("_entries",)
+    __slots__ = ("_entries", "on_first")
 
     def __init__(self) -> None:
         self._entries: dict[str, list[float]] = {}
+        #: Called when an entry goes into an empty book: wakes a sender parked while it was empty.
+        self.on_first: Callable[[], None] | None = None
 
     def add(self, reply: str, interval_s: float, now: float) -> None:
+        if not self._entries and self.on_first is not None:
+            self.on_first()
         self._entries[reply] = [interval_s, now]
 
     def remove(self, reply: str) -> None:

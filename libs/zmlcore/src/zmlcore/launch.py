@@ -191,12 +191,14 @@ def spawn(name: str, argv: Sequence[str], *, env: dict[str, str] | None = None, 
 
 def start_nats(host: str, port: int, store_dir: str, *, echo: bool = False, config: str | None = None,
                name: str = "nats", cluster_port: int | None = None, routes: Sequence[str] = (),
-               cluster_name: str = "zml", monitor_port: int | None = None) -> Proc:
+               cluster_name: str = "zml", monitor_port: int | None = None,
+               env: dict[str, str] | None = None) -> Proc:
     """A nats-server with JetStream. ``config``: a nats.conf (authorization, TLS) from
     zmlcore.natscreds; the flags here win. With ``cluster_port``: one server of a cluster whose
     other members listen for routes at ``routes`` (``nats://host:port``); a cluster member needs
     its own ``store_dir`` and ``name`` (its JetStream server name). ``monitor_port``: HTTP
-    monitoring (/healthz) on the same host."""
+    monitoring (/healthz) on the same host. ``env``: added to its environment (Go runtime
+    settings from zmlcore.sizing.nats_env)."""
     argv = [nats_server_binary(), "-js", "-a", host, "-p", str(port), "-sd", store_dir]
     if config:
         argv += ["-c", config]
@@ -205,7 +207,7 @@ def start_nats(host: str, port: int, store_dir: str, *, echo: bool = False, conf
                  "--cluster", f"nats://{host}:{cluster_port}", "--routes", ",".join(routes)]
     if monitor_port is not None:
         argv += ["-m", str(monitor_port)]
-    proc = spawn(name, argv, echo=echo)
+    proc = spawn(name, argv, echo=echo, env=env)
     if not wait_port(host, port, 15):
         proc.stop()
         raise RuntimeError(f"nats-server did not start on {host}:{port}:\n{proc.tail()}")
@@ -236,12 +238,13 @@ class ClusterPlan:
         """Every client URL, comma-separated (what --nats-url takes)."""
         return ",".join(f"nats://{self.host}:{p}" for p in self.client_ports)
 
-    def start(self, i: int, *, echo: bool = False, config: str | None = None) -> Proc:
+    def start(self, i: int, *, echo: bool = False, config: str | None = None,
+              env: dict[str, str] | None = None) -> Proc:
         """Start member ``i`` (also to restart it after it died: same ports and store)."""
         routes = [f"nats://{self.host}:{p}" for j, p in enumerate(self.cluster_ports) if j != i]
         proc = start_nats(self.host, self.client_ports[i], self.stores[i], echo=echo, name=f"nats-{i + 1}",
                           config=config, cluster_port=self.cluster_ports[i], routes=routes,
-                          monitor_port=self.monitor_ports[i])
+                          monitor_port=self.monitor_ports[i], env=env)
         return proc
 
     def wait_ready(self, timeout: float) -> None:

@@ -44,6 +44,7 @@ CANCEL_PREFIX = f"{PREFIX}.cancel"
 #: Root of the per-identity reply inboxes: ``_ZML_INBOX.<owner>.<...>``. nats-py's
 #: ``inbox_prefix`` connect option puts every reply subject of a connection under it.
 INBOX_ROOT = "_ZML_INBOX"
+_INBOX_DOT = INBOX_ROOT + "."
 
 #: Router replicas publish in-flight deltas here so that each replica's view of node load
 #: includes the others' dispatches.
@@ -125,7 +126,7 @@ def inbox_prefix(owner: str) -> str:
 
 def reply_owner(reply: str) -> str:
     """The identity a reply subject belongs to ("" for the default ``_INBOX`` or none)."""
-    if reply.startswith(INBOX_ROOT + "."):
+    if reply.startswith(_INBOX_DOT):  # called per request: no string built per call
         return reply.split(".", 2)[1]
     return ""
 

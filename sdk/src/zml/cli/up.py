@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     from zmlcore.errors import ConfigError
     from zmlcore.launch import ClusterPlan, endpoint_port, listen_ports, port_in_use, service_argv, spawn, start_nats, wait_port
     from zmlcore.natscreds import default_data_dir, ensure_builtin, running_server, write_server_config
-    from zmlcore.sizing import plan_processes, usable_cores
+    from zmlcore.sizing import nats_env, plan_processes, usable_cores
     from zmlcore.supervise import Supervisor
     from zml.cli._simports import relocate
 
@@ -165,15 +165,17 @@ def run(args: argparse.Namespace) -> int:
                     return _fail(str(exc))
                 envs = {name: {"ZML_NATS_NKEY": ident.seed_file} for name, ident in ids.items()}
             store = str(data_dir / "jetstream")
+            go_env = nats_env(usable_cores(), cfg.nats.server_gomaxprocs)
             # Restarted on the same port and store: services reconnect and re-watch.
             if args.cluster == 1:
-                sup.add("nats", lambda: start_nats(args.host, args.nats_port, store, echo=v, config=conf))
+                sup.add("nats", lambda: start_nats(args.host, args.nats_port, store, echo=v, config=conf,
+                                                         env=go_env))
                 nats_url = f"nats://{args.host}:{args.nats_port}"
             else:
                 plan = ClusterPlan.make(args.host, args.cluster, store, first_port=args.nats_port)
                 def member(i: int) -> Callable[[], Proc]:
                     member_conf = _member_config(conf, i)
-                    return lambda: plan.start(i, echo=v, config=member_conf)
+                    return lambda: plan.start(i, echo=v, config=member_conf, env=go_env)
 
                 for i in range(args.cluster):
                     sup.add(f"nats-{i + 1}", member(i))

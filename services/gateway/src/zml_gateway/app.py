@@ -77,6 +77,12 @@ _SSE_HEADERS = [
 ]
 
 
+def _length(body: bytes) -> tuple[bytes, bytes]:
+    """A whole reply's length: the client reads no chunked framing, and the server writes head
+    and body at once (zml_gateway.protocol.FastCycle)."""
+    return (b"content-length", b"%d" % len(body))
+
+
 _TOTAL_TOKENS = re.compile(rb'"total_tokens"\s*:\s*(\d+)')
 
 
@@ -209,6 +215,10 @@ class Gateway:
                 if value.isdigit() and int(value) > limit:
                     raise RequestTooLargeError(f"request body of {int(value)} bytes is over the limit of {limit} bytes")
                 break
+        if getattr(getattr(receive, "__self__", None), "body_complete", False):
+            # All here already (zml_gateway.protocol.FastCycle: a small body comes with its
+            # head): nothing to wait for, so no timer to arm and cancel.
+            return await self._read_rest(receive, limit)
         timeout = self.cfg.gateway.body_timeout_s
         try:
             async with asyncio.timeout(timeout):  # a client that sends headers, then trickles or stalls
@@ -327,8 +337,19 @@ class Gateway:
 
     def _watch(self, ex: Exchange, receive: Receive) -> Callable[[], None]:
         """While a request runs, the HTTP client going away and the broker connection being
-        lost both abort its exchange: one task waits on ``receive()``, the broker is a callback.
-        Returns what stops watching."""
+        lost both abort its exchange: the broker is a callback; the client is one too when the
+        server offers it (zml_gateway.protocol.FastCycle.on_disconnect, HTTP/1.1), else a task
+        waits on ``receive()``. Returns what stops watching."""
+        unwatch = link_of(self.nc).on_change(lambda: ex.abort(_BrokerLost()))
+        on_disconnect = getattr(getattr(receive, "__self__", None), "on_disconnect", None)
+        if on_disconnect is not None:  # no task (created, run, cancelled) per request
+            off = on_disconnect(lambda: ex.abort(_ClientGone()))
+
+            def stop_hook() -> None:
+                off()
+                unwatch()
+            return stop_hook
+
         async def client_gone() -> None:
             try:
                 await receive()  # the body was read whole: what comes next is the disconnect
@@ -337,7 +358,6 @@ class Gateway:
             ex.abort(_ClientGone())
 
         task = asyncio.ensure_future(client_gone())
-        unwatch = link_of(self.nc).on_change(lambda: ex.abort(_BrokerLost()))
 
         def stop() -> None:
             task.cancel()
@@ -375,10 +395,10 @@ class Gateway:
         data = reply.data
         info = routingmeta.from_body(data)  # asked for in the body only (Zml-Accept-Routing)
         if info is not None:
-            out = [_JSON, *limits, *routingmeta.http_headers_of(info)]
+            out = [_JSON, _length(data), *limits, *routingmeta.http_headers_of(info)]
             tokens[0] = info.total_tokens or 0
         else:
-            out = [_JSON, *limits, *routingmeta.http_headers(rh)]
+            out = [_JSON, _length(data), *limits, *routingmeta.http_headers(rh)]
             tokens[0] = _total_tokens(data)
         await send({"type": "http.response.start", "status": 200, "headers": out})
         await send({"type": "http.response.body", "body": data})
@@ -482,8 +502,9 @@ class Gateway:
 
     # --- responses -------------------------------------------------------------------------
     async def _plain(self, send: Send, status: int, payload: Any, extra: list[tuple[bytes, bytes]] | None = None) -> None:
-        await send({"type": "http.response.start", "status": status, "headers": [_JSON, *(extra or [])]})
-        await send({"type": "http.response.body", "body": _encode(payload)})
+        body = _encode(payload)
+        await send({"type": "http.response.start", "status": status, "headers": [_JSON, _length(body), *(extra or [])]})
+        await send({"type": "http.response.body", "body": body})
 
     async def _error(self, send: Send, exc: ZMLError, scope: Scope | None = None) -> None:
         extra = []
@@ -503,5 +524,5 @@ class Gateway:
         extra = list(limits or ())
         if retry_after is not None:  # HTTP wants whole seconds
             extra.append((b"retry-after", str(max(1, math.ceil(float(retry_after)))).encode()))
-        await send({"type": "http.response.start", "status": cls.http_status, "headers": [_JSON, *extra]})
+        await send({"type": "http.response.start", "status": cls.http_status, "headers": [_JSON, _length(data), *extra]})
         await send({"type": "http.response.body", "body": data})

@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import REGISTRY, Counter
 
 from zmlcore.metrics import DURATION_BUCKETS, Children
+from zmlcore.tally import CounterTally, HistogramTally, Tallies
 from zml_gateway.access import Caller
 
-REQUESTS = Children(Counter(
+# Bumped on every inference request: tallies (plain numbers, folded into the same Prometheus
+# families at scrape time, zmlcore.tally), not prometheus_client's locked Counter/Histogram.
+REQUESTS = CounterTally(
     "zml_gateway_requests", "HTTP inference requests answered, by route and HTTP status.",
-    ["route", "status"]))
-DURATION = Children(Histogram(
+    ["route", "status"])
+DURATION = HistogramTally(
     "zml_gateway_request_duration_seconds",
     "Time from the request's arrival to its last byte (streams: to [DONE]).", ["route"],
-    buckets=DURATION_BUCKETS))
+    buckets=DURATION_BUCKETS)
+REGISTRY.register(Tallies(REQUESTS, DURATION))
 RATE_LIMITED = Children(Counter(
     "zml_gateway_rate_limited", "Requests refused with 429 RATE_LIMITED, by key label.", ["key"]))
 

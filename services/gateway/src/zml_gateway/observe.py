@@ -23,7 +23,9 @@ if TYPE_CHECKING:
     from zml_gateway.dashboard import Dashboard
 
 _INFER = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
-_STATUS = {s: str(s) for s in range(100, 600)}
+#: (route, status) label sets and (route,) ones, built once.
+_LABELS = {(r, s): (r, str(s)) for r in _INFER.values() for s in range(100, 600)}
+_ROUTE = {r: (r,) for r in _INFER.values()}
 
 
 class _Watch:
@@ -59,8 +61,8 @@ class Observed:
                 else:
                     await self.app(scope, receive, watch)
             finally:
-                metrics.REQUESTS(route, _STATUS.get(watch.status, "0")).inc()
-                metrics.DURATION(route).observe(time.perf_counter() - t0)
+                metrics.REQUESTS.inc(_LABELS.get((route, watch.status)) or (route, "0"))
+                metrics.DURATION.observe(_ROUTE[route], time.perf_counter() - t0)
             return
         if path == "/metrics" and self.serve_metrics:
             if scope["method"] != "GET":

@@ -12,6 +12,10 @@ for ever (slow loris). Here:
 Bytes are counted before httptools buffers them, so memory per connection stays under
 ``max_header_bytes`` plus one read.
 
+Each request's cycle is a :class:`FastCycle`: a response that declares its length goes out in
+one write (head and body), and the app can ask to be called back when the client goes away
+(:meth:`FastCycle.on_disconnect`) instead of keeping a task in ``receive()``.
+
 A connection whose first bytes are the HTTP/2 client preface (h2c with prior knowledge, or
 TLS after ALPN chose ``h2``) is handed to :class:`zml_gateway.http2.H2Protocol`, which serves
 the same app with the same bounds.
@@ -20,10 +24,11 @@ the same app with the same bounds.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 
 from zmlcore.errors import BadRequestError, HeadersTooLargeError
 from zml_gateway.http2 import PREFACE, H2Limits, H2Protocol
@@ -37,6 +42,107 @@ def _response(status: int, reason: bytes, message: str, code: str) -> bytes:
     body = msgspec.json.encode({"error": {"message": message, "type": "invalid_request_error", "code": code}})
     return (b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
             b"connection: close\r\n\r\n" % (status, reason, len(body))) + body
+
+
+class _Head:
+    """Stands in for the transport while uvicorn writes a response head: keeps the bytes."""
+
+    __slots__ = ("data",)
+
+    def __init__(self) -> None:
+        self.data = b""
+
+    def write(self, data: bytes) -> None:
+        self.data += data
+
+
+class FastCycle(RequestResponseCycle):
+    """uvicorn's request/response cycle, with costs per request cut (at C=1 they are paid on
+    the request's critical path, and by the client too):
+
+    - a response with a ``content-length`` goes out in one write: uvicorn builds and checks
+      the head as always, but it is held until the body (which the app sends right after) and
+      written with it. One syscall and one TCP segment instead of two.
+    - :meth:`on_disconnect`: the protocol calls back when the connection is lost, so the app
+      needs no task parked in ``receive()`` per request to learn it.
+    - :attr:`body_complete`: the app reads a body that is all here without arming a timer.
+    """
+
+    _held: bytes | None = None
+    _gone: list[Callable[[], None]] | None = None
+
+    @property
+    def body_complete(self) -> bool:
+        """The whole request body has arrived (``receive()`` will not wait for the client)."""
+        return not self.more_body
+
+    def on_disconnect(self, callback: Callable[[], None]) -> Callable[[], None]:
+        """Call ``callback`` once if the client goes away before the response is complete
+        (at once if it has already); returns what cancels that."""
+        if self.disconnected:
+            callback()
+            return _nothing
+        gone = self._gone
+        if gone is None:
+            gone = self._gone = []
+        gone.append(callback)
+
+        def cancel() -> None:
+            try:
+                gone.remove(callback)
+            except ValueError:
+                pass
+        return cancel
+
+    def lost(self) -> None:
+        """The connection is gone (the protocol's connection_lost)."""
+        gone, self._gone = self._gone, None
+        if gone and self.disconnected:
+            for callback in gone:
+                callback()
+
+    async def send(self, message: Any) -> None:
+        held = self._held
+        if held is not None:
+            self._held = None
+            if self.flow.write_paused and not self.disconnected:
+                await self.flow.drain()
+            if self.disconnected:  # as uvicorn: writes go nowhere
+                return
+            if (message["type"] == "http.response.body" and not message.get("more_body", False)
+                    and len(message.get("body", b"")) == self.expected_content_length):
+                self.transport.write(held + message.get("body", b""))
+                self.expected_content_length = 0
+                self.response_complete = True
+                self.message_event.set()
+                if not self.keep_alive:
+                    self.transport.close()
+                self.on_response()
+                return
+            self.transport.write(held)  # anything else: the head now, then as uvicorn does
+            await super().send(message)
+            return
+        if self.response_started or message["type"] != "http.response.start":
+            await super().send(message)
+            return
+        if self.flow.write_paused and not self.disconnected:
+            await self.flow.drain()  # here, so that nothing awaits while the transport is swapped
+        transport, head = self.transport, _Head()
+        self.transport = head  # type: ignore[assignment]
+        try:
+            await super().send(message)  # uvicorn checks and builds the head
+        finally:
+            self.transport = transport
+        if not head.data:  # not written (the client is gone)
+            return
+        if self.chunked_encoding is False and self.expected_content_length > 0 and self.scope["method"] != "HEAD":
+            self._held = head.data  # its body follows: one write for both
+        else:
+            transport.write(head.data)
+
+
+def _nothing() -> None:
+    pass
 
 
 class BoundedHttpTools(HttpToolsProtocol):
@@ -53,6 +159,7 @@ class BoundedHttpTools(HttpToolsProtocol):
         self._in_head = True
         self._refused = False
         self._head_timer: asyncio.TimerHandle | None = None
+        self._head_deadline = 0.0
         self._sniff = b"" if self.h2_limits is not None else None  # first bytes, until told h1 from h2
 
     @classmethod
@@ -68,12 +175,23 @@ class BoundedHttpTools(HttpToolsProtocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._stop_timer()
         super().connection_lost(exc)
+        if isinstance(self.cycle, FastCycle):
+            self.cycle.lost()
+
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
+        # uvicorn builds the cycle in on_headers_complete (the ASGI task, created below, has
+        # not run yet): it becomes a FastCycle, a subclass that adds no state of its own.
+        cycle.__class__ = FastCycle
+        super()._start_asgi_task(cycle, app)
 
     def _start_head(self) -> None:
         self._in_head = True
         self._head_bytes = self._head_count = self._head_size = 0
-        self._stop_timer()
-        self._head_timer = self.loop.call_later(self.header_timeout_s, self._head_timeout)
+        self._head_deadline = self.loop.time() + self.header_timeout_s
+        # One timer per connection, not one armed and cancelled per request: a timer armed for
+        # an earlier head fires sooner than this deadline and re-arms for it (_head_timeout).
+        if self._head_timer is None:
+            self._head_timer = self.loop.call_at(self._head_deadline, self._head_timeout)
 
     def _stop_timer(self) -> None:
         if self._head_timer is not None:
@@ -82,10 +200,14 @@ class BoundedHttpTools(HttpToolsProtocol):
 
     def _head_timeout(self) -> None:
         self._head_timer = None
-        if self._in_head and not self._refused:
-            self._refuse(_response(408, b"Request Timeout",
-                                   f"request headers not received within {self.header_timeout_s:g} s",
-                                   BadRequestError.code))
+        if not self._in_head or self._refused:
+            return
+        if self._head_deadline - self.loop.time() > 0.005:  # a later request's head: wait for its deadline
+            self._head_timer = self.loop.call_at(self._head_deadline, self._head_timeout)
+            return
+        self._refuse(_response(408, b"Request Timeout",
+                               f"request headers not received within {self.header_timeout_s:g} s",
+                               BadRequestError.code))
 
     def _refuse(self, response: bytes) -> None:
         self._refused = True
@@ -154,6 +276,5 @@ class BoundedHttpTools(HttpToolsProtocol):
         super().on_header(name, value)
 
     def on_headers_complete(self) -> None:
-        self._in_head = False
-        self._stop_timer()
+        self._in_head = False  # the head timer, if it fires, finds nothing to do
         super().on_headers_complete()

@@ -9,11 +9,12 @@ completion if that comes first. The simulator models exactly this (``--pending-e
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable
 
 from zmlcore.messages import NodeState
 from zmlcore.policy.estimate import nonstream_pending_s, prompt_tokens_from_body
+
+from zml_router.timers import Timer, Wheel
 
 #: Moves a node's (outstanding, pending) counts at once (``Sharing.move``: no I/O, no waiting).
 Move = Callable[[str, int, int], None]
@@ -26,19 +27,19 @@ def window_s(st: NodeState, outstanding: int, pending: int, body_bytes: int) -> 
 
 class PendingHold:
     """Counts one dispatched non-streamed request: +1 outstanding and pending now, pending -1
-    after ``seconds`` (one loop timer, the count moved in its callback: no task), the rest at
-    :meth:`close`."""
+    after ``seconds`` (a timer on the router's wheel, the count moved in its callback: no task,
+    and no loop timer armed and cancelled per request; it may end one tick, 5 ms, late), the
+    rest at :meth:`close`."""
 
     __slots__ = ("_move", "node_id", "pending", "_timer", "_closed")
 
-    def __init__(self, move: Move, node_id: str, seconds: float) -> None:
+    def __init__(self, move: Move, node_id: str, seconds: float, wheel: Wheel) -> None:
         self._move = move
         self.node_id = node_id
         self.pending = True
         self._closed = False
         move(node_id, 1, 1)
-        self._timer: asyncio.TimerHandle | None = asyncio.get_running_loop().call_later(max(0.0, seconds),
-                                                                                       self._expire)
+        self._timer: Timer | None = wheel.call_at(wheel.running_loop().time() + max(0.0, seconds), self._expire)
 
     def _expire(self) -> None:
         self._timer = None

@@ -105,7 +105,7 @@ class Relay:
         # A non-streamed reply shows no first token: pending ends at the estimated one.
         v = svc.table.views[info.node_id]
         hold = PendingHold(svc.sharing.move, info.node_id,
-                           window_s(v.state, v.effective_outstanding(), v.effective_pending(), len(body)))
+                           window_s(v.state, v.effective_outstanding(), v.effective_pending(), len(body)), svc.timers)
         try:
             call = post_json(svc.http, self._url(info, req), body, self._headers(info),  # type: ignore[arg-type]
                              svc.cfg.nats.max_reply_bytes)

@@ -242,7 +242,7 @@ class RouterService:
             out.label = headers.get(subjects.H_LABEL, "")[:200]
             timeout = request_timeout_s(req.timeout_ms, headers.get(subjects.H_TIMEOUT_MS),
                                         self._default_timeout, self.cfg.defaults.max_request_timeout_s)
-            task = asyncio.current_task()
+            task = asyncio.current_task(self.timers.running_loop())  # the loop known: no getpid (3.11)
             assert task is not None
             key = owner_key(msg.reply, headers, request_id)
             keepalive = parse_interval(headers.get(subjects.H_KEEPALIVE))

@@ -58,6 +58,12 @@ class Cand:
         """The node's prefill speed (tokens/s, Coeffs.pf)."""
         return float(self.cls.table.pf[self.i])
 
+    @property
+    def slot_use(self) -> float:
+        """The node's queue depth over its sequence slots (1.0: every slot taken)."""
+        t = self.cls.table
+        return float(t.depth[self.i]) / float(t.maxc[self.i])
+
 
 class Chain:
     """A policy's chain as it falls on one table (cached in ``ModelTable.chains``)."""

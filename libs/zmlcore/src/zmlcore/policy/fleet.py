@@ -76,8 +76,8 @@ class ModelTable:
 
     __slots__ = (
         "model", "small", "families", "by_family", "groups", "starts", "fam", "group_of", "chains", "flat", "views",
-        "coeffs", "inputs", "up", "n_up", "key", "drain", "pf", "inv_pf", "cost_cap", "depth", "updated", "blocked",
-        "health",
+        "coeffs", "inputs", "up", "n_up", "key", "drain", "pf", "inv_pf", "cost_cap", "depth", "maxc", "updated",
+        "blocked", "health",
     )
 
     def __init__(self, model: str, views: list[NodeView], families: list[str]) -> None:
@@ -118,6 +118,8 @@ class ModelTable:
         self.cost_cap = col(0.0)
         #: effective outstanding requests (the strategies' queue depth)
         self.depth = col(0.0)
+        #: sequence slots (Coeffs.maxc)
+        self.maxc = col(1.0)
         #: state's updated_at; max(cooldown_until, saturated_until); health score
         self.updated = col(0.0)
         self.blocked = col(0.0)
@@ -216,6 +218,7 @@ class FleetIndex(Sequence[NodeView]):
             t.pf[j] = c.pf
             t.inv_pf[j] = c.inv_pf
             t.cost_cap[j] = c.cost_cap
+            t.maxc[j] = c.maxc
         up = st.status == "up" and t.model in st.models
         if up != t.up[j]:
             t.up[j] = up
