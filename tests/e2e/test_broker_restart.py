@@ -140,3 +140,47 @@ def test_requests_wait_for_routers_that_reconnect_after_the_gateway(tmp_path: Pa
     print(f"\n{len(after)} requests sent after the gateway was back, {len(failed)} failed; longest {waited:.2f} s")
     assert after and not failed, failed[:5]
     assert waited >= 0.15  # some waited for the routers (a served request takes ~0.05 s): the case happened
+
+
+def test_a_request_sent_while_the_broker_is_down_waits_for_it(tmp_path: Path) -> None:
+    """A request that reaches the gateway while it has no broker connection was published to
+    nobody: it waits for the reconnect within [gateway] no_router_grace_s and is then served
+    (it used to get 503 CONNECTION_FAILED at once). An outage longer than the grace still ends
+    in that clean 503, after the grace."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from conftest import MODEL
+
+    port = free_port()
+    store = tempfile.mkdtemp(prefix="zml-restart-nats-", dir=tmp_path)
+    nats_proc = start_nats("127.0.0.1", port, store)
+    stack = launch_stack(f"nats://127.0.0.1:{port}", tmp_path, routers=1,
+                         extra="[gateway]\nno_router_grace_s = 3\n")
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+
+    def post() -> tuple[int, dict, float]:
+        t0 = time.monotonic()
+        r = httpx.post(stack.gateway_url + "/v1/chat/completions", json=body, timeout=30)
+        return r.status_code, r.json(), time.monotonic() - t0
+
+    try:
+        until_health(stack.gateway_url, 200)
+        assert post()[0] == 200
+        nats_proc.popen.kill()
+        nats_proc.popen.wait(10)
+        until_health(stack.gateway_url, 503)  # the gateway knows its broker is gone
+        # Longer than the grace: the clean 503, after waiting it out.
+        status, reply, took = post()
+        assert status == 503 and reply["error"]["code"] == "CONNECTION_FAILED", reply
+        assert took >= 2.8, took
+        # Back within the grace: served.
+        with ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(post)
+            time.sleep(0.5)
+            nats_proc = start_nats("127.0.0.1", port, store)
+            status, reply, took = pending.result(timeout=60)
+        assert status == 200 and reply["choices"], reply
+        assert took >= 0.4, took  # it did wait for the broker
+    finally:
+        stack.stop()
+        nats_proc.stop()

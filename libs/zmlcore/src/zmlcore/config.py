@@ -133,7 +133,9 @@ class GatewayConfig(msgspec.Struct, **_Base):
     it, so it is sent again after 10, 20, 50, then every 100 ms until a router takes it, within
     this grace and never past the request's own timeout; after it, 503 NO_HEALTHY_NODES with
     Retry-After. Waiting requests count toward max_concurrent; a client that goes away ends its
-    wait. 0: answer 503 at once. At most 60."""
+    wait. A request that arrives while the gateway has lost its broker connection waits for the
+    reconnect within the same grace (it is not buffered meanwhile), else 503 CONNECTION_FAILED.
+    0: answer 503 at once. At most 60."""
     tls_cert_file: str | None = None
     """Serve HTTPS with this certificate (PEM; env ZML_GATEWAY_TLS_CERT). None: plain HTTP."""
     tls_key_file: str | None = None

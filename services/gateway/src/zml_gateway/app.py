@@ -309,8 +309,9 @@ class Gateway:
                 headers[subjects.H_LABEL] = caller.record.label
         if tracing.ON:  # the router's span continues the gateway's
             gateway_tracing.forward(headers)
-        if not self.nc.is_connected:  # fail fast: buffered until the broker is back, it may be lost
-            raise ZMLConnectionError("the gateway has lost its broker connection; retry", retry_after=1.0)
+        if not self.nc.is_connected:
+            left = await self._await_broker(timeout)
+            headers[subjects.H_TIMEOUT_MS] = str(max(1, int(left * 1000)))
         owned = self.inflight.claim(caller.identity, request_id, headers)
         try:
             if stream:
@@ -319,6 +320,26 @@ class Gateway:
                 await self._infer_once(body, headers, request_id, timeout, receive, send, limits, tokens)
         finally:
             self.inflight.release(owned)
+
+    async def _await_broker(self, timeout: float) -> float:
+        """A request that arrives while the broker connection is down has reached nobody, so it
+        waits for the reconnect (a broker restart takes well under a second) within [gateway]
+        no_router_grace_s and never past its own timeout, then goes on with the time left.
+        Past that: 503 CONNECTION_FAILED, as before. It is not published while disconnected:
+        nats-py would buffer it, and a buffer lost with the connection would lose it silently."""
+        t0 = time.monotonic()
+        grace = min(self.cfg.gateway.no_router_grace_s, timeout)
+        link = link_of(self.nc)
+        if grace > 0:
+            try:
+                async with asyncio.timeout(grace):
+                    while not self.nc.is_connected and not link.closed.is_set():
+                        await link.reconnected(link.generation)
+            except asyncio.TimeoutError:  # the builtin (zmlcore's TimeoutError is imported here)
+                pass
+        if not self.nc.is_connected:
+            raise ZMLConnectionError("the gateway has lost its broker connection; retry", retry_after=1.0)
+        return timeout - (time.monotonic() - t0)
 
     async def _cancel(self, request_id: str, headers: dict[str, str]) -> None:
         await natspub.publish(self.nc, subjects.cancel(request_id, self.owner), b"",
