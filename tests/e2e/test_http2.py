@@ -107,6 +107,16 @@ def test_h2c_prior_knowledge_serves_the_api(gw: Gateways) -> None:
     assert r1.http_version == "HTTP/1.1" and r1.status_code == 200
 
 
+def test_h2c_head_is_get_without_the_body(gw: Gateways) -> None:
+    with httpx.Client(base_url=gw.plain, http1=False, http2=True, timeout=30) as c:
+        for path in ("/healthz", "/v1/models"):
+            got, head = c.get(path), c.head(path)
+            assert head.http_version == "HTTP/2" and head.status_code == got.status_code == 200
+            assert head.content == b"" and head.headers["content-length"] == str(len(got.content)), path
+        assert c.get("/healthz").status_code == 200  # the connection is still good
+    _alive(gw)
+
+
 def test_h2c_streaming_relays_server_sent_events(gw: Gateways) -> None:
     with httpx.Client(base_url=gw.plain, http1=False, http2=True, timeout=30) as c:
         with c.stream("POST", "/v1/chat/completions", json={**BODY, "stream": True, "max_tokens": 8}) as r:

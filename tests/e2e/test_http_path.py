@@ -122,6 +122,20 @@ def test_models_nodes_and_healthz(http: httpx.Client, zml_stack: Stack) -> None:
     assert http.get("/v1/chat/completions").status_code == 405
 
 
+def test_head_is_get_without_the_body(http: httpx.Client) -> None:
+    """HEAD on every GET route (load balancers probe /healthz so): GET's status and headers,
+    content-length included, and no body; still 405 on the POST routes."""
+    for path in ("/healthz", "/v1/models", "/v1/nodes", "/v1/models/" + MODEL, "/v1/models/nope"):
+        got, head = http.get(path), http.head(path)
+        assert head.status_code == got.status_code, (path, head.status_code, got.status_code)
+        assert head.content == b"" and head.headers["content-length"].isdigit(), path
+        if path != "/v1/nodes":  # the node table's ages change from one call to the next
+            assert head.headers["content-length"] == str(len(got.content)), path
+        assert head.headers["content-type"] == got.headers["content-type"]
+    assert http.head("/v1/chat/completions").status_code == 405
+    assert http.get("/healthz").status_code == 200  # the connection goes on after HEADs
+
+
 def test_openai_client_against_the_gateway(zml_stack: Stack) -> None:
     import openai
 

@@ -83,6 +83,15 @@ def _length(body: bytes) -> tuple[bytes, bytes]:
     return (b"content-length", b"%d" % len(body))
 
 
+def _without_body(send: Send) -> Send:
+    """``send`` for a HEAD request: the response's head as for GET, its body bytes dropped."""
+    async def head_only(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body" and message.get("body"):
+            message = {**message, "body": b""}
+        await send(message)
+    return head_only
+
+
 _TOTAL_TOKENS = re.compile(rb'"total_tokens"\s*:\s*(\d+)')
 
 
@@ -140,7 +149,11 @@ class Gateway:
             allowed = _ROUTES.get(path) or ("GET" if path.startswith("/v1/models/") else None)
             if allowed is None:
                 raise NotFoundError(f"no route {clip(path, 80)}: see /v1/chat/completions, /v1/completions, /v1/models")
-            if method != allowed:
+            if method == "HEAD" and allowed == "GET":
+                # HEAD is GET without the body (RFC 9110 9.3.2; load balancers probe /healthz so):
+                # the same status and headers, content-length included, on HTTP/1.1 and HTTP/2.
+                send = _without_body(send)
+            elif method != allowed:
                 raise MethodNotAllowedError(f"{clip(path, 80)} takes {allowed}, not {clip(method, 20)}")
             if allowed == "POST":
                 return await self._infer(scope, receive, send)
