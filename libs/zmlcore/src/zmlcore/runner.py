@@ -93,6 +93,13 @@ async def run_service(
                 return
             holding = asyncio.ensure_future(lease.hold())
         await service.start(nc)
+        # nats-py sends SUB without waiting for the broker: one PING/PONG makes "started" (and
+        # `zml up`'s "ready") mean the subscriptions are at the broker, so a request sent on that
+        # signal does not meet "no responders".
+        try:
+            await nc.flush(timeout=5)
+        except Exception:  # broker gone meanwhile: the reconnect re-sends the subscriptions
+            log.warning("%s: subscriptions not confirmed by the broker at start", name)
         gcpace.settle()  # start-up objects frozen; collections paced by time (zmlcore.gcpace)
         collecting = asyncio.ensure_future(gcpace.collect_every())
         log.info("%s started (nats %s)", name, nats_url)
