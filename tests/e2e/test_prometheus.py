@@ -76,9 +76,17 @@ def test_prometheus_scrapes_every_service_and_answers_queries(zml_stack: Stack, 
                     lambda r: r and float(r[0]["value"][1]) >= 5)
         _eventually(base, 'sum(zml_gateway_requests_total{route="chat",status="200"})',
                     lambda r: r and float(r[0]["value"][1]) >= 5)
-        # A percentile query an operator would run works on the histograms. Asked right after the
-        # requests: the rate's 1-minute window must still hold them (the node gauges below can take
-        # a while on a stack an earlier test left with a node coming back).
+        # A percentile query an operator would run works on the histograms. rate() needs the
+        # buckets to grow between two samples in its window, and Prometheus does not count a new
+        # series' first value as growth: the five requests above can all land in the scrape where
+        # their series first appear (rate 0 everywhere: NaN, seen in CI). So five more now, after
+        # that scrape. Asked right away: the 1-minute window must still hold them (the node
+        # gauges below can take a while on a stack an earlier test left with a node coming back).
+        with httpx.Client(base_url=zml_stack.gateway_url, timeout=30) as http:
+            for _ in range(5):
+                r = http.post("/v1/chat/completions",
+                              json={"model": MODEL, "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]})
+                assert r.status_code == 200, r.text
         q = _eventually(base, "histogram_quantile(0.9, sum by (le) (rate(gen_ai_server_request_duration_seconds_bucket[1m])))",
                         lambda r: r and r[0]["value"][1] not in ("NaN",))
         assert float(q[0]["value"][1]) > 0
