@@ -81,7 +81,7 @@ async def test_concurrency_slots_move_between_replicas(replicas: tuple[SharedLim
     v = await b.acquire(ident, limits, lease_id="b0", lease_s=30)
     assert not v.ok and v.reason == "concurrent" and v.retry_after_s > 0
     assert (await _entry(nc, ident)).holds[a.holder].slots == 3
-    a.release_soon(ident, lease_id="a0", tokens=0)  # near the limit: the slot goes back at once
+    await a.release(ident, lease_id="a0", tokens=0)  # near the limit: the slot goes back at once
 
     async def admitted() -> bool:
         return (await b.acquire(ident, limits, lease_id="b1", lease_s=30)).ok
@@ -97,7 +97,7 @@ async def test_a_released_slot_is_free_on_the_other_replica_when_release_returns
         replicas: tuple[SharedLimiter, SharedLimiter, NATS]) -> None:
     """A sequential client at concurrency 1, its requests alternating between replicas: each
     release is in the shared entry before it returns (the caller replies after it), so the
-    next request, on the other replica, is never refused. release_soon left that write to a
+    next request, on the other replica, is never refused. The old release_soon left that write to a
     background task: the next admission could still see the slot held."""
     a, b, nc = replicas
     ident = f"key:test-{os.urandom(4).hex()}"

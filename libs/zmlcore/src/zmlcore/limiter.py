@@ -131,7 +131,7 @@ class SharedLimiter:
                        tokens_limit=limits.tokens_per_minute)
 
     async def acquire(self, identity: str, limits: PlanLimits, *, lease_id: str, lease_s: float) -> Verdict:
-        """Admit one request of ``identity`` (free it with :meth:`release_soon`)."""
+        """Admit one request of ``identity`` (free it with :meth:`release`)."""
         key = limit_key(identity)
         book = self.books.get(key)
         if book is None:
@@ -190,16 +190,6 @@ class SharedLimiter:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
             await asyncio.wait({task}, timeout=RELEASE_WAIT_S)  # never cancelled half-written
-
-    def release_soon(self, identity: str, *, lease_id: str, tokens: int) -> None:
-        """The request ended: free its slot and count its tokens, here; the shared entry hears
-        of it with this replica's next write (off the response path, at once near the limit)."""
-        key = limit_key(identity)
-        book = self.books.get(key)
-        if book is not None and book.done(lease_id, tokens=tokens, now=time.time()):
-            task = asyncio.ensure_future(self._flush(key))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
 
     async def _sweep(self) -> None:
         """Give back ended leases, renew or give back holds, write pending tokens; forget idle books."""
