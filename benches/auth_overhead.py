@@ -7,7 +7,7 @@ Gateways on one stack, measured in turn, interleaved over repetitions:
   open    no keys, no limits (the self-hosted default)
   static  a zml.toml key + [gateway] requests_per_minute (this replica's token bucket)
   plan    a run-time key (`zml keys create`) with a custom plan: the shared zml_limits KV entry,
-          through this replica's leases (zmlcore.leases: about one compare-and-set per second)
+          through this replica's leases (zmlcore.limits.leases: about one compare-and-set per second)
   base    with --baseline REV: the same, on a gateway running REV's code (extracted with
           `git archive`, first on PYTHONPATH) with a key of its own: before/after in one run
 
@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from zmlcore.launch import free_port, service_argv, spawn, start_nats, wait_port
+from zmlcore.runtime.launch import free_port, service_argv, spawn, start_nats, wait_port
 
 PEERS = os.environ.get("ZML_PEERS", os.path.join(os.path.dirname(__file__), "..", "..", "shared", "peers"))
 
@@ -50,7 +50,7 @@ models = ["stub-model"]
 async def _make_key(url: str) -> str:
     import nats
 
-    from zmlcore.keys import create_key
+    from zmlcore.access.apikeys import create_key
     from zmlcore.messages.keys import PlanLimits
 
     nc = await nats.connect(url)

@@ -31,7 +31,7 @@ import time
 
 import msgspec
 
-from zmlcore.accelerators import ACCELERATORS
+from zmlcore.fleet.accelerators import ACCELERATORS
 from zmlcore.config import PolicyConfig
 from zmlcore.messages import NodeState
 from zmlcore.policy import FleetIndex, NodeView, RouteRequest, RoutingState, builtin_policy, choose_node

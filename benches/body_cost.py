@@ -1,5 +1,5 @@
 """CPU per request of the request body's handling in the gateway and the router, before and
-after the body was parsed once per process (zmlcore.frontdoor, zml_router.nodebody), and of
+after the body was parsed once per process (zmlcore.messages.frontdoor, zml_router.nodebody), and of
 uvicorn's ProxyHeadersMiddleware (on every request before [gateway] trusted_proxies).
 
     python benches/body_cost.py [--n 20000] [--reps 5]
@@ -22,9 +22,10 @@ from typing import Any
 import msgspec
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
-from zmlcore import frontdoor, subjects
+from zmlcore import subjects
+from zmlcore.messages import frontdoor
 from zmlcore.messages import ZML_REQUEST_KEYS
-from zmlcore.validate import decode_request, json_depth
+from zmlcore.messages.validate import decode_request, json_depth
 from zml_router.nodebody import NodeBodies
 
 _decode_any = msgspec.json.Decoder()

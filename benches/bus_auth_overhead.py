@@ -10,9 +10,10 @@ docs/security.md ("Overhead").
 import asyncio, tempfile, time, statistics, os
 from pathlib import Path
 import nats
-from zmlcore import natscreds, subjects
-from zmlcore.launch import start_nats, free_port
-from zmlcore.natsauth import connect_options
+from zmlcore import subjects
+from zml.cli import _identities as natscreds
+from zmlcore.runtime.launch import start_nats, free_port
+from zmlcore.access.identity import connect_options
 from zmlcore.config import NatsConfig
 
 N = 3000

@@ -35,7 +35,7 @@ sys.path.insert(0, HERE)
 import peers_path  # noqa: E402  (snapshot: git archive of a ref)
 from router_cost import config, ticks  # noqa: E402  (one stub-node config, /proc CPU ticks)
 
-from zmlcore.launch import free_port, nats_server_binary, wait_port  # noqa: E402
+from zmlcore.runtime.launch import free_port, nats_server_binary, wait_port  # noqa: E402
 
 TCK = os.sysconf("SC_CLK_TCK")
 NAMES = ("gateway", "router", "nats", "health")

@@ -7,7 +7,7 @@ request that finishes within its interval: the fast path.
    requests in flight, in microseconds.
 2. Whole stack: CPU seconds of the router and gateway processes per request (from
    /proc/<pid>/stat) for the same load with ``[gateway] router_keepalive_ms = 0`` (nothing
-   asked, the old router path; the gateway still reads replies through zmlcore.exchange) and
+   asked, the old router path; the gateway still reads replies through zmlcore.reply.exchange) and
    ``= 1000`` (the default). With ``--baseline DIR`` (a checkout of the code before keepalives,
    e.g. ``git archive <commit> | tar -x -C DIR``) that code is measured too, run from DIR's
    sources: the gateway's old ``nc.request()`` path.
@@ -29,8 +29,8 @@ from pathlib import Path
 
 import httpx
 
-from zmlcore.keepalive import KeepaliveBook, parse_interval
-from zmlcore.launch import free_port, service_argv, spawn, start_nats, wait_port
+from zmlcore.reply.keepalive import KeepaliveBook, parse_interval
+from zmlcore.runtime.launch import free_port, service_argv, spawn, start_nats, wait_port
 
 MODEL = "bench-model"
 

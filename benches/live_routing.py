@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Live routing: the reference comparison (round_robin vs latency, ...) on the real system.
 
-Starts nats-server, health, router and gateway (zmlcore.launch helpers) and one sim process with
+Starts nats-server, health, router and gateway (zmlcore.runtime.launch helpers) and one sim process with
 the reference fleet (2xH100, 1xA100, 2xMI300X, 1xGaudi2, 1xInferentia2; `[nodes.sim]` tables in a
 temporary zml.toml, all at `--time-scale`), then drives an open-loop Poisson load at given
 fractions of the fleet's capacity through the gateway with streaming chat requests (aiohttp), one
@@ -94,7 +94,7 @@ def make_toml(ports: list[int], time_scale: float, poll_s: float) -> str:
 
 
 def capacity_rps(mean_p: float, mean_o: float) -> float:
-    from zmlcore.sim.model import SimProfile
+    from zmlcore.fleet.perfmodel import SimProfile
     return sum(SimProfile.for_type(t).capacity_rps(mean_p, mean_o) for _, t in FLEET)
 
 
@@ -331,7 +331,7 @@ def main() -> int:
     ap.add_argument("-v", "--verbose", action="store_true")
     a = ap.parse_args()
 
-    from zmlcore.launch import free_port, service_argv, spawn, start_nats, wait_port
+    from zmlcore.runtime.launch import free_port, service_argv, spawn, start_nats, wait_port
 
     scale = a.time_scale
     poll_s = a.poll_s if a.poll_s is not None else 5.0 / scale
@@ -355,8 +355,8 @@ def main() -> int:
     results: list[dict[str, Any]] = []
     try:
         procs.append(start_nats("127.0.0.1", nats_port, os.path.join(workdir, "js"), echo=a.verbose))
-        sim_code = ("import sys, zmlcore.sim.engine as e; e.MIN_STEP_S = float(sys.argv[1]); "
-                    "from zmlcore.sim.cli import main; sys.exit(main(sys.argv[2:]))")
+        sim_code = ("import sys, zml_sim.engine as e; e.MIN_STEP_S = float(sys.argv[1]); "
+                    "from zml_sim.cli import main; sys.exit(main(sys.argv[2:]))")
         sim = spawn("sim", [sys.executable, "-c", sim_code, str(a.min_step_s), "--config", cfg], env=env, echo=a.verbose)
         procs.append(sim)
         if not sim.wait_for("zml-sim ready", 60):

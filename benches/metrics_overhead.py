@@ -15,7 +15,7 @@ import asyncio
 import time
 from types import SimpleNamespace
 
-from zmlcore import tracing
+from zmlcore.telemetry import tracing
 from zmlcore.policy import Decision, RouteRequest
 from zml_gateway.observe import Observed
 from zml_router import tracing as rtrace

@@ -25,7 +25,7 @@ from typing import Any
 
 import nats
 
-from zmlcore.launch import Proc, free_port, start_nats
+from zmlcore.runtime.launch import Proc, free_port, start_nats
 
 VARIANTS: dict[str, dict[str, str]] = {
     "unset": {}, "g1": {"GOMAXPROCS": "1"}, "g2": {"GOMAXPROCS": "2"},

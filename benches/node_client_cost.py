@@ -24,8 +24,8 @@ import aiohttp
 from yarl import URL
 
 from zml_router.dispatch import NodeClient, post_json, stream_sse
-from zmlcore.launch import free_port
-from zmlcore.sse import EventRelay
+from zmlcore.runtime.launch import free_port
+from zmlcore.reply.sse import EventRelay
 
 BODY = b'{"model":"m","messages":[{"role":"user","content":"hello"}],"max_tokens":16}'
 HEADERS = {"content-type": "application/json", "x-zml-routing": "node=a;family=b;policy=c;queue=0;decision=d",

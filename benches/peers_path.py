@@ -111,10 +111,10 @@ if a.pythonpath:
     child_env["PYTHONPATH"] = a.pythonpath
 child_env.update(kv.split("=", 1) for kv in a.env)
 sys.path[:0] = [d for d in a.pythonpath.split(os.pathsep) if d]  # the snapshot's zmlcore, as the services
-from zmlcore.launch import free_port, nats_server_binary, service_argv, wait_port
+from zmlcore.runtime.launch import free_port, nats_server_binary, service_argv, wait_port
 try:  # nats-server's Go settings as `zml up` sets them ([nats] server_gomaxprocs; refs before it: none)
     from zmlcore.config import load_config
-    from zmlcore.sizing import nats_env as go_env, usable_cores
+    from zmlcore.runtime.sizing import nats_env as go_env, usable_cores
     go = go_env(usable_cores(), load_config(a.config).nats.server_gomaxprocs)
 except ImportError:
     go = {}

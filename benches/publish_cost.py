@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Client CPU per NATS publish: nats-py's ``Client.publish`` vs ``zmlcore.natspub.Publisher``,
+"""Client CPU per NATS publish: nats-py's ``Client.publish`` vs ``zmlcore.bus.publish.Publisher``,
 against a real nats-server (started here on a free port, stopped by PID).
 
 Each round publishes ``per`` messages (2 headers, ~200 B) and then lets the loop turn once, as a
@@ -19,8 +19,8 @@ import time
 
 import nats
 
-from zmlcore.launch import free_port, start_nats, wait_port
-from zmlcore.natspub import Publisher
+from zmlcore.runtime.launch import free_port, start_nats, wait_port
+from zmlcore.bus.publish import Publisher
 
 HEADERS = {"Zml-Stream": "events", "Zml-Seq": "12"}
 DATA = b"data: " + b"x" * 200 + b"\n\n"

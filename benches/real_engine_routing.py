@@ -5,7 +5,7 @@ measured-speed estimates hold on a real engine?
 Fleet: --real llama-server nodes (the tests' tiny generated llama, accelerator type `cpu`, one
 thread each, --parallel 4) and two sims (`nvidia_a100`, `intel_gaudi2`, real time) serving the
 same ZML model, with nats-server, health (0.5 s polls), one router and the gateway (the
-zmlcore.launch helpers `zml up` uses). Steps:
+zmlcore.runtime.launch helpers `zml up` uses). Steps:
 
 1. Calibrate: a closed loop at the fleet's total slot count under round_robin for --calib
    seconds gives the fleet's capacity in requests/s for this workload.
@@ -43,7 +43,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "engine"))
 import llamaserver  # noqa: E402
 
-from zmlcore.launch import Proc, free_port, service_argv, spawn, start_nats, wait_port  # noqa: E402
+from zmlcore.runtime.launch import Proc, free_port, service_argv, spawn, start_nats, wait_port  # noqa: E402
 
 MODEL = "tiny/llama"
 SERVED = "tiny-llama"

@@ -22,8 +22,8 @@ import nats
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from conftest import MODEL, launch_stack  # noqa: E402
 from zmlcore import subjects  # noqa: E402
-from zmlcore.launch import free_port, start_nats  # noqa: E402
-from zmlcore.natsio import connect  # noqa: E402
+from zmlcore.runtime.launch import free_port, start_nats  # noqa: E402
+from zmlcore.bus.connect import connect  # noqa: E402
 from zml_router.ids import RequestIds, claim_key  # noqa: E402
 
 N, ROUNDS = 300, 5

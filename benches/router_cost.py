@@ -32,7 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import peers_path  # noqa: E402  (snapshot: git archive of a ref)
 
-from zmlcore.launch import free_port, nats_server_binary, wait_port  # noqa: E402
+from zmlcore.runtime.launch import free_port, nats_server_binary, wait_port  # noqa: E402
 
 TCK = os.sysconf("SC_CLK_TCK")
 BODY = json.dumps({"model": "stub-model", "messages": [{"role": "user", "content": "Say hi in five words."}],

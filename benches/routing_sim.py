@@ -10,7 +10,7 @@ A 200k-request run takes 10-40 s of CPU for a ZML policy below 100% load; the or
 reported ones are 1-3 (docs/benchmarks.md "Routing quality (simulation)").
 
 Fleet (../shared/reference/routing-frontier.md from the repo root): 2xH100, 1xA100, 2xMI300X,
-1xGaudi2, 1xInf2, each a zmlcore.sim.model.SimProfile (the live sim node's model; dynamics in
+1xGaudi2, 1xInf2, each a zmlcore.fleet.perfmodel.SimProfile (the live sim node's model; dynamics in
 benches/routing_simnode.py). Workload: lognormal prompts (median 500, sigma 1.0, [16, 8192]) and
 outputs (median 200, sigma 0.8, [1, 2048]); Poisson or 2-state MMPP arrivals (burst 3x base,
 on/off 10 s / 40 s). Every policy of one (workload, load, seed) sees the same trace. The ZML
@@ -46,7 +46,7 @@ from zmlcore.messages import NodeState  # noqa: E402
 from zmlcore.policy import FleetIndex, NodeView, RouteRequest, RoutingState, builtin_policy, choose_node  # noqa: E402
 from zmlcore.policy.estimate import NONSTREAM_PENDING_FOR, prompt_tokens_from_body  # noqa: E402
 from zmlcore.policy.resolve import ResolvedPolicy  # noqa: E402
-from zmlcore.sim.model import SimProfile  # noqa: E402
+from zmlcore.fleet.perfmodel import SimProfile  # noqa: E402
 
 FLEET = [
     ("h100-1", "nvidia_h100"), ("h100-2", "nvidia_h100"), ("a100-1", "nvidia_a100"),
@@ -150,7 +150,7 @@ def _state(node: SimNode, now: float) -> NodeState:
 
 
 def _family(node: SimNode) -> str:
-    from zmlcore.accelerators import ACCELERATORS
+    from zmlcore.fleet.accelerators import ACCELERATORS
 
     return ACCELERATORS[node.prof.accelerator].family
 

@@ -1,6 +1,6 @@
 """Node dynamics of the routing simulator, in virtual time (helper of benches/routing_sim.py).
 
-The model is zmlcore.sim.model.SimProfile (the live sim node's) and the reference's: admit while
+The model is zmlcore.fleet.perfmodel.SimProfile (the live sim node's) and the reference's: admit while
 fewer than ``maxc`` sequences; FIFO prefill one at a time at ``prefill_tps``, pausing decode;
 first token at prefill end; then O-1 decode steps of ``(1 + 0.02 (b-1)) / decode_tps`` seconds
 for a batch of b. Decode progress is a per-node virtual clock (tokens per sequence), so an event
@@ -12,7 +12,7 @@ from __future__ import annotations
 import heapq
 from collections import deque
 
-from zmlcore.sim.model import SimProfile
+from zmlcore.fleet.perfmodel import SimProfile
 
 EPS = 1e-9
 

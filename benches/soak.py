@@ -53,9 +53,9 @@ from chaosload import Load, LoadGen, Report  # noqa: E402
 from chaosstack import FLEET, ChaosStack, NatsServer, nats_connect  # noqa: E402
 from conftest import MODEL  # noqa: E402
 from zmlcore import subjects  # noqa: E402
-from zmlcore.kvfollow import KVFollower  # noqa: E402
-from zmlcore.launch import free_port  # noqa: E402
-from zmlcore.sim.model import SimProfile  # noqa: E402
+from zmlcore.bus.kvfollow import KVFollower  # noqa: E402
+from zmlcore.runtime.launch import free_port  # noqa: E402
+from zmlcore.fleet.perfmodel import SimProfile  # noqa: E402
 
 MAX_CONCURRENCY = 4
 TOKENS = (240, 308)

@@ -37,7 +37,7 @@ import time
 
 import aiohttp
 
-from zmlcore.launch import Proc, free_port, service_argv, spawn, start_nats, wait_port
+from zmlcore.runtime.launch import Proc, free_port, service_argv, spawn, start_nats, wait_port
 
 STUB = textwrap.dedent(r'''
     import asyncio, json, sys

@@ -35,9 +35,9 @@ from zml_router.service import RouterService
 from zml_warmup.service import WarmupService
 from zmlcore import subjects
 from zmlcore.config import parse_config
-from zmlcore.launch import free_port, start_nats
+from zmlcore.runtime.launch import free_port, start_nats
 from zmlcore.messages import ServeRequest
-from zmlcore.sim.server import SimNode
+from zml_sim.server import SimNode
 
 M = "meta-llama/llama-3-8b-instruct"
 OTHER = "mistralai/mistral-7b-instruct"

@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from zmlcore.launch import Proc, free_port, service_argv, spawn, start_nats, wait_port
+from zmlcore.runtime.launch import Proc, free_port, service_argv, spawn, start_nats, wait_port
 
 MODEL = "meta-llama/llama-3-8b-instruct"
 MODEL_2 = "mistralai/mistral-7b-instruct"
@@ -236,7 +236,7 @@ def own_nats(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 @dataclass
 class SecureBus:
     """A nats-server with authorization as `zml up` runs it: an nkey identity per service and
-    for the admin CLI, each with its role's permissions (zmlcore.natsperms)."""
+    for the admin CLI, each with its role's permissions (zmlcore.access.permissions)."""
 
     url: str
     data_dir: Path
@@ -244,7 +244,7 @@ class SecureBus:
     seeds: dict[str, str]  # role/name -> seed file
 
     def issue(self, name: str, role: str = "client") -> str:
-        from zmlcore import natscreds
+        from zml.cli import _identities as natscreds
 
         ident = natscreds.issue(self.data_dir, name, role=role)
         done = natscreds.reload_server(self.data_dir)
@@ -254,7 +254,7 @@ class SecureBus:
 
 
 def start_secure_bus(data_dir: Path, **tls: Any) -> SecureBus:
-    from zmlcore import natscreds
+    from zml.cli import _identities as natscreds
 
     ids = natscreds.ensure_builtin(data_dir)
     conf = natscreds.write_server_config(data_dir, **tls)

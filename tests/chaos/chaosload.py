@@ -2,7 +2,7 @@
 
 Each request asks for ``max_tokens`` tokens; the sims always generate exactly that many unless
 stopped (``finish_reason: "length"``), one whitespace-separated word per token, the first naming
-the node (``zmlcore.sim.engine.token_text``). So a completion can be checked word for word, and
+the node (``zml_sim.engine.token_text``). So a completion can be checked word for word, and
 any chunk lost in the middle of a stream shows. Outcomes:
 
 * ``completed`` — the whole text, exactly as the node generated it, and ``usage`` agreeing.
@@ -114,7 +114,7 @@ class Report:
 
 
 def expected_words(node: str, n: int) -> list[str]:
-    from zmlcore.sim.engine import token_text
+    from zml_sim.engine import token_text
 
     return [token_text(node, i).strip() for i in range(n)]
 

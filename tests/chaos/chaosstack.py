@@ -24,7 +24,7 @@ import nats
 
 from conftest import MODEL, fleet_toml, wait_ready
 from zmlcore import subjects
-from zmlcore.launch import Proc, free_port, nats_server_binary, service_argv, spawn, wait_port
+from zmlcore.runtime.launch import Proc, free_port, nats_server_binary, service_argv, spawn, wait_port
 
 FLEET = [
     ("h100-a", "nvidia_h100", [MODEL]),

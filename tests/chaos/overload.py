@@ -17,7 +17,7 @@ import time
 from chaosload import Load, LoadGen, Report, record
 from chaosstack import FLEET, ChaosStack
 from conftest import MODEL
-from zmlcore.sim.model import SimProfile
+from zmlcore.fleet.perfmodel import SimProfile
 
 
 TIME_SCALE = 2.5

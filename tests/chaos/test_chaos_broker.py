@@ -15,7 +15,7 @@ import pytest
 from chaosload import Report, record
 from chaosstack import ChaosStack, NatsServer, nats_connect, start_cluster
 from scenario import run
-from zmlcore.launch import free_port
+from zmlcore.runtime.launch import free_port
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(240)]
 

@@ -22,7 +22,7 @@ from chaosstack import VICTIM, ChaosStack, NatsServer, nats_connect, poll_until
 import overload
 from scenario import TIMEOUT_S, calm, load_for, run, to_thread
 from zmlcore import subjects
-from zmlcore.launch import free_port
+from zmlcore.runtime.launch import free_port
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(240)]
 

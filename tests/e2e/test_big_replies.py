@@ -1,7 +1,7 @@
 """Replies larger than NATS's max_payload (issue 9), with authorization on as `zml up` runs it.
 
 A sim node answers an embeddings request of 500 inputs with ~3.7 MB, over the broker's 1 MiB
-max_payload. The router sends it in parts on the requester's own inbox (zmlcore.bigreply), and
+max_payload. The router sends it in parts on the requester's own inbox (zmlcore.reply.bigreply), and
 it reaches every way in: HTTP through the gateway, the SDK over NATS with a *client* identity
 (sync and async), and a raw nats-py client identity that declares ``Zml-Accept-Parts``. A raw
 client that does not declare it is refused with REPLY_TOO_LARGE before the node runs (the
@@ -30,8 +30,8 @@ import zml
 from conftest import MODEL, SecureBus, Stack, launch_stack
 from zmlcore import subjects
 from zmlcore.config import NatsConfig
-from zmlcore.launch import free_port
-from zmlcore.natsauth import connect_options
+from zmlcore.runtime.launch import free_port
+from zmlcore.access.identity import connect_options
 
 EMBED = "BAAI/bge-small-en-v1.5"
 N = 500  # x 384 floats as JSON: ~3.7 MB

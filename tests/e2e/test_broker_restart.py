@@ -20,7 +20,7 @@ import pytest
 from conftest import Stack, launch_stack
 from loadgen import Load
 from zmlcore import subjects
-from zmlcore.launch import Proc, free_port, start_nats
+from zmlcore.runtime.launch import Proc, free_port, start_nats
 
 # Kills and restarts processes or the broker: in the chaos suite (`pytest -m chaos`), which CI
 # runs after the default one, to keep the default suite within its 10 minutes.

@@ -10,10 +10,10 @@ from typing import Any
 import nats
 
 from zmlcore import subjects
-from zmlcore.costs import costs_kv
-from zmlcore.keys import keys_kv
-from zmlcore.lease import Lease
-from zmlcore.limiter import SharedLimiter
+from zmlcore.fleet.costs import costs_kv
+from zmlcore.access.apikeys import keys_kv
+from zmlcore.runtime.lease import Lease
+from zmlcore.limits.limiter import SharedLimiter
 
 #: Buckets keyed by something ZML bounds (a node id, an API key id), one entry per key.
 ONE_PER_KEY = {subjects.NODES_BUCKET, subjects.COSTS_BUCKET, subjects.REGISTRY_BUCKET, subjects.KEYS_BUCKET}

@@ -28,11 +28,12 @@ from nats.aio.client import Client as NATS
 
 import zml
 from conftest import MODEL, SecureBus, Stack, launch_stack
-from zmlcore import natscreds, subjects
+from zmlcore import subjects
+from zml.cli import _identities as natscreds
 from zmlcore.config import NatsConfig
-from zmlcore.health.registry import add_node, list_nodes, remove_node
+from zmlcore.fleet.registry import add_node, list_nodes, remove_node
 from zmlcore.messages import NodeSpec
-from zmlcore.natsauth import connect_options, public_key
+from zmlcore.access.identity import connect_options, public_key
 
 FLEET = [("h100-1", "nvidia_h100", [MODEL]), ("a100-1", "nvidia_a100", [MODEL])]
 

@@ -25,7 +25,7 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from conftest import MODEL, SecureBus, Stack, launch_stack, start_secure_bus
 from zmlcore.config import NatsConfig
-from zmlcore.natsauth import connect_options
+from zmlcore.access.identity import connect_options
 
 
 @dataclass

@@ -22,8 +22,8 @@ from conftest import MODEL, launch_stack
 from loadgen import Load
 from test_broker_restart import router_ages
 from zmlcore import subjects
-from zmlcore.launch import ClusterPlan, free_port, spawn
-from zmlcore.natscreds import get as identity
+from zmlcore.runtime.launch import ClusterPlan, free_port, spawn
+from zml.cli._identities import get as identity
 
 pytestmark = pytest.mark.slow
 

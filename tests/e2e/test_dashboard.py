@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from conftest import FLEET, MODEL, Stack, launch_stack
-from zmlcore.launch import Proc, free_port, service_argv, spawn, wait_port
+from zmlcore.runtime.launch import Proc, free_port, service_argv, spawn, wait_port
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
@@ -80,8 +80,8 @@ def test_state_wants_an_operator_key_when_keys_are_on(dash_stack: tuple[Stack, s
 
     import nats
 
-    from zmlcore.keys import create_key
-    from zmlcore.plans import PlanLimits
+    from zmlcore.access.apikeys import create_key
+    from zmlcore.limits.plans import PlanLimits
 
     async def make() -> str:
         nc = await nats.connect(stack.nats_url)

@@ -16,7 +16,7 @@ import pytest
 
 from conftest import MODEL, Stack
 from zmlcore import subjects
-from zmlcore.launch import free_port, service_argv, spawn, wait_port
+from zmlcore.runtime.launch import free_port, service_argv, spawn, wait_port
 
 CHAT = [{"role": "user", "content": "hi"}]
 OK = {"model": MODEL, "messages": CHAT, "max_tokens": 1}
@@ -254,7 +254,7 @@ async def test_500_slow_loris_connections_while_normal_clients_are_served(strict
 
 
 async def test_front_door_headers_grant_nothing_on_zml_infer(zml_stack: Stack) -> None:
-    """The gateway's body headers (zmlcore.frontdoor) are honoured only on the front-door subject:
+    """The gateway's body headers (zmlcore.messages.frontdoor) are honoured only on the front-door subject:
     on zml.infer a body is checked in full whatever ``Zml-Body`` says, and ``Zml-Accelerator-Id``
     pins nothing. On the front door (anyone may publish there on this open broker) hostile
     header values are a 400 too."""

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from conftest import MODEL, Stack
-from zmlcore.launch import free_port, service_argv, spawn, wait_port
+from zmlcore.runtime.launch import free_port, service_argv, spawn, wait_port
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +79,7 @@ def test_without_keys_the_limit_is_per_client_address(zml_stack: Stack, tmp_path
 def test_rate_limit_rejections_are_counted_by_key_label(limited: str) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
-    from zmlcore.keys import hash_key
+    from zmlcore.access.apikeys import hash_key
 
     label = f"static-{hash_key('k-three')[:12]}"  # a static key's id (run-time keys: their label)
     with httpx.Client(base_url=limited, timeout=20) as c:

@@ -1,6 +1,6 @@
 """A gateway with no router behind it (e.g. while routers re-subscribe after a broker restart)
 waits ``[gateway] no_router_grace_s`` for one, sending the request again as routers come (the
-broker's "no responders" means nothing received it: zmlcore.norouter). A router that arrives
+broker's "no responders" means nothing received it: zmlcore.reply.norouter). A router that arrives
 within the grace serves the request; with none, the answer is a clean, retryable 503
 NO_HEALTHY_NODES with a JSON body after the grace — streamed or not.
 
@@ -22,7 +22,7 @@ import pytest
 
 import zml
 from conftest import MODEL, Stack, fleet_toml, launch_stack
-from zmlcore.launch import Proc, free_port, service_argv, spawn, wait_port
+from zmlcore.runtime.launch import Proc, free_port, service_argv, spawn, wait_port
 
 GRACE_S = 1.0
 

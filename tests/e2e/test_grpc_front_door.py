@@ -19,7 +19,7 @@ import nats
 import pytest
 
 from zmlcore import subjects
-from zmlcore.launch import free_port, service_argv, spawn, wait_port
+from zmlcore.runtime.launch import free_port, service_argv, spawn, wait_port
 from zmlcore.rpc import zml_pb2 as pb
 from zmlcore.rpc import zml_pb2_grpc
 

@@ -21,7 +21,7 @@ from conftest import FLEET, fleet_toml
 from loadgen import Load
 from test_broker_restart import router_ages
 from zmlcore import subjects
-from zmlcore.launch import Proc, free_port, spawn
+from zmlcore.runtime.launch import Proc, free_port, spawn
 
 # Kills and restarts processes or the broker: in the chaos suite (`pytest -m chaos`), which CI
 # runs after the default one, to keep the default suite within its 10 minutes.

@@ -23,10 +23,10 @@ from test_health_helpers import eventually, start_sim  # noqa: E402
 
 from zmlcore import subjects  # noqa: E402
 from zmlcore.errors import BadRequestError  # noqa: E402
-from zmlcore.health.registry import add_node, list_nodes, remove_node  # noqa: E402
-from zmlcore.launch import Proc, service_argv, spawn  # noqa: E402
+from zmlcore.fleet.registry import add_node, list_nodes, remove_node  # noqa: E402
+from zmlcore.runtime.launch import Proc, service_argv, spawn  # noqa: E402
 from zmlcore.messages import NodeSpec, NodeState  # noqa: E402
-from zmlcore.sim.server import SimNode  # noqa: E402
+from zml_sim.server import SimNode  # noqa: E402
 
 M = "meta-llama/llama-3-8b-instruct"
 COLD = "mistralai/mistral-7b-instruct"

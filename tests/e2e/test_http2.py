@@ -29,7 +29,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from conftest import MODEL, Stack
-from zmlcore.launch import Proc, free_port, service_argv, spawn, wait_port
+from zmlcore.runtime.launch import Proc, free_port, service_argv, spawn, wait_port
 
 BODY = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 LIMITS = ("[gateway]\nmax_body_bytes = 65536\nhttp2_max_streams = 8\nmax_headers = 40\nheader_timeout_s = 2\n"

@@ -23,7 +23,7 @@ from nats.aio.client import Client as NATS
 from conftest import MODEL, SecureBus, Stack, launch_stack
 from zmlcore import subjects
 from zmlcore.config import NatsConfig
-from zmlcore.natsauth import connect_options
+from zmlcore.access.identity import connect_options
 
 OK = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
 RPM = 10
@@ -158,7 +158,7 @@ async def test_identity_shares_an_api_keys_plan_with_http(secure_bus: SecureBus,
     admin = await nats.connect(secure_bus.url, **connect_options(NatsConfig(url=secure_bus.url),
                                                                  seed_file=secure_bus.seeds["admin"]))
     try:
-        from zmlcore.keys import create_key
+        from zmlcore.access.apikeys import create_key
         from zmlcore.messages.keys import PlanLimits
 
         key, rec = await create_key(admin, plan="custom", limits=PlanLimits(requests_per_minute=6), label="billing")
@@ -183,7 +183,7 @@ async def test_identity_shares_an_api_keys_plan_with_http(secure_bus: SecureBus,
         admin = await nats.connect(secure_bus.url, **connect_options(NatsConfig(url=secure_bus.url),
                                                                      seed_file=secure_bus.seeds["admin"]))
         try:
-            from zmlcore.keys import IDENTITY_PREFIX, list_keys, revoke_key
+            from zmlcore.access.apikeys import IDENTITY_PREFIX, list_keys, revoke_key
 
             assert [r.id for r in await list_keys(admin)] == [rec.id]
             assert not await revoke_key(admin, IDENTITY_PREFIX + "x")
@@ -203,9 +203,9 @@ async def test_identity_shares_an_api_keys_plan_with_http(secure_bus: SecureBus,
 async def test_http_and_nats_together_hold_the_plan_under_a_burst(secure_bus: SecureBus, stack: Stack) -> None:
     """One budget spent at once by a gateway and two routers (an identity sharing an API key's
     plan), each with leases of several requests: together they admit the plan's rate, not more."""
-    from zmlcore.keys import create_key
-    from zmlcore.leases import SHARE
-    from zmlcore.limiter import limit_key
+    from zmlcore.access.apikeys import create_key
+    from zmlcore.limits.leases import SHARE
+    from zmlcore.limits.limiter import limit_key
     from zmlcore.messages.keys import PlanLimits, limit_state_decoder
 
     rpm = 120

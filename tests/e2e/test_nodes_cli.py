@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from conftest import MODEL, Stack, launch_stack
-from zmlcore.sim.server import SimNode
+from zml_sim.server import SimNode
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import pytest
 import zml
 from conftest import MODEL, Stack, launch_stack
 from zmlcore import subjects
-from zmlcore.sim.embeddings import vector
+from zml_sim.embeddings import vector
 
 EMBED = "BAAI/bge-small-en-v1.5"
 CHAT = [{"role": "user", "content": "say something with line separators"}]
@@ -104,7 +104,7 @@ async def test_embeddings_over_raw_nats_and_the_sdk(stack: Stack) -> None:
 
 def test_an_embeddings_reply_larger_than_the_bus_carries_is_delivered_whole(stack: Stack) -> None:
     # 800 vectors of 384 floats as JSON are ~6 MB; NATS carries 1 MB by default. The router
-    # sends such replies in parts to the gateway (zmlcore.bigreply; never lost after the work).
+    # sends such replies in parts to the gateway (zmlcore.reply.bigreply; never lost after the work).
     r = httpx.post(stack.gateway_url + "/v1/embeddings", timeout=60,
                    json={"model": EMBED, "input": [f"text {i}" for i in range(800)]})
     assert r.status_code == 200, r.text[:300]

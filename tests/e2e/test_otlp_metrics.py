@@ -17,7 +17,7 @@ from test_metrics import scrape, total
 from test_tracing import Receiver
 
 from conftest import MODEL, Stack, launch_stack
-from zmlcore.metrics import DURATION_BUCKETS
+from zmlcore.telemetry.metrics import DURATION_BUCKETS
 
 Attrs = tuple[tuple[str, str], ...]
 

@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from conftest import FLEET, MODEL, Stack
-from zmlcore.launch import free_port, spawn, wait_port
+from zmlcore.runtime.launch import free_port, spawn, wait_port
 
 
 def _prometheus() -> str:

@@ -114,9 +114,9 @@ async def test_routers_publish_one_completion_event_per_request(zml_stack: Stack
 
 async def test_raw_streaming_frames(zml_stack: Stack) -> None:
     """``Zml-Accept-Stream: frames``: chunk messages without headers, each ``<seq>\\n`` and whole
-    SSE events (zmlcore.streamframe); start and end keep their headers; the text is the same."""
-    from zmlcore import streamframe
-    from zmlcore.sse import event_payloads
+    SSE events (zmlcore.reply.streamframe); start and end keep their headers; the text is the same."""
+    from zmlcore.reply import streamframe
+    from zmlcore.reply.sse import event_payloads
 
     nc = await nats.connect(zml_stack.nats_url)
     try:

@@ -3,7 +3,7 @@
 
 A stand-in router (the test's own subscriber in the routers' queue group, on a broker of this
 module's own) answers each request with a reply in parts, as the router does for a reply over
-max_payload (zmlcore.bigreply.split), except that it skips the parts the test names, as a broker
+max_payload (zmlcore.reply.bigreply.split), except that it skips the parts the test names, as a broker
 restart does to at-most-once messages. The real router's parts: tests/e2e/test_big_replies.py.
 """
 
@@ -19,8 +19,9 @@ import nats
 import pytest
 
 import zml
-from zmlcore import replyparts, subjects
-from zmlcore.bigreply import split
+from zmlcore import subjects
+from zmlcore.reply import parts as replyparts
+from zmlcore.reply.bigreply import split
 from conftest import lone_gateway
 
 MODEL = "parts/model"

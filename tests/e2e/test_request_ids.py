@@ -22,10 +22,10 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from conftest import MODEL, SecureBus, Stack, launch_stack
-from zmlcore.launch import free_port, service_argv, spawn, wait_port
+from zmlcore.runtime.launch import free_port, service_argv, spawn, wait_port
 from zmlcore import subjects
 from zmlcore.config import NatsConfig
-from zmlcore.natsauth import connect_options
+from zmlcore.access.identity import connect_options
 
 FLEET = [("h100-1", "nvidia_h100", [MODEL]), ("a100-1", "nvidia_a100", [MODEL])]
 SAME = 8

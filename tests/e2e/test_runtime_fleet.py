@@ -18,7 +18,7 @@ import pytest
 
 import zml
 from conftest import MODEL, Stack, launch_stack
-from zmlcore.launch import free_port, spawn
+from zmlcore.runtime.launch import free_port, spawn
 
 EDGE_MODEL = "edge/tiny-llama"
 ENGINE_NAME = "/models/tiny-llama.Q4_K_M.gguf"
@@ -52,7 +52,7 @@ def wait_node(stack: Stack, node_id: str, model: str, timeout: float = 30.0) -> 
 
 def _sim(stack: Stack, name: str, node_id: str, model: str) -> int:
     port = free_port()
-    sim = spawn(name, [sys.executable, "-m", "zmlcore.sim", "--accelerator", "nvidia_a100", "--port", str(port),
+    sim = spawn(name, [sys.executable, "-m", "zml_sim", "--accelerator", "nvidia_a100", "--port", str(port),
                        "--node-id", node_id, "--model", model, "--time-scale", "20", "--load-time-s", "0.1"])
     stack.procs[name] = sim
     assert sim.wait_for("ready", 30), sim.tail()

@@ -20,7 +20,7 @@ import pytest
 import zml
 
 from conftest import wait_ready
-from zmlcore.launch import Proc, free_port, service_argv, spawn, wait_port
+from zmlcore.runtime.launch import Proc, free_port, service_argv, spawn, wait_port
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "docs" / "examples"
 MODEL = "meta-llama/llama-3-8b-instruct"

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from conftest import MODEL, Stack, launch_stack
-from zmlcore.launch import free_port, spawn
+from zmlcore.runtime.launch import free_port, spawn
 
 ENGINE_NAME = "/models/Meta-Llama-3-8B-Instruct"
 
@@ -19,7 +19,7 @@ ENGINE_NAME = "/models/Meta-Llama-3-8B-Instruct"
 def stack(own_nats: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     # The path-named node is a plain sim (not in [nodes.sim]): it serves ENGINE_NAME only.
     port = free_port()
-    sim = spawn("sim-path", [sys.executable, "-m", "zmlcore.sim", "--accelerator", "amd_mi300x", "--port", str(port),
+    sim = spawn("sim-path", [sys.executable, "-m", "zml_sim", "--accelerator", "amd_mi300x", "--port", str(port),
                              "--node-id", "mi300x-path", "--model", ENGINE_NAME, "--time-scale", "20",
                              "--load-time-s", "0.1"])
     assert sim.wait_for("ready", 30), sim.tail()

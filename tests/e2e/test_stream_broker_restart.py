@@ -29,7 +29,7 @@ import pytest
 
 import zml
 from zmlcore import subjects
-from zmlcore.launch import Proc, free_port, start_nats
+from zmlcore.runtime.launch import Proc, free_port, start_nats
 from conftest import lone_gateway
 
 MODEL = "restart/model"

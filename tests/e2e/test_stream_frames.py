@@ -1,5 +1,5 @@
 """The gateway against a stand-in router that answers in header-less stream frames
-(``Zml-Accept-Stream: frames``, zmlcore.streamframe): frames that queued up go out in one
+(``Zml-Accept-Stream: frames``, zmlcore.reply.streamframe): frames that queued up go out in one
 write, and a hostile or garbled frame ends the stream with a clean error (an SSE error event,
 or a 502 before the start), never a 500 or a dead gateway.
 """

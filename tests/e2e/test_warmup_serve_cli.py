@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 from test_health_helpers import eventually, private_nats, start_sim  # noqa: E402
 
 from zmlcore import subjects  # noqa: E402
-from zmlcore.launch import Proc, service_argv, spawn  # noqa: E402
+from zmlcore.runtime.launch import Proc, service_argv, spawn  # noqa: E402
 
 M = "meta-llama/llama-3-8b-instruct"
 COLD = "mistralai/mistral-7b-instruct"

@@ -18,11 +18,11 @@ import nats
 import nats.errors
 import pytest
 
-from zmlcore.launch import Proc, free_port, listen_ports, port_in_use, spawn
+from zmlcore.runtime.launch import Proc, free_port, listen_ports, port_in_use, spawn
 from zml.cli.up import demo_config_path
 from zmlcore.config import load_config
-from zmlcore.launch import endpoint_port
-from zmlcore.sizing import nats_gomaxprocs, usable_cores
+from zmlcore.runtime.launch import endpoint_port
+from zmlcore.runtime.sizing import nats_gomaxprocs, usable_cores
 
 
 def _zml(*args: str) -> list[str]:

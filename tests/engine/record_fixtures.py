@@ -21,7 +21,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import llamaserver  # noqa: E402
 
-from zmlcore.launch import free_port  # noqa: E402
+from zmlcore.runtime.launch import free_port  # noqa: E402
 
 OUT = Path(__file__).resolve().parents[1] / "data" / "engines" / "llamacpp"
 

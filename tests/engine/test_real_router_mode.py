@@ -15,7 +15,7 @@ import llamaserver
 from enginefleet import Llama, llama  # noqa: F401
 from zml_health.adapters.llamacpp import probe as llamacpp_probe
 from zml_warmup import loader
-from zmlcore.launch import free_port, spawn
+from zmlcore.runtime.launch import free_port, spawn
 
 pytestmark = [pytest.mark.engine, pytest.mark.timeout(120)]
 

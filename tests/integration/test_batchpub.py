@@ -1,4 +1,4 @@
-"""zmlcore.batchpub against a real nats-server: messages added on the request path arrive each
+"""zmlcore.bus.batchpub against a real nats-server: messages added on the request path arrive each
 as its own message (the wire unchanged), in order, together after the window; stop() sends what
 is pending; the pending list is bounded."""
 
@@ -11,7 +11,7 @@ from typing import Any
 import nats
 import pytest
 
-from zmlcore.batchpub import BatchPublisher
+from zmlcore.bus.batchpub import BatchPublisher
 
 
 @pytest.fixture()

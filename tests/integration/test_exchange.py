@@ -1,4 +1,4 @@
-"""zmlcore.exchange against a real nats-server: keepalives are consumed, a silent router's
+"""zmlcore.reply.exchange against a real nats-server: keepalives are consumed, a silent router's
 request is sent again once (same id, new inbox, the timeout left), a late reply of the first
 attempt is never mixed in, a started stream ends with STREAM_INTERRUPTED, a queued request is
 never sent again (out of the queue it is watched again: tests/e2e/test_router_failover.py), and
@@ -18,8 +18,8 @@ import pytest
 
 from zmlcore import subjects
 from zmlcore.errors import BackendError, StreamInterruptedError, TimeoutError
-from zmlcore.exchange import Exchange
-from zmlcore.keepalive import MISSES, QUEUED, keepalive_headers
+from zmlcore.reply.exchange import Exchange
+from zmlcore.reply.keepalive import MISSES, QUEUED, keepalive_headers
 
 KA = 0.15  # keepalive interval of these tests: a silent router is gone after 0.45 s
 
@@ -194,10 +194,10 @@ async def test_a_slow_reader_overflows_its_own_buffer_only(nc: Any) -> None:
 
 async def test_replies_skip_the_subscription_queue_and_keep_nats_py_accounting(nc: Any) -> None:
     """With the installed nats-py, the reply mux takes messages from its reader directly (no
-    queue and task hop per message: zmlcore.exchange._Deliver), in order, and nats-py's
+    queue and task hop per message: zmlcore.reply.exchange._Deliver), in order, and nats-py's
     pending-bytes count stays at zero (else its slow-consumer check would trip on a long
     stream)."""
-    from zmlcore.exchange import ReplyMux, _Deliver
+    from zmlcore.reply.exchange import ReplyMux, _Deliver
 
     mux = await ReplyMux.of(nc)
     sub = next(s for s in nc._subs.values() if s.subject == mux.prefix + "*")
@@ -219,7 +219,7 @@ async def test_replies_skip_the_subscription_queue_and_keep_nats_py_accounting(n
     mux.close(inbox)
 
 
-# --- "no responders": no router subscribed yet (zmlcore.norouter) -------------------------------
+# --- "no responders": no router subscribed yet (zmlcore.reply.norouter) -------------------------------
 
 
 async def test_a_request_that_found_no_router_is_sent_again_when_one_subscribes(nc: Any) -> None:

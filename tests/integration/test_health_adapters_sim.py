@@ -11,7 +11,7 @@ from test_health_helpers import config, connected, eventually, node_entry, priva
 from zml_health.adapters import adapter_for
 from zml_health.service import HealthService
 from zmlcore.messages import node_state_decoder
-from zmlcore.natsio import nodes_kv
+from zmlcore.bus.connect import nodes_kv
 
 M = "meta-llama/llama-3-8b-instruct"
 
@@ -118,7 +118,7 @@ async def test_measured_speeds_from_a_throttled_sim() -> None:
     from zml_health.adapters.vllm import probe as vllm_probe
     from zml_health.tracker import Tracker
     from zmlcore.config import HealthConfig
-    from zmlcore.sim.server import SimNode
+    from zml_sim.server import SimNode
 
     import asyncio
     import time

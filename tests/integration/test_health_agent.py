@@ -8,9 +8,9 @@ import pytest
 
 from test_health_helpers import config, connected, eventually, node_entry, private_nats, start_sim
 from zml_health.service import HealthService
-from zmlcore.launch import free_port
-from zmlcore.nodeagent.server import NodeAgent
-from zmlcore.nodeagent.smi import Hardware
+from zmlcore.runtime.launch import free_port
+from zml_nodeagent.server import NodeAgent
+from zml_nodeagent.smi import Hardware
 
 M = "meta-llama/llama-3-8b-instruct"
 

@@ -16,7 +16,7 @@ from zml_health.service import HealthService
 from zml_health.tracker import Tracker
 from zml_warmup import loader
 from zmlcore.config import HealthConfig
-from zmlcore.sim.server import SimNode
+from zml_sim.server import SimNode
 
 M = "meta-llama/llama-3-8b-instruct"
 

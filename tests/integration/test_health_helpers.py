@@ -14,8 +14,8 @@ import nats
 from nats.aio.client import Client as NATS
 
 from zmlcore.config import ZMLConfig, parse_config
-from zmlcore.launch import free_port, start_nats
-from zmlcore.sim.server import SimNode
+from zmlcore.runtime.launch import free_port, start_nats
+from zml_sim.server import SimNode
 
 T = TypeVar("T")
 

@@ -16,14 +16,14 @@ from nats.aio.client import Client as NATS
 from nats.js.kv import KeyValue
 
 from test_health_helpers import eventually
-from zmlcore.alive import BEAT_S
-from zmlcore import kvfollow
-from zmlcore.alive import main as alive_main
-from zmlcore.kvfollow import KVFollower, drop_watch, watch_bucket
-from zmlcore.launch import Proc, free_port, spawn, nats_server_binary, start_nats, wait_port
-from zmlcore.link import link_of, split_urls
-from zmlcore.natsio import connect, ensure_kv
-from zmlcore.runner import ConnectionClosed, run_service
+from zmlcore.runtime.alive import BEAT_S
+from zmlcore.bus import kvfollow
+from zmlcore.runtime.alive import main as alive_main
+from zmlcore.bus.kvfollow import KVFollower, drop_watch, watch_bucket
+from zmlcore.runtime.launch import Proc, free_port, spawn, nats_server_binary, start_nats, wait_port
+from zmlcore.bus.link import link_of, split_urls
+from zmlcore.bus.connect import connect, ensure_kv
+from zmlcore.runtime.runner import ConnectionClosed, run_service
 
 BUCKET = "zml_test_follow"
 T = TypeVar("T")

@@ -1,4 +1,4 @@
-"""The leader lease (zmlcore.lease) on a real nats-server: one holder at a time, a standby takes
+"""The leader lease (zmlcore.runtime.lease) on a real nats-server: one holder at a time, a standby takes
 over within ttl + ttl/4 of the holder's last renewal, at once on a clean release, and the old
 holder learns it lost the lease."""
 
@@ -12,8 +12,8 @@ import pytest
 
 from test_health_helpers import eventually, private_nats
 from zmlcore import subjects
-from zmlcore.lease import Lease, lease_ttl_s
-from zmlcore.natsio import connect, ensure_kv
+from zmlcore.runtime.lease import Lease, lease_ttl_s
+from zmlcore.bus.connect import connect, ensure_kv
 
 
 @pytest.fixture(scope="module")

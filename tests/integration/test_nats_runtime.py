@@ -9,8 +9,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from zmlcore.launch import free_port, start_nats
-from zmlcore.sizing import nats_env
+from zmlcore.runtime.launch import free_port, start_nats
+from zmlcore.runtime.sizing import nats_env
 
 
 def _varz(port: int) -> dict[str, object]:

@@ -1,4 +1,4 @@
-"""zmlcore.natspub against a real nats-server: messages published through the Publisher and
+"""zmlcore.bus.publish against a real nats-server: messages published through the Publisher and
 through nc.publish on the same client arrive in the order they were made; across a broker
 restart (published while disconnected: through nats-py's reconnect buffer); and with a pending
 buffer far smaller than what is published (back-pressure, nothing lost, the buffer bounded)."""
@@ -17,8 +17,8 @@ import nats
 import pytest
 from nats import errors
 
-from zmlcore.launch import free_port, start_nats, wait_port
-from zmlcore.natspub import Publisher
+from zmlcore.runtime.launch import free_port, start_nats, wait_port
+from zmlcore.bus.publish import Publisher
 
 
 @pytest.fixture()
@@ -198,7 +198,7 @@ async def test_disconnected_buffer_full_raises_like_nats_py() -> None:
 
 
 def test_under_uvloop_order_and_back_pressure(nats_url: str) -> None:
-    """The services run on uvloop (zmlcore.runner): its transports must take the same path
+    """The services run on uvloop (zmlcore.runtime.runner): its transports must take the same path
     (write-buffer limits read, forced flush past pending_size, order kept)."""
     uvloop = pytest.importorskip("uvloop")
 

@@ -10,7 +10,7 @@ from aiohttp import web
 
 from zml_router.dispatch import MAX_ERROR_BODY, AttemptError, Failure, NodeClient, post_json
 from zmlcore.errors import ReplyTooLargeError
-from zmlcore.launch import free_port
+from zmlcore.runtime.launch import free_port
 
 
 @pytest.fixture

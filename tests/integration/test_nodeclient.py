@@ -196,7 +196,7 @@ async def test_a_fresh_connection_that_drops_is_a_network_failure(serve, client)
 
 
 async def test_connection_refused_is_a_network_failure(client) -> None:  # type: ignore[no-untyped-def]
-    from zmlcore.launch import free_port
+    from zmlcore.runtime.launch import free_port
 
     with pytest.raises(AttemptError) as info:
         await post_json(client, f"http://127.0.0.1:{free_port()}/v1/chat/completions", b"{}", {})
@@ -299,7 +299,7 @@ async def test_a_stream_abandoned_mid_body_closes_its_connection(serve, client) 
 
 
 async def test_a_stream_over_the_line_bound_is_a_server_failure(serve, client) -> None:  # type: ignore[no-untyped-def]
-    from zmlcore import sse
+    from zmlcore.reply import sse
 
     async def long_line(head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         writer.write(SSE)

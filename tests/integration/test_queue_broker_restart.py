@@ -11,7 +11,7 @@ import time
 from test_kvfollow import Broker, retry
 from test_queue_claims import MODEL, Replica
 from zmlcore import subjects
-from zmlcore.natsio import connect
+from zmlcore.bus.connect import connect
 from zml_router.queue import SaturationQueue
 
 

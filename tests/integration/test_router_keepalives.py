@@ -13,7 +13,7 @@ import nats
 import pytest
 
 from zml_router.keepalives import PARK_AFTER, TICK_S, send_keepalives
-from zmlcore.keepalive import KeepaliveBook
+from zmlcore.reply.keepalive import KeepaliveBook
 
 
 class CountingBook(KeepaliveBook):

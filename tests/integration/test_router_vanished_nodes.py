@@ -16,9 +16,9 @@ from test_health_helpers import eventually
 from zmlcore import subjects
 from zmlcore.config import parse_config
 from zmlcore.errors import ModelNotLoadedError, NoHealthyNodesError
-from zmlcore.launch import free_port, start_nats
+from zmlcore.runtime.launch import free_port, start_nats
 from zmlcore.messages import NodeState
-from zmlcore.natsio import connect, ensure_kv
+from zmlcore.bus.connect import connect, ensure_kv
 from zmlcore.policy import RouteRequest
 from zmlcore.policy.resolve import builtin_policy
 from zml_router.service import RouterService

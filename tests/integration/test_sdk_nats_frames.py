@@ -1,5 +1,5 @@
 """The SDK's NATS transport asks for header-less stream frames (``Zml-Accept-Stream: frames``,
-zmlcore.streamframe) and decodes them: several events in one frame, frames mixed with
+zmlcore.reply.streamframe) and decodes them: several events in one frame, frames mixed with
 header'd chunk messages (a router from before frames), a lost frame (STREAM_INTERRUPTED) and a
 header-less message that is not a frame (BACKEND_ERROR). A scripted responder on zml.infer
 plays the router on a nats-server of this module's own (no other test's subscriber on
@@ -18,8 +18,9 @@ import nats
 import pytest
 
 import zml
-from zmlcore import streamframe, subjects
-from zmlcore.launch import free_port, start_nats, wait_port
+from zmlcore import subjects
+from zmlcore.reply import streamframe
+from zmlcore.runtime.launch import free_port, start_nats, wait_port
 
 ROUTING = {"node_id": "n1", "accelerator_type": "nvidia_h100", "family": "H100", "policy": "balanced",
            "queue_depth_at_dispatch": 0, "decision_id": "d", "request_id": "r"}

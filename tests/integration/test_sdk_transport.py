@@ -238,7 +238,7 @@ def test_api_key_and_headers(gw: FakeGateway, script: Script) -> None:
 def bare_nats() -> Iterator[str]:
     import tempfile
 
-    from zmlcore.launch import free_port, start_nats
+    from zmlcore.runtime.launch import free_port, start_nats
 
     port = free_port()
     with tempfile.TemporaryDirectory(prefix="zml-bare-nats-") as store:

@@ -13,8 +13,8 @@ import pytest
 from nats.aio.client import Client as NATS
 
 from zmlcore import subjects
-from zmlcore.leases import SHARE
-from zmlcore.limiter import SharedLimiter, limit_key
+from zmlcore.limits.leases import SHARE
+from zmlcore.limits.limiter import SharedLimiter, limit_key
 from zmlcore.messages.keys import LimitState, PlanLimits, limit_state_decoder
 
 

@@ -17,8 +17,9 @@ import httpx
 import pytest
 
 from zmlcore.config import parse_config
-from zmlcore.sim.server import SimNode, start_fleet
-from zmlcore.launch import free_port
+from zml_sim.server import SimNode
+from zml_sim.server import start_fleet
+from zmlcore.runtime.launch import free_port
 
 M = "llama-3-8b"
 CHAT = {"model": M, "messages": [{"role": "user", "content": "x" * 400}], "max_tokens": 12}
@@ -421,7 +422,7 @@ async def test_start_fleet_runs_sim_nodes_on_their_ports() -> None:
 
 async def run_cli(*args: str) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "zmlcore.sim", *args,
+        sys.executable, "-m", "zml_sim", *args,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )

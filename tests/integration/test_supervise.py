@@ -6,8 +6,8 @@ from __future__ import annotations
 import sys
 import time
 
-from zmlcore.launch import spawn
-from zmlcore.supervise import Backoff, Supervisor
+from zmlcore.runtime.launch import spawn
+from zml.cli._supervise import Backoff, Supervisor
 
 
 def test_backoff_doubles_to_the_cap_and_resets_after_a_long_run() -> None:

@@ -19,7 +19,7 @@ from zml_health.service import HealthService
 from zml_warmup.service import WarmupService
 from zmlcore import subjects
 from zmlcore.messages import RequestCompleted, WarmupEvent
-from zmlcore.sim.server import SimNode
+from zml_sim.server import SimNode
 
 M = "meta-llama/llama-3-8b-instruct"
 OTHER = "mistralai/mistral-7b-instruct"

@@ -1,4 +1,4 @@
-"""zmlcore.bigreply: replies over max_payload in parts, the collector's checks, the bound."""
+"""zmlcore.reply.bigreply: replies over max_payload in parts, the collector's checks, the bound."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from zmlcore import subjects
-from zmlcore.bigreply import (
+from zmlcore.reply.bigreply import (
     ASSUMED_MAX_MODEL_LEN,
     Collector,
     accepted,

@@ -9,13 +9,13 @@ import pytest
 import yaml
 
 from zmlcore.config import load_config
-from zmlcore.launch import endpoint_port
+from zmlcore.runtime.launch import endpoint_port
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = yaml.safe_load((ROOT / "compose.yaml").read_text())
 SERVICES = COMPOSE["services"]
 PARSERS = {
-    "sim": "zmlcore.sim.cli",
+    "sim": "zml_sim.cli",
     "gateway": "zml_gateway.__main__",
     "router": "zml_router.__main__",
     "health": "zml_health.__main__",

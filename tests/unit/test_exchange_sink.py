@@ -1,5 +1,5 @@
-"""zmlcore.exchange.Sink: one timer kept across waits that messages end (no timer per
-stream chunk), and still no wait longer than asked; zmlcore.streamframe's decode and collect."""
+"""zmlcore.reply.exchange.Sink: one timer kept across waits that messages end (no timer per
+stream chunk), and still no wait longer than asked; zmlcore.reply.streamframe's decode and collect."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from zmlcore.exchange import Sink
+from zmlcore.reply.exchange import Sink
 
 
 async def test_a_wait_ends_at_its_deadline_even_when_a_later_timer_is_armed() -> None:
@@ -54,8 +54,8 @@ async def test_close_cancels_the_armed_timer() -> None:
 
 
 def test_collect_takes_waiting_frames_up_to_a_bound() -> None:
-    from zmlcore import streamframe
-    from zmlcore.streamseq import SeqCheck
+    from zmlcore.reply import streamframe
+    from zmlcore.reply.streamseq import SeqCheck
 
     check = SeqCheck()
     check.gap("0")
@@ -77,15 +77,15 @@ def test_collect_takes_waiting_frames_up_to_a_bound() -> None:
 @pytest.mark.parametrize("bad", [b"", b"\n", b"1", b"1\n", b"01x\ndata: a", b"1\r\ndata: a", b" 1\ndata: a",
                                  b"1\n data: a", b"\xff\ndata: a", b"9" * 13 + b"\ndata: a"])
 def test_decode_rejects_what_is_not_a_frame(bad: bytes) -> None:
-    from zmlcore import streamframe
+    from zmlcore.reply import streamframe
 
     with pytest.raises(streamframe.FrameError):
         streamframe.decode(bad)
 
 
 def test_a_garbled_frame_after_good_ones_returns_them_with_the_error() -> None:
-    from zmlcore import streamframe
-    from zmlcore.streamseq import SeqCheck
+    from zmlcore.reply import streamframe
+    from zmlcore.reply.streamseq import SeqCheck
 
     check = SeqCheck()
     check.gap("0")

@@ -1,4 +1,4 @@
-"""The gateway -> router body codec (zmlcore.frontdoor) and the node's body (zml_router.nodebody):
+"""The gateway -> router body codec (zmlcore.messages.frontdoor) and the node's body (zml_router.nodebody):
 how often a request body is parsed and encoded on its way to a node."""
 
 from __future__ import annotations
@@ -10,7 +10,9 @@ from typing import Any
 import msgspec
 import pytest
 
-from zmlcore import frontdoor, subjects, validate
+from zmlcore import subjects
+from zmlcore.messages import frontdoor
+from zmlcore.messages import validate
 from zmlcore.errors import BadRequestError
 from zmlcore.messages import InlinePolicy
 from zml_router import nodebody

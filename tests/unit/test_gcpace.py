@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from zmlcore import gcpace
+from zmlcore.runtime import gcpace
 
 
 class Node:

@@ -154,7 +154,7 @@ async def test_llamacpp_sleeping_server_is_up_and_asleep() -> None:
 
 async def test_llamacpp_speeds_from_two_recordings() -> None:
     """The recorded server's own counters give its speeds: zero at start, then the recording."""
-    from zmlcore.health.speed import Readings, SpeedMeter
+    from zml_health.speed import Readings, SpeedMeter
 
     p = await probe("llamacpp", never_slots(LLAMACPP_LIVE))
     meter = SpeedMeter()

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from zmlcore.health import validate_hardware
-from zmlcore.nodeagent import smi
+from zml_health.hardware import validate_hardware
+from zml_nodeagent import smi
 
 DATA = Path(__file__).resolve().parents[1] / "data" / "engines" / "agent"
 

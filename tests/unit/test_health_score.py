@@ -7,8 +7,9 @@ import pytest
 from zml_health.adapters.base import Probe
 from zml_health.tracker import Tracker
 from zmlcore.config import HealthConfig
-from zmlcore.health import health_score, validate_hardware
-from zmlcore.health.hardware import NO_PROBE_NOTE
+from zml_health.hardware import validate_hardware
+from zml_health.score import health_score
+from zml_health.hardware import NO_PROBE_NOTE
 
 CFG = HealthConfig(down_after=3, up_after=2, startup_grace_s=10.0)
 OK = Probe(ok=True, models=["m"])

@@ -1,4 +1,4 @@
-from zmlcore.health.speed import MIN_TOKENS, Readings, SpeedMeter
+from zml_health.speed import MIN_TOKENS, Readings, SpeedMeter
 
 
 def test_first_reading_only_sets_the_baseline() -> None:

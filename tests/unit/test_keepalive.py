@@ -1,4 +1,4 @@
-"""zmlcore.keepalive: the router's book of keepalives due and the requester's watch (pure)."""
+"""zmlcore.reply.keepalive: the router's book of keepalives due and the requester's watch (pure)."""
 
 from __future__ import annotations
 
@@ -6,9 +6,10 @@ import doctest
 
 import pytest
 
-from zmlcore import keepalive, subjects
+from zmlcore import subjects
+from zmlcore.reply import keepalive
 from zmlcore.errors import BadRequestError
-from zmlcore.keepalive import MISSES, KeepaliveBook, Silence, after_silence, keepalive_state, parse_interval
+from zmlcore.reply.keepalive import MISSES, KeepaliveBook, Silence, after_silence, keepalive_state, parse_interval
 
 
 def test_doctests() -> None:

@@ -1,4 +1,4 @@
-"""zmlcore.metrics.Children: cached label children, bounded label combinations."""
+"""zmlcore.telemetry.metrics.Children: cached label children, bounded label combinations."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import logging
 
 from prometheus_client import CollectorRegistry, Counter, generate_latest
 
-from zmlcore import metrics
-from zmlcore.telemetry import DECISION_ID, REQUEST_ID, JsonFormatter
+from zmlcore.telemetry import metrics
+from zmlcore.telemetry.setup import DECISION_ID, REQUEST_ID, JsonFormatter
 
 
 def test_children_are_cached_and_capped(monkeypatch) -> None:

@@ -1,4 +1,4 @@
-"""zmlcore.natspub's encoder against nats-py's own (no server): the same bytes for the same
+"""zmlcore.bus.publish's encoder against nats-py's own (no server): the same bytes for the same
 subject, reply, headers and payload, and the same refusals (no protocol injection through a
 subject, a reply or a header). Pins the nats-py behaviour the module copies: if a nats-py
 release changes its wire form or its rules, these fail before the services drift from it."""
@@ -11,7 +11,7 @@ import pytest
 from nats import errors
 from nats.aio.client import Client, _validate_subject
 
-from zmlcore import natspub
+from zmlcore.bus import publish as natspub
 
 
 async def nats_py_bytes(subject: str, reply: str, payload: bytes, headers: dict[str, str] | None) -> bytes:

@@ -1,4 +1,4 @@
-"""zmlcore.norouter: when a request that found no router is sent again, and when it gives up (pure)."""
+"""zmlcore.reply.norouter: when a request that found no router is sent again, and when it gives up (pure)."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import doctest
 
 import pytest
 
-from zmlcore import norouter
-from zmlcore.norouter import BACKOFF_S, NoRouterWait, is_no_responders
+from zmlcore.reply import norouter
+from zmlcore.reply.norouter import BACKOFF_S, NoRouterWait, is_no_responders
 
 
 def test_doctests() -> None:

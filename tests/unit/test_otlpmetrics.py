@@ -1,10 +1,10 @@
-"""zmlcore.otlpmetrics: when OTLP metrics push is on, and the prometheus_client -> OTLP mapping."""
+"""zmlcore.telemetry.otlp: when OTLP metrics push is on, and the prometheus_client -> OTLP mapping."""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from zmlcore.otlpmetrics import metrics_wanted, snapshot
+from zmlcore.telemetry.otlp import metrics_wanted, snapshot
 
 
 def test_on_only_when_the_otel_variables_ask() -> None:

@@ -7,7 +7,7 @@ from test_policy_helpers import NOW, node
 
 from zmlcore.policy import FleetIndex, RouteRequest, RoutingState, builtin_policy, choose_node, estimate_ttft
 from zmlcore.policy.estimate import MEAN_OUTPUT_TOKENS, MEAN_PROMPT_TOKENS, Coeffs
-from zmlcore.sim.model import SimProfile
+from zmlcore.fleet.perfmodel import SimProfile
 
 LAT = builtin_policy("latency")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from test_policy_helpers import NOW, fleet5, node
 
-from zmlcore.costs import CostTable
+from zmlcore.fleet.costs import CostTable
 from zmlcore.messages import CostEntry
 from zmlcore.policy import RouteRequest, RoutingState, builtin_policy, choose_node
 from zmlcore.policy.estimate import node_cost

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from zmlcore.accelerators import ACCELERATORS
+from zmlcore.fleet.accelerators import ACCELERATORS
 from zmlcore.messages import NodeState
 from zmlcore.policy import NodeView
 

@@ -1,4 +1,4 @@
-from zmlcore.ratelimit import TokenBucket
+from zml_gateway.ratelimit import TokenBucket
 
 
 def test_burst_then_steady_rate() -> None:

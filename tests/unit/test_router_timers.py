@@ -131,7 +131,7 @@ async def test_inner_deadline_first_is_the_inner_ones() -> None:
 
 
 def test_deadlines_fire_under_uvloop() -> None:
-    """The services run on uvloop (zmlcore.runner): its loop has other internals and 1 ms timers."""
+    """The services run on uvloop (zmlcore.runtime.runner): its loop has other internals and 1 ms timers."""
     uvloop = pytest.importorskip("uvloop")
 
     async def main() -> list[float]:

@@ -1,11 +1,12 @@
-"""Routing metadata as headers (zmlcore.routingmeta): what the router writes, the gateway
+"""Routing metadata as headers (zmlcore.reply.routingmeta): what the router writes, the gateway
 relays as HTTP headers and the SDK reads back from either is the same RoutingInfo."""
 
 from __future__ import annotations
 
 import doctest
 
-from zmlcore import routingmeta, subjects
+from zmlcore import subjects
+from zmlcore.reply import routingmeta
 from zmlcore.messages import RoutingInfo
 from zml._core import lower_headers, routing_from_headers
 
@@ -44,7 +45,7 @@ def test_the_backend_header_is_compact() -> None:
 def test_the_routing_metadata_is_read_back_from_a_reply_body_and_a_start_message() -> None:
     import msgspec
 
-    from zmlcore import routingmeta
+    from zmlcore.reply import routingmeta
     from zmlcore.messages import RoutingInfo, StreamStart
 
     info = RoutingInfo(node_id="n1", accelerator_type="nvidia_h100", family="H100", policy="latency",

@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from zmlcore.sim.engine import (
+from zml_sim.engine import (
     DEFAULT_MODEL_GIB,
     KV_BYTES_PER_TOKEN,
     OUTPUT_MAX,
@@ -17,7 +17,7 @@ from zmlcore.sim.engine import (
     filler_text,
     token_text,
 )
-from zmlcore.sim.model import SimProfile
+from zmlcore.fleet.perfmodel import SimProfile
 
 M = "m"
 

@@ -1,11 +1,11 @@
-"""zmlcore.sizing: how many gateway and router processes `zml up` runs, and its nats-server's GOMAXPROCS."""
+"""zmlcore.runtime.sizing: how many gateway and router processes `zml up` runs, and its nats-server's GOMAXPROCS."""
 
 from __future__ import annotations
 
 import pytest
 
 from zmlcore.config import ConfigError, parse_config
-from zmlcore.sizing import nats_env, nats_gomaxprocs, plan_processes, usable_cores
+from zmlcore.runtime.sizing import nats_env, nats_gomaxprocs, plan_processes, usable_cores
 
 
 @pytest.mark.parametrize(("cores", "want"), [(1, (1, 1)), (2, (1, 1)), (3, (1, 1)), (4, (2, 2)), (16, (8, 8))])

@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from zml._core import SSEDecoder
-from zmlcore.sse import SSELineSplitter, SSELineTooLong, aiter_sse_lines, data_field, iter_sse_lines
+from zmlcore.reply.sse import SSELineSplitter, SSELineTooLong, aiter_sse_lines, data_field, iter_sse_lines
 
 # Legal raw in a JSON string (JSON escapes only U+0000..U+001F), and line ends to splitlines().
 SEPARATORS = "\u2028\u2029\u0085"
@@ -88,7 +88,7 @@ def test_sdk_decoder_keeps_the_separators_in_the_text() -> None:
 # --- EventRelay: whole events relayed as they came -------------------------------------------
 
 def test_a_read_of_whole_one_line_data_events_is_relayed_as_the_same_bytes() -> None:
-    from zmlcore.sse import EventRelay
+    from zmlcore.reply.sse import EventRelay
 
     raw = b'data: {"a":1}\n\ndata: {"b":"x\xe2\x80\xa8y"}\n\n'
     relay = EventRelay()
@@ -96,7 +96,7 @@ def test_a_read_of_whole_one_line_data_events_is_relayed_as_the_same_bytes() -> 
 
 
 def test_events_cut_across_reads_crlf_comments_and_done_are_reframed() -> None:
-    from zmlcore.sse import EventRelay, event_payloads
+    from zmlcore.reply.sse import EventRelay, event_payloads
 
     relay = EventRelay()
     assert relay.feed(b'data: {"a"') == b""
@@ -107,7 +107,7 @@ def test_events_cut_across_reads_crlf_comments_and_done_are_reframed() -> None:
 
 
 def test_a_relayed_block_never_carries_done_or_an_empty_event() -> None:
-    from zmlcore.sse import EventRelay
+    from zmlcore.reply.sse import EventRelay
 
     for raw in (b"data: [DONE]\n\n", b"data: \n\n", b'data: {"a":1}\n\n\n', b'data: {"a":1}\ndata: {"b":2}\n\n'):
         out = EventRelay().feed(raw)

@@ -1,4 +1,4 @@
-"""zmlcore.tally: per-request counts as plain numbers, exposed exactly like prometheus_client's
+"""zmlcore.telemetry.tally: per-request counts as plain numbers, exposed exactly like prometheus_client's
 own Counter and Histogram (what a scrape of /metrics reads must not change)."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ import threading
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-from zmlcore import metrics
-from zmlcore.tally import CounterTally, HistogramTally, Tallies
+from zmlcore.telemetry import metrics
+from zmlcore.telemetry.tally import CounterTally, HistogramTally, Tallies
 
 BUCKETS = (0.001, 0.01, 0.1, 1.0, 10.0)
 

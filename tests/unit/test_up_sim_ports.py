@@ -10,7 +10,7 @@ from zml.cli._simports import pick_ports, relocate, with_ports
 from zml.cli.up import demo_config_path
 from zmlcore.config import load_config
 from zmlcore.errors import ConfigError
-from zmlcore.launch import endpoint_port
+from zmlcore.runtime.launch import endpoint_port
 
 
 def test_demo_fleet_moves_to_a_base_keeping_the_file(tmp_path: Path) -> None:

@@ -1,4 +1,4 @@
-"""zmlcore.validate: the front door's rules, shared by the gateway and the router."""
+"""zmlcore.messages.validate: the front door's rules, shared by the gateway and the router."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 from zmlcore.errors import BadRequestError, ErrorBody, ZMLError, error_class, from_wire
-from zmlcore.validate import (
+from zmlcore.messages.validate import (
     MAX_REQUEST_ID,
     check_request_id,
     clip,
@@ -121,7 +121,7 @@ def test_a_body_without_code_is_internal() -> None:
 
 
 def test_deeper_than_agrees_with_json_depth() -> None:
-    from zmlcore.validate import deeper_than
+    from zmlcore.messages.validate import deeper_than
 
     for raw in (b'{"a": "[[[{{{\\"]]]", "b": [[1]]}', b'"x"', b"[" * 50 + b"]" * 50, b"[" * 3 + b"]" * 3,
                 b'{"m": [{"a": 1}, {"b": [2]}, {"c": {}}]}', b"[[" + b"1," * 40 + b"]]"):

@@ -41,11 +41,13 @@ from zml._models import (
     StreamChunk,
     Usage,
 )
-from zmlcore import routingmeta, streamframe, subjects
+from zmlcore import subjects
+from zmlcore.reply import routingmeta
+from zmlcore.reply import streamframe
 from zmlcore.config import NatsConfig, ZMLConfig
 from zmlcore.messages import NodeState
-from zmlcore.sse import SSELineSplitter, data_field
-from zmlcore.streamseq import SeqCheck
+from zmlcore.reply.sse import SSELineSplitter, data_field
+from zmlcore.reply.streamseq import SeqCheck
 
 log = logging.getLogger("zml")
 
@@ -114,7 +116,7 @@ class InferCall:
             subjects.H_TIMEOUT_MS: str(int(self.body.get("timeout_ms") or self.timeout_s * 1000)),
             **({subjects.H_ID_GENERATED: "1"} if self.id_generated else {}),
             # A stream's chunks as header-less frames: no header block to build or parse per
-            # chunk (zmlcore.streamframe; decoded by decode_nats_frame).
+            # chunk (zmlcore.reply.streamframe; decoded by decode_nats_frame).
             **({subjects.H_ACCEPT_STREAM: subjects.STREAM_FRAMES} if self.stream else {}),
             **trace_headers(),
         }
@@ -469,7 +471,7 @@ def routing_from_dict(d: Mapping[str, Any]) -> Routing:
 
 def routing_from_headers(headers: Mapping[str, str]) -> Routing | None:
     """Routing metadata from ``x-zml-*`` (HTTP) or ``zml-*`` (NATS) headers, if present
-    (lower-cased names; the map is zmlcore.routingmeta's)."""
+    (lower-cased names; the map is zmlcore.reply.routingmeta's)."""
     got = routingmeta.read(headers)
     if got is None:
         return None
@@ -635,7 +637,7 @@ def decode_nats_stream(headers: Mapping[str, str], body: bytes) -> StreamEvent:
 
 def decode_nats_frame(data: bytes, seq: SeqCheck) -> list[StreamEvent]:
     """The chunk events of one header-less stream frame (``Zml-Accept-Stream: frames``: the
-    sequence number, a newline, whole SSE events; zmlcore.streamframe). Ends with an error event
+    sequence number, a newline, whole SSE events; zmlcore.reply.streamframe). Ends with an error event
     (and nothing after it) for a message that is not a frame (BACKEND_ERROR), a lost message
     (STREAM_INTERRUPTED), bad JSON or an error object from the node."""
     try:

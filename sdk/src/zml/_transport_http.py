@@ -21,7 +21,7 @@ from zml._core import (
     trace_headers,
 )
 from zml._errors import BackendError, ConnectionError, TimeoutError, ZMLError
-from zmlcore.sse import SSELineTooLong, aiter_sse_lines, iter_sse_lines
+from zmlcore.reply.sse import SSELineTooLong, aiter_sse_lines, iter_sse_lines
 
 __all__ = ["AsyncHTTPTransport", "AsyncHTTPStream", "SyncHTTPStream", "SyncHTTPTransport"]
 

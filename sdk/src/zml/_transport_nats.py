@@ -10,12 +10,12 @@ The identity (nkey seed, env ZML_NATS_NKEY or ``[nats] nkey_file``) and TLS come
 configuration: with an identity, replies arrive on the identity's own inbox prefix and the
 owner in cancel subjects is its public key (see docs/security.md).
 
-Inference goes through :class:`zmlcore.exchange.Exchange`: the transport asks the routers for
+Inference goes through :class:`zmlcore.reply.exchange.Exchange`: the transport asks the routers for
 keepalives, and a request whose router dies (3 silent intervals) is sent once more to another
 router, invisibly unless a stream had already started (then it ends with STREAM_INTERRUPTED).
 A request that finds no router subscribed (the broker's "no responders": for a moment after a
 broker restart, or while routers restart) reached nobody, so it is sent again after a short
-backoff for up to ``no_router_grace_s`` (:mod:`zmlcore.norouter`) before NO_HEALTHY_NODES.
+backoff for up to ``no_router_grace_s`` (:mod:`zmlcore.reply.norouter`) before NO_HEALTHY_NODES.
 """
 
 from __future__ import annotations
@@ -46,11 +46,11 @@ from zml._core import (
 from zml._errors import AuthError, ConnectionError, StreamInterruptedError, ZMLError
 from zmlcore import subjects
 from zmlcore.config import NatsConfig
-from zmlcore.exchange import Exchange, parts_buffer
-from zmlcore.natsauth import connect_options, owner_of
-from zmlcore.norouter import NoRouterWait
-from zmlcore.replyparts import Reply
-from zmlcore.streamseq import SeqCheck
+from zmlcore.reply.exchange import Exchange, parts_buffer
+from zmlcore.access.identity import connect_options, owner_of
+from zmlcore.reply.norouter import NoRouterWait
+from zmlcore.reply.parts import Reply
+from zmlcore.reply.streamseq import SeqCheck
 
 __all__ = ["AsyncNatsStream", "AsyncNatsTransport", "SyncNatsStream", "SyncNatsTransport"]
 
@@ -79,7 +79,7 @@ class AsyncNatsTransport:
         self.connect_timeout = connect_timeout
         nats_config = nats_config or NatsConfig(url=url)
         self._options = connect_options(nats_config)
-        #: Largest reply collected in parts (replies over max_payload: zmlcore.bigreply).
+        #: Largest reply collected in parts (replies over max_payload: zmlcore.reply.bigreply).
         self.max_reply_bytes = nats_config.max_reply_bytes
         self.owner = owner_of(self._options)
         self._nc: NATS | None = None

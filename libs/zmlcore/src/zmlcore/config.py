@@ -22,7 +22,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from zmlcore.accelerators import ACCELERATORS, canonical_family
+from zmlcore.fleet.accelerators import ACCELERATORS, canonical_family
 from zmlcore.errors import ConfigError, PolicyConfigError
 
 if sys.version_info >= (3, 11):
@@ -61,7 +61,7 @@ class NatsConfig(msgspec.Struct, **_Base):
     process by env ZML_NATS_NKEY. None: no identity (an open broker, `zml up --insecure`)."""
     max_reply_bytes: PosInt = 64 * 1024 * 1024
     """Largest non-streamed reply the gateway or the SDK collects over NATS. A reply larger than
-    the server's max_payload arrives in parts (zmlcore.bigreply); the requester tells the router
+    the server's max_payload arrives in parts (zmlcore.reply.bigreply); the requester tells the router
     this limit (``Zml-Accept-Parts``), and a reply over it is answered REPLY_TOO_LARGE instead."""
     tls_ca_file: str | None = None
     """CA certificate(s) that verify the NATS server (env ZML_NATS_TLS_CA). Set (or a tls://
@@ -78,7 +78,7 @@ class NatsConfig(msgspec.Struct, **_Base):
     """`zml up`'s nats-server requires a client certificate signed by tls_ca_file (mutual TLS)."""
     server_gomaxprocs: PosInt | Literal["auto"] = "auto"
     """`zml up`'s nats-server: cores its Go code runs on at once (GOMAXPROCS, set in its
-    environment only). "auto": one per four cores, at least one (zmlcore.sizing): on two cores
+    environment only). "auto": one per four cores, at least one (zmlcore.runtime.sizing): on two cores
     one spent less nats-server CPU per request than two (docs/benchmarks.md, "Runtime levers").
     Go's own default is every core: give the core count for that."""
 
@@ -156,7 +156,7 @@ class GatewayConfig(msgspec.Struct, **_Base):
     local or not, can choose the address it is limited by."""
     processes: PosInt | Literal["auto"] = "auto"
     """Gateway processes `zml up` runs on the one port (SO_REUSEPORT: the kernel spreads
-    connections over them). "auto": sized to the machine's cores (zmlcore.sizing); `zml up
+    connections over them). "auto": sized to the machine's cores (zmlcore.runtime.sizing); `zml up
     --gateways N` overrides. Each process has its own /metrics, dashboard and max_concurrent."""
 
 
@@ -188,7 +188,7 @@ class RouterConfig(msgspec.Struct, **_Base):
     streaming) allowed before the first byte; 0 makes first_byte_floor_s a fixed timeout."""
     processes: PosInt | Literal["auto"] = "auto"
     """Router replicas `zml up` runs (one queue group). "auto": sized to the machine's cores
-    (zmlcore.sizing); `zml up --routers N` overrides."""
+    (zmlcore.runtime.sizing); `zml up --routers N` overrides."""
 
 
 class HealthConfig(msgspec.Struct, **_Base):

@@ -77,7 +77,7 @@ COSTS_BUCKET = "zml_costs"
 #: JetStream KV bucket holding registered nodes added at run time (survives health restarts).
 REGISTRY_BUCKET = "zml_registry"
 #: JetStream KV bucket of leader leases: key = role ("health", "warmup"), value = the active
-#: replica's id, renewed with compare-and-set (zmlcore.lease).
+#: replica's id, renewed with compare-and-set (zmlcore.runtime.lease).
 LEASES_BUCKET = "zml_leases"
 #: JetStream stream holding requests waiting for capacity (queue_on_saturation).
 QUEUE_STREAM = "ZML_QUEUE"
@@ -187,7 +187,7 @@ H_ID_CLAIM = "Zml-Id-Claim"
 #: final ``end``/``error``. A receiver that sees a number skipped lost a message (core NATS is
 #: at-most-once) and ends the stream with STREAM_INTERRUPTED instead of returning less text.
 H_SEQ = "Zml-Seq"
-#: On a request: "send me keepalives every <ms> while you work on it" (zmlcore.keepalive). On
+#: On a request: "send me keepalives every <ms> while you work on it" (zmlcore.reply.keepalive). On
 #: a message on the reply subject: it is a keepalive (``alive``, or ``queued`` once the request
 #: waits in the saturation queue), not part of the reply.
 H_KEEPALIVE = "Zml-Keepalive"
@@ -204,7 +204,7 @@ STREAM_ERROR = "error"
 H_ACCEPT_STREAM = "Zml-Accept-Stream"
 STREAM_EVENTS = "events"
 #: ``Zml-Accept-Stream: frames``: as ``events``, but each chunk message header-less, its body
-#: the sequence number, ``\n`` and the events (zmlcore.streamframe): no header block per chunk.
+#: the sequence number, ``\n`` and the events (zmlcore.reply.streamframe): no header block per chunk.
 STREAM_FRAMES = "frames"
 #: ``Zml-Accept-Routing: body`` on a request (the gateway): the routing metadata travels once,
 #: in the reply body's ``zml`` object (a stream's ``start`` body), without the ``Zml-*`` routing
@@ -212,9 +212,9 @@ STREAM_FRAMES = "frames"
 H_ACCEPT_ROUTING = "Zml-Accept-Routing"
 ROUTING_IN_BODY = "body"
 #: Front door only (dropped on ``zml.infer``: zml_router.trust). ``Zml-Body: clean``: the
-#: gateway validated the body (zmlcore.validate) and moved ZML's own fields out of it into
+#: gateway validated the body (zmlcore.messages.validate) and moved ZML's own fields out of it into
 #: ``Zml-Policy`` (the per-call policy as JSON: a name or an inline policy) and
-#: ``Zml-Accelerator-Id`` (zmlcore.frontdoor); the router reads it with one small decode.
+#: ``Zml-Accelerator-Id`` (zmlcore.messages.frontdoor); the router reads it with one small decode.
 H_BODY = "Zml-Body"
 BODY_CLEAN = "clean"
 H_POLICY = "Zml-Policy"
@@ -232,7 +232,7 @@ LIMITS_BUCKET = "zml_limits"
 H_DEFAULT_POLICY = "Zml-Default-Policy"
 H_LABEL = "Zml-Label"
 
-#: Replies larger than NATS's max_payload (zmlcore.bigreply). A requester that collects a reply
+#: Replies larger than NATS's max_payload (zmlcore.reply.bigreply). A requester that collects a reply
 #: in parts says so on its request with ``Zml-Accept-Parts: <most bytes it collects>`` (the
 #: gateway and the SDK always do); such a reply then arrives on its reply subject as several
 #: messages, each with ``Zml-Part: k`` (1-based) and ``Zml-Parts: n``, in order. Part 1 carries

@@ -27,12 +27,12 @@ _COMMANDS = (
 
 
 _PASSTHROUGH = {
-    "sim": "zmlcore.sim.cli",
+    "sim": "zml_sim.cli",
     "gateway": "zml_gateway.__main__",
     "router": "zml_router.__main__",
     "health": "zml_health.__main__",
     "warmup": "zml_warmup.__main__",
-    "node-agent": "zmlcore.nodeagent.__main__",
+    "node-agent": "zml_nodeagent.__main__",
 }
 
 

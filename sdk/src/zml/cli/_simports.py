@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 
 from zmlcore.config import NodeConfig, ZMLConfig, load_config
 from zmlcore.errors import ConfigError
-from zmlcore.launch import listen_ports
+from zmlcore.runtime.launch import listen_ports
 
 
 def pick_ports(nodes: list[NodeConfig], base: int | None, host: str = "127.0.0.1") -> dict[str, int]:

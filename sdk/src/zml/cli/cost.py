@@ -23,9 +23,9 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
 
 def run(args: argparse.Namespace) -> int:
     from zmlcore.config import find_config, load_config
-    from zmlcore.costs import clear_cost, set_cost
-    from zmlcore.natsauth import cli_options
-    from zmlcore.natsio import connect
+    from zmlcore.fleet.costs import clear_cost, set_cost
+    from zmlcore.access.identity import cli_options
+    from zmlcore.bus.connect import connect
 
     url = args.nats_url or load_config(args.config or find_config()).nats.url
 

@@ -23,7 +23,7 @@ from zmlcore.errors import ConfigError
 
 
 def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
-    from zmlcore.natsperms import ROLES
+    from zmlcore.access.permissions import ROLES
 
     p = sub.add_parser("creds", help="issue, revoke or list NATS identities (client, admin, services)")
     verbs = p.add_subparsers(dest="verb", required=True)
@@ -59,7 +59,7 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
 def run(args: argparse.Namespace) -> int:
     import os
 
-    from zmlcore import natscreds
+    from zml.cli import _identities as natscreds
 
     data_dir = args.data_dir or str(natscreds.default_data_dir())
     if args.verb == "init":
@@ -122,11 +122,11 @@ async def _plan(args: argparse.Namespace, data_dir: str, ident: Any, *, remove: 
 
     from zmlcore.config import find_config, load_config
     from zmlcore.errors import BadRequestError
-    from zmlcore.keys import remove_identity_plan, set_identity_plan
+    from zmlcore.access.apikeys import remove_identity_plan, set_identity_plan
     from zmlcore.messages.keys import IdentityPlan
-    from zmlcore.natsauth import connect_options
-    from zmlcore.link import split_urls
-    from zmlcore.plans import plan_limits
+    from zmlcore.access.identity import connect_options
+    from zmlcore.bus.link import split_urls
+    from zmlcore.limits.plans import plan_limits
 
     if ident.role != "client":
         raise ConfigError("plans are for client identities (services are limited at the gateway)")

@@ -50,10 +50,10 @@ def run(args: argparse.Namespace) -> int:
 
     from zmlcore.config import find_config, load_config
     from zmlcore.errors import BadRequestError
-    from zmlcore.keys import create_key, list_keys, revoke_key
-    from zmlcore.natsauth import cli_options
-    from zmlcore.natsio import connect
-    from zmlcore.plans import plan_limits
+    from zmlcore.access.apikeys import create_key, list_keys, revoke_key
+    from zmlcore.access.identity import cli_options
+    from zmlcore.bus.connect import connect
+    from zmlcore.limits.plans import plan_limits
 
     url = args.nats_url or os.environ.get("ZML_NATS_URL") or load_config(args.config or find_config()).nats.url
     for value in (getattr(args, "rpm", None), getattr(args, "concurrent", None), getattr(args, "tpm", None)):

@@ -1,6 +1,6 @@
 """`zml node-agent`: serve the node probe (GET /zml/v1/node) beside a serving engine.
 
-Listed here for `zml --help`; `zml.cli.main` hands the arguments to ``zmlcore.nodeagent``.
+Listed here for `zml --help`; `zml.cli.main` hands the arguments to ``zml_nodeagent``.
 """
 
 from __future__ import annotations

@@ -44,9 +44,9 @@ def _admin(args: argparse.Namespace) -> int:
 
     from zmlcore.config import find_config, load_config
     from zmlcore.errors import BadRequestError
-    from zmlcore.health.registry import add_node_sync, remove_node_sync
+    from zmlcore.fleet.registry import add_node_sync, remove_node_sync
     from zmlcore.messages import NodeSpec
-    from zmlcore.natsauth import cli_options
+    from zmlcore.access.identity import cli_options
 
     if not args.node_id:
         raise BadRequestError(f"zml nodes {args.action} needs a node id")

@@ -52,7 +52,7 @@ async def serve(model: str, *, nodes: list[str], family: list[str], nats_url: st
 
     from zmlcore import subjects
     from zmlcore.errors import ErrorBody, from_wire
-    from zmlcore.kvfollow import KVFollower
+    from zmlcore.bus.kvfollow import KVFollower
     from zmlcore.messages import ServeRequest, node_state_decoder
     from zmlcore.messages.warmup import serve_reply_decoder
 
@@ -62,7 +62,7 @@ async def serve(model: str, *, nodes: list[str], family: list[str], nats_url: st
         print(line, file=stream, flush=True)  # type: ignore[arg-type]
 
     t0 = time.monotonic()
-    from zmlcore.natsauth import cli_options
+    from zmlcore.access.identity import cli_options
 
     nc = await nats.connect(servers=[u.strip() for u in nats_url.split(",") if u.strip()], connect_timeout=3, max_reconnect_attempts=0, **cli_options(config))
     try:

@@ -1,4 +1,4 @@
-"""`zml sim`: listed here for --help; the arguments go to zmlcore.sim.cli (see zml.cli.main)."""
+"""`zml sim`: listed here for --help; the arguments go to zml_sim.cli (see zml.cli.main)."""
 
 from __future__ import annotations
 

@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from collections.abc import Callable
 
-    from zmlcore.launch import Proc
-    from zmlcore.supervise import Supervisor
+    from zmlcore.runtime.launch import Proc
+    from zml.cli._supervise import Supervisor
 
 
 def demo_config_path() -> str:
@@ -91,10 +91,10 @@ def _probe(url: str, model: str) -> tuple[int, str]:
 def run(args: argparse.Namespace) -> int:
     from zmlcore.config import load_config
     from zmlcore.errors import ConfigError
-    from zmlcore.launch import ClusterPlan, endpoint_port, listen_ports, port_in_use, service_argv, spawn, start_nats, wait_port
-    from zmlcore.natscreds import default_data_dir, ensure_builtin, running_server, write_server_config
-    from zmlcore.sizing import nats_env, plan_processes, usable_cores
-    from zmlcore.supervise import Supervisor
+    from zmlcore.runtime.launch import ClusterPlan, endpoint_port, listen_ports, port_in_use, service_argv, spawn, start_nats, wait_port
+    from zml.cli._identities import default_data_dir, ensure_builtin, running_server, write_server_config
+    from zmlcore.runtime.sizing import nats_env, plan_processes, usable_cores
+    from zml.cli._supervise import Supervisor
     from zml.cli._simports import relocate
 
     config = args.config or demo_config_path()

@@ -7,8 +7,8 @@ import sys
 
 from zmlcore.config import ZMLConfig
 from zmlcore.errors import ConfigError
-from zmlcore.launch import port_in_use
-from zmlcore.runner import Service, service_main, service_parser
+from zmlcore.runtime.launch import port_in_use
+from zmlcore.runtime.runner import Service, service_main, service_parser
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -4,7 +4,7 @@ dict lookups, a NATS request and a write).
 Routes: POST /v1/chat/completions, POST /v1/completions (OpenAI-compatible, streaming or not),
 POST /v1/embeddings, GET /v1/models, GET /v1/models/{id}, GET /v1/nodes,
 GET /healthz; any other path is 404, a known path with the wrong
-method 405. The body is validated here with the router's own rules (zmlcore.validate), so a
+method 405. The body is validated here with the router's own rules (zmlcore.messages.validate), so a
 bad request is a 400 before it costs a NATS round trip, and then goes to the front-door subject ``zml.gateway.infer`` as is.
 Every answer that is not a 200 carries OpenAI's error body (``message``, ``type``, ``code``).
 """
@@ -23,10 +23,15 @@ from typing import Any
 import msgspec
 from nats.aio.client import Client as NATS
 
-from zmlcore import frontdoor, natspub, routingmeta, streamframe, subjects, tracing
+from zmlcore import subjects
+from zmlcore.messages import frontdoor
+from zmlcore.bus import publish as natspub
+from zmlcore.reply import routingmeta
+from zmlcore.reply import streamframe
+from zmlcore.telemetry import tracing
 from zmlcore.config import ZMLConfig
-from zmlcore.costs import CostTable
-from zmlcore.exchange import Exchange, parts_buffer
+from zmlcore.fleet.costs import CostTable
+from zmlcore.reply.exchange import Exchange, parts_buffer
 from zmlcore.errors import (
     BackendError,
     MethodNotAllowedError,
@@ -41,16 +46,16 @@ from zmlcore.errors import (
     error_class,
 )
 from zmlcore.errors import ConnectionError as ZMLConnectionError
-from zmlcore.link import link_of
+from zmlcore.bus.link import link_of
 from zmlcore.messages import NodeState
-from zmlcore.keys import KeyRing
-from zmlcore.natsauth import config_owner
+from zmlcore.access.apikeys import KeyRing
+from zmlcore.access.identity import config_owner
 from zml_gateway.owners import InFlight
-from zmlcore.streamseq import SeqCheck
+from zmlcore.reply.streamseq import SeqCheck
 from zml_gateway import metrics
 from zml_gateway import observe as gateway_tracing
 from zml_gateway.access import Access, Caller, RateLimited
-from zmlcore.validate import check_request_id, clip, decode_request, request_timeout_s
+from zmlcore.messages.validate import check_request_id, clip, decode_request, request_timeout_s
 from zml_gateway.models import model_list, model_object
 
 log = logging.getLogger("zml.gateway")
@@ -288,7 +293,7 @@ class Gateway:
             # An id the caller's SDK made up (x-zml-id-generated) is unique like ours: no shared
             # claim needed. Set on its own ids, it only drops that check for this caller.
             generated = not req.request_id or (b"x-zml-id-generated", b"1") in scope["headers"]
-            # The routers get the caller's bytes, ZML's own fields moved to headers (zmlcore.frontdoor).
+            # The routers get the caller's bytes, ZML's own fields moved to headers (zmlcore.messages.frontdoor).
             body, fields = frontdoor.split(body, req)
             await self._dispatch(body, req.stream, request_id, timeout, receive, send, limits, caller, tokens,
                                  generated=generated, fields=fields)
@@ -360,7 +365,7 @@ class Gateway:
 
     def _exchange(self, body: bytes, headers: dict[str, str], timeout: float, buffer: int | None = None) -> Exchange:
         """The request to the routers: keepalives asked for, a dead router's request sent again
-        (and one that found no router, within [gateway] no_router_grace_s: zmlcore.norouter);
+        (and one that found no router, within [gateway] no_router_grace_s: zmlcore.reply.norouter);
         a plain reply over max_payload collected in parts (``buffer`` None: room for all of them)."""
         ka = self.cfg.gateway.router_keepalive_ms
         limit = self.cfg.nats.max_reply_bytes
@@ -442,7 +447,7 @@ class Gateway:
         limits: list[tuple[bytes, bytes]], tokens: list[int],
     ) -> None:
         # Chunks wait in a bounded buffer while the HTTP client is slow to read (overflow: cancel).
-        # SSE relayed as the node framed it, chunks as header-less frames (zmlcore.streamframe).
+        # SSE relayed as the node framed it, chunks as header-less frames (zmlcore.reply.streamframe).
         headers[subjects.H_ACCEPT_STREAM] = subjects.STREAM_FRAMES
         ex = self._exchange(body, headers, timeout, self.cfg.gateway.stream_buffer)
         stop = self._watch(ex, receive)

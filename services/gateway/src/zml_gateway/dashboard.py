@@ -26,7 +26,7 @@ from nats.aio.msg import Msg
 from zmlcore import subjects
 from zmlcore.errors import MethodNotAllowedError, NotFoundError, PermissionDeniedError
 from zmlcore.messages.warmup import RequestCompleted
-from zmlcore.queueinfo import queue_depths
+from zmlcore.bus.queueinfo import queue_depths
 
 if TYPE_CHECKING:
     from zml_gateway.app import Gateway, Receive, Scope, Send

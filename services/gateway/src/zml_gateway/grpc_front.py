@@ -28,7 +28,7 @@ from zmlcore.errors import BadRequestError, ConfigError, ErrorBody, ZMLError, er
 from zmlcore.rpc import codec
 from zmlcore.rpc import status as rpc_status
 from zmlcore.rpc import zml_pb2 as pb
-from zmlcore.sse import SSELineSplitter, data_field
+from zmlcore.reply.sse import SSELineSplitter, data_field
 from zml_gateway.app import Gateway, Scope
 
 log = logging.getLogger("zml.gateway.grpc")

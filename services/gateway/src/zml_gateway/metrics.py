@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from prometheus_client import REGISTRY, Counter
 
-from zmlcore.metrics import DURATION_BUCKETS, Children
-from zmlcore.tally import CounterTally, HistogramTally, Tallies
+from zmlcore.telemetry.metrics import DURATION_BUCKETS, Children
+from zmlcore.telemetry.tally import CounterTally, HistogramTally, Tallies
 from zml_gateway.access import Caller
 
 # Bumped on every inference request: tallies (plain numbers, folded into the same Prometheus
-# families at scrape time, zmlcore.tally), not prometheus_client's locked Counter/Histogram.
+# families at scrape time, zmlcore.telemetry.tally), not prometheus_client's locked Counter/Histogram.
 REQUESTS = CounterTally(
     "zml_gateway_requests", "HTTP inference requests answered, by route and HTTP status.",
     ["route", "status"])

@@ -13,9 +13,10 @@ from typing import TYPE_CHECKING, Any
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from zmlcore import subjects, tracing
+from zmlcore import subjects
+from zmlcore.telemetry import tracing
 from zmlcore.errors import MethodNotAllowedError, ZMLError
-from zmlcore.metrics import CONTENT_TYPE, exposition
+from zmlcore.telemetry.metrics import CONTENT_TYPE, exposition
 from zml_gateway import metrics
 
 if TYPE_CHECKING:

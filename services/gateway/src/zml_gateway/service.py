@@ -14,11 +14,11 @@ from nats.aio.client import Client as NATS
 
 from zmlcore import subjects
 from zmlcore.config import ZMLConfig
-from zmlcore.costs import CostTable
-from zmlcore.kvfollow import KVFollower
+from zmlcore.fleet.costs import CostTable
+from zmlcore.bus.kvfollow import KVFollower
 from zmlcore.messages import NodeState, node_state_decoder
-from zmlcore.keys import KeyRing
-from zmlcore.limiter import SharedLimiter
+from zmlcore.access.apikeys import KeyRing
+from zmlcore.limits.limiter import SharedLimiter
 from zml_gateway.access import Access
 from zml_gateway.app import Gateway
 from zml_gateway.dashboard import Dashboard

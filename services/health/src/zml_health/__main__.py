@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from zmlcore.lease import lease_ttl_s
-from zmlcore.runner import service_main, service_parser
+from zmlcore.runtime.lease import lease_ttl_s
+from zmlcore.runtime.runner import service_main, service_parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,7 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     from zml_health.service import HealthService
 
     # With --ha, any number of replicas, one active: a leader lease renewed several times per poll, so a
-    # standby takes over within about two polls (zmlcore.lease).
+    # standby takes over within about two polls (zmlcore.runtime.lease).
     return service_main("health", build_parser().parse_args(argv), lambda cfg, _: HealthService(cfg),
                         lease_ttl=lambda cfg: lease_ttl_s(cfg.health.poll_interval_s))
 

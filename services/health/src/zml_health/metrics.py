@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import Counter, Histogram
 
 from zmlcore.messages import NodeState
-from zmlcore.metrics import Children
+from zmlcore.telemetry.metrics import Children
 
 PROBES = Children(Counter(
     "zml_health_probes", "Node polls, by node and result (ok, loading, slow, failed).", ["node", "result"]))

@@ -27,10 +27,10 @@ from nats.js.kv import KeyValue
 from zmlcore import subjects
 from zmlcore.config import NodeConfig, ZMLConfig, parse_config
 from zmlcore.errors import BadRequestError, ConfigError, ZMLError
-from zmlcore.health.hardware import HardwareCheck, validate_hardware
-from zmlcore.health.score import health_score
-from zmlcore.kvfollow import live_keys
-from zmlcore.link import link_of
+from zml_health.hardware import HardwareCheck, validate_hardware
+from zml_health.score import health_score
+from zmlcore.bus.kvfollow import live_keys
+from zmlcore.bus.link import link_of
 from zmlcore.messages import NodeState
 from zmlcore.messages.admin import (
     NodeAdded,
@@ -42,9 +42,9 @@ from zmlcore.messages.admin import (
     registry_entry_decoder,
 )
 from zmlcore.messages.warmup import completion_counts_decoder, warmup_event_decoder
-from zmlcore.natsio import ensure_kv, nodes_kv
-from zmlcore.runner import cancel_and_wait
-from zmlcore.sim.model import SimProfile
+from zmlcore.bus.connect import ensure_kv, nodes_kv
+from zmlcore.runtime.runner import cancel_and_wait
+from zmlcore.fleet.perfmodel import SimProfile
 from zml_health import metrics, nodeprobe
 from zml_health.adapters import adapter_for, sglang
 from zml_health.adapters.base import Probe

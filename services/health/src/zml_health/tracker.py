@@ -17,8 +17,8 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from zmlcore.config import HealthConfig
-from zmlcore.health.score import health_score
-from zmlcore.health.speed import Readings, SpeedMeter
+from zml_health.score import health_score
+from zml_health.speed import Readings, SpeedMeter
 from zmlcore.messages import NodeStatus
 
 from zml_health.adapters.base import Probe

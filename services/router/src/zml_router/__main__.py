@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from zmlcore.runner import service_main, service_parser
+from zmlcore.runtime.runner import service_main, service_parser
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -21,7 +21,7 @@ from nats.aio.client import Client as NATS
 
 from zmlcore import subjects
 from zmlcore.messages import InflightDelta
-from zmlcore.natspub import Publisher
+from zmlcore.bus.publish import Publisher
 
 log = logging.getLogger("zml.router")
 

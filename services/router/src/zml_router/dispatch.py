@@ -20,7 +20,7 @@ import msgspec
 
 from zmlcore.errors import ReplyTooLargeError
 from zml_router.nodeclient import NodeHTTP, NodeHTTPError, iter_body, read_body
-from zmlcore.sse import EventRelay, SSELineTooLong, aiter_sse_lines, data_field, event_payloads
+from zmlcore.reply.sse import EventRelay, SSELineTooLong, aiter_sse_lines, data_field, event_payloads
 
 
 class Failure(enum.Enum):
@@ -123,7 +123,7 @@ async def post_json(client: NodeClient, url: str, body: bytes, headers: dict[str
 async def stream_sse(client: NodeClient, url: str, body: bytes, headers: dict[str, str],
                      relay: bool = False) -> AsyncIterator[bytes]:
     """Yield the payload of each SSE ``data:`` line up to (not including) ``[DONE]``; with
-    ``relay``, blocks of whole framed events instead, as they came (zmlcore.sse.EventRelay):
+    ``relay``, blocks of whole framed events instead, as they came (zmlcore.reply.sse.EventRelay):
     one per read from the node, however many events it held."""
     http = client.http()
     try:
@@ -148,7 +148,7 @@ async def stream_sse(client: NodeClient, url: str, body: bytes, headers: dict[st
                         done = True
                         return
             else:
-                # Lines end at CR/LF only (zmlcore.sse): not at U+2028 & co. inside JSON strings.
+                # Lines end at CR/LF only (zmlcore.reply.sse): not at U+2028 & co. inside JSON strings.
                 async for line in aiter_sse_lines(iter_body(conn)):
                     data = data_field(line)
                     if data is None:

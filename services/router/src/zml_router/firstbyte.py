@@ -16,7 +16,7 @@ byte to its caller loses nothing.
 
 from __future__ import annotations
 
-from zmlcore.accelerators import DECODE_BATCH_PENALTY
+from zmlcore.fleet.accelerators import DECODE_BATCH_PENALTY
 from zmlcore.messages import NodeState
 from zmlcore.policy.estimate import estimate_ttft, node_speeds
 

@@ -14,7 +14,7 @@ answer may reuse the id at once.
 - A router that dies leaves its claims behind. Each has a TTL (the request's timeout plus
   :data:`SLACK_S`), and a replica that meets one asks the holder (``zml.admin.router.<id>.state``):
   no responders means it is gone, and the claim is taken over with compare-and-set. A request
-  resent after its router went silent (``Zml-Resend``, zmlcore.keepalive) takes the claim over
+  resent after its router went silent (``Zml-Resend``, zmlcore.reply.keepalive) takes the claim over
   whoever holds it: its requester stopped listening to the first attempt, and it touches only
   its sender's own ids.
 - The bucket is memory storage (claims are worthless after a broker restart) with a bounded
@@ -44,7 +44,7 @@ from nats.js.kv import KeyValue
 
 from zmlcore import subjects
 from zmlcore.errors import DuplicateRequestError
-from zmlcore.natsio import ensure_kv
+from zmlcore.bus.connect import ensure_kv
 
 log = logging.getLogger("zml.router.ids")
 

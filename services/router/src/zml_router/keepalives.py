@@ -1,5 +1,5 @@
 """The router's one keepalive task: walks the requests that asked for keepalives
-(zmlcore.keepalive.KeepaliveBook) and sends one on each reply subject silent for its interval.
+(zmlcore.reply.keepalive.KeepaliveBook) and sends one on each reply subject silent for its interval.
 One task for all requests, not a timer each. After a second with no such request in flight it
 parks until one arrives: an idle router woke 20 times a second for nothing. Under load it does
 not park (the book is rarely empty for a whole second), so a request does not pay a wake-up."""
@@ -12,8 +12,8 @@ import time
 
 from nats.aio.client import Client as NATS
 
-from zmlcore.keepalive import MIN_INTERVAL_MS, KeepaliveBook, keepalive_headers
-from zmlcore.natspub import Publisher
+from zmlcore.reply.keepalive import MIN_INTERVAL_MS, KeepaliveBook, keepalive_headers
+from zmlcore.bus.publish import Publisher
 
 log = logging.getLogger("zml.router")
 

@@ -1,7 +1,7 @@
 """The router's Prometheus metrics (docs/observability.md lists them all).
 
 The six a request bumps (requests, decisions, decision time, TTFT, duration, tokens) are tallies
-(``zmlcore.tally``: plain numbers per label set, folded into the same Prometheus families when
+(``zmlcore.telemetry.tally``: plain numbers per label set, folded into the same Prometheus families when
 ``/metrics`` is scraped); the rare ones (failovers, retries, queue) are prometheus_client
 metrics through cached label children; the per-node gauges and the saturation queue's depth are
 read from the node table at scrape time (a collector), so they cost the request path nothing.
@@ -20,7 +20,7 @@ from prometheus_client import REGISTRY, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from zmlcore.metrics import (
+from zmlcore.telemetry.metrics import (
     DECISION_BUCKETS,
     DURATION_BUCKETS,
     TOKEN_BUCKETS,
@@ -28,14 +28,14 @@ from zmlcore.metrics import (
     WAIT_BUCKETS,
     Children,
 )
-from zmlcore import tracing
-from zmlcore.tally import CounterTally, HistogramTally, Tallies
+from zmlcore.telemetry import tracing
+from zmlcore.telemetry.tally import CounterTally, HistogramTally, Tallies
 from zmlcore.messages import RoutingInfo
 from zmlcore.policy import Decision, RouteRequest
-from zmlcore.telemetry import REQUEST_ID
+from zmlcore.telemetry.setup import REQUEST_ID
 from zml_router import tracing as rtrace
 from zml_router.queue import H_ENQUEUED
-from zmlcore.queueinfo import queue_depths
+from zmlcore.bus.queueinfo import queue_depths
 
 if TYPE_CHECKING:
     from zml_router.flow import Outcome as _Outcome

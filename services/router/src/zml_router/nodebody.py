@@ -2,7 +2,7 @@
 once per model name the nodes know the model by.
 
 A request is forwarded as it came unless (a) it still carries ZML's own fields (a raw
-``zml.infer`` body; the gateway moves them to headers: zmlcore.frontdoor) or (b) the node must
+``zml.infer`` body; the gateway moves them to headers: zmlcore.messages.frontdoor) or (b) the node must
 see another model name (an alias, or a node's ``served_names`` engine name). Then the body is
 decoded once, and each distinct name is encoded once (a failover to a node with another
 engine name re-encodes, never re-decodes).
@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from zmlcore.frontdoor import drop_zml_keys, has_zml_keys
+from zmlcore.messages.frontdoor import drop_zml_keys, has_zml_keys
 
 _decode_any = msgspec.json.Decoder()
 _encode = msgspec.json.encode

@@ -40,10 +40,10 @@ from nats.js.errors import KeyDeletedError, KeyNotFoundError, KeyWrongLastSequen
 from nats.js.kv import KeyValue
 
 from zmlcore import subjects
-from zmlcore.link import link_of
+from zmlcore.bus.link import link_of
 from zmlcore.messages import QueueBusy, queue_busy_decoder
-from zmlcore.natsio import ensure_kv
-from zmlcore.runner import cancel_and_wait
+from zmlcore.bus.connect import ensure_kv
+from zmlcore.runtime.runner import cancel_and_wait
 
 log = logging.getLogger("zml.router.queue")
 _encode = msgspec.json.encode
@@ -59,7 +59,7 @@ H_QUEUED_HEADERS = (subjects.H_REQUEST_ID, subjects.H_TIMEOUT_MS, subjects.H_OWN
                     subjects.H_LABEL, subjects.H_ACCEPT_PARTS, subjects.H_ACCEPT_STREAM,
                     subjects.H_ACCEPT_ROUTING, subjects.H_KEEPALIVE, "traceparent", "tracestate",
                     subjects.H_ID_CLAIM,  # a queued request keeps its claim on its id (zml_router.ids)
-                    # a gateway's validated body and its ZML fields (zmlcore.frontdoor)
+                    # a gateway's validated body and its ZML fields (zmlcore.messages.frontdoor)
                     subjects.H_BODY, subjects.H_POLICY, subjects.H_ACCELERATOR_ID)
 
 ACK_WAIT_S = 5.0

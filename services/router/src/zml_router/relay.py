@@ -15,11 +15,13 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from nats.aio.msg import Msg
 
-from zmlcore import routingmeta, streamframe, subjects
-from zmlcore.bigreply import accepted
+from zmlcore import subjects
+from zmlcore.reply import routingmeta
+from zmlcore.reply import streamframe
+from zmlcore.reply.bigreply import accepted
 from zmlcore.messages import InferRequest, RoutingInfo, StreamStart
 from zmlcore.policy import RouteRequest
-from zmlcore.replyparts import publish_reply
+from zmlcore.reply.parts import publish_reply
 
 from zml_router.dispatch import (
     AttemptError,
@@ -125,7 +127,7 @@ class Relay:
         svc.metrics.usage_dict(req.kind(), req.model, usage)
         if rename is not None:
             raw = rename(raw)
-        # Over max_payload: in parts to a requester that collects them (zmlcore.bigreply), else
+        # Over max_payload: in parts to a requester that collects them (zmlcore.reply.bigreply), else
         # REPLY_TOO_LARGE (raised before anything is sent), never a lost reply.
         if "total_tokens" in usage:
             info.total_tokens = usage["total_tokens"]
@@ -143,7 +145,7 @@ class Relay:
         started = False
         seq = 0
         # Relayed as the node framed it to a requester that writes SSE itself (the gateway);
-        # as header-less frames when it asked for them (zmlcore.streamframe).
+        # as header-less frames when it asked for them (zmlcore.reply.streamframe).
         accept = (msg.headers or {}).get(subjects.H_ACCEPT_STREAM)
         relay = rename is None and accept in _RELAYED
         frames = relay and accept == subjects.STREAM_FRAMES
@@ -166,7 +168,7 @@ class Relay:
                     svc.metrics.usage_dict(req.kind(), req.model, usage)
                 if rename is not None:
                     chunk = rename(chunk)
-                seq += 1  # numbered so that a receiver notices a lost message (zmlcore.streamseq)
+                seq += 1  # numbered so that a receiver notices a lost message (zmlcore.reply.streamseq)
                 if frames:
                     await publish(msg.reply, frame(seq, chunk), None)
                 else:

@@ -15,7 +15,7 @@ from nats.aio.msg import Msg
 
 from zmlcore import subjects
 from zmlcore.errors import QueueFullError, ZMLError
-from zmlcore.keepalive import QUEUED, keepalive_headers
+from zmlcore.reply.keepalive import QUEUED, keepalive_headers
 from zmlcore.messages import InferRequest, infer_request_decoder
 
 from zml_router import ids as idclaims

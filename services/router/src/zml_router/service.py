@@ -23,19 +23,22 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
-from zmlcore import frontdoor, natspub, subjects, tracing
-from zmlcore.batchpub import BatchPublisher
-from zmlcore.bigreply import check_fits
+from zmlcore import subjects
+from zmlcore.messages import frontdoor
+from zmlcore.bus import publish as natspub
+from zmlcore.telemetry import tracing
+from zmlcore.bus.batchpub import BatchPublisher
+from zmlcore.reply.bigreply import check_fits
 from zmlcore.config import ZMLConfig
 from zmlcore.errors import CancelledError, DuplicateRequestError, ZMLError
-from zmlcore.keepalive import KeepaliveBook, keepalive_headers, parse_interval
-from zmlcore.kvfollow import KVFollower
+from zmlcore.reply.keepalive import KeepaliveBook, keepalive_headers, parse_interval
+from zmlcore.bus.kvfollow import KVFollower
 from zmlcore.messages import InferRequest, RoutingInfo
 from zmlcore.messages.warmup import completed_encoder
 from zmlcore.policy import RoutingState
-from zmlcore.runner import cancel_and_wait
-from zmlcore.telemetry import DECISION_ID, REQUEST_ID
-from zmlcore.validate import check_request_id, decode_request, request_timeout_s
+from zmlcore.runtime.runner import cancel_and_wait
+from zmlcore.telemetry.setup import DECISION_ID, REQUEST_ID
+from zmlcore.messages.validate import check_request_id, decode_request, request_timeout_s
 from zml_router import flow
 from zml_router import ids as idclaims
 from zml_router import tracing as rtrace
@@ -103,11 +106,11 @@ class RouterService:
         self.metrics = RouterMetrics(self)
         #: Plans of NATS client identities (zml creds issue NAME --plan ...): zml_router.limits.
         self.limits = IdentityLimits()
-        #: Requests whose requester asked for keepalives (zmlcore.keepalive), by reply subject.
+        #: Requests whose requester asked for keepalives (zmlcore.reply.keepalive), by reply subject.
         self.keepalives = KeepaliveBook()
         #: Callers' request ids in flight on every replica (zml_router.ids).
         self.ids: RequestIds | None = None
-        #: Completion events, published together every few ms (zmlcore.batchpub).
+        #: Completion events, published together every few ms (zmlcore.bus.batchpub).
         self.events: BatchPublisher | None = None
         #: Request and first-byte deadlines: one timer wheel, not a loop timer each (zml_router.timers).
         self.timers = Wheel()
@@ -124,7 +127,7 @@ class RouterService:
                         "flap to stale between polls", self.cfg.router.stale_after_s, self.cfg.health.poll_interval_s)
         # Followers re-create their watch (and re-read the snapshot) after every reconnect.
         # A node a re-watch's snapshot lacks (no delete marker) ages out like one health stopped
-        # updating, instead of vanishing from routing at once (zmlcore.kvfollow says when).
+        # updating, instead of vanishing from routing at once (zmlcore.bus.kvfollow says when).
         stale_s = self.cfg.router.stale_after_s
         self.nodes_follower = KVFollower(nc, subjects.NODES_BUCKET, on_put=self.table.put_raw,
                                          on_delete=self.table.delete_raw,
@@ -220,7 +223,7 @@ class RouterService:
         plan_limits.CURRENT.set(None)
         try:
             depth = self.cfg.defaults.max_json_depth
-            # Validated by the gateway, ZML's fields in headers: one small decode (zmlcore.frontdoor).
+            # Validated by the gateway, ZML's fields in headers: one small decode (zmlcore.messages.frontdoor).
             clean = headers.get(subjects.H_BODY) == subjects.BODY_CLEAN
             req = (frontdoor.decode(msg.data, headers, max_depth=depth)
                    if clean else decode_request(msg.data, max_depth=depth))

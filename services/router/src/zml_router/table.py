@@ -14,7 +14,7 @@ import logging
 from collections.abc import Callable
 
 import msgspec
-from zmlcore.costs import CostTable
+from zmlcore.fleet.costs import CostTable
 from zmlcore.messages import InflightDelta, InflightSnapshot, NodeState, node_state_decoder
 from zmlcore.policy import NodeView
 
@@ -125,7 +125,7 @@ class NodeTable:
                 self._refresh(node_id)
         return gone
 
-    # --- the node bucket (fed by zmlcore.kvfollow.KVFollower) -------------------------------
+    # --- the node bucket (fed by zmlcore.bus.kvfollow.KVFollower) -------------------------------
     def put_raw(self, key: str, value: bytes) -> None:
         try:
             self.upsert(node_state_decoder.decode(value))

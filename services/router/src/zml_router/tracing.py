@@ -1,4 +1,4 @@
-"""The router's spans (only when zmlcore.tracing.ON).
+"""The router's spans (only when zmlcore.telemetry.tracing.ON).
 
 One SERVER span per request, continuing the caller's ``traceparent`` (gateway, raw NATS, SDK);
 each dispatch to a node a CLIENT child span ("attempt") whose context goes to the node as
@@ -20,7 +20,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
 
-from zmlcore import tracing
+from zmlcore.telemetry import tracing
 from zmlcore.policy import Decision, RouteRequest
 
 if TYPE_CHECKING:

@@ -5,7 +5,7 @@ router as headers: ``Zml-Label`` (cost attribution, in routing metadata and comp
 and ``Zml-Default-Policy``. Anyone may publish ``zml.infer``, so there these headers are
 dropped: a raw NATS client's label and default policy come from its own record (an identity
 sharing an API key's plan gets that key's, zml_router.limits) or are empty. Only the gateway
-role may publish :data:`zmlcore.subjects.FRONT_DOOR_INFER` (zmlcore.natsperms), and only there
+role may publish :data:`zmlcore.subjects.FRONT_DOOR_INFER` (zmlcore.access.permissions), and only there
 are they honoured; so are ``Zml-Body: clean`` and the ZML fields the gateway moved out of a
 validated body (``Zml-Policy``, ``Zml-Accelerator-Id``): on ``zml.infer`` the body is decoded and
 checked in full, and a header cannot set what the body could not. On an open broker (no identities) anyone can publish there: docs/security.md.
@@ -24,7 +24,7 @@ from zmlcore import subjects
 
 #: Honoured only from a front door.
 FRONT_DOOR_ONLY = (subjects.H_LABEL, subjects.H_DEFAULT_POLICY,
-                   # A body the gateway validated, its ZML fields in headers (zmlcore.frontdoor):
+                   # A body the gateway validated, its ZML fields in headers (zmlcore.messages.frontdoor):
                    # elsewhere they come from the body, checked in full.
                    subjects.H_BODY, subjects.H_POLICY, subjects.H_ACCELERATOR_ID)
 #: Set only by routers, on queued requests (zml_router.ids).

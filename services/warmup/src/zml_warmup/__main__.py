@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
-from zmlcore.lease import lease_ttl_s
-from zmlcore.runner import service_main, service_parser
+from zmlcore.runtime.lease import lease_ttl_s
+from zmlcore.runtime.runner import service_main, service_parser
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,7 +21,7 @@ def main(argv: list[str] | None = None) -> int:
     from zml_warmup.service import WarmupService
 
     # With --ha, any number of replicas, one active: a leader lease renewed several times per sweep, so a
-    # standby takes over within about two sweeps (zmlcore.lease).
+    # standby takes over within about two sweeps (zmlcore.runtime.lease).
     return service_main("warmup", build_parser().parse_args(argv), lambda cfg, _: WarmupService(cfg),
                         lease_ttl=lambda cfg: lease_ttl_s(cfg.warmup.sweep_interval_s))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import Counter, Histogram
 
 from zmlcore.messages.warmup import WarmupEvent
-from zmlcore.metrics import WAIT_BUCKETS, Children
+from zmlcore.telemetry.metrics import WAIT_BUCKETS, Children
 
 EVENTS = Children(Counter(
     "zml_warmup_loads", "Model loads by phase (started, loaded, failed, probed), model, node and reason "

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
-from zmlcore.accelerators import ACCELERATORS, canonical_family
+from zmlcore.fleet.accelerators import ACCELERATORS, canonical_family
 from zmlcore.messages import NodeState
 
 

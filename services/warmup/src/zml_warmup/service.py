@@ -22,14 +22,14 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from zmlcore import subjects
-from zmlcore.accelerators import ACCELERATORS, canonical_family
+from zmlcore.fleet.accelerators import ACCELERATORS, canonical_family
 from zmlcore.config import ZMLConfig
 from zmlcore.errors import BadRequestError, ZMLError
 from zmlcore.messages import NodeState, ServeReply, ServeTarget, WarmupEvent, node_state_decoder
 from zmlcore.messages.admin import registry_entry_decoder
 from zmlcore.messages.warmup import completed_decoder, serve_request_decoder
-from zmlcore.kvfollow import KVFollower
-from zmlcore.runner import cancel_and_wait
+from zmlcore.bus.kvfollow import KVFollower
+from zmlcore.runtime.runner import cancel_and_wait
 from zml_warmup import loader, metrics
 from zml_warmup.planner import Load, Want, keep_warm_due, plan_loads
 from zml_warmup.rate import QuietDetector, RateTracker, metrics_rate

@@ -3,7 +3,7 @@
 A request is JSON; a success reply is the Struct below, an error reply carries the header
 ``Zml-Error-Code`` and an :class:`~zmlcore.errors.ErrorBody` (the one wire form of errors).
 Nodes added here are kept in the JetStream KV bucket ``zml_registry`` and survive restarts of the
-health service. Client functions: :mod:`zmlcore.health.registry`.
+health service. Client functions: :mod:`zmlcore.fleet.registry`.
 
 Example (raw NATS)::
 

@@ -7,7 +7,7 @@ For a request of ``P`` prompt tokens on a node with prefill speed ``pf``, decode
 
 the prefill backlog ahead of the request plus, when every slot is taken, the time for enough
 sequences to finish (the node retires ``maxc * r(maxc) / E[O-1]`` sequences a second at full
-batch). The model is :class:`zmlcore.sim.model.SimProfile` (the reference fleet model); the
+batch). The model is :class:`zmlcore.fleet.perfmodel.SimProfile` (the reference fleet model); the
 estimate splits into a *load key* that depends only on the node's counters and a per-request
 ``P / pf`` term, which is what lets :class:`~zmlcore.policy.FleetIndex` keep each node's load key
 up to date per counter change and score every node for a request in one vector pass.
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 
-from zmlcore.accelerators import ACCELERATORS, BASE_DECODE_TPS, BASE_PREFILL_TPS, DECODE_BATCH_PENALTY
+from zmlcore.fleet.accelerators import ACCELERATORS, BASE_DECODE_TPS, BASE_PREFILL_TPS, DECODE_BATCH_PENALTY
 from zmlcore.messages import NodeState
 
 #: Mean prompt and output lengths (tokens) of the reference workload; used for requests

@@ -20,7 +20,7 @@ import msgspec
 
 from zmlcore.errors import BadRequestError
 from zmlcore.rpc import zml_pb2 as pb
-from zmlcore.validate import clip, deeper_than
+from zmlcore.messages.validate import clip, deeper_than
 
 __all__ = ["chunk_from_json", "models_from_json", "nodes_from_json", "reply_from_json", "request_body",
            "request_from_body"]

@@ -1,0 +1,1 @@
+"""The NATS bus beneath every service: connecting and its KV buckets (connect), what a connection knows beyond nats-py (link), request-path publishing (publish, batchpub), following a KV bucket (kvfollow) and the saturation queue's depth (queueinfo)."""

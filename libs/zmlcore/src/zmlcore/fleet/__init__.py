@@ -1,0 +1,1 @@
+"""The fleet's static and run-time facts: accelerator types and families (accelerators), each type's performance model (perfmodel), run-time prices (costs) and run-time node registration (registry)."""

@@ -1,0 +1,1 @@
+"""How a request's answer travels back over NATS: the requester's side (exchange, keepalive, norouter), replies in parts (bigreply, parts), streamed chunks (streamframe, streamseq, sse) and the routing metadata carried with them (routingmeta)."""

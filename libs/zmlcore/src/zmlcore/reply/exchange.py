@@ -1,0 +1,404 @@
+"""One inference request on ``zml.infer`` and its reply messages, with router failover: the
+gateway's and the SDK's NATS path (the I/O beside :mod:`zmlcore.reply.keepalive`).
+
+The request declares ``Zml-Keepalive``; keepalives are consumed here and never reach the
+caller. When the router falls silent for ``keepalive.MISSES`` intervals it is taken for dead:
+before anything of the answer was returned, the request is published once more (same request
+id, same headers, ``Zml-Resend: 1``, the timeout left, and a **new reply inbox**, so a late
+message of the first attempt is dropped rather than mixed in); after, or when that fails
+too, :meth:`Exchange.next` raises a clean retryable error at once instead of waiting out the
+timeout (STREAM_INTERRUPTED for a stream already relayed, else BACKEND_ERROR).
+
+The broker's "no responders" status (no router subscribed: for a moment after a broker
+restart, or while routers restart) means nothing received the request: with
+``no_router_grace_s`` it is sent again after a short backoff (:mod:`zmlcore.reply.norouter`) until a
+router answers or the grace (or the request's timeout) runs out; then :meth:`Exchange.next`
+returns that status message and the caller answers NO_HEALTHY_NODES as before.
+
+Replies arrive through one wildcard subscription per connection (:class:`ReplyMux`, like
+nats-py's own request mux): no SUB/UNSUB round per request.
+
+Example::
+
+    ex = Exchange(nc, body, headers, timeout_s=30, keepalive_s=1.0)
+    await ex.send()
+    try:
+        msg = await ex.next()      # the reply (or, for a stream, its next message)
+    finally:
+        ex.close()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import weakref
+from collections import deque
+from typing import Any
+
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+
+from zmlcore import subjects
+from zmlcore.bus import publish as natspub
+from zmlcore.reply import parts as replyparts
+from zmlcore.reply.bigreply import Collector, part_bytes
+from zmlcore.errors import BackendError, StreamInterruptedError, TimeoutError
+from zmlcore.reply.keepalive import MAX_INTERVAL_MS, MIN_INTERVAL_MS, QUEUED, Silence, after_silence, keepalive_state
+from zmlcore.reply.norouter import NoRouterWait, is_no_responders
+
+log = logging.getLogger("zml.exchange")
+
+
+def parts_buffer(max_reply_bytes: int, max_payload: int | None) -> int:
+    """Messages a plain reply's buffer must hold: every part of the largest reply collected
+    (they are published back to back), plus keepalives."""
+    return -(-max_reply_bytes // part_bytes(max_payload)) + 16
+
+
+class Sink:
+    """One exchange's reply messages: a bounded deque and at most one waiting reader.
+
+    A plain future is woken per message, and a timer (not a Task, not ``wait_for``) bounds
+    the wait: the per-message cost is a deque append and, when the reader waits, one
+    ``set_result``. The timer outlives a wait that a message ended: the next wait keeps it
+    when it fires no later than that wait's deadline (it wakes the reader early at worst,
+    who waits again), so a stream pays for a timer per keepalive interval, not per chunk.
+    :meth:`abort` wakes the reader with an exception (its client gone, the broker lost)."""
+
+    __slots__ = ("_msgs", "_max", "_waiter", "_timer", "_timer_at", "overflowed", "aborted")
+
+    def __init__(self, maxsize: int) -> None:
+        self._msgs: deque[Msg] = deque()
+        self._max = maxsize
+        self._waiter: asyncio.Future[None] | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        self._timer_at = 0.0
+        self.overflowed = False
+        self.aborted: BaseException | None = None
+
+    def push(self, msg: Msg) -> None:
+        if len(self._msgs) >= self._max:  # the caller reads slower than the router writes
+            self.overflowed = True
+            return
+        self._msgs.append(msg)
+        self._wake()
+
+    def abort(self, exc: BaseException) -> None:
+        if self.aborted is None:
+            self.aborted = exc
+            self._wake()
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    @property
+    def empty(self) -> bool:
+        return not self._msgs and self.aborted is None
+
+    def pop(self) -> Msg | None:
+        if self.aborted is not None:
+            raise self.aborted
+        return self._msgs.popleft() if self._msgs else None
+
+    def pop_frame(self) -> Msg | None:
+        """The next message if it is here already and header-less (a stream frame,
+        zmlcore.reply.streamframe), else None."""
+        msgs = self._msgs
+        if msgs and self.aborted is None and msgs[0].headers is None:
+            return msgs.popleft()
+        return None
+
+    async def wait(self, timeout: float) -> None:
+        """Until a message (or an abort) arrives or ``timeout`` passes, whichever is first."""
+        if self._msgs or self.aborted is not None:
+            return
+        loop = asyncio.get_running_loop()
+        w = self._waiter = loop.create_future()
+        at = loop.time() + timeout
+        if self._timer is None or self._timer_at > at:  # none armed, or one that fires too late
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = loop.call_at(at, self._expire)
+            self._timer_at = at
+        try:
+            await w
+        finally:
+            self._waiter = None
+
+    def _expire(self) -> None:
+        self._timer = None
+        self._wake()
+
+    def close(self) -> None:
+        """No more waits: the armed timer goes (it would hold the sink until it fires)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
+class _Deliver(asyncio.Queue):  # type: ignore[type-arg]
+    """Stands in for a nats-py subscription's pending queue, into which nats-py's reader puts
+    each message: handed on at once instead. A callback subscription would queue it for a
+    task of its own to take out and await the callback: a task switch per reply message
+    (per stream chunk), for a push into a deque. Never raises into nats-py's reader."""
+
+    def __init__(self, sub: Any, deliver: Any) -> None:
+        super().__init__()
+        self._sub = sub
+        self._deliver = deliver
+
+    def put_nowait(self, msg: Msg) -> None:
+        self._sub._pending_size -= len(msg.data)  # nats-py counts it as pending until taken
+        try:
+            self._deliver(msg)
+        except Exception:  # a bug of ours must not take the connection's reader down
+            log.exception("reply delivery failed")
+
+
+def _direct(sub: Any, deliver: Any) -> bool:
+    """Deliver ``sub``'s messages synchronously (see _Deliver); False if this nats-py's
+    subscription is not built as expected (then it keeps its queue)."""
+    if not isinstance(getattr(sub, "_pending_queue", None), asyncio.Queue) or not hasattr(sub, "_pending_size"):
+        return False
+    sub._pending_queue = _Deliver(sub, deliver)
+    return True
+
+
+class ReplyMux:
+    """One subscription to ``<inbox>.*`` per connection; each exchange owns one token of it."""
+
+    def __init__(self, nc: NATS) -> None:
+        self.nc = nc
+        self.prefix = nc.new_inbox() + "."
+        self._cut = len(self.prefix)
+        self._sinks: dict[str, Sink] = {}
+        self._next = 0
+
+    @classmethod
+    async def of(cls, nc: NATS) -> ReplyMux:
+        fut = _MUXES.get(nc)
+        if fut is None:
+            fut = _MUXES[nc] = asyncio.get_running_loop().create_future()
+            mux = cls(nc)
+            try:
+                sub = await nc.subscribe(mux.prefix + "*")
+                if not _direct(sub, mux.deliver):
+                    await sub.unsubscribe()
+                    await nc.subscribe(mux.prefix + "*", cb=mux._on_msg)
+            except BaseException as exc:
+                del _MUXES[nc]
+                fut.set_exception(exc)
+                fut.exception()  # retrieved: a later caller makes its own attempt
+                raise
+            fut.set_result(mux)
+        if fut.done():
+            return fut.result()
+        return await asyncio.shield(fut)
+
+    def open(self, maxsize: int) -> tuple[str, Sink]:
+        self._next += 1  # the prefix is random: a counter is enough under it
+        token = str(self._next)
+        sink = self._sinks[token] = Sink(maxsize)
+        return self.prefix + token, sink
+
+    def close(self, inbox: str) -> None:
+        sink = self._sinks.pop(inbox[self._cut:], None)
+        if sink is not None:
+            sink.close()
+
+    def deliver(self, msg: Msg) -> None:
+        sink = self._sinks.get(msg.subject[self._cut:])
+        if sink is not None:  # else a closed exchange, or an attempt given up on: dropped
+            sink.push(msg)
+
+    async def _on_msg(self, msg: Msg) -> None:
+        self.deliver(msg)
+
+
+_MUXES: weakref.WeakKeyDictionary[NATS, asyncio.Future[ReplyMux]] = weakref.WeakKeyDictionary()
+
+
+class Exchange:
+    """Publish a request to the routers and read its reply messages (see the module doc).
+
+    ``timeout_s`` is the request's own timeout (what the router enforces); ``wait_s`` how long
+    the caller waits in all (the timeout plus some grace), after which :meth:`next` raises
+    TIMEOUT. ``keepalive_s`` None: no keepalives asked, no failover (the old behaviour).
+    ``no_router_grace_s``: how long "no responders" is waited out (0: returned at once).
+    """
+
+    def __init__(self, nc: NATS, body: bytes, headers: dict[str, str], *, timeout_s: float,
+                 keepalive_s: float | None, wait_s: float | None = None, buffer: int = 64,
+                 subject: str = subjects.INFER, accept_parts: int | None = None,
+                 no_router_grace_s: float = 0.0) -> None:
+        self.nc = nc
+        self.subject = subject
+        self.body = body
+        self.headers = dict(headers)
+        if keepalive_s is not None:  # as the router clamps it: the watch must expect what it gets
+            keepalive_s = min(max(keepalive_s, MIN_INTERVAL_MS / 1000), MAX_INTERVAL_MS / 1000)
+            self.headers[subjects.H_KEEPALIVE] = str(int(keepalive_s * 1000))
+        self.keepalive_s = keepalive_s
+        #: Replies over max_payload are collected in parts up to this many bytes (zmlcore.reply.bigreply).
+        self.accept_parts = accept_parts
+        if accept_parts:
+            self.headers[subjects.H_ACCEPT_PARTS] = str(accept_parts)
+        self.t0 = time.monotonic()
+        self.timeout_s = timeout_s
+        self.wait_until = self.t0 + (wait_s if wait_s is not None else timeout_s)
+        self.buffer = buffer
+        #: Something of the answer was returned: the request cannot be sent again invisibly.
+        self.committed = False
+        self.resends = 0
+        self._mux: ReplyMux | None = None
+        self._inbox = ""
+        self._sink: Sink | None = None
+        self._silence: Silence | None = None
+        self._aborted: BaseException | None = None
+        self._no_router = NoRouterWait(no_router_grace_s) if no_router_grace_s > 0 else None
+
+    @property
+    def request_id(self) -> str:
+        return self.headers.get(subjects.H_REQUEST_ID, "")
+
+    @property
+    def overflowed(self) -> bool:
+        return self._sink is not None and self._sink.overflowed
+
+    def abort(self, exc: BaseException) -> None:
+        """Make the waiting (or next) :meth:`next` raise ``exc``: the caller's client went away,
+        or its broker connection was lost. Meant to be called from a callback or another task."""
+        self._aborted = exc
+        if self._sink is not None:
+            self._sink.abort(exc)
+
+    async def send(self) -> None:
+        """Publish the request (first attempt)."""
+        self._mux = await ReplyMux.of(self.nc)
+        await self._publish(self.headers)
+
+    async def _publish(self, headers: dict[str, str]) -> None:
+        assert self._mux is not None
+        if self._inbox:
+            self._mux.close(self._inbox)
+        self._inbox, self._sink = self._mux.open(self.buffer)
+        if self._aborted is not None:
+            self._sink.abort(self._aborted)
+        if self.keepalive_s is not None:
+            self._silence = Silence(self.keepalive_s, time.monotonic())
+        await natspub.publish(self.nc, self.subject, self.body, reply=self._inbox, headers=headers)
+
+    async def next(self) -> Msg:
+        """The next reply message (keepalives consumed). Raises TIMEOUT once ``wait_s`` has
+        passed, and BACKEND_ERROR / STREAM_INTERRUPTED when the router is gone for good."""
+        assert self._sink is not None, "send() first"
+        while True:
+            sink = self._sink  # a new one after a resend
+            msg = sink.pop()  # raises what abort() was given
+            if msg is None:
+                now = time.monotonic()
+                left = self.wait_until - now
+                if left <= 0:
+                    raise TimeoutError(f"no reply within {self.timeout_s:g} s") from None
+                silent = self._silence.wait_s(now) if self._silence is not None else None
+                await sink.wait(left if silent is None else min(left, silent))
+                if sink.empty and self._silence is not None and self._silence.gone(time.monotonic()):
+                    await self._router_gone()
+                continue
+            state = keepalive_state(msg.headers)
+            if state is not None and not msg.data:
+                if self._silence is not None:
+                    if state == QUEUED:
+                        self._silence.queued()
+                    else:
+                        self._silence.heard(time.monotonic())
+                continue
+            if self._no_router is not None and not self.committed and is_no_responders(msg.headers, msg.data):
+                if await self._wait_for_router(sink):
+                    continue
+            if self._silence is not None:
+                self._silence.heard(time.monotonic())
+            self.committed = True
+            return msg
+
+    def next_frame(self) -> Msg | None:
+        """The next stream frame if it has arrived already (None: wait with :meth:`next`):
+        frames that queued up while the caller was busy go out in one write."""
+        return self._sink.pop_frame() if self._sink is not None else None
+
+    async def reply(self) -> replyparts.Reply:
+        """The whole non-streamed reply, put back together when it comes in parts (a part
+        missing, more than PART_WAIT_S late, or its router gone: REPLY_INCOMPLETE, retryable)."""
+        collector = Collector(self.accept_parts or 0)
+        while True:
+            if not collector.started:
+                msg = await self.next()
+            else:
+                try:
+                    msg = await asyncio.wait_for(self.next(), replyparts.PART_WAIT_S)
+                except (asyncio.TimeoutError, StreamInterruptedError):
+                    raise collector.lost() from None
+            body = collector.feed(msg.data, msg.headers)
+            if body is not None:
+                return replyparts.Reply(body, collector.headers)
+
+    async def _wait_for_router(self, sink: Sink) -> bool:
+        """After "no responders": wait the backoff's next delay, then publish again (True), or
+        False when the grace or the request's timeout is spent. An abort (client gone, broker
+        lost) ends the wait at once and is raised."""
+        assert self._no_router is not None
+        now = time.monotonic()
+        deadline = self.t0 + self.timeout_s
+        delay = self._no_router.delay(now, deadline)
+        if delay is None:
+            return False
+        until = now + delay
+        while sink.empty and (left := until - time.monotonic()) > 0:
+            await sink.wait(left)
+        if sink.aborted is not None:
+            raise sink.aborted
+        # Nothing received it: the same request (and resend count, if a dead router's request
+        # found no router), with the timeout left.
+        headers = {**self.headers, subjects.H_TIMEOUT_MS: str(max(1, int((deadline - time.monotonic()) * 1000)))}
+        if self.resends:
+            headers[subjects.H_RESEND] = str(self.resends)
+        await self._publish(headers)
+        return True
+
+    async def _router_gone(self) -> None:
+        assert self.keepalive_s is not None
+        remaining = self.t0 + self.timeout_s - time.monotonic()
+        decision = after_silence(committed=self.committed, resends=self.resends, remaining_s=remaining,
+                                 interval_s=self.keepalive_s)
+        silent_s = self.keepalive_s * 3
+        if decision == "resend":
+            self.resends += 1
+            log.warning("request %s: its router sent nothing for %.1f s; sending it again", self.request_id, silent_s)
+            headers = {**self.headers, subjects.H_RESEND: str(self.resends),
+                       subjects.H_TIMEOUT_MS: str(max(1, int(remaining * 1000)))}
+            await self._publish(headers)
+            return
+        self.close()
+        if self.committed:
+            raise StreamInterruptedError(
+                f"the router relaying this stream sent nothing for {silent_s:.1f} s (it is gone); "
+                "the stream is incomplete", retry_after=1.0)
+        raise BackendError(
+            f"the router handling this request sent nothing for {silent_s:.1f} s"
+            f"{' after it was sent again' if self.resends else ''}; retry", retry_after=1.0)
+
+    def close(self) -> None:
+        """Stop receiving (later messages of any attempt are dropped)."""
+        if self._mux is not None and self._inbox:
+            self._mux.close(self._inbox)
+            self._inbox = ""
+
+    def __enter__(self) -> Exchange:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()

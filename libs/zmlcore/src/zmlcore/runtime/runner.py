@@ -1,0 +1,245 @@
+"""Run a service until SIGTERM/SIGINT: connect, start, wait, stop, drain (uvicorn-style).
+
+    asyncio.run(run_service(RouterService(cfg), cfg.nats.url, "zml-router"))
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
+
+from nats.aio.client import Client as NATS
+
+from zmlcore.runtime import gcpace
+from zmlcore.runtime.alive import beat
+from zmlcore.config import ZMLConfig, load_config
+from zmlcore.errors import ConfigError
+from zmlcore.runtime.lease import Lease
+from zmlcore.access.identity import connect_options
+from zmlcore.bus.link import link_of
+from zmlcore.telemetry.metrics import MetricsServer, serve_metrics
+from zmlcore.bus.connect import connect
+from zmlcore.telemetry.otlp import setup_otlp_metrics
+from zmlcore.telemetry.setup import setup_logging, setup_tracing
+
+log = logging.getLogger("zml.runner")
+
+
+class Service(Protocol):
+    async def start(self, nc: NATS) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+def install_uvloop() -> None:
+    """uvloop where available: it roughly halves the event loop's cost per message."""
+    if sys.platform == "win32":
+        return
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover
+        return
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
+class ConnectionClosed(Exception):
+    """The NATS connection closed for good (nats-py does not reconnect after some server
+    errors): the service exits non-zero so that its supervisor restarts it."""
+
+
+class LeaseLost(Exception):
+    """Another replica took over this one's role: it exits and is restarted as a standby."""
+
+
+async def run_service(
+    service: Service, nats_url: str, name: str, *, ready_line: str | None = None, no_echo: bool = False,
+    replicas: int = 1, alive_file: str | None = None, lease_role: str | None = None, lease_ttl_s: float = 1.0,
+    connect_options: dict[str, Any] | None = None,
+) -> None:
+    """``nats_url``: one URL or several, comma-separated. ``no_echo``: the broker does not send
+    this connection its own messages back (routers publish in-flight counts they already applied).
+    ``connect_options``: identity and TLS (zmlcore.access.identity.connect_options).
+
+    Raises :class:`ConnectionClosed` if the connection closes for good before SIGTERM/SIGINT.
+    ``alive_file``: touched while the service runs connected (:mod:`zmlcore.runtime.alive`).
+    ``lease_role``: run as one of several replicas with one active (:mod:`zmlcore.runtime.lease`): wait as
+    a standby until this replica holds the lease; raises :class:`LeaseLost` if it is taken over.
+    """
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)  # the handler only sets a flag
+    nc = await connect(nats_url, name, no_echo=no_echo, replicas=replicas, **(connect_options or {}))
+    link = link_of(nc)
+    closed = asyncio.ensure_future(link.closed.wait())
+    stopped = asyncio.ensure_future(stop.wait())
+    beating = asyncio.ensure_future(beat(alive_file, lambda: nc.is_connected)) if alive_file else None
+    lease = Lease(nc, lease_role, ttl_s=lease_ttl_s) if lease_role else None
+    holding: asyncio.Future[None] | None = None
+    collecting: asyncio.Future[None] | None = None
+    try:
+        if lease is not None:
+            acquiring = asyncio.ensure_future(lease.acquire())
+            await asyncio.wait({acquiring, closed, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            if not acquiring.done():  # stopped (or closed) while standing by
+                acquiring.cancel()
+                if link.closed.is_set() and not stop.is_set():
+                    raise ConnectionClosed(str(nc.last_error))
+                return
+            holding = asyncio.ensure_future(lease.hold())
+        await service.start(nc)
+        # nats-py sends SUB without waiting for the broker: one PING/PONG makes "started" (and
+        # `zml up`'s "ready") mean the subscriptions are at the broker, so a request sent on that
+        # signal does not meet "no responders".
+        try:
+            await nc.flush(timeout=5)
+        except Exception:  # broker gone meanwhile: the reconnect re-sends the subscriptions
+            log.warning("%s: subscriptions not confirmed by the broker at start", name)
+        gcpace.settle()  # start-up objects frozen; collections paced by time (zmlcore.runtime.gcpace)
+        collecting = asyncio.ensure_future(gcpace.collect_every())
+        log.info("%s started (nats %s)", name, nats_url)
+        if ready_line:
+            print(ready_line, flush=True)
+        ends: set[asyncio.Future[Any]] = {closed, stopped, *([holding] if holding else [])}
+        await asyncio.wait(ends, return_when=asyncio.FIRST_COMPLETED)
+        if link.closed.is_set() and not stop.is_set():
+            log.error("%s: NATS connection closed for good (%s); exiting", name, nc.last_error)
+            await _stop_quietly(service)
+            raise ConnectionClosed(str(nc.last_error))
+        if holding is not None and holding.done() and not stop.is_set():
+            log.error("%s: lease lost; exiting to restart as a standby", name)
+            await _stop_quietly(service)
+            raise LeaseLost(name)
+        log.info("%s stopping", name)
+        await service.stop()
+        if lease is not None:
+            await lease.release()  # a standby takes over now, not after the lease's TTL
+    finally:
+        if holding is not None:
+            holding.cancel()
+        if collecting is not None:
+            collecting.cancel()
+        link.closing = True
+        closed.cancel()
+        stopped.cancel()
+        if beating is not None:
+            beating.cancel()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+        # The service has already unsubscribed and finished its in-flight work in stop(), so
+        # flushing what is buffered is enough; drain() would also wait on JetStream consumers'
+        # subscriptions (KV watchers, pull fetches) for seconds.
+        try:
+            await nc.flush(timeout=1)
+        except Exception:  # broker gone: nothing can be flushed
+            pass
+        await nc.close()
+
+
+async def _stop_quietly(service: Service) -> None:
+    """Stop what can be stopped without a broker; bounded, as the supervisor is waiting."""
+    try:
+        await asyncio.wait_for(service.stop(), 5.0)
+    except Exception:
+        log.debug("stop after a closed connection failed", exc_info=True)
+
+
+def service_parser(name: str, description: str) -> argparse.ArgumentParser:
+    """The arguments every service takes; services add their own."""
+    p = argparse.ArgumentParser(prog=f"zml {name}", description=description)
+    p.add_argument("--config", help="path to zml.toml")
+    p.add_argument("--nats-url", help="NATS URL, or several comma-separated (servers of one cluster); "
+                                      "overrides zml.toml and ZML_NATS_URL")
+    p.add_argument("--log-format", choices=("text", "json"), default=None,
+                   help="log lines as text (default) or one JSON object each (env ZML_LOG_FORMAT)")
+    if name != "gateway":  # the gateway serves /metrics on its own port
+        p.add_argument("--metrics-port", type=int, default=None,
+                       help=f"serve Prometheus /metrics on this port (0: a free one; default [metrics] {name}_port)")
+    p.add_argument("--alive-file", help="touch this file every 2 s while running and connected, for "
+                                        "healthchecks: python -m zmlcore.runtime.alive FILE")
+    return p
+
+
+def service_main(
+    name: str,
+    args: argparse.Namespace,
+    make: Callable[[ZMLConfig, argparse.Namespace], Service],
+    *,
+    no_echo: bool = False,
+    lease_ttl: Callable[[ZMLConfig], float] | None = None,
+) -> int:
+    """Load and validate config, build the service, run it until SIGTERM/SIGINT.
+
+    A bad config (or ``make`` raising ConfigError, e.g. a port in use) is one line and exit 2;
+    a connection closed for good exits 3; ``lease_ttl`` given and ``--ha`` on the command line:
+    one active replica at a time (lease TTL from the config), and a replica whose lease was taken
+    over exits 4.
+    """
+    setup_logging(name, fmt=getattr(args, "log_format", None))
+    try:
+        cfg = load_config(args.config)
+        options = connect_options(cfg.nats)
+        service = make(cfg, args)
+        metrics = start_metrics(name, cfg, getattr(args, "metrics_port", None))
+    except ConfigError as exc:
+        print(f"zml {name}: {exc}", file=sys.stderr)
+        return 2
+    setup_tracing(f"zml-{name}")
+    otlp_metrics = setup_otlp_metrics(f"zml-{name}")  # None unless OTEL_* ask for it
+    install_uvloop()
+    if not getattr(args, "ha", False):
+        lease_ttl = None
+    try:
+        asyncio.run(run_service(service, args.nats_url or cfg.nats.url, f"zml-{name}", no_echo=no_echo,
+                                replicas=cfg.nats.replicas, alive_file=getattr(args, "alive_file", None),
+                                lease_role=name if lease_ttl else None,
+                                lease_ttl_s=lease_ttl(cfg) if lease_ttl else 1.0, connect_options=options))
+    except ConnectionClosed as exc:
+        print(f"zml {name}: NATS connection closed for good ({exc}); exiting so that a supervisor "
+              "restarts it", file=sys.stderr, flush=True)
+        return 3
+    except LeaseLost:
+        print(f"zml {name}: another replica took over; exiting to restart as a standby", file=sys.stderr, flush=True)
+        return 4
+    finally:
+        if otlp_metrics is not None:
+            otlp_metrics.close()  # the final flush
+        if metrics is not None:
+            metrics.close()
+    return 0
+
+
+def start_metrics(name: str, cfg: ZMLConfig, port: int | None) -> "MetricsServer | None":
+    """The service's /metrics port: the flag, else ``[metrics] <name>_port``, else none."""
+    if port is None:
+        port = getattr(cfg.metrics, f"{name}_port", None)
+    if port is None:
+        return None
+    try:
+        return serve_metrics(cfg.metrics.host, port)
+    except OSError as exc:
+        raise ConfigError(f"metrics port {port} on {cfg.metrics.host}: {exc.strerror or exc}") from exc
+
+
+async def cancel_and_wait(tasks: "Iterable[asyncio.Task[object]]", timeout: float = 5.0) -> None:
+    """Cancel background tasks and wait for them to end, cancelling again until they do.
+
+    One cancel is not always enough on Python 3.11: ``asyncio.wait_for`` (used inside nats-py's
+    requests, JetStream fetches and KV calls) swallows a cancellation that lands just as its inner
+    future completes, and the task's loop goes on. Repeating the cancel lands it at the next await.
+    """
+    pending = {t for t in tasks if not t.done()}
+    deadline = asyncio.get_running_loop().time() + timeout
+    while pending:
+        for t in pending:
+            t.cancel()
+        left = deadline - asyncio.get_running_loop().time()
+        if left <= 0:
+            log.warning("%d task(s) did not stop: %s", len(pending), [t.get_name() for t in pending])
+            return
+        _, pending = await asyncio.wait(pending, timeout=min(0.5, left))

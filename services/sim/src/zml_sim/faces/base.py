@@ -1,0 +1,69 @@
+"""What every engine face provides; the defaults are vLLM's OpenAI server."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from aiohttp import web
+
+if TYPE_CHECKING:
+    from zml_sim.server import SimNode
+
+#: Context window every simulated model advertises (vLLM's /v1/models ``max_model_len``) and
+#: enforces: prompt + max_tokens above it is a 400, as vLLM answers.
+MAX_MODEL_LEN = 8192
+#: Retry-After sent with an overload answer when the retry_after_s fault is unset.
+DEFAULT_RETRY_AFTER_S = 1
+
+_json = msgspec.json.Encoder()
+
+
+def json_response(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
+    return web.Response(body=_json.encode(data), status=status, content_type="application/json",
+                        headers=headers)
+
+
+def retry_headers(node: SimNode, default: float | None = None) -> dict[str, str]:
+    value = node.engine.faults.retry_after_s
+    if value is None:
+        value = default
+    if value is None:
+        return {}
+    return {"Retry-After": str(max(0, round(value)))}
+
+
+class Face:
+    """One imitated engine. Stateless: a node keeps its state, the face only shapes answers."""
+
+    #: the ``--engine`` name
+    name = "vllm"
+    #: ``owned_by`` in /v1/models
+    owner = "vllm"
+    #: Refuses connections until its model is loaded (else: listens at once, 503 while loading).
+    listen_after_load = True
+    #: A request for a model still loading gets the loading error (else: 404 like unknown).
+    loading_answers_503 = False
+
+    def error_body(self, status: int, message: str, kind: str) -> Any:
+        """The error body. ``kind``: bad_request, not_found, overloaded, loading, internal."""
+        vtype = {"bad_request": "BadRequestError", "not_found": "NotFoundError",
+                 "overloaded": "ServiceUnavailableError", "loading": "ServiceUnavailableError",
+                 }.get(kind, "InternalServerError")
+        return {"error": {"message": message, "type": vtype, "param": None, "code": status}}
+
+    def error(self, status: int, message: str, kind: str, headers: dict[str, str] | None = None) -> web.Response:
+        return json_response(self.error_body(status, message, kind), status, headers)
+
+    def overload(self, node: SimNode) -> web.Response:
+        message = "The server is overloaded: too many requests waiting. Retry later."
+        return self.error(503, message, "overloaded", retry_headers(node, DEFAULT_RETRY_AFTER_S))
+
+    def loading_error(self) -> web.Response:
+        return self.error(503, "The model is still loading", "loading")
+
+    def health_ok(self) -> web.Response:
+        return web.Response(status=200)
+
+    def add_routes(self, node: SimNode, r: web.UrlDispatcher) -> None:
+        """The engine's own routes beside the shared OpenAI, health, metrics and /sim ones."""

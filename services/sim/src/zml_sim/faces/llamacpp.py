@@ -1,0 +1,118 @@
+"""llama.cpp's server: listens at once ("Loading model" 503 until loaded), ``/health`` answers
+``{"status": "ok"}``; ``GET /props`` (``total_slots``, ``is_sleeping``, ``model_path``),
+``GET /slots``, and router mode's ``GET /models`` (each model with ``status.value`` "loaded" /
+"loading"), ``POST /models/load {"model"}`` (200 ``{"success": true}``; 400 "model is already
+running") and ``POST /models/unload``. A sim llama.cpp node serves router mode's load routes
+beside the single-model ``/metrics`` and ``/props`` (a real router proxies those per model)."""
+
+from __future__ import annotations
+
+import time
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from zml_sim.engine import SimError
+from zml_sim.faces.base import MAX_MODEL_LEN
+from zml_sim.faces.base import Face
+from zml_sim.faces.base import json_response
+
+if TYPE_CHECKING:
+    from zml_sim.server import SimNode
+
+
+class LlamaCpp(Face):
+    name = "llamacpp"
+    owner = "llamacpp"
+    listen_after_load = False
+    loading_answers_503 = True
+
+    def error_body(self, status: int, message: str, kind: str) -> Any:
+        ltype = {"bad_request": "invalid_request_error", "not_found": "not_found_error",
+                 "overloaded": "unavailable_error", "loading": "unavailable_error"}.get(kind, "server_error")
+        return {"error": {"code": status, "message": message, "type": ltype}}
+
+    def loading_error(self) -> web.Response:
+        return json_response({"error": {"code": 503, "message": "Loading model", "type": "unavailable_error"}}, 503)
+
+    def health_ok(self) -> web.Response:
+        return json_response({"status": "ok"})
+
+    def add_routes(self, node: SimNode, r: web.UrlDispatcher) -> None:
+        r.add_get("/props", partial(_props, node))
+        r.add_get("/slots", partial(_slots, node))
+        r.add_get("/models", partial(_router_models, node))
+        r.add_post("/models/load", partial(_router_load, node))
+        r.add_post("/models/unload", partial(_router_unload, node))
+
+
+FACE = LlamaCpp()
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.json_response(data, status=status)
+
+
+async def _props(node: SimNode, req: web.Request) -> web.Response:
+    eng = node.engine
+    return _json({"total_slots": eng.profile.max_concurrency, "is_sleeping": False,
+                  "model_path": next(iter(eng.models), None), "model_alias": next(iter(eng.models), None),
+                  "default_generation_settings": {"n_ctx": MAX_MODEL_LEN}})
+
+
+async def _slots(node: SimNode, req: web.Request) -> web.Response:
+    eng = node.engine
+    busy = [*eng.decoding, *eng.prefill_queue]
+    if eng.prefilling is not None and not eng.prefilling.finished:
+        busy.insert(0, eng.prefilling)
+    slots = []
+    for i in range(eng.profile.max_concurrency):
+        held = busy[i] if i < len(busy) else None
+        slots.append({"id": i, "id_task": held.id if held else -1, "n_ctx": MAX_MODEL_LEN,
+                      "is_processing": held is not None,
+                      "next_token": {"n_decoded": held.generated if held else 0,
+                                     "n_remain": held.remaining if held else -1}})
+    return _json(slots)
+
+
+async def _router_models(node: SimNode, req: web.Request) -> web.Response:
+    eng = node.engine
+    now = int(time.time())
+    data = [{"id": m, "object": "model", "owned_by": "llamacpp", "created": now, "aliases": [], "tags": [],
+             "status": {"value": state}}
+            for state, names in (("loaded", eng.models), ("loading", eng.loading)) for m in names]
+    return _json({"data": data, "object": "list"})
+
+
+async def _model_field(node: SimNode, req: web.Request) -> str | web.Response:
+    try:
+        body = await req.json()
+    except ValueError:
+        return node._error(400, "Invalid JSON", "bad_request")
+    model = body.get("model") if isinstance(body, dict) else None
+    if not isinstance(model, str) or not model:
+        return node._error(404, "model is not found", "not_found")
+    return model
+
+
+async def _router_load(node: SimNode, req: web.Request) -> web.Response:
+    model = await _model_field(node, req)
+    if isinstance(model, web.Response):
+        return model
+    try:
+        started = node.engine.load(model)
+    except SimError as exc:
+        return node._error(500, str(exc), "internal")
+    if not started:
+        return node._error(400, "model is already running", "bad_request")
+    return _json({"success": True})
+
+
+async def _router_unload(node: SimNode, req: web.Request) -> web.Response:
+    model = await _model_field(node, req)
+    if isinstance(model, web.Response):
+        return model
+    if not node.engine.unload(model):
+        return node._error(400, "model is not running", "bad_request")
+    return _json({"success": True})

@@ -1,0 +1,62 @@
+"""vLLM's OpenAI server: ``/version``, ``/ping``, and sleep mode (a real server needs
+``--enable-sleep-mode`` and ``VLLM_SERVER_DEV_MODE=1``): ``POST /sleep`` offloads the weights
+(the models stay listed, ``/health`` stays 200, requests fail), ``GET /is_sleeping`` ->
+``{"is_sleeping": bool}``, ``POST /wake_up`` reloads them (the load time applies) and answers
+once they are back."""
+
+from __future__ import annotations
+
+import asyncio
+from functools import partial
+from typing import TYPE_CHECKING
+
+from aiohttp import web
+
+from zml_sim.engine import SimError
+from zml_sim.faces.base import Face
+from zml_sim.faces.base import json_response
+
+if TYPE_CHECKING:
+    from zml_sim.server import SimNode
+
+
+class VLLM(Face):
+    name = "vllm"
+
+    def add_routes(self, node: SimNode, r: web.UrlDispatcher) -> None:
+        r.add_get("/version", _version)
+        r.add_get("/ping", node._health)
+        r.add_get("/is_sleeping", partial(_is_sleeping, node))
+        r.add_post("/sleep", partial(_sleep, node))
+        r.add_post("/wake_up", partial(_wake_up, node))
+
+
+FACE = VLLM()
+
+
+async def _version(req: web.Request) -> web.Response:
+    return json_response({"version": "0.8.5"})
+
+
+async def _is_sleeping(node: SimNode, req: web.Request) -> web.Response:
+    return json_response({"is_sleeping": bool(node.sleeping)})
+
+
+async def _sleep(node: SimNode, req: web.Request) -> web.Response:
+    eng = node.engine
+    for model in list(eng.models):
+        node.sleeping.append(model)
+        eng.unload(model)
+    return web.Response(status=200)
+
+
+async def _wake_up(node: SimNode, req: web.Request) -> web.Response:
+    eng = node.engine
+    models, node.sleeping = list(node.sleeping), []
+    try:
+        for model in models:
+            eng.load(model)
+        await asyncio.gather(*(eng.wait_loaded(m) for m in models))
+    except SimError as exc:
+        return node._error(500, str(exc), "internal")
+    return web.Response(status=200)

@@ -1,0 +1,637 @@
+"""HTTP server of a simulated node: vLLM's OpenAI server by default, or TGI / SGLang / llama.cpp /
+a plain OpenAI-compatible server.
+
+Each :class:`SimNode` owns one :class:`~zml_sim.engine.SimEngine` and one aiohttp
+``AppRunner``, so a whole fleet runs in one process and one event loop. This module is what the
+engines share (the OpenAI API, health, metrics, the /sim admin routes); what differs between
+them is the node's *face*, one module per engine under :mod:`zml_sim.faces`.
+
+Example::
+
+    node = SimNode("h100-1", "nvidia_h100", ["llama-3-8b"], time_scale=50, load_time_s=0)
+    await node.start()            # port 0: pick a free port
+    print(node.url)               # http://127.0.0.1:PORT
+    ...
+    await node.stop()
+
+Like vLLM, a node *binds* its port at start (so a port clash fails at once) but only *listens*
+after its models loaded for the engines that refuse connections while loading (vllm, tgi,
+openai); SGLang and llama.cpp listen at once and answer 503 until loaded.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import socket
+import time
+from dataclasses import asdict, replace
+from typing import Any, Awaitable, Callable, Iterable
+from urllib.parse import urlsplit
+
+import msgspec
+from aiohttp import web
+
+from zmlcore.fleet.accelerators import ACCELERATORS
+from zmlcore.config import NodeConfig
+from zml_sim import admin
+from zml_sim import embeddings
+from zml_sim.engine import Faults
+from zml_sim.engine import SimEngine
+from zml_sim.engine import SimError
+from zml_sim.engine import SimRequest
+from zml_sim.faces import ENGINES
+from zml_sim.faces import FACES
+from zml_sim.faces.base import DEFAULT_RETRY_AFTER_S
+from zml_sim.faces.base import MAX_MODEL_LEN
+from zml_sim.faces.base import json_response
+from zml_sim.faces.base import retry_headers
+from zml_sim.metrics import render_metrics
+from zmlcore.fleet.perfmodel import SimProfile
+from zmlcore.fleet.perfmodel import estimate_tokens
+
+log = logging.getLogger("zml_sim")
+
+#: Engines that do not accept connections until their model is loaded.
+LISTEN_AFTER_LOAD = frozenset(n for n, f in FACES.items() if f.listen_after_load)
+DEFAULT_MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+__all__ = ["DEFAULT_MODEL", "DEFAULT_RETRY_AFTER_S", "ENGINES", "LISTEN_AFTER_LOAD", "MAX_MODEL_LEN",
+           "SimNode", "SimPortInUseError", "endpoint_port", "start_fleet"]
+
+_json = msgspec.json.Encoder()
+_decode = msgspec.json.Decoder()
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+class SimPortInUseError(OSError):
+    """The node's port is taken by another process (or another node)."""
+
+    def __init__(self, node_id: str, host: str, port: int) -> None:
+        self.node_id = node_id
+        self.host = host
+        self.port = port
+        super().__init__(errno.EADDRINUSE, f"node {node_id}: port {port} on {host} is already in use")
+
+
+class _BadRequest(Exception):
+    pass
+
+
+def _bind(node_id: str, host: str, port: int) -> socket.socket:
+    """Bind (without listening: connections are refused until the site starts)."""
+    family, kind, proto, _, addr = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(addr)
+    except OSError as exc:
+        sock.close()
+        if exc.errno == errno.EADDRINUSE:
+            raise SimPortInUseError(node_id, host, port) from exc
+        raise
+    sock.setblocking(False)
+    return sock
+
+
+_json_response = json_response
+
+
+class SimNode:
+    """One simulated accelerator node: engine + HTTP server (see the module docstring)."""
+
+    def __init__(
+        self,
+        node_id: str,
+        accelerator: str,
+        models: Iterable[str] = (DEFAULT_MODEL,),
+        *,
+        engine: str = "vllm",
+        time_scale: float = 1.0,
+        seed: int = 0,
+        max_waiting: int | None = None,
+        driver_version: str | None = None,
+        faults: Faults | None = None,
+        model_sizes: dict[str, float] | None = None,
+        **profile_overrides: float | int | None,
+    ) -> None:
+        if accelerator not in ACCELERATORS:
+            raise ValueError(f"unknown accelerator {accelerator!r} (one of {', '.join(ACCELERATORS)})")
+        if engine not in ENGINES:
+            raise ValueError(f"unknown engine {engine!r} (one of {', '.join(ENGINES)})")
+        self.node_id = node_id
+        self.last_traceparent = ""
+        self.accelerator = accelerator
+        self.engine_kind = engine
+        #: what is engine-specific about this node's HTTP answers (zml_sim.faces)
+        self.face = FACES[engine]
+        self.initial_models = list(models)
+        self.driver_version = driver_version or ACCELERATORS[accelerator].min_driver
+        profile = SimProfile.for_type(accelerator, **profile_overrides)
+        self.engine = SimEngine(node_id, profile, time_scale=time_scale, seed=seed,
+                                max_waiting=max_waiting, faults=faults, model_sizes=model_sizes)
+        self.host = "127.0.0.1"
+        self.port = 0
+        self.started_at = time.time()
+        self._sock: socket.socket | None = None
+        self._runner: web.AppRunner | None = None
+        self._serve_task: asyncio.Task[None] | None = None
+        self._revive_task: asyncio.Task[None] | None = None
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._hung: set[asyncio.Future[None]] = set()
+        #: vLLM sleep mode: the models offloaded by POST /sleep, reloaded by POST /wake_up.
+        self.sleeping: list[str] = []
+
+    @classmethod
+    def from_config(cls, node: NodeConfig, *, time_scale: float | None = None) -> SimNode:
+        """A node from a ``[[nodes]]`` entry with a ``[nodes.sim]`` table.
+
+        The imitated engine is ``sim.engine``, or the node's ``backend`` when sim.engine is
+        left at its default."""
+        sim = node.sim
+        if sim is None:
+            raise ValueError(f"node {node.id!r} has no [nodes.sim] table")
+        engine = sim.engine if sim.engine != "vllm" else node.backend
+        return cls(
+            node.id, node.accelerator, node.models or [DEFAULT_MODEL], engine=engine,
+            time_scale=time_scale or sim.time_scale, seed=sim.seed, max_waiting=sim.max_waiting,
+            driver_version=sim.driver_version, speed=sim.speed, prefill_tps=sim.prefill_tps,
+            decode_tps=sim.decode_tps, max_concurrency=sim.max_concurrency,
+            load_time_s=sim.load_time_s, memory_gib=sim.memory_gib,
+            cost_per_hour=node.cost_per_hour,
+        )
+
+    # ----- lifecycle ---------------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    @property
+    def listening(self) -> bool:
+        return self._runner is not None
+
+    async def start(self, host: str = "127.0.0.1", port: int = 0, *, wait: bool = True) -> None:
+        """Bind ``host:port`` (0: any free port), start loading the models, and listen.
+
+        With ``wait`` (default) return once the port listens, which for vllm/tgi/openai is
+        after loading; otherwise return at once and use :meth:`wait_listening`.
+        Raises :class:`SimPortInUseError` if the port is taken."""
+        self.host = host
+        self._sock = _bind(self.node_id, host, port)
+        self.port = self._sock.getsockname()[1]
+        self.engine.start()
+        for model in self.initial_models:
+            self.engine.load(model)
+        self._serve_task = asyncio.get_running_loop().create_task(self._serve())
+        if wait:
+            await self.wait_listening()
+
+    async def wait_listening(self) -> None:
+        """Until the node listens (re-raises a failure to listen)."""
+        if self._serve_task is not None:
+            await asyncio.shield(self._serve_task)
+
+    async def _serve(self) -> None:
+        if self.face.listen_after_load:
+            for model in list(self.engine.loading):
+                await self.engine.wait_loaded(model)
+        sock, self._sock = self._sock, None
+        assert sock is not None
+        runner = web.AppRunner(self._make_app(), shutdown_timeout=0.1, handler_cancellation=True,
+                               access_log=None)
+        await runner.setup()
+        site = web.SockSite(runner, sock)
+        try:
+            await site.start()
+        except OSError as exc:
+            await runner.cleanup()
+            sock.close()
+            if exc.errno == errno.EADDRINUSE:
+                raise SimPortInUseError(self.node_id, self.host, self.port) from exc
+            raise
+        self._runner = runner
+
+    async def _close_server(self) -> None:
+        if self._serve_task is not None and not self._serve_task.done():
+            self._serve_task.cancel()
+            await asyncio.wait([self._serve_task])
+        for fut in list(self._hung):
+            fut.cancel()
+        runner, self._runner = self._runner, None
+        if runner is not None:
+            # A crash drops connections at once (aiohttp's graceful shutdown would let
+            # in-flight handlers finish); aborting a transport cancels its handler.
+            if runner.server is not None:
+                for conn in runner.server.connections:
+                    if conn.transport is not None:
+                        conn.transport.abort()
+            await runner.cleanup()
+        if self._sock is not None:
+            self._sock.close()
+            self._sock = None
+
+    async def stop(self) -> None:
+        """Stop listening, fail in-flight requests and stop the engine."""
+        for task in [self._revive_task, *self._tasks]:
+            if task is not None and task is not asyncio.current_task():
+                task.cancel()
+        await self._close_server()
+        await self.engine.stop()
+
+    async def crash(self, for_s: float | None = None) -> None:
+        """Stop listening at once, dropping connections and in-flight requests.
+
+        With ``for_s`` the node comes back after that many real seconds and reloads the models
+        it had (loading time applies)."""
+        models = [*self.engine.models, *self.engine.loading] or self.initial_models
+        self.engine.faults = replace(self.engine.faults, crash=True, crash_for_s=for_s)
+        await self._close_server()
+        self.engine.reset("node crashed", clear_stats=True)
+        if for_s is not None:
+            self._revive_task = asyncio.get_running_loop().create_task(self._revive(for_s, models))
+
+    async def _revive(self, delay: float, models: list[str]) -> None:
+        await asyncio.sleep(delay)
+        await self.restart(models)
+
+    async def restart(self, models: Iterable[str] | None = None) -> None:
+        """Come back after a crash: bind the same port again and reload ``models``."""
+        self.engine.faults = replace(self.engine.faults, crash=False, crash_for_s=None)
+        self._sock = _bind(self.node_id, self.host, self.port)
+        for model in models if models is not None else self.initial_models:
+            self.engine.load(model)
+        self._serve_task = asyncio.get_running_loop().create_task(self._serve())
+
+    def _spawn(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    # ----- app ---------------------------------------------------------------------------------
+
+    def _make_app(self) -> web.Application:
+        app = web.Application(client_max_size=16 * 1024 * 1024)
+        r = app.router
+        r.add_post("/v1/chat/completions", self._chat)
+        r.add_post("/v1/completions", self._completions)
+        r.add_post("/v1/embeddings", self._embeddings)
+        r.add_get("/v1/models", self._models)
+        r.add_get("/health", self._health)
+        r.add_get("/metrics", self._metrics)
+        r.add_get("/zml/v1/node", self._node)
+        admin.add_routes(self, r)
+        self.face.add_routes(self, r)
+        return app
+
+    # ----- errors, engine-shaped ---------------------------------------------------------------
+
+    def _error(self, status: int, message: str, kind: str,
+               headers: dict[str, str] | None = None) -> web.Response:
+        """An error body in the imitated engine's shape. ``kind``: bad_request, not_found,
+        overloaded, loading, internal."""
+        return self.face.error(status, message, kind, headers)
+
+    def _retry_headers(self, default: float | None = None) -> dict[str, str]:
+        return retry_headers(self, default)
+
+    def _overload(self) -> web.Response:
+        return self.face.overload(self)
+
+    def _loading_error(self) -> web.Response:
+        return self.face.loading_error()
+
+    # ----- inference ---------------------------------------------------------------------------
+
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
+        self.last_traceparent = request.headers.get("traceparent", "")[:100]
+        return await self._generate(request, chat=True)
+
+    async def _completions(self, request: web.Request) -> web.StreamResponse:
+        self.last_traceparent = request.headers.get("traceparent", "")[:100]
+        return await self._generate(request, chat=False)
+
+    def _parse(self, raw: bytes, chat: bool) -> dict[str, Any]:
+        try:
+            body = _decode.decode(raw)
+        except msgspec.DecodeError as exc:
+            raise _BadRequest(f"Invalid JSON in request body: {exc}") from exc
+        if not isinstance(body, dict):
+            raise _BadRequest("Request body must be a JSON object")
+        if chat:
+            messages = body.get("messages")
+            if not isinstance(messages, list) or not messages:
+                raise _BadRequest("Field 'messages' is required: a non-empty list of messages")
+            parts: list[str] = []
+            for msg in messages:
+                if not isinstance(msg, dict) or "role" not in msg:
+                    raise _BadRequest("Each message must be an object with a 'role'")
+                content = msg.get("content")
+                if isinstance(content, str):
+                    parts.append(content)
+                elif isinstance(content, list):
+                    for p in content:  # a part's text must be a string (it crashed the sim: 500)
+                        text = p.get("text", "") if isinstance(p, dict) else None
+                        if not isinstance(text, str):
+                            raise _BadRequest("Each content part must be an object whose 'text' is a string")
+                        parts.append(text)
+            prompt_tokens = estimate_tokens("".join(parts))
+        else:
+            prompt = body.get("prompt")
+            if isinstance(prompt, str):
+                prompt_tokens = estimate_tokens(prompt)
+            elif isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
+                prompt_tokens = len(prompt)
+            elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+                prompt_tokens = estimate_tokens("".join(prompt))
+            else:
+                raise _BadRequest("Field 'prompt' is required: a string, list of strings or token ids")
+        max_tokens = body.get("max_completion_tokens") if chat else None
+        if max_tokens is None:
+            max_tokens = body.get("max_tokens")
+        if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
+                                       or max_tokens < 1):
+            raise _BadRequest("max_tokens must be an integer >= 1")
+        requested = prompt_tokens + (max_tokens or 0)
+        if prompt_tokens >= MAX_MODEL_LEN or requested > MAX_MODEL_LEN:  # vLLM's check and wording
+            raise _BadRequest(
+                f"This model's maximum context length is {MAX_MODEL_LEN} tokens. However, you requested "
+                f"{requested} tokens ({prompt_tokens} in the messages, {max_tokens or 0} in the completion). "
+                "Please reduce the length of the messages or completion.")
+        model = body.get("model")
+        if model is not None and not isinstance(model, str):
+            raise _BadRequest("Field 'model' must be a string")
+        opts = body.get("stream_options")
+        return {
+            "model": model,
+            "prompt_tokens": prompt_tokens,
+            "max_tokens": max_tokens,
+            "stream": bool(body.get("stream", False)),
+            "include_usage": isinstance(opts, dict) and bool(opts.get("include_usage")),
+        }
+
+    async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
+        eng = self.engine
+        try:
+            args = self._parse(await request.read(), chat)
+        except _BadRequest as exc:
+            return self._error(400, str(exc), "bad_request")
+        model = args["model"]
+        if model is None:  # like vLLM: the served model when none is named
+            if not eng.models:
+                return self._loading_error() if eng.loading else self._error(
+                    404, "No model is loaded", "not_found")
+            model = next(iter(eng.models))
+        if model not in eng.models:
+            if model in eng.loading and self.face.loading_answers_503:
+                return self._loading_error()
+            return self._error(404, f"The model `{model}` does not exist.", "not_found")
+        if eng.overloaded:
+            return self._overload()
+        if eng.faults.hang:
+            fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._hung.add(fut)
+            try:
+                await fut  # until the client goes away or the node stops
+            finally:
+                self._hung.discard(fut)
+            raise asyncio.CancelledError
+        if eng.sample_error():
+            status = eng.faults.error_status
+            return self._error(status, "Injected fault: internal server error", "internal",
+                               self._retry_headers())
+        drop = eng.sample_drop()
+        req = eng.submit(model, args["prompt_tokens"], args["max_tokens"])
+        try:
+            if args["stream"]:
+                return await self._stream(request, req, chat=chat, drop=drop,
+                                          include_usage=args["include_usage"])
+            return await self._complete(request, req, chat=chat, drop=drop)
+        finally:
+            eng.cancel(req)
+
+    async def _embeddings(self, request: web.Request) -> web.StreamResponse:
+        """Deterministic vectors (``zml_sim.embeddings``), scheduled as a prefill."""
+        eng = self.engine
+        try:
+            model, texts, dims, fmt, tokens = embeddings.parse(_decode.decode(await request.read()))
+        except msgspec.DecodeError as exc:
+            return self._error(400, f"Invalid JSON in request body: {exc}", "bad_request")
+        except embeddings.EmbeddingRequestError as exc:
+            return self._error(400, str(exc), "bad_request")
+        if model is None:
+            if not eng.models:
+                return self._loading_error() if eng.loading else self._error(404, "No model is loaded", "not_found")
+            model = next(iter(eng.models))
+        if model not in eng.models:
+            if model in eng.loading and self.face.loading_answers_503:
+                return self._loading_error()
+            return self._error(404, f"The model `{model}` does not exist.", "not_found")
+        if eng.overloaded:
+            return self._overload()
+        if eng.sample_error():
+            return self._error(eng.faults.error_status, "Injected fault: internal server error", "internal",
+                               self._retry_headers())
+        req = eng.submit(model, tokens, 1)
+        try:
+            await req.text()
+        except SimError as exc:
+            return self._error(500, str(exc), "internal")
+        finally:
+            eng.cancel(req)
+        return _json_response(embeddings.response(model, texts, dims, fmt, tokens))
+
+    def _envelope(self, req: SimRequest, chat: bool, chunk: bool) -> dict[str, Any]:
+        prefix = "chatcmpl" if chat else "cmpl"
+        obj = ("chat.completion.chunk" if chunk else "chat.completion") if chat else "text_completion"
+        return {"id": f"{prefix}-{self.node_id}-{req.id}", "object": obj,
+                "created": int(time.time()), "model": req.model}
+
+    @staticmethod
+    def _usage(req: SimRequest) -> dict[str, int]:
+        return {"prompt_tokens": req.prompt_tokens, "completion_tokens": req.generated,
+                "total_tokens": req.prompt_tokens + req.generated}
+
+    def _drop(self, request: web.Request, req: SimRequest) -> None:
+        self.engine.cancel(req)
+        if request.transport is not None:
+            request.transport.abort()
+        raise asyncio.CancelledError
+
+    async def _complete(self, request: web.Request, req: SimRequest, *, chat: bool,
+                        drop: bool) -> web.StreamResponse:
+        pieces: list[str] = []
+        try:
+            while (piece := await req.next_chunk()) is not None:
+                pieces.append(piece)
+                if drop:
+                    self._drop(request, req)
+        except SimError as exc:
+            return self._error(500, str(exc), "internal")
+        text = "".join(pieces)
+        body = self._envelope(req, chat, chunk=False)
+        if chat:
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
+                                      "logprobs": None, "finish_reason": req.finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": req.finish_reason}
+        body["choices"] = [choice]
+        body["usage"] = self._usage(req)
+        return _json_response(body)
+
+    async def _stream(self, request: web.Request, req: SimRequest, *, chat: bool, drop: bool,
+                      include_usage: bool) -> web.StreamResponse:
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "Cache-Control": "no-cache"})
+        await resp.prepare(request)
+        head = self._envelope(req, chat, chunk=True)
+
+        async def send(choices: list[dict[str, Any]], **extra: Any) -> None:
+            data = {**head, "choices": choices, **extra}
+            if include_usage and "usage" not in data:
+                data["usage"] = None
+            await resp.write(b"data: " + _json.encode(data) + b"\n\n")
+
+        first = True
+        try:
+            while (piece := await req.next_chunk()) is not None:
+                if chat:
+                    if first:
+                        await send([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                     "logprobs": None, "finish_reason": None}])
+                    choice: dict[str, Any] = {"index": 0, "delta": {"content": piece},
+                                              "logprobs": None, "finish_reason": None}
+                else:
+                    choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": None}
+                await send([choice])
+                first = False
+                if drop:
+                    self._drop(request, req)
+        except SimError as exc:
+            # Engine failure mid-stream: vLLM sends an error event and ends the stream.
+            err = {"error": {"message": str(exc), "type": "InternalServerError", "code": 500}}
+            await resp.write(b"data: " + _json.encode(err) + b"\n\n")
+            await resp.write(b"data: [DONE]\n\n")
+            await resp.write_eof()
+            return resp
+        final = {"index": 0, "delta": {}} if chat else {"index": 0, "text": ""}
+        await send([{**final, "logprobs": None, "finish_reason": req.finish_reason}])
+        if include_usage:
+            await send([], usage=self._usage(req))
+        await resp.write(b"data: [DONE]\n\n")
+        await resp.write_eof()
+        return resp
+
+    # ----- discovery and health ----------------------------------------------------------------
+
+    async def _models(self, request: web.Request) -> web.Response:
+        created = int(self.started_at)
+        owner = self.face.owner
+        data = [{"id": m, "object": "model", "created": created, "owned_by": owner, "root": m,
+                 "parent": None, "max_model_len": MAX_MODEL_LEN} for m in [*self.engine.models, *self.sleeping]]
+        return _json_response({"object": "list", "data": data})
+
+    async def _health(self, request: web.Request) -> web.Response:
+        if self.engine.sample_probe_loss():  # a lost probe: no answer at all
+            if request.transport is not None:
+                request.transport.abort()
+            raise asyncio.CancelledError
+        if not self.engine.models and not self.sleeping:
+            return self._loading_error()
+        return self.face.health_ok()
+
+    async def _node(self, request: web.Request) -> web.Response:
+        return _json_response(self.probe())
+
+    def probe(self) -> dict[str, Any]:
+        """The ``/zml/v1/node`` document (hardware validation)."""
+        return {
+            "node_id": self.node_id,
+            "accelerator_type": self.accelerator,
+            "device_count": 1,
+            "driver_version": self.driver_version,
+            "memory_gib": self.engine.profile.memory_gib,
+            "free_memory_gib": round(self.engine.free_memory_gib, 3),
+            "engine": self.engine_kind,
+            "models": list(self.engine.models),
+            "loading_models": list(self.engine.loading),
+        }
+
+    # ----- metrics -----------------------------------------------------------------------------
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        text = render_metrics(self)
+        return web.Response(body=text.encode(),
+                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    # ----- admin -------------------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        """The ``/sim/state`` document."""
+        eng = self.engine
+        return {
+            "node_id": self.node_id,
+            "accelerator": self.accelerator,
+            "engine": self.engine_kind,
+            "url": self.url,
+            "listening": self.listening,
+            # The W3C trace context of the last inference request (a real engine with
+            # OpenTelemetry would continue that trace).
+            "last_traceparent": self.last_traceparent,
+            "time_scale": eng.time_scale,
+            "seed": eng.seed,
+            "models": list(eng.models),
+            "loading": {m: round(s, 3) for m, s in eng.loading_remaining().items()},
+            "queue": {"waiting": len(eng.waiting), "max_waiting": eng.max_waiting},
+            "batch": {"running": eng.running, "prefilling": eng.prefilling.id if eng.prefilling else None,
+                      "prefill_pending": len(eng.prefill_queue), "decoding": len(eng.decoding),
+                      "max_concurrency": eng.profile.max_concurrency},
+            "kv_cache_usage": eng.kv_cache_usage,
+            "kv_capacity_tokens": eng.kv_capacity_tokens,
+            "free_memory_gib": round(eng.free_memory_gib, 3),
+            "faults": eng.faults.to_dict(),
+            "profile": asdict(eng.profile),
+            "counters": {m: s.to_dict() for m, s in eng.stats.items()},
+        }
+
+
+# ----- fleet -------------------------------------------------------------------------------------
+
+
+def endpoint_port(endpoint: str) -> tuple[str | None, int]:
+    """(host, port) of a node endpoint URL (port defaults by scheme)."""
+    parts = urlsplit(endpoint)
+    port = parts.port or (443 if parts.scheme == "https" else 80)
+    return parts.hostname, port
+
+
+async def start_fleet(nodes: list[NodeConfig], host: str | None = "127.0.0.1", *,
+                      time_scale: float | None = None, faults: Faults | None = None) -> list[SimNode]:
+    """Start every node that has a ``[nodes.sim]`` table on its endpoint's port.
+
+    ``host=None`` binds each endpoint's own host. Returns once every node listens; on a
+    failure the nodes already started are stopped and the error (e.g. SimPortInUseError) is
+    raised. ``faults`` (e.g. from CLI flags) apply to every node."""
+    sims = [SimNode.from_config(n, time_scale=time_scale) for n in nodes if n.sim is not None]
+    for sim in sims:
+        if faults is not None:
+            sim.engine.faults = faults
+    started: list[SimNode] = []
+    seen: dict[int, str] = {}
+    try:
+        for node, cfg in zip(sims, [n for n in nodes if n.sim is not None]):
+            ep_host, port = endpoint_port(cfg.endpoint)
+            bind_host = host or ep_host or "127.0.0.1"
+            if port in seen:
+                raise SimPortInUseError(node.node_id, bind_host, port)
+            seen[port] = node.node_id
+            await node.start(bind_host, port, wait=False)
+            started.append(node)
+        await asyncio.gather(*(n.wait_listening() for n in started))
+    except BaseException:
+        await asyncio.gather(*(n.stop() for n in started), return_exceptions=True)
+        raise
+    return started
