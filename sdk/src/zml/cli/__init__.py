@@ -32,6 +32,7 @@ _PASSTHROUGH = {
     "router": "zml_router.__main__",
     "health": "zml_health.__main__",
     "warmup": "zml_warmup.__main__",
+    "batch-runner": "zml_batch.__main__",
     "node-agent": "zml_nodeagent.__main__",
 }
 
