@@ -18,6 +18,7 @@ from zml._batch import BatchItem, OnResult, run_sync
 from zml._errors import ZMLError
 from zml._models import BatchResult, EmbeddingResult, InferMeta, InferResult, Metrics, Policy, Routing, StreamChunk, Usage
 from zml._ratelimit import HeaderScope
+from zml._settings import ClientSettings
 from zmlcore.messages import NodeState
 
 #: What a call decodes to (both carry routing, metadata, usage and metrics).
@@ -45,7 +46,7 @@ class _SyncTransport(Protocol):
     def close(self) -> None: ...
 
 
-class Client(_core.ClientSettings):
+class Client(ClientSettings):
     """Synchronous ZML client.
 
     Example::
@@ -406,3 +407,4 @@ class Stream:
 
     def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
+
