@@ -160,8 +160,9 @@ def usage_of(d: Any) -> Usage:
     return Usage(prompt_tokens=p, completion_tokens=c, total_tokens=int_or(d.get("total_tokens"), p + c))
 
 
-def decode_reply(raw: RawReply, call: InferCall) -> InferResult:
-    """The result of a non-streaming reply; raises the ZMLError of an error reply."""
+def _reply_object(raw: RawReply, key: str) -> dict[str, Any]:
+    """The JSON object of a successful reply (whose payload is under ``key``); raises the
+    ZMLError of an error reply, or of an error object sent with a 200."""
     if raw.status >= 400:
         raise decode_error(raw)
     try:
@@ -170,8 +171,20 @@ def decode_reply(raw: RawReply, call: InferCall) -> InferResult:
         raise BackendError(f"reply is not JSON: {raw.body[:200]!r}") from exc
     if not isinstance(data, dict):
         raise BackendError(f"reply is not a JSON object: {raw.body[:200]!r}")
-    if "error" in data and "choices" not in data:
+    if "error" in data and key not in data:
         raise decode_error(RawReply(status=500, headers=raw.headers, body=raw.body))
+    return data
+
+
+def _routing_of(data: Mapping[str, Any], headers: Mapping[str, str]) -> Routing:
+    """A reply's routing metadata: its ``zml`` object, else its headers, else empty."""
+    zml = data.get("zml")
+    return routing_from_dict(zml) if isinstance(zml, Mapping) else (routing_from_headers(headers) or Routing())
+
+
+def decode_reply(raw: RawReply, call: InferCall) -> InferResult:
+    """The result of a non-streaming reply; raises the ZMLError of an error reply."""
+    data = _reply_object(raw, "choices")
     choices: list[Choice] = []
     for i, ch in enumerate(data.get("choices") or ()):
         if not isinstance(ch, Mapping):
@@ -185,8 +198,7 @@ def decode_reply(raw: RawReply, call: InferCall) -> InferResult:
             text=text,
             finish_reason=ch.get("finish_reason"),
         ))
-    zml = data.get("zml")
-    routing = routing_from_dict(zml) if isinstance(zml, Mapping) else (routing_from_headers(raw.headers) or Routing())
+    routing = _routing_of(data, raw.headers)
     usage = usage_of(data.get("usage"))
     text = choices[0].text if choices else ""
     return InferResult(
@@ -240,19 +252,11 @@ def _vector(v: Any) -> list[float]:
 
 def decode_embeddings(raw: RawReply, call: InferCall) -> EmbeddingResult:
     """The result of an embeddings reply; raises the ZMLError of an error reply."""
-    if raw.status >= 400:
-        raise decode_error(raw)
-    try:
-        data = msgspec.json.decode(raw.body)
-    except msgspec.DecodeError as exc:
-        raise BackendError(f"reply is not JSON: {raw.body[:200]!r}") from exc
-    if not isinstance(data, dict) or not isinstance(data.get("data"), list):
-        if isinstance(data, dict) and "error" in data:
-            raise decode_error(RawReply(status=500, headers=raw.headers, body=raw.body))
+    data = _reply_object(raw, "data")
+    if not isinstance(data.get("data"), list):
         raise BackendError(f"reply is not an embeddings list: {raw.body[:200]!r}")
     items = sorted((d for d in data["data"] if isinstance(d, Mapping)), key=lambda d: int_or(d.get("index")))
-    zml = data.get("zml")
-    routing = routing_from_dict(zml) if isinstance(zml, Mapping) else (routing_from_headers(raw.headers) or Routing())
+    routing = _routing_of(data, raw.headers)
     usage = usage_of(data.get("usage"))
     return EmbeddingResult(
         embeddings=[_vector(d.get("embedding")) for d in items],
@@ -264,15 +268,19 @@ def decode_embeddings(raw: RawReply, call: InferCall) -> EmbeddingResult:
     )
 
 
-def decode_nodes(raw: RawReply) -> list[dict[str, Any]]:
-    """The ``nodes`` list of ``GET /v1/nodes`` / ``zml.admin.nodes.list`` as dicts."""
+def _list_object(raw: RawReply, what: str) -> dict[str, Any]:
+    """The JSON object of a node or model list; raises the ZMLError of an error reply."""
     if raw.status >= 400:
         raise decode_error(raw)
     try:
-        data = _nodes_decoder.decode(raw.body)
+        return _nodes_decoder.decode(raw.body)
     except msgspec.DecodeError as exc:
-        raise BackendError(f"node list is not JSON: {raw.body[:200]!r}") from exc
-    nodes = data.get("nodes")
+        raise BackendError(f"{what} is not JSON: {raw.body[:200]!r}") from exc
+
+
+def decode_nodes(raw: RawReply) -> list[dict[str, Any]]:
+    """The ``nodes`` list of ``GET /v1/nodes`` / ``zml.admin.nodes.list`` as dicts."""
+    nodes = _list_object(raw, "node list").get("nodes")
     return [n for n in nodes if isinstance(n, dict)] if isinstance(nodes, list) else []
 
 
@@ -282,12 +290,7 @@ def node_states(nodes: Sequence[Mapping[str, Any]]) -> list[NodeState]:
 
 def decode_models(raw: RawReply) -> list[str]:
     """Model ids from ``GET /v1/models`` (OpenAI list) or from a node list (NATS)."""
-    if raw.status >= 400:
-        raise decode_error(raw)
-    try:
-        data = _nodes_decoder.decode(raw.body)
-    except msgspec.DecodeError as exc:
-        raise BackendError(f"model list is not JSON: {raw.body[:200]!r}") from exc
+    data = _list_object(raw, "model list")
     if isinstance(data.get("data"), list):
         return [str(m["id"]) for m in data["data"] if isinstance(m, dict) and "id" in m]
     seen: dict[str, None] = {}
