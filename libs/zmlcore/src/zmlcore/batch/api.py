@@ -78,43 +78,23 @@ class BatchApi:
                           max_json_depth=self.cfg.defaults.max_json_depth)
 
     # --- files -----------------------------------------------------------------------------------
-    async def check_upload(self, owner: str, purpose: str, size: int | None) -> None:
-        """What can be refused before a byte of the file is read."""
-        if purpose != "batch":
-            raise BadRequestError(f"purpose must be \"batch\" (the files this deployment keeps are batch inputs), "
-                                  f"not {clip(purpose, 40)}")
+    async def begin_upload(self, owner: str, size: int | None = None) -> Upload:
+        """An upload to feed as its bytes arrive (refused at once when the key holds its most
+        files, or the announced ``size`` is over the limit)."""
         if size is not None and size > self.bc.max_file_bytes:
             raise RequestTooLargeError(f"a file of about {size} bytes is over the limit of {self.bc.max_file_bytes} "
                                        "bytes ([batch] max_file_bytes)")
         if len(await self.store.list_files(owner)) >= self.bc.max_files_per_owner:
             raise QuotaExceededError(f"this key holds {self.bc.max_files_per_owner} files, the most allowed: delete "
                                      "some (DELETE /v1/files/{id})")
+        return Upload(self, owner)
 
     async def upload(self, owner: str, filename: str, purpose: str, chunks: AsyncIterator[bytes]) -> dict[str, Any]:
-        """Store an input file, every line checked as it streams in (INVALID_FILE naming the bad
-        lines; 413 past max_file_bytes, without reading the rest)."""
-        await self.check_upload(owner, purpose, None)
-        checker = LineChecker(self.line_limits(), self.model_known)
-        size = 0
-        with tempfile.SpooledTemporaryFile(SPOOL_BYTES) as spool:
+        """Store an input file whose bytes come from ``chunks`` (see :class:`Upload`)."""
+        with await self.begin_upload(owner) as up:
             async for chunk in chunks:
-                size += len(chunk)
-                if size > self.bc.max_file_bytes:
-                    raise RequestTooLargeError(f"the file is over the limit of {self.bc.max_file_bytes} bytes "
-                                               "([batch] max_file_bytes)")
-                checker.feed(chunk)
-                spool.write(chunk)
-            summary = checker.finish()
-            if summary.errors:
-                first = summary.errors[0]
-                raise InvalidFileError(summary.message(), param=f"line {first.line}" if first.line else None)
-            now = time.time()
-            rec = FileRecord(id=ids.new_file_id(now), owner=owner, filename=clip_name(filename), bytes=size,
-                             created_at=int(now), purpose="batch", expires_at=int(now + self.bc.file_ttl_s),
-                             lines=summary.lines, endpoints=summary.endpoints, models=summary.models)
-            spool.seek(0)
-            await self.store.put_file(rec, spool)  # type: ignore[arg-type]
-        return objects.file_object(rec)
+                up.feed(chunk)
+            return await up.finish(filename, purpose)
 
     async def file(self, owner: str, file_id: str) -> dict[str, Any]:
         return objects.file_object(await self._file(owner, file_id))
@@ -199,6 +179,53 @@ class BatchApi:
         except Exception:
             pass
         return objects.batch_object(rec)
+
+
+class Upload:
+    """One input file arriving: each piece is checked line by line (:mod:`zmlcore.batch.lines`)
+    and spooled (memory, then a temporary file); :meth:`finish` stores it, or raises
+    INVALID_FILE naming its bad lines. Past ``max_file_bytes`` :meth:`feed` raises 413 at once,
+    so the rest of an oversized upload is never kept."""
+
+    def __init__(self, api: BatchApi, owner: str) -> None:
+        self.api = api
+        self.owner = owner
+        self.size = 0
+        self.checker = LineChecker(api.line_limits(), api.model_known)
+        self.spool = tempfile.SpooledTemporaryFile(SPOOL_BYTES)
+
+    def feed(self, data: bytes) -> None:
+        self.size += len(data)
+        limit = self.api.bc.max_file_bytes
+        if self.size > limit:
+            raise RequestTooLargeError(f"the file is over the limit of {limit} bytes ([batch] max_file_bytes)")
+        self.checker.feed(data)
+        self.spool.write(data)
+
+    async def finish(self, filename: str, purpose: str) -> dict[str, Any]:
+        if purpose != "batch":
+            raise BadRequestError(f"purpose must be \"batch\" (the files this deployment keeps are batch inputs), "
+                                  f"not {clip(purpose, 40)}", param="purpose")
+        summary = self.checker.finish()
+        if summary.errors:
+            first = summary.errors[0]
+            raise InvalidFileError(summary.message(), param=f"line {first.line}" if first.line else None)
+        now = time.time()
+        rec = FileRecord(id=ids.new_file_id(now), owner=self.owner, filename=clip_name(filename), bytes=self.size,
+                         created_at=int(now), purpose="batch", expires_at=int(now + self.api.bc.file_ttl_s),
+                         lines=summary.lines, endpoints=summary.endpoints, models=summary.models)
+        self.spool.seek(0)
+        await self.api.store.put_file(rec, self.spool)  # type: ignore[arg-type]
+        return objects.file_object(rec)
+
+    def close(self) -> None:
+        self.spool.close()
+
+    def __enter__(self) -> Upload:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
 
 def clip_name(filename: str) -> str:
