@@ -11,6 +11,7 @@ import httpx
 from httpx_aiohttp import HttpxAiohttpClient
 
 from zml._core import (
+    ApiCall,
     InferCall,
     RawReply,
     SSEDecoder,
@@ -50,6 +51,22 @@ def _translate(exc: httpx.HTTPError, url: str) -> ZMLError:
     return ZMLError(f"{url}: {exc}")
 
 
+def _api_args(call: ApiCall) -> dict[str, object]:
+    """httpx arguments of a Batch API call: JSON, or a multipart upload; a file's bytes may take
+    long (no read timeout beyond the client's own per read)."""
+    args: dict[str, object] = {"params": call.query}
+    if call.upload is not None:
+        name, content = call.upload
+        args["files"] = {"file": (name, content, "application/jsonl")}
+        args["data"] = call.fields or {}
+    elif call.body is not None:
+        args["content"] = call.body
+        args["headers"] = {"content-type": "application/json", **trace_headers()}
+    if call.raw:
+        args["headers"] = {"accept": "application/octet-stream"}
+    return args
+
+
 def _reply(resp: httpx.Response) -> RawReply:
     return RawReply(status=resp.status_code, headers=lower_headers(resp.headers), body=resp.content)
 
@@ -79,6 +96,15 @@ class SyncHTTPTransport:
 
     def infer(self, call: InferCall) -> RawReply:
         return self.request("POST", call.http_path, call.encode(), call.timeout_s, call.http_headers())
+
+    def api(self, call: ApiCall) -> RawReply:
+        """A Batch API request (``client.batches`` / ``client.files``)."""
+        url = self.base_url + call.path
+        try:
+            resp = self._client.request(call.method, call.path, **_api_args(call))
+        except httpx.HTTPError as exc:
+            raise _translate(exc, url) from exc
+        return _reply(resp)
 
     def nodes(self) -> RawReply:
         return self.request("GET", "/v1/nodes")
@@ -176,6 +202,15 @@ class AsyncHTTPTransport:
 
     async def infer(self, call: InferCall) -> RawReply:
         return await self.request("POST", call.http_path, call.encode(), call.timeout_s, call.http_headers())
+
+    async def api(self, call: ApiCall) -> RawReply:
+        """A Batch API request (``client.batches`` / ``client.files``)."""
+        url = self.base_url + call.path
+        try:
+            resp = await self._client.request(call.method, call.path, **_api_args(call))
+        except httpx.HTTPError as exc:
+            raise _translate(exc, url) from exc
+        return _reply(resp)
 
     async def nodes(self) -> RawReply:
         return await self.request("GET", "/v1/nodes")

@@ -15,6 +15,7 @@ _COMMANDS = (
     "zml.cli.sim",
     "zml.cli.infer",
     "zml.cli.batch",
+    "zml.cli.batches",
     "zml.cli.bench",
     "zml.cli.nodes",
     "zml.cli.cost",

@@ -7,6 +7,10 @@ every input line ends up in the output exactly once.
 
 Input lines: a JSON object with ``prompt`` or ``messages`` (plus optional ``id``, ``model``,
 ``max_tokens``... any ``infer()`` argument), a JSON string, or plain text (a prompt).
+
+``--server`` runs the file with the Batch API instead: uploaded, run by the batch runners on the
+fleet's spare capacity (this process may go away), followed with a progress bar, and its results
+written to ``--output`` as OpenAI's output lines (zml.cli._server_batch).
 """
 
 from __future__ import annotations
@@ -31,8 +35,14 @@ _ITEM_KEYS = {"prompt", "messages", "model", "max_tokens", "temperature", "polic
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("batch", help="run a JSONL file of prompts (resumable)", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--input", required=True, help="prompts.jsonl")
+    p.add_argument("--input", help="prompts.jsonl (or OpenAI batch request lines, with --server)")
     p.add_argument("--output", required=True, help="results.jsonl (one row per input line, any order)")
+    srv = p.add_argument_group("server-side (the Batch API: /v1/files, /v1/batches)")
+    srv.add_argument("--server", action="store_true", help="submit the file as a batch the server runs, follow it "
+                                                          "with a progress bar, then download its results")
+    srv.add_argument("--follow", metavar="BATCH_ID", help="with --server: follow a batch submitted before")
+    srv.add_argument("--no-wait", action="store_true", help="with --server: print the batch id and return")
+    srv.add_argument("--poll", type=float, default=1.0, help="with --server: seconds between progress checks")
     p.add_argument("--resume", action="store_true", help="keep the rows already in --output, run the rest")
     p.add_argument("--max-parallel-requests", "-c", type=int, default=8, help="requests in flight (default 8)")
     p.add_argument("--chat", action="store_true", help="send plain prompts as chat messages")
@@ -151,6 +161,16 @@ class Progress:
             return f"\r[{'#' * fill}{'.' * (width - fill)}] {text}\x1b[K"
         return f"zml batch: {text}\n"
 
+    def set(self, ok: int, err: int) -> None:
+        """Counts from elsewhere (a server-side batch's); drawn at the same pace as update()."""
+        with self._lock:
+            self.ok, self.err = ok, err
+            now = time.monotonic()
+            if now - self.last >= (0.1 if self.tty else 2.0):
+                self.last = now
+                self.stream.write(self.line(now))
+                self.stream.flush()
+
     def update(self, ok: bool) -> None:
         with self._lock:
             if ok:
@@ -169,6 +189,12 @@ class Progress:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.server or args.follow:
+        from zml.cli import _server_batch
+
+        return _server_batch.run(args)
+    if not args.input:
+        raise BadRequestError("--input is required (or --server --follow BATCH_ID)")
     items = read_items(args.input, args.chat)
     try:
         return _run(args, items)

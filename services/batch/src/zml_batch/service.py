@@ -26,6 +26,7 @@ from zmlcore.config import ZMLConfig
 from zmlcore.messages.batch import BatchRecord, batch_task_decoder
 from zmlcore.runtime.runner import cancel_and_wait
 from zml_batch import finalize, metrics, starter
+from zml_batch.plans import Plans
 from zml_batch.request import policy_field
 from zml_batch.worker import Worker
 
@@ -40,6 +41,7 @@ class BatchRunner:
         self.nc: NATS | None = None
         self.store: BatchStore | None = None
         self.worker: Worker | None = None
+        self.plans: Plans | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
     def policy_of(self, rec: BatchRecord) -> bytes:
@@ -54,7 +56,9 @@ class BatchRunner:
     async def start(self, nc: NATS) -> None:
         self.nc = nc
         self.store = await BatchStore.open(nc, self.cfg.batch, consumers=True)
-        self.worker = Worker(self.cfg, nc, self.store, runner_id=self.runner_id, policy_of=self.policy_of)
+        self.plans = await Plans.open(nc)
+        self.worker = Worker(self.cfg, nc, self.store, runner_id=self.runner_id, policy_of=self.policy_of,
+                             plans=self.plans)
         js = nc.jetstream()
         starts = await js.pull_subscribe(subjects.BATCH_WORK_START, durable=subjects.BATCH_START_CONSUMER,
                                          stream=subjects.BATCH_WORK_STREAM)
@@ -71,6 +75,8 @@ class BatchRunner:
         if self.worker is not None:
             await self.worker.stop()
         await cancel_and_wait(self._tasks)
+        if self.plans is not None:
+            await self.plans.close()  # tokens not written yet go now
 
     async def _tasks_of(self, psub: Any, handle: Callable[[bytes], Awaitable[BatchRecord | None]]) -> None:
         """One task at a time from a durable consumer: handled, then acked (a crash in between

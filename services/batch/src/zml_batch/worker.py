@@ -46,6 +46,7 @@ from zmlcore.messages.batch import BatchEvent, BatchRecord, BatchTask, LineResul
 from zmlcore.reply.exchange import Exchange, parts_buffer
 from zmlcore.telemetry import tracing
 from zml_batch import metrics, outcome
+from zml_batch.plans import Plans
 from zml_batch.gate import ACCEPT_S, Gate
 from zml_batch.request import Line, parse, policy_field, with_policy
 from zml_batch.shardrun import Job, ShardRun
@@ -90,6 +91,8 @@ class Batch:
     traceparent: str
     stopping: str = ""
     shards: int = 0
+    #: Its key's plan has no tokens left until then (monotonic): its lines wait.
+    plan_wait_until: float = 0.0
 
 
 @dataclass(slots=True)
@@ -111,13 +114,14 @@ class Held:
 
 class Worker:
     def __init__(self, cfg: ZMLConfig, nc: NATS, store: BatchStore, *, runner_id: str,
-                 policy_of: Callable[[BatchRecord], bytes]) -> None:
+                 policy_of: Callable[[BatchRecord], bytes], plans: Plans | None = None) -> None:
         self.cfg = cfg
         self.bc = cfg.batch
         self.nc = nc
         self.store = store
         self.runner_id = runner_id
         self.policy_of = policy_of
+        self.plans = plans
         self.held: dict[tuple[str, int], Held] = {}
         self.batches: dict[str, Batch] = {}
         self.gates: dict[str, Gate] = {}
@@ -158,6 +162,7 @@ class Worker:
             try:
                 await self._write_progress()
                 await self._renew()
+                await self._check_plans()
             except asyncio.CancelledError:
                 raise
             except Exception:
@@ -278,6 +283,14 @@ class Worker:
                 except Exception:
                     pass
 
+    async def _check_plans(self) -> None:
+        """Hold the lines of batches whose key has spent its tokens per minute."""
+        if self.plans is None:
+            return
+        for batch in list(self.batches.values()):
+            wait = await self.plans.wait_s(batch.owner)
+            batch.plan_wait_until = time.monotonic() + wait if wait > 0 else 0.0
+
     async def _write_progress(self) -> None:
         """One compare-and-set per batch with changed counts; the record's status comes back
         (a cancel, the window's end) and stops its shards here."""
@@ -332,6 +345,8 @@ class Worker:
         if not self.nc.is_connected:
             return False
         for held in list(self.held.values()):
+            if held.batch.plan_wait_until > now:
+                continue  # its key's tokens per minute are spent
             while self.in_flight < self.bc.max_in_flight:
                 index = held.run.peek(now)
                 if index is None:
@@ -487,6 +502,11 @@ class Worker:
             fam = result.family or "unknown"
             metrics.TOKENS(fam, "prompt").inc(result.prompt_tokens)
             metrics.TOKENS(fam, "completion").inc(result.completion_tokens)
+            if self.plans is not None:
+                try:
+                    await self.plans.count(held.batch.owner, result.prompt_tokens + result.completion_tokens)
+                except Exception:  # the limit store is away: the plan undercounts, the line is done
+                    log.warning("tokens of a batch line not counted in its key's plan", exc_info=True)
 
     def _span(self, batch: Batch, line: Line, job: Job) -> Any:
         """The line's span: a root of its own, linked to the request that created the batch."""
