@@ -14,6 +14,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import builtins
 import json
 import os
 import time
@@ -121,10 +122,10 @@ class Batches:
                 raise TimeoutError(f"batch {batch_id} still {batch.status} after {timeout:g} s")
             time.sleep(poll_s)
 
-    def results(self, batch_id: str) -> list[dict[str, Any]]:
+    def results(self, batch_id: str) -> builtins.list[dict[str, Any]]:
         """Every line's result (output file, then error file): one row per ``custom_id``."""
         batch = self.retrieve(batch_id)
-        out: list[dict[str, Any]] = []
+        out: builtins.list[dict[str, Any]] = []
         for file_id in (batch.output_file_id, batch.error_file_id):
             if file_id:
                 out += rows(self._files.content(file_id))
@@ -193,9 +194,9 @@ class AsyncBatches:
                 raise TimeoutError(f"batch {batch_id} still {batch.status} after {timeout:g} s")
             await asyncio.sleep(poll_s)
 
-    async def results(self, batch_id: str) -> list[dict[str, Any]]:
+    async def results(self, batch_id: str) -> builtins.list[dict[str, Any]]:
         batch = await self.retrieve(batch_id)
-        out: list[dict[str, Any]] = []
+        out: builtins.list[dict[str, Any]] = []
         for file_id in (batch.output_file_id, batch.error_file_id):
             if file_id:
                 out += rows(await self._files.content(file_id))

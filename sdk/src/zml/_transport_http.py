@@ -51,20 +51,16 @@ def _translate(exc: httpx.HTTPError, url: str) -> ZMLError:
     return ZMLError(f"{url}: {exc}")
 
 
-def _api_args(call: ApiCall) -> dict[str, object]:
-    """httpx arguments of a Batch API call: JSON, or a multipart upload; a file's bytes may take
-    long (no read timeout beyond the client's own per read)."""
-    args: dict[str, object] = {"params": call.query}
+def _api_request(client: httpx.Client | httpx.AsyncClient, call: ApiCall) -> httpx.Request:
+    """A Batch API call as an httpx request: JSON, or a multipart upload of the file."""
     if call.upload is not None:
         name, content = call.upload
-        args["files"] = {"file": (name, content, "application/jsonl")}
-        args["data"] = call.fields or {}
-    elif call.body is not None:
-        args["content"] = call.body
-        args["headers"] = {"content-type": "application/json", **trace_headers()}
+        return client.build_request(call.method, call.path, params=call.query, data=call.fields or {},
+                                    files={"file": (name, content, "application/jsonl")})
+    headers = {"content-type": "application/json", **trace_headers()} if call.body is not None else {}
     if call.raw:
-        args["headers"] = {"accept": "application/octet-stream"}
-    return args
+        headers["accept"] = "application/octet-stream"
+    return client.build_request(call.method, call.path, params=call.query, content=call.body, headers=headers)
 
 
 def _reply(resp: httpx.Response) -> RawReply:
@@ -101,7 +97,7 @@ class SyncHTTPTransport:
         """A Batch API request (``client.batches`` / ``client.files``)."""
         url = self.base_url + call.path
         try:
-            resp = self._client.request(call.method, call.path, **_api_args(call))
+            resp = self._client.send(_api_request(self._client, call))
         except httpx.HTTPError as exc:
             raise _translate(exc, url) from exc
         return _reply(resp)
@@ -207,7 +203,7 @@ class AsyncHTTPTransport:
         """A Batch API request (``client.batches`` / ``client.files``)."""
         url = self.base_url + call.path
         try:
-            resp = await self._client.request(call.method, call.path, **_api_args(call))
+            resp = await self._client.send(_api_request(self._client, call))
         except httpx.HTTPError as exc:
             raise _translate(exc, url) from exc
         return _reply(resp)

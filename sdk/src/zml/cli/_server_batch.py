@@ -23,6 +23,7 @@ from zml._batch_models import Batch
 from zml._client import Client
 from zml._core import batches as core
 from zml._errors import BadRequestError
+from zml.cli._batchio import Progress, read_items
 from zml.cli._common import client_kwargs
 
 
@@ -52,8 +53,6 @@ def endpoint_of(rows: list[dict[str, Any]], chat: bool) -> str:
 
 
 def submit(client: Client, args: argparse.Namespace) -> Batch:
-    from zml.cli.batch import read_items
-
     data = _openai_lines(args.input)
     policy = args.policy or args.routing
     meta = {"source": "zml batch --server"}
@@ -69,8 +68,6 @@ def submit(client: Client, args: argparse.Namespace) -> Batch:
 
 
 def follow(client: Client, batch_id: str, output: str, poll_s: float) -> int:
-    from zml.cli.batch import Progress
-
     batch = client.batches.retrieve(batch_id)
     progress = Progress(batch.request_counts.total, 0)
     print(f"zml batch: {batch.id} ({batch.status}); Ctrl-C stops following, not the batch "

@@ -101,5 +101,5 @@ async def _put(store: BatchStore, rec: BatchRecord, data: tempfile.SpooledTempor
     name = f"{rec.id}_{kind}.jsonl"
     await store.put_file(FileRecord(id=file_id, owner=rec.owner, filename=name, bytes=size, created_at=now,
                                     purpose="batch_output", expires_at=int(now + ttl_s), batch_id=rec.id),
-                         data)  # type: ignore[arg-type]
+                         data)
     return file_id

@@ -48,7 +48,7 @@ from zmlcore.telemetry import tracing
 from zml_batch import metrics, outcome
 from zml_batch.plans import Plans
 from zml_batch.gate import ACCEPT_S, Gate
-from zml_batch.request import Line, parse, policy_field, with_policy
+from zml_batch.request import Line, parse, with_policy
 from zml_batch.shardrun import Job, ShardRun
 
 log = logging.getLogger("zml.batch")

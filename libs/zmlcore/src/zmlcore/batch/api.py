@@ -215,7 +215,7 @@ class Upload:
                          created_at=int(now), purpose="batch", expires_at=int(now + self.api.bc.file_ttl_s),
                          lines=summary.lines, endpoints=summary.endpoints, models=summary.models)
         self.spool.seek(0)
-        await self.api.store.put_file(rec, self.spool)  # type: ignore[arg-type]
+        await self.api.store.put_file(rec, self.spool)
         return objects.file_object(rec)
 
     def close(self) -> None:

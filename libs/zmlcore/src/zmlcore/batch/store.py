@@ -23,7 +23,7 @@ import base64
 import hashlib
 import logging
 from collections.abc import AsyncIterator, Callable
-from typing import IO
+from typing import IO, Any, cast
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -192,7 +192,8 @@ class BatchStore:
         """Store the bytes, then the record (a record never names missing bytes). Raises
         StorageFullError when the store is at its bound."""
         try:
-            await self.files.put(rec.id, data, meta=ObjectMeta(name=rec.id, description=rec.filename[:200]))
+            # nats-py reads any object with readinto(); its annotation says BufferedIOBase only
+            await self.files.put(rec.id, cast(Any, data), meta=ObjectMeta(name=rec.id, description=rec.filename[:200]))
         except APIError as exc:
             if _store_full(exc):
                 raise StorageFullError(f"the batch file store is full ([batch] max_store_bytes "
@@ -232,7 +233,8 @@ class BatchStore:
             raise NotFoundError(f"the bytes of file {file_id!r} are gone (expired)") from None
         if not info.size:
             return
-        sub = await self.js.subscribe(f"$O.{subjects.BATCH_FILES_BUCKET}.C.{info.nuid}", ordered_consumer=True,
+        sub = await self.js.subscribe(f"$O.{subjects.BATCH_FILES_BUCKET}.C.{info.nuid}",
+                                      stream=f"OBJ_{subjects.BATCH_FILES_BUCKET}", ordered_consumer=True,
                                       inactive_threshold=30.0)
         digest = hashlib.sha256()
         try:
@@ -318,12 +320,12 @@ class BatchStore:
         try:
             # Messages are pushed as soon as the consumer exists: some may be on their way already.
             info = await sub.consumer_info()
-            left = info.num_pending + (info.delivered.consumer_seq if info.delivered else 0)
+            left = (info.num_pending or 0) + ((info.delivered.consumer_seq or 0) if info.delivered else 0)
             while left:
                 msg = await sub.next_msg(timeout=timeout)
                 result = line_result_decoder.decode(msg.data)
                 if result.spilled:
-                    data = (await self.files.get(result.spilled)).data or b"null"
+                    data = b"".join([c async for c in self.read_file(result.spilled)]) or b"null"
                     result = msgspec.structs.replace(result, body=msgspec.Raw(data))
                 yield result
                 left = msg.metadata.num_pending
@@ -356,7 +358,7 @@ class BatchStore:
         try:
             while True:
                 try:
-                    entry = await watcher.updates(timeout=5.0)
+                    entry = await watcher.updates(timeout=5.0)  # type: ignore[no-untyped-call]
                 except NatsTimeout:
                     break
                 if entry is None:
@@ -364,7 +366,7 @@ class BatchStore:
                 if entry.value:
                     out.append(entry.value)
         finally:
-            await watcher.stop()
+            await watcher.stop()  # type: ignore[no-untyped-call]
         return out
 
 
