@@ -17,7 +17,7 @@ import nats
 import openai
 import pytest
 
-from tests.conftest import MODEL, Stack, launch_stack
+from conftest import MODEL, Stack, launch_stack
 from zmlcore import subjects
 from zmlcore.access.apikeys import create_key
 from zmlcore.limits.limiter import limit_key

@@ -17,7 +17,11 @@ import openai
 import pytest
 
 import zml
-from zmlcore.runtime.launch import free_port, spawn
+import re
+
+import httpx
+
+from zmlcore.runtime.launch import Proc, free_port, spawn
 
 MODEL = "meta-llama/llama-3-8b-instruct"
 
@@ -27,16 +31,21 @@ def _zml(*args: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def up_proc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Proc]]:
     data = tmp_path_factory.mktemp("zml-data")
     gw = free_port()
     proc = spawn("zml-up", _zml("up", "--gateway-port", str(gw), "--nats-port", str(free_port()), "--data-dir",
-                                str(data), "--standby", "0", "--metrics-port", "0"))
+                                str(data), "--standby", "0"))
     try:
-        assert proc.wait_for("zml ready", 150), proc.tail()
-        yield f"http://127.0.0.1:{gw}"
+        assert proc.wait_for("zml metrics:", 150), proc.tail()
+        yield f"http://127.0.0.1:{gw}", proc
     finally:
         proc.stop()
+
+
+@pytest.fixture(scope="module")
+def up(up_proc: tuple[str, Proc]) -> str:
+    return up_proc[0]
 
 
 def _lines(n: int) -> bytes:
@@ -46,7 +55,8 @@ def _lines(n: int) -> bytes:
 
 
 @pytest.mark.timeout(300)
-def test_the_openai_package_against_zml_up(up: str) -> None:
+def test_the_openai_package_against_zml_up(up_proc: tuple[str, Proc]) -> None:
+    up, proc = up_proc
     client = openai.OpenAI(base_url=up + "/v1", api_key="unused", max_retries=0)
     f = client.files.create(file=("requests.jsonl", io.BytesIO(_lines(12))), purpose="batch")
     batch = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
@@ -64,6 +74,16 @@ def test_the_openai_package_against_zml_up(up: str) -> None:
     assert batch.id in [b.id for b in client.batches.list()]
     other = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
     assert client.batches.cancel(other.id).status in ("cancelling", "cancelled", "completed")
+    # visible: the dashboard lists the batch with its progress, the runner counts lines by outcome
+    state = httpx.get(up + "/dashboard/state", timeout=10).json()
+    shown = {b["id"]: b for b in state["batches"]}
+    assert shown[batch.id]["status"] == "completed" and shown[batch.id]["completed"] == 12, state["batches"]
+    line = next(x for x in proc.lines if x.startswith("zml metrics:"))
+    port = dict(re.findall(r"([\w-]+) :(\d+)", line))["batch-1"]
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+    done = re.search(r'^zml_batch_lines_total\{outcome="completed"\} (\S+)$', text, re.M)
+    assert done and float(done.group(1)) >= 12, text[-2000:]
+    assert re.search(r'^zml_batch_tokens_total\{family="MI300X",kind="completion"\} ', text, re.M), text[-2000:]
 
 
 @pytest.mark.timeout(300)

@@ -140,3 +140,38 @@ def test_output_lines_in_openais_shape() -> None:
                                                     error_message="late"))
     row = json.loads(text)
     assert not ok and row["response"] is None and row["error"] == {"code": "batch_expired", "message": "late"}
+
+
+def test_a_shard_run_sends_each_line_until_answered_and_skips_what_was_recorded() -> None:
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "services" / "batch" / "src"))
+    from zml_batch.shardrun import ShardRun
+
+    run = ShardRun(10, 5, answered_before={11: (True, 3, 4)}, max_attempts=2)
+    assert run.counts == [1, 0, 3, 4] and run.left == 4
+    a = run.take(0.0)
+    assert a is not None and a.index == 10 and a.attempt == 1
+    assert run.retry(10, 5.0)  # back in line, not before t=5
+    b = run.take(0.0)
+    assert b is not None and b.index == 12
+    assert run.take(0.0) is not None and run.take(0.0) is not None  # 13, 14
+    assert run.take(1.0) is None and run.next_due() == 5.0  # only 10 is left, not due yet
+    again = run.take(5.0)
+    assert again is not None and again.index == 10 and again.attempt == 2
+    assert not run.retry(10, 9.0)  # attempts used up: the caller answers it with its error
+    run.answered(10, ok=False)
+    assert run.learn({12: (True, 1, 1), 13: (True, 1, 1), 99: (True, 0, 0)}) == 0  # in flight here, or not ours
+    run.answered(12, ok=True)
+    run.answered(14, ok=True, prompt=2, completion=2)
+    assert not run.finished and run.in_flight == 1  # 13 is still ours
+    run.answered(13, ok=True)
+    assert run.finished and run.counts[:2] == [4, 1]
+    taken_over = ShardRun(0, 3)
+    assert taken_over.learn({1: (True, 5, 5)}) == 1
+    first, second = taken_over.take(0.0), taken_over.take(0.0)
+    assert first is not None and second is not None and (first.index, second.index) == (0, 2)
+    refused = ShardRun(0, 1, max_attempts=1)
+    job = refused.take(0.0)
+    assert job is not None and refused.retry(0, 0.0, counts=False) and refused.retry(0, 0.0, counts=False) is True

@@ -186,6 +186,11 @@ class RouterConfig(msgspec.Struct, **_Base):
     first_byte_factor: NonNeg = 4.0
     """Multiple of the node's estimated time to first token (to the whole reply when not
     streaming) allowed before the first byte; 0 makes first_byte_floor_s a fixed timeout."""
+    batch_reserve: Annotated[float, msgspec.Meta(ge=0, le=0.9)] = 0.25
+    """Share of each node's sequence slots batch requests (``Zml-Priority: batch``, the batch
+    runners' lines) never take, at least one slot: interactive arrivals find them free. A batch
+    request is also admitted only to a node with nothing waiting for prefill; elsewhere it is
+    refused at once (QUEUE_FULL) and waits (docs/batches.md). 0: batch work may fill every slot."""
     processes: PosInt | Literal["auto"] = "auto"
     """Router replicas `zml up` runs (one queue group). "auto": sized to the machine's cores
     (zmlcore.runtime.sizing); `zml up --routers N` overrides."""
@@ -465,6 +470,10 @@ class BatchConfig(msgspec.Struct, **_Base):
     many below that)."""
     line_timeout_s: PosFloat = 600.0
     """Timeout of one line's request."""
+    takeover_s: Annotated[float, msgspec.Meta(ge=3, le=600)] = 30.0
+    """A runner renews the shards it holds several times within this; a runner that dies (or
+    loses the broker) leaves its shards to another this long after its last renewal. The lines
+    it had recorded are not asked again. Applies when the runners' consumers are first created."""
     max_attempts: PosInt = 5
     """Attempts of a line that fails with a retryable error before it is recorded as failed."""
 

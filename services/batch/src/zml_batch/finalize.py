@@ -23,6 +23,7 @@ from zmlcore.batch import objects, records
 from zmlcore.batch.store import BatchStore
 from zmlcore.errors import NotFoundError
 from zmlcore.messages.batch import TERMINAL, BatchRecord, BatchTask, FileRecord, input_line_decoder
+from zml_batch import metrics
 from zml_batch.starter import lines_of
 
 log = logging.getLogger("zml.batch")
@@ -75,6 +76,7 @@ async def finalize(store: BatchStore, task: BatchTask, ttl_s: float) -> BatchRec
                     cid = input_line_decoder.decode(raw).custom_id
                     err.write(objects.unanswered_line(rec.id, index, cid, code, message))
                     failed += 1
+                    metrics.LINES(status).inc()  # expired or cancelled, never sent
                 index += 1
         stamp = int(time.time())
         output_id = await _put(store, rec, out, "output", stamp, ttl_s)

@@ -21,7 +21,7 @@ from nats.aio.client import Client as NATS
 
 from zmlcore import subjects
 from zmlcore.batch import objects
-from zmlcore.batch.store import BatchStore
+from zmlcore.batch.store import TASK_ACK_WAIT_S, BatchStore
 from zmlcore.config import ZMLConfig
 from zmlcore.messages.batch import BatchRecord, batch_task_decoder
 from zmlcore.runtime.runner import cancel_and_wait
@@ -117,7 +117,7 @@ class BatchRunner:
     @staticmethod
     async def _renew(msg: Any) -> None:
         while True:
-            await asyncio.sleep(10.0)
+            await asyncio.sleep(TASK_ACK_WAIT_S / 4)
             try:
                 await msg.in_progress()
             except Exception:

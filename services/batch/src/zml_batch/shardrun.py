@@ -75,14 +75,31 @@ class ShardRun:
 
     def peek(self, now: float) -> int | None:
         """The line :meth:`take` would give now, left in place (None: nothing due)."""
+        while self._due and self._due[0][1] in self._answered:  # answered elsewhere (learn)
+            heapq.heappop(self._due)
         if self.stopped or not self._due or self._due[0][0] > now:
             return None
         return self._due[0][1]
+
+    def learn(self, recorded: dict[int, tuple[bool, int, int]]) -> int:
+        """Lines another runner recorded meanwhile (it was given this shard while we were cut
+        off from the broker): they are not sent again. Returns how many were new to us."""
+        new = 0
+        for index, (ok, prompt, completion) in recorded.items():
+            if not self.first <= index < self.first + self.size or index in self._answered \
+                    or index in self._in_flight:
+                continue  # ours in flight: its own result will be refused as a second one
+            self._answered.add(index)
+            self._count(ok, prompt, completion)
+            new += 1
+        return new
 
     def take(self, now: float) -> Job | None:
         if self.peek(now) is None:
             return None
         _, index = heapq.heappop(self._due)
+        if index in self._answered:  # answered elsewhere meanwhile (learn): skipped
+            return self.take(now)
         attempt = self._attempts.get(index, 0) + 1
         self._attempts[index] = attempt
         self._in_flight.add(index)

@@ -8,7 +8,7 @@ Exactly once, across crashes:
   **before** its shard is acknowledged; a shard is acknowledged only once every line of it has
   a result (or its batch was cancelled or expired);
 * a runner that dies holding a shard stops renewing it, and JetStream gives it to another
-  runner ``SHARD_ACK_WAIT_S`` later; that runner reads the shard's recorded results first and
+  runner ``[batch] takeover_s`` later; that runner reads the shard's recorded results first and
   sends only the lines without one, so a line already answered is never asked again, and the
   lines that were in flight at the crash are sent once more;
 * a line keeps one request id on every attempt and every runner, so while one copy runs on a
@@ -54,8 +54,6 @@ from zml_batch.shardrun import Job, ShardRun
 log = logging.getLogger("zml.batch")
 _encode = msgspec.json.encode
 
-#: How often a held shard is renewed (well within the work stream's ack wait).
-RENEW_S = 5.0
 #: How often progress goes to the batch records (and their status is read back).
 PROGRESS_S = 1.0
 #: Pause after a failed write to the store (the broker is restarting, say) before trying again.
@@ -132,6 +130,7 @@ class Worker:
         self._psub: Any = None
         self._stopping = False
         self.max_reply = cfg.nats.max_reply_bytes
+        self._generation = link_of(nc).generation
 
     # --- the loops -----------------------------------------------------------------------------------
     async def run(self) -> None:
@@ -160,6 +159,7 @@ class Worker:
         while True:
             await asyncio.sleep(PROGRESS_S)
             try:
+                await self._after_reconnect()
                 await self._write_progress()
                 await self._renew()
                 await self._check_plans()
@@ -276,12 +276,27 @@ class Worker:
     async def _renew(self) -> None:
         now = time.monotonic()
         for held in list(self.held.values()):
-            if now - held.renewed >= RENEW_S:
+            if now - held.renewed >= self.bc.takeover_s / 4:  # well within the ack wait
                 held.renewed = now
                 try:
                     await held.msg.in_progress()
                 except Exception:
                     pass
+
+    async def _after_reconnect(self) -> None:
+        """After the broker came back, a shard we hold may have been given to another runner
+        meanwhile (our renewals could not reach it): what that runner recorded is not sent again."""
+        generation = link_of(self.nc).generation
+        if generation == self._generation:
+            return
+        self._generation = generation
+        for held in list(self.held.values()):
+            recorded = {r.line: (r.status_code == 200, r.prompt_tokens, r.completion_tokens)
+                        async for r in self.store.results(held.task.batch_id, held.task.shard)}
+            new = held.run.learn(recorded)
+            if new:
+                log.info("shard %d of %s: %d lines recorded by another runner meanwhile", held.task.shard,
+                         held.task.batch_id, new)
 
     async def _check_plans(self) -> None:
         """Hold the lines of batches whose key has spent its tokens per minute."""

@@ -74,10 +74,9 @@ _encode = msgspec.json.encode
 #: Re-splitting a batch whose first split was cut short (a runner died) publishes the same
 #: shards again: JetStream drops them as duplicates within this window.
 DEDUP_WINDOW_S = 15 * 60.0
-#: A runner that holds a shard renews it well within this (``in_progress``); one that dies
-#: leaves it to another runner this long after its last renewal.
-SHARD_ACK_WAIT_S = 30.0
-TASK_ACK_WAIT_S = 120.0
+#: Work on a whole batch (validating, writing the files) is renewed within this; a runner that
+#: dies doing it leaves it to another this long after. Shards use ``[batch] takeover_s``.
+TASK_ACK_WAIT_S = 60.0
 #: Chunk size of stored files (the object store's default).
 CHUNK = 128 * 1024
 #: Room a result or shard message leaves for its headers and fields within max_payload.
@@ -182,7 +181,7 @@ class BatchStore:
             await _ensure_consumer(js, w, subjects.BATCH_START_CONSUMER, subjects.BATCH_WORK_START,
                                    TASK_ACK_WAIT_S, 64)
             await _ensure_consumer(js, w, subjects.BATCH_SHARD_CONSUMER, subjects.BATCH_WORK_SHARDS,
-                                   SHARD_ACK_WAIT_S, 10_000)
+                                   cfg.takeover_s, 10_000)
             await _ensure_consumer(js, w, subjects.BATCH_FINAL_CONSUMER, subjects.BATCH_WORK_FINAL,
                                    TASK_ACK_WAIT_S, 64)
         return cls(nc, js, kv, files, cfg)
