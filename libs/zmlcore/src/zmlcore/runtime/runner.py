@@ -18,7 +18,7 @@ from nats.aio.client import Client as NATS
 from zmlcore.runtime import gcpace
 from zmlcore.runtime.alive import beat
 from zmlcore.config import ZMLConfig, load_config
-from zmlcore.errors import ConfigError
+from zmlcore.errors import AuthError, ConfigError
 from zmlcore.runtime.lease import Lease
 from zmlcore.access.identity import connect_options
 from zmlcore.bus.link import link_of
@@ -74,7 +74,10 @@ async def run_service(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)  # the handler only sets a flag
-    nc = await connect(nats_url, name, no_echo=no_echo, replicas=replicas, **(connect_options or {}))
+    role = name.removeprefix("zml-")
+    nc = await connect(nats_url, name, no_echo=no_echo, replicas=replicas, identity_hint=(
+        f"set ZML_NATS_NKEY (or [nats] nkey_file) to the {role} identity's seed file, creds/{role}.nk in the `zml up` "
+        "data folder (`zml creds init --data-dir DIR` writes the service identities)"), **(connect_options or {}))
     link = link_of(nc)
     closed = asyncio.ensure_future(link.closed.wait())
     stopped = asyncio.ensure_future(stop.wait())
@@ -199,6 +202,9 @@ def service_main(
                                 replicas=cfg.nats.replicas, alive_file=getattr(args, "alive_file", None),
                                 lease_role=name if lease_ttl else None,
                                 lease_ttl_s=lease_ttl(cfg) if lease_ttl else 1.0, connect_options=options))
+    except (AuthError, ConfigError) as exc:  # the broker refused this identity or TLS: no retry cures it
+        print(f"zml {name}: {exc.message}", file=sys.stderr, flush=True)
+        return 2
     except ConnectionClosed as exc:
         print(f"zml {name}: NATS connection closed for good ({exc}); exiting so that a supervisor "
               "restarts it", file=sys.stderr, flush=True)
