@@ -18,6 +18,7 @@ from zmlcore import subjects
 from zmlcore.bus.refusal import Attempt, classify, refusal_error
 from zmlcore.errors import ConnectionError as ZMLConnectionError
 from zmlcore.errors import ZMLError
+from zmlcore.bus.cancel import cancel_and_wait
 from zmlcore.bus.link import Link, link_of, register, split_urls
 from zmlcore.bus.publish import Publisher
 
@@ -124,8 +125,9 @@ async def connect(urls: str | Sequence[str], name: str, *, connect_timeout: floa
 async def _abandon(nc: NATS, task: asyncio.Future[Any], link: Link) -> None:
     """Stop a connect that is still trying (or failed) and close what it opened."""
     link.closing = True
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)
+    await cancel_and_wait({task}, timeout=2.0, every=0.05)  # one cancel can be swallowed (3.11)
+    if task.done() and not task.cancelled():
+        task.exception()  # retrieved: the failure is reported by the caller
     with contextlib.suppress(Exception):
         await asyncio.wait_for(nc.close(), 2.0)
 

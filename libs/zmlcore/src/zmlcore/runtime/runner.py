@@ -23,6 +23,7 @@ from zmlcore.runtime.lease import Lease
 from zmlcore.access.identity import connect_options
 from zmlcore.bus.link import link_of
 from zmlcore.telemetry.metrics import MetricsServer, serve_metrics
+from zmlcore.bus.cancel import cancel_and_wait as cancel_and_wait  # re-exported: the services import it here
 from zmlcore.bus.connect import connect
 from zmlcore.telemetry.otlp import setup_otlp_metrics
 from zmlcore.telemetry.setup import setup_logging, setup_tracing
@@ -230,22 +231,3 @@ def start_metrics(name: str, cfg: ZMLConfig, port: int | None) -> "MetricsServer
         return serve_metrics(cfg.metrics.host, port)
     except OSError as exc:
         raise ConfigError(f"metrics port {port} on {cfg.metrics.host}: {exc.strerror or exc}") from exc
-
-
-async def cancel_and_wait(tasks: "Iterable[asyncio.Task[object]]", timeout: float = 5.0) -> None:
-    """Cancel background tasks and wait for them to end, cancelling again until they do.
-
-    One cancel is not always enough on Python 3.11: ``asyncio.wait_for`` (used inside nats-py's
-    requests, JetStream fetches and KV calls) swallows a cancellation that lands just as its inner
-    future completes, and the task's loop goes on. Repeating the cancel lands it at the next await.
-    """
-    pending = {t for t in tasks if not t.done()}
-    deadline = asyncio.get_running_loop().time() + timeout
-    while pending:
-        for t in pending:
-            t.cancel()
-        left = deadline - asyncio.get_running_loop().time()
-        if left <= 0:
-            log.warning("%d task(s) did not stop: %s", len(pending), [t.get_name() for t in pending])
-            return
-        _, pending = await asyncio.wait(pending, timeout=min(0.5, left))
