@@ -1,34 +1,44 @@
-"""One request's way through the fleet, as a sans-I/O state machine.
+"""One request's way through the router, as sans-I/O steps: no NATS, no HTTP, time passed in.
 
-The model is httpx's ``auth_flow``: :func:`route` is a generator that yields what should
-happen next and receives how it went, so the retry, failover, queueing and error-mapping rules
-live here and are unit-tested without NATS or HTTP; the service (``zml_router.service``) does
-the I/O for each action:
+The service (``zml_router.service``) does the I/O; every rule of what happens to a request is
+here, unit-tested without a broker or a node:
 
-- :class:`Decide` -> the :class:`~zmlcore.policy.Decision` (choose_node plus admission,
-  ``zml_router.admission``), or the ZMLError it raised;
-- :class:`Dispatch` -> ``None`` once the node's answer went out to the requester, or the
-  :class:`~zml_router.dispatch.AttemptError` of a failed attempt;
-- :class:`Penalise` -> ``None`` (the node was marked here and for the peers);
-- :class:`Enqueue` -> nothing: the request waits in the saturation queue, the flow is over.
+1. :func:`prepare` resolves the request's policy and what the policies see of it (``RouteRequest``).
+2. :func:`route` decides, dispatches, fails over to another node or queues. Its model is httpx's
+   ``auth_flow``: a generator that yields what should happen next and receives how it went:
 
-The flow returns once the answer is out (``out.ok``) or the request queued (``out.queued``);
-an error the requester gets is raised as the ZMLError to reply with.
+   - :class:`Decide` -> the :class:`~zmlcore.policy.Decision` (``zmlcore.policy.admit``: choose_node
+     under the admission bound), or the ZMLError it raised;
+   - :class:`Dispatch` -> ``None`` once the node's answer went out to the requester, or the
+     :class:`~zml_router.attempt.AttemptError` of a failed attempt;
+   - :class:`Penalise` -> ``None`` (the node was marked here and for the peers);
+   - :class:`Enqueue` -> nothing: the request waits in the saturation queue, the flow is over.
 
-    flow = route(plan, out)
-    action = next(flow)
-    while True:                 # see RouterService._route
-        result = do(action)     # decide / dispatch / penalise / enqueue
-        action = flow.send(result)
+   It returns once the answer is out (``out.ok``) or the request queued (``out.queued``); an
+   error the requester gets is raised as the ZMLError to reply with.
+
+       flow = route(plan, out)
+       action = next(flow)
+       while True:                 # see RouterService._route
+           result = do(action)     # decide / dispatch / penalise / enqueue
+           action = flow.send(result)
+
+3. :func:`completion` is the event of a finished request, :func:`penalty` how a failed attempt
+   marks its node.
+
+Which node serves is policy (``zmlcore.policy``: choose_node, the admission bound); what an
+attempt on that node sends and gets is ``zml_router.attempt``.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 from dataclasses import dataclass
-from typing import Union
+from typing import Protocol, Union
 
+from zmlcore import subjects
+from zmlcore.config import ZMLConfig
 from zmlcore.errors import (
     BackendError,
     BadRequestError,
@@ -37,28 +47,47 @@ from zmlcore.errors import (
     TimeoutError,
     ZMLError,
 )
-from zmlcore.config import ZMLConfig
 from zmlcore.messages import InferRequest, RoutingInfo
 from zmlcore.messages.warmup import RequestCompleted
 from zmlcore.policy import Decision, ResolvedPolicy, RouteRequest, resolve_policy
 from zmlcore.policy.estimate import prompt_tokens_from_body
 
-from zml_router.dispatch import AttemptError, Failure
-from zml_router.kinds import check_kind
+from zml_router.attempt import AttemptError, Failure
 
 log = logging.getLogger("zml.router")
 
 #: Failures that are the node's fault: it is cooled down and counted as a node error.
 NODE_FAULTS = (Failure.NETWORK, Failure.SERVER, Failure.SLOW)
 
+#: The node endpoint of each request kind (``InferRequest.kind()``).
+PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions", "embedding": "/v1/embeddings"}
+
+
+class Incoming(Protocol):
+    """An arriving request: a NATS message, or one out of the saturation queue (``QueuedMsg``)."""
+
+    @property
+    def subject(self) -> str: ...
+
+    @property
+    def data(self) -> bytes: ...
+
+    @property
+    def reply(self) -> str: ...
+
+    @property
+    def headers(self) -> dict[str, str] | None: ...
+
 
 class Outcome:
-    """What happened to one request, for its completion event and metrics."""
+    """What happened to one request, for its error reply, completion event and metrics."""
 
-    __slots__ = ("model", "node_id", "family", "ok", "error_code", "node_error", "failed_nodes",
-                 "attempts", "info", "queued", "slow_nodes", "label", "op")
+    __slots__ = ("request_id", "stream", "model", "node_id", "family", "ok", "error_code", "node_error",
+                 "failed_nodes", "attempts", "info", "queued", "slow_nodes", "label", "op")
 
     def __init__(self) -> None:
+        self.request_id = ""  # set once validated: it goes into subjects, headers and logs
+        self.stream = False
         self.model = ""
         self.op = ""  # chat | completion | embedding
         self.node_id = ""
@@ -72,6 +101,36 @@ class Outcome:
         self.info: RoutingInfo | None = None
         self.queued = False  # parked in the saturation queue: its event comes when it is served
         self.label = ""  # the API key's cost-attribution label (gateway header)
+
+
+def claim_key(owner: str, front_door_owner: str, request_id: str) -> str:
+    """An owner's request id, as the router keys its requests, cancels and id claims: the
+    identity owning the reply inbox, narrowed by a front door's ``Zml-Owner`` (which can only
+    split the sender's own namespace further). Ids are scoped to owners: another caller's ids
+    never clash."""
+    return f"{owner}\x00{front_door_owner}\x00{request_id}"
+
+
+def owner_key(reply: str, headers: Mapping[str, str], request_id: str) -> str:
+    """:func:`claim_key` of a request with this reply subject and headers."""
+    return claim_key(subjects.reply_owner(reply), headers.get(subjects.H_OWNER, ""), request_id)
+
+
+def check_kind(cfg: ZMLConfig, model: str, req: InferRequest) -> None:
+    """Raise BadRequestError when a configured model cannot answer this kind of request.
+
+    Chat, completions and embeddings share ``zml.infer``; the request's fields say its kind
+    (``messages``, ``prompt`` or ``input``) and ``[models."X"] embedding`` says what a configured
+    model is, so a chat request for an embedding model (or the reverse) is a clear 400 here
+    instead of whatever the engine makes of it."""
+    mc = cfg.models.get(model)
+    if mc is None:
+        return  # not configured: the node decides
+    embedding = req.input is not None
+    if embedding and not mc.embedding:
+        raise BadRequestError(f"model {model!r} is not an embedding model (zml.toml: [models] embedding = false)")
+    if mc.embedding and not embedding:
+        raise BadRequestError(f"model {model!r} is an embedding model: use POST /v1/embeddings (`input`)")
 
 
 def prepare(cfg: ZMLConfig, families: list[str], req: InferRequest, raw: bytes,
@@ -240,7 +299,7 @@ def penalty(err: AttemptError, saturated_s: float, cooldown_s: float) -> tuple[s
     return None
 
 
-def completion(out: Outcome, request_id: str, now: float, latency_s: float, router_id: str) -> RequestCompleted:
+def completion(out: Outcome, now: float, latency_s: float, router_id: str) -> RequestCompleted:
     """The event of a finished request (warmup measures demand, health counts node errors).
     A request that failed on its last node blames that node as ``node_id``; the others it
     failed on before are ``failed_nodes``."""
@@ -252,5 +311,5 @@ def completion(out: Outcome, request_id: str, now: float, latency_s: float, rout
         node_error=node_error, failed_nodes=failed, ts=now,
         ttft_s=info.time_to_first_token if info is not None and out.ok else None,
         latency_s=latency_s, attempts=out.attempts, router_id=router_id,
-        request_id=request_id, slow_nodes=out.slow_nodes, label=out.label,
+        request_id=out.request_id, slow_nodes=out.slow_nodes, label=out.label,
     )
