@@ -1,7 +1,8 @@
 """The router: takes requests from ``zml.infer`` (queue group), decides, dispatches, replies.
 
-This module is the outline: lifecycle, subscriptions, and the I/O that drives each request's
-sans-I/O flow (``zml_router.flow``: decide -> dispatch -> fail over / queue / answer). The parts live beside it, each given what it uses: one attempt on a node
+This module is the outline: lifecycle, subscriptions, and the I/O that carries out each
+request's sans-I/O steps (``zml_router.flow``: intake -> prepare -> route: decide, dispatch, fail
+over, queue, answer). The parts live beside it, each given what it uses: one attempt on a node
 and every reply to the requester (``relay``, its pure half ``attempt``), in-flight counts and
 marks shared with the other replicas (``inflight``), the saturation queue's glue
 (``saturation``, over ``queue``), ids claimed across replicas (``ids``), plan limits
@@ -27,15 +28,12 @@ from zmlcore import subjects
 from zmlcore.bus.batchpub import BatchPublisher
 from zmlcore.bus.kvfollow import KVFollower
 from zmlcore.config import ZMLConfig
-from zmlcore.errors import CancelledError, DuplicateRequestError, ZMLError
+from zmlcore.errors import CancelledError, ZMLError
 from zmlcore.messages.warmup import completed_encoder
 from zmlcore.policy import Decision, ResolvedPolicy, RouteRequest, RoutingState, admit
-from zmlcore.reply.keepalive import KeepaliveBook, keepalive_headers, parse_interval
+from zmlcore.reply.keepalive import KeepaliveBook, keepalive_headers
 from zmlcore.runtime.runner import cancel_and_wait
 from zmlcore.telemetry import tracing
-from zmlcore.messages import InferRequest, frontdoor
-from zmlcore.messages.validate import check_request_id, decode_request, request_timeout_s
-from zmlcore.reply.bigreply import check_fits
 from zmlcore.telemetry.setup import REQUEST_ID
 from zml_router import flow
 from zml_router import ids as idclaims
@@ -45,7 +43,7 @@ from zml_router.attempt import NodeBodies
 from zml_router.cancels import CancelBook
 from zml_router.cooldowns import Marks
 from zml_router.dispatch import NodeClient
-from zml_router.flow import Outcome, claim_key, owner_key
+from zml_router.flow import Intake, Outcome
 from zml_router.ids import RequestIds
 from zml_router.inflight import Sharing
 from zml_router.keepalives import send_keepalives
@@ -56,7 +54,6 @@ from zml_router.relay import Relay, Replies
 from zml_router.saturation import QueueGlue
 from zml_router.table import NodeTable
 from zml_router.timers import Wheel
-from zml_router.trust import front_door_headers
 
 log = logging.getLogger("zml.router")
 
@@ -100,8 +97,9 @@ class RouterService:
                            self.replies)
         self.glue = QueueGlue(cfg, self.table, self.admit, self.metrics, self.replies, self.cancelled, self.ids,
                               self.enter, self.spawn)
-        # Bound once: the request path calls it per request.
+        # Bound once: the request path calls them per request.
         self._admit = self.admit
+        self._options = self.limits.options
 
     # --- lifecycle -------------------------------------------------------------------------
     async def start(self, nc: NATS) -> None:
@@ -174,23 +172,12 @@ class RouterService:
     # --- subscriptions ---------------------------------------------------------------------
     async def _on_request(self, msg: Msg) -> None:
         # nats-py runs a subscription's callbacks one after another: hand off at once.
-        front_door_headers(msg)  # what the sender may not set is dropped here (zml_router.trust)
         self.spawn(self.enter(msg))
 
     async def _on_cancel(self, msg: Msg) -> None:
-        # The owner is the subject token that permissions pin to the sender's identity: a
-        # cancel for another owner's request id names a different key and matches nothing.
-        parsed = subjects.parse_cancel(msg.subject)
-        if parsed is None:
-            return
-        owner, request_id = parsed
-        key = claim_key(owner, (msg.headers or {}).get(subjects.H_OWNER, ""), request_id)
-        task = self.in_flight.get(key)
+        task = flow.cancel(msg.subject, msg.headers, self.in_flight, self.cancelled, time.time())
         if task is not None:
             task.cancel()
-            return
-        # Not arrived yet, or waiting in the saturation queue: remember it (bounded, expiring).
-        self.cancelled.add(key, time.time())
 
     async def _on_state(self, msg: Msg) -> None:
         await msg.respond(_encode(self.sharing.state(len(self.in_flight), time.time())))
@@ -202,66 +189,48 @@ class RouterService:
 
     async def _handle(self, msg: Msg | QueuedMsg) -> None:
         t0 = time.monotonic()
-        headers = msg.headers or {}
-        asked_id = headers.get(subjects.H_REQUEST_ID, "")
         out = Outcome()
+        from_queue = isinstance(msg, QueuedMsg)
         idclaims.CURRENT.set(None)  # not one inherited from the task that started this one
         plan_limits.CURRENT.set(None)
         try:
-            depth = self.cfg.defaults.max_json_depth
-            # Validated by the gateway, ZML's fields in headers: one small decode (zmlcore.messages.frontdoor).
-            clean = headers.get(subjects.H_BODY) == subjects.BODY_CLEAN
-            req = (frontdoor.decode(msg.data, headers, max_depth=depth)
-                   if clean else decode_request(msg.data, max_depth=depth))
-            out.stream = req.stream
-            request_id = out.request_id = check_request_id(asked_id or req.request_id or os.urandom(8).hex())
-            REQUEST_ID.set(request_id)  # on every log line of this request (JSON logs)
-            model = self.cfg.resolve_model(req.model)  # once per request: check_fits, the flow, metrics
-            if msg.reply and self.nc is not None:  # a reply the requester could not receive: refuse now
-                mc = self.cfg.models.get(model)
-                check_fits(msg.data, req, headers, self.nc.max_payload, mc.max_model_len if mc else None)
-            # The gateway passes the API key's options: its default policy, its cost label. An
-            # identity sharing a key's plan gets that key's (its own headers cannot override them).
-            owner = subjects.reply_owner(msg.reply)
-            shared = self.limits.options(owner)
-            if shared is not None:
-                headers = {**headers, subjects.H_DEFAULT_POLICY: shared.default_policy, subjects.H_LABEL: shared.label}
-            if req.policy is None and req.routing is None and headers.get(subjects.H_DEFAULT_POLICY):
-                req.routing = headers[subjects.H_DEFAULT_POLICY]
-            out.label = headers.get(subjects.H_LABEL, "")[:200]
-            timeout = request_timeout_s(req.timeout_ms, headers.get(subjects.H_TIMEOUT_MS),
-                                        self.cfg.defaults.request_timeout_s, self.cfg.defaults.max_request_timeout_s)
+            nc = self.nc
+            max_payload = nc.max_payload if msg.reply and nc is not None else None  # a reply to check it fits
+            arrived: Intake[asyncio.Task[None]] = flow.intake(
+                msg, from_queue=from_queue, cfg=self.cfg, max_payload=max_payload, options=self._options,
+                in_flight=self.in_flight, cancels=self.cancelled, now=time.time(), out=out)
+            REQUEST_ID.set(arrived.request_id)  # on every log line of this request (JSON logs)
             task = asyncio.current_task(self.timers.running_loop())  # the loop known: no getpid (3.11)
             assert task is not None
-            key = owner_key(msg.reply, headers, request_id)
-            keepalive = parse_interval(headers.get(subjects.H_KEEPALIVE))
-            held = self.in_flight.get(key)
-            if held is not None:
-                if not headers.get(subjects.H_RESEND):
-                    raise DuplicateRequestError(f"request_id {request_id!r} is already in flight for this caller")
-                # Sent again because this replica looked dead (stalled): its first attempt
-                # answers an inbox nobody reads any more. This one replaces it.
-                held.cancel()
-            if headers.get(subjects.H_RESEND):
-                log.warning("request %s sent again by its requester: the router holding it went silent", request_id)
-                self.metrics.taken_over("self" if held is not None else "other")
+            if arrived.replaces is not None:
+                arrived.replaces.cancel()
+            if arrived.taken_over:
+                log.warning("request %s sent again by its requester: the router holding it went silent",
+                            arrived.request_id)
+                self.metrics.taken_over(arrived.taken_over)
+            key = arrived.key
             self.in_flight[key] = task
-            if keepalive is not None and msg.reply:
-                self.keepalives.add(msg.reply, keepalive, time.monotonic())
-                if isinstance(msg, QueuedMsg):  # out of the queue: the requester watches again
+            if arrived.keepalive is not None and msg.reply:
+                self.keepalives.add(msg.reply, arrived.keepalive, time.monotonic())
+                if from_queue:  # out of the queue: the requester watches again
                     await self.replies.publish(msg.reply, b"", keepalive_headers())
             lease: Lease | None = None
             try:
-                if self.cancelled.take(key, time.time()):  # the cancel overtook the request
+                if arrived.cancelled:  # the cancel overtook the request
                     raise asyncio.CancelledError
-                idclaims.CURRENT.set(await self._claim_id(msg, headers, key, req, timeout, request_id))
-                if not isinstance(msg, QueuedMsg):  # a queued request was counted when it arrived
-                    lease = await self.limits.admit(owner, request_id, timeout)
+                # The request's claim on its id across replicas: carried along by a queued request.
+                if isinstance(msg, QueuedMsg):
+                    idclaims.CURRENT.set(idclaims.queued_claim(key, msg.headers))
+                elif arrived.claim:
+                    idclaims.CURRENT.set(await self.ids.claim(key, arrived.timeout, arrived.request_id,
+                                                              takeover=arrived.resend))
+                if not from_queue:  # a queued request was counted when it arrived
+                    lease = await self.limits.admit(arrived.owner, arrived.request_id, arrived.timeout)
                     plan_limits.CURRENT.set(lease)
-                with self.timers.deadline(timeout):
-                    await self._route(msg, req, clean, model, request_id, t0, timeout, out)
+                with self.timers.deadline(arrived.timeout):
+                    await self._route(msg, arrived, t0, out)
             except asyncio.TimeoutError as exc:
-                raise flow.deadline_passed(timeout) from exc
+                raise flow.deadline_passed(arrived.timeout) from exc
             finally:
                 if self.in_flight.get(key) is task:
                     del self.in_flight[key]
@@ -289,22 +258,12 @@ class RouterService:
             ev = flow.completion(out, time.time(), time.monotonic() - t0, self.router_id)
             self.events.add(completed_encoder.encode(ev))
 
-    async def _claim_id(self, msg: Msg | QueuedMsg, headers: dict[str, str], key: str, req: InferRequest,
-                        timeout: float, request_id: str) -> idclaims.Claim | None:
-        """The request's claim on its id across replicas: taken here for an id the caller chose,
-        carried along by a queued request, none for an id generated by its sender or by us."""
-        if isinstance(msg, QueuedMsg):
-            return idclaims.queued_claim(key, msg.headers)
-        if not (headers.get(subjects.H_REQUEST_ID) or req.request_id) or headers.get(subjects.H_ID_GENERATED) == "1":
-            return None
-        return await self.ids.claim(key, timeout, request_id, takeover=bool(headers.get(subjects.H_RESEND)))
-
-    async def _route(self, msg: Msg | QueuedMsg, req: InferRequest, clean: bool, model: str, request_id: str,
-                     t0: float, timeout: float, out: Outcome) -> None:
+    async def _route(self, msg: Msg | QueuedMsg, arrived: Intake[asyncio.Task[None]], t0: float, out: Outcome) -> None:
         """Drive the request's flow (zml_router.flow): each action it yields, done here."""
+        req, model = arrived.req, arrived.model
         out.model, out.op = model, req.kind()
         policy, rr = flow.prepare(self.cfg, self.table.families(), req, msg.data, model)
-        bodies = NodeBodies(msg.data, req.model, clean)
+        bodies = NodeBodies(msg.data, req.model, arrived.clean)
         cfg = policy.config
         queue = self.glue.queue
         can_queue = bool(cfg.queue_on_saturation and queue is not None and msg.reply)
@@ -325,14 +284,14 @@ class RouterService:
                 except ZMLError as exc:
                     result = exc
             elif type(action) is flow.Dispatch:
-                result = await self.relay.attempt(msg, req, bodies, model, action, request_id, t0, out)
+                result = await self.relay.attempt(msg, req, bodies, model, action, arrived.request_id, t0, out)
             elif type(action) is flow.Penalise:
                 await self._penalise(action)
                 result = None
             else:  # Enqueue: the flow is over
                 assert type(action) is flow.Enqueue
                 put = self.glue.saturated if action.saturated else self.glue.enqueue
-                await put(msg, req, model, request_id, cfg.max_queue_ms, timeout)
+                await put(msg, req, model, arrived.request_id, cfg.max_queue_ms, arrived.timeout)
                 return
 
     async def _penalise(self, action: flow.Penalise) -> None:
