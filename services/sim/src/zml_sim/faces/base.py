@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 from aiohttp import web
 
-if TYPE_CHECKING:
-    from zml_sim.server import SimNode
+from zml_sim.engine import SimRequest
+from zml_sim.nodeview import NodeView
+
 
 #: Context window every simulated model advertises (vLLM's /v1/models ``max_model_len``) and
 #: enforces: prompt + max_tokens above it is a 400, as vLLM answers.
@@ -24,7 +25,7 @@ def json_response(data: Any, status: int = 200, headers: dict[str, str] | None =
                         headers=headers)
 
 
-def retry_headers(node: SimNode, default: float | None = None) -> dict[str, str]:
+def retry_headers(node: NodeView, default: float | None = None) -> dict[str, str]:
     value = node.engine.faults.retry_after_s
     if value is None:
         value = default
@@ -55,7 +56,7 @@ class Face:
     def error(self, status: int, message: str, kind: str, headers: dict[str, str] | None = None) -> web.Response:
         return json_response(self.error_body(status, message, kind), status, headers)
 
-    def overload(self, node: SimNode) -> web.Response:
+    def overload(self, node: NodeView) -> web.Response:
         message = "The server is overloaded: too many requests waiting. Retry later."
         return self.error(503, message, "overloaded", retry_headers(node, DEFAULT_RETRY_AFTER_S))
 
@@ -65,5 +66,20 @@ class Face:
     def health_ok(self) -> web.Response:
         return web.Response(status=200)
 
-    def add_routes(self, node: SimNode, r: web.UrlDispatcher) -> None:
+    #: Replies say how many prompt tokens came from the prefix cache
+    #: (``usage.prompt_tokens_details.cached_tokens``: vLLM with --enable-prompt-tokens-details,
+    #: SGLang with --enable-cache-report, OpenAI's API, llama-server).
+    reports_cached_tokens = True
+
+    def usage(self, usage: dict[str, Any], req: SimRequest) -> dict[str, Any]:
+        """The ``usage`` object of a reply (final chunk of a stream)."""
+        if self.reports_cached_tokens:
+            usage["prompt_tokens_details"] = {"cached_tokens": req.cached_tokens}
+        return usage
+
+    def reply_extra(self, req: SimRequest) -> dict[str, Any]:
+        """Top-level fields beside ``usage`` in a reply and a stream's last chunks."""
+        return {}
+
+    def add_routes(self, node: NodeView, r: web.UrlDispatcher) -> None:
         """The engine's own routes beside the shared OpenAI, health, metrics and /sim ones."""
