@@ -8,10 +8,12 @@ from zmlcore.errors import NoHealthyNodesError, QueueFullError
 from zmlcore.messages import NodeState
 from zmlcore.policy import NodeView, RouteRequest, RoutingState
 from zmlcore.policy.headroom import admit_batch, has_headroom, reserved_slots
-from zmlcore.policy.resolve import builtin_policy
+from zmlcore.config import PolicyConfig
+from zmlcore.policy.resolve import make_policy
 
 NOW = 1000.0
-COST = builtin_policy("cost")
+#: What the runners send: the cheapest capacity within a relaxed target.
+COST = make_policy("batch", PolicyConfig(strategy="cost", latency_target_ms=10_000), ["MI300X", "H100"])
 
 
 def node(node_id: str, acc: str, family: str, *, out: int = 0, pending: int = 0, maxc: int = 8,
@@ -31,10 +33,10 @@ def test_reserve_is_a_share_of_the_slots_at_least_one() -> None:
     assert reserved_slots(32, 0.0) == 0
 
 
-def test_a_node_with_a_prefill_waiting_or_its_reserve_reached_has_no_headroom() -> None:
+def test_a_node_whose_reserve_is_reached_has_no_headroom() -> None:
     assert has_headroom(node("a", "amd_mi300x", "MI300X", out=5), 0.25)  # 5 + 1 + 2 <= 8
     assert not has_headroom(node("a", "amd_mi300x", "MI300X", out=6), 0.25)  # 6 + 1 + 2 > 8
-    assert not has_headroom(node("a", "amd_mi300x", "MI300X", out=1, pending=1), 0.25)
+    assert has_headroom(node("a", "amd_mi300x", "MI300X", out=5, pending=5), 0.25)  # prefill: the estimate's
     assert has_headroom(node("a", "amd_mi300x", "MI300X", out=7), 0.0)
 
 
@@ -44,12 +46,12 @@ def test_the_cheapest_node_with_headroom_gets_it() -> None:
     assert decide([cheap, dear]) == "mi"
     cheap.outstanding = 6  # its reserve is reached: the batch line goes to the dearer node
     assert decide([cheap, dear]) == "h"
-    cheap.outstanding, cheap.pending = 1, 1
-    assert decide([cheap, dear]) == "h"
+    cheap.outstanding, cheap.pending = 3, 3  # prefills waiting: still the cheap one (within the target)
+    assert decide([cheap, dear]) == "mi"
 
 
 def test_no_headroom_anywhere_is_queue_full_with_a_short_retry() -> None:
-    nodes = [node("mi", "amd_mi300x", "MI300X", out=6), node("h", "nvidia_h100", "H100", pending=1)]
+    nodes = [node("mi", "amd_mi300x", "MI300X", out=6), node("h", "nvidia_h100", "H100", out=7)]
     with pytest.raises(QueueFullError) as err:
         decide(nodes)
     assert err.value.retry_after == pytest.approx(0.2)

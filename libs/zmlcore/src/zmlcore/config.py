@@ -188,9 +188,9 @@ class RouterConfig(msgspec.Struct, **_Base):
     streaming) allowed before the first byte; 0 makes first_byte_floor_s a fixed timeout."""
     batch_reserve: Annotated[float, msgspec.Meta(ge=0, le=0.9)] = 0.25
     """Share of each node's sequence slots batch requests (``Zml-Priority: batch``, the batch
-    runners' lines) never take, at least one slot: interactive arrivals find them free. A batch
-    request is also admitted only to a node with nothing waiting for prefill; elsewhere it is
-    refused at once (QUEUE_FULL) and waits (docs/batches.md). 0: batch work may fill every slot."""
+    runners' lines) never take, at least one slot: interactive arrivals find them free. Where no
+    node has that room a batch request is refused at once (QUEUE_FULL) and its runner waits
+    (docs/batches.md). 0: batch work may fill every slot."""
     processes: PosInt | Literal["auto"] = "auto"
     """Router replicas `zml up` runs (one queue group). "auto": sized to the machine's cores
     (zmlcore.runtime.sizing); `zml up --routers N` overrides."""

@@ -2,19 +2,19 @@
 admitted only where a node has headroom, so that batch work fills idle capacity and never
 takes what interactive traffic needs. Pure: no I/O, ``now`` is passed in.
 
-A node has headroom for one more batch request when
+A node has headroom for one more batch request when, after it, ``reserve`` of its sequence
+slots are still free (``[router] batch_reserve``, at least one slot when the share is not 0):
+interactive arrivals find a slot at once instead of waiting for a batch sequence to end. The
+counts are the router's own (every replica's dispatches, shared) plus what the last poll saw
+beyond them, the same effective counts the TTFT estimate uses.
 
-* nothing waits for its prefill (``pending == 0``): a batch prefill must not delay an
-  interactive request already waiting for one, and batch lines enter a node one prefill at a
-  time; and
-* after it, ``reserve`` of its sequence slots are still free (``[router] batch_reserve``, at
-  least one slot when the share is not 0): interactive arrivals find a slot at once instead of
-  waiting behind batch sequences.
-
-The counts are the router's own (every replica's dispatches, shared) plus what the last poll
-saw beyond them, the same effective counts the TTFT estimate uses. Nodes without headroom are
-left out of the policy's choice; when that leaves no node, the answer is QUEUE_FULL with a
-short Retry-After, which the runner reads as "no room now" (it waits, it does not fail).
+Nodes without headroom are left out of the policy's choice; when that leaves no node, the
+answer is QUEUE_FULL with a short Retry-After, which the runner reads as "no room now" (it
+waits, it does not fail). Prefill is not reserved: batch prefills waiting on a node raise its
+estimated time to first token, so the interactive policies send new requests elsewhere (that
+estimate counts every request waiting for prefill). A rule "nothing waits for prefill" was
+tried: it let one batch prefill into a node at a time, so a burst of lines spread over every
+node, expensive ones included, instead of filling the cheapest (docs/batches.md).
 
     decision = admit_batch(nodes, rr, policy, now, state, stale_after_s=15.0, reserve=0.25)
 """
@@ -43,8 +43,6 @@ def reserved_slots(max_concurrency: int, reserve: float) -> int:
 def has_headroom(view: NodeView, reserve: float) -> bool:
     """May one more batch request start on this node now?"""
     _, _, maxc = node_speeds(view.state)
-    if view.effective_pending() > 0:
-        return False
     return view.effective_outstanding() + 1 + reserved_slots(maxc, reserve) <= maxc
 
 
