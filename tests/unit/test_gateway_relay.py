@@ -247,9 +247,11 @@ def test_content_before_the_start_is_refused_not_written_before_the_head() -> No
     r = StreamRelay(LIMITS)
     action = r.frames(streamframe.encode(0, event("a")), nothing_waiting)  # numbered as the start
     assert isinstance(action, Fail) and action.cancel and action.error.code == "BACKEND_ERROR"
-    r = StreamRelay(LIMITS)
-    action = r.message({subjects.H_STREAM: subjects.STREAM_EVENTS}, event("a"))  # no Zml-Seq
-    assert isinstance(action, Fail) and action.error.code == "BACKEND_ERROR"
+    for kind in (subjects.STREAM_EVENTS, subjects.STREAM_CHUNK, subjects.STREAM_END):
+        r = StreamRelay(LIMITS)
+        action = r.message({subjects.H_STREAM: kind}, event("a"))  # no Zml-Seq: the sequence cannot tell
+        assert isinstance(action, Fail) and action.cancel and action.error.code == "BACKEND_ERROR"
+        assert "before the stream's start" in str(action.error) and r.done
 
 
 def test_a_second_start_ends_the_stream() -> None:

@@ -89,6 +89,10 @@ def sse_event(payload: bytes) -> bytes:
     return b"data: " + payload + b"\n\n"
 
 
+def _before_start() -> BackendError:
+    return BackendError("the router sent stream content before the stream's start; the stream is incomplete")
+
+
 class StreamRelay:
     """One stream's relay. ``limits``: the x-ratelimit-* headers its answer carries."""
 
@@ -111,8 +115,7 @@ class StreamRelay:
         waiting, None when there are none): their events go out in one write."""
         body, lost = streamframe.collect(data, more, self._seq)
         if not self.started:  # a router sends its start (seq 0) first: a frame before it is garbled
-            return self._stop(lost or BackendError("the router sent a stream chunk before the stream's "
-                                                   "start; the stream is incomplete"), cancel=True)
+            return self._stop(lost or _before_start(), cancel=True)
         if lost is not None:
             return self._stop(lost, cancel=True, written=body)
         self.transcript.add(body)
@@ -139,19 +142,19 @@ class StreamRelay:
             info = None if subjects.H_NODE_ID in headers else routingmeta.from_start(data)
             routing = routingmeta.http_headers_of(info) if info is not None else routingmeta.http_headers(headers)
             return Start([*SSE_HEADERS, *self.limits, *routing])
-        if kind == subjects.STREAM_EVENTS or kind == subjects.STREAM_CHUNK:
+        if kind == subjects.STREAM_EVENTS or kind == subjects.STREAM_CHUNK or kind == subjects.STREAM_END:
+            if not self.started:
+                return self._stop(_before_start(), cancel=True)
+            if kind == subjects.STREAM_END:
+                self.done = True
+                self.total_tokens = total_tokens(data)
+                return Finish(DONE)
             # whole SSE events as the node framed them, or one chunk's JSON (an older router)
             body = data if kind == subjects.STREAM_EVENTS else sse_event(data)
-            if not self.started:
-                return self._stop(BackendError("the router sent a stream chunk before the stream's start; "
-                                               "the stream is incomplete"), cancel=True)
             self.transcript.add(body)
             return body
-        self.done = True
-        if kind == subjects.STREAM_END:
-            self.total_tokens = total_tokens(data)
-            return Finish(DONE)
         # An error (or a non-stream reply from a router that ignored stream): the router ended it.
+        self.done = True
         code = headers.get(subjects.H_ERROR_CODE, "INTERNAL")
         if not self.started:
             return Refuse(*error_answer(code, data, headers.get(subjects.H_RETRY_AFTER), self.limits))
