@@ -114,7 +114,8 @@ class KVEventPublisher:
                 first = seq_of(start) if len(start) == 8 else int.from_bytes(start, "big")
             except ValueError:
                 continue
+            topic = (self.topic,) if self.layout == "0.34" else ()  # vLLM 0.12+ sends the topic too
             for seq, payload in list(self.buffer):
                 if seq >= first:
-                    await router.send_multipart((ident, b"", self.topic, seq_bytes(seq), payload))
-            await router.send_multipart((ident, b"", b"", seq_bytes(-1), b""))
+                    await router.send_multipart((ident, b"", *topic, seq_bytes(seq), payload))
+            await router.send_multipart((ident, b"", *((b"",) if topic else ()), seq_bytes(-1), b""))

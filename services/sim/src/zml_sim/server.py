@@ -146,7 +146,8 @@ class SimNode:
                 raise ValueError(f"node {node_id}: only vllm and sglang publish KV events")
             self.kv_publisher = KVEventPublisher(_bind_address(kv_events.endpoint) or kv_events.endpoint,
                                                  _bind_address(kv_events.replay_endpoint),
-                                                 topic=kv_events.topic)
+                                                 topic=kv_events.topic,
+                                                 layout="sglang" if engine == "sglang" else "0.34")
             self.engine.on_kv_events = self.kv_publisher.publish
         self.host = "127.0.0.1"
         self.port = 0
