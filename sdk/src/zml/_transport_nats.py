@@ -46,6 +46,7 @@ from zml._core import (
 from zml._errors import AuthError, ConnectionError, StreamInterruptedError, ZMLError
 from zmlcore import subjects
 from zmlcore.config import NatsConfig
+from zmlcore.bus import natsinternals
 from zmlcore.reply.exchange import Exchange, parts_buffer
 from zmlcore.access.identity import connect_options, owner_of
 from zmlcore.reply.norouter import NoRouterWait
@@ -100,6 +101,7 @@ class AsyncNatsTransport:
                 if "permissions violation" in str(exc).lower() or "authorization violation" in str(exc).lower():
                     self._denied = str(exc)
 
+            natsinternals.support()  # nats-py's fast paths decided (a fallback logged) here, once
             try:
                 self._nc = await nats.connect(
                     # one URL or several (the servers of one cluster), comma-separated

@@ -14,8 +14,8 @@ from nats.js.errors import BucketNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
 from zmlcore import subjects
+from zmlcore.bus import natsinternals
 from zmlcore.bus.link import Link, link_of, register, split_urls
-from zmlcore.bus.publish import Publisher
 
 log = logging.getLogger("zml.nats")
 
@@ -24,7 +24,11 @@ async def connect(urls: str | Sequence[str], name: str, *, connect_timeout: floa
                   **kwargs: Any) -> NATS:
     """Connect to any of ``urls`` (a list, or one comma-separated string) and reconnect forever:
     a broker restart must not kill a service. The client's :class:`~zmlcore.bus.link.Link` tells
-    JetStream users about reconnects and the service about a close for good."""
+    JetStream users about reconnects and the service about a close for good.
+
+    Raises ConfigError before connecting when the installed nats-py lacks a private piece ZML
+    cannot do without (:func:`zmlcore.bus.natsinternals.check`)."""
+    natsinternals.check()
     link = Link(replicas=replicas)
 
     async def _on_error(exc: Exception) -> None:
@@ -56,7 +60,6 @@ async def connect(urls: str | Sequence[str], name: str, *, connect_timeout: floa
         **kwargs,
     )
     register(nc, link)
-    Publisher.of(nc)  # checks, once, that nats-py has what zmlcore.bus.publish relies on
     return nc
 
 
@@ -68,7 +71,7 @@ async def ensure_kv(js: JetStreamContext, bucket: str, *, history: int = 1, ttl:
         return await js.key_value(bucket)
     except (BucketNotFoundError, NotFoundError):
         pass
-    replicas = link_of(js._nc).replicas
+    replicas = link_of(natsinternals.client_of(js)).replicas
     try:
         return await js.create_key_value(KeyValueConfig(
             bucket=bucket, history=history, replicas=replicas, ttl=ttl, max_bytes=max_bytes,
