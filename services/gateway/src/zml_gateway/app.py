@@ -25,7 +25,7 @@ from nats.aio.client import Client as NATS
 
 from zmlcore import subjects
 from zmlcore.messages import frontdoor
-from zmlcore.bus import publish as natspub
+from zmlcore.bus.publish import publish
 from zmlcore.reply import routingmeta
 from zmlcore.reply import streamframe
 from zmlcore.telemetry import tracing
@@ -360,7 +360,7 @@ class Gateway:
         return timeout - (time.monotonic() - t0)
 
     async def _cancel(self, request_id: str, headers: dict[str, str]) -> None:
-        await natspub.publish(self.nc, subjects.cancel(request_id, self.owner), b"",
+        await publish(self.nc, subjects.cancel(request_id, self.owner), b"",
                                 headers={subjects.H_OWNER: headers[subjects.H_OWNER]})
 
     def _exchange(self, body: bytes, headers: dict[str, str], timeout: float, buffer: int | None = None) -> Exchange:

@@ -25,7 +25,7 @@ from nats.aio.subscription import Subscription
 
 from zmlcore import subjects
 from zmlcore.messages import frontdoor
-from zmlcore.bus import publish as natspub
+from zmlcore.bus.publish import Publisher
 from zmlcore.telemetry import tracing
 from zmlcore.bus.batchpub import BatchPublisher
 from zmlcore.reply.bigreply import check_fits
@@ -92,7 +92,7 @@ class RouterService:
         self.relay = Relay(self)
         self.glue = QueueGlue(self)
         self.nc: NATS | None = None
-        self.pub: natspub.Publisher | None = None
+        self.pub: Publisher | None = None
         self.http: NodeClient | None = None
         self._subs: list[Subscription] = []
         self._tasks: set[asyncio.Task[None]] = set()
@@ -118,7 +118,7 @@ class RouterService:
     # --- lifecycle -------------------------------------------------------------------------
     async def start(self, nc: NATS) -> None:
         self.nc = nc
-        self.pub = natspub.Publisher.of(nc)  # replies and stream chunks: one write per loop iteration
+        self.pub = Publisher.of(nc)  # replies and stream chunks: one write per loop iteration
         self.http = NodeClient(self.cfg.router.max_connections, self.cfg.router.connect_timeout_s)
         self.events = BatchPublisher(nc, _EVENT_COMPLETED, COMPLETED_WINDOW_S)
         self.events.start()
