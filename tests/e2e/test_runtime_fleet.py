@@ -134,6 +134,17 @@ def test_sdk_policy_validates_against_the_fleet(stack: Stack, edge: str, tmp_pat
         zml.Policy(name="typo-2", accelerator_chain=["H100", "Nowhere"])
 
 
+@pytest.mark.parametrize("scheme", ["nats", "grpc"])
+def test_sdk_policy_asks_the_fleet_over_nats_and_grpc(stack: Stack, edge: str, tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch, scheme: str) -> None:
+    # ZML_ENDPOINT may name any transport: the fleet is asked through the client of that scheme.
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("ZML_ENDPOINT", stack.nats_url if scheme == "nats" else f"grpc://{stack.grpc_target}")
+    zml.Policy(name=f"edge-{scheme}", accelerator_chain=["Edge"])
+    with pytest.raises(zml.PolicyConfigError, match="Nowhere"):
+        zml.Policy(name=f"typo-{scheme}", accelerator_chain=["Edge", "Nowhere"])
+
+
 def test_a_price_of_zero_makes_a_node_free(stack: Stack) -> None:
     def cost_picks() -> Counter:
         picks: Counter = Counter()

@@ -13,6 +13,7 @@ Example::
 ``code``.
 """
 
+from zml import _client, _fleet
 from zml._async_client import AsyncClient, AsyncStream
 from zml._client import Client, Stream
 from zml._errors import (
@@ -48,6 +49,10 @@ from zml._models import (
     Usage,
 )
 from zmlcore.messages import NodeState
+
+# Policy(...) checks its families against the fleet's; the fleet is asked through a real client
+# (every transport, zml.toml's identity), wired here so that _fleet imports nothing above it.
+_fleet.ask_with(_client.fleet_families)
 
 __version__ = "0.1.0"
 

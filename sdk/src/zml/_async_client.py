@@ -17,6 +17,7 @@ from zml._batch import BatchItem, OnResult, run_async
 from zml._errors import ZMLError
 from zml._models import BatchResult, EmbeddingResult, InferMeta, InferResult, Metrics, Policy, Routing, StreamChunk, Usage
 from zml._ratelimit import HeaderScope
+from zml._settings import ClientSettings
 from zmlcore.messages import NodeState
 
 #: What a call decodes to (both carry routing, metadata, usage and metrics).
@@ -44,7 +45,7 @@ class _AsyncTransport(Protocol):
     async def aclose(self) -> None: ...
 
 
-class AsyncClient(_core.ClientSettings):
+class AsyncClient(ClientSettings):
     """Asynchronous ZML client; the same arguments and methods as :class:`zml.Client`.
 
     Example::

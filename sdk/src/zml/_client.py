@@ -18,12 +18,13 @@ from zml._batch import BatchItem, OnResult, run_sync
 from zml._errors import ZMLError
 from zml._models import BatchResult, EmbeddingResult, InferMeta, InferResult, Metrics, Policy, Routing, StreamChunk, Usage
 from zml._ratelimit import HeaderScope
+from zml._settings import ClientSettings
 from zmlcore.messages import NodeState
 
 #: What a call decodes to (both carry routing, metadata, usage and metrics).
 R = TypeVar("R", InferResult, EmbeddingResult)
 
-__all__ = ["Client", "Stream"]
+__all__ = ["Client", "Stream", "fleet_families"]
 
 log = logging.getLogger("zml")
 
@@ -45,7 +46,7 @@ class _SyncTransport(Protocol):
     def close(self) -> None: ...
 
 
-class Client(_core.ClientSettings):
+class Client(ClientSettings):
     """Synchronous ZML client.
 
     Example::
@@ -406,3 +407,12 @@ class Stream:
 
     def __exit__(self, t: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
+
+
+def fleet_families(endpoint: str, api_key: str | None, config_path: str | os.PathLike[str] | None,
+                   timeout_s: float) -> list[str]:
+    """The families of the nodes of the fleet at ``endpoint``, asked once and without retries
+    over whichever transport the endpoint names: how ``zml.Policy`` learns of families registered
+    at run time (``zml/__init__.py`` installs it into :mod:`zml._fleet`)."""
+    with Client(endpoint, api_key, timeout_s, 1, config_path, max_retries=0) as client:
+        return [n["family"] for n in client._nodes_raw() if isinstance(n.get("family"), str)]

@@ -5,7 +5,6 @@ Plain dataclasses (no pydantic needed at import time). ``Policy`` validates at c
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import InitVar, dataclass, field
@@ -13,8 +12,9 @@ from typing import Any
 
 import msgspec
 
-from zmlcore.config import PolicyConfig, find_config, load_config, validate_policy
-from zmlcore.errors import ConfigError, PolicyConfigError
+from zml._fleet import known_families
+from zmlcore.config import PolicyConfig, validate_policy
+from zmlcore.errors import PolicyConfigError
 from zmlcore.messages import InlinePolicy
 
 __all__ = [
@@ -30,29 +30,6 @@ __all__ = [
     "StreamChunk",
     "Usage",
 ]
-
-log = logging.getLogger("zml")
-
-
-def _registered_families(config_path: str | os.PathLike[str] | None) -> list[str] | None:
-    """Families of the zml.toml given (or found from the working directory), if any."""
-    path = config_path if config_path is not None else find_config()
-    if path is None:
-        return None
-    try:
-        cfg = load_config(path, env={})
-    except ConfigError as exc:
-        if config_path is not None:
-            raise
-        log.debug("zml: ignoring %s for policy validation: %s", path, exc)
-        return None
-    return cfg.families() or None
-
-
-def _unknown(chain: list[str], known: list[str] | None) -> bool:
-    have = {f.lower() for f in known or ()}
-    return any(f.lower() not in have for f in chain)
-
 
 @dataclass(frozen=True, kw_only=False)
 class Policy:
@@ -103,14 +80,7 @@ class Policy:
             cfg = msgspec.convert(data, PolicyConfig)
         except msgspec.ValidationError as exc:
             raise PolicyConfigError(f"policy {self.name!r}: {exc}") from exc
-        known = list(families) if families is not None else _registered_families(config_path)
-        if families is None and _unknown(cfg.chain(), known):
-            # Not in the local zml.toml (or none): the family may be registered at run time.
-            from zml._fleet import fleet_families
-
-            fleet = fleet_families(config_path)
-            if fleet is not None:
-                known = [*(known or ()), *fleet]
+        known = list(families) if families is not None else known_families(cfg.chain(), config_path)
         # Without a known fleet only the values are checked: the chain checks itself.
         validate_policy(self.name, cfg, known if known is not None else cfg.chain(), f"policy {self.name!r}")
 
