@@ -20,16 +20,16 @@ KV watch consumers        ``KeyWatcher._sub``, the JetStream            none: :f
 zmlcore.bus.connect)      ``JetStreamManager._nc``
 ========================  ==========================================  ===========================
 
-:func:`check` also fails without ``nats.errors.BadHeaderError`` (public, nats-py 2.16 on): the
-publish encoder raises it, as nats-py 2.16's own does (older releases neither validate subjects
-nor strip CR/LF from header values, so their ``nc.publish`` could end a protocol line early).
-
-:func:`check` looks once, at connect (``zmlcore.bus.connect.connect``, the SDK's NATS transport,
-a :class:`~zmlcore.bus.kvfollow.KVFollower` being built), at nats-py's classes: an attribute a
-class's ``__init__`` no longer stores, or a method it no longer has, is reported before anything
-runs, naming the nats-py version and the missing piece, instead of an AttributeError in a loop
-(or a fast path silently off) later. The versions checked against are :data:`VERIFIED`, the
-range pyproject.toml allows; CI also runs the suites against the newest release (.ci/run).
+:func:`check` looks once, at start-up (``service_main``, ``zmlcore.bus.connect.connect``, a
+:class:`~zmlcore.bus.kvfollow.KVFollower` being built; the SDK's NATS transport asks for the
+fast-path decisions when it connects), at nats-py's classes: an attribute a class's ``__init__``
+no longer stores, or a method it no longer has, is reported before anything runs, naming the
+nats-py version and the missing piece, instead of an AttributeError in a loop (or a fast path
+silently off) later. It also fails without ``nats.errors.BadHeaderError`` (public, nats-py 2.16
+on), which the publish encoder raises as nats-py 2.16's own does (older releases neither
+validate subjects nor strip CR/LF from header values). The versions checked against are
+:data:`VERIFIED`, the range pyproject.toml allows; CI also runs the suites against the newest
+release (.ci/run).
 
 Nothing outside this module reads or writes a private attribute of a nats-py object.
 
@@ -51,6 +51,7 @@ import nats.errors
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
+from nats.aio.transport import TcpTransport
 from nats.js.client import JetStreamContext
 from nats.js.kv import KeyValue
 from nats.js.manager import JetStreamManager
@@ -84,8 +85,9 @@ def _pieces(owner: type, names: Iterable[str], methods: Iterable[str] = ()) -> t
 
 
 #: Fast publish (zmlcore.bus.publish).
-PUBLISH = _pieces(NATS, ("_pending", "_pending_data_size", "_max_pending_size", "_transport", "_flush_queue"),
-                  ("_flush_pending",))
+PUBLISH = (*_pieces(NATS, ("_pending", "_pending_data_size", "_max_pending_size", "_transport", "_flush_queue"),
+                    ("_flush_pending",)),
+           *_pieces(TcpTransport, ("_io_writer",)))
 #: Direct delivery into a reply mux (zmlcore.reply.exchange).
 DELIVER = _pieces(Subscription, ("_pending_queue", "_pending_size"))
 #: Required: which consumer a KV watch reads, the client behind a JetStream context (kvfollow,
@@ -193,7 +195,7 @@ def write_pending(nc: NATS, loop: asyncio.AbstractEventLoop | None) -> None:
     if not c._pending or not nc.is_connected:
         return  # sent by nats-py after its reconnect, or already by its flusher
     transport = c._transport
-    writer = getattr(transport, "_io_writer", None)  # a TCP transport's; others: the flusher
+    writer = getattr(transport, "_io_writer", None)  # a TCP transport's (TLS too); websocket: the flusher
     sock = getattr(writer, "transport", None)
     if sock is None or sock.get_write_buffer_size() > sock.get_write_buffer_limits()[1]:
         queue = c._flush_queue
