@@ -10,7 +10,7 @@ from typing import Any
 from zml._client import Client
 from zml.cli._common import add_client_args, client_kwargs
 
-COLUMNS = ("NODE", "TYPE", "FAMILY", "MODELS", "HEALTH", "QUEUE", "STATE", "COOLDOWN", "ENDPOINT")
+COLUMNS = ("NODE", "TYPE", "FAMILY", "MODELS", "HEALTH", "QUEUE", "STATE", "COOLDOWN", "CACHE", "ENDPOINT")
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -96,6 +96,22 @@ def _cooldown(n: dict[str, Any], now: float) -> str:
     return "-"
 
 
+def _cache(n: dict[str, Any]) -> str:
+    """How routers know the node's prefix cache, its size (blocks x tokens a block) and the
+    share of prompt tokens its engine served from it lately: ``precise:8192x64:42%``."""
+    parts = [str(n.get("cache_fidelity") or "-")]
+    bs, blocks = n.get("kv_block_size"), n.get("kv_blocks")
+    if isinstance(bs, int) and isinstance(blocks, int) and bs and blocks:
+        parts.append(f"{blocks}x{bs}")
+    hit = n.get("prefix_cache_hit_rate")
+    if isinstance(hit, (int, float)):
+        parts.append(f"{hit * 100:.0f}%")
+    events = n.get("kv_events")
+    if isinstance(events, str) and events.startswith("down"):
+        parts.append("events-down")
+    return ":".join(parts)
+
+
 def rows(nodes: list[dict[str, Any]], now: float) -> list[tuple[str, ...]]:
     out: list[tuple[str, ...]] = []
     for n in nodes:
@@ -110,7 +126,7 @@ def rows(nodes: list[dict[str, Any]], now: float) -> list[tuple[str, ...]]:
         queue = int(n.get("queue_running", 0)) + int(n.get("queue_waiting", 0))
         out.append((
             str(n.get("node_id", "?")), str(n.get("accelerator_type", "")), str(n.get("family", "")), models,
-            f"{float(n.get('health_score', 0.0)):.0f}", str(queue), state, _cooldown(n, now),
+            f"{float(n.get('health_score', 0.0)):.0f}", str(queue), state, _cooldown(n, now), _cache(n),
             str(n.get("endpoint") or "-"),
         ))
     return out
