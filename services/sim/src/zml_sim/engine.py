@@ -378,6 +378,11 @@ class SimEngine:
             self.decode_slot_seconds = 0.0
         self._wake.set()
 
+    def set_profile(self, profile: SimProfile) -> None:
+        """New performance numbers, in effect at once (a larger max_concurrency admits now)."""
+        self.profile = profile
+        self._wake.set()
+
     # ----- models ------------------------------------------------------------------------------
 
     def real_seconds(self, model_seconds: float) -> float:

@@ -20,9 +20,9 @@ KV watch consumers        ``KeyWatcher._sub``, the JetStream            none: :f
 zmlcore.bus.connect)      ``JetStreamManager._nc``
 ========================  ==========================================  ===========================
 
-:func:`check` looks once, at start-up (``service_main``, ``zmlcore.bus.connect.connect``, a
-:class:`~zmlcore.bus.kvfollow.KVFollower` being built; the SDK's NATS transport asks for the
-fast-path decisions when it connects), at nats-py's classes: an attribute a class's ``__init__``
+:func:`check` looks once, at start-up (``service_main`` before it connects, a
+:class:`~zmlcore.bus.kvfollow.KVFollower` being built; ``zmlcore.bus.connect.connect``, which
+the SDK uses too, takes the fast-path decisions), at nats-py's classes: an attribute a class's ``__init__``
 no longer stores, or a method it no longer has, is reported before anything runs, naming the
 nats-py version and the missing piece, instead of an AttributeError in a loop (or a fast path
 silently off) later. It also fails without ``nats.errors.BadHeaderError`` (public, nats-py 2.16
