@@ -74,6 +74,8 @@ class Holding:
     cached_tokens: int
     #: Tokens it holds beyond its full prompt blocks (the prompt's tail; output as it grows).
     tail_tokens: int
+    #: The cache it holds them in.
+    cache: PrefixCache | None = None
 
 
 @dataclass(slots=True)
@@ -122,7 +124,7 @@ class PrefixCache:
             self.events.append(Stored(hashes=hashes[hit:], parent=hashes[hit - 1] if hit else None,
                                       token_ids=tokens[hit * bs:len(hashes) * bs], block_size=bs, medium="GPU"))
         tail = len(tokens) - len(hashes) * bs
-        holding = Holding(blocks=hashes, cached_tokens=hit * bs, tail_tokens=tail)
+        holding = Holding(blocks=hashes, cached_tokens=hit * bs, tail_tokens=tail, cache=self)
         self.held_tail_blocks += -(-tail // bs)
         self.evict()
         return holding
