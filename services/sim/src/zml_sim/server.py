@@ -553,7 +553,9 @@ class SimNode:
             await resp.write_eof()
             return resp
         final = {"index": 0, "delta": {}} if chat else {"index": 0, "text": ""}
-        await send([{**final, "logprobs": None, "finish_reason": req.finish_reason}], **self.face.reply_extra(req))
+        # llama-server puts its timings on the usage chunk when there is one, else on this one.
+        extra = {} if include_usage else self.face.reply_extra(req)
+        await send([{**final, "logprobs": None, "finish_reason": req.finish_reason}], **extra)
         if include_usage:
             await send([], usage=self._usage(req), **self.face.reply_extra(req))
         await resp.write(b"data: [DONE]\n\n")
