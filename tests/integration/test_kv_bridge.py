@@ -21,7 +21,7 @@ import zmq.asyncio
 from test_health_helpers import config, connected, eventually, node_entry, private_nats, start_sim
 from zml_health.service import HealthService
 from zmlcore import subjects
-from zmlcore.kvevents.wire import seq_bytes, seq_of
+from zmlcore.fleet.kvevents.wire import seq_bytes, seq_of
 from zmlcore.messages.kvcache import KvAllCleared, KvBlockRemoved, KvBlockStored, KvEventBatch, kv_event_batch_decoder
 from zmlcore.runtime.launch import free_port
 

@@ -10,7 +10,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from zmlcore.kvevents.wire import (
+from zmlcore.fleet.kvevents.wire import (
     CHECKED_SGLANG_VERSIONS,
     CHECKED_VLLM_VERSIONS,
     Cleared,

@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Callable
 
 from zmlcore.fleet.perfmodel import SimProfile
-from zmlcore.kvevents.wire import Event
+from zmlcore.fleet.kvevents.wire import Event
 from zml_sim.prefixcache import NONE_HASH, Holding, PrefixCache, root_digest
 
 #: Weights of one loaded model when no size is given: an 8B model in fp16.

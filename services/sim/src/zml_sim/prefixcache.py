@@ -11,7 +11,7 @@
 * The cache holds ``capacity`` blocks (the node's free KV memory over ``block_size``), minus the
   blocks running requests hold beyond their full prompt blocks (partial block, output). Blocks of
   running requests are pinned; the least recently used unpinned block is evicted first.
-* Every change is an event (``zmlcore.kvevents.wire``): ``Stored`` when a request's new full
+* Every change is an event (``zmlcore.fleet.kvevents.wire``): ``Stored`` when a request's new full
   prompt blocks are cached (at admission, as vLLM caches at scheduling), ``Removed`` on
   eviction, ``Cleared`` when the cache is reset. Output tokens are not cached (a follow-up turn
   sends them back re-tokenized, which rarely matches the generated ids; see docs/sim.md).
@@ -25,7 +25,7 @@ import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from zmlcore.kvevents.wire import Cleared, Event, Removed, Stored
+from zmlcore.fleet.kvevents.wire import Cleared, Event, Removed, Stored
 
 CHARS_PER_TOKEN = 4
 VOCAB_SIZE = 128_256  # Llama 3's
