@@ -191,6 +191,10 @@ class RouterConfig(msgspec.Struct, **_Base):
     runners' lines) never take, at least one slot: interactive arrivals find them free. Where no
     node has that room a batch request is refused at once (QUEUE_FULL) and its runner waits
     (docs/batches.md). 0: batch work may fill every slot."""
+    session_idle_s: PosFloat = 600.0
+    """A session (``x-session-id``, ``Zml-Session``, the SDK's ``session=``, else the OpenAI
+    ``user`` field) is forgotten after this long without a request (its binding to a node
+    expires in the KV bucket zml_sessions)."""
     processes: PosInt | Literal["auto"] = "auto"
     """Router replicas `zml up` runs (one queue group). "auto": sized to the machine's cores
     (zmlcore.runtime.sizing); `zml up --routers N` overrides."""
