@@ -16,7 +16,7 @@ from zmlcore.messages.warmup import RequestCompleted
 
 
 async def test_events_older_than_the_window_are_dropped_as_new_ones_arrive() -> None:
-    board = Dashboard(app=None)  # type: ignore[arg-type]
+    board = Dashboard(None, None, None)  # type: ignore[arg-type]
     now = time.monotonic()
     for i in range(1000):  # old traffic, long gone from every figure the page shows
         board.events.append((now - STATS_WINDOW_S - 100 + i * 0.01, "H100", "h100-1", True, "", 0.1, 0.2))

@@ -215,9 +215,9 @@ async def test_the_gateway_reads_a_body_that_is_all_here_without_a_timer(tmp_pat
     scope = {"headers": [(b"content-length", b"2")]}
     loop.call_at = counting  # type: ignore[method-assign]
     try:
-        assert await gw._read_body(scope, Cycle(True).receive) == b"{}"
+        assert await gw.intake.read_body(scope, Cycle(True).receive) == b"{}"
         assert armed == []
-        assert await gw._read_body(scope, Cycle(False).receive) == b"{}"
+        assert await gw.intake.read_body(scope, Cycle(False).receive) == b"{}"
         assert len(armed) == 1  # asyncio.timeout's
     finally:
         del loop.call_at  # type: ignore[attr-defined]

@@ -2,7 +2,7 @@
 build step, no CDN) and GET /dashboard/state, the JSON it polls every second.
 
 The state joins three sources: the gateway's node table (health's KV view, run-time prices and
-every router replica's in-flight/cooldown/saturation, gathered by ``Gateway._node_table``), the
+every router replica's in-flight/cooldown/saturation: :class:`zml_gateway.nodetable.NodeTable`), the
 routers' completion events (``zml.events.completed``: decisions per second by family and node,
 TTFT and latency percentiles, errors by code, over a sliding window) and the saturation queue's
 depth (JetStream consumer info). One state is built at most every ``CACHE_S`` however many
@@ -18,18 +18,19 @@ import logging
 import time
 from collections import Counter, deque
 from importlib import resources
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
+from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from zmlcore import subjects
 from zmlcore.errors import MethodNotAllowedError, NotFoundError, PermissionDeniedError
 from zmlcore.messages.warmup import RequestCompleted
 from zmlcore.bus.queueinfo import queue_depths
-
-if TYPE_CHECKING:
-    from zml_gateway.app import Gateway, Receive, Scope, Send
+from zml_gateway.access import Access
+from zml_gateway.asgi import Receive, Scope, Send
+from zml_gateway.nodetable import NodeTable
 
 log = logging.getLogger("zml.gateway.dashboard")
 
@@ -65,8 +66,10 @@ def percentiles(values: list[float]) -> dict[str, float | int | None]:
 
 
 class Dashboard:
-    def __init__(self, app: "Gateway") -> None:
-        self.app = app
+    def __init__(self, nc: NATS, access: Access, table: NodeTable) -> None:
+        self.nc = nc
+        self.access = access
+        self.table = table
         #: (monotonic time received, family, node, ok, error code, ttft, latency)
         self.events: deque[tuple[float, str, str, bool, str, float | None, float | None]] = deque(maxlen=MAX_EVENTS)
         self._sub: Any = None
@@ -75,7 +78,7 @@ class Dashboard:
         self._building: asyncio.Future[bytes] | None = None
 
     async def start(self) -> None:
-        self._sub = await self.app.nc.subscribe(subjects.event(subjects.EVENT_COMPLETED), cb=self._on_completed)
+        self._sub = await self.nc.subscribe(subjects.event(subjects.EVENT_COMPLETED), cb=self._on_completed)
 
     async def stop(self) -> None:
         if self._sub is not None:
@@ -97,7 +100,7 @@ class Dashboard:
         events.append((now, ev.family, ev.node_id, ev.ok, ev.error_code, ev.ttft_s, ev.latency_s))
 
     # --- HTTP ----------------------------------------------------------------------------------
-    async def handle(self, scope: "Scope", receive: "Receive", send: "Send") -> None:
+    async def handle(self, scope: Scope, receive: Receive, send: Send) -> None:
         path = scope["path"]
         if scope["method"] != "GET":
             raise MethodNotAllowedError(f"{path[:80]} takes GET")
@@ -118,10 +121,10 @@ class Dashboard:
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", ctype), *_SECURITY]})
         await send({"type": "http.response.body", "body": data})
 
-    def authorize(self, scope: "Scope") -> None:
+    def authorize(self, scope: Scope) -> None:
         """With keys on, the fleet's state is for operators: a zml.toml key ([gateway] api_keys),
         not a customer's run-time key (`zml keys create`), which gets 403."""
-        caller = self.app.access.authenticate(scope)  # 401 without a valid key
+        caller = self.access.authenticate(scope)  # 401 without a valid key
         if caller.record is not None:
             raise PermissionDeniedError("the dashboard wants an operator key ([gateway] api_keys in zml.toml), "
                                         "not a run-time API key")
@@ -146,7 +149,7 @@ class Dashboard:
             self._building = None
 
     async def _state(self) -> dict[str, Any]:
-        nodes, depths = await asyncio.gather(self.app._node_table(), self._queue())
+        nodes, depths = await asyncio.gather(self.table.rows(), self._queue())
         rows = []
         for n in nodes:
             rows.append({
@@ -163,7 +166,7 @@ class Dashboard:
 
     async def _queue(self) -> dict[str, int]:
         try:
-            return await queue_depths(self.app.nc)
+            return await queue_depths(self.nc)
         except Exception:  # the page still shows the fleet when JetStream is slow
             log.debug("queue depth not read", exc_info=True)
             return {}

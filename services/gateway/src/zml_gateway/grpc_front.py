@@ -29,7 +29,8 @@ from zmlcore.rpc import codec
 from zmlcore.rpc import status as rpc_status
 from zmlcore.rpc import zml_pb2 as pb
 from zmlcore.reply.sse import SSELineSplitter, data_field
-from zml_gateway.app import Gateway, Scope
+from zmlcore.config import ZMLConfig
+from zml_gateway.asgi import Scope
 
 log = logging.getLogger("zml.gateway.grpc")
 
@@ -137,9 +138,9 @@ async def _abort(ctx: grpc.aio.ServicerContext, data: bytes, status: int,
 class ZmlService:
     """The zml.v1.Zml methods over the gateway app (``app``: the ASGI app HTTP serves)."""
 
-    def __init__(self, app: Any, gateway: Gateway) -> None:
+    def __init__(self, app: Any, cfg: ZMLConfig) -> None:
         self.app = app
-        self.gateway = gateway
+        self.cfg = cfg
 
     def _scope(self, method: str, path: str, ctx: grpc.aio.ServicerContext, size: int) -> Scope:
         headers = [(b"content-length", str(size).encode())] if method == "POST" else []
@@ -156,7 +157,7 @@ class ZmlService:
         except Exception as exc:  # protobuf's DecodeError (malformed bytes, bad UTF-8)
             raise BadRequestError(f"the request is not a zml.v1.InferRequest: {exc}") from None
         remaining = ctx.time_remaining()
-        d = self.gateway.cfg.defaults
+        d = self.cfg.defaults
         cap = None if remaining is None else max(1, int(min(remaining, d.max_request_timeout_s) * 1000))
         return codec.request_body(req, stream=stream, max_depth=d.max_json_depth, timeout_cap_ms=cap)
 
@@ -224,20 +225,22 @@ class ZmlService:
 class GrpcFront:
     """The gRPC server beside uvicorn in the gateway process (``start`` / ``stop``)."""
 
-    def __init__(self, app: Any, gateway: Gateway, host: str, port: int, reuse_port: bool = False) -> None:
-        self.service = ZmlService(app, gateway)
+    def __init__(self, app: Any, cfg: ZMLConfig, body_limit: int, host: str, port: int,
+                 reuse_port: bool = False) -> None:
+        self.service = ZmlService(app, cfg)
         self.reuse_port = reuse_port  # several gateway processes on one port (`zml up`)
-        self.gateway = gateway
+        self.cfg = cfg
+        #: the HTTP body limit ([gateway] max_body_bytes, or NATS max_payload when smaller)
+        self.body_limit = body_limit
         self.host = host
         self.port = port
         self.server: grpc.aio.Server | None = None
 
     async def start(self) -> int:
         """Listen; returns the port (a free one when ``port`` is 0)."""
-        g = self.gateway.cfg.gateway
+        g = self.cfg.gateway
         options = [
-            # The HTTP body limit ([gateway] max_body_bytes, or NATS max_payload when smaller).
-            ("grpc.max_receive_message_length", self.gateway.body_limit()),
+            ("grpc.max_receive_message_length", self.body_limit),
             ("grpc.max_metadata_size", g.max_header_bytes),
             # Ping idle-looking connections: a client that vanished without a FIN is found
             # within ~40 s and its calls cancelled (and so cancelled on their nodes).

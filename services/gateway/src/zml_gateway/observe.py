@@ -8,7 +8,7 @@ of ``http.response.start``.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from opentelemetry import trace
 from opentelemetry.trace import SpanKind, Status, StatusCode
@@ -18,10 +18,8 @@ from zmlcore.telemetry import tracing
 from zmlcore.errors import MethodNotAllowedError, ZMLError
 from zmlcore.telemetry.metrics import CONTENT_TYPE, exposition
 from zml_gateway import metrics
-
-if TYPE_CHECKING:
-    from zml_gateway.app import Gateway, Receive, Scope, Send
-    from zml_gateway.dashboard import Dashboard
+from zml_gateway.asgi import Handler, Receive, Scope, Send, send_error
+from zml_gateway.dashboard import Dashboard
 
 _INFER = {"/v1/chat/completions": "chat", "/v1/completions": "completions"}
 #: (route, status) label sets and (route,) ones, built once.
@@ -32,7 +30,7 @@ _ROUTE = {r: (r,) for r in _INFER.values()}
 class _Watch:
     __slots__ = ("send", "status")
 
-    def __init__(self, send: "Send") -> None:
+    def __init__(self, send: Send) -> None:
         self.send = send
         self.status = 0
 
@@ -43,12 +41,12 @@ class _Watch:
 
 
 class Observed:
-    def __init__(self, app: "Gateway", *, serve_metrics: bool = True, dashboard: "Dashboard | None" = None) -> None:
+    def __init__(self, app: Handler, *, serve_metrics: bool = True, dashboard: Dashboard | None = None) -> None:
         self.app = app
         self.serve_metrics = serve_metrics
         self.dashboard = dashboard
 
-    async def __call__(self, scope: "Scope", receive: "Receive", send: "Send") -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
@@ -67,7 +65,7 @@ class Observed:
             return
         if path == "/metrics" and self.serve_metrics:
             if scope["method"] != "GET":
-                return await self.app._error(send, MethodNotAllowedError("/metrics takes GET"), scope)
+                return await send_error(send, MethodNotAllowedError("/metrics takes GET"), allow="GET")
             body = exposition()
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", CONTENT_TYPE.encode())]})
@@ -77,11 +75,11 @@ class Observed:
             try:
                 await self.dashboard.handle(scope, receive, send)
             except ZMLError as exc:
-                await self.app._error(send, exc, scope)  # allow: GET on a 405
+                await send_error(send, exc, allow="GET")
             return
         await self.app(scope, receive, send)
 
-    async def _traced(self, scope: "Scope", receive: "Receive", watch: _Watch, path: str) -> None:
+    async def _traced(self, scope: Scope, receive: Receive, watch: _Watch, path: str) -> None:
         """The request in a SERVER span that continues the caller's ``traceparent``."""
         parent = tracing.extract_asgi(scope["headers"])
         client = scope.get("client")

@@ -80,7 +80,7 @@ class GatewayService:
         await keys.wait_ready(2.0)  # keys known before the first request (else: 401s at start)
         self.limiter = await SharedLimiter.open(nc)
         gateway = Gateway(self.cfg, nc, self.nodes, self.costs, Access(self.cfg, ring, self.limiter))
-        self._dashboard = Dashboard(gateway)
+        self._dashboard = Dashboard(nc, gateway.access, gateway.node_table)
         await self._dashboard.start()
         app = Observed(gateway, serve_metrics=self.cfg.metrics.gateway, dashboard=self._dashboard)
         g = self.cfg.gateway
@@ -106,7 +106,8 @@ class GatewayService:
             config.ssl.set_alpn_protocols(["h2", "http/1.1"] if g.http2 else ["http/1.1"])
         sockets = [_reuse_port_socket(self.host, self.port)] if self.reuse_port else None
         if self.grpc_port:  # zml.v1.Zml beside HTTP, through the same app (zml_gateway.grpc_front)
-            self._grpc = GrpcFront(app, gateway, self.host, self.grpc_port, reuse_port=self.reuse_port)
+            self._grpc = GrpcFront(app, self.cfg, gateway.intake.body_limit(), self.host, self.grpc_port,
+                                   reuse_port=self.reuse_port)
             await self._grpc.start()
         self._server = _Server(config)
         self._serve = asyncio.create_task(self._server.serve(sockets=sockets))

@@ -7,16 +7,15 @@ from __future__ import annotations
 import asyncio
 from dataclasses import asdict, replace
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 from aiohttp import web
 
 from zml_sim.engine import SimError
 from zml_sim.faces.base import json_response
+from zml_sim.nodeview import NodeView
 
-if TYPE_CHECKING:
-    from zml_sim.server import SimNode
 
 _decode = msgspec.json.Decoder()
 
@@ -25,7 +24,7 @@ class BadRequest(Exception):
     pass
 
 
-def add_routes(node: SimNode, r: web.UrlDispatcher) -> None:
+def add_routes(node: NodeView, r: web.UrlDispatcher) -> None:
     r.add_get("/sim/state", partial(_state, node))
     r.add_get("/sim/faults", partial(_faults_get, node))
     r.add_post("/sim/faults", partial(_faults_post, node))
@@ -35,7 +34,7 @@ def add_routes(node: SimNode, r: web.UrlDispatcher) -> None:
     r.add_post("/sim/unload", partial(_unload, node))
 
 
-async def _state(node: SimNode, request: web.Request) -> web.Response:
+async def _state(node: NodeView, request: web.Request) -> web.Response:
     return json_response(node.state())
 
 async def _json_body(request: web.Request) -> dict[str, Any]:
@@ -47,30 +46,30 @@ async def _json_body(request: web.Request) -> dict[str, Any]:
         raise BadRequest("Request body must be a JSON object")
     return body
 
-async def _faults_get(node: SimNode, request: web.Request) -> web.Response:
+async def _faults_get(node: NodeView, request: web.Request) -> web.Response:
     return json_response(node.engine.faults.to_dict())
 
-async def _faults_post(node: SimNode, request: web.Request) -> web.Response:
+async def _faults_post(node: NodeView, request: web.Request) -> web.Response:
     try:
         faults = node.engine.faults.updated(await _json_body(request))
     except (ValueError, BadRequest) as exc:
-        return node._error(400, str(exc), "bad_request")
+        return node.error(400, str(exc), "bad_request")
     crash = faults.crash and not node.engine.faults.crash
     node.engine.faults = faults
     if crash:
         # Answer first, then go down: the caller learns the fault was accepted.
-        node._spawn(_crash_soon(node, faults.crash_for_s))
+        node.spawn(_crash_soon(node, faults.crash_for_s))
     return json_response(faults.to_dict())
 
-async def _crash_soon(node: SimNode, for_s: float | None) -> None:
+async def _crash_soon(node: NodeView, for_s: float | None) -> None:
     await asyncio.sleep(0.02)
     await node.crash(for_s)
 
-async def _profile_get(node: SimNode, request: web.Request) -> web.Response:
+async def _profile_get(node: NodeView, request: web.Request) -> web.Response:
     return json_response({**asdict(node.engine.profile), "max_waiting": node.engine.max_waiting,
                            "time_scale": node.engine.time_scale})
 
-async def _profile_post(node: SimNode, request: web.Request) -> web.Response:
+async def _profile_post(node: NodeView, request: web.Request) -> web.Response:
     """Change performance numbers at run time (speed rescales prefill and decode)."""
     eng = node.engine
     try:
@@ -92,7 +91,7 @@ async def _profile_post(node: SimNode, request: web.Request) -> web.Response:
                 raise ValueError("max_concurrency: expected an integer")
             changes[key] = value
     except (ValueError, BadRequest) as exc:
-        return node._error(400, str(exc), "bad_request")
+        return node.error(400, str(exc), "bad_request")
     if "max_waiting" in body:
         eng.max_waiting = body["max_waiting"]
     if "time_scale" in changes:
@@ -105,7 +104,7 @@ async def _profile_post(node: SimNode, request: web.Request) -> web.Response:
     eng._wake.set()  # a larger max_concurrency admits at once
     return await _profile_get(node, request)
 
-async def _load(node: SimNode, request: web.Request) -> web.Response:
+async def _load(node: NodeView, request: web.Request) -> web.Response:
     try:
         body = await _json_body(request)
         model = body.get("model")
@@ -115,24 +114,24 @@ async def _load(node: SimNode, request: web.Request) -> web.Response:
         if size is not None and (not isinstance(size, (int, float)) or size <= 0):
             raise BadRequest("size_gib must be a positive number")
     except BadRequest as exc:
-        return node._error(400, str(exc), "bad_request")
+        return node.error(400, str(exc), "bad_request")
     try:
         started = node.engine.load(model, None if size is None else float(size))
     except SimError as exc:
-        return node._error(409, str(exc), "bad_request")
+        return node.error(409, str(exc), "bad_request")
     state = "loading" if started or model in node.engine.loading else "loaded"
     return json_response({"model": model, "state": state,
                            "load_time_s": node.engine.real_seconds(node.engine.profile.load_time_s)},
                           202 if started else 200)
 
-async def _unload(node: SimNode, request: web.Request) -> web.Response:
+async def _unload(node: NodeView, request: web.Request) -> web.Response:
     try:
         body = await _json_body(request)
         model = body.get("model")
         if not isinstance(model, str):
             raise BadRequest("Field 'model' is required")
     except BadRequest as exc:
-        return node._error(400, str(exc), "bad_request")
+        return node.error(400, str(exc), "bad_request")
     if not node.engine.unload(model):
-        return node._error(404, f"The model `{model}` is not loaded.", "not_found")
+        return node.error(404, f"The model `{model}` is not loaded.", "not_found")
     return json_response({"model": model, "state": "unloaded"})

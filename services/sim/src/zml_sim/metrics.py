@@ -6,10 +6,9 @@ tests/data/engines/llamacpp/metrics.txt); vLLM, SGLang and TGI follow their rele
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
-if TYPE_CHECKING:
-    from zml_sim.server import SimNode
+from zml_sim.nodeview import NodeView
 
 
 def _labels(pairs: dict[str, str]) -> str:
@@ -48,7 +47,7 @@ class _Prom:
         return "\n".join(self.lines) + "\n"
 
 
-def render_metrics(node: SimNode) -> str:
+def render_metrics(node: NodeView) -> str:
     """Prometheus exposition in the imitated engine's metric names."""
     eng = node.engine
     models = list(dict.fromkeys([*eng.models, *eng.stats]))
@@ -129,7 +128,7 @@ def render_metrics(node: SimNode) -> str:
     return p.text()
 
 
-def _llamacpp(p: _Prom, node: SimNode, stats: list[Any]) -> None:
+def _llamacpp(p: _Prom, node: NodeView, stats: list[Any]) -> None:
     """llama-server's counters then gauges, unlabelled, in its order (no KV-cache gauge)."""
     eng = node.engine
     prompt = sum(s.prompt_tokens for s in stats)

@@ -266,7 +266,7 @@ class SimNode:
             self.engine.load(model)
         self._serve_task = asyncio.get_running_loop().create_task(self._serve())
 
-    def _spawn(self, coro: Awaitable[Any]) -> None:
+    def spawn(self, coro: Awaitable[Any]) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -280,7 +280,7 @@ class SimNode:
         r.add_post("/v1/completions", self._completions)
         r.add_post("/v1/embeddings", self._embeddings)
         r.add_get("/v1/models", self._models)
-        r.add_get("/health", self._health)
+        r.add_get("/health", self.health)
         r.add_get("/metrics", self._metrics)
         r.add_get("/zml/v1/node", self._node)
         admin.add_routes(self, r)
@@ -289,7 +289,7 @@ class SimNode:
 
     # ----- errors, engine-shaped ---------------------------------------------------------------
 
-    def _error(self, status: int, message: str, kind: str,
+    def error(self, status: int, message: str, kind: str,
                headers: dict[str, str] | None = None) -> web.Response:
         """An error body in the imitated engine's shape. ``kind``: bad_request, not_found,
         overloaded, loading, internal."""
@@ -301,7 +301,7 @@ class SimNode:
     def _overload(self) -> web.Response:
         return self.face.overload(self)
 
-    def _loading_error(self) -> web.Response:
+    def loading_error(self) -> web.Response:
         return self.face.loading_error()
 
     # ----- inference ---------------------------------------------------------------------------
@@ -378,17 +378,17 @@ class SimNode:
         try:
             args = self._parse(await request.read(), chat)
         except _BadRequest as exc:
-            return self._error(400, str(exc), "bad_request")
+            return self.error(400, str(exc), "bad_request")
         model = args["model"]
         if model is None:  # like vLLM: the served model when none is named
             if not eng.models:
-                return self._loading_error() if eng.loading else self._error(
+                return self.loading_error() if eng.loading else self.error(
                     404, "No model is loaded", "not_found")
             model = next(iter(eng.models))
         if model not in eng.models:
             if model in eng.loading and self.face.loading_answers_503:
-                return self._loading_error()
-            return self._error(404, f"The model `{model}` does not exist.", "not_found")
+                return self.loading_error()
+            return self.error(404, f"The model `{model}` does not exist.", "not_found")
         if eng.overloaded:
             return self._overload()
         if eng.faults.hang:
@@ -401,7 +401,7 @@ class SimNode:
             raise asyncio.CancelledError
         if eng.sample_error():
             status = eng.faults.error_status
-            return self._error(status, "Injected fault: internal server error", "internal",
+            return self.error(status, "Injected fault: internal server error", "internal",
                                self._retry_headers())
         drop = eng.sample_drop()
         req = eng.submit(model, args["prompt_tokens"], args["max_tokens"])
@@ -419,27 +419,27 @@ class SimNode:
         try:
             model, texts, dims, fmt, tokens = embeddings.parse(_decode.decode(await request.read()))
         except msgspec.DecodeError as exc:
-            return self._error(400, f"Invalid JSON in request body: {exc}", "bad_request")
+            return self.error(400, f"Invalid JSON in request body: {exc}", "bad_request")
         except embeddings.EmbeddingRequestError as exc:
-            return self._error(400, str(exc), "bad_request")
+            return self.error(400, str(exc), "bad_request")
         if model is None:
             if not eng.models:
-                return self._loading_error() if eng.loading else self._error(404, "No model is loaded", "not_found")
+                return self.loading_error() if eng.loading else self.error(404, "No model is loaded", "not_found")
             model = next(iter(eng.models))
         if model not in eng.models:
             if model in eng.loading and self.face.loading_answers_503:
-                return self._loading_error()
-            return self._error(404, f"The model `{model}` does not exist.", "not_found")
+                return self.loading_error()
+            return self.error(404, f"The model `{model}` does not exist.", "not_found")
         if eng.overloaded:
             return self._overload()
         if eng.sample_error():
-            return self._error(eng.faults.error_status, "Injected fault: internal server error", "internal",
+            return self.error(eng.faults.error_status, "Injected fault: internal server error", "internal",
                                self._retry_headers())
         req = eng.submit(model, tokens, 1)
         try:
             await req.text()
         except SimError as exc:
-            return self._error(500, str(exc), "internal")
+            return self.error(500, str(exc), "internal")
         finally:
             eng.cancel(req)
         return _json_response(embeddings.response(model, texts, dims, fmt, tokens))
@@ -470,7 +470,7 @@ class SimNode:
                 if drop:
                     self._drop(request, req)
         except SimError as exc:
-            return self._error(500, str(exc), "internal")
+            return self.error(500, str(exc), "internal")
         text = "".join(pieces)
         body = self._envelope(req, chat, chunk=False)
         if chat:
@@ -534,13 +534,13 @@ class SimNode:
                  "parent": None, "max_model_len": MAX_MODEL_LEN} for m in [*self.engine.models, *self.sleeping]]
         return _json_response({"object": "list", "data": data})
 
-    async def _health(self, request: web.Request) -> web.Response:
+    async def health(self, request: web.Request) -> web.Response:
         if self.engine.sample_probe_loss():  # a lost probe: no answer at all
             if request.transport is not None:
                 request.transport.abort()
             raise asyncio.CancelledError
         if not self.engine.models and not self.sleeping:
-            return self._loading_error()
+            return self.loading_error()
         return self.face.health_ok()
 
     async def _node(self, request: web.Request) -> web.Response:

@@ -12,6 +12,17 @@ from zmlcore.messages.infer import (
     infer_request_decoder,
     routing_info_decoder,
 )
+from zmlcore.messages.kvcache import (
+    KvAllCleared,
+    KvBlockRemoved,
+    KvBlockStored,
+    KvEvent,
+    KvEventBatch,
+    PrefixRecord,
+    kv_event_batch_decoder,
+    kv_event_batch_msgpack_decoder,
+    prefix_record_decoder,
+)
 from zmlcore.messages.admin import NodeAdd, NodeAdded, NodeRemove, NodeRemoved, NodeSpec, RegistryEntry
 from zmlcore.messages.node import (
     InflightDelta,
@@ -51,6 +62,15 @@ __all__ = [
     "InflightDelta",
     "InflightSnapshot",
     "InlinePolicy",
+    "KvAllCleared",
+    "KvBlockRemoved",
+    "KvBlockStored",
+    "KvEvent",
+    "KvEventBatch",
+    "PrefixRecord",
+    "kv_event_batch_decoder",
+    "kv_event_batch_msgpack_decoder",
+    "prefix_record_decoder",
     "NodeAdd",
     "NodeAdded",
     "NodeMark",

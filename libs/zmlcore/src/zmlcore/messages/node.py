@@ -34,6 +34,11 @@ class NodeState(msgspec.Struct, kw_only=True, omit_defaults=True):
     queue_waiting: int = 0
     max_concurrency: int = 0
     kv_cache_usage: float = 0.0
+    #: The engine's KV cache geometry (vLLM ``vllm:cache_config_info``: ``block_size`` tokens
+    #: per block, ``num_gpu_blocks``); 0: not reported (the accelerator type's default is
+    #: used, ``zmlcore.policy.prefix.kv_geometry``).
+    kv_block_size: int = 0
+    kv_blocks: int = 0
     free_memory_gib: float | None = None
     error_rate: float = 0.0
     #: Recent generation throughput (output tokens/s) and measured speeds if known.

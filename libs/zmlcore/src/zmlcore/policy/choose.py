@@ -13,10 +13,15 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any, NoReturn
 
+import numpy as np
+
 from zmlcore.errors import BadRequestError, ModelNotLoadedError, NoHealthyNodesError, QueueFullError
 from zmlcore.policy.context import Cand, Ctx, VCtx
-from zmlcore.policy.fleet import FleetIndex
+from zmlcore.policy.fleet import FleetIndex, ModelTable
+from zmlcore.policy.prefix.index import Match, PrefixIndex, slots_of
+from zmlcore.policy.prefix.keys import BLOCK_BYTES
 from zmlcore.policy.resolve import ResolvedPolicy
+from zmlcore.policy.session import keep_bound
 from zmlcore.policy.strategies import availability, chain, cost, latency, round_robin, weighted
 from zmlcore.policy.types import Decision, FamilyEval, NodeView, RouteRequest, RoutingState
 
@@ -73,8 +78,14 @@ def choose_node(
     state: RoutingState,
     *,
     stale_after_s: float = 15.0,
+    cache: PrefixIndex | None = None,
 ) -> Decision:
     """Pick the node for one request, or raise a RoutingError subclass with a routing_context.
+
+    With a ``cache`` index and the request's key chain (``req.prefix``), every node's estimate
+    counts only the prompt tokens it does not hold (``zmlcore.policy.prefix``); with a bound
+    session (``req.session_node``) the bound node is kept while it is within the load bound
+    (``zmlcore.policy.session``).
 
     ``nodes`` is best a :class:`FleetIndex` the router keeps: a decision reads the model's
     rows (a few vector operations, or a short Python scan of a small table) and never changes
@@ -109,13 +120,25 @@ def choose_node(
                 "recommendation": f"run `zml serve {req.model}` or add it to a node's models",
             },
         )
-    if table.small:
-        ctx = Ctx(fleet, table, req, policy, now, state, stale_after_s)
-        pick = STRATEGIES.get(policy.strategy, chain.select)(ctx)
-    else:
-        ctx = VCtx(fleet, table, req, policy, now, state, stale_after_s)
-        row = ROW_STRATEGIES.get(policy.strategy, chain.select_rows)(ctx)
-        pick = None if row is None else ctx.cand(row)
+    cached = None
+    if cache is not None and req.prefix is not None and req.prefix.keys:
+        match = cache.lookup(req.prefix, now)
+        if match:
+            cached = cached_rows(table, cache, match, req.prompt_tokens)
+    ctx = (Ctx if table.small else VCtx)(fleet, table, req, policy, now, state, stale_after_s, cached)
+    session = ""
+    pick = None
+    if req.session_node is not None:
+        row, session = keep_bound(ctx, req.session_node)
+        if row is not None:
+            g = table.group_of[row]
+            pick = Cand(g, row, ctx.est(g, row), ctx.ranks[g.k], cached=ctx.cached_at(row))
+    if pick is None:
+        if isinstance(ctx, VCtx):
+            row = ROW_STRATEGIES.get(policy.strategy, chain.select_rows)(ctx)
+            pick = None if row is None else ctx.cand(row)
+        else:
+            pick = STRATEGIES.get(policy.strategy, chain.select)(ctx)
     if pick is None:
         _fail(fleet, table.families, req, policy, now, stale_after_s)
     v = table.views[pick.i]
@@ -126,7 +149,58 @@ def choose_node(
         v.effective_outstanding(),
         estimated_ttft_s=pick.est,
         evaluated=ctx.evaluated or [],
+        cached_tokens=ctx.cached_at(pick.i),
+        session=session,
     )
+
+
+def cached_rows(table: ModelTable, cache: PrefixIndex, match: Match, prompt_tokens: int) -> Any:
+    """Each row's cached tokens for this request, in whole blocks of its node's engine:
+    ``{row: tokens}`` for a small table, a dense array for a large one (None: no row holds
+    any). A node's tokens are the matched bytes in tokens, capped below the whole prompt
+    (``PrefixIndex.to_tokens``), rounded down to its block size."""
+    key = (id(cache), cache.epoch)
+    if table.slot_key != key:  # nodes joined/left the index or the table was rebuilt
+        m = np.full(len(cache.block_by_slot), -1, dtype=np.intp)
+        for j, v in enumerate(table.views):
+            nc = cache.node(v.node_id)
+            if nc is not None:
+                m[nc.slot] = j
+        table.slot_rows = m
+        table.slot_key = key
+    rows_of = table.slot_rows
+    blocks = cache.block_by_slot
+    chain = match.chain
+    total = max(prompt_tokens, chain.nbytes // cache.bytes_per_token)
+    out: Any = {} if table.small else None
+    for mask, nkeys in match.groups:
+        t = min(nkeys * BLOCK_BYTES // cache.bytes_per_token, total - 1)
+        if t <= 0:
+            continue
+        slots = slots_of(mask)
+        if table.small or len(slots) < 8:
+            for sl in slots:
+                j = int(rows_of[sl]) if sl < len(rows_of) else -1
+                if j < 0:
+                    continue
+                b = int(blocks[sl])
+                c = t // b * b
+                if c:
+                    if out is None:
+                        out = np.zeros(len(table.views))
+                    out[j] = c
+        else:
+            sa = np.asarray(slots, dtype=np.intp)
+            sa = sa[sa < len(rows_of)]
+            rows = rows_of[sa]
+            ok = rows >= 0
+            ba = blocks[sa[ok]]
+            if out is None:
+                out = np.zeros(len(table.views))
+            out[rows[ok]] = t // ba * ba
+    if out is not None and not table.small and not out.any():
+        return None
+    return out or None if table.small else out
 
 
 def _index_for(nodes: Sequence[NodeView], state: RoutingState) -> FleetIndex:

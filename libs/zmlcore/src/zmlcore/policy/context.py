@@ -24,6 +24,8 @@ in registration order, so: no chain, or one in registration order); otherwise
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from zmlcore.policy.estimate import DEFAULT_LATENCY_TARGET_S, INF
@@ -38,9 +40,10 @@ MAX_CHAINS = 64
 class Cand:
     """One candidate node (row ``i`` of the table behind ``cls``) for this request."""
 
-    __slots__ = ("cls", "i", "est", "rank", "cost_cap")
+    __slots__ = ("cls", "i", "est", "rank", "cost_cap", "cached")
 
-    def __init__(self, cls: FamilyGroup, i: int, est: float, rank: int, cost_cap: float | None = None) -> None:
+    def __init__(self, cls: FamilyGroup, i: int, est: float, rank: int, cost_cap: float | None = None,
+                 cached: int = 0) -> None:
         self.cls = cls
         self.i = i
         self.est = est
@@ -48,6 +51,8 @@ class Cand:
         self.rank = rank
         #: $/h per req/s of capacity (Coeffs.cost_cap)
         self.cost_cap = float(cls.table.cost_cap[i]) if cost_cap is None else cost_cap
+        #: prompt tokens the node holds in its prefix cache (estimated)
+        self.cached = cached
 
     @property
     def depth(self) -> int:
@@ -96,7 +101,7 @@ class Ctx:
 
     __slots__ = (
         "fleet", "table", "req", "policy", "now", "state", "stale_after", "prompt", "target_s", "health_min",
-        "families", "first_of", "ranks", "counts", "chain", "evaluated",
+        "families", "first_of", "ranks", "counts", "chain", "evaluated", "cached",
     )
 
     def __init__(
@@ -108,9 +113,13 @@ class Ctx:
         now: float,
         state: RoutingState,
         stale_after: float,
+        cached: Any = None,
     ) -> None:
         self.fleet = fleet
         self.table = table
+        #: prompt tokens each row holds in its prefix cache: {row: tokens} (small tables), a
+        #: dense array (large ones), or None (no cache lookup, or nothing held)
+        self.cached = cached
         self.req = req
         self.policy = policy
         self.now = now
@@ -153,8 +162,15 @@ class Ctx:
         """May row ``i`` (whose load key is finite, of a family in the chain) take the request?"""
         return self.ok(i)
 
+    def cached_at(self, i: int) -> int:
+        c = self.cached
+        return int(c.get(i, 0)) if c else 0
+
     def est(self, cls: FamilyGroup, i: int) -> float:
         t = self.table
+        c = self.cached
+        if c and i in c:
+            return float(t.key[i]) + (self.prompt - float(c[i])) * float(t.inv_pf[i])
         return float(t.key[i]) + self.prompt * float(t.inv_pf[i])
 
     def best_drain(self, cls: FamilyGroup) -> int | None:
@@ -172,6 +188,7 @@ class Ctx:
         key, inv_pf, cost = t.key, t.inv_pf, t.cost_cap
         updated, blocked, health, views = t.updated, t.blocked, t.health, t.views
         p, now, stale, hmin, excl = self.prompt, self.now, self.stale_after, self.health_min, self.req.exclude
+        cached = self.cached or {}
         out: list[Cand] = []
         evaluated: list[FamilyEval] = []
         first_of, counts = self.first_of, self.counts
@@ -185,7 +202,8 @@ class Ctx:
                         or (hmin is not None and health[i] < hmin) or (excl and views[i].node_id in excl)
                     ):
                         continue
-                    out.append(Cand(g, i, k + p * inv_pf[i], rank, cost[i]))
+                    c = cached.get(i, 0) if cached else 0
+                    out.append(Cand(g, i, k + (p - c) * inv_pf[i] if c else k + p * inv_pf[i], rank, cost[i], c))
                     n += 1
             evaluated.append(
                 FamilyEval(fam, counts[rank], None if n else ("no_routable_node" if g is not None else "no_nodes"))
@@ -208,8 +226,9 @@ class VCtx(Ctx):
         now: float,
         state: RoutingState,
         stale_after: float,
+        cached: Any = None,
     ) -> None:
-        super().__init__(fleet, table, req, policy, now, state, stale_after)
+        super().__init__(fleet, table, req, policy, now, state, stale_after, cached)
         self._bad: np.ndarray | bool | None = None
         self._est: np.ndarray | None = None
 
@@ -249,8 +268,15 @@ class VCtx(Ctx):
         b = self.bad()
         return b is None or not b[i]
 
+    def cached_at(self, i: int) -> int:
+        c = self.cached
+        return 0 if c is None else int(c.item(i))
+
     def est(self, cls: FamilyGroup, i: int) -> float:
         t = self.table
+        c = self.cached
+        if c is not None and c.item(i):
+            return float(t.key.item(i)) + (self.prompt - float(c.item(i))) * float(t.inv_pf.item(i))
         return float(t.key.item(i)) + self.prompt * float(t.inv_pf.item(i))
 
     def estimates(self) -> np.ndarray:
@@ -258,7 +284,8 @@ class VCtx(Ctx):
         e = self._est
         if e is None:
             t = self.table
-            e = self._est = t.key + self.prompt * t.inv_pf
+            c = self.cached
+            e = self._est = t.key + self.prompt * t.inv_pf if c is None else t.key + (self.prompt - c) * t.inv_pf
             b = self.bad()
             if b is not None:
                 e[b] = INF
@@ -297,7 +324,7 @@ class VCtx(Ctx):
 
     def cand(self, i: int) -> Cand:
         g = self.table.group_of[i]
-        return Cand(g, i, self.est(g, i), self.ranks[g.k])
+        return Cand(g, i, self.est(g, i), self.ranks[g.k], cached=self.cached_at(i))
 
     def evaluate(self) -> None:
         """``evaluated`` as :meth:`Ctx.candidates` sets it."""

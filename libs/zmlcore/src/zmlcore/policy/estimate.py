@@ -1,9 +1,10 @@
 """The TTFT estimate (shortest expected TTFT, "STE") and per-node capacity and cost figures.
 
-For a request of ``P`` prompt tokens on a node with prefill speed ``pf``, decode speed
-``r(b)`` per sequence at batch ``b`` and ``maxc`` sequence slots::
+For a request of ``P`` prompt tokens, ``C`` of them in the node's prefix cache, on a node with
+prefill speed ``pf``, decode speed ``r(b)`` per sequence at batch ``b`` and ``maxc`` sequence
+slots::
 
-    ttft ~= (pending * E[P] + P) / pf  +  max(0, outstanding + 1 - maxc) * E[O-1] / (maxc * r(maxc))
+    ttft ~= (pending * E[P] + P - C) / pf  +  max(0, outstanding + 1 - maxc) * E[O-1] / (maxc * r(maxc))
 
 the prefill backlog ahead of the request plus, when every slot is taken, the time for enough
 sequences to finish (the node retires ``maxc * r(maxc) / E[O-1]`` sequences a second at full
@@ -110,18 +111,23 @@ def estimate_ttft(
     pending: int,
     prompt_tokens: float,
     *,
+    cached_tokens: float = 0.0,
     mean_prompt: float = MEAN_PROMPT_TOKENS,
     mean_output: float = MEAN_OUTPUT_TOKENS,
 ) -> float:
-    """Estimated seconds to first token of a ``prompt_tokens`` request sent to this node now.
+    """Estimated seconds to first token of a ``prompt_tokens`` request sent to this node now,
+    of which the node holds ``cached_tokens`` in its prefix cache: queue wait plus the
+    *uncached* tokens at the node's prefill speed.
 
     >>> st = NodeState(node_id="n", accelerator_type="nvidia_h100", family="H100", endpoint="")
     >>> round(estimate_ttft(st, outstanding=0, pending=0, prompt_tokens=1000), 3)
     0.1
+    >>> round(estimate_ttft(st, outstanding=0, pending=0, prompt_tokens=1000, cached_tokens=800), 3)
+    0.02
     """
     pf, dec, maxc = node_speeds(st)
     c = Coeffs(pf, dec, maxc, 0.0, mean_prompt, mean_output)
-    return c.load_key(outstanding, pending) + prompt_tokens * c.inv_pf
+    return c.load_key(outstanding, pending) + (prompt_tokens - cached_tokens) * c.inv_pf
 
 
 def nonstream_pending_s(st: NodeState, outstanding: int, pending: int, prompt_tokens: float) -> float:

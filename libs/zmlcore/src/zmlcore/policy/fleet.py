@@ -77,7 +77,7 @@ class ModelTable:
     __slots__ = (
         "model", "small", "families", "by_family", "groups", "starts", "fam", "group_of", "chains", "flat", "views",
         "coeffs", "inputs", "up", "n_up", "key", "drain", "pf", "inv_pf", "cost_cap", "depth", "maxc", "updated",
-        "blocked", "health",
+        "blocked", "health", "slot_rows", "slot_key",
     )
 
     def __init__(self, model: str, views: list[NodeView], families: list[str]) -> None:
@@ -124,6 +124,10 @@ class ModelTable:
         self.updated = col(0.0)
         self.blocked = col(0.0)
         self.health = col(0.0)
+        #: a PrefixIndex's slot -> this table's row (-1: not here), and the (index, epoch) it
+        #: was built for (zmlcore.policy.choose.cached_rows)
+        self.slot_rows: Any = None
+        self.slot_key: Any = None
 
 
 def _membership(v: NodeView) -> tuple[str, frozenset[str], list[str], list[str]]:

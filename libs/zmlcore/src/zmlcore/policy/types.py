@@ -152,6 +152,13 @@ class RouteRequest:
     accelerator_id: str | None = None
     #: Nodes already tried for this request.
     exclude: frozenset[str] = frozenset()
+    #: The prompt's key chain (``zmlcore.policy.prefix.prompt_keys``): with a ``cache`` index
+    #: passed to ``choose_node``, each node's estimate counts only its uncached tokens.
+    prefix: Any = None
+    #: The node this request's session is bound to (``user`` / ``x-session-id`` / the SDK's
+    #: ``session=``), if any: kept while that node is within the load bound
+    #: (``zmlcore.policy.session``), else the policy chooses and the caller rebinds.
+    session_node: str | None = None
 
 
 @dataclass(slots=True)
@@ -175,6 +182,11 @@ class Decision:
     queue_depth: int
     estimated_ttft_s: float = 0.0
     evaluated: list[FamilyEval] = field(default_factory=list)
+    #: Prompt tokens the chosen node is estimated to hold in its prefix cache.
+    cached_tokens: int = 0
+    #: Session affinity: "" (no session), "kept" (the bound node), "spilled" (bound node over
+    #: the load bound), "moved" (bound node not routable: down, cooling, unknown).
+    session: str = ""
 
 
 @dataclass(slots=True)

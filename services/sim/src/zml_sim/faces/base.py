@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 from aiohttp import web
 
-if TYPE_CHECKING:
-    from zml_sim.server import SimNode
+from zml_sim.nodeview import NodeView
+
 
 #: Context window every simulated model advertises (vLLM's /v1/models ``max_model_len``) and
 #: enforces: prompt + max_tokens above it is a 400, as vLLM answers.
@@ -24,7 +24,7 @@ def json_response(data: Any, status: int = 200, headers: dict[str, str] | None =
                         headers=headers)
 
 
-def retry_headers(node: SimNode, default: float | None = None) -> dict[str, str]:
+def retry_headers(node: NodeView, default: float | None = None) -> dict[str, str]:
     value = node.engine.faults.retry_after_s
     if value is None:
         value = default
@@ -55,7 +55,7 @@ class Face:
     def error(self, status: int, message: str, kind: str, headers: dict[str, str] | None = None) -> web.Response:
         return json_response(self.error_body(status, message, kind), status, headers)
 
-    def overload(self, node: SimNode) -> web.Response:
+    def overload(self, node: NodeView) -> web.Response:
         message = "The server is overloaded: too many requests waiting. Retry later."
         return self.error(503, message, "overloaded", retry_headers(node, DEFAULT_RETRY_AFTER_S))
 
@@ -65,5 +65,5 @@ class Face:
     def health_ok(self) -> web.Response:
         return web.Response(status=200)
 
-    def add_routes(self, node: SimNode, r: web.UrlDispatcher) -> None:
+    def add_routes(self, node: NodeView, r: web.UrlDispatcher) -> None:
         """The engine's own routes beside the shared OpenAI, health, metrics and /sim ones."""

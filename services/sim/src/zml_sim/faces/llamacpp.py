@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
@@ -17,9 +17,7 @@ from zml_sim.engine import SimError
 from zml_sim.faces.base import MAX_MODEL_LEN
 from zml_sim.faces.base import Face
 from zml_sim.faces.base import json_response
-
-if TYPE_CHECKING:
-    from zml_sim.server import SimNode
+from zml_sim.nodeview import NodeView
 
 
 class LlamaCpp(Face):
@@ -39,7 +37,7 @@ class LlamaCpp(Face):
     def health_ok(self) -> web.Response:
         return json_response({"status": "ok"})
 
-    def add_routes(self, node: SimNode, r: web.UrlDispatcher) -> None:
+    def add_routes(self, node: NodeView, r: web.UrlDispatcher) -> None:
         r.add_get("/props", partial(_props, node))
         r.add_get("/slots", partial(_slots, node))
         r.add_get("/models", partial(_router_models, node))
@@ -54,14 +52,14 @@ def _json(data: Any, status: int = 200) -> web.Response:
     return web.json_response(data, status=status)
 
 
-async def _props(node: SimNode, req: web.Request) -> web.Response:
+async def _props(node: NodeView, req: web.Request) -> web.Response:
     eng = node.engine
     return _json({"total_slots": eng.profile.max_concurrency, "is_sleeping": False,
                   "model_path": next(iter(eng.models), None), "model_alias": next(iter(eng.models), None),
                   "default_generation_settings": {"n_ctx": MAX_MODEL_LEN}})
 
 
-async def _slots(node: SimNode, req: web.Request) -> web.Response:
+async def _slots(node: NodeView, req: web.Request) -> web.Response:
     eng = node.engine
     busy = [*eng.decoding, *eng.prefill_queue]
     if eng.prefilling is not None and not eng.prefilling.finished:
@@ -76,7 +74,7 @@ async def _slots(node: SimNode, req: web.Request) -> web.Response:
     return _json(slots)
 
 
-async def _router_models(node: SimNode, req: web.Request) -> web.Response:
+async def _router_models(node: NodeView, req: web.Request) -> web.Response:
     eng = node.engine
     now = int(time.time())
     data = [{"id": m, "object": "model", "owned_by": "llamacpp", "created": now, "aliases": [], "tags": [],
@@ -85,34 +83,34 @@ async def _router_models(node: SimNode, req: web.Request) -> web.Response:
     return _json({"data": data, "object": "list"})
 
 
-async def _model_field(node: SimNode, req: web.Request) -> str | web.Response:
+async def _model_field(node: NodeView, req: web.Request) -> str | web.Response:
     try:
         body = await req.json()
     except ValueError:
-        return node._error(400, "Invalid JSON", "bad_request")
+        return node.error(400, "Invalid JSON", "bad_request")
     model = body.get("model") if isinstance(body, dict) else None
     if not isinstance(model, str) or not model:
-        return node._error(404, "model is not found", "not_found")
+        return node.error(404, "model is not found", "not_found")
     return model
 
 
-async def _router_load(node: SimNode, req: web.Request) -> web.Response:
+async def _router_load(node: NodeView, req: web.Request) -> web.Response:
     model = await _model_field(node, req)
     if isinstance(model, web.Response):
         return model
     try:
         started = node.engine.load(model)
     except SimError as exc:
-        return node._error(500, str(exc), "internal")
+        return node.error(500, str(exc), "internal")
     if not started:
-        return node._error(400, "model is already running", "bad_request")
+        return node.error(400, "model is already running", "bad_request")
     return _json({"success": True})
 
 
-async def _router_unload(node: SimNode, req: web.Request) -> web.Response:
+async def _router_unload(node: NodeView, req: web.Request) -> web.Response:
     model = await _model_field(node, req)
     if isinstance(model, web.Response):
         return model
     if not node.engine.unload(model):
-        return node._error(400, "model is not running", "bad_request")
+        return node.error(400, "model is not running", "bad_request")
     return _json({"success": True})

@@ -3,16 +3,14 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
 from zml_sim.faces.base import DEFAULT_RETRY_AFTER_S
 from zml_sim.faces.base import Face
 from zml_sim.faces.base import retry_headers
-
-if TYPE_CHECKING:
-    from zml_sim.server import SimNode
+from zml_sim.nodeview import NodeView
 
 
 class OpenAI(Face):
@@ -25,7 +23,7 @@ class OpenAI(Face):
         code = {"not_found": "model_not_found", "overloaded": "rate_limit_exceeded"}.get(kind)
         return {"error": {"message": message, "type": otype, "param": None, "code": code}}
 
-    def overload(self, node: SimNode) -> web.Response:
+    def overload(self, node: NodeView) -> web.Response:
         message = "The server is overloaded: too many requests waiting. Retry later."
         return self.error(429, message, "overloaded", retry_headers(node, DEFAULT_RETRY_AFTER_S))
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
@@ -11,9 +11,7 @@ from zml_sim.faces.base import MAX_MODEL_LEN
 from zml_sim.faces.base import Face
 from zml_sim.faces.base import json_response
 from zml_sim.faces.base import retry_headers
-
-if TYPE_CHECKING:
-    from zml_sim.server import SimNode
+from zml_sim.nodeview import NodeView
 
 
 class TGI(Face):
@@ -25,18 +23,18 @@ class TGI(Face):
                     "overloaded": "overloaded", "loading": "unavailable"}.get(kind, "generation")
         return {"error": message, "error_type": tgi_type}
 
-    def overload(self, node: SimNode) -> web.Response:
+    def overload(self, node: NodeView) -> web.Response:
         return json_response({"error": "Model is overloaded", "error_type": "overloaded"}, 429,
                              retry_headers(node))
 
-    def add_routes(self, node: SimNode, r: web.UrlDispatcher) -> None:
+    def add_routes(self, node: NodeView, r: web.UrlDispatcher) -> None:
         r.add_get("/info", partial(_info, node))
 
 
 FACE = TGI()
 
 
-async def _info(node: SimNode, request: web.Request) -> web.Response:
+async def _info(node: NodeView, request: web.Request) -> web.Response:
     p = node.engine.profile
     return json_response({
         "model_id": next(iter(node.engine.models), None), "model_dtype": "torch.float16",

@@ -8,24 +8,21 @@ from __future__ import annotations
 
 import asyncio
 from functools import partial
-from typing import TYPE_CHECKING
 
 from aiohttp import web
 
 from zml_sim.engine import SimError
 from zml_sim.faces.base import Face
 from zml_sim.faces.base import json_response
-
-if TYPE_CHECKING:
-    from zml_sim.server import SimNode
+from zml_sim.nodeview import NodeView
 
 
 class VLLM(Face):
     name = "vllm"
 
-    def add_routes(self, node: SimNode, r: web.UrlDispatcher) -> None:
+    def add_routes(self, node: NodeView, r: web.UrlDispatcher) -> None:
         r.add_get("/version", _version)
-        r.add_get("/ping", node._health)
+        r.add_get("/ping", node.health)
         r.add_get("/is_sleeping", partial(_is_sleeping, node))
         r.add_post("/sleep", partial(_sleep, node))
         r.add_post("/wake_up", partial(_wake_up, node))
@@ -38,11 +35,11 @@ async def _version(req: web.Request) -> web.Response:
     return json_response({"version": "0.8.5"})
 
 
-async def _is_sleeping(node: SimNode, req: web.Request) -> web.Response:
+async def _is_sleeping(node: NodeView, req: web.Request) -> web.Response:
     return json_response({"is_sleeping": bool(node.sleeping)})
 
 
-async def _sleep(node: SimNode, req: web.Request) -> web.Response:
+async def _sleep(node: NodeView, req: web.Request) -> web.Response:
     eng = node.engine
     for model in list(eng.models):
         node.sleeping.append(model)
@@ -50,7 +47,7 @@ async def _sleep(node: SimNode, req: web.Request) -> web.Response:
     return web.Response(status=200)
 
 
-async def _wake_up(node: SimNode, req: web.Request) -> web.Response:
+async def _wake_up(node: NodeView, req: web.Request) -> web.Response:
     eng = node.engine
     models, node.sleeping = list(node.sleeping), []
     try:
@@ -58,5 +55,5 @@ async def _wake_up(node: SimNode, req: web.Request) -> web.Response:
             eng.load(model)
         await asyncio.gather(*(eng.wait_loaded(m) for m in models))
     except SimError as exc:
-        return node._error(500, str(exc), "internal")
+        return node.error(500, str(exc), "internal")
     return web.Response(status=200)

@@ -1,0 +1,154 @@
+"""Block keys of a prompt, computed once per request without a tokenizer.
+
+A prompt is keyed on its **text**, not on token ids: the router has no tokenizer (a Python
+tokenizer costs milliseconds for an 8k-token prompt and needs the model's files), and text keys
+are the same for every node whatever its engine and block size, so one chain serves the whole
+fleet; each node's share is converted to its own tokens afterwards (see ``index.py``).
+
+The prompt is serialised canonically (chat: each message as role, a 0 byte, its text, a 1 byte;
+completions: the prompt's text), in UTF-8, behind the model name (different models never share
+a cache). The bytes are cut into blocks of :data:`BLOCK_BYTES`; only whole blocks are keyed
+(engines cache whole blocks too). Key ``i`` stands for the prefix ``bytes[0 : (i+1) *
+BLOCK_BYTES]``: a follow-up turn, which repeats the conversation and adds to it, shares every
+key of the previous turn.
+
+The hash is computed for all blocks at once in numpy, a fixed handful of calls (~8-12 us for an
+8k-token prompt; a Python loop of ``zlib.crc32`` or ``xxhash`` over its 64 blocks costs 25-50
+us): each block's 64-bit words are dotted with random odd constants (mod 2^64), the model's seed
+is mixed into the first block's digest, and key ``i`` is the prefix sum of the digests times
+random odd per-position constants (mod 2^64). Two prefixes share key ``i`` when their first
+``i + 1`` blocks are equal. Distinct prefixes collide with probability ~2^-64 for unrelated
+text; the weakest case, two blocks that differ only in the last byte of two 8-byte words, is
+~2^-8 over the constants. A collision only mis-estimates one request's cache (nothing is served
+from the index), so a faster hash wins over a stronger one here.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+#: Bytes of prompt text per key: ~128 tokens at ~4 bytes per token (the router's body-size
+#: estimate). A match is known to within one block; a finer block costs more index entries and
+#: upkeep per request (docs/routing.md, "Cache-aware routing").
+BLOCK_BYTES = 512
+#: Keys of one prompt at most (the rest of a longer prompt is not keyed): 512 x 512 bytes, ~64k
+#: tokens. A prefix that long is never worth a comparison finer than this.
+MAX_BLOCKS = 512
+
+_WORDS = BLOCK_BYTES // 8
+_rng = np.random.default_rng(0x5A4D4C)  # fixed: every router replica must compute the same keys
+_C = _rng.integers(0, 2**63, size=_WORDS, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+_POS = _rng.integers(0, 2**63, size=MAX_BLOCKS, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
+_EMPTY: list[int] = []
+
+
+class KeyChain:
+    """The block keys of one prompt: ``keys[i]`` covers its first ``(i + 1) * BLOCK_BYTES`` bytes.
+
+    ``nbytes`` is the serialised prompt's length (the keyed part is ``len(keys) *
+    BLOCK_BYTES``). ``keys`` are plain ints (dict keys in the index).
+
+    >>> kc = prompt_keys("m", prompt="x" * 1500)
+    >>> len(kc), kc.nbytes
+    (2, 1501)
+    """
+
+    __slots__ = ("keys", "nbytes")
+
+    def __init__(self, keys: list[int], nbytes: int) -> None:
+        self.keys = keys
+        self.nbytes = nbytes
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def to_bytes(self) -> bytes:
+        """The keys packed as little-endian uint64 (what replicas exchange)."""
+        return np.array(self.keys, dtype=np.uint64).tobytes()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, nbytes: int = 0) -> KeyChain:
+        keys = np.frombuffer(data, dtype=np.uint64).tolist()
+        return cls(keys, nbytes or len(keys) * BLOCK_BYTES)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, KeyChain) and other.keys == self.keys and other.nbytes == self.nbytes
+
+    def __repr__(self) -> str:
+        return f"KeyChain({len(self.keys)} keys, {self.nbytes} bytes)"
+
+
+def model_seed(model: str) -> int:
+    """The chain's seed for a model (crc32 of its name: stable across processes and versions)."""
+    return zlib.crc32(model.encode())
+
+
+def chain_from_bytes(data: bytes, seed: int = 0) -> KeyChain:
+    """Keys of already serialised prompt bytes (see the module docstring)."""
+    n = min(len(data) // BLOCK_BYTES, MAX_BLOCKS)
+    if n == 0:
+        return KeyChain(_EMPTY, len(data))
+    # uint64 array arithmetic wraps silently (mod 2^64), which is what a hash wants.
+    d = np.frombuffer(data, dtype=np.uint64, count=n * _WORDS).reshape(n, _WORDS) @ _C
+    d[0] ^= np.uint64(seed)
+    d *= _POS[:n]
+    return KeyChain(d.cumsum().tolist(), len(data))
+
+
+def serialise(messages: Sequence[Any] | None = None, prompt: str | Sequence[str] | None = None) -> bytes:
+    """The canonical bytes of a chat (``messages``: objects with ``role`` and ``content``, or
+    dicts) or a completions ``prompt`` (a list of prompts is keyed on its first)."""
+    if messages is not None:
+        parts: list[str] = []
+        for m in messages:
+            if isinstance(m, dict):
+                role, content, name = m.get("role", ""), m.get("content"), m.get("name")
+            else:
+                role, content, name = m.role, m.content, getattr(m, "name", None)
+            parts.append(role if not name else f"{role}:{name}")
+            parts.append("\x00")
+            parts.append(_text(content))
+            parts.append("\x01")
+        return "".join(parts).encode("utf-8", "surrogatepass")
+    if prompt is None:
+        return b""
+    if not isinstance(prompt, str):
+        prompt = prompt[0] if prompt and isinstance(prompt[0], str) else ""
+    return prompt.encode("utf-8", "surrogatepass")
+
+
+def _text(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    out: list[str] = []
+    for part in content:  # OpenAI content parts: text, image_url, input_audio...
+        if isinstance(part, dict):
+            t = part.get("text")
+            if isinstance(t, str):
+                out.append(t)
+            else:
+                img = part.get("image_url")
+                url = img.get("url") if isinstance(img, dict) else img
+                out.append(str(url) if url is not None else repr(sorted(part.items())))
+        else:
+            out.append(str(part))
+    return "\x02".join(out)
+
+
+def prompt_keys(model: str, messages: Sequence[Any] | None = None,
+                prompt: str | Sequence[str] | None = None) -> KeyChain:
+    """The key chain of one request: what the router computes once, before choosing a node.
+
+    >>> a = prompt_keys("m", messages=[{"role": "user", "content": "hi " * 400}])
+    >>> b = prompt_keys("m", messages=[{"role": "user", "content": "hi " * 400},
+    ...                               {"role": "assistant", "content": "ok " * 300}])
+    >>> b.keys[:len(a)] == a.keys, len(a) < len(b)
+    (True, True)
+    """
+    return chain_from_bytes(serialise(messages, prompt), model_seed(model))

@@ -1,0 +1,117 @@
+"""Intake of an inference request, before it costs a NATS message: the body read within its
+bounds (size, time), checked with the router's own rules (zmlcore.messages.validate), and
+turned into what goes to the routers: the caller's bytes with ZML's own fields moved to NATS
+headers (zmlcore.messages.frontdoor)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from dataclasses import dataclass
+
+from nats.aio.client import Client as NATS
+
+from zmlcore import subjects
+from zmlcore.config import ZMLConfig
+from zmlcore.errors import BadRequestError, RequestTooLargeError
+from zmlcore.messages import InferRequest, frontdoor
+from zmlcore.messages.validate import check_request_id, decode_request, request_timeout_s
+from zmlcore.telemetry import tracing
+from zml_gateway import observe
+from zml_gateway.access import Access, Caller
+from zml_gateway.asgi import Receive, Scope
+
+#: Room left in a NATS message for our headers when the body limit follows max_payload.
+HEADER_ROOM = 4096
+
+
+@dataclass(slots=True)
+class Checked:
+    """A request body that passed the checks."""
+
+    req: InferRequest
+    request_id: str  # the caller's, or one made here
+    timeout: float  # seconds, capped by [defaults] max_request_timeout_s
+
+
+class Intake:
+    def __init__(self, cfg: ZMLConfig, nc: NATS, access: Access) -> None:
+        self.cfg = cfg
+        self.nc = nc
+        self.access = access
+
+    def body_limit(self) -> int:
+        """[gateway] max_body_bytes, or less when the NATS server's max_payload is smaller: a
+        body the gateway accepts must fit in one NATS message."""
+        max_body = self.cfg.gateway.max_body_bytes
+        payload = self.nc.max_payload or max_body
+        return max(1, min(max_body, payload - HEADER_ROOM))
+
+    async def read_body(self, scope: Scope, receive: Receive) -> bytes:
+        limit = self.body_limit()
+        for name, value in scope["headers"]:
+            if name == b"content-length":
+                if value.isdigit() and int(value) > limit:
+                    raise RequestTooLargeError(f"request body of {int(value)} bytes is over the limit of {limit} bytes")
+                break
+        if getattr(getattr(receive, "__self__", None), "body_complete", False):
+            # All here already (zml_gateway.protocol.FastCycle: a small body comes with its
+            # head): nothing to wait for, so no timer to arm and cancel.
+            return await _read_rest(receive, limit)
+        timeout = self.cfg.gateway.body_timeout_s
+        try:
+            async with asyncio.timeout(timeout):  # a client that sends headers, then trickles or stalls
+                return await _read_rest(receive, limit)
+        except asyncio.TimeoutError:
+            slow = BadRequestError(f"request body not received within {timeout:g} s")
+            slow.http_status = 408  # type: ignore[misc]  # like the header timeout: BAD_REQUEST, 408
+            raise slow from None
+
+    def check(self, body: bytes, caller: Caller) -> Checked:
+        """Decode and validate ``body``; the caller's key may use its model (403 if not)."""
+        d = self.cfg.defaults
+        req = decode_request(body, max_depth=d.max_json_depth)
+        request_id = check_request_id(req.request_id) if req.request_id else os.urandom(8).hex()
+        timeout = request_timeout_s(req.timeout_ms, None, d.request_timeout_s, d.max_request_timeout_s)
+        self.access.check_model(caller, req.model, self.cfg.resolve_model(req.model))
+        return Checked(req, request_id, timeout)
+
+    @staticmethod
+    def outbound(body: bytes, checked: Checked, scope: Scope, caller: Caller) -> tuple[bytes, dict[str, str]]:
+        """The body and NATS headers the routers get: the caller's bytes, ZML's own fields moved
+        to headers, the key's options, the trace context."""
+        req = checked.req
+        # An id the caller's SDK made up (x-zml-id-generated) is unique like ours: no shared
+        # claim needed. Set on its own ids, it only drops that check for this caller.
+        generated = not req.request_id or (b"x-zml-id-generated", b"1") in scope["headers"]
+        body, fields = frontdoor.split(body, req)
+        headers = {subjects.H_REQUEST_ID: checked.request_id, subjects.H_TIMEOUT_MS: str(int(checked.timeout * 1000))}
+        headers.update(fields)
+        # The routing metadata once, in the reply body: the HTTP headers are made from it here.
+        headers[subjects.H_ACCEPT_ROUTING] = subjects.ROUTING_IN_BODY
+        if generated:  # unique by construction: routers skip the cross-replica duplicate check
+            headers[subjects.H_ID_GENERATED] = "1"
+        if caller.record is not None:  # the key's options travel with the request
+            if caller.record.default_policy:
+                headers[subjects.H_DEFAULT_POLICY] = caller.record.default_policy
+            if caller.record.label:
+                headers[subjects.H_LABEL] = caller.record.label
+        if tracing.ON:  # the router's span continues the gateway's
+            observe.forward(headers)
+        return body, headers
+
+
+async def _read_rest(receive: Receive, limit: int) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise asyncio.CancelledError
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise RequestTooLargeError(f"request body larger than the limit of {limit} bytes")
+        chunks.append(chunk)
+        if not message.get("more_body"):
+            return chunks[0] if len(chunks) == 1 else b"".join(chunks)

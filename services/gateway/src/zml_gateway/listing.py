@@ -1,0 +1,41 @@
+"""The read-only routes: GET /healthz (no key), GET /v1/models, /v1/models/{model} and
+/v1/nodes (a key when keys are on)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from nats.aio.client import Client as NATS
+
+from zmlcore.config import ZMLConfig
+from zmlcore.messages import NodeState
+from zml_gateway.access import Access
+from zml_gateway.asgi import Receive, Scope, Send, send_json
+from zml_gateway.models import model_list, model_object
+from zml_gateway.nodetable import NodeTable
+
+
+class Listing:
+    def __init__(self, cfg: ZMLConfig, nc: NATS, nodes: Mapping[str, NodeState], access: Access,
+                 table: NodeTable) -> None:
+        self.cfg = cfg
+        self.nc = nc
+        self.nodes = nodes
+        self.access = access
+        self.table = table
+
+    async def healthz(self, scope: Scope, receive: Receive, send: Send) -> None:
+        ok = self.nc.is_connected
+        await send_json(send, 200 if ok else 503, {"status": "ok" if ok else "nats_disconnected"})
+
+    async def models(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.access.authenticate(scope)
+        await send_json(send, 200, model_list(self.cfg, self.nodes))
+
+    async def model(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.access.authenticate(scope)
+        await send_json(send, 200, model_object(self.cfg, self.nodes, scope["path_params"]["model"]))
+
+    async def node_table(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.access.authenticate(scope)
+        await send_json(send, 200, {"nodes": await self.table.rows()})

@@ -1,0 +1,214 @@
+"""choose_node with the prefix index: the uncached-token estimate, sticky until saturated,
+session affinity that yields, the same pick on both decision paths."""
+
+from __future__ import annotations
+
+import math
+import random
+import zlib
+
+import pytest
+from test_policy_helpers import NOW, fleet5, node
+from test_policy_index import STALE, RefCtx, make_fleet, path, policies  # noqa: F401  (path: fixture)
+
+from zmlcore.errors import RoutingError
+from zmlcore.policy import FleetIndex, NodeView, RouteRequest, RoutingState, builtin_policy, choose_node
+from zmlcore.policy.choose import STRATEGIES
+from zmlcore.policy.estimate import Coeffs, node_speeds
+from zmlcore.policy.prefix import BLOCK_BYTES, KeyChain, PrefixIndex, chain_from_bytes
+from zmlcore.policy.resolve import ResolvedPolicy
+from zmlcore.policy.strategies import chain as chain_strategy
+
+LATENCY = builtin_policy("latency")
+
+
+def conv(n_keys: int, tag: int = 0) -> KeyChain:
+    return chain_from_bytes(b"".join((b"C%04d-%04d" % (tag, i)).ljust(BLOCK_BYTES, b"-") for i in range(n_keys)))
+
+
+def index_for(views: list[NodeView]) -> PrefixIndex:
+    idx = PrefixIndex()
+    for v in views:
+        idx.update_node(v.state)
+    return idx
+
+
+def test_the_estimate_counts_only_the_uncached_tokens_at_the_nodes_speed() -> None:
+    views = fleet5()
+    idx = index_for(views)
+    c = conv(40)  # 5,120 tokens
+    idx.record("inf2", c, NOW)
+    req = RouteRequest(model="m", prompt_tokens=5200, prefix=c)
+    d = choose_node(FleetIndex(views), req, LATENCY, NOW, RoutingState(), cache=idx)
+    # Inf2 (3,000 tok/s) holds 5,120 of 5,200 tokens (40 of its 128-token blocks): 80 uncached
+    assert (d.node_id, d.cached_tokens) == ("inf2", 5120)
+    assert d.estimated_ttft_s == pytest.approx(80 / 3000)
+    # without the index the same request goes to the H100 (0.52 s)
+    d = choose_node(FleetIndex(views), req, LATENCY, NOW, RoutingState())
+    assert (d.node_id, d.cached_tokens) == ("h100", 0) and d.estimated_ttft_s == pytest.approx(0.52)
+
+
+def test_a_warm_node_wins_until_its_queue_outweighs_the_reference_recomputing_the_prefix(path: str) -> None:
+    """Sticky until saturated: a warm MI300X (9,000 tok/s) holding 4,096 of a 4,200-token prompt
+    against an idle H100 (the reference: best estimate once the MI300X queues). The warm node
+    stays while ``est_w <= est_h100 + 4096 / 10000``, i.e. past the point where the H100's
+    estimate is already lower, and spills after."""
+    views = [node("h100"), node("mi300x", "amd_mi300x")]
+    idx = index_for(views)
+    c = conv(32)
+    idx.record("mi300x", c, NOW)
+    req = RouteRequest(model="m", prompt_tokens=4200, prefix=c)
+    e_h100 = 4200 / 10_000
+    budget = 4096 / 10_000
+    seen = []
+    for pending in range(0, 12):
+        views[1].pending = pending  # each pending request queues E[P] = 816 tokens ahead
+        d = choose_node(FleetIndex(views), req, LATENCY, NOW, RoutingState(), cache=idx)
+        e_mi = (pending * 816 + 104) / 9000
+        want = "mi300x" if e_mi <= e_h100 + budget else "h100"
+        assert d.node_id == want, pending
+        seen.append(d.node_id)
+    assert "h100" in seen and seen.index("h100") > 4  # 4 pending: 0.37 s < 0.42 s; 5-9 sticky beyond it
+
+
+def test_each_node_counts_its_own_blocks() -> None:
+    """9 keys match (1,152 tokens): whole 16-token blocks on the GPUs, whole 256-token blocks
+    on a Gaudi2 whose engine reported 256, and never the whole prompt on a short one."""
+    views = fleet5()
+    idx = index_for(views)
+    idx.set_node("gaudi2", block_size=256, capacity_tokens=500_000)
+    c = chain_from_bytes(b"y" * (9 * BLOCK_BYTES + 300))
+    for v in views:
+        idx.record(v.node_id, c, NOW)
+    fleet = FleetIndex(views)
+    got = {}
+    for v in views:
+        d = choose_node(fleet, RouteRequest(model="m", prompt_tokens=1300, prefix=c, accelerator_id=None,
+                                            exclude=frozenset(w.node_id for w in views if w is not v)),
+                        LATENCY, NOW, RoutingState(), cache=idx)
+        got[d.node_id] = d.cached_tokens
+    assert got == {"h100": 1152, "a100": 1152, "mi300x": 1152, "gaudi2": 1024, "inf2": 1152}
+    short = KeyChain(c.keys, 9 * BLOCK_BYTES)  # the prompt is exactly the matched bytes
+    d = choose_node(fleet, RouteRequest(model="m", prompt_tokens=0, prefix=short), LATENCY, NOW, RoutingState(),
+                    cache=idx)
+    assert d.cached_tokens == 1151 // 16 * 16
+
+
+class RefCacheCtx(RefCtx):
+    """The scan's view with each node's cached tokens from ``Match.tokens`` (node by node)."""
+
+    def __init__(self, views, req, policy, now, state, idx):  # type: ignore[no-untyped-def]
+        super().__init__(views, req, policy, now, state)
+        serving = [v for v in views if req.model in v.state.models or req.model in v.state.loading_models]
+        m = idx.lookup(req.prefix, now)
+        self.cached = [m.tokens(v.node_id, req.prompt_tokens) for v in serving]
+
+    def est(self, g, i):  # type: ignore[no-untyped-def]
+        c = self.cached[i]
+        t = self.table
+        return t.keys[i] + (self.prompt - c) * t.inv_pf[i] if c else t.keys[i] + self.prompt * t.inv_pf[i]
+
+    def candidates(self):  # type: ignore[no-untyped-def]
+        out = super().candidates()
+        for c in out:
+            c.cached = self.cached[c.i]
+        return out
+
+
+@pytest.mark.parametrize("pol", policies(), ids=lambda p: p.name)
+def test_both_paths_pick_what_a_scan_with_the_cache_picks(pol: ResolvedPolicy, path: str) -> None:
+    rng = random.Random(zlib.crc32(pol.name.encode()))
+    found = 0
+    for n in (3, 12, 60):
+        views = make_fleet(rng, n)
+        idx = index_for(views)
+        convs = [conv(rng.randint(1, 60), tag=t) for t in range(12)]
+        fleet = FleetIndex(views)
+        for step in range(120):
+            c = rng.choice(convs)
+            cut = rng.randint(1, len(c))
+            idx.record(rng.choice(views).node_id, KeyChain(c.keys[:cut], cut * BLOCK_BYTES), NOW)
+            prompt = len(c) * BLOCK_BYTES // 4 + rng.randint(0, 200)
+            req = RouteRequest(model="m", prompt_tokens=prompt, prefix=c)
+            ref_ctx = RefCacheCtx(views, req, pol, NOW, RoutingState(), idx)
+            ref = STRATEGIES.get(pol.strategy, chain_strategy.select)(ref_ctx)  # type: ignore[arg-type]
+            try:
+                d = choose_node(fleet, req, pol, NOW, RoutingState(), stale_after_s=STALE, cache=idx)
+            except RoutingError:
+                assert ref is None
+                continue
+            assert ref is not None
+            assert (d.node_id, d.estimated_ttft_s) == (ref.cls.views[ref.i].node_id, ref.est), step
+            assert d.cached_tokens == ref_ctx.cached[ref.i]
+            found += 1
+            fleet.get(d.node_id).outstanding += rng.randint(0, 2)  # type: ignore[union-attr]
+        fleet.close()
+    assert found > 100
+
+
+def test_no_prefix_or_no_index_routes_as_before(path: str) -> None:
+    rng = random.Random(8)
+    views = make_fleet(rng, 40)
+    idx = index_for(views)
+    c = conv(30)
+    idx.record(views[5].node_id, c, NOW)
+    fleet = FleetIndex(views)
+    for pol in policies():
+        for p in (100, 3000):
+            try:
+                a = choose_node(fleet, RouteRequest(model="m", prompt_tokens=p), pol, NOW, RoutingState())
+            except RoutingError:
+                continue
+            b = choose_node(fleet, RouteRequest(model="m", prompt_tokens=p), pol, NOW, RoutingState(), cache=idx)
+            c2 = choose_node(fleet, RouteRequest(model="m", prompt_tokens=p, prefix=conv(30, tag=7)), pol, NOW,
+                             RoutingState(), cache=idx)
+            assert (a.node_id, a.estimated_ttft_s) == (b.node_id, b.estimated_ttft_s) == (c2.node_id, c2.estimated_ttft_s)
+
+
+# --- sessions ---
+
+def test_a_session_stays_on_its_node_within_the_load_bound_then_spills(path: str) -> None:
+    views = [node(f"h{i}") for i in range(4)] + [node("inf2", "aws_inferentia2")]
+    fleet = FleetIndex(views)
+    req = RouteRequest(model="m", prompt_tokens=200, session_node="h2")
+    d = choose_node(fleet, req, LATENCY, NOW, RoutingState())
+    assert (d.node_id, d.session) == ("h2", "kept")  # idle fleet: every node has room for one
+    for v in views:
+        v.outstanding = 8
+    # h2's share of the capacity: 3.20 / (4 x 3.20 + 0.66) req/s; it may carry 1.25x its share
+    # of every request in flight, this one included (bounded loads), rounded up
+    mu = [Coeffs(*node_speeds(v.state), 0.0).mu for v in views]
+    share = mu[2] / sum(mu)
+    verdicts = set()
+    for depth in range(8, 20):
+        views[2].outstanding = depth
+        load = sum(v.outstanding for v in views)
+        kept = depth + 1 <= math.ceil(1.25 * (load + 1) * share)
+        d = choose_node(fleet, req, LATENCY, NOW, RoutingState())
+        assert d.session == ("kept" if kept else "spilled"), depth
+        assert (d.node_id == "h2") == kept
+        verdicts.add(d.session)
+    assert verdicts == {"kept", "spilled"}
+    # an Inferentia2 has ~1/5 of an H100's share: it spills at a far lower depth
+    views[2].outstanding = 8
+    views[4].outstanding = 3
+    d = choose_node(fleet, RouteRequest(model="m", prompt_tokens=200, session_node="inf2"), LATENCY, NOW, RoutingState())
+    assert d.session == "spilled"
+
+
+def test_a_dead_or_unknown_node_moves_its_sessions(path: str) -> None:
+    views = fleet5()
+    fleet = FleetIndex(views)
+    views[2].cooldown_until = NOW + 10
+    for bound in ("mi300x", "gone"):
+        d = choose_node(fleet, RouteRequest(model="m", session_node=bound), LATENCY, NOW, RoutingState())
+        assert d.session == "moved" and d.node_id == "h100"
+    d = choose_node(fleet, RouteRequest(model="m", session_node="a100", exclude=frozenset({"a100"})), LATENCY, NOW,
+                    RoutingState())
+    assert d.session == "moved"
+    chain_pol = ResolvedPolicy("c", builtin_policy("latency").config, ("H100",))
+    d = choose_node(fleet, RouteRequest(model="m", session_node="a100"), chain_pol, NOW, RoutingState())
+    assert (d.session, d.node_id) == ("moved", "h100")  # outside the policy's chain
+    d = choose_node(fleet, RouteRequest(model="m"), LATENCY, NOW, RoutingState())
+    assert d.session == ""
+

@@ -1,0 +1,216 @@
+"""PrefixIndex: lookups, the per-node LRU and the three fidelities (record, correct, events)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from zmlcore.messages import KvAllCleared, KvBlockRemoved, KvBlockStored, KvEventBatch, NodeState
+from zmlcore.policy.prefix import BLOCK_BYTES, KeyChain, PrefixIndex, chain_from_bytes, kv_geometry
+from zmlcore.policy.prefix.index import EVENTS_STALE_S, MIN_MISS_AGE_S, _depth
+
+
+def chain(n_keys: int, tag: int = 0, shared: int = 0, extra: int = 0) -> KeyChain:
+    """A chain of ``n_keys`` whole blocks (+ ``extra`` bytes) whose first ``shared`` blocks are
+    common to every tag and the rest are the tag's own."""
+    blocks = [(b"S%05d" % i).ljust(BLOCK_BYTES, b".") for i in range(shared)]
+    blocks += [(b"T%05d-%05d" % (tag, i)).ljust(BLOCK_BYTES, b".") for i in range(shared, n_keys)]
+    return chain_from_bytes(b"".join(blocks) + b"x" * extra)
+
+
+def index(*nodes: tuple[str, str], **kw: object) -> PrefixIndex:
+    idx = PrefixIndex(**kw)  # type: ignore[arg-type]
+    for nid, t in nodes:
+        idx.update_node(NodeState(node_id=nid, accelerator_type=t, family="f", endpoint=""))
+    return idx
+
+
+def test_each_node_gets_its_matched_prefix_in_its_own_blocks() -> None:
+    idx = index(("h", "nvidia_h100"), ("g", "intel_gaudi2"), ("c", "cpu"))
+    conv = chain(30, extra=100)
+    idx.record("h", chain(12, shared=12), 1.0)   # only a 12-block prefix
+    idx.record("g", conv, 1.0)
+    idx.record("c", conv, 1.0)
+    assert chain(12, shared=12).keys != conv.keys[:12]  # (different text, different chain)
+    idx.record("h", KeyChain(conv.keys[:12], 12 * BLOCK_BYTES), 1.0)
+    m = idx.lookup(conv, 2.0)
+    assert m.nodes() == {"h": 12, "g": 30, "c": 30}
+    prompt = conv.nbytes // 4  # 3865 tokens
+    assert m.tokens("h", prompt) == 12 * 128  # 1536, a multiple of 16
+    assert m.tokens("g", prompt) == 3840 // 128 * 128  # 30 keys = 3840 tokens, in 128-token blocks
+    assert m.tokens("c", prompt) == 3840  # llama.cpp: token by token
+    whole = chain(30)  # the prompt is exactly the keyed bytes: never all of it
+    idx.record("c", whole, 1.0)
+    assert idx.lookup(whole).tokens("c") == 30 * 128 - 1
+    assert m.tokens("nobody") == 0 and idx.lookup(chain(5, tag=9)).nodes() == {}
+
+
+def test_bisection_finds_what_a_scan_of_every_node_finds() -> None:
+    rng = random.Random(3)
+    nodes = [(f"n{i}", rng.choice(["nvidia_h100", "amd_mi300x", "cpu"])) for i in range(70)]
+    idx = index(*nodes)
+    convs = [chain(rng.randint(1, 60), tag=t, shared=rng.choice((0, 5, 20))) for t in range(40)]
+    t = 0.0
+    for _ in range(3000):
+        c = rng.choice(convs)
+        cut = rng.randint(1, len(c))
+        idx.record(rng.choice(nodes)[0], KeyChain(c.keys[:cut], cut * BLOCK_BYTES), t)
+        t += 0.01
+    for c in convs:
+        got = idx.lookup(c, t).nodes()
+        want = {nid: d for nid, _ in nodes if (d := _depth(idx.node(nid).lru, c.keys))}  # type: ignore[union-attr]
+        assert got == want
+
+
+def test_the_lru_evicts_a_chains_tail_before_its_root_and_keeps_what_is_touched() -> None:
+    idx = index(("h", "nvidia_h100"))
+    idx.set_node("h", block_size=16, capacity_tokens=40 * 128)  # 40 keys
+    a, b = chain(30, tag=1, shared=10), chain(30, tag=2, shared=10)
+    idx.record("h", a, 1.0)
+    idx.record("h", b, 2.0)  # 20 new keys: a's 10 deepest go, its root (shared with b) stays
+    assert len(idx) == 40
+    assert idx.depth("h", a) == 20 and idx.depth("h", b) == 30
+    idx.record("h", a, 3.0)  # a comes back: b's tail goes now
+    assert idx.depth("h", a) == 30 and idx.depth("h", b) == 20
+
+
+def test_every_operation_keeps_each_node_prefix_closed() -> None:
+    rng = random.Random(5)
+    idx = index(("a", "nvidia_h100"), ("b", "aws_inferentia2"))
+    idx.set_node("a", block_size=16, capacity_tokens=100 * 128)
+    idx.set_node("b", block_size=128, capacity_tokens=30 * 128)
+    convs = [chain(rng.randint(1, 40), tag=t, shared=rng.choice((0, 8))) for t in range(25)]
+    t = 0.0
+    for step in range(2000):
+        c, nid = rng.choice(convs), rng.choice("ab")
+        op = rng.random()
+        if op < 0.7:
+            idx.record(nid, c, t)
+        elif op < 0.85:
+            idx.correct(nid, c, rng.randint(0, len(c) * 128), t + rng.uniform(0, 5))
+        else:
+            idx.apply_events(nid, KvEventBatch(node_id=nid, block_size=16,
+                                               events=[KvBlockRemoved(block_hashes=[1] * rng.randint(1, 40))]), t)
+        t += rng.uniform(0, 1.0)
+        if step % 100 == 0:
+            for n in "ab":
+                lru = idx.node(n).lru  # type: ignore[union-attr]
+                for c2 in convs:
+                    d = _depth(lru, c2.keys)
+                    assert all(k not in lru for k in c2.keys[d:]), "a key held without its prefix"
+            assert sum(len(idx.node(n).lru) for n in "ab") == len(idx)  # type: ignore[union-attr]
+
+
+def test_entries_expire_and_unrouted_nodes_age_too() -> None:
+    idx = index(("a", "nvidia_h100"), ("b", "nvidia_h100"), ttl_s=60.0)
+    idx.record("a", chain(10, tag=1), 0.0)
+    idx.record("b", chain(10, tag=2), 30.0)
+    idx.record("b", chain(10, tag=3), 61.0)  # records sweep other nodes as they go
+    idx.record("b", chain(10, tag=3), 62.0)
+    assert idx.depth("a", chain(10, tag=1)) == 0
+    assert idx.depth("b", chain(10, tag=2)) == 10
+    idx.expire(95.0)
+    assert idx.depth("b", chain(10, tag=2)) == 0 and idx.depth("b", chain(10, tag=3)) == 10
+
+
+def test_forgotten_nodes_free_their_slot_and_everything_they_held() -> None:
+    idx = index(("a", "nvidia_h100"), ("b", "nvidia_h100"))
+    c = chain(20)
+    idx.record("a", c, 0.0)
+    idx.record("b", c, 0.0)
+    idx.forget_node("a")
+    assert idx.lookup(c).nodes() == {"b": 20} and len(idx) == 20
+    idx.update_node(NodeState(node_id="z", accelerator_type="cpu", family="f", endpoint=""))
+    assert idx.node("z").slot == 0  # type: ignore[union-attr]
+    assert idx.lookup(c).nodes() == {"b": 20}
+
+
+def test_the_whole_index_stays_within_max_entries() -> None:
+    idx = index(*[(f"n{i}", "amd_mi300x") for i in range(10)], max_entries=500)
+    for i in range(10):
+        assert idx.node(f"n{i}").cap == 50  # type: ignore[union-attr]
+    for t in range(200):
+        idx.record(f"n{t % 10}", chain(40, tag=t), float(t))
+    assert len(idx) <= 500 and idx.stats()["keys"] <= 500
+
+
+def test_geometry_comes_from_the_engine_else_the_accelerator() -> None:
+    st = NodeState(node_id="n", accelerator_type="intel_gaudi2", family="Gaudi2", endpoint="")
+    assert kv_geometry(st) == (128, 577_000)
+    st.kv_block_size, st.kv_blocks = 16, 1000
+    assert kv_geometry(st) == (16, 16_000)
+    idx = PrefixIndex()
+    idx.update_node(st)
+    assert idx.node("n").cap == 16_000 * 4 // BLOCK_BYTES  # type: ignore[union-attr]
+
+
+# --- reported ---
+
+def test_a_hit_as_predicted_lengthens_retention_and_a_miss_shortens_it() -> None:
+    idx = index(("h", "nvidia_h100"), ttl_s=1000.0)
+    old, conv = chain(20, tag=1), chain(20, tag=2)
+    idx.record("h", old, 0.0)
+    idx.record("h", conv, 100.0)
+    idx.record("h", conv, 400.0)  # predicted 20 keys, touched 300 s ago
+    idx.correct("h", conv, 0, 401.0, prompt_tokens=20 * 128)  # the engine had dropped it
+    nc = idx.node("h")
+    assert nc is not None and nc.misses == 1 and nc.retention == pytest.approx(300.0)
+    assert idx.depth("h", old) == 0  # untouched for 401 s > 300: gone
+    assert idx.depth("h", conv) == 20  # just re-sent: the engine holds it now
+    idx.record("h", conv, 900.0)  # touched 500 s ago, and this time it hit
+    idx.correct("h", conv, 20 * 128, 901.0, prompt_tokens=20 * 128 + 7)
+    assert nc.hits == 1 and nc.retention == pytest.approx(400.0)
+
+
+def test_a_miss_right_after_the_previous_turn_is_not_an_eviction() -> None:
+    idx = index(("h", "nvidia_h100"))
+    conv = chain(20)
+    idx.record("h", conv, 0.0)
+    idx.record("h", conv, MIN_MISS_AGE_S / 2)  # the engine may not have stored turn 1 yet
+    idx.correct("h", conv, 0, MIN_MISS_AGE_S / 2 + 0.1)
+    nc = idx.node("h")
+    assert nc is not None and nc.misses == 0 and nc.retention is None
+
+
+def test_a_report_of_more_than_the_index_knew_is_recorded() -> None:
+    idx = index(("h", "nvidia_h100"))
+    conv = chain(20)
+    idx.correct("h", conv, 12 * 128, 5.0)  # e.g. another client's traffic warmed it
+    assert idx.depth("h", conv) == 12
+
+
+# --- precise ---
+
+def test_events_clear_and_evict_in_lockstep_with_the_engine() -> None:
+    idx = index(("v", "nvidia_h100"), ttl_s=10.0)
+    a, b = chain(20, tag=1), chain(20, tag=2)
+    idx.record("v", a, 0.0)
+    idx.record("v", b, 1.0)
+    stored = KvBlockStored(block_hashes=list(range(80)), parent_block_hash=None, block_size=16)
+    idx.apply_events("v", KvEventBatch(node_id="v", events=[stored], block_size=16, seq=1), 2.0)
+    nc = idx.node("v")
+    assert nc is not None and nc.stored_tokens == 1280 and nc.fidelity(2.0) == "precise"
+    # 40 blocks of 16 tokens = 640 tokens = 5 keys: the oldest chain's 5 deepest blocks
+    idx.apply_events("v", KvEventBatch(node_id="v", events=[KvBlockRemoved(block_hashes=list(range(40)))]), 3.0)
+    assert idx.depth("v", a) == 15 and idx.depth("v", b) == 20
+    # another tier's events are not the device cache
+    idx.apply_events("v", KvEventBatch(node_id="v", events=[KvBlockRemoved(block_hashes=[1] * 400, medium="CPU")]), 3.5)
+    assert idx.depth("v", a) == 15
+    # while events flow, the TTL does not apply: the engine says what it evicts
+    idx.record("v", chain(3, tag=3), 12.0)
+    assert idx.depth("v", b) == 20
+    idx.apply_events("v", KvEventBatch(node_id="v", events=[KvAllCleared()]), 13.0)
+    assert len(idx) == 0 and nc.stored_tokens == 0
+    # the feed goes silent: back to the TTL
+    idx.record("v", a, 14.0)
+    idx.record("v", chain(2, tag=4), 14.0 + EVENTS_STALE_S + 11.0)
+    assert idx.depth("v", a) == 0 and nc.fidelity(60.0) == "approximate"
+
+
+def test_the_engine_block_size_from_events_converts_matches() -> None:
+    idx = index(("v", "nvidia_h100"))
+    conv = chain(10, extra=10)
+    idx.record("v", conv, 0.0)
+    idx.apply_events("v", KvEventBatch(node_id="v", events=[], block_size=256), 0.0)
+    assert idx.lookup(conv).tokens("v") == 1280 // 256 * 256

@@ -1,0 +1,62 @@
+"""Prompt key chains: computed once per request, the same in every router replica."""
+
+from __future__ import annotations
+
+import random
+
+from zmlcore.messages import ChatMessage
+from zmlcore.policy.prefix import BLOCK_BYTES, KeyChain, chain_from_bytes, prompt_keys, serialise
+from zmlcore.policy.prefix.keys import MAX_BLOCKS
+
+
+def text(n: int, seed: int = 1) -> str:
+    rng = random.Random(seed)
+    return "".join(rng.choice("abcdefghij klmnop\n") for _ in range(n))
+
+
+def test_a_follow_up_turn_shares_every_key_of_the_previous_one() -> None:
+    turn1 = [{"role": "system", "content": text(3000)}, {"role": "user", "content": text(900, 2)}]
+    turn2 = [*turn1, {"role": "assistant", "content": text(1200, 3)}, {"role": "user", "content": text(400, 4)}]
+    a, b = prompt_keys("m", messages=turn1), prompt_keys("m", messages=turn2)
+    assert len(a) == a.nbytes // BLOCK_BYTES and len(b) > len(a)
+    assert b.keys[:len(a)] == a.keys
+
+
+def test_a_change_moves_the_keys_from_its_block_on() -> None:
+    base = text(20_000).encode()
+    at = 7 * BLOCK_BYTES + 100
+    changed = base[:at] + b"#" + base[at + 1:]
+    a, b = chain_from_bytes(base), chain_from_bytes(changed)
+    assert a.keys[:7] == b.keys[:7]
+    assert all(x != y for x, y in zip(a.keys[7:], b.keys[7:]))
+
+
+def test_models_never_share_keys_and_only_whole_blocks_are_keyed() -> None:
+    p = text(5000)
+    a, b = prompt_keys("m1", prompt=p), prompt_keys("m2", prompt=p)
+    assert not set(a.keys) & set(b.keys)
+    assert len(prompt_keys("m", prompt=p[: BLOCK_BYTES - 1])) == 0
+    assert len(prompt_keys("m", prompt=p[:BLOCK_BYTES])) == 1
+    assert len(chain_from_bytes(b"x" * (BLOCK_BYTES * (MAX_BLOCKS + 10)))) == MAX_BLOCKS
+
+
+def test_keys_are_fixed_across_processes_and_versions() -> None:
+    """Every replica (and every version of them in a rolling upgrade) must compute the same
+    keys, so the constants are pinned: a change here is a wire change (PrefixRecord)."""
+    kc = prompt_keys("meta-llama/Llama-3.1-8B-Instruct", messages=[{"role": "user", "content": "a" * 1100}])
+    assert kc.keys == [1016274310618722215, 17858704939652514293]
+
+
+def test_messages_as_structs_or_dicts_and_content_parts_serialise_alike() -> None:
+    parts = [{"type": "text", "text": "look at this"}, {"type": "image_url", "image_url": {"url": "data:x"}}]
+    as_dicts = serialise([{"role": "user", "content": parts}])
+    as_structs = serialise([ChatMessage(role="user", content=parts)])
+    assert as_dicts == as_structs and b"look at this" in as_dicts and b"data:x" in as_dicts
+    assert serialise([{"role": "user", "content": "é"}]) == "user\x00é\x01".encode()
+    assert serialise(prompt=["first", "second"]) == b"first"
+    assert serialise() == b""
+
+
+def test_chains_travel_packed() -> None:
+    kc = prompt_keys("m", prompt=text(4000))
+    assert KeyChain.from_bytes(kc.to_bytes(), kc.nbytes) == kc
