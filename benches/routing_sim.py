@@ -157,7 +157,7 @@ def _family(node: SimNode) -> str:
 
 #: What the simulated router knows, by default the live router's situation: the body-size
 #: prompt estimate, half the requests streamed (the others hold ``pending`` for their estimated
-#: TTFT, zml_router.pendinghold) and the ``admission_ttft_s`` bound (RouterConfig's default).
+#: TTFT, zml_router.relay.PendingHold) and the ``admission_ttft_s`` bound (RouterConfig's default).
 DEFAULT_OPTS: dict[str, Any] = {"stream_share": 0.5, "estimate": "body",
                                 "admission_s": RouterConfig().admission_ttft_s,
                                 "pending_expiry": NONSTREAM_PENDING_FOR}
@@ -316,7 +316,7 @@ def run(policy: str, workload: str, load: float, seed: int, n: int, warm: int,
             assert pol is not None
             rr = RouteRequest(model=MODEL, prompt_tokens=est_p[r])
             d = choose_node(fleet, rr, pol, now, rstate)
-            if d.estimated_ttft_s > bound:  # the router's admission bound (service._decide)
+            if d.estimated_ttft_s > bound:  # the router's admission bound (zmlcore.policy.admit)
                 if pol.strategy != "latency":
                     d = choose_node(fleet, rr, fallback, now, rstate)
                 if d.estimated_ttft_s > bound:

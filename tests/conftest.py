@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
+from pki import Pki, make_pki
 from zmlcore.runtime.launch import Proc, free_port, service_argv, spawn, start_nats, wait_port
 
 MODEL = "meta-llama/llama-3-8b-instruct"
@@ -267,6 +268,23 @@ def start_secure_bus(data_dir: Path, **tls: Any) -> SecureBus:
 def secure_bus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureBus]:
     """A broker of the module's own with authorization on (what `zml up` runs by default)."""
     bus = start_secure_bus(tmp_path_factory.mktemp("secure-nats"))
+    try:
+        yield bus
+    finally:
+        bus.proc.stop()
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    """A test CA, server and client certificates, and a client certificate of another CA."""
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+@pytest.fixture(scope="module")
+def tls_bus(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureBus]:
+    """A broker with authorization and mutual TLS: it verifies client certificates."""
+    bus = start_secure_bus(tmp_path_factory.mktemp("tls-nats"), tls_cert=pki.server_cert, tls_key=pki.server_key,
+                           tls_ca=pki.ca, verify_clients=True)
     try:
         yield bus
     finally:

@@ -252,6 +252,30 @@ class SimConfig(msgspec.Struct, **_Base):
     """Random seed for fault injection, so runs are reproducible."""
     driver_version: str | None = None
     """Driver version the node probe reports (default: the type's minimum)."""
+    prefix_caching: bool = True
+    """Keep a prefix cache (vLLM's automatic prefix caching): cached prompt tokens skip prefill,
+    replies report them, and with [nodes.kv_events] the node publishes vLLM's KV events."""
+    kv_block_size: PosInt | None = None
+    """Tokens per KV-cache block (default: the accelerator type's, e.g. 64 on H100, 128 on
+    Gaudi2)."""
+    kv_cache_blocks: PosInt | None = None
+    """KV-cache size in blocks (default: the memory left after the weights, as vLLM sizes it).
+    Small values make evictions visible in demos and tests."""
+
+
+class KVEventsConfig(msgspec.Struct, **_Base):
+    """Where a node's engine publishes its KV-cache events (vLLM or SGLang started with
+    ``--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint":
+    "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}'``). The health service subscribes and
+    bridges them into NATS, so every router knows exactly which prefixes the node holds."""
+
+    endpoint: str
+    """The engine's PUB socket as the health service reaches it, e.g. tcp://10.0.0.5:5557."""
+    replay_endpoint: str | None = None
+    """The engine's replay (ROUTER) socket, e.g. tcp://10.0.0.5:5558: missed events are asked
+    for again after a gap. Without it a gap empties the node's cache state (safe, not exact)."""
+    topic: str = ""
+    """The engine's ``topic`` (vLLM's default is empty)."""
 
 
 class NodeConfig(msgspec.Struct, **_Base):
@@ -283,6 +307,8 @@ class NodeConfig(msgspec.Struct, **_Base):
     or by `zml sim`); default: the engine endpoint."""
     startup_grace_s: NonNeg | None = None
     """Overrides [health] startup_grace_s for this node (slow loaders, large models)."""
+    kv_events: KVEventsConfig | None = None
+    """The engine's KV-event sockets (see [nodes.kv_events]); vllm and sglang backends only."""
 
     @property
     def effective_family(self) -> str:
@@ -505,6 +531,35 @@ def parse_window(text: str) -> tuple[int, int]:
     return start, end
 
 
+def zmq_address(endpoint: str) -> tuple[str, str, int] | None:
+    """``(scheme, host, port)`` of a ``tcp://host:port`` endpoint, ``("ipc", path, 0)`` of an
+    ``ipc://`` one; None if it is neither."""
+    if endpoint.startswith("ipc://") and len(endpoint) > 6:
+        return "ipc", endpoint[6:], 0
+    m = re.fullmatch(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})", endpoint)
+    if m is None or not 0 < int(m.group(2)) <= 65535:
+        return None
+    return "tcp", m.group(1).strip("[]"), int(m.group(2))
+
+
+def _validate_kv_events(node: NodeConfig, where: str) -> None:
+    kv = node.kv_events
+    assert kv is not None
+    engine = node.sim.engine if node.sim is not None and node.sim.engine != "vllm" else node.backend
+    if engine not in ("vllm", "sglang"):
+        raise ConfigError(f"{where}: only vllm and sglang publish KV events (this node is {engine})")
+    for key, value in (("endpoint", kv.endpoint), ("replay_endpoint", kv.replay_endpoint)):
+        if value is None:
+            continue
+        if zmq_address(value) is None:
+            raise ConfigError(f"{where}.{key}: {value!r} is not tcp://HOST:PORT or ipc://PATH "
+                              "(the address the health service connects to, not a wildcard bind)")
+        if "*" in value:
+            raise ConfigError(f"{where}.{key}: {value!r}: give the engine's address, not a wildcard")
+    if kv.replay_endpoint is not None and kv.replay_endpoint == kv.endpoint:
+        raise ConfigError(f"{where}.replay_endpoint: the same address as endpoint")
+
+
 def _validate(cfg: ZMLConfig, src: str) -> None:
     if bool(cfg.gateway.tls_cert_file) != bool(cfg.gateway.tls_key_file):
         raise ConfigError(f"{src}: gateway.tls_cert_file and gateway.tls_key_file go together")
@@ -533,6 +588,8 @@ def _validate(cfg: ZMLConfig, src: str) -> None:
             raise ConfigError(f"{where}.endpoint: {node.endpoint!r} must start with http:// or https://")
         if node.probe_endpoint is not None and not node.probe_endpoint.startswith(("http://", "https://")):
             raise ConfigError(f"{where}.probe_endpoint: {node.probe_endpoint!r} must start with http:// or https://")
+        if node.kv_events is not None:
+            _validate_kv_events(node, f"{where}.kv_events")
     for i, window in enumerate(cfg.warmup.quiet_windows):
         try:
             parse_window(window)
@@ -634,7 +691,7 @@ def reference_markdown() -> str:
         ("[nats]", "NatsConfig"), ("[gateway]", "GatewayConfig"), ("[router]", "RouterConfig"),
         ("[health]", "HealthConfig"), ("[warmup]", "WarmupConfig"), ("[defaults]", "DefaultsConfig"),
         ("[metrics]", "MetricsConfig"), ("[[nodes]]", "NodeConfig"),
-        ("[nodes.sim]", "SimConfig"), ('[models."NAME"]', "ModelConfig"),
+        ("[nodes.sim]", "SimConfig"), ("[nodes.kv_events]", "KVEventsConfig"), ('[models."NAME"]', "ModelConfig"),
         ("[policy.NAME] / [policies.NAME]", "PolicyConfig"),
     ]
     out: list[str] = []

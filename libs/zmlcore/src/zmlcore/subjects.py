@@ -9,6 +9,7 @@ No other module writes a subject literal: services and the SDK import these name
     _ZML_INBOX.<owner>.>           one identity's private reply inbox (owner = its public nkey)
     zml.node.inflight              router replicas share dispatch/completion deltas
     zml.node.marks                 router replicas share cooldown/saturation marks (NodeMark)
+    zml.node.kvevents.<node_id>    health: a node's engine KV-cache events, bridged (KvEventBatch)
     zml.admin.nodes.<verb>         node registration (add/remove/list)
     zml.events.completed           routers: one event per finished request (warmup, health)
     zml.events.warmup              warmup service: load started / finished / failed
@@ -55,6 +56,17 @@ INFLIGHT_SNAPSHOT = f"{PREFIX}.node.inflight_snapshot"
 #: Router replicas share cooldown and saturation marks here (``NodeMark``): a node one replica
 #: saw fail is skipped by all of them.
 NODE_MARKS = f"{PREFIX}.node.marks"
+
+#: The health service bridges each node's engine KV-cache events (vLLM/SGLang ZMQ, ordered,
+#: gaps replayed) here as ``KvEventBatch`` JSON: ``zml.node.kvevents.<node_id>``; every router
+#: subscribes to ``zml.node.kvevents.>`` and applies them to its prefix index.
+KV_EVENTS_PREFIX = f"{PREFIX}.node.kvevents"
+
+
+def kv_events(node_id: str) -> str:
+    """``zml.node.kvevents.<node_id>``: one node's bridged KV-cache events."""
+    return f"{KV_EVENTS_PREFIX}.{node_id}"
+
 
 #: Run-time node registration and listing (request-reply).
 ADMIN_NODES_PREFIX = f"{PREFIX}.admin.nodes"
@@ -211,7 +223,7 @@ STREAM_FRAMES = "frames"
 #: headers. Without it a reply carries both (docs/nats-api.md).
 H_ACCEPT_ROUTING = "Zml-Accept-Routing"
 ROUTING_IN_BODY = "body"
-#: Front door only (dropped on ``zml.infer``: zml_router.trust). ``Zml-Body: clean``: the
+#: Front door only (dropped on ``zml.infer``: zml_router.flow.drop_untrusted). ``Zml-Body: clean``: the
 #: gateway validated the body (zmlcore.messages.validate) and moved ZML's own fields out of it into
 #: ``Zml-Policy`` (the per-call policy as JSON: a name or an inline policy) and
 #: ``Zml-Accelerator-Id`` (zmlcore.messages.frontdoor); the router reads it with one small decode.

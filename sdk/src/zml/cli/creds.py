@@ -95,8 +95,10 @@ def run(args: argparse.Namespace) -> int:
         ident = natscreds.revoke(data_dir, args.name)
         print(f"revoked {ident.name} ({ident.role}) {ident.public_key}")
         # Its plan entry can never apply again (the seed is gone; a re-issued name gets a new
-        # key), so it is removed only when a broker was named: best effort, bounded.
-        if ident.role == "client" and (args.nats_url or os.environ.get("ZML_NATS_URL")):
+        # key), so it is removed only when a broker is named or runs from the folder: best
+        # effort, bounded.
+        if ident.role == "client" and (args.nats_url or os.environ.get("ZML_NATS_URL")
+                                       or natscreds.served_urls(data_dir)):
             try:
                 asyncio.run(asyncio.wait_for(_plan(args, data_dir, ident, remove=True, quiet=True), 10))
             except Exception as exc:
@@ -115,17 +117,14 @@ def run(args: argparse.Namespace) -> int:
 
 async def _plan(args: argparse.Namespace, data_dir: str, ident: Any, *, remove: bool, quiet: bool = False) -> int:
     """Write (or remove) ``ident``'s plan in the keys bucket, as the admin identity."""
-    import os
     import time
 
     import msgspec
 
-    from zmlcore.config import find_config, load_config
+    from zml.cli._bus import operator_nats, resolve
     from zmlcore.errors import BadRequestError
     from zmlcore.access.apikeys import remove_identity_plan, set_identity_plan
     from zmlcore.messages.keys import IdentityPlan
-    from zmlcore.access.identity import connect_options
-    from zmlcore.bus.link import split_urls
     from zmlcore.limits.plans import plan_limits
 
     if ident.role != "client":
@@ -133,16 +132,8 @@ async def _plan(args: argparse.Namespace, data_dir: str, ident: Any, *, remove: 
     for value in (args.rpm, args.concurrent, args.tpm) if not remove else ():
         if value is not None and value < 1:
             raise BadRequestError("limits must be >= 1")
-    cfg = load_config(args.config or find_config()).nats
-    admin = os.path.join(data_dir, "creds", "admin.nk")
-    seed = cfg.nkey_file or (admin if os.path.isfile(admin) else None)
-    url = args.nats_url or os.environ.get("ZML_NATS_URL") or cfg.url
-    import nats
-
-    # One attempt, no reconnects: a command must fail, not hang, when the broker is not there.
-    nc = await nats.connect(split_urls(url), name="zml-cli", connect_timeout=3, allow_reconnect=False,
-                            **connect_options(cfg, seed_file=seed))
-    try:
+    # As the folder's admin (ZML_NATS_NKEY wins), on its running server unless a URL is given.
+    async with operator_nats(resolve(nats_url=args.nats_url, config_path=args.config, data_dir=data_dir)) as nc:
         if remove:
             gone = await remove_identity_plan(nc, ident.public_key)
             if not quiet:
@@ -157,5 +148,3 @@ async def _plan(args: argparse.Namespace, data_dir: str, ident: Any, *, remove: 
             f"plan {plan} {msgspec.json.encode(limits).decode()}"
         print(f"{ident.name}: {what} (every router applies it within a second)")
         return 0
-    finally:
-        await nc.close()

@@ -161,6 +161,9 @@ class Dashboard:
                 "in_flight": n.get("in_flight", 0), "cooldown_s": n.get("cooldown_s", 0.0),
                 "saturated_s": n.get("saturated_s", 0.0), "price_per_hour": n.get("cost_per_hour", 0.0),
                 "models": n.get("models", []), "routers": n.get("routers", 0),
+                "cache_fidelity": n.get("cache_fidelity", ""), "kv_events": n.get("kv_events", ""),
+                "prefix_cache_hit_rate": n.get("prefix_cache_hit_rate"),
+                "kv_block_size": n.get("kv_block_size", 0), "kv_blocks": n.get("kv_blocks", 0),
             })
         return {"ts": time.time(), "nodes": rows, "queue": depths, **self.stats(time.monotonic())}
 

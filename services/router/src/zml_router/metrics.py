@@ -12,10 +12,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sized
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+from nats.aio.client import Client as NATS
 from prometheus_client import REGISTRY, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -30,16 +31,17 @@ from zmlcore.telemetry.metrics import (
 )
 from zmlcore.telemetry import tracing
 from zmlcore.telemetry.tally import CounterTally, HistogramTally, Tallies
+from zmlcore.bus.queueinfo import queue_depths
+from zmlcore.config import ZMLConfig
 from zmlcore.messages import RoutingInfo
 from zmlcore.policy import Decision, RouteRequest
 from zmlcore.telemetry.setup import REQUEST_ID
 from zml_router import tracing as rtrace
 from zml_router.queue import H_ENQUEUED
-from zmlcore.bus.queueinfo import queue_depths
+from zml_router.table import NodeTable
 
 if TYPE_CHECKING:
     from zml_router.flow import Outcome as _Outcome
-    from zml_router.service import RouterService
 
 log = logging.getLogger("zml.router.metrics")
 
@@ -96,10 +98,15 @@ QUEUE_PROBE_S = 2.0
 
 
 class RouterMetrics(Collector):
-    """Hooks the request path calls, and the scrape-time view of the router's table."""
+    """Hooks the request path calls, and the scrape-time view of the router's table.
 
-    def __init__(self, service: "RouterService") -> None:
-        self.svc = service
+    ``in_flight``: the requests the router handles now (read at scrape time)."""
+
+    def __init__(self, cfg: ZMLConfig, table: NodeTable, in_flight: Sized) -> None:
+        self.cfg = cfg
+        self.table = table
+        self.in_flight = in_flight
+        self.nc: NATS | None = None
         #: model key -> messages waiting in the shared saturation queue (polled, not per request).
         self.queue_depth: dict[str, int] = {}
         self._probe: asyncio.Task[None] | None = None
@@ -171,13 +178,14 @@ class RouterMetrics(Collector):
 
     def expired(self, data: bytes) -> None:
         try:
-            model = self.svc.cfg.resolve_model(_model_only.decode(data).model)
+            model = self.cfg.resolve_model(_model_only.decode(data).model)
         except (msgspec.DecodeError, msgspec.ValidationError):
             model = ""
         QUEUE_EXPIRED(model).inc()
 
     # --- the saturation queue's depth (JetStream consumer info, every QUEUE_PROBE_S) -----------
-    def start(self) -> None:
+    def start(self, nc: NATS) -> None:
+        self.nc = nc
         self._probe = asyncio.create_task(self._probe_queue())
 
     async def stop(self) -> None:
@@ -188,7 +196,7 @@ class RouterMetrics(Collector):
     async def _probe_queue(self) -> None:
         while True:
             await asyncio.sleep(QUEUE_PROBE_S)
-            nc = self.svc.nc
+            nc = self.nc
             if nc is None or not nc.is_connected:
                 continue
             try:
@@ -200,7 +208,6 @@ class RouterMetrics(Collector):
 
     # --- scrape time ---------------------------------------------------------------------------
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        svc = self.svc
         now = time.time()
         labels = ["node", "family", "accelerator_type", "engine"]
         state = GaugeMetricFamily("zml_node_state", "1 for the node's current status (up, down, loading, ...).",
@@ -218,7 +225,7 @@ class RouterMetrics(Collector):
                                            "Seconds left before an overloaded node is tried again.", labels=labels),
             "price": GaugeMetricFamily("zml_node_price_per_hour", "The node's price (run-time costs applied).", labels=labels),
         }
-        for v in list(svc.table.views.values()):
+        for v in list(self.table.views.values()):
             st = v.state
             lv = [v.node_id, st.family, st.accelerator_type, st.backend]
             state.add_metric([*lv, st.status], 1.0)
@@ -236,7 +243,7 @@ class RouterMetrics(Collector):
             depth.add_metric([key], n)
         yield depth
         yield GaugeMetricFamily("zml_router_in_flight", "Requests this router is handling now.",
-                                value=len(svc._by_request))
+                                value=len(self.in_flight))
 
 
 class _View(Collector):

@@ -59,6 +59,12 @@ function renderNodes(state) {
     tr.append(el("td", n.cooldown_s > 0 ? `${n.cooldown_s.toFixed(1)} s` : "–", n.cooldown_s > 0 ? "num bad" : "num"));
     tr.append(el("td", n.saturated_s > 0 ? `${n.saturated_s.toFixed(1)} s` : "–", n.saturated_s > 0 ? "num warn" : "num"));
     tr.append(el("td", n.price_per_hour.toFixed(2), "num"));
+    // How routers know the node's prefix cache, and the share of prompt tokens its engine served from it.
+    const hit = typeof n.prefix_cache_hit_rate === "number" ? ` ${Math.round(n.prefix_cache_hit_rate * 100)}%` : "";
+    const cache = el("td", `${n.cache_fidelity || "–"}${hit}`, "cache");
+    cache.title = [n.kv_blocks && n.kv_block_size ? `${n.kv_blocks} blocks of ${n.kv_block_size} tokens` : "",
+                   n.kv_events ? `KV events: ${n.kv_events}` : ""].filter(Boolean).join("; ");
+    tr.append(cache);
     tr.append(el("td", (rates[n.node_id] || 0).toFixed(1), "num rate"));
     return tr;
   });
