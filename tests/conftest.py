@@ -245,20 +245,20 @@ class SecureBus:
     seeds: dict[str, str]  # role/name -> seed file
 
     def issue(self, name: str, role: str = "client") -> str:
-        from zml.cli import _identities as natscreds
+        from zml.cli import _identities
 
-        ident = natscreds.issue(self.data_dir, name, role=role)
-        done = natscreds.reload_server(self.data_dir)
+        ident = _identities.issue(self.data_dir, name, role=role)
+        done = _identities.reload_server(self.data_dir)
         assert done is not None and done.confirmed, "nats-server did not confirm the reload"
         self.seeds[name] = ident.seed_file
         return ident.seed_file
 
 
 def start_secure_bus(data_dir: Path, **tls: Any) -> SecureBus:
-    from zml.cli import _identities as natscreds
+    from zml.cli import _identities
 
-    ids = natscreds.ensure_builtin(data_dir)
-    conf = natscreds.write_server_config(data_dir, **tls)
+    ids = _identities.ensure_builtin(data_dir)
+    conf = _identities.write_server_config(data_dir, **tls)
     port = free_port()
     proc = start_nats("127.0.0.1", port, str(data_dir / "jetstream"), config=conf)
     return SecureBus(f"nats://127.0.0.1:{port}", data_dir, proc, {n: i.seed_file for n, i in ids.items()})

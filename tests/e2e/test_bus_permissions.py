@@ -29,7 +29,7 @@ from nats.aio.client import Client as NATS
 import zml
 from conftest import MODEL, SecureBus, Stack, launch_stack
 from zmlcore import subjects
-from zml.cli import _identities as natscreds
+from zml.cli import _identities
 from zmlcore.config import NatsConfig
 from zmlcore.fleet.registry import add_node, list_nodes, remove_node
 from zmlcore.messages import NodeSpec
@@ -425,7 +425,7 @@ async def test_issue_and_revoke_take_effect_without_a_restart(stack: Stack, secu
     r = httpx.post(stack.gateway_url + "/v1/chat/completions", content=_chat(), timeout=30,
                    headers={"content-type": "application/json"})
     assert r.status_code == 200, r.text
-    assert not natscreds.get(secure_bus.data_dir, "carol")
+    assert not _identities.get(secure_bus.data_dir, "carol")
 
 
 
@@ -462,7 +462,7 @@ def test_sdk_says_what_is_wrong_with_an_identity(stack: Stack, secure_bus: Secur
         with pytest.raises(zml.AuthError, match="may not use zml.admin.nodes.list"):
             client.nodes()
     stranger = tmp_path / "stranger.nk"
-    stranger.write_text(natscreds._new_seed() + "\n")
+    stranger.write_text(_identities._new_seed() + "\n")
     monkeypatch.setenv("ZML_NATS_NKEY", str(stranger))
     with zml.Client(secure_bus.url, timeout=5) as client:
         with pytest.raises(zml.AuthError, match="refused identity U"):

@@ -20,7 +20,7 @@ import pytest
 import zml
 from conftest import FLEET, SecureBus, fleet_toml, start_secure_bus
 from pki import Pki
-from zml.cli import _identities as natscreds
+from zml.cli import _identities
 from zmlcore.access.identity import connect_options
 from zmlcore.bus.connect import connect
 from zmlcore.config import NatsConfig
@@ -46,17 +46,17 @@ async def test_no_identity(secure_bus: SecureBus) -> None:
 
 
 async def test_identity_of_another_server_or_revoked(secure_bus: SecureBus, tmp_path: Path) -> None:
-    other = natscreds.issue(tmp_path / "elsewhere", "stranger")
+    other = _identities.issue(tmp_path / "elsewhere", "stranger")
     err, took = await _refused(secure_bus.url, NatsConfig(), other.seed_file)
     assert isinstance(err, AuthError) and took < LIMIT_S, (err, took)
     assert other.public_key in err.message and other.seed_file in err.message
 
     seed = secure_bus.issue("soon-gone")
-    gone_key = natscreds.get(secure_bus.data_dir, "soon-gone").public_key  # type: ignore[union-attr]
+    gone_key = _identities.get(secure_bus.data_dir, "soon-gone").public_key  # type: ignore[union-attr]
     kept = tmp_path / "kept.nk"
     kept.write_bytes(Path(seed).read_bytes())
-    natscreds.revoke(secure_bus.data_dir, "soon-gone")
-    assert natscreds.reload_server(secure_bus.data_dir).confirmed  # type: ignore[union-attr]
+    _identities.revoke(secure_bus.data_dir, "soon-gone")
+    assert _identities.reload_server(secure_bus.data_dir).confirmed  # type: ignore[union-attr]
     err, took = await _refused(secure_bus.url, NatsConfig(), str(kept))
     assert isinstance(err, AuthError) and gone_key in err.message and took < LIMIT_S
 

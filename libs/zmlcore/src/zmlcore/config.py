@@ -186,6 +186,10 @@ class RouterConfig(msgspec.Struct, **_Base):
     first_byte_factor: NonNeg = 4.0
     """Multiple of the node's estimated time to first token (to the whole reply when not
     streaming) allowed before the first byte; 0 makes first_byte_floor_s a fixed timeout."""
+    session_idle_s: PosFloat = 600.0
+    """A session (``x-session-id``, ``Zml-Session``, the SDK's ``session=``, else the OpenAI
+    ``user`` field) is forgotten after this long without a request (its binding to a node
+    expires in the KV bucket zml_sessions)."""
     processes: PosInt | Literal["auto"] = "auto"
     """Router replicas `zml up` runs (one queue group). "auto": sized to the machine's cores
     (zmlcore.runtime.sizing); `zml up --routers N` overrides."""

@@ -59,29 +59,29 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
 def run(args: argparse.Namespace) -> int:
     import os
 
-    from zml.cli import _identities as natscreds
+    from zml.cli import _identities
 
-    data_dir = args.data_dir or str(natscreds.default_data_dir())
+    data_dir = args.data_dir or str(_identities.default_data_dir())
     if args.verb == "init":
-        ids = natscreds.ensure_builtin(data_dir)
-        conf = natscreds.write_server_config(data_dir)
+        ids = _identities.ensure_builtin(data_dir)
+        conf = _identities.write_server_config(data_dir)
         print(f"{len(ids)} identities in {data_dir}; nats-server config: {conf}")
         return 0
     if args.verb == "list":
-        for ident in natscreds.identities(data_dir):
+        for ident in _identities.identities(data_dir):
             print(f"{ident.name:<20} {ident.role:<8} {ident.public_key}")
         return 0
     wants_plan = bool(getattr(args, "plan", None) or getattr(args, "key_id", None)
                       or any(getattr(args, k, None) is not None for k in ("rpm", "concurrent", "tpm")))
     if args.verb == "plan":
-        found = natscreds.get(data_dir, args.name)
+        found = _identities.get(data_dir, args.name)
         if found is None:
             raise ConfigError(f"no identity {args.name!r} in {data_dir}")
         return asyncio.run(_plan(args, data_dir, found, remove=args.none or not wants_plan))
     if args.verb == "issue":
         if wants_plan and args.role != "client":
             raise ConfigError("plans are for client identities (services are limited at the gateway)")
-        ident = natscreds.issue(data_dir, args.name, role=args.role)
+        ident = _identities.issue(data_dir, args.name, role=args.role)
         path = ident.seed_file
         if args.out:
             shutil.copyfile(ident.seed_file, args.out)
@@ -92,18 +92,18 @@ def run(args: argparse.Namespace) -> int:
         if wants_plan:
             asyncio.run(_plan(args, data_dir, ident, remove=False))
     else:
-        ident = natscreds.revoke(data_dir, args.name)
+        ident = _identities.revoke(data_dir, args.name)
         print(f"revoked {ident.name} ({ident.role}) {ident.public_key}")
         # Its plan entry can never apply again (the seed is gone; a re-issued name gets a new
         # key), so it is removed only when a broker is named or runs from the folder: best
         # effort, bounded.
         if ident.role == "client" and (args.nats_url or os.environ.get("ZML_NATS_URL")
-                                       or natscreds.served_urls(data_dir)):
+                                       or _identities.served_urls(data_dir)):
             try:
                 asyncio.run(asyncio.wait_for(_plan(args, data_dir, ident, remove=True, quiet=True), 10))
             except Exception as exc:
                 print(f"plan of {ident.name} not removed ({type(exc).__name__})", file=sys.stderr)
-    done = natscreds.reload_server(data_dir)
+    done = _identities.reload_server(data_dir)
     if done is None:
         print(f"no running nats-server for {data_dir}: the change applies when it starts "
               "(elsewhere: `nats-server --signal reload`)", file=sys.stderr)

@@ -43,7 +43,10 @@ import logging
 import os
 from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar, Union
+import dataclasses
+from typing import Any, Generic, Protocol, TypeVar, Union
+
+import msgspec
 
 from zmlcore import subjects
 from zmlcore.config import ZMLConfig
@@ -62,6 +65,7 @@ from zmlcore.messages.validate import check_request_id, decode_request, request_
 from zmlcore.messages.warmup import RequestCompleted
 from zmlcore.policy import Decision, ResolvedPolicy, RouteRequest, resolve_policy
 from zmlcore.policy.estimate import prompt_tokens_from_body
+from zmlcore.policy.prefix import BLOCK_BYTES, KeyChain, prompt_keys
 from zmlcore.reply.bigreply import check_fits
 from zmlcore.reply.keepalive import parse_interval
 
@@ -77,6 +81,7 @@ NODE_FAULTS = (Failure.NETWORK, Failure.SERVER, Failure.SLOW)
 PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions", "embedding": "/v1/embeddings"}
 
 T = TypeVar("T")
+_decode_any = msgspec.json.Decoder()
 
 
 class Incoming(Protocol):
@@ -286,10 +291,42 @@ def check_kind(cfg: ZMLConfig, model: str, req: InferRequest) -> None:
         raise BadRequestError(f"model {model!r} is an embedding model: use POST /v1/embeddings (`input`)")
 
 
+def prefix_chain(model: str, req: InferRequest, raw: bytes) -> KeyChain | None:
+    """The prompt's key chain (``zmlcore.policy.prefix``), or None for a prompt too short to hold
+    one key block: short prompts are not decoded again (a front door leaves them raw)."""
+    if len(raw) < BLOCK_BYTES or req.input is not None:
+        return None
+    msgs: Any = req.messages
+    prompt: Any = req.prompt
+    try:
+        if isinstance(msgs, msgspec.Raw):
+            msgs = _decode_any.decode(msgs) if msgs else None
+        if isinstance(prompt, msgspec.Raw):
+            prompt = _decode_any.decode(prompt) if prompt else None
+    except msgspec.DecodeError:
+        return None
+    if msgs is not None:
+        return prompt_keys(model, messages=msgs if isinstance(msgs, list) else None)
+    if isinstance(prompt, (str, list)):
+        return prompt_keys(model, prompt=prompt)
+    return None
+
+
+def session_of(headers: Mapping[str, str] | None, req: InferRequest) -> str:
+    """The request's session: ``Zml-Session`` (``x-session-id``, the SDK's ``session=``), else
+    the OpenAI ``user`` field; "" for none."""
+    if headers:
+        s = headers.get(subjects.H_SESSION)
+        if s:
+            return s[:subjects.MAX_SESSION_ID]
+    return (req.user or "")[:subjects.MAX_SESSION_ID]
+
+
 def prepare(cfg: ZMLConfig, families: list[str], req: InferRequest, raw: bytes,
-            model: str) -> tuple[ResolvedPolicy, RouteRequest]:
+            model: str, session_node: str | None = None) -> tuple[ResolvedPolicy, RouteRequest]:
     """The policy of a request for ``model`` (its name resolved from an alias: ``cfg.resolve_model``)
-    and what the policies see of it (errors: bad policy/kind)."""
+    and what the policies see of it (errors: bad policy/kind): its size, its prompt's key chain
+    and the node its session is bound to."""
     per_call = req.policy if req.policy is not None else req.routing
     # Chains may name families registered at run time, not only zml.toml's.
     policy = resolve_policy(cfg, model, per_call, families)
@@ -298,7 +335,8 @@ def prepare(cfg: ZMLConfig, families: list[str], req: InferRequest, raw: bytes,
     max_tokens = 1 if req.input is not None else req.max_tokens or req.max_completion_tokens or 512
     # ~4 bytes per token of JSON body: good enough for a TTFT estimate, and O(1).
     rr = RouteRequest(model=model, prompt_tokens=prompt_tokens_from_body(len(raw)), max_tokens=max_tokens,
-                      accelerator_id=req.accelerator_id)
+                      accelerator_id=req.accelerator_id, prefix=prefix_chain(model, req, raw),
+                      session_node=session_node)
     return policy, rr
 
 
@@ -362,9 +400,8 @@ def route(plan: Plan, out: Outcome) -> Flow:
     excluded: set[str] = set()
     last: AttemptError | None = None
     for attempt in range(1, plan.max_attempts + 1):
-        if excluded:
-            rr = RouteRequest(model=rr.model, prompt_tokens=rr.prompt_tokens, max_tokens=rr.max_tokens,
-                              accelerator_id=rr.accelerator_id, exclude=frozenset(excluded))
+        if excluded:  # the prompt's keys and session stay; the tried nodes are out
+            rr = dataclasses.replace(rr, exclude=frozenset(excluded))
         got = yield Decide(rr)
         if isinstance(got, ZMLError):
             if last is not None:  # we tried nodes and they failed: say so, not "no nodes"

@@ -25,6 +25,7 @@ from zmlcore.messages import InferRequest, RoutingInfo, StreamStart
 from zmlcore.policy import RouteRequest
 from zmlcore.reply import routingmeta, streamframe
 from zmlcore.reply.bigreply import accepted
+from zmlcore.reply.cachedtokens import cached_tokens
 from zmlcore.reply.keepalive import QUEUED, KeepaliveBook, keepalive_headers
 from zmlcore.reply.parts import publish_reply
 from zmlcore.telemetry.setup import DECISION_ID
@@ -151,8 +152,11 @@ class PendingHold:
 
 class Relay:
     def __init__(self, cfg: ZMLConfig, router_id: str, table: NodeTable, sharing: Sharing, timers: Wheel,
-                 http: NodeClient, metrics: RouterMetrics, replies: Replies) -> None:
+                 http: NodeClient, metrics: RouterMetrics, replies: Replies,
+                 corrected: Callable[[str, RouteRequest, int, int], None] | None = None) -> None:
         self.cfg = cfg
+        #: Told what the engine reported of its prefix cache (the router's index learns it).
+        self.corrected = corrected
         self.router_id = router_id
         self.table = table
         self.sharing = sharing
@@ -172,6 +176,7 @@ class Relay:
             node_id=decision.node_id, accelerator_type=view.state.accelerator_type, family=decision.family,
             policy=decision.policy, queue_depth_at_dispatch=decision.queue_depth, decision_id=_decision_id(),
             request_id=request_id, attempts=action.attempt, router_id=self.router_id, label=out.label,
+            cached_tokens_estimated=decision.cached_tokens,
         )
         out.info = info
         DECISION_ID.set(info.decision_id)
@@ -182,9 +187,9 @@ class Relay:
         rename = Renamer(served, req.model) if served and served != req.model else None
         try:
             if action.stream:
-                await self.stream(msg, req, node_body, info, t0, first_byte, rename)
+                await self.stream(msg, req, node_body, info, t0, first_byte, rename, action.rr)
             else:
-                await self.once(msg, req, node_body, info, t0, first_byte, rename)
+                await self.once(msg, req, node_body, info, t0, first_byte, rename, action.rr)
         except AttemptError as err:
             self.metrics.failover(decision.node_id, err.failure.value)
             return err
@@ -214,8 +219,17 @@ class Relay:
     def _url(self, info: RoutingInfo, req: InferRequest) -> str:
         return self.table.views[info.node_id].state.endpoint.rstrip("/") + PATHS[req.kind()]
 
+    def _reported(self, info: RoutingInfo, rr: RouteRequest | None, cached: int, prompt: object) -> None:
+        """The engine said how many prompt tokens it served from its prefix cache."""
+        info.cached_tokens = cached
+        prompt_tokens = prompt if isinstance(prompt, int) else 0
+        self.metrics.cached(info.node_id, prompt_tokens, info.cached_tokens_estimated, cached)
+        if rr is not None and self.corrected is not None:
+            self.corrected(info.node_id, rr, cached, prompt_tokens)
+
     async def once(self, msg: Incoming, req: InferRequest, body: bytes, info: RoutingInfo, t0: float,
-                   first_byte: float | None = None, rename: Renamer | None = None) -> None:
+                   first_byte: float | None = None, rename: Renamer | None = None,
+                   rr: RouteRequest | None = None) -> None:
         # A non-streamed reply shows no first token: pending ends at the estimated one.
         v = self.table.views[info.node_id]
         hold = PendingHold(self._move, info.node_id,
@@ -237,6 +251,9 @@ class Relay:
         info.time_to_first_token = time.monotonic() - t0
         usage = reply_usage(raw)
         self.metrics.usage_dict(req.kind(), req.model, usage)
+        cached = cached_tokens(raw)
+        if cached is not None:
+            self._reported(info, rr, cached, usage.get("prompt_tokens"))
         if rename is not None:
             raw = rename(raw)
         if "total_tokens" in usage:
@@ -250,12 +267,15 @@ class Relay:
                                 accepted(msg.headers))
 
     async def stream(self, msg: Incoming, req: InferRequest, body: bytes, info: RoutingInfo, t0: float,
-                     first_byte: float | None = None, rename: Renamer | None = None) -> None:
+                     first_byte: float | None = None, rename: Renamer | None = None,
+                     rr: RouteRequest | None = None) -> None:
         count, publish, frame = self.sharing.count, self.replies.publish, streamframe.encode
         await count(info.node_id, 1, 1)
         pending = 1
         started = False
         seq = 0
+        reported: int | None = None
+        prompt_seen: object = None
         # Relayed as the node framed it to a requester that writes SSE itself (the gateway);
         # as header-less frames when it asked for them (zmlcore.reply.streamframe).
         accept = (msg.headers or {}).get(subjects.H_ACCEPT_STREAM)
@@ -278,6 +298,9 @@ class Relay:
                 if usage is not None:
                     info.total_tokens = usage["total_tokens"]
                     self.metrics.usage_dict(req.kind(), req.model, usage)
+                    prompt_seen = usage.get("prompt_tokens")
+                if b'"cache' in chunk and (cached := cached_tokens(chunk)) is not None:
+                    reported = cached  # the usage chunk, or llama-server's timings on the last chunk
                 if rename is not None:
                     chunk = rename(chunk)
                 seq += 1  # numbered so that a receiver notices a lost message (zmlcore.reply.streamseq)
@@ -285,6 +308,8 @@ class Relay:
                     await publish(msg.reply, frame(seq, chunk), None)
                 else:
                     await publish(msg.reply, chunk, {subjects.H_STREAM: kind, subjects.H_SEQ: str(seq)})
+            if reported is not None:
+                self._reported(info, rr, reported, prompt_seen)
             if not started:  # a stream with no chunk at all
                 info.time_to_first_token = time.monotonic() - t0
                 await publish(msg.reply, _encode(StreamStart(routing=info)),

@@ -146,7 +146,8 @@ class SimNode:
                 raise ValueError(f"node {node_id}: only vllm and sglang publish KV events")
             self.kv_publisher = KVEventPublisher(_bind_address(kv_events.endpoint) or kv_events.endpoint,
                                                  _bind_address(kv_events.replay_endpoint),
-                                                 topic=kv_events.topic)
+                                                 topic=kv_events.topic,
+                                                 layout="sglang" if engine == "sglang" else "0.34")
             self.engine.on_kv_events = self.kv_publisher.publish
         self.host = "127.0.0.1"
         self.port = 0
@@ -553,7 +554,9 @@ class SimNode:
             await resp.write_eof()
             return resp
         final = {"index": 0, "delta": {}} if chat else {"index": 0, "text": ""}
-        await send([{**final, "logprobs": None, "finish_reason": req.finish_reason}], **self.face.reply_extra(req))
+        # llama-server puts its timings on the usage chunk when there is one, else on this one.
+        extra = {} if include_usage else self.face.reply_extra(req)
+        await send([{**final, "logprobs": None, "finish_reason": req.finish_reason}], **extra)
         if include_usage:
             await send([], usage=self._usage(req), **self.face.reply_extra(req))
         await resp.write(b"data: [DONE]\n\n")

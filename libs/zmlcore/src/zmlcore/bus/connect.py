@@ -19,8 +19,8 @@ from zmlcore.bus.refusal import Attempt, classify, refusal_error
 from zmlcore.errors import ConnectionError as ZMLConnectionError
 from zmlcore.errors import ZMLError
 from zmlcore.bus.cancel import cancel_and_wait
+from zmlcore.bus import natsinternals
 from zmlcore.bus.link import Link, link_of, register, split_urls
-from zmlcore.bus.publish import Publisher
 
 log = logging.getLogger("zml.nats")
 
@@ -42,7 +42,12 @@ async def connect(urls: str | Sequence[str], name: str, *, connect_timeout: floa
     ``quiet``: connection events are logged at debug level only (a library, the SDK).
     ``identity_hint``: what to set when the server wants an identity and none was given
     (when ``attempt`` is not given).
+
+    nats-py's fast paths (zmlcore.bus.natsinternals) are decided here, once per process, before
+    the first publish; a missing piece is logged there. (What ZML cannot do without is checked
+    by service_main and by a KVFollower being built: the SDK connects here too, and needs none.)
     """
+    natsinternals.support()
     servers = split_urls(urls)
     link = Link(replicas=replicas)
     loop = asyncio.get_running_loop()
@@ -107,7 +112,6 @@ async def connect(urls: str | Sequence[str], name: str, *, connect_timeout: floa
         if failure is None:
             connecting = False
             register(nc, link)
-            Publisher.of(nc)  # checks, once, that nats-py has what zmlcore.bus.publish relies on
             return nc
     await _abandon(nc, task, link)
     if refused.done():
@@ -140,7 +144,7 @@ async def ensure_kv(js: JetStreamContext, bucket: str, *, history: int = 1, ttl:
         return await js.key_value(bucket)
     except (BucketNotFoundError, NotFoundError):
         pass
-    replicas = link_of(js._nc).replicas
+    replicas = link_of(natsinternals.client_of(js)).replicas
     try:
         return await js.create_key_value(KeyValueConfig(
             bucket=bucket, history=history, replicas=replicas, ttl=ttl, max_bytes=max_bytes,

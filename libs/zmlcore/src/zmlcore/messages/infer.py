@@ -54,6 +54,9 @@ class InferRequest(msgspec.Struct, kw_only=True):
     temperature: Annotated[float, msgspec.Meta(ge=0)] | None = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
+    #: OpenAI's end-user id: the session of a request without ``Zml-Session`` (``x-session-id``),
+    #: so a conversation stays on the node that holds its prefix (docs/routing.md).
+    user: str | None = None
     # --- ZML routing fields (all optional) ---
     #: Policy name from zml.toml, or an inline policy object.
     policy: str | InlinePolicy | None = None
@@ -107,6 +110,12 @@ class RoutingInfo(msgspec.Struct, kw_only=True):
     total_tokens: int | None = None
     #: The API key's cost-attribution label ("" without one).
     label: str = ""
+    #: Prompt tokens the router estimated the node held in its prefix cache when it chose it.
+    cached_tokens_estimated: int | None = None
+    #: Prompt tokens the engine reported it served from its prefix cache
+    #: (``usage.prompt_tokens_details.cached_tokens``, llama.cpp's ``timings.cache_n``); None
+    #: when it does not say (or, in a stream's start message, not yet).
+    cached_tokens: int | None = None
 
 
 class StreamStart(msgspec.Struct, kw_only=True):

@@ -21,6 +21,7 @@ from zmlcore.config import ZMLConfig, load_config
 from zmlcore.errors import AuthError, ConfigError
 from zmlcore.runtime.lease import Lease
 from zmlcore.access.identity import connect_options
+from zmlcore.bus import natsinternals
 from zmlcore.bus.link import link_of
 from zmlcore.telemetry.metrics import MetricsServer, serve_metrics
 from zmlcore.bus.cancel import cancel_and_wait as cancel_and_wait  # re-exported: the services import it here
@@ -179,13 +180,15 @@ def service_main(
 ) -> int:
     """Load and validate config, build the service, run it until SIGTERM/SIGINT.
 
-    A bad config (or ``make`` raising ConfigError, e.g. a port in use) is one line and exit 2;
+    A bad config (or ``make`` raising ConfigError, e.g. a port in use, or a nats-py that lacks
+    what ZML relies on: zmlcore.bus.natsinternals) is one line and exit 2;
     a connection closed for good exits 3; ``lease_ttl`` given and ``--ha`` on the command line:
     one active replica at a time (lease TTL from the config), and a replica whose lease was taken
     over exits 4.
     """
     setup_logging(name, fmt=getattr(args, "log_format", None))
     try:
+        natsinternals.check()
         cfg = load_config(args.config)
         options = connect_options(cfg.nats)
         service = make(cfg, args)
