@@ -1,6 +1,7 @@
 """Public data types of the SDK: policies, results, stream chunks, batch results.
 
-Plain dataclasses (no pydantic needed at import time). ``Policy`` validates at creation.
+Plain dataclasses (no pydantic needed at import time), but for ``Routing``, which is the wire
+schema of routing metadata itself (a msgspec Struct). ``Policy`` validates at creation.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import msgspec
 from zml._fleet import known_families
 from zmlcore.config import PolicyConfig, validate_policy
 from zmlcore.errors import PolicyConfigError
-from zmlcore.messages import InlinePolicy
+from zmlcore.messages import InlinePolicy, RoutingInfo
 
 __all__ = [
     "BatchResult",
@@ -131,20 +132,16 @@ class Usage:
     total_tokens: int = 0
 
 
-@dataclass(slots=True)
-class Routing:
-    """Where and how a request was routed (``result.routing``)."""
+class Routing(RoutingInfo, kw_only=True):
+    """Where and how a request was routed (``result.routing``): every field of the routing
+    metadata (``zmlcore.messages.RoutingInfo``, which documents them), whichever transport the
+    reply came over.
 
-    node_id: str = ""
-    accelerator_type: str = ""
-    family: str = ""
-    policy: str = ""
-    queue_depth_at_dispatch: int = 0
-    decision_id: str = ""
-    request_id: str = ""
-    attempts: int = 1
-    time_to_first_token: float | None = None
-    total_tokens: int | None = None
+    Example::
+
+        r = client.infer(model="meta-llama/llama-3-8b-instruct", prompt="Hi", max_tokens=16)
+        print(r.routing.node_id, r.routing.family, r.routing.router_id, r.routing.attempts)
+    """
 
     @property
     def queue_depth(self) -> int:
