@@ -6,6 +6,7 @@ change here, and any copy that drifts fails."""
 
 from __future__ import annotations
 
+import dataclasses
 import doctest
 import types
 import typing
@@ -67,12 +68,24 @@ def test_every_schema_has_every_field() -> None:
     names = [f.name for f in FIELDS]
     assert [name for name, _, _ in routingmeta.FIELDS] == names == list(ROUTING_HEADER_WORDS)
     assert set(pb.Routing.DESCRIPTOR.fields_by_name) == set(names)
-    assert set(zml.Routing.__struct_fields__) == set(names) and issubclass(zml.Routing, RoutingInfo)
     assert set(rpc_status.ROUTING_METADATA) == {http for _, _, http in routingmeta.FIELDS}
     # Optional fields (None: not known) are optional in the proto too, so "unset" is not 0.
     for f in FIELDS:
         optional = type(None) in typing.get_args(f.type)
         assert pb.Routing.DESCRIPTOR.fields_by_name[f.name].has_presence == optional, f.name
+
+
+def test_the_sdk_routing_mirrors_the_schema() -> None:
+    """zml.Routing is a plain dataclass (0.3's type: dataclasses.asdict gives dicts all the way
+    down), kept field for field, type for type and default for default with RoutingInfo."""
+    sdk = {f.name: f for f in dataclasses.fields(zml.Routing)}
+    assert set(sdk) == {f.name for f in FIELDS}
+    hints = typing.get_type_hints(zml.Routing)
+    for f in FIELDS:
+        assert hints[f.name] == f.type, f.name
+        assert sdk[f.name].default == f.default, f.name
+    r = routingmeta.typed(msgspec.structs.asdict(FULL), zml.Routing)
+    assert dataclasses.asdict(r) == msgspec.structs.asdict(FULL)
 
 
 def test_the_published_header_names_do_not_change() -> None:
@@ -99,7 +112,7 @@ def test_every_field_travels_router_to_gateway_to_grpc_to_sdk() -> None:
     for headers in (lower_headers(nats), http_str, grpc_md):  # a NATS reply, an HTTP one, a gRPC call
         assert routingmeta.read(headers) == FULL
         got = routing_from_headers(headers)
-        assert isinstance(got, zml.Routing) and msgspec.structs.asdict(got) == msgspec.structs.asdict(FULL)
+        assert isinstance(got, zml.Routing) and dataclasses.asdict(got) == msgspec.structs.asdict(FULL)
 
 
 def test_every_field_travels_in_the_body_to_grpc_and_the_sdk() -> None:
@@ -110,9 +123,9 @@ def test_every_field_travels_in_the_body_to_grpc_and_the_sdk() -> None:
         assert getattr(message, f.name) == getattr(FULL, f.name), f.name
     call = build_infer(model="m", prompt="hi")
     sdk = decode_reply(RawReply(status=200, headers={}, body=body), call).routing
-    assert msgspec.structs.asdict(sdk) == msgspec.structs.asdict(FULL)
+    assert dataclasses.asdict(sdk) == msgspec.structs.asdict(FULL)
     start = decode_nats_stream({"zml-stream": "start"}, msgspec.json.encode(StreamStart(routing=FULL))).routing
-    assert start is not None and msgspec.structs.asdict(start) == msgspec.structs.asdict(FULL)
+    assert start is not None and dataclasses.asdict(start) == msgspec.structs.asdict(FULL)
 
 
 def test_a_field_not_known_yet_is_no_header_and_unset_in_grpc() -> None:

@@ -1,7 +1,8 @@
 """Public data types of the SDK: policies, results, stream chunks, batch results.
 
-Plain dataclasses (no pydantic needed at import time), but for ``Routing``, which is the wire
-schema of routing metadata itself (a msgspec Struct). ``Policy`` validates at creation.
+Plain dataclasses (no pydantic needed at import time). ``Routing`` mirrors the one wire schema
+of routing metadata (``zmlcore.messages.RoutingInfo``) field for field; tests/unit/test_routingmeta.py
+fails when the two drift. ``Policy`` validates at creation.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import msgspec
 from zml._fleet import known_families
 from zmlcore.config import PolicyConfig, validate_policy
 from zmlcore.errors import PolicyConfigError
-from zmlcore.messages import InlinePolicy, RoutingInfo
+from zmlcore.messages import InlinePolicy
 
 __all__ = [
     "BatchResult",
@@ -132,16 +133,34 @@ class Usage:
     total_tokens: int = 0
 
 
-class Routing(RoutingInfo, kw_only=True):
+@dataclass(slots=True)
+class Routing:
     """Where and how a request was routed (``result.routing``): every field of the routing
-    metadata (``zmlcore.messages.RoutingInfo``, which documents them), whichever transport the
-    reply came over.
+    metadata, whichever transport the reply came over. The fields and their meaning are
+    ``zmlcore.messages.RoutingInfo``'s (the wire schema; docs/http-api.md lists them). A plain
+    dataclass, as in 0.3: ``dataclasses.asdict(result)`` gives plain dicts all the way down.
 
     Example::
 
         r = client.infer(model="meta-llama/llama-3-8b-instruct", prompt="Hi", max_tokens=16)
         print(r.routing.node_id, r.routing.family, r.routing.router_id, r.routing.attempts)
     """
+
+    node_id: str = ""
+    accelerator_type: str = ""
+    family: str = ""
+    policy: str = ""
+    queue_depth_at_dispatch: int = 0
+    decision_id: str = ""
+    request_id: str = ""
+    attempts: int = 1
+    time_to_first_token: float | None = None
+    total_tokens: int | None = None
+    # Fields after 0.3's, in the wire schema's order.
+    router_id: str = ""
+    label: str = ""
+    cached_tokens_estimated: int | None = None
+    cached_tokens: int | None = None
 
     @property
     def queue_depth(self) -> int:

@@ -21,7 +21,7 @@ from typing import Any
 
 from zmlcore import subjects
 
-ROLES = ("gateway", "router", "health", "warmup", "batch", "admin", "client")
+ROLES = ("gateway", "router", "health", "warmup", "batch", "admin", "client", "observer")
 #: Roles every deployment runs (one identity each, shared by a role's replicas).
 SERVICE_ROLES = ("gateway", "router", "health", "warmup", "batch")
 
@@ -53,6 +53,12 @@ def _stream_read(stream: str) -> list[str]:
 def kv_read(bucket: str) -> list[str]:
     """Publish subjects needed to open, get from and watch KV ``bucket``."""
     return _stream_read(f"KV_{bucket}")
+
+
+def kv_watch(bucket: str) -> list[str]:
+    """:func:`kv_read` without creating the bucket: for identities outside ZML's services, which
+    must not be able to create a bucket with a configuration of their choosing."""
+    return [s for s in kv_read(bucket) if not s.startswith("$JS.API.STREAM.CREATE.")]
 
 
 def kv_write(bucket: str) -> list[str]:
@@ -107,6 +113,9 @@ def _grants(role: str, owner: str) -> tuple[list[str], list[str], bool]:
     completed = subjects.event(subjects.EVENT_COMPLETED)
     if role == "client":
         return [subjects.INFER, own_cancel], [inbox], False
+    if role == "observer":  # billing, analytics, dashboards: read events, node state and prices; nothing else
+        return ([subjects.admin_nodes("list"), *kv_watch(subjects.NODES_BUCKET), *kv_watch(subjects.COSTS_BUCKET)],
+                [inbox, f"{subjects.EVENTS_PREFIX}.>"], False)
     if role == "gateway":
         # Requests go to the front-door subject: only there does a router honour the key's
         # label and default policy (zml_router.flow.drop_untrusted).

@@ -97,8 +97,9 @@ class RoutingInfo(msgspec.Struct, kw_only=True):
     headers and ``x-zml-*`` HTTP headers (:mod:`zmlcore.reply.routingmeta`, names from
     :data:`ROUTING_HEADER_WORDS`), as ``zml-*`` gRPC metadata (:mod:`zmlcore.rpc.status`), as
     zml.v1's ``Routing`` message (written from this class by ``proto/generate.py``; mapped by
-    :mod:`zmlcore.rpc.codec`) and as the SDK's ``zml.Routing`` (a subclass). Adding a field here,
-    with a default (then ``python proto/generate.py``), adds it to all of them;
+    :mod:`zmlcore.rpc.codec`) and as the SDK's ``zml.Routing`` (a dataclass with the same fields). Adding a field here,
+    with a default (then ``python proto/generate.py``, and the same field on ``zml.Routing``),
+    adds it to all of them;
     tests/unit/test_routingmeta.py fails on any that drifts.
 
     Every field has a default so that a reader of an older or partial reply still gets the rest;

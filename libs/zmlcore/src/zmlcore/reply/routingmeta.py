@@ -35,7 +35,8 @@ from zmlcore.messages import ROUTING_HEADER_WORDS, RoutingInfo, StreamStart, rou
 __all__ = ["FIELDS", "backend_header", "from_body", "from_start", "http_headers", "http_headers_of",
            "nats_headers", "read", "typed"]
 
-R = TypeVar("R", bound=RoutingInfo)
+#: RoutingInfo, or a type with the same fields (the SDK's ``zml.Routing`` dataclass).
+R = TypeVar("R")
 
 #: (RoutingInfo field, NATS header, HTTP header), in RoutingInfo's order (the order sent).
 FIELDS: tuple[tuple[str, str, str], ...] = tuple(
@@ -89,7 +90,7 @@ def http_headers_of(info: RoutingInfo) -> list[tuple[bytes, bytes]]:
 
 
 def typed(values: Mapping[str, Any], into: type[R]) -> R:
-    """``into`` (RoutingInfo or a subclass) from field -> value, numbers given as text accepted;
+    """``into`` (RoutingInfo, or a dataclass with its fields) from field -> value, numbers given as text accepted;
     a value of the wrong type leaves its field at the default rather than losing the rest."""
     try:
         return msgspec.convert(values, into, strict=False)
@@ -110,7 +111,7 @@ def read(headers: Mapping[str, str]) -> RoutingInfo | None: ...
 def read(headers: Mapping[str, str], into: type[R]) -> R | None: ...
 
 
-def read(headers: Mapping[str, str], into: type[RoutingInfo] = RoutingInfo) -> RoutingInfo | None:
+def read(headers: Mapping[str, str], into: type[Any] = RoutingInfo) -> Any:
     """The routing metadata in lower-cased ``x-zml-*`` or ``zml-*`` headers, as ``into``; None
     when they carry none (no node id)."""
     out: dict[str, str] = {}
