@@ -58,6 +58,10 @@ _encode = msgspec.json.encode
 PROGRESS_S = 1.0
 #: Pause after a failed write to the store (the broker is restarting, say) before trying again.
 STORE_RETRY_S = 0.5
+#: Keepalives asked of the router per line: a line runs for seconds to minutes, and a router that
+#: dies is noticed after three silent intervals (15 s: nothing for a batch); every keepalive is a
+#: message for the router and the runner, so a second each would cost more than the line itself.
+KEEPALIVE_S = 5.0
 
 
 class _Usage(msgspec.Struct):
@@ -413,7 +417,7 @@ class Worker:
         data = b""
         retry_after: float | None = None
         accepted = False
-        ex = Exchange(self.nc, body, headers, timeout_s=timeout, wait_s=timeout + 2.0, keepalive_s=1.0,
+        ex = Exchange(self.nc, body, headers, timeout_s=timeout, wait_s=timeout + 2.0, keepalive_s=KEEPALIVE_S,
                       accept_parts=self.max_reply, buffer=parts_buffer(self.max_reply, self.nc.max_payload),
                       no_router_grace_s=self.cfg.gateway.no_router_grace_s)
         try:
