@@ -148,6 +148,7 @@ class Interactive:
         self.rate = rate
         self.rng = random.Random(seed)
         self.ttft: list[tuple[float, float]] = []  # (start time, ttft)
+        self.family: list[str] = []  # the family that served each of ttft's requests
         self.done: list[float] = []  # completion times
         self.errors: dict[str, int] = {}
         self._stop = asyncio.Event()
@@ -175,6 +176,7 @@ class Interactive:
         first = None
         try:
             async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+                family = r.headers.get("x-zml-family", "?")
                 if r.status_code != 200:
                     await r.aread()
                     code = r.json().get("error", {}).get("code", str(r.status_code))
@@ -185,6 +187,7 @@ class Interactive:
                         first = time.monotonic() - t0
             if first is not None:
                 self.ttft.append((t0, first))
+                self.family.append(family)
                 self.done.append(time.monotonic())
         except httpx.HTTPError as exc:
             self.errors[type(exc).__name__] = self.errors.get(type(exc).__name__, 0) + 1
@@ -210,10 +213,25 @@ def batch_file(lines: int, seed: int) -> bytes:
 
 
 def phase_stats(inter: Interactive, t0: float, t1: float) -> dict[str, Any]:
-    vals = [v for s, v in inter.ttft if t0 <= s < t1]
+    rows = [(v, f) for (s, v), f in zip(inter.ttft, inter.family) if t0 <= s < t1]
+    vals = [v for v, _ in rows]
     served = sum(1 for d in inter.done if t0 <= d < t1)
+    by_family = {}
+    for fam in sorted({f for _, f in rows}):
+        fv = [v for v, f in rows if f == fam]
+        by_family[fam] = {"n": len(fv), "p50": round(pct(fv, 0.5), 3), "p99": round(pct(fv, 0.99), 3)}
     return {"requests": len(vals), "ttft_p50_s": round(pct(vals, 0.5), 4), "ttft_p99_s": round(pct(vals, 0.99), 4),
-            "served_rps": round(served / (t1 - t0), 3)}
+            "served_rps": round(served / (t1 - t0), 3), "by_family": by_family}
+
+
+def cpu_of(fleet: Fleet) -> dict[str, float]:
+    """CPU seconds so far of each kind of process (sim, router, gateway, batch, health)."""
+    out: dict[str, float] = {}
+    for name, p in fleet.procs.items():
+        if p.alive():
+            kind = name.split("-")[0]
+            out[kind] = out.get(kind, 0.0) + ticks(p.pid)
+    return out
 
 
 async def load_mode(args: argparse.Namespace) -> dict[str, Any]:
@@ -233,9 +251,11 @@ async def load_mode(args: argparse.Namespace) -> dict[str, Any]:
         await asyncio.sleep(args.warmup)
         rounds = []
         for r in range(args.rounds):
-            a0 = time.monotonic()
+            a0, ca0 = time.monotonic(), cpu_of(fleet)
             await asyncio.sleep(args.phase)
-            a = phase_stats(inter, a0, time.monotonic())
+            a1, ca1 = time.monotonic(), cpu_of(fleet)
+            a = phase_stats(inter, a0, a1)
+            a["cpu_share"] = {k: round((ca1[k] - ca0.get(k, 0.0)) / (a1 - a0), 3) for k in ca1}
             f = await asyncio.to_thread(client.files.create, file=("bench.jsonl", io.BytesIO(data)), purpose="batch")
             b = await asyncio.to_thread(client.batches.create, input_file_id=f.id, endpoint="/v1/chat/completions",
                                         completion_window="24h")
@@ -245,13 +265,14 @@ async def load_mode(args: argparse.Namespace) -> dict[str, Any]:
             cpu0 = {pid: ticks(pid) for pid in fleet.pids("batch") + fleet.pids("router")}
             done0 = (await asyncio.to_thread(client.batches.retrieve, b.id)).request_counts
             reqs0, ref0 = events.handled, events.refused
-            b0 = time.monotonic()
+            b0, cb0 = time.monotonic(), cpu_of(fleet)
             await asyncio.sleep(args.phase)
-            b1 = time.monotonic()
+            b1, cb1 = time.monotonic(), cpu_of(fleet)
             done1 = (await asyncio.to_thread(client.batches.retrieve, b.id)).request_counts
             reqs1, ref1 = events.handled, events.refused
             cpu1 = {pid: ticks(pid) for pid in cpu0}
             bstats = phase_stats(inter, b0, b1)
+            bstats["cpu_share"] = {k: round((cb1[k] - cb0.get(k, 0.0)) / (b1 - b0), 3) for k in cb1}
             lines = (done1.completed + done1.failed) - (done0.completed + done0.failed)
             batch_rps = lines / (b1 - b0)
             spare = cap - bstats["served_rps"]
