@@ -186,6 +186,10 @@ class RouterConfig(msgspec.Struct, **_Base):
     first_byte_factor: NonNeg = 4.0
     """Multiple of the node's estimated time to first token (to the whole reply when not
     streaming) allowed before the first byte; 0 makes first_byte_floor_s a fixed timeout."""
+    inter_token_timeout_s: PosFloat = 10.0
+    """After the first token, a node that sends nothing more for this long (noticed within one
+    to two such periods) is abandoned as stalled, cooled down, and the answer continued on
+    another node (or ended with the error where it cannot be: docs/http-api.md)."""
     processes: PosInt | Literal["auto"] = "auto"
     """Router replicas `zml up` runs (one queue group). "auto": sized to the machine's cores
     (zmlcore.runtime.sizing); `zml up --routers N` overrides."""
@@ -353,6 +357,11 @@ class PolicyConfig(msgspec.Struct, **_Base):
     """Wait in the JetStream queue instead of failing fast with QUEUE_FULL."""
     max_queue_ms: PosInt | None = None
     """Longest wait in that queue before QUEUE_FULL."""
+    continue_on_failure: bool = True
+    """When the node serving an answer fails part-way (crash, reset, dropped connection, a
+    stall past [router] inter_token_timeout_s), continue the answer on another node of the
+    chain from the text already produced (docs/http-api.md, "When a node fails mid-answer").
+    False: a stream ends with the error; a non-streamed request starts again elsewhere."""
 
     def chain(self) -> list[str]:
         """Families in order, whichever spelling was used."""

@@ -4,6 +4,7 @@ from zmlcore.messages.cost import CostEntry, cost_entry_decoder
 from zmlcore.messages.infer import (
     ZML_REQUEST_KEYS,
     ChatMessage,
+    ContinuedFrom,
     InferRequest,
     InlinePolicy,
     RoutingInfo,
@@ -55,6 +56,7 @@ __all__ = [
     "router_state_decoder",
     "ZML_REQUEST_KEYS",
     "ChatMessage",
+    "ContinuedFrom",
     "CostEntry",
     "InferRequest",
     "InflightDelta",

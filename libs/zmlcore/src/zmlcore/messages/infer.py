@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 #: Keys that are ZML's own and are removed before the body goes to a backend.
-ZML_REQUEST_KEYS = ("policy", "routing", "accelerator_id", "request_id", "timeout_ms", "zml")
+ZML_REQUEST_KEYS = ("policy", "routing", "accelerator_id", "request_id", "timeout_ms", "continue_on_failure", "zml")
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):
@@ -37,6 +37,7 @@ class InlinePolicy(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     queue_threshold: int | None = None
     queue_on_saturation: bool | None = None
     max_queue_ms: int | None = None
+    continue_on_failure: bool | None = None
 
 
 class InferRequest(msgspec.Struct, kw_only=True):
@@ -63,6 +64,9 @@ class InferRequest(msgspec.Struct, kw_only=True):
     accelerator_id: str | None = None
     request_id: str | None = None
     timeout_ms: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    #: False: if the node fails part-way, end with the error instead of continuing the answer on
+    #: another node (docs/http-api.md, "When a node fails mid-answer").
+    continue_on_failure: bool | None = None
 
     def kind(self) -> Literal["chat", "completion", "embedding"]:
         if self.input is not None:
@@ -87,6 +91,17 @@ class InferRequest(msgspec.Struct, kw_only=True):
         return None
 
 
+class ContinuedFrom(msgspec.Struct, kw_only=True):
+    """A node whose answer another node continued (it failed part-way)."""
+
+    node_id: str
+    #: Tokens of the answer that node produced (content chunks relayed from it).
+    tokens: int
+    #: How it failed: network (crash, reset, dropped connection), server (an error status or
+    #: the engine's error event), slow (nothing within the inter-token deadline).
+    failure: str
+
+
 class RoutingInfo(msgspec.Struct, kw_only=True):
     """Routing metadata: in reply bodies as ``"zml"``, as ``x-zml-*`` HTTP headers, in
     ``Zml-*`` NATS headers, and (compact) in the ``Zml-Routing`` header sent to the backend."""
@@ -107,6 +122,9 @@ class RoutingInfo(msgspec.Struct, kw_only=True):
     total_tokens: int | None = None
     #: The API key's cost-attribution label ("" without one).
     label: str = ""
+    #: The nodes that failed part-way through this answer, in order, each continued by the
+    #: next (``node_id`` finished it); None when one node wrote it all.
+    continued_from: list[ContinuedFrom] | None = None
 
 
 class StreamStart(msgspec.Struct, kw_only=True):
