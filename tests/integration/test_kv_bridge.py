@@ -1,6 +1,6 @@
 """The health service's KV-event bridge over a real nats-server: events from a simulated vLLM's
-ZMQ sockets, and vLLM's own bytes (0.11.0 and 0.34.0, tests/data/kvevents/) from a raw ZMQ
-publisher, reach ``zml.node.kvevents.<node>`` in order; a gap is filled from the replay socket,
+ZMQ sockets, and the engines' own bytes (vLLM 0.11.0 and 0.34.0, SGLang; tests/data/kvevents/)
+from a raw ZMQ publisher, reach ``zml.node.kvevents.<node>`` in order; a gap is filled from the replay socket,
 an unfillable gap and an engine restart clear the node; NodeState carries the engine's
 prefix-cache geometry and hit rate."""
 
@@ -21,7 +21,7 @@ import zmq.asyncio
 from test_health_helpers import config, connected, eventually, node_entry, private_nats, start_sim
 from zml_health.service import HealthService
 from zmlcore import subjects
-from zmlcore.kvevents.wire import seq_bytes, seq_of
+from zmlcore.fleet.kvevents.wire import seq_bytes, seq_of
 from zmlcore.messages.kvcache import KvAllCleared, KvBlockRemoved, KvBlockStored, KvEventBatch, kv_event_batch_decoder
 from zmlcore.runtime.launch import free_port
 
@@ -87,11 +87,11 @@ async def collect(nc: Any, node_id: str) -> tuple[list[KvEventBatch], Any]:
     return got, sub
 
 
-@pytest.mark.parametrize("version", ["0.11.0", "0.34.0"])
-async def test_vllms_bytes_bridged_in_order_with_replay_and_resets(nats_private: str, version: str) -> None:
-    payloads = [bytes.fromhex(h) for h in json.loads((DATA / f"vllm-{version}.json").read_text())["payloads"]]
+@pytest.mark.parametrize("fixture", ["vllm-0.11.0", "vllm-0.34.0", "sglang-006d053"])
+async def test_engine_bytes_bridged_in_order_with_replay_and_resets(nats_private: str, fixture: str) -> None:
+    payloads = [bytes.fromhex(h) for h in json.loads((DATA / f"{fixture}.json").read_text())["payloads"]]
     ep = endpoints()
-    fake = FakeVLLM(ep, version)
+    fake = FakeVLLM(ep, "0.34.0" if fixture == "vllm-0.34.0" else "0.11.0")  # SGLang replays as vLLM 0.11
     # The node's HTTP side is a sim (health polls it); its events come from the fake publisher.
     sim = await start_sim("v1", "nvidia_h100", [M])
     svc = HealthService(config([node_entry(sim, kv_events=ep)]))

@@ -16,7 +16,7 @@ import zmq
 import zmq.asyncio
 
 from zmlcore.config import KVEventsConfig
-from zmlcore.kvevents.wire import Cleared, Removed, Stored, decode_batch, seq_bytes, split_pub, split_replay
+from zmlcore.fleet.kvevents.wire import Cleared, Removed, Stored, decode_batch, seq_bytes, split_pub, split_replay
 from zmlcore.runtime.launch import free_port
 from zml_sim.prefixcache import token_ids
 from zml_sim.server import SimNode

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from zmlcore.kvevents.sequence import Deliver, Ordering, Replay, Reset
+from zmlcore.fleet.kvevents.sequence import Deliver, Ordering, Replay, Reset
 
 
 def seqs(actions: list[object]) -> list[object]:

@@ -10,7 +10,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from zmlcore.kvevents.wire import (
+from zmlcore.fleet.kvevents.wire import (
+    CHECKED_SGLANG_VERSIONS,
     CHECKED_VLLM_VERSIONS,
     Cleared,
     Removed,
@@ -25,18 +26,18 @@ from zmlcore.kvevents.wire import (
 DATA = Path(__file__).parents[1] / "data" / "kvevents"
 
 
-def fixture(version: str) -> dict[str, Any]:
-    return json.loads((DATA / f"vllm-{version}.json").read_text())
+def fixture(version: str, engine: str = "vllm") -> dict[str, Any]:
+    return json.loads((DATA / f"{engine}-{version}.json").read_text())
 
 
-def expected(spec: dict[str, Any]) -> list[Stored | Removed | Cleared]:
+def expected(spec: dict[str, Any], medium: str | None = "GPU") -> list[Stored | Removed | Cleared]:
     out: list[Stored | Removed | Cleared] = []
     for ev in spec["events"]:
         if ev["kind"] == "stored":
             out.append(Stored(hashes=ev["hashes"], parent=ev["parent"], token_ids=ev["token_ids"],
-                              block_size=ev["block_size"], medium="GPU"))
+                              block_size=ev["block_size"], medium=medium))
         elif ev["kind"] == "removed":
-            out.extend(Removed(hashes=[h], medium="GPU") for h in ev["hashes"])
+            out.extend(Removed(hashes=[h], medium=medium) for h in ev["hashes"])
         else:
             out.append(Cleared())
     return out
@@ -51,6 +52,16 @@ def test_real_vllm_bytes_decode(version: str) -> None:
         assert batch.ts == spec["ts"]
         assert batch.dp_rank == 0
         assert batch.events == expected(spec)
+
+
+@pytest.mark.parametrize("version", CHECKED_SGLANG_VERSIONS)
+def test_sglang_bytes_decode_and_encode(version: str) -> None:
+    fx = fixture(version, "sglang")
+    for spec, hexed in zip(fx["scenario"], fx["payloads"]):
+        batch = decode_batch(bytes.fromhex(hexed))
+        assert batch.ts == spec["ts"] and batch.dp_rank is None  # SGLang's batch has no rank
+        assert batch.events == expected(spec, medium=None)
+        assert encode_batch(spec["ts"], [e for e in batch.events], layout="sglang").hex() == hexed
 
 
 @pytest.mark.parametrize(("version", "layout"), [("0.34.0", "0.34"), ("0.11.0", "0.11")])

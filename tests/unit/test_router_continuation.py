@@ -136,13 +136,13 @@ def test_nothing_sent_but_the_role_asks_again_as_it_was() -> None:
 
 def test_the_splice_makes_one_stream() -> None:
     sent = Sent(text="The cat ", tokens=2, chunk_id="chatcmpl-first", created=7)
-    sp = Splice(sent, {"attempts": 2, "continued_from": [{"node_id": "a", "tokens": 2, "failure": "network"}]})
+    sp = Splice(sent, {"attempts": 2, "continued_from": "a@2:network"})
     assert sp.payload(chunk("", role=True, cid="other")) is None  # the role, announced again
     assert sp.payload(chunk(None, role=True, cid="other")) is None  # llama-server's spelling
     got = json.loads(sp.payload(chunk("sat ", cid="other")) or b"")
     assert got["id"] == "chatcmpl-first" and got["created"] == 7 and got["choices"][0]["delta"] == {"content": "sat "}
     end = json.loads(sp.payload(chunk(finish="length", cid="other")) or b"")
-    assert end["choices"][0]["finish_reason"] == "length" and end["zml"]["continued_from"][0]["node_id"] == "a"
+    assert end["choices"][0]["finish_reason"] == "length" and end["zml"]["continued_from"] == "a@2:network"
     usage = json.loads(sp.payload(chunk(usage={"prompt_tokens": 12, "completion_tokens": 5, "total_tokens": 17}))
                        or b"")["usage"]
     # Its prompt held the 2 tokens sent: the first attempt's prompt, and both attempts' output.

@@ -6,7 +6,7 @@ from __future__ import annotations
 import hashlib
 import pickle
 
-from zmlcore.kvevents.wire import Cleared, Removed, Stored
+from zmlcore.fleet.kvevents.wire import Cleared, Removed, Stored
 from zml_sim.prefixcache import NONE_HASH, PrefixCache, block_digests, external, token_ids
 
 

@@ -1,11 +1,12 @@
-"""Write the KV-event fixtures from vLLM's own classes: ``python make_fixtures.py VERSION
-PATH/TO/vllm/distributed/kv_events.py`` (the file from that release's wheel: ``pip download
-vllm==VERSION --no-deps``, then unzip it).
+"""Write the KV-event fixtures from an engine's own classes: ``python make_fixtures.py ENGINE
+VERSION PATH/TO/kv_events.py`` (vLLM: vllm/distributed/kv_events.py from that release's wheel,
+``pip download vllm==VERSION --no-deps`` then unzip it; SGLang:
+python/sglang/srt/disaggregation/kv_events.py at the commit named as VERSION).
 
 vLLM's Struct classes (EventBatch, KVCacheEvent, BlockStored, BlockRemoved, AllBlocksCleared,
 KVEventBatch) are taken from the file by their syntax tree and run with msgspec alone, so the
 payloads below are the bytes that release's publisher sends for these events. The scenario is
-fixed (SCENARIO); ``vllm-VERSION.json`` holds each payload in hex with the events it carries,
+fixed (SCENARIO); ``ENGINE-VERSION.json`` holds each payload in hex with the events it carries,
 and tests/unit/test_kvevents_wire.py decodes them and checks ZML's encoder against them.
 """
 
@@ -73,15 +74,15 @@ def build(ns: dict[str, Any], spec: dict[str, Any]) -> Any:
     return ns["KVEventBatch"](**kw)
 
 
-def main(version: str, path: str) -> None:
+def main(engine: str, version: str, path: str) -> None:
     ns = load_classes(Path(path))
     enc = msgspec.msgpack.Encoder()
-    out = {"vllm": version, "scenario": SCENARIO,
+    out = {engine: version, "scenario": SCENARIO,
            "payloads": [enc.encode(build(ns, spec)).hex() for spec in SCENARIO]}
-    dest = Path(__file__).with_name(f"vllm-{version}.json")
+    dest = Path(__file__).with_name(f"{engine}-{version}.json")
     dest.write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {dest.name}: {len(out['payloads'])} payloads")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2], sys.argv[3])

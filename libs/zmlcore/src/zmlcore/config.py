@@ -190,6 +190,10 @@ class RouterConfig(msgspec.Struct, **_Base):
     """After the first token, a node that sends nothing more for this long (noticed within one
     to two such periods) is abandoned as stalled, cooled down, and the answer continued on
     another node (or ended with the error where it cannot be: docs/http-api.md)."""
+    session_idle_s: PosFloat = 600.0
+    """A session (``x-session-id``, ``Zml-Session``, the SDK's ``session=``, else the OpenAI
+    ``user`` field) is forgotten after this long without a request (its binding to a node
+    expires in the KV bucket zml_sessions)."""
     processes: PosInt | Literal["auto"] = "auto"
     """Router replicas `zml up` runs (one queue group). "auto": sized to the machine's cores
     (zmlcore.runtime.sizing); `zml up --routers N` overrides."""

@@ -10,6 +10,7 @@ No other module writes a subject literal: services and the SDK import these name
     zml.node.inflight              router replicas share dispatch/completion deltas
     zml.node.marks                 router replicas share cooldown/saturation marks (NodeMark)
     zml.node.kvevents.<node_id>    health: a node's engine KV-cache events, bridged (KvEventBatch)
+    zml.node.prefix                router replicas share where they sent which prompt (PrefixRecord)
     zml.admin.nodes.<verb>         node registration (add/remove/list)
     zml.events.completed           routers: one event per finished request (warmup, health)
     zml.events.warmup              warmup service: load started / finished / failed
@@ -19,6 +20,7 @@ No other module writes a subject literal: services and the SDK import these name
     KV bucket zml_leases           one key per role (health, warmup): which replica is active
     KV bucket zml_queue_claims     routers: create-only dispatch claims on queued requests
     KV bucket zml_request_ids      routers: create-only claims on callers' in-flight request ids
+    KV bucket zml_sessions         routers: session -> node bindings, expiring when idle
 """
 
 from __future__ import annotations
@@ -61,6 +63,14 @@ NODE_MARKS = f"{PREFIX}.node.marks"
 #: gaps replayed) here as ``KvEventBatch`` JSON: ``zml.node.kvevents.<node_id>``; every router
 #: subscribes to ``zml.node.kvevents.>`` and applies them to its prefix index.
 KV_EVENTS_PREFIX = f"{PREFIX}.node.kvevents"
+
+
+#: Router replicas share every prompt they dispatch (its key chain and node) and every cache
+#: report an engine sent back (``PrefixRecord`` JSON), so that N replicas' prefix indexes agree.
+PREFIX_RECORDS = f"{PREFIX}.node.prefix"
+#: JetStream KV bucket (memory) of session bindings: key = hash of (owner, session id), value =
+#: the node id; the bucket's TTL is the idle time after which a session is forgotten.
+SESSIONS_BUCKET = "zml_sessions"
 
 
 def kv_events(node_id: str) -> str:
@@ -247,6 +257,13 @@ LIMITS_BUCKET = "zml_limits"
 #: cost-attribution label (copied into routing metadata and completion events).
 H_DEFAULT_POLICY = "Zml-Default-Policy"
 H_LABEL = "Zml-Label"
+#: A conversation's id (HTTP ``x-session-id``, the SDK's ``session=``; the OpenAI ``user`` field
+#: when absent): routers keep its requests on one node while that node stays within its load
+#: bound, bindings shared in the KV bucket ``zml_sessions`` (docs/routing.md). Any sender may set
+#: it: it only groups that sender's own requests.
+H_SESSION = "Zml-Session"
+#: Longest session id accepted (longer ones are cut at the front door: it is a grouping key).
+MAX_SESSION_ID = 256
 
 #: Replies larger than NATS's max_payload (zmlcore.reply.bigreply). A requester that collects a reply
 #: in parts says so on its request with ``Zml-Accept-Parts: <most bytes it collects>`` (the

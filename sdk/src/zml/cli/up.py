@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import tempfile
@@ -58,8 +59,8 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     p.add_argument("--sim-port-base", type=int, metavar="N",
                    help="put the simulated nodes on ports N, N+1, ... (default: free ports for the demo fleet, "
                         "the endpoints of --config as written)")
-    p.add_argument("--data-dir", help="identities, NATS config and JetStream storage (default: ~/.local/share/zml; "
-                                      "with --insecure a temporary folder)")
+    p.add_argument("--data-dir", help="identities, NATS config and JetStream storage (default: ZML_DATA_DIR, then "
+                                      "~/.local/share/zml; with --insecure a temporary folder)")
     p.add_argument("--insecure", action="store_true",
                    help="run NATS without authorization: anyone who reaches the port can read and inject anything")
     p.add_argument("--ready-timeout", type=float, default=90.0, help="seconds to wait for the first good request")
@@ -146,6 +147,7 @@ def run(args: argparse.Namespace) -> int:
         if args.nats_url:
             nats_url = args.nats_url
         else:
+            args.data_dir = args.data_dir or os.environ.get("ZML_DATA_DIR") or None
             if args.data_dir is None and args.insecure:
                 tmp = tempfile.TemporaryDirectory(prefix="zml-nats-")
             data_dir = Path(args.data_dir or (tmp.name if tmp else default_data_dir()))
@@ -227,10 +229,11 @@ def run(args: argparse.Namespace) -> int:
             time.sleep(0.5)
         if not stopping:
             if envs and data_dir is not None:
-                print(f"zml up: NATS authorization on (identities in {data_dir}). A client identity for raw NATS or "
-                      f"the SDK: `zml creds issue NAME --data-dir {data_dir}`, then ZML_NATS_NKEY=<the file it "
-                      f"writes>. Operator commands (zml nodes/cost/serve/keys): "
-                      f"ZML_NATS_NKEY={data_dir / 'creds' / 'admin.nk'}", flush=True)
+                mine = "" if data_dir == default_data_dir() else f" --data-dir {data_dir}"
+                print(f"zml up: NATS authorization on (identities in {data_dir}). Operator commands (zml nodes/cost/"
+                      f"serve/keys/creds) use its admin identity{mine or ' by themselves'}. A client identity for raw "
+                      f"NATS or the SDK: `zml creds issue NAME{mine}`, then ZML_NATS_NKEY=<the file it writes>",
+                      flush=True)
             elif not args.nats_url:
                 print("zml up: --insecure: NATS has no authorization; anyone who reaches "
                       f"{nats_url} can read every prompt and reply and register nodes", flush=True)

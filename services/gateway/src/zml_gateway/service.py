@@ -26,6 +26,7 @@ from zml_gateway.grpc_front import GrpcFront
 from zml_gateway.observe import Observed
 from zml_gateway.http2 import H2Limits
 from zml_gateway.protocol import BoundedHttpTools
+from zml_gateway.uvicorninternals import GatewayServer, check as check_uvicorn
 
 log = logging.getLogger("zml.gateway")
 
@@ -46,14 +47,10 @@ def _reuse_port_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-class _Server(uvicorn.Server):
-    def install_signal_handlers(self) -> None:  # the runner owns signals
-        pass
-
-
 class GatewayService:
     def __init__(self, cfg: ZMLConfig, host: str | None = None, port: int | None = None,
                  reuse_port: bool = False, grpc_port: int | None = None) -> None:
+        check_uvicorn()  # at start-up, before connecting: a uvicorn the protocol does not fit is one line
         self.cfg = cfg
         self.reuse_port = reuse_port  # several gateway processes on one port (`zml up`)
         self.host = host or cfg.gateway.host
@@ -63,7 +60,7 @@ class GatewayService:
         self.nodes: dict[str, NodeState] = {}
         self.costs = CostTable()
         self._follow_costs: asyncio.Task[None] | None = None
-        self._server: _Server | None = None
+        self._server: GatewayServer | None = None
         self._serve: asyncio.Task[None] | None = None
         self._follow: asyncio.Task[None] | None = None
         self._dashboard: Dashboard | None = None
@@ -109,7 +106,7 @@ class GatewayService:
             self._grpc = GrpcFront(app, self.cfg, gateway.intake.body_limit(), self.host, self.grpc_port,
                                    reuse_port=self.reuse_port)
             await self._grpc.start()
-        self._server = _Server(config)
+        self._server = GatewayServer(config)  # the runner owns SIGTERM/SIGINT (see GatewayServer)
         self._serve = asyncio.create_task(self._server.serve(sockets=sockets))
         while not self._server.started:
             if self._serve.done():  # failed to bind: surface the error

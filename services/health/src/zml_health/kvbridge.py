@@ -2,8 +2,8 @@
 
 Per node with ``[nodes.kv_events]`` in zml.toml, one task holds a SUB socket on the engine's
 PUB endpoint and a DEALER on its replay endpoint, puts the stream in order
-(``zmlcore.kvevents.sequence``: gaps are replayed, a restart or a loss becomes a clear),
-decodes vLLM's msgpack (``zmlcore.kvevents.wire``, both layouts) and publishes each batch as a
+(``zmlcore.fleet.kvevents.sequence``: gaps are replayed, a restart or a loss becomes a clear),
+decodes vLLM's msgpack (``zmlcore.fleet.kvevents.wire``, both layouts) and publishes each batch as a
 ``KvEventBatch`` on ``zml.node.kvevents.<node_id>``, where every router applies it to its prefix
 index. It runs in the health service (docs/routing.md says why): the active health replica
 already owns the node list, including nodes registered at run time, and a standby that takes
@@ -31,8 +31,8 @@ from zmq.utils.monitor import parse_monitor_message
 
 from zmlcore import subjects
 from zmlcore.config import NodeConfig
-from zmlcore.kvevents.sequence import Deliver, Ordering, Replay, Reset
-from zmlcore.kvevents.wire import Batch, Cleared, Removed, Stored, WireError, decode_batch, seq_bytes, split_pub, split_replay
+from zmlcore.fleet.kvevents.sequence import Deliver, Ordering, Replay, Reset
+from zmlcore.fleet.kvevents.wire import Batch, Cleared, Removed, Stored, WireError, decode_batch, seq_bytes, split_pub, split_replay
 from zmlcore.messages.kvcache import KvAllCleared, KvBlockRemoved, KvBlockStored, KvEvent, KvEventBatch
 from zmlcore.telemetry.metrics import Children
 

@@ -115,7 +115,7 @@ class HealthService:
         self.http = httpx.AsyncClient(limits=httpx.Limits(max_connections=self.cfg.health.max_concurrent_probes))
         await self._load_registry()
         # Entries for nodes no longer registered would mislead routers: remove them.
-        for key in await live_keys(self.kv):
+        for key in await live_keys(self.kv, nc):
             if key not in self.nodes:
                 await self.kv.delete(key)
         now = self.clock()
@@ -142,8 +142,8 @@ class HealthService:
             await self.http.aclose()
 
     async def _load_registry(self) -> None:
-        assert self.registry is not None
-        for key in await live_keys(self.registry):
+        assert self.registry is not None and self.nc is not None
+        for key in await live_keys(self.registry, self.nc):
             try:
                 entry = await self.registry.get(key)
                 reg = registry_entry_decoder.decode(entry.value or b"")

@@ -47,7 +47,10 @@ import logging
 import os
 from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass
-from typing import Generic, Protocol, TypeVar, Union
+import dataclasses
+from typing import Any, Generic, Protocol, TypeVar, Union
+
+import msgspec
 
 from zmlcore import subjects
 from zmlcore.config import ZMLConfig
@@ -66,6 +69,7 @@ from zmlcore.messages.validate import check_request_id, decode_request, request_
 from zmlcore.messages.warmup import RequestCompleted
 from zmlcore.policy import Decision, ResolvedPolicy, RouteRequest, resolve_policy
 from zmlcore.policy.estimate import prompt_tokens_from_body
+from zmlcore.policy.prefix import BLOCK_BYTES, KeyChain, prompt_keys
 from zmlcore.reply.bigreply import check_fits
 from zmlcore.reply.keepalive import parse_interval
 
@@ -83,6 +87,7 @@ NODE_FAULTS = (Failure.NETWORK, Failure.SERVER, Failure.SLOW)
 PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions", "embedding": "/v1/embeddings"}
 
 T = TypeVar("T")
+_decode_any = msgspec.json.Decoder()
 
 
 class Incoming(Protocol):
@@ -105,7 +110,8 @@ class Outcome:
     """What happened to one request, for its error reply, completion event and metrics."""
 
     __slots__ = ("request_id", "stream", "model", "node_id", "family", "ok", "error_code", "node_error",
-                 "failed_nodes", "attempts", "info", "queued", "slow_nodes", "label", "op", "continued_from")
+                 "failed_nodes", "attempts", "info", "queued", "slow_nodes", "label", "op", "prompt_tokens",
+                 "completion_tokens", "continued_from")
 
     def __init__(self) -> None:
         self.request_id = ""  # set once validated: it goes into subjects, headers and logs
@@ -126,6 +132,8 @@ class Outcome:
         #: Nodes that failed part-way, the answer continued on the next: (node, tokens of the
         #: answer so far when it failed, failure).
         self.continued_from: list[tuple[str, int, str]] = []
+        self.prompt_tokens = 0  # the node's usage, when it reported one
+        self.completion_tokens = 0
 
 
 # --- which request headers a sender may set ----------------------------------------------------
@@ -295,10 +303,42 @@ def check_kind(cfg: ZMLConfig, model: str, req: InferRequest) -> None:
         raise BadRequestError(f"model {model!r} is an embedding model: use POST /v1/embeddings (`input`)")
 
 
+def prefix_chain(model: str, req: InferRequest, raw: bytes) -> KeyChain | None:
+    """The prompt's key chain (``zmlcore.policy.prefix``), or None for a prompt too short to hold
+    one key block: short prompts are not decoded again (a front door leaves them raw)."""
+    if len(raw) < BLOCK_BYTES or req.input is not None:
+        return None
+    msgs: Any = req.messages
+    prompt: Any = req.prompt
+    try:
+        if isinstance(msgs, msgspec.Raw):
+            msgs = _decode_any.decode(msgs) if msgs else None
+        if isinstance(prompt, msgspec.Raw):
+            prompt = _decode_any.decode(prompt) if prompt else None
+    except msgspec.DecodeError:
+        return None
+    if msgs is not None:
+        return prompt_keys(model, messages=msgs if isinstance(msgs, list) else None)
+    if isinstance(prompt, (str, list)):
+        return prompt_keys(model, prompt=prompt)
+    return None
+
+
+def session_of(headers: Mapping[str, str] | None, req: InferRequest) -> str:
+    """The request's session: ``Zml-Session`` (``x-session-id``, the SDK's ``session=``), else
+    the OpenAI ``user`` field; "" for none."""
+    if headers:
+        s = headers.get(subjects.H_SESSION)
+        if s:
+            return s[:subjects.MAX_SESSION_ID]
+    return (req.user or "")[:subjects.MAX_SESSION_ID]
+
+
 def prepare(cfg: ZMLConfig, families: list[str], req: InferRequest, raw: bytes,
-            model: str) -> tuple[ResolvedPolicy, RouteRequest]:
+            model: str, session_node: str | None = None) -> tuple[ResolvedPolicy, RouteRequest]:
     """The policy of a request for ``model`` (its name resolved from an alias: ``cfg.resolve_model``)
-    and what the policies see of it (errors: bad policy/kind)."""
+    and what the policies see of it (errors: bad policy/kind): its size, its prompt's key chain
+    and the node its session is bound to."""
     per_call = req.policy if req.policy is not None else req.routing
     # Chains may name families registered at run time, not only zml.toml's.
     policy = resolve_policy(cfg, model, per_call, families)
@@ -307,7 +347,8 @@ def prepare(cfg: ZMLConfig, families: list[str], req: InferRequest, raw: bytes,
     max_tokens = 1 if req.input is not None else req.max_tokens or req.max_completion_tokens or 512
     # ~4 bytes per token of JSON body: good enough for a TTFT estimate, and O(1).
     rr = RouteRequest(model=model, prompt_tokens=prompt_tokens_from_body(len(raw)), max_tokens=max_tokens,
-                      accelerator_id=req.accelerator_id)
+                      accelerator_id=req.accelerator_id, prefix=prefix_chain(model, req, raw),
+                      session_node=session_node)
     return policy, rr
 
 
@@ -517,4 +558,5 @@ def completion(out: Outcome, now: float, latency_s: float, router_id: str) -> Re
         ttft_s=info.time_to_first_token if info is not None and out.ok else None,
         latency_s=latency_s, attempts=out.attempts, router_id=router_id,
         request_id=out.request_id, slow_nodes=out.slow_nodes, label=out.label,
+        prompt_tokens=out.prompt_tokens if out.ok else 0, completion_tokens=out.completion_tokens if out.ok else 0,
     )

@@ -84,6 +84,17 @@ QUEUED = Children(Counter(
 QUEUE_EXPIRED = Children(Counter(
     "zml_router_queue_expired", "Queued requests answered QUEUE_FULL because no node had room within max_queue_ms.",
     ["model"]))
+PREFIX_TOKENS = Children(Counter(
+    "zml_prefix_cache_tokens",
+    "Prompt tokens of requests whose engine reported its prefix cache, by node and kind: prompt (all of "
+    "them), estimated (what the router estimated the node held when it chose it), reported (what the engine "
+    "said it served from its cache). reported / prompt is the fleet's hit rate; estimated vs reported, the "
+    "index's accuracy.", ["node", "kind"]))
+SESSIONS = Children(Counter(
+    "zml_prefix_cache_sessions",
+    "Requests of a session bound to a node, by outcome: kept (the bound node took it), spilled (over its "
+    "load bound: the policy chose), moved (the bound node could not take it: down, cooling, not serving).",
+    ["outcome"]))
 QUEUE_WAIT = Children(Histogram(
     "zml_router_queue_wait_seconds", "Time a queued request waited until a node had room for it.", ["model"],
     buckets=WAIT_BUCKETS))
@@ -110,6 +121,8 @@ class RouterMetrics(Collector):
         #: model key -> messages waiting in the shared saturation queue (polled, not per request).
         self.queue_depth: dict[str, int] = {}
         self._probe: asyncio.Task[None] | None = None
+        #: The router's prefix index (zmlcore.policy.prefix.PrefixIndex), read at scrape time.
+        self.prefix: Any = None
         _VIEW.service = self
 
     # --- request path ----------------------------------------------------------------------
@@ -125,6 +138,19 @@ class RouterMetrics(Collector):
     def dispatching(self, headers: dict[str, str], info: RoutingInfo) -> None:
         if tracing.ON:
             rtrace.dispatching(headers, info.decision_id)
+
+    def cached(self, node_id: str, prompt: int, estimated: int | None, reported: int) -> None:
+        """The engine reported ``reported`` of the request's ``prompt`` tokens cached."""
+        PREFIX_TOKENS(node_id, "prompt").inc(prompt)
+        PREFIX_TOKENS(node_id, "reported").inc(reported)
+        if estimated is not None:
+            PREFIX_TOKENS(node_id, "estimated").inc(estimated)
+        if tracing.ON:
+            rtrace.cached(estimated, reported)
+
+    def session(self, outcome: str) -> None:
+        if outcome:
+            SESSIONS(outcome).inc()
 
     def failover(self, node_id: str, cause: str) -> None:
         FAILOVERS(node_id, cause).inc()
@@ -244,6 +270,16 @@ class RouterMetrics(Collector):
         yield depth
         yield GaugeMetricFamily("zml_router_in_flight", "Requests this router is handling now.",
                                 value=len(self.in_flight))
+        if self.prefix is not None:
+            entries = GaugeMetricFamily(
+                "zml_prefix_cache_index_entries",
+                "Prompt-prefix keys this router's index holds for the node (shared with every replica).",
+                labels=["node"])
+            for v in list(self.table.views.values()):
+                nc = self.prefix.node(v.node_id)
+                if nc is not None:
+                    entries.add_metric([v.node_id], len(nc.lru))
+            yield entries
 
 
 class _View(Collector):

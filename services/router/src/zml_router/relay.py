@@ -16,6 +16,7 @@ import logging
 import time
 from collections.abc import Callable
 from random import getrandbits
+from typing import Any
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -24,10 +25,11 @@ from zmlcore import subjects
 from zmlcore.bus.publish import Publisher
 from zmlcore.config import ZMLConfig
 from zmlcore.errors import ZMLError
-from zmlcore.messages import ContinuedFrom, InferRequest, RoutingInfo, StreamStart
+from zmlcore.messages import InferRequest, RoutingInfo, StreamStart
 from zmlcore.policy import RouteRequest
 from zmlcore.reply import routingmeta, streamframe
 from zmlcore.reply.bigreply import accepted
+from zmlcore.reply.cachedtokens import cached_tokens
 from zmlcore.reply.keepalive import QUEUED, KeepaliveBook, keepalive_headers
 from zmlcore.reply.parts import publish_reply
 from zmlcore.telemetry.setup import DECISION_ID
@@ -176,22 +178,29 @@ class Answer:
         self.usage_asked = usage_asked
 
 
-def continued_from(failed: list[tuple[str, int, str]]) -> list[ContinuedFrom] | None:
+def continued_from(failed: list[tuple[str, int, str]]) -> str | None:
     """``Outcome.continued_from`` (node, tokens of the answer so far when it failed, failure)
-    as each node's share."""
+    as ``RoutingInfo.continued_from``: ``node@tokens:failure``, each node's share, comma-separated.
+
+    >>> continued_from([("a", 5, "network"), ("b", 12, "slow")])
+    'a@5:network,b@7:slow'
+    """
     if not failed:
         return None
     out, before = [], 0
     for node_id, upto, failure in failed:
-        out.append(ContinuedFrom(node_id=node_id, tokens=max(0, upto - before), failure=failure))
+        out.append(f"{node_id}@{max(0, upto - before)}:{failure}")
         before = max(before, upto)
-    return out
+    return ",".join(out)
 
 
 class Relay:
     def __init__(self, cfg: ZMLConfig, router_id: str, table: NodeTable, sharing: Sharing, timers: Wheel,
-                 http: NodeClient, metrics: RouterMetrics, replies: Replies) -> None:
+                 http: NodeClient, metrics: RouterMetrics, replies: Replies,
+                 corrected: Callable[[str, RouteRequest, int, int], None] | None = None) -> None:
         self.cfg = cfg
+        #: Told what the engine reported of its prefix cache (the router's index learns it).
+        self.corrected = corrected
         self.router_id = router_id
         self.table = table
         self.sharing = sharing
@@ -219,6 +228,7 @@ class Relay:
             policy=decision.policy, queue_depth_at_dispatch=decision.queue_depth, decision_id=_decision_id(),
             request_id=request_id, attempts=action.attempt, router_id=self.router_id, label=out.label,
             continued_from=continued_from(out.continued_from),
+            cached_tokens_estimated=decision.cached_tokens,
         )
         if answer is None:
             answer = self.answer(req)
@@ -231,8 +241,8 @@ class Relay:
             sent = answer.transcript.sent()
             node_body = continuation.body(bodies.raw, clean=bodies.clean, kind=req.kind(), sent=sent,
                                           backend=view.state.backend, name=served or model)
-            answer.splice = Splice(sent, {"attempts": action.attempt,
-                                          "continued_from": msgspec.to_builtins(info.continued_from)})
+            answer.splice = Splice(sent, {"node_id": info.node_id, "attempts": action.attempt,
+                                          "continued_from": info.continued_from})
         else:
             node_body = bodies(served or model)
             answer.splice = None
@@ -241,12 +251,15 @@ class Relay:
         rename = Renamer(served, req.model) if served and served != req.model else None
         try:
             if action.stream:
-                await self.stream(msg, req, node_body, info, t0, first_byte, rename, answer)
+                usage = await self.stream(msg, req, node_body, info, t0, first_byte, rename, action.rr, answer)
             else:
-                await self.once(msg, req, node_body, info, t0, first_byte, rename, answer)
+                usage = await self.once(msg, req, node_body, info, t0, first_byte, rename, action.rr, answer)
         except AttemptError as err:
             self.metrics.failover(decision.node_id, err.failure.value)
             return err
+        if usage:  # the completion event counts them (cost attribution: docs/security.md, observers)
+            out.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+            out.completion_tokens = int(usage.get("completion_tokens") or 0)
         return None
 
     def _headers(self, info: RoutingInfo) -> dict[str, str]:
@@ -275,13 +288,25 @@ class Relay:
     def _url(self, info: RoutingInfo, req: InferRequest) -> str:
         return self.table.views[info.node_id].state.endpoint.rstrip("/") + PATHS[req.kind()]
 
+    def _reported(self, info: RoutingInfo, rr: RouteRequest | None, cached: int, prompt: object) -> None:
+        """The engine said how many prompt tokens it served from its prefix cache."""
+        info.cached_tokens = cached
+        prompt_tokens = prompt if isinstance(prompt, int) else 0
+        self.metrics.cached(info.node_id, prompt_tokens, info.cached_tokens_estimated, cached)
+        if rr is not None and self.corrected is not None:
+            self.corrected(info.node_id, rr, cached, prompt_tokens)
+
     async def once(self, msg: Incoming, req: InferRequest, body: bytes, info: RoutingInfo, t0: float,
                    first_byte: float | None = None, rename: Renamer | None = None,
-                   answer: Answer | None = None) -> None:
+                   rr: RouteRequest | None = None, answer: Answer | None = None) -> dict[str, Any]:
+        """Send the node's reply; returns its token counts (``reply_usage``)."""
         raw = await self._whole(req, body, info, first_byte)
         info.time_to_first_token = time.monotonic() - t0
         usage = reply_usage(raw)
         self.metrics.usage_dict(req.kind(), req.model, usage)
+        cached = cached_tokens(raw)
+        if cached is not None:
+            self._reported(info, rr, cached, usage.get("prompt_tokens"))
         if rename is not None:
             raw = rename(raw)
         if "total_tokens" in usage:
@@ -293,6 +318,7 @@ class Relay:
         if msg.reply and nc is not None:
             await publish_reply(nc, msg.reply, with_routing(raw, info), routing_headers(msg.headers, info),
                                 accepted(msg.headers))
+        return usage
 
     async def _whole(self, req: InferRequest, body: bytes, info: RoutingInfo, first_byte: float | None) -> bytes:
         """The node's whole reply."""
@@ -316,14 +342,18 @@ class Relay:
 
     async def stream(self, msg: Incoming, req: InferRequest, body: bytes, info: RoutingInfo, t0: float,
                      first_byte: float | None = None, rename: Renamer | None = None,
-                     answer: Answer | None = None) -> None:
+                     rr: RouteRequest | None = None, answer: Answer | None = None) -> dict[str, Any] | None:
+        """Relay the node's stream; returns its last ``usage`` (with include_usage), if any."""
         if answer is None:
             answer = self.answer(req)
+        last_usage: dict[str, Any] | None = None
         count, publish, frame = self.sharing.count, self.replies.publish, streamframe.encode
         await count(info.node_id, 1, 1)
         pending = 1
         got = False  # this attempt's first chunk
         seq = answer.seq
+        reported: int | None = None
+        prompt_seen: object = None
         # Relayed as the node framed it to a requester that writes SSE itself (the gateway);
         # as header-less frames when it asked for them (zmlcore.reply.streamframe).
         accept = (msg.headers or {}).get(subjects.H_ACCEPT_STREAM)
@@ -360,10 +390,14 @@ class Relay:
                         raise AttemptError(Failure.SERVER, 200, f"the engine failed the request mid-stream: {failed}")
                     usage = stream_usage(chunk)
                     if usage is not None:
+                        prompt_seen = usage.get("prompt_tokens")  # the node's own (its prefix cache)
                         if splice is not None:
                             usage = spliced_usage(usage, splice.sent)
+                        last_usage = usage
                         info.total_tokens = usage["total_tokens"]
                         self.metrics.usage_dict(req.kind(), req.model, usage)
+                    if b'"cache' in chunk and (cached := cached_tokens(chunk)) is not None:
+                        reported = cached  # the usage chunk, or llama-server's timings on the last chunk
                     if rename is not None:
                         chunk = rename(chunk)
                     if splice is not None:  # a continuation: its chunks made part of the one stream
@@ -392,6 +426,8 @@ class Relay:
             finally:
                 if watching:
                     watch.__exit__(None, None, None)
+            if reported is not None:
+                self._reported(info, rr, reported, prompt_seen)
             if not answer.started:  # a stream with no chunk at all
                 answer.started = True
                 info.time_to_first_token = answer.ttft = time.monotonic() - t0
@@ -415,9 +451,10 @@ class Relay:
                     await self.replies.before_last(info.total_tokens or 0)
                     await publish(msg.reply, _encode(StreamStart(routing=info)),
                                   {subjects.H_STREAM: subjects.STREAM_END, subjects.H_SEQ: str(seq + 1)})
-                    return
+                    return last_usage
                 err.sent = sent
             raise
         finally:
             answer.seq = seq
             await count(info.node_id, -1, -pending)
+        return last_usage

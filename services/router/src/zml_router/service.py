@@ -33,6 +33,7 @@ from zmlcore.errors import CancelledError, ZMLError
 from zmlcore.messages import frontdoor
 from zmlcore.messages.warmup import completed_encoder
 from zmlcore.policy import Decision, ResolvedPolicy, RouteRequest, RoutingState, admit
+from zmlcore.policy.prefix import PrefixIndex
 from zmlcore.reply.keepalive import KeepaliveBook, keepalive_headers
 from zmlcore.runtime.runner import cancel_and_wait
 from zmlcore.telemetry import tracing
@@ -51,9 +52,11 @@ from zml_router.inflight import Sharing
 from zml_router.keepalives import send_keepalives
 from zml_router.limits import IdentityLimits, Lease
 from zml_router.metrics import RouterMetrics
+from zml_router.prefixshare import PrefixShare
 from zml_router.queue import QueuedMsg
 from zml_router.relay import Relay, Replies
 from zml_router.saturation import QueueGlue
+from zml_router.sessions import Sessions, session_key
 from zml_router.table import NodeTable
 from zml_router.timers import Wheel
 
@@ -95,8 +98,15 @@ class RouterService:
         self.metrics = RouterMetrics(cfg, self.table, self.in_flight)
         self.replies = Replies(self.keepalives, self.ids, self.limits)
         self.http = NodeClient(cfg.router.max_connections, cfg.router.connect_timeout_s)
+        #: Which prompt prefixes each node holds (zmlcore.policy.prefix), shared with the other
+        #: replicas and fed by the engines' reports and KV events (zml_router.prefixshare).
+        self.prefix = PrefixIndex()
+        self.share: PrefixShare | None = None
+        #: Session -> node bindings, shared in the KV bucket zml_sessions (zml_router.sessions).
+        self.sessions: Sessions | None = None
+        self.metrics.prefix = self.prefix
         self.relay = Relay(cfg, self.router_id, self.table, self.sharing, self.timers, self.http, self.metrics,
-                           self.replies)
+                           self.replies, self._corrected)
         self.glue = QueueGlue(cfg, self.table, self.admit, self.metrics, self.replies, self.cancelled, self.ids,
                               self.enter, self.spawn)
         # Bound once: the request path calls them per request.
@@ -116,8 +126,12 @@ class RouterService:
         # A node a re-watch's snapshot lacks (no delete marker) ages out like one health stopped
         # updating, instead of vanishing from routing at once (zmlcore.bus.kvfollow says when).
         stale_s = self.cfg.router.stale_after_s
-        self.nodes_follower = KVFollower(nc, subjects.NODES_BUCKET, on_put=self.table.put_raw,
-                                         on_delete=self.table.delete_raw,
+        self.share = PrefixShare(nc, self.router_id, self.prefix)
+        await self.share.start()
+        self.sessions = Sessions(nc, idle_s=self.cfg.router.session_idle_s)
+        await self.sessions.start()
+        self.nodes_follower = KVFollower(nc, subjects.NODES_BUCKET, on_put=self._node_put,
+                                         on_delete=self._node_delete,
                                          keep_vanished=lambda key: self.table.fresh_for(key, stale_s, time.time()))
         self._loops.append(asyncio.create_task(self.nodes_follower.run()))
         self._loops.append(asyncio.create_task(self.table.costs.follower(nc).run()))
@@ -154,6 +168,10 @@ class RouterService:
         if self.events is not None:
             await self.events.stop()
         self.sharing.close()
+        if self.share is not None:
+            await self.share.stop()
+        if self.sessions is not None:
+            await self.sessions.stop()
         await self.metrics.stop()
         await self.limits.stop()
         await self.http.aclose()
@@ -166,10 +184,27 @@ class RouterService:
         return task
 
     def admit(self, rr: RouteRequest, policy: ResolvedPolicy) -> Decision:
-        """The decision for a request on this router's table (zmlcore.policy.admission)."""
+        """The decision for a request on this router's table (zmlcore.policy.admission), each
+        node's estimate counting only the prompt tokens its prefix cache does not hold."""
         rc = self.cfg.router
         return admit(self.table.nodes(), rr, policy, time.time(), self.state,
-                     stale_after_s=rc.stale_after_s, ttft_bound_s=rc.admission_ttft_s)
+                     stale_after_s=rc.stale_after_s, ttft_bound_s=rc.admission_ttft_s, cache=self.prefix)
+
+    # --- the node table and the prefix index follow the node bucket -------------------------
+    def _node_put(self, key: str, value: bytes) -> None:
+        self.table.put_raw(key, value)
+        view = self.table.views.get(key)
+        if view is not None:  # each node's index is sized from what its engine reports
+            self.prefix.update_node(view.state)
+
+    def _node_delete(self, key: str) -> None:
+        self.table.delete_raw(key)
+        self.prefix.forget_node(key)
+
+    def _corrected(self, node_id: str, rr: RouteRequest, cached: int, prompt_tokens: int) -> None:
+        """The engine reported ``cached`` of the prompt's tokens cached (relay, on its reply)."""
+        if self.share is not None:
+            self.share.corrected(node_id, rr.prefix, cached, prompt_tokens, time.time())
 
     # --- subscriptions ---------------------------------------------------------------------
     async def _on_request(self, msg: Msg) -> None:
@@ -264,7 +299,10 @@ class RouterService:
         """Drive the request's flow (zml_router.flow): each action it yields, done here."""
         req, model = arrived.req, arrived.model
         out.model, out.op = model, req.kind()
-        policy, rr = flow.prepare(self.cfg, self.table.families(), req, msg.data, model)
+        session = flow.session_of(msg.headers, req)
+        skey = session_key(arrived.owner, session) if session and self.sessions is not None else ""
+        bound = self.sessions.node(skey) if skey and self.sessions is not None else None
+        policy, rr = flow.prepare(self.cfg, self.table.families(), req, msg.data, model, bound)
         bodies = NodeBodies(msg.data, req.model, arrived.clean)
         cfg = policy.config
         queue = self.glue.queue
@@ -290,6 +328,12 @@ class RouterService:
                 except ZMLError as exc:
                     result = exc
             elif type(action) is flow.Dispatch:
+                node_id = action.decision.node_id
+                if self.share is not None:  # the node will hold this prompt: every replica learns it
+                    self.share.recorded(node_id, action.rr.prefix, time.time())
+                if skey and self.sessions is not None and action.rr.accelerator_id is None:
+                    self.sessions.bind(skey, node_id)
+                self.metrics.session(action.decision.session)
                 result = await self.relay.attempt(msg, req, bodies, model, action, arrived.request_id, t0, out,
                                                   answer)
             elif type(action) is flow.Penalise:

@@ -62,6 +62,7 @@ def decided(d: Decision, rr: RouteRequest) -> None:
     attrs: dict[str, Any] = {
         "zml.policy": d.policy, "zml.family": d.family, "zml.node_id": d.node_id,
         "zml.queue_depth": d.queue_depth, "zml.estimated_ttft_s": round(d.estimated_ttft_s, 4),
+        "zml.cached_tokens.estimated": d.cached_tokens, "zml.session": d.session,
         "zml.candidates": candidates, "gen_ai.request.model": rr.model, "gen_ai.request.max_tokens": rr.max_tokens,
     }
     tracing.set_attrs(server, attrs)
@@ -84,6 +85,14 @@ def dispatching(headers: dict[str, str], decision_id: str) -> None:
 def failed(cause: str) -> None:
     """The attempt failed before the first token (it will be re-routed or given up)."""
     _end_attempt(cause)
+
+
+def cached(estimated: int | None, reported: int) -> None:
+    """The engine's report of its prefix cache for this request, beside the router's estimate."""
+    server = _SERVER.get()
+    if server is not None:
+        tracing.set_attrs(server, {"zml.cached_tokens.reported": reported,
+                                   "gen_ai.usage.cache_read.input_tokens": reported})
 
 
 def usage(prompt_tokens: int | None, completion_tokens: int | None) -> None:

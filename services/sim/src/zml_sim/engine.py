@@ -38,7 +38,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Callable
 
 from zmlcore.fleet.perfmodel import SimProfile
-from zmlcore.kvevents.wire import Event
+from zmlcore.fleet.kvevents.wire import Event
 from zml_sim.prefixcache import NONE_HASH, Holding, PrefixCache, root_digest
 
 #: Weights of one loaded model when no size is given: an 8B model in fp16.
@@ -418,6 +418,18 @@ class SimEngine:
             self.decode_slot_seconds = 0.0
         self._wake.set()
 
+    def set_profile(self, profile: SimProfile) -> None:
+        """New performance numbers, in effect at once (a larger max_concurrency admits now). A new
+        KV block size is a new cache, as an engine restarted with it would have (the old one's
+        blocks are cleared: an AllBlocksCleared event)."""
+        cache = self.prefix_cache
+        self.profile = profile
+        if cache is not None and profile.kv_block_size != cache.block_size:
+            cache.clear()
+            self._flush_kv()
+            self.prefix_cache = PrefixCache(block_size=profile.kv_block_size, capacity=self.cache_capacity_blocks)
+        self._wake.set()
+
     # ----- models ------------------------------------------------------------------------------
 
     def real_seconds(self, model_seconds: float) -> float:
@@ -508,9 +520,10 @@ class SimEngine:
         return root
 
     def _release(self, req: SimRequest) -> None:
-        if req.holding is not None and self.prefix_cache is not None:
-            self.prefix_cache.release(req.holding)
-            req.holding = None
+        holding, req.holding = req.holding, None
+        # (a request admitted before the cache was replaced holds nothing in the new one)
+        if holding is not None and self.prefix_cache is not None and holding.cache is self.prefix_cache:
+            self.prefix_cache.release(holding)
 
     def _flush_kv(self) -> None:
         cache = self.prefix_cache
@@ -747,8 +760,9 @@ class SimEngine:
             if req.finished or req.state != "decoding":
                 continue
             req._emit(k)
-            if req.holding is not None and self.prefix_cache is not None:
-                self.prefix_cache.grow(req.holding, k)
+            cache = self.prefix_cache
+            if cache is not None and req.holding is not None and req.holding.cache is cache:
+                cache.grow(req.holding, k)
             self.stats_for(req.model).generation_tokens += k
             if req.remaining <= 0:
                 self.decoding.remove(req)

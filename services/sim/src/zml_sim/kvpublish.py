@@ -1,7 +1,7 @@
 """A simulated node's KV-event publisher: vLLM's ``ZmqEventPublisher`` (PUB + ROUTER replay).
 
 Each scheduler step's events go out as one ``[topic, seq, payload]`` message on the PUB socket
-(seq from 0, 8 bytes big-endian; payload as vLLM 0.34 encodes it, ``zmlcore.kvevents.wire``);
+(seq from 0, 8 bytes big-endian; payload as vLLM 0.34 encodes it, ``zmlcore.fleet.kvevents.wire``);
 the last ``buffer_steps`` are kept, and the ROUTER socket answers a replay request
 ``[identity, b"", start_seq]`` with ``[identity, b"", topic, seq, payload]`` for each buffered
 message from ``start_seq`` on, then ``[identity, b"", b"", -1, b""]``, as vLLM 0.34 does.
@@ -25,7 +25,7 @@ from collections import deque
 import zmq
 import zmq.asyncio
 
-from zmlcore.kvevents.wire import Event, Layout, encode_batch, seq_bytes, seq_of
+from zmlcore.fleet.kvevents.wire import Event, Layout, encode_batch, seq_bytes, seq_of
 
 log = logging.getLogger("zml_sim")
 
@@ -114,7 +114,8 @@ class KVEventPublisher:
                 first = seq_of(start) if len(start) == 8 else int.from_bytes(start, "big")
             except ValueError:
                 continue
+            topic = (self.topic,) if self.layout == "0.34" else ()  # vLLM 0.12+ sends the topic too
             for seq, payload in list(self.buffer):
                 if seq >= first:
-                    await router.send_multipart((ident, b"", self.topic, seq_bytes(seq), payload))
-            await router.send_multipart((ident, b"", b"", seq_bytes(-1), b""))
+                    await router.send_multipart((ident, b"", *topic, seq_bytes(seq), payload))
+            await router.send_multipart((ident, b"", *((b"",) if topic else ()), seq_bytes(-1), b""))

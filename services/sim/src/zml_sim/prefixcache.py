@@ -11,7 +11,7 @@
 * The cache holds ``capacity`` blocks (the node's free KV memory over ``block_size``), minus the
   blocks running requests hold beyond their full prompt blocks (partial block, output). Blocks of
   running requests are pinned; the least recently used unpinned block is evicted first.
-* Every change is an event (``zmlcore.kvevents.wire``): ``Stored`` when a request's new full
+* Every change is an event (``zmlcore.fleet.kvevents.wire``): ``Stored`` when a request's new full
   prompt blocks are cached (at admission, as vLLM caches at scheduling), ``Removed`` on
   eviction, ``Cleared`` when the cache is reset. Output tokens are not cached (a follow-up turn
   sends them back re-tokenized, which rarely matches the generated ids; see docs/sim.md).
@@ -25,7 +25,7 @@ import zlib
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from zmlcore.kvevents.wire import Cleared, Event, Removed, Stored
+from zmlcore.fleet.kvevents.wire import Cleared, Event, Removed, Stored
 
 CHARS_PER_TOKEN = 4
 VOCAB_SIZE = 128_256  # Llama 3's
@@ -74,6 +74,8 @@ class Holding:
     cached_tokens: int
     #: Tokens it holds beyond its full prompt blocks (the prompt's tail; output as it grows).
     tail_tokens: int
+    #: The cache it holds them in.
+    cache: PrefixCache | None = None
 
 
 @dataclass(slots=True)
@@ -122,7 +124,7 @@ class PrefixCache:
             self.events.append(Stored(hashes=hashes[hit:], parent=hashes[hit - 1] if hit else None,
                                       token_ids=tokens[hit * bs:len(hashes) * bs], block_size=bs, medium="GPU"))
         tail = len(tokens) - len(hashes) * bs
-        holding = Holding(blocks=hashes, cached_tokens=hit * bs, tail_tokens=tail)
+        holding = Holding(blocks=hashes, cached_tokens=hit * bs, tail_tokens=tail, cache=self)
         self.held_tail_blocks += -(-tail // bs)
         self.evict()
         return holding

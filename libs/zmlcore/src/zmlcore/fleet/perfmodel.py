@@ -1,4 +1,4 @@
-"""The simulated node's performance model. Pure numbers: no clocks, no I/O.
+"""Each accelerator type's performance model. Pure numbers: no clocks, no I/O.
 
 The same profile drives ``zml sim`` (in real time), the routing simulator in ``benches/``
 (in virtual time) and policy TTFT estimates, so a capacity plan made with one holds for the

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 
 from zmlcore.errors import NoHealthyNodesError, QueueFullError
 from zmlcore.policy.choose import choose_node, is_routable
+from zmlcore.policy.prefix import PrefixIndex
 from zmlcore.policy.resolve import ResolvedPolicy, builtin_policy
 from zmlcore.policy.types import Decision, NodeView, RouteRequest, RoutingState
 
@@ -26,7 +27,7 @@ _LATENCY = builtin_policy("latency")
 
 
 def admit(nodes: Sequence[NodeView], rr: RouteRequest, policy: ResolvedPolicy, now: float, state: RoutingState,
-          *, stale_after_s: float, ttft_bound_s: float) -> Decision:
+          *, stale_after_s: float, ttft_bound_s: float, cache: PrefixIndex | None = None) -> Decision:
     """choose_node plus the admission bound; QueueFullError when every node is over it. A
     pinned request (``accelerator_id``) is not bounded: it cannot go anywhere else.
 
@@ -39,16 +40,16 @@ def admit(nodes: Sequence[NodeView], rr: RouteRequest, policy: ResolvedPolicy, n
     'h1'
     """
     try:
-        decision = choose_node(nodes, rr, policy, now, state, stale_after_s=stale_after_s)
+        decision = choose_node(nodes, rr, policy, now, state, stale_after_s=stale_after_s, cache=cache)
     except (NoHealthyNodesError, QueueFullError):
         if not half_open(nodes, rr, now, stale_after_s):
             raise
-        decision = choose_node(nodes, rr, policy, now, state, stale_after_s=stale_after_s)
+        decision = choose_node(nodes, rr, policy, now, state, stale_after_s=stale_after_s, cache=cache)
     if decision.estimated_ttft_s <= ttft_bound_s or rr.accelerator_id is not None:
         return decision
     # The policy's pick is over the bound; is any node under it? The latency policy's
     # pick has the smallest estimate of all.
-    fastest = choose_node(nodes, rr, _LATENCY, now, state, stale_after_s=stale_after_s)
+    fastest = choose_node(nodes, rr, _LATENCY, now, state, stale_after_s=stale_after_s, cache=cache)
     if fastest.estimated_ttft_s <= ttft_bound_s:
         return fastest
     raise QueueFullError(

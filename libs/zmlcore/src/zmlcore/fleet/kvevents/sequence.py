@@ -1,7 +1,7 @@
 """One engine's KV-event stream put in order: a sans-I/O state machine. Pure.
 
 vLLM numbers its PUB messages from 0 and keeps the last ``buffer_steps`` on a replay socket
-(``zmlcore.kvevents.wire``). The subscriber feeds every live message to :meth:`Ordering.live`
+(``zmlcore.fleet.kvevents.wire``). The subscriber feeds every live message to :meth:`Ordering.live`
 and every replayed one to :meth:`Ordering.replayed`; each returns what to do, in order:
 
 * :class:`Deliver` a payload (in sequence, each once);

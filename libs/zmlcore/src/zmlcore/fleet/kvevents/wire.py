@@ -11,12 +11,15 @@ sends ``[b"", start_seq (8 bytes big-endian)]`` and gets every buffered batch wi
 ``seq >= start_seq``, then an end marker whose seq is -1.
 
 The payload is a msgspec ``KVEventBatch``. Two layouts exist and both are decoded here
-(checked against bytes made with vLLM's own classes: tests/data/kvevents/):
+(checked against bytes made with the engines' own classes: tests/data/kvevents/):
 
-* **vLLM 0.9 - 0.11** (and SGLang, which copied them): the batch *and* the events are arrays,
-  an event's first element its tag: ``[ts, [["BlockStored", hashes, parent, token_ids,
-  block_size, lora_id, medium], ["BlockRemoved", hashes, medium], ["AllBlocksCleared"]], dp]``;
-  a replayed message is ``[seq, payload]``.
+* **vLLM 0.9 - 0.11**: the batch *and* the events are arrays, an event's first element its tag:
+  ``[ts, [["BlockStored", hashes, parent, token_ids, block_size, lora_id, medium],
+  ["BlockRemoved", hashes, medium], ["AllBlocksCleared"]], dp]``; a replayed message is
+  ``[seq, payload]``.
+* **SGLang** (``--kv-events-config``, its own copy of vLLM's early classes): the same arrays
+  without ``medium`` and without the batch's ``dp``: ``[ts, [["BlockStored", hashes, parent,
+  token_ids, block_size, lora_id], ["BlockRemoved", hashes], ...]]``; replays as vLLM 0.11.
 * **vLLM 0.12 - 0.34** (the newest checked): the batch is still an array, the events are maps
   tagged by ``"type"``: ``{"type": "BlockStored", "block_hashes": [...], ...}``, with fields
   added release by release (``lora_name``, ``extra_keys``, ``group_idx``, ...); a replayed
@@ -40,8 +43,9 @@ from typing import Any, Literal
 
 import msgspec
 
-#: Every vLLM release whose bytes the tests decode (tests/data/kvevents/).
+#: Every engine release whose bytes the tests decode (tests/data/kvevents/).
 CHECKED_VLLM_VERSIONS = ("0.11.0", "0.34.0")
+CHECKED_SGLANG_VERSIONS = ("006d053",)  # a commit of SGLang's main branch
 
 _MASK64 = (1 << 64) - 1
 END_SEQ = -1
@@ -219,6 +223,11 @@ class _Batch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
     data_parallel_rank: int | None = None
 
 
+class _SGLangBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[Any]
+
+
 class _Event(msgspec.Struct, omit_defaults=True, gc=False, tag_field="type"):
     pass
 
@@ -253,13 +262,24 @@ class _AllBlocksCleared(_Event, tag="AllBlocksCleared"):
     pass
 
 
-Layout = Literal["0.34", "0.11"]
+Layout = Literal["0.34", "0.11", "sglang"]
 _enc = msgspec.msgpack.Encoder()
 
 
 def encode_batch(ts: float, events: list[Event], *, dp_rank: int | None = 0, layout: Layout = "0.34") -> bytes:
-    """The payload vLLM sends for these events: byte for byte what vLLM 0.34 (or 0.11) encodes
-    for a full-attention model on one GPU without LoRA (tests/data/kvevents/ checks it)."""
+    """The payload an engine sends for these events: byte for byte what vLLM 0.34 (or 0.11, or
+    SGLang) encodes for a full-attention model on one GPU without LoRA (tests/data/kvevents/
+    checks it)."""
+    if layout == "sglang":
+        rows_sg: list[Any] = []
+        for ev in events:
+            if isinstance(ev, Stored):
+                rows_sg.append(["BlockStored", ev.hashes, ev.parent, ev.token_ids, ev.block_size, None])
+            elif isinstance(ev, Removed):
+                rows_sg.append(["BlockRemoved", ev.hashes])
+            else:
+                rows_sg.append(["AllBlocksCleared"])
+        return _enc.encode(_SGLangBatch(ts=ts, events=rows_sg))
     if layout == "0.11":
         rows: list[Any] = []
         for ev in events:

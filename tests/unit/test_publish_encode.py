@@ -11,7 +11,7 @@ import pytest
 from nats import errors
 from nats.aio.client import Client, _validate_subject
 
-from zmlcore.bus import publish as natspub
+from zmlcore.bus import natsinternals, publish
 
 
 async def nats_py_bytes(subject: str, reply: str, payload: bytes, headers: dict[str, str] | None) -> bytes:
@@ -40,9 +40,9 @@ CASES = [
 @pytest.mark.parametrize(("subject", "reply", "payload", "headers"), CASES)
 async def test_bytes_equal_nats_py(subject: str, reply: str, payload: bytes, headers: dict[str, str] | None) -> None:
     want = await nats_py_bytes(subject, reply, payload, headers)
-    assert natspub.encode(subject, reply, payload, headers) == want
+    assert publish.encode(subject, reply, payload, headers) == want
     # twice: the second time from the key cache
-    assert natspub.encode(subject, reply, payload, headers) == want
+    assert publish.encode(subject, reply, payload, headers) == want
 
 
 @pytest.mark.parametrize("bad", ["a b", "a\tb", "a\r\nPUB x 1\r\n", "a\nb", "a\rb", ""])
@@ -50,10 +50,10 @@ def test_bad_subject_or_reply_refused_like_nats_py(bad: str) -> None:
     with pytest.raises(errors.BadSubjectError):
         _validate_subject(bad)
     with pytest.raises(errors.BadSubjectError):
-        natspub.encode(bad, "", b"", None)
+        publish.encode(bad, "", b"", None)
     if bad:
         with pytest.raises(errors.BadSubjectError):
-            natspub.encode("ok", bad, b"", {"A": "b"})
+            publish.encode("ok", bad, b"", {"A": "b"})
 
 
 @pytest.mark.parametrize("key", ["Bad Key", "K\r\nPUB x 1", "K:", "Kéy", "\x00K"])
@@ -61,36 +61,38 @@ async def test_bad_header_key_refused_like_nats_py(key: str) -> None:
     with pytest.raises(errors.BadHeaderError):
         await nats_py_bytes("s", "", b"", {key: "v"})
     with pytest.raises(errors.BadHeaderError):
-        natspub.encode("s", "", b"", {key: "v"})
+        publish.encode("s", "", b"", {key: "v"})
     with pytest.raises(errors.BadHeaderError):  # not cached as good after the first refusal
-        natspub.encode("s", "", b"", {key: "v"})
+        publish.encode("s", "", b"", {key: "v"})
 
 
 def test_value_cannot_end_the_header_line() -> None:
-    cmd = natspub.encode("s", "", b"p", {"A": "x\r\nB: injected\r\n\r\nPUB evil 0"})
+    cmd = publish.encode("s", "", b"p", {"A": "x\r\nB: injected\r\n\r\nPUB evil 0"})
     head, _, rest = cmd.partition(b"\r\n")
     hdr = rest[: int(head.split()[-2])]
     assert hdr == b"NATS/1.0\r\nA: x  B: injected    PUB evil 0\r\n\r\n"
 
 
 def test_key_cache_is_bounded() -> None:
-    for i in range(natspub.MAX_CACHED_KEYS + 50):
-        natspub.encode("s", "", b"", {f"X-Many-{i}": "v"})
-    assert len(natspub._keys) <= natspub.MAX_CACHED_KEYS
+    for i in range(publish.MAX_CACHED_KEYS + 50):
+        publish.encode("s", "", b"", {f"X-Many-{i}": "v"})
+    assert len(publish._keys) <= publish.MAX_CACHED_KEYS
 
 
-def test_publisher_checks_nats_py_attributes() -> None:
+def test_publisher_takes_the_fast_path_only_where_the_fence_says(monkeypatch: pytest.MonkeyPatch) -> None:
     c = Client()
-    assert natspub.Publisher(c).fast
-    assert natspub.Publisher.of(c) is natspub.Publisher.of(c)  # one per client: one flush per iteration
-    del c._flush_queue  # a nats-py without what the module relies on: nc.publish for everything
-    assert not natspub.Publisher(c).fast
+    assert publish.Publisher(c).fast  # the installed nats-py has what the fast path needs
+    assert publish.Publisher.of(c) is publish.Publisher.of(c)  # one per client: one flush per iteration
+    # A nats-py without it (zmlcore.bus.natsinternals decides, once): nc.publish for everything.
+    lacking = natsinternals.probe()._replace(fast_publish=False)
+    monkeypatch.setattr(natsinternals, "support", lambda: lacking)
+    assert not publish.Publisher(c).fast
 
 
 async def test_not_connected_is_nats_py_error() -> None:
     """A client that never connected: nats-py's own path and error (no bytes appended by us)."""
     c = Client()
     with pytest.raises(errors.OutboundBufferLimitError):
-        await natspub.Publisher(c).publish("s", b"x")
+        await publish.Publisher(c).publish("s", b"x")
     assert c._pending == []
     await asyncio.sleep(0)

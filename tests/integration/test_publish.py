@@ -134,7 +134,7 @@ async def test_full_pending_buffer_is_bounded_and_loses_nothing(nats_url: str) -
 
 async def test_broker_restart_goes_through_nats_py_buffer() -> None:
     port = free_port()
-    with tempfile.TemporaryDirectory(prefix="zml-natspub-") as store:
+    with tempfile.TemporaryDirectory(prefix="zml-publish-") as store:
         server = start_nats("127.0.0.1", port, store)
         wait_port("127.0.0.1", port, 10)
         disconnected, reconnected = asyncio.Event(), asyncio.Event()
@@ -175,7 +175,7 @@ async def test_broker_restart_goes_through_nats_py_buffer() -> None:
 
 async def test_disconnected_buffer_full_raises_like_nats_py() -> None:
     port = free_port()
-    with tempfile.TemporaryDirectory(prefix="zml-natspub-") as store:
+    with tempfile.TemporaryDirectory(prefix="zml-publish-") as store:
         server = start_nats("127.0.0.1", port, store)
         wait_port("127.0.0.1", port, 10)
         disconnected = asyncio.Event()
@@ -228,7 +228,7 @@ async def test_a_stalled_broker_blocks_publishers_with_bounded_buffers() -> None
     buffer stays under its high-water mark plus one batch, the pending list under pending_size
     plus one message, and publishers wait (back-pressure); resumed, everything arrives in order."""
     port = free_port()
-    with tempfile.TemporaryDirectory(prefix="zml-natspub-") as store:
+    with tempfile.TemporaryDirectory(prefix="zml-publish-") as store:
         server = start_nats("127.0.0.1", port, store)
         wait_port("127.0.0.1", port, 10)
         pending_size = 256 * 1024
