@@ -298,7 +298,8 @@ class RouterService:
         req, model = arrived.req, arrived.model
         out.model, out.op = model, req.kind()
         session = flow.session_of(msg.headers, req)
-        skey = session_key(arrived.owner, session) if session and self.sessions is not None else ""
+        skey = (session_key(flow.session_owner(arrived.owner, msg.headers), session)
+                if session and self.sessions is not None else "")
         bound = self.sessions.node(skey) if skey and self.sessions is not None else None
         policy, rr = flow.prepare(self.cfg, self.table.families(), req, msg.data, model, bound)
         bodies = NodeBodies(msg.data, req.model, arrived.clean)
