@@ -95,16 +95,20 @@ def _grants(role: str, owner: str) -> tuple[list[str], list[str], bool]:
                *kv_write(subjects.REQUEST_IDS_BUCKET), subjects.router_state("*"),
                *kv_read(subjects.NODES_BUCKET), *kv_read(subjects.COSTS_BUCKET),
                # client identities' plans (zml_router.limits), counted with the gateways'
-               *kv_read(subjects.KEYS_BUCKET), *kv_write(subjects.LIMITS_BUCKET)]
+               *kv_read(subjects.KEYS_BUCKET), *kv_write(subjects.LIMITS_BUCKET),
+               # cache-aware routing: the replicas' prefix records, session bindings
+               subjects.PREFIX_RECORDS, *kv_write(subjects.SESSIONS_BUCKET)]
         sub = [inbox, f"{subjects.INFER} {subjects.ROUTER_QUEUE}",  # only inside the queue group
                f"{subjects.FRONT_DOOR_INFER} {subjects.ROUTER_QUEUE}",
                subjects.INFLIGHT, subjects.INFLIGHT_SNAPSHOT, subjects.NODE_MARKS, f"{subjects.CANCEL_PREFIX}.>",
-               subjects.ROUTERS_STATE, subjects.router_state("*"), subjects.QUEUE_BUSY]
+               subjects.ROUTERS_STATE, subjects.router_state("*"), subjects.QUEUE_BUSY,
+               subjects.PREFIX_RECORDS, f"{subjects.KV_EVENTS_PREFIX}.>"]  # the engines' KV events, bridged
         return pub, sub, False
     if role == "health":
         pub = [subjects.event(subjects.EVENT_WARMUP), *kv_write(subjects.NODES_BUCKET),
                *kv_write(subjects.REGISTRY_BUCKET), *kv_read(subjects.COSTS_BUCKET),
-               *kv_write(subjects.LEASES_BUCKET)]  # --ha: one active replica (zmlcore.runtime.lease)
+               *kv_write(subjects.LEASES_BUCKET),  # --ha: one active replica (zmlcore.runtime.lease)
+               f"{subjects.KV_EVENTS_PREFIX}.>"]  # the engines' KV events it bridges (kvbridge)
         sub = [inbox, f"{subjects.ADMIN_NODES_PREFIX}.*", completed, subjects.event(subjects.EVENT_WARMUP)]
         return pub, sub, True
     if role == "warmup":
