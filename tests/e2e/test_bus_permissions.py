@@ -42,6 +42,7 @@ FLEET = [("h100-1", "nvidia_h100", [MODEL]), ("a100-1", "nvidia_a100", [MODEL])]
 def stack(secure_bus: SecureBus, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     for name in ("alice", "bob", "mallory"):
         secure_bus.issue(name)
+    secure_bus.issue("olive", role="observer")  # a billing system: events and node state only
     s = launch_stack(secure_bus.url, tmp_path_factory.mktemp("secure-stack"), fleet=FLEET, routers=1,
                      identities=secure_bus.seeds)
     try:
@@ -234,6 +235,33 @@ ATTACKS = [
            _const(subjects.admin_nodes("add"))),
     Attack("warmup writes node state", "warmup", _pub(f"$KV.{subjects.NODES_BUCKET}.evil", NODE),
            _const(f"$KV.{subjects.NODES_BUCKET}.evil")),
+    # An observer (billing, analytics) reads events and node state and does nothing else.
+    Attack("observer sends work: zml.infer", "olive", _pub(subjects.INFER, _chat()), _const(subjects.INFER)),
+    Attack("observer sets a cost label: zml.gateway.infer", "olive", _pub(subjects.FRONT_DOOR_INFER, _chat()),
+           _const(subjects.FRONT_DOOR_INFER)),
+    Attack("observer reads prompts", "olive", _sub(subjects.INFER, subjects.ROUTER_QUEUE), _const(subjects.INFER)),
+    Attack("observer reads every reply", "olive", _sub(f"{subjects.INBOX_ROOT}.>"), _const(f"{subjects.INBOX_ROOT}.>")),
+    Attack("observer reads another's replies", "olive", _sub_alice_inbox, _alice_inbox),
+    Attack("observer registers a node", "olive", _pub(subjects.admin_nodes("add"), NODE),
+           _const(subjects.admin_nodes("add"))),
+    Attack("observer removes a node", "olive", _pub(subjects.admin_nodes("remove")), _const(subjects.admin_nodes("remove"))),
+    Attack("observer writes node state", "olive", _pub(f"$KV.{subjects.NODES_BUCKET}.evil", NODE),
+           _const(f"$KV.{subjects.NODES_BUCKET}.evil")),
+    Attack("observer changes a price", "olive", _pub(f"$KV.{subjects.COSTS_BUCKET}.h100-1"),
+           _const(f"$KV.{subjects.COSTS_BUCKET}.h100-1")),
+    Attack("observer creates the node bucket with its own settings", "olive",
+           _pub(f"$JS.API.STREAM.CREATE.KV_{subjects.NODES_BUCKET}"),
+           _const(f"$JS.API.STREAM.CREATE.KV_{subjects.NODES_BUCKET}")),
+    Attack("observer forges completion events", "olive", _pub(subjects.event(subjects.EVENT_COMPLETED)),
+           _const(subjects.event(subjects.EVENT_COMPLETED))),
+    Attack("observer forges warmup events", "olive", _pub(subjects.event(subjects.EVENT_WARMUP)),
+           _const(subjects.event(subjects.EVENT_WARMUP))),
+    Attack("observer loads models: zml.warmup.serve", "olive", _pub(subjects.WARMUP_SERVE), _const(subjects.WARMUP_SERVE)),
+    Attack("observer reads the routers' fleet view", "olive", _pub(subjects.ROUTERS_STATE), _const(subjects.ROUTERS_STATE)),
+    Attack("observer reads API key hashes", "olive", _read_kv(subjects.KEYS_BUCKET),
+           _const(f"$JS.API.STREAM.INFO.KV_{subjects.KEYS_BUCKET}")),
+    Attack("observer reads node load: zml.node.inflight", "olive", _sub(subjects.INFLIGHT), _const(subjects.INFLIGHT)),
+    Attack("observer watches cancels", "olive", _sub(f"{subjects.CANCEL_PREFIX}.>"), _const(f"{subjects.CANCEL_PREFIX}.>")),
     Attack("admin reads prompts", "admin", _sub(subjects.INFER), _const(subjects.INFER)),
     Attack("admin reads every reply", "admin", _sub("_INBOX.>"), _const("_INBOX.>")),
 ]
@@ -467,3 +495,42 @@ def test_sdk_says_what_is_wrong_with_an_identity(stack: Stack, secure_bus: Secur
     with zml.Client(secure_bus.url, timeout=5) as client:
         with pytest.raises(zml.AuthError, match="refused identity U"):
             client.infer(MODEL, "hi", max_tokens=1)
+
+
+async def test_observer_reads_events_node_state_and_prices_without_a_violation(stack: Stack,
+                                                                                secure_bus: SecureBus) -> None:
+    """What an observer is for: every completion event (with its label and tokens), the node
+    list from health, and a watch of node state and prices, all without a permissions violation."""
+    c = await connect_as(secure_bus, "olive")
+    try:
+        sub = await c.nc.subscribe(f"{subjects.EVENTS_PREFIX}.>")
+        await c.nc.flush()
+        async with httpx.AsyncClient(timeout=30) as http:
+            r = await http.post(stack.gateway_url + "/v1/chat/completions", content=_chat(),
+                                headers={"content-type": "application/json"})
+        assert r.status_code == 200, r.text
+        request_id = r.json()["zml"]["request_id"]
+        deadline = time.monotonic() + 10
+        while True:
+            msg = await sub.next_msg(timeout=max(0.1, deadline - time.monotonic()))
+            event = json.loads(msg.data)
+            if msg.subject == subjects.event(subjects.EVENT_COMPLETED) and event.get("request_id") == request_id:
+                break
+        assert event.get("ok", True) and event.get("completion_tokens", 0) > 0, event  # defaults are omitted on the wire and event["node_id"] in {"h100-1", "a100-1"}
+        nodes = await list_nodes(c.nc)
+        assert {n.node_id for n in nodes} == {"h100-1", "a100-1"}
+        kv = await c.nc.jetstream().key_value(subjects.NODES_BUCKET)
+        assert {k for k in await kv.keys()} >= {"h100-1", "a100-1"}
+        seen: list[str] = []
+        watcher = await kv.watchall()
+        async for entry in watcher:
+            if entry is None:
+                break
+            seen.append(entry.key)
+        await watcher.stop()
+        assert "h100-1" in seen
+        await c.nc.jetstream().key_value(subjects.COSTS_BUCKET)  # prices (zml cost set) are readable
+        await c.nc.flush()
+        assert not [e for e in c.errors if "violation" in e.lower()], c.errors
+    finally:
+        await c.nc.close()

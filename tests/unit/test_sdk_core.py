@@ -44,7 +44,8 @@ def test_build_merges_defaults_then_call_arguments() -> None:
                     extra={"top_p": 0.9, "timeout": 5, "request_id": "abc"}, max_tokens=None)
     assert c.body["model"] == MODEL and c.body["max_tokens"] == 7 and c.body["top_p"] == 0.9
     assert c.request_id == "abc" and c.body["timeout_ms"] == 5000 and c.timeout_s == 5 + _core.grace_s(5) == 5.75
-    assert c.nats_headers() == {"Zml-Request-Id": "abc", "Zml-Timeout-Ms": "5000"}
+    # The routing metadata asked for once, in the body (where decode_reply reads it).
+    assert c.nats_headers() == {"Zml-Request-Id": "abc", "Zml-Timeout-Ms": "5000", "Zml-Accept-Routing": "body"}
     assert build_infer(model=MODEL, prompt="hi", max_tokens=3, defaults={"max_tokens": 7}).body["max_tokens"] == 3
 
 

@@ -86,6 +86,9 @@ class InferCall:
             # A stream's chunks as header-less frames: no header block to build or parse per
             # chunk (zmlcore.reply.streamframe; decoded by decode_nats_frame).
             **({subjects.H_ACCEPT_STREAM: subjects.STREAM_FRAMES} if self.stream else {}),
+            # The routing metadata once, in the body's zml object (a stream's start message):
+            # the SDK reads it there, so a dozen Zml-* headers would only cost parsing.
+            subjects.H_ACCEPT_ROUTING: subjects.ROUTING_IN_BODY,
             **trace_headers(),
         }
 

@@ -30,7 +30,9 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     i = verbs.add_parser("issue", help="create an identity and print its seed file")
     i.add_argument("name", help="letters, digits, - and _")
     i.add_argument("--role", default="client", choices=ROLES,
-                   help="client (default): request zml.infer, cancel its own requests, read its own replies")
+                   help="client (default): request zml.infer, cancel its own requests, read its own replies; "
+                        "observer: read completion and warmup events (zml.events.>), node state and prices, "
+                        "nothing else; the services' and admin roles")
     i.add_argument("--out", help="also copy the seed file here (mode 0600)")
     r = verbs.add_parser("revoke", help="delete an identity; its connections are closed at once")
     r.add_argument("name")

@@ -104,7 +104,8 @@ class Outcome:
     """What happened to one request, for its error reply, completion event and metrics."""
 
     __slots__ = ("request_id", "stream", "model", "node_id", "family", "ok", "error_code", "node_error",
-                 "failed_nodes", "attempts", "info", "queued", "slow_nodes", "label", "op")
+                 "failed_nodes", "attempts", "info", "queued", "slow_nodes", "label", "op", "prompt_tokens",
+                 "completion_tokens")
 
     def __init__(self) -> None:
         self.request_id = ""  # set once validated: it goes into subjects, headers and logs
@@ -122,6 +123,8 @@ class Outcome:
         self.info: RoutingInfo | None = None
         self.queued = False  # parked in the saturation queue: its event comes when it is served
         self.label = ""  # the API key's cost-attribution label (gateway header)
+        self.prompt_tokens = 0  # the node's usage, when it reported one
+        self.completion_tokens = 0
 
 
 # --- which request headers a sender may set ----------------------------------------------------
@@ -509,4 +512,5 @@ def completion(out: Outcome, now: float, latency_s: float, router_id: str) -> Re
         ttft_s=info.time_to_first_token if info is not None and out.ok else None,
         latency_s=latency_s, attempts=out.attempts, router_id=router_id,
         request_id=out.request_id, slow_nodes=out.slow_nodes, label=out.label,
+        prompt_tokens=out.prompt_tokens if out.ok else 0, completion_tokens=out.completion_tokens if out.ok else 0,
     )

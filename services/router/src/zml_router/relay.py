@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import Callable
 from random import getrandbits
+from typing import Any
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -187,12 +188,15 @@ class Relay:
         rename = Renamer(served, req.model) if served and served != req.model else None
         try:
             if action.stream:
-                await self.stream(msg, req, node_body, info, t0, first_byte, rename, action.rr)
+                usage = await self.stream(msg, req, node_body, info, t0, first_byte, rename, action.rr)
             else:
-                await self.once(msg, req, node_body, info, t0, first_byte, rename, action.rr)
+                usage = await self.once(msg, req, node_body, info, t0, first_byte, rename, action.rr)
         except AttemptError as err:
             self.metrics.failover(decision.node_id, err.failure.value)
             return err
+        if usage:  # the completion event counts them (cost attribution: docs/security.md, observers)
+            out.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+            out.completion_tokens = int(usage.get("completion_tokens") or 0)
         return None
 
     def _headers(self, info: RoutingInfo) -> dict[str, str]:
@@ -229,7 +233,8 @@ class Relay:
 
     async def once(self, msg: Incoming, req: InferRequest, body: bytes, info: RoutingInfo, t0: float,
                    first_byte: float | None = None, rename: Renamer | None = None,
-                   rr: RouteRequest | None = None) -> None:
+                   rr: RouteRequest | None = None) -> dict[str, Any]:
+        """Send the node's reply; returns its token counts (``reply_usage``)."""
         # A non-streamed reply shows no first token: pending ends at the estimated one.
         v = self.table.views[info.node_id]
         hold = PendingHold(self._move, info.node_id,
@@ -265,10 +270,13 @@ class Relay:
         if msg.reply and nc is not None:
             await publish_reply(nc, msg.reply, with_routing(raw, info), routing_headers(msg.headers, info),
                                 accepted(msg.headers))
+        return usage
 
     async def stream(self, msg: Incoming, req: InferRequest, body: bytes, info: RoutingInfo, t0: float,
                      first_byte: float | None = None, rename: Renamer | None = None,
-                     rr: RouteRequest | None = None) -> None:
+                     rr: RouteRequest | None = None) -> dict[str, Any] | None:
+        """Relay the node's stream; returns its last ``usage`` (with include_usage), if any."""
+        last_usage: dict[str, Any] | None = None
         count, publish, frame = self.sharing.count, self.replies.publish, streamframe.encode
         await count(info.node_id, 1, 1)
         pending = 1
@@ -296,6 +304,7 @@ class Relay:
                         **routing_headers(msg.headers, info), subjects.H_STREAM: "start", subjects.H_SEQ: "0"})
                 usage = stream_usage(chunk)
                 if usage is not None:
+                    last_usage = usage
                     info.total_tokens = usage["total_tokens"]
                     self.metrics.usage_dict(req.kind(), req.model, usage)
                     prompt_seen = usage.get("prompt_tokens")
@@ -324,3 +333,4 @@ class Relay:
             raise
         finally:
             await count(info.node_id, -1, -pending)
+        return last_usage

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import json
 import logging
 import socket
 import time
@@ -37,6 +38,7 @@ from zmlcore.fleet.accelerators import ACCELERATORS
 from zmlcore.config import KVEventsConfig, NodeConfig, zmq_address
 from zml_sim import admin
 from zml_sim import embeddings
+from zml_sim import transcription
 from zml_sim.engine import Faults
 from zml_sim.engine import SimEngine
 from zml_sim.engine import SimError
@@ -301,11 +303,14 @@ class SimNode:
     # ----- app ---------------------------------------------------------------------------------
 
     def _make_app(self) -> web.Application:
-        app = web.Application(client_max_size=16 * 1024 * 1024)
+        # OpenAI's upload limit for audio files, plus the multipart framing and form fields
+        app = web.Application(client_max_size=transcription.MAX_FILE_BYTES + 1024 * 1024)
         r = app.router
         r.add_post("/v1/chat/completions", self._chat)
         r.add_post("/v1/completions", self._completions)
         r.add_post("/v1/embeddings", self._embeddings)
+        r.add_post("/v1/audio/transcriptions", self._transcriptions)
+        r.add_post("/v1/audio/translations", self._translations)
         r.add_get("/v1/models", self._models)
         r.add_get("/health", self.health)
         r.add_get("/metrics", self._metrics)
@@ -478,6 +483,81 @@ class SimNode:
         finally:
             eng.cancel(req)
         return _json_response(embeddings.response(model, texts, dims, fmt, tokens))
+
+    async def _transcriptions(self, request: web.Request) -> web.StreamResponse:
+        return await self._audio(request, "transcribe")
+
+    async def _translations(self, request: web.Request) -> web.StreamResponse:
+        return await self._audio(request, "translate")
+
+    async def _audio(self, request: web.Request, task: str) -> web.StreamResponse:
+        """OpenAI's audio API on multipart/form-data (``zml_sim.transcription``): the audio
+        occupies a slot like a prompt of its encoder frames, the text is decoded word by word."""
+        eng = self.engine
+        if not request.content_type.startswith("multipart/form-data"):
+            return self.error(400, "Expected a multipart/form-data body with a 'file' field", "bad_request")
+        try:
+            form = await request.post()
+        except web.HTTPRequestEntityTooLarge:
+            return self.error(413, f"The audio file is larger than {transcription.MAX_FILE_BYTES} bytes",
+                              "bad_request")
+        except ValueError as exc:
+            return self.error(400, f"Malformed multipart body: {exc}", "bad_request")
+        upload = form.get("file")
+        if not isinstance(upload, web.FileField):
+            return self.error(400, "Field 'file' (the audio) is required", "bad_request")
+        audio = upload.file.read()
+        model = str(form.get("model") or "") or None
+        fmt = str(form.get("response_format") or "json")
+        stream = str(form.get("stream") or "").lower() in ("true", "1")
+        grans = [str(g) for g in form.getall("timestamp_granularities[]", [])]
+        try:
+            transcription.check_format(fmt, stream)
+            text = transcription.transcribe(model or "", audio, task=task,
+                                            language=str(form.get("language") or "") or None)
+        except transcription.TranscriptionRequestError as exc:
+            return self.error(400, str(exc), "bad_request")
+        if model is None:
+            if not eng.models:
+                return self.loading_error() if eng.loading else self.error(404, "No model is loaded", "not_found")
+            model = next(iter(eng.models))
+        if model not in eng.models:
+            if model in eng.loading and self.face.loading_answers_503:
+                return self.loading_error()
+            return self.error(404, f"The model `{model}` does not exist.", "not_found")
+        if eng.overloaded:
+            return self._overload()
+        if eng.sample_error():
+            return self.error(eng.faults.error_status, "Injected fault: internal server error", "internal",
+                               self._retry_headers())
+        req = eng.submit(model, transcription.prompt_tokens(text.duration), len(text.words))
+        if stream:
+            resp = web.StreamResponse(headers={"content-type": "text/event-stream", "cache-control": "no-cache"})
+            await resp.prepare(request)
+            events = transcription.stream_events(text)
+            try:
+                decoding = True
+                for event in events[:-1]:  # paced by the decode (a step may emit several tokens)
+                    if decoding and await req.next_chunk() is None:
+                        decoding = False
+                    await resp.write(f"data: {event}\n\n".encode())
+                while decoding and await req.next_chunk() is not None:
+                    pass
+                await resp.write(f"data: {events[-1]}\n\ndata: [DONE]\n\n".encode())
+            except SimError as exc:
+                await resp.write(f"data: {json.dumps({'error': {'message': str(exc)}})}\n\n".encode())
+            finally:
+                eng.cancel(req)
+            await resp.write_eof()
+            return resp
+        try:
+            await req.text()
+        except SimError as exc:
+            return self.error(500, str(exc), "internal")
+        finally:
+            eng.cancel(req)
+        content_type, body = transcription.render(text, fmt, granularities=grans)
+        return web.Response(body=body.encode(), headers={"content-type": content_type})
 
     def _envelope(self, req: SimRequest, chat: bool, chunk: bool) -> dict[str, Any]:
         prefix = "chatcmpl" if chat else "cmpl"

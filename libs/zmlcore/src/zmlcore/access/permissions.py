@@ -21,7 +21,7 @@ from typing import Any
 
 from zmlcore import subjects
 
-ROLES = ("gateway", "router", "health", "warmup", "admin", "client")
+ROLES = ("gateway", "router", "health", "warmup", "admin", "client", "observer")
 #: Roles every deployment runs (one identity each, shared by a role's replicas).
 SERVICE_ROLES = ("gateway", "router", "health", "warmup")
 
@@ -55,6 +55,12 @@ def kv_read(bucket: str) -> list[str]:
     return _stream_read(f"KV_{bucket}")
 
 
+def kv_watch(bucket: str) -> list[str]:
+    """:func:`kv_read` without creating the bucket: for identities outside ZML's services, which
+    must not be able to create a bucket with a configuration of their choosing."""
+    return [s for s in kv_read(bucket) if not s.startswith("$JS.API.STREAM.CREATE.")]
+
+
 def kv_write(bucket: str) -> list[str]:
     """... and to put/delete keys in it."""
     return [*kv_read(bucket), f"$KV.{bucket}.>"]
@@ -81,6 +87,9 @@ def _grants(role: str, owner: str) -> tuple[list[str], list[str], bool]:
     completed = subjects.event(subjects.EVENT_COMPLETED)
     if role == "client":
         return [subjects.INFER, own_cancel], [inbox], False
+    if role == "observer":  # billing, analytics, dashboards: read events, node state and prices; nothing else
+        return ([subjects.admin_nodes("list"), *kv_watch(subjects.NODES_BUCKET), *kv_watch(subjects.COSTS_BUCKET)],
+                [inbox, f"{subjects.EVENTS_PREFIX}.>"], False)
     if role == "gateway":
         # Requests go to the front-door subject: only there does a router honour the key's
         # label and default policy (zml_router.flow.drop_untrusted).
@@ -96,19 +105,19 @@ def _grants(role: str, owner: str) -> tuple[list[str], list[str], bool]:
                *kv_read(subjects.NODES_BUCKET), *kv_read(subjects.COSTS_BUCKET),
                # client identities' plans (zml_router.limits), counted with the gateways'
                *kv_read(subjects.KEYS_BUCKET), *kv_write(subjects.LIMITS_BUCKET),
-               # cache-aware routing: the replicas' prefix records, session bindings
-               subjects.PREFIX_RECORDS, *kv_write(subjects.SESSIONS_BUCKET)]
+               # cache-aware routing: session bindings and the replicas' shared prefix records
+               *kv_write(subjects.SESSIONS_BUCKET), subjects.PREFIX_RECORDS]
         sub = [inbox, f"{subjects.INFER} {subjects.ROUTER_QUEUE}",  # only inside the queue group
                f"{subjects.FRONT_DOOR_INFER} {subjects.ROUTER_QUEUE}",
                subjects.INFLIGHT, subjects.INFLIGHT_SNAPSHOT, subjects.NODE_MARKS, f"{subjects.CANCEL_PREFIX}.>",
                subjects.ROUTERS_STATE, subjects.router_state("*"), subjects.QUEUE_BUSY,
-               subjects.PREFIX_RECORDS, f"{subjects.KV_EVENTS_PREFIX}.>"]  # the engines' KV events, bridged
+               subjects.PREFIX_RECORDS, f"{subjects.KV_EVENTS_PREFIX}.>"]
         return pub, sub, False
     if role == "health":
         pub = [subjects.event(subjects.EVENT_WARMUP), *kv_write(subjects.NODES_BUCKET),
                *kv_write(subjects.REGISTRY_BUCKET), *kv_read(subjects.COSTS_BUCKET),
                *kv_write(subjects.LEASES_BUCKET),  # --ha: one active replica (zmlcore.runtime.lease)
-               f"{subjects.KV_EVENTS_PREFIX}.>"]  # the engines' KV events it bridges (kvbridge)
+               f"{subjects.KV_EVENTS_PREFIX}.>"]  # engines' KV-cache events, bridged (zml_health.kvbridge)
         sub = [inbox, f"{subjects.ADMIN_NODES_PREFIX}.*", completed, subjects.event(subjects.EVENT_WARMUP)]
         return pub, sub, True
     if role == "warmup":
