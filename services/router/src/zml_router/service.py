@@ -31,6 +31,7 @@ from zmlcore.config import ZMLConfig
 from zmlcore.errors import CancelledError, ZMLError
 from zmlcore.messages.warmup import completed_encoder
 from zmlcore.policy import Decision, ResolvedPolicy, RouteRequest, RoutingState, admit
+from zmlcore.policy.headroom import admit_batch
 from zmlcore.policy.prefix import PrefixIndex
 from zmlcore.reply.keepalive import KeepaliveBook, keepalive_headers
 from zmlcore.runtime.runner import cancel_and_wait
@@ -204,6 +205,13 @@ class RouterService:
         if self.share is not None:
             self.share.corrected(node_id, rr.prefix, cached, prompt_tokens, time.time())
 
+    def admit_batch(self, rr: RouteRequest, policy: ResolvedPolicy) -> Decision:
+        """A batch-priority request (``Zml-Priority: batch``): only where a node has headroom
+        beyond what interactive traffic needs, else QUEUE_FULL at once (zmlcore.policy.headroom)."""
+        rc = self.cfg.router
+        return admit_batch(self.table.nodes(), rr, policy, time.time(), self.state,
+                           stale_after_s=rc.stale_after_s, reserve=rc.batch_reserve)
+
     # --- subscriptions ---------------------------------------------------------------------
     async def _on_request(self, msg: Msg) -> None:
         # nats-py runs a subscription's callbacks one after another: hand off at once.
@@ -305,7 +313,9 @@ class RouterService:
         bodies = NodeBodies(msg.data, req.model, arrived.clean)
         cfg = policy.config
         queue = self.glue.queue
-        can_queue = bool(cfg.queue_on_saturation and queue is not None and msg.reply)
+        # Batch work waits in its runner, not in the saturation queue (which admits without headroom).
+        batch = (msg.headers or {}).get(subjects.H_PRIORITY) == subjects.PRIORITY_BATCH
+        can_queue = bool(cfg.queue_on_saturation and queue is not None and msg.reply and not batch)
         from_queue = isinstance(msg, QueuedMsg)
         plan = flow.Plan(model, policy.name, rr, self.cfg.router.max_attempts, req.stream, can_queue,
                          can_queue and not from_queue and queue.has_waiting(model),  # type: ignore[union-attr]
@@ -319,7 +329,7 @@ class RouterService:
                 return
             if type(action) is flow.Decide:
                 try:
-                    result = self.metrics.decide(self._admit, action.rr, policy)
+                    result = self.metrics.decide(self.admit_batch if batch else self._admit, action.rr, policy)
                 except ZMLError as exc:
                     result = exc
             elif type(action) is flow.Dispatch:
