@@ -28,6 +28,7 @@ from nats.aio.client import Client as NATS
 
 import zml
 from conftest import MODEL, SecureBus, Stack, launch_stack
+from zmlcore.runtime.launch import service_argv, spawn
 from zmlcore import subjects
 from zml.cli import _identities
 from zmlcore.config import NatsConfig
@@ -45,6 +46,7 @@ def stack(secure_bus: SecureBus, tmp_path_factory: pytest.TempPathFactory) -> It
     secure_bus.issue("olive", role="observer")  # a billing system: events and node state only
     s = launch_stack(secure_bus.url, tmp_path_factory.mktemp("secure-stack"), fleet=FLEET, routers=1,
                      identities=secure_bus.seeds)
+    s.procs["batch"] = spawn("batch", service_argv("batch", s.config_path, secure_bus.url), env=s.env_of("batch"))
     try:
         yield s
     finally:
@@ -235,6 +237,28 @@ ATTACKS = [
            _const(subjects.admin_nodes("add"))),
     Attack("warmup writes node state", "warmup", _pub(f"$KV.{subjects.NODES_BUCKET}.evil", NODE),
            _const(f"$KV.{subjects.NODES_BUCKET}.evil")),
+    # The Batch API: its records, files, work and results are the gateway's and the runners' only.
+    Attack("read batch records: open the zml_batch_index bucket", "mallory", _read_kv(subjects.BATCH_INDEX_BUCKET),
+           _const(f"$JS.API.STREAM.INFO.KV_{subjects.BATCH_INDEX_BUCKET}")),
+    Attack("read batch files: subscribe to the file store", "mallory", _sub(f"$O.{subjects.BATCH_FILES_BUCKET}.>"),
+           _const(f"$O.{subjects.BATCH_FILES_BUCKET}.>")),
+    Attack("forge a batch line's result", "mallory", _pub(subjects.batch_result("batch_x", 0, 0)),
+           _const(subjects.batch_result("batch_x", 0, 0))),
+    Attack("take batch work: fetch from the runners' consumer", "mallory",
+           _pub(f"$JS.API.CONSUMER.MSG.NEXT.{subjects.BATCH_WORK_STREAM}.{subjects.BATCH_SHARD_CONSUMER}"),
+           _const(f"$JS.API.CONSUMER.MSG.NEXT.{subjects.BATCH_WORK_STREAM}.{subjects.BATCH_SHARD_CONSUMER}")),
+    Attack("read batch progress: subscribe zml.batch.events", "mallory", _sub(subjects.BATCH_EVENTS),
+           _const(subjects.BATCH_EVENTS)),
+    Attack("batch runner reads prompts", "batch", _sub(subjects.INFER), _const(subjects.INFER)),
+    Attack("batch runner writes node state", "batch", _pub(f"$KV.{subjects.NODES_BUCKET}.evil", NODE),
+           _const(f"$KV.{subjects.NODES_BUCKET}.evil")),
+    Attack("batch runner speaks as the front door", "batch", _pub(subjects.FRONT_DOOR_INFER, _chat()),
+           _const(subjects.FRONT_DOOR_INFER)),
+    Attack("batch runner mints an API key", "batch", _pub(f"$KV.{subjects.KEYS_BUCKET}.evil"),
+           _const(f"$KV.{subjects.KEYS_BUCKET}.evil")),
+    Attack("gateway takes batch work", "gateway",
+           _pub(f"$JS.API.CONSUMER.MSG.NEXT.{subjects.BATCH_WORK_STREAM}.{subjects.BATCH_SHARD_CONSUMER}"),
+           _const(f"$JS.API.CONSUMER.MSG.NEXT.{subjects.BATCH_WORK_STREAM}.{subjects.BATCH_SHARD_CONSUMER}")),
     # An observer (billing, analytics) reads events and node state and does nothing else.
     Attack("observer sends work: zml.infer", "olive", _pub(subjects.INFER, _chat()), _const(subjects.INFER)),
     Attack("observer sets a cost label: zml.gateway.infer", "olive", _pub(subjects.FRONT_DOOR_INFER, _chat()),
@@ -274,8 +298,20 @@ def test_services_do_their_jobs_without_a_single_violation(stack: Stack, secure_
                    headers={"content-type": "application/json"})
     assert r.status_code == 200 and "[DONE]" in r.text
     assert httpx.get(stack.gateway_url + "/v1/nodes", timeout=10).json()["nodes"][0]["routers"] == 1
+    # a batch through the Batch API: the gateway's store, the runner's work, results and files
+    line = json.dumps({"custom_id": "p1", "method": "POST", "url": "/v1/chat/completions",
+                       "body": json.loads(_chat())})
+    f = httpx.post(stack.gateway_url + "/v1/files", data={"purpose": "batch"},
+                   files={"file": ("p.jsonl", line.encode())}, timeout=30).json()
+    b = httpx.post(stack.gateway_url + "/v1/batches", timeout=30, json={
+        "input_file_id": f["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"}).json()
+    deadline = time.monotonic() + 60
+    while (got := httpx.get(stack.gateway_url + f"/v1/batches/{b['id']}", timeout=10).json())["status"] != "completed":
+        assert time.monotonic() < deadline, got
+        time.sleep(0.3)
+    assert httpx.get(stack.gateway_url + f"/v1/files/{got['output_file_id']}/content", timeout=10).status_code == 200
     time.sleep(1.5)  # a queue fetch cycle and an in-flight snapshot
-    services = {public_key(secure_bus.seeds[role]) for role in ("gateway", "router", "health", "warmup")}
+    services = {public_key(secure_bus.seeds[role]) for role in ("gateway", "router", "health", "warmup", "batch")}
     bad = [line for line in secure_bus.proc.lines if "Violation" in line and any(k in line for k in services)]
     assert not bad, "\n".join(bad)
 

@@ -67,7 +67,7 @@ def test_two_zml_up_on_one_machine_run_the_demo_fleet_and_stop_everything(tmp_pa
             # do not clash), printed.
             line = next(line for line in proc.lines if line.startswith("zml metrics:"))
             ports = dict(re.findall(r"([\w-]+) :(\d+)", line))
-            assert set(ports) == {"health-1", "health-2", "warmup-1", "warmup-2", "router-1"}, line
+            assert set(ports) == {"health-1", "health-2", "warmup-1", "warmup-2", "router-1", "batch-1"}, line
             for name, port in [("gateway", gw), *ports.items()]:
                 m = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10)
                 assert m.status_code == 200 and "process_cpu_seconds_total" in m.text, name

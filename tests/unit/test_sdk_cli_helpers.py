@@ -12,7 +12,8 @@ import pytest
 import zml
 from zml.cli import build_parser
 from zml.cli._common import parse_policy
-from zml.cli.batch import Progress, load_done, read_items
+from zml.cli._batchio import Progress, read_items
+from zml.cli.batch import load_done
 from zml.cli.bench import Level, percentile, recommend
 from zml.cli.nodes import render
 

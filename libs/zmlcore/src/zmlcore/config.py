@@ -186,6 +186,11 @@ class RouterConfig(msgspec.Struct, **_Base):
     first_byte_factor: NonNeg = 4.0
     """Multiple of the node's estimated time to first token (to the whole reply when not
     streaming) allowed before the first byte; 0 makes first_byte_floor_s a fixed timeout."""
+    batch_reserve: Annotated[float, msgspec.Meta(ge=0, le=0.9)] = 0.25
+    """Share of each node's sequence slots batch requests (``Zml-Priority: batch``, the batch
+    runners' lines) never take, at least one slot: interactive arrivals find them free. Where no
+    node has that room a batch request is refused at once (QUEUE_FULL) and its runner waits
+    (docs/batches.md). 0: batch work may fill every slot."""
     inter_token_timeout_s: PosFloat = 10.0
     """After the first token, a node that sends nothing more for this long (noticed within one
     to two such periods) is abandoned as stalled, cooled down, and the answer continued on
@@ -419,6 +424,73 @@ class WarmupConfig(msgspec.Struct, **_Base):
     """Also measure request rate from the nodes' metrics (for routers that publish no events)."""
 
 
+_MIB = 1024 * 1024
+_WINDOW_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+_DURATION = re.compile(r"^([1-9][0-9]{0,5})([smhd])$")
+
+
+def window_seconds(text: str) -> int:
+    """``"24h"`` -> 86400: a batch's completion window (digits, then s, m, h or d)."""
+    m = _DURATION.match(text)
+    if not m:
+        raise ValueError(f"{text!r}: expected a number and a unit, e.g. \"24h\" (s, m, h or d)")
+    return int(m.group(1)) * _WINDOW_UNITS[m.group(2)]
+
+
+class BatchConfig(msgspec.Struct, **_Base):
+    """The Batch API (/v1/files, /v1/batches) and its runners (docs/batches.md). Every store
+    it uses is bounded by these numbers."""
+
+    enabled: bool = True
+    """Serve /v1/files and /v1/batches on the gateway; `zml up` runs the batch runners."""
+    processes: PosInt = 1
+    """Batch runner replicas `zml up` runs; they share the work (any number may run)."""
+    policy: str = ""
+    """Policy of a batch's lines when its metadata names none (``metadata.policy``): a name
+    from [policy]/[policies] or a built-in. "": the built-in batch policy, the cheapest family
+    (cost per unit of capacity) whose estimated time to first token is within
+    latency_target_ms."""
+    latency_target_ms: PosFloat = 10_000.0
+    """The built-in batch policy's relaxed latency target (batch lines wait gladly)."""
+    max_file_bytes: PosInt = 200 * _MIB
+    """Largest file accepted by POST /v1/files (OpenAI's bound: 200 MB); above it, 413."""
+    max_line_bytes: PosInt = _MIB
+    """Longest line of an input file (a line is one request: it must also fit in one NATS
+    message, so the broker's max_payload bounds it too)."""
+    max_lines: PosInt = 50_000
+    """Most request lines in one input file (OpenAI's bound: 50,000)."""
+    max_files_per_owner: PosInt = 500
+    """Files one API key may hold at once (inputs and outputs); above it, 429 QUOTA_EXCEEDED."""
+    max_active_batches_per_owner: PosInt = 20
+    """Unfinished batches one API key may have at once; above it, 429 QUOTA_EXCEEDED."""
+    max_store_bytes: PosInt = 20 * 1024 * _MIB
+    """Size bound of the file store (JetStream object store ``zml_batch_files``); a file that
+    does not fit is refused with 507 STORAGE_FULL. Applies when the store is first created."""
+    max_results_bytes: PosInt = 4 * 1024 * _MIB
+    """Size bound of the stream of line results waiting to be written into output files."""
+    max_work_bytes: PosInt = 4 * 1024 * _MIB
+    """Size bound of the work stream (batches' lines waiting for a runner)."""
+    file_ttl_s: PosFloat = 30 * 86400.0
+    """Files are deleted this long after they were created (OpenAI keeps batch files 30 days)."""
+    completion_windows: list[str] = msgspec.field(default_factory=lambda: ["24h"])
+    """Completion windows a batch may ask for ("24h" is OpenAI's only one). A batch still
+    running at the end of its window is expired: what finished is kept."""
+    shard_lines: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 200
+    """Lines of one unit of work: a runner takes a shard at a time; at most this many lines
+    are re-checked when a runner dies holding one."""
+    max_in_flight: PosInt = 256
+    """Lines one runner has in flight at once, at most (the routers' headroom decides how
+    many below that)."""
+    line_timeout_s: PosFloat = 600.0
+    """Timeout of one line's request."""
+    takeover_s: Annotated[float, msgspec.Meta(ge=3, le=600)] = 30.0
+    """A runner renews the shards it holds several times within this; a runner that dies (or
+    loses the broker) leaves its shards to another this long after its last renewal. The lines
+    it had recorded are not asked again. Applies when the runners' consumers are first created."""
+    max_attempts: PosInt = 5
+    """Attempts of a line that fails with a retryable error before it is recorded as failed."""
+
+
 class MetricsConfig(msgspec.Struct, **_Base):
     """Prometheus metrics (docs/observability.md). The gateway serves them on its own port at
     GET /metrics; the router, health and warmup services get a small port of their own."""
@@ -434,6 +506,8 @@ class MetricsConfig(msgspec.Struct, **_Base):
     """Health service metrics port (0: any free port; None: none)."""
     warmup_port: Port | None = None
     """Warmup service metrics port (0: any free port; None: none)."""
+    batch_port: Port | None = None
+    """Batch runner metrics port (0: any free port; None: none)."""
 
 
 class DefaultsConfig(msgspec.Struct, **_Base):
@@ -455,6 +529,7 @@ class ZMLConfig(msgspec.Struct, **_Base):
     warmup: WarmupConfig = msgspec.field(default_factory=WarmupConfig)
     defaults: DefaultsConfig = msgspec.field(default_factory=DefaultsConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
+    batch: BatchConfig = msgspec.field(default_factory=BatchConfig)
     nodes: list[NodeConfig] = []
     models: dict[str, ModelConfig] = {}
     policy: dict[str, PolicyConfig] = {}
@@ -621,6 +696,25 @@ def _validate(cfg: ZMLConfig, src: str) -> None:
             raise ConfigError(f"{src}: models.{model!r}.policy: unknown policy {mc.policy!r}")
     if cfg.defaults.policy not in names:
         raise ConfigError(f"{src}: defaults.policy: unknown policy {cfg.defaults.policy!r}")
+    _validate_batch(cfg.batch, names, src)
+
+
+def _validate_batch(b: BatchConfig, policies: set[str], src: str) -> None:
+    if b.policy and b.policy not in policies:
+        raise ConfigError(f"{src}: batch.policy: unknown policy {b.policy!r}")
+    if not b.completion_windows:
+        raise ConfigError(f"{src}: batch.completion_windows: give at least one (\"24h\")")
+    for i, window in enumerate(b.completion_windows):
+        try:
+            window_seconds(window)
+        except ValueError as exc:
+            raise ConfigError(f"{src}: batch.completion_windows[{i}]: {exc}") from None
+    if b.max_line_bytes > b.max_file_bytes:
+        raise ConfigError(f"{src}: batch.max_line_bytes ({b.max_line_bytes}) is above batch.max_file_bytes "
+                          f"({b.max_file_bytes})")
+    if b.max_file_bytes > b.max_store_bytes:
+        raise ConfigError(f"{src}: batch.max_file_bytes ({b.max_file_bytes}) is above batch.max_store_bytes "
+                          f"({b.max_store_bytes}): no file that size could be stored")
 
 
 def parse_config(data: dict[str, Any], source: str = "<memory>") -> ZMLConfig:
@@ -703,7 +797,7 @@ def reference_markdown() -> str:
     sections = [
         ("[nats]", "NatsConfig"), ("[gateway]", "GatewayConfig"), ("[router]", "RouterConfig"),
         ("[health]", "HealthConfig"), ("[warmup]", "WarmupConfig"), ("[defaults]", "DefaultsConfig"),
-        ("[metrics]", "MetricsConfig"), ("[[nodes]]", "NodeConfig"),
+        ("[metrics]", "MetricsConfig"), ("[batch]", "BatchConfig"), ("[[nodes]]", "NodeConfig"),
         ("[nodes.sim]", "SimConfig"), ("[nodes.kv_events]", "KVEventsConfig"), ('[models."NAME"]', "ModelConfig"),
         ("[policy.NAME] / [policies.NAME]", "PolicyConfig"),
     ]

@@ -20,6 +20,11 @@ No other module writes a subject literal: services and the SDK import these name
     KV bucket zml_leases           one key per role (health, warmup): which replica is active
     KV bucket zml_queue_claims     routers: create-only dispatch claims on queued requests
     KV bucket zml_request_ids      routers: create-only claims on callers' in-flight request ids
+    zml.batch.work.start|shard.<b>|final  the Batch API's work (stream ZML_BATCH_WORK, runners)
+    zml.batch.result.<b>.<shard>.<line>   one result per batch line (stream ZML_BATCH_RESULTS)
+    zml.batch.events               batch runners: a batch's status or progress changed
+    KV bucket zml_batch_index      Batch API: file and batch records, keyed by owner
+    Object store zml_batch_files   Batch API: input, output and error files
     KV bucket zml_sessions         routers: session -> node bindings, expiring when idle
 """
 
@@ -274,3 +279,54 @@ MAX_SESSION_ID = 256
 H_ACCEPT_PARTS = "Zml-Accept-Parts"
 H_PART = "Zml-Part"
 H_PARTS = "Zml-Parts"
+
+#: ``Zml-Priority: batch`` on a request: it may wait, and is admitted only where a node has
+#: room beyond what interactive traffic needs (the batch runners send it; docs/batches.md).
+#: It can only lower the sender's own request, so it needs no trust.
+H_PRIORITY = "Zml-Priority"
+PRIORITY_BATCH = "batch"
+
+
+# --- The Batch API (docs/batches.md): gateway handlers and batch runners ----------------------
+#: JetStream KV bucket of file and batch records: ``f.<owner token>.<file id>`` and
+#: ``b.<owner token>.<batch id>`` (zmlcore.batch.store), so that one owner's records are one
+#: subject filter and another owner's id names a key that does not exist (404).
+BATCH_INDEX_BUCKET = "zml_batch_index"
+#: JetStream object store of the files themselves (inputs, outputs, errors): name = file id.
+BATCH_FILES_BUCKET = "zml_batch_files"
+#: Work-queue stream of the runners' work: each message is taken by one runner replica and
+#: stays until it acks (a runner killed mid-task leaves it to another after ack_wait).
+BATCH_WORK_STREAM = "ZML_BATCH_WORK"
+BATCH_WORK_PREFIX = f"{PREFIX}.batch.work"
+#: A new batch: validate it and split its input into shards (BatchTask).
+BATCH_WORK_START = f"{BATCH_WORK_PREFIX}.start"
+#: A batch whose every shard is done: write its output and error files (BatchTask).
+BATCH_WORK_FINAL = f"{BATCH_WORK_PREFIX}.final"
+BATCH_WORK_SHARDS = f"{BATCH_WORK_PREFIX}.shard.>"
+#: Durable pull consumers of the work stream, one per kind of work, shared by every runner.
+BATCH_START_CONSUMER = "zml-batch-start"
+BATCH_SHARD_CONSUMER = "zml-batch-shards"
+BATCH_FINAL_CONSUMER = "zml-batch-final"
+#: Stream of line results: one subject per line, at most one message per subject, the first
+#: kept (discard-new per subject): a line answered twice still has one result.
+BATCH_RESULTS_STREAM = "ZML_BATCH_RESULTS"
+BATCH_RESULT_PREFIX = f"{PREFIX}.batch.result"
+#: Runners publish a batch's new status or progress here (BatchEvent): dashboards, followers.
+BATCH_EVENTS = f"{PREFIX}.batch.events"
+
+
+def batch_shard(batch_id: str) -> str:
+    """Work subject of one batch's shards: ``zml.batch.work.shard.<batch id>``."""
+    return f"{BATCH_WORK_PREFIX}.shard.{batch_id}"
+
+
+def batch_result(batch_id: str, shard: int, line: int) -> str:
+    """Subject of one line's result: ``zml.batch.result.<batch id>.<shard>.<line>``."""
+    return f"{BATCH_RESULT_PREFIX}.{batch_id}.{shard}.{line}"
+
+
+def batch_results(batch_id: str, shard: int | None = None) -> str:
+    """Filter of a batch's results (or one shard's)."""
+    if shard is None:
+        return f"{BATCH_RESULT_PREFIX}.{batch_id}.>"
+    return f"{BATCH_RESULT_PREFIX}.{batch_id}.{shard}.*"

@@ -18,9 +18,12 @@ from zmlcore.fleet.costs import CostTable
 from zmlcore.bus.kvfollow import KVFollower
 from zmlcore.messages import NodeState, node_state_decoder
 from zmlcore.access.apikeys import KeyRing
+from zmlcore.batch.api import BatchApi
+from zmlcore.batch.store import BatchStore
 from zmlcore.limits.limiter import SharedLimiter
 from zml_gateway.access import Access
 from zml_gateway.app import Gateway
+from zml_gateway.batches import BatchRoutes
 from zml_gateway.dashboard import Dashboard
 from zml_gateway.grpc_front import GrpcFront
 from zml_gateway.observe import Observed
@@ -76,7 +79,11 @@ class GatewayService:
         self._follow_keys = asyncio.create_task(keys.run())
         await keys.wait_ready(2.0)  # keys known before the first request (else: 401s at start)
         self.limiter = await SharedLimiter.open(nc)
-        gateway = Gateway(self.cfg, nc, self.nodes, self.costs, Access(self.cfg, ring, self.limiter))
+        batch_api = None
+        if self.cfg.batch.enabled:  # the Batch API's store: created by whichever service starts first
+            names = BatchRoutes.policy_names(self.cfg)
+            batch_api = BatchApi(await BatchStore.open(nc, self.cfg.batch), self.cfg, policy_known=names.__contains__)
+        gateway = Gateway(self.cfg, nc, self.nodes, self.costs, Access(self.cfg, ring, self.limiter), batch_api)
         self._dashboard = Dashboard(nc, gateway.access, gateway.node_table)
         await self._dashboard.start()
         app = Observed(gateway, serve_metrics=self.cfg.metrics.gateway, dashboard=self._dashboard)

@@ -47,7 +47,6 @@ import logging
 import os
 from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass
-import dataclasses
 from typing import Any, Generic, Protocol, TypeVar, Union
 
 import msgspec
@@ -322,6 +321,13 @@ def prefix_chain(model: str, req: InferRequest, raw: bytes) -> KeyChain | None:
     if isinstance(prompt, (str, list)):
         return prompt_keys(model, prompt=prompt)
     return None
+
+
+def session_owner(owner: str, headers: Mapping[str, str] | None) -> str:
+    """Whose session names these are: the identity owning the reply inbox and, behind a front
+    door, its caller (``Zml-Owner``: the API key or client address), so that two callers'
+    "conv-1" are two sessions."""
+    return f"{owner}\x00{(headers or {}).get(subjects.H_OWNER, '')}"
 
 
 def session_of(headers: Mapping[str, str] | None, req: InferRequest) -> str:

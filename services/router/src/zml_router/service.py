@@ -33,6 +33,7 @@ from zmlcore.errors import CancelledError, ZMLError
 from zmlcore.messages import frontdoor
 from zmlcore.messages.warmup import completed_encoder
 from zmlcore.policy import Decision, ResolvedPolicy, RouteRequest, RoutingState, admit
+from zmlcore.policy.headroom import admit_batch
 from zmlcore.policy.prefix import PrefixIndex
 from zmlcore.reply.keepalive import KeepaliveBook, keepalive_headers
 from zmlcore.runtime.runner import cancel_and_wait
@@ -206,6 +207,13 @@ class RouterService:
         if self.share is not None:
             self.share.corrected(node_id, rr.prefix, cached, prompt_tokens, time.time())
 
+    def admit_batch(self, rr: RouteRequest, policy: ResolvedPolicy) -> Decision:
+        """A batch-priority request (``Zml-Priority: batch``): only where a node has headroom
+        beyond what interactive traffic needs, else QUEUE_FULL at once (zmlcore.policy.headroom)."""
+        rc = self.cfg.router
+        return admit_batch(self.table.nodes(), rr, policy, time.time(), self.state,
+                           stale_after_s=rc.stale_after_s, reserve=rc.batch_reserve)
+
     # --- subscriptions ---------------------------------------------------------------------
     async def _on_request(self, msg: Msg) -> None:
         # nats-py runs a subscription's callbacks one after another: hand off at once.
@@ -300,13 +308,16 @@ class RouterService:
         req, model = arrived.req, arrived.model
         out.model, out.op = model, req.kind()
         session = flow.session_of(msg.headers, req)
-        skey = session_key(arrived.owner, session) if session and self.sessions is not None else ""
+        skey = (session_key(flow.session_owner(arrived.owner, msg.headers), session)
+                if session and self.sessions is not None else "")
         bound = self.sessions.node(skey) if skey and self.sessions is not None else None
         policy, rr = flow.prepare(self.cfg, self.table.families(), req, msg.data, model, bound)
         bodies = NodeBodies(msg.data, req.model, arrived.clean)
         cfg = policy.config
         queue = self.glue.queue
-        can_queue = bool(cfg.queue_on_saturation and queue is not None and msg.reply)
+        # Batch work waits in its runner, not in the saturation queue (which admits without headroom).
+        batch = (msg.headers or {}).get(subjects.H_PRIORITY) == subjects.PRIORITY_BATCH
+        can_queue = bool(cfg.queue_on_saturation and queue is not None and msg.reply and not batch)
         from_queue = isinstance(msg, QueuedMsg)
         plan = flow.Plan(model, policy.name, rr, self.cfg.router.max_attempts, req.stream, can_queue,
                          can_queue and not from_queue and queue.has_waiting(model),  # type: ignore[union-attr]
@@ -324,7 +335,7 @@ class RouterService:
                 if action.continuation:  # only a node whose engine can continue the answer
                     rr = dataclasses.replace(rr, exclude=rr.exclude | self.table.cannot_continue())
                 try:
-                    result = self.metrics.decide(self._admit, rr, policy)
+                    result = self.metrics.decide(self.admit_batch if batch else self._admit, rr, policy)
                 except ZMLError as exc:
                     result = exc
             elif type(action) is flow.Dispatch:

@@ -21,9 +21,9 @@ from typing import Any
 
 from zmlcore import subjects
 
-ROLES = ("gateway", "router", "health", "warmup", "admin", "client", "observer")
+ROLES = ("gateway", "router", "health", "warmup", "batch", "admin", "client", "observer")
 #: Roles every deployment runs (one identity each, shared by a role's replicas).
-SERVICE_ROLES = ("gateway", "router", "health", "warmup")
+SERVICE_ROLES = ("gateway", "router", "health", "warmup", "batch")
 
 #: A service answering requests may publish to the requester's reply subject, and only while
 #: the request is open (nats-server's ``allow_responses``): enough for health's and warmup's
@@ -80,6 +80,32 @@ def _queue_stream() -> list[str]:
     ]
 
 
+def _batch_files() -> list[str]:
+    """The Batch API's file store (JetStream object store): put, read, delete objects."""
+    stream = f"OBJ_{subjects.BATCH_FILES_BUCKET}"
+    return [*_stream_read(stream), f"$O.{subjects.BATCH_FILES_BUCKET}.>", f"$JS.API.STREAM.PURGE.{stream}"]
+
+
+def _batch_streams() -> list[str]:
+    """Open (create) the Batch API's work and results streams."""
+    api = "$JS.API"
+    return [f"{api}.STREAM.{verb}.{s}" for s in (subjects.BATCH_WORK_STREAM, subjects.BATCH_RESULTS_STREAM)
+            for verb in ("INFO", "CREATE")]
+
+
+def _batch_runner() -> list[str]:
+    """A batch runner's JetStream calls: the work queue's durable consumers (fetch, ack,
+    in-progress), reading a batch's results back and purging them once written out."""
+    api = "$JS.API"
+    w, r = subjects.BATCH_WORK_STREAM, subjects.BATCH_RESULTS_STREAM
+    return [
+        f"{subjects.BATCH_WORK_PREFIX}.>", f"{subjects.BATCH_RESULT_PREFIX}.>",
+        f"{api}.CONSUMER.CREATE.{w}", f"{api}.CONSUMER.CREATE.{w}.>", f"{api}.CONSUMER.DURABLE.CREATE.{w}.>",
+        f"{api}.CONSUMER.INFO.{w}.>", f"{api}.CONSUMER.MSG.NEXT.{w}.>", f"$JS.ACK.{w}.>",
+        *_stream_read(r), f"{api}.STREAM.PURGE.{r}",
+    ]
+
+
 def _grants(role: str, owner: str) -> tuple[list[str], list[str], bool]:
     """(publish allow, subscribe allow, allow_responses) for ``role``."""
     inbox = f"{subjects.inbox_prefix(owner)}.>"
@@ -95,8 +121,12 @@ def _grants(role: str, owner: str) -> tuple[list[str], list[str], bool]:
         # label and default policy (zml_router.flow.drop_untrusted).
         pub = [subjects.FRONT_DOOR_INFER, own_cancel, subjects.ROUTERS_STATE, *kv_read(subjects.NODES_BUCKET),
                *kv_read(subjects.COSTS_BUCKET), *kv_read(subjects.KEYS_BUCKET), *kv_write(subjects.LIMITS_BUCKET),
-               f"$JS.API.CONSUMER.LIST.{subjects.QUEUE_STREAM}"]  # the dashboard's saturation-queue depth
-        return pub, [inbox, completed], False  # completion events feed the /dashboard
+               f"$JS.API.CONSUMER.LIST.{subjects.QUEUE_STREAM}",  # the dashboard's saturation-queue depth
+               # the Batch API: files, records, new batches for the runners, cancels announced
+               *kv_write(subjects.BATCH_INDEX_BUCKET), *_batch_files(), *_batch_streams(),
+               subjects.BATCH_WORK_START, subjects.BATCH_EVENTS]
+        # completion events and batch progress feed the /dashboard
+        return pub, [inbox, completed, subjects.BATCH_EVENTS], False
     if role == "router":
         pub = [f"{subjects.INBOX_ROOT}.>", subjects.INFLIGHT, subjects.INFLIGHT_SNAPSHOT, subjects.NODE_MARKS,
                completed, subjects.QUEUE_BUSY, *_queue_stream(), *kv_write(subjects.QUEUE_CLAIMS_BUCKET),
@@ -125,6 +155,12 @@ def _grants(role: str, owner: str) -> tuple[list[str], list[str], bool]:
                *kv_read(subjects.REGISTRY_BUCKET), *kv_write(subjects.LEASES_BUCKET)]
         sub = [inbox, completed, subjects.WARMUP_SERVE]
         return pub, sub, True
+    if role == "batch":  # batch runners: lines go to the routers like any client's requests
+        pub = [subjects.INFER, own_cancel, subjects.BATCH_EVENTS, *kv_write(subjects.BATCH_INDEX_BUCKET),
+               *_batch_files(), *_batch_streams(), *_batch_runner(),
+               # API keys' plans count their batches' tokens (zmlcore.limits)
+               *kv_read(subjects.KEYS_BUCKET), *kv_write(subjects.LIMITS_BUCKET)]
+        return pub, [inbox, subjects.BATCH_EVENTS], False
     if role == "admin":  # the operator's CLI: zml nodes add/remove/list, zml cost, zml serve, zml keys
         pub = [subjects.INFER, own_cancel, f"{subjects.ADMIN_NODES_PREFIX}.*", subjects.ROUTERS_STATE,
                subjects.WARMUP_SERVE, *kv_read(subjects.NODES_BUCKET), *kv_read(subjects.REGISTRY_BUCKET),

@@ -71,6 +71,32 @@ function renderNodes(state) {
   replaceRows($("nodes").tBodies[0], rows);
 }
 
+function renderBatches(batches) {
+  const rows = (batches || []).map((b) => {
+    const tr = el("tr");
+    tr.dataset.batch = b.id;
+    tr.dataset.status = b.status;
+    const done = b.completed + b.failed;
+    const share = b.total ? Math.min(100, (100 * done) / b.total) : 0;
+    const prog = el("td");
+    const bar = el("span", null, "health");
+    const fill = el("div");
+    fill.style.width = `${Math.round(share)}%`;
+    bar.append(fill);
+    prog.append(bar, document.createTextNode(`${Math.round(share)}%`));
+    tr.append(el("td", b.id), el("td", b.status, `state ${b.status}`), prog, el("td", b.completed, "num"),
+              el("td", b.failed, b.failed ? "num bad" : "num"), el("td", b.total, "num"),
+              el("td", `${b.updated_s.toFixed(0)} s ago`, "num"));
+    return tr;
+  });
+  if (!rows.length) {
+    const tr = el("tr");
+    tr.append(el("td", "no batches", "muted"));
+    rows.push(tr);
+  }
+  replaceRows($("batches").tBodies[0], rows);
+}
+
 function renderBars(target, values) {
   const max = Math.max(0.1, ...Object.values(values));
   const rows = Object.entries(values).map(([name, v]) => {
@@ -113,6 +139,7 @@ function render(state) {
   $("queued").textContent = queued;
   $("queued").className = queued ? "value warn" : "value";
   renderNodes(state);
+  renderBatches(state.batches);
   renderBars($("families"), d.by_family);
   renderTable($("codes").tBodies[0], state.errors_by_code, "no errors", "bad");
   renderTable($("queue").tBodies[0], state.queue, "empty");
