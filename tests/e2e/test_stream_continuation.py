@@ -186,3 +186,29 @@ async def test_where_an_answer_must_not_or_cannot_be_continued_the_stream_ends_w
     assert err["code"] == "BACKEND_ERROR" and why in err["message"], err
     text = "".join((e["choices"][0]["delta"].get("content") or "") for e in events[:-1] if e.get("choices"))
     assert words("h100-a", 24).startswith(text) and text  # what was sent, and nothing of another node
+
+
+async def test_an_engines_error_event_mid_stream_is_continued(stack: Stack) -> None:
+    """vLLM sends ``data: {"error": ...}`` and ends the stream when it fails a request mid-way
+    (here: its model unloaded under the request). Last in this module: h100-a loads again after."""
+    stack.faults("h100-a", slowdown=30.0)  # a long stream, cut once it has begun
+    body = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 20,
+            "policy": "to-sglang"}
+    events: list[Any] = []
+    try:
+        async with httpx.AsyncClient(base_url=stack.gateway_url, timeout=30) as c:
+            async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                assert r.status_code == 200 and r.headers["x-zml-node-id"] == "h100-a"
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    events.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
+                    if len(events) == 2:  # the role and the first token: the engine fails it now
+                        u = await c.post(stack.sim_url("h100-a") + "/sim/unload", json={"model": MODEL})
+                        assert u.status_code == 200, u.text
+    finally:
+        stack.faults("h100-a", slowdown=1.0)
+        httpx.post(stack.sim_url("h100-a") + "/sim/load", json={"model": MODEL}, timeout=10)
+    text, finishes, _, zml, _ = read(events)
+    assert text == words("h100-a", 20) and finishes == ["length"]
+    assert zml is not None and continued(zml["continued_from"])[0][::2] == ("h100-a", "server")

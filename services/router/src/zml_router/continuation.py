@@ -181,7 +181,7 @@ class Transcript:
             else:
                 read(block)
         self._sent.done()
-        self.blocks = []
+        self.blocks.clear()  # in place: the relay holds its append
 
     def sent(self) -> Sent:
         self.fold()

@@ -156,8 +156,14 @@ class PendingHold:
             self._move(self.node_id, -1, -1 if still else 0)
 
 
-#: Relayed chunks kept before they are folded into what was sent (zml_router.continuation).
-_FOLD_CHUNKS = 2048
+#: Relayed chunks kept before they are folded into what was sent (zml_router.continuation): a
+#: power of two, checked as a mask of the sequence number.
+_FOLD_MASK = 2047
+#: How an engine's error event can begin or end (vLLM and SGLang: ``data: {"error": {...}}``;
+#: TGI: ``{"error": "...", "error_type": ...}``): only a chunk matching one is read for it
+#: (a search of every chunk for ``"error"`` would cost more than the rest of the check).
+_ERROR_HEADS = (b'data: {"error"', b'{"error"')
+_ERROR_TAILS = (b"}}\n\n", b"}}")
 
 
 class Answer:
@@ -363,10 +369,10 @@ class Relay:
         # What went out, kept for a continuation (read only if this attempt fails).
         transcript = answer.transcript
         transcript.begin(relay)
-        blocks = transcript.blocks
-        keep = blocks.append
+        keep = transcript.blocks.append
         splice = answer.splice
-        watch = self.timers.watch(self.cfg.router.inter_token_timeout_s)
+        # A stall: the sequence number stands still for a whole period (no work per chunk).
+        watch = self.timers.watch(self.cfg.router.inter_token_timeout_s, lambda: seq)
         watching = False
         chunks = stream_sse(self.http, self._url(info, req), body, self._headers(info), relay)
         try:
@@ -385,8 +391,8 @@ class Relay:
                             info.time_to_first_token = answer.ttft = time.monotonic() - t0
                             await publish(msg.reply, _encode(StreamStart(routing=info)), {
                                 **routing_headers(msg.headers, info), subjects.H_STREAM: "start", subjects.H_SEQ: "0"})
-                    watch.ticks += 1
-                    if b'"error"' in chunk and (failed := engine_error(chunk)) is not None:
+                    if (chunk.startswith(_ERROR_HEADS) or chunk.endswith(_ERROR_TAILS)) and \
+                            (failed := engine_error(chunk)) is not None:
                         raise AttemptError(Failure.SERVER, 200, f"the engine failed the request mid-stream: {failed}")
                     usage = stream_usage(chunk)
                     if usage is not None:
@@ -405,11 +411,9 @@ class Relay:
                         if not chunk:
                             continue
                     keep(chunk)
-                    if len(blocks) > _FOLD_CHUNKS:
-                        transcript.fold()
-                        blocks = transcript.blocks
-                        keep = blocks.append
-                    seq += 1  # numbered so that a receiver notices a lost message (zmlcore.reply.streamseq)
+                    seq += 1
+                    if not seq & _FOLD_MASK:
+                        transcript.fold()  # numbered so that a receiver notices a lost message (zmlcore.reply.streamseq)
                     if frames:
                         await publish(msg.reply, frame(seq, chunk), None)
                     else:
