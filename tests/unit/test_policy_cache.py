@@ -7,6 +7,7 @@ import math
 import random
 import zlib
 
+import msgspec
 import pytest
 from test_policy_helpers import NOW, fleet5, node
 from test_policy_index import STALE, RefCtx, make_fleet, path, policies  # noqa: F401  (path: fixture)
@@ -212,3 +213,22 @@ def test_a_dead_or_unknown_node_moves_its_sessions(path: str) -> None:
     d = choose_node(fleet, RouteRequest(model="m"), LATENCY, NOW, RoutingState())
     assert d.session == ""
 
+
+
+def test_tracked_pending_tokens_replace_a_mean_prompt_per_pending_request(path: str) -> None:
+    """Two pending requests whose uncached parts are 50 tokens each queue 100 tokens of
+    prefill, not 2 x 816; the poll's unseen waiting requests still count a mean prompt each."""
+    views = [node("a", pending=2), node("b", pending=1)]
+    fleet = FleetIndex(views)
+    req = RouteRequest(model="m", prompt_tokens=1000)
+    d = choose_node(fleet, req, LATENCY, NOW, RoutingState())
+    assert d.node_id == "b" and d.estimated_ttft_s == pytest.approx((816 + 1000) / 10_000)
+    views[0].pending_tokens = 100.0
+    views[1].pending_tokens = 900.0
+    d = choose_node(fleet, req, LATENCY, NOW, RoutingState())
+    assert d.node_id == "a" and d.estimated_ttft_s == pytest.approx(1100 / 10_000)
+    views[0].set_counts(2, 2, 100.0)
+    views[0].state = msgspec.structs.replace(views[0].state, queue_waiting=3)  # 1 beyond what it knew
+    views[0].pending_tokens = 100.0
+    d = choose_node(fleet, req, LATENCY, NOW, RoutingState())
+    assert d.node_id == "b" and d.estimated_ttft_s == pytest.approx(1900 / 10_000)

@@ -6,7 +6,9 @@ Layout (see the package docstring for the API and docs/routing.md for the design
   (>= 0, the common case and a small int), several as ``~bitmask`` over slots (< 0).
 * per node a :class:`NodeCache`: an ``OrderedDict`` key -> last touch time, oldest first
   (``move_to_end`` / ``popitem(last=False)`` are O(1) in C), its capacity in keys, its engine
-  block size, its learned retention time and its event counters.
+  block size and its counters. A touch time is stored negative while the entry is only
+  *recorded* (a dispatch said the engine will hold it) and positive once *confirmed* (the
+  engine reported it holds it, after the request that brought it there).
 
 Invariant: a node holds a *prefix-closed* set of every chain it holds (key ``i`` of a chain
 only with keys ``0..i-1``). Every operation keeps it: a touch moves a chain's keys to the end
@@ -31,18 +33,15 @@ from zmlcore.policy.estimate import BODY_BYTES_PER_TOKEN
 from zmlcore.policy.prefix.keys import BLOCK_BYTES, KeyChain
 
 #: An entry untouched this long is dropped (seconds): the safety net for what the index cannot
-#: see (other clients of the engine, memory taken by decode). A node's reported cache hits and
-#: misses shorten it to the node's learned retention (``NodeCache.retention``).
+#: see (other clients of the engine, memory taken by decode) on nodes that report nothing.
 DEFAULT_TTL_S = 300.0
 #: Entries (key, node) the whole index keeps at most: when the nodes' capacities add up to more,
 #: every node's share is scaled down alike. ~170 bytes an entry (docs/benchmarks.md): 2 M
 #: entries bound the index near 350 MB.
 DEFAULT_MAX_ENTRIES = 2_000_000
-#: A reported miss younger than this is not an eviction: the engine may not have stored the
-#: previous request's blocks yet (it stores them as its prefill completes).
-MIN_MISS_AGE_S = 2.0
-#: Weight of one observation in a node's retention estimate.
-RETENTION_GAIN = 0.5
+#: A reported miss on a prefix confirmed less than this long ago is not taken for an eviction
+#: (clocks and reports race by milliseconds, not seconds).
+MIN_MISS_AGE_S = 1.0
 #: Dispatches whose prediction waits for the engine's report, per node (oldest dropped).
 MAX_AWAITING = 1024
 #: With no event for this long, a node's events are no longer trusted to evict (seconds).
@@ -78,7 +77,7 @@ class NodeCache:
     """One node's entries and what the index learned about its cache."""
 
     __slots__ = (
-        "node_id", "slot", "lru", "block", "cap_tokens", "cap", "retention", "awaiting", "events_at",
+        "node_id", "slot", "lru", "block", "cap_tokens", "cap", "awaiting", "events_at",
         "event_seq", "stored_tokens", "peak_tokens", "evict_debt", "hits", "misses",
     )
 
@@ -91,10 +90,9 @@ class NodeCache:
         #: tokens the engine can keep, and that in index keys (the index's scaled share)
         self.cap_tokens = cap_tokens
         self.cap = 0
-        #: learned seconds an untouched prefix survives on the engine (None: not learned)
-        self.retention: float | None = None
-        #: chain tail -> (keys predicted cached, how long they had been untouched) at dispatch
-        self.awaiting: OrderedDict[int, tuple[int, float]] = OrderedDict()
+        #: chain tail -> (keys predicted cached at dispatch, when the engine had confirmed the
+        #: deepest of them, or -1 if it was only recorded, the dispatch time)
+        self.awaiting: OrderedDict[int, tuple[int, float, float]] = OrderedDict()
         #: last KV event batch (time received, engine sequence number); None: never
         self.events_at: float | None = None
         self.event_seq = -1
@@ -304,26 +302,33 @@ class PrefixIndex:
         d = _depth(lru, keys)
         if d:
             # remember what was predicted, for the engine's report (correct)
+            t = lru[keys[d - 1]]
             aw = nc.awaiting
-            aw[keys[-1]] = (d, now - lru[keys[d - 1]])
+            aw[keys[-1]] = (d, t if t > 0 else -1.0, now)
             if len(aw) > MAX_AWAITING:
                 aw.popitem(last=False)
+        # recorded, not confirmed: the engine holds it once this request's prefill is done
+        self._touch(nc, keys, d, -now)
+        over = len(lru) - nc.cap
+        if over > 0:
+            self._drop(nc, over)
+        self._expire(nc, now)
+        self._sweep_one(now)
+
+    def _touch(self, nc: NodeCache, keys: list[int], d: int, t: float) -> None:
+        """Make ``keys`` (of which the node holds the first ``d``) the most recent, at time
+        ``t``, deepest first: the front of the LRU (evicted first) gets a chain's tail first."""
+        lru = nc.lru
         new = keys[d:]
         if new:
-            # Deepest first: the front of the LRU (evicted first) gets a chain's tail first.
-            lru.update(zip(reversed(new), repeat(now)))
+            lru.update(zip(reversed(new), repeat(t)))
             self._add_holder(new, nc.slot)
         if d:
             old = keys[:d]
             move = lru.move_to_end
             for k in reversed(old):
                 move(k)
-            lru.update(zip(old, repeat(now)))
-        over = len(lru) - nc.cap
-        if over > 0:
-            self._drop(nc, over)
-        self._expire(nc, now)
-        self._sweep_one(now)
+            lru.update(zip(old, repeat(t)))
 
     def _add_holder(self, new: list[int], slot: int) -> None:
         g = self._holders
@@ -373,12 +378,13 @@ class PrefixIndex:
     def _expire(self, nc: NodeCache, now: float) -> None:
         if nc.events_at is not None and now - nc.events_at <= EVENTS_STALE_S:
             return  # evictions come from the engine itself
-        ttl = self.ttl_s if nc.retention is None else min(self.ttl_s, nc.retention)
-        lru = nc.lru
-        limit = now - ttl
+        self._drop_older(nc, now - self.ttl_s)
+
+    def _drop_older(self, nc: NodeCache, limit: float) -> None:
+        """Drop the node's entries last touched before ``limit``."""
         n = 0
-        for t in lru.values():
-            if t > limit:
+        for t in nc.lru.values():
+            if (t if t > 0 else -t) > limit:
                 break
             n += 1
         if n:
@@ -403,17 +409,18 @@ class PrefixIndex:
     def correct(self, node_id: str, chain: KeyChain, cached_tokens: int, now: float,
                 prompt_tokens: int = 0) -> None:
         """The engine reported ``cached_tokens`` of this request's ``prompt_tokens`` were cached
-        (``usage.prompt_tokens_details.cached_tokens``, llama.cpp's ``timings.cache_n``).
+        (``usage.prompt_tokens_details.cached_tokens``, llama.cpp's ``timings.cache_n``), at
+        the end of the request.
 
-        Against what the index predicted at dispatch (kept by ``record``): a hit as predicted
-        says the node keeps an untouched prefix at least as long as that prefix was untouched; a
-        miss (clearly fewer keys than predicted, the prefix untouched for at least
-        :data:`MIN_MISS_AGE_S`) says it keeps it for less. The node's retention estimate
-        follows both (Che's approximation: an LRU cache keeps what was touched within a
-        characteristic time), and its entries expire at it, so the index forgets what the
-        engine has dropped. More than predicted means the node held a prefix the index had
-        lost: it is recorded again. ``prompt_tokens`` (the engine's count) converts tokens to
-        the chain's bytes exactly; without it the index's bytes-per-token estimate is used.
+        The engine holds the whole prompt now: its keys are *confirmed* (and recorded if the
+        index had lost them). Against what the index predicted at dispatch (kept by
+        ``record``): a miss (clearly fewer tokens than predicted) on a prefix the engine had
+        *confirmed* at least :data:`MIN_MISS_AGE_S` before is an eviction, and an LRU engine
+        that evicted a prefix untouched for ``a`` seconds has evicted everything untouched
+        longer: the node's entries older than ``a`` are dropped. A miss on a prefix only
+        recorded is not evidence (the request that brought it may still have been in the
+        engine's queue). ``prompt_tokens`` (the engine's count) converts tokens to the chain's
+        bytes exactly; without it the index's bytes-per-token estimate is used.
         """
         nc = self._nodes.get(node_id)
         keys = chain.keys
@@ -424,23 +431,15 @@ class PrefixIndex:
         else:
             got = self.keys_for_tokens(cached_tokens, chain)
         pred = nc.awaiting.pop(keys[-1], None)
+        self._touch(nc, keys, _depth(nc.lru, keys), now)
         if pred is None:
-            if got and _depth(nc.lru, keys) < got:
-                self.record(node_id, KeyChain(keys[:got], got * BLOCK_BYTES), now)
             return
-        want, age = pred
-        slack = max(1, want // 8)  # the block rounding and the bytes-per-token estimate
-        if got >= want - slack:
+        want, confirmed, sent = pred
+        if got >= want - max(1, want // 8):  # (block rounding, the bytes-per-token estimate)
             nc.hits += 1
-            if nc.retention is not None and age > nc.retention:
-                nc.retention += RETENTION_GAIN * (age - nc.retention)
-        elif age >= MIN_MISS_AGE_S:
+        elif confirmed > 0 and sent - confirmed >= MIN_MISS_AGE_S:
             nc.misses += 1
-            if nc.retention is None:
-                nc.retention = age
-            elif age < nc.retention:  # (an older miss only says what the estimate says)
-                nc.retention += RETENTION_GAIN * (age - nc.retention)
-            self._expire(nc, now)
+            self._drop_older(nc, confirmed)
 
     # --- precise: the engine's KV events ---
     def apply_events(self, node_id: str, batch: KvEventBatch, now: float) -> None:
