@@ -159,6 +159,13 @@ POLICIES.update({
     "cache_r4_lag1_5": _cache(replicas=4, lag=(0.001, 0.005)),
     "cache_session": _cache(session=True),
     "cache_balanced": _cache(builtin_policy("balanced")),
+    # the sticky budget (strategies.latency): none, or fixed multiples of the recomputation
+    # instead of the recomputation over (1 - rho_ref), for the comparison that chose it
+    "cache_sticky0": _cache(sticky=0.0, sticky_load=False),
+    "cache_sticky05": _cache(sticky=0.5, sticky_load=False),
+    "cache_sticky1": _cache(sticky=1.0, sticky_load=False),
+    "cache_sticky2": _cache(sticky=2.0, sticky_load=False),
+    "cache_sticky4": _cache(sticky=4.0, sticky_load=False),
     "oracle_cache": {"kind": "oracle", "sticky": True},
 })
 CACHE_POLICIES = ["oracle_cache", "oracle", "round_robin", "latency", "cache", "cache_approx", "cache_precise",
@@ -200,24 +207,45 @@ DEFAULT_OPTS: dict[str, Any] = {"stream_share": 0.5, "estimate": "body",
                                 "admission_s": RouterConfig().admission_ttft_s,
                                 "pending_expiry": NONSTREAM_PENDING_FOR,
                                 # the engine's KV events reach the routers through a ZMQ->NATS bridge
-                                "event_lag": (0.005, 0.020)}
+                                "event_lag": (0.005, 0.020),
+                                "load_basis": "reuse"}
 
 
 def run(policy: str, workload: str, load: float, seed: int, n: int, warm: int,
         opts: dict[str, Any] | None = None) -> dict[str, Any]:
+    spec = POLICIES[policy]
+    if "sticky" in spec and spec["kind"] == "zml":
+        from zmlcore.policy.strategies import latency as latency_strategy
+
+        saved = latency_strategy.STICKY, latency_strategy.STICKY_LOAD
+        latency_strategy.STICKY, latency_strategy.STICKY_LOAD = spec["sticky"], spec.get("sticky_load", True)
+        try:
+            return _run(policy, workload, load, seed, n, warm, opts)
+        finally:
+            latency_strategy.STICKY, latency_strategy.STICKY_LOAD = saved
+    return _run(policy, workload, load, seed, n, warm, opts)
+
+
+def _run(policy: str, workload: str, load: float, seed: int, n: int, warm: int,
+         opts: dict[str, Any] | None = None) -> dict[str, Any]:
     o_ = {**DEFAULT_OPTS, **(opts or {})}
     spec = POLICIES[policy]
     cache_wl = workload in CACHE_WORKLOADS
     builder: Builder | None = None
     if cache_wl:
-        plan = make_workload(workload, n, seed, lambda mp, mo: load * capacity_rps(mp, mo))
+        # offered load: a share of the fleet's capacity with perfect prefix reuse (each request
+        # prefills only what it adds to its conversation, task or shared prompt), or with
+        # none ("nocache": every prompt token prefilled, the load today's policy sees)
+        reuse = o_["load_basis"] == "reuse"
+        plan = make_workload(workload, n, seed, lambda mp, mo, mn: load * capacity_rps(mn if reuse else mp, mo))
         arr, P, O = plan.arr, plan.P, plan.O
-        cap = capacity_rps(plan.mean_p, plan.mean_o)
+        cap = capacity_rps(plan.mean_new if reuse else plan.mean_p, plan.mean_o)
+        cap_nocache = capacity_rps(plan.mean_p, plan.mean_o)
         builder = Builder(plan, seed)
         _body, streamed = make_requests(P, seed, o_["stream_share"])
         est_p: list[int] = [0] * n  # the body-size estimate, at arrival (from the prompt's bytes)
     else:
-        cap = capacity_rps()
+        cap = cap_nocache = capacity_rps()
         arr, P, O = make_trace(n, load * cap, workload == "bursty", seed)
         body, streamed = make_requests(P, seed, o_["stream_share"])
         est_p = [prompt_tokens_from_body(b) for b in body] if o_["estimate"] == "body" else P
@@ -459,6 +487,7 @@ def run(policy: str, workload: str, load: float, seed: int, n: int, warm: int,
         "p99": float(np.percentile(meas, 99)),
         "share": float(np.mean(meas <= TARGET_S)), "thr": served / cap,
         "offered": (n - 1 - warm) / window / cap,  # this trace's arrival rate in the window
+        "offered_nocache": (n - 1 - warm) / window / cap_nocache,
         "rejected": float(np.mean(rejected[warm:])),
         "cost": dollars / (tokens / 1e6), "imb": max(util) / (sum(util) / len(util)), "pred_err": pred_err,
         # prompt tokens served, and of them found in the node's prefix cache (the truth)

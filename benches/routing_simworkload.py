@@ -121,6 +121,9 @@ class Plan:
     steps: list[tuple[int, list[tuple[int, int, bool]], int]]
     mean_p: float
     mean_o: float
+    #: mean tokens a request adds to what its stream (or its shared root) already had: what it
+    #: would prefill with perfect prefix reuse
+    mean_new: float = 0.0
     #: shared roots (system / tool prompts): (seg id, tokens)
     roots: list[tuple[int, int]] = field(default_factory=list)
     segs: Segments | None = None
@@ -168,9 +171,9 @@ def _zipf_cdf(n: int, a: float) -> list[float]:
     return np.cumsum(w / w.sum()).tolist()
 
 
-def make_workload(kind: str, n: int, seed: int, rate: Callable[[float, float], float]) -> Plan:
+def make_workload(kind: str, n: int, seed: int, rate: Callable[[float, float, float], float]) -> Plan:
     """The first ``n`` requests of a ``kind`` trace arriving at ``rate(mean prompt, mean
-    output)`` requests/s (the rate depends on the workload's means: a share of the capacity)."""
+    output, mean new tokens)`` requests/s (a share of a capacity that depends on the means)."""
     rng = np.random.default_rng([seed, 7])
     d = Draws(rng, 1 << 16)
     segs = Segments(seed)
@@ -179,9 +182,10 @@ def make_workload(kind: str, n: int, seed: int, rate: Callable[[float, float], f
     if kind == "noshare":
         P = np.clip(np.rint(rng.lognormal(math.log(500), 1.0, n)), 16, 8192).astype(int)
         O = np.clip(np.rint(rng.lognormal(math.log(200), 0.8, n)), 1, 2048).astype(int)
-        t = np.cumsum(rng.exponential(1.0 / rate(float(P.mean()), float(O.mean())), n))
+        mp, mo = float(P.mean()), float(O.mean())
+        t = np.cumsum(rng.exponential(1.0 / rate(mp, mo, mp), n))
         steps = [(-1, [(segs.new(), int(p), False)], -1) for p in P]
-        return Plan(t.tolist(), P.tolist(), O.tolist(), steps, float(P.mean()), float(O.mean()), [], segs)
+        return Plan(t.tolist(), P.tolist(), O.tolist(), steps, mp, mo, mp, [], segs)
     if kind == "rag":
         roots = [(segs.new(), d.lognorm(1500, 0.3, 600, 3000)) for _ in range(8)]
         cdf = _zipf_cdf(8, 1.1)
@@ -192,8 +196,10 @@ def make_workload(kind: str, n: int, seed: int, rate: Callable[[float, float], f
             P.append(roots[k][1] + doc + q)
             O.append(d.lognorm(200, 0.8, 1, 2048))
             steps.append((-1, [(segs.new(), doc, False), (segs.new(), q, False)], k))
-        t = np.cumsum(rng.exponential(1.0 / rate(float(np.mean(P)), float(np.mean(O))), n))
-        return Plan(t.tolist(), P, O, steps, float(np.mean(P)), float(np.mean(O)), roots, segs)
+        mp, mo = float(np.mean(P)), float(np.mean(O))
+        mn = mp - float(np.mean([roots[k][1] for _s, _a, k in steps]))
+        t = np.cumsum(rng.exponential(1.0 / rate(mp, mo, mn), n))
+        return Plan(t.tolist(), P, O, steps, mp, mo, mn, roots, segs)
     # chat / agent / hot: streams (conversations, tasks) that start at Poisson times
     if kind == "chat":
         roots = [(segs.new(), d.lognorm(600, 0.5, 100, 2000)) for _ in range(8)]
@@ -236,15 +242,19 @@ def make_workload(kind: str, n: int, seed: int, rate: Callable[[float, float], f
         total += len(turns)
     # the means set the rate; sessions start at lam / E[turns] per second
     p_all: list[int] = []
+    new_all: list[int] = []
     for k, turns in streams:
         ctx = roots[k][1]
         for _dt, adds, _out in turns:
-            ctx += sum(a[1] for a in adds)
+            add = sum(a[1] for a in adds)
+            ctx += add
             p_all.append(ctx)
+            new_all.append(add)
     mean_p = float(np.mean(p_all))
+    mean_new = float(np.mean(new_all))
     mean_o = float(np.mean([tt[2] for _k, turns in streams for tt in turns]))
     per = total / len(streams)
-    starts = np.cumsum(rng.exponential(per / rate(mean_p, mean_o), len(streams)))
+    starts = np.cumsum(rng.exponential(per / rate(mean_p, mean_o, mean_new), len(streams)))
     for sid, ((k, turns), t0) in enumerate(zip(streams, starts)):
         ctx = roots[k][1]
         for dt, adds, out in turns:
@@ -253,7 +263,7 @@ def make_workload(kind: str, n: int, seed: int, rate: Callable[[float, float], f
     reqs.sort(key=lambda x: x[0])
     reqs = reqs[:n]
     return Plan([x[0] for x in reqs], [x[5] for x in reqs], [x[4] for x in reqs],
-                [(x[1], x[2], x[3]) for x in reqs], mean_p, mean_o, roots, segs)
+                [(x[1], x[2], x[3]) for x in reqs], mean_p, mean_o, mean_new, roots, segs)
 
 
 class Builder:

@@ -52,8 +52,8 @@ def test_the_estimate_counts_only_the_uncached_tokens_at_the_nodes_speed() -> No
 def test_a_warm_node_wins_until_its_queue_outweighs_the_reference_recomputing_the_prefix(path: str) -> None:
     """Sticky until saturated: a warm MI300X (9,000 tok/s) holding 4,096 of a 4,200-token prompt
     against an idle H100 (the reference: best estimate once the MI300X queues). The warm node
-    stays while ``est_w <= est_h100 + 4096 / 10000``, i.e. past the point where the H100's
-    estimate is already lower, and spills after."""
+    stays while ``est_w <= est_h100 + 4096 / 10000`` (the idle H100's rho is 0), i.e. past
+    the point where the H100's estimate is already lower, and spills after."""
     views = [node("h100"), node("mi300x", "amd_mi300x")]
     idx = index_for(views)
     c = conv(32)
@@ -70,6 +70,24 @@ def test_a_warm_node_wins_until_its_queue_outweighs_the_reference_recomputing_th
         assert d.node_id == want, pending
         seen.append(d.node_id)
     assert "h100" in seen and seen.index("h100") > 4  # 4 pending: 0.37 s < 0.42 s; 5-9 sticky beyond it
+
+
+def test_the_budget_grows_with_the_references_load(path: str) -> None:
+    """With the reference's slots half taken (rho 0.5) the same prefix buys twice the wait:
+    work added to a busy node delays what is queued behind it too."""
+    views = [node("h100", outstanding=16), node("mi300x", "amd_mi300x")]
+    idx = index_for(views)
+    c = conv(32)
+    idx.record("mi300x", c, NOW)
+    req = RouteRequest(model="m", prompt_tokens=4200, prefix=c)
+    e_h100 = 4200 / 10_000  # 16 of 32 slots: no slot wait, nothing pending
+    budget = 4096 / 10_000 / (1 - 0.5)
+    for pending in range(0, 16):
+        views[1].pending = pending
+        d = choose_node(FleetIndex(views), req, LATENCY, NOW, RoutingState(), cache=idx)
+        e_mi = (pending * 816 + 104) / 9000
+        assert d.node_id == ("mi300x" if e_mi <= e_h100 + budget else "h100"), pending
+    assert (e_h100 + budget) * 9000 // 816 > (e_h100 + budget / 2) * 9000 // 816  # (the test can tell)
 
 
 def test_each_node_counts_its_own_blocks() -> None:
