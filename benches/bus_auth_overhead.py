@@ -11,7 +11,7 @@ import asyncio, tempfile, time, statistics, os
 from pathlib import Path
 import nats
 from zmlcore import subjects
-from zml.cli import _identities as natscreds
+from zml.cli import _identities
 from zmlcore.runtime.launch import start_nats, free_port
 from zmlcore.access.identity import connect_options
 from zmlcore.config import NatsConfig
@@ -36,8 +36,8 @@ async def run(url, client_opts, router_opts):
 
 async def main():
     d = Path(tempfile.mkdtemp())
-    ids = natscreds.ensure_builtin(d); alice = natscreds.issue(d, "alice")
-    conf = natscreds.write_server_config(d)
+    ids = _identities.ensure_builtin(d); alice = _identities.issue(d, "alice")
+    conf = _identities.write_server_config(d)
     p1, p2 = free_port(), free_port()
     open_srv = start_nats("127.0.0.1", p1, str(d / "js1"))
     auth_srv = start_nats("127.0.0.1", p2, str(d / "js2"), config=conf)

@@ -15,11 +15,13 @@ import asyncio
 import time
 from types import SimpleNamespace
 
+from zmlcore.config import ZMLConfig
 from zmlcore.telemetry import tracing
 from zmlcore.policy import Decision, RouteRequest
 from zml_gateway.observe import Observed
 from zml_router import tracing as rtrace
 from zml_router.metrics import RouterMetrics
+from zml_router.table import NodeTable
 
 N = 20_000
 RAW = b'{"id":"x","choices":[{"message":{"content":"hi"}}],"usage":{"prompt_tokens":12,"completion_tokens":20,"total_tokens":32}}'
@@ -65,23 +67,18 @@ async def gateway_requests(n: int) -> float:
 
 
 async def router_traced(m: RouterMetrics, decision: Decision, rr: RouteRequest, n: int) -> float:
-    svc = SimpleNamespace(router_id="r1")
-
     async def handle(msg):  # type: ignore[no-untyped-def]
         router_request(m, decision, rr)
 
-    svc._handle = handle
     msg = SimpleNamespace(headers={"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"})
     t = time.process_time()
     for _ in range(n):
-        await rtrace.handle(svc, msg)  # type: ignore[arg-type]
+        await rtrace.handle("r1", msg, handle)  # type: ignore[arg-type]
     return (time.process_time() - t) / n
 
 
 def main() -> None:
-    svc = SimpleNamespace(table=SimpleNamespace(views={}), _by_request={}, nc=None,
-                          cfg=SimpleNamespace(resolve_model=lambda m: m), router_id="r1")
-    m = RouterMetrics(svc)  # type: ignore[arg-type]
+    m = RouterMetrics(ZMLConfig(), NodeTable(), {})
     decision = Decision(node_id="n1", family="H100", policy="balanced", queue_depth=0, estimated_ttft_s=0.1)
     rr = RouteRequest(model="m", max_tokens=20)
     for _ in range(1000):

@@ -48,14 +48,14 @@ async def main(a: argparse.Namespace) -> None:
             wait_port("127.0.0.1", port, 10)
             nc = await nats.connect(f"nats://127.0.0.1:{port}")
             print(f"µs CPU per publish, medians of {a.reps} ({'uvloop' if a.uvloop else 'asyncio'})\n")
-            print("| publishes per iteration | nats-py publish | natspub.Publisher |\n|---|---|---|")
+            print("| publishes per iteration | nats-py publish | Publisher |\n|---|---|---|")
             for per in (int(p) for p in a.per.split(",")):
-                res: dict[str, list[float]] = {"nats-py": [], "natspub": []}
+                res: dict[str, list[float]] = {"nats-py": [], "Publisher": []}
                 n = max(20000 // per, 400) if per == 1 else 80000 // per
                 for _ in range(a.reps):
                     for way in res:
                         res[way].append(await rounds(nc, way, per, n))
-                print(f"| {per} | {statistics.median(res['nats-py']):.2f} | {statistics.median(res['natspub']):.2f} |")
+                print(f"| {per} | {statistics.median(res['nats-py']):.2f} | {statistics.median(res['Publisher']):.2f} |")
             await nc.close()
         finally:
             server.stop()

@@ -24,7 +24,8 @@ from conftest import MODEL, launch_stack  # noqa: E402
 from zmlcore import subjects  # noqa: E402
 from zmlcore.runtime.launch import free_port, start_nats  # noqa: E402
 from zmlcore.bus.connect import connect  # noqa: E402
-from zml_router.ids import RequestIds, claim_key  # noqa: E402
+from zml_router.flow import claim_key  # noqa: E402
+from zml_router.ids import RequestIds  # noqa: E402
 
 N, ROUNDS = 300, 5
 
@@ -48,8 +49,8 @@ async def requests(url: str, client_id: bool) -> float:
 
 async def claims(url: str) -> float:
     nc = await connect(url, "bench")
-    ids = RequestIds(nc, "bench", 600)
-    await ids.open()
+    ids = RequestIds("bench", 600)
+    await ids.open(nc)
     times = []
     for i in range(2000):
         t0 = time.perf_counter()

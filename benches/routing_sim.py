@@ -202,7 +202,7 @@ def _family(node: SimNode) -> str:
 
 #: What the simulated router knows, by default the live router's situation: the body-size
 #: prompt estimate, half the requests streamed (the others hold ``pending`` for their estimated
-#: TTFT, zml_router.pendinghold) and the ``admission_ttft_s`` bound (RouterConfig's default).
+#: TTFT, zml_router.relay.PendingHold) and the ``admission_ttft_s`` bound (RouterConfig's default).
 DEFAULT_OPTS: dict[str, Any] = {"stream_share": 0.5, "estimate": "body",
                                 "admission_s": RouterConfig().admission_ttft_s,
                                 "pending_expiry": NONSTREAM_PENDING_FOR,
@@ -438,7 +438,7 @@ def _run(policy: str, workload: str, load: float, seed: int, n: int, warm: int,
             bound_to = sessions.get(prompts[r].session) if spec.get("session") and builder else None
             rr = RouteRequest(model=MODEL, prompt_tokens=est_p[r], prefix=chain, session_node=bound_to)
             d = choose_node(fleet, rr, pol, now, rstate, cache=cache)
-            if d.estimated_ttft_s > bound:  # the router's admission bound (service._decide)
+            if d.estimated_ttft_s > bound:  # the router's admission bound (zmlcore.policy.admit)
                 if pol.strategy != "latency":
                     d = choose_node(fleet, rr, fallback, now, rstate, cache=cache)
                 if d.estimated_ttft_s > bound:

@@ -18,6 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
+from pki import Pki, make_pki
 from zmlcore.runtime.launch import Proc, free_port, service_argv, spawn, start_nats, wait_port
 
 MODEL = "meta-llama/llama-3-8b-instruct"
@@ -244,20 +245,20 @@ class SecureBus:
     seeds: dict[str, str]  # role/name -> seed file
 
     def issue(self, name: str, role: str = "client") -> str:
-        from zml.cli import _identities as natscreds
+        from zml.cli import _identities
 
-        ident = natscreds.issue(self.data_dir, name, role=role)
-        done = natscreds.reload_server(self.data_dir)
+        ident = _identities.issue(self.data_dir, name, role=role)
+        done = _identities.reload_server(self.data_dir)
         assert done is not None and done.confirmed, "nats-server did not confirm the reload"
         self.seeds[name] = ident.seed_file
         return ident.seed_file
 
 
 def start_secure_bus(data_dir: Path, **tls: Any) -> SecureBus:
-    from zml.cli import _identities as natscreds
+    from zml.cli import _identities
 
-    ids = natscreds.ensure_builtin(data_dir)
-    conf = natscreds.write_server_config(data_dir, **tls)
+    ids = _identities.ensure_builtin(data_dir)
+    conf = _identities.write_server_config(data_dir, **tls)
     port = free_port()
     proc = start_nats("127.0.0.1", port, str(data_dir / "jetstream"), config=conf)
     return SecureBus(f"nats://127.0.0.1:{port}", data_dir, proc, {n: i.seed_file for n, i in ids.items()})
@@ -267,6 +268,23 @@ def start_secure_bus(data_dir: Path, **tls: Any) -> SecureBus:
 def secure_bus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureBus]:
     """A broker of the module's own with authorization on (what `zml up` runs by default)."""
     bus = start_secure_bus(tmp_path_factory.mktemp("secure-nats"))
+    try:
+        yield bus
+    finally:
+        bus.proc.stop()
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    """A test CA, server and client certificates, and a client certificate of another CA."""
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+@pytest.fixture(scope="module")
+def tls_bus(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[SecureBus]:
+    """A broker with authorization and mutual TLS: it verifies client certificates."""
+    bus = start_secure_bus(tmp_path_factory.mktemp("tls-nats"), tls_cert=pki.server_cert, tls_key=pki.server_key,
+                           tls_ca=pki.ca, verify_clients=True)
     try:
         yield bus
     finally:

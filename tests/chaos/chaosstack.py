@@ -109,6 +109,8 @@ class ChaosStack:
     gateways: int = 1
     health: int = 1
     warmup: int = 0
+    #: Batch runners (the Batch API's work), none unless a scenario needs them.
+    batch: int = 0
     time_scale: float = 5.0
     extra_toml: str = ""
     health_toml: dict[str, Any] = field(default_factory=dict)
@@ -143,7 +145,7 @@ class ChaosStack:
             self._spawn("sim")
             self._spawn(f"sim-{VICTIM}")
             for kind, count in (("health", self.health), ("warmup", self.warmup), ("router", self.routers),
-                                ("gateway", self.gateways)):
+                                ("batch", self.batch), ("gateway", self.gateways)):
                 for i in range(1, count + 1):
                     self._spawn(f"{kind}-{i}")
             for port in self.gateway_ports:
@@ -168,6 +170,8 @@ class ChaosStack:
         extra: list[str] = []
         if kind == "router":
             extra = ["--router-id", name]
+        elif kind == "batch":
+            extra = ["--runner-id", name]
         elif kind == "gateway":
             extra = ["--port", str(self.gateway_ports[int(name.split("-")[1]) - 1])]
         elif kind in ("health", "warmup") and getattr(self, kind) > 1:

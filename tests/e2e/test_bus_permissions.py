@@ -28,8 +28,9 @@ from nats.aio.client import Client as NATS
 
 import zml
 from conftest import MODEL, SecureBus, Stack, launch_stack
+from zmlcore.runtime.launch import service_argv, spawn
 from zmlcore import subjects
-from zml.cli import _identities as natscreds
+from zml.cli import _identities
 from zmlcore.config import NatsConfig
 from zmlcore.fleet.registry import add_node, list_nodes, remove_node
 from zmlcore.messages import NodeSpec
@@ -42,8 +43,10 @@ FLEET = [("h100-1", "nvidia_h100", [MODEL]), ("a100-1", "nvidia_a100", [MODEL])]
 def stack(secure_bus: SecureBus, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     for name in ("alice", "bob", "mallory"):
         secure_bus.issue(name)
+    secure_bus.issue("olive", role="observer")  # a billing system: events and node state only
     s = launch_stack(secure_bus.url, tmp_path_factory.mktemp("secure-stack"), fleet=FLEET, routers=1,
                      identities=secure_bus.seeds)
+    s.procs["batch"] = spawn("batch", service_argv("batch", s.config_path, secure_bus.url), env=s.env_of("batch"))
     try:
         yield s
     finally:
@@ -234,6 +237,55 @@ ATTACKS = [
            _const(subjects.admin_nodes("add"))),
     Attack("warmup writes node state", "warmup", _pub(f"$KV.{subjects.NODES_BUCKET}.evil", NODE),
            _const(f"$KV.{subjects.NODES_BUCKET}.evil")),
+    # The Batch API: its records, files, work and results are the gateway's and the runners' only.
+    Attack("read batch records: open the zml_batch_index bucket", "mallory", _read_kv(subjects.BATCH_INDEX_BUCKET),
+           _const(f"$JS.API.STREAM.INFO.KV_{subjects.BATCH_INDEX_BUCKET}")),
+    Attack("read batch files: subscribe to the file store", "mallory", _sub(f"$O.{subjects.BATCH_FILES_BUCKET}.>"),
+           _const(f"$O.{subjects.BATCH_FILES_BUCKET}.>")),
+    Attack("forge a batch line's result", "mallory", _pub(subjects.batch_result("batch_x", 0, 0)),
+           _const(subjects.batch_result("batch_x", 0, 0))),
+    Attack("take batch work: fetch from the runners' consumer", "mallory",
+           _pub(f"$JS.API.CONSUMER.MSG.NEXT.{subjects.BATCH_WORK_STREAM}.{subjects.BATCH_SHARD_CONSUMER}"),
+           _const(f"$JS.API.CONSUMER.MSG.NEXT.{subjects.BATCH_WORK_STREAM}.{subjects.BATCH_SHARD_CONSUMER}")),
+    Attack("read batch progress: subscribe zml.batch.events", "mallory", _sub(subjects.BATCH_EVENTS),
+           _const(subjects.BATCH_EVENTS)),
+    Attack("batch runner reads prompts", "batch", _sub(subjects.INFER), _const(subjects.INFER)),
+    Attack("batch runner writes node state", "batch", _pub(f"$KV.{subjects.NODES_BUCKET}.evil", NODE),
+           _const(f"$KV.{subjects.NODES_BUCKET}.evil")),
+    Attack("batch runner speaks as the front door", "batch", _pub(subjects.FRONT_DOOR_INFER, _chat()),
+           _const(subjects.FRONT_DOOR_INFER)),
+    Attack("batch runner mints an API key", "batch", _pub(f"$KV.{subjects.KEYS_BUCKET}.evil"),
+           _const(f"$KV.{subjects.KEYS_BUCKET}.evil")),
+    Attack("gateway takes batch work", "gateway",
+           _pub(f"$JS.API.CONSUMER.MSG.NEXT.{subjects.BATCH_WORK_STREAM}.{subjects.BATCH_SHARD_CONSUMER}"),
+           _const(f"$JS.API.CONSUMER.MSG.NEXT.{subjects.BATCH_WORK_STREAM}.{subjects.BATCH_SHARD_CONSUMER}")),
+    # An observer (billing, analytics) reads events and node state and does nothing else.
+    Attack("observer sends work: zml.infer", "olive", _pub(subjects.INFER, _chat()), _const(subjects.INFER)),
+    Attack("observer sets a cost label: zml.gateway.infer", "olive", _pub(subjects.FRONT_DOOR_INFER, _chat()),
+           _const(subjects.FRONT_DOOR_INFER)),
+    Attack("observer reads prompts", "olive", _sub(subjects.INFER, subjects.ROUTER_QUEUE), _const(subjects.INFER)),
+    Attack("observer reads every reply", "olive", _sub(f"{subjects.INBOX_ROOT}.>"), _const(f"{subjects.INBOX_ROOT}.>")),
+    Attack("observer reads another's replies", "olive", _sub_alice_inbox, _alice_inbox),
+    Attack("observer registers a node", "olive", _pub(subjects.admin_nodes("add"), NODE),
+           _const(subjects.admin_nodes("add"))),
+    Attack("observer removes a node", "olive", _pub(subjects.admin_nodes("remove")), _const(subjects.admin_nodes("remove"))),
+    Attack("observer writes node state", "olive", _pub(f"$KV.{subjects.NODES_BUCKET}.evil", NODE),
+           _const(f"$KV.{subjects.NODES_BUCKET}.evil")),
+    Attack("observer changes a price", "olive", _pub(f"$KV.{subjects.COSTS_BUCKET}.h100-1"),
+           _const(f"$KV.{subjects.COSTS_BUCKET}.h100-1")),
+    Attack("observer creates the node bucket with its own settings", "olive",
+           _pub(f"$JS.API.STREAM.CREATE.KV_{subjects.NODES_BUCKET}"),
+           _const(f"$JS.API.STREAM.CREATE.KV_{subjects.NODES_BUCKET}")),
+    Attack("observer forges completion events", "olive", _pub(subjects.event(subjects.EVENT_COMPLETED)),
+           _const(subjects.event(subjects.EVENT_COMPLETED))),
+    Attack("observer forges warmup events", "olive", _pub(subjects.event(subjects.EVENT_WARMUP)),
+           _const(subjects.event(subjects.EVENT_WARMUP))),
+    Attack("observer loads models: zml.warmup.serve", "olive", _pub(subjects.WARMUP_SERVE), _const(subjects.WARMUP_SERVE)),
+    Attack("observer reads the routers' fleet view", "olive", _pub(subjects.ROUTERS_STATE), _const(subjects.ROUTERS_STATE)),
+    Attack("observer reads API key hashes", "olive", _read_kv(subjects.KEYS_BUCKET),
+           _const(f"$JS.API.STREAM.INFO.KV_{subjects.KEYS_BUCKET}")),
+    Attack("observer reads node load: zml.node.inflight", "olive", _sub(subjects.INFLIGHT), _const(subjects.INFLIGHT)),
+    Attack("observer watches cancels", "olive", _sub(f"{subjects.CANCEL_PREFIX}.>"), _const(f"{subjects.CANCEL_PREFIX}.>")),
     Attack("admin reads prompts", "admin", _sub(subjects.INFER), _const(subjects.INFER)),
     Attack("admin reads every reply", "admin", _sub("_INBOX.>"), _const("_INBOX.>")),
 ]
@@ -246,8 +298,20 @@ def test_services_do_their_jobs_without_a_single_violation(stack: Stack, secure_
                    headers={"content-type": "application/json"})
     assert r.status_code == 200 and "[DONE]" in r.text
     assert httpx.get(stack.gateway_url + "/v1/nodes", timeout=10).json()["nodes"][0]["routers"] == 1
+    # a batch through the Batch API: the gateway's store, the runner's work, results and files
+    line = json.dumps({"custom_id": "p1", "method": "POST", "url": "/v1/chat/completions",
+                       "body": json.loads(_chat())})
+    f = httpx.post(stack.gateway_url + "/v1/files", data={"purpose": "batch"},
+                   files={"file": ("p.jsonl", line.encode())}, timeout=30).json()
+    b = httpx.post(stack.gateway_url + "/v1/batches", timeout=30, json={
+        "input_file_id": f["id"], "endpoint": "/v1/chat/completions", "completion_window": "24h"}).json()
+    deadline = time.monotonic() + 60
+    while (got := httpx.get(stack.gateway_url + f"/v1/batches/{b['id']}", timeout=10).json())["status"] != "completed":
+        assert time.monotonic() < deadline, got
+        time.sleep(0.3)
+    assert httpx.get(stack.gateway_url + f"/v1/files/{got['output_file_id']}/content", timeout=10).status_code == 200
     time.sleep(1.5)  # a queue fetch cycle and an in-flight snapshot
-    services = {public_key(secure_bus.seeds[role]) for role in ("gateway", "router", "health", "warmup")}
+    services = {public_key(secure_bus.seeds[role]) for role in ("gateway", "router", "health", "warmup", "batch")}
     bad = [line for line in secure_bus.proc.lines if "Violation" in line and any(k in line for k in services)]
     assert not bad, "\n".join(bad)
 
@@ -425,7 +489,7 @@ async def test_issue_and_revoke_take_effect_without_a_restart(stack: Stack, secu
     r = httpx.post(stack.gateway_url + "/v1/chat/completions", content=_chat(), timeout=30,
                    headers={"content-type": "application/json"})
     assert r.status_code == 200, r.text
-    assert not natscreds.get(secure_bus.data_dir, "carol")
+    assert not _identities.get(secure_bus.data_dir, "carol")
 
 
 
@@ -462,8 +526,47 @@ def test_sdk_says_what_is_wrong_with_an_identity(stack: Stack, secure_bus: Secur
         with pytest.raises(zml.AuthError, match="may not use zml.admin.nodes.list"):
             client.nodes()
     stranger = tmp_path / "stranger.nk"
-    stranger.write_text(natscreds._new_seed() + "\n")
+    stranger.write_text(_identities._new_seed() + "\n")
     monkeypatch.setenv("ZML_NATS_NKEY", str(stranger))
     with zml.Client(secure_bus.url, timeout=5) as client:
-        with pytest.raises(zml.AuthError, match="refused this client's identity"):
+        with pytest.raises(zml.AuthError, match="refused identity U"):
             client.infer(MODEL, "hi", max_tokens=1)
+
+
+async def test_observer_reads_events_node_state_and_prices_without_a_violation(stack: Stack,
+                                                                                secure_bus: SecureBus) -> None:
+    """What an observer is for: every completion event (with its label and tokens), the node
+    list from health, and a watch of node state and prices, all without a permissions violation."""
+    c = await connect_as(secure_bus, "olive")
+    try:
+        sub = await c.nc.subscribe(f"{subjects.EVENTS_PREFIX}.>")
+        await c.nc.flush()
+        async with httpx.AsyncClient(timeout=30) as http:
+            r = await http.post(stack.gateway_url + "/v1/chat/completions", content=_chat(),
+                                headers={"content-type": "application/json"})
+        assert r.status_code == 200, r.text
+        request_id = r.json()["zml"]["request_id"]
+        deadline = time.monotonic() + 10
+        while True:
+            msg = await sub.next_msg(timeout=max(0.1, deadline - time.monotonic()))
+            event = json.loads(msg.data)
+            if msg.subject == subjects.event(subjects.EVENT_COMPLETED) and event.get("request_id") == request_id:
+                break
+        assert event.get("ok", True) and event.get("completion_tokens", 0) > 0, event  # defaults are omitted on the wire and event["node_id"] in {"h100-1", "a100-1"}
+        nodes = await list_nodes(c.nc)
+        assert {n.node_id for n in nodes} == {"h100-1", "a100-1"}
+        kv = await c.nc.jetstream().key_value(subjects.NODES_BUCKET)
+        assert {k for k in await kv.keys()} >= {"h100-1", "a100-1"}
+        seen: list[str] = []
+        watcher = await kv.watchall()
+        async for entry in watcher:
+            if entry is None:
+                break
+            seen.append(entry.key)
+        await watcher.stop()
+        assert "h100-1" in seen
+        await c.nc.jetstream().key_value(subjects.COSTS_BUCKET)  # prices (zml cost set) are readable
+        await c.nc.flush()
+        assert not [e for e in c.errors if "violation" in e.lower()], c.errors
+    finally:
+        await c.nc.close()

@@ -141,6 +141,10 @@ def test_dashboard_in_chromium_shows_the_fleet_and_reacts(dash_stack: tuple[Stac
             _wait("a node's decisions/s", lambda: page.eval_on_selector_all(
                 "#nodes td.rate", "tds => tds.some(td => parseFloat(td.textContent) > 0)"), timeout=15)
             _wait("TTFT percentiles", lambda: page.inner_text("#ttft") != "–", timeout=15)
+            # The sims report cached tokens (vLLM's usage details): routers know their caches that way.
+            _wait("prefix cache column", lambda: page.eval_on_selector_all(
+                "#nodes td.cache", "tds => tds.length > 0 && tds.every(td => td.textContent.startsWith('reported'))"),
+                timeout=15)
             load_seen_s = time.monotonic() - t0
             time.sleep(2)
             shot = Path(SCREENSHOT_DIR or tmp_path) / "dashboard.png"

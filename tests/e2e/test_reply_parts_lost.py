@@ -20,7 +20,7 @@ import pytest
 
 import zml
 from zmlcore import subjects
-from zmlcore.reply import parts as replyparts
+from zmlcore.reply import parts
 from zmlcore.reply.bigreply import split
 from conftest import lone_gateway
 
@@ -96,7 +96,7 @@ async def test_sdk_raises_reply_incomplete_for_a_lost_part(own_nats: str, parts_
 
 async def test_sdk_does_not_wait_the_whole_timeout_for_a_lost_last_part(
         own_nats: str, parts_router: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(replyparts, "PART_WAIT_S", 0.5)
+    monkeypatch.setattr(parts, "PART_WAIT_S", 0.5)
     parts_router.append(10)
     async with zml.AsyncClient(endpoint=own_nats, model=MODEL, timeout=20, max_retries=0) as client:
         t0 = time.monotonic()

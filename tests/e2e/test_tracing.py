@@ -34,6 +34,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind, format_span_id, format_trace_id
 
 from conftest import MODEL, Stack, launch_stack
+from zmlcore.runtime.launch import service_argv, spawn
 from zmlcore import subjects
 
 PROMPT = "the secret prompt text 7f3a"
@@ -94,6 +95,7 @@ class Receiver:
                             "trace_id": s.trace_id.hex(), "span_id": s.span_id.hex(),
                             "parent": s.parent_span_id.hex(), "attrs": attrs, "status": s.status.code,
                             "start": s.start_time_unix_nano, "end": s.end_time_unix_nano,
+                            "links": [(link.trace_id.hex(), link.span_id.hex()) for link in s.links],
                         })
 
     def trace(self, trace_id: str, want: int, timeout: float = 30.0) -> list[dict[str, Any]]:
@@ -334,3 +336,42 @@ def test_the_saturation_queue_wait_is_a_span_of_the_same_trace(traced: tuple[Sta
     served = servers[-1]  # the router that served it from the queue continues the same trace
     assert served["parent"] == first["span_id"] and served["attrs"]["zml.node_id"]
     no_prompt(spans)
+
+
+def test_each_batch_line_is_a_trace_linked_to_its_batch(traced: tuple[Stack, Receiver]) -> None:
+    """The Batch API: the request that creates a batch is a span; every line the runner sends is
+    a trace of its own (router and node spans under it), linked to that span."""
+    stack, receiver = traced
+    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{receiver.port}",
+           "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf", "OTEL_BSP_SCHEDULE_DELAY": "100",
+           "OTEL_TRACES_SAMPLER": "always_on"}
+    stack.procs["batch"] = spawn("batch", service_argv("batch", stack.config_path, stack.nats_url), env=env)
+    rows = "\n".join(json.dumps({"custom_id": f"t{i}", "method": "POST", "url": "/v1/chat/completions",
+                                 "body": body()}) for i in range(3))
+    with httpx.Client(base_url=stack.gateway_url, timeout=20) as http:
+        f = http.post("/v1/files", data={"purpose": "batch"}, files={"file": ("t.jsonl", rows.encode())}).json()
+        trace_id = os.urandom(16).hex()
+        b = http.post("/v1/batches", headers={"traceparent": f"00-{trace_id}-{os.urandom(8).hex()}-01"},
+                      json={"input_file_id": f["id"], "endpoint": "/v1/chat/completions",
+                            "completion_window": "24h"}).json()
+        deadline = time.monotonic() + 60
+        while http.get(f"/v1/batches/{b['id']}").json()["status"] != "completed":
+            assert time.monotonic() < deadline
+            time.sleep(0.3)
+    created = receiver.trace(trace_id, 1)
+    create = next(s for s in created if s["name"] == "POST /v1/batches")
+    assert create["attrs"]["zml.batch.id"] == b["id"] and create["attrs"]["zml.batch.lines"] == 3
+    deadline = time.monotonic() + 30
+    while True:
+        with receiver.lock:
+            lines = [s for s in receiver.spans if s["name"] == "zml.batch.line"
+                     and s["attrs"].get("zml.batch.id") == b["id"]]
+        if len(lines) >= 3 or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert sorted(s["attrs"]["zml.batch.custom_id"] for s in lines) == ["t0", "t1", "t2"]
+    for line in lines:
+        assert line["service"] == "zml-batch" and line["trace_id"] != trace_id and not line["parent"]
+        assert (trace_id, create["span_id"]) in line["links"]
+        assert by(receiver.trace(line["trace_id"], 2), "zml-router", "SERVER"), "the router continues the line"
+    no_prompt(receiver.spans)

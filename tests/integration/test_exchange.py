@@ -194,10 +194,11 @@ async def test_a_slow_reader_overflows_its_own_buffer_only(nc: Any) -> None:
 
 async def test_replies_skip_the_subscription_queue_and_keep_nats_py_accounting(nc: Any) -> None:
     """With the installed nats-py, the reply mux takes messages from its reader directly (no
-    queue and task hop per message: zmlcore.reply.exchange._Deliver), in order, and nats-py's
+    queue and task hop per message: zmlcore.bus.natsinternals.deliver_directly), in order, and nats-py's
     pending-bytes count stays at zero (else its slow-consumer check would trip on a long
     stream)."""
-    from zmlcore.reply.exchange import ReplyMux, _Deliver
+    from zmlcore.bus.natsinternals import _Deliver
+    from zmlcore.reply.exchange import ReplyMux
 
     mux = await ReplyMux.of(nc)
     sub = next(s for s in nc._subs.values() if s.subject == mux.prefix + "*")

@@ -132,8 +132,9 @@ async def test_measured_speeds_from_a_throttled_sim() -> None:
         tr = Tracker(started_at=time.time(), grace_s=10)
         async with httpx.AsyncClient(timeout=10) as client:
             async def load() -> None:
-                body = {"model": "m", "prompt": "x" * 4000, "max_tokens": 120}
-                await asyncio.gather(*(client.post(sim.url + "/v1/completions", json=body) for _ in range(4)))
+                # distinct prompts: the sim caches prefixes, and cached tokens take no prefill time
+                await asyncio.gather(*(client.post(sim.url + "/v1/completions", json={
+                    "model": "m", "prompt": f"{i}" + "x" * 3999, "max_tokens": 120}) for i in range(4)))
 
             tr.observe(await vllm_probe(client, sim.url, 5.0), time.time(), HealthConfig())
             await load()

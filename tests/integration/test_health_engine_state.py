@@ -35,8 +35,9 @@ async def test_llamacpp_measured_speeds_from_its_own_counters() -> None:
         tr = Tracker(started_at=time.time(), grace_s=10)
         async with httpx.AsyncClient(timeout=10) as client:
             tr.observe(await llamacpp_probe(client, sim.url, 5.0), time.time(), HealthConfig())
-            body = {"model": "m", "prompt": "x" * 4000, "max_tokens": 120}
-            await asyncio.gather(*(client.post(sim.url + "/v1/completions", json=body) for _ in range(4)))
+            # distinct prompts: the sim caches prefixes, and cached tokens take no prefill time
+            await asyncio.gather(*(client.post(sim.url + "/v1/completions", json={
+                    "model": "m", "prompt": f"{i}" + "x" * 3999, "max_tokens": 120}) for i in range(4)))
             tr.observe(await llamacpp_probe(client, sim.url, 5.0), time.time(), HealthConfig())
         assert tr.speed.prefill_tps is not None and tr.speed.decode_tps is not None
         # Profile: 10,000 x 0.5 prefill, 60 x 0.5 decode at batch 1, both x time_scale 20; the

@@ -187,7 +187,7 @@ async def test_replaced_and_stopped_watch_consumers_do_not_pile_up(broker: Broke
         await eventually(lambda: seen.get("x") == b"2", what="updates through the new consumer")
         one_shot = await watch_bucket(kv)
         assert len(await js.consumers_info(stream)) == 2
-        await drop_watch(one_shot)
+        await drop_watch(one_shot, nc)
 
         async def deleted() -> bool:  # at once, not after the inactive threshold (10 s)
             return len(await js.consumers_info(stream)) == 1
@@ -334,11 +334,11 @@ async def test_live_keys_does_not_stop_at_an_early_marker(broker: Broker, monkey
     nc = await connect(broker.url, "lister")
     try:
         kv = await ensure_kv(nc.jetstream(), BUCKET)
-        assert await kvfollow.live_keys(kv) == []
+        assert await kvfollow.live_keys(kv, nc) == []
         for key in ("a", "b", "c"):
             await kv.put(key, b"1")
         await kv.delete("b")
-        assert sorted(await kvfollow.live_keys(kv)) == ["a", "c"]
+        assert sorted(await kvfollow.live_keys(kv, nc)) == ["a", "c"]
     finally:
         await nc.close()
 
@@ -423,7 +423,7 @@ async def test_snapshots_are_whole_under_the_real_race(broker: Broker) -> None:
         kv = await ensure_kv(nc.jetstream(), BUCKET)
         for i in range(8):
             await kv.put(f"n{i}", b"x" * 300)
-        short = [n for n in [len(await kvfollow.live_keys(kv)) for _ in range(1500)] if n != 8]
+        short = [n for n in [len(await kvfollow.live_keys(kv, nc)) for _ in range(1500)] if n != 8]
         assert not short, f"{len(short)} of 1500 listings were short: {short[:5]}"
     finally:
         await nc.close()

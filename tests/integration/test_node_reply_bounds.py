@@ -8,7 +8,8 @@ from collections.abc import AsyncIterator
 import pytest
 from aiohttp import web
 
-from zml_router.dispatch import MAX_ERROR_BODY, AttemptError, Failure, NodeClient, post_json
+from zml_router.dispatch import MAX_ERROR_BODY, NodeClient, post_json
+from zml_router.attempt import AttemptError, Failure
 from zmlcore.errors import ReplyTooLargeError
 from zmlcore.runtime.launch import free_port
 

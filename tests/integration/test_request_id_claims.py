@@ -16,7 +16,8 @@ from nats.js.errors import KeyNotFoundError
 from zmlcore import subjects
 from zmlcore.errors import DuplicateRequestError
 from zml_router import ids as idclaims
-from zml_router.ids import RequestIds, claim_key
+from zml_router.flow import claim_key
+from zml_router.ids import RequestIds
 
 
 @pytest.fixture()
@@ -34,9 +35,9 @@ async def _answer(msg) -> None:  # type: ignore[no-untyped-def]
 
 
 async def _replicas(ncs: list[NATS]) -> tuple[RequestIds, RequestIds]:
-    a, b = RequestIds(ncs[0], "router-a", 60), RequestIds(ncs[1], "router-b", 60)
-    await a.open()
-    await b.open()
+    a, b = RequestIds("router-a", 60), RequestIds("router-b", 60)
+    await a.open(ncs[0])
+    await b.open(ncs[1])
     return a, b
 
 
@@ -91,7 +92,7 @@ async def test_an_abandoned_claim_expires(conns: list[NATS], monkeypatch: pytest
             break  # the server removed it
         assert time.monotonic() - t0 < 10, "the claim never expired"
         await asyncio.sleep(0.2)
-    b = RequestIds(conns[1], "router-b", 60)
-    await b.open()
+    b = RequestIds("router-b", 60)
+    await b.open(conns[1])
     assert await b.claim(key, 30, "crashed") is not None
     await alive.unsubscribe()

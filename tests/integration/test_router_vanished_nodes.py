@@ -74,7 +74,7 @@ async def test_nodes_lost_by_a_snapshot_age_out_and_deleted_ones_leave_at_once()
 
             # Kept while fresh: every decision meanwhile finds a node, none gets MODEL_NOT_LOADED.
             def decide() -> str:
-                return svc.admission.decide(RouteRequest(model="m"), latency).node_id
+                return svc.admit(RouteRequest(model="m"), latency).node_id
             assert decide() in ("fresh", "older")
             # ... and each leaves once stale: routing skips it from stale_after_s on (NO_HEALTHY_NODES,
             # retryable), and the table drops it then too.

@@ -78,7 +78,8 @@ async def test_chat_completion(client: httpx.AsyncClient) -> None:
     assert choice["message"]["role"] == "assistant"
     assert choice["message"]["content"].startswith("[h100-1] ")
     assert choice["finish_reason"] == "length"
-    assert body["usage"] == {"prompt_tokens": 100, "completion_tokens": 12, "total_tokens": 112}
+    assert body["usage"] == {"prompt_tokens": 100, "completion_tokens": 12, "total_tokens": 112,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 async def test_chat_without_max_tokens_stops_at_a_sampled_length(client: httpx.AsyncClient) -> None:
@@ -93,7 +94,8 @@ async def test_completion(client: httpx.AsyncClient) -> None:
     body = r.json()
     assert r.status_code == 200 and body["object"] == "text_completion"
     assert body["choices"][0]["text"].startswith("[h100-1] ")
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 async def test_chat_stream_with_usage(client: httpx.AsyncClient) -> None:

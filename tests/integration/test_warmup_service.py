@@ -14,6 +14,7 @@ import msgspec
 import pytest
 
 from test_health_helpers import config, connected, eventually, node_entry, private_nats, start_sim
+from zml.cli._bus import Target
 from zml.cli.serve import serve
 from zml_health.service import HealthService
 from zml_warmup.service import WarmupService
@@ -132,14 +133,14 @@ async def test_busy_model_is_not_preloaded_until_traffic_stops(fleet: Fleet, nat
 async def test_zml_serve_loads_now_and_reports_until_ready(fleet: Fleet, nats_url: str) -> None:
     fleet.warmup.wc.enabled = False  # only the explicit request may load
     out = io.StringIO()
-    rc = await serve(M, nodes=[], family=["H100"], nats_url=nats_url, timeout=10, out=out)
+    rc = await serve(M, nodes=[], family=["H100"], target=Target(nats_url), timeout=10, out=out)
     text = out.getvalue()
     assert rc == 0, text
     assert "h100-1: loading via llamacpp_load" in text and "h100-1: ready" in text and "mi300x-1" not in text
     assert loaded(fleet, "h100-1") and not loaded(fleet, "mi300x-1")
     # asking again: already loaded, answered at once
     out = io.StringIO()
-    assert await serve(M, nodes=["h100-1"], family=[], nats_url=nats_url, timeout=5, out=out) == 0
+    assert await serve(M, nodes=["h100-1"], family=[], target=Target(nats_url), timeout=5, out=out) == 0
     assert "h100-1: loaded" in out.getvalue()
 
 
@@ -147,4 +148,4 @@ async def test_zml_serve_explains_an_unknown_model(fleet: Fleet, nats_url: str) 
     from zmlcore.errors import BadRequestError
 
     with pytest.raises(BadRequestError, match="no node is configured to serve 'nope'"):
-        await serve("nope", nodes=[], family=[], nats_url=nats_url, timeout=5, out=io.StringIO())
+        await serve("nope", nodes=[], family=[], target=Target(nats_url), timeout=5, out=io.StringIO())

@@ -20,6 +20,7 @@ PARSERS = {
     "router": "zml_router.__main__",
     "health": "zml_health.__main__",
     "warmup": "zml_warmup.__main__",
+    "batch-runner": "zml_batch.__main__",
 }
 KNOWN_ENV = {"ZML_LOG_LEVEL", "ZML_LOG_FORMAT", "ZML_NATS_URL", "ZML_NATS_REPLICAS", "ZML_GATEWAY_HOST", "ZML_GATEWAY_PORT",
              "ZML_API_KEYS", "ZML_NATS_NKEY", "OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_EXPORTER_OTLP_PROTOCOL", "OTEL_TRACES_SAMPLER",

@@ -1,4 +1,4 @@
-"""The gateway -> router body codec (zmlcore.messages.frontdoor) and the node's body (zml_router.nodebody):
+"""The gateway -> router body codec (zmlcore.messages.frontdoor) and the node's body (zml_router.attempt.NodeBodies):
 how often a request body is parsed and encoded on its way to a node."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from zmlcore.messages import frontdoor
 from zmlcore.messages import validate
 from zmlcore.errors import BadRequestError
 from zmlcore.messages import InlinePolicy
-from zml_router import nodebody
+from zml_router import attempt
 
 CHAT = [{"role": "user", "content": "hi"}]
 OPENAI = json.dumps({"model": "m", "messages": CHAT, "max_tokens": 7, "top_p": 0.5}).encode()
@@ -45,8 +45,8 @@ def counts(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
     monkeypatch.setattr(frontdoor, "_decode_any", _Counting(frontdoor._decode_any, c, "generic decode"))
     monkeypatch.setattr(frontdoor, "_front_door", _Counting(frontdoor._front_door, c, "small decode"))
     monkeypatch.setattr(frontdoor, "_encode", _Counting(frontdoor._encode, c, "encode"))
-    monkeypatch.setattr(nodebody, "_decode_any", _Counting(nodebody._decode_any, c, "generic decode"))
-    monkeypatch.setattr(nodebody, "_encode", _Counting(nodebody._encode, c, "encode"))
+    monkeypatch.setattr(attempt, "_decode_any", _Counting(attempt._decode_any, c, "generic decode"))
+    monkeypatch.setattr(attempt, "_encode", _Counting(attempt._encode, c, "encode"))
     return c
 
 
@@ -55,7 +55,7 @@ def _path(raw: bytes, node_names: list[str]) -> tuple[list[bytes], dict[str, str
     req = validate.decode_request(raw)                      # gateway: validation
     body, headers = frontdoor.split(raw, req)               # gateway: ZML fields -> headers
     rreq = frontdoor.decode(body, headers)                  # router: the small decode
-    bodies = nodebody.NodeBodies(body, rreq.model, headers.get(subjects.H_BODY) == subjects.BODY_CLEAN)
+    bodies = attempt.NodeBodies(body, rreq.model, headers.get(subjects.H_BODY) == subjects.BODY_CLEAN)
     return [bodies(name) for name in node_names], headers
 
 
@@ -112,9 +112,9 @@ def test_the_router_sees_what_the_body_said() -> None:
 
 def test_a_raw_body_is_stripped_for_the_node() -> None:
     """A raw zml.infer body (not clean): ZML's fields never reach the node."""
-    bodies = nodebody.NodeBodies(SDK, "m", clean=False)
+    bodies = attempt.NodeBodies(SDK, "m", clean=False)
     assert json.loads(bodies("m")) == {"model": "m", "messages": CHAT}
-    assert json.loads(nodebody.NodeBodies(OPENAI, "m", clean=False)("m")) == json.loads(OPENAI)
+    assert json.loads(attempt.NodeBodies(OPENAI, "m", clean=False)("m")) == json.loads(OPENAI)
 
 
 @pytest.mark.parametrize("raw, headers", [

@@ -2,8 +2,8 @@
 
 Each test plays the service's part: it answers the flow's actions (Decide with a Decision or an
 error, Dispatch with None or an AttemptError) and checks what the flow asks for next and which
-error code the requester would get. The decisions come from the real admission code on a real
-node table where a test needs the half-open breaker.
+error code the requester would get. The decisions come from the real policy code
+(zmlcore.policy.admit) on a real node table where a test needs the half-open breaker.
 """
 
 from __future__ import annotations
@@ -16,11 +16,10 @@ import pytest
 from zmlcore.config import parse_config
 from zmlcore.errors import NoHealthyNodesError, QueueFullError, ZMLError
 from zmlcore.messages import NodeState
-from zmlcore.policy import Decision, RouteRequest, RoutingState
+from zmlcore.policy import Decision, RouteRequest, RoutingState, admit
 from zmlcore.policy.resolve import builtin_policy
 from zml_router import flow
-from zml_router.admission import Admission
-from zml_router.dispatch import AttemptError, Failure
+from zml_router.attempt import AttemptError, Failure
 from zml_router.flow import Decide, Dispatch, Enqueue, Outcome, Penalise, Plan
 from zml_router.table import NodeTable
 
@@ -218,27 +217,25 @@ def test_deadline_errors_carry_the_right_codes() -> None:
                                  "recommendation": "increase fleet capacity or max_queue_ms"}
 
 
-# --- the half-open breaker, with the real admission code -------------------------------------------
+# --- the half-open breaker, with the real policy code ---------------------------------------------
 
-def _admission() -> tuple[Admission, NodeTable]:
+def _admission() -> tuple[Decider, NodeTable]:
+    """The router's decision (zmlcore.policy.admit) on a real two-node table."""
     cfg = parse_config({})
     table = NodeTable(cfg.families())
     now = time.time()
     for node_id in ("a", "b"):
         table.upsert(NodeState(node_id=node_id, accelerator_type="nvidia_h100", family="H100", endpoint="http://x",
                                status="up", models=["m"], updated_at=now))
-    return Admission(cfg.router, table, RoutingState()), table
-
-
-def _deciding(adm: Admission) -> Decider:
-    policy = builtin_policy("latency")
+    policy, state, rc = builtin_policy("latency"), RoutingState(), cfg.router
 
     def decide(rr: RouteRequest) -> Decision | ZMLError:
         try:
-            return adm.decide(rr, policy)
+            return admit(table.nodes(), rr, policy, time.time(), state, stale_after_s=rc.stale_after_s,
+                         ttft_bound_s=rc.admission_ttft_s)
         except ZMLError as exc:
             return exc
-    return decide
+    return decide, table
 
 
 def test_half_open_probe_when_every_node_cools_down() -> None:
@@ -246,7 +243,7 @@ def test_half_open_probe_when_every_node_cools_down() -> None:
     now = time.time()
     table.views["a"].cooldown_until = now + 30
     table.views["b"].cooldown_until = now + 5
-    seen, out, err = _run(_plan(), _deciding(adm), _failing({}))
+    seen, out, err = _run(_plan(), adm, _failing({}))
     assert err is None and out.ok and out.node_id == "b"  # the soonest back gets one more chance
     assert table.views["a"].cooldown_until > now
 
@@ -257,7 +254,7 @@ def test_a_failed_half_open_probe_is_penalised_and_the_next_soonest_probed() -> 
     table.views["a"].cooldown_until = now + 30
     table.views["b"].cooldown_until = now + 5
     boom = AttemptError(Failure.SERVER, 500, "still broken")
-    seen, out, err = _run(_plan(), _deciding(adm), _failing({"b": boom}))
+    seen, out, err = _run(_plan(), adm, _failing({"b": boom}))
     penalised = [a.decision.node_id for a in seen if isinstance(a, Penalise)]
     assert penalised == ["b"] and out.ok and out.node_id == "a"
 
@@ -267,7 +264,7 @@ def test_no_probe_for_nodes_that_are_down() -> None:
     for v in table.views.values():
         v.state = NodeState(node_id=v.node_id, accelerator_type="nvidia_h100", family="H100", endpoint="http://x",
                             status="down", models=["m"], updated_at=time.time())
-    _, _, err = _run(_plan(), _deciding(adm), _failing({}))
+    _, _, err = _run(_plan(), adm, _failing({}))
     assert err is not None and err.code == "NO_HEALTHY_NODES"
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from zmlcore.messages import NodeMark, NodeState, node_mark_decoder
 from zmlcore.reply.streamseq import SeqCheck
 from zml_router.cooldowns import Marks
-from zml_router.firstbyte import expected_s, first_byte_timeout
+from zml_router.attempt import expected_s, first_byte_timeout
 from zml_router.table import NodeTable
 
 

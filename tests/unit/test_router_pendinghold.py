@@ -8,7 +8,8 @@ import pytest
 
 from zmlcore.messages import NodeState
 from zmlcore.policy.estimate import NONSTREAM_PENDING_FOR, estimate_ttft
-from zml_router.pendinghold import PendingHold, window_s
+from zml_router.attempt import pending_window_s
+from zml_router.relay import PendingHold
 from zml_router.timers import Wheel
 
 
@@ -73,5 +74,5 @@ async def test_holds_arm_no_loop_timer_of_their_own() -> None:
 def test_window_is_the_estimate_for_the_body() -> None:
     st = NodeState(node_id="n", accelerator_type="nvidia_h100", family="H100", endpoint="")
     # 4,000 bytes ~ 1,000 prompt tokens: 0.1 s on an idle H100, plus 2 pending prefills ahead
-    assert window_s(st, 2, 2, 4000) == pytest.approx(NONSTREAM_PENDING_FOR * estimate_ttft(st, 2, 2, 1000))
-    assert window_s(st, 0, 0, 4000) == pytest.approx(NONSTREAM_PENDING_FOR * 0.1)
+    assert pending_window_s(st, 2, 2, 4000) == pytest.approx(NONSTREAM_PENDING_FOR * estimate_ttft(st, 2, 2, 1000))
+    assert pending_window_s(st, 0, 0, 4000) == pytest.approx(NONSTREAM_PENDING_FOR * 0.1)

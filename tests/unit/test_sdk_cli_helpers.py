@@ -12,7 +12,8 @@ import pytest
 import zml
 from zml.cli import build_parser
 from zml.cli._common import parse_policy
-from zml.cli.batch import Progress, load_done, read_items
+from zml.cli._batchio import Progress, read_items
+from zml.cli.batch import load_done
 from zml.cli.bench import Level, percentile, recommend
 from zml.cli.nodes import render
 
@@ -78,13 +79,16 @@ def test_progress_bar_tty_and_plain() -> None:
 def test_nodes_table() -> None:
     nodes = [{"node_id": "h100-1", "accelerator_type": "nvidia_h100", "family": "H100", "models": ["m"],
               "status": "up", "health_score": 97.4, "queue_running": 2, "queue_waiting": 1,
-              "endpoint": "http://127.0.0.1:40123"},
+              "endpoint": "http://127.0.0.1:40123", "cache_fidelity": "precise", "kv_block_size": 64,
+              "kv_blocks": 8192, "prefix_cache_hit_rate": 0.423, "kv_events": "live"},
              {"node_id": "mi300x-1", "accelerator_type": "amd_mi300x", "family": "MI300X", "models": [],
               "loading_models": ["m"], "status": "down", "reason": "driver too old", "cooldown_until": 105.0}]
     lines = render(nodes, now=100.0).splitlines()
-    assert lines[0].split() == ["NODE", "TYPE", "FAMILY", "MODELS", "HEALTH", "QUEUE", "STATE", "COOLDOWN", "ENDPOINT"]
-    assert lines[1].split() == ["h100-1", "nvidia_h100", "H100", "m", "97", "3", "up", "-", "http://127.0.0.1:40123"]
-    assert "(loading: m)" in lines[2] and "down (driver too old)" in lines[2] and lines[2].split()[-2:] == ["5.0s", "-"]
+    assert lines[0].split() == ["NODE", "TYPE", "FAMILY", "MODELS", "HEALTH", "QUEUE", "STATE", "COOLDOWN", "CACHE",
+                                "ENDPOINT"]
+    assert lines[1].split() == ["h100-1", "nvidia_h100", "H100", "m", "97", "3", "up", "-", "precise:8192x64:42%",
+                                "http://127.0.0.1:40123"]
+    assert "(loading: m)" in lines[2] and "down (driver too old)" in lines[2] and lines[2].split()[-3:] == ["5.0s", "-", "-"]
     asleep = {"node_id": "cpu-1", "accelerator_type": "cpu", "family": "CPU", "models": ["m"], "status": "up",
               "sleeping": True, "health_score": 100.0}
     assert "up (asleep)" in render([asleep], now=100.0).splitlines()[1]

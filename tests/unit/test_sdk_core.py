@@ -44,7 +44,8 @@ def test_build_merges_defaults_then_call_arguments() -> None:
                     extra={"top_p": 0.9, "timeout": 5, "request_id": "abc"}, max_tokens=None)
     assert c.body["model"] == MODEL and c.body["max_tokens"] == 7 and c.body["top_p"] == 0.9
     assert c.request_id == "abc" and c.body["timeout_ms"] == 5000 and c.timeout_s == 5 + _core.grace_s(5) == 5.75
-    assert c.nats_headers() == {"Zml-Request-Id": "abc", "Zml-Timeout-Ms": "5000"}
+    # The routing metadata asked for once, in the body (where decode_reply reads it).
+    assert c.nats_headers() == {"Zml-Request-Id": "abc", "Zml-Timeout-Ms": "5000", "Zml-Accept-Routing": "body"}
     assert build_infer(model=MODEL, prompt="hi", max_tokens=3, defaults={"max_tokens": 7}).body["max_tokens"] == 3
 
 
@@ -243,3 +244,17 @@ def test_decode_nodes_and_models() -> None:
     assert _core.node_states(_core.decode_nodes(raw))[0].models == ["m1", "m2"]
     assert _core.decode_models(raw) == ["m1", "m2"]
     assert _core.decode_models(reply({"object": "list", "data": [{"id": "m3"}]})) == ["m3"]
+
+
+def test_session_travels_as_a_header_on_http_and_nats() -> None:
+    from zmlcore import subjects
+
+    call = build_infer(model="m", prompt="hi", extra={"session": "conv-42"})
+    assert call.http_headers()["x-session-id"] == "conv-42"
+    assert call.nats_headers()[subjects.H_SESSION] == "conv-42"
+    assert "session" not in call.body  # a header, not an OpenAI field
+    plain = build_infer(model="m", prompt="hi")
+    assert "x-session-id" not in plain.http_headers() and subjects.H_SESSION not in plain.nats_headers()
+    for bad in ("", "a\nb", "x" * 300, 7):
+        with pytest.raises(zerrors.ZMLError):
+            build_infer(model="m", prompt="hi", extra={"session": bad})

@@ -13,9 +13,10 @@ ROOT = Path(__file__).resolve().parents[2] / "sdk" / "src"
 LAYERS: list[tuple[str, ...]] = [
     ("zml", "zml.cli"),
     ("zml._client", "zml._async_client"),
-    ("zml._transport_http", "zml._transport_nats", "zml._transport_grpc", "zml._batch", "zml._settings"),
+    ("zml._transport_http", "zml._transport_nats", "zml._transport_grpc", "zml._batch", "zml._batches",
+     "zml._settings"),
     ("zml._core",),
-    ("zml._models",),
+    ("zml._models", "zml._batch_models"),
     ("zml._fleet",),
     ("zml._config", "zml._ratelimit"),
     ("zml._errors",),

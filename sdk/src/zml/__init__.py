@@ -15,6 +15,7 @@ Example::
 
 from zml import _client, _fleet
 from zml._async_client import AsyncClient, AsyncStream
+from zml._batch_models import Batch, BatchFile, BatchPage, RequestCounts
 from zml._client import Client, Stream
 from zml._errors import (
     AuthError,
@@ -62,6 +63,9 @@ __all__ = [
     "AuthError",
     "BackendError",
     "BadRequestError",
+    "Batch",
+    "BatchFile",
+    "BatchPage",
     "BatchResult",
     "CancelledError",
     "Choice",
@@ -82,6 +86,7 @@ __all__ = [
     "RateLimitError",
     "ReplyIncompleteError",
     "ReplyTooLargeError",
+    "RequestCounts",
     "Routing",
     "RoutingError",
     "Stream",

@@ -13,6 +13,7 @@ from types import TracebackType
 from typing import Any, Literal, Protocol, TypeVar, overload
 
 from zml import _core
+from zml._batches import AsyncBatches, AsyncFiles, unsupported
 from zml._batch import BatchItem, OnResult, run_async
 from zml._errors import ZMLError
 from zml._models import BatchResult, EmbeddingResult, InferMeta, InferResult, Metrics, Policy, Routing, StreamChunk, Usage
@@ -102,6 +103,10 @@ class AsyncClient(ClientSettings):
             from zml._transport_http import AsyncHTTPTransport
 
             self._transport = AsyncHTTPTransport(self.endpoint, self.api_key, self.timeout, pool)
+        # The Batch API (docs/batches.md): the gateway's /v1/files and /v1/batches.
+        send = getattr(self._transport, "api", None) or unsupported(self.endpoint)
+        self.files = AsyncFiles(send)
+        self.batches = AsyncBatches(send, self.files, self.model)
 
     # ---------------------------------------------------------------- lifecycle
     async def aclose(self) -> None:

@@ -14,6 +14,7 @@ from types import TracebackType
 from typing import Any, Literal, Protocol, TypeVar, overload
 
 from zml import _core
+from zml._batches import Batches, Files, unsupported
 from zml._batch import BatchItem, OnResult, run_sync
 from zml._errors import ZMLError
 from zml._models import BatchResult, EmbeddingResult, InferMeta, InferResult, Metrics, Policy, Routing, StreamChunk, Usage
@@ -104,6 +105,10 @@ class Client(ClientSettings):
             from zml._transport_http import SyncHTTPTransport
 
             self._transport = SyncHTTPTransport(self.endpoint, self.api_key, self.timeout, pool)
+        # The Batch API (docs/batches.md): the gateway's /v1/files and /v1/batches.
+        send = getattr(self._transport, "api", None) or unsupported(self.endpoint)
+        self.files = Files(send)
+        self.batches = Batches(send, self.files, self.model)
 
     # ---------------------------------------------------------------- lifecycle
     def close(self) -> None:

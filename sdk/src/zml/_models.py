@@ -1,6 +1,8 @@
 """Public data types of the SDK: policies, results, stream chunks, batch results.
 
-Plain dataclasses (no pydantic needed at import time). ``Policy`` validates at creation.
+Plain dataclasses (no pydantic needed at import time). ``Routing`` mirrors the one wire schema
+of routing metadata (``zmlcore.messages.RoutingInfo``) field for field; tests/unit/test_routingmeta.py
+fails when the two drift. ``Policy`` validates at creation.
 """
 
 from __future__ import annotations
@@ -133,7 +135,16 @@ class Usage:
 
 @dataclass(slots=True)
 class Routing:
-    """Where and how a request was routed (``result.routing``)."""
+    """Where and how a request was routed (``result.routing``): every field of the routing
+    metadata, whichever transport the reply came over. The fields and their meaning are
+    ``zmlcore.messages.RoutingInfo``'s (the wire schema; docs/http-api.md lists them). A plain
+    dataclass, as in 0.3: ``dataclasses.asdict(result)`` gives plain dicts all the way down.
+
+    Example::
+
+        r = client.infer(model="meta-llama/llama-3-8b-instruct", prompt="Hi", max_tokens=16)
+        print(r.routing.node_id, r.routing.family, r.routing.router_id, r.routing.attempts)
+    """
 
     node_id: str = ""
     accelerator_type: str = ""
@@ -145,6 +156,11 @@ class Routing:
     attempts: int = 1
     time_to_first_token: float | None = None
     total_tokens: int | None = None
+    # Fields after 0.3's, in the wire schema's order.
+    router_id: str = ""
+    label: str = ""
+    cached_tokens_estimated: int | None = None
+    cached_tokens: int | None = None
 
     @property
     def queue_depth(self) -> int:

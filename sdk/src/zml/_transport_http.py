@@ -11,6 +11,7 @@ import httpx
 from httpx_aiohttp import HttpxAiohttpClient
 
 from zml._core import (
+    ApiCall,
     InferCall,
     RawReply,
     SSEDecoder,
@@ -50,6 +51,18 @@ def _translate(exc: httpx.HTTPError, url: str) -> ZMLError:
     return ZMLError(f"{url}: {exc}")
 
 
+def _api_request(client: httpx.Client | httpx.AsyncClient, call: ApiCall) -> httpx.Request:
+    """A Batch API call as an httpx request: JSON, or a multipart upload of the file."""
+    if call.upload is not None:
+        name, content = call.upload
+        return client.build_request(call.method, call.path, params=call.query, data=call.fields or {},
+                                    files={"file": (name, content, "application/jsonl")})
+    headers = {"content-type": "application/json", **trace_headers()} if call.body is not None else {}
+    if call.raw:
+        headers["accept"] = "application/octet-stream"
+    return client.build_request(call.method, call.path, params=call.query, content=call.body, headers=headers)
+
+
 def _reply(resp: httpx.Response) -> RawReply:
     return RawReply(status=resp.status_code, headers=lower_headers(resp.headers), body=resp.content)
 
@@ -79,6 +92,15 @@ class SyncHTTPTransport:
 
     def infer(self, call: InferCall) -> RawReply:
         return self.request("POST", call.http_path, call.encode(), call.timeout_s, call.http_headers())
+
+    def api(self, call: ApiCall) -> RawReply:
+        """A Batch API request (``client.batches`` / ``client.files``)."""
+        url = self.base_url + call.path
+        try:
+            resp = self._client.send(_api_request(self._client, call))
+        except httpx.HTTPError as exc:
+            raise _translate(exc, url) from exc
+        return _reply(resp)
 
     def nodes(self) -> RawReply:
         return self.request("GET", "/v1/nodes")
@@ -176,6 +198,15 @@ class AsyncHTTPTransport:
 
     async def infer(self, call: InferCall) -> RawReply:
         return await self.request("POST", call.http_path, call.encode(), call.timeout_s, call.http_headers())
+
+    async def api(self, call: ApiCall) -> RawReply:
+        """A Batch API request (``client.batches`` / ``client.files``)."""
+        url = self.base_url + call.path
+        try:
+            resp = await self._client.send(_api_request(self._client, call))
+        except httpx.HTTPError as exc:
+            raise _translate(exc, url) from exc
+        return _reply(resp)
 
     async def nodes(self) -> RawReply:
         return await self.request("GET", "/v1/nodes")

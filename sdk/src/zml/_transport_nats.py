@@ -48,6 +48,7 @@ from zmlcore import subjects
 from zmlcore.config import NatsConfig
 from zmlcore.reply.exchange import Exchange, parts_buffer
 from zmlcore.access.identity import connect_options, owner_of
+from zmlcore.bus.connect import connect
 from zmlcore.reply.norouter import NoRouterWait
 from zmlcore.reply.parts import Reply
 from zmlcore.reply.streamseq import SeqCheck
@@ -100,26 +101,22 @@ class AsyncNatsTransport:
                 if "permissions violation" in str(exc).lower() or "authorization violation" in str(exc).lower():
                     self._denied = str(exc)
 
+            # A refused identity or TLS setting raises AuthError / ConfigError at once with the
+            # line saying what to set; an unreachable server ConnectionError within the timeout.
             try:
-                self._nc = await nats.connect(
-                    # one URL or several (the servers of one cluster), comma-separated
-                    servers=[u.strip() for u in self.url.split(",") if u.strip()],
+                self._nc = await connect(
+                    self.url,  # one URL or several (the servers of one cluster), comma-separated
+                    "zml-sdk",
                     connect_timeout=self.connect_timeout,
+                    give_up_s=self.connect_timeout,
                     max_reconnect_attempts=3,
                     reconnect_time_wait=0.2,
-                    allow_reconnect=True,
-                    error_cb=_quiet,
-                    name="zml-sdk",
+                    on_error=_quiet,
+                    quiet=True,
                     **self._options,
                 )
-            except (nats.errors.Error, OSError, asyncio.TimeoutError) as exc:
-                if "authorization violation" in f"{exc} {self._denied}".lower():
-                    raise AuthError(f"NATS at {self.url} refused this client's identity: set ZML_NATS_NKEY to a seed "
-                                    "file from `zml creds issue NAME` (or check that it was not revoked)") from exc
-                raise ConnectionError(
-                    f"cannot connect to NATS at {self.url} ({type(exc).__name__}: {exc}). "
-                    "Is `zml up` running? Check --endpoint / ZML_ENDPOINT."
-                ) from exc
+            except ConnectionError as exc:
+                raise ConnectionError(f"{exc.message}. Is `zml up` running? Check --endpoint / ZML_ENDPOINT.") from exc
             return self._nc
 
     async def request(self, subject: str, body: bytes, headers: dict[str, str] | None, timeout_s: float) -> RawReply:
@@ -150,6 +147,8 @@ class AsyncNatsTransport:
         return _reply(msg)
 
     async def cancel(self, request_id: str) -> None:
+        if self._nc is None:  # never connected: the request was not sent
+            return
         with contextlib.suppress(Exception):
             nc = await self._conn()
             await nc.publish(subjects.cancel(request_id, self.owner), b"")
@@ -290,15 +289,23 @@ class SyncNatsTransport:
         self._thread.start()
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
-        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        finished = threading.Event()
+
+        async def run() -> T:
+            try:
+                return await coro
+            finally:
+                finished.set()
+
+        fut = asyncio.run_coroutine_threadsafe(run(), self._loop)
         try:
             return fut.result()
         except BaseException:
-            # KeyboardInterrupt or similar in the caller: cancel the coroutine (and the request).
+            # KeyboardInterrupt or similar in the caller: cancel the coroutine (and the request),
+            # and wait until it has cleaned up (the future says "cancelled" at once, before that).
             if not fut.done():
                 fut.cancel()
-                with contextlib.suppress(BaseException):
-                    fut.exception(timeout=2)
+                finished.wait(2)
             raise
 
     def infer(self, call: InferCall) -> RawReply:

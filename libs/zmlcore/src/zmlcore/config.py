@@ -186,6 +186,15 @@ class RouterConfig(msgspec.Struct, **_Base):
     first_byte_factor: NonNeg = 4.0
     """Multiple of the node's estimated time to first token (to the whole reply when not
     streaming) allowed before the first byte; 0 makes first_byte_floor_s a fixed timeout."""
+    batch_reserve: Annotated[float, msgspec.Meta(ge=0, le=0.9)] = 0.25
+    """Share of each node's sequence slots batch requests (``Zml-Priority: batch``, the batch
+    runners' lines) never take, at least one slot: interactive arrivals find them free. Where no
+    node has that room a batch request is refused at once (QUEUE_FULL) and its runner waits
+    (docs/batches.md). 0: batch work may fill every slot."""
+    session_idle_s: PosFloat = 600.0
+    """A session (``x-session-id``, ``Zml-Session``, the SDK's ``session=``, else the OpenAI
+    ``user`` field) is forgotten after this long without a request (its binding to a node
+    expires in the KV bucket zml_sessions)."""
     processes: PosInt | Literal["auto"] = "auto"
     """Router replicas `zml up` runs (one queue group). "auto": sized to the machine's cores
     (zmlcore.runtime.sizing); `zml up --routers N` overrides."""
@@ -252,6 +261,30 @@ class SimConfig(msgspec.Struct, **_Base):
     """Random seed for fault injection, so runs are reproducible."""
     driver_version: str | None = None
     """Driver version the node probe reports (default: the type's minimum)."""
+    prefix_caching: bool = True
+    """Keep a prefix cache (vLLM's automatic prefix caching): cached prompt tokens skip prefill,
+    replies report them, and with [nodes.kv_events] the node publishes vLLM's KV events."""
+    kv_block_size: PosInt | None = None
+    """Tokens per KV-cache block (default: the accelerator type's, e.g. 64 on H100, 128 on
+    Gaudi2)."""
+    kv_cache_blocks: PosInt | None = None
+    """KV-cache size in blocks (default: the memory left after the weights, as vLLM sizes it).
+    Small values make evictions visible in demos and tests."""
+
+
+class KVEventsConfig(msgspec.Struct, **_Base):
+    """Where a node's engine publishes its KV-cache events (vLLM or SGLang started with
+    ``--kv-events-config '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint":
+    "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}'``). The health service subscribes and
+    bridges them into NATS, so every router knows exactly which prefixes the node holds."""
+
+    endpoint: str
+    """The engine's PUB socket as the health service reaches it, e.g. tcp://10.0.0.5:5557."""
+    replay_endpoint: str | None = None
+    """The engine's replay (ROUTER) socket, e.g. tcp://10.0.0.5:5558: missed events are asked
+    for again after a gap. Without it a gap empties the node's cache state (safe, not exact)."""
+    topic: str = ""
+    """The engine's ``topic`` (vLLM's default is empty)."""
 
 
 class NodeConfig(msgspec.Struct, **_Base):
@@ -283,6 +316,8 @@ class NodeConfig(msgspec.Struct, **_Base):
     or by `zml sim`); default: the engine endpoint."""
     startup_grace_s: NonNeg | None = None
     """Overrides [health] startup_grace_s for this node (slow loaders, large models)."""
+    kv_events: KVEventsConfig | None = None
+    """The engine's KV-event sockets (see [nodes.kv_events]); vllm and sglang backends only."""
 
     @property
     def effective_family(self) -> str:
@@ -380,6 +415,73 @@ class WarmupConfig(msgspec.Struct, **_Base):
     """Also measure request rate from the nodes' metrics (for routers that publish no events)."""
 
 
+_MIB = 1024 * 1024
+_WINDOW_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+_DURATION = re.compile(r"^([1-9][0-9]{0,5})([smhd])$")
+
+
+def window_seconds(text: str) -> int:
+    """``"24h"`` -> 86400: a batch's completion window (digits, then s, m, h or d)."""
+    m = _DURATION.match(text)
+    if not m:
+        raise ValueError(f"{text!r}: expected a number and a unit, e.g. \"24h\" (s, m, h or d)")
+    return int(m.group(1)) * _WINDOW_UNITS[m.group(2)]
+
+
+class BatchConfig(msgspec.Struct, **_Base):
+    """The Batch API (/v1/files, /v1/batches) and its runners (docs/batches.md). Every store
+    it uses is bounded by these numbers."""
+
+    enabled: bool = True
+    """Serve /v1/files and /v1/batches on the gateway; `zml up` runs the batch runners."""
+    processes: PosInt = 1
+    """Batch runner replicas `zml up` runs; they share the work (any number may run)."""
+    policy: str = ""
+    """Policy of a batch's lines when its metadata names none (``metadata.policy``): a name
+    from [policy]/[policies] or a built-in. "": the built-in batch policy, the cheapest family
+    (cost per unit of capacity) whose estimated time to first token is within
+    latency_target_ms."""
+    latency_target_ms: PosFloat = 10_000.0
+    """The built-in batch policy's relaxed latency target (batch lines wait gladly)."""
+    max_file_bytes: PosInt = 200 * _MIB
+    """Largest file accepted by POST /v1/files (OpenAI's bound: 200 MB); above it, 413."""
+    max_line_bytes: PosInt = _MIB
+    """Longest line of an input file (a line is one request: it must also fit in one NATS
+    message, so the broker's max_payload bounds it too)."""
+    max_lines: PosInt = 50_000
+    """Most request lines in one input file (OpenAI's bound: 50,000)."""
+    max_files_per_owner: PosInt = 500
+    """Files one API key may hold at once (inputs and outputs); above it, 429 QUOTA_EXCEEDED."""
+    max_active_batches_per_owner: PosInt = 20
+    """Unfinished batches one API key may have at once; above it, 429 QUOTA_EXCEEDED."""
+    max_store_bytes: PosInt = 20 * 1024 * _MIB
+    """Size bound of the file store (JetStream object store ``zml_batch_files``); a file that
+    does not fit is refused with 507 STORAGE_FULL. Applies when the store is first created."""
+    max_results_bytes: PosInt = 4 * 1024 * _MIB
+    """Size bound of the stream of line results waiting to be written into output files."""
+    max_work_bytes: PosInt = 4 * 1024 * _MIB
+    """Size bound of the work stream (batches' lines waiting for a runner)."""
+    file_ttl_s: PosFloat = 30 * 86400.0
+    """Files are deleted this long after they were created (OpenAI keeps batch files 30 days)."""
+    completion_windows: list[str] = msgspec.field(default_factory=lambda: ["24h"])
+    """Completion windows a batch may ask for ("24h" is OpenAI's only one). A batch still
+    running at the end of its window is expired: what finished is kept."""
+    shard_lines: Annotated[int, msgspec.Meta(ge=1, le=10_000)] = 200
+    """Lines of one unit of work: a runner takes a shard at a time; at most this many lines
+    are re-checked when a runner dies holding one."""
+    max_in_flight: PosInt = 256
+    """Lines one runner has in flight at once, at most (the routers' headroom decides how
+    many below that)."""
+    line_timeout_s: PosFloat = 600.0
+    """Timeout of one line's request."""
+    takeover_s: Annotated[float, msgspec.Meta(ge=3, le=600)] = 30.0
+    """A runner renews the shards it holds several times within this; a runner that dies (or
+    loses the broker) leaves its shards to another this long after its last renewal. The lines
+    it had recorded are not asked again. Applies when the runners' consumers are first created."""
+    max_attempts: PosInt = 5
+    """Attempts of a line that fails with a retryable error before it is recorded as failed."""
+
+
 class MetricsConfig(msgspec.Struct, **_Base):
     """Prometheus metrics (docs/observability.md). The gateway serves them on its own port at
     GET /metrics; the router, health and warmup services get a small port of their own."""
@@ -395,6 +497,8 @@ class MetricsConfig(msgspec.Struct, **_Base):
     """Health service metrics port (0: any free port; None: none)."""
     warmup_port: Port | None = None
     """Warmup service metrics port (0: any free port; None: none)."""
+    batch_port: Port | None = None
+    """Batch runner metrics port (0: any free port; None: none)."""
 
 
 class DefaultsConfig(msgspec.Struct, **_Base):
@@ -416,6 +520,7 @@ class ZMLConfig(msgspec.Struct, **_Base):
     warmup: WarmupConfig = msgspec.field(default_factory=WarmupConfig)
     defaults: DefaultsConfig = msgspec.field(default_factory=DefaultsConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
+    batch: BatchConfig = msgspec.field(default_factory=BatchConfig)
     nodes: list[NodeConfig] = []
     models: dict[str, ModelConfig] = {}
     policy: dict[str, PolicyConfig] = {}
@@ -505,6 +610,35 @@ def parse_window(text: str) -> tuple[int, int]:
     return start, end
 
 
+def zmq_address(endpoint: str) -> tuple[str, str, int] | None:
+    """``(scheme, host, port)`` of a ``tcp://host:port`` endpoint, ``("ipc", path, 0)`` of an
+    ``ipc://`` one; None if it is neither."""
+    if endpoint.startswith("ipc://") and len(endpoint) > 6:
+        return "ipc", endpoint[6:], 0
+    m = re.fullmatch(r"tcp://(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9_.-]+):(\d{1,5})", endpoint)
+    if m is None or not 0 < int(m.group(2)) <= 65535:
+        return None
+    return "tcp", m.group(1).strip("[]"), int(m.group(2))
+
+
+def _validate_kv_events(node: NodeConfig, where: str) -> None:
+    kv = node.kv_events
+    assert kv is not None
+    engine = node.sim.engine if node.sim is not None and node.sim.engine != "vllm" else node.backend
+    if engine not in ("vllm", "sglang"):
+        raise ConfigError(f"{where}: only vllm and sglang publish KV events (this node is {engine})")
+    for key, value in (("endpoint", kv.endpoint), ("replay_endpoint", kv.replay_endpoint)):
+        if value is None:
+            continue
+        if zmq_address(value) is None:
+            raise ConfigError(f"{where}.{key}: {value!r} is not tcp://HOST:PORT or ipc://PATH "
+                              "(the address the health service connects to, not a wildcard bind)")
+        if "*" in value:
+            raise ConfigError(f"{where}.{key}: {value!r}: give the engine's address, not a wildcard")
+    if kv.replay_endpoint is not None and kv.replay_endpoint == kv.endpoint:
+        raise ConfigError(f"{where}.replay_endpoint: the same address as endpoint")
+
+
 def _validate(cfg: ZMLConfig, src: str) -> None:
     if bool(cfg.gateway.tls_cert_file) != bool(cfg.gateway.tls_key_file):
         raise ConfigError(f"{src}: gateway.tls_cert_file and gateway.tls_key_file go together")
@@ -533,6 +667,8 @@ def _validate(cfg: ZMLConfig, src: str) -> None:
             raise ConfigError(f"{where}.endpoint: {node.endpoint!r} must start with http:// or https://")
         if node.probe_endpoint is not None and not node.probe_endpoint.startswith(("http://", "https://")):
             raise ConfigError(f"{where}.probe_endpoint: {node.probe_endpoint!r} must start with http:// or https://")
+        if node.kv_events is not None:
+            _validate_kv_events(node, f"{where}.kv_events")
     for i, window in enumerate(cfg.warmup.quiet_windows):
         try:
             parse_window(window)
@@ -551,6 +687,25 @@ def _validate(cfg: ZMLConfig, src: str) -> None:
             raise ConfigError(f"{src}: models.{model!r}.policy: unknown policy {mc.policy!r}")
     if cfg.defaults.policy not in names:
         raise ConfigError(f"{src}: defaults.policy: unknown policy {cfg.defaults.policy!r}")
+    _validate_batch(cfg.batch, names, src)
+
+
+def _validate_batch(b: BatchConfig, policies: set[str], src: str) -> None:
+    if b.policy and b.policy not in policies:
+        raise ConfigError(f"{src}: batch.policy: unknown policy {b.policy!r}")
+    if not b.completion_windows:
+        raise ConfigError(f"{src}: batch.completion_windows: give at least one (\"24h\")")
+    for i, window in enumerate(b.completion_windows):
+        try:
+            window_seconds(window)
+        except ValueError as exc:
+            raise ConfigError(f"{src}: batch.completion_windows[{i}]: {exc}") from None
+    if b.max_line_bytes > b.max_file_bytes:
+        raise ConfigError(f"{src}: batch.max_line_bytes ({b.max_line_bytes}) is above batch.max_file_bytes "
+                          f"({b.max_file_bytes})")
+    if b.max_file_bytes > b.max_store_bytes:
+        raise ConfigError(f"{src}: batch.max_file_bytes ({b.max_file_bytes}) is above batch.max_store_bytes "
+                          f"({b.max_store_bytes}): no file that size could be stored")
 
 
 def parse_config(data: dict[str, Any], source: str = "<memory>") -> ZMLConfig:
@@ -633,8 +788,8 @@ def reference_markdown() -> str:
     sections = [
         ("[nats]", "NatsConfig"), ("[gateway]", "GatewayConfig"), ("[router]", "RouterConfig"),
         ("[health]", "HealthConfig"), ("[warmup]", "WarmupConfig"), ("[defaults]", "DefaultsConfig"),
-        ("[metrics]", "MetricsConfig"), ("[[nodes]]", "NodeConfig"),
-        ("[nodes.sim]", "SimConfig"), ('[models."NAME"]', "ModelConfig"),
+        ("[metrics]", "MetricsConfig"), ("[batch]", "BatchConfig"), ("[[nodes]]", "NodeConfig"),
+        ("[nodes.sim]", "SimConfig"), ("[nodes.kv_events]", "KVEventsConfig"), ('[models."NAME"]', "ModelConfig"),
         ("[policy.NAME] / [policies.NAME]", "PolicyConfig"),
     ]
     out: list[str] = []

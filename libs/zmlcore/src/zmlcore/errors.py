@@ -4,17 +4,21 @@
 
     ZMLError                      INTERNAL            500
     ├── BadRequestError           BAD_REQUEST         400
-    │   ├── NotFoundError         NOT_FOUND           404  (unknown HTTP path)
+    │   ├── NotFoundError         NOT_FOUND           404  (unknown HTTP path, file or batch)
     │   ├── MethodNotAllowedError METHOD_NOT_ALLOWED  405
     │   ├── RequestTooLargeError  REQUEST_TOO_LARGE   413
     │   ├── HeadersTooLargeError  HEADERS_TOO_LARGE   431
     │   ├── DuplicateRequestError DUPLICATE_REQUEST_ID 409 (the owner has this request id in flight)
-    │   └── ReplyTooLargeError    REPLY_TOO_LARGE     400  (over max_payload and not collected in parts)
+    │   ├── ReplyTooLargeError    REPLY_TOO_LARGE     400  (over max_payload and not collected in parts)
+    │   ├── InvalidFileError      INVALID_FILE        400  (a batch input file with bad lines)
+    │   └── BatchStateError       BATCH_STATE         409  (not possible in the batch's status)
     ├── ConfigError               CONFIG_INVALID      (start-up only)
     │   └── PolicyConfigError     POLICY_CONFIG       400
     ├── AuthError                 AUTH_FAILED         401
     │   └── PermissionDeniedError MODEL_NOT_ALLOWED   403  (the key may not use this model)
     ├── RateLimitError            RATE_LIMITED        429  retryable
+    ├── QuotaExceededError        QUOTA_EXCEEDED      429  (too many files or batches for this key)
+    ├── StorageFullError          STORAGE_FULL        507  retryable (the batch store is full)
     ├── TimeoutError              TIMEOUT             504  retryable
     ├── CancelledError            CANCELLED           499
     ├── BackendError              BACKEND_ERROR       502  retryable
@@ -41,6 +45,7 @@ __all__ = [
     "AuthError",
     "BackendError",
     "BadRequestError",
+    "BatchStateError",
     "CancelledError",
     "ConfigError",
     "ConnectionError",
@@ -48,6 +53,7 @@ __all__ = [
     "ErrorBody",
     "ErrorDetail",
     "HeadersTooLargeError",
+    "InvalidFileError",
     "MethodNotAllowedError",
     "ModelNotLoadedError",
     "NotFoundError",
@@ -56,10 +62,12 @@ __all__ = [
     "NoHealthyNodesError",
     "PolicyConfigError",
     "QueueFullError",
+    "QuotaExceededError",
     "RateLimitError",
     "ReplyIncompleteError",
     "ReplyTooLargeError",
     "RoutingError",
+    "StorageFullError",
     "StreamInterruptedError",
     "TimeoutError",
     "ZMLError",
@@ -83,10 +91,13 @@ class ZMLError(Exception):
         *,
         routing_context: dict[str, Any] | None = None,
         retry_after: float | None = None,
+        param: str | None = None,
     ) -> None:
         self.message = message or self.__class__.__doc__ or self.code
         self.routing_context = routing_context
         self.retry_after = retry_after
+        #: OpenAI's ``error.param``: the parameter (or place, e.g. "line 3") at fault.
+        self.param = param
         super().__init__(self.message)
 
     def __str__(self) -> str:
@@ -101,6 +112,7 @@ class ZMLError(Exception):
                 message=self.message,
                 type=self.openai_type,
                 code=self.code,
+                param=self.param,
                 routing_context=self.routing_context,
                 retry_after=self.retry_after,
             )
@@ -162,6 +174,21 @@ class ReplyTooLargeError(BadRequestError):
     http_status = 400
 
 
+class InvalidFileError(BadRequestError):
+    """A batch input file has lines that cannot run (not JSON, a repeated ``custom_id``, an
+    unknown model or endpoint...): the message names the first few by line number."""
+
+    code = "INVALID_FILE"
+    http_status = 400
+
+
+class BatchStateError(BadRequestError):
+    """The batch's status does not allow this (e.g. cancelling a completed batch)."""
+
+    code = "BATCH_STATE"
+    http_status = 409
+
+
 class ConfigError(ZMLError):
     """zml.toml (or another configuration source) is invalid."""
 
@@ -201,6 +228,24 @@ class RateLimitError(ZMLError):
     http_status = 429
     retryable = True
     openai_type = "rate_limit_error"
+
+
+class QuotaExceededError(ZMLError):
+    """This key holds as many files or unfinished batches as the deployment allows
+    (``[batch]`` limits): delete files, or wait for batches to finish."""
+
+    code = "QUOTA_EXCEEDED"
+    http_status = 429
+    openai_type = "rate_limit_error"
+
+
+class StorageFullError(ZMLError):
+    """The batch store is at its size bound (``[batch] max_store_bytes``): retry later."""
+
+    code = "STORAGE_FULL"
+    http_status = 507
+    retryable = True
+    openai_type = "server_error"
 
 
 class TimeoutError(ZMLError):  # noqa: A001 - the seeds name the code TIMEOUT; shadowing is scoped
@@ -330,7 +375,8 @@ def error_class(code: str) -> type[ZMLError]:
 def from_wire(detail: ErrorDetail) -> ZMLError:
     """Rebuild the exception a peer sent. Unknown codes keep their code on a ZMLError."""
     cls = error_class(detail.code or ZMLError.code)
-    exc = cls(detail.message, routing_context=detail.routing_context, retry_after=detail.retry_after)
+    exc = cls(detail.message, routing_context=detail.routing_context, retry_after=detail.retry_after,
+              param=detail.param)
     if cls is ZMLError and detail.code and detail.code != ZMLError.code:
         exc.code = detail.code  # type: ignore[misc]  # instance attribute shadows the ClassVar
     return exc

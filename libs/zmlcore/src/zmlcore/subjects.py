@@ -9,6 +9,8 @@ No other module writes a subject literal: services and the SDK import these name
     _ZML_INBOX.<owner>.>           one identity's private reply inbox (owner = its public nkey)
     zml.node.inflight              router replicas share dispatch/completion deltas
     zml.node.marks                 router replicas share cooldown/saturation marks (NodeMark)
+    zml.node.kvevents.<node_id>    health: a node's engine KV-cache events, bridged (KvEventBatch)
+    zml.node.prefix                router replicas share where they sent which prompt (PrefixRecord)
     zml.admin.nodes.<verb>         node registration (add/remove/list)
     zml.events.completed           routers: one event per finished request (warmup, health)
     zml.events.warmup              warmup service: load started / finished / failed
@@ -18,6 +20,12 @@ No other module writes a subject literal: services and the SDK import these name
     KV bucket zml_leases           one key per role (health, warmup): which replica is active
     KV bucket zml_queue_claims     routers: create-only dispatch claims on queued requests
     KV bucket zml_request_ids      routers: create-only claims on callers' in-flight request ids
+    zml.batch.work.start|shard.<b>|final  the Batch API's work (stream ZML_BATCH_WORK, runners)
+    zml.batch.result.<b>.<shard>.<line>   one result per batch line (stream ZML_BATCH_RESULTS)
+    zml.batch.events               batch runners: a batch's status or progress changed
+    KV bucket zml_batch_index      Batch API: file and batch records, keyed by owner
+    Object store zml_batch_files   Batch API: input, output and error files
+    KV bucket zml_sessions         routers: session -> node bindings, expiring when idle
 """
 
 from __future__ import annotations
@@ -55,6 +63,25 @@ INFLIGHT_SNAPSHOT = f"{PREFIX}.node.inflight_snapshot"
 #: Router replicas share cooldown and saturation marks here (``NodeMark``): a node one replica
 #: saw fail is skipped by all of them.
 NODE_MARKS = f"{PREFIX}.node.marks"
+
+#: The health service bridges each node's engine KV-cache events (vLLM/SGLang ZMQ, ordered,
+#: gaps replayed) here as ``KvEventBatch`` JSON: ``zml.node.kvevents.<node_id>``; every router
+#: subscribes to ``zml.node.kvevents.>`` and applies them to its prefix index.
+KV_EVENTS_PREFIX = f"{PREFIX}.node.kvevents"
+
+
+#: Router replicas share every prompt they dispatch (its key chain and node) and every cache
+#: report an engine sent back (``PrefixRecord`` JSON), so that N replicas' prefix indexes agree.
+PREFIX_RECORDS = f"{PREFIX}.node.prefix"
+#: JetStream KV bucket (memory) of session bindings: key = hash of (owner, session id), value =
+#: the node id; the bucket's TTL is the idle time after which a session is forgotten.
+SESSIONS_BUCKET = "zml_sessions"
+
+
+def kv_events(node_id: str) -> str:
+    """``zml.node.kvevents.<node_id>``: one node's bridged KV-cache events."""
+    return f"{KV_EVENTS_PREFIX}.{node_id}"
+
 
 #: Run-time node registration and listing (request-reply).
 ADMIN_NODES_PREFIX = f"{PREFIX}.admin.nodes"
@@ -211,7 +238,7 @@ STREAM_FRAMES = "frames"
 #: headers. Without it a reply carries both (docs/nats-api.md).
 H_ACCEPT_ROUTING = "Zml-Accept-Routing"
 ROUTING_IN_BODY = "body"
-#: Front door only (dropped on ``zml.infer``: zml_router.trust). ``Zml-Body: clean``: the
+#: Front door only (dropped on ``zml.infer``: zml_router.flow.drop_untrusted). ``Zml-Body: clean``: the
 #: gateway validated the body (zmlcore.messages.validate) and moved ZML's own fields out of it into
 #: ``Zml-Policy`` (the per-call policy as JSON: a name or an inline policy) and
 #: ``Zml-Accelerator-Id`` (zmlcore.messages.frontdoor); the router reads it with one small decode.
@@ -231,6 +258,13 @@ LIMITS_BUCKET = "zml_limits"
 #: cost-attribution label (copied into routing metadata and completion events).
 H_DEFAULT_POLICY = "Zml-Default-Policy"
 H_LABEL = "Zml-Label"
+#: A conversation's id (HTTP ``x-session-id``, the SDK's ``session=``; the OpenAI ``user`` field
+#: when absent): routers keep its requests on one node while that node stays within its load
+#: bound, bindings shared in the KV bucket ``zml_sessions`` (docs/routing.md). Any sender may set
+#: it: it only groups that sender's own requests.
+H_SESSION = "Zml-Session"
+#: Longest session id accepted (longer ones are cut at the front door: it is a grouping key).
+MAX_SESSION_ID = 256
 
 #: Replies larger than NATS's max_payload (zmlcore.reply.bigreply). A requester that collects a reply
 #: in parts says so on its request with ``Zml-Accept-Parts: <most bytes it collects>`` (the
@@ -241,3 +275,54 @@ H_LABEL = "Zml-Label"
 H_ACCEPT_PARTS = "Zml-Accept-Parts"
 H_PART = "Zml-Part"
 H_PARTS = "Zml-Parts"
+
+#: ``Zml-Priority: batch`` on a request: it may wait, and is admitted only where a node has
+#: room beyond what interactive traffic needs (the batch runners send it; docs/batches.md).
+#: It can only lower the sender's own request, so it needs no trust.
+H_PRIORITY = "Zml-Priority"
+PRIORITY_BATCH = "batch"
+
+
+# --- The Batch API (docs/batches.md): gateway handlers and batch runners ----------------------
+#: JetStream KV bucket of file and batch records: ``f.<owner token>.<file id>`` and
+#: ``b.<owner token>.<batch id>`` (zmlcore.batch.store), so that one owner's records are one
+#: subject filter and another owner's id names a key that does not exist (404).
+BATCH_INDEX_BUCKET = "zml_batch_index"
+#: JetStream object store of the files themselves (inputs, outputs, errors): name = file id.
+BATCH_FILES_BUCKET = "zml_batch_files"
+#: Work-queue stream of the runners' work: each message is taken by one runner replica and
+#: stays until it acks (a runner killed mid-task leaves it to another after ack_wait).
+BATCH_WORK_STREAM = "ZML_BATCH_WORK"
+BATCH_WORK_PREFIX = f"{PREFIX}.batch.work"
+#: A new batch: validate it and split its input into shards (BatchTask).
+BATCH_WORK_START = f"{BATCH_WORK_PREFIX}.start"
+#: A batch whose every shard is done: write its output and error files (BatchTask).
+BATCH_WORK_FINAL = f"{BATCH_WORK_PREFIX}.final"
+BATCH_WORK_SHARDS = f"{BATCH_WORK_PREFIX}.shard.>"
+#: Durable pull consumers of the work stream, one per kind of work, shared by every runner.
+BATCH_START_CONSUMER = "zml-batch-start"
+BATCH_SHARD_CONSUMER = "zml-batch-shards"
+BATCH_FINAL_CONSUMER = "zml-batch-final"
+#: Stream of line results: one subject per line, at most one message per subject, the first
+#: kept (discard-new per subject): a line answered twice still has one result.
+BATCH_RESULTS_STREAM = "ZML_BATCH_RESULTS"
+BATCH_RESULT_PREFIX = f"{PREFIX}.batch.result"
+#: Runners publish a batch's new status or progress here (BatchEvent): dashboards, followers.
+BATCH_EVENTS = f"{PREFIX}.batch.events"
+
+
+def batch_shard(batch_id: str) -> str:
+    """Work subject of one batch's shards: ``zml.batch.work.shard.<batch id>``."""
+    return f"{BATCH_WORK_PREFIX}.shard.{batch_id}"
+
+
+def batch_result(batch_id: str, shard: int, line: int) -> str:
+    """Subject of one line's result: ``zml.batch.result.<batch id>.<shard>.<line>``."""
+    return f"{BATCH_RESULT_PREFIX}.{batch_id}.{shard}.{line}"
+
+
+def batch_results(batch_id: str, shard: int | None = None) -> str:
+    """Filter of a batch's results (or one shard's)."""
+    if shard is None:
+        return f"{BATCH_RESULT_PREFIX}.{batch_id}.>"
+    return f"{BATCH_RESULT_PREFIX}.{batch_id}.{shard}.*"

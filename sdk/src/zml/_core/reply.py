@@ -103,43 +103,15 @@ def int_or(v: Any, default: int = 0) -> int:
         return default
 
 
-def _float_or_none(v: Any) -> float | None:
-    try:
-        return None if v is None else float(v)
-    except (TypeError, ValueError):
-        return None
-
-
 def routing_from_dict(d: Mapping[str, Any]) -> Routing:
-    return Routing(
-        node_id=str(d.get("node_id", "")),
-        accelerator_type=str(d.get("accelerator_type", "")),
-        family=str(d.get("family", "")),
-        policy=str(d.get("policy", "")),
-        queue_depth_at_dispatch=int_or(d.get("queue_depth_at_dispatch")),
-        decision_id=str(d.get("decision_id", "")),
-        request_id=str(d.get("request_id", "")),
-        attempts=int_or(d.get("attempts"), 1),
-        time_to_first_token=_float_or_none(d.get("time_to_first_token")),
-        total_tokens=None if d.get("total_tokens") is None else int_or(d.get("total_tokens")),
-    )
+    """The routing metadata of a reply body's ``zml`` object (or a stream's start message)."""
+    return routingmeta.typed(d, Routing)
 
 
 def routing_from_headers(headers: Mapping[str, str]) -> Routing | None:
-    """Routing metadata from ``x-zml-*`` (HTTP) or ``zml-*`` (NATS) headers, if present
-    (lower-cased names; the map is zmlcore.reply.routingmeta's)."""
-    got = routingmeta.read(headers)
-    if got is None:
-        return None
-    return Routing(
-        node_id=got["node_id"],
-        accelerator_type=got.get("accelerator_type", ""),
-        family=got.get("family", ""),
-        policy=got.get("policy", ""),
-        queue_depth_at_dispatch=int_or(got.get("queue_depth_at_dispatch")),
-        decision_id=got.get("decision_id", ""),
-        request_id=got.get("request_id", ""),
-    )
+    """Routing metadata from ``x-zml-*`` (HTTP), ``Zml-*`` (NATS) or ``zml-*`` (gRPC) headers,
+    if present (lower-cased names; zmlcore.reply.routingmeta)."""
+    return routingmeta.read(headers, Routing)
 
 
 def metadata_for(routing: Routing, usage: Usage, ttft: float | None) -> InferMeta:

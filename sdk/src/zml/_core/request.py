@@ -58,6 +58,9 @@ class InferCall:
     #: The SDK made up ``request_id`` (the caller gave none): unique, so routers skip their
     #: cross-replica duplicate check.
     id_generated: bool = False
+    #: The conversation this call belongs to (``session=``): routers keep its requests on the
+    #: node that holds its prefix while that node has room (``x-session-id`` / ``Zml-Session``).
+    session: str | None = None
 
     def encode(self) -> bytes:
         return _json_encoder.encode(self.body)
@@ -67,17 +70,25 @@ class InferCall:
         return _PATHS[self.kind]
 
     def http_headers(self) -> dict[str, str]:
-        """Tells the gateway the id is the SDK's own (no cross-replica duplicate check needed)."""
-        return {H_HTTP_ID_GENERATED: "1"} if self.id_generated else {}
+        """Tells the gateway the id is the SDK's own (no cross-replica duplicate check needed),
+        and the call's session."""
+        out = {H_HTTP_ID_GENERATED: "1"} if self.id_generated else {}
+        if self.session:
+            out["x-session-id"] = self.session
+        return out
 
     def nats_headers(self) -> dict[str, str]:
         return {
             subjects.H_REQUEST_ID: self.request_id,
             subjects.H_TIMEOUT_MS: str(int(self.body.get("timeout_ms") or self.timeout_s * 1000)),
             **({subjects.H_ID_GENERATED: "1"} if self.id_generated else {}),
+            **({subjects.H_SESSION: self.session} if self.session else {}),
             # A stream's chunks as header-less frames: no header block to build or parse per
             # chunk (zmlcore.reply.streamframe; decoded by decode_nats_frame).
             **({subjects.H_ACCEPT_STREAM: subjects.STREAM_FRAMES} if self.stream else {}),
+            # The routing metadata once, in the body's zml object (a stream's start message):
+            # the SDK reads it there, so a dozen Zml-* headers would only cost parsing.
+            subjects.H_ACCEPT_ROUTING: subjects.ROUTING_IN_BODY,
             **trace_headers(),
         }
 
@@ -183,6 +194,10 @@ def build_infer(
     rf = merged.pop("response_format", None)
     asked_id = merged.pop("request_id", None)
     request_id = str(asked_id or new_request_id())
+    session = merged.pop("session", None)
+    if session is not None and (not isinstance(session, str) or not session.isprintable()
+                                or not 0 < len(session) <= subjects.MAX_SESSION_ID):
+        raise _bad_request(f"session must be printable text of 1 to {subjects.MAX_SESSION_ID} characters")
 
     if not merged.get("model"):
         raise _bad_request("model is required (pass model=... or set it on the client)")
@@ -214,6 +229,7 @@ def build_infer(
         response_format=rf,
         est_tokens=estimate_tokens(merged, default_output_tokens),
         stream=bool(stream),
+        session=session,
     )
 
 

@@ -15,6 +15,7 @@ _COMMANDS = (
     "zml.cli.sim",
     "zml.cli.infer",
     "zml.cli.batch",
+    "zml.cli.batches",
     "zml.cli.bench",
     "zml.cli.nodes",
     "zml.cli.cost",
@@ -32,6 +33,7 @@ _PASSTHROUGH = {
     "router": "zml_router.__main__",
     "health": "zml_health.__main__",
     "warmup": "zml_warmup.__main__",
+    "batch-runner": "zml_batch.__main__",
     "node-agent": "zml_nodeagent.__main__",
 }
 

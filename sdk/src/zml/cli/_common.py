@@ -18,6 +18,9 @@ def add_client_args(p: argparse.ArgumentParser, *, retries: int = 3) -> None:
     g.add_argument("--config", dest="config_path", help="zml.toml (default: found in . or a parent)")
     g.add_argument("--timeout", type=float, default=30.0, help="seconds per request (default 30)")
     g.add_argument("--max-retries", type=int, default=retries, help=f"retries of transient errors (default {retries})")
+    g.add_argument("--data-dir", help="the `zml up` data folder whose admin identity NATS is used with when "
+                                      "ZML_NATS_NKEY is unset (nats:// endpoints, nodes add/remove; default: "
+                                      "ZML_DATA_DIR, then ~/.local/share/zml when its server is the one asked)")
 
 
 def add_request_args(p: argparse.ArgumentParser, *, model_required: bool = True, max_tokens: int | None = None) -> None:
@@ -48,6 +51,9 @@ def parse_policy(value: str | None) -> str | Policy | None:
 
 
 def client_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    from zml.cli._bus import adopt_identity
+
+    adopt_identity(args.endpoint, args.config_path, getattr(args, "data_dir", None))
     return {
         "endpoint": args.endpoint,
         "api_key": args.api_key,

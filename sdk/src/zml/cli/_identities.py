@@ -51,9 +51,37 @@ class Identity:
 
 
 def default_data_dir() -> Path:
-    """``$XDG_DATA_HOME/zml`` or ``~/.local/share/zml``."""
+    """``$ZML_DATA_DIR``, else ``$XDG_DATA_HOME/zml`` or ``~/.local/share/zml``."""
+    chosen = os.environ.get("ZML_DATA_DIR")
+    if chosen:
+        return Path(chosen).expanduser()
     base = os.environ.get("XDG_DATA_HOME") or os.path.join(os.path.expanduser("~"), ".local", "share")
     return Path(base) / "zml"
+
+
+def data_dir_of(flag: str | None) -> tuple[Path, bool]:
+    """The data folder a command works on and whether the user chose it (``--data-dir`` or
+    ``ZML_DATA_DIR``) rather than getting the default."""
+    if flag:
+        return Path(flag).expanduser(), True
+    return default_data_dir(), bool(os.environ.get("ZML_DATA_DIR"))
+
+
+def served_urls(data_dir: str | os.PathLike[str]) -> list[str]:
+    """The client URLs of the nats-servers running from ``data_dir`` now (every member of a
+    `zml up --cluster`): nats-server writes them to ``nats-server_PID.ports``; files of servers
+    that are gone are ignored."""
+    out: list[str] = []
+    for ports in sorted(Path(data_dir).glob("*_*.ports")):
+        pid = ports.stem.rpartition("_")[2]
+        if not pid.isdigit() or not _is_nats_server(int(pid)):
+            continue
+        try:
+            urls = json.loads(ports.read_text()).get("nats") or []
+        except (OSError, ValueError, AttributeError):
+            continue
+        out += [str(u) for u in urls if isinstance(u, str)]
+    return out
 
 
 def _write_private(path: Path, data: str) -> None:
@@ -203,14 +231,19 @@ def running_server(data_dir: str | os.PathLike[str]) -> int | None:
         pid = int((Path(data_dir) / "nats.pid").read_text().strip())
     except (OSError, ValueError):
         return None
+    return pid if _is_nats_server(pid) else None
+
+
+def _is_nats_server(pid: int) -> bool:
+    """PID runs now and is a nats-server (not another process that got a stale file's PID)."""
     cmdline = Path(f"/proc/{pid}/cmdline")
     try:
         if cmdline.exists() and b"nats-server" not in cmdline.read_bytes():
-            return None  # a stale pid file: that PID is someone else's process now
+            return False
         os.kill(pid, 0)
     except (ProcessLookupError, PermissionError, OSError):
-        return None
-    return pid
+        return False
+    return True
 
 
 class Reloaded(NamedTuple):

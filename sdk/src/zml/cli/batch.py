@@ -7,6 +7,10 @@ every input line ends up in the output exactly once.
 
 Input lines: a JSON object with ``prompt`` or ``messages`` (plus optional ``id``, ``model``,
 ``max_tokens``... any ``infer()`` argument), a JSON string, or plain text (a prompt).
+
+``--server`` runs the file with the Batch API instead: uploaded, run by the batch runners on the
+fleet's spare capacity (this process may go away), followed with a progress bar, and its results
+written to ``--output`` as OpenAI's output lines (zml.cli._server_batch).
 """
 
 from __future__ import annotations
@@ -15,13 +19,12 @@ import argparse
 import json
 import os
 import sys
-import threading
-import time
-from typing import IO, Any
+from typing import Any
 
 from zml._client import Client
 from zml._errors import BadRequestError
 from zml._models import InferResult
+from zml.cli._batchio import Progress, read_items
 from zml.cli._common import add_client_args, add_request_args, client_kwargs, request_kwargs
 
 _ITEM_KEYS = {"prompt", "messages", "model", "max_tokens", "temperature", "policy", "routing", "accelerator_id",
@@ -31,8 +34,14 @@ _ITEM_KEYS = {"prompt", "messages", "model", "max_tokens", "temperature", "polic
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("batch", help="run a JSONL file of prompts (resumable)", description=__doc__,
                        formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--input", required=True, help="prompts.jsonl")
+    p.add_argument("--input", help="prompts.jsonl (or OpenAI batch request lines, with --server)")
     p.add_argument("--output", required=True, help="results.jsonl (one row per input line, any order)")
+    srv = p.add_argument_group("server-side (the Batch API: /v1/files, /v1/batches)")
+    srv.add_argument("--server", action="store_true", help="submit the file as a batch the server runs, follow it "
+                                                          "with a progress bar, then download its results")
+    srv.add_argument("--follow", metavar="BATCH_ID", help="with --server: follow a batch submitted before")
+    srv.add_argument("--no-wait", action="store_true", help="with --server: print the batch id and return")
+    srv.add_argument("--poll", type=float, default=1.0, help="with --server: seconds between progress checks")
     p.add_argument("--resume", action="store_true", help="keep the rows already in --output, run the rest")
     p.add_argument("--max-parallel-requests", "-c", type=int, default=8, help="requests in flight (default 8)")
     p.add_argument("--chat", action="store_true", help="send plain prompts as chat messages")
@@ -46,29 +55,6 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     add_request_args(p, model_required=False)
     add_client_args(p)
     p.set_defaults(func=run)
-
-
-def read_items(path: str, chat: bool) -> list[dict[str, Any]]:
-    items: list[dict[str, Any]] = []
-    try:
-        fh = open(path, encoding="utf-8")
-    except OSError as exc:
-        raise BadRequestError(f"cannot read {path}: {exc.strerror or exc}") from exc
-    with fh:
-        for lineno, line in enumerate(fh, 1):
-            line = line.strip()
-            if not line:
-                continue
-            try:
-                value: Any = json.loads(line)
-            except ValueError:
-                value = line
-            if isinstance(value, str):
-                value = {"messages": [{"role": "user", "content": value}]} if chat else {"prompt": value}
-            if not isinstance(value, dict) or ("prompt" not in value and "messages" not in value):
-                raise BadRequestError(f"{path}:{lineno}: expected a prompt string or an object with prompt/messages")
-            items.append(value)
-    return items
 
 
 def load_done(path: str) -> tuple[dict[int, str], bool]:
@@ -125,50 +111,13 @@ def result_row(index: int, item: dict[str, Any], result: InferResult | None, err
     return row
 
 
-class Progress:
-    """A progress bar with rate and ETA on stderr; plain lines when stderr is not a TTY."""
-
-    def __init__(self, total: int, already: int, stream: IO[str] | None = None) -> None:
-        self.total, self.already = total, already
-        self.ok = self.err = 0
-        self.stream = stream or sys.stderr
-        self.tty = self.stream.isatty()
-        self.started = self.last = time.monotonic()
-        self._lock = threading.Lock()
-
-    def line(self, now: float) -> str:
-        done = self.already + self.ok + self.err
-        run = self.ok + self.err
-        elapsed = max(now - self.started, 1e-9)
-        rate = run / elapsed
-        left = self.total - done
-        eta = "0s" if left <= 0 else (f"{left / rate:.0f}s" if rate > 0 else "?")
-        pct = 100.0 * done / self.total if self.total else 100.0
-        text = f"{done}/{self.total} ({pct:.0f}%) ok={self.already + self.ok} err={self.err} {rate:.1f} req/s ETA {eta}"
-        if self.tty:
-            width = 30
-            fill = int(width * done / self.total) if self.total else width
-            return f"\r[{'#' * fill}{'.' * (width - fill)}] {text}\x1b[K"
-        return f"zml batch: {text}\n"
-
-    def update(self, ok: bool) -> None:
-        with self._lock:
-            if ok:
-                self.ok += 1
-            else:
-                self.err += 1
-            now = time.monotonic()
-            if now - self.last >= (0.1 if self.tty else 2.0):
-                self.last = now
-                self.stream.write(self.line(now))
-                self.stream.flush()
-
-    def finish(self) -> None:
-        self.stream.write(self.line(time.monotonic()) + ("\n" if self.tty else ""))
-        self.stream.flush()
-
-
 def run(args: argparse.Namespace) -> int:
+    if args.server or args.follow:
+        from zml.cli import _server_batch
+
+        return _server_batch.run(args)
+    if not args.input:
+        raise BadRequestError("--input is required (or --server --follow BATCH_ID)")
     items = read_items(args.input, args.chat)
     try:
         return _run(args, items)

@@ -131,7 +131,7 @@ async def sweep(args: argparse.Namespace) -> dict[str, Any]:
     levels = _levels(args.concurrency)
     common = request_kwargs(args)
     if args.input_jsonl:
-        from zml.cli.batch import read_items
+        from zml.cli._batchio import read_items
 
         items = [{**common, **item} for item in read_items(args.input_jsonl, chat=True)]
     else:

@@ -30,7 +30,9 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     i = verbs.add_parser("issue", help="create an identity and print its seed file")
     i.add_argument("name", help="letters, digits, - and _")
     i.add_argument("--role", default="client", choices=ROLES,
-                   help="client (default): request zml.infer, cancel its own requests, read its own replies")
+                   help="client (default): request zml.infer, cancel its own requests, read its own replies; "
+                        "observer: read completion and warmup events (zml.events.>), node state and prices, "
+                        "nothing else; the services' and admin roles")
     i.add_argument("--out", help="also copy the seed file here (mode 0600)")
     r = verbs.add_parser("revoke", help="delete an identity; its connections are closed at once")
     r.add_argument("name")
@@ -59,29 +61,29 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
 def run(args: argparse.Namespace) -> int:
     import os
 
-    from zml.cli import _identities as natscreds
+    from zml.cli import _identities
 
-    data_dir = args.data_dir or str(natscreds.default_data_dir())
+    data_dir = args.data_dir or str(_identities.default_data_dir())
     if args.verb == "init":
-        ids = natscreds.ensure_builtin(data_dir)
-        conf = natscreds.write_server_config(data_dir)
+        ids = _identities.ensure_builtin(data_dir)
+        conf = _identities.write_server_config(data_dir)
         print(f"{len(ids)} identities in {data_dir}; nats-server config: {conf}")
         return 0
     if args.verb == "list":
-        for ident in natscreds.identities(data_dir):
+        for ident in _identities.identities(data_dir):
             print(f"{ident.name:<20} {ident.role:<8} {ident.public_key}")
         return 0
     wants_plan = bool(getattr(args, "plan", None) or getattr(args, "key_id", None)
                       or any(getattr(args, k, None) is not None for k in ("rpm", "concurrent", "tpm")))
     if args.verb == "plan":
-        found = natscreds.get(data_dir, args.name)
+        found = _identities.get(data_dir, args.name)
         if found is None:
             raise ConfigError(f"no identity {args.name!r} in {data_dir}")
         return asyncio.run(_plan(args, data_dir, found, remove=args.none or not wants_plan))
     if args.verb == "issue":
         if wants_plan and args.role != "client":
             raise ConfigError("plans are for client identities (services are limited at the gateway)")
-        ident = natscreds.issue(data_dir, args.name, role=args.role)
+        ident = _identities.issue(data_dir, args.name, role=args.role)
         path = ident.seed_file
         if args.out:
             shutil.copyfile(ident.seed_file, args.out)
@@ -92,16 +94,18 @@ def run(args: argparse.Namespace) -> int:
         if wants_plan:
             asyncio.run(_plan(args, data_dir, ident, remove=False))
     else:
-        ident = natscreds.revoke(data_dir, args.name)
+        ident = _identities.revoke(data_dir, args.name)
         print(f"revoked {ident.name} ({ident.role}) {ident.public_key}")
         # Its plan entry can never apply again (the seed is gone; a re-issued name gets a new
-        # key), so it is removed only when a broker was named: best effort, bounded.
-        if ident.role == "client" and (args.nats_url or os.environ.get("ZML_NATS_URL")):
+        # key), so it is removed only when a broker is named or runs from the folder: best
+        # effort, bounded.
+        if ident.role == "client" and (args.nats_url or os.environ.get("ZML_NATS_URL")
+                                       or _identities.served_urls(data_dir)):
             try:
                 asyncio.run(asyncio.wait_for(_plan(args, data_dir, ident, remove=True, quiet=True), 10))
             except Exception as exc:
                 print(f"plan of {ident.name} not removed ({type(exc).__name__})", file=sys.stderr)
-    done = natscreds.reload_server(data_dir)
+    done = _identities.reload_server(data_dir)
     if done is None:
         print(f"no running nats-server for {data_dir}: the change applies when it starts "
               "(elsewhere: `nats-server --signal reload`)", file=sys.stderr)
@@ -115,17 +119,14 @@ def run(args: argparse.Namespace) -> int:
 
 async def _plan(args: argparse.Namespace, data_dir: str, ident: Any, *, remove: bool, quiet: bool = False) -> int:
     """Write (or remove) ``ident``'s plan in the keys bucket, as the admin identity."""
-    import os
     import time
 
     import msgspec
 
-    from zmlcore.config import find_config, load_config
+    from zml.cli._bus import operator_nats, resolve
     from zmlcore.errors import BadRequestError
     from zmlcore.access.apikeys import remove_identity_plan, set_identity_plan
     from zmlcore.messages.keys import IdentityPlan
-    from zmlcore.access.identity import connect_options
-    from zmlcore.bus.link import split_urls
     from zmlcore.limits.plans import plan_limits
 
     if ident.role != "client":
@@ -133,16 +134,8 @@ async def _plan(args: argparse.Namespace, data_dir: str, ident: Any, *, remove: 
     for value in (args.rpm, args.concurrent, args.tpm) if not remove else ():
         if value is not None and value < 1:
             raise BadRequestError("limits must be >= 1")
-    cfg = load_config(args.config or find_config()).nats
-    admin = os.path.join(data_dir, "creds", "admin.nk")
-    seed = cfg.nkey_file or (admin if os.path.isfile(admin) else None)
-    url = args.nats_url or os.environ.get("ZML_NATS_URL") or cfg.url
-    import nats
-
-    # One attempt, no reconnects: a command must fail, not hang, when the broker is not there.
-    nc = await nats.connect(split_urls(url), name="zml-cli", connect_timeout=3, allow_reconnect=False,
-                            **connect_options(cfg, seed_file=seed))
-    try:
+    # As the folder's admin (ZML_NATS_NKEY wins), on its running server unless a URL is given.
+    async with operator_nats(resolve(nats_url=args.nats_url, config_path=args.config, data_dir=data_dir)) as nc:
         if remove:
             gone = await remove_identity_plan(nc, ident.public_key)
             if not quiet:
@@ -157,5 +150,3 @@ async def _plan(args: argparse.Namespace, data_dir: str, ident: Any, *, remove: 
             f"plan {plan} {msgspec.json.encode(limits).decode()}"
         print(f"{ident.name}: {what} (every router applies it within a second)")
         return 0
-    finally:
-        await nc.close()

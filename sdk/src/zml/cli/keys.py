@@ -12,6 +12,8 @@ import asyncio
 import json
 import time
 
+from zml.cli._bus import add_bus_args
+
 
 def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     p = sub.add_parser("keys", help="create, list and revoke API keys (plans: maker, team, custom)")
@@ -32,8 +34,7 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     r = verbs.add_parser("revoke", help="revoke a key by id")
     r.add_argument("key_id")
     for q in (c, ls, r):
-        q.add_argument("--nats-url", help="NATS URL (default: ZML_NATS_URL, then zml.toml, then nats://127.0.0.1:4222)")
-        q.add_argument("--config", help="zml.toml (default: found in this folder or a parent)")
+        add_bus_args(q)
     p.set_defaults(func=run)
 
 
@@ -44,25 +45,20 @@ def _limits_text(limits: dict[str, int]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    import os
-
     import msgspec
 
-    from zmlcore.config import find_config, load_config
+    from zml.cli._bus import operator_nats, resolve
     from zmlcore.errors import BadRequestError
     from zmlcore.access.apikeys import create_key, list_keys, revoke_key
-    from zmlcore.access.identity import cli_options
-    from zmlcore.bus.connect import connect
     from zmlcore.limits.plans import plan_limits
 
-    url = args.nats_url or os.environ.get("ZML_NATS_URL") or load_config(args.config or find_config()).nats.url
+    target = resolve(nats_url=args.nats_url, config_path=args.config, data_dir=args.data_dir)
     for value in (getattr(args, "rpm", None), getattr(args, "concurrent", None), getattr(args, "tpm", None)):
         if value is not None and value < 1:
             raise BadRequestError("limits must be >= 1")
 
     async def go() -> int:
-        nc = await connect(url, "zml-cli", connect_timeout=3, **cli_options(args.config))
-        try:
+        async with operator_nats(target) as nc:
             if args.verb == "create":
                 limits = plan_limits(args.plan, requests_per_minute=args.rpm, concurrent=args.concurrent,
                                      tokens_per_minute=args.tpm)
@@ -91,7 +87,5 @@ def run(args: argparse.Namespace) -> int:
                 return 0
             print(f"{args.key_id}: no such key")
             return 1
-        finally:
-            await nc.close()
 
     return asyncio.run(go())

@@ -8,9 +8,10 @@ import time
 from typing import Any
 
 from zml._client import Client
+from zml.cli._bus import add_bus_args
 from zml.cli._common import add_client_args, client_kwargs
 
-COLUMNS = ("NODE", "TYPE", "FAMILY", "MODELS", "HEALTH", "QUEUE", "STATE", "COOLDOWN", "ENDPOINT")
+COLUMNS = ("NODE", "TYPE", "FAMILY", "MODELS", "HEALTH", "QUEUE", "STATE", "COOLDOWN", "CACHE", "ENDPOINT")
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -32,27 +33,31 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     a.add_argument("--cost-per-hour", type=float, help="price (default: the accelerator's list price)")
     a.add_argument("--probe-endpoint", help="node probe (zml node-agent) URL")
     a.add_argument("--replace", action="store_true", help="overwrite a node with the same id")
-    a.add_argument("--nats-url", help="NATS URL (default: ZML_NATS_URL, then zml.toml, then nats://127.0.0.1:4222)")
+    add_bus_args(a, config=False, data_dir=False)
     add_client_args(p, retries=1)
     p.set_defaults(func=run)
 
 
 def _admin(args: argparse.Namespace) -> int:
-    import os
+    import asyncio
 
     import msgspec
 
-    from zmlcore.config import find_config, load_config
+    from zml.cli._bus import operator_nats, resolve
     from zmlcore.errors import BadRequestError
-    from zmlcore.fleet.registry import add_node_sync, remove_node_sync
+    from zmlcore.fleet.registry import add_node, remove_node
     from zmlcore.messages import NodeSpec
-    from zmlcore.access.identity import cli_options
 
     if not args.node_id:
         raise BadRequestError(f"zml nodes {args.action} needs a node id")
-    url = args.nats_url or os.environ.get("ZML_NATS_URL") or load_config(args.config_path or find_config()).nats.url
+    target = resolve(nats_url=args.nats_url, config_path=args.config_path, data_dir=args.data_dir)
+
+    async def call(fn: Any, *a: Any, **kw: Any) -> Any:
+        async with operator_nats(target) as nc:
+            return await fn(nc, *a, **kw)
+
     if args.action == "remove":
-        remove_node_sync(url, args.node_id, connect_options=cli_options(args.config_path))
+        asyncio.run(call(remove_node, args.node_id))
         print(f"{args.node_id}: removed")
         return 0
     if not (args.accelerator and args.node_url):
@@ -68,7 +73,7 @@ def _admin(args: argparse.Namespace) -> int:
         spec = msgspec.convert({k: v for k, v in raw.items() if v is not None}, NodeSpec)
     except msgspec.ValidationError as exc:
         raise BadRequestError(f"invalid node: {exc}") from exc
-    add_node_sync(url, spec, replace=args.replace, connect_options=cli_options(args.config_path))
+    asyncio.run(call(add_node, spec, replace=args.replace))
     print(f"{args.node_id}: added ({args.accelerator} at {args.node_url}); `zml nodes` shows it after its first poll")
     return 0
 
@@ -96,6 +101,22 @@ def _cooldown(n: dict[str, Any], now: float) -> str:
     return "-"
 
 
+def _cache(n: dict[str, Any]) -> str:
+    """How routers know the node's prefix cache, its size (blocks x tokens a block) and the
+    share of prompt tokens its engine served from it lately: ``precise:8192x64:42%``."""
+    parts = [str(n.get("cache_fidelity") or "-")]
+    bs, blocks = n.get("kv_block_size"), n.get("kv_blocks")
+    if isinstance(bs, int) and isinstance(blocks, int) and bs and blocks:
+        parts.append(f"{blocks}x{bs}")
+    hit = n.get("prefix_cache_hit_rate")
+    if isinstance(hit, (int, float)):
+        parts.append(f"{hit * 100:.0f}%")
+    events = n.get("kv_events")
+    if isinstance(events, str) and events.startswith("down"):
+        parts.append("events-down")
+    return ":".join(parts)
+
+
 def rows(nodes: list[dict[str, Any]], now: float) -> list[tuple[str, ...]]:
     out: list[tuple[str, ...]] = []
     for n in nodes:
@@ -110,7 +131,7 @@ def rows(nodes: list[dict[str, Any]], now: float) -> list[tuple[str, ...]]:
         queue = int(n.get("queue_running", 0)) + int(n.get("queue_waiting", 0))
         out.append((
             str(n.get("node_id", "?")), str(n.get("accelerator_type", "")), str(n.get("family", "")), models,
-            f"{float(n.get('health_score', 0.0)):.0f}", str(queue), state, _cooldown(n, now),
+            f"{float(n.get('health_score', 0.0)):.0f}", str(queue), state, _cooldown(n, now), _cache(n),
             str(n.get("endpoint") or "-"),
         ))
     return out

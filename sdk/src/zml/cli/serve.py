@@ -12,6 +12,8 @@ import asyncio
 import sys
 import time
 
+from zml.cli._bus import Target, add_bus_args, resolve
+
 
 def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None:
     p = sub.add_parser("serve", help="load a model on its nodes now and report progress until ready",
@@ -21,32 +23,21 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     g = p.add_mutually_exclusive_group()
     g.add_argument("--nodes", help="comma-separated node ids (default: every node configured with the model)")
     g.add_argument("--family", action="append", default=[], help="only nodes of this family (repeatable)")
-    p.add_argument("--config", help="zml.toml (default: found in . or a parent); gives the NATS URL")
-    p.add_argument("--nats-url", help="NATS server (default: zml.toml's [nats] url or ZML_NATS_URL)")
+    add_bus_args(p)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for ready (default 900)")
     p.add_argument("--no-wait", action="store_true", help="ask for the load and return")
     p.set_defaults(func=run)
 
 
-def _nats_url(args: argparse.Namespace) -> str:
-    if args.nats_url:
-        return str(args.nats_url)
-    from zmlcore.config import find_config, load_config
-
-    path = args.config or find_config()
-    return load_config(path).nats.url
-
-
 def run(args: argparse.Namespace) -> int:
+    target = resolve(nats_url=args.nats_url, config_path=args.config, data_dir=args.data_dir)
     return asyncio.run(serve(args.model, nodes=[n for n in (args.nodes or "").split(",") if n],
-                             family=args.family, nats_url=_nats_url(args), timeout=args.timeout,
-                             wait=not args.no_wait, config=args.config))
+                             family=args.family, target=target, timeout=args.timeout, wait=not args.no_wait))
 
 
-async def serve(model: str, *, nodes: list[str], family: list[str], nats_url: str, timeout: float,
-                wait: bool = True, out: "object" = None, config: str | None = None) -> int:
+async def serve(model: str, *, nodes: list[str], family: list[str], target: Target, timeout: float,
+                wait: bool = True, out: "object" = None) -> int:
     import msgspec
-    import nats
     from nats.errors import NoRespondersError
     from nats.errors import TimeoutError as NatsTimeout
 
@@ -62,10 +53,9 @@ async def serve(model: str, *, nodes: list[str], family: list[str], nats_url: st
         print(line, file=stream, flush=True)  # type: ignore[arg-type]
 
     t0 = time.monotonic()
-    from zmlcore.access.identity import cli_options
+    from zml.cli._bus import check_denied, operator_nats
 
-    nc = await nats.connect(servers=[u.strip() for u in nats_url.split(",") if u.strip()], connect_timeout=3, max_reconnect_attempts=0, **cli_options(config))
-    try:
+    async with operator_nats(target) as nc:
         req = ServeRequest(model=model, nodes=nodes, family=family)
         try:
             msg = await nc.request(subjects.WARMUP_SERVE, msgspec.json.encode(req), timeout=min(timeout, 120.0))
@@ -73,6 +63,7 @@ async def serve(model: str, *, nodes: list[str], family: list[str], nats_url: st
             say("zml serve: no warmup service answers (start `zml warmup`, or use `zml up`)")
             return 2
         except NatsTimeout:
+            check_denied(nc, target)  # no answer because the server refused the request
             say("zml serve: the warmup service did not answer in time")
             return 1
         if msg.headers and subjects.H_ERROR_CODE in msg.headers:
@@ -125,5 +116,3 @@ async def serve(model: str, *, nodes: list[str], family: list[str], nats_url: st
             say(f"{reply.model}: ready on {sum(t.state in ('loaded', 'loading') for t in reply.targets)} node(s) "
                 f"in {time.monotonic() - t0:.1f} s")
         return 1 if failed else 0
-    finally:
-        await nc.close()

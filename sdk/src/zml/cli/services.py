@@ -11,6 +11,7 @@ _SERVICES = {
     "gateway": "HTTP gateway (OpenAI-compatible)",
     "router": "router replica",
     "health": "health service",
+    "batch-runner": "batch runner (the Batch API's work)",
 }
 
 

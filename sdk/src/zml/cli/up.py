@@ -1,4 +1,4 @@
-"""`zml up`: embedded NATS + every service + the simulated demo fleet, in one command.
+"""`zml up`: embedded NATS + every service (batch runners included) + the simulated demo fleet, in one command.
 
 Prints one line with ``ready`` and the gateway URL once a request would succeed. Every child
 (nats-server, services, sim fleet) is supervised: one that exits is started again after a backoff
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import signal
 import sys
 import tempfile
@@ -58,14 +59,15 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
     p.add_argument("--sim-port-base", type=int, metavar="N",
                    help="put the simulated nodes on ports N, N+1, ... (default: free ports for the demo fleet, "
                         "the endpoints of --config as written)")
-    p.add_argument("--data-dir", help="identities, NATS config and JetStream storage (default: ~/.local/share/zml; "
-                                      "with --insecure a temporary folder)")
+    p.add_argument("--data-dir", help="identities, NATS config and JetStream storage (default: ZML_DATA_DIR, then "
+                                      "~/.local/share/zml; with --insecure a temporary folder)")
     p.add_argument("--insecure", action="store_true",
                    help="run NATS without authorization: anyone who reaches the port can read and inject anything")
     p.add_argument("--ready-timeout", type=float, default=90.0, help="seconds to wait for the first good request")
     p.add_argument("--metrics-port", type=int, metavar="N",
-                   help="Prometheus /metrics ports N, N+1, ...: health and warmup (each replica), then one per router (default: free "
-                        "ports, printed at start; 0: none). The gateway serves /metrics on its own port")
+                   help="Prometheus /metrics ports N, N+1, ...: health and warmup (each replica), then one per router, "
+                        "then one per batch runner (default: free ports, printed at start; 0: none). The gateway serves "
+                        "/metrics on its own port")
     p.add_argument("--log-format", choices=("text", "json"), default="text", help="children's log lines")
     p.add_argument("-v", "--verbose", action="store_true", help="echo every child's log")
     p.set_defaults(func=run)
@@ -116,9 +118,11 @@ def run(args: argparse.Namespace) -> int:
     wanted += [(*endpoint_port(n.endpoint), f"sim node {n.id} (endpoint in {config})") for n in sim_nodes]
     standby = max(0, args.standby)
     singletons = [f"{role}-{i + 1}" if standby else role for role in ("health", "warmup") for i in range(1 + standby)]
+    # Batch runners share the Batch API's work (no leader): [batch] processes of them.
+    runners = [f"batch-{i + 1}" for i in range(cfg.batch.processes)] if cfg.batch.enabled else []
     metrics_ports: dict[str, int] = {}
     if args.metrics_port != 0:
-        names = [*singletons, *(f"router-{i + 1}" for i in range(routers))]
+        names = [*singletons, *(f"router-{i + 1}" for i in range(routers)), *runners]
         if args.metrics_port is None:
             metrics_ports = {name: listen_ports(1, args.host) for name in names}
         else:
@@ -146,6 +150,7 @@ def run(args: argparse.Namespace) -> int:
         if args.nats_url:
             nats_url = args.nats_url
         else:
+            args.data_dir = args.data_dir or os.environ.get("ZML_DATA_DIR") or None
             if args.data_dir is None and args.insecure:
                 tmp = tempfile.TemporaryDirectory(prefix="zml-nats-")
             data_dir = Path(args.data_dir or (tmp.name if tmp else default_data_dir()))
@@ -205,6 +210,8 @@ def run(args: argparse.Namespace) -> int:
         for i in range(routers):
             name = f"router-{i + 1}"
             service(name, *service_argv("router", config, nats_url, "--router-id", name, *extra(name)))
+        for name in runners:
+            service(name, *service_argv("batch", config, nats_url, "--runner-id", name, *extra(name)))
         gw_argv = ["--host", args.host, "--port", str(args.gateway_port), "--log-format", args.log_format]
         if gateways == 1:
             service("gateway", *service_argv("gateway", config, nats_url, *gw_argv))
@@ -227,10 +234,11 @@ def run(args: argparse.Namespace) -> int:
             time.sleep(0.5)
         if not stopping:
             if envs and data_dir is not None:
-                print(f"zml up: NATS authorization on (identities in {data_dir}). A client identity for raw NATS or "
-                      f"the SDK: `zml creds issue NAME --data-dir {data_dir}`, then ZML_NATS_NKEY=<the file it "
-                      f"writes>. Operator commands (zml nodes/cost/serve/keys): "
-                      f"ZML_NATS_NKEY={data_dir / 'creds' / 'admin.nk'}", flush=True)
+                mine = "" if data_dir == default_data_dir() else f" --data-dir {data_dir}"
+                print(f"zml up: NATS authorization on (identities in {data_dir}). Operator commands (zml nodes/cost/"
+                      f"serve/keys/creds) use its admin identity{mine or ' by themselves'}. A client identity for raw "
+                      f"NATS or the SDK: `zml creds issue NAME{mine}`, then ZML_NATS_NKEY=<the file it writes>",
+                      flush=True)
             elif not args.nats_url:
                 print("zml up: --insecure: NATS has no authorization; anyone who reaches "
                       f"{nats_url} can read every prompt and reply and register nodes", flush=True)

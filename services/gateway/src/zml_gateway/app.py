@@ -22,6 +22,7 @@ import logging
 from nats.aio.client import Client as NATS
 
 from zmlcore.access.apikeys import KeyRing
+from zmlcore.batch.api import BatchApi
 from zmlcore.config import ZMLConfig
 from zmlcore.errors import MethodNotAllowedError, NotFoundError, ZMLError
 from zmlcore.fleet.costs import CostTable
@@ -29,6 +30,7 @@ from zmlcore.messages import NodeState
 from zmlcore.messages.validate import clip
 from zml_gateway.access import Access
 from zml_gateway.asgi import Receive, Scope, Send, send_error, without_body
+from zml_gateway.batches import BatchRoutes
 from zml_gateway.infer.handler import Inference
 from zml_gateway.infer.intake import Intake
 from zml_gateway.infer.upstream import Upstream
@@ -41,7 +43,7 @@ log = logging.getLogger("zml.gateway")
 
 class Gateway:
     def __init__(self, cfg: ZMLConfig, nc: NATS, nodes: dict[str, NodeState], costs: CostTable | None = None,
-                 access: Access | None = None) -> None:
+                 access: Access | None = None, batch_api: BatchApi | None = None) -> None:
         self.cfg = cfg
         self.nc = nc
         self.access = access or Access(cfg, KeyRing(cfg.gateway.api_keys), None)
@@ -59,6 +61,8 @@ class Gateway:
         r.add("GET", "/v1/models/{model:path}", listing.model)
         r.add("GET", "/v1/nodes", listing.node_table)
         r.add("GET", "/healthz", listing.healthz)
+        if batch_api is not None:  # /v1/files and /v1/batches (zml_gateway.batches)
+            BatchRoutes(cfg, batch_api, self.access, self.intake).add_to(r)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":

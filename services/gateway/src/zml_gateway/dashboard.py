@@ -4,8 +4,9 @@ build step, no CDN) and GET /dashboard/state, the JSON it polls every second.
 The state joins three sources: the gateway's node table (health's KV view, run-time prices and
 every router replica's in-flight/cooldown/saturation: :class:`zml_gateway.nodetable.NodeTable`), the
 routers' completion events (``zml.events.completed``: decisions per second by family and node,
-TTFT and latency percentiles, errors by code, over a sliding window) and the saturation queue's
-depth (JetStream consumer info). One state is built at most every ``CACHE_S`` however many
+TTFT and latency percentiles, errors by code, over a sliding window), the saturation queue's
+depth (JetStream consumer info) and the Batch API's batches and their progress (the runners'
+``zml.batch.events``). One state is built at most every ``CACHE_S`` however many
 pages poll. With keys on, /dashboard/state wants an operator key, one of zml.toml's
 ``[gateway] api_keys`` (the page asks for it and keeps it in the tab's sessionStorage); the
 static files carry no data.
@@ -26,6 +27,7 @@ from nats.aio.msg import Msg
 
 from zmlcore import subjects
 from zmlcore.errors import MethodNotAllowedError, NotFoundError, PermissionDeniedError
+from zmlcore.messages.batch import BatchEvent, batch_event_decoder
 from zmlcore.messages.warmup import RequestCompleted
 from zmlcore.bus.queueinfo import queue_depths
 from zml_gateway.access import Access
@@ -38,6 +40,9 @@ RATE_WINDOW_S = 10.0
 STATS_WINDOW_S = 60.0
 MAX_EVENTS = 50_000
 CACHE_S = 0.5
+#: Batches shown: the most recent, finished ones for this long after their last event.
+MAX_BATCHES = 20
+FINISHED_SHOWN_S = 600.0
 
 _FILES = {
     "/dashboard": ("dashboard.html", b"text/html; charset=utf-8"),
@@ -52,6 +57,7 @@ _SECURITY = [
     (b"content-security-policy", b"default-src 'self'; img-src 'self' data:; frame-ancestors 'none'"),
 ]
 _completed = msgspec.json.Decoder(RequestCompleted)
+_TERMINAL = frozenset({"completed", "failed", "expired", "cancelled"})
 
 
 def percentiles(values: list[float]) -> dict[str, float | int | None]:
@@ -73,19 +79,47 @@ class Dashboard:
         #: (monotonic time received, family, node, ok, error code, ttft, latency)
         self.events: deque[tuple[float, str, str, bool, str, float | None, float | None]] = deque(maxlen=MAX_EVENTS)
         self._sub: Any = None
+        self._batch_sub: Any = None
+        #: batch id -> (monotonic time of its last event, the event)
+        self.batches: dict[str, tuple[float, BatchEvent]] = {}
         self._files: dict[str, bytes] = {}
         self._cached: tuple[float, bytes] | None = None
         self._building: asyncio.Future[bytes] | None = None
 
     async def start(self) -> None:
         self._sub = await self.nc.subscribe(subjects.event(subjects.EVENT_COMPLETED), cb=self._on_completed)
+        self._batch_sub = await self.nc.subscribe(subjects.BATCH_EVENTS, cb=self._on_batch)
 
     async def stop(self) -> None:
-        if self._sub is not None:
-            try:
-                await self._sub.unsubscribe()
-            except Exception:  # connection already closing
-                pass
+        for sub in (self._sub, self._batch_sub):
+            if sub is not None:
+                try:
+                    await sub.unsubscribe()
+                except Exception:  # connection already closing
+                    pass
+
+    async def _on_batch(self, msg: Msg) -> None:
+        try:
+            ev = batch_event_decoder.decode(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return
+        now = time.monotonic()
+        old = self.batches.get(ev.batch_id)
+        if old is not None and old[1].ts > ev.ts:
+            return  # a late event of an earlier state
+        self.batches[ev.batch_id] = (now, ev)
+        if len(self.batches) > 4 * MAX_BATCHES:  # bounded: the finished and silent go first
+            keep = sorted(self.batches.items(), key=lambda kv: (kv[1][1].status not in _TERMINAL, kv[1][0]))
+            self.batches = dict(keep[-MAX_BATCHES:])
+
+    def batch_rows(self, now: float) -> list[dict[str, Any]]:
+        rows = []
+        for seen, ev in sorted(self.batches.values(), key=lambda x: x[1].batch_id, reverse=True):
+            if ev.status in _TERMINAL and now - seen > FINISHED_SHOWN_S:
+                continue
+            rows.append({"id": ev.batch_id, "status": ev.status, "total": ev.total, "completed": ev.completed,
+                         "failed": ev.failed, "updated_s": round(now - seen, 1)})
+        return rows[:MAX_BATCHES]
 
     async def _on_completed(self, msg: Msg) -> None:
         try:
@@ -161,8 +195,12 @@ class Dashboard:
                 "in_flight": n.get("in_flight", 0), "cooldown_s": n.get("cooldown_s", 0.0),
                 "saturated_s": n.get("saturated_s", 0.0), "price_per_hour": n.get("cost_per_hour", 0.0),
                 "models": n.get("models", []), "routers": n.get("routers", 0),
+                "cache_fidelity": n.get("cache_fidelity", ""), "kv_events": n.get("kv_events", ""),
+                "prefix_cache_hit_rate": n.get("prefix_cache_hit_rate"),
+                "kv_block_size": n.get("kv_block_size", 0), "kv_blocks": n.get("kv_blocks", 0),
             })
-        return {"ts": time.time(), "nodes": rows, "queue": depths, **self.stats(time.monotonic())}
+        now = time.monotonic()
+        return {"ts": time.time(), "nodes": rows, "queue": depths, "batches": self.batch_rows(now), **self.stats(now)}
 
     async def _queue(self) -> dict[str, int]:
         try:

@@ -16,6 +16,10 @@ Each request's cycle is a :class:`FastCycle`: a response that declares its lengt
 one write (head and body), and the app can ask to be called back when the client goes away
 (:meth:`FastCycle.on_disconnect`) instead of keeping a task in ``receive()``.
 
+uvicorn documents neither class subclassed here: they come from
+:mod:`zml_gateway.uvicorninternals`, which checks at start-up that what this module relies on is
+there.
+
 A connection whose first bytes are the HTTP/2 client preface (h2c with prior knowledge, or
 TLS after ALPN chose ``h2``) is handed to :class:`zml_gateway.http2.H2Protocol`, which serves
 the same app with the same bounds.
@@ -28,10 +32,9 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
-
 from zmlcore.errors import BadRequestError, HeadersTooLargeError
 from zml_gateway.http2 import PREFACE, H2Limits, H2Protocol
+from zml_gateway.uvicorninternals import HttpToolsProtocol, RequestResponseCycle
 
 
 class _Refused(Exception):
@@ -178,12 +181,6 @@ class BoundedHttpTools(HttpToolsProtocol):
         if isinstance(self.cycle, FastCycle):
             self.cycle.lost()
 
-    def _start_asgi_task(self, cycle: RequestResponseCycle, app: Any) -> None:
-        # uvicorn builds the cycle in on_headers_complete (the ASGI task, created below, has
-        # not run yet): it becomes a FastCycle, a subclass that adds no state of its own.
-        cycle.__class__ = FastCycle
-        super()._start_asgi_task(cycle, app)
-
     def _start_head(self) -> None:
         self._in_head = True
         self._head_bytes = self._head_count = self._head_size = 0
@@ -277,4 +274,12 @@ class BoundedHttpTools(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False  # the head timer, if it fires, finds nothing to do
+        before = self.cycle
         super().on_headers_complete()
+        # uvicorn has just built this request's cycle, and created (or queued, when pipelined)
+        # its ASGI task, which has not run yet: the cycle becomes a FastCycle, a subclass that
+        # adds no state of its own. (Not uvicorn's private _start_asgi_task, which only
+        # uvicorn >= 0.45 has; zml_gateway.uvicorninternals checks what this relies on.)
+        cycle = self.cycle
+        if cycle is not before and type(cycle) is RequestResponseCycle:
+            cycle.__class__ = FastCycle

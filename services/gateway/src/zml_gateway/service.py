@@ -18,14 +18,18 @@ from zmlcore.fleet.costs import CostTable
 from zmlcore.bus.kvfollow import KVFollower
 from zmlcore.messages import NodeState, node_state_decoder
 from zmlcore.access.apikeys import KeyRing
+from zmlcore.batch.api import BatchApi
+from zmlcore.batch.store import BatchStore
 from zmlcore.limits.limiter import SharedLimiter
 from zml_gateway.access import Access
 from zml_gateway.app import Gateway
+from zml_gateway.batches import BatchRoutes
 from zml_gateway.dashboard import Dashboard
 from zml_gateway.grpc_front import GrpcFront
 from zml_gateway.observe import Observed
 from zml_gateway.http2 import H2Limits
 from zml_gateway.protocol import BoundedHttpTools
+from zml_gateway.uvicorninternals import GatewayServer, check as check_uvicorn
 
 log = logging.getLogger("zml.gateway")
 
@@ -46,14 +50,10 @@ def _reuse_port_socket(host: str, port: int) -> socket.socket:
     return sock
 
 
-class _Server(uvicorn.Server):
-    def install_signal_handlers(self) -> None:  # the runner owns signals
-        pass
-
-
 class GatewayService:
     def __init__(self, cfg: ZMLConfig, host: str | None = None, port: int | None = None,
                  reuse_port: bool = False, grpc_port: int | None = None) -> None:
+        check_uvicorn()  # at start-up, before connecting: a uvicorn the protocol does not fit is one line
         self.cfg = cfg
         self.reuse_port = reuse_port  # several gateway processes on one port (`zml up`)
         self.host = host or cfg.gateway.host
@@ -63,7 +63,7 @@ class GatewayService:
         self.nodes: dict[str, NodeState] = {}
         self.costs = CostTable()
         self._follow_costs: asyncio.Task[None] | None = None
-        self._server: _Server | None = None
+        self._server: GatewayServer | None = None
         self._serve: asyncio.Task[None] | None = None
         self._follow: asyncio.Task[None] | None = None
         self._dashboard: Dashboard | None = None
@@ -79,7 +79,11 @@ class GatewayService:
         self._follow_keys = asyncio.create_task(keys.run())
         await keys.wait_ready(2.0)  # keys known before the first request (else: 401s at start)
         self.limiter = await SharedLimiter.open(nc)
-        gateway = Gateway(self.cfg, nc, self.nodes, self.costs, Access(self.cfg, ring, self.limiter))
+        batch_api = None
+        if self.cfg.batch.enabled:  # the Batch API's store: created by whichever service starts first
+            names = BatchRoutes.policy_names(self.cfg)
+            batch_api = BatchApi(await BatchStore.open(nc, self.cfg.batch), self.cfg, policy_known=names.__contains__)
+        gateway = Gateway(self.cfg, nc, self.nodes, self.costs, Access(self.cfg, ring, self.limiter), batch_api)
         self._dashboard = Dashboard(nc, gateway.access, gateway.node_table)
         await self._dashboard.start()
         app = Observed(gateway, serve_metrics=self.cfg.metrics.gateway, dashboard=self._dashboard)
@@ -109,7 +113,7 @@ class GatewayService:
             self._grpc = GrpcFront(app, self.cfg, gateway.intake.body_limit(), self.host, self.grpc_port,
                                    reuse_port=self.reuse_port)
             await self._grpc.start()
-        self._server = _Server(config)
+        self._server = GatewayServer(config)  # the runner owns SIGTERM/SIGINT (see GatewayServer)
         self._serve = asyncio.create_task(self._server.serve(sockets=sockets))
         while not self._server.started:
             if self._serve.done():  # failed to bind: surface the error

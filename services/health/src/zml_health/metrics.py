@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import Counter, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 
 from zmlcore.messages import NodeState
 from zmlcore.telemetry.metrics import Children
@@ -15,6 +15,15 @@ PROBE_TIME = Children(Histogram(
 TRANSITIONS = Children(Counter(
     "zml_health_status_changes", "Node status changes, by node and new status.", ["node", "status"]))
 
+PREFIX_HIT_RATIO = Children(Gauge(
+    "zml_prefix_cache_engine_hit_ratio",
+    "Share of prompt tokens the node's engine served from its prefix cache over the last poll "
+    "(vLLM prefix_cache_hits / prefix_cache_queries, llama.cpp cached / all prompt tokens).", ["node"]))
+KV_BLOCKS = Children(Gauge(
+    "zml_prefix_cache_engine_blocks", "The node's KV cache size in blocks, as its engine reports it.", ["node"]))
+KV_BLOCK_SIZE = Children(Gauge(
+    "zml_prefix_cache_engine_block_size", "Tokens per KV-cache block of the node's engine.", ["node"]))
+
 _last: dict[str, str] = {}
 
 
@@ -22,6 +31,12 @@ def polled(node_id: str, ok: bool, loading: bool, slow: bool, seconds: float, st
     result = "ok" if ok else "loading" if loading else "slow" if slow else "failed"
     PROBES(node_id, result).inc()
     PROBE_TIME(node_id).observe(seconds)
+    if state.prefix_cache_hit_rate is not None:
+        PREFIX_HIT_RATIO(node_id).set(state.prefix_cache_hit_rate)
+    if state.kv_blocks:
+        KV_BLOCKS(node_id).set(state.kv_blocks)
+    if state.kv_block_size:
+        KV_BLOCK_SIZE(node_id).set(state.kv_block_size)
     if _last.get(node_id) != state.status:
         _last[node_id] = state.status
         TRANSITIONS(node_id, state.status).inc()

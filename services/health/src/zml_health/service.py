@@ -48,6 +48,7 @@ from zmlcore.fleet.perfmodel import SimProfile
 from zml_health import metrics, nodeprobe
 from zml_health.adapters import adapter_for, sglang
 from zml_health.adapters.base import Probe
+from zml_health.kvbridge import Bridges
 from zml_health.publish import Writes, effective_heartbeat
 from zml_health.tracker import Tracker
 
@@ -99,6 +100,8 @@ class HealthService:
         #: which polled states go to the KV bucket (on change, else as a heartbeat)
         self.writes = Writes(effective_heartbeat(cfg.health.kv_heartbeat_s, cfg.router.stale_after_s))
         self._link_gen = 0
+        #: Each node's KV-event bridge (nodes with [nodes.kv_events]), started with its polling.
+        self.bridges = Bridges(self._publish)
         sglang.GENERATE_EVERY = cfg.health.generate_probe_every
 
     # --- lifecycle -------------------------------------------------------------------------
@@ -112,7 +115,7 @@ class HealthService:
         self.http = httpx.AsyncClient(limits=httpx.Limits(max_connections=self.cfg.health.max_concurrent_probes))
         await self._load_registry()
         # Entries for nodes no longer registered would mislead routers: remove them.
-        for key in await live_keys(self.kv):
+        for key in await live_keys(self.kv, nc):
             if key not in self.nodes:
                 await self.kv.delete(key)
         now = self.clock()
@@ -123,7 +126,12 @@ class HealthService:
         self._subs.append(await nc.subscribe(subjects.event(subjects.EVENT_COMPLETED), cb=self._on_completed))
         self._subs.append(await nc.subscribe(subjects.event(subjects.EVENT_WARMUP), cb=self._on_warmup))
 
+    async def _publish(self, subject: str, data: bytes) -> None:
+        if self.nc is not None:
+            await self.nc.publish(subject, data)
+
     async def stop(self) -> None:
+        await self.bridges.stop_all()
         for sub in self._subs:
             try:
                 await sub.unsubscribe()
@@ -134,8 +142,8 @@ class HealthService:
             await self.http.aclose()
 
     async def _load_registry(self) -> None:
-        assert self.registry is not None
-        for key in await live_keys(self.registry):
+        assert self.registry is not None and self.nc is not None
+        for key in await live_keys(self.registry, self.nc):
             try:
                 entry = await self.registry.get(key)
                 reg = registry_entry_decoder.decode(entry.value or b"")
@@ -159,12 +167,14 @@ class HealthService:
         self.trackers[node.id] = Tracker(started_at=now, grace_s=grace, history_len=hc.history_len)
         self.runtime[node.id] = _NodeRuntime()
         self._tasks[node.id] = asyncio.create_task(self._poll_forever(node), name=f"poll-{node.id}")
+        self.bridges.start(node)
 
     async def _stop_polling(self, node_id: str) -> None:
         task = self._tasks.pop(node_id, None)
         if task is not None:
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
+        await self.bridges.stop(node_id)
         self.trackers.pop(node_id, None)
         self.runtime.pop(node_id, None)
         self.states.pop(node_id, None)
@@ -312,7 +322,21 @@ class HealthService:
             note=tr.slow_note(now, self.cfg.health.error_window_s) or (check.note if check is not None else ""),
             source=self.sources.get(node.id, "config"),
             poll_interval_s=self.cfg.health.poll_interval_s,
+            kv_block_size=(probe.kv_block_size if probe.ok and probe.kv_block_size else
+                           prev.kv_block_size if prev else 0) or 0,
+            kv_blocks=(probe.kv_cache_blocks if probe.ok and probe.kv_cache_blocks else
+                       prev.kv_blocks if prev else 0) or 0,
+            prefix_cache_hit_rate=round(tr.prefix_hit_rate, 4) if tr.prefix_hit_rate is not None else None,
+            prefix_cache_queries=tr.last_prefix[0] if tr.last_prefix else 0.0,
+            prefix_cache_hits=tr.last_prefix[1] if tr.last_prefix else 0.0,
+            cache_fidelity=self._fidelity(node),
+            kv_events=self.bridges.status(node.id),
         )
+
+    def _fidelity(self, node: NodeConfig) -> str:
+        if node.kv_events is not None and self.bridges.status(node.id) in ("live", "replaying"):
+            return "precise"
+        return "approximate" if node.backend == "tgi" else "reported"
 
     def _loading_models(self, node: NodeConfig, rt: _NodeRuntime, probe: Probe, status: str,
                         models: list[str], now: float) -> list[str]:

@@ -62,6 +62,10 @@ class Tracker:
     #: Last time a router abandoned a request here for want of a first byte (completion
     #: events' ``slow_nodes``): its probes may pass while inference hangs.
     last_slow_at: float = 0.0
+    #: The engine's prefix-cache counters at the last poll (queries, hits), and the hit rate of
+    #: the last window in which it looked up any prompt.
+    last_prefix: tuple[float, float] | None = None
+    prefix_hit_rate: float | None = None
 
     def slow_note(self, now: float, window: float) -> str:
         if not self.last_slow_at or now - self.last_slow_at > window:
@@ -163,6 +167,14 @@ class Tracker:
         if all(v is not None for v in readings):
             self.speed.observe(Readings(*readings, probe.decode_steps_total,  # type: ignore[arg-type]
                                         probe.busy_slot_steps_total), probe.running)
+        q, h = probe.prefix_queries_total, probe.prefix_hits_total
+        if q is not None and h is not None:
+            prev = self.last_prefix
+            if prev is not None and q > prev[0] and h >= prev[1]:
+                self.prefix_hit_rate = min(1.0, (h - prev[1]) / (q - prev[0]))
+            elif prev is not None and q < prev[0]:  # counters reset: the engine restarted
+                self.prefix_hit_rate = None
+            self.last_prefix = (q, h)
         self.history.append(round(self.tokens_per_s, 3))
         while len(self.history) > self.history_len:
             self.history.popleft()

@@ -7,7 +7,7 @@ on ``zml.node.marks``; peers apply it with :meth:`Marks.apply_peer`. A mark only
 a node's skip window (the later end wins), and carries a duration rather than a wall-clock time
 so that replicas on different hosts need no synchronised clocks.
 
-Half-open probing stays local (``zml_router.admission``): a replica that lets one request
+Half-open probing stays local (``zmlcore.policy.admission``): a replica that lets one request
 through early does not clear its peers' marks; a failure of that probe is shared again.
 """
 

@@ -1,49 +1,24 @@
-"""Calls to accelerator nodes over HTTP, and what each failure means for routing.
+"""Calls to accelerator nodes over HTTP: a whole reply, or a stream of SSE payloads.
 
 The HTTP is zml_router.nodeclient: a keep-alive HTTP/1.1 client on an asyncio Protocol with
 httptools' parser. Against aiohttp called directly (the previous client) it costs ~3-9x less
 CPU per call in benches/node_client_cost.py (docs/benchmarks.md): a whole reply is one wake-up
 of the caller, with no request/response objects, header multidicts or stream readers built
-per call. Outcomes are classified here, in one place, so the router's retry loop only sees
-:class:`Attempt` results.
+per call. Every way a call fails is raised here as an :class:`~zml_router.attempt.AttemptError`
+(classified in ``zml_router.attempt``), so the router's retry loop sees nothing else.
 """
 
 from __future__ import annotations
 
 import asyncio
-import enum
 import ssl
-from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
-
-import msgspec
+from collections.abc import AsyncIterator
 
 from zmlcore.errors import ReplyTooLargeError
+from zmlcore.reply.sse import EventRelay, SSELineTooLong, aiter_sse_lines, data_field
+
+from zml_router.attempt import AttemptError, Failure, classify
 from zml_router.nodeclient import NodeHTTP, NodeHTTPError, iter_body, read_body
-from zmlcore.reply.sse import EventRelay, SSELineTooLong, aiter_sse_lines, data_field, event_payloads
-
-
-class Failure(enum.Enum):
-    NETWORK = "network"  # connect/read error, dropped connection: cooldown, retry elsewhere
-    SERVER = "server"  # 5xx: cooldown, retry elsewhere
-    OVERLOADED = "overloaded"  # vLLM 503 queue overflow, TGI 429: saturated, retry elsewhere
-    SLOW = "slow"  # no first byte within the attempt's deadline: cooldown, retry elsewhere
-    NO_MODEL = "no_model"  # 404 for the model: the node does not have it, retry elsewhere
-    CLIENT = "client"  # other 4xx: the request is at fault; no retry, no cooldown
-
-
-@dataclass(slots=True)
-class AttemptError(Exception):
-    failure: Failure
-    status: int
-    detail: str
-    retry_after: float | None = None
-    #: True when the caller had already received part of the answer (a stream broken after its
-    #: first token): the request cannot fail over, but the node is at fault all the same.
-    mid_stream: bool = False
-
-
-_decode_any = msgspec.json.Decoder()
 
 #: Errors of the call itself (connect, reset, early close, malformed HTTP): the node's fault.
 _NETWORK_ERRORS = (NodeHTTPError, OSError)
@@ -72,28 +47,6 @@ class NodeClient:
     async def aclose(self) -> None:
         if self._http is not None:
             await self._http.aclose()
-
-
-def _retry_after(headers: dict[str, str]) -> float | None:
-    value = headers.get("retry-after")
-    if not value:
-        return None
-    try:
-        return max(0.0, float(value))
-    except ValueError:
-        return None
-
-
-def classify(status: int, headers: dict[str, str], body: bytes) -> AttemptError:
-    detail = body[:500].decode("utf-8", "replace")
-    ra = _retry_after(headers)
-    if status == 429 or status == 503:
-        return AttemptError(Failure.OVERLOADED, status, detail, ra)
-    if status >= 500:
-        return AttemptError(Failure.SERVER, status, detail, ra)
-    if status == 404:
-        return AttemptError(Failure.NO_MODEL, status, detail, ra)
-    return AttemptError(Failure.CLIENT, status, detail, ra)
 
 
 # No read timeout here: the router bounds each request as a whole with asyncio.timeout().
@@ -167,33 +120,6 @@ async def stream_sse(client: NodeClient, url: str, body: bytes, headers: dict[st
         raise AttemptError(Failure.NETWORK, 0, "stream ended without [DONE]")
     finally:
         http.release(conn, linger=done)
-
-
-def stream_usage(chunk: bytes) -> dict | None:  # type: ignore[type-arg]
-    """The ``usage`` object of a stream chunk (one payload, or a relayed block of events)."""
-    if b'"usage"' not in chunk:
-        return None
-    for payload in event_payloads(chunk) if chunk.startswith(b"data:") else (chunk,):
-        if b'"usage"' not in payload:
-            continue
-        try:
-            usage = _decode_any.decode(payload).get("usage")
-        except (msgspec.DecodeError, AttributeError):
-            continue
-        if isinstance(usage, dict) and isinstance(usage.get("total_tokens"), int):
-            return usage
-    return None
-
-
-async def within_first_byte(call: Awaitable[bytes], seconds: float | None) -> bytes:
-    """``call`` (a whole non-streamed reply) or AttemptError(SLOW) after ``seconds``."""
-    if seconds is None:
-        return await call
-    try:
-        async with asyncio.timeout(seconds):
-            return await call
-    except TimeoutError:  # ours only: the request's own deadline arrives as a cancellation
-        raise AttemptError(Failure.SLOW, 0, f"no reply within the first-byte deadline of {seconds:.1f} s") from None
 
 
 async def first_chunk_within(chunks: AsyncIterator[bytes], seconds: float | None) -> AsyncIterator[bytes]:

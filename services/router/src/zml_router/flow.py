@@ -1,64 +1,115 @@
-"""One request's way through the fleet, as a sans-I/O state machine.
+"""One request's way through the router, as sans-I/O steps: no NATS, no HTTP, time passed in.
 
-The model is httpx's ``auth_flow``: :func:`route` is a generator that yields what should
-happen next and receives how it went, so the retry, failover, queueing and error-mapping rules
-live here and are unit-tested without NATS or HTTP; the service (``zml_router.service``) does
-the I/O for each action:
+The service (``zml_router.service``) does the I/O; every rule of what happens to a request is
+here, unit-tested without a broker or a node:
 
-- :class:`Decide` -> the :class:`~zmlcore.policy.Decision` (choose_node plus admission,
-  ``zml_router.admission``), or the ZMLError it raised;
-- :class:`Dispatch` -> ``None`` once the node's answer went out to the requester, or the
-  :class:`~zml_router.dispatch.AttemptError` of a failed attempt;
-- :class:`Penalise` -> ``None`` (the node was marked here and for the peers);
-- :class:`Enqueue` -> nothing: the request waits in the saturation queue, the flow is over.
+1. :func:`intake` reads an arriving request: the headers its sender may not set dropped
+   (:func:`drop_untrusted`), its body and id, whose it is, its timeout, and what to do about the
+   requests already in flight here: a second request with an id its owner
+   has in flight is DUPLICATE_REQUEST_ID, unless its requester sent it again because this
+   router looked dead (``Zml-Resend``: it takes the first one's place), and a request whose
+   cancel overtook it is answered CANCELLED. :func:`cancel` is the other half: a cancel for a
+   request in flight here, or one to remember (``zml_router.cancels``).
+2. :func:`prepare` resolves the request's policy and what the policies see of it (``RouteRequest``).
+3. :func:`route` decides, dispatches, fails over to another node or queues. Its model is httpx's
+   ``auth_flow``: a generator that yields what should happen next and receives how it went:
 
-The flow returns once the answer is out (``out.ok``) or the request queued (``out.queued``);
-an error the requester gets is raised as the ZMLError to reply with.
+   - :class:`Decide` -> the :class:`~zmlcore.policy.Decision` (``zmlcore.policy.admit``: choose_node
+     under the admission bound), or the ZMLError it raised;
+   - :class:`Dispatch` -> ``None`` once the node's answer went out to the requester, or the
+     :class:`~zml_router.attempt.AttemptError` of a failed attempt;
+   - :class:`Penalise` -> ``None`` (the node was marked here and for the peers);
+   - :class:`Enqueue` -> nothing: the request waits in the saturation queue, the flow is over.
 
-    flow = route(plan, out)
-    action = next(flow)
-    while True:                 # see RouterService._route
-        result = do(action)     # decide / dispatch / penalise / enqueue
-        action = flow.send(result)
+   It returns once the answer is out (``out.ok``) or the request queued (``out.queued``); an
+   error the requester gets is raised as the ZMLError to reply with.
+
+       flow = route(plan, out)
+       action = next(flow)
+       while True:                 # see RouterService._route
+           result = do(action)     # decide / dispatch / penalise / enqueue
+           action = flow.send(result)
+
+4. :func:`completion` is the event of a finished request, :func:`penalty` how a failed attempt
+   marks its node.
+
+Which node serves is policy (``zmlcore.policy``: choose_node, the admission bound); what an
+attempt on that node sends and gets is ``zml_router.attempt``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from collections.abc import Generator
+import os
+from collections.abc import Callable, Generator, Mapping
 from dataclasses import dataclass
-from typing import Union
+from typing import Any, Generic, Protocol, TypeVar, Union
 
+import msgspec
+
+from zmlcore import subjects
+from zmlcore.config import ZMLConfig
 from zmlcore.errors import (
     BackendError,
     BadRequestError,
+    DuplicateRequestError,
     ModelNotLoadedError,
     QueueFullError,
     TimeoutError,
     ZMLError,
 )
-from zmlcore.config import ZMLConfig
-from zmlcore.messages import InferRequest, RoutingInfo
+from zmlcore.messages import InferRequest, RoutingInfo, frontdoor
+from zmlcore.messages.keys import ApiKeyRecord
+from zmlcore.messages.validate import check_request_id, decode_request, request_timeout_s
 from zmlcore.messages.warmup import RequestCompleted
 from zmlcore.policy import Decision, ResolvedPolicy, RouteRequest, resolve_policy
 from zmlcore.policy.estimate import prompt_tokens_from_body
+from zmlcore.policy.prefix import BLOCK_BYTES, KeyChain, prompt_keys
+from zmlcore.reply.bigreply import check_fits
+from zmlcore.reply.keepalive import parse_interval
 
-from zml_router.dispatch import AttemptError, Failure
-from zml_router.kinds import check_kind
+from zml_router.attempt import AttemptError, Failure
+from zml_router.cancels import CancelBook
 
 log = logging.getLogger("zml.router")
 
 #: Failures that are the node's fault: it is cooled down and counted as a node error.
 NODE_FAULTS = (Failure.NETWORK, Failure.SERVER, Failure.SLOW)
 
+#: The node endpoint of each request kind (``InferRequest.kind()``).
+PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions", "embedding": "/v1/embeddings"}
+
+T = TypeVar("T")
+_decode_any = msgspec.json.Decoder()
+
+
+class Incoming(Protocol):
+    """An arriving request: a NATS message, or one out of the saturation queue (``QueuedMsg``)."""
+
+    @property
+    def subject(self) -> str: ...
+
+    @property
+    def data(self) -> bytes: ...
+
+    @property
+    def reply(self) -> str: ...
+
+    @property
+    def headers(self) -> dict[str, str] | None: ...
+
 
 class Outcome:
-    """What happened to one request, for its completion event and metrics."""
+    """What happened to one request, for its error reply, completion event and metrics."""
 
-    __slots__ = ("model", "node_id", "family", "ok", "error_code", "node_error", "failed_nodes",
-                 "attempts", "info", "queued", "slow_nodes", "label", "op")
+    __slots__ = ("request_id", "stream", "model", "node_id", "family", "ok", "error_code", "node_error",
+                 "failed_nodes", "attempts", "info", "queued", "slow_nodes", "label", "op", "prompt_tokens",
+                 "completion_tokens")
 
     def __init__(self) -> None:
+        self.request_id = ""  # set once validated: it goes into subjects, headers and logs
+        self.stream = False
         self.model = ""
         self.op = ""  # chat | completion | embedding
         self.node_id = ""
@@ -72,12 +123,220 @@ class Outcome:
         self.info: RoutingInfo | None = None
         self.queued = False  # parked in the saturation queue: its event comes when it is served
         self.label = ""  # the API key's cost-attribution label (gateway header)
+        self.prompt_tokens = 0  # the node's usage, when it reported one
+        self.completion_tokens = 0
+
+
+# --- which request headers a sender may set ----------------------------------------------------
+# A front door (the gateway) authenticates its callers and passes an API key's options to the
+# router as headers: ``Zml-Label`` (cost attribution, in routing metadata and completion events)
+# and ``Zml-Default-Policy``. Anyone may publish ``zml.infer``, so there these headers are
+# dropped: a raw NATS client's label and default policy come from its own record (an identity
+# sharing an API key's plan gets that key's, zml_router.limits) or are empty. Only the gateway
+# role may publish :data:`zmlcore.subjects.FRONT_DOOR_INFER` (zmlcore.access.permissions), and
+# only there are they honoured; so are ``Zml-Body: clean`` and the ZML fields the gateway moved
+# out of a validated body (``Zml-Policy``, ``Zml-Accelerator-Id``): on ``zml.infer`` the body is
+# decoded and checked in full, and a header cannot set what the body could not. On an open
+# broker (no identities) anyone can publish there: docs/security.md.
+#
+# The other request headers need no trust: ``Zml-Owner``, ``Zml-Request-Id`` and
+# ``Zml-Id-Generated`` only narrow or affect the sender's own namespace (owner = the identity of
+# its reply inbox), and ``Zml-Timeout-Ms`` is bounded like the body's ``timeout_ms``. Router-only
+# headers (a queued request's claim on its id) are dropped from every sender.
+
+#: Honoured only from a front door.
+FRONT_DOOR_ONLY = (subjects.H_LABEL, subjects.H_DEFAULT_POLICY,
+                   # A body the gateway validated, its ZML fields in headers (zmlcore.messages.frontdoor):
+                   # elsewhere they come from the body, checked in full.
+                   subjects.H_BODY, subjects.H_POLICY, subjects.H_ACCELERATOR_ID)
+#: Set only by routers, on queued requests (zml_router.ids).
+ROUTER_ONLY = (subjects.H_ID_CLAIM,)
+
+
+def drop_untrusted(msg: Incoming) -> None:
+    """Drop from ``msg``'s headers (in place: a request that waits in the saturation queue
+    keeps its headers) those its sender may not set."""
+    headers = msg.headers
+    if not headers:
+        return
+    drop = ROUTER_ONLY if msg.subject == subjects.FRONT_DOOR_INFER else ROUTER_ONLY + FRONT_DOOR_ONLY
+    for name in drop:
+        headers.pop(name, None)
+
+
+# --- intake: what the router does about an arriving request ------------------------------------
+def _new_id() -> str:
+    return os.urandom(8).hex()
+
+
+def claim_key(owner: str, front_door_owner: str, request_id: str) -> str:
+    """An owner's request id, as the router keys its requests, cancels and id claims: the
+    identity owning the reply inbox, narrowed by a front door's ``Zml-Owner`` (which can only
+    split the sender's own namespace further). Ids are scoped to owners: another caller's ids
+    never clash."""
+    return f"{owner}\x00{front_door_owner}\x00{request_id}"
+
+
+def owner_key(reply: str, headers: Mapping[str, str], request_id: str) -> str:
+    """:func:`claim_key` of a request with this reply subject and headers."""
+    return claim_key(subjects.reply_owner(reply), headers.get(subjects.H_OWNER, ""), request_id)
+
+
+@dataclass(slots=True)
+class Intake(Generic[T]):
+    """An arriving request, read, and what the router does about it before routing it."""
+
+    req: InferRequest
+    #: Validated by the gateway, ZML's fields in headers (zmlcore.messages.frontdoor).
+    clean: bool
+    model: str  # resolved from an alias
+    request_id: str
+    owner: str  # the identity owning the reply inbox ("" on an open broker)
+    key: str  # claim_key: how its in-flight entry, cancels and id claim are found
+    timeout: float
+    #: Seconds between keepalives its requester asked for (zmlcore.reply.keepalive), or None.
+    keepalive: float | None
+    #: Sent again by its requester because the router holding it went silent (``Zml-Resend``).
+    resend: bool
+    #: The request in flight here that this one replaces (a resend), to cancel.
+    replaces: T | None
+    #: Where the request it takes over was: "self" (this replica, stalled), "other", or "".
+    taken_over: str
+    #: Take a claim on its id across replicas (zml_router.ids): an id its caller chose.
+    claim: bool
+    #: A cancel for it arrived first: answer CANCELLED.
+    cancelled: bool
+
+
+def intake(msg: Incoming, *, from_queue: bool, cfg: ZMLConfig, max_payload: int | None,
+           options: Callable[[str], ApiKeyRecord | None], in_flight: Mapping[str, T], cancels: CancelBook,
+           now: float, out: Outcome, new_id: Callable[[], str] = _new_id) -> Intake[T]:
+    """Read an arriving request and decide what to do about it (raises the ZMLError to answer).
+
+    ``max_payload``: the largest message its requester can receive (None: no reply to check);
+    ``options``: the API key record whose options an identity shares (zml_router.limits);
+    ``in_flight``: the requests this replica holds, by :func:`claim_key`; a cancel remembered in
+    ``cancels`` is taken (forgotten) here. ``out`` gets the request id and stream flag as soon as
+    they are known, for the error reply. ``from_queue``: the request comes out of the saturation
+    queue, where the router that took it in put it (its headers were filtered then)."""
+    if not from_queue:
+        drop_untrusted(msg)
+    headers = msg.headers or {}
+    depth = cfg.defaults.max_json_depth
+    clean = headers.get(subjects.H_BODY) == subjects.BODY_CLEAN
+    req = frontdoor.decode(msg.data, headers, max_depth=depth) if clean else decode_request(msg.data, max_depth=depth)
+    out.stream = req.stream
+    request_id = out.request_id = check_request_id(headers.get(subjects.H_REQUEST_ID) or req.request_id or new_id())
+    model = cfg.resolve_model(req.model)
+    if max_payload is not None:  # a reply the requester could not receive: refuse now
+        mc = cfg.models.get(model)
+        check_fits(msg.data, req, headers, max_payload, mc.max_model_len if mc else None)
+    # The gateway passes the API key's options: its default policy, its cost label. An identity
+    # sharing a key's plan gets that key's (its own headers cannot override them).
+    owner = subjects.reply_owner(msg.reply)
+    shared = options(owner)
+    if shared is not None:
+        headers = {**headers, subjects.H_DEFAULT_POLICY: shared.default_policy, subjects.H_LABEL: shared.label}
+    if req.policy is None and req.routing is None and headers.get(subjects.H_DEFAULT_POLICY):
+        req.routing = headers[subjects.H_DEFAULT_POLICY]
+    out.label = headers.get(subjects.H_LABEL, "")[:200]
+    timeout = request_timeout_s(req.timeout_ms, headers.get(subjects.H_TIMEOUT_MS),
+                                cfg.defaults.request_timeout_s, cfg.defaults.max_request_timeout_s)
+    key = claim_key(owner, headers.get(subjects.H_OWNER, ""), request_id)
+    keepalive = parse_interval(headers.get(subjects.H_KEEPALIVE))
+    resend = bool(headers.get(subjects.H_RESEND))
+    held = in_flight.get(key)
+    if held is not None and not resend:
+        raise DuplicateRequestError(f"request_id {request_id!r} is already in flight for this caller")
+    # Sent again because this replica looked dead (stalled): its first attempt answers an inbox
+    # nobody reads any more. This one replaces it.
+    taken_over = ("self" if held is not None else "other") if resend else ""
+    # Ids generated by a sender (or by us) are unique by construction: no claim. A queued
+    # request carries the claim taken where it arrived.
+    claim = (not from_queue and bool(headers.get(subjects.H_REQUEST_ID) or req.request_id)
+             and headers.get(subjects.H_ID_GENERATED) != "1")
+    return Intake(req, clean, model, request_id, owner, key, timeout, keepalive, resend, held, taken_over, claim,
+                  cancels.take(key, now))
+
+
+def cancel(subject: str, headers: Mapping[str, str] | None, in_flight: Mapping[str, T], cancels: CancelBook,
+           now: float) -> T | None:
+    """A cancel message: the request in flight here to cancel, or None (then it is remembered in
+    ``cancels``: its request has not arrived yet, or waits in the saturation queue). The owner is
+    the subject token that permissions pin to the sender's identity: a cancel for another
+    owner's request id names a different key and matches nothing."""
+    parsed = subjects.parse_cancel(subject)
+    if parsed is None:
+        return None
+    owner, request_id = parsed
+    key = claim_key(owner, (headers or {}).get(subjects.H_OWNER, ""), request_id)
+    held = in_flight.get(key)
+    if held is None:
+        cancels.add(key, now)
+    return held
+
+
+# --- the request's policy, and its way through the fleet -----------------------------------------
+def check_kind(cfg: ZMLConfig, model: str, req: InferRequest) -> None:
+    """Raise BadRequestError when a configured model cannot answer this kind of request.
+
+    Chat, completions and embeddings share ``zml.infer``; the request's fields say its kind
+    (``messages``, ``prompt`` or ``input``) and ``[models."X"] embedding`` says what a configured
+    model is, so a chat request for an embedding model (or the reverse) is a clear 400 here
+    instead of whatever the engine makes of it."""
+    mc = cfg.models.get(model)
+    if mc is None:
+        return  # not configured: the node decides
+    embedding = req.input is not None
+    if embedding and not mc.embedding:
+        raise BadRequestError(f"model {model!r} is not an embedding model (zml.toml: [models] embedding = false)")
+    if mc.embedding and not embedding:
+        raise BadRequestError(f"model {model!r} is an embedding model: use POST /v1/embeddings (`input`)")
+
+
+def prefix_chain(model: str, req: InferRequest, raw: bytes) -> KeyChain | None:
+    """The prompt's key chain (``zmlcore.policy.prefix``), or None for a prompt too short to hold
+    one key block: short prompts are not decoded again (a front door leaves them raw)."""
+    if len(raw) < BLOCK_BYTES or req.input is not None:
+        return None
+    msgs: Any = req.messages
+    prompt: Any = req.prompt
+    try:
+        if isinstance(msgs, msgspec.Raw):
+            msgs = _decode_any.decode(msgs) if msgs else None
+        if isinstance(prompt, msgspec.Raw):
+            prompt = _decode_any.decode(prompt) if prompt else None
+    except msgspec.DecodeError:
+        return None
+    if msgs is not None:
+        return prompt_keys(model, messages=msgs if isinstance(msgs, list) else None)
+    if isinstance(prompt, (str, list)):
+        return prompt_keys(model, prompt=prompt)
+    return None
+
+
+def session_owner(owner: str, headers: Mapping[str, str] | None) -> str:
+    """Whose session names these are: the identity owning the reply inbox and, behind a front
+    door, its caller (``Zml-Owner``: the API key or client address), so that two callers'
+    "conv-1" are two sessions."""
+    return f"{owner}\x00{(headers or {}).get(subjects.H_OWNER, '')}"
+
+
+def session_of(headers: Mapping[str, str] | None, req: InferRequest) -> str:
+    """The request's session: ``Zml-Session`` (``x-session-id``, the SDK's ``session=``), else
+    the OpenAI ``user`` field; "" for none."""
+    if headers:
+        s = headers.get(subjects.H_SESSION)
+        if s:
+            return s[:subjects.MAX_SESSION_ID]
+    return (req.user or "")[:subjects.MAX_SESSION_ID]
 
 
 def prepare(cfg: ZMLConfig, families: list[str], req: InferRequest, raw: bytes,
-            model: str) -> tuple[ResolvedPolicy, RouteRequest]:
+            model: str, session_node: str | None = None) -> tuple[ResolvedPolicy, RouteRequest]:
     """The policy of a request for ``model`` (its name resolved from an alias: ``cfg.resolve_model``)
-    and what the policies see of it (errors: bad policy/kind)."""
+    and what the policies see of it (errors: bad policy/kind): its size, its prompt's key chain
+    and the node its session is bound to."""
     per_call = req.policy if req.policy is not None else req.routing
     # Chains may name families registered at run time, not only zml.toml's.
     policy = resolve_policy(cfg, model, per_call, families)
@@ -86,7 +345,8 @@ def prepare(cfg: ZMLConfig, families: list[str], req: InferRequest, raw: bytes,
     max_tokens = 1 if req.input is not None else req.max_tokens or req.max_completion_tokens or 512
     # ~4 bytes per token of JSON body: good enough for a TTFT estimate, and O(1).
     rr = RouteRequest(model=model, prompt_tokens=prompt_tokens_from_body(len(raw)), max_tokens=max_tokens,
-                      accelerator_id=req.accelerator_id)
+                      accelerator_id=req.accelerator_id, prefix=prefix_chain(model, req, raw),
+                      session_node=session_node)
     return policy, rr
 
 
@@ -150,9 +410,8 @@ def route(plan: Plan, out: Outcome) -> Flow:
     excluded: set[str] = set()
     last: AttemptError | None = None
     for attempt in range(1, plan.max_attempts + 1):
-        if excluded:
-            rr = RouteRequest(model=rr.model, prompt_tokens=rr.prompt_tokens, max_tokens=rr.max_tokens,
-                              accelerator_id=rr.accelerator_id, exclude=frozenset(excluded))
+        if excluded:  # the prompt's keys and session stay; the tried nodes are out
+            rr = dataclasses.replace(rr, exclude=frozenset(excluded))
         got = yield Decide(rr)
         if isinstance(got, ZMLError):
             if last is not None:  # we tried nodes and they failed: say so, not "no nodes"
@@ -240,7 +499,7 @@ def penalty(err: AttemptError, saturated_s: float, cooldown_s: float) -> tuple[s
     return None
 
 
-def completion(out: Outcome, request_id: str, now: float, latency_s: float, router_id: str) -> RequestCompleted:
+def completion(out: Outcome, now: float, latency_s: float, router_id: str) -> RequestCompleted:
     """The event of a finished request (warmup measures demand, health counts node errors).
     A request that failed on its last node blames that node as ``node_id``; the others it
     failed on before are ``failed_nodes``."""
@@ -252,5 +511,6 @@ def completion(out: Outcome, request_id: str, now: float, latency_s: float, rout
         node_error=node_error, failed_nodes=failed, ts=now,
         ttft_s=info.time_to_first_token if info is not None and out.ok else None,
         latency_s=latency_s, attempts=out.attempts, router_id=router_id,
-        request_id=request_id, slow_nodes=out.slow_nodes, label=out.label,
+        request_id=out.request_id, slow_nodes=out.slow_nodes, label=out.label,
+        prompt_tokens=out.prompt_tokens if out.ok else 0, completion_tokens=out.completion_tokens if out.ok else 0,
     )

@@ -21,7 +21,7 @@ answer may reuse the id at once.
   size and age. If it cannot be reached, the replica's own check still holds and the request
   goes on (logged): a caller's duplicate ids harm only that caller.
 
-    ids = RequestIds(nc, router_id); await ids.open()
+    ids = RequestIds(router_id, max_timeout_s); await ids.open(nc)
     claim = await ids.claim(key, timeout_s)     # raises DuplicateRequestError
     ...
     await ids.release(claim)
@@ -67,11 +67,6 @@ class Claim:
     expires: float  # time.time() when the server removes it anyway
 
 
-def claim_key(owner: str, front_door_owner: str, request_id: str) -> str:
-    """An owner's request id, as the router keys its requests, cancels and claims."""
-    return f"{owner}\x00{front_door_owner}\x00{request_id}"
-
-
 def bucket_key(key: str) -> str:
     """The KV key of a claim (a hash: ids may hold any allowed character). Computed only when
     a claim is taken or carried, not on every request."""
@@ -79,14 +74,23 @@ def bucket_key(key: str) -> str:
 
 
 class RequestIds:
-    def __init__(self, nc: NATS, router_id: str, max_timeout_s: float) -> None:
-        self.nc = nc
+    """Claims of one router replica (``router_id``); keys are ``zml_router.flow.claim_key``.
+    Usable before :meth:`open`: until then it claims and releases nothing."""
+
+    def __init__(self, router_id: str, max_timeout_s: float) -> None:
+        self.nc: NATS | None = None
         self.router_id = router_id
         self.max_age_s = max_timeout_s + SLACK_S + 60.0
         self.kv: KeyValue | None = None
         self._pre = f"$KV.{subjects.REQUEST_IDS_BUCKET}."
 
-    async def open(self) -> None:
+    async def open(self, nc: NATS) -> None:
+        self.nc = nc
+        await self._bucket()
+
+    async def _bucket(self) -> None:
+        if self.nc is None:
+            return
         try:
             self.kv = await ensure_kv(self.nc.jetstream(), subjects.REQUEST_IDS_BUCKET, ttl=self.max_age_s,
                                       memory=True, max_bytes=BUCKET_MAX_BYTES)
@@ -100,7 +104,7 @@ class RequestIds:
         ``takeover``: the request was sent again because its router went silent (``Zml-Resend``):
         it takes the claim whoever holds it (it only touches its sender's own ids)."""
         if self.kv is None:
-            await self.open()
+            await self._bucket()
             if self.kv is None:
                 return None
         key = bucket_key(key)
@@ -145,7 +149,7 @@ class RequestIds:
 
     async def release(self, claim: Claim | None) -> None:
         """Delete the claim, if it is still this revision (its TTL may have handed it on)."""
-        if claim is None or self.kv is None or not self.nc.is_connected:
+        if claim is None or self.kv is None or self.nc is None or not self.nc.is_connected:
             return
         headers = {"KV-Operation": "DEL", _EXPECT_LAST: str(claim.revision)}
         try:
@@ -157,6 +161,7 @@ class RequestIds:
 
     async def _put(self, key: str, last: int, ttl: float) -> int:
         headers = {_EXPECT_LAST: str(last)}
+        assert self.nc is not None  # a bucket was opened on it
         try:
             ack = await self.nc.jetstream().publish(self._pre + key, self.router_id.encode(), headers=headers,
                                                     msg_ttl=max(1.0, ttl))
@@ -168,7 +173,7 @@ class RequestIds:
 
     async def _alive(self, holder: str) -> bool:
         """Does router ``holder`` still run? It answers its state subject while it does."""
-        if not holder:
+        if not holder or self.nc is None:
             return False
         try:
             await self.nc.request(subjects.router_state(holder), b"", timeout=HOLDER_PING_S)

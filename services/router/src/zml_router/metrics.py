@@ -12,10 +12,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sized
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+from nats.aio.client import Client as NATS
 from prometheus_client import REGISTRY, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
@@ -30,16 +31,17 @@ from zmlcore.telemetry.metrics import (
 )
 from zmlcore.telemetry import tracing
 from zmlcore.telemetry.tally import CounterTally, HistogramTally, Tallies
+from zmlcore.bus.queueinfo import queue_depths
+from zmlcore.config import ZMLConfig
 from zmlcore.messages import RoutingInfo
 from zmlcore.policy import Decision, RouteRequest
 from zmlcore.telemetry.setup import REQUEST_ID
 from zml_router import tracing as rtrace
 from zml_router.queue import H_ENQUEUED
-from zmlcore.bus.queueinfo import queue_depths
+from zml_router.table import NodeTable
 
 if TYPE_CHECKING:
     from zml_router.flow import Outcome as _Outcome
-    from zml_router.service import RouterService
 
 log = logging.getLogger("zml.router.metrics")
 
@@ -82,6 +84,17 @@ QUEUED = Children(Counter(
 QUEUE_EXPIRED = Children(Counter(
     "zml_router_queue_expired", "Queued requests answered QUEUE_FULL because no node had room within max_queue_ms.",
     ["model"]))
+PREFIX_TOKENS = Children(Counter(
+    "zml_prefix_cache_tokens",
+    "Prompt tokens of requests whose engine reported its prefix cache, by node and kind: prompt (all of "
+    "them), estimated (what the router estimated the node held when it chose it), reported (what the engine "
+    "said it served from its cache). reported / prompt is the fleet's hit rate; estimated vs reported, the "
+    "index's accuracy.", ["node", "kind"]))
+SESSIONS = Children(Counter(
+    "zml_prefix_cache_sessions",
+    "Requests of a session bound to a node, by outcome: kept (the bound node took it), spilled (over its "
+    "load bound: the policy chose), moved (the bound node could not take it: down, cooling, not serving).",
+    ["outcome"]))
 QUEUE_WAIT = Children(Histogram(
     "zml_router_queue_wait_seconds", "Time a queued request waited until a node had room for it.", ["model"],
     buckets=WAIT_BUCKETS))
@@ -96,13 +109,20 @@ QUEUE_PROBE_S = 2.0
 
 
 class RouterMetrics(Collector):
-    """Hooks the request path calls, and the scrape-time view of the router's table."""
+    """Hooks the request path calls, and the scrape-time view of the router's table.
 
-    def __init__(self, service: "RouterService") -> None:
-        self.svc = service
+    ``in_flight``: the requests the router handles now (read at scrape time)."""
+
+    def __init__(self, cfg: ZMLConfig, table: NodeTable, in_flight: Sized) -> None:
+        self.cfg = cfg
+        self.table = table
+        self.in_flight = in_flight
+        self.nc: NATS | None = None
         #: model key -> messages waiting in the shared saturation queue (polled, not per request).
         self.queue_depth: dict[str, int] = {}
         self._probe: asyncio.Task[None] | None = None
+        #: The router's prefix index (zmlcore.policy.prefix.PrefixIndex), read at scrape time.
+        self.prefix: Any = None
         _VIEW.service = self
 
     # --- request path ----------------------------------------------------------------------
@@ -118,6 +138,19 @@ class RouterMetrics(Collector):
     def dispatching(self, headers: dict[str, str], info: RoutingInfo) -> None:
         if tracing.ON:
             rtrace.dispatching(headers, info.decision_id)
+
+    def cached(self, node_id: str, prompt: int, estimated: int | None, reported: int) -> None:
+        """The engine reported ``reported`` of the request's ``prompt`` tokens cached."""
+        PREFIX_TOKENS(node_id, "prompt").inc(prompt)
+        PREFIX_TOKENS(node_id, "reported").inc(reported)
+        if estimated is not None:
+            PREFIX_TOKENS(node_id, "estimated").inc(estimated)
+        if tracing.ON:
+            rtrace.cached(estimated, reported)
+
+    def session(self, outcome: str) -> None:
+        if outcome:
+            SESSIONS(outcome).inc()
 
     def failover(self, node_id: str, cause: str) -> None:
         FAILOVERS(node_id, cause).inc()
@@ -171,13 +204,14 @@ class RouterMetrics(Collector):
 
     def expired(self, data: bytes) -> None:
         try:
-            model = self.svc.cfg.resolve_model(_model_only.decode(data).model)
+            model = self.cfg.resolve_model(_model_only.decode(data).model)
         except (msgspec.DecodeError, msgspec.ValidationError):
             model = ""
         QUEUE_EXPIRED(model).inc()
 
     # --- the saturation queue's depth (JetStream consumer info, every QUEUE_PROBE_S) -----------
-    def start(self) -> None:
+    def start(self, nc: NATS) -> None:
+        self.nc = nc
         self._probe = asyncio.create_task(self._probe_queue())
 
     async def stop(self) -> None:
@@ -188,7 +222,7 @@ class RouterMetrics(Collector):
     async def _probe_queue(self) -> None:
         while True:
             await asyncio.sleep(QUEUE_PROBE_S)
-            nc = self.svc.nc
+            nc = self.nc
             if nc is None or not nc.is_connected:
                 continue
             try:
@@ -200,7 +234,6 @@ class RouterMetrics(Collector):
 
     # --- scrape time ---------------------------------------------------------------------------
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        svc = self.svc
         now = time.time()
         labels = ["node", "family", "accelerator_type", "engine"]
         state = GaugeMetricFamily("zml_node_state", "1 for the node's current status (up, down, loading, ...).",
@@ -218,7 +251,7 @@ class RouterMetrics(Collector):
                                            "Seconds left before an overloaded node is tried again.", labels=labels),
             "price": GaugeMetricFamily("zml_node_price_per_hour", "The node's price (run-time costs applied).", labels=labels),
         }
-        for v in list(svc.table.views.values()):
+        for v in list(self.table.views.values()):
             st = v.state
             lv = [v.node_id, st.family, st.accelerator_type, st.backend]
             state.add_metric([*lv, st.status], 1.0)
@@ -236,7 +269,17 @@ class RouterMetrics(Collector):
             depth.add_metric([key], n)
         yield depth
         yield GaugeMetricFamily("zml_router_in_flight", "Requests this router is handling now.",
-                                value=len(svc._by_request))
+                                value=len(self.in_flight))
+        if self.prefix is not None:
+            entries = GaugeMetricFamily(
+                "zml_prefix_cache_index_entries",
+                "Prompt-prefix keys this router's index holds for the node (shared with every replica).",
+                labels=["node"])
+            for v in list(self.table.views.values()):
+                nc = self.prefix.node(v.node_id)
+                if nc is not None:
+                    entries.add_metric([v.node_id], len(nc.lru))
+            yield entries
 
 
 class _View(Collector):

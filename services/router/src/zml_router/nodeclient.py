@@ -161,7 +161,7 @@ class NodeHTTP:
             if made:
                 if made[0].transport is not None:
                     made[0].transport.abort()
-                self._forget(made[0])
+                self.forget(made[0])
             else:
                 self._open -= 1
                 self._wake_one()
@@ -197,7 +197,7 @@ class NodeHTTP:
         if conn.error is None and not conn.closed and not conn.over and not self._closing:
             if conn.complete:
                 if conn.keep_alive:
-                    self._park(conn)
+                    self.park(conn)
                     return
             elif linger and conn.headers_done and conn.framed:
                 conn.lingering = True
@@ -210,7 +210,7 @@ class NodeHTTP:
                 return
         self.close(conn)
 
-    def _park(self, conn: Conn) -> None:
+    def park(self, conn: Conn) -> None:
         if conn.closed or self._closing:
             self.close(conn)
             return
@@ -231,9 +231,9 @@ class NodeHTTP:
             conn.closed = True
             if conn.transport is not None:
                 conn.transport.abort()
-        self._forget(conn)
+        self.forget(conn)
 
-    def _forget(self, conn: Conn) -> None:
+    def forget(self, conn: Conn) -> None:
         if conn.counted:
             conn.counted = False
             self._open -= 1

@@ -12,12 +12,9 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import httptools
-
-if TYPE_CHECKING:
-    from zml_router.nodeclient import NodeHTTP
 
 #: Bounds on a reply's head: the status line and all header lines together, and their count.
 MAX_HEAD_BYTES = 64 * 1024
@@ -36,6 +33,23 @@ class Stale(NodeHTTPError):
     """A reused connection closed before any byte of the reply: the node dropped it while idle."""
 
 
+class Pool(Protocol):
+    """What a connection asks of the pool that holds it (``zml_router.nodeclient.NodeHTTP``)."""
+
+    loop: asyncio.AbstractEventLoop
+    #: Bytes read of a non-2xx reply's body.
+    error_limit: int
+
+    def close(self, conn: Conn) -> None:
+        """Abort the connection and stop counting it."""
+
+    def forget(self, conn: Conn) -> None:
+        """The connection is gone (closed by either side): stop counting it."""
+
+    def park(self, conn: Conn) -> None:
+        """The reply was read to its end on a connection the node keeps open: reuse it."""
+
+
 class Conn(asyncio.Protocol):
     """One connection and the reply being read on it."""
 
@@ -44,7 +58,7 @@ class Conn(asyncio.Protocol):
                  "framed", "headers_done", "complete", "keep_alive", "got_bytes", "error", "waiter",
                  "paused", "in_use", "lingering", "idle_since")
 
-    def __init__(self, pool: NodeHTTP, key: tuple[str, str, int]) -> None:
+    def __init__(self, pool: Pool, key: tuple[str, str, int]) -> None:
         self.pool = pool
         self.key = key
         self.transport: asyncio.Transport | None = None
@@ -111,7 +125,7 @@ class Conn(asyncio.Protocol):
             if not self.complete and self.error is None:
                 self.error = NodeHTTPError("connection closed")
             self._wake()
-            self.pool._forget(self)
+            self.pool.forget(self)
             return
         self.closed = True
         if self.headers_done and not self.framed and not self.complete and self.error is None:
@@ -120,7 +134,7 @@ class Conn(asyncio.Protocol):
             cls = Stale if (self.reused and not self.got_bytes) else NodeHTTPError
             self.error = cls(f"the node closed the connection{'' if exc is None else f': {exc}'}")
         self._wake()
-        self.pool._forget(self)
+        self.pool.forget(self)
 
     def pause_writing(self) -> None:  # the body is written whole; the transport buffers it
         pass
@@ -193,7 +207,7 @@ class Conn(asyncio.Protocol):
         if self.lingering:
             self.lingering = False
             if self.keep_alive:
-                self.pool._park(self)
+                self.pool.park(self)
             else:
                 self.pool.close(self)
         self._wake()

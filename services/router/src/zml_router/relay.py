@@ -1,81 +1,203 @@
-"""One attempt on one node, and the requester's answer: the HTTP call with the body the node
-gets (zml_router.nodebody), and the reply relayed over NATS
-(one message, or start / chunk... / end). Counts the attempt in flight while it runs.
+"""The requester's side of a request: everything it receives (:class:`Replies`), and one
+attempt on a node with the node's answer relayed to it (:class:`Relay`: the HTTP call with
+the body the node gets, then one message, or start / chunk... / end). The pure parts (bodies,
+deadlines, failures, the reply's bytes) are ``zml_router.attempt``.
 
-An attempt that fails raises :class:`~zml_router.dispatch.AttemptError`; the request flow
+An attempt that fails raises :class:`~zml_router.attempt.AttemptError`; the request flow
 (``zml_router.flow``) decides what follows.
 """
 
 from __future__ import annotations
 
-import re
+import logging
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from random import getrandbits
+from typing import Any
 
 import msgspec
-from nats.aio.msg import Msg
+from nats.aio.client import Client as NATS
 
 from zmlcore import subjects
-from zmlcore.reply import routingmeta
-from zmlcore.reply import streamframe
-from zmlcore.reply.bigreply import accepted
+from zmlcore.bus.publish import Publisher
+from zmlcore.config import ZMLConfig
+from zmlcore.errors import ZMLError
 from zmlcore.messages import InferRequest, RoutingInfo, StreamStart
 from zmlcore.policy import RouteRequest
+from zmlcore.reply import routingmeta, streamframe
+from zmlcore.reply.bigreply import accepted
+from zmlcore.reply.cachedtokens import cached_tokens
+from zmlcore.reply.keepalive import QUEUED, KeepaliveBook, keepalive_headers
 from zmlcore.reply.parts import publish_reply
+from zmlcore.telemetry.setup import DECISION_ID
 
-from zml_router.dispatch import (
+from zml_router.attempt import (
     AttemptError,
     Failure,
-    first_chunk_within,
-    post_json,
-    stream_sse,
+    NodeBodies,
+    Renamer,
+    expected_s,
+    first_byte_timeout,
+    pending_window_s,
+    reply_usage,
+    routing_headers,
     stream_usage,
+    with_routing,
 )
-from zml_router.firstbyte import expected_s, first_byte_timeout
-from zml_router.kinds import PATHS
-from zml_router.pendinghold import PendingHold, window_s
+from zml_router.dispatch import NodeClient, first_chunk_within, post_json, stream_sse
+from zml_router.flow import PATHS, Dispatch, Incoming, Outcome
+from zml_router.ids import RequestIds
+from zml_router.inflight import Sharing
+from zml_router.limits import IdentityLimits
+from zml_router.metrics import RouterMetrics
 from zml_router.queue import QueuedMsg
-from zml_router.rename import Renamer
+from zml_router.table import NodeTable
+from zml_router.timers import Timer, Wheel
 
-if TYPE_CHECKING:
-    from zml_router.service import RouterService
+log = logging.getLogger("zml.router")
 
 _encode = msgspec.json.encode
 #: Zml-Accept-Stream values that get the node's events relayed as they came.
 _RELAYED = (subjects.STREAM_EVENTS, subjects.STREAM_FRAMES)
-_USAGE = re.compile(rb'"(prompt_tokens|completion_tokens|total_tokens)"\s*:\s*(\d+)')
 
 
-def reply_usage(raw: bytes) -> dict[str, Any]:
-    """The first prompt/completion/total token counts in a reply body, in one scan of it (for
-    the metrics, the trace and the routing metadata alike), without decoding the body."""
-    found: dict[str, Any] = {}
-    for m in _USAGE.finditer(raw):
-        found.setdefault(m.group(1).decode(), int(m.group(2)))
-    return found
+def _decision_id() -> str:
+    """Unique, not secret (it names a decision in logs and traces): no getrandom syscall per attempt."""
+    return f"{getrandbits(64):016x}"
 
 
-def with_routing(raw: bytes, info: RoutingInfo) -> bytes:
-    """The node's JSON object with ``"zml": {...}`` appended, without re-encoding the body."""
-    body = raw.rstrip()
-    if body[:1] == b"{" and body[-1:] == b"}":
-        sep = b"," if body[1:-1].strip() else b""
-        return body[:-1] + sep + b'"zml":' + _encode(info) + b"}"
-    raise AttemptError(Failure.SERVER, 200, f"node answered a non-object JSON body: {raw[:100]!r}")
+class Replies:
+    """What the requester receives, on the router's one publisher (one write per loop
+    iteration): replies and stream messages, error replies, "queued" keepalives. The last reply
+    of a request frees first what the caller may reuse the moment it has it: the request id's
+    claim (``zml_router.ids``) and the plan's concurrency slot (``zml_router.limits``), both of
+    the request this task handles."""
+
+    def __init__(self, keepalives: KeepaliveBook, ids: RequestIds, limits: IdentityLimits) -> None:
+        self.keepalives = keepalives
+        self.ids = ids
+        self.limits = limits
+        self.nc: NATS | None = None
+        self.pub: Publisher | None = None
+
+    def start(self, nc: NATS) -> None:
+        self.nc = nc
+        self.pub = Publisher.of(nc)
+
+    async def publish(self, reply: str, data: bytes, headers: dict[str, str] | None) -> None:
+        if reply and self.pub is not None:
+            await self.pub.publish(reply, data, headers=headers)
+            if self.keepalives:  # the next keepalive is an interval after this message
+                self.keepalives.sent(reply, time.monotonic())
+
+    async def before_last(self, tokens: int) -> None:
+        """Free the request's id claim and plan slot (on every replica): its last reply follows."""
+        await self.ids.release_current()
+        await self.limits.release_current(tokens)
+
+    async def queued(self, reply: str) -> None:
+        """Tell a requester that asked for keepalives that its request waits in the saturation
+        queue (it stops watching for keepalives meanwhile)."""
+        self.keepalives.remove(reply)
+        await self.publish(reply, b"", keepalive_headers(QUEUED))
+
+    async def error(self, msg: Incoming, exc: ZMLError, stream: bool) -> None:
+        headers = {subjects.H_ERROR_CODE: exc.code, **getattr(exc, "nats_headers", {})}
+        if exc.retry_after is not None:
+            headers[subjects.H_RETRY_AFTER] = f"{exc.retry_after:g}"
+        if stream:
+            headers[subjects.H_STREAM] = subjects.STREAM_ERROR
+        try:
+            await self.ids.release_current()
+            await self.publish(msg.reply, _encode(exc.to_body()), headers)
+        except Exception:  # connection closing: the requester times out on its side
+            log.warning("could not send error reply %s", exc.code)
 
 
-def _routing_headers(msg: Msg | QueuedMsg, info: RoutingInfo) -> dict[str, str]:
-    """The Zml-* routing headers of a reply, or none for a requester that reads the routing
-    metadata from the body (``Zml-Accept-Routing: body``): it travels once."""
-    if (msg.headers or {}).get(subjects.H_ACCEPT_ROUTING) == subjects.ROUTING_IN_BODY:
-        return {}
-    return routingmeta.nats_headers(info)
+#: Moves a node's (outstanding, pending) counts at once (``Sharing.move``: no I/O, no waiting).
+Move = Callable[[str, int, int], None]
+
+
+class PendingHold:
+    """Counts one dispatched non-streamed request: +1 outstanding and pending now, pending -1
+    after ``seconds`` (``attempt.pending_window_s``: a timer on the router's wheel, the count
+    moved in its callback: no task, and no loop timer armed and cancelled per request; it may
+    end one tick, 5 ms, late), the rest at :meth:`close`."""
+
+    __slots__ = ("_move", "node_id", "pending", "_timer", "_closed")
+
+    def __init__(self, move: Move, node_id: str, seconds: float, wheel: Wheel) -> None:
+        self._move = move
+        self.node_id = node_id
+        self.pending = True
+        self._closed = False
+        move(node_id, 1, 1)
+        self._timer: Timer | None = wheel.call_at(wheel.running_loop().time() + max(0.0, seconds), self._expire)
+
+    def _expire(self) -> None:
+        self._timer = None
+        if self.pending:
+            self.pending = False
+            self._move(self.node_id, 0, -1)
+
+    def close(self) -> None:
+        """The request finished (reply, error or cancel): the rest of its count (once)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not self._closed:
+            self._closed = True
+            still, self.pending = self.pending, False
+            self._move(self.node_id, -1, -1 if still else 0)
 
 
 class Relay:
-    def __init__(self, svc: RouterService) -> None:
-        self.svc = svc
-        self.api_keys = {n.id: n.api_key for n in svc.cfg.nodes if n.api_key}
+    def __init__(self, cfg: ZMLConfig, router_id: str, table: NodeTable, sharing: Sharing, timers: Wheel,
+                 http: NodeClient, metrics: RouterMetrics, replies: Replies,
+                 corrected: Callable[[str, RouteRequest, int, int], None] | None = None) -> None:
+        self.cfg = cfg
+        #: Told what the engine reported of its prefix cache (the router's index learns it).
+        self.corrected = corrected
+        self.router_id = router_id
+        self.table = table
+        self.sharing = sharing
+        self.timers = timers
+        self.http = http
+        self.metrics = metrics
+        self.replies = replies
+        self.api_keys = {n.id: n.api_key for n in cfg.nodes if n.api_key}
+        self._move = sharing.move  # bound once: a non-streamed request's PendingHold takes it
+
+    async def attempt(self, msg: Incoming, req: InferRequest, bodies: NodeBodies, model: str, action: Dispatch,
+                      request_id: str, t0: float, out: Outcome) -> AttemptError | None:
+        """One attempt on the decided node: None once the answer is out, else how it failed."""
+        decision = action.decision
+        view = self.table.views[decision.node_id]
+        info = RoutingInfo(
+            node_id=decision.node_id, accelerator_type=view.state.accelerator_type, family=decision.family,
+            policy=decision.policy, queue_depth_at_dispatch=decision.queue_depth, decision_id=_decision_id(),
+            request_id=request_id, attempts=action.attempt, router_id=self.router_id, label=out.label,
+            cached_tokens_estimated=decision.cached_tokens,
+        )
+        out.info = info
+        DECISION_ID.set(info.decision_id)
+        served = view.state.served_names.get(model)
+        node_body = bodies(served or model)
+        first_byte = self.first_byte_s(decision.node_id, req, action.rr)
+        # The engine answers with its own name: the client gets back the name it asked for.
+        rename = Renamer(served, req.model) if served and served != req.model else None
+        try:
+            if action.stream:
+                usage = await self.stream(msg, req, node_body, info, t0, first_byte, rename, action.rr)
+            else:
+                usage = await self.once(msg, req, node_body, info, t0, first_byte, rename, action.rr)
+        except AttemptError as err:
+            self.metrics.failover(decision.node_id, err.failure.value)
+            return err
+        if usage:  # the completion event counts them (cost attribution: docs/security.md, observers)
+            out.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+            out.completion_tokens = int(usage.get("completion_tokens") or 0)
+        return None
 
     def _headers(self, info: RoutingInfo) -> dict[str, str]:
         h = {
@@ -86,36 +208,45 @@ class Relay:
         key = self.api_keys.get(info.node_id)
         if key:
             h["authorization"] = f"Bearer {key}"
-        self.svc.metrics.dispatching(h, info)  # traceparent of the attempt span, when tracing
+        self.metrics.dispatching(h, info)  # traceparent of the attempt span, when tracing
         return h
 
     def first_byte_s(self, node_id: str, req: InferRequest, rr: RouteRequest) -> float | None:
         """The attempt's first-byte deadline (none for a pinned request: it cannot move)."""
-        view = self.svc.table.views.get(node_id)
+        view = self.table.views.get(node_id)
         if view is None or req.accelerator_id is not None:
             return None
-        rc = self.svc.cfg.router
+        rc = self.cfg.router
         expected = expected_s(view.state, view.outstanding, view.pending, rr.prompt_tokens, rr.max_tokens, req.stream)
         return first_byte_timeout(expected, rc.first_byte_floor_s, rc.first_byte_factor)
 
     def _url(self, info: RoutingInfo, req: InferRequest) -> str:
-        return self.svc.table.views[info.node_id].state.endpoint.rstrip("/") + PATHS[req.kind()]
+        return self.table.views[info.node_id].state.endpoint.rstrip("/") + PATHS[req.kind()]
 
-    async def once(self, msg: Msg | QueuedMsg, req: InferRequest, body: bytes, info: RoutingInfo, t0: float,
-                   first_byte: float | None = None, rename: Renamer | None = None) -> None:
-        svc = self.svc
+    def _reported(self, info: RoutingInfo, rr: RouteRequest | None, cached: int, prompt: object) -> None:
+        """The engine said how many prompt tokens it served from its prefix cache."""
+        info.cached_tokens = cached
+        prompt_tokens = prompt if isinstance(prompt, int) else 0
+        self.metrics.cached(info.node_id, prompt_tokens, info.cached_tokens_estimated, cached)
+        if rr is not None and self.corrected is not None:
+            self.corrected(info.node_id, rr, cached, prompt_tokens)
+
+    async def once(self, msg: Incoming, req: InferRequest, body: bytes, info: RoutingInfo, t0: float,
+                   first_byte: float | None = None, rename: Renamer | None = None,
+                   rr: RouteRequest | None = None) -> dict[str, Any]:
+        """Send the node's reply; returns its token counts (``reply_usage``)."""
         # A non-streamed reply shows no first token: pending ends at the estimated one.
-        v = svc.table.views[info.node_id]
-        hold = PendingHold(svc.sharing.move, info.node_id,
-                           window_s(v.state, v.effective_outstanding(), v.effective_pending(), len(body)), svc.timers)
+        v = self.table.views[info.node_id]
+        hold = PendingHold(self._move, info.node_id,
+                           pending_window_s(v.state, v.effective_outstanding(), v.effective_pending(), len(body)),
+                           self.timers)
         try:
-            call = post_json(svc.http, self._url(info, req), body, self._headers(info),  # type: ignore[arg-type]
-                             svc.cfg.nats.max_reply_bytes)
+            call = post_json(self.http, self._url(info, req), body, self._headers(info), self.cfg.nats.max_reply_bytes)
             if first_byte is None:
                 raw = await call
             else:
                 try:
-                    with svc.timers.deadline(first_byte):  # on the router's timer wheel (zml_router.timers)
+                    with self.timers.deadline(first_byte):  # on the router's timer wheel (zml_router.timers)
                         raw = await call
                 except TimeoutError:  # ours only: the request's own deadline arrives as a cancellation
                     raise AttemptError(Failure.SLOW, 0,
@@ -124,33 +255,42 @@ class Relay:
             hold.close()
         info.time_to_first_token = time.monotonic() - t0
         usage = reply_usage(raw)
-        svc.metrics.usage_dict(req.kind(), req.model, usage)
+        self.metrics.usage_dict(req.kind(), req.model, usage)
+        cached = cached_tokens(raw)
+        if cached is not None:
+            self._reported(info, rr, cached, usage.get("prompt_tokens"))
         if rename is not None:
             raw = rename(raw)
-        # Over max_payload: in parts to a requester that collects them (zmlcore.reply.bigreply), else
-        # REPLY_TOO_LARGE (raised before anything is sent), never a lost reply.
         if "total_tokens" in usage:
             info.total_tokens = usage["total_tokens"]
-        await svc.before_last_reply(info.total_tokens or 0)  # the caller may send again at once
-        if msg.reply and svc.nc is not None:
-            await publish_reply(svc.nc, msg.reply, with_routing(raw, info), _routing_headers(msg, info),
+        await self.replies.before_last(info.total_tokens or 0)  # the caller may send again at once
+        # Over max_payload: in parts to a requester that collects them (zmlcore.reply.bigreply), else
+        # REPLY_TOO_LARGE (raised before anything is sent), never a lost reply.
+        nc = self.replies.nc
+        if msg.reply and nc is not None:
+            await publish_reply(nc, msg.reply, with_routing(raw, info), routing_headers(msg.headers, info),
                                 accepted(msg.headers))
+        return usage
 
-    async def stream(self, msg: Msg | QueuedMsg, req: InferRequest, body: bytes, info: RoutingInfo, t0: float,
-                     first_byte: float | None = None, rename: Renamer | None = None) -> None:
-        svc = self.svc
-        count, publish, frame = svc.sharing.count, svc.publish, streamframe.encode
+    async def stream(self, msg: Incoming, req: InferRequest, body: bytes, info: RoutingInfo, t0: float,
+                     first_byte: float | None = None, rename: Renamer | None = None,
+                     rr: RouteRequest | None = None) -> dict[str, Any] | None:
+        """Relay the node's stream; returns its last ``usage`` (with include_usage), if any."""
+        last_usage: dict[str, Any] | None = None
+        count, publish, frame = self.sharing.count, self.replies.publish, streamframe.encode
         await count(info.node_id, 1, 1)
         pending = 1
         started = False
         seq = 0
+        reported: int | None = None
+        prompt_seen: object = None
         # Relayed as the node framed it to a requester that writes SSE itself (the gateway);
         # as header-less frames when it asked for them (zmlcore.reply.streamframe).
         accept = (msg.headers or {}).get(subjects.H_ACCEPT_STREAM)
         relay = rename is None and accept in _RELAYED
         frames = relay and accept == subjects.STREAM_FRAMES
         kind = subjects.STREAM_EVENTS if relay else subjects.STREAM_CHUNK
-        chunks = stream_sse(svc.http, self._url(info, req), body, self._headers(info), relay)  # type: ignore[arg-type]
+        chunks = stream_sse(self.http, self._url(info, req), body, self._headers(info), relay)
         try:
             async for chunk in first_chunk_within(chunks, first_byte):
                 if not started:
@@ -160,12 +300,16 @@ class Relay:
                         msg.placed.set_result(True)
                     await count(info.node_id, 0, -1)
                     info.time_to_first_token = time.monotonic() - t0
-                    await publish(msg.reply, _encode(StreamStart(routing=info)),
-                                  {**_routing_headers(msg, info), subjects.H_STREAM: "start", subjects.H_SEQ: "0"})
+                    await publish(msg.reply, _encode(StreamStart(routing=info)), {
+                        **routing_headers(msg.headers, info), subjects.H_STREAM: "start", subjects.H_SEQ: "0"})
                 usage = stream_usage(chunk)
                 if usage is not None:
+                    last_usage = usage
                     info.total_tokens = usage["total_tokens"]
-                    svc.metrics.usage_dict(req.kind(), req.model, usage)
+                    self.metrics.usage_dict(req.kind(), req.model, usage)
+                    prompt_seen = usage.get("prompt_tokens")
+                if b'"cache' in chunk and (cached := cached_tokens(chunk)) is not None:
+                    reported = cached  # the usage chunk, or llama-server's timings on the last chunk
                 if rename is not None:
                     chunk = rename(chunk)
                 seq += 1  # numbered so that a receiver notices a lost message (zmlcore.reply.streamseq)
@@ -173,11 +317,13 @@ class Relay:
                     await publish(msg.reply, frame(seq, chunk), None)
                 else:
                     await publish(msg.reply, chunk, {subjects.H_STREAM: kind, subjects.H_SEQ: str(seq)})
+            if reported is not None:
+                self._reported(info, rr, reported, prompt_seen)
             if not started:  # a stream with no chunk at all
                 info.time_to_first_token = time.monotonic() - t0
                 await publish(msg.reply, _encode(StreamStart(routing=info)),
-                              {**_routing_headers(msg, info), subjects.H_STREAM: "start", subjects.H_SEQ: "0"})
-            await svc.before_last_reply(info.total_tokens or 0)
+                              {**routing_headers(msg.headers, info), subjects.H_STREAM: "start", subjects.H_SEQ: "0"})
+            await self.replies.before_last(info.total_tokens or 0)
             await publish(msg.reply, _encode(StreamStart(routing=info)),
                           {subjects.H_STREAM: subjects.STREAM_END, subjects.H_SEQ: str(seq + 1)})
         except AttemptError as err:
@@ -187,3 +333,4 @@ class Relay:
             raise
         finally:
             await count(info.node_id, -1, -pending)
+        return last_usage

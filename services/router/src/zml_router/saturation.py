@@ -8,41 +8,62 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 import msgspec
-from nats.aio.msg import Msg
+from nats.aio.client import Client as NATS
 
 from zmlcore import subjects
+from zmlcore.config import ZMLConfig
 from zmlcore.errors import QueueFullError, ZMLError
-from zmlcore.reply.keepalive import QUEUED, keepalive_headers
 from zmlcore.messages import InferRequest, infer_request_decoder
+from zmlcore.policy import Decision, ResolvedPolicy, RouteRequest
 
 from zml_router import ids as idclaims
-from zml_router.flow import prepare, queue_expired
-from zml_router.ids import claim_key
-from zml_router.queue import H_DEADLINE, H_ENQUEUED, H_QUEUED_HEADERS, H_TOTAL_MS, QueuedMsg
-
-if TYPE_CHECKING:
-    from zml_router.service import RouterService
+from zml_router.cancels import CancelBook
+from zml_router.flow import Incoming, owner_key, prepare, queue_expired
+from zml_router.ids import RequestIds
+from zml_router.metrics import RouterMetrics
+from zml_router.queue import H_DEADLINE, H_ENQUEUED, H_QUEUED_HEADERS, H_TOTAL_MS, QueuedMsg, SaturationQueue
+from zml_router.relay import Replies
+from zml_router.table import NodeTable
 
 log = logging.getLogger("zml.router")
 
 #: A queued head is acknowledged once its node has not refused it within this long.
 PLACEMENT_WAIT_S = 0.5
 
-
-def owner_key(reply: str, headers: dict[str, str], request_id: str) -> str:
-    """Whose request id this is: the identity owning the reply inbox, narrowed by a front
-    door's ``Zml-Owner`` (which can only split the sender's own namespace further)."""
-    return claim_key(subjects.reply_owner(reply), headers.get(subjects.H_OWNER, ""), request_id)
+Admit = Callable[[RouteRequest, ResolvedPolicy], Decision]
+Spawn = Callable[[Coroutine[Any, Any, None]], "asyncio.Task[None]"]
 
 
 class QueueGlue:
-    def __init__(self, svc: RouterService) -> None:
-        self.svc = svc
+    """``admit``: the router's decision for a request (``zmlcore.policy.admit`` on its table);
+    ``enter``: the request path, which a dispatched head goes down as a :class:`QueuedMsg`;
+    ``spawn``: a task the router waits for when it stops."""
 
-    async def saturated(self, msg: Msg | QueuedMsg, req: InferRequest, model: str, request_id: str,
+    def __init__(self, cfg: ZMLConfig, table: NodeTable, admit: Admit, metrics: RouterMetrics, replies: Replies,
+                 cancels: CancelBook, ids: RequestIds, enter: Callable[[QueuedMsg], Coroutine[Any, Any, None]],
+                 spawn: Spawn) -> None:
+        self.cfg = cfg
+        self.table = table
+        self.admit = admit
+        self.metrics = metrics
+        self.replies = replies
+        self.cancels = cancels
+        self.ids = ids
+        self.enter = enter
+        self.spawn = spawn
+        self.queue: SaturationQueue | None = None
+
+    async def start(self, nc: NATS, router_id: str) -> SaturationQueue:
+        """The queue's stream, claims and a worker per configured model (``zml_router.queue``)."""
+        self.queue = SaturationQueue(nc, self.has_room, self.dispatch, self.expire, self.cancelled, owner=router_id)
+        await self.queue.start(sorted(self.cfg.model_names()))
+        return self.queue
+
+    async def saturated(self, msg: Incoming, req: InferRequest, model: str, request_id: str,
                         max_queue_ms: int | None, timeout: float) -> None:
         """No room now: a queued head goes back to the router holding it (keeping its place);
         anything else joins the queue."""
@@ -51,10 +72,9 @@ class QueueGlue:
             return
         await self.enqueue(msg, req, model, request_id, max_queue_ms, timeout)
 
-    async def enqueue(self, msg: Msg | QueuedMsg, req: InferRequest, model: str, request_id: str,
+    async def enqueue(self, msg: Incoming, req: InferRequest, model: str, request_id: str,
                       max_queue_ms: int | None, timeout: float) -> None:
-        svc = self.svc
-        assert svc.queue is not None
+        assert self.queue is not None
         now = time.time()
         wait_s = (max_queue_ms or 0) / 1000.0
         deadline = now + min(wait_s, timeout)
@@ -70,24 +90,22 @@ class QueueGlue:
             deadline = float(msg.headers.get(H_DEADLINE, deadline))
             headers[H_ENQUEUED] = msg.headers.get(H_ENQUEUED, f"{now:.3f}")
             headers[subjects.H_TIMEOUT_MS] = msg.headers.get(H_TOTAL_MS, headers[subjects.H_TIMEOUT_MS])
-        svc.metrics.enqueued(model, headers)
+        self.metrics.enqueued(model, headers)
         if subjects.H_KEEPALIVE in headers:
             # Before the entry exists: a requester told "queued" never sends it again, while one
             # that missed this (we died first) finds nothing queued that could run twice.
-            svc.keepalives.remove(msg.reply)
-            await svc.publish(msg.reply, b"", keepalive_headers(QUEUED))
-        await svc.queue.enqueue(model, msg.data, msg.reply, headers, deadline)
+            await self.replies.queued(msg.reply)
+        await self.queue.enqueue(model, msg.data, msg.reply, headers, deadline)
         log.info("request %s queued for %s (up to %.0f ms)", request_id, model, wait_s * 1000)
 
     # --- the queue's callbacks ---------------------------------------------------------------------
     def has_room(self, qmsg: QueuedMsg) -> bool:
         """Has a node room for the head of a model's queue now? (Asked again each time capacity
         may have freed: the head's wait is observed once, when a node takes it.)"""
-        svc = self.svc
         try:
             req = infer_request_decoder.decode(qmsg.data)
-            policy, rr = prepare(svc.cfg, svc.table.families(), req, qmsg.data, svc.cfg.resolve_model(req.model))
-            svc.admission.decide(rr, policy)
+            policy, rr = prepare(self.cfg, self.table.families(), req, qmsg.data, self.cfg.resolve_model(req.model))
+            self.admit(rr, policy)
         except QueueFullError:
             return False
         except (ZMLError, msgspec.DecodeError, msgspec.ValidationError):
@@ -96,24 +114,23 @@ class QueueGlue:
 
     async def dispatch(self, qmsg: QueuedMsg, deadline: float) -> bool:
         """Dispatch the (claimed) head of a model's queue; False if a node refused it at once."""
-        svc = self.svc
         # The request's timeout counts from when it first arrived, not from now.
         enqueued = float(qmsg.headers.get(H_ENQUEUED, time.time()))
-        total_ms = int(qmsg.headers.get(subjects.H_TIMEOUT_MS, "0") or 0) or int(svc.cfg.defaults.request_timeout_s * 1000)
+        total_ms = int(qmsg.headers.get(subjects.H_TIMEOUT_MS, "0") or 0) or int(self.cfg.defaults.request_timeout_s * 1000)
         left_ms = max(1, total_ms - int((time.time() - enqueued) * 1000))
         headers = {**qmsg.headers, subjects.H_TIMEOUT_MS: str(left_ms), H_TOTAL_MS: str(total_ms)}
         # The head stays unacknowledged (in JetStream) until a node has taken the request: an
         # immediate overload answer hands it back here. Its claim (queue.py) keeps a replica
         # that gets it redelivered after we die from running it a second time.
         placed: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        task = svc.spawn(svc.enter(QueuedMsg(qmsg.subject, qmsg.data, qmsg.reply, headers, placed)))
+        task = self.spawn(self.enter(QueuedMsg(qmsg.subject, qmsg.data, qmsg.reply, headers, placed)))
         waits: list[asyncio.Future[Any]] = [placed, task]
         await asyncio.wait(waits, timeout=PLACEMENT_WAIT_S, return_when=asyncio.FIRST_COMPLETED)
         if placed.done():
             if not placed.result():
                 if subjects.H_KEEPALIVE in qmsg.headers:
                     # Back to waiting (the claim is released after this): not watched meanwhile.
-                    await svc.publish(qmsg.reply, b"", keepalive_headers(QUEUED))
+                    await self.replies.queued(qmsg.reply)
                 return False
         else:
             placed.set_result(True)  # still running on a node after the wait: it has been taken
@@ -123,14 +140,13 @@ class QueueGlue:
     def _waited(self, qmsg: QueuedMsg) -> None:
         """The head's time in the queue, observed once: when a node has taken it."""
         try:
-            model = self.svc.cfg.resolve_model(infer_request_decoder.decode(qmsg.data).model)
+            model = self.cfg.resolve_model(infer_request_decoder.decode(qmsg.data).model)
         except (msgspec.DecodeError, msgspec.ValidationError):
             return
-        self.svc.metrics.waited(model, qmsg.headers)
+        self.metrics.waited(model, qmsg.headers)
 
     async def expire(self, qmsg: QueuedMsg, enqueued_at: float) -> None:
-        svc = self.svc
-        svc.metrics.expired(qmsg.data)
+        self.metrics.expired(qmsg.data)
         request_id = qmsg.headers.get(subjects.H_REQUEST_ID, "")
         idclaims.CURRENT.set(idclaims.queued_claim(owner_key(qmsg.reply, qmsg.headers, request_id), qmsg.headers))
         waited_ms = int((time.time() - enqueued_at) * 1000)
@@ -138,14 +154,13 @@ class QueueGlue:
             stream = infer_request_decoder.decode(qmsg.data).stream
         except (msgspec.DecodeError, msgspec.ValidationError):
             stream = False
-        await svc.reply_error(qmsg, queue_expired(waited_ms), stream)
+        await self.replies.error(qmsg, queue_expired(waited_ms), stream)
 
     def cancelled(self, qmsg: QueuedMsg) -> bool:
-        svc = self.svc
         request_id = qmsg.headers.get(subjects.H_REQUEST_ID, "")
         key = owner_key(qmsg.reply, qmsg.headers, request_id)
-        if not svc.cancelled.seen(key, time.time()):
+        if not self.cancels.seen(key, time.time()):
             return False
-        if svc.ids is not None:  # dropped from the queue without a reply: free its id now
-            svc.spawn(svc.ids.release(idclaims.queued_claim(key, qmsg.headers)))
+        # Dropped from the queue without a reply: free its id now.
+        self.spawn(self.ids.release(idclaims.queued_claim(key, qmsg.headers)))
         return True

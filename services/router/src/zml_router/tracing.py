@@ -13,8 +13,9 @@ carry it, and detached when the attempt ends.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Coroutine
 from contextvars import ContextVar, Token
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -24,11 +25,9 @@ from zmlcore.telemetry import tracing
 from zmlcore.policy import Decision, RouteRequest
 
 if TYPE_CHECKING:
-    from nats.aio.msg import Msg
+    from zml_router.flow import Incoming, Outcome as _Outcome
 
-    from zml_router.queue import QueuedMsg
-    from zml_router.flow import Outcome as _Outcome
-    from zml_router.service import RouterService
+M = TypeVar("M", bound="Incoming")
 
 OPERATION = {"chat": "chat", "completion": "text_completion"}
 
@@ -36,15 +35,16 @@ _SERVER: ContextVar[Any] = ContextVar("zml_router_server_span", default=None)
 _ATTEMPT: ContextVar[tuple[Any, Token[Any]] | None] = ContextVar("zml_router_attempt_span", default=None)
 
 
-async def handle(svc: "RouterService", msg: "Msg | QueuedMsg") -> None:
-    """``svc._handle(msg)`` inside the request's server span."""
+async def handle(router_id: str, msg: M, request: Callable[[M], Coroutine[Any, Any, None]]) -> None:
+    """``request(msg)`` (one request's path) inside its server span, continuing the trace of
+    the message's headers."""
     parent = tracing.extract(msg.headers)
     span = tracing.tracer().start_span("zml.route", context=parent, kind=SpanKind.SERVER,
-                                       attributes={"zml.router_id": svc.router_id})
+                                       attributes={"zml.router_id": router_id})
     token = otel_context.attach(trace.set_span_in_context(span, parent))
     _SERVER.set(span)
     try:
-        await svc._handle(msg)
+        await request(msg)
     finally:
         _end_attempt(None)
         otel_context.detach(token)
@@ -62,6 +62,7 @@ def decided(d: Decision, rr: RouteRequest) -> None:
     attrs: dict[str, Any] = {
         "zml.policy": d.policy, "zml.family": d.family, "zml.node_id": d.node_id,
         "zml.queue_depth": d.queue_depth, "zml.estimated_ttft_s": round(d.estimated_ttft_s, 4),
+        "zml.cached_tokens.estimated": d.cached_tokens, "zml.session": d.session,
         "zml.candidates": candidates, "gen_ai.request.model": rr.model, "gen_ai.request.max_tokens": rr.max_tokens,
     }
     tracing.set_attrs(server, attrs)
@@ -84,6 +85,14 @@ def dispatching(headers: dict[str, str], decision_id: str) -> None:
 def failed(cause: str) -> None:
     """The attempt failed before the first token (it will be re-routed or given up)."""
     _end_attempt(cause)
+
+
+def cached(estimated: int | None, reported: int) -> None:
+    """The engine's report of its prefix cache for this request, beside the router's estimate."""
+    server = _SERVER.get()
+    if server is not None:
+        tracing.set_attrs(server, {"zml.cached_tokens.reported": reported,
+                                   "gen_ai.usage.cache_read.input_tokens": reported})
 
 
 def usage(prompt_tokens: int | None, completion_tokens: int | None) -> None:

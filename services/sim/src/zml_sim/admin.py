@@ -100,8 +100,7 @@ async def _profile_post(node: NodeView, request: web.Request) -> web.Response:
         ratio = changes["speed"] / prof.speed
         changes.setdefault("prefill_tps", prof.prefill_tps * ratio)
         changes.setdefault("decode_tps", prof.decode_tps * ratio)
-    eng.profile = replace(prof, **changes)
-    eng._wake.set()  # a larger max_concurrency admits at once
+    eng.set_profile(replace(prof, **changes))
     return await _profile_get(node, request)
 
 async def _load(node: NodeView, request: web.Request) -> web.Response:

@@ -6,7 +6,10 @@ One scheduler task per node runs the reference fleet model (see ``zmlcore.fleet.
 * admitted requests are prefilled one at a time in FIFO order; prefill pauses decode and the
   first token is emitted when a request's prefill ends;
 * each decode step emits one token to every decoding sequence and lasts
-  ``profile.decode_step_seconds(batch)``.
+  ``profile.decode_step_seconds(batch)``;
+* with a prefix cache (``zml_sim.prefixcache``), a request's prompt is looked up and cached at
+  admission and only its uncached tokens take prefill time; every change to the cache is handed
+  to ``on_kv_events`` (the node's KV-event publisher) as one batch per scheduler step.
 
 All durations are divided by ``time_scale`` and multiplied by the ``slowdown`` fault factor.
 Steps shorter than ~4 ms of real time are grouped: ``k`` tokens over ``k`` step times, where
@@ -32,9 +35,11 @@ import math
 import random
 from collections import deque
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any
+from typing import Any, Callable
 
 from zmlcore.fleet.perfmodel import SimProfile
+from zmlcore.fleet.kvevents.wire import Event
+from zml_sim.prefixcache import NONE_HASH, Holding, PrefixCache, root_digest
 
 #: Weights of one loaded model when no size is given: an 8B model in fp16.
 DEFAULT_MODEL_GIB = 16.0
@@ -180,6 +185,11 @@ class Histogram:
 @dataclass
 class ModelStats:
     prompt_tokens: int = 0
+    #: Prompt tokens found in the prefix cache (vLLM's prompt_tokens_cached, llama.cpp's cache_n).
+    cached_tokens: int = 0
+    #: vLLM's prefix_cache_queries / prefix_cache_hits: prompt tokens looked up, and found.
+    prefix_queries: int = 0
+    prefix_hits: int = 0
     generation_tokens: int = 0
     success: dict[str, int] = field(default_factory=lambda: {"stop": 0, "length": 0})
     failed: int = 0
@@ -194,6 +204,9 @@ class ModelStats:
     def to_dict(self) -> dict[str, Any]:
         return {
             "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "prefix_queries": self.prefix_queries,
+            "prefix_hits": self.prefix_hits,
             "generation_tokens": self.generation_tokens,
             "success": dict(self.success),
             "failed": self.failed,
@@ -208,11 +221,16 @@ class SimRequest:
     _ids = itertools.count(1)
 
     def __init__(self, engine: SimEngine, model: str, prompt_tokens: int, output_tokens: int,
-                 finish_reason: str) -> None:
+                 finish_reason: str, tokens: list[int] | None = None) -> None:
         self.id = next(self._ids)
         self.engine = engine
         self.model = model
         self.prompt_tokens = prompt_tokens
+        #: The prompt's token ids (None: not cacheable, e.g. an embedding request).
+        self.tokens = tokens
+        #: Prompt tokens found in the prefix cache at admission.
+        self.cached_tokens = 0
+        self.holding: Holding | None = None
         self.output_tokens = output_tokens
         self.finish_reason = finish_reason
         self.state = "waiting"  # waiting | prefill | decoding | done | cancelled | failed
@@ -277,6 +295,8 @@ class SimEngine:
         max_waiting: int | None = None,
         faults: Faults | None = None,
         model_sizes: dict[str, float] | None = None,
+        prefix_caching: bool = True,
+        kv_cache_blocks: int | None = None,
     ) -> None:
         if time_scale <= 0:
             raise ValueError("time_scale must be > 0")
@@ -301,6 +321,14 @@ class SimEngine:
         self.busy_slot_steps = 0
         self.decode_slot_seconds = 0.0
         self.model_loaded = asyncio.Event()
+        #: Fixed KV-cache size in blocks (None: the free memory's worth, as vLLM sizes it).
+        self.kv_cache_blocks = kv_cache_blocks
+        self.prefix_cache: PrefixCache | None = (
+            PrefixCache(block_size=profile.kv_block_size, capacity=self.cache_capacity_blocks)
+            if prefix_caching else None)
+        #: Called with each scheduler step's KV events (the node's publisher sets it).
+        self.on_kv_events: Callable[[list[Event]], None] | None = None
+        self._roots: dict[str, bytes] = {}
         self._length_rng = random.Random(seed)
         self._fault_rng = random.Random(seed * 1_000_003 + 7)
         self._probe_rng = random.Random(seed * 1_000_003 + 11)  # its own: probes do not shift request faults
@@ -336,6 +364,9 @@ class SimEngine:
         self.decoding.clear()
         self.prefilling = None
         self.admitted = 0
+        if self.prefix_cache is not None:  # a crash loses the cache (a restarted engine sends no event)
+            self.prefix_cache = PrefixCache(block_size=self.prefix_cache.block_size, capacity=0)
+            self._roots.clear()
         for task, _ in self.loading.values():
             task.cancel()
         self.loading.clear()
@@ -345,6 +376,18 @@ class SimEngine:
             self.stats.clear()
             self.decode_steps = self.busy_slot_steps = 0
             self.decode_slot_seconds = 0.0
+        self._wake.set()
+
+    def set_profile(self, profile: SimProfile) -> None:
+        """New performance numbers, in effect at once (a larger max_concurrency admits now). A new
+        KV block size is a new cache, as an engine restarted with it would have (the old one's
+        blocks are cleared: an AllBlocksCleared event)."""
+        cache = self.prefix_cache
+        self.profile = profile
+        if cache is not None and profile.kv_block_size != cache.block_size:
+            cache.clear()
+            self._flush_kv()
+            self.prefix_cache = PrefixCache(block_size=profile.kv_block_size, capacity=self.cache_capacity_blocks)
         self._wake.set()
 
     # ----- models ------------------------------------------------------------------------------
@@ -407,7 +450,47 @@ class SimEngine:
                 self.cancel(req, error=f"model {model!r} was unloaded")
         if self.prefilling is not None and self.prefilling.model == model:
             self.cancel(self.prefilling, error=f"model {model!r} was unloaded")
+        if not self.models:
+            self.reset_prefix_cache()
         return True
+
+    # ----- prefix cache ------------------------------------------------------------------------
+
+    @property
+    def cache_capacity_blocks(self) -> int:
+        if self.kv_cache_blocks is not None:
+            return self.kv_cache_blocks
+        return self.kv_capacity_tokens // self.profile.kv_block_size
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's ``reset_prefix_cache``: refused (False) while requests run."""
+        cache = self.prefix_cache
+        if cache is None:
+            return False
+        if self.admitted:
+            return False
+        cache.clear()
+        self._flush_kv()
+        return True
+
+    def _root(self, model: str) -> bytes:
+        root = self._roots.get(model)
+        if root is None:  # the first model hashes exactly as vLLM does
+            root = self._roots[model] = NONE_HASH if not self._roots else root_digest(model)
+        return root
+
+    def _release(self, req: SimRequest) -> None:
+        holding, req.holding = req.holding, None
+        # (a request admitted before the cache was replaced holds nothing in the new one)
+        if holding is not None and self.prefix_cache is not None and holding.cache is self.prefix_cache:
+            self.prefix_cache.release(holding)
+
+    def _flush_kv(self) -> None:
+        cache = self.prefix_cache
+        if cache is not None and cache.events:
+            events = cache.take_events()
+            if self.on_kv_events is not None:
+                self.on_kv_events(events)
 
     def loading_remaining(self) -> dict[str, float]:
         now = asyncio.get_running_loop().time()
@@ -439,11 +522,13 @@ class SimEngine:
             and self.admitted + len(self.waiting) >= self.profile.max_concurrency + self.max_waiting
         )
 
-    def submit(self, model: str, prompt_tokens: int, max_tokens: int | None = None) -> SimRequest:
+    def submit(self, model: str, prompt_tokens: int, max_tokens: int | None = None,
+               tokens: list[int] | None = None) -> SimRequest:
+        """Queue a request; ``tokens`` (the prompt's ids) make it go through the prefix cache."""
         if model not in self.models:
             raise SimError(f"model {model!r} is not loaded")
         output, reason = self.output_length(max_tokens)
-        req = SimRequest(self, model, max(1, prompt_tokens), output, reason)
+        req = SimRequest(self, model, max(1, prompt_tokens), output, reason, tokens)
         self.waiting.append(req)
         if self.admitted < self.profile.max_concurrency:
             self._wake.set()
@@ -462,6 +547,8 @@ class SimEngine:
         elif req.state == "decoding":
             self.decoding.remove(req)
             self.admitted -= 1
+        self._release(req)
+        self._flush_kv()
         if error is not None:
             self.stats_for(req.model).failed += 1
         req._close("failed" if error else "cancelled", error)
@@ -518,16 +605,26 @@ class SimEngine:
     # ----- scheduler ---------------------------------------------------------------------------
 
     def _admit(self) -> None:
+        cache = self.prefix_cache
         while self.waiting and self.admitted < self.profile.max_concurrency:
             req = self.waiting.popleft()
             req.state = "prefill"
             self.admitted += 1
+            if cache is not None and req.tokens is not None:
+                cache.resize(self.cache_capacity_blocks)
+                req.holding = cache.admit(req.tokens, self._root(req.model))
+                req.cached_tokens = req.holding.cached_tokens
+                stats = self.stats_for(req.model)
+                stats.prefix_queries += len(req.tokens)
+                stats.prefix_hits += req.cached_tokens
             self.prefill_queue.append(req)
+        self._flush_kv()
 
     def _first_token(self, req: SimRequest, now: float) -> None:
         req.first_token_at = now
         stats = self.stats_for(req.model)
         stats.prompt_tokens += req.prompt_tokens
+        stats.cached_tokens += req.cached_tokens
         stats.generation_tokens += 1
         stats.ttft.observe(now - req.arrival)
         if req.prefill_started_at is not None:
@@ -541,6 +638,8 @@ class SimEngine:
 
     def _finish(self, req: SimRequest, now: float) -> None:
         self.admitted -= 1
+        self._release(req)
+        self._flush_kv()
         stats = self.stats_for(req.model)
         stats.success[req.finish_reason] = stats.success.get(req.finish_reason, 0) + 1
         stats.e2e.observe(now - req.arrival)
@@ -564,7 +663,7 @@ class SimEngine:
                 req = self.prefill_queue.popleft()
                 self.prefilling = req
                 req.prefill_started_at = loop.time()
-                clock += self.real_seconds(self.profile.prefill_seconds(req.prompt_tokens))
+                clock += self.real_seconds(self.profile.prefill_seconds(req.prompt_tokens, req.cached_tokens))
                 await asyncio.sleep(max(0.0, clock - loop.time()))
                 self.prefilling = None
                 if not req.finished:
@@ -617,8 +716,12 @@ class SimEngine:
             if req.finished or req.state != "decoding":
                 continue
             req._emit(k)
+            cache = self.prefix_cache
+            if cache is not None and req.holding is not None and req.holding.cache is cache:
+                cache.grow(req.holding, k)
             self.stats_for(req.model).generation_tokens += k
             if req.remaining <= 0:
                 self.decoding.remove(req)
                 self._finish(req, now)
+        self._flush_kv()
         return end

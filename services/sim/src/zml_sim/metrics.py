@@ -80,6 +80,12 @@ def render_metrics(node: NodeView) -> str:
         p.family(pre + "prompt_tokens_total", "counter", "Number of prefill tokens processed.")
         for labels, s in zip(lab, stats):
             p.sample(pre + "prompt_tokens_total", labels, s.prompt_tokens)
+        if kind != "sglang" and eng.prefix_cache is not None:
+            _vllm_prefix_cache(p, node, lab, stats)
+        elif kind == "sglang" and eng.prefix_cache is not None:
+            p.family("sglang:cache_hit_rate", "gauge", "The prefix cache hit rate.")
+            for labels, s in zip(lab, stats):
+                p.sample("sglang:cache_hit_rate", labels, s.prefix_hits / s.prefix_queries if s.prefix_queries else 0.0)
         p.family(pre + "generation_tokens_total", "counter", "Number of generation tokens processed.")
         for labels, s in zip(lab, stats):
             p.sample(pre + "generation_tokens_total", labels, s.generation_tokens)
@@ -128,16 +134,38 @@ def render_metrics(node: NodeView) -> str:
     return p.text()
 
 
+def _vllm_prefix_cache(p: _Prom, node: NodeView, lab: list[dict[str, str]], stats: list[Any]) -> None:
+    """vLLM's prefix-cache counters (tokens) and ``cache_config_info`` (an info gauge whose labels
+    are the cache config: block_size and num_gpu_blocks are what ZML reads)."""
+    eng = node.engine
+    for name, help_text, attr in (
+            ("prompt_tokens_cached_total", "Number of cached prompt tokens (local + external).", "cached_tokens"),
+            ("prefix_cache_queries_total", "Prefix cache queries, in terms of number of queried tokens.",
+             "prefix_queries"),
+            ("prefix_cache_hits_total", "Prefix cache hits, in terms of number of cached tokens.", "prefix_hits")):
+        p.family("vllm:" + name, "counter", help_text)
+        for labels, s in zip(lab, stats):
+            p.sample("vllm:" + name, {**labels, "engine": "0"}, getattr(s, attr))
+    cache = eng.prefix_cache
+    assert cache is not None
+    p.family("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig")
+    p.sample("vllm:cache_config_info", {
+        "block_size": str(cache.block_size), "cache_dtype": "auto", "enable_prefix_caching": "True",
+        "gpu_memory_utilization": "0.9", "num_cpu_blocks": "None", "num_gpu_blocks": str(eng.cache_capacity_blocks),
+        "prefix_caching_hash_algo": "sha256", "engine": "0"}, 1.0)
+
+
 def _llamacpp(p: _Prom, node: NodeView, stats: list[Any]) -> None:
     """llama-server's counters then gauges, unlabelled, in its order (no KV-cache gauge)."""
     eng = node.engine
-    prompt = sum(s.prompt_tokens for s in stats)
+    cached = sum(s.cached_tokens for s in stats)
+    prompt = sum(s.prompt_tokens for s in stats) - cached  # llama-server counts computed tokens only
     prompt_s = sum(s.prefill.sum for s in stats)
     predicted = sum(s.generation_tokens for s in stats)
     steps = eng.decode_steps
     counters = [
         ("prompt_tokens_total", "Number of prompt tokens processed, excluding cached tokens", prompt),
-        ("prompt_tokens_cached_total", "Number of prompt tokens reused from the cache", 0),
+        ("prompt_tokens_cached_total", "Number of prompt tokens reused from the cache", cached),
         ("prompt_seconds_total", "Total time spent processing prompts", prompt_s),
         ("tokens_predicted_total", "Number of generation tokens processed", predicted),
         ("tokens_predicted_seconds_total", "Total time spent generating tokens", eng.decode_slot_seconds),

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import json
 import logging
 import socket
 import time
@@ -34,9 +35,10 @@ import msgspec
 from aiohttp import web
 
 from zmlcore.fleet.accelerators import ACCELERATORS
-from zmlcore.config import NodeConfig
+from zmlcore.config import KVEventsConfig, NodeConfig, zmq_address
 from zml_sim import admin
 from zml_sim import embeddings
+from zml_sim import transcription
 from zml_sim.engine import Faults
 from zml_sim.engine import SimEngine
 from zml_sim.engine import SimError
@@ -47,7 +49,9 @@ from zml_sim.faces.base import DEFAULT_RETRY_AFTER_S
 from zml_sim.faces.base import MAX_MODEL_LEN
 from zml_sim.faces.base import json_response
 from zml_sim.faces.base import retry_headers
+from zml_sim.kvpublish import KVEventPublisher
 from zml_sim.metrics import render_metrics
+from zml_sim.prefixcache import token_ids
 from zmlcore.fleet.perfmodel import SimProfile
 from zmlcore.fleet.perfmodel import estimate_tokens
 
@@ -115,6 +119,9 @@ class SimNode:
         driver_version: str | None = None,
         faults: Faults | None = None,
         model_sizes: dict[str, float] | None = None,
+        prefix_caching: bool = True,
+        kv_cache_blocks: int | None = None,
+        kv_events: KVEventsConfig | None = None,
         **profile_overrides: float | int | None,
     ) -> None:
         if accelerator not in ACCELERATORS:
@@ -131,7 +138,19 @@ class SimNode:
         self.driver_version = driver_version or ACCELERATORS[accelerator].min_driver
         profile = SimProfile.for_type(accelerator, **profile_overrides)
         self.engine = SimEngine(node_id, profile, time_scale=time_scale, seed=seed,
-                                max_waiting=max_waiting, faults=faults, model_sizes=model_sizes)
+                                max_waiting=max_waiting, faults=faults, model_sizes=model_sizes,
+                                prefix_caching=prefix_caching, kv_cache_blocks=kv_cache_blocks)
+        #: vLLM's KV-event sockets (``--kv-events-config``), bound where zml.toml says the node's
+        #: engine publishes; None: the node publishes no events.
+        self.kv_publisher: KVEventPublisher | None = None
+        if kv_events is not None and prefix_caching:
+            if engine not in ("vllm", "sglang"):
+                raise ValueError(f"node {node_id}: only vllm and sglang publish KV events")
+            self.kv_publisher = KVEventPublisher(_bind_address(kv_events.endpoint) or kv_events.endpoint,
+                                                 _bind_address(kv_events.replay_endpoint),
+                                                 topic=kv_events.topic,
+                                                 layout="sglang" if engine == "sglang" else "0.34")
+            self.engine.on_kv_events = self.kv_publisher.publish
         self.host = "127.0.0.1"
         self.port = 0
         self.started_at = time.time()
@@ -160,7 +179,9 @@ class SimNode:
             driver_version=sim.driver_version, speed=sim.speed, prefill_tps=sim.prefill_tps,
             decode_tps=sim.decode_tps, max_concurrency=sim.max_concurrency,
             load_time_s=sim.load_time_s, memory_gib=sim.memory_gib,
-            cost_per_hour=node.cost_per_hour,
+            cost_per_hour=node.cost_per_hour, prefix_caching=sim.prefix_caching,
+            kv_block_size=sim.kv_block_size, kv_cache_blocks=sim.kv_cache_blocks,
+            kv_events=node.kv_events,
         )
 
     # ----- lifecycle ---------------------------------------------------------------------------
@@ -183,6 +204,8 @@ class SimNode:
         self.host = host
         self._sock = _bind(self.node_id, host, port)
         self.port = self._sock.getsockname()[1]
+        if self.kv_publisher is not None:
+            await self.kv_publisher.start()
         self.engine.start()
         for model in self.initial_models:
             self.engine.load(model)
@@ -241,6 +264,8 @@ class SimNode:
                 task.cancel()
         await self._close_server()
         await self.engine.stop()
+        if self.kv_publisher is not None:
+            await self.kv_publisher.stop()
 
     async def crash(self, for_s: float | None = None) -> None:
         """Stop listening at once, dropping connections and in-flight requests.
@@ -251,6 +276,8 @@ class SimNode:
         self.engine.faults = replace(self.engine.faults, crash=True, crash_for_s=for_s)
         await self._close_server()
         self.engine.reset("node crashed", clear_stats=True)
+        if self.kv_publisher is not None:  # the engine process is gone, and its sockets with it
+            await self.kv_publisher.stop()
         if for_s is not None:
             self._revive_task = asyncio.get_running_loop().create_task(self._revive(for_s, models))
 
@@ -262,6 +289,8 @@ class SimNode:
         """Come back after a crash: bind the same port again and reload ``models``."""
         self.engine.faults = replace(self.engine.faults, crash=False, crash_for_s=None)
         self._sock = _bind(self.node_id, self.host, self.port)
+        if self.kv_publisher is not None:
+            await self.kv_publisher.start()  # a new process: numbering starts again at 0
         for model in models if models is not None else self.initial_models:
             self.engine.load(model)
         self._serve_task = asyncio.get_running_loop().create_task(self._serve())
@@ -274,11 +303,14 @@ class SimNode:
     # ----- app ---------------------------------------------------------------------------------
 
     def _make_app(self) -> web.Application:
-        app = web.Application(client_max_size=16 * 1024 * 1024)
+        # OpenAI's upload limit for audio files, plus the multipart framing and form fields
+        app = web.Application(client_max_size=transcription.MAX_FILE_BYTES + 1024 * 1024)
         r = app.router
         r.add_post("/v1/chat/completions", self._chat)
         r.add_post("/v1/completions", self._completions)
         r.add_post("/v1/embeddings", self._embeddings)
+        r.add_post("/v1/audio/transcriptions", self._transcriptions)
+        r.add_post("/v1/audio/translations", self._translations)
         r.add_get("/v1/models", self._models)
         r.add_get("/health", self.health)
         r.add_get("/metrics", self._metrics)
@@ -321,6 +353,8 @@ class SimNode:
             raise _BadRequest(f"Invalid JSON in request body: {exc}") from exc
         if not isinstance(body, dict):
             raise _BadRequest("Request body must be a JSON object")
+        ids: list[int] | None = None
+        text: str | None
         if chat:
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
@@ -338,17 +372,22 @@ class SimNode:
                         if not isinstance(text, str):
                             raise _BadRequest("Each content part must be an object whose 'text' is a string")
                         parts.append(text)
-            prompt_tokens = estimate_tokens("".join(parts))
+            text = "".join(parts)
         else:
             prompt = body.get("prompt")
             if isinstance(prompt, str):
-                prompt_tokens = estimate_tokens(prompt)
+                text = prompt
             elif isinstance(prompt, list) and prompt and all(isinstance(p, int) for p in prompt):
-                prompt_tokens = len(prompt)
+                text, ids = None, prompt
             elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-                prompt_tokens = estimate_tokens("".join(prompt))
+                text = "".join(prompt)
             else:
                 raise _BadRequest("Field 'prompt' is required: a string, list of strings or token ids")
+        # The prompt's tokens (one per 4 characters, estimate_tokens' count): a chat's messages
+        # are joined, so each turn of a conversation extends the previous turn's prompt.
+        tokens = token_ids(text) if text is not None else ids
+        assert tokens is not None
+        prompt_tokens = estimate_tokens(text) if text is not None else len(tokens)
         max_tokens = body.get("max_completion_tokens") if chat else None
         if max_tokens is None:
             max_tokens = body.get("max_tokens")
@@ -368,6 +407,7 @@ class SimNode:
         return {
             "model": model,
             "prompt_tokens": prompt_tokens,
+            "tokens": tokens,
             "max_tokens": max_tokens,
             "stream": bool(body.get("stream", False)),
             "include_usage": isinstance(opts, dict) and bool(opts.get("include_usage")),
@@ -404,7 +444,7 @@ class SimNode:
             return self.error(status, "Injected fault: internal server error", "internal",
                                self._retry_headers())
         drop = eng.sample_drop()
-        req = eng.submit(model, args["prompt_tokens"], args["max_tokens"])
+        req = eng.submit(model, args["prompt_tokens"], args["max_tokens"], tokens=args["tokens"])
         try:
             if args["stream"]:
                 return await self._stream(request, req, chat=chat, drop=drop,
@@ -444,16 +484,91 @@ class SimNode:
             eng.cancel(req)
         return _json_response(embeddings.response(model, texts, dims, fmt, tokens))
 
+    async def _transcriptions(self, request: web.Request) -> web.StreamResponse:
+        return await self._audio(request, "transcribe")
+
+    async def _translations(self, request: web.Request) -> web.StreamResponse:
+        return await self._audio(request, "translate")
+
+    async def _audio(self, request: web.Request, task: str) -> web.StreamResponse:
+        """OpenAI's audio API on multipart/form-data (``zml_sim.transcription``): the audio
+        occupies a slot like a prompt of its encoder frames, the text is decoded word by word."""
+        eng = self.engine
+        if not request.content_type.startswith("multipart/form-data"):
+            return self.error(400, "Expected a multipart/form-data body with a 'file' field", "bad_request")
+        try:
+            form = await request.post()
+        except web.HTTPRequestEntityTooLarge:
+            return self.error(413, f"The audio file is larger than {transcription.MAX_FILE_BYTES} bytes",
+                              "bad_request")
+        except ValueError as exc:
+            return self.error(400, f"Malformed multipart body: {exc}", "bad_request")
+        upload = form.get("file")
+        if not isinstance(upload, web.FileField):
+            return self.error(400, "Field 'file' (the audio) is required", "bad_request")
+        audio = upload.file.read()
+        model = str(form.get("model") or "") or None
+        fmt = str(form.get("response_format") or "json")
+        stream = str(form.get("stream") or "").lower() in ("true", "1")
+        grans = [str(g) for g in form.getall("timestamp_granularities[]", [])]
+        try:
+            transcription.check_format(fmt, stream)
+            text = transcription.transcribe(model or "", audio, task=task,
+                                            language=str(form.get("language") or "") or None)
+        except transcription.TranscriptionRequestError as exc:
+            return self.error(400, str(exc), "bad_request")
+        if model is None:
+            if not eng.models:
+                return self.loading_error() if eng.loading else self.error(404, "No model is loaded", "not_found")
+            model = next(iter(eng.models))
+        if model not in eng.models:
+            if model in eng.loading and self.face.loading_answers_503:
+                return self.loading_error()
+            return self.error(404, f"The model `{model}` does not exist.", "not_found")
+        if eng.overloaded:
+            return self._overload()
+        if eng.sample_error():
+            return self.error(eng.faults.error_status, "Injected fault: internal server error", "internal",
+                               self._retry_headers())
+        req = eng.submit(model, transcription.prompt_tokens(text.duration), len(text.words))
+        if stream:
+            resp = web.StreamResponse(headers={"content-type": "text/event-stream", "cache-control": "no-cache"})
+            await resp.prepare(request)
+            events = transcription.stream_events(text)
+            try:
+                decoding = True
+                for event in events[:-1]:  # paced by the decode (a step may emit several tokens)
+                    if decoding and await req.next_chunk() is None:
+                        decoding = False
+                    await resp.write(f"data: {event}\n\n".encode())
+                while decoding and await req.next_chunk() is not None:
+                    pass
+                await resp.write(f"data: {events[-1]}\n\ndata: [DONE]\n\n".encode())
+            except SimError as exc:
+                await resp.write(f"data: {json.dumps({'error': {'message': str(exc)}})}\n\n".encode())
+            finally:
+                eng.cancel(req)
+            await resp.write_eof()
+            return resp
+        try:
+            await req.text()
+        except SimError as exc:
+            return self.error(500, str(exc), "internal")
+        finally:
+            eng.cancel(req)
+        content_type, body = transcription.render(text, fmt, granularities=grans)
+        return web.Response(body=body.encode(), headers={"content-type": content_type})
+
     def _envelope(self, req: SimRequest, chat: bool, chunk: bool) -> dict[str, Any]:
         prefix = "chatcmpl" if chat else "cmpl"
         obj = ("chat.completion.chunk" if chunk else "chat.completion") if chat else "text_completion"
         return {"id": f"{prefix}-{self.node_id}-{req.id}", "object": obj,
                 "created": int(time.time()), "model": req.model}
 
-    @staticmethod
-    def _usage(req: SimRequest) -> dict[str, int]:
-        return {"prompt_tokens": req.prompt_tokens, "completion_tokens": req.generated,
-                "total_tokens": req.prompt_tokens + req.generated}
+    def _usage(self, req: SimRequest) -> dict[str, Any]:
+        usage: dict[str, Any] = {"prompt_tokens": req.prompt_tokens, "completion_tokens": req.generated,
+                                 "total_tokens": req.prompt_tokens + req.generated}
+        return self.face.usage(usage, req)
 
     def _drop(self, request: web.Request, req: SimRequest) -> None:
         self.engine.cancel(req)
@@ -480,6 +595,7 @@ class SimNode:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": req.finish_reason}
         body["choices"] = [choice]
         body["usage"] = self._usage(req)
+        body.update(self.face.reply_extra(req))
         return _json_response(body)
 
     async def _stream(self, request: web.Request, req: SimRequest, *, chat: bool, drop: bool,
@@ -518,9 +634,11 @@ class SimNode:
             await resp.write_eof()
             return resp
         final = {"index": 0, "delta": {}} if chat else {"index": 0, "text": ""}
-        await send([{**final, "logprobs": None, "finish_reason": req.finish_reason}])
+        # llama-server puts its timings on the usage chunk when there is one, else on this one.
+        extra = {} if include_usage else self.face.reply_extra(req)
+        await send([{**final, "logprobs": None, "finish_reason": req.finish_reason}], **extra)
         if include_usage:
-            await send([], usage=self._usage(req))
+            await send([], usage=self._usage(req), **self.face.reply_extra(req))
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()
         return resp
@@ -591,11 +709,35 @@ class SimNode:
                       "max_concurrency": eng.profile.max_concurrency},
             "kv_cache_usage": eng.kv_cache_usage,
             "kv_capacity_tokens": eng.kv_capacity_tokens,
+            "prefix_cache": self.prefix_cache_state(),
             "free_memory_gib": round(eng.free_memory_gib, 3),
             "faults": eng.faults.to_dict(),
             "profile": asdict(eng.profile),
             "counters": {m: s.to_dict() for m, s in eng.stats.items()},
         }
+
+
+    def prefix_cache_state(self) -> dict[str, Any] | None:
+        cache = self.engine.prefix_cache
+        if cache is None:
+            return None
+        pub = self.kv_publisher
+        return {"block_size": cache.block_size, "capacity_blocks": self.engine.cache_capacity_blocks,
+                "cached_blocks": cache.blocks, "queries_tokens": sum(s.prefix_queries for s in self.engine.stats.values()),
+                "hits_tokens": sum(s.prefix_hits for s in self.engine.stats.values()),
+                "kv_events": None if pub is None else {"endpoint": pub.endpoint, "replay_endpoint": pub.replay_endpoint,
+                                                       "next_seq": pub.seq, "dropped": pub.dropped}}
+
+
+def _bind_address(endpoint: str | None) -> str | None:
+    """Where a sim binds the address zml.toml gives for its engine's socket (tcp://host:port or
+    ipc://path): the same address (the health service connects to it)."""
+    if endpoint is None:
+        return None
+    addr = zmq_address(endpoint)
+    if addr is None:
+        raise ValueError(f"{endpoint!r} is not tcp://HOST:PORT or ipc://PATH")
+    return endpoint
 
 
 # ----- fleet -------------------------------------------------------------------------------------

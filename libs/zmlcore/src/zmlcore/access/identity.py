@@ -73,14 +73,6 @@ def owner_of(opts: dict[str, Any]) -> str:
     return subjects.reply_owner(prefix + ".x")
 
 
-def cli_options(config_path: str | None = None) -> dict[str, Any]:
-    """Connect options for a command-line tool: zml.toml's ``[nats]`` (``config_path`` or the
-    one found from the working directory) with the environment's ZML_NATS_NKEY / ZML_NATS_TLS_*."""
-    from zmlcore.config import find_config, load_config
-
-    return connect_options(load_config(config_path or find_config()).nats)
-
-
 def config_owner(cfg: NatsConfig) -> str:
     """The owner token of the configured identity ("" without one): a service's cancel subjects
     ``zml.cancel.<owner>.<id>``."""

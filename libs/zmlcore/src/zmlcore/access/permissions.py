@@ -21,9 +21,9 @@ from typing import Any
 
 from zmlcore import subjects
 
-ROLES = ("gateway", "router", "health", "warmup", "admin", "client")
+ROLES = ("gateway", "router", "health", "warmup", "batch", "admin", "client", "observer")
 #: Roles every deployment runs (one identity each, shared by a role's replicas).
-SERVICE_ROLES = ("gateway", "router", "health", "warmup")
+SERVICE_ROLES = ("gateway", "router", "health", "warmup", "batch")
 
 #: A service answering requests may publish to the requester's reply subject, and only while
 #: the request is open (nats-server's ``allow_responses``): enough for health's and warmup's
@@ -55,6 +55,12 @@ def kv_read(bucket: str) -> list[str]:
     return _stream_read(f"KV_{bucket}")
 
 
+def kv_watch(bucket: str) -> list[str]:
+    """:func:`kv_read` without creating the bucket: for identities outside ZML's services, which
+    must not be able to create a bucket with a configuration of their choosing."""
+    return [s for s in kv_read(bucket) if not s.startswith("$JS.API.STREAM.CREATE.")]
+
+
 def kv_write(bucket: str) -> list[str]:
     """... and to put/delete keys in it."""
     return [*kv_read(bucket), f"$KV.{bucket}.>"]
@@ -74,6 +80,32 @@ def _queue_stream() -> list[str]:
     ]
 
 
+def _batch_files() -> list[str]:
+    """The Batch API's file store (JetStream object store): put, read, delete objects."""
+    stream = f"OBJ_{subjects.BATCH_FILES_BUCKET}"
+    return [*_stream_read(stream), f"$O.{subjects.BATCH_FILES_BUCKET}.>", f"$JS.API.STREAM.PURGE.{stream}"]
+
+
+def _batch_streams() -> list[str]:
+    """Open (create) the Batch API's work and results streams."""
+    api = "$JS.API"
+    return [f"{api}.STREAM.{verb}.{s}" for s in (subjects.BATCH_WORK_STREAM, subjects.BATCH_RESULTS_STREAM)
+            for verb in ("INFO", "CREATE")]
+
+
+def _batch_runner() -> list[str]:
+    """A batch runner's JetStream calls: the work queue's durable consumers (fetch, ack,
+    in-progress), reading a batch's results back and purging them once written out."""
+    api = "$JS.API"
+    w, r = subjects.BATCH_WORK_STREAM, subjects.BATCH_RESULTS_STREAM
+    return [
+        f"{subjects.BATCH_WORK_PREFIX}.>", f"{subjects.BATCH_RESULT_PREFIX}.>",
+        f"{api}.CONSUMER.CREATE.{w}", f"{api}.CONSUMER.CREATE.{w}.>", f"{api}.CONSUMER.DURABLE.CREATE.{w}.>",
+        f"{api}.CONSUMER.INFO.{w}.>", f"{api}.CONSUMER.MSG.NEXT.{w}.>", f"$JS.ACK.{w}.>",
+        *_stream_read(r), f"{api}.STREAM.PURGE.{r}",
+    ]
+
+
 def _grants(role: str, owner: str) -> tuple[list[str], list[str], bool]:
     """(publish allow, subscribe allow, allow_responses) for ``role``."""
     inbox = f"{subjects.inbox_prefix(owner)}.>"
@@ -81,13 +113,20 @@ def _grants(role: str, owner: str) -> tuple[list[str], list[str], bool]:
     completed = subjects.event(subjects.EVENT_COMPLETED)
     if role == "client":
         return [subjects.INFER, own_cancel], [inbox], False
+    if role == "observer":  # billing, analytics, dashboards: read events, node state and prices; nothing else
+        return ([subjects.admin_nodes("list"), *kv_watch(subjects.NODES_BUCKET), *kv_watch(subjects.COSTS_BUCKET)],
+                [inbox, f"{subjects.EVENTS_PREFIX}.>"], False)
     if role == "gateway":
         # Requests go to the front-door subject: only there does a router honour the key's
-        # label and default policy (zml_router.trust).
+        # label and default policy (zml_router.flow.drop_untrusted).
         pub = [subjects.FRONT_DOOR_INFER, own_cancel, subjects.ROUTERS_STATE, *kv_read(subjects.NODES_BUCKET),
                *kv_read(subjects.COSTS_BUCKET), *kv_read(subjects.KEYS_BUCKET), *kv_write(subjects.LIMITS_BUCKET),
-               f"$JS.API.CONSUMER.LIST.{subjects.QUEUE_STREAM}"]  # the dashboard's saturation-queue depth
-        return pub, [inbox, completed], False  # completion events feed the /dashboard
+               f"$JS.API.CONSUMER.LIST.{subjects.QUEUE_STREAM}",  # the dashboard's saturation-queue depth
+               # the Batch API: files, records, new batches for the runners, cancels announced
+               *kv_write(subjects.BATCH_INDEX_BUCKET), *_batch_files(), *_batch_streams(),
+               subjects.BATCH_WORK_START, subjects.BATCH_EVENTS]
+        # completion events and batch progress feed the /dashboard
+        return pub, [inbox, completed, subjects.BATCH_EVENTS], False
     if role == "router":
         pub = [f"{subjects.INBOX_ROOT}.>", subjects.INFLIGHT, subjects.INFLIGHT_SNAPSHOT, subjects.NODE_MARKS,
                completed, subjects.QUEUE_BUSY, *_queue_stream(), *kv_write(subjects.QUEUE_CLAIMS_BUCKET),
@@ -95,16 +134,20 @@ def _grants(role: str, owner: str) -> tuple[list[str], list[str], bool]:
                *kv_write(subjects.REQUEST_IDS_BUCKET), subjects.router_state("*"),
                *kv_read(subjects.NODES_BUCKET), *kv_read(subjects.COSTS_BUCKET),
                # client identities' plans (zml_router.limits), counted with the gateways'
-               *kv_read(subjects.KEYS_BUCKET), *kv_write(subjects.LIMITS_BUCKET)]
+               *kv_read(subjects.KEYS_BUCKET), *kv_write(subjects.LIMITS_BUCKET),
+               # cache-aware routing: session bindings and the replicas' shared prefix records
+               *kv_write(subjects.SESSIONS_BUCKET), subjects.PREFIX_RECORDS]
         sub = [inbox, f"{subjects.INFER} {subjects.ROUTER_QUEUE}",  # only inside the queue group
                f"{subjects.FRONT_DOOR_INFER} {subjects.ROUTER_QUEUE}",
                subjects.INFLIGHT, subjects.INFLIGHT_SNAPSHOT, subjects.NODE_MARKS, f"{subjects.CANCEL_PREFIX}.>",
-               subjects.ROUTERS_STATE, subjects.router_state("*"), subjects.QUEUE_BUSY]
+               subjects.ROUTERS_STATE, subjects.router_state("*"), subjects.QUEUE_BUSY,
+               subjects.PREFIX_RECORDS, f"{subjects.KV_EVENTS_PREFIX}.>"]
         return pub, sub, False
     if role == "health":
         pub = [subjects.event(subjects.EVENT_WARMUP), *kv_write(subjects.NODES_BUCKET),
                *kv_write(subjects.REGISTRY_BUCKET), *kv_read(subjects.COSTS_BUCKET),
-               *kv_write(subjects.LEASES_BUCKET)]  # --ha: one active replica (zmlcore.runtime.lease)
+               *kv_write(subjects.LEASES_BUCKET),  # --ha: one active replica (zmlcore.runtime.lease)
+               f"{subjects.KV_EVENTS_PREFIX}.>"]  # engines' KV-cache events, bridged (zml_health.kvbridge)
         sub = [inbox, f"{subjects.ADMIN_NODES_PREFIX}.*", completed, subjects.event(subjects.EVENT_WARMUP)]
         return pub, sub, True
     if role == "warmup":
@@ -112,6 +155,12 @@ def _grants(role: str, owner: str) -> tuple[list[str], list[str], bool]:
                *kv_read(subjects.REGISTRY_BUCKET), *kv_write(subjects.LEASES_BUCKET)]
         sub = [inbox, completed, subjects.WARMUP_SERVE]
         return pub, sub, True
+    if role == "batch":  # batch runners: lines go to the routers like any client's requests
+        pub = [subjects.INFER, own_cancel, subjects.BATCH_EVENTS, *kv_write(subjects.BATCH_INDEX_BUCKET),
+               *_batch_files(), *_batch_streams(), *_batch_runner(),
+               # API keys' plans count their batches' tokens (zmlcore.limits)
+               *kv_read(subjects.KEYS_BUCKET), *kv_write(subjects.LIMITS_BUCKET)]
+        return pub, [inbox, subjects.BATCH_EVENTS], False
     if role == "admin":  # the operator's CLI: zml nodes add/remove/list, zml cost, zml serve, zml keys
         pub = [subjects.INFER, own_cancel, f"{subjects.ADMIN_NODES_PREFIX}.*", subjects.ROUTERS_STATE,
                subjects.WARMUP_SERVE, *kv_read(subjects.NODES_BUCKET), *kv_read(subjects.REGISTRY_BUCKET),

@@ -44,9 +44,11 @@ from collections.abc import Callable
 from typing import Any
 
 from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 from nats.js.kv import KeyValue
 
+from zmlcore.bus import natsinternals
 from zmlcore.bus.link import link_of
 from zmlcore.bus.connect import ensure_kv
 
@@ -65,18 +67,18 @@ async def watch_bucket(kv: KeyValue, *, inactive_s: float = WATCH_INACTIVE_S, **
     return await kv.watchall(inactive_threshold=inactive_s, **kwargs)
 
 
-async def drop_watch(watcher: KeyValue.KeyWatcher) -> None:
-    """Stop a watcher and delete its consumer (best effort, in the background: a re-watch after
-    a broker restart must not wait on JetStream; without a connection the server drops the
-    consumer after its inactive threshold anyway)."""
-    sub = watcher._sub
+async def drop_watch(watcher: KeyValue.KeyWatcher, nc: NATS) -> None:
+    """Stop a watcher (of a bucket opened on ``nc``) and delete its consumer (best effort, in the
+    background: a re-watch after a broker restart must not wait on JetStream; without a
+    connection the server drops the consumer after its inactive threshold anyway)."""
+    consumer = natsinternals.watch_consumer(watcher)
     try:
         await watcher.stop()  # type: ignore[no-untyped-call]
     except Exception:  # connection gone: nothing to unsubscribe
         return
-    if sub is None or not sub._consumer or not sub._js._nc.is_connected:
+    if consumer is None or not nc.is_connected:
         return
-    task = asyncio.ensure_future(_delete_consumer(sub._js, sub._stream, sub._consumer))
+    task = asyncio.ensure_future(_delete_consumer(nc.jetstream(), *consumer))
     _deleting.add(task)
     task.add_done_callback(_deleting.discard)
 
@@ -84,17 +86,19 @@ async def drop_watch(watcher: KeyValue.KeyWatcher) -> None:
 _deleting: set[asyncio.Future[None]] = set()
 
 
-async def _delete_consumer(js: Any, stream: str, consumer: str) -> None:
+async def _delete_consumer(js: JetStreamContext, stream: str, consumer: str) -> None:
     try:
-        await asyncio.wait_for(js._jsm.delete_consumer(stream, consumer), 2.0)
+        await asyncio.wait_for(js.delete_consumer(stream, consumer), 2.0)
     except Exception:  # gone already (inactive, or the broker restarted), or no answer in time
         pass
 
 
-async def live_keys(kv: KeyValue, timeout: float = 5.0) -> list[str]:
-    """The bucket's live keys, once (a snapshot read through the same watch as a follower).
-    Not ``kv.keys()``: with ignore_deletes it never ends when the bucket's last entries are
-    deletes (the end-of-snapshot marker rides on the skipped delete)."""
+async def live_keys(kv: KeyValue, nc: NATS, timeout: float = 5.0) -> list[str]:
+    """The live keys of ``kv`` (a bucket opened on ``nc``), once (a snapshot read through the
+    same watch as a follower). Not ``kv.keys()``: with ignore_deletes it never ends when the
+    bucket's last entries are deletes (the end-of-snapshot marker rides on the skipped delete)."""
+    natsinternals.check()
+    js = nc.jetstream()
     watcher = await watch_bucket(kv, meta_only=True)
     live: dict[str, None] = {}
     got = False  # any entry yet (nats-py's early marker comes before all of them)
@@ -103,10 +107,11 @@ async def live_keys(kv: KeyValue, timeout: float = 5.0) -> list[str]:
             try:
                 entry = await watcher.updates(timeout=timeout)  # type: ignore[no-untyped-call]
             except Exception:  # nats TimeoutError: keep what we have
-                log.warning("listing the keys of %s timed out", kv._name)
+                consumer = natsinternals.watch_consumer(watcher)
+                log.warning("listing the keys of %s timed out", consumer[0] if consumer else "a bucket")
                 break
             if entry is None:
-                if got or await snapshot_empty(watcher, timeout):
+                if got or await snapshot_empty(watcher, js, timeout):
                     break
                 continue  # the snapshot is on its way (its last entry ends it), or no answer
             got = True
@@ -117,19 +122,19 @@ async def live_keys(kv: KeyValue, timeout: float = 5.0) -> list[str]:
             if entry.delta == 0:
                 break
     finally:
-        await drop_watch(watcher)
+        await drop_watch(watcher, nc)
     return list(live)
 
 
-async def snapshot_empty(watcher: KeyValue.KeyWatcher, timeout: float) -> bool | None:
+async def snapshot_empty(watcher: KeyValue.KeyWatcher, js: JetStreamContext, timeout: float) -> bool | None:
     """Whether a new watch's snapshot really is empty, from its consumer on the server: nothing
     delivered and nothing pending (None: no answer). Asked when nats-py's end-of-snapshot marker
     comes before any entry, which it also does while the snapshot is still on the wire."""
-    sub = watcher._sub
-    if sub is None:
+    consumer = natsinternals.watch_consumer(watcher)
+    if consumer is None:
         return None
     try:
-        info = await sub._js._jsm.consumer_info(sub._stream, sub._consumer, timeout=timeout)
+        info = await js.consumer_info(*consumer, timeout=timeout)
     except asyncio.CancelledError:
         raise
     except Exception:
@@ -170,6 +175,8 @@ class KVFollower:
         #: Keys missing from a snapshot, kept until their timer reports them deleted.
         self.vanished: dict[str, asyncio.TimerHandle] = {}
         self._misses = 0
+        self._js = nc.jetstream()
+        natsinternals.check()  # here, at start-up, rather than in the loop below
 
     async def wait_ready(self, timeout: float) -> bool:
         try:
@@ -192,7 +199,7 @@ class KVFollower:
         while not link.closed.is_set():
             gen = link.generation
             try:
-                kv = await ensure_kv(self.nc.jetstream(), self.bucket)
+                kv = await ensure_kv(self._js, self.bucket)
                 watcher = await watch_bucket(kv, inactive_s=self.inactive_s)
             except asyncio.CancelledError:
                 raise
@@ -209,7 +216,7 @@ class KVFollower:
                 reason = await self._consume(watcher, kv, gen)
             finally:
                 self.watcher = None
-                await drop_watch(watcher)
+                await drop_watch(watcher, self.nc)
             log.info("re-watching %s: %s", self.bucket, reason)
 
     async def _consume(self, watcher: KeyValue.KeyWatcher, kv: KeyValue, gen: int) -> str:
@@ -223,8 +230,8 @@ class KVFollower:
         last_check = time.monotonic()
         try:
             while True:
-                if nxt is None:
-                    nxt = asyncio.ensure_future(watcher._updates.get())
+                if nxt is None:  # the next entry, nats-py's "nothing pending" marker or its stop sentinel
+                    nxt = asyncio.ensure_future(watcher.updates(timeout=None))  # type: ignore[no-untyped-call]
                 done, _ = await asyncio.wait({nxt, reconnect}, timeout=self.check_s,
                                              return_when=asyncio.FIRST_COMPLETED)
                 if nxt in done:
@@ -237,7 +244,7 @@ class KVFollower:
                             self._synced(seen)
                             seen = None
                     elif entry is None and seen is not None:  # nats-py: "nothing pending"
-                        empty = True if got else await snapshot_empty(watcher, min(self.check_s, 2.0))
+                        empty = True if got else await snapshot_empty(watcher, self._js, min(self.check_s, 2.0))
                         if empty:
                             self._synced(seen)
                             seen = None
@@ -250,7 +257,7 @@ class KVFollower:
                     return "reconnected"
                 last_check = time.monotonic()
                 if unsure and seen is not None and not got:
-                    empty = await snapshot_empty(watcher, min(self.check_s, 2.0))
+                    empty = await snapshot_empty(watcher, self._js, min(self.check_s, 2.0))
                     if empty:
                         self._synced(seen)
                         seen = None
@@ -306,11 +313,11 @@ class KVFollower:
         server died while ours lives on; a reconnect is handled without asking)."""
         if not self.nc.is_connected:
             return True  # the reconnect will re-create it
-        sub = watcher._sub
-        if sub is None:
+        consumer = natsinternals.watch_consumer(watcher)
+        if consumer is None:
             return False
         try:
-            await sub._js._jsm.consumer_info(sub._stream, sub._consumer, timeout=self.check_s)
+            await self._js.consumer_info(*consumer, timeout=self.check_s)
         except NotFoundError:
             return False
         except asyncio.CancelledError:

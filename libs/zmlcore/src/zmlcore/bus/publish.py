@@ -23,10 +23,10 @@ What stays nats-py's:
   that is not an RFC 7230 token raises BadHeaderError, CR/LF in a header value become spaces
   (exactly nats-py's rules: nothing can end a protocol line early).
 
-This module is the only one that touches nats-py's privates (``_pending``, ``_transport``,
-``_flush_queue``...); :meth:`Publisher.of` checks that they exist (natsio.connect calls it) and
-falls back to ``nc.publish`` for good if they do not. tests/unit/test_natspub_encode.py pins the bytes
-against nats-py's own encoder.
+nats-py's buffer (``_pending``, ``_transport``, ``_flush_queue``...) is reached only through
+:mod:`zmlcore.bus.natsinternals`, which decides once per process whether this nats-py has it
+(else every publish is ``nc.publish``, logged at start-up). tests/unit/test_publish_encode.py
+pins the bytes against nats-py's own encoder.
 
 Example::
 
@@ -37,15 +37,13 @@ Example::
 from __future__ import annotations
 
 import asyncio
-import logging
 import re
 import weakref
-from typing import Any
 
 from nats import errors
 from nats.aio.client import Client as NATS
 
-log = logging.getLogger("zml.natspub")
+from zmlcore.bus import natsinternals
 
 #: nats-py's own rules (nats/aio/client.py, 2.16): kept identical so both paths accept and
 #: reject the same subjects and headers.
@@ -56,9 +54,6 @@ _HDR_LINE = b"NATS/1.0\r\n"
 _CRLF = b"\r\n"
 #: Header keys whose checked encoding is remembered: ours are a few dozen constants.
 MAX_CACHED_KEYS = 512
-#: The nats-py attributes this module relies on.
-_NEEDED = ("_pending", "_pending_data_size", "_max_pending_size", "_max_payload", "_transport", "_flush_queue",
-           "_status", "stats", "_flush_pending")
 
 _keys: dict[str, bytes] = {}
 
@@ -116,11 +111,8 @@ class Publisher:
 
     def __init__(self, nc: NATS) -> None:
         self.nc = nc
-        missing = [a for a in _NEEDED if not hasattr(nc, a)]
-        #: False: this nats-py is not the one this module knows; every publish is nc.publish.
-        self.fast = not missing
-        if missing:
-            log.warning("nats-py lacks %s: publishing through nc.publish", ", ".join(missing))
+        #: False: this nats-py lacks what the fast path needs; every publish is nc.publish.
+        self.fast = natsinternals.support().fast_publish
         self._scheduled = False
         self._loop: asyncio.AbstractEventLoop | None = None
 
@@ -134,20 +126,18 @@ class Publisher:
     async def publish(self, subject: str, payload: bytes = b"", reply: str = "",
                       headers: dict[str, str] | None = None) -> None:
         """As ``nc.publish``, same errors; the bytes leave at the end of this loop iteration."""
-        nc: Any = self.nc
-        if not self.fast or nc._status != NATS.CONNECTED:  # nats-py's buffer, bound and errors
+        nc = self.nc
+        if not self.fast or not nc.is_connected:  # nats-py's buffer, bound and errors
             await nc.publish(subject, payload, reply=reply, headers=headers)
             return
-        if len(payload) > nc._max_payload:
+        if len(payload) > nc.max_payload:
             raise errors.MaxPayloadError
         cmd = encode(subject, reply, payload, headers)
         stats = nc.stats
         stats["out_msgs"] += 1
         stats["out_bytes"] += len(payload)
-        nc._pending.append(cmd)
-        nc._pending_data_size += len(cmd)
-        if 0 < nc._max_pending_size < nc._pending_data_size:
-            await nc._flush_pending(force_flush=True)  # back-pressure, as nats-py applies it
+        if natsinternals.append_pending(nc, cmd):
+            await natsinternals.flush_forced(nc)  # back-pressure, as nats-py applies it
         elif not self._scheduled:
             self._scheduled = True
             if self._loop is None:
@@ -156,22 +146,7 @@ class Publisher:
 
     def _flush(self) -> None:
         self._scheduled = False
-        nc: Any = self.nc
-        if not nc._pending or nc._status != NATS.CONNECTED:
-            return  # sent by nats-py after its reconnect, or already by its flusher
-        transport = nc._transport
-        writer = getattr(transport, "_io_writer", None)
-        sock = getattr(writer, "transport", None)
-        if sock is None or sock.get_write_buffer_size() > sock.get_write_buffer_limits()[1]:
-            # The socket is backed up (or not a plain stream): nats-py's flusher writes and
-            # awaits drain(); publishers past pending_size wait for it (see publish).
-            queue = nc._flush_queue
-            if queue is not None and queue.empty():
-                queue.put_nowait(self._loop.create_future() if self._loop else asyncio.Future())
-            return
-        transport.writelines(nc._pending)
-        nc._pending = []
-        nc._pending_data_size = 0
+        natsinternals.write_pending(self.nc, self._loop)
 
 
 async def publish(nc: NATS, subject: str, payload: bytes = b"", reply: str = "",

@@ -1,4 +1,4 @@
-"""The simulated node's performance model. Pure numbers: no clocks, no I/O.
+"""Each accelerator type's performance model. Pure numbers: no clocks, no I/O.
 
 The same profile drives ``zml sim`` (in real time), the routing simulator in ``benches/``
 (in virtual time) and policy TTFT estimates, so a capacity plan made with one holds for the
@@ -9,7 +9,10 @@ others. The model is the reference fleet model (shared/reference/routing-frontie
 * decode advances every admitted sequence by one token per step; a step with ``b`` sequences
   takes ``(1 + 0.02 (b - 1)) / decode_tps`` seconds (continuous batching: per-sequence speed
   falls as the batch grows, total throughput rises);
-* at most ``max_concurrency`` sequences are admitted; others wait in a FIFO queue.
+* at most ``max_concurrency`` sequences are admitted; others wait in a FIFO queue;
+* a prompt's tokens found in the node's prefix cache skip prefill: only the *uncached* tokens
+  cost time (at least one is computed, for the first token's logits), as in vLLM's automatic
+  prefix caching. The cache holds whole blocks of ``kv_block_size`` tokens.
 """
 
 from __future__ import annotations
@@ -36,6 +39,8 @@ class SimProfile:
     memory_gib: float
     cost_per_hour: float
     batch_penalty: float = DECODE_BATCH_PENALTY
+    #: Tokens per KV-cache block (the accelerator type's engine default).
+    kv_block_size: int = 16
 
     @classmethod
     def for_type(cls, type_id: str, **overrides: float | int | None) -> SimProfile:
@@ -55,12 +60,14 @@ class SimProfile:
             load_time_s=a.load_time_s,
             memory_gib=a.memory_gib,
             cost_per_hour=a.cost_per_hour,
+            kv_block_size=a.kv_block_size,
         )
         given = {k: v for k, v in overrides.items() if v is not None and k != "speed"}
         return replace(prof, **given) if given else prof  # type: ignore[arg-type]
 
-    def prefill_seconds(self, prompt_tokens: int) -> float:
-        return prompt_tokens / self.prefill_tps
+    def prefill_seconds(self, prompt_tokens: int, cached_tokens: int = 0) -> float:
+        """Prefill time of a prompt whose first ``cached_tokens`` are in the prefix cache."""
+        return max(prompt_tokens - cached_tokens, 1) / self.prefill_tps
 
     def decode_step_seconds(self, batch: int) -> float:
         """Duration of one decode step (one token for each of ``batch`` sequences)."""

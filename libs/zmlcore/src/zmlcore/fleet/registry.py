@@ -13,9 +13,6 @@ Example::
     await add_node(nc, NodeSpec(id="mi300x-9", accelerator="amd_mi300x",
                                 endpoint="http://10.0.1.9:8000", models=["m"]))
     await remove_node(nc, "mi300x-9")
-
-    # or, without an event loop of your own:
-    add_node_sync("nats://127.0.0.1:4222", NodeSpec(...))
 """
 
 from __future__ import annotations
@@ -69,32 +66,3 @@ async def remove_node(nc: NATS, node_id: str, *, timeout: float = 5.0) -> NodeRe
 async def list_nodes(nc: NATS, *, timeout: float = 5.0) -> list[NodeState]:
     """Every node's state as the health service sees it now (each with ``age_s``)."""
     return _listing.decode(await _request(nc, "list", b"", timeout)).get("nodes", [])
-
-
-def _sync(nats_url: str, fn: Any, *args: Any, **kwargs: Any) -> Any:
-    async def run() -> Any:
-        import nats
-
-        from zmlcore.bus.link import split_urls
-
-        nc = await nats.connect(servers=split_urls(nats_url), connect_timeout=kwargs.pop("connect_timeout", 2.0),
-                                max_reconnect_attempts=0, **(kwargs.pop("connect_options", None) or {}))
-        try:
-            return await fn(nc, *args, **kwargs)
-        finally:
-            await nc.close()
-
-    return asyncio.run(run())
-
-
-def add_node_sync(nats_url: str, node: NodeSpec, *, replace: bool = False, timeout: float = 5.0,
-                  connect_options: dict[str, Any] | None = None) -> NodeAdded:
-    """:func:`add_node` for callers without an event loop (the CLI); ``connect_options``: the
-    caller's identity and TLS (zmlcore.access.identity)."""
-    return _sync(nats_url, add_node, node, replace=replace, timeout=timeout, connect_options=connect_options)  # type: ignore[no-any-return]
-
-
-def remove_node_sync(nats_url: str, node_id: str, *, timeout: float = 5.0,
-                     connect_options: dict[str, Any] | None = None) -> NodeRemoved:
-    """:func:`remove_node` for callers without an event loop (the CLI)."""
-    return _sync(nats_url, remove_node, node_id, timeout=timeout, connect_options=connect_options)  # type: ignore[no-any-return]

@@ -36,7 +36,7 @@ from nats.js.kv import KeyValue
 from zmlcore import subjects
 from zmlcore.limits.leases import LEASE_S, Book
 from zmlcore.messages.keys import LimitState, PlanLimits, limit_state_decoder
-from zmlcore.limits.plans import WINDOW_S, Verdict
+from zmlcore.limits.plans import WINDOW_S, Verdict, refusal_of, roll
 from zmlcore.runtime.runner import cancel_and_wait
 
 log = logging.getLogger("zml.limiter")
@@ -190,6 +190,39 @@ class SharedLimiter:
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
             await asyncio.wait({task}, timeout=RELEASE_WAIT_S)  # never cancelled half-written
+
+    async def add_tokens(self, identity: str, limits: PlanLimits, tokens: int) -> None:
+        """Count tokens used outside any admitted request (a batch line's, run by a batch runner
+        for the key that owns the batch) against ``identity``'s plan: written with the book's
+        next write, at once when the plan is near its token limit."""
+        if tokens <= 0:
+            return
+        key = limit_key(identity)
+        book = self.books.get(key)
+        if book is None:
+            book = self.books[key] = Book(limits)
+            if self._sweeper is None:
+                self._sweeper = asyncio.create_task(self._sweep())
+        if book.done("", tokens=tokens, now=time.time()):
+            task = asyncio.ensure_future(self._flush(key, urgent_only=True))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def tokens_wait(self, identity: str, limits: PlanLimits) -> float:
+        """Seconds until ``identity``'s plan has tokens left this minute (0: now; always 0 for a
+        plan without tokens_per_minute). One read of the shared entry."""
+        tpm = limits.tokens_per_minute
+        if tpm is None:
+            return 0.0
+        key = limit_key(identity)
+        state, _ = await self._read(key)
+        now = time.time()
+        state = roll(state, now)
+        book = self.books.get(key)
+        if book is not None:  # counted here, not written yet
+            state.tokens += book.tokens
+        verdict = refusal_of(state, PlanLimits(tokens_per_minute=tpm), now=now, busy=0)
+        return verdict.retry_after_s if verdict is not None else 0.0
 
     async def _sweep(self) -> None:
         """Give back ended leases, renew or give back holds, write pending tokens; forget idle books."""

@@ -20,6 +20,14 @@ import msgspec
 Backend = Literal["vllm", "tgi", "sglang", "llamacpp", "openai"]
 
 
+class KVEventsSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
+    """A node's KV-event sockets: the keys of zml.toml's ``[nodes.kv_events]``."""
+
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+
+
 class NodeSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, forbid_unknown_fields=True):
     """A node to register: the same keys as a ``[[nodes]]`` entry of zml.toml (no sim table,
     no api_key: secrets stay in zml.toml)."""
@@ -34,6 +42,7 @@ class NodeSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, fo
     cost_per_hour: Annotated[float, msgspec.Meta(ge=0)] | None = None
     probe_endpoint: str | None = None
     startup_grace_s: Annotated[float, msgspec.Meta(ge=0)] | None = None
+    kv_events: KVEventsSpec | None = None
 
 
 class NodeAdd(msgspec.Struct, frozen=True, kw_only=True):

@@ -54,6 +54,9 @@ class InferRequest(msgspec.Struct, kw_only=True):
     temperature: Annotated[float, msgspec.Meta(ge=0)] | None = None
     stream: bool = False
     stream_options: dict[str, Any] | None = None
+    #: OpenAI's end-user id: the session of a request without ``Zml-Session`` (``x-session-id``),
+    #: so a conversation stays on the node that holds its prefix (docs/routing.md).
+    user: str | None = None
     # --- ZML routing fields (all optional) ---
     #: Policy name from zml.toml, or an inline policy object.
     policy: str | InlinePolicy | None = None
@@ -88,16 +91,35 @@ class InferRequest(msgspec.Struct, kw_only=True):
 
 
 class RoutingInfo(msgspec.Struct, kw_only=True):
-    """Routing metadata: in reply bodies as ``"zml"``, as ``x-zml-*`` HTTP headers, in
-    ``Zml-*`` NATS headers, and (compact) in the ``Zml-Routing`` header sent to the backend."""
+    """Routing metadata of one reply: the one schema every way out is derived from.
 
-    node_id: str
-    accelerator_type: str
-    family: str
-    policy: str
-    queue_depth_at_dispatch: int
-    decision_id: str
+    It travels as the reply body's ``"zml"`` object (this Struct, encoded), as ``Zml-*`` NATS
+    headers and ``x-zml-*`` HTTP headers (:mod:`zmlcore.reply.routingmeta`, names from
+    :data:`ROUTING_HEADER_WORDS`), as ``zml-*`` gRPC metadata (:mod:`zmlcore.rpc.status`), as
+    zml.v1's ``Routing`` message (written from this class by ``proto/generate.py``; mapped by
+    :mod:`zmlcore.rpc.codec`) and as the SDK's ``zml.Routing`` (a dataclass with the same fields). Adding a field here,
+    with a default (then ``python proto/generate.py``, and the same field on ``zml.Routing``),
+    adds it to all of them;
+    tests/unit/test_routingmeta.py fails on any that drifts.
+
+    Every field has a default so that a reader of an older or partial reply still gets the rest;
+    a reply without ``node_id`` carries no routing metadata.
+    """
+
+    #: The node that served the request.
+    node_id: str = ""
+    #: Its accelerator type (``nvidia_h100``...).
+    accelerator_type: str = ""
+    #: Its accelerator family (``H100``...).
+    family: str = ""
+    #: The policy applied (a zml.toml name, ``inline``, or the routing strategy's name).
+    policy: str = ""
+    #: Requests queued at the node when it was chosen.
+    queue_depth_at_dispatch: int = 0
+    #: Id of the routing decision (in the router's logs and traces).
+    decision_id: str = ""
     request_id: str = ""
+    #: Dispatch attempts, this one included (more than 1 after a failover).
     attempts: int = 1
     #: Router replica that made the decision.
     router_id: str = ""
@@ -107,6 +129,23 @@ class RoutingInfo(msgspec.Struct, kw_only=True):
     total_tokens: int | None = None
     #: The API key's cost-attribution label ("" without one).
     label: str = ""
+    #: Prompt tokens the router estimated the node held in its prefix cache when it chose it.
+    cached_tokens_estimated: int | None = None
+    #: Prompt tokens the engine reported it served from its prefix cache
+    #: (``usage.prompt_tokens_details.cached_tokens``, llama.cpp's ``timings.cache_n``); None
+    #: when it does not say (or, in a stream's start message, not yet).
+    cached_tokens: int | None = None
+
+
+#: Names published before the rule below: header word of a field whose word is not its name.
+_HEADER_WORD_EXCEPTIONS = {"queue_depth_at_dispatch": "Queue-Depth"}
+#: RoutingInfo field -> header word: ``Zml-<word>`` on NATS, ``x-zml-<word>`` on HTTP and
+#: ``zml-<word>`` in gRPC metadata (both lower-case). The word is the field's name in dashed
+#: Title-Case (``router_id`` -> ``Router-Id``).
+ROUTING_HEADER_WORDS: dict[str, str] = {
+    name: _HEADER_WORD_EXCEPTIONS.get(name) or "-".join(w.capitalize() for w in name.split("_"))
+    for name in RoutingInfo.__struct_fields__
+}
 
 
 class StreamStart(msgspec.Struct, kw_only=True):

@@ -78,6 +78,21 @@ class NodeState(msgspec.Struct, kw_only=True, omit_defaults=True):
     #: Seconds since ``updated_at`` when this state was sent in a listing (0 in the KV bucket,
     #: where readers compute ``now - updated_at`` themselves).
     age_s: float = 0.0
+    # --- prefix (KV) cache (docs/routing.md) ---
+    #: Share of prompt tokens the engine served from its prefix cache over the last poll
+    #: (vLLM's prefix_cache_hits / prefix_cache_queries, llama.cpp's cached / all prompt tokens);
+    #: None when the engine does not report it or saw no prompt.
+    prefix_cache_hit_rate: float | None = None
+    #: The engine's counters since it started (tokens looked up, tokens found).
+    prefix_cache_queries: float = 0.0
+    prefix_cache_hits: float = 0.0
+    #: How routers learn what this node's cache holds: "precise" (its KV events are bridged, see
+    #: ``kv_events``), "reported" (its replies say how many tokens were cached) or "approximate"
+    #: (only the routers' own decisions).
+    cache_fidelity: str = ""
+    #: The KV-event bridge for this node: "" (none configured), "live", "replaying" or
+    #: "down: <why>".
+    kv_events: str = ""
 
 
 class InflightDelta(msgspec.Struct, kw_only=True, array_like=True):

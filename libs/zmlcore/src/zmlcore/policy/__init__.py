@@ -5,9 +5,12 @@
 
 Modules: ``types`` (NodeView, RouteRequest, Decision...), ``estimate`` (TTFT estimate),
 ``fleet`` (FleetIndex), ``resolve`` (policy resolution and validation), ``choose``
-(choose_node), ``strategies/`` (one module per strategy). See docs/routing.md.
+(choose_node), ``admission`` (admit: choose_node under the admission bound, with a half-open
+breaker: the decision a router acts on), ``strategies/`` (one module per strategy). See
+docs/routing.md.
 """
 
+from zmlcore.policy.admission import admit
 from zmlcore.policy.choose import choose_node, is_routable, queue_depth
 from zmlcore.policy.estimate import MEAN_OUTPUT_TOKENS, MEAN_PROMPT_TOKENS, estimate_ttft
 from zmlcore.policy.fleet import FleetIndex
@@ -24,6 +27,7 @@ __all__ = [
     "ResolvedPolicy",
     "RouteRequest",
     "RoutingState",
+    "admit",
     "builtin_policy",
     "check_policy",
     "choose_node",

@@ -41,8 +41,9 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from zmlcore import subjects
-from zmlcore.bus import publish as natspub
-from zmlcore.reply import parts as replyparts
+from zmlcore.bus import natsinternals
+from zmlcore.bus.publish import publish
+from zmlcore.reply import parts
 from zmlcore.reply.bigreply import Collector, part_bytes
 from zmlcore.errors import BackendError, StreamInterruptedError, TimeoutError
 from zmlcore.reply.keepalive import MAX_INTERVAL_MS, MIN_INTERVAL_MS, QUEUED, Silence, after_silence, keepalive_state
@@ -140,34 +141,6 @@ class Sink:
             self._timer = None
 
 
-class _Deliver(asyncio.Queue):  # type: ignore[type-arg]
-    """Stands in for a nats-py subscription's pending queue, into which nats-py's reader puts
-    each message: handed on at once instead. A callback subscription would queue it for a
-    task of its own to take out and await the callback: a task switch per reply message
-    (per stream chunk), for a push into a deque. Never raises into nats-py's reader."""
-
-    def __init__(self, sub: Any, deliver: Any) -> None:
-        super().__init__()
-        self._sub = sub
-        self._deliver = deliver
-
-    def put_nowait(self, msg: Msg) -> None:
-        self._sub._pending_size -= len(msg.data)  # nats-py counts it as pending until taken
-        try:
-            self._deliver(msg)
-        except Exception:  # a bug of ours must not take the connection's reader down
-            log.exception("reply delivery failed")
-
-
-def _direct(sub: Any, deliver: Any) -> bool:
-    """Deliver ``sub``'s messages synchronously (see _Deliver); False if this nats-py's
-    subscription is not built as expected (then it keeps its queue)."""
-    if not isinstance(getattr(sub, "_pending_queue", None), asyncio.Queue) or not hasattr(sub, "_pending_size"):
-        return False
-    sub._pending_queue = _Deliver(sub, deliver)
-    return True
-
-
 class ReplyMux:
     """One subscription to ``<inbox>.*`` per connection; each exchange owns one token of it."""
 
@@ -186,7 +159,7 @@ class ReplyMux:
             mux = cls(nc)
             try:
                 sub = await nc.subscribe(mux.prefix + "*")
-                if not _direct(sub, mux.deliver):
+                if not natsinternals.deliver_directly(sub, mux.deliver):  # no task switch per message
                     await sub.unsubscribe()
                     await nc.subscribe(mux.prefix + "*", cb=mux._on_msg)
             except BaseException as exc:
@@ -290,7 +263,7 @@ class Exchange:
             self._sink.abort(self._aborted)
         if self.keepalive_s is not None:
             self._silence = Silence(self.keepalive_s, time.monotonic())
-        await natspub.publish(self.nc, self.subject, self.body, reply=self._inbox, headers=headers)
+        await publish(self.nc, self.subject, self.body, reply=self._inbox, headers=headers)
 
     async def next(self) -> Msg:
         """The next reply message (keepalives consumed). Raises TIMEOUT once ``wait_s`` has
@@ -330,7 +303,7 @@ class Exchange:
         frames that queued up while the caller was busy go out in one write."""
         return self._sink.pop_frame() if self._sink is not None else None
 
-    async def reply(self) -> replyparts.Reply:
+    async def reply(self) -> parts.Reply:
         """The whole non-streamed reply, put back together when it comes in parts (a part
         missing, more than PART_WAIT_S late, or its router gone: REPLY_INCOMPLETE, retryable)."""
         collector = Collector(self.accept_parts or 0)
@@ -339,12 +312,12 @@ class Exchange:
                 msg = await self.next()
             else:
                 try:
-                    msg = await asyncio.wait_for(self.next(), replyparts.PART_WAIT_S)
+                    msg = await asyncio.wait_for(self.next(), parts.PART_WAIT_S)
                 except (asyncio.TimeoutError, StreamInterruptedError):
                     raise collector.lost() from None
             body = collector.feed(msg.data, msg.headers)
             if body is not None:
-                return replyparts.Reply(body, collector.headers)
+                return parts.Reply(body, collector.headers)
 
     async def _wait_for_router(self, sink: Sink) -> bool:
         """After "no responders": wait the backoff's next delay, then publish again (True), or

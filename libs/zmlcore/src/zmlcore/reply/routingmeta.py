@@ -1,53 +1,76 @@
-"""Routing metadata as headers, both ways: the one map between :class:`RoutingInfo` fields,
-``Zml-*`` NATS headers (router replies) and ``x-zml-*`` HTTP headers (gateway replies).
+"""Routing metadata as headers, both ways, derived from :class:`RoutingInfo`: every field is a
+``Zml-*`` NATS header (router replies) and an ``x-zml-*`` HTTP header (gateway replies), named
+by :data:`zmlcore.messages.ROUTING_HEADER_WORDS`. A field added to RoutingInfo is a header here
+with no change to this module.
 
 The router writes :func:`nats_headers`; the gateway turns them into HTTP headers with
-:func:`http_headers`; the SDK reads either with :func:`read` (its transports lower-case header
-names first).
+:func:`http_headers` (or writes them from a reply body's ``zml`` object with
+:func:`http_headers_of`); the SDK reads either kind back, typed, with :func:`read` (its
+transports lower-case header names first).
+
+Values: numbers in decimal, strings as they are when printable ASCII without ``%`` or edge
+spaces, else UTF-8 percent-encoded (a label may be any text; gRPC metadata and HTTP/1.1 carry
+ASCII only); a ``None`` field is no header.
 
 >>> h = nats_headers(RoutingInfo(node_id="n1", accelerator_type="nvidia_h100", family="H100",
-...                              policy="latency", queue_depth_at_dispatch=2, decision_id="d", request_id="r"))
->>> h["Zml-Node-Id"], http_headers(h)[4]
-('n1', (b'x-zml-queue-depth', b'2'))
->>> read({k.lower(): v for k, v in h.items()})["queue_depth_at_dispatch"]
-'2'
+...                              policy="latency", queue_depth_at_dispatch=2, decision_id="d",
+...                              request_id="r", router_id="router-1", label="équipe"))
+>>> h["Zml-Node-Id"], h["Zml-Label"], http_headers(h)[4]
+('n1', '%C3%A9quipe', (b'x-zml-queue-depth', b'2'))
+>>> got = read({k.lower(): v for k, v in h.items()})
+>>> got.queue_depth_at_dispatch, got.router_id, got.label
+(2, 'router-1', 'équipe')
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import Any, TypeVar, overload
+from urllib.parse import quote, unquote
 
-from zmlcore import subjects
 import msgspec
 
-from zmlcore.messages import RoutingInfo, StreamStart, routing_info_decoder
+from zmlcore.messages import ROUTING_HEADER_WORDS, RoutingInfo, StreamStart, routing_info_decoder
 
-#: (RoutingInfo field, NATS header, HTTP header), in the order the HTTP headers are sent.
-FIELDS: tuple[tuple[str, str, str], ...] = (
-    ("node_id", subjects.H_NODE_ID, "x-zml-node-id"),
-    ("accelerator_type", subjects.H_ACCELERATOR_TYPE, "x-zml-accelerator-type"),
-    ("family", subjects.H_FAMILY, "x-zml-family"),
-    ("policy", subjects.H_POLICY, "x-zml-policy"),
-    ("queue_depth_at_dispatch", subjects.H_QUEUE_DEPTH, "x-zml-queue-depth"),
-    ("decision_id", subjects.H_DECISION_ID, "x-zml-decision-id"),
-    ("request_id", subjects.H_REQUEST_ID, "x-zml-request-id"),
+__all__ = ["FIELDS", "backend_header", "from_body", "from_start", "http_headers", "http_headers_of",
+           "nats_headers", "read", "typed"]
+
+#: RoutingInfo, or a type with the same fields (the SDK's ``zml.Routing`` dataclass).
+R = TypeVar("R")
+
+#: (RoutingInfo field, NATS header, HTTP header), in RoutingInfo's order (the order sent).
+FIELDS: tuple[tuple[str, str, str], ...] = tuple(
+    (name, f"Zml-{word}", f"x-zml-{word.lower()}") for name, word in ROUTING_HEADER_WORDS.items()
 )
 _NATS_TO_HTTP = tuple((nats, http.encode()) for _, nats, http in FIELDS)
 #: lower-cased HTTP and NATS names of each field, for readers of either kind of reply.
-_READ = tuple((field, http, nats.lower()) for field, nats, http in FIELDS)
+_READ = tuple((name, http, nats.lower()) for name, nats, http in FIELDS)
+_TEXT = frozenset(f.name for f in msgspec.structs.fields(RoutingInfo) if f.type is str)
+#: (field, NATS header, HTTP header, is text) for the writers; other fields are numbers.
+_WRITE = tuple((name, nats, http.encode(), name in _TEXT) for name, nats, http in FIELDS)
+#: Left as they are in an escaped value: printable ASCII but space and ``%`` (the escape itself).
+_SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) != "%")
+
+
+def _values(info: RoutingInfo) -> list[tuple[str, bytes, str]]:
+    """(NATS name, HTTP name, header value) of each field of ``info`` that is not None. Inline
+    and call-free: this runs for every reply the gateway and the routers send."""
+    out = []
+    for name, nats, http, text in _WRITE:
+        v = getattr(info, name)
+        if v is None:
+            continue
+        if not text:
+            v = str(v)  # int or float, in the form msgspec reads back (strict=False)
+        elif not (v.isascii() and v.isprintable() and "%" not in v and v.strip() == v):
+            v = quote(v, safe=_SAFE)
+        out.append((nats, http, v))
+    return out
 
 
 def nats_headers(info: RoutingInfo) -> dict[str, str]:
     """The ``Zml-*`` headers of a router reply (or a stream's start message)."""
-    return {
-        subjects.H_NODE_ID: info.node_id,
-        subjects.H_ACCELERATOR_TYPE: info.accelerator_type,
-        subjects.H_FAMILY: info.family,
-        subjects.H_POLICY: info.policy,
-        subjects.H_QUEUE_DEPTH: str(info.queue_depth_at_dispatch),
-        subjects.H_DECISION_ID: info.decision_id,
-        subjects.H_REQUEST_ID: info.request_id,
-    }
+    return {nats: v for nats, _, v in _values(info)}
 
 
 def http_headers(nats: Mapping[str, str]) -> list[tuple[bytes, bytes]]:
@@ -60,15 +83,43 @@ def http_headers(nats: Mapping[str, str]) -> list[tuple[bytes, bytes]]:
     return out
 
 
-def read(headers: Mapping[str, str]) -> dict[str, str] | None:
-    """RoutingInfo field -> value from lower-cased ``x-zml-*`` or ``zml-*`` headers; None when
-    they carry no routing metadata (no node id)."""
+def http_headers_of(info: RoutingInfo) -> list[tuple[bytes, bytes]]:
+    """The ``x-zml-*`` HTTP headers (ASGI pairs) of ``info``, as :func:`http_headers` gives them
+    from a router's ``Zml-*`` headers."""
+    return [(http, v.encode()) for _, http, v in _values(info)]
+
+
+def typed(values: Mapping[str, Any], into: type[R]) -> R:
+    """``into`` (RoutingInfo, or a dataclass with its fields) from field -> value, numbers given as text accepted;
+    a value of the wrong type leaves its field at the default rather than losing the rest."""
+    try:
+        return msgspec.convert(values, into, strict=False)
+    except msgspec.ValidationError:
+        good = {}
+        for k, v in values.items():
+            try:
+                msgspec.convert({k: v}, into, strict=False)
+            except msgspec.ValidationError:
+                continue
+            good[k] = v
+        return msgspec.convert(good, into, strict=False)
+
+
+@overload
+def read(headers: Mapping[str, str]) -> RoutingInfo | None: ...
+@overload
+def read(headers: Mapping[str, str], into: type[R]) -> R | None: ...
+
+
+def read(headers: Mapping[str, str], into: type[Any] = RoutingInfo) -> Any:
+    """The routing metadata in lower-cased ``x-zml-*`` or ``zml-*`` headers, as ``into``; None
+    when they carry none (no node id)."""
     out: dict[str, str] = {}
-    for field, http, nats in _READ:
+    for name, http, nats in _READ:
         value = headers.get(http) or headers.get(nats)
         if value is not None:
-            out[field] = value
-    return out if "node_id" in out else None
+            out[name] = unquote(value) if "%" in value else value
+    return typed(out, into) if "node_id" in out else None
 
 
 def backend_header(info: RoutingInfo) -> str:
@@ -91,20 +142,16 @@ def from_body(data: bytes) -> RoutingInfo | None:
     if tail[-1:] != b"}":
         return None
     try:
-        return routing_info_decoder.decode(tail[:-1])
+        info = routing_info_decoder.decode(tail[:-1])
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
+    return info if info.node_id else None
 
 
 def from_start(data: bytes) -> RoutingInfo | None:
     """The routing metadata of a stream's ``start`` message body, or None."""
     try:
-        return _start_decoder.decode(data).routing
+        info = _start_decoder.decode(data).routing
     except (msgspec.DecodeError, msgspec.ValidationError):
         return None
-
-
-def http_headers_of(info: RoutingInfo) -> list[tuple[bytes, bytes]]:
-    """The ``x-zml-*`` HTTP headers (ASGI pairs) of ``info``, as :func:`http_headers` gives them
-    from a router's ``Zml-*`` headers."""
-    return http_headers(nats_headers(info))
+    return info if info.node_id else None

@@ -20,10 +20,11 @@ import msgspec
 
 from zmlcore.errors import BadRequestError
 from zmlcore.rpc import zml_pb2 as pb
+from zmlcore.messages import RoutingInfo
 from zmlcore.messages.validate import clip, deeper_than
 
 __all__ = ["chunk_from_json", "models_from_json", "nodes_from_json", "reply_from_json", "request_body",
-           "request_from_body"]
+           "request_from_body", "routing_message"]
 
 # --------------------------------------------------------------------------------------------
 # Requests
@@ -183,28 +184,12 @@ class _Usage(msgspec.Struct):
     total_tokens: int = 0
 
 
-class _Routing(msgspec.Struct):
-    """RoutingInfo's fields, every one optional: a reply whose ``zml`` object lacks some still
-    maps (RoutingInfo itself requires them and would drop the whole typed reply)."""
-
-    node_id: str = ""
-    accelerator_type: str = ""
-    family: str = ""
-    policy: str = ""
-    queue_depth_at_dispatch: int = 0
-    decision_id: str = ""
-    request_id: str = ""
-    attempts: int = 1
-    time_to_first_token: float | None = None
-    total_tokens: int | None = None
-
-
 class _Reply(msgspec.Struct):
     id: str = ""
     model: str = ""
     choices: list[_Choice] = []
     usage: _Usage | None = None
-    zml: _Routing | None = None
+    zml: RoutingInfo | None = None
 
 
 _reply_decoder = msgspec.json.Decoder(_Reply)
@@ -238,13 +223,22 @@ def reply_from_json(data: bytes) -> pb.InferReply:
         out.choices.add(index=_u32(ch.index), text=text, role=role, finish_reason=ch.finish_reason or "")
     if r.usage is not None:
         out.usage.CopyFrom(_usage(r.usage))
-    z = r.zml
-    if z is not None:
-        out.routing.CopyFrom(pb.Routing(
-            node_id=z.node_id, accelerator_type=z.accelerator_type, family=z.family, policy=z.policy,
-            queue_depth_at_dispatch=_u32(z.queue_depth_at_dispatch), decision_id=z.decision_id,
-            request_id=z.request_id, attempts=_u32(z.attempts), time_to_first_token=z.time_to_first_token,
-            total_tokens=None if z.total_tokens is None else _u32(z.total_tokens)))
+    if r.zml is not None:
+        out.routing.CopyFrom(routing_message(r.zml))
+    return out
+
+
+_UINT32 = frozenset(f.name for f in pb.Routing.DESCRIPTOR.fields if f.type == f.TYPE_UINT32)
+
+
+def routing_message(info: RoutingInfo) -> pb.Routing:
+    """zml.v1 ``Routing`` of ``info``: field by field, by name (proto/generate.py writes the
+    message from RoutingInfo); a None field stays unset."""
+    out = pb.Routing()
+    for name in RoutingInfo.__struct_fields__:
+        value = getattr(info, name)
+        if value is not None:
+            setattr(out, name, _u32(value) if name in _UINT32 else value)
     return out
 
 

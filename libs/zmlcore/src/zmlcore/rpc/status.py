@@ -14,6 +14,7 @@ from __future__ import annotations
 import grpc
 
 from zmlcore.errors import error_class
+from zmlcore.messages import ROUTING_HEADER_WORDS
 
 __all__ = ["GRPC_STATUS", "MD_CODE", "MD_ERROR", "MD_RETRY_AFTER", "ROUTING_METADATA", "code_for_status",
            "error_metadata", "status_for"]
@@ -23,16 +24,9 @@ __all__ = ["GRPC_STATUS", "MD_CODE", "MD_ERROR", "MD_RETRY_AFTER", "ROUTING_META
 MD_CODE = "zml-code"
 MD_ERROR = "zml-error-bin"
 MD_RETRY_AFTER = "zml-retry-after"
-#: HTTP header -> gRPC metadata key of the routing metadata (trailing; initial too for streams).
-ROUTING_METADATA = {
-    "x-zml-node-id": "zml-node-id",
-    "x-zml-accelerator-type": "zml-accelerator-type",
-    "x-zml-family": "zml-family",
-    "x-zml-policy": "zml-policy",
-    "x-zml-queue-depth": "zml-queue-depth",
-    "x-zml-decision-id": "zml-decision-id",
-    "x-zml-request-id": "zml-request-id",
-}
+#: HTTP header -> gRPC metadata key of the routing metadata (trailing; initial too for streams):
+#: ``x-zml-<word>`` -> ``zml-<word>`` for every RoutingInfo field.
+ROUTING_METADATA = {f"x-zml-{word.lower()}": f"zml-{word.lower()}" for word in ROUTING_HEADER_WORDS.values()}
 
 _S = grpc.StatusCode
 #: ZML code -> gRPC status. Retryable codes are UNAVAILABLE (what gRPC retry policies retry),
@@ -46,6 +40,10 @@ GRPC_STATUS: dict[str, grpc.StatusCode] = {
     "HEADERS_TOO_LARGE": _S.RESOURCE_EXHAUSTED,
     "DUPLICATE_REQUEST_ID": _S.ALREADY_EXISTS,
     "REPLY_TOO_LARGE": _S.RESOURCE_EXHAUSTED,
+    "INVALID_FILE": _S.INVALID_ARGUMENT,
+    "BATCH_STATE": _S.FAILED_PRECONDITION,
+    "QUOTA_EXCEEDED": _S.RESOURCE_EXHAUSTED,
+    "STORAGE_FULL": _S.RESOURCE_EXHAUSTED,
     "CONFIG_INVALID": _S.INTERNAL,
     "POLICY_CONFIG": _S.INVALID_ARGUMENT,
     "AUTH_FAILED": _S.UNAUTHENTICATED,

@@ -123,7 +123,7 @@ class InferChunk(_message.Message):
     def __init__(self, text: _Optional[str] = ..., index: _Optional[int] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., json: _Optional[bytes] = ...) -> None: ...
 
 class Routing(_message.Message):
-    __slots__ = ("node_id", "accelerator_type", "family", "policy", "queue_depth_at_dispatch", "decision_id", "request_id", "attempts", "time_to_first_token", "total_tokens")
+    __slots__ = ("node_id", "accelerator_type", "family", "policy", "queue_depth_at_dispatch", "decision_id", "request_id", "attempts", "router_id", "time_to_first_token", "total_tokens", "label", "cached_tokens_estimated", "cached_tokens")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ACCELERATOR_TYPE_FIELD_NUMBER: _ClassVar[int]
     FAMILY_FIELD_NUMBER: _ClassVar[int]
@@ -132,8 +132,12 @@ class Routing(_message.Message):
     DECISION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    ROUTER_ID_FIELD_NUMBER: _ClassVar[int]
     TIME_TO_FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TOTAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_ESTIMATED_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     accelerator_type: str
     family: str
@@ -142,9 +146,13 @@ class Routing(_message.Message):
     decision_id: str
     request_id: str
     attempts: int
+    router_id: str
     time_to_first_token: float
     total_tokens: int
-    def __init__(self, node_id: _Optional[str] = ..., accelerator_type: _Optional[str] = ..., family: _Optional[str] = ..., policy: _Optional[str] = ..., queue_depth_at_dispatch: _Optional[int] = ..., decision_id: _Optional[str] = ..., request_id: _Optional[str] = ..., attempts: _Optional[int] = ..., time_to_first_token: _Optional[float] = ..., total_tokens: _Optional[int] = ...) -> None: ...
+    label: str
+    cached_tokens_estimated: int
+    cached_tokens: int
+    def __init__(self, node_id: _Optional[str] = ..., accelerator_type: _Optional[str] = ..., family: _Optional[str] = ..., policy: _Optional[str] = ..., queue_depth_at_dispatch: _Optional[int] = ..., decision_id: _Optional[str] = ..., request_id: _Optional[str] = ..., attempts: _Optional[int] = ..., router_id: _Optional[str] = ..., time_to_first_token: _Optional[float] = ..., total_tokens: _Optional[int] = ..., label: _Optional[str] = ..., cached_tokens_estimated: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()

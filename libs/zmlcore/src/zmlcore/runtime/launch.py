@@ -272,7 +272,7 @@ class ClusterPlan:
 
 def service_argv(service: str, config: str | None, nats_url: str, *extra: str) -> list[str]:
     module = {"gateway": "zml_gateway", "router": "zml_router", "health": "zml_health", "warmup": "zml_warmup",
-              "sim": "zml_sim"}[service]
+              "batch": "zml_batch", "sim": "zml_sim"}[service]
     argv = [sys.executable, "-m", module]
     if config:
         argv += ["--config", config]

@@ -18,11 +18,13 @@ from nats.aio.client import Client as NATS
 from zmlcore.runtime import gcpace
 from zmlcore.runtime.alive import beat
 from zmlcore.config import ZMLConfig, load_config
-from zmlcore.errors import ConfigError
+from zmlcore.errors import AuthError, ConfigError
 from zmlcore.runtime.lease import Lease
 from zmlcore.access.identity import connect_options
+from zmlcore.bus import natsinternals
 from zmlcore.bus.link import link_of
 from zmlcore.telemetry.metrics import MetricsServer, serve_metrics
+from zmlcore.bus.cancel import cancel_and_wait as cancel_and_wait  # re-exported: the services import it here
 from zmlcore.bus.connect import connect
 from zmlcore.telemetry.otlp import setup_otlp_metrics
 from zmlcore.telemetry.setup import setup_logging, setup_tracing
@@ -74,7 +76,10 @@ async def run_service(
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)  # the handler only sets a flag
-    nc = await connect(nats_url, name, no_echo=no_echo, replicas=replicas, **(connect_options or {}))
+    role = name.removeprefix("zml-")
+    nc = await connect(nats_url, name, no_echo=no_echo, replicas=replicas, identity_hint=(
+        f"set ZML_NATS_NKEY (or [nats] nkey_file) to the {role} identity's seed file, creds/{role}.nk in the `zml up` "
+        "data folder (`zml creds init --data-dir DIR` writes the service identities)"), **(connect_options or {}))
     link = link_of(nc)
     closed = asyncio.ensure_future(link.closed.wait())
     stopped = asyncio.ensure_future(stop.wait())
@@ -175,13 +180,15 @@ def service_main(
 ) -> int:
     """Load and validate config, build the service, run it until SIGTERM/SIGINT.
 
-    A bad config (or ``make`` raising ConfigError, e.g. a port in use) is one line and exit 2;
+    A bad config (or ``make`` raising ConfigError, e.g. a port in use, or a nats-py that lacks
+    what ZML relies on: zmlcore.bus.natsinternals) is one line and exit 2;
     a connection closed for good exits 3; ``lease_ttl`` given and ``--ha`` on the command line:
     one active replica at a time (lease TTL from the config), and a replica whose lease was taken
     over exits 4.
     """
     setup_logging(name, fmt=getattr(args, "log_format", None))
     try:
+        natsinternals.check()
         cfg = load_config(args.config)
         options = connect_options(cfg.nats)
         service = make(cfg, args)
@@ -199,6 +206,9 @@ def service_main(
                                 replicas=cfg.nats.replicas, alive_file=getattr(args, "alive_file", None),
                                 lease_role=name if lease_ttl else None,
                                 lease_ttl_s=lease_ttl(cfg) if lease_ttl else 1.0, connect_options=options))
+    except (AuthError, ConfigError) as exc:  # the broker refused this identity or TLS: no retry cures it
+        print(f"zml {name}: {exc.message}", file=sys.stderr, flush=True)
+        return 2
     except ConnectionClosed as exc:
         print(f"zml {name}: NATS connection closed for good ({exc}); exiting so that a supervisor "
               "restarts it", file=sys.stderr, flush=True)
@@ -224,22 +234,3 @@ def start_metrics(name: str, cfg: ZMLConfig, port: int | None) -> "MetricsServer
         return serve_metrics(cfg.metrics.host, port)
     except OSError as exc:
         raise ConfigError(f"metrics port {port} on {cfg.metrics.host}: {exc.strerror or exc}") from exc
-
-
-async def cancel_and_wait(tasks: "Iterable[asyncio.Task[object]]", timeout: float = 5.0) -> None:
-    """Cancel background tasks and wait for them to end, cancelling again until they do.
-
-    One cancel is not always enough on Python 3.11: ``asyncio.wait_for`` (used inside nats-py's
-    requests, JetStream fetches and KV calls) swallows a cancellation that lands just as its inner
-    future completes, and the task's loop goes on. Repeating the cancel lands it at the next await.
-    """
-    pending = {t for t in tasks if not t.done()}
-    deadline = asyncio.get_running_loop().time() + timeout
-    while pending:
-        for t in pending:
-            t.cancel()
-        left = deadline - asyncio.get_running_loop().time()
-        if left <= 0:
-            log.warning("%d task(s) did not stop: %s", len(pending), [t.get_name() for t in pending])
-            return
-        _, pending = await asyncio.wait(pending, timeout=min(0.5, left))

@@ -91,6 +91,12 @@ class Intake:
         headers[subjects.H_ACCEPT_ROUTING] = subjects.ROUTING_IN_BODY
         if generated:  # unique by construction: routers skip the cross-replica duplicate check
             headers[subjects.H_ID_GENERATED] = "1"
+        for name, value in scope["headers"]:
+            if name == b"x-session-id":  # keep a conversation on the node that holds its prefix
+                session = value[:subjects.MAX_SESSION_ID].decode("latin-1").strip()
+                if session.isprintable() and session:
+                    headers[subjects.H_SESSION] = session
+                break
         if caller.record is not None:  # the key's options travel with the request
             if caller.record.default_policy:
                 headers[subjects.H_DEFAULT_POLICY] = caller.record.default_policy

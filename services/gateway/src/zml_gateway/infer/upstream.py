@@ -13,7 +13,7 @@ from nats.aio.client import Client as NATS
 
 from zmlcore import subjects
 from zmlcore.access.identity import config_owner
-from zmlcore.bus import publish as natspub
+from zmlcore.bus.publish import publish
 from zmlcore.bus.link import link_of
 from zmlcore.config import ZMLConfig
 from zmlcore.errors import ConnectionError as ZMLConnectionError
@@ -93,7 +93,7 @@ class Upstream:
         return stop
 
     async def cancel(self, out: Outbound) -> None:
-        await natspub.publish(self.nc, subjects.cancel(out.request_id, self.owner), b"",
+        await publish(self.nc, subjects.cancel(out.request_id, self.owner), b"",
                               headers={subjects.H_OWNER: out.headers[subjects.H_OWNER]})
 
     async def await_broker(self, timeout: float) -> float:

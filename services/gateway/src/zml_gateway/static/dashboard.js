@@ -59,10 +59,42 @@ function renderNodes(state) {
     tr.append(el("td", n.cooldown_s > 0 ? `${n.cooldown_s.toFixed(1)} s` : "–", n.cooldown_s > 0 ? "num bad" : "num"));
     tr.append(el("td", n.saturated_s > 0 ? `${n.saturated_s.toFixed(1)} s` : "–", n.saturated_s > 0 ? "num warn" : "num"));
     tr.append(el("td", n.price_per_hour.toFixed(2), "num"));
+    // How routers know the node's prefix cache, and the share of prompt tokens its engine served from it.
+    const hit = typeof n.prefix_cache_hit_rate === "number" ? ` ${Math.round(n.prefix_cache_hit_rate * 100)}%` : "";
+    const cache = el("td", `${n.cache_fidelity || "–"}${hit}`, "cache");
+    cache.title = [n.kv_blocks && n.kv_block_size ? `${n.kv_blocks} blocks of ${n.kv_block_size} tokens` : "",
+                   n.kv_events ? `KV events: ${n.kv_events}` : ""].filter(Boolean).join("; ");
+    tr.append(cache);
     tr.append(el("td", (rates[n.node_id] || 0).toFixed(1), "num rate"));
     return tr;
   });
   replaceRows($("nodes").tBodies[0], rows);
+}
+
+function renderBatches(batches) {
+  const rows = (batches || []).map((b) => {
+    const tr = el("tr");
+    tr.dataset.batch = b.id;
+    tr.dataset.status = b.status;
+    const done = b.completed + b.failed;
+    const share = b.total ? Math.min(100, (100 * done) / b.total) : 0;
+    const prog = el("td");
+    const bar = el("span", null, "health");
+    const fill = el("div");
+    fill.style.width = `${Math.round(share)}%`;
+    bar.append(fill);
+    prog.append(bar, document.createTextNode(`${Math.round(share)}%`));
+    tr.append(el("td", b.id), el("td", b.status, `state ${b.status}`), prog, el("td", b.completed, "num"),
+              el("td", b.failed, b.failed ? "num bad" : "num"), el("td", b.total, "num"),
+              el("td", `${b.updated_s.toFixed(0)} s ago`, "num"));
+    return tr;
+  });
+  if (!rows.length) {
+    const tr = el("tr");
+    tr.append(el("td", "no batches", "muted"));
+    rows.push(tr);
+  }
+  replaceRows($("batches").tBodies[0], rows);
 }
 
 function renderBars(target, values) {
@@ -107,6 +139,7 @@ function render(state) {
   $("queued").textContent = queued;
   $("queued").className = queued ? "value warn" : "value";
   renderNodes(state);
+  renderBatches(state.batches);
   renderBars($("families"), d.by_family);
   renderTable($("codes").tBodies[0], state.errors_by_code, "no errors", "bad");
   renderTable($("queue").tBodies[0], state.queue, "empty");

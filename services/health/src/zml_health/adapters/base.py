@@ -44,6 +44,13 @@ class Probe:
     #: their ratio); None: the running count stands for the batch size.
     decode_steps_total: float | None = None
     busy_slot_steps_total: float | None = None
+    #: Prefix cache, as the engine reports it: prompt tokens looked up and found (counters), and
+    #: its size (tokens per block, blocks; vLLM's ``cache_config_info``, llama.cpp's slots x n_ctx
+    #: at one token per "block").
+    prefix_queries_total: float | None = None
+    prefix_hits_total: float | None = None
+    kv_block_size: int | None = None
+    kv_cache_blocks: int | None = None
     error: str = ""
 
 

@@ -18,7 +18,10 @@ does not count them as activity, whereas ``/slots`` queues a task that reloads t
   step since start) giving the batch size of each window, to divide decode back to batch 1.
   Times are summed per slot, so both are per-sequence speeds.
 
-llama-server exposes no KV-cache gauge: ``kv_cache_usage`` stays 0.
+llama-server exposes no KV-cache gauge: ``kv_cache_usage`` stays 0. Its prompt cache is per
+slot and token by token: ``llamacpp:prompt_tokens_cached_total`` counts prompt tokens reused
+(``prompt_tokens_total`` the computed ones), so its hits and queries are those two; its size is
+``total_slots`` x ``n_ctx`` tokens at one token per block.
 """
 
 from __future__ import annotations
@@ -77,6 +80,9 @@ def router_models(payload: Any) -> tuple[list[str], list[str]]:
 
 def from_parts(models: list[str], props: dict[str, Any], m: dict[str, float]) -> Probe:
     slots = props.get("total_slots")
+    settings = props.get("default_generation_settings")
+    n_ctx = settings.get("n_ctx") if isinstance(settings, dict) else None
+    computed, cached = m.get("llamacpp:prompt_tokens_total"), m.get("llamacpp:prompt_tokens_cached_total")
     steps = m.get("llamacpp:n_decode_total")
     per_step = m.get("llamacpp:n_busy_slots_per_decode")
     return Probe(
@@ -96,4 +102,13 @@ def from_parts(models: list[str], props: dict[str, Any], m: dict[str, float]) ->
         decode_steps_total=steps,
         # The gauge is a mean since start: times the step count it gives the busy-slot counter.
         busy_slot_steps_total=per_step * steps if steps is not None and per_step is not None else None,
+        prefix_queries_total=computed + cached if computed is not None and cached is not None else None,
+        prefix_hits_total=cached,
+        kv_block_size=1,
+        kv_cache_blocks=n_ctx * slots if isinstance(n_ctx, int) and isinstance(slots, int)
+        and _positive(n_ctx) and _positive(slots) else None,
     )
+
+
+def _positive(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v > 0

@@ -7,6 +7,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
+from zml_sim.engine import SimRequest
 from zml_sim.nodeview import NodeView
 
 
@@ -64,6 +65,21 @@ class Face:
 
     def health_ok(self) -> web.Response:
         return web.Response(status=200)
+
+    #: Replies say how many prompt tokens came from the prefix cache
+    #: (``usage.prompt_tokens_details.cached_tokens``: vLLM with --enable-prompt-tokens-details,
+    #: SGLang with --enable-cache-report, OpenAI's API, llama-server).
+    reports_cached_tokens = True
+
+    def usage(self, usage: dict[str, Any], req: SimRequest) -> dict[str, Any]:
+        """The ``usage`` object of a reply (final chunk of a stream)."""
+        if self.reports_cached_tokens:
+            usage["prompt_tokens_details"] = {"cached_tokens": req.cached_tokens}
+        return usage
+
+    def reply_extra(self, req: SimRequest) -> dict[str, Any]:
+        """Top-level fields beside ``usage`` in a reply and a stream's last chunks."""
+        return {}
 
     def add_routes(self, node: NodeView, r: web.UrlDispatcher) -> None:
         """The engine's own routes beside the shared OpenAI, health, metrics and /sim ones."""

@@ -17,7 +17,9 @@ from zml_sim.engine import SimError
 from zml_sim.faces.base import MAX_MODEL_LEN
 from zml_sim.faces.base import Face
 from zml_sim.faces.base import json_response
+from zml_sim.engine import SimRequest
 from zml_sim.nodeview import NodeView
+
 
 
 class LlamaCpp(Face):
@@ -36,6 +38,25 @@ class LlamaCpp(Face):
 
     def health_ok(self) -> web.Response:
         return json_response({"status": "ok"})
+
+    def reply_extra(self, req: SimRequest) -> dict[str, Any]:
+        """llama-server's ``timings``: ``cache_n`` prompt tokens reused from the slot's cache,
+        ``prompt_n`` computed (real milliseconds, as the sim ran them)."""
+        prompt_ms = predicted_ms = 0.0
+        if req.prefill_started_at is not None and req.first_token_at is not None:
+            prompt_ms = (req.first_token_at - req.prefill_started_at) * 1000
+        if req.first_token_at is not None:
+            end = req.finished_at if req.finished_at is not None else req.first_token_at
+            predicted_ms = (end - req.first_token_at) * 1000
+        prompt_n = req.prompt_tokens - req.cached_tokens
+        return {"timings": {
+            "cache_n": req.cached_tokens, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
+            "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
+            "prompt_per_second": prompt_n / prompt_ms * 1000 if prompt_ms else 0.0,
+            "predicted_n": req.generated, "predicted_ms": predicted_ms,
+            "predicted_per_token_ms": predicted_ms / req.generated if req.generated else 0.0,
+            "predicted_per_second": req.generated / predicted_ms * 1000 if predicted_ms else 0.0,
+        }}
 
     def add_routes(self, node: NodeView, r: web.UrlDispatcher) -> None:
         r.add_get("/props", partial(_props, node))

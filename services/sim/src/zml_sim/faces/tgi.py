@@ -17,6 +17,7 @@ from zml_sim.nodeview import NodeView
 class TGI(Face):
     name = "tgi"
     owner = "tgi"
+    reports_cached_tokens = False  # TGI's OpenAI route reports no cached tokens
 
     def error_body(self, status: int, message: str, kind: str) -> Any:
         tgi_type = {"bad_request": "validation", "not_found": "validation",

@@ -2,7 +2,8 @@
 ``--enable-sleep-mode`` and ``VLLM_SERVER_DEV_MODE=1``): ``POST /sleep`` offloads the weights
 (the models stay listed, ``/health`` stays 200, requests fail), ``GET /is_sleeping`` ->
 ``{"is_sleeping": bool}``, ``POST /wake_up`` reloads them (the load time applies) and answers
-once they are back."""
+once they are back. ``POST /reset_prefix_cache`` (dev mode) empties the prefix cache (an
+``AllBlocksCleared`` KV event); refused while requests run, as vLLM refuses it."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ class VLLM(Face):
         r.add_get("/is_sleeping", partial(_is_sleeping, node))
         r.add_post("/sleep", partial(_sleep, node))
         r.add_post("/wake_up", partial(_wake_up, node))
+        r.add_post("/reset_prefix_cache", partial(_reset_prefix_cache, node))
 
 
 FACE = VLLM()
@@ -56,4 +58,10 @@ async def _wake_up(node: NodeView, req: web.Request) -> web.Response:
         await asyncio.gather(*(eng.wait_loaded(m) for m in models))
     except SimError as exc:
         return node.error(500, str(exc), "internal")
+    return web.Response(status=200)
+
+
+async def _reset_prefix_cache(node: NodeView, req: web.Request) -> web.Response:
+    if not node.engine.reset_prefix_cache():
+        return node.error(400, "Failed to reset the prefix cache: requests are running", "bad_request")
     return web.Response(status=200)

@@ -1,0 +1,256 @@
+"""The one module that touches nats-py's private attributes, and the start-up check that they
+are there.
+
+nats-py documents its client, subscriptions and KV watchers, not their insides. Three things
+ZML does need the insides, each for a reason measured or seen (the modules that use them say
+which):
+
+========================  ==========================================  ===========================
+what                      nats-py privates                            without them
+========================  ==========================================  ===========================
+fast publish              ``Client._pending``, ``_pending_data_size``,  every publish goes through
+(zmlcore.bus.publish)     ``_max_pending_size``, ``_flush_pending``,    ``nc.publish`` (a flush
+                          ``_transport`` (its ``_io_writer``),          round per publish): slower,
+                          ``_flush_queue``                              correct; logged once
+direct reply delivery     ``Subscription._pending_queue``,              a callback subscription (a
+(zmlcore.reply.exchange)  ``_pending_size``                             task switch per message);
+                                                                        logged once
+KV watch consumers        ``KeyWatcher._sub``, the JetStream            none: :func:`check` fails
+(zmlcore.bus.kvfollow,    subscription's ``_stream`` / ``_consumer``,   at start-up
+zmlcore.bus.connect)      ``JetStreamManager._nc``
+========================  ==========================================  ===========================
+
+:func:`check` looks once, at start-up (``service_main`` before it connects, a
+:class:`~zmlcore.bus.kvfollow.KVFollower` being built; ``zmlcore.bus.connect.connect``, which
+the SDK uses too, takes the fast-path decisions), at nats-py's classes: an attribute a class's ``__init__``
+no longer stores, or a method it no longer has, is reported before anything runs, naming the
+nats-py version and the missing piece, instead of an AttributeError in a loop (or a fast path
+silently off) later. It also fails without ``nats.errors.BadHeaderError`` (public, nats-py 2.16
+on), which the publish encoder raises as nats-py 2.16's own does (older releases neither
+validate subjects nor strip CR/LF from header values). The versions checked against are
+:data:`VERIFIED`, the range pyproject.toml allows; CI also runs the suites against the newest
+release (.ci/run).
+
+Nothing outside this module reads or writes a private attribute of a nats-py object.
+
+    support = check()          # ConfigError at start-up if a required piece is missing
+    if support.fast_publish: ...
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dis
+import functools
+import importlib.metadata
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any, NamedTuple
+
+import nats.errors
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.aio.transport import TcpTransport
+from nats.js.client import JetStreamContext
+from nats.js.kv import KeyValue
+from nats.js.manager import JetStreamManager
+
+from zmlcore.errors import ConfigError
+
+log = logging.getLogger("zml.natsinternals")
+
+#: The nats-py releases this module was checked against (oldest, newest), and the range
+#: pyproject.toml allows from them (a test keeps the two equal): patch releases of the newest
+#: are let in; CI runs the suites against any newer release (.ci/run) before the ceiling moves.
+VERIFIED = ("2.16.0", "2.16.0")
+REQUIREMENT = "nats-py>=2.16,<2.17"
+
+
+class Piece(NamedTuple):
+    """One thing ZML uses: an attribute ``owner.__init__`` stores (``attr``), a method of
+    ``owner`` (``method``) or a name a module defines (``name``)."""
+
+    owner: Any
+    name: str
+    kind: str = "attr"
+
+    def __str__(self) -> str:
+        owner = getattr(self.owner, "__qualname__", None) or self.owner.__name__
+        return f"{owner}.{self.name}{'()' if self.kind == 'method' else ''}"
+
+
+def _pieces(owner: type, names: Iterable[str], methods: Iterable[str] = ()) -> tuple[Piece, ...]:
+    return (*(Piece(owner, n) for n in names), *(Piece(owner, m, "method") for m in methods))
+
+
+#: Fast publish (zmlcore.bus.publish).
+PUBLISH = (*_pieces(NATS, ("_pending", "_pending_data_size", "_max_pending_size", "_transport", "_flush_queue"),
+                    ("_flush_pending",)),
+           *_pieces(TcpTransport, ("_io_writer",)))
+#: Direct delivery into a reply mux (zmlcore.reply.exchange).
+DELIVER = _pieces(Subscription, ("_pending_queue", "_pending_size"))
+#: Required: which consumer a KV watch reads, the client behind a JetStream context (kvfollow,
+#: connect), and nats-py 2.16's header error (publish).
+REQUIRED = (*_pieces(KeyValue.KeyWatcher, ("_sub",)),
+            *_pieces(JetStreamContext.PushSubscription, ("_stream", "_consumer")),
+            *_pieces(JetStreamManager, ("_nc",)),
+            Piece(nats.errors, "BadHeaderError", "name"))
+
+
+def version() -> str:
+    try:
+        return importlib.metadata.version("nats-py")
+    except importlib.metadata.PackageNotFoundError:  # pragma: no cover - run from a source tree
+        return "(unknown version)"
+
+
+def _stored(owner: type) -> frozenset[str]:
+    """Attribute names ``owner.__init__`` assigns (``self.x = ...``), read from its bytecode:
+    no instance is built, so nothing runs."""
+    init = getattr(owner, "__init__", None)
+    code = getattr(init, "__code__", None)
+    if code is None:
+        return frozenset()
+    return frozenset(str(i.argval) for i in dis.get_instructions(code) if i.opname == "STORE_ATTR")
+
+
+def missing(pieces: Iterable[Piece]) -> list[Piece]:
+    """The pieces this nats-py lacks: a method not on its class, an attribute its ``__init__``
+    (or, for a subclass, a base's) no longer stores."""
+    out = []
+    for p in pieces:
+        if p.kind == "attr":
+            ok = any(p.name in _stored(k) for k in p.owner.__mro__)
+        else:
+            ok = callable(getattr(p.owner, p.name, None))
+        if not ok:
+            out.append(p)
+    return out
+
+
+class Support(NamedTuple):
+    """What this nats-py lets ZML do (see the module doc)."""
+
+    version: str
+    fast_publish: bool
+    direct_delivery: bool
+    #: Required pieces that are missing (then :func:`check` raises).
+    required_missing: tuple[Piece, ...]
+
+
+def probe(publish: Iterable[Piece] = PUBLISH, deliver: Iterable[Piece] = DELIVER,
+          required: Iterable[Piece] = REQUIRED, nats_version: str | None = None) -> Support:
+    """The decision for these pieces (the defaults: nats-py's real classes)."""
+    v = nats_version or version()
+    no_pub, no_deliver = missing(publish), missing(deliver)
+    if no_pub:
+        log.warning("nats-py %s lacks %s: publishing through nc.publish (slower; ZML is verified with "
+                    "nats-py %s to %s)", v, ", ".join(map(str, no_pub)), *VERIFIED)
+    if no_deliver:
+        log.warning("nats-py %s lacks %s: replies delivered through a callback subscription (slower; ZML is "
+                    "verified with nats-py %s to %s)", v, ", ".join(map(str, no_deliver)), *VERIFIED)
+    return Support(v, not no_pub, not no_deliver, tuple(missing(required)))
+
+
+@functools.cache
+def support() -> Support:
+    """:func:`probe` of the installed nats-py, once per process."""
+    return probe()
+
+
+def check(found: Support | None = None) -> Support:
+    """The installed nats-py's :class:`Support`; raises ConfigError, naming the nats-py version
+    and what it lacks, when a piece ZML cannot do without is missing. Call it at start-up."""
+    s = found if found is not None else support()
+    if s.required_missing:
+        raise ConfigError(
+            f"nats-py {s.version} lacks {', '.join(map(str, s.required_missing))}, which ZML relies on "
+            f"(zmlcore.bus.natsinternals); ZML is verified with nats-py {VERIFIED[0]} to {VERIFIED[1]}: "
+            f"pip install '{REQUIREMENT}'")
+    return s
+
+
+# --- fast publish (zmlcore.bus.publish) -------------------------------------------------------
+
+
+def append_pending(nc: NATS, cmd: bytes) -> bool:
+    """Put a protocol command on nats-py's outgoing buffer, where its own publishes go; True
+    when the buffer is past ``pending_size`` (the caller then awaits :func:`flush_forced`)."""
+    c: Any = nc
+    c._pending.append(cmd)
+    c._pending_data_size += len(cmd)
+    return bool(0 < c._max_pending_size < c._pending_data_size)
+
+
+async def flush_forced(nc: NATS) -> None:
+    """nats-py's back-pressure: write the buffer and wait for the socket to drain."""
+    await nc._flush_pending(force_flush=True)
+
+
+def write_pending(nc: NATS, loop: asyncio.AbstractEventLoop | None) -> None:
+    """Write everything in nats-py's buffer in one ``writelines``, now; or, when the socket is
+    backed up (or not a plain stream), wake nats-py's flusher, which writes and awaits drain()."""
+    c: Any = nc
+    if not c._pending or not nc.is_connected:
+        return  # sent by nats-py after its reconnect, or already by its flusher
+    transport = c._transport
+    writer = getattr(transport, "_io_writer", None)  # a TCP transport's (TLS too); websocket: the flusher
+    sock = getattr(writer, "transport", None)
+    if sock is None or sock.get_write_buffer_size() > sock.get_write_buffer_limits()[1]:
+        queue = c._flush_queue
+        if queue is not None and queue.empty():
+            queue.put_nowait(loop.create_future() if loop else asyncio.Future())
+        return
+    transport.writelines(c._pending)
+    c._pending = []
+    c._pending_data_size = 0
+
+
+# --- direct reply delivery (zmlcore.reply.exchange) -------------------------------------------
+
+
+class _Deliver(asyncio.Queue):  # type: ignore[type-arg]
+    """Stands in for a subscription's pending queue, into which nats-py's reader puts each
+    message: handed on at once instead. A callback subscription would queue it for a task of
+    its own to take out and await the callback: a task switch per message (per stream chunk),
+    for a push into a deque. Never raises into nats-py's reader."""
+
+    def __init__(self, sub: Any, deliver: Callable[[Msg], None]) -> None:
+        super().__init__()
+        self._sub = sub
+        self._deliver = deliver
+
+    def put_nowait(self, msg: Msg) -> None:
+        self._sub._pending_size -= len(msg.data)  # nats-py counts it as pending until taken
+        try:
+            self._deliver(msg)
+        except Exception:  # a bug of ours must not take the connection's reader down
+            log.exception("message delivery failed")
+
+
+def deliver_directly(sub: Subscription, deliver: Callable[[Msg], None]) -> bool:
+    """Make nats-py's reader call ``deliver(msg)`` for each of ``sub``'s messages, in the
+    reader (no task); False when this nats-py cannot (the caller subscribes with a callback)."""
+    s: Any = sub
+    if not support().direct_delivery or not isinstance(getattr(s, "_pending_queue", None), asyncio.Queue):
+        return False
+    s._pending_queue = _Deliver(s, deliver)
+    return True
+
+
+# --- KV watches (zmlcore.bus.kvfollow) and JetStream contexts (zmlcore.bus.connect) -----------
+
+
+def watch_consumer(watcher: KeyValue.KeyWatcher) -> tuple[str, str] | None:
+    """(stream, consumer) a KV watch reads now (nats-py renames an ordered consumer when it
+    re-creates it), or None before it has one."""
+    sub: Any = getattr(watcher, "_sub", None)
+    if sub is None or not sub._consumer:
+        return None
+    return sub._stream, sub._consumer
+
+
+def client_of(js: JetStreamContext) -> NATS:
+    """The client a JetStream context was made from."""
+    return js._nc

@@ -1,0 +1,1 @@
+"""The batch runner service (docs/batches.md)."""
