@@ -8,7 +8,7 @@ import pytest
 
 from zmlcore.messages import KvAllCleared, KvBlockRemoved, KvBlockStored, KvEventBatch, NodeState
 from zmlcore.policy.prefix import BLOCK_BYTES, KeyChain, PrefixIndex, chain_from_bytes, kv_geometry
-from zmlcore.policy.prefix.index import EVENTS_STALE_S, MIN_MISS_AGE_S, _depth
+from zmlcore.policy.prefix.index import EVENTS_STALE_S, _depth
 
 
 def chain(n_keys: int, tag: int = 0, shared: int = 0, extra: int = 0) -> KeyChain:
@@ -59,7 +59,7 @@ def test_bisection_finds_what_a_scan_of_every_node_finds() -> None:
         t += 0.01
     for c in convs:
         got = idx.lookup(c, t).nodes()
-        want = {nid: d for nid, _ in nodes if (d := _depth(idx.node(nid).lru, c.keys))}  # type: ignore[union-attr]
+        want = {nid: d for nid, _ in nodes if (d := _depth(idx.node(nid).gen, c.keys))}  # type: ignore[union-attr]
         assert got == want
 
 
@@ -95,11 +95,11 @@ def test_every_operation_keeps_each_node_prefix_closed() -> None:
         t += rng.uniform(0, 1.0)
         if step % 100 == 0:
             for n in "ab":
-                lru = idx.node(n).lru  # type: ignore[union-attr]
+                lru = idx.node(n).gen  # type: ignore[union-attr]
                 for c2 in convs:
                     d = _depth(lru, c2.keys)
                     assert all(k not in lru for k in c2.keys[d:]), "a key held without its prefix"
-            assert sum(len(idx.node(n).lru) for n in "ab") == len(idx)  # type: ignore[union-attr]
+            assert sum(len(idx.node(n).gen) for n in "ab") == len(idx)  # type: ignore[union-attr]
 
 
 def test_entries_expire_and_unrouted_nodes_age_too() -> None:
@@ -147,37 +147,45 @@ def test_geometry_comes_from_the_engine_else_the_accelerator() -> None:
 
 # --- reported ---
 
-def test_a_hit_as_predicted_lengthens_retention_and_a_miss_shortens_it() -> None:
+def test_a_miss_on_a_confirmed_prefix_drops_what_the_engine_dropped_with_it() -> None:
     idx = index(("h", "nvidia_h100"), ttl_s=1000.0)
-    old, conv = chain(20, tag=1), chain(20, tag=2)
+    old, conv, fresh = chain(20, tag=1), chain(20, tag=2), chain(20, tag=3)
     idx.record("h", old, 0.0)
+    idx.correct("h", old, 0, 5.0, prompt_tokens=20 * 128)  # served: the engine holds it
     idx.record("h", conv, 100.0)
-    idx.record("h", conv, 400.0)  # predicted 20 keys, touched 300 s ago
+    idx.correct("h", conv, 0, 104.0, prompt_tokens=20 * 128)  # confirmed at 104
+    idx.record("h", fresh, 200.0)  # only recorded
+    nc = idx.node("h")
+    assert nc is not None and nc.touched(conv.keys[0]) == 104.0 and nc.touched(fresh.keys[0]) == -200.0
+    idx.record("h", conv, 400.0)  # predicted 20 keys, confirmed 296 s ago
     idx.correct("h", conv, 0, 401.0, prompt_tokens=20 * 128)  # the engine had dropped it
-    nc = idx.node("h")
-    assert nc is not None and nc.misses == 1 and nc.retention == pytest.approx(300.0)
-    assert idx.depth("h", old) == 0  # untouched for 401 s > 300: gone
-    assert idx.depth("h", conv) == 20  # just re-sent: the engine holds it now
-    idx.record("h", conv, 900.0)  # touched 500 s ago, and this time it hit
+    assert nc.misses == 1 and nc.hits == 0
+    assert idx.depth("h", old) == 0  # confirmed before it: an LRU engine dropped it too
+    assert idx.depth("h", fresh) == 20  # touched after it: kept
+    assert idx.depth("h", conv) == 20 and nc.touched(conv.keys[0]) == 401.0  # the engine holds it again
+    idx.record("h", conv, 900.0)
     idx.correct("h", conv, 20 * 128, 901.0, prompt_tokens=20 * 128 + 7)
-    assert nc.hits == 1 and nc.retention == pytest.approx(400.0)
+    assert nc.hits == 1 and nc.misses == 1
 
 
-def test_a_miss_right_after_the_previous_turn_is_not_an_eviction() -> None:
+def test_a_miss_on_a_prefix_only_recorded_is_no_evidence() -> None:
+    """The request that brought the prefix may still be queued on the engine."""
     idx = index(("h", "nvidia_h100"))
-    conv = chain(20)
-    idx.record("h", conv, 0.0)
-    idx.record("h", conv, MIN_MISS_AGE_S / 2)  # the engine may not have stored turn 1 yet
-    idx.correct("h", conv, 0, MIN_MISS_AGE_S / 2 + 0.1)
+    other, conv = chain(20, tag=1), chain(20, tag=2)
+    idx.record("h", other, 0.0)
+    idx.record("h", conv, 10.0)
+    idx.record("h", conv, 30.0)  # turn 2 sent before turn 1's report
+    idx.correct("h", conv, 0, 31.0)
     nc = idx.node("h")
-    assert nc is not None and nc.misses == 0 and nc.retention is None
+    assert nc is not None and nc.misses == 0
+    assert idx.depth("h", other) == 20
 
 
 def test_a_report_of_more_than_the_index_knew_is_recorded() -> None:
     idx = index(("h", "nvidia_h100"))
     conv = chain(20)
     idx.correct("h", conv, 12 * 128, 5.0)  # e.g. another client's traffic warmed it
-    assert idx.depth("h", conv) == 12
+    assert idx.depth("h", conv) == 20  # and the engine holds the whole prompt now
 
 
 # --- precise ---
@@ -214,3 +222,17 @@ def test_the_engine_block_size_from_events_converts_matches() -> None:
     idx.record("v", conv, 0.0)
     idx.apply_events("v", KvEventBatch(node_id="v", events=[], block_size=256), 0.0)
     assert idx.lookup(conv).tokens("v") == 1280 // 256 * 256
+
+
+def test_the_touch_log_stays_bounded_and_eviction_order_survives_compaction() -> None:
+    idx = index(("h", "nvidia_h100"))
+    idx.set_node("h", block_size=16, capacity_tokens=60 * 128)  # 60 keys
+    hot, cold = chain(30, tag=1), chain(20, tag=2)
+    idx.record("h", cold, 0.0)
+    for t in range(1, 2000):  # the same conversation again and again: stale log references
+        idx.record("h", hot, t / 10)
+        idx.correct("h", hot, 0, t / 10 + 0.05)
+    nc = idx.node("h")
+    assert nc is not None and nc.log_keys <= 2 * len(nc) + 4096 + 30
+    idx.record("h", chain(20, tag=3), 250.0)  # 10 over capacity: the cold chain's tail goes
+    assert idx.depth("h", hot) == 30 and idx.depth("h", cold) == 10

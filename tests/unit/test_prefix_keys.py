@@ -35,8 +35,8 @@ def test_models_never_share_keys_and_only_whole_blocks_are_keyed() -> None:
     p = text(5000)
     a, b = prompt_keys("m1", prompt=p), prompt_keys("m2", prompt=p)
     assert not set(a.keys) & set(b.keys)
-    assert len(prompt_keys("m", prompt=p[: BLOCK_BYTES - 1])) == 0
-    assert len(prompt_keys("m", prompt=p[:BLOCK_BYTES])) == 1
+    assert len(prompt_keys("m", prompt=p[: BLOCK_BYTES - 3])) == 0  # "m\0" + the prompt
+    assert len(prompt_keys("m", prompt=p[: BLOCK_BYTES - 2])) == 1
     assert len(chain_from_bytes(b"x" * (BLOCK_BYTES * (MAX_BLOCKS + 10)))) == MAX_BLOCKS
 
 
@@ -44,7 +44,7 @@ def test_keys_are_fixed_across_processes_and_versions() -> None:
     """Every replica (and every version of them in a rolling upgrade) must compute the same
     keys, so the constants are pinned: a change here is a wire change (PrefixRecord)."""
     kc = prompt_keys("meta-llama/Llama-3.1-8B-Instruct", messages=[{"role": "user", "content": "a" * 1100}])
-    assert kc.keys == [1016274310618722215, 17858704939652514293]
+    assert kc.keys == [5498307415919626917, 3893993971243867379]
 
 
 def test_messages_as_structs_or_dicts_and_content_parts_serialise_alike() -> None:

@@ -6,17 +6,16 @@ are the same for every node whatever its engine and block size, so one chain ser
 fleet; each node's share is converted to its own tokens afterwards (see ``index.py``).
 
 The prompt is serialised canonically (chat: each message as role, a 0 byte, its text, a 1 byte;
-completions: the prompt's text), in UTF-8, behind the model name (different models never share
-a cache). The bytes are cut into blocks of :data:`BLOCK_BYTES`; only whole blocks are keyed
+completions: the prompt's text), in UTF-8, behind the model name and a 0 byte (different
+models never share a cache). The bytes are cut into blocks of :data:`BLOCK_BYTES`; only whole blocks are keyed
 (engines cache whole blocks too). Key ``i`` stands for the prefix ``bytes[0 : (i+1) *
 BLOCK_BYTES]``: a follow-up turn, which repeats the conversation and adds to it, shares every
 key of the previous turn.
 
 The hash is computed for all blocks at once in numpy, a fixed handful of calls (~8-12 us for an
 8k-token prompt; a Python loop of ``zlib.crc32`` or ``xxhash`` over its 64 blocks costs 25-50
-us): each block's 64-bit words are dotted with random odd constants (mod 2^64), the model's seed
-is mixed into the first block's digest, and key ``i`` is the prefix sum of the digests times
-random odd per-position constants (mod 2^64). Two prefixes share key ``i`` when their first
+us): each block's 64-bit words are dotted with random odd constants (mod 2^64), and key ``i``
+is the prefix sum of the digests times random odd per-position constants (mod 2^64). Two prefixes share key ``i`` when their first
 ``i + 1`` blocks are equal. Distinct prefixes collide with probability ~2^-64 for unrelated
 text; the weakest case, two blocks that differ only in the last byte of two 8-byte words, is
 ~2^-8 over the constants. A collision only mis-estimates one request's cache (nothing is served
@@ -54,7 +53,7 @@ class KeyChain:
 
     >>> kc = prompt_keys("m", prompt="x" * 1500)
     >>> len(kc), kc.nbytes
-    (2, 1501)
+    (2, 1502)
     """
 
     __slots__ = ("keys", "nbytes")
@@ -94,16 +93,19 @@ def chain_from_bytes(data: bytes, seed: int = 0) -> KeyChain:
         return KeyChain(_EMPTY, len(data))
     # uint64 array arithmetic wraps silently (mod 2^64), which is what a hash wants.
     d = np.frombuffer(data, dtype=np.uint64, count=n * _WORDS).reshape(n, _WORDS) @ _C
-    d[0] ^= np.uint64(seed)
+    if seed:
+        d[0] ^= np.uint64(seed)
     d *= _POS[:n]
     return KeyChain(d.cumsum().tolist(), len(data))
 
 
-def serialise(messages: Sequence[Any] | None = None, prompt: str | Sequence[str] | None = None) -> bytes:
+def serialise(messages: Sequence[Any] | None = None, prompt: str | Sequence[str] | None = None,
+              model: str = "") -> bytes:
     """The canonical bytes of a chat (``messages``: objects with ``role`` and ``content``, or
-    dicts) or a completions ``prompt`` (a list of prompts is keyed on its first)."""
+    dicts) or a completions ``prompt`` (a list of prompts is keyed on its first), behind the
+    model's name (a 0 byte ends it)."""
     if messages is not None:
-        parts: list[str] = []
+        parts: list[str] = [model, "\x00"] if model else []
         for m in messages:
             if isinstance(m, dict):
                 role, content, name = m.get("role", ""), m.get("content"), m.get("name")
@@ -118,7 +120,7 @@ def serialise(messages: Sequence[Any] | None = None, prompt: str | Sequence[str]
         return b""
     if not isinstance(prompt, str):
         prompt = prompt[0] if prompt and isinstance(prompt[0], str) else ""
-    return prompt.encode("utf-8", "surrogatepass")
+    return (f"{model}\x00{prompt}" if model else prompt).encode("utf-8", "surrogatepass")
 
 
 def _text(content: Any) -> str:
@@ -151,4 +153,4 @@ def prompt_keys(model: str, messages: Sequence[Any] | None = None,
     >>> b.keys[:len(a)] == a.keys, len(a) < len(b)
     (True, True)
     """
-    return chain_from_bytes(serialise(messages, prompt), model_seed(model))
+    return chain_from_bytes(serialise(messages, prompt, model))
