@@ -3,6 +3,8 @@
     python benches/bench_decision.py                 # markdown tables (median / p99 / mean, us)
     python benches/bench_decision.py --quick         # fewer decisions per cell
     python benches/bench_decision.py --small         # 1-64 nodes, Python scan vs numpy rows
+    python benches/bench_decision.py --cache         # with the prefix index: 1,000 nodes, 8k-token
+                                                     # prompts, 1 M index entries, and its memory
 
 The fleet is what a router sees: five accelerator types, and every node with its *own*
 measured speeds (health's EWMA over noisy per-request observations of a true speed that
@@ -28,6 +30,7 @@ import platform
 import random
 import statistics
 import time
+from typing import Any
 
 import msgspec
 
@@ -212,6 +215,225 @@ def small_fleets(pols: list[ResolvedPolicy], labels: list[str]) -> None:
     print()
 
 
+# --- with the prefix index (cache-aware routing) ---
+
+#: Random text the conversations are cut from (ASCII, so one byte per character).
+_TEXT = None
+
+
+def _text(n: int, rng: random.Random) -> str:
+    global _TEXT
+    if _TEXT is None:
+        words = [("".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9))))
+                 for _ in range(5000)]
+        _TEXT = " ".join(rng.choice(words) for _ in range(400_000))
+    off = rng.randrange(0, len(_TEXT) - n)
+    return _TEXT[off:off + n]
+
+
+class Conversation:
+    """A conversation on the fleet: a system prompt and turns, ~8k tokens (32 KB) of context."""
+
+    __slots__ = ("messages", "node", "size")
+
+    def __init__(self, system: str, rng: random.Random, context: int) -> None:
+        self.messages = [{"role": "system", "content": system}]
+        self.node = ""
+        self.size = len(system)
+        while self.size < context:
+            self._add("user", rng.randint(200, 1200), rng)
+            self._add("assistant", rng.randint(400, 2400), rng)
+
+    def _add(self, role: str, n: int, rng: random.Random) -> None:
+        self.messages.append({"role": role, "content": _text(n, rng)})
+        self.size += n
+
+    def turn(self, rng: random.Random, context: int) -> list[dict[str, str]]:
+        """The next request: the conversation, the last reply and a new user message. Past
+        ``context`` + 4 KB the conversation ends and a new one (a new chain) starts in its
+        place: about one request in four carries a prompt no node holds beyond its system
+        prompt, the rest extend a prompt their node holds."""
+        if self.size > context + 4000:
+            system = self.messages[0]["content"]
+            self.__init__(system, rng, context)  # type: ignore[misc]
+        else:
+            if self.messages[-1]["role"] == "user":
+                self._add("assistant", rng.randint(400, 2400), rng)
+            self._add("user", rng.randint(200, 1200), rng)
+        return list(self.messages)
+
+
+def cache_cell(n: int, pol: ResolvedPolicy, iters: int, rate: float, poll_s: float, seed: int,
+               entries: int, context: int) -> dict[str, float]:
+    """One decision with the prefix index, as the router makes it, per timed unit: the prompt's
+    keys (``prompt_keys`` over the request's messages), ``choose_node`` with the index, the
+    dispatch's ``record``, the report of an earlier request (``correct``) and the polls and
+    counter changes since the previous unit. The index is first filled to ``entries`` entries
+    over the fleet (conversations recorded on their nodes, corrected as served)."""
+    from zmlcore.policy.prefix import PrefixIndex, prompt_keys
+
+    rng = random.Random(seed)
+    nodes = make_fleet(n, rng)
+    views = [nd.view for nd in nodes]
+    fleet = FleetIndex(views)
+    # the bound counts a block per entry; long prompts' keys stand for several: room for ``entries``
+    idx = PrefixIndex(max_entries=int(entries * 4))
+    for v in views:
+        idx.update_node(v.state)
+    systems = [_text(rng.randint(2000, 8000), rng) for _ in range(20)]
+    now = 1.0
+    # the conversations the decisions extend, and other prompts until the index holds ``entries``
+    convs = [Conversation(rng.choice(systems), rng, context) for _ in range(2000)]
+    for c in convs:
+        c.node = views[rng.randrange(n)].node_id
+        kc = prompt_keys("m", messages=c.messages)
+        idx.record(c.node, kc, now)
+        idx.correct(c.node, kc, 0, now)
+    fill_with(idx, [v.node_id for v in views], systems, entries, context, rng, now)
+    state = RoutingState()
+    polls = [(now + rng.uniform(0, poll_s), i) for i in range(n)]
+    heapq.heapify(polls)
+    clock = time.perf_counter_ns
+    cpu = time.thread_time_ns
+    warm = 200
+    units: list[float] = []
+    cpu_units: list[float] = []
+    hashing: list[float] = []
+    inflight: list[tuple[str, Any, int]] = []
+    warm_hits = 0
+    last = None
+    gc.collect()
+    for it in range(iters + warm):
+        now += 1.0 / rate
+        due = []
+        while polls[0][0] <= now:
+            t_due, i = heapq.heappop(polls)
+            due.append((nodes[i].view, nodes[i].poll(rng, t_due)))
+            heapq.heappush(polls, (t_due + poll_s * rng.uniform(0.9, 1.1), i))
+        conv = convs[min(len(convs) - 1, int(rng.paretovariate(1.2)) - 1)] if rng.random() < 0.5 else rng.choice(convs)
+        msgs = conv.turn(rng, context)
+        body = sum(len(m["content"]) for m in msgs) + 40 * len(msgs)
+        done = views[rng.randrange(n)]
+        report = inflight.pop(0) if len(inflight) > 32 else None
+        c0 = cpu()
+        t0 = clock()
+        for v, st in due:
+            v.state = st
+        if last is not None:
+            last.outstanding += 1
+            last.pending += 1
+        if done.outstanding > 0:
+            done.outstanding -= 1
+        if done.pending > 0:
+            done.pending -= 1
+        if report is not None:  # an earlier request's reply: what the engine had cached
+            idx.correct(report[0], report[1], report[2], now)
+        h0 = clock()
+        kc = prompt_keys("m", messages=msgs)
+        h1 = clock()
+        d = choose_node(fleet, RouteRequest(model="m", prompt_tokens=body // 4, prefix=kc), pol, now, state,
+                        cache=idx)
+        idx.record(d.node_id, kc, now)
+        t3 = clock()
+        c3 = cpu()
+        last = fleet.get(d.node_id)
+        inflight.append((d.node_id, kc, d.cached_tokens))
+        conv.node = d.node_id
+        if it >= warm:
+            units.append((t3 - t0) / 1000.0)
+            cpu_units.append((c3 - c0) / 1000.0)
+            hashing.append((h1 - h0) / 1000.0)
+            warm_hits += d.cached_tokens > 0
+    for xs in (units, cpu_units, hashing):
+        xs.sort()
+    return {
+        "median": statistics.median(units), "p99": p99(units), "mean": statistics.fmean(units),
+        "cpu_median": statistics.median(cpu_units), "cpu_p99": p99(cpu_units),
+        "hash_median": statistics.median(hashing), "entries": float(len(idx)), "warm": warm_hits / iters,
+    }
+
+
+def fill_with(idx: Any, node_ids: list[str], systems: list[str], entries: int, context: int,
+              rng: random.Random, now: float) -> float:
+    """Record prompts (a shared system prompt and ~``context`` bytes of their own) on the
+    nodes in turn, served and reported, each node up to 95% of its share, until the index
+    holds ``entries`` entries."""
+    from zmlcore.policy.prefix import chain_from_bytes, model_seed
+
+    seed = model_seed("m")
+    pre = [s.encode() for s in systems]
+    have = len(idx)
+    room = [nid for nid in node_ids if idx.node(nid).size < 0.95 * idx.node(nid).cap]
+    while have < entries and room:
+        nxt = []
+        for nid in room:
+            nc = idx.node(nid)
+            before = len(nc)
+            kc = chain_from_bytes(rng.choice(pre) + _text(context, rng).encode(), seed)
+            idx.record(nid, kc, now)
+            idx.correct(nid, kc, 0, now)
+            now += 1e-4
+            have += len(nc) - before
+            if nc.size < 0.95 * nc.cap:
+                nxt.append(nid)
+            if have >= entries:
+                break
+        room = nxt
+    return now
+
+
+def index_memory(n: int, entries: int, context: int) -> dict[str, float]:
+    """Bytes the prefix index holds at ``n`` nodes and ``entries`` entries (tracemalloc: every
+    allocation made while filling it, the key chains' own lists excluded)."""
+    import tracemalloc
+
+    from zmlcore.policy.prefix import PrefixIndex
+
+    rng = random.Random(7)
+    nodes = make_fleet(n, rng)
+    systems = [_text(rng.randint(2000, 8000), rng) for _ in range(20)]
+    idx = PrefixIndex(max_entries=int(entries * 4))
+    for nd in nodes:
+        idx.update_node(nd.view.state)
+    fill_with(idx, [nd.view.node_id for nd in nodes], systems, entries // 2, context, rng, 1.0)
+    # measured: the second half (the index's own structures at scale; the first half's chains
+    # are gone, as a router's are once it has dispatched them)
+    gc.collect()
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    fill_with(idx, [nd.view.node_id for nd in nodes], systems, entries, context, rng, 2.0)
+    gc.collect()
+    used = (tracemalloc.get_traced_memory()[0] - base) * entries / max(1, entries - entries // 2)
+    tracemalloc.stop()
+    st = idx.stats()
+    return {"bytes": float(used), "entries": float(st["entries"]), "keys": float(st["keys"]),
+            "per_entry": used / max(1, st["entries"])}
+
+
+def cache_tables(iters: int, sizes: list[int], rate: float, entries: int, context: int) -> None:
+    names = ["latency", "balanced", "cost"]
+    pols = [builtin_policy(x) for x in names]
+    print(f"With the prefix index: {entries:,} index entries, prompts of ~{context // 4:,} tokens "
+          f"({context // 1024} KB: ~{context // 512} keys), {iters} decisions per cell, {rate:g} decisions/s, "
+          "polls every 5 s. Per unit: the prompt's keys + choose_node with the index + record + an earlier "
+          "request's correct + polls and counters since the previous unit. Wall-clock median / p99 "
+          "(CPU-time median / p99), us:\n")
+    print("| nodes | " + " | ".join(names) + " | hashing median | requests that found a warm node |")
+    print("|---|" + "---|" * (len(names) + 2))
+    for n in sizes:
+        cells = []
+        extra = ""
+        for k, pol in enumerate(pols):
+            r = cache_cell(n, pol, iters, rate, 5.0, seed=n * 10 + k, entries=entries, context=context)
+            cells.append(f"{r['median']:.1f} / {r['p99']:.1f} ({r['cpu_median']:.0f} / {r['cpu_p99']:.0f})")
+            if k == 0:
+                extra = f" {r['hash_median']:.1f} | {100 * r['warm']:.0f}% |"
+        print(f"| {n:,} | " + " | ".join(cells) + " |" + extra)
+    m = index_memory(max(sizes), entries, context)
+    print(f"\nIndex memory at {max(sizes):,} nodes: {m['entries']:,.0f} entries ({m['keys']:,.0f} distinct keys): "
+          f"{m['bytes'] / 2**20:.0f} MiB, {m['per_entry']:.0f} bytes per entry (tracemalloc).\n")
+
+
 def p99(xs: list[float]) -> float:
     return xs[int(0.99 * (len(xs) - 1))]
 
@@ -223,6 +445,9 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=1000.0, help="decisions per second (virtual time)")
     ap.add_argument("--poll-intervals", default="5,1", help="seconds between polls of one node (health default 5)")
     ap.add_argument("--small", action="store_true", help="only the small-fleet table (both decision paths)")
+    ap.add_argument("--cache", action="store_true", help="only the prefix-index table and its memory")
+    ap.add_argument("--entries", type=int, default=1_000_000, help="prefix index entries (--cache)")
+    ap.add_argument("--context", type=int, default=32_768, help="prompt bytes (--cache): ~4 per token")
     args = ap.parse_args()
     iters = 1000 if args.quick else 5000
     sizes = [int(x) for x in args.sizes.split(",")]
@@ -233,6 +458,11 @@ def main() -> None:
                                                        queue_threshold=24), ())
     pols = [builtin_policy(x) for x in names] + [weighted, chain_policy(5, "latency"), chain_policy(5, "cost")]
     labels = names + ["weighted (qt 24)", "chain/latency", "chain/cost"]
+    if args.cache:
+        cache_tables(iters, [int(x) for x in args.sizes.split(",")] if args.sizes != "100,1000,10000" else [1000],
+                     args.rate, args.entries, args.context)
+        print(f"load average (1 min) before / after: {load0:.2f} / {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
+        return
     if args.small:
         small_fleets(pols, labels)
         print(f"load average (1 min) before / after: {load0:.2f} / {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")

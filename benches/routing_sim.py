@@ -38,13 +38,15 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from routing_simnode import EPS, SimNode  # noqa: E402
-from routing_simrouter import DELTA, EXPIRE, SimRouters  # noqa: E402
+from routing_simnode import EPS, EngineCache, SimNode  # noqa: E402
+from routing_simrouter import DELTA, EXPIRE, SHARE, SimIndexes, SimRouters  # noqa: E402
+from routing_simworkload import CACHE_WORKLOADS, Builder, Prompt, make_workload  # noqa: E402
 
 from zmlcore.config import PolicyConfig, RouterConfig  # noqa: E402
 from zmlcore.messages import NodeState  # noqa: E402
 from zmlcore.policy import FleetIndex, NodeView, RouteRequest, RoutingState, builtin_policy, choose_node  # noqa: E402
 from zmlcore.policy.estimate import NONSTREAM_PENDING_FOR, prompt_tokens_from_body  # noqa: E402
+from zmlcore.policy.prefix import KV_DEFAULTS, KeyChain, chain_from_bytes, model_seed  # noqa: E402
 from zmlcore.policy.resolve import ResolvedPolicy  # noqa: E402
 from zmlcore.fleet.perfmodel import SimProfile  # noqa: E402
 
@@ -64,8 +66,16 @@ CHARS_PER_TOKEN_SIGMA = 0.25
 ENVELOPE_BYTES = (80, 240)
 
 
-def capacity_rps() -> float:
-    return sum(SimProfile.for_type(t).capacity_rps(MEAN_P, MEAN_O) for _, t in FLEET)
+def capacity_rps(mean_p: float = MEAN_P, mean_o: float = MEAN_O) -> float:
+    """The fleet's saturation throughput (req/s) when every prompt token is prefilled: with
+    shared-prefix workloads the offered load is a share of this no-cache capacity, the load
+    today's policy sees."""
+    return sum(SimProfile.for_type(t).capacity_rps(mean_p, mean_o) for _, t in FLEET)
+
+
+#: KV memory an engine keeps for its running sequences' own tokens, per sequence slot: the
+#: prefix cache gets the rest of its capacity (zmlcore.policy.prefix.KV_DEFAULTS).
+RUNNING_RESERVE_TOKENS = 2048
 
 
 def make_trace(n: int, lam: float, bursty: bool, seed: int) -> tuple[list[float], list[int], list[int]]:
@@ -135,6 +145,33 @@ POLICIES: dict[str, dict[str, Any]] = {
 DEFAULT_POLICIES = list(POLICIES)
 
 
+def _cache(pol: ResolvedPolicy | None = None, fidelity: str = "reported", **kw: Any) -> dict[str, Any]:
+    """A ZML policy with the prefix index (``fidelity``) and pending tokens tracked."""
+    return _zml(pol or builtin_policy("latency"), cache=fidelity, tokens=True, **kw)
+
+
+# cache-aware routing (shared-prefix workloads): the index at each fidelity, with replicas,
+# with sessions, the default policy with the index, and the cache oracle
+POLICIES.update({
+    "cache": _cache(),
+    "cache_approx": _cache(fidelity="approximate"),
+    "cache_precise": _cache(fidelity="precise"),
+    "cache_r4_lag1_5": _cache(replicas=4, lag=(0.001, 0.005)),
+    "cache_session": _cache(session=True),
+    "cache_balanced": _cache(builtin_policy("balanced")),
+    # the sticky budget (strategies.latency): none, or fixed multiples of the recomputation
+    # instead of the recomputation over (1 - rho_ref), for the comparison that chose it
+    "cache_sticky0": _cache(sticky=0.0, sticky_load=False),
+    "cache_sticky05": _cache(sticky=0.5, sticky_load=False),
+    "cache_sticky1": _cache(sticky=1.0, sticky_load=False),
+    "cache_sticky2": _cache(sticky=2.0, sticky_load=False),
+    "cache_sticky4": _cache(sticky=4.0, sticky_load=False),
+    "oracle_cache": {"kind": "oracle", "sticky": True},
+})
+CACHE_POLICIES = ["oracle_cache", "oracle", "round_robin", "latency", "cache", "cache_approx", "cache_precise",
+                  "cache_r4_lag1_5", "cache_session", "cache_balanced"]
+
+
 # --- one run ----------------------------------------------------------------------------
 
 PREFILL, DECODE, POLL = 0, 1, 2  # and DELTA, EXPIRE (routing_simrouter)
@@ -145,8 +182,16 @@ def _state(node: SimNode, now: float) -> NodeState:
         node_id=node.name, accelerator_type=node.prof.accelerator, family=_family(node), endpoint="sim://",
         status="up", models=[MODEL], queue_running=node.admitted, queue_waiting=len(node.waitq),
         max_concurrency=node.maxc, prefill_tps=node.pf, decode_tps=node.dec, cost_per_hour=node.cost,
-        health_score=100.0, updated_at=now,
+        health_score=100.0, updated_at=now, **_kv(node),
     )
+
+
+def _kv(node: SimNode) -> dict[str, int]:
+    """What health reads from vllm:cache_config_info (block size, all KV blocks)."""
+    if node.cache is None:
+        return {}
+    bs, cap = KV_DEFAULTS[node.prof.accelerator]
+    return {"kv_block_size": bs, "kv_blocks": cap // bs}
 
 
 def _family(node: SimNode) -> str:
@@ -160,20 +205,62 @@ def _family(node: SimNode) -> str:
 #: TTFT, zml_router.relay.PendingHold) and the ``admission_ttft_s`` bound (RouterConfig's default).
 DEFAULT_OPTS: dict[str, Any] = {"stream_share": 0.5, "estimate": "body",
                                 "admission_s": RouterConfig().admission_ttft_s,
-                                "pending_expiry": NONSTREAM_PENDING_FOR}
+                                "pending_expiry": NONSTREAM_PENDING_FOR,
+                                # the engine's KV events reach the routers through a ZMQ->NATS bridge
+                                "event_lag": (0.005, 0.020),
+                                "load_basis": "reuse"}
 
 
 def run(policy: str, workload: str, load: float, seed: int, n: int, warm: int,
         opts: dict[str, Any] | None = None) -> dict[str, Any]:
+    spec = POLICIES[policy]
+    if "sticky" in spec and spec["kind"] == "zml":
+        from zmlcore.policy.strategies import latency as latency_strategy
+
+        saved = latency_strategy.STICKY, latency_strategy.STICKY_LOAD
+        latency_strategy.STICKY, latency_strategy.STICKY_LOAD = spec["sticky"], spec.get("sticky_load", True)
+        try:
+            return _run(policy, workload, load, seed, n, warm, opts)
+        finally:
+            latency_strategy.STICKY, latency_strategy.STICKY_LOAD = saved
+    return _run(policy, workload, load, seed, n, warm, opts)
+
+
+def _run(policy: str, workload: str, load: float, seed: int, n: int, warm: int,
+         opts: dict[str, Any] | None = None) -> dict[str, Any]:
     o_ = {**DEFAULT_OPTS, **(opts or {})}
     spec = POLICIES[policy]
-    cap = capacity_rps()
-    arr, P, O = make_trace(n, load * cap, workload == "bursty", seed)
-    body, streamed = make_requests(P, seed, o_["stream_share"])
-    est_p = [prompt_tokens_from_body(b) for b in body] if o_["estimate"] == "body" else P
+    cache_wl = workload in CACHE_WORKLOADS
+    builder: Builder | None = None
+    if cache_wl:
+        # offered load: a share of the fleet's capacity with perfect prefix reuse (each request
+        # prefills only what it adds to its conversation, task or shared prompt), or with
+        # none ("nocache": every prompt token prefilled, the load today's policy sees)
+        reuse = o_["load_basis"] == "reuse"
+        plan = make_workload(workload, n, seed, lambda mp, mo, mn: load * capacity_rps(mn if reuse else mp, mo))
+        arr, P, O = plan.arr, plan.P, plan.O
+        cap = capacity_rps(plan.mean_new if reuse else plan.mean_p, plan.mean_o)
+        cap_nocache = capacity_rps(plan.mean_p, plan.mean_o)
+        builder = Builder(plan, seed)
+        _body, streamed = make_requests(P, seed, o_["stream_share"])
+        est_p: list[int] = [0] * n  # the body-size estimate, at arrival (from the prompt's bytes)
+    else:
+        cap = cap_nocache = capacity_rps()
+        arr, P, O = make_trace(n, load * cap, workload == "bursty", seed)
+        body, streamed = make_requests(P, seed, o_["stream_share"])
+        est_p = [prompt_tokens_from_body(b) for b in body] if o_["estimate"] == "body" else P
     bound = o_["admission_s"] or math.inf
     rnd = random.Random(seed * 7919 + 1)
     nodes = [SimNode(i, name, SimProfile.for_type(t)) for i, (name, t) in enumerate(FLEET)]
+    if cache_wl:
+        for nd in nodes:
+            bs, kv = KV_DEFAULTS[nd.prof.accelerator]
+            nd.cache = EngineCache(bs, kv - nd.maxc * RUNNING_RESERVE_TOKENS)
+    #: prefill tokens of each request on its node: its uncached part (all of it without caches)
+    U = list(P)
+    cached = [0] * n  # tokens its node had cached when its prefill started (the truth)
+    prompts: dict[int, Prompt] = {}
+    chains: dict[int, KeyChain] = {}
     ttft = [math.nan] * n
     rejected = [False] * n
     heap: list[tuple[float, int, int, int, int]] = []
@@ -193,7 +280,12 @@ def run(policy: str, workload: str, load: float, seed: int, n: int, warm: int,
     fresh = kind == "zml" and poll == 0.0
     routers = SimRouters([v for v, _f, _s in reps], n, share=spec.get("share", True), lag=spec.get("lag"),
                          local=local, count_pending=count_pending, expiry=o_["pending_expiry"],
-                         seed=seed * 7919 + 2)
+                         seed=seed * 7919 + 2, tokens=bool(spec.get("tokens")) and cache_wl)
+    fidelity = spec.get("cache") if cache_wl else None
+    indexes = SimIndexes(R, [nd.name for nd in nodes], [_state(nd, 0.0) for nd in nodes], fidelity=fidelity or "",
+                         lag=spec.get("lag"), event_lag=o_["event_lag"], seed=seed * 7919 + 3) if fidelity else None
+    mseed = model_seed(MODEL)
+    sessions: dict[int, str] = {}
     pred = [math.nan] * n  # the oracle's predicted TTFT, checked against the realised one
     if kind == "zml" and not fresh:
         for ri in range(R):
@@ -218,13 +310,22 @@ def run(policy: str, workload: str, load: float, seed: int, n: int, warm: int,
         if nd.decoding:
             push(now + (nd.decoding[0][0] - nd.vt) * nd.step(len(nd.decoding)), DECODE, nd.idx, nd.ver)
 
+    def engine_store(nd: SimNode, units: list[int], now: float) -> None:
+        assert nd.cache is not None
+        stored, evicted = nd.cache.store(units)
+        if indexes is not None and (stored or evicted):
+            indexes.engine_event(nd.idx, nd.cache.bu * 16, stored * 16, evicted * 16, now, push)
+
     def start_prefill(nd: SimNode, now: float) -> None:
         nd.advance(now)
         if nd.prefq:
             r = nd.prefq.popleft()
-            nd.prefq_tok -= P[r]
+            nd.prefq_tok -= U[r]
+            if nd.cache is not None:  # the engine looks its cache up when it schedules the prefill
+                cached[r] = nd.cache.cached_tokens(prompts[r].units, P[r])
+                U[r] = P[r] - cached[r]
             nd.cur = r
-            nd.cur_end = now + P[r] / nd.pf
+            nd.cur_end = now + U[r] / nd.pf
             nd.ver += 1
             push(nd.cur_end, PREFILL, nd.idx, 0)
         else:
@@ -240,25 +341,32 @@ def run(policy: str, workload: str, load: float, seed: int, n: int, warm: int,
             add_busy(nd, nd.busy_since, now)
         if nd.waitq:
             r2 = nd.waitq.popleft()
-            nd.waitq_tok -= P[r2]
+            nd.waitq_tok -= U[r2]
             nd.admitted += 1
             nd.prefq.append(r2)
-            nd.prefq_tok += P[r2]
+            nd.prefq_tok += U[r2]
+        if cache_wl:
+            engine_store(nd, prompts.pop(r).units_out, now)  # the reply's blocks too
+            chain = chains.pop(r, None)
+            if indexes is not None and chain is not None:  # the engine's usage report
+                indexes.correct(routers.rep_of[r], nd.idx, chain, cached[r], P[r], now, push)
         if R:
             routers.complete(r, now, push)
 
     def arrive(nd: SimNode, r: int, now: float) -> None:
         nd.advance(now)
+        if nd.cache is not None:  # expected prefill, for the queue (checked again at its start)
+            U[r] = P[r] - nd.cache.cached_tokens(prompts[r].units, P[r])
         if nd.outstanding == 0:
             nd.busy_since = now
         nd.outstanding += 1
         if nd.admitted < nd.maxc:
             nd.admitted += 1
             nd.prefq.append(r)
-            nd.prefq_tok += P[r]
+            nd.prefq_tok += U[r]
         else:
             nd.waitq.append(r)
-            nd.waitq_tok += P[r]
+            nd.waitq_tok += U[r]
         if nd.cur < 0:
             start_prefill(nd, now)
 
@@ -274,12 +382,18 @@ def run(policy: str, workload: str, load: float, seed: int, n: int, warm: int,
             if ev == DELTA:  # a peer's in-flight delta reaches replica a
                 routers.deliver(a, b)
                 continue
+            if ev == SHARE:  # a peer's (or an engine's) index update reaches replica a
+                assert indexes is not None
+                indexes.deliver(a, b, now)
+                continue
             nd = nodes[a] if ev != POLL else nodes[b]
             if ev == PREFILL:
                 r = nd.cur
                 nd.cur = -1
                 nd.last_t = now
                 ttft[r] = now - arr[r]
+                if nd.cache is not None:
+                    engine_store(nd, prompts[r].units, now)
                 if R:
                     routers.first_token(r, streamed[r], now, push)
                 o = O[r] - 1
@@ -307,6 +421,12 @@ def run(policy: str, workload: str, load: float, seed: int, n: int, warm: int,
         r = k
         k += 1
         now = arr[r]
+        chain = None
+        if builder is not None:
+            pr = prompts[r] = builder.build(r)
+            est_p[r] = prompt_tokens_from_body(len(pr.data) + pr.envelope)
+            if indexes is not None:
+                chain = chains[r] = chain_from_bytes(pr.data, mseed)
         if kind == "zml":
             ri = r % R
             views, fleet, rstate = reps[ri]
@@ -314,27 +434,38 @@ def run(policy: str, workload: str, load: float, seed: int, n: int, warm: int,
                 for nd in nodes:
                     views[nd.idx].state = _state(nd, now)
             assert pol is not None
-            rr = RouteRequest(model=MODEL, prompt_tokens=est_p[r])
-            d = choose_node(fleet, rr, pol, now, rstate)
+            cache = indexes.indexes[ri] if indexes is not None else None
+            bound_to = sessions.get(prompts[r].session) if spec.get("session") and builder else None
+            rr = RouteRequest(model=MODEL, prompt_tokens=est_p[r], prefix=chain, session_node=bound_to)
+            d = choose_node(fleet, rr, pol, now, rstate, cache=cache)
             if d.estimated_ttft_s > bound:  # the router's admission bound (zmlcore.policy.admit)
                 if pol.strategy != "latency":
-                    d = choose_node(fleet, rr, fallback, now, rstate)
+                    d = choose_node(fleet, rr, fallback, now, rstate, cache=cache)
                 if d.estimated_ttft_s > bound:
                     rejected[r] = True
                     done += 1
+                    prompts.pop(r, None)
+                    chains.pop(r, None)
                     continue
             nd = nodes[_index[d.node_id]]
-            routers.dispatch(r, ri, nd.idx, streamed[r], d.estimated_ttft_s, now, push)
+            routers.dispatch(r, ri, nd.idx, streamed[r], d.estimated_ttft_s, now, push,
+                             tokens=max(0, est_p[r] - d.cached_tokens))
+            if indexes is not None and chain is not None:
+                indexes.record(ri, nd.idx, chain, now, push)
+            if spec.get("session") and builder is not None and prompts[r].session >= 0:
+                sessions[prompts[r].session] = nd.name
         elif kind == "least_busy":
             nd = min(nodes, key=lambda x: (x.outstanding, rnd.random()))
         elif kind == "p2c":
             a1, a2 = rnd.sample(nodes, 2)
             nd = a1 if (a1.outstanding, rnd.random()) < (a2.outstanding, rnd.random()) else a2
         else:  # oracle: the same admission bound, on the exact TTFT
-            nd, pred[r] = _oracle(nodes, now, P[r], P, O, bound)
+            units = prompts[r].units if builder is not None else None
+            nd, pred[r] = _oracle(nodes, now, r, P, U, O, bound, units, spec.get("sticky", False))
             if pred[r] > bound:
                 rejected[r] = True
                 done += 1
+                prompts.pop(r, None)
                 continue
         arrive(nd, r, now)
 
@@ -347,36 +478,65 @@ def run(policy: str, workload: str, load: float, seed: int, n: int, warm: int,
     tokens = sum(nd.tokens_in_window for nd in nodes)
     dollars = sum(nd.busy / 3600.0 * nd.cost for nd in nodes)
     util = [nd.done_in_window / window / nd.prof.capacity_rps(MEAN_P, MEAN_O) for nd in nodes]
+    kept = np.flatnonzero(~np.array(rejected[warm:])) + warm
+    inp = float(np.sum(np.array(P)[kept]))
+    hit = float(np.sum(np.array(cached)[kept]))
     return {
         "policy": policy, "workload": workload, "load": load, "seed": seed, "n": n, "opts": o_,
-        "p50": float(np.percentile(meas, 50)), "p99": float(np.percentile(meas, 99)),
+        "p50": float(np.percentile(meas, 50)), "p90": float(np.percentile(meas, 90)),
+        "p99": float(np.percentile(meas, 99)),
         "share": float(np.mean(meas <= TARGET_S)), "thr": served / cap,
         "offered": (n - 1 - warm) / window / cap,  # this trace's arrival rate in the window
+        "offered_nocache": (n - 1 - warm) / window / cap_nocache,
         "rejected": float(np.mean(rejected[warm:])),
         "cost": dollars / (tokens / 1e6), "imb": max(util) / (sum(util) / len(util)), "pred_err": pred_err,
+        # prompt tokens served, and of them found in the node's prefix cache (the truth)
+        "input": inp, "cached": hit, "hit": hit / inp if inp else 0.0, "in_tps": inp / window,
     }
 
 
 _index = {name: i for i, (name, _t) in enumerate(FLEET)}
 
 
-def _oracle(nodes: list[SimNode], now: float, p: int, P: list[int], O: list[int],
-            bound: float = math.inf) -> tuple[SimNode, float]:
-    """The node with the smallest exact TTFT, and that TTFT (inf: every node is over ``bound``)."""
+def _oracle(nodes: list[SimNode], now: float, r: int, P: list[int], U: list[int], O: list[int],
+            bound: float = math.inf, units: list[int] | None = None,
+            sticky: bool = False) -> tuple[SimNode, float]:
+    """The node with the smallest exact TTFT, and that TTFT (inf: every node is over ``bound``).
+
+    With ``units`` (shared-prefix workloads) each node's own prefill of the request is its
+    uncached part, read from the engine's cache (clairvoyant: no index, no lag). ``sticky``:
+    the cache oracle, which applies the latency policy's sticky rule to the exact TTFTs and the
+    true cached tokens (a warmer node wins while ``ttft_w - cached_w / pf_ref`` beats the
+    fastest node's)."""
+    def p_on(nd: SimNode) -> int:
+        return U[r] if nd.cache is None or units is None else P[r] - nd.cache.cached_tokens(units, P[r])
+
+    if sticky:
+        scored = []
+        for nd in nodes:
+            p = p_on(nd)
+            scored.append((nd.predict_ttft(now, p, U, O), P[r] - p, nd))
+        ref_t, ref_c, ref = min(scored, key=lambda x: (x[0], x[2].idx))
+        best, best_s, best_t = ref, ref_t - ref_c / ref.pf, ref_t
+        for t, c, nd in scored:
+            if c > ref_c and t - c / ref.pf < best_s:
+                best, best_s, best_t = nd, t - c / ref.pf, t
+        return best, best_t
     best, best_t = nodes[0], math.inf
     full = []
     for nd in nodes:
         if nd.admitted < nd.maxc:
-            t = nd.predict_ttft(now, p, P, O)
+            t = nd.predict_ttft(now, p_on(nd), U, O)
             if t < best_t:
                 best, best_t = nd, t
         else:
             full.append(nd)
-    full.sort(key=lambda x: x.lower_bound(now, p))
+    full.sort(key=lambda x: x.lower_bound(now, p_on(x)))
     for nd in full:
+        p = p_on(nd)
         if nd.lower_bound(now, p) >= best_t:
             break
-        t = nd.predict_ttft(now, p, P, O, min(best_t, bound))
+        t = nd.predict_ttft(now, p, U, O, min(best_t, bound))
         if t < best_t:
             best, best_t = nd, t
     return best, best_t

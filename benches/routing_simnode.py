@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
+from itertools import repeat
 
 from zmlcore.fleet.perfmodel import SimProfile
 
@@ -21,7 +22,7 @@ class SimNode:
     __slots__ = (
         "idx", "name", "prof", "pf", "dec", "pen", "maxc", "cost", "admitted", "waitq", "prefq",
         "prefq_tok", "waitq_tok", "cur", "cur_end", "decoding", "vt", "last_t", "ver", "outstanding",
-        "busy_since", "busy", "done_in_window", "tokens_in_window",
+        "busy_since", "busy", "done_in_window", "tokens_in_window", "cache",
     )
 
     def __init__(self, idx: int, name: str, prof: SimProfile) -> None:
@@ -49,6 +50,8 @@ class SimNode:
         self.busy = 0.0
         self.done_in_window = 0
         self.tokens_in_window = 0
+        #: the engine's prefix cache (shared-prefix workloads), else None
+        self.cache: EngineCache | None = None
 
     def step(self, b: int) -> float:
         return (1.0 + self.pen * (b - 1)) / self.dec
@@ -112,3 +115,71 @@ class SimNode:
             while dec and dec[0][0] <= vt + EPS:
                 heapq.heappop(dec)
                 admitted -= 1
+
+
+class EngineCache:
+    """A simulated engine's prefix cache (vLLM's automatic prefix caching, in 16-token units).
+
+    ``units`` are a prompt's chain (benches/routing_simworkload.py): unit ``i`` stands for its
+    first ``16 (i + 1)`` tokens. The cache holds whole blocks of ``block`` tokens (a multiple
+    of 16), at most ``cap`` units, least recently used evicted first, a chain's tail before
+    its root (a touch moves the chain to the end deepest first, as vLLM frees a request's
+    blocks tail first). A hit is the longest cached prefix in whole blocks, never the whole
+    prompt (the engine computes at least its last token). ``on_evict(n_units)`` and
+    ``on_store(n_units)`` see the engine's KV events (the precise fidelity's source).
+    """
+
+    __slots__ = ("lru", "cap", "bu", "on_evict", "on_store")
+
+    UNIT = 16
+
+    def __init__(self, block_tokens: int, cap_tokens: int) -> None:
+        from collections import OrderedDict
+
+        self.lru: OrderedDict[int, None] = OrderedDict()
+        self.bu = max(1, block_tokens // self.UNIT)  # units per engine block
+        self.cap = cap_tokens // self.UNIT
+
+    def depth(self, units: list[int]) -> int:
+        """Leading units cached (the set is prefix-closed: bisection)."""
+        lru = self.lru
+        n = len(units)
+        if not n or units[0] not in lru:
+            return 0
+        if units[-1] in lru:
+            return n
+        lo, hi = 1, n - 1
+        while lo < hi:
+            mid = (lo + hi) >> 1
+            if units[mid] in lru:
+                lo = mid + 1
+            else:
+                hi = mid
+        return lo
+
+    def cached_tokens(self, units: list[int], prompt_tokens: int) -> int:
+        d = self.depth(units) // self.bu * self.bu * self.UNIT
+        if d >= prompt_tokens:
+            d = (prompt_tokens - 1) // (self.bu * self.UNIT) * self.bu * self.UNIT
+        return max(0, d)
+
+    def store(self, units: list[int]) -> tuple[int, int]:
+        """The engine computed (or reused) these blocks: cache them, most recently used.
+        Returns (units stored, units evicted)."""
+        n = len(units) // self.bu * self.bu  # whole blocks only
+        if not n:
+            return 0, 0
+        lru = self.lru
+        d = min(self.depth(units), n)
+        new = units[d:n]
+        if new:
+            lru.update(zip(reversed(new), repeat(None)))
+        move = lru.move_to_end
+        for k in reversed(units[:d]):
+            move(k)
+        over = len(lru) - self.cap
+        if over > 0:
+            pop = lru.popitem
+            for _ in range(over):
+                pop(last=False)
+        return len(new), max(0, over)

@@ -9,6 +9,8 @@ service process each meet every refusal and must say why within 2 s.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import subprocess
 import sys
@@ -81,6 +83,41 @@ async def test_tls_mistakes(tls_bus: SecureBus, pki: Pki, case: str, want: str) 
     assert want in err.message and "\n" not in err.message, err.message
 
 
+@pytest.mark.parametrize("how", ["a CA", "a tls:// URL"])
+async def test_tls_configured_and_a_server_without_tls(secure_bus: SecureBus, pki: Pki, how: str) -> None:
+    """nats-py upgrades only when the server requires TLS: configured for TLS against a server
+    without it, it went on in plaintext without a word. Refused before CONNECT, in one line."""
+    url = secure_bus.url if how == "a CA" else secure_bus.url.replace("nats://", "tls://")
+    cfg = NatsConfig(tls_ca_file=pki.ca) if how == "a CA" else NatsConfig(url=url)
+    err, took = await _refused(url, cfg, secure_bus.seeds["admin"])
+    assert isinstance(err, ConfigError) and took < LIMIT_S, (err, took)
+    assert "offers no TLS" in err.message and "plaintext" in err.message and "\n" not in err.message, err.message
+
+
+async def test_nothing_is_sent_in_plaintext_to_a_server_without_tls(pki: Pki) -> None:
+    """The CONNECT (the identity's signature, a token or a password) never leaves in the clear:
+    a server that offers no TLS gets nothing back after its INFO."""
+    received = bytearray()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.write(b'INFO {"server_id":"PLAIN","version":"2.10.0","proto":1,"max_payload":1048576,'
+                     b'"headers":true,"auth_required":true,"nonce":"abc"}\r\n')
+        await writer.drain()
+        with contextlib.suppress(Exception):
+            while chunk := await reader.read(4096):
+                received.extend(chunk)
+        writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        err, took = await _refused(f"nats://127.0.0.1:{port}", NatsConfig(tls_ca_file=pki.ca), None)
+    finally:
+        server.close()
+    assert isinstance(err, ConfigError) and "offers no TLS" in err.message and took < LIMIT_S, (err, took)
+    assert b"CONNECT" not in received and b"PUB" not in received, bytes(received)
+
+
 async def test_good_tls_and_identity_connect(tls_bus: SecureBus, pki: Pki) -> None:
     cfg = NatsConfig(tls_ca_file=pki.ca, tls_cert_file=pki.client_cert, tls_key_file=pki.client_key)
     nc = await connect(tls_bus.url, "refusal-test", give_up_s=5, **connect_options(cfg, seed_file=tls_bus.seeds["admin"]))
@@ -103,7 +140,9 @@ def test_sdk_over_nats_says_what_to_set(secure_bus: SecureBus, tls_bus: SecureBu
              (tls_bus.url, {"ZML_NATS_NKEY": tls_bus.seeds["admin"], "ZML_NATS_TLS_CA": pki.rogue_cert},
               zml.ConfigError, "ZML_NATS_TLS_CA"),
              (tls_bus.url, {"ZML_NATS_NKEY": tls_bus.seeds["admin"], "ZML_NATS_TLS_CA": pki.ca},
-              zml.ConfigError, "ZML_NATS_TLS_CERT")]
+              zml.ConfigError, "ZML_NATS_TLS_CERT"),
+             (secure_bus.url, {"ZML_NATS_NKEY": secure_bus.seeds["admin"], "ZML_NATS_TLS_CA": pki.ca},
+              zml.ConfigError, "offers no TLS")]
     for url, env, cls, want in cases:
         with monkeypatch.context() as m:
             for k, v in env.items():
@@ -130,3 +169,16 @@ def test_a_service_without_its_identity_exits_with_one_line(secure_bus: SecureBu
     lines = [line for line in out.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and f"creds/{service}.nk" in lines[0] and "ZML_NATS_NKEY" in lines[0], lines
     assert took < 10, took  # interpreter start-up included; the refusal itself takes milliseconds
+
+
+def test_a_service_configured_for_tls_meeting_a_server_without_it_exits_with_one_line(
+        secure_bus: SecureBus, pki: Pki, tmp_path: Path) -> None:
+    config = tmp_path / "zml.toml"
+    config.write_text(fleet_toml({n: free_port() for n, _, _ in FLEET}))
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("ZML_")},
+           "ZML_NATS_NKEY": secure_bus.seeds["router"], "ZML_NATS_TLS_CA": pki.ca}
+    out = subprocess.run([sys.executable, "-m", "zml.cli", "router", "--config", str(config), "--nats-url",
+                          secure_bus.url], env=env, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2, (out.returncode, out.stderr[-2000:])
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "offers no TLS" in lines[0] and "Traceback" not in out.stderr, lines

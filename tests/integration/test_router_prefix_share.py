@@ -72,6 +72,7 @@ async def test_session_bindings_are_shared_and_expire_when_idle(nats_private: st
         a, b = Sessions(nc_a, idle_s=1.5), Sessions(nc_b, idle_s=1.5)
         await a.start()
         await b.start()
+        assert await a.wait_ready(5) and await b.wait_ready(5)
         try:
             key = session_key("owner-1", "conversation-7")
             assert key != session_key("owner-2", "conversation-7")  # one caller's names never meet another's

@@ -7,6 +7,7 @@ import math
 import random
 import zlib
 
+import msgspec
 import pytest
 from test_policy_helpers import NOW, fleet5, node
 from test_policy_index import STALE, RefCtx, make_fleet, path, policies  # noqa: F401  (path: fixture)
@@ -51,8 +52,8 @@ def test_the_estimate_counts_only_the_uncached_tokens_at_the_nodes_speed() -> No
 def test_a_warm_node_wins_until_its_queue_outweighs_the_reference_recomputing_the_prefix(path: str) -> None:
     """Sticky until saturated: a warm MI300X (9,000 tok/s) holding 4,096 of a 4,200-token prompt
     against an idle H100 (the reference: best estimate once the MI300X queues). The warm node
-    stays while ``est_w <= est_h100 + 4096 / 10000``, i.e. past the point where the H100's
-    estimate is already lower, and spills after."""
+    stays while ``est_w <= est_h100 + 4096 / 10000`` (the idle H100's rho is 0), i.e. past
+    the point where the H100's estimate is already lower, and spills after."""
     views = [node("h100"), node("mi300x", "amd_mi300x")]
     idx = index_for(views)
     c = conv(32)
@@ -71,27 +72,45 @@ def test_a_warm_node_wins_until_its_queue_outweighs_the_reference_recomputing_th
     assert "h100" in seen and seen.index("h100") > 4  # 4 pending: 0.37 s < 0.42 s; 5-9 sticky beyond it
 
 
+def test_the_budget_grows_with_the_references_load(path: str) -> None:
+    """With the reference's slots half taken (rho 0.5) the same prefix buys twice the wait:
+    work added to a busy node delays what is queued behind it too."""
+    views = [node("h100", outstanding=16), node("mi300x", "amd_mi300x")]
+    idx = index_for(views)
+    c = conv(32)
+    idx.record("mi300x", c, NOW)
+    req = RouteRequest(model="m", prompt_tokens=4200, prefix=c)
+    e_h100 = 4200 / 10_000  # 16 of 32 slots: no slot wait, nothing pending
+    budget = 4096 / 10_000 / (1 - 0.5)
+    for pending in range(0, 16):
+        views[1].pending = pending
+        d = choose_node(FleetIndex(views), req, LATENCY, NOW, RoutingState(), cache=idx)
+        e_mi = (pending * 816 + 104) / 9000
+        assert d.node_id == ("mi300x" if e_mi <= e_h100 + budget else "h100"), pending
+    assert (e_h100 + budget) * 9000 // 816 > (e_h100 + budget / 2) * 9000 // 816  # (the test can tell)
+
+
 def test_each_node_counts_its_own_blocks() -> None:
-    """9 keys match (1,152 tokens): whole 16-token blocks on the GPUs, whole 256-token blocks
+    """7 keys match (896 tokens): whole 16-token blocks on the GPUs, whole 256-token blocks
     on a Gaudi2 whose engine reported 256, and never the whole prompt on a short one."""
     views = fleet5()
     idx = index_for(views)
     idx.set_node("gaudi2", block_size=256, capacity_tokens=500_000)
-    c = chain_from_bytes(b"y" * (9 * BLOCK_BYTES + 300))
+    c = chain_from_bytes(b"y" * (7 * BLOCK_BYTES + 300))
     for v in views:
         idx.record(v.node_id, c, NOW)
     fleet = FleetIndex(views)
     got = {}
     for v in views:
-        d = choose_node(fleet, RouteRequest(model="m", prompt_tokens=1300, prefix=c, accelerator_id=None,
+        d = choose_node(fleet, RouteRequest(model="m", prompt_tokens=1000, prefix=c, accelerator_id=None,
                                             exclude=frozenset(w.node_id for w in views if w is not v)),
                         LATENCY, NOW, RoutingState(), cache=idx)
         got[d.node_id] = d.cached_tokens
-    assert got == {"h100": 1152, "a100": 1152, "mi300x": 1152, "gaudi2": 1024, "inf2": 1152}
-    short = KeyChain(c.keys, 9 * BLOCK_BYTES)  # the prompt is exactly the matched bytes
+    assert got == {"h100": 896, "a100": 896, "mi300x": 896, "gaudi2": 768, "inf2": 896}
+    short = KeyChain(c.keys, 7 * BLOCK_BYTES)  # the prompt is exactly the matched bytes
     d = choose_node(fleet, RouteRequest(model="m", prompt_tokens=0, prefix=short), LATENCY, NOW, RoutingState(),
                     cache=idx)
-    assert d.cached_tokens == 1151 // 16 * 16
+    assert d.cached_tokens == 895 // 16 * 16
 
 
 class RefCacheCtx(RefCtx):
@@ -212,3 +231,22 @@ def test_a_dead_or_unknown_node_moves_its_sessions(path: str) -> None:
     d = choose_node(fleet, RouteRequest(model="m"), LATENCY, NOW, RoutingState())
     assert d.session == ""
 
+
+
+def test_tracked_pending_tokens_replace_a_mean_prompt_per_pending_request(path: str) -> None:
+    """Two pending requests whose uncached parts are 50 tokens each queue 100 tokens of
+    prefill, not 2 x 816; the poll's unseen waiting requests still count a mean prompt each."""
+    views = [node("a", pending=2), node("b", pending=1)]
+    fleet = FleetIndex(views)
+    req = RouteRequest(model="m", prompt_tokens=1000)
+    d = choose_node(fleet, req, LATENCY, NOW, RoutingState())
+    assert d.node_id == "b" and d.estimated_ttft_s == pytest.approx((816 + 1000) / 10_000)
+    views[0].pending_tokens = 100.0
+    views[1].pending_tokens = 900.0
+    d = choose_node(fleet, req, LATENCY, NOW, RoutingState())
+    assert d.node_id == "a" and d.estimated_ttft_s == pytest.approx(1100 / 10_000)
+    views[0].set_counts(2, 2, 100.0)
+    views[0].state = msgspec.structs.replace(views[0].state, queue_waiting=3)  # 1 beyond what it knew
+    views[0].pending_tokens = 100.0
+    d = choose_node(fleet, req, LATENCY, NOW, RoutingState())
+    assert d.node_id == "b" and d.estimated_ttft_s == pytest.approx(1900 / 10_000)

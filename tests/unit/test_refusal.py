@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from zml.cli._bus import DEFAULT_URL, choose, same_server
-from zmlcore.bus.refusal import Attempt, classify, explain, explain_denied, refusal_error
+from zmlcore.bus.refusal import Attempt, ServerWithoutTLS, classify, explain, explain_denied, refusal_error, require_tls
 from zmlcore.errors import AuthError, ConfigError
 
 
@@ -30,6 +30,7 @@ def _verify_error() -> ssl.SSLCertVerificationError:
     (ConnectionRefusedError(111, "Connect call failed ('127.0.0.1', 4222)"), None),
     (ConnectionResetError("Connection lost"), None),
     (TimeoutError(), None),
+    (ServerWithoutTLS("server n1 offers no TLS"), "no_tls"),
     (BrokenPipeError(32, "Broken pipe"), None),
 ])
 def test_classify(exc: BaseException, kind: str | None) -> None:
@@ -117,3 +118,13 @@ def test_choice_a_folder_the_user_named_is_used_whatever_the_url() -> None:
     c = choose(url="nats://10.0.0.9:4222", configured_seed=None, data_dir=D, explicit_dir=True,
                served=[], admin_seed=None)
     assert c.seed_file is None and "holds no admin identity" in c.hint
+
+
+def test_a_server_without_tls_is_refused_when_tls_is_configured() -> None:
+    require_tls({"server_id": "N1", "tls_required": True})  # TLS: nats-py upgrades
+    for info in ({"server_id": "N1"}, {"server_id": "N1", "tls_available": True, "tls_required": False}):
+        with pytest.raises(ServerWithoutTLS):  # tls_available alone: nats-py would stay in plaintext
+            require_tls(info)
+    line = explain("no_tls", Attempt(url="tls://h:1", tls=True))
+    assert "\n" not in line and "offers no TLS" in line and "plaintext" in line and "ZML_NATS_TLS_CA" in line
+    assert isinstance(refusal_error("no_tls", Attempt(url="u")), ConfigError)

@@ -205,3 +205,50 @@ def test_a_reply_its_requester_could_not_receive_is_refused_at_once() -> None:
         _intake(msg, max_payload=64 * 1024)
     _intake(msg)  # no reply subject to check (fire and forget)
     _intake(Msg(_body(max_tokens=100_000), {subjects.H_ACCEPT_PARTS: "8388608"}), max_payload=64 * 1024)
+
+
+def test_sessions_are_named_per_caller_and_fall_back_to_the_user_field() -> None:
+    from zmlcore import subjects
+    from zmlcore.messages import InferRequest
+    from zml_router import flow
+
+    req = InferRequest(model="m", prompt="hi", user="u-7")
+    assert flow.session_of({subjects.H_SESSION: "conv-1"}, req) == "conv-1"
+    assert flow.session_of({}, req) == "u-7"
+    assert flow.session_of(None, InferRequest(model="m", prompt="hi")) == ""
+    assert flow.session_of({subjects.H_SESSION: "x" * 999}, req) == "x" * subjects.MAX_SESSION_ID
+    a = flow.session_owner("GW", {subjects.H_OWNER: "key-a"})
+    b = flow.session_owner("GW", {subjects.H_OWNER: "key-b"})
+    assert a != b and flow.session_owner("GW", None) != a
+
+
+def test_prefix_chain_only_for_prompts_of_a_key_block_or_more() -> None:
+    import msgspec
+
+    from zmlcore.messages import InferRequest
+    from zmlcore.policy.prefix import BLOCK_BYTES, prompt_keys
+    from zml_router import flow
+
+    short = InferRequest(model="m", messages=[{"role": "user", "content": "hi"}])  # type: ignore[list-item]
+    assert flow.prefix_chain("m", short, b"x" * 100) is None
+    msgs = [{"role": "system", "content": "s" * 3000}, {"role": "user", "content": "q"}]
+    raw = msgspec.json.encode({"model": "m", "messages": msgs})
+    full = msgspec.json.decode(raw, type=InferRequest)
+    chain = flow.prefix_chain("m", full, raw)
+    assert chain is not None and chain.keys == prompt_keys("m", messages=msgs).keys and len(chain) >= 3000 // BLOCK_BYTES
+
+
+def test_prefix_chain_of_a_front_door_request_reads_its_raw_messages() -> None:
+    import msgspec
+
+    from zmlcore import subjects
+    from zmlcore.messages import frontdoor
+    from zmlcore.policy.prefix import prompt_keys
+    from zml_router import flow
+
+    msgs = [{"role": "system", "content": "t" * 2000}, {"role": "user", "content": "q"}]
+    raw = msgspec.json.encode({"model": "m", "messages": msgs})
+    req = frontdoor.decode(raw, {subjects.H_BODY: subjects.BODY_CLEAN})
+    assert isinstance(req.messages, msgspec.Raw)  # left undecoded by the front door
+    chain = flow.prefix_chain("m", req, raw)
+    assert chain is not None and chain.keys == prompt_keys("m", messages=msgs).keys

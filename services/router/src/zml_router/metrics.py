@@ -278,7 +278,7 @@ class RouterMetrics(Collector):
             for v in list(self.table.views.values()):
                 nc = self.prefix.node(v.node_id)
                 if nc is not None:
-                    entries.add_metric([v.node_id], len(nc.lru))
+                    entries.add_metric([v.node_id], len(nc))
             yield entries
 
 

@@ -57,11 +57,36 @@ class Sessions:
         self._writes: set[asyncio.Task[None]] = set()
 
     async def start(self) -> None:
-        # Created with its TTL before the follower opens it (the follower would create it without).
-        self.kv = await ensure_kv(self.nc.jetstream(), subjects.SESSIONS_BUCKET, ttl=self.idle_s, memory=True)
+        """Open the bucket and follow it, in the background: bindings are soft state, and a
+        router must take traffic even while JetStream is slow or away (sessions then start
+        unbound and are bound once it answers)."""
+        self._task = asyncio.create_task(self._run(), name="sessions-follow")
+
+    async def _run(self) -> None:
+        delay = 0.1
+        while self.kv is None:
+            try:
+                # Created with its TTL before the follower opens it (it would create it without).
+                self.kv = await ensure_kv(self.nc.jetstream(), subjects.SESSIONS_BUCKET, ttl=self.idle_s,
+                                          memory=True)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.warning("session bucket not ready (%s); retrying", type(exc).__name__)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
         self._follower = KVFollower(self.nc, subjects.SESSIONS_BUCKET, on_put=self._put, on_delete=self._delete)
-        self._task = asyncio.create_task(self._follower.run(), name="sessions-follow")
-        await self._follower.wait_ready(2.0)
+        await self._follower.run()
+
+    async def wait_ready(self, timeout: float) -> bool:
+        """Until the bucket's snapshot is read (tests); False after ``timeout``."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + timeout
+        while self._follower is None:
+            if loop.time() >= end:
+                return False
+            await asyncio.sleep(0.02)
+        return await self._follower.wait_ready(max(0.0, end - loop.time()))
 
     async def stop(self) -> None:
         for task in [*self._writes, *([self._task] if self._task else [])]:

@@ -15,7 +15,7 @@ from nats.js.errors import BucketNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
 from zmlcore import subjects
-from zmlcore.bus.refusal import Attempt, classify, refusal_error
+from zmlcore.bus.refusal import Attempt, classify, refusal_error, require_tls
 from zmlcore.errors import ConnectionError as ZMLConnectionError
 from zmlcore.errors import ZMLError
 from zmlcore.bus.cancel import cancel_and_wait
@@ -33,9 +33,10 @@ async def connect(urls: str | Sequence[str], name: str, *, connect_timeout: floa
     a broker restart must not kill a service. The client's :class:`~zmlcore.bus.link.Link` tells
     JetStream users about reconnects and the service about a close for good.
 
-    A refusal while connecting (identity not accepted, TLS certificate not trusted or missing:
-    :mod:`zmlcore.bus.refusal`) raises AuthError / ConfigError at once with one line saying
-    what to set; nats-py alone would retry it forever. An unreachable server is waited for
+    A refusal while connecting (identity not accepted, TLS certificate not trusted or missing,
+    a server without TLS when TLS is configured: :mod:`zmlcore.bus.refusal`) raises AuthError /
+    ConfigError at once with one line saying what to set; nats-py alone would retry it forever
+    (and, for the last, go on in plaintext). On reconnects a server without TLS is skipped. An unreachable server is waited for
     (services may start before the broker), for at most ``give_up_s`` when given (commands,
     the SDK: then ConnectionError). ``kwargs`` go to nats-py's ``connect`` and override the
     defaults here (``max_reconnect_attempts``, ...). ``on_error``: also told of every error.
@@ -54,10 +55,10 @@ async def connect(urls: str | Sequence[str], name: str, *, connect_timeout: floa
     refused: asyncio.Future[ZMLError] = loop.create_future()
     connecting = True
     last: list[BaseException] = []
+    tls = "tls" in kwargs or any(u.startswith("tls://") for u in servers)
     at = attempt or Attempt(url=",".join(servers), seed_file=kwargs.get("nkeys_seed"),
                             public_key=subjects.reply_owner(str(kwargs.get("inbox_prefix") or "") + ".x"),
-                            tls="tls" in kwargs or any(u.startswith("tls://") for u in servers),
-                            identity_hint=identity_hint)
+                            tls=tls, identity_hint=identity_hint)
 
     warn = logging.DEBUG if quiet else logging.WARNING
     started = loop.time()
@@ -99,6 +100,8 @@ async def connect(urls: str | Sequence[str], name: str, *, connect_timeout: floa
         reconnected_cb=_on_reconnect, closed_cb=_on_closed)
     options.update(kwargs)
     nc = NATS()
+    if tls:  # never on in plaintext when TLS was asked for: refused before CONNECT
+        natsinternals.before_connect(nc, require_tls)
     task = asyncio.ensure_future(nc.connect(**options))
     try:
         waiting: set[asyncio.Future[Any]] = {task, refused}

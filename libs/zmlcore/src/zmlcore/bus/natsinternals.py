@@ -18,6 +18,8 @@ direct reply delivery     ``Subscription._pending_queue``,              a callba
 KV watch consumers        ``KeyWatcher._sub``, the JetStream            none: :func:`check` fails
 (zmlcore.bus.kvfollow,    subscription's ``_stream`` / ``_consumer``,   at start-up
 zmlcore.bus.connect)      ``JetStreamManager._nc``
+TLS or nothing            ``Client._process_info()``                    none: :func:`check` fails
+(zmlcore.bus.connect)                                                   at start-up
 ========================  ==========================================  ===========================
 
 :func:`check` looks once, at start-up (``service_main`` before it connects, a
@@ -95,6 +97,7 @@ DELIVER = _pieces(Subscription, ("_pending_queue", "_pending_size"))
 REQUIRED = (*_pieces(KeyValue.KeyWatcher, ("_sub",)),
             *_pieces(JetStreamContext.PushSubscription, ("_stream", "_consumer")),
             *_pieces(JetStreamManager, ("_nc",)),
+            Piece(NATS, "_process_info", "method"),
             Piece(nats.errors, "BadHeaderError", "name"))
 
 
@@ -254,3 +257,26 @@ def watch_consumer(watcher: KeyValue.KeyWatcher) -> tuple[str, str] | None:
 def client_of(js: JetStreamContext) -> NATS:
     """The client a JetStream context was made from."""
     return js._nc
+
+
+# --- TLS or nothing (zmlcore.bus.connect) -----------------------------------------------------
+
+
+def before_connect(nc: NATS, check: Callable[[dict[str, Any]], None]) -> None:
+    """Call ``check(server_info)`` with each server's INFO before nats-py answers it, on the
+    first connection and on every reconnect; an exception ``check`` raises stops that attempt
+    before CONNECT is sent (nats-py reports it to ``error_cb`` and tries the next server).
+
+    Why: nats-py upgrades to TLS only when the server's INFO says ``tls_required``; a client
+    given a CA or a tls:// URL that meets a server without TLS carries on in plaintext, its
+    identity's signature and every message in the clear, without a word. The INFO it answers
+    is where that is decided, so that is where it is refused."""
+    c: Any = nc
+    original = c._process_info
+
+    async def process_info(info: dict[str, Any], initial_connection: bool = False) -> None:
+        if initial_connection:  # INFO opening a connection (first or reconnect), before CONNECT
+            check(info)
+        await original(info, initial_connection=initial_connection)
+
+    c._process_info = process_info

@@ -18,7 +18,7 @@ from typing import Literal
 
 from zmlcore.errors import AuthError, ConfigError, ZMLError
 
-Kind = Literal["auth", "server_cert", "client_cert_missing", "client_cert_rejected"]
+Kind = Literal["auth", "server_cert", "client_cert_missing", "client_cert_rejected", "no_tls"]
 
 #: How an operator gets an identity when none was given (the CLI adds its data folder).
 NO_IDENTITY_HINT = ("set ZML_NATS_NKEY (or [nats] nkey_file) to a seed file: `zml creds issue NAME` "
@@ -43,9 +43,24 @@ class Attempt:
     unreachable_hint: str = ""
 
 
+class ServerWithoutTLS(Exception):
+    """Raised (by :func:`require_tls`) before CONNECT when TLS is configured and the server
+    offers none: nats-py would go on in plaintext."""
+
+
+def require_tls(info: dict[str, object]) -> None:
+    """The check of a server's INFO for a client configured for TLS (a CA, a client
+    certificate or a tls:// URL): the server must require TLS, else nats-py would not upgrade
+    (``tls_available`` alone does not make it)."""
+    if not info.get("tls_required"):
+        raise ServerWithoutTLS(f"server {info.get('server_name') or info.get('server_id') or '?'} offers no TLS")
+
+
 def classify(exc: BaseException) -> Kind | None:
     """The kind of refusal ``exc`` (an error nats-py reported while connecting) is, or None
     for anything a retry may cure (connection refused, timeouts, a server going away)."""
+    if isinstance(exc, ServerWithoutTLS):
+        return "no_tls"
     text = str(exc).lower()
     if "authorization violation" in text or type(exc).__name__ == "AuthorizationError":
         return "auth"
@@ -82,6 +97,10 @@ def explain(kind: Kind, at: Attempt, exc: BaseException | None = None) -> str:
                     "(or [nats] tls_ca_file) to the CA file that signed the server's certificate")
         return (f"NATS at {url} requires TLS and its certificate is not trusted by the system{_reason(exc)}: "
                 "set ZML_NATS_TLS_CA (or [nats] tls_ca_file) to the CA file that signed it")
+    if kind == "no_tls":
+        return (f"NATS at {url} offers no TLS, and this connection is configured for TLS (ZML_NATS_TLS_CA/CERT, "
+                "[nats] tls_* or a tls:// URL): it was not made, rather than sent in plaintext; give the URL of a "
+                "server that has TLS (`zml up` with [nats] server_tls_cert_file), or unset the TLS settings")
     if kind == "client_cert_missing":
         return (f"NATS at {url} requires a client certificate: set ZML_NATS_TLS_CERT and ZML_NATS_TLS_KEY "
                 "(or [nats] tls_cert_file and tls_key_file) to a certificate signed by the CA the server trusts")

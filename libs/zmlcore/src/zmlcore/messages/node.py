@@ -105,6 +105,9 @@ class InflightDelta(msgspec.Struct, kw_only=True, array_like=True):
     #: +1 on dispatch, -1 at first token (requests still waiting for prefill).
     pending: int
     ts: float
+    #: The request's uncached prompt tokens as estimated at dispatch: + on dispatch, - at first
+    #: token, alongside ``pending`` (``NodeView.pending_tokens``, the prefill queued ahead).
+    tokens: int = 0
 
 
 class InflightSnapshot(msgspec.Struct, kw_only=True):
@@ -115,6 +118,8 @@ class InflightSnapshot(msgspec.Struct, kw_only=True):
     ts: float
     #: node id -> [outstanding, pending] dispatched by this replica.
     nodes: dict[str, tuple[int, int]] = {}
+    #: node id -> uncached prompt tokens of those pending requests (see InflightDelta.tokens).
+    tokens: dict[str, int] = {}
 
 
 MarkKind = Literal["cooldown", "saturated"]

@@ -6,6 +6,10 @@ slots::
 
     ttft ~= (pending * E[P] + P - C) / pf  +  max(0, outstanding + 1 - maxc) * E[O-1] / (maxc * r(maxc))
 
+where ``pending * E[P]`` (the prefill queued ahead) becomes the pending requests' own uncached
+tokens when the router tracks them (``NodeView.pending_tokens``: with prefix caching a pending
+request's prefill is its uncached part, which a mean prompt overstates by several times).
+
 the prefill backlog ahead of the request plus, when every slot is taken, the time for enough
 sequences to finish (the node retires ``maxc * r(maxc) / E[O-1]`` sequences a second at full
 batch). The model is :class:`zmlcore.fleet.perfmodel.SimProfile` (the reference fleet model); the
@@ -71,7 +75,7 @@ def prompt_tokens_from_body(nbytes: int) -> int:
 class Coeffs:
     """Per-node constants of the estimate (recomputed when a node's speeds or price change)."""
 
-    __slots__ = ("pf", "inv_pf", "ep_over_pf", "maxc", "c_dec", "mu", "cost", "cost_cap")
+    __slots__ = ("pf", "inv_pf", "ep_over_pf", "mean_prompt", "maxc", "c_dec", "mu", "cost", "cost_cap")
 
     def __init__(
         self,
@@ -85,6 +89,7 @@ class Coeffs:
         self.pf = pf
         self.inv_pf = 1.0 / pf
         self.ep_over_pf = mean_prompt / pf
+        self.mean_prompt = mean_prompt
         self.maxc = maxc
         step_full = (1.0 + DECODE_BATCH_PENALTY * (maxc - 1)) / dec  # 1 / r(maxc)
         #: seconds per freed slot at full batch: E[O-1] / (maxc * r(maxc))
@@ -95,10 +100,13 @@ class Coeffs:
         #: $/h per req/s of capacity: what one unit of work costs on this node.
         self.cost_cap = cost / self.mu
 
-    def load_key(self, outstanding: int, pending: int) -> float:
-        """The estimate without the request's own prefill (``ttft = key + P / pf``)."""
+    def load_key(self, outstanding: int, pending: int, pending_tokens: float | None = None) -> float:
+        """The estimate without the request's own prefill (``ttft = key + (P - C) / pf``):
+        the prefill ahead of it (``pending_tokens`` when known, else a mean prompt per pending
+        request) and the wait for a sequence slot."""
         q = outstanding + 1 - self.maxc
-        return pending * self.ep_over_pf + (q * self.c_dec if q > 0 else 0.0)
+        ahead = pending * self.ep_over_pf if pending_tokens is None else pending_tokens * self.inv_pf
+        return ahead + (q * self.c_dec if q > 0 else 0.0)
 
     def drain_key(self, outstanding: int) -> float:
         """(outstanding + 1) / capacity: when this node would finish its queue plus one."""
@@ -112,6 +120,7 @@ def estimate_ttft(
     prompt_tokens: float,
     *,
     cached_tokens: float = 0.0,
+    pending_tokens: float | None = None,
     mean_prompt: float = MEAN_PROMPT_TOKENS,
     mean_output: float = MEAN_OUTPUT_TOKENS,
 ) -> float:
@@ -127,7 +136,7 @@ def estimate_ttft(
     """
     pf, dec, maxc = node_speeds(st)
     c = Coeffs(pf, dec, maxc, 0.0, mean_prompt, mean_output)
-    return c.load_key(outstanding, pending) + (prompt_tokens - cached_tokens) * c.inv_pf
+    return c.load_key(outstanding, pending, pending_tokens) + (prompt_tokens - cached_tokens) * c.inv_pf
 
 
 def nonstream_pending_s(st: NodeState, outstanding: int, pending: int, prompt_tokens: float) -> float:

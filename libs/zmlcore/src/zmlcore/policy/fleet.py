@@ -292,7 +292,7 @@ def _set_counters(t: ModelTable, j: int, v: NodeView) -> None:
     t.blocked[j] = cool if cool > sat else sat
     c = t.coeffs[j]
     if t.up[j] and c is not None:
-        t.key[j] = c.load_key(out, v.effective_pending())
+        t.key[j] = c.load_key(out, v.effective_pending(), v.effective_pending_tokens(c.mean_prompt))
         t.drain[j] = c.drain_key(out)
     else:
         t.key[j] = INF

@@ -36,7 +36,7 @@ class NodeView:
     """
 
     __slots__ = (
-        "_state", "_outstanding", "_pending", "_cooldown_until", "_saturated_until",
+        "_state", "_outstanding", "_pending", "_pending_tokens", "_cooldown_until", "_saturated_until",
         "out_at_poll", "pend_at_poll", "_watchers",
     )
 
@@ -51,6 +51,10 @@ class NodeView:
         self._state = state
         self._outstanding = outstanding
         self._pending = pending
+        #: Prompt tokens the pending requests still have to prefill (their uncached tokens as
+        #: estimated at dispatch), when the caller keeps that count; None: it does not, and
+        #: each pending request counts as a mean prompt.
+        self._pending_tokens: float | None = None
         self._cooldown_until = cooldown_until
         self._saturated_until = saturated_until
         #: Local counters when ``state`` was last assigned (see the class docstring).
@@ -93,12 +97,26 @@ class NodeView:
         if self._watchers:
             self._notify(False)
 
-    def set_counts(self, outstanding: int, pending: int) -> None:
-        """Assign both counters with one index update (the router's in-flight refresh)."""
-        if outstanding == self._outstanding and pending == self._pending:
+    @property
+    def pending_tokens(self) -> float | None:
+        return self._pending_tokens
+
+    @pending_tokens.setter
+    def pending_tokens(self, value: float | None) -> None:
+        self._pending_tokens = value
+        if self._watchers:
+            self._notify(False)
+
+    def set_counts(self, outstanding: int, pending: int, pending_tokens: float | None = None) -> None:
+        """Assign the counters with one index update (the router's in-flight refresh);
+        ``pending_tokens`` None leaves that count as it is."""
+        if outstanding == self._outstanding and pending == self._pending and (
+                pending_tokens is None or pending_tokens == self._pending_tokens):
             return
         self._outstanding = outstanding
         self._pending = pending
+        if pending_tokens is not None:
+            self._pending_tokens = pending_tokens
         if self._watchers:
             self._notify(False)
 
@@ -134,6 +152,14 @@ class NodeView:
     def effective_pending(self) -> int:
         """Requests not yet at first token (the poll's waiting queue beyond local pending)."""
         return self._pending + max(0, self._state.queue_waiting - self.pend_at_poll)
+
+    def effective_pending_tokens(self, mean_prompt: float) -> float | None:
+        """Prompt tokens still to prefill ahead of a new request: the tracked tokens of the
+        local pending requests plus a mean prompt for each the poll saw beyond them; None when
+        the caller tracks no tokens (then ``pending x mean_prompt`` is the estimate)."""
+        if self._pending_tokens is None:
+            return None
+        return self._pending_tokens + max(0, self._state.queue_waiting - self.pend_at_poll) * mean_prompt
 
     def __repr__(self) -> str:
         return (

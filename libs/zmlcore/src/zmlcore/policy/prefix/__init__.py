@@ -8,8 +8,9 @@ engine offers (docs/routing.md, "Cache-aware routing"):
   an LRU per node sized from its KV capacity (``NodeState.kv_blocks x kv_block_size`` from
   ``vllm:cache_config_info``, else the accelerator type's default), entries that expire;
 * **reported** — ``correct`` with what the engine said it had cached
-  (``usage.prompt_tokens_details.cached_tokens``, llama.cpp's ``timings.cache_n``): hits and
-  misses against the prediction teach the node's retention time, and entries expire at it;
+  (``usage.prompt_tokens_details.cached_tokens``, llama.cpp's ``timings.cache_n``): the
+  prompt's entries are confirmed, and a miss on a confirmed prefix (an eviction) drops what
+  the engine's LRU has dropped with it;
 * **precise** — ``apply_events`` with the engine's KV events (vLLM/SGLang ``BlockStored`` /
   ``BlockRemoved`` / ``AllBlocksCleared``, ``zmlcore.messages.KvEventBatch``): clears and
   evictions applied in lockstep with the engine.

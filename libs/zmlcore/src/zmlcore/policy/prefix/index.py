@@ -4,45 +4,54 @@ Layout (see the package docstring for the API and docs/routing.md for the design
 
 * ``_holders``: key -> the nodes that hold it. A single holder is stored as its slot number
   (>= 0, the common case and a small int), several as ``~bitmask`` over slots (< 0).
-* per node a :class:`NodeCache`: an ``OrderedDict`` key -> last touch time, oldest first
-  (``move_to_end`` / ``popitem(last=False)`` are O(1) in C), its capacity in keys, its engine
-  block size, its learned retention time and its event counters.
+* per node a :class:`NodeCache`: ``gen``, a plain dict key -> the number of the touch that
+  last refreshed it and the key's position in its chain (``touch << 6 | position``: a key's
+  position gives the bytes it stands for, ``KEY_ENDS``), and ``log``, the touches oldest
+  first, each with its keys deepest first.
+  Evicting walks the log from its head and drops the keys whose last touch is that one; a
+  touch is one C-level ``dict.update`` over the chain, which is what keeps a record of an
+  8k-token prompt at a few microseconds (an ``OrderedDict`` moving every key costs ~10x more).
+  A touch is *recorded* (a dispatch said the engine will hold its keys) until the engine's
+  report *confirms* it (``confirmed``: touch -> time): one dict write per report.
 
 Invariant: a node holds a *prefix-closed* set of every chain it holds (key ``i`` of a chain
-only with keys ``0..i-1``). Every operation keeps it: a touch moves a chain's keys to the end
-deepest first and root last, so that eviction from the front takes a chain's tail before its
-root; shrinking removes tails. The holder sets along one chain are therefore nested, and a
-lookup finds every node's matched depth by bisection: O(log L) dict reads per distinct depth,
-whatever the number of nodes (no per-node scan).
+only with keys ``0..i-1``). Every operation keeps it: a touch lists a chain deepest first, so
+eviction takes a chain's tail before its root; shrinking removes tails. The holder sets along
+one chain are therefore nested, and a lookup finds every node's matched depth by bisection:
+O(log L) dict reads per distinct depth, whatever the number of nodes (no per-node scan).
+
+Memory: per entry ~one dict slot per node entry and per distinct key, the key's int, and the
+log's references (compacted when stale ones outnumber the live ones); ``max_entries`` bounds
+the total (docs/benchmarks.md measures bytes per entry).
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from bisect import bisect_right
+from collections import OrderedDict, deque
 from itertools import repeat
 from typing import Any
 
 import numpy as np
 
-from zmlcore.fleet.accelerators import ACCELERATORS
 from zmlcore.messages import NodeState
 from zmlcore.messages.kvcache import KvAllCleared, KvBlockRemoved, KvBlockStored, KvEventBatch
 from zmlcore.policy.estimate import BODY_BYTES_PER_TOKEN
-from zmlcore.policy.prefix.keys import BLOCK_BYTES, KeyChain
+from zmlcore.policy.prefix.keys import BLOCK_BYTES, KEY_ENDS, KeyChain
 
 #: An entry untouched this long is dropped (seconds): the safety net for what the index cannot
-#: see (other clients of the engine, memory taken by decode). A node's reported cache hits and
-#: misses shorten it to the node's learned retention (``NodeCache.retention``).
+#: see (other clients of the engine, memory taken by decode) on nodes that report nothing.
 DEFAULT_TTL_S = 300.0
 #: Entries (key, node) the whole index keeps at most: when the nodes' capacities add up to more,
-#: every node's share is scaled down alike. ~170 bytes an entry (docs/benchmarks.md): 2 M
-#: entries bound the index near 350 MB.
+#: every node's share is scaled down alike (docs/benchmarks.md: bytes per entry). A node's
+#: capacity is in prompt bytes; an entry stands for at least BLOCK_BYTES of them.
 DEFAULT_MAX_ENTRIES = 2_000_000
-#: A reported miss younger than this is not an eviction: the engine may not have stored the
-#: previous request's blocks yet (it stores them as its prefill completes).
-MIN_MISS_AGE_S = 2.0
-#: Weight of one observation in a node's retention estimate.
-RETENTION_GAIN = 0.5
+#: ``gen`` values: touch number << _POS_BITS | the key's position in its chain.
+_POS_BITS = 6
+_POS_MASK = (1 << _POS_BITS) - 1
+#: A reported miss on a prefix confirmed less than this long ago is not taken for an eviction
+#: (clocks and reports race by milliseconds, not seconds).
+MIN_MISS_AGE_S = 1.0
 #: Dispatches whose prediction waits for the engine's report, per node (oldest dropped).
 MAX_AWAITING = 1024
 #: With no event for this long, a node's events are no longer trusted to evict (seconds).
@@ -78,32 +87,55 @@ class NodeCache:
     """One node's entries and what the index learned about its cache."""
 
     __slots__ = (
-        "node_id", "slot", "lru", "block", "cap_tokens", "cap", "retention", "awaiting", "events_at",
-        "event_seq", "stored_tokens", "peak_tokens", "evict_debt", "hits", "misses",
+        "node_id", "slot", "gen", "log", "log_keys", "touches", "times", "confirmed", "block", "cap_tokens", "cap",
+        "size", "awaiting", "events_at", "event_seq", "stored_tokens", "hits", "misses",
     )
 
     def __init__(self, node_id: str, slot: int, block: int, cap_tokens: int) -> None:
         self.node_id = node_id
         self.slot = slot
-        self.lru: OrderedDict[int, float] = OrderedDict()
+        #: key -> (number of its last touch) << 6 | its position in the chain
+        self.gen: dict[int, int] = {}
+        #: touches, oldest first: [number, time, keys deepest first, next position to evict]
+        self.log: deque[list[Any]] = deque()
+        self.log_keys = 0
+        self.touches = 0
+        #: touch -> its time, for the touches in the log; touch -> when the engine confirmed it
+        self.times: dict[int, float] = {}
+        self.confirmed: dict[int, float] = {}
         #: engine block size (tokens): a match counts whole blocks only
         self.block = max(1, block)
-        #: tokens the engine can keep, and that in index keys (the index's scaled share)
+        #: tokens the engine can keep; prompt bytes the index keeps for it (its scaled share),
+        #: and holds now
         self.cap_tokens = cap_tokens
         self.cap = 0
-        #: learned seconds an untouched prefix survives on the engine (None: not learned)
-        self.retention: float | None = None
-        #: chain tail -> (keys predicted cached, how long they had been untouched) at dispatch
-        self.awaiting: OrderedDict[int, tuple[int, float]] = OrderedDict()
+        self.size = 0
+        #: chain tail -> (keys predicted cached at dispatch, when the engine had confirmed the
+        #: deepest of them or -1 if it was only recorded, the dispatch time, the dispatch's touch)
+        self.awaiting: OrderedDict[int, tuple[int, float, float, int]] = OrderedDict()
         #: last KV event batch (time received, engine sequence number); None: never
         self.events_at: float | None = None
         self.event_seq = -1
-        #: engine tokens stored per its events, the most seen, evictions owed to the index (keys)
+        #: engine tokens stored per its events
         self.stored_tokens = 0
-        self.peak_tokens = 0
-        self.evict_debt = 0.0
         self.hits = 0
         self.misses = 0
+
+    def __len__(self) -> int:
+        return len(self.gen)
+
+    def __contains__(self, key: int) -> bool:
+        return key in self.gen
+
+    def touched(self, key: int) -> float | None:
+        """When ``key`` was last touched: when the engine confirmed that touch, or minus the
+        time it was recorded while unconfirmed; None if the node does not hold it."""
+        g = self.gen.get(key)
+        if g is None:
+            return None
+        n = g >> _POS_BITS
+        c = self.confirmed.get(n)
+        return c if c is not None else -self.times[n]
 
     def fidelity(self, now: float) -> str:
         """``precise`` (KV events are flowing), ``reported`` (the engine reports cached tokens),
@@ -172,11 +204,14 @@ class PrefixIndex:
         #: node id by slot (None: free slot)
         self._ids: list[str | None] = []
         self._free: list[int] = []
-        #: engine block size by slot (for the vectorised conversion in FleetIndex)
+        #: engine block size by slot (for the vectorised conversion in choose_node)
         self.block_by_slot = np.ones(0, dtype=np.int64)
-        #: bumped whenever slots are assigned or freed (FleetIndex caches slot -> row maps)
+        #: bumped whenever slots are assigned or freed (tables cache slot -> row maps)
         self.epoch = 0
         self._sweep = 0
+        #: the nodes' capacities in prompt bytes, summed, and the share of them the index keeps
+        self._total_cap = 0
+        self._scale = 1.0
 
     # --- nodes ---
     def set_node(self, node_id: str, *, block_size: int, capacity_tokens: int) -> None:
@@ -189,12 +224,13 @@ class PrefixIndex:
                 self.block_by_slot = np.append(self.block_by_slot, 1)
             else:
                 self._ids[slot] = node_id
-            nc = self._nodes[node_id] = NodeCache(node_id, slot, block_size, capacity_tokens)
+            nc = self._nodes[node_id] = NodeCache(node_id, slot, block_size, 0)
             self.epoch += 1
         nc.block = max(1, block_size)
-        nc.cap_tokens = capacity_tokens
         self.block_by_slot[nc.slot] = nc.block
-        self._rescale()
+        self._total_cap += self._bytes_of(capacity_tokens) - self._bytes_of(nc.cap_tokens)
+        nc.cap_tokens = capacity_tokens
+        self._rescale(nc)
 
     def update_node(self, st: NodeState) -> None:
         """Declare a node from its polled state (cheap when nothing changed)."""
@@ -208,24 +244,32 @@ class PrefixIndex:
         nc = self._nodes.pop(node_id, None)
         if nc is None:
             return
-        self._drop(nc, len(nc.lru))
+        self._evict(nc, nc.size)
+        self._total_cap -= self._bytes_of(nc.cap_tokens)
         self._ids[nc.slot] = None
         self._free.append(nc.slot)
         self.epoch += 1
-        self._rescale()
+        self._rescale(None)
 
     def node(self, node_id: str) -> NodeCache | None:
         return self._nodes.get(node_id)
 
-    def _rescale(self) -> None:
-        per_key = BLOCK_BYTES / self.bytes_per_token  # tokens per key
-        caps = {n: max(1, int(nc.cap_tokens / per_key)) for n, nc in self._nodes.items()}
-        total = sum(caps.values())
-        scale = min(1.0, self.max_entries / total) if total else 1.0
-        for n, nc in self._nodes.items():
-            nc.cap = max(1, int(caps[n] * scale))
-            if len(nc.lru) > nc.cap:
-                self._drop(nc, len(nc.lru) - nc.cap)
+    def _bytes_of(self, tokens: int) -> int:
+        """A capacity in tokens as prompt bytes."""
+        return max(0, tokens * self.bytes_per_token)
+
+    def _rescale(self, changed: NodeCache | None) -> None:
+        """Each node keeps its capacity in prompt bytes, scaled so that they add up to at most
+        ``max_entries`` blocks (no entry stands for less than a block); only a change of the
+        scale touches every node."""
+        total = self._total_cap
+        scale = min(1.0, self.max_entries * BLOCK_BYTES / total) if total else 1.0
+        nodes = self._nodes.values() if scale != self._scale or changed is None else (changed,)
+        self._scale = scale
+        for nc in nodes:
+            nc.cap = max(BLOCK_BYTES, int(self._bytes_of(nc.cap_tokens) * scale))
+            if nc.size > nc.cap:
+                self._evict(nc, nc.size - nc.cap)
 
     # --- conversions ---
     def to_tokens(self, nkeys: int, block: int, chain: KeyChain, prompt_tokens: int = 0) -> int:
@@ -234,7 +278,7 @@ class PrefixIndex:
         token), rounded down to whole blocks."""
         if nkeys <= 0:
             return 0
-        t = nkeys * BLOCK_BYTES // self.bytes_per_token
+        t = KEY_ENDS[nkeys - 1] // self.bytes_per_token
         total = max(prompt_tokens, chain.nbytes // self.bytes_per_token)
         if t >= total:
             t = total - 1
@@ -242,7 +286,7 @@ class PrefixIndex:
 
     def keys_for_tokens(self, tokens: int, chain: KeyChain) -> int:
         """Keys of ``chain`` wholly inside its first ``tokens`` tokens."""
-        return min(len(chain.keys), tokens * self.bytes_per_token // BLOCK_BYTES)
+        return min(len(chain.keys), bisect_right(KEY_ENDS, tokens * self.bytes_per_token))
 
     # --- lookup ---
     def lookup(self, chain: KeyChain, now: float = 0.0) -> Match:
@@ -288,7 +332,7 @@ class PrefixIndex:
     def depth(self, node_id: str, chain: KeyChain) -> int:
         """Keys of ``chain`` the node holds (bisection on its own entries)."""
         nc = self._nodes.get(node_id)
-        return 0 if nc is None else _depth(nc.lru, chain.keys)
+        return 0 if nc is None else _depth(nc.gen, chain.keys)
 
     # --- approximate: learned from the routers' decisions ---
     def record(self, node_id: str, chain: KeyChain, now: float) -> None:
@@ -300,30 +344,38 @@ class PrefixIndex:
         keys = chain.keys
         if nc is None or not keys:
             return
-        lru = nc.lru
-        d = _depth(lru, keys)
-        if d:
-            # remember what was predicted, for the engine's report (correct)
-            aw = nc.awaiting
-            aw[keys[-1]] = (d, now - lru[keys[d - 1]])
-            if len(aw) > MAX_AWAITING:
-                aw.popitem(last=False)
-        new = keys[d:]
-        if new:
-            # Deepest first: the front of the LRU (evicted first) gets a chain's tail first.
-            lru.update(zip(reversed(new), repeat(now)))
-            self._add_holder(new, nc.slot)
-        if d:
-            old = keys[:d]
-            move = lru.move_to_end
-            for k in reversed(old):
-                move(k)
-            lru.update(zip(old, repeat(now)))
-        over = len(lru) - nc.cap
-        if over > 0:
-            self._drop(nc, over)
+        d = _depth(nc.gen, keys)
+        conf = nc.confirmed.get(nc.gen[keys[d - 1]] >> _POS_BITS, -1.0) if d else -1.0
+        # recorded, not confirmed: the engine holds it once this request's prefill is done
+        n = self._touch(nc, keys, d, now)
+        # what was predicted, for the engine's report (correct)
+        aw = nc.awaiting
+        aw[keys[-1]] = (d, conf, now, n)
+        if len(aw) > MAX_AWAITING:
+            aw.popitem(last=False)
         self._expire(nc, now)
         self._sweep_one(now)
+
+    def _touch(self, nc: NodeCache, keys: list[int], d: int, now: float) -> int:
+        """Make ``keys`` (of which the node holds the first ``d``) its most recent entries;
+        returns the touch's number."""
+        L = len(keys)
+        if d < L:
+            self._add_holder(keys[d:], nc.slot)
+            nc.size += KEY_ENDS[L - 1] - (KEY_ENDS[d - 1] if d else 0)
+        nc.touches += 1
+        n = nc.touches
+        base = n << _POS_BITS
+        nc.gen.update(zip(keys, range(base, base + L)))
+        nc.log.append([n, now, keys[::-1], 0])
+        nc.times[n] = now
+        nc.log_keys += L
+        over = nc.size - nc.cap
+        if over > 0:
+            self._evict(nc, over)
+        if nc.log_keys > 2 * len(nc.gen) + 4096:
+            self._compact(nc)
+        return n
 
     def _add_holder(self, new: list[int], slot: int) -> None:
         g = self._holders
@@ -341,48 +393,75 @@ class PrefixIndex:
             else:
                 g[k] = ~(~v | bit)
 
-    def _drop(self, nc: NodeCache, n: int) -> None:
-        """Evict the node's ``n`` oldest entries."""
-        lru, g, slot = nc.lru, self._holders, nc.slot
-        pop = lru.popitem
-        for _ in range(min(n, len(lru))):
-            k, _t = pop(last=False)
-            v = g.get(k)
-            if v is None:
-                continue
-            if v >= 0:
-                if v == slot:
-                    del g[k]
-                continue
-            m = ~v & ~(1 << slot)
-            if m & (m - 1):
-                g[k] = ~m
-            elif m:
-                g[k] = m.bit_length() - 1
-            else:
+    def _unhold(self, k: int, slot: int) -> None:
+        g = self._holders
+        v = g.get(k)
+        if v is None:
+            return
+        if v >= 0:
+            if v == slot:
                 del g[k]
+            return
+        m = ~v
+        bit = 1 << slot
+        if m & bit:
+            m ^= bit
+        if m & (m - 1):
+            g[k] = ~m
+        elif m:
+            g[k] = m.bit_length() - 1
+        else:
+            del g[k]
 
-    def _remove_keys(self, nc: NodeCache, keys: list[int]) -> None:
-        """Drop these keys from the node (a chain's tail)."""
-        lru = nc.lru
-        held = [k for k in keys if k in lru]
-        for k in held:
-            lru.move_to_end(k, last=False)
-        self._drop(nc, len(held))
+    def _evict(self, nc: NodeCache, nbytes: int, before: float | None = None) -> None:
+        """Drop the node's least recently touched entries until ``nbytes`` of prompt are freed
+        (or, with ``before``, every entry last touched before that time)."""
+        gen, log, slot = nc.gen, nc.log, nc.slot
+        while log and (nbytes > 0 if before is None else log[0][1] < before):
+            entry = log[0]
+            num, keys, i = entry[0], entry[2], entry[3]
+            end = len(keys)
+            while i < end and (nbytes > 0 or before is not None):
+                k = keys[i]
+                i += 1
+                g = gen.get(k)
+                if g is not None and g >> _POS_BITS == num:
+                    del gen[k]
+                    self._unhold(k, slot)
+                    pos = g & _POS_MASK
+                    span = KEY_ENDS[pos] - (KEY_ENDS[pos - 1] if pos else 0)
+                    nc.size -= span
+                    nbytes -= span
+            if i >= end:
+                log.popleft()
+                nc.log_keys -= end
+                del nc.times[num]
+                nc.confirmed.pop(num, None)
+            else:
+                entry[3] = i
+                break
+
+    def _compact(self, nc: NodeCache) -> None:
+        """Drop the log's stale references (keys touched again since, or gone)."""
+        gen = nc.gen
+        kept: deque[list[Any]] = deque()
+        total = 0
+        for num, t, keys, i in nc.log:
+            live = [k for k in keys[i:] if gen.get(k, 0) >> _POS_BITS == num]
+            if live:
+                kept.append([num, t, live, 0])
+                total += len(live)
+            else:
+                del nc.times[num]
+                nc.confirmed.pop(num, None)
+        nc.log = kept
+        nc.log_keys = total
 
     def _expire(self, nc: NodeCache, now: float) -> None:
         if nc.events_at is not None and now - nc.events_at <= EVENTS_STALE_S:
             return  # evictions come from the engine itself
-        ttl = self.ttl_s if nc.retention is None else min(self.ttl_s, nc.retention)
-        lru = nc.lru
-        limit = now - ttl
-        n = 0
-        for t in lru.values():
-            if t > limit:
-                break
-            n += 1
-        if n:
-            self._drop(nc, n)
+        if nc.log and nc.log[0][1] < now - self.ttl_s:
+            self._evict(nc, 0, before=now - self.ttl_s)
 
     def _sweep_one(self, now: float) -> None:
         """Expire another node's old entries now and then (nodes nobody sends to age too)."""
@@ -403,44 +482,42 @@ class PrefixIndex:
     def correct(self, node_id: str, chain: KeyChain, cached_tokens: int, now: float,
                 prompt_tokens: int = 0) -> None:
         """The engine reported ``cached_tokens`` of this request's ``prompt_tokens`` were cached
-        (``usage.prompt_tokens_details.cached_tokens``, llama.cpp's ``timings.cache_n``).
+        (``usage.prompt_tokens_details.cached_tokens``, llama.cpp's ``timings.cache_n``), at
+        the end of the request.
 
-        Against what the index predicted at dispatch (kept by ``record``): a hit as predicted
-        says the node keeps an untouched prefix at least as long as that prefix was untouched; a
-        miss (clearly fewer keys than predicted, the prefix untouched for at least
-        :data:`MIN_MISS_AGE_S`) says it keeps it for less. The node's retention estimate
-        follows both (Che's approximation: an LRU cache keeps what was touched within a
-        characteristic time), and its entries expire at it, so the index forgets what the
-        engine has dropped. More than predicted means the node held a prefix the index had
-        lost: it is recorded again. ``prompt_tokens`` (the engine's count) converts tokens to
-        the chain's bytes exactly; without it the index's bytes-per-token estimate is used.
+        The engine holds the whole prompt now: its keys are *confirmed* (and recorded if the
+        index had lost them). Against what the index predicted at dispatch (kept by
+        ``record``): a miss (clearly fewer tokens than predicted) on a prefix the engine had
+        *confirmed* at least :data:`MIN_MISS_AGE_S` before is an eviction, and an LRU engine
+        that evicted a prefix untouched since ``t`` has evicted everything untouched since:
+        the node's entries older than ``t`` are dropped. A miss on a prefix only recorded is
+        not evidence (the request that brought it may still have been in the engine's queue).
+        ``prompt_tokens`` (the engine's count) converts tokens to the chain's bytes exactly;
+        without it the index's bytes-per-token estimate is used.
         """
         nc = self._nodes.get(node_id)
         keys = chain.keys
         if nc is None or not keys:
             return
         if prompt_tokens > 0 and chain.nbytes > 0:
-            got = min(len(keys), cached_tokens * chain.nbytes // prompt_tokens // BLOCK_BYTES)
+            got = min(len(keys), bisect_right(KEY_ENDS, cached_tokens * chain.nbytes // prompt_tokens))
         else:
             got = self.keys_for_tokens(cached_tokens, chain)
         pred = nc.awaiting.pop(keys[-1], None)
-        if pred is None:
-            if got and _depth(nc.lru, keys) < got:
-                self.record(node_id, KeyChain(keys[:got], got * BLOCK_BYTES), now)
+        gen = nc.gen
+        if (pred is not None and gen.get(keys[-1], 0) >> _POS_BITS == pred[3]
+                and gen.get(keys[0], 0) >> _POS_BITS == pred[3]):
+            nc.confirmed[pred[3]] = now  # the dispatch's touch: its keys are on the engine now
+        else:  # keys touched again since, or lost: one touch of the whole prompt, confirmed
+            nc.confirmed[self._touch(nc, keys, _depth(gen, keys), now)] = now
+        if pred is None or not pred[0]:
             return
-        want, age = pred
-        slack = max(1, want // 8)  # the block rounding and the bytes-per-token estimate
-        if got >= want - slack:
+        want, confirmed, sent, _n = pred
+        if got >= want - 1:  # (block rounding, the bytes-per-token estimate)
             nc.hits += 1
-            if nc.retention is not None and age > nc.retention:
-                nc.retention += RETENTION_GAIN * (age - nc.retention)
-        elif age >= MIN_MISS_AGE_S:
+        elif confirmed > 0 and sent - confirmed >= MIN_MISS_AGE_S:
             nc.misses += 1
-            if nc.retention is None:
-                nc.retention = age
-            elif age < nc.retention:  # (an older miss only says what the estimate says)
-                nc.retention += RETENTION_GAIN * (age - nc.retention)
-            self._expire(nc, now)
+            self._evict(nc, 0, before=confirmed + 1e-9)
 
     # --- precise: the engine's KV events ---
     def apply_events(self, node_id: str, batch: KvEventBatch, now: float) -> None:
@@ -449,11 +526,12 @@ class PrefixIndex:
 
         The engine speaks token blocks, the index text keys, so events are applied in lockstep
         rather than key by key: a clear empties the node; a removal of ``n`` blocks of ``b``
-        tokens evicts that many tokens' worth of the node's oldest entries (the engine evicts its
-        least recently used blocks too, tails first, as the index does); stores count the
-        engine's occupancy, whose peak when evictions start is the node's real capacity. While
-        events flow the index's own capacity and TTL eviction are off for the node: the
-        engine's evictions replace them. Only the device tier (``medium`` GPU or unset) counts.
+        tokens evicts that many tokens' worth of prompt from the node's oldest entries (the engine evicts its
+        least recently used blocks too, tails first, as the index does), whoever filled them:
+        prompts the routers never saw still push the right number of entries out. Stores count
+        the engine's occupancy (``stored_tokens``). While events flow, TTL expiry is off for the
+        node (the engine's own evictions replace it); the capacity bound stays as a safety net.
+        Only the device tier (``medium`` GPU or unset) counts.
         """
         nc = self._nodes.get(node_id)
         if nc is None:
@@ -464,12 +542,10 @@ class PrefixIndex:
         nc.events_at = now
         if batch.seq >= 0:
             nc.event_seq = batch.seq
-        per_key = BLOCK_BYTES / self.bytes_per_token
         for ev in batch.events:
             if isinstance(ev, KvAllCleared):
-                self._drop(nc, len(nc.lru))
+                self._evict(nc, nc.size)
                 nc.stored_tokens = 0
-                nc.evict_debt = 0.0
                 continue
             if ev.medium not in (None, "GPU", "gpu"):
                 continue
@@ -477,20 +553,14 @@ class PrefixIndex:
             tokens = len(ev.block_hashes) * bs
             if isinstance(ev, KvBlockStored):
                 nc.stored_tokens += tokens
-                if nc.stored_tokens > nc.peak_tokens:
-                    nc.peak_tokens = nc.stored_tokens
             elif isinstance(ev, KvBlockRemoved):
                 nc.stored_tokens = max(0, nc.stored_tokens - tokens)
-                nc.evict_debt += tokens / per_key
-                n = int(nc.evict_debt)
-                if n:
-                    nc.evict_debt -= n
-                    self._drop(nc, n)
+                self._evict(nc, tokens * self.bytes_per_token)
 
     # --- sizes ---
     def __len__(self) -> int:
         """Entries (key, node) held."""
-        return sum(len(nc.lru) for nc in self._nodes.values())
+        return sum(len(nc.gen) for nc in self._nodes.values())
 
     def stats(self) -> dict[str, Any]:
         return {
@@ -499,17 +569,17 @@ class PrefixIndex:
         }
 
 
-def _depth(lru: OrderedDict[int, float], keys: list[int]) -> int:
+def _depth(held: dict[int, int], keys: list[int]) -> int:
     """Leading keys present in a prefix-closed set (bisection)."""
     n = len(keys)
-    if not n or keys[0] not in lru:
+    if not n or keys[0] not in held:
         return 0
-    if keys[-1] in lru:
+    if keys[-1] in held:
         return n
     lo, hi = 1, n - 1  # keys[lo-1] held, keys[hi] not
     while lo < hi:
         mid = (lo + hi) >> 1
-        if keys[mid] in lru:
+        if keys[mid] in held:
             lo = mid + 1
         else:
             hi = mid
@@ -521,8 +591,8 @@ def slots_of(mask: int) -> list[int]:
     if not mask & (mask - 1):
         return [mask.bit_length() - 1] if mask else []
     if mask.bit_count() > 24:
-        raw = np.frombuffer(mask.to_bytes((mask.bit_length() + 7) // 8, "little"), dtype=np.uint8)
-        return np.flatnonzero(np.unpackbits(raw, bitorder="little")).tolist()
+        out_: list[int] = slot_array(mask).tolist()
+        return out_
     out = []
     while mask:
         low = mask & -mask
@@ -530,3 +600,8 @@ def slots_of(mask: int) -> list[int]:
         mask ^= low
     return out
 
+
+def slot_array(mask: int) -> np.ndarray:
+    """Slot numbers set in ``mask``, as an array (for masks with many bits)."""
+    raw = np.frombuffer(mask.to_bytes((mask.bit_length() + 7) // 8, "little"), dtype=np.uint8)
+    return np.flatnonzero(np.unpackbits(raw, bitorder="little"))

@@ -1,15 +1,24 @@
 """``latency``: the node with the lowest estimated TTFT (STE, see policy/estimate.py), where a
 node's estimate counts only the prompt tokens it does not hold in its prefix cache.
 
-Sticky until saturated: a node that holds more of the prompt (warm) wins over the node with the
-lowest estimate (the reference) while its estimate is worse by less than the reference's time to
-prefill what it lacks and the warm node holds: ``est_w <= est_ref + (cached_w - cached_ref) /
-pf_ref``. Sending the request to the reference would cost the fleet that recomputation (its
-requester pays it once in the estimate, the fleet pays it again in capacity, and the conversation
-then lives on two nodes); once the warm node's queue makes up for it, the prefix is worth less
-than the wait and the request spills. The budget comes from the nodes' own speeds: ~0.1 s for
-1,000 tokens on an H100, 0.33 s on an Inferentia2. Among warm candidates, the lowest
-``est - cached / pf_ref`` wins.
+Sticky until saturated. Call the node with the lowest estimate the reference. A node that holds
+more of the prompt (warm) wins over it while
+
+    est_w - est_ref <= (cached_w - cached_ref) / pf_ref / (1 - rho_ref)
+
+the reference's time to prefill what it lacks and the warm node holds, divided by one minus the
+reference's load. Sending the request to the reference costs the fleet that recomputation
+twice: its requester pays it once (it is in ``est_ref``), and the reference's other work pays it
+again, since work added to a node at utilisation ``rho`` delays everything queued behind it by
+about ``W / (1 - rho)`` (the M/G/1 busy-period argument). ``rho_ref`` is the reference's share of
+sequence slots taken (capped at :data:`RHO_MAX`). The budget comes from the nodes' own speed
+and load, not a constant: ~0.1 s per 1,000 tokens on an idle H100, 0.33 s on an idle
+Inferentia2, several times that on a busy one. Once the warm node's queue outweighs it, the
+prefix is worth less than the wait and the request spills ("until saturated"). Among warm
+candidates, the lowest ``est - cached / pf_ref / (1 - rho_ref)`` wins. On tuning seeds of
+benches/routing_sim.py this beat fixed budgets of 0, 0.5, 1, 2 and 4 times the recomputation
+at 80% load (p90 TTFT of agent and hot-prefix traffic 2-3x lower than 1x) and matched them at
+50% (docs/benchmarks.md, "Cache-aware routing").
 
 Near-ties (no node holds more than the reference): estimates within a window of the lowest
 count as equal, and the tie goes to the node with the slowest prefill. A short prompt costs a
@@ -27,6 +36,12 @@ import numpy as np
 
 from zmlcore.policy.context import Cand, Ctx, VCtx, fastest
 
+#: The budget's multiple of the reference's recomputation (the derivation gives 1; other values
+#: only for the simulator's comparisons), and whether it is divided by ``1 - rho_ref``.
+STICKY = 1.0
+STICKY_LOAD = True
+#: ``rho_ref`` at most this (a full node's budget is 10x its recomputation, not infinite).
+RHO_MAX = 0.9
 #: Estimates within this many seconds of the lowest are a tie (chosen on tuning seeds of
 #: benches/routing_sim.py, reported on others: docs/benchmarks.md "Routing quality (simulation)").
 TIE_S = 0.03
@@ -39,8 +54,10 @@ TIE_SLOTS = 1.0
 
 def sticky(cands: list[Cand], ref: Cand) -> Cand:
     """The warm candidate that beats ``ref`` within its budget, or ``ref``."""
-    best, best_s = ref, ref.est - ref.cached / ref.pf
-    inv = 1.0 / ref.pf
+    inv = STICKY / ref.pf
+    if STICKY_LOAD:
+        inv /= 1.0 - min(RHO_MAX, ref.slot_use)
+    best, best_s = ref, ref.est - ref.cached * inv
     for c in cands:
         if c.cached > ref.cached:
             s = c.est - c.cached * inv
@@ -89,7 +106,9 @@ def pick_rows(ctx: VCtx, tie_s: float, below_s: float, slots: float = TIE_SLOTS)
         c0 = c.item(i)
         warm = c > c0
         if warm.any():
-            inv = 1.0 / t.pf.item(i)
+            inv = STICKY / t.pf.item(i)
+            if STICKY_LOAD:
+                inv /= 1.0 - min(RHO_MAX, t.depth.item(i) / t.maxc.item(i))
             s = np.where(warm, e - c * inv, np.inf)
             sw, s0 = s.min().item(), e0 - c0 * inv
             if sw <= s0:
