@@ -23,6 +23,7 @@ from zmlcore.bus.publish import Publisher
 from zmlcore.config import ZMLConfig
 from zmlcore.errors import ZMLError
 from zmlcore.messages import InferRequest, RoutingInfo, StreamStart
+from zmlcore.messages.audio import AudioRequest
 from zmlcore.policy import RouteRequest
 from zmlcore.reply import routingmeta, streamframe
 from zmlcore.reply.bigreply import accepted
@@ -33,6 +34,7 @@ from zmlcore.telemetry.setup import DECISION_ID
 
 from zml_router.attempt import (
     AttemptError,
+    AudioBodies,
     Failure,
     NodeBodies,
     Renamer,
@@ -44,7 +46,7 @@ from zml_router.attempt import (
     stream_usage,
     with_routing,
 )
-from zml_router.dispatch import NodeClient, first_chunk_within, post_json, stream_sse
+from zml_router.dispatch import NodeClient, first_chunk_within, post, stream_sse
 from zml_router.flow import PATHS, Dispatch, Incoming, Outcome
 from zml_router.ids import RequestIds
 from zml_router.inflight import Sharing
@@ -168,7 +170,8 @@ class Relay:
         self.api_keys = {n.id: n.api_key for n in cfg.nodes if n.api_key}
         self._move = sharing.move  # bound once: a non-streamed request's PendingHold takes it
 
-    async def attempt(self, msg: Incoming, req: InferRequest, bodies: NodeBodies, model: str, action: Dispatch,
+    async def attempt(self, msg: Incoming, req: InferRequest, bodies: NodeBodies | AudioBodies, model: str,
+                      action: Dispatch,
                       request_id: str, t0: float, out: Outcome) -> AttemptError | None:
         """One attempt on the decided node: None once the answer is out, else how it failed."""
         decision = action.decision
@@ -184,8 +187,10 @@ class Relay:
         served = view.state.served_names.get(model)
         node_body = bodies(served or model)
         first_byte = self.first_byte_s(decision.node_id, req, action.rr)
-        # The engine answers with its own name: the client gets back the name it asked for.
-        rename = Renamer(served, req.model) if served and served != req.model else None
+        # The engine answers with its own name: the client gets back the name it asked for (an
+        # audio answer names no model).
+        audio = isinstance(req, AudioRequest)
+        rename = Renamer(served, req.model) if served and served != req.model and not audio else None
         try:
             if action.stream:
                 usage = await self.stream(msg, req, node_body, info, t0, first_byte, rename, action.rr)
@@ -199,9 +204,11 @@ class Relay:
             out.completion_tokens = int(usage.get("completion_tokens") or 0)
         return None
 
-    def _headers(self, info: RoutingInfo) -> dict[str, str]:
+    def _headers(self, info: RoutingInfo, msg: Incoming | None = None) -> dict[str, str]:
+        # An audio request's body is its caller's multipart form, its boundary in the content type.
+        ctype = (msg.headers or {}).get(subjects.H_CONTENT_TYPE) if msg is not None else None
         h = {
-            "content-type": "application/json",
+            "content-type": ctype or "application/json",
             "x-zml-routing": routingmeta.backend_header(info),
             "x-request-id": info.request_id,
         }
@@ -237,17 +244,21 @@ class Relay:
         """Send the node's reply; returns its token counts (``reply_usage``)."""
         # A non-streamed reply shows no first token: pending ends at the estimated one.
         v = self.table.views[info.node_id]
+        audio = isinstance(req, AudioRequest)
         hold = PendingHold(self._move, info.node_id,
-                           pending_window_s(v.state, v.effective_outstanding(), v.effective_pending(), len(body)),
+                           pending_window_s(v.state, v.effective_outstanding(), v.effective_pending(), len(body),
+                                            rr.prompt_tokens if rr is not None and audio else None),
                            self.timers)
         try:
-            call = post_json(self.http, self._url(info, req), body, self._headers(info), self.cfg.nats.max_reply_bytes)
+            # an audio answer may not be JSON (text, SRT, VTT...): its content type goes with it
+            call = post(self.http, self._url(info, req), body, self._headers(info, msg if audio else None),
+                        self.cfg.nats.max_reply_bytes)
             if first_byte is None:
-                raw = await call
+                raw, ctype = await call
             else:
                 try:
                     with self.timers.deadline(first_byte):  # on the router's timer wheel (zml_router.timers)
-                        raw = await call
+                        raw, ctype = await call
                 except TimeoutError:  # ours only: the request's own deadline arrives as a cancellation
                     raise AttemptError(Failure.SLOW, 0,
                                        f"no reply within the first-byte deadline of {first_byte:.1f} s") from None
@@ -256,7 +267,7 @@ class Relay:
         info.time_to_first_token = time.monotonic() - t0
         usage = reply_usage(raw)
         self.metrics.usage_dict(req.kind(), req.model, usage)
-        cached = cached_tokens(raw)
+        cached = None if audio else cached_tokens(raw)
         if cached is not None:
             self._reported(info, rr, cached, usage.get("prompt_tokens"))
         if rename is not None:
@@ -268,8 +279,12 @@ class Relay:
         # REPLY_TOO_LARGE (raised before anything is sent), never a lost reply.
         nc = self.replies.nc
         if msg.reply and nc is not None:
-            await publish_reply(nc, msg.reply, with_routing(raw, info), routing_headers(msg.headers, info),
-                                accepted(msg.headers))
+            if audio:  # the node's bytes as they are: the routing metadata goes in headers only
+                await publish_reply(nc, msg.reply, raw, {**routingmeta.nats_headers(info),
+                                                         subjects.H_CONTENT_TYPE: ctype}, accepted(msg.headers))
+            else:
+                await publish_reply(nc, msg.reply, with_routing(raw, info), routing_headers(msg.headers, info),
+                                    accepted(msg.headers))
         return usage
 
     async def stream(self, msg: Incoming, req: InferRequest, body: bytes, info: RoutingInfo, t0: float,
@@ -290,7 +305,7 @@ class Relay:
         relay = rename is None and accept in _RELAYED
         frames = relay and accept == subjects.STREAM_FRAMES
         kind = subjects.STREAM_EVENTS if relay else subjects.STREAM_CHUNK
-        chunks = stream_sse(self.http, self._url(info, req), body, self._headers(info), relay)
+        chunks = stream_sse(self.http, self._url(info, req), body, self._headers(info, msg), relay)
         try:
             async for chunk in first_chunk_within(chunks, first_byte):
                 if not started:
