@@ -249,14 +249,17 @@ class Conversation:
         self.size += n
 
     def turn(self, rng: random.Random, context: int) -> list[dict[str, str]]:
-        """The next request: the conversation, the last reply and a new user message, the
-        oldest turns dropped to stay near ``context`` bytes (what chat front-ends do)."""
-        if self.messages[-1]["role"] == "user":
-            self._add("assistant", rng.randint(400, 2400), rng)
-        self._add("user", rng.randint(200, 1200), rng)
-        while self.size > context + 4000 and len(self.messages) > 3:
-            self.size -= len(self.messages[1]["content"]) + len(self.messages[2]["content"])
-            del self.messages[1:3]
+        """The next request: the conversation, the last reply and a new user message. Past
+        ``context`` + 4 KB the conversation ends and a new one (a new chain) starts in its
+        place: about one request in four carries a prompt no node holds beyond its system
+        prompt, the rest extend a prompt their node holds."""
+        if self.size > context + 4000:
+            system = self.messages[0]["content"]
+            self.__init__(system, rng, context)  # type: ignore[misc]
+        else:
+            if self.messages[-1]["role"] == "user":
+                self._add("assistant", rng.randint(400, 2400), rng)
+            self._add("user", rng.randint(200, 1200), rng)
         return list(self.messages)
 
 
@@ -273,7 +276,8 @@ def cache_cell(n: int, pol: ResolvedPolicy, iters: int, rate: float, poll_s: flo
     nodes = make_fleet(n, rng)
     views = [nd.view for nd in nodes]
     fleet = FleetIndex(views)
-    idx = PrefixIndex(max_entries=int(entries * 1.05))  # (the nodes' shares round down)
+    # the bound counts a block per entry; long prompts' keys stand for several: room for ``entries``
+    idx = PrefixIndex(max_entries=int(entries * 4))
     for v in views:
         idx.update_node(v.state)
     systems = [_text(rng.randint(2000, 8000), rng) for _ in range(20)]
@@ -351,21 +355,30 @@ def cache_cell(n: int, pol: ResolvedPolicy, iters: int, rate: float, poll_s: flo
 
 def fill_with(idx: Any, node_ids: list[str], systems: list[str], entries: int, context: int,
               rng: random.Random, now: float) -> float:
-    """Record prompts (a shared system prompt and ~``context`` bytes of their own) on random
-    nodes, served and reported, until the index holds ``entries`` entries."""
+    """Record prompts (a shared system prompt and ~``context`` bytes of their own) on the
+    nodes in turn, served and reported, each node up to 95% of its share, until the index
+    holds ``entries`` entries."""
     from zmlcore.policy.prefix import chain_from_bytes, model_seed
 
     seed = model_seed("m")
     pre = [s.encode() for s in systems]
     have = len(idx)
-    while have < entries:
-        for _ in range(100):
-            nid = node_ids[rng.randrange(len(node_ids))]
+    room = [nid for nid in node_ids if idx.node(nid).size < 0.95 * idx.node(nid).cap]
+    while have < entries and room:
+        nxt = []
+        for nid in room:
+            nc = idx.node(nid)
+            before = len(nc)
             kc = chain_from_bytes(rng.choice(pre) + _text(context, rng).encode(), seed)
             idx.record(nid, kc, now)
             idx.correct(nid, kc, 0, now)
             now += 1e-4
-        have = len(idx)
+            have += len(nc) - before
+            if nc.size < 0.95 * nc.cap:
+                nxt.append(nid)
+            if have >= entries:
+                break
+        room = nxt
     return now
 
 
@@ -379,7 +392,7 @@ def index_memory(n: int, entries: int, context: int) -> dict[str, float]:
     rng = random.Random(7)
     nodes = make_fleet(n, rng)
     systems = [_text(rng.randint(2000, 8000), rng) for _ in range(20)]
-    idx = PrefixIndex(max_entries=int(entries * 1.05))
+    idx = PrefixIndex(max_entries=int(entries * 4))
     for nd in nodes:
         idx.update_node(nd.view.state)
     fill_with(idx, [nd.view.node_id for nd in nodes], systems, entries // 2, context, rng, 1.0)

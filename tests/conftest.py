@@ -54,10 +54,10 @@ def fleet_toml(ports: dict[str, int], *, fleet: list[tuple[str, str, list[str]]]
         f'[models."{MODEL}"]\naliases = ["llama-3-8b"]\n',
         extra,
     ]
-    for node_id, acc, models in fleet or FLEET:
+    for node_id, acc, models, *node_extra in fleet or FLEET:  # a 4th item: more of the node's keys
         models_toml = ", ".join(f'"{m}"' for m in models)
         out.append(
-            f'[[nodes]]\nid = "{node_id}"\naccelerator = "{acc}"\n'
+            f'[[nodes]]\nid = "{node_id}"\naccelerator = "{acc}"\n{"".join(node_extra)}'
             f'endpoint = "http://127.0.0.1:{ports[node_id]}"\nmodels = [{models_toml}]\n'
             f"[nodes.sim]\ntime_scale = {time_scale}\nload_time_s = 2.0\nseed = {len(out)}\n{sim_extra}"
         )
@@ -162,7 +162,7 @@ def launch_stack(nats_url: str, tmp: Path, *, fleet: list[tuple[str, str, list[s
     ``env``: for every service (e.g. ZML_NATS_TLS_*); ``https_verify``: the gateway serves HTTPS
     (ZML_GATEWAY_TLS_* in ``env``), verified with this (a CA file or an SSLContext)."""
     fleet = fleet or FLEET
-    ports = {node_id: free_port() for node_id, _, _ in fleet}
+    ports = {f[0]: free_port() for f in fleet}
     config = tmp / "zml.toml"
     config.write_text(fleet_toml(ports, fleet=fleet, **toml))
     gw_port, grpc_port = free_port(), free_port()

@@ -88,3 +88,21 @@ async def test_holder_keeps_the_lease_across_a_broker_blink(clients) -> None:  #
     standby.cancel()
     holding.cancel()
     await a.release()
+
+
+async def test_a_late_renewal_of_its_own_does_not_lose_the_holder_its_lease(clients) -> None:  # type: ignore[no-untyped-def]
+    """A renewal that timed out while the broker was away can land once the client reconnects
+    (it sends what it buffered), moving the revision under the holder: the key still names the
+    holder, so it keeps the lease (it used to exit as if taken over: a restart after every broker
+    blink). A key naming another replica is a loss as before."""
+    ttl = 2.0
+    a = Lease(clients[0], "test-role", ttl_s=ttl, holder="a")
+    await a.acquire()
+    holding = asyncio.create_task(a.hold())
+    kv = await ensure_kv(clients[1].jetstream(), subjects.LEASES_BUCKET)
+    await kv.put("test-role", b"a")  # the late write of its own
+    await asyncio.sleep(1.5 * ttl)  # renewals meanwhile
+    assert not holding.done() and a.revision is not None
+    await kv.put("test-role", b"someone-else")
+    await asyncio.wait_for(holding, 2 * ttl)
+    assert a.revision is None

@@ -91,26 +91,26 @@ def test_the_budget_grows_with_the_references_load(path: str) -> None:
 
 
 def test_each_node_counts_its_own_blocks() -> None:
-    """9 keys match (1,152 tokens): whole 16-token blocks on the GPUs, whole 256-token blocks
+    """7 keys match (896 tokens): whole 16-token blocks on the GPUs, whole 256-token blocks
     on a Gaudi2 whose engine reported 256, and never the whole prompt on a short one."""
     views = fleet5()
     idx = index_for(views)
     idx.set_node("gaudi2", block_size=256, capacity_tokens=500_000)
-    c = chain_from_bytes(b"y" * (9 * BLOCK_BYTES + 300))
+    c = chain_from_bytes(b"y" * (7 * BLOCK_BYTES + 300))
     for v in views:
         idx.record(v.node_id, c, NOW)
     fleet = FleetIndex(views)
     got = {}
     for v in views:
-        d = choose_node(fleet, RouteRequest(model="m", prompt_tokens=1300, prefix=c, accelerator_id=None,
+        d = choose_node(fleet, RouteRequest(model="m", prompt_tokens=1000, prefix=c, accelerator_id=None,
                                             exclude=frozenset(w.node_id for w in views if w is not v)),
                         LATENCY, NOW, RoutingState(), cache=idx)
         got[d.node_id] = d.cached_tokens
-    assert got == {"h100": 1152, "a100": 1152, "mi300x": 1152, "gaudi2": 1024, "inf2": 1152}
-    short = KeyChain(c.keys, 9 * BLOCK_BYTES)  # the prompt is exactly the matched bytes
+    assert got == {"h100": 896, "a100": 896, "mi300x": 896, "gaudi2": 768, "inf2": 896}
+    short = KeyChain(c.keys, 7 * BLOCK_BYTES)  # the prompt is exactly the matched bytes
     d = choose_node(fleet, RouteRequest(model="m", prompt_tokens=0, prefix=short), LATENCY, NOW, RoutingState(),
                     cache=idx)
-    assert d.cached_tokens == 1151 // 16 * 16
+    assert d.cached_tokens == 895 // 16 * 16
 
 
 class RefCacheCtx(RefCtx):

@@ -9,14 +9,30 @@ import pytest
 from zmlcore.messages import KvAllCleared, KvBlockRemoved, KvBlockStored, KvEventBatch, NodeState
 from zmlcore.policy.prefix import BLOCK_BYTES, KeyChain, PrefixIndex, chain_from_bytes, kv_geometry
 from zmlcore.policy.prefix.index import EVENTS_STALE_S, _depth
+from zmlcore.policy.prefix.keys import KEY_BLOCKS, KEY_ENDS
 
 
 def chain(n_keys: int, tag: int = 0, shared: int = 0, extra: int = 0) -> KeyChain:
-    """A chain of ``n_keys`` whole blocks (+ ``extra`` bytes) whose first ``shared`` blocks are
-    common to every tag and the rest are the tag's own."""
-    blocks = [(b"S%05d" % i).ljust(BLOCK_BYTES, b".") for i in range(shared)]
-    blocks += [(b"T%05d-%05d" % (tag, i)).ljust(BLOCK_BYTES, b".") for i in range(shared, n_keys)]
-    return chain_from_bytes(b"".join(blocks) + b"x" * extra)
+    """A chain of ``n_keys`` keys (+ ``extra`` bytes) whose first ``shared`` keys are common to
+    every tag and the rest are the tag's own. Up to 8 keys, a key is one 512-byte block."""
+    shared = min(shared, n_keys)
+    nb = KEY_BLOCKS[n_keys - 1] if n_keys else 0
+    sb = KEY_BLOCKS[shared - 1] if shared else 0
+    blocks = [(b"S%05d" % i).ljust(BLOCK_BYTES, b".") for i in range(sb)]
+    blocks += [(b"T%05d-%05d" % (tag, i)).ljust(BLOCK_BYTES, b".") for i in range(sb, nb)]
+    c = chain_from_bytes(b"".join(blocks) + b"x" * extra)
+    assert len(c) == n_keys
+    return c
+
+
+def cut(c: KeyChain, n: int) -> KeyChain:
+    """The chain of ``c``'s first ``n`` keys (a shorter prompt it extends)."""
+    return KeyChain(c.keys[:n], KEY_ENDS[n - 1])
+
+
+def test_keys_are_spaced_geometrically() -> None:
+    assert KEY_BLOCKS[:20] == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 28, 32, 40, 48, 56, 64]
+    assert len(chain_from_bytes(b"x" * 32768)) == 20  # an 8k-token prompt: 20 keys
 
 
 def index(*nodes: tuple[str, str], **kw: object) -> PrefixIndex:
@@ -28,21 +44,21 @@ def index(*nodes: tuple[str, str], **kw: object) -> PrefixIndex:
 
 def test_each_node_gets_its_matched_prefix_in_its_own_blocks() -> None:
     idx = index(("h", "nvidia_h100"), ("g", "intel_gaudi2"), ("c", "cpu"))
-    conv = chain(30, extra=100)
-    idx.record("h", chain(12, shared=12), 1.0)   # only a 12-block prefix
+    conv = chain(13, extra=100)  # 20 blocks (10 KB) + 100 bytes: 2,585 tokens
+    idx.record("h", chain(9, shared=9), 1.0)
     idx.record("g", conv, 1.0)
     idx.record("c", conv, 1.0)
-    assert chain(12, shared=12).keys != conv.keys[:12]  # (different text, different chain)
-    idx.record("h", KeyChain(conv.keys[:12], 12 * BLOCK_BYTES), 1.0)
+    assert chain(9, shared=9).keys != conv.keys[:9]  # (different text, different chain)
+    idx.record("h", cut(conv, 9), 1.0)  # a 10-block prefix of it
     m = idx.lookup(conv, 2.0)
-    assert m.nodes() == {"h": 12, "g": 30, "c": 30}
-    prompt = conv.nbytes // 4  # 3865 tokens
-    assert m.tokens("h", prompt) == 12 * 128  # 1536, a multiple of 16
-    assert m.tokens("g", prompt) == 3840 // 128 * 128  # 30 keys = 3840 tokens, in 128-token blocks
-    assert m.tokens("c", prompt) == 3840  # llama.cpp: token by token
-    whole = chain(30)  # the prompt is exactly the keyed bytes: never all of it
+    assert m.nodes() == {"h": 9, "g": 13, "c": 13}
+    prompt = conv.nbytes // 4
+    assert m.tokens("h", prompt) == 1280  # 10 blocks of 128 tokens, a multiple of 16
+    assert m.tokens("g", prompt) == 2560  # 20 blocks, 20 of the engine's 128-token blocks
+    assert m.tokens("c", prompt) == 2560  # llama.cpp: token by token
+    whole = chain(13)  # the prompt is exactly the keyed bytes: never all of it
     idx.record("c", whole, 1.0)
-    assert idx.lookup(whole).tokens("c") == 30 * 128 - 1
+    assert idx.lookup(whole).tokens("c") == 2559
     assert m.tokens("nobody") == 0 and idx.lookup(chain(5, tag=9)).nodes() == {}
 
 
@@ -50,12 +66,11 @@ def test_bisection_finds_what_a_scan_of_every_node_finds() -> None:
     rng = random.Random(3)
     nodes = [(f"n{i}", rng.choice(["nvidia_h100", "amd_mi300x", "cpu"])) for i in range(70)]
     idx = index(*nodes)
-    convs = [chain(rng.randint(1, 60), tag=t, shared=rng.choice((0, 5, 20))) for t in range(40)]
+    convs = [chain(rng.randint(1, 24), tag=t, shared=rng.choice((0, 5, 12))) for t in range(40)]
     t = 0.0
     for _ in range(3000):
         c = rng.choice(convs)
-        cut = rng.randint(1, len(c))
-        idx.record(rng.choice(nodes)[0], KeyChain(c.keys[:cut], cut * BLOCK_BYTES), t)
+        idx.record(rng.choice(nodes)[0], cut(c, rng.randint(1, len(c))), t)
         t += 0.01
     for c in convs:
         got = idx.lookup(c, t).nodes()
@@ -65,14 +80,18 @@ def test_bisection_finds_what_a_scan_of_every_node_finds() -> None:
 
 def test_the_lru_evicts_a_chains_tail_before_its_root_and_keeps_what_is_touched() -> None:
     idx = index(("h", "nvidia_h100"))
-    idx.set_node("h", block_size=16, capacity_tokens=40 * 128)  # 40 keys
-    a, b = chain(30, tag=1, shared=10), chain(30, tag=2, shared=10)
+    idx.set_node("h", block_size=16, capacity_tokens=10 * 128)  # 10 blocks of prompt
+    a, b = chain(8, tag=1, shared=4), chain(8, tag=2, shared=4)  # 8 blocks each, 4 shared
     idx.record("h", a, 1.0)
-    idx.record("h", b, 2.0)  # 20 new keys: a's 10 deepest go, its root (shared with b) stays
-    assert len(idx) == 40
-    assert idx.depth("h", a) == 20 and idx.depth("h", b) == 30
+    idx.record("h", b, 2.0)  # 4 new blocks: a's 2 deepest go, its root (shared with b) stays
+    assert len(idx) == 10
+    assert idx.depth("h", a) == 6 and idx.depth("h", b) == 8
     idx.record("h", a, 3.0)  # a comes back: b's tail goes now
-    assert idx.depth("h", a) == 30 and idx.depth("h", b) == 20
+    assert idx.depth("h", a) == 8 and idx.depth("h", b) == 6
+    big = chain(13, tag=3)  # 20 blocks: keys stand for 1-4 blocks, capacity counts bytes
+    idx.set_node("h", block_size=16, capacity_tokens=19 * 128)
+    idx.record("h", big, 4.0)
+    assert idx.node("h").size <= 19 * BLOCK_BYTES and idx.depth("h", big) == 12  # type: ignore[union-attr]
 
 
 def test_every_operation_keeps_each_node_prefix_closed() -> None:
@@ -80,7 +99,7 @@ def test_every_operation_keeps_each_node_prefix_closed() -> None:
     idx = index(("a", "nvidia_h100"), ("b", "aws_inferentia2"))
     idx.set_node("a", block_size=16, capacity_tokens=100 * 128)
     idx.set_node("b", block_size=128, capacity_tokens=30 * 128)
-    convs = [chain(rng.randint(1, 40), tag=t, shared=rng.choice((0, 8))) for t in range(25)]
+    convs = [chain(rng.randint(1, 18), tag=t, shared=rng.choice((0, 8))) for t in range(25)]
     t = 0.0
     for step in range(2000):
         c, nid = rng.choice(convs), rng.choice("ab")
@@ -88,7 +107,7 @@ def test_every_operation_keeps_each_node_prefix_closed() -> None:
         if op < 0.7:
             idx.record(nid, c, t)
         elif op < 0.85:
-            idx.correct(nid, c, rng.randint(0, len(c) * 128), t + rng.uniform(0, 5))
+            idx.correct(nid, c, rng.randint(0, KEY_ENDS[len(c) - 1] // 4), t + rng.uniform(0, 5))
         else:
             idx.apply_events(nid, KvEventBatch(node_id=nid, block_size=16,
                                                events=[KvBlockRemoved(block_hashes=[1] * rng.randint(1, 40))]), t)
@@ -100,6 +119,9 @@ def test_every_operation_keeps_each_node_prefix_closed() -> None:
                     d = _depth(lru, c2.keys)
                     assert all(k not in lru for k in c2.keys[d:]), "a key held without its prefix"
             assert sum(len(idx.node(n).gen) for n in "ab") == len(idx)  # type: ignore[union-attr]
+            for n in "ab":
+                nc = idx.node(n)
+                assert nc is not None and nc.size <= nc.cap
 
 
 def test_entries_expire_and_unrouted_nodes_age_too() -> None:
@@ -129,9 +151,9 @@ def test_forgotten_nodes_free_their_slot_and_everything_they_held() -> None:
 def test_the_whole_index_stays_within_max_entries() -> None:
     idx = index(*[(f"n{i}", "amd_mi300x") for i in range(10)], max_entries=500)
     for i in range(10):
-        assert idx.node(f"n{i}").cap == 50  # type: ignore[union-attr]
+        assert idx.node(f"n{i}").cap == 50 * BLOCK_BYTES  # type: ignore[union-attr]
     for t in range(200):
-        idx.record(f"n{t % 10}", chain(40, tag=t), float(t))
+        idx.record(f"n{t % 10}", chain(12, tag=t), float(t))
     assert len(idx) <= 500 and idx.stats()["keys"] <= 500
 
 
@@ -142,72 +164,72 @@ def test_geometry_comes_from_the_engine_else_the_accelerator() -> None:
     assert kv_geometry(st) == (16, 16_000)
     idx = PrefixIndex()
     idx.update_node(st)
-    assert idx.node("n").cap == 16_000 * 4 // BLOCK_BYTES  # type: ignore[union-attr]
+    assert idx.node("n").cap == 16_000 * 4  # prompt bytes at ~4 a token  # type: ignore[union-attr]
 
 
 # --- reported ---
 
 def test_a_miss_on_a_confirmed_prefix_drops_what_the_engine_dropped_with_it() -> None:
     idx = index(("h", "nvidia_h100"), ttl_s=1000.0)
-    old, conv, fresh = chain(20, tag=1), chain(20, tag=2), chain(20, tag=3)
+    old, conv, fresh = chain(8, tag=1), chain(8, tag=2), chain(8, tag=3)
     idx.record("h", old, 0.0)
-    idx.correct("h", old, 0, 5.0, prompt_tokens=20 * 128)  # served: the engine holds it
+    idx.correct("h", old, 0, 5.0, prompt_tokens=1024)  # served: the engine holds it
     idx.record("h", conv, 100.0)
-    idx.correct("h", conv, 0, 104.0, prompt_tokens=20 * 128)  # confirmed at 104
+    idx.correct("h", conv, 0, 104.0, prompt_tokens=1024)  # confirmed at 104
     idx.record("h", fresh, 200.0)  # only recorded
     nc = idx.node("h")
     assert nc is not None and nc.touched(conv.keys[0]) == 104.0 and nc.touched(fresh.keys[0]) == -200.0
-    idx.record("h", conv, 400.0)  # predicted 20 keys, confirmed 296 s ago
-    idx.correct("h", conv, 0, 401.0, prompt_tokens=20 * 128)  # the engine had dropped it
+    idx.record("h", conv, 400.0)  # predicted 8 keys, confirmed 296 s ago
+    idx.correct("h", conv, 0, 401.0, prompt_tokens=1024)  # the engine had dropped it
     assert nc.misses == 1 and nc.hits == 0
     assert idx.depth("h", old) == 0  # confirmed before it: an LRU engine dropped it too
-    assert idx.depth("h", fresh) == 20  # touched after it: kept
-    assert idx.depth("h", conv) == 20 and nc.touched(conv.keys[0]) == 401.0  # the engine holds it again
+    assert idx.depth("h", fresh) == 8  # touched after it: kept
+    assert idx.depth("h", conv) == 8 and nc.touched(conv.keys[0]) == 401.0  # the engine holds it again
     idx.record("h", conv, 900.0)
-    idx.correct("h", conv, 20 * 128, 901.0, prompt_tokens=20 * 128 + 7)
+    idx.correct("h", conv, 1008, 901.0, prompt_tokens=1031)
     assert nc.hits == 1 and nc.misses == 1
 
 
 def test_a_miss_on_a_prefix_only_recorded_is_no_evidence() -> None:
     """The request that brought the prefix may still be queued on the engine."""
     idx = index(("h", "nvidia_h100"))
-    other, conv = chain(20, tag=1), chain(20, tag=2)
+    other, conv = chain(8, tag=1), chain(8, tag=2)
     idx.record("h", other, 0.0)
     idx.record("h", conv, 10.0)
     idx.record("h", conv, 30.0)  # turn 2 sent before turn 1's report
     idx.correct("h", conv, 0, 31.0)
     nc = idx.node("h")
     assert nc is not None and nc.misses == 0
-    assert idx.depth("h", other) == 20
+    assert idx.depth("h", other) == 8
 
 
 def test_a_report_of_more_than_the_index_knew_is_recorded() -> None:
     idx = index(("h", "nvidia_h100"))
-    conv = chain(20)
-    idx.correct("h", conv, 12 * 128, 5.0)  # e.g. another client's traffic warmed it
-    assert idx.depth("h", conv) == 20  # and the engine holds the whole prompt now
+    conv = chain(12)
+    idx.correct("h", conv, 600, 5.0)  # e.g. another client's traffic warmed it
+    assert idx.depth("h", conv) == 12  # and the engine holds the whole prompt now
 
 
 # --- precise ---
 
 def test_events_clear_and_evict_in_lockstep_with_the_engine() -> None:
     idx = index(("v", "nvidia_h100"), ttl_s=10.0)
-    a, b = chain(20, tag=1), chain(20, tag=2)
+    a, b = chain(8, tag=1), chain(8, tag=2)
     idx.record("v", a, 0.0)
     idx.record("v", b, 1.0)
     stored = KvBlockStored(block_hashes=list(range(80)), parent_block_hash=None, block_size=16)
     idx.apply_events("v", KvEventBatch(node_id="v", events=[stored], block_size=16, seq=1), 2.0)
     nc = idx.node("v")
     assert nc is not None and nc.stored_tokens == 1280 and nc.fidelity(2.0) == "precise"
-    # 40 blocks of 16 tokens = 640 tokens = 5 keys: the oldest chain's 5 deepest blocks
-    idx.apply_events("v", KvEventBatch(node_id="v", events=[KvBlockRemoved(block_hashes=list(range(40)))]), 3.0)
-    assert idx.depth("v", a) == 15 and idx.depth("v", b) == 20
+    # 24 blocks of 16 tokens = 384 tokens = 3 keys' worth: the oldest chain's 3 deepest
+    idx.apply_events("v", KvEventBatch(node_id="v", events=[KvBlockRemoved(block_hashes=list(range(24)))]), 3.0)
+    assert idx.depth("v", a) == 5 and idx.depth("v", b) == 8
     # another tier's events are not the device cache
     idx.apply_events("v", KvEventBatch(node_id="v", events=[KvBlockRemoved(block_hashes=[1] * 400, medium="CPU")]), 3.5)
-    assert idx.depth("v", a) == 15
+    assert idx.depth("v", a) == 5
     # while events flow, the TTL does not apply: the engine says what it evicts
     idx.record("v", chain(3, tag=3), 12.0)
-    assert idx.depth("v", b) == 20
+    assert idx.depth("v", b) == 8
     idx.apply_events("v", KvEventBatch(node_id="v", events=[KvAllCleared()]), 13.0)
     assert len(idx) == 0 and nc.stored_tokens == 0
     # the feed goes silent: back to the TTL
@@ -218,21 +240,21 @@ def test_events_clear_and_evict_in_lockstep_with_the_engine() -> None:
 
 def test_the_engine_block_size_from_events_converts_matches() -> None:
     idx = index(("v", "nvidia_h100"))
-    conv = chain(10, extra=10)
+    conv = chain(10, extra=10)  # 12 blocks: 1,536 tokens
     idx.record("v", conv, 0.0)
     idx.apply_events("v", KvEventBatch(node_id="v", events=[], block_size=256), 0.0)
-    assert idx.lookup(conv).tokens("v") == 1280 // 256 * 256
+    assert idx.lookup(conv).tokens("v") == 1536 // 256 * 256
 
 
 def test_the_touch_log_stays_bounded_and_eviction_order_survives_compaction() -> None:
     idx = index(("h", "nvidia_h100"))
-    idx.set_node("h", block_size=16, capacity_tokens=60 * 128)  # 60 keys
-    hot, cold = chain(30, tag=1), chain(20, tag=2)
+    idx.set_node("h", block_size=16, capacity_tokens=16 * 128)  # 16 blocks
+    hot, cold = chain(8, tag=1), chain(8, tag=2)
     idx.record("h", cold, 0.0)
     for t in range(1, 2000):  # the same conversation again and again: stale log references
         idx.record("h", hot, t / 10)
         idx.correct("h", hot, 0, t / 10 + 0.05)
     nc = idx.node("h")
     assert nc is not None and nc.log_keys <= 2 * len(nc) + 4096 + 30
-    idx.record("h", chain(20, tag=3), 250.0)  # 10 over capacity: the cold chain's tail goes
-    assert idx.depth("h", hot) == 30 and idx.depth("h", cold) == 10
+    idx.record("h", chain(3, tag=3), 250.0)  # 3 over capacity: the cold chain's tail goes
+    assert idx.depth("h", hot) == 8 and idx.depth("h", cold) == 5

@@ -6,7 +6,7 @@ import random
 
 from zmlcore.messages import ChatMessage
 from zmlcore.policy.prefix import BLOCK_BYTES, KeyChain, chain_from_bytes, prompt_keys, serialise
-from zmlcore.policy.prefix.keys import MAX_BLOCKS
+from zmlcore.policy.prefix.keys import KEY_BLOCKS, KEY_ENDS, MAX_BLOCKS
 
 
 def text(n: int, seed: int = 1) -> str:
@@ -24,11 +24,13 @@ def test_a_follow_up_turn_shares_every_key_of_the_previous_one() -> None:
 
 def test_a_change_moves_the_keys_from_its_block_on() -> None:
     base = text(20_000).encode()
-    at = 7 * BLOCK_BYTES + 100
-    changed = base[:at] + b"#" + base[at + 1:]
-    a, b = chain_from_bytes(base), chain_from_bytes(changed)
-    assert a.keys[:7] == b.keys[:7]
-    assert all(x != y for x, y in zip(a.keys[7:], b.keys[7:]))
+    for block in (3, 11):
+        at = block * BLOCK_BYTES + 100
+        changed = base[:at] + b"#" + base[at + 1:]
+        a, b = chain_from_bytes(base), chain_from_bytes(changed)
+        first = sum(1 for end in KEY_ENDS if end <= at)  # keys that end before the change
+        assert a.keys[:first] == b.keys[:first]
+        assert all(x != y for x, y in zip(a.keys[first:], b.keys[first:]))
 
 
 def test_models_never_share_keys_and_only_whole_blocks_are_keyed() -> None:
@@ -37,7 +39,7 @@ def test_models_never_share_keys_and_only_whole_blocks_are_keyed() -> None:
     assert not set(a.keys) & set(b.keys)
     assert len(prompt_keys("m", prompt=p[: BLOCK_BYTES - 3])) == 0  # "m\0" + the prompt
     assert len(prompt_keys("m", prompt=p[: BLOCK_BYTES - 2])) == 1
-    assert len(chain_from_bytes(b"x" * (BLOCK_BYTES * (MAX_BLOCKS + 10)))) == MAX_BLOCKS
+    assert len(chain_from_bytes(b"x" * (BLOCK_BYTES * (MAX_BLOCKS + 10)))) == len(KEY_BLOCKS) == 32
 
 
 def test_keys_are_fixed_across_processes_and_versions() -> None:

@@ -20,6 +20,7 @@ from zmlcore.policy import Decision, RouteRequest, RoutingState, admit
 from zmlcore.policy.resolve import builtin_policy
 from zml_router import flow
 from zml_router.attempt import AttemptError, Failure
+from zml_router.continuation import Sent
 from zml_router.flow import Decide, Dispatch, Enqueue, Outcome, Penalise, Plan
 from zml_router.table import NodeTable
 
@@ -198,12 +199,82 @@ def test_a_stream_broken_before_its_first_token_fails_over() -> None:
     assert all(a.stream for a in seen if isinstance(a, Dispatch))
 
 
-def test_a_stream_broken_mid_way_cools_the_node_and_ends_in_an_error() -> None:
+def test_a_stream_broken_mid_way_without_what_was_sent_ends_in_an_error() -> None:
     broken = AttemptError(Failure.NETWORK, 0, "reset", mid_stream=True)
     seen, out, err = _run(_plan(stream=True), _fleet("a", "b"), _failing({"a": broken}))
     assert err is not None and err.code == "BACKEND_ERROR" and "mid-stream" in err.message
     assert [type(a) for a in seen] == [Decide, Dispatch, Penalise]  # penalised, never re-dispatched
     assert out.failed_nodes == ["a"]
+
+
+CHAT = b'{"model":"m","messages":[{"role":"user","content":"hi"}],"max_tokens":10,"stream":true}'
+
+
+def _cut(tokens: int = 3, **kw) -> AttemptError:  # type: ignore[no-untyped-def]
+    return AttemptError(Failure.NETWORK, 0, "reset", mid_stream=True,
+                        sent=Sent(text="x " * tokens, tokens=tokens, **kw))
+
+
+def test_a_stream_broken_mid_way_is_continued_on_another_node() -> None:
+    seen, out, err = _run(_plan(stream=True, raw=CHAT), _fleet("a", "b"), _failing({"a": _cut(3)}))
+    assert err is None and out.ok and out.node_id == "b"
+    decides = [a for a in seen if isinstance(a, Decide)]
+    dispatches = [a for a in seen if isinstance(a, Dispatch)]
+    assert [d.continuation for d in decides] == [False, True]  # only engines that can continue
+    assert [d.continuation for d in dispatches] == [False, True] and dispatches[1].rr.exclude == {"a"}
+    assert any(isinstance(a, Penalise) for a in seen)  # the node is cooled all the same
+    assert out.continued_from == [("a", 3, "network")] and out.failed_nodes == ["a"]
+
+
+def test_a_continuation_that_breaks_is_continued_again_while_attempts_last() -> None:
+    seen, out, err = _run(_plan(stream=True, raw=CHAT), _fleet("a", "b", "c"),
+                          _failing({"a": _cut(2), "b": _cut(5)}))
+    assert err is None and out.node_id == "c" and out.continued_from == [("a", 2, "network"), ("b", 5, "network")]
+    seen, out, err = _run(_plan(stream=True, raw=CHAT, max_attempts=2), _fleet("a", "b", "c"),
+                          _failing({"a": _cut(2), "b": _cut(5)}))
+    assert err is not None and "no attempt left" in err.message
+
+
+@pytest.mark.parametrize(("raw", "kw", "why"), [
+    (CHAT.replace(b'"stream"', b'"seed":1,"stream"'), {}, "seed"),
+    (CHAT.replace(b'"stream"', b'"n":2,"stream"'), {}, "n > 1"),
+    (CHAT.replace(b'"stream"', b'"logprobs":true,"stream"'), {}, "logprobs"),
+    (CHAT.replace(b'"stream"', b'"response_format":{"type":"json_object"},"stream"'), {}, "constrained"),
+    (CHAT, {"continue_asked": False}, "continue_on_failure"),
+    (CHAT, {"policy_continues": False}, "continue_on_failure"),
+    (CHAT, {"rr": RouteRequest(model="m", accelerator_id="a")}, "pinned"),
+    (CHAT.replace(b'"max_tokens":10', b'"max_tokens":3'), {}, "all its tokens"),
+    (b'{"model":"m","prompt":[1,2,3],"stream":true}', {}, "token ids"),
+])
+def test_an_answer_that_must_not_be_continued_ends_with_the_error(raw: bytes, kw: dict, why: str) -> None:
+    seen, out, err = _run(_plan(stream=True, raw=raw, **kw), _fleet("a", "b"), _failing({"a": _cut(3)}))
+    assert err is not None and err.code == "BACKEND_ERROR" and why in err.message, err
+    assert not any(isinstance(a, Dispatch) and a.continuation for a in seen)
+
+
+def test_tool_call_deltas_already_sent_are_not_continued() -> None:
+    _, _, err = _run(_plan(stream=True, raw=CHAT), _fleet("a", "b"),
+                     _failing({"a": _cut(3, blocked="tool-call deltas")}))
+    assert err is not None and "tool-call deltas" in err.message
+
+
+def test_a_non_streamed_answer_that_cannot_be_continued_starts_again_elsewhere() -> None:
+    # Nothing of it reached the caller (mid_stream False): a plain failover, from scratch.
+    cut = AttemptError(Failure.NETWORK, 0, "reset", sent=Sent(text="x ", tokens=1))
+    raw = CHAT.replace(b'"stream":true', b'"seed":3')
+    seen, out, err = _run(_plan(raw=raw), _fleet("a", "b"), _failing({"a": cut}))
+    assert err is None and out.node_id == "b" and out.continued_from == []
+    assert [a.continuation for a in seen if isinstance(a, Dispatch)] == [False, False]
+    # ... and one that can be continued is (no work thrown away).
+    seen, out, err = _run(_plan(raw=CHAT.replace(b'"stream":true', b'"stream":false')), _fleet("a", "b"),
+                          _failing({"a": cut}))
+    assert err is None and [a.continuation for a in seen if isinstance(a, Dispatch)] == [False, True]
+
+
+def test_a_node_refusing_the_continuation_is_a_backend_error_not_a_bad_request() -> None:
+    refused = AttemptError(Failure.CLIENT, 400, "prefill is incompatible with thinking", mid_stream=True)
+    _, _, err = _run(_plan(stream=True, raw=CHAT), _fleet("a", "b"), _failing({"a": _cut(2), "b": refused}))
+    assert err is not None and err.code == "BACKEND_ERROR" and "refused to continue" in err.message
 
 
 # --- deadlines -----------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from zml_router.timers import EARLY_S, TICK_S, Wheel
+from zml_router.timers import EARLY_S, TICK_S, Stalled, Wheel
 
 
 async def test_a_timer_fires_after_its_time_and_within_a_tick() -> None:
@@ -172,3 +172,33 @@ async def test_slots_emptied_by_cancels_do_not_wake_the_loop(monkeypatch) -> Non
     assert fired == [True]
     assert not first._slot  # fired
     assert runs == 2  # the first slot, then straight to the last one
+
+
+async def test_a_watch_cancels_only_when_its_counter_stands_still_for_a_period() -> None:
+    wheel = Wheel()
+    loop = asyncio.get_running_loop()
+    with wheel.watch(0.05) as w:  # ticking: never fires, however long
+        for _ in range(12):
+            w.ticks += 1
+            await asyncio.sleep(0.02)
+    t0 = loop.time()
+    with pytest.raises(Stalled):
+        with wheel.watch(0.05) as w:
+            w.ticks += 1
+            await asyncio.sleep(5)  # silent: noticed within one to two periods
+    assert 0.05 - EARLY_S <= loop.time() - t0 < 0.1 + 2 * TICK_S + 0.2
+
+
+async def test_a_watch_leaves_a_cancel_from_elsewhere_alone() -> None:
+    wheel = Wheel()
+
+    async def body() -> None:
+        with wheel.watch(5.0):
+            await asyncio.sleep(5)
+
+    task = asyncio.ensure_future(body())
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert len(wheel) == 0

@@ -161,6 +161,9 @@ class Routing:
     label: str = ""
     cached_tokens_estimated: int | None = None
     cached_tokens: int | None = None
+    #: Nodes that failed part-way through the answer, each continued by the next:
+    #: ``node@tokens:failure`` comma-separated (docs/http-api.md, "When a node fails mid-answer").
+    continued_from: str | None = None
 
     @property
     def queue_depth(self) -> int:

@@ -191,6 +191,10 @@ class RouterConfig(msgspec.Struct, **_Base):
     runners' lines) never take, at least one slot: interactive arrivals find them free. Where no
     node has that room a batch request is refused at once (QUEUE_FULL) and its runner waits
     (docs/batches.md). 0: batch work may fill every slot."""
+    inter_token_timeout_s: PosFloat = 10.0
+    """After the first token, a node that sends nothing more for this long (noticed within one
+    to two such periods) is abandoned as stalled, cooled down, and the answer continued on
+    another node (or ended with the error where it cannot be: docs/http-api.md)."""
     session_idle_s: PosFloat = 600.0
     """A session (``x-session-id``, ``Zml-Session``, the SDK's ``session=``, else the OpenAI
     ``user`` field) is forgotten after this long without a request (its binding to a node
@@ -362,6 +366,11 @@ class PolicyConfig(msgspec.Struct, **_Base):
     """Wait in the JetStream queue instead of failing fast with QUEUE_FULL."""
     max_queue_ms: PosInt | None = None
     """Longest wait in that queue before QUEUE_FULL."""
+    continue_on_failure: bool = True
+    """When the node serving an answer fails part-way (crash, reset, dropped connection, a
+    stall past [router] inter_token_timeout_s), continue the answer on another node of the
+    chain from the text already produced (docs/http-api.md, "When a node fails mid-answer").
+    False: a stream ends with the error; a non-streamed request starts again elsewhere."""
 
     def chain(self) -> list[str]:
         """Families in order, whichever spelling was used."""

@@ -247,6 +247,10 @@ H_BODY = "Zml-Body"
 BODY_CLEAN = "clean"
 H_POLICY = "Zml-Policy"
 H_ACCELERATOR_ID = "Zml-Accelerator-Id"
+#: ``Zml-Continue-On-Failure: 0``: the request's ``continue_on_failure: false`` (an answer whose
+#: node fails part-way ends with the error instead of being continued on another node). Only
+#: narrows what the sender's own request gets: honoured on every request subject.
+H_CONTINUE = "Zml-Continue-On-Failure"
 
 # --- API keys and plans (gateway) -------------------------------------------------------------
 #: JetStream KV bucket of API keys created at run time (`zml keys create`): key = key id, value

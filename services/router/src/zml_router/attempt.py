@@ -54,8 +54,12 @@ class AttemptError(Exception):
     detail: str
     retry_after: float | None = None
     #: True when the caller had already received part of the answer (a stream broken after its
-    #: first token): the request cannot fail over, but the node is at fault all the same.
+    #: first token): the request cannot start again elsewhere, only be continued
+    #: (zml_router.continuation); the node is at fault all the same.
     mid_stream: bool = False
+    #: What the node had produced of the answer when it failed (a ``continuation.Sent``), when
+    #: it got that far: what a continuation goes on from.
+    sent: Any = None
 
 
 def _retry_after(headers: dict[str, str]) -> float | None:

@@ -17,7 +17,10 @@ here, unit-tested without a broker or a node:
    - :class:`Decide` -> the :class:`~zmlcore.policy.Decision` (``zmlcore.policy.admit``: choose_node
      under the admission bound), or the ZMLError it raised;
    - :class:`Dispatch` -> ``None`` once the node's answer went out to the requester, or the
-     :class:`~zml_router.attempt.AttemptError` of a failed attempt;
+     :class:`~zml_router.attempt.AttemptError` of a failed attempt; a node that fails part-way
+     through the answer is followed by a *continuation* on another node where
+     ``zml_router.continuation.refusal`` allows it (``Decide``/``Dispatch`` with
+     ``continuation``: only nodes whose engine can continue an answer, and the rest of it);
    - :class:`Penalise` -> ``None`` (the node was marked here and for the peers);
    - :class:`Enqueue` -> nothing: the request waits in the saturation queue, the flow is over.
 
@@ -70,8 +73,10 @@ from zmlcore.policy.prefix import BLOCK_BYTES, KeyChain, prompt_keys
 from zmlcore.reply.bigreply import check_fits
 from zmlcore.reply.keepalive import parse_interval
 
+from zml_router import continuation
 from zml_router.attempt import AttemptError, Failure
 from zml_router.cancels import CancelBook
+from zml_router.continuation import Sent
 
 log = logging.getLogger("zml.router")
 
@@ -107,7 +112,7 @@ class Outcome:
 
     __slots__ = ("request_id", "stream", "model", "node_id", "family", "ok", "error_code", "node_error",
                  "failed_nodes", "attempts", "info", "queued", "slow_nodes", "label", "op", "prompt_tokens",
-                 "completion_tokens")
+                 "completion_tokens", "continued_from")
 
     def __init__(self) -> None:
         self.request_id = ""  # set once validated: it goes into subjects, headers and logs
@@ -125,6 +130,9 @@ class Outcome:
         self.info: RoutingInfo | None = None
         self.queued = False  # parked in the saturation queue: its event comes when it is served
         self.label = ""  # the API key's cost-attribution label (gateway header)
+        #: Nodes that failed part-way, the answer continued on the next: (node, tokens of the
+        #: answer so far when it failed, failure).
+        self.continued_from: list[tuple[str, int, str]] = []
         self.prompt_tokens = 0  # the node's usage, when it reported one
         self.completion_tokens = 0
 
@@ -390,11 +398,18 @@ class Plan:
     others_waiting: bool = False
     #: This request is the head of the queue being placed (it never re-enters the queue behind others).
     from_queue: bool = False
+    #: Whether an answer whose node fails part-way may be continued elsewhere: the request's
+    #: body, its ``continue_on_failure`` (None: not given) and its policy's.
+    raw: bytes = b""
+    continue_asked: bool | None = None
+    policy_continues: bool = True
 
 
 @dataclass(slots=True)
 class Decide:
     rr: RouteRequest
+    #: Only nodes whose engine can continue an answer (zml_router.continuation.engine_continues).
+    continuation: bool = False
 
 
 @dataclass(slots=True)
@@ -403,6 +418,8 @@ class Dispatch:
     attempt: int
     rr: RouteRequest
     stream: bool
+    #: Ask for the rest of the answer the requester has so far (zml_router.continuation.body).
+    continuation: bool = False
 
 
 @dataclass(slots=True)
@@ -434,10 +451,11 @@ def route(plan: Plan, out: Outcome) -> Flow:
     rr = plan.rr
     excluded: set[str] = set()
     last: AttemptError | None = None
+    continuing = False  # the next attempt continues the answer a failed node began
     for attempt in range(1, plan.max_attempts + 1):
         if excluded:  # the prompt's keys and session stay; the tried nodes are out
             rr = dataclasses.replace(rr, exclude=frozenset(excluded))
-        got = yield Decide(rr)
+        got = yield Decide(rr, continuing)
         if isinstance(got, ZMLError):
             if last is not None:  # we tried nodes and they failed: say so, not "no nodes"
                 break
@@ -450,7 +468,7 @@ def route(plan: Plan, out: Outcome) -> Flow:
         decision = got
         out.node_id, out.family, out.attempts = decision.node_id, decision.family, attempt
         out.info = None
-        err = yield Dispatch(decision, attempt, rr, plan.stream)
+        err = yield Dispatch(decision, attempt, rr, plan.stream, continuing)
         if err is None:
             out.ok = True
             return
@@ -462,21 +480,55 @@ def route(plan: Plan, out: Outcome) -> Flow:
         if err.failure is Failure.SLOW:
             out.slow_nodes.append(decision.node_id)
         if err.failure is Failure.CLIENT:
+            if err.mid_stream:  # the engine refused the continuation, not the caller's request
+                raise BackendError(f"node {decision.node_id} refused to continue the answer: {err.detail}",
+                                   retry_after=1.0)
             raise BadRequestError(f"node {decision.node_id} rejected the request: {err.detail}")
         yield Penalise(decision, err)
-        if err.mid_stream:  # part of the answer is out: no invisible failover now
+        excluded.add(decision.node_id)
+        if err.sent is not None:  # it failed part-way through the answer
+            why = why_not_continue(plan, err.sent, attempt)
+            if why is None:
+                continuing = True
+                out.continued_from.append((decision.node_id, err.sent.tokens, err.failure.value))
+                log.warning("node %s failed after %d tokens (%s %s); continuing the answer on another node",
+                            decision.node_id, err.sent.tokens, err.failure.value, err.detail[:200])
+                continue
+            if err.mid_stream:  # part of the answer is out: it cannot start again elsewhere
+                raise BackendError(f"node {decision.node_id} failed mid-stream ({err.failure.value} {err.detail}); "
+                                   f"the answer cannot be continued: {why}", retry_after=1.0)
+            continuing = False  # nothing went out yet: start again on another node
+        elif err.mid_stream:
             raise BackendError(f"node {decision.node_id} failed mid-stream: {err.failure.value} {err.detail}",
                                retry_after=1.0)
-        excluded.add(decision.node_id)
         log.info("attempt %d on %s failed (%s %s); re-routing", attempt, decision.node_id,
                  err.failure.value, err.status)
     assert last is not None
+    if last.mid_stream:
+        raise BackendError(f"the answer's node failed mid-stream and no other node could continue it "
+                           f"({len(excluded)} tried); last: {last.failure.value} {last.detail}".strip(),
+                           retry_after=1.0)
     if last.failure is Failure.OVERLOADED and plan.can_queue:
         # Every node tried answered "overloaded": that is saturation, not a failure.
         out.queued = True
         yield Enqueue(saturated=True)
         return
     raise exhausted(plan, last, excluded)
+
+
+def why_not_continue(plan: Plan, sent: Sent, attempt: int) -> str | None:
+    """Why the answer a node failed part-way through cannot be continued on another (None: it
+    can): the request and its policy (zml_router.continuation.refusal), the attempts left, and
+    the tokens left to generate."""
+    if attempt >= plan.max_attempts:
+        return f"no attempt left ([router] max_attempts = {plan.max_attempts})"
+    why = continuation.refusal(plan.raw, asked=plan.continue_asked, policy_allows=plan.policy_continues,
+                               pinned=plan.rr.accelerator_id is not None, sent=sent)
+    if why is None and sent.tokens:
+        left = continuation.remaining(continuation.max_asked(plan.raw), sent)
+        if left is not None and left <= 0:
+            why = "it had all its tokens and only its end was lost"
+    return why
 
 
 def exhausted(plan: Plan, last: AttemptError, tried: set[str]) -> ZMLError:

@@ -1,7 +1,10 @@
 """The requester's side of a request: everything it receives (:class:`Replies`), and one
 attempt on a node with the node's answer relayed to it (:class:`Relay`: the HTTP call with
 the body the node gets, then one message, or start / chunk... / end). The pure parts (bodies,
-deadlines, failures, the reply's bytes) are ``zml_router.attempt``.
+deadlines, failures, the reply's bytes) are ``zml_router.attempt``; continuing an answer whose
+node failed part-way (the continuation's body, the splice, what was sent) is
+``zml_router.continuation``. An :class:`Answer` is what the requester has been sent across
+the attempts of one request.
 
 An attempt that fails raises :class:`~zml_router.attempt.AttemptError`; the request flow
 (``zml_router.flow``) decides what follows.
@@ -46,6 +49,8 @@ from zml_router.attempt import (
     stream_usage,
     with_routing,
 )
+from zml_router import continuation
+from zml_router.continuation import Splice, Transcript, engine_error, spliced_usage
 from zml_router.dispatch import NodeClient, first_chunk_within, post, stream_sse
 from zml_router.flow import PATHS, Dispatch, Incoming, Outcome
 from zml_router.ids import RequestIds
@@ -54,7 +59,7 @@ from zml_router.limits import IdentityLimits
 from zml_router.metrics import RouterMetrics
 from zml_router.queue import QueuedMsg
 from zml_router.table import NodeTable
-from zml_router.timers import Timer, Wheel
+from zml_router.timers import Stalled, Timer, Wheel
 
 log = logging.getLogger("zml.router")
 
@@ -153,6 +158,50 @@ class PendingHold:
             self._move(self.node_id, -1, -1 if still else 0)
 
 
+#: Relayed chunks kept before they are folded into what was sent (zml_router.continuation): a
+#: power of two, checked as a mask of the sequence number.
+_FOLD_MASK = 2047
+#: How an engine's error event can begin or end (vLLM and SGLang: ``data: {"error": {...}}``;
+#: TGI: ``{"error": "...", "error_type": ...}``): only a chunk matching one is read for it
+#: (a search of every chunk for ``"error"`` would cost more than the rest of the check).
+_ERROR_HEADS = (b'data: {"error"', b'{"error"')
+_ERROR_TAILS = (b"}}\n\n", b"}}")
+
+
+class Answer:
+    """One request's answer across its attempts: whether the requester has the stream's
+    ``start``, the last sequence number sent, the chunks relayed (for a continuation: what was
+    sent), and the splice of a continuation attempt."""
+
+    __slots__ = ("started", "seq", "transcript", "splice", "usage_asked", "ttft")
+
+    def __init__(self, usage_asked: bool = False) -> None:
+        self.started = False
+        #: The answer's first token (seconds after the request arrived), whichever attempt sent it.
+        self.ttft: float | None = None
+        self.seq = 0
+        self.transcript = Transcript()
+        self.splice: Splice | None = None
+        #: The requester asked for the usage chunk (stream_options.include_usage).
+        self.usage_asked = usage_asked
+
+
+def continued_from(failed: list[tuple[str, int, str]]) -> str | None:
+    """``Outcome.continued_from`` (node, tokens of the answer so far when it failed, failure)
+    as ``RoutingInfo.continued_from``: ``node@tokens:failure``, each node's share, comma-separated.
+
+    >>> continued_from([("a", 5, "network"), ("b", 12, "slow")])
+    'a@5:network,b@7:slow'
+    """
+    if not failed:
+        return None
+    out, before = [], 0
+    for node_id, upto, failure in failed:
+        out.append(f"{node_id}@{max(0, upto - before)}:{failure}")
+        before = max(before, upto)
+    return ",".join(out)
+
+
 class Relay:
     def __init__(self, cfg: ZMLConfig, router_id: str, table: NodeTable, sharing: Sharing, timers: Wheel,
                  http: NodeClient, metrics: RouterMetrics, replies: Replies,
@@ -170,32 +219,53 @@ class Relay:
         self.api_keys = {n.id: n.api_key for n in cfg.nodes if n.api_key}
         self._move = sharing.move  # bound once: a non-streamed request's PendingHold takes it
 
+    def answer(self, req: InferRequest, raw: bytes = b"") -> Answer:
+        """The state of one request's answer, kept across its attempts."""
+        opts = req.stream_options
+        return Answer(usage_asked=isinstance(opts, dict) and bool(opts.get("include_usage")))
+
     async def attempt(self, msg: Incoming, req: InferRequest, bodies: NodeBodies | AudioBodies, model: str,
-                      action: Dispatch,
-                      request_id: str, t0: float, out: Outcome) -> AttemptError | None:
-        """One attempt on the decided node: None once the answer is out, else how it failed."""
+                      action: Dispatch, request_id: str, t0: float, out: Outcome,
+                      answer: Answer | None = None) -> AttemptError | None:
+        """One attempt on the decided node: None once the answer is out, else how it failed.
+        A continuation attempt (``action.continuation``) asks the node for the rest of what
+        ``answer`` has sent (zml_router.continuation; never an audio request: its body is no
+        prompt to continue)."""
         decision = action.decision
         view = self.table.views[decision.node_id]
         info = RoutingInfo(
             node_id=decision.node_id, accelerator_type=view.state.accelerator_type, family=decision.family,
             policy=decision.policy, queue_depth_at_dispatch=decision.queue_depth, decision_id=_decision_id(),
             request_id=request_id, attempts=action.attempt, router_id=self.router_id, label=out.label,
+            continued_from=continued_from(out.continued_from),
             cached_tokens_estimated=decision.cached_tokens,
         )
+        if answer is None:
+            answer = self.answer(req)
+        if answer.started:
+            info.time_to_first_token = answer.ttft  # the answer's first token, not this attempt's
         out.info = info
         DECISION_ID.set(info.decision_id)
         served = view.state.served_names.get(model)
-        node_body = bodies(served or model)
-        first_byte = self.first_byte_s(decision.node_id, req, action.rr)
+        audio = isinstance(req, AudioRequest)
+        if action.continuation and isinstance(bodies, NodeBodies):
+            sent = answer.transcript.sent()
+            node_body = continuation.body(bodies.raw, clean=bodies.clean, kind=req.kind(), sent=sent,
+                                          backend=view.state.backend, name=served or model)
+            answer.splice = Splice(sent, {"node_id": info.node_id, "attempts": action.attempt,
+                                          "continued_from": info.continued_from})
+        else:
+            node_body = bodies(served or model)
+            answer.splice = None
+        first_byte = self.first_byte_s(decision.node_id, req, action.rr, action.stream)
         # The engine answers with its own name: the client gets back the name it asked for (an
         # audio answer names no model).
-        audio = isinstance(req, AudioRequest)
         rename = Renamer(served, req.model) if served and served != req.model and not audio else None
         try:
             if action.stream:
-                usage = await self.stream(msg, req, node_body, info, t0, first_byte, rename, action.rr)
+                usage = await self.stream(msg, req, node_body, info, t0, first_byte, rename, action.rr, answer)
             else:
-                usage = await self.once(msg, req, node_body, info, t0, first_byte, rename, action.rr)
+                usage = await self.once(msg, req, node_body, info, t0, first_byte, rename, action.rr, answer)
         except AttemptError as err:
             self.metrics.failover(decision.node_id, err.failure.value)
             return err
@@ -218,13 +288,15 @@ class Relay:
         self.metrics.dispatching(h, info)  # traceparent of the attempt span, when tracing
         return h
 
-    def first_byte_s(self, node_id: str, req: InferRequest, rr: RouteRequest) -> float | None:
-        """The attempt's first-byte deadline (none for a pinned request: it cannot move)."""
+    def first_byte_s(self, node_id: str, req: InferRequest, rr: RouteRequest, stream: bool | None = None) -> float | None:
+        """The attempt's first-byte deadline (none for a pinned request: it cannot move):
+        ``stream``, the node streams its answer (its first token is due), else the whole reply."""
         view = self.table.views.get(node_id)
         if view is None or req.accelerator_id is not None:
             return None
         rc = self.cfg.router
-        expected = expected_s(view.state, view.outstanding, view.pending, rr.prompt_tokens, rr.max_tokens, req.stream)
+        expected = expected_s(view.state, view.outstanding, view.pending, rr.prompt_tokens, rr.max_tokens,
+                              req.stream if stream is None else stream)
         return first_byte_timeout(expected, rc.first_byte_floor_s, rc.first_byte_factor)
 
     def _url(self, info: RoutingInfo, req: InferRequest) -> str:
@@ -240,30 +312,11 @@ class Relay:
 
     async def once(self, msg: Incoming, req: InferRequest, body: bytes, info: RoutingInfo, t0: float,
                    first_byte: float | None = None, rename: Renamer | None = None,
-                   rr: RouteRequest | None = None) -> dict[str, Any]:
+                   rr: RouteRequest | None = None, answer: Answer | None = None) -> dict[str, Any]:
         """Send the node's reply; returns its token counts (``reply_usage``)."""
-        # A non-streamed reply shows no first token: pending ends at the estimated one.
-        v = self.table.views[info.node_id]
         audio = isinstance(req, AudioRequest)
-        hold = PendingHold(self._move, info.node_id,
-                           pending_window_s(v.state, v.effective_outstanding(), v.effective_pending(), len(body),
-                                            rr.prompt_tokens if rr is not None and audio else None),
-                           self.timers)
-        try:
-            # an audio answer may not be JSON (text, SRT, VTT...): its content type goes with it
-            call = post(self.http, self._url(info, req), body, self._headers(info, msg if audio else None),
-                        self.cfg.nats.max_reply_bytes)
-            if first_byte is None:
-                raw, ctype = await call
-            else:
-                try:
-                    with self.timers.deadline(first_byte):  # on the router's timer wheel (zml_router.timers)
-                        raw, ctype = await call
-                except TimeoutError:  # ours only: the request's own deadline arrives as a cancellation
-                    raise AttemptError(Failure.SLOW, 0,
-                                       f"no reply within the first-byte deadline of {first_byte:.1f} s") from None
-        finally:
-            hold.close()
+        raw, ctype = await self._whole(req, body, info, first_byte, msg if audio else None,
+                                       rr.prompt_tokens if rr is not None and audio else None)
         info.time_to_first_token = time.monotonic() - t0
         usage = reply_usage(raw)
         self.metrics.usage_dict(req.kind(), req.model, usage)
@@ -287,16 +340,42 @@ class Relay:
                                     accepted(msg.headers))
         return usage
 
+    async def _whole(self, req: InferRequest, body: bytes, info: RoutingInfo, first_byte: float | None,
+                     msg: Incoming | None = None, prompt_tokens: int | None = None) -> tuple[bytes, str]:
+        """The node's whole reply and its content type (an audio answer may not be JSON: text,
+        SRT, VTT...). ``msg``: an audio request's (its form's content type goes to the node);
+        ``prompt_tokens``: its cost, which its bytes do not say."""
+        # A non-streamed reply shows no first token: pending ends at the estimated one.
+        v = self.table.views[info.node_id]
+        hold = PendingHold(self._move, info.node_id,
+                           pending_window_s(v.state, v.effective_outstanding(), v.effective_pending(), len(body),
+                                            prompt_tokens),
+                           self.timers)
+        try:
+            call = post(self.http, self._url(info, req), body, self._headers(info, msg), self.cfg.nats.max_reply_bytes)
+            if first_byte is None:
+                return await call
+            try:
+                with self.timers.deadline(first_byte):  # on the router's timer wheel (zml_router.timers)
+                    return await call
+            except TimeoutError:  # ours only: the request's own deadline arrives as a cancellation
+                raise AttemptError(Failure.SLOW, 0,
+                                   f"no reply within the first-byte deadline of {first_byte:.1f} s") from None
+        finally:
+            hold.close()
+
     async def stream(self, msg: Incoming, req: InferRequest, body: bytes, info: RoutingInfo, t0: float,
                      first_byte: float | None = None, rename: Renamer | None = None,
-                     rr: RouteRequest | None = None) -> dict[str, Any] | None:
+                     rr: RouteRequest | None = None, answer: Answer | None = None) -> dict[str, Any] | None:
         """Relay the node's stream; returns its last ``usage`` (with include_usage), if any."""
+        if answer is None:
+            answer = self.answer(req)
         last_usage: dict[str, Any] | None = None
         count, publish, frame = self.sharing.count, self.replies.publish, streamframe.encode
         await count(info.node_id, 1, 1)
         pending = 1
-        started = False
-        seq = 0
+        got = False  # this attempt's first chunk
+        seq = answer.seq
         reported: int | None = None
         prompt_seen: object = None
         # Relayed as the node framed it to a requester that writes SSE itself (the gateway);
@@ -305,47 +384,99 @@ class Relay:
         relay = rename is None and accept in _RELAYED
         frames = relay and accept == subjects.STREAM_FRAMES
         kind = subjects.STREAM_EVENTS if relay else subjects.STREAM_CHUNK
+        # What went out, kept for a continuation (read only if this attempt fails).
+        transcript = answer.transcript
+        transcript.begin(relay)
+        keep = transcript.blocks.append
+        splice = answer.splice
+        # A stall: the sequence number stands still for a whole period (no work per chunk).
+        watch = self.timers.watch(self.cfg.router.inter_token_timeout_s, lambda: seq)
+        watching = False
         chunks = stream_sse(self.http, self._url(info, req), body, self._headers(info, msg), relay)
         try:
-            async for chunk in first_chunk_within(chunks, first_byte):
-                if not started:
-                    started = True
-                    pending = 0
-                    if isinstance(msg, QueuedMsg) and msg.placed is not None and not msg.placed.done():
-                        msg.placed.set_result(True)
-                    await count(info.node_id, 0, -1)
-                    info.time_to_first_token = time.monotonic() - t0
-                    await publish(msg.reply, _encode(StreamStart(routing=info)), {
-                        **routing_headers(msg.headers, info), subjects.H_STREAM: "start", subjects.H_SEQ: "0"})
-                usage = stream_usage(chunk)
-                if usage is not None:
-                    last_usage = usage
-                    info.total_tokens = usage["total_tokens"]
-                    self.metrics.usage_dict(req.kind(), req.model, usage)
-                    prompt_seen = usage.get("prompt_tokens")
-                if b'"cache' in chunk and (cached := cached_tokens(chunk)) is not None:
-                    reported = cached  # the usage chunk, or llama-server's timings on the last chunk
-                if rename is not None:
-                    chunk = rename(chunk)
-                seq += 1  # numbered so that a receiver notices a lost message (zmlcore.reply.streamseq)
-                if frames:
-                    await publish(msg.reply, frame(seq, chunk), None)
-                else:
-                    await publish(msg.reply, chunk, {subjects.H_STREAM: kind, subjects.H_SEQ: str(seq)})
+            try:
+                async for chunk in first_chunk_within(chunks, first_byte):
+                    if not got:
+                        got = True
+                        pending = 0
+                        if isinstance(msg, QueuedMsg) and msg.placed is not None and not msg.placed.done():
+                            msg.placed.set_result(True)
+                        await count(info.node_id, 0, -1)
+                        watch.__enter__()  # the inter-token deadline, from the first token on
+                        watching = True
+                        if not answer.started:
+                            answer.started = True
+                            info.time_to_first_token = answer.ttft = time.monotonic() - t0
+                            await publish(msg.reply, _encode(StreamStart(routing=info)), {
+                                **routing_headers(msg.headers, info), subjects.H_STREAM: "start", subjects.H_SEQ: "0"})
+                    if (chunk.startswith(_ERROR_HEADS) or chunk.endswith(_ERROR_TAILS)) and \
+                            (failed := engine_error(chunk)) is not None:
+                        raise AttemptError(Failure.SERVER, 200, f"the engine failed the request mid-stream: {failed}")
+                    usage = stream_usage(chunk)
+                    if usage is not None:
+                        prompt_seen = usage.get("prompt_tokens")  # the node's own (its prefix cache)
+                        if splice is not None:
+                            usage = spliced_usage(usage, splice.sent)
+                        last_usage = usage
+                        info.total_tokens = usage["total_tokens"]
+                        self.metrics.usage_dict(req.kind(), req.model, usage)
+                    if b'"cache' in chunk and (cached := cached_tokens(chunk)) is not None:
+                        reported = cached  # the usage chunk, or llama-server's timings on the last chunk
+                    if rename is not None:
+                        chunk = rename(chunk)
+                    if splice is not None:  # a continuation: its chunks made part of the one stream
+                        chunk = splice.events(chunk) if relay else splice.payload(chunk)  # type: ignore[assignment]
+                        if not chunk:
+                            continue
+                    keep(chunk)
+                    seq += 1
+                    if not seq & _FOLD_MASK:
+                        transcript.fold()  # numbered so that a receiver notices a lost message (zmlcore.reply.streamseq)
+                    if frames:
+                        await publish(msg.reply, frame(seq, chunk), None)
+                    else:
+                        await publish(msg.reply, chunk, {subjects.H_STREAM: kind, subjects.H_SEQ: str(seq)})
+            except BaseException as exc:
+                if watching:
+                    watching = False
+                    try:
+                        watch.__exit__(type(exc), exc, exc.__traceback__)
+                    except Stalled:
+                        raise AttemptError(Failure.SLOW, 0, f"no token for {self.cfg.router.inter_token_timeout_s:g} s "
+                                           "([router] inter_token_timeout_s)") from None
+                raise
+            finally:
+                if watching:
+                    watch.__exit__(None, None, None)
             if reported is not None:
                 self._reported(info, rr, reported, prompt_seen)
-            if not started:  # a stream with no chunk at all
-                info.time_to_first_token = time.monotonic() - t0
+            if not answer.started:  # a stream with no chunk at all
+                answer.started = True
+                info.time_to_first_token = answer.ttft = time.monotonic() - t0
                 await publish(msg.reply, _encode(StreamStart(routing=info)),
                               {**routing_headers(msg.headers, info), subjects.H_STREAM: "start", subjects.H_SEQ: "0"})
             await self.replies.before_last(info.total_tokens or 0)
             await publish(msg.reply, _encode(StreamStart(routing=info)),
                           {subjects.H_STREAM: subjects.STREAM_END, subjects.H_SEQ: str(seq + 1)})
         except AttemptError as err:
-            # Before the first token the flow re-dispatches invisibly; after it, it cools the
+            # Before the first token the flow re-dispatches invisibly; after it, it continues the
+            # answer on another node where it can (zml_router.continuation), else it cools the
             # node and ends the stream with an error.
-            err.mid_stream = started
+            err.mid_stream = answer.started
+            if answer.started:
+                sent = transcript.sent()
+                if sent.finished and (sent.usage or not answer.usage_asked):
+                    # Only the end of a complete answer was lost: end it here.
+                    log.info("node %s failed after the end of its answer (%s): the stream is complete",
+                             info.node_id, err.detail[:120])
+                    answer.seq = seq
+                    await self.replies.before_last(info.total_tokens or 0)
+                    await publish(msg.reply, _encode(StreamStart(routing=info)),
+                                  {subjects.H_STREAM: subjects.STREAM_END, subjects.H_SEQ: str(seq + 1)})
+                    return last_usage
+                err.sent = sent
             raise
         finally:
+            answer.seq = seq
             await count(info.node_id, -1, -pending)
         return last_usage

@@ -13,6 +13,7 @@ marks shared with the other replicas (``inflight``), the saturation queue's glue
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -31,6 +32,7 @@ from zmlcore.bus.kvfollow import KVFollower
 from zmlcore.config import ZMLConfig
 from zmlcore.errors import CancelledError, QueueFullError, ZMLError
 from zmlcore.limits.budget import ByteBudget
+from zmlcore.messages import frontdoor
 from zmlcore.messages.audio import AudioRequest
 from zmlcore.messages.warmup import completed_encoder
 from zmlcore.policy import Decision, ResolvedPolicy, RouteRequest, RoutingState, admit
@@ -370,8 +372,9 @@ class RouterService:
         from_queue = isinstance(msg, QueuedMsg)
         plan = flow.Plan(model, policy.name, rr, self.cfg.router.max_attempts, req.stream, can_queue,
                          can_queue and not from_queue and queue.has_waiting(model),  # type: ignore[union-attr]
-                         from_queue)
+                         from_queue, msg.data, frontdoor.continue_asked(req, msg.headers), cfg.continue_on_failure)
         steps = flow.route(plan, out)
+        answer = self.relay.answer(req, msg.data)  # what the requester gets, across attempts
         result: flow.Result = None
         while True:
             try:
@@ -379,8 +382,11 @@ class RouterService:
             except StopIteration:
                 return
             if type(action) is flow.Decide:
+                rr = action.rr
+                if action.continuation:  # only a node whose engine can continue the answer
+                    rr = dataclasses.replace(rr, exclude=rr.exclude | self.table.cannot_continue())
                 try:
-                    result = self.metrics.decide(self.admit_batch if batch else self._admit, action.rr, policy)
+                    result = self.metrics.decide(self.admit_batch if batch else self._admit, rr, policy)
                 except ZMLError as exc:
                     result = exc
             elif type(action) is flow.Dispatch:
@@ -390,7 +396,8 @@ class RouterService:
                 if skey and self.sessions is not None and action.rr.accelerator_id is None:
                     self.sessions.bind(skey, node_id)
                 self.metrics.session(action.decision.session)
-                result = await self.relay.attempt(msg, req, bodies, model, action, arrived.request_id, t0, out)
+                result = await self.relay.attempt(msg, req, bodies, model, action, arrived.request_id, t0, out,
+                                                  answer)
             elif type(action) is flow.Penalise:
                 await self._penalise(action)
                 result = None

@@ -79,6 +79,9 @@ class Wheel:
     def deadline(self, seconds: float) -> Deadline:
         return Deadline(self, seconds)
 
+    def watch(self, period: float, progress: Callable[[], int] | None = None) -> Watch:
+        return Watch(self, period, progress)
+
     def running_loop(self) -> asyncio.AbstractEventLoop:
         loop = self.loop
         if loop is None or loop.is_closed():
@@ -118,12 +121,13 @@ class Wheel:
         self._order.clear()
 
 
-class Deadline:
-    """``with wheel.deadline(s):`` cancels the task at the deadline and turns that cancellation
-    (and only that one: not a cancel from elsewhere) into TimeoutError on the way out, exactly
-    as ``asyncio.timeout`` does (the same ``uncancel`` accounting)."""
+class _TaskTimer:
+    """Cancels the task it is entered in when its timer fires, and turns that cancellation (and
+    only that one: not a cancel from elsewhere) into :attr:`error` on the way out, exactly as
+    ``asyncio.timeout`` does (the same ``uncancel`` accounting)."""
 
     __slots__ = ("_wheel", "_seconds", "_task", "_cancelling", "_timer", "_fired")
+    error: type[Exception] = TimeoutError
 
     def __init__(self, wheel: Wheel, seconds: float) -> None:
         self._wheel = wheel
@@ -131,11 +135,11 @@ class Deadline:
         self._fired = False
         self._timer: Timer | None = None
 
-    def __enter__(self) -> Deadline:
+    def __enter__(self) -> _TaskTimer:
         loop = self._wheel.running_loop()
         task = asyncio.current_task(loop)
         if task is None:
-            raise RuntimeError("Deadline used outside a task")
+            raise RuntimeError(f"{type(self).__name__} used outside a task")
         self._task = task
         self._cancelling = task.cancelling()
         self._timer = self._wheel.call_at(loop.time() + self._seconds, self._expire)
@@ -156,4 +160,47 @@ class Deadline:
             self._timer.cancel()
             self._timer = None
         if self._fired and self._task.uncancel() <= self._cancelling and exc_type is asyncio.CancelledError:
-            raise TimeoutError from exc
+            raise self.error from exc
+
+
+class Deadline(_TaskTimer):
+    """``with wheel.deadline(s):`` cancels the task at the deadline: TimeoutError on the way out."""
+
+    __slots__ = ()
+
+
+class Stalled(Exception):
+    """A :class:`Watch`'s counter did not move for a whole period."""
+
+
+class Watch(_TaskTimer):
+    """``with wheel.watch(period) as w:`` cancels the task when ``w.ticks`` has not moved for a
+    whole ``period`` (so a stall is noticed within one to two periods): :class:`Stalled` on the
+    way out. The watched loop only increments ``w.ticks``: no clock read and no timer armed per
+    step, one wheel timer per period."""
+
+    __slots__ = ("_seen", "ticks", "_progress")
+    error = Stalled
+
+    def __init__(self, wheel: Wheel, period: float, progress: Callable[[], int] | None = None) -> None:
+        super().__init__(wheel, period)
+        self.ticks = 0
+        self._seen = 0
+        #: Read instead of ``ticks`` when given (e.g. bytes a connection has received).
+        self._progress = progress
+
+    def _now(self) -> int:
+        return self._progress() if self._progress is not None else self.ticks
+
+    def __enter__(self) -> Watch:
+        self._seen = self._now()
+        super().__enter__()
+        return self
+
+    def _expire(self) -> None:
+        now = self._now()
+        if now != self._seen:  # it moved: look again a period from now
+            self._seen = now
+            self._timer = self._wheel.call_at(self._wheel.running_loop().time() + self._seconds, self._expire)
+            return
+        super()._expire()

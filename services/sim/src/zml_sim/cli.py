@@ -57,6 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     faults.add_argument("--error-status", type=int, default=500, help="status of injected errors")
     faults.add_argument("--drop-mid-stream", type=float, default=0.0,
                         help="share of requests whose connection drops after the first token")
+    faults.add_argument("--stall-mid-stream", type=float, default=0.0,
+                        help="share of requests that send nothing after the first token (connection kept open)")
     faults.add_argument("--slowdown", type=float, default=1.0, help="factor >= 1 on every duration")
     faults.add_argument("--hang", action="store_true", help="accept requests and never answer")
     faults.add_argument("--overload", action="store_true", help="answer the engine's overload error")
@@ -69,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _faults(args: argparse.Namespace) -> Faults:
     return Faults().updated({
         "error_rate": args.error_rate, "error_status": args.error_status,
-        "drop_mid_stream": args.drop_mid_stream, "slowdown": args.slowdown, "hang": args.hang,
+        "drop_mid_stream": args.drop_mid_stream, "stall_mid_stream": args.stall_mid_stream, "slowdown": args.slowdown, "hang": args.hang,
         "overload": args.overload, "retry_after_s": args.retry_after_s,
         "separator_tokens": args.separator_tokens,
     })

@@ -87,6 +87,28 @@ def filler_text(node_id: str, start: int, stop: int, separators: bool = False) -
     return "".join(token_text(node_id, i, separators) for i in range(start, stop))
 
 
+def generated_tokens(text: str) -> int:
+    """How many output tokens ``text`` holds, counted as the sim generates them: each token is
+    one word and one space (an assistant prefix the router continues is the sim's own output)."""
+    return text.count(" ")
+
+
+def continued_prompt(prompt: str, separators: bool = False) -> tuple[str, int]:
+    """A completions prompt that ends with a run of the sim's own output (``[node] the quick
+    ...``, what the router sends to continue a completion: the prompt plus the text so far):
+    (the prompt before it, the tokens of that run), else (``prompt``, 0). Like a real model
+    continuing text, generation then goes on from that position."""
+    end = prompt.rfind("] ")
+    start = prompt.rfind("[", 0, end) if end > 0 else -1
+    if start < 0:
+        return prompt, 0
+    run = prompt[start:]
+    n = generated_tokens(run)
+    if n and run == filler_text(prompt[start + 1:end], 0, n, separators):
+        return prompt[:start], n
+    return prompt, 0
+
+
 class SimError(Exception):
     """A refused engine operation (unknown model, not enough memory...)."""
 
@@ -102,6 +124,12 @@ class Faults:
     """Accept requests and never answer."""
     drop_mid_stream: float = 0.0
     """Share of requests whose connection is closed after the first token."""
+    stall_mid_stream: float = 0.0
+    """Share of requests that stop after the first token and send nothing more, the
+    connection kept open (a wedged engine)."""
+    fail_after_tokens: int = 1
+    """drop_mid_stream and stall_mid_stream strike once a request has this many output tokens
+    (default: after the first)."""
     slowdown: float = 1.0
     """Factor >= 1 applied to every duration (prefill, decode, load)."""
     crash: bool = False
@@ -131,12 +159,16 @@ class Faults:
                 continue
             if key not in known:
                 raise ValueError(f"unknown fault {key!r} (one of {', '.join(sorted(known))})")
-            if key in ("error_rate", "drop_mid_stream", "probe_loss"):
+            if key in ("error_rate", "drop_mid_stream", "stall_mid_stream", "probe_loss"):
                 changes[key] = _num(value, key, lo=0.0, hi=1.0)
             elif key == "slowdown":
                 changes[key] = _num(value, key, lo=1.0)
             elif key in ("retry_after_s", "crash_for_s"):
                 changes[key] = _num(value, key, lo=0.0, optional=True)
+            elif key == "fail_after_tokens":
+                if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                    raise ValueError("fail_after_tokens: expected an integer >= 1")
+                changes[key] = value
             elif key == "error_status":
                 if not isinstance(value, int) or isinstance(value, bool) or not 400 <= value <= 599:
                     raise ValueError("error_status: expected an HTTP error status 400..599")
@@ -221,7 +253,7 @@ class SimRequest:
     _ids = itertools.count(1)
 
     def __init__(self, engine: SimEngine, model: str, prompt_tokens: int, output_tokens: int,
-                 finish_reason: str, tokens: list[int] | None = None) -> None:
+                 finish_reason: str, tokens: list[int] | None = None, offset: int = 0) -> None:
         self.id = next(self._ids)
         self.engine = engine
         self.model = model
@@ -232,6 +264,8 @@ class SimRequest:
         self.cached_tokens = 0
         self.holding: Holding | None = None
         self.output_tokens = output_tokens
+        #: Position of the first output token: a continued answer goes on where its prefix ended.
+        self.offset = offset
         self.finish_reason = finish_reason
         self.state = "waiting"  # waiting | prefill | decoding | done | cancelled | failed
         self.generated = 0
@@ -240,7 +274,7 @@ class SimRequest:
         self.prefill_started_at: float | None = None
         self.finished_at: float | None = None
         self.error: str | None = None
-        self._queue: asyncio.Queue[str | None] = asyncio.Queue()
+        self._queue: asyncio.Queue[list[str] | None] = asyncio.Queue()
         self._ended = False
 
     @property
@@ -251,18 +285,24 @@ class SimRequest:
     def finished(self) -> bool:
         return self.state in ("done", "cancelled", "failed")
 
-    async def next_chunk(self) -> str | None:
-        """The next text piece the engine emitted (one or more tokens); None at the end.
+    async def next_tokens(self) -> list[str] | None:
+        """The text of each token of the engine's next step (or group of steps: one or more
+        tokens); None at the end. An engine streams each token as its own event.
 
         Raises :class:`SimError` if the engine failed the request (crash, unload)."""
         if self._ended:
             return None
-        piece = await self._queue.get()
-        if piece is None:
+        tokens = await self._queue.get()
+        if tokens is None:
             self._ended = True
             if self.error is not None:
                 raise SimError(self.error)
-        return piece
+        return tokens
+
+    async def next_chunk(self) -> str | None:
+        """The next text piece the engine emitted (one or more tokens); None at the end."""
+        tokens = await self.next_tokens()
+        return None if tokens is None else "".join(tokens)
 
     async def text(self) -> str:
         pieces: list[str] = []
@@ -271,8 +311,8 @@ class SimRequest:
         return "".join(pieces)
 
     def _emit(self, n: int) -> None:
-        self._queue.put_nowait(filler_text(self.engine.node_id, self.generated, self.generated + n,
-                                           self.engine.faults.separator_tokens))
+        at, node, sep = self.offset + self.generated, self.engine.node_id, self.engine.faults.separator_tokens
+        self._queue.put_nowait([token_text(node, i, sep) for i in range(at, at + n)])
         self.generated += n
 
     def _close(self, state: str, error: str | None = None) -> None:
@@ -511,6 +551,9 @@ class SimEngine:
     def sample_drop(self) -> bool:
         return self.faults.drop_mid_stream > 0 and self._fault_rng.random() < self.faults.drop_mid_stream
 
+    def sample_stall(self) -> bool:
+        return self.faults.stall_mid_stream > 0 and self._fault_rng.random() < self.faults.stall_mid_stream
+
     def sample_probe_loss(self) -> bool:
         return self.faults.probe_loss > 0 and self._probe_rng.random() < self.faults.probe_loss
 
@@ -523,12 +566,13 @@ class SimEngine:
         )
 
     def submit(self, model: str, prompt_tokens: int, max_tokens: int | None = None,
-               tokens: list[int] | None = None) -> SimRequest:
-        """Queue a request; ``tokens`` (the prompt's ids) make it go through the prefix cache."""
+               tokens: list[int] | None = None, offset: int = 0) -> SimRequest:
+        """Queue a request; ``tokens`` (the prompt's ids) make it go through the prefix cache;
+        ``offset``: output positions already generated (a continued answer goes on from there)."""
         if model not in self.models:
             raise SimError(f"model {model!r} is not loaded")
         output, reason = self.output_length(max_tokens)
-        req = SimRequest(self, model, max(1, prompt_tokens), output, reason, tokens)
+        req = SimRequest(self, model, max(1, prompt_tokens), output, reason, tokens, offset)
         self.waiting.append(req)
         if self.admitted < self.profile.max_concurrency:
             self._wake.set()

@@ -43,6 +43,8 @@ from zml_sim.engine import Faults
 from zml_sim.engine import SimEngine
 from zml_sim.engine import SimError
 from zml_sim.engine import SimRequest
+from zml_sim.engine import continued_prompt
+from zml_sim.engine import generated_tokens
 from zml_sim.faces import ENGINES
 from zml_sim.faces import FACES
 from zml_sim.faces.base import DEFAULT_RETRY_AFTER_S
@@ -355,11 +357,21 @@ class SimNode:
             raise _BadRequest("Request body must be a JSON object")
         ids: list[int] | None = None
         text: str | None
+        offset = 0
+        prefix: str | None = None
         if chat:
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
                 raise _BadRequest("Field 'messages' is required: a non-empty list of messages")
             parts: list[str] = []
+            last = messages[-1]
+            if isinstance(last, dict) and last.get("role") == "assistant" and isinstance(last.get("content"), str):
+                try:
+                    if self.face.continues(body):  # the engine's assistant prefill
+                        prefix = last["content"]
+                        messages = messages[:-1]
+                except ValueError as exc:
+                    raise _BadRequest(str(exc)) from None
             for msg in messages:
                 if not isinstance(msg, dict) or "role" not in msg:
                     raise _BadRequest("Each message must be an object with a 'role'")
@@ -373,6 +385,9 @@ class SimNode:
                             raise _BadRequest("Each content part must be an object whose 'text' is a string")
                         parts.append(text)
             text = "".join(parts)
+            if prefix is not None:  # generation goes on where the assistant's text ends
+                offset = generated_tokens(prefix)
+                text += prefix
         else:
             prompt = body.get("prompt")
             if isinstance(prompt, str):
@@ -383,11 +398,22 @@ class SimNode:
                 text = "".join(prompt)
             else:
                 raise _BadRequest("Field 'prompt' is required: a string, list of strings or token ids")
+            if text is not None:  # the prompt plus the text so far: a completion to continue
+                head, offset = continued_prompt(text, self.engine.faults.separator_tokens)
+                if offset:
+                    prefix = text[len(head):]
         # The prompt's tokens (one per 4 characters, estimate_tokens' count): a chat's messages
-        # are joined, so each turn of a conversation extends the previous turn's prompt.
+        # are joined, so each turn of a conversation extends the previous turn's prompt. Output
+        # continued from a prefix counts its tokens as generated (what the engine's tokenizer
+        # makes of its own output).
         tokens = token_ids(text) if text is not None else ids
         assert tokens is not None
-        prompt_tokens = estimate_tokens(text) if text is not None else len(tokens)
+        if text is None:
+            prompt_tokens = len(tokens)
+        elif offset:
+            prompt_tokens = estimate_tokens(text[:len(text) - len(prefix or "")]) + offset
+        else:
+            prompt_tokens = estimate_tokens(text)
         max_tokens = body.get("max_completion_tokens") if chat else None
         if max_tokens is None:
             max_tokens = body.get("max_tokens")
@@ -411,6 +437,7 @@ class SimNode:
             "max_tokens": max_tokens,
             "stream": bool(body.get("stream", False)),
             "include_usage": isinstance(opts, dict) and bool(opts.get("include_usage")),
+            "offset": offset,
         }
 
     async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
@@ -444,12 +471,14 @@ class SimNode:
             return self.error(status, "Injected fault: internal server error", "internal",
                                self._retry_headers())
         drop = eng.sample_drop()
-        req = eng.submit(model, args["prompt_tokens"], args["max_tokens"], tokens=args["tokens"])
+        stall = eng.sample_stall()
+        req = eng.submit(model, args["prompt_tokens"], args["max_tokens"], tokens=args["tokens"],
+                         offset=args["offset"])
         try:
             if args["stream"]:
-                return await self._stream(request, req, chat=chat, drop=drop,
+                return await self._stream(request, req, chat=chat, drop=drop, stall=stall,
                                           include_usage=args["include_usage"])
-            return await self._complete(request, req, chat=chat, drop=drop)
+            return await self._complete(request, req, chat=chat, drop=drop, stall=stall)
         finally:
             eng.cancel(req)
 
@@ -576,14 +605,27 @@ class SimNode:
             request.transport.abort()
         raise asyncio.CancelledError
 
+    async def _stall(self, req: SimRequest) -> None:
+        """Send nothing more, the connection open, until the client goes or the node stops."""
+        self.engine.cancel(req)
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._hung.add(fut)
+        try:
+            await fut
+        finally:
+            self._hung.discard(fut)
+        raise asyncio.CancelledError
+
     async def _complete(self, request: web.Request, req: SimRequest, *, chat: bool,
-                        drop: bool) -> web.StreamResponse:
+                        drop: bool, stall: bool = False) -> web.StreamResponse:
         pieces: list[str] = []
         try:
             while (piece := await req.next_chunk()) is not None:
                 pieces.append(piece)
-                if drop:
-                    self._drop(request, req)
+                if (drop or stall) and req.generated >= self.engine.faults.fail_after_tokens:
+                    if drop:
+                        self._drop(request, req)
+                    await self._stall(req)
         except SimError as exc:
             return self.error(500, str(exc), "internal")
         text = "".join(pieces)
@@ -599,33 +641,42 @@ class SimNode:
         return _json_response(body)
 
     async def _stream(self, request: web.Request, req: SimRequest, *, chat: bool, drop: bool,
-                      include_usage: bool) -> web.StreamResponse:
+                      include_usage: bool, stall: bool = False) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)
         head = self._envelope(req, chat, chunk=True)
 
-        async def send(choices: list[dict[str, Any]], **extra: Any) -> None:
+        def event(choices: list[dict[str, Any]], **extra: Any) -> bytes:
             data = {**head, "choices": choices, **extra}
             if include_usage and "usage" not in data:
                 data["usage"] = None
-            await resp.write(b"data: " + _json.encode(data) + b"\n\n")
+            return b"data: " + _json.encode(data) + b"\n\n"
+
+        async def send(choices: list[dict[str, Any]], **extra: Any) -> None:
+            await resp.write(event(choices, **extra))
 
         first = True
         try:
-            while (piece := await req.next_chunk()) is not None:
-                if chat:
-                    if first:
-                        await send([{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                     "logprobs": None, "finish_reason": None}])
-                    choice: dict[str, Any] = {"index": 0, "delta": {"content": piece},
-                                              "logprobs": None, "finish_reason": None}
-                else:
-                    choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": None}
-                await send([choice])
+            while (tokens := await req.next_tokens()) is not None:
+                # One event per token, as an engine streams them; a group of steps in one write.
+                events = []
+                if chat and first:
+                    events.append(event([{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                          "logprobs": None, "finish_reason": None}]))
+                for piece in tokens:
+                    if chat:
+                        choice: dict[str, Any] = {"index": 0, "delta": {"content": piece},
+                                                  "logprobs": None, "finish_reason": None}
+                    else:
+                        choice = {"index": 0, "text": piece, "logprobs": None, "finish_reason": None}
+                    events.append(event([choice]))
+                await resp.write(b"".join(events))
                 first = False
-                if drop:
-                    self._drop(request, req)
+                if (drop or stall) and req.generated >= self.engine.faults.fail_after_tokens:
+                    if drop:
+                        self._drop(request, req)
+                    await self._stall(req)
         except SimError as exc:
             # Engine failure mid-stream: vLLM sends an error event and ends the stream.
             err = {"error": {"message": str(exc), "type": "InternalServerError", "code": 500}}

@@ -16,7 +16,7 @@ import msgspec
 Kind = Literal["chat", "completion", "embedding", "transcription", "translation"]
 
 #: Keys that are ZML's own and are removed before the body goes to a backend.
-ZML_REQUEST_KEYS = ("policy", "routing", "accelerator_id", "request_id", "timeout_ms", "zml")
+ZML_REQUEST_KEYS = ("policy", "routing", "accelerator_id", "request_id", "timeout_ms", "continue_on_failure", "zml")
 
 
 class ChatMessage(msgspec.Struct, kw_only=True):
@@ -40,6 +40,7 @@ class InlinePolicy(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     queue_threshold: int | None = None
     queue_on_saturation: bool | None = None
     max_queue_ms: int | None = None
+    continue_on_failure: bool | None = None
 
 
 class InferRequest(msgspec.Struct, kw_only=True):
@@ -69,6 +70,9 @@ class InferRequest(msgspec.Struct, kw_only=True):
     accelerator_id: str | None = None
     request_id: str | None = None
     timeout_ms: Annotated[int, msgspec.Meta(ge=1)] | None = None
+    #: False: if the node fails part-way, end with the error instead of continuing the answer on
+    #: another node (docs/http-api.md, "When a node fails mid-answer").
+    continue_on_failure: bool | None = None
 
     def kind(self) -> Kind:
         if self.input is not None:
@@ -138,6 +142,12 @@ class RoutingInfo(msgspec.Struct, kw_only=True):
     #: (``usage.prompt_tokens_details.cached_tokens``, llama.cpp's ``timings.cache_n``); None
     #: when it does not say (or, in a stream's start message, not yet).
     cached_tokens: int | None = None
+    #: The nodes that failed part-way through this answer, in order, each continued by the next
+    #: (``node_id`` finished it): ``node@tokens:failure`` comma-separated, ``tokens`` the
+    #: answer's tokens that node produced, ``failure`` network (crash, reset, dropped
+    #: connection), server (an error status or the engine's error event) or slow (nothing
+    #: within the inter-token deadline); e.g. ``h100-1@37:network``. None when one node wrote it.
+    continued_from: str | None = None
 
 
 #: Names published before the rule below: header word of a field whose word is not its name.

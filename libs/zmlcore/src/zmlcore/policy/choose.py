@@ -18,8 +18,8 @@ import numpy as np
 from zmlcore.errors import BadRequestError, ModelNotLoadedError, NoHealthyNodesError, QueueFullError
 from zmlcore.policy.context import Cand, Ctx, VCtx
 from zmlcore.policy.fleet import FleetIndex, ModelTable
-from zmlcore.policy.prefix.index import Match, PrefixIndex, slots_of
-from zmlcore.policy.prefix.keys import BLOCK_BYTES
+from zmlcore.policy.prefix.index import Match, PrefixIndex, slot_array, slots_of
+from zmlcore.policy.prefix.keys import KEY_ENDS
 from zmlcore.policy.resolve import ResolvedPolicy
 from zmlcore.policy.session import keep_bound
 from zmlcore.policy.strategies import availability, chain, cost, latency, round_robin, weighted
@@ -172,15 +172,15 @@ def cached_rows(table: ModelTable, cache: PrefixIndex, match: Match, prompt_toke
     blocks = cache.block_by_slot
     chain = match.chain
     total = max(prompt_tokens, chain.nbytes // cache.bytes_per_token)
+    n_slots = len(rows_of)
     out: Any = {} if table.small else None
     for mask, nkeys in match.groups:
-        t = min(nkeys * BLOCK_BYTES // cache.bytes_per_token, total - 1)
+        t = min(KEY_ENDS[nkeys - 1] // cache.bytes_per_token, total - 1)
         if t <= 0:
             continue
-        slots = slots_of(mask)
-        if table.small or len(slots) < 8:
-            for sl in slots:
-                j = int(rows_of[sl]) if sl < len(rows_of) else -1
+        if table.small or mask.bit_count() < 8:
+            for sl in slots_of(mask):
+                j = int(rows_of[sl]) if sl < n_slots else -1
                 if j < 0:
                     continue
                 b = int(blocks[sl])
@@ -189,9 +189,10 @@ def cached_rows(table: ModelTable, cache: PrefixIndex, match: Match, prompt_toke
                     if out is None:
                         out = np.zeros(len(table.views))
                     out[j] = c
-        else:
-            sa = np.asarray(slots, dtype=np.intp)
-            sa = sa[sa < len(rows_of)]
+        else:  # a prefix many nodes hold (a shared system prompt): vector work
+            sa = slot_array(mask)
+            if sa[-1] >= n_slots:
+                sa = sa[sa < n_slots]
             rows = rows_of[sa]
             ok = rows >= 0
             ba = blocks[sa[ok]]

@@ -123,11 +123,30 @@ class Lease:
             except asyncio.CancelledError:
                 raise
             except KeyWrongLastSequenceError:
+                if await self._still_ours(kv):
+                    continue
                 log.warning("%s: lease lost to another replica", self.holder)
                 self.revision = None
                 return
             except Exception as exc:  # broker away: keep going; a standby cannot take over either
                 log.debug("lease %s renewal failed: %s", self.role, exc)
+
+    async def _still_ours(self, kv: KeyValue) -> bool:
+        """After a wrong-revision answer: is the key's holder still this replica? A renewal that
+        timed out while the broker was away can still land later (the client sends what it
+        buffered on reconnect), moving the revision under us; the holder id is this process's
+        own, so a key holding it was written by us: adopt its revision and keep the lease."""
+        try:
+            entry = await kv.get(self.role)
+        except Exception as exc:  # cannot tell now: try again at the next renewal
+            log.debug("lease %s: reading it back failed: %s", self.role, exc)
+            return True
+        if (entry.value or b"").decode() == self.holder:
+            log.info("%s: a renewal sent before the broker blinked landed late; lease kept (revision %s)",
+                     self.holder, entry.revision)
+            self.revision = entry.revision
+            return True
+        return False
 
     async def release(self) -> None:
         """Hand over now (clean stop): delete our key if it is still ours."""

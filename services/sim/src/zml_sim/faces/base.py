@@ -77,6 +77,19 @@ class Face:
             usage["prompt_tokens_details"] = {"cached_tokens": req.cached_tokens}
         return usage
 
+    #: How the engine continues a chat whose last message is the assistant's (assistant
+    #: prefill, what the router continues a failed stream with): "flag" when the request says
+    #: ``continue_final_message: true`` (vLLM, SGLang, TGI), "always" (llama-server, whose
+    #: ``--prefill-assistant`` is on by default), "never" (OpenAI's API answers a new message).
+    prefill = "flag"
+
+    def continues(self, body: dict[str, Any]) -> bool:
+        """Whether this chat body (its last message the assistant's) continues that message;
+        ValueError with the engine's wording for a combination it refuses."""
+        if self.prefill == "always":
+            return True
+        return self.prefill == "flag" and body.get("continue_final_message") is True
+
     def reply_extra(self, req: SimRequest) -> dict[str, Any]:
         """Top-level fields beside ``usage`` in a reply and a stream's last chunks."""
         return {}

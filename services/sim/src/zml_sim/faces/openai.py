@@ -16,6 +16,7 @@ from zml_sim.nodeview import NodeView
 class OpenAI(Face):
     name = "openai"
     owner = "system"
+    prefill = "never"  # OpenAI's API answers a trailing assistant message with a new one
 
     def error_body(self, status: int, message: str, kind: str) -> Any:
         otype = {"bad_request": "invalid_request_error", "not_found": "invalid_request_error",

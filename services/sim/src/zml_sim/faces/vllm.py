@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from functools import partial
+from typing import Any
 
 from aiohttp import web
 
@@ -20,6 +21,12 @@ from zml_sim.nodeview import NodeView
 
 class VLLM(Face):
     name = "vllm"
+
+    def continues(self, body: dict[str, Any]) -> bool:
+        # vLLM's own check (its add_generation_prompt defaults to true).
+        if body.get("continue_final_message") is True and body.get("add_generation_prompt", True) is not False:
+            raise ValueError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
+        return super().continues(body)
 
     def add_routes(self, node: NodeView, r: web.UrlDispatcher) -> None:
         r.add_get("/version", _version)

@@ -5,7 +5,9 @@ Layout (see the package docstring for the API and docs/routing.md for the design
 * ``_holders``: key -> the nodes that hold it. A single holder is stored as its slot number
   (>= 0, the common case and a small int), several as ``~bitmask`` over slots (< 0).
 * per node a :class:`NodeCache`: ``gen``, a plain dict key -> the number of the touch that
-  last refreshed it, and ``log``, the touches oldest first, each with its keys deepest first.
+  last refreshed it and the key's position in its chain (``touch << 6 | position``: a key's
+  position gives the bytes it stands for, ``KEY_ENDS``), and ``log``, the touches oldest
+  first, each with its keys deepest first.
   Evicting walks the log from its head and drops the keys whose last touch is that one; a
   touch is one C-level ``dict.update`` over the chain, which is what keeps a record of an
   8k-token prompt at a few microseconds (an ``OrderedDict`` moving every key costs ~10x more).
@@ -25,6 +27,7 @@ the total (docs/benchmarks.md measures bytes per entry).
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from collections import OrderedDict, deque
 from itertools import repeat
 from typing import Any
@@ -34,14 +37,18 @@ import numpy as np
 from zmlcore.messages import NodeState
 from zmlcore.messages.kvcache import KvAllCleared, KvBlockRemoved, KvBlockStored, KvEventBatch
 from zmlcore.policy.estimate import BODY_BYTES_PER_TOKEN
-from zmlcore.policy.prefix.keys import BLOCK_BYTES, KeyChain
+from zmlcore.policy.prefix.keys import BLOCK_BYTES, KEY_ENDS, KeyChain
 
 #: An entry untouched this long is dropped (seconds): the safety net for what the index cannot
 #: see (other clients of the engine, memory taken by decode) on nodes that report nothing.
 DEFAULT_TTL_S = 300.0
 #: Entries (key, node) the whole index keeps at most: when the nodes' capacities add up to more,
-#: every node's share is scaled down alike (docs/benchmarks.md: bytes per entry).
+#: every node's share is scaled down alike (docs/benchmarks.md: bytes per entry). A node's
+#: capacity is in prompt bytes; an entry stands for at least BLOCK_BYTES of them.
 DEFAULT_MAX_ENTRIES = 2_000_000
+#: ``gen`` values: touch number << _POS_BITS | the key's position in its chain.
+_POS_BITS = 6
+_POS_MASK = (1 << _POS_BITS) - 1
 #: A reported miss on a prefix confirmed less than this long ago is not taken for an eviction
 #: (clocks and reports race by milliseconds, not seconds).
 MIN_MISS_AGE_S = 1.0
@@ -81,13 +88,13 @@ class NodeCache:
 
     __slots__ = (
         "node_id", "slot", "gen", "log", "log_keys", "touches", "times", "confirmed", "block", "cap_tokens", "cap",
-        "awaiting", "events_at", "event_seq", "stored_tokens", "evict_debt", "hits", "misses",
+        "size", "awaiting", "events_at", "event_seq", "stored_tokens", "hits", "misses",
     )
 
     def __init__(self, node_id: str, slot: int, block: int, cap_tokens: int) -> None:
         self.node_id = node_id
         self.slot = slot
-        #: key -> number of its last touch
+        #: key -> (number of its last touch) << 6 | its position in the chain
         self.gen: dict[int, int] = {}
         #: touches, oldest first: [number, time, keys deepest first, next position to evict]
         self.log: deque[list[Any]] = deque()
@@ -98,18 +105,19 @@ class NodeCache:
         self.confirmed: dict[int, float] = {}
         #: engine block size (tokens): a match counts whole blocks only
         self.block = max(1, block)
-        #: tokens the engine can keep, and that in index keys (the index's scaled share)
+        #: tokens the engine can keep; prompt bytes the index keeps for it (its scaled share),
+        #: and holds now
         self.cap_tokens = cap_tokens
         self.cap = 0
+        self.size = 0
         #: chain tail -> (keys predicted cached at dispatch, when the engine had confirmed the
         #: deepest of them or -1 if it was only recorded, the dispatch time, the dispatch's touch)
         self.awaiting: OrderedDict[int, tuple[int, float, float, int]] = OrderedDict()
         #: last KV event batch (time received, engine sequence number); None: never
         self.events_at: float | None = None
         self.event_seq = -1
-        #: engine tokens stored per its events, and evictions owed to the index (in keys)
+        #: engine tokens stored per its events
         self.stored_tokens = 0
-        self.evict_debt = 0.0
         self.hits = 0
         self.misses = 0
 
@@ -125,8 +133,9 @@ class NodeCache:
         g = self.gen.get(key)
         if g is None:
             return None
-        c = self.confirmed.get(g)
-        return c if c is not None else -self.times[g]
+        n = g >> _POS_BITS
+        c = self.confirmed.get(n)
+        return c if c is not None else -self.times[n]
 
     def fidelity(self, now: float) -> str:
         """``precise`` (KV events are flowing), ``reported`` (the engine reports cached tokens),
@@ -200,7 +209,7 @@ class PrefixIndex:
         #: bumped whenever slots are assigned or freed (tables cache slot -> row maps)
         self.epoch = 0
         self._sweep = 0
-        #: the nodes' capacities in keys, summed, and the share of them the index keeps
+        #: the nodes' capacities in prompt bytes, summed, and the share of them the index keeps
         self._total_cap = 0
         self._scale = 1.0
 
@@ -219,7 +228,7 @@ class PrefixIndex:
             self.epoch += 1
         nc.block = max(1, block_size)
         self.block_by_slot[nc.slot] = nc.block
-        self._total_cap += self._keys_of(capacity_tokens) - self._keys_of(nc.cap_tokens)
+        self._total_cap += self._bytes_of(capacity_tokens) - self._bytes_of(nc.cap_tokens)
         nc.cap_tokens = capacity_tokens
         self._rescale(nc)
 
@@ -235,8 +244,8 @@ class PrefixIndex:
         nc = self._nodes.pop(node_id, None)
         if nc is None:
             return
-        self._evict(nc, len(nc.gen))
-        self._total_cap -= self._keys_of(nc.cap_tokens)
+        self._evict(nc, nc.size)
+        self._total_cap -= self._bytes_of(nc.cap_tokens)
         self._ids[nc.slot] = None
         self._free.append(nc.slot)
         self.epoch += 1
@@ -245,20 +254,22 @@ class PrefixIndex:
     def node(self, node_id: str) -> NodeCache | None:
         return self._nodes.get(node_id)
 
-    def _keys_of(self, tokens: int) -> int:
-        return max(1, int(tokens * self.bytes_per_token / BLOCK_BYTES)) if tokens > 0 else 0
+    def _bytes_of(self, tokens: int) -> int:
+        """A capacity in tokens as prompt bytes."""
+        return max(0, tokens * self.bytes_per_token)
 
     def _rescale(self, changed: NodeCache | None) -> None:
-        """Each node keeps its capacity in keys, scaled so that they add up to at most
-        ``max_entries``; only a change of the scale touches every node."""
+        """Each node keeps its capacity in prompt bytes, scaled so that they add up to at most
+        ``max_entries`` blocks (no entry stands for less than a block); only a change of the
+        scale touches every node."""
         total = self._total_cap
-        scale = min(1.0, self.max_entries / total) if total else 1.0
+        scale = min(1.0, self.max_entries * BLOCK_BYTES / total) if total else 1.0
         nodes = self._nodes.values() if scale != self._scale or changed is None else (changed,)
         self._scale = scale
         for nc in nodes:
-            nc.cap = max(1, int(self._keys_of(nc.cap_tokens) * scale))
-            if len(nc.gen) > nc.cap:
-                self._evict(nc, len(nc.gen) - nc.cap)
+            nc.cap = max(BLOCK_BYTES, int(self._bytes_of(nc.cap_tokens) * scale))
+            if nc.size > nc.cap:
+                self._evict(nc, nc.size - nc.cap)
 
     # --- conversions ---
     def to_tokens(self, nkeys: int, block: int, chain: KeyChain, prompt_tokens: int = 0) -> int:
@@ -267,7 +278,7 @@ class PrefixIndex:
         token), rounded down to whole blocks."""
         if nkeys <= 0:
             return 0
-        t = nkeys * BLOCK_BYTES // self.bytes_per_token
+        t = KEY_ENDS[nkeys - 1] // self.bytes_per_token
         total = max(prompt_tokens, chain.nbytes // self.bytes_per_token)
         if t >= total:
             t = total - 1
@@ -275,7 +286,7 @@ class PrefixIndex:
 
     def keys_for_tokens(self, tokens: int, chain: KeyChain) -> int:
         """Keys of ``chain`` wholly inside its first ``tokens`` tokens."""
-        return min(len(chain.keys), tokens * self.bytes_per_token // BLOCK_BYTES)
+        return min(len(chain.keys), bisect_right(KEY_ENDS, tokens * self.bytes_per_token))
 
     # --- lookup ---
     def lookup(self, chain: KeyChain, now: float = 0.0) -> Match:
@@ -334,7 +345,7 @@ class PrefixIndex:
         if nc is None or not keys:
             return
         d = _depth(nc.gen, keys)
-        conf = nc.confirmed.get(nc.gen[keys[d - 1]], -1.0) if d else -1.0
+        conf = nc.confirmed.get(nc.gen[keys[d - 1]] >> _POS_BITS, -1.0) if d else -1.0
         # recorded, not confirmed: the engine holds it once this request's prefill is done
         n = self._touch(nc, keys, d, now)
         # what was predicted, for the engine's report (correct)
@@ -348,15 +359,18 @@ class PrefixIndex:
     def _touch(self, nc: NodeCache, keys: list[int], d: int, now: float) -> int:
         """Make ``keys`` (of which the node holds the first ``d``) its most recent entries;
         returns the touch's number."""
-        if d < len(keys):
+        L = len(keys)
+        if d < L:
             self._add_holder(keys[d:], nc.slot)
+            nc.size += KEY_ENDS[L - 1] - (KEY_ENDS[d - 1] if d else 0)
         nc.touches += 1
         n = nc.touches
-        nc.gen.update(zip(keys, repeat(n)))
+        base = n << _POS_BITS
+        nc.gen.update(zip(keys, range(base, base + L)))
         nc.log.append([n, now, keys[::-1], 0])
         nc.times[n] = now
-        nc.log_keys += len(keys)
-        over = len(nc.gen) - nc.cap
+        nc.log_keys += L
+        over = nc.size - nc.cap
         if over > 0:
             self._evict(nc, over)
         if nc.log_keys > 2 * len(nc.gen) + 4096:
@@ -388,7 +402,10 @@ class PrefixIndex:
             if v == slot:
                 del g[k]
             return
-        m = ~v & ~(1 << slot)
+        m = ~v
+        bit = 1 << slot
+        if m & bit:
+            m ^= bit
         if m & (m - 1):
             g[k] = ~m
         elif m:
@@ -396,21 +413,25 @@ class PrefixIndex:
         else:
             del g[k]
 
-    def _evict(self, nc: NodeCache, n: int, before: float | None = None) -> None:
-        """Drop the node's ``n`` least recently touched entries (or, with ``before``, every
-        entry last touched before that time)."""
+    def _evict(self, nc: NodeCache, nbytes: int, before: float | None = None) -> None:
+        """Drop the node's least recently touched entries until ``nbytes`` of prompt are freed
+        (or, with ``before``, every entry last touched before that time)."""
         gen, log, slot = nc.gen, nc.log, nc.slot
-        while log and (n > 0 if before is None else log[0][1] < before):
+        while log and (nbytes > 0 if before is None else log[0][1] < before):
             entry = log[0]
             num, keys, i = entry[0], entry[2], entry[3]
             end = len(keys)
-            while i < end and (n > 0 or before is not None):
+            while i < end and (nbytes > 0 or before is not None):
                 k = keys[i]
                 i += 1
-                if gen.get(k) == num:
+                g = gen.get(k)
+                if g is not None and g >> _POS_BITS == num:
                     del gen[k]
                     self._unhold(k, slot)
-                    n -= 1
+                    pos = g & _POS_MASK
+                    span = KEY_ENDS[pos] - (KEY_ENDS[pos - 1] if pos else 0)
+                    nc.size -= span
+                    nbytes -= span
             if i >= end:
                 log.popleft()
                 nc.log_keys -= end
@@ -426,7 +447,7 @@ class PrefixIndex:
         kept: deque[list[Any]] = deque()
         total = 0
         for num, t, keys, i in nc.log:
-            live = [k for k in keys[i:] if gen.get(k) == num]
+            live = [k for k in keys[i:] if gen.get(k, 0) >> _POS_BITS == num]
             if live:
                 kept.append([num, t, live, 0])
                 total += len(live)
@@ -479,19 +500,20 @@ class PrefixIndex:
         if nc is None or not keys:
             return
         if prompt_tokens > 0 and chain.nbytes > 0:
-            got = min(len(keys), cached_tokens * chain.nbytes // prompt_tokens // BLOCK_BYTES)
+            got = min(len(keys), bisect_right(KEY_ENDS, cached_tokens * chain.nbytes // prompt_tokens))
         else:
             got = self.keys_for_tokens(cached_tokens, chain)
         pred = nc.awaiting.pop(keys[-1], None)
         gen = nc.gen
-        if pred is not None and gen.get(keys[-1]) == pred[3] and gen.get(keys[0]) == pred[3]:
+        if (pred is not None and gen.get(keys[-1], 0) >> _POS_BITS == pred[3]
+                and gen.get(keys[0], 0) >> _POS_BITS == pred[3]):
             nc.confirmed[pred[3]] = now  # the dispatch's touch: its keys are on the engine now
         else:  # keys touched again since, or lost: one touch of the whole prompt, confirmed
             nc.confirmed[self._touch(nc, keys, _depth(gen, keys), now)] = now
         if pred is None or not pred[0]:
             return
         want, confirmed, sent, _n = pred
-        if got >= want - max(1, want // 8):  # (block rounding, the bytes-per-token estimate)
+        if got >= want - 1:  # (block rounding, the bytes-per-token estimate)
             nc.hits += 1
         elif confirmed > 0 and sent - confirmed >= MIN_MISS_AGE_S:
             nc.misses += 1
@@ -504,7 +526,7 @@ class PrefixIndex:
 
         The engine speaks token blocks, the index text keys, so events are applied in lockstep
         rather than key by key: a clear empties the node; a removal of ``n`` blocks of ``b``
-        tokens evicts that many tokens' worth of the node's oldest entries (the engine evicts its
+        tokens evicts that many tokens' worth of prompt from the node's oldest entries (the engine evicts its
         least recently used blocks too, tails first, as the index does), whoever filled them:
         prompts the routers never saw still push the right number of entries out. Stores count
         the engine's occupancy (``stored_tokens``). While events flow, TTL expiry is off for the
@@ -520,12 +542,10 @@ class PrefixIndex:
         nc.events_at = now
         if batch.seq >= 0:
             nc.event_seq = batch.seq
-        per_key = BLOCK_BYTES / self.bytes_per_token
         for ev in batch.events:
             if isinstance(ev, KvAllCleared):
-                self._evict(nc, len(nc.gen))
+                self._evict(nc, nc.size)
                 nc.stored_tokens = 0
-                nc.evict_debt = 0.0
                 continue
             if ev.medium not in (None, "GPU", "gpu"):
                 continue
@@ -535,11 +555,7 @@ class PrefixIndex:
                 nc.stored_tokens += tokens
             elif isinstance(ev, KvBlockRemoved):
                 nc.stored_tokens = max(0, nc.stored_tokens - tokens)
-                nc.evict_debt += tokens / per_key
-                n = int(nc.evict_debt)
-                if n:
-                    nc.evict_debt -= n
-                    self._evict(nc, n)
+                self._evict(nc, tokens * self.bytes_per_token)
 
     # --- sizes ---
     def __len__(self) -> int:
@@ -575,11 +591,17 @@ def slots_of(mask: int) -> list[int]:
     if not mask & (mask - 1):
         return [mask.bit_length() - 1] if mask else []
     if mask.bit_count() > 24:
-        raw = np.frombuffer(mask.to_bytes((mask.bit_length() + 7) // 8, "little"), dtype=np.uint8)
-        return np.flatnonzero(np.unpackbits(raw, bitorder="little")).tolist()
+        out_: list[int] = slot_array(mask).tolist()
+        return out_
     out = []
     while mask:
         low = mask & -mask
         out.append(low.bit_length() - 1)
         mask ^= low
     return out
+
+
+def slot_array(mask: int) -> np.ndarray:
+    """Slot numbers set in ``mask``, as an array (for masks with many bits)."""
+    raw = np.frombuffer(mask.to_bytes((mask.bit_length() + 7) // 8, "little"), dtype=np.uint8)
+    return np.flatnonzero(np.unpackbits(raw, bitorder="little"))

@@ -8,9 +8,13 @@ fleet; each node's share is converted to its own tokens afterwards (see ``index.
 The prompt is serialised canonically (chat: each message as role, a 0 byte, its text, a 1 byte;
 completions: the prompt's text), in UTF-8, behind the model name and a 0 byte (different
 models never share a cache). The bytes are cut into blocks of :data:`BLOCK_BYTES`; only whole blocks are keyed
-(engines cache whole blocks too). Key ``i`` stands for the prefix ``bytes[0 : (i+1) *
-BLOCK_BYTES]``: a follow-up turn, which repeats the conversation and adds to it, shares every
-key of the previous turn.
+(engines cache whole blocks too). Keys are spaced geometrically: one per block for the first
+:data:`FINE_BLOCKS` blocks (4 KB, ~1k tokens), then four per doubling of the prefix (every 1 KB
+up to 8 KB, every 2 KB up to 16 KB...): key ``i`` stands for the prefix ``bytes[0 :
+KEY_ENDS[i]]``. A match is known to within a quarter of its length past 4 KB, which never
+changes a routing decision (the warm node's saving is the whole prefix), and an 8k-token
+prompt has 20 keys instead of 64: the index's upkeep and memory are per key. A follow-up
+turn, which repeats the conversation and adds to it, shares every key of the previous turn.
 
 The hash is computed for all blocks at once in numpy, a fixed handful of calls (~8-12 us for an
 8k-token prompt; a Python loop of ``zlib.crc32`` or ``xxhash`` over its 64 blocks costs 25-50
@@ -30,13 +34,32 @@ from typing import Any
 
 import numpy as np
 
-#: Bytes of prompt text per key: ~128 tokens at ~4 bytes per token (the router's body-size
-#: estimate). A match is known to within one block; a finer block costs more index entries and
-#: upkeep per request (docs/routing.md, "Cache-aware routing").
+#: Bytes of prompt text per hashed block: ~128 tokens at ~4 bytes per token (the router's
+#: body-size estimate).
 BLOCK_BYTES = 512
-#: Keys of one prompt at most (the rest of a longer prompt is not keyed): 512 x 512 bytes, ~64k
-#: tokens. A prefix that long is never worth a comparison finer than this.
+#: Blocks hashed at most: 512 x 512 bytes, ~64k tokens (the rest of a longer prompt is not
+#: keyed: a prefix that long is never worth a finer comparison).
 MAX_BLOCKS = 512
+#: Every block is a key up to this many; then four keys per doubling.
+FINE_BLOCKS = 8
+
+
+def _key_blocks() -> list[int]:
+    ends, b, step = [], 0, 1
+    while b + step <= MAX_BLOCKS:
+        b += step
+        ends.append(b)
+        if b >= FINE_BLOCKS * step:  # a doubling done: the step doubles too
+            step *= 2
+    return ends
+
+
+#: Blocks covered by key ``i`` (1, 2, ... 8, 10, 12, 14, 16, 20, 24, 28, 32, 40 ...), and bytes.
+KEY_BLOCKS: list[int] = _key_blocks()
+KEY_ENDS: list[int] = [b * BLOCK_BYTES for b in KEY_BLOCKS]
+#: keys of a prompt of ``n`` whole blocks: ``_N_KEYS[n]``; their block indices
+_N_KEYS = np.searchsorted(np.array(KEY_BLOCKS), np.arange(MAX_BLOCKS + 1), side="right").tolist()
+_SEL = np.array(KEY_BLOCKS, dtype=np.intp) - 1
 
 _WORDS = BLOCK_BYTES // 8
 _rng = np.random.default_rng(0x5A4D4C)  # fixed: every router replica must compute the same keys
@@ -46,10 +69,10 @@ _EMPTY: list[int] = []
 
 
 class KeyChain:
-    """The block keys of one prompt: ``keys[i]`` covers its first ``(i + 1) * BLOCK_BYTES`` bytes.
+    """The block keys of one prompt: ``keys[i]`` covers its first ``KEY_ENDS[i]`` bytes.
 
-    ``nbytes`` is the serialised prompt's length (the keyed part is ``len(keys) *
-    BLOCK_BYTES``). ``keys`` are plain ints (dict keys in the index).
+    ``nbytes`` is the serialised prompt's length (the keyed part is ``KEY_ENDS[len(keys) -
+    1]``). ``keys`` are plain ints (dict keys in the index).
 
     >>> kc = prompt_keys("m", prompt="x" * 1500)
     >>> len(kc), kc.nbytes
@@ -72,7 +95,7 @@ class KeyChain:
     @classmethod
     def from_bytes(cls, data: bytes, nbytes: int = 0) -> KeyChain:
         keys = np.frombuffer(data, dtype=np.uint64).tolist()
-        return cls(keys, nbytes or len(keys) * BLOCK_BYTES)
+        return cls(keys, nbytes or (KEY_ENDS[len(keys) - 1] if keys else 0))
 
     def __eq__(self, other: object) -> bool:
         return isinstance(other, KeyChain) and other.keys == self.keys and other.nbytes == self.nbytes
@@ -96,7 +119,7 @@ def chain_from_bytes(data: bytes, seed: int = 0) -> KeyChain:
     if seed:
         d[0] ^= np.uint64(seed)
     d *= _POS[:n]
-    return KeyChain(d.cumsum().tolist(), len(data))
+    return KeyChain(d.cumsum()[_SEL[:_N_KEYS[n]]].tolist(), len(data))
 
 
 def serialise(messages: Sequence[Any] | None = None, prompt: str | Sequence[str] | None = None,

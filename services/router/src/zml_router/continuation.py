@@ -1,0 +1,443 @@
+"""Continuing an answer on another node when its node fails part-way (sans-I/O, unit-tested).
+
+A node that dies, resets, drops or stalls after its first token used to end the stream with an
+error: the caller had part of the answer and a retry would repeat it. Instead the router asks
+another node of the policy's chain for the *rest*: the same request with the text already sent
+as the start of the assistant's message, through the engine's own mechanism for it
+(:func:`body`), and ``max_tokens`` reduced by what was sent; then it splices that node's stream
+into the one the caller is reading (:class:`Splice`): one stream, one ``finish_reason``, usage
+that adds up, ``zml.continued_from`` saying what happened.
+
+- **What was sent** (:class:`Transcript`, :class:`Sent`): the chunks as relayed, kept as bytes
+  on the happy path (one list append per chunk) and read only when an attempt fails.
+- **May it continue?** (:func:`refusal`): not when the request or its policy says
+  ``continue_on_failure = false``, nor when a continuation could not be the same answer: ``n >
+  1``, logprobs, a ``seed`` (reproducibility), constrained output (``response_format``,
+  guided decoding), ``echo``, a pinned node, token-id or several prompts, tool-call or
+  reasoning deltas already sent.
+- **The continuation's body** (:func:`body`): chat: an assistant message holding the text so
+  far, continued as each engine does it: vLLM ``continue_final_message: true`` with
+  ``add_generation_prompt: false``, SGLang and TGI ``continue_final_message: true``, llama.cpp
+  its assistant prefill (on by default: a final assistant message is continued); completions:
+  the prompt plus the text so far. An OpenAI-compatible server of unknown make
+  (``backend = "openai"``) has no such mechanism and never continues an answer
+  (:func:`engine_continues`).
+- **Usage**: the continuation's prompt holds the text so far, so its ``prompt_tokens`` less the
+  tokens sent is the first attempt's prompt, and the tokens sent plus its ``completion_tokens``
+  are the answer's: ``total_tokens`` is the continuation's own. Tokens sent are counted as
+  content chunks (one token each on vLLM, SGLang, TGI and llama.cpp, which stream a token per
+  event; an engine that puts several tokens in one event makes the count, and the reduction of
+  ``max_tokens``, lower by those).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from zmlcore.messages.frontdoor import drop_zml_keys
+from zmlcore.reply.sse import event_payloads
+
+#: Engines with a documented way to continue an assistant message (see the module docstring).
+CONTINUABLE = frozenset({"vllm", "sglang", "tgi", "llamacpp"})
+
+_decode_any = msgspec.json.Decoder()
+_encode = msgspec.json.encode
+
+
+def engine_continues(backend: str) -> bool:
+    """Whether a node of this backend can continue an answer another node started."""
+    return backend in CONTINUABLE
+
+
+# --- what was sent ---------------------------------------------------------------------------
+class _Delta(msgspec.Struct):
+    role: Any = None
+    content: Any = None
+    reasoning_content: Any = None
+    reasoning: Any = None
+    tool_calls: Any = None
+    function_call: Any = None
+
+
+class _Choice(msgspec.Struct):
+    index: Any = 0
+    delta: _Delta | None = None
+    text: Any = None
+    finish_reason: Any = None
+    logprobs: Any = None
+
+
+class _Chunk(msgspec.Struct):
+    id: Any = None
+    created: Any = None
+    choices: Any = None
+    usage: Any = None
+    error: Any = None
+
+
+_chunk = msgspec.json.Decoder(_Chunk)
+_choices = msgspec.json.Decoder(list[_Choice])
+
+
+@dataclass(slots=True)
+class Sent:
+    """What the requester has of the answer (read from the chunks relayed to it)."""
+
+    text: str = ""
+    #: Content chunks: tokens, on engines that stream one token per event.
+    tokens: int = 0
+    #: The chunks' ``id`` and ``created`` (a continuation's chunks get the same).
+    chunk_id: str | None = None
+    created: int | None = None
+    #: A ``finish_reason`` went out: the answer was complete.
+    finished: bool = False
+    #: The ``usage`` chunk went out.
+    usage: bool = False
+    #: Why what was sent cannot be continued (tool-call deltas...), or None.
+    blocked: str | None = None
+    pieces: list[str] = field(default_factory=list)
+
+    def read(self, payload: bytes) -> None:
+        """Fold one relayed chunk (an OpenAI chunk's JSON) in."""
+        try:
+            c = _chunk.decode(payload)
+        except msgspec.DecodeError:
+            return  # not JSON (a comment relayed as data): nothing of the answer
+        self.read_chunk(c.id, c.created, c.choices, c.usage)
+
+    def read_chunk(self, cid: Any, created: Any, choices: Any, usage: Any) -> None:
+        if self.chunk_id is None and isinstance(cid, str):
+            self.chunk_id = cid
+        if self.created is None and isinstance(created, int):
+            self.created = created
+        if usage is not None:
+            self.usage = True
+        if not choices:
+            return
+        if isinstance(choices, list) and choices and not isinstance(choices[0], _Choice):
+            try:
+                choices = msgspec.convert(choices, list[_Choice])
+            except msgspec.ValidationError:
+                self.blocked = self.blocked or "chunks the router cannot read"
+                return
+        for ch in choices:
+            if ch.index not in (0, None):
+                self.blocked = self.blocked or "several choices (n > 1)"
+            if ch.logprobs is not None:
+                self.blocked = self.blocked or "logprobs"
+            d = ch.delta
+            piece = ch.text
+            if d is not None:
+                if d.tool_calls or d.function_call:
+                    self.blocked = self.blocked or "tool-call deltas"
+                if d.reasoning_content or d.reasoning:
+                    self.blocked = self.blocked or "reasoning deltas"
+                piece = d.content
+            if isinstance(piece, str) and piece:
+                self.pieces.append(piece)
+                self.tokens += 1
+            if ch.finish_reason is not None:
+                self.finished = True
+
+    def done(self) -> Sent:
+        if self.pieces:
+            self.text += "".join(self.pieces)
+            self.pieces = []
+        return self
+
+
+class Transcript:
+    """The chunks relayed to the requester, as they went (blocks of SSE events, or one payload
+    each): the relay appends each to :attr:`blocks` (one list append per chunk) and calls
+    :meth:`fold` now and then, which reads them into a :class:`Sent` (a long answer then holds
+    its text, not its chunks); :meth:`sent` reads the rest when an attempt fails."""
+
+    __slots__ = ("blocks", "_events", "_sent")
+
+    def __init__(self) -> None:
+        self.blocks: list[bytes] = []
+        self._events = False  # the kind of what blocks holds
+        self._sent = Sent()
+
+    def begin(self, events: bool) -> None:
+        """An attempt starts relaying ``events`` (blocks of SSE events) or payloads."""
+        if events is not self._events:
+            if self.blocks:
+                self.fold()
+            self._events = events
+
+    def add(self, chunk: bytes) -> None:
+        self.blocks.append(chunk)
+
+    def fold(self) -> None:
+        read = self._sent.read
+        for block in self.blocks:
+            if self._events:
+                for payload in event_payloads(block):
+                    read(payload)
+            else:
+                read(block)
+        self._sent.done()
+        self.blocks.clear()  # in place: the relay holds its append
+
+    def sent(self) -> Sent:
+        self.fold()
+        return self._sent
+
+
+def engine_error(chunk: bytes) -> str | None:
+    """The message of an engine's error event in a relayed chunk (vLLM and SGLang send
+    ``data: {"error": {...}}`` and then end the stream when a request fails mid-way), or None.
+    Called only for chunks holding ``"error"``."""
+    payloads = event_payloads(chunk) if chunk.startswith(b"data:") else [chunk]
+    for payload in payloads:
+        if b'"error"' not in payload:
+            continue
+        try:
+            c = _chunk.decode(payload)
+        except msgspec.DecodeError:
+            continue
+        if c.error is not None and not c.choices:
+            err = c.error
+            msg = err.get("message") if isinstance(err, dict) else err
+            return str(msg)[:300]
+    return None
+
+
+# --- may it continue? --------------------------------------------------------------------------
+class _Asks(msgspec.Struct):
+    """What a request body asks that bears on continuing it."""
+
+    messages: Any = None
+    prompt: Any = None
+    n: Any = None
+    logprobs: Any = None
+    top_logprobs: Any = None
+    seed: Any = None
+    echo: Any = None
+    best_of: Any = None
+    response_format: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    structured_outputs: Any = None
+    grammar: Any = None
+    json_schema: Any = None
+    continue_final_message: Any = None
+    continue_on_failure: Any = None
+
+
+_asks = msgspec.json.Decoder(_Asks)
+
+
+def refusal(raw: bytes, *, asked: bool | None, policy_allows: bool, pinned: bool,
+            sent: Sent | None = None) -> str | None:
+    """Why this request's answer cannot be continued on another node, or None.
+
+    ``raw``: the request body; ``asked``: its ``continue_on_failure`` (None: not given);
+    ``policy_allows``: its policy's ``continue_on_failure``; ``pinned``: it names its node;
+    ``sent``: what the requester has of the answer so far.
+
+    >>> refusal(b'{"model":"m","messages":[{"role":"user","content":"hi"}]}', asked=None,
+    ...         policy_allows=True, pinned=False)
+    >>> refusal(b'{"model":"m","prompt":"hi","seed":7}', asked=None, policy_allows=True, pinned=False)
+    'a seed was given (the answer must be reproducible)'
+    """
+    if asked is False:
+        return "the request says continue_on_failure: false"
+    if not policy_allows:
+        return "its policy says continue_on_failure = false"
+    if pinned:
+        return "it is pinned to one node (accelerator_id)"
+    try:
+        a = _asks.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return "its body could not be read again"
+    if a.continue_on_failure is False:
+        return "the request says continue_on_failure: false"
+    if isinstance(a.n, int) and a.n > 1 or isinstance(a.best_of, int) and a.best_of > 1:
+        return "it asks for several choices (n > 1)"
+    if a.logprobs not in (None, False) or a.top_logprobs not in (None, 0):
+        return "it asks for logprobs"
+    if a.seed is not None:
+        return "a seed was given (the answer must be reproducible)"
+    if a.echo:
+        return "it asks for echo"
+    rf = a.response_format
+    if (isinstance(rf, dict) and rf.get("type") not in (None, "text")) or any(
+            v is not None for v in (a.guided_json, a.guided_regex, a.guided_choice, a.guided_grammar,
+                                    a.structured_outputs, a.grammar, a.json_schema)):
+        return "its output is constrained (response_format or guided decoding)"
+    if a.messages is not None:
+        msgs = a.messages
+        if not isinstance(msgs, list) or not msgs or not isinstance(msgs[-1], dict):
+            return "its messages could not be read"
+        last = msgs[-1]
+        if last.get("role") == "assistant":
+            if a.continue_final_message is not True:
+                return "it ends with an assistant message that is not continued"
+            if not isinstance(last.get("content"), str):
+                return "its final assistant message is not text"
+    elif a.prompt is not None:
+        p = a.prompt
+        if not (isinstance(p, str) or (isinstance(p, list) and len(p) == 1 and isinstance(p[0], str))):
+            return "its prompt is token ids or several prompts"
+    else:
+        return "it is not a chat or completion"
+    if sent is not None:
+        if sent.blocked:
+            return f"the answer so far has {sent.blocked}"
+    return None
+
+
+def remaining(raw_max: int | None, sent: Sent) -> int | None:
+    """Tokens the continuation may generate: ``max_tokens`` less what was sent (None: no limit
+    was asked). 0 or less: the answer had all its tokens and lost only its end."""
+    return None if raw_max is None else raw_max - sent.tokens
+
+
+# --- the continuation's body ---------------------------------------------------------------------
+def body(raw: bytes, *, clean: bool, kind: str, sent: Sent, backend: str, name: str,
+         usage: bool = False) -> bytes:
+    """The body that asks a ``backend`` node (its name for the model: ``name``) for the rest of
+    the answer ``sent`` began. ``clean``: ZML's fields are already out of ``raw``; ``usage``:
+    ask for the usage chunk whatever the caller asked (the router needs it)."""
+    data = _decode_any.decode(raw)
+    if not clean:
+        drop_zml_keys(data)
+    data.pop("continue_on_failure", None)
+    data["model"] = name
+    text = sent.text
+    if text:
+        if kind == "chat":
+            msgs = data["messages"]
+            last = msgs[-1]
+            if last.get("role") == "assistant" and data.get("continue_final_message") is True:
+                msgs[-1] = {**last, "content": last["content"] + text}
+            else:
+                msgs.append({"role": "assistant", "content": text})
+            if backend == "vllm":
+                data["continue_final_message"] = True
+                data["add_generation_prompt"] = False
+            elif backend in ("sglang", "tgi"):
+                data["continue_final_message"] = True
+            # llama.cpp continues a final assistant message by default (assistant prefill).
+        else:
+            p = data["prompt"]
+            data["prompt"] = p + text if isinstance(p, str) else [p[0] + text]
+    for key in ("max_tokens", "max_completion_tokens"):
+        v = data.get(key)
+        if isinstance(v, int) and not isinstance(v, bool):
+            data[key] = max(1, v - sent.tokens)
+    v = data.get("min_tokens")
+    if isinstance(v, int) and not isinstance(v, bool):
+        data["min_tokens"] = max(0, v - sent.tokens)
+    data["stream"] = True
+    if usage:
+        opts = data.get("stream_options")
+        data["stream_options"] = {**(opts if isinstance(opts, dict) else {}), "include_usage": True}
+    return _encode(data)
+
+
+def max_asked(raw: bytes) -> int | None:
+    """The request's ``max_tokens`` (or ``max_completion_tokens``), None when not given."""
+    try:
+        d = _max.decode(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    v = d.max_completion_tokens if isinstance(d.max_completion_tokens, int) else d.max_tokens
+    return v if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+class _Max(msgspec.Struct):
+    max_tokens: Any = None
+    max_completion_tokens: Any = None
+
+
+_max = msgspec.json.Decoder(_Max)
+
+
+# --- the splice ------------------------------------------------------------------------------------
+def spliced_usage(usage: dict[str, Any], sent: Sent) -> dict[str, Any]:
+    """The continuation's usage as the whole answer's: its prompt held the text sent."""
+    out = dict(usage)
+    p, c = usage.get("prompt_tokens"), usage.get("completion_tokens")
+    if isinstance(p, int) and isinstance(c, int):
+        out["prompt_tokens"] = max(0, p - sent.tokens)
+        out["completion_tokens"] = c + sent.tokens
+        out["total_tokens"] = out["prompt_tokens"] + out["completion_tokens"]
+        details = out.get("prompt_tokens_details")
+        if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+            out["prompt_tokens_details"] = {**details,
+                                            "cached_tokens": min(details["cached_tokens"], out["prompt_tokens"])}
+    return out
+
+
+class Splice:
+    """Rewrites the continuation's chunks into the stream the requester is reading: the chunk
+    that only re-announces the assistant's role goes, every chunk gets the first attempt's
+    ``id`` and ``created``, the usage chunk counts the whole answer, and the chunk that ends
+    the answer carries ``zml`` (``attempts``, ``continued_from``) so that a client reading the
+    SSE stream sees what happened."""
+
+    __slots__ = ("sent", "zml")
+
+    def __init__(self, sent: Sent, zml: dict[str, Any]) -> None:
+        self.sent = sent
+        self.zml = zml
+
+    def payload(self, data: bytes) -> bytes | None:
+        """One chunk's JSON, rewritten; None to drop it."""
+        try:
+            d = _decode_any.decode(data)
+        except msgspec.DecodeError:
+            return data
+        if not isinstance(d, dict) or ("error" in d and not d.get("choices")):
+            return data
+        choices = d.get("choices")
+        keep = d.get("usage") is not None
+        ends = False
+        if isinstance(choices, list):
+            for ch in choices:
+                if not isinstance(ch, dict):
+                    keep = True
+                    continue
+                delta = ch.get("delta")
+                if isinstance(delta, dict):
+                    delta.pop("role", None)
+                    if delta.get("content") == "" or ("content" in delta and delta["content"] is None
+                                                      and len(delta) > 1):
+                        delta.pop("content")
+                    if delta:
+                        keep = True
+                if ch.get("text"):
+                    keep = True
+                if ch.get("finish_reason") is not None:
+                    keep = ends = True
+                if ch.get("logprobs") is not None:
+                    keep = True
+        if not keep:
+            return None
+        if self.sent.chunk_id is not None and "id" in d:
+            d["id"] = self.sent.chunk_id
+        if self.sent.created is not None and "created" in d:
+            d["created"] = self.sent.created
+        usage = d.get("usage")
+        if isinstance(usage, dict):
+            d["usage"] = spliced_usage(usage, self.sent)
+        if ends:
+            d["zml"] = self.zml
+        return _encode(d)
+
+    def events(self, block: bytes) -> bytes:
+        """A block of SSE events, each rewritten (dropped ones left out)."""
+        out = []
+        for payload in event_payloads(block):
+            p = self.payload(payload)
+            if p is not None:
+                out.append(b"data: " + p + b"\n\n")
+        return b"".join(out)

@@ -1,0 +1,214 @@
+"""Issue 20 item 1: a node that fails after the first token (drops the connection, stalls) has
+its answer continued on another node of the policy's chain, through each engine's own way of
+continuing an assistant message, and spliced into the one stream the client reads: the text
+reads as if one node wrote it (the sims' token ``i`` is the same word everywhere, so a token
+lost or repeated shows), one ``finish_reason``, usage that adds up, ``zml.continued_from``.
+Where an answer must not or cannot be continued, the stream ends with the clean error it had.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import nats
+import pytest
+
+from conftest import MODEL, Stack, launch_stack
+from zmlcore import subjects
+from zml_sim.engine import token_text
+
+FLEET = [
+    ("h100-a", "nvidia_h100", [MODEL]),  # the node that fails (vLLM)
+    ("h100-b", "nvidia_h100", [MODEL], 'family = "H100B"\n'),  # vLLM
+    ("mi300x-a", "amd_mi300x", [MODEL], 'backend = "llamacpp"\n'),
+    ("a100-a", "nvidia_a100", [MODEL], 'backend = "sglang"\n'),
+    ("gaudi-a", "intel_gaudi2", [MODEL], 'backend = "tgi"\n'),
+    ("inf2-a", "aws_inferentia2", [MODEL], 'backend = "openai"\n'),
+]
+TARGETS = {"vllm": "H100B", "llamacpp": "MI300X", "sglang": "A100", "tgi": "Gaudi2", "openai": "Inferentia2"}
+NODE_OF = {"H100B": "h100-b", "MI300X": "mi300x-a", "A100": "a100-a", "Gaudi2": "gaudi-a", "Inferentia2": "inf2-a"}
+
+
+def _policy(name: str, second: str, more: str = "") -> str:
+    # Latency priority walks the chain in order: h100-a first, then the engine under test.
+    return (f'[policy.{name}]\naccelerator_chain = ["H100", "{second}"]\ncost_priority = "latency"\n'
+            f"latency_target_ms = 60000\n{more}")
+
+
+POLICIES = "".join(_policy(f"to-{engine}", fam) for engine, fam in TARGETS.items()) + \
+    _policy("no-continue", "H100B", "continue_on_failure = false\n")
+
+
+@pytest.fixture(scope="module")
+def stack(own_nats: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    # No cooldown: h100-a stays first in every chain however often it fails.
+    s = launch_stack(own_nats, tmp_path_factory.mktemp("cont"), fleet=FLEET, routers=1, poll_s=0.3, extra=POLICIES,
+                     router="cooldown_s = 0\ninter_token_timeout_s = 1.0\n")
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+@pytest.fixture()
+def failing(stack: Stack) -> Iterator[Stack]:
+    stack.faults("h100-a", drop_mid_stream=1.0, fail_after_tokens=5)
+    try:
+        yield stack
+    finally:
+        stack.faults("h100-a", drop_mid_stream=0.0, stall_mid_stream=0.0, fail_after_tokens=1)
+
+
+def continued(value: str) -> list[tuple[str, int, str]]:
+    """``zml.continued_from`` (``node@tokens:failure,...``) read back."""
+    out = []
+    for entry in value.split(","):
+        node, rest = entry.split("@")
+        tokens, failure = rest.split(":")
+        out.append((node, int(tokens), failure))
+    return out
+
+
+def words(node: str, n: int) -> str:
+    return "".join(token_text(node, i) for i in range(n))
+
+
+async def sse(stack: Stack, body: dict[str, Any], path: str = "/v1/chat/completions") -> tuple[httpx.Headers, list[Any]]:
+    events: list[Any] = []
+    async with httpx.AsyncClient(base_url=stack.gateway_url, timeout=30) as c:
+        async with c.stream("POST", path, json={"model": MODEL, "stream": True, **body}) as r:
+            assert r.status_code == 200, await r.aread()
+            async for line in r.aiter_lines():
+                if line.startswith("data: "):
+                    events.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
+            return r.headers, events
+
+
+def read(events: list[Any]) -> tuple[str, list[str], dict[str, Any] | None, dict[str, Any] | None, set[str]]:
+    """(text, finish reasons, usage, zml, chunk ids) of a stream's events."""
+    text, finishes, usage, zml, ids = [], [], None, None, set()
+    for e in events:
+        if e == "[DONE]":
+            continue
+        assert "error" not in e, e
+        ids.add(e["id"])
+        for ch in e.get("choices") or []:
+            piece = ch["delta"].get("content") if "delta" in ch else ch.get("text")
+            text.append(piece or "")
+            if ch.get("finish_reason"):
+                finishes.append(ch["finish_reason"])
+        usage = e.get("usage") or usage
+        zml = e.get("zml") or zml
+    return "".join(text), finishes, usage, zml, ids
+
+
+@pytest.mark.parametrize("engine", ["vllm", "llamacpp", "sglang", "tgi"])
+async def test_a_stream_cut_mid_way_is_continued_on_another_engine(failing: Stack, engine: str) -> None:
+    headers, events = await sse(failing, {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 24,
+                                          "policy": f"to-{engine}", "stream_options": {"include_usage": True}})
+    assert headers["x-zml-node-id"] == "h100-a"  # the stream began there
+    assert events[-1] == "[DONE]"
+    text, finishes, usage, zml, ids = read(events)
+    assert text == words("h100-a", 24)  # one answer: no token lost, none repeated
+    assert finishes == ["length"] and len(ids) == 1
+    assert usage is not None and usage["completion_tokens"] == 24
+    assert usage["prompt_tokens"] == 2 and usage["total_tokens"] == 26  # "hello": the first attempt's prompt
+    assert zml is not None and zml["attempts"] == 2 and zml["node_id"] == NODE_OF[TARGETS[engine]]
+    ((node, tokens, failure),) = continued(zml["continued_from"])
+    assert node == "h100-a" and failure == "network" and tokens >= 5
+    assert failing.sim_state(NODE_OF[TARGETS[engine]])["counters"][MODEL]["success"]["length"] >= 1
+
+
+async def test_a_completion_is_continued_from_the_prompt_plus_the_text(failing: Stack) -> None:
+    _, events = await sse(failing, {"prompt": "Once upon a time ", "max_tokens": 16, "policy": "to-vllm"},
+                          path="/v1/completions")
+    text, finishes, _, zml, _ = read(events)
+    assert text == words("h100-a", 16) and finishes == ["length"]
+    assert zml is not None and continued(zml["continued_from"])[0][0] == "h100-a"
+
+
+async def test_a_stalled_node_is_left_after_the_inter_token_deadline(stack: Stack) -> None:
+    stack.faults("h100-a", stall_mid_stream=1.0, fail_after_tokens=3)
+    try:
+        _, events = await sse(stack, {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 12,
+                                      "policy": "to-llamacpp"})
+    finally:
+        stack.faults("h100-a", stall_mid_stream=0.0, fail_after_tokens=1)
+    text, finishes, _, zml, _ = read(events)
+    assert text == words("h100-a", 12) and finishes == ["length"]
+    assert zml is not None and continued(zml["continued_from"])[0][2] == "slow"
+
+
+async def test_raw_nats_gets_one_numbered_stream_and_the_end_says_what_happened(failing: Stack) -> None:
+    nc = await nats.connect(failing.nats_url)
+    try:
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 10,
+                "stream": True, "policy": "to-vllm"}
+        await nc.publish(subjects.INFER, json.dumps(body).encode(), reply=inbox)
+        seqs, text, end = [], [], None
+        while end is None:
+            m = await sub.next_msg(timeout=20)
+            kind = m.headers[subjects.H_STREAM]
+            seqs.append(int(m.headers[subjects.H_SEQ]))
+            if kind == "chunk":
+                for ch in json.loads(m.data)["choices"]:
+                    text.append(ch["delta"].get("content") or "")
+            elif kind == "end":
+                end = json.loads(m.data)["routing"]
+            else:
+                assert kind == "start", (kind, m.data)
+        assert seqs == list(range(len(seqs)))  # one numbering across both nodes
+        assert "".join(text) == words("h100-a", 10)
+        assert end["node_id"] == "h100-b" and end["attempts"] == 2
+        assert continued(end["continued_from"])[0][0] == "h100-a" and end["time_to_first_token"] > 0
+    finally:
+        await nc.close()
+
+
+@pytest.mark.parametrize(("extra", "why"), [
+    ({"seed": 7}, "seed"),
+    ({"logprobs": True}, "logprobs"),
+    ({"continue_on_failure": False}, "continue_on_failure"),
+    ({"policy": "no-continue"}, "continue_on_failure"),
+    ({"policy": "to-openai"}, "no other node could continue"),
+])
+async def test_where_an_answer_must_not_or_cannot_be_continued_the_stream_ends_with_the_error(
+        failing: Stack, extra: dict[str, Any], why: str) -> None:
+    body = {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 24, "policy": "to-vllm", **extra}
+    _, events = await sse(failing, body)
+    assert events[-1] != "[DONE]"
+    err = events[-1]["error"]
+    assert err["code"] == "BACKEND_ERROR" and why in err["message"], err
+    text = "".join((e["choices"][0]["delta"].get("content") or "") for e in events[:-1] if e.get("choices"))
+    assert words("h100-a", 24).startswith(text) and text  # what was sent, and nothing of another node
+
+
+async def test_an_engines_error_event_mid_stream_is_continued(stack: Stack) -> None:
+    """vLLM sends ``data: {"error": ...}`` and ends the stream when it fails a request mid-way
+    (here: its model unloaded under the request). Last in this module: h100-a loads again after."""
+    stack.faults("h100-a", slowdown=30.0)  # a long stream, cut once it has begun
+    body = {"model": MODEL, "stream": True, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 20,
+            "policy": "to-sglang"}
+    events: list[Any] = []
+    try:
+        async with httpx.AsyncClient(base_url=stack.gateway_url, timeout=30) as c:
+            async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                assert r.status_code == 200 and r.headers["x-zml-node-id"] == "h100-a"
+                async for line in r.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    events.append("[DONE]" if line == "data: [DONE]" else json.loads(line[6:]))
+                    if len(events) == 2:  # the role and the first token: the engine fails it now
+                        u = await c.post(stack.sim_url("h100-a") + "/sim/unload", json={"model": MODEL})
+                        assert u.status_code == 200, u.text
+    finally:
+        stack.faults("h100-a", slowdown=1.0)
+        httpx.post(stack.sim_url("h100-a") + "/sim/load", json={"model": MODEL}, timeout=10)
+    text, finishes, _, zml, _ = read(events)
+    assert text == words("h100-a", 20) and finishes == ["length"]
+    assert zml is not None and continued(zml["continued_from"])[0][::2] == ("h100-a", "server")

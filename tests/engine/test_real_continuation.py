@@ -1,0 +1,106 @@
+"""Issue 20 on a real engine: a llama-server killed (SIGKILL) mid-stream has its answer
+continued on the other llama-server through llama.cpp's assistant prefill, spliced into the one
+stream the client reads. The continuation is checked against the engine itself: what the
+survivor generates, asked directly with the text so far as the assistant's message, is exactly
+what the client got after the cut (greedy decoding, the tiny model is deterministic)."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from conftest import MODEL, Stack, launch_stack
+from enginefleet import Llama, RealNode, llama, real_node_toml  # noqa: F401
+from zmlcore.runtime.launch import free_port
+
+pytestmark = [pytest.mark.engine, pytest.mark.timeout(300)]
+
+POLICY = '[policies.cpu-only]\naccelerator_chain = ["CPU"]\nlatency_target_ms = 60000\n'
+#: Tokens asked: long enough that the client reads a few dozen before the kill lands.
+N = 1200
+
+
+@pytest.fixture(scope="module")
+def fleet(llama: Llama, own_nats: str,  # noqa: F811
+          tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Stack, dict[str, RealNode]]]:
+    real = {n: RealNode(n, free_port()) for n in ("llama-1", "llama-2")}
+    for node in real.values():
+        node.start(llama)
+    stack = None
+    try:
+        extra = POLICY + "".join(real_node_toml(n) for n in real.values())
+        stack = launch_stack(own_nats, tmp_path_factory.mktemp("cont"), fleet=[("h100-1", "nvidia_h100", [MODEL])],
+                             extra=extra, poll_s=0.5, routers=1)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            nodes = httpx.get(stack.gateway_url + "/v1/nodes", timeout=10).json()["nodes"]
+            if sum(n["node_id"] in real and n["status"] == "up" for n in nodes) == 2:
+                break
+            time.sleep(0.2)
+        yield stack, real
+    finally:
+        if stack is not None:
+            stack.stop()
+        for node in real.values():
+            node.stop()
+
+
+def test_a_llama_server_killed_mid_stream_has_its_answer_finished_by_the_other(
+        fleet: tuple[Stack, dict[str, RealNode]], llama: Llama) -> None:  # noqa: F811
+    stack, real = fleet
+    # A prompt of this run's own (no cached prefix anywhere) and whole-prompt evaluation on
+    # both sides, so the direct request below computes exactly what the continuation did.
+    messages = [{"role": "user", "content": f"Tell me about routers, run {os.urandom(4).hex()}."}]
+    params: dict[str, Any] = {"temperature": 0.0, "cache_prompt": False}
+    body = {"model": MODEL, "messages": messages, "max_tokens": N, "stream": True, "policy": "cpu-only",
+            "stream_options": {"include_usage": True}, **params}
+    pieces: list[str] = []
+    finishes: list[str] = []
+    usage = zml = None
+    ids: set[str] = set()
+    victim = ""
+    done = False
+    with httpx.Client(timeout=120) as c:
+        with c.stream("POST", stack.gateway_url + "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200, r.read()
+            victim = r.headers["x-zml-node-id"]
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    done = True
+                    continue
+                e = json.loads(line[6:])
+                assert "error" not in e, e
+                ids.add(e["id"])
+                for ch in e.get("choices") or []:
+                    if ch["delta"].get("content"):
+                        pieces.append(ch["delta"]["content"])
+                    if ch.get("finish_reason"):
+                        finishes.append(ch["finish_reason"])
+                usage = e.get("usage") or usage
+                zml = e.get("zml") or zml
+                if len(pieces) == 30:
+                    real[victim].kill()  # SIGKILL mid-stream
+    survivor = next(n for n in real if n != victim)
+    assert done and finishes == ["length"] and len(ids) == 1
+    assert zml is not None, "the stream was not continued (was the kill too late?)"
+    node, rest = zml["continued_from"].split("@")  # node@tokens:failure
+    k, failure = int(rest.split(":")[0]), rest.split(":")[1]
+    assert node == victim and failure == "network" and 30 <= k < N
+    assert usage is not None and usage["completion_tokens"] == N  # both nodes' tokens
+    assert usage["total_tokens"] == usage["prompt_tokens"] + N
+    # What the survivor makes of the text so far, asked directly: exactly the rest of the stream.
+    prefix, rest = "".join(pieces[:k]), "".join(pieces[k:])
+    direct = httpx.post(real[survivor].url + "/v1/chat/completions", timeout=120, json={
+        "model": real[survivor].alias, "messages": [*messages, {"role": "assistant", "content": prefix}],
+        "max_tokens": N - k, **params}).json()
+    assert direct["choices"][0]["message"]["content"] == rest
+    assert direct["usage"]["prompt_tokens"] - k == usage["prompt_tokens"]
+    real[victim].start(llama)  # back for whatever runs next
