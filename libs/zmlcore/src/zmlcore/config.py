@@ -400,6 +400,11 @@ class ModelConfig(msgspec.Struct, **_Base):
     """An embedding model: it answers POST /v1/embeddings (an InferRequest with ``input``) and
     chat/completion requests for it are refused with 400, as embeddings requests for a model
     configured without it are. Models not in [models] are not checked (the node decides)."""
+    audio: bool = False
+    """A speech-to-text model (Whisper and the like): it answers POST /v1/audio/transcriptions
+    and /v1/audio/translations (OpenAI's multipart form, passed to the node as sent), and chat,
+    completion and embeddings requests for it are refused with 400, as audio requests for a model
+    configured without it are. Not with embedding."""
 
 
 class WarmupConfig(msgspec.Struct, **_Base):
@@ -521,6 +526,14 @@ class DefaultsConfig(msgspec.Struct, **_Base):
     """Largest timeout a caller may ask for (``timeout_ms``, ``Zml-Timeout-Ms``); above it, 400."""
     max_json_depth: PosInt = 32
     """Deepest nesting of lists/objects accepted in a request body; deeper, 400."""
+    max_audio_bytes: PosInt = 26 * 1024 * 1024
+    """Largest audio request (the whole multipart form: the file and its fields) the gateway
+    reads and a router takes over NATS; above it, 413 REQUEST_TOO_LARGE. OpenAI's file limit is
+    25 MB. A body larger than one NATS message goes to its router in parts (docs/nats-api.md)."""
+    audio_bytes_in_flight: PosInt = 1024 * 1024 * 1024
+    """Audio bytes one gateway or router process holds at once (bodies being read, routed or
+    sent to a node), a bound on its memory; a request that would pass it is refused with 503
+    QUEUE_FULL and Retry-After. At least max_audio_bytes."""
 
 
 class ZMLConfig(msgspec.Struct, **_Base):
@@ -696,6 +709,12 @@ def _validate(cfg: ZMLConfig, src: str) -> None:
     for model, mc in cfg.models.items():
         if mc.policy is not None and mc.policy not in names:
             raise ConfigError(f"{src}: models.{model!r}.policy: unknown policy {mc.policy!r}")
+    for model, mc in cfg.models.items():
+        if mc.audio and mc.embedding:
+            raise ConfigError(f"{src}: models.{model!r}: audio and embedding: a model is one or the other")
+    if cfg.defaults.audio_bytes_in_flight < cfg.defaults.max_audio_bytes:
+        raise ConfigError(f"{src}: defaults.audio_bytes_in_flight ({cfg.defaults.audio_bytes_in_flight}) is below "
+                          f"defaults.max_audio_bytes ({cfg.defaults.max_audio_bytes}): no request that size could run")
     if cfg.defaults.policy not in names:
         raise ConfigError(f"{src}: defaults.policy: unknown policy {cfg.defaults.policy!r}")
     _validate_batch(cfg.batch, names, src)
