@@ -7,7 +7,7 @@ Gateways on one stack, measured in turn, interleaved over repetitions:
   open    no keys, no limits (the self-hosted default)
   static  a zml.toml key + [gateway] requests_per_minute (this replica's token bucket)
   plan    a run-time key (`zml keys create`) with a custom plan: the shared zml_limits KV entry,
-          through this replica's leases (zmlcore.limits.leases: about one compare-and-set per second)
+          through this replica's leases (zmlcore.access.shares: about one compare-and-set per second)
   base    with --baseline REV: the same, on a gateway running REV's code (extracted with
           `git archive`, first on PYTHONPATH) with a key of its own: before/after in one run
 

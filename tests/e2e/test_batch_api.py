@@ -20,7 +20,7 @@ import pytest
 from conftest import MODEL, Stack, launch_stack
 from zmlcore import subjects
 from zmlcore.access.apikeys import create_key
-from zmlcore.limits.limiter import limit_key
+from zmlcore.access.limiter import limit_key
 from zmlcore.messages.keys import PlanLimits, limit_state_decoder
 from zmlcore.runtime.launch import service_argv, spawn
 

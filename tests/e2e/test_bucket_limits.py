@@ -13,7 +13,7 @@ from zmlcore import subjects
 from zmlcore.fleet.costs import costs_kv
 from zmlcore.access.apikeys import keys_kv
 from zmlcore.runtime.lease import Lease
-from zmlcore.limits.limiter import SharedLimiter
+from zmlcore.access.limiter import SharedLimiter
 
 #: Buckets keyed by something ZML bounds (a node id, an API key id), one entry per key.
 ONE_PER_KEY = {subjects.NODES_BUCKET, subjects.COSTS_BUCKET, subjects.REGISTRY_BUCKET, subjects.KEYS_BUCKET}

@@ -81,7 +81,7 @@ def test_state_wants_an_operator_key_when_keys_are_on(dash_stack: tuple[Stack, s
     import nats
 
     from zmlcore.access.apikeys import create_key
-    from zmlcore.limits.plans import PlanLimits
+    from zmlcore.access.plans import PlanLimits
 
     async def make() -> str:
         nc = await nats.connect(stack.nats_url)

@@ -20,8 +20,8 @@ from conftest import LLAMA3_POLICY, MODEL, MODEL_2, Stack, launch_stack
 from zmlcore import subjects
 from zmlcore.access.apikeys import create_key, keys_kv, revoke_key
 from zmlcore.runtime.launch import free_port, service_argv, spawn, wait_port
-from zmlcore.limits.leases import SHARE
-from zmlcore.limits.limiter import limit_key
+from zmlcore.access.shares import SHARE
+from zmlcore.access.limiter import limit_key
 from zmlcore.messages.keys import PlanLimits, limit_state_decoder
 
 CHAT = [{"role": "user", "content": "hi"}]
@@ -155,7 +155,7 @@ async def test_a_sequential_client_never_meets_its_own_concurrency_limit(two_gat
 
 async def test_two_gateways_hold_the_plan_under_a_burst(two_gateways: tuple[Stack, list[str]]) -> None:
     """A burst on one key through both gateways: each spends leases of several requests without a
-    round trip (zmlcore.limits.leases), and together they still admit the plan's rate, not more."""
+    round trip (zmlcore.access.shares), and together they still admit the plan's rate, not more."""
     stack, urls = two_gateways
     rpm = 200
     key, key_id = await _key(stack, limits=PlanLimits(requests_per_minute=rpm))

@@ -204,8 +204,8 @@ async def test_http_and_nats_together_hold_the_plan_under_a_burst(secure_bus: Se
     """One budget spent at once by a gateway and two routers (an identity sharing an API key's
     plan), each with leases of several requests: together they admit the plan's rate, not more."""
     from zmlcore.access.apikeys import create_key
-    from zmlcore.limits.leases import SHARE
-    from zmlcore.limits.limiter import limit_key
+    from zmlcore.access.shares import SHARE
+    from zmlcore.access.limiter import limit_key
     from zmlcore.messages.keys import PlanLimits, limit_state_decoder
 
     rpm = 120

@@ -15,8 +15,8 @@ from nats.aio.client import Client as NATS
 from nats.js.errors import KeyNotFoundError
 
 from zmlcore import subjects
-from zmlcore.limits.leases import SHARE
-from zmlcore.limits.limiter import SharedLimiter, limit_key
+from zmlcore.access.shares import SHARE
+from zmlcore.access.limiter import SharedLimiter, limit_key
 from zmlcore.messages.keys import LimitState, PlanLimits, limit_state_decoder
 
 

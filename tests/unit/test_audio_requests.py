@@ -10,7 +10,7 @@ from wavs import wav
 from zmlcore import subjects
 from zmlcore.config import parse_config
 from zmlcore.errors import BadRequestError, ConfigError, RequestTooLargeError
-from zmlcore.limits.budget import ByteBudget
+from zmlcore.runtime.bytebudget import ByteBudget
 from zmlcore.messages import InlinePolicy
 from zmlcore.messages.audio import (
     AudioRequest, audio_request, audio_seconds, encode_form, from_message, policy_header, read_form, with_model,

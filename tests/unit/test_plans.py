@@ -1,4 +1,4 @@
-"""Plan arithmetic (zmlcore.limits.plans): sliding one-minute windows, concurrency leases, tokens."""
+"""Plan arithmetic (zmlcore.access.plans): sliding one-minute windows, concurrency leases, tokens."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 
 from zmlcore.errors import BadRequestError
 from zmlcore.messages.keys import LimitState, PlanLimits
-from zmlcore.limits.plans import PLANS, admit, plan_limits, release
+from zmlcore.access.plans import PLANS, admit, plan_limits, release
 
 T0 = 1_000_040.0  # 20 s into a one-minute window (1_000_020 is a window start)
 

@@ -298,12 +298,13 @@ H_AUDIO = "Zml-Audio"
 H_CONTENT_TYPE = "Zml-Content-Type"
 
 #: Requests larger than one NATS message (audio: up to [defaults] max_audio_bytes), uploaded in
-#: parts to the router that took them (zmlcore.reply.upload). The requester publishes the request
-#: with an empty body and ``Zml-Upload-Bytes: <body size>``; the router answers on the reply
-#: subject with an empty message carrying ``Zml-Upload-To: zml.upload.<router id>.<token>`` (a
-#: random token: only the requester learns it, on its private inbox), and the requester
-#: publishes the body there in order, ``Zml-Part: k`` / ``Zml-Parts: n``, as a reply in parts
-#: comes back (zmlcore.reply.bigreply). A lost part: UPLOAD_INCOMPLETE (retryable).
+#: parts to the router that took them (zmlcore.reply.exchange sends, zml_router.uploads collects).
+#: The requester publishes the request with an empty body and ``Zml-Upload-Bytes: <body size>``;
+#: the router answers on the reply subject with an empty message carrying ``Zml-Upload-To:
+#: zml.upload.<router id>.<token>`` (a random token: only the requester learns it, on its private
+#: inbox), and the requester publishes the body there in order, ``Zml-Part: k`` / ``Zml-Parts: n``,
+#: as a reply in parts comes back (zmlcore.reply.bigreply). A lost part: UPLOAD_INCOMPLETE
+#: (retryable).
 H_UPLOAD_BYTES = "Zml-Upload-Bytes"
 H_UPLOAD_TO = "Zml-Upload-To"
 UPLOAD_PREFIX = f"{PREFIX}.upload"

@@ -127,7 +127,7 @@ async def _plan(args: argparse.Namespace, data_dir: str, ident: Any, *, remove: 
     from zmlcore.errors import BadRequestError
     from zmlcore.access.apikeys import remove_identity_plan, set_identity_plan
     from zmlcore.messages.keys import IdentityPlan
-    from zmlcore.limits.plans import plan_limits
+    from zmlcore.access.plans import plan_limits
 
     if ident.role != "client":
         raise ConfigError("plans are for client identities (services are limited at the gateway)")

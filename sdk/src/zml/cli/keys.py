@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     from zml.cli._bus import operator_nats, resolve
     from zmlcore.errors import BadRequestError
     from zmlcore.access.apikeys import create_key, list_keys, revoke_key
-    from zmlcore.limits.plans import plan_limits
+    from zmlcore.access.plans import plan_limits
 
     target = resolve(nats_url=args.nats_url, config_path=args.config, data_dir=args.data_dir)
     for value in (getattr(args, "rpm", None), getattr(args, "concurrent", None), getattr(args, "tpm", None)):

@@ -1,4 +1,4 @@
-"""API keys' plans, applied to their batches (zmlcore.limits): every answered line's tokens
+"""API keys' plans, applied to their batches (zmlcore.access): every answered line's tokens
 count against the owning key's tokens per minute, shared with its interactive traffic
 through the same limiter entry as the gateways'; while the key's tokens are spent, its
 batches' lines wait. Batch lines do not count as requests or concurrent requests: a batch is
@@ -19,7 +19,7 @@ from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from zmlcore.access.apikeys import keys_kv
-from zmlcore.limits.limiter import SharedLimiter
+from zmlcore.access.limiter import SharedLimiter
 from zmlcore.messages.keys import PlanLimits, api_key_decoder
 
 log = logging.getLogger("zml.batch")

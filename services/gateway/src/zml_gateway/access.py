@@ -1,7 +1,7 @@
 """Who is calling and how much they may: API keys, plans, and the per-address fallback.
 
 - A run-time key (``zml keys create``) carries a plan: its limits are shared by every gateway
-  replica through :class:`~zmlcore.limits.limiter.SharedLimiter` (one KV entry, spent through leases).
+  replica through :class:`~zmlcore.access.limiter.SharedLimiter` (one KV entry, spent through leases).
 - A static zml.toml key, or an anonymous caller when no key is configured, is limited by
   ``[gateway] requests_per_minute`` in a token bucket of this replica. Anonymous callers are
   told apart by client address only: a made-up ``Authorization`` header is not an identity
@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 from zmlcore.config import ZMLConfig
 from zmlcore.errors import AuthError, PermissionDeniedError, RateLimitError
 from zmlcore.access.apikeys import KeyRing
-from zmlcore.limits.limiter import SharedLimiter
+from zmlcore.access.limiter import SharedLimiter
 from zmlcore.messages.keys import ApiKeyRecord
-from zmlcore.limits.plans import Verdict, limited, refusal, verdict_headers
+from zmlcore.access.plans import Verdict, limited, refusal, verdict_headers
 from zml_gateway.ratelimit import TokenBucket
 
 Headers = list[tuple[bytes, bytes]]

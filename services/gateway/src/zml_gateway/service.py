@@ -20,7 +20,7 @@ from zmlcore.messages import NodeState, node_state_decoder
 from zmlcore.access.apikeys import KeyRing
 from zmlcore.batch.api import BatchApi
 from zmlcore.batch.store import BatchStore
-from zmlcore.limits.limiter import SharedLimiter
+from zmlcore.access.limiter import SharedLimiter
 from zml_gateway.access import Access
 from zml_gateway.app import Gateway
 from zml_gateway.batches import BatchRoutes

@@ -4,7 +4,7 @@ is limited by the router as the gateway limits an API key.
 The plan is an ``identity.<public key>`` entry of the keys bucket (IdentityPlan), followed live
 by every router: a change or removal applies within a second. The request's owner is the
 identity whose reply inbox (``_ZML_INBOX.<public key>``) the request names, which the server's
-permissions pin to the sender. Admission is :class:`~zmlcore.limits.limiter.SharedLimiter` on the same
+permissions pin to the sender. Admission is :class:`~zmlcore.access.limiter.SharedLimiter` on the same
 bucket, leases and arithmetic as the gateway's: every router replica counts into one entry, and an
 identity that shares an API key's plan (``--key ID``) counts into that key's entry, so HTTP and
 NATS together get the plan's rate, not twice it. An identity without a plan (and every service
@@ -31,9 +31,9 @@ from zmlcore import subjects
 from zmlcore.errors import RateLimitError
 from zmlcore.access.apikeys import ENFORCED, IDENTITY_PREFIX
 from zmlcore.bus.kvfollow import KVFollower
-from zmlcore.limits.limiter import SharedLimiter
+from zmlcore.access.limiter import SharedLimiter
 from zmlcore.messages.keys import ApiKeyRecord, IdentityPlan, PlanLimits, api_key_decoder, identity_plan_decoder
-from zmlcore.limits.plans import limited, refusal, verdict_headers
+from zmlcore.access.plans import limited, refusal, verdict_headers
 from zmlcore.runtime.runner import cancel_and_wait
 
 log = logging.getLogger("zml.router.limits")

@@ -31,7 +31,7 @@ from zmlcore.bus.batchpub import BatchPublisher
 from zmlcore.bus.kvfollow import KVFollower
 from zmlcore.config import ZMLConfig
 from zmlcore.errors import CancelledError, QueueFullError, ZMLError
-from zmlcore.limits.budget import ByteBudget
+from zmlcore.runtime.bytebudget import ByteBudget
 from zmlcore.messages import frontdoor
 from zmlcore.messages.audio import AudioRequest
 from zmlcore.messages.warmup import completed_encoder

@@ -1,1 +1,4 @@
-"""Who may do what: NATS identities and TLS options (identity), the per-role bus permissions (permissions) and the gateway's API keys (apikeys)."""
+"""Who may do what, and how much: NATS identities and TLS options (identity), the per-role bus
+permissions (permissions), the gateway's API keys (apikeys), plans and the arithmetic of their
+limits (plans), per-replica shares of a plan's budget (shares) and the limiter every gateway and
+router replica shares over KV (limiter)."""

@@ -159,7 +159,7 @@ def _grants(role: str, owner: str) -> tuple[list[str], list[str], bool]:
     if role == "batch":  # batch runners: lines go to the routers like any client's requests
         pub = [subjects.INFER, own_cancel, upload, subjects.BATCH_EVENTS, *kv_write(subjects.BATCH_INDEX_BUCKET),
                *_batch_files(), *_batch_streams(), *_batch_runner(),
-               # API keys' plans count their batches' tokens (zmlcore.limits)
+               # API keys' plans count their batches' tokens (zmlcore.access)
                *kv_read(subjects.KEYS_BUCKET), *kv_write(subjects.LIMITS_BUCKET)]
         return pub, [inbox, subjects.BATCH_EVENTS], False
     if role == "admin":  # the operator's CLI: zml nodes add/remove/list, zml cost, zml serve, zml keys

@@ -67,7 +67,7 @@ class LimitState(msgspec.Struct, kw_only=True, omit_defaults=True):
     #: In-flight request id -> unix time its lease ends (a gateway that dies cannot leak them).
     #: Written by limiters before per-replica leases; still counted, no longer written.
     leases: dict[str, float] = {}
-    #: Limiter replica -> the concurrency slots it holds (zmlcore.limits.leases).
+    #: Limiter replica -> the concurrency slots it holds (zmlcore.access.shares).
     holds: dict[str, Hold] = {}
 
 

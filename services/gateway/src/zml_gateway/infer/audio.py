@@ -20,7 +20,7 @@ import os
 
 from zmlcore import subjects
 from zmlcore.errors import QueueFullError
-from zmlcore.limits.budget import ByteBudget
+from zmlcore.runtime.bytebudget import ByteBudget
 from zmlcore.messages.audio import Task, audio_request, policy_header, read_form
 from zmlcore.messages.validate import check_request_id, request_timeout_s
 from zml_gateway.access import Caller

@@ -12,7 +12,7 @@ from collections.abc import Awaitable, Callable
 
 from zmlcore.config import ZMLConfig
 from zmlcore.errors import QueueFullError
-from zmlcore.limits.budget import ByteBudget
+from zmlcore.runtime.bytebudget import ByteBudget
 from zml_gateway import metrics
 from zml_gateway.access import Access, Caller, RateLimited
 from zml_gateway.asgi import Message, Receive, Scope, Send, send_json

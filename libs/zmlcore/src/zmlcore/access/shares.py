@@ -1,4 +1,4 @@
-"""Per-replica leases on a shared plan budget: the pure half of :class:`~zmlcore.limits.limiter.SharedLimiter`
+"""Per-replica leases on a shared plan budget: the pure half of :class:`~zmlcore.access.limiter.SharedLimiter`
 (no I/O; time is passed in).
 
 One KV compare-and-set per request made a hot key slow (two round trips before dispatch, two
@@ -48,7 +48,7 @@ import math
 from dataclasses import dataclass, field
 
 from zmlcore.messages.keys import Hold, LimitState, PlanLimits
-from zmlcore.limits.plans import WINDOW_S, Verdict, granted, in_use, refusal_of, roll, used
+from zmlcore.access.plans import WINDOW_S, Verdict, granted, in_use, refusal_of, roll, used
 
 #: Life of a request lease: on a hot key, about one KV write per replica per LEASE_S.
 LEASE_S = 1.0

@@ -1,13 +1,13 @@
-"""Per-replica leases on a shared plan budget (zmlcore.limits.leases): replicas simulated against one
+"""Per-replica leases on a shared plan budget (zmlcore.access.shares): replicas simulated against one
 in-memory entry written the way SharedLimiter writes the KV entry (settle, write, commit)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from zmlcore.limits.leases import LEASE_S, MAX_LEASE, SHARE, SLOT_TTL_S, Book, lease_size, slot_target
+from zmlcore.access.shares import LEASE_S, MAX_LEASE, SHARE, SLOT_TTL_S, Book, lease_size, slot_target
 from zmlcore.messages.keys import LimitState, PlanLimits
-from zmlcore.limits.plans import PLANS, WINDOW_S, Verdict, admit
+from zmlcore.access.plans import PLANS, WINDOW_S, Verdict, admit
 
 T0 = 1_000_020.0  # a window start
 

@@ -2,7 +2,7 @@
 updated with compare-and-set (JetStream's "expected last subject sequence").
 
 A replica does not write the entry for every request: it leases several requests and holds
-concurrency slots at once and spends them locally (:mod:`zmlcore.limits.leases`, the pure half: sizes,
+concurrency slots at once and spends them locally (:mod:`zmlcore.access.shares`, the pure half: sizes,
 slack and what the headers mean). A round trip happens when a lease runs out or ends (about one
 per second per replica on a hot key, always one per request near the limit), and a background
 sweep gives back what a lease left unspent, renews held slots and adds the tokens counted here.
@@ -34,10 +34,10 @@ from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSe
 from nats.js.kv import KeyValue
 
 from zmlcore import subjects
-from zmlcore.limits.leases import LEASE_S, Book
+from zmlcore.access.shares import LEASE_S, Book
 from zmlcore.messages.keys import LimitState, PlanLimits, limit_state_decoder
-from zmlcore.limits.plans import WINDOW_S, Verdict, refusal_of, roll
-from zmlcore.runtime.runner import cancel_and_wait
+from zmlcore.access.plans import WINDOW_S, Verdict, refusal_of, roll
+from zmlcore.bus.cancel import cancel_and_wait
 
 log = logging.getLogger("zml.limiter")
 
