@@ -35,6 +35,7 @@ from zmlcore.config import NatsConfig
 from zmlcore.fleet.registry import add_node, list_nodes, remove_node
 from zmlcore.messages import NodeSpec
 from zmlcore.access.identity import connect_options, public_key
+from zmlcore.bus.publish import flush
 
 FLEET = [("h100-1", "nvidia_h100", [MODEL]), ("a100-1", "nvidia_a100", [MODEL])]
 
@@ -101,14 +102,14 @@ class Attack:
 def _sub(subject: str, queue: str = "") -> Callable[[Conn, SecureBus], Awaitable[Any]]:
     async def act(c: Conn, bus: SecureBus) -> None:
         await c.nc.subscribe(subject, queue=queue, cb=_noop)
-        await c.nc.flush()
+        await flush(c.nc)
     return act
 
 
 def _pub(subject: str, data: bytes = b"{}") -> Callable[[Conn, SecureBus], Awaitable[Any]]:
     async def act(c: Conn, bus: SecureBus) -> None:
         await c.nc.publish(subject, data)
-        await c.nc.flush()
+        await flush(c.nc)
     return act
 
 
@@ -406,7 +407,7 @@ async def test_owner_cancels_own_request_and_nobody_elses(stack: Stack, secure_b
         await _until_in_flight(stack)
         # Bob may publish cancels only in his own namespace: reusing Alice's id there does nothing.
         await bob.nc.publish(subjects.cancel("shared-id", bob_owner), b"")
-        await bob.nc.flush()
+        await flush(bob.nc)
         await asyncio.sleep(1.0)
         assert not mine.done(), "another identity's cancel stopped the request"
         assert not bob.errors
@@ -546,7 +547,7 @@ async def test_observer_reads_events_node_state_and_prices_without_a_violation(s
     c = await connect_as(secure_bus, "olive")
     try:
         sub = await c.nc.subscribe(f"{subjects.EVENTS_PREFIX}.>")
-        await c.nc.flush()
+        await flush(c.nc)
         async with httpx.AsyncClient(timeout=30) as http:
             r = await http.post(stack.gateway_url + "/v1/chat/completions", content=_chat(),
                                 headers={"content-type": "application/json"})
@@ -572,7 +573,7 @@ async def test_observer_reads_events_node_state_and_prices_without_a_violation(s
         await watcher.stop()
         assert "h100-1" in seen
         await c.nc.jetstream().key_value(subjects.COSTS_BUCKET)  # prices (zml cost set) are readable
-        await c.nc.flush()
+        await flush(c.nc)
         assert not [e for e in c.errors if "violation" in e.lower()], c.errors
     finally:
         await c.nc.close()

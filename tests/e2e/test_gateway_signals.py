@@ -20,6 +20,7 @@ import pytest
 
 from zmlcore import subjects
 from zmlcore.runtime.launch import free_port, service_argv, spawn, wait_port
+from zmlcore.bus.publish import flush
 
 MODEL = "slow/model"
 ROUTING = {"node_id": "n1", "accelerator_type": "nvidia_h100", "family": "H100", "policy": "latency",
@@ -54,7 +55,7 @@ async def slow_router(own_nats: str) -> AsyncIterator[None]:
         task.add_done_callback(tasks.discard)
 
     sub = await nc.subscribe(subjects.FRONT_DOOR_INFER, queue=subjects.ROUTER_QUEUE, cb=serve)
-    await nc.flush()
+    await flush(nc)
     try:
         yield
     finally:

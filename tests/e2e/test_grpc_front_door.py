@@ -22,6 +22,7 @@ from zmlcore import subjects
 from zmlcore.runtime.launch import free_port, service_argv, spawn, wait_port
 from zmlcore.rpc import zml_pb2 as pb
 from zmlcore.rpc import zml_pb2_grpc
+from zmlcore.bus.publish import flush
 
 KEYS = ["k-ok", "k-deadline", "k-cancel", "k-stream", "k-limit", "k-size"]
 ROUTING = {"node_id": "n1", "accelerator_type": "nvidia_h100", "family": "H100", "policy": "latency",
@@ -105,7 +106,7 @@ async def router(own_nats: str) -> AsyncIterator[Seen]:
     subs = [await nc.subscribe(subjects.FRONT_DOOR_INFER, queue=subjects.ROUTER_QUEUE, cb=serve),
             await nc.subscribe(subjects.cancel("*"), cb=on_cancel),
             await nc.subscribe(subjects.cancel("*", "*"), cb=on_cancel)]
-    await nc.flush()
+    await flush(nc)
     try:
         yield seen
     finally:

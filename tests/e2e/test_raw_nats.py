@@ -9,6 +9,7 @@ import pytest
 
 from conftest import MODEL, Stack
 from zmlcore import subjects
+from zmlcore.bus.publish import flush
 
 
 async def test_raw_json_request_reply(zml_stack: Stack) -> None:
@@ -95,7 +96,7 @@ async def test_routers_publish_one_completion_event_per_request(zml_stack: Stack
     nc = await nats.connect(zml_stack.nats_url)
     try:
         sub = await nc.subscribe(subjects.event(subjects.EVENT_COMPLETED))
-        await nc.flush()
+        await flush(nc)
         ok = {"model": "llama-3-8b", "prompt": "x", "max_tokens": 1, "request_id": "ev-ok"}
         bad = {"model": "nobody-serves-this", "prompt": "x", "request_id": "ev-bad"}
         for body in (ok, bad):

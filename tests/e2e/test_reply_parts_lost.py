@@ -22,6 +22,7 @@ import zml
 from zmlcore import subjects
 from zmlcore.reply import parts
 from zmlcore.reply.bigreply import split
+from zmlcore.bus.publish import flush
 from conftest import lone_gateway
 
 MODEL = "parts/model"
@@ -59,7 +60,7 @@ async def parts_router(own_nats: str) -> AsyncIterator[list[int]]:
     # The gateway sends on the front-door subject, the SDK on zml.infer: stand in on both.
     subs = [await nc.subscribe(s, queue=subjects.ROUTER_QUEUE, cb=serve)
             for s in (subjects.INFER, subjects.FRONT_DOOR_INFER)]
-    await nc.flush()
+    await flush(nc)
     try:
         yield skip
     finally:

@@ -16,6 +16,7 @@ import pytest
 
 from conftest import MODEL, Stack, launch_stack
 from zmlcore import subjects
+from zmlcore.bus.publish import flush
 
 # Each test breaks a node of its own: cooldowns are 30 s, longer than a test.
 FLEET = [
@@ -171,7 +172,7 @@ async def test_a_cancel_that_overtakes_its_request_is_honoured(stack: Stack) -> 
         sub = await nc.subscribe(inbox)
         # The cancel is published (and reaches both routers) before the request exists.
         await nc.publish(subjects.cancel("overtaken-1"), b"")
-        await nc.flush()
+        await flush(nc)
         await asyncio.sleep(0.2)
         body = {"model": MODEL, "messages": CHAT, "max_tokens": 3, "request_id": "overtaken-1"}
         await nc.publish(subjects.INFER, json.dumps(body).encode(), reply=inbox)

@@ -23,6 +23,7 @@ import pytest
 
 import zml
 from zmlcore import subjects
+from zmlcore.bus.publish import flush
 from conftest import lone_gateway
 
 MODEL = "gap/model"
@@ -61,7 +62,7 @@ async def lossy_router(own_nats: str) -> AsyncIterator[list[int]]:
     # The gateway sends on the front-door subject, the SDK on zml.infer: stand in on both.
     subs = [await nc.subscribe(s, queue=subjects.ROUTER_QUEUE, cb=serve)
             for s in (subjects.INFER, subjects.FRONT_DOOR_INFER)]
-    await nc.flush()
+    await flush(nc)
     try:
         yield skip
     finally:
@@ -128,7 +129,7 @@ async def silent_router(own_nats: str) -> AsyncIterator[list[tuple[str, str]]]:
     subs = [await nc.subscribe(subjects.INFER, queue=subjects.ROUTER_QUEUE, cb=on_infer),
             await nc.subscribe(subjects.FRONT_DOOR_INFER, queue=subjects.ROUTER_QUEUE, cb=on_infer),
             await nc.subscribe(subjects.cancel("*"), cb=on_cancel)]
-    await nc.flush()
+    await flush(nc)
     try:
         yield seen
     finally:
@@ -183,7 +184,7 @@ async def header_router(own_nats: str) -> AsyncIterator[list[str | None]]:
 
     subs = [await nc.subscribe(s, queue=subjects.ROUTER_QUEUE, cb=serve)
             for s in (subjects.INFER, subjects.FRONT_DOOR_INFER)]
-    await nc.flush()
+    await flush(nc)
     try:
         yield seen
     finally:

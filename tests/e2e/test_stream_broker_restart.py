@@ -30,6 +30,7 @@ import pytest
 import zml
 from zmlcore import subjects
 from zmlcore.runtime.launch import Proc, free_port, start_nats
+from zmlcore.bus.publish import flush
 from conftest import lone_gateway
 
 MODEL = "restart/model"
@@ -93,7 +94,7 @@ class StandIn:
                   for w in WORDS]
         await self._send(reply, 0, "start", routing)
         await self._send(reply, 1, subjects.STREAM_CHUNK, chunks[0])
-        await self.nc.flush()  # type: ignore[union-attr]
+        await flush(self.nc)  # type: ignore[union-attr]
         self.sent_first.set()
         await self.broker_down.wait()
         await self._send(reply, 2, subjects.STREAM_CHUNK, chunks[1])  # into the outage
@@ -109,7 +110,7 @@ async def stand_in(broker: Broker) -> AsyncIterator[StandIn]:
     s.nc = await nats.connect(broker.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
     for subject in (subjects.INFER, subjects.FRONT_DOOR_INFER):  # the SDK's and the gateway's
         await s.nc.subscribe(subject, queue=subjects.ROUTER_QUEUE, cb=s.on_request)
-    await s.nc.flush()
+    await flush(s.nc)
     try:
         yield s
     finally:

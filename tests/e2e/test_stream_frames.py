@@ -15,6 +15,7 @@ import nats
 import pytest
 
 from zmlcore import subjects
+from zmlcore.bus.publish import flush
 from conftest import lone_gateway
 
 MODEL = "frames/model"
@@ -56,7 +57,7 @@ async def framed_router(own_nats: str) -> AsyncIterator[dict[str, list[bytes] | 
                                                           subjects.H_SEQ: str(len(frames) + 1)})  # type: ignore[arg-type]
 
     sub = await nc.subscribe(subjects.FRONT_DOOR_INFER, queue=subjects.ROUTER_QUEUE, cb=serve)
-    await nc.flush()
+    await flush(nc)
     try:
         yield plan
     finally:
@@ -130,7 +131,7 @@ async def test_a_frame_before_the_start_is_a_502(gateway: str, own_nats: str) ->
         await nc.publish(msg.reply, b"1\n" + _event("x"))
 
     sub = await nc.subscribe(subjects.FRONT_DOOR_INFER, queue=subjects.ROUTER_QUEUE, cb=serve)
-    await nc.flush()
+    await flush(nc)
     try:
         status, body = await _sse(gateway)
     finally:

@@ -20,6 +20,7 @@ from zmlcore import subjects
 from zmlcore.errors import BackendError, StreamInterruptedError, TimeoutError
 from zmlcore.reply.exchange import Exchange
 from zmlcore.reply.keepalive import MISSES, QUEUED, keepalive_headers
+from zmlcore.bus.publish import flush
 
 KA = 0.15  # keepalive interval of these tests: a silent router is gone after 0.45 s
 
@@ -206,7 +207,7 @@ async def test_replies_skip_the_subscription_queue_and_keep_nats_py_accounting(n
     inbox, sink = mux.open(1000)
     for i in range(500):
         await nc.publish(inbox, b"%d" % i + b"x" * 1000)
-    await nc.flush()
+    await flush(nc)
     got: list[bytes] = []
     deadline = time.monotonic() + 10
     while len(got) < 500 and time.monotonic() < deadline:
@@ -236,7 +237,7 @@ async def test_a_request_that_found_no_router_is_sent_again_when_one_subscribes(
             seen.append(msg)
             await nc.publish(msg.reply, b'{"ok": true}')
         await nc.subscribe(subj, cb=on)
-        await nc.flush()
+        await flush(nc)
 
     starter = asyncio.ensure_future(later())
     ex = exchange(nc, subj, no_router_grace_s=5.0, keepalive_s=None)  # no silence resends on a busy box

@@ -12,6 +12,7 @@ from zml_health.adapters import adapter_for
 from zml_health.service import HealthService
 from zmlcore.messages import node_state_decoder
 from zmlcore.bus.connect import nodes_kv
+from zmlcore.bus.publish import flush
 
 M = "meta-llama/llama-3-8b-instruct"
 
@@ -99,7 +100,7 @@ async def test_router_events_feed_error_rate_and_last_inference(nats_private: st
             for _ in range(3):
                 ev = RequestCompleted(model=M, node_id="h100-e2", ok=True, ts=now)
                 await nc.publish(subjects.event(subjects.EVENT_COMPLETED), msgspec.json.encode(ev))
-            await nc.flush()
+            await flush(nc)
             # 3 node errors in 6 events (all delivered before the next poll publishes the rate)
             e2 = await eventually(lambda: (s := svc.states.get("h100-e2")) and s.error_rate == 0.5 and s,
                                   what="error rate from events")

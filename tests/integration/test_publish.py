@@ -18,7 +18,7 @@ import pytest
 from nats import errors
 
 from zmlcore.runtime.launch import free_port, start_nats, wait_port
-from zmlcore.bus.publish import Publisher
+from zmlcore.bus.publish import Publisher, flush
 
 
 @pytest.fixture()
@@ -34,7 +34,7 @@ async def collect(nc: Any, subject: str) -> tuple[list[tuple[bytes, dict[str, st
     async def on(msg: Any) -> None:
         got.append((msg.data, msg.headers))
     sub = await nc.subscribe(subject, cb=on)
-    await nc.flush()
+    await flush(nc)
     return got, sub
 
 
@@ -71,7 +71,7 @@ async def test_a_reply_published_in_the_iteration_of_the_subscribe_arrives(nc: A
     async def echo(m: Any) -> None:
         await Publisher.of(nc).publish(m.reply, m.data)
     responder = await nc.subscribe("np.echo", cb=echo)
-    await nc.flush()
+    await flush(nc)
     inbox = nc.new_inbox()
     got = asyncio.get_running_loop().create_future()
 
@@ -264,3 +264,29 @@ async def test_a_stalled_broker_blocks_publishers_with_bounded_buffers() -> None
             server.popen.send_signal(signal.SIGCONT)
             await c.close()
             server.stop()
+
+
+async def test_flush_means_the_broker_has_the_subscription(nats_url: str) -> None:
+    """zmlcore.bus.publish.flush: once it returns, a message another connection publishes reaches
+    the subscription made just before. nats-py 2.16's own ``nc.flush()`` writes its PING ahead of
+    the buffered SUB, so its PONG can come back first and the message is dropped (this loop lost
+    one within ~20 rounds with it)."""
+    a = await nats.connect(nats_url)
+    b = await nats.connect(nats_url)
+    try:
+        lost = 0
+        for i in range(300):
+            inbox = a.new_inbox()
+            sub = await a.subscribe(inbox)
+            await flush(a)
+            await b.publish(inbox, str(i).encode())
+            await b.flush()
+            try:
+                await sub.next_msg(timeout=0.5)
+            except errors.TimeoutError:
+                lost += 1
+            await sub.unsubscribe()
+        assert lost == 0
+    finally:
+        await a.close()
+        await b.close()

@@ -14,6 +14,7 @@ import pytest
 
 from zml_router.keepalives import PARK_AFTER, TICK_S, send_keepalives
 from zmlcore.reply.keepalive import KeepaliveBook
+from zmlcore.bus.publish import flush
 
 
 class CountingBook(KeepaliveBook):
@@ -52,7 +53,7 @@ async def test_idle_task_parks_and_a_new_request_still_gets_keepalives(nc: Any) 
             got.append(time.monotonic())
         inbox = nc.new_inbox()
         await nc.subscribe(inbox, cb=on)
-        await nc.flush()
+        await flush(nc)
         t0 = time.monotonic()
         book.add(inbox, 0.1, t0)
         await asyncio.sleep(0.5)

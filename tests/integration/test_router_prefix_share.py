@@ -14,6 +14,7 @@ from zml_router.sessions import Sessions, session_key
 from zmlcore import subjects
 from zmlcore.messages.kvcache import KvAllCleared, KvEventBatch
 from zmlcore.policy.prefix import PrefixIndex, prompt_keys
+from zmlcore.bus.publish import flush
 
 import pytest
 
@@ -39,8 +40,8 @@ async def test_replicas_share_records_reports_and_kv_events(nats_private: str) -
         await a.start()
         await b.start()
         try:
-            await nc_a.flush()
-            await nc_b.flush()
+            await flush(nc_a)
+            await flush(nc_b)
             a.recorded("h100-1", chain, 100.0)
             assert a.index.depth("h100-1", chain) == len(chain)
             await eventually(lambda: b.index.depth("h100-1", chain) == len(chain), what="peer record")

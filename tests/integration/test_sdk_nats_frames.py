@@ -21,6 +21,7 @@ import zml
 from zmlcore import subjects
 from zmlcore.reply import streamframe
 from zmlcore.runtime.launch import free_port, start_nats, wait_port
+from zmlcore.bus.publish import flush
 
 ROUTING = {"node_id": "n1", "accelerator_type": "nvidia_h100", "family": "H100", "policy": "balanced",
            "queue_depth_at_dispatch": 0, "decision_id": "d", "request_id": "r"}
@@ -66,7 +67,7 @@ async def router(nats_url: str) -> AsyncIterator[Router]:
     nc = await nats.connect(nats_url)
     r = Router()
     sub = await nc.subscribe(subjects.INFER, queue="fake-router", cb=r.on)
-    await nc.flush()
+    await flush(nc)
     yield r
     await sub.unsubscribe()
     await nc.close()

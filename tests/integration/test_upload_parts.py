@@ -15,6 +15,7 @@ from nats.aio.msg import Msg
 from zmlcore import subjects
 from zmlcore.errors import RequestTooLargeError, UploadIncompleteError
 from zmlcore.reply.exchange import Exchange
+from zmlcore.bus.publish import flush
 from zml_router.uploads import Uploads, upload_size
 
 SUBJECT = "test.upload.requests"
@@ -36,6 +37,7 @@ async def test_a_body_over_one_message_reaches_its_router_whole(nats_url: str) -
         await router.publish(msg.reply, b"done")
 
     sub = await router.subscribe(SUBJECT, cb=serve)
+    await flush(router)  # the request must find its subscriber, not 'no responders'
     try:
         ex = Exchange(nc, body, {subjects.H_REQUEST_ID: "u1"}, timeout_s=10, keepalive_s=None, subject=SUBJECT)
         assert ex.upload
@@ -69,6 +71,7 @@ async def test_a_router_silent_after_the_upload_is_replaced_and_the_body_sent_ag
         await router.publish(msg.reply, data[:16])
 
     sub = await router.subscribe(SUBJECT, cb=serve)
+    await flush(router)  # the request must find its subscriber, not 'no responders'
     try:
         ex = Exchange(nc, body, {subjects.H_REQUEST_ID: "u2"}, timeout_s=20, keepalive_s=0.2, subject=SUBJECT)
         await ex.send()
@@ -92,7 +95,7 @@ async def test_lost_parts_and_lies_are_errors_at_once(nats_url: str) -> None:
         async def ask(size: int, send: list[tuple[bytes, dict[str, str]]], first_s: float = 5.0) -> BaseException:
             inbox = nc.new_inbox()
             sub = await nc.subscribe(inbox)
-            await nc.flush()  # subscribed before the router (another connection) asks
+            await flush(nc)  # subscribed before the router (another connection) asks
             task = asyncio.ensure_future(uploads.collect(inbox, size, first_s))
             to = (await sub.next_msg(timeout=5)).headers[subjects.H_UPLOAD_TO]  # type: ignore[index]
             assert to.startswith(subjects.upload("r-lies", ""))

@@ -52,6 +52,7 @@ from zmlcore.bus.connect import connect
 from zmlcore.reply.norouter import NoRouterWait
 from zmlcore.reply.parts import Reply
 from zmlcore.reply.streamseq import SeqCheck
+from zmlcore.bus.publish import flush
 
 __all__ = ["AsyncNatsStream", "AsyncNatsTransport", "SyncNatsStream", "SyncNatsTransport"]
 
@@ -152,7 +153,7 @@ class AsyncNatsTransport:
         with contextlib.suppress(Exception):
             nc = await self._conn()
             await nc.publish(subjects.cancel(request_id, self.owner), b"")
-            await nc.flush(timeout=1)
+            await flush(nc, 1)
 
     def _exchange(self, nc: NATS, call: InferCall, buffer: int | None) -> Exchange:
         """``buffer`` None: a plain reply, collected in parts when over max_payload."""

@@ -21,7 +21,7 @@ import logging
 
 from nats.aio.client import Client as NATS
 
-from zmlcore.bus.publish import Publisher
+from zmlcore.bus.publish import Publisher, flush
 
 log = logging.getLogger("zml.batchpub")
 
@@ -80,6 +80,6 @@ class BatchPublisher:
         if self._pending and self.nc.is_connected:
             await self._send()
             try:
-                await asyncio.wait_for(self.nc.flush(), 2.0)
+                await flush(self.nc, 2.0)
             except Exception:
                 pass

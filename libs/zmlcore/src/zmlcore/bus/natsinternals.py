@@ -8,10 +8,11 @@ which):
 ========================  ==========================================  ===========================
 what                      nats-py privates                            without them
 ========================  ==========================================  ===========================
-fast publish              ``Client._pending``, ``_pending_data_size``,  every publish goes through
-(zmlcore.bus.publish)     ``_max_pending_size``, ``_flush_pending``,    ``nc.publish`` (a flush
-                          ``_transport`` (its ``_io_writer``),          round per publish): slower,
-                          ``_flush_queue``                              correct; logged once
+fast publish, ordered     ``Client._pending``, ``_pending_data_size``,  every publish goes through
+flush                     ``_max_pending_size``, ``_flush_pending``,    ``nc.publish`` (a flush
+(zmlcore.bus.publish)     ``_transport`` (its ``_io_writer``),          round per publish): slower,
+                          ``_flush_queue``                              correct; logged once; a
+                                                                        flush may overtake a SUB
 direct reply delivery     ``Subscription._pending_queue``,              a callback subscription (a
 (zmlcore.reply.exchange)  ``_pending_size``                             task switch per message);
                                                                         logged once
@@ -208,6 +209,21 @@ def write_pending(nc: NATS, loop: asyncio.AbstractEventLoop | None) -> None:
     transport.writelines(c._pending)
     c._pending = []
     c._pending_data_size = 0
+
+
+async def flush_in_order(nc: NATS, timeout: float) -> None:
+    """``nc.flush(timeout)`` whose PONG means the broker has seen everything this client sent
+    before it. nats-py 2.16's ``flush`` writes its PING straight to the socket, ahead of the
+    commands still in its buffer (a SUB just made, a publish): the PONG can come back before
+    the broker has the subscription, and a message another connection publishes on that
+    signal is dropped (seen: a requester's inbox missing the router's first message). The
+    buffer is written first; a backed-up socket is drained first (within ``timeout``)."""
+    c: Any = nc
+    if support().fast_publish and c._pending and nc.is_connected:
+        write_pending(nc, None)
+        if c._pending:  # socket backed up: nats-py's flusher writes it and awaits drain()
+            await asyncio.wait_for(flush_forced(nc), timeout)
+    await nc.flush(timeout)  # type: ignore[arg-type]  # typed int, works with any seconds
 
 
 # --- direct reply delivery (zmlcore.reply.exchange) -------------------------------------------

@@ -153,3 +153,12 @@ async def publish(nc: NATS, subject: str, payload: bytes = b"", reply: str = "",
                   headers: dict[str, str] | None = None) -> None:
     """``Publisher.of(nc).publish(...)``: for callers that do not keep the publisher."""
     await Publisher.of(nc).publish(subject, payload, reply, headers)
+
+
+async def flush(nc: NATS, timeout: float = 5.0) -> None:
+    """Wait until the broker has seen everything sent on ``nc`` so far (a PING/PONG round trip):
+    use it, never ``nc.flush()``, before telling another party "subscribed" or "started".
+    nats-py 2.16's own flush can overtake its buffered commands (see
+    :func:`zmlcore.bus.natsinternals.flush_in_order`)."""
+    await natsinternals.flush_in_order(nc, timeout)
+

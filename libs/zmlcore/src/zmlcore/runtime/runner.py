@@ -28,6 +28,7 @@ from zmlcore.bus.cancel import cancel_and_wait as cancel_and_wait  # re-exported
 from zmlcore.bus.connect import connect
 from zmlcore.telemetry.otlp import setup_otlp_metrics
 from zmlcore.telemetry.setup import setup_logging, setup_tracing
+from zmlcore.bus.publish import flush
 
 log = logging.getLogger("zml.runner")
 
@@ -102,7 +103,7 @@ async def run_service(
         # `zml up`'s "ready") mean the subscriptions are at the broker, so a request sent on that
         # signal does not meet "no responders".
         try:
-            await nc.flush(timeout=5)
+            await flush(nc, 5)
         except Exception:  # broker gone meanwhile: the reconnect re-sends the subscriptions
             log.warning("%s: subscriptions not confirmed by the broker at start", name)
         gcpace.settle()  # start-up objects frozen; collections paced by time (zmlcore.runtime.gcpace)
@@ -140,7 +141,7 @@ async def run_service(
         # flushing what is buffered is enough; drain() would also wait on JetStream consumers'
         # subscriptions (KV watchers, pull fetches) for seconds.
         try:
-            await nc.flush(timeout=1)
+            await flush(nc, 1)
         except Exception:  # broker gone: nothing can be flushed
             pass
         await nc.close()
