@@ -39,6 +39,7 @@ from typing import Any, Callable
 
 from zmlcore.fleet.perfmodel import SimProfile
 from zmlcore.fleet.kvevents.wire import Event
+from zmlcore.bus.cancel import cancel_and_wait
 from zml_sim.prefixcache import NONE_HASH, Holding, PrefixCache, root_digest
 
 #: Weights of one loaded model when no size is given: an 8B model in fp16.
@@ -384,11 +385,7 @@ class SimEngine:
     async def stop(self) -> None:
         self.reset("engine stopped")
         if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            await cancel_and_wait([self._task])
             self._task = None
 
     def reset(self, reason: str, *, clear_stats: bool = False) -> None:

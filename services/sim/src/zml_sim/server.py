@@ -440,22 +440,37 @@ class SimNode:
             "offset": offset,
         }
 
+    def _served(self, model: str | None) -> str | web.StreamResponse:
+        """The model a request runs on (like vLLM: the served one when none is named), or the
+        answer refusing it: still loading (503 where the imitated engine says so) or unknown."""
+        eng = self.engine
+        if model is None:
+            if not eng.models:
+                return self.loading_error() if eng.loading else self.error(404, "No model is loaded", "not_found")
+            return next(iter(eng.models))
+        if model not in eng.models:
+            if model in eng.loading and self.face.loading_answers_503:
+                return self.loading_error()
+            return self.error(404, f"The model `{model}` does not exist.", "not_found")
+        return model
+
+    def _injected_error(self) -> web.StreamResponse | None:
+        """The fault plan's error answer for this request, if it draws one."""
+        eng = self.engine
+        if not eng.sample_error():
+            return None
+        return self.error(eng.faults.error_status, "Injected fault: internal server error", "internal",
+                          self._retry_headers())
+
     async def _generate(self, request: web.Request, *, chat: bool) -> web.StreamResponse:
         eng = self.engine
         try:
             args = self._parse(await request.read(), chat)
         except _BadRequest as exc:
             return self.error(400, str(exc), "bad_request")
-        model = args["model"]
-        if model is None:  # like vLLM: the served model when none is named
-            if not eng.models:
-                return self.loading_error() if eng.loading else self.error(
-                    404, "No model is loaded", "not_found")
-            model = next(iter(eng.models))
-        if model not in eng.models:
-            if model in eng.loading and self.face.loading_answers_503:
-                return self.loading_error()
-            return self.error(404, f"The model `{model}` does not exist.", "not_found")
+        model = self._served(args["model"])
+        if not isinstance(model, str):
+            return model
         if eng.overloaded:
             return self._overload()
         if eng.faults.hang:
@@ -466,10 +481,8 @@ class SimNode:
             finally:
                 self._hung.discard(fut)
             raise asyncio.CancelledError
-        if eng.sample_error():
-            status = eng.faults.error_status
-            return self.error(status, "Injected fault: internal server error", "internal",
-                               self._retry_headers())
+        if (refused := self._injected_error()) is not None:
+            return refused
         drop = eng.sample_drop()
         stall = eng.sample_stall()
         req = eng.submit(model, args["prompt_tokens"], args["max_tokens"], tokens=args["tokens"],
@@ -491,19 +504,14 @@ class SimNode:
             return self.error(400, f"Invalid JSON in request body: {exc}", "bad_request")
         except embeddings.EmbeddingRequestError as exc:
             return self.error(400, str(exc), "bad_request")
-        if model is None:
-            if not eng.models:
-                return self.loading_error() if eng.loading else self.error(404, "No model is loaded", "not_found")
-            model = next(iter(eng.models))
-        if model not in eng.models:
-            if model in eng.loading and self.face.loading_answers_503:
-                return self.loading_error()
-            return self.error(404, f"The model `{model}` does not exist.", "not_found")
+        served = self._served(model)
+        if not isinstance(served, str):
+            return served
+        model = served
         if eng.overloaded:
             return self._overload()
-        if eng.sample_error():
-            return self.error(eng.faults.error_status, "Injected fault: internal server error", "internal",
-                               self._retry_headers())
+        if (refused := self._injected_error()) is not None:
+            return refused
         req = eng.submit(model, tokens, 1)
         try:
             await req.text()
@@ -546,19 +554,14 @@ class SimNode:
                                             language=str(form.get("language") or "") or None)
         except transcription.TranscriptionRequestError as exc:
             return self.error(400, str(exc), "bad_request")
-        if model is None:
-            if not eng.models:
-                return self.loading_error() if eng.loading else self.error(404, "No model is loaded", "not_found")
-            model = next(iter(eng.models))
-        if model not in eng.models:
-            if model in eng.loading and self.face.loading_answers_503:
-                return self.loading_error()
-            return self.error(404, f"The model `{model}` does not exist.", "not_found")
+        served = self._served(model)
+        if not isinstance(served, str):
+            return served
+        model = served
         if eng.overloaded:
             return self._overload()
-        if eng.sample_error():
-            return self.error(eng.faults.error_status, "Injected fault: internal server error", "internal",
-                               self._retry_headers())
+        if (refused := self._injected_error()) is not None:
+            return refused
         req = eng.submit(model, transcription.prompt_tokens(text.duration), len(text.words))
         if stream:
             resp = web.StreamResponse(headers={"content-type": "text/event-stream", "cache-control": "no-cache"})

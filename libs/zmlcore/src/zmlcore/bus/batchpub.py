@@ -21,6 +21,7 @@ import logging
 
 from nats.aio.client import Client as NATS
 
+from zmlcore.bus.cancel import cancel_and_wait
 from zmlcore.bus.publish import Publisher, flush
 
 log = logging.getLogger("zml.batchpub")
@@ -71,11 +72,7 @@ class BatchPublisher:
     async def stop(self) -> None:
         """Stop the timer and send what is pending."""
         if self._task is not None:
-            self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            await cancel_and_wait([self._task])
             self._task = None
         if self._pending and self.nc.is_connected:
             await self._send()
