@@ -17,12 +17,16 @@ completed per second against the spare capacity (modelled capacity minus the int
 served), the share of its tokens per family (from its output file), and the runner's CPU per
 line against the router's CPU per request over the same phase (/proc ticks).
 
+``--mode cpu``: a batch alone on the fleet at 20x with short outputs: the runner's CPU per
+line and the router's per request over the same lines (refusals included), in one run.
+
 ``--mode submit``: a ``--lines``-line file (50,000 by default) uploaded with the `openai`
 package and a batch created over it; the time until the batch is ``in_progress`` (checked and
 cut into shards) and where it went (upload, create, validate).
 
     python benches/batch_bench.py --mode load --time-scale 4 --load 0.5 --phase 120 --rounds 2
     python benches/batch_bench.py --mode submit --lines 50000
+    python benches/batch_bench.py --mode cpu --lines 3000
 """
 
 from __future__ import annotations
@@ -144,6 +148,7 @@ class Interactive:
         self.rate = rate
         self.rng = random.Random(seed)
         self.ttft: list[tuple[float, float]] = []  # (start time, ttft)
+        self.family: list[str] = []  # the family that served each of ttft's requests
         self.done: list[float] = []  # completion times
         self.errors: dict[str, int] = {}
         self._stop = asyncio.Event()
@@ -171,6 +176,7 @@ class Interactive:
         first = None
         try:
             async with client.stream("POST", "/v1/chat/completions", json=body) as r:
+                family = r.headers.get("x-zml-family", "?")
                 if r.status_code != 200:
                     await r.aread()
                     code = r.json().get("error", {}).get("code", str(r.status_code))
@@ -181,6 +187,7 @@ class Interactive:
                         first = time.monotonic() - t0
             if first is not None:
                 self.ttft.append((t0, first))
+                self.family.append(family)
                 self.done.append(time.monotonic())
         except httpx.HTTPError as exc:
             self.errors[type(exc).__name__] = self.errors.get(type(exc).__name__, 0) + 1
@@ -206,10 +213,25 @@ def batch_file(lines: int, seed: int) -> bytes:
 
 
 def phase_stats(inter: Interactive, t0: float, t1: float) -> dict[str, Any]:
-    vals = [v for s, v in inter.ttft if t0 <= s < t1]
+    rows = [(v, f) for (s, v), f in zip(inter.ttft, inter.family) if t0 <= s < t1]
+    vals = [v for v, _ in rows]
     served = sum(1 for d in inter.done if t0 <= d < t1)
+    by_family = {}
+    for fam in sorted({f for _, f in rows}):
+        fv = [v for v, f in rows if f == fam]
+        by_family[fam] = {"n": len(fv), "p50": round(pct(fv, 0.5), 3), "p99": round(pct(fv, 0.99), 3)}
     return {"requests": len(vals), "ttft_p50_s": round(pct(vals, 0.5), 4), "ttft_p99_s": round(pct(vals, 0.99), 4),
-            "served_rps": round(served / (t1 - t0), 3)}
+            "served_rps": round(served / (t1 - t0), 3), "by_family": by_family}
+
+
+def cpu_of(fleet: Fleet) -> dict[str, float]:
+    """CPU seconds so far of each kind of process (sim, router, gateway, batch, health)."""
+    out: dict[str, float] = {}
+    for name, p in fleet.procs.items():
+        if p.alive():
+            kind = name.split("-")[0]
+            out[kind] = out.get(kind, 0.0) + ticks(p.pid)
+    return out
 
 
 async def load_mode(args: argparse.Namespace) -> dict[str, Any]:
@@ -229,9 +251,11 @@ async def load_mode(args: argparse.Namespace) -> dict[str, Any]:
         await asyncio.sleep(args.warmup)
         rounds = []
         for r in range(args.rounds):
-            a0 = time.monotonic()
+            a0, ca0 = time.monotonic(), cpu_of(fleet)
             await asyncio.sleep(args.phase)
-            a = phase_stats(inter, a0, time.monotonic())
+            a1, ca1 = time.monotonic(), cpu_of(fleet)
+            a = phase_stats(inter, a0, a1)
+            a["cpu_share"] = {k: round((ca1[k] - ca0.get(k, 0.0)) / (a1 - a0), 3) for k in ca1}
             f = await asyncio.to_thread(client.files.create, file=("bench.jsonl", io.BytesIO(data)), purpose="batch")
             b = await asyncio.to_thread(client.batches.create, input_file_id=f.id, endpoint="/v1/chat/completions",
                                         completion_window="24h")
@@ -241,13 +265,14 @@ async def load_mode(args: argparse.Namespace) -> dict[str, Any]:
             cpu0 = {pid: ticks(pid) for pid in fleet.pids("batch") + fleet.pids("router")}
             done0 = (await asyncio.to_thread(client.batches.retrieve, b.id)).request_counts
             reqs0, ref0 = events.handled, events.refused
-            b0 = time.monotonic()
+            b0, cb0 = time.monotonic(), cpu_of(fleet)
             await asyncio.sleep(args.phase)
-            b1 = time.monotonic()
+            b1, cb1 = time.monotonic(), cpu_of(fleet)
             done1 = (await asyncio.to_thread(client.batches.retrieve, b.id)).request_counts
             reqs1, ref1 = events.handled, events.refused
             cpu1 = {pid: ticks(pid) for pid in cpu0}
             bstats = phase_stats(inter, b0, b1)
+            bstats["cpu_share"] = {k: round((cb1[k] - cb0.get(k, 0.0)) / (b1 - b0), 3) for k in cb1}
             lines = (done1.completed + done1.failed) - (done0.completed + done0.failed)
             batch_rps = lines / (b1 - b0)
             spare = cap - bstats["served_rps"]
@@ -336,16 +361,57 @@ def submit_mode(args: argparse.Namespace) -> dict[str, Any]:
         while (b := client.batches.retrieve(b.id)).status == "validating":
             time.sleep(0.05)
         t3 = time.monotonic()
-        client.batches.cancel(b.id)
+        try:
+            client.batches.cancel(b.id)
+        except openai.ConflictError:  # it already ran to the end
+            pass
         return {"lines": args.lines, "bytes": len(rows), "upload_s": round(t1 - t0, 2), "create_s": round(t2 - t1, 3),
                 "validate_s": round(t3 - t2, 2), "submit_and_validate_s": round(t3 - t0, 2), "status": b.status}
     finally:
         fleet.stop()
 
 
+async def cpu_mode(args: argparse.Namespace) -> dict[str, Any]:
+    """A batch alone on a fast fleet (the sims at 20x, short outputs): CPU per line of the
+    runner and per request of the router over the same lines (refusals included)."""
+    tmp = Path(tempfile.mkdtemp(prefix="zml-batch-cpu-"))
+    fleet = Fleet(tmp, 20.0, 1, 1, args.reserve)
+    events = Events()
+    try:
+        await events.start(fleet.nats_url)
+        rows = "\n".join(json.dumps({"custom_id": f"c{i}", "method": "POST", "url": "/v1/chat/completions",
+                                     "body": {"model": MODEL, "max_tokens": 32,
+                                              "messages": [{"role": "user", "content": prompt(200, i)}]}})
+                         for i in range(args.lines)).encode()
+        client = openai.OpenAI(base_url=fleet.url + "/v1", api_key="none", max_retries=0, timeout=300)
+        f = client.files.create(file=("cpu.jsonl", io.BytesIO(rows)), purpose="batch")
+        pids = {"runner": fleet.pids("batch"), "router": fleet.pids("router"), "gateway": fleet.pids("gateway"),
+                "sim": fleet.pids("sim")}
+        cpu0 = {k: sum(ticks(p) for p in v) for k, v in pids.items()}
+        h0, r0 = events.handled, events.refused
+        t0 = time.monotonic()
+        b = client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
+        while (b := client.batches.retrieve(b.id)).status not in ("completed", "failed", "expired", "cancelled"):
+            await asyncio.sleep(0.5)
+        elapsed = time.monotonic() - t0
+        await asyncio.sleep(1.0)  # the last completion events
+        cpu1 = {k: sum(ticks(p) for p in v) for k, v in pids.items()}
+        handled, refused = events.handled - h0, events.refused - r0
+        used = {k: cpu1[k] - cpu0[k] for k in cpu0}
+        return {"lines": args.lines, "status": b.status, "seconds": round(elapsed, 1),
+                "lines_per_s": round(args.lines / elapsed, 1), "router_requests": handled, "refusals": refused,
+                "runner_cpu_ms_per_line": round(1000 * used["runner"] / args.lines, 3),
+                "router_cpu_ms_per_request": round(1000 * used["router"] / max(1, handled), 3),
+                "router_cpu_ms_per_line": round(1000 * used["router"] / args.lines, 3),
+                "cpu_s": {k: round(v, 2) for k, v in used.items()}}
+    finally:
+        await events.close()
+        fleet.stop()
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=("load", "submit"), default="load")
+    p.add_argument("--mode", choices=("load", "submit", "cpu"), default="load")
     p.add_argument("--time-scale", type=float, default=4.0)
     p.add_argument("--load", type=float, default=0.5, help="interactive rate as a share of modelled capacity")
     p.add_argument("--lines", type=int, default=None, help="batch lines (load: 20,000; submit: 50,000)")
@@ -363,6 +429,9 @@ def main() -> int:
     if args.mode == "submit":
         args.lines = args.lines or 50_000
         out = submit_mode(args)
+    elif args.mode == "cpu":
+        args.lines = args.lines or 3000
+        out = asyncio.run(cpu_mode(args))
     else:
         args.lines = args.lines or 20_000
 

@@ -286,6 +286,12 @@ ATTACKS = [
            _const(f"$JS.API.STREAM.INFO.KV_{subjects.KEYS_BUCKET}")),
     Attack("observer reads node load: zml.node.inflight", "olive", _sub(subjects.INFLIGHT), _const(subjects.INFLIGHT)),
     Attack("observer watches cancels", "olive", _sub(f"{subjects.CANCEL_PREFIX}.>"), _const(f"{subjects.CANCEL_PREFIX}.>")),
+    # Audio bodies over one message go to their router in parts on zml.upload.<router>.<token>.
+    Attack("read others' audio: subscribe zml.upload.>", "mallory", _sub(f"{subjects.UPLOAD_PREFIX}.>"),
+           _const(f"{subjects.UPLOAD_PREFIX}.>")),
+    Attack("observer uploads audio", "olive", _pub(subjects.upload("router-1", "x")),
+           _const(subjects.upload("router-1", "x"))),
+    Attack("observer reads uploads", "olive", _sub(f"{subjects.UPLOAD_PREFIX}.>"), _const(f"{subjects.UPLOAD_PREFIX}.>")),
     Attack("admin reads prompts", "admin", _sub(subjects.INFER), _const(subjects.INFER)),
     Attack("admin reads every reply", "admin", _sub("_INBOX.>"), _const("_INBOX.>")),
 ]

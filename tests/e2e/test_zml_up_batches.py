@@ -38,7 +38,14 @@ def up_proc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[str, Pro
                                 str(data), "--standby", "0"))
     try:
         assert proc.wait_for("zml metrics:", 150), proc.tail()
-        yield f"http://127.0.0.1:{gw}", proc
+        url = f"http://127.0.0.1:{gw}"
+        # `zml ready` comes with the first node up; the demo's MI300X and Inferentia2 load for a
+        # few seconds more, and where batch lines go depends on which nodes are up.
+        deadline = time.monotonic() + 60
+        while not all(n["status"] == "up" for n in httpx.get(url + "/v1/nodes", timeout=10).json()["nodes"]):
+            assert time.monotonic() < deadline, "the demo fleet did not come up"
+            time.sleep(0.5)
+        yield url, proc
     finally:
         proc.stop()
 

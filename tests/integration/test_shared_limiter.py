@@ -12,6 +12,8 @@ import nats
 import pytest
 from nats.aio.client import Client as NATS
 
+from nats.js.errors import KeyNotFoundError
+
 from zmlcore import subjects
 from zmlcore.limits.leases import SHARE
 from zmlcore.limits.limiter import SharedLimiter, limit_key
@@ -119,3 +121,33 @@ async def test_release_without_urgency_costs_no_write(replicas: tuple[SharedLimi
     seq = await _writes(nc)
     await a.release(ident, lease_id="r0", tokens=0)
     assert await _writes(nc) == seq
+
+
+async def test_batch_tokens_count_in_the_plan_and_hold_its_batches_when_spent(
+        replicas: tuple[SharedLimiter, SharedLimiter, NATS]) -> None:
+    """A batch runner's tokens (add_tokens) land in the same entry as the key's requests, and
+    tokens_wait says when that key's batch lines may go again (zml_batch.plans)."""
+    runner, gateway, nc = replicas
+    ident = f"key:batch-{os.urandom(3).hex()}"
+    plan = PlanLimits(requests_per_minute=600, tokens_per_minute=1000)
+    tokens_only = PlanLimits(tokens_per_minute=1000)
+    assert await runner.tokens_wait(ident, tokens_only) == 0.0
+    await runner.add_tokens(ident, tokens_only, 400)
+    assert await runner.tokens_wait(ident, tokens_only) == 0.0  # 400 of 1000: room left
+    await runner.add_tokens(ident, tokens_only, 700)  # over the minute's 1000: written within a sweep
+
+    async def written() -> int:
+        try:
+            return (await _entry(nc, ident)).tokens
+        except KeyNotFoundError:
+            return 0
+
+    deadline = time.monotonic() + 5
+    while await written() < 1100:
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.05)
+    assert await runner.tokens_wait(ident, tokens_only) > 0
+    # the key's own requests see the batch's tokens: refused on tokens, from another replica
+    v = await gateway.acquire(ident, plan, lease_id="r1", lease_s=10)
+    assert not v.ok and v.reason == "tokens"
+    assert await runner.tokens_wait(ident, PlanLimits()) == 0.0  # no token limit: never waits

@@ -126,6 +126,7 @@ def test_pages_go_newest_first_after_a_cursor() -> None:
     assert objects.page(ids_, "batch_04", 3) == (["batch_03", "batch_02", "batch_01"], True)
     assert objects.page(ids_, "batch_01", 3) == (["batch_00"], False)
     assert objects.page(ids_, "batch_99", 2) == (["batch_06", "batch_05"], True)
+    assert objects.page(ids_, "batch_04", 2, newest_first=False) == (["batch_05", "batch_06"], False)
 
 
 def test_output_lines_in_openais_shape() -> None:

@@ -8,12 +8,13 @@ import pytest
 
 from wavs import wav
 from zml_sim import transcription as tr
+from zmlcore.messages.audio import wav_seconds
 
 
 def test_duration_from_the_wav_header_else_from_the_size() -> None:
-    assert tr.wav_duration(wav(3.0)) == pytest.approx(3.0)
-    assert tr.wav_duration(wav(1.5, rate=8000)) == pytest.approx(1.5)
-    assert tr.wav_duration(b"ID3...mp3 bytes") is None
+    assert wav_seconds(wav(3.0)) == pytest.approx(3.0)
+    assert wav_seconds(wav(1.5, rate=8000)) == pytest.approx(1.5)
+    assert wav_seconds(b"ID3...mp3 bytes") is None
     assert tr.duration_of(b"\xff" * 32000) == 2.0  # not a WAV: 16 kB per second
 
 

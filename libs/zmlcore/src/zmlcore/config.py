@@ -186,11 +186,13 @@ class RouterConfig(msgspec.Struct, **_Base):
     first_byte_factor: NonNeg = 4.0
     """Multiple of the node's estimated time to first token (to the whole reply when not
     streaming) allowed before the first byte; 0 makes first_byte_floor_s a fixed timeout."""
-    batch_reserve: Annotated[float, msgspec.Meta(ge=0, le=0.9)] = 0.25
+    batch_reserve: Annotated[float, msgspec.Meta(ge=0, le=0.9)] = 0.1
     """Share of each node's sequence slots batch requests (``Zml-Priority: batch``, the batch
     runners' lines) never take, at least one slot: interactive arrivals find them free. Where no
     node has that room a batch request is refused at once (QUEUE_FULL) and its runner waits
-    (docs/batches.md). 0: batch work may fill every slot."""
+    (docs/batches.md). More keeps interactive latency closer to a fleet without batches and
+    leaves more capacity idle (benches/batch_sim.py at 50% load: 0.1 cost interactive p99 TTFT
+    +6% and used 91% of the spare capacity; 0.25, +2% and 81%; 0, x2.5 and 100%)."""
     inter_token_timeout_s: PosFloat = 10.0
     """After the first token, a node that sends nothing more for this long (noticed within one
     to two such periods) is abandoned as stalled, cooled down, and the answer continued on
@@ -398,6 +400,11 @@ class ModelConfig(msgspec.Struct, **_Base):
     """An embedding model: it answers POST /v1/embeddings (an InferRequest with ``input``) and
     chat/completion requests for it are refused with 400, as embeddings requests for a model
     configured without it are. Models not in [models] are not checked (the node decides)."""
+    audio: bool = False
+    """A speech-to-text model (Whisper and the like): it answers POST /v1/audio/transcriptions
+    and /v1/audio/translations (OpenAI's multipart form, passed to the node as sent), and chat,
+    completion and embeddings requests for it are refused with 400, as audio requests for a model
+    configured without it are. Not with embedding."""
 
 
 class WarmupConfig(msgspec.Struct, **_Base):
@@ -519,6 +526,14 @@ class DefaultsConfig(msgspec.Struct, **_Base):
     """Largest timeout a caller may ask for (``timeout_ms``, ``Zml-Timeout-Ms``); above it, 400."""
     max_json_depth: PosInt = 32
     """Deepest nesting of lists/objects accepted in a request body; deeper, 400."""
+    max_audio_bytes: PosInt = 26 * 1024 * 1024
+    """Largest audio request (the whole multipart form: the file and its fields) the gateway
+    reads and a router takes over NATS; above it, 413 REQUEST_TOO_LARGE. OpenAI's file limit is
+    25 MB. A body larger than one NATS message goes to its router in parts (docs/nats-api.md)."""
+    audio_bytes_in_flight: PosInt = 1024 * 1024 * 1024
+    """Audio bytes one gateway or router process holds at once (bodies being read, routed or
+    sent to a node), a bound on its memory; a request that would pass it is refused with 503
+    QUEUE_FULL and Retry-After. At least max_audio_bytes."""
 
 
 class ZMLConfig(msgspec.Struct, **_Base):
@@ -694,6 +709,12 @@ def _validate(cfg: ZMLConfig, src: str) -> None:
     for model, mc in cfg.models.items():
         if mc.policy is not None and mc.policy not in names:
             raise ConfigError(f"{src}: models.{model!r}.policy: unknown policy {mc.policy!r}")
+    for model, mc in cfg.models.items():
+        if mc.audio and mc.embedding:
+            raise ConfigError(f"{src}: models.{model!r}: audio and embedding: a model is one or the other")
+    if cfg.defaults.audio_bytes_in_flight < cfg.defaults.max_audio_bytes:
+        raise ConfigError(f"{src}: defaults.audio_bytes_in_flight ({cfg.defaults.audio_bytes_in_flight}) is below "
+                          f"defaults.max_audio_bytes ({cfg.defaults.max_audio_bytes}): no request that size could run")
     if cfg.defaults.policy not in names:
         raise ConfigError(f"{src}: defaults.policy: unknown policy {cfg.defaults.policy!r}")
     _validate_batch(cfg.batch, names, src)

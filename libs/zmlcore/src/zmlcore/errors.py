@@ -70,6 +70,7 @@ __all__ = [
     "StorageFullError",
     "StreamInterruptedError",
     "TimeoutError",
+    "UploadIncompleteError",
     "ZMLError",
     "error_class",
     "from_wire",
@@ -290,6 +291,16 @@ class ReplyIncompleteError(BackendError):
     truncated body. Retrying runs it again."""
 
     code = "REPLY_INCOMPLETE"
+    http_status = 502
+    retryable = True
+    openai_type = "server_error"
+
+
+class UploadIncompleteError(ReplyIncompleteError):
+    """A request uploaded in parts (larger than one NATS message: audio) lost a part on its way
+    to the router, or its requester stopped sending: nothing ran. Retrying sends it again."""
+
+    code = "UPLOAD_INCOMPLETE"
     http_status = 502
     retryable = True
     openai_type = "server_error"

@@ -26,6 +26,7 @@ No other module writes a subject literal: services and the SDK import these name
     KV bucket zml_batch_index      Batch API: file and batch records, keyed by owner
     Object store zml_batch_files   Batch API: input, output and error files
     KV bucket zml_sessions         routers: session -> node bindings, expiring when idle
+    zml.upload.<router_id>.<token> a request body larger than one message, in parts, to its router
 """
 
 from __future__ import annotations
@@ -285,6 +286,32 @@ H_PARTS = "Zml-Parts"
 #: It can only lower the sender's own request, so it needs no trust.
 H_PRIORITY = "Zml-Priority"
 PRIORITY_BATCH = "batch"
+
+#: Audio (OpenAI's /v1/audio/transcriptions and /translations; zmlcore.messages.audio). On a
+#: request: ``Zml-Audio: transcription|translation``, its body the caller's multipart form, as it
+#: came, and ``Zml-Content-Type`` the form's content type (with its boundary). Such a request's
+#: routing fields are headers on both subjects (``Zml-Policy``, ``Zml-Accelerator-Id``,
+#: ``Zml-Request-Id``, ``Zml-Timeout-Ms``): the form is never rewritten. On its reply:
+#: ``Zml-Content-Type`` is the node's (text, SRT and VTT bodies are not JSON), and the routing
+#: metadata travels as ``Zml-*`` headers only.
+H_AUDIO = "Zml-Audio"
+H_CONTENT_TYPE = "Zml-Content-Type"
+
+#: Requests larger than one NATS message (audio: up to [defaults] max_audio_bytes), uploaded in
+#: parts to the router that took them (zmlcore.reply.upload). The requester publishes the request
+#: with an empty body and ``Zml-Upload-Bytes: <body size>``; the router answers on the reply
+#: subject with an empty message carrying ``Zml-Upload-To: zml.upload.<router id>.<token>`` (a
+#: random token: only the requester learns it, on its private inbox), and the requester
+#: publishes the body there in order, ``Zml-Part: k`` / ``Zml-Parts: n``, as a reply in parts
+#: comes back (zmlcore.reply.bigreply). A lost part: UPLOAD_INCOMPLETE (retryable).
+H_UPLOAD_BYTES = "Zml-Upload-Bytes"
+H_UPLOAD_TO = "Zml-Upload-To"
+UPLOAD_PREFIX = f"{PREFIX}.upload"
+
+
+def upload(router_id: str, token: str = "*") -> str:
+    """``zml.upload.<router id>.<token>``: where one request's parts go (``*``: a router's all)."""
+    return f"{UPLOAD_PREFIX}.{router_id}.{token}"
 
 
 # --- The Batch API (docs/batches.md): gateway handlers and batch runners ----------------------

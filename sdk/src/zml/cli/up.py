@@ -14,6 +14,7 @@ folder (``--data-dir``, default ``~/.local/share/zml``) holding the seeds (mode 
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import os
 import signal
@@ -22,6 +23,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import wave
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -29,6 +31,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from zmlcore.config import ZMLConfig
     from zmlcore.runtime.launch import Proc
     from zml.cli._supervise import Supervisor
 
@@ -78,9 +81,39 @@ def _fail(msg: str) -> int:
     return 2
 
 
-def _probe(url: str, model: str) -> tuple[int, str]:
-    body = json.dumps({"model": model, "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}).encode()
-    req = urllib.request.Request(url + "/v1/chat/completions", data=body, headers={"content-type": "application/json"})
+def probe_request(cfg: ZMLConfig) -> tuple[str, bytes, str] | None:
+    """(path, body, content type) of the request that says the fleet serves: a one-token chat
+    with a model that chats, else an embedding, else a transcription of a tenth of a second."""
+    served = sorted({m for n in cfg.nodes for m in n.models})
+    by_kind: dict[str, list[str]] = {"chat": [], "embedding": [], "audio": []}
+    for m in served:
+        mc = cfg.models.get(cfg.resolve_model(m))
+        by_kind["embedding" if mc is not None and mc.embedding else "audio" if mc is not None and mc.audio
+                else "chat"].append(m)
+    if by_kind["chat"]:
+        body = {"model": by_kind["chat"][0], "messages": [{"role": "user", "content": "ping"}], "max_tokens": 1}
+        return "/v1/chat/completions", json.dumps(body).encode(), "application/json"
+    if by_kind["embedding"]:
+        return "/v1/embeddings", json.dumps({"model": by_kind["embedding"][0], "input": "ping"}).encode(), \
+            "application/json"
+    if by_kind["audio"]:
+        from zmlcore.messages.audio import encode_form
+
+        out = io.BytesIO()
+        with wave.open(out, "wb") as w:  # a tenth of a second of 16 kHz silence
+            w.setnchannels(1)
+            w.setsampwidth(2)
+            w.setframerate(16000)
+            w.writeframes(b"\x00\x00" * 1600)
+        wav = out.getvalue()
+        body, ctype = encode_form([("model", by_kind["audio"][0])], "ping.wav", wav, "audio/wav")
+        return "/v1/audio/transcriptions", body, ctype
+    return None
+
+
+def _probe(url: str, request: tuple[str, bytes, str]) -> tuple[int, str]:
+    path, body, ctype = request
+    req = urllib.request.Request(url + path, data=body, headers={"content-type": ctype})
     try:
         with urllib.request.urlopen(req, timeout=10) as resp:
             return resp.status, ""
@@ -218,15 +251,15 @@ def run(args: argparse.Namespace) -> int:
         for i in range(gateways if gateways > 1 else 0):  # one port, the kernel spreads connections
             service(f"gateway-{i + 1}", *service_argv("gateway", config, nats_url, *gw_argv, "--reuse-port"))
         url = f"http://{args.host}:{args.gateway_port}"
-        model = next(iter(sorted({m for n in cfg.nodes for m in n.models})), None)
+        probe = probe_request(cfg)
         deadline = time.monotonic() + args.ready_timeout
         last = (0, "")
-        while model is not None and not stopping:
+        while probe is not None and not stopping:
             sup.tick()
             failed = _config_failure(sup)
             if failed:
                 return failed
-            last = _probe(url, model) if wait_port(args.host, args.gateway_port, 0.5) else (0, "gateway not listening")
+            last = _probe(url, probe) if wait_port(args.host, args.gateway_port, 0.5) else (0, "gateway not listening")
             if last[0] == 200:
                 break
             if time.monotonic() > deadline:

@@ -58,6 +58,10 @@ _encode = msgspec.json.encode
 PROGRESS_S = 1.0
 #: Pause after a failed write to the store (the broker is restarting, say) before trying again.
 STORE_RETRY_S = 0.5
+#: Keepalives asked of the router per line: a line runs for seconds to minutes, and a router that
+#: dies is noticed after three silent intervals (15 s: nothing for a batch); every keepalive is a
+#: message for the router and the runner, so a second each would cost more than the line itself.
+KEEPALIVE_S = 5.0
 
 
 class _Usage(msgspec.Struct):
@@ -380,15 +384,26 @@ class Worker:
         return sent
 
     def _next_wake(self, now: float) -> float:
-        """Seconds until something could be sent without an answer arriving first."""
+        """Seconds until something could be sent without a line ending first (a line's end
+        wakes the loop itself): a line coming due, a gate's backoff or a plan's wait ending.
+        A line due now but held by a full window waits for that wake, not for a timer."""
         times = []
         for held in self.held.values():
             due = held.run.next_due()
-            if due is not None:
+            if due is None:
+                continue
+            if due > now:
                 times.append(due - now)
-        times += [g.wait_s(now) for g in self.gates.values() if g.wait_s(now) > 0]
-        best = min(times, default=1.0)
-        return min(1.0, max(0.005, best))
+                continue
+            if held.batch.plan_wait_until > now:
+                times.append(held.batch.plan_wait_until - now)
+                continue
+            index = held.run.peek(now)
+            if index is not None:
+                wait = self._gate(held.lines[index - held.task.first].model).wait_s(now)
+                if wait > 0:
+                    times.append(wait)
+        return min(1.0, max(0.005, min(times, default=1.0)))
 
     def _spawn(self, coro: Any) -> None:
         task = asyncio.ensure_future(coro)
@@ -413,7 +428,7 @@ class Worker:
         data = b""
         retry_after: float | None = None
         accepted = False
-        ex = Exchange(self.nc, body, headers, timeout_s=timeout, wait_s=timeout + 2.0, keepalive_s=1.0,
+        ex = Exchange(self.nc, body, headers, timeout_s=timeout, wait_s=timeout + 2.0, keepalive_s=KEEPALIVE_S,
                       accept_parts=self.max_reply, buffer=parts_buffer(self.max_reply, self.nc.max_payload),
                       no_router_grace_s=self.cfg.gateway.no_router_grace_s)
         try:
@@ -423,6 +438,7 @@ class Worker:
             if not done:
                 accepted = True
                 gate.accepted()
+                self._wake.set()  # the window grew: more may go now
             reply = await reply_task
             rh = reply.headers or {}
             data = reply.data

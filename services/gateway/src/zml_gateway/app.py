@@ -2,7 +2,8 @@
 dict lookups, a NATS request and a write).
 
 Routes (the table in :class:`Gateway`): POST /v1/chat/completions, POST /v1/completions
-(OpenAI-compatible, streaming or not), POST /v1/embeddings, GET /v1/models,
+(OpenAI-compatible, streaming or not), POST /v1/embeddings, POST /v1/audio/transcriptions and
+/v1/audio/translations (OpenAI's multipart form: zml_gateway.infer.audio), GET /v1/models,
 GET /v1/models/{id}, GET /v1/nodes, GET /healthz; any other path is 404, a known path with
 the wrong method 405. An inference body is validated here with the router's own rules
 (zmlcore.messages.validate), so a bad request is a 400 before it costs a NATS round trip, and
@@ -31,6 +32,7 @@ from zmlcore.messages.validate import clip
 from zml_gateway.access import Access
 from zml_gateway.asgi import Receive, Scope, Send, send_error, without_body
 from zml_gateway.batches import BatchRoutes
+from zml_gateway.infer.audio import AudioRoute
 from zml_gateway.infer.handler import Inference
 from zml_gateway.infer.intake import Intake
 from zml_gateway.infer.upstream import Upstream
@@ -57,6 +59,8 @@ class Gateway:
         r.add("POST", "/v1/chat/completions", self.inference)
         r.add("POST", "/v1/completions", self.inference)
         r.add("POST", "/v1/embeddings", self.inference)
+        r.add("POST", "/v1/audio/transcriptions", AudioRoute(self.inference, "transcription"))
+        r.add("POST", "/v1/audio/translations", AudioRoute(self.inference, "translation"))
         r.add("GET", "/v1/models", listing.models)
         r.add("GET", "/v1/models/{model:path}", listing.model)
         r.add("GET", "/v1/nodes", listing.node_table)

@@ -17,6 +17,8 @@ def _object(cfg: ZMLConfig, nodes: Mapping[str, NodeState], name: str) -> dict[s
     mc = cfg.models.get(name)
     if mc is not None and mc.embedding:
         zml["embedding"] = True
+    if mc is not None and mc.audio:
+        zml["audio"] = True
     return {"id": name, "object": "model", "owned_by": "zml", "created": 0, "zml": zml}
 
 

@@ -27,6 +27,7 @@ import msgspec
 from zmlcore import subjects
 from zmlcore.fleet.accelerators import DECODE_BATCH_PENALTY
 from zmlcore.messages import NodeState, RoutingInfo
+from zmlcore.messages.audio import AudioForm, with_model
 from zmlcore.messages.frontdoor import drop_zml_keys, has_zml_keys
 from zmlcore.policy.estimate import estimate_ttft, node_speeds, nonstream_pending_s, prompt_tokens_from_body
 from zmlcore.reply import routingmeta
@@ -120,6 +121,27 @@ class NodeBodies:
         return body
 
 
+class AudioBodies:
+    """:class:`NodeBodies` of an audio request: the caller's multipart bytes, with the ``model``
+    field's value spliced for a node that knows the model by another name (nothing else of the
+    form is touched)."""
+
+    __slots__ = ("raw", "form", "_made")
+
+    def __init__(self, raw: bytes, form: AudioForm) -> None:
+        self.raw = raw
+        self.form = form
+        self._made: dict[str, bytes] = {}
+
+    def __call__(self, name: str) -> bytes:
+        if name == self.form.model:
+            return self.raw
+        body = self._made.get(name)
+        if body is None:
+            body = self._made[name] = with_model(self.raw, self.form, name)
+        return body
+
+
 # --- how long it may take ----------------------------------------------------------------------
 # A node that accepts a connection and never answers would otherwise hold a request for its
 # whole timeout. Each attempt therefore gets a deadline for its first byte: the first token of a
@@ -163,9 +185,11 @@ def first_byte_timeout(expected: float, floor_s: float, factor: float) -> float:
     return max(floor_s, factor * expected)
 
 
-def pending_window_s(st: NodeState, outstanding: int, pending: int, body_bytes: int) -> float:
-    """How long a non-streamed request of ``body_bytes`` about to go to a node with these
-    counters counts as ``pending`` (not yet at its first token).
+def pending_window_s(st: NodeState, outstanding: int, pending: int, body_bytes: int,
+                     prompt_tokens: int | None = None) -> float:
+    """How long a non-streamed request of ``body_bytes`` (or, given, ``prompt_tokens``: an audio
+    request's bytes say nothing of its cost) about to go to a node with these counters counts as
+    ``pending`` (not yet at its first token).
 
     A plain reply shows the router no first token, so counting it pending until completion made
     a node look prefill-bound through every such request's decode (benches/routing_sim.py: 1.14x
@@ -173,7 +197,8 @@ def pending_window_s(st: NodeState, outstanding: int, pending: int, body_bytes: 
     the policy estimated for it has passed (``zmlcore.policy.estimate.nonstream_pending_s``), or
     at completion if that comes first (``zml_router.relay.PendingHold``). The simulator models
     exactly this (``--pending-expiry``)."""
-    return nonstream_pending_s(st, outstanding, pending, prompt_tokens_from_body(body_bytes))
+    tokens = prompt_tokens if prompt_tokens is not None else prompt_tokens_from_body(body_bytes)
+    return nonstream_pending_s(st, outstanding, pending, tokens)
 
 
 # --- the reply the requester gets ----------------------------------------------------------------

@@ -25,6 +25,9 @@ _NETWORK_ERRORS = (NodeHTTPError, OSError)
 
 #: What is read of a node's error body: enough for any engine's error JSON.
 MAX_ERROR_BODY = 64 * 1024
+#: OpenAI's streamed transcriptions end with this event (and no ``[DONE]``): a stream whose body
+#: ends right after it ended well.
+TRANSCRIPT_DONE = b'"transcript.text.done"'
 
 
 class NodeClient:
@@ -57,6 +60,12 @@ async def post_json(client: NodeClient, url: str, body: bytes, headers: dict[str
     is read up to ``max_bytes`` (what any requester accepts, ``[nats] max_reply_bytes``): past
     that, ReplyTooLargeError — the request asked for more than can be delivered, so no other
     node would do better. An error body is read up to MAX_ERROR_BODY."""
+    return (await post(client, url, body, headers, max_bytes))[0]
+
+
+async def post(client: NodeClient, url: str, body: bytes, headers: dict[str, str],
+               max_bytes: int = 64 * 1024 * 1024) -> tuple[bytes, str]:
+    """:func:`post_json`, and the answer's content type (audio answers text, SRT, VTT...)."""
     http = client.http()
     try:
         conn = await http.send(url, body, headers, True, max_bytes)
@@ -68,7 +77,7 @@ async def post_json(client: NodeClient, url: str, body: bytes, headers: dict[str
             raise classify(conn.status, conn.headers, content)
         if conn.over:
             raise ReplyTooLargeError(f"the node's reply is over {max_bytes} bytes ([nats] max_reply_bytes)")
-        return content
+        return content, conn.headers.get("content-type", "application/json")
     finally:
         http.release(conn)  # back to the pool when read to the end, else closed
 
@@ -84,6 +93,7 @@ async def stream_sse(client: NodeClient, url: str, body: bytes, headers: dict[st
     except _NETWORK_ERRORS as exc:
         raise AttemptError(Failure.NETWORK, 0, f"{type(exc).__name__}: {exc}") from exc
     done = False
+    final = False  # the last event was a transcription's end (OpenAI's streams end there)
     try:
         if conn.status >= 300:
             try:
@@ -96,6 +106,7 @@ async def stream_sse(client: NodeClient, url: str, body: bytes, headers: dict[st
                 async for raw in iter_body(conn):
                     block = events.feed(raw)
                     if block:
+                        final = TRANSCRIPT_DONE in block
                         yield block
                     if events.done:
                         done = True
@@ -111,11 +122,15 @@ async def stream_sse(client: NodeClient, url: str, body: bytes, headers: dict[st
                         done = True
                         return
                     if data:
+                        final = TRANSCRIPT_DONE in data
                         yield data
         except _NETWORK_ERRORS as exc:
             raise AttemptError(Failure.NETWORK, 0, f"stream broken: {type(exc).__name__}: {exc}") from exc
         except SSELineTooLong as exc:
             raise AttemptError(Failure.SERVER, 200, f"stream broken: {exc}") from exc
+        if final:  # a transcription's last event, then the end of the body: complete
+            done = True
+            return
         # The server closed the stream without [DONE]: treat as a broken stream.
         raise AttemptError(Failure.NETWORK, 0, "stream ended without [DONE]")
     finally:

@@ -62,7 +62,8 @@ from zmlcore.errors import (
     TimeoutError,
     ZMLError,
 )
-from zmlcore.messages import InferRequest, RoutingInfo, frontdoor
+from zmlcore.messages import InferRequest, RoutingInfo, audio, frontdoor
+from zmlcore.messages.audio import AUDIO_PATHS, AudioRequest
 from zmlcore.messages.keys import ApiKeyRecord
 from zmlcore.messages.validate import check_request_id, decode_request, request_timeout_s
 from zmlcore.messages.warmup import RequestCompleted
@@ -83,7 +84,8 @@ log = logging.getLogger("zml.router")
 NODE_FAULTS = (Failure.NETWORK, Failure.SERVER, Failure.SLOW)
 
 #: The node endpoint of each request kind (``InferRequest.kind()``).
-PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions", "embedding": "/v1/embeddings"}
+PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions", "embedding": "/v1/embeddings",
+         **AUDIO_PATHS}
 
 T = TypeVar("T")
 _decode_any = msgspec.json.Decoder()
@@ -159,6 +161,10 @@ FRONT_DOOR_ONLY = (subjects.H_LABEL, subjects.H_DEFAULT_POLICY,
                    subjects.H_BODY, subjects.H_POLICY, subjects.H_ACCELERATOR_ID)
 #: Set only by routers, on queued requests (zml_router.ids).
 ROUTER_ONLY = (subjects.H_ID_CLAIM,)
+#: An audio request's routing fields are headers whichever way it comes (its multipart form is
+#: never rewritten): from anyone, they are checked as a JSON body's would be, and set nothing a
+#: body could not (zmlcore.messages.audio.from_message).
+FRONT_DOOR_ONLY_AUDIO = tuple(h for h in FRONT_DOOR_ONLY if h not in (subjects.H_POLICY, subjects.H_ACCELERATOR_ID))
 
 
 def drop_untrusted(msg: Incoming) -> None:
@@ -167,7 +173,11 @@ def drop_untrusted(msg: Incoming) -> None:
     headers = msg.headers
     if not headers:
         return
-    drop = ROUTER_ONLY if msg.subject == subjects.FRONT_DOOR_INFER else ROUTER_ONLY + FRONT_DOOR_ONLY
+    drop: tuple[str, ...]
+    if msg.subject == subjects.FRONT_DOOR_INFER:
+        drop = ROUTER_ONLY
+    else:
+        drop = ROUTER_ONLY + (FRONT_DOOR_ONLY_AUDIO if subjects.H_AUDIO in headers else FRONT_DOOR_ONLY)
     for name in drop:
         headers.pop(name, None)
 
@@ -232,7 +242,13 @@ def intake(msg: Incoming, *, from_queue: bool, cfg: ZMLConfig, max_payload: int 
     headers = msg.headers or {}
     depth = cfg.defaults.max_json_depth
     clean = headers.get(subjects.H_BODY) == subjects.BODY_CLEAN
-    req = frontdoor.decode(msg.data, headers, max_depth=depth) if clean else decode_request(msg.data, max_depth=depth)
+    req: InferRequest
+    if subjects.H_AUDIO in headers:  # a multipart form, read in full on both subjects, never rewritten
+        req, clean = audio.from_message(msg.data, headers), True
+    elif clean:
+        req = frontdoor.decode(msg.data, headers, max_depth=depth)
+    else:
+        req = decode_request(msg.data, max_depth=depth)
     out.stream = req.stream
     request_id = out.request_id = check_request_id(headers.get(subjects.H_REQUEST_ID) or req.request_id or new_id())
     model = cfg.resolve_model(req.model)
@@ -295,6 +311,13 @@ def check_kind(cfg: ZMLConfig, model: str, req: InferRequest) -> None:
     mc = cfg.models.get(model)
     if mc is None:
         return  # not configured: the node decides
+    if isinstance(req, AudioRequest) != mc.audio:
+        if mc.audio:
+            raise BadRequestError(f"model {model!r} is a speech-to-text model: use POST /v1/audio/transcriptions "
+                                  "or /v1/audio/translations")
+        raise BadRequestError(f"model {model!r} is not a speech-to-text model (zml.toml: [models] audio = false)")
+    if mc.audio:
+        return
     embedding = req.input is not None
     if embedding and not mc.embedding:
         raise BadRequestError(f"model {model!r} is not an embedding model (zml.toml: [models] embedding = false)")
@@ -351,8 +374,10 @@ def prepare(cfg: ZMLConfig, families: list[str], req: InferRequest, raw: bytes,
     check_kind(cfg, model, req)
     # An embedding is a prefill and no decode: one "output token" for the estimate.
     max_tokens = 1 if req.input is not None else req.max_tokens or req.max_completion_tokens or 512
-    # ~4 bytes per token of JSON body: good enough for a TTFT estimate, and O(1).
-    rr = RouteRequest(model=model, prompt_tokens=prompt_tokens_from_body(len(raw)), max_tokens=max_tokens,
+    # ~4 bytes per token of JSON body: good enough for a TTFT estimate, and O(1). Audio: the
+    # encoder's frames for its duration (its bytes say nothing of it).
+    prompt = req.audio_tokens() if isinstance(req, AudioRequest) else prompt_tokens_from_body(len(raw))
+    rr = RouteRequest(model=model, prompt_tokens=prompt, max_tokens=max_tokens,
                       accelerator_id=req.accelerator_id, prefix=prefix_chain(model, req, raw),
                       session_node=session_node)
     return policy, rr

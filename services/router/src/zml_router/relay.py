@@ -26,6 +26,7 @@ from zmlcore.bus.publish import Publisher
 from zmlcore.config import ZMLConfig
 from zmlcore.errors import ZMLError
 from zmlcore.messages import InferRequest, RoutingInfo, StreamStart
+from zmlcore.messages.audio import AudioRequest
 from zmlcore.policy import RouteRequest
 from zmlcore.reply import routingmeta, streamframe
 from zmlcore.reply.bigreply import accepted
@@ -36,6 +37,7 @@ from zmlcore.telemetry.setup import DECISION_ID
 
 from zml_router.attempt import (
     AttemptError,
+    AudioBodies,
     Failure,
     NodeBodies,
     Renamer,
@@ -49,7 +51,7 @@ from zml_router.attempt import (
 )
 from zml_router import continuation
 from zml_router.continuation import Splice, Transcript, engine_error, spliced_usage
-from zml_router.dispatch import NodeClient, first_chunk_within, post_json, stream_sse
+from zml_router.dispatch import NodeClient, first_chunk_within, post, stream_sse
 from zml_router.flow import PATHS, Dispatch, Incoming, Outcome
 from zml_router.ids import RequestIds
 from zml_router.inflight import Sharing
@@ -222,11 +224,13 @@ class Relay:
         opts = req.stream_options
         return Answer(usage_asked=isinstance(opts, dict) and bool(opts.get("include_usage")))
 
-    async def attempt(self, msg: Incoming, req: InferRequest, bodies: NodeBodies, model: str, action: Dispatch,
-                      request_id: str, t0: float, out: Outcome, answer: Answer | None = None) -> AttemptError | None:
+    async def attempt(self, msg: Incoming, req: InferRequest, bodies: NodeBodies | AudioBodies, model: str,
+                      action: Dispatch, request_id: str, t0: float, out: Outcome,
+                      answer: Answer | None = None) -> AttemptError | None:
         """One attempt on the decided node: None once the answer is out, else how it failed.
         A continuation attempt (``action.continuation``) asks the node for the rest of what
-        ``answer`` has sent (zml_router.continuation)."""
+        ``answer`` has sent (zml_router.continuation; never an audio request: its body is no
+        prompt to continue)."""
         decision = action.decision
         view = self.table.views[decision.node_id]
         info = RoutingInfo(
@@ -243,7 +247,8 @@ class Relay:
         out.info = info
         DECISION_ID.set(info.decision_id)
         served = view.state.served_names.get(model)
-        if action.continuation:
+        audio = isinstance(req, AudioRequest)
+        if action.continuation and isinstance(bodies, NodeBodies):
             sent = answer.transcript.sent()
             node_body = continuation.body(bodies.raw, clean=bodies.clean, kind=req.kind(), sent=sent,
                                           backend=view.state.backend, name=served or model)
@@ -253,8 +258,9 @@ class Relay:
             node_body = bodies(served or model)
             answer.splice = None
         first_byte = self.first_byte_s(decision.node_id, req, action.rr, action.stream)
-        # The engine answers with its own name: the client gets back the name it asked for.
-        rename = Renamer(served, req.model) if served and served != req.model else None
+        # The engine answers with its own name: the client gets back the name it asked for (an
+        # audio answer names no model).
+        rename = Renamer(served, req.model) if served and served != req.model and not audio else None
         try:
             if action.stream:
                 usage = await self.stream(msg, req, node_body, info, t0, first_byte, rename, action.rr, answer)
@@ -268,9 +274,11 @@ class Relay:
             out.completion_tokens = int(usage.get("completion_tokens") or 0)
         return None
 
-    def _headers(self, info: RoutingInfo) -> dict[str, str]:
+    def _headers(self, info: RoutingInfo, msg: Incoming | None = None) -> dict[str, str]:
+        # An audio request's body is its caller's multipart form, its boundary in the content type.
+        ctype = (msg.headers or {}).get(subjects.H_CONTENT_TYPE) if msg is not None else None
         h = {
-            "content-type": "application/json",
+            "content-type": ctype or "application/json",
             "x-zml-routing": routingmeta.backend_header(info),
             "x-request-id": info.request_id,
         }
@@ -306,11 +314,13 @@ class Relay:
                    first_byte: float | None = None, rename: Renamer | None = None,
                    rr: RouteRequest | None = None, answer: Answer | None = None) -> dict[str, Any]:
         """Send the node's reply; returns its token counts (``reply_usage``)."""
-        raw = await self._whole(req, body, info, first_byte)
+        audio = isinstance(req, AudioRequest)
+        raw, ctype = await self._whole(req, body, info, first_byte, msg if audio else None,
+                                       rr.prompt_tokens if rr is not None and audio else None)
         info.time_to_first_token = time.monotonic() - t0
         usage = reply_usage(raw)
         self.metrics.usage_dict(req.kind(), req.model, usage)
-        cached = cached_tokens(raw)
+        cached = None if audio else cached_tokens(raw)
         if cached is not None:
             self._reported(info, rr, cached, usage.get("prompt_tokens"))
         if rename is not None:
@@ -322,19 +332,27 @@ class Relay:
         # REPLY_TOO_LARGE (raised before anything is sent), never a lost reply.
         nc = self.replies.nc
         if msg.reply and nc is not None:
-            await publish_reply(nc, msg.reply, with_routing(raw, info), routing_headers(msg.headers, info),
-                                accepted(msg.headers))
+            if audio:  # the node's bytes as they are: the routing metadata goes in headers only
+                await publish_reply(nc, msg.reply, raw, {**routingmeta.nats_headers(info),
+                                                         subjects.H_CONTENT_TYPE: ctype}, accepted(msg.headers))
+            else:
+                await publish_reply(nc, msg.reply, with_routing(raw, info), routing_headers(msg.headers, info),
+                                    accepted(msg.headers))
         return usage
 
-    async def _whole(self, req: InferRequest, body: bytes, info: RoutingInfo, first_byte: float | None) -> bytes:
-        """The node's whole reply."""
+    async def _whole(self, req: InferRequest, body: bytes, info: RoutingInfo, first_byte: float | None,
+                     msg: Incoming | None = None, prompt_tokens: int | None = None) -> tuple[bytes, str]:
+        """The node's whole reply and its content type (an audio answer may not be JSON: text,
+        SRT, VTT...). ``msg``: an audio request's (its form's content type goes to the node);
+        ``prompt_tokens``: its cost, which its bytes do not say."""
         # A non-streamed reply shows no first token: pending ends at the estimated one.
         v = self.table.views[info.node_id]
         hold = PendingHold(self._move, info.node_id,
-                           pending_window_s(v.state, v.effective_outstanding(), v.effective_pending(), len(body)),
+                           pending_window_s(v.state, v.effective_outstanding(), v.effective_pending(), len(body),
+                                            prompt_tokens),
                            self.timers)
         try:
-            call = post_json(self.http, self._url(info, req), body, self._headers(info), self.cfg.nats.max_reply_bytes)
+            call = post(self.http, self._url(info, req), body, self._headers(info, msg), self.cfg.nats.max_reply_bytes)
             if first_byte is None:
                 return await call
             try:
@@ -374,7 +392,7 @@ class Relay:
         # A stall: the sequence number stands still for a whole period (no work per chunk).
         watch = self.timers.watch(self.cfg.router.inter_token_timeout_s, lambda: seq)
         watching = False
-        chunks = stream_sse(self.http, self._url(info, req), body, self._headers(info), relay)
+        chunks = stream_sse(self.http, self._url(info, req), body, self._headers(info, msg), relay)
         try:
             try:
                 async for chunk in first_chunk_within(chunks, first_byte):

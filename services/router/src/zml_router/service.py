@@ -18,6 +18,7 @@ import logging
 import os
 import time
 from collections.abc import Coroutine
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -29,8 +30,10 @@ from zmlcore import subjects
 from zmlcore.bus.batchpub import BatchPublisher
 from zmlcore.bus.kvfollow import KVFollower
 from zmlcore.config import ZMLConfig
-from zmlcore.errors import CancelledError, ZMLError
+from zmlcore.errors import CancelledError, QueueFullError, ZMLError
+from zmlcore.limits.budget import ByteBudget
 from zmlcore.messages import frontdoor
+from zmlcore.messages.audio import AudioRequest
 from zmlcore.messages.warmup import completed_encoder
 from zmlcore.policy import Decision, ResolvedPolicy, RouteRequest, RoutingState, admit
 from zmlcore.policy.headroom import admit_batch
@@ -43,7 +46,7 @@ from zml_router import flow
 from zml_router import ids as idclaims
 from zml_router import limits as plan_limits
 from zml_router import tracing as rtrace
-from zml_router.attempt import NodeBodies
+from zml_router.attempt import AudioBodies, NodeBodies
 from zml_router.cancels import CancelBook
 from zml_router.cooldowns import Marks
 from zml_router.dispatch import NodeClient
@@ -60,6 +63,7 @@ from zml_router.saturation import QueueGlue
 from zml_router.sessions import Sessions, session_key
 from zml_router.table import NodeTable
 from zml_router.timers import Wheel
+from zml_router.uploads import Uploads, upload_size
 
 log = logging.getLogger("zml.router")
 
@@ -68,6 +72,17 @@ _EVENT_COMPLETED = subjects.event(subjects.EVENT_COMPLETED)
 #: Completion events wait this long for others to go out with (health and warmup aggregate
 #: them over seconds; one wake-up per batch instead of per request for every subscriber).
 COMPLETED_WINDOW_S = 0.01
+
+
+@dataclass(slots=True)
+class Uploaded:
+    """A request whose body came in parts after it (zml_router.uploads): the message as if it
+    had carried the body."""
+
+    subject: str
+    data: bytes
+    reply: str
+    headers: dict[str, str] | None
 
 
 class RouterService:
@@ -99,6 +114,10 @@ class RouterService:
         self.metrics = RouterMetrics(cfg, self.table, self.in_flight)
         self.replies = Replies(self.keepalives, self.ids, self.limits)
         self.http = NodeClient(cfg.router.max_connections, cfg.router.connect_timeout_s)
+        #: Bodies larger than one message, asked of their requesters (zml_router.uploads).
+        self.uploads = Uploads(self.router_id)
+        #: Audio bytes this router holds at once ([defaults] audio_bytes_in_flight).
+        self.audio_bytes = ByteBudget(cfg.defaults.audio_bytes_in_flight)
         #: Which prompt prefixes each node holds (zmlcore.policy.prefix), shared with the other
         #: replicas and fed by the engines' reports and KV events (zml_router.prefixshare).
         self.prefix = PrefixIndex()
@@ -146,6 +165,7 @@ class RouterService:
         self._loops.append(asyncio.create_task(self.sharing.publish_snapshots()))
         self._loops.append(asyncio.create_task(send_keepalives(self.keepalives, nc)))
         self.metrics.start(nc)
+        await self.uploads.start(nc)
         self._subs.append(await nc.subscribe(f"{subjects.CANCEL_PREFIX}.>", cb=self._on_cancel))
         self._subs.append(await nc.subscribe(subjects.router_state(self.router_id), cb=self._on_state))
         self._subs.append(await nc.subscribe(subjects.ROUTERS_STATE, cb=self._on_state))
@@ -175,6 +195,7 @@ class RouterService:
             await self.sessions.stop()
         await self.metrics.stop()
         await self.limits.stop()
+        await self.uploads.stop()
         await self.http.aclose()
 
     def spawn(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
@@ -232,13 +253,17 @@ class RouterService:
         """The request path; inside a server span when tracing is on (zml_router.tracing)."""
         return rtrace.handle(self.router_id, msg, self._handle) if tracing.ON else self._handle(msg)
 
-    async def _handle(self, msg: Msg | QueuedMsg) -> None:
+    async def _handle(self, msg: Msg | QueuedMsg | Uploaded) -> None:
         t0 = time.monotonic()
         out = Outcome()
         from_queue = isinstance(msg, QueuedMsg)
         idclaims.CURRENT.set(None)  # not one inherited from the task that started this one
         plan_limits.CURRENT.set(None)
+        held = 0  # audio bytes this request holds ([defaults] audio_bytes_in_flight)
         try:
+            h = msg.headers
+            if h and (subjects.H_AUDIO in h or subjects.H_UPLOAD_BYTES in h):  # two lookups, not an await, per request
+                held, msg = await self._audio_body(msg, from_queue)
             nc = self.nc
             max_payload = nc.max_payload if msg.reply and nc is not None else None  # a reply to check it fits
             arrived: Intake[asyncio.Task[None]] = flow.intake(
@@ -296,6 +321,8 @@ class RouterService:
             out.error_code = ZMLError.code
             log.exception("internal error on request %s", out.request_id)
             await self.replies.error(msg, ZMLError(f"internal error: {type(exc).__name__}"), out.stream)
+        finally:
+            self.audio_bytes.give(held)
         self.metrics.finished(out, time.monotonic() - t0)
         if out.model and not out.queued and self.events is not None:
             # One event per finished request (warmup measures demand, health counts node
@@ -303,7 +330,28 @@ class RouterService:
             ev = flow.completion(out, time.time(), time.monotonic() - t0, self.router_id)
             self.events.add(completed_encoder.encode(ev))
 
-    async def _route(self, msg: Msg | QueuedMsg, arrived: Intake[asyncio.Task[None]], t0: float, out: Outcome) -> None:
+    async def _audio_body(self, msg: Msg | QueuedMsg | Uploaded, from_queue: bool) -> tuple[int, Any]:
+        """An audio request's bytes counted against [defaults] audio_bytes_in_flight (QUEUE_FULL
+        past it), and a body announced in parts fetched from its requester (zml_router.uploads).
+        Returns (bytes held, the message with its body)."""
+        headers = msg.headers or {}
+        size = None if from_queue else upload_size(headers, self.cfg.defaults.max_audio_bytes)
+        if size is None and subjects.H_AUDIO not in headers:
+            return 0, msg
+        held = size if size is not None else len(msg.data)
+        if not self.audio_bytes.take(held):
+            raise QueueFullError(f"this router holds {self.audio_bytes.held} bytes of audio, its limit "
+                                 "([defaults] audio_bytes_in_flight): retry shortly", retry_after=1.0)
+        if size is None:
+            return held, msg
+        try:
+            body = await self.uploads.collect(msg.reply, size, self.cfg.defaults.request_timeout_s)
+        except BaseException:
+            self.audio_bytes.give(held)
+            raise
+        return held, Uploaded(msg.subject, body, msg.reply, msg.headers)
+
+    async def _route(self, msg: Msg | QueuedMsg | Uploaded, arrived: Intake[asyncio.Task[None]], t0: float, out: Outcome) -> None:
         """Drive the request's flow (zml_router.flow): each action it yields, done here."""
         req, model = arrived.req, arrived.model
         out.model, out.op = model, req.kind()
@@ -312,12 +360,15 @@ class RouterService:
                 if session and self.sessions is not None else "")
         bound = self.sessions.node(skey) if skey and self.sessions is not None else None
         policy, rr = flow.prepare(self.cfg, self.table.families(), req, msg.data, model, bound)
-        bodies = NodeBodies(msg.data, req.model, arrived.clean)
+        bodies = (AudioBodies(msg.data, req.form) if isinstance(req, AudioRequest) and req.form is not None
+                  else NodeBodies(msg.data, req.model, arrived.clean))
         cfg = policy.config
         queue = self.glue.queue
         # Batch work waits in its runner, not in the saturation queue (which admits without headroom).
         batch = (msg.headers or {}).get(subjects.H_PRIORITY) == subjects.PRIORITY_BATCH
-        can_queue = bool(cfg.queue_on_saturation and queue is not None and msg.reply and not batch)
+        # A body that came in parts would not fit in the queue's one message.
+        can_queue = bool(cfg.queue_on_saturation and queue is not None and msg.reply and not batch
+                         and not isinstance(msg, Uploaded))
         from_queue = isinstance(msg, QueuedMsg)
         plan = flow.Plan(model, policy.name, rr, self.cfg.router.max_attempts, req.stream, can_queue,
                          can_queue and not from_queue and queue.has_waiting(model),  # type: ignore[union-attr]

@@ -5,7 +5,7 @@ A simulated node hears nothing: the text is words drawn from a fixed vocabulary,
 hash of (model, task, audio bytes), so the same file transcribes the same way on every node and
 run (what a test can check) and different files differ. The audio's duration is read from a WAV
 header when the file is one (RIFF/WAVE, its data chunk and byte rate), else estimated from its
-size at 16 kB/s (16 kHz 8-bit mono, the lowest rate speech models take); the text has about 2.5
+size at 16 kB/s (zmlcore.messages.audio.audio_seconds: the routers' estimate too); the text has about 2.5
 words per second of audio and is cut into segments of at most 10 s, as Whisper's are.
 
 Formats (``response_format``): ``json`` (``{"text", "usage"}``), ``text``, ``verbose_json``
@@ -19,19 +19,16 @@ from __future__ import annotations
 import hashlib
 import json
 import random
-import struct
 from dataclasses import dataclass
 from typing import Any
+
+from zmlcore.messages.audio import AUDIO_TOKENS_PER_S, audio_seconds
 
 FORMATS = ("json", "text", "verbose_json", "srt", "vtt")
 #: OpenAI's upload limit for audio files.
 MAX_FILE_BYTES = 25 * 1024 * 1024
-#: Assumed bytes per second of audio that is not a WAV file (16 kHz, 8-bit, mono).
-FALLBACK_BYTES_PER_S = 16_000
 WORDS_PER_S = 2.5
 SEGMENT_S = 10.0
-#: Whisper's encoder sees 50 frames per second of audio: the prompt the node "prefills".
-AUDIO_TOKENS_PER_S = 50
 _VOCAB = ("the", "model", "routes", "each", "request", "to", "a", "node", "that", "holds", "its", "prefix",
           "cache", "and", "answers", "in", "time", "while", "fleet", "of", "accelerators", "serves", "many",
           "users", "with", "low", "latency", "cost", "policy", "warm", "quiet", "speech", "audio", "clear")
@@ -68,25 +65,9 @@ class Transcript:
         return out
 
 
-def wav_duration(audio: bytes) -> float | None:
-    """Seconds of audio in a RIFF/WAVE file (its ``fmt`` byte rate and ``data`` size), or None."""
-    if len(audio) < 12 or audio[:4] != b"RIFF" or audio[8:12] != b"WAVE":
-        return None
-    pos, byte_rate = 12, 0
-    while pos + 8 <= len(audio):
-        chunk, size = audio[pos:pos + 4], struct.unpack_from("<I", audio, pos + 4)[0]
-        if chunk == b"fmt " and size >= 16:
-            byte_rate = struct.unpack_from("<I", audio, pos + 16)[0]
-        elif chunk == b"data":
-            size = min(size, len(audio) - pos - 8)  # a streamed WAV may say 0xFFFFFFFF
-            return size / byte_rate if byte_rate else None
-        pos += 8 + size + (size & 1)
-    return None
-
-
 def duration_of(audio: bytes) -> float:
-    d = wav_duration(audio)
-    return round(d if d is not None else len(audio) / FALLBACK_BYTES_PER_S, 3)
+    """The audio's seconds as the routers estimate them (zmlcore.messages.audio.audio_seconds)."""
+    return audio_seconds(audio)
 
 
 def transcribe(model: str, audio: bytes, *, task: str = "transcribe", language: str | None = None) -> Transcript:

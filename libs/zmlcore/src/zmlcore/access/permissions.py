@@ -6,7 +6,7 @@ both ways (what a role needs works, everything else is a permissions violation).
 
     >>> perms = permissions("client", "UABC...")
     >>> perms["publish"]["allow"]
-    ['zml.infer', 'zml.cancel.UABC....>']
+    ['zml.infer', 'zml.cancel.UABC....>', 'zml.upload.>']
 
 Replies are private: every identity gets its own inbox prefix ``_ZML_INBOX.<public key>``
 (:func:`zmlcore.subjects.inbox_prefix`) and may subscribe there only. Nobody may subscribe to
@@ -111,15 +111,16 @@ def _grants(role: str, owner: str) -> tuple[list[str], list[str], bool]:
     inbox = f"{subjects.inbox_prefix(owner)}.>"
     own_cancel = f"{subjects.CANCEL_PREFIX}.{owner}.>"
     completed = subjects.event(subjects.EVENT_COMPLETED)
+    upload = f"{subjects.UPLOAD_PREFIX}.>"  # a body over one message, in parts, to its router
     if role == "client":
-        return [subjects.INFER, own_cancel], [inbox], False
+        return [subjects.INFER, own_cancel, upload], [inbox], False
     if role == "observer":  # billing, analytics, dashboards: read events, node state and prices; nothing else
         return ([subjects.admin_nodes("list"), *kv_watch(subjects.NODES_BUCKET), *kv_watch(subjects.COSTS_BUCKET)],
                 [inbox, f"{subjects.EVENTS_PREFIX}.>"], False)
     if role == "gateway":
         # Requests go to the front-door subject: only there does a router honour the key's
         # label and default policy (zml_router.flow.drop_untrusted).
-        pub = [subjects.FRONT_DOOR_INFER, own_cancel, subjects.ROUTERS_STATE, *kv_read(subjects.NODES_BUCKET),
+        pub = [subjects.FRONT_DOOR_INFER, own_cancel, upload, subjects.ROUTERS_STATE, *kv_read(subjects.NODES_BUCKET),
                *kv_read(subjects.COSTS_BUCKET), *kv_read(subjects.KEYS_BUCKET), *kv_write(subjects.LIMITS_BUCKET),
                f"$JS.API.CONSUMER.LIST.{subjects.QUEUE_STREAM}",  # the dashboard's saturation-queue depth
                # the Batch API: files, records, new batches for the runners, cancels announced
@@ -141,7 +142,7 @@ def _grants(role: str, owner: str) -> tuple[list[str], list[str], bool]:
                f"{subjects.FRONT_DOOR_INFER} {subjects.ROUTER_QUEUE}",
                subjects.INFLIGHT, subjects.INFLIGHT_SNAPSHOT, subjects.NODE_MARKS, f"{subjects.CANCEL_PREFIX}.>",
                subjects.ROUTERS_STATE, subjects.router_state("*"), subjects.QUEUE_BUSY,
-               subjects.PREFIX_RECORDS, f"{subjects.KV_EVENTS_PREFIX}.>"]
+               subjects.PREFIX_RECORDS, f"{subjects.KV_EVENTS_PREFIX}.>", upload]
         return pub, sub, False
     if role == "health":
         pub = [subjects.event(subjects.EVENT_WARMUP), *kv_write(subjects.NODES_BUCKET),
@@ -156,13 +157,13 @@ def _grants(role: str, owner: str) -> tuple[list[str], list[str], bool]:
         sub = [inbox, completed, subjects.WARMUP_SERVE]
         return pub, sub, True
     if role == "batch":  # batch runners: lines go to the routers like any client's requests
-        pub = [subjects.INFER, own_cancel, subjects.BATCH_EVENTS, *kv_write(subjects.BATCH_INDEX_BUCKET),
+        pub = [subjects.INFER, own_cancel, upload, subjects.BATCH_EVENTS, *kv_write(subjects.BATCH_INDEX_BUCKET),
                *_batch_files(), *_batch_streams(), *_batch_runner(),
                # API keys' plans count their batches' tokens (zmlcore.limits)
                *kv_read(subjects.KEYS_BUCKET), *kv_write(subjects.LIMITS_BUCKET)]
         return pub, [inbox, subjects.BATCH_EVENTS], False
     if role == "admin":  # the operator's CLI: zml nodes add/remove/list, zml cost, zml serve, zml keys
-        pub = [subjects.INFER, own_cancel, f"{subjects.ADMIN_NODES_PREFIX}.*", subjects.ROUTERS_STATE,
+        pub = [subjects.INFER, own_cancel, upload, f"{subjects.ADMIN_NODES_PREFIX}.*", subjects.ROUTERS_STATE,
                subjects.WARMUP_SERVE, *kv_read(subjects.NODES_BUCKET), *kv_read(subjects.REGISTRY_BUCKET),
                *kv_write(subjects.COSTS_BUCKET), *kv_write(subjects.KEYS_BUCKET)]
         return pub, [inbox], False

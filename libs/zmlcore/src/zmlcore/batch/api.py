@@ -107,9 +107,7 @@ class BatchApi:
     async def files(self, owner: str, *, after: str | None, limit: int, order: str = "desc",
                     purpose: str | None = None) -> dict[str, Any]:
         recs = {r.id: r for r in await self.store.list_files(owner) if purpose is None or r.purpose == purpose}
-        chosen, more = objects.page(list(recs), after, limit)
-        if order == "asc":  # the same page, oldest first
-            chosen, more = _ascending(list(recs), after, limit)
+        chosen, more = objects.page(list(recs), after, limit, newest_first=order != "asc")
         return objects.list_page([objects.file_object(recs[i]) for i in chosen], more)
 
     async def delete_file(self, owner: str, file_id: str) -> dict[str, Any]:
@@ -234,8 +232,3 @@ def clip_name(filename: str) -> str:
     name = "".join(c for c in name if c.isprintable())
     return (name or "upload.jsonl")[:255]
 
-
-def _ascending(ids_: list[str], after: str | None, limit: int) -> tuple[list[str], bool]:
-    ordered = sorted(ids_)
-    start = next((i for i, x in enumerate(ordered) if x > after), len(ordered)) if after else 0
-    return ordered[start:start + limit], start + limit < len(ordered)

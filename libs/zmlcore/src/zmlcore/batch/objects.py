@@ -85,13 +85,14 @@ def batch_object(rec: BatchRecord) -> dict[str, Any]:
     }
 
 
-def page(ids: Sequence[str], after: str | None, limit: int) -> tuple[list[str], bool]:
-    """One page of ``ids`` (newest first): those after ``after``, at most ``limit``, and
-    whether more follow. An ``after`` that is not in the list starts where it would sort."""
-    ordered = sorted(ids, reverse=True)
+def page(ids: Sequence[str], after: str | None, limit: int, *, newest_first: bool = True) -> tuple[list[str], bool]:
+    """One page of ``ids`` (ids sort by creation time): those after ``after`` in that order,
+    at most ``limit``, and whether more follow. An ``after`` that is not in the list starts
+    where it would sort."""
+    ordered = sorted(ids, reverse=newest_first)
     start = 0
     if after:
-        start = next((i for i, x in enumerate(ordered) if x < after), len(ordered))
+        start = next((i for i, x in enumerate(ordered) if (x < after if newest_first else x > after)), len(ordered))
     chosen = ordered[start:start + limit]
     return chosen, start + limit < len(ordered)
 

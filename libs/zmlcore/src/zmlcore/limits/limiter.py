@@ -133,11 +133,7 @@ class SharedLimiter:
     async def acquire(self, identity: str, limits: PlanLimits, *, lease_id: str, lease_s: float) -> Verdict:
         """Admit one request of ``identity`` (free it with :meth:`release`)."""
         key = limit_key(identity)
-        book = self.books.get(key)
-        if book is None:
-            book = self.books[key] = Book(limits)
-            if self._sweeper is None:
-                self._sweeper = asyncio.create_task(self._sweep())
+        book = self._book(key, limits)
         verdict = book.spend(limits, now=time.time(), lease_id=lease_id, lease_s=lease_s)
         if verdict is not None:  # the hot path: no round trip
             return verdict
@@ -186,9 +182,7 @@ class SharedLimiter:
         # A write in flight (another request's refill, the sweep) counted this request as busy:
         # after it, this release may still have to be written.
         if book.done(lease_id, tokens=tokens, now=time.time()) or book.writing:
-            task = asyncio.ensure_future(self._flush(key, urgent_only=True))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            task = self._flush_soon(key)
             await asyncio.wait({task}, timeout=RELEASE_WAIT_S)  # never cancelled half-written
 
     async def add_tokens(self, identity: str, limits: PlanLimits, tokens: int) -> None:
@@ -198,15 +192,23 @@ class SharedLimiter:
         if tokens <= 0:
             return
         key = limit_key(identity)
+        if self._book(key, limits).done("", tokens=tokens, now=time.time()):
+            self._flush_soon(key)
+
+    def _book(self, key: str, limits: PlanLimits) -> Book:
         book = self.books.get(key)
         if book is None:
             book = self.books[key] = Book(limits)
             if self._sweeper is None:
                 self._sweeper = asyncio.create_task(self._sweep())
-        if book.done("", tokens=tokens, now=time.time()):
-            task = asyncio.ensure_future(self._flush(key, urgent_only=True))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+        return book
+
+    def _flush_soon(self, key: str) -> asyncio.Future[None]:
+        """Write the key's book now if it is urgent, in the background (never cancelled half-written)."""
+        task = asyncio.ensure_future(self._flush(key, urgent_only=True))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
 
     async def tokens_wait(self, identity: str, limits: PlanLimits) -> float:
         """Seconds until ``identity``'s plan has tokens left this minute (0: now; always 0 for a

@@ -12,6 +12,9 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
+#: What a request asks for: the node endpoint it goes to (zmlcore.messages.audio for the last two).
+Kind = Literal["chat", "completion", "embedding", "transcription", "translation"]
+
 #: Keys that are ZML's own and are removed before the body goes to a backend.
 ZML_REQUEST_KEYS = ("policy", "routing", "accelerator_id", "request_id", "timeout_ms", "continue_on_failure", "zml")
 
@@ -71,7 +74,7 @@ class InferRequest(msgspec.Struct, kw_only=True):
     #: another node (docs/http-api.md, "When a node fails mid-answer").
     continue_on_failure: bool | None = None
 
-    def kind(self) -> Literal["chat", "completion", "embedding"]:
+    def kind(self) -> Kind:
         if self.input is not None:
             return "embedding"
         return "chat" if self.messages is not None else "completion"

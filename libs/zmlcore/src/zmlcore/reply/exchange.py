@@ -18,6 +18,11 @@ returns that status message and the caller answers NO_HEALTHY_NODES as before.
 Replies arrive through one wildcard subscription per connection (:class:`ReplyMux`, like
 nats-py's own request mux): no SUB/UNSUB round per request.
 
+A body larger than one NATS message (audio) is uploaded: the request goes out with an empty
+body and ``Zml-Upload-Bytes``, and when the router that took it answers ``Zml-Upload-To`` the
+body follows there in parts (zmlcore.subjects, "Requests larger than one NATS message"); a
+resend uploads it again to the router that takes the resend.
+
 Example::
 
     ex = Exchange(nc, body, headers, timeout_s=30, keepalive_s=1.0)
@@ -44,7 +49,7 @@ from zmlcore import subjects
 from zmlcore.bus import natsinternals
 from zmlcore.bus.publish import publish
 from zmlcore.reply import parts
-from zmlcore.reply.bigreply import Collector, part_bytes
+from zmlcore.reply.bigreply import Collector, part_bytes, split
 from zmlcore.errors import BackendError, StreamInterruptedError, TimeoutError
 from zmlcore.reply.keepalive import MAX_INTERVAL_MS, MIN_INTERVAL_MS, QUEUED, Silence, after_silence, keepalive_state
 from zmlcore.reply.norouter import NoRouterWait, is_no_responders
@@ -233,6 +238,9 @@ class Exchange:
         self._silence: Silence | None = None
         self._aborted: BaseException | None = None
         self._no_router = NoRouterWait(no_router_grace_s) if no_router_grace_s > 0 else None
+        #: The body goes in parts, when the router asks (it is over one message).
+        self.upload = len(body) > part_bytes(nc.max_payload or None)
+        self._uploaded = ""  # the inbox whose router has had the body (one upload per attempt)
 
     @property
     def request_id(self) -> str:
@@ -263,7 +271,19 @@ class Exchange:
             self._sink.abort(self._aborted)
         if self.keepalive_s is not None:
             self._silence = Silence(self.keepalive_s, time.monotonic())
+        if self.upload:  # the body follows when its router asks for it (Zml-Upload-To)
+            await publish(self.nc, self.subject, b"", reply=self._inbox,
+                          headers={**headers, subjects.H_UPLOAD_BYTES: str(len(self.body))})
+            return
         await publish(self.nc, self.subject, self.body, reply=self._inbox, headers=headers)
+
+    async def _send_body(self, to: str) -> None:
+        """The router that took this attempt asks for the body: every part, in order, at once."""
+        if not self.upload or self._uploaded == self._inbox or not to.startswith(subjects.UPLOAD_PREFIX + "."):
+            return  # asked twice, or not an upload subject: nothing of the body goes anywhere else
+        self._uploaded = self._inbox
+        for data, headers in split(self.body, {}, part_bytes(self.nc.max_payload or None)):
+            await publish(self.nc, to, data, headers=headers)
 
     async def next(self) -> Msg:
         """The next reply message (keepalives consumed). Raises TIMEOUT once ``wait_s`` has
@@ -281,6 +301,11 @@ class Exchange:
                 await sink.wait(left if silent is None else min(left, silent))
                 if sink.empty and self._silence is not None and self._silence.gone(time.monotonic()):
                     await self._router_gone()
+                continue
+            if msg.headers is not None and subjects.H_UPLOAD_TO in msg.headers and not msg.data:
+                await self._send_body(msg.headers[subjects.H_UPLOAD_TO])
+                if self._silence is not None:  # the upload took its time: the router is alive
+                    self._silence.heard(time.monotonic())
                 continue
             state = keepalive_state(msg.headers)
             if state is not None and not msg.data:

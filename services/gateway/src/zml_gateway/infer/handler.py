@@ -8,17 +8,24 @@ the request id claimed for this caller (409) -> one whole reply (once) or a stre
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+
 from zmlcore.config import ZMLConfig
 from zmlcore.errors import QueueFullError
+from zmlcore.limits.budget import ByteBudget
 from zml_gateway import metrics
 from zml_gateway.access import Access, Caller, RateLimited
 from zml_gateway.asgi import Message, Receive, Scope, Send, send_json
-from zml_gateway.infer.intake import Intake
+from zml_gateway.infer.intake import Checked, Intake
 from zml_gateway.infer.once import answer_once
 from zml_gateway.infer.stream import relay_stream
 from zml_gateway.infer.upstream import Outbound, Upstream
 from zml_gateway.owners import InFlight
 from zmlcore import subjects
+
+
+#: The steps of one kind of request once authenticated and counted (:meth:`Inference.serve`).
+Admitted = Callable[[Scope, Receive, Send, Caller], Awaitable[None]]
 
 
 class Inference:
@@ -28,22 +35,35 @@ class Inference:
         self.access = access
         self.upstream = upstream
         self.in_flight = 0  # inference requests held now (bounded by [gateway] max_concurrent)
+        #: Audio bytes this process holds now ([defaults] audio_bytes_in_flight: zml_gateway.infer.audio).
+        self.audio_bytes = ByteBudget(cfg.defaults.audio_bytes_in_flight)
         self.claims = InFlight()  # request ids in flight, per caller
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.serve(scope, receive, send, self._json)
+
+    async def serve(self, scope: Scope, receive: Receive, send: Send, admitted: Admitted) -> None:
+        """Authenticate, hold a place in ``[gateway] max_concurrent``, then ``admitted``: the
+        steps of one kind of request (JSON here, audio: zml_gateway.infer.audio)."""
         caller = self.access.authenticate(scope)
         if self.in_flight >= self.cfg.gateway.max_concurrent:
             raise QueueFullError(f"this gateway holds {self.in_flight} requests, its limit: retry shortly",
                                  retry_after=1.0)
         self.in_flight += 1
         try:
-            await self._admitted(scope, receive, send, caller)
+            await admitted(scope, receive, send, caller)
         finally:
             self.in_flight -= 1
 
-    async def _admitted(self, scope: Scope, receive: Receive, send: Send, caller: Caller) -> None:
+    async def _json(self, scope: Scope, receive: Receive, send: Send, caller: Caller) -> None:
         body = await self.intake.read_body(scope, receive)
         checked = self.intake.check(body, caller)
+        await self.run(checked, lambda: self.intake.outbound(body, checked, scope, caller), caller, receive, send)
+
+    async def run(self, checked: Checked, outbound: Callable[[], tuple[bytes, dict[str, str]]], caller: Caller,
+                  receive: Receive, send: Send) -> None:
+        """A checked request from the caller's plan on: ``outbound()`` makes what goes to the
+        routers (body, headers) once the plan admitted it."""
         request_id = checked.request_id
         try:
             limits = await self.access.admit(caller, request_id, checked.timeout + 5.0)
@@ -55,7 +75,7 @@ class Inference:
         if caller.leased:  # a plan's slot: freed before the answer's last message goes out
             send = self._releasing(send, caller, out)
         try:
-            out.body, out.headers = self.intake.outbound(body, checked, scope, caller)
+            out.body, out.headers = outbound()
             await self._dispatch(out, checked.req.stream, caller, receive, send)
         finally:  # before an error answer (sent by the caller of this): a no-op once released
             await self.access.release(caller, request_id, out.tokens)

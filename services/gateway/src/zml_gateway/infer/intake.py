@@ -47,12 +47,15 @@ class Intake:
         payload = self.nc.max_payload or max_body
         return max(1, min(max_body, payload - HEADER_ROOM))
 
-    async def read_body(self, scope: Scope, receive: Receive) -> bytes:
-        limit = self.body_limit()
+    async def read_body(self, scope: Scope, receive: Receive, limit: int | None = None, what: str = "") -> bytes:
+        """The whole body, at most ``limit`` bytes (default :meth:`body_limit`; ``what`` names the
+        setting in the 413), within ``[gateway] body_timeout_s``."""
+        limit = limit or self.body_limit()
         for name, value in scope["headers"]:
             if name == b"content-length":
                 if value.isdigit() and int(value) > limit:
-                    raise RequestTooLargeError(f"request body of {int(value)} bytes is over the limit of {limit} bytes")
+                    raise RequestTooLargeError(f"request body of {int(value)} bytes is over the limit of {limit} "
+                                               f"bytes{what}")
                 break
         if getattr(getattr(receive, "__self__", None), "body_complete", False):
             # All here already (zml_gateway.protocol.FastCycle: a small body comes with its
@@ -89,22 +92,28 @@ class Intake:
         headers.update(fields)
         # The routing metadata once, in the reply body: the HTTP headers are made from it here.
         headers[subjects.H_ACCEPT_ROUTING] = subjects.ROUTING_IN_BODY
-        if generated:  # unique by construction: routers skip the cross-replica duplicate check
-            headers[subjects.H_ID_GENERATED] = "1"
-        for name, value in scope["headers"]:
-            if name == b"x-session-id":  # keep a conversation on the node that holds its prefix
-                session = value[:subjects.MAX_SESSION_ID].decode("latin-1").strip()
-                if session.isprintable() and session:
-                    headers[subjects.H_SESSION] = session
-                break
-        if caller.record is not None:  # the key's options travel with the request
-            if caller.record.default_policy:
-                headers[subjects.H_DEFAULT_POLICY] = caller.record.default_policy
-            if caller.record.label:
-                headers[subjects.H_LABEL] = caller.record.label
-        if tracing.ON:  # the router's span continues the gateway's
-            observe.forward(headers)
-        return body, headers
+        return body, caller_headers(headers, generated, scope, caller)
+
+
+def caller_headers(headers: dict[str, str], generated: bool, scope: Scope, caller: Caller) -> dict[str, str]:
+    """``headers`` with what every request of this caller carries to the routers: its session,
+    its key's options, the trace context, and that its id is unique (``generated``)."""
+    if generated:  # unique by construction: routers skip the cross-replica duplicate check
+        headers[subjects.H_ID_GENERATED] = "1"
+    for name, value in scope["headers"]:
+        if name == b"x-session-id":  # keep a conversation on the node that holds its prefix
+            session = value[:subjects.MAX_SESSION_ID].decode("latin-1").strip()
+            if session.isprintable() and session:
+                headers[subjects.H_SESSION] = session
+            break
+    if caller.record is not None:  # the key's options travel with the request
+        if caller.record.default_policy:
+            headers[subjects.H_DEFAULT_POLICY] = caller.record.default_policy
+        if caller.record.label:
+            headers[subjects.H_LABEL] = caller.record.label
+    if tracing.ON:  # the router's span continues the gateway's
+        observe.forward(headers)
+    return headers
 
 
 async def _read_rest(receive: Receive, limit: int) -> bytes:

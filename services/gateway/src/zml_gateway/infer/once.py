@@ -40,6 +40,12 @@ async def answer_once(up: Upstream, out: Outbound, receive: Receive, send: Send)
     if code is not None:
         await send_whole(send, *error_answer(code, data, rh.get(subjects.H_RETRY_AFTER), out.limits))
         return
+    ctype = rh.get(subjects.H_CONTENT_TYPE)
+    if ctype is not None:  # an audio answer: the node's bytes and content type, the routing in headers
+        out.tokens = total_tokens(data)
+        await send_whole(send, 200, data, [(b"content-type", ctype.encode("latin-1")), content_length(data),
+                                           *out.limits, *routingmeta.http_headers(rh)])
+        return
     info = routingmeta.from_body(data)  # asked for in the body only (Zml-Accept-Routing)
     if info is not None:
         headers = [JSON, content_length(data), *out.limits, *routingmeta.http_headers_of(info)]
