@@ -299,6 +299,8 @@ def cache_cell(n: int, pol: ResolvedPolicy, iters: int, rate: float, poll_s: flo
     units: list[float] = []
     cpu_units: list[float] = []
     hashing: list[float] = []
+    path: list[float] = []
+    upkeep: list[float] = []
     inflight: list[tuple[str, Any, int]] = []
     warm_hits = 0
     last = None
@@ -326,6 +328,7 @@ def cache_cell(n: int, pol: ResolvedPolicy, iters: int, rate: float, poll_s: flo
             done.outstanding -= 1
         if done.pending > 0:
             done.pending -= 1
+        u0 = clock()
         if report is not None:  # an earlier request's reply: what the engine had cached
             idx.correct(report[0], report[1], report[2], now)
         h0 = clock()
@@ -333,6 +336,7 @@ def cache_cell(n: int, pol: ResolvedPolicy, iters: int, rate: float, poll_s: flo
         h1 = clock()
         d = choose_node(fleet, RouteRequest(model="m", prompt_tokens=body // 4, prefix=kc), pol, now, state,
                         cache=idx)
+        h2 = clock()
         idx.record(d.node_id, kc, now)
         t3 = clock()
         c3 = cpu()
@@ -343,13 +347,17 @@ def cache_cell(n: int, pol: ResolvedPolicy, iters: int, rate: float, poll_s: flo
             units.append((t3 - t0) / 1000.0)
             cpu_units.append((c3 - c0) / 1000.0)
             hashing.append((h1 - h0) / 1000.0)
+            path.append((h2 - h0) / 1000.0)
+            upkeep.append((h0 - u0 + t3 - h2) / 1000.0)
             warm_hits += d.cached_tokens > 0
-    for xs in (units, cpu_units, hashing):
+    for xs in (units, cpu_units, hashing, path, upkeep):
         xs.sort()
     return {
         "median": statistics.median(units), "p99": p99(units), "mean": statistics.fmean(units),
         "cpu_median": statistics.median(cpu_units), "cpu_p99": p99(cpu_units),
-        "hash_median": statistics.median(hashing), "entries": float(len(idx)), "warm": warm_hits / iters,
+        "hash_median": statistics.median(hashing), "path_median": statistics.median(path), "path_p99": p99(path),
+        "upkeep_median": statistics.median(upkeep), "upkeep_p99": p99(upkeep),
+        "entries": float(len(idx)), "warm": warm_hits / iters,
     }
 
 
@@ -418,8 +426,9 @@ def cache_tables(iters: int, sizes: list[int], rate: float, entries: int, contex
           "polls every 5 s. Per unit: the prompt's keys + choose_node with the index + record + an earlier "
           "request's correct + polls and counters since the previous unit. Wall-clock median / p99 "
           "(CPU-time median / p99), us:\n")
-    print("| nodes | " + " | ".join(names) + " | hashing median | requests that found a warm node |")
-    print("|---|" + "---|" * (len(names) + 2))
+    print("| nodes | " + " | ".join(names) + " | latency, decision path: keys + lookup + choose (median / p99) "
+          "| latency, index upkeep: record + correct (median / p99) | keys median | requests that found a warm node |")
+    print("|---|" + "---|" * (len(names) + 4))
     for n in sizes:
         cells = []
         extra = ""
@@ -427,7 +436,8 @@ def cache_tables(iters: int, sizes: list[int], rate: float, entries: int, contex
             r = cache_cell(n, pol, iters, rate, 5.0, seed=n * 10 + k, entries=entries, context=context)
             cells.append(f"{r['median']:.1f} / {r['p99']:.1f} ({r['cpu_median']:.0f} / {r['cpu_p99']:.0f})")
             if k == 0:
-                extra = f" {r['hash_median']:.1f} | {100 * r['warm']:.0f}% |"
+                extra = (f" {r['path_median']:.1f} / {r['path_p99']:.1f} | {r['upkeep_median']:.1f} / "
+                         f"{r['upkeep_p99']:.1f} | {r['hash_median']:.1f} | {100 * r['warm']:.0f}% |")
         print(f"| {n:,} | " + " | ".join(cells) + " |" + extra)
     m = index_memory(max(sizes), entries, context)
     print(f"\nIndex memory at {max(sizes):,} nodes: {m['entries']:,.0f} entries ({m['keys']:,.0f} distinct keys): "

@@ -11,9 +11,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import subprocess
+import sys
+import threading
 import time
 import warnings
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -21,6 +26,7 @@ import nats
 import openai
 import pytest
 
+import zml
 from conftest import MODEL, SecureBus, Stack, launch_stack
 from wavs import wav
 from zml_sim import transcription
@@ -326,3 +332,122 @@ async def test_two_at_once_and_the_id_is_the_callers(stack: Stack) -> None:
                                 headers={"x-zml-request-id": rid})
         a, b = await asyncio.gather(one("same-id"), one("same-id"))
     assert sorted([a.status_code, b.status_code]) in ([200, 200], [200, 409]), (a.text, b.text)
+
+
+# --- the SDK and the CLI ---------------------------------------------------------------------------
+
+@pytest.fixture(params=["http", "nats"])
+def endpoint(request: pytest.FixtureRequest, stack: Stack, secure_bus: SecureBus,
+             monkeypatch: pytest.MonkeyPatch) -> str:
+    """The gateway, or straight to the routers as a client identity."""
+    if request.param == "nats":
+        monkeypatch.setenv("ZML_NATS_NKEY", secure_bus.seeds["dora"])
+        return secure_bus.url
+    return stack.gateway_url
+
+
+def test_sdk_transcribes_in_every_format(endpoint: str, tmp_path: Path) -> None:
+    path = tmp_path / "short.wav"
+    path.write_bytes(SHORT)
+    with zml.Client(endpoint, timeout=60) as c:
+        r = c.transcribe(str(path), model=ALIAS)
+        assert r.text == r.output_text == text_of(SHORT) and r.routing.node_id in AUDIO_NODES
+        assert r.duration == 3 and r.metrics.latency_s > 0 and r.response_format == "json"
+        v = c.transcribe(path, model=ALIAS, response_format="verbose_json", timestamp_granularities=["word", "segment"],
+                         language="fr")
+        assert v.language == "fr" and v.duration == pytest.approx(3.0) and v.words and v.segments
+        t = c.transcribe(("clip.wav", SHORT), model=ALIAS, response_format="text", accelerator_id="mi300x-1")
+        assert t.text == text_of(SHORT) and t.routing.node_id == "mi300x-1" and t.content_type.startswith("text/plain")
+        with open(path, "rb") as fh:
+            srt = c.transcribe(fh, model=ALIAS, response_format="srt", policy=zml.Policy(name="h100s",
+                                                                                         accelerator_chain=["H100"]))
+        assert srt.text.startswith("1\n00:00:00,000 --> ") and srt.routing.family == "H100"
+        tr = c.translate(SHORT, model=ALIAS)
+        assert tr.text == text_of(SHORT, "translate")
+        with c.transcribe(SHORT, model=ALIAS, stream=True) as stream:
+            pieces = [chunk.text for chunk in stream]
+        assert "".join(pieces) == stream.text == text_of(SHORT) and stream.routing is not None
+        assert stream.finish_reason == "stop"
+        long = c.transcribe(LONG, model=ALIAS, response_format="verbose_json")  # over one NATS message
+        assert long.text == text_of(LONG) and long.duration == pytest.approx(40.0)
+
+
+def test_sdk_errors(endpoint: str) -> None:
+    with zml.Client(endpoint, timeout=30, max_retries=0) as c:
+        with pytest.raises(zml.ModelNotLoadedError):
+            c.transcribe(SHORT, model="no/such-model")
+        with pytest.raises(zml.BadRequestError, match="response_format"):
+            c.transcribe(SHORT, model=ALIAS, response_format="mp3")
+        with pytest.raises(zml.BadRequestError, match="not a speech-to-text model"):
+            c.transcribe(SHORT, model=MODEL)
+        with pytest.raises(zml.BadRequestError, match="cannot read"):
+            c.transcribe("/no/such/file.wav", model=ALIAS)
+
+
+def test_sdk_over_grpc_says_where_audio_goes(stack: Stack) -> None:
+    with zml.Client(f"grpc://{stack.grpc_target}") as c, pytest.raises(zml.ConfigError, match="nats://"):
+        c.transcribe(SHORT, model=ALIAS)
+
+
+def test_transcribe_batch_has_infer_batchs_contract(endpoint: str, tmp_path: Path) -> None:
+    files: list[Any] = [SHORT, str(tmp_path / "missing.wav"), {"file": ("l.wav", LONG), "response_format": "text"},
+                        ("c.wav", wav(1.0))]
+    seen: list[tuple[int, bool]] = []
+    busy = threading.Lock()
+
+    def save(index: int, result: zml.TranscriptionResult | None, error: BaseException | None) -> None:
+        assert busy.acquire(blocking=False), "on_result called from two threads at once"
+        try:
+            assert (result is None) != (error is None)
+            seen.append((index, error is None))
+            time.sleep(0.01)
+        finally:
+            busy.release()
+
+    with zml.Client(endpoint, timeout=60) as c:
+        batch = c.transcribe_batch(files, model=ALIAS, on_result=save, max_parallel_requests=4)
+    assert sorted(seen) == [(0, True), (1, False), (2, True), (3, True)]
+    assert batch.succeeded == 3 and batch.failed == 1 and isinstance(batch.errors[1], zml.BadRequestError)
+    assert batch[0] is not None and batch[0].text == text_of(SHORT)
+    assert batch[2] is not None and batch[2].text == text_of(LONG) and batch[2].response_format == "text"
+
+
+async def test_async_client_transcribes_streams_and_batches(endpoint: str) -> None:
+    async with zml.AsyncClient(endpoint, timeout=60) as c:
+        r = await c.transcribe(SHORT, model=ALIAS, response_format="vtt")
+        assert r.text.startswith("WEBVTT") and r.routing.node_id in AUDIO_NODES
+        stream = await c.transcribe(LONG, model=ALIAS, stream=True)
+        assert "".join([chunk.text async for chunk in stream]) == text_of(LONG)
+        tr = await c.translate(SHORT, model=ALIAS, response_format="text")
+        assert tr.text == text_of(SHORT, "translate")
+        got: list[int] = []
+        batch = await c.atranscribe_batch([SHORT, {"file": SHORT, "language": "de"}], model=ALIAS,
+                                          on_result=lambda i, res, err: got.append(i))
+        assert batch.succeeded == 2 and sorted(got) == [0, 1]
+
+
+def test_zml_batch_transcribe_resumes(stack: Stack, tmp_path: Path) -> None:
+    for name, seconds in (("a.wav", 2.0), ("b.wav", 3.0), ("c.wav", 4.0)):
+        (tmp_path / name).write_bytes(wav(seconds))
+    lines = ["a.wav", json.dumps({"file": "b.wav", "id": "bee", "response_format": "verbose_json"}), "c.wav",
+             json.dumps("gone.wav")]
+    (tmp_path / "audio.jsonl").write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out.jsonl"
+    # what a run killed half-way leaves: one row done, one failed, a torn last line
+    out.write_text(json.dumps({"index": 2, "file": "c.wav", "text": "kept"}) + "\n"
+                   + json.dumps({"index": 0, "error": "boom", "code": "BACKEND_ERROR"}) + "\n" + '{"index": 1, "te')
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("ZML_")}, "ZML_ENDPOINT": stack.gateway_url}
+    argv = [sys.executable, "-m", "zml.cli", "batch", "--transcribe", "--input", str(tmp_path / "audio.jsonl"),
+            "--output", str(out), "--model", ALIAS, "--resume"]
+    p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120, cwd="/")
+    assert p.returncode == 1 and "1 of 3 requests failed" in p.stderr, p.stderr  # gone.wav: the only failure
+    rows = {r["index"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert sorted(rows) == [0, 1, 2, 3] and rows[2]["text"] == "kept"  # done before: not asked again
+    assert rows[0]["text"] == text_of(wav(2.0)) and rows[0]["file"] == "a.wav"
+    assert rows[1]["id"] == "bee" and rows[1]["duration"] == pytest.approx(3.0) and rows[1]["segments"]
+    assert rows[3]["code"] == "BAD_REQUEST" and "gone.wav" in rows[3]["error"]
+    (tmp_path / "gone.wav").write_bytes(wav(1.0))
+    p = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120, cwd="/")
+    assert p.returncode == 0, p.stderr
+    rows = {r["index"]: r for r in map(json.loads, out.read_text().splitlines())}
+    assert len(out.read_text().splitlines()) == 4 and "error" not in rows[3]

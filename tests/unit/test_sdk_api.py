@@ -48,7 +48,7 @@ def test_every_public_name_is_documented() -> None:
     missing = [n for n in zml.__all__ if f"`zml.{n}" not in doc and f"`{n}" not in doc]
     assert not missing, f"docs/sdk.md does not document {missing}"
     for method in ("infer", "infer_stream", "infer_batch", "nodes", "models", "close", "generate", "generate_batch",
-                   "embed"):
+                   "embed", "transcribe", "translate", "transcribe_batch"):
         assert f"{method}(" in doc, method
 
 
@@ -57,7 +57,8 @@ def test_py_typed_is_shipped() -> None:
 
 
 def test_sync_and_async_clients_are_twins() -> None:
-    for name in ("infer", "infer_stream", "infer_batch", "nodes", "models", "generate", "generate_batch", "embed"):
+    for name in ("infer", "infer_stream", "infer_batch", "nodes", "models", "generate", "generate_batch", "embed",
+                 "transcribe", "translate", "transcribe_batch"):
         s = inspect.signature(getattr(zml.Client, name))
         a = inspect.signature(getattr(zml.AsyncClient, name))
         assert list(s.parameters) == list(a.parameters), name

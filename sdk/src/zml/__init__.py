@@ -34,6 +34,7 @@ from zml._errors import (
     RoutingError,
     StreamInterruptedError,
     TimeoutError,
+    UploadIncompleteError,
     ZMLError,
 )
 from zml._models import (
@@ -47,6 +48,7 @@ from zml._models import (
     Policy,
     Routing,
     StreamChunk,
+    TranscriptionResult,
     Usage,
 )
 from zmlcore.messages import NodeState
@@ -93,6 +95,8 @@ __all__ = [
     "StreamChunk",
     "StreamInterruptedError",
     "TimeoutError",
+    "TranscriptionResult",
+    "UploadIncompleteError",
     "Usage",
     "ZMLError",
     "__version__",

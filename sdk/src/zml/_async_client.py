@@ -14,15 +14,16 @@ from typing import Any, Literal, Protocol, TypeVar, overload
 
 from zml import _core
 from zml._batches import AsyncBatches, AsyncFiles, unsupported
-from zml._batch import BatchItem, OnResult, run_async
+from zml._batch import AudioItem, BatchItem, OnResult, OnTranscription, audio_item, run_async
 from zml._errors import ZMLError
-from zml._models import BatchResult, EmbeddingResult, InferMeta, InferResult, Metrics, Policy, Routing, StreamChunk, Usage
+from zml._models import (BatchResult, EmbeddingResult, InferMeta, InferResult, Metrics, Policy, Routing, StreamChunk,
+                         TranscriptionResult, Usage)
 from zml._ratelimit import HeaderScope
 from zml._settings import ClientSettings
 from zmlcore.messages import NodeState
 
-#: What a call decodes to (both carry routing, metadata, usage and metrics).
-R = TypeVar("R", InferResult, EmbeddingResult)
+#: What a call decodes to (each carries routing, metadata, usage and metrics).
+R = TypeVar("R", InferResult, EmbeddingResult, TranscriptionResult)
 
 __all__ = ["AsyncClient", "AsyncStream"]
 
@@ -237,7 +238,7 @@ class AsyncClient(ClientSettings):
         on_result: OnResult | None = None,
         max_parallel_requests: int | None = None,
         **kwargs: Any,
-    ) -> BatchResult:
+    ) -> BatchResult[InferResult]:
         """Async twin of :meth:`zml.Client.infer_batch`."""
         def one(item: dict[str, Any]) -> Awaitable[InferResult]:
             merged = {**kwargs, **item}
@@ -251,7 +252,7 @@ class AsyncClient(ClientSettings):
         result: InferResult = await self.infer(kwargs.pop("model", None), prompt, **kwargs)
         return result
 
-    async def generate_batch(self, prompts: Iterable[BatchItem], **kwargs: Any) -> BatchResult:
+    async def generate_batch(self, prompts: Iterable[BatchItem], **kwargs: Any) -> BatchResult[InferResult]:
         """Alias of :meth:`infer_batch`."""
         return await self.infer_batch(prompts, **kwargs)
 
@@ -284,6 +285,69 @@ class AsyncClient(ClientSettings):
         )
         explicit_id = "request_id" in kwargs or "request_id" in self.default_request_kwargs
         return await self._call(call, explicit_id, _core.decode_embeddings)
+
+    # ---------------------------------------------------------------- audio
+    @overload
+    async def transcribe(
+        self, file: _core.AudioFile, model: str | None = None, *, response_format: str | None = None,
+        language: str | None = None, prompt: str | None = None, temperature: float | None = None,
+        timestamp_granularities: Sequence[str] | None = None, stream: Literal[False] = False,
+        routing: str | None = None, policy: PolicyArg = None, accelerator_id: str | None = None, **kwargs: Any,
+    ) -> TranscriptionResult: ...
+
+    @overload
+    async def transcribe(
+        self, file: _core.AudioFile, model: str | None = None, *, response_format: str | None = None,
+        language: str | None = None, prompt: str | None = None, temperature: float | None = None,
+        timestamp_granularities: Sequence[str] | None = None, stream: Literal[True],
+        routing: str | None = None, policy: PolicyArg = None, accelerator_id: str | None = None, **kwargs: Any,
+    ) -> AsyncStream: ...
+
+    async def transcribe(
+        self, file: _core.AudioFile, model: str | None = None, *, response_format: str | None = None,
+        language: str | None = None, prompt: str | None = None, temperature: float | None = None,
+        timestamp_granularities: Sequence[str] | None = None, stream: bool = False,
+        routing: str | None = None, policy: PolicyArg = None, accelerator_id: str | None = None, **kwargs: Any,
+    ) -> TranscriptionResult | AsyncStream:
+        """Transcribe ``file`` (see :meth:`zml.Client.transcribe`); with ``stream=True`` the
+        awaited value is an :class:`AsyncStream` of the text as it is decoded."""
+        call = self._audio_call("transcription", file, model, response_format, language, prompt, temperature,
+                                timestamp_granularities, stream, routing, policy, accelerator_id, kwargs)
+        explicit_id = "request_id" in kwargs or "request_id" in self.default_request_kwargs
+        if stream:
+            return AsyncStream(self, call, explicit_id)
+        return await self._call(call, explicit_id, _core.decode_transcription)
+
+    async def translate(
+        self, file: _core.AudioFile, model: str | None = None, *, response_format: str | None = None,
+        prompt: str | None = None, temperature: float | None = None, routing: str | None = None,
+        policy: PolicyArg = None, accelerator_id: str | None = None, **kwargs: Any,
+    ) -> TranscriptionResult:
+        """Translate the speech in ``file`` into English text (see :meth:`zml.Client.translate`)."""
+        call = self._audio_call("translation", file, model, response_format, None, prompt, temperature, None, False,
+                                routing, policy, accelerator_id, kwargs)
+        explicit_id = "request_id" in kwargs or "request_id" in self.default_request_kwargs
+        return await self._call(call, explicit_id, _core.decode_transcription)
+
+
+    async def transcribe_batch(
+        self,
+        files: Iterable[AudioItem],
+        *,
+        on_result: OnTranscription | None = None,
+        max_parallel_requests: int | None = None,
+        **kwargs: Any,
+    ) -> BatchResult[TranscriptionResult]:
+        """Async twin of :meth:`zml.Client.transcribe_batch`."""
+        def one(item: dict[str, Any]) -> Awaitable[TranscriptionResult]:
+            merged = {**kwargs, **item}
+            merged.pop("stream", None)
+            return self.transcribe(**merged)
+
+        return await run_async(one, files, max_parallel_requests or self.max_parallel_requests, on_result, audio_item)
+
+    atranscribe = transcribe
+    atranscribe_batch = transcribe_batch
 
 
 class AsyncStream:

@@ -5,17 +5,25 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import os
 from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import IO, Any, TypeVar
 
-from zml._models import BatchResult, InferResult
+from zml._models import BatchResult, InferResult, TranscriptionResult
 
-__all__ = ["BatchItem", "OnResult", "normalize_item", "run_async", "run_sync"]
+__all__ = ["AudioItem", "BatchItem", "OnResult", "OnTranscription", "audio_item", "normalize_item", "run_async",
+           "run_sync"]
 
 #: A prompt string, a list of chat messages, or a dict of ``infer()`` keyword arguments.
 BatchItem = str | Sequence[Mapping[str, Any]] | Mapping[str, Any]
+#: An audio file (a path, its bytes, a binary file) or a dict of ``transcribe()`` keyword arguments.
+AudioItem = str | os.PathLike[str] | bytes | IO[bytes] | Mapping[str, Any]
 #: ``on_result(index, result, error)``: exactly one of result and error is None.
 OnResult = Callable[[int, InferResult | None, BaseException | None], None]
+#: The same contract for ``transcribe_batch``.
+OnTranscription = Callable[[int, TranscriptionResult | None, BaseException | None], None]
+
+R = TypeVar("R")
 
 
 def normalize_item(item: BatchItem) -> dict[str, Any]:
@@ -27,14 +35,22 @@ def normalize_item(item: BatchItem) -> dict[str, Any]:
     return {"messages": [dict(m) for m in item]}
 
 
+def audio_item(item: AudioItem) -> dict[str, Any]:
+    """The ``transcribe()`` keyword arguments of one ``transcribe_batch`` item."""
+    if isinstance(item, Mapping):
+        return dict(item)
+    return {"file": item}
+
+
 def run_sync(
-    fn: Callable[[dict[str, Any]], InferResult],
-    items: Iterable[BatchItem],
+    fn: Callable[[dict[str, Any]], R],
+    items: Iterable[Any],
     max_parallel: int,
-    on_result: OnResult | None,
-) -> BatchResult:
+    on_result: Callable[[int, R | None, BaseException | None], None] | None,
+    normalize: Callable[[Any], dict[str, Any]] = normalize_item,
+) -> BatchResult[R]:
     todo = list(items)
-    results: list[InferResult | None] = [None] * len(todo)
+    results: list[R | None] = [None] * len(todo)
     errors: list[BaseException | None] = [None] * len(todo)
     next_index = iter(range(len(todo)))
     lock = threading.Lock()
@@ -47,10 +63,10 @@ def run_sync(
                 i = next(next_index, None)
             if i is None:
                 return
-            res: InferResult | None = None
+            res: R | None = None
             err: BaseException | None = None
             try:
-                res = fn(normalize_item(todo[i]))
+                res = fn(normalize(todo[i]))
             except Exception as exc:  # one failure never sinks the batch
                 err = exc
             with lock:
@@ -79,22 +95,23 @@ def run_sync(
 
 
 async def run_async(
-    fn: Callable[[dict[str, Any]], Awaitable[InferResult]],
-    items: Iterable[BatchItem],
+    fn: Callable[[dict[str, Any]], Awaitable[R]],
+    items: Iterable[Any],
     max_parallel: int,
-    on_result: OnResult | None,
-) -> BatchResult:
+    on_result: Callable[[int, R | None, BaseException | None], None] | None,
+    normalize: Callable[[Any], dict[str, Any]] = normalize_item,
+) -> BatchResult[R]:
     todo = list(items)
-    results: list[InferResult | None] = [None] * len(todo)
+    results: list[R | None] = [None] * len(todo)
     errors: list[BaseException | None] = [None] * len(todo)
     next_index = iter(range(len(todo)))
 
     async def worker() -> None:
         for i in next_index:  # shared iterator: each index goes to exactly one worker
-            res: InferResult | None = None
+            res: R | None = None
             err: BaseException | None = None
             try:
-                res = await fn(normalize_item(todo[i]))
+                res = await fn(normalize(todo[i]))
             except Exception as exc:
                 err = exc
             results[i], errors[i] = res, err

@@ -15,15 +15,16 @@ from typing import Any, Literal, Protocol, TypeVar, overload
 
 from zml import _core
 from zml._batches import Batches, Files, unsupported
-from zml._batch import BatchItem, OnResult, run_sync
+from zml._batch import AudioItem, BatchItem, OnResult, OnTranscription, audio_item, run_sync
 from zml._errors import ZMLError
-from zml._models import BatchResult, EmbeddingResult, InferMeta, InferResult, Metrics, Policy, Routing, StreamChunk, Usage
+from zml._models import (BatchResult, EmbeddingResult, InferMeta, InferResult, Metrics, Policy, Routing, StreamChunk,
+                         TranscriptionResult, Usage)
 from zml._ratelimit import HeaderScope
 from zml._settings import ClientSettings
 from zmlcore.messages import NodeState
 
-#: What a call decodes to (both carry routing, metadata, usage and metrics).
-R = TypeVar("R", InferResult, EmbeddingResult)
+#: What a call decodes to (each carries routing, metadata, usage and metrics).
+R = TypeVar("R", InferResult, EmbeddingResult, TranscriptionResult)
 
 __all__ = ["Client", "Stream", "fleet_families"]
 
@@ -241,7 +242,7 @@ class Client(ClientSettings):
         on_result: OnResult | None = None,
         max_parallel_requests: int | None = None,
         **kwargs: Any,
-    ) -> BatchResult:
+    ) -> BatchResult[InferResult]:
         """Run many requests, ``max_parallel_requests`` at a time; results in input order.
 
         Each item is a prompt, a list of chat messages, or a dict of ``infer()`` arguments;
@@ -262,7 +263,7 @@ class Client(ClientSettings):
         result: InferResult = self.infer(kwargs.pop("model", None), prompt, **kwargs)
         return result
 
-    def generate_batch(self, prompts: Iterable[BatchItem], **kwargs: Any) -> BatchResult:
+    def generate_batch(self, prompts: Iterable[BatchItem], **kwargs: Any) -> BatchResult[InferResult]:
         """Alias of :meth:`infer_batch`."""
         return self.infer_batch(prompts, **kwargs)
 
@@ -301,6 +302,83 @@ class Client(ClientSettings):
         )
         explicit_id = "request_id" in kwargs or "request_id" in self.default_request_kwargs
         return self._call(call, explicit_id, _core.decode_embeddings)
+
+    # ---------------------------------------------------------------- audio
+    @overload
+    def transcribe(
+        self, file: _core.AudioFile, model: str | None = None, *, response_format: str | None = None,
+        language: str | None = None, prompt: str | None = None, temperature: float | None = None,
+        timestamp_granularities: Sequence[str] | None = None, stream: Literal[False] = False,
+        routing: str | None = None, policy: PolicyArg = None, accelerator_id: str | None = None, **kwargs: Any,
+    ) -> TranscriptionResult: ...
+
+    @overload
+    def transcribe(
+        self, file: _core.AudioFile, model: str | None = None, *, response_format: str | None = None,
+        language: str | None = None, prompt: str | None = None, temperature: float | None = None,
+        timestamp_granularities: Sequence[str] | None = None, stream: Literal[True],
+        routing: str | None = None, policy: PolicyArg = None, accelerator_id: str | None = None, **kwargs: Any,
+    ) -> Stream: ...
+
+    def transcribe(
+        self, file: _core.AudioFile, model: str | None = None, *, response_format: str | None = None,
+        language: str | None = None, prompt: str | None = None, temperature: float | None = None,
+        timestamp_granularities: Sequence[str] | None = None, stream: bool = False,
+        routing: str | None = None, policy: PolicyArg = None, accelerator_id: str | None = None, **kwargs: Any,
+    ) -> TranscriptionResult | Stream:
+        """Transcribe ``file`` (a path, bytes, a binary file or ``(filename, bytes)``) with a
+        speech-to-text model (``[models."NAME"] audio = true``): OpenAI's
+        ``/v1/audio/transcriptions``, routed and retried like ``infer()``. ``response_format``:
+        ``json`` (default), ``text``, ``verbose_json``, ``srt``, ``vtt``; ``stream=True`` returns
+        a :class:`Stream` of the text as it is decoded. Other keyword arguments are OpenAI's
+        form fields (``chunking_strategy``, ``include``...) or ZML's (``timeout``,
+        ``request_id``, ``session``).
+
+        Example::
+
+            r = client.transcribe("meeting.wav", model="whisper-1", response_format="verbose_json")
+            print(r.text, r.duration, r.routing.node_id)
+        """
+        call = self._audio_call("transcription", file, model, response_format, language, prompt, temperature,
+                                timestamp_granularities, stream, routing, policy, accelerator_id, kwargs)
+        explicit_id = "request_id" in kwargs or "request_id" in self.default_request_kwargs
+        if stream:
+            return Stream(self, call, explicit_id)
+        return self._call(call, explicit_id, _core.decode_transcription)
+
+    def translate(
+        self, file: _core.AudioFile, model: str | None = None, *, response_format: str | None = None,
+        prompt: str | None = None, temperature: float | None = None, routing: str | None = None,
+        policy: PolicyArg = None, accelerator_id: str | None = None, **kwargs: Any,
+    ) -> TranscriptionResult:
+        """Translate the speech in ``file`` into English text (OpenAI's ``/v1/audio/translations``);
+        the arguments and result of :meth:`transcribe`."""
+        call = self._audio_call("translation", file, model, response_format, None, prompt, temperature, None, False,
+                                routing, policy, accelerator_id, kwargs)
+        explicit_id = "request_id" in kwargs or "request_id" in self.default_request_kwargs
+        return self._call(call, explicit_id, _core.decode_transcription)
+
+
+    def transcribe_batch(
+        self,
+        files: Iterable[AudioItem],
+        *,
+        on_result: OnTranscription | None = None,
+        max_parallel_requests: int | None = None,
+        **kwargs: Any,
+    ) -> BatchResult[TranscriptionResult]:
+        """Transcribe many files, ``max_parallel_requests`` at a time; results in input order,
+        with :meth:`infer_batch`'s contract: ``on_result(index, result, error)`` as each one
+        completes (one call at a time), a failure in ``errors[index]`` never stopping the batch.
+        Each item is a file (path, bytes, binary file) or a dict of :meth:`transcribe`
+        arguments (``{"file": "a.wav", "language": "fr"}``); ``kwargs`` apply to every item."""
+        def one(item: dict[str, Any]) -> TranscriptionResult:
+            merged = {**kwargs, **item}
+            merged.pop("stream", None)
+            result: TranscriptionResult = self.transcribe(**merged)
+            return result
+
+        return run_sync(one, files, max_parallel_requests or self.max_parallel_requests, on_result, audio_item)
 
 
 class Stream:

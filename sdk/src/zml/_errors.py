@@ -6,6 +6,7 @@
     ├── BadRequestError, AuthError, RateLimitError, TimeoutError, CancelledError, BackendError
     │   (BackendError -> StreamInterruptedError: a streamed reply lost a message in transit;
     │    BackendError -> ReplyIncompleteError: a reply over max_payload lost one of its parts;
+    │    ReplyIncompleteError -> UploadIncompleteError: an audio body sent in parts lost one;
     │    BadRequestError -> ReplyTooLargeError: a reply over [nats] max_reply_bytes)
     ├── ConnectionError      CONNECTION_FAILED  (the endpoint could not be reached)
     ├── ConfigError -> PolicyConfigError
@@ -35,6 +36,7 @@ from zmlcore.errors import (
     RoutingError,
     StreamInterruptedError,
     TimeoutError,
+    UploadIncompleteError,
     ZMLError,
     error_class,
     from_wire,
@@ -59,6 +61,7 @@ __all__ = [
     "RoutingError",
     "StreamInterruptedError",
     "TimeoutError",
+    "UploadIncompleteError",
     "ZMLError",
     "error_class",
     "from_wire",

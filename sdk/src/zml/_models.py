@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import InitVar, dataclass, field
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import msgspec
 
@@ -30,6 +30,7 @@ __all__ = [
     "Policy",
     "Routing",
     "StreamChunk",
+    "TranscriptionResult",
     "Usage",
 ]
 
@@ -257,22 +258,65 @@ class StreamChunk:
 
 
 @dataclass(slots=True)
-class BatchResult:
-    """Results of ``infer_batch`` in input order: ``results[i]`` or ``errors[i]`` is set.
+class TranscriptionResult:
+    """The reply of ``transcribe()`` / ``translate()``: the text, what the format adds, the routing.
+
+    Example::
+
+        r = client.transcribe("meeting.wav", model="whisper-1", response_format="verbose_json")
+        print(r.text, r.duration, len(r.segments), r.routing.node_id)
+
+    ``text`` is the transcript (``json``/``verbose_json``: the reply's ``text``; ``text``: the body
+    without its final newline; ``srt``/``vtt``: the subtitle file as the node wrote it).
+    """
+
+    text: str
+    routing: Routing
+    metadata: InferMeta
+    response_format: str = "json"
+    #: Tokens, when the node bills by tokens (OpenAI's gpt-4o-transcribe ``usage``); else zeros.
+    usage: Usage = field(default_factory=Usage)
+    metrics: Metrics = field(default_factory=Metrics)
+    #: ``verbose_json``: the language and the seconds of audio (also ``json``'s ``usage.seconds``).
+    language: str | None = None
+    duration: float | None = None
+    #: ``verbose_json``: the segments and (``timestamp_granularities=["word"]``) the words, as dicts.
+    segments: list[dict[str, Any]] = field(default_factory=list)
+    words: list[dict[str, Any]] = field(default_factory=list)
+    #: The node's content type (``application/json``, ``text/plain``, ``text/vtt``...).
+    content_type: str = ""
+    model: str = ""
+    #: The reply as received: its JSON object, or its text (``text``, ``srt``, ``vtt``).
+    raw: Any = None
+
+    @property
+    def output_text(self) -> str:
+        """Alias of ``text``."""
+        return self.text
+
+
+#: What a batch's items come back as (InferResult for ``infer_batch``, TranscriptionResult...).
+T = TypeVar("T")
+
+
+@dataclass(slots=True)
+class BatchResult(Generic[T]):
+    """Results of a batch (``infer_batch``, ``transcribe_batch``) in input order: ``results[i]``
+    or ``errors[i]`` is set.
 
     Iterating yields the results (None where the item failed).
     """
 
-    results: list[InferResult | None]
+    results: list[T | None]
     errors: list[BaseException | None]
 
     def __len__(self) -> int:
         return len(self.results)
 
-    def __iter__(self) -> Iterator[InferResult | None]:
+    def __iter__(self) -> Iterator[T | None]:
         return iter(self.results)
 
-    def __getitem__(self, index: int) -> InferResult | None:
+    def __getitem__(self, index: int) -> T | None:
         return self.results[index]
 
     @property

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgspec
 
+from zml import _core
 from zml._config import resolve
+from zml._errors import ConfigError
+from zml._models import Policy
 from zml._ratelimit import RateLimiter
 from zmlcore.config import NatsConfig, ZMLConfig, load_config
 
@@ -57,3 +60,18 @@ class ClientSettings:
         with the environment's overrides (ZML_NATS_NKEY, ZML_NATS_TLS_*)."""
         base = self.config.nats if self.config is not None else load_config(None).nats
         return msgspec.structs.replace(base, url=self.endpoint)
+
+    def _audio_call(self, task: _core.Kind, file: _core.AudioFile, model: str | None, response_format: str | None,
+                    language: str | None, prompt: str | None, temperature: float | None,
+                    granularities: Sequence[str] | None, stream: bool, routing: str | None,
+                    policy: str | Policy | Mapping[str, Any] | None, accelerator_id: str | None,
+                    kwargs: dict[str, Any]) -> _core.InferCall:
+        """The call of a transcription or translation (both clients' ``transcribe``/``translate``)."""
+        if self.endpoint.startswith(("grpc://", "grpcs://")):
+            raise ConfigError("transcription goes through an http(s):// gateway or straight to nats://; the gRPC "
+                              "API (zml.v1, docs/grpc.md) has no audio call")
+        return _core.build_audio(
+            task=task, file=file, model=model or self.model, response_format=response_format, language=language,
+            prompt=prompt, temperature=temperature, timestamp_granularities=granularities, stream=stream,
+            routing=routing, policy=policy, accelerator_id=accelerator_id, defaults=self.default_request_kwargs,
+            extra=kwargs, client_timeout_s=self.timeout)

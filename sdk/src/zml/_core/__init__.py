@@ -8,12 +8,14 @@ in, so every decision is unit-testable without a server. One module per concern:
 - :mod:`.reply`: :class:`RawReply` -> results, or the ZMLError of an error reply;
 - :mod:`.stream`: SSE lines, NATS stream messages and frames -> :class:`StreamEvent`;
 - :mod:`.retry`: what a timeout or "no responders" means, and whether and when to try again;
-- :mod:`.batches`: the Batch API's requests and replies (``client.batches``, ``client.files``).
+- :mod:`.batches`: the Batch API's requests and replies (``client.batches``, ``client.files``);
+- :mod:`.audio`: transcriptions and translations (the multipart form, every reply format).
 
 Layering: request < reply < stream (retry beside them); all of them sit above ``zml._models``
 and below the transports and clients, and import none of those.
 """
 
+from zml._core.audio import AUDIO_DEFAULTS, AudioFile, build_audio, decode_transcription, read_audio
 from zml._core.batches import ApiCall
 from zml._core.reply import (
     RawReply,
@@ -50,7 +52,12 @@ from zml._core.retry import MAX_BACKOFF_S, MAX_JITTER_S, is_retryable, no_router
 from zml._core.stream import SSEDecoder, StreamEvent, decode_chunk, decode_nats_frame, decode_nats_stream
 
 __all__ = [
+    "AUDIO_DEFAULTS",
     "ApiCall",
+    "AudioFile",
+    "build_audio",
+    "decode_transcription",
+    "read_audio",
     "DEFAULT_MAX_TOKENS",
     "DEFAULT_TEMPERATURE",
     "EMBED_DEFAULTS",

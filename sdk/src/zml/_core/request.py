@@ -33,8 +33,9 @@ def grace_s(timeout_s: float) -> float:
     return min(TIMEOUT_GRACE_S, 0.25 + 0.1 * timeout_s)
 
 
-Kind = Literal["chat", "completion", "embedding"]
-_PATHS: dict[str, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions", "embedding": "/v1/embeddings"}
+Kind = Literal["chat", "completion", "embedding", "transcription", "translation"]
+_PATHS: dict[str, str] = {"chat": "/v1/chat/completions", "completion": "/v1/completions", "embedding": "/v1/embeddings",
+                          "transcription": "/v1/audio/transcriptions", "translation": "/v1/audio/translations"}
 
 _json_encoder = msgspec.json.Encoder()
 
@@ -61,9 +62,13 @@ class InferCall:
     #: The conversation this call belongs to (``session=``): routers keep its requests on the
     #: node that holds its prefix while that node has room (``x-session-id`` / ``Zml-Session``).
     session: str | None = None
+    #: An audio call's body, OpenAI's multipart form as built (``body`` then holds only ZML's
+    #: routing fields, sent as headers: the form is never rewritten), and its content type.
+    content: bytes | None = None
+    content_type: str = "application/json"
 
     def encode(self) -> bytes:
-        return _json_encoder.encode(self.body)
+        return self.content if self.content is not None else _json_encoder.encode(self.body)
 
     @property
     def http_path(self) -> str:
@@ -71,13 +76,41 @@ class InferCall:
 
     def http_headers(self) -> dict[str, str]:
         """Tells the gateway the id is the SDK's own (no cross-replica duplicate check needed),
-        and the call's session."""
+        and the call's session; an audio call's routing fields too (docs/http-api.md, "Audio")."""
         out = {H_HTTP_ID_GENERATED: "1"} if self.id_generated else {}
         if self.session:
             out["x-session-id"] = self.session
+        if self.content is not None:
+            out["content-type"] = self.content_type
+            out["x-zml-request-id"] = self.request_id
+            out["x-zml-timeout-ms"] = str(self.body["timeout_ms"])
+            for key, header in (("policy", "x-zml-policy"), ("accelerator_id", "x-zml-accelerator-id")):
+                value = self._routing_field(key)
+                if value is not None:
+                    out[header] = value
         return out
 
+    def _routing_field(self, key: str) -> str | None:
+        """An audio call's ``policy`` (a name, or an inline policy as JSON; ``routing`` spells a
+        name too) or ``accelerator_id``, as a header value."""
+        value = self.body.get(key)
+        if key == "policy" and value is None:
+            value = self.body.get("routing")
+        if value is None:
+            return None
+        return value if isinstance(value, str) else _json_encoder.encode(value).decode()
+
     def nats_headers(self) -> dict[str, str]:
+        if self.content is not None:  # audio: the form as built, what it is and its routing in headers
+            audio = {subjects.H_AUDIO: self.kind, subjects.H_CONTENT_TYPE: self.content_type}
+            for key, header in (("policy", subjects.H_POLICY), ("accelerator_id", subjects.H_ACCELERATOR_ID)):
+                value = self._routing_field(key)
+                if value is not None:
+                    audio[header] = value
+            return {**self._nats_headers(), **audio}
+        return self._nats_headers()
+
+    def _nats_headers(self) -> dict[str, str]:
         return {
             subjects.H_REQUEST_ID: self.request_id,
             subjects.H_TIMEOUT_MS: str(int(self.body.get("timeout_ms") or self.timeout_s * 1000)),

@@ -34,11 +34,19 @@ class StreamEvent:
 
 
 def decode_chunk(data: Any) -> StreamEvent:
-    """One OpenAI chunk (chat ``delta.content`` or completions ``text``)."""
+    """One OpenAI chunk (chat ``delta.content`` or completions ``text``), or one event of a
+    streamed transcription (``transcript.text.delta``'s ``delta``; ``transcript.text.done`` ends
+    it with finish reason ``stop``)."""
     if not isinstance(data, dict):
         return StreamEvent("chunk", chunk=StreamChunk(text=""))
     if "error" in data and "choices" not in data:
         return StreamEvent("error", error=_error_from_obj(data))
+    kind = data.get("type")
+    if kind == "transcript.text.delta":
+        delta = data.get("delta")
+        return StreamEvent("chunk", chunk=StreamChunk(text=delta if isinstance(delta, str) else "", raw=data))
+    if kind == "transcript.text.done":
+        return StreamEvent("chunk", chunk=StreamChunk(text="", finish_reason="stop", raw=data))
     text, index, finish = "", 0, None
     choices = data.get("choices") or []
     if choices and isinstance(choices[0], Mapping):

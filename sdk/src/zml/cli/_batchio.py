@@ -4,18 +4,20 @@ its items, and the progress bar."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import IO, Any
 
 from zml._errors import BadRequestError
 
-__all__ = ["Progress", "read_items"]
+__all__ = ["Progress", "read_audio_items", "read_items"]
 
 
-def read_items(path: str, chat: bool) -> list[dict[str, Any]]:
-    items: list[dict[str, Any]] = []
+def _lines(path: str) -> Iterator[tuple[int, Any]]:
+    """(line number, value) of each non-empty line: its JSON, or its text when it is not JSON."""
     try:
         fh = open(path, encoding="utf-8")
     except OSError as exc:
@@ -26,14 +28,34 @@ def read_items(path: str, chat: bool) -> list[dict[str, Any]]:
             if not line:
                 continue
             try:
-                value: Any = json.loads(line)
+                yield lineno, json.loads(line)
             except ValueError:
-                value = line
-            if isinstance(value, str):
-                value = {"messages": [{"role": "user", "content": value}]} if chat else {"prompt": value}
-            if not isinstance(value, dict) or ("prompt" not in value and "messages" not in value):
-                raise BadRequestError(f"{path}:{lineno}: expected a prompt string or an object with prompt/messages")
-            items.append(value)
+                yield lineno, line
+
+
+def read_items(path: str, chat: bool) -> list[dict[str, Any]]:
+    items: list[dict[str, Any]] = []
+    for lineno, value in _lines(path):
+        if isinstance(value, str):
+            value = {"messages": [{"role": "user", "content": value}]} if chat else {"prompt": value}
+        if not isinstance(value, dict) or ("prompt" not in value and "messages" not in value):
+            raise BadRequestError(f"{path}:{lineno}: expected a prompt string or an object with prompt/messages")
+        items.append(value)
+    return items
+
+
+def read_audio_items(path: str) -> list[dict[str, Any]]:
+    """The lines of an audio batch: file paths (plain or JSON strings) or objects with ``file``;
+    a relative path is taken from the input file's folder (the list travels with its audio): the
+    path opened is ``_path``, ``file`` stays as written (the output rows quote it)."""
+    items: list[dict[str, Any]] = []
+    folder = os.path.dirname(os.path.abspath(path))
+    for lineno, value in _lines(path):
+        if isinstance(value, str):
+            value = {"file": value}
+        if not isinstance(value, dict) or not isinstance(value.get("file"), str) or not value["file"]:
+            raise BadRequestError(f"{path}:{lineno}: expected an audio file's path or an object with `file`")
+        items.append({**value, "_path": os.path.join(folder, os.path.expanduser(value["file"]))})
     return items
 
 

@@ -8,6 +8,12 @@ every input line ends up in the output exactly once.
 Input lines: a JSON object with ``prompt`` or ``messages`` (plus optional ``id``, ``model``,
 ``max_tokens``... any ``infer()`` argument), a JSON string, or plain text (a prompt).
 
+``--transcribe`` (or ``--translate``) runs audio files through ``transcribe_batch``: each line is
+a file path (plain text or a JSON string; relative to the input file's folder) or a JSON object
+with ``file`` (plus ``id``, ``model``, ``language``, ``prompt``, ``response_format``... any
+``transcribe()`` argument). Its rows have ``text`` instead of ``output_text``; ``--resume`` works
+the same.
+
 ``--server`` runs the file with the Batch API instead: uploaded, run by the batch runners on the
 fleet's spare capacity (this process may go away), followed with a progress bar, and its results
 written to ``--output`` as OpenAI's output lines (zml.cli._server_batch).
@@ -23,12 +29,15 @@ from typing import Any
 
 from zml._client import Client
 from zml._errors import BadRequestError
-from zml._models import InferResult
-from zml.cli._batchio import Progress, read_items
-from zml.cli._common import add_client_args, add_request_args, client_kwargs, request_kwargs
+from zml._models import InferResult, TranscriptionResult
+from zml.cli._batchio import Progress, read_audio_items, read_items
+from zml.cli._common import add_client_args, add_request_args, client_kwargs, parse_policy, request_kwargs
 
 _ITEM_KEYS = {"prompt", "messages", "model", "max_tokens", "temperature", "policy", "routing", "accelerator_id",
               "response_format", "top_p", "stop", "seed", "timeout", "request_id", "max_completion_tokens"}
+#: What an audio line may give ``transcribe()`` (the rest of its keys, ``id`` included, are kept out).
+_AUDIO_KEYS = {"file", "model", "language", "prompt", "temperature", "response_format", "timestamp_granularities",
+               "policy", "routing", "accelerator_id", "timeout", "request_id", "chunking_strategy", "include"}
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -45,6 +54,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("--resume", action="store_true", help="keep the rows already in --output, run the rest")
     p.add_argument("--max-parallel-requests", "-c", type=int, default=8, help="requests in flight (default 8)")
     p.add_argument("--chat", action="store_true", help="send plain prompts as chat messages")
+    audio = p.add_argument_group("audio (transcribe_batch)")
+    audio.add_argument("--transcribe", action="store_true", help="the lines are audio files to transcribe")
+    audio.add_argument("--translate", action="store_true", help="... to translate into English text")
+    audio.add_argument("--language", help="with --transcribe: the audio's language (ISO-639-1, e.g. fr)")
+    audio.add_argument("--response-format", choices=["json", "text", "srt", "verbose_json", "vtt"],
+                       help="with --transcribe/--translate: the transcript's format (default json)")
     lim = p.add_argument_group("client-side rate limits")
     lim.add_argument("--rpm", type=float, help="requests per minute")
     lim.add_argument("--tpm", type=float, help="tokens per minute")
@@ -111,6 +126,35 @@ def result_row(index: int, item: dict[str, Any], result: InferResult | None, err
     return row
 
 
+def audio_row(index: int, item: dict[str, Any], result: TranscriptionResult | None,
+              error: BaseException | None) -> dict[str, Any]:
+    row: dict[str, Any] = {"index": index}
+    if "id" in item:
+        row["id"] = item["id"]
+    row["file"] = item["file"]
+    if error is not None:
+        row["error"] = str(error)
+        row["code"] = getattr(error, "code", type(error).__name__)
+        return row
+    assert result is not None
+    row["text"] = result.text
+    if result.response_format != "json":
+        row["response_format"] = result.response_format
+    for key in ("language", "duration"):
+        if getattr(result, key) is not None:
+            row[key] = getattr(result, key)
+    if result.segments:
+        row["segments"] = result.segments
+    if result.words:
+        row["words"] = result.words
+    r = result.routing
+    row["routing"] = {"node_id": r.node_id, "accelerator_type": r.accelerator_type, "family": r.family,
+                      "policy": r.policy, "queue_depth_at_dispatch": r.queue_depth_at_dispatch,
+                      "decision_id": r.decision_id}
+    row["metrics"] = {"retries": result.metrics.retries, "latency_s": round(result.metrics.latency_s, 4)}
+    return row
+
+
 def run(args: argparse.Namespace) -> int:
     if args.server or args.follow:
         from zml.cli import _server_batch
@@ -118,7 +162,10 @@ def run(args: argparse.Namespace) -> int:
         return _server_batch.run(args)
     if not args.input:
         raise BadRequestError("--input is required (or --server --follow BATCH_ID)")
-    items = read_items(args.input, args.chat)
+    audio = args.transcribe or args.translate
+    if args.transcribe and args.translate:
+        raise BadRequestError("--transcribe or --translate, not both")
+    items = read_audio_items(args.input) if audio else read_items(args.input, args.chat)
     try:
         return _run(args, items)
     except OSError as exc:  # the output file: a clear line, not a traceback
@@ -136,7 +183,8 @@ def _run(args: argparse.Namespace, items: list[dict[str, Any]]) -> int:
         done = {}
         rewrite(args.output, [])
     todo = [i for i in range(len(items)) if i not in done]
-    common = request_kwargs(args)
+    audio = args.transcribe or args.translate
+    common = _audio_kwargs(args) if audio else request_kwargs(args)
     progress = Progress(len(items), len(done))
     if not todo:
         progress.finish()
@@ -147,16 +195,25 @@ def _run(args: argparse.Namespace, items: list[dict[str, Any]]) -> int:
         with Client(**client_kwargs(args), model=args.model, max_parallel_requests=args.max_parallel_requests,
                     **{k: v for k, v in limits.items() if v is not None}) as client:
 
-            def save(pos: int, result: InferResult | None, error: BaseException | None) -> None:
-                index = todo[pos]
-                row = result_row(index, items[index], result, error)
+            def write(row: dict[str, Any], ok: bool) -> None:
                 out.write(json.dumps(row, ensure_ascii=False) + "\n")
                 out.flush()
-                progress.update(error is None)
+                progress.update(ok)
 
-            batch = client.infer_batch(
-                [{k: v for k, v in items[i].items() if k in _ITEM_KEYS} for i in todo], on_result=save, **common,
-            )
+            def save(pos: int, result: InferResult | None, error: BaseException | None) -> None:
+                write(result_row(todo[pos], items[todo[pos]], result, error), error is None)
+
+            def save_audio(pos: int, result: TranscriptionResult | None, error: BaseException | None) -> None:
+                write(audio_row(todo[pos], items[todo[pos]], result, error), error is None)
+
+            batch: Any
+            if audio:
+                batch = _audio_batch(client, args, [{**{k: v for k, v in items[i].items() if k in _AUDIO_KEYS},
+                                                     "file": items[i]["_path"]} for i in todo], save_audio, common)
+            else:
+                batch = client.infer_batch(
+                    [{k: v for k, v in items[i].items() if k in _ITEM_KEYS} for i in todo], on_result=save, **common,
+                )
     finally:
         out.close()
         progress.finish()
@@ -168,3 +225,25 @@ def _run(args: argparse.Namespace, items: list[dict[str, Any]]) -> int:
     return 0
 
 
+
+
+def _audio_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    out: dict[str, Any] = {"policy": parse_policy(args.policy), "routing": args.routing,
+                           "accelerator_id": args.accelerator_id, "temperature": args.temperature,
+                           "language": args.language if args.transcribe else None,
+                           "response_format": args.response_format}
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def _audio_batch(client: Client, args: argparse.Namespace, items: list[dict[str, Any]], save: Any,
+                 common: dict[str, Any]) -> Any:
+    if args.translate:  # translate(): no language; the rest as transcribe()'s
+        def one(item: dict[str, Any]) -> TranscriptionResult:
+            merged = {**common, **item}
+            merged.pop("language", None)
+            return client.translate(**merged)
+
+        from zml._batch import audio_item, run_sync
+
+        return run_sync(one, items, args.max_parallel_requests, save, audio_item)
+    return client.transcribe_batch(items, on_result=save, max_parallel_requests=args.max_parallel_requests, **common)
