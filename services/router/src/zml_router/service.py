@@ -275,8 +275,9 @@ class RouterService:
             if arrived.replaces is not None:
                 arrived.replaces.cancel()
             if arrived.taken_over:
-                log.warning("request %s sent again by its requester: the router holding it went silent",
-                            arrived.request_id)
+                log.warning("request %s sent again by its requester: the router holding it went silent%s",
+                            arrived.request_id, "" if arrived.resume is None else
+                            f"; continuing its stream after {arrived.resume.tokens} chunks")
                 self.metrics.taken_over(arrived.taken_over)
             key = arrived.key
             self.in_flight[key] = task
