@@ -374,7 +374,7 @@ class RouterService:
                          can_queue and not from_queue and queue.has_waiting(model),  # type: ignore[union-attr]
                          from_queue, msg.data, frontdoor.continue_asked(req, msg.headers), cfg.continue_on_failure)
         steps = flow.route(plan, out)
-        answer = self.relay.answer(req, msg.data)  # what the requester gets, across attempts
+        answer = self.relay.answer(req, msg.data, model)  # what the requester gets, across attempts
         result: flow.Result = None
         while True:
             try:
