@@ -78,13 +78,17 @@ def test_kill_a_router(calm_stack: ChaosStack) -> None:
     report = asyncio.run(run(calm_stack, "kill -9 a router", inject))
     # What the dead router held was sent again by the gateways (its keepalives stopped): count
     # the survivor's log lines saying so.
-    report.notes["taken_over"] = calm_stack.procs["router-1"].tail(200).count("sent again by its requester")
+    log = calm_stack.procs["router-1"].tail(200)
+    report.notes["taken_over"] = log.count("sent again by its requester")
+    report.notes["streams_continued"] = log.count("continuing its stream after")
     report.notes["slowest_s"] = round(max(r.elapsed for r in report.results), 2)
     record(report)
-    report.assert_clean()
+    # Nothing the dead router held is lost or cut (issue 20 item 2): plain requests and streams
+    # not yet started are sent again and complete through the survivor, and a stream it was
+    # relaying is continued there from what the gateway relayed: 0 interrupted, 0 errors.
+    report.assert_seamless()
     _no_connection_errors(report)
-    # Nothing the dead router held waits out its timeout: plain requests and streams not yet
-    # started complete through the survivor, started streams end with STREAM_INTERRUPTED at once.
+    # And nothing waits out its timeout.
     assert report.codes()["TIMEOUT"] == 0, report.summary()
     slow = [r for r in report.results if r.elapsed >= TIMEOUT_S]
     assert not slow, (slow[:4], report.summary())

@@ -12,7 +12,8 @@ owner in cancel subjects is its public key (see docs/security.md).
 
 Inference goes through :class:`zmlcore.reply.exchange.Exchange`: the transport asks the routers for
 keepalives, and a request whose router dies (3 silent intervals) is sent once more to another
-router, invisibly unless a stream had already started (then it ends with STREAM_INTERRUPTED).
+router, invisibly; a stream that had started is continued by that router from the text
+received (zmlcore.reply.resume), numbering on, so the caller reads one stream.
 A request that finds no router subscribed (the broker's "no responders": for a moment after a
 broker restart, or while routers restart) reached nobody, so it is sent again after a short
 backoff for up to ``no_router_grace_s`` (:mod:`zmlcore.reply.norouter`) before NO_HEALTHY_NODES.
@@ -160,7 +161,8 @@ class AsyncNatsTransport:
         return Exchange(nc, call.encode(), headers, timeout_s=int(headers[subjects.H_TIMEOUT_MS]) / 1000.0,
                         wait_s=call.timeout_s, keepalive_s=self.keepalive_s, no_router_grace_s=self.no_router_grace_s,
                         accept_parts=None if buffer else self.max_reply_bytes,
-                        buffer=buffer or parts_buffer(self.max_reply_bytes, nc.max_payload))
+                        buffer=buffer or parts_buffer(self.max_reply_bytes, nc.max_payload),
+                        resume=bool(buffer))  # a stream: continued by another router if its own dies
 
     async def _send(self, call: InferCall, buffer: int | None) -> Exchange:
         nc = await self._conn()

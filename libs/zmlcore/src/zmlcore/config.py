@@ -125,8 +125,9 @@ class GatewayConfig(msgspec.Struct, **_Base):
     """Ask routers for a keepalive every this many ms while they work on a request
     (``Zml-Keepalive``); after 3 silent intervals the router counts as dead and the request is
     sent once more to another router (not yet answered: invisibly; a stream already relayed
-    ends with STREAM_INTERRUPTED). 0: no keepalives, a dead router's requests wait out their
-    timeout. Values under 100 are raised to 100."""
+    is continued by it from the text relayed, docs/http-api.md "When a router fails
+    mid-answer"). 0: no keepalives, a dead router's requests wait out their timeout. Values
+    under 100 are raised to 100."""
     no_router_grace_s: Annotated[float, msgspec.Meta(ge=0, le=60)] = 2.0
     """How long a request waits for a router when the broker says none is subscribed ("no
     responders": for ~0.1 s after a broker restart, or while routers restart). Nothing received

@@ -27,8 +27,9 @@ from typing import Any
 import msgspec
 
 from zmlcore.reply.sse import SSELineSplitter, data_field
+from zmlcore.reply.transcript import Sent
 
-from zml_router.continuation import Sent, spliced_usage
+from zml_router.continuation import spliced_usage
 
 _encode = msgspec.json.encode
 _decode_any = msgspec.json.Decoder()

@@ -25,7 +25,7 @@ from zmlcore import subjects
 from zmlcore.bus.publish import Publisher
 from zmlcore.config import ZMLConfig
 from zmlcore.errors import ZMLError
-from zmlcore.messages import InferRequest, RoutingInfo, StreamStart
+from zmlcore.messages import InferRequest, RoutingInfo, StreamResume, StreamStart
 from zmlcore.messages.audio import AudioRequest
 from zmlcore.policy import RouteRequest
 from zmlcore.reply import routingmeta, streamframe
@@ -34,6 +34,7 @@ from zmlcore.reply.cachedtokens import cached_tokens
 from zmlcore.reply.keepalive import QUEUED, KeepaliveBook, keepalive_headers
 from zmlcore.reply.parts import publish_reply
 from zmlcore.reply.sse import SSELineTooLong
+from zmlcore.reply.transcript import Sent, Transcript
 from zmlcore.telemetry.setup import DECISION_ID
 
 from zml_router.attempt import (
@@ -51,8 +52,8 @@ from zml_router.attempt import (
     with_routing,
 )
 from zml_router import assemble, continuation
-from zml_router.continuation import Splice, Transcript, engine_error, spliced_usage
 from zml_router.assemble import Assembler, EngineFailed, MalformedStream
+from zml_router.continuation import Splice, engine_error, spliced_usage
 from zml_router.dispatch import NodeClient, first_chunk_within, post, post_streamed, stream_sse
 from zml_router.flow import PATHS, Dispatch, Incoming, Outcome
 from zml_router.ids import RequestIds
@@ -193,6 +194,16 @@ class Answer:
         #: The requester asked for the usage chunk (stream_options.include_usage).
         self.usage_asked = usage_asked
 
+    def resume(self, r: StreamResume) -> Sent:
+        """Start from what the requester of a stream whose router died has (zmlcore.reply.resume):
+        its ``start`` went out, numbering goes on from its last message."""
+        sent = Sent(text=r.text, tokens=r.tokens, chunk_id=r.chunk_id, created=r.created, finished=r.finished,
+                    usage=r.usage, blocked=r.blocked)
+        self.started = True
+        self.seq = r.seq
+        self.transcript = Transcript(sent)
+        return sent
+
 
 def continued_from(failed: list[tuple[str, int, str]]) -> str | None:
     """``Outcome.continued_from`` (node, tokens of the answer so far when it failed, failure)
@@ -208,6 +219,26 @@ def continued_from(failed: list[tuple[str, int, str]]) -> str | None:
         out.append(f"{node_id}@{max(0, upto - before)}:{failure}")
         before = max(before, upto)
     return ",".join(out)
+
+
+def resumed_from(r: StreamResume) -> list[tuple[str, int, str]]:
+    """``Outcome.continued_from`` of a stream whose router died: the continuations its routing
+    said before (``RoutingInfo.continued_from``, each node's share) and the node that was
+    relaying when the router went (failure ``router``), as tokens of the answer so far.
+
+    >>> resumed_from(StreamResume(text="x", tokens=20, seq=21, node_id="c", continued_from="a@5:network,b@7:slow"))
+    [('a', 5, 'network'), ('b', 12, 'slow'), ('c', 20, 'router')]
+    """
+    out: list[tuple[str, int, str]] = []
+    upto = 0
+    for part in (r.continued_from or "").split(","):
+        node, at, rest = part.rpartition("@")
+        share, _, failure = rest.partition(":")
+        if node and share.isdigit():
+            upto += int(share)
+            out.append((node, upto, failure))
+    out.append((r.node_id or "unknown", max(r.tokens, upto), "router"))
+    return out
 
 
 class Relay:
@@ -295,6 +326,16 @@ class Relay:
             out.prompt_tokens = int(usage.get("prompt_tokens") or 0)
             out.completion_tokens = int(usage.get("completion_tokens") or 0)
         return None
+
+    async def end_resumed(self, msg: Incoming, r: StreamResume, request_id: str, answer: Answer,
+                          out: Outcome) -> None:
+        """A stream whose router died after the whole answer went out, only its end lost: end it."""
+        info = RoutingInfo(node_id=r.node_id, request_id=request_id, attempts=r.attempts, router_id=self.router_id,
+                           label=out.label, continued_from=continued_from(out.continued_from))
+        out.info, out.node_id, out.attempts, out.ok = info, r.node_id, r.attempts, True
+        await self.replies.before_last(0)
+        await self.replies.publish(msg.reply, _encode(StreamStart(routing=info)),
+                                   {subjects.H_STREAM: subjects.STREAM_END, subjects.H_SEQ: str(answer.seq + 1)})
 
     def _headers(self, info: RoutingInfo, msg: Incoming | None = None) -> dict[str, str]:
         # An audio request's body is its caller's multipart form, its boundary in the content type.

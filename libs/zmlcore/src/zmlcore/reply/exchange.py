@@ -5,9 +5,13 @@ The request declares ``Zml-Keepalive``; keepalives are consumed here and never r
 caller. When the router falls silent for ``keepalive.MISSES`` intervals it is taken for dead:
 before anything of the answer was returned, the request is published once more (same request
 id, same headers, ``Zml-Resend: 1``, the timeout left, and a **new reply inbox**, so a late
-message of the first attempt is dropped rather than mixed in); after, or when that fails
-too, :meth:`Exchange.next` raises a clean retryable error at once instead of waiting out the
-timeout (STREAM_INTERRUPTED for a stream already relayed, else BACKEND_ERROR).
+message of the first attempt is dropped rather than mixed in). A stream (``resume=True``)
+whose content went out already is sent again as a *continuation* of what was received
+(``Zml-Resume``, :mod:`zmlcore.reply.resume`): the next router continues the answer where the
+caller's copy ends and numbers on from its last message, so the caller reads one stream. When
+that is not possible, or fails too, :meth:`Exchange.next` raises a clean retryable error at
+once instead of waiting out the timeout (STREAM_INTERRUPTED for a stream already relayed,
+else BACKEND_ERROR).
 
 The broker's "no responders" status (no router subscribed: for a moment after a broker
 restart, or while routers restart) means nothing received the request: with
@@ -53,6 +57,8 @@ from zmlcore.reply.bigreply import Collector, part_bytes, split
 from zmlcore.errors import BackendError, StreamInterruptedError, TimeoutError
 from zmlcore.reply.keepalive import MAX_INTERVAL_MS, MIN_INTERVAL_MS, QUEUED, Silence, after_silence, keepalive_state
 from zmlcore.reply.norouter import NoRouterWait, is_no_responders
+from zmlcore.reply.resume import Received
+from zmlcore.reply.resume import encode as resume_header
 
 log = logging.getLogger("zml.exchange")
 
@@ -207,12 +213,14 @@ class Exchange:
     the caller waits in all (the timeout plus some grace), after which :meth:`next` raises
     TIMEOUT. ``keepalive_s`` None: no keepalives asked, no failover (the old behaviour).
     ``no_router_grace_s``: how long "no responders" is waited out (0: returned at once).
+    ``resume``: the request is a stream whose received messages are kept (:attr:`received`) so
+    that a dead router's stream can be continued by another (zmlcore.reply.resume).
     """
 
     def __init__(self, nc: NATS, body: bytes, headers: dict[str, str], *, timeout_s: float,
                  keepalive_s: float | None, wait_s: float | None = None, buffer: int = 64,
                  subject: str = subjects.INFER, accept_parts: int | None = None,
-                 no_router_grace_s: float = 0.0) -> None:
+                 no_router_grace_s: float = 0.0, resume: bool = False) -> None:
         self.nc = nc
         self.subject = subject
         self.body = body
@@ -232,6 +240,9 @@ class Exchange:
         #: Something of the answer was returned: the request cannot be sent again invisibly.
         self.committed = False
         self.resends = 0
+        #: What the caller was handed of a stream, for a continuation (None: not kept).
+        self.received = Received() if resume else None
+        self._resume = ""  # the Zml-Resume of the continuation sent, while no router has it
         self._mux: ReplyMux | None = None
         self._inbox = ""
         self._sink: Sink | None = None
@@ -315,18 +326,25 @@ class Exchange:
                     else:
                         self._silence.heard(time.monotonic())
                 continue
-            if self._no_router is not None and not self.committed and is_no_responders(msg.headers, msg.data):
+            if self._no_router is not None and (not self.committed or self._resume) and \
+                    is_no_responders(msg.headers, msg.data):
                 if await self._wait_for_router(sink):
                     continue
             if self._silence is not None:
                 self._silence.heard(time.monotonic())
             self.committed = True
+            self._resume = ""  # a router has the continuation
+            if self.received is not None:
+                self.received.message(msg.headers, msg.data)
             return msg
 
     def next_frame(self) -> Msg | None:
         """The next stream frame if it has arrived already (None: wait with :meth:`next`):
         frames that queued up while the caller was busy go out in one write."""
-        return self._sink.pop_frame() if self._sink is not None else None
+        msg = self._sink.pop_frame() if self._sink is not None else None
+        if msg is not None and self.received is not None:
+            self.received.frame(msg.data)
+        return msg
 
     async def reply(self) -> parts.Reply:
         """The whole non-streamed reply, put back together when it comes in parts (a part
@@ -364,15 +382,28 @@ class Exchange:
         headers = {**self.headers, subjects.H_TIMEOUT_MS: str(max(1, int((deadline - time.monotonic()) * 1000)))}
         if self.resends:
             headers[subjects.H_RESEND] = str(self.resends)
+        if self._resume:
+            headers[subjects.H_RESUME] = self._resume
         await self._publish(headers)
         return True
 
     async def _router_gone(self) -> None:
         assert self.keepalive_s is not None
         remaining = self.t0 + self.timeout_s - time.monotonic()
+        resume = self.received.resume() if self.committed and self.received is not None else None
         decision = after_silence(committed=self.committed, resends=self.resends, remaining_s=remaining,
-                                 interval_s=self.keepalive_s)
+                                 interval_s=self.keepalive_s, resumable=resume is not None)
         silent_s = self.keepalive_s * 3
+        if decision == "resume":
+            assert resume is not None
+            self.resends += 1
+            self._resume = resume_header(resume)
+            log.warning("request %s: the router relaying its stream sent nothing for %.1f s; another continues "
+                        "it after %d chunks", self.request_id, silent_s, resume.tokens)
+            await self._publish({**self.headers, subjects.H_RESEND: str(self.resends),
+                                 subjects.H_TIMEOUT_MS: str(max(1, int(remaining * 1000))),
+                                 subjects.H_RESUME: self._resume})
+            return
         if decision == "resend":
             self.resends += 1
             log.warning("request %s: its router sent nothing for %.1f s; sending it again", self.request_id, silent_s)

@@ -163,20 +163,27 @@ class Silence:
 
 
 def after_silence(*, committed: bool, resends: int, remaining_s: float,
-                  interval_s: float, max_resends: int = 1) -> Literal["resend", "fail"]:
+                  interval_s: float, max_resends: int = 1,
+                  resumable: bool = False) -> Literal["resend", "resume", "fail"]:
     """The router went silent. Send the request again (same id, new reply inbox) when nothing
-    of its answer has been passed on yet (``committed``: a stream already relayed content
-    cannot be restarted invisibly), it has not been sent again already, and enough of its
-    timeout is left for another router to do something with it; else end it now with a clean
-    retryable error rather than wait out its timeout.
+    of its answer has been passed on yet, it has not been sent again already, and enough of its
+    timeout is left for another router to do something with it. A stream that relayed content
+    (``committed``) cannot be restarted invisibly: with ``resumable`` (the requester knows what
+    it received: zmlcore.reply.resume) it is sent again as a continuation of it, once more than
+    a plain resend may be (its first router may have been a dead one too). Else end it now
+    with a clean retryable error rather than wait out its timeout.
 
     >>> after_silence(committed=False, resends=0, remaining_s=10, interval_s=1)
     'resend'
     >>> after_silence(committed=True, resends=0, remaining_s=10, interval_s=1)
     'fail'
+    >>> after_silence(committed=True, resends=1, remaining_s=10, interval_s=1, resumable=True)
+    'resume'
     >>> after_silence(committed=False, resends=1, remaining_s=10, interval_s=1)
     'fail'
     """
-    if committed or resends >= max_resends or remaining_s < interval_s:
+    if remaining_s < interval_s:
         return "fail"
-    return "resend"
+    if committed:
+        return "resume" if resumable and resends < max_resends + 1 else "fail"
+    return "fail" if resends >= max_resends else "resend"

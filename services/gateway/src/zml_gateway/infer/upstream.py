@@ -52,7 +52,8 @@ class Upstream:
 
     def exchange(self, out: Outbound, buffer: int | None = None) -> Exchange:
         """The request to the routers: keepalives asked for, a dead router's request sent again
-        (and one that found no router, within [gateway] no_router_grace_s: zmlcore.reply.norouter);
+        (and one that found no router, within [gateway] no_router_grace_s: zmlcore.reply.norouter),
+        a dead router's stream continued from what it relayed (zmlcore.reply.resume);
         a plain reply over max_payload collected in parts (``buffer`` None: room for all of them)."""
         g = self.cfg.gateway
         ka = g.router_keepalive_ms
@@ -61,7 +62,8 @@ class Upstream:
                         subject=subjects.FRONT_DOOR_INFER, keepalive_s=ka / 1000.0 if ka else None,
                         accept_parts=None if buffer else limit,
                         buffer=buffer or parts_buffer(limit, self.nc.max_payload),
-                        no_router_grace_s=g.no_router_grace_s)
+                        no_router_grace_s=g.no_router_grace_s,
+                        resume=bool(buffer))  # a stream: continued by another router if its own dies
 
     def watch(self, ex: Exchange, receive: Receive) -> Callable[[], None]:
         """While a request runs, the HTTP client going away and the broker connection being
