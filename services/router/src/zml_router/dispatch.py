@@ -11,6 +11,7 @@ per call. Every way a call fails is raised here as an :class:`~zml_router.attemp
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -18,7 +19,7 @@ from zmlcore.errors import ReplyTooLargeError
 from zmlcore.reply.sse import EventRelay, SSELineTooLong, aiter_sse_lines, data_field
 
 from zml_router.attempt import AttemptError, Failure, classify
-from zml_router.nodeclient import NodeHTTP, NodeHTTPError, first_body, gather_rest, iter_body, read_body
+from zml_router.nodeclient import Conn, NodeHTTP, NodeHTTPError, first_body, gather_rest, iter_body, read_body
 from zml_router.timers import Stalled, Wheel
 
 #: Errors of the call itself (connect, reset, early close, malformed HTTP): the node's fault.
@@ -93,11 +94,24 @@ async def post_streamed(client: NodeClient, url: str, body: bytes, headers: dict
     fed on a failure too (before the AttemptError), so the answer so far can be continued.
     False when the node answered a plain JSON reply instead of a stream (fed whole)."""
     http = client.http()
+    conn: Conn | None = None
     try:
-        conn = await http.send(url, body, headers, False)
-    except _NETWORK_ERRORS as exc:
-        raise AttemptError(Failure.NETWORK, 0, f"{type(exc).__name__}: {exc}") from exc
-    try:
+        try:
+            # The head and the first token are both due within first_byte: a node that takes
+            # the request and sends nothing at all is left as one that sends only its head.
+            with timers.deadline(first_byte) if first_byte is not None else contextlib.nullcontext():
+                try:
+                    conn = await http.send(url, body, headers, False)
+                except _NETWORK_ERRORS as exc:
+                    raise AttemptError(Failure.NETWORK, 0, f"{type(exc).__name__}: {exc}") from exc
+                if conn.status < 300 and not (conn.body or conn.complete):
+                    try:
+                        await first_body(conn)
+                    except _NETWORK_ERRORS as exc:
+                        raise AttemptError(Failure.NETWORK, 0,
+                                           f"stream broken: {type(exc).__name__}: {exc}") from exc
+        except TimeoutError:  # ours only: the request's own deadline arrives as a cancellation
+            raise AttemptError(Failure.SLOW, 0, f"no first token within {first_byte:.1f} s") from None
         if conn.status >= 300:
             try:
                 raise classify(conn.status, conn.headers, await read_body(conn, MAX_ERROR_BODY))
@@ -105,21 +119,12 @@ async def post_streamed(client: NodeClient, url: str, body: bytes, headers: dict
                 raise AttemptError(Failure.NETWORK, 0, f"{type(exc).__name__}: {exc}") from exc
         sse = "text/event-stream" in conn.headers.get("content-type", "")
         try:
-            if conn.body or conn.complete:
-                pass  # it came with the head: no deadline to arm
-            elif first_byte is None:
-                await first_body(conn)
-            else:
-                try:
-                    with timers.deadline(first_byte):
-                        await first_body(conn)
-                except TimeoutError:  # ours only: the request's own deadline arrives as a cancellation
-                    raise AttemptError(Failure.SLOW, 0, f"no first token within {first_byte:.1f} s") from None
             await first()
             if not conn.complete:  # (a fast node's whole stream is often in already)
+                c = conn
                 try:
-                    with timers.watch(stall_s, lambda: conn.buffered):
-                        await gather_rest(conn, max_bytes)
+                    with timers.watch(stall_s, lambda: c.buffered):
+                        await gather_rest(c, max_bytes)
                 except Stalled:
                     raise AttemptError(Failure.SLOW, 0, f"no token for {stall_s:g} s ([router] "
                                        "inter_token_timeout_s)") from None
@@ -136,7 +141,8 @@ async def post_streamed(client: NodeClient, url: str, body: bytes, headers: dict
             raise ReplyTooLargeError(f"the node's reply is over {max_bytes} bytes ([nats] max_reply_bytes)")
         return sse
     finally:
-        http.release(conn)
+        if conn is not None:
+            http.release(conn)
 
 
 async def stream_sse(client: NodeClient, url: str, body: bytes, headers: dict[str, str],
