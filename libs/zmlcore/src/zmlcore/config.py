@@ -277,7 +277,7 @@ class SimConfig(msgspec.Struct, **_Base):
     """Keep a prefix cache (vLLM's automatic prefix caching): cached prompt tokens skip prefill,
     replies report them, and with [nodes.kv_events] the node publishes vLLM's KV events."""
     kv_block_size: PosInt | None = None
-    """Tokens per KV-cache block (default: the accelerator type's, e.g. 64 on H100, 128 on
+    """Tokens per KV-cache block (default: the accelerator type's, e.g. 16 on H100, 128 on
     Gaudi2)."""
     kv_cache_blocks: PosInt | None = None
     """KV-cache size in blocks (default: the memory left after the weights, as vLLM sizes it).
