@@ -1,4 +1,4 @@
-"""Routing-quality simulator: the reference fleet in virtual time, routed by the real choose_node.
+"""Routing-quality simulator: the reference fleet in virtual time, routed by the router's own decision.
 
     python benches/routing_sim.py                      # defaults: 20k requests, 1 seed, 50/80/95/110%
     python benches/routing_sim.py --requests 200000 --first-seed 1 --seeds 3 --jobs 1 --loads 50,80,95 \
@@ -14,8 +14,9 @@ Fleet (../shared/reference/routing-frontier.md from the repo root): 2xH100, 1xA1
 benches/routing_simnode.py). Workload: lognormal prompts (median 500, sigma 1.0, [16, 8192]) and
 outputs (median 200, sigma 0.8, [1, 2048]); Poisson or 2-state MMPP arrivals (burst 3x base,
 on/off 10 s / 40 s). Every policy of one (workload, load, seed) sees the same trace. The ZML
-policies run through zmlcore.policy.choose_node over a FleetIndex of NodeViews fed what the
-router has: a polled NodeState every 5 s (+/-20% jitter), router-local outstanding/pending
+policies run through zmlcore.policy.admission.admit (choose_node under the admission bound, the
+router's call, with its prefix index on shared-prefix workloads) over a FleetIndex of NodeViews
+fed what the router has: a polled NodeState every 5 s (+/-20% jitter), router-local outstanding/pending
 counters (pending ends at the first token of a stream, at the estimated one for a plain reply),
 the body-size prompt estimate, the admission bound, and peers' counters after a NATS lag
 (benches/routing_simrouter.py).
@@ -44,7 +45,9 @@ from routing_simworkload import CACHE_WORKLOADS, Builder, Prompt, make_workload 
 
 from zmlcore.config import PolicyConfig, RouterConfig  # noqa: E402
 from zmlcore.messages import NodeState  # noqa: E402
-from zmlcore.policy import FleetIndex, NodeView, RouteRequest, RoutingState, builtin_policy, choose_node  # noqa: E402
+from zmlcore.errors import QueueFullError  # noqa: E402
+from zmlcore.policy import FleetIndex, NodeView, RouteRequest, RoutingState, builtin_policy  # noqa: E402
+from zmlcore.policy.admission import admit  # noqa: E402
 from zmlcore.policy.estimate import NONSTREAM_PENDING_FOR, prompt_tokens_from_body  # noqa: E402
 from zmlcore.policy.prefix import KV_DEFAULTS, KeyChain, chain_from_bytes, model_seed  # noqa: E402
 from zmlcore.policy.resolve import ResolvedPolicy  # noqa: E402
@@ -58,6 +61,8 @@ FLEET = [
 MEAN_P, MEAN_O = 816.0, 274.0
 TARGET_S = 0.5
 MODEL = "m"
+#: The router's staleness limit (RouterConfig's default): polls every 5 s +/-20% never reach it.
+STALE_AFTER_S = RouterConfig().stale_after_s
 #: Characters of prompt text per token: median and lognormal sigma across requests (English
 #: prose ~4, code and other scripts lower or higher), and the chat-completions JSON envelope
 #: (model, role, max_tokens, stream flag and escaping) in bytes.
@@ -295,7 +300,6 @@ def _run(policy: str, workload: str, load: float, seed: int, n: int, warm: int,
                 seq += 1
                 heapq.heappush(heap, (rnd.uniform(0, poll), seq, POLL, ri, nd.idx))
     pol: ResolvedPolicy | None = spec.get("policy")
-    fallback = builtin_policy("latency")
 
     def push(t: float, k: int, a: int, b: int) -> None:
         nonlocal seq
@@ -439,16 +443,14 @@ def _run(policy: str, workload: str, load: float, seed: int, n: int, warm: int,
             cache = indexes.indexes[ri] if indexes is not None else None
             bound_to = sessions.get(prompts[r].session) if spec.get("session") and builder else None
             rr = RouteRequest(model=MODEL, prompt_tokens=est_p[r], prefix=chain, session_node=bound_to)
-            d = choose_node(fleet, rr, pol, now, rstate, cache=cache)
-            if d.estimated_ttft_s > bound:  # the router's admission bound (zmlcore.policy.admit)
-                if pol.strategy != "latency":
-                    d = choose_node(fleet, rr, fallback, now, rstate, cache=cache)
-                if d.estimated_ttft_s > bound:
-                    rejected[r] = True
-                    done += 1
-                    prompts.pop(r, None)
-                    chains.pop(r, None)
-                    continue
+            try:  # the router's own decision: choose_node under the admission bound
+                d = admit(fleet, rr, pol, now, rstate, stale_after_s=STALE_AFTER_S, ttft_bound_s=bound, cache=cache)
+            except QueueFullError:
+                rejected[r] = True
+                done += 1
+                prompts.pop(r, None)
+                chains.pop(r, None)
+                continue
             nd = nodes[_index[d.node_id]]
             routers.dispatch(r, ri, nd.idx, streamed[r], d.estimated_ttft_s, now, push,
                              tokens=max(0, est_p[r] - d.cached_tokens))

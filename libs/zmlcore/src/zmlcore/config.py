@@ -134,9 +134,14 @@ class GatewayConfig(msgspec.Struct, **_Base):
     it, so it is sent again after 10, 20, 50, then every 100 ms until a router takes it, within
     this grace and never past the request's own timeout; after it, 503 NO_HEALTHY_NODES with
     Retry-After. Waiting requests count toward max_concurrent; a client that goes away ends its
-    wait. A request that arrives while the gateway has lost its broker connection waits for the
-    reconnect within the same grace (it is not buffered meanwhile), else 503 CONNECTION_FAILED.
-    0: answer 503 at once. At most 60."""
+    wait. 0: answer 503 at once. At most 60."""
+    broker_grace_s: Annotated[float, msgspec.Meta(ge=0, le=300)] = 10.0
+    """How long a request waits for the broker while the gateway's connection to it is down (a
+    broker restarted: a blink of a few seconds), never past the request's own timeout. One
+    that arrives meanwhile is held (not buffered: a buffer lost with the connection would lose
+    it) and sent once the connection is back; one in flight when it dropped is sent again then
+    (the router holding it replaces it; a stream is continued from what was relayed). After
+    the grace, 503 CONNECTION_FAILED. 0: answer 503 at once."""
     tls_cert_file: str | None = None
     """Serve HTTPS with this certificate (PEM; env ZML_GATEWAY_TLS_CERT). None: plain HTTP."""
     tls_key_file: str | None = None
@@ -272,7 +277,7 @@ class SimConfig(msgspec.Struct, **_Base):
     """Keep a prefix cache (vLLM's automatic prefix caching): cached prompt tokens skip prefill,
     replies report them, and with [nodes.kv_events] the node publishes vLLM's KV events."""
     kv_block_size: PosInt | None = None
-    """Tokens per KV-cache block (default: the accelerator type's, e.g. 64 on H100, 128 on
+    """Tokens per KV-cache block (default: the accelerator type's, e.g. 16 on H100, 128 on
     Gaudi2)."""
     kv_cache_blocks: PosInt | None = None
     """KV-cache size in blocks (default: the memory left after the weights, as vLLM sizes it).
