@@ -268,6 +268,9 @@ class AsyncNatsStream:
                 return
             if not msg.headers:  # a chunk frame (asked for: InferCall.nats_headers)
                 for ev in decode_nats_frame(msg.data, seq):
+                    if ev.kind == "error" and ev.error is not None and ev.error.code == "STREAM_INTERRUPTED" \
+                            and await self._ex.continue_lost():
+                        break  # a router continues it from what came before the lost message
                     yield ev
                     if ev.kind == "error":  # left unfinished: closing the stream cancels the request
                         return
@@ -279,6 +282,8 @@ class AsyncNatsStream:
                 return
             ev = decode_nats_stream(headers, msg.data)
             gap = seq.gap(headers.get(subjects.H_SEQ.lower())) if ev.kind != "error" else None
+            if gap is not None and ev.kind != "start" and await self._ex.continue_lost():
+                continue  # a router continues it from what came before the lost message
             if gap is not None:  # left unfinished: closing the stream cancels the request
                 yield StreamEvent("error", error=StreamInterruptedError(f"{gap}; the stream is incomplete"))
                 return

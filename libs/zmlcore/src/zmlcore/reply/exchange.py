@@ -76,6 +76,7 @@ from zmlcore.reply.keepalive import (
     keepalive_state,
 )
 from zmlcore.reply.norouter import NoRouterWait, is_no_responders
+from zmlcore.messages import StreamResume
 from zmlcore.reply.resume import Received
 from zmlcore.reply.resume import encode as resume_header
 
@@ -444,6 +445,35 @@ class Exchange:
         await self._publish(headers)
         return True
 
+    async def continue_lost(self) -> bool:
+        """A message of this stream was lost (the caller's sequence check saw a number skipped,
+        its own connection up): have a router continue it from what was received before the
+        loss (``Zml-Resume``), as after a reconnect. False: it cannot be (not a stream kept
+        with ``resume``, one that may not be continued as it is, or too many times already);
+        then the caller ends it as interrupted."""
+        if not self._inbox:
+            return False
+        remaining = self.t0 + self.timeout_s - time.monotonic()
+        resume = self.received.resume() if self.received is not None else None
+        if after_reconnect(committed=True, resumable=resume is not None, parked=False, blinks=self.blinks,
+                           remaining_s=remaining) != "resume":
+            return False
+        assert resume is not None
+        log.info("request %s: a message of its stream was lost; sending it again to continue after %d chunks",
+                 self.request_id, resume.tokens)
+        await self._send_again(remaining, resume)
+        return True
+
+    async def _send_again(self, remaining: float, resume: StreamResume | None) -> None:
+        """Publish the request again after a reconnect or a lost message (a stream as a continuation)."""
+        self.blinks += 1
+        self.resends += 1
+        headers = {**self.headers, subjects.H_RESEND: str(self.resends),
+                   subjects.H_TIMEOUT_MS: str(max(1, int(remaining * 1000)))}
+        if resume is not None:
+            self._resume = headers[subjects.H_RESUME] = resume_header(resume)
+        await self._publish(headers)
+
     async def _after_blink(self) -> None:
         """The broker connection came back: send the request again, as a continuation for a
         stream under way (keepalive.after_reconnect)."""
@@ -464,15 +494,9 @@ class Exchange:
                                              "continued; it is incomplete", retry_after=1.0)
             raise ZMLConnectionError("the broker connection was lost while the request was in flight; retry",
                                      retry_after=0.5)
-        self.blinks += 1
-        self.resends += 1
-        headers = {**self.headers, subjects.H_RESEND: str(self.resends),
-                   subjects.H_TIMEOUT_MS: str(max(1, int(remaining * 1000)))}
-        if resume is not None:
-            self._resume = headers[subjects.H_RESUME] = resume_header(resume)
         log.info("request %s: the broker connection came back; sending it again%s", self.request_id,
                  f" to continue its stream after {resume.tokens} chunks" if resume is not None else "")
-        await self._publish(headers)
+        await self._send_again(remaining, resume)
 
     async def _router_gone(self) -> None:
         assert self.keepalive_s is not None
