@@ -104,3 +104,26 @@ def test_a_llama_server_killed_mid_stream_has_its_answer_finished_by_the_other(
     assert direct["choices"][0]["message"]["content"] == rest
     assert direct["usage"]["prompt_tokens"] - k == usage["prompt_tokens"]
     real[victim].start(llama)  # back for whatever runs next
+
+
+def test_a_non_streamed_requests_time_to_first_token_is_the_first_tokens(
+        fleet: tuple[Stack, dict[str, RealNode]]) -> None:
+    """Issue 20 item 4 on a real engine: the router asks llama-server for a non-streamed request
+    as a stream and puts the reply together, so the reply's time_to_first_token is the prompt's
+    evaluation (llama.cpp's own ``timings.prompt_ms``, which the reply keeps), not the whole
+    reply's (``prompt_ms + predicted_ms``)."""
+    stack, _ = fleet
+    n = 256
+    body = {"model": MODEL, "policy": "cpu-only", "max_tokens": n, "temperature": 0.0, "cache_prompt": False,
+            "ignore_eos": True,
+            "messages": [{"role": "user", "content": f"Count to a hundred, run {os.urandom(4).hex()}."}]}
+    r = httpx.post(stack.gateway_url + "/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    data = r.json()
+    assert data["object"] == "chat.completion" and data["choices"][0]["finish_reason"] == "length"
+    assert data["usage"]["completion_tokens"] == n
+    prefill, decode = data["timings"]["prompt_ms"] / 1000, data["timings"]["predicted_ms"] / 1000
+    ttft = data["zml"]["time_to_first_token"]
+    assert float(r.headers["x-zml-time-to-first-token"]) == pytest.approx(ttft, abs=1e-3)
+    # After the prompt's evaluation, and well before the last of n tokens.
+    assert prefill <= ttft < prefill + decode / 2, (ttft, prefill, decode)

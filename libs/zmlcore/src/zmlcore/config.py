@@ -402,6 +402,15 @@ class ModelConfig(msgspec.Struct, **_Base):
     """The model's context window in tokens (vLLM's ``max_model_len``). It bounds the size of a
     reply when a request gives no ``max_tokens``, for refusing, before the node runs, a raw NATS
     requester that could not receive it (REPLY_TOO_LARGE). None: 32768 is assumed."""
+    stream_from_nodes: bool = True
+    """Non-streamed chat and completion requests for this model are asked of the nodes as
+    streams and the reply put together by the router: the reply's time_to_first_token is the
+    first token's (else the whole reply's), the first-byte deadline is a first-token deadline,
+    a stall past [router] inter_token_timeout_s is noticed, and an answer whose node fails
+    part-way is continued on another node. It costs router CPU per token: +43-44 us per
+    16-token reply at C=64 (+27-28%, over the +10% the issue allowed) with the peers harness's
+    stub as the node (benches/router_cost.py, docs/benchmarks.md); false asks the nodes as the
+    caller asked, for a model whose replies are short and many."""
     embedding: bool = False
     """An embedding model: it answers POST /v1/embeddings (an InferRequest with ``input``) and
     chat/completion requests for it are refused with 400, as embeddings requests for a model

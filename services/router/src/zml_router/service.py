@@ -372,7 +372,7 @@ class RouterService:
         can_queue = bool(cfg.queue_on_saturation and queue is not None and msg.reply and not batch
                          and not isinstance(msg, Uploaded))
         from_queue = isinstance(msg, QueuedMsg)
-        answer = self.relay.answer(req, msg.data)  # what the requester gets, across attempts
+        answer = self.relay.answer(req, msg.data, model)  # what the requester gets, across attempts
         resumed = None
         if arrived.resume is not None:  # its router died mid-stream: continue what the requester has
             resumed = answer.resume(arrived.resume)
