@@ -275,7 +275,8 @@ class RouterService:
             if arrived.replaces is not None:
                 arrived.replaces.cancel()
             if arrived.taken_over:
-                log.warning("request %s sent again by its requester: the router holding it went silent%s",
+                log.warning("request %s sent again by its requester (its router went silent, a broker blink or a "
+                            "lost message)%s",
                             arrived.request_id, "" if arrived.resume is None else
                             f"; continuing its stream after {arrived.resume.tokens} chunks")
                 self.metrics.taken_over(arrived.taken_over)

@@ -37,7 +37,6 @@ import msgspec
 from zmlcore import subjects
 from zmlcore.errors import BadRequestError
 from zmlcore.messages import StreamResume, StreamStart
-from zmlcore.reply import streamframe
 from zmlcore.reply.transcript import Transcript
 
 #: Frames kept as received before they are folded into the text (a power of two, as a mask).
@@ -110,11 +109,11 @@ class Received:
         for data in self._frames:
             if self.broken:
                 break
-            try:
-                n, events = streamframe.decode(data)
-            except streamframe.FrameError:
-                self.broken = True  # the caller ends the stream on it
+            i = data.find(b"\n")  # a frame: "<seq>\n<events>" (zmlcore.reply.streamframe)
+            if i <= 0 or not data[:i].isdigit():
+                self.broken = True  # not a frame: the caller ends the stream on it
                 break
+            n, events = int(data[:i]), data[i + 1:]
             if n != self.seq + 1:
                 self.broken = True  # lost (or repeated): the caller has what came before
                 break
