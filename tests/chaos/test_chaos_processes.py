@@ -37,7 +37,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ChaosStack]:
     # the overload scenario's capacity model (overload.py); the others run well inside it.
     s = ChaosStack(tmp, [broker.url], routers=2, gateways=2, health=2, warmup=2, health_toml={"down_after": 3},
                    time_scale=overload.TIME_SCALE, sim_extra=f"max_concurrency = {overload.MAX_CONCURRENCY}\n",
-                   router_toml="cooldown_s = 5\nadmission_ttft_s = 2.0\n")
+                   router_toml="cooldown_s = 5\nadmission_ttft_s = 2.0\ninter_token_timeout_s = 2.0\n")
     try:
         s.start()
         yield s
@@ -193,7 +193,9 @@ def test_kill_a_node_mid_stream(calm_stack: ChaosStack) -> None:
 
     # Slower than the others, so that its streams are long and some are cut mid-way.
     calm_stack.faults(VICTIM, slowdown=4.0)
+    before = _continued(calm_stack)
     asyncio.run(run(calm_stack, report.name, inject, report=report))
+    report.notes["continued"] = _continued(calm_stack) - before
     calm_stack.restart(f"sim-{VICTIM}")
     record(report)
     assert report.notes["running_on_node_at_kill"] > 0
@@ -239,6 +241,20 @@ def test_drop_connections_mid_stream(calm_stack: ChaosStack) -> None:
 
     before = _continued(calm_stack)
     report = asyncio.run(run(calm_stack, "drop connections mid-stream", inject))
+    report.notes["continued"] = _continued(calm_stack) - before
+    record(report)
+    report.assert_seamless()
+
+
+def test_stall_mid_stream(calm_stack: ChaosStack) -> None:
+    """A node stops sending after the first token, its connections open (a wedged engine):
+    the routers leave it after [router] inter_token_timeout_s and the answers are continued."""
+
+    async def inject() -> None:
+        await to_thread(calm_stack.faults, "h100-a", stall_mid_stream=1.0)
+
+    before = _continued(calm_stack)
+    report = asyncio.run(run(calm_stack, "stall mid-stream", inject))
     report.notes["continued"] = _continued(calm_stack) - before
     record(report)
     report.assert_seamless()

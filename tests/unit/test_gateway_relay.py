@@ -16,6 +16,7 @@ from zmlcore.reply import streamframe
 from zml_gateway.infer.relay import (
     DONE,
     SSE_HEADERS,
+    Continue,
     Fail,
     Finish,
     Refuse,
@@ -185,12 +186,18 @@ def test_the_client_reads_too_slowly(head: bool) -> None:
 def test_a_frame_lost(head: bool) -> None:
     r = started() if head else StreamRelay(LIMITS)
     if head:
-        # frame 2 of 1, 2, 3 never came: 1 is written, then the error
-        action = r.frames(streamframe.encode(1, event("a")), waiting(streamframe.encode(3, event("c"))))
-        assert isinstance(action, Finish) and action.cancel
-        assert action.body is not None and action.body.startswith(event("a"))
+        # frame 2 of 1, 2, 3 never came: 1 is written, then the stream is continued from there
+        cont = r.frames(streamframe.encode(1, event("a")), waiting(streamframe.encode(3, event("c"))))
+        assert isinstance(cont, Continue) and cont.body == event("a") and not r.done
+        # ... by another router, numbering on from 1 (the exchange sent it Zml-Resume)
+        assert r.frames(streamframe.encode(2, event("b")), nothing_waiting) == event("b")
+        # ... and where it cannot be continued, it ends with the loss
+        cont = r.frames(streamframe.encode(4, event("d")), nothing_waiting)
+        assert isinstance(cont, Continue) and cont.body == b""
+        action = r.lost(cont)
+        assert isinstance(action, Finish) and action.cancel and r.done
         assert sse_error(action)["code"] == "STREAM_INTERRUPTED"
-        assert "stream message 2 was lost" in sse_error(action)["message"]
+        assert "stream message 3 was lost" in sse_error(action)["message"]
     else:
         action = r.frames(streamframe.encode(1, event("a")), nothing_waiting)  # the start (0) was lost
         assert isinstance(action, Fail) and action.cancel and action.error.code == "STREAM_INTERRUPTED"
@@ -211,9 +218,10 @@ def test_no_responders(head: bool) -> None:
 def test_a_sequence_gap_on_a_message_with_headers(head: bool) -> None:
     r = started() if head else StreamRelay(LIMITS)
     if head:
-        action = r.message(*end_msg(2))  # 1 lost
+        cont = r.message(*end_msg(2))  # 1 lost
+        assert isinstance(cont, Continue) and r.total_tokens == 0  # the end was not taken
+        action = r.lost(cont)
         assert action.cancel and sse_error(action)["code"] == "STREAM_INTERRUPTED"  # type: ignore[union-attr]
-        assert r.total_tokens == 0  # the end was not taken
     else:
         action = r.message(*start_msg(seq=1))  # 0 lost
         assert isinstance(action, Fail) and action.cancel and action.error.code == "STREAM_INTERRUPTED"
@@ -221,8 +229,10 @@ def test_a_sequence_gap_on_a_message_with_headers(head: bool) -> None:
 
 
 def test_an_invalid_sequence_number_is_a_gap() -> None:
-    action = started().message({subjects.H_STREAM: subjects.STREAM_EVENTS, subjects.H_SEQ: "x"}, event("a"))
-    assert "invalid sequence number" in sse_error(action)["message"]
+    r = started()
+    cont = r.message({subjects.H_STREAM: subjects.STREAM_EVENTS, subjects.H_SEQ: "x"}, event("a"))
+    assert isinstance(cont, Continue)
+    assert "invalid sequence number" in sse_error(r.lost(cont))["message"]
 
 
 def test_the_client_gone_cancels_and_writes_nothing() -> None:

@@ -61,6 +61,24 @@ def test_many_frames_are_folded_and_chunk_messages_count_too() -> None:
     assert r is not None and r.tokens == 3001 and r.seq == 3001 and r.finished and r.text.endswith("w end")
 
 
+def test_a_lost_frame_resumes_from_before_it_and_numbering_goes_on() -> None:
+    got = resume.Received()
+    got.message({subjects.H_STREAM: "start", subjects.H_SEQ: "0"}, START)
+    got.frame(streamframe.encode(1, _events(_chunk("a "))))
+    got.frame(streamframe.encode(2, _events(_chunk("b "))))
+    got.frame(streamframe.encode(4, _events(_chunk("d "))))  # 3 lost: the caller has a b (then saw 4)
+    got.frame(streamframe.encode(5, _events(_chunk("e "))))
+    r = got.resume()
+    assert r is not None and (r.text, r.tokens, r.seq) == ("a b ", 2, 2)
+    got.frame(streamframe.encode(3, _events(_chunk("c "))))  # the continuation, numbered on
+    got.message({subjects.H_STREAM: subjects.STREAM_CHUNK, subjects.H_SEQ: "4"}, _chunk("d "))
+    r = got.resume()
+    assert r is not None and (r.text, r.tokens, r.seq) == ("a b c d ", 4, 4)
+    got.message({subjects.H_STREAM: subjects.STREAM_END, subjects.H_SEQ: "9"}, b"{}")  # an end after a gap
+    r = got.resume()
+    assert r is not None and r.seq == 4 and not r.finished  # not taken as the end
+
+
 def test_an_ended_stream_is_not_resumed() -> None:
     got = resume.Received()
     got.message({subjects.H_STREAM: "start", subjects.H_SEQ: "0"}, START)

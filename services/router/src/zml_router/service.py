@@ -275,7 +275,8 @@ class RouterService:
             if arrived.replaces is not None:
                 arrived.replaces.cancel()
             if arrived.taken_over:
-                log.warning("request %s sent again by its requester: the router holding it went silent%s",
+                log.warning("request %s sent again by its requester (its router went silent, a broker blink or a "
+                            "lost message)%s",
                             arrived.request_id, "" if arrived.resume is None else
                             f"; continuing its stream after {arrived.resume.tokens} chunks")
                 self.metrics.taken_over(arrived.taken_over)
@@ -371,7 +372,7 @@ class RouterService:
         can_queue = bool(cfg.queue_on_saturation and queue is not None and msg.reply and not batch
                          and not isinstance(msg, Uploaded))
         from_queue = isinstance(msg, QueuedMsg)
-        answer = self.relay.answer(req, msg.data)  # what the requester gets, across attempts
+        answer = self.relay.answer(req, msg.data, model)  # what the requester gets, across attempts
         resumed = None
         if arrived.resume is not None:  # its router died mid-stream: continue what the requester has
             resumed = answer.resume(arrived.resume)

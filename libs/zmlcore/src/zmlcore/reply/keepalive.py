@@ -152,6 +152,11 @@ class Silence:
         """The request waits in the saturation queue: silence means nothing until it leaves."""
         self.parked = True
 
+    def offline(self, now: float) -> None:
+        """The requester's broker connection is down: nothing can arrive, so silence says
+        nothing of the router; count from ``now`` (a reconnect sends the request again)."""
+        self.last = now
+
     def wait_s(self, now: float) -> float | None:
         """Seconds until the router counts as gone (None: not while queued)."""
         if self.parked:
@@ -187,3 +192,34 @@ def after_silence(*, committed: bool, resends: int, remaining_s: float,
     if committed:
         return "resume" if resumable and resends < max_resends + 1 else "fail"
     return "fail" if resends >= max_resends else "resend"
+
+
+#: Broker reconnects a request lives through, sent again after each; past it CONNECTION_FAILED.
+MAX_BLINKS = 3
+
+
+def after_reconnect(*, committed: bool, resumable: bool, parked: bool, blinks: int,
+                    remaining_s: float) -> Literal["resend", "resume", "wait", "fail"]:
+    """The requester's broker connection came back while its request was in flight. Messages
+    published meanwhile (the request itself, the router's replies, a stream's chunks) may be
+    lost, and the router cannot tell. So send the request again (same id, ``Zml-Resend``, a
+    new inbox: the router that holds it replaces it), as a continuation of what was received
+    for a stream already relayed (``resumable``); a request waiting in the saturation queue
+    (``parked``) is not sent again: the queue is kept by JetStream and hands it on. A reply
+    already partly passed on that cannot be continued (a reply in parts), a request with no
+    time left, or one that lived through MAX_BLINKS reconnects already: fail (CONNECTION_FAILED).
+
+    >>> after_reconnect(committed=False, resumable=False, parked=False, blinks=0, remaining_s=5)
+    'resend'
+    >>> after_reconnect(committed=True, resumable=True, parked=False, blinks=0, remaining_s=5)
+    'resume'
+    >>> after_reconnect(committed=True, resumable=False, parked=False, blinks=0, remaining_s=5)
+    'fail'
+    >>> after_reconnect(committed=False, resumable=False, parked=True, blinks=0, remaining_s=5)
+    'wait'
+    """
+    if blinks >= MAX_BLINKS or remaining_s <= 0:
+        return "fail"
+    if committed:
+        return "resume" if resumable else "fail"
+    return "wait" if parked else "resend"

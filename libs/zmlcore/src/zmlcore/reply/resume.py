@@ -37,7 +37,6 @@ import msgspec
 from zmlcore import subjects
 from zmlcore.errors import BadRequestError
 from zmlcore.messages import StreamResume, StreamStart
-from zmlcore.reply import streamframe
 from zmlcore.reply.transcript import Transcript
 
 #: Frames kept as received before they are folded into the text (a power of two, as a mask).
@@ -54,7 +53,7 @@ _start = msgspec.json.Decoder(StreamStart)
 class Received:
     """What a requester has received of one streamed answer (see the module doc)."""
 
-    __slots__ = ("_frames", "_transcript", "seq", "started", "ended", "_start")
+    __slots__ = ("_frames", "_transcript", "seq", "started", "ended", "broken", "_start")
 
     def __init__(self) -> None:
         self._frames: list[bytes] = []
@@ -64,6 +63,9 @@ class Received:
         #: The ``start`` arrived (content may follow), the ``end`` or an error arrived.
         self.started = False
         self.ended = False
+        #: A message was lost (a number skipped): what came after it is not what the caller
+        #: has, so a continuation starts from before it.
+        self.broken = False
         self._start = b""  # its body, read only for a resume
 
     def frame(self, data: bytes) -> None:
@@ -82,16 +84,22 @@ class Received:
         if kind == "start":
             self.started = True
             self._start = data
-        elif kind == subjects.STREAM_EVENTS or kind == subjects.STREAM_CHUNK:
-            self._fold_frames()
+            return
+        self._fold_frames()
+        if self.broken:
+            return
+        seq = headers.get(subjects.H_SEQ)
+        if seq is not None and seq.isdigit():
+            if int(seq) != self.seq + 1:
+                self.broken = True
+                return
+            self.seq = int(seq)
+        if kind == subjects.STREAM_EVENTS or kind == subjects.STREAM_CHUNK:
             t = self._transcript
             t.begin(kind == subjects.STREAM_EVENTS)
             t.add(data)
         elif kind is not None or subjects.H_ERROR_CODE in headers:
             self.ended = True  # the end, or an error: nothing to continue
-        seq = headers.get(subjects.H_SEQ)
-        if seq is not None and seq.isdigit():
-            self.seq = int(seq)
 
     def _fold_frames(self) -> None:
         if not self._frames:
@@ -99,10 +107,16 @@ class Received:
         t = self._transcript
         t.begin(True)
         for data in self._frames:
-            try:
-                n, events = streamframe.decode(data)
-            except streamframe.FrameError:
-                continue  # the caller ended the stream on it already
+            if self.broken:
+                break
+            i = data.find(b"\n")  # a frame: "<seq>\n<events>" (zmlcore.reply.streamframe)
+            if i <= 0 or not data[:i].isdigit():
+                self.broken = True  # not a frame: the caller ends the stream on it
+                break
+            n, events = int(data[:i]), data[i + 1:]
+            if n != self.seq + 1:
+                self.broken = True  # lost (or repeated): the caller has what came before
+                break
             self.seq = n
             t.add(events)
         self._frames.clear()
@@ -121,6 +135,7 @@ class Received:
             node_id, attempts, continued_from = routing.node_id, routing.attempts, routing.continued_from
         except (msgspec.DecodeError, msgspec.ValidationError):
             pass  # a start with the routing in headers only: the new router counts from 0
+        self.broken = False  # the continuation numbers on from self.seq
         return StreamResume(text=sent.text, tokens=sent.tokens, seq=self.seq, chunk_id=sent.chunk_id,
                             created=sent.created, finished=sent.finished, usage=sent.usage, blocked=sent.blocked,
                             node_id=node_id, attempts=attempts, continued_from=continued_from)

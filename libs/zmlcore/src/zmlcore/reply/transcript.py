@@ -48,6 +48,25 @@ class _Chunk(msgspec.Struct):
 chunk_decoder = _chunk = msgspec.json.Decoder(_Chunk)
 
 
+class _TypedChunk(msgspec.Struct):
+    """:class:`_Chunk` with its choices typed: one decode, no convert, for the usual chunk."""
+
+    id: Any = None
+    created: Any = None
+    choices: list[_Choice] | None = None
+    usage: Any = None
+
+
+_typed_chunk = msgspec.json.Decoder(_TypedChunk)
+
+
+def _payloads(block: bytes) -> list[bytes]:
+    """The data payloads of a block of SSE events: one ``data: ...`` event without a scan."""
+    if block.startswith(b"data: ") and block.find(b"\n") == len(block) - 2 and block.endswith(b"\n\n"):
+        return [block[6:-2]]
+    return event_payloads(block)
+
+
 @dataclass(slots=True)
 class Sent:
     """What the requester has of the answer (read from the chunks relayed to it)."""
@@ -69,9 +88,15 @@ class Sent:
     def read(self, payload: bytes) -> None:
         """Fold one relayed chunk (an OpenAI chunk's JSON) in."""
         try:
-            c = _chunk.decode(payload)
+            t = _typed_chunk.decode(payload)
+        except msgspec.ValidationError:  # choices of another shape: read as they are
+            pass
         except msgspec.DecodeError:
             return  # not JSON (a comment relayed as data): nothing of the answer
+        else:
+            self.read_chunk(t.id, t.created, t.choices, t.usage)
+            return
+        c = _chunk.decode(payload)
         self.read_chunk(c.id, c.created, c.choices, c.usage)
 
     def read_chunk(self, cid: Any, created: Any, choices: Any, usage: Any) -> None:
@@ -143,7 +168,7 @@ class Transcript:
         read = self._sent.read
         for block in self.blocks:
             if self._events:
-                for payload in event_payloads(block):
+                for payload in _payloads(block):
                     read(payload)
             else:
                 read(block)

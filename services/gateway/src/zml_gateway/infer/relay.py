@@ -18,7 +18,10 @@ What happened (one method each)            What to do (the return value)
 - :meth:`~StreamRelay.client_gone`            told, then answer the error as any other
 - :meth:`~StreamRelay.broker_lost`          - :class:`Refuse`: over before the head: the
 - :meth:`~StreamRelay.failed`: its router     router's own error answer, relayed as it is
-  gone, or the deadline (TIMEOUT)
+  gone, or the deadline (TIMEOUT)           - :class:`Continue`: a message was lost after the
+- :meth:`~StreamRelay.lost`: a lost message   head: write what came before it, then have the
+  that cannot be continued                    exchange continue the stream from there (else
+                                              :meth:`~StreamRelay.lost`)
 
 One rule ends every failed stream (:meth:`StreamRelay._stop`): before the head the client gets
 the error as a plain HTTP answer; after it, as a last SSE event, since the status is sent.
@@ -74,6 +77,14 @@ class Fail:
 
 
 @dataclass(slots=True)
+class Continue:
+    """A stream message was lost: write ``body`` (what came before it), then have a router
+    continue the stream from there (Exchange.continue_lost); if it cannot, :meth:`StreamRelay.lost`."""
+    body: bytes
+    error: ZMLError
+
+
+@dataclass(slots=True)
 class Refuse:
     status: int
     body: bytes
@@ -81,7 +92,7 @@ class Refuse:
 
 
 #: what to do next; ``bytes``: write them, more follow
-Action = bytes | Start | Finish | Fail | Refuse | None
+Action = bytes | Start | Finish | Fail | Refuse | Continue | None
 
 
 def sse_event(payload: bytes) -> bytes:
@@ -115,6 +126,8 @@ class StreamRelay:
         if not self.started:  # a router sends its start (seq 0) first: a frame before it is garbled
             return self._stop(lost or _before_start(), cancel=True)
         if lost is not None:
+            if isinstance(lost, StreamInterruptedError):  # a frame lost: continue from before it
+                return Continue(body, lost)
             return self._stop(lost, cancel=True, written=body)
         return body
 
@@ -130,7 +143,8 @@ class StreamRelay:
         if kind in _SEQUENCED:
             gap = self._seq.gap(headers.get(subjects.H_SEQ))
             if gap is not None:
-                return self._stop(StreamInterruptedError(f"{gap}; the stream is incomplete"), cancel=True)
+                lost = StreamInterruptedError(f"{gap}; the stream is incomplete")
+                return Continue(b"", lost) if self.started else self._stop(lost, cancel=True)
         if kind == "start":
             if self.started:
                 return self._stop(BackendError("the router started the stream twice; the stream is incomplete"),
@@ -154,6 +168,10 @@ class StreamRelay:
         if not self.started:
             return Refuse(*error_answer(code, data, headers.get(subjects.H_RETRY_AFTER), self.limits))
         return Finish(sse_event(data))
+
+    def lost(self, c: Continue) -> Action:
+        """The stream a message of which was lost cannot be continued: it ends with the loss."""
+        return self._stop(c.error, cancel=True)
 
     def overflowed(self, buffer: int) -> Action:
         """The exchange's buffer of ``buffer`` messages overflowed: the client reads too slowly."""
