@@ -4,7 +4,8 @@
     python benches/bench_decision.py --quick         # fewer decisions per cell
     python benches/bench_decision.py --small         # 1-64 nodes, Python scan vs numpy rows
     python benches/bench_decision.py --cache         # with the prefix index: 1,000 nodes, 8k-token
-                                                     # prompts, 1 M index entries, and its memory
+                                                     # prompts, up to 1 M index entries (what the
+                                                     # nodes' KV capacity holds), and its memory
 
 The fleet is what a router sees: five accelerator types, and every node with its *own*
 measured speeds (health's EWMA over noisy per-request observations of a true speed that
@@ -382,7 +383,9 @@ def fill_with(idx: Any, node_ids: list[str], systems: list[str], entries: int, c
             idx.correct(nid, kc, 0, now)
             now += 1e-4
             have += len(nc) - before
-            if nc.size < 0.95 * nc.cap:
+            # a node whose cap is under a prompt or two evicts as much as it records and would
+            # stay below 95% forever: it is full once a record no longer grows it
+            if nc.size < 0.95 * nc.cap and len(nc) > before:
                 nxt.append(nid)
             if have >= entries:
                 break

@@ -7,7 +7,8 @@
 
 A 200k-request run takes 10-40 s of CPU for a ZML policy below 100% load; the oracle at 110%
 (exact forward simulation of long queues) takes minutes. Tuning seeds were 1001-1004; the
-reported ones are 1-3 (docs/benchmarks.md "Routing quality (simulation)").
+reported ones are 1-3 for the reference workloads (docs/benchmarks.md "Routing quality
+(simulation)") and 21-23 for the shared-prefix ones ("Cache-aware routing (issue 19)").
 
 Fleet (../shared/reference/routing-frontier.md from the repo root): 2xH100, 1xA100, 2xMI300X,
 1xGaudi2, 1xInf2, each a zmlcore.fleet.perfmodel.SimProfile (the live sim node's model; dynamics in
@@ -567,6 +568,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--pending-expiry", type=float, default=DEFAULT_OPTS["pending_expiry"],
                     help="a non-streamed request stops counting as pending after this many times its "
                          "estimated TTFT (0: at completion)")
+    ap.add_argument("--load-basis", choices=("reuse", "nocache"), default=DEFAULT_OPTS["load_basis"],
+                    help="shared-prefix workloads: offered load as a share of the fleet's capacity with perfect "
+                         "prefix reuse, or with every prompt token prefilled (the capacity today's policy sees)")
     ap.add_argument("--loads", default="50,80,95,110")
     ap.add_argument("--workloads", default="poisson,bursty",
                     help="poisson,bursty (the reference workload) or chat,agent,rag,noshare,hot (shared prefixes)")
@@ -607,7 +611,7 @@ def main(argv: list[str] | None = None) -> None:
     loads = [float(x) / 100 for x in args.loads.split(",")]
     pols = args.policies.split(",")
     opts = {"stream_share": args.stream_share, "estimate": args.estimate, "admission_s": args.admission,
-            "pending_expiry": args.pending_expiry}
+            "pending_expiry": args.pending_expiry, "load_basis": args.load_basis}
     seeds = range(args.first_seed, args.first_seed + args.seeds)
     tasks = [(p, w, ld, s, n, warm, opts) for w in args.workloads.split(",") for ld in loads for s in seeds for p in pols]
     tasks.sort(key=lambda t: (t[0] != "oracle", -t[2]))  # longest first
@@ -697,7 +701,7 @@ def knee_sweep(args: Any, n: int, warm: int) -> None:
 
     loads = sorted(float(x) / 100 for x in args.loads.split(","))
     opts = {"stream_share": args.stream_share, "estimate": args.estimate, "admission_s": args.admission,
-            "pending_expiry": args.pending_expiry}
+            "pending_expiry": args.pending_expiry, "load_basis": args.load_basis}
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     results: list[dict[str, Any]] = []
     t0 = time.perf_counter()

@@ -271,6 +271,28 @@ async def test_a_non_streamed_answer_stalled_mid_way_is_continued(stack: Stack) 
     assert r.elapsed.total_seconds() < 4.0
 
 
+async def test_a_node_that_refuses_stream_options_is_asked_as_the_caller_asked(stack: Stack) -> None:
+    """An OpenAI-compatible server that does not know ``stream_options`` answers 400 to a
+    non-streamed request asked as a stream: the router asks it again as the caller asked (the
+    reply as the node made it) and asks it so from then on; a request the node refuses either
+    way is still the caller's 400."""
+    refusals = "refused a non-streamed request asked as a stream"
+    stack.faults("inf2-a", refuse_stream_options=True)
+    try:
+        for _ in range(2):
+            r = await chat_once(stack, messages=[{"role": "user", "content": "hello"}], max_tokens=8,
+                                accelerator_id="inf2-a")
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["message"]["content"] == words("inf2-a", 8)
+        assert stack.procs["router-1"].tail(400).count(refusals) == 1  # the second went as it came
+        bad = await chat_once(stack, messages=[{"role": "user", "content": "hello"}], max_tokens=10**7,
+                              accelerator_id="a100-a")
+        assert bad.status_code == 400, bad.text
+        assert stack.procs["router-1"].tail(400).count(refusals) == 1  # a bad request marks no node
+    finally:
+        stack.faults("inf2-a", refuse_stream_options=False)
+
+
 async def test_an_engines_error_event_mid_stream_is_continued(stack: Stack) -> None:
     """vLLM sends ``data: {"error": ...}`` and ends the stream when it fails a request mid-way
     (here: its model unloaded under the request). Last in this module: h100-a loads again after."""

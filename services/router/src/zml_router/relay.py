@@ -257,6 +257,9 @@ class Relay:
         self.replies = replies
         self.api_keys = {n.id: n.api_key for n in cfg.nodes if n.api_key}
         self._move = sharing.move  # bound once: a non-streamed request's PendingHold takes it
+        #: Nodes that refused a non-streamed request asked as a stream (400/422: a server that
+        #: takes no stream_options) and answered it asked as it came: asked as it came from then on.
+        self.whole_only: set[str] = set()
 
     def answer(self, req: InferRequest | AudioRequest, raw: bytes = b"", model: str = "") -> Answer:
         """The state of one request's answer, kept across its attempts. A non-streamed chat or
@@ -293,6 +296,9 @@ class Relay:
         DECISION_ID.set(info.decision_id)
         served = view.state.served_names.get(model)
         audio = isinstance(req, AudioRequest)
+        if answer.assembler is not None and decision.node_id in self.whole_only and not action.continuation:
+            answer.assembler = None
+            answer.ttft = None
         asm = answer.assembler
         if action.continuation and isinstance(bodies, NodeBodies):
             sent = asm.begin_continuation() if asm is not None else answer.transcript.sent()
@@ -318,7 +324,23 @@ class Relay:
             if action.stream:
                 usage = await self.stream(msg, req, node_body, info, t0, first_byte, rename, action.rr, answer)
             else:
-                usage = await self.once(msg, req, node_body, info, t0, first_byte, rename, action.rr, answer)
+                try:
+                    usage = await self.once(msg, req, node_body, info, t0, first_byte, rename, action.rr, answer)
+                except AttemptError as err:
+                    if not (asm is not None and err.failure is Failure.CLIENT and err.status in (400, 422)
+                            and not action.continuation and isinstance(bodies, NodeBodies)):
+                        raise
+                    # Refused as a stream: the node may not take stream_options (an OpenAI-compatible
+                    # server of its own make). Asked as the caller asked; if that is answered, so is
+                    # every later request to it (a bad request is refused again, as it should be).
+                    answer.assembler = None
+                    first_byte = self.first_byte_s(decision.node_id, req, action.rr, False)
+                    usage = await self.once(msg, req, bodies(served or model), info, t0, first_byte, rename,
+                                            action.rr, answer)
+                    self.whole_only.add(decision.node_id)
+                    log.warning("node %s refused a non-streamed request asked as a stream (%s %s) and answered "
+                                "it asked as it came: its requests are asked as they come from now on",
+                                decision.node_id, err.status, err.detail[:200])
         except AttemptError as err:
             self.metrics.failover(decision.node_id, err.failure.value)
             return err
