@@ -22,6 +22,11 @@ import zml
 from conftest import MODEL, Stack, launch_stack
 from zml_sim.engine import token_text
 
+# Kills a process (a stack of its own, ~12 s): in the chaos suite (`pytest -m chaos`), which CI
+# runs after the default one; the default suite's tests/e2e/test_router_failover.py asserts the
+# same outcome (every stream whole after a router's SIGKILL) on its shared stack.
+pytestmark = [pytest.mark.slow, pytest.mark.chaos]
+
 FLEET = [("h100-a", "nvidia_h100", [MODEL])]
 TOKENS = 200  # ~1.7 s of decoding at time_scale 2 (60 tokens/s model time)
 KEEPALIVE_S = 0.2  # a dead router is noticed after 3 silent intervals
