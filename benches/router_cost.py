@@ -12,6 +12,11 @@ reps of router (and nats-server) CPU microseconds per request.
 
     python benches/router_cost.py --refs a44eee4,HEAD --conc 1,64 --reps 5 --seconds 4
 
+A ref may carry settings of the model's ``[models.stub-model]`` table after a ``+`` (several
+joined by ``+``), to compare a switch in one run:
+
+    python benches/router_cost.py --refs main,HEAD,HEAD+stream_from_nodes=false --conc 64
+
 Every process is started by PID and stopped by PID; everything binds 127.0.0.1.
 """
 
@@ -45,8 +50,10 @@ def ticks(pid: int) -> int:
     return int(parts[11]) + int(parts[12])  # utime + stime
 
 
-def config(stub_port: int) -> str:
-    return (f'[defaults]\nrequest_timeout_s = 30\n[health]\npoll_interval_s = 1\n[[nodes]]\nid = "stub-1"\n'
+def config(stub_port: int, model: list[str] | None = None) -> str:
+    """The router's zml.toml; ``model``: ``key=value`` lines of ``[models.stub-model]``."""
+    table = "[models.stub-model]\n" + "".join(f"{kv}\n" for kv in model) if model else ""
+    return (f'[defaults]\nrequest_timeout_s = 30\n[health]\npoll_interval_s = 1\n{table}[[nodes]]\nid = "stub-1"\n'
             f'accelerator = "nvidia_h100"\nendpoint = "http://127.0.0.1:{stub_port}"\nbackend = "openai"\n'
             f'models = ["stub-model"]\n')
 
@@ -102,7 +109,8 @@ async def drive(url: str, conc: int, seconds: float, warm_s: float, router_pid: 
     return n, (r1 - r0) / TCK, (s1 - s0) / TCK
 
 
-def one(pythonpath: str, stub: str, conc_levels: list[int], seconds: float, tmp: str) -> dict[int, tuple[float, float, float]]:
+def one(pythonpath: str, stub: str, conc_levels: list[int], seconds: float, tmp: str,
+        model: list[str] | None = None) -> dict[int, tuple[float, float, float]]:
     env = {**os.environ, "PYTHONPATH": pythonpath, "PYTHONUNBUFFERED": "1"}
     procs: list[subprocess.Popen[bytes]] = []
     out: dict[int, tuple[float, float, float]] = {}
@@ -118,7 +126,7 @@ def one(pythonpath: str, stub: str, conc_levels: list[int], seconds: float, tmp:
             raise RuntimeError("nats-server or stub did not start")
         cfg = os.path.join(tmp, f"router_cost_{stub_port}.toml")
         with open(cfg, "w") as f:
-            f.write(config(stub_port))
+            f.write(config(stub_port, model))
         url = f"nats://127.0.0.1:{nport}"
         log = open(os.path.join(tmp, f"services_{stub_port}.log"), "w")
         for mod, extra in (("zml_health", []), ("zml_router", ["--router-id", "cost-r1"])):
@@ -156,18 +164,21 @@ def main() -> None:
         sys.exit(f"no {stub}: pass --harness")
     conc = [int(c) for c in a.conc.split(",")]
     tmp = tempfile.mkdtemp(prefix="router_cost_")
-    paths = {}
-    for ref in a.refs.split(","):
-        d = os.path.join(tmp, ref.replace("/", "_"))
-        os.makedirs(d)
-        commit, pp = peers_path.snapshot(d, ref)
-        paths[ref] = pp
-        print(f"{ref}: {commit}", flush=True)
+    paths: dict[str, str] = {}
+    snaps: dict[str, str] = {}
+    for spec in a.refs.split(","):
+        ref = spec.split("+", 1)[0]
+        if ref not in snaps:
+            d = os.path.join(tmp, ref.replace("/", "_"))
+            os.makedirs(d)
+            commit, snaps[ref] = peers_path.snapshot(d, ref)
+            print(f"{ref}: {commit}", flush=True)
+        paths[spec] = snaps[ref]
     results: dict[tuple[str, int], list[tuple[float, float, float]]] = {}
     try:
         for rep in range(a.reps):
             for ref, pp in paths.items():
-                for c, r in one(pp, stub, conc, a.seconds, tmp).items():
+                for c, r in one(pp, stub, conc, a.seconds, tmp, ref.split("+")[1:]).items():
                     results.setdefault((ref, c), []).append(r)
                     print(f"rep {rep + 1} {ref:>12} C={c:<3} {r[0]:7.0f} req/s  router {r[1]:6.1f} us/req"
                           f"  nats {r[2]:5.1f} us/req", flush=True)

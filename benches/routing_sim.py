@@ -1,4 +1,4 @@
-"""Routing-quality simulator: the reference fleet in virtual time, routed by the real choose_node.
+"""Routing-quality simulator: the reference fleet in virtual time, routed by the router's own decision.
 
     python benches/routing_sim.py                      # defaults: 20k requests, 1 seed, 50/80/95/110%
     python benches/routing_sim.py --requests 200000 --first-seed 1 --seeds 3 --jobs 1 --loads 50,80,95 \
@@ -7,15 +7,17 @@
 
 A 200k-request run takes 10-40 s of CPU for a ZML policy below 100% load; the oracle at 110%
 (exact forward simulation of long queues) takes minutes. Tuning seeds were 1001-1004; the
-reported ones are 1-3 (docs/benchmarks.md "Routing quality (simulation)").
+reported ones are 1-3 for the reference workloads (docs/benchmarks.md "Routing quality
+(simulation)") and 21-23 for the shared-prefix ones ("Cache-aware routing (issue 19)").
 
 Fleet (../shared/reference/routing-frontier.md from the repo root): 2xH100, 1xA100, 2xMI300X,
 1xGaudi2, 1xInf2, each a zmlcore.fleet.perfmodel.SimProfile (the live sim node's model; dynamics in
 benches/routing_simnode.py). Workload: lognormal prompts (median 500, sigma 1.0, [16, 8192]) and
 outputs (median 200, sigma 0.8, [1, 2048]); Poisson or 2-state MMPP arrivals (burst 3x base,
 on/off 10 s / 40 s). Every policy of one (workload, load, seed) sees the same trace. The ZML
-policies run through zmlcore.policy.choose_node over a FleetIndex of NodeViews fed what the
-router has: a polled NodeState every 5 s (+/-20% jitter), router-local outstanding/pending
+policies run through zmlcore.policy.admission.admit (choose_node under the admission bound, the
+router's call, with its prefix index on shared-prefix workloads) over a FleetIndex of NodeViews
+fed what the router has: a polled NodeState every 5 s (+/-20% jitter), router-local outstanding/pending
 counters (pending ends at the first token of a stream, at the estimated one for a plain reply),
 the body-size prompt estimate, the admission bound, and peers' counters after a NATS lag
 (benches/routing_simrouter.py).
@@ -44,7 +46,9 @@ from routing_simworkload import CACHE_WORKLOADS, Builder, Prompt, make_workload 
 
 from zmlcore.config import PolicyConfig, RouterConfig  # noqa: E402
 from zmlcore.messages import NodeState  # noqa: E402
-from zmlcore.policy import FleetIndex, NodeView, RouteRequest, RoutingState, builtin_policy, choose_node  # noqa: E402
+from zmlcore.errors import QueueFullError  # noqa: E402
+from zmlcore.policy import FleetIndex, NodeView, RouteRequest, RoutingState, builtin_policy  # noqa: E402
+from zmlcore.policy.admission import admit  # noqa: E402
 from zmlcore.policy.estimate import NONSTREAM_PENDING_FOR, prompt_tokens_from_body  # noqa: E402
 from zmlcore.policy.prefix import KV_DEFAULTS, KeyChain, chain_from_bytes, model_seed  # noqa: E402
 from zmlcore.policy.resolve import ResolvedPolicy  # noqa: E402
@@ -58,6 +62,8 @@ FLEET = [
 MEAN_P, MEAN_O = 816.0, 274.0
 TARGET_S = 0.5
 MODEL = "m"
+#: The router's staleness limit (RouterConfig's default): polls every 5 s +/-20% never reach it.
+STALE_AFTER_S = RouterConfig().stale_after_s
 #: Characters of prompt text per token: median and lognormal sigma across requests (English
 #: prose ~4, code and other scripts lower or higher), and the chat-completions JSON envelope
 #: (model, role, max_tokens, stream flag and escaping) in bytes.
@@ -146,8 +152,9 @@ DEFAULT_POLICIES = list(POLICIES)
 
 
 def _cache(pol: ResolvedPolicy | None = None, fidelity: str = "reported", **kw: Any) -> dict[str, Any]:
-    """A ZML policy with the prefix index (``fidelity``) and pending tokens tracked."""
-    return _zml(pol or builtin_policy("latency"), cache=fidelity, tokens=True, **kw)
+    """A ZML policy with the prefix index (``fidelity``), as the router runs it: its pending
+    requests count a mean prompt each (``tokens=True``: their uncached tokens, NodeView.pending_tokens)."""
+    return _zml(pol or builtin_policy("latency"), cache=fidelity, **kw)
 
 
 # cache-aware routing (shared-prefix workloads): the index at each fidelity, with replicas,
@@ -159,6 +166,7 @@ POLICIES.update({
     "cache_r4_lag1_5": _cache(replicas=4, lag=(0.001, 0.005)),
     "cache_session": _cache(session=True),
     "cache_balanced": _cache(builtin_policy("balanced")),
+    "cache_tokens": _cache(tokens=True),
     # the sticky budget (strategies.latency): none, or fixed multiples of the recomputation
     # instead of the recomputation over (1 - rho_ref), for the comparison that chose it
     "cache_sticky0": _cache(sticky=0.0, sticky_load=False),
@@ -293,7 +301,6 @@ def _run(policy: str, workload: str, load: float, seed: int, n: int, warm: int,
                 seq += 1
                 heapq.heappush(heap, (rnd.uniform(0, poll), seq, POLL, ri, nd.idx))
     pol: ResolvedPolicy | None = spec.get("policy")
-    fallback = builtin_policy("latency")
 
     def push(t: float, k: int, a: int, b: int) -> None:
         nonlocal seq
@@ -437,16 +444,14 @@ def _run(policy: str, workload: str, load: float, seed: int, n: int, warm: int,
             cache = indexes.indexes[ri] if indexes is not None else None
             bound_to = sessions.get(prompts[r].session) if spec.get("session") and builder else None
             rr = RouteRequest(model=MODEL, prompt_tokens=est_p[r], prefix=chain, session_node=bound_to)
-            d = choose_node(fleet, rr, pol, now, rstate, cache=cache)
-            if d.estimated_ttft_s > bound:  # the router's admission bound (zmlcore.policy.admit)
-                if pol.strategy != "latency":
-                    d = choose_node(fleet, rr, fallback, now, rstate, cache=cache)
-                if d.estimated_ttft_s > bound:
-                    rejected[r] = True
-                    done += 1
-                    prompts.pop(r, None)
-                    chains.pop(r, None)
-                    continue
+            try:  # the router's own decision: choose_node under the admission bound
+                d = admit(fleet, rr, pol, now, rstate, stale_after_s=STALE_AFTER_S, ttft_bound_s=bound, cache=cache)
+            except QueueFullError:
+                rejected[r] = True
+                done += 1
+                prompts.pop(r, None)
+                chains.pop(r, None)
+                continue
             nd = nodes[_index[d.node_id]]
             routers.dispatch(r, ri, nd.idx, streamed[r], d.estimated_ttft_s, now, push,
                              tokens=max(0, est_p[r] - d.cached_tokens))
@@ -563,33 +568,50 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--pending-expiry", type=float, default=DEFAULT_OPTS["pending_expiry"],
                     help="a non-streamed request stops counting as pending after this many times its "
                          "estimated TTFT (0: at completion)")
+    ap.add_argument("--load-basis", choices=("reuse", "nocache"), default=DEFAULT_OPTS["load_basis"],
+                    help="shared-prefix workloads: offered load as a share of the fleet's capacity with perfect "
+                         "prefix reuse, or with every prompt token prefilled (the capacity today's policy sees)")
     ap.add_argument("--loads", default="50,80,95,110")
-    ap.add_argument("--workloads", default="poisson,bursty")
+    ap.add_argument("--workloads", default="poisson,bursty",
+                    help="poisson,bursty (the reference workload) or chat,agent,rag,noshare,hot (shared prefixes)")
     ap.add_argument("--policies", default=",".join(DEFAULT_POLICIES))
     ap.add_argument("--jobs", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--append", action="store_true", help="with --save: add to the file's results (same key replaced)")
     ap.add_argument("--plot", default=None, help="write a PNG plot here (e.g. docs/routing-sim.png)")
     ap.add_argument("--save", default=None, help="write the per-run results as JSON")
-    ap.add_argument("--load-results", default=None, help="report/plot saved results instead of simulating")
+    ap.add_argument("--load-results", default=None,
+                    help="report/plot saved results instead of simulating (several files: comma-separated)")
+    ap.add_argument("--knee", action="store_true",
+                    help=f"per policy and seed, run --loads in ascending order until p90 TTFT exceeds "
+                         f"{KNEE_SLO_S:g} s; report input tokens/s at the last load within it")
     args = ap.parse_args(argv)
     if args.load_results:
         import json
 
-        results = json.loads(Path(args.load_results).read_text())
+        results = [r for f in args.load_results.split(",") for r in json.loads(Path(f).read_text())]
         pols = list(dict.fromkeys(r["policy"] for r in results))
         loads = sorted({r["load"] for r in results})
         workloads = list(dict.fromkeys(r["workload"] for r in results))
-        report(results, pols, loads, workloads)
-        targets(results)
+        plain = [r for r in results if r["workload"] not in CACHE_WORKLOADS]
+        if plain:
+            report(plain, pols, loads, [w for w in workloads if w not in CACHE_WORKLOADS])
+            targets(plain)
+        if len(plain) < len(results):
+            cache_report(results)
+        if any(r["workload"] in CACHE_WORKLOADS for r in results) and len({r["load"] for r in results}) > 2:
+            knee_table([r for r in results if r["workload"] in CACHE_WORKLOADS])
         if args.plot:
             plot(results, pols, loads, workloads, args.plot)
         return
     n = args.requests
     warm = args.warmup if args.warmup is not None else min(5000, n // 10)
+    if args.knee:
+        knee_sweep(args, n, warm)
+        return
     loads = [float(x) / 100 for x in args.loads.split(",")]
     pols = args.policies.split(",")
     opts = {"stream_share": args.stream_share, "estimate": args.estimate, "admission_s": args.admission,
-            "pending_expiry": args.pending_expiry}
+            "pending_expiry": args.pending_expiry, "load_basis": args.load_basis}
     seeds = range(args.first_seed, args.first_seed + args.seeds)
     tasks = [(p, w, ld, s, n, warm, opts) for w in args.workloads.split(",") for ld in loads for s in seeds for p in pols]
     tasks.sort(key=lambda t: (t[0] != "oracle", -t[2]))  # longest first
@@ -609,10 +631,132 @@ def main(argv: list[str] | None = None) -> None:
     errs = [r["pred_err"] for r in results if r["policy"] == "oracle"]
     if errs:
         print(f"oracle: largest |predicted - realised TTFT| = {max(errs):.1e} s\n")
-    report(results, pols, loads, args.workloads.split(","))
-    targets(results)
+    plain = [r for r in results if r["workload"] not in CACHE_WORKLOADS]
+    if plain:
+        report(plain, pols, loads, [w for w in args.workloads.split(",") if w not in CACHE_WORKLOADS])
+        targets(plain)
+    if len(plain) < len(results):
+        cache_report(results)
     if args.plot:
         plot(results, pols, loads, args.workloads.split(","), args.plot)
+
+
+#: The TTFT SLO of the knee: the highest load at which p90 TTFT stays within it.
+KNEE_SLO_S = 1.0
+
+
+def cache_report(results: list[dict[str, Any]]) -> None:
+    """Shared-prefix workloads: per workload and load, each policy's TTFT and cached share;
+    then the issue's targets, per seed."""
+    rs = [r for r in results if r["workload"] in CACHE_WORKLOADS]
+    by = {(r["policy"], r["workload"], r["load"], r["seed"]): r for r in rs}
+    seeds = sorted({r["seed"] for r in rs})
+    for w in dict.fromkeys(r["workload"] for r in rs):
+        for ld in sorted({r["load"] for r in rs if r["workload"] == w}):
+            pols = list(dict.fromkeys(r["policy"] for r in rs if r["workload"] == w and r["load"] == ld))
+            print(f"\n### {w}, {int(round(ld * 100))}% load: TTFT p50 / p90 / p99 (s), prompt tokens found cached, "
+                  f"input tokens/s, throughput / capacity (mean of seeds {', '.join(map(str, seeds))})\n")
+            print("| policy | p50 | p90 | p99 | cached | input tok/s | throughput |")
+            print("|---|---|---|---|---|---|---|")
+            for p in pols:
+                xs = [by[(p, w, ld, s)] for s in seeds if (p, w, ld, s) in by]
+                print(f"| {p} | {_m(xs, 'p50'):.3f} | {_m(xs, 'p90'):.3f} | {_m(xs, 'p99'):.3f} | "
+                      f"{100 * _m(xs, 'hit'):.1f}% | {_m(xs, 'in_tps'):,.0f} | {_m(xs, 'thr'):.3f} |")
+    rows: list[tuple[str, list[float] | None, str]] = []
+
+    def per_seed(f: Any) -> list[float] | None:
+        try:
+            return [f(s) for s in seeds]
+        except KeyError:
+            return None
+
+    def get(p: str, w: str, ld: float, s: int, k: str) -> float:
+        return float(by[(p, w, ld, s)][k])
+
+    for w in ("chat", "agent"):
+        rows.append((f"{w} 80%: p90 latency / p90 cache", per_seed(lambda s: get("latency", w, 0.8, s, "p90")
+                                                                     / get("cache", w, 0.8, s, "p90")), ">= 5"))
+        rows.append((f"{w} 80%: p90 round_robin / p90 cache", per_seed(
+            lambda s: get("round_robin", w, 0.8, s, "p90") / get("cache", w, 0.8, s, "p90")), ">= 10"))
+        rows.append((f"{w} 80%: cached tokens, cache / oracle_cache", per_seed(
+            lambda s: get("cache", w, 0.8, s, "cached") / get("oracle_cache", w, 0.8, s, "cached")), ">= 0.90"))
+        rows.append((f"{w} 80%: hit rate, 4 replicas (1-5 ms lag) - one router (points)", per_seed(
+            lambda s: 100 * (get("cache_r4_lag1_5", w, 0.8, s, "hit") - get("cache", w, 0.8, s, "hit"))), ">= -5"))
+    rows.append(("noshare 80%: p99 cache / p99 latency", per_seed(
+        lambda s: get("cache", "noshare", 0.8, s, "p99") / get("latency", "noshare", 0.8, s, "p99")), "<= 1.03"))
+    rows.append(("hot 50%: p99 cache / p99 latency", per_seed(
+        lambda s: get("cache", "hot", 0.5, s, "p99") / get("latency", "hot", 0.5, s, "p99")), "<= 1.03"))
+    print(f"\n### targets, per seed ({', '.join(map(str, seeds))})\n")
+    print("| measure | per seed | target |")
+    print("|---|---|---|")
+    for name, vals, tgt in rows:
+        if vals is not None:
+            print(f"| {name} | {' / '.join(f'{v:.3f}' for v in vals)} | {tgt} |")
+
+
+def knee_sweep(args: Any, n: int, warm: int) -> None:
+    """The knee of each (workload, policy, seed): loads in ascending order until one's p90 TTFT
+    exceeds KNEE_SLO_S (later loads would only be over it too)."""
+    import json
+
+    loads = sorted(float(x) / 100 for x in args.loads.split(","))
+    opts = {"stream_share": args.stream_share, "estimate": args.estimate, "admission_s": args.admission,
+            "pending_expiry": args.pending_expiry, "load_basis": args.load_basis}
+    seeds = list(range(args.first_seed, args.first_seed + args.seeds))
+    results: list[dict[str, Any]] = []
+    t0 = time.perf_counter()
+    for w in args.workloads.split(","):
+        for p in args.policies.split(","):
+            for s in seeds:
+                for ld in loads:
+                    r = run(p, w, ld, s, n, warm, opts)
+                    results.append(r)
+                    print(f"{w} {p} seed {s} load {ld:.2f}: p90 {r['p90']:.3f} s, {r['in_tps']:,.0f} input tok/s",
+                          flush=True)
+                    if r["p90"] > KNEE_SLO_S:
+                        break
+    if args.save:
+        Path(args.save).write_text(json.dumps(results))
+    print(f"\n# knee sweep: {n} requests/run, {time.perf_counter() - t0:.0f} s\n")
+    knee_table(results)
+
+
+def knee_table(rs: list[dict[str, Any]]) -> None:
+    seeds = sorted({r["seed"] for r in rs})
+    print(f"| workload | policy | knee load (per seed) | input tok/s at the knee (per seed) |")
+    print("|---|---|---|---|")
+    for w in dict.fromkeys(r["workload"] for r in rs):
+        for p in dict.fromkeys(r["policy"] for r in rs if r["workload"] == w):
+            ks = [knee(rs, w, p, s) for s in seeds]
+            print(f"| {w} | {p} | " + " / ".join("-" if k is None else f"{k[0]:.2f}" for k in ks) + " | "
+                  + " / ".join("-" if k is None else f"{k[1]:,.0f}" for k in ks) + " |")
+    for w in dict.fromkeys(r["workload"] for r in rs):
+        for base in ("round_robin", "latency"):
+            v = knee_ratio(rs, w, "cache", base, seeds)
+            if v:
+                print(f"\n{w}: input tok/s at the knee, cache / {base}: " + " / ".join(f"{x:.2f}" for x in v))
+
+
+def knee(rs: list[dict[str, Any]], w: str, p: str, s: int) -> tuple[float, float] | None:
+    """(load, input tokens/s) of the highest load of the sweep whose p90 TTFT is within
+    KNEE_SLO_S (every lower load within it too); None if no load of the sweep is."""
+    pts = sorted((r["load"], r) for r in rs if r["workload"] == w and r["policy"] == p and r["seed"] == s)
+    best = None
+    for ld, r in pts:
+        if r["p90"] > KNEE_SLO_S:
+            break
+        best = (ld, r["in_tps"])
+    return best
+
+
+def knee_ratio(rs: list[dict[str, Any]], w: str, p: str, base: str, seeds: list[int]) -> list[float] | None:
+    out = []
+    for s in seeds:
+        a, b = knee(rs, w, p, s), knee(rs, w, base, s)
+        if a is None or b is None:
+            return None
+        out.append(a[1] / b[1])
+    return out
 
 
 def report(results: list[dict[str, Any]], pols: list[str], loads: list[float], workloads: list[str]) -> None:
@@ -701,11 +845,17 @@ def _m(rs: list[dict[str, Any]], k: str) -> float:
 
 
 def plot(results: list[dict[str, Any]], pols: list[str], loads: list[float], workloads: list[str], path: str) -> None:
+    """The reference workloads (p99 / oracle, cost) and, when the results hold them, the
+    shared-prefix workloads (p90 TTFT and cached share against load) in one figure."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    cached = [r for r in results if r["workload"] in CACHE_WORKLOADS]
+    results = [r for r in results if r["workload"] not in CACHE_WORKLOADS]
+    workloads = [w for w in workloads if w not in CACHE_WORKLOADS] or ["poisson"]
+    pols = [p for p in pols if any(r["policy"] == p for r in results)] or pols
     agg: dict[tuple[str, str, float], list[float]] = defaultdict(list)
     cost: dict[tuple[str, str, float], list[float]] = defaultdict(list)
     oracle = {(r["workload"], r["load"], r["seed"]): r["p99"] for r in results if r["policy"] == "oracle"}
@@ -716,7 +866,11 @@ def plot(results: list[dict[str, Any]], pols: list[str], loads: list[float], wor
         cost[(r["policy"], r["workload"], r["load"])].append(r["cost"])
     cmap = plt.get_cmap("tab20")
     colour = {p: cmap(i % 20) for i, p in enumerate(pols)}
-    fig, axes = plt.subplots(2, len(workloads), figsize=(6 * len(workloads), 9), squeeze=False)
+    cwl = list(dict.fromkeys(r["workload"] for r in cached))
+    rows = 2 + (2 if cached else 0)
+    cols = max(len(workloads), len(cwl))
+    fig, axes = plt.subplots(rows, cols, figsize=(6 * cols, 4.5 * rows), squeeze=False)
+    loads = sorted({r["load"] for r in results}) or loads
     x = [ld * 100 for ld in loads]
     for j, w in enumerate(workloads):
         ax = axes[0][j]
@@ -741,6 +895,28 @@ def plot(results: list[dict[str, Any]], pols: list[str], loads: list[float], wor
         ax.grid(True, alpha=0.3)
     axes[0][0].legend(fontsize=7, ncol=2)
     axes[1][0].legend(fontsize=7, ncol=2)
+    if cached:
+        style = {"cache": ("tab:green", 2.5), "latency": ("tab:blue", 2.0), "round_robin": ("tab:red", 1.5),
+                 "oracle_cache": ("black", 1.2)}
+        for j, w in enumerate(cwl):
+            for row, key, title in ((2, "p90", "p90 TTFT (s)"), (3, "hit", "prompt tokens found cached")):
+                ax = axes[row][j]
+                for p in dict.fromkeys(r["policy"] for r in cached if r["workload"] == w):
+                    pts: dict[float, list[float]] = defaultdict(list)
+                    for r in cached:
+                        if r["workload"] == w and r["policy"] == p:
+                            pts[r["load"]].append(r[key])
+                    xs = sorted(pts)
+                    c, lw = style.get(p, (None, 1.0))
+                    ax.plot([v * 100 for v in xs], [float(np.median(pts[v])) for v in xs], marker="o", label=p,
+                            color=c, lw=lw)
+                if key == "p90":
+                    ax.set_yscale("log")
+                    ax.axhline(KNEE_SLO_S, color="grey", lw=0.8, ls=":")
+                ax.set_title(f"{w} (shared prefixes): {title}, median of seeds")
+                ax.set_xlabel("offered load (% of the capacity with perfect prefix reuse)")
+                ax.grid(True, which="both", alpha=0.3)
+            axes[2][j].legend(fontsize=7)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)

@@ -123,35 +123,43 @@ class EngineCache:
     ``units`` are a prompt's chain (benches/routing_simworkload.py): unit ``i`` stands for its
     first ``16 (i + 1)`` tokens. The cache holds whole blocks of ``block`` tokens (a multiple
     of 16), at most ``cap`` units, least recently used evicted first, a chain's tail before
-    its root (a touch moves the chain to the end deepest first, as vLLM frees a request's
-    blocks tail first). A hit is the longest cached prefix in whole blocks, never the whole
-    prompt (the engine computes at least its last token). ``on_evict(n_units)`` and
-    ``on_store(n_units)`` see the engine's KV events (the precise fidelity's source).
+    its root (a touch lists the chain deepest first, as vLLM frees a request's blocks tail
+    first). A hit is the longest cached prefix in whole blocks, never the whole prompt (the
+    engine computes at least its last token). ``store`` returns the units it stored and
+    evicted: the engine's KV events (the precise fidelity's source).
+
+    Layout: unit -> number of its last touch, and the touches oldest first (eviction walks
+    them, skipping units touched again since): the exact LRU order of an ``OrderedDict`` moved
+    unit by unit, at a C-level ``dict.update`` per touch.
     """
 
-    __slots__ = ("lru", "cap", "bu", "on_evict", "on_store")
+    __slots__ = ("gen", "log", "log_units", "touches", "cap", "bu")
 
     UNIT = 16
 
     def __init__(self, block_tokens: int, cap_tokens: int) -> None:
-        from collections import OrderedDict
-
-        self.lru: OrderedDict[int, None] = OrderedDict()
+        self.gen: dict[int, int] = {}
+        self.log: deque[list] = deque()  # [touch, units deepest first, next position]
+        self.log_units = 0
+        self.touches = 0
         self.bu = max(1, block_tokens // self.UNIT)  # units per engine block
         self.cap = cap_tokens // self.UNIT
 
+    def __len__(self) -> int:
+        return len(self.gen)
+
     def depth(self, units: list[int]) -> int:
         """Leading units cached (the set is prefix-closed: bisection)."""
-        lru = self.lru
+        held = self.gen
         n = len(units)
-        if not n or units[0] not in lru:
+        if not n or units[0] not in held:
             return 0
-        if units[-1] in lru:
+        if units[-1] in held:
             return n
         lo, hi = 1, n - 1
         while lo < hi:
             mid = (lo + hi) >> 1
-            if units[mid] in lru:
+            if units[mid] in held:
                 lo = mid + 1
             else:
                 hi = mid
@@ -169,17 +177,47 @@ class EngineCache:
         n = len(units) // self.bu * self.bu  # whole blocks only
         if not n:
             return 0, 0
-        lru = self.lru
+        gen = self.gen
         d = min(self.depth(units), n)
-        new = units[d:n]
-        if new:
-            lru.update(zip(reversed(new), repeat(None)))
-        move = lru.move_to_end
-        for k in reversed(units[:d]):
-            move(k)
-        over = len(lru) - self.cap
+        self.touches += 1
+        t = self.touches
+        chain = units[:n]
+        gen.update(zip(chain, repeat(t)))
+        self.log.append([t, chain[::-1], 0])
+        self.log_units += n
+        over = len(gen) - self.cap
         if over > 0:
-            pop = lru.popitem
-            for _ in range(over):
-                pop(last=False)
-        return len(new), max(0, over)
+            self._evict(over)
+        if self.log_units > 2 * len(gen) + 4096:
+            self._compact()
+        return n - d, max(0, over)
+
+    def _evict(self, k: int) -> None:
+        gen, log = self.gen, self.log
+        while k > 0 and log:
+            entry = log[0]
+            t, us, i = entry
+            end = len(us)
+            while i < end and k > 0:
+                u = us[i]
+                i += 1
+                if gen.get(u) == t:
+                    del gen[u]
+                    k -= 1
+            if i >= end:
+                log.popleft()
+                self.log_units -= end
+            else:
+                entry[2] = i
+
+    def _compact(self) -> None:
+        gen = self.gen
+        kept: deque[list] = deque()
+        total = 0
+        for t, us, i in self.log:
+            live = [u for u in us[i:] if gen.get(u) == t]
+            if live:
+                kept.append([t, live, 0])
+                total += len(live)
+        self.log = kept
+        self.log_units = total

@@ -18,6 +18,13 @@ any chunk lost in the middle of a stream shows. Outcomes:
   with ``usage`` disagreeing with the text; or a stream that just stops (no ``[DONE]``, no error).
 * ``lost`` — no answer at all: no gateway took the connection.
 
+Counted beside the outcomes (``Report.counters()``, in every summary and docs/reliability.md's
+table): *client-visible errors* (``client_errors``: every answer the client saw fail, clean or
+not) and *interrupted streams* (``interrupted``: a stream that had delivered content and then
+ended with an error event or broke — the client holds half an answer). A scenario whose fault
+the stack must hide asserts both are 0 (``Report.assert_seamless``); ``duplicated`` counts
+completions that repeat text (a continuation that re-sent what the client already had).
+
 Load is bounded in count and time: ``clients`` workers (closed loop), or an open-loop arrival
 rate with a cap on requests in flight, until ``total`` requests or ``duration_s`` have passed.
 Like a load balancer, a worker sends a request to the next gateway when one refuses the
@@ -41,6 +48,8 @@ import httpx
 from zmlcore.errors import error_class
 
 OUTCOMES = ("completed", "error", "unclean", "hang", "truncated", "lost")
+#: How a truncated outcome's detail begins when the text repeats tokens.
+DUPLICATED = "duplicated text"
 #: Codes whose HTTP answer must carry Retry-After (they tell the client when to come back).
 NEEDS_RETRY_AFTER = {"QUEUE_FULL", "NO_HEALTHY_NODES", "RATE_LIMITED"}
 #: Failures before the response started: a load balancer sends the request elsewhere.
@@ -59,6 +68,8 @@ class Result:
     gateway: int = 0
     retried: int = 0  # times sent to another gateway
     retry_after: float = 0.0  # the error's Retry-After (s), which a closed-loop client honours
+    #: A stream that ended with an error (or broke) after content had been received.
+    interrupted: bool = False
 
 
 @dataclass
@@ -75,6 +86,28 @@ class Report:
     @property
     def total(self) -> int:
         return len(self.results)
+
+    @property
+    def interrupted(self) -> int:
+        """Streams cut after content was received (an error event, or a break)."""
+        return sum(1 for r in self.results if r.interrupted)
+
+    @property
+    def client_errors(self) -> int:
+        """Answers the client saw fail: clean errors and unclean ones."""
+        return sum(1 for r in self.results if r.outcome in ("error", "unclean"))
+
+    @property
+    def duplicated(self) -> int:
+        """Completions whose text repeats tokens (counted as truncated too)."""
+        return sum(1 for r in self.results if r.outcome == "truncated" and r.detail.startswith(DUPLICATED))
+
+    def counters(self) -> dict[str, int]:
+        """The figures a fault is judged by, each on its own: client-visible errors, interrupted
+        streams, and what must never happen (lost, hung, truncated, duplicated, unclean)."""
+        return {"client_errors": self.client_errors, "interrupted": self.interrupted, "lost": self.count("lost"),
+                "hang": self.count("hang"), "truncated": self.count("truncated"), "duplicated": self.duplicated,
+                "unclean": self.count("unclean")}
 
     def codes(self) -> Counter[str]:
         return Counter(r.code for r in self.results if r.outcome == "error")
@@ -99,6 +132,9 @@ class Report:
         for o in OUTCOMES:
             out[o] = self.count(o)
         out["error_codes"] = dict(self.codes())
+        out["client_errors"] = self.client_errors
+        out["interrupted"] = self.interrupted
+        out["duplicated"] = self.duplicated
         out["p50_s"] = round(self.latency(0.5), 3)
         out["p99_s"] = round(self.latency(0.99), 3)
         out["duration_s"] = round(self.t1 - self.t0, 2)
@@ -111,6 +147,23 @@ class Report:
         problems = {o: s[o] for o in ("unclean", "hang", "truncated", "lost") if s[o]}
         assert not problems, f"{self.name}: {problems}; {s}; e.g. {self.bad()}"
         assert s["completed"] >= min_completed * max(1, s["requests"]), f"{self.name}: too few completed: {s}"
+
+    def assert_seamless(self, *, allow: tuple[str, ...] = ()) -> None:
+        """A fault the user must not notice: clean (:meth:`assert_clean`, every request
+        completed but those whose error codes are in ``allow``), no stream interrupted, no
+        client-visible error (codes in ``allow`` excepted, e.g. ``RATE_LIMITED``)."""
+        allowed = sum(n for code, n in self.codes().items() if code in allow)
+        self.assert_clean(min_completed=0.0)
+        c = self.counters()
+        assert c["interrupted"] == 0, f"{self.name}: {c}; {self.codes()}; e.g. {self.errors()}"
+        assert c["client_errors"] == allowed, f"{self.name}: {c}; {self.codes()}; e.g. {self.errors()}"
+        assert self.count("completed") + allowed == self.total, f"{self.name}: {self.summary()}"
+
+    def errors(self, limit: int = 8) -> list[str]:
+        """The client-visible errors, for an assertion's message."""
+        return [f"{r.outcome} {'stream' if r.stream else 'json'} {r.code} "
+                f"{'(interrupted) ' if r.interrupted else ''}{r.detail}"[:300]
+                for r in self.results if r.outcome in ("error", "unclean")][:limit]
 
 
 def expected_words(node: str, n: int) -> list[str]:
@@ -125,6 +178,8 @@ def check_text(text: str, n: int, usage: dict[str, Any] | None, finish: str | No
     if not words or not (words[0].startswith("[") and words[0].endswith("]")):
         return "truncated", "", f"text does not start with a node tag: {text[:60]!r}"
     node = words[0][1:-1]
+    if len(words) > n or any(w.startswith("[") for w in words[1:]):
+        return "truncated", "", f"{DUPLICATED}: {len(words)} words for {n} tokens ({node}), finish={finish}"
     if len(words) != n:
         return "truncated", "", f"{len(words)} of {n} tokens ({node}), finish={finish}"
     if words != expected_words(node, n):
@@ -188,6 +243,7 @@ class LoadGen:
     def __init__(self, load: Load) -> None:
         self.load = load
         self._retry_after: dict[int, float] = {}  # per task: the last error answer's Retry-After
+        self._cut: dict[int, bool] = {}  # per task: its stream had content when it ended
         self.rng = random.Random(load.seed)
         self.clients = [httpx.AsyncClient(base_url=g, timeout=httpx.Timeout(load.timeout_s + load.grace_s),
                                           limits=httpx.Limits(max_connections=256, max_keepalive_connections=64))
@@ -255,7 +311,10 @@ class LoadGen:
             self.in_flight -= 1
         node = detail if outcome == "completed" else ""
         ra = self._retry_after.pop(id(asyncio.current_task()), 0.0)
-        return Result(outcome, stream, t0, time.monotonic() - t0, code, node, "" if node else detail, gw, retried, ra)
+        # Interrupted: content had reached the client, then the stream ended in an error or broke.
+        cut = self._cut.pop(id(asyncio.current_task()), False) and outcome in ("error", "unclean")
+        return Result(outcome, stream, t0, time.monotonic() - t0, code, node, "" if node else detail, gw, retried, ra,
+                      cut)
 
     def _note_retry_after(self, headers: httpx.Headers) -> None:
         try:
@@ -319,6 +378,7 @@ class LoadGen:
                     delta = choice.get("delta") or {}
                     if delta.get("content"):
                         parts.append(delta["content"])
+                        self._cut[id(asyncio.current_task())] = True  # from now on an error interrupts it
                     if choice.get("finish_reason"):
                         finish = choice["finish_reason"]
                 if data.get("usage"):
@@ -402,17 +462,19 @@ def record(report: Report) -> dict[str, Any]:
 
 def markdown_table(rows: list[dict[str, Any]]) -> str:
     """docs/reliability.md's table from record()'s JSON lines."""
-    head = ("| scenario | requests (streamed) | completed | clean errors (codes) | hangs | truncated | lost "
-            "| unclean | p50 / p99 s | other figures |")
-    out = [head, "|" + "---|" * 10]
+    head = ("| scenario | requests (streamed) | completed | clean errors (codes) | client-visible errors "
+            "| interrupted streams | hangs | truncated | lost | unclean | p50 / p99 s | other figures |")
+    out = [head, "|" + "---|" * 12]
     std = {"scenario", "requests", "streamed", "error_codes", "p50_s", "p99_s", "duration_s", "fault_t",
-           "in_flight_at_fault", *OUTCOMES}
+           "in_flight_at_fault", "client_errors", "interrupted", "duplicated", *OUTCOMES}
     for r in rows:
         codes = ", ".join(f"{k} {v}" for k, v in sorted(r["error_codes"].items())) or "-"
         other = ", ".join(f"{k} {v}" for k, v in r.items() if k not in std)
         out.append(f"| {r['scenario']} | {r['requests']} ({r['streamed']}) | {r['completed']} | {r['error']} ({codes}) "
-                   f"| {r['hang']} | {r['truncated']} | {r['lost']} | {r['unclean']} | {r['p50_s']} / {r['p99_s']} "
-                   f"| {other or '-'} |")
+                   f"| {r.get('client_errors', '-')} | {r.get('interrupted', '-')} | {r['hang']} | {r['truncated']}"
+                   f"{' (duplicated %d)' % r['duplicated'] if r.get('duplicated') else ''} "
+                   f"| {r['lost']} | {r['unclean']} "
+                   f"| {r['p50_s']} / {r['p99_s']} | {other or '-'} |")
     return "\n".join(out)
 
 

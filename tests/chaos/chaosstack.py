@@ -228,7 +228,8 @@ class ChaosStack:
 
     def clear_faults(self, nodes: Iterable[str] | None = None) -> None:
         for node_id in nodes or self.node_ports:
-            self.faults(node_id, error_rate=0.0, overload=False, hang=False, drop_mid_stream=0.0, slowdown=1.0,
+            self.faults(node_id, error_rate=0.0, overload=False, hang=False, drop_mid_stream=0.0, stall_mid_stream=0.0,
+                        fail_after_tokens=1, slowdown=1.0,
                         retry_after_s=None, probe_loss=0.0)
 
     # --- observation -----------------------------------------------------------------------

@@ -2,6 +2,12 @@
 kill one server of a 3-server cluster, under load from 8 clients (half streamed). Requests must
 succeed again within 2 s of the broker being back, no router's node state may go stale, and no
 stream may lose a chunk silently.
+
+The single-server restart is a *blink* the client must not notice (issue 20 item 3): the broker
+is down 4 s; requests in flight then are sent again by the gateway when it is back (a stream
+continued from what it relayed), requests arriving meanwhile wait for it, and no service exits:
+health and warmup (two replicas each, one active) reconnect in place, and the leases stay
+where they were.
 """
 
 from __future__ import annotations
@@ -12,9 +18,11 @@ from pathlib import Path
 
 import pytest
 
-from chaosload import Report, record
+from chaosload import Load, Report, record
 from chaosstack import ChaosStack, NatsServer, nats_connect, start_cluster
-from scenario import run
+from conftest import MODEL
+from scenario import GRACE_S, run
+from zmlcore import subjects
 from zmlcore.runtime.launch import free_port
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(240)]
@@ -23,6 +31,21 @@ pytestmark = [pytest.mark.chaos, pytest.mark.timeout(240)]
 RECOVERY_S = 2.0
 POLL_S = 0.5
 STALE_AFTER_S = 15.0  # RouterConfig.stale_after_s's default: a router calls older state stale
+#: How long the single broker stays down ("restarted within 5 s": its start takes the rest).
+OUTAGE_S = 4.0
+#: The requests' own timeout in the blink: a request caught by the outage has the outage to wait
+#: out and then its whole answer to get (the other scenarios' 6 s would time it out instead).
+BLINK_TIMEOUT_S = 20.0
+
+
+async def lease_holders(nc) -> dict[str, str]:  # type: ignore[no-untyped-def]
+    """Who holds each role's leader lease (KV zml_leases)."""
+    kv = await nc.jetstream(timeout=2).key_value(subjects.LEASES_BUCKET)
+    out = {}
+    for role in ("health", "warmup"):
+        entry = await kv.get(role)
+        out[role] = (entry.value or b"").decode()
+    return out
 
 
 class StateWatch:
@@ -87,30 +110,48 @@ def check_recovery(report: Report, back_t: float, *, max_age_s: float, unclean_o
 
 @pytest.fixture(scope="module")
 def broker_restart(tmp_path_factory: pytest.TempPathFactory) -> tuple[Report, float]:
-    """The scenario, run once: kill -9 the single nats-server under load, start it again 2 s
-    later on the same port and store dir, keep the load going 6 s more."""
+    """The scenario, run once: kill -9 the single nats-server under load, start it again
+    OUTAGE_S later on the same port and store dir, keep the load going 6 s more. Notes: the
+    services that exited or were replaced, and the lease holders that changed."""
     tmp = tmp_path_factory.mktemp("broker")
     broker = NatsServer("nats", free_port(), tmp / "nats")
     broker.start()
-    stack = ChaosStack(tmp, [broker.url], routers=2, gateways=1, health=1)
+    stack = ChaosStack(tmp, [broker.url], routers=2, gateways=1, health=2, warmup=2)
     back: dict[str, float] = {}
     try:
         stack.start()
 
         async def inject() -> None:
             broker.kill()
-            await asyncio.sleep(2.0)  # a short outage, as when a broker is restarted
+            await asyncio.sleep(OUTAGE_S)  # a short outage, as when a broker is restarted
             broker.start()
             back["t"] = time.monotonic()
 
-        async def scenario() -> tuple[Report, StateWatch]:
+        async def scenario() -> tuple[Report, StateWatch, dict[str, str], dict[str, str]]:
+            nc = await nats_connect(stack.nats_urls)
+            try:
+                before = await _settled_leases(nc)
+            finally:
+                await nc.close()
             async with StateWatch(stack) as watch:
+                load = Load(stack.gateway_urls, MODEL, timeout_s=BLINK_TIMEOUT_S, grace_s=GRACE_S,
+                            extra={"policy": "round_robin"})
                 report = await run(stack, "kill -9 nats-server, restart it", inject, max_s=60,
-                                   fault_at=60, after_fault_s=6.0)
-            return report, watch
+                                   fault_at=60, after_fault_s=6.0, load=load)
+            nc = await nats_connect(stack.nats_urls)
+            try:
+                after = await lease_holders(nc)
+            finally:
+                await nc.close()
+            return report, watch, before, after
 
-        report, watch = asyncio.run(scenario())
+        pids = stack.service_pids()
+        report, watch, before, after = asyncio.run(scenario())
         note_recovery(report, back["t"], watch)
+        now = stack.service_pids()
+        report.notes["outage_s"] = OUTAGE_S
+        report.notes["services_restarted"] = sorted(n for n, pid in pids.items() if now.get(n) != pid)
+        report.notes["leases_moved"] = sorted(r for r in before if before[r] != after.get(r))
         record(report)
         return report, back["t"]
     except BaseException:
@@ -119,6 +160,34 @@ def broker_restart(tmp_path_factory: pytest.TempPathFactory) -> tuple[Report, fl
     finally:
         stack.stop()
         broker.stop()
+
+
+async def _settled_leases(nc) -> dict[str, str]:  # type: ignore[no-untyped-def]
+    """The lease holders once both roles have one (the replicas start together)."""
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            holders = await lease_holders(nc)
+            if all(holders.values()):
+                return holders
+        except Exception:
+            pass
+        assert time.monotonic() < deadline, "no lease holders"
+        await asyncio.sleep(0.5)
+
+
+def test_a_broker_blink_is_seamless(broker_restart: tuple[Report, float]) -> None:
+    """Issue 20 item 3: nothing the client can see: no error, no stream interrupted."""
+    report, _ = broker_restart
+    report.assert_seamless()
+
+
+def test_a_broker_blink_restarts_no_service(broker_restart: tuple[Report, float]) -> None:
+    """Every service reconnects in place (same process), and the active health and warmup
+    replicas keep their leases: no takeover."""
+    report, _ = broker_restart
+    assert report.notes["services_restarted"] == [], report.summary()
+    assert report.notes["leases_moved"] == [], report.summary()
 
 
 def test_kill_and_restart_nats_server(broker_restart: tuple[Report, float]) -> None:

@@ -37,7 +37,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ChaosStack]:
     # the overload scenario's capacity model (overload.py); the others run well inside it.
     s = ChaosStack(tmp, [broker.url], routers=2, gateways=2, health=2, warmup=2, health_toml={"down_after": 3},
                    time_scale=overload.TIME_SCALE, sim_extra=f"max_concurrency = {overload.MAX_CONCURRENCY}\n",
-                   router_toml="cooldown_s = 5\nadmission_ttft_s = 2.0\n")
+                   router_toml="cooldown_s = 5\nadmission_ttft_s = 2.0\ninter_token_timeout_s = 2.0\n")
     try:
         s.start()
         yield s
@@ -78,13 +78,17 @@ def test_kill_a_router(calm_stack: ChaosStack) -> None:
     report = asyncio.run(run(calm_stack, "kill -9 a router", inject))
     # What the dead router held was sent again by the gateways (its keepalives stopped): count
     # the survivor's log lines saying so.
-    report.notes["taken_over"] = calm_stack.procs["router-1"].tail(200).count("sent again by its requester")
+    log = calm_stack.procs["router-1"].tail(200)
+    report.notes["taken_over"] = log.count("sent again by its requester")
+    report.notes["streams_continued"] = log.count("continuing its stream after")
     report.notes["slowest_s"] = round(max(r.elapsed for r in report.results), 2)
     record(report)
-    report.assert_clean()
+    # Nothing the dead router held is lost or cut (issue 20 item 2): plain requests and streams
+    # not yet started are sent again and complete through the survivor, and a stream it was
+    # relaying is continued there from what the gateway relayed: 0 interrupted, 0 errors.
+    report.assert_seamless()
     _no_connection_errors(report)
-    # Nothing the dead router held waits out its timeout: plain requests and streams not yet
-    # started complete through the survivor, started streams end with STREAM_INTERRUPTED at once.
+    # And nothing waits out its timeout.
     assert report.codes()["TIMEOUT"] == 0, report.summary()
     slow = [r for r in report.results if r.elapsed >= TIMEOUT_S]
     assert not slow, (slow[:4], report.summary())
@@ -189,12 +193,15 @@ def test_kill_a_node_mid_stream(calm_stack: ChaosStack) -> None:
 
     # Slower than the others, so that its streams are long and some are cut mid-way.
     calm_stack.faults(VICTIM, slowdown=4.0)
+    before = _continued(calm_stack)
     asyncio.run(run(calm_stack, report.name, inject, report=report))
+    report.notes["continued"] = _continued(calm_stack) - before
     calm_stack.restart(f"sim-{VICTIM}")
     record(report)
     assert report.notes["running_on_node_at_kill"] > 0
-    report.assert_clean()
-    _no_connection_errors(report)
+    # Issue 20: what ran on it was continued on the others, word for word (check_text: no
+    # duplicated token), streamed or not: no interrupted stream, no error the client sees.
+    report.assert_seamless()
 
 
 def test_hang_a_node(calm_stack: ChaosStack) -> None:
@@ -225,20 +232,38 @@ def test_slow_a_node_10x(calm_stack: ChaosStack) -> None:
 
 
 def test_drop_connections_mid_stream(calm_stack: ChaosStack) -> None:
-    """A node drops every connection after the first token: streams on it end with an error
-    event (never silently), plain requests fail over, and the node is cooled for every router
-    after its first drops (not sent stream after stream)."""
+    """A node drops every connection after the first token: what it began is continued on the
+    other nodes, word for word (issue 20: no interrupted stream, no error the client sees; the
+    report notes how many answers were continued)."""
 
     async def inject() -> None:
         await to_thread(calm_stack.faults, "h100-a", drop_mid_stream=1.0)
 
+    before = _continued(calm_stack)
     report = asyncio.run(run(calm_stack, "drop connections mid-stream", inject))
+    report.notes["continued"] = _continued(calm_stack) - before
     record(report)
-    report.assert_clean()
-    _no_connection_errors(report)
-    backend = report.codes()["BACKEND_ERROR"]
-    # One or two drops per router before the shared cooldown, not one stream in eight.
-    assert backend <= 4, report.summary()
+    report.assert_seamless()
+
+
+def test_stall_mid_stream(calm_stack: ChaosStack) -> None:
+    """A node stops sending after the first token, its connections open (a wedged engine):
+    the routers leave it after [router] inter_token_timeout_s and the answers are continued."""
+
+    async def inject() -> None:
+        await to_thread(calm_stack.faults, "h100-a", stall_mid_stream=1.0)
+
+    before = _continued(calm_stack)
+    report = asyncio.run(run(calm_stack, "stall mid-stream", inject))
+    report.notes["continued"] = _continued(calm_stack) - before
+    record(report)
+    report.assert_seamless()
+
+
+def _continued(stack: ChaosStack) -> int:
+    """Answers the routers continued on another node so far (their logs' last lines say so)."""
+    return sum(p.tail(2000).count("continuing the answer on another node")
+               for name, p in stack.procs.items() if name.startswith("router"))
 
 
 #: The issue's probe-loss run is 10 minutes; in CI the window is this long (the full run is the

@@ -103,7 +103,8 @@ def test_requests_wait_for_routers_that_reconnect_after_the_gateway(tmp_path: Pa
     the routers got the broker's "no responders" and answered 503 NO_HEALTHY_NODES (~0.1 s of
     them in the chaos suite). Made deterministic here: the routers are paused (SIGSTOP) across
     the restart and resumed 0.3 s after the gateway is back. Every request sent once the gateway
-    is connected again must succeed: it waits for a router ([gateway] no_router_grace_s)."""
+    is connected again, or sent again then, must succeed: it waits for a router ([gateway]
+    no_router_grace_s)."""
     port = free_port()
     store = tempfile.mkdtemp(prefix="zml-restart-nats-", dir=tmp_path)
     nats_proc = start_nats("127.0.0.1", port, store)
@@ -134,17 +135,19 @@ def test_requests_wait_for_routers_that_reconnect_after_the_gateway(tmp_path: Pa
         load.stop()
         stack.stop()
         nats_proc.stop()
-    after = load.after(back)
+    # Those sent after the gateway was back, and those in flight across the restart: the gateway
+    # sends these again once it is back (issue 20 item 3), and they meet the same missing routers.
+    after = [r for r in load.results if r[1] >= back]
     failed = [r[3] for r in after if not r[2]]
-    waited = max((r[1] - r[0] for r in after), default=0.0)
-    print(f"\n{len(after)} requests sent after the gateway was back, {len(failed)} failed; longest {waited:.2f} s")
+    waited = max((r[1] - max(r[0], back) for r in after), default=0.0)
+    print(f"\n{len(after)} requests ended after the gateway was back, {len(failed)} failed; longest {waited:.2f} s")
     assert after and not failed, failed[:5]
     assert waited >= 0.15  # some waited for the routers (a served request takes ~0.05 s): the case happened
 
 
 def test_a_request_sent_while_the_broker_is_down_waits_for_it(tmp_path: Path) -> None:
     """A request that reaches the gateway while it has no broker connection was published to
-    nobody: it waits for the reconnect within [gateway] no_router_grace_s and is then served
+    nobody: it waits for the reconnect within [gateway] broker_grace_s and is then served
     (it used to get 503 CONNECTION_FAILED at once). An outage longer than the grace still ends
     in that clean 503, after the grace."""
     from concurrent.futures import ThreadPoolExecutor
@@ -155,7 +158,7 @@ def test_a_request_sent_while_the_broker_is_down_waits_for_it(tmp_path: Path) ->
     store = tempfile.mkdtemp(prefix="zml-restart-nats-", dir=tmp_path)
     nats_proc = start_nats("127.0.0.1", port, store)
     stack = launch_stack(f"nats://127.0.0.1:{port}", tmp_path, routers=1,
-                         extra="[gateway]\nno_router_grace_s = 3\n")
+                         extra="[gateway]\nbroker_grace_s = 3\n")
     body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
 
     def post() -> tuple[int, dict, float]:

@@ -1,7 +1,9 @@
 """The gateway and the SDK against a stand-in router (issue 8 items 6 and 7).
 
-Item 7: a streamed reply that loses a message on the bus ends with an error event
-(STREAM_INTERRUPTED) at the gateway and in the SDK's NATS transport, never silently short.
+Item 7: a streamed reply that loses a message on the bus is never silently short. Since issue
+20 item 3 the gateway and the SDK's NATS transport have the stream continued from what came
+before the loss (``Zml-Resume``, which the stand-in honours as the router does); where it cannot
+be continued (the router refuses) it ends with an error event (STREAM_INTERRUPTED).
 Item 6: the SDK cancels an attempt that timed out before it retries under a new id.
 
 A stand-in router (the test's own subscriber in the routers' queue group, on a broker of this
@@ -24,6 +26,7 @@ import pytest
 import zml
 from zmlcore import subjects
 from zmlcore.bus.publish import flush
+from zmlcore.reply import resume
 from conftest import lone_gateway
 
 MODEL = "gap/model"
@@ -42,19 +45,44 @@ def gateway(own_nats: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         yield gateway_url
 
 
+class Skips(list[int]):
+    """The message numbers the stand-in does not send; ``refuse``: it answers a continuation
+    (``Zml-Resume``) with the router's error for an answer that may not be continued."""
+
+    refuse = False
+    resumes: list[resume.StreamResume]
+
+
 @pytest.fixture()
-async def lossy_router(own_nats: str) -> AsyncIterator[list[int]]:
+async def lossy_router(own_nats: str) -> AsyncIterator[Skips]:
     """Answers every stream with start, chunks 1..4 and end, but never sends the messages
-    numbered in ``skip`` (a list the test fills)."""
-    skip: list[int] = []
+    numbered in ``skip`` (a list the test fills). A request sent again with ``Zml-Resume`` is
+    continued as the router does: the rest after what the requester has, numbered on."""
+    skip = Skips()
+    skip.resumes = []
     nc = await nats.connect(own_nats)
 
     async def serve(msg) -> None:  # type: ignore[no-untyped-def]
         rid = (msg.headers or {}).get(subjects.H_REQUEST_ID, "r")
+        end = (json.dumps({"routing": {**ROUTING, "request_id": rid}}).encode(), {subjects.H_STREAM: subjects.STREAM_END})
+        value = (msg.headers or {}).get(subjects.H_RESUME)
+        if value is not None:
+            r = resume.decode(value)
+            skip.resumes.append(r)
+            if skip.refuse:
+                await nc.publish(msg.reply, b'{"error":{"message":"cannot be continued: a seed was given",'
+                                 b'"type":"server_error","code":"STREAM_INTERRUPTED"}}',
+                                 headers={subjects.H_STREAM: subjects.STREAM_ERROR,
+                                          subjects.H_ERROR_CODE: "STREAM_INTERRUPTED"})
+                return
+            rest = [(_chunk(f"w{i} "), {subjects.H_STREAM: subjects.STREAM_CHUNK}) for i in range(r.tokens + 1, 5)]
+            for seq, (data, headers) in enumerate([*rest, end], start=r.seq + 1):
+                await nc.publish(msg.reply, data, headers={**headers, subjects.H_SEQ: str(seq)})
+            return
         out = [(json.dumps({"routing": {**ROUTING, "request_id": rid}}).encode(),
                 {subjects.H_STREAM: "start", subjects.H_NODE_ID: "n1"})]
         out += [(_chunk(f"w{i} "), {subjects.H_STREAM: subjects.STREAM_CHUNK}) for i in range(1, 5)]
-        out.append((json.dumps({"routing": {**ROUTING, "request_id": rid}}).encode(), {subjects.H_STREAM: subjects.STREAM_END}))
+        out.append(end)
         for seq, (data, headers) in enumerate(out):
             if seq not in skip:
                 await nc.publish(msg.reply, data, headers={**headers, subjects.H_SEQ: str(seq)})
@@ -78,19 +106,31 @@ async def _sse(gateway: str) -> tuple[int, list[str]]:
             return r.status_code, [line async for line in r.aiter_lines() if line]
 
 
-async def test_gateway_ends_a_stream_with_a_lost_chunk_with_an_error_event(gateway: str, lossy_router: list[int]) -> None:
+async def test_gateway_continues_a_stream_with_a_lost_chunk(gateway: str, lossy_router: Skips) -> None:
     status, lines = await _sse(gateway)  # control: nothing lost, the whole text and [DONE]
     assert status == 200 and lines[-1] == "data: [DONE]" and len(lines) == 5, lines
     lossy_router.append(3)
     status, lines = await _sse(gateway)
+    assert status == 200 and lines[-1] == "data: [DONE]", lines
+    text = "".join(json.loads(line[6:])["choices"][0]["delta"]["content"] for line in lines[:-1])
+    assert text == "w1 w2 w3 w4 ", lines  # w4, which came after the gap, is not relayed twice
+    (r,) = lossy_router.resumes
+    assert (r.text, r.tokens, r.seq) == ("w1 w2 ", 2, 2)
+
+
+async def test_gateway_ends_a_stream_with_a_lost_chunk_that_cannot_be_continued(
+        gateway: str, lossy_router: Skips) -> None:
+    lossy_router.append(3)
+    lossy_router.refuse = True
+    status, lines = await _sse(gateway)
     assert status == 200
     assert "data: [DONE]" not in lines
     err = json.loads(lines[-1][len("data: "):])["error"]
-    assert err["code"] == "STREAM_INTERRUPTED" and "2" not in err["message"] and "3" in err["message"], err
+    assert err["code"] == "STREAM_INTERRUPTED" and "cannot be continued" in err["message"], err
     assert len(lines) == 3  # w1, w2, then the error: w4 is not relayed after the gap
 
 
-async def test_gateway_answers_502_when_the_start_is_lost(gateway: str, lossy_router: list[int]) -> None:
+async def test_gateway_answers_502_when_the_start_is_lost(gateway: str, lossy_router: Skips) -> None:
     lossy_router.append(0)
     async with httpx.AsyncClient(base_url=gateway, timeout=20) as client:
         r = await client.post("/v1/chat/completions", json={
@@ -98,9 +138,13 @@ async def test_gateway_answers_502_when_the_start_is_lost(gateway: str, lossy_ro
     assert r.status_code == 502 and r.json()["error"]["code"] == "STREAM_INTERRUPTED", r.text
 
 
-async def test_sdk_nats_stream_with_a_lost_chunk_raises(own_nats: str, lossy_router: list[int]) -> None:
+async def test_sdk_nats_stream_with_a_lost_chunk_is_continued_or_raises(own_nats: str, lossy_router: Skips) -> None:
     lossy_router.append(2)
     async with zml.AsyncClient(endpoint=own_nats, model=MODEL, max_retries=0) as client:
+        async with client.infer_stream(prompt="hi") as stream:
+            text = "".join([c.text async for c in stream])
+        assert text == "w1 w2 w3 w4 " and lossy_router.resumes[0].seq == 1  # continued after w1
+        lossy_router.refuse = True
         got: list[str] = []
         with pytest.raises(zml.StreamInterruptedError):
             async with client.infer_stream(prompt="hi") as stream:

@@ -188,6 +188,111 @@ async def test_where_an_answer_must_not_or_cannot_be_continued_the_stream_ends_w
     assert words("h100-a", 24).startswith(text) and text  # what was sent, and nothing of another node
 
 
+# --- non-streamed requests (issue 20 item 4: the router streams from the node) ----------------
+
+async def chat_once(stack: Stack, **body: Any) -> httpx.Response:
+    async with httpx.AsyncClient(base_url=stack.gateway_url, timeout=30) as c:
+        return await c.post("/v1/chat/completions", json={"model": MODEL, **body})
+
+
+async def test_a_non_streamed_answer_cut_mid_way_is_continued_too(failing: Stack) -> None:
+    r = await chat_once(failing, messages=[{"role": "user", "content": "hello"}], max_tokens=24, policy="to-tgi")
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["object"] == "chat.completion" and body["choices"][0]["message"]["content"] == words("h100-a", 24)
+    assert body["choices"][0]["finish_reason"] == "length"
+    assert body["usage"]["completion_tokens"] == 24 and body["usage"]["prompt_tokens"] == 2
+    zml = body["zml"]
+    assert zml["node_id"] == "gaudi-a" and zml["attempts"] == 2
+    ((node, tokens, failure),) = continued(zml["continued_from"])
+    assert node == "h100-a" and failure == "network" and tokens >= 5
+    assert r.headers["x-zml-continued-from"] == zml["continued_from"]
+
+
+async def test_a_non_streamed_answer_that_must_not_be_continued_starts_again(failing: Stack) -> None:
+    # Nothing reached the client: with a seed it is asked again, whole, of the next node.
+    r = await chat_once(failing, messages=[{"role": "user", "content": "hello"}], max_tokens=12, seed=5,
+                        policy="to-vllm")
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"][0]["message"]["content"] == words("h100-b", 12)
+    assert body["zml"]["attempts"] == 2 and body["zml"].get("continued_from") is None
+
+
+def node_ttft(stack: Stack, node: str) -> tuple[float, float]:
+    """(count, sum) of the node's own ``vllm:time_to_first_token_seconds`` histogram."""
+    text = httpx.get(stack.sim_url(node) + "/metrics", timeout=5).text
+    got = {"count": 0.0, "sum": 0.0}
+    for line in text.splitlines():
+        for k in got:
+            if line.startswith(f"vllm:time_to_first_token_seconds_{k}") and f'"{MODEL}"' in line:
+                got[k] += float(line.rsplit(" ", 1)[1])
+    return got["count"], got["sum"]
+
+
+async def test_a_non_streamed_request_has_its_first_tokens_time(stack: Stack) -> None:
+    """Issue 20's target: a non-streamed reply's time_to_first_token is within 5 ms of the
+    node's own vllm:time_to_first_token_seconds (measured: ~1 ms; it was the whole reply's,
+    here 48 tokens of decoding, ~45 ms, later)."""
+    diffs = []
+    async with httpx.AsyncClient(base_url=stack.gateway_url, timeout=30) as c:
+        for _ in range(7):
+            n0, s0 = node_ttft(stack, "h100-b")
+            r = await c.post("/v1/chat/completions", json={
+                "model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 48,
+                "accelerator_id": "h100-b"})
+            assert r.status_code == 200, r.text
+            n1, s1 = node_ttft(stack, "h100-b")
+            assert n1 == n0 + 1
+            ttft = r.json()["zml"]["time_to_first_token"]
+            assert float(r.headers["x-zml-time-to-first-token"]) == pytest.approx(ttft, abs=1e-3)
+            diffs.append(ttft - (s1 - s0))
+    diffs.sort()
+    # The router's count starts when it takes the request, the node's when the request reaches
+    # it: the router's is a little longer, never shorter.
+    assert diffs[0] > -0.001 and diffs[len(diffs) // 2] < 0.005, diffs
+
+
+async def test_a_non_streamed_answer_stalled_mid_way_is_continued(stack: Stack) -> None:
+    """Headers and a few tokens, then nothing: a non-streamed request notices the stall after
+    [router] inter_token_timeout_s (1 s here) and has its answer continued, instead of waiting
+    out the whole reply's first-byte deadline (at least 5 s) and asking again from scratch."""
+    stack.faults("h100-a", stall_mid_stream=1.0, fail_after_tokens=3)
+    try:
+        r = await chat_once(stack, messages=[{"role": "user", "content": "hello"}], max_tokens=12,
+                            policy="to-sglang")
+    finally:
+        stack.faults("h100-a", stall_mid_stream=0.0, fail_after_tokens=1)
+    assert r.status_code == 200, r.text
+    body = r.json()
+    assert body["choices"][0]["message"]["content"] == words("h100-a", 12)
+    ((node, tokens, failure),) = continued(body["zml"]["continued_from"])
+    assert node == "h100-a" and failure == "slow" and tokens >= 3
+    assert r.elapsed.total_seconds() < 4.0
+
+
+async def test_a_node_that_refuses_stream_options_is_asked_as_the_caller_asked(stack: Stack) -> None:
+    """An OpenAI-compatible server that does not know ``stream_options`` answers 400 to a
+    non-streamed request asked as a stream: the router asks it again as the caller asked (the
+    reply as the node made it) and asks it so from then on; a request the node refuses either
+    way is still the caller's 400."""
+    refusals = "refused a non-streamed request asked as a stream"
+    stack.faults("inf2-a", refuse_stream_options=True)
+    try:
+        for _ in range(2):
+            r = await chat_once(stack, messages=[{"role": "user", "content": "hello"}], max_tokens=8,
+                                accelerator_id="inf2-a")
+            assert r.status_code == 200, r.text
+            assert r.json()["choices"][0]["message"]["content"] == words("inf2-a", 8)
+        assert stack.procs["router-1"].tail(400).count(refusals) == 1  # the second went as it came
+        bad = await chat_once(stack, messages=[{"role": "user", "content": "hello"}], max_tokens=10**7,
+                              accelerator_id="a100-a")
+        assert bad.status_code == 400, bad.text
+        assert stack.procs["router-1"].tail(400).count(refusals) == 1  # a bad request marks no node
+    finally:
+        stack.faults("inf2-a", refuse_stream_options=False)
+
+
 async def test_an_engines_error_event_mid_stream_is_continued(stack: Stack) -> None:
     """vLLM sends ``data: {"error": ...}`` and ends the stream when it fails a request mid-way
     (here: its model unloaded under the request). Last in this module: h100-a loads again after."""

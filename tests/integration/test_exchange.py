@@ -302,3 +302,88 @@ async def test_an_abort_ends_the_wait_for_a_router_at_once(nc: Any) -> None:
         await ex.next()
     assert time.monotonic() - t0 < 1.0
     ex.close()
+
+
+# --- the broker connection drops and comes back (issue 20 item 3) ------------------------------
+# The reconnect is the connection's Link event (zmlcore.bus.link), fired here by the test: what
+# the exchange does about it is the point (a real broker restart: tests/e2e/test_stream_broker_restart.py
+# and the chaos suite).
+async def test_a_reconnect_sends_the_request_again_and_a_close_aborts_it(nc: Any) -> None:
+    from zmlcore.bus.link import Link
+
+    subj = subject()
+
+    async def script(msg: Any, attempt: int) -> None:
+        if attempt == 1:  # its reply "lost in the outage": nothing more on this inbox
+            await nc.publish(msg.reply, b"", headers=keepalive_headers())
+            return
+        await nc.publish(msg.reply, b'{"from": 2}')
+
+    _, seen = await responder(nc, subj, script)
+    link = Link()
+    ex = exchange(nc, subj, keepalive_s=5.0)  # silence would take 15 s: the reconnect does it
+    ex.follow(link, lambda: StreamInterruptedError("closed"))
+    await ex.send()
+    waiting = asyncio.ensure_future(ex.next())
+    await asyncio.sleep(0.3)
+    link.bump()  # the connection came back
+    reply = await asyncio.wait_for(waiting, 5)
+    assert reply.data == b'{"from": 2}' and len(seen) == 2 and ex.blinks == 1
+    assert seen[1].headers[subjects.H_RESEND] == "1" and seen[1].reply != seen[0].reply
+    assert subjects.H_RESUME not in seen[1].headers
+    ex.close()
+    # A connection closed for good ends the wait with what the caller gave.
+    silent = subject()
+    await responder(nc, silent, lambda msg, attempt: asyncio.sleep(0))  # takes it, says nothing
+    ex2 = exchange(nc, silent, keepalive_s=5.0)
+    ex2.follow(link, lambda: StreamInterruptedError("closed for good"))
+    await ex2.send()
+    waiting = asyncio.ensure_future(ex2.next())
+    await asyncio.sleep(0.1)
+    link.mark_closed()
+    with pytest.raises(StreamInterruptedError, match="closed for good"):
+        await asyncio.wait_for(waiting, 5)
+    ex2.close()
+
+
+async def test_a_reconnect_continues_a_stream_from_what_was_received(nc: Any) -> None:
+    from zmlcore.bus.link import Link
+    from zmlcore.reply import resume, streamframe
+
+    subj = subject()
+    chunk = b'data: {"id":"c","choices":[{"index":0,"delta":{"content":"w1 "}}]}\n\n'
+
+    async def script(msg: Any, attempt: int) -> None:
+        if attempt == 1:
+            await nc.publish(msg.reply, b'{"routing":{"node_id":"n1"}}',
+                             headers={subjects.H_STREAM: "start", subjects.H_SEQ: "0"})
+            await nc.publish(msg.reply, streamframe.encode(1, chunk))
+            return  # the rest lost in the outage
+        r = resume.decode(msg.headers[subjects.H_RESUME])
+        await nc.publish(msg.reply, streamframe.encode(r.seq + 1, chunk.replace(b"w1", b"w2")))
+        await nc.publish(msg.reply, b"{}", headers={subjects.H_STREAM: "end", subjects.H_SEQ: str(r.seq + 2)})
+
+    _, seen = await responder(nc, subj, script)
+    link = Link()
+    ex = exchange(nc, subj, keepalive_s=5.0, resume=True)
+    ex.follow(link, lambda: StreamInterruptedError("closed"))
+    await ex.send()
+    assert (await ex.next()).headers[subjects.H_STREAM] == "start"
+    assert (await ex.next()).data == streamframe.encode(1, chunk)
+    waiting = asyncio.ensure_future(ex.next())
+    await asyncio.sleep(0.2)
+    link.bump()
+    assert (await asyncio.wait_for(waiting, 5)).data.startswith(b"2\n")  # numbered on
+    assert (await ex.next()).headers[subjects.H_STREAM] == "end"
+    r = resume.decode(seen[1].headers[subjects.H_RESUME])
+    assert (r.text, r.tokens, r.seq, r.node_id) == ("w1 ", 1, 1, "n1")
+    ex.close()
+
+
+async def test_silence_while_the_connection_is_down_is_not_a_dead_router() -> None:
+    from zmlcore.reply.keepalive import Silence
+
+    w = Silence(1.0, now=0.0)
+    assert w.gone(3.0)
+    w.offline(3.0)
+    assert not w.gone(5.9) and w.gone(6.0)

@@ -79,3 +79,16 @@ def test_keepalive_state_tells_keepalives_from_replies() -> None:
     assert keepalive_state({subjects.H_STREAM: "chunk"}) is None
     assert keepalive_state({subjects.H_KEEPALIVE: "alive"}) == "alive"
     assert keepalive_state(keepalive.keepalive_headers(keepalive.QUEUED)) == "queued"
+
+
+@pytest.mark.parametrize(("kw", "decision"), [
+    ({"committed": False, "resumable": False, "parked": False, "blinks": 0, "remaining_s": 5}, "resend"),
+    ({"committed": True, "resumable": True, "parked": False, "blinks": 2, "remaining_s": 5}, "resume"),
+    ({"committed": True, "resumable": False, "parked": False, "blinks": 0, "remaining_s": 5}, "fail"),
+    ({"committed": False, "resumable": False, "parked": True, "blinks": 0, "remaining_s": 5}, "wait"),
+    ({"committed": False, "resumable": False, "parked": False, "blinks": keepalive.MAX_BLINKS, "remaining_s": 5},
+     "fail"),
+    ({"committed": False, "resumable": False, "parked": False, "blinks": 0, "remaining_s": 0}, "fail"),
+])
+def test_after_a_reconnect(kw: dict, decision: str) -> None:  # type: ignore[type-arg]
+    assert keepalive.after_reconnect(**kw) == decision

@@ -6,6 +6,8 @@ import random
 
 import pytest
 
+from zmlcore.fleet.accelerators import ACCELERATORS
+from zmlcore.fleet.perfmodel import SimProfile
 from zmlcore.messages import KvAllCleared, KvBlockRemoved, KvBlockStored, KvEventBatch, NodeState
 from zmlcore.policy.prefix import BLOCK_BYTES, KeyChain, PrefixIndex, chain_from_bytes, kv_geometry
 from zmlcore.policy.prefix.index import EVENTS_STALE_S, _depth
@@ -43,7 +45,10 @@ def index(*nodes: tuple[str, str], **kw: object) -> PrefixIndex:
 
 
 def test_each_node_gets_its_matched_prefix_in_its_own_blocks() -> None:
-    idx = index(("h", "nvidia_h100"), ("g", "intel_gaudi2"), ("c", "cpu"))
+    idx = index(("h", "nvidia_h100"), ("g", "intel_gaudi2"))
+    # llama.cpp caches token by token: health reports its block as 1 (adapters.llamacpp)
+    idx.update_node(NodeState(node_id="c", accelerator_type="cpu", family="f", endpoint="", kv_block_size=1,
+                              kv_blocks=32_768))
     conv = chain(13, extra=100)  # 20 blocks (10 KB) + 100 bytes: 2,585 tokens
     idx.record("h", chain(9, shared=9), 1.0)
     idx.record("g", conv, 1.0)
@@ -165,6 +170,17 @@ def test_geometry_comes_from_the_engine_else_the_accelerator() -> None:
     idx = PrefixIndex()
     idx.update_node(st)
     assert idx.node("n").cap == 16_000 * 4  # prompt bytes at ~4 a token  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("type_id", sorted(ACCELERATORS))
+def test_one_kv_geometry_per_accelerator_for_the_index_and_the_simulated_node(type_id: str) -> None:
+    """The router's default for a silent node is the geometry a simulated node of that type runs
+    (one table, zmlcore.fleet.accelerators): a sim H100 with 64-token blocks under an index that
+    assumed 16 would misjudge every partial prefix."""
+    a = ACCELERATORS[type_id]
+    st = NodeState(node_id="n", accelerator_type=type_id, family=a.family, endpoint="")
+    assert kv_geometry(st) == (a.kv_block_size, a.kv_cache_tokens)
+    assert SimProfile.for_type(type_id).kv_block_size == a.kv_block_size
 
 
 # --- reported ---

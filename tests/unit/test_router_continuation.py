@@ -9,7 +9,8 @@ from typing import Any
 import pytest
 
 from zml_router import continuation as c
-from zml_router.continuation import Sent, Splice, Transcript
+from zml_router.continuation import Splice
+from zmlcore.reply.transcript import Sent, Transcript
 
 
 def chunk(content: str | None = None, *, role: bool = False, finish: str | None = None, cid: str = "chatcmpl-1",

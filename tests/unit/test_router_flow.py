@@ -20,7 +20,7 @@ from zmlcore.policy import Decision, RouteRequest, RoutingState, admit
 from zmlcore.policy.resolve import builtin_policy
 from zml_router import flow
 from zml_router.attempt import AttemptError, Failure
-from zml_router.continuation import Sent
+from zmlcore.reply.transcript import Sent
 from zml_router.flow import Decide, Dispatch, Enqueue, Outcome, Penalise, Plan
 from zml_router.table import NodeTable
 
@@ -349,3 +349,30 @@ def test_the_flow_is_a_plain_generator(stream: bool) -> None:
     assert isinstance(second, Dispatch) and second.stream is stream and second.attempt == 1
     with pytest.raises(StopIteration):
         steps.send(None)
+
+
+# --- a stream whose router died, sent again with what its requester has (Zml-Resume) -------------
+def test_a_resumed_stream_is_continued_from_its_first_attempt_and_counts_on() -> None:
+    sent = Sent(text="x x x ", tokens=3)
+    seen, out, err = _run(_plan(stream=True, raw=CHAT, resumed=sent, attempts_before=1), _fleet("a", "b"),
+                          _failing({}))
+    assert err is None and out.ok and out.node_id == "a"
+    dispatches = [a for a in seen if isinstance(a, Dispatch)]
+    assert [d.continuation for d in dispatches] == [True] and dispatches[0].attempt == 2 and out.attempts == 2
+    assert [d.continuation for d in seen if isinstance(d, Decide)] == [True]  # an engine that continues
+
+
+def test_a_resumed_stream_that_must_not_be_continued_ends_interrupted() -> None:
+    raw = CHAT.replace(b'"stream"', b'"seed":1,"stream"')
+    seen, _, err = _run(_plan(stream=True, raw=raw, resumed=Sent(text="x ", tokens=1)), _fleet("a"), _failing({}))
+    assert err is not None and err.code == "STREAM_INTERRUPTED" and "seed" in err.message
+    assert not any(isinstance(a, Dispatch) for a in seen)
+    _, _, err = _run(_plan(stream=True, raw=CHAT, resumed=Sent(text="x ", tokens=1, blocked="tool-call deltas")),
+                     _fleet("a"), _failing({}))
+    assert err is not None and "tool-call deltas" in err.message
+
+
+def test_a_resumed_stream_whose_continuation_breaks_is_continued_again() -> None:
+    _, out, err = _run(_plan(stream=True, raw=CHAT, resumed=Sent(text="x ", tokens=1)), _fleet("a", "b"),
+                       _failing({"a": _cut(4)}))
+    assert err is None and out.node_id == "b" and out.continued_from == [("a", 4, "network")]

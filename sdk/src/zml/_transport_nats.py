@@ -12,7 +12,8 @@ owner in cancel subjects is its public key (see docs/security.md).
 
 Inference goes through :class:`zmlcore.reply.exchange.Exchange`: the transport asks the routers for
 keepalives, and a request whose router dies (3 silent intervals) is sent once more to another
-router, invisibly unless a stream had already started (then it ends with STREAM_INTERRUPTED).
+router, invisibly; a stream that had started is continued by that router from the text
+received (zmlcore.reply.resume), numbering on, so the caller reads one stream.
 A request that finds no router subscribed (the broker's "no responders": for a moment after a
 broker restart, or while routers restart) reached nobody, so it is sent again after a short
 backoff for up to ``no_router_grace_s`` (:mod:`zmlcore.reply.norouter`) before NO_HEALTHY_NODES.
@@ -49,6 +50,7 @@ from zmlcore.config import NatsConfig
 from zmlcore.reply.exchange import Exchange, parts_buffer
 from zmlcore.access.identity import connect_options, owner_of
 from zmlcore.bus.connect import connect
+from zmlcore.bus.link import link_of
 from zmlcore.reply.norouter import NoRouterWait
 from zmlcore.reply.parts import Reply
 from zmlcore.reply.streamseq import SeqCheck
@@ -64,6 +66,11 @@ ROUTER_KEEPALIVE_S: float | None = 1.0
 #: How long a request waits for a router when none is subscribed (as the gateway's
 #: ``[gateway] no_router_grace_s``); never past the request's own timeout. 0: fail at once.
 NO_ROUTER_GRACE_S = 2.0
+#: How long the connection tries to come back when the broker goes away (a restart: a blink of
+#: a few seconds): requests in flight are sent again when it is back, new ones wait for it
+#: (as the gateway's ``[gateway] broker_grace_s``). Past it the connection closes: CONNECTION_FAILED.
+BROKER_GRACE_S = 10.0
+RECONNECT_WAIT_S = 0.2
 
 
 def _reply(msg: Msg | Reply) -> RawReply:
@@ -92,6 +99,14 @@ class AsyncNatsTransport:
     async def _conn(self) -> NATS:
         if self._nc is not None and self._nc.is_connected:
             return self._nc
+        if self._nc is not None and self._nc.is_reconnecting:  # a broker blink: wait for it (bounded)
+            link = link_of(self._nc)
+            with contextlib.suppress(asyncio.TimeoutError):
+                async with asyncio.timeout(BROKER_GRACE_S):
+                    while self._nc.is_reconnecting:
+                        await link.reconnected(link.generation)
+            if self._nc.is_connected:
+                return self._nc
         if self._lock is None:
             self._lock = asyncio.Lock()
         async with self._lock:
@@ -110,8 +125,8 @@ class AsyncNatsTransport:
                     "zml-sdk",
                     connect_timeout=self.connect_timeout,
                     give_up_s=self.connect_timeout,
-                    max_reconnect_attempts=3,
-                    reconnect_time_wait=0.2,
+                    max_reconnect_attempts=int(BROKER_GRACE_S / RECONNECT_WAIT_S),
+                    reconnect_time_wait=RECONNECT_WAIT_S,
                     on_error=_quiet,
                     quiet=True,
                     **self._options,
@@ -161,14 +176,18 @@ class AsyncNatsTransport:
         return Exchange(nc, call.encode(), headers, timeout_s=int(headers[subjects.H_TIMEOUT_MS]) / 1000.0,
                         wait_s=call.timeout_s, keepalive_s=self.keepalive_s, no_router_grace_s=self.no_router_grace_s,
                         accept_parts=None if buffer else self.max_reply_bytes,
-                        buffer=buffer or parts_buffer(self.max_reply_bytes, nc.max_payload))
+                        buffer=buffer or parts_buffer(self.max_reply_bytes, nc.max_payload),
+                        resume=bool(buffer))  # a stream: continued by another router if its own dies
 
     async def _send(self, call: InferCall, buffer: int | None) -> Exchange:
         nc = await self._conn()
         ex = self._exchange(nc, call, buffer)
+        # A broker blink sends it again when the connection is back; a close for good ends it.
+        ex.follow(link_of(nc), lambda: ConnectionError(f"NATS connection to {self.url} closed"))
         try:
             await ex.send()
         except (nats.errors.Error, OSError) as exc:
+            ex.close()
             raise ConnectionError(f"NATS connection to {self.url} lost: {exc}") from exc
         return ex
 
@@ -250,6 +269,9 @@ class AsyncNatsStream:
                 return
             if not msg.headers:  # a chunk frame (asked for: InferCall.nats_headers)
                 for ev in decode_nats_frame(msg.data, seq):
+                    if ev.kind == "error" and ev.error is not None and ev.error.code == "STREAM_INTERRUPTED" \
+                            and await self._ex.continue_lost():
+                        break  # a router continues it from what came before the lost message
                     yield ev
                     if ev.kind == "error":  # left unfinished: closing the stream cancels the request
                         return
@@ -261,6 +283,8 @@ class AsyncNatsStream:
                 return
             ev = decode_nats_stream(headers, msg.data)
             gap = seq.gap(headers.get(subjects.H_SEQ.lower())) if ev.kind != "error" else None
+            if gap is not None and ev.kind != "start" and await self._ex.continue_lost():
+                continue  # a router continues it from what came before the lost message
             if gap is not None:  # left unfinished: closing the stream cancels the request
                 yield StreamEvent("error", error=StreamInterruptedError(f"{gap}; the stream is incomplete"))
                 return

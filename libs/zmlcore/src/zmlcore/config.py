@@ -125,17 +125,23 @@ class GatewayConfig(msgspec.Struct, **_Base):
     """Ask routers for a keepalive every this many ms while they work on a request
     (``Zml-Keepalive``); after 3 silent intervals the router counts as dead and the request is
     sent once more to another router (not yet answered: invisibly; a stream already relayed
-    ends with STREAM_INTERRUPTED). 0: no keepalives, a dead router's requests wait out their
-    timeout. Values under 100 are raised to 100."""
+    is continued by it from the text relayed, docs/http-api.md "When a router fails
+    mid-answer"). 0: no keepalives, a dead router's requests wait out their timeout. Values
+    under 100 are raised to 100."""
     no_router_grace_s: Annotated[float, msgspec.Meta(ge=0, le=60)] = 2.0
     """How long a request waits for a router when the broker says none is subscribed ("no
     responders": for ~0.1 s after a broker restart, or while routers restart). Nothing received
     it, so it is sent again after 10, 20, 50, then every 100 ms until a router takes it, within
     this grace and never past the request's own timeout; after it, 503 NO_HEALTHY_NODES with
     Retry-After. Waiting requests count toward max_concurrent; a client that goes away ends its
-    wait. A request that arrives while the gateway has lost its broker connection waits for the
-    reconnect within the same grace (it is not buffered meanwhile), else 503 CONNECTION_FAILED.
-    0: answer 503 at once. At most 60."""
+    wait. 0: answer 503 at once. At most 60."""
+    broker_grace_s: Annotated[float, msgspec.Meta(ge=0, le=300)] = 10.0
+    """How long a request waits for the broker while the gateway's connection to it is down (a
+    broker restarted: a blink of a few seconds), never past the request's own timeout. One
+    that arrives meanwhile is held (not buffered: a buffer lost with the connection would lose
+    it) and sent once the connection is back; one in flight when it dropped is sent again then
+    (the router holding it replaces it; a stream is continued from what was relayed). After
+    the grace, 503 CONNECTION_FAILED. 0: answer 503 at once."""
     tls_cert_file: str | None = None
     """Serve HTTPS with this certificate (PEM; env ZML_GATEWAY_TLS_CERT). None: plain HTTP."""
     tls_key_file: str | None = None
@@ -271,7 +277,7 @@ class SimConfig(msgspec.Struct, **_Base):
     """Keep a prefix cache (vLLM's automatic prefix caching): cached prompt tokens skip prefill,
     replies report them, and with [nodes.kv_events] the node publishes vLLM's KV events."""
     kv_block_size: PosInt | None = None
-    """Tokens per KV-cache block (default: the accelerator type's, e.g. 64 on H100, 128 on
+    """Tokens per KV-cache block (default: the accelerator type's, e.g. 16 on H100, 128 on
     Gaudi2)."""
     kv_cache_blocks: PosInt | None = None
     """KV-cache size in blocks (default: the memory left after the weights, as vLLM sizes it).
@@ -396,6 +402,15 @@ class ModelConfig(msgspec.Struct, **_Base):
     """The model's context window in tokens (vLLM's ``max_model_len``). It bounds the size of a
     reply when a request gives no ``max_tokens``, for refusing, before the node runs, a raw NATS
     requester that could not receive it (REPLY_TOO_LARGE). None: 32768 is assumed."""
+    stream_from_nodes: bool = True
+    """Non-streamed chat and completion requests for this model are asked of the nodes as
+    streams and the reply put together by the router: the reply's time_to_first_token is the
+    first token's (else the whole reply's), the first-byte deadline is a first-token deadline,
+    a stall past [router] inter_token_timeout_s is noticed, and an answer whose node fails
+    part-way is continued on another node. It costs router CPU per token: +43-44 us per
+    16-token reply at C=64 (+27-28%, over the +10% the issue allowed) with the peers harness's
+    stub as the node (benches/router_cost.py, docs/benchmarks.md); false asks the nodes as the
+    caller asked, for a model whose replies are short and many."""
     embedding: bool = False
     """An embedding model: it answers POST /v1/embeddings (an InferRequest with ``input``) and
     chat/completion requests for it are refused with 400, as embeddings requests for a model

@@ -221,6 +221,12 @@ H_SEQ = "Zml-Seq"
 H_KEEPALIVE = "Zml-Keepalive"
 #: On a request sent again because the router holding it went silent (same id, new inbox).
 H_RESEND = "Zml-Resend"
+#: On a streamed request sent again because the router relaying its stream went silent after
+#: content went out: what the requester has of the answer (``zmlcore.messages.StreamResume``, JSON
+#: in unpadded base64url: zmlcore.reply.resume), so that the router taking it over continues the
+#: answer from there (the text as the assistant's prefix, numbering from the next ``Zml-Seq``)
+#: instead of starting it again. It concerns only the sender's own request: no trust needed.
+H_RESUME = "Zml-Resume"
 
 STREAM_CHUNK = "chunk"
 STREAM_END = "end"

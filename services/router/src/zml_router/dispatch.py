@@ -11,14 +11,16 @@ per call. Every way a call fails is raised here as an :class:`~zml_router.attemp
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ssl
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from zmlcore.errors import ReplyTooLargeError
 from zmlcore.reply.sse import EventRelay, SSELineTooLong, aiter_sse_lines, data_field
 
 from zml_router.attempt import AttemptError, Failure, classify
-from zml_router.nodeclient import NodeHTTP, NodeHTTPError, iter_body, read_body
+from zml_router.nodeclient import Conn, NodeHTTP, NodeHTTPError, first_body, gather_rest, iter_body, read_body
+from zml_router.timers import Stalled, Wheel
 
 #: Errors of the call itself (connect, reset, early close, malformed HTTP): the node's fault.
 _NETWORK_ERRORS = (NodeHTTPError, OSError)
@@ -80,6 +82,67 @@ async def post(client: NodeClient, url: str, body: bytes, headers: dict[str, str
         return content, conn.headers.get("content-type", "application/json")
     finally:
         http.release(conn)  # back to the pool when read to the end, else closed
+
+
+async def post_streamed(client: NodeClient, url: str, body: bytes, headers: dict[str, str], *, timers: Wheel,
+                        first_byte: float | None, stall_s: float, max_bytes: int,
+                        first: Callable[[], Awaitable[None]], feed: Callable[[bytes], None]) -> bool:
+    """POST a non-streamed request asked of the node as a stream (``zml_router.assemble``):
+    ``first()`` once the body's first bytes are in (the first token, due within ``first_byte``
+    seconds), then the rest gathered in the protocol with one wake-up at its end (a stall of
+    ``stall_s`` with no byte is a SLOW failure), all of it handed to ``feed``. What arrived is
+    fed on a failure too (before the AttemptError), so the answer so far can be continued.
+    False when the node answered a plain JSON reply instead of a stream (fed whole)."""
+    http = client.http()
+    conn: Conn | None = None
+    try:
+        try:
+            # The head and the first token are both due within first_byte: a node that takes
+            # the request and sends nothing at all is left as one that sends only its head.
+            with timers.deadline(first_byte) if first_byte is not None else contextlib.nullcontext():
+                try:
+                    conn = await http.send(url, body, headers, False)
+                except _NETWORK_ERRORS as exc:
+                    raise AttemptError(Failure.NETWORK, 0, f"{type(exc).__name__}: {exc}") from exc
+                if conn.status < 300 and not (conn.body or conn.complete):
+                    try:
+                        await first_body(conn)
+                    except _NETWORK_ERRORS as exc:
+                        raise AttemptError(Failure.NETWORK, 0,
+                                           f"stream broken: {type(exc).__name__}: {exc}") from exc
+        except TimeoutError:  # ours only: the request's own deadline arrives as a cancellation
+            raise AttemptError(Failure.SLOW, 0, f"no first token within {first_byte:.1f} s") from None
+        if conn.status >= 300:
+            try:
+                raise classify(conn.status, conn.headers, await read_body(conn, MAX_ERROR_BODY))
+            except _NETWORK_ERRORS as exc:
+                raise AttemptError(Failure.NETWORK, 0, f"{type(exc).__name__}: {exc}") from exc
+        sse = "text/event-stream" in conn.headers.get("content-type", "")
+        try:
+            await first()
+            if not conn.complete:  # (a fast node's whole stream is often in already)
+                c = conn
+                try:
+                    with timers.watch(stall_s, lambda: c.buffered):
+                        await gather_rest(c, max_bytes)
+                except Stalled:
+                    raise AttemptError(Failure.SLOW, 0, f"no token for {stall_s:g} s ([router] "
+                                       "inter_token_timeout_s)") from None
+            elif conn.buffered > max_bytes:
+                conn.over = True
+        except _NETWORK_ERRORS as exc:
+            raise AttemptError(Failure.NETWORK, 0, f"stream broken: {type(exc).__name__}: {exc}") from exc
+        finally:
+            if conn.body:
+                data = conn.body[0] if len(conn.body) == 1 else b"".join(conn.body)
+                conn.body.clear()
+                feed(data)
+        if conn.over:
+            raise ReplyTooLargeError(f"the node's reply is over {max_bytes} bytes ([nats] max_reply_bytes)")
+        return sse
+    finally:
+        if conn is not None:
+            http.release(conn)
 
 
 async def stream_sse(client: NodeClient, url: str, body: bytes, headers: dict[str, str],

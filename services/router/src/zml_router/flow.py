@@ -59,10 +59,11 @@ from zmlcore.errors import (
     DuplicateRequestError,
     ModelNotLoadedError,
     QueueFullError,
+    StreamInterruptedError,
     TimeoutError,
     ZMLError,
 )
-from zmlcore.messages import InferRequest, RoutingInfo, audio, frontdoor
+from zmlcore.messages import InferRequest, RoutingInfo, StreamResume, audio, frontdoor
 from zmlcore.messages.audio import AUDIO_PATHS, AudioRequest
 from zmlcore.messages.keys import ApiKeyRecord
 from zmlcore.messages.validate import check_request_id, decode_request, request_timeout_s
@@ -71,12 +72,13 @@ from zmlcore.policy import Decision, ResolvedPolicy, RouteRequest, resolve_polic
 from zmlcore.policy.estimate import prompt_tokens_from_body
 from zmlcore.policy.prefix import BLOCK_BYTES, KeyChain, prompt_keys
 from zmlcore.reply.bigreply import check_fits
+from zmlcore.reply import resume as resumes
 from zmlcore.reply.keepalive import parse_interval
 
 from zml_router import continuation
 from zml_router.attempt import AttemptError, Failure
 from zml_router.cancels import CancelBook
-from zml_router.continuation import Sent
+from zmlcore.reply.transcript import Sent
 
 log = logging.getLogger("zml.router")
 
@@ -224,6 +226,9 @@ class Intake(Generic[T]):
     claim: bool
     #: A cancel for it arrived first: answer CANCELLED.
     cancelled: bool
+    #: A stream whose router died part-way, sent again with what its requester has of the
+    #: answer (``Zml-Resume``: zmlcore.reply.resume): continued from there, not started again.
+    resume: StreamResume | None = None
 
 
 def intake(msg: Incoming, *, from_queue: bool, cfg: ZMLConfig, max_payload: int | None,
@@ -279,8 +284,13 @@ def intake(msg: Incoming, *, from_queue: bool, cfg: ZMLConfig, max_payload: int 
     # request carries the claim taken where it arrived.
     claim = (not from_queue and bool(headers.get(subjects.H_REQUEST_ID) or req.request_id)
              and headers.get(subjects.H_ID_GENERATED) != "1")
+    resume = None
+    if subjects.H_RESUME in headers:
+        if not req.stream:
+            raise BadRequestError(f"{subjects.H_RESUME} continues a streamed answer: this request is not streamed")
+        resume = resumes.decode(headers[subjects.H_RESUME])
     return Intake(req, clean, model, request_id, owner, key, timeout, keepalive, resend, held, taken_over, claim,
-                  cancels.take(key, now))
+                  cancels.take(key, now), resume)
 
 
 def cancel(subject: str, headers: Mapping[str, str] | None, in_flight: Mapping[str, T], cancels: CancelBook,
@@ -403,6 +413,10 @@ class Plan:
     raw: bytes = b""
     continue_asked: bool | None = None
     policy_continues: bool = True
+    #: What the requester has of the answer when its router died (``Intake.resume``): the
+    #: first attempt continues it; and the attempts made before, counted on.
+    resumed: Sent | None = None
+    attempts_before: int = 0
 
 
 @dataclass(slots=True)
@@ -452,6 +466,13 @@ def route(plan: Plan, out: Outcome) -> Flow:
     excluded: set[str] = set()
     last: AttemptError | None = None
     continuing = False  # the next attempt continues the answer a failed node began
+    if plan.resumed is not None:  # its router died part-way: continue what the requester has
+        why = why_not_continue(plan, plan.resumed, 0)
+        if why is not None:
+            raise StreamInterruptedError(f"the router relaying this stream was lost and the answer cannot be "
+                                         f"continued: {why}", retry_after=1.0)
+        continuing = True
+    before = plan.attempts_before
     for attempt in range(1, plan.max_attempts + 1):
         if excluded:  # the prompt's keys and session stay; the tried nodes are out
             rr = dataclasses.replace(rr, exclude=frozenset(excluded))
@@ -466,9 +487,9 @@ def route(plan: Plan, out: Outcome) -> Flow:
             raise got
         assert isinstance(got, Decision)
         decision = got
-        out.node_id, out.family, out.attempts = decision.node_id, decision.family, attempt
+        out.node_id, out.family, out.attempts = decision.node_id, decision.family, before + attempt
         out.info = None
-        err = yield Dispatch(decision, attempt, rr, plan.stream, continuing)
+        err = yield Dispatch(decision, before + attempt, rr, plan.stream, continuing)
         if err is None:
             out.ok = True
             return

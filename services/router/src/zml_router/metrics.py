@@ -77,8 +77,9 @@ RETRIES = Children(Counter(
     "zml_router_retries", "Requests served on a second or later attempt, by the node that served them.", ["node"]))
 TAKEN_OVER = Children(Counter(
     "zml_router_taken_over",
-    "Requests sent again by their requester (Zml-Resend) because the router holding them went silent, served "
-    "here; previous: 'other' (a replica gone) or 'self' (this one, stalled).", ["previous"]))
+    "Requests sent again by their requester (Zml-Resend: the router holding them went silent, the requester's "
+    "broker connection came back, or a stream lost a message), served here; previous: 'other' (held by another "
+    "replica, or by none) or 'self' (held here).", ["previous"]))
 QUEUED = Children(Counter(
     "zml_router_queue_enqueued", "Requests put in the saturation queue.", ["model"]))
 QUEUE_EXPIRED = Children(Counter(

@@ -20,9 +20,20 @@ import ssl
 from collections import deque
 from urllib.parse import urlsplit
 
-from zml_router.nodeconn import MAX_HEAD_BYTES, MAX_HEADERS, Conn, NodeHTTPError, Stale, iter_body, read_body
+from zml_router.nodeconn import (
+    MAX_HEAD_BYTES,
+    MAX_HEADERS,
+    Conn,
+    NodeHTTPError,
+    Stale,
+    first_body,
+    gather_rest,
+    iter_body,
+    read_body,
+)
 
-__all__ = ["MAX_HEADERS", "MAX_HEAD_BYTES", "Conn", "NodeHTTP", "NodeHTTPError", "iter_body", "read_body"]
+__all__ = ["MAX_HEADERS", "MAX_HEAD_BYTES", "Conn", "NodeHTTP", "NodeHTTPError", "first_body", "gather_rest",
+           "iter_body", "read_body"]
 
 #: An idle connection older than this is closed rather than reused (aiohttp's default too): the
 #: node may have gone without a word.

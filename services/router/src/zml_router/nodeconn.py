@@ -281,3 +281,25 @@ async def iter_body(conn: Conn) -> AsyncIterator[bytes]:
             return
         else:
             await _more(conn)
+
+
+async def first_body(conn: Conn) -> None:
+    """Until a streamed reply's body has its first bytes (or the reply ended)."""
+    while not conn.body and not conn.complete:
+        await _more(conn)
+
+
+async def gather_rest(conn: Conn, limit: int) -> None:
+    """The rest of a streamed reply gathered in the protocol, as a whole reply is (no wake-up
+    per read), until its end or ``limit`` body bytes in all (then ``conn.over``). What arrived
+    stays in ``conn.body``, also when the connection fails (the error is raised)."""
+    conn.whole = True
+    conn.limit = limit
+    if conn.buffered > limit:
+        conn.over = True
+        return
+    if conn.paused and not conn.closed:
+        conn.paused = False
+        conn.transport.resume_reading()  # type: ignore[union-attr]
+    while not (conn.complete or conn.over):
+        await conn.wait()

@@ -25,7 +25,7 @@ from zmlcore import subjects
 from zmlcore.bus.publish import Publisher
 from zmlcore.config import ZMLConfig
 from zmlcore.errors import ZMLError
-from zmlcore.messages import InferRequest, RoutingInfo, StreamStart
+from zmlcore.messages import InferRequest, RoutingInfo, StreamResume, StreamStart
 from zmlcore.messages.audio import AudioRequest
 from zmlcore.policy import RouteRequest
 from zmlcore.reply import routingmeta, streamframe
@@ -33,6 +33,8 @@ from zmlcore.reply.bigreply import accepted
 from zmlcore.reply.cachedtokens import cached_tokens
 from zmlcore.reply.keepalive import QUEUED, KeepaliveBook, keepalive_headers
 from zmlcore.reply.parts import publish_reply
+from zmlcore.reply.sse import SSELineTooLong
+from zmlcore.reply.transcript import Sent, Transcript
 from zmlcore.telemetry.setup import DECISION_ID
 
 from zml_router.attempt import (
@@ -49,9 +51,10 @@ from zml_router.attempt import (
     stream_usage,
     with_routing,
 )
-from zml_router import continuation
-from zml_router.continuation import Splice, Transcript, engine_error, spliced_usage
-from zml_router.dispatch import NodeClient, first_chunk_within, post, stream_sse
+from zml_router import assemble, continuation
+from zml_router.assemble import Assembler, EngineFailed, MalformedStream
+from zml_router.continuation import Splice, engine_error, spliced_usage
+from zml_router.dispatch import NodeClient, first_chunk_within, post, post_streamed, stream_sse
 from zml_router.flow import PATHS, Dispatch, Incoming, Outcome
 from zml_router.ids import RequestIds
 from zml_router.inflight import Sharing
@@ -166,6 +169,10 @@ _FOLD_MASK = 2047
 #: (a search of every chunk for ``"error"`` would cost more than the rest of the check).
 _ERROR_HEADS = (b'data: {"error"', b'{"error"')
 _ERROR_TAILS = (b"}}\n\n", b"}}")
+#: A non-streamed reply asked as a stream: SSE bytes read per byte of the largest reply a
+#: requester takes ([nats] max_reply_bytes). A token's event repeats the chunk's envelope (~8x a
+#: short token's bytes); the reply put together is checked against the limit itself.
+SSE_BYTES_PER_REPLY_BYTE = 8
 
 
 class Answer:
@@ -173,10 +180,12 @@ class Answer:
     ``start``, the last sequence number sent, the chunks relayed (for a continuation: what was
     sent), and the splice of a continuation attempt."""
 
-    __slots__ = ("started", "seq", "transcript", "splice", "usage_asked", "ttft")
+    __slots__ = ("started", "seq", "transcript", "splice", "usage_asked", "ttft", "assembler")
 
-    def __init__(self, usage_asked: bool = False) -> None:
+    def __init__(self, usage_asked: bool = False, assembler: Assembler | None = None) -> None:
         self.started = False
+        #: A non-streamed answer asked of the nodes as a stream and put back together here.
+        self.assembler = assembler
         #: The answer's first token (seconds after the request arrived), whichever attempt sent it.
         self.ttft: float | None = None
         self.seq = 0
@@ -184,6 +193,16 @@ class Answer:
         self.splice: Splice | None = None
         #: The requester asked for the usage chunk (stream_options.include_usage).
         self.usage_asked = usage_asked
+
+    def resume(self, r: StreamResume) -> Sent:
+        """Start from what the requester of a stream whose router died has (zmlcore.reply.resume):
+        its ``start`` went out, numbering goes on from its last message."""
+        sent = Sent(text=r.text, tokens=r.tokens, chunk_id=r.chunk_id, created=r.created, finished=r.finished,
+                    usage=r.usage, blocked=r.blocked)
+        self.started = True
+        self.seq = r.seq
+        self.transcript = Transcript(sent)
+        return sent
 
 
 def continued_from(failed: list[tuple[str, int, str]]) -> str | None:
@@ -202,6 +221,26 @@ def continued_from(failed: list[tuple[str, int, str]]) -> str | None:
     return ",".join(out)
 
 
+def resumed_from(r: StreamResume) -> list[tuple[str, int, str]]:
+    """``Outcome.continued_from`` of a stream whose router died: the continuations its routing
+    said before (``RoutingInfo.continued_from``, each node's share) and the node that was
+    relaying when the router went (failure ``router``), as tokens of the answer so far.
+
+    >>> resumed_from(StreamResume(text="x", tokens=20, seq=21, node_id="c", continued_from="a@5:network,b@7:slow"))
+    [('a', 5, 'network'), ('b', 12, 'slow'), ('c', 20, 'router')]
+    """
+    out: list[tuple[str, int, str]] = []
+    upto = 0
+    for part in (r.continued_from or "").split(","):
+        node, at, rest = part.rpartition("@")
+        share, _, failure = rest.partition(":")
+        if node and share.isdigit():
+            upto += int(share)
+            out.append((node, upto, failure))
+    out.append((r.node_id or "unknown", max(r.tokens, upto), "router"))
+    return out
+
+
 class Relay:
     def __init__(self, cfg: ZMLConfig, router_id: str, table: NodeTable, sharing: Sharing, timers: Wheel,
                  http: NodeClient, metrics: RouterMetrics, replies: Replies,
@@ -218,11 +257,20 @@ class Relay:
         self.replies = replies
         self.api_keys = {n.id: n.api_key for n in cfg.nodes if n.api_key}
         self._move = sharing.move  # bound once: a non-streamed request's PendingHold takes it
+        #: Nodes that refused a non-streamed request asked as a stream (400/422: a server that
+        #: takes no stream_options) and answered it asked as it came: asked as it came from then on.
+        self.whole_only: set[str] = set()
 
-    def answer(self, req: InferRequest, raw: bytes = b"") -> Answer:
-        """The state of one request's answer, kept across its attempts."""
-        opts = req.stream_options
-        return Answer(usage_asked=isinstance(opts, dict) and bool(opts.get("include_usage")))
+    def answer(self, req: InferRequest | AudioRequest, raw: bytes = b"", model: str = "") -> Answer:
+        """The state of one request's answer, kept across its attempts. A non-streamed chat or
+        completion is asked of its nodes as a stream and put back together (zml_router.assemble)
+        unless its model says ``stream_from_nodes = false``."""
+        opts = getattr(req, "stream_options", None)
+        kind = req.kind()
+        mc = self.cfg.models.get(model)
+        asm = (Assembler(kind) if not req.stream and kind in ("chat", "completion")
+               and (mc is None or mc.stream_from_nodes) and assemble.wanted(raw) else None)
+        return Answer(usage_asked=isinstance(opts, dict) and bool(opts.get("include_usage")), assembler=asm)
 
     async def attempt(self, msg: Incoming, req: InferRequest, bodies: NodeBodies | AudioBodies, model: str,
                       action: Dispatch, request_id: str, t0: float, out: Outcome,
@@ -248,16 +296,27 @@ class Relay:
         DECISION_ID.set(info.decision_id)
         served = view.state.served_names.get(model)
         audio = isinstance(req, AudioRequest)
+        if answer.assembler is not None and decision.node_id in self.whole_only and not action.continuation:
+            answer.assembler = None
+            answer.ttft = None
+        asm = answer.assembler
         if action.continuation and isinstance(bodies, NodeBodies):
-            sent = answer.transcript.sent()
+            sent = asm.begin_continuation() if asm is not None else answer.transcript.sent()
             node_body = continuation.body(bodies.raw, clean=bodies.clean, kind=req.kind(), sent=sent,
-                                          backend=view.state.backend, name=served or model)
-            answer.splice = Splice(sent, {"node_id": info.node_id, "attempts": action.attempt,
-                                          "continued_from": info.continued_from})
+                                          backend=view.state.backend, name=served or model,
+                                          usage=asm is not None)
+            if asm is None:
+                answer.splice = Splice(sent, {"node_id": info.node_id, "attempts": action.attempt,
+                                              "continued_from": info.continued_from})
         else:
             node_body = bodies(served or model)
+            if asm is not None:
+                node_body = assemble.as_stream(node_body)
+                if asm.touched:  # asked again from scratch: what a failed attempt produced goes
+                    answer.assembler = asm = Assembler(asm.kind)
+                    answer.ttft = None
             answer.splice = None
-        first_byte = self.first_byte_s(decision.node_id, req, action.rr, action.stream)
+        first_byte = self.first_byte_s(decision.node_id, req, action.rr, action.stream or asm is not None)
         # The engine answers with its own name: the client gets back the name it asked for (an
         # audio answer names no model).
         rename = Renamer(served, req.model) if served and served != req.model and not audio else None
@@ -265,7 +324,23 @@ class Relay:
             if action.stream:
                 usage = await self.stream(msg, req, node_body, info, t0, first_byte, rename, action.rr, answer)
             else:
-                usage = await self.once(msg, req, node_body, info, t0, first_byte, rename, action.rr, answer)
+                try:
+                    usage = await self.once(msg, req, node_body, info, t0, first_byte, rename, action.rr, answer)
+                except AttemptError as err:
+                    if not (asm is not None and err.failure is Failure.CLIENT and err.status in (400, 422)
+                            and not action.continuation and isinstance(bodies, NodeBodies)):
+                        raise
+                    # Refused as a stream: the node may not take stream_options (an OpenAI-compatible
+                    # server of its own make). Asked as the caller asked; if that is answered, so is
+                    # every later request to it (a bad request is refused again, as it should be).
+                    answer.assembler = None
+                    first_byte = self.first_byte_s(decision.node_id, req, action.rr, False)
+                    usage = await self.once(msg, req, bodies(served or model), info, t0, first_byte, rename,
+                                            action.rr, answer)
+                    self.whole_only.add(decision.node_id)
+                    log.warning("node %s refused a non-streamed request asked as a stream (%s %s) and answered "
+                                "it asked as it came: its requests are asked as they come from now on",
+                                decision.node_id, err.status, err.detail[:200])
         except AttemptError as err:
             self.metrics.failover(decision.node_id, err.failure.value)
             return err
@@ -273,6 +348,16 @@ class Relay:
             out.prompt_tokens = int(usage.get("prompt_tokens") or 0)
             out.completion_tokens = int(usage.get("completion_tokens") or 0)
         return None
+
+    async def end_resumed(self, msg: Incoming, r: StreamResume, request_id: str, answer: Answer,
+                          out: Outcome) -> None:
+        """A stream whose router died after the whole answer went out, only its end lost: end it."""
+        info = RoutingInfo(node_id=r.node_id, request_id=request_id, attempts=r.attempts, router_id=self.router_id,
+                           label=out.label, continued_from=continued_from(out.continued_from))
+        out.info, out.node_id, out.attempts, out.ok = info, r.node_id, r.attempts, True
+        await self.replies.before_last(0)
+        await self.replies.publish(msg.reply, _encode(StreamStart(routing=info)),
+                                   {subjects.H_STREAM: subjects.STREAM_END, subjects.H_SEQ: str(answer.seq + 1)})
 
     def _headers(self, info: RoutingInfo, msg: Incoming | None = None) -> dict[str, str]:
         # An audio request's body is its caller's multipart form, its boundary in the content type.
@@ -315,9 +400,15 @@ class Relay:
                    rr: RouteRequest | None = None, answer: Answer | None = None) -> dict[str, Any]:
         """Send the node's reply; returns its token counts (``reply_usage``)."""
         audio = isinstance(req, AudioRequest)
-        raw, ctype = await self._whole(req, body, info, first_byte, msg if audio else None,
-                                       rr.prompt_tokens if rr is not None and audio else None)
-        info.time_to_first_token = time.monotonic() - t0
+        asm = answer.assembler if answer is not None else None
+        if asm is not None:  # asked of the node as a stream: the first token is seen (zml_router.assemble)
+            assert answer is not None
+            raw = await self._assembled(req, body, info, t0, first_byte, rename, answer, asm)
+            ctype = "application/json"
+        else:
+            raw, ctype = await self._whole(req, body, info, first_byte, msg if audio else None,
+                                           rr.prompt_tokens if rr is not None and audio else None)
+            info.time_to_first_token = time.monotonic() - t0
         usage = reply_usage(raw)
         self.metrics.usage_dict(req.kind(), req.model, usage)
         cached = None if audio else cached_tokens(raw)
@@ -363,6 +454,59 @@ class Relay:
                                    f"no reply within the first-byte deadline of {first_byte:.1f} s") from None
         finally:
             hold.close()
+
+    async def _assembled(self, req: InferRequest, body: bytes, info: RoutingInfo, t0: float,
+                         first_byte: float | None, rename: Renamer | None, answer: Answer, asm: Assembler) -> bytes:
+        """A non-streamed request asked of the node as a stream: its first token counted as the
+        request's (and as the end of its pending time), the rest gathered and put back together
+        as the JSON reply the engine would have sent (zml_router.assemble). A failure after the
+        first token carries what the answer holds (``AttemptError.sent``): the flow continues it."""
+        count = self.sharing.count
+        await count(info.node_id, 1, 1)
+        pending = 1
+        got: list[bytes] = []
+
+        async def first() -> None:
+            nonlocal pending
+            pending = 0
+            await count(info.node_id, 0, -1)
+            if answer.ttft is None:
+                answer.ttft = time.monotonic() - t0
+
+        try:
+            try:
+                sse = await post_streamed(
+                    self.http, self._url(info, req), body, self._headers(info), timers=self.timers,
+                    first_byte=first_byte, stall_s=self.cfg.router.inter_token_timeout_s,
+                    max_bytes=SSE_BYTES_PER_REPLY_BYTE * self.cfg.nats.max_reply_bytes, first=first,
+                    feed=got.append)
+            except AttemptError as err:
+                if not pending and got:  # part of the answer came: it can be continued
+                    try:
+                        asm.feed(b"".join(got))
+                        err.sent = asm.sent()
+                    except (MalformedStream, EngineFailed, SSELineTooLong):
+                        pass
+                raise
+            data = got[0] if len(got) == 1 else b"".join(got)
+            info.time_to_first_token = answer.ttft
+            if not sse:  # the node answered whole (it does not stream): its reply as it is
+                return data
+            try:
+                asm.feed(data)
+                if not asm.done:
+                    cut = AttemptError(Failure.NETWORK, 0, "stream ended without [DONE]")
+                    cut.sent = asm.sent()
+                    raise cut
+                return asm.reply(model=req.model if rename is not None else None)
+            except EngineFailed as exc:
+                failed = AttemptError(Failure.SERVER, 200, f"the engine failed the request mid-way: {exc}")
+                failed.sent = asm.sent()
+                raise failed from None
+            except (MalformedStream, SSELineTooLong) as exc:
+                raise AttemptError(Failure.SERVER, 200, f"stream broken: {exc}") from None
+        finally:
+            await count(info.node_id, -1, -pending)
 
     async def stream(self, msg: Incoming, req: InferRequest, body: bytes, info: RoutingInfo, t0: float,
                      first_byte: float | None = None, rename: Renamer | None = None,

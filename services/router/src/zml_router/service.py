@@ -58,7 +58,7 @@ from zml_router.limits import IdentityLimits, Lease
 from zml_router.metrics import RouterMetrics
 from zml_router.prefixshare import PrefixShare
 from zml_router.queue import QueuedMsg
-from zml_router.relay import Relay, Replies
+from zml_router.relay import Relay, Replies, resumed_from
 from zml_router.saturation import QueueGlue
 from zml_router.sessions import Sessions, session_key
 from zml_router.table import NodeTable
@@ -275,8 +275,10 @@ class RouterService:
             if arrived.replaces is not None:
                 arrived.replaces.cancel()
             if arrived.taken_over:
-                log.warning("request %s sent again by its requester: the router holding it went silent",
-                            arrived.request_id)
+                log.warning("request %s sent again by its requester (its router went silent, a broker blink or a "
+                            "lost message)%s",
+                            arrived.request_id, "" if arrived.resume is None else
+                            f"; continuing its stream after {arrived.resume.tokens} chunks")
                 self.metrics.taken_over(arrived.taken_over)
             key = arrived.key
             self.in_flight[key] = task
@@ -370,11 +372,20 @@ class RouterService:
         can_queue = bool(cfg.queue_on_saturation and queue is not None and msg.reply and not batch
                          and not isinstance(msg, Uploaded))
         from_queue = isinstance(msg, QueuedMsg)
+        answer = self.relay.answer(req, msg.data, model)  # what the requester gets, across attempts
+        resumed = None
+        if arrived.resume is not None:  # its router died mid-stream: continue what the requester has
+            resumed = answer.resume(arrived.resume)
+            out.continued_from = resumed_from(arrived.resume)
+            if resumed.finished and (resumed.usage or not answer.usage_asked):
+                await self.relay.end_resumed(msg, arrived.resume, arrived.request_id, answer, out)
+                return
+            can_queue = False  # a stream in progress does not wait behind others
         plan = flow.Plan(model, policy.name, rr, self.cfg.router.max_attempts, req.stream, can_queue,
                          can_queue and not from_queue and queue.has_waiting(model),  # type: ignore[union-attr]
-                         from_queue, msg.data, frontdoor.continue_asked(req, msg.headers), cfg.continue_on_failure)
+                         from_queue, msg.data, frontdoor.continue_asked(req, msg.headers), cfg.continue_on_failure,
+                         resumed, arrived.resume.attempts if arrived.resume is not None else 0)
         steps = flow.route(plan, out)
-        answer = self.relay.answer(req, msg.data)  # what the requester gets, across attempts
         result: flow.Result = None
         while True:
             try:

@@ -145,6 +145,9 @@ class Faults:
     """Share of ``/health`` requests lost: the connection is closed without an answer."""
     separator_tokens: bool = False
     """Every other output word holds U+2028, U+2029 or U+0085 (sent raw in JSON, as engines do)."""
+    refuse_stream_options: bool = False
+    """Answer 400 to a request carrying ``stream_options`` (an OpenAI-compatible server that
+    does not know the parameter)."""
 
     def updated(self, data: dict[str, Any]) -> Faults:
         """A copy with ``data`` applied; raises ValueError naming a bad field."""

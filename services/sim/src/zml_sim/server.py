@@ -437,6 +437,7 @@ class SimNode:
             "max_tokens": max_tokens,
             "stream": bool(body.get("stream", False)),
             "include_usage": isinstance(opts, dict) and bool(opts.get("include_usage")),
+            "stream_options": opts is not None,
             "offset": offset,
         }
 
@@ -468,6 +469,8 @@ class SimNode:
             args = self._parse(await request.read(), chat)
         except _BadRequest as exc:
             return self.error(400, str(exc), "bad_request")
+        if args["stream_options"] and eng.faults.refuse_stream_options:
+            return self.error(400, "Unrecognized request argument supplied: stream_options", "bad_request")
         model = self._served(args["model"])
         if not isinstance(model, str):
             return model

@@ -30,11 +30,17 @@ class AcceleratorType(msgspec.Struct, frozen=True, kw_only=True):
     #: Seconds to load an 8B fp16 model from local disk. MI300X is 50% slower than H100
     #: (the API reference: 40-60% longer cold start at comparable precision).
     load_time_s: float
-    #: Tokens per KV-cache block of the engine usually run on it (vLLM 0.34: 64 on CUDA GPUs,
-    #: 128 on CPUs; the Gaudi plugin 128; ROCm's attention backends 16; Neuron 32). A prefix is
-    #: cached whole blocks at a time, so it sets how much of a shared prefix a node can reuse.
-    #: Health reads the real value (``vllm:cache_config_info``) where the engine reports it.
+    #: Tokens per KV-cache block of the engine usually run on it (vLLM's ``CacheConfig``
+    #: default of 16 on CUDA and ROCm; the Gaudi plugin 128; 128 for Neuron and CPU engines). A
+    #: prefix is cached whole blocks at a time, so it sets how much of a shared prefix a node
+    #: can reuse. Health reads the real value (``vllm:cache_config_info``, llama.cpp's 1) where
+    #: the engine reports it; this is the default of the simulated nodes and of the router's
+    #: prefix index for a node that reports none (zmlcore.policy.prefix.kv_geometry).
     kv_block_size: int = 16
+    #: Prompt tokens its engine's KV cache holds by default: an 8B fp16 model (128 KiB of KV
+    #: per token) in 90% of the device memory minus 16 GB of weights; on CPU, llama.cpp's
+    #: 32k context. Like the block size, a default for nodes whose engine reports no geometry.
+    kv_cache_tokens: int
 
 
 BASE_PREFILL_TPS = 10_000.0
@@ -47,27 +53,27 @@ ACCELERATORS: dict[str, AcceleratorType] = {
         AcceleratorType(
             type_id="nvidia_h100", family="H100", hardware="NVIDIA H100 SXM / PCIe", vendor="nvidia",
             min_driver="525.85", driver_label="CUDA 12.0+", speed=1.0, max_concurrency=32,
-            cost_per_hour=4.0, memory_gib=80.0, load_time_s=20.0, kv_block_size=64,
+            cost_per_hour=4.0, memory_gib=80.0, load_time_s=20.0, kv_block_size=16, kv_cache_tokens=458_000,
         ),
         AcceleratorType(
             type_id="nvidia_a100", family="A100", hardware="NVIDIA A100 SXM / PCIe", vendor="nvidia",
             min_driver="515.48", driver_label="CUDA 11.7+", speed=0.55, max_concurrency=16,
-            cost_per_hour=2.0, memory_gib=80.0, load_time_s=24.0, kv_block_size=64,
+            cost_per_hour=2.0, memory_gib=80.0, load_time_s=24.0, kv_block_size=16, kv_cache_tokens=458_000,
         ),
         AcceleratorType(
             type_id="amd_mi300x", family="MI300X", hardware="AMD Instinct MI300X", vendor="amd",
             min_driver="6.0", driver_label="ROCm 6.0", speed=0.9, max_concurrency=32,
-            cost_per_hour=3.0, memory_gib=192.0, load_time_s=30.0, kv_block_size=16,
+            cost_per_hour=3.0, memory_gib=192.0, load_time_s=30.0, kv_block_size=16, kv_cache_tokens=1_280_000,
         ),
         AcceleratorType(
             type_id="intel_gaudi2", family="Gaudi2", hardware="Intel Gaudi2", vendor="intel",
             min_driver="1.12", driver_label="Habana Labs driver 1.12", speed=0.5, max_concurrency=16,
-            cost_per_hour=1.5, memory_gib=96.0, load_time_s=26.0, kv_block_size=128,
+            cost_per_hour=1.5, memory_gib=96.0, load_time_s=26.0, kv_block_size=128, kv_cache_tokens=577_000,
         ),
         AcceleratorType(
             type_id="aws_inferentia2", family="Inferentia2", hardware="AWS Inferentia2", vendor="aws",
             min_driver="2.18", driver_label="Neuron SDK 2.18", speed=0.3, max_concurrency=16,
-            cost_per_hour=0.8, memory_gib=32.0, load_time_s=40.0, kv_block_size=32,
+            cost_per_hour=0.8, memory_gib=32.0, load_time_s=40.0, kv_block_size=128, kv_cache_tokens=105_000,
         ),
         # llama.cpp (or another CPU engine) on a CPU. Its table speeds (prefill 500, decode 3
         # tokens/s: an 8B model at 4 bits on a server CPU) are only a first guess: llama.cpp
@@ -75,7 +81,7 @@ ACCELERATORS: dict[str, AcceleratorType] = {
         AcceleratorType(
             type_id="cpu", family="CPU", hardware="CPU (llama.cpp and other CPU engines)", vendor="cpu",
             min_driver="0", driver_label="none", speed=0.05, max_concurrency=4,
-            cost_per_hour=0.2, memory_gib=64.0, load_time_s=10.0, kv_block_size=128,
+            cost_per_hour=0.2, memory_gib=64.0, load_time_s=10.0, kv_block_size=128, kv_cache_tokens=32_768,
         ),
     )
 }

@@ -167,5 +167,31 @@ class StreamStart(msgspec.Struct, kw_only=True):
     routing: RoutingInfo
 
 
+class StreamResume(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """What a requester has of a streamed answer whose router went silent (``Zml-Resume`` on
+    the request sent again: zmlcore.reply.resume): the router taking it over continues the
+    answer from there on a node, as it does when a node fails part-way."""
+
+    #: The answer's text so far (choice 0's content, or a completion's text).
+    text: str = ""
+    #: Content chunks that carried it (tokens, on engines that stream one token per event).
+    tokens: int = 0
+    #: The last ``Zml-Seq`` received: the continuation numbers from the next one.
+    seq: int = 0
+    #: The chunks' ``id`` and ``created`` (the continuation's chunks get the same).
+    chunk_id: str | None = None
+    created: int | None = None
+    #: A ``finish_reason`` was received (only the stream's end was lost), and the usage chunk.
+    finished: bool = False
+    usage: bool = False
+    #: Why the answer so far cannot be continued (tool-call deltas...), or None.
+    blocked: str | None = None
+    #: The node relaying the answer when its router went silent (its start message's routing),
+    #: the attempts made so far and the continuations before this one (``RoutingInfo``'s).
+    node_id: str = ""
+    attempts: int = 0
+    continued_from: str | None = None
+
+
 infer_request_decoder = msgspec.json.Decoder(InferRequest)
 routing_info_decoder = msgspec.json.Decoder(RoutingInfo)

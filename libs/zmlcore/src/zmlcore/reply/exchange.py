@@ -5,9 +5,21 @@ The request declares ``Zml-Keepalive``; keepalives are consumed here and never r
 caller. When the router falls silent for ``keepalive.MISSES`` intervals it is taken for dead:
 before anything of the answer was returned, the request is published once more (same request
 id, same headers, ``Zml-Resend: 1``, the timeout left, and a **new reply inbox**, so a late
-message of the first attempt is dropped rather than mixed in); after, or when that fails
-too, :meth:`Exchange.next` raises a clean retryable error at once instead of waiting out the
-timeout (STREAM_INTERRUPTED for a stream already relayed, else BACKEND_ERROR).
+message of the first attempt is dropped rather than mixed in). A stream (``resume=True``)
+whose content went out already is sent again as a *continuation* of what was received
+(``Zml-Resume``, :mod:`zmlcore.reply.resume`): the next router continues the answer where the
+caller's copy ends and numbers on from its last message, so the caller reads one stream. When
+that is not possible, or fails too, :meth:`Exchange.next` raises a clean retryable error at
+once instead of waiting out the timeout (STREAM_INTERRUPTED for a stream already relayed,
+else BACKEND_ERROR).
+
+A broker connection that drops and comes back (a broker restarted, a blink) may have lost
+anything published meanwhile, in either direction. :meth:`Exchange.follow` watches the
+connection: while it is down the router's silence counts for nothing, and when it is back the
+request is sent again (:func:`zmlcore.reply.keepalive.after_reconnect`: the router that holds it
+replaces it; a stream is continued from what was received; a request waiting in the saturation
+queue is left there). Only a connection closed for good, or a reply partly passed on that cannot
+be continued, ends it (the ``BrokerLost`` abort the caller gives).
 
 The broker's "no responders" status (no router subscribed: for a moment after a broker
 restart, or while routers restart) means nothing received the request: with
@@ -40,6 +52,7 @@ import logging
 import time
 import weakref
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 from nats.aio.client import Client as NATS
@@ -47,12 +60,25 @@ from nats.aio.msg import Msg
 
 from zmlcore import subjects
 from zmlcore.bus import natsinternals
+from zmlcore.bus.link import Link
 from zmlcore.bus.publish import publish
 from zmlcore.reply import parts
 from zmlcore.reply.bigreply import Collector, part_bytes, split
 from zmlcore.errors import BackendError, StreamInterruptedError, TimeoutError
-from zmlcore.reply.keepalive import MAX_INTERVAL_MS, MIN_INTERVAL_MS, QUEUED, Silence, after_silence, keepalive_state
+from zmlcore.errors import ConnectionError as ZMLConnectionError
+from zmlcore.reply.keepalive import (
+    MAX_INTERVAL_MS,
+    MIN_INTERVAL_MS,
+    QUEUED,
+    Silence,
+    after_reconnect,
+    after_silence,
+    keepalive_state,
+)
 from zmlcore.reply.norouter import NoRouterWait, is_no_responders
+from zmlcore.messages import StreamResume
+from zmlcore.reply.resume import Received
+from zmlcore.reply.resume import encode as resume_header
 
 log = logging.getLogger("zml.exchange")
 
@@ -95,6 +121,10 @@ class Sink:
         if self.aborted is None:
             self.aborted = exc
             self._wake()
+
+    def wake(self) -> None:
+        """Wake the reader without a message (it checks what changed)."""
+        self._wake()
 
     def _wake(self) -> None:
         w = self._waiter
@@ -207,12 +237,14 @@ class Exchange:
     the caller waits in all (the timeout plus some grace), after which :meth:`next` raises
     TIMEOUT. ``keepalive_s`` None: no keepalives asked, no failover (the old behaviour).
     ``no_router_grace_s``: how long "no responders" is waited out (0: returned at once).
+    ``resume``: the request is a stream whose received messages are kept (:attr:`received`) so
+    that a dead router's stream can be continued by another (zmlcore.reply.resume).
     """
 
     def __init__(self, nc: NATS, body: bytes, headers: dict[str, str], *, timeout_s: float,
                  keepalive_s: float | None, wait_s: float | None = None, buffer: int = 64,
                  subject: str = subjects.INFER, accept_parts: int | None = None,
-                 no_router_grace_s: float = 0.0) -> None:
+                 no_router_grace_s: float = 0.0, resume: bool = False) -> None:
         self.nc = nc
         self.subject = subject
         self.body = body
@@ -232,6 +264,13 @@ class Exchange:
         #: Something of the answer was returned: the request cannot be sent again invisibly.
         self.committed = False
         self.resends = 0
+        #: What the caller was handed of a stream, for a continuation (None: not kept).
+        self.received = Received() if resume else None
+        self._resume = ""  # the Zml-Resume of the continuation sent, while no router has it
+        #: Broker reconnects lived through (each sends the request again), and one to act on.
+        self.blinks = 0
+        self._blinked = False
+        self._unfollow: Callable[[], None] | None = None
         self._mux: ReplyMux | None = None
         self._inbox = ""
         self._sink: Sink | None = None
@@ -256,6 +295,31 @@ class Exchange:
         self._aborted = exc
         if self._sink is not None:
             self._sink.abort(exc)
+
+    def reconnected(self) -> None:
+        """The broker connection came back (call from a callback): the waiting (or next)
+        :meth:`next` sends the request again (see the module doc)."""
+        self._blinked = True
+        if self._sink is not None:
+            self._sink.wake()
+
+    def follow(self, link: Link, lost: Callable[[], BaseException]) -> Callable[[], None]:
+        """Watch the connection while the request runs: a reconnect sends it again
+        (:meth:`reconnected`), a close for good aborts it with ``lost()``. Returns what stops
+        watching (:meth:`close` stops it too). No task: a callback on the connection's
+        :class:`~zmlcore.bus.link.Link`."""
+        off: list[Callable[[], None]] = []
+
+        def changed() -> None:
+            if link.closed.is_set():
+                self.abort(lost())
+                return
+            self.reconnected()
+            off[:] = [link.on_change(changed)]  # the next blink too
+
+        off.append(link.on_change(changed))
+        self._unfollow = lambda: off[0]()
+        return self._unfollow
 
     async def send(self) -> None:
         """Publish the request (first attempt)."""
@@ -290,6 +354,8 @@ class Exchange:
         passed, and BACKEND_ERROR / STREAM_INTERRUPTED when the router is gone for good."""
         assert self._sink is not None, "send() first"
         while True:
+            if self._blinked:
+                await self._after_blink()
             sink = self._sink  # a new one after a resend
             msg = sink.pop()  # raises what abort() was given
             if msg is None:
@@ -300,6 +366,9 @@ class Exchange:
                 silent = self._silence.wait_s(now) if self._silence is not None else None
                 await sink.wait(left if silent is None else min(left, silent))
                 if sink.empty and self._silence is not None and self._silence.gone(time.monotonic()):
+                    if not self.nc.is_connected:  # nothing can arrive: the reconnect resends it
+                        self._silence.offline(time.monotonic())
+                        continue
                     await self._router_gone()
                 continue
             if msg.headers is not None and subjects.H_UPLOAD_TO in msg.headers and not msg.data:
@@ -315,18 +384,25 @@ class Exchange:
                     else:
                         self._silence.heard(time.monotonic())
                 continue
-            if self._no_router is not None and not self.committed and is_no_responders(msg.headers, msg.data):
+            if self._no_router is not None and (not self.committed or self._resume) and \
+                    is_no_responders(msg.headers, msg.data):
                 if await self._wait_for_router(sink):
                     continue
             if self._silence is not None:
                 self._silence.heard(time.monotonic())
             self.committed = True
+            self._resume = ""  # a router has the continuation
+            if self.received is not None:
+                self.received.message(msg.headers, msg.data)
             return msg
 
     def next_frame(self) -> Msg | None:
         """The next stream frame if it has arrived already (None: wait with :meth:`next`):
         frames that queued up while the caller was busy go out in one write."""
-        return self._sink.pop_frame() if self._sink is not None else None
+        msg = self._sink.pop_frame() if self._sink is not None else None
+        if msg is not None and self.received is not None:
+            self.received.frame(msg.data)
+        return msg
 
     async def reply(self) -> parts.Reply:
         """The whole non-streamed reply, put back together when it comes in parts (a part
@@ -364,15 +440,81 @@ class Exchange:
         headers = {**self.headers, subjects.H_TIMEOUT_MS: str(max(1, int((deadline - time.monotonic()) * 1000)))}
         if self.resends:
             headers[subjects.H_RESEND] = str(self.resends)
+        if self._resume:
+            headers[subjects.H_RESUME] = self._resume
         await self._publish(headers)
         return True
+
+    async def continue_lost(self) -> bool:
+        """A message of this stream was lost (the caller's sequence check saw a number skipped,
+        its own connection up): have a router continue it from what was received before the
+        loss (``Zml-Resume``), as after a reconnect. False: it cannot be (not a stream kept
+        with ``resume``, one that may not be continued as it is, or too many times already);
+        then the caller ends it as interrupted."""
+        if not self._inbox:
+            return False
+        remaining = self.t0 + self.timeout_s - time.monotonic()
+        resume = self.received.resume() if self.received is not None else None
+        if after_reconnect(committed=True, resumable=resume is not None, parked=False, blinks=self.blinks,
+                           remaining_s=remaining) != "resume":
+            return False
+        assert resume is not None
+        log.info("request %s: a message of its stream was lost; sending it again to continue after %d chunks",
+                 self.request_id, resume.tokens)
+        await self._send_again(remaining, resume)
+        return True
+
+    async def _send_again(self, remaining: float, resume: StreamResume | None) -> None:
+        """Publish the request again after a reconnect or a lost message (a stream as a continuation)."""
+        self.blinks += 1
+        self.resends += 1
+        headers = {**self.headers, subjects.H_RESEND: str(self.resends),
+                   subjects.H_TIMEOUT_MS: str(max(1, int(remaining * 1000)))}
+        if resume is not None:
+            self._resume = headers[subjects.H_RESUME] = resume_header(resume)
+        await self._publish(headers)
+
+    async def _after_blink(self) -> None:
+        """The broker connection came back: send the request again, as a continuation for a
+        stream under way (keepalive.after_reconnect)."""
+        self._blinked = False
+        if not self._inbox:  # closed
+            return
+        remaining = self.t0 + self.timeout_s - time.monotonic()
+        resume = self.received.resume() if self.committed and self.received is not None else None
+        decision = after_reconnect(committed=self.committed, resumable=resume is not None,
+                                   parked=self._silence is not None and self._silence.parked,
+                                   blinks=self.blinks, remaining_s=remaining)
+        if decision == "wait":
+            return
+        if decision == "fail":
+            self.close()
+            if self.committed:
+                raise StreamInterruptedError("the broker connection was lost mid-reply and the reply cannot be "
+                                             "continued; it is incomplete", retry_after=1.0)
+            raise ZMLConnectionError("the broker connection was lost while the request was in flight; retry",
+                                     retry_after=0.5)
+        log.info("request %s: the broker connection came back; sending it again%s", self.request_id,
+                 f" to continue its stream after {resume.tokens} chunks" if resume is not None else "")
+        await self._send_again(remaining, resume)
 
     async def _router_gone(self) -> None:
         assert self.keepalive_s is not None
         remaining = self.t0 + self.timeout_s - time.monotonic()
+        resume = self.received.resume() if self.committed and self.received is not None else None
         decision = after_silence(committed=self.committed, resends=self.resends, remaining_s=remaining,
-                                 interval_s=self.keepalive_s)
+                                 interval_s=self.keepalive_s, resumable=resume is not None)
         silent_s = self.keepalive_s * 3
+        if decision == "resume":
+            assert resume is not None
+            self.resends += 1
+            self._resume = resume_header(resume)
+            log.warning("request %s: the router relaying its stream sent nothing for %.1f s; another continues "
+                        "it after %d chunks", self.request_id, silent_s, resume.tokens)
+            await self._publish({**self.headers, subjects.H_RESEND: str(self.resends),
+                                 subjects.H_TIMEOUT_MS: str(max(1, int(remaining * 1000))),
+                                 subjects.H_RESUME: self._resume})
+            return
         if decision == "resend":
             self.resends += 1
             log.warning("request %s: its router sent nothing for %.1f s; sending it again", self.request_id, silent_s)
@@ -391,6 +533,9 @@ class Exchange:
 
     def close(self) -> None:
         """Stop receiving (later messages of any attempt are dropped)."""
+        if self._unfollow is not None:
+            self._unfollow()
+            self._unfollow = None
         if self._mux is not None and self._inbox:
             self._mux.close(self._inbox)
             self._inbox = ""

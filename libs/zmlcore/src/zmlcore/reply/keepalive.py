@@ -152,6 +152,11 @@ class Silence:
         """The request waits in the saturation queue: silence means nothing until it leaves."""
         self.parked = True
 
+    def offline(self, now: float) -> None:
+        """The requester's broker connection is down: nothing can arrive, so silence says
+        nothing of the router; count from ``now`` (a reconnect sends the request again)."""
+        self.last = now
+
     def wait_s(self, now: float) -> float | None:
         """Seconds until the router counts as gone (None: not while queued)."""
         if self.parked:
@@ -163,20 +168,58 @@ class Silence:
 
 
 def after_silence(*, committed: bool, resends: int, remaining_s: float,
-                  interval_s: float, max_resends: int = 1) -> Literal["resend", "fail"]:
+                  interval_s: float, max_resends: int = 1,
+                  resumable: bool = False) -> Literal["resend", "resume", "fail"]:
     """The router went silent. Send the request again (same id, new reply inbox) when nothing
-    of its answer has been passed on yet (``committed``: a stream already relayed content
-    cannot be restarted invisibly), it has not been sent again already, and enough of its
-    timeout is left for another router to do something with it; else end it now with a clean
-    retryable error rather than wait out its timeout.
+    of its answer has been passed on yet, it has not been sent again already, and enough of its
+    timeout is left for another router to do something with it. A stream that relayed content
+    (``committed``) cannot be restarted invisibly: with ``resumable`` (the requester knows what
+    it received: zmlcore.reply.resume) it is sent again as a continuation of it, once more than
+    a plain resend may be (its first router may have been a dead one too). Else end it now
+    with a clean retryable error rather than wait out its timeout.
 
     >>> after_silence(committed=False, resends=0, remaining_s=10, interval_s=1)
     'resend'
     >>> after_silence(committed=True, resends=0, remaining_s=10, interval_s=1)
     'fail'
+    >>> after_silence(committed=True, resends=1, remaining_s=10, interval_s=1, resumable=True)
+    'resume'
     >>> after_silence(committed=False, resends=1, remaining_s=10, interval_s=1)
     'fail'
     """
-    if committed or resends >= max_resends or remaining_s < interval_s:
+    if remaining_s < interval_s:
         return "fail"
-    return "resend"
+    if committed:
+        return "resume" if resumable and resends < max_resends + 1 else "fail"
+    return "fail" if resends >= max_resends else "resend"
+
+
+#: Broker reconnects a request lives through, sent again after each; past it CONNECTION_FAILED.
+MAX_BLINKS = 3
+
+
+def after_reconnect(*, committed: bool, resumable: bool, parked: bool, blinks: int,
+                    remaining_s: float) -> Literal["resend", "resume", "wait", "fail"]:
+    """The requester's broker connection came back while its request was in flight. Messages
+    published meanwhile (the request itself, the router's replies, a stream's chunks) may be
+    lost, and the router cannot tell. So send the request again (same id, ``Zml-Resend``, a
+    new inbox: the router that holds it replaces it), as a continuation of what was received
+    for a stream already relayed (``resumable``); a request waiting in the saturation queue
+    (``parked``) is not sent again: the queue is kept by JetStream and hands it on. A reply
+    already partly passed on that cannot be continued (a reply in parts), a request with no
+    time left, or one that lived through MAX_BLINKS reconnects already: fail (CONNECTION_FAILED).
+
+    >>> after_reconnect(committed=False, resumable=False, parked=False, blinks=0, remaining_s=5)
+    'resend'
+    >>> after_reconnect(committed=True, resumable=True, parked=False, blinks=0, remaining_s=5)
+    'resume'
+    >>> after_reconnect(committed=True, resumable=False, parked=False, blinks=0, remaining_s=5)
+    'fail'
+    >>> after_reconnect(committed=False, resumable=False, parked=True, blinks=0, remaining_s=5)
+    'wait'
+    """
+    if blinks >= MAX_BLINKS or remaining_s <= 0:
+        return "fail"
+    if committed:
+        return "resume" if resumable else "fail"
+    return "wait" if parked else "resend"

@@ -18,13 +18,16 @@ What happened (one method each)            What to do (the return value)
 - :meth:`~StreamRelay.client_gone`            told, then answer the error as any other
 - :meth:`~StreamRelay.broker_lost`          - :class:`Refuse`: over before the head: the
 - :meth:`~StreamRelay.failed`: its router     router's own error answer, relayed as it is
-  gone, or the deadline (TIMEOUT)
+  gone, or the deadline (TIMEOUT)           - :class:`Continue`: a message was lost after the
+- :meth:`~StreamRelay.lost`: a lost message   head: write what came before it, then have the
+  that cannot be continued                    exchange continue the stream from there (else
+                                              :meth:`~StreamRelay.lost`)
 
 One rule ends every failed stream (:meth:`StreamRelay._stop`): before the head the client gets
 the error as a plain HTTP answer; after it, as a last SSE event, since the status is sent.
 
-The relay records what it wrote (:class:`Transcript`): the text the client has seen and how
-many content chunks carried it, which a continuation of the stream would start from.
+What the client was sent is kept by the exchange (zmlcore.reply.resume): a stream whose router
+dies is continued by another from there, numbering on, so the relay sees one stream.
 """
 
 from __future__ import annotations
@@ -40,7 +43,6 @@ from zmlcore.errors import BackendError, StreamInterruptedError, ZMLError
 from zmlcore.reply import routingmeta, streamframe
 from zmlcore.reply.keepalive import keepalive_state
 from zmlcore.reply.norouter import is_no_responders
-from zmlcore.reply.sse import data_field
 from zmlcore.reply.streamseq import SeqCheck
 from zml_gateway.asgi import Headers
 from zml_gateway.infer.replies import broker_lost, error_answer, no_router, total_tokens
@@ -75,6 +77,14 @@ class Fail:
 
 
 @dataclass(slots=True)
+class Continue:
+    """A stream message was lost: write ``body`` (what came before it), then have a router
+    continue the stream from there (Exchange.continue_lost); if it cannot, :meth:`StreamRelay.lost`."""
+    body: bytes
+    error: ZMLError
+
+
+@dataclass(slots=True)
 class Refuse:
     status: int
     body: bytes
@@ -82,7 +92,7 @@ class Refuse:
 
 
 #: what to do next; ``bytes``: write them, more follow
-Action = bytes | Start | Finish | Fail | Refuse | None
+Action = bytes | Start | Finish | Fail | Refuse | Continue | None
 
 
 def sse_event(payload: bytes) -> bytes:
@@ -96,7 +106,7 @@ def _before_start() -> BackendError:
 class StreamRelay:
     """One stream's relay. ``limits``: the x-ratelimit-* headers its answer carries."""
 
-    __slots__ = ("limits", "started", "done", "total_tokens", "transcript", "_seq")
+    __slots__ = ("limits", "started", "done", "total_tokens", "_seq")
 
     def __init__(self, limits: Headers) -> None:
         self.limits = limits
@@ -106,7 +116,6 @@ class StreamRelay:
         self.done = False
         #: the tokens the reply used (its end message's usage), for plan limits
         self.total_tokens = 0
-        self.transcript = Transcript()
         self._seq = SeqCheck()  # a lost message ends the stream with an error, never silently short
 
     # --- what happened -------------------------------------------------------------------
@@ -117,8 +126,9 @@ class StreamRelay:
         if not self.started:  # a router sends its start (seq 0) first: a frame before it is garbled
             return self._stop(lost or _before_start(), cancel=True)
         if lost is not None:
+            if isinstance(lost, StreamInterruptedError):  # a frame lost: continue from before it
+                return Continue(body, lost)
             return self._stop(lost, cancel=True, written=body)
-        self.transcript.add(body)
         return body
 
     def message(self, headers: dict[str, str], data: bytes) -> Action:
@@ -133,7 +143,8 @@ class StreamRelay:
         if kind in _SEQUENCED:
             gap = self._seq.gap(headers.get(subjects.H_SEQ))
             if gap is not None:
-                return self._stop(StreamInterruptedError(f"{gap}; the stream is incomplete"), cancel=True)
+                lost = StreamInterruptedError(f"{gap}; the stream is incomplete")
+                return Continue(b"", lost) if self.started else self._stop(lost, cancel=True)
         if kind == "start":
             if self.started:
                 return self._stop(BackendError("the router started the stream twice; the stream is incomplete"),
@@ -150,15 +161,17 @@ class StreamRelay:
                 self.total_tokens = total_tokens(data)
                 return Finish(DONE)
             # whole SSE events as the node framed them, or one chunk's JSON (an older router)
-            body = data if kind == subjects.STREAM_EVENTS else sse_event(data)
-            self.transcript.add(body)
-            return body
+            return data if kind == subjects.STREAM_EVENTS else sse_event(data)
         # An error (or a non-stream reply from a router that ignored stream): the router ended it.
         self.done = True
         code = headers.get(subjects.H_ERROR_CODE, "INTERNAL")
         if not self.started:
             return Refuse(*error_answer(code, data, headers.get(subjects.H_RETRY_AFTER), self.limits))
         return Finish(sse_event(data))
+
+    def lost(self, c: Continue) -> Action:
+        """The stream a message of which was lost cannot be continued: it ends with the loss."""
+        return self._stop(c.error, cancel=True)
 
     def overflowed(self, buffer: int) -> Action:
         """The exchange's buffer of ``buffer`` messages overflowed: the client reads too slowly."""
@@ -189,83 +202,4 @@ class StreamRelay:
         self.done = True
         if not self.started:
             return Fail(error, cancel)
-        if written:
-            self.transcript.add(written)
         return Finish(written + sse_event(_encode(error.to_body())), cancel)
-
-
-# --- what the client has been sent ------------------------------------------------------------
-class _Delta(msgspec.Struct):
-    content: str | None = None
-
-
-class _Choice(msgspec.Struct):
-    index: int = 0
-    delta: _Delta | None = None
-    text: str | None = None  # completions
-
-
-class _Chunk(msgspec.Struct):
-    choices: list[_Choice] = []
-
-
-_chunk = msgspec.json.Decoder(_Chunk)
-#: Events kept as written up to this many bytes, then folded into text (memory stays bounded).
-FOLD_BYTES = 64 * 1024
-
-
-class Transcript:
-    """The text a stream's client has been sent (choice 0's content, or a completion's text)
-    and how many chunks carried some of it: where a continuation would pick up.
-
-    Writing costs a list append per write; the events are decoded only when asked, or when
-    more than FOLD_BYTES of them wait.
-
-    >>> t = Transcript()
-    >>> t.add(b'data: {"choices":[{"delta":{"content":"Hel"}}]}\\n\\ndata: {"choices":[{"delta":{"content":"lo"}}]}\\n\\n')
-    >>> t.text(), t.tokens()
-    ('Hello', 2)
-    """
-
-    __slots__ = ("_raw", "_size", "_text", "_tokens")
-
-    def __init__(self) -> None:
-        self._raw: list[bytes] = []
-        self._size = 0
-        self._text: list[str] = []
-        self._tokens = 0
-
-    def add(self, events: bytes) -> None:
-        self._raw.append(events)
-        self._size += len(events)
-        if self._size > FOLD_BYTES:
-            self._fold()
-
-    def text(self) -> str:
-        self._fold()
-        return "".join(self._text)
-
-    def tokens(self) -> int:
-        """Chunks that carried text (an engine sends one per token)."""
-        self._fold()
-        return self._tokens
-
-    def _fold(self) -> None:
-        raw, self._raw, self._size = self._raw, [], 0
-        for block in raw:
-            # Events come as the router framed them: ``data: <one JSON>\n\n`` each.
-            for ev in block.split(b"\n\n"):
-                payload = ev[6:] if ev[:6] == b"data: " else data_field(ev)
-                if not payload:
-                    continue
-                try:
-                    chunk = _chunk.decode(payload)
-                except (msgspec.DecodeError, msgspec.ValidationError):
-                    continue  # an error event, or not OpenAI's chunk: no text
-                for choice in chunk.choices:
-                    if choice.index == 0:
-                        piece = choice.delta.content if choice.delta is not None else choice.text
-                        if piece:
-                            self._text.append(piece)
-                            self._tokens += 1
-                        break

@@ -11,7 +11,7 @@ from __future__ import annotations
 from zmlcore import subjects
 from zmlcore.errors import ZMLError
 from zml_gateway.asgi import Receive, Send, send_whole
-from zml_gateway.infer.relay import Fail, Finish, Refuse, Start, StreamRelay
+from zml_gateway.infer.relay import Continue, Fail, Finish, Refuse, Start, StreamRelay
 from zml_gateway.infer.upstream import BrokerLost, ClientGone, Outbound, Upstream
 
 
@@ -43,6 +43,12 @@ async def relay_stream(up: Upstream, out: Outbound, buffer: int, receive: Receiv
             if type(action) is bytes:  # per chunk: first
                 await send({"type": "http.response.body", "body": action, "more_body": True})
                 continue
+            if isinstance(action, Continue):  # a message lost: another router continues from before it
+                if action.body:
+                    await send({"type": "http.response.body", "body": action.body, "more_body": True})
+                if await ex.continue_lost():
+                    continue
+                action = relay.lost(action)
             if isinstance(action, Start):
                 await send({"type": "http.response.start", "status": 200, "headers": action.headers})
                 continue

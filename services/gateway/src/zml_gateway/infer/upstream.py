@@ -52,7 +52,8 @@ class Upstream:
 
     def exchange(self, out: Outbound, buffer: int | None = None) -> Exchange:
         """The request to the routers: keepalives asked for, a dead router's request sent again
-        (and one that found no router, within [gateway] no_router_grace_s: zmlcore.reply.norouter);
+        (and one that found no router, within [gateway] no_router_grace_s: zmlcore.reply.norouter),
+        a dead router's stream continued from what it relayed (zmlcore.reply.resume);
         a plain reply over max_payload collected in parts (``buffer`` None: room for all of them)."""
         g = self.cfg.gateway
         ka = g.router_keepalive_ms
@@ -61,14 +62,17 @@ class Upstream:
                         subject=subjects.FRONT_DOOR_INFER, keepalive_s=ka / 1000.0 if ka else None,
                         accept_parts=None if buffer else limit,
                         buffer=buffer or parts_buffer(limit, self.nc.max_payload),
-                        no_router_grace_s=g.no_router_grace_s)
+                        no_router_grace_s=g.no_router_grace_s,
+                        resume=bool(buffer))  # a stream: continued by another router if its own dies
 
     def watch(self, ex: Exchange, receive: Receive) -> Callable[[], None]:
-        """While a request runs, the HTTP client going away and the broker connection being
-        lost both abort its exchange: the broker is a callback; the client is one too when the
-        server offers it (zml_gateway.protocol.FastCycle.on_disconnect, HTTP/1.1), else a task
-        waits on ``receive()``. Returns what stops watching."""
-        unwatch = link_of(self.nc).on_change(lambda: ex.abort(BrokerLost()))
+        """While a request runs, the HTTP client going away aborts its exchange, and so does the
+        broker connection closing for good; a broker connection that comes back has the
+        request sent again (Exchange.follow: a stream continued from what it relayed). The
+        broker is a callback; the client is one too when the server offers it
+        (zml_gateway.protocol.FastCycle.on_disconnect, HTTP/1.1), else a task waits on
+        ``receive()``. Returns what stops watching."""
+        unwatch = ex.follow(link_of(self.nc), BrokerLost)
         on_disconnect = getattr(getattr(receive, "__self__", None), "on_disconnect", None)
         if on_disconnect is not None:  # no task (created, run, cancelled) per request
             off = on_disconnect(lambda: ex.abort(ClientGone()))
@@ -98,12 +102,12 @@ class Upstream:
 
     async def await_broker(self, timeout: float) -> float:
         """A request that arrives while the broker connection is down has reached nobody, so it
-        waits for the reconnect (a broker restart takes well under a second) within [gateway]
-        no_router_grace_s and never past its own timeout, then goes on with the time left.
+        waits for the reconnect (a broker restarted: a few seconds) within [gateway]
+        broker_grace_s and never past its own timeout, then goes on with the time left.
         Past that: 503 CONNECTION_FAILED, as before. It is not published while disconnected:
         nats-py would buffer it, and a buffer lost with the connection would lose it silently."""
         t0 = time.monotonic()
-        grace = min(self.cfg.gateway.no_router_grace_s, timeout)
+        grace = min(self.cfg.gateway.broker_grace_s, timeout)
         link = link_of(self.nc)
         if grace > 0:
             try:

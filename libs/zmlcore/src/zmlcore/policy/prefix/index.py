@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from zmlcore.fleet.accelerators import ACCELERATORS
 from zmlcore.messages import NodeState
 from zmlcore.messages.kvcache import KvAllCleared, KvBlockRemoved, KvBlockStored, KvEventBatch
 from zmlcore.policy.estimate import BODY_BYTES_PER_TOKEN
@@ -58,17 +59,9 @@ MAX_AWAITING = 1024
 EVENTS_STALE_S = 30.0
 
 #: Default KV geometry by accelerator type when the node reports none: (block size in tokens,
-#: cached tokens). Tokens assume an 8B fp16 model (128 KiB of KV per token) in 90% of the
-#: device memory minus 16 GB of weights; vLLM's CUDA/ROCm block is 16 tokens, Gaudi's 128,
-#: Neuron's 128; llama.cpp caches token by token in a context of 32k.
-KV_DEFAULTS: dict[str, tuple[int, int]] = {
-    "nvidia_h100": (16, 458_000),
-    "nvidia_a100": (16, 458_000),
-    "amd_mi300x": (16, 1_280_000),
-    "intel_gaudi2": (128, 577_000),
-    "aws_inferentia2": (128, 105_000),
-    "cpu": (1, 32_768),
-}
+#: cached tokens), from the accelerator table (zmlcore.fleet.accelerators, the one source the
+#: simulated nodes use too).
+KV_DEFAULTS: dict[str, tuple[int, int]] = {t: (a.kv_block_size, a.kv_cache_tokens) for t, a in ACCELERATORS.items()}
 _UNKNOWN_KV = (16, 100_000)
 
 

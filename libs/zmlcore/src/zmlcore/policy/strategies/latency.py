@@ -17,8 +17,8 @@ Inferentia2, several times that on a busy one. Once the warm node's queue outwei
 prefix is worth less than the wait and the request spills ("until saturated"). Among warm
 candidates, the lowest ``est - cached / pf_ref / (1 - rho_ref)`` wins. On tuning seeds of
 benches/routing_sim.py this beat fixed budgets of 0, 0.5, 1, 2 and 4 times the recomputation
-at 80% load (p90 TTFT of agent and hot-prefix traffic 2-3x lower than 1x) and matched them at
-50% (docs/benchmarks.md, "Cache-aware routing").
+at 80% load (agent p90 TTFT 4-6x lower than 1x, hot-prefix 1.5-3x lower than 2x) and was within
+the noise of them at 50% (docs/routing.md, "Sticky until saturated").
 
 Near-ties (no node holds more than the reference): estimates within a window of the lowest
 count as equal, and the tie goes to the node with the slowest prefill. A short prompt costs a
