@@ -21,6 +21,17 @@ import pytest
 from pki import Pki, make_pki
 from zmlcore.runtime.launch import Proc, free_port, service_argv, spawn, start_nats, wait_port
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_cmdline_main(config: pytest.Config) -> None:
+    """The chaos and engine suites (``-m chaos``, ``-m engine``) run in one process, whatever
+    pyproject's addopts say: they kill processes under load and time the recovery, so tests of
+    their own beside them would be part of the fault. Only the default selection is parallel."""
+    markexpr = config.option.markexpr or ""
+    if ("chaos" in markexpr or "engine" in markexpr) and "not engine and not chaos" not in markexpr:
+        config.option.numprocesses = 0
+        config.option.dist = "no"
+
+
 MODEL = "meta-llama/llama-3-8b-instruct"
 MODEL_2 = "mistralai/mistral-7b-instruct"
 

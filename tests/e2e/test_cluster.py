@@ -41,6 +41,7 @@ async def _replicas(urls: str, streams: tuple[str, ...] = (
         await nc.close()
 
 
+@pytest.mark.chaos  # kill -9 under load, timed against a RAFT election: in the chaos suite
 def test_kill_one_server_of_three_under_load(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     plan = ClusterPlan.make("127.0.0.1", 3, str(tmp_path / "nats"))
     servers = [plan.start(i) for i in range(3)]

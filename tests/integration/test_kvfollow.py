@@ -213,6 +213,9 @@ async def test_run_service_exits_when_the_connection_closes_for_good(tmp_path: P
     class Oversize:
         async def start(self, nc) -> None:  # type: ignore[no-untyped-def]
             await nc.publish("zml.test.big", b"x" * 4000, headers={"Zml-Request-Id": "r" * 500})
+            # Let the -ERR arrive before anything else is written: a write after the server has
+            # closed meets a reset instead, which nats-py takes for a blip and reconnects.
+            await asyncio.sleep(0.5)
 
         async def stop(self) -> None:
             pass

@@ -102,9 +102,12 @@ async def run_service(
         # nats-py sends SUB without waiting for the broker: one PING/PONG makes "started" (and
         # `zml up`'s "ready") mean the subscriptions are at the broker, so a request sent on that
         # signal does not meet "no responders".
-        try:
-            await flush(nc, 5)
-        except Exception:  # broker gone meanwhile: the reconnect re-sends the subscriptions
+        # A connection closed meanwhile answers no PING: that wait ends with it, not 5 s later.
+        confirming = asyncio.ensure_future(flush(nc, 5))
+        await asyncio.wait({confirming, closed, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if not confirming.done():
+            confirming.cancel()
+        elif confirming.exception() is not None:  # broker gone: the reconnect re-sends the subscriptions
             log.warning("%s: subscriptions not confirmed by the broker at start", name)
         gcpace.settle()  # start-up objects frozen; collections paced by time (zmlcore.runtime.gcpace)
         collecting = asyncio.ensure_future(gcpace.collect_every())
