@@ -98,7 +98,10 @@ def _draw_http() -> list[tuple[str, str, dict[str, str], bytes]]:
     @_GEN
     @given(method=_method, path=_path, headers=_http_headers, body=_payload)
     def collect(method: str, path: str, headers: dict[str, str], body: bytes) -> None:
-        headers.pop("content-length", None)
+        # Framing is the HTTP client's: h11 refuses to send a hand-set length or a transfer
+        # coding other than chunked (hypothesis draws header names among the string constants
+        # of the code it runs, "transfer-encoding" included: that case failed CI).
+        headers = {k: v for k, v in headers.items() if k.lower() not in ("content-length", "transfer-encoding")}
         out.append((method, path, headers, body))
 
     collect()
@@ -185,6 +188,8 @@ async def test_http_fuzz(stack: Stack) -> None:
                 r = await c.request(method, path, content=body if method not in ("GET", "HEAD") else None,
                                     headers=headers)
             except httpx.RemoteProtocolError:  # closed on us (e.g. 'expect' games): not a 5xx
+                return None
+            except httpx.LocalProtocolError:  # h11 would not send it: nothing reached the gateway
                 return None
             return _http_problem(r)
 
