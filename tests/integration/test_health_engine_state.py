@@ -35,14 +35,23 @@ async def test_llamacpp_measured_speeds_from_its_own_counters() -> None:
         tr = Tracker(started_at=time.time(), grace_s=10)
         async with httpx.AsyncClient(timeout=10) as client:
             tr.observe(await llamacpp_probe(client, sim.url, 5.0), time.time(), HealthConfig())
-            # distinct prompts: the sim caches prefixes, and cached tokens take no prefill time
-            await asyncio.gather(*(client.post(sim.url + "/v1/completions", json={
-                    "model": "m", "prompt": f"{i}" + "x" * 3999, "max_tokens": 120}) for i in range(4)))
+            # Distinct prompts: the sim caches prefixes, and cached tokens take no prefill time.
+            # Started 60 ms apart: each 4,000-token prefill (~40 ms here) runs alone, as the
+            # expected speed assumes (two prefills in one step are a batch, and the engine's
+            # counters rightly show the batch's higher throughput: on a loaded box the four
+            # sometimes arrived together), while the decodes (~200 ms) overlap.
+            async def one(i: int) -> None:
+                await asyncio.sleep(0.06 * i)
+                await client.post(sim.url + "/v1/completions", json={
+                    "model": "m", "prompt": f"{i}" + "x" * 3999, "max_tokens": 120})
+            await asyncio.gather(*(one(i) for i in range(4)))
             tr.observe(await llamacpp_probe(client, sim.url, 5.0), time.time(), HealthConfig())
         assert tr.speed.prefill_tps is not None and tr.speed.decode_tps is not None
         # Profile: 10,000 x 0.5 prefill, 60 x 0.5 decode at batch 1, both x time_scale 20; the
         # four ran decoding together: the decode-step counters bring it back to batch 1.
-        assert 0.7 * 100_000 < tr.speed.prefill_tps < 1.1 * 100_000, tr.speed.prefill_tps
+        # ±30%: a starved event loop makes the sim's steps coarse (seen: 1.23x with the box's
+        # two cores 4x oversubscribed); a speed taken from the wrong counter is off by far more.
+        assert 0.7 * 100_000 < tr.speed.prefill_tps < 1.3 * 100_000, tr.speed.prefill_tps
         assert 0.8 * 600 < tr.speed.decode_tps < 1.2 * 600, tr.speed.decode_tps
     finally:
         await sim.stop()
