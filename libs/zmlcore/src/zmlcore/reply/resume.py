@@ -85,6 +85,14 @@ class Received:
             self.started = True
             self._start = data
             return
+        if kind not in (subjects.STREAM_EVENTS, subjects.STREAM_CHUNK) and (
+                kind is not None or subjects.H_ERROR_CODE in headers) and self._in_order(headers):
+            # The end, or an error, with nothing lost before it: nothing will be continued, so
+            # the frames' text is never read (folding it here cost every stream a parse of its
+            # whole text at its end). After a gap the path below keeps what came before it.
+            self.ended = True
+            self._frames.clear()
+            return
         self._fold_frames()
         if self.broken:
             return
@@ -100,6 +108,20 @@ class Received:
             t.add(data)
         elif kind is not None or subjects.H_ERROR_CODE in headers:
             self.ended = True  # the end, or an error: nothing to continue
+
+    def _in_order(self, headers: dict[str, str]) -> bool:
+        """The frames held and this message continue the numbering with nothing lost (their
+        numbers only: no text is read)."""
+        if self.broken:
+            return False
+        n = self.seq
+        for data in self._frames:
+            i = data.find(b"\n")
+            if i <= 0 or not data[:i].isdigit() or int(data[:i]) != n + 1:
+                return False
+            n += 1
+        seq = headers.get(subjects.H_SEQ)
+        return seq is None or not seq.isdigit() or int(seq) == n + 1
 
     def _fold_frames(self) -> None:
         if not self._frames:
