@@ -27,7 +27,7 @@ from typing import Any
 import msgspec
 
 from zmlcore.reply.sse import SSELineSplitter, data_field
-from zmlcore.reply.transcript import Sent
+from zmlcore.reply.transcript import ChunkChoice, ChunkDelta, Sent
 
 from zml_router.continuation import spliced_usage
 
@@ -35,31 +35,12 @@ _encode = msgspec.json.encode
 _decode_any = msgspec.json.Decoder()
 
 
-class _Delta(msgspec.Struct):
-    role: Any = None
-    content: Any = None
-    reasoning_content: Any = None
-    reasoning: Any = None
-    tool_calls: Any = None
-    function_call: Any = None
-    refusal: Any = None
-
-
-class _Choice(msgspec.Struct):
-    index: Any = 0
-    delta: _Delta | None = None
-    text: Any = None
-    finish_reason: Any = None
-    stop_reason: Any = None
-    logprobs: Any = None
-
-
 class _Chunk(msgspec.Struct):
     id: Any = None
     created: Any = None
     model: Any = None
     system_fingerprint: Any = None
-    choices: list[_Choice] | None = None
+    choices: list[ChunkChoice] | None = None
     usage: Any = None
     error: Any = None
 

@@ -19,20 +19,26 @@ import msgspec
 
 from zmlcore.reply.sse import event_payloads
 
-class _Delta(msgspec.Struct):
+class ChunkDelta(msgspec.Struct):
+    """A chat chunk's ``delta`` (OpenAI's fields; the router's assembler reads them too)."""
+
     role: Any = None
     content: Any = None
     reasoning_content: Any = None
     reasoning: Any = None
     tool_calls: Any = None
     function_call: Any = None
+    refusal: Any = None
 
 
-class _Choice(msgspec.Struct):
+class ChunkChoice(msgspec.Struct):
+    """One choice of a stream chunk (chat ``delta`` or completion ``text``)."""
+
     index: Any = 0
-    delta: _Delta | None = None
+    delta: ChunkDelta | None = None
     text: Any = None
     finish_reason: Any = None
+    stop_reason: Any = None
     logprobs: Any = None
 
 
@@ -53,7 +59,7 @@ class _TypedChunk(msgspec.Struct):
 
     id: Any = None
     created: Any = None
-    choices: list[_Choice] | None = None
+    choices: list[ChunkChoice] | None = None
     usage: Any = None
 
 
@@ -108,9 +114,9 @@ class Sent:
             self.usage = True
         if not choices:
             return
-        if isinstance(choices, list) and choices and not isinstance(choices[0], _Choice):
+        if isinstance(choices, list) and choices and not isinstance(choices[0], ChunkChoice):
             try:
-                choices = msgspec.convert(choices, list[_Choice])
+                choices = msgspec.convert(choices, list[ChunkChoice])
             except msgspec.ValidationError:
                 self.blocked = self.blocked or "chunks the router cannot read"
                 return
