@@ -158,10 +158,16 @@ def cached_rows(table: ModelTable, cache: PrefixIndex, match: Match, prompt_toke
     """Each row's cached tokens for this request, in whole blocks of its node's engine:
     ``{row: tokens}`` for a small table, a dense array for a large one (None: no row holds
     any). A node's tokens are the matched bytes in tokens, capped below the whole prompt
-    (``PrefixIndex.to_tokens``), rounded down to its block size."""
+    (``PrefixIndex.to_tokens``), rounded down to its block size.
+
+    Only the nodes of the match's groups are visited (the warm ones), never the whole fleet: a
+    group of a few nodes bit by bit, a large one (a shared system prompt) in a few vector
+    operations over its slots. Slots of nodes outside the table map to a spare last element,
+    which the result leaves out."""
     key = (id(cache), cache.epoch)
+    n = len(table.views)
     if table.slot_key != key:  # nodes joined/left the index or the table was rebuilt
-        m = np.full(len(cache.block_by_slot), -1, dtype=np.intp)
+        m = np.full(len(cache.block_by_slot), n, dtype=np.intp)
         for j, v in enumerate(table.views):
             nc = cache.node(v.node_id)
             if nc is not None:
@@ -171,37 +177,43 @@ def cached_rows(table: ModelTable, cache: PrefixIndex, match: Match, prompt_toke
     rows_of = table.slot_rows
     blocks = cache.block_by_slot
     chain = match.chain
-    total = max(prompt_tokens, chain.nbytes // cache.bytes_per_token)
+    bpt = cache.bytes_per_token
+    total = max(prompt_tokens, chain.nbytes // bpt)
     n_slots = len(rows_of)
-    out: Any = {} if table.small else None
+    small = table.small
+    out: Any = {} if small else None
+    hit = False
     for mask, nkeys in match.groups:
-        t = min(KEY_ENDS[nkeys - 1] // cache.bytes_per_token, total - 1)
+        t = min(KEY_ENDS[nkeys - 1] // bpt, total - 1)
         if t <= 0:
             continue
-        if table.small or mask.bit_count() < 8:
+        if small or mask.bit_count() < 8:
             for sl in slots_of(mask):
-                j = int(rows_of[sl]) if sl < n_slots else -1
-                if j < 0:
+                if sl >= n_slots:
                     continue
-                b = int(blocks[sl])
+                j = rows_of.item(sl)
+                if j == n:
+                    continue
+                b = blocks.item(sl)
                 c = t // b * b
                 if c:
                     if out is None:
-                        out = np.zeros(len(table.views))
+                        out = np.zeros(n + 1)
                     out[j] = c
+                    hit = True
         else:  # a prefix many nodes hold (a shared system prompt): vector work
             sa = slot_array(mask)
-            if sa[-1] >= n_slots:
+            if mask.bit_length() > n_slots:
                 sa = sa[sa < n_slots]
-            rows = rows_of[sa]
-            ok = rows >= 0
-            ba = blocks[sa[ok]]
+            b = blocks[sa]
+            c = t // b * b
             if out is None:
-                out = np.zeros(len(table.views))
-            out[rows[ok]] = t // ba * ba
-    if out is not None and not table.small and not out.any():
-        return None
-    return out or None if table.small else out
+                out = np.zeros(n + 1)
+            out[rows_of[sa]] = c
+            hit = hit or bool(np.count_nonzero(c))
+    if small:
+        return out or None
+    return out[:n] if hit else None
 
 
 def _index_for(nodes: Sequence[NodeView], state: RoutingState) -> FleetIndex:
