@@ -175,7 +175,6 @@ def cached_rows(table: ModelTable, cache: PrefixIndex, match: Match, prompt_toke
         table.slot_rows = m
         table.slot_key = key
     rows_of = table.slot_rows
-    blocks = cache.block_by_slot
     chain = match.chain
     bpt = cache.bytes_per_token
     total = max(prompt_tokens, chain.nbytes // bpt)
@@ -187,6 +186,7 @@ def cached_rows(table: ModelTable, cache: PrefixIndex, match: Match, prompt_toke
         t = min(KEY_ENDS[nkeys - 1] // bpt, total - 1)
         if t <= 0:
             continue
+        tok, every = cache.tokens_by_slot(t)  # t in whole blocks of each slot's engine
         if small or mask.bit_count() < 8:
             for sl in slots_of(mask):
                 if sl >= n_slots:
@@ -194,8 +194,7 @@ def cached_rows(table: ModelTable, cache: PrefixIndex, match: Match, prompt_toke
                 j = rows_of.item(sl)
                 if j == n:
                     continue
-                b = blocks.item(sl)
-                c = t // b * b
+                c = tok.item(sl)
                 if c:
                     if out is None:
                         out = np.zeros(n + 1)
@@ -205,12 +204,11 @@ def cached_rows(table: ModelTable, cache: PrefixIndex, match: Match, prompt_toke
             sa = slot_array(mask)
             if mask.bit_length() > n_slots:
                 sa = sa[sa < n_slots]
-            b = blocks[sa]
-            c = t // b * b
+            c = tok[sa]
             if out is None:
                 out = np.zeros(n + 1)
             out[rows_of[sa]] = c
-            hit = hit or bool(np.count_nonzero(c))
+            hit = hit or every or bool(np.count_nonzero(c))
     if small:
         return out or None
     return out[:n] if hit else None
