@@ -242,18 +242,19 @@ class VCtx(Ctx):
         now = self.now
         hmin = self.health_min
         b: np.ndarray | None = None
-        # One extreme per check first: usually no row is stale, cooling down or unhealthy.
+        # Usually no row is stale, cooling down or unhealthy: the table's bounds on the
+        # columns' extremes say so without reading them, else the extremes themselves do.
         # (``now - u`` is monotone in ``u``, so the oldest row decides staleness exactly.)
-        # ``a.item(a.argmin())`` is ``a.min()`` at a fifth of its call overhead (see ``lowest``).
-        upd, blk, hl = t.updated, t.blocked, t.health
+        stale = self.stale_after
         if (
-            now - upd.item(upd.argmin()) > self.stale_after or blk.item(blk.argmax()) > now
-            or (hmin is not None and hl.item(hl.argmin()) < hmin)
+            (now - t.upd_lo > stale and now - t.oldest_update() > stale)
+            or (t.blk_hi > now and t.latest_block() > now)
+            or (hmin is not None and t.health_lo < hmin and t.lowest_health() < hmin)
         ):
-            m = (now - upd) > self.stale_after
-            m |= blk > now
+            m = (now - t.updated) > stale
+            m |= t.blocked > now
             if hmin is not None:
-                m |= hl < hmin
+                m |= t.health < hmin
             b = m if np.count_nonzero(m) else None
         out = self.chain.outside_rows
         if out is not None:
@@ -343,7 +344,10 @@ class VCtx(Ctx):
 
     def cand(self, i: int) -> Cand:
         g = self.table.group_of[i]
-        return Cand(g, i, self.est(g, i), self.ranks[g.k], cached=self.cached_at(i))
+        e = self._est
+        # (estimates() computed row i as est() does, operation by operation: the same float)
+        est = e.item(i) if e is not None and e.item(i) != INF else self.est(g, i)
+        return Cand(g, i, est, self.ranks[g.k], cached=self.cached_at(i))
 
     def evaluate(self) -> None:
         """``evaluated`` as :meth:`Ctx.candidates` sets it."""

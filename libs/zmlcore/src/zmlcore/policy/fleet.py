@@ -77,7 +77,7 @@ class ModelTable:
     __slots__ = (
         "model", "small", "families", "by_family", "groups", "starts", "fam", "group_of", "chains", "flat", "views",
         "coeffs", "inputs", "up", "n_up", "key", "drain", "pf", "inv_pf", "cost_cap", "depth", "maxc", "updated",
-        "blocked", "health", "slot_rows", "slot_key",
+        "blocked", "health", "upd_lo", "blk_hi", "health_lo", "slot_rows", "slot_key",
     )
 
     def __init__(self, model: str, views: list[NodeView], families: list[str]) -> None:
@@ -124,10 +124,33 @@ class ModelTable:
         self.updated = col(0.0)
         self.blocked = col(0.0)
         self.health = col(0.0)
+        #: bounds on those columns' extremes, kept as they are written: no greater than the
+        #: oldest ``updated`` and the lowest ``health``, no less than the latest ``blocked``.
+        #: A decision reads the column itself only when a bound says a row may be stale,
+        #: blocked or unhealthy (``oldest_update`` ... make the bound exact again).
+        self.upd_lo = -INF
+        self.blk_hi = INF
+        self.health_lo = -INF
         #: a PrefixIndex's slot -> this table's row (-1: not here), and the (index, epoch) it
         #: was built for (zmlcore.policy.choose.cached_rows)
         self.slot_rows: Any = None
         self.slot_key: Any = None
+
+    # The columns' exact extremes (large tables), each also made the column's bound.
+    def oldest_update(self) -> float:
+        u = self.updated
+        lo = self.upd_lo = u.item(u.argmin())
+        return lo
+
+    def latest_block(self) -> float:
+        b = self.blocked
+        hi = self.blk_hi = b.item(b.argmax())
+        return hi
+
+    def lowest_health(self) -> float:
+        h = self.health
+        lo = self.health_lo = h.item(h.argmin())
+        return lo
 
 
 def _membership(v: NodeView) -> tuple[str, frozenset[str], list[str], list[str]]:
@@ -227,8 +250,13 @@ class FleetIndex(Sequence[NodeView]):
         if up != t.up[j]:
             t.up[j] = up
             t.n_up[t.fam[j]] += 1 if up else -1
-        t.updated[j] = st.updated_at
-        t.health[j] = st.health_score
+        u, h = st.updated_at, st.health_score
+        t.updated[j] = u
+        t.health[j] = h
+        if u < t.upd_lo:
+            t.upd_lo = u
+        if h < t.health_lo:
+            t.health_lo = h
         _set_counters(t, j, v)
 
     # --- tables ---
@@ -289,7 +317,9 @@ def _set_counters(t: ModelTable, j: int, v: NodeView) -> None:
     out = v.effective_outstanding()
     t.depth[j] = out
     cool, sat = v._cooldown_until, v._saturated_until
-    t.blocked[j] = cool if cool > sat else sat
+    b = t.blocked[j] = cool if cool > sat else sat
+    if b > t.blk_hi:
+        t.blk_hi = b
     c = t.coeffs[j]
     if t.up[j] and c is not None:
         t.key[j] = c.load_key(out, v.effective_pending(), v.effective_pending_tokens(c.mean_prompt))
