@@ -215,6 +215,11 @@ class FleetIndex(Sequence[NodeView]):
             self._watching = False
 
     # --- upkeep: O(1) per change ---
+    def _counts_changed(self, view: NodeView) -> None:
+        """A counter changed (outstanding, pending, pending tokens): the rows' load keys."""
+        for table, j in self._where.get(view._state.node_id, ()):
+            _set_load(table, j, view)
+
     def _node_changed(self, view: NodeView, structural: bool) -> None:
         st = view._state
         where = self._where.get(st.node_id, ())
@@ -314,15 +319,22 @@ class FleetIndex(Sequence[NodeView]):
 
 
 def _set_counters(t: ModelTable, j: int, v: NodeView) -> None:
-    out = v.effective_outstanding()
-    t.depth[j] = out
     cool, sat = v._cooldown_until, v._saturated_until
     b = t.blocked[j] = cool if cool > sat else sat
     if b > t.blk_hi:
         t.blk_hi = b
+    _set_load(t, j, v)
+
+
+def _set_load(t: ModelTable, j: int, v: NodeView) -> None:
+    """Row ``j``'s depth and keys from the view's counters (the effective counts, inline)."""
+    out = v._outstanding + v._ext_out
+    t.depth[j] = out
     c = t.coeffs[j]
     if t.up[j] and c is not None:
-        t.key[j] = c.load_key(out, v.effective_pending(), v.effective_pending_tokens(c.mean_prompt))
+        pt = v._pending_tokens
+        t.key[j] = c.load_key(out, v._pending + v._ext_pend,
+                              None if pt is None else pt + v._ext_pend * c.mean_prompt)
         t.drain[j] = c.drain_key(out)
     else:
         t.key[j] = INF
