@@ -129,7 +129,7 @@ class Ctx:
         cfg = policy.config
         self.target_s = cfg.latency_target_ms / 1000.0 if cfg.latency_target_ms else DEFAULT_LATENCY_TARGET_S
         self.health_min = cfg.health_threshold
-        key = policy.chain or tuple(table.families)
+        key = policy.chain or table.family_chain
         chain: Chain | None = table.chains.get(key)
         if chain is None:
             if len(table.chains) >= MAX_CHAINS:  # inline policies can name many chains: stay bounded

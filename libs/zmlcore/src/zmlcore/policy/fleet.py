@@ -75,7 +75,7 @@ class ModelTable:
     """
 
     __slots__ = (
-        "model", "small", "families", "by_family", "groups", "starts", "fam", "group_of", "chains", "flat", "views",
+        "model", "small", "families", "family_chain", "by_family", "groups", "starts", "fam", "group_of", "chains", "flat", "views",
         "coeffs", "inputs", "up", "n_up", "key", "drain", "pf", "inv_pf", "cost_cap", "depth", "maxc", "updated",
         "blocked", "health", "upd_lo", "blk_hi", "health_lo", "slot_rows", "slot_key",
     )
@@ -85,8 +85,10 @@ class ModelTable:
         self.model = model
         self.views = views
         self.small = n <= SMALL_TABLE
-        #: families as first written, in registration order
+        #: families as first written, in registration order (and as a chain: a policy's
+        #: default, see context.Ctx)
         self.families = families
+        self.family_chain = tuple(families)
         self.groups: list[FamilyGroup] = []
         self.by_family: dict[str, FamilyGroup] = {}
         #: first row of each group (every group has one)

@@ -368,8 +368,9 @@ class PrefixIndex:
         keys = chain.keys
         if nc is None or not keys:
             return
-        d = _depth(nc.gen, keys)
-        conf = nc.confirmed.get(nc.gen[keys[d - 1]] >> _POS_BITS, -1.0) if d else -1.0
+        gen = nc.gen
+        d = _depth(gen, keys)
+        conf = nc.confirmed.get(gen[keys[d - 1]] >> _POS_BITS, -1.0) if d else -1.0
         # recorded, not confirmed: the engine holds it once this request's prefill is done
         n = self._touch(nc, keys, d, now)
         # what was predicted, for the engine's report (correct)
@@ -377,8 +378,18 @@ class PrefixIndex:
         aw[keys[-1]] = (d, conf, now, n)
         if len(aw) > MAX_AWAITING:
             aw.popitem(last=False)
-        self._expire(nc, now)
-        self._sweep_one(now)
+        ttl_before = now - self.ttl_s
+        log = nc.log
+        if log and log[0][1] < ttl_before:
+            self._expire(nc, now)
+        # and another node's, now and then (nodes nobody sends to age too)
+        by_slot = self._by_slot
+        s = self._sweep = (self._sweep + 1) % len(by_slot)
+        other = by_slot[s]
+        if other is not None:
+            log = other.log
+            if log and log[0][1] < ttl_before:
+                self._expire(other, now)
 
     def _touch(self, nc: NodeCache, keys: list[int], d: int, now: float) -> int:
         """Make ``keys`` (of which the node holds the first ``d``) its most recent entries;
@@ -484,16 +495,6 @@ class PrefixIndex:
         # (KV events flowing: evictions come from the engine itself)
         if log and log[0][1] < now - self.ttl_s and (nc.events_at is None or now - nc.events_at > EVENTS_STALE_S):
             self._evict(nc, 0, before=now - self.ttl_s)
-
-    def _sweep_one(self, now: float) -> None:
-        """Expire another node's old entries now and then (nodes nobody sends to age too)."""
-        by_slot = self._by_slot
-        if not by_slot:
-            return
-        s = self._sweep = (self._sweep + 1) % len(by_slot)
-        nc = by_slot[s]
-        if nc is not None and nc.log:
-            self._expire(nc, now)
 
     def expire(self, now: float) -> None:
         """Expire every node's old entries (O(expired)); ``record`` does it as it goes."""
