@@ -127,29 +127,32 @@ def choose_node(
             cached = cached_rows(table, cache, match, req.prompt_tokens)
     ctx = (Ctx if table.small else VCtx)(fleet, table, req, policy, now, state, stale_after_s, cached)
     session = ""
-    pick = None
+    i = -1  # the picked row and its estimate
+    est = 0.0
     if req.session_node is not None:
         row, session = keep_bound(ctx, req.session_node)
         if row is not None:
-            g = table.group_of[row]
-            pick = Cand(g, row, ctx.est(g, row), ctx.ranks[g.k], cached=ctx.cached_at(row))
-    if pick is None:
+            i, est = row, ctx.est(table.group_of[row], row)
+    if i < 0:
         if isinstance(ctx, VCtx):
             row = ROW_STRATEGIES.get(policy.strategy, chain.select_rows)(ctx)
-            pick = None if row is None else ctx.cand(row)
+            if row is not None:
+                i, est = row, ctx.row_est(row)
         else:
             pick = STRATEGIES.get(policy.strategy, chain.select)(ctx)
-    if pick is None:
+            if pick is not None:
+                i, est = pick.i, pick.est
+    if i < 0:
         _fail(fleet, table.families, req, policy, now, stale_after_s)
-    v = table.views[pick.i]
+    v = table.views[i]
     return Decision(
         v.node_id,
         v.state.family,
         policy.name,
         v.effective_outstanding(),
-        estimated_ttft_s=pick.est,
+        estimated_ttft_s=est,
         evaluated=ctx.evaluated or [],
-        cached_tokens=ctx.cached_at(pick.i),
+        cached_tokens=ctx.cached_at(i),
         session=session,
     )
 

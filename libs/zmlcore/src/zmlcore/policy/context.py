@@ -342,12 +342,19 @@ class VCtx(Ctx):
         ranks, fam = self.ranks, self.table.fam
         return int(min(tied.tolist(), key=lambda r: (ranks[fam[r]], r)))
 
+    def row_est(self, i: int) -> float:
+        """Row ``i``'s estimate: from :meth:`estimates` when computed (it computes each row as
+        :meth:`est` does, operation by operation: the same float)."""
+        e = self._est
+        if e is not None:
+            x = e.item(i)
+            if x != INF:
+                return x
+        return self.est(self.table.group_of[i], i)
+
     def cand(self, i: int) -> Cand:
         g = self.table.group_of[i]
-        e = self._est
-        # (estimates() computed row i as est() does, operation by operation: the same float)
-        est = e.item(i) if e is not None and e.item(i) != INF else self.est(g, i)
-        return Cand(g, i, est, self.ranks[g.k], cached=self.cached_at(i))
+        return Cand(g, i, self.row_est(i), self.ranks[g.k], cached=self.cached_at(i))
 
     def evaluate(self) -> None:
         """``evaluated`` as :meth:`Ctx.candidates` sets it."""
