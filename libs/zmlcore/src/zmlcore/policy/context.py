@@ -73,7 +73,7 @@ class Cand:
 class Chain:
     """A policy's chain as it falls on one table (cached in ``ModelTable.chains``)."""
 
-    __slots__ = ("families", "first", "counts", "ranks", "outside", "monotone", "outside_rows")
+    __slots__ = ("families", "first", "counts", "ranks", "outside", "monotone", "outside_rows", "evaluation")
 
     def __init__(self, table: ModelTable, chain: tuple[str, ...]) -> None:
         first: dict[str, int] = {}
@@ -92,6 +92,9 @@ class Chain:
         #: the rows' ranks never decrease: argmin's first row is the first in (rank, row) order
         self.monotone = all(a <= b for a, b in zip(inside, inside[1:]))
         self.outside_rows: np.ndarray | None = None
+        #: (table.n_up_version, per chain position (family, nodes, rejection)) when no row is
+        #: ruled out by the per-decision checks: what VCtx.evaluate reports then
+        self.evaluation: tuple[int, list[tuple[str, int, str | None]]] | None = None
         if self.outside and not table.small:
             self.outside_rows = np.array([self.ranks[k] < 0 for k in table.fam], dtype=bool)
 
@@ -347,7 +350,7 @@ class VCtx(Ctx):
         :meth:`est` does, operation by operation: the same float)."""
         e = self._est
         if e is not None:
-            x = e.item(i)
+            x: float = e.item(i)
             if x != INF:
                 return x
         return self.est(self.table.group_of[i], i)
@@ -359,19 +362,24 @@ class VCtx(Ctx):
     def evaluate(self) -> None:
         """``evaluated`` as :meth:`Ctx.candidates` sets it."""
         t = self.table
-        if self.bad() is None:
+        usual = self.bad() is None
+        if usual:
+            cached = self.chain.evaluation
+            if cached is not None and cached[0] == t.n_up_version:
+                self.evaluated = [FamilyEval(f, n, r) for f, n, r in cached[1]]
+                return
             live = t.n_up
         else:
             live = (np.minimum.reduceat(self.estimates(), t.starts) != INF).tolist()
         first_of, counts = self.first_of, self.counts
-        self.evaluated = [
-            FamilyEval(
-                fam, counts[r],
-                None if g is not None and first_of[r] and live[g.k]
-                else ("no_routable_node" if g is not None else "no_nodes"),
-            )
+        rows = [
+            (fam, counts[r], None if g is not None and first_of[r] and live[g.k]
+             else ("no_routable_node" if g is not None else "no_nodes"))
             for r, (fam, g) in enumerate(self.families)
         ]
+        if usual:
+            self.chain.evaluation = (t.n_up_version, rows)
+        self.evaluated = [FamilyEval(f, n, r) for f, n, r in rows]
 
 
 def fastest(cands: list[Cand]) -> Cand | None:

@@ -76,7 +76,7 @@ class ModelTable:
 
     __slots__ = (
         "model", "small", "families", "family_chain", "by_family", "groups", "starts", "fam", "group_of", "chains", "flat", "views",
-        "coeffs", "inputs", "up", "n_up", "key", "drain", "pf", "inv_pf", "cost_cap", "depth", "maxc", "updated",
+        "coeffs", "inputs", "up", "n_up", "n_up_version", "key", "drain", "pf", "inv_pf", "cost_cap", "depth", "maxc", "updated",
         "blocked", "health", "upd_lo", "blk_hi", "health_lo", "slot_rows", "slot_key",
     )
 
@@ -106,6 +106,8 @@ class ModelTable:
         #: status up and the model loaded (not only loading); how many rows are, per group
         self.up = [False] * n
         self.n_up: list[int] = []
+        #: bumped whenever n_up changes (a chain caches its evaluation per version)
+        self.n_up_version = 0
 
         def col(x: float) -> Any:
             return [x] * n if self.small else np.full(n, x)
@@ -141,17 +143,20 @@ class ModelTable:
     # The columns' exact extremes (large tables), each also made the column's bound.
     def oldest_update(self) -> float:
         u = self.updated
-        lo = self.upd_lo = u.item(u.argmin())
+        lo: float = u.item(u.argmin())
+        self.upd_lo = lo
         return lo
 
     def latest_block(self) -> float:
         b = self.blocked
-        hi = self.blk_hi = b.item(b.argmax())
+        hi: float = b.item(b.argmax())
+        self.blk_hi = hi
         return hi
 
     def lowest_health(self) -> float:
         h = self.health
-        lo = self.health_lo = h.item(h.argmin())
+        lo: float = h.item(h.argmin())
+        self.health_lo = lo
         return lo
 
 
@@ -257,6 +262,7 @@ class FleetIndex(Sequence[NodeView]):
         if up != t.up[j]:
             t.up[j] = up
             t.n_up[t.fam[j]] += 1 if up else -1
+            t.n_up_version += 1
         u, h = st.updated_at, st.health_score
         t.updated[j] = u
         t.health[j] = h
