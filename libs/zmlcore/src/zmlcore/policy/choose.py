@@ -185,9 +185,32 @@ def cached_rows(table: ModelTable, cache: PrefixIndex, match: Match, prompt_toke
     small = table.small
     out: Any = {} if small else None
     hit = False
-    for mask, nkeys in match.groups:
+    groups = match.groups
+    based = False
+    if not small and len(groups) > 1 and match.held.bit_count() >= 8:
+        # Many nodes usually hold a shared prefix (the base, the largest group) and a few hold
+        # more of this prompt: every holder of the first key (the groups' union, whose slots
+        # are remembered: ``PrefixIndex.slots``) is written with the base's tokens in one
+        # vector operation, then the other groups over it.
+        base = max(groups, key=lambda g: g[0].bit_count())
+        if base[0].bit_count() >= 8:
+            groups = [g for g in groups if g is not base]
+            t = min(KEY_ENDS[base[1] - 1] // bpt, total - 1)
+            if t > 0:
+                sa = cache.slots(match.held)
+                if match.held.bit_length() > n_slots:
+                    sa = sa[sa < n_slots]
+                tok, every = cache.tokens_by_slot(t)
+                out = np.zeros(n + 1)
+                out[rows_of[sa]] = tok[sa]
+                hit = every or bool(np.count_nonzero(out[:n]))
+                based = True
+    for mask, nkeys in groups:
         t = min(KEY_ENDS[nkeys - 1] // bpt, total - 1)
         if t <= 0:
+            if based:  # written with the base's tokens: this group holds no whole token
+                sa = cache.slots(mask)
+                out[rows_of[sa[sa < n_slots]]] = 0.0
             continue
         tok, every = cache.tokens_by_slot(t)  # t in whole blocks of each slot's engine
         if small or mask.bit_count() < 8:
@@ -198,13 +221,19 @@ def cached_rows(table: ModelTable, cache: PrefixIndex, match: Match, prompt_toke
                 if j == n:
                     continue
                 c = tok.item(sl)
-                if c:
-                    if out is None:
-                        out = np.zeros(n + 1)
+                if out is None:
+                    if not c:
+                        continue
+                    out = np.zeros(n + 1)
+                if small:
+                    if c:
+                        out[j] = c
+                        hit = True
+                else:
                     out[j] = c
-                    hit = True
-        else:  # a prefix many nodes hold (a shared system prompt): vector work
-            sa = slot_array(mask)
+                    hit = hit or c > 0
+        else:  # a prefix many nodes hold: vector work
+            sa = cache.slots(mask)
             if mask.bit_length() > n_slots:
                 sa = sa[sa < n_slots]
             c = tok[sa]

@@ -146,15 +146,17 @@ class NodeCache:
 class Match:
     """A lookup's result: per group of nodes, how many keys of the chain they hold.
 
-    ``groups`` is a list of ``(slots, nkeys)``, ``slots`` a bitmask over the index's slots.
+    ``groups`` is a list of ``(slots, nkeys)``, ``slots`` a bitmask over the index's slots;
+    ``held`` their union (the holders of the chain's first key).
     """
 
-    __slots__ = ("index", "chain", "groups")
+    __slots__ = ("index", "chain", "groups", "held")
 
-    def __init__(self, index: PrefixIndex, chain: KeyChain, groups: list[tuple[int, int]]) -> None:
+    def __init__(self, index: PrefixIndex, chain: KeyChain, groups: list[tuple[int, int]], held: int = 0) -> None:
         self.index = index
         self.chain = chain
         self.groups = groups
+        self.held = held
 
     def __bool__(self) -> bool:
         return bool(self.groups)
@@ -208,6 +210,7 @@ class PrefixIndex:
         #: only through _set_block (it keeps the conversions cached by tokens_by_slot)
         self.block_by_slot = np.ones(0, dtype=np.int64)
         self._tokens: dict[int, tuple[np.ndarray, bool]] = {}
+        self._slots: dict[int, np.ndarray] = {}
         #: bumped whenever slots are assigned or freed (tables cache slot -> row maps)
         self.epoch = 0
         self._sweep = 0
@@ -265,6 +268,17 @@ class PrefixIndex:
             self.block_by_slot[nc.slot] = block
             self._tokens.clear()
 
+    def slots(self, mask: int) -> np.ndarray:
+        """:func:`slot_array` of ``mask``, remembered (a few hundred masks): the holders of a
+        shared prefix (a system prompt's first key) come back request after request, and
+        change only when a node gains or loses it (a new mask, a new entry)."""
+        sa = self._slots.get(mask)
+        if sa is None:
+            if len(self._slots) >= 256:
+                self._slots.clear()
+            sa = self._slots[mask] = slot_array(mask)
+        return sa
+
     def tokens_by_slot(self, tokens: int) -> tuple[np.ndarray, bool]:
         """``tokens`` rounded down to whole blocks of each slot's engine (an array by slot),
         and whether that leaves every slot some. Cached per value until a block size changes:
@@ -318,11 +332,11 @@ class PrefixIndex:
         keys = chain.keys
         g = self._holders
         if not keys:
-            return Match(self, chain, [])
+            return Match(self, chain, [], 0)
         v = g.get(keys[0])
         if v is None:
-            return Match(self, chain, [])
-        m0 = (1 << v) if v >= 0 else ~v
+            return Match(self, chain, [], 0)
+        held = m0 = (1 << v) if v >= 0 else ~v
         groups: list[tuple[int, int]] = []
         last = len(keys) - 1
         v = g.get(keys[last])
@@ -332,7 +346,7 @@ class PrefixIndex:
                 groups.append((top, last + 1))
                 m0 &= ~top
                 if not m0:
-                    return Match(self, chain, groups)
+                    return Match(self, chain, groups, held)
             last -= 1
         # Each stack entry: nodes ``m`` whose deepest held key is in ``[lo, hi]``.
         stack = [(0, last, m0)]
@@ -351,7 +365,7 @@ class PrefixIndex:
                     m &= ~up
                     hi = mid - 1
             groups.append((m, lo + 1))
-        return Match(self, chain, groups)
+        return Match(self, chain, groups, held)
 
     def depth(self, node_id: str, chain: KeyChain) -> int:
         """Keys of ``chain`` the node holds (bisection on its own entries)."""
