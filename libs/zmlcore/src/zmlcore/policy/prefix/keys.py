@@ -134,7 +134,11 @@ def serialise(messages: Sequence[Any] | None = None, prompt: str | Sequence[str]
         add = parts.append
         for m in messages:
             if type(m) is dict:  # what the router decodes (isinstance: subclasses, below)
-                content, name, role = m.get("content"), m.get("name"), m.get("role", "")
+                content = m.get("content")
+                if type(content) is str and "name" not in m:  # the usual message: one list op
+                    parts += (m.get("role", ""), "\x00", content, "\x01")
+                    continue
+                name, role = m.get("name"), m.get("role", "")
             elif isinstance(m, dict):
                 role, content, name = m.get("role", ""), m.get("content"), m.get("name")
             else:
