@@ -266,6 +266,7 @@ class Exchange:
         self.resends = 0
         #: What the caller was handed of a stream, for a continuation (None: not kept).
         self.received = Received() if resume else None
+        self._add_frame = self.received.add_frame if self.received is not None else None
         self._resume = ""  # the Zml-Resume of the continuation sent, while no router has it
         #: Broker reconnects lived through (each sends the request again), and one to act on.
         self.blinks = 0
@@ -401,16 +402,20 @@ class Exchange:
                 self._silence.heard(time.monotonic())
             self.committed = True
             self._resume = ""  # a router has the continuation
-            if self.received is not None:
-                self.received.message(msg.headers, msg.data)
+            received = self.received
+            if received is not None:
+                if msg.headers is None:  # a stream's chunk frame: one append
+                    received.frame(msg.data)
+                else:
+                    received.message(msg.headers, msg.data)
             return msg
 
     def next_frame(self) -> Msg | None:
         """The next stream frame if it has arrived already (None: wait with :meth:`next`):
         frames that queued up while the caller was busy go out in one write."""
         msg = self._sink.pop_frame() if self._sink is not None else None
-        if msg is not None and self.received is not None:
-            self.received.frame(msg.data)
+        if msg is not None and self._add_frame is not None:
+            self._add_frame(msg.data)  # a list append; next() folds a long answer's frames
         return msg
 
     async def reply(self) -> parts.Reply:
