@@ -111,11 +111,14 @@ class Sink:
         self.aborted: BaseException | None = None
 
     def push(self, msg: Msg) -> None:
-        if len(self._msgs) >= self._max:  # the caller reads slower than the router writes
+        msgs = self._msgs
+        if len(msgs) >= self._max:  # the caller reads slower than the router writes
             self.overflowed = True
             return
-        self._msgs.append(msg)
-        self._wake()
+        msgs.append(msg)
+        w = self._waiter  # _wake(), inline: this runs for every message of every reply
+        if w is not None and not w.done():
+            w.set_result(None)
 
     def abort(self, exc: BaseException) -> None:
         if self.aborted is None:
@@ -413,9 +416,12 @@ class Exchange:
     def next_frame(self) -> Msg | None:
         """The next stream frame if it has arrived already (None: wait with :meth:`next`):
         frames that queued up while the caller was busy go out in one write."""
-        msg = self._sink.pop_frame() if self._sink is not None else None
-        if msg is not None and self._add_frame is not None:
-            self._add_frame(msg.data)  # a list append; next() folds a long answer's frames
+        sink = self._sink
+        msg = sink.pop_frame() if sink is not None else None
+        if msg is not None:
+            add = self._add_frame
+            if add is not None:
+                add(msg.data)  # a list append; next() folds a long answer's frames
         return msg
 
     async def reply(self) -> parts.Reply:
