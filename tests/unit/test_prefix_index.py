@@ -318,6 +318,7 @@ def test_holders_sizes_and_the_log_agree_with_each_nodes_entries_through_every_o
                 assert nc.log_keys == sum(len(k) for _n, _t, k in nc.log) and 0 <= nc.head <= (
                     len(nc.log[0][2]) if nc.log else 0)
                 assert set(nc.times) == {num for num, _t, _k in nc.log}
+                assert idx._oldest[nc.slot] == (nc.log[0][1] if nc.log else float("inf"))  # (the sweep reads it)
                 for k in nc.gen:
                     want.setdefault(k, set()).add(nc.slot)
             got = {k: ({v} if v >= 0 else {s for s in range(len(names) + 1) if ~v >> s & 1})

@@ -37,7 +37,7 @@ import numpy as np
 from zmlcore.fleet.accelerators import ACCELERATORS
 from zmlcore.messages import NodeState
 from zmlcore.messages.kvcache import KvAllCleared, KvBlockRemoved, KvBlockStored, KvEventBatch
-from zmlcore.policy.estimate import BODY_BYTES_PER_TOKEN
+from zmlcore.policy.estimate import BODY_BYTES_PER_TOKEN, INF
 from zmlcore.policy.prefix.keys import BLOCK_BYTES, KEY_ENDS, KeyChain
 
 #: An entry untouched this long is dropped (seconds): the safety net for what the index cannot
@@ -211,6 +211,9 @@ class PrefixIndex:
         self.block_by_slot = np.ones(0, dtype=np.int64)
         self._tokens: dict[int, tuple[np.ndarray, bool]] = {}
         self._slots: dict[int, np.ndarray] = {}
+        #: by slot, the time of the node's oldest log entry (INF: none): what the sweep of
+        #: other nodes' expiry reads, without touching their (cold) entries
+        self._oldest = np.zeros(0)
         #: bumped whenever slots are assigned or freed (tables cache slot -> row maps)
         self.epoch = 0
         self._sweep = 0
@@ -229,10 +232,12 @@ class PrefixIndex:
                 self._ids.append(node_id)
                 self._by_slot.append(nc)
                 self.block_by_slot = np.append(self.block_by_slot, 1)
+                self._oldest = np.append(self._oldest, INF)
                 self._tokens.clear()
             else:
                 self._ids[slot] = node_id
                 self._by_slot[slot] = nc
+                self._oldest[slot] = INF
             self.epoch += 1
         self._set_block(nc, max(1, block_size))
         self._total_cap += self._bytes_of(capacity_tokens) - self._bytes_of(nc.cap_tokens)
@@ -397,12 +402,11 @@ class PrefixIndex:
         if log and log[0][1] < ttl_before:
             self._expire(nc, now)
         # and another node's, now and then (nodes nobody sends to age too)
-        by_slot = self._by_slot
-        s = self._sweep = (self._sweep + 1) % len(by_slot)
-        other = by_slot[s]
-        if other is not None:
-            log = other.log
-            if log and log[0][1] < ttl_before:
+        oldest = self._oldest
+        s = self._sweep = (self._sweep + 1) % len(oldest)
+        if oldest.item(s) < ttl_before:
+            other = self._by_slot[s]
+            if other is not None:
                 self._expire(other, now)
 
     def _touch(self, nc: NodeCache, keys: list[int], d: int, now: float) -> int:
@@ -415,6 +419,8 @@ class PrefixIndex:
         n = nc.touches = nc.touches + 1
         base = n << _POS_BITS
         nc.gen.update(zip(keys, range(base, base + L)))
+        if not nc.log:
+            self._oldest[nc.slot] = now
         nc.log.append((n, now, tuple(keys[::-1])))
         nc.times[n] = now
         nc.log_keys += L
@@ -484,6 +490,7 @@ class PrefixIndex:
             nc.confirmed.pop(num, None)
         nc.head = i
         nc.size = size
+        self._oldest[slot] = log[0][1] if log else INF
 
     def _compact(self, nc: NodeCache) -> None:
         """Drop the log's stale references (keys touched again since, or gone)."""
@@ -503,6 +510,7 @@ class PrefixIndex:
         nc.log = kept
         nc.head = 0
         nc.log_keys = total
+        self._oldest[nc.slot] = kept[0][1] if kept else INF
 
     def _expire(self, nc: NodeCache, now: float) -> None:
         log = nc.log
