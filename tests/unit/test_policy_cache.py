@@ -323,3 +323,20 @@ def test_a_large_fleet_with_shared_prefixes_picks_what_a_scan_picks(path: str) -
     assert found > 300
     m = idx.lookup(chain_from_bytes(systems[0]), now)
     assert max(mask.bit_count() for mask, _n in m.groups) >= 8  # (the vector conversion ran)
+
+
+def test_warm_nodes_tied_in_the_sticky_test_go_to_the_first_registered(path: str) -> None:
+    """Three identical warm nodes, each six requests deep, against an idle cold one that is
+    faster: the sticky test keeps the prefix, and among the tied warm nodes the first in
+    (rank, row) order wins, on both paths (the vector path scores a few warm rows one by one)."""
+    views = [node("h0"), node("w3", pending=6), node("w1", pending=6), node("w2", pending=6)]
+    idx = index_for(views)
+    c = conv(32)
+    for v in views[1:]:
+        idx.record(v.node_id, c, NOW)
+    req = RouteRequest(model="m", prompt_tokens=4200, prefix=c)
+    d = choose_node(FleetIndex(views), req, LATENCY, NOW, RoutingState(), cache=idx)
+    assert (d.node_id, d.cached_tokens) == ("w3", 4096)
+    views[1].pending = 7  # no longer tied: the next one
+    d = choose_node(FleetIndex(views), req, LATENCY, NOW, RoutingState(), cache=idx)
+    assert d.node_id == "w1"

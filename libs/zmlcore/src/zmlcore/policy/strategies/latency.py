@@ -35,6 +35,7 @@ from __future__ import annotations
 import numpy as np
 
 from zmlcore.policy.context import Cand, Ctx, VCtx, fastest
+from zmlcore.policy.estimate import INF
 
 #: The budget's multiple of the reference's recomputation (the derivation gives 1; other values
 #: only for the simulator's comparisons), and whether it is divided by ``1 - rho_ref``.
@@ -106,16 +107,28 @@ def pick_rows(ctx: VCtx, tie_s: float, below_s: float, slots: float = TIE_SLOTS)
         c0 = c.item(i)
         # only the rows warmer than the fastest are scored: usually a handful of the fleet
         warm = (c > c0).nonzero()[0]
-        if len(warm):
+        nw = len(warm)
+        if nw:
             inv = STICKY / t.pf.item(i)
             if STICKY_LOAD:
                 inv /= 1.0 - min(RHO_MAX, t.depth.item(i) / t.maxc.item(i))
-            s = e[warm] - c[warm] * inv
-            sw, s0 = s.item(s.argmin()), e0 - c0 * inv
-            if sw <= s0:
-                w = ctx.first_of_rows(warm[s == sw], e)
-                if sw < s0 or (e.item(w), ctx.ranks[t.fam[w]]) < (e0, ctx.ranks[t.fam[i]]):
-                    return w
+            s0 = e0 - c0 * inv
+            if nw <= 8:  # a few: plain floats (the same operations, the same results) beat numpy calls
+                sw = INF
+                tied: list[int] = []
+                for j in warm.tolist():
+                    x = e.item(j) - c.item(j) * inv
+                    if x < sw:
+                        sw, tied = x, [j]
+                    elif x == sw:
+                        tied.append(j)
+                w = tied[0] if len(tied) == 1 or sw > s0 else ctx.first_of_rows(np.array(tied), e)
+            else:
+                s = e[warm] - c[warm] * inv
+                sw = s.item(s.argmin())
+                w = ctx.first_of_rows(warm[s == sw], e) if sw <= s0 else -1
+            if sw <= s0 and (sw < s0 or (e.item(w), ctx.ranks[t.fam[w]]) < (e0, ctx.ranks[t.fam[i]])):
+                return w
     if tie_s <= 0.0 or e0 > below_s:
         return i
     near = (e <= e0 + tie_s).nonzero()[0]  # the widest window; the fastest is among them
