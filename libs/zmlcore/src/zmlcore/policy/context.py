@@ -291,7 +291,14 @@ class VCtx(Ctx):
         if e is None:
             t = self.table
             c = self.cached
-            e = self._est = t.key + self.prompt * t.inv_pf if c is None else t.key + (self.prompt - c) * t.inv_pf
+            # key + (P - c) * inv_pf, in one array (a + b is b + a, bit for bit)
+            if c is None:
+                e = np.multiply(t.inv_pf, self.prompt)
+            else:
+                e = np.subtract(self.prompt, c)
+                e *= t.inv_pf
+            e += t.key
+            self._est = e
             b = self.bad()
             if b is not None:
                 e[b] = INF

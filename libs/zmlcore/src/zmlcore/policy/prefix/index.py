@@ -357,6 +357,15 @@ class PrefixIndex:
         stack = [(0, last, m0)]
         while stack:
             lo, hi, m = stack.pop()
+            if not m & (m - 1):  # one node (a conversation's): a membership test per step
+                s = m.bit_length() - 1
+                while lo < hi:
+                    mid = (lo + hi + 1) >> 1
+                    v = g.get(keys[mid])
+                    if v is not None and (v == s if v >= 0 else (~v >> s) & 1):
+                        lo = mid
+                    else:
+                        hi = mid - 1
             while lo < hi:
                 mid = (lo + hi + 1) >> 1
                 v = g.get(keys[mid])
