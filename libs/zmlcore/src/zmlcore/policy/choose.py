@@ -121,11 +121,14 @@ def choose_node(
             },
         )
     cached = None
+    warm: list[int] | None = None
     if cache is not None and req.prefix is not None and req.prefix.keys:
         match = cache.lookup(req.prefix, now)
         if match:
-            cached = cached_rows(table, cache, match, req.prompt_tokens)
+            warm = []
+            cached = cached_rows(table, cache, match, req.prompt_tokens, warm)
     ctx = (Ctx if table.small else VCtx)(fleet, table, req, policy, now, state, stale_after_s, cached)
+    ctx.warm_rows = warm
     session = ""
     i = -1  # the picked row and its estimate
     est = 0.0
@@ -157,7 +160,8 @@ def choose_node(
     )
 
 
-def cached_rows(table: ModelTable, cache: PrefixIndex, match: Match, prompt_tokens: int) -> Any:
+def cached_rows(table: ModelTable, cache: PrefixIndex, match: Match, prompt_tokens: int,
+                warm: list[int] | None = None) -> Any:
     """Each row's cached tokens for this request, in whole blocks of its node's engine:
     ``{row: tokens}`` for a small table, a dense array for a large one (None: no row holds
     any). A node's tokens are the matched bytes in tokens, capped below the whole prompt
@@ -166,7 +170,9 @@ def cached_rows(table: ModelTable, cache: PrefixIndex, match: Match, prompt_toke
     Only the nodes of the match's groups are visited (the warm ones), never the whole fleet: a
     group of a few nodes bit by bit, a large one (a shared system prompt) in a few vector
     operations over its slots. Slots of nodes outside the table map to a spare last element,
-    which the result leaves out."""
+    which the result leaves out. ``warm`` (a large table's), if given, receives the rows with
+    cached tokens when every group was visited bit by bit, and is set to ``[-1]`` (unknown: read
+    the array) when a group was written in a vector step."""
     key = (id(cache), cache.epoch)
     n = len(table.views)
     if table.slot_key != key:  # nodes joined/left the index or the table was rebuilt
@@ -205,6 +211,9 @@ def cached_rows(table: ModelTable, cache: PrefixIndex, match: Match, prompt_toke
                 out[rows_of[sa]] = tok[sa]
                 hit = every or bool(np.count_nonzero(out[:n]))
                 based = True
+                if warm is not None:
+                    warm[:] = [-1]
+                    warm = None
     for mask, nkeys in groups:
         t = min(KEY_ENDS[nkeys - 1] // bpt, total - 1)
         if t <= 0:
@@ -231,7 +240,10 @@ def cached_rows(table: ModelTable, cache: PrefixIndex, match: Match, prompt_toke
                         hit = True
                 else:
                     out[j] = c
-                    hit = hit or c > 0
+                    if c > 0:
+                        hit = True
+                        if warm is not None:
+                            warm.append(j)
         else:  # a prefix many nodes hold: vector work
             sa = cache.slots(mask)
             if mask.bit_length() > n_slots:
@@ -241,6 +253,9 @@ def cached_rows(table: ModelTable, cache: PrefixIndex, match: Match, prompt_toke
                 out = np.zeros(n + 1)
             out[rows_of[sa]] = c
             hit = hit or every or bool(np.count_nonzero(c))
+            if warm is not None:
+                warm[:] = [-1]
+                warm = None
     if small:
         return out or None
     return out[:n] if hit else None

@@ -104,7 +104,7 @@ class Ctx:
 
     __slots__ = (
         "fleet", "table", "req", "policy", "now", "state", "stale_after", "prompt", "target_s", "health_min",
-        "families", "first_of", "ranks", "counts", "chain", "evaluated", "cached",
+        "families", "first_of", "ranks", "counts", "chain", "evaluated", "cached", "warm_rows",
     )
 
     def __init__(
@@ -123,6 +123,9 @@ class Ctx:
         #: prompt tokens each row holds in its prefix cache: {row: tokens} (small tables), a
         #: dense array (large ones), or None (no cache lookup, or nothing held)
         self.cached = cached
+        #: the rows with cached tokens, when cached_rows listed them (a few warm nodes); None
+        #: or [-1]: read ``cached`` itself
+        self.warm_rows: list[int] | None = None
         self.req = req
         self.policy = policy
         self.now = now

@@ -106,17 +106,23 @@ def pick_rows(ctx: VCtx, tie_s: float, below_s: float, slots: float = TIE_SLOTS)
     if c is not None:
         c0 = c.item(i)
         # only the rows warmer than the fastest are scored: usually a handful of the fleet
-        warm = (c > c0).nonzero()[0]
-        nw = len(warm)
+        listed = ctx.warm_rows
+        warm: np.ndarray | None = None
+        if listed and listed[0] >= 0:  # the warm rows, listed by cached_rows: no pass over c
+            wl: list[int] | None = sorted(j for j in listed if c.item(j) > c0)
+        else:
+            warm = (c > c0).nonzero()[0]
+            wl = warm.tolist() if len(warm) <= 8 else None
+        nw = len(wl) if wl is not None else len(warm) if warm is not None else 0
         if nw:
             inv = STICKY / t.pf.item(i)
             if STICKY_LOAD:
                 inv /= 1.0 - min(RHO_MAX, t.depth.item(i) / t.maxc.item(i))
             s0 = e0 - c0 * inv
-            if nw <= 8:  # a few: plain floats (the same operations, the same results) beat numpy calls
+            if wl is not None and nw <= 8:  # a few: plain floats (same operations, same results)
                 sw = INF
                 tied: list[int] = []
-                for j in warm.tolist():
+                for j in wl:
                     x = e.item(j) - c.item(j) * inv
                     if x < sw:
                         sw, tied = x, [j]
@@ -124,6 +130,8 @@ def pick_rows(ctx: VCtx, tie_s: float, below_s: float, slots: float = TIE_SLOTS)
                         tied.append(j)
                 w = tied[0] if len(tied) == 1 or sw > s0 else ctx.first_of_rows(np.array(tied), e)
             else:
+                if warm is None:
+                    warm = np.array(wl, dtype=np.intp)
                 s = e[warm] - c[warm] * inv
                 sw = s.item(s.argmin())
                 w = ctx.first_of_rows(warm[s == sw], e) if sw <= s0 else -1
