@@ -166,7 +166,9 @@ class PendingHold:
 _FOLD_MASK = 2047
 #: How an engine's error event can begin or end (vLLM and SGLang: ``data: {"error": {...}}``;
 #: TGI: ``{"error": "...", "error_type": ...}``): only a chunk matching one is read for it
-#: (a search of every chunk for ``"error"`` would cost more than the rest of the check).
+#: (a search of every chunk for ``"error"`` would cost more than the rest of the check), and
+#: only a chunk with the byte of one at its place is matched (two byte reads: ~10 ns, where the
+#: two tuple matches cost ~80 ns of the ~10 us a relayed chunk costs the router).
 _ERROR_HEADS = (b'data: {"error"', b'{"error"')
 _ERROR_TAILS = (b"}}\n\n", b"}}")
 #: A non-streamed reply asked as a stream: SSE bytes read per byte of the largest reply a
@@ -542,6 +544,9 @@ class Relay:
         transcript.begin(relay)
         keep = transcript.blocks.append
         splice = answer.splice
+        # An engine's error event, told by bytes at fixed places before any search: the "e" of
+        # a leading {"error" or the "}}" that ends it (in a block of events, or a bare payload).
+        err_head, err_tail = (8, -3) if relay else (2, -1)
         # A stall: the sequence number stands still for a whole period (no work per chunk).
         watch = self.timers.watch(self.cfg.router.inter_token_timeout_s, lambda: seq)
         watching = False
@@ -562,8 +567,9 @@ class Relay:
                             info.time_to_first_token = answer.ttft = time.monotonic() - t0
                             await publish(msg.reply, _encode(StreamStart(routing=info)), {
                                 **routing_headers(msg.headers, info), subjects.H_STREAM: "start", subjects.H_SEQ: "0"})
-                    if (chunk.startswith(_ERROR_HEADS) or chunk.endswith(_ERROR_TAILS)) and \
-                            (failed := engine_error(chunk)) is not None:
+                    if len(chunk) > err_head and (chunk[err_head] == 101 or chunk[err_tail] == 125 == chunk[err_tail - 1]) \
+                            and (chunk.startswith(_ERROR_HEADS) or chunk.endswith(_ERROR_TAILS)) \
+                            and (failed := engine_error(chunk)) is not None:
                         raise AttemptError(Failure.SERVER, 200, f"the engine failed the request mid-stream: {failed}")
                     usage = stream_usage(chunk)
                     if usage is not None:
