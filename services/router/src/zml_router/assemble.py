@@ -15,9 +15,11 @@ it keeps one answer: the continuation's role is not repeated and its usage count
 answer (``continuation.spliced_usage``).
 
 The bytes are parsed once, at the end (or when the attempt fails): one ``msgspec`` decode of all
-the events as one JSON array into typed Structs. Still, reading every token costs: ~30 us of
-router CPU for a 16-token reply, +27% per request at C=64 on a stub node, hence the per-model
-switch ``[models."<name>"] stream_from_nodes`` (docs/benchmarks.md).
+the events as one JSON array into typed Structs, or, for a body over a few KB, its run of
+content chunks as one array of strings (:meth:`Assembler._run`). Still, reading every token
+costs: ~20 us of router CPU for a 16-token reply (and ~13 us the node client's callbacks for
+its chunked body), +35% per request at C=64 on a stub node, hence the per-model switch
+``[models."<name>"] stream_from_nodes`` (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -520,7 +522,8 @@ def wanted(raw: bytes) -> bool:
     """Whether a non-streamed chat or completion request is asked of the node as a stream (a
     byte search of the body: a false match, a nested key of that name, only costs the first
     token's time)."""
-    return not any(k in raw for k in _WHOLE_ONLY)
+    a, b, c = _WHOLE_ONLY
+    return not (a in raw or b in raw or c in raw)  # (no generator per request)
 
 
 def as_stream(body: bytes) -> bytes:
