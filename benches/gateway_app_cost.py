@@ -12,6 +12,13 @@ every ref once, in alternating order; process CPU (``time.process_time``) per re
 
     python benches/gateway_app_cost.py --refs 503742d,HEAD --rounds 10 -n 2000
     python benches/gateway_app_cost.py --refs worktree          # what is checked out
+    python benches/gateway_app_cost.py --refs 9363a57,HEAD --instructions -n 600
+
+``--instructions`` counts instructions instead (valgrind's cachegrind, no cache simulation): each
+ref's child runs once with ``-n N/6`` and once with ``-n N`` requests after the same warm-up, and
+the difference over the extra requests is the instructions per request. It is deterministic to
+~0.5% whatever else the machine runs (CPU time on this shared box moves ±30% between rounds),
+so a change of 1-2% shows; it counts work, not time (cache misses and memory are not in it).
 
 Each ref runs from a ``git archive`` of it (benches/peers_path.snapshot) through PYTHONPATH.
 """
@@ -124,6 +131,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("-n", type=int, default=2000, help="requests per measurement")
     ap.add_argument("--chunks", type=int, default=40, help="chunks per stream")
+    ap.add_argument("--instructions", action="store_true",
+                    help="count instructions under valgrind (deterministic) instead of CPU time")
     ap.add_argument("--child", nargs=2, metavar=("URL", "MODE"), help=argparse.SUPPRESS)
     ap.add_argument("--config", help=argparse.SUPPRESS)
     a = ap.parse_args()
@@ -148,6 +157,12 @@ def main() -> None:
         print(f"{ref}: {commit}", flush=True)
     port = free_port()
     nats_proc = start_nats("127.0.0.1", port, os.path.join(tmp, "js"))
+    if a.instructions:
+        try:
+            instructions(refs, paths, f"nats://127.0.0.1:{port}", config, a.n, a.chunks, tmp)
+        finally:
+            nats_proc.stop()
+        return
     res: dict[tuple[str, str], list[float]] = {}
     loads = []
     try:
@@ -180,6 +195,41 @@ def main() -> None:
             r2 = med(x / y for x, y in zip(stream, res[(refs[0], "stream")]))
             ratio = f"{r1:.3f}, {r2:.3f}"
         print(f"| {ref} | {med(once):.1f} | {med(stream):.1f} | {(med(stream) - med(once)) / a.chunks:.2f} | {ratio} |")
+
+
+def instructions(refs: list[str], paths: dict[str, str], url: str, config: str, n: int, chunks: int,
+                 tmp: str) -> None:
+    """Instructions per request and per stream of each ref (see the module doc): two runs of
+    the child under cachegrind, ``n // 6`` and ``n`` requests, the difference per request."""
+    lo = max(1, n // 6)
+    res: dict[tuple[str, str], float] = {}
+    for ref in refs:
+        for mode in ("once", "stream"):
+            counts = []
+            for k in (lo, n):
+                r = subprocess.run(
+                    ["valgrind", "--tool=cachegrind", "--cache-sim=no",
+                     f"--cachegrind-out-file={os.path.join(tmp, 'cachegrind.out')}", sys.executable,
+                     os.path.abspath(__file__), "--child", url, mode, "-n", str(k), "--chunks", str(chunks),
+                     "--config", config],
+                    env={**os.environ, "PYTHONPATH": paths[ref]}, capture_output=True, text=True)
+                found = [line for line in r.stderr.splitlines() if "I   refs:" in line or "I    refs:" in line]
+                if r.returncode or not found:
+                    raise RuntimeError(f"{ref} {mode} under valgrind: {r.stderr[-2000:]}")
+                counts.append(int(found[-1].split(":")[1].replace(",", "")))
+            res[(ref, mode)] = (counts[1] - counts[0]) / (n - lo)
+            print(f"{ref} {mode}: {res[(ref, mode)]:,.0f} instructions", flush=True)
+    print(f"\n| ref | instructions / request | instructions / stream ({chunks} chunks) | per chunk: (stream - request) "
+          f"/ chunks | ratio to {refs[0]} (request, stream, per chunk) |\n|---|---|---|---|---|")
+    base = refs[0]
+    for ref in refs:
+        once, stream = res[(ref, "once")], res[(ref, "stream")]
+        chunk = (stream - once) / chunks
+        ratio = ""
+        if ref != base:
+            b_once, b_stream = res[(base, "once")], res[(base, "stream")]
+            ratio = f"{once / b_once:.3f}, {stream / b_stream:.3f}, {chunk / ((b_stream - b_once) / chunks):.3f}"
+        print(f"| {ref} | {once:,.0f} | {stream:,.0f} | {chunk:,.0f} | {ratio} |")
 
 
 if __name__ == "__main__":

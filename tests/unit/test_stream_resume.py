@@ -79,6 +79,37 @@ def test_a_lost_frame_resumes_from_before_it_and_numbering_goes_on() -> None:
     assert r is not None and r.seq == 4 and not r.finished  # not taken as the end
 
 
+def test_frames_recorded_by_append_end_in_order_or_resume_from_before_a_gap() -> None:
+    """The exchange records frames it hands out in a batch with ``add_frame`` (the list's
+    append); the end that follows them in order ends the record without reading a chunk, and
+    one that does not (a frame lost in the batch) leaves what came before it to continue from."""
+    got = resume.Received()
+    got.message({subjects.H_STREAM: "start", subjects.H_SEQ: "0"}, START)
+    for i in range(1, 4):
+        got.add_frame(streamframe.encode(i, _events(_chunk("w "))))
+    got.message({subjects.H_STREAM: subjects.STREAM_END, subjects.H_SEQ: "4"}, b"{}")
+    assert got.ended and got.resume() is None and got._transcript is None  # nothing was read
+
+    lost = resume.Received()
+    lost.message({subjects.H_STREAM: "start", subjects.H_SEQ: "0"}, START)
+    for i in (1, 2, 4):  # 3 lost
+        lost.add_frame(streamframe.encode(i, _events(_chunk("w "))))
+    lost.message({subjects.H_STREAM: subjects.STREAM_END, subjects.H_SEQ: "5"}, b"{}")
+    r = lost.resume()
+    assert not lost.ended and r is not None and (r.text, r.seq) == ("w w ", 2)
+
+
+def test_frames_appended_past_the_fold_are_folded_at_the_next_frame() -> None:
+    got = resume.Received()
+    got.message({subjects.H_STREAM: "start", subjects.H_SEQ: "0"}, START)
+    for i in range(1, resume._FOLD_AT + 10):
+        got.add_frame(streamframe.encode(i, _events(_chunk("w "))))
+    got.frame(streamframe.encode(resume._FOLD_AT + 10, _events(_chunk("w "))))
+    assert not got._frames and got.seq == resume._FOLD_AT + 10  # folded: the text is held, not the chunks
+    r = got.resume()
+    assert r is not None and r.tokens == resume._FOLD_AT + 10
+
+
 def test_an_ended_stream_is_not_resumed() -> None:
     got = resume.Received()
     got.message({subjects.H_STREAM: "start", subjects.H_SEQ: "0"}, START)

@@ -10,13 +10,18 @@ runner exits non-zero so that the supervisor restarts the service.
     link = link_of(nc)
     gen = link.generation
     await link.reconnected(gen)      # returns once the connection has come back after ``gen``
+
+A request in flight that must hear of a reconnect (zmlcore.reply.exchange) registers itself with
+:meth:`Link.follow` and is told by a method call: no callback, task or reference cycle is made
+per request.
 """
 
 from __future__ import annotations
 
 import asyncio
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from typing import Protocol
 
 from nats.aio.client import Client as NATS
 
@@ -28,6 +33,11 @@ def split_urls(urls: str | Sequence[str]) -> list[str]:
     if not out:
         raise ValueError("no NATS URL given")
     return out
+
+
+class Follower(Protocol):
+    def link_changed(self, link: Link) -> None:
+        """The connection came back, or (``link.closed`` set) closed for good."""
 
 
 class Link:
@@ -42,7 +52,7 @@ class Link:
         #: Set by the service's own shutdown, so a deliberate close is not a failure.
         self.closing = False
         self._changed = asyncio.Event()
-        self._callbacks: set[Callable[[], None]] = set()
+        self._followers: set[Follower] = set()
 
     def bump(self) -> None:
         self.generation += 1
@@ -55,16 +65,18 @@ class Link:
         self._changed.set()
         self._fire()
 
-    def on_change(self, cb: Callable[[], None]) -> Callable[[], None]:
-        """Call ``cb()`` once at the next reconnect or close (no Task per watcher: what a
-        request in flight uses); returns the function that removes it."""
-        self._callbacks.add(cb)
-        return lambda: self._callbacks.discard(cb)
+    def follow(self, follower: Follower) -> None:
+        """``follower.link_changed(self)`` at every reconnect and at the close, until
+        :meth:`unfollow`. A set entry per follower: a request in flight (thousands a second)
+        makes no closure for it, and nothing of it is left for the garbage collector."""
+        self._followers.add(follower)
+
+    def unfollow(self, follower: Follower) -> None:
+        self._followers.discard(follower)
 
     def _fire(self) -> None:
-        callbacks, self._callbacks = self._callbacks, set()
-        for cb in callbacks:
-            cb()
+        for follower in tuple(self._followers):  # one may unfollow while told
+            follower.link_changed(self)
 
     async def reconnected(self, since: int) -> None:
         """Wait until a reconnect after generation ``since`` (or the connection closing)."""

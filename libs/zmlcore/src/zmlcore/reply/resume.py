@@ -39,8 +39,9 @@ from zmlcore.errors import BadRequestError
 from zmlcore.messages import StreamResume, StreamStart
 from zmlcore.reply.transcript import Transcript
 
-#: Frames kept as received before they are folded into the text (a power of two, as a mask).
-_FOLD_MASK = 1023
+#: Frames kept as received before they are folded into the text (at the next :meth:`Received.frame`
+#: or message: frames the exchange records with :attr:`Received.add_frame` wait for one).
+_FOLD_AT = 1024
 #: The largest ``Zml-Resume`` value a router reads (a long answer's text, base64url): past it the
 #: request is refused, never decoded.
 MAX_HEADER_BYTES = 2 * 1024 * 1024
@@ -53,11 +54,15 @@ _start = msgspec.json.Decoder(StreamStart)
 class Received:
     """What a requester has received of one streamed answer (see the module doc)."""
 
-    __slots__ = ("_frames", "_transcript", "seq", "started", "ended", "broken", "_start")
+    __slots__ = ("_frames", "add_frame", "_transcript", "seq", "started", "ended", "broken", "_start")
 
     def __init__(self) -> None:
         self._frames: list[bytes] = []
-        self._transcript = Transcript()
+        #: Record a header-less frame and nothing else (the list's own append: no Python call
+        #: per chunk). For a caller that also calls :meth:`frame` or :meth:`message` between
+        #: batches of these, which fold a long answer's frames into text.
+        self.add_frame = self._frames.append
+        self._transcript: Transcript | None = None  # made when a chunk is first read (most streams: never)
         #: The last sequence number received (``start`` is 0).
         self.seq = 0
         #: The ``start`` arrived (content may follow), the ``end`` or an error arrived.
@@ -72,7 +77,7 @@ class Received:
         """A header-less chunk frame, as returned to the caller (one append)."""
         frames = self._frames
         frames.append(data)
-        if not len(frames) & _FOLD_MASK:
+        if len(frames) >= _FOLD_AT:
             self._fold_frames()
 
     def message(self, headers: dict[str, str] | None, data: bytes) -> None:
@@ -103,30 +108,37 @@ class Received:
                 return
             self.seq = int(seq)
         if kind == subjects.STREAM_EVENTS or kind == subjects.STREAM_CHUNK:
-            t = self._transcript
+            t = self._read()
             t.begin(kind == subjects.STREAM_EVENTS)
             t.add(data)
         elif kind is not None or subjects.H_ERROR_CODE in headers:
             self.ended = True  # the end, or an error: nothing to continue
 
     def _in_order(self, headers: dict[str, str]) -> bool:
-        """The frames held and this message continue the numbering with nothing lost (their
-        numbers only: no text is read)."""
+        """The frames held and this message continue the numbering with nothing lost: the
+        first frame's and the last's numbers, their count and this message's number agree.
+        Enough, as a core NATS subscription delivers at most once and in order (nothing comes
+        twice, so a loss shows as numbers that do not add up), and it reads two numbers per
+        stream instead of every frame's."""
         if self.broken:
             return False
-        n = self.seq
-        for data in self._frames:
-            i = data.find(b"\n")
-            if i <= 0 or not data[:i].isdigit() or int(data[:i]) != n + 1:
-                return False
-            n += 1
+        frames = self._frames
+        n = self.seq + len(frames)
+        if frames and (_frame_seq(frames[0]) != self.seq + 1 or _frame_seq(frames[-1]) != n):
+            return False
         seq = headers.get(subjects.H_SEQ)
         return seq is None or not seq.isdigit() or int(seq) == n + 1
+
+    def _read(self) -> Transcript:
+        t = self._transcript
+        if t is None:
+            t = self._transcript = Transcript()
+        return t
 
     def _fold_frames(self) -> None:
         if not self._frames:
             return
-        t = self._transcript
+        t = self._read()
         t.begin(True)
         for data in self._frames:
             if self.broken:
@@ -150,7 +162,7 @@ class Received:
         if not self.started or self.ended:
             return None
         self._fold_frames()
-        sent = self._transcript.sent()
+        sent = self._read().sent()
         node_id, attempts, continued_from = "", 0, None
         try:
             routing = _start.decode(self._start).routing
@@ -161,6 +173,12 @@ class Received:
         return StreamResume(text=sent.text, tokens=sent.tokens, seq=self.seq, chunk_id=sent.chunk_id,
                             created=sent.created, finished=sent.finished, usage=sent.usage, blocked=sent.blocked,
                             node_id=node_id, attempts=attempts, continued_from=continued_from)
+
+
+def _frame_seq(data: bytes) -> int:
+    """A frame's number (zmlcore.reply.streamframe: ``<seq>\\n<events>``), -1 if it is not a frame."""
+    i = data.find(b"\n")
+    return int(data[:i]) if i > 0 and data[:i].isdigit() else -1
 
 
 def encode(resume: StreamResume) -> str:

@@ -14,7 +14,7 @@ from nats.aio.client import Client as NATS
 from zmlcore import subjects
 from zmlcore.access.identity import config_owner
 from zmlcore.bus.publish import publish
-from zmlcore.bus.link import link_of
+from zmlcore.bus.link import Link, link_of
 from zmlcore.config import ZMLConfig
 from zmlcore.errors import ConnectionError as ZMLConnectionError
 from zmlcore.reply.exchange import Exchange, parts_buffer
@@ -49,6 +49,13 @@ class Upstream:
         self.cfg = cfg
         self.nc = nc
         self.owner = config_owner(cfg.nats)  # this gateway's NATS identity: its cancel subjects
+        self._link: Link | None = None  # the connection's Link, looked up once (link_of is a weak-dict lookup)
+
+    @property
+    def link(self) -> Link:
+        if self._link is None:
+            self._link = link_of(self.nc)
+        return self._link
 
     def exchange(self, out: Outbound, buffer: int | None = None) -> Exchange:
         """The request to the routers: keepalives asked for, a dead router's request sent again
@@ -72,7 +79,7 @@ class Upstream:
         broker is a callback; the client is one too when the server offers it
         (zml_gateway.protocol.FastCycle.on_disconnect, HTTP/1.1), else a task waits on
         ``receive()``. Returns what stops watching."""
-        unwatch = ex.follow(link_of(self.nc), BrokerLost)
+        unwatch = ex.follow(self.link, BrokerLost)
         on_disconnect = getattr(getattr(receive, "__self__", None), "on_disconnect", None)
         if on_disconnect is not None:  # no task (created, run, cancelled) per request
             off = on_disconnect(lambda: ex.abort(ClientGone()))
@@ -108,7 +115,7 @@ class Upstream:
         nats-py would buffer it, and a buffer lost with the connection would lose it silently."""
         t0 = time.monotonic()
         grace = min(self.cfg.gateway.broker_grace_s, timeout)
-        link = link_of(self.nc)
+        link = self.link
         if grace > 0:
             try:
                 async with asyncio.timeout(grace):
