@@ -13,8 +13,9 @@ from test_policy_helpers import NOW, fleet5, node
 from test_policy_index import STALE, RefCtx, make_fleet, path, policies  # noqa: F401  (path: fixture)
 
 from zmlcore.errors import RoutingError
+from zmlcore.messages import KvEventBatch
 from zmlcore.policy import FleetIndex, NodeView, RouteRequest, RoutingState, builtin_policy, choose_node
-from zmlcore.policy.choose import STRATEGIES
+from zmlcore.policy.choose import STRATEGIES, cached_rows
 from zmlcore.policy.estimate import Coeffs, node_speeds
 from zmlcore.policy.prefix import BLOCK_BYTES, KeyChain, PrefixIndex, chain_from_bytes
 from zmlcore.policy.resolve import ResolvedPolicy
@@ -250,3 +251,75 @@ def test_tracked_pending_tokens_replace_a_mean_prompt_per_pending_request(path: 
     views[0].pending_tokens = 100.0
     d = choose_node(fleet, req, LATENCY, NOW, RoutingState())
     assert d.node_id == "b" and d.estimated_ttft_s == pytest.approx(1900 / 10_000)
+
+
+def test_a_large_fleet_with_shared_prefixes_picks_what_a_scan_picks(path: str) -> None:
+    """The fast path against the reference at scale: 240 nodes, system prompts held by dozens
+    of nodes each (a group of many slots, converted in vector operations), conversations on
+    top of them, engines changing block size (the cached per-slot conversions), nodes leaving
+    and coming back (slots reassigned), polls, exclusions and cooldowns between decisions.
+    Every policy, every decision: the same node, estimate and cached tokens as a scan that
+    asks ``Match.tokens`` node by node."""
+    from test_policy_index import drifted
+
+    rng = random.Random(240)
+    views = make_fleet(rng, 240)
+    idx = index_for(views)
+    fleet = FleetIndex(views)
+    systems = [b"".join((b"SYS%03d-%04d" % (s, i)).ljust(BLOCK_BYTES, b"=") for i in range(rng.randint(2, 12)))
+               for s in range(8)]
+    convs = [systems[rng.randrange(8)] + b"".join((b"C%05d-%04d" % (t, i)).ljust(BLOCK_BYTES, b"-")
+                                                  for i in range(rng.randint(1, 40))) + b"tail"
+             for t in range(60)]
+    for s in systems:
+        for v in rng.sample(views, rng.randint(20, 120)):
+            idx.record(v.node_id, chain_from_bytes(s), NOW - 5)
+    pols = policies()
+    found = 0
+    now = NOW
+    for step in range(400):
+        data = rng.choice(convs)
+        full = chain_from_bytes(data)
+        cut = rng.randint(1, len(full))
+        idx.record(rng.choice(views).node_id, KeyChain(full.keys[:cut], cut * BLOCK_BYTES), now)
+        if step % 25 == 0:
+            v = rng.choice(views)
+            idx.apply_events(v.node_id, KvEventBatch(node_id=v.node_id, events=[],
+                                                     block_size=rng.choice((16, 64, 128, 256, 4096))), now)
+        if step % 60 == 30:
+            gone = rng.choice(views).node_id
+            idx.forget_node(gone)
+            idx.update_node(fleet.get(gone).state)  # type: ignore[union-attr]
+        for _ in range(rng.randint(0, 3)):
+            drifted(rng, rng.choice(views), now)
+        pol = pols[step % len(pols)]
+        exclude = frozenset(rng.sample([v.node_id for v in views], 3)) if rng.random() < 0.2 else frozenset()
+        req = RouteRequest(model="m", prompt_tokens=rng.choice((0, len(data) // 4 + rng.randint(-50, 200))),
+                           prefix=full, exclude=exclude)
+        ref_ctx = RefCacheCtx(views, req, pol, now, RoutingState(), idx)
+        ref = STRATEGIES.get(pol.strategy, chain_strategy.select)(ref_ctx)  # type: ignore[arg-type]
+        table = fleet.table("m")  # every row's cached tokens, as the decision sees them
+        m = idx.lookup(full, now)
+        rows = cached_rows(table, idx, m, req.prompt_tokens)
+        want = [m.tokens(v.node_id, req.prompt_tokens) for v in table.views]
+        assert [int(rows[j]) if rows is not None and (table.small and j in rows or not table.small) else 0
+                for j in range(len(want))] == want, step
+        try:
+            d = choose_node(fleet, req, pol, now, RoutingState(), stale_after_s=STALE, cache=idx)
+        except RoutingError:
+            assert ref is None
+            continue
+        assert ref is not None
+        assert (d.node_id, d.estimated_ttft_s, d.cached_tokens) == (
+            ref.cls.views[ref.i].node_id, ref.est, ref_ctx.cached[ref.i]), (step, pol.name)
+        found += 1
+        w = fleet.get(d.node_id)
+        assert w is not None
+        w.outstanding += 1
+        if rng.random() < 0.05:
+            rng.choice(views).cooldown_until = now + 0.01
+        now += 0.003
+    fleet.close()
+    assert found > 300
+    m = idx.lookup(chain_from_bytes(systems[0]), now)
+    assert max(mask.bit_count() for mask, _n in m.groups) >= 8  # (the vector conversion ran)

@@ -161,3 +161,41 @@ def test_reused_plain_list_gets_a_cached_watching_index():
     choose_node(new_list, RouteRequest(model="m"), LAT, NOW, state)
     assert state.fleet is not idx and views[0]._watchers == [state.fleet]
 
+
+
+def test_the_tables_bounds_hold_and_let_no_stale_blocked_or_unhealthy_row_through(monkeypatch):
+    """A large table keeps bounds on its columns' extremes instead of reading them per
+    decision: they must hold after every write, and a row that turns stale, cools down or
+    drops below the health threshold right after a decision made the bounds exact must be
+    left out at once (and taken back when it recovers)."""
+    import msgspec
+
+    from zmlcore.config import PolicyConfig
+    from zmlcore.policy import fleet as fleet_module
+    from zmlcore.policy.resolve import ResolvedPolicy
+
+    monkeypatch.setattr(fleet_module, "SMALL_TABLE", 0)
+    views = [node(f"h{i}", outstanding=i) for i in range(6)]  # h0 is the fastest
+    fleet = FleetIndex(views)
+    healthy = ResolvedPolicy("h", PolicyConfig(health_threshold=50.0), ())
+    t = fleet.table("m")
+
+    def pick(now, pol=LAT):
+        d = choose_node(fleet, RouteRequest(model="m"), pol, now, RoutingState(), stale_after_s=15.0)
+        assert t.upd_lo <= t.updated.min() and t.blk_hi >= t.blocked.max() and t.health_lo <= t.health.min()
+        return d.node_id
+
+    assert pick(NOW) == "h0" and pick(NOW, healthy) == "h0"
+    views[0].cooldown_until = NOW + 1
+    assert pick(NOW) == "h1"
+    views[0].cooldown_until = 0.0
+    assert pick(NOW) == "h0"
+    views[0].state = msgspec.structs.replace(views[0].state, health_score=10.0)
+    assert pick(NOW, healthy) == "h1" and pick(NOW) == "h0"
+    views[0].state = msgspec.structs.replace(views[0].state, health_score=100.0)
+    for v in views[1:]:
+        v.state = msgspec.structs.replace(v.state, updated_at=NOW + 10)
+    assert pick(NOW + 10) == "h0"
+    assert pick(NOW + 16) == "h1"  # h0's state is 16 s old: stale, the others 6 s
+    views[0].state = msgspec.structs.replace(views[0].state, updated_at=NOW + 16)
+    assert pick(NOW + 16) == "h0"

@@ -274,3 +274,83 @@ def test_the_touch_log_stays_bounded_and_eviction_order_survives_compaction() ->
     assert nc is not None and nc.log_keys <= 2 * len(nc) + 4096 + 30
     idx.record("h", chain(3, tag=3), 250.0)  # 3 over capacity: the cold chain's tail goes
     assert idx.depth("h", hot) == 8 and idx.depth("h", cold) == 5
+
+
+def held_bytes(nc) -> int:  # type: ignore[no-untyped-def]
+    """The prompt bytes a node's entries stand for, from its keys' positions."""
+    return sum(KEY_ENDS[g & 63] - (KEY_ENDS[(g & 63) - 1] if g & 63 else 0) for g in nc.gen.values())
+
+
+def test_holders_sizes_and_the_log_agree_with_each_nodes_entries_through_every_operation() -> None:
+    """The index's redundant views of one state, checked against each other after random
+    records, reports (misses included), KV events, expiry, capacity evictions, compactions
+    and nodes leaving and joining: a key's holders are exactly the nodes whose entries have
+    it, a node's size is what its entries stand for, its log counts its entries' references."""
+    rng = random.Random(11)
+    names = [f"n{i}" for i in range(40)]  # > 30 holders: masks of several machine words
+    idx = index(*[(n, rng.choice(list(ACCELERATORS))) for n in names], ttl_s=50.0)
+    for n in names[:6]:  # small nodes: capacity evictions on every few records
+        idx.set_node(n, block_size=16, capacity_tokens=rng.randint(20, 60) * 128)
+    convs = [chain(rng.randint(1, 20), tag=t, shared=rng.choice((0, 4, 9))) for t in range(60)]
+    t = 0.0
+    for step in range(3000):
+        c, nid = rng.choice(convs), rng.choice(names)
+        op = rng.random()
+        if idx.node(nid) is None:
+            idx.set_node(nid, block_size=16, capacity_tokens=200 * 128)
+        elif op < 0.6:
+            idx.record(nid, c, t)
+        elif op < 0.8:
+            idx.correct(nid, c, rng.choice((0, KEY_ENDS[len(c) - 1] // 4)), t + rng.uniform(0, 3))
+        elif op < 0.9:
+            idx.apply_events(nid, KvEventBatch(node_id=nid, block_size=16,
+                                               events=[KvBlockRemoved(block_hashes=[1] * rng.randint(1, 60))]), t)
+        elif op < 0.995:
+            idx.expire(t)
+        else:
+            idx.forget_node(nid)
+        t += rng.uniform(0, 0.5)
+        if step % 150 == 0 or step == 2999:
+            nodes = {n: idx.node(n) for n in names if idx.node(n) is not None}
+            want: dict[int, set[int]] = {}
+            for nc in nodes.values():
+                assert nc.size == held_bytes(nc) and nc.size <= nc.cap
+                assert nc.log_keys == sum(len(k) for _n, _t, k in nc.log) and 0 <= nc.head <= (
+                    len(nc.log[0][2]) if nc.log else 0)
+                assert set(nc.times) == {num for num, _t, _k in nc.log}
+                for k in nc.gen:
+                    want.setdefault(k, set()).add(nc.slot)
+            got = {k: ({v} if v >= 0 else {s for s in range(len(names) + 1) if ~v >> s & 1})
+                   for k, v in idx._holders.items()}
+            assert got == want, step
+
+
+def test_the_log_is_not_scanned_by_the_garbage_collector() -> None:
+    """A million entries must not make every full collection slower (the router collects
+    every 10 s): the log's entries are untracked once the collector has seen them."""
+    import gc
+
+    idx = index(("a", "nvidia_h100"))
+    for t in range(200):
+        idx.record("a", chain(12, tag=t), float(t))
+    gc.collect()  # (an entry is untracked once its keys are: the first pass may see it first)
+    gc.collect()
+    nc = idx.node("a")
+    assert nc is not None and len(nc.log) == 200
+    assert not any(gc.is_tracked(e) for e in nc.log)
+
+
+def test_tokens_by_slot_follow_block_size_changes() -> None:
+    idx = index(("a", "nvidia_h100"), ("b", "intel_gaudi2"))
+    sa, sb = idx.node("a").slot, idx.node("b").slot  # type: ignore[union-attr]
+    tok, every = idx.tokens_by_slot(1000)
+    assert (tok[sa], tok[sb]) == (1000 // 16 * 16, 1000 // idx.node("b").block * idx.node("b").block) and every
+    idx.apply_events("b", KvEventBatch(node_id="b", events=[], block_size=256), 0.0)
+    tok, every = idx.tokens_by_slot(1000)
+    assert tok[sb] == 768 and every
+    idx.set_node("a", block_size=2048, capacity_tokens=10**6)
+    tok, every = idx.tokens_by_slot(1000)
+    assert tok[sa] == 0 and not every
+    idx.update_node(NodeState(node_id="c", accelerator_type="nvidia_h100", family="H100", endpoint=""))
+    tok, _ = idx.tokens_by_slot(1000)
+    assert len(tok) == 3 and tok[idx.node("c").slot] == 992  # type: ignore[union-attr]

@@ -62,3 +62,54 @@ def test_messages_as_structs_or_dicts_and_content_parts_serialise_alike() -> Non
 def test_chains_travel_packed() -> None:
     kc = prompt_keys("m", prompt=text(4000))
     assert KeyChain.from_bytes(kc.to_bytes(), kc.nbytes) == kc
+
+
+def reference_keys(data: bytes, seed: int = 0) -> list[int]:
+    """The keys as the module docstring defines them, one block at a time in plain Python:
+    key ``i`` = sum over blocks ``j < KEY_BLOCKS[i]`` of ``POS_j x digest_j`` mod 2^64, where
+    ``digest_j`` is the block's little-endian 64-bit words dotted with ``C`` (the first one
+    xor the seed)."""
+    from zmlcore.policy.prefix.keys import _C, _POS
+
+    m = 2**64
+    c, pos = [int(x) for x in _C], [int(x) for x in _POS]
+    n = min(len(data) // BLOCK_BYTES, MAX_BLOCKS)
+    acc, out = 0, []
+    for j in range(n):
+        block = data[j * BLOCK_BYTES:(j + 1) * BLOCK_BYTES]
+        d = sum(int.from_bytes(block[8 * w:8 * w + 8], "little") * c[w] for w in range(len(c))) % m
+        if j == 0:
+            d ^= seed
+        acc = (acc + pos[j] * d) % m
+        if j + 1 in KEY_BLOCKS:
+            out.append(acc)
+    return out
+
+
+def test_the_vectorised_hash_is_the_definition() -> None:
+    """The numpy hash (which skips the blocks past the last key) against the definition, for
+    prompts ending inside and at the end of a key's span, with and without a seed."""
+    rng = random.Random(5)
+    for nblocks in (1, 7, 8, 9, 10, 11, 63, 64, 65, 79, 80, 81, MAX_BLOCKS + 3):
+        data = rng.randbytes(nblocks * BLOCK_BYTES + rng.randrange(BLOCK_BYTES))
+        for seed in (0, 0xDEADBEEF):
+            assert chain_from_bytes(data, seed).keys == reference_keys(data, seed), (nblocks, seed)
+
+
+class _Msg(dict):  # type: ignore[type-arg]
+    pass
+
+
+def test_serialise_is_role_nul_text_soh_whatever_the_messages_form() -> None:
+    """The canonical bytes, written out: the dict fast path, dict subclasses, structs, a
+    ``name``, no content, content parts."""
+    msgs = [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": "hi", "name": "ann"},
+        _Msg(role="assistant", content=None),
+        ChatMessage(role="user", content="yo"),
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]},
+        {"content": "no role"},
+    ]
+    want = "m\x00system\x00sys\x01user:ann\x00hi\x01assistant\x00\x01user\x00yo\x01user\x00a\x02b\x01\x00no role\x01"
+    assert serialise(msgs, model="m") == want.encode()

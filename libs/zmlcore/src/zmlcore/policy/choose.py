@@ -127,29 +127,32 @@ def choose_node(
             cached = cached_rows(table, cache, match, req.prompt_tokens)
     ctx = (Ctx if table.small else VCtx)(fleet, table, req, policy, now, state, stale_after_s, cached)
     session = ""
-    pick = None
+    i = -1  # the picked row and its estimate
+    est = 0.0
     if req.session_node is not None:
         row, session = keep_bound(ctx, req.session_node)
         if row is not None:
-            g = table.group_of[row]
-            pick = Cand(g, row, ctx.est(g, row), ctx.ranks[g.k], cached=ctx.cached_at(row))
-    if pick is None:
+            i, est = row, ctx.est(table.group_of[row], row)
+    if i < 0:
         if isinstance(ctx, VCtx):
             row = ROW_STRATEGIES.get(policy.strategy, chain.select_rows)(ctx)
-            pick = None if row is None else ctx.cand(row)
+            if row is not None:
+                i, est = row, ctx.row_est(row)
         else:
             pick = STRATEGIES.get(policy.strategy, chain.select)(ctx)
-    if pick is None:
+            if pick is not None:
+                i, est = pick.i, pick.est
+    if i < 0:
         _fail(fleet, table.families, req, policy, now, stale_after_s)
-    v = table.views[pick.i]
+    v = table.views[i]
     return Decision(
         v.node_id,
         v.state.family,
         policy.name,
         v.effective_outstanding(),
-        estimated_ttft_s=pick.est,
+        estimated_ttft_s=est,
         evaluated=ctx.evaluated or [],
-        cached_tokens=ctx.cached_at(pick.i),
+        cached_tokens=ctx.cached_at(i),
         session=session,
     )
 
@@ -158,10 +161,16 @@ def cached_rows(table: ModelTable, cache: PrefixIndex, match: Match, prompt_toke
     """Each row's cached tokens for this request, in whole blocks of its node's engine:
     ``{row: tokens}`` for a small table, a dense array for a large one (None: no row holds
     any). A node's tokens are the matched bytes in tokens, capped below the whole prompt
-    (``PrefixIndex.to_tokens``), rounded down to its block size."""
+    (``PrefixIndex.to_tokens``), rounded down to its block size.
+
+    Only the nodes of the match's groups are visited (the warm ones), never the whole fleet: a
+    group of a few nodes bit by bit, a large one (a shared system prompt) in a few vector
+    operations over its slots. Slots of nodes outside the table map to a spare last element,
+    which the result leaves out."""
     key = (id(cache), cache.epoch)
+    n = len(table.views)
     if table.slot_key != key:  # nodes joined/left the index or the table was rebuilt
-        m = np.full(len(cache.block_by_slot), -1, dtype=np.intp)
+        m = np.full(len(cache.block_by_slot), n, dtype=np.intp)
         for j, v in enumerate(table.views):
             nc = cache.node(v.node_id)
             if nc is not None:
@@ -169,39 +178,72 @@ def cached_rows(table: ModelTable, cache: PrefixIndex, match: Match, prompt_toke
         table.slot_rows = m
         table.slot_key = key
     rows_of = table.slot_rows
-    blocks = cache.block_by_slot
     chain = match.chain
-    total = max(prompt_tokens, chain.nbytes // cache.bytes_per_token)
+    bpt = cache.bytes_per_token
+    total = max(prompt_tokens, chain.nbytes // bpt)
     n_slots = len(rows_of)
-    out: Any = {} if table.small else None
-    for mask, nkeys in match.groups:
-        t = min(KEY_ENDS[nkeys - 1] // cache.bytes_per_token, total - 1)
+    small = table.small
+    out: Any = {} if small else None
+    hit = False
+    groups = match.groups
+    based = False
+    if not small and len(groups) > 1 and match.held.bit_count() >= 8:
+        # Many nodes usually hold a shared prefix (the base, the largest group) and a few hold
+        # more of this prompt: every holder of the first key (the groups' union, whose slots
+        # are remembered: ``PrefixIndex.slots``) is written with the base's tokens in one
+        # vector operation, then the other groups over it.
+        base = max(groups, key=lambda g: g[0].bit_count())
+        if base[0].bit_count() >= 8:
+            groups = [g for g in groups if g is not base]
+            t = min(KEY_ENDS[base[1] - 1] // bpt, total - 1)
+            if t > 0:
+                sa = cache.slots(match.held)
+                if match.held.bit_length() > n_slots:
+                    sa = sa[sa < n_slots]
+                tok, every = cache.tokens_by_slot(t)
+                out = np.zeros(n + 1)
+                out[rows_of[sa]] = tok[sa]
+                hit = every or bool(np.count_nonzero(out[:n]))
+                based = True
+    for mask, nkeys in groups:
+        t = min(KEY_ENDS[nkeys - 1] // bpt, total - 1)
         if t <= 0:
+            if based:  # written with the base's tokens: this group holds no whole token
+                sa = cache.slots(mask)
+                out[rows_of[sa[sa < n_slots]]] = 0.0
             continue
-        if table.small or mask.bit_count() < 8:
+        tok, every = cache.tokens_by_slot(t)  # t in whole blocks of each slot's engine
+        if small or mask.bit_count() < 8:
             for sl in slots_of(mask):
-                j = int(rows_of[sl]) if sl < n_slots else -1
-                if j < 0:
+                if sl >= n_slots:
                     continue
-                b = int(blocks[sl])
-                c = t // b * b
-                if c:
-                    if out is None:
-                        out = np.zeros(len(table.views))
+                j = rows_of.item(sl)
+                if j == n:
+                    continue
+                c = tok.item(sl)
+                if out is None:
+                    if not c:
+                        continue
+                    out = np.zeros(n + 1)
+                if small:
+                    if c:
+                        out[j] = c
+                        hit = True
+                else:
                     out[j] = c
-        else:  # a prefix many nodes hold (a shared system prompt): vector work
-            sa = slot_array(mask)
-            if sa[-1] >= n_slots:
+                    hit = hit or c > 0
+        else:  # a prefix many nodes hold: vector work
+            sa = cache.slots(mask)
+            if mask.bit_length() > n_slots:
                 sa = sa[sa < n_slots]
-            rows = rows_of[sa]
-            ok = rows >= 0
-            ba = blocks[sa[ok]]
+            c = tok[sa]
             if out is None:
-                out = np.zeros(len(table.views))
-            out[rows[ok]] = t // ba * ba
-    if out is not None and not table.small and not out.any():
-        return None
-    return out or None if table.small else out
+                out = np.zeros(n + 1)
+            out[rows_of[sa]] = c
+            hit = hit or every or bool(np.count_nonzero(c))
+    if small:
+        return out or None
+    return out[:n] if hit else None
 
 
 def _index_for(nodes: Sequence[NodeView], state: RoutingState) -> FleetIndex:

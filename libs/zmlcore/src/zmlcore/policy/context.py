@@ -73,7 +73,7 @@ class Cand:
 class Chain:
     """A policy's chain as it falls on one table (cached in ``ModelTable.chains``)."""
 
-    __slots__ = ("families", "first", "counts", "ranks", "outside", "monotone", "outside_rows")
+    __slots__ = ("families", "first", "counts", "ranks", "outside", "monotone", "outside_rows", "evaluation")
 
     def __init__(self, table: ModelTable, chain: tuple[str, ...]) -> None:
         first: dict[str, int] = {}
@@ -92,6 +92,9 @@ class Chain:
         #: the rows' ranks never decrease: argmin's first row is the first in (rank, row) order
         self.monotone = all(a <= b for a, b in zip(inside, inside[1:]))
         self.outside_rows: np.ndarray | None = None
+        #: (table.n_up_version, per chain position (family, nodes, rejection)) when no row is
+        #: ruled out by the per-decision checks: what VCtx.evaluate reports then
+        self.evaluation: tuple[int, list[tuple[str, int, str | None]]] | None = None
         if self.outside and not table.small:
             self.outside_rows = np.array([self.ranks[k] < 0 for k in table.fam], dtype=bool)
 
@@ -129,7 +132,7 @@ class Ctx:
         cfg = policy.config
         self.target_s = cfg.latency_target_ms / 1000.0 if cfg.latency_target_ms else DEFAULT_LATENCY_TARGET_S
         self.health_min = cfg.health_threshold
-        key = policy.chain or tuple(table.families)
+        key = policy.chain or table.family_chain
         chain: Chain | None = table.chains.get(key)
         if chain is None:
             if len(table.chains) >= MAX_CHAINS:  # inline policies can name many chains: stay bounded
@@ -242,17 +245,20 @@ class VCtx(Ctx):
         now = self.now
         hmin = self.health_min
         b: np.ndarray | None = None
-        # One reduction per check first: usually no row is stale, cooling down or unhealthy.
+        # Usually no row is stale, cooling down or unhealthy: the table's bounds on the
+        # columns' extremes say so without reading them, else the extremes themselves do.
         # (``now - u`` is monotone in ``u``, so the oldest row decides staleness exactly.)
+        stale = self.stale_after
         if (
-            now - t.updated.min() > self.stale_after or t.blocked.max() > now
-            or (hmin is not None and t.health.min() < hmin)
+            (now - t.upd_lo > stale and now - t.oldest_update() > stale)
+            or (t.blk_hi > now and t.latest_block() > now)
+            or (hmin is not None and t.health_lo < hmin and t.lowest_health() < hmin)
         ):
-            m = (now - t.updated) > self.stale_after
+            m = (now - t.updated) > stale
             m |= t.blocked > now
             if hmin is not None:
                 m |= t.health < hmin
-            b = m if m.any() else None
+            b = m if np.count_nonzero(m) else None
         out = self.chain.outside_rows
         if out is not None:
             b = out if b is None else b | out
@@ -304,11 +310,28 @@ class VCtx(Ctx):
         if v == INF:
             return None
         if not self.chain.monotone:
-            tied = np.flatnonzero(a == v)
+            tied = (a == v).nonzero()[0]
             if len(tied) > 1:
                 ranks, fam = self.ranks, self.table.fam
                 i = min(tied.tolist(), key=lambda r: (ranks[fam[r]], r))
         return i
+
+    def first_in(self, rows: np.ndarray, vals: np.ndarray) -> int | None:
+        """Of ``rows`` (ascending), the one whose value in ``vals`` (aligned with ``rows``) is
+        the smallest, ties to the lowest (rank, row); None if there is none or it is INF. The
+        same row :meth:`first` finds in an array that is INF outside ``rows``."""
+        if not len(rows):
+            return None
+        k = int(vals.argmin())
+        v = vals.item(k)
+        if v == INF:
+            return None
+        if not self.chain.monotone:
+            tied = rows[vals == v]
+            if len(tied) > 1:
+                ranks, fam = self.ranks, self.table.fam
+                return int(min(tied.tolist(), key=lambda r: (ranks[fam[r]], r)))
+        return int(rows[k])
 
     def first_of_rows(self, rows: np.ndarray, a: np.ndarray) -> int:
         """Of ``rows`` (ascending, non-empty), the one with the smallest ``a``, ties to the
@@ -316,32 +339,47 @@ class VCtx(Ctx):
         if len(rows) == 1:
             return int(rows[0])
         sub = a[rows]
-        tied = rows[sub == sub.min()]
+        tied = rows[sub == sub.item(sub.argmin())]
         if len(tied) == 1 or self.chain.monotone:
             return int(tied[0])
         ranks, fam = self.ranks, self.table.fam
         return int(min(tied.tolist(), key=lambda r: (ranks[fam[r]], r)))
 
+    def row_est(self, i: int) -> float:
+        """Row ``i``'s estimate: from :meth:`estimates` when computed (it computes each row as
+        :meth:`est` does, operation by operation: the same float)."""
+        e = self._est
+        if e is not None:
+            x: float = e.item(i)
+            if x != INF:
+                return x
+        return self.est(self.table.group_of[i], i)
+
     def cand(self, i: int) -> Cand:
         g = self.table.group_of[i]
-        return Cand(g, i, self.est(g, i), self.ranks[g.k], cached=self.cached_at(i))
+        return Cand(g, i, self.row_est(i), self.ranks[g.k], cached=self.cached_at(i))
 
     def evaluate(self) -> None:
         """``evaluated`` as :meth:`Ctx.candidates` sets it."""
         t = self.table
-        if self.bad() is None:
+        usual = self.bad() is None
+        if usual:
+            cached = self.chain.evaluation
+            if cached is not None and cached[0] == t.n_up_version:
+                self.evaluated = [FamilyEval(f, n, r) for f, n, r in cached[1]]
+                return
             live = t.n_up
         else:
             live = (np.minimum.reduceat(self.estimates(), t.starts) != INF).tolist()
         first_of, counts = self.first_of, self.counts
-        self.evaluated = [
-            FamilyEval(
-                fam, counts[r],
-                None if g is not None and first_of[r] and live[g.k]
-                else ("no_routable_node" if g is not None else "no_nodes"),
-            )
+        rows = [
+            (fam, counts[r], None if g is not None and first_of[r] and live[g.k]
+             else ("no_routable_node" if g is not None else "no_nodes"))
             for r, (fam, g) in enumerate(self.families)
         ]
+        if usual:
+            self.chain.evaluation = (t.n_up_version, rows)
+        self.evaluated = [FamilyEval(f, n, r) for f, n, r in rows]
 
 
 def fastest(cands: list[Cand]) -> Cand | None:

@@ -75,9 +75,9 @@ class ModelTable:
     """
 
     __slots__ = (
-        "model", "small", "families", "by_family", "groups", "starts", "fam", "group_of", "chains", "flat", "views",
-        "coeffs", "inputs", "up", "n_up", "key", "drain", "pf", "inv_pf", "cost_cap", "depth", "maxc", "updated",
-        "blocked", "health", "slot_rows", "slot_key",
+        "model", "small", "families", "family_chain", "by_family", "groups", "starts", "fam", "group_of", "chains", "flat", "views",
+        "coeffs", "inputs", "up", "n_up", "n_up_version", "key", "drain", "pf", "inv_pf", "cost_cap", "depth", "maxc", "updated",
+        "blocked", "health", "upd_lo", "blk_hi", "health_lo", "slot_rows", "slot_key",
     )
 
     def __init__(self, model: str, views: list[NodeView], families: list[str]) -> None:
@@ -85,8 +85,10 @@ class ModelTable:
         self.model = model
         self.views = views
         self.small = n <= SMALL_TABLE
-        #: families as first written, in registration order
+        #: families as first written, in registration order (and as a chain: a policy's
+        #: default, see context.Ctx)
         self.families = families
+        self.family_chain = tuple(families)
         self.groups: list[FamilyGroup] = []
         self.by_family: dict[str, FamilyGroup] = {}
         #: first row of each group (every group has one)
@@ -104,6 +106,8 @@ class ModelTable:
         #: status up and the model loaded (not only loading); how many rows are, per group
         self.up = [False] * n
         self.n_up: list[int] = []
+        #: bumped whenever n_up changes (a chain caches its evaluation per version)
+        self.n_up_version = 0
 
         def col(x: float) -> Any:
             return [x] * n if self.small else np.full(n, x)
@@ -124,10 +128,36 @@ class ModelTable:
         self.updated = col(0.0)
         self.blocked = col(0.0)
         self.health = col(0.0)
+        #: bounds on those columns' extremes, kept as they are written: no greater than the
+        #: oldest ``updated`` and the lowest ``health``, no less than the latest ``blocked``.
+        #: A decision reads the column itself only when a bound says a row may be stale,
+        #: blocked or unhealthy (``oldest_update`` ... make the bound exact again).
+        self.upd_lo = -INF
+        self.blk_hi = INF
+        self.health_lo = -INF
         #: a PrefixIndex's slot -> this table's row (-1: not here), and the (index, epoch) it
         #: was built for (zmlcore.policy.choose.cached_rows)
         self.slot_rows: Any = None
         self.slot_key: Any = None
+
+    # The columns' exact extremes (large tables), each also made the column's bound.
+    def oldest_update(self) -> float:
+        u = self.updated
+        lo: float = u.item(u.argmin())
+        self.upd_lo = lo
+        return lo
+
+    def latest_block(self) -> float:
+        b = self.blocked
+        hi: float = b.item(b.argmax())
+        self.blk_hi = hi
+        return hi
+
+    def lowest_health(self) -> float:
+        h = self.health
+        lo: float = h.item(h.argmin())
+        self.health_lo = lo
+        return lo
 
 
 def _membership(v: NodeView) -> tuple[str, frozenset[str], list[str], list[str]]:
@@ -192,6 +222,11 @@ class FleetIndex(Sequence[NodeView]):
             self._watching = False
 
     # --- upkeep: O(1) per change ---
+    def _counts_changed(self, view: NodeView) -> None:
+        """A counter changed (outstanding, pending, pending tokens): the rows' load keys."""
+        for table, j in self._where.get(view._state.node_id, ()):
+            _set_load(table, j, view)
+
     def _node_changed(self, view: NodeView, structural: bool) -> None:
         st = view._state
         where = self._where.get(st.node_id, ())
@@ -227,8 +262,14 @@ class FleetIndex(Sequence[NodeView]):
         if up != t.up[j]:
             t.up[j] = up
             t.n_up[t.fam[j]] += 1 if up else -1
-        t.updated[j] = st.updated_at
-        t.health[j] = st.health_score
+            t.n_up_version += 1
+        u, h = st.updated_at, st.health_score
+        t.updated[j] = u
+        t.health[j] = h
+        if u < t.upd_lo:
+            t.upd_lo = u
+        if h < t.health_lo:
+            t.health_lo = h
         _set_counters(t, j, v)
 
     # --- tables ---
@@ -286,13 +327,22 @@ class FleetIndex(Sequence[NodeView]):
 
 
 def _set_counters(t: ModelTable, j: int, v: NodeView) -> None:
-    out = v.effective_outstanding()
-    t.depth[j] = out
     cool, sat = v._cooldown_until, v._saturated_until
-    t.blocked[j] = cool if cool > sat else sat
+    b = t.blocked[j] = cool if cool > sat else sat
+    if b > t.blk_hi:
+        t.blk_hi = b
+    _set_load(t, j, v)
+
+
+def _set_load(t: ModelTable, j: int, v: NodeView) -> None:
+    """Row ``j``'s depth and keys from the view's counters (the effective counts, inline)."""
+    out = v._outstanding + v._ext_out
+    t.depth[j] = out
     c = t.coeffs[j]
     if t.up[j] and c is not None:
-        t.key[j] = c.load_key(out, v.effective_pending(), v.effective_pending_tokens(c.mean_prompt))
+        pt = v._pending_tokens
+        t.key[j] = c.load_key(out, v._pending + v._ext_pend,
+                              None if pt is None else pt + v._ext_pend * c.mean_prompt)
         t.drain[j] = c.drain_key(out)
     else:
         t.key[j] = INF

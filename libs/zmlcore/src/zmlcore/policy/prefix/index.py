@@ -50,6 +50,8 @@ DEFAULT_MAX_ENTRIES = 2_000_000
 #: ``gen`` values: touch number << _POS_BITS | the key's position in its chain.
 _POS_BITS = 6
 _POS_MASK = (1 << _POS_BITS) - 1
+#: prompt bytes the key at each position stands for (beyond the previous key's)
+_SPAN = [end - (KEY_ENDS[i - 1] if i else 0) for i, end in enumerate(KEY_ENDS)]
 #: A reported miss on a prefix confirmed less than this long ago is not taken for an eviction
 #: (clocks and reports race by milliseconds, not seconds).
 MIN_MISS_AGE_S = 1.0
@@ -80,8 +82,8 @@ class NodeCache:
     """One node's entries and what the index learned about its cache."""
 
     __slots__ = (
-        "node_id", "slot", "gen", "log", "log_keys", "touches", "times", "confirmed", "block", "cap_tokens", "cap",
-        "size", "awaiting", "events_at", "event_seq", "stored_tokens", "hits", "misses",
+        "node_id", "slot", "gen", "log", "head", "log_keys", "touches", "times", "confirmed", "block", "cap_tokens",
+        "cap", "size", "awaiting", "events_at", "event_seq", "stored_tokens", "hits", "misses",
     )
 
     def __init__(self, node_id: str, slot: int, block: int, cap_tokens: int) -> None:
@@ -89,8 +91,11 @@ class NodeCache:
         self.slot = slot
         #: key -> (number of its last touch) << 6 | its position in the chain
         self.gen: dict[int, int] = {}
-        #: touches, oldest first: [number, time, keys deepest first, next position to evict]
-        self.log: deque[list[Any]] = deque()
+        #: touches, oldest first: (number, time, keys deepest first), and the next position to
+        #: evict in the oldest. Tuples of numbers: the garbage collector stops tracking them
+        #: after one look, so a million entries add nothing to what a full collection scans.
+        self.log: deque[tuple[int, float, tuple[int, ...]]] = deque()
+        self.head = 0
         self.log_keys = 0
         self.touches = 0
         #: touch -> its time, for the touches in the log; touch -> when the engine confirmed it
@@ -141,15 +146,17 @@ class NodeCache:
 class Match:
     """A lookup's result: per group of nodes, how many keys of the chain they hold.
 
-    ``groups`` is a list of ``(slots, nkeys)``, ``slots`` a bitmask over the index's slots.
+    ``groups`` is a list of ``(slots, nkeys)``, ``slots`` a bitmask over the index's slots;
+    ``held`` their union (the holders of the chain's first key).
     """
 
-    __slots__ = ("index", "chain", "groups")
+    __slots__ = ("index", "chain", "groups", "held")
 
-    def __init__(self, index: PrefixIndex, chain: KeyChain, groups: list[tuple[int, int]]) -> None:
+    def __init__(self, index: PrefixIndex, chain: KeyChain, groups: list[tuple[int, int]], held: int = 0) -> None:
         self.index = index
         self.chain = chain
         self.groups = groups
+        self.held = held
 
     def __bool__(self) -> bool:
         return bool(self.groups)
@@ -196,9 +203,14 @@ class PrefixIndex:
         self._nodes: dict[str, NodeCache] = {}
         #: node id by slot (None: free slot)
         self._ids: list[str | None] = []
+        #: the node's entries by slot (None: free slot)
+        self._by_slot: list[NodeCache | None] = []
         self._free: list[int] = []
-        #: engine block size by slot (for the vectorised conversion in choose_node)
+        #: engine block size by slot (for the vectorised conversion in choose_node); change it
+        #: only through _set_block (it keeps the conversions cached by tokens_by_slot)
         self.block_by_slot = np.ones(0, dtype=np.int64)
+        self._tokens: dict[int, tuple[np.ndarray, bool]] = {}
+        self._slots: dict[int, np.ndarray] = {}
         #: bumped whenever slots are assigned or freed (tables cache slot -> row maps)
         self.epoch = 0
         self._sweep = 0
@@ -212,15 +224,17 @@ class PrefixIndex:
         nc = self._nodes.get(node_id)
         if nc is None:
             slot = self._free.pop() if self._free else len(self._ids)
+            nc = self._nodes[node_id] = NodeCache(node_id, slot, block_size, 0)
             if slot == len(self._ids):
                 self._ids.append(node_id)
+                self._by_slot.append(nc)
                 self.block_by_slot = np.append(self.block_by_slot, 1)
+                self._tokens.clear()
             else:
                 self._ids[slot] = node_id
-            nc = self._nodes[node_id] = NodeCache(node_id, slot, block_size, 0)
+                self._by_slot[slot] = nc
             self.epoch += 1
-        nc.block = max(1, block_size)
-        self.block_by_slot[nc.slot] = nc.block
+        self._set_block(nc, max(1, block_size))
         self._total_cap += self._bytes_of(capacity_tokens) - self._bytes_of(nc.cap_tokens)
         nc.cap_tokens = capacity_tokens
         self._rescale(nc)
@@ -240,12 +254,43 @@ class PrefixIndex:
         self._evict(nc, nc.size)
         self._total_cap -= self._bytes_of(nc.cap_tokens)
         self._ids[nc.slot] = None
+        self._by_slot[nc.slot] = None
         self._free.append(nc.slot)
         self.epoch += 1
         self._rescale(None)
 
     def node(self, node_id: str) -> NodeCache | None:
         return self._nodes.get(node_id)
+
+    def _set_block(self, nc: NodeCache, block: int) -> None:
+        nc.block = block
+        if self.block_by_slot.item(nc.slot) != block:
+            self.block_by_slot[nc.slot] = block
+            self._tokens.clear()
+
+    def slots(self, mask: int) -> np.ndarray:
+        """:func:`slot_array` of ``mask``, remembered (a few hundred masks): the holders of a
+        shared prefix (a system prompt's first key) come back request after request, and
+        change only when a node gains or loses it (a new mask, a new entry)."""
+        sa = self._slots.get(mask)
+        if sa is None:
+            if len(self._slots) >= 256:
+                self._slots.clear()
+            sa = self._slots[mask] = slot_array(mask)
+        return sa
+
+    def tokens_by_slot(self, tokens: int) -> tuple[np.ndarray, bool]:
+        """``tokens`` rounded down to whole blocks of each slot's engine (an array by slot),
+        and whether that leaves every slot some. Cached per value until a block size changes:
+        a match's tokens take few values (a key's end, or the prompt's length less one)."""
+        r = self._tokens.get(tokens)
+        if r is None:
+            if len(self._tokens) >= 256:
+                self._tokens.clear()
+            b = self.block_by_slot
+            a = tokens // b * b
+            r = self._tokens[tokens] = (a, bool(len(a)) and a.item(a.argmin()) > 0)
+        return r
 
     def _bytes_of(self, tokens: int) -> int:
         """A capacity in tokens as prompt bytes."""
@@ -287,11 +332,11 @@ class PrefixIndex:
         keys = chain.keys
         g = self._holders
         if not keys:
-            return Match(self, chain, [])
+            return Match(self, chain, [], 0)
         v = g.get(keys[0])
         if v is None:
-            return Match(self, chain, [])
-        m0 = (1 << v) if v >= 0 else ~v
+            return Match(self, chain, [], 0)
+        held = m0 = (1 << v) if v >= 0 else ~v
         groups: list[tuple[int, int]] = []
         last = len(keys) - 1
         v = g.get(keys[last])
@@ -301,7 +346,7 @@ class PrefixIndex:
                 groups.append((top, last + 1))
                 m0 &= ~top
                 if not m0:
-                    return Match(self, chain, groups)
+                    return Match(self, chain, groups, held)
             last -= 1
         # Each stack entry: nodes ``m`` whose deepest held key is in ``[lo, hi]``.
         stack = [(0, last, m0)]
@@ -320,7 +365,7 @@ class PrefixIndex:
                     m &= ~up
                     hi = mid - 1
             groups.append((m, lo + 1))
-        return Match(self, chain, groups)
+        return Match(self, chain, groups, held)
 
     def depth(self, node_id: str, chain: KeyChain) -> int:
         """Keys of ``chain`` the node holds (bisection on its own entries)."""
@@ -337,8 +382,9 @@ class PrefixIndex:
         keys = chain.keys
         if nc is None or not keys:
             return
-        d = _depth(nc.gen, keys)
-        conf = nc.confirmed.get(nc.gen[keys[d - 1]] >> _POS_BITS, -1.0) if d else -1.0
+        gen = nc.gen
+        d = _depth(gen, keys)
+        conf = nc.confirmed.get(gen[keys[d - 1]] >> _POS_BITS, -1.0) if d else -1.0
         # recorded, not confirmed: the engine holds it once this request's prefill is done
         n = self._touch(nc, keys, d, now)
         # what was predicted, for the engine's report (correct)
@@ -346,8 +392,18 @@ class PrefixIndex:
         aw[keys[-1]] = (d, conf, now, n)
         if len(aw) > MAX_AWAITING:
             aw.popitem(last=False)
-        self._expire(nc, now)
-        self._sweep_one(now)
+        ttl_before = now - self.ttl_s
+        log = nc.log
+        if log and log[0][1] < ttl_before:
+            self._expire(nc, now)
+        # and another node's, now and then (nodes nobody sends to age too)
+        by_slot = self._by_slot
+        s = self._sweep = (self._sweep + 1) % len(by_slot)
+        other = by_slot[s]
+        if other is not None:
+            log = other.log
+            if log and log[0][1] < ttl_before:
+                self._expire(other, now)
 
     def _touch(self, nc: NodeCache, keys: list[int], d: int, now: float) -> int:
         """Make ``keys`` (of which the node holds the first ``d``) its most recent entries;
@@ -356,11 +412,10 @@ class PrefixIndex:
         if d < L:
             self._add_holder(keys[d:], nc.slot)
             nc.size += KEY_ENDS[L - 1] - (KEY_ENDS[d - 1] if d else 0)
-        nc.touches += 1
-        n = nc.touches
+        n = nc.touches = nc.touches + 1
         base = n << _POS_BITS
         nc.gen.update(zip(keys, range(base, base + L)))
-        nc.log.append([n, now, keys[::-1], 0])
+        nc.log.append((n, now, tuple(keys[::-1])))
         nc.times[n] = now
         nc.log_keys += L
         over = nc.size - nc.cap
@@ -386,33 +441,15 @@ class PrefixIndex:
             else:
                 g[k] = ~(~v | bit)
 
-    def _unhold(self, k: int, slot: int) -> None:
-        g = self._holders
-        v = g.get(k)
-        if v is None:
-            return
-        if v >= 0:
-            if v == slot:
-                del g[k]
-            return
-        m = ~v
-        bit = 1 << slot
-        if m & bit:
-            m ^= bit
-        if m & (m - 1):
-            g[k] = ~m
-        elif m:
-            g[k] = m.bit_length() - 1
-        else:
-            del g[k]
-
     def _evict(self, nc: NodeCache, nbytes: int, before: float | None = None) -> None:
         """Drop the node's least recently touched entries until ``nbytes`` of prompt are freed
         (or, with ``before``, every entry last touched before that time)."""
-        gen, log, slot = nc.gen, nc.log, nc.slot
+        gen, log, slot, hold = nc.gen, nc.log, nc.slot, self._holders
+        bit = 1 << slot
+        size = nc.size
+        i = nc.head
         while log and (nbytes > 0 if before is None else log[0][1] < before):
-            entry = log[0]
-            num, keys, i = entry[0], entry[2], entry[3]
+            num, _t, keys = log[0]
             end = len(keys)
             while i < end and (nbytes > 0 or before is not None):
                 k = keys[i]
@@ -420,51 +457,58 @@ class PrefixIndex:
                 g = gen.get(k)
                 if g is not None and g >> _POS_BITS == num:
                     del gen[k]
-                    self._unhold(k, slot)
-                    pos = g & _POS_MASK
-                    span = KEY_ENDS[pos] - (KEY_ENDS[pos - 1] if pos else 0)
-                    nc.size -= span
+                    v = hold.get(k)  # the slot leaves the key's holders
+                    if v is not None:
+                        if v >= 0:
+                            if v == slot:
+                                del hold[k]
+                        else:
+                            m = ~v
+                            if m & bit:
+                                m ^= bit
+                            if m & (m - 1):
+                                hold[k] = ~m
+                            elif m:
+                                hold[k] = m.bit_length() - 1
+                            else:
+                                del hold[k]
+                    span = _SPAN[g & _POS_MASK]
+                    size -= span
                     nbytes -= span
-            if i >= end:
-                log.popleft()
-                nc.log_keys -= end
-                del nc.times[num]
-                nc.confirmed.pop(num, None)
-            else:
-                entry[3] = i
+            if i < end:
                 break
+            log.popleft()
+            i = 0
+            nc.log_keys -= end
+            del nc.times[num]
+            nc.confirmed.pop(num, None)
+        nc.head = i
+        nc.size = size
 
     def _compact(self, nc: NodeCache) -> None:
         """Drop the log's stale references (keys touched again since, or gone)."""
         gen = nc.gen
-        kept: deque[list[Any]] = deque()
+        kept: deque[tuple[int, float, tuple[int, ...]]] = deque()
         total = 0
-        for num, t, keys, i in nc.log:
-            live = [k for k in keys[i:] if gen.get(k, 0) >> _POS_BITS == num]
+        i = nc.head
+        for num, t, keys in nc.log:
+            live = tuple([k for k in keys[i:] if gen.get(k, 0) >> _POS_BITS == num])
+            i = 0
             if live:
-                kept.append([num, t, live, 0])
+                kept.append((num, t, live))
                 total += len(live)
             else:
                 del nc.times[num]
                 nc.confirmed.pop(num, None)
         nc.log = kept
+        nc.head = 0
         nc.log_keys = total
 
     def _expire(self, nc: NodeCache, now: float) -> None:
-        if nc.events_at is not None and now - nc.events_at <= EVENTS_STALE_S:
-            return  # evictions come from the engine itself
-        if nc.log and nc.log[0][1] < now - self.ttl_s:
+        log = nc.log
+        # (KV events flowing: evictions come from the engine itself)
+        if log and log[0][1] < now - self.ttl_s and (nc.events_at is None or now - nc.events_at > EVENTS_STALE_S):
             self._evict(nc, 0, before=now - self.ttl_s)
-
-    def _sweep_one(self, now: float) -> None:
-        """Expire another node's old entries now and then (nodes nobody sends to age too)."""
-        ids = self._ids
-        if not ids:
-            return
-        self._sweep = (self._sweep + 1) % len(ids)
-        nid = ids[self._sweep]
-        if nid is not None:
-            self._expire(self._nodes[nid], now)
 
     def expire(self, now: float) -> None:
         """Expire every node's old entries (O(expired)); ``record`` does it as it goes."""
@@ -530,8 +574,7 @@ class PrefixIndex:
         if nc is None:
             return
         if batch.block_size > 0 and batch.block_size != nc.block:
-            nc.block = batch.block_size
-            self.block_by_slot[nc.slot] = nc.block
+            self._set_block(nc, batch.block_size)
         nc.events_at = now
         if batch.seq >= 0:
             nc.event_seq = batch.seq
@@ -595,6 +638,7 @@ def slots_of(mask: int) -> list[int]:
 
 
 def slot_array(mask: int) -> np.ndarray:
-    """Slot numbers set in ``mask``, as an array (for masks with many bits)."""
+    """Slot numbers set in ``mask``, ascending, as an array (for masks with many bits). (The
+    bits as booleans: ``nonzero`` on a bool array costs a sixth of it on uint8.)"""
     raw = np.frombuffer(mask.to_bytes((mask.bit_length() + 7) // 8, "little"), dtype=np.uint8)
-    return np.flatnonzero(np.unpackbits(raw, bitorder="little"))
+    return np.unpackbits(raw, bitorder="little").view(bool).nonzero()[0]

@@ -114,12 +114,14 @@ def chain_from_bytes(data: bytes, seed: int = 0) -> KeyChain:
     n = min(len(data) // BLOCK_BYTES, MAX_BLOCKS)
     if n == 0:
         return KeyChain(_EMPTY, len(data))
+    nk = _N_KEYS[n]
+    n = KEY_BLOCKS[nk - 1]  # the blocks past the last key's end are in no key: not hashed
     # uint64 array arithmetic wraps silently (mod 2^64), which is what a hash wants.
     d = np.frombuffer(data, dtype=np.uint64, count=n * _WORDS).reshape(n, _WORDS) @ _C
     if seed:
         d[0] ^= np.uint64(seed)
     d *= _POS[:n]
-    return KeyChain(d.cumsum()[_SEL[:_N_KEYS[n]]].tolist(), len(data))
+    return KeyChain(d.cumsum()[_SEL[:nk]].tolist(), len(data))
 
 
 def serialise(messages: Sequence[Any] | None = None, prompt: str | Sequence[str] | None = None,
@@ -129,15 +131,22 @@ def serialise(messages: Sequence[Any] | None = None, prompt: str | Sequence[str]
     model's name (a 0 byte ends it)."""
     if messages is not None:
         parts: list[str] = [model, "\x00"] if model else []
+        add = parts.append
         for m in messages:
-            if isinstance(m, dict):
+            if type(m) is dict:  # what the router decodes (isinstance: subclasses, below)
+                content = m.get("content")
+                if type(content) is str and "name" not in m:  # the usual message: one list op
+                    parts += (m.get("role", ""), "\x00", content, "\x01")
+                    continue
+                name, role = m.get("name"), m.get("role", "")
+            elif isinstance(m, dict):
                 role, content, name = m.get("role", ""), m.get("content"), m.get("name")
             else:
                 role, content, name = m.role, m.content, getattr(m, "name", None)
-            parts.append(role if not name else f"{role}:{name}")
-            parts.append("\x00")
-            parts.append(_text(content))
-            parts.append("\x01")
+            add(role if not name else f"{role}:{name}")
+            add("\x00")
+            add(content if type(content) is str else _text(content))
+            add("\x01")
         return "".join(parts).encode("utf-8", "surrogatepass")
     if prompt is None:
         return b""

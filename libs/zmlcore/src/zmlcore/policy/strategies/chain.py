@@ -72,7 +72,8 @@ def select_rows(ctx: VCtx) -> int | None:
     near = e <= target * BALANCED_FRACTION
     if qt is not None:
         near &= ctx.table.depth <= qt
-    if near.any():
-        return weighted_rows(ctx, near, 1.0, 1.0, target)
+    rows = near.nonzero()[0]
+    if len(rows):
+        return weighted_rows(ctx, rows, 1.0, 1.0, target)
     pick = cheapest_within_rows(ctx, target, qt)
     return ctx.first(e) if pick is None else pick

@@ -41,12 +41,14 @@ def cheapest_within_rows(ctx: VCtx, threshold_s: float, queue_threshold: float |
     m = e <= threshold_s
     if queue_threshold is not None:
         m &= t.depth <= queue_threshold
-    c = np.where(m, t.cost_cap, np.inf)
-    z = int(c.argmin())
-    cmin = c.item(z)
-    if cmin == np.inf or not m.item(z):
+    rows = m.nonzero()[0]  # ascending: the first cheapest of them is the lowest row
+    if not len(rows):
         return None
-    return ctx.first_of_rows(np.flatnonzero(c == cmin), e)
+    c = t.cost_cap[rows]
+    cmin = c.item(c.argmin())
+    if cmin == np.inf:
+        return None
+    return ctx.first_of_rows(rows[c == cmin], e)
 
 
 def select_rows(ctx: VCtx) -> int | None:

@@ -104,20 +104,21 @@ def pick_rows(ctx: VCtx, tie_s: float, below_s: float, slots: float = TIE_SLOTS)
     c0 = 0.0
     if c is not None:
         c0 = c.item(i)
-        warm = c > c0
-        if warm.any():
+        # only the rows warmer than the fastest are scored: usually a handful of the fleet
+        warm = (c > c0).nonzero()[0]
+        if len(warm):
             inv = STICKY / t.pf.item(i)
             if STICKY_LOAD:
                 inv /= 1.0 - min(RHO_MAX, t.depth.item(i) / t.maxc.item(i))
-            s = np.where(warm, e - c * inv, np.inf)
-            sw, s0 = s.min().item(), e0 - c0 * inv
+            s = e[warm] - c[warm] * inv
+            sw, s0 = s.item(s.argmin()), e0 - c0 * inv
             if sw <= s0:
-                w = ctx.first_of_rows(np.flatnonzero(s == sw), e)
+                w = ctx.first_of_rows(warm[s == sw], e)
                 if sw < s0 or (e.item(w), ctx.ranks[t.fam[w]]) < (e0, ctx.ranks[t.fam[i]]):
                     return w
     if tie_s <= 0.0 or e0 > below_s:
         return i
-    near = np.flatnonzero(e <= e0 + tie_s)  # the widest window; the fastest is among them
+    near = (e <= e0 + tie_s).nonzero()[0]  # the widest window; the fastest is among them
     if len(near) == 1:
         return i
     inside = e[near] <= e0 + tie_s * (1.0 - t.depth[near] / t.maxc[near] / slots)
@@ -125,7 +126,7 @@ def pick_rows(ctx: VCtx, tie_s: float, below_s: float, slots: float = TIE_SLOTS)
         inside &= c[near] >= c0
     rows = near[inside | (near == i)]  # the fastest stays in, whatever its slots
     pf = t.pf[rows]
-    return ctx.first_of_rows(rows[pf == pf.min()], e)
+    return ctx.first_of_rows(rows[pf == pf.item(pf.argmin())], e)
 
 
 def select_rows(ctx: VCtx) -> int | None:

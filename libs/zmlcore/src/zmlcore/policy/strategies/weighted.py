@@ -35,13 +35,15 @@ def select(ctx: Ctx) -> Cand | None:
     return weighted_pick(ok, cfg.latency_weight or 0.0, cfg.cost_weight or 0.0, ctx.target_s)
 
 
-def weighted_rows(ctx: VCtx, m: np.ndarray, lw: float, cw: float, target_s: float) -> int | None:
-    """:func:`weighted_pick` over the rows in mask ``m`` (rows with a finite estimate). The
-    score is computed as ``weighted_pick`` computes it, term by term; a weight of 1 multiplies
-    nothing and a weight of 0 adds 0 (both exact)."""
-    e = ctx.estimates()
-    cost = ctx.table.cost_cap
-    cheapest = np.where(m, cost, np.inf).min()
+def weighted_rows(ctx: VCtx, rows: np.ndarray, lw: float, cw: float, target_s: float) -> int | None:
+    """:func:`weighted_pick` over ``rows`` (ascending, with a finite estimate). The score is
+    computed as ``weighted_pick`` computes it, term by term; a weight of 1 multiplies nothing
+    and a weight of 0 adds 0 (both exact). Only those rows are scored."""
+    if not len(rows):
+        return None
+    e = ctx.estimates()[rows]
+    cost = ctx.table.cost_cap[rows]
+    cheapest = cost.item(cost.argmin())
     if cheapest == np.inf:
         return None
     cheapest = float(cheapest) or 1.0
@@ -51,7 +53,7 @@ def weighted_rows(ctx: VCtx, m: np.ndarray, lw: float, cw: float, target_s: floa
     if cw:
         c = (cost if cw == 1.0 else cw * cost) / cheapest
         s = c if s is None else s + c
-    return ctx.first(np.where(m, 0.0 if s is None else s, np.inf))
+    return ctx.first_in(rows, np.zeros(len(rows)) if s is None else s)
 
 
 def select_rows(ctx: VCtx) -> int | None:
@@ -62,6 +64,7 @@ def select_rows(ctx: VCtx) -> int | None:
     m = e != np.inf
     if qt is not None:
         m &= ctx.table.depth <= qt
-    if not m.any():
+    rows = m.nonzero()[0]
+    if not len(rows):
         return ctx.first(e)
-    return weighted_rows(ctx, m, cfg.latency_weight or 0.0, cfg.cost_weight or 0.0, ctx.target_s)
+    return weighted_rows(ctx, rows, cfg.latency_weight or 0.0, cfg.cost_weight or 0.0, ctx.target_s)
