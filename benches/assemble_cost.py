@@ -35,7 +35,7 @@ HEADERS = {"content-type": "application/json"}
 async def measure(url: str, reps: int, n: int) -> dict[str, list[float]]:
     client, wheel = NodeClient(64, 5.0), Wheel()
 
-    async def first() -> None:
+    def first(complete: bool) -> None:
         pass
 
     async def whole() -> None:

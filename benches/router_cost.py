@@ -17,6 +17,9 @@ joined by ``+``), to compare a switch in one run:
 
     python benches/router_cost.py --refs main,HEAD,HEAD+stream_from_nodes=false --conc 64
 
+``--stub-delay-ms`` gives the node a service time (the stub's ``--delay-ms``), so that every
+variant runs at the same request rate (C / delay) whatever the stub spends on its reply.
+
 Every process is started by PID and stopped by PID; everything binds 127.0.0.1.
 """
 
@@ -110,14 +113,14 @@ async def drive(url: str, conc: int, seconds: float, warm_s: float, router_pid: 
 
 
 def one(pythonpath: str, stub: str, conc_levels: list[int], seconds: float, tmp: str,
-        model: list[str] | None = None) -> dict[int, tuple[float, float, float]]:
+        model: list[str] | None = None, stub_delay_ms: float = 0.0) -> dict[int, tuple[float, float, float]]:
     env = {**os.environ, "PYTHONPATH": pythonpath, "PYTHONUNBUFFERED": "1"}
     procs: list[subprocess.Popen[bytes]] = []
     out: dict[int, tuple[float, float, float]] = {}
     try:
         stub_port, nport = free_port(), free_port()
-        procs.append(subprocess.Popen([sys.executable, stub, "--port", str(stub_port)], stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.DEVNULL))
+        procs.append(subprocess.Popen([sys.executable, stub, "--port", str(stub_port), "--delay-ms", str(stub_delay_ms)],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         store = tempfile.mkdtemp(dir=tmp)
         nats_p = subprocess.Popen([nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(nport), "-sd", store],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -158,6 +161,11 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--harness", default=os.path.join(HERE, "..", "..", "shared", "peers"),
                     help="the peers harness (its stub_backend.py is the node)")
+    ap.add_argument("--stub-delay-ms", type=float, default=0.0,
+                    help="the stub's service time per request (its --delay-ms): at C / delay req/s every "
+                         "variant runs at the same rate, so a variant whose node answers slower (an SSE body "
+                         "costs the stub more than a JSON one) is not also one whose router batches less per "
+                         "loop iteration")
     a = ap.parse_args()
     stub = os.path.join(a.harness, "stub_backend.py")
     if not os.path.exists(stub):
@@ -178,7 +186,7 @@ def main() -> None:
     try:
         for rep in range(a.reps):
             for ref, pp in paths.items():
-                for c, r in one(pp, stub, conc, a.seconds, tmp, ref.split("+")[1:]).items():
+                for c, r in one(pp, stub, conc, a.seconds, tmp, ref.split("+")[1:], a.stub_delay_ms).items():
                     results.setdefault((ref, c), []).append(r)
                     print(f"rep {rep + 1} {ref:>12} C={c:<3} {r[0]:7.0f} req/s  router {r[1]:6.1f} us/req"
                           f"  nats {r[2]:5.1f} us/req", flush=True)

@@ -255,6 +255,12 @@ async def test_a_dequeued_request_whose_router_dies_runs_again_once(stack: Stack
 
 
 async def test_a_killed_routers_requests_are_taken_over(stack: Stack) -> None:
+    # Which replica of a queue group takes a request is chance: with both up, the one to be
+    # killed held no SDK request (or no gateway one) now and then, and the test then proved
+    # nothing about that requester. So router-2 takes them all while router-1 is away, the node
+    # is slowed so that none of them ends first, and router-1 comes back before router-2 dies.
+    stack.procs["router-1"].stop()
+    stack.faults("h100-a", slowdown=50.0)  # a request takes ~25 s now instead of 0.5
     nc = await nats.connect(stack.nats_url)
     try:
         async with (httpx.AsyncClient(base_url=stack.gateway_url, timeout=TIMEOUT_S + 10) as http,
@@ -263,22 +269,23 @@ async def test_a_killed_routers_requests_are_taken_over(stack: Stack) -> None:
             jobs = [asyncio.create_task(_via_gateway(http, i, stream=i % 2 == 1)) for i in range(8)]
             jobs += [asyncio.create_task(_via_sdk(sdk, i, stream=i % 2 == 1)) for i in range(6)]
             jobs += [asyncio.create_task(asyncio.to_thread(_via_sync_sdk, sync, i, i % 2 == 1)) for i in range(4)]
-            # Kill router-2 while it holds several (running and waiting for a slot), once most of
-            # the 18 are in flight: the queue group spreads them at random, and 3 of them are
-            # all gateway requests ~7% of the time (8 of 18; seen in a CI run), leaving nothing
-            # of the SDK's to send again. With 12 or more in flight that is well under 1%.
+            ids = [f"gw{i}" for i in range(8)] + [f"sdk-a{i}" for i in range(6)] + [f"sdk-s{i}" for i in range(4)]
             deadline = time.monotonic() + 20
-            while True:
-                held = await _in_flight(nc)
-                if held.get("router-2", 0) >= 3 and held.get("router-1", 0) >= 1 and sum(held.values()) >= 12:
-                    break
-                assert time.monotonic() < deadline, f"router-2 never held requests: {held}"
+            while (held := await _in_flight(nc)).get("router-2", 0) < len(jobs):
+                assert time.monotonic() < deadline and not any(j.done() for j in jobs), \
+                    (f"router-2 never held all {len(jobs)}: {held}", [j.result() for j in jobs if j.done()])
+            stack.procs["router-1"] = stack.start_router("router-1")
+            assert await asyncio.to_thread(stack.procs["router-1"].wait_for, "started", 30), stack.procs["router-1"].tail()
+            held_ids = {i for i, j in zip(ids, jobs, strict=True) if not j.done()}
+            assert len(held_ids) == len(jobs), held_ids  # all still running or waiting on router-2
             stack.procs["router-2"].popen.kill()
             killed_at = time.monotonic()
+            stack.faults("h100-a", slowdown=1.0)
             results = await asyncio.wait_for(asyncio.gather(*jobs), TIMEOUT_S + 20)
             await asyncio.to_thread(sync.close)
         ended = time.monotonic() - killed_at
     finally:
+        stack.faults("h100-a", slowdown=1.0)
         await nc.close()
     resent = set(re.findall(r"request ((?:gw|sdk-a|sdk-s)\d+) sent again", stack.procs["router-1"].tail(200)))
     problems = []
@@ -291,9 +298,9 @@ async def test_a_killed_routers_requests_are_taken_over(stack: Stack) -> None:
             problems.append(("stream not whole", r))  # a running one is continued by the survivor
     assert not problems, (problems, resent)
     assert ended < QUICK_S, ended
-    # The dead router's requests were sent again and served by the survivor: some through the
-    # gateway, some through the SDK, streams among them (those that had not started).
-    assert any(i.startswith("gw") for i in resent) and any(i.startswith("sdk") for i in resent), resent
+    # Every request the dead router held was sent again (or its stream continued) and served by
+    # the survivor: through the gateway, the async SDK and the sync SDK, plain and streamed.
+    assert resent == held_ids, (sorted(held_ids - resent), sorted(resent - held_ids))
     metrics = httpx.get(f"http://127.0.0.1:{stack.metrics_ports['router-1']}/metrics", timeout=10).text
     taken = re.search(r'^zml_router_taken_over_total\{previous="other"\} (\S+)$', metrics, re.M)
     assert taken and float(taken.group(1)) >= len(resent), taken

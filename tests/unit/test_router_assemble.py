@@ -146,3 +146,91 @@ def test_a_model_may_keep_its_non_streamed_requests_whole() -> None:
     assert relay.answer(chat, raw, "short").assembler is None  # the model's switch
     assert relay.answer(InferRequest(model="m", input="x"), raw, "m").assembler is None  # embeddings never
     assert relay.answer(chat, b'{"model":"m","best_of":2}', "m").assembler is None  # non-streaming-only
+
+
+def _tokens(*pieces: Any, **extra: Any) -> list[dict[str, Any]]:
+    return [ch({"content": p}, **extra) for p in pieces]
+
+
+#: Bodies of the shapes engines send and of shapes that break a run of content chunks.
+RUN_BODIES = {
+    "plain": sse(ch({"role": "assistant", "content": ""}), *_tokens("The", " cat", " sat", ""), ch(finish="stop"),
+                 USAGE),
+    "escapes": sse(ch({"role": "assistant", "content": ""}),
+                   *_tokens('say "hi"', "back\\slash\\", "\\", "line\nend", "a\u2028b", "é", '"content": "x"'),
+                   ch(finish="stop"), USAGE),
+    "compact, no role chunk": b"".join(b"data: " + json.dumps(c, separators=(",", ":")).encode() + b"\n\n" for c in (
+        *_tokens("a", "b", "c"), ch(finish="length"), USAGE)) + b"data: [DONE]\n\n",
+    "created changes mid-run": sse(*_tokens("a", "b"), *[{**c, "created": 1701} for c in _tokens("c", "d")],
+                                   ch(finish="stop"), USAGE),
+    "another field beside the content": sse(*_tokens("a", "b"), ch({"content": "c", "role": "user"}),
+                                            *_tokens("d"), ch(finish="stop"), USAGE),
+    "a null content mid-run": sse(*_tokens("a", "b", None, "c"), ch(finish="stop"), USAGE),
+    "reasoning, then content": sse(ch({"role": "assistant", "reasoning_content": "hm"}), *_tokens("a", "b", "c"),
+                                   ch(finish="stop"), USAGE),
+    "logprobs": sse(*[{**c, "choices": [{**c["choices"][0], "logprobs": {"content": [{"token": t}]}}]}
+                      for t, c in zip("abc", _tokens("a", "b", "c"))], ch(finish="stop"), USAGE),
+    "the run at the end": sse(ch({"role": "assistant", "content": ""}), *_tokens("a", "b", "c")),
+    "timings on the last chunk": sse(*_tokens("a", "b", "c"), ch(finish="stop"),
+                                     {**USAGE, "timings": {"cache_n": 4}}),
+}
+
+
+@pytest.fixture
+def _runs_of_any_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(assemble, "_RUN_MIN_BYTES", 0)  # these bodies are short
+
+
+@pytest.mark.usefixtures("_runs_of_any_size")
+@pytest.mark.parametrize("name", list(RUN_BODIES))
+def test_a_run_of_content_chunks_read_at_once_is_read_as_chunk_by_chunk(name: str,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    body = RUN_BODIES[name]
+    fast = Assembler("chat")
+    fast.feed(body)
+    got = (fast.reply(), fast.sent(), fast.counts())
+    monkeypatch.setattr(Assembler, "_run", lambda self, body: None)
+    slow = Assembler("chat")
+    slow.feed(body)
+    assert got == (slow.reply(), slow.sent(), slow.counts())
+
+
+@pytest.mark.usefixtures("_runs_of_any_size")
+def test_the_common_stream_is_read_without_a_struct_per_token() -> None:
+    for name in ("plain", "escapes", "compact, no role chunk", "reasoning, then content"):
+        run = Assembler("chat")._run(RUN_BODIES[name])
+        assert run is not None and run[1], name
+    for name in ("another field beside the content", "a null content mid-run", "logprobs", "the run at the end"):
+        assert Assembler("chat")._run(RUN_BODIES[name]) is None, name
+    assert Assembler("chat")._run(RUN_BODIES["plain"][:-20]) is None  # a partial body: chunk by chunk
+    a = Assembler("chat")
+    a.feed(RUN_BODIES["escapes"])
+    assert json.loads(a.reply())["choices"][0]["message"]["content"] == \
+        'say "hi"back\\slash\\\\line\nenda\u2028bé"content": "x"'
+    assert a.counts() == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+
+
+@pytest.mark.usefixtures("_runs_of_any_size")
+def test_a_broken_chunk_inside_a_run_is_not_read_as_two_tokens() -> None:
+    body = RUN_BODIES["plain"].replace(b'"content": " sat"', b'"content": " sat", " on"')
+    assert body != RUN_BODIES["plain"]
+    a = Assembler("chat")
+    a.feed(body)
+    with pytest.raises(MalformedStream):
+        a.reply()
+
+
+def test_a_short_body_is_read_chunk_by_chunk_a_long_one_at_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    short = RUN_BODIES["plain"]
+    long = sse(ch({"role": "assistant", "content": ""}), *_tokens(*[f" w{i}" for i in range(60)]), ch(finish="stop"),
+               USAGE)
+    assert len(short) < assemble._RUN_MIN_BYTES <= len(long)
+    runs: list[bool] = []
+    run = Assembler._run
+    monkeypatch.setattr(Assembler, "_run", lambda self, body: runs.append(True) or run(self, body))
+    for body in (short, long):
+        a = Assembler("chat")
+        a.feed(body)
+        assert a.done
+    assert runs == [True]  # the long body only
+    assert a.sent().tokens == 60 and a.sent().text == "".join(f" w{i}" for i in range(60))

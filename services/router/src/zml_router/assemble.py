@@ -15,9 +15,11 @@ it keeps one answer: the continuation's role is not repeated and its usage count
 answer (``continuation.spliced_usage``).
 
 The bytes are parsed once, at the end (or when the attempt fails): one ``msgspec`` decode of all
-the events as one JSON array into typed Structs. Still, reading every token costs: ~30 us of
-router CPU for a 16-token reply, +27% per request at C=64 on a stub node, hence the per-model
-switch ``[models."<name>"] stream_from_nodes`` (docs/benchmarks.md).
+the events as one JSON array into typed Structs, or, for a body over a few KB, its run of
+content chunks as one array of strings (:meth:`Assembler._run`). Still, reading every token
+costs: ~20 us of router CPU for a 16-token reply (and ~13 us the node client's callbacks for
+its chunked body), +35% per request at C=64 on a stub node, hence the per-model switch
+``[models."<name>"] stream_from_nodes`` (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -49,6 +51,14 @@ _chunks = msgspec.json.Decoder(list[_Chunk])
 _chunk = msgspec.json.Decoder(_Chunk)
 _top = msgspec.json.Decoder(dict[str, msgspec.Raw])
 _DONE_EVENT = b"\n\ndata: [DONE]\n\n"
+_SEP = b"\n\ndata: "
+_COUNTS = ("prompt_tokens", "completion_tokens", "total_tokens")
+_strings = msgspec.json.Decoder(list[str])
+#: Events read one by one, at most, before the run of content chunks (:meth:`Assembler._run`).
+_HEAD_EVENTS = 3
+#: A body shorter than this is read chunk by chunk: the run's fixed cost (the events around it
+#: decoded apart, the template found) is paid back from ~16 tokens on (a few hundred bytes each).
+_RUN_MIN_BYTES = 4096
 #: Top-level fields of a chunk that the reply has its own way of carrying.
 _OWN = frozenset(("id", "object", "created", "model", "choices", "usage", "system_fingerprint", "error", "zml"))
 
@@ -161,7 +171,7 @@ class Assembler:
                 self._tail = [inner[before + 8 if before >= 0 else 0:last], inner[last + 8:]]
             if end != len(body) - 2:
                 self._done = True
-            return b"[" + inner.replace(b"\n\ndata: ", b",") + b"]"
+            return b"[" + b",".join(inner.split(_SEP)) + b"]"  # (one pass: a replace makes two)
         return self._lines(body)
 
     def _lines(self, body: bytes) -> list[bytes]:
@@ -187,6 +197,13 @@ class Assembler:
             return
         body = self._raw[0] if len(self._raw) == 1 else b"".join(self._raw)
         self._raw = []
+        run = self._run(body) if self._split is None and len(body) >= _RUN_MIN_BYTES else None
+        if run is not None:
+            head, pieces, tail = run
+            self._apply(head)
+            self._choices[0].content.extend(filter(None, pieces))  # (the template made choice 0)
+            self._apply(tail)
+            return
         got = self._payloads(body)
         chunks: list[_Chunk] = []
         if isinstance(got, bytes):
@@ -201,6 +218,83 @@ class Assembler:
                 chunks.append(_chunk.decode(p))
             except (msgspec.DecodeError, msgspec.ValidationError):
                 raise MalformedStream(f"not an OpenAI chunk: {p[:120]!r}") from None
+        self._apply(chunks)
+
+    def _run(self, body: bytes) -> tuple[list[_Chunk], list[str], list[_Chunk]] | None:
+        """A whole body read without a Struct per token: the chunks before the run of content
+        chunks (the first of the run included), the rest of the run's strings, the chunks after
+        it; or None (then :meth:`_read` reads it chunk by chunk). Engines send a run of content chunks that differ only in their
+        ``content`` string: the first such chunk (decoded, within the first few events) is the
+        template, its bytes before and after the string (``pre``, ``post``); one ``replace`` of
+        ``post + "\n\ndata: " + pre`` by a comma turns the run into one event whose middle is
+        the strings as a JSON array. A string cannot hold a raw line end, so the pattern only
+        matches between events; the array must decode as strings, one per pattern replaced
+        (a chunk of another shape inside the run makes it invalid JSON or the count differ)."""
+        if not (body.startswith(b"data: ") and body.endswith(_DONE_EVENT)):
+            return None  # (a partial body is what a failed attempt leaves: read it the usual way)
+        head: list[_Chunk] = []
+        pos = 6
+        for _ in range(_HEAD_EVENTS):
+            end = body.find(_SEP, pos)
+            if end < 0:
+                return None
+            try:
+                c = _chunk.decode(body[pos:end])
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                return None
+            head.append(c)
+            if _plain(c):
+                break
+            pos = end + len(_SEP)
+        else:
+            return None
+        event = body[pos:end]
+        at = event.find(b'"content":')
+        if at < 0 or event.find(b'"content":', at + 10) >= 0:
+            return None
+        start = at + 10
+        while event[start:start + 1] in (b" ", b"\t", b"\r", b"\n"):
+            start += 1
+        if not event.startswith(b'"', start):
+            return None
+        stop = start + 1  # past the string's closing quote
+        while True:
+            stop = event.find(b'"', stop)
+            if stop < 0:
+                return None
+            back = stop - 1
+            while event[back] == 92:  # a quote behind an odd number of backslashes is escaped
+                back -= 1
+            stop += 1
+            if (stop - 2 - back) % 2 == 0:
+                break
+        pre, post = event[:start], event[stop:]
+        parts = body[pos:].split(post + _SEP + pre)  # (one pass: a replace makes two)
+        if len(parts) < 2 or not parts[0].startswith(pre):
+            return None
+        last = parts[-1]
+        cut = last.find(b"\n\n")
+        if cut < 0 or not last.endswith(post, 0, cut) or not last.startswith(b"data: ", cut + 2):
+            return None
+        parts[0] = parts[0][len(pre):]
+        parts[-1] = last[:cut - len(post)]
+        try:
+            pieces = _strings.decode(b"[" + b",".join(parts) + b"]")
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return None
+        if len(pieces) != len(parts):
+            return None
+        self._tail = []
+        after = self._payloads(last[cut + 2:])
+        if not isinstance(after, bytes) or len(self._tail) < 2:
+            return None
+        try:
+            tail = _chunks.decode(after)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return None
+        return head, pieces[1:], tail  # (the template's own string is read with it)
+
+    def _apply(self, chunks: list[_Chunk]) -> None:
         states = self._choices
         st0 = states.get(0)
         for c in chunks:
@@ -328,6 +422,14 @@ class Assembler:
             out.update(extra)
         return _encode(out)
 
+    def counts(self) -> dict[str, Any]:
+        """The reply's prompt, completion and total token counts (what ``attempt.reply_usage``
+        reads from a reply's bytes), from the usage read: no scan of the reply."""
+        usage = self.usage
+        if not isinstance(usage, dict):
+            return {}
+        return {k: v for k in _COUNTS if type(v := usage.get(k)) is int}
+
     @property
     def usage(self) -> Any:
         """The answer's usage (None until the usage chunk is read)."""
@@ -335,6 +437,19 @@ class Assembler:
         if isinstance(self._usage, dict) and self._base is not None:
             return spliced_usage(self._usage, self._base)
         return self._usage
+
+
+def _plain(c: _Chunk) -> bool:
+    """A chat chunk that only adds content to choice 0 (what a run of tokens is made of)."""
+    chs = c.choices
+    if c.usage is not None or c.error is not None or chs is None or len(chs) != 1:
+        return False
+    ch = chs[0]
+    d = ch.delta
+    return (ch.index == 0 and ch.finish_reason is None and ch.logprobs is None and ch.stop_reason is None
+            and d is not None and isinstance(d.content, str) and d.role is None and d.tool_calls is None
+            and d.reasoning_content is None and d.reasoning is None and d.function_call is None
+            and d.refusal is None)
 
 
 def _merge_tools(tools: dict[int, dict[str, Any]], deltas: Any) -> None:
@@ -407,7 +522,8 @@ def wanted(raw: bytes) -> bool:
     """Whether a non-streamed chat or completion request is asked of the node as a stream (a
     byte search of the body: a false match, a nested key of that name, only costs the first
     token's time)."""
-    return not any(k in raw for k in _WHOLE_ONLY)
+    a, b, c = _WHOLE_ONLY
+    return not (a in raw or b in raw or c in raw)  # (no generator per request)
 
 
 def as_stream(body: bytes) -> bytes:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ssl
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 
 from zmlcore.errors import ReplyTooLargeError
 from zmlcore.reply.sse import EventRelay, SSELineTooLong, aiter_sse_lines, data_field
@@ -86,10 +86,11 @@ async def post(client: NodeClient, url: str, body: bytes, headers: dict[str, str
 
 async def post_streamed(client: NodeClient, url: str, body: bytes, headers: dict[str, str], *, timers: Wheel,
                         first_byte: float | None, stall_s: float, max_bytes: int,
-                        first: Callable[[], Awaitable[None]], feed: Callable[[bytes], None]) -> bool:
+                        first: Callable[[bool], None], feed: Callable[[bytes], None]) -> bool:
     """POST a non-streamed request asked of the node as a stream (``zml_router.assemble``):
-    ``first()`` once the body's first bytes are in (the first token, due within ``first_byte``
-    seconds), then the rest gathered in the protocol with one wake-up at its end (a stall of
+    ``first(complete)`` once the body's first bytes are in (the first token, due within
+    ``first_byte`` seconds; ``complete``: the whole body is in already, as a fast node's often
+    is), then the rest gathered in the protocol with one wake-up at its end (a stall of
     ``stall_s`` with no byte is a SLOW failure), all of it handed to ``feed``. What arrived is
     fed on a failure too (before the AttemptError), so the answer so far can be continued.
     False when the node answered a plain JSON reply instead of a stream (fed whole)."""
@@ -119,7 +120,7 @@ async def post_streamed(client: NodeClient, url: str, body: bytes, headers: dict
                 raise AttemptError(Failure.NETWORK, 0, f"{type(exc).__name__}: {exc}") from exc
         sse = "text/event-stream" in conn.headers.get("content-type", "")
         try:
-            await first()
+            first(conn.complete)
             if not conn.complete:  # (a fast node's whole stream is often in already)
                 c = conn
                 try:

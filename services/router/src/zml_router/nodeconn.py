@@ -197,7 +197,8 @@ class Conn(asyncio.Protocol):
         if not self.whole:
             if n > _HIGH_WATER:
                 self._pause()
-            self._wake()
+            if self.waiter is not None:  # (an SSE body comes as many small chunks: no call for each)
+                self._wake()
 
     def on_message_complete(self) -> None:
         if not self.headers_done:
@@ -221,8 +222,10 @@ class Conn(asyncio.Protocol):
 
     def _wake(self) -> None:
         w = self.waiter
-        if w is not None and not w.done():
-            w.set_result(None)
+        if w is not None:
+            self.waiter = None  # woken once: what else comes before the reader runs needs no call
+            if not w.done():
+                w.set_result(None)
 
     def _abort(self, err: Exception) -> None:
         if self.complete:  # bytes past the end of a reply: it stands, the connection goes
