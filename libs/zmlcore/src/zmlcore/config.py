@@ -407,8 +407,8 @@ class ModelConfig(msgspec.Struct, **_Base):
     streams and the reply put together by the router: the reply's time_to_first_token is the
     first token's (else the whole reply's), the first-byte deadline is a first-token deadline,
     a stall past [router] inter_token_timeout_s is noticed, and an answer whose node fails
-    part-way is continued on another node. It costs router CPU per token: +43-44 us per
-    16-token reply at C=64 (+27-28%, over the +10% the issue allowed) with the peers harness's
+    part-way is continued on another node. It costs router CPU per token, ~2 us: +38 us per
+    16-token reply at C=64 (+35%, over the +10% the issue allowed) with the peers harness's
     stub as the node (benches/router_cost.py, docs/benchmarks.md); false asks the nodes as the
     caller asked, for a model whose replies are short and many."""
     embedding: bool = False
