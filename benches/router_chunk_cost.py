@@ -46,10 +46,10 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-import peers_path  # noqa: E402  (snapshot: git archive of a ref)
+from router_cost import snapshots, start_router, stop  # noqa: E402
 from stream_chunk_cost import STUB as PACED_STUB  # noqa: E402
 
-from zmlcore.runtime.launch import free_port, nats_server_binary, wait_port  # noqa: E402
+from zmlcore.runtime.launch import free_port  # noqa: E402
 
 TCK = os.sysconf("SC_CLK_TCK")
 
@@ -165,7 +165,6 @@ def one(pythonpath: str, a: argparse.Namespace, spec: str, tmp: str) -> dict[str
     model_table, extra = variant_settings(spec)
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        nport = free_port()
         if a.node == "peers":
             stub = os.path.join(a.harness, "stub_backend.py")
             nodes = []
@@ -182,21 +181,8 @@ def one(pythonpath: str, a: argparse.Namespace, spec: str, tmp: str) -> dict[str
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
             nodes = [("stub-1", port, "stub-model")]
             phases = [("stub-model", a.short), ("stub-model", a.long)]
-        store = tempfile.mkdtemp(dir=tmp)
-        nats_p = subprocess.Popen([nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(nport), "-sd", store],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        procs.append(nats_p)
-        if not (wait_port("127.0.0.1", nport, 15) and all(wait_port("127.0.0.1", p, 15) for _, p, _ in nodes)):
-            raise RuntimeError("nats-server or stub did not start")
-        cfg = os.path.join(tmp, f"router_chunk_cost_{nport}.toml")
-        with open(cfg, "w") as f:
-            f.write(config(nodes, model_table))
-        url = f"nats://127.0.0.1:{nport}"
-        log = open(os.path.join(tmp, f"services_{nport}.log"), "w")
-        for mod, args in (("zml_health", []), ("zml_router", ["--router-id", "chunk-r1"])):
-            procs.append(subprocess.Popen([sys.executable, "-m", mod, "--config", cfg, "--nats-url", url, *args],
-                                          env=env, stdout=log, stderr=subprocess.STDOUT))
-        router = procs[-1]
+        url, _, router = start_router(tmp, env, procs, [p for _, p, _ in nodes], config(nodes, model_table),
+                                      "chunk-r1")
         time.sleep(1.0)  # (drive waits until the router routes to the node)
         got = []
         for model, tokens in phases:
@@ -208,14 +194,7 @@ def one(pythonpath: str, a: argparse.Namespace, spec: str, tmp: str) -> dict[str
                 "us_short": per_stream[0], "us_long": per_stream[1],
                 "events_per_stream": e1 / n1, "chunks_per_s": e1 / w1}
     finally:
-        for p in reversed(procs):
-            if p.poll() is None:
-                p.terminate()
-        for p in reversed(procs):
-            try:
-                p.wait(8)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop(procs)
 
 
 def main() -> None:
@@ -235,17 +214,8 @@ def main() -> None:
     if a.node == "peers" and not os.path.exists(os.path.join(a.harness, "stub_backend.py")):
         sys.exit(f"no stub_backend.py in {a.harness}: pass --harness")
     tmp = tempfile.mkdtemp(prefix="router_chunk_cost_")
-    paths: dict[str, str] = {}
-    snaps: dict[str, str] = {}
     specs = a.refs.split(",")
-    for spec in specs:
-        ref = spec.split("+", 1)[0]
-        if ref not in snaps:
-            d = os.path.join(tmp, ref.replace("/", "_"))
-            os.makedirs(d)
-            commit, snaps[ref] = peers_path.snapshot(d, ref)
-            print(f"{ref}: {commit}", flush=True)
-        paths[spec] = snaps[ref]
+    paths = snapshots(specs, tmp)
     rows: dict[str, list[dict[str, float]]] = {s: [] for s in specs}
     loads = []
     try:

@@ -112,44 +112,74 @@ async def drive(url: str, conc: int, seconds: float, warm_s: float, router_pid: 
     return n, (r1 - r0) / TCK, (s1 - s0) / TCK
 
 
+def start_router(tmp: str, env: dict[str, str], procs: list[subprocess.Popen[bytes]], node_ports: list[int],
+                 config_text: str, router_id: str) -> tuple[str, subprocess.Popen[bytes], subprocess.Popen[bytes]]:
+    """nats-server (JetStream, its own store), then health and one router reading ``config_text``,
+    once the nodes' ports answer; every process is appended to ``procs`` (:func:`stop` ends
+    them). Returns the NATS URL, nats-server's and the router's processes."""
+    nport = free_port()
+    store = tempfile.mkdtemp(dir=tmp)
+    nats_p = subprocess.Popen([nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(nport), "-sd", store],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    procs.append(nats_p)
+    if not (wait_port("127.0.0.1", nport, 15) and all(wait_port("127.0.0.1", p, 15) for p in node_ports)):
+        raise RuntimeError("nats-server or stub did not start")
+    cfg = os.path.join(tmp, f"{router_id}_{nport}.toml")
+    with open(cfg, "w") as f:
+        f.write(config_text)
+    url = f"nats://127.0.0.1:{nport}"
+    log = open(os.path.join(tmp, f"services_{nport}.log"), "w")
+    for mod, extra in (("zml_health", []), ("zml_router", ["--router-id", router_id])):
+        procs.append(subprocess.Popen([sys.executable, "-m", mod, "--config", cfg, "--nats-url", url, *extra],
+                                      env=env, stdout=log, stderr=subprocess.STDOUT))
+    return url, nats_p, procs[-1]
+
+
+def stop(procs: list[subprocess.Popen[bytes]]) -> None:
+    """End what :func:`start_router` and the caller started, newest first, by PID."""
+    for p in reversed(procs):
+        if p.poll() is None:
+            p.terminate()
+    for p in reversed(procs):
+        try:
+            p.wait(8)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+def snapshots(specs: list[str], tmp: str) -> dict[str, str]:
+    """Each variant (``ref`` or ``ref+setting...``) -> the source path of its ref's snapshot
+    (``peers_path.snapshot``: a git archive; 'worktree' = as checked out), one per ref."""
+    paths: dict[str, str] = {}
+    snaps: dict[str, str] = {}
+    for spec in specs:
+        ref = spec.split("+", 1)[0]
+        if ref not in snaps:
+            d = os.path.join(tmp, ref.replace("/", "_"))
+            os.makedirs(d)
+            commit, snaps[ref] = peers_path.snapshot(d, ref)
+            print(f"{ref}: {commit}", flush=True)
+        paths[spec] = snaps[ref]
+    return paths
+
+
 def one(pythonpath: str, stub: str, conc_levels: list[int], seconds: float, tmp: str,
         model: list[str] | None = None, stub_delay_ms: float = 0.0) -> dict[int, tuple[float, float, float]]:
     env = {**os.environ, "PYTHONPATH": pythonpath, "PYTHONUNBUFFERED": "1"}
     procs: list[subprocess.Popen[bytes]] = []
     out: dict[int, tuple[float, float, float]] = {}
     try:
-        stub_port, nport = free_port(), free_port()
+        stub_port = free_port()
         procs.append(subprocess.Popen([sys.executable, stub, "--port", str(stub_port), "--delay-ms", str(stub_delay_ms)],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
-        store = tempfile.mkdtemp(dir=tmp)
-        nats_p = subprocess.Popen([nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(nport), "-sd", store],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        procs.append(nats_p)
-        if not (wait_port("127.0.0.1", nport, 15) and wait_port("127.0.0.1", stub_port, 15)):
-            raise RuntimeError("nats-server or stub did not start")
-        cfg = os.path.join(tmp, f"router_cost_{stub_port}.toml")
-        with open(cfg, "w") as f:
-            f.write(config(stub_port, model))
-        url = f"nats://127.0.0.1:{nport}"
-        log = open(os.path.join(tmp, f"services_{stub_port}.log"), "w")
-        for mod, extra in (("zml_health", []), ("zml_router", ["--router-id", "cost-r1"])):
-            procs.append(subprocess.Popen([sys.executable, "-m", mod, "--config", cfg, "--nats-url", url, *extra],
-                                          env=env, stdout=log, stderr=subprocess.STDOUT))
-        router = procs[-1]
+        url, nats_p, router = start_router(tmp, env, procs, [stub_port], config(stub_port, model), "cost-r1")
         time.sleep(3.0)  # health polls the stub once, the router reads the node
         for c in conc_levels:
             n, router_s, nats_s = asyncio.run(asyncio.wait_for(drive(url, c, seconds, 1.0, router.pid, nats_p.pid),
                                                                seconds + 60))
             out[c] = (n / seconds, router_s / max(n, 1) * 1e6, nats_s / max(n, 1) * 1e6)
     finally:
-        for p in reversed(procs):
-            if p.poll() is None:
-                p.terminate()
-        for p in reversed(procs):
-            try:
-                p.wait(8)
-            except subprocess.TimeoutExpired:
-                p.kill()
+        stop(procs)
     return out
 
 
@@ -172,16 +202,7 @@ def main() -> None:
         sys.exit(f"no {stub}: pass --harness")
     conc = [int(c) for c in a.conc.split(",")]
     tmp = tempfile.mkdtemp(prefix="router_cost_")
-    paths: dict[str, str] = {}
-    snaps: dict[str, str] = {}
-    for spec in a.refs.split(","):
-        ref = spec.split("+", 1)[0]
-        if ref not in snaps:
-            d = os.path.join(tmp, ref.replace("/", "_"))
-            os.makedirs(d)
-            commit, snaps[ref] = peers_path.snapshot(d, ref)
-            print(f"{ref}: {commit}", flush=True)
-        paths[spec] = snaps[ref]
+    paths = snapshots(a.refs.split(","), tmp)
     results: dict[tuple[str, int], list[tuple[float, float, float]]] = {}
     try:
         for rep in range(a.reps):
