@@ -43,6 +43,28 @@ class Fleet:
     loading_seen: set[str] = field(default_factory=set)
 
 
+def hold_loads(sim: SimNode, health: HealthService, polls: int = 2) -> None:
+    """Make each load on ``sim`` last its simulated time and at least ``polls`` health polls of
+    the node completed after it began. Health puts a node's state together only when it polls
+    it, so "loading" (from the node probe, or the warmup's "started" event) shows only if a poll
+    falls inside the load: sim loads are 0.2-0.3 s here and polls 0.1 s apart on an idle box,
+    but a starved CI worker had no poll inside the whole H100 load. Two polls: the first may
+    have probed before the load began, the second probed after it, while the engine still
+    loaded. Counted in polls, not seconds, so how slow the box is does not matter."""
+    engine = sim.engine
+    finish = engine._load  # sleeps its delay, then marks the model loaded
+
+    async def held(model: str, delay: float) -> None:
+        tracker = health.trackers[sim.node_id]
+        until = tracker.polls + polls
+        await asyncio.sleep(delay)
+        while tracker.polls < until:
+            await asyncio.sleep(0.01)
+        await finish(model, 0.0)
+
+    engine._load = held  # type: ignore[method-assign]
+
+
 @pytest.fixture()
 async def fleet(nats_url: str) -> AsyncIterator[Fleet]:
     # Both nodes should serve M (warm) but start with OTHER only; MI300X loads slower. They
@@ -73,6 +95,8 @@ async def fleet(nats_url: str) -> AsyncIterator[Fleet]:
 
         await nc.subscribe(subjects.event(subjects.EVENT_WARMUP), cb=on_event)
         await health.start(nc)
+        for s in sims.values():
+            hold_loads(s, health)
 
         async def watch_loading() -> None:
             while True:
