@@ -31,6 +31,12 @@ def _query(base: str, promql: str) -> list[dict[str, Any]]:
     return list(body["data"]["result"])
 
 
+def _total(base: str, promql: str) -> float:
+    """A one-series sum's value now (0 while it has no series)."""
+    r = _query(base, promql)
+    return float(r[0]["value"][1]) if r else 0.0
+
+
 def _eventually(base: str, promql: str, ok: Any, timeout: float = 60.0) -> list[dict[str, Any]]:
     deadline = time.monotonic() + timeout
     result: list[dict[str, Any]] = []
@@ -40,6 +46,18 @@ def _eventually(base: str, promql: str, ok: Any, timeout: float = 60.0) -> list[
             return result
         time.sleep(0.5)
     raise AssertionError(f"{promql}: {result}")
+
+
+def _settled(base: str, promql: str, ok: Any, timeout: float) -> list[dict[str, Any]] | None:
+    """As _eventually, but None when ``ok`` never held."""
+    try:
+        return _eventually(base, promql, ok, timeout)
+    except AssertionError:
+        return None
+
+
+CHAT = {"model": MODEL, "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]}
+QUANTILE = "histogram_quantile(0.9, sum by (le) (rate(gen_ai_server_request_duration_seconds_bucket[1m])))"
 
 
 @pytest.mark.slow
@@ -65,30 +83,40 @@ def test_prometheus_scrapes_every_service_and_answers_queries(zml_stack: Stack, 
         assert wait_port("127.0.0.1", port, 30), proc.tail()
         # Every target up.
         _eventually(base, "up", lambda r: len(r) == 2 + len(routers) and all(s["value"][1] == "1" for s in r))
+        # The session's stack served earlier tests: the counts below start from there, so each
+        # wait is for this test's five requests on top (the stack serves nothing else meanwhile).
+        counts = {
+            f'sum(zml_router_requests_total{{model="{MODEL}",code="OK"}})': 0.0,
+            f'sum(gen_ai_server_time_to_first_token_seconds_count{{gen_ai_request_model="{MODEL}"}})': 0.0,
+            f'sum(gen_ai_server_request_duration_seconds_count{{gen_ai_request_model="{MODEL}"}})': 0.0,
+            'sum(zml_gateway_requests_total{route="chat",status="200"})': 0.0,
+        }
+        for promql in counts:
+            counts[promql] = _total(base, promql)
         with httpx.Client(base_url=zml_stack.gateway_url, timeout=30) as http:
             for _ in range(5):
-                r = http.post("/v1/chat/completions",
-                              json={"model": MODEL, "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]})
+                r = http.post("/v1/chat/completions", json=CHAT)
                 assert r.status_code == 200, r.text
-        _eventually(base, f'sum(zml_router_requests_total{{model="{MODEL}",code="OK"}})',
-                    lambda r: r and float(r[0]["value"][1]) >= 5)
-        _eventually(base, f'sum(gen_ai_server_time_to_first_token_seconds_count{{gen_ai_request_model="{MODEL}"}})',
-                    lambda r: r and float(r[0]["value"][1]) >= 5)
-        _eventually(base, 'sum(zml_gateway_requests_total{route="chat",status="200"})',
-                    lambda r: r and float(r[0]["value"][1]) >= 5)
-        # A percentile query an operator would run works on the histograms. rate() needs the
-        # buckets to grow between two samples in its window, and Prometheus does not count a new
-        # series' first value as growth: the five requests above can all land in the scrape where
-        # their series first appear (rate 0 everywhere: NaN, seen in CI). So five more now, after
-        # that scrape. Asked right away: the 1-minute window must still hold them (the node
-        # gauges below can take a while on a stack an earlier test left with a node coming back).
-        with httpx.Client(base_url=zml_stack.gateway_url, timeout=30) as http:
-            for _ in range(5):
-                r = http.post("/v1/chat/completions",
-                              json={"model": MODEL, "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}]})
+            for promql, before in counts.items():
+                _eventually(base, promql, lambda r, before=before: r and float(r[0]["value"][1]) >= before + 5)
+            # A percentile query an operator would run works on the histograms. rate() needs a
+            # bucket to grow between two samples of one series in its window, and Prometheus does
+            # not count a new series' first value as growth. A request grows a scraped series only
+            # if it reaches the same router and node (both are labels); otherwise it starts one.
+            # Seen in CI, NaN for a whole minute: earlier tests' counts met the waits at once, so
+            # 5 + 5 requests went out within ~0.2 s, to a node the earlier traffic had not used
+            # (reproduced with that traffic's node overloaded): new series, all ten counted in
+            # their first scrape, nothing after. So: the five above are scraped now (the duration
+            # count), then one request at a time until the quantile is a number; each lands after
+            # a scrape that saw the ones before it.
+            deadline = time.monotonic() + 60
+            while True:
+                r = http.post("/v1/chat/completions", json=CHAT)
                 assert r.status_code == 200, r.text
-        q = _eventually(base, "histogram_quantile(0.9, sum by (le) (rate(gen_ai_server_request_duration_seconds_bucket[1m])))",
-                        lambda r: r and r[0]["value"][1] not in ("NaN",))
+                q = _settled(base, QUANTILE, lambda r: r and r[0]["value"][1] != "NaN", timeout=3.0)
+                if q is not None:
+                    break
+                assert time.monotonic() < deadline, f"{QUANTILE}: still NaN"
         assert float(q[0]["value"][1]) > 0
         # The per-node gauges: every node of the fleet, by family.
         nodes = _eventually(base, 'max by (node, family) (zml_node_state{status="up"})',
