@@ -422,15 +422,29 @@ class PrefixIndex:
         """Make ``keys`` (of which the node holds the first ``d``) its most recent entries;
         returns the touch's number."""
         L = len(keys)
+        n = nc.touches
+        log = nc.log
+        if d == L and log and log[-1][0] == n and len(log[-1][2]) == L and nc.gen[keys[-1]] == (n << _POS_BITS | L - 1):
+            # The node's last touch lists exactly these keys, all still its (a follow-up turn
+            # that added no key: most records): a new touch would only renumber them. The same
+            # state without the ~2.5 us of dict and log writes: the touch is now, recorded and
+            # not confirmed. (Its length and live deepest key pin it: eviction takes a touch's
+            # keys deepest first, compaction keeps only live ones; size and cap are unchanged.)
+            log[-1] = (n, now, log[-1][2])
+            nc.times[n] = now
+            nc.confirmed.pop(n, None)
+            if len(log) == 1:
+                self._oldest[nc.slot] = now
+            return n
         if d < L:
             self._add_holder(keys[d:], nc.slot)
             nc.size += KEY_ENDS[L - 1] - (KEY_ENDS[d - 1] if d else 0)
-        n = nc.touches = nc.touches + 1
+        n = nc.touches = n + 1
         base = n << _POS_BITS
         nc.gen.update(zip(keys, range(base, base + L)))
-        if not nc.log:
+        if not log:
             self._oldest[nc.slot] = now
-        nc.log.append((n, now, tuple(keys[::-1])))
+        log.append((n, now, tuple(keys[::-1])))
         nc.times[n] = now
         nc.log_keys += L
         over = nc.size - nc.cap
@@ -553,10 +567,6 @@ class PrefixIndex:
         keys = chain.keys
         if nc is None or not keys:
             return
-        if prompt_tokens > 0 and chain.nbytes > 0:
-            got = min(len(keys), bisect_right(KEY_ENDS, cached_tokens * chain.nbytes // prompt_tokens))
-        else:
-            got = self.keys_for_tokens(cached_tokens, chain)
         pred = nc.awaiting.pop(keys[-1], None)
         gen = nc.gen
         if (pred is not None and gen.get(keys[-1], 0) >> _POS_BITS == pred[3]
@@ -567,6 +577,10 @@ class PrefixIndex:
         if pred is None or not pred[0]:
             return
         want, confirmed, sent, _n = pred
+        if prompt_tokens > 0 and chain.nbytes > 0:
+            got = min(len(keys), bisect_right(KEY_ENDS, cached_tokens * chain.nbytes // prompt_tokens))
+        else:
+            got = self.keys_for_tokens(cached_tokens, chain)
         if got >= want - 1:  # (block rounding, the bytes-per-token estimate)
             nc.hits += 1
         elif confirmed > 0 and sent - confirmed >= MIN_MISS_AGE_S:
