@@ -9,6 +9,7 @@ import signal
 import socket
 import sys
 import textwrap
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -293,6 +294,16 @@ async def test_tgi_info_metrics_and_overload() -> None:
 
 
 # ----- faults ----------------------------------------------------------------------------------
+
+
+async def test_overload_delay_refuses_late(client: httpx.AsyncClient) -> None:
+    assert (await client.post("/sim/faults", json={"overload_delay_s": -1})).status_code == 400
+    await client.post("/sim/faults", json={"overload": True, "overload_delay_s": 0.3})
+    t0 = time.monotonic()
+    r = await client.post("/v1/chat/completions", json=CHAT)
+    assert r.status_code == 503 and "overloaded" in r.text and time.monotonic() - t0 >= 0.3  # vLLM's refusal, late
+    await client.post("/sim/faults", json={"overload": False})
+    assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200  # no delay then
 
 
 async def test_error_rate_one_answers_500(client: httpx.AsyncClient) -> None:

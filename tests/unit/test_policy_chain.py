@@ -5,7 +5,7 @@ from __future__ import annotations
 from test_policy_helpers import NOW, fleet5, node
 
 from zmlcore.config import PolicyConfig, PreferenceEntry
-from zmlcore.policy import RouteRequest, RoutingState, builtin_policy, choose_node
+from zmlcore.policy import FleetIndex, RouteRequest, RoutingState, builtin_policy, choose_node
 from zmlcore.policy.resolve import ResolvedPolicy
 
 REQ = RouteRequest(model="m", prompt_tokens=1000)
@@ -105,3 +105,21 @@ def test_chain_family_without_nodes_reported():
     d = pick(nodes, chain("latency", ["MI300X", "H100"]))
     assert d.node_id == "h"
     assert d.evaluated[0].as_dict() == {"family": "MI300X", "nodes_checked": 0, "rejected_reason": "no_nodes"}
+
+
+def test_a_rejection_stays_with_its_decision_on_a_large_table():
+    """Over a large table the evaluation's entries are cached per table and shared between
+    decisions (VCtx.evaluate): a strategy's rejection must reach only its own decision."""
+    views = [node(f"a{i}", "nvidia_a100", pending=4, outstanding=4) for i in range(20)]
+    views += [node(f"h{i}", "nvidia_h100") for i in range(20)]
+    fleet, pol, state = FleetIndex(views), chain("latency", ["A100", "H100"]), RoutingState()
+    first = choose_node(fleet, REQ, pol, NOW, state)
+    assert first.node_id.startswith("h") and first.evaluated[0].rejected_reason == "latency_target_exceeded"
+    for v in views[:20]:
+        v.set_counts(0, 0)
+    second = choose_node(fleet, REQ, pol, NOW, state)
+    assert second.node_id.startswith("a")
+    assert [e.rejected_reason for e in second.evaluated] == [None, None]
+    assert first.evaluated[0].rejected_reason == "latency_target_exceeded"
+    third = choose_node(fleet, REQ, pol, NOW, state)  # the cached entries, untouched
+    assert [e.as_dict() for e in third.evaluated] == [e.as_dict() for e in second.evaluated]

@@ -355,3 +355,25 @@ def test_tokens_by_slot_follow_block_size_changes() -> None:
     idx.update_node(NodeState(node_id="c", accelerator_type="nvidia_h100", family="H100", endpoint=""))
     tok, _ = idx.tokens_by_slot(1000)
     assert len(tok) == 3 and tok[idx.node("c").slot] == 992  # type: ignore[union-attr]
+
+
+def test_re_recording_the_last_touch_is_a_touch_now_recorded_not_confirmed() -> None:
+    """A follow-up turn that adds no key re-records the node's last touch (the index only moves
+    that touch's time, _touch): to expiry, to a report's miss test and to ``touched`` it is a
+    new touch, as a touch of any other chain would be."""
+    idx = index(("h", "nvidia_h100"), ttl_s=100.0)
+    conv = chain(8, tag=1)
+    idx.record("h", conv, 0.0)
+    idx.correct("h", conv, 0, 5.0, prompt_tokens=1024)  # confirmed at 5
+    nc = idx.node("h")
+    assert nc is not None and nc.touched(conv.keys[-1]) == 5.0
+    idx.record("h", conv, 50.0)  # the same chain again, nothing in between
+    assert nc.touched(conv.keys[0]) == -50.0 and nc.touched(conv.keys[-1]) == -50.0
+    assert idx._oldest[nc.slot] == nc.log[0][1]  # (what the sweep of other nodes reads)
+    idx.correct("h", conv, 0, 51.0, prompt_tokens=1024)  # a miss on what was confirmed at 5
+    assert nc.misses == 1 and idx.depth("h", conv) == 8  # touched at 50: not dropped with it
+    assert nc.touched(conv.keys[0]) == 51.0
+    idx.expire(140.0)  # 100 s after the first touch, not after the last
+    assert idx.depth("h", conv) == 8
+    idx.expire(152.0)
+    assert idx.depth("h", conv) == 0

@@ -113,3 +113,23 @@ def test_serialise_is_role_nul_text_soh_whatever_the_messages_form() -> None:
     ]
     want = "m\x00system\x00sys\x01user:ann\x00hi\x01assistant\x00\x01user\x00yo\x01user\x00a\x02b\x01\x00no role\x01"
     assert serialise(msgs, model="m") == want.encode()
+
+
+def test_the_usual_chat_path_serialises_as_the_general_loop() -> None:
+    """Plain dicts with text content take a shorter path (keys._usual_chat); any other message,
+    wherever it is in the list, hands the whole list to the general loop: the same bytes."""
+    base = [{"role": "system", "content": "sys"}, {"role": "user", "content": "hi \ud800 é"}]
+    tails: list[dict[str, object]] = [
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": "hi", "name": "ann"},
+        {"role": "user", "content": None},
+        {"role": "user", "content": [{"type": "text", "text": "a"}]},
+        {"content": "no role"},
+        {"role": "user"},
+    ]
+    for tail in tails:
+        msgs = [*base, tail]
+        # the same messages as structs: never the dict path
+        structs = [_Msg(role=m.get("role", ""), content=m.get("content"), name=m.get("name")) for m in msgs]
+        assert serialise(msgs, model="m") == serialise(structs, model="m"), tail
+        assert serialise(msgs) == serialise(structs), tail

@@ -306,8 +306,11 @@ class RouterService:
             finally:
                 if self.in_flight.get(key) is task:
                     del self.in_flight[key]
-                self.keepalives.remove(msg.reply)
-                if not out.queued:  # a queued request keeps its claim until it is answered
+                # A queued request let go of its keepalives when it was handed over (_hand_over:
+                # the attempt out of the queue may have taken them up again by now), and keeps its
+                # claim until it is answered.
+                if not out.queued:
+                    self.keepalives.remove(msg.reply)
                     await self.ids.release_current()
                 # Released before any error reply (below); a served request's went before its reply.
                 await self.limits.release(lease, (out.info.total_tokens or 0) if out.ok and out.info else 0)
@@ -414,9 +417,21 @@ class RouterService:
                 result = None
             else:  # Enqueue: the flow is over
                 assert type(action) is flow.Enqueue
+                self._hand_over(arrived.key, msg.reply)
                 put = self.glue.saturated if action.saturated else self.glue.enqueue
                 await put(msg, req, model, arrived.request_id, cfg.max_queue_ms, arrived.timeout)
                 return
+
+    def _hand_over(self, key: str, reply: str) -> None:
+        """The request goes to the saturation queue: this attempt no longer holds it (its claim on
+        its id does, zml_router.ids). Let go of its slot in ``in_flight`` (and its keepalives)
+        before the queue entry exists: this router's own queue worker can take the entry, find
+        room and start it before the publish's ack is back here, and that attempt must not meet
+        this one in ``in_flight`` (DUPLICATE_REQUEST_ID to its own requester). A cancel arriving
+        from now on is remembered for the queue (zml_router.cancels), as for any queued request."""
+        if self.in_flight.get(key) is asyncio.current_task():
+            del self.in_flight[key]
+        self.keepalives.remove(reply)
 
     async def _penalise(self, action: flow.Penalise) -> None:
         """Skip a node that failed or refused, here and (over NATS) on every replica."""

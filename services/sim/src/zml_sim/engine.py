@@ -141,6 +141,9 @@ class Faults:
     """Answer every request with the engine's overload error."""
     retry_after_s: float | None = None
     """Retry-After header on error and overload answers."""
+    overload_delay_s: float = 0.0
+    """With overload: the refusal comes after this many (real) seconds, as from an engine that
+    held the request in its queue a while before giving up on it (or a loaded host)."""
     probe_loss: float = 0.0
     """Share of ``/health`` requests lost: the connection is closed without an answer."""
     separator_tokens: bool = False
@@ -167,6 +170,8 @@ class Faults:
                 changes[key] = _num(value, key, lo=0.0, hi=1.0)
             elif key == "slowdown":
                 changes[key] = _num(value, key, lo=1.0)
+            elif key == "overload_delay_s":
+                changes[key] = _num(value, key, lo=0.0)
             elif key in ("retry_after_s", "crash_for_s"):
                 changes[key] = _num(value, key, lo=0.0, optional=True)
             elif key == "fail_after_tokens":

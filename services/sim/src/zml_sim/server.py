@@ -332,7 +332,10 @@ class SimNode:
     def _retry_headers(self, default: float | None = None) -> dict[str, str]:
         return retry_headers(self, default)
 
-    def _overload(self) -> web.Response:
+    async def _overload(self) -> web.Response:
+        delay = self.engine.faults.overload_delay_s
+        if delay:
+            await asyncio.sleep(delay)
         return self.face.overload(self)
 
     def loading_error(self) -> web.Response:
@@ -475,7 +478,7 @@ class SimNode:
         if not isinstance(model, str):
             return model
         if eng.overloaded:
-            return self._overload()
+            return await self._overload()
         if eng.faults.hang:
             fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
             self._hung.add(fut)
@@ -512,7 +515,7 @@ class SimNode:
             return served
         model = served
         if eng.overloaded:
-            return self._overload()
+            return await self._overload()
         if (refused := self._injected_error()) is not None:
             return refused
         req = eng.submit(model, tokens, 1)
@@ -562,7 +565,7 @@ class SimNode:
             return served
         model = served
         if eng.overloaded:
-            return self._overload()
+            return await self._overload()
         if (refused := self._injected_error()) is not None:
             return refused
         req = eng.submit(model, transcription.prompt_tokens(text.duration), len(text.words))

@@ -183,6 +183,7 @@ def cached_rows(table: ModelTable, cache: PrefixIndex, match: Match, prompt_toke
                 m[nc.slot] = j
         table.slot_rows = m
         table.slot_key = key
+        table.base_rows = {}
     rows_of = table.slot_rows
     chain = match.chain
     bpt = cache.bytes_per_token
@@ -203,13 +204,22 @@ def cached_rows(table: ModelTable, cache: PrefixIndex, match: Match, prompt_toke
             groups = [g for g in groups if g is not base]
             t = min(KEY_ENDS[base[1] - 1] // bpt, total - 1)
             if t > 0:
-                sa = cache.slots(match.held)
-                if match.held.bit_length() > n_slots:
-                    sa = sa[sa < n_slots]
                 tok, every = cache.tokens_by_slot(t)
-                out = np.zeros(n + 1)
-                out[rows_of[sa]] = tok[sa]
-                hit = every or bool(np.count_nonzero(out[:n]))
+                # the same holders and tokens come back request after request (a system
+                # prompt's): their rows are remembered per table, copied (1 numpy call, not 4)
+                hk = (match.held, t)
+                br = table.base_rows.get(hk)
+                if br is None or br[0] is not tok:  # (tok is renewed when a block size changes)
+                    sa = cache.slots(match.held)
+                    if match.held.bit_length() > n_slots:
+                        sa = sa[sa < n_slots]
+                    out = np.zeros(n + 1)
+                    out[rows_of[sa]] = tok[sa]
+                    if len(table.base_rows) >= 32:
+                        table.base_rows.clear()
+                    br = table.base_rows[hk] = (tok, out, every or bool(np.count_nonzero(out[:n])))
+                out = br[1].copy()
+                hit = br[2]
                 based = True
                 if warm is not None:
                     warm[:] = [-1]
@@ -221,15 +231,16 @@ def cached_rows(table: ModelTable, cache: PrefixIndex, match: Match, prompt_toke
                 sa = cache.slots(mask)
                 out[rows_of[sa[sa < n_slots]]] = 0.0
             continue
-        tok, every = cache.tokens_by_slot(t)  # t in whole blocks of each slot's engine
         if small or mask.bit_count() < 8:
+            blocks = cache.block_by_slot
             for sl in slots_of(mask):
                 if sl >= n_slots:
                     continue
                 j = rows_of.item(sl)
                 if j == n:
                     continue
-                c = tok.item(sl)
+                b = blocks.item(sl)
+                c = t // b * b  # (tokens_by_slot's value for one slot)
                 if out is None:
                     if not c:
                         continue
@@ -245,6 +256,7 @@ def cached_rows(table: ModelTable, cache: PrefixIndex, match: Match, prompt_toke
                         if warm is not None:
                             warm.append(j)
         else:  # a prefix many nodes hold: vector work
+            tok, every = cache.tokens_by_slot(t)  # t in whole blocks of each slot's engine
             sa = cache.slots(mask)
             if mask.bit_length() > n_slots:
                 sa = sa[sa < n_slots]

@@ -77,7 +77,7 @@ class ModelTable:
     __slots__ = (
         "model", "small", "families", "family_chain", "by_family", "groups", "starts", "fam", "group_of", "chains", "flat", "views",
         "coeffs", "inputs", "up", "n_up", "n_up_version", "key", "drain", "pf", "inv_pf", "cost_cap", "depth", "maxc", "updated",
-        "blocked", "health", "upd_lo", "blk_hi", "health_lo", "slot_rows", "slot_key",
+        "blocked", "health", "upd_lo", "blk_hi", "health_lo", "slot_rows", "slot_key", "base_rows",
     )
 
     def __init__(self, model: str, views: list[NodeView], families: list[str]) -> None:
@@ -139,6 +139,8 @@ class ModelTable:
         #: was built for (zmlcore.policy.choose.cached_rows)
         self.slot_rows: Any = None
         self.slot_key: Any = None
+        #: per (holders of a shared prefix, its tokens), the rows they fill (cached_rows)
+        self.base_rows: dict[tuple[int, int], Any] = {}
 
     # The columns' exact extremes (large tables), each also made the column's bound.
     def oldest_update(self) -> float:

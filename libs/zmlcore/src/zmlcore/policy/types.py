@@ -230,6 +230,8 @@ class Decision:
     policy: str
     queue_depth: int
     estimated_ttft_s: float = 0.0
+    #: Per family of the chain, what was evaluated. Read-only: over a large table the entries
+    #: are shared with other decisions (cached while the table's up nodes do not change).
     evaluated: list[FamilyEval] = field(default_factory=list)
     #: Prompt tokens the chosen node is estimated to hold in its prefix cache.
     cached_tokens: int = 0

@@ -36,16 +36,9 @@ node's engine, so the same chain reads 1,024 cached tokens on a 16-token-block H
 on a 128-token-block Gaudi2.
 """
 
-from zmlcore.policy.prefix.index import (
-    DEFAULT_MAX_ENTRIES,
-    DEFAULT_TTL_S,
-    KV_DEFAULTS,
-    Match,
-    NodeCache,
-    PrefixIndex,
-    kv_geometry,
-)
+from zmlcore.policy.prefix.index import DEFAULT_MAX_ENTRIES, DEFAULT_TTL_S, Match, PrefixIndex
 from zmlcore.policy.prefix.keys import BLOCK_BYTES, KeyChain, chain_from_bytes, model_seed, prompt_keys, serialise
+from zmlcore.policy.prefix.node import KV_DEFAULTS, NodeCache, kv_geometry
 
 __all__ = [
     "BLOCK_BYTES",

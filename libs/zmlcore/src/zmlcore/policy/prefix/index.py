@@ -4,8 +4,8 @@ Layout (see the package docstring for the API and docs/routing.md for the design
 
 * ``_holders``: key -> the nodes that hold it. A single holder is stored as its slot number
   (>= 0, the common case and a small int), several as ``~bitmask`` over slots (< 0).
-* per node a :class:`NodeCache`: ``gen``, a plain dict key -> the number of the touch that
-  last refreshed it and the key's position in its chain (``touch << 6 | position``: a key's
+* per node a :class:`NodeCache` (``node.py``): ``gen``, a plain dict key -> the number of the
+  touch that last refreshed it and the key's position in its chain (``touch << 6 | position``: a key's
   position gives the bytes it stands for, ``KEY_ENDS``), and ``log``, the touches oldest
   first, each with its keys deepest first.
   Evicting walks the log from its head and drops the keys whose last touch is that one; a
@@ -28,17 +28,17 @@ the total (docs/benchmarks.md measures bytes per entry).
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections import OrderedDict, deque
+from collections import deque
 from itertools import repeat
 from typing import Any
 
 import numpy as np
 
-from zmlcore.fleet.accelerators import ACCELERATORS
 from zmlcore.messages import NodeState
 from zmlcore.messages.kvcache import KvAllCleared, KvBlockRemoved, KvBlockStored, KvEventBatch
 from zmlcore.policy.estimate import BODY_BYTES_PER_TOKEN, INF
 from zmlcore.policy.prefix.keys import BLOCK_BYTES, KEY_ENDS, KeyChain
+from zmlcore.policy.prefix.node import EVENTS_STALE_S, POS_BITS, POS_MASK, NodeCache, kv_geometry
 
 #: An entry untouched this long is dropped (seconds): the safety net for what the index cannot
 #: see (other clients of the engine, memory taken by decode) on nodes that report nothing.
@@ -47,9 +47,6 @@ DEFAULT_TTL_S = 300.0
 #: every node's share is scaled down alike (docs/benchmarks.md: bytes per entry). A node's
 #: capacity is in prompt bytes; an entry stands for at least BLOCK_BYTES of them.
 DEFAULT_MAX_ENTRIES = 2_000_000
-#: ``gen`` values: touch number << _POS_BITS | the key's position in its chain.
-_POS_BITS = 6
-_POS_MASK = (1 << _POS_BITS) - 1
 #: prompt bytes the key at each position stands for (beyond the previous key's)
 _SPAN = [end - (KEY_ENDS[i - 1] if i else 0) for i, end in enumerate(KEY_ENDS)]
 #: A reported miss on a prefix confirmed less than this long ago is not taken for an eviction
@@ -57,91 +54,6 @@ _SPAN = [end - (KEY_ENDS[i - 1] if i else 0) for i, end in enumerate(KEY_ENDS)]
 MIN_MISS_AGE_S = 1.0
 #: Dispatches whose prediction waits for the engine's report, per node (oldest dropped).
 MAX_AWAITING = 1024
-#: With no event for this long, a node's events are no longer trusted to evict (seconds).
-EVENTS_STALE_S = 30.0
-
-#: Default KV geometry by accelerator type when the node reports none: (block size in tokens,
-#: cached tokens), from the accelerator table (zmlcore.fleet.accelerators, the one source the
-#: simulated nodes use too).
-KV_DEFAULTS: dict[str, tuple[int, int]] = {t: (a.kv_block_size, a.kv_cache_tokens) for t, a in ACCELERATORS.items()}
-_UNKNOWN_KV = (16, 100_000)
-
-
-def kv_geometry(st: NodeState) -> tuple[int, int]:
-    """(block size in tokens, cached tokens it can hold) of a node: what health read from the
-    engine (``vllm:cache_config_info``: block_size x num_gpu_blocks), else its type's default."""
-    bs, cap = KV_DEFAULTS.get(st.accelerator_type, _UNKNOWN_KV)
-    if st.kv_block_size > 0:
-        bs = st.kv_block_size
-    if st.kv_blocks > 0:
-        cap = st.kv_blocks * bs
-    return bs, cap
-
-
-class NodeCache:
-    """One node's entries and what the index learned about its cache."""
-
-    __slots__ = (
-        "node_id", "slot", "gen", "log", "head", "log_keys", "touches", "times", "confirmed", "block", "cap_tokens",
-        "cap", "size", "awaiting", "events_at", "event_seq", "stored_tokens", "hits", "misses",
-    )
-
-    def __init__(self, node_id: str, slot: int, block: int, cap_tokens: int) -> None:
-        self.node_id = node_id
-        self.slot = slot
-        #: key -> (number of its last touch) << 6 | its position in the chain
-        self.gen: dict[int, int] = {}
-        #: touches, oldest first: (number, time, keys deepest first), and the next position to
-        #: evict in the oldest. Tuples of numbers: the garbage collector stops tracking them
-        #: after one look, so a million entries add nothing to what a full collection scans.
-        self.log: deque[tuple[int, float, tuple[int, ...]]] = deque()
-        self.head = 0
-        self.log_keys = 0
-        self.touches = 0
-        #: touch -> its time, for the touches in the log; touch -> when the engine confirmed it
-        self.times: dict[int, float] = {}
-        self.confirmed: dict[int, float] = {}
-        #: engine block size (tokens): a match counts whole blocks only
-        self.block = max(1, block)
-        #: tokens the engine can keep; prompt bytes the index keeps for it (its scaled share),
-        #: and holds now
-        self.cap_tokens = cap_tokens
-        self.cap = 0
-        self.size = 0
-        #: chain tail -> (keys predicted cached at dispatch, when the engine had confirmed the
-        #: deepest of them or -1 if it was only recorded, the dispatch time, the dispatch's touch)
-        self.awaiting: OrderedDict[int, tuple[int, float, float, int]] = OrderedDict()
-        #: last KV event batch (time received, engine sequence number); None: never
-        self.events_at: float | None = None
-        self.event_seq = -1
-        #: engine tokens stored per its events
-        self.stored_tokens = 0
-        self.hits = 0
-        self.misses = 0
-
-    def __len__(self) -> int:
-        return len(self.gen)
-
-    def __contains__(self, key: int) -> bool:
-        return key in self.gen
-
-    def touched(self, key: int) -> float | None:
-        """When ``key`` was last touched: when the engine confirmed that touch, or minus the
-        time it was recorded while unconfirmed; None if the node does not hold it."""
-        g = self.gen.get(key)
-        if g is None:
-            return None
-        n = g >> _POS_BITS
-        c = self.confirmed.get(n)
-        return c if c is not None else -self.times[n]
-
-    def fidelity(self, now: float) -> str:
-        """``precise`` (KV events are flowing), ``reported`` (the engine reports cached tokens),
-        else ``approximate`` (learned from routing decisions only)."""
-        if self.events_at is not None and now - self.events_at <= EVENTS_STALE_S:
-            return "precise"
-        return "reported" if self.hits + self.misses else "approximate"
-
 
 class Match:
     """A lookup's result: per group of nodes, how many keys of the chain they hold.
@@ -398,7 +310,7 @@ class PrefixIndex:
             return
         gen = nc.gen
         d = _depth(gen, keys)
-        conf = nc.confirmed.get(gen[keys[d - 1]] >> _POS_BITS, -1.0) if d else -1.0
+        conf = nc.confirmed.get(gen[keys[d - 1]] >> POS_BITS, -1.0) if d else -1.0
         # recorded, not confirmed: the engine holds it once this request's prefill is done
         n = self._touch(nc, keys, d, now)
         # what was predicted, for the engine's report (correct)
@@ -422,15 +334,29 @@ class PrefixIndex:
         """Make ``keys`` (of which the node holds the first ``d``) its most recent entries;
         returns the touch's number."""
         L = len(keys)
+        n = nc.touches
+        log = nc.log
+        if d == L and log and log[-1][0] == n and len(log[-1][2]) == L and nc.gen[keys[-1]] == (n << POS_BITS | L - 1):
+            # The node's last touch lists exactly these keys, all still its (a follow-up turn
+            # that added no key: most records): a new touch would only renumber them. The same
+            # state without the ~2.5 us of dict and log writes: the touch is now, recorded and
+            # not confirmed. (Its length and live deepest key pin it: eviction takes a touch's
+            # keys deepest first, compaction keeps only live ones; size and cap are unchanged.)
+            log[-1] = (n, now, log[-1][2])
+            nc.times[n] = now
+            nc.confirmed.pop(n, None)
+            if len(log) == 1:
+                self._oldest[nc.slot] = now
+            return n
         if d < L:
             self._add_holder(keys[d:], nc.slot)
             nc.size += KEY_ENDS[L - 1] - (KEY_ENDS[d - 1] if d else 0)
-        n = nc.touches = nc.touches + 1
-        base = n << _POS_BITS
+        n = nc.touches = n + 1
+        base = n << POS_BITS
         nc.gen.update(zip(keys, range(base, base + L)))
-        if not nc.log:
+        if not log:
             self._oldest[nc.slot] = now
-        nc.log.append((n, now, tuple(keys[::-1])))
+        log.append((n, now, tuple(keys[::-1])))
         nc.times[n] = now
         nc.log_keys += L
         over = nc.size - nc.cap
@@ -470,7 +396,7 @@ class PrefixIndex:
                 k = keys[i]
                 i += 1
                 g = gen.get(k)
-                if g is not None and g >> _POS_BITS == num:
+                if g is not None and g >> POS_BITS == num:
                     del gen[k]
                     v = hold.get(k)  # the slot leaves the key's holders
                     if v is not None:
@@ -487,7 +413,7 @@ class PrefixIndex:
                                 hold[k] = m.bit_length() - 1
                             else:
                                 del hold[k]
-                    span = _SPAN[g & _POS_MASK]
+                    span = _SPAN[g & POS_MASK]
                     size -= span
                     nbytes -= span
             if i < end:
@@ -508,7 +434,7 @@ class PrefixIndex:
         total = 0
         i = nc.head
         for num, t, keys in nc.log:
-            live = tuple([k for k in keys[i:] if gen.get(k, 0) >> _POS_BITS == num])
+            live = tuple([k for k in keys[i:] if gen.get(k, 0) >> POS_BITS == num])
             i = 0
             if live:
                 kept.append((num, t, live))
@@ -553,20 +479,20 @@ class PrefixIndex:
         keys = chain.keys
         if nc is None or not keys:
             return
-        if prompt_tokens > 0 and chain.nbytes > 0:
-            got = min(len(keys), bisect_right(KEY_ENDS, cached_tokens * chain.nbytes // prompt_tokens))
-        else:
-            got = self.keys_for_tokens(cached_tokens, chain)
         pred = nc.awaiting.pop(keys[-1], None)
         gen = nc.gen
-        if (pred is not None and gen.get(keys[-1], 0) >> _POS_BITS == pred[3]
-                and gen.get(keys[0], 0) >> _POS_BITS == pred[3]):
+        if (pred is not None and gen.get(keys[-1], 0) >> POS_BITS == pred[3]
+                and gen.get(keys[0], 0) >> POS_BITS == pred[3]):
             nc.confirmed[pred[3]] = now  # the dispatch's touch: its keys are on the engine now
         else:  # keys touched again since, or lost: one touch of the whole prompt, confirmed
             nc.confirmed[self._touch(nc, keys, _depth(gen, keys), now)] = now
         if pred is None or not pred[0]:
             return
         want, confirmed, sent, _n = pred
+        if prompt_tokens > 0 and chain.nbytes > 0:
+            got = min(len(keys), bisect_right(KEY_ENDS, cached_tokens * chain.nbytes // prompt_tokens))
+        else:
+            got = self.keys_for_tokens(cached_tokens, chain)
         if got >= want - 1:  # (block rounding, the bytes-per-token estimate)
             nc.hits += 1
         elif confirmed > 0 and sent - confirmed >= MIN_MISS_AGE_S:

@@ -17,6 +17,7 @@ from zmlcore.policy.context import Cand, Ctx, VCtx, fastest
 from zmlcore.policy.estimate import INF
 from zmlcore.policy.strategies.cost import cheapest_within, cheapest_within_rows
 from zmlcore.policy.strategies.weighted import weighted_pick, weighted_rows
+from zmlcore.policy.types import FamilyEval
 
 BALANCED_FRACTION = 0.5
 
@@ -33,7 +34,7 @@ def select(ctx: Ctx) -> Cand | None:
             if best is not None and best.est <= target and (qt is None or best.depth <= qt):
                 return best
             if ctx.evaluated is not None and fam and not ctx.evaluated[rank].rejected_reason:
-                ctx.evaluated[rank].rejected_reason = "latency_target_exceeded"
+                ctx.evaluated[rank] = _exceeded(ctx.evaluated[rank])
         return fastest(cands)
     if prio == "cost":
         return cheapest_within(cands, target, qt) or fastest(cands)
@@ -41,6 +42,11 @@ def select(ctx: Ctx) -> Cand | None:
     if near:
         return weighted_pick(near, 1.0, 1.0, target)
     return cheapest_within(cands, target, qt) or fastest(cands)
+
+
+def _exceeded(e: FamilyEval) -> FamilyEval:
+    """``e`` rejected for its latency (a new entry: VCtx's entries are shared, Chain.evaluation)."""
+    return FamilyEval(e.family, e.nodes_checked, "latency_target_exceeded")
 
 
 def select_rows(ctx: VCtx) -> int | None:
@@ -64,7 +70,7 @@ def select_rows(ctx: VCtx) -> int | None:
             if best <= target and (qt is None or depth.item(i) <= qt):
                 return i
             if not evaluated[rank].rejected_reason:
-                evaluated[rank].rejected_reason = "latency_target_exceeded"
+                evaluated[rank] = _exceeded(evaluated[rank])
         return ctx.first(e)
     if prio == "cost":
         pick = cheapest_within_rows(ctx, target, qt)
