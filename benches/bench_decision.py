@@ -6,6 +6,9 @@
     python benches/bench_decision.py --cache         # with the prefix index: 1,000 nodes, 8k-token
                                                      # prompts, up to 1 M index entries (what the
                                                      # nodes' KV capacity holds), and its memory
+    python benches/bench_decision.py --cache --keys-from gateway
+                                                     # the same behind the gateway: the prompt's
+                                                     # keys come in a header (Zml-Prefix-Keys)
 
 The fleet is what a router sees: five accelerator types, and every node with its *own*
 measured speeds (health's EWMA over noisy per-request observations of a true speed that
@@ -265,13 +268,16 @@ class Conversation:
 
 
 def cache_cell(n: int, pol: ResolvedPolicy, iters: int, rate: float, poll_s: float, seed: int,
-               entries: int, context: int) -> dict[str, float]:
+               entries: int, context: int, keys_from: str = "router") -> dict[str, float]:
     """One decision with the prefix index, as the router makes it, per timed unit: the prompt's
-    keys (``prompt_keys`` over the request's messages), ``choose_node`` with the index, the
-    dispatch's ``record``, the report of an earlier request (``correct``) and the polls and
-    counter changes since the previous unit. The index is first filled to ``entries`` entries
-    over the fleet (conversations recorded on their nodes, corrected as served)."""
-    from zmlcore.policy.prefix import PrefixIndex, prompt_keys
+    keys (``prompt_keys`` over the request's decoded messages, as for a request sent on
+    ``zml.infer``; ``keys_from="gateway"``: parsed from the ``Zml-Prefix-Keys`` header the
+    gateway computed, whose own cost is reported apart as ``gateway_keys_median``),
+    ``choose_node`` with the index, the dispatch's ``record``, the report of an earlier request
+    (``correct``) and the polls and counter changes since the previous unit. The index is first
+    filled to ``entries`` entries over the fleet (conversations recorded on their nodes,
+    corrected as served)."""
+    from zmlcore.policy.prefix import PrefixIndex, chain_from_header, chain_header, prompt_keys
 
     rng = random.Random(seed)
     nodes = make_fleet(n, rng)
@@ -302,6 +308,7 @@ def cache_cell(n: int, pol: ResolvedPolicy, iters: int, rate: float, poll_s: flo
     hashing: list[float] = []
     path: list[float] = []
     upkeep: list[float] = []
+    gateway: list[float] = []
     inflight: list[tuple[str, Any, int]] = []
     warm_hits = 0
     last = None
@@ -318,6 +325,11 @@ def cache_cell(n: int, pol: ResolvedPolicy, iters: int, rate: float, poll_s: flo
         body = sum(len(m["content"]) for m in msgs) + 40 * len(msgs)
         done = views[rng.randrange(n)]
         report = inflight.pop(0) if len(inflight) > 32 else None
+        header = None
+        if keys_from == "gateway":  # the gateway's work, in its own process: not in the unit
+            g0 = clock()
+            header = chain_header(prompt_keys("m", messages=msgs), "m")
+            g1 = clock()
         c0 = cpu()
         t0 = clock()
         for v, st in due:
@@ -333,7 +345,7 @@ def cache_cell(n: int, pol: ResolvedPolicy, iters: int, rate: float, poll_s: flo
         if report is not None:  # an earlier request's reply: what the engine had cached
             idx.correct(report[0], report[1], report[2], now)
         h0 = clock()
-        kc = prompt_keys("m", messages=msgs)
+        kc = prompt_keys("m", messages=msgs) if header is None else chain_from_header(header, "m")
         h1 = clock()
         d = choose_node(fleet, RouteRequest(model="m", prompt_tokens=body // 4, prefix=kc), pol, now, state,
                         cache=idx)
@@ -348,6 +360,8 @@ def cache_cell(n: int, pol: ResolvedPolicy, iters: int, rate: float, poll_s: flo
             units.append((t3 - t0) / 1000.0)
             cpu_units.append((c3 - c0) / 1000.0)
             hashing.append((h1 - h0) / 1000.0)
+            if header is not None:
+                gateway.append((g1 - g0) / 1000.0)
             path.append((h2 - h0) / 1000.0)
             upkeep.append((h0 - u0 + t3 - h2) / 1000.0)
             warm_hits += d.cached_tokens > 0
@@ -359,6 +373,7 @@ def cache_cell(n: int, pol: ResolvedPolicy, iters: int, rate: float, poll_s: flo
         "hash_median": statistics.median(hashing), "path_median": statistics.median(path), "path_p99": p99(path),
         "upkeep_median": statistics.median(upkeep), "upkeep_p99": p99(upkeep),
         "entries": float(len(idx)), "warm": warm_hits / iters,
+        "gateway_keys_median": statistics.median(gateway) if gateway else 0.0,
     }
 
 
@@ -421,26 +436,33 @@ def index_memory(n: int, entries: int, context: int) -> dict[str, float]:
             "per_entry": used / max(1, st["entries"])}
 
 
-def cache_tables(iters: int, sizes: list[int], rate: float, entries: int, context: int) -> None:
+def cache_tables(iters: int, sizes: list[int], rate: float, entries: int, context: int,
+                 keys_from: str = "router") -> None:
     names = ["latency", "balanced", "cost"]
     pols = [builtin_policy(x) for x in names]
+    keys = ("the prompt's keys from the messages" if keys_from == "router" else
+            "the prompt's keys parsed from the gateway's Zml-Prefix-Keys header (the gateway's own keying: "
+            "last column, not in the unit)")
     print(f"With the prefix index: {entries:,} index entries, prompts of ~{context // 4:,} tokens "
           f"({context // 1024} KB: ~{context // 512} keys), {iters} decisions per cell, {rate:g} decisions/s, "
-          "polls every 5 s. Per unit: the prompt's keys + choose_node with the index + record + an earlier "
+          f"polls every 5 s. Per unit: {keys} + choose_node with the index + record + an earlier "
           "request's correct + polls and counters since the previous unit. Wall-clock median / p99 "
           "(CPU-time median / p99), us:\n")
     print("| nodes | " + " | ".join(names) + " | latency, decision path: keys + lookup + choose (median / p99) "
-          "| latency, index upkeep: record + correct (median / p99) | keys median | requests that found a warm node |")
-    print("|---|" + "---|" * (len(names) + 4))
+          "| latency, index upkeep: record + correct (median / p99) | keys median | requests that found a warm node "
+          "| gateway's keys + header median |")
+    print("|---|" + "---|" * (len(names) + 5))
     for n in sizes:
         cells = []
         extra = ""
         for k, pol in enumerate(pols):
-            r = cache_cell(n, pol, iters, rate, 5.0, seed=n * 10 + k, entries=entries, context=context)
+            r = cache_cell(n, pol, iters, rate, 5.0, seed=n * 10 + k, entries=entries, context=context,
+                           keys_from=keys_from)
             cells.append(f"{r['median']:.1f} / {r['p99']:.1f} ({r['cpu_median']:.0f} / {r['cpu_p99']:.0f})")
             if k == 0:
                 extra = (f" {r['path_median']:.1f} / {r['path_p99']:.1f} | {r['upkeep_median']:.1f} / "
-                         f"{r['upkeep_p99']:.1f} | {r['hash_median']:.1f} | {100 * r['warm']:.0f}% |")
+                         f"{r['upkeep_p99']:.1f} | {r['hash_median']:.1f} | {100 * r['warm']:.0f}% | "
+                         + (f"{r['gateway_keys_median']:.1f} |" if keys_from == "gateway" else "- |"))
         print(f"| {n:,} | " + " | ".join(cells) + " |" + extra)
     m = index_memory(max(sizes), entries, context)
     print(f"\nIndex memory at {max(sizes):,} nodes: {m['entries']:,.0f} entries ({m['keys']:,.0f} distinct keys): "
@@ -461,6 +483,9 @@ def main() -> None:
     ap.add_argument("--cache", action="store_true", help="only the prefix-index table and its memory")
     ap.add_argument("--entries", type=int, default=1_000_000, help="prefix index entries (--cache)")
     ap.add_argument("--context", type=int, default=32_768, help="prompt bytes (--cache): ~4 per token")
+    ap.add_argument("--keys-from", choices=("router", "gateway"), default="router",
+                    help="(--cache) router: the unit keys the decoded messages (a request on zml.infer); gateway: "
+                         "it parses the gateway's Zml-Prefix-Keys header, the gateway's keying timed apart")
     args = ap.parse_args()
     iters = 1000 if args.quick else 5000
     sizes = [int(x) for x in args.sizes.split(",")]
@@ -473,7 +498,7 @@ def main() -> None:
     labels = names + ["weighted (qt 24)", "chain/latency", "chain/cost"]
     if args.cache:
         cache_tables(iters, [int(x) for x in args.sizes.split(",")] if args.sizes != "100,1000,10000" else [1000],
-                     args.rate, args.entries, args.context)
+                     args.rate, args.entries, args.context, args.keys_from)
         print(f"load average (1 min) before / after: {load0:.2f} / {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
         return
     if args.small:

@@ -51,6 +51,8 @@ class Skips(list[int]):
 
     refuse = False
     resumes: list[resume.StreamResume]
+    #: what the stand-in received: (subject, body, headers)
+    seen: list[tuple[str, bytes, dict[str, str]]]
 
 
 @pytest.fixture()
@@ -60,9 +62,11 @@ async def lossy_router(own_nats: str) -> AsyncIterator[Skips]:
     continued as the router does: the rest after what the requester has, numbered on."""
     skip = Skips()
     skip.resumes = []
+    skip.seen = []
     nc = await nats.connect(own_nats)
 
     async def serve(msg) -> None:  # type: ignore[no-untyped-def]
+        skip.seen.append((msg.subject, msg.data, dict(msg.headers or {})))
         rid = (msg.headers or {}).get(subjects.H_REQUEST_ID, "r")
         end = (json.dumps({"routing": {**ROUTING, "request_id": rid}}).encode(), {subjects.H_STREAM: subjects.STREAM_END})
         value = (msg.headers or {}).get(subjects.H_RESUME)
@@ -97,6 +101,30 @@ async def lossy_router(own_nats: str) -> AsyncIterator[Skips]:
         for sub in subs:
             await sub.unsubscribe()
         await nc.close()
+
+
+async def test_gateway_sends_the_key_chain_the_router_would_compute(gateway: str, lossy_router: Skips) -> None:
+    """Issue 19: the gateway keys a long prompt it decoded anyway (``Zml-Prefix-Keys``), so the
+    router does not decode it again; the chain is the one the router computes from the raw body
+    it gets (escaped non-ASCII text included). A short prompt carries none."""
+    from zmlcore.messages import frontdoor
+    from zmlcore.policy.prefix import chain_from_header
+    from zml_router import flow
+
+    long = [{"role": "system", "content": "Ω système " * 1500}, {"role": "user", "content": "q"}]
+    async with httpx.AsyncClient(base_url=gateway, timeout=20) as client:
+        for msgs in (long, [{"role": "user", "content": "hi"}]):
+            body = json.dumps({"model": MODEL, "messages": msgs, "stream": True}).encode()  # ASCII: \\u escapes
+            async with client.stream("POST", "/v1/chat/completions", content=body,
+                                     headers={"content-type": "application/json"}) as r:
+                assert r.status_code == 200
+                [line async for line in r.aiter_lines()]
+    (subject, body, headers), (_, _, short) = lossy_router.seen[-2:]
+    assert subject == subjects.FRONT_DOOR_INFER and b"\\u03a9" in body  # escaped: the router decodes it
+    assert subjects.H_PREFIX_KEYS not in short
+    sent = chain_from_header(headers[subjects.H_PREFIX_KEYS], MODEL)
+    computed = flow.prefix_chain(MODEL, frontdoor.decode(body, headers), body)
+    assert sent is not None and len(sent) > 8 and sent == computed
 
 
 async def _sse(gateway: str) -> tuple[int, list[str]]:

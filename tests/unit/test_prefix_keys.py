@@ -133,3 +133,19 @@ def test_the_usual_chat_path_serialises_as_the_general_loop() -> None:
         structs = [_Msg(role=m.get("role", ""), content=m.get("content"), name=m.get("name")) for m in msgs]
         assert serialise(msgs, model="m") == serialise(structs, model="m"), tail
         assert serialise(msgs) == serialise(structs), tail
+
+
+def test_a_chain_travels_in_a_header_and_only_for_its_model() -> None:
+    from zmlcore.policy.prefix import chain_from_header, chain_header, request_keys
+
+    msgs = [ChatMessage(role="system", content="s" * 9000), ChatMessage(role="user", content="q " * 400)]
+    kc = request_keys("m", msgs, None)
+    assert kc is not None and len(kc) > 8
+    value = chain_header(kc, "m")
+    assert value.isascii() and value.isprintable() and len(value) < 400  # a NATS header value
+    assert chain_from_header(value, "m") == kc
+    assert chain_from_header(value, "m2") is None
+    # the router's form of the same request (dicts, decoded from raw JSON) keys alike
+    assert request_keys("m", [{"role": m.role, "content": m.content} for m in msgs], None) == kc
+    assert request_keys("m", None, "p" * 2000) == prompt_keys("m", prompt="p" * 2000)
+    assert request_keys("m", None, None) is None and request_keys("m", None, {"x": 1}) is None

@@ -153,7 +153,7 @@ def test_a_queued_request_carries_its_claim_and_keeps_the_router_only_header() -
 
 def test_front_door_headers_grant_nothing_on_zml_infer() -> None:
     headers = {subjects.H_LABEL: "team-a", subjects.H_DEFAULT_POLICY: "cost", subjects.H_ID_CLAIM: "9",
-               subjects.H_BODY: subjects.BODY_CLEAN, subjects.H_POLICY: "cost"}
+               subjects.H_BODY: subjects.BODY_CLEAN, subjects.H_POLICY: "cost", subjects.H_PREFIX_KEYS: "0 0 "}
     out = Outcome()
     got = _intake(Msg(_body(), headers), out=out)
     assert out.label == "" and got.req.routing is None and not got.clean
@@ -252,3 +252,27 @@ def test_prefix_chain_of_a_front_door_request_reads_its_raw_messages() -> None:
     assert isinstance(req.messages, msgspec.Raw)  # left undecoded by the front door
     chain = flow.prefix_chain("m", req, raw)
     assert chain is not None and chain.keys == prompt_keys("m", messages=msgs).keys
+
+
+def test_prefix_chain_takes_the_front_doors_keys_and_checks_them() -> None:
+    """A front door's ``Zml-Prefix-Keys`` stands for the prompt (nothing decoded again); one for
+    another model, or malformed, or whose key count its length cannot have, is recomputed."""
+    import msgspec
+
+    from zmlcore import subjects
+    from zmlcore.messages import frontdoor
+    from zmlcore.policy.prefix import KeyChain, chain_header, prompt_keys
+    from zml_router import flow
+
+    msgs = [{"role": "system", "content": "t" * 5000}, {"role": "user", "content": "q"}]
+    raw = msgspec.json.encode({"model": "m", "messages": msgs})
+    req = frontdoor.decode(raw, {subjects.H_BODY: subjects.BODY_CLEAN})
+    want = prompt_keys("m", messages=msgs)
+    # a chain that differs from the prompt's shows which one was taken
+    other = KeyChain([k ^ 1 for k in want.keys], want.nbytes)
+    got = flow.prefix_chain("m", req, raw, {subjects.H_PREFIX_KEYS: chain_header(other, "m")})
+    assert got == other
+    for bad in (chain_header(other, "another-model"), "zz 1 AAAA", "00000000 5000", "",
+                chain_header(KeyChain(other.keys[:-1], other.nbytes), "m"),  # one key short for its length
+                chain_header(other, "m")[:-4]):
+        assert flow.prefix_chain("m", req, raw, {subjects.H_PREFIX_KEYS: bad}) == want, bad

@@ -253,6 +253,11 @@ H_BODY = "Zml-Body"
 BODY_CLEAN = "clean"
 H_POLICY = "Zml-Policy"
 H_ACCELERATOR_ID = "Zml-Accelerator-Id"
+#: Front door only too: the prompt's key chain (zmlcore.policy.prefix.keys.chain_header), computed
+#: by the gateway from the messages it decoded to validate them, so that a router does not decode
+#: a long prompt a second time only to key it. Absent, malformed or for another model: the router
+#: computes the chain itself.
+H_PREFIX_KEYS = "Zml-Prefix-Keys"
 #: ``Zml-Continue-On-Failure: 0``: the request's ``continue_on_failure: false`` (an answer whose
 #: node fails part-way ends with the error instead of being continued on another node). Only
 #: narrows what the sender's own request gets: honoured on every request subject.

@@ -70,7 +70,7 @@ from zmlcore.messages.validate import check_request_id, decode_request, request_
 from zmlcore.messages.warmup import RequestCompleted
 from zmlcore.policy import Decision, ResolvedPolicy, RouteRequest, resolve_policy
 from zmlcore.policy.estimate import prompt_tokens_from_body
-from zmlcore.policy.prefix import BLOCK_BYTES, KeyChain, prompt_keys
+from zmlcore.policy.prefix import BLOCK_BYTES, KeyChain, chain_from_header, request_keys
 from zmlcore.reply.bigreply import check_fits
 from zmlcore.reply import resume as resumes
 from zmlcore.reply.keepalive import parse_interval
@@ -160,7 +160,10 @@ class Outcome:
 FRONT_DOOR_ONLY = (subjects.H_LABEL, subjects.H_DEFAULT_POLICY,
                    # A body the gateway validated, its ZML fields in headers (zmlcore.messages.frontdoor):
                    # elsewhere they come from the body, checked in full.
-                   subjects.H_BODY, subjects.H_POLICY, subjects.H_ACCELERATOR_ID)
+                   subjects.H_BODY, subjects.H_POLICY, subjects.H_ACCELERATOR_ID,
+                   # the prompt's key chain as the front door computed it: another sender's could
+                   # make this router record prefixes on nodes that never saw them
+                   subjects.H_PREFIX_KEYS)
 #: Set only by routers, on queued requests (zml_router.ids).
 ROUTER_ONLY = (subjects.H_ID_CLAIM,)
 #: An audio request's routing fields are headers whichever way it comes (its multipart form is
@@ -335,11 +338,18 @@ def check_kind(cfg: ZMLConfig, model: str, req: InferRequest) -> None:
         raise BadRequestError(f"model {model!r} is an embedding model: use POST /v1/embeddings (`input`)")
 
 
-def prefix_chain(model: str, req: InferRequest, raw: bytes) -> KeyChain | None:
+def prefix_chain(model: str, req: InferRequest, raw: bytes, headers: Mapping[str, str] | None = None) -> KeyChain | None:
     """The prompt's key chain (``zmlcore.policy.prefix``), or None for a prompt too short to hold
-    one key block: short prompts are not decoded again (a front door leaves them raw)."""
+    one key block. A front door sends the chain it computed from the prompt it decoded anyway
+    (``Zml-Prefix-Keys``, honoured from a front door only: drop_untrusted); else the prompt is
+    decoded here (a front door leaves it raw) and keyed."""
     if len(raw) < BLOCK_BYTES or req.input is not None:
         return None
+    given = headers.get(subjects.H_PREFIX_KEYS) if headers else None
+    if given is not None:
+        chain = chain_from_header(given, model)
+        if chain is not None:
+            return chain
     msgs: Any = req.messages
     prompt: Any = req.prompt
     try:
@@ -349,11 +359,7 @@ def prefix_chain(model: str, req: InferRequest, raw: bytes) -> KeyChain | None:
             prompt = _decode_any.decode(prompt) if prompt else None
     except msgspec.DecodeError:
         return None
-    if msgs is not None:
-        return prompt_keys(model, messages=msgs if isinstance(msgs, list) else None)
-    if isinstance(prompt, (str, list)):
-        return prompt_keys(model, prompt=prompt)
-    return None
+    return request_keys(model, msgs, prompt)
 
 
 def session_owner(owner: str, headers: Mapping[str, str] | None) -> str:
@@ -374,10 +380,11 @@ def session_of(headers: Mapping[str, str] | None, req: InferRequest) -> str:
 
 
 def prepare(cfg: ZMLConfig, families: list[str], req: InferRequest, raw: bytes,
-            model: str, session_node: str | None = None) -> tuple[ResolvedPolicy, RouteRequest]:
+            model: str, session_node: str | None = None,
+            headers: Mapping[str, str] | None = None) -> tuple[ResolvedPolicy, RouteRequest]:
     """The policy of a request for ``model`` (its name resolved from an alias: ``cfg.resolve_model``)
     and what the policies see of it (errors: bad policy/kind): its size, its prompt's key chain
-    and the node its session is bound to."""
+    (``headers``: the request's, for a front door's chain) and the node its session is bound to."""
     per_call = req.policy if req.policy is not None else req.routing
     # Chains may name families registered at run time, not only zml.toml's.
     policy = resolve_policy(cfg, model, per_call, families)
@@ -388,7 +395,7 @@ def prepare(cfg: ZMLConfig, families: list[str], req: InferRequest, raw: bytes,
     # encoder's frames for its duration (its bytes say nothing of it).
     prompt = req.audio_tokens() if isinstance(req, AudioRequest) else prompt_tokens_from_body(len(raw))
     rr = RouteRequest(model=model, prompt_tokens=prompt, max_tokens=max_tokens,
-                      accelerator_id=req.accelerator_id, prefix=prefix_chain(model, req, raw),
+                      accelerator_id=req.accelerator_id, prefix=prefix_chain(model, req, raw, headers),
                       session_node=session_node)
     return policy, rr
 

@@ -60,7 +60,7 @@ H_QUEUED_HEADERS = (subjects.H_REQUEST_ID, subjects.H_TIMEOUT_MS, subjects.H_OWN
                     subjects.H_ACCEPT_ROUTING, subjects.H_KEEPALIVE, "traceparent", "tracestate",
                     subjects.H_ID_CLAIM,  # a queued request keeps its claim on its id (zml_router.ids)
                     # a gateway's validated body and its ZML fields (zmlcore.messages.frontdoor)
-                    subjects.H_BODY, subjects.H_POLICY, subjects.H_ACCELERATOR_ID)
+                    subjects.H_BODY, subjects.H_POLICY, subjects.H_ACCELERATOR_ID, subjects.H_PREFIX_KEYS)
 
 ACK_WAIT_S = 5.0
 #: Queued entries live at most this long (the stream's max_age), and so do their claims.

@@ -104,7 +104,8 @@ class QueueGlue:
         may have freed: the head's wait is observed once, when a node takes it.)"""
         try:
             req = infer_request_decoder.decode(qmsg.data)
-            policy, rr = prepare(self.cfg, self.table.families(), req, qmsg.data, self.cfg.resolve_model(req.model))
+            policy, rr = prepare(self.cfg, self.table.families(), req, qmsg.data, self.cfg.resolve_model(req.model),
+                                 headers=qmsg.headers)
             self.admit(rr, policy)
         except QueueFullError:
             return False

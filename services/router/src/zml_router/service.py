@@ -364,7 +364,7 @@ class RouterService:
         skey = (session_key(flow.session_owner(arrived.owner, msg.headers), session)
                 if session and self.sessions is not None else "")
         bound = self.sessions.node(skey) if skey and self.sessions is not None else None
-        policy, rr = flow.prepare(self.cfg, self.table.families(), req, msg.data, model, bound)
+        policy, rr = flow.prepare(self.cfg, self.table.families(), req, msg.data, model, bound, msg.headers)
         bodies = (AudioBodies(msg.data, req.form) if isinstance(req, AudioRequest) and req.form is not None
                   else NodeBodies(msg.data, req.model, arrived.clean))
         cfg = policy.config

@@ -16,6 +16,7 @@ from zmlcore.config import ZMLConfig
 from zmlcore.errors import BadRequestError, RequestTooLargeError
 from zmlcore.messages import InferRequest, frontdoor
 from zmlcore.messages.validate import check_request_id, decode_request, request_timeout_s
+from zmlcore.policy.prefix.keys import BLOCK_BYTES, chain_header, request_keys
 from zmlcore.telemetry import tracing
 from zml_gateway import observe
 from zml_gateway.access import Access, Caller
@@ -79,10 +80,9 @@ class Intake:
         self.access.check_model(caller, req.model, self.cfg.resolve_model(req.model))
         return Checked(req, request_id, timeout)
 
-    @staticmethod
-    def outbound(body: bytes, checked: Checked, scope: Scope, caller: Caller) -> tuple[bytes, dict[str, str]]:
+    def outbound(self, body: bytes, checked: Checked, scope: Scope, caller: Caller) -> tuple[bytes, dict[str, str]]:
         """The body and NATS headers the routers get: the caller's bytes, ZML's own fields moved
-        to headers, the key's options, the trace context."""
+        to headers, the prompt's key chain, the key's options, the trace context."""
         req = checked.req
         # An id the caller's SDK made up (x-zml-id-generated) is unique like ours: no shared
         # claim needed. Set on its own ids, it only drops that check for this caller.
@@ -90,6 +90,14 @@ class Intake:
         body, fields = frontdoor.split(body, req)
         headers = {subjects.H_REQUEST_ID: checked.request_id, subjects.H_TIMEOUT_MS: str(int(checked.timeout * 1000))}
         headers.update(fields)
+        # A prompt the router would key (zml_router.flow.prefix_chain: a body of a key block or
+        # more) is keyed here, where it was decoded to be checked: the router, which gets it raw
+        # (frontdoor), then need not decode it again (~9 us at 8k tokens).
+        if len(body) >= BLOCK_BYTES and req.input is None:
+            model = self.cfg.resolve_model(req.model)
+            chain = request_keys(model, req.messages, req.prompt)
+            if chain is not None:
+                headers[subjects.H_PREFIX_KEYS] = chain_header(chain, model)
         # The routing metadata once, in the reply body: the HTTP headers are made from it here.
         headers[subjects.H_ACCEPT_ROUTING] = subjects.ROUTING_IN_BODY
         return body, caller_headers(headers, generated, scope, caller)

@@ -37,7 +37,17 @@ on a 128-token-block Gaudi2.
 """
 
 from zmlcore.policy.prefix.index import DEFAULT_MAX_ENTRIES, DEFAULT_TTL_S, Match, PrefixIndex
-from zmlcore.policy.prefix.keys import BLOCK_BYTES, KeyChain, chain_from_bytes, model_seed, prompt_keys, serialise
+from zmlcore.policy.prefix.keys import (
+    BLOCK_BYTES,
+    KeyChain,
+    chain_from_bytes,
+    chain_from_header,
+    chain_header,
+    model_seed,
+    prompt_keys,
+    request_keys,
+    serialise,
+)
 from zmlcore.policy.prefix.node import KV_DEFAULTS, NodeCache, kv_geometry
 
 __all__ = [
@@ -50,8 +60,11 @@ __all__ = [
     "NodeCache",
     "PrefixIndex",
     "chain_from_bytes",
+    "chain_from_header",
+    "chain_header",
     "kv_geometry",
     "model_seed",
     "prompt_keys",
+    "request_keys",
     "serialise",
 ]

@@ -28,6 +28,8 @@ from the index), so a faster hash wins over a stronger one here.
 
 from __future__ import annotations
 
+import binascii
+import struct
 import zlib
 from collections.abc import Sequence
 from typing import Any
@@ -66,6 +68,10 @@ _rng = np.random.default_rng(0x5A4D4C)  # fixed: every router replica must compu
 _C = _rng.integers(0, 2**63, size=_WORDS, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
 _POS = _rng.integers(0, 2**63, size=MAX_BLOCKS, dtype=np.uint64) * np.uint64(2) + np.uint64(1)
 _EMPTY: list[int] = []
+#: little-endian uint64 x n, by n: the keys of a header (:func:`chain_from_header`)
+_PACKED = [struct.Struct(f"<{n}Q") for n in range(len(KEY_BLOCKS) + 1)]
+#: a serialised prompt longer than this is not believed from a header (a NATS message is smaller)
+_MAX_HEADER_NBYTES = 1 << 30
 
 
 class KeyChain:
@@ -205,3 +211,48 @@ def prompt_keys(model: str, messages: Sequence[Any] | None = None,
     (True, True)
     """
     return chain_from_bytes(serialise(messages, prompt, model))
+
+
+def request_keys(model: str, messages: Any, prompt: Any) -> KeyChain | None:
+    """The key chain of a request's decoded ``messages`` (chat) or ``prompt`` (completions);
+    None when it has neither in a form that is keyed. The router and a front door call this
+    alike, so the chain a front door sends is the one the router would compute."""
+    if messages is not None:
+        return prompt_keys(model, messages=messages if isinstance(messages, list) else None)
+    if isinstance(prompt, (str, list)):
+        return prompt_keys(model, prompt=prompt)
+    return None
+
+def chain_header(chain: KeyChain, model: str) -> str:
+    """The ``Zml-Prefix-Keys`` value of ``chain`` for ``model``: its seed (hex), the serialised
+    prompt's length and the keys (little-endian uint64, base64). A front door that decoded the
+    prompt anyway sends it, so that a router need not decode it again only to key it.
+
+    >>> kc = prompt_keys("m", prompt="x" * 1500)
+    >>> chain_from_header(chain_header(kc, "m"), "m") == kc
+    True
+    """
+    return f"{model_seed(model):08x} {chain.nbytes} {binascii.b2a_base64(chain.to_bytes(), newline=False).decode()}"
+
+
+def chain_from_header(value: str, model: str) -> KeyChain | None:
+    """The chain in a ``Zml-Prefix-Keys`` value, or None when it is malformed, for another
+    model's seed, or holds a number of keys its length cannot have (the router then computes
+    the chain from the prompt itself)."""
+    parts = value.split(" ")
+    if len(parts) != 3:
+        return None
+    seed, size, packed = parts
+    try:
+        if int(seed, 16) != model_seed(model):
+            return None
+        nbytes = int(size)
+        raw = binascii.a2b_base64(packed, strict_mode=True)
+    except (ValueError, binascii.Error):
+        return None
+    if not 0 <= nbytes <= _MAX_HEADER_NBYTES:
+        return None
+    n = _N_KEYS[min(nbytes // BLOCK_BYTES, MAX_BLOCKS)]
+    if len(raw) != 8 * n:
+        return None
+    return KeyChain(list(_PACKED[n].unpack(raw)), nbytes)
