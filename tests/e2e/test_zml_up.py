@@ -41,12 +41,22 @@ def test_two_zml_up_on_one_machine_run_the_demo_fleet_and_stop_everything(tmp_pa
     cfg = load_config(demo_config_path())
     base = _port_base(len(cfg.nodes))
     runs = []
-    for extra in ((), ("--sim-port-base", str(base))):
+    # The based run first, and the other only once its nodes listen: the free-port run picks its
+    # ports in another process, which cannot know the range handed to the based one and could
+    # pick one of them before it is bound (seen once in CI).
+    for k, extra in ((1, ("--sim-port-base", str(base))), (0, ())):
         gw, nats_port = free_port(), free_port()
-        data = tmp_path / f"zml-data-{len(runs)}"  # each its own identities and store
-        proc = spawn(f"zml-up-{len(runs)}", _zml("up", "--gateway-port", str(gw), "--nats-port", str(nats_port),
-                                                 "--data-dir", str(data), *extra))
-        runs.append((proc, gw, nats_port))
+        data = tmp_path / f"zml-data-{k}"  # each its own identities and store
+        proc = spawn(f"zml-up-{k}", _zml("up", "--gateway-port", str(gw), "--nats-port", str(nats_port),
+                                         "--data-dir", str(data), *extra))
+        runs.insert(0, (proc, gw, nats_port))
+        if extra:
+            deadline = time.monotonic() + 150
+            while not all(port_in_use("127.0.0.1", p) for p in range(base, base + len(cfg.nodes))):
+                if not proc.alive() or time.monotonic() > deadline:
+                    proc.stop()
+                    pytest.fail(f"the based run's nodes never listened: {proc.tail()}")
+                time.sleep(0.2)
     used: list[tuple[str, int]] = []
     try:
         endpoints = []
