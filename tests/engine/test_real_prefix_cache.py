@@ -42,8 +42,12 @@ def cache_fleet(llama: Llama, own_nats: str, tmp_path_factory: pytest.TempPathFa
     stack = None
     try:
         extra = POLICIES + "\n" + "".join(real_node_toml(n) for n in real.values())
+        # One router: round-robin's rotation is a router's own cursor, and two replicas taking
+        # turns at random (the queue group) would make the control's node changes a coin toss
+        # (CI once saw 13 of 21 follow-ups land where they began). The index is shared by
+        # replicas either way (tests/integration: prefix sharing).
         stack = launch_stack(own_nats, tmp_path_factory.mktemp("prefix"), fleet=[("h100-1", "nvidia_h100", [MODEL])],
-                             extra=extra, poll_s=0.5)
+                             extra=extra, poll_s=0.5, routers=1)
         url = stack.gateway_url
         for n in NODES:
             _wait_up(url, n)
