@@ -70,7 +70,7 @@ from zmlcore.messages.validate import check_request_id, decode_request, request_
 from zmlcore.messages.warmup import RequestCompleted
 from zmlcore.policy import Decision, ResolvedPolicy, RouteRequest, resolve_policy
 from zmlcore.policy.estimate import prompt_tokens_from_body
-from zmlcore.policy.prefix import BLOCK_BYTES, KeyChain, chain_from_header, request_keys
+from zmlcore.policy.prefix import KeyChain, chain_from_header, keyed, request_keys
 from zmlcore.reply.bigreply import check_fits
 from zmlcore.reply import resume as resumes
 from zmlcore.reply.keepalive import parse_interval
@@ -343,7 +343,7 @@ def prefix_chain(model: str, req: InferRequest, raw: bytes, headers: Mapping[str
     one key block. A front door sends the chain it computed from the prompt it decoded anyway
     (``Zml-Prefix-Keys``, honoured from a front door only: drop_untrusted); else the prompt is
     decoded here (a front door leaves it raw) and keyed."""
-    if len(raw) < BLOCK_BYTES or req.input is not None:
+    if not keyed(len(raw), req.input is not None):
         return None
     given = headers.get(subjects.H_PREFIX_KEYS) if headers else None
     if given is not None:

@@ -16,7 +16,7 @@ from zmlcore.config import ZMLConfig
 from zmlcore.errors import BadRequestError, RequestTooLargeError
 from zmlcore.messages import InferRequest, frontdoor
 from zmlcore.messages.validate import check_request_id, decode_request, request_timeout_s
-from zmlcore.policy.prefix.keys import BLOCK_BYTES, chain_header, request_keys
+from zmlcore.policy.prefix.keys import chain_header, keyed, request_keys
 from zmlcore.telemetry import tracing
 from zml_gateway import observe
 from zml_gateway.access import Access, Caller
@@ -90,10 +90,10 @@ class Intake:
         body, fields = frontdoor.split(body, req)
         headers = {subjects.H_REQUEST_ID: checked.request_id, subjects.H_TIMEOUT_MS: str(int(checked.timeout * 1000))}
         headers.update(fields)
-        # A prompt the router would key (zml_router.flow.prefix_chain: a body of a key block or
-        # more) is keyed here, where it was decoded to be checked: the router, which gets it raw
-        # (frontdoor), then need not decode it again (~9 us at 8k tokens).
-        if len(body) >= BLOCK_BYTES and req.input is None:
+        # A prompt the router would key (zml_router.flow.prefix_chain) is keyed here, where it
+        # was decoded to be checked: the router, which gets it raw (frontdoor), then need not
+        # decode it again (~9 us at 8k tokens).
+        if keyed(len(body), req.input is not None):
             model = self.cfg.resolve_model(req.model)
             chain = request_keys(model, req.messages, req.prompt)
             if chain is not None:

@@ -141,14 +141,8 @@ def serialise(messages: Sequence[Any] | None = None, prompt: str | Sequence[str]
             return usual
         parts: list[str] = [model, "\x00"] if model else []
         add = parts.append
-        for m in messages:
-            if type(m) is dict:  # what the router decodes (isinstance: subclasses, below)
-                content = m.get("content")
-                if type(content) is str and "name" not in m:  # the usual message: one list op
-                    parts += (m.get("role", ""), "\x00", content, "\x01")
-                    continue
-                name, role = m.get("name"), m.get("role", "")
-            elif isinstance(m, dict):
+        for m in messages:  # (the usual dicts took _usual_chat's shorter loop)
+            if isinstance(m, dict):
                 role, content, name = m.get("role", ""), m.get("content"), m.get("name")
             else:
                 role, content, name = m.role, m.content, getattr(m, "name", None)
@@ -213,6 +207,12 @@ def prompt_keys(model: str, messages: Sequence[Any] | None = None,
     return chain_from_bytes(serialise(messages, prompt, model))
 
 
+def keyed(body_bytes: int, embedding: bool) -> bool:
+    """Is a request's prompt keyed at all: not an embedding, and a body of at least one key
+    block (a shorter prompt holds none, and a router does not decode it again to find out)."""
+    return body_bytes >= BLOCK_BYTES and not embedding
+
+
 def request_keys(model: str, messages: Any, prompt: Any) -> KeyChain | None:
     """The key chain of a request's decoded ``messages`` (chat) or ``prompt`` (completions);
     None when it has neither in a form that is keyed. The router and a front door call this
@@ -222,6 +222,7 @@ def request_keys(model: str, messages: Any, prompt: Any) -> KeyChain | None:
     if isinstance(prompt, (str, list)):
         return prompt_keys(model, prompt=prompt)
     return None
+
 
 def chain_header(chain: KeyChain, model: str) -> str:
     """The ``Zml-Prefix-Keys`` value of ``chain`` for ``model``: its seed (hex), the serialised
