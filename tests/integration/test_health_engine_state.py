@@ -36,14 +36,21 @@ async def test_llamacpp_measured_speeds_from_its_own_counters() -> None:
         async with httpx.AsyncClient(timeout=10) as client:
             tr.observe(await llamacpp_probe(client, sim.url, 5.0), time.time(), HealthConfig())
             # Distinct prompts: the sim caches prefixes, and cached tokens take no prefill time.
-            # Started 60 ms apart: each 4,000-token prefill (~40 ms here) runs alone, as the
-            # expected speed assumes (two prefills in one step are a batch, and the engine's
-            # counters rightly show the batch's higher throughput: on a loaded box the four
-            # sometimes arrived together), while the decodes (~200 ms) overlap.
+            # Each request starts once the previous one streams its first token: every 4,000-token
+            # prefill (~40 ms here) runs alone, as the expected speed assumes (two prefills in one
+            # step are a batch, and the engine's counters rightly show the batch's higher
+            # throughput: started on a timer, 60 ms apart, two still met on a loaded CI box),
+            # while the decodes (~200 ms) overlap.
+            first = [asyncio.Event() for _ in range(4)]
+
             async def one(i: int) -> None:
-                await asyncio.sleep(0.06 * i)
-                await client.post(sim.url + "/v1/completions", json={
-                    "model": "m", "prompt": f"{i}" + "x" * 3999, "max_tokens": 120})
+                if i:
+                    await first[i - 1].wait()
+                async with client.stream("POST", sim.url + "/v1/completions", json={
+                        "model": "m", "prompt": f"{i}" + "x" * 3999, "max_tokens": 120, "stream": True}) as r:
+                    async for _ in r.aiter_bytes():
+                        first[i].set()
+                first[i].set()
             await asyncio.gather(*(one(i) for i in range(4)))
             tr.observe(await llamacpp_probe(client, sim.url, 5.0), time.time(), HealthConfig())
         assert tr.speed.prefill_tps is not None and tr.speed.decode_tps is not None
