@@ -105,3 +105,39 @@ async def test_results_read_back_by_shard_and_large_replies_spill(store: BatchSt
     assert [r async for r in store.results(batch, 7)] == []
     await store.drop_results(batch, [got[1].spilled])
     assert [r async for r in store.results(batch)] == []
+
+
+async def test_listings_are_whole_when_the_watch_marks_its_end_early(store: BatchStore,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """CI saw ``client.batches.list()`` come back empty with two batches stored: nats-py's watch
+    put its end-of-snapshot marker before the entries (nats-io/nats.py#842) and the store took
+    it for an empty bucket. Every listing (batches, files) reads through kvfollow's snapshot."""
+    from test_kvfollow import early_marker
+    early_marker(monkeypatch, skip=0)
+    ids = [f"batch_00000000000{i}dddddddddddd" for i in range(1, 4)]
+    for bid in ids:
+        await store.create_batch(BatchRecord(id=bid, owner="key:early", endpoint="/v1/chat/completions",
+                                             input_file_id="file-x", completion_window="24h", created_at=1,
+                                             expires_at=2))
+    rec = FileRecord(id="file-000000000002eeeeeeeeeeee", owner="key:early", filename="in.jsonl", bytes=3, created_at=1)
+    await store.put_file(rec, io.BytesIO(b"{}\n"))
+    for _ in range(3):
+        assert sorted(b.id for b in await store.list_batches("key:early")) == ids
+        assert [f.id for f in await store.list_files("key:early")] == [rec.id]
+    assert await store.list_batches("key:late") == []
+    assert await store.active_batches("key:early") == 3
+
+
+async def test_listings_are_whole_under_the_real_race(store: BatchStore) -> None:
+    """The same race unprovoked: 1,500 listings, each through a new watch, all whole (the old
+    store's came back empty in 2 runs of 3 at 900 listings). Each one's consumer is deleted as
+    it ends: the old store left it for 30 s, and the 1,000th listing in that time was refused
+    (nats-server's "maximum consumers limit reached")."""
+    ids = [f"batch_00000000000{i}ffffffffffff" for i in range(1, 4)]
+    for bid in ids:
+        await store.create_batch(BatchRecord(id=bid, owner="key:race", endpoint="/v1/chat/completions",
+                                             input_file_id="file-x", completion_window="24h", created_at=1,
+                                             expires_at=2))
+    counts = [len(await store.list_batches("key:race")) for _ in range(1500)]
+    short = [n for n in counts if n != 3]
+    assert not short, f"{len(short)} of 1500 listings were short: {short[:5]}"

@@ -267,9 +267,9 @@ def early_marker(monkeypatch: pytest.MonkeyPatch, skip: int = 1) -> None:
     real = kvfollow.watch_bucket
     count = 0
 
-    async def watch(kv: KeyValue, **kwargs: Any) -> KeyValue.KeyWatcher:
+    async def watch(kv: KeyValue, *args: Any, **kwargs: Any) -> KeyValue.KeyWatcher:
         nonlocal count
-        watcher = await real(kv, **kwargs)
+        watcher = await real(kv, *args, **kwargs)
         count += 1
         if count > skip:
             early: asyncio.Queue[Any] = asyncio.Queue(maxsize=256)
@@ -342,6 +342,25 @@ async def test_live_keys_does_not_stop_at_an_early_marker(broker: Broker, monkey
             await kv.put(key, b"1")
         await kv.delete("b")
         assert sorted(await kvfollow.live_keys(kv, nc)) == ["a", "c"]
+    finally:
+        await nc.close()
+
+
+async def test_live_entries_reads_the_values_under_a_pattern(broker: Broker, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The batch store's listings and ``zml keys list`` read through live_entries: only the keys
+    under the pattern, their current values, deletes left out, whole despite an early marker."""
+    early_marker(monkeypatch, skip=0)
+    nc = await connect(broker.url, "lister")
+    try:
+        kv = await ensure_kv(nc.jetstream(), BUCKET)
+        assert await kvfollow.live_entries(kv, nc, "b.x.*") == {}
+        for key, value in (("b.x.1", b"one"), ("b.y.1", b"other"), ("b.x.2", b"two"), ("b.x.3", b"three")):
+            await kv.put(key, value)
+        await kv.put("b.x.1", b"one again")
+        await kv.delete("b.x.2")
+        assert await kvfollow.live_entries(kv, nc, "b.x.*") == {"b.x.1": b"one again", "b.x.3": b"three"}
+        assert await kvfollow.live_entries(kv, nc, "b.x.*", meta_only=True) == {"b.x.1": b"", "b.x.3": b""}
+        assert sorted(await kvfollow.live_entries(kv, nc)) == ["b.x.1", "b.x.3", "b.y.1"]
     finally:
         await nc.close()
 

@@ -25,7 +25,7 @@ from nats.js.kv import KeyValue
 
 from zmlcore import subjects
 from zmlcore.errors import BadRequestError
-from zmlcore.bus.kvfollow import KVFollower
+from zmlcore.bus.kvfollow import KVFollower, live_entries
 from zmlcore.messages.keys import ApiKeyRecord, IdentityPlan, PlanLimits, api_key_decoder
 from zmlcore.bus.connect import ensure_kv
 
@@ -80,21 +80,10 @@ async def create_key(nc: NATS, *, plan: str, limits: PlanLimits, name: str = "",
 
 
 async def list_keys(nc: NATS) -> list[ApiKeyRecord]:
-    kv = await keys_kv(nc)
-    out = []
-    try:
-        names = await kv.keys()
-    except Exception:  # nats-py raises NoKeysError (a NotFoundError) for an empty bucket
-        return []
-    for key_id in names:
-        if key_id == ENFORCED or key_id.startswith(IDENTITY_PREFIX):
-            continue
-        try:
-            entry = await kv.get(key_id)
-        except KeyNotFoundError:
-            continue
-        if entry.value:
-            out.append(api_key_decoder.decode(entry.value))
+    """Every API key, oldest first (one snapshot of the bucket)."""
+    entries = await live_entries(await keys_kv(nc), nc)
+    out = [api_key_decoder.decode(value) for key_id, value in entries.items()
+           if value and key_id != ENFORCED and not key_id.startswith(IDENTITY_PREFIX)]
     return sorted(out, key=lambda r: r.created_at)
 
 

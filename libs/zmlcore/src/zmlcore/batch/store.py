@@ -27,7 +27,6 @@ from typing import IO, Any, cast
 
 import msgspec
 from nats.aio.client import Client as NATS
-from nats.errors import TimeoutError as NatsTimeout
 from nats.js import JetStreamContext
 from nats.js.api import (
     AckPolicy,
@@ -54,6 +53,7 @@ from nats.js.object_store import ObjectStore
 
 from zmlcore import subjects
 from zmlcore.batch.ids import owner_token
+from zmlcore.bus.kvfollow import live_entries
 from zmlcore.bus.link import link_of
 from zmlcore.config import BatchConfig, window_seconds
 from zmlcore.errors import NotFoundError, StorageFullError
@@ -351,22 +351,9 @@ class BatchStore:
         return not ack.duplicate
 
     async def _values(self, pattern: str) -> list[bytes]:
-        """The current values of the keys matching ``pattern`` (one ordered consumer, stopped)."""
-        watcher = await self.kv.watch(pattern, ignore_deletes=True, inactive_threshold=30.0)
-        out: list[bytes] = []
-        try:
-            while True:
-                try:
-                    entry = await watcher.updates(timeout=5.0)  # type: ignore[no-untyped-call]
-                except NatsTimeout:
-                    break
-                if entry is None:
-                    break
-                if entry.value:
-                    out.append(entry.value)
-        finally:
-            await watcher.stop()  # type: ignore[no-untyped-call]
-        return out
+        """The current values of the keys matching ``pattern`` (one snapshot, see
+        :func:`~zmlcore.bus.kvfollow.live_entries` for why not nats-py's bare watch)."""
+        return [v for v in (await live_entries(self.kv, self.nc, pattern)).values() if v]
 
 
 def spill_name(batch_id: str, line: int) -> str:

@@ -31,8 +31,8 @@ under load, orphans piled up on the server (9 consumers on ``zml_nodes`` for 6 l
     await follower.wait_ready(2.0)
 
 Every KV reader in ZML goes through here: :class:`KVFollower` for the services' followers
-(router, gateway, warmup, keys, costs) and ``zml serve --wait``, :func:`live_keys` for a one-off
-listing (health at start).
+(router, gateway, warmup, keys, costs) and ``zml serve --wait``, :func:`live_entries` for a one-off
+listing (health at start, the batch store's lists, ``zml keys list``).
 """
 
 from __future__ import annotations
@@ -61,10 +61,11 @@ _DELETE_OPS = ("DEL", "PURGE")
 WATCH_INACTIVE_S = 10.0
 
 
-async def watch_bucket(kv: KeyValue, *, inactive_s: float = WATCH_INACTIVE_S, **kwargs: Any) -> KeyValue.KeyWatcher:
-    """``kv.watchall(**kwargs)`` whose consumer the server drops ``inactive_s`` after its
+async def watch_bucket(kv: KeyValue, pattern: str = ">", *, inactive_s: float = WATCH_INACTIVE_S,
+                       **kwargs: Any) -> KeyValue.KeyWatcher:
+    """``kv.watch(pattern, **kwargs)`` whose consumer the server drops ``inactive_s`` after its
     watcher stops or is replaced (every KV watch in ZML goes through here)."""
-    return await kv.watchall(inactive_threshold=inactive_s, **kwargs)
+    return await kv.watch(pattern, inactive_threshold=inactive_s, **kwargs)
 
 
 async def drop_watch(watcher: KeyValue.KeyWatcher, nc: NATS) -> None:
@@ -96,11 +97,19 @@ async def _delete_consumer(js: JetStreamContext, stream: str, consumer: str) -> 
 async def live_keys(kv: KeyValue, nc: NATS, timeout: float = 5.0) -> list[str]:
     """The live keys of ``kv`` (a bucket opened on ``nc``), once (a snapshot read through the
     same watch as a follower). Not ``kv.keys()``: with ignore_deletes it never ends when the
-    bucket's last entries are deletes (the end-of-snapshot marker rides on the skipped delete)."""
+    bucket's last entries are deletes (the end-of-snapshot marker rides on the skipped delete),
+    and it takes nats-py's early marker for an empty bucket."""
+    return list(await live_entries(kv, nc, timeout=timeout, meta_only=True))
+
+
+async def live_entries(kv: KeyValue, nc: NATS, pattern: str = ">", *, timeout: float = 5.0,
+                       meta_only: bool = False) -> dict[str, bytes]:
+    """The live keys of ``kv`` matching ``pattern`` with their values (empty with
+    ``meta_only``), once, in stream order. On a timeout, what arrived so far (logged)."""
     natsinternals.check()
     js = nc.jetstream()
-    watcher = await watch_bucket(kv, meta_only=True)
-    live: dict[str, None] = {}
+    watcher = await watch_bucket(kv, pattern, meta_only=meta_only)
+    live: dict[str, bytes] = {}
     got = False  # any entry yet (nats-py's early marker comes before all of them)
     try:
         while True:
@@ -118,12 +127,12 @@ async def live_keys(kv: KeyValue, nc: NATS, timeout: float = 5.0) -> list[str]:
             if entry.operation in _DELETE_OPS:
                 live.pop(entry.key, None)
             else:
-                live[entry.key] = None
+                live[entry.key] = entry.value or b""
             if entry.delta == 0:
                 break
     finally:
         await drop_watch(watcher, nc)
-    return list(live)
+    return live
 
 
 async def snapshot_empty(watcher: KeyValue.KeyWatcher, js: JetStreamContext, timeout: float) -> bool | None:
