@@ -270,14 +270,19 @@ class Conversation:
 def cache_cell(n: int, pol: ResolvedPolicy, iters: int, rate: float, poll_s: float, seed: int,
                entries: int, context: int, keys_from: str = "router") -> dict[str, float]:
     """One decision with the prefix index, as the router makes it, per timed unit: the prompt's
-    keys (``prompt_keys`` over the request's decoded messages, as for a request sent on
-    ``zml.infer``; ``keys_from="gateway"``: parsed from the ``Zml-Prefix-Keys`` header the
+    keys (the router's ``prefix_chain``: for a request sent on ``zml.infer``, its raw messages
+    decoded and keyed; ``keys_from="gateway"``: parsed from the ``Zml-Prefix-Keys`` header the
     gateway computed, whose own cost is reported apart as ``gateway_keys_median``),
     ``choose_node`` with the index, the dispatch's ``record``, the report of an earlier request
     (``correct``) and the polls and counter changes since the previous unit. The index is first
     filled to ``entries`` entries over the fleet (conversations recorded on their nodes,
     corrected as served)."""
-    from zmlcore.policy.prefix import PrefixIndex, chain_from_header, chain_header, prompt_keys
+    from zml_router.flow import prefix_chain
+    from zmlcore import subjects
+    from zmlcore.messages.infer import infer_request_decoder
+    from zmlcore.policy.prefix import PrefixIndex, chain_header, prompt_keys
+
+    encode_request = msgspec.json.Encoder().encode
 
     rng = random.Random(seed)
     nodes = make_fleet(n, rng)
@@ -325,10 +330,15 @@ def cache_cell(n: int, pol: ResolvedPolicy, iters: int, rate: float, poll_s: flo
         body = sum(len(m["content"]) for m in msgs) + 40 * len(msgs)
         done = views[rng.randrange(n)]
         report = inflight.pop(0) if len(inflight) > 32 else None
-        header = None
+        # The request as the router has it: decoded with its messages left raw (every request
+        # is, cache or not: not in the unit). Its keys come from ``prefix_chain``, the router's
+        # own step: from the gateway's header, or by decoding the raw messages and keying them.
+        raw = encode_request({"model": "m", "messages": msgs})
+        req = infer_request_decoder.decode(raw)
+        headers = None
         if keys_from == "gateway":  # the gateway's work, in its own process: not in the unit
             g0 = clock()
-            header = chain_header(prompt_keys("m", messages=msgs), "m")
+            headers = {subjects.H_PREFIX_KEYS: chain_header(prompt_keys("m", messages=msgs), "m")}
             g1 = clock()
         c0 = cpu()
         t0 = clock()
@@ -345,7 +355,7 @@ def cache_cell(n: int, pol: ResolvedPolicy, iters: int, rate: float, poll_s: flo
         if report is not None:  # an earlier request's reply: what the engine had cached
             idx.correct(report[0], report[1], report[2], now)
         h0 = clock()
-        kc = prompt_keys("m", messages=msgs) if header is None else chain_from_header(header, "m")
+        kc = prefix_chain("m", req, raw, headers)
         h1 = clock()
         d = choose_node(fleet, RouteRequest(model="m", prompt_tokens=body // 4, prefix=kc), pol, now, state,
                         cache=idx)
@@ -360,7 +370,7 @@ def cache_cell(n: int, pol: ResolvedPolicy, iters: int, rate: float, poll_s: flo
             units.append((t3 - t0) / 1000.0)
             cpu_units.append((c3 - c0) / 1000.0)
             hashing.append((h1 - h0) / 1000.0)
-            if header is not None:
+            if headers is not None:
                 gateway.append((g1 - g0) / 1000.0)
             path.append((h2 - h0) / 1000.0)
             upkeep.append((h0 - u0 + t3 - h2) / 1000.0)
@@ -440,7 +450,8 @@ def cache_tables(iters: int, sizes: list[int], rate: float, entries: int, contex
                  keys_from: str = "router") -> None:
     names = ["latency", "balanced", "cost"]
     pols = [builtin_policy(x) for x in names]
-    keys = ("the prompt's keys from the messages" if keys_from == "router" else
+    keys = ("the prompt's keys from its raw messages (decoded and keyed by the router, a request on zml.infer)"
+            if keys_from == "router" else
             "the prompt's keys parsed from the gateway's Zml-Prefix-Keys header (the gateway's own keying: "
             "last column, not in the unit)")
     print(f"With the prefix index: {entries:,} index entries, prompts of ~{context // 4:,} tokens "
@@ -473,6 +484,29 @@ def p99(xs: list[float]) -> float:
     return xs[int(0.99 * (len(xs) - 1))]
 
 
+def box_speed_ms() -> float:
+    """Milliseconds a fixed pure-Python loop takes (median of 5): this shared box's speed moves
+    by up to ~1.7x between minutes whatever its load average says (other tenants' work on the
+    same cores), so a table is read against the speed it was measured at."""
+    def loop() -> int:
+        s = 0
+        for i in range(1_000_000):
+            s += i * i
+        return s
+
+    times = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        loop()
+        times.append((time.perf_counter() - t0) * 1000.0)
+    return statistics.median(times)
+
+
+def footer(load0: float, speed0: float) -> None:
+    print(f"load average (1 min) before / after: {load0:.2f} / {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs; "
+          f"box speed (a fixed 1 M-step Python loop) before / after: {speed0:.1f} / {box_speed_ms():.1f} ms")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--quick", action="store_true")
@@ -484,12 +518,13 @@ def main() -> None:
     ap.add_argument("--entries", type=int, default=1_000_000, help="prefix index entries (--cache)")
     ap.add_argument("--context", type=int, default=32_768, help="prompt bytes (--cache): ~4 per token")
     ap.add_argument("--keys-from", choices=("router", "gateway"), default="router",
-                    help="(--cache) router: the unit keys the decoded messages (a request on zml.infer); gateway: "
+                    help="(--cache) router: the unit decodes the raw messages and keys them (a request on zml.infer); gateway: "
                          "it parses the gateway's Zml-Prefix-Keys header, the gateway's keying timed apart")
     args = ap.parse_args()
     iters = 1000 if args.quick else 5000
     sizes = [int(x) for x in args.sizes.split(",")]
     load0 = os.getloadavg()[0]
+    speed0 = box_speed_ms()
     print(f"# choose_node (us), Python {platform.python_version()}, numpy {__import__('numpy').__version__}\n")
     names = ["balanced", "latency", "cost", "availability", "round_robin"]
     weighted = ResolvedPolicy("weighted", PolicyConfig(strategy="weighted", latency_weight=0.7, cost_weight=0.3,
@@ -499,11 +534,11 @@ def main() -> None:
     if args.cache:
         cache_tables(iters, [int(x) for x in args.sizes.split(",")] if args.sizes != "100,1000,10000" else [1000],
                      args.rate, args.entries, args.context, args.keys_from)
-        print(f"load average (1 min) before / after: {load0:.2f} / {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
+        footer(load0, speed0)
         return
     if args.small:
         small_fleets(pols, labels)
-        print(f"load average (1 min) before / after: {load0:.2f} / {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
+        footer(load0, speed0)
         return
     print(f"Index upkeep included, {iters} decisions per cell, {args.rate:g} decisions/s (virtual time).\n")
     for poll_s in (float(x) for x in args.poll_intervals.split(",")):
@@ -529,7 +564,7 @@ def main() -> None:
             print(f"| {n:,} | {r['dec_median']:.1f} / {r['dec_p99']:.1f} | {r['mean']:.1f} | "
                   f"{r['poll_median']:.1f} / {r['poll_p99']:.1f} |")
         print()
-    print(f"load average (1 min) before / after: {load0:.2f} / {os.getloadavg()[0]:.2f} on {os.cpu_count()} CPUs")
+    footer(load0, speed0)
 
 
 if __name__ == "__main__":
