@@ -141,3 +141,16 @@ async def test_listings_are_whole_under_the_real_race(store: BatchStore) -> None
     counts = [len(await store.list_batches("key:race")) for _ in range(1500)]
     short = [n for n in counts if n != 3]
     assert not short, f"{len(short)} of 1500 listings were short: {short[:5]}"
+
+
+async def test_reading_results_leaves_no_consumer_behind(store: BatchStore) -> None:
+    """A runner reads a shard's results on every take-over and reconnect: each read's consumer
+    is deleted as it ends, not left on the server for 30 s."""
+    bid = "batch_000000000009gggggggggggg"
+    for line in range(3):
+        body = msgspec.Raw(b'{"ok":true}')
+        assert await store.record(bid, 0, LineResult(line=line, custom_id=f"c{line}", status_code=200, body=body))
+    before = (await store.js.stream_info(subjects.BATCH_RESULTS_STREAM)).state.consumer_count
+    for _ in range(20):
+        assert [r.line async for r in store.results(bid, 0)] == [0, 1, 2]
+    assert (await store.js.stream_info(subjects.BATCH_RESULTS_STREAM)).state.consumer_count == before

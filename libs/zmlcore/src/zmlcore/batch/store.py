@@ -316,6 +316,7 @@ class BatchStore:
         its reply put back if it was spilled to the file store."""
         sub = await self.js.subscribe(subjects.batch_results(batch_id, shard), stream=subjects.BATCH_RESULTS_STREAM,
                                       ordered_consumer=True, inactive_threshold=30.0)
+        info = None
         try:
             # Messages are pushed as soon as the consumer exists: some may be on their way already.
             info = await sub.consumer_info()
@@ -331,6 +332,8 @@ class BatchStore:
         finally:
             try:
                 await sub.unsubscribe()
+                if info is not None:  # not left on the server for its inactive threshold
+                    await self.js.delete_consumer(subjects.BATCH_RESULTS_STREAM, info.name)
             except Exception:
                 pass
 
