@@ -154,3 +154,17 @@ async def test_reading_results_leaves_no_consumer_behind(store: BatchStore) -> N
     for _ in range(20):
         assert [r.line async for r in store.results(bid, 0)] == [0, 1, 2]
     assert (await store.js.stream_info(subjects.BATCH_RESULTS_STREAM)).state.consumer_count == before
+
+
+async def test_reading_a_file_leaves_no_consumer_behind(store: BatchStore) -> None:
+    """GET /v1/files/{id}/content reads through an ordered consumer: a client downloading a file
+    again and again must not pile consumers up on the server until it refuses new ones."""
+    data = os.urandom(1000) + b"\n"
+    rec = FileRecord(id="file-000000000003hhhhhhhhhhhh", owner="key:dl", filename="in.jsonl", bytes=len(data),
+                     created_at=1)
+    await store.put_file(rec, io.BytesIO(data))
+    stream = f"OBJ_{subjects.BATCH_FILES_BUCKET}"
+    before = (await store.js.stream_info(stream)).state.consumer_count
+    for _ in range(20):
+        assert b"".join([c async for c in store.read_file(rec.id)]) == data
+    assert (await store.js.stream_info(stream)).state.consumer_count == before

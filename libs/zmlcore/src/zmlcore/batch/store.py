@@ -53,6 +53,7 @@ from nats.js.object_store import ObjectStore
 
 from zmlcore import subjects
 from zmlcore.batch.ids import owner_token
+from zmlcore.bus import natsinternals
 from zmlcore.bus.kvfollow import live_entries
 from zmlcore.bus.link import link_of
 from zmlcore.config import BatchConfig, window_seconds
@@ -244,10 +245,7 @@ class BatchStore:
                 if msg.metadata.num_pending == 0:
                     break
         finally:
-            try:
-                await sub.unsubscribe()
-            except Exception:
-                pass
+            await self._drop(sub)
         want = (info.digest or "").split("=", 1)[-1]
         if want and base64.urlsafe_b64decode(want + "=" * (-len(want) % 4)) != digest.digest():
             raise OSError(f"file {file_id}: stored bytes do not match their digest")
@@ -316,7 +314,6 @@ class BatchStore:
         its reply put back if it was spilled to the file store."""
         sub = await self.js.subscribe(subjects.batch_results(batch_id, shard), stream=subjects.BATCH_RESULTS_STREAM,
                                       ordered_consumer=True, inactive_threshold=30.0)
-        info = None
         try:
             # Messages are pushed as soon as the consumer exists: some may be on their way already.
             info = await sub.consumer_info()
@@ -330,12 +327,19 @@ class BatchStore:
                 yield result
                 left = msg.metadata.num_pending
         finally:
-            try:
-                await sub.unsubscribe()
-                if info is not None:  # not left on the server for its inactive threshold
-                    await self.js.delete_consumer(subjects.BATCH_RESULTS_STREAM, info.name)
-            except Exception:
-                pass
+            await self._drop(sub)
+
+    async def _drop(self, sub: Any) -> None:
+        """End a one-off read: unsubscribe and delete its consumer, which the server would
+        otherwise keep for its inactive threshold (and refuse new ones past its limit: a client
+        downloading a file 1,000 times in 30 s, a runner re-reading results)."""
+        consumer = natsinternals.sub_consumer(sub)
+        try:
+            await sub.unsubscribe()
+            if consumer is not None:
+                await self.js.delete_consumer(*consumer)
+        except Exception:  # gone already, or no connection: its inactive threshold removes it
+            pass
 
     async def drop_results(self, batch_id: str, spilled: list[str]) -> None:
         """A batch written out: its results (and spilled replies) are no longer needed."""

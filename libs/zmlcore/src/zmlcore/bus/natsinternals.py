@@ -18,7 +18,8 @@ direct reply delivery     ``Subscription._pending_queue``,              a callba
                                                                         logged once
 KV watch consumers        ``KeyWatcher._sub``, the JetStream            none: :func:`check` fails
 (zmlcore.bus.kvfollow,    subscription's ``_stream`` / ``_consumer``,   at start-up
-zmlcore.bus.connect)      ``JetStreamManager._nc``
+zmlcore.bus.connect,      ``JetStreamManager._nc``
+zmlcore.batch.store)
 TLS or nothing            ``Client._process_info()``                    none: :func:`check` fails
 (zmlcore.bus.connect)                                                   at start-up
 ========================  ==========================================  ===========================
@@ -264,8 +265,13 @@ def deliver_directly(sub: Subscription, deliver: Callable[[Msg], None]) -> bool:
 def watch_consumer(watcher: KeyValue.KeyWatcher) -> tuple[str, str] | None:
     """(stream, consumer) a KV watch reads now (nats-py renames an ordered consumer when it
     re-creates it), or None before it has one."""
-    sub: Any = getattr(watcher, "_sub", None)
-    if sub is None or not sub._consumer:
+    return sub_consumer(getattr(watcher, "_sub", None))
+
+
+def sub_consumer(sub: Any) -> tuple[str, str] | None:
+    """(stream, consumer) a JetStream push subscription (ordered: as re-created) reads now, or
+    None (the batch store deletes a one-off read's consumer as the read ends)."""
+    if sub is None or not getattr(sub, "_consumer", None):
         return None
     return sub._stream, sub._consumer
 
