@@ -123,8 +123,8 @@ class Stack:
 
     def clear_faults(self) -> None:
         for node_id in self.node_ids:
-            self.faults(node_id, error_rate=0.0, overload=False, hang=False, drop_mid_stream=0.0, slowdown=1.0,
-                        retry_after_s=None)
+            r = httpx.delete(self.sim_url(node_id) + "/sim/faults", timeout=5)
+            assert r.status_code == 200, r.text
 
     def sim_state(self, node_id: str) -> dict[str, Any]:
         return httpx.get(self.sim_url(node_id) + "/sim/state", timeout=5).json()

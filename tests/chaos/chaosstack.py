@@ -228,9 +228,8 @@ class ChaosStack:
 
     def clear_faults(self, nodes: Iterable[str] | None = None) -> None:
         for node_id in nodes or self.node_ports:
-            self.faults(node_id, error_rate=0.0, overload=False, hang=False, drop_mid_stream=0.0, stall_mid_stream=0.0,
-                        fail_after_tokens=1, slowdown=1.0,
-                        retry_after_s=None, probe_loss=0.0)
+            r = httpx.delete(self.sim_url(node_id) + "/sim/faults", timeout=10)
+            assert r.status_code == 200, r.text
 
     # --- observation -----------------------------------------------------------------------
     async def router_states(self, nc: Any, timeout: float = 2.0) -> dict[str, dict[str, Any]]:

@@ -306,6 +306,20 @@ async def test_overload_delay_refuses_late(client: httpx.AsyncClient) -> None:
     assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200  # no delay then
 
 
+async def test_delete_clears_every_fault(client: httpx.AsyncClient) -> None:
+    """One call puts a node back to health, whatever faults it gained (the test stacks' reset
+    named fields one by one and missed the newer ones, e.g. ``overload_delay_s``)."""
+    clean = (await client.get("/sim/faults")).json()
+    every = {"error_rate": 0.5, "error_status": 502, "hang": True, "drop_mid_stream": 0.5, "stall_mid_stream": 0.5,
+             "fail_after_tokens": 3, "slowdown": 2.0, "overload": True, "retry_after_s": 2, "overload_delay_s": 0.1,
+             "probe_loss": 0.5, "separator_tokens": True, "refuse_stream_options": True}
+    assert set(every) | {"crash", "crash_for_s"} == set(clean)  # a new fault joins this test too
+    assert (await client.post("/sim/faults", json=every)).json() != clean
+    r = await client.delete("/sim/faults")
+    assert r.status_code == 200 and r.json() == clean and (await client.get("/sim/faults")).json() == clean
+    assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
+
+
 async def test_error_rate_one_answers_500(client: httpx.AsyncClient) -> None:
     faults = (await client.post("/sim/faults", json={"error_rate": 1.0})).json()
     assert faults["error_rate"] == 1.0 and (await client.get("/sim/faults")).json() == faults

@@ -1,5 +1,6 @@
 """The ``/sim`` admin routes of a simulated node, the same for every engine: ``GET /sim/state``,
-``GET|POST /sim/faults`` (inject failures; ``crash`` answers first, then goes down),
+``GET|POST|DELETE /sim/faults`` (inject failures; ``crash`` answers first, then goes down;
+DELETE clears them all),
 ``GET|POST /sim/profile`` (change speeds at run time), ``POST /sim/load`` and ``/sim/unload``."""
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from typing import Any
 import msgspec
 from aiohttp import web
 
-from zml_sim.engine import SimError
+from zml_sim.engine import Faults, SimError
 from zml_sim.faces.base import json_response
 from zml_sim.nodeview import NodeView
 
@@ -28,6 +29,7 @@ def add_routes(node: NodeView, r: web.UrlDispatcher) -> None:
     r.add_get("/sim/state", partial(_state, node))
     r.add_get("/sim/faults", partial(_faults_get, node))
     r.add_post("/sim/faults", partial(_faults_post, node))
+    r.add_delete("/sim/faults", partial(_faults_clear, node))
     r.add_get("/sim/profile", partial(_profile_get, node))
     r.add_post("/sim/profile", partial(_profile_post, node))
     r.add_post("/sim/load", partial(_load, node))
@@ -60,6 +62,13 @@ async def _faults_post(node: NodeView, request: web.Request) -> web.Response:
         # Answer first, then go down: the caller learns the fault was accepted.
         node.spawn(_crash_soon(node, faults.crash_for_s))
     return json_response(faults.to_dict())
+
+async def _faults_clear(node: NodeView, request: web.Request) -> web.Response:
+    """Every fault back to its default, whatever fields it gained since the caller was written
+    (a crash with ``for_s`` already under way still comes back on its own)."""
+    now = node.engine.faults
+    node.engine.faults = replace(Faults(), crash=now.crash, crash_for_s=now.crash_for_s)
+    return json_response(node.engine.faults.to_dict())
 
 async def _crash_soon(node: NodeView, for_s: float | None) -> None:
     await asyncio.sleep(0.02)
