@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from conftest import FLEET, MODEL, fleet_toml
-from zmlcore.runtime.launch import free_port, spawn
+from zmlcore.runtime.launch import free_port, port_in_use, spawn
 
 # Kills and restarts processes or the broker: in the chaos suite (`pytest -m chaos`), which CI
 # runs after the default one, to keep the default suite within its 10 minutes.
@@ -116,3 +116,42 @@ def test_two_gateways_share_the_port_and_are_restarted(tmp_path: Path) -> None:
     assert up.popen.returncode == 0
     for pid in children:  # every child stopped by `zml up` itself
         assert not Path(f"/proc/{pid}").exists() or "zombie" in Path(f"/proc/{pid}/status").read_text().lower(), pid
+
+
+def test_a_second_ctrl_c_kills_every_process(tmp_path: Path) -> None:
+    """Ctrl-C twice: the first starts the graceful stop, the second kills every process at once
+    (what a user does when a drain takes too long). Nothing is left behind either way. The
+    terminal signals its whole foreground group; so does this test, to the group `zml up` leads."""
+    ports = {node_id: free_port() for node_id, _, _ in FLEET}
+    config = tmp_path / "zml.toml"
+    config.write_text(fleet_toml(ports))
+    port, nats_port = free_port(), free_port()
+    up = spawn("zml-up", [sys.executable, "-m", "zml.cli", "up", "--config", str(config), "--gateway-port", str(port),
+                          "--nats-port", str(nats_port), "--insecure", "--routers", "1", "--standby", "0",
+                          "--metrics-port", "0"], new_session=True)
+    children: list[int] = []
+    try:
+        assert up.wait_for("zml ready", 120), up.tail(40)
+        children = list(_children(up.pid))
+        assert len(children) >= 5, children  # nats, health, warmup, router, gateway, the sims
+        os.killpg(up.pid, signal.SIGINT)
+        time.sleep(0.05)
+        os.killpg(up.pid, signal.SIGINT)
+        up.popen.wait(15)
+        assert any("interrupted again" in line for line in up.lines), up.tail(40)
+    finally:
+        if up.popen.poll() is None:
+            up.popen.kill()
+            up.popen.wait(10)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and any(_alive(pid) for pid in children):
+        time.sleep(0.1)
+    assert not [pid for pid in children if _alive(pid)]
+    assert not [p for p in (port, nats_port, *ports.values()) if port_in_use("127.0.0.1", p)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return "zombie" not in Path(f"/proc/{pid}/status").read_text().lower()
+    except OSError:
+        return False

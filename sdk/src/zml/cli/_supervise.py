@@ -3,7 +3,8 @@ restart is logged. Used by `zml up` (services, sim fleet, embedded nats-server).
 
 The backoff is a pure policy (:class:`Backoff`); :class:`Supervisor` applies it to processes
 started by PID through :mod:`zmlcore.runtime.launch`. It never stops on a child's death: only its owner
-stops it (on SIGINT/SIGTERM), and then every child is signalled at once and waited for.
+stops it (on SIGINT/SIGTERM), and then every child is signalled at once and waited for; a
+second Ctrl-C kills them (:meth:`Supervisor.kill_all`).
 
     sup = Supervisor()
     sup.add("router-1", lambda: spawn("router-1", argv))
@@ -107,6 +108,13 @@ class Supervisor:
                 self._start(child)
                 if child.proc is not None:
                     self._log(f"{child.name} restarted (pid {child.proc.pid})")
+
+    def kill_all(self) -> None:
+        """SIGKILL every child still running (a second Ctrl-C: the user will not wait for drains);
+        a :meth:`stop_all` under way then finds them gone. Safe in a signal handler."""
+        for c in self.children:
+            if c.proc is not None and c.proc.popen.poll() is None:
+                c.proc.popen.kill()
 
     def stop_all(self) -> None:
         """Signal every child at once, then wait for each (stopping one by one adds up drains)."""

@@ -167,9 +167,15 @@ def run(args: argparse.Namespace) -> int:
 
     sup = Supervisor()
     stopping = False
+    interrupts = 0
 
     def on_signal(signum: int, frame: object) -> None:
-        nonlocal stopping
+        nonlocal stopping, interrupts
+        if signum == signal.SIGINT:
+            interrupts += 1
+            if interrupts > 1:  # Ctrl-C again while stopping: no more waiting (the services count alike)
+                print("zml up: interrupted again: killing every process now", file=sys.stderr, flush=True)
+                sup.kill_all()
         stopping = True
 
     signal.signal(signal.SIGTERM, on_signal)

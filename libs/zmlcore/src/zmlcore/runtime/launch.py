@@ -178,11 +178,13 @@ class Proc:
 
 
 def spawn(name: str, argv: Sequence[str], *, env: dict[str, str] | None = None, echo: bool = False,
-          cwd: str | None = None) -> Proc:
+          cwd: str | None = None, new_session: bool = False) -> Proc:
+    """``new_session``: the child leads a process group of its own (and its children join it),
+    which a test can signal as a terminal's Ctrl-C signals its foreground group."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     popen = subprocess.Popen(
         list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        text=True, env=full_env, cwd=cwd,
+        text=True, env=full_env, cwd=cwd, start_new_session=new_session,
     )
     proc = Proc(name, popen, echo=echo)
     proc.start_reader()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
 from collections.abc import Callable, Iterable
@@ -75,8 +76,9 @@ async def run_service(
     """
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
+    on_signal = StopSignals(stop, name)
     for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)  # the handler only sets a flag
+        loop.add_signal_handler(sig, on_signal, sig)
     role = name.removeprefix("zml-")
     nc = await connect(nats_url, name, no_echo=no_echo, replicas=replicas, identity_hint=(
         f"set ZML_NATS_NKEY (or [nats] nkey_file) to the {role} identity's seed file, creds/{role}.nk in the `zml up` "
@@ -148,6 +150,33 @@ async def run_service(
         except Exception:  # broker gone: nothing can be flushed
             pass
         await nc.close()
+
+
+#: Exit status of a service made to quit at once by a second Ctrl-C (128 + SIGINT, as a shell
+#: reports a process ended by it).
+FORCED_EXIT = 130
+
+
+class StopSignals:
+    """SIGTERM or a first SIGINT: stop gracefully (in-flight work finishes, bounded by each
+    service's stop). A second SIGINT (Ctrl-C again, as uvicorn has it): exit now. Only SIGINTs
+    count towards forcing, in whatever order the signals come: ``zml up`` sends SIGTERM right
+    after the terminal's SIGINT reached the whole group, and that is still one Ctrl-C. What
+    was in flight is resent or continued by its requester, as after a crash."""
+
+    def __init__(self, stop: asyncio.Event, name: str) -> None:
+        self.stop = stop
+        self.name = name
+        self.interrupts = 0
+
+    def __call__(self, sig: int) -> None:
+        if sig == signal.SIGINT:
+            self.interrupts += 1
+            if self.interrupts > 1:
+                log.warning("%s: interrupted again while stopping; exiting now", self.name)
+                logging.shutdown()
+                os._exit(FORCED_EXIT)
+        self.stop.set()
 
 
 async def _stop_quietly(service: Service) -> None:
