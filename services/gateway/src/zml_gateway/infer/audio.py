@@ -89,5 +89,6 @@ class AudioRoute:
         accelerator = headers.get(_ACCELERATOR)
         if accelerator:
             req.accelerator_id = out[subjects.H_ACCELERATOR_ID] = accelerator.decode("latin-1")
-        self.inference.access.check_model(caller, req.model, self.cfg.resolve_model(req.model))
-        return Checked(req, request_id, timeout), out
+        model = self.cfg.resolve_model(req.model)
+        self.inference.access.check_model(caller, req.model, model)
+        return Checked(req, request_id, timeout, model), out

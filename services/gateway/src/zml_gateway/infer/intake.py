@@ -33,6 +33,7 @@ class Checked:
     req: InferRequest
     request_id: str  # the caller's, or one made here
     timeout: float  # seconds, capped by [defaults] max_request_timeout_s
+    model: str  # the canonical name of ``req.model`` (an alias resolved once)
 
 
 class Intake:
@@ -77,8 +78,9 @@ class Intake:
         req = decode_request(body, max_depth=d.max_json_depth)
         request_id = check_request_id(req.request_id) if req.request_id else os.urandom(8).hex()
         timeout = request_timeout_s(req.timeout_ms, None, d.request_timeout_s, d.max_request_timeout_s)
-        self.access.check_model(caller, req.model, self.cfg.resolve_model(req.model))
-        return Checked(req, request_id, timeout)
+        model = self.cfg.resolve_model(req.model)
+        self.access.check_model(caller, req.model, model)
+        return Checked(req, request_id, timeout, model)
 
     def outbound(self, body: bytes, checked: Checked, scope: Scope, caller: Caller) -> tuple[bytes, dict[str, str]]:
         """The body and NATS headers the routers get: the caller's bytes, ZML's own fields moved
@@ -94,10 +96,9 @@ class Intake:
         # was decoded to be checked: the router, which gets it raw (frontdoor), then need not
         # decode it again (~9 us at 8k tokens).
         if keyed(len(body), req.input is not None):
-            model = self.cfg.resolve_model(req.model)
-            chain = request_keys(model, req.messages, req.prompt)
+            chain = request_keys(checked.model, req.messages, req.prompt)
             if chain is not None:
-                headers[subjects.H_PREFIX_KEYS] = chain_header(chain, model)
+                headers[subjects.H_PREFIX_KEYS] = chain_header(chain, checked.model)
         # The routing metadata once, in the reply body: the HTTP headers are made from it here.
         headers[subjects.H_ACCEPT_ROUTING] = subjects.ROUTING_IN_BODY
         return body, caller_headers(headers, generated, scope, caller)
