@@ -148,6 +148,17 @@ async def test_api_keys(stub: zml_pb2_grpc.ZmlStub, router: Seen) -> None:
     assert trailing["x-ratelimit-limit-requests"] == "60"  # the plan's headers, as over HTTP
 
 
+async def test_a_session_in_metadata_reaches_the_routers(stub: zml_pb2_grpc.ZmlStub, router: Seen) -> None:
+    """``x-session-id`` call metadata is the conversation, as the HTTP header is (Zml-Session);
+    other metadata stays out of the request."""
+    await stub.Infer(_req("ok", request_id="s-1"), metadata=(*_key("k-ok"), ("x-session-id", "conv-7"),
+                                                             ("x-other", "no")))
+    await stub.Infer(_req("ok", request_id="s-2"), metadata=_key("k-ok"))
+    got = {rid: headers for rid, headers in router.requests}
+    assert got["s-1"][subjects.H_SESSION] == "conv-7" and subjects.H_SESSION not in got["s-2"]
+    assert not any("other" in name.lower() for name in got["s-1"])
+
+
 async def test_plan_limit_is_resource_exhausted_with_retry_after(stub: zml_pb2_grpc.ZmlStub, router: Seen) -> None:
     codes = []
     for _ in range(5):
