@@ -82,7 +82,8 @@ class Intake:
         self.access.check_model(caller, req.model, model)
         return Checked(req, request_id, timeout, model)
 
-    def outbound(self, body: bytes, checked: Checked, scope: Scope, caller: Caller) -> tuple[bytes, dict[str, str]]:
+    @staticmethod
+    def outbound(body: bytes, checked: Checked, scope: Scope, caller: Caller) -> tuple[bytes, dict[str, str]]:
         """The body and NATS headers the routers get: the caller's bytes, ZML's own fields moved
         to headers, the prompt's key chain, the key's options, the trace context."""
         req = checked.req
