@@ -24,7 +24,7 @@ from zmlcore.rpc import zml_pb2 as pb
 from zmlcore.rpc import zml_pb2_grpc
 from zmlcore.bus.publish import flush
 
-KEYS = ["k-ok", "k-deadline", "k-cancel", "k-stream", "k-limit", "k-size"]
+KEYS = ["k-ok", "k-deadline", "k-cancel", "k-stream", "k-limit", "k-size", "k-session"]
 ROUTING = {"node_id": "n1", "accelerator_type": "nvidia_h100", "family": "H100", "policy": "latency",
            "queue_depth_at_dispatch": 0, "decision_id": "d1"}
 
@@ -151,11 +151,14 @@ async def test_api_keys(stub: zml_pb2_grpc.ZmlStub, router: Seen) -> None:
 async def test_a_session_in_metadata_reaches_the_routers(stub: zml_pb2_grpc.ZmlStub, router: Seen) -> None:
     """``x-session-id`` call metadata is the conversation, as the HTTP header is (Zml-Session);
     other metadata stays out of the request."""
-    await stub.Infer(_req("ok", request_id="s-1"), metadata=(*_key("k-ok"), ("x-session-id", "conv-7"),
+    await stub.Infer(_req("ok", request_id="s-1"), metadata=(*_key("k-session"), ("x-session-id", "conv-7"),
                                                              ("x-other", "no")))
-    await stub.Infer(_req("ok", request_id="s-2"), metadata=_key("k-ok"))
+    await stub.Infer(_req("ok", request_id="s-2"), metadata=_key("k-session"))
+    # an oversized one is cut to the bound, as over HTTP
+    await stub.Infer(_req("ok", request_id="s-3"), metadata=(*_key("k-session"), ("x-session-id", "c" * 2000)))
     got = {rid: headers for rid, headers in router.requests}
     assert got["s-1"][subjects.H_SESSION] == "conv-7" and subjects.H_SESSION not in got["s-2"]
+    assert got["s-3"][subjects.H_SESSION] == "c" * subjects.MAX_SESSION_ID
     assert not any("other" in name.lower() for name in got["s-1"])
 
 
