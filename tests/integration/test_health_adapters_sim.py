@@ -11,7 +11,7 @@ from test_health_helpers import config, connected, eventually, node_entry, priva
 from zml_health.adapters import adapter_for
 from zml_health.service import HealthService
 from zmlcore.messages import node_state_decoder
-from zmlcore.bus.connect import nodes_kv
+from zmlcore.bus.ensure import nodes_kv
 from zmlcore.bus.publish import flush
 
 M = "meta-llama/llama-3-8b-instruct"

@@ -13,7 +13,7 @@ from test_health_helpers import config, connected, eventually, node_entry, priva
 from zml_health.service import HealthService
 
 from zmlcore.messages import NodeState
-from zmlcore.bus.connect import nodes_kv
+from zmlcore.bus.ensure import nodes_kv
 from zmlcore.policy import NodeView, is_routable
 
 STALE_S = 3.0  # [router] stale_after_s: the heartbeat is capped at a third of it (1 s)

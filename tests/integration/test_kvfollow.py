@@ -22,7 +22,8 @@ from zmlcore.runtime.alive import main as alive_main
 from zmlcore.bus.kvfollow import KVFollower, drop_watch, watch_bucket
 from zmlcore.runtime.launch import Proc, free_port, spawn, nats_server_binary, start_nats, wait_port
 from zmlcore.bus.link import link_of, split_urls
-from zmlcore.bus.connect import connect, ensure_kv
+from zmlcore.bus.connect import connect
+from zmlcore.bus.ensure import ensure_kv
 from zmlcore.runtime.runner import ConnectionClosed, run_service
 
 BUCKET = "zml_test_follow"

@@ -13,7 +13,8 @@ import pytest
 from test_health_helpers import eventually, private_nats
 from zmlcore import subjects
 from zmlcore.runtime.lease import Lease, lease_ttl_s
-from zmlcore.bus.connect import connect, ensure_kv
+from zmlcore.bus.connect import connect
+from zmlcore.bus.ensure import ensure_kv
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,8 @@ from nats.aio.client import Client as NATS
 
 from test_health_helpers import connected, eventually, node_entry, private_nats, start_sim
 from zmlcore import subjects
-from zmlcore.bus.connect import connect, ensure_kv
+from zmlcore.bus.connect import connect
+from zmlcore.bus.ensure import ensure_kv
 from zmlcore.config import parse_config
 from zmlcore.messages import NodeState
 from zml_router import saturation

@@ -18,7 +18,8 @@ from zmlcore.config import parse_config
 from zmlcore.errors import ModelNotLoadedError, NoHealthyNodesError
 from zmlcore.runtime.launch import free_port, start_nats
 from zmlcore.messages import NodeState
-from zmlcore.bus.connect import connect, ensure_kv
+from zmlcore.bus.connect import connect
+from zmlcore.bus.ensure import ensure_kv
 from zmlcore.policy import RouteRequest
 from zmlcore.policy.resolve import builtin_policy
 from zml_router.service import RouterService

@@ -42,7 +42,7 @@ from zmlcore.messages.admin import (
     registry_entry_decoder,
 )
 from zmlcore.messages.warmup import completion_counts_decoder, warmup_event_decoder
-from zmlcore.bus.connect import ensure_kv, nodes_kv
+from zmlcore.bus.ensure import ensure_kv, nodes_kv
 from zmlcore.runtime.runner import cancel_and_wait
 from zmlcore.fleet.perfmodel import SimProfile
 from zml_health import metrics, nodeprobe

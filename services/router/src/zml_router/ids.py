@@ -44,7 +44,7 @@ from nats.js.kv import KeyValue
 
 from zmlcore import subjects
 from zmlcore.errors import DuplicateRequestError
-from zmlcore.bus.connect import ensure_kv
+from zmlcore.bus.ensure import ensure_kv
 
 log = logging.getLogger("zml.router.ids")
 
@@ -93,7 +93,8 @@ class RequestIds:
             return
         try:
             self.kv = await ensure_kv(self.nc.jetstream(), subjects.REQUEST_IDS_BUCKET, ttl=self.max_age_s,
-                                      memory=True, max_bytes=BUCKET_MAX_BYTES)
+                                      memory=True, max_bytes=BUCKET_MAX_BYTES,
+                                      wait_s=0)  # on a request's path: the next claim tries again
         except Exception:
             log.warning("bucket %s unavailable: duplicate ids are refused per replica only",
                         subjects.REQUEST_IDS_BUCKET, exc_info=True)

@@ -42,7 +42,7 @@ from nats.js.kv import KeyValue
 from zmlcore import subjects
 from zmlcore.bus.link import link_of
 from zmlcore.messages import QueueBusy, queue_busy_decoder
-from zmlcore.bus.connect import ensure_kv
+from zmlcore.bus.ensure import ensure, ensure_kv
 from zmlcore.runtime.runner import cancel_and_wait
 
 log = logging.getLogger("zml.router.queue")
@@ -127,10 +127,8 @@ class SaturationQueue:
             max_age=MAX_AGE_S,
             num_replicas=link_of(self.nc).replicas,
         )
-        try:
-            await self.js.add_stream(cfg)
-        except Exception:  # exists (created by another replica): fine
-            await self.js.stream_info(subjects.QUEUE_STREAM)
+        await ensure(lambda: self.js.stream_info(subjects.QUEUE_STREAM), lambda: self.js.add_stream(cfg),
+                     f"stream {subjects.QUEUE_STREAM}")
 
     async def start(self, models: list[str]) -> None:
         await self._ensure_stream()

@@ -31,7 +31,7 @@ from nats.aio.client import Client as NATS
 from nats.js.kv import KeyValue
 
 from zmlcore import subjects
-from zmlcore.bus.connect import ensure_kv
+from zmlcore.bus.ensure import ensure_kv
 from zmlcore.bus.kvfollow import KVFollower
 
 log = logging.getLogger("zml.router.sessions")
@@ -66,9 +66,10 @@ class Sessions:
         delay = 0.1
         while self.kv is None:
             try:
-                # Created with its TTL before the follower opens it (it would create it without).
+                # Created with its TTL before the follower opens it (it would create it without);
+                # this loop retries, in the background.
                 self.kv = await ensure_kv(self.nc.jetstream(), subjects.SESSIONS_BUCKET, ttl=self.idle_s,
-                                          memory=True)
+                                          memory=True, wait_s=0)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:

@@ -27,7 +27,7 @@ from zmlcore import subjects
 from zmlcore.errors import BadRequestError
 from zmlcore.bus.kvfollow import KVFollower, live_entries
 from zmlcore.messages.keys import ApiKeyRecord, IdentityPlan, PlanLimits, api_key_decoder
-from zmlcore.bus.connect import ensure_kv
+from zmlcore.bus.ensure import ensure_kv
 
 log = logging.getLogger("zml.keys")
 

@@ -29,8 +29,7 @@ import time
 
 import msgspec
 from nats.aio.client import Client as NATS
-from nats.js.api import KeyValueConfig
-from nats.js.errors import BucketNotFoundError, KeyNotFoundError, KeyWrongLastSequenceError, NotFoundError
+from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from zmlcore import subjects
@@ -38,6 +37,7 @@ from zmlcore.access.shares import LEASE_S, Book
 from zmlcore.messages.keys import LimitState, PlanLimits, limit_state_decoder
 from zmlcore.access.plans import WINDOW_S, Verdict, refusal_of, roll
 from zmlcore.bus.cancel import cancel_and_wait
+from zmlcore.bus.ensure import ensure_kv
 
 log = logging.getLogger("zml.limiter")
 
@@ -76,16 +76,8 @@ class SharedLimiter:
 
     @classmethod
     async def open(cls, nc: NATS) -> SharedLimiter:
-        js = nc.jetstream()
-        try:
-            kv = await js.key_value(subjects.LIMITS_BUCKET)
-        except (BucketNotFoundError, NotFoundError):
-            try:  # two windows of history is all a sliding estimate needs
-                kv = await js.create_key_value(KeyValueConfig(bucket=subjects.LIMITS_BUCKET, history=1,
-                                                              ttl=3 * WINDOW_S, direct=True))
-            except Exception:
-                kv = await js.key_value(subjects.LIMITS_BUCKET)
-        return cls(kv)
+        # Entries outlive a sliding estimate's two windows by one; any replica may serve reads.
+        return cls(await ensure_kv(nc.jetstream(), subjects.LIMITS_BUCKET, ttl=3 * WINDOW_S, direct=True))
 
     async def _read(self, key: str) -> tuple[LimitState, int | None]:
         try:

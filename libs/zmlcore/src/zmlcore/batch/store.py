@@ -32,7 +32,6 @@ from nats.js.api import (
     AckPolicy,
     ConsumerConfig,
     DiscardPolicy,
-    KeyValueConfig,
     ObjectMeta,
     ObjectStoreConfig,
     RetentionPolicy,
@@ -41,11 +40,8 @@ from nats.js.api import (
 )
 from nats.js.errors import (
     APIError,
-    BadRequestError as JSBadRequestError,
-    BucketNotFoundError,
     KeyNotFoundError,
     KeyWrongLastSequenceError,
-    NotFoundError as JSNotFoundError,
     ObjectNotFoundError,
 )
 from nats.js.kv import KeyValue
@@ -54,6 +50,7 @@ from nats.js.object_store import ObjectStore
 from zmlcore import subjects
 from zmlcore.batch.ids import owner_token
 from zmlcore.bus import natsinternals
+from zmlcore.bus.ensure import ensure, ensure_kv
 from zmlcore.bus.kvfollow import live_entries
 from zmlcore.bus.link import link_of
 from zmlcore.config import BatchConfig, window_seconds
@@ -99,36 +96,17 @@ def _retention_s(cfg: BatchConfig) -> float:
 
 
 async def _ensure_stream(js: JetStreamContext, config: StreamConfig) -> None:
-    """Create the stream unless it exists (any service may start first; an existing stream is
-    left as its operator configured it)."""
-    assert config.name is not None
-    try:
-        await js.stream_info(config.name)
-        return
-    except JSNotFoundError:
-        pass
-    try:
-        await js.add_stream(config)
-    except (APIError, JSBadRequestError) as exc:  # created meanwhile by another process
-        try:
-            await js.stream_info(config.name)
-        except JSNotFoundError:
-            raise exc from None
+    name = config.name
+    assert name is not None
+    await ensure(lambda: js.stream_info(name), lambda: js.add_stream(config), f"stream {name}")
 
 
 async def _ensure_consumer(js: JetStreamContext, stream: str, name: str, subject: str, ack_wait: float,
                            max_ack_pending: int) -> None:
-    try:
-        await js.consumer_info(stream, name)
-        return
-    except JSNotFoundError:
-        pass
-    try:
-        await js.add_consumer(stream, ConsumerConfig(
-            durable_name=name, filter_subject=subject, ack_policy=AckPolicy.EXPLICIT, ack_wait=ack_wait,
-            max_deliver=-1, max_ack_pending=max_ack_pending))
-    except (APIError, JSBadRequestError):
-        await js.consumer_info(stream, name)
+    config = ConsumerConfig(durable_name=name, filter_subject=subject, ack_policy=AckPolicy.EXPLICIT,
+                            ack_wait=ack_wait, max_deliver=-1, max_ack_pending=max_ack_pending)
+    await ensure(lambda: js.consumer_info(stream, name), lambda: js.add_consumer(stream, config),
+                 f"consumer {stream}/{name}")
 
 
 class BatchStore:
@@ -144,26 +122,15 @@ class BatchStore:
         """Open (creating on first use) the index, the file store and both streams; with
         ``consumers``, the runners' durable consumers too."""
         js = nc.jetstream()
-        replicas = link_of(nc).replicas
         ttl = cfg.file_ttl_s
-        try:
-            kv = await js.key_value(subjects.BATCH_INDEX_BUCKET)
-        except (BucketNotFoundError, JSNotFoundError):
-            try:
-                kv = await js.create_key_value(KeyValueConfig(
-                    bucket=subjects.BATCH_INDEX_BUCKET, history=1, ttl=ttl, replicas=replicas,
-                    max_bytes=256 * 1024 * 1024, direct=True))
-            except Exception:
-                kv = await js.key_value(subjects.BATCH_INDEX_BUCKET)
-        try:
-            files = await js.object_store(subjects.BATCH_FILES_BUCKET)
-        except (BucketNotFoundError, JSNotFoundError):
-            try:
-                files = await js.create_object_store(subjects.BATCH_FILES_BUCKET, ObjectStoreConfig(
-                    bucket=subjects.BATCH_FILES_BUCKET, ttl=ttl, max_bytes=cfg.max_store_bytes,
-                    storage=StorageType.FILE, replicas=replicas))
-            except Exception:
-                files = await js.object_store(subjects.BATCH_FILES_BUCKET)
+        kv = await ensure_kv(js, subjects.BATCH_INDEX_BUCKET, ttl=ttl, max_bytes=256 * 1024 * 1024, direct=True)
+        replicas = link_of(nc).replicas
+        files = await ensure(
+            lambda: js.object_store(subjects.BATCH_FILES_BUCKET),
+            lambda: js.create_object_store(subjects.BATCH_FILES_BUCKET, ObjectStoreConfig(
+                bucket=subjects.BATCH_FILES_BUCKET, ttl=ttl, max_bytes=cfg.max_store_bytes,
+                storage=StorageType.FILE, replicas=replicas)),
+            f"object store {subjects.BATCH_FILES_BUCKET}")
         keep = _retention_s(cfg)
         await _ensure_stream(js, StreamConfig(
             name=subjects.BATCH_WORK_STREAM, subjects=[f"{subjects.BATCH_WORK_PREFIX}.>"],

@@ -1,1 +1,1 @@
-"""The NATS bus beneath every service: connecting and its KV buckets (connect), what a connection knows beyond nats-py (link), request-path publishing (publish, batchpub), following a KV bucket (kvfollow) and the saturation queue's depth (queueinfo)."""
+"""The NATS bus beneath every service: connecting (connect), JetStream buckets, streams and consumers opened or created on first use (ensure), what a connection knows beyond nats-py (link), request-path publishing (publish, batchpub), following a KV bucket (kvfollow) and the saturation queue's depth (queueinfo)."""

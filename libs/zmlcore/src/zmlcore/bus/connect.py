@@ -1,4 +1,4 @@
-"""NATS plumbing shared by the services: connecting, and the KV buckets they rely on."""
+"""Connecting to NATS: one connect for every service and client, with refusals told apart."""
 
 from __future__ import annotations
 
@@ -9,10 +9,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 from nats.aio.client import Client as NATS
-from nats.js import JetStreamContext
-from nats.js.api import KeyValueConfig, StorageType
-from nats.js.errors import BucketNotFoundError, NotFoundError
-from nats.js.kv import KeyValue
 
 from zmlcore import subjects
 from zmlcore.bus.refusal import Attempt, classify, refusal_error, require_tls
@@ -20,7 +16,7 @@ from zmlcore.errors import ConnectionError as ZMLConnectionError
 from zmlcore.errors import ZMLError
 from zmlcore.bus.cancel import cancel_and_wait
 from zmlcore.bus import natsinternals
-from zmlcore.bus.link import Link, link_of, register, split_urls
+from zmlcore.bus.link import Link, register, split_urls
 
 log = logging.getLogger("zml.nats")
 
@@ -137,24 +133,3 @@ async def _abandon(nc: NATS, task: asyncio.Future[Any], link: Link) -> None:
         task.exception()  # retrieved: the failure is reported by the caller
     with contextlib.suppress(Exception):
         await asyncio.wait_for(nc.close(), 2.0)
-
-
-async def ensure_kv(js: JetStreamContext, bucket: str, *, history: int = 1, ttl: float | None = None,
-                    memory: bool = False, max_bytes: int | None = None) -> KeyValue:
-    """Open a KV bucket, creating it on first use (every service may start first) with the
-    connection's JetStream replicas (``[nats] replicas``); ``memory``: not kept on disk."""
-    try:
-        return await js.key_value(bucket)
-    except (BucketNotFoundError, NotFoundError):
-        pass
-    replicas = link_of(natsinternals.client_of(js)).replicas
-    try:
-        return await js.create_key_value(KeyValueConfig(
-            bucket=bucket, history=history, replicas=replicas, ttl=ttl, max_bytes=max_bytes,
-            storage=StorageType.MEMORY if memory else None))
-    except Exception:  # created concurrently by another service: open it
-        return await js.key_value(bucket)
-
-
-async def nodes_kv(js: JetStreamContext) -> KeyValue:
-    return await ensure_kv(js, subjects.NODES_BUCKET)

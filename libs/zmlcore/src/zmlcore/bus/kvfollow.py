@@ -50,7 +50,7 @@ from nats.js.kv import KeyValue
 
 from zmlcore.bus import natsinternals
 from zmlcore.bus.link import link_of
-from zmlcore.bus.connect import ensure_kv
+from zmlcore.bus.ensure import ensure_kv
 
 log = logging.getLogger("zml.kvfollow")
 
@@ -208,7 +208,7 @@ class KVFollower:
         while not link.closed.is_set():
             gen = link.generation
             try:
-                kv = await ensure_kv(self._js, self.bucket)
+                kv = await ensure_kv(self._js, self.bucket, wait_s=0)  # this loop retries
                 watcher = await watch_bucket(kv, inactive_s=self.inactive_s)
             except asyncio.CancelledError:
                 raise

@@ -21,7 +21,7 @@ from zmlcore import subjects
 from zmlcore.errors import BadRequestError
 from zmlcore.messages import CostEntry, NodeState, cost_entry_decoder
 from zmlcore.bus.kvfollow import KVFollower
-from zmlcore.bus.connect import ensure_kv
+from zmlcore.bus.ensure import ensure_kv
 
 log = logging.getLogger("zml.costs")
 

@@ -31,7 +31,7 @@ from nats.js.errors import KeyNotFoundError, KeyWrongLastSequenceError
 from nats.js.kv import KeyValue
 
 from zmlcore import subjects
-from zmlcore.bus.connect import ensure_kv
+from zmlcore.bus.ensure import ensure_kv
 
 log = logging.getLogger("zml.lease")
 
@@ -71,7 +71,8 @@ class Lease:
     async def _bucket(self) -> KeyValue:
         if self._kv is None:
             js = self.nc.jetstream(timeout=max(0.5, self.ttl / 2))
-            self._kv = await ensure_kv(js, subjects.LEASES_BUCKET, ttl=BUCKET_MAX_AGE_S)
+            self._kv = await ensure_kv(js, subjects.LEASES_BUCKET, ttl=BUCKET_MAX_AGE_S,
+                                       wait_s=0)  # acquire's loop retries, on the lease's clock
         return self._kv
 
     async def acquire(self) -> None:

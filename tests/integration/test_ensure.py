@@ -1,0 +1,91 @@
+"""JetStream assets opened or created on first use (zmlcore.bus.ensure) while JetStream cannot
+answer yet: a service started against a cluster that is still electing its meta leader waits for
+it instead of dying at start (a chaos run's health service did: its create timed out, and there was
+then no bucket to open)."""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+import time
+from collections.abc import Iterator
+
+import pytest
+from nats.js.api import StreamConfig
+
+from zmlcore.bus.connect import connect
+from zmlcore.bus.ensure import ensure, ensure_kv
+from zmlcore.runtime.launch import ClusterPlan, Proc, free_port, start_nats
+
+
+@pytest.fixture
+def cluster() -> Iterator[tuple[ClusterPlan, list[Proc]]]:
+    """A 3-server cluster's plan, and the members the test started (stopped after it)."""
+    with tempfile.TemporaryDirectory(prefix="zml-ensure-") as data:
+        started: list[Proc] = []
+        try:
+            yield ClusterPlan.make("127.0.0.1", 3, data), started
+        finally:
+            for proc in started:
+                proc.stop()
+
+
+async def test_assets_wait_for_a_cluster_still_electing_its_leader(cluster: tuple[ClusterPlan, list[Proc]]) -> None:
+    plan, started = cluster
+    started.append(plan.start(0))  # one member of three: no quorum, no meta leader yet
+    nc = await connect(plan.urls, "zml-test-ensure", replicas=3)
+    try:
+        js = nc.jetstream(timeout=1.0)  # the health service's timeout at a 0.5 s poll
+        t0 = time.monotonic()
+        kv_task = asyncio.create_task(ensure_kv(js, "zml_test_ensure"))
+        stream_task = asyncio.create_task(ensure(
+            lambda: js.stream_info("ZML_TEST_ENSURE"),
+            lambda: js.add_stream(StreamConfig(name="ZML_TEST_ENSURE", subjects=["zml.test.ensure.>"],
+                                               num_replicas=3)),
+            "stream ZML_TEST_ENSURE"))
+        await asyncio.sleep(2.5)  # every first attempt has failed by now
+        assert not kv_task.done() and not stream_task.done()
+        started.extend(plan.start(i) for i in (1, 2))
+        kv = await asyncio.wait_for(kv_task, 20)
+        await asyncio.wait_for(stream_task, 20)
+        assert time.monotonic() - t0 > 2.5
+        await kv.put("k", b"v")
+        assert (await kv.get("k")).value == b"v"
+        for stream in ("ZML_TEST_ENSURE", "KV_zml_test_ensure"):
+            assert (await js.stream_info(stream)).config.num_replicas == 3
+    finally:
+        await nc.close()
+
+
+async def test_concurrent_creators_all_open_the_same_bucket(nats_url: str) -> None:
+    ncs = [await connect(nats_url, f"zml-test-ensure-{i}") for i in range(6)]
+    try:
+        kvs = await asyncio.gather(*(ensure_kv(nc.jetstream(), "zml_test_ensure_race", ttl=60) for nc in ncs))
+        await kvs[0].put("k", b"1")
+        assert [(await kv.get("k")).value for kv in kvs] == [b"1"] * len(kvs)
+    finally:
+        for nc in ncs:
+            await nc.close()
+
+
+async def test_a_create_that_cannot_succeed_fails_with_its_own_error_after_wait_s() -> None:
+    """A lone server asked for 3 replicas: JetStream's refusal is raised (not "bucket not found"),
+    after about ``wait_s``."""
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="zml-ensure-") as store:
+        proc = start_nats("127.0.0.1", port, store)
+        nc = await connect(f"nats://127.0.0.1:{port}", "zml-test-ensure", replicas=3)
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(Exception) as info:
+                await ensure_kv(nc.jetstream(), "zml_test_ensure_r3", wait_s=1.0)
+            waited = time.monotonic() - t0
+            assert "replicas" in str(info.value).lower() or "resources" in str(info.value).lower(), info.value
+            assert 0.5 < waited < 5.0
+            t0 = time.monotonic()
+            with pytest.raises(Exception):
+                await ensure_kv(nc.jetstream(), "zml_test_ensure_r3", wait_s=0)
+            assert time.monotonic() - t0 < 1.0
+        finally:
+            await nc.close()
+            proc.stop()
