@@ -42,8 +42,14 @@ class ClientWithoutFlusher:
 
 def test_the_installed_nats_py_has_everything() -> None:
     s = natsinternals.check(natsinternals.probe())
-    assert s.fast_publish and s.direct_delivery and s.required_missing == ()
+    assert s.fast_publish and s.direct_delivery and s.pong_guard and s.required_missing == ()
     assert s.version == natsinternals.version()
+
+
+def test_without_the_pong_pieces_the_guard_is_off_and_said(caplog: pytest.LogCaptureFixture) -> None:
+    found = natsinternals.probe(pongs=(Piece(ClientWithoutFlusher, "_pongs"),), nats_version="9.1.0")
+    assert not found.pong_guard and found.required_missing == ()
+    assert "nats-py 9.1.0 lacks ClientWithoutFlusher._pongs" in caplog.text
 
 
 def test_a_missing_required_piece_is_one_clear_start_up_error() -> None:

@@ -96,6 +96,7 @@ async def connect(urls: str | Sequence[str], name: str, *, connect_timeout: floa
         reconnected_cb=_on_reconnect, closed_cb=_on_closed)
     options.update(kwargs)
     nc = NATS()
+    natsinternals.forgive_abandoned_pongs(nc)
     if tls:  # never on in plaintext when TLS was asked for: refused before CONNECT
         natsinternals.before_connect(nc, require_tls)
     task = asyncio.ensure_future(nc.connect(**options))

@@ -1,7 +1,7 @@
 """The one module that touches nats-py's private attributes, and the start-up check that they
 are there.
 
-nats-py documents its client, subscriptions and KV watchers, not their insides. Three things
+nats-py documents its client, subscriptions and KV watchers, not their insides. Five things
 ZML does need the insides, each for a reason measured or seen (the modules that use them say
 which):
 
@@ -22,6 +22,10 @@ zmlcore.bus.connect,      ``JetStreamManager._nc``
 zmlcore.batch.store)
 TLS or nothing            ``Client._process_info()``                    none: :func:`check` fails
 (zmlcore.bus.connect)                                                   at start-up
+an abandoned flush does   ``Client._pongs``, ``_pongs_received``,       a flush that timed out (or
+not kill the reader       ``_pings_outstanding``,                       was cancelled) stops the
+(zmlcore.bus.connect)     ``_process_pong()``                           connection's reader at the
+                                                                        next PONG; logged once
 ========================  ==========================================  ===========================
 
 :func:`check` looks once, at start-up (``service_main`` before it connects, a
@@ -94,6 +98,8 @@ PUBLISH = (*_pieces(NATS, ("_pending", "_pending_data_size", "_max_pending_size"
            *_pieces(TcpTransport, ("_io_writer",)))
 #: Direct delivery into a reply mux (zmlcore.reply.exchange).
 DELIVER = _pieces(Subscription, ("_pending_queue", "_pending_size"))
+#: A PONG for an abandoned flush (:func:`forgive_abandoned_pongs`).
+PONGS = _pieces(NATS, ("_pongs", "_pongs_received", "_pings_outstanding"), ("_process_pong",))
 #: Required: which consumer a KV watch reads, the client behind a JetStream context (kvfollow,
 #: connect), and nats-py 2.16's header error (publish).
 REQUIRED = (*_pieces(KeyValue.KeyWatcher, ("_sub",)),
@@ -142,20 +148,26 @@ class Support(NamedTuple):
     direct_delivery: bool
     #: Required pieces that are missing (then :func:`check` raises).
     required_missing: tuple[Piece, ...]
+    pong_guard: bool = True
 
 
 def probe(publish: Iterable[Piece] = PUBLISH, deliver: Iterable[Piece] = DELIVER,
-          required: Iterable[Piece] = REQUIRED, nats_version: str | None = None) -> Support:
+          required: Iterable[Piece] = REQUIRED, nats_version: str | None = None,
+          pongs: Iterable[Piece] = PONGS) -> Support:
     """The decision for these pieces (the defaults: nats-py's real classes)."""
     v = nats_version or version()
-    no_pub, no_deliver = missing(publish), missing(deliver)
+    no_pub, no_deliver, no_pongs = missing(publish), missing(deliver), missing(pongs)
+    if no_pongs:
+        log.warning("nats-py %s lacks %s: a flush that times out may stop a connection's reader until "
+                    "its pings go stale (ZML is verified with nats-py %s to %s)", v, ", ".join(map(str, no_pongs)),
+                    *VERIFIED)
     if no_pub:
         log.warning("nats-py %s lacks %s: publishing through nc.publish (slower; ZML is verified with "
                     "nats-py %s to %s)", v, ", ".join(map(str, no_pub)), *VERIFIED)
     if no_deliver:
         log.warning("nats-py %s lacks %s: replies delivered through a callback subscription (slower; ZML is "
                     "verified with nats-py %s to %s)", v, ", ".join(map(str, no_deliver)), *VERIFIED)
-    return Support(v, not no_pub, not no_deliver, tuple(missing(required)))
+    return Support(v, not no_pub, not no_deliver, tuple(missing(required)), not no_pongs)
 
 
 @functools.cache
@@ -282,6 +294,33 @@ def client_of(js: JetStreamContext) -> NATS:
 
 
 # --- TLS or nothing (zmlcore.bus.connect) -----------------------------------------------------
+
+
+def forgive_abandoned_pongs(nc: NATS) -> None:
+    """Let the PONG of a flush whose waiter gave up pass instead of stopping the reader.
+
+    Why: nats-py 2.16 keeps one future per PING in ``_pongs`` and, on each PONG, sets the
+    first one's result. A flush that timed out, or whose task was cancelled (a service stopped
+    while confirming its subscriptions), leaves its future there cancelled: the PONG's
+    ``set_result`` raises InvalidStateError, which nats-py's read loop logs and then stops on,
+    with no reconnect (nats-io/nats.py#914). The connection still says "connected" but reads
+    nothing (no replies, no KV updates) until its pings go stale, minutes later. Seen in CI on
+    a router and a gateway stopped while starting."""
+    if not support().pong_guard:
+        return
+    c: Any = nc
+    original = c._process_pong
+
+    async def process_pong() -> None:
+        pongs = c._pongs
+        if pongs and pongs[0].done():  # its flush was abandoned: this PONG is still its answer
+            pongs.pop(0)
+            c._pongs_received += 1
+            c._pings_outstanding = 0
+            return
+        await original()
+
+    c._process_pong = process_pong
 
 
 def before_connect(nc: NATS, check: Callable[[dict[str, Any]], None]) -> None:
