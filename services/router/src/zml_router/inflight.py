@@ -17,6 +17,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 
 from zmlcore import subjects
+from zmlcore.bus.direct import subscribe_direct
 from zmlcore.messages import InflightDelta, InflightSnapshot, RouterNodeState, RouterState, node_mark_decoder
 
 from zml_router.cooldowns import Marks
@@ -45,8 +46,11 @@ class Sharing:
     async def start(self, nc: NATS, freed: Callable[[], None]) -> list[Subscription]:
         self.nc, self.freed = nc, freed
         self.deltas = DeltaWindow(nc, self.router_id)
-        return [await nc.subscribe(subjects.INFLIGHT, cb=self._on_delta),
-                await nc.subscribe(subjects.INFLIGHT_SNAPSHOT, cb=self._on_snapshot),
+        # Deltas and snapshots applied in the order a peer sent them: a delta sent after a
+        # snapshot and applied before it would be undone by it (callback subscriptions, one
+        # task per subject, do reorder them).
+        return [await subscribe_direct(nc, subjects.INFLIGHT, self._on_delta),
+                await subscribe_direct(nc, subjects.INFLIGHT_SNAPSHOT, self._on_snapshot),
                 await nc.subscribe(subjects.NODE_MARKS, cb=self._on_mark)]
 
     # --- ours, to the peers ---------------------------------------------------------------------
@@ -107,7 +111,7 @@ class Sharing:
         return RouterState(router_id=self.router_id, in_flight=in_flight, nodes=nodes)
 
     # --- the peers', to us ----------------------------------------------------------------------
-    async def _on_delta(self, msg: Msg) -> None:
+    def _on_delta(self, msg: Msg) -> None:
         try:
             d = _delta_decoder.decode(msg.data)
         except msgspec.DecodeError:
@@ -117,7 +121,7 @@ class Sharing:
             if d.outstanding < 0:
                 self.freed()
 
-    async def _on_snapshot(self, msg: Msg) -> None:
+    def _on_snapshot(self, msg: Msg) -> None:
         try:
             snap = _snapshot_decoder.decode(msg.data)
         except msgspec.DecodeError:

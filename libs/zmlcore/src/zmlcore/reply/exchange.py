@@ -59,7 +59,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from zmlcore import subjects
-from zmlcore.bus import natsinternals
+from zmlcore.bus.direct import subscribe_direct
 from zmlcore.bus.link import Link
 from zmlcore.bus.publish import publish
 from zmlcore.reply import parts
@@ -196,10 +196,7 @@ class ReplyMux:
             fut = _MUXES[nc] = asyncio.get_running_loop().create_future()
             mux = cls(nc)
             try:
-                sub = await nc.subscribe(mux.prefix + "*")
-                if not natsinternals.deliver_directly(sub, mux.deliver):  # no task switch per message
-                    await sub.unsubscribe()
-                    await nc.subscribe(mux.prefix + "*", cb=mux._on_msg)
+                await subscribe_direct(nc, mux.prefix + "*", mux.deliver)  # no task switch per message
             except BaseException as exc:
                 del _MUXES[nc]
                 fut.set_exception(exc)
@@ -225,9 +222,6 @@ class ReplyMux:
         sink = self._sinks.get(msg.subject[self._cut:])
         if sink is not None:  # else a closed exchange, or an attempt given up on: dropped
             sink.push(msg)
-
-    async def _on_msg(self, msg: Msg) -> None:
-        self.deliver(msg)
 
 
 _MUXES: weakref.WeakKeyDictionary[NATS, asyncio.Future[ReplyMux]] = weakref.WeakKeyDictionary()

@@ -1,0 +1,60 @@
+"""A replica reads its peers' in-flight deltas and snapshots in the order they were sent.
+
+They travel on two subjects. With a callback subscription each, nats-py hands each subject's
+messages to its own task: a delta sent after a snapshot could be applied before it, and the
+older snapshot then replaced the peer's counts, the delta lost until the next snapshot (a CI
+run: one replica saw 12 requests in flight, the other 7). Real nats-server."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import msgspec
+
+from zmlcore import subjects
+from zmlcore.bus.connect import connect
+from zmlcore.bus.publish import flush
+from zmlcore.config import parse_config
+from zmlcore.messages import InflightDelta, InflightSnapshot, NodeState
+from zml_router.cooldowns import Marks
+from zml_router.inflight import Sharing
+from zml_router.table import NodeTable
+
+ROUNDS = 200
+
+
+async def test_deltas_after_a_snapshot_are_never_undone_by_it(nats_url: str) -> None:
+    table = NodeTable(parse_config({}).families())
+    table.upsert(NodeState(node_id="n1", accelerator_type="nvidia_h100", family="H100", endpoint="http://x",
+                           status="up", models=["m"], updated_at=time.time()))
+    peer_nc = await connect(nats_url, "zml-test-peer")
+    nc = await connect(nats_url, "zml-test-replica")
+    sharing = Sharing(table, Marks(table, "r-b"), "r-b")
+    subs = await sharing.start(nc, lambda: None)
+    await flush(nc)
+    try:
+        count = 0
+        for _ in range(ROUNDS):
+            # What the peer's DeltaWindow sends around a snapshot: a move, the snapshot that
+            # counts it, a later move; all in one write, as on a busy router.
+            await peer_nc.publish(subjects.INFLIGHT, msgspec.json.encode(
+                InflightDelta(router_id="r-a", node_id="n1", outstanding=1, pending=0, ts=time.time())))
+            count += 1
+            await peer_nc.publish(subjects.INFLIGHT_SNAPSHOT, msgspec.json.encode(
+                InflightSnapshot(router_id="r-a", ts=time.time(), nodes={"n1": (count, 0)})))
+            await peer_nc.publish(subjects.INFLIGHT, msgspec.json.encode(
+                InflightDelta(router_id="r-a", node_id="n1", outstanding=2, pending=0, ts=time.time())))
+            count += 2
+        await flush(peer_nc)
+        deadline = time.monotonic() + 5
+        while table.peers.get("r-a", (0, {}))[1].get("n1", [0])[0] != count and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert table.peers["r-a"][1]["n1"][0] == count
+        assert table.views["n1"].outstanding == count
+    finally:
+        for sub in subs:
+            await sub.unsubscribe()
+        sharing.close()
+        await nc.close()
+        await peer_nc.close()
