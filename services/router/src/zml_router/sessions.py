@@ -66,10 +66,9 @@ class Sessions:
         delay = 0.1
         while self.kv is None:
             try:
-                # Created with its TTL before the follower opens it (it would create it without);
-                # this loop retries, in the background.
+                # Created with its TTL before the follower opens it (it would create it without).
                 self.kv = await ensure_kv(self.nc.jetstream(), subjects.SESSIONS_BUCKET, ttl=self.idle_s,
-                                          memory=True, wait_s=0)
+                                          memory=True)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
