@@ -12,6 +12,7 @@ import asyncio
 import os
 import signal
 import tempfile
+import time
 from collections.abc import AsyncIterator, Iterator
 
 import nats.errors
@@ -60,6 +61,15 @@ async def _still_reads(nc: NATS) -> None:
         await sub.unsubscribe()
 
 
+def _wait_stopped(pid: int) -> None:
+    """SIGSTOP takes effect when the kernel next runs the process: until /proc says "T" it
+    may still answer (seen: a PONG sent after kill() returned)."""
+    deadline = time.monotonic() + 5
+    while open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
+        assert time.monotonic() < deadline, "nats-server did not stop"
+        time.sleep(0.001)
+
+
 async def test_a_cancelled_flush_leaves_the_reader_running(nc: NATS) -> None:
     for _ in range(5):
         confirming = asyncio.ensure_future(flush(nc, 5))
@@ -75,6 +85,7 @@ async def test_a_timed_out_flush_leaves_the_reader_running(broker: tuple[Proc, i
     pid = broker[0].pid
     os.kill(pid, signal.SIGSTOP)  # the broker answers nothing for a while
     try:
+        _wait_stopped(pid)
         with pytest.raises(nats.errors.TimeoutError):
             await flush(nc, 0.3)
     finally:

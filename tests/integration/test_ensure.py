@@ -12,6 +12,8 @@ from collections.abc import Iterator
 
 import pytest
 from nats.js.api import StreamConfig
+from nats.js.errors import NoStreamResponseError
+from nats.js.kv import KeyValue
 
 from zmlcore.bus.connect import connect
 from zmlcore.bus.ensure import ensure, ensure_kv
@@ -49,12 +51,27 @@ async def test_assets_wait_for_a_cluster_still_electing_its_leader(cluster: tupl
         kv = await asyncio.wait_for(kv_task, 20)
         await asyncio.wait_for(stream_task, 20)
         assert time.monotonic() - t0 > 2.5
-        await kv.put("k", b"v")
+        await _put_soon(kv, "k", b"v")
         assert (await kv.get("k")).value == b"v"
         for stream in ("ZML_TEST_ENSURE", "KV_zml_test_ensure"):
             assert (await js.stream_info(stream)).config.num_replicas == 3
     finally:
         await nc.close()
+
+
+async def _put_soon(kv: KeyValue, key: str, value: bytes) -> None:
+    """A stream just created in a cluster may not take writes on every server for a moment (the
+    server we talk to has not set up its replica yet: "no responders"); services retry their
+    writes (the health service at its next poll), and so does this."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            await kv.put(key, value)
+            return
+        except NoStreamResponseError:
+            if time.monotonic() > deadline:
+                raise
+            await asyncio.sleep(0.1)
 
 
 async def test_concurrent_creators_all_open_the_same_bucket(nats_url: str) -> None:
