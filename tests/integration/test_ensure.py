@@ -6,9 +6,12 @@ then no bucket to open)."""
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from nats.js.api import StreamConfig
@@ -17,7 +20,7 @@ from nats.js.kv import KeyValue
 
 from zmlcore.bus.connect import connect
 from zmlcore.bus.ensure import ensure, ensure_kv
-from zmlcore.runtime.launch import ClusterPlan, Proc, free_port, start_nats
+from zmlcore.runtime.launch import ClusterPlan, Proc, free_port, nats_server_binary, spawn, start_nats, wait_port
 
 
 @pytest.fixture
@@ -106,3 +109,36 @@ async def test_a_create_that_cannot_succeed_fails_with_its_own_error_after_wait_
         finally:
             await nc.close()
             proc.stop()
+
+
+# A service whose start needs a bucket, run by the shared runner (exit code and stderr).
+SERVICE = """
+import argparse, sys
+from zmlcore.bus.ensure import ensure_kv
+from zmlcore.runtime.runner import service_main
+
+class NeedsBucket:
+    async def start(self, nc):
+        await ensure_kv(nc.jetstream(), "zml_test_ensure", wait_s=0.5)
+
+    async def stop(self):
+        pass
+
+sys.exit(service_main("test", argparse.Namespace(config=None, nats_url=sys.argv[1]), lambda cfg, a: NeedsBucket()))
+"""
+
+
+def test_a_server_without_jetstream_is_one_clear_line_and_exit_3(tmp_path: Path) -> None:
+    """A NATS server run without -js: the service says so in one line (no traceback) and exits 3,
+    as for a connection closed for good (a supervisor restarts it)."""
+    port = free_port()
+    server = spawn("nats-no-js", [nats_server_binary(), "-a", "127.0.0.1", "-p", str(port)])
+    try:
+        assert wait_port("127.0.0.1", port, 15), server.tail()
+        run = subprocess.run([sys.executable, "-c", SERVICE, f"nats://127.0.0.1:{port}"], capture_output=True,
+                             text=True, timeout=60, cwd=tmp_path)
+        assert run.returncode == 3, run.stderr
+        assert "zml test: JetStream does not answer at this NATS server (bucket zml_test_ensure: 503" in run.stderr
+        assert "-js" in run.stderr and "Traceback" not in run.stderr, run.stderr
+    finally:
+        server.stop()

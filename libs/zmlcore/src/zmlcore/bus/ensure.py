@@ -17,12 +17,13 @@ from typing import TypeVar
 
 from nats.js import JetStreamContext
 from nats.js.api import KeyValueConfig, StorageType
-from nats.js.errors import BucketNotFoundError, NotFoundError
+from nats.js.errors import BucketNotFoundError, NotFoundError, ServiceUnavailableError
 from nats.js.kv import KeyValue
 
 from zmlcore import subjects
 from zmlcore.bus import natsinternals
 from zmlcore.bus.link import link_of
+from zmlcore.errors import ConnectionError as ZMLConnectionError
 
 log = logging.getLogger("zml.nats")
 
@@ -57,6 +58,11 @@ async def ensure(open_: Callable[[], Awaitable[T]], create: Callable[[], Awaitab
             with contextlib.suppress(*_MISSING):
                 return await open_()
         if loop.time() + delay > end:
+            if isinstance(failure, ServiceUnavailableError):  # nobody answers the JetStream API
+                raise ZMLConnectionError(
+                    f"JetStream does not answer at this NATS server ({what}: 503 for {wait_s:g} s): run "
+                    "nats-server with JetStream on (-js; `zml up` does); a cluster needs most of its servers up"
+                ) from failure
             raise failure
         log.log(logging.DEBUG if delay < 1 else logging.WARNING, "%s not ready (%s: %s); retrying",
                 what, type(failure).__name__, failure)

@@ -20,6 +20,7 @@ from zmlcore.runtime import gcpace
 from zmlcore.runtime.alive import beat
 from zmlcore.config import ZMLConfig, load_config
 from zmlcore.errors import AuthError, ConfigError
+from zmlcore.errors import ConnectionError as ZMLConnectionError
 from zmlcore.runtime.lease import Lease
 from zmlcore.access.identity import connect_options
 from zmlcore.bus import natsinternals
@@ -215,9 +216,9 @@ def service_main(
 
     A bad config (or ``make`` raising ConfigError, e.g. a port in use, or a nats-py that lacks
     what ZML relies on: zmlcore.bus.natsinternals) is one line and exit 2;
-    a connection closed for good exits 3; ``lease_ttl`` given and ``--ha`` on the command line:
-    one active replica at a time (lease TTL from the config), and a replica whose lease was taken
-    over exits 4.
+    a connection closed for good (or JetStream not answering at start) exits 3; ``lease_ttl``
+    given and ``--ha`` on the command line: one active replica at a time (lease TTL from the
+    config), and a replica whose lease was taken over exits 4.
     """
     setup_logging(name, fmt=getattr(args, "log_format", None))
     try:
@@ -245,6 +246,9 @@ def service_main(
     except ConnectionClosed as exc:
         print(f"zml {name}: NATS connection closed for good ({exc}); exiting so that a supervisor "
               "restarts it", file=sys.stderr, flush=True)
+        return 3
+    except ZMLConnectionError as exc:  # e.g. JetStream not answering at start (zmlcore.bus.ensure)
+        print(f"zml {name}: {exc.message}; exiting so that a supervisor restarts it", file=sys.stderr, flush=True)
         return 3
     except LeaseLost:
         print(f"zml {name}: another replica took over; exiting to restart as a standby", file=sys.stderr, flush=True)
