@@ -48,12 +48,19 @@ def _cli(stack: Stack, *args: str) -> str:
     return out.stdout
 
 
-async def _key(stack: Stack, **kw: object) -> tuple[str, str]:
+async def _key(stack: Stack, urls: list[str], **kw: object) -> tuple[str, str]:
+    """A new key, once every gateway at ``urls`` accepts it: each learns of it from its watch of
+    the keys bucket a moment after the write (on a loaded box, a burst sent at once met 401s)."""
     nc = await nats.connect(stack.nats_url)
     try:
         key, rec = await create_key(nc, plan=str(kw.pop("plan", "custom")), **kw)  # type: ignore[arg-type]
     finally:
         await nc.close()
+    async with httpx.AsyncClient(timeout=10) as c:
+        async def known() -> bool:
+            return [(await c.get(url + "/v1/models", headers=_auth(key))).status_code for url in urls] == \
+                [200] * len(urls)
+        await _until(known, 10.0)
     return key, rec.id
 
 
@@ -106,7 +113,7 @@ def test_cli_create_list_and_the_key_is_stored_hashed(two_gateways: tuple[Stack,
 
 async def test_two_gateways_admit_the_plan_rate_together(two_gateways: tuple[Stack, list[str]]) -> None:
     stack, urls = two_gateways
-    key, _ = await _key(stack, limits=PlanLimits(requests_per_minute=10))
+    key, _ = await _key(stack, urls, limits=PlanLimits(requests_per_minute=10))
     codes = []
     async with httpx.AsyncClient(timeout=30) as c:
         for i in range(24):
@@ -122,7 +129,7 @@ async def test_two_gateways_admit_the_plan_rate_together(two_gateways: tuple[Sta
 
 async def test_concurrency_is_shared(two_gateways: tuple[Stack, list[str]]) -> None:
     stack, urls = two_gateways
-    key, _ = await _key(stack, limits=PlanLimits(concurrent=2))
+    key, _ = await _key(stack, urls, limits=PlanLimits(concurrent=2))
     slow = {"model": MODEL, "messages": CHAT, "max_tokens": 400}
     async with httpx.AsyncClient(timeout=60) as c:
         rs = await asyncio.gather(*(c.post(urls[i % 2] + "/v1/chat/completions", json=slow, headers=_auth(key))
@@ -142,7 +149,7 @@ async def test_a_sequential_client_never_meets_its_own_concurrency_limit(two_gat
     slot after the response, in the shared entry by a background write, so the next request,
     on the other gateway, could find it still held."""
     stack, urls = two_gateways
-    key, _ = await _key(stack, limits=PlanLimits(concurrent=1))
+    key, _ = await _key(stack, urls, limits=PlanLimits(concurrent=1))
     codes = []
     async with httpx.AsyncClient(timeout=30) as c:
         for i in range(300):
@@ -158,7 +165,7 @@ async def test_two_gateways_hold_the_plan_under_a_burst(two_gateways: tuple[Stac
     round trip (zmlcore.access.shares), and together they still admit the plan's rate, not more."""
     stack, urls = two_gateways
     rpm = 200
-    key, key_id = await _key(stack, limits=PlanLimits(requests_per_minute=rpm))
+    key, key_id = await _key(stack, urls, limits=PlanLimits(requests_per_minute=rpm))
     nc = await nats.connect(stack.nats_url)
     try:
         kv = await nc.jetstream().key_value(subjects.LIMITS_BUCKET)
@@ -193,7 +200,7 @@ async def test_two_gateways_hold_the_plan_under_a_burst(two_gateways: tuple[Stac
 
 async def test_tokens_per_minute(two_gateways: tuple[Stack, list[str]]) -> None:
     stack, urls = two_gateways
-    key, _ = await _key(stack, limits=PlanLimits(tokens_per_minute=60))
+    key, _ = await _key(stack, urls, limits=PlanLimits(tokens_per_minute=60))
     body = {"model": MODEL, "messages": CHAT, "max_tokens": 40}
     async with httpx.AsyncClient(timeout=30) as c:
         first = await c.post(urls[0] + "/v1/chat/completions", json=body, headers=_auth(key))
@@ -207,7 +214,7 @@ async def test_tokens_per_minute(two_gateways: tuple[Stack, list[str]]) -> None:
 
 async def test_revocation_reaches_every_gateway_within_a_second(two_gateways: tuple[Stack, list[str]]) -> None:
     stack, urls = two_gateways
-    key, key_id = await _key(stack, limits=PlanLimits())
+    key, key_id = await _key(stack, urls, limits=PlanLimits())
     async with httpx.AsyncClient(timeout=30) as c:
         for url in urls:
             assert (await c.post(url + "/v1/chat/completions", json=OK, headers=_auth(key))).status_code == 200
@@ -233,7 +240,7 @@ async def test_revocation_reaches_every_gateway_within_a_second(two_gateways: tu
 
 async def test_allowed_models_default_policy_and_label_in_events(two_gateways: tuple[Stack, list[str]]) -> None:
     stack, urls = two_gateways
-    key, _ = await _key(stack, limits=PlanLimits(), models=[MODEL], default_policy="cost", label="dept-42")
+    key, _ = await _key(stack, urls, limits=PlanLimits(), models=[MODEL], default_policy="cost", label="dept-42")
     nc = await nats.connect(stack.nats_url)
     events = await nc.subscribe(subjects.event(subjects.EVENT_COMPLETED))
     try:
