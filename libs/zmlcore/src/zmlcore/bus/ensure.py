@@ -10,7 +10,6 @@ out and there is nothing to open, and a service that gave up at once would die a
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -55,8 +54,10 @@ async def ensure(open_: Callable[[], Awaitable[T]], create: Callable[[], Awaitab
                 return await create()
             except Exception as exc:  # created concurrently by another process, or not answering
                 failure = exc
-            with contextlib.suppress(*_MISSING):
+            try:  # created meanwhile by another process?
                 return await open_()
+            except Exception:  # still missing, or not answering: the create's error stands
+                pass
         if loop.time() + delay > end:
             if isinstance(failure, ServiceUnavailableError):  # nobody answers the JetStream API
                 raise ZMLConnectionError(

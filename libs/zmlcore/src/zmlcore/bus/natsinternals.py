@@ -13,12 +13,13 @@ flush                     ``_max_pending_size``, ``_flush_pending``,    ``nc.pub
 (zmlcore.bus.publish)     ``_transport`` (its ``_io_writer``),          round per publish): slower,
                           ``_flush_queue``                              correct; logged once; a
                                                                         flush may overtake a SUB
-direct reply delivery     ``Subscription._pending_queue``,              a callback subscription (a
-(zmlcore.reply.exchange)  ``_pending_size``                             task switch per message);
-                                                                        logged once
+direct delivery           ``Subscription._pending_queue``,              a callback subscription (a
+(zmlcore.bus.direct:      ``_pending_size``                             task switch per message;
+replies, peers' counts)                                                 two subjects' messages may
+                                                                        be reordered); logged once
 KV watch consumers        ``KeyWatcher._sub``, the JetStream            none: :func:`check` fails
 (zmlcore.bus.kvfollow,    subscription's ``_stream`` / ``_consumer``,   at start-up
-zmlcore.bus.connect,      ``JetStreamManager._nc``
+zmlcore.bus.ensure,       ``JetStreamManager._nc``
 zmlcore.batch.store)
 TLS or nothing            ``Client._process_info()``                    none: :func:`check` fails
 (zmlcore.bus.connect)                                                   at start-up
@@ -96,7 +97,7 @@ def _pieces(owner: type, names: Iterable[str], methods: Iterable[str] = ()) -> t
 PUBLISH = (*_pieces(NATS, ("_pending", "_pending_data_size", "_max_pending_size", "_transport", "_flush_queue"),
                     ("_flush_pending",)),
            *_pieces(TcpTransport, ("_io_writer",)))
-#: Direct delivery into a reply mux (zmlcore.reply.exchange).
+#: Direct delivery (zmlcore.bus.direct: the reply mux, the router's in-flight sharing).
 DELIVER = _pieces(Subscription, ("_pending_queue", "_pending_size"))
 #: A PONG for an abandoned flush (:func:`forgive_abandoned_pongs`).
 PONGS = _pieces(NATS, ("_pongs", "_pongs_received", "_pings_outstanding"), ("_process_pong",))
@@ -165,8 +166,9 @@ def probe(publish: Iterable[Piece] = PUBLISH, deliver: Iterable[Piece] = DELIVER
         log.warning("nats-py %s lacks %s: publishing through nc.publish (slower; ZML is verified with "
                     "nats-py %s to %s)", v, ", ".join(map(str, no_pub)), *VERIFIED)
     if no_deliver:
-        log.warning("nats-py %s lacks %s: replies delivered through a callback subscription (slower; ZML is "
-                    "verified with nats-py %s to %s)", v, ", ".join(map(str, no_deliver)), *VERIFIED)
+        log.warning("nats-py %s lacks %s: replies and peers' counts delivered through callback subscriptions "
+                    "(slower, and a peer's counts may be applied out of order; ZML is verified with nats-py %s "
+                    "to %s)", v, ", ".join(map(str, no_deliver)), *VERIFIED)
     return Support(v, not no_pub, not no_deliver, tuple(missing(required)), not no_pongs)
 
 
@@ -239,7 +241,7 @@ async def flush_in_order(nc: NATS, timeout: float) -> None:
     await nc.flush(timeout)  # type: ignore[arg-type]  # typed int, works with any seconds
 
 
-# --- direct reply delivery (zmlcore.reply.exchange) -------------------------------------------
+# --- direct delivery (zmlcore.bus.direct) -----------------------------------------------------
 
 
 class _Deliver(asyncio.Queue):  # type: ignore[type-arg]
@@ -271,7 +273,7 @@ def deliver_directly(sub: Subscription, deliver: Callable[[Msg], None]) -> bool:
     return True
 
 
-# --- KV watches (zmlcore.bus.kvfollow) and JetStream contexts (zmlcore.bus.connect) -----------
+# --- KV watches (zmlcore.bus.kvfollow) and JetStream contexts (zmlcore.bus.ensure) ------------
 
 
 def watch_consumer(watcher: KeyValue.KeyWatcher) -> tuple[str, str] | None:
@@ -293,7 +295,7 @@ def client_of(js: JetStreamContext) -> NATS:
     return js._nc
 
 
-# --- TLS or nothing (zmlcore.bus.connect) -----------------------------------------------------
+# --- a PONG for an abandoned flush (zmlcore.bus.connect) ---------------------------------------
 
 
 def forgive_abandoned_pongs(nc: NATS) -> None:
@@ -321,6 +323,9 @@ def forgive_abandoned_pongs(nc: NATS) -> None:
         await original()
 
     c._process_pong = process_pong
+
+
+# --- TLS or nothing (zmlcore.bus.connect) -----------------------------------------------------
 
 
 def before_connect(nc: NATS, check: Callable[[dict[str, Any]], None]) -> None:
