@@ -34,6 +34,12 @@ async def test_deltas_after_a_snapshot_are_never_undone_by_it(nats_url: str) -> 
     subs = await sharing.start(nc, lambda: None)
     await flush(nc)
     try:
+        # Hostile or broken peers first: not JSON, wrong types, deep, huge. Each is dropped in the
+        # reader (which must keep reading: the counts below still arrive).
+        for junk in (b"\x00\xff{", b'["r-a","n1","x",0,1]', b"[" * 5000, b'{"router_id":"r-a","ts":1,"nodes":' +
+                     b'{"n1":[1,"z"]}}', b"7" * 500_000):
+            await peer_nc.publish(subjects.INFLIGHT, junk)
+            await peer_nc.publish(subjects.INFLIGHT_SNAPSHOT, junk)
         count = 0
         for _ in range(ROUNDS):
             # What the peer's DeltaWindow sends around a snapshot: a move, the snapshot that
