@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 
 import httpx
 import pytest
@@ -146,3 +147,44 @@ async def test_measured_speeds_from_a_throttled_sim() -> None:
         assert 0.6 * 600 < tr.speed.decode_tps < 1.2 * 600, tr.speed.decode_tps
     finally:
         await sim.stop()
+
+
+async def test_the_listing_shows_only_states_the_routers_can_have(nats_private: str) -> None:
+    """`zml nodes` (zml.admin.nodes.list) answers with what is in the node bucket, not with a poll
+    whose write has not landed: a node listed "up" is "up" for a router reading the bucket. The
+    bucket refuses writes for a while (its stream's largest message made tiny)."""
+    import dataclasses
+
+    from zmlcore import subjects
+    from zmlcore.fleet.registry import list_nodes
+
+    sim = await start_sim("h100-w", "nvidia_h100", [M])
+    svc = HealthService(config([node_entry(sim)]))
+    async with connected(nats_private) as nc:
+        await svc.start(nc)
+        js = nc.jetstream()
+        stream = f"KV_{subjects.NODES_BUCKET}"
+        try:
+            kv = await nodes_kv(js)
+
+            async def listed() -> str:
+                return {n.node_id: n.status for n in await list_nodes(nc, timeout=2)}.get("h100-w", "")
+
+            await eventually(lambda: _is(listed(), "up"), what="listed up")
+            info = await js.stream_info(stream)
+            await js.update_stream(dataclasses.replace(info.config, max_msg_size=16))
+            await sim.crash()
+            await eventually(lambda: svc.trackers["h100-w"].status == "down", what="seen down by the poll")
+            await asyncio.sleep(0.3)  # more polls, each write refused
+            assert await listed() == "up"
+            assert node_state_decoder.decode((await kv.get("h100-w")).value).status == "up"
+            await js.update_stream(dataclasses.replace(info.config, max_msg_size=-1))
+            await eventually(lambda: _is(listed(), "down"), what="listed down once written")
+            assert node_state_decoder.decode((await kv.get("h100-w")).value).status == "down"
+        finally:
+            await svc.stop()
+            await sim.stop()
+
+
+async def _is(status: Awaitable[str], want: str) -> bool:
+    return await status == want

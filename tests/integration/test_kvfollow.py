@@ -5,6 +5,7 @@ deleted, and a connection closed for good ends the service with ConnectionClosed
 from __future__ import annotations
 
 import asyncio
+import datetime
 import tempfile
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -17,7 +18,7 @@ from nats.js.kv import KeyValue
 
 from test_health_helpers import eventually
 from zmlcore.runtime.alive import BEAT_S
-from zmlcore.bus import kvfollow
+from zmlcore.bus import kvfollow, natsinternals
 from zmlcore.runtime.alive import main as alive_main
 from zmlcore.bus.kvfollow import KVFollower, drop_watch, watch_bucket
 from zmlcore.runtime.launch import Proc, free_port, spawn, nats_server_binary, start_nats, wait_port
@@ -450,3 +451,72 @@ async def test_snapshots_are_whole_under_the_real_race(broker: Broker) -> None:
         assert not short, f"{len(short)} of 1500 listings were short: {short[:5]}"
     finally:
         await nc.close()
+
+
+async def test_refresh_reads_ahead_of_a_lagging_watch(broker: Broker, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The watch paused on the server (a consumer pause: a real lagging watch, as on a loaded
+    box): refresh reads a key directly and applies it, deletes too; the watch's older entries,
+    delivered after, never take the follower back; reads per key are rate-limited and capped."""
+    writer = await connect(broker.url, "writer")
+    nc = await connect(broker.url, "follower")
+    seen: dict[str, bytes] = {}
+    history: list[tuple[str, bytes | None]] = []
+
+    def put(k: str, v: bytes) -> None:
+        seen[k] = v
+        history.append((k, v))
+
+    def delete(k: str) -> None:
+        seen.pop(k, None)
+        history.append((k, None))
+
+    follower = KVFollower(nc, BUCKET, on_put=put, on_delete=delete)
+    task = asyncio.create_task(follower.run())
+    try:
+        kv = await ensure_kv(writer.jetstream(), BUCKET)
+        await kv.put("a", b"1")
+        assert await follower.wait_ready(5)
+        await eventually(lambda: seen == {"a": b"1"}, what="first value")
+        assert not await follower.refresh("a")  # the watch has it already: nothing to do
+        assert not await follower.refresh("nosuch", every_s=0)
+        assert not await follower.refresh("not a key!", every_s=0)
+        assert not await follower.refresh("k" * 300, every_s=0)  # not read: too long to be ours
+
+        consumer = natsinternals.watch_consumer(follower.watcher)  # type: ignore[arg-type]
+        assert consumer is not None
+        until = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=60)
+        await writer.jetstream().pause_consumer(*consumer, until.strftime("%Y-%m-%dT%H:%M:%S.%fZ"))
+        await kv.put("b", b"1")
+        await kv.put("a", b"2")
+        await asyncio.sleep(0.5)
+        assert seen == {"a": b"1"}, "the paused watch delivered"
+
+        assert await asyncio.gather(follower.refresh("b"), follower.refresh("b")) == [True, True]  # one read
+        assert await follower.refresh("a", every_s=0)  # (read above, less than a second ago)
+        assert seen == {"a": b"2", "b": b"1"}
+        await kv.put("a", b"3")
+        assert not await follower.refresh("a")  # read less than a second ago
+        assert await follower.refresh("a", every_s=0) and seen["a"] == b"3"
+        await kv.delete("b")
+        assert await follower.refresh("b", every_s=0) and "b" not in seen
+        assert not await follower.refresh("b", every_s=0)  # deleted already
+
+        monkeypatch.setattr(kvfollow, "_MAX_REFRESHING", len(follower._refreshes) + 1)
+        await kv.put("c", b"1")
+        await kv.put("d", b"1")
+        assert await follower.refresh("c")
+        assert not await follower.refresh("d"), "read past the cap of distinct keys"
+        assert "d" not in seen
+
+        mark = len(history)
+        await writer.jetstream().resume_consumer(*consumer)
+        last = (await kv.status()).values
+        await eventually(lambda: follower.revision >= last, timeout=15, what="the watch caught up")
+        assert seen == {"a": b"3", "c": b"1", "d": b"1"}
+        # after the resume: only what the reads had not applied (d), nothing older than them
+        assert history[mark:] == [("d", b"1")], history[mark:]
+        assert not follower._ahead and follower.watches == 1
+    finally:
+        task.cancel()
+        for c in (nc, writer):
+            await c.close()

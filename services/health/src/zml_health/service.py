@@ -216,7 +216,6 @@ class HealthService:
         status = tr.observe(probe, now, hc)
         check = self._hardware(node, rt)
         state = self._state(node, tr, rt, probe, status, check, now)
-        self.states[node.id] = state
         metrics.polled(node.id, probe.ok, probe.loading, probe.slow, time.perf_counter() - t0, state)
         gen = link_of(self.nc).generation if self.nc is not None else 0
         if gen != self._link_gen:  # reconnected: the broker may have lost the bucket, write all
@@ -225,6 +224,9 @@ class HealthService:
         if node.id in self._tasks and self.writes.due(state, now, hc.poll_interval_s * (1 + hc.jitter)):
             await self.kv.put(node.id, _encode(state))  # not removed while we probed
             self.writes.wrote(state, now)
+        # Listed once written: `zml nodes` shows no state the routers could not have yet.
+        if node.id in self._tasks:
+            self.states[node.id] = state
         return state
 
     async def _node_probe(self, node: NodeConfig, rt: _NodeRuntime, poll: int, probe: Probe) -> None:

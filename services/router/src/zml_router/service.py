@@ -365,6 +365,9 @@ class RouterService:
                 if session and self.sessions is not None else "")
         bound = self.sessions.node(skey) if skey and self.sessions is not None else None
         policy, rr = flow.prepare(self.cfg, self.table.families(), req, msg.data, model, bound, msg.headers)
+        if rr.accelerator_id is not None and self.table.pin_unsure(rr.accelerator_id, model):
+            # `zml nodes` may show what our watch has not delivered yet (a node added just now)
+            await self.nodes_follower.refresh(rr.accelerator_id)
         bodies = (AudioBodies(msg.data, req.form) if isinstance(req, AudioRequest) and req.form is not None
                   else NodeBodies(msg.data, req.model, arrived.clean))
         cfg = policy.config

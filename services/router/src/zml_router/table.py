@@ -52,6 +52,13 @@ class NodeTable:
             self._families = list(seen)
         return self._families
 
+    def pin_unsure(self, node_id: str, model: str) -> bool:
+        """Whether a request pinned to ``node_id`` would be refused on what this table holds
+        (no such node, not up, the model not loaded), which may be only the watch being behind
+        the health service: worth one direct read of the node's entry first."""
+        raw = self.raw.get(node_id)
+        return raw is None or raw.status != "up" or model not in raw.models
+
     def nodes(self) -> list[NodeView]:
         if self._list is None:
             self._list = list(self.views.values())

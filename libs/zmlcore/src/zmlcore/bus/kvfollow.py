@@ -30,6 +30,10 @@ under load, orphans piled up on the server (9 consumers on ``zml_nodes`` for 6 l
     task = asyncio.create_task(follower.run())
     await follower.wait_ready(2.0)
 
+A watch delivers a moment after the write (milliseconds; more on a loaded box). A caller about to
+refuse on a key it does not have yet (the router, for a request pinned to a node registered just
+now) asks :meth:`KVFollower.refresh` to read that key directly first.
+
 Every KV reader in ZML goes through here: :class:`KVFollower` for the services' followers
 (router, gateway, warmup, keys, costs) and ``zml serve --wait``, :func:`live_entries` for a one-off
 listing (health at start, the batch store's lists, ``zml keys list``).
@@ -45,7 +49,7 @@ from typing import Any
 
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
-from nats.js.errors import NotFoundError
+from nats.js.errors import KeyNotFoundError, NotFoundError
 from nats.js.kv import KeyValue
 
 from zmlcore.bus import natsinternals
@@ -59,6 +63,11 @@ _DELETE_OPS = ("DEL", "PURGE")
 #: Seconds the server keeps a watch's consumer once nothing listens to it. A live watch always
 #: listens; a client that reconnects later re-creates its watches anyway (see above).
 WATCH_INACTIVE_S = 10.0
+
+#: Distinct keys :meth:`KVFollower.refresh` reads within its ``every_s`` before it declines.
+_MAX_REFRESHING = 1024
+#: Longer keys are not read (the requests naming them are someone else's input).
+_MAX_KEY = 256
 
 
 async def watch_bucket(kv: KeyValue, pattern: str = ">", *, inactive_s: float = WATCH_INACTIVE_S,
@@ -183,6 +192,16 @@ class KVFollower:
         self.keep_vanished = keep_vanished
         #: Keys missing from a snapshot, kept until their timer reports them deleted.
         self.vanished: dict[str, asyncio.TimerHandle] = {}
+        #: The highest stream sequence the live watch applied: a direct read (:meth:`refresh`)
+        #: older than it is already known (the watch delivers in stream order).
+        self.revision = 0
+        self.kv: KeyValue | None = None
+        #: Per key, the last :meth:`refresh` (monotonic start, its task): one read at a time and
+        #: at most one every ``every_s``, however many requests ask.
+        self._refreshes: dict[str, tuple[float, asyncio.Task[bool]]] = {}
+        #: Keys a direct read put ahead of the watch, with that read's revision: the watch's older
+        #: entries for them are skipped (no going back for a moment) until it catches up.
+        self._ahead: dict[str, int] = {}
         self._misses = 0
         self._js = nc.jetstream()
         natsinternals.check()  # here, at start-up, rather than in the loop below
@@ -193,6 +212,56 @@ class KVFollower:
             return True
         except asyncio.TimeoutError:
             return False
+
+    async def refresh(self, key: str, *, timeout: float = 0.5, every_s: float = 1.0) -> bool:
+        """Read ``key`` from the bucket now, ahead of the watch, and apply it if the watch has not
+        yet (True if that changed what the follower holds). For a caller about to refuse on what
+        the watch has not delivered yet: a node registered a moment ago, a key created just now.
+        At most one read per key per ``every_s`` (requests naming keys that do not exist cost one
+        JetStream read a second each, not one per request), and none past 1,024 distinct keys a
+        second, nor for a key longer than 256 characters; concurrent callers share the read."""
+        if len(key) > _MAX_KEY:
+            return False
+        now = time.monotonic()
+        last = self._refreshes.get(key)
+        if last is not None:
+            if not last[1].done():
+                return await asyncio.shield(last[1])
+            if now - last[0] < every_s:
+                return False
+        if last is None and len(self._refreshes) >= _MAX_REFRESHING:
+            self._refreshes = {k: v for k, v in self._refreshes.items()
+                               if not v[1].done() or now - v[0] < every_s}
+            if len(self._refreshes) >= _MAX_REFRESHING:
+                return False
+        task = asyncio.ensure_future(self._read(key, timeout))
+        self._refreshes[key] = (now, task)
+        return await asyncio.shield(task)
+
+    async def _read(self, key: str, timeout: float) -> bool:
+        kv = self.kv
+        if kv is None or self.watcher is None:
+            return False  # between watches: the next snapshot brings everything
+        watch = self.watches
+        try:
+            entry: KeyValue.Entry | None = await asyncio.wait_for(kv.get(key), timeout)
+        except KeyNotFoundError as exc:  # never written, or its latest is a delete marker
+            entry = exc.entry
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # invalid key, no answer in time, broker away
+            log.debug("direct read of %s.%s: %s", self.bucket, key, exc)
+            return False
+        rev = entry.revision if entry is not None else None
+        if entry is None or rev is None or watch != self.watches or rev <= self.revision:
+            return False  # nothing there, or the watch has it (or newer) already
+        self._ahead[key] = rev
+        if entry.operation in _DELETE_OPS or not entry.value:
+            known = key in self.keys
+            self._drop(key)
+            return known
+        self._put(key, entry.value)
+        return True
 
     async def run(self) -> None:
         try:
@@ -220,6 +289,9 @@ class KVFollower:
             backoff = 0.1
             self._misses = 0
             self.watches += 1
+            self.revision = 0  # a broker that lost its state numbers from 1 again
+            self._ahead.clear()
+            self.kv = kv
             self.watcher = watcher
             try:
                 reason = await self._consume(watcher, kv, gen)
@@ -280,6 +352,16 @@ class KVFollower:
 
     def _apply(self, entry: KeyValue.Entry, seen: set[str] | None) -> None:
         key = entry.key
+        rev = entry.revision or 0
+        self.revision = max(self.revision, rev)
+        ahead = self._ahead.get(key)
+        if ahead is not None:
+            if rev >= ahead:
+                del self._ahead[key]
+            if rev <= ahead:  # a direct read applied this entry, or a later one, already
+                if seen is not None and key in self.keys:
+                    seen.add(key)
+                return
         if entry.operation in _DELETE_OPS or not entry.value:
             if seen is not None:
                 seen.discard(key)
@@ -287,11 +369,14 @@ class KVFollower:
             return
         if seen is not None:
             seen.add(key)
+        self._put(key, entry.value)
+
+    def _put(self, key: str, value: bytes) -> None:
         kept = self.vanished.pop(key, None)
         if kept is not None:
             kept.cancel()
         self.keys.add(key)
-        self.on_put(key, entry.value)
+        self.on_put(key, value)
 
     def _drop(self, key: str) -> None:
         kept = self.vanished.pop(key, None)
