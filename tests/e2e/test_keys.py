@@ -5,6 +5,7 @@ bucket turns authentication on for every gateway on that broker."""
 from __future__ import annotations
 
 import asyncio
+import datetime
 import json
 import subprocess
 import sys
@@ -236,6 +237,45 @@ async def test_revocation_reaches_every_gateway_within_a_second(two_gateways: tu
         for url in urls:  # and it stays revoked
             assert (await c.post(url + "/v1/chat/completions", json=OK, headers=_auth(key))).status_code == 401
     assert max(delays) <= 1.0, f"revocation took {delays} s to reach the gateways"
+
+
+async def test_a_key_is_accepted_the_moment_it_is_created(two_gateways: tuple[Stack, list[str]]) -> None:
+    """Every gateway's watch of the keys bucket held back (its consumer paused on the server, as a
+    loaded box delays it): a key just created is still accepted at once by both gateways, read
+    from the bucket before answering 401; a well-formed key nobody created still gets 401."""
+    stack, urls = two_gateways
+    await _key(stack, urls, limits=PlanLimits())  # keys are on (the first key turns them on)
+    async with httpx.AsyncClient(timeout=10) as c:
+        async def enforced() -> bool:
+            return all([(await c.get(url + "/v1/models", headers=_auth("nope"))).status_code == 401
+                        for url in urls])
+        await _until(enforced)
+    nc = await nats.connect(stack.nats_url)
+    js = nc.jetstream()
+    stream = f"KV_{subjects.KEYS_BUCKET}"
+    paused = [info.name for info in await js.consumers_info(stream)]
+    assert paused
+    until = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=60)
+    try:
+        for name in paused:
+            await js.pause_consumer(stream, name, until.strftime("%Y-%m-%dT%H:%M:%S.%fZ"))
+        key, rec = await create_key(nc, plan="custom", limits=PlanLimits())
+        prefix, key_id, secret = key.split("_", 2)
+        fake = f"{prefix}_{key_id}_{'x' * len(secret)}"
+        other = f"{prefix}_{'a' * len(key_id)}_{secret}"
+        async with httpx.AsyncClient(timeout=30) as c:
+            for url in urls:
+                r = await c.post(url + "/v1/chat/completions", json=OK, headers=_auth(key))
+                assert r.status_code == 200, (url, r.text)
+                for bad in (fake, other):  # the right id with a wrong secret; an id nobody has
+                    assert (await c.get(url + "/v1/models", headers=_auth(bad))).status_code == 401
+    finally:
+        for name in paused:
+            try:
+                await js.resume_consumer(stream, name)
+            except Exception:  # a consumer nats-py replaced meanwhile
+                pass
+        await nc.close()
 
 
 async def test_allowed_models_default_policy_and_label_in_events(two_gateways: tuple[Stack, list[str]]) -> None:

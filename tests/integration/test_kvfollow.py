@@ -453,7 +453,7 @@ async def test_snapshots_are_whole_under_the_real_race(broker: Broker) -> None:
         await nc.close()
 
 
-async def test_refresh_reads_ahead_of_a_lagging_watch(broker: Broker, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_refresh_reads_ahead_of_a_lagging_watch(broker: Broker) -> None:
     """The watch paused on the server (a consumer pause: a real lagging watch, as on a loaded
     box): refresh reads a key directly and applies it, deletes too; the watch's older entries,
     delivered after, never take the follower back; reads per key are rate-limited and capped."""
@@ -501,7 +501,7 @@ async def test_refresh_reads_ahead_of_a_lagging_watch(broker: Broker, monkeypatc
         assert await follower.refresh("b", every_s=0) and "b" not in seen
         assert not await follower.refresh("b", every_s=0)  # deleted already
 
-        monkeypatch.setattr(kvfollow, "_MAX_REFRESHING", len(follower._refreshes) + 1)
+        follower.refresh_limit = len(follower._refreshes) + 1
         await kv.put("c", b"1")
         await kv.put("d", b"1")
         assert await follower.refresh("c")

@@ -12,11 +12,12 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from zmlcore.config import ZMLConfig
 from zmlcore.errors import AuthError, PermissionDeniedError, RateLimitError
-from zmlcore.access.apikeys import KeyRing
+from zmlcore.access.apikeys import KeyRing, key_id_of
 from zmlcore.access.limiter import SharedLimiter
 from zmlcore.messages.keys import ApiKeyRecord
 from zmlcore.access.plans import Verdict, limited, refusal, verdict_headers
@@ -43,26 +44,39 @@ def _verdict_headers(v: Verdict) -> Headers:
 
 
 class Access:
-    def __init__(self, cfg: ZMLConfig, ring: KeyRing, limiter: SharedLimiter | None) -> None:
+    def __init__(self, cfg: ZMLConfig, ring: KeyRing, limiter: SharedLimiter | None,
+                 refresh: Callable[[str], Awaitable[bool]] | None = None) -> None:
         self.ring = ring
+        #: Reads one key id from the bucket ahead of the ring's watch (KVFollower.refresh).
+        self.refresh = refresh
         self.limiter = limiter
         self.rpm = cfg.gateway.requests_per_minute
         self.burst = float(cfg.gateway.request_burst or max(1, round((self.rpm or 0) / 60)))
         self.buckets: dict[str, TokenBucket] = {}
 
-    def authenticate(self, scope: dict) -> Caller:  # type: ignore[type-arg]
+    async def authenticate(self, scope: dict) -> Caller:  # type: ignore[type-arg]
         if not self.ring.enabled:
             client = scope.get("client")
             return Caller(f"addr:{client[0] if client else ''}")
         for name, value in scope["headers"]:
             if name == b"authorization":
-                found = self.ring.verify(value)
-                if isinstance(found, ApiKeyRecord):
-                    return Caller(f"key:{found.id}", found)
-                if found is not None:
-                    return Caller(found)
+                caller = self._verify(value)
+                if caller is None and self.refresh is not None:
+                    # A key created a moment ago (`zml keys create`) that this gateway's watch
+                    # has not delivered yet: its entry read once before the 401 (rate-limited).
+                    key_id = key_id_of(value[7:]) if value[:7] == b"Bearer " else None
+                    if key_id is not None and key_id not in self.ring.records and await self.refresh(key_id):
+                        caller = self._verify(value)
+                if caller is not None:
+                    return caller
                 break
         raise AuthError("invalid, revoked or missing API key: send `Authorization: Bearer <key>` (ZML_API_KEY)")
+
+    def _verify(self, authorization: bytes) -> Caller | None:
+        found = self.ring.verify(authorization)
+        if isinstance(found, ApiKeyRecord):
+            return Caller(f"key:{found.id}", found)
+        return Caller(found) if found is not None else None
 
     @staticmethod
     def check_model(caller: Caller, asked: str, canonical: str) -> None:

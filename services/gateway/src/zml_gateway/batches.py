@@ -68,15 +68,15 @@ class BatchRoutes:
         r.add("GET", "/v1/batches/{batch_id}", self.batch)
         r.add("POST", "/v1/batches/{batch_id}/cancel", self.cancel)
 
-    def owner(self, scope: Scope) -> str:
+    async def owner(self, scope: Scope) -> str:
         """Whose files and batches: the caller's key, or everyone's on a gateway without keys
         (whoever reaches it is the one tenant; a client address is no identity to own data by)."""
-        caller = self.access.authenticate(scope)
+        caller = await self.access.authenticate(scope)
         return caller.identity if self.access.ring.enabled else ANONYMOUS
 
     # --- files ---------------------------------------------------------------------------------
     async def upload(self, scope: Scope, receive: Receive, send: Send) -> None:
-        owner = self.owner(scope)
+        owner = await self.owner(scope)
         headers = dict(scope["headers"])
         ctype, params = parse_options_header(headers.get(b"content-type", b""))
         boundary = params.get(b"boundary")
@@ -116,7 +116,7 @@ class BatchRoutes:
                 return
 
     async def files(self, scope: Scope, receive: Receive, send: Send) -> None:
-        owner = self.owner(scope)
+        owner = await self.owner(scope)
         q = _query(scope)
         order = q.get("order", "desc")
         if order not in ("asc", "desc"):
@@ -125,13 +125,13 @@ class BatchRoutes:
                                                         order=order, purpose=q.get("purpose")))
 
     async def file(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send_json(send, 200, await self.api.file(self.owner(scope), scope["path_params"]["file_id"]))
+        await send_json(send, 200, await self.api.file(await self.owner(scope), scope["path_params"]["file_id"]))
 
     async def delete_file(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send_json(send, 200, await self.api.delete_file(self.owner(scope), scope["path_params"]["file_id"]))
+        await send_json(send, 200, await self.api.delete_file(await self.owner(scope), scope["path_params"]["file_id"]))
 
     async def content(self, scope: Scope, receive: Receive, send: Send) -> None:
-        rec, chunks = await self.api.content(self.owner(scope), scope["path_params"]["file_id"])
+        rec, chunks = await self.api.content(await self.owner(scope), scope["path_params"]["file_id"])
         first = await anext(chunks, b"")  # a file whose bytes are gone is a 404, before the head
         await send({"type": "http.response.start", "status": 200, "headers": [
             (b"content-type", b"application/octet-stream"), (b"content-length", b"%d" % rec.bytes),
@@ -144,7 +144,7 @@ class BatchRoutes:
 
     # --- batches -------------------------------------------------------------------------------
     async def create(self, scope: Scope, receive: Receive, send: Send) -> None:
-        owner = self.owner(scope)
+        owner = await self.owner(scope)
         body = await self.intake.read_body(scope, receive)
         if not tracing.ON:
             await send_json(send, 200, await self.api.create_batch(owner, body))
@@ -158,15 +158,15 @@ class BatchRoutes:
         await send_json(send, 200, batch)
 
     async def batches(self, scope: Scope, receive: Receive, send: Send) -> None:
-        owner = self.owner(scope)
+        owner = await self.owner(scope)
         q = _query(scope)
         await send_json(send, 200, await self.api.batches(owner, after=q.get("after"), limit=_limit(q, 20, 100)))
 
     async def batch(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send_json(send, 200, await self.api.batch(self.owner(scope), scope["path_params"]["batch_id"]))
+        await send_json(send, 200, await self.api.batch(await self.owner(scope), scope["path_params"]["batch_id"]))
 
     async def cancel(self, scope: Scope, receive: Receive, send: Send) -> None:
-        await send_json(send, 200, await self.api.cancel(self.owner(scope), scope["path_params"]["batch_id"]))
+        await send_json(send, 200, await self.api.cancel(await self.owner(scope), scope["path_params"]["batch_id"]))
 
 
 class _Form:

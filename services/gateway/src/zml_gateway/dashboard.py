@@ -139,7 +139,7 @@ class Dashboard:
         if scope["method"] != "GET":
             raise MethodNotAllowedError(f"{path[:80]} takes GET")
         if path == "/dashboard/state":
-            self.authorize(scope)
+            await self.authorize(scope)
             body = await self.state_json()
             await send({"type": "http.response.start", "status": 200,
                         "headers": [(b"content-type", b"application/json"), *_SECURITY]})
@@ -155,10 +155,10 @@ class Dashboard:
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", ctype), *_SECURITY]})
         await send({"type": "http.response.body", "body": data})
 
-    def authorize(self, scope: Scope) -> None:
+    async def authorize(self, scope: Scope) -> None:
         """With keys on, the fleet's state is for operators: a zml.toml key ([gateway] api_keys),
         not a customer's run-time key (`zml keys create`), which gets 403."""
-        caller = self.access.authenticate(scope)  # 401 without a valid key
+        caller = await self.access.authenticate(scope)  # 401 without a valid key
         if caller.record is not None:
             raise PermissionDeniedError("the dashboard wants an operator key ([gateway] api_keys in zml.toml), "
                                         "not a run-time API key")

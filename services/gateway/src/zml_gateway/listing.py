@@ -29,13 +29,13 @@ class Listing:
         await send_json(send, 200 if ok else 503, {"status": "ok" if ok else "nats_disconnected"})
 
     async def models(self, scope: Scope, receive: Receive, send: Send) -> None:
-        self.access.authenticate(scope)
+        await self.access.authenticate(scope)
         await send_json(send, 200, model_list(self.cfg, self.nodes))
 
     async def model(self, scope: Scope, receive: Receive, send: Send) -> None:
-        self.access.authenticate(scope)
+        await self.access.authenticate(scope)
         await send_json(send, 200, model_object(self.cfg, self.nodes, scope["path_params"]["model"]))
 
     async def node_table(self, scope: Scope, receive: Receive, send: Send) -> None:
-        self.access.authenticate(scope)
+        await self.access.authenticate(scope)
         await send_json(send, 200, {"nodes": await self.table.rows()})

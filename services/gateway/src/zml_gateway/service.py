@@ -83,7 +83,7 @@ class GatewayService:
         if self.cfg.batch.enabled:  # the Batch API's store: created by whichever service starts first
             names = BatchRoutes.policy_names(self.cfg)
             batch_api = BatchApi(await BatchStore.open(nc, self.cfg.batch), self.cfg, policy_known=names.__contains__)
-        gateway = Gateway(self.cfg, nc, self.nodes, self.costs, Access(self.cfg, ring, self.limiter), batch_api)
+        gateway = Gateway(self.cfg, nc, self.nodes, self.costs, Access(self.cfg, ring, self.limiter, keys.refresh), batch_api)
         self._dashboard = Dashboard(nc, gateway.access, gateway.node_table)
         await self._dashboard.start()
         app = Observed(gateway, serve_metrics=self.cfg.metrics.gateway, dashboard=self._dashboard)

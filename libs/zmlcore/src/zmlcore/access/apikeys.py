@@ -37,6 +37,9 @@ _PREFIX = "zml"
 ENFORCED = "_enforced"
 #: Entries ``identity.<public key>``: a NATS client identity's plan (IdentityPlan), for routers.
 IDENTITY_PREFIX = "identity."
+#: Unknown key ids a gateway reads from the bucket per second before answering 401 (a key
+#: created a moment ago that its watch has not delivered yet).
+KEY_READS_PER_S = 32
 
 
 def hash_key(key: str | bytes) -> str:
@@ -151,7 +154,10 @@ class KeyRing:
     def follower(self, nc: NATS) -> KVFollower:
         """The bucket's follower feeding this ring (run it as a task): it survives broker
         restarts, so a revoke is never missed for long."""
-        return KVFollower(nc, subjects.KEYS_BUCKET, on_put=self.put_raw, on_delete=self.delete_raw)
+        # refresh (a key unknown here read once before a 401) is open to anyone who can send a
+        # header: a few distinct ids a second, not the default 1,024.
+        return KVFollower(nc, subjects.KEYS_BUCKET, on_put=self.put_raw, on_delete=self.delete_raw,
+                          refresh_limit=KEY_READS_PER_S)
 
     def put_raw(self, key: str, value: bytes) -> None:
         if key.startswith(IDENTITY_PREFIX):  # a NATS identity's plan: the routers' business

@@ -64,8 +64,6 @@ _DELETE_OPS = ("DEL", "PURGE")
 #: listens; a client that reconnects later re-creates its watches anyway (see above).
 WATCH_INACTIVE_S = 10.0
 
-#: Distinct keys :meth:`KVFollower.refresh` reads within its ``every_s`` before it declines.
-_MAX_REFRESHING = 1024
 #: Longer keys are not read (the requests naming them are someone else's input).
 _MAX_KEY = 256
 
@@ -173,7 +171,8 @@ class KVFollower:
     def __init__(self, nc: NATS, bucket: str, *, on_put: Callable[[str, bytes], None],
                  on_delete: Callable[[str], None], on_synced: Callable[[], None] | None = None,
                  check_s: float = 1.0, inactive_s: float = WATCH_INACTIVE_S,
-                 keep_vanished: Callable[[str], float] | None = None) -> None:
+                 keep_vanished: Callable[[str], float] | None = None,
+                 refresh_limit: int = 1024) -> None:
         self.nc = nc
         self.bucket = bucket
         self.on_put = on_put
@@ -197,7 +196,9 @@ class KVFollower:
         self.revision = 0
         self.kv: KeyValue | None = None
         #: Per key, the last :meth:`refresh` (monotonic start, its task): one read at a time and
-        #: at most one every ``every_s``, however many requests ask.
+        #: at most one every ``every_s``, however many requests ask; reads of at most
+        #: ``refresh_limit`` distinct keys per ``every_s``.
+        self.refresh_limit = refresh_limit
         self._refreshes: dict[str, tuple[float, asyncio.Task[bool]]] = {}
         #: Keys a direct read put ahead of the watch, with that read's revision: the watch's older
         #: entries for them are skipped (no going back for a moment) until it catches up.
@@ -218,8 +219,9 @@ class KVFollower:
         yet (True if that changed what the follower holds). For a caller about to refuse on what
         the watch has not delivered yet: a node registered a moment ago, a key created just now.
         At most one read per key per ``every_s`` (requests naming keys that do not exist cost one
-        JetStream read a second each, not one per request), and none past 1,024 distinct keys a
-        second, nor for a key longer than 256 characters; concurrent callers share the read."""
+        JetStream read a second each, not one per request), and none past ``refresh_limit``
+        distinct keys a second, nor for a key longer than 256 characters; concurrent callers
+        share the read."""
         if len(key) > _MAX_KEY:
             return False
         now = time.monotonic()
@@ -229,10 +231,10 @@ class KVFollower:
                 return await asyncio.shield(last[1])
             if now - last[0] < every_s:
                 return False
-        if last is None and len(self._refreshes) >= _MAX_REFRESHING:
+        if last is None and len(self._refreshes) >= self.refresh_limit:
             self._refreshes = {k: v for k, v in self._refreshes.items()
                                if not v[1].done() or now - v[0] < every_s}
-            if len(self._refreshes) >= _MAX_REFRESHING:
+            if len(self._refreshes) >= self.refresh_limit:
                 return False
         task = asyncio.ensure_future(self._read(key, timeout))
         self._refreshes[key] = (now, task)

@@ -45,7 +45,7 @@ class Inference:
     async def serve(self, scope: Scope, receive: Receive, send: Send, admitted: Admitted) -> None:
         """Authenticate, hold a place in ``[gateway] max_concurrent``, then ``admitted``: the
         steps of one kind of request (JSON here, audio: zml_gateway.infer.audio)."""
-        caller = self.access.authenticate(scope)
+        caller = await self.access.authenticate(scope)
         if self.in_flight >= self.cfg.gateway.max_concurrent:
             raise QueueFullError(f"this gateway holds {self.in_flight} requests, its limit: retry shortly",
                                  retry_after=1.0)
