@@ -112,7 +112,8 @@ def test_bad_input_gets_a_coded_error_and_the_service_keeps_serving(
 
 
 def test_models_nodes_and_healthz(http: httpx.Client, zml_stack: Stack) -> None:
-    assert http.get("/healthz").json()["status"] == "ok"
+    health = http.get("/healthz").json()
+    assert health["status"] == "ok" and len(health["gateway"]) == 12, health
     ids = [m["id"] for m in http.get("/v1/models").json()["data"]]
     assert MODEL in ids and MODEL_2 in ids
     nodes = http.get("/v1/nodes").json()["nodes"]

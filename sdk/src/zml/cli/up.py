@@ -123,6 +123,15 @@ def _probe(url: str, request: tuple[str, bytes, str]) -> tuple[int, str]:
         return 0, str(exc)
 
 
+def _gateway_id(url: str) -> str:
+    """The id of the gateway process that answered /healthz on a new connection ("" if none)."""
+    try:
+        with urllib.request.urlopen(url + "/healthz", timeout=5) as resp:
+            return str(json.loads(resp.read()).get("gateway", ""))
+    except (OSError, ValueError, AttributeError):
+        return ""
+
+
 def run(args: argparse.Namespace) -> int:
     from zmlcore.config import load_config
     from zmlcore.errors import ConfigError
@@ -260,6 +269,7 @@ def run(args: argparse.Namespace) -> int:
         probe = probe_request(cfg)
         deadline = time.monotonic() + args.ready_timeout
         last = (0, "")
+        answered: set[str] = set()
         while probe is not None and not stopping:
             sup.tick()
             failed = _config_failure(sup)
@@ -267,7 +277,16 @@ def run(args: argparse.Namespace) -> int:
                 return failed
             last = _probe(url, probe) if wait_port(args.host, args.gateway_port, 0.5) else (0, "gateway not listening")
             if last[0] == 200:
-                break
+                # Several gateway processes on one port: ready once each of them answers (the
+                # kernel spreads new connections over their listeners; each has its own id).
+                for _ in range(8 * gateways if gateways > 1 else 0):
+                    if len(answered) >= gateways:
+                        break
+                    answered.add(_gateway_id(url))
+                answered.discard("")
+                if gateways <= 1 or len(answered) >= gateways:
+                    break
+                last = (0, f"{len(answered)} of {gateways} gateway processes answering")
             if time.monotonic() > deadline:
                 return _fail(f"no successful request within {args.ready_timeout:g} s (last: {last[0]} {last[1]})")
             time.sleep(0.5)

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Mapping
 
 from nats.aio.client import Client as NATS
@@ -23,10 +24,14 @@ class Listing:
         self.nodes = nodes
         self.access = access
         self.table = table
+        #: Which gateway process answered /healthz: several share one port (`zml up --gateways N`),
+        #: and `zml up` says ready once each of them has answered.
+        self.instance = secrets.token_hex(6)
 
     async def healthz(self, scope: Scope, receive: Receive, send: Send) -> None:
         ok = self.nc.is_connected
-        await send_json(send, 200 if ok else 503, {"status": "ok" if ok else "nats_disconnected"})
+        await send_json(send, 200 if ok else 503, {"status": "ok" if ok else "nats_disconnected",
+                                                   "gateway": self.instance})
 
     async def models(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self.access.authenticate(scope)
