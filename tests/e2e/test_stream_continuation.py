@@ -18,6 +18,8 @@ import pytest
 
 from conftest import MODEL, Stack, launch_stack
 from zmlcore import subjects
+from zmlcore.messages import StreamResume
+from zmlcore.reply import resume as resumes
 from zml_sim.engine import token_text
 
 FLEET = [
@@ -186,6 +188,91 @@ async def test_where_an_answer_must_not_or_cannot_be_continued_the_stream_ends_w
     assert err["code"] == "BACKEND_ERROR" and why in err["message"], err
     text = "".join((e["choices"][0]["delta"].get("content") or "") for e in events[:-1] if e.get("choices"))
     assert words("h100-a", 24).startswith(text) and text  # what was sent, and nothing of another node
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 6}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello"}], "max_completion_tokens": 6,
+                              "continue_on_failure": False, "stream_options": {"include_usage": True}}),
+    ("/v1/completions", {"prompt": "Once upon a time ", "max_tokens": 6, "seed": 3}),
+])
+async def test_a_node_cut_after_the_last_token_has_its_answer_ended_not_failed(
+        stack: Stack, path: str, body: dict[str, Any]) -> None:
+    """Every token ``max_tokens`` allowed went out and only the end was lost (the node dropped
+    the connection before its finish chunk): the router ends the answer as the node would have
+    (``finish_reason: "length"``), asking no other node, even where a continuation would be
+    refused (a seed, continue_on_failure false). The usage chunk was lost with the node."""
+    stack.faults("h100-a", drop_mid_stream=1.0, fail_after_tokens=6)
+    asked = stack.sim_state("h100-b")["counters"].get(MODEL, {}).get("prompt_tokens", 0)
+    try:
+        headers, events = await sse(stack, {**body, "policy": "to-vllm"}, path=path)
+    finally:
+        stack.faults("h100-a", drop_mid_stream=0.0, fail_after_tokens=1)
+    assert headers["x-zml-node-id"] == "h100-a" and events[-1] == "[DONE]"
+    text, finishes, usage, zml, ids = read(events)
+    assert text == words("h100-a", 6) and finishes == ["length"] and len(ids) == 1
+    assert usage is None
+    assert zml is not None and zml["ended_by"] == "router" and zml["node_id"] == "h100-a", zml
+    assert continued(zml["continued_from"]) == [("h100-a", 6, "network")]
+    assert stack.sim_state("h100-a")["counters"][MODEL]["prompt_tokens"] > 0
+    assert stack.sim_state("h100-b")["counters"].get(MODEL, {}).get("prompt_tokens", 0) == asked  # nobody asked
+
+
+async def test_raw_nats_gets_the_end_of_an_answer_cut_after_its_last_token(stack: Stack) -> None:
+    stack.faults("h100-a", drop_mid_stream=1.0, fail_after_tokens=4)
+    nc = await nats.connect(stack.nats_url)
+    try:
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4,
+                "stream": True, "policy": "to-vllm"}
+        await nc.publish(subjects.INFER, json.dumps(body).encode(), reply=inbox)
+        seqs, chunks, end = [], [], None
+        while end is None:
+            m = await sub.next_msg(timeout=20)
+            seqs.append(int(m.headers[subjects.H_SEQ]))
+            kind = m.headers[subjects.H_STREAM]
+            if kind == "chunk":
+                chunks.append(json.loads(m.data))
+            elif kind == "end":
+                end = json.loads(m.data)["routing"]
+        assert seqs == list(range(len(seqs)))
+        text = "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks)
+        assert text == words("h100-a", 4) and chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert chunks[-1]["id"] == chunks[0]["id"] and chunks[-1]["object"] == "chat.completion.chunk"
+        assert end["node_id"] == "h100-a" and continued(end["continued_from"]) == [("h100-a", 4, "network")]
+    finally:
+        stack.faults("h100-a", drop_mid_stream=0.0, fail_after_tokens=1)
+        await nc.close()
+
+
+async def test_a_resumed_stream_that_had_every_token_is_ended_by_the_new_router(stack: Stack) -> None:
+    """Its router died after the last token, before the end (``Zml-Resume`` as the gateway and
+    the SDK send it): the router that takes it over ends the answer and asks no node."""
+    asked = stack.sim_state("h100-a")["counters"].get(MODEL, {}).get("prompt_tokens", 0)
+    nc = await nats.connect(stack.nats_url)
+    try:
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        had = StreamResume(text=words("h100-a", 4), tokens=4, seq=5, chunk_id="chatcmpl-x", created=1700000000,
+                           node_id="h100-a", attempts=1)
+        body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4,
+                "stream": True, "policy": "to-vllm"}
+        await nc.publish(subjects.INFER, json.dumps(body).encode(), reply=inbox,
+                         headers={subjects.H_RESUME: resumes.encode(had), subjects.H_REQUEST_ID: "resumed-whole-1"})
+        got = []
+        while not got or got[-1][0] != "end":
+            m = await sub.next_msg(timeout=20)
+            got.append((m.headers[subjects.H_STREAM], int(m.headers[subjects.H_SEQ]), json.loads(m.data)))
+        (kind, seq, last), (_, end_seq, end) = got
+        assert (kind, seq, end_seq) == ("chunk", 6, 7), got  # numbered on from what the requester had
+        assert last["id"] == "chatcmpl-x" and last["created"] == 1700000000
+        assert last["choices"] == [{"index": 0, "delta": {}, "finish_reason": "length"}]
+        assert end["routing"]["node_id"] == "h100-a"
+        assert continued(end["routing"]["continued_from"]) == [("h100-a", 4, "router")]
+    finally:
+        await nc.close()
+    assert stack.sim_state("h100-a")["counters"].get(MODEL, {}).get("prompt_tokens", 0) == asked
 
 
 # --- non-streamed requests (issue 20 item 4: the router streams from the node) ----------------

@@ -21,7 +21,7 @@ from zmlcore.policy.resolve import builtin_policy
 from zml_router import flow
 from zml_router.attempt import AttemptError, Failure
 from zmlcore.reply.transcript import Sent
-from zml_router.flow import Decide, Dispatch, Enqueue, Outcome, Penalise, Plan
+from zml_router.flow import Close, Decide, Dispatch, Enqueue, Outcome, Penalise, Plan
 from zml_router.table import NodeTable
 
 
@@ -56,7 +56,7 @@ def _run(plan: Plan, decide: Decider, attempt: Attempt) -> tuple[list[object], O
             elif isinstance(action, Penalise):
                 result = None
             else:
-                assert isinstance(action, Enqueue)
+                assert isinstance(action, (Enqueue, Close))
                 result = None
     except StopIteration:
         return seen, out, None
@@ -243,13 +243,55 @@ def test_a_continuation_that_breaks_is_continued_again_while_attempts_last() -> 
     (CHAT, {"continue_asked": False}, "continue_on_failure"),
     (CHAT, {"policy_continues": False}, "continue_on_failure"),
     (CHAT, {"rr": RouteRequest(model="m", accelerator_id="a")}, "pinned"),
-    (CHAT.replace(b'"max_tokens":10', b'"max_tokens":3'), {}, "all its tokens"),
     (b'{"model":"m","prompt":[1,2,3],"stream":true}', {}, "token ids"),
 ])
 def test_an_answer_that_must_not_be_continued_ends_with_the_error(raw: bytes, kw: dict, why: str) -> None:
     seen, out, err = _run(_plan(stream=True, raw=raw, **kw), _fleet("a", "b"), _failing({"a": _cut(3)}))
     assert err is not None and err.code == "BACKEND_ERROR" and why in err.message, err
     assert not any(isinstance(a, Dispatch) and a.continuation for a in seen)
+
+
+@pytest.mark.parametrize(("raw", "kw"), [
+    (CHAT.replace(b'"max_tokens":10', b'"max_tokens":3'), {}),
+    (CHAT.replace(b'"max_tokens":10', b'"max_completion_tokens":3'), {}),
+    # ending a whole answer is not continuing it: these would refuse a continuation
+    (CHAT.replace(b'"max_tokens":10', b'"max_tokens":3,"seed":1'), {}),
+    (CHAT.replace(b'"max_tokens":10', b'"max_tokens":3'), {"continue_asked": False}),
+    (CHAT.replace(b'"max_tokens":10', b'"max_tokens":3'), {"rr": RouteRequest(model="m", accelerator_id="a")}),
+])
+def test_an_answer_cut_after_its_last_token_is_closed_not_continued(raw: bytes, kw: dict) -> None:
+    seen, out, err = _run(_plan(stream=True, raw=raw, **kw), _fleet("a", "b"), _failing({"a": _cut(3)}))
+    assert err is None and out.ok, err
+    assert [type(a) for a in seen] == [Decide, Dispatch, Penalise, Close]  # no node asked for more
+    assert seen[-1] == Close("a", 1) and out.continued_from == [("a", 3, "network")]
+
+
+def test_a_finished_answer_missing_only_its_usage_is_closed() -> None:
+    seen, out, err = _run(_plan(stream=True, raw=CHAT), _fleet("a", "b"), _failing({"a": _cut(3, finished=True)}))
+    assert err is None and isinstance(seen[-1], Close)
+    # tool-call deltas end with their own reason: a finished one is closed, a cut one is not
+    _, _, err = _run(_plan(stream=True, raw=CHAT.replace(b'"max_tokens":10', b'"max_tokens":3')), _fleet("a", "b"),
+                     _failing({"a": _cut(3, blocked="tool-call deltas")}))
+    assert err is not None and "tool-call deltas" in err.message
+    seen, _, err = _run(_plan(stream=True, raw=CHAT), _fleet("a", "b"),
+                        _failing({"a": _cut(3, finished=True, blocked="tool-call deltas")}))
+    assert err is None and isinstance(seen[-1], Close)
+
+
+def test_a_resumed_stream_with_the_whole_answer_is_closed_by_the_new_router() -> None:
+    whole = Sent(text="x x x ", tokens=3)
+    out = Outcome()
+    out.continued_from = [("a", 3, "router")]
+    steps = flow.route(_plan(stream=True, raw=CHAT.replace(b'"max_tokens":10', b'"max_tokens":3'),
+                             resumed=whole, attempts_before=1), out)
+    assert next(steps) == Close("a", 1)
+    with pytest.raises(StopIteration):
+        steps.send(None)
+    assert out.ok
+    # with tokens still to come, it is continued as before
+    steps = flow.route(_plan(stream=True, raw=CHAT, resumed=whole, attempts_before=1), Outcome())
+    first = next(steps)
+    assert isinstance(first, Decide) and first.continuation
 
 
 def test_tool_call_deltas_already_sent_are_not_continued() -> None:

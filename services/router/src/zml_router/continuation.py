@@ -166,6 +166,35 @@ def remaining(raw_max: int | None, sent: Sent) -> int | None:
     return None if raw_max is None else raw_max - sent.tokens
 
 
+def complete(raw: bytes, sent: Sent) -> bool:
+    """Whether the requester has the whole answer and lost at most its end: its finish went out
+    (only the usage or the stream's end is missing), or every token ``max_tokens`` allowed did
+    (the node would have ended with ``finish_reason: "length"``). Such an answer is ended by
+    the router (:func:`closing_chunk`), not continued; the latter for one choice of plain text
+    only (tool-call deltas end with another reason)."""
+    if sent.finished:
+        return True
+    if not sent.tokens or sent.blocked:
+        return False
+    left = remaining(max_asked(raw), sent)
+    return left is not None and left <= 0
+
+
+def closing_chunk(kind: str, sent: Sent, model: str, zml: dict[str, Any]) -> bytes:
+    """The chunk that ends an answer which had all its ``max_tokens`` (:func:`complete`): what
+    the node would have sent last, and ``zml`` saying what happened, as a continuation's last
+    chunk does. No usage: the node's prompt count was lost with it.
+
+    >>> closing_chunk("chat", Sent(tokens=4, chunk_id="c1", created=7), "m", {"attempts": 1})
+    b'{"id":"c1","object":"chat.completion.chunk","created":7,"model":"m","choices":[{"index":0,"delta":{},"finish_reason":"length"}],"zml":{"attempts":1}}'
+    """
+    chat = kind == "chat"
+    choice: dict[str, Any] = {"index": 0, "delta": {}} if chat else {"index": 0, "text": ""}
+    choice["finish_reason"] = "length"
+    return _encode({"id": sent.chunk_id or "", "object": "chat.completion.chunk" if chat else "text_completion",
+                    "created": sent.created or 0, "model": model, "choices": [choice], "zml": zml})
+
+
 # --- the continuation's body ---------------------------------------------------------------------
 def body(raw: bytes, *, clean: bool, kind: str, sent: Sent, backend: str, name: str,
          usage: bool = False) -> bytes:

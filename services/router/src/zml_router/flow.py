@@ -22,7 +22,9 @@ here, unit-tested without a broker or a node:
      ``zml_router.continuation.refusal`` allows it (``Decide``/``Dispatch`` with
      ``continuation``: only nodes whose engine can continue an answer, and the rest of it);
    - :class:`Penalise` -> ``None`` (the node was marked here and for the peers);
-   - :class:`Enqueue` -> nothing: the request waits in the saturation queue, the flow is over.
+   - :class:`Enqueue` -> nothing: the request waits in the saturation queue, the flow is over;
+   - :class:`Close` -> ``None``: the requester has every token of the answer and lost only its
+     end (its node failed, or its router died, after the last one): the stream is ended here.
 
    It returns once the answer is out (``out.ok``) or the request queued (``out.queued``); an
    error the requester gets is raised as the ZMLError to reply with.
@@ -456,7 +458,17 @@ class Enqueue:
     saturated: bool
 
 
-Action = Union[Decide, Dispatch, Penalise, Enqueue]
+@dataclass(slots=True)
+class Close:
+    """The requester has the whole answer and lost only its end (zml_router.continuation.complete):
+    end the stream here, as its node would have; nothing is asked of a node. The flow is over."""
+
+    #: The node that produced the answer (and failed, or whose router died, after it).
+    node_id: str
+    attempts: int
+
+
+Action = Union[Decide, Dispatch, Penalise, Enqueue, Close]
 #: What the service sends back: a Decision or ZMLError for Decide, None or AttemptError otherwise.
 Result = Union[Decision, ZMLError, AttemptError, None]
 Flow = Generator[Action, Result, None]
@@ -474,6 +486,10 @@ def route(plan: Plan, out: Outcome) -> Flow:
     last: AttemptError | None = None
     continuing = False  # the next attempt continues the answer a failed node began
     if plan.resumed is not None:  # its router died part-way: continue what the requester has
+        if plan.stream and continuation.complete(plan.raw, plan.resumed):
+            out.ok = True
+            yield Close(out.continued_from[-1][0] if out.continued_from else "", plan.attempts_before)
+            return
         why = why_not_continue(plan, plan.resumed, 0)
         if why is not None:
             raise StreamInterruptedError(f"the router relaying this stream was lost and the answer cannot be "
@@ -515,6 +531,11 @@ def route(plan: Plan, out: Outcome) -> Flow:
         yield Penalise(decision, err)
         excluded.add(decision.node_id)
         if err.sent is not None:  # it failed part-way through the answer
+            if plan.stream and continuation.complete(plan.raw, err.sent):
+                out.continued_from.append((decision.node_id, err.sent.tokens, err.failure.value))
+                out.ok = True
+                yield Close(decision.node_id, before + attempt)
+                return
             why = why_not_continue(plan, err.sent, attempt)
             if why is None:
                 continuing = True

@@ -351,15 +351,36 @@ class Relay:
             out.completion_tokens = int(usage.get("completion_tokens") or 0)
         return None
 
-    async def end_resumed(self, msg: Incoming, r: StreamResume, request_id: str, answer: Answer,
-                          out: Outcome) -> None:
-        """A stream whose router died after the whole answer went out, only its end lost: end it."""
-        info = RoutingInfo(node_id=r.node_id, request_id=request_id, attempts=r.attempts, router_id=self.router_id,
+    async def close(self, msg: Incoming, req: InferRequest | AudioRequest, answer: Answer, request_id: str,
+                    out: Outcome, node_id: str, attempts: int) -> None:
+        """End a stream whose requester has the whole answer, only its end lost (its node failed,
+        or its router died, after the last token: zml_router.continuation.complete): the chunk
+        that ends it unless its finish went out, then the stream's end."""
+        sent = answer.transcript.sent()
+        info = RoutingInfo(node_id=node_id, request_id=request_id, attempts=attempts, router_id=self.router_id,
                            label=out.label, continued_from=continued_from(out.continued_from))
-        out.info, out.node_id, out.attempts, out.ok = info, r.node_id, r.attempts, True
+        out.info, out.node_id, out.attempts, out.ok = info, node_id, attempts, True
+        seq = answer.seq
+        if not sent.finished:
+            log.info("the answer on %s had all its %d tokens, only its end was lost: ended here", node_id,
+                     sent.tokens)
+            last = continuation.closing_chunk(req.kind(), sent, req.model,
+                                              {"node_id": node_id, "attempts": attempts,
+                                               "continued_from": info.continued_from, "ended_by": "router"})
+            seq += 1
+            accept = (msg.headers or {}).get(subjects.H_ACCEPT_STREAM)
+            if accept == subjects.STREAM_FRAMES:
+                await self.replies.publish(msg.reply, streamframe.encode(seq, b"data: " + last + b"\n\n"), None)
+            elif accept == subjects.STREAM_EVENTS:
+                await self.replies.publish(msg.reply, b"data: " + last + b"\n\n",
+                                           {subjects.H_STREAM: subjects.STREAM_EVENTS, subjects.H_SEQ: str(seq)})
+            else:
+                await self.replies.publish(msg.reply, last,
+                                           {subjects.H_STREAM: subjects.STREAM_CHUNK, subjects.H_SEQ: str(seq)})
+        answer.seq = seq
         await self.replies.before_last(0)
         await self.replies.publish(msg.reply, _encode(StreamStart(routing=info)),
-                                   {subjects.H_STREAM: subjects.STREAM_END, subjects.H_SEQ: str(answer.seq + 1)})
+                                   {subjects.H_STREAM: subjects.STREAM_END, subjects.H_SEQ: str(seq + 1)})
 
     def _headers(self, info: RoutingInfo, msg: Incoming | None = None) -> dict[str, str]:
         # An audio request's body is its caller's multipart form, its boundary in the content type.

@@ -383,9 +383,6 @@ class RouterService:
         if arrived.resume is not None:  # its router died mid-stream: continue what the requester has
             resumed = answer.resume(arrived.resume)
             out.continued_from = resumed_from(arrived.resume)
-            if resumed.finished and (resumed.usage or not answer.usage_asked):
-                await self.relay.end_resumed(msg, arrived.resume, arrived.request_id, answer, out)
-                return
             can_queue = False  # a stream in progress does not wait behind others
         plan = flow.Plan(model, policy.name, rr, self.cfg.router.max_attempts, req.stream, can_queue,
                          can_queue and not from_queue and queue.has_waiting(model),  # type: ignore[union-attr]
@@ -417,6 +414,9 @@ class RouterService:
                                                   answer)
             elif type(action) is flow.Penalise:
                 await self._penalise(action)
+                result = None
+            elif type(action) is flow.Close:
+                await self.relay.close(msg, req, answer, arrived.request_id, out, action.node_id, action.attempts)
                 result = None
             else:  # Enqueue: the flow is over
                 assert type(action) is flow.Enqueue
