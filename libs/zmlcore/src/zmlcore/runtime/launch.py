@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from urllib.parse import urlparse
 
+from zmlcore.runtime import portbook
+
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A free port for a server to bind (below the ephemeral range: see ``listen_ports``)."""
@@ -61,7 +63,8 @@ def listen_ports(n: int = 1, host: str = "127.0.0.1") -> int:
             ports = range(base, base + n)
             # Not one handed out moments ago and not yet bound: a stack picks all its ports
             # before its servers start, and two picks could otherwise coincide.
-            if not any(p in _HANDED for p in ports) and not any(port_in_use(host, p) for p in ports):
+            if not any(p in _HANDED for p in ports) and not any(port_in_use(host, p) for p in ports) \
+                    and portbook.claim(ports):  # nor by another process (zmlcore.runtime.portbook)
                 _HANDED.update((p, now) for p in ports)
                 return base
     raise OSError(errno.EADDRINUSE, f"no {n} free consecutive ports on {host}")
