@@ -89,6 +89,23 @@ async def sse(stack: Stack, body: dict[str, Any], path: str = "/v1/chat/completi
             return r.headers, events
 
 
+async def raw_stream(url: str, body: dict[str, Any], headers: dict[str, str] | None = None) -> list[tuple[str, int, Any]]:
+    """A stream asked on raw NATS (zml.infer), to its ``end``: (kind, seq, JSON) of each message."""
+    nc = await nats.connect(url)
+    try:
+        inbox = nc.new_inbox()
+        sub = await nc.subscribe(inbox)
+        await nc.publish(subjects.INFER, json.dumps({"model": MODEL, "stream": True, **body}).encode(), reply=inbox,
+                         headers=headers)
+        got: list[tuple[str, int, Any]] = []
+        while not got or got[-1][0] != "end":
+            m = await sub.next_msg(timeout=20)
+            got.append((m.headers[subjects.H_STREAM], int(m.headers[subjects.H_SEQ]), json.loads(m.data)))
+        return got
+    finally:
+        await nc.close()
+
+
 def read(events: list[Any]) -> tuple[str, list[str], dict[str, Any] | None, dict[str, Any] | None, set[str]]:
     """(text, finish reasons, usage, zml, chunk ids) of a stream's events."""
     text, finishes, usage, zml, ids = [], [], None, None, set()
@@ -145,31 +162,20 @@ async def test_a_stalled_node_is_left_after_the_inter_token_deadline(stack: Stac
 
 
 async def test_raw_nats_gets_one_numbered_stream_and_the_end_says_what_happened(failing: Stack) -> None:
-    nc = await nats.connect(failing.nats_url)
-    try:
-        inbox = nc.new_inbox()
-        sub = await nc.subscribe(inbox)
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 10,
-                "stream": True, "policy": "to-vllm"}
-        await nc.publish(subjects.INFER, json.dumps(body).encode(), reply=inbox)
-        seqs, text, end = [], [], None
-        while end is None:
-            m = await sub.next_msg(timeout=20)
-            kind = m.headers[subjects.H_STREAM]
-            seqs.append(int(m.headers[subjects.H_SEQ]))
-            if kind == "chunk":
-                for ch in json.loads(m.data)["choices"]:
-                    text.append(ch["delta"].get("content") or "")
-            elif kind == "end":
-                end = json.loads(m.data)["routing"]
-            else:
-                assert kind == "start", (kind, m.data)
-        assert seqs == list(range(len(seqs)))  # one numbering across both nodes
-        assert "".join(text) == words("h100-a", 10)
-        assert end["node_id"] == "h100-b" and end["attempts"] == 2
-        assert continued(end["continued_from"])[0][0] == "h100-a" and end["time_to_first_token"] > 0
-    finally:
-        await nc.close()
+    got = await raw_stream(failing.nats_url, {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 10,
+                                              "policy": "to-vllm"})
+    seqs, text = [seq for _, seq, _ in got], []
+    for kind, _, data in got:
+        if kind == "chunk":
+            for ch in data["choices"]:
+                text.append(ch["delta"].get("content") or "")
+        else:
+            assert kind in ("start", "end"), (kind, data)
+    end = got[-1][2]["routing"]
+    assert seqs == list(range(len(seqs)))  # one numbering across both nodes
+    assert "".join(text) == words("h100-a", 10)
+    assert end["node_id"] == "h100-b" and end["attempts"] == 2
+    assert continued(end["continued_from"])[0][0] == "h100-a" and end["time_to_first_token"] > 0
 
 
 @pytest.mark.parametrize(("extra", "why"), [
@@ -220,58 +226,36 @@ async def test_a_node_cut_after_the_last_token_has_its_answer_ended_not_failed(
 
 async def test_raw_nats_gets_the_end_of_an_answer_cut_after_its_last_token(stack: Stack) -> None:
     stack.faults("h100-a", drop_mid_stream=1.0, fail_after_tokens=4)
-    nc = await nats.connect(stack.nats_url)
     try:
-        inbox = nc.new_inbox()
-        sub = await nc.subscribe(inbox)
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4,
-                "stream": True, "policy": "to-vllm"}
-        await nc.publish(subjects.INFER, json.dumps(body).encode(), reply=inbox)
-        seqs, chunks, end = [], [], None
-        while end is None:
-            m = await sub.next_msg(timeout=20)
-            seqs.append(int(m.headers[subjects.H_SEQ]))
-            kind = m.headers[subjects.H_STREAM]
-            if kind == "chunk":
-                chunks.append(json.loads(m.data))
-            elif kind == "end":
-                end = json.loads(m.data)["routing"]
-        assert seqs == list(range(len(seqs)))
-        text = "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks)
-        assert text == words("h100-a", 4) and chunks[-1]["choices"][0]["finish_reason"] == "length"
-        assert chunks[-1]["id"] == chunks[0]["id"] and chunks[-1]["object"] == "chat.completion.chunk"
-        assert end["node_id"] == "h100-a" and continued(end["continued_from"]) == [("h100-a", 4, "network")]
+        got = await raw_stream(stack.nats_url, {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4,
+                                                "policy": "to-vllm"})
     finally:
         stack.faults("h100-a", drop_mid_stream=0.0, fail_after_tokens=1)
-        await nc.close()
+    seqs = [seq for _, seq, _ in got]
+    chunks = [data for kind, _, data in got if kind == "chunk"]
+    end = got[-1][2]["routing"]
+    assert seqs == list(range(len(seqs)))
+    text = "".join(ch["choices"][0]["delta"].get("content") or "" for ch in chunks)
+    assert text == words("h100-a", 4) and chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["id"] == chunks[0]["id"] and chunks[-1]["object"] == "chat.completion.chunk"
+    assert end["node_id"] == "h100-a" and continued(end["continued_from"]) == [("h100-a", 4, "network")]
 
 
 async def test_a_resumed_stream_that_had_every_token_is_ended_by_the_new_router(stack: Stack) -> None:
     """Its router died after the last token, before the end (``Zml-Resume`` as the gateway and
     the SDK send it): the router that takes it over ends the answer and asks no node."""
     asked = stack.sim_state("h100-a")["counters"].get(MODEL, {}).get("prompt_tokens", 0)
-    nc = await nats.connect(stack.nats_url)
-    try:
-        inbox = nc.new_inbox()
-        sub = await nc.subscribe(inbox)
-        had = StreamResume(text=words("h100-a", 4), tokens=4, seq=5, chunk_id="chatcmpl-x", created=1700000000,
-                           node_id="h100-a", attempts=1)
-        body = {"model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 4,
-                "stream": True, "policy": "to-vllm"}
-        await nc.publish(subjects.INFER, json.dumps(body).encode(), reply=inbox,
-                         headers={subjects.H_RESUME: resumes.encode(had), subjects.H_REQUEST_ID: "resumed-whole-1"})
-        got = []
-        while not got or got[-1][0] != "end":
-            m = await sub.next_msg(timeout=20)
-            got.append((m.headers[subjects.H_STREAM], int(m.headers[subjects.H_SEQ]), json.loads(m.data)))
-        (kind, seq, last), (_, end_seq, end) = got
-        assert (kind, seq, end_seq) == ("chunk", 6, 7), got  # numbered on from what the requester had
-        assert last["id"] == "chatcmpl-x" and last["created"] == 1700000000
-        assert last["choices"] == [{"index": 0, "delta": {}, "finish_reason": "length"}]
-        assert end["routing"]["node_id"] == "h100-a"
-        assert continued(end["routing"]["continued_from"]) == [("h100-a", 4, "router")]
-    finally:
-        await nc.close()
+    had = StreamResume(text=words("h100-a", 4), tokens=4, seq=5, chunk_id="chatcmpl-x", created=1700000000,
+                       node_id="h100-a", attempts=1)
+    got = await raw_stream(stack.nats_url, {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4,
+                                            "policy": "to-vllm"},
+                           {subjects.H_RESUME: resumes.encode(had), subjects.H_REQUEST_ID: "resumed-whole-1"})
+    (kind, seq, last), (_, end_seq, end) = got
+    assert (kind, seq, end_seq) == ("chunk", 6, 7), got  # numbered on from what the requester had
+    assert last["id"] == "chatcmpl-x" and last["created"] == 1700000000
+    assert last["choices"] == [{"index": 0, "delta": {}, "finish_reason": "length"}]
+    assert end["routing"]["node_id"] == "h100-a"
+    assert continued(end["routing"]["continued_from"]) == [("h100-a", 4, "router")]
     assert stack.sim_state("h100-a")["counters"].get(MODEL, {}).get("prompt_tokens", 0) == asked
 
 

@@ -277,14 +277,16 @@ def run(args: argparse.Namespace) -> int:
                 return failed
             last = _probe(url, probe) if wait_port(args.host, args.gateway_port, 0.5) else (0, "gateway not listening")
             if last[0] == 200:
+                if gateways <= 1:
+                    break
                 # Several gateway processes on one port: ready once each of them answers (the
                 # kernel spreads new connections over their listeners; each has its own id).
-                for _ in range(8 * gateways if gateways > 1 else 0):
+                for _ in range(8 * gateways):
                     if len(answered) >= gateways:
                         break
                     answered.add(_gateway_id(url))
-                answered.discard("")
-                if gateways <= 1 or len(answered) >= gateways:
+                    answered.discard("")  # no answer
+                if len(answered) >= gateways:
                     break
                 last = (0, f"{len(answered)} of {gateways} gateway processes answering")
             if time.monotonic() > deadline:

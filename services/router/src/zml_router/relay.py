@@ -368,15 +368,15 @@ class Relay:
                                               {"node_id": node_id, "attempts": attempts,
                                                "continued_from": info.continued_from, "ended_by": "router"})
             seq += 1
+            # in the form the requester reads this stream's chunks in (as Relay.stream sends them)
             accept = (msg.headers or {}).get(subjects.H_ACCEPT_STREAM)
+            event = b"data: " + last + b"\n\n"
             if accept == subjects.STREAM_FRAMES:
-                await self.replies.publish(msg.reply, streamframe.encode(seq, b"data: " + last + b"\n\n"), None)
-            elif accept == subjects.STREAM_EVENTS:
-                await self.replies.publish(msg.reply, b"data: " + last + b"\n\n",
-                                           {subjects.H_STREAM: subjects.STREAM_EVENTS, subjects.H_SEQ: str(seq)})
+                await self.replies.publish(msg.reply, streamframe.encode(seq, event), None)
             else:
-                await self.replies.publish(msg.reply, last,
-                                           {subjects.H_STREAM: subjects.STREAM_CHUNK, subjects.H_SEQ: str(seq)})
+                data, kind = (event, subjects.STREAM_EVENTS) if accept == subjects.STREAM_EVENTS \
+                    else (last, subjects.STREAM_CHUNK)
+                await self.replies.publish(msg.reply, data, {subjects.H_STREAM: kind, subjects.H_SEQ: str(seq)})
         answer.seq = seq
         await self.replies.before_last(0)
         await self.replies.publish(msg.reply, _encode(StreamStart(routing=info)),
