@@ -69,6 +69,13 @@ async def test_a_pinned_request_reads_ahead_of_the_routers_watch() -> None:
             code, body = await infer("nosuch")  # a node nobody registered: the same answer as before
             assert code == "BAD_REQUEST" and "not a registered node" in json.dumps(body), body
             assert "nosuch" not in svc.table.views
+            # hostile ids (subject wildcards and separators, control characters, huge): refused the
+            # same way, no read of another key, and the router serves on
+            for bad in ("mi300x-new.>", "*", "a b", "\x00\x1b[31m", "..", "n" * 100_000):
+                code, body = await infer(bad)
+                assert code == "BAD_REQUEST" and "not a registered node" in json.dumps(body), (bad[:20], body)
+            assert set(svc.table.views) == {"mi300x-new"}
+            assert (await infer("mi300x-new"))[0] == "OK"
         finally:
             await svc.stop()
             for c in (client, nc, health):
