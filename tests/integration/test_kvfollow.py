@@ -520,3 +520,36 @@ async def test_refresh_reads_ahead_of_a_lagging_watch(broker: Broker) -> None:
         task.cancel()
         for c in (nc, writer):
             await c.close()
+
+
+async def test_refresh_across_a_broker_restart(broker: Broker) -> None:
+    """With the broker gone a read-ahead is declined within its timeout and changes nothing;
+    once the follower has re-watched the restarted broker, reads go to it again."""
+    writer = await connect(broker.url, "writer")
+    nc = await connect(broker.url, "follower")
+    seen: dict[str, bytes] = {}
+    follower = KVFollower(nc, BUCKET, on_put=seen.__setitem__, on_delete=lambda k: seen.pop(k, None))
+    task = asyncio.create_task(follower.run())
+    try:
+        kv = await ensure_kv(writer.jetstream(), BUCKET)
+        await kv.put("a", b"1")
+        assert await follower.wait_ready(5)
+        await eventually(lambda: seen == {"a": b"1"}, what="first value")
+        broker.kill()
+        t0 = time.monotonic()
+        assert not await follower.refresh("b", every_s=0)
+        assert time.monotonic() - t0 < 2.0 and seen == {"a": b"1"}
+        broker.start()
+        await eventually(lambda: follower.watches >= 2 and follower.watcher is not None, timeout=15,
+                         what="re-watched")
+        consumer = natsinternals.watch_consumer(follower.watcher)  # type: ignore[arg-type]
+        assert consumer is not None
+        until = datetime.datetime.now(datetime.timezone.utc) + datetime.timedelta(seconds=60)
+        await retry(lambda: writer.jetstream().pause_consumer(*consumer, until.strftime("%Y-%m-%dT%H:%M:%S.%fZ")))
+        kv = await retry(lambda: ensure_kv(writer.jetstream(timeout=0.5), BUCKET))
+        await retry(lambda: kv.put("b", b"2"))
+        assert await follower.refresh("b", every_s=0) and seen == {"a": b"1", "b": b"2"}
+    finally:
+        task.cancel()
+        for c in (nc, writer):
+            await c.close()
