@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import os
 import signal
 import socket
@@ -221,6 +222,33 @@ async def test_client_timeout_on_a_plain_request_frees_the_slot(client: httpx.As
 
 # ----- engine imitations -----------------------------------------------------------------------
 
+
+@pytest.mark.parametrize("reset", [False, True], ids=["close", "reset"])
+async def test_a_client_gone_before_its_headers_is_no_traceback(
+        node: SimNode, client: httpx.AsyncClient, caplog: pytest.LogCaptureFixture, reset: bool) -> None:
+    """Callers that send a streamed request and close at once (a burst of hostile raw requests,
+    a client killed): the node writes its headers to a closing transport, which aiohttp reports
+    as an "Error handling request" traceback unless the node takes it as the normal end it is."""
+    import struct
+
+    body = json.dumps({**CHAT, "max_tokens": 5, "stream": True}).encode()
+    raw = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+           f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    caplog.set_level(logging.DEBUG)
+    for _ in range(5):
+        _, w = await asyncio.open_connection(node.host, node.port)
+        w.write(raw)
+        await w.drain()
+        if reset:
+            w.get_extra_info("socket").setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        w.close()
+    await eventually(lambda: _state_is(client, lambda s: s["batch"]["running"] == 0))
+    await asyncio.sleep(0.2)  # any handler still writing has finished
+    gone = [r for r in caplog.records if "went away" in r.getMessage()]
+    errors = [r for r in caplog.records if r.levelno >= logging.WARNING or r.exc_info]
+    assert not errors, [r.getMessage() for r in errors]
+    assert gone, "the closed connections were not seen at all"
+    assert (await client.post("/v1/chat/completions", json=CHAT)).status_code == 200
 
 @pytest.mark.timeout(20)
 @pytest.mark.parametrize("engine", ["vllm", "tgi", "openai"])

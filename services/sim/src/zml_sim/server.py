@@ -105,6 +105,19 @@ def _bind(node_id: str, host: str, port: int) -> socket.socket:
 _json_response = json_response
 
 
+@web.middleware
+async def _client_gone(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """A client that closes its connection before (or while) its answer is written is normal:
+    the request ends quietly, as a real engine's would, instead of aiohttp's "Error handling
+    request" traceback. ``ClientConnectionResetError`` ("Cannot write to closing transport") is
+    a ``ConnectionResetError``."""
+    try:
+        return await handler(request)
+    except ConnectionResetError as exc:
+        log.debug("%s %s: the client went away (%s)", request.method, request.path, exc)
+        raise asyncio.CancelledError from exc
+
+
 class SimNode:
     """One simulated accelerator node: engine + HTTP server (see the module docstring)."""
 
@@ -306,7 +319,8 @@ class SimNode:
 
     def _make_app(self) -> web.Application:
         # OpenAI's upload limit for audio files, plus the multipart framing and form fields
-        app = web.Application(client_max_size=transcription.MAX_FILE_BYTES + 1024 * 1024)
+        app = web.Application(client_max_size=transcription.MAX_FILE_BYTES + 1024 * 1024,
+                              middlewares=[_client_gone])
         r = app.router
         r.add_post("/v1/chat/completions", self._chat)
         r.add_post("/v1/completions", self._completions)
