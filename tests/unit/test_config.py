@@ -114,3 +114,25 @@ def test_trusted_proxies_are_addresses_or_networks() -> None:
     for bad in ("*", "proxy.local", "10.0.0.0/40"):
         with pytest.raises(ConfigError, match="trusted_proxies"):
             parse_config({"gateway": {"trusted_proxies": [bad]}})
+
+
+@pytest.mark.parametrize(("spelled", "backend"), [("llama.cpp", "llamacpp"), ("llama-cpp", "llamacpp"),
+                                                  ("llama-server", "llamacpp"), ("vLLM", "vllm"),
+                                                  ("SGLang", "sglang"), ("text-generation-inference", "tgi")])
+def test_engines_as_their_users_spell_them(tmp_path: Path, spelled: str, backend: str) -> None:
+    text = NODE + f'backend = "{spelled}"\n[nodes.sim]\nengine = "{spelled}"\n'
+    node = load_config(write(tmp_path, text), env={}).nodes[0]
+    assert node.backend == backend and node.sim is not None and node.sim.engine == backend
+
+
+@pytest.mark.parametrize(("text", "says"), [
+    (NODE + 'backend = "trt-llm"\n', "nodes[0].backend: Invalid enum value 'trt-llm' (one of: vllm, tgi, sglang, "
+                                     "llamacpp, openai)"),
+    (NODE + '[nodes.sim]\nengine = "trt"\n', "nodes[0].sim.engine: Invalid enum value 'trt' (one of: vllm, tgi"),
+    (NODE + '[policy.p]\nstrategy = "fast"\n', "(one of: latency, cost, availability, round_robin, weighted"),
+    (NODE + '[router]\nprocesses = "many"\n', "(one of: auto, an integer)"),
+])
+def test_a_value_outside_a_set_lists_the_set(tmp_path: Path, text: str, says: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, text), env={})
+    assert says in str(info.value)

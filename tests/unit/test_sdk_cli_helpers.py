@@ -107,3 +107,14 @@ def test_parsers_and_inline_policy() -> None:
         parse_policy('{"cost_priority": "free"}')
     with pytest.raises(zml.PolicyConfigError):
         parse_policy('{"bogus": 1}')
+
+
+def test_nodes_add_backend_takes_common_spellings_and_lists_the_rest(capsys: pytest.CaptureFixture[str]) -> None:
+    parser = build_parser()
+    args = parser.parse_args(["nodes", "add", "n1", "--backend", "llama.cpp"])
+    assert args.backend == "llamacpp"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["nodes", "add", "n1", "--backend", "trt"])
+    assert "unknown engine 'trt' (one of: vllm, tgi, sglang, llamacpp, openai)" in capsys.readouterr().err
+    with pytest.raises(zml.PolicyConfigError, match=r"\(one of: cost, balanced, latency\)"):
+        parse_policy('{"cost_priority": "free"}')

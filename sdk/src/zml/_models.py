@@ -15,7 +15,7 @@ from typing import Any, Generic, TypeVar
 import msgspec
 
 from zml._fleet import known_families
-from zmlcore.config import PolicyConfig, validate_policy
+from zmlcore.config import PolicyConfig, validate_policy, with_choices
 from zmlcore.errors import PolicyConfigError
 from zmlcore.messages import InlinePolicy
 
@@ -82,7 +82,7 @@ class Policy:
         try:
             cfg = msgspec.convert(data, PolicyConfig)
         except msgspec.ValidationError as exc:
-            raise PolicyConfigError(f"policy {self.name!r}: {exc}") from exc
+            raise PolicyConfigError(f"policy {self.name!r}: {with_choices(PolicyConfig, str(exc))}") from exc
         known = list(families) if families is not None else known_families(cfg.chain(), config_path)
         # Without a known fleet only the values are checked: the chain checks itself.
         validate_policy(self.name, cfg, known if known is not None else cfg.chain(), f"policy {self.name!r}")

@@ -18,6 +18,8 @@ import os
 import re
 import sys
 from pathlib import Path
+import types
+import typing
 from typing import Annotated, Any, Literal
 
 import msgspec
@@ -41,6 +43,75 @@ Strategy = Literal["latency", "cost", "availability", "round_robin", "weighted",
 CostPriority = Literal["cost", "balanced", "latency"]
 
 BUILTIN_POLICIES = ("latency", "cost", "availability", "round_robin", "balanced")
+BACKENDS: tuple[str, ...] = typing.get_args(Backend)
+#: Other names engines go by (after lower-casing and dropping ".", "-", "_" and spaces).
+_BACKEND_ALIASES = {"llamaserver": "llamacpp", "textgenerationinference": "tgi"}
+
+
+def canonical_backend(name: str) -> str | None:
+    """The backend a user means by ``name`` ("llama.cpp", "vLLM", "SGLang", "llama-server"),
+    or None when it names none of :data:`BACKENDS`.
+
+    >>> canonical_backend("llama.cpp"), canonical_backend("TGI"), canonical_backend("trt")
+    ('llamacpp', 'tgi', None)
+    """
+    key = re.sub(r"[\s._-]", "", name.lower())
+    key = _BACKEND_ALIASES.get(key, key)
+    return key if key in BACKENDS else None
+
+
+def enum_choices(root: type, path: str) -> tuple[str, ...]:
+    """The values allowed at a msgspec error path (``$.nodes[0].backend``) under the Struct
+    ``root`` when that field is a Literal (then any other kind it takes, "an integer"); ()
+    otherwise. Error messages list them."""
+    tp: Any = root
+    for name, _index in re.findall(r"\.(\w+)|\[(\d+|\.\.\.)\]", path.lstrip("$")):
+        tp = _unwrap(tp)
+        if name:
+            if not (isinstance(tp, type) and issubclass(tp, msgspec.Struct)):
+                return ()
+            tp = typing.get_type_hints(tp).get(name)
+        else:
+            args = typing.get_args(tp)
+            tp = args[-1] if args else None
+        if tp is None:
+            return ()
+    values: list[str] = []
+    others: list[str] = []
+    for member in typing.get_args(tp) if _is_union(tp) else (tp,):
+        member = _unwrap(member)
+        if typing.get_origin(member) is Literal:
+            values += [str(v) for v in typing.get_args(member)]
+        elif member is not type(None):
+            others.append(_KINDS.get(member, getattr(member, "__name__", str(member))))
+    return (*values, *others) if values else ()
+
+
+_KINDS = {int: "an integer", float: "a number", str: "a string"}
+
+
+def _is_union(tp: Any) -> bool:
+    return typing.get_origin(tp) in (typing.Union, types.UnionType)
+
+
+def _unwrap(tp: Any) -> Any:
+    """``Annotated[T, ...]`` -> T; ``T | None`` -> T."""
+    while True:
+        if typing.get_origin(tp) is Annotated:
+            tp = typing.get_args(tp)[0]
+        elif _is_union(tp) and len(args := [a for a in typing.get_args(tp) if a is not type(None)]) == 1:
+            tp = args[0]
+        else:
+            return tp
+
+
+def with_choices(root: type, message: str) -> str:
+    """msgspec's ``Invalid enum value 'x' - at `$.a.b``` with the values it takes appended."""
+    m = _ERROR_PATH.search(message)
+    if m is None or not message.startswith("Invalid enum value"):
+        return message
+    choices = enum_choices(root, m.group(1))
+    return f"{message} (one of: {', '.join(choices)})" if choices else message
 
 _Base = {"kw_only": True, "forbid_unknown_fields": True}
 
@@ -308,7 +379,8 @@ class NodeConfig(msgspec.Struct, **_Base):
     endpoint: str
     """Base URL of the serving engine, e.g. http://10.0.0.5:8000 (no /v1)."""
     backend: Backend = "vllm"
-    """Serving engine: vllm, tgi, sglang, llamacpp or openai (any OpenAI-compatible server)."""
+    """Serving engine: vllm, tgi, sglang, llamacpp (llama.cpp's llama-server) or openai (any
+    OpenAI-compatible server). Spellings such as "llama.cpp" or "vLLM" are read as these."""
     models: list[str] = []
     """Models this node serves (or should serve)."""
     served_names: dict[str, str] = {}
@@ -601,7 +673,25 @@ def _key_of(msg: str) -> tuple[str, str]:
     if not m:
         return "", msg
     key = m.group(1).lstrip(".")
-    return key, msg[: m.start()].rstrip(" -")
+    return key, (msg[: m.start()].rstrip(" -") + msg[m.end():]).rstrip()
+
+
+def _spelled(data: dict[str, Any]) -> dict[str, Any]:
+    """Engines named as their users spell them ("llama.cpp") become the backend ids."""
+    nodes = data.get("nodes")
+    if not isinstance(nodes, list):
+        return data
+    out = []
+    for node in nodes:
+        if isinstance(node, dict):
+            node = dict(node)
+            if isinstance(node.get("backend"), str):
+                node["backend"] = canonical_backend(node["backend"]) or node["backend"]
+            sim = node.get("sim")
+            if isinstance(sim, dict) and isinstance(sim.get("engine"), str):
+                node["sim"] = {**sim, "engine": canonical_backend(sim["engine"]) or sim["engine"]}
+        out.append(node)
+    return {**data, "nodes": out}
 
 
 def validate_policy(name: str, pol: PolicyConfig, families: list[str], where: str) -> None:
@@ -756,9 +846,9 @@ def _validate_batch(b: BatchConfig, policies: set[str], src: str) -> None:
 def parse_config(data: dict[str, Any], source: str = "<memory>") -> ZMLConfig:
     """Validate an already-parsed TOML document."""
     try:
-        cfg = msgspec.convert({**data, "source": source}, ZMLConfig)
+        cfg = msgspec.convert({**_spelled(data), "source": source}, ZMLConfig)
     except msgspec.ValidationError as exc:
-        key, msg = _key_of(str(exc))
+        key, msg = _key_of(with_choices(ZMLConfig, str(exc)))
         raise ConfigError(f"{source}: {key or '(top level)'}: {msg}") from exc
     _validate(cfg, source)
     return cfg

@@ -24,7 +24,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     a = p.add_argument_group("add / remove (a request to the health service over NATS; survives its restarts)")
     a.add_argument("--accelerator", help="type ID: nvidia_h100, nvidia_a100, amd_mi300x, intel_gaudi2, aws_inferentia2, cpu")
     a.add_argument("--url", dest="node_url", help="the engine's base URL, e.g. http://10.0.0.9:8000")
-    a.add_argument("--backend", default="vllm", help="vllm, tgi, sglang, llamacpp or openai (default vllm)")
+    a.add_argument("--backend", default="vllm", type=_backend,
+                   help="vllm, tgi, sglang, llamacpp (llama.cpp's llama-server) or openai (default vllm)")
     a.add_argument("--serves", action="append", default=[], metavar="MODEL", help="a model it serves (repeatable)")
     a.add_argument("--served-name", action="append", default=[], metavar="MODEL=NAME",
                    help="the engine's own name for a model it serves, e.g. "
@@ -38,12 +39,22 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.set_defaults(func=run)
 
 
+def _backend(text: str) -> str:
+    from zmlcore.config import BACKENDS, canonical_backend
+
+    name = canonical_backend(text)
+    if name is None:
+        raise argparse.ArgumentTypeError(f"unknown engine {text!r} (one of: {', '.join(BACKENDS)})")
+    return name
+
+
 def _admin(args: argparse.Namespace) -> int:
     import asyncio
 
     import msgspec
 
     from zml.cli._bus import operator_nats, resolve
+    from zmlcore.config import with_choices
     from zmlcore.errors import BadRequestError
     from zmlcore.fleet.registry import add_node, remove_node
     from zmlcore.messages import NodeSpec
@@ -72,7 +83,7 @@ def _admin(args: argparse.Namespace) -> int:
     try:
         spec = msgspec.convert({k: v for k, v in raw.items() if v is not None}, NodeSpec)
     except msgspec.ValidationError as exc:
-        raise BadRequestError(f"invalid node: {exc}") from exc
+        raise BadRequestError(f"invalid node: {with_choices(NodeSpec, str(exc))}") from exc
     asyncio.run(call(add_node, spec, replace=args.replace))
     print(f"{args.node_id}: added ({args.accelerator} at {args.node_url}); `zml nodes` shows it after its first poll")
     return 0

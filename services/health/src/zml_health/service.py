@@ -25,7 +25,7 @@ from nats.aio.subscription import Subscription
 from nats.js.kv import KeyValue
 
 from zmlcore import subjects
-from zmlcore.config import NodeConfig, ZMLConfig, parse_config
+from zmlcore.config import NodeConfig, ZMLConfig, parse_config, with_choices
 from zmlcore.errors import BadRequestError, ConfigError, ZMLError
 from zml_health.hardware import HardwareCheck, validate_hardware
 from zml_health.score import health_score
@@ -413,7 +413,7 @@ class HealthService:
             try:
                 req = node_add_decoder.decode(msg.data)
             except (msgspec.ValidationError, msgspec.DecodeError) as exc:
-                raise BadRequestError(f"invalid node registration: {exc}") from exc
+                raise BadRequestError(f"invalid node registration: {with_choices(NodeSpec, str(exc))}") from exc
             try:
                 node = spec_to_config(req.node)
             except ConfigError as exc:
