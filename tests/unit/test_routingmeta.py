@@ -146,6 +146,16 @@ def test_any_text_travels_as_printable_ascii_and_comes_back(label: str) -> None:
     assert routingmeta.nats_headers(RoutingInfo(node_id="n-1.x"))["Zml-Node-Id"] == "n-1.x"  # plain: as is
 
 
+def test_an_empty_text_is_no_header() -> None:
+    """A reply of a request without a cost label carries no ``x-zml-label:`` with nothing after it."""
+    info = RoutingInfo(node_id="n1", label="", policy="latency")
+    nats = routingmeta.nats_headers(info)
+    assert "Zml-Label" not in nats and nats["Zml-Policy"] == "latency"
+    assert b"x-zml-label" not in dict(routingmeta.http_headers(nats))
+    assert b"x-zml-label" not in dict(routingmeta.http_headers_of(info))
+    assert routingmeta.read(lower_headers(nats)) == info
+
+
 def test_a_value_of_the_wrong_type_loses_only_its_field() -> None:
     got = routingmeta.read({"x-zml-node-id": "n1", "x-zml-queue-depth": "many", "x-zml-attempts": "2"})
     assert got == RoutingInfo(node_id="n1", attempts=2)

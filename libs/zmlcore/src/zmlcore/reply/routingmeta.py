@@ -10,7 +10,8 @@ transports lower-case header names first).
 
 Values: numbers in decimal, strings as they are when printable ASCII without ``%`` or edge
 spaces, else UTF-8 percent-encoded (a label may be any text; gRPC metadata and HTTP/1.1 carry
-ASCII only); a ``None`` field is no header.
+ASCII only); a ``None`` field or an empty text (no label) is no header: a reader gets the
+field's default back.
 
 >>> h = nats_headers(RoutingInfo(node_id="n1", accelerator_type="nvidia_h100", family="H100",
 ...                              policy="latency", queue_depth_at_dispatch=2, decision_id="d",
@@ -53,12 +54,12 @@ _SAFE = "".join(chr(c) for c in range(0x21, 0x7F) if chr(c) != "%")
 
 
 def _values(info: RoutingInfo) -> list[tuple[str, bytes, str]]:
-    """(NATS name, HTTP name, header value) of each field of ``info`` that is not None. Inline
-    and call-free: this runs for every reply the gateway and the routers send."""
+    """(NATS name, HTTP name, header value) of each field of ``info`` that is not None or "".
+    Inline and call-free: this runs for every reply the gateway and the routers send."""
     out = []
     for name, nats, http, text in _WRITE:
         v = getattr(info, name)
-        if v is None:
+        if v is None or v == "":
             continue
         if not text:
             v = str(v)  # int or float, in the form msgspec reads back (strict=False)
