@@ -34,10 +34,13 @@ def test_infer(endpoint: str) -> None:
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip()
     assert re.search(r"node=\S+ type=\S+ family=\S+ policy=\S+ queue=\d+", p.stderr)
+    assert int(re.search(r"tokens=(\d+)", p.stderr).group(1)) > 4  # type: ignore[union-attr]
     p = zml_cli("infer", "--model", MODEL, "--prompt", "Hello", "--max-tokens", "4", "--stream",
                 "--policy", '{"accelerator_chain": ["MI300X"]}', "--endpoint", endpoint)
     assert p.returncode == 0, p.stderr
     assert "family=MI300X" in p.stderr and p.stdout.strip()
+    # the usage chunk's count (prompt + answer), as for a whole reply: not 0
+    assert int(re.search(r"tokens=(\d+)", p.stderr).group(1)) > 4, p.stderr  # type: ignore[union-attr]
 
 
 def test_errors_are_one_line_with_the_code(endpoint: str) -> None:

@@ -38,12 +38,14 @@ def run(args: argparse.Namespace) -> int:
         kwargs["messages"] = [{"role": "user", "content": args.prompt}]
     with Client(**client_kwargs(args)) as client:
         if args.stream:
-            with client.infer_stream(args.model, **kwargs) as stream:
+            # The usage chunk at the end is where a stream's token count comes from (OpenAI's way).
+            with client.infer_stream(args.model, stream_options={"include_usage": True}, **kwargs) as stream:
                 for chunk in stream:
                     sys.stdout.write(chunk.text)
                     sys.stdout.flush()
             sys.stdout.write("\n")
             r, meta, retries = stream.routing, stream.metadata, stream.metrics.retries
+            tokens = str(stream.usage.total_tokens) if stream.usage.total_tokens else "-"  # none reported
         else:
             result = client.infer(args.model, **kwargs)
             if args.json:
@@ -51,8 +53,9 @@ def run(args: argparse.Namespace) -> int:
             else:
                 print(result.text)
             r, meta, retries = result.routing, result.metadata, result.metrics.retries
+            tokens = str(meta.total_tokens)
     if r is not None:
         print(f"zml: node={r.node_id} type={r.accelerator_type} family={r.family} policy={r.policy} "
               f"queue={r.queue_depth_at_dispatch} ttft={fmt_s(meta.time_to_first_token)} "
-              f"tokens={meta.total_tokens} retries={retries}", file=sys.stderr)
+              f"tokens={tokens} retries={retries}", file=sys.stderr)
     return 0
