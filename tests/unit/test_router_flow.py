@@ -121,6 +121,18 @@ def test_a_client_error_is_bad_request_with_no_retry_and_no_penalty() -> None:
     assert [type(a) for a in seen] == [Decide, Dispatch]
 
 
+def test_an_engines_refusal_is_told_in_its_own_words() -> None:
+    vllm = ('{"error":{"message":"This model\'s maximum context length is 8192 tokens. However, you requested '
+            '9000 tokens.","type":"BadRequestError","param":null,"code":400}}')
+    _, _, err = _run(_plan(), _fleet("a"), _failing({"a": AttemptError(Failure.CLIENT, 400, vllm)}))
+    assert err is not None and err.message == ("node a rejected the request: 400 BadRequestError: This model's "
+                                               "maximum context length is 8192 tokens. However, you requested "
+                                               "9000 tokens.")
+    failed = AttemptError(Failure.SERVER, 500, '{"error":"CUDA out of memory","error_type":"generation"}')
+    _, _, err = _run(_plan(max_attempts=1), _fleet("a"), _failing({"a": failed}))
+    assert err is not None and err.message.endswith("last: server 500 generation: CUDA out of memory"), err.message
+
+
 def test_no_model_everywhere_is_model_not_loaded() -> None:
     gone = AttemptError(Failure.NO_MODEL, 404, "unknown model")
     _, _, err = _run(_plan(), _fleet("a"), _failing({"a": gone}))

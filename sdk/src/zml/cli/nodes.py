@@ -20,7 +20,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument("action", nargs="?", choices=("list", "add", "remove"), default="list",
                    help="list (default), add a node at run time, or remove one")
     p.add_argument("node_id", nargs="?", help="add/remove: the node id")
-    p.add_argument("--json", action="store_true", help="print the node list as JSON")
+    p.add_argument("--json", action="store_true",
+                   help='print {"nodes": [...]}, the object GET /v1/nodes answers (not a bare list: '
+                        "`jq '.nodes[]'` reads it)")
     a = p.add_argument_group("add / remove (a request to the health service over NATS; survives its restarts)")
     a.add_argument("--accelerator", help="type ID: nvidia_h100, nvidia_a100, amd_mi300x, intel_gaudi2, aws_inferentia2, cpu")
     a.add_argument("--url", dest="node_url", help="the engine's base URL, e.g. http://10.0.0.9:8000")
@@ -160,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
     with Client(**client_kwargs(args)) as client:
         nodes = client._nodes_raw()
     if args.json:
-        print(json.dumps(nodes, indent=2))
+        print(json.dumps({"nodes": nodes}, indent=2))  # GET /v1/nodes' shape, whatever the transport
     elif not nodes:
         print("no nodes registered (add [[nodes]] to zml.toml)")
     else:

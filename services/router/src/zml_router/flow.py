@@ -74,6 +74,7 @@ from zmlcore.policy import Decision, ResolvedPolicy, RouteRequest, resolve_polic
 from zmlcore.policy.estimate import prompt_tokens_from_body
 from zmlcore.policy.prefix import KeyChain, chain_from_header, keyed, request_keys
 from zmlcore.reply.bigreply import check_fits
+from zmlcore.reply.engineerror import engine_error
 from zmlcore.reply import resume as resumes
 from zmlcore.reply.keepalive import parse_interval
 
@@ -527,7 +528,7 @@ def route(plan: Plan, out: Outcome) -> Flow:
             if err.mid_stream:  # the engine refused the continuation, not the caller's request
                 raise BackendError(f"node {decision.node_id} refused to continue the answer: {err.detail}",
                                    retry_after=1.0)
-            raise BadRequestError(f"node {decision.node_id} rejected the request: {err.detail}")
+            raise BadRequestError(f"node {decision.node_id} rejected the request: {engine_error(err.status, err.detail)}")
         yield Penalise(decision, err)
         excluded.add(decision.node_id)
         if err.sent is not None:  # it failed part-way through the answer
@@ -593,9 +594,9 @@ def exhausted(plan: Plan, last: AttemptError, tried: set[str]) -> ZMLError:
             retry_after=last.retry_after or 1.0,
         )
     if last.failure is Failure.NO_MODEL:
-        return ModelNotLoadedError(f"no node could serve model {plan.model!r}: {last.detail}")
+        return ModelNotLoadedError(f"no node could serve model {plan.model!r}: {engine_error(last.status, last.detail)}")
     return BackendError(
-        f"{len(tried)} node(s) failed for this request; last: {last.failure.value} {last.status} {last.detail}".strip(),
+        f"{len(tried)} node(s) failed for this request; last: {last.failure.value} {engine_error(last.status, last.detail)}",
         retry_after=1.0,
     )
 
