@@ -49,7 +49,7 @@ async def test_add_route_list_remove(small: Stack) -> None:
             assert r.json()["zml"]["node_id"] == "gaudi2-new"
             listed = zml("nodes", "--json", "--endpoint", small.gateway_url)
             assert listed.returncode == 0, listed.stderr
-            assert "gaudi2-new" in {n["node_id"] for n in json.loads(listed.stdout)}
+            assert "gaudi2-new" in {n["node_id"] for n in json.loads(listed.stdout)["nodes"]}
             table = zml("nodes", "--endpoint", small.gateway_url)
             assert "gaudi2-new" in table.stdout and "intel_gaudi2" in table.stdout
             out = zml("nodes", "remove", "gaudi2-new", "--nats-url", small.nats_url)

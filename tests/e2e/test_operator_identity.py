@@ -85,7 +85,7 @@ def test_operator_commands_find_the_admin_identity(newcomer: Newcomer) -> None:
     assert "ready on 1 node" in _ok(newcomer.shell("serve", MODEL, "--nodes", "h100-1")[0])
     # the node list over NATS as the admin identity too (an SDK-based command)
     listed = _ok(newcomer.shell("nodes", "--json", "--endpoint", newcomer.nats_url)[0])
-    assert "h100-1" in {n["node_id"] for n in json.loads(listed)}
+    assert "h100-1" in {n["node_id"] for n in json.loads(listed)["nodes"]}
     # the URL named as the user would type it: still the local `zml up`
     local = newcomer.nats_url.replace("127.0.0.1", "localhost")
     assert "foo: removed" in _ok(newcomer.shell("nodes", "remove", "foo", "--nats-url", local)[0])

@@ -52,17 +52,30 @@ def test_errors_are_one_line_with_the_code(endpoint: str) -> None:
     assert p.returncode == 1 and "[CONNECTION_FAILED]" in p.stderr and "Traceback" not in p.stderr
 
 
+def _cells(header: str, line: str) -> dict[str, str]:
+    """A table row by column name, cut where the header's columns start (cells may hold spaces)."""
+    names = header.split()
+    starts = [header.index(f"{n} " if n != names[-1] else n) for n in names]
+    return {n: line[a:b].strip() for n, a, b in zip(names, starts, [*starts[1:], None])}
+
+
 def test_nodes_table(endpoint: str, zml_stack: Stack) -> None:
     p = zml_cli("nodes", "--endpoint", endpoint)
     assert p.returncode == 0, p.stderr
     header, *lines = p.stdout.strip().splitlines()
-    assert header.split() == ["NODE", "TYPE", "FAMILY", "MODELS", "HEALTH", "QUEUE", "STATE", "COOLDOWN", "CACHE",
-                              "ENDPOINT"]
+    assert header.split() == ["NODE", "TYPE", "FAMILY", "MODELS", "HEALTH", "QUEUE", "STATE", "COOLDOWN", "SPEED",
+                              "CACHE", "ENDPOINT", "NOTE"]
+    rows = [_cells(header, line) for line in lines]
     # the sims report cached tokens and vLLM's cache geometry: routers know their caches that way
-    assert all(line.split()[-2].startswith("reported:") for line in lines), lines
-    assert sorted(line.split()[0] for line in lines) == sorted(zml_stack.node_ids)
-    assert sorted(line.split()[-1] for line in lines) == sorted(zml_stack.sim_url(n) for n in zml_stack.node_ids)
-    assert all(" up " in f" {line} " for line in lines)
+    assert all(r["CACHE"].startswith("reported:") for r in rows), lines
+    assert sorted(r["NODE"] for r in rows) == sorted(zml_stack.node_ids)
+    assert sorted(r["ENDPOINT"] for r in rows) == sorted(zml_stack.sim_url(n) for n in zml_stack.node_ids)
+    assert all(r["STATE"] == "up" for r in rows), lines
+    # each node's speeds with where they come from (the sims' counters once they served, else
+    # the accelerator type's profile) and, when measured, how long ago they last moved
+    assert all(re.fullmatch(r"[\d.]+k?/[\d.]+k?:(default|measured:\d+[smh])", r["SPEED"]) for r in rows), lines
+    listed = json.loads(zml_cli("nodes", "--json", "--endpoint", endpoint).stdout)
+    assert sorted(n["node_id"] for n in listed["nodes"]) == sorted(zml_stack.node_ids)  # /v1/nodes' shape
 
 
 def test_bench(zml_stack: Stack, tmp_path: Path) -> None:

@@ -15,7 +15,7 @@ from zml.cli._common import parse_policy
 from zml.cli._batchio import Progress, read_items
 from zml.cli.batch import load_done
 from zml.cli.bench import Level, percentile, recommend
-from zml.cli.nodes import render
+from zml.cli.nodes import after_add, render
 
 
 def test_percentile_nearest_rank() -> None:
@@ -80,18 +80,50 @@ def test_nodes_table() -> None:
     nodes = [{"node_id": "h100-1", "accelerator_type": "nvidia_h100", "family": "H100", "models": ["m"],
               "status": "up", "health_score": 97.4, "queue_running": 2, "queue_waiting": 1,
               "endpoint": "http://127.0.0.1:40123", "cache_fidelity": "precise", "kv_block_size": 64,
-              "kv_blocks": 8192, "prefix_cache_hit_rate": 0.423, "kv_events": "live"},
+              "kv_blocks": 8192, "prefix_cache_hit_rate": 0.423, "kv_events": "live",
+              "prefill_tps": 9812.4, "decode_tps": 58.2, "speeds_measured": True, "speeds_source": "measured",
+              "speeds_at": 96.0},
              {"node_id": "mi300x-1", "accelerator_type": "amd_mi300x", "family": "MI300X", "models": [],
-              "loading_models": ["m"], "status": "down", "reason": "driver too old", "cooldown_until": 105.0}]
+              "loading_models": ["m"], "status": "down", "reason": "driver too old", "cooldown_until": 105.0,
+              "last_ok": 65.0, "prefill_tps": 12000.0, "decode_tps": 72.0,
+              "note": "no node probe (GET /zml/v1/node): hardware not validated"}]
     lines = render(nodes, now=100.0).splitlines()
-    assert lines[0].split() == ["NODE", "TYPE", "FAMILY", "MODELS", "HEALTH", "QUEUE", "STATE", "COOLDOWN", "CACHE",
-                                "ENDPOINT"]
-    assert lines[1].split() == ["h100-1", "nvidia_h100", "H100", "m", "97", "3", "up", "-", "precise:8192x64:42%",
-                                "http://127.0.0.1:40123"]
-    assert "(loading: m)" in lines[2] and "down (driver too old)" in lines[2] and lines[2].split()[-3:] == ["5.0s", "-", "-"]
+    assert lines[0].split() == ["NODE", "TYPE", "FAMILY", "MODELS", "HEALTH", "QUEUE", "STATE", "COOLDOWN", "SPEED",
+                                "CACHE", "ENDPOINT", "NOTE"]
+    assert lines[1].split() == ["h100-1", "nvidia_h100", "H100", "m", "97", "3", "up", "-", "9812/58:measured:4s",
+                                "precise:8192x64:42%", "http://127.0.0.1:40123", "-"]
+    # down for 35 s (its last good probe) and why; speeds from an older health service (no
+    # speeds_source): the type's profile; the note in plain sight
+    assert "(loading: m)" in lines[2] and "down 35s (driver too old)" in lines[2]
+    assert lines[2].split()[-12:-7] == ["5.0s", "12.0k/72:default", "-", "-", "no"]
+    assert lines[2].endswith("no node probe (GET /zml/v1/node): hardware not validated")
     asleep = {"node_id": "cpu-1", "accelerator_type": "cpu", "family": "CPU", "models": ["m"], "status": "up",
-              "sleeping": True, "health_score": 100.0}
-    assert "up (asleep)" in render([asleep], now=100.0).splitlines()[1]
+              "sleeping": True, "health_score": 100.0, "speeds_source": "learned", "speeds_at": 40.0,
+              "speeds_confidence": 0.62, "prefill_tps": 450.0, "decode_tps": 7.25,
+              "missing_models": ["acme/tiny-chat"]}
+    row = render([asleep], now=100.0).splitlines()[1]
+    assert "up (asleep)" in row and "450/7.2:learned:60s:62%" in row and "m (missing: acme/tiny-chat)" in row
+
+
+def test_nodes_help_explains_every_column(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["nodes", "--help"])
+    text = capsys.readouterr().out
+    for column in ("MODELS", "HEALTH", "QUEUE", "STATE", "COOLDOWN", "SPEED", "CACHE", "NOTE"):
+        assert f"\n  {column} " in text, column
+    assert "reported:32768x1:65%" in text and "measured (the engine's counters)" in text
+
+
+def test_after_add_says_what_the_first_poll_found() -> None:
+    code, out, err = after_add("cpu-mid", "cpu at http://h:1", {
+        "status": "up", "models": [], "missing_models": ["acme/tiny-chat"], "unknown_models": ["mid"]}, 10)
+    assert code == 1 and out == "cpu-mid: added (cpu at http://h:1); serving nothing yet"
+    assert "--served-name acme/tiny-chat=mid --replace" in err and "'mid'" in err
+    assert after_add("n", "x", {"status": "up", "models": ["m"]}, 10) == (0, "n: added (x); serving m", "")
+    code, out, err = after_add("n", "x", {"status": "up", "models": [], "missing_models": ["m"]}, 10)
+    assert code == 0 and "`zml serve m --nodes n`" in err
+    assert after_add("n", "x", {"status": "invalid", "reason": "declared nvidia_h100 but"}, 10)[0] == 1
+    assert after_add("n", "x", None, 2.5)[1] == "n: added (x); not polled within 2.5 s: `zml nodes` shows it after its first poll"
 
 
 def test_parsers_and_inline_policy() -> None:

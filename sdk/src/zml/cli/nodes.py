@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from typing import Any
 
@@ -11,12 +12,38 @@ from zml._client import Client
 from zml.cli._bus import add_bus_args
 from zml.cli._common import add_client_args, client_kwargs
 
-COLUMNS = ("NODE", "TYPE", "FAMILY", "MODELS", "HEALTH", "QUEUE", "STATE", "COOLDOWN", "CACHE", "ENDPOINT")
+COLUMNS = ("NODE", "TYPE", "FAMILY", "MODELS", "HEALTH", "QUEUE", "STATE", "COOLDOWN", "SPEED", "CACHE",
+           "ENDPOINT", "NOTE")
+
+DESCRIPTION = """\
+Show the fleet as the health service and the routers see it, one row per node.
+
+  MODELS    the models it serves; (loading: ...) being loaded; (missing: ...) configured for
+            it (zml.toml, --serves) but not served by its engine (NOTE says why when known)
+  HEALTH    score 0-100 from the error rate and the queue (0 when not up)
+  QUEUE     requests running + waiting on the engine, as of the last poll
+  STATE     up, loading, down or invalid; when not up: for how long (since its last good
+            probe) and why, as the health service's probe found it; (asleep): the engine slept
+  COOLDOWN  seconds the routers still skip it after a failure (- none)
+  SPEED     PREFILL/DECODE tokens/s:SOURCE[:AGE][:CONFIDENCE], what the routers estimate
+            time to first token with. SOURCE: measured (the engine's counters), learned
+            (from requests) or default (the accelerator type's profile: not yet measured);
+            AGE: since the estimate last moved; CONFIDENCE: when known. 12.5k = 12,500.
+  CACHE     FIDELITY[:BLOCKSxBLOCK_TOKENS][:HIT%][:events-down], e.g. reported:32768x1:65%.
+            FIDELITY, how routers know what its prefix cache holds: precise (its KV events
+            are bridged), reported (its replies say how many prompt tokens were cached),
+            approximate (the routers' own decisions only). BLOCKS x BLOCK_TOKENS: the cache
+            size its engine reports (tokens = their product). HIT%: share of prompt tokens its
+            engine served from the cache over the last poll. events-down: the KV-event bridge
+            is down.
+  NOTE      what does not stop routing but an operator should know (no node probe: hardware
+            not validated; slow; its engine calls its model by another name...)
+"""
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("nodes", help="show the accelerator fleet", description="Show the fleet: node, type, "
-                       "models, health score, queue depth (running+waiting), state, cooldown and endpoint.")
+    p = sub.add_parser("nodes", help="show the accelerator fleet", description=DESCRIPTION,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("action", nargs="?", choices=("list", "add", "remove"), default="list",
                    help="list (default), add a node at run time, or remove one")
     p.add_argument("node_id", nargs="?", help="add/remove: the node id")
@@ -36,6 +63,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     a.add_argument("--cost-per-hour", type=float, help="price (default: the accelerator's list price)")
     a.add_argument("--probe-endpoint", help="node probe (zml node-agent) URL")
     a.add_argument("--replace", action="store_true", help="overwrite a node with the same id")
+    a.add_argument("--wait", type=float, default=10.0, metavar="SECONDS",
+                   help="add: wait this long for the node's first poll and say what it serves; exit 1 when it "
+                        "does not serve what it was added for (its engine names the model otherwise: "
+                        "--served-name) or fails hardware validation (default 10; 0: do not wait)")
     add_bus_args(a, config=False, data_dir=False)
     add_client_args(p, retries=1)
     p.set_defaults(func=run)
@@ -86,9 +117,63 @@ def _admin(args: argparse.Namespace) -> int:
         spec = msgspec.convert({k: v for k, v in raw.items() if v is not None}, NodeSpec)
     except msgspec.ValidationError as exc:
         raise BadRequestError(f"invalid node: {with_choices(NodeSpec, str(exc))}") from exc
-    asyncio.run(call(add_node, spec, replace=args.replace))
-    print(f"{args.node_id}: added ({args.accelerator} at {args.node_url}); `zml nodes` shows it after its first poll")
-    return 0
+    async def add_and_watch() -> dict[str, Any] | None:
+        async with operator_nats(target) as nc:
+            await add_node(nc, spec, replace=args.replace)
+            return await first_poll(nc, args.node_id, args.wait)
+
+    state = asyncio.run(add_and_watch())
+    code, out, err = after_add(args.node_id, f"{args.accelerator} at {args.node_url}", state, args.wait)
+    print(out)
+    if err:
+        print(err, file=sys.stderr)
+    return code
+
+
+async def first_poll(nc: Any, node_id: str, wait_s: float) -> dict[str, Any] | None:
+    """The node's state once the health service has polled it (None: not within ``wait_s``)."""
+    import asyncio
+
+    import msgspec
+
+    from zmlcore.fleet.registry import list_nodes
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + wait_s
+    while loop.time() < deadline:
+        for st in await list_nodes(nc):
+            if st.node_id == node_id and st.status != "unknown":
+                return msgspec.to_builtins(st)  # type: ignore[no-any-return]
+        await asyncio.sleep(0.2)
+    return None
+
+
+def after_add(node_id: str, what: str, state: dict[str, Any] | None, wait_s: float) -> tuple[int, str, str]:
+    """(exit code, stdout line, stderr line) for a node just added, from its first polled state:
+    exit 1 when it will not serve what it was added for (its engine names the model otherwise,
+    or its hardware is not what was declared)."""
+    added = f"{node_id}: added ({what})"
+    if state is None:
+        return 0, f"{added}; not polled within {wait_s:g} s: `zml nodes` shows it after its first poll", ""
+    status, models = state.get("status", "unknown"), state.get("models") or []
+    missing, unknown = state.get("missing_models") or [], state.get("unknown_models") or []
+    why = f" ({state['reason']})" if state.get("reason") else ""
+    if status == "invalid":
+        return 1, f"{added}; refused by hardware validation", f"zml nodes: {node_id} is invalid{why}: it gets no traffic"
+    if status == "loading":
+        return 0, f"{added}; its engine is loading: `zml nodes` shows when it is up", ""
+    if status == "down":
+        return 0, f"{added}; down at its first poll{why}: it gets traffic once its engine answers", ""
+    serving = f"serving {', '.join(models)}" if models else "serving nothing yet"
+    if missing and unknown:
+        return 1, f"{added}; {serving}", (
+            f"zml nodes: {node_id} does not serve {', '.join(map(repr, missing))}: its engine calls its models "
+            f"{', '.join(map(repr, unknown))}, no model of the fleet's (not routed, not in /v1/models). Give the "
+            f"engine's name: run this command again with --served-name {missing[0]}={unknown[0]} --replace")
+    if missing:
+        return 0, f"{added}; {serving}", (f"zml nodes: {node_id} does not serve {', '.join(map(repr, missing))} yet: "
+                                          f"`zml serve {missing[0]} --nodes {node_id}` loads it where its engine can")
+    return 0, f"{added}; {serving}", ""
 
 
 def served_names(pairs: list[str]) -> dict[str, str]:
@@ -130,22 +215,64 @@ def _cache(n: dict[str, Any]) -> str:
     return ":".join(parts)
 
 
+def _age(seconds: float) -> str:
+    if seconds < 90:
+        return f"{seconds:.0f}s"
+    if seconds < 5400:
+        return f"{seconds / 60:.0f}m"
+    return f"{seconds / 3600:.0f}h"
+
+
+def _tps(v: Any) -> str:
+    if not isinstance(v, (int, float)) or v <= 0:
+        return "?"
+    return f"{v / 1000:.1f}k" if v >= 10_000 else f"{v:.0f}" if v >= 10 else f"{v:.1f}"
+
+
+def speeds_source(n: dict[str, Any]) -> str:
+    """Where a node's speeds come from; a health service older than ``speeds_source`` only says
+    whether they were measured."""
+    return str(n.get("speeds_source") or ("measured" if n.get("speeds_measured") else "default"))
+
+
+def _speed(n: dict[str, Any], now: float) -> str:
+    """``PREFILL/DECODE:SOURCE[:AGE][:CONFIDENCE]``: ``9.8k/58:measured:4s``."""
+    parts = [f"{_tps(n.get('prefill_tps'))}/{_tps(n.get('decode_tps'))}", speeds_source(n)]
+    at = n.get("speeds_at")
+    if isinstance(at, (int, float)) and at > 0:
+        parts.append(_age(max(0.0, now - at)))
+    conf = n.get("speeds_confidence")
+    if isinstance(conf, (int, float)) and conf > 0:
+        parts.append(f"{conf * 100:.0f}%")
+    return ":".join(parts)
+
+
+def _state(n: dict[str, Any], now: float) -> str:
+    state = str(n.get("status", "unknown"))
+    if state in ("down", "invalid", "loading"):
+        last_ok = n.get("last_ok")
+        if state != "loading" and isinstance(last_ok, (int, float)) and last_ok > 0:
+            state += f" {_age(max(0.0, now - last_ok))}"
+        if n.get("reason"):
+            state += f" ({n['reason']})"
+    if n.get("sleeping"):
+        state += " (asleep)"
+    return state
+
+
 def rows(nodes: list[dict[str, Any]], now: float) -> list[tuple[str, ...]]:
     out: list[tuple[str, ...]] = []
     for n in nodes:
         models = ",".join(n.get("models") or []) or "-"
         if n.get("loading_models"):
             models += " (loading: " + ",".join(n["loading_models"]) + ")"
-        state = str(n.get("status", "unknown"))
-        if n.get("reason") and state != "up":
-            state += f" ({n['reason']})"
-        if n.get("sleeping"):
-            state += " (asleep)"
+        if n.get("missing_models") and n.get("status") == "up":
+            models += " (missing: " + ",".join(n["missing_models"]) + ")"
         queue = int(n.get("queue_running", 0)) + int(n.get("queue_waiting", 0))
         out.append((
             str(n.get("node_id", "?")), str(n.get("accelerator_type", "")), str(n.get("family", "")), models,
-            f"{float(n.get('health_score', 0.0)):.0f}", str(queue), state, _cooldown(n, now), _cache(n),
-            str(n.get("endpoint") or "-"),
+            f"{float(n.get('health_score', 0.0)):.0f}", str(queue), _state(n, now), _cooldown(n, now),
+            _speed(n, now), _cache(n), str(n.get("endpoint") or "-"), str(n.get("note") or "-"),
         ))
     return out
 

@@ -19,7 +19,8 @@ from zmlcore.messages import NodeState
 #: Fields compared exactly: what routers route by and what warmup acts on.
 EXACT = (
     "accelerator_type", "family", "endpoint", "backend", "status", "reason", "models", "served_names",
-    "loading_models", "sleeping", "queue_running", "queue_waiting", "max_concurrency", "speeds_measured",
+    "missing_models", "unknown_models", "loading_models", "sleeping", "queue_running", "queue_waiting",
+    "max_concurrency", "speeds_measured", "speeds_source",
     "cost_per_hour", "consecutive_failures", "driver_version", "device_count", "memory_gib", "note", "source",
     "poll_interval_s",
 )
@@ -37,7 +38,8 @@ NEAR = (
     ("ttft_s", 0.10, 0.0),
     ("last_inference_at", 0.0, 1.0),
 )
-# Not compared (refreshed by the heartbeat): updated_at, last_ok, tokens_per_s_history, age_s.
+# Not compared (refreshed by the heartbeat): updated_at, last_ok, tokens_per_s_history, age_s,
+# speeds_at (it moves with the speeds, which are compared), speeds_confidence.
 
 
 def effective_heartbeat(heartbeat_s: float, stale_after_s: float) -> float:

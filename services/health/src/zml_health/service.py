@@ -29,6 +29,7 @@ from zmlcore.config import NodeConfig, ZMLConfig, parse_config, with_choices
 from zmlcore.errors import BadRequestError, ConfigError, ZMLError
 from zml_health.hardware import HardwareCheck, validate_hardware
 from zml_health.score import health_score
+from zml_health.served import mismatch_note, split_models
 from zmlcore.bus.kvfollow import live_keys
 from zmlcore.bus.link import link_of
 from zmlcore.messages import NodeState
@@ -68,7 +69,7 @@ def spec_to_config(spec: NodeSpec) -> NodeConfig:
 class _NodeRuntime:
     """What the service keeps per node besides its tracker."""
 
-    __slots__ = ("doc", "has_probe", "probe_checked_at", "pending_loads")
+    __slots__ = ("doc", "has_probe", "probe_checked_at", "pending_loads", "warmed")
 
     def __init__(self) -> None:
         self.doc: dict[str, Any] | None = None
@@ -77,6 +78,8 @@ class _NodeRuntime:
         self.probe_checked_at = 0
         #: model -> deadline: loads the warmup service started (not routable for the model).
         self.pending_loads: dict[str, float] = {}
+        #: Models warmup was asked to load here (`zml serve --nodes`): the fleet's, configured or not.
+        self.warmed: set[str] = set()
 
 
 class HealthService:
@@ -269,19 +272,30 @@ class HealthService:
         prev = self.states.get(node.id)
         doc = rt.doc or {}
         # Keep the last known models/queue while a node is failing, so `zml nodes` shows them.
-        # The engine reports its own names; the fleet speaks ZML's.
-        back = {served: name for name, served in node.served_names.items()}
-        models = [back.get(m, m) for m in probe.models] if probe.ok else (prev.models if prev else [])
+        # The engine reports its own names; the fleet speaks ZML's, and an engine's name that is
+        # no model of the fleet's stays the engine's (zml_health.served).
+        if probe.ok:
+            split = split_models(probe.models, configured=node.models, served_names=node.served_names,
+                                 known=self._known_models() | rt.warmed)
+            models, unknown = split.models, split.unknown
+        else:
+            models, unknown = (prev.models, prev.unknown_models) if prev else ([], [])
         sleeping = probe.sleeping if probe.ok else (prev.sleeping if prev else False)
         if sleeping and node.backend == "vllm":
             models = []  # a sleeping vLLM answers nothing until woken (warmup's /wake_up)
         running = probe.running if probe.ok else (prev.queue_running if prev else 0)
         waiting = probe.waiting if probe.ok else (prev.queue_waiting if prev else 0)
         loading = self._loading_models(node, rt, probe, status, models, now)
+        asleep = sleeping and node.backend == "vllm"  # its models come back when warmup wakes it
+        missing = [] if asleep else [m for m in node.models if m not in models and m not in loading]
+        source = self.sources.get(node.id, "config")
+        notes = [mismatch_note(node.id, missing, unknown, source=source),
+                 tr.slow_note(now, self.cfg.health.error_window_s), check.note if check is not None else ""]
         reason = tr.reason
         if check is not None and not check.ok:
             status, reason = "invalid", check.reason
         error_rate = tr.error_rate(now, self.cfg.health.error_window_s)
+        measured = tr.speed.prefill_tps is not None and tr.speed.decode_tps is not None
         free = doc.get("free_memory_gib")
         total = doc.get("memory_gib")
         count = doc.get("device_count")
@@ -295,6 +309,8 @@ class HealthService:
             reason=reason if status != "up" else "",
             models=[m for m in models if m not in loading],
             served_names=dict(node.served_names),
+            missing_models=missing,
+            unknown_models=unknown,
             loading_models=loading,
             sleeping=sleeping,
             queue_running=running,
@@ -307,7 +323,9 @@ class HealthService:
             # Measured speeds when the engine reports them, else the accelerator type's profile.
             prefill_tps=round(tr.speed.prefill_tps or prof.prefill_tps * scale, 3),
             decode_tps=round(tr.speed.decode_tps or prof.decode_tps * scale, 3),
-            speeds_measured=tr.speed.prefill_tps is not None and tr.speed.decode_tps is not None,
+            speeds_measured=measured,
+            speeds_source="measured" if measured else "default",
+            speeds_at=tr.speed_at if measured else 0.0,
             health_score=tr.slowed(health_score(error_rate, running, waiting, capacity), now,
                                    self.cfg.health.error_window_s) if status == "up" else 0.0,
             cost_per_hour=node.effective_cost,
@@ -321,8 +339,8 @@ class HealthService:
             driver_version=str(doc.get("driver_version") or ""),
             device_count=count if isinstance(count, int) else 0,
             memory_gib=float(total) if isinstance(total, (int, float)) else None,
-            note=tr.slow_note(now, self.cfg.health.error_window_s) or (check.note if check is not None else ""),
-            source=self.sources.get(node.id, "config"),
+            note="; ".join(n for n in notes if n),
+            source=source,
             poll_interval_s=self.cfg.health.poll_interval_s,
             kv_block_size=(probe.kv_block_size if probe.ok and probe.kv_block_size else
                            prev.kv_block_size if prev else 0) or 0,
@@ -334,6 +352,13 @@ class HealthService:
             cache_fidelity=self._fidelity(node),
             kv_events=self.bridges.status(node.id),
         )
+
+    def _known_models(self) -> set[str]:
+        """The fleet's models: zml.toml's and every registered node's."""
+        known = self.cfg.model_names()
+        for n in self.nodes.values():
+            known.update(n.models)
+        return known
 
     def _fidelity(self, node: NodeConfig) -> str:
         if node.kv_events is not None and self.bridges.status(node.id) in ("live", "replaying"):
@@ -386,6 +411,7 @@ class HealthService:
             return
         if ev.phase == "started":
             rt.pending_loads[ev.model] = self.clock() + self.cfg.warmup.load_timeout_s
+            rt.warmed.add(ev.model)
         elif ev.phase in ("loaded", "failed"):
             rt.pending_loads.pop(ev.model, None)
 

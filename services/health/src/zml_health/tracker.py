@@ -59,6 +59,8 @@ class Tracker:
     history: deque[float] = field(default_factory=deque)
     #: Prefill/decode speeds measured from the engine's counters (vLLM, llama.cpp), when it reports them.
     speed: SpeedMeter = field(default_factory=SpeedMeter)
+    #: When the measured speeds last moved (a counter window with enough tokens); 0: never.
+    speed_at: float = 0.0
     #: Last time a router abandoned a request here for want of a first byte (completion
     #: events' ``slow_nodes``): its probes may pass while inference hangs.
     last_slow_at: float = 0.0
@@ -165,8 +167,11 @@ class Tracker:
         readings = (probe.prompt_tokens_total, probe.prefill_time_sum, probe.request_gen_tokens_sum,
                     probe.request_gen_tokens_count, probe.decode_time_sum)
         if all(v is not None for v in readings):
+            before = (self.speed.prefill_tps, self.speed.decode_tps)
             self.speed.observe(Readings(*readings, probe.decode_steps_total,  # type: ignore[arg-type]
                                         probe.busy_slot_steps_total), probe.running)
+            if (self.speed.prefill_tps, self.speed.decode_tps) != before:
+                self.speed_at = now
         q, h = probe.prefix_queries_total, probe.prefix_hits_total
         if q is not None and h is not None:
             prev = self.last_prefix

@@ -24,6 +24,12 @@ class NodeState(msgspec.Struct, kw_only=True, omit_defaults=True):
     models: list[str] = []
     #: ZML model name -> the engine's name for it (requests to this node carry the latter).
     served_names: dict[str, str] = {}
+    #: Models the node is configured for (zml.toml ``models``, ``zml nodes add --serves``) that
+    #: its engine neither serves nor is loading (not loaded yet, or named otherwise: ``note``).
+    missing_models: list[str] = []
+    #: Names the engine serves that are no model of the fleet's (an alias such as llama-server's
+    #: ``--alias``, with no ``served_names`` entry): neither routed to nor in ``GET /v1/models``.
+    unknown_models: list[str] = []
     #: Models the node is loading now (not routable for them yet).
     loading_models: list[str] = []
     #: The engine has put its model to sleep (llama.cpp ``--sleep-idle-seconds``: the next
@@ -48,6 +54,14 @@ class NodeState(msgspec.Struct, kw_only=True, omit_defaults=True):
     #: True when prefill_tps/decode_tps were measured from the engine's counters, False when
     #: they are the accelerator type's assumed profile.
     speeds_measured: bool = False
+    #: Where prefill_tps/decode_tps come from: "measured" (the engine's counters), "learned"
+    #: (from requests) or "default" (the accelerator type's profile); "" from an older health
+    #: service: derive it from ``speeds_measured``.
+    speeds_source: str = ""
+    #: Unix time the speed estimate last moved from an observation; 0: unknown (or never).
+    speeds_at: float = 0.0
+    #: Confidence in the speed estimate, 0..1; 0: not known.
+    speeds_confidence: float = 0.0
     health_score: float = 0.0
     cost_per_hour: float = 0.0
     last_ok: float = 0.0

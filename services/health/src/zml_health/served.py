@@ -1,0 +1,62 @@
+"""Which of an engine's model names are the fleet's, and what a node configured for a model its
+engine does not serve is told. Pure.
+
+An engine names its models its own way (a path, a GGUF file, llama-server's ``--alias``); the
+node's ``served_names`` map ZML's names to them. A name that maps to no model the fleet knows
+(zml.toml's models, every registered node's, what warmup loaded on the node) is the engine's
+alone: it is not routed to and not listed by ``GET /v1/models``, so an alias never becomes a
+public model by accident. A node whose engine serves such a name instead of the model it was
+added for is almost always a missing ``served_names`` entry: its note says which.
+
+>>> s = split_models(["mid"], configured=["acme/tiny-chat"], served_names={}, known={"acme/tiny-chat"})
+>>> s.models, s.unknown
+([], ['mid'])
+>>> mismatch_note("cpu-mid", ["acme/tiny-chat"], s.unknown, source="registry")
+"its engine serves 'mid', not 'acme/tiny-chat': give the engine's name with `zml nodes add cpu-mid ... --served-name acme/tiny-chat=mid --replace`"
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class Split:
+    #: ZML's names of the models the engine serves (routable).
+    models: list[str]
+    #: The engine's names that are no model of the fleet's.
+    unknown: list[str]
+
+
+def split_models(engine_models: Iterable[str], *, configured: Collection[str], served_names: Mapping[str, str],
+                 known: Collection[str]) -> Split:
+    """The engine's model list in ZML's names, split into the fleet's models and the engine's
+    own. A node configured with no models serves whatever its engine has (nothing is unknown)."""
+    back = {served: name for name, served in served_names.items()}
+    models: list[str] = []
+    unknown: list[str] = []
+    for m in engine_models:
+        name = back.get(m, m)
+        if not configured or name in configured or name in known:
+            models.append(name)
+        else:
+            unknown.append(m)
+    return Split(models, unknown)
+
+
+def _names(models: list[str]) -> str:
+    return ", ".join(repr(m) for m in models)
+
+
+def mismatch_note(node_id: str, missing: list[str], unknown: list[str], *, source: str) -> str:
+    """What a node that serves other names than the models it was configured for is told ("" when
+    it serves them, or serves nothing else: then it is only not loaded)."""
+    if not (missing and unknown):
+        return ""
+    model, name = missing[0], unknown[0]
+    if source == "registry":
+        fix = f"`zml nodes add {node_id} ... --served-name {model}={name} --replace`"
+    else:
+        fix = f'[nodes.served_names] "{model}" = "{name}" in zml.toml'
+    return f"its engine serves {_names(unknown)}, not {_names(missing)}: give the engine's name with {fix}"
