@@ -98,3 +98,28 @@ async def test_sleeping_vllm_is_published_unroutable_and_warmup_wakes_it(nats_pr
         finally:
             await svc.stop()
             await sim.stop()
+
+
+async def test_speeds_say_where_they_come_from_and_when_they_last_moved(nats_private: str) -> None:
+    """Issue 27 item 2: a node's speeds are the accelerator type's profile ("default", no age)
+    until the engine's counters measure them ("measured", stamped when the estimate moved)."""
+    sim = await start_sim("v-speed", "nvidia_h100", [M], engine="vllm", time_scale=20.0)
+    svc = HealthService(config([node_entry(sim)]))
+    async with connected(nats_private) as nc:
+        await svc.start(nc)
+        try:
+            st = await eventually(lambda: (s := svc.states.get("v-speed")) and s.status == "up" and s)
+            assert (st.speeds_source, st.speeds_at, st.speeds_measured) == ("default", 0.0, False)
+            t0 = time.time()
+            async with httpx.AsyncClient(timeout=30) as client:
+                for i in range(3):
+                    r = await client.post(sim.url + "/v1/completions",
+                                          json={"model": M, "prompt": f"{i}" + "x" * 2000, "max_tokens": 100})
+                    assert r.status_code == 200
+                    await asyncio.sleep(0.15)  # a poll between requests: windows with tokens in them
+            st = await eventually(lambda: (s := svc.states.get("v-speed")) and s.speeds_measured and s,
+                                  what="measured speeds")
+            assert st.speeds_source == "measured" and t0 <= st.speeds_at <= time.time()
+        finally:
+            await svc.stop()
+            await sim.stop()
