@@ -242,7 +242,11 @@ async def test_model_not_loaded_says_what_to_do(fleet: Fleet) -> None:
     async with connect(fleet.nats_url) as nc:
         code, body = await infer(nc, model=COLD)
         assert code == "MODEL_NOT_LOADED", body
-        assert "zml serve" in json.dumps(body)
+        assert "zml serve" in json.dumps(body)  # its nodes are up: `zml serve` loads it there
+        # a model no node is configured for: no hint that cannot work
+        code, body = await infer(nc, model="gpt-5")
+        assert code == "MODEL_NOT_LOADED" and "zml serve" not in json.dumps(body), body
+        assert body["error"]["message"].startswith("The model 'gpt-5' does not exist"), body
         # while a node loads it, still not routable there, and the answer says "loading"
         sim = fleet.sims["h100-a"]
         sim.engine.load(COLD)  # 2 s at time_scale 10: 0.2 s

@@ -111,6 +111,17 @@ def test_bad_input_gets_a_coded_error_and_the_service_keeps_serving(
     assert ok.status_code == 200
 
 
+def test_an_unknown_model_is_one_story_and_no_hint_that_cannot_work(http: httpx.Client) -> None:
+    """Issue 27 item 5b: a request said "run zml serve gpt-5", which said no node is configured
+    for it, and GET /v1/models/gpt-5 said it does not exist: now all say the last."""
+    r = http.post("/v1/chat/completions", json={"model": "gpt-5", "messages": CHAT})
+    got = http.get("/v1/models/gpt-5")
+    assert r.status_code == got.status_code == 404, (r.text, got.text)
+    said = "The model 'gpt-5' does not exist: no node serves it or is configured to (GET /v1/models lists the models)"
+    assert r.json()["error"]["message"] == got.json()["error"]["message"] == said
+    assert "zml serve" not in r.text and r.json()["error"]["code"] == "MODEL_NOT_LOADED"
+
+
 def test_models_nodes_and_healthz(http: httpx.Client, zml_stack: Stack) -> None:
     health = http.get("/healthz").json()
     assert health["status"] == "ok" and len(health["gateway"]) == 12, health

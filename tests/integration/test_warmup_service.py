@@ -171,5 +171,13 @@ async def test_zml_serve_loads_now_and_reports_until_ready(fleet: Fleet, nats_ur
 async def test_zml_serve_explains_an_unknown_model(fleet: Fleet, nats_url: str) -> None:
     from zmlcore.errors import BadRequestError
 
-    with pytest.raises(BadRequestError, match="no node is configured to serve 'nope'"):
+    from zmlcore.errors import ModelNotLoadedError
+
+    # a model the fleet knows nowhere: what a request and GET /v1/models/nope say too
+    with pytest.raises(ModelNotLoadedError, match="The model 'nope' does not exist: no node serves it or is "
+                                                  r"configured to \(GET /v1/models lists the models\); to load "
+                                                  "it anyway, name nodes with --nodes"):
         await serve("nope", nodes=[], family=[], target=Target(nats_url), timeout=5, out=io.StringIO())
+    # a model the fleet knows, on no node of the families asked
+    with pytest.raises(BadRequestError, match=f"no node in family CPU is configured to serve '{M}'"):
+        await serve(M, nodes=[], family=["CPU"], target=Target(nats_url), timeout=5, out=io.StringIO())

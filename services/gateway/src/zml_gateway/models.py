@@ -8,6 +8,7 @@ from typing import Any
 
 from zmlcore.config import ZMLConfig
 from zmlcore.errors import ModelNotLoadedError
+from zmlcore.fleet.catalog import does_not_exist, known_models
 from zmlcore.messages import NodeState
 
 
@@ -23,15 +24,13 @@ def _object(cfg: ZMLConfig, nodes: Mapping[str, NodeState], name: str) -> dict[s
 
 
 def model_list(cfg: ZMLConfig, nodes: Mapping[str, NodeState]) -> dict[str, Any]:
-    names = cfg.model_names()
-    for st in nodes.values():
-        names.update(st.models)
+    names = known_models(cfg.model_names(), nodes.values())
     return {"object": "list", "data": [_object(cfg, nodes, name) for name in sorted(names)]}
 
 
 def model_object(cfg: ZMLConfig, nodes: Mapping[str, NodeState], model_id: str) -> dict[str, Any]:
     """The model object of ``model_id`` (an alias answers for its model); 404 when unknown."""
     name = cfg.resolve_model(model_id)
-    if name in cfg.model_names() or any(name in st.models for st in nodes.values()):
+    if name in known_models(cfg.model_names(), nodes.values()):
         return _object(cfg, nodes, name)
-    raise ModelNotLoadedError(f"The model {model_id!r} does not exist (GET /v1/models lists them)")
+    raise ModelNotLoadedError(does_not_exist(model_id))

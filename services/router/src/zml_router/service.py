@@ -30,6 +30,7 @@ from zmlcore import subjects
 from zmlcore.bus.batchpub import BatchPublisher
 from zmlcore.bus.kvfollow import KVFollower
 from zmlcore.config import ZMLConfig
+from zmlcore.fleet.catalog import unserved
 from zmlcore.errors import CancelledError, QueueFullError, ZMLError
 from zmlcore.runtime.bytebudget import ByteBudget
 from zmlcore.messages import frontdoor
@@ -402,7 +403,7 @@ class RouterService:
                 try:
                     result = self.metrics.decide(self.admit_batch if batch else self._admit, rr, policy)
                 except ZMLError as exc:
-                    result = exc
+                    result = unserved(exc, rr.model, self.cfg.model_names(), self.table.raw.values())
             elif type(action) is flow.Dispatch:
                 node_id = action.decision.node_id
                 if self.share is not None:  # the node will hold this prompt: every replica learns it

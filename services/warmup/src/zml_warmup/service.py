@@ -24,7 +24,8 @@ from nats.aio.subscription import Subscription
 from zmlcore import subjects
 from zmlcore.fleet.accelerators import ACCELERATORS, canonical_family
 from zmlcore.config import ZMLConfig
-from zmlcore.errors import BadRequestError, ZMLError
+from zmlcore.fleet.catalog import does_not_exist, known_models
+from zmlcore.errors import BadRequestError, ModelNotLoadedError, ZMLError
 from zmlcore.messages import NodeState, ServeReply, ServeTarget, WarmupEvent, node_state_decoder
 from zmlcore.messages.admin import registry_entry_decoder
 from zmlcore.messages.warmup import completed_decoder, serve_request_decoder
@@ -296,6 +297,10 @@ class WarmupService:
         if fams:
             chosen = [n for n in chosen if self._family(n, wants).lower() in fams]
         if not chosen:
+            known = known_models(self.cfg.model_names() | {m for w in wants.values() for m in w.models},
+                                 self.states.values())
+            if model not in known:  # as a request and GET /v1/models/{model} say it
+                raise ModelNotLoadedError(f"{does_not_exist(model)}; to load it anyway, name nodes with --nodes")
             where = f" in famil{'ies' if len(fams) > 1 else 'y'} {', '.join(sorted(families))}" if fams else ""
             raise BadRequestError(f"no node{where} is configured to serve {model!r}: list it in the node's "
                                   "`models` in zml.toml (or `zml nodes add`), or name nodes with --nodes")
