@@ -136,3 +136,10 @@ def test_a_value_outside_a_set_lists_the_set(tmp_path: Path, text: str, says: st
     with pytest.raises(ConfigError) as info:
         load_config(write(tmp_path, text), env={})
     assert says in str(info.value)
+
+
+def test_a_body_limit_no_router_could_hold_is_refused_at_load(tmp_path: Path) -> None:
+    text = NODE + "[gateway]\nmax_body_bytes = 67108864\n[defaults]\naudio_bytes_in_flight = 33554432\n"
+    with pytest.raises(ConfigError, match=r"defaults.audio_bytes_in_flight \(33554432\) is below "
+                                          r"gateway.max_body_bytes \(67108864\)"):
+        load_config(write(tmp_path, text), env={})

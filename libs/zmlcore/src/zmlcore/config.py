@@ -167,7 +167,11 @@ class GatewayConfig(msgspec.Struct, **_Base):
     """Accepted bearer keys. Empty: no authentication (self-hosted default). Env ZML_API_KEYS
     (comma-separated) replaces the list."""
     max_body_bytes: PosInt = 8 * 1024 * 1024
-    """Largest request body accepted."""
+    """Largest request body accepted (HTTP and gRPC at the gateway; a request uploaded in parts
+    over NATS at its router); above it, 413 REQUEST_TOO_LARGE. A body larger than one NATS
+    message (the server's max_payload, 1 MiB by default) goes to its router in parts, as audio
+    does (docs/nats-api.md); such a request does not wait in the saturation queue
+    (queue_on_saturation): when every node is saturated it is answered QUEUE_FULL at once."""
     requests_per_minute: PosInt | None = None
     """Per-key request limit (per client address when there are no api_keys); over it, 429
     RATE_LIMITED with Retry-After. Every answer carries x-ratelimit-* headers, which the SDK's
@@ -619,8 +623,9 @@ class DefaultsConfig(msgspec.Struct, **_Base):
     25 MB. A body larger than one NATS message goes to its router in parts (docs/nats-api.md)."""
     audio_bytes_in_flight: PosInt = 1024 * 1024 * 1024
     """Audio bytes one gateway or router process holds at once (bodies being read, routed or
-    sent to a node), a bound on its memory; a request that would pass it is refused with 503
-    QUEUE_FULL and Retry-After. At least max_audio_bytes."""
+    sent to a node; in a router, any body that came in parts counts too), a bound on its memory;
+    a request that would pass it is refused with 503 QUEUE_FULL and Retry-After. At least
+    max_audio_bytes and [gateway] max_body_bytes."""
 
 
 class ZMLConfig(msgspec.Struct, **_Base):
@@ -820,6 +825,10 @@ def _validate(cfg: ZMLConfig, src: str) -> None:
     if cfg.defaults.audio_bytes_in_flight < cfg.defaults.max_audio_bytes:
         raise ConfigError(f"{src}: defaults.audio_bytes_in_flight ({cfg.defaults.audio_bytes_in_flight}) is below "
                           f"defaults.max_audio_bytes ({cfg.defaults.max_audio_bytes}): no request that size could run")
+    if cfg.defaults.audio_bytes_in_flight < cfg.gateway.max_body_bytes:
+        raise ConfigError(f"{src}: defaults.audio_bytes_in_flight ({cfg.defaults.audio_bytes_in_flight}) is below "
+                          f"gateway.max_body_bytes ({cfg.gateway.max_body_bytes}): a body that size, sent to its router "
+                          "in parts, could never run")
     if cfg.defaults.policy not in names:
         raise ConfigError(f"{src}: defaults.policy: unknown policy {cfg.defaults.policy!r}")
     _validate_batch(cfg.batch, names, src)

@@ -143,8 +143,9 @@ class MethodNotAllowedError(BadRequestError):
 
 
 class RequestTooLargeError(BadRequestError):
-    """The request body is larger than this deployment accepts (the gateway's
-    ``max_body_bytes`` or the NATS server's ``max_payload``, whichever is smaller)."""
+    """The request body is larger than this deployment accepts (``[gateway] max_body_bytes``;
+    audio: ``[defaults] max_audio_bytes``). A body larger than one NATS message is not refused
+    for it: it goes to its router in parts."""
 
     code = "REQUEST_TOO_LARGE"
     http_status = 413

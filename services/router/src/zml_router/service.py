@@ -341,7 +341,8 @@ class RouterService:
         past it), and a body announced in parts fetched from its requester (zml_router.uploads).
         Returns (bytes held, the message with its body)."""
         headers = msg.headers or {}
-        size = None if from_queue else upload_size(headers, self.cfg.defaults.max_audio_bytes)
+        limit = self.cfg.defaults.max_audio_bytes if subjects.H_AUDIO in headers else self.cfg.gateway.max_body_bytes
+        size = None if from_queue else upload_size(headers, limit)
         if size is None and subjects.H_AUDIO not in headers:
             return 0, msg
         held = size if size is not None else len(msg.data)

@@ -1,4 +1,4 @@
-"""A request body larger than one NATS message (audio), fetched from its requester in parts.
+"""A request body larger than one NATS message (audio, a long prompt), fetched from its requester in parts.
 
 The request arrives with an empty body and ``Zml-Upload-Bytes``; this router asks for the body
 on the request's reply subject (``Zml-Upload-To: zml.upload.<router id>.<token>``, a random
@@ -43,8 +43,8 @@ def upload_size(headers: dict[str, str] | None, limit: int) -> int | None:
     if not (value.isascii() and value.isdigit() and 0 < len(value) <= 15) or int(value) == 0:
         raise BadRequestError(f"{subjects.H_UPLOAD_BYTES} must be a positive integer")
     if int(value) > limit:
-        raise RequestTooLargeError(f"request body of {int(value)} bytes is over the limit of {limit} bytes "
-                                   "([defaults] max_audio_bytes)")
+        setting = "[defaults] max_audio_bytes" if subjects.H_AUDIO in (headers or {}) else "[gateway] max_body_bytes"
+        raise RequestTooLargeError(f"request body of {int(value)} bytes is over the limit of {limit} bytes ({setting})")
     return int(value)
 
 

@@ -22,8 +22,6 @@ from zml_gateway import observe
 from zml_gateway.access import Access, Caller
 from zml_gateway.asgi import Receive, Scope
 
-#: Room left in a NATS message for our headers when the body limit follows max_payload.
-HEADER_ROOM = 4096
 
 
 @dataclass(slots=True)
@@ -43,16 +41,15 @@ class Intake:
         self.access = access
 
     def body_limit(self) -> int:
-        """[gateway] max_body_bytes, or less when the NATS server's max_payload is smaller: a
-        body the gateway accepts must fit in one NATS message."""
-        max_body = self.cfg.gateway.max_body_bytes
-        payload = self.nc.max_payload or max_body
-        return max(1, min(max_body, payload - HEADER_ROOM))
+        """[gateway] max_body_bytes. A body larger than one NATS message goes to its router in
+        parts, as audio does (zmlcore.reply.exchange, zml_router.uploads)."""
+        return self.cfg.gateway.max_body_bytes
 
     async def read_body(self, scope: Scope, receive: Receive, limit: int | None = None, what: str = "") -> bytes:
         """The whole body, at most ``limit`` bytes (default :meth:`body_limit`; ``what`` names the
         setting in the 413), within ``[gateway] body_timeout_s``."""
-        limit = limit or self.body_limit()
+        if not limit:
+            limit, what = self.body_limit(), " ([gateway] max_body_bytes)"
         for name, value in scope["headers"]:
             if name == b"content-length":
                 if value.isdigit() and int(value) > limit:
@@ -62,11 +59,11 @@ class Intake:
         if getattr(getattr(receive, "__self__", None), "body_complete", False):
             # All here already (zml_gateway.protocol.FastCycle: a small body comes with its
             # head): nothing to wait for, so no timer to arm and cancel.
-            return await _read_rest(receive, limit)
+            return await _read_rest(receive, limit, what)
         timeout = self.cfg.gateway.body_timeout_s
         try:
             async with asyncio.timeout(timeout):  # a client that sends headers, then trickles or stalls
-                return await _read_rest(receive, limit)
+                return await _read_rest(receive, limit, what)
         except asyncio.TimeoutError:
             slow = BadRequestError(f"request body not received within {timeout:g} s")
             slow.http_status = 408  # type: ignore[misc]  # like the header timeout: BAD_REQUEST, 408
@@ -126,7 +123,7 @@ def caller_headers(headers: dict[str, str], generated: bool, scope: Scope, calle
     return headers
 
 
-async def _read_rest(receive: Receive, limit: int) -> bytes:
+async def _read_rest(receive: Receive, limit: int, what: str) -> bytes:
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -136,7 +133,7 @@ async def _read_rest(receive: Receive, limit: int) -> bytes:
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:
-            raise RequestTooLargeError(f"request body larger than the limit of {limit} bytes")
+            raise RequestTooLargeError(f"request body larger than the limit of {limit} bytes{what}")
         chunks.append(chunk)
         if not message.get("more_body"):
             return chunks[0] if len(chunks) == 1 else b"".join(chunks)
