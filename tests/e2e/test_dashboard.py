@@ -5,6 +5,7 @@ with no console errors, shows every node of the fleet, reacts to a node going do
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import threading
 import time
@@ -132,6 +133,16 @@ def test_dashboard_in_chromium_shows_the_fleet_and_reacts(dash_stack: tuple[Stac
                          and all(s == "up" for s in r.values()) and r)
             assert set(rows) == {n for n, _, _ in FLEET}
             assert page.inner_text("#status") == "live"
+            # Each node's speeds with where they come from (issue 27 item 2): the type's profile
+            # until the engine's counters measure them, then "measured" and how long ago.
+            speeds = page.eval_on_selector_all("#nodes td.speeds", "tds => tds.map(td => td.textContent)")
+            assert len(speeds) == len(FLEET) and all(re.fullmatch(r"[\d.]+k? / [\d.]+k?(default|measured \d+ s ago)",
+                                                                  t) for t in speeds), speeds
+            assert "in flight: what the routers have sent it" in page.inner_text("#legend")
+            # The saturation queue by the running config's model names, not hashed keys.
+            queue = _wait("queue rows", lambda: page.eval_on_selector_all(
+                "#queue td:first-child", "tds => tds.map(td => td.textContent)"))
+            assert MODEL in queue and not any(re.search(r"-[0-9a-f]{8}$", q) for q in queue), queue
             assert "#key" not in page.url  # the key left the address bar
             # Load starts: decisions per second show up within a few seconds.
             t0 = time.monotonic()
@@ -156,6 +167,11 @@ def test_dashboard_in_chromium_shows_the_fleet_and_reacts(dash_stack: tuple[Stac
             t1 = time.monotonic()
             _wait(f"{victim} down", lambda: _rows(page).get(victim) not in (None, "up"), timeout=20)
             down_seen_s = time.monotonic() - t1
+            # and why, in plain sight (issue 27 item 4): the health service's probe error
+            why = _wait(f"{victim}'s reason", lambda: page.eval_on_selector_all(
+                f"#nodes tr[data-node='{victim}'] .why", "els => els.map(e => e.textContent).join('')"), timeout=20)
+            print(f"{victim}: {why}")
+            assert "connect" in why.lower() or "refused" in why.lower() or "answered" in why, why
             print(f"dashboard saw the load after {load_seen_s:.1f} s and {victim} down after {down_seen_s:.1f} s")
         finally:
             stop_load.set()

@@ -31,6 +31,9 @@ No other module writes a subject literal: services and the SDK import these name
 
 from __future__ import annotations
 
+import hashlib
+import re
+
 PREFIX = "zml"
 
 #: Inference requests. Routers subscribe in :data:`ROUTER_QUEUE`; each request is answered on
@@ -176,6 +179,13 @@ def router_state(router_id: str) -> str:
 def event(kind: str) -> str:
     """``zml.events.<kind>``, e.g. ``zml.events.completed``."""
     return f"{EVENTS_PREFIX}.{kind}"
+
+
+def queue_key(model: str) -> str:
+    """A model's token in its saturation queue's subject and consumer name: readable, and
+    unique thanks to a short hash (``meta-llama_llama-3-8b-instruct-8f4cb099``)."""
+    clean = re.sub(r"[^A-Za-z0-9_-]", "_", model)[:48]
+    return f"{clean}-{hashlib.sha1(model.encode()).hexdigest()[:8]}"
 
 
 def queue(model_key: str) -> str:

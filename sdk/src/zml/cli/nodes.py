@@ -27,8 +27,10 @@ Show the fleet as the health service and the routers see it, one row per node.
   COOLDOWN  seconds the routers still skip it after a failure (- none)
   SPEED     PREFILL/DECODE tokens/s:SOURCE[:AGE][:CONFIDENCE], what the routers estimate
             time to first token with. SOURCE: measured (the engine's counters), learned
-            (from requests) or default (the accelerator type's profile: not yet measured);
-            AGE: since the estimate last moved; CONFIDENCE: when known. 12.5k = 12,500.
+            (from requests) or default (the accelerator type's profile: not yet measured;
+            a speed the counters have not covered yet stays the profile's, as --json's
+            speeds_measured says); AGE: since the estimate last moved; CONFIDENCE: when
+            known. 12.5k = 12,500.
   CACHE     FIDELITY[:BLOCKSxBLOCK_TOKENS][:HIT%][:events-down], e.g. reported:32768x1:65%.
             FIDELITY, how routers know what its prefix cache holds: precise (its KV events
             are bridged), reported (its replies say how many prompt tokens were cached),

@@ -5,8 +5,10 @@ The state joins three sources: the gateway's node table (health's KV view, run-t
 every router replica's in-flight/cooldown/saturation: :class:`zml_gateway.nodetable.NodeTable`), the
 routers' completion events (``zml.events.completed``: decisions per second by family and node,
 TTFT and latency percentiles, errors by code, over a sliding window), the saturation queue's
-depth (JetStream consumer info) and the Batch API's batches and their progress (the runners'
-``zml.batch.events``). One state is built at most every ``CACHE_S`` however many
+depth per model of the running config (JetStream consumer info) and the Batch API's batches
+and their progress (the store's records, read every few seconds, kept current by the runners'
+``zml.batch.events``). Each node's row says where what it shows comes from and how old it is:
+its speeds' source (measured, learned, default) and age, its state's age, why it is not up. One state is built at most every ``CACHE_S`` however many
 pages poll. With keys on, /dashboard/state wants an operator key, one of zml.toml's
 ``[gateway] api_keys`` (the page asks for it and keeps it in the tab's sessionStorage); the
 static files carry no data.
@@ -18,6 +20,7 @@ import asyncio
 import logging
 import time
 from collections import Counter, deque
+from collections.abc import Callable, Iterable
 from importlib import resources
 from typing import Any
 
@@ -26,8 +29,10 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 
 from zmlcore import subjects
+from zmlcore.batch.objects import counts
+from zmlcore.batch.store import BatchStore
 from zmlcore.errors import MethodNotAllowedError, NotFoundError, PermissionDeniedError
-from zmlcore.messages.batch import BatchEvent, batch_event_decoder
+from zmlcore.messages.batch import BatchEvent, BatchRecord, batch_event_decoder
 from zmlcore.messages.warmup import RequestCompleted
 from zmlcore.bus.queueinfo import queue_depths
 from zml_gateway.access import Access
@@ -40,9 +45,10 @@ RATE_WINDOW_S = 10.0
 STATS_WINDOW_S = 60.0
 MAX_EVENTS = 50_000
 CACHE_S = 0.5
-#: Batches shown: the most recent, finished ones for this long after their last event.
+#: Batches shown: the unfinished, then the most recently changed.
 MAX_BATCHES = 20
-FINISHED_SHOWN_S = 600.0
+#: How often the batch records are read again from the store (events keep them current between).
+BATCH_READ_S = 5.0
 
 _FILES = {
     "/dashboard": ("dashboard.html", b"text/html; charset=utf-8"),
@@ -72,16 +78,21 @@ def percentiles(values: list[float]) -> dict[str, float | int | None]:
 
 
 class Dashboard:
-    def __init__(self, nc: NATS, access: Access, table: NodeTable) -> None:
+    def __init__(self, nc: NATS, access: Access, table: NodeTable, *,
+                 models: Callable[[], Iterable[str]] | None = None, batch_store: BatchStore | None = None) -> None:
         self.nc = nc
         self.access = access
         self.table = table
+        #: The running config's models (zml.toml's and every node's): the queue panel's rows.
+        self.models = models or (lambda: ())
+        self.batch_store = batch_store
         #: (monotonic time received, family, node, ok, error code, ttft, latency)
         self.events: deque[tuple[float, str, str, bool, str, float | None, float | None]] = deque(maxlen=MAX_EVENTS)
         self._sub: Any = None
         self._batch_sub: Any = None
-        #: batch id -> (monotonic time of its last event, the event)
+        #: batch id -> (unix time of its last change, the event or record it came from)
         self.batches: dict[str, tuple[float, BatchEvent]] = {}
+        self._batches_read = -BATCH_READ_S
         self._files: dict[str, bytes] = {}
         self._cached: tuple[float, bytes] | None = None
         self._building: asyncio.Future[bytes] | None = None
@@ -103,23 +114,39 @@ class Dashboard:
             ev = batch_event_decoder.decode(msg.data)
         except (msgspec.DecodeError, msgspec.ValidationError):
             return
-        now = time.monotonic()
+        self.saw_batch(ev, ev.ts or time.time())
+
+    def saw_batch(self, ev: BatchEvent, ts: float) -> None:
         old = self.batches.get(ev.batch_id)
-        if old is not None and old[1].ts > ev.ts:
+        if old is not None and old[0] > ts:
             return  # a late event of an earlier state
-        self.batches[ev.batch_id] = (now, ev)
-        if len(self.batches) > 4 * MAX_BATCHES:  # bounded: the finished and silent go first
+        self.batches[ev.batch_id] = (ts, ev)
+        if len(self.batches) > 4 * MAX_BATCHES:  # bounded: the finished and oldest go first
             keep = sorted(self.batches.items(), key=lambda kv: (kv[1][1].status not in _TERMINAL, kv[1][0]))
             self.batches = dict(keep[-MAX_BATCHES:])
 
+    async def _read_batches(self) -> None:
+        """Every batch's record from the store, every BATCH_READ_S: the page shows what `zml
+        batches` lists, not only the batches whose events this gateway happened to hear."""
+        now = time.monotonic()
+        if self.batch_store is None or now - self._batches_read < BATCH_READ_S:
+            return
+        self._batches_read = now
+        try:
+            records = await self.batch_store.all_batches()
+        except Exception:  # the page still shows the fleet when JetStream is slow
+            log.debug("batch records not read", exc_info=True)
+            return
+        for rec in records:
+            c = counts(rec)
+            self.saw_batch(BatchEvent(batch_id=rec.id, status=rec.status, total=rec.total, completed=c.completed,
+                                      failed=c.failed), _changed_at(rec))
+
     def batch_rows(self, now: float) -> list[dict[str, Any]]:
-        rows = []
-        for seen, ev in sorted(self.batches.values(), key=lambda x: x[1].batch_id, reverse=True):
-            if ev.status in _TERMINAL and now - seen > FINISHED_SHOWN_S:
-                continue
-            rows.append({"id": ev.batch_id, "status": ev.status, "total": ev.total, "completed": ev.completed,
-                         "failed": ev.failed, "updated_s": round(now - seen, 1)})
-        return rows[:MAX_BATCHES]
+        """The unfinished batches, then the most recently changed (``now``: unix time)."""
+        order = sorted(self.batches.values(), key=lambda x: (x[1].status not in _TERMINAL, x[0]), reverse=True)
+        return [{"id": ev.batch_id, "status": ev.status, "total": ev.total, "completed": ev.completed,
+                 "failed": ev.failed, "updated_s": round(max(0.0, now - ts), 1)} for ts, ev in order[:MAX_BATCHES]]
 
     async def _on_completed(self, msg: Msg) -> None:
         try:
@@ -183,24 +210,12 @@ class Dashboard:
             self._building = None
 
     async def _state(self) -> dict[str, Any]:
-        nodes, depths = await asyncio.gather(self.table.rows(), self._queue())
-        rows = []
-        for n in nodes:
-            rows.append({
-                "node_id": n["node_id"], "accelerator_type": n.get("accelerator_type", ""),
-                "family": n.get("family", ""), "engine": n.get("backend", "openai"),
-                "status": n.get("status", "unknown"), "reason": n.get("reason", ""),
-                "health_score": n.get("health_score", 0.0),
-                "queue_depth": n.get("queue_running", 0) + n.get("queue_waiting", 0),
-                "in_flight": n.get("in_flight", 0), "cooldown_s": n.get("cooldown_s", 0.0),
-                "saturated_s": n.get("saturated_s", 0.0), "price_per_hour": n.get("cost_per_hour", 0.0),
-                "models": n.get("models", []), "routers": n.get("routers", 0),
-                "cache_fidelity": n.get("cache_fidelity", ""), "kv_events": n.get("kv_events", ""),
-                "prefix_cache_hit_rate": n.get("prefix_cache_hit_rate"),
-                "kv_block_size": n.get("kv_block_size", 0), "kv_blocks": n.get("kv_blocks", 0),
-            })
-        now = time.monotonic()
-        return {"ts": time.time(), "nodes": rows, "queue": depths, "batches": self.batch_rows(now), **self.stats(now)}
+        nodes, depths, _ = await asyncio.gather(self.table.rows(), self._queue(), self._read_batches())
+        wall = time.time()
+        rows = [node_row(n, wall) for n in nodes]
+        queue, other = queue_rows(depths, self.models())
+        return {"ts": wall, "nodes": rows, "queue": queue, "queue_other_models": other,
+                "batches": self.batch_rows(wall), **self.stats(time.monotonic())}
 
     async def _queue(self) -> dict[str, int]:
         try:
@@ -244,3 +259,56 @@ class Dashboard:
             "ttft_s": percentiles(ttft),
             "latency_s": percentiles(latency),
         }
+
+
+def _changed_at(rec: BatchRecord) -> float:
+    return float(max(t for t in (rec.created_at, rec.in_progress_at, rec.finalizing_at, rec.completed_at,
+                                 rec.failed_at, rec.expired_at, rec.cancelling_at, rec.cancelled_at) if t is not None))
+
+
+def _age(now: float, at: Any) -> float | None:
+    return round(max(0.0, now - at), 1) if isinstance(at, (int, float)) and at > 0 else None
+
+
+def node_row(n: dict[str, Any], now: float) -> dict[str, Any]:
+    """One node as the page shows it (``n``: a node table row), each belief with its source and
+    age: the state the health service polled ``state_age_s`` ago (queue and speeds with it),
+    why it is not up and since when, where its speeds come from and when they last moved."""
+    status = n.get("status", "unknown")
+    return {
+        "node_id": n["node_id"], "accelerator_type": n.get("accelerator_type", ""),
+        "family": n.get("family", ""), "engine": n.get("backend", "openai"),
+        "status": status, "reason": n.get("reason", ""),
+        "down_for_s": _age(now, n.get("last_ok")) if status in ("down", "invalid") else None,
+        "state_age_s": _age(now, n.get("updated_at")),
+        "health_score": n.get("health_score", 0.0),
+        "queue_depth": n.get("queue_running", 0) + n.get("queue_waiting", 0),
+        "in_flight": n.get("in_flight", 0), "cooldown_s": n.get("cooldown_s", 0.0),
+        "saturated_s": n.get("saturated_s", 0.0), "price_per_hour": n.get("cost_per_hour", 0.0),
+        "models": n.get("models", []), "missing_models": n.get("missing_models", []),
+        "routers": n.get("routers", 0),
+        "prefill_tps": n.get("prefill_tps", 0.0), "decode_tps": n.get("decode_tps", 0.0),
+        # an older health service says only whether they were measured
+        "speeds_source": n.get("speeds_source") or ("measured" if n.get("speeds_measured") else "default"),
+        "speeds_age_s": _age(now, n.get("speeds_at")),
+        "speeds_confidence": n.get("speeds_confidence") or None,
+        "note": n.get("note", ""),
+        "cache_fidelity": n.get("cache_fidelity", ""), "kv_events": n.get("kv_events", ""),
+        "prefix_cache_hit_rate": n.get("prefix_cache_hit_rate"),
+        "kv_block_size": n.get("kv_block_size", 0), "kv_blocks": n.get("kv_blocks", 0),
+    }
+
+
+def queue_rows(depths: dict[str, int], models: Iterable[str]) -> tuple[dict[str, int], int]:
+    """The saturation queue by model name, for the running config's models (its consumers are
+    durable: the queues of models an earlier config had stay in JetStream, keyed by hash), and
+    what waits for other models."""
+    names = {subjects.queue_key(m): m for m in models}
+    shown = {m: 0 for m in sorted(names.values())}
+    other = 0
+    for key, depth in depths.items():
+        if key in names:
+            shown[names[key]] = depth
+        else:
+            other += depth
+    return shown, other

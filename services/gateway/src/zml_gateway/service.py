@@ -14,6 +14,7 @@ from nats.aio.client import Client as NATS
 
 from zmlcore import subjects
 from zmlcore.config import ZMLConfig
+from zmlcore.fleet.catalog import known_models
 from zmlcore.fleet.costs import CostTable
 from zmlcore.bus.kvfollow import KVFollower
 from zmlcore.messages import NodeState, node_state_decoder
@@ -84,7 +85,9 @@ class GatewayService:
             names = BatchRoutes.policy_names(self.cfg)
             batch_api = BatchApi(await BatchStore.open(nc, self.cfg.batch), self.cfg, policy_known=names.__contains__)
         gateway = Gateway(self.cfg, nc, self.nodes, self.costs, Access(self.cfg, ring, self.limiter, keys.refresh), batch_api)
-        self._dashboard = Dashboard(nc, gateway.access, gateway.node_table)
+        self._dashboard = Dashboard(nc, gateway.access, gateway.node_table,
+                                    models=lambda: known_models(self.cfg.model_names(), self.nodes.values()),
+                                    batch_store=batch_api.store if batch_api is not None else None)
         await self._dashboard.start()
         app = Observed(gateway, serve_metrics=self.cfg.metrics.gateway, dashboard=self._dashboard)
         g = self.cfg.gateway

@@ -324,8 +324,10 @@ class HealthService:
             prefill_tps=round(tr.speed.prefill_tps or prof.prefill_tps * scale, 3),
             decode_tps=round(tr.speed.decode_tps or prof.decode_tps * scale, 3),
             speeds_measured=measured,
-            speeds_source="measured" if measured else "default",
-            speeds_at=tr.speed_at if measured else 0.0,
+            # The estimate as a whole: measured once any of it is (a speed without a window of
+            # enough tokens yet stays the type's profile, as speeds_measured says).
+            speeds_source="measured" if tr.speed_at else "default",
+            speeds_at=tr.speed_at,
             health_score=tr.slowed(health_score(error_rate, running, waiting, capacity), now,
                                    self.cfg.health.error_window_s) if status == "up" else 0.0,
             cost_per_hour=node.effective_cost,

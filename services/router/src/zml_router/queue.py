@@ -24,9 +24,7 @@ bucket cannot be reached the head waits.
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import logging
-import re
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -74,10 +72,7 @@ def key_of(jmsg) -> str:  # type: ignore[no-untyped-def]
     return str(jmsg.subject).rsplit(".", 1)[-1]
 
 
-def model_key(model: str) -> str:
-    """A subject token for a model name: readable, and unique thanks to a short hash."""
-    clean = re.sub(r"[^A-Za-z0-9_-]", "_", model)[:48]
-    return f"{clean}-{hashlib.sha1(model.encode()).hexdigest()[:8]}"
+model_key = subjects.queue_key  # the dashboard names the queues' models with it too
 
 
 @dataclass(slots=True)

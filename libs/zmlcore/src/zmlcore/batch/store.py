@@ -237,6 +237,10 @@ class BatchStore:
     async def list_batches(self, owner: str) -> list[BatchRecord]:
         return [batch_record_decoder.decode(v) for v in await self._values(f"b.{owner_token(owner)}.*")]
 
+    async def all_batches(self) -> list[BatchRecord]:
+        """Every owner's batches (the operator's view: the dashboard)."""
+        return [batch_record_decoder.decode(v) for v in await self._values("b.*.*")]
+
     async def active_batches(self, owner: str) -> int:
         return sum(1 for b in await self.list_batches(owner) if b.status not in TERMINAL)
 

@@ -34,6 +34,43 @@ function replaceRows(tbody, rows) {
   tbody.replaceChildren(...rows);
 }
 
+function fmtAge(s) {
+  if (s === null || s === undefined) return "";
+  if (s < 90) return `${Math.round(s)} s`;
+  if (s < 5400) return `${Math.round(s / 60)} min`;
+  return `${Math.round(s / 3600)} h`;
+}
+
+function fmtTps(v) {
+  if (!v) return "?";
+  return v >= 10000 ? `${(v / 1000).toFixed(1)}k` : v >= 10 ? v.toFixed(0) : v.toFixed(1);
+}
+
+// Why a node is not up, and since when: its health service's probe said so.
+function stateCell(n) {
+  const st = el("td");
+  const badge = el("span", n.status, `state ${n.status}`);
+  st.append(badge);
+  if (n.status !== "up") {
+    const since = n.down_for_s !== null && n.down_for_s !== undefined ? ` (last answered ${fmtAge(n.down_for_s)} ago)` : "";
+    if (n.reason || since) st.append(el("span", `${n.reason || "no reason given"}${since}`, "why"));
+  }
+  if (n.state_age_s !== null && n.state_age_s !== undefined) st.title = `polled by the health service ${fmtAge(n.state_age_s)} ago`;
+  return st;
+}
+
+// The speeds the routers estimate with, where they come from and how old they are.
+function speedCell(n) {
+  const td = el("td", `${fmtTps(n.prefill_tps)} / ${fmtTps(n.decode_tps)}`, "speeds");
+  let src = n.speeds_source;
+  if (n.speeds_age_s !== null && n.speeds_age_s !== undefined) src += ` ${fmtAge(n.speeds_age_s)} ago`;
+  if (n.speeds_confidence) src += ` (${Math.round(n.speeds_confidence * 100)}%)`;
+  td.append(el("span", src, `src ${n.speeds_source}`));
+  td.title = {measured: "measured from the engine's counters", learned: "learned from requests",
+              default: "the accelerator type's profile: not measured yet"}[n.speeds_source] || "";
+  return td;
+}
+
 function renderNodes(state) {
   const rates = state.decisions_per_s.by_node;
   const rows = state.nodes.map((n) => {
@@ -41,11 +78,7 @@ function renderNodes(state) {
     tr.dataset.node = n.node_id;
     tr.dataset.status = n.status;
     tr.append(el("td", n.node_id), el("td", n.accelerator_type), el("td", n.family), el("td", n.engine));
-    const st = el("td");
-    const badge = el("span", n.status, `state ${n.status}`);
-    if (n.reason) badge.title = n.reason;
-    st.append(badge);
-    tr.append(st);
+    tr.append(stateCell(n));
     const h = el("td");
     const bar = el("span", null, "health");
     const fill = el("div");
@@ -55,10 +88,13 @@ function renderNodes(state) {
     bar.append(fill);
     h.append(bar, document.createTextNode(score.toFixed(0)));
     tr.append(h);
-    tr.append(el("td", n.queue_depth, "num"), el("td", n.in_flight, "num"));
+    const queue = el("td", n.queue_depth, "num queue");
+    if (n.state_age_s !== null && n.state_age_s !== undefined) queue.title = `polled ${fmtAge(n.state_age_s)} ago`;
+    tr.append(queue, el("td", n.in_flight, "num"));
     tr.append(el("td", n.cooldown_s > 0 ? `${n.cooldown_s.toFixed(1)} s` : "–", n.cooldown_s > 0 ? "num bad" : "num"));
     tr.append(el("td", n.saturated_s > 0 ? `${n.saturated_s.toFixed(1)} s` : "–", n.saturated_s > 0 ? "num warn" : "num"));
     tr.append(el("td", n.price_per_hour.toFixed(2), "num"));
+    tr.append(speedCell(n));
     // How routers know the node's prefix cache, and the share of prompt tokens its engine served from it.
     const hit = typeof n.prefix_cache_hit_rate === "number" ? ` ${Math.round(n.prefix_cache_hit_rate * 100)}%` : "";
     const cache = el("td", `${n.cache_fidelity || "–"}${hit}`, "cache");
@@ -66,6 +102,8 @@ function renderNodes(state) {
                    n.kv_events ? `KV events: ${n.kv_events}` : ""].filter(Boolean).join("; ");
     tr.append(cache);
     tr.append(el("td", (rates[n.node_id] || 0).toFixed(1), "num rate"));
+    const missing = (n.missing_models || []).length && n.status === "up" ? `not serving: ${n.missing_models.join(", ")}` : "";
+    tr.append(el("td", [n.note, missing].filter(Boolean).join("; "), "note"));
     return tr;
   });
   replaceRows($("nodes").tBodies[0], rows);
@@ -86,7 +124,7 @@ function renderBatches(batches) {
     prog.append(bar, document.createTextNode(`${Math.round(share)}%`));
     tr.append(el("td", b.id), el("td", b.status, `state ${b.status}`), prog, el("td", b.completed, "num"),
               el("td", b.failed, b.failed ? "num bad" : "num"), el("td", b.total, "num"),
-              el("td", `${b.updated_s.toFixed(0)} s ago`, "num"));
+              el("td", `${fmtAge(b.updated_s)} ago`, "num"));
     return tr;
   });
   if (!rows.length) {
@@ -135,14 +173,17 @@ function render(state) {
   $("errors").className = errs ? "value bad" : "value";
   $("ttft").textContent = pct(state.ttft_s);
   $("latency").textContent = pct(state.latency_s);
-  const queued = Object.values(state.queue).reduce((a, b) => a + b, 0);
+  const queued = Object.values(state.queue).reduce((a, b) => a + b, 0) + (state.queue_other_models || 0);
   $("queued").textContent = queued;
   $("queued").className = queued ? "value warn" : "value";
   renderNodes(state);
   renderBatches(state.batches);
   renderBars($("families"), d.by_family);
   renderTable($("codes").tBodies[0], state.errors_by_code, "no errors", "bad");
-  renderTable($("queue").tBodies[0], state.queue, "empty");
+  renderTable($("queue").tBodies[0], state.queue, "no model configured");
+  const other = $("queue-other");
+  other.hidden = !state.queue_other_models;
+  other.textContent = state.queue_other_models ? `${state.queue_other_models} waiting for models not in this config` : "";
   $("updated").textContent = `updated ${new Date(state.ts * 1000).toLocaleTimeString()}`;
 }
 
