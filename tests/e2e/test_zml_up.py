@@ -205,3 +205,39 @@ def test_each_service_has_a_cli(service: str) -> None:
     out = subprocess.run(_zml(service, "--help"), capture_output=True, text=True, timeout=30)
     assert out.returncode == 0, out.stderr
     assert "--config" in out.stdout and "--nats-url" in out.stdout
+
+
+@pytest.mark.timeout(240)
+def test_zml_up_says_when_a_node_goes_down_and_comes_back(tmp_path: Path) -> None:
+    """Issue 27 item 4: a node's engine killed under `zml up` (the secure default: the watch reads
+    the health service as the folder's admin identity): one line when it goes down, with the
+    health service's reason, and one when it is back."""
+    from conftest import MODEL, fleet_toml
+
+    fleet = [("h100-1", "nvidia_h100", [MODEL]), ("a100-1", "nvidia_a100", [MODEL])]
+    ports = {node_id: free_port() for node_id, _, _ in fleet}
+    config = tmp_path / "zml.toml"
+    config.write_text(fleet_toml(ports, fleet=fleet))
+    gw, nats_port = free_port(), free_port()
+    proc = spawn("zml-up", _zml("up", "--config", str(config), "--gateway-port", str(gw), "--nats-port",
+                                str(nats_port), "--data-dir", str(tmp_path / "data"), "--routers", "1",
+                                "--standby", "0"))
+    try:
+        assert proc.wait_for("zml ready", 150), proc.tail(40)
+        deadline = time.monotonic() + 60
+        while {n["status"] for n in httpx.get(f"http://127.0.0.1:{gw}/v1/nodes", timeout=10).json()["nodes"]} != {"up"}:
+            assert time.monotonic() < deadline, proc.tail(40)
+            time.sleep(0.5)
+        time.sleep(2)  # the watch has seen them up
+        r = httpx.post(f"http://127.0.0.1:{ports['a100-1']}/sim/faults", json={"crash": True, "crash_for_s": 4},
+                       timeout=5)
+        assert r.status_code == 200, r.text
+        assert proc.wait_for("zml up: node a100-1 down: ", 30), proc.tail(40)
+        assert proc.wait_for("zml up: node a100-1 up again (out for ", 60), proc.tail(40)
+        down = next(line for line in proc.lines if "node a100-1 down: " in line)
+        assert "ConnectError" in down or "refused" in down, down  # the probe's own words
+        assert re.search(r"\(last answered \d+\.\d s ago\)$", down), down
+        assert not any("node h100-1" in line for line in proc.lines), proc.tail(40)  # nothing about the other
+    finally:
+        proc.popen.send_signal(signal.SIGTERM)
+        assert proc.popen.wait(60) == 0, proc.tail(40)

@@ -1,6 +1,7 @@
 """`zml up`: embedded NATS + every service (batch runners included) + the simulated demo fleet, in one command.
 
-Prints one line with ``ready`` and the gateway URL once a request would succeed. Every child
+Prints one line with ``ready`` and the gateway URL once a request would succeed, then one line
+per node state transition (down with the health service's reason, up again). Every child
 (nats-server, services, sim fleet) is supervised: one that exits is started again after a backoff
 (0.5 s doubling to 10 s; reset after a minute up) and the restart is logged. Only Ctrl-C or
 SIGTERM stops `zml up`, and with it every child it started (by PID).
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 
     from zmlcore.config import ZMLConfig
     from zmlcore.runtime.launch import Proc
+    from zml.cli._nodewatch import NodeWatch
     from zml.cli._supervise import Supervisor
 
 
@@ -190,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
     tmp = None
+    watch: NodeWatch | None = None
     v = args.verbose
     envs: dict[str, dict[str, str]] = {}  # per service: its identity (ZML_NATS_NKEY)
     common: dict[str, str] = {}  # for every service
@@ -311,17 +314,31 @@ def run(args: argparse.Namespace) -> int:
             where = ", ".join(f"{name} :{port}" for name, port in metrics_ports.items())
             print(f"zml metrics: {url}/metrics, dashboard {url}/dashboard" + (f"; /metrics also on {where}" if where else ""),
                   flush=True)
+            watch = _watch_nodes(cfg, nats_url, envs)
         while not stopping:
             sup.tick()
             time.sleep(0.2)
         return 0
     finally:
+        if watch is not None:
+            watch.stop()
         sup.stop_all()
         if tmp is not None:
             tmp.cleanup()
         if ports_dir is not None:
             ports_dir.cleanup()
         print("zml up: stopped", file=sys.stderr, flush=True)
+
+
+def _watch_nodes(cfg: ZMLConfig, nats_url: str, envs: dict[str, dict[str, str]]) -> NodeWatch:
+    """One line per node state transition, as the admin identity (or zml.toml's) sees them."""
+    from zmlcore.access.identity import connect_options
+    from zml.cli._nodewatch import NodeWatch
+
+    options = connect_options(cfg.nats, seed_file=envs.get("admin", {}).get("ZML_NATS_NKEY"))
+    watch = NodeWatch(nats_url, options, lambda line: print(f"zml up: {line}", flush=True))
+    watch.start()
+    return watch
 
 
 def _member_config(conf: str | None, i: int) -> str | None:
