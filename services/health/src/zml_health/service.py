@@ -103,6 +103,9 @@ class HealthService:
         #: which polled states go to the KV bucket (on change, else as a heartbeat)
         self.writes = Writes(effective_heartbeat(cfg.health.kv_heartbeat_s, cfg.router.stale_after_s))
         self._link_gen = 0
+        #: The fleet's models (_known_models), and the registrations they were made from.
+        self._known: tuple[int, frozenset[str]] | None = None
+        self._registry_gen = 0
         #: Each node's KV-event bridge (nodes with [nodes.kv_events]), started with its polling.
         self.bridges = Bridges(self._publish)
         sglang.GENERATE_EVERY = cfg.health.generate_probe_every
@@ -146,6 +149,7 @@ class HealthService:
 
     async def _load_registry(self) -> None:
         assert self.registry is not None and self.nc is not None
+        self._registry_gen += 1
         for key in await live_keys(self.registry, self.nc):
             try:
                 entry = await self.registry.get(key)
@@ -276,7 +280,7 @@ class HealthService:
         # no model of the fleet's stays the engine's (zml_health.served).
         if probe.ok:
             split = split_models(probe.models, configured=node.models, served_names=node.served_names,
-                                 known=self._known_models() | rt.warmed)
+                                 known=self._known_models() | rt.warmed if rt.warmed else self._known_models())
             models, unknown = split.models, split.unknown
         else:
             models, unknown = (prev.models, prev.unknown_models) if prev else ([], [])
@@ -355,12 +359,16 @@ class HealthService:
             kv_events=self.bridges.status(node.id),
         )
 
-    def _known_models(self) -> set[str]:
-        """The fleet's models: zml.toml's and every registered node's."""
-        known = self.cfg.model_names()
-        for n in self.nodes.values():
-            known.update(n.models)
-        return known
+    def _known_models(self) -> frozenset[str]:
+        """The fleet's models: zml.toml's and every registered node's (made again when the
+        registered nodes change, not on every poll: a poll of each of 1,000 nodes would
+        otherwise walk all 1,000)."""
+        if self._known is None or self._known[0] != self._registry_gen:
+            known = self.cfg.model_names()
+            for n in self.nodes.values():
+                known.update(n.models)
+            self._known = (self._registry_gen, frozenset(known))
+        return self._known[1]
 
     def _fidelity(self, node: NodeConfig) -> str:
         if node.kv_events is not None and self.bridges.status(node.id) in ("live", "replaying"):
@@ -456,6 +464,7 @@ class HealthService:
                 if exists:
                     await self._stop_polling(node.id)
                 self.nodes[node.id] = node
+                self._registry_gen += 1
                 self.sources[node.id] = "registry"
                 self._start_polling(node, self.clock())
             log.info("node %s registered (%s at %s)", node.id, node.accelerator, node.endpoint)
@@ -479,6 +488,7 @@ class HealthService:
                     await self.registry.delete(req.node_id)
                 await self._stop_polling(req.node_id)
                 self.nodes.pop(req.node_id, None)
+                self._registry_gen += 1
                 self.sources.pop(req.node_id, None)
                 await self.kv.delete(req.node_id)
             log.info("node %s removed", req.node_id)
