@@ -106,6 +106,16 @@ def test_bodies_over_max_payload_reach_their_node_and_max_body_bytes_holds(http:
     _served(http)
 
 
+@pytest.mark.parametrize("scheme", ["nats", "grpc"])
+def test_the_sdk_sends_a_body_over_max_payload_on_every_transport(zml_stack: Stack, scheme: str) -> None:
+    import zml
+
+    endpoint = {"nats": zml_stack.nats_url, "grpc": f"grpc://{zml_stack.grpc_target}"}[scheme]
+    with zml.Client(endpoint, max_retries=0) as client:
+        r = client.infer(MODEL, messages=CHAT, max_tokens=1, user="u" * (3 * 1024 * 1024))
+    assert r.routing.node_id
+
+
 def test_paths_and_methods(http: httpx.Client) -> None:
     _error(http.post("/nope"), 404, "NOT_FOUND")
     _error(http.get("/v1/nope"), 404, "NOT_FOUND")
