@@ -108,8 +108,8 @@ def probe_request(cfg: ZMLConfig) -> tuple[str, bytes, str] | None:
             w.setframerate(16000)
             w.writeframes(b"\x00\x00" * 1600)
         wav = out.getvalue()
-        body, ctype = encode_form([("model", by_kind["audio"][0])], "ping.wav", wav, "audio/wav")
-        return "/v1/audio/transcriptions", body, ctype
+        form, ctype = encode_form([("model", by_kind["audio"][0])], "ping.wav", wav, "audio/wav")
+        return "/v1/audio/transcriptions", form, ctype
     return None
 
 
