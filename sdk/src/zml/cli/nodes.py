@@ -119,6 +119,7 @@ def _admin(args: argparse.Namespace) -> int:
         spec = msgspec.convert({k: v for k, v in raw.items() if v is not None}, NodeSpec)
     except msgspec.ValidationError as exc:
         raise BadRequestError(f"invalid node: {with_choices(NodeSpec, str(exc))}") from exc
+
     async def add_and_watch() -> dict[str, Any] | None:
         async with operator_nats(target) as nc:
             await add_node(nc, spec, replace=args.replace)
@@ -156,7 +157,8 @@ def after_add(node_id: str, what: str, state: dict[str, Any] | None, wait_s: flo
     or its hardware is not what was declared)."""
     added = f"{node_id}: added ({what})"
     if state is None:
-        return 0, f"{added}; not polled within {wait_s:g} s: `zml nodes` shows it after its first poll", ""
+        waited = f"; not polled within {wait_s:g} s" if wait_s > 0 else ""
+        return 0, f"{added}{waited}: `zml nodes` shows it after its first poll", ""
     status, models = state.get("status", "unknown"), state.get("models") or []
     missing, unknown = state.get("missing_models") or [], state.get("unknown_models") or []
     why = f" ({state['reason']})" if state.get("reason") else ""
