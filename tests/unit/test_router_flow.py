@@ -1,4 +1,4 @@
-"""The router's request flow (zml_router.request.flow) driven by hand: no NATS, no HTTP.
+"""The router's request flow (zml_router.request) driven by hand: no NATS, no HTTP.
 
 Each test plays the service's part: it answers the flow's actions (Decide with a Decision or an
 error, Dispatch with None or an AttemptError) and checks what the flow asks for next and which
@@ -18,12 +18,12 @@ from zmlcore.errors import NoHealthyNodesError, QueueFullError, ZMLError
 from zmlcore.messages import NodeState
 from zmlcore.policy import Decision, RouteRequest, RoutingState, admit
 from zmlcore.policy.resolve import builtin_policy
-from zml_router.request import flow
+from zml_router.request import finish, route
 from zml_router.node.attempt import AttemptError, Failure
 from zmlcore.reply.transcript import Sent
 from zml_router.node.result import Dispatch
 from zml_router.outcome import Outcome
-from zml_router.request.flow import Close, Decide, Enqueue, Penalise, Plan
+from zml_router.request.route import Close, Decide, Enqueue, Penalise, Plan
 from zml_router.replicas.table import NodeTable
 
 
@@ -45,8 +45,8 @@ def _run(plan: Plan, decide: Decider, attempt: Attempt) -> tuple[list[object], O
     """Drive the flow as the service does; the actions seen, the outcome and the error raised."""
     out = Outcome()
     seen: list[object] = []
-    steps = flow.route(plan, out)
-    result: flow.Result = None
+    steps = route.route(plan, out)
+    result: route.Result = None
     try:
         while True:
             action = steps.send(result)
@@ -114,7 +114,7 @@ def test_slow_nodes_are_recorded_and_cooled() -> None:
     slow = AttemptError(Failure.SLOW, 0, "no first byte")
     _, out, err = _run(_plan(), _fleet("a", "b"), _failing({"a": slow}))
     assert err is None and out.slow_nodes == ["a"] and out.failed_nodes == ["a"]
-    assert flow.penalty(slow, 1.0, 5.0) == ("cooldown", 5.0)
+    assert finish.penalty(slow, 1.0, 5.0) == ("cooldown", 5.0)
 
 
 def test_a_client_error_is_bad_request_with_no_retry_and_no_penalty() -> None:
@@ -180,8 +180,8 @@ def test_every_node_overloaded_is_saturation() -> None:
     _, out, err = _run(_plan(), _fleet("a", "b"), _failing({"a": busy, "b": busy}))
     assert err is not None and err.code == "QUEUE_FULL" and err.retry_after == 2.0
     assert err.routing_context is not None and err.routing_context["nodes_tried"] == ["a", "b"]
-    assert flow.penalty(busy, 1.0, 5.0) == ("saturated", 2.0)
-    assert flow.penalty(AttemptError(Failure.OVERLOADED, 503, "", retry_after=0.0), 1.0, 5.0) == ("saturated", 1.0)
+    assert finish.penalty(busy, 1.0, 5.0) == ("saturated", 2.0)
+    assert finish.penalty(AttemptError(Failure.OVERLOADED, 503, "", retry_after=0.0), 1.0, 5.0) == ("saturated", 1.0)
 
 
 def test_a_pinned_overloaded_node_says_so() -> None:
@@ -296,14 +296,14 @@ def test_a_resumed_stream_with_the_whole_answer_is_closed_by_the_new_router() ->
     whole = Sent(text="x x x ", tokens=3)
     out = Outcome()
     out.continued_from = [("a", 3, "router")]
-    steps = flow.route(_plan(stream=True, raw=CHAT.replace(b'"max_tokens":10', b'"max_tokens":3'),
+    steps = route.route(_plan(stream=True, raw=CHAT.replace(b'"max_tokens":10', b'"max_tokens":3'),
                              resumed=whole, attempts_before=1), out)
     assert next(steps) == Close("a", 1)
     with pytest.raises(StopIteration):
         steps.send(None)
     assert out.ok
     # with tokens still to come, it is continued as before
-    steps = flow.route(_plan(stream=True, raw=CHAT, resumed=whole, attempts_before=1), Outcome())
+    steps = route.route(_plan(stream=True, raw=CHAT, resumed=whole, attempts_before=1), Outcome())
     first = next(steps)
     assert isinstance(first, Decide) and first.continuation
 
@@ -336,9 +336,9 @@ def test_a_node_refusing_the_continuation_is_a_backend_error_not_a_bad_request()
 # --- deadlines -----------------------------------------------------------------------------------
 
 def test_deadline_errors_carry_the_right_codes() -> None:
-    err = flow.deadline_passed(2.5)
+    err = finish.deadline_passed(2.5)
     assert err.code == "TIMEOUT" and "2.5 s" in err.message
-    q = flow.queue_expired(1200)
+    q = finish.queue_expired(1200)
     assert q.code == "QUEUE_FULL" and q.retry_after == 1.0
     assert q.routing_context == {"final_error": "queue_timeout", "waited_ms": 1200,
                                  "recommendation": "increase fleet capacity or max_queue_ms"}
@@ -398,7 +398,7 @@ def test_no_probe_for_nodes_that_are_down() -> None:
 @pytest.mark.parametrize("stream", [False, True])
 def test_the_flow_is_a_plain_generator(stream: bool) -> None:
     """No event loop, no I/O: the flow is a generator of actions (what the service drives)."""
-    steps = flow.route(_plan(stream=stream), Outcome())
+    steps = route.route(_plan(stream=stream), Outcome())
     first = next(steps)
     assert isinstance(first, Decide)
     second = steps.send(_decision("a"))

@@ -23,11 +23,13 @@ from zmlcore.policy import Decision, ResolvedPolicy, RouteRequest
 from zml_router.replicas import ids as idclaims
 from zml_router.request.cancels import CancelBook
 from zml_router.incoming import Incoming, QueuedMsg
-from zml_router.request.flow import owner_key, prepare, queue_expired
+from zml_router.request.intake import owner_key
+from zml_router.request.prepare import prepare
+from zml_router.request.finish import queue_expired
 from zml_router.replicas.ids import RequestIds
 from zml_router.telemetry.metrics import RouterMetrics
 from zml_router.queue.jetstream import H_DEADLINE, H_ENQUEUED, H_QUEUED_HEADERS, H_TOTAL_MS, SaturationQueue
-from zml_router.node.relay import Replies
+from zml_router.answer.replies import Replies
 from zml_router.replicas.table import NodeTable
 
 log = logging.getLogger("zml.router")

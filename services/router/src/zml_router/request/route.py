@@ -1,0 +1,220 @@
+"""Route: decide, dispatch, fail over or queue, as a generator of actions (step 3 of
+zml_router.request; the model is httpx's ``auth_flow``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Generator
+from dataclasses import dataclass
+from typing import Union
+
+from zmlcore.errors import (
+    BackendError,
+    BadRequestError,
+    ModelNotLoadedError,
+    QueueFullError,
+    StreamInterruptedError,
+    ZMLError,
+)
+from zmlcore.policy import Decision, RouteRequest
+from zmlcore.reply.engineerror import engine_error
+from zmlcore.reply.transcript import Sent
+
+from zml_router.answer import continuation
+from zml_router.node.attempt import AttemptError, Failure
+from zml_router.node.result import Dispatch
+from zml_router.outcome import Outcome
+
+log = logging.getLogger("zml.router")
+
+#: Failures that are the node's fault: it is cooled down and counted as a node error.
+NODE_FAULTS = (Failure.NETWORK, Failure.SERVER, Failure.SLOW)
+
+
+@dataclass(slots=True)
+class Plan:
+    """What the flow needs to know of one request (all decided before it starts)."""
+
+    model: str
+    policy: str  # the resolved policy's name, for error context
+    rr: RouteRequest
+    max_attempts: int
+    stream: bool = False
+    #: The policy queues on saturation and the request has somewhere to be answered.
+    can_queue: bool = False
+    #: Other requests for this model wait in the queue already (a new arrival goes behind them).
+    others_waiting: bool = False
+    #: This request is the head of the queue being placed (it never re-enters the queue behind others).
+    from_queue: bool = False
+    #: Whether an answer whose node fails part-way may be continued elsewhere: the request's
+    #: body, its ``continue_on_failure`` (None: not given) and its policy's.
+    raw: bytes = b""
+    continue_asked: bool | None = None
+    policy_continues: bool = True
+    #: What the requester has of the answer when its router died (``Intake.resume``): the
+    #: first attempt continues it; and the attempts made before, counted on.
+    resumed: Sent | None = None
+    attempts_before: int = 0
+
+
+@dataclass(slots=True)
+class Decide:
+    rr: RouteRequest
+    #: Only nodes whose engine can continue an answer (zml_router.replicas.table.engine_continues).
+    continuation: bool = False
+
+
+@dataclass(slots=True)
+class Penalise:
+    decision: Decision
+    error: AttemptError
+
+
+@dataclass(slots=True)
+class Enqueue:
+    #: True: no room now (a queue head goes back to its holder, keeping its place); False: it
+    #: joins the queue behind the requests already waiting there.
+    saturated: bool
+
+
+@dataclass(slots=True)
+class Close:
+    """The requester has the whole answer and lost only its end (zml_router.answer.continuation.complete):
+    end the stream here, as its node would have; nothing is asked of a node. The flow is over."""
+
+    #: The node that produced the answer (and failed, or whose router died, after it).
+    node_id: str
+    attempts: int
+
+
+Action = Union[Decide, Dispatch, Penalise, Enqueue, Close]
+#: What the service sends back: a Decision or ZMLError for Decide, None or AttemptError otherwise.
+Result = Union[Decision, ZMLError, AttemptError, None]
+Flow = Generator[Action, Result, None]
+
+
+def route(plan: Plan, out: Outcome) -> Flow:
+    """Decide, dispatch, fail over to another node, or queue; raises the ZMLError to answer."""
+    if plan.can_queue and not plan.from_queue and plan.others_waiting:
+        # Others are waiting for this model: take a place behind them, do not overtake.
+        out.queued = True
+        yield Enqueue(saturated=False)
+        return
+    rr = plan.rr
+    excluded: set[str] = set()
+    last: AttemptError | None = None
+    continuing = False  # the next attempt continues the answer a failed node began
+    if plan.resumed is not None:  # its router died part-way: continue what the requester has
+        if plan.stream and continuation.complete(plan.raw, plan.resumed):
+            out.ok = True
+            yield Close(out.continued_from[-1][0] if out.continued_from else "", plan.attempts_before)
+            return
+        why = why_not_continue(plan, plan.resumed, 0)
+        if why is not None:
+            raise StreamInterruptedError(f"the router relaying this stream was lost and the answer cannot be "
+                                         f"continued: {why}", retry_after=1.0)
+        continuing = True
+    before = plan.attempts_before
+    for attempt in range(1, plan.max_attempts + 1):
+        if excluded:  # the prompt's keys and session stay; the tried nodes are out
+            rr = dataclasses.replace(rr, exclude=frozenset(excluded))
+        got = yield Decide(rr, continuing)
+        if isinstance(got, ZMLError):
+            if last is not None:  # we tried nodes and they failed: say so, not "no nodes"
+                break
+            if isinstance(got, QueueFullError) and plan.can_queue:
+                out.queued = True
+                yield Enqueue(saturated=True)
+                return
+            raise got
+        assert isinstance(got, Decision)
+        decision = got
+        out.node_id, out.family, out.attempts = decision.node_id, decision.family, before + attempt
+        out.info = None
+        err = yield Dispatch(decision, before + attempt, rr, plan.stream, continuing)
+        if err is None:
+            out.ok = True
+            return
+        assert isinstance(err, AttemptError)
+        last = err
+        out.node_error = err.failure in NODE_FAULTS
+        if out.node_error:
+            out.failed_nodes.append(decision.node_id)
+        if err.failure is Failure.SLOW:
+            out.slow_nodes.append(decision.node_id)
+        if err.failure is Failure.CLIENT:
+            if err.mid_stream:  # the engine refused the continuation, not the caller's request
+                raise BackendError(f"node {decision.node_id} refused to continue the answer: {err.detail}",
+                                   retry_after=1.0)
+            raise BadRequestError(f"node {decision.node_id} rejected the request: {engine_error(err.status, err.detail)}")
+        yield Penalise(decision, err)
+        excluded.add(decision.node_id)
+        if err.sent is not None:  # it failed part-way through the answer
+            if plan.stream and continuation.complete(plan.raw, err.sent):
+                out.continued_from.append((decision.node_id, err.sent.tokens, err.failure.value))
+                out.ok = True
+                yield Close(decision.node_id, before + attempt)
+                return
+            why = why_not_continue(plan, err.sent, attempt)
+            if why is None:
+                continuing = True
+                out.continued_from.append((decision.node_id, err.sent.tokens, err.failure.value))
+                log.warning("node %s failed after %d tokens (%s %s); continuing the answer on another node",
+                            decision.node_id, err.sent.tokens, err.failure.value, err.detail[:200])
+                continue
+            if err.mid_stream:  # part of the answer is out: it cannot start again elsewhere
+                raise BackendError(f"node {decision.node_id} failed mid-stream ({err.failure.value} {err.detail}); "
+                                   f"the answer cannot be continued: {why}", retry_after=1.0)
+            continuing = False  # nothing went out yet: start again on another node
+        elif err.mid_stream:
+            raise BackendError(f"node {decision.node_id} failed mid-stream: {err.failure.value} {err.detail}",
+                               retry_after=1.0)
+        log.info("attempt %d on %s failed (%s %s); re-routing", attempt, decision.node_id,
+                 err.failure.value, err.status)
+    assert last is not None
+    if last.mid_stream:
+        raise BackendError(f"the answer's node failed mid-stream and no other node could continue it "
+                           f"({len(excluded)} tried); last: {last.failure.value} {last.detail}".strip(),
+                           retry_after=1.0)
+    if last.failure is Failure.OVERLOADED and plan.can_queue:
+        # Every node tried answered "overloaded": that is saturation, not a failure.
+        out.queued = True
+        yield Enqueue(saturated=True)
+        return
+    raise exhausted(plan, last, excluded)
+
+
+def why_not_continue(plan: Plan, sent: Sent, attempt: int) -> str | None:
+    """Why the answer a node failed part-way through cannot be continued on another (None: it
+    can): the request and its policy (zml_router.answer.continuation.refusal), the attempts left, and
+    the tokens left to generate."""
+    if attempt >= plan.max_attempts:
+        return f"no attempt left ([router] max_attempts = {plan.max_attempts})"
+    why = continuation.refusal(plan.raw, asked=plan.continue_asked, policy_allows=plan.policy_continues,
+                               pinned=plan.rr.accelerator_id is not None, sent=sent)
+    if why is None and sent.tokens:
+        left = continuation.remaining(continuation.max_asked(plan.raw), sent)
+        if left is not None and left <= 0:
+            why = "it had all its tokens and only its end was lost"
+    return why
+
+
+def exhausted(plan: Plan, last: AttemptError, tried: set[str]) -> ZMLError:
+    """The error for a request whose every attempt failed (``last`` the final one)."""
+    if last.failure is Failure.OVERLOADED:
+        pinned = plan.rr.accelerator_id  # the node was the caller's choice, not the policy's
+        return QueueFullError(
+            f"node {pinned!r} is overloaded" if pinned is not None else
+            f"every node tried for {plan.model!r} is overloaded ({len(tried)} tried)",
+            routing_context={"policy": "pinned" if pinned is not None else plan.policy,
+                             "final_error": "all_nodes_over_capacity", "nodes_tried": sorted(tried),
+                             "recommendation": "increase fleet capacity or enable queue_on_saturation"},
+            retry_after=last.retry_after or 1.0,
+        )
+    if last.failure is Failure.NO_MODEL:
+        return ModelNotLoadedError(f"no node could serve model {plan.model!r}: {engine_error(last.status, last.detail)}")
+    return BackendError(
+        f"{len(tried)} node(s) failed for this request; last: {last.failure.value} {engine_error(last.status, last.detail)}",
+        retry_after=1.0,
+    )
