@@ -124,7 +124,7 @@ class QueueGlue:
         left_ms = max(1, total_ms - int((time.time() - enqueued) * 1000))
         headers = {**qmsg.headers, subjects.H_TIMEOUT_MS: str(left_ms), H_TOTAL_MS: str(total_ms)}
         # The head stays unacknowledged (in JetStream) until a node has taken the request: an
-        # immediate overload answer hands it back here. Its claim (queue.py) keeps a replica
+        # immediate overload answer hands it back here. Its claim (jetstream.py) keeps a replica
         # that gets it redelivered after we die from running it a second time.
         placed: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         task = self.spawn(self.enter(QueuedMsg(qmsg.subject, qmsg.data, qmsg.reply, headers, placed)))
