@@ -51,7 +51,7 @@ from zml_router.node.attempt import AudioBodies, NodeBodies
 from zml_router.request.cancels import CancelBook
 from zml_router.replicas.cooldowns import Marks
 from zml_router.node.dispatch import NodeClient
-from zml_router.node.result import Dispatch
+from zml_router.node.result import Close, Dispatch
 from zml_router.outcome import Outcome
 from zml_router.request.intake import Intake
 from zml_router.replicas.ids import RequestIds
@@ -393,7 +393,8 @@ class RouterService:
         plan = route.Plan(model, policy.name, rr, self.cfg.router.max_attempts, req.stream, can_queue,
                          can_queue and not from_queue and queue.has_waiting(model),  # type: ignore[union-attr]
                          from_queue, msg.data, frontdoor.continue_asked(req, msg.headers), cfg.continue_on_failure,
-                         resumed, arrived.resume.attempts if arrived.resume is not None else 0)
+                         resumed, arrived.resume.attempts if arrived.resume is not None else 0,
+                         usage_asked=answer.usage_asked)
         steps = route.route(plan, out)
         result: route.Result = None
         while True:
@@ -416,14 +417,13 @@ class RouterService:
                 if skey and self.sessions is not None and action.rr.accelerator_id is None:
                     self.sessions.bind(skey, node_id)
                 self.metrics.session(action.decision.session)
-                result = await self.relay.attempt(msg, req, bodies, model, action, arrived.request_id, t0, out,
-                                                  answer)
+                result = await self.relay.attempt(msg, req, bodies, model, action, arrived.request_id, t0,
+                                                  out.label, answer)
             elif type(action) is route.Penalise:
                 await self._penalise(action)
                 result = None
-            elif type(action) is route.Close:
-                await self.relay.close(msg, req, answer, arrived.request_id, out, action.node_id, action.attempts)
-                result = None
+            elif type(action) is Close:
+                result = await self.relay.close(msg, req, answer, arrived.request_id, action, out.label, out.info)
             else:  # Enqueue: the flow is over
                 assert type(action) is route.Enqueue
                 self._hand_over(arrived.key, msg.reply)

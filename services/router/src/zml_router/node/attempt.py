@@ -60,6 +60,11 @@ class AttemptError(Exception):
     #: What the node had produced of the answer when it failed (a ``continuation.Sent``), when
     #: it got that far: what a continuation goes on from.
     sent: Any = None
+    #: The token counts the node reported before it failed (a stream's usage chunk), if any.
+    usage: dict[str, Any] | None = None
+    #: The node refused (400/422) a non-streamed request asked of it as a stream to put back
+    #: together (a server that takes no ``stream_options``): it may take it asked as it came.
+    stream_refused: bool = False
 
 
 def _retry_after(headers: dict[str, str]) -> float | None:

@@ -34,7 +34,7 @@ from zmlcore.telemetry.setup import DECISION_ID
 from zml_router.answer import assemble, continuation
 from zml_router.answer.assemble import Assembler, EngineFailed, MalformedStream
 from zml_router.answer.continuation import Splice, engine_error, spliced_usage
-from zml_router.answer.record import Answer, continued_from
+from zml_router.answer.record import Answer
 from zml_router.answer.replies import Replies
 from zml_router.incoming import Incoming, QueuedMsg
 from zml_router.node.attempt import (
@@ -59,8 +59,7 @@ from zml_router.node.dispatch import (
     stream_sse,
 )
 from zml_router.node.pending import PendingHold
-from zml_router.node.result import PATHS, Dispatch
-from zml_router.outcome import Outcome
+from zml_router.node.result import PATHS, AttemptResult, Close, Dispatch
 from zml_router.replicas.inflight import Sharing
 from zml_router.replicas.table import NodeTable
 from zml_router.telemetry.metrics import RouterMetrics
@@ -126,30 +125,31 @@ class Relay:
         return Answer(usage_asked=isinstance(opts, dict) and bool(opts.get("include_usage")), assembler=asm)
 
     async def attempt(self, msg: Incoming, req: InferRequest, bodies: NodeBodies | AudioBodies, model: str,
-                      action: Dispatch, request_id: str, t0: float, out: Outcome,
-                      answer: Answer | None = None) -> AttemptError | None:
-        """One attempt on the decided node: None once the answer is out, else how it failed.
-        A continuation attempt (``action.continuation``) asks the node for the rest of what
-        ``answer`` has sent (zml_router.answer.continuation; never an audio request: its body is no
-        prompt to continue)."""
+                      action: Dispatch, request_id: str, t0: float, label: str = "",
+                      answer: Answer | None = None) -> AttemptResult:
+        """One attempt on the decided node, executed as ``action`` says; how it went (its routing
+        metadata, the node's token counts, or how it failed). A continuation attempt
+        (``action.continuation``) asks the node for the rest of what ``answer`` has sent
+        (zml_router.answer.continuation; never an audio request: its body is no prompt to
+        continue); ``action.whole`` asks it as the caller asked, not as a stream to put together."""
         decision = action.decision
         view = self.table.views[decision.node_id]
         info = RoutingInfo(
             node_id=decision.node_id, accelerator_type=view.state.accelerator_type, family=decision.family,
             policy=decision.policy, queue_depth_at_dispatch=decision.queue_depth, decision_id=_decision_id(),
-            request_id=request_id, attempts=action.attempt, router_id=self.router_id, label=out.label,
-            continued_from=continued_from(out.continued_from),
+            request_id=request_id, attempts=action.attempt, router_id=self.router_id, label=label,
+            continued_from=action.continued_from,
             cached_tokens_estimated=decision.cached_tokens,
         )
         if answer is None:
             answer = self.answer(req)
         if answer.started:
             info.time_to_first_token = answer.ttft  # the answer's first token, not this attempt's
-        out.info = info
         DECISION_ID.set(info.decision_id)
         served = view.state.served_names.get(model)
         audio = isinstance(req, AudioRequest)
-        if answer.assembler is not None and decision.node_id in self.whole_only and not action.continuation:
+        if answer.assembler is not None and not action.continuation and (
+                action.whole or decision.node_id in self.whole_only):
             answer.assembler = None
             answer.ttft = None
         asm = answer.assembler
@@ -180,37 +180,37 @@ class Relay:
                 try:
                     usage = await self.once(msg, req, node_body, info, t0, first_byte, rename, action.rr, answer)
                 except AttemptError as err:
-                    if not (asm is not None and err.failure is Failure.CLIENT and err.status in (400, 422)
-                            and not action.continuation and isinstance(bodies, NodeBodies)):
-                        raise
-                    # Refused as a stream: the node may not take stream_options (an OpenAI-compatible
-                    # server of its own make). Asked as the caller asked; if that is answered, so is
-                    # every later request to it (a bad request is refused again, as it should be).
-                    answer.assembler = None
-                    first_byte = self.first_byte_s(decision.node_id, req, action.rr, False)
-                    usage = await self.once(msg, req, bodies(served or model), info, t0, first_byte, rename,
-                                            action.rr, answer)
+                    # Refused as a stream to put together (400/422): the request path may ask it as it came.
+                    err.stream_refused = (asm is not None and err.failure is Failure.CLIENT
+                                          and err.status in (400, 422) and not action.continuation
+                                          and isinstance(bodies, NodeBodies))
+                    raise
+                if action.whole and decision.node_id not in self.whole_only:
+                    # Answered asked as it came: so is every later request to it (a bad request is
+                    # refused again, as it should be).
                     self.whole_only.add(decision.node_id)
-                    log.warning("node %s refused a non-streamed request asked as a stream (%s %s) and answered "
-                                "it asked as it came: its requests are asked as they come from now on",
-                                decision.node_id, err.status, err.detail[:200])
+                    log.warning("node %s refused a non-streamed request asked as a stream and answered it asked "
+                                "as it came: its requests are asked as they come from now on", decision.node_id)
         except AttemptError as err:
             self.metrics.failover(decision.node_id, err.failure.value)
-            return err
-        if usage:  # the completion event counts them (cost attribution: docs/security.md, observers)
-            out.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-            out.completion_tokens = int(usage.get("completion_tokens") or 0)
-        return None
+            return AttemptResult(info, err)
+        return AttemptResult(info, None, usage)
 
     async def close(self, msg: Incoming, req: InferRequest | AudioRequest, answer: Answer, request_id: str,
-                    out: Outcome, node_id: str, attempts: int) -> None:
+                    action: Close, label: str = "", info: RoutingInfo | None = None) -> AttemptResult:
         """End a stream whose requester has the whole answer, only its end lost (its node failed,
-        or its router died, after the last token: zml_router.answer.continuation.complete): the chunk
-        that ends it unless its finish went out, then the stream's end."""
+        or its router died, after the last token: ``zml_router.request.route.ending``): the chunk
+        that ends it unless its finish went out, then the stream's end. ``action.whole``: the
+        node's own end, with its attempt's routing metadata (``info``)."""
+        if action.whole and info is not None:
+            await self.replies.before_last(info.total_tokens or 0)
+            await self.replies.publish(msg.reply, _encode(StreamStart(routing=info)),
+                                       {subjects.H_STREAM: subjects.STREAM_END, subjects.H_SEQ: str(answer.seq + 1)})
+            return AttemptResult(info)
+        node_id, attempts = action.node_id, action.attempts
         sent = answer.transcript.sent()
         info = RoutingInfo(node_id=node_id, request_id=request_id, attempts=attempts, router_id=self.router_id,
-                           label=out.label, continued_from=continued_from(out.continued_from))
-        out.info, out.node_id, out.attempts, out.ok = info, node_id, attempts, True
+                           label=label, continued_from=action.continued_from)
         seq = answer.seq
         if not sent.finished:
             log.info("the answer on %s had all its %d tokens, only its end was lost: ended here", node_id,
@@ -232,6 +232,7 @@ class Relay:
         await self.replies.before_last(0)
         await self.replies.publish(msg.reply, _encode(StreamStart(routing=info)),
                                    {subjects.H_STREAM: subjects.STREAM_END, subjects.H_SEQ: str(seq + 1)})
+        return AttemptResult(info)
 
     def _headers(self, info: RoutingInfo, msg: Incoming | None = None) -> dict[str, str]:
         # An audio request's body is its caller's multipart form, its boundary in the content type.
@@ -490,22 +491,13 @@ class Relay:
             await publish(msg.reply, _encode(StreamStart(routing=info)),
                           {subjects.H_STREAM: subjects.STREAM_END, subjects.H_SEQ: str(seq + 1)})
         except AttemptError as err:
-            # Before the first token the flow re-dispatches invisibly; after it, it continues the
-            # answer on another node where it can (zml_router.answer.continuation), else it cools the
-            # node and ends the stream with an error.
+            # Before the first token the flow re-dispatches invisibly; after it, it ends the answer
+            # if the requester has all of it, continues it on another node where it can
+            # (zml_router.answer.continuation), else it cools the node and ends the stream with an error.
             err.mid_stream = answer.started
-            if answer.started:
-                sent = transcript.sent()
-                if sent.finished and (sent.usage or not answer.usage_asked):
-                    # Only the end of a complete answer was lost: end it here.
-                    log.info("node %s failed after the end of its answer (%s): the stream is complete",
-                             info.node_id, err.detail[:120])
-                    answer.seq = seq
-                    await self.replies.before_last(info.total_tokens or 0)
-                    await publish(msg.reply, _encode(StreamStart(routing=info)),
-                                  {subjects.H_STREAM: subjects.STREAM_END, subjects.H_SEQ: str(seq + 1)})
-                    return last_usage
-                err.sent = sent
+            if answer.started:  # how the answer ends is the request path's (route.ending)
+                err.sent = transcript.sent()
+                err.usage = last_usage
             raise
         finally:
             answer.seq = seq

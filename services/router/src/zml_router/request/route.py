@@ -4,10 +4,11 @@ zml_router.request; the model is httpx's ``auth_flow``)."""
 from __future__ import annotations
 
 import dataclasses
+import enum
 import logging
 from collections.abc import Generator
 from dataclasses import dataclass
-from typing import Union
+from typing import Any, Union
 
 from zmlcore.errors import (
     BackendError,
@@ -23,7 +24,8 @@ from zmlcore.reply.transcript import Sent
 
 from zml_router.answer import continuation
 from zml_router.node.attempt import AttemptError, Failure
-from zml_router.node.result import Dispatch
+from zml_router.answer.record import continued_from
+from zml_router.node.result import AttemptResult, Close, Dispatch
 from zml_router.outcome import Outcome
 
 log = logging.getLogger("zml.router")
@@ -56,6 +58,8 @@ class Plan:
     #: first attempt continues it; and the attempts made before, counted on.
     resumed: Sent | None = None
     attempts_before: int = 0
+    #: The requester asked for the usage chunk (stream_options.include_usage).
+    usage_asked: bool = False
 
 
 @dataclass(slots=True)
@@ -78,20 +82,43 @@ class Enqueue:
     saturated: bool
 
 
-@dataclass(slots=True)
-class Close:
-    """The requester has the whole answer and lost only its end (zml_router.answer.continuation.complete):
-    end the stream here, as its node would have; nothing is asked of a node. The flow is over."""
-
-    #: The node that produced the answer (and failed, or whose router died, after it).
-    node_id: str
-    attempts: int
-
-
 Action = Union[Decide, Dispatch, Penalise, Enqueue, Close]
-#: What the service sends back: a Decision or ZMLError for Decide, None or AttemptError otherwise.
-Result = Union[Decision, ZMLError, AttemptError, None]
+#: What the service sends back: a Decision or ZMLError for Decide, an AttemptResult for Dispatch
+#: and Close, None otherwise.
+Result = Union[Decision, ZMLError, AttemptResult, None]
 Flow = Generator[Action, Result, None]
+
+
+class End(enum.Enum):
+    """How an answer a node stopped producing part-way ends (:func:`ending`)."""
+
+    WHOLE = "whole"  # the requester has all it asked for: only the stream's end is missing
+    CLOSE = "close"  # it has every token: the router ends it (zml_router.answer.continuation.complete)
+    CONTINUE = "continue"  # another node continues it
+    FAIL = "fail"  # it cannot be continued
+
+
+def ending(plan: Plan, sent: Sent, attempt: int) -> tuple[End, str | None]:
+    """The one rule for an answer whose node failed (or whose router died) after part of it went
+    out: how it ends, and why not continued when it fails. ``attempt``: the attempts made."""
+    if plan.stream and sent.finished and (sent.usage or not plan.usage_asked):
+        return End.WHOLE, None
+    if plan.stream and continuation.complete(plan.raw, sent):
+        return End.CLOSE, None
+    why = why_not_continue(plan, sent, attempt)
+    return (End.CONTINUE, None) if why is None else (End.FAIL, why)
+
+
+def _took(out: Outcome, res: AttemptResult) -> None:
+    """What an attempt's result says of the request: its routing metadata and token counts."""
+    out.info = res.info
+    _counted(out, res.usage)
+
+
+def _counted(out: Outcome, usage: dict[str, Any] | None) -> None:
+    if usage:  # the completion event counts them (cost attribution: docs/security.md, observers)
+        out.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+        out.completion_tokens = int(usage.get("completion_tokens") or 0)
 
 
 def route(plan: Plan, out: Outcome) -> Flow:
@@ -106,12 +133,17 @@ def route(plan: Plan, out: Outcome) -> Flow:
     last: AttemptError | None = None
     continuing = False  # the next attempt continues the answer a failed node began
     if plan.resumed is not None:  # its router died part-way: continue what the requester has
-        if plan.stream and continuation.complete(plan.raw, plan.resumed):
+        end, why = ending(plan, plan.resumed, 0)
+        if end in (End.WHOLE, End.CLOSE):
             out.ok = True
-            yield Close(out.continued_from[-1][0] if out.continued_from else "", plan.attempts_before)
+            out.node_id = out.continued_from[-1][0] if out.continued_from else ""
+            out.attempts = plan.attempts_before
+            closed = yield Close(out.node_id, plan.attempts_before,
+                                 continued_from=continued_from(out.continued_from))
+            assert isinstance(closed, AttemptResult)
+            out.info = closed.info
             return
-        why = why_not_continue(plan, plan.resumed, 0)
-        if why is not None:
+        if end is End.FAIL:
             raise StreamInterruptedError(f"the router relaying this stream was lost and the answer cannot be "
                                          f"continued: {why}", retry_after=1.0)
         continuing = True
@@ -132,12 +164,35 @@ def route(plan: Plan, out: Outcome) -> Flow:
         decision = got
         out.node_id, out.family, out.attempts = decision.node_id, decision.family, before + attempt
         out.info = None
-        err = yield Dispatch(decision, before + attempt, rr, plan.stream, continuing)
+        dispatch = Dispatch(decision, before + attempt, rr, plan.stream, continuing,
+                            continued_from=continued_from(out.continued_from))
+        res = yield dispatch
+        assert isinstance(res, AttemptResult)
+        _took(out, res)
+        err = res.error
+        if err is not None and err.stream_refused and not dispatch.whole:
+            # Refused as a stream: the node may not take stream_options (an OpenAI-compatible
+            # server of its own make). Asked as the caller asked, on the same node and attempt.
+            log.info("node %s refused the stream (%s %s): asking it as the caller asked",
+                     decision.node_id, err.status, err.detail[:200])
+            res = yield dataclasses.replace(dispatch, whole=True)
+            assert isinstance(res, AttemptResult)
+            _took(out, res)
+            err = res.error
         if err is None:
             out.ok = True
             return
-        assert isinstance(err, AttemptError)
         last = err
+        end, why = ending(plan, err.sent, attempt) if err.sent is not None else (End.FAIL, None)
+        if end is End.WHOLE:  # the node failed after the end of its answer: the stream is complete
+            log.info("node %s failed after the end of its answer (%s): the stream is complete",
+                     decision.node_id, err.detail[:120])
+            out.ok = True
+            _counted(out, err.usage)
+            closed = yield Close(decision.node_id, before + attempt, whole=True,
+                                 continued_from=dispatch.continued_from)
+            assert isinstance(closed, AttemptResult)
+            return
         out.node_error = err.failure in NODE_FAULTS
         if out.node_error:
             out.failed_nodes.append(decision.node_id)
@@ -151,13 +206,15 @@ def route(plan: Plan, out: Outcome) -> Flow:
         yield Penalise(decision, err)
         excluded.add(decision.node_id)
         if err.sent is not None:  # it failed part-way through the answer
-            if plan.stream and continuation.complete(plan.raw, err.sent):
+            if end is End.CLOSE:
                 out.continued_from.append((decision.node_id, err.sent.tokens, err.failure.value))
                 out.ok = True
-                yield Close(decision.node_id, before + attempt)
+                closed = yield Close(decision.node_id, before + attempt,
+                                     continued_from=continued_from(out.continued_from))
+                assert isinstance(closed, AttemptResult)
+                out.info = closed.info
                 return
-            why = why_not_continue(plan, err.sent, attempt)
-            if why is None:
+            if end is End.CONTINUE:
                 continuing = True
                 out.continued_from.append((decision.node_id, err.sent.tokens, err.failure.value))
                 log.warning("node %s failed after %d tokens (%s %s); continuing the answer on another node",
