@@ -236,7 +236,7 @@ class Speeds:
     decode_tps: float
 
 
-def measure_speeds(url: str, alias: str = "tiny-llama", *, prompt_words: int = 600, runs: int = 3,
+def measure_speeds(url: str, alias: str = "tiny-llama", *, prompt_words: int = 600, runs: int = 5,
                    max_tokens: int = 64) -> Speeds:
     """The engine's prompt and decode tokens/s, batch 1: median of ``runs`` requests, each with a
     prompt no cache holds (a fresh random word first), from llama.cpp's per-request ``timings``."""
