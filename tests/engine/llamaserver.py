@@ -236,21 +236,39 @@ class Speeds:
     decode_tps: float
 
 
-def measure_speeds(url: str, alias: str = "tiny-llama", *, prompt_words: int = 600, runs: int = 5,
-                   max_tokens: int = 64) -> Speeds:
-    """The engine's prompt and decode tokens/s, batch 1: median of ``runs`` requests, each with a
-    prompt no cache holds (a fresh random word first), from llama.cpp's per-request ``timings``."""
-    prompt, decode = [], []
+def measure_speeds(url: str, *, runs: int = 5) -> Speeds:
+    """The engine's prompt and decode tokens/s, batch 1: the median of ``runs`` requests
+    (``timed_request``)."""
     with httpx.Client(timeout=120) as client:
+        return _median([timed_request(client, url) for _ in range(runs)])
+
+
+def measure_fleet(urls: list[str], *, runs: int = 5) -> list[Speeds]:
+    """``measure_speeds`` of several engines, their requests interleaved (one at a time): on a
+    shared box the load moves by the second, and interleaving spreads it evenly over them."""
+    got: list[list[Speeds]] = [[] for _ in urls]
+    with httpx.Client(timeout=120) as client:
+        for url in urls:  # untimed: a fresh engine's first request pages its weights in
+            timed_request(client, url, max_tokens=4)
         for _ in range(runs):
-            text = uuid.uuid4().hex + " " + " ".join(f"w{i % 97}" for i in range(prompt_words))
-            r = client.post(url + "/completion", json={"prompt": text, "n_predict": max_tokens, "cache_prompt": False,
-                                                       "ignore_eos": True, "temperature": 0.0})
-            r.raise_for_status()
-            t = r.json()["timings"]
-            prompt.append(float(t["prompt_per_second"]))
-            decode.append(float(t["predicted_per_second"]))
-    return Speeds(statistics.median(prompt), statistics.median(decode))
+            for i, url in enumerate(urls):
+                got[i].append(timed_request(client, url))
+    return [_median(g) for g in got]
+
+
+def timed_request(client: httpx.Client, url: str, *, prompt_words: int = 600, max_tokens: int = 64) -> Speeds:
+    """One request with a prompt no cache holds (a fresh random word first, ~1,700 tokens), and
+    the speeds llama.cpp's own per-request ``timings`` report for it."""
+    text = uuid.uuid4().hex + " " + " ".join(f"w{i % 97}" for i in range(prompt_words))
+    r = client.post(url + "/completion", json={"prompt": text, "n_predict": max_tokens, "cache_prompt": False,
+                                               "ignore_eos": True, "temperature": 0.0})
+    r.raise_for_status()
+    t = r.json()["timings"]
+    return Speeds(float(t["prompt_per_second"]), float(t["predicted_per_second"]))
+
+
+def _median(speeds: list[Speeds]) -> Speeds:
+    return Speeds(statistics.median(s.prompt_tps for s in speeds), statistics.median(s.decode_tps for s in speeds))
 
 
 @dataclass
@@ -271,8 +289,8 @@ class Server:
 def unequal_fleet(shapes: dict[str, Shape], *, alias: str = "tiny-llama", parallel: int = 4, threads: int = 1,
                   measure: bool = True, log: Any = None) -> list[Server]:
     """Start one llama-server per ``node id -> shape`` on free ports (127.0.0.1), wait until each
-    is healthy and, with ``measure``, measure each one's speeds (``measure_speeds``: one at a time,
-    so they do not share the CPU while measured), reported through ``log``. The caller stops them
+    is healthy and, with ``measure``, measure each one's speeds (``measure_fleet``: one request at
+    a time, so they do not share the CPU while measured), reported through ``log``. The caller stops them
     with ``stop_fleet`` (by PID); if starting fails, what started is stopped here."""
     binary, vocab = llama_server_binary(), vocab_file()
     if binary is None or vocab is None:
@@ -285,8 +303,8 @@ def unequal_fleet(shapes: dict[str, Shape], *, alias: str = "tiny-llama", parall
         for s in servers:
             wait_healthy(s.url, s.proc)
         if measure:
-            for s in servers:
-                s.speeds = measure_speeds(s.url, alias)
+            for s, speeds in zip(servers, measure_fleet([s.url for s in servers])):
+                s.speeds = speeds
                 if log is not None:
                     log(f"{s.node_id} ({s.shape.name}): prompt {s.speeds.prompt_tps:,.0f} tokens/s, "
                         f"decode {s.speeds.decode_tps:,.0f} tokens/s (llama.cpp timings, batch 1)")

@@ -4,7 +4,7 @@ nodes' speeds from its first requests, routes on them, predicts TTFT, and keeps 
 follow-ups on the node that holds its prefix.
 
 The truth is what the engines say of themselves: llama.cpp's per-request ``timings`` at batch 1
-(``llamaserver.measure_speeds``), measured before ZML starts and again after the learning phase
+(``llamaserver.measure_fleet``), measured before ZML starts and again after the learning phase
 (the box is shared: both are printed, and their mean is the reference).
 """
 
@@ -71,7 +71,7 @@ def unequal(own_nats: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     try:
         before = {s.node_id: s.speeds for s in servers if s.speeds is not None}
         fast, slow = before["llama-fast"].prompt_tps, before["llama-slow"].prompt_tps
-        assert fast > 2 * slow, f"the fleet is not unequal enough on this box: {before}"
+        assert fast > 1.5 * slow, f"the fleet is not unequal on this box: {before}"
         stack = launch_real_stack(own_nats, tmp_path_factory.mktemp("unequal"), servers, policy="latency")
         yield Unequal(stack, {s.node_id: s for s in servers}, before)
     finally:
@@ -119,7 +119,7 @@ def test_a_cold_start_finds_both_nodes_speeds_and_predicts_ttft(unequal: Unequal
     # The truth: the engines' own batch-1 speeds before ZML started and now. The box is shared and
     # they move with its load (seen: 2.5x between two measurements minutes apart), so an estimate
     # is right when it is within TOLERANCE of the span the engine itself was measured in.
-    after = {s.node_id: llamaserver.measure_speeds(s.url) for s in unequal.servers.values()}
+    after = dict(zip(unequal.servers, llamaserver.measure_fleet([s.url for s in unequal.servers.values()])))
     span = {n: {"prefill_tps": sorted([unequal.before[n].prompt_tps, after[n].prompt_tps]),
                 "decode_tps": sorted([unequal.before[n].decode_tps, after[n].decode_tps])} for n in UNEQUAL}
 
