@@ -31,7 +31,9 @@ same seeded workload for every router; routers alternate within a round (``--rou
 Measured: TTFT p50 (client: request sent to first content chunk), follow-up TTFT p90 (turns
 2-5), the share of uncached prompt tokens processed on the slow node (the engines' own
 ``llamacpp:prompt_tokens_total``, which counts only tokens not served from the prompt cache;
-warm-up excluded), wall time of the workload, errors. A markdown table on stdout, JSON with
+warm-up excluded), wall time of the workload, errors; in the JSON also each engine's generated
+tokens (``llamacpp:tokens_predicted_total``: how the work was split, for every router) and, for
+ZML, the node each reply names and its estimates after the run. A markdown table on stdout, JSON with
 ``--save``.
 
     .venv/bin/python benches/real_fleet.py --rounds 2 --save $SCRATCH/real_fleet.json
@@ -154,11 +156,16 @@ async def warm_up(url: str, prompts: list[str]) -> list[dict[str, Any]]:
 
 # --- engines and routers ---------------------------------------------------------------------
 
-def prompt_tokens(url: str) -> float:
-    """llama.cpp's count of prompt tokens it processed (cached ones are not counted)."""
+def engine_counts(url: str) -> tuple[float, float]:
+    """llama.cpp's counts of prompt tokens it processed (tokens served from its prompt cache are
+    not counted) and of tokens it generated."""
     text = httpx.get(url + "/metrics", timeout=5).text
-    m = re.search(r"^llamacpp:prompt_tokens_total\s+(\S+)", text, re.M)
-    return float(m[1]) if m else 0.0
+
+    def one(name: str) -> float:
+        m = re.search(rf"^llamacpp:{name}\s+(\S+)", text, re.M)
+        return float(m[1]) if m else 0.0
+
+    return one("prompt_tokens_total"), one("tokens_predicted_total")
 
 
 def zml_toml(servers: list[llamaserver.Server]) -> str:
@@ -190,10 +197,13 @@ def start_router(name: str, servers: list[llamaserver.Server], tmp: Path, rust_b
 
 
 def wait_router(name: str, proc: Proc, url: str, timeout: float = 90.0) -> None:
-    """Until the router answers a model listing (and, for ZML, sees both nodes up): no
-    inference request is sent, so the router is cold when the warm-up starts."""
+    """Until the router answers a model listing; ZML: until `zml up` says ready (after its own
+    one-token probe request) and sees both nodes up. The bench sends no request before the
+    warm-up."""
     deadline = time.monotonic() + timeout
     last = ""
+    if name == "zml" and not proc.wait_for("zml ready:", timeout):
+        raise RuntimeError(f"zml up not ready in {timeout:g} s:\n{proc.tail(40)}")
     while time.monotonic() < deadline:
         if not proc.alive():
             raise RuntimeError(f"{name} exited:\n{proc.tail(40)}")
@@ -244,14 +254,14 @@ def one_run(name: str, wl: dict[str, Any], a: argparse.Namespace, rust_bin: Path
         wait_router(name, proc, url)
         warm = asyncio.run(warm_up(url, wl["warmup"]))
         time.sleep(a.settle)
-        before = {s.node_id: prompt_tokens(s.url) for s in servers}
+        before = {s.node_id: engine_counts(s.url) for s in servers}
         load = os.getloadavg()[0]
         recs, wall = asyncio.run(run_workload(url, wl, a.max_tokens))
-        after = {s.node_id: prompt_tokens(s.url) for s in servers}
+        after = {s.node_id: engine_counts(s.url) for s in servers}
         nodes_view = None
         if name == "zml":
             nodes_view = {n["node_id"]: {k: n.get(k) for k in ("prefill_tps", "decode_tps", "speeds_source",
-                                                               "speeds_confidence")}
+                                                               "speeds_confidence", "prefill_sigma", "decode_sigma")}
                           for n in httpx.get(url + "/v1/nodes", timeout=5).json()["nodes"]}
     finally:
         if proc is not None:
@@ -259,7 +269,8 @@ def one_run(name: str, wl: dict[str, Any], a: argparse.Namespace, rust_bin: Path
         llamaserver.stop_fleet(servers)
         tmp.cleanup()
     ok = [r for r in recs if r["ok"]]
-    prefill = {n: after[n] - before[n] for n in after}
+    prefill = {n: after[n][0] - before[n][0] for n in after}
+    generated = {n: int(after[n][1] - before[n][1]) for n in after}
     total = sum(prefill.values())
     served: dict[str, int] = {}
     for r in ok:
@@ -273,7 +284,7 @@ def one_run(name: str, wl: dict[str, Any], a: argparse.Namespace, rust_bin: Path
         "followup_ttft_p90_s": pct([r["ttft"] for r in ok if r["turn"] > 0], 90),
         "first_turn_ttft_p50_s": pct([r["ttft"] for r in ok if r["turn"] == 0], 50),
         "slow_uncached_prefill_share": round(prefill[SLOW] / total, 3) if total else None,
-        "uncached_prompt_tokens": {n: int(v) for n, v in prefill.items()},
+        "uncached_prompt_tokens": {n: int(v) for n, v in prefill.items()}, "generated_tokens": generated,
         "wall_s": round(wall, 2), "loadavg_1m": round(load, 2),
         "engine_speeds": {n: {"prompt_tps": round(s.prompt_tps), "decode_tps": round(s.decode_tps)}
                           for n, s in speeds.items() if s is not None},
