@@ -74,8 +74,6 @@ def unequal(own_nats: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     stack = None
     try:
         before = {s.node_id: s.speeds for s in servers if s.speeds is not None}
-        fast, slow = before["llama-fast"].prompt_tps, before["llama-slow"].prompt_tps
-        assert fast > 1.5 * slow, f"the fleet is not unequal on this box: {before}"
         stack = launch_real_stack(own_nats, tmp_path_factory.mktemp("unequal"), servers, policy="latency")
         yield Unequal(stack, {s.node_id: s for s in servers}, before)
     finally:
@@ -106,6 +104,8 @@ def off(estimate: float, lo: float, hi: float) -> float:
 
 @pytest.mark.skipif(LEARNER_MISSING, reason=NO_LEARNER)
 def test_a_cold_start_finds_both_nodes_speeds(unequal: Unequal) -> None:
+    fast, slow = unequal.before["llama-fast"].prompt_tps, unequal.before["llama-slow"].prompt_tps
+    assert fast > 1.5 * slow, f"the fleet is not unequal on this box: {unequal.before}"
     cold = unequal.nodes()
     print("before the first request:", {n: (cold[n]["prefill_tps"], cold[n]["decode_tps"], cold[n].get("speeds_source"))
                                         for n in UNEQUAL})
