@@ -171,6 +171,11 @@ def admin_nodes(verb: str) -> str:
 ROUTERS_STATE = f"{PREFIX}.admin.routers.state"
 
 
+#: "Which decision was this?": every router replica listens; the one that remembers the
+#: decision id answers (zmlcore.messages.DecisionRecord), the others stay silent.
+ROUTERS_DECISION = f"{PREFIX}.admin.routers.decision"
+
+
 def router_state(router_id: str) -> str:
     """``zml.admin.router.<id>.state``: a router replica's view of the fleet (request-reply)."""
     return f"{PREFIX}.admin.router.{router_id}.state"
