@@ -974,7 +974,7 @@ def reference_markdown() -> str:
     tree = ast.parse(inspect.getsource(sys.modules[__name__]))
     classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
     sections = [
-        ("[nats]", "NatsConfig"), ("[gateway]", "GatewayConfig"), ("[router]", "RouterConfig"),
+        ("[nats]", "NatsConfig"), ("[gateway]", "GatewayConfig"), ("[router]", "RouterConfig"), ("[flow]", "FlowConfig"),
         ("[health]", "HealthConfig"), ("[warmup]", "WarmupConfig"), ("[defaults]", "DefaultsConfig"),
         ("[metrics]", "MetricsConfig"), ("[batch]", "BatchConfig"), ("[[nodes]]", "NodeConfig"),
         ("[nodes.sim]", "SimConfig"), ("[nodes.kv_events]", "KVEventsConfig"), ('[models."NAME"]', "ModelConfig"),
