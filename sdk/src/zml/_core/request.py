@@ -84,8 +84,8 @@ class InferCall:
         if self.session:
             out["x-session-id"] = self.session
         if self.flow:
-            for name, value in self.flow.items():
-                out["x-" + name.lower()] = value
+            for name, setting in self.flow.items():
+                out["x-" + name.lower()] = setting
         if self.content is not None:
             out["content-type"] = self.content_type
             out["x-zml-request-id"] = self.request_id
