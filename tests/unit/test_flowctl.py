@@ -286,3 +286,48 @@ def test_saturation_passes_through_and_the_queue_budget_subtracts_own_prefill() 
     assert budget == pytest.approx(5.0 - 0.1)
     assert queue_budget_s(nodes, RouteRequest(model="m"), Slo(None, 0.1), NOW, 15.0) is None
     assert math.isfinite(predict_tpot(nodes[0]))
+
+
+# --- the gate: hold when full, over-share tenants leave a reserve ------------------------------
+def _ask(band: int = STANDARD, slo: Slo | None = None):  # type: ignore[no-untyped-def]
+    from zmlcore.flowctl import Ask
+    return Ask(band, False, "t", 1.0, slo)
+
+
+def _gate(nodes: list[NodeView], ask, over_share: bool = False, hold: bool = True):  # type: ignore[no-untyped-def]
+    from zmlcore.flowctl.gate import admit_flow
+    return admit_flow(nodes, RouteRequest(model="m", prompt_tokens=500), builtin_policy("latency"), NOW,
+                      RoutingState(), ask, over_share=over_share, flow=FlowConfig(hold_when_full=hold),
+                      stale_after_s=15.0, ttft_bound_s=60.0, reserve=0.1)
+
+
+def test_with_hold_when_full_a_node_without_a_free_slot_takes_nothing() -> None:
+    nodes = _fleet()
+    nodes[0].set_counts(32, 0)  # H100: 32 slots, all taken
+    d, v = _gate(nodes, _ask())
+    assert d.node_id == "g1" and v is None
+    nodes[1].set_counts(16, 0)
+    with pytest.raises(QueueFullError) as info:
+        _gate(nodes, _ask())
+    assert info.value.routing_context["final_error"] == "no_free_slot"  # type: ignore[index]
+    d, _ = _gate(nodes, _ask(), hold=False)  # without it: today's admission bound only
+    assert d.node_id in ("h1", "g1")
+
+
+def test_an_over_share_tenant_and_sheddable_work_leave_the_reserve_free() -> None:
+    nodes = _fleet()
+    nodes[0].set_counts(29, 0)  # 3 free of 32: one more leaves 2 < ceil(3.2) = 4 reserved
+    nodes[1].set_counts(14, 0)  # 2 free of 16: one more leaves 1 < 2 reserved
+    assert _gate(nodes, _ask())[0].node_id in ("h1", "g1")
+    with pytest.raises(QueueFullError):
+        _gate(nodes, _ask(), over_share=True)
+    with pytest.raises(QueueFullError):
+        _gate(nodes, _ask(SHEDDABLE))
+
+
+def test_the_gate_passes_targets_to_slo_admission() -> None:
+    nodes = _fleet()
+    d, v = _gate(nodes, _ask(CRITICAL, Slo(0.5, 0.05)))
+    assert v is not None and v.ttft_s <= 0.5
+    with pytest.raises(SloUnattainableError):
+        _gate(nodes, _ask(CRITICAL, Slo(None, 0.001)))
