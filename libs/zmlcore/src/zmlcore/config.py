@@ -41,6 +41,7 @@ KeepaliveMs = Annotated[int, msgspec.Meta(ge=0, le=60_000)]
 Backend = Literal["vllm", "tgi", "sglang", "llamacpp", "openai"]
 Strategy = Literal["latency", "cost", "availability", "round_robin", "weighted", "balanced", "chain"]
 CostPriority = Literal["cost", "balanced", "latency"]
+Priority = Literal["critical", "standard", "sheddable", "batch"]
 
 BUILTIN_POLICIES = ("latency", "cost", "availability", "round_robin", "balanced")
 BACKENDS: tuple[str, ...] = typing.get_args(Backend)
@@ -287,6 +288,41 @@ class RouterConfig(msgspec.Struct, **_Base):
     (zmlcore.runtime.sizing); `zml up --routers N` overrides."""
 
 
+class FlowConfig(msgspec.Struct, **_Base):
+    """Flow control for a shared fleet (zmlcore.flowctl, docs/routing.md "Flow control")."""
+
+    default_priority: Priority = "standard"
+    """Band of a request that names none and whose API key sets none."""
+    max_priority: Priority = "standard"
+    """Highest band a caller may claim unless its API key allows more (``zml keys create
+    --max-priority``): a claim above it is lowered to it (``x-zml-priority-lowered: 1``)."""
+    ttft_slo_ms: PosFloat | None = None
+    """Default time-to-first-token target of every request (a model's [models.*] ttft_slo_ms
+    and the request's ``x-zml-ttft-slo-ms`` override it): admission refuses at once with
+    SLO_UNATTAINABLE when no node is predicted to meet it. None: no target."""
+    tpot_slo_ms: PosFloat | None = None
+    """Default time-per-output-token target, as ttft_slo_ms."""
+    prefill_token_cost: NonNeg = 1.0
+    """Weight of a prompt token in a tenant's fair-share counter."""
+    decode_token_cost: NonNeg = 2.0
+    """Weight of an output token in a tenant's fair-share counter (VTC's 1:2 by default)."""
+    share_half_life_s: PosFloat = 30.0
+    """Half-life of the tenants' token counters: how long the queue remembers who was served."""
+    share_report_ms: PosInt = 100
+    """How often a router publishes its tenants' counters to the other replicas (when they changed)."""
+    age_s: NonNeg = 30.0
+    """A queued ``sheddable`` or ``batch`` request rises one band per this long waited (never above
+    ``standard``); 0: no aging."""
+    max_queued: PosInt = 256
+    """Queued requests one router holds per model for ordering by band and share; past it the
+    lowest-ranked are shed (SHED)."""
+    hold_when_full: bool = False
+    """Saturation means "no free sequence slot on any node" instead of "every node over the
+    admission bound": requests of a policy with queue_on_saturation then wait in the saturation
+    queue, ordered by band and share, for the next free slot, instead of in a node's own FIFO
+    queue behind whoever flooded it."""
+
+
 class HealthConfig(msgspec.Struct, **_Base):
     poll_interval_s: PosFloat = 5.0
     """Seconds between polls of one node."""
@@ -496,6 +532,13 @@ class ModelConfig(msgspec.Struct, **_Base):
     and /v1/audio/translations (OpenAI's multipart form, passed to the node as sent), and chat,
     completion and embeddings requests for it are refused with 400, as audio requests for a model
     configured without it are. Not with embedding."""
+    priority: Priority | None = None
+    """Band of this model's requests that name none (over [flow] default_priority; an API key's
+    default wins over both)."""
+    ttft_slo_ms: PosFloat | None = None
+    """This model's default time-to-first-token target (over [flow] ttft_slo_ms)."""
+    tpot_slo_ms: PosFloat | None = None
+    """This model's default time-per-output-token target (over [flow] tpot_slo_ms)."""
 
 
 class WarmupConfig(msgspec.Struct, **_Base):
@@ -632,6 +675,7 @@ class ZMLConfig(msgspec.Struct, **_Base):
     nats: NatsConfig = msgspec.field(default_factory=NatsConfig)
     gateway: GatewayConfig = msgspec.field(default_factory=GatewayConfig)
     router: RouterConfig = msgspec.field(default_factory=RouterConfig)
+    flow: FlowConfig = msgspec.field(default_factory=FlowConfig)
     health: HealthConfig = msgspec.field(default_factory=HealthConfig)
     warmup: WarmupConfig = msgspec.field(default_factory=WarmupConfig)
     defaults: DefaultsConfig = msgspec.field(default_factory=DefaultsConfig)
@@ -930,7 +974,7 @@ def reference_markdown() -> str:
     tree = ast.parse(inspect.getsource(sys.modules[__name__]))
     classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
     sections = [
-        ("[nats]", "NatsConfig"), ("[gateway]", "GatewayConfig"), ("[router]", "RouterConfig"),
+        ("[nats]", "NatsConfig"), ("[gateway]", "GatewayConfig"), ("[router]", "RouterConfig"), ("[flow]", "FlowConfig"),
         ("[health]", "HealthConfig"), ("[warmup]", "WarmupConfig"), ("[defaults]", "DefaultsConfig"),
         ("[metrics]", "MetricsConfig"), ("[batch]", "BatchConfig"), ("[[nodes]]", "NodeConfig"),
         ("[nodes.sim]", "SimConfig"), ("[nodes.kv_events]", "KVEventsConfig"), ('[models."NAME"]', "ModelConfig"),
