@@ -25,6 +25,7 @@ whole by ``min_gain``; a conversation that split keeps splitting until whole is 
 
 from __future__ import annotations
 
+import heapq
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -199,25 +200,43 @@ def decide_split(
         if can_prefill:
             pre = max(prompt - c, 1) / n.pf
             pres.append((n.wait_prefill + pre * (1 + n.decoding), n.cost / 3600.0 * pre, n, c))
-    pairs = [(p, d) for p in _best(pres) for d in _best(decs) if p[2] is not d[2]]
+    best_key: tuple[float, str, str] | None = None
+    best_pair: tuple[_Node, int, _Node, int, float] | None = None
+    kvb = settings.kv_bytes_per_token
+    dec_rows = _best(decs)
+    for _, _, p, cp in _best(pres):
+        pre = max(prompt - cp, 1) / p.pf
+        head = p.wait_prefill + pre
+        stall = pre * p.decoding
+        pdollars = p.cost / 3600.0 * pre
+        for _, _, d, cd in dec_rows:
+            if p is d:
+                continue
+            bw = links.bytes_per_s(p.v.state, d.v.state)
+            if bw is None:
+                continue
+            xfer = max(prompt - cd, 0) * kvb / bw
+            ttft = head + xfer + d.wait_prefill + 1.0 / d.pf
+            time_s = ttft + (out_tokens - 1) * d.step_next + stall
+            if objective == "cost":
+                score = _score(objective, ttft, time_s, pdollars + d.cost / 3600.0 * (out_tokens - 1) * d.step_next / d.maxc,
+                               latency_target_s)
+            else:
+                score = time_s
+            key = (score, p.v.node_id, d.v.node_id)
+            if best_key is None or key < best_key:
+                best_key, best_pair = key, (p, cp, d, cd, xfer)
     best: Option | None = None
-    for (_, _, p, cp), (_, _, d, cd) in pairs:
-        bw = links.bytes_per_s(p.v.state, d.v.state)
-        if bw is None:
-            continue
+    if best_pair is not None and best_key is not None:
+        p, cp, d, cd, xfer = best_pair
         unc = max(prompt - cp, 1)
         pre = unc / p.pf
-        moved = max(prompt - cd, 0)
-        xfer = moved * settings.kv_bytes_per_token / bw
         ttft = p.wait_prefill + pre + xfer + d.wait_prefill + 1.0 / d.pf
         itl = d.step_next
-        time_s = ttft + (out_tokens - 1) * itl + pre * p.decoding
-        dollars = p.cost / 3600.0 * pre + d.cost / 3600.0 * (out_tokens - 1) * itl / d.maxc
-        opt = Option(node=d.v.node_id, prefill_node=p.v.node_id, ttft_s=ttft, itl_s=itl, time_s=time_s,
-                     dollars=dollars, prefill_tokens=unc, transfer_tokens=moved, transfer_s=xfer,
-                     score=_score(objective, ttft, time_s, dollars, latency_target_s))
-        if best is None or (opt.score, opt.prefill_node, opt.node) < (best.score, best.prefill_node, best.node):
-            best = opt
+        best = Option(node=d.v.node_id, prefill_node=p.v.node_id, ttft_s=ttft, itl_s=itl,
+                      time_s=ttft + (out_tokens - 1) * itl + pre * p.decoding,
+                      dollars=p.cost / 3600.0 * pre + d.cost / 3600.0 * (out_tokens - 1) * itl / d.maxc,
+                      prefill_tokens=unc, transfer_tokens=max(prompt - cd, 0), transfer_s=xfer, score=best_key[0])
     if best is None:
         return SplitDecision(False, "no_pair", whole_opt, whole_opt)
     gain = settings.min_gain
@@ -232,8 +251,8 @@ def _best(rows: list[tuple[float, float, _Node, int]]) -> list[tuple[float, floa
     own part; their union keeps the search exact enough for either)."""
     if len(rows) <= PAIR_WIDTH:
         return rows
-    by_time = sorted(rows, key=lambda r: (r[0], r[2].v.node_id))[:PAIR_WIDTH]
-    by_cost = sorted(rows, key=lambda r: (r[1], r[2].v.node_id))[:PAIR_WIDTH]
+    by_time = heapq.nsmallest(PAIR_WIDTH, rows, key=lambda r: (r[0], r[2].v.node_id))
+    by_cost = heapq.nsmallest(PAIR_WIDTH, rows, key=lambda r: (r[1], r[2].v.node_id))
     seen = {id(r[2]) for r in by_time}
     return by_time + [r for r in by_cost if id(r[2]) not in seen]
 
