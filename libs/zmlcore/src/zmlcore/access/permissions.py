@@ -119,7 +119,7 @@ def _grants(role: str, owner: str) -> tuple[list[str], list[str], bool]:
                 [inbox, f"{subjects.EVENTS_PREFIX}.>"], False)
     if role == "gateway":
         # Requests go to the front-door subject: only there does a router honour the key's
-        # label and default policy (zml_router.flow.drop_untrusted).
+        # label and default policy (zml_router.request.flow.drop_untrusted).
         pub = [subjects.FRONT_DOOR_INFER, own_cancel, upload, subjects.ROUTERS_STATE, *kv_read(subjects.NODES_BUCKET),
                *kv_read(subjects.COSTS_BUCKET), *kv_read(subjects.KEYS_BUCKET), *kv_write(subjects.LIMITS_BUCKET),
                f"$JS.API.CONSUMER.LIST.{subjects.QUEUE_STREAM}",  # the dashboard's saturation-queue depth
@@ -134,7 +134,7 @@ def _grants(role: str, owner: str) -> tuple[list[str], list[str], bool]:
                # request ids in flight on every replica; is a claim's holder still running?
                *kv_write(subjects.REQUEST_IDS_BUCKET), subjects.router_state("*"),
                *kv_read(subjects.NODES_BUCKET), *kv_read(subjects.COSTS_BUCKET),
-               # client identities' plans (zml_router.limits), counted with the gateways'
+               # client identities' plans (zml_router.replicas.limits), counted with the gateways'
                *kv_read(subjects.KEYS_BUCKET), *kv_write(subjects.LIMITS_BUCKET),
                # cache-aware routing: session bindings and the replicas' shared prefix records
                *kv_write(subjects.SESSIONS_BUCKET), subjects.PREFIX_RECORDS]

@@ -13,7 +13,7 @@ import msgspec
 
 
 class QueueBusy(msgspec.Struct, frozen=True, kw_only=True):
-    #: The model's queue key (zml_router.queue.model_key).
+    #: The model's queue key (zml_router.queue.jetstream.model_key).
     key: str
     #: Unix seconds until which arrivals for this model should queue (0: nothing waiting).
     until: float

@@ -29,6 +29,7 @@ from zmlcore.telemetry.metrics import (
     WAIT_BUCKETS,
     Children,
 )
+from zmlcore import subjects
 from zmlcore.telemetry import tracing
 from zmlcore.telemetry.tally import CounterTally, HistogramTally, Tallies
 from zmlcore.bus.queueinfo import queue_depths
@@ -36,12 +37,11 @@ from zmlcore.config import ZMLConfig
 from zmlcore.messages import RoutingInfo
 from zmlcore.policy import Decision, RouteRequest
 from zmlcore.telemetry.setup import REQUEST_ID
-from zml_router import tracing as rtrace
-from zml_router.queue import H_ENQUEUED
-from zml_router.table import NodeTable
+from zml_router.telemetry import tracing as rtrace
+from zml_router.replicas.table import NodeTable
 
 if TYPE_CHECKING:
-    from zml_router.flow import Outcome as _Outcome
+    from zml_router.outcome import Outcome as _Outcome
 
 log = logging.getLogger("zml.router.metrics")
 
@@ -196,7 +196,7 @@ class RouterMetrics(Collector):
     def waited(self, model: str, headers: dict[str, str]) -> None:
         now = time.time()
         try:
-            enqueued = float(headers.get(H_ENQUEUED, now))
+            enqueued = float(headers.get(subjects.H_QUEUE_ENQUEUED, now))
         except ValueError:
             enqueued = now
         QUEUE_WAIT(model).observe(max(0.0, now - enqueued))
