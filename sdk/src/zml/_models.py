@@ -165,6 +165,12 @@ class Routing:
     #: Nodes that failed part-way through the answer, each continued by the next:
     #: ``node@tokens:failure`` comma-separated (docs/http-api.md, "When a node fails mid-answer").
     continued_from: str | None = None
+    #: The node that prefilled the prompt and handed its KV to ``node_id`` (None when one node
+    #: served it whole), the prefill leg's milliseconds, and a failed prefill leg
+    #: (``node:failure``) whose request was served whole instead (docs/disaggregation.md).
+    prefill_node: str | None = None
+    prefill_ms: float | None = None
+    prefill_failed: str | None = None
 
     @property
     def queue_depth(self) -> int:
