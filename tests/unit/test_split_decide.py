@@ -161,3 +161,11 @@ def test_prefill_only_nodes_never_serve_a_whole_request() -> None:
         dec = choose_node(nodes, RouteRequest(model="m", prompt_tokens=100), builtin_policy("latency"), 0.0,
                           RoutingState())
         assert dec.node_id == "d"
+
+
+def test_always_splits_when_a_pair_exists() -> None:
+    p, d = view("p", gbps=0.5), busy(view("d", gbps=0.5))
+    assert decide([p, d], d).reason == "whole_better"
+    dec = decide([p, d], d, settings=SplitSettings(always=True))
+    assert dec.split and dec.reason == "always" and dec.chosen is not None and dec.chosen.prefill_node == "p"
+    assert decide([p, d], d, prompt=100, settings=SplitSettings(always=True)).reason == "short_prompt"

@@ -657,6 +657,11 @@ class DisaggregationConfig(msgspec.Struct, **_Base):
     kv_bytes_per_token: PosInt = 131072
     """Bytes of KV per prompt token for models without their own kv_bytes_per_token (Llama-3-8B
     fp16: 32 layers x 8 KV heads x 128 x 2 (K and V) x 2 bytes)."""
+    always: bool = False
+    """Split every request that has a pair and min_uncached_tokens uncached, whatever the
+    estimate says (the homogeneous anchors' way, and a way to try a new pair before its speeds
+    are measured). The reply still names both legs, and a failed prefill leg still serves the
+    request whole on its decode node."""
     prefill_timeout_s: PosFloat = 30.0
     """A prefill leg not answered within this is abandoned and the request served whole on the
     decode node (its KV never arrived)."""

@@ -32,7 +32,7 @@ class Splitter:
         self.links = KVLinks.from_config(cfg.kv_links)
         d = cfg.disaggregation
         self._settings: dict[str, SplitSettings] = {}
-        self._default = SplitSettings(d.min_uncached_tokens, d.min_gain, float(d.kv_bytes_per_token))
+        self._default = SplitSettings(d.min_uncached_tokens, d.min_gain, float(d.kv_bytes_per_token), d.always)
         self.modes: OrderedDict[str, Mode] = OrderedDict()
 
     def settings(self, model: str) -> SplitSettings:

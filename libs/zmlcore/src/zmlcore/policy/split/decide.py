@@ -54,6 +54,8 @@ class SplitSettings:
     min_uncached_tokens: int = 512
     min_gain: float = 0.1
     kv_bytes_per_token: float = 131072.0
+    #: Split whenever a pair exists (the estimate only picks the pair).
+    always: bool = False
 
 
 @dataclass(slots=True, frozen=True)
@@ -77,8 +79,8 @@ class Option:
 @dataclass(slots=True, frozen=True)
 class SplitDecision:
     """``split``: run ``chosen.prefill_node`` then ``chosen.node``; else whole on ``chosen.node``.
-    ``reason``: short_prompt, no_pair, whole_better, split_better (or no_node when nothing is
-    routable)."""
+    ``reason``: short_prompt, no_pair, whole_better, split_better, always (split by
+    [disaggregation] always though not estimated better), or no_node when nothing is routable."""
 
     split: bool
     reason: str
@@ -241,8 +243,8 @@ def decide_split(
         return SplitDecision(False, "no_pair", whole_opt, whole_opt)
     gain = settings.min_gain
     bound = whole_opt.score * (1.0 + gain if previous == "split" else 1.0 - gain)
-    if best.score < bound:
-        return SplitDecision(True, "split_better", best, whole_opt, best)
+    if best.score < bound or settings.always:
+        return SplitDecision(True, "split_better" if best.score < bound else "always", best, whole_opt, best)
     return SplitDecision(False, no.reason, whole_opt, whole_opt, best)
 
 
