@@ -61,3 +61,16 @@ def test_mistakes_are_refused_at_load_naming_the_key(data: dict[str, object], wo
     with pytest.raises(ConfigError) as info:
         parse_config(data, "zml.toml")
     assert words in str(info.value) and "zml.toml" in str(info.value)
+
+
+def test_a_node_added_at_run_time_takes_roles_without_its_peers() -> None:
+    # zml nodes add --roles prefill --kv-group g --kv-gbps 100: validated alone (its decode
+    # peers are elsewhere in the fleet), carried to its state.
+    from zmlcore.messages import NodeSpec
+    from zml_health.service import spec_to_config
+
+    cfg = spec_to_config(NodeSpec(id="p9", accelerator="nvidia_h100", endpoint="http://h:1", models=["m"],
+                                  roles=["prefill"], kv_group="g", kv_gbps=100.0))
+    assert cfg.roles == ["prefill"] and cfg.kv_group == "g" and cfg.kv_gbps == 100.0
+    with pytest.raises(ConfigError, match="kv_gbps"):
+        spec_to_config(NodeSpec(id="p9", accelerator="nvidia_h100", endpoint="http://h:1", kv_group="g"))

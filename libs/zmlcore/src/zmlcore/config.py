@@ -834,7 +834,7 @@ def _validate_kv_events(node: NodeConfig, where: str) -> None:
         raise ConfigError(f"{where}.replay_endpoint: the same address as endpoint")
 
 
-def _validate(cfg: ZMLConfig, src: str) -> None:
+def _validate(cfg: ZMLConfig, src: str, whole_fleet: bool = True) -> None:
     if bool(cfg.gateway.tls_cert_file) != bool(cfg.gateway.tls_key_file):
         raise ConfigError(f"{src}: gateway.tls_cert_file and gateway.tls_key_file go together")
     if cfg.gateway.tls_client_ca_file and not cfg.gateway.tls_cert_file:
@@ -893,10 +893,10 @@ def _validate(cfg: ZMLConfig, src: str) -> None:
     if cfg.defaults.policy not in names:
         raise ConfigError(f"{src}: defaults.policy: unknown policy {cfg.defaults.policy!r}")
     _validate_batch(cfg.batch, names, src)
-    _validate_disaggregation(cfg, src)
+    _validate_disaggregation(cfg, src, whole_fleet)
 
 
-def _validate_disaggregation(cfg: ZMLConfig, src: str) -> None:
+def _validate_disaggregation(cfg: ZMLConfig, src: str, whole_fleet: bool) -> None:
     by_id = {n.id: n for n in cfg.nodes}
     for i, node in enumerate(cfg.nodes):
         where = f"{src}: nodes[{i}]"
@@ -907,7 +907,7 @@ def _validate_disaggregation(cfg: ZMLConfig, src: str) -> None:
         if node.kv_group is not None and node.kv_gbps is None:
             raise ConfigError(f"{where}.kv_gbps: a node in kv_group {node.kv_group!r} needs its link's bandwidth "
                               "(Gbit/s)")
-        if "decode" not in node.roles:
+        if "decode" not in node.roles and whole_fleet:
             # A prefill-only node serves no whole request: without a decode node to hand its
             # KV to, it would never serve anything.
             peers = [m for m in cfg.nodes if m is not node and m.kv_group is not None
@@ -951,14 +951,15 @@ def _validate_batch(b: BatchConfig, policies: set[str], src: str) -> None:
                           f"({b.max_store_bytes}): no file that size could be stored")
 
 
-def parse_config(data: dict[str, Any], source: str = "<memory>") -> ZMLConfig:
-    """Validate an already-parsed TOML document."""
+def parse_config(data: dict[str, Any], source: str = "<memory>", *, whole_fleet: bool = True) -> ZMLConfig:
+    """Validate an already-parsed TOML document. ``whole_fleet`` False: ``data`` holds only some
+    of the fleet's nodes (one registered at run time), so checks across nodes are skipped."""
     try:
         cfg = msgspec.convert({**_spelled(data), "source": source}, ZMLConfig)
     except msgspec.ValidationError as exc:
         key, msg = _key_of(with_choices(ZMLConfig, str(exc)))
         raise ConfigError(f"{source}: {key or '(top level)'}: {msg}") from exc
-    _validate(cfg, source)
+    _validate(cfg, source, whole_fleet)
     return cfg
 
 

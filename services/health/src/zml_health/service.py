@@ -62,7 +62,7 @@ NO_PROBE_RECHECK = 12
 
 def spec_to_config(spec: NodeSpec) -> NodeConfig:
     """Validate a run-time node exactly as zml.toml would (raises ConfigError)."""
-    cfg = parse_config({"nodes": [msgspec.to_builtins(spec)]}, source="zml.admin.nodes.add")
+    cfg = parse_config({"nodes": [msgspec.to_builtins(spec)]}, source="zml.admin.nodes.add", whole_fleet=False)
     return cfg.nodes[0]
 
 
