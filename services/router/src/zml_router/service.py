@@ -53,6 +53,7 @@ from zml_router.request.cancels import CancelBook
 from zml_router.replicas.cooldowns import Marks
 from zml_router.node.dispatch import NodeClient
 from zml_router.node.result import Dispatch
+from zml_router.request.split import Splitter
 from zml_router.outcome import Outcome
 from zml_router.request.flow import Intake
 from zml_router.replicas.ids import RequestIds
@@ -131,6 +132,8 @@ class RouterService:
         self.metrics.prefix = self.prefix
         self.relay = Relay(cfg, self.router_id, self.table, self.sharing, self.timers, self.http, self.metrics,
                            self.replies, self._corrected)
+        #: Prefill on one node, decode on another, per request ([disaggregation]: zml_router.request.split).
+        self.splitter = Splitter(cfg, self.table)
         self.glue = QueueGlue(cfg, self.table, self.admit, self.metrics, self.replies, self.cancelled, self.ids,
                               self.enter, self.spawn)
         # Bound once: the request path calls them per request.
@@ -420,6 +423,11 @@ class RouterService:
                     result = self.metrics.decide(self.admit_batch if batch else self._admit, rr, policy)
                 except ZMLError as exc:
                     result = unserved(exc, rr.model, self.cfg.model_names(), self.table.raw.values())
+                if (action.split and self.splitter.enabled and isinstance(result, Decision) and not batch
+                        and rr.accelerator_id is None and isinstance(bodies, NodeBodies)
+                        and req.kind() in ("chat", "completion")):
+                    result, why = self.splitter.decide(result, rr, policy, time.time(), skey)
+                    self.metrics.split("split" if result.prefill_node else why)
             elif type(action) is Dispatch:
                 node_id = action.decision.node_id
                 if self.share is not None:  # the node will hold this prompt: every replica learns it
@@ -429,6 +437,9 @@ class RouterService:
                 self.metrics.session(action.decision.session)
                 result = await self.relay.attempt(msg, req, bodies, model, action, arrived.request_id, t0, out,
                                                   answer)
+            elif type(action) is flow.Prefill:
+                assert isinstance(bodies, NodeBodies)
+                result = await self.relay.prefill(req, bodies, model, action, arrived.request_id, out)
             elif type(action) is flow.Penalise:
                 await self._penalise(action)
                 result = None

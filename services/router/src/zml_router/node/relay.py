@@ -12,6 +12,7 @@ An attempt that fails raises :class:`~zml_router.node.attempt.AttemptError`; the
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -56,7 +57,8 @@ from zml_router.answer.assemble import Assembler, EngineFailed, MalformedStream
 from zml_router.answer.continuation import Splice, engine_error, spliced_usage
 from zml_router.node.dispatch import NodeClient, first_chunk_within, post, post_streamed, stream_sse
 from zml_router.incoming import Incoming, QueuedMsg
-from zml_router.node.result import PATHS, Dispatch
+from zml_router.node import legs
+from zml_router.node.result import PATHS, Dispatch, Handoff
 from zml_router.outcome import Outcome
 from zml_router.replicas.ids import RequestIds
 from zml_router.replicas.inflight import Sharing
@@ -278,6 +280,38 @@ class Relay:
                and (mc is None or mc.stream_from_nodes) and assemble.wanted(raw) else None)
         return Answer(usage_asked=isinstance(opts, dict) and bool(opts.get("include_usage")), assembler=asm)
 
+    async def prefill(self, req: InferRequest, bodies: NodeBodies, model: str, action: Any, request_id: str,
+                      out: Outcome) -> Handoff | AttemptError:
+        """A split request's prefill leg on ``action.decision.prefill_node`` (zml_router.node.legs):
+        the Handoff for its decode leg, or how it failed. Counted on the prefill node while it
+        runs, bounded by the request's deadline and [disaggregation] prefill_timeout_s."""
+        node_id = action.decision.prefill_node
+        view = self.table.views.get(node_id)
+        if view is None:
+            return AttemptError(Failure.NETWORK, 0, f"prefill node {node_id} is gone")
+        st = view.state
+        served = st.served_names.get(model)
+        info = RoutingInfo(node_id=node_id, request_id=request_id, router_id=self.router_id, label=out.label,
+                           decision_id=_decision_id())
+        headers = self._headers(info)
+        self.sharing.move(node_id, 1, 1)
+        try:
+            async with asyncio.timeout(self.cfg.disaggregation.prefill_timeout_s):
+                handoff = await legs.run_prefill(self.http, st.backend, st.endpoint, PATHS[req.kind()],
+                                                 bodies(served or model), headers, node_id,
+                                                 f"{request_id}-{info.decision_id}")
+        except AttemptError as err:
+            self.metrics.prefill_leg(node_id, err.failure.value)
+            return err
+        except TimeoutError:
+            self.metrics.prefill_leg(node_id, Failure.SLOW.value)
+            return AttemptError(Failure.SLOW, 0, f"no prefill within {self.cfg.disaggregation.prefill_timeout_s:g} s "
+                                "([disaggregation] prefill_timeout_s)")
+        finally:
+            self.sharing.move(node_id, -1, -1)
+        self.metrics.prefill_leg(node_id, "ok")
+        return handoff
+
     async def attempt(self, msg: Incoming, req: InferRequest, bodies: NodeBodies | AudioBodies, model: str,
                       action: Dispatch, request_id: str, t0: float, out: Outcome,
                       answer: Answer | None = None) -> AttemptError | None:
@@ -293,7 +327,12 @@ class Relay:
             request_id=request_id, attempts=action.attempt, router_id=self.router_id, label=out.label,
             continued_from=continued_from(out.continued_from),
             cached_tokens_estimated=decision.cached_tokens,
+            prefill_failed=out.prefill_failed,
         )
+        handoff = action.handoff
+        if handoff is not None:
+            info.prefill_node = handoff.prefill_node
+            info.prefill_ms = round(handoff.prefill_ms, 3)
         if answer is None:
             answer = self.answer(req)
         if answer.started:
@@ -317,6 +356,14 @@ class Relay:
                                               "continued_from": info.continued_from})
         else:
             node_body = bodies(served or model)
+            if handoff is not None:  # the decode leg: what the prefill leg handed over
+                node_body = legs.decode_body(node_body, handoff)
+                if handoff.restore:
+                    try:
+                        await legs.before_decode(self.http, view.state.endpoint, handoff, self._headers(info))
+                    except AttemptError as err:
+                        self.metrics.failover(decision.node_id, err.failure.value)
+                        return err
             if asm is not None:
                 node_body = assemble.as_stream(node_body)
                 if asm.touched:  # asked again from scratch: what a failed attempt produced goes
