@@ -124,6 +124,9 @@ REQUEST_IDS_BUCKET = "zml_request_ids"
 #: Routers announce "model X has requests waiting" here (messages.QueueBusy), so new arrivals
 #: queue behind them.
 QUEUE_BUSY = f"{PREFIX}.queue_busy"
+#: Routers publish their per-tenant token counters here (messages.flow.ShareReport) so that
+#: every replica orders its saturation queue by the same fair shares (zmlcore.flowctl.shares).
+FLOW_SHARES = f"{PREFIX}.flow.shares"
 #: Durable pull consumer of a model's saturation queue: ``zmlq-<model key>`` (one per model,
 #: shared by every router replica).
 QUEUE_CONSUMER_PREFIX = "zmlq"
@@ -169,6 +172,11 @@ def admin_nodes(verb: str) -> str:
 
 #: Every router replica answers its view of the fleet here (scatter-gather: collect replies).
 ROUTERS_STATE = f"{PREFIX}.admin.routers.state"
+
+
+#: "Which decision was this?": every router replica listens; the one that remembers the
+#: decision id answers (zmlcore.messages.DecisionRecord), the others stay silent.
+ROUTERS_DECISION = f"{PREFIX}.admin.routers.decision"
 
 
 def router_state(router_id: str) -> str:
@@ -255,7 +263,7 @@ STREAM_FRAMES = "frames"
 #: headers. Without it a reply carries both (docs/nats-api.md).
 H_ACCEPT_ROUTING = "Zml-Accept-Routing"
 ROUTING_IN_BODY = "body"
-#: Front door only (dropped on ``zml.infer``: zml_router.request.drop_untrusted). ``Zml-Body: clean``: the
+#: Front door only (dropped on ``zml.infer``: zml_router.request.intake.drop_untrusted). ``Zml-Body: clean``: the
 #: gateway validated the body (zmlcore.messages.validate) and moved ZML's own fields out of it into
 #: ``Zml-Policy`` (the per-call policy as JSON: a name or an inline policy) and
 #: ``Zml-Accelerator-Id`` (zmlcore.messages.frontdoor); the router reads it with one small decode.
@@ -307,6 +315,19 @@ H_PARTS = "Zml-Parts"
 #: It can only lower the sender's own request, so it needs no trust.
 H_PRIORITY = "Zml-Priority"
 PRIORITY_BATCH = "batch"
+#: Flow control (zmlcore.flowctl, docs/routing.md "Flow control"). ``Zml-Priority`` also takes
+#: ``critical``, ``standard`` and ``sheddable`` (its band); a band above what the caller may claim
+#: is lowered (``Zml-Priority-Lowered: 1`` on the reply). Per-request latency targets, in ms:
+H_TTFT_SLO_MS = "Zml-Ttft-Slo-Ms"
+H_TPOT_SLO_MS = "Zml-Tpot-Slo-Ms"
+#: Front door only (an API key's flow options, zml keys create --priority/--max-priority/--weight):
+#: the band a request of the key gets when it names none, the highest it may claim, its tenant
+#: weight in the fair share.
+H_PRIORITY_DEFAULT = "Zml-Priority-Default"
+H_PRIORITY_MAX = "Zml-Priority-Max"
+H_TENANT_WEIGHT = "Zml-Tenant-Weight"
+#: On a reply whose band was lowered to the caller's ceiling.
+H_PRIORITY_LOWERED = "Zml-Priority-Lowered"
 
 #: Audio (OpenAI's /v1/audio/transcriptions and /translations; zmlcore.messages.audio). On a
 #: request: ``Zml-Audio: transcription|translation``, its body the caller's multipart form, as it

@@ -11,7 +11,7 @@ class Outcome:
 
     __slots__ = ("request_id", "stream", "model", "node_id", "family", "ok", "error_code", "node_error",
                  "failed_nodes", "attempts", "info", "queued", "slow_nodes", "label", "op", "prompt_tokens",
-                 "completion_tokens", "continued_from")
+                 "completion_tokens", "continued_from", "prefill_failed")
 
     def __init__(self) -> None:
         self.request_id = ""  # set once validated: it goes into subjects, headers and logs
@@ -34,3 +34,6 @@ class Outcome:
         self.continued_from: list[tuple[str, int, str]] = []
         self.prompt_tokens = 0  # the node's usage, when it reported one
         self.completion_tokens = 0
+        #: A split's prefill leg that failed, the request served whole on its decode node:
+        #: ``node:failure`` (docs/disaggregation.md).
+        self.prefill_failed: str | None = None

@@ -35,6 +35,7 @@ from zmlcore.errors import CancelledError, QueueFullError, ZMLError
 from zmlcore.runtime.bytebudget import ByteBudget
 from zmlcore.messages import frontdoor
 from zmlcore.messages.audio import AudioRequest
+from zmlcore.messages import decision_query_decoder
 from zmlcore.messages.warmup import completed_encoder
 from zmlcore.policy import Decision, ResolvedPolicy, RouteRequest, RoutingState, admit
 from zmlcore.policy.headroom import admit_batch
@@ -52,6 +53,7 @@ from zml_router.request.cancels import CancelBook
 from zml_router.replicas.cooldowns import Marks
 from zml_router.node.dispatch import NodeClient
 from zml_router.node.result import Close, Dispatch
+from zml_router.request.split import Splitter
 from zml_router.outcome import Outcome
 from zml_router.request.intake import Intake
 from zml_router.replicas.ids import RequestIds
@@ -132,6 +134,8 @@ class RouterService:
         self.metrics.prefix = self.prefix
         self.relay = Relay(cfg, self.router_id, self.table, self.sharing, self.timers, self.http, self.metrics,
                            self.replies, self._corrected)
+        #: Prefill on one node, decode on another, per request ([disaggregation]: zml_router.request.split).
+        self.splitter = Splitter(cfg, self.table)
         self.glue = QueueGlue(cfg, self.table, self.admit, self.metrics, self.replies, self.cancelled, self.ids,
                               self.enter, self.spawn)
         # Bound once: the request path calls them per request.
@@ -174,6 +178,7 @@ class RouterService:
         self._subs.append(await nc.subscribe(f"{subjects.CANCEL_PREFIX}.>", cb=self._on_cancel))
         self._subs.append(await nc.subscribe(subjects.router_state(self.router_id), cb=self._on_state))
         self._subs.append(await nc.subscribe(subjects.ROUTERS_STATE, cb=self._on_state))
+        self._subs.append(await nc.subscribe(subjects.ROUTERS_DECISION, cb=self._on_decision))
         for subject in (subjects.INFER, subjects.FRONT_DOOR_INFER):
             self._subs.append(await nc.subscribe(subject, queue=subjects.ROUTER_QUEUE, cb=self._on_request))
 
@@ -252,6 +257,17 @@ class RouterService:
 
     async def _on_state(self, msg: Msg) -> None:
         await msg.respond(_encode(self.sharing.state(len(self.in_flight), time.time())))
+
+    async def _on_decision(self, msg: Msg) -> None:
+        """Answer only when this replica made the decision: the asker takes the first answer,
+        and silence from every replica means none remembers it."""
+        try:
+            did = decision_query_decoder.decode(msg.data).decision_id
+        except msgspec.ValidationError:
+            return
+        record = self.relay.decisions.record(did)
+        if record is not None and msg.reply:
+            await msg.respond(_encode(record))
 
     # --- the request path ------------------------------------------------------------------
     def enter(self, msg: Msg | QueuedMsg) -> Coroutine[Any, Any, None]:
@@ -410,6 +426,11 @@ class RouterService:
                     result = self.metrics.decide(self.admit_batch if batch else self._admit, rr, policy)
                 except ZMLError as exc:
                     result = unserved(exc, rr.model, self.cfg.model_names(), self.table.raw.values())
+                if (action.split and self.splitter.enabled and isinstance(result, Decision) and not batch
+                        and rr.accelerator_id is None and isinstance(bodies, NodeBodies)
+                        and req.kind() in ("chat", "completion")):
+                    result, why = self.splitter.decide(result, rr, policy, time.time(), skey)
+                    self.metrics.split("split" if result.prefill_node else why)
             elif type(action) is Dispatch:
                 node_id = action.decision.node_id
                 if self.share is not None:  # the node will hold this prompt: every replica learns it
@@ -417,8 +438,11 @@ class RouterService:
                 if skey and self.sessions is not None and action.rr.accelerator_id is None:
                     self.sessions.bind(skey, node_id)
                 self.metrics.session(action.decision.session)
-                result = await self.relay.attempt(msg, req, bodies, model, action, arrived.request_id, t0,
-                                                  out.label, answer)
+                result = await self.relay.attempt(msg, req, bodies, model, action, arrived.request_id, t0, out,
+                                                  answer)
+            elif type(action) is route.Prefill:
+                assert isinstance(bodies, NodeBodies)
+                result = await self.relay.prefill(req, bodies, model, action, arrived.request_id, out)
             elif type(action) is route.Penalise:
                 await self._penalise(action)
                 result = None

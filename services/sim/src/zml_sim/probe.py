@@ -10,11 +10,11 @@ from aiohttp import web
 
 from zml_sim.engine import SimEngine
 from zml_sim.faces.base import MAX_MODEL_LEN
-from zml_sim.faces.base import Face
 from zml_sim.faces.base import json_response
 from zml_sim.kvpublish import KVEventPublisher
-from zml_sim.metrics import render_metrics
 from zml_sim.nodeview import NodeView
+from zml_sim.faces.base import Face
+from zml_sim.metrics import render_metrics
 
 _json_response = json_response
 

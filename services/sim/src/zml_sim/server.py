@@ -43,6 +43,7 @@ from zml_sim.engine import SimEngine
 from zml_sim.faces import ENGINES
 from zml_sim.inference import Inference
 from zml_sim.probe import Probe
+from zml_sim.kvhandoff import KVHandoff
 from zml_sim.faces import FACES
 from zml_sim.faces.base import DEFAULT_RETRY_AFTER_S
 from zml_sim.faces.base import MAX_MODEL_LEN
@@ -122,6 +123,7 @@ class SimNode(Inference, Probe):
         prefix_caching: bool = True,
         kv_cache_blocks: int | None = None,
         kv_events: KVEventsConfig | None = None,
+        kv_gbps: float | None = None,
         **profile_overrides: float | int | None,
     ) -> None:
         if accelerator not in ACCELERATORS:
@@ -151,6 +153,8 @@ class SimNode(Inference, Probe):
                                                  topic=kv_events.topic,
                                                  layout="sglang" if engine == "sglang" else "0.34")
             self.engine.on_kv_events = self.kv_publisher.publish
+        #: disaggregated prefill/decode: blocks held for remote decodes, pulls (zml_sim.kvhandoff)
+        self.handoff = KVHandoff(node_id, gbps=kv_gbps, block_size=profile.kv_block_size)
         self.host = "127.0.0.1"
         self.port = 0
         self.started_at = time.time()
@@ -181,7 +185,7 @@ class SimNode(Inference, Probe):
             load_time_s=sim.load_time_s, memory_gib=sim.memory_gib,
             cost_per_hour=node.cost_per_hour, prefix_caching=sim.prefix_caching,
             kv_block_size=sim.kv_block_size, kv_cache_blocks=sim.kv_cache_blocks,
-            kv_events=node.kv_events,
+            kv_events=node.kv_events, kv_gbps=node.kv_gbps,
         )
 
     # ----- lifecycle ---------------------------------------------------------------------------
@@ -316,6 +320,7 @@ class SimNode(Inference, Probe):
         r.add_get("/health", self.health)
         r.add_get("/metrics", self._metrics)
         r.add_get("/zml/v1/node", self._node)
+        r.add_post("/sim/kv/pull", self._kv_pull)
         admin.add_routes(self, r)
         self.face.add_routes(self, r)
         return app
@@ -349,6 +354,7 @@ class SimNode(Inference, Probe):
             "faults": eng.faults.to_dict(),
             "profile": asdict(eng.profile),
             "counters": {m: s.to_dict() for m, s in eng.stats.items()},
+            "kv_handoff": self.handoff.state(),
         }
 
 

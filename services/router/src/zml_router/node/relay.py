@@ -12,6 +12,7 @@ An attempt that fails raises :class:`~zml_router.node.attempt.AttemptError`; the
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -58,9 +59,12 @@ from zml_router.node.dispatch import (
     post_streamed,
     stream_sse,
 )
+from zml_router.node import legs
 from zml_router.node.pending import PendingHold
-from zml_router.node.result import PATHS, AttemptResult, Close, Dispatch
+from zml_router.node.result import PATHS, AttemptResult, Close, Dispatch, Handoff
+from zml_router.outcome import Outcome
 from zml_router.replicas.inflight import Sharing
+from zml_router.telemetry.decisions import DecisionLog
 from zml_router.replicas.table import NodeTable
 from zml_router.telemetry.metrics import RouterMetrics
 from zml_router.timers import Stalled, Wheel
@@ -107,6 +111,8 @@ class Relay:
         self.http = http
         self.metrics = metrics
         self.replies = replies
+        #: What ``zml why DECISION_ID`` reads (zml_router.telemetry.decisions).
+        self.decisions = DecisionLog(router_id)
         self.api_keys = {n.id: n.api_key for n in cfg.nodes if n.api_key}
         self._move = sharing.move  # bound once: a non-streamed request's PendingHold takes it
         #: Nodes that refused a non-streamed request asked as a stream (400/422: a server that
@@ -124,28 +130,68 @@ class Relay:
                and (mc is None or mc.stream_from_nodes) and assemble.wanted(raw) else None)
         return Answer(usage_asked=isinstance(opts, dict) and bool(opts.get("include_usage")), assembler=asm)
 
+    async def prefill(self, req: InferRequest, bodies: NodeBodies, model: str, action: Any, request_id: str,
+                      out: Outcome) -> Handoff | AttemptError:
+        """A split request's prefill leg on ``action.decision.prefill_node`` (zml_router.node.legs):
+        the Handoff for its decode leg, or how it failed. Counted on the prefill node while it
+        runs, bounded by the request's deadline and [disaggregation] prefill_timeout_s."""
+        node_id = action.decision.prefill_node
+        view = self.table.views.get(node_id)
+        if view is None:
+            return AttemptError(Failure.NETWORK, 0, f"prefill node {node_id} is gone")
+        st = view.state
+        served = st.served_names.get(model)
+        info = RoutingInfo(node_id=node_id, request_id=request_id, router_id=self.router_id, label=out.label,
+                           decision_id=_decision_id())
+        headers = self._headers(info)
+        self.sharing.move(node_id, 1, 1)
+        try:
+            async with asyncio.timeout(self.cfg.disaggregation.prefill_timeout_s):
+                handoff = await legs.run_prefill(self.http, st.backend, st.endpoint, PATHS[req.kind()],
+                                                 bodies(served or model), headers, node_id,
+                                                 f"{request_id}-{info.decision_id}")
+        except AttemptError as err:
+            self.metrics.prefill_leg(node_id, err.failure.value)
+            return err
+        except TimeoutError:
+            self.metrics.prefill_leg(node_id, Failure.SLOW.value)
+            return AttemptError(Failure.SLOW, 0, f"no prefill within {self.cfg.disaggregation.prefill_timeout_s:g} s "
+                                "([disaggregation] prefill_timeout_s)")
+        finally:
+            self.sharing.move(node_id, -1, -1)
+        self.metrics.prefill_leg(node_id, "ok")
+        return handoff
+
     async def attempt(self, msg: Incoming, req: InferRequest, bodies: NodeBodies | AudioBodies, model: str,
-                      action: Dispatch, request_id: str, t0: float, label: str = "",
+                      action: Dispatch, request_id: str, t0: float, out: Outcome,
                       answer: Answer | None = None) -> AttemptResult:
         """One attempt on the decided node, executed as ``action`` says; how it went (its routing
         metadata, the node's token counts, or how it failed). A continuation attempt
         (``action.continuation``) asks the node for the rest of what ``answer`` has sent
         (zml_router.answer.continuation; never an audio request: its body is no prompt to
-        continue); ``action.whole`` asks it as the caller asked, not as a stream to put together."""
+        continue); ``action.whole`` asks it as the caller asked, not as a stream to put together.
+        ``out`` is read (the label, a failed prefill leg; the decision log keeps it to say later
+        what became of the decision), never written: the request's ``route`` writes it."""
         decision = action.decision
         view = self.table.views[decision.node_id]
         info = RoutingInfo(
             node_id=decision.node_id, accelerator_type=view.state.accelerator_type, family=decision.family,
             policy=decision.policy, queue_depth_at_dispatch=decision.queue_depth, decision_id=_decision_id(),
-            request_id=request_id, attempts=action.attempt, router_id=self.router_id, label=label,
+            request_id=request_id, attempts=action.attempt, router_id=self.router_id, label=out.label,
             continued_from=action.continued_from,
             cached_tokens_estimated=decision.cached_tokens,
+            prefill_failed=out.prefill_failed,
         )
+        handoff = action.handoff
+        if handoff is not None:
+            info.prefill_node = handoff.prefill_node
+            info.prefill_ms = round(handoff.prefill_ms, 3)
         if answer is None:
             answer = self.answer(req)
         if answer.started:
             info.time_to_first_token = answer.ttft  # the answer's first token, not this attempt's
         DECISION_ID.set(info.decision_id)
+        self.decisions.remember(info, decision, view.state, model, action.attempt, out)
         served = view.state.served_names.get(model)
         audio = isinstance(req, AudioRequest)
         if answer.assembler is not None and not action.continuation and (
@@ -163,6 +209,14 @@ class Relay:
                                               "continued_from": info.continued_from})
         else:
             node_body = bodies(served or model)
+            if handoff is not None:  # the decode leg: what the prefill leg handed over
+                node_body = legs.decode_body(node_body, handoff)
+                if handoff.restore:
+                    try:
+                        await legs.before_decode(self.http, view.state.endpoint, handoff, self._headers(info))
+                    except AttemptError as err:
+                        self.metrics.failover(decision.node_id, err.failure.value)
+                        return AttemptResult(info, err)
             if asm is not None:
                 node_body = assemble.as_stream(node_body)
                 if asm.touched:  # asked again from scratch: what a failed attempt produced goes

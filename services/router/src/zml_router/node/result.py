@@ -5,7 +5,7 @@ what comes back (:class:`AttemptResult`): the node I/O executes and reports, the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from zmlcore.messages import RoutingInfo
@@ -20,6 +20,19 @@ PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions", "embed
 
 
 @dataclass(slots=True)
+class Handoff:
+    """What a split request's prefill leg handed to its decode leg (zml_router.node.legs): the
+    fields the decode leg's body gets (vLLM's ``kv_transfer_params``, llama-server's slot), a
+    slot file the decode node restores first, and how long the prefill took."""
+
+    prefill_node: str
+    fields: dict[str, Any] = field(default_factory=dict)
+    prefill_ms: float = 0.0
+    #: llama-server: the slot file to restore on the decode node before its request.
+    restore: str = ""
+
+
+@dataclass(slots=True)
 class Dispatch:
     decision: Decision
     attempt: int
@@ -27,6 +40,8 @@ class Dispatch:
     stream: bool
     #: Ask for the rest of the answer the requester has so far (zml_router.answer.continuation.body).
     continuation: bool = False
+    #: The decode leg of a split request: what its prefill leg handed over.
+    handoff: Handoff | None = None
     #: Ask the node as the caller asked, not as a stream put back together here: it refused the
     #: request asked as a stream (``AttemptError.stream_refused``).
     whole: bool = False

@@ -25,7 +25,7 @@ from zmlcore.reply.transcript import Sent
 from zml_router.answer import continuation
 from zml_router.node.attempt import AttemptError, Failure
 from zml_router.answer.record import continued_from
-from zml_router.node.result import AttemptResult, Close, Dispatch
+from zml_router.node.result import AttemptResult, Close, Dispatch, Handoff
 from zml_router.outcome import Outcome
 
 log = logging.getLogger("zml.router")
@@ -67,6 +67,18 @@ class Decide:
     rr: RouteRequest
     #: Only nodes whose engine can continue an answer (zml_router.replicas.table.engine_continues).
     continuation: bool = False
+    #: The decision may split the request into a prefill leg and a decode leg
+    #: (zmlcore.policy.split); not after a split attempt of it failed, nor for a continuation.
+    split: bool = True
+
+
+@dataclass(slots=True)
+class Prefill:
+    """Run a split request's prefill leg on ``decision.prefill_node`` -> the
+    :class:`~zml_router.node.result.Handoff` for its decode leg, or the AttemptError."""
+
+    decision: Decision
+    rr: RouteRequest
 
 
 @dataclass(slots=True)
@@ -82,10 +94,10 @@ class Enqueue:
     saturated: bool
 
 
-Action = Union[Decide, Dispatch, Penalise, Enqueue, Close]
-#: What the service sends back: a Decision or ZMLError for Decide, an AttemptResult for Dispatch
-#: and Close, None otherwise.
-Result = Union[Decision, ZMLError, AttemptResult, None]
+Action = Union[Decide, Prefill, Dispatch, Penalise, Enqueue, Close]
+#: What the service sends back: a Decision or ZMLError for Decide, a Handoff or AttemptError for
+#: Prefill, an AttemptResult for Dispatch and Close, None otherwise.
+Result = Union[Decision, ZMLError, AttemptError, Handoff, AttemptResult, None]
 Flow = Generator[Action, Result, None]
 
 
@@ -148,10 +160,11 @@ def route(plan: Plan, out: Outcome) -> Flow:
                                          f"continued: {why}", retry_after=1.0)
         continuing = True
     before = plan.attempts_before
+    split_ok = plan.resumed is None
     for attempt in range(1, plan.max_attempts + 1):
         if excluded:  # the prompt's keys and session stay; the tried nodes are out
             rr = dataclasses.replace(rr, exclude=frozenset(excluded))
-        got = yield Decide(rr, continuing)
+        got = yield Decide(rr, continuing, split_ok and not continuing)
         if isinstance(got, ZMLError):
             if last is not None:  # we tried nodes and they failed: say so, not "no nodes"
                 break
@@ -162,9 +175,28 @@ def route(plan: Plan, out: Outcome) -> Flow:
             raise got
         assert isinstance(got, Decision)
         decision = got
+        handoff: Handoff | None = None
+        if decision.prefill_node:
+            # Disaggregated: the prefill leg first; if it fails, the request is served whole
+            # on the decode node (which can prefill too), and the reply says so (no silent
+            # fallback: llm-d #2427).
+            split_ok = False  # whatever happens next, a retry of this request is served whole
+            leg = yield Prefill(decision, rr)
+            pre = dataclasses.replace(decision, node_id=decision.prefill_node, prefill_node="")
+            if isinstance(leg, Handoff):
+                handoff = leg
+            else:
+                assert isinstance(leg, AttemptError)
+                out.prefill_failed = f"{decision.prefill_node}:{leg.failure.value}"
+                if leg.failure in NODE_FAULTS:
+                    out.failed_nodes.append(decision.prefill_node)
+                log.warning("prefill leg on %s failed (%s %s); serving the request whole on %s",
+                            decision.prefill_node, leg.failure.value, leg.detail[:200], decision.node_id)
+                yield Penalise(pre, leg)
+            decision = dataclasses.replace(decision, prefill_node="")
         out.node_id, out.family, out.attempts = decision.node_id, decision.family, before + attempt
         out.info = None
-        dispatch = Dispatch(decision, before + attempt, rr, plan.stream, continuing,
+        dispatch = Dispatch(decision, before + attempt, rr, plan.stream, continuing, handoff,
                             continued_from=continued_from(out.continued_from))
         res = yield dispatch
         assert isinstance(res, AttemptResult)
@@ -175,7 +207,7 @@ def route(plan: Plan, out: Outcome) -> Flow:
             # server of its own make). Asked as the caller asked, on the same node and attempt.
             log.info("node %s refused the stream (%s %s): asking it as the caller asked",
                      decision.node_id, err.status, err.detail[:200])
-            res = yield dataclasses.replace(dispatch, whole=True)
+            res = yield dataclasses.replace(dispatch, whole=True, handoff=None)
             assert isinstance(res, AttemptResult)
             _took(out, res)
             err = res.error

@@ -96,6 +96,14 @@ SESSIONS = Children(Counter(
     "Requests of a session bound to a node, by outcome: kept (the bound node took it), spilled (over its "
     "load bound: the policy chose), moved (the bound node could not take it: down, cooling, not serving).",
     ["outcome"]))
+SPLITS = Children(Counter(
+    "zml_router_split_decisions",
+    "Disaggregation decisions ([disaggregation] enabled), by outcome: split (a prefill leg, then a decode leg), "
+    "or why the request was served whole: short_prompt, no_pair, whole_better.", ["outcome"]))
+PREFILL_LEGS = Children(Counter(
+    "zml_router_prefill_legs",
+    "Prefill legs of split requests by prefill node and result: ok, or the failure (network, server, slow, "
+    "overloaded...) after which the request was served whole on its decode node.", ["node", "result"]))
 QUEUE_WAIT = Children(Histogram(
     "zml_router_queue_wait_seconds", "Time a queued request waited until a node had room for it.", ["model"],
     buckets=WAIT_BUCKETS))
@@ -152,6 +160,12 @@ class RouterMetrics(Collector):
     def session(self, outcome: str) -> None:
         if outcome:
             SESSIONS(outcome).inc()
+
+    def split(self, outcome: str) -> None:
+        SPLITS(outcome).inc()
+
+    def prefill_leg(self, node_id: str, result: str) -> None:
+        PREFILL_LEGS(node_id, result).inc()
 
     def failover(self, node_id: str, cause: str) -> None:
         FAILOVERS(node_id, cause).inc()
