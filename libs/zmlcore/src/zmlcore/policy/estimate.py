@@ -49,9 +49,8 @@ def node_speeds(st: NodeState) -> tuple[float, float, int]:
     type's profile, and from H100-like defaults for an unknown type.
     """
     a = ACCELERATORS.get(st.accelerator_type)
-    speed = a.speed if a else 1.0
-    pf = st.prefill_tps if st.prefill_tps > 0 else BASE_PREFILL_TPS * speed
-    dec = st.decode_tps if st.decode_tps > 0 else BASE_DECODE_TPS * speed
+    pf = st.prefill_tps if st.prefill_tps > 0 else (a.default_prefill_tps if a else BASE_PREFILL_TPS)
+    dec = st.decode_tps if st.decode_tps > 0 else (a.default_decode_tps if a else BASE_DECODE_TPS)
     maxc = st.max_concurrency if st.max_concurrency > 0 else (a.max_concurrency if a else 16)
     return pf, dec, maxc
 
