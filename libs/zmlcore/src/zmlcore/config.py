@@ -320,6 +320,18 @@ class HealthConfig(msgspec.Struct, **_Base):
     models, queue, speeds by over 2%...), else often enough that the written state is never
     older than this (capped at a third of router.stale_after_s, so a live node never looks
     stale and a dead health service still makes every node stale)."""
+    calibrate: bool = True
+    """Send a node one short real request (calibrate_prompt_tokens of a prompt no cache holds,
+    calibrate_max_tokens out) when one of its models' speeds is too uncertain to route on: when
+    it joins, restarts or loads a model, and when its estimate has aged (docs/routing.md
+    "Learned speeds"). Its time to first token and decode rate are folded into the estimate."""
+    calibrate_prompt_tokens: Annotated[int, msgspec.Meta(ge=32, le=8192)] = 512
+    """Prompt tokens of a calibration request (long enough that prefill, not the round trip,
+    sets its time to first token)."""
+    calibrate_max_tokens: Annotated[int, msgspec.Meta(ge=8, le=1024)] = 32
+    """Tokens a calibration request generates."""
+    calibrate_every_s: PosFloat = 60.0
+    """At most one calibration request per node and model this often."""
 
 
 class SimConfig(msgspec.Struct, **_Base):

@@ -41,6 +41,7 @@ from zmlcore.messages.router import (
     queue_busy_decoder,
     router_state_decoder,
 )
+from zmlcore.messages.speeds import LearnedSpeeds, ModelSpeeds, SpeedFit, SpeedSample
 from zmlcore.messages.warmup import (
     RequestCompleted,
     ServeReply,
@@ -50,6 +51,10 @@ from zmlcore.messages.warmup import (
 )
 
 __all__ = [
+    "LearnedSpeeds",
+    "ModelSpeeds",
+    "SpeedFit",
+    "SpeedSample",
     "QueueBusy",
     "RouterNodeState",
     "RouterState",
