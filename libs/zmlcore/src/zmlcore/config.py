@@ -354,6 +354,15 @@ class SimConfig(msgspec.Struct, **_Base):
     """Seconds to load a model (MI300X default is 50% longer than H100)."""
     memory_gib: PosFloat | None = None
     """Accelerator memory."""
+    true_speed: PosFloat | None = None
+    """Hidden: the node really runs this many times faster than the speeds above (or its type's)
+    say, e.g. 0.3 or 3. The health service and routers are told only the speeds above and must
+    learn the truth, as with a real engine (docs/sim.md "Hidden speeds")."""
+    drift: Annotated[float, msgspec.Meta(ge=0, le=0.9)] = 0.0
+    """Hidden: the true speed wanders by +/- this share of itself over drift_period_s (a
+    throttling GPU, a neighbour on the same host), so estimates must keep up."""
+    drift_period_s: PosFloat = 600.0
+    """Real seconds of one full cycle of the drift."""
     time_scale: PosFloat = 1.0
     """Run this many times faster than real time (demos, tests)."""
     seed: int = 0
