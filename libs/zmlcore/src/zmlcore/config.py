@@ -572,7 +572,8 @@ class PlannerConfig(msgspec.Struct, **_Base):
     """Seconds between plans."""
     window_s: PosFloat = 600.0
     """Demand (request rate, prompt and output sizes per model and adapter) is measured over
-    this window of the routers' completions."""
+    this window of the routers' completions. In apply mode nothing moves until the service has
+    watched one whole window (a model merely not measured yet is not a model without demand)."""
     headroom: Fraction = 0.8
     """Share of a node's saturation throughput planned as SLO capacity (queueing beyond it
     misses TTFT targets)."""

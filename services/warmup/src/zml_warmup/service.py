@@ -74,6 +74,7 @@ class WarmupService:
         self.events: list[WarmupEvent] = []  # recent, for tests and `zml warmup --status`
         # --- placement planner ([planner], docs/placement.md) ---
         self.demand = DemandWindow(cfg.planner.window_s, now)
+        self.started_at = now
         self.target: Placement | None = None
         self.plan_inputs: placer.Inputs | None = None
         self.planned_at = 0.0
@@ -330,8 +331,8 @@ class WarmupService:
 
     def apply_plan(self, now: float) -> list[Step]:
         """Start the plan's steps that can run now (make before break: see zmlcore.placement.moves)."""
-        if self.target is None:
-            return []
+        if self.target is None or self.planned_at - self.started_at < self.cfg.planner.window_s:
+            return []  # a plan on less than a window of demand would unload what is merely unmeasured
         target = self.target
         held = {n: h for n, h in self._held_now().items() if n in target.models}
         loads = sum(1 for (_, _), (_, reason, _) in self.in_progress.items() if reason == "placement")
