@@ -95,8 +95,9 @@ def unavailable() -> str | None:
         ". `.ci/run` sets it all up; see README 'Real-engine tests'"
 
 
-def tiny_model(dest: Path, vocab: Path, *, seed: int = SEED) -> Path:
-    """Write the tiny random-weight llama (same bytes for the same seed and vocabulary)."""
+def tiny_model(dest: Path, vocab: Path, *, seed: int = SEED, n_ff: int = N_FF) -> Path:
+    """Write the tiny random-weight llama (same bytes for the same seed and vocabulary);
+    ``n_ff``: a wider feed-forward for a larger model."""
     import gguf
     import numpy as np
 
@@ -108,7 +109,7 @@ def tiny_model(dest: Path, vocab: Path, *, seed: int = SEED) -> Path:
     w.add_context_length(N_CTX)
     w.add_embedding_length(N_EMBD)
     w.add_block_count(N_LAYER)
-    w.add_feed_forward_length(N_FF)
+    w.add_feed_forward_length(n_ff)
     w.add_head_count(N_HEAD)
     w.add_head_count_kv(N_HEAD)
     w.add_rope_dimension_count(N_EMBD // N_HEAD)
@@ -126,9 +127,9 @@ def tiny_model(dest: Path, vocab: Path, *, seed: int = SEED) -> Path:
         for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
             w.add_tensor(f"blk.{i}.{name}.weight", mat(N_EMBD, N_EMBD, N_EMBD ** -0.5))
         w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(N_EMBD, dtype=np.float32))
-        w.add_tensor(f"blk.{i}.ffn_gate.weight", mat(N_FF, N_EMBD, N_EMBD ** -0.5))
-        w.add_tensor(f"blk.{i}.ffn_up.weight", mat(N_FF, N_EMBD, N_EMBD ** -0.5))
-        w.add_tensor(f"blk.{i}.ffn_down.weight", mat(N_EMBD, N_FF, N_FF ** -0.5))
+        w.add_tensor(f"blk.{i}.ffn_gate.weight", mat(n_ff, N_EMBD, N_EMBD ** -0.5))
+        w.add_tensor(f"blk.{i}.ffn_up.weight", mat(n_ff, N_EMBD, N_EMBD ** -0.5))
+        w.add_tensor(f"blk.{i}.ffn_down.weight", mat(N_EMBD, n_ff, n_ff ** -0.5))
     w.add_tensor("output_norm.weight", np.ones(N_EMBD, dtype=np.float32))
     w.add_tensor("output.weight", mat(n_vocab, N_EMBD, 0.5))
     w.write_header_to_file()
