@@ -4,6 +4,13 @@ proto/zml/v1/zml.proto into zmlcore.rpc.
     python proto/generate.py           # rewrite message Routing, write zmlcore/rpc/zml_pb2*.py(i)
     python proto/generate.py --check   # exit 1 if the .proto or the modules are stale (a test runs this)
 
+``--check`` compares what the modules *mean*, not their bytes: the serialized file descriptor
+(every message, field, number and service), each RPC's kind, path and types, and the stubs'
+classes and fields. Their text also carries the versions of the grpcio-tools that wrote them
+(``GRPC_GENERATED_VERSION``, ``Protobuf Python Version``) and its formatting; any grpcio-tools
+the test extra allows must agree with the committed modules, or CI turns red on a release
+nobody chose.
+
 ``message Routing`` is written from :class:`zmlcore.messages.RoutingInfo`, the one schema of
 routing metadata (body, headers, gRPC metadata and the SDK derive from it too): a field added
 there becomes a field here. Numbers are stable: a field keeps the number the committed .proto
@@ -19,6 +26,7 @@ would clash with the SDK's own ``zml`` package, so that one line is rewritten to
 
 from __future__ import annotations
 
+import ast
 import re
 import sys
 import tempfile
@@ -103,12 +111,42 @@ def generate(proto_text: str) -> dict[str, str]:
         return out
 
 
+_RPC = re.compile(r"channel\.(\w+)\(\s*'([^']+)',\s*request_serializer=[\w.]*?(\w+)\.SerializeToString,"
+                  r"\s*response_deserializer=[\w.]*?(\w+)\.FromString")
+
+
+def meaning(name: str, text: str) -> object:
+    """What a generated module says, free of the generator's version and layout."""
+    tree = ast.parse(text)
+    if name == "zml_pb2.py":
+        # The serialized FileDescriptorProto: the whole .proto, compiled.
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == "AddSerializedFile" and isinstance(node.args[0], ast.Constant)):
+                return node.args[0].value
+        raise SystemExit(f"{name}: no AddSerializedFile(...) in it")
+    if name == "zml_pb2_grpc.py":
+        rpcs = sorted(_RPC.findall(text))
+        classes = sorted(n.name for n in tree.body if isinstance(n, ast.ClassDef))
+        functions = sorted(n.name for n in tree.body if isinstance(n, ast.FunctionDef))
+        return rpcs, classes, functions
+    # zml_pb2.pyi: each class with its fields' names and types.
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            fields = sorted((t.target.id, ast.unparse(t.annotation)) for t in node.body
+                            if isinstance(t, ast.AnnAssign) and isinstance(t.target, ast.Name))
+            out.append((node.name, fields))
+    return sorted(out)
+
+
 def main(argv: list[str]) -> int:
     committed = (PROTO_DIR / PROTO).read_text()
     proto_text = routing_message(committed)
     fresh = generate(proto_text)
     if "--check" in argv:
-        stale = [n for n, text in fresh.items() if not (OUT / n).exists() or (OUT / n).read_text() != text]
+        stale = [n for n, text in fresh.items()
+                 if not (OUT / n).exists() or meaning(n, (OUT / n).read_text()) != meaning(n, text)]
         if proto_text != committed:
             stale.insert(0, f"{PROTO} (message Routing differs from zmlcore.messages.RoutingInfo)")
         if stale:

@@ -54,7 +54,7 @@ def test_apply_moves_a_model_between_real_routers_without_an_error(llama: Llama,
     models = tmp_path / "models"
     models.mkdir()
     (models / "tiny-a.gguf").symlink_to(llama.model)
-    llamaserver.tiny_model(models / "tiny-b.gguf", vocab, seed=7, n_ff=512)  # a larger model
+    llamaserver.tiny_model(models / "tiny-b.gguf", vocab, seed=7, shape=llamaserver.SLOW)  # a larger model
     assert (models / "tiny-b.gguf").stat().st_size > (models / "tiny-a.gguf").stat().st_size
     dear_url, dear = router_node("llama-dear", models)
     cheap_url, cheap = router_node("llama-cheap", models)

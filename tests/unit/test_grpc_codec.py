@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import grpc
 import msgspec
@@ -26,6 +27,40 @@ def test_generated_modules_match_the_proto() -> None:
     r = subprocess.run([sys.executable, str(ROOT / "proto" / "generate.py"), "--check"], capture_output=True,
                        text=True, timeout=60)
     assert r.returncode == 0, r.stderr
+
+
+def _generate_module() -> object:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("zml_proto_generate", ROOT / "proto" / "generate.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_check_reads_meaning_not_the_generators_version() -> None:
+    """Another grpcio-tools release writes other version strings: same meaning. A changed RPC,
+    field or descriptor is not."""
+    gen: Any = _generate_module()
+    out = ROOT / "libs" / "zmlcore" / "src" / "zmlcore" / "rpc"
+    grpc_text = (out / "zml_pb2_grpc.py").read_text()
+    rpcs, classes, _ = gen.meaning("zml_pb2_grpc.py", grpc_text)
+    assert ("unary_stream", "/zml.v1.Zml/InferStream", "InferRequest", "InferChunk") in rpcs
+    assert "ZmlStub" in classes
+    bumped = grpc_text.replace("GRPC_GENERATED_VERSION = '", "GRPC_GENERATED_VERSION = '9")
+    assert gen.meaning("zml_pb2_grpc.py", bumped) == gen.meaning("zml_pb2_grpc.py", grpc_text)
+    renamed = grpc_text.replace("'/zml.v1.Zml/ListNodes'", "'/zml.v1.Zml/ListAllNodes'")
+    assert gen.meaning("zml_pb2_grpc.py", renamed) != gen.meaning("zml_pb2_grpc.py", grpc_text)
+
+    pb2 = (out / "zml_pb2.py").read_text()
+    other_runtime = pb2.replace("# Protobuf Python Version: ", "# Protobuf Python Version: 99")
+    assert gen.meaning("zml_pb2.py", other_runtime) == gen.meaning("zml_pb2.py", pb2)
+    assert gen.meaning("zml_pb2.py", pb2.replace("max_tokens", "max_tokenz")) != gen.meaning("zml_pb2.py", pb2)
+
+    pyi = (out / "zml_pb2.pyi").read_text()
+    assert gen.meaning("zml_pb2.pyi", pyi.replace("    model: str", "    model: int", 1)) != gen.meaning("zml_pb2.pyi", pyi)
+    assert gen.meaning("zml_pb2.pyi", pyi.replace("\n\n", "\n\n\n")) == gen.meaning("zml_pb2.pyi", pyi)
 
 
 def test_every_zml_code_has_a_grpc_status() -> None:
@@ -92,3 +127,20 @@ def test_replies_keep_their_json_whatever_the_shape() -> None:
     assert r.routing.node_id == "n" and r.routing.time_to_first_token == 0.5 and not r.routing.HasField("total_tokens")
     c = codec.chunk_from_json(b'{"choices": [{"index": 1, "delta": {"content": "x"}, "finish_reason": null}]}')
     assert c.text == "x" and c.index == 1 and not c.HasField("usage")
+
+
+def test_install_floors_admit_no_runtime_the_generated_modules_refuse() -> None:
+    """The committed modules refuse, at import, a grpcio older than the grpcio-tools that wrote
+    them and a protobuf older than its protoc: pyproject's floors must not allow either."""
+    import re
+    import tomllib
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    floors = {m.group(1): tuple(int(x) for x in m.group(2).split("."))
+              for d in deps if (m := re.fullmatch(r"(grpcio|protobuf)>=([\d.]+)", d))}
+    out = ROOT / "libs" / "zmlcore" / "src" / "zmlcore" / "rpc"
+    grpc_gen = re.search(r"GRPC_GENERATED_VERSION = '([\d.]+)'", (out / "zml_pb2_grpc.py").read_text())
+    pb_gen = re.search(r"# Protobuf Python Version: ([\d.]+)", (out / "zml_pb2.py").read_text())
+    assert grpc_gen and pb_gen
+    assert floors["grpcio"] >= tuple(int(x) for x in grpc_gen.group(1).split(".")), floors
+    assert floors["protobuf"] >= tuple(int(x) for x in pb_gen.group(1).split(".")), floors

@@ -41,6 +41,10 @@ KeepaliveMs = Annotated[int, msgspec.Meta(ge=0, le=60_000)]
 Backend = Literal["vllm", "tgi", "sglang", "llamacpp", "openai"]
 Strategy = Literal["latency", "cost", "availability", "round_robin", "weighted", "balanced", "chain"]
 CostPriority = Literal["cost", "balanced", "latency"]
+Priority = Literal["critical", "standard", "sheddable", "batch"]
+#: Which legs of a disaggregated request a node takes (docs/disaggregation.md).
+Role = Literal["prefill", "decode"]
+ROLES: tuple[str, ...] = typing.get_args(Role)
 
 BUILTIN_POLICIES = ("latency", "cost", "availability", "round_robin", "balanced")
 BACKENDS: tuple[str, ...] = typing.get_args(Backend)
@@ -287,6 +291,41 @@ class RouterConfig(msgspec.Struct, **_Base):
     (zmlcore.runtime.sizing); `zml up --routers N` overrides."""
 
 
+class FlowConfig(msgspec.Struct, **_Base):
+    """Flow control for a shared fleet (zmlcore.flowctl, docs/routing.md "Flow control")."""
+
+    default_priority: Priority = "standard"
+    """Band of a request that names none and whose API key sets none."""
+    max_priority: Priority = "standard"
+    """Highest band a caller may claim unless its API key allows more (``zml keys create
+    --max-priority``): a claim above it is lowered to it (``x-zml-priority-lowered: 1``)."""
+    ttft_slo_ms: PosFloat | None = None
+    """Default time-to-first-token target of every request (a model's [models.*] ttft_slo_ms
+    and the request's ``x-zml-ttft-slo-ms`` override it): admission refuses at once with
+    SLO_UNATTAINABLE when no node is predicted to meet it. None: no target."""
+    tpot_slo_ms: PosFloat | None = None
+    """Default time-per-output-token target, as ttft_slo_ms."""
+    prefill_token_cost: NonNeg = 1.0
+    """Weight of a prompt token in a tenant's fair-share counter."""
+    decode_token_cost: NonNeg = 2.0
+    """Weight of an output token in a tenant's fair-share counter (VTC's 1:2 by default)."""
+    share_half_life_s: PosFloat = 30.0
+    """Half-life of the tenants' token counters: how long the queue remembers who was served."""
+    share_report_ms: PosInt = 100
+    """How often a router publishes its tenants' counters to the other replicas (when they changed)."""
+    age_s: NonNeg = 30.0
+    """A queued ``sheddable`` or ``batch`` request rises one band per this long waited (never above
+    ``standard``); 0: no aging."""
+    max_queued: PosInt = 256
+    """Queued requests one router holds per model for ordering by band and share; past it the
+    lowest-ranked are shed (SHED)."""
+    hold_when_full: bool = False
+    """Saturation means "no free sequence slot on any node" instead of "every node over the
+    admission bound": requests of a policy with queue_on_saturation then wait in the saturation
+    queue, ordered by band and share, for the next free slot, instead of in a node's own FIFO
+    queue behind whoever flooded it."""
+
+
 class HealthConfig(msgspec.Struct, **_Base):
     poll_interval_s: PosFloat = 5.0
     """Seconds between polls of one node."""
@@ -412,6 +451,18 @@ class NodeConfig(msgspec.Struct, **_Base):
     adapter_slots: Annotated[int, msgspec.Meta(ge=0)] = 0
     """LoRA adapters the engine may hold at once (vLLM's --max-loras; for llama.cpp, those it was
     started with, --lora); 0: the planner puts no adapter on it."""
+    roles: list[Role] = msgspec.field(default_factory=lambda: ["prefill", "decode"])
+    """Legs of a disaggregated request this node takes: "prefill" (computes a prompt's KV and
+    hands it to a decode node), "decode" (generates from KV handed to it, and serves whole
+    requests). Both (the default) is today's behaviour plus either leg. A prefill-only node
+    never serves a whole request; it needs a kv_group shared with a decode node."""
+    kv_group: str | None = None
+    """Nodes that can hand KV to each other: one model's engines with a compatible KV connector
+    (vLLM's NixlConnector, SGLang's bootstrap, llama-server's slot files on one shared
+    directory). None: this node is never one leg of a split request."""
+    kv_gbps: PosFloat | None = None
+    """Bandwidth of this node's KV transfer link, in Gbit/s; a transfer between two nodes runs
+    at the slower end's unless a [[kv_links]] entry names the pair. Required with kv_group."""
 
     @property
     def effective_family(self) -> str:
@@ -497,11 +548,22 @@ class ModelConfig(msgspec.Struct, **_Base):
     """An embedding model: it answers POST /v1/embeddings (an InferRequest with ``input``) and
     chat/completion requests for it are refused with 400, as embeddings requests for a model
     configured without it are. Models not in [models] are not checked (the node decides)."""
+    kv_bytes_per_token: PosInt | None = None
+    """Bytes of KV cache one prompt token occupies (what a disaggregated request moves per
+    token: 2 x layers x KV heads x head size x bytes per value; 131072 for Llama-3-8B in fp16).
+    None: [disaggregation] kv_bytes_per_token."""
     audio: bool = False
     """A speech-to-text model (Whisper and the like): it answers POST /v1/audio/transcriptions
     and /v1/audio/translations (OpenAI's multipart form, passed to the node as sent), and chat,
     completion and embeddings requests for it are refused with 400, as audio requests for a model
     configured without it are. Not with embedding."""
+    priority: Priority | None = None
+    """Band of this model's requests that name none (over [flow] default_priority; an API key's
+    default wins over both)."""
+    ttft_slo_ms: PosFloat | None = None
+    """This model's default time-to-first-token target (over [flow] ttft_slo_ms)."""
+    tpot_slo_ms: PosFloat | None = None
+    """This model's default time-per-output-token target (over [flow] tpot_slo_ms)."""
 
 
 class WarmupConfig(msgspec.Struct, **_Base):
@@ -669,6 +731,46 @@ class MetricsConfig(msgspec.Struct, **_Base):
     """Batch runner metrics port (0: any free port; None: none)."""
 
 
+class KVLinkConfig(msgspec.Struct, **_Base):
+    """A measured KV transfer link between two nodes of one kv_group (``[[kv_links]]``): it
+    overrides the slower end's kv_gbps for that pair, both ways."""
+
+    prefill: str
+    """The node that prefills (a node id)."""
+    decode: str
+    """The node that decodes (a node id)."""
+    gbps: PosFloat
+    """The pair's KV transfer bandwidth, Gbit/s."""
+
+
+class DisaggregationConfig(msgspec.Struct, **_Base):
+    """Prefill on one node, decode on another (docs/disaggregation.md). Per request, the router
+    compares the best whole-request route with every pair of a prefill node and a decode node
+    that share a kv_group, from their measured speeds, queues, caches, prices and the link
+    between them, and splits only when the split is estimated better by min_gain."""
+
+    enabled: bool = False
+    """Consider splitting requests at all (nodes still take the roles they are given)."""
+    min_uncached_tokens: PosInt = 512
+    """Never split a request with fewer prompt tokens than this uncached on its best decode
+    node: a short prompt's prefill costs the decode node less than moving its KV."""
+    min_gain: Annotated[float, msgspec.Meta(ge=0, le=0.9)] = 0.1
+    """A conversation changes mode (split to whole or back) only when the other mode's estimate
+    is better by this share; the first turn splits only when the split is. Hysteresis, so a
+    conversation's decisions do not flip on noise."""
+    kv_bytes_per_token: PosInt = 131072
+    """Bytes of KV per prompt token for models without their own kv_bytes_per_token (Llama-3-8B
+    fp16: 32 layers x 8 KV heads x 128 x 2 (K and V) x 2 bytes)."""
+    always: bool = False
+    """Split every request that has a pair and min_uncached_tokens uncached, whatever the
+    estimate says (the homogeneous anchors' way, and a way to try a new pair before its speeds
+    are measured). The reply still names both legs, and a failed prefill leg still serves the
+    request whole on its decode node."""
+    prefill_timeout_s: PosFloat = 30.0
+    """A prefill leg not answered within this is abandoned and the request served whole on the
+    decode node (its KV never arrived)."""
+
+
 class DefaultsConfig(msgspec.Struct, **_Base):
     policy: str = "balanced"
     """Account-level default policy."""
@@ -693,13 +795,16 @@ class ZMLConfig(msgspec.Struct, **_Base):
     nats: NatsConfig = msgspec.field(default_factory=NatsConfig)
     gateway: GatewayConfig = msgspec.field(default_factory=GatewayConfig)
     router: RouterConfig = msgspec.field(default_factory=RouterConfig)
+    flow: FlowConfig = msgspec.field(default_factory=FlowConfig)
     health: HealthConfig = msgspec.field(default_factory=HealthConfig)
     warmup: WarmupConfig = msgspec.field(default_factory=WarmupConfig)
     defaults: DefaultsConfig = msgspec.field(default_factory=DefaultsConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
     batch: BatchConfig = msgspec.field(default_factory=BatchConfig)
     planner: PlannerConfig = msgspec.field(default_factory=PlannerConfig)
+    disaggregation: DisaggregationConfig = msgspec.field(default_factory=DisaggregationConfig)
     nodes: list[NodeConfig] = []
+    kv_links: list[KVLinkConfig] = []
     models: dict[str, ModelConfig] = {}
     #: LoRA adapters by the name clients give as ``model`` ([adapters."NAME"]).
     adapters: dict[str, AdapterConfig] = {}
@@ -837,7 +942,7 @@ def _validate_kv_events(node: NodeConfig, where: str) -> None:
         raise ConfigError(f"{where}.replay_endpoint: the same address as endpoint")
 
 
-def _validate(cfg: ZMLConfig, src: str) -> None:
+def _validate(cfg: ZMLConfig, src: str, whole_fleet: bool = True) -> None:
     if bool(cfg.gateway.tls_cert_file) != bool(cfg.gateway.tls_key_file):
         raise ConfigError(f"{src}: gateway.tls_cert_file and gateway.tls_key_file go together")
     if cfg.gateway.tls_client_ca_file and not cfg.gateway.tls_cert_file:
@@ -896,6 +1001,7 @@ def _validate(cfg: ZMLConfig, src: str) -> None:
     if cfg.defaults.policy not in names:
         raise ConfigError(f"{src}: defaults.policy: unknown policy {cfg.defaults.policy!r}")
     _validate_batch(cfg.batch, names, src)
+    _validate_disaggregation(cfg, src, whole_fleet)
     known = cfg.model_names()
     for name, ad in cfg.adapters.items():
         if ad.base not in known:
@@ -903,6 +1009,43 @@ def _validate(cfg: ZMLConfig, src: str) -> None:
                               f"(known: {', '.join(sorted(known)) or 'none'})")
         if name in known:
             raise ConfigError(f"{src}: adapters.{name!r}: a model has that name; an adapter needs its own")
+
+
+def _validate_disaggregation(cfg: ZMLConfig, src: str, whole_fleet: bool) -> None:
+    by_id = {n.id: n for n in cfg.nodes}
+    for i, node in enumerate(cfg.nodes):
+        where = f"{src}: nodes[{i}]"
+        if not node.roles:
+            raise ConfigError(f"{where}.roles: give at least one of {', '.join(ROLES)} (both: the default)")
+        if len(set(node.roles)) != len(node.roles):
+            raise ConfigError(f"{where}.roles: {node.roles}: list each role once")
+        if node.kv_group is not None and node.kv_gbps is None:
+            raise ConfigError(f"{where}.kv_gbps: a node in kv_group {node.kv_group!r} needs its link's bandwidth "
+                              "(Gbit/s)")
+        if "decode" not in node.roles and whole_fleet:
+            # A prefill-only node serves no whole request: without a decode node to hand its
+            # KV to, it would never serve anything.
+            peers = [m for m in cfg.nodes if m is not node and m.kv_group is not None
+                     and m.kv_group == node.kv_group and "decode" in m.roles and set(m.models) & set(node.models)]
+            if node.kv_group is None or not peers:
+                raise ConfigError(f"{where}.roles: prefill-only node {node.id!r} has no decode node to hand its KV to "
+                                  "(give both a kv_group and a model in common)")
+    for i, link in enumerate(cfg.kv_links):
+        where = f"{src}: kv_links[{i}]"
+        ends = []
+        for key, node_id, role in (("prefill", link.prefill, "prefill"), ("decode", link.decode, "decode")):
+            end = by_id.get(node_id)
+            if end is None:
+                raise ConfigError(f"{where}.{key}: unknown node {node_id!r}")
+            if role not in end.roles:
+                raise ConfigError(f"{where}.{key}: node {node_id!r} does not take {role} legs (roles {end.roles})")
+            ends.append(end)
+        p, d = ends
+        if p is d:
+            raise ConfigError(f"{where}: a link from node {p.id!r} to itself")
+        if p.kv_group is None or p.kv_group != d.kv_group:
+            raise ConfigError(f"{where}: nodes {p.id!r} and {d.id!r} are not in one kv_group "
+                              f"({p.kv_group!r}, {d.kv_group!r})")
 
 
 def _validate_batch(b: BatchConfig, policies: set[str], src: str) -> None:
@@ -923,14 +1066,15 @@ def _validate_batch(b: BatchConfig, policies: set[str], src: str) -> None:
                           f"({b.max_store_bytes}): no file that size could be stored")
 
 
-def parse_config(data: dict[str, Any], source: str = "<memory>") -> ZMLConfig:
-    """Validate an already-parsed TOML document."""
+def parse_config(data: dict[str, Any], source: str = "<memory>", *, whole_fleet: bool = True) -> ZMLConfig:
+    """Validate an already-parsed TOML document. ``whole_fleet`` False: ``data`` holds only some
+    of the fleet's nodes (one registered at run time), so checks across nodes are skipped."""
     try:
         cfg = msgspec.convert({**_spelled(data), "source": source}, ZMLConfig)
     except msgspec.ValidationError as exc:
         key, msg = _key_of(with_choices(ZMLConfig, str(exc)))
         raise ConfigError(f"{source}: {key or '(top level)'}: {msg}") from exc
-    _validate(cfg, source)
+    _validate(cfg, source, whole_fleet)
     return cfg
 
 
@@ -1001,9 +1145,10 @@ def reference_markdown() -> str:
     tree = ast.parse(inspect.getsource(sys.modules[__name__]))
     classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
     sections = [
-        ("[nats]", "NatsConfig"), ("[gateway]", "GatewayConfig"), ("[router]", "RouterConfig"),
+        ("[nats]", "NatsConfig"), ("[gateway]", "GatewayConfig"), ("[router]", "RouterConfig"), ("[flow]", "FlowConfig"),
         ("[health]", "HealthConfig"), ("[warmup]", "WarmupConfig"), ("[defaults]", "DefaultsConfig"),
-        ("[metrics]", "MetricsConfig"), ("[batch]", "BatchConfig"), ("[[nodes]]", "NodeConfig"),
+        ("[metrics]", "MetricsConfig"), ("[batch]", "BatchConfig"), ("[disaggregation]", "DisaggregationConfig"),
+        ("[[nodes]]", "NodeConfig"), ("[[kv_links]]", "KVLinkConfig"),
         ("[nodes.sim]", "SimConfig"), ("[nodes.kv_events]", "KVEventsConfig"), ('[models."NAME"]', "ModelConfig"),
         ("[planner]", "PlannerConfig"), ('[planner.models."NAME"]', "PlannerModelConfig"),
         ('[adapters."NAME"]', "AdapterConfig"),

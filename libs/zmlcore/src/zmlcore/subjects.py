@@ -125,11 +125,14 @@ QUEUE_CLAIMS_BUCKET = "zml_queue_claims"
 #: JetStream KV bucket (memory) of request ids in flight, so that a caller's duplicate id is
 #: refused on every router replica: key = hash of (owner, front-door owner, id), value = the
 #: holding router's id, created (create-only) before dispatch and deleted when the request ends;
-#: each entry has a TTL, so a dead router's claims go away (zml_router.ids).
+#: each entry has a TTL, so a dead router's claims go away (zml_router.replicas.ids).
 REQUEST_IDS_BUCKET = "zml_request_ids"
 #: Routers announce "model X has requests waiting" here (messages.QueueBusy), so new arrivals
 #: queue behind them.
 QUEUE_BUSY = f"{PREFIX}.queue_busy"
+#: Routers publish their per-tenant token counters here (messages.flow.ShareReport) so that
+#: every replica orders its saturation queue by the same fair shares (zmlcore.flowctl.shares).
+FLOW_SHARES = f"{PREFIX}.flow.shares"
 #: Durable pull consumer of a model's saturation queue: ``zmlq-<model key>`` (one per model,
 #: shared by every router replica).
 QUEUE_CONSUMER_PREFIX = "zmlq"
@@ -175,6 +178,11 @@ def admin_nodes(verb: str) -> str:
 
 #: Every router replica answers its view of the fleet here (scatter-gather: collect replies).
 ROUTERS_STATE = f"{PREFIX}.admin.routers.state"
+
+
+#: "Which decision was this?": every router replica listens; the one that remembers the
+#: decision id answers (zmlcore.messages.DecisionRecord), the others stay silent.
+ROUTERS_DECISION = f"{PREFIX}.admin.routers.decision"
 
 
 def router_state(router_id: str) -> str:
@@ -225,7 +233,7 @@ H_OWNER = "Zml-Owner"
 #: SDK set it when the caller gave none), so routers skip the cross-replica duplicate check. Only
 #: the sender's own namespace is affected, so it needs no trust.
 H_ID_GENERATED = "Zml-Id-Generated"
-#: Router-internal, on a queued request: the KV revision of its claim on its id (zml_router.ids).
+#: Router-internal, on a queued request: the KV revision of its claim on its id (zml_router.replicas.ids).
 H_ID_CLAIM = "Zml-Id-Claim"
 #: On every message of a streamed reply: 0 on ``start``, then 1, 2, ... on each chunk and on the
 #: final ``end``/``error``. A receiver that sees a number skipped lost a message (core NATS is
@@ -261,7 +269,7 @@ STREAM_FRAMES = "frames"
 #: headers. Without it a reply carries both (docs/nats-api.md).
 H_ACCEPT_ROUTING = "Zml-Accept-Routing"
 ROUTING_IN_BODY = "body"
-#: Front door only (dropped on ``zml.infer``: zml_router.flow.drop_untrusted). ``Zml-Body: clean``: the
+#: Front door only (dropped on ``zml.infer``: zml_router.request.flow.drop_untrusted). ``Zml-Body: clean``: the
 #: gateway validated the body (zmlcore.messages.validate) and moved ZML's own fields out of it into
 #: ``Zml-Policy`` (the per-call policy as JSON: a name or an inline policy) and
 #: ``Zml-Accelerator-Id`` (zmlcore.messages.frontdoor); the router reads it with one small decode.
@@ -313,6 +321,19 @@ H_PARTS = "Zml-Parts"
 #: It can only lower the sender's own request, so it needs no trust.
 H_PRIORITY = "Zml-Priority"
 PRIORITY_BATCH = "batch"
+#: Flow control (zmlcore.flowctl, docs/routing.md "Flow control"). ``Zml-Priority`` also takes
+#: ``critical``, ``standard`` and ``sheddable`` (its band); a band above what the caller may claim
+#: is lowered (``Zml-Priority-Lowered: 1`` on the reply). Per-request latency targets, in ms:
+H_TTFT_SLO_MS = "Zml-Ttft-Slo-Ms"
+H_TPOT_SLO_MS = "Zml-Tpot-Slo-Ms"
+#: Front door only (an API key's flow options, zml keys create --priority/--max-priority/--weight):
+#: the band a request of the key gets when it names none, the highest it may claim, its tenant
+#: weight in the fair share.
+H_PRIORITY_DEFAULT = "Zml-Priority-Default"
+H_PRIORITY_MAX = "Zml-Priority-Max"
+H_TENANT_WEIGHT = "Zml-Tenant-Weight"
+#: On a reply whose band was lowered to the caller's ceiling.
+H_PRIORITY_LOWERED = "Zml-Priority-Lowered"
 
 #: Audio (OpenAI's /v1/audio/transcriptions and /translations; zmlcore.messages.audio). On a
 #: request: ``Zml-Audio: transcription|translation``, its body the caller's multipart form, as it
@@ -325,7 +346,7 @@ H_AUDIO = "Zml-Audio"
 H_CONTENT_TYPE = "Zml-Content-Type"
 
 #: Requests larger than one NATS message (audio: up to [defaults] max_audio_bytes), uploaded in
-#: parts to the router that took them (zmlcore.reply.exchange sends, zml_router.uploads collects).
+#: parts to the router that took them (zmlcore.reply.exchange sends, zml_router.request.uploads collects).
 #: The requester publishes the request with an empty body and ``Zml-Upload-Bytes: <body size>``;
 #: the router answers on the reply subject with an empty message carrying ``Zml-Upload-To:
 #: zml.upload.<router id>.<token>`` (a random token: only the requester learns it, on its private

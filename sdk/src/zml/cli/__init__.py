@@ -25,6 +25,7 @@ _COMMANDS = (
     "zml.cli.warmup",
     "zml.cli.node_agent",
     "zml.cli.creds",
+    "zml.cli.why",
 )
 
 

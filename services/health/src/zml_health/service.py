@@ -62,7 +62,7 @@ NO_PROBE_RECHECK = 12
 
 def spec_to_config(spec: NodeSpec) -> NodeConfig:
     """Validate a run-time node exactly as zml.toml would (raises ConfigError)."""
-    cfg = parse_config({"nodes": [msgspec.to_builtins(spec)]}, source="zml.admin.nodes.add")
+    cfg = parse_config({"nodes": [msgspec.to_builtins(spec)]}, source="zml.admin.nodes.add", whole_fleet=False)
     return cfg.nodes[0]
 
 
@@ -364,6 +364,9 @@ class HealthService:
             prefix_cache_hits=tr.last_prefix[1] if tr.last_prefix else 0.0,
             cache_fidelity=self._fidelity(node),
             kv_events=self.bridges.status(node.id),
+            roles=[] if set(node.roles) == {"prefill", "decode"} else list(node.roles),
+            kv_group=node.kv_group or "",
+            kv_gbps=node.kv_gbps or 0.0,
         )
 
     def _known_models(self) -> frozenset[str]:

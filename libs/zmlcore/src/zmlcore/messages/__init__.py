@@ -38,6 +38,11 @@ from zmlcore.messages.router import (
     QueueBusy,
     RouterNodeState,
     RouterState,
+    DecisionFamily,
+    DecisionQuery,
+    DecisionRecord,
+    decision_query_decoder,
+    decision_record_decoder,
     queue_busy_decoder,
     router_state_decoder,
 )
@@ -50,6 +55,11 @@ from zmlcore.messages.warmup import (
 )
 
 __all__ = [
+    "DecisionFamily",
+    "DecisionQuery",
+    "DecisionRecord",
+    "decision_query_decoder",
+    "decision_record_decoder",
     "QueueBusy",
     "RouterNodeState",
     "RouterState",

@@ -113,6 +113,14 @@ class NodeState(msgspec.Struct, kw_only=True, omit_defaults=True):
     #: The KV-event bridge for this node: "" (none configured), "live", "replaying" or
     #: "down: <why>".
     kv_events: str = ""
+    # --- disaggregated prefill/decode (docs/disaggregation.md) ---
+    #: Legs of a split request the node takes ("prefill", "decode"); empty: both (an older
+    #: health service, or the default). A node without "decode" serves no whole request.
+    roles: list[str] = []
+    #: Nodes of one kv_group can hand KV to each other; "": never a leg of a split request.
+    kv_group: str = ""
+    #: Bandwidth of the node's KV link, Gbit/s (0: unknown).
+    kv_gbps: float = 0.0
 
 
 class InflightDelta(msgspec.Struct, kw_only=True, array_like=True):

@@ -20,9 +20,9 @@ from zmlcore import subjects
 from zmlcore.bus.direct import subscribe_direct
 from zmlcore.messages import InflightDelta, InflightSnapshot, RouterNodeState, RouterState, node_mark_decoder
 
-from zml_router.cooldowns import Marks
-from zml_router.deltas import DeltaWindow
-from zml_router.table import NodeTable
+from zml_router.replicas.cooldowns import Marks
+from zml_router.replicas.deltas import DeltaWindow
+from zml_router.replicas.table import NodeTable
 
 log = logging.getLogger("zml.router")
 
@@ -65,7 +65,7 @@ class Sharing:
         # Deltas are for peers: alone, skip them (a replica that joins learns our counts from
         # the next 1 s snapshot). Saves a NATS send per message on the hot path.
         if self.deltas is not None and self.table.peers:
-            self.deltas.add(node_id, outstanding, pending)  # summed per node for 2 ms (zml_router.deltas)
+            self.deltas.add(node_id, outstanding, pending)  # summed per node for 2 ms (zml_router.replicas.deltas)
 
     async def mark(self, node_id: str, kind: str, for_s: float, reason: str) -> None:
         """Skip a node here, and (over NATS) on every replica."""
@@ -86,7 +86,7 @@ class Sharing:
             if self.nc is not None and self.nc.is_connected:
                 def snap() -> bytes:
                     return _encode(InflightSnapshot(router_id=self.router_id, ts=now, nodes=self.table.own_snapshot()))
-                if self.deltas is not None:  # in order with the deltas summed before it (zml_router.deltas)
+                if self.deltas is not None:  # in order with the deltas summed before it (zml_router.replicas.deltas)
                     await self.deltas.then(subjects.INFLIGHT_SNAPSHOT, snap)
                 else:
                     await self.nc.publish(subjects.INFLIGHT_SNAPSHOT, snap())

@@ -20,7 +20,7 @@ import ssl
 from collections import deque
 from urllib.parse import urlsplit
 
-from zml_router.nodeconn import (
+from zml_router.node.conn import (
     MAX_HEAD_BYTES,
     MAX_HEADERS,
     Conn,

@@ -9,7 +9,7 @@ here, unit-tested without a broker or a node:
    has in flight is DUPLICATE_REQUEST_ID, unless its requester sent it again because this
    router looked dead (``Zml-Resend``: it takes the first one's place), and a request whose
    cancel overtook it is answered CANCELLED. :func:`cancel` is the other half: a cancel for a
-   request in flight here, or one to remember (``zml_router.cancels``).
+   request in flight here, or one to remember (``zml_router.request.cancels``).
 2. :func:`prepare` resolves the request's policy and what the policies see of it (``RouteRequest``).
 3. :func:`route` decides, dispatches, fails over to another node or queues. Its model is httpx's
    ``auth_flow``: a generator that yields what should happen next and receives how it went:
@@ -17,9 +17,9 @@ here, unit-tested without a broker or a node:
    - :class:`Decide` -> the :class:`~zmlcore.policy.Decision` (``zmlcore.policy.admit``: choose_node
      under the admission bound), or the ZMLError it raised;
    - :class:`Dispatch` -> ``None`` once the node's answer went out to the requester, or the
-     :class:`~zml_router.attempt.AttemptError` of a failed attempt; a node that fails part-way
+     :class:`~zml_router.node.attempt.AttemptError` of a failed attempt; a node that fails part-way
      through the answer is followed by a *continuation* on another node where
-     ``zml_router.continuation.refusal`` allows it (``Decide``/``Dispatch`` with
+     ``zml_router.answer.continuation.refusal`` allows it (``Decide``/``Dispatch`` with
      ``continuation``: only nodes whose engine can continue an answer, and the rest of it);
    - :class:`Penalise` -> ``None`` (the node was marked here and for the peers);
    - :class:`Enqueue` -> nothing: the request waits in the saturation queue, the flow is over;
@@ -39,7 +39,7 @@ here, unit-tested without a broker or a node:
    marks its node.
 
 Which node serves is policy (``zmlcore.policy``: choose_node, the admission bound); what an
-attempt on that node sends and gets is ``zml_router.attempt``.
+attempt on that node sends and gets is ``zml_router.node.attempt``.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ from zmlcore.errors import (
     ZMLError,
 )
 from zmlcore.messages import InferRequest, RoutingInfo, StreamResume, audio, frontdoor
-from zmlcore.messages.audio import AUDIO_PATHS, AudioRequest
+from zmlcore.messages.audio import AudioRequest
 from zmlcore.messages.keys import ApiKeyRecord
 from zmlcore.messages.validate import check_request_id, decode_request, request_timeout_s
 from zmlcore.messages.warmup import RequestCompleted
@@ -78,9 +78,12 @@ from zmlcore.reply.engineerror import engine_error
 from zmlcore.reply import resume as resumes
 from zmlcore.reply.keepalive import parse_interval
 
-from zml_router import continuation
-from zml_router.attempt import AttemptError, Failure
-from zml_router.cancels import CancelBook
+from zml_router.answer import continuation
+from zml_router.node.attempt import AttemptError, Failure
+from zml_router.request.cancels import CancelBook
+from zml_router.incoming import Incoming
+from zml_router.node.result import PATHS, Dispatch, Handoff
+from zml_router.outcome import Outcome
 from zmlcore.reply.transcript import Sent
 
 log = logging.getLogger("zml.router")
@@ -88,58 +91,8 @@ log = logging.getLogger("zml.router")
 #: Failures that are the node's fault: it is cooled down and counted as a node error.
 NODE_FAULTS = (Failure.NETWORK, Failure.SERVER, Failure.SLOW)
 
-#: The node endpoint of each request kind (``InferRequest.kind()``).
-PATHS = {"chat": "/v1/chat/completions", "completion": "/v1/completions", "embedding": "/v1/embeddings",
-         **AUDIO_PATHS}
-
 T = TypeVar("T")
 _decode_any = msgspec.json.Decoder()
-
-
-class Incoming(Protocol):
-    """An arriving request: a NATS message, or one out of the saturation queue (``QueuedMsg``)."""
-
-    @property
-    def subject(self) -> str: ...
-
-    @property
-    def data(self) -> bytes: ...
-
-    @property
-    def reply(self) -> str: ...
-
-    @property
-    def headers(self) -> dict[str, str] | None: ...
-
-
-class Outcome:
-    """What happened to one request, for its error reply, completion event and metrics."""
-
-    __slots__ = ("request_id", "stream", "model", "node_id", "family", "ok", "error_code", "node_error",
-                 "failed_nodes", "attempts", "info", "queued", "slow_nodes", "label", "op", "prompt_tokens",
-                 "completion_tokens", "continued_from")
-
-    def __init__(self) -> None:
-        self.request_id = ""  # set once validated: it goes into subjects, headers and logs
-        self.stream = False
-        self.model = ""
-        self.op = ""  # chat | completion | embedding
-        self.node_id = ""
-        self.family = ""
-        self.ok = False
-        self.error_code = ""
-        self.node_error = False
-        self.failed_nodes: list[str] = []
-        self.slow_nodes: list[str] = []
-        self.attempts = 0
-        self.info: RoutingInfo | None = None
-        self.queued = False  # parked in the saturation queue: its event comes when it is served
-        self.label = ""  # the API key's cost-attribution label (gateway header)
-        #: Nodes that failed part-way, the answer continued on the next: (node, tokens of the
-        #: answer so far when it failed, failure).
-        self.continued_from: list[tuple[str, int, str]] = []
-        self.prompt_tokens = 0  # the node's usage, when it reported one
-        self.completion_tokens = 0
 
 
 # --- which request headers a sender may set ----------------------------------------------------
@@ -147,7 +100,7 @@ class Outcome:
 # router as headers: ``Zml-Label`` (cost attribution, in routing metadata and completion events)
 # and ``Zml-Default-Policy``. Anyone may publish ``zml.infer``, so there these headers are
 # dropped: a raw NATS client's label and default policy come from its own record (an identity
-# sharing an API key's plan gets that key's, zml_router.limits) or are empty. Only the gateway
+# sharing an API key's plan gets that key's, zml_router.replicas.limits) or are empty. Only the gateway
 # role may publish :data:`zmlcore.subjects.FRONT_DOOR_INFER` (zmlcore.access.permissions), and
 # only there are they honoured; so are ``Zml-Body: clean`` and the ZML fields the gateway moved
 # out of a validated body (``Zml-Policy``, ``Zml-Accelerator-Id``): on ``zml.infer`` the body is
@@ -167,7 +120,7 @@ FRONT_DOOR_ONLY = (subjects.H_LABEL, subjects.H_DEFAULT_POLICY,
                    # the prompt's key chain as the front door computed it: another sender's could
                    # make this router record prefixes on nodes that never saw them
                    subjects.H_PREFIX_KEYS)
-#: Set only by routers, on queued requests (zml_router.ids).
+#: Set only by routers, on queued requests (zml_router.replicas.ids).
 ROUTER_ONLY = (subjects.H_ID_CLAIM,)
 #: An audio request's routing fields are headers whichever way it comes (its multipart form is
 #: never rewritten): from anyone, they are checked as a JSON body's would be, and set nothing a
@@ -228,7 +181,7 @@ class Intake(Generic[T]):
     replaces: T | None
     #: Where the request it takes over was: "self" (this replica, stalled), "other", or "".
     taken_over: str
-    #: Take a claim on its id across replicas (zml_router.ids): an id its caller chose.
+    #: Take a claim on its id across replicas (zml_router.replicas.ids): an id its caller chose.
     claim: bool
     #: A cancel for it arrived first: answer CANCELLED.
     cancelled: bool
@@ -243,7 +196,7 @@ def intake(msg: Incoming, *, from_queue: bool, cfg: ZMLConfig, max_payload: int 
     """Read an arriving request and decide what to do about it (raises the ZMLError to answer).
 
     ``max_payload``: the largest message its requester can receive (None: no reply to check);
-    ``options``: the API key record whose options an identity shares (zml_router.limits);
+    ``options``: the API key record whose options an identity shares (zml_router.replicas.limits);
     ``in_flight``: the requests this replica holds, by :func:`claim_key`; a cancel remembered in
     ``cancels`` is taken (forgotten) here. ``out`` gets the request id and stream flag as soon as
     they are known, for the error reply. ``from_queue``: the request comes out of the saturation
@@ -432,18 +385,20 @@ class Plan:
 @dataclass(slots=True)
 class Decide:
     rr: RouteRequest
-    #: Only nodes whose engine can continue an answer (zml_router.continuation.engine_continues).
+    #: Only nodes whose engine can continue an answer (zml_router.answer.continuation.engine_continues).
     continuation: bool = False
+    #: The decision may split the request into a prefill leg and a decode leg
+    #: (zmlcore.policy.split); not after a split attempt of it failed, nor for a continuation.
+    split: bool = True
 
 
 @dataclass(slots=True)
-class Dispatch:
+class Prefill:
+    """Run a split request's prefill leg on ``decision.prefill_node`` -> the
+    :class:`~zml_router.node.result.Handoff` for its decode leg, or the AttemptError."""
+
     decision: Decision
-    attempt: int
     rr: RouteRequest
-    stream: bool
-    #: Ask for the rest of the answer the requester has so far (zml_router.continuation.body).
-    continuation: bool = False
 
 
 @dataclass(slots=True)
@@ -461,7 +416,7 @@ class Enqueue:
 
 @dataclass(slots=True)
 class Close:
-    """The requester has the whole answer and lost only its end (zml_router.continuation.complete):
+    """The requester has the whole answer and lost only its end (zml_router.answer.continuation.complete):
     end the stream here, as its node would have; nothing is asked of a node. The flow is over."""
 
     #: The node that produced the answer (and failed, or whose router died, after it).
@@ -469,9 +424,10 @@ class Close:
     attempts: int
 
 
-Action = Union[Decide, Dispatch, Penalise, Enqueue, Close]
-#: What the service sends back: a Decision or ZMLError for Decide, None or AttemptError otherwise.
-Result = Union[Decision, ZMLError, AttemptError, None]
+Action = Union[Decide, Prefill, Dispatch, Penalise, Enqueue, Close]
+#: What the service sends back: a Decision or ZMLError for Decide, a Handoff or AttemptError for
+#: Prefill, None or AttemptError otherwise.
+Result = Union[Decision, ZMLError, AttemptError, Handoff, None]
 Flow = Generator[Action, Result, None]
 
 
@@ -497,10 +453,11 @@ def route(plan: Plan, out: Outcome) -> Flow:
                                          f"continued: {why}", retry_after=1.0)
         continuing = True
     before = plan.attempts_before
+    split_ok = plan.resumed is None
     for attempt in range(1, plan.max_attempts + 1):
         if excluded:  # the prompt's keys and session stay; the tried nodes are out
             rr = dataclasses.replace(rr, exclude=frozenset(excluded))
-        got = yield Decide(rr, continuing)
+        got = yield Decide(rr, continuing, split_ok and not continuing)
         if isinstance(got, ZMLError):
             if last is not None:  # we tried nodes and they failed: say so, not "no nodes"
                 break
@@ -511,9 +468,28 @@ def route(plan: Plan, out: Outcome) -> Flow:
             raise got
         assert isinstance(got, Decision)
         decision = got
+        handoff: Handoff | None = None
+        if decision.prefill_node:
+            # Disaggregated: the prefill leg first; if it fails, the request is served whole
+            # on the decode node (which can prefill too), and the reply says so (no silent
+            # fallback: llm-d #2427).
+            split_ok = False  # whatever happens next, a retry of this request is served whole
+            leg = yield Prefill(decision, rr)
+            pre = dataclasses.replace(decision, node_id=decision.prefill_node, prefill_node="")
+            if isinstance(leg, Handoff):
+                handoff = leg
+            else:
+                assert isinstance(leg, AttemptError)
+                out.prefill_failed = f"{decision.prefill_node}:{leg.failure.value}"
+                if leg.failure in NODE_FAULTS:
+                    out.failed_nodes.append(decision.prefill_node)
+                log.warning("prefill leg on %s failed (%s %s); serving the request whole on %s",
+                            decision.prefill_node, leg.failure.value, leg.detail[:200], decision.node_id)
+                yield Penalise(pre, leg)
+            decision = dataclasses.replace(decision, prefill_node="")
         out.node_id, out.family, out.attempts = decision.node_id, decision.family, before + attempt
         out.info = None
-        err = yield Dispatch(decision, before + attempt, rr, plan.stream, continuing)
+        err = yield Dispatch(decision, before + attempt, rr, plan.stream, continuing, handoff)
         if err is None:
             out.ok = True
             return
@@ -568,7 +544,7 @@ def route(plan: Plan, out: Outcome) -> Flow:
 
 def why_not_continue(plan: Plan, sent: Sent, attempt: int) -> str | None:
     """Why the answer a node failed part-way through cannot be continued on another (None: it
-    can): the request and its policy (zml_router.continuation.refusal), the attempts left, and
+    can): the request and its policy (zml_router.answer.continuation.refusal), the attempts left, and
     the tokens left to generate."""
     if attempt >= plan.max_attempts:
         return f"no attempt left ([router] max_attempts = {plan.max_attempts})"

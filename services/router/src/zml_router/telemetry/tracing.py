@@ -25,7 +25,8 @@ from zmlcore.telemetry import tracing
 from zmlcore.policy import Decision, RouteRequest
 
 if TYPE_CHECKING:
-    from zml_router.flow import Incoming, Outcome as _Outcome
+    from zml_router.incoming import Incoming
+    from zml_router.outcome import Outcome as _Outcome
 
 M = TypeVar("M", bound="Incoming")
 

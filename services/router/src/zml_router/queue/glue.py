@@ -1,4 +1,4 @@
-"""The request path's side of the saturation queue (``zml_router.queue``): putting a request
+"""The request path's side of the saturation queue (``zml_router.queue.jetstream``): putting a request
 in when no node has room, and the callbacks the queue's head holder calls (room for the head?
 dispatch it, expire it, was it cancelled?).
 """
@@ -20,14 +20,15 @@ from zmlcore.errors import QueueFullError, ZMLError
 from zmlcore.messages import InferRequest, infer_request_decoder
 from zmlcore.policy import Decision, ResolvedPolicy, RouteRequest
 
-from zml_router import ids as idclaims
-from zml_router.cancels import CancelBook
-from zml_router.flow import Incoming, owner_key, prepare, queue_expired
-from zml_router.ids import RequestIds
-from zml_router.metrics import RouterMetrics
-from zml_router.queue import H_DEADLINE, H_ENQUEUED, H_QUEUED_HEADERS, H_TOTAL_MS, QueuedMsg, SaturationQueue
-from zml_router.relay import Replies
-from zml_router.table import NodeTable
+from zml_router.replicas import ids as idclaims
+from zml_router.request.cancels import CancelBook
+from zml_router.incoming import Incoming, QueuedMsg
+from zml_router.request.flow import owner_key, prepare, queue_expired
+from zml_router.replicas.ids import RequestIds
+from zml_router.telemetry.metrics import RouterMetrics
+from zml_router.queue.jetstream import H_DEADLINE, H_ENQUEUED, H_QUEUED_HEADERS, H_TOTAL_MS, SaturationQueue
+from zml_router.node.relay import Replies
+from zml_router.replicas.table import NodeTable
 
 log = logging.getLogger("zml.router")
 
@@ -58,7 +59,7 @@ class QueueGlue:
         self.queue: SaturationQueue | None = None
 
     async def start(self, nc: NATS, router_id: str) -> SaturationQueue:
-        """The queue's stream, claims and a worker per configured model (``zml_router.queue``)."""
+        """The queue's stream, claims and a worker per configured model (``zml_router.queue.jetstream``)."""
         self.queue = SaturationQueue(nc, self.has_room, self.dispatch, self.expire, self.cancelled, owner=router_id)
         await self.queue.start(sorted(self.cfg.model_names()))
         return self.queue
@@ -83,7 +84,7 @@ class QueueGlue:
         headers[subjects.H_REQUEST_ID] = request_id
         headers[subjects.H_TIMEOUT_MS] = str(int(timeout * 1000))
         claim = idclaims.CURRENT.get()
-        if claim is not None:  # the request keeps its id while it waits (zml_router.ids)
+        if claim is not None:  # the request keeps its id while it waits (zml_router.replicas.ids)
             headers[idclaims.H_ID_CLAIM] = str(claim.revision)
         if isinstance(msg, QueuedMsg):
             # Back in the queue after losing a race for capacity: keep its deadlines.

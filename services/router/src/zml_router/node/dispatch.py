@@ -1,11 +1,11 @@
 """Calls to accelerator nodes over HTTP: a whole reply, or a stream of SSE payloads.
 
-The HTTP is zml_router.nodeclient: a keep-alive HTTP/1.1 client on an asyncio Protocol with
+The HTTP is zml_router.node.client: a keep-alive HTTP/1.1 client on an asyncio Protocol with
 httptools' parser. Against aiohttp called directly (the previous client) it costs ~3-9x less
 CPU per call in benches/node_client_cost.py (docs/benchmarks.md): a whole reply is one wake-up
 of the caller, with no request/response objects, header multidicts or stream readers built
-per call. Every way a call fails is raised here as an :class:`~zml_router.attempt.AttemptError`
-(classified in ``zml_router.attempt``), so the router's retry loop sees nothing else.
+per call. Every way a call fails is raised here as an :class:`~zml_router.node.attempt.AttemptError`
+(classified in ``zml_router.node.attempt``), so the router's retry loop sees nothing else.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from collections.abc import AsyncIterator, Callable
 from zmlcore.errors import ReplyTooLargeError
 from zmlcore.reply.sse import EventRelay, SSELineTooLong, aiter_sse_lines, data_field
 
-from zml_router.attempt import AttemptError, Failure, classify
-from zml_router.nodeclient import Conn, NodeHTTP, NodeHTTPError, first_body, gather_rest, iter_body, read_body
+from zml_router.node.attempt import AttemptError, Failure, classify
+from zml_router.node.client import Conn, NodeHTTP, NodeHTTPError, first_body, gather_rest, iter_body, read_body
 from zml_router.timers import Stalled, Wheel
 
 #: Errors of the call itself (connect, reset, early close, malformed HTTP): the node's fault.
@@ -33,7 +33,7 @@ TRANSCRIPT_DONE = b'"transcript.text.done"'
 
 
 class NodeClient:
-    """HTTP/1.1 to the nodes (zml_router.nodeclient), created inside the running loop.
+    """HTTP/1.1 to the nodes (zml_router.node.client), created inside the running loop.
 
     Only the connect is timed here (``connect_timeout``); waiting for a free connection and
     reading are bounded by the request's own deadline (the router's ``asyncio.timeout``)."""
@@ -87,7 +87,7 @@ async def post(client: NodeClient, url: str, body: bytes, headers: dict[str, str
 async def post_streamed(client: NodeClient, url: str, body: bytes, headers: dict[str, str], *, timers: Wheel,
                         first_byte: float | None, stall_s: float, max_bytes: int,
                         first: Callable[[bool], None], feed: Callable[[bytes], None]) -> bool:
-    """POST a non-streamed request asked of the node as a stream (``zml_router.assemble``):
+    """POST a non-streamed request asked of the node as a stream (``zml_router.answer.assemble``):
     ``first(complete)`` once the body's first bytes are in (the first token, due within
     ``first_byte`` seconds; ``complete``: the whole body is in already, as a fast node's often
     is), then the rest gathered in the protocol with one wake-up at its end (a stall of

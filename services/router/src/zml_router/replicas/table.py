@@ -18,7 +18,7 @@ from zmlcore.fleet.costs import CostTable
 from zmlcore.messages import InflightDelta, InflightSnapshot, NodeState, node_state_decoder
 from zmlcore.policy import NodeView
 
-from zml_router.continuation import engine_continues
+from zml_router.answer.continuation import engine_continues
 
 log = logging.getLogger("zml.router.table")
 
@@ -66,7 +66,7 @@ class NodeTable:
 
     def cannot_continue(self) -> frozenset[str]:
         """Nodes whose engine has no way to continue an answer another node began
-        (zml_router.continuation.engine_continues): left out of a continuation's choice."""
+        (zml_router.answer.continuation.engine_continues): left out of a continuation's choice."""
         return frozenset(n for n, v in self.views.items() if not engine_continues(v.state.backend))
 
     def _cost_changed(self, node_id: str) -> None:

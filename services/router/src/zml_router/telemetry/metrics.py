@@ -29,6 +29,7 @@ from zmlcore.telemetry.metrics import (
     WAIT_BUCKETS,
     Children,
 )
+from zmlcore import subjects
 from zmlcore.telemetry import tracing
 from zmlcore.telemetry.tally import CounterTally, HistogramTally, Tallies
 from zmlcore.bus.queueinfo import queue_depths
@@ -36,12 +37,11 @@ from zmlcore.config import ZMLConfig
 from zmlcore.messages import RoutingInfo
 from zmlcore.policy import Decision, RouteRequest
 from zmlcore.telemetry.setup import REQUEST_ID
-from zml_router import tracing as rtrace
-from zml_router.queue import H_ENQUEUED
-from zml_router.table import NodeTable
+from zml_router.telemetry import tracing as rtrace
+from zml_router.replicas.table import NodeTable
 
 if TYPE_CHECKING:
-    from zml_router.flow import Outcome as _Outcome
+    from zml_router.outcome import Outcome as _Outcome
 
 log = logging.getLogger("zml.router.metrics")
 
@@ -96,6 +96,14 @@ SESSIONS = Children(Counter(
     "Requests of a session bound to a node, by outcome: kept (the bound node took it), spilled (over its "
     "load bound: the policy chose), moved (the bound node could not take it: down, cooling, not serving).",
     ["outcome"]))
+SPLITS = Children(Counter(
+    "zml_router_split_decisions",
+    "Disaggregation decisions ([disaggregation] enabled), by outcome: split (a prefill leg, then a decode leg), "
+    "or why the request was served whole: short_prompt, no_pair, whole_better.", ["outcome"]))
+PREFILL_LEGS = Children(Counter(
+    "zml_router_prefill_legs",
+    "Prefill legs of split requests by prefill node and result: ok, or the failure (network, server, slow, "
+    "overloaded...) after which the request was served whole on its decode node.", ["node", "result"]))
 QUEUE_WAIT = Children(Histogram(
     "zml_router_queue_wait_seconds", "Time a queued request waited until a node had room for it.", ["model"],
     buckets=WAIT_BUCKETS))
@@ -153,6 +161,12 @@ class RouterMetrics(Collector):
         if outcome:
             SESSIONS(outcome).inc()
 
+    def split(self, outcome: str) -> None:
+        SPLITS(outcome).inc()
+
+    def prefill_leg(self, node_id: str, result: str) -> None:
+        PREFILL_LEGS(node_id, result).inc()
+
     def failover(self, node_id: str, cause: str) -> None:
         FAILOVERS(node_id, cause).inc()
         if tracing.ON:
@@ -196,7 +210,7 @@ class RouterMetrics(Collector):
     def waited(self, model: str, headers: dict[str, str]) -> None:
         now = time.time()
         try:
-            enqueued = float(headers.get(H_ENQUEUED, now))
+            enqueued = float(headers.get(subjects.H_QUEUE_ENQUEUED, now))
         except ValueError:
             enqueued = now
         QUEUE_WAIT(model).observe(max(0.0, now - enqueued))

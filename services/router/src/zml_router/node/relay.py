@@ -1,17 +1,18 @@
 """The requester's side of a request: everything it receives (:class:`Replies`), and one
 attempt on a node with the node's answer relayed to it (:class:`Relay`: the HTTP call with
 the body the node gets, then one message, or start / chunk... / end). The pure parts (bodies,
-deadlines, failures, the reply's bytes) are ``zml_router.attempt``; continuing an answer whose
+deadlines, failures, the reply's bytes) are ``zml_router.node.attempt``; continuing an answer whose
 node failed part-way (the continuation's body, the splice, what was sent) is
-``zml_router.continuation``. An :class:`Answer` is what the requester has been sent across
+``zml_router.answer.continuation``. An :class:`Answer` is what the requester has been sent across
 the attempts of one request.
 
-An attempt that fails raises :class:`~zml_router.attempt.AttemptError`; the request flow
-(``zml_router.flow``) decides what follows.
+An attempt that fails raises :class:`~zml_router.node.attempt.AttemptError`; the request flow
+(``zml_router.request.flow``) decides what follows.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
@@ -37,7 +38,7 @@ from zmlcore.reply.sse import SSELineTooLong
 from zmlcore.reply.transcript import Sent, Transcript
 from zmlcore.telemetry.setup import DECISION_ID
 
-from zml_router.attempt import (
+from zml_router.node.attempt import (
     AttemptError,
     AudioBodies,
     Failure,
@@ -51,17 +52,20 @@ from zml_router.attempt import (
     stream_usage,
     with_routing,
 )
-from zml_router import assemble, continuation
-from zml_router.assemble import Assembler, EngineFailed, MalformedStream
-from zml_router.continuation import Splice, engine_error, spliced_usage
-from zml_router.dispatch import NodeClient, first_chunk_within, post, post_streamed, stream_sse
-from zml_router.flow import PATHS, Dispatch, Incoming, Outcome
-from zml_router.ids import RequestIds
-from zml_router.inflight import Sharing
-from zml_router.limits import IdentityLimits
-from zml_router.metrics import RouterMetrics
-from zml_router.queue import QueuedMsg
-from zml_router.table import NodeTable
+from zml_router.answer import assemble, continuation
+from zml_router.answer.assemble import Assembler, EngineFailed, MalformedStream
+from zml_router.answer.continuation import Splice, engine_error, spliced_usage
+from zml_router.node.dispatch import NodeClient, first_chunk_within, post, post_streamed, stream_sse
+from zml_router.incoming import Incoming, QueuedMsg
+from zml_router.node import legs
+from zml_router.node.result import PATHS, Dispatch, Handoff
+from zml_router.outcome import Outcome
+from zml_router.replicas.ids import RequestIds
+from zml_router.replicas.inflight import Sharing
+from zml_router.replicas.limits import IdentityLimits
+from zml_router.telemetry.decisions import DecisionLog
+from zml_router.telemetry.metrics import RouterMetrics
+from zml_router.replicas.table import NodeTable
 from zml_router.timers import Stalled, Timer, Wheel
 
 log = logging.getLogger("zml.router")
@@ -80,7 +84,7 @@ class Replies:
     """What the requester receives, on the router's one publisher (one write per loop
     iteration): replies and stream messages, error replies, "queued" keepalives. The last reply
     of a request frees first what the caller may reuse the moment it has it: the request id's
-    claim (``zml_router.ids``) and the plan's concurrency slot (``zml_router.limits``), both of
+    claim (``zml_router.replicas.ids``) and the plan's concurrency slot (``zml_router.replicas.limits``), both of
     the request this task handles."""
 
     def __init__(self, keepalives: KeepaliveBook, ids: RequestIds, limits: IdentityLimits) -> None:
@@ -161,7 +165,7 @@ class PendingHold:
             self._move(self.node_id, -1, -1 if still else 0)
 
 
-#: Relayed chunks kept before they are folded into what was sent (zml_router.continuation): a
+#: Relayed chunks kept before they are folded into what was sent (zml_router.answer.continuation): a
 #: power of two, checked as a mask of the sequence number.
 _FOLD_MASK = 2047
 #: How an engine's error event can begin or end (vLLM and SGLang: ``data: {"error": {...}}``;
@@ -257,6 +261,8 @@ class Relay:
         self.http = http
         self.metrics = metrics
         self.replies = replies
+        #: What ``zml why DECISION_ID`` reads (zml_router.telemetry.decisions).
+        self.decisions = DecisionLog(router_id)
         self.api_keys = {n.id: n.api_key for n in cfg.nodes if n.api_key}
         self._move = sharing.move  # bound once: a non-streamed request's PendingHold takes it
         #: Nodes that refused a non-streamed request asked as a stream (400/422: a server that
@@ -265,7 +271,7 @@ class Relay:
 
     def answer(self, req: InferRequest | AudioRequest, raw: bytes = b"", model: str = "") -> Answer:
         """The state of one request's answer, kept across its attempts. A non-streamed chat or
-        completion is asked of its nodes as a stream and put back together (zml_router.assemble)
+        completion is asked of its nodes as a stream and put back together (zml_router.answer.assemble)
         unless its model says ``stream_from_nodes = false``."""
         opts = getattr(req, "stream_options", None)
         kind = req.kind()
@@ -274,12 +280,44 @@ class Relay:
                and (mc is None or mc.stream_from_nodes) and assemble.wanted(raw) else None)
         return Answer(usage_asked=isinstance(opts, dict) and bool(opts.get("include_usage")), assembler=asm)
 
+    async def prefill(self, req: InferRequest, bodies: NodeBodies, model: str, action: Any, request_id: str,
+                      out: Outcome) -> Handoff | AttemptError:
+        """A split request's prefill leg on ``action.decision.prefill_node`` (zml_router.node.legs):
+        the Handoff for its decode leg, or how it failed. Counted on the prefill node while it
+        runs, bounded by the request's deadline and [disaggregation] prefill_timeout_s."""
+        node_id = action.decision.prefill_node
+        view = self.table.views.get(node_id)
+        if view is None:
+            return AttemptError(Failure.NETWORK, 0, f"prefill node {node_id} is gone")
+        st = view.state
+        served = st.served_names.get(model)
+        info = RoutingInfo(node_id=node_id, request_id=request_id, router_id=self.router_id, label=out.label,
+                           decision_id=_decision_id())
+        headers = self._headers(info)
+        self.sharing.move(node_id, 1, 1)
+        try:
+            async with asyncio.timeout(self.cfg.disaggregation.prefill_timeout_s):
+                handoff = await legs.run_prefill(self.http, st.backend, st.endpoint, PATHS[req.kind()],
+                                                 bodies(served or model), headers, node_id,
+                                                 f"{request_id}-{info.decision_id}")
+        except AttemptError as err:
+            self.metrics.prefill_leg(node_id, err.failure.value)
+            return err
+        except TimeoutError:
+            self.metrics.prefill_leg(node_id, Failure.SLOW.value)
+            return AttemptError(Failure.SLOW, 0, f"no prefill within {self.cfg.disaggregation.prefill_timeout_s:g} s "
+                                "([disaggregation] prefill_timeout_s)")
+        finally:
+            self.sharing.move(node_id, -1, -1)
+        self.metrics.prefill_leg(node_id, "ok")
+        return handoff
+
     async def attempt(self, msg: Incoming, req: InferRequest, bodies: NodeBodies | AudioBodies, model: str,
                       action: Dispatch, request_id: str, t0: float, out: Outcome,
                       answer: Answer | None = None) -> AttemptError | None:
         """One attempt on the decided node: None once the answer is out, else how it failed.
         A continuation attempt (``action.continuation``) asks the node for the rest of what
-        ``answer`` has sent (zml_router.continuation; never an audio request: its body is no
+        ``answer`` has sent (zml_router.answer.continuation; never an audio request: its body is no
         prompt to continue)."""
         decision = action.decision
         view = self.table.views[decision.node_id]
@@ -289,13 +327,19 @@ class Relay:
             request_id=request_id, attempts=action.attempt, router_id=self.router_id, label=out.label,
             continued_from=continued_from(out.continued_from),
             cached_tokens_estimated=decision.cached_tokens,
+            prefill_failed=out.prefill_failed,
         )
+        handoff = action.handoff
+        if handoff is not None:
+            info.prefill_node = handoff.prefill_node
+            info.prefill_ms = round(handoff.prefill_ms, 3)
         if answer is None:
             answer = self.answer(req)
         if answer.started:
             info.time_to_first_token = answer.ttft  # the answer's first token, not this attempt's
         out.info = info
         DECISION_ID.set(info.decision_id)
+        self.decisions.remember(info, decision, view.state, model, action.attempt, out)
         served = view.state.served_names.get(model)
         audio = isinstance(req, AudioRequest)
         if answer.assembler is not None and decision.node_id in self.whole_only and not action.continuation:
@@ -312,6 +356,14 @@ class Relay:
                                               "continued_from": info.continued_from})
         else:
             node_body = bodies(served or model)
+            if handoff is not None:  # the decode leg: what the prefill leg handed over
+                node_body = legs.decode_body(node_body, handoff)
+                if handoff.restore:
+                    try:
+                        await legs.before_decode(self.http, view.state.endpoint, handoff, self._headers(info))
+                    except AttemptError as err:
+                        self.metrics.failover(decision.node_id, err.failure.value)
+                        return err
             if asm is not None:
                 node_body = assemble.as_stream(node_body)
                 if asm.touched:  # asked again from scratch: what a failed attempt produced goes
@@ -354,7 +406,7 @@ class Relay:
     async def close(self, msg: Incoming, req: InferRequest | AudioRequest, answer: Answer, request_id: str,
                     out: Outcome, node_id: str, attempts: int) -> None:
         """End a stream whose requester has the whole answer, only its end lost (its node failed,
-        or its router died, after the last token: zml_router.continuation.complete): the chunk
+        or its router died, after the last token: zml_router.answer.continuation.complete): the chunk
         that ends it unless its finish went out, then the stream's end."""
         sent = answer.transcript.sent()
         info = RoutingInfo(node_id=node_id, request_id=request_id, attempts=attempts, router_id=self.router_id,
@@ -424,7 +476,7 @@ class Relay:
         """Send the node's reply; returns its token counts (``reply_usage``)."""
         audio = isinstance(req, AudioRequest)
         asm = answer.assembler if answer is not None else None
-        if asm is not None:  # asked of the node as a stream: the first token is seen (zml_router.assemble)
+        if asm is not None:  # asked of the node as a stream: the first token is seen (zml_router.answer.assemble)
             assert answer is not None
             raw, counts = await self._assembled(req, body, info, t0, first_byte, rename, answer, asm)
             ctype = "application/json"
@@ -484,7 +536,7 @@ class Relay:
                          ) -> tuple[bytes, dict[str, Any] | None]:
         """A non-streamed request asked of the node as a stream: its first token counted as the
         request's (and as the end of its pending time), the rest gathered and put back together
-        as the JSON reply the engine would have sent (zml_router.assemble). A failure after the
+        as the JSON reply the engine would have sent (zml_router.answer.assemble). A failure after the
         first token carries what the answer holds (``AttemptError.sent``): the flow continues it.
         Returns the reply and its token counts (``reply_usage``'s), or None when the node
         answered whole (they are read from its bytes)."""
@@ -640,7 +692,7 @@ class Relay:
                           {subjects.H_STREAM: subjects.STREAM_END, subjects.H_SEQ: str(seq + 1)})
         except AttemptError as err:
             # Before the first token the flow re-dispatches invisibly; after it, it continues the
-            # answer on another node where it can (zml_router.continuation), else it cools the
+            # answer on another node where it can (zml_router.answer.continuation), else it cools the
             # node and ends the stream with an error.
             err.mid_stream = answer.started
             if answer.started:

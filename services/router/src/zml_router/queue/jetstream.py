@@ -43,6 +43,8 @@ from zmlcore.messages import QueueBusy, queue_busy_decoder
 from zmlcore.bus.ensure import ensure, ensure_kv
 from zmlcore.runtime.runner import cancel_and_wait
 
+from zml_router.incoming import QueuedMsg
+
 log = logging.getLogger("zml.router.queue")
 _encode = msgspec.json.encode
 
@@ -56,7 +58,7 @@ H_TOTAL_MS = subjects.H_QUEUE_TOTAL_MS
 H_QUEUED_HEADERS = (subjects.H_REQUEST_ID, subjects.H_TIMEOUT_MS, subjects.H_OWNER, subjects.H_DEFAULT_POLICY,
                     subjects.H_LABEL, subjects.H_ACCEPT_PARTS, subjects.H_ACCEPT_STREAM,
                     subjects.H_ACCEPT_ROUTING, subjects.H_KEEPALIVE, "traceparent", "tracestate",
-                    subjects.H_ID_CLAIM,  # a queued request keeps its claim on its id (zml_router.ids)
+                    subjects.H_ID_CLAIM,  # a queued request keeps its claim on its id (zml_router.replicas.ids)
                     # a gateway's validated body and its ZML fields (zmlcore.messages.frontdoor)
                     subjects.H_BODY, subjects.H_POLICY, subjects.H_ACCELERATOR_ID, subjects.H_PREFIX_KEYS)
 
@@ -73,18 +75,6 @@ def key_of(jmsg) -> str:  # type: ignore[no-untyped-def]
 
 
 model_key = subjects.queue_key  # the dashboard names the queues' models with it too
-
-
-@dataclass(slots=True)
-class QueuedMsg:
-    """Quacks like a nats Msg for the router's request path."""
-
-    subject: str
-    data: bytes
-    reply: str
-    headers: dict[str, str]
-    #: Resolved by the request path: True once a node has taken it, False if it found no room.
-    placed: asyncio.Future[bool] | None = None
 
 
 # queued message -> True if a node has room for it now.

@@ -5,7 +5,7 @@ The router asks a node for a non-streamed request *streamed* (``stream: true`` a
 the request's ``time_to_first_token`` is then the first token's (it was the whole reply's), the
 first-byte deadline is a first-token deadline, a stall mid-way is noticed (``[router]
 inter_token_timeout_s``) and an answer whose node fails part-way is continued on another node
-from what it had produced (``zml_router.continuation``). :class:`Assembler` turns the SSE body
+from what it had produced (``zml_router.answer.continuation``). :class:`Assembler` turns the SSE body
 back into the JSON reply the engine would have sent: the chunks' ``id``, ``created``, ``model``
 and ``system_fingerprint``; per choice the message (``role``, ``content``, ``reasoning_content``,
 ``tool_calls`` merged by index, ``function_call``, ``refusal``) or completion ``text``, the
@@ -31,7 +31,7 @@ import msgspec
 from zmlcore.reply.sse import SSELineSplitter, data_field
 from zmlcore.reply.transcript import ChunkChoice, ChunkDelta, Sent
 
-from zml_router.continuation import spliced_usage
+from zml_router.answer.continuation import spliced_usage
 
 _encode = msgspec.json.encode
 _decode_any = msgspec.json.Decoder()

@@ -1,5 +1,5 @@
 """One keep-alive HTTP/1.1 connection to a node: an ``asyncio.Protocol`` with httptools'
-(llhttp) response parser, and the reads of its reply (zml_router.nodeclient pools them).
+(llhttp) response parser, and the reads of its reply (zml_router.node.client pools them).
 
 A reply is read whole (the body gathered in the protocol up to a bound, one wake-up per call)
 or streamed (the head, then each read as it comes, with flow control: the socket stops being
@@ -34,7 +34,7 @@ class Stale(NodeHTTPError):
 
 
 class Pool(Protocol):
-    """What a connection asks of the pool that holds it (``zml_router.nodeclient.NodeHTTP``)."""
+    """What a connection asks of the pool that holds it (``zml_router.node.client.NodeHTTP``)."""
 
     loop: asyncio.AbstractEventLoop
     #: Bytes read of a non-2xx reply's body.

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from zmlcore.messages import NodeMark
 
-from zml_router.table import NodeTable
+from zml_router.replicas.table import NodeTable
 
 
 class Marks:

@@ -1,13 +1,13 @@
 """One attempt on one node, the pure part (no I/O, no clock): what the node gets, how long it
-may take, how it can fail, and what the requester gets back. ``zml_router.relay`` does the I/O.
+may take, how it can fail, and what the requester gets back. ``zml_router.node.relay`` does the I/O.
 
 - **The body the node gets** (:class:`NodeBodies`): the caller's bytes untouched when nothing
   must change, else rewritten once per model name the nodes know the model by.
 - **The first-byte deadline** (:func:`expected_s`, :func:`first_byte_timeout`) and how long a
   non-streamed request counts as pending (:func:`pending_window_s`).
 - **How it failed** (:class:`Failure`, :class:`AttemptError`, :func:`classify`): the node's HTTP
-  client (``zml_router.dispatch``) raises nothing else, and the request flow
-  (``zml_router.flow``) decides from the failure class alone whether to fail over, cool the node
+  client (``zml_router.node.dispatch``) raises nothing else, and the request flow
+  (``zml_router.request.flow``) decides from the failure class alone whether to fail over, cool the node
   down or give up. An AttemptError is not a ZMLError: a requester never sees one, only the error
   the flow maps it to.
 - **The reply the requester gets** (:class:`Renamer`, :func:`with_routing`,
@@ -55,7 +55,7 @@ class AttemptError(Exception):
     retry_after: float | None = None
     #: True when the caller had already received part of the answer (a stream broken after its
     #: first token): the request cannot start again elsewhere, only be continued
-    #: (zml_router.continuation); the node is at fault all the same.
+    #: (zml_router.answer.continuation); the node is at fault all the same.
     mid_stream: bool = False
     #: What the node had produced of the answer when it failed (a ``continuation.Sent``), when
     #: it got that far: what a continuation goes on from.
@@ -195,7 +195,7 @@ def pending_window_s(st: NodeState, outstanding: int, pending: int, body_bytes: 
     a node look prefill-bound through every such request's decode (benches/routing_sim.py: 1.14x
     the oracle's p99 at 80% load instead of 1.00x). Instead its pending count ends when the TTFT
     the policy estimated for it has passed (``zmlcore.policy.estimate.nonstream_pending_s``), or
-    at completion if that comes first (``zml_router.relay.PendingHold``). The simulator models
+    at completion if that comes first (``zml_router.node.relay.PendingHold``). The simulator models
     exactly this (``--pending-expiry``)."""
     tokens = prompt_tokens if prompt_tokens is not None else prompt_tokens_from_body(body_bytes)
     return nonstream_pending_s(st, outstanding, pending, tokens)
