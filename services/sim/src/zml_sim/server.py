@@ -845,7 +845,7 @@ class SimNode:
             if request.transport is not None:
                 request.transport.abort()
             raise asyncio.CancelledError
-        if not self.engine.models and not self.sleeping:
+        if not self.engine.models and not self.sleeping and (self.engine.loading or not self.face.idle_router):
             return self.loading_error()
         return self.face.health_ok()
 
