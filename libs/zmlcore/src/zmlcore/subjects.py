@@ -15,6 +15,8 @@ No other module writes a subject literal: services and the SDK import these name
     zml.events.completed           routers: one event per finished request (warmup, health)
     zml.events.warmup              warmup service: load started / finished / failed
     zml.warmup.serve               request-reply: load a model now (`zml serve`)
+    zml.warmup.plan                request-reply: the placement planner's current plan (`zml plan`)
+    zml.events.placement           warmup service: a new plan, a move started / done / blocked
     KV bucket zml_registry         nodes added at run time (health service)
     KV bucket zml_nodes            node state written by health, watched by routers
     KV bucket zml_leases           one key per role (health, warmup): which replica is active
@@ -95,6 +97,10 @@ EVENTS_PREFIX = f"{PREFIX}.events"
 
 #: Warmup service: "load this model now" (request-reply, ``ServeRequest`` -> ``ServeReply``).
 WARMUP_SERVE = f"{PREFIX}.warmup.serve"
+#: Warmup service: the placement planner's plan (request-reply, ``PlanRequest`` -> ``PlanReply``).
+WARMUP_PLAN = f"{PREFIX}.warmup.plan"
+#: Placement events (``PlacementEvent``): ``event(EVENT_PLACEMENT)``.
+EVENT_PLACEMENT = "placement"
 #: Router completion events (``RequestCompleted``): ``event(EVENT_COMPLETED)``.
 EVENT_COMPLETED = "completed"
 #: Warmup progress events (``WarmupEvent``): ``event(EVENT_WARMUP)``.

@@ -47,7 +47,7 @@ class Probe:
             if request.transport is not None:
                 request.transport.abort()
             raise asyncio.CancelledError
-        if not self.engine.models and not self.sleeping:
+        if not self.engine.models and not self.sleeping and (self.engine.loading or not self.face.idle_router):
             return self.face.loading_error()
         return self.face.health_ok()
 

@@ -153,9 +153,9 @@ def _grants(role: str, owner: str) -> tuple[list[str], list[str], bool]:
         sub = [inbox, f"{subjects.ADMIN_NODES_PREFIX}.*", completed, subjects.event(subjects.EVENT_WARMUP)]
         return pub, sub, True
     if role == "warmup":
-        pub = [subjects.event(subjects.EVENT_WARMUP), *kv_read(subjects.NODES_BUCKET),
-               *kv_read(subjects.REGISTRY_BUCKET), *kv_write(subjects.LEASES_BUCKET)]
-        sub = [inbox, completed, subjects.WARMUP_SERVE]
+        pub = [subjects.event(subjects.EVENT_WARMUP), subjects.event(subjects.EVENT_PLACEMENT),
+               *kv_read(subjects.NODES_BUCKET), *kv_read(subjects.REGISTRY_BUCKET), *kv_write(subjects.LEASES_BUCKET)]
+        sub = [inbox, completed, subjects.WARMUP_SERVE, subjects.WARMUP_PLAN]
         return pub, sub, True
     if role == "batch":  # batch runners: lines go to the routers like any client's requests
         pub = [subjects.INFER, own_cancel, upload, subjects.BATCH_EVENTS, *kv_write(subjects.BATCH_INDEX_BUCKET),
@@ -166,8 +166,8 @@ def _grants(role: str, owner: str) -> tuple[list[str], list[str], bool]:
     if role == "admin":  # the operator's CLI: zml nodes add/remove/list, zml cost, zml serve, zml keys
         pub = [subjects.INFER, own_cancel, upload, f"{subjects.ADMIN_NODES_PREFIX}.*", subjects.ROUTERS_STATE,
                subjects.ROUTERS_DECISION,
-               subjects.WARMUP_SERVE, *kv_read(subjects.NODES_BUCKET), *kv_read(subjects.REGISTRY_BUCKET),
-               *kv_write(subjects.COSTS_BUCKET), *kv_write(subjects.KEYS_BUCKET)]
+               subjects.WARMUP_SERVE, subjects.WARMUP_PLAN, *kv_read(subjects.NODES_BUCKET),
+               *kv_read(subjects.REGISTRY_BUCKET), *kv_write(subjects.COSTS_BUCKET), *kv_write(subjects.KEYS_BUCKET)]
         return pub, [inbox], False
     raise ValueError(f"unknown role {role!r}: one of {', '.join(ROLES)}")
 
