@@ -31,6 +31,12 @@ class Answer:
         #: The requester asked for the usage chunk (stream_options.include_usage).
         self.usage_asked = usage_asked
 
+    def sent(self) -> Sent:
+        """What the requester has of this answer, whichever way it travels: the reply put back
+        together so far (a non-streamed request asked of its node as a stream), else the stream
+        relayed to it. The one place the rest of the router reads it from."""
+        return self.assembler.sent() if self.assembler is not None else self.transcript.sent()
+
     def resume(self, r: StreamResume) -> Sent:
         """Start from what the requester of a stream whose router died has (zmlcore.reply.resume):
         its ``start`` went out, numbering goes on from its last message."""

@@ -200,7 +200,7 @@ class Relay:
             answer.ttft = None
         asm = answer.assembler
         if action.continuation and isinstance(bodies, NodeBodies):
-            sent = asm.begin_continuation() if asm is not None else answer.transcript.sent()
+            sent = asm.begin_continuation() if asm is not None else answer.sent()
             node_body = continuation.body(bodies.raw, clean=bodies.clean, kind=req.kind(), sent=sent,
                                           backend=view.state.backend, name=served or model,
                                           usage=asm is not None)
@@ -262,7 +262,7 @@ class Relay:
                                        {subjects.H_STREAM: subjects.STREAM_END, subjects.H_SEQ: str(answer.seq + 1)})
             return AttemptResult(info)
         node_id, attempts = action.node_id, action.attempts
-        sent = answer.transcript.sent()
+        sent = answer.sent()
         info = RoutingInfo(node_id=node_id, request_id=request_id, attempts=attempts, router_id=self.router_id,
                            label=label, continued_from=action.continued_from)
         seq = answer.seq
@@ -422,7 +422,7 @@ class Relay:
                 if seen and got:  # part of the answer came: it can be continued
                     try:
                         asm.feed(b"".join(got))
-                        err.sent = asm.sent()
+                        err.sent = answer.sent()
                     except (MalformedStream, EngineFailed, SSELineTooLong):
                         pass
                 raise
@@ -434,12 +434,12 @@ class Relay:
                 asm.feed(data)
                 if not asm.done:
                     cut = AttemptError(Failure.NETWORK, 0, "stream ended without [DONE]")
-                    cut.sent = asm.sent()
+                    cut.sent = answer.sent()
                     raise cut
                 return asm.reply(model=req.model if rename is not None else None), asm.counts()
             except EngineFailed as exc:
                 failed = AttemptError(Failure.SERVER, 200, f"the engine failed the request mid-way: {exc}")
-                failed.sent = asm.sent()
+                failed.sent = answer.sent()
                 raise failed from None
             except (MalformedStream, SSELineTooLong) as exc:
                 raise AttemptError(Failure.SERVER, 200, f"stream broken: {exc}") from None
@@ -550,7 +550,7 @@ class Relay:
             # (zml_router.answer.continuation), else it cools the node and ends the stream with an error.
             err.mid_stream = answer.started
             if answer.started:  # how the answer ends is the request path's (route.ending)
-                err.sent = transcript.sent()
+                err.sent = answer.sent()
                 err.usage = last_usage
             raise
         finally:
