@@ -35,7 +35,7 @@ from zmlcore.telemetry.setup import DECISION_ID
 from zml_router.answer import assemble, continuation
 from zml_router.answer.assemble import Assembler, EngineFailed, MalformedStream
 from zml_router.answer.continuation import Splice, engine_error, spliced_usage
-from zml_router.answer.record import Answer
+from zml_router.answer.record import Answer, answer_for
 from zml_router.answer.replies import Replies
 from zml_router.incoming import Incoming, QueuedMsg
 from zml_router.node.attempt import (
@@ -120,15 +120,10 @@ class Relay:
         self.whole_only: set[str] = set()
 
     def answer(self, req: InferRequest | AudioRequest, raw: bytes = b"", model: str = "") -> Answer:
-        """The state of one request's answer, kept across its attempts. A non-streamed chat or
-        completion is asked of its nodes as a stream and put back together (zml_router.answer.assemble)
-        unless its model says ``stream_from_nodes = false``."""
-        opts = getattr(req, "stream_options", None)
-        kind = req.kind()
+        """The record of one request's answer, kept across its attempts (answer_for, with its
+        model's ``stream_from_nodes``)."""
         mc = self.cfg.models.get(model)
-        asm = (Assembler(kind) if not req.stream and kind in ("chat", "completion")
-               and (mc is None or mc.stream_from_nodes) and assemble.wanted(raw) else None)
-        return Answer(usage_asked=isinstance(opts, dict) and bool(opts.get("include_usage")), assembler=asm)
+        return answer_for(req, raw, mc is None or mc.stream_from_nodes)
 
     async def prefill(self, req: InferRequest, bodies: NodeBodies, model: str, action: Any, request_id: str,
                       out: Outcome) -> Handoff | AttemptError:
