@@ -135,9 +135,11 @@ def test_a_cold_start_finds_both_nodes_speeds(unequal: Unequal) -> None:
     last = snapshots[-1][2]
     report = {n: {k: (round(last[n][k]), [round(v) for v in span[n][k]]) for k in span[n]} | {
         "source": last[n].get("speeds_source")} for n in UNEQUAL}
+    trail = [(round(t, 1), done, *(round(st[n][k]) for n in UNEQUAL for k in ("prefill_tps", "decode_tps")))
+             for t, done, st in snapshots[::12]]  # every ~3 s: (s, requests done, fast pf/dec, slow pf/dec)
     print("ZML's estimates (last) vs the engines' own span:", report, "found after (s, requests):", found,
-          "requests per node:", dict(unequal.used))
-    assert found is not None, f"estimates not within {TOLERANCE:.0%} in {MAX_SECONDS:g} s: {report}"
+          "requests per node:", dict(unequal.used), "trail:", trail)
+    assert found is not None, f"estimates not within {TOLERANCE:.0%} in {MAX_SECONDS:g} s: {report}; trail {trail}"
     assert found[1] <= MAX_REQUESTS
 
 
