@@ -311,8 +311,8 @@ class FlowConfig(msgspec.Struct, **_Base):
     share_report_ms: PosInt = 100
     """How often a router publishes its tenants' counters to the other replicas (when they changed)."""
     age_s: NonNeg = 30.0
-    """A queued ``sheddable`` or ``batch`` request rises one band per this long waited (never above
-    ``standard``); 0: no aging."""
+    """A queued ``sheddable`` request ranks as ``standard`` once it has waited this long; 0: never.
+    (A batch line rises only when its completion window is closing: docs/routing.md.)"""
     max_queued: PosInt = 256
     """Queued requests one router holds per model for ordering by band and share; past it the
     lowest-ranked are shed (SHED)."""

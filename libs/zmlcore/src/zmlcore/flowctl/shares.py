@@ -83,6 +83,21 @@ class ShareBook:
         lowest first."""
         return self.tokens(tenant, now) / (weight if weight > 0 else 1.0)
 
+    def fair_level(self, now: float, weights: dict[str, float] | None = None) -> float:
+        """The service per unit of weight every tenant would have if the recent tokens had been
+        shared by weight among the tenants that used any: a tenant above it is over its share."""
+        names = set(self.own)
+        for rep in self.peers.values():
+            names.update(rep.tenants)
+        ws = weights or {}
+        total = sum_w = 0.0
+        for t in names:
+            tok = self.tokens(t, now)
+            if tok >= NEGLIGIBLE:
+                total += tok
+                sum_w += ws.get(t, 1.0)
+        return total / sum_w if sum_w > 0 else 0.0
+
     def share_used(self, tenant: str, weight: float, now: float, weights: dict[str, float] | None = None) -> float:
         """``tenant``'s share of every tenant's recent tokens, as a multiple of its fair share
         (1.0: exactly its weight's share; above: more). ``weights``: other tenants' weights

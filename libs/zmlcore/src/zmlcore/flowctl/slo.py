@@ -20,6 +20,7 @@ node's own (measured or learned by the health service, else its type's profile).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -71,10 +72,48 @@ def tpot_at(st: NodeState, batch: int, mean_prompt: float = MEAN_PROMPT_TOKENS,
     return step + b * mean_prompt / (max(mean_output - 1.0, 1.0) * pf)
 
 
-def predict_tpot(view: NodeView) -> float:
-    """TPOT of a request sent to ``view``'s node now: it joins the sequences there (capped at
-    the node's slots: beyond them it waits, then decodes at a full batch)."""
+class Calibration:
+    """Per node, how the measured TPOT of its finished requests compares with what was predicted
+    at dispatch: a moving average of log(actual / predicted) (``alpha`` per request), applied as
+    a factor to the next predictions. It absorbs what the model leaves out on that node (a batch
+    that grows after dispatch, prefills arriving faster than it finishes sequences, an engine's
+    own scheduling) and is learned from the router's own replies, no poll needed.
+
+    >>> c = Calibration()
+    >>> for _ in range(200): c.observe("h1", predicted=0.020, actual=0.025)
+    >>> round(c.factor("h1"), 2), c.factor("other")
+    (1.25, 1.0)
+    """
+
+    __slots__ = ("alpha", "logs")
+
+    def __init__(self, alpha: float = 0.05) -> None:
+        self.alpha = alpha
+        self.logs: dict[str, float] = {}
+
+    def observe(self, node_id: str, *, predicted: float, actual: float) -> None:
+        if predicted <= 0 or actual <= 0:
+            return
+        x = math.log(actual / predicted)
+        old = self.logs.get(node_id)
+        self.logs[node_id] = x if old is None else old + self.alpha * (x - old)
+
+    def factor(self, node_id: str) -> float:
+        x = self.logs.get(node_id)
+        return 1.0 if x is None else math.exp(x)
+
+
+def model_tpot(view: NodeView) -> float:
+    """The model's TPOT of a request sent to ``view``'s node now, uncalibrated: it joins the
+    sequences there (capped at the node's slots: beyond them it waits, then decodes at a full batch)."""
     return tpot_at(view.state, view.effective_outstanding() + 1)
+
+
+def predict_tpot(view: NodeView, calibration: Calibration | None = None) -> float:
+    """TPOT of a request sent to ``view``'s node now: :func:`model_tpot` times the node's
+    :class:`Calibration` factor (the router keeps one; None: uncalibrated)."""
+    t = model_tpot(view)
+    return t if calibration is None else t * calibration.factor(view.node_id)
 
 
 def _find(nodes: Sequence[NodeView], node_id: str) -> NodeView | None:
@@ -93,8 +132,8 @@ def _meets(slo: Slo, ttft: float, tpot: float) -> bool:
 
 
 def admit_slo(nodes: Sequence[NodeView], rr: RouteRequest, policy: ResolvedPolicy, now: float, state: RoutingState,
-              slo: Slo, *, stale_after_s: float, ttft_bound_s: float,
-              cache: PrefixIndex | None = None) -> tuple[Decision, SloVerdict]:
+              slo: Slo, *, stale_after_s: float, ttft_bound_s: float, cache: PrefixIndex | None = None,
+              calibration: Calibration | None = None) -> tuple[Decision, SloVerdict]:
     """:func:`zmlcore.policy.admission.admit`, then the SLO: the policy's pick if it meets it,
     else the lowest-TTFT node that does; SloUnattainableError when none does. QUEUE_FULL (every
     node saturated) passes through: the caller may queue the request with :func:`queue_budget_s`.
@@ -102,13 +141,13 @@ def admit_slo(nodes: Sequence[NodeView], rr: RouteRequest, policy: ResolvedPolic
     d = admission.admit(nodes, rr, policy, now, state, stale_after_s=stale_after_s, ttft_bound_s=ttft_bound_s,
                         cache=cache)
     view = _find(nodes, d.node_id)
-    tpot = predict_tpot(view) if view is not None else 0.0
+    tpot = predict_tpot(view, calibration) if view is not None else 0.0
     if _meets(slo, d.estimated_ttft_s, tpot):
         return d, SloVerdict(d.estimated_ttft_s, tpot)
     # The pick misses: the fastest node among those that meet the TPOT target.
     slow: set[str] = set()
     if slo.tpot_s is not None:
-        slow = {v.node_id for v in nodes if predict_tpot(v) > slo.tpot_s}
+        slow = {v.node_id for v in nodes if predict_tpot(v, calibration) > slo.tpot_s}
     best: Decision | None = None
     if rr.accelerator_id is None:
         try:
@@ -118,7 +157,7 @@ def admit_slo(nodes: Sequence[NodeView], rr: RouteRequest, policy: ResolvedPolic
             best = None
     if best is not None:
         bview = _find(nodes, best.node_id)
-        btpot = predict_tpot(bview) if bview is not None else 0.0
+        btpot = predict_tpot(bview, calibration) if bview is not None else 0.0
         if _meets(slo, best.estimated_ttft_s, btpot):
             return best, SloVerdict(best.estimated_ttft_s, btpot)
     raise _refusal(nodes, rr, slo, d, tpot, best, now, stale_after_s, policy.name)
