@@ -60,7 +60,7 @@ from zmlcore.errors import QueueFullError, SloUnattainableError  # noqa: E402
 from zmlcore.flowctl import (BATCH, CRITICAL, STANDARD, Ask, Calibration, ShareBook, Slo, Waiting,  # noqa: E402
                              displaced, effective_band, predict_tpot, ranked)
 from zmlcore.flowctl.gate import admit_flow, over_share  # noqa: E402
-from zmlcore.flowctl.slo import queue_budget_s  # noqa: E402
+from zmlcore.flowctl.slo import batch_of, model_tpot, queue_budget_s  # noqa: E402
 from zmlcore.messages import NodeState  # noqa: E402
 from zmlcore.policy import FleetIndex, NodeView, RouteRequest, RoutingState, builtin_policy  # noqa: E402
 from zmlcore.policy.admission import admit  # noqa: E402
@@ -110,6 +110,8 @@ class Req:
     deadline: float = math.inf
     urgent_at: float = math.inf
     sent: float = math.nan
+    model_tpot: float = math.nan
+    batch: int = 0
 
 
 @dataclass
@@ -251,6 +253,8 @@ def simulate(tenants: list[Tenant], duration: float, seed: int, *, flow_on: bool
         r.node = nd.idx
         r.pred_ttft = d.estimated_ttft_s
         r.pred_tpot = predict_tpot(views[nd.idx], cals[k])
+        r.model_tpot = model_tpot(views[nd.idx])
+        r.batch = batch_of(views[nd.idx])[0]
         r.outcome = "served"
         r.sent = now
         r.rep = k
@@ -301,7 +305,7 @@ def simulate(tenants: list[Tenant], duration: float, seed: int, *, flow_on: bool
         q.done = now
         views[nd.idx].outstanding -= 1
         if q.O > 1 and not math.isnan(q.first):  # the replica that sent it learns the node's TPOT
-            cals[q.rep].observe(nd.name, predicted=q.pred_tpot / cals[q.rep].factor(nd.name),
+            cals[q.rep].observe(nd.name, q.batch, nd.maxc, predicted=q.model_tpot,
                                 actual=(now - q.first) / (q.O - 1))
         book = books[q.rep]
         book.charge(tenants[q.tenant].name, book.cost(0, q.O) - book.cost(0, MEAN_OUTPUT_TOKENS), now)

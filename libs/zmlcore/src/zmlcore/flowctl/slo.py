@@ -73,34 +73,50 @@ def tpot_at(st: NodeState, batch: int, mean_prompt: float = MEAN_PROMPT_TOKENS,
 
 
 class Calibration:
-    """Per node, how the measured TPOT of its finished requests compares with what was predicted
-    at dispatch: a moving average of log(actual / predicted) (``alpha`` per request), applied as
-    a factor to the next predictions. It absorbs what the model leaves out on that node (a batch
-    that grows after dispatch, prefills arriving faster than it finishes sequences, an engine's
-    own scheduling) and is learned from the router's own replies, no poll needed.
+    """Per node and batch (in quarters of the node's slots), how the measured TPOT of finished
+    requests compares with what the model predicted at dispatch: a moving average of
+    log(actual / predicted) (``alpha`` per request), applied as a factor to the next predictions.
+    It absorbs what the model leaves out on that node (a batch that grows after dispatch, a node
+    the policy prefers getting prefills faster than it finishes sequences, an engine's own
+    scheduling), learned from the router's own replies, no poll needed. By batch because those
+    effects differ between a filling node and a full one (per node only, the H100s' median error
+    was 14-18% in benches/flow_sim.py; by quarter, 8-16%).
 
     >>> c = Calibration()
-    >>> for _ in range(200): c.observe("h1", predicted=0.020, actual=0.025)
-    >>> round(c.factor("h1"), 2), c.factor("other")
-    (1.25, 1.0)
+    >>> for _ in range(200): c.observe("h1", 4, 32, predicted=0.020, actual=0.025)
+    >>> round(c.factor("h1", 5, 32), 2), c.factor("h1", 30, 32), c.factor("other", 4, 32)
+    (1.25, 1.0, 1.0)
     """
 
     __slots__ = ("alpha", "logs")
 
     def __init__(self, alpha: float = 0.05) -> None:
         self.alpha = alpha
-        self.logs: dict[str, float] = {}
+        self.logs: dict[tuple[str, int], float] = {}
 
-    def observe(self, node_id: str, *, predicted: float, actual: float) -> None:
+    @staticmethod
+    def _key(node_id: str, batch: int, slots: int) -> tuple[str, int]:
+        return node_id, min(3, max(0, (batch - 1) * 4 // max(1, slots)))
+
+    def observe(self, node_id: str, batch: int, slots: int, *, predicted: float, actual: float) -> None:
+        """A request dispatched at ``batch`` (of ``slots``) with the model's ``predicted`` TPOT
+        decoded at ``actual`` seconds per token."""
         if predicted <= 0 or actual <= 0:
             return
+        k = self._key(node_id, batch, slots)
         x = math.log(actual / predicted)
-        old = self.logs.get(node_id)
-        self.logs[node_id] = x if old is None else old + self.alpha * (x - old)
+        old = self.logs.get(k)
+        self.logs[k] = x if old is None else old + self.alpha * (x - old)
 
-    def factor(self, node_id: str) -> float:
-        x = self.logs.get(node_id)
+    def factor(self, node_id: str, batch: int, slots: int) -> float:
+        x = self.logs.get(self._key(node_id, batch, slots))
         return 1.0 if x is None else math.exp(x)
+
+
+def batch_of(view: NodeView) -> tuple[int, int]:
+    """(the batch a request sent to ``view``'s node now joins, the node's slots)."""
+    slots = node_speeds(view.state)[2]
+    return min(view.effective_outstanding() + 1, slots), slots
 
 
 def model_tpot(view: NodeView) -> float:
@@ -113,7 +129,9 @@ def predict_tpot(view: NodeView, calibration: Calibration | None = None) -> floa
     """TPOT of a request sent to ``view``'s node now: :func:`model_tpot` times the node's
     :class:`Calibration` factor (the router keeps one; None: uncalibrated)."""
     t = model_tpot(view)
-    return t if calibration is None else t * calibration.factor(view.node_id)
+    if calibration is None:
+        return t
+    return t * calibration.factor(view.node_id, *batch_of(view))
 
 
 def _find(nodes: Sequence[NodeView], node_id: str) -> NodeView | None:
