@@ -2,7 +2,7 @@
 """What a non-streamed request costs the router when it is asked of the node as a stream and the
 reply put together (issue 20 item 4, ``[models.X] stream_from_nodes``), split in two: the HTTP
 side (``dispatch.post`` of the JSON reply vs ``dispatch.post_streamed`` of the SSE body) and the
-assembly (``zml_router.assemble.Assembler``). The peers harness's stub_backend.py is the node (16
+assembly (``zml_router.answer.assemble.Assembler``). The peers harness's stub_backend.py is the node (16
 tokens); this process is the router's node client, 16 requests at a time; CPU from
 ``time.process_time`` (this process only: the stub's own work is not in it). Medians of --reps.
 
@@ -22,8 +22,8 @@ import subprocess
 import sys
 import time
 
-from zml_router.assemble import Assembler, as_stream
-from zml_router.dispatch import NodeClient, post, post_streamed
+from zml_router.answer.assemble import Assembler, as_stream
+from zml_router.node.dispatch import NodeClient, post, post_streamed
 from zml_router.timers import Wheel
 from zmlcore.runtime.launch import free_port, wait_port
 

@@ -1,5 +1,5 @@
 """CPU per request of the request body's handling in the gateway and the router, before and
-after the body was parsed once per process (zmlcore.messages.frontdoor, zml_router.attempt.NodeBodies), and of
+after the body was parsed once per process (zmlcore.messages.frontdoor, zml_router.node.attempt.NodeBodies), and of
 uvicorn's ProxyHeadersMiddleware (on every request before [gateway] trusted_proxies).
 
     python benches/body_cost.py [--n 20000] [--reps 5]
@@ -26,7 +26,7 @@ from zmlcore import subjects
 from zmlcore.messages import frontdoor
 from zmlcore.messages import ZML_REQUEST_KEYS
 from zmlcore.messages.validate import decode_request, json_depth
-from zml_router.attempt import NodeBodies
+from zml_router.node.attempt import NodeBodies
 
 _decode_any = msgspec.json.Decoder()
 _KEYS = tuple(f'"{k}"'.encode() for k in ZML_REQUEST_KEYS)

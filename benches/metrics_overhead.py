@@ -19,9 +19,9 @@ from zmlcore.config import ZMLConfig
 from zmlcore.telemetry import tracing
 from zmlcore.policy import Decision, RouteRequest
 from zml_gateway.observe import Observed
-from zml_router import tracing as rtrace
-from zml_router.metrics import RouterMetrics
-from zml_router.table import NodeTable
+from zml_router.telemetry import tracing as rtrace
+from zml_router.telemetry.metrics import RouterMetrics
+from zml_router.replicas.table import NodeTable
 
 N = 20_000
 RAW = b'{"id":"x","choices":[{"message":{"content":"hi"}}],"usage":{"prompt_tokens":12,"completion_tokens":20,"total_tokens":32}}'

@@ -1,4 +1,4 @@
-"""CPU per call of the router's node client (zml_router.dispatch over zml_router.nodeclient)
+"""CPU per call of the router's node client (zml_router.node.dispatch over zml_router.node.client)
 against aiohttp called directly (the router's client before it), on one loop, in the same run,
 against a stub node in another process (so its CPU is not counted).
 
@@ -23,7 +23,7 @@ import time
 import aiohttp
 from yarl import URL
 
-from zml_router.dispatch import NodeClient, post_json, stream_sse
+from zml_router.node.dispatch import NodeClient, post_json, stream_sse
 from zmlcore.runtime.launch import free_port
 from zmlcore.reply.sse import EventRelay
 
@@ -112,7 +112,7 @@ class Aiohttp:
 
 
 class Lean:
-    """zml_router.dispatch as the router calls it (zml_router.nodeclient underneath)."""
+    """zml_router.node.dispatch as the router calls it (zml_router.node.client underneath)."""
 
     def __init__(self) -> None:
         self.client = NodeClient(256, 5.0)

@@ -5,7 +5,7 @@
 A real stack on a fresh nats-server (sims, health, one router, gateway; tests/conftest.py
 ``launch_stack``): interleaved rounds of sequential raw-NATS requests to the router (1 output
 token, so the node's time is small), once with a client id (claim before dispatch, release
-before the reply: zml_router.ids) and once with ``Zml-Id-Generated`` (no claim). Then the
+before the reply: zml_router.replicas.ids) and once with ``Zml-Id-Generated`` (no claim). Then the
 claim + release pair alone against the bucket. Medians; results in docs/security.md.
 """
 import asyncio
@@ -24,8 +24,8 @@ from conftest import MODEL, launch_stack  # noqa: E402
 from zmlcore import subjects  # noqa: E402
 from zmlcore.runtime.launch import free_port, start_nats  # noqa: E402
 from zmlcore.bus.connect import connect  # noqa: E402
-from zml_router.flow import claim_key  # noqa: E402
-from zml_router.ids import RequestIds  # noqa: E402
+from zml_router.request.flow import claim_key  # noqa: E402
+from zml_router.replicas.ids import RequestIds  # noqa: E402
 
 N, ROUNDS = 300, 5
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 
-from zml_router.table import NodeTable
+from zml_router.replicas.table import NodeTable
 from zmlcore.config import RouterConfig
 from zmlcore.messages import NodeState
 from zmlcore.policy import Decision, RouteRequest, RoutingState, admit, builtin_policy

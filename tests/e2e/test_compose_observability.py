@@ -46,7 +46,7 @@ def exported_names(stack: Stack) -> set[str]:
     with no sample yet) plus what a running router reports at scrape time (node gauges)."""
     import zml_gateway.metrics  # noqa: F401  (registers the gateway's metrics)
     import zml_health.metrics  # noqa: F401
-    import zml_router.metrics  # noqa: F401
+    import zml_router.telemetry.metrics  # noqa: F401
     import zml_warmup.metrics  # noqa: F401
 
     names: set[str] = set()

@@ -9,7 +9,8 @@ import time
 
 import nats
 
-from zml_router.queue import QueuedMsg, SaturationQueue
+from zml_router.incoming import QueuedMsg
+from zml_router.queue.jetstream import SaturationQueue
 from zmlcore import subjects
 
 

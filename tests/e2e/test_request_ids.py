@@ -99,7 +99,7 @@ async def test_duplicate_id_over_nats_is_refused_across_routers(replicas: Replic
         other = await bob.request(subjects.INFER, _chat(request_id="twice"), timeout=30)
         assert _code(other) is None, other.data
         # The first ends: the id is free again, on either router. (Not by a cancel: a cancelled
-        # id stays refused for a while on every replica, zml_router.cancels.)
+        # id stays refused for a while on every replica, zml_router.request.cancels.)
         t0 = time.monotonic()
         assert _code(await asyncio.wait_for(first, 60)) is None
         print(f"first request ran {time.monotonic() - t0:.1f} s after the refusals")

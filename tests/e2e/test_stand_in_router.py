@@ -109,7 +109,7 @@ async def test_gateway_sends_the_key_chain_the_router_would_compute(gateway: str
     it gets (escaped non-ASCII text included). A short prompt carries none."""
     from zmlcore.messages import frontdoor
     from zmlcore.policy.prefix import chain_from_header
-    from zml_router import flow
+    from zml_router.request import flow
 
     long = [{"role": "system", "content": "Ω système " * 1500}, {"role": "user", "content": "q"}]
     async with httpx.AsyncClient(base_url=gateway, timeout=20) as client:

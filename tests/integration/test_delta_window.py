@@ -1,4 +1,4 @@
-"""zml_router.deltas against a real nats-server: a node's moves are summed over the window (a
+"""zml_router.replicas.deltas against a real nats-server: a node's moves are summed over the window (a
 request that starts and ends within it sends nothing), one InflightDelta per node per window,
 and a snapshot goes out after the deltas summed before it, never before them."""
 
@@ -12,7 +12,7 @@ import msgspec
 import nats
 import pytest
 
-from zml_router.deltas import DeltaWindow
+from zml_router.replicas.deltas import DeltaWindow
 from zmlcore import subjects
 from zmlcore.messages import InflightDelta
 

@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator
 import pytest
 from aiohttp import web
 
-from zml_router.dispatch import MAX_ERROR_BODY, NodeClient, post_json
-from zml_router.attempt import AttemptError, Failure
+from zml_router.node.dispatch import MAX_ERROR_BODY, NodeClient, post_json
+from zml_router.node.attempt import AttemptError, Failure
 from zmlcore.errors import ReplyTooLargeError
 from zmlcore.runtime.launch import free_port
 

@@ -1,4 +1,4 @@
-"""The router's node HTTP client (zml_router.nodeclient under zml_router.dispatch) against real
+"""The router's node HTTP client (zml_router.node.client under zml_router.node.dispatch) against real
 local HTTP servers: keep-alive reuse, the pool's bound, every framing, streams, TLS, and
 hostile or broken node replies (each a clean AttemptError / ReplyTooLargeError, and a
 connection never reused half-read)."""
@@ -12,9 +12,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 
-from zml_router.dispatch import NodeClient, post_json, stream_sse
-from zml_router.attempt import AttemptError, Failure
-from zml_router.nodeclient import MAX_HEAD_BYTES, MAX_HEADERS
+from zml_router.node.dispatch import NodeClient, post_json, stream_sse
+from zml_router.node.attempt import AttemptError, Failure
+from zml_router.node.client import MAX_HEAD_BYTES, MAX_HEADERS
 from zml_router.timers import Wheel
 from zmlcore.errors import ReplyTooLargeError
 
@@ -250,7 +250,7 @@ async def test_slowloris_head_is_cut_by_the_first_byte_deadline(serve, client) -
             await asyncio.sleep(0.05)
 
     node, url = await serve(dribble)
-    with pytest.raises(TimeoutError):  # as zml_router.relay times a whole reply's first byte
+    with pytest.raises(TimeoutError):  # as zml_router.node.relay times a whole reply's first byte
         with Wheel().deadline(0.5):
             await post_json(client, url, b"{}", {})
     await asyncio.wait_for(node.closed.wait(), 10)  # the client hung up

@@ -12,7 +12,7 @@ from test_kvfollow import Broker, retry
 from test_queue_claims import MODEL, Replica
 from zmlcore import subjects
 from zmlcore.bus.connect import connect
-from zml_router.queue import SaturationQueue
+from zml_router.queue.jetstream import SaturationQueue
 
 
 async def _wait(cond, timeout: float) -> bool:  # type: ignore[no-untyped-def]

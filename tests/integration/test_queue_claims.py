@@ -14,7 +14,8 @@ import nats
 import pytest
 
 from zmlcore import subjects
-from zml_router.queue import ACK_WAIT_S, QueuedMsg, SaturationQueue
+from zml_router.incoming import QueuedMsg
+from zml_router.queue.jetstream import ACK_WAIT_S, SaturationQueue
 
 MODEL = "claims/model"
 

@@ -1,4 +1,4 @@
-"""Claims on callers' request ids (zml_router.ids) on a real broker: two RequestIds play two
+"""Claims on callers' request ids (zml_router.replicas.ids) on a real broker: two RequestIds play two
 router replicas; a dead holder's claim is taken over, a live one's is not, and an abandoned claim
 expires by its TTL."""
 
@@ -15,9 +15,9 @@ from nats.js.errors import KeyNotFoundError
 
 from zmlcore import subjects
 from zmlcore.errors import DuplicateRequestError
-from zml_router import ids as idclaims
-from zml_router.flow import claim_key
-from zml_router.ids import RequestIds
+from zml_router.replicas import ids as idclaims
+from zml_router.request.flow import claim_key
+from zml_router.replicas.ids import RequestIds
 
 
 @pytest.fixture()

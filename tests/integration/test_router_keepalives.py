@@ -12,7 +12,7 @@ from typing import Any
 import nats
 import pytest
 
-from zml_router.keepalives import PARK_AFTER, TICK_S, send_keepalives
+from zml_router.answer.keepalives import PARK_AFTER, TICK_S, send_keepalives
 from zmlcore.reply.keepalive import KeepaliveBook
 from zmlcore.bus.publish import flush
 

@@ -9,8 +9,8 @@ import asyncio
 import msgspec
 
 from test_health_helpers import connected, eventually, private_nats
-from zml_router.prefixshare import PrefixShare
-from zml_router.sessions import Sessions, session_key
+from zml_router.replicas.prefixshare import PrefixShare
+from zml_router.replicas.sessions import Sessions, session_key
 from zmlcore import subjects
 from zmlcore.messages.kvcache import KvAllCleared, KvEventBatch
 from zmlcore.policy.prefix import PrefixIndex, prompt_keys

@@ -29,7 +29,7 @@ from zmlcore.bus.connect import connect
 from zmlcore.bus.ensure import ensure_kv
 from zmlcore.config import parse_config
 from zmlcore.messages import NodeState
-from zml_router import saturation
+from zml_router.queue import glue as saturation
 from zml_router.service import RouterService
 from zml_sim.server import SimNode
 

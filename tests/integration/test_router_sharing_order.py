@@ -17,9 +17,9 @@ from zmlcore.bus.connect import connect
 from zmlcore.bus.publish import flush
 from zmlcore.config import parse_config
 from zmlcore.messages import InflightDelta, InflightSnapshot, NodeState
-from zml_router.cooldowns import Marks
-from zml_router.inflight import Sharing
-from zml_router.table import NodeTable
+from zml_router.replicas.cooldowns import Marks
+from zml_router.replicas.inflight import Sharing
+from zml_router.replicas.table import NodeTable
 
 ROUNDS = 200
 

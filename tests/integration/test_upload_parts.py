@@ -1,5 +1,5 @@
 """A request body over one NATS message, uploaded in parts (zmlcore.reply.exchange's side, and
-the router's zml_router.uploads), on a real nats-server: the body arrives whole and in order,
+the router's zml_router.request.uploads), on a real nats-server: the body arrives whole and in order,
 it is uploaded again to the router that takes a resend when the first went silent after
 taking it, and what is lost or too large is an error at once rather than a wait."""
 
@@ -16,7 +16,7 @@ from zmlcore import subjects
 from zmlcore.errors import RequestTooLargeError, UploadIncompleteError
 from zmlcore.reply.exchange import Exchange
 from zmlcore.bus.publish import flush
-from zml_router.uploads import Uploads, upload_size
+from zml_router.request.uploads import Uploads, upload_size
 
 SUBJECT = "test.upload.requests"
 

@@ -1,6 +1,6 @@
 """Audio requests, pure: the multipart form located and checked (zmlcore.messages.audio), the
-router's intake and kind checks of an audio request (zml_router.flow), the body a node gets
-(zml_router.attempt.AudioBodies), what it costs in the estimate, and the byte budget."""
+router's intake and kind checks of an audio request (zml_router.request.flow), the body a node gets
+(zml_router.node.attempt.AudioBodies), what it costs in the estimate, and the byte budget."""
 
 from __future__ import annotations
 
@@ -15,11 +15,11 @@ from zmlcore.messages import InlinePolicy
 from zmlcore.messages.audio import (
     AudioRequest, audio_request, audio_seconds, encode_form, from_message, policy_header, read_form, with_model,
 )
-from zml_router import flow
-from zml_router.attempt import AudioBodies
-from zml_router.cancels import CancelBook
-from zml_router.flow import Outcome
-from zml_router.uploads import upload_size
+from zml_router.request import flow
+from zml_router.node.attempt import AudioBodies
+from zml_router.request.cancels import CancelBook
+from zml_router.outcome import Outcome
+from zml_router.request.uploads import upload_size
 
 AUDIO = wav(2.0)
 

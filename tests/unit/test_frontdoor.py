@@ -1,4 +1,4 @@
-"""The gateway -> router body codec (zmlcore.messages.frontdoor) and the node's body (zml_router.attempt.NodeBodies):
+"""The gateway -> router body codec (zmlcore.messages.frontdoor) and the node's body (zml_router.node.attempt.NodeBodies):
 how often a request body is parsed and encoded on its way to a node."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from zmlcore.messages import frontdoor
 from zmlcore.messages import validate
 from zmlcore.errors import BadRequestError
 from zmlcore.messages import InlinePolicy
-from zml_router import attempt
+from zml_router.node import attempt
 
 CHAT = [{"role": "user", "content": "hi"}]
 OPENAI = json.dumps({"model": "m", "messages": CHAT, "max_tokens": 7, "top_p": 0.5}).encode()

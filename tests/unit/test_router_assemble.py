@@ -1,4 +1,4 @@
-"""zml_router.assemble: a non-streamed request's reply put back together from the node's
+"""zml_router.answer.assemble: a non-streamed request's reply put back together from the node's
 stream, field for field what the engine would have answered; across a continuation, one answer."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from zml_router import assemble
-from zml_router.assemble import Assembler, EngineFailed, MalformedStream
+from zml_router.answer import assemble
+from zml_router.answer.assemble import Assembler, EngineFailed, MalformedStream
 
 
 def sse(*chunks: dict[str, Any], done: bool = True) -> bytes:
@@ -136,7 +136,7 @@ def test_a_model_may_keep_its_non_streamed_requests_whole() -> None:
 
     from zmlcore.config import parse_config
     from zmlcore.messages import InferRequest
-    from zml_router.relay import Relay
+    from zml_router.node.relay import Relay
 
     cfg = parse_config({"models": {"short": {"stream_from_nodes": False}}})
     relay = Relay(cfg, "r", None, SimpleNamespace(move=None), None, None, None, None)  # type: ignore[arg-type]

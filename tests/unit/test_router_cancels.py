@@ -1,6 +1,6 @@
 """The router's book of cancels for requests it does not hold (pure)."""
 
-from zml_router.cancels import CancelBook
+from zml_router.request.cancels import CancelBook
 
 
 def test_a_cancel_is_remembered_then_used_up() -> None:

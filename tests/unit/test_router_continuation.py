@@ -1,4 +1,4 @@
-"""zml_router.continuation: what was sent, whether it may be continued, the continuation's body
+"""zml_router.answer.continuation: what was sent, whether it may be continued, the continuation's body
 for each engine, and the splice of its chunks into the stream the caller reads. No I/O."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from zml_router import continuation as c
-from zml_router.continuation import Splice
+from zml_router.answer import continuation as c
+from zml_router.answer.continuation import Splice
 from zmlcore.reply.transcript import Sent, Transcript
 
 

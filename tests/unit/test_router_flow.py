@@ -1,4 +1,4 @@
-"""The router's request flow (zml_router.flow) driven by hand: no NATS, no HTTP.
+"""The router's request flow (zml_router.request.flow) driven by hand: no NATS, no HTTP.
 
 Each test plays the service's part: it answers the flow's actions (Decide with a Decision or an
 error, Dispatch with None or an AttemptError) and checks what the flow asks for next and which
@@ -18,11 +18,13 @@ from zmlcore.errors import NoHealthyNodesError, QueueFullError, ZMLError
 from zmlcore.messages import NodeState
 from zmlcore.policy import Decision, RouteRequest, RoutingState, admit
 from zmlcore.policy.resolve import builtin_policy
-from zml_router import flow
-from zml_router.attempt import AttemptError, Failure
+from zml_router.request import flow
+from zml_router.node.attempt import AttemptError, Failure
 from zmlcore.reply.transcript import Sent
-from zml_router.flow import Close, Decide, Dispatch, Enqueue, Outcome, Penalise, Plan
-from zml_router.table import NodeTable
+from zml_router.node.result import Dispatch
+from zml_router.outcome import Outcome
+from zml_router.request.flow import Close, Decide, Enqueue, Penalise, Plan
+from zml_router.replicas.table import NodeTable
 
 
 def _decision(node: str) -> Decision:

@@ -1,4 +1,4 @@
-"""The router's intake (zml_router.flow.intake and .cancel): what it does about an arriving
+"""The router's intake (zml_router.request.flow.intake and .cancel): what it does about an arriving
 request before routing it (duplicate ids, a resend taking a stalled request's place, cancels
 that overtook their request, id claims, which headers a sender may set). Pure: no broker, no
 service, time passed in."""
@@ -14,9 +14,10 @@ from zmlcore import subjects
 from zmlcore.config import parse_config
 from zmlcore.errors import BadRequestError, DuplicateRequestError, ReplyTooLargeError
 from zmlcore.messages.keys import ApiKeyRecord
-from zml_router.cancels import CancelBook
-from zml_router.flow import Intake, Outcome, claim_key, intake
-from zml_router import flow
+from zml_router.request.cancels import CancelBook
+from zml_router.outcome import Outcome
+from zml_router.request.flow import Intake, claim_key, intake
+from zml_router.request import flow
 
 NOW = 1_000.0
 CFG = parse_config({"defaults": {"request_timeout_s": 30, "max_request_timeout_s": 300},
@@ -210,7 +211,7 @@ def test_a_reply_its_requester_could_not_receive_is_refused_at_once() -> None:
 def test_sessions_are_named_per_caller_and_fall_back_to_the_user_field() -> None:
     from zmlcore import subjects
     from zmlcore.messages import InferRequest
-    from zml_router import flow
+    from zml_router.request import flow
 
     req = InferRequest(model="m", prompt="hi", user="u-7")
     assert flow.session_of({subjects.H_SESSION: "conv-1"}, req) == "conv-1"
@@ -227,7 +228,7 @@ def test_prefix_chain_only_for_prompts_of_a_key_block_or_more() -> None:
 
     from zmlcore.messages import InferRequest
     from zmlcore.policy.prefix import BLOCK_BYTES, prompt_keys
-    from zml_router import flow
+    from zml_router.request import flow
 
     short = InferRequest(model="m", messages=[{"role": "user", "content": "hi"}])  # type: ignore[list-item]
     assert flow.prefix_chain("m", short, b"x" * 100) is None
@@ -244,7 +245,7 @@ def test_prefix_chain_of_a_front_door_request_reads_its_raw_messages() -> None:
     from zmlcore import subjects
     from zmlcore.messages import frontdoor
     from zmlcore.policy.prefix import prompt_keys
-    from zml_router import flow
+    from zml_router.request import flow
 
     msgs = [{"role": "system", "content": "t" * 2000}, {"role": "user", "content": "q"}]
     raw = msgspec.json.encode({"model": "m", "messages": msgs})
@@ -262,7 +263,7 @@ def test_prefix_chain_takes_the_front_doors_keys_and_checks_them() -> None:
     from zmlcore import subjects
     from zmlcore.messages import frontdoor
     from zmlcore.policy.prefix import KeyChain, chain_header, prompt_keys
-    from zml_router import flow
+    from zml_router.request import flow
 
     msgs = [{"role": "system", "content": "t" * 5000}, {"role": "user", "content": "q"}]
     raw = msgspec.json.encode({"model": "m", "messages": msgs})

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from zmlcore.messages import NodeMark, NodeState, node_mark_decoder
 from zmlcore.reply.streamseq import SeqCheck
-from zml_router.cooldowns import Marks
-from zml_router.attempt import expected_s, first_byte_timeout
-from zml_router.table import NodeTable
+from zml_router.replicas.cooldowns import Marks
+from zml_router.node.attempt import expected_s, first_byte_timeout
+from zml_router.replicas.table import NodeTable
 
 
 def _table(*ids: str) -> NodeTable:

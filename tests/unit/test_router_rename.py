@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from zml_router.attempt import Renamer
+from zml_router.node.attempt import Renamer
 
 ENGINE = "/models/Meta-Llama-3-8B-Instruct.Q4_K_M.gguf"
 ASKED = "meta-llama/llama-3-8b-instruct"

@@ -8,9 +8,9 @@ import msgspec
 
 from zmlcore.config import parse_config
 from zmlcore.messages import NodeState, QueueBusy, queue_busy_decoder, router_state_decoder
-from zml_router.cooldowns import Marks
-from zml_router.inflight import Sharing
-from zml_router.table import NodeTable
+from zml_router.replicas.cooldowns import Marks
+from zml_router.replicas.inflight import Sharing
+from zml_router.replicas.table import NodeTable
 
 
 def test_state_reply_fields() -> None:

@@ -82,20 +82,20 @@ def test_nodes_table() -> None:
               "endpoint": "http://127.0.0.1:40123", "cache_fidelity": "precise", "kv_block_size": 64,
               "kv_blocks": 8192, "prefix_cache_hit_rate": 0.423, "kv_events": "live",
               "prefill_tps": 9812.4, "decode_tps": 58.2, "speeds_measured": True, "speeds_source": "measured",
-              "speeds_at": 96.0},
+              "speeds_at": 96.0, "roles": ["prefill"], "kv_group": "g1", "kv_gbps": 400.0},
              {"node_id": "mi300x-1", "accelerator_type": "amd_mi300x", "family": "MI300X", "models": [],
               "loading_models": ["m"], "status": "down", "reason": "driver too old", "cooldown_until": 105.0,
               "last_ok": 65.0, "prefill_tps": 12000.0, "decode_tps": 72.0,
               "note": "no node probe (GET /zml/v1/node): hardware not validated"}]
     lines = render(nodes, now=100.0).splitlines()
     assert lines[0].split() == ["NODE", "TYPE", "FAMILY", "MODELS", "HEALTH", "QUEUE", "STATE", "COOLDOWN", "SPEED",
-                                "CACHE", "ENDPOINT", "NOTE"]
+                                "CACHE", "ROLES", "ENDPOINT", "NOTE"]
     assert lines[1].split() == ["h100-1", "nvidia_h100", "H100", "m", "97", "3", "up", "-", "9812/58:measured:4s",
-                                "precise:8192x64:42%", "http://127.0.0.1:40123", "-"]
+                                "precise:8192x64:42%", "prefill@g1:400", "http://127.0.0.1:40123", "-"]
     # down for 35 s (its last good probe) and why; speeds from an older health service (no
     # speeds_source): the type's profile; the note in plain sight
     assert "(loading: m)" in lines[2] and "down 35s (driver too old)" in lines[2]
-    assert lines[2].split()[-12:-7] == ["5.0s", "12.0k/72:default", "-", "-", "no"]
+    assert lines[2].split()[-13:-7] == ["5.0s", "12.0k/72:default", "-", "both", "-", "no"]
     assert lines[2].endswith("no node probe (GET /zml/v1/node): hardware not validated")
     asleep = {"node_id": "cpu-1", "accelerator_type": "cpu", "family": "CPU", "models": ["m"], "status": "up",
               "sleeping": True, "health_score": 100.0, "speeds_source": "learned", "speeds_at": 40.0,
@@ -109,9 +109,10 @@ def test_nodes_help_explains_every_column(capsys: pytest.CaptureFixture[str]) ->
     with pytest.raises(SystemExit):
         build_parser().parse_args(["nodes", "--help"])
     text = capsys.readouterr().out
-    for column in ("MODELS", "HEALTH", "QUEUE", "STATE", "COOLDOWN", "SPEED", "CACHE", "NOTE"):
+    for column in ("MODELS", "HEALTH", "QUEUE", "STATE", "COOLDOWN", "SPEED", "CACHE", "ROLES", "NOTE"):
         assert f"\n  {column} " in text, column
-    assert "reported:32768x1:65%" in text and "measured (the engine's counters)" in text
+    flat = " ".join(text.split())  # argparse wraps to the terminal width
+    assert "reported:32768x1:65%" in flat and "measured (the engine's counters" in flat
 
 
 def test_after_add_says_what_the_first_poll_found() -> None:

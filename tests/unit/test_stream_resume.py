@@ -15,8 +15,10 @@ from zmlcore.errors import BadRequestError
 from zmlcore.messages import RoutingInfo, StreamResume, StreamStart
 from zmlcore.reply import resume, streamframe
 from zmlcore.reply.keepalive import after_silence
-from zml_router import flow, relay
-from zml_router.cancels import CancelBook
+from zml_router.request import flow
+from zml_router.node import relay
+from zml_router.outcome import Outcome
+from zml_router.request.cancels import CancelBook
 
 START = msgspec.json.encode(StreamStart(routing=RoutingInfo(node_id="h100-a", attempts=1, continued_from="x@2:slow")))
 
@@ -157,7 +159,7 @@ CFG = parse_config({"models": {"m": {}}})
 
 def _intake(body: bytes, headers: dict[str, str]) -> flow.Intake[object]:
     return flow.intake(_Msg(body, headers), from_queue=False, cfg=CFG, max_payload=None,
-                       options=lambda _: None, in_flight={}, cancels=CancelBook(), now=0.0, out=flow.Outcome())
+                       options=lambda _: None, in_flight={}, cancels=CancelBook(), now=0.0, out=Outcome())
 
 
 def test_the_router_reads_the_header_of_a_streamed_request_only() -> None:

@@ -179,6 +179,12 @@ class Routing:
     predicted_tpot_ms: float | None = None
     tpot_ms: float | None = None
     slo: str = ""
+    #: The node that prefilled the prompt and handed its KV to ``node_id`` (None when one node
+    #: served it whole), the prefill leg's milliseconds, and a failed prefill leg
+    #: (``node:failure``) whose request was served whole instead (docs/disaggregation.md).
+    prefill_node: str | None = None
+    prefill_ms: float | None = None
+    prefill_failed: str | None = None
 
     @property
     def queue_depth(self) -> int:

@@ -42,6 +42,9 @@ Backend = Literal["vllm", "tgi", "sglang", "llamacpp", "openai"]
 Strategy = Literal["latency", "cost", "availability", "round_robin", "weighted", "balanced", "chain"]
 CostPriority = Literal["cost", "balanced", "latency"]
 Priority = Literal["critical", "standard", "sheddable", "batch"]
+#: Which legs of a disaggregated request a node takes (docs/disaggregation.md).
+Role = Literal["prefill", "decode"]
+ROLES: tuple[str, ...] = typing.get_args(Role)
 
 BUILTIN_POLICIES = ("latency", "cost", "availability", "round_robin", "balanced")
 BACKENDS: tuple[str, ...] = typing.get_args(Backend)
@@ -356,6 +359,18 @@ class HealthConfig(msgspec.Struct, **_Base):
     models, queue, speeds by over 2%...), else often enough that the written state is never
     older than this (capped at a third of router.stale_after_s, so a live node never looks
     stale and a dead health service still makes every node stale)."""
+    calibrate: bool = True
+    """Send a node one short real request (calibrate_prompt_tokens of a prompt no cache holds,
+    calibrate_max_tokens out) when one of its models' speeds is too uncertain to route on: when
+    it joins, restarts or loads a model, and when its estimate has aged (docs/routing.md
+    "Learned speeds"). Its time to first token and decode rate are folded into the estimate."""
+    calibrate_prompt_tokens: Annotated[int, msgspec.Meta(ge=32, le=8192)] = 512
+    """Prompt tokens of a calibration request (long enough that prefill, not the round trip,
+    sets its time to first token)."""
+    calibrate_max_tokens: Annotated[int, msgspec.Meta(ge=8, le=1024)] = 32
+    """Tokens a calibration request generates."""
+    calibrate_every_s: PosFloat = 60.0
+    """At most one calibration request per node and model this often."""
 
 
 class SimConfig(msgspec.Struct, **_Base):
@@ -378,6 +393,15 @@ class SimConfig(msgspec.Struct, **_Base):
     """Seconds to load a model (MI300X default is 50% longer than H100)."""
     memory_gib: PosFloat | None = None
     """Accelerator memory."""
+    true_speed: PosFloat | None = None
+    """Hidden: the node really runs this many times faster than the speeds above (or its type's)
+    say, e.g. 0.3 or 3. The health service and routers are told only the speeds above and must
+    learn the truth, as with a real engine (docs/sim.md "Hidden speeds")."""
+    drift: Annotated[float, msgspec.Meta(ge=0, le=0.9)] = 0.0
+    """Hidden: the true speed wanders by +/- this share of itself over drift_period_s (a
+    throttling GPU, a neighbour on the same host), so estimates must keep up."""
+    drift_period_s: PosFloat = 600.0
+    """Real seconds of one full cycle of the drift."""
     time_scale: PosFloat = 1.0
     """Run this many times faster than real time (demos, tests)."""
     seed: int = 0
@@ -442,6 +466,24 @@ class NodeConfig(msgspec.Struct, **_Base):
     """Overrides [health] startup_grace_s for this node (slow loaders, large models)."""
     kv_events: KVEventsConfig | None = None
     """The engine's KV-event sockets (see [nodes.kv_events]); vllm and sglang backends only."""
+    model_slots: PosInt = 1
+    """Models the engine may hold at once, for the placement planner (llama.cpp router mode's
+    --models-max; 1 for an engine started with one model). Held models share the node's time."""
+    adapter_slots: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """LoRA adapters the engine may hold at once (vLLM's --max-loras; for llama.cpp, those it was
+    started with, --lora); 0: the planner puts no adapter on it."""
+    roles: list[Role] = msgspec.field(default_factory=lambda: ["prefill", "decode"])
+    """Legs of a disaggregated request this node takes: "prefill" (computes a prompt's KV and
+    hands it to a decode node), "decode" (generates from KV handed to it, and serves whole
+    requests). Both (the default) is today's behaviour plus either leg. A prefill-only node
+    never serves a whole request; it needs a kv_group shared with a decode node."""
+    kv_group: str | None = None
+    """Nodes that can hand KV to each other: one model's engines with a compatible KV connector
+    (vLLM's NixlConnector, SGLang's bootstrap, llama-server's slot files on one shared
+    directory). None: this node is never one leg of a split request."""
+    kv_gbps: PosFloat | None = None
+    """Bandwidth of this node's KV transfer link, in Gbit/s; a transfer between two nodes runs
+    at the slower end's unless a [[kv_links]] entry names the pair. Required with kv_group."""
 
     @property
     def effective_family(self) -> str:
@@ -527,6 +569,10 @@ class ModelConfig(msgspec.Struct, **_Base):
     """An embedding model: it answers POST /v1/embeddings (an InferRequest with ``input``) and
     chat/completion requests for it are refused with 400, as embeddings requests for a model
     configured without it are. Models not in [models] are not checked (the node decides)."""
+    kv_bytes_per_token: PosInt | None = None
+    """Bytes of KV cache one prompt token occupies (what a disaggregated request moves per
+    token: 2 x layers x KV heads x head size x bytes per value; 131072 for Llama-3-8B in fp16).
+    None: [disaggregation] kv_bytes_per_token."""
     audio: bool = False
     """A speech-to-text model (Whisper and the like): it answers POST /v1/audio/transcriptions
     and /v1/audio/translations (OpenAI's multipart form, passed to the node as sent), and chat,
@@ -576,6 +622,61 @@ def window_seconds(text: str) -> int:
     if not m:
         raise ValueError(f"{text!r}: expected a number and a unit, e.g. \"24h\" (s, m, h or d)")
     return int(m.group(1)) * _WINDOW_UNITS[m.group(2)]
+
+
+Fraction = Annotated[float, msgspec.Meta(gt=0, le=1)]
+
+
+class PlannerModelConfig(msgspec.Struct, **_Base):
+    memory_gib: PosFloat = 16.0
+    """Accelerator memory the model needs on a node (weights and KV for its traffic): it goes
+    only where it fits (a node's memory divided by its model_slots)."""
+    speed_factor: PosFloat = 1.0
+    """The model's speed relative to the one a node's measured speeds come from (0.5: twice as
+    slow, a model twice the size), until speeds are measured per model."""
+    min_replicas: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """Nodes kept serving the model even without demand (0: it may be unloaded everywhere)."""
+    ttft_s: PosFloat | None = None
+    """SLO: time to first token a request of mean prompt must meet on a node that serves the
+    model (a node whose prefill alone misses it never gets the model)."""
+    tpot_s: PosFloat | None = None
+    """SLO: time per output token (a node serves the model with the largest batch that meets it)."""
+    mean_prompt_tokens: PosFloat = 512.0
+    """Prompt size planned for until the routers' completions have measured it."""
+    mean_output_tokens: PosFloat = 128.0
+    """Output size planned for until measured."""
+
+
+class PlannerConfig(msgspec.Struct, **_Base):
+    mode: Literal["off", "advise", "apply"] = "off"
+    """off: no planning; advise: plan every interval_s, publish the plan (zml plan, events,
+    metrics) and move nothing; apply: also move models, make before break (docs/placement.md)."""
+    interval_s: PosFloat = 60.0
+    """Seconds between plans."""
+    window_s: PosFloat = 600.0
+    """Demand (request rate, prompt and output sizes per model and adapter) is measured over
+    this window of the routers' completions. In apply mode nothing moves until the service has
+    watched one whole window (a model merely not measured yet is not a model without demand)."""
+    headroom: Fraction = 0.8
+    """Share of a node's saturation throughput planned as SLO capacity (queueing beyond it
+    misses TTFT targets)."""
+    move_cost_per_h: NonNeg = 0.25
+    """$/h a plan must save per load or unload it asks for: a smaller gain moves nothing."""
+    drain_timeout_s: PosFloat = 60.0
+    """Before unloading a model, routers stop sending it to the node and the node's requests
+    finish: at most this long (then it unloads anyway)."""
+    time_limit_s: PosFloat = 5.0
+    """Solver time limit per plan."""
+    models: dict[str, PlannerModelConfig] = {}
+    """Per-model planning facts ([planner.models."NAME"]); models not listed use the defaults."""
+
+
+class AdapterConfig(msgspec.Struct, **_Base):
+    base: str
+    """The model the adapter runs on."""
+    path: str = ""
+    """Where the engine finds the adapter: vLLM's lora_path for /v1/load_lora_adapter; for
+    llama.cpp, the --lora file it was started with (matched in GET /lora-adapters)."""
 
 
 class BatchConfig(msgspec.Struct, **_Base):
@@ -651,6 +752,46 @@ class MetricsConfig(msgspec.Struct, **_Base):
     """Batch runner metrics port (0: any free port; None: none)."""
 
 
+class KVLinkConfig(msgspec.Struct, **_Base):
+    """A measured KV transfer link between two nodes of one kv_group (``[[kv_links]]``): it
+    overrides the slower end's kv_gbps for that pair, both ways."""
+
+    prefill: str
+    """The node that prefills (a node id)."""
+    decode: str
+    """The node that decodes (a node id)."""
+    gbps: PosFloat
+    """The pair's KV transfer bandwidth, Gbit/s."""
+
+
+class DisaggregationConfig(msgspec.Struct, **_Base):
+    """Prefill on one node, decode on another (docs/disaggregation.md). Per request, the router
+    compares the best whole-request route with every pair of a prefill node and a decode node
+    that share a kv_group, from their measured speeds, queues, caches, prices and the link
+    between them, and splits only when the split is estimated better by min_gain."""
+
+    enabled: bool = False
+    """Consider splitting requests at all (nodes still take the roles they are given)."""
+    min_uncached_tokens: PosInt = 512
+    """Never split a request with fewer prompt tokens than this uncached on its best decode
+    node: a short prompt's prefill costs the decode node less than moving its KV."""
+    min_gain: Annotated[float, msgspec.Meta(ge=0, le=0.9)] = 0.1
+    """A conversation changes mode (split to whole or back) only when the other mode's estimate
+    is better by this share; the first turn splits only when the split is. Hysteresis, so a
+    conversation's decisions do not flip on noise."""
+    kv_bytes_per_token: PosInt = 131072
+    """Bytes of KV per prompt token for models without their own kv_bytes_per_token (Llama-3-8B
+    fp16: 32 layers x 8 KV heads x 128 x 2 (K and V) x 2 bytes)."""
+    always: bool = False
+    """Split every request that has a pair and min_uncached_tokens uncached, whatever the
+    estimate says (the homogeneous anchors' way, and a way to try a new pair before its speeds
+    are measured). The reply still names both legs, and a failed prefill leg still serves the
+    request whole on its decode node."""
+    prefill_timeout_s: PosFloat = 30.0
+    """A prefill leg not answered within this is abandoned and the request served whole on the
+    decode node (its KV never arrived)."""
+
+
 class DefaultsConfig(msgspec.Struct, **_Base):
     policy: str = "balanced"
     """Account-level default policy."""
@@ -681,8 +822,13 @@ class ZMLConfig(msgspec.Struct, **_Base):
     defaults: DefaultsConfig = msgspec.field(default_factory=DefaultsConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
     batch: BatchConfig = msgspec.field(default_factory=BatchConfig)
+    planner: PlannerConfig = msgspec.field(default_factory=PlannerConfig)
+    disaggregation: DisaggregationConfig = msgspec.field(default_factory=DisaggregationConfig)
     nodes: list[NodeConfig] = []
+    kv_links: list[KVLinkConfig] = []
     models: dict[str, ModelConfig] = {}
+    #: LoRA adapters by the name clients give as ``model`` ([adapters."NAME"]).
+    adapters: dict[str, AdapterConfig] = {}
     policy: dict[str, PolicyConfig] = {}
     policies: dict[str, PolicyConfig] = {}
     #: Where this config came from (not a TOML key).
@@ -817,7 +963,7 @@ def _validate_kv_events(node: NodeConfig, where: str) -> None:
         raise ConfigError(f"{where}.replay_endpoint: the same address as endpoint")
 
 
-def _validate(cfg: ZMLConfig, src: str) -> None:
+def _validate(cfg: ZMLConfig, src: str, whole_fleet: bool = True) -> None:
     if bool(cfg.gateway.tls_cert_file) != bool(cfg.gateway.tls_key_file):
         raise ConfigError(f"{src}: gateway.tls_cert_file and gateway.tls_key_file go together")
     if cfg.gateway.tls_client_ca_file and not cfg.gateway.tls_cert_file:
@@ -876,6 +1022,51 @@ def _validate(cfg: ZMLConfig, src: str) -> None:
     if cfg.defaults.policy not in names:
         raise ConfigError(f"{src}: defaults.policy: unknown policy {cfg.defaults.policy!r}")
     _validate_batch(cfg.batch, names, src)
+    _validate_disaggregation(cfg, src, whole_fleet)
+    known = cfg.model_names()
+    for name, ad in cfg.adapters.items():
+        if ad.base not in known:
+            raise ConfigError(f"{src}: adapters.{name!r}.base: {ad.base!r} is no model of the fleet's "
+                              f"(known: {', '.join(sorted(known)) or 'none'})")
+        if name in known:
+            raise ConfigError(f"{src}: adapters.{name!r}: a model has that name; an adapter needs its own")
+
+
+def _validate_disaggregation(cfg: ZMLConfig, src: str, whole_fleet: bool) -> None:
+    by_id = {n.id: n for n in cfg.nodes}
+    for i, node in enumerate(cfg.nodes):
+        where = f"{src}: nodes[{i}]"
+        if not node.roles:
+            raise ConfigError(f"{where}.roles: give at least one of {', '.join(ROLES)} (both: the default)")
+        if len(set(node.roles)) != len(node.roles):
+            raise ConfigError(f"{where}.roles: {node.roles}: list each role once")
+        if node.kv_group is not None and node.kv_gbps is None:
+            raise ConfigError(f"{where}.kv_gbps: a node in kv_group {node.kv_group!r} needs its link's bandwidth "
+                              "(Gbit/s)")
+        if "decode" not in node.roles and whole_fleet:
+            # A prefill-only node serves no whole request: without a decode node to hand its
+            # KV to, it would never serve anything.
+            peers = [m for m in cfg.nodes if m is not node and m.kv_group is not None
+                     and m.kv_group == node.kv_group and "decode" in m.roles and set(m.models) & set(node.models)]
+            if node.kv_group is None or not peers:
+                raise ConfigError(f"{where}.roles: prefill-only node {node.id!r} has no decode node to hand its KV to "
+                                  "(give both a kv_group and a model in common)")
+    for i, link in enumerate(cfg.kv_links):
+        where = f"{src}: kv_links[{i}]"
+        ends = []
+        for key, node_id, role in (("prefill", link.prefill, "prefill"), ("decode", link.decode, "decode")):
+            end = by_id.get(node_id)
+            if end is None:
+                raise ConfigError(f"{where}.{key}: unknown node {node_id!r}")
+            if role not in end.roles:
+                raise ConfigError(f"{where}.{key}: node {node_id!r} does not take {role} legs (roles {end.roles})")
+            ends.append(end)
+        p, d = ends
+        if p is d:
+            raise ConfigError(f"{where}: a link from node {p.id!r} to itself")
+        if p.kv_group is None or p.kv_group != d.kv_group:
+            raise ConfigError(f"{where}: nodes {p.id!r} and {d.id!r} are not in one kv_group "
+                              f"({p.kv_group!r}, {d.kv_group!r})")
 
 
 def _validate_batch(b: BatchConfig, policies: set[str], src: str) -> None:
@@ -896,14 +1087,15 @@ def _validate_batch(b: BatchConfig, policies: set[str], src: str) -> None:
                           f"({b.max_store_bytes}): no file that size could be stored")
 
 
-def parse_config(data: dict[str, Any], source: str = "<memory>") -> ZMLConfig:
-    """Validate an already-parsed TOML document."""
+def parse_config(data: dict[str, Any], source: str = "<memory>", *, whole_fleet: bool = True) -> ZMLConfig:
+    """Validate an already-parsed TOML document. ``whole_fleet`` False: ``data`` holds only some
+    of the fleet's nodes (one registered at run time), so checks across nodes are skipped."""
     try:
         cfg = msgspec.convert({**_spelled(data), "source": source}, ZMLConfig)
     except msgspec.ValidationError as exc:
         key, msg = _key_of(with_choices(ZMLConfig, str(exc)))
         raise ConfigError(f"{source}: {key or '(top level)'}: {msg}") from exc
-    _validate(cfg, source)
+    _validate(cfg, source, whole_fleet)
     return cfg
 
 
@@ -976,8 +1168,11 @@ def reference_markdown() -> str:
     sections = [
         ("[nats]", "NatsConfig"), ("[gateway]", "GatewayConfig"), ("[router]", "RouterConfig"), ("[flow]", "FlowConfig"),
         ("[health]", "HealthConfig"), ("[warmup]", "WarmupConfig"), ("[defaults]", "DefaultsConfig"),
-        ("[metrics]", "MetricsConfig"), ("[batch]", "BatchConfig"), ("[[nodes]]", "NodeConfig"),
+        ("[metrics]", "MetricsConfig"), ("[batch]", "BatchConfig"), ("[disaggregation]", "DisaggregationConfig"),
+        ("[[nodes]]", "NodeConfig"), ("[[kv_links]]", "KVLinkConfig"),
         ("[nodes.sim]", "SimConfig"), ("[nodes.kv_events]", "KVEventsConfig"), ('[models."NAME"]', "ModelConfig"),
+        ("[planner]", "PlannerConfig"), ('[planner.models."NAME"]', "PlannerModelConfig"),
+        ('[adapters."NAME"]', "AdapterConfig"),
         ("[policy.NAME] / [policies.NAME]", "PolicyConfig"),
     ]
     out: list[str] = []

@@ -15,6 +15,8 @@ No other module writes a subject literal: services and the SDK import these name
     zml.events.completed           routers: one event per finished request (warmup, health)
     zml.events.warmup              warmup service: load started / finished / failed
     zml.warmup.serve               request-reply: load a model now (`zml serve`)
+    zml.warmup.plan                request-reply: the placement planner's current plan (`zml plan`)
+    zml.events.placement           warmup service: a new plan, a move started / done / blocked
     KV bucket zml_registry         nodes added at run time (health service)
     KV bucket zml_nodes            node state written by health, watched by routers
     KV bucket zml_leases           one key per role (health, warmup): which replica is active
@@ -95,6 +97,10 @@ EVENTS_PREFIX = f"{PREFIX}.events"
 
 #: Warmup service: "load this model now" (request-reply, ``ServeRequest`` -> ``ServeReply``).
 WARMUP_SERVE = f"{PREFIX}.warmup.serve"
+#: Warmup service: the placement planner's plan (request-reply, ``PlanRequest`` -> ``PlanReply``).
+WARMUP_PLAN = f"{PREFIX}.warmup.plan"
+#: Placement events (``PlacementEvent``): ``event(EVENT_PLACEMENT)``.
+EVENT_PLACEMENT = "placement"
 #: Router completion events (``RequestCompleted``): ``event(EVENT_COMPLETED)``.
 EVENT_COMPLETED = "completed"
 #: Warmup progress events (``WarmupEvent``): ``event(EVENT_WARMUP)``.
@@ -119,7 +125,7 @@ QUEUE_CLAIMS_BUCKET = "zml_queue_claims"
 #: JetStream KV bucket (memory) of request ids in flight, so that a caller's duplicate id is
 #: refused on every router replica: key = hash of (owner, front-door owner, id), value = the
 #: holding router's id, created (create-only) before dispatch and deleted when the request ends;
-#: each entry has a TTL, so a dead router's claims go away (zml_router.ids).
+#: each entry has a TTL, so a dead router's claims go away (zml_router.replicas.ids).
 REQUEST_IDS_BUCKET = "zml_request_ids"
 #: Routers announce "model X has requests waiting" here (messages.QueueBusy), so new arrivals
 #: queue behind them.
@@ -174,6 +180,11 @@ def admin_nodes(verb: str) -> str:
 ROUTERS_STATE = f"{PREFIX}.admin.routers.state"
 
 
+#: "Which decision was this?": every router replica listens; the one that remembers the
+#: decision id answers (zmlcore.messages.DecisionRecord), the others stay silent.
+ROUTERS_DECISION = f"{PREFIX}.admin.routers.decision"
+
+
 def router_state(router_id: str) -> str:
     """``zml.admin.router.<id>.state``: a router replica's view of the fleet (request-reply)."""
     return f"{PREFIX}.admin.router.{router_id}.state"
@@ -222,7 +233,7 @@ H_OWNER = "Zml-Owner"
 #: SDK set it when the caller gave none), so routers skip the cross-replica duplicate check. Only
 #: the sender's own namespace is affected, so it needs no trust.
 H_ID_GENERATED = "Zml-Id-Generated"
-#: Router-internal, on a queued request: the KV revision of its claim on its id (zml_router.ids).
+#: Router-internal, on a queued request: the KV revision of its claim on its id (zml_router.replicas.ids).
 H_ID_CLAIM = "Zml-Id-Claim"
 #: On every message of a streamed reply: 0 on ``start``, then 1, 2, ... on each chunk and on the
 #: final ``end``/``error``. A receiver that sees a number skipped lost a message (core NATS is
@@ -258,7 +269,7 @@ STREAM_FRAMES = "frames"
 #: headers. Without it a reply carries both (docs/nats-api.md).
 H_ACCEPT_ROUTING = "Zml-Accept-Routing"
 ROUTING_IN_BODY = "body"
-#: Front door only (dropped on ``zml.infer``: zml_router.flow.drop_untrusted). ``Zml-Body: clean``: the
+#: Front door only (dropped on ``zml.infer``: zml_router.request.flow.drop_untrusted). ``Zml-Body: clean``: the
 #: gateway validated the body (zmlcore.messages.validate) and moved ZML's own fields out of it into
 #: ``Zml-Policy`` (the per-call policy as JSON: a name or an inline policy) and
 #: ``Zml-Accelerator-Id`` (zmlcore.messages.frontdoor); the router reads it with one small decode.
@@ -335,7 +346,7 @@ H_AUDIO = "Zml-Audio"
 H_CONTENT_TYPE = "Zml-Content-Type"
 
 #: Requests larger than one NATS message (audio: up to [defaults] max_audio_bytes), uploaded in
-#: parts to the router that took them (zmlcore.reply.exchange sends, zml_router.uploads collects).
+#: parts to the router that took them (zmlcore.reply.exchange sends, zml_router.request.uploads collects).
 #: The requester publishes the request with an empty body and ``Zml-Upload-Bytes: <body size>``;
 #: the router answers on the reply subject with an empty message carrying ``Zml-Upload-To:
 #: zml.upload.<router id>.<token>`` (a random token: only the requester learns it, on its private

@@ -13,7 +13,7 @@ from zml.cli._bus import add_bus_args
 from zml.cli._common import add_client_args, client_kwargs
 
 COLUMNS = ("NODE", "TYPE", "FAMILY", "MODELS", "HEALTH", "QUEUE", "STATE", "COOLDOWN", "SPEED", "CACHE",
-           "ENDPOINT", "NOTE")
+           "ROLES", "ENDPOINT", "NOTE")
 
 DESCRIPTION = """\
 Show the fleet as the health service and the routers see it, one row per node.
@@ -25,12 +25,14 @@ Show the fleet as the health service and the routers see it, one row per node.
   STATE     up, loading, down or invalid; when not up: for how long (since its last good
             probe) and why, as the health service's probe found it; (asleep): the engine slept
   COOLDOWN  seconds the routers still skip it after a failure (- none)
-  SPEED     PREFILL/DECODE tokens/s:SOURCE[:AGE][:CONFIDENCE], what the routers estimate
-            time to first token with. SOURCE: measured (the engine's counters), learned
-            (from requests) or default (the accelerator type's profile: not yet measured;
-            a speed the counters have not covered yet stays the profile's, as --json's
-            speeds_measured says); AGE: since the estimate last moved; CONFIDENCE: when
-            known. 12.5k = 12,500.
+  SPEED     PREFILL/DECODE tokens/s:SOURCE[:AGE][:CONFIDENCE], the health service's
+            learned estimate the routers estimate time to first token with (its busiest
+            model's; --json's model_speeds has each model's). SOURCE: measured (the engine's
+            counters, its per-request timings or a calibration request), learned (only from
+            the routers' observations of requests) or default (the accelerator type's
+            profile: nothing seen yet); AGE: since the estimate last moved; CONFIDENCE: the
+            chance both speeds are within 25% (an uncertain node is explored: docs/routing.md
+            "Learned speeds"). 12.5k = 12,500.
   CACHE     FIDELITY[:BLOCKSxBLOCK_TOKENS][:HIT%][:events-down], e.g. reported:32768x1:65%.
             FIDELITY, how routers know what its prefix cache holds: precise (its KV events
             are bridged), reported (its replies say how many prompt tokens were cached),
@@ -38,6 +40,9 @@ Show the fleet as the health service and the routers see it, one row per node.
             size its engine reports (tokens = their product). HIT%: share of prompt tokens its
             engine served from the cache over the last poll. events-down: the KV-event bridge
             is down.
+  ROLES     legs of a disaggregated request it takes (docs/disaggregation.md): both,
+            prefill or decode; @GROUP:GBPS when it can hand KV to the other nodes of its
+            kv_group over a link of that many Gbit/s, e.g. prefill@g1:400.
   NOTE      what does not stop routing but an operator should know (no node probe: hardware
             not validated; slow; its engine calls its model by another name...)
 """
@@ -64,6 +69,11 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     a.add_argument("--family", help="family for policy chains (default: the accelerator's)")
     a.add_argument("--cost-per-hour", type=float, help="price (default: the accelerator's list price)")
     a.add_argument("--probe-endpoint", help="node probe (zml node-agent) URL")
+    a.add_argument("--roles", help="legs of a disaggregated request it takes: prefill, decode, or prefill,decode "
+                                   "(the default: both; docs/disaggregation.md)")
+    a.add_argument("--kv-group", help="nodes of one group can hand KV to each other (same model, compatible "
+                                      "KV connector)")
+    a.add_argument("--kv-gbps", type=float, help="its KV transfer link's bandwidth, Gbit/s (with --kv-group)")
     a.add_argument("--replace", action="store_true", help="overwrite a node with the same id")
     a.add_argument("--wait", type=float, default=10.0, metavar="SECONDS",
                    help="add: wait this long for the node's first poll and say what it serves; exit 1 when it "
@@ -114,7 +124,9 @@ def _admin(args: argparse.Namespace) -> int:
         raise BadRequestError(f"--served-name for {unserved[0]!r}, which is not given with --serves")
     raw = {"id": args.node_id, "accelerator": args.accelerator, "endpoint": args.node_url, "backend": args.backend,
            "models": args.serves, "family": args.family, "cost_per_hour": args.cost_per_hour,
-           "probe_endpoint": args.probe_endpoint, "served_names": names or None}
+           "probe_endpoint": args.probe_endpoint, "served_names": names or None,
+           "roles": [r.strip() for r in args.roles.split(",") if r.strip()] if args.roles else None,
+           "kv_group": args.kv_group, "kv_gbps": args.kv_gbps}
     try:
         spec = msgspec.convert({k: v for k, v in raw.items() if v is not None}, NodeSpec)
     except msgspec.ValidationError as exc:
@@ -219,6 +231,16 @@ def _cache(n: dict[str, Any]) -> str:
     return ":".join(parts)
 
 
+def _roles(n: dict[str, Any]) -> str:
+    """``both``, ``prefill`` or ``decode``, then ``@GROUP:GBPS`` for a node in a kv_group."""
+    roles = n.get("roles") or []
+    out = "both" if not roles or set(roles) == {"prefill", "decode"} else ",".join(roles)
+    if n.get("kv_group"):
+        gbps = n.get("kv_gbps")
+        out += f"@{n['kv_group']}" + (f":{float(gbps):g}" if isinstance(gbps, (int, float)) and gbps else "")
+    return out
+
+
 def _age(seconds: float) -> str:
     if seconds < 90:
         return f"{seconds:.0f}s"
@@ -276,7 +298,7 @@ def rows(nodes: list[dict[str, Any]], now: float) -> list[tuple[str, ...]]:
         out.append((
             str(n.get("node_id", "?")), str(n.get("accelerator_type", "")), str(n.get("family", "")), models,
             f"{float(n.get('health_score', 0.0)):.0f}", str(queue), _state(n, now), _cooldown(n, now),
-            _speed(n, now), _cache(n), str(n.get("endpoint") or "-"), str(n.get("note") or "-"),
+            _speed(n, now), _cache(n), _roles(n), str(n.get("endpoint") or "-"), str(n.get("note") or "-"),
         ))
     return out
 

@@ -296,6 +296,8 @@ def node_row(n: dict[str, Any], now: float) -> dict[str, Any]:
         "cache_fidelity": n.get("cache_fidelity", ""), "kv_events": n.get("kv_events", ""),
         "prefix_cache_hit_rate": n.get("prefix_cache_hit_rate"),
         "kv_block_size": n.get("kv_block_size", 0), "kv_blocks": n.get("kv_blocks", 0),
+        # disaggregated prefill/decode: the legs it takes, its KV group and link
+        "roles": n.get("roles") or [], "kv_group": n.get("kv_group", ""), "kv_gbps": n.get("kv_gbps", 0.0),
     }
 
 

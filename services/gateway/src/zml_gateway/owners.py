@@ -6,7 +6,7 @@ owner as ``Zml-Owner`` on the request and on its cancels, so two callers using t
 touch each other's request, and refuses a second request with an id the same caller already has
 in flight (409 DUPLICATE_REQUEST_ID) before it reaches a router. That check is this replica's;
 across gateway replicas (one identity, so one owner on the bus) the routers' shared claim refuses
-the duplicate (zml_router.ids), and the gateway relays that 409.
+the duplicate (zml_router.replicas.ids), and the gateway relays that 409.
 """
 
 from __future__ import annotations

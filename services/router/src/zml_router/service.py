@@ -1,7 +1,7 @@
 """The router: takes requests from ``zml.infer`` (queue group), decides, dispatches, replies.
 
 This module is the outline: lifecycle, subscriptions, and the I/O that carries out each
-request's sans-I/O steps (``zml_router.flow``: intake -> prepare -> route: decide, dispatch, fail
+request's sans-I/O steps (``zml_router.request.flow``: intake -> prepare -> route: decide, dispatch, fail
 over, queue, answer). The parts live beside it, each given what it uses: one attempt on a node
 and every reply to the requester (``relay``, its pure half ``attempt``), in-flight counts and
 marks shared with the other replicas (``inflight``), the saturation queue's glue
@@ -35,6 +35,7 @@ from zmlcore.errors import CancelledError, QueueFullError, ZMLError
 from zmlcore.runtime.bytebudget import ByteBudget
 from zmlcore.messages import frontdoor
 from zmlcore.messages.audio import AudioRequest
+from zmlcore.messages import decision_query_decoder
 from zmlcore.messages.warmup import completed_encoder
 from zmlcore.policy import Decision, ResolvedPolicy, RouteRequest, RoutingState, admit
 from zmlcore.policy.headroom import admit_batch
@@ -43,28 +44,31 @@ from zmlcore.reply.keepalive import KeepaliveBook, keepalive_headers
 from zmlcore.runtime.runner import cancel_and_wait
 from zmlcore.telemetry import tracing
 from zmlcore.telemetry.setup import REQUEST_ID
-from zml_router import flow
-from zml_router import ids as idclaims
-from zml_router import limits as plan_limits
-from zml_router import tracing as rtrace
-from zml_router.attempt import AudioBodies, NodeBodies
-from zml_router.cancels import CancelBook
-from zml_router.cooldowns import Marks
-from zml_router.dispatch import NodeClient
-from zml_router.flow import Intake, Outcome
-from zml_router.ids import RequestIds
-from zml_router.inflight import Sharing
-from zml_router.keepalives import send_keepalives
-from zml_router.limits import IdentityLimits, Lease
-from zml_router.metrics import RouterMetrics
-from zml_router.prefixshare import PrefixShare
-from zml_router.queue import QueuedMsg
-from zml_router.relay import Relay, Replies, resumed_from
-from zml_router.saturation import QueueGlue
-from zml_router.sessions import Sessions, session_key
-from zml_router.table import NodeTable
+from zml_router.request import flow
+from zml_router.replicas import ids as idclaims
+from zml_router.replicas import limits as plan_limits
+from zml_router.telemetry import tracing as rtrace
+from zml_router.node.attempt import AudioBodies, NodeBodies
+from zml_router.request.cancels import CancelBook
+from zml_router.replicas.cooldowns import Marks
+from zml_router.node.dispatch import NodeClient
+from zml_router.node.result import Dispatch
+from zml_router.request.split import Splitter
+from zml_router.outcome import Outcome
+from zml_router.request.flow import Intake
+from zml_router.replicas.ids import RequestIds
+from zml_router.replicas.inflight import Sharing
+from zml_router.answer.keepalives import send_keepalives
+from zml_router.replicas.limits import IdentityLimits, Lease
+from zml_router.telemetry.metrics import RouterMetrics
+from zml_router.replicas.prefixshare import PrefixShare
+from zml_router.incoming import QueuedMsg
+from zml_router.node.relay import Relay, Replies, resumed_from
+from zml_router.queue.glue import QueueGlue
+from zml_router.replicas.sessions import Sessions, session_key
+from zml_router.replicas.table import NodeTable
 from zml_router.timers import Wheel
-from zml_router.uploads import Uploads, upload_size
+from zml_router.request.uploads import Uploads, upload_size
 
 log = logging.getLogger("zml.router")
 
@@ -77,7 +81,7 @@ COMPLETED_WINDOW_S = 0.01
 
 @dataclass(slots=True)
 class Uploaded:
-    """A request whose body came in parts after it (zml_router.uploads): the message as if it
+    """A request whose body came in parts after it (zml_router.request.uploads): the message as if it
     had carried the body."""
 
     subject: str
@@ -102,11 +106,11 @@ class RouterService:
         self._loops: list[asyncio.Task[None]] = []
         #: Cancelled requests (by owner key) not held here (not arrived yet, or waiting in the queue).
         self.cancelled = CancelBook()
-        #: Plans of NATS client identities (zml creds issue NAME --plan ...): zml_router.limits.
+        #: Plans of NATS client identities (zml creds issue NAME --plan ...): zml_router.replicas.limits.
         self.limits = IdentityLimits()
         #: Requests whose requester asked for keepalives (zmlcore.reply.keepalive), by reply subject.
         self.keepalives = KeepaliveBook()
-        #: Callers' request ids in flight on every replica (zml_router.ids).
+        #: Callers' request ids in flight on every replica (zml_router.replicas.ids).
         self.ids = RequestIds(self.router_id, cfg.defaults.max_request_timeout_s)
         #: Completion events, published together every few ms (zmlcore.bus.batchpub).
         self.events: BatchPublisher | None = None
@@ -115,19 +119,21 @@ class RouterService:
         self.metrics = RouterMetrics(cfg, self.table, self.in_flight)
         self.replies = Replies(self.keepalives, self.ids, self.limits)
         self.http = NodeClient(cfg.router.max_connections, cfg.router.connect_timeout_s)
-        #: Bodies larger than one message, asked of their requesters (zml_router.uploads).
+        #: Bodies larger than one message, asked of their requesters (zml_router.request.uploads).
         self.uploads = Uploads(self.router_id)
         #: Audio bytes this router holds at once ([defaults] audio_bytes_in_flight).
         self.audio_bytes = ByteBudget(cfg.defaults.audio_bytes_in_flight)
         #: Which prompt prefixes each node holds (zmlcore.policy.prefix), shared with the other
-        #: replicas and fed by the engines' reports and KV events (zml_router.prefixshare).
+        #: replicas and fed by the engines' reports and KV events (zml_router.replicas.prefixshare).
         self.prefix = PrefixIndex()
         self.share: PrefixShare | None = None
-        #: Session -> node bindings, shared in the KV bucket zml_sessions (zml_router.sessions).
+        #: Session -> node bindings, shared in the KV bucket zml_sessions (zml_router.replicas.sessions).
         self.sessions: Sessions | None = None
         self.metrics.prefix = self.prefix
         self.relay = Relay(cfg, self.router_id, self.table, self.sharing, self.timers, self.http, self.metrics,
                            self.replies, self._corrected)
+        #: Prefill on one node, decode on another, per request ([disaggregation]: zml_router.request.split).
+        self.splitter = Splitter(cfg, self.table)
         self.glue = QueueGlue(cfg, self.table, self.admit, self.metrics, self.replies, self.cancelled, self.ids,
                               self.enter, self.spawn)
         # Bound once: the request path calls them per request.
@@ -170,6 +176,7 @@ class RouterService:
         self._subs.append(await nc.subscribe(f"{subjects.CANCEL_PREFIX}.>", cb=self._on_cancel))
         self._subs.append(await nc.subscribe(subjects.router_state(self.router_id), cb=self._on_state))
         self._subs.append(await nc.subscribe(subjects.ROUTERS_STATE, cb=self._on_state))
+        self._subs.append(await nc.subscribe(subjects.ROUTERS_DECISION, cb=self._on_decision))
         for subject in (subjects.INFER, subjects.FRONT_DOOR_INFER):
             self._subs.append(await nc.subscribe(subject, queue=subjects.ROUTER_QUEUE, cb=self._on_request))
 
@@ -249,9 +256,20 @@ class RouterService:
     async def _on_state(self, msg: Msg) -> None:
         await msg.respond(_encode(self.sharing.state(len(self.in_flight), time.time())))
 
+    async def _on_decision(self, msg: Msg) -> None:
+        """Answer only when this replica made the decision: the asker takes the first answer,
+        and silence from every replica means none remembers it."""
+        try:
+            did = decision_query_decoder.decode(msg.data).decision_id
+        except msgspec.ValidationError:
+            return
+        record = self.relay.decisions.record(did)
+        if record is not None and msg.reply:
+            await msg.respond(_encode(record))
+
     # --- the request path ------------------------------------------------------------------
     def enter(self, msg: Msg | QueuedMsg) -> Coroutine[Any, Any, None]:
-        """The request path; inside a server span when tracing is on (zml_router.tracing)."""
+        """The request path; inside a server span when tracing is on (zml_router.telemetry.tracing)."""
         return rtrace.handle(self.router_id, msg, self._handle) if tracing.ON else self._handle(msg)
 
     async def _handle(self, msg: Msg | QueuedMsg | Uploaded) -> None:
@@ -338,7 +356,7 @@ class RouterService:
 
     async def _audio_body(self, msg: Msg | QueuedMsg | Uploaded, from_queue: bool) -> tuple[int, Any]:
         """An audio request's bytes counted against [defaults] audio_bytes_in_flight (QUEUE_FULL
-        past it), and a body announced in parts fetched from its requester (zml_router.uploads).
+        past it), and a body announced in parts fetched from its requester (zml_router.request.uploads).
         Returns (bytes held, the message with its body)."""
         headers = msg.headers or {}
         limit = self.cfg.defaults.max_audio_bytes if subjects.H_AUDIO in headers else self.cfg.gateway.max_body_bytes
@@ -359,7 +377,7 @@ class RouterService:
         return held, Uploaded(msg.subject, body, msg.reply, msg.headers)
 
     async def _route(self, msg: Msg | QueuedMsg | Uploaded, arrived: Intake[asyncio.Task[None]], t0: float, out: Outcome) -> None:
-        """Drive the request's flow (zml_router.flow): each action it yields, done here."""
+        """Drive the request's flow (zml_router.request.flow): each action it yields, done here."""
         req, model = arrived.req, arrived.model
         out.model, out.op = model, req.kind()
         session = flow.session_of(msg.headers, req)
@@ -405,7 +423,12 @@ class RouterService:
                     result = self.metrics.decide(self.admit_batch if batch else self._admit, rr, policy)
                 except ZMLError as exc:
                     result = unserved(exc, rr.model, self.cfg.model_names(), self.table.raw.values())
-            elif type(action) is flow.Dispatch:
+                if (action.split and self.splitter.enabled and isinstance(result, Decision) and not batch
+                        and rr.accelerator_id is None and isinstance(bodies, NodeBodies)
+                        and req.kind() in ("chat", "completion")):
+                    result, why = self.splitter.decide(result, rr, policy, time.time(), skey)
+                    self.metrics.split("split" if result.prefill_node else why)
+            elif type(action) is Dispatch:
                 node_id = action.decision.node_id
                 if self.share is not None:  # the node will hold this prompt: every replica learns it
                     self.share.recorded(node_id, action.rr.prefix, time.time())
@@ -414,6 +437,9 @@ class RouterService:
                 self.metrics.session(action.decision.session)
                 result = await self.relay.attempt(msg, req, bodies, model, action, arrived.request_id, t0, out,
                                                   answer)
+            elif type(action) is flow.Prefill:
+                assert isinstance(bodies, NodeBodies)
+                result = await self.relay.prefill(req, bodies, model, action, arrived.request_id, out)
             elif type(action) is flow.Penalise:
                 await self._penalise(action)
                 result = None
@@ -429,11 +455,11 @@ class RouterService:
 
     def _hand_over(self, key: str, reply: str) -> None:
         """The request goes to the saturation queue: this attempt no longer holds it (its claim on
-        its id does, zml_router.ids). Let go of its slot in ``in_flight`` (and its keepalives)
+        its id does, zml_router.replicas.ids). Let go of its slot in ``in_flight`` (and its keepalives)
         before the queue entry exists: this router's own queue worker can take the entry, find
         room and start it before the publish's ack is back here, and that attempt must not meet
         this one in ``in_flight`` (DUPLICATE_REQUEST_ID to its own requester). A cancel arriving
-        from now on is remembered for the queue (zml_router.cancels), as for any queued request."""
+        from now on is remembered for the queue (zml_router.request.cancels), as for any queued request."""
         if self.in_flight.get(key) is asyncio.current_task():
             del self.in_flight[key]
         self.keepalives.remove(reply)

@@ -40,7 +40,7 @@ from typing import Any, Callable
 from zmlcore.fleet.perfmodel import SimProfile
 from zmlcore.fleet.kvevents.wire import Event
 from zmlcore.bus.cancel import cancel_and_wait
-from zml_sim.prefixcache import NONE_HASH, Holding, PrefixCache, root_digest
+from zml_sim.prefixcache import NONE_HASH, Holding, PrefixCache, block_digests, external, root_digest
 
 #: Weights of one loaded model when no size is given: an 8B model in fp16.
 DEFAULT_MODEL_GIB = 16.0
@@ -262,7 +262,8 @@ class SimRequest:
     _ids = itertools.count(1)
 
     def __init__(self, engine: SimEngine, model: str, prompt_tokens: int, output_tokens: int,
-                 finish_reason: str, tokens: list[int] | None = None, offset: int = 0) -> None:
+                 finish_reason: str, tokens: list[int] | None = None, offset: int = 0,
+                 loaded: int = 0) -> None:
         self.id = next(self._ids)
         self.engine = engine
         self.model = model
@@ -271,6 +272,9 @@ class SimRequest:
         self.tokens = tokens
         #: Prompt tokens found in the prefix cache at admission.
         self.cached_tokens = 0
+        #: Prompt tokens whose KV was pulled from a prefill node (disaggregated decode leg):
+        #: they skip prefill and count as cached, as vLLM counts connector-loaded tokens.
+        self.loaded = loaded
         self.holding: Holding | None = None
         self.output_tokens = output_tokens
         #: Position of the first output token: a continued answer goes on where its prefix ended.
@@ -524,6 +528,14 @@ class SimEngine:
             root = self._roots[model] = NONE_HASH if not self._roots else root_digest(model)
         return root
 
+    def cached_prefix(self, model: str, tokens: list[int]) -> int:
+        """Prompt tokens of ``tokens`` this node's prefix cache holds now (no side effect)."""
+        cache = self.prefix_cache
+        if cache is None:
+            return 0
+        hashes = [external(d) for d in block_digests(tokens, cache.block_size, self._root(model))]
+        return cache.lookup(hashes, len(tokens)) * cache.block_size
+
     def _release(self, req: SimRequest) -> None:
         holding, req.holding = req.holding, None
         # (a request admitted before the cache was replaced holds nothing in the new one)
@@ -571,13 +583,13 @@ class SimEngine:
         )
 
     def submit(self, model: str, prompt_tokens: int, max_tokens: int | None = None,
-               tokens: list[int] | None = None, offset: int = 0) -> SimRequest:
+               tokens: list[int] | None = None, offset: int = 0, loaded: int = 0) -> SimRequest:
         """Queue a request; ``tokens`` (the prompt's ids) make it go through the prefix cache;
         ``offset``: output positions already generated (a continued answer goes on from there)."""
         if model not in self.models:
             raise SimError(f"model {model!r} is not loaded")
         output, reason = self.output_length(max_tokens)
-        req = SimRequest(self, model, max(1, prompt_tokens), output, reason, tokens, offset)
+        req = SimRequest(self, model, max(1, prompt_tokens), output, reason, tokens, offset, loaded)
         self.waiting.append(req)
         if self.admitted < self.profile.max_concurrency:
             self._wake.set()
@@ -666,6 +678,8 @@ class SimEngine:
                 stats = self.stats_for(req.model)
                 stats.prefix_queries += len(req.tokens)
                 stats.prefix_hits += req.cached_tokens
+            if req.loaded > req.cached_tokens:
+                req.cached_tokens = min(req.loaded, req.prompt_tokens)
             self.prefill_queue.append(req)
         self._flush_kv()
 

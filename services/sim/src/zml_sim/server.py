@@ -25,6 +25,7 @@ import asyncio
 import errno
 import json
 import logging
+import math
 import socket
 import time
 from dataclasses import asdict, replace
@@ -39,6 +40,7 @@ from zmlcore.config import KVEventsConfig, NodeConfig, zmq_address
 from zml_sim import admin
 from zml_sim import embeddings
 from zml_sim import transcription
+from zml_sim.engine import KV_BYTES_PER_TOKEN
 from zml_sim.engine import Faults
 from zml_sim.engine import SimEngine
 from zml_sim.engine import SimError
@@ -46,6 +48,7 @@ from zml_sim.engine import SimRequest
 from zml_sim.engine import continued_prompt
 from zml_sim.engine import generated_tokens
 from zml_sim.faces import ENGINES
+from zml_sim.kvhandoff import SGLANG_WAIT_S, HandoffError, KVHandoff, loaded_tokens
 from zml_sim.faces import FACES
 from zml_sim.faces.base import DEFAULT_RETRY_AFTER_S
 from zml_sim.faces.base import MAX_MODEL_LEN
@@ -137,6 +140,10 @@ class SimNode:
         prefix_caching: bool = True,
         kv_cache_blocks: int | None = None,
         kv_events: KVEventsConfig | None = None,
+        true_speed: float | None = None,
+        drift: float = 0.0,
+        drift_period_s: float = 600.0,
+        kv_gbps: float | None = None,
         **profile_overrides: float | int | None,
     ) -> None:
         if accelerator not in ACCELERATORS:
@@ -152,6 +159,12 @@ class SimNode:
         self.initial_models = list(models)
         self.driver_version = driver_version or ACCELERATORS[accelerator].min_driver
         profile = SimProfile.for_type(accelerator, **profile_overrides)
+        if true_speed:  # hidden from ZML: it is told the profile above ([nodes.sim] true_speed)
+            profile = replace(profile, prefill_tps=profile.prefill_tps * true_speed,
+                              decode_tps=profile.decode_tps * true_speed)
+        #: The true profile before drift, and the drift's amplitude and period (real seconds).
+        self.true_profile = profile
+        self.drift = (drift, drift_period_s)
         self.engine = SimEngine(node_id, profile, time_scale=time_scale, seed=seed,
                                 max_waiting=max_waiting, faults=faults, model_sizes=model_sizes,
                                 prefix_caching=prefix_caching, kv_cache_blocks=kv_cache_blocks)
@@ -166,6 +179,8 @@ class SimNode:
                                                  topic=kv_events.topic,
                                                  layout="sglang" if engine == "sglang" else "0.34")
             self.engine.on_kv_events = self.kv_publisher.publish
+        #: disaggregated prefill/decode: blocks held for remote decodes, pulls (zml_sim.kvhandoff)
+        self.handoff = KVHandoff(node_id, gbps=kv_gbps, block_size=profile.kv_block_size)
         self.host = "127.0.0.1"
         self.port = 0
         self.started_at = time.time()
@@ -196,7 +211,8 @@ class SimNode:
             load_time_s=sim.load_time_s, memory_gib=sim.memory_gib,
             cost_per_hour=node.cost_per_hour, prefix_caching=sim.prefix_caching,
             kv_block_size=sim.kv_block_size, kv_cache_blocks=sim.kv_cache_blocks,
-            kv_events=node.kv_events,
+            kv_events=node.kv_events, kv_gbps=node.kv_gbps, true_speed=sim.true_speed, drift=sim.drift,
+            drift_period_s=sim.drift_period_s,
         )
 
     # ----- lifecycle ---------------------------------------------------------------------------
@@ -225,8 +241,21 @@ class SimNode:
         for model in self.initial_models:
             self.engine.load(model)
         self._serve_task = asyncio.get_running_loop().create_task(self._serve())
+        if self.drift[0] > 0:
+            self._tasks.add(asyncio.get_running_loop().create_task(self._drift()))
         if wait:
             await self.wait_listening()
+
+    async def _drift(self) -> None:
+        """The true speed wanders: sinusoidal over the period, updated every second."""
+        amp, period = self.drift
+        t0 = time.monotonic()
+        while True:
+            await asyncio.sleep(1.0)
+            f = 1.0 + amp * math.sin(2 * math.pi * (time.monotonic() - t0) / period)
+            base = self.true_profile
+            prof = self.engine.profile
+            self.engine.set_profile(replace(prof, prefill_tps=base.prefill_tps * f, decode_tps=base.decode_tps * f))
 
     async def wait_listening(self) -> None:
         """Until the node listens (re-raises a failure to listen)."""
@@ -331,6 +360,7 @@ class SimNode:
         r.add_get("/health", self.health)
         r.add_get("/metrics", self._metrics)
         r.add_get("/zml/v1/node", self._node)
+        r.add_post("/sim/kv/pull", self._kv_pull)
         admin.add_routes(self, r)
         self.face.add_routes(self, r)
         return app
@@ -447,7 +477,13 @@ class SimNode:
         if model is not None and not isinstance(model, str):
             raise _BadRequest("Field 'model' must be a string")
         opts = body.get("stream_options")
+        kvp = body.get("kv_transfer_params")
+        boot = None
+        if body.get("bootstrap_room") is not None and body.get("bootstrap_host") is not None:
+            boot = (str(body["bootstrap_host"]), body.get("bootstrap_port"), body["bootstrap_room"])
         return {
+            "kv_transfer_params": kvp if isinstance(kvp, dict) else None,
+            "bootstrap": boot,
             "model": model,
             "prompt_tokens": prompt_tokens,
             "tokens": tokens,
@@ -503,17 +539,90 @@ class SimNode:
             raise asyncio.CancelledError
         if (refused := self._injected_error()) is not None:
             return refused
+        handing = self._handoff_leg(args)
+        loaded = 0
+        if handing is not None and handing[0] == "pull":
+            try:
+                loaded = await self._pull_kv(model, args["tokens"], handing[1])
+            except HandoffError as exc:
+                return self.error(400, f"kv_transfer_params: {exc}", "bad_request")
         drop = eng.sample_drop()
         stall = eng.sample_stall()
         req = eng.submit(model, args["prompt_tokens"], args["max_tokens"], tokens=args["tokens"],
-                         offset=args["offset"])
+                         offset=args["offset"], loaded=loaded)
+        hold = handing[1] if handing is not None and handing[0] == "hold" else None
         try:
             if args["stream"]:
                 return await self._stream(request, req, chat=chat, drop=drop, stall=stall,
-                                          include_usage=args["include_usage"])
-            return await self._complete(request, req, chat=chat, drop=drop, stall=stall)
+                                          include_usage=args["include_usage"], hold=hold)
+            return await self._complete(request, req, chat=chat, drop=drop, stall=stall, hold=hold)
         finally:
             eng.cancel(req)
+
+    # ----- disaggregated prefill/decode (zml_sim.kvhandoff) ------------------------------------
+
+    def _handoff_leg(self, args: dict[str, Any]) -> tuple[str, dict[str, Any]] | None:
+        """("hold", how) for a prefill leg whose KV a remote decode will pull, ("pull", from
+        where) for a decode leg, None for a whole request."""
+        kvp = args["kv_transfer_params"]
+        if self.face.name == "vllm" and kvp is not None:
+            if kvp.get("do_remote_prefill"):
+                return "pull", {"host": kvp.get("remote_host"), "port": kvp.get("remote_port"),
+                                "body": {"engine_id": kvp.get("remote_engine_id"),
+                                         "block_ids": kvp.get("remote_block_ids")}}
+            if kvp.get("do_remote_decode"):
+                return "hold", {"vllm": True}
+            return None
+        boot = args["bootstrap"]
+        if self.face.name == "sglang" and boot is not None:
+            host, port, room = boot
+            if self._is_me(host, port):
+                return "hold", {"room": room}
+            return "pull", {"host": host, "port": port, "body": {"room": room, "wait_s": SGLANG_WAIT_S}}
+        return None
+
+    def _is_me(self, host: str, port: Any) -> bool:
+        try:
+            return int(port) == self.port and host in (self.host, "localhost", "127.0.0.1", "::1")
+        except (TypeError, ValueError):
+            return False
+
+    async def _pull_kv(self, model: str, tokens: list[int] | None, where: dict[str, Any]) -> int:
+        """Pull a prompt's KV from its prefill node at the link's speed; the tokens it covers."""
+        if not where.get("host") or where.get("port") is None:
+            raise HandoffError("remote_host and remote_port are required")
+        held_model, held = await self.handoff.pull(str(where["host"]), where["port"], where["body"],
+                                                   timeout_s=SGLANG_WAIT_S + 5.0)
+        if held_model != model:
+            raise HandoffError(f"the remote blocks are of model {held_model!r}, not {model!r}")
+        n = loaded_tokens(held, tokens, self.engine.profile.kv_block_size)
+        cache = self.engine.prefix_cache
+        local = 0
+        if cache is not None and tokens is not None:
+            local = self.engine.cached_prefix(model, tokens)
+        delay = self.handoff.transfer_s(max(0, n - local), KV_BYTES_PER_TOKEN)
+        if delay > 0:
+            await asyncio.sleep(self.engine.real_seconds(delay))
+        return n
+
+    def _hold_kv(self, req: SimRequest, hold: dict[str, Any]) -> dict[str, Any]:
+        """After a prefill leg: hold its prompt for the decode node; vLLM's reply params."""
+        now = time.monotonic()
+        tokens = req.tokens or []
+        if "room" in hold:
+            self.handoff.hold(f"room:{hold['room']}", req.model, tokens, now)
+            return {}
+        return {"kv_transfer_params": self.handoff.vllm_params(req.model, tokens, self.host, self.port, now)}
+
+    async def _kv_pull(self, request: web.Request) -> web.Response:
+        try:
+            body = _decode.decode(await request.read() or b"{}")
+            if not isinstance(body, dict):
+                raise HandoffError("expected a JSON object")
+            held = await self.handoff.take(body, time.monotonic())
+        except (msgspec.DecodeError, HandoffError) as exc:
+            return self.error(404, str(exc), "not_found")
+        return _json_response({"model": held.model, "tokens": held.tokens})
 
     async def _embeddings(self, request: web.Request) -> web.StreamResponse:
         """Deterministic vectors (``zml_sim.embeddings``), scheduled as a prefill."""
@@ -640,7 +749,7 @@ class SimNode:
         raise asyncio.CancelledError
 
     async def _complete(self, request: web.Request, req: SimRequest, *, chat: bool,
-                        drop: bool, stall: bool = False) -> web.StreamResponse:
+                        drop: bool, stall: bool = False, hold: dict[str, Any] | None = None) -> web.StreamResponse:
         pieces: list[str] = []
         try:
             while (piece := await req.next_chunk()) is not None:
@@ -661,10 +770,13 @@ class SimNode:
         body["choices"] = [choice]
         body["usage"] = self._usage(req)
         body.update(self.face.reply_extra(req))
+        if hold is not None and req.state == "done":
+            body.update(self._hold_kv(req, hold))
         return _json_response(body)
 
     async def _stream(self, request: web.Request, req: SimRequest, *, chat: bool, drop: bool,
-                      include_usage: bool, stall: bool = False) -> web.StreamResponse:
+                      include_usage: bool, stall: bool = False,
+                      hold: dict[str, Any] | None = None) -> web.StreamResponse:
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                            "Cache-Control": "no-cache"})
         await resp.prepare(request)
@@ -710,6 +822,8 @@ class SimNode:
         final = {"index": 0, "delta": {}} if chat else {"index": 0, "text": ""}
         # llama-server puts its timings on the usage chunk when there is one, else on this one.
         extra = {} if include_usage else self.face.reply_extra(req)
+        if hold is not None and req.state == "done":  # a streamed prefill leg: params on the last chunk
+            extra = {**extra, **self._hold_kv(req, hold)}
         await send([{**final, "logprobs": None, "finish_reason": req.finish_reason}], **extra)
         if include_usage:
             await send([], usage=self._usage(req), **self.face.reply_extra(req))
@@ -731,7 +845,7 @@ class SimNode:
             if request.transport is not None:
                 request.transport.abort()
             raise asyncio.CancelledError
-        if not self.engine.models and not self.sleeping:
+        if not self.engine.models and not self.sleeping and (self.engine.loading or not self.face.idle_router):
             return self.loading_error()
         return self.face.health_ok()
 
@@ -788,6 +902,7 @@ class SimNode:
             "faults": eng.faults.to_dict(),
             "profile": asdict(eng.profile),
             "counters": {m: s.to_dict() for m, s in eng.stats.items()},
+            "kv_handoff": self.handoff.state(),
         }
 
 

@@ -43,6 +43,11 @@ class NodeSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, fo
     probe_endpoint: str | None = None
     startup_grace_s: Annotated[float, msgspec.Meta(ge=0)] | None = None
     kv_events: KVEventsSpec | None = None
+    #: Disaggregated prefill/decode (docs/disaggregation.md): the legs it takes, its KV group
+    #: and link bandwidth (Gbit/s). None: zml.toml's defaults (both roles, no group).
+    roles: list[Literal["prefill", "decode"]] | None = None
+    kv_group: str | None = None
+    kv_gbps: Annotated[float, msgspec.Meta(gt=0)] | None = None
 
 
 class NodeAdd(msgspec.Struct, frozen=True, kw_only=True):

@@ -169,6 +169,14 @@ class RoutingInfo(msgspec.Struct, kw_only=True):
     #: "met" or "missed" once the reply is whole and the request had a target ("admitted" in a
     #: stream's start message: predicted to meet it).
     slo: str = ""
+    #: Disaggregated prefill/decode (docs/disaggregation.md): the node that prefilled the prompt
+    #: and handed its KV to ``node_id``, which decoded; None when one node served it whole.
+    prefill_node: str | None = None
+    #: Milliseconds the prefill leg took (its request to its reply), when there was one.
+    prefill_ms: float | None = None
+    #: A split whose prefill leg failed, served whole on the decode node instead:
+    #: ``node:failure`` (network, server, slow, overloaded...); None otherwise.
+    prefill_failed: str | None = None
 
 
 #: Names published before the rule below: header word of a field whose word is not its name.

@@ -72,7 +72,7 @@ def half_open(nodes: Sequence[NodeView], rr: RouteRequest, now: float, stale_aft
     breaker: its ``cooldown_until`` is cleared, the one change this module makes to a view). A
     failure puts it straight back. This stops a burst of failures on a starved host from taking
     the whole fleet out for ``cooldown_s``. Local to the caller's views: a router's peers keep
-    their marks (zml_router.cooldowns)."""
+    their marks (zml_router.replicas.cooldowns)."""
     cooling = [v for v in nodes
                if v.node_id not in rr.exclude and is_routable(v, rr.model, now, stale_after_s) == "cooldown"
                and (rr.accelerator_id is None or v.node_id == rr.accelerator_id)]

@@ -62,6 +62,8 @@ def is_routable(view: NodeView, model: str, now: float, stale_after_s: float) ->
         return "cooldown"
     if view.saturated_until > now:
         return "saturated"
+    if st.roles and "decode" not in st.roles:
+        return "prefill_only"
     return None
 
 

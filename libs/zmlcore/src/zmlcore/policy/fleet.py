@@ -251,7 +251,7 @@ class FleetIndex(Sequence[NodeView]):
 
     def _set_state(self, t: ModelTable, j: int, v: NodeView) -> None:
         st = v.state
-        pf, dec, maxc = node_speeds(st)
+        pf, dec, maxc = node_speeds(st, t.model)
         inputs = (pf, dec, maxc, node_cost(st))
         if t.inputs[j] != inputs:
             t.inputs[j] = inputs
@@ -260,7 +260,8 @@ class FleetIndex(Sequence[NodeView]):
             t.inv_pf[j] = c.inv_pf
             t.cost_cap[j] = c.cost_cap
             t.maxc[j] = c.maxc
-        up = st.status == "up" and t.model in st.models
+        # A prefill-only node serves no whole request (zmlcore.policy.split picks it for prefill legs).
+        up = st.status == "up" and t.model in st.models and (not st.roles or "decode" in st.roles)
         if up != t.up[j]:
             t.up[j] = up
             t.n_up[t.fam[j]] += 1 if up else -1

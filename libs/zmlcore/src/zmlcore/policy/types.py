@@ -238,6 +238,13 @@ class Decision:
     #: Session affinity: "" (no session), "kept" (the bound node), "spilled" (bound node over
     #: the load bound), "moved" (bound node not routable: down, cooling, unknown).
     session: str = ""
+    #: Disaggregated: the node that prefills and hands its KV to ``node_id`` (which decodes);
+    #: "" for a request served whole (zmlcore.policy.split).
+    prefill_node: str = ""
+    #: Prompt tokens the decode node is estimated to pull over the link, and the seconds that
+    #: takes (a split decision's estimate).
+    transfer_tokens: int = 0
+    transfer_s: float = 0.0
 
 
 @dataclass(slots=True)

@@ -9,7 +9,7 @@ client already has. Instead the resent request carries what was received
 (:class:`~zmlcore.messages.StreamResume`: the text so far, the content chunks that carried it,
 the last sequence number, the chunks' id, the node and attempts so far), and the router that
 takes it continues the answer on a node exactly as it does when a *node* fails part-way
-(``zml_router.continuation``: the text as the assistant message's prefix, ``max_tokens``
+(``zml_router.answer.continuation``: the text as the assistant message's prefix, ``max_tokens``
 reduced), numbering its messages from the next ``Zml-Seq`` and sending no second ``start``:
 the requester splices nothing, its sequence check runs on. The router still refuses what cannot
 be continued (``n > 1``, logprobs, a seed, tool-call deltas...), ending the stream with its

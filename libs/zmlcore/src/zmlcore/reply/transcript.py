@@ -4,7 +4,7 @@ one token per event), the chunks' ``id`` and ``created``, whether the answer fin
 would make a continuation a different answer (tool-call deltas...).
 
 Both ends of a relay read it the same way: the router, to continue an answer whose *node*
-failed part-way (``zml_router.continuation``), and the requester (the gateway, the SDK), to
+failed part-way (``zml_router.answer.continuation``), and the requester (the gateway, the SDK), to
 have another router continue an answer whose *router* died (:mod:`zmlcore.reply.resume`).
 Keeping it costs one list append per chunk; the chunks are decoded only when asked, or folded
 now and then (:meth:`Transcript.fold`) so that a long answer holds its text, not its chunks.

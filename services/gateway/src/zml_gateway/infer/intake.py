@@ -42,7 +42,7 @@ class Intake:
 
     def body_limit(self) -> int:
         """[gateway] max_body_bytes. A body larger than one NATS message goes to its router in
-        parts, as audio does (zmlcore.reply.exchange, zml_router.uploads)."""
+        parts, as audio does (zmlcore.reply.exchange, zml_router.request.uploads)."""
         return self.cfg.gateway.max_body_bytes
 
     async def read_body(self, scope: Scope, receive: Receive, limit: int | None = None, what: str = "") -> bytes:
@@ -90,7 +90,7 @@ class Intake:
         body, fields = frontdoor.split(body, req)
         headers = {subjects.H_REQUEST_ID: checked.request_id, subjects.H_TIMEOUT_MS: str(int(checked.timeout * 1000))}
         headers.update(fields)
-        # A prompt the router would key (zml_router.flow.prefix_chain) is keyed here, where it
+        # A prompt the router would key (zml_router.request.flow.prefix_chain) is keyed here, where it
         # was decoded to be checked: the router, which gets it raw (frontdoor), then need not
         # decode it again (~9 us at 8k tokens).
         if keyed(len(body), req.input is not None):

@@ -101,6 +101,11 @@ function renderNodes(state) {
     cache.title = [n.kv_blocks && n.kv_block_size ? `${n.kv_blocks} blocks of ${n.kv_block_size} tokens` : "",
                    n.kv_events ? `KV events: ${n.kv_events}` : ""].filter(Boolean).join("; ");
     tr.append(cache);
+    // Legs of a split request it takes, and the KV group it hands KV within (docs/disaggregation.md).
+    const roles = (n.roles || []).length && n.roles.length < 2 ? n.roles.join(",") : "both";
+    const leg = el("td", n.kv_group ? `${roles} @${n.kv_group}` : roles, "roles");
+    if (n.kv_group) leg.title = `KV group ${n.kv_group}${n.kv_gbps ? `, link ${n.kv_gbps} Gbit/s` : ""}`;
+    tr.append(leg);
     tr.append(el("td", (rates[n.node_id] || 0).toFixed(1), "num rate"));
     const missing = (n.missing_models || []).length && n.status === "up" ? `not serving: ${n.missing_models.join(", ")}` : "";
     tr.append(el("td", [n.note, missing].filter(Boolean).join("; "), "note"));

@@ -1,0 +1,35 @@
+"""What arrives at the router's request path: a NATS message, or one out of the saturation queue."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Protocol
+
+
+class Incoming(Protocol):
+    """An arriving request: a NATS message, or one out of the saturation queue (``QueuedMsg``)."""
+
+    @property
+    def subject(self) -> str: ...
+
+    @property
+    def data(self) -> bytes: ...
+
+    @property
+    def reply(self) -> str: ...
+
+    @property
+    def headers(self) -> dict[str, str] | None: ...
+
+
+@dataclass(slots=True)
+class QueuedMsg:
+    """Quacks like a nats Msg for the router's request path."""
+
+    subject: str
+    data: bytes
+    reply: str
+    headers: dict[str, str]
+    #: Resolved by the request path: True once a node has taken it, False if it found no room.
+    placed: asyncio.Future[bool] | None = None

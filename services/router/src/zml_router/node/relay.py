@@ -1,0 +1,714 @@
+"""The requester's side of a request: everything it receives (:class:`Replies`), and one
+attempt on a node with the node's answer relayed to it (:class:`Relay`: the HTTP call with
+the body the node gets, then one message, or start / chunk... / end). The pure parts (bodies,
+deadlines, failures, the reply's bytes) are ``zml_router.node.attempt``; continuing an answer whose
+node failed part-way (the continuation's body, the splice, what was sent) is
+``zml_router.answer.continuation``. An :class:`Answer` is what the requester has been sent across
+the attempts of one request.
+
+An attempt that fails raises :class:`~zml_router.node.attempt.AttemptError`; the request flow
+(``zml_router.request.flow``) decides what follows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from random import getrandbits
+from typing import Any
+
+import msgspec
+from nats.aio.client import Client as NATS
+
+from zmlcore import subjects
+from zmlcore.bus.publish import Publisher
+from zmlcore.config import ZMLConfig
+from zmlcore.errors import ZMLError
+from zmlcore.messages import InferRequest, RoutingInfo, StreamResume, StreamStart
+from zmlcore.messages.audio import AudioRequest
+from zmlcore.policy import RouteRequest
+from zmlcore.reply import routingmeta, streamframe
+from zmlcore.reply.bigreply import accepted
+from zmlcore.reply.cachedtokens import cached_tokens
+from zmlcore.reply.keepalive import QUEUED, KeepaliveBook, keepalive_headers
+from zmlcore.reply.parts import publish_reply
+from zmlcore.reply.sse import SSELineTooLong
+from zmlcore.reply.transcript import Sent, Transcript
+from zmlcore.telemetry.setup import DECISION_ID
+
+from zml_router.node.attempt import (
+    AttemptError,
+    AudioBodies,
+    Failure,
+    NodeBodies,
+    Renamer,
+    expected_s,
+    first_byte_timeout,
+    pending_window_s,
+    reply_usage,
+    routing_headers,
+    stream_usage,
+    with_routing,
+)
+from zml_router.answer import assemble, continuation
+from zml_router.answer.assemble import Assembler, EngineFailed, MalformedStream
+from zml_router.answer.continuation import Splice, engine_error, spliced_usage
+from zml_router.node.dispatch import NodeClient, first_chunk_within, post, post_streamed, stream_sse
+from zml_router.incoming import Incoming, QueuedMsg
+from zml_router.node import legs
+from zml_router.node.result import PATHS, Dispatch, Handoff
+from zml_router.outcome import Outcome
+from zml_router.replicas.ids import RequestIds
+from zml_router.replicas.inflight import Sharing
+from zml_router.replicas.limits import IdentityLimits
+from zml_router.telemetry.decisions import DecisionLog
+from zml_router.telemetry.metrics import RouterMetrics
+from zml_router.replicas.table import NodeTable
+from zml_router.timers import Stalled, Timer, Wheel
+
+log = logging.getLogger("zml.router")
+
+_encode = msgspec.json.encode
+#: Zml-Accept-Stream values that get the node's events relayed as they came.
+_RELAYED = (subjects.STREAM_EVENTS, subjects.STREAM_FRAMES)
+
+
+def _decision_id() -> str:
+    """Unique, not secret (it names a decision in logs and traces): no getrandom syscall per attempt."""
+    return f"{getrandbits(64):016x}"
+
+
+class Replies:
+    """What the requester receives, on the router's one publisher (one write per loop
+    iteration): replies and stream messages, error replies, "queued" keepalives. The last reply
+    of a request frees first what the caller may reuse the moment it has it: the request id's
+    claim (``zml_router.replicas.ids``) and the plan's concurrency slot (``zml_router.replicas.limits``), both of
+    the request this task handles."""
+
+    def __init__(self, keepalives: KeepaliveBook, ids: RequestIds, limits: IdentityLimits) -> None:
+        self.keepalives = keepalives
+        self.ids = ids
+        self.limits = limits
+        self.nc: NATS | None = None
+        self.pub: Publisher | None = None
+
+    def start(self, nc: NATS) -> None:
+        self.nc = nc
+        self.pub = Publisher.of(nc)
+
+    async def publish(self, reply: str, data: bytes, headers: dict[str, str] | None) -> None:
+        if reply and self.pub is not None:
+            await self.pub.publish(reply, data, headers=headers)
+            if self.keepalives:  # the next keepalive is an interval after this message
+                self.keepalives.sent(reply, time.monotonic())
+
+    async def before_last(self, tokens: int) -> None:
+        """Free the request's id claim and plan slot (on every replica): its last reply follows."""
+        await self.ids.release_current()
+        await self.limits.release_current(tokens)
+
+    async def queued(self, reply: str) -> None:
+        """Tell a requester that asked for keepalives that its request waits in the saturation
+        queue (it stops watching for keepalives meanwhile)."""
+        self.keepalives.remove(reply)
+        await self.publish(reply, b"", keepalive_headers(QUEUED))
+
+    async def error(self, msg: Incoming, exc: ZMLError, stream: bool) -> None:
+        headers = {subjects.H_ERROR_CODE: exc.code, **getattr(exc, "nats_headers", {})}
+        if exc.retry_after is not None:
+            headers[subjects.H_RETRY_AFTER] = f"{exc.retry_after:g}"
+        if stream:
+            headers[subjects.H_STREAM] = subjects.STREAM_ERROR
+        try:
+            await self.ids.release_current()
+            await self.publish(msg.reply, _encode(exc.to_body()), headers)
+        except Exception:  # connection closing: the requester times out on its side
+            log.warning("could not send error reply %s", exc.code)
+
+
+#: Moves a node's (outstanding, pending) counts at once (``Sharing.move``: no I/O, no waiting).
+Move = Callable[[str, int, int], None]
+
+
+class PendingHold:
+    """Counts one dispatched non-streamed request: +1 outstanding and pending now, pending -1
+    after ``seconds`` (``attempt.pending_window_s``: a timer on the router's wheel, the count
+    moved in its callback: no task, and no loop timer armed and cancelled per request; it may
+    end one tick, 5 ms, late), the rest at :meth:`close`."""
+
+    __slots__ = ("_move", "node_id", "pending", "_timer", "_closed")
+
+    def __init__(self, move: Move, node_id: str, seconds: float, wheel: Wheel) -> None:
+        self._move = move
+        self.node_id = node_id
+        self.pending = True
+        self._closed = False
+        move(node_id, 1, 1)
+        self._timer: Timer | None = wheel.call_at(wheel.running_loop().time() + max(0.0, seconds), self._expire)
+
+    def _expire(self) -> None:
+        self._timer = None
+        if self.pending:
+            self.pending = False
+            self._move(self.node_id, 0, -1)
+
+    def close(self) -> None:
+        """The request finished (reply, error or cancel): the rest of its count (once)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        if not self._closed:
+            self._closed = True
+            still, self.pending = self.pending, False
+            self._move(self.node_id, -1, -1 if still else 0)
+
+
+#: Relayed chunks kept before they are folded into what was sent (zml_router.answer.continuation): a
+#: power of two, checked as a mask of the sequence number.
+_FOLD_MASK = 2047
+#: How an engine's error event can begin or end (vLLM and SGLang: ``data: {"error": {...}}``;
+#: TGI: ``{"error": "...", "error_type": ...}``): only a chunk matching one is read for it
+#: (a search of every chunk for ``"error"`` would cost more than the rest of the check), and
+#: only a chunk with the byte of one at its place is matched (two byte reads: ~10 ns, where the
+#: two tuple matches cost ~80 ns of the ~10 us a relayed chunk costs the router).
+_ERROR_HEADS = (b'data: {"error"', b'{"error"')
+_ERROR_TAILS = (b"}}\n\n", b"}}")
+#: A non-streamed reply asked as a stream: SSE bytes read per byte of the largest reply a
+#: requester takes ([nats] max_reply_bytes). A token's event repeats the chunk's envelope (~8x a
+#: short token's bytes); the reply put together is checked against the limit itself.
+SSE_BYTES_PER_REPLY_BYTE = 8
+
+
+class Answer:
+    """One request's answer across its attempts: whether the requester has the stream's
+    ``start``, the last sequence number sent, the chunks relayed (for a continuation: what was
+    sent), and the splice of a continuation attempt."""
+
+    __slots__ = ("started", "seq", "transcript", "splice", "usage_asked", "ttft", "assembler")
+
+    def __init__(self, usage_asked: bool = False, assembler: Assembler | None = None) -> None:
+        self.started = False
+        #: A non-streamed answer asked of the nodes as a stream and put back together here.
+        self.assembler = assembler
+        #: The answer's first token (seconds after the request arrived), whichever attempt sent it.
+        self.ttft: float | None = None
+        self.seq = 0
+        self.transcript = Transcript()
+        self.splice: Splice | None = None
+        #: The requester asked for the usage chunk (stream_options.include_usage).
+        self.usage_asked = usage_asked
+
+    def resume(self, r: StreamResume) -> Sent:
+        """Start from what the requester of a stream whose router died has (zmlcore.reply.resume):
+        its ``start`` went out, numbering goes on from its last message."""
+        sent = Sent(text=r.text, tokens=r.tokens, chunk_id=r.chunk_id, created=r.created, finished=r.finished,
+                    usage=r.usage, blocked=r.blocked)
+        self.started = True
+        self.seq = r.seq
+        self.transcript = Transcript(sent)
+        return sent
+
+
+def continued_from(failed: list[tuple[str, int, str]]) -> str | None:
+    """``Outcome.continued_from`` (node, tokens of the answer so far when it failed, failure)
+    as ``RoutingInfo.continued_from``: ``node@tokens:failure``, each node's share, comma-separated.
+
+    >>> continued_from([("a", 5, "network"), ("b", 12, "slow")])
+    'a@5:network,b@7:slow'
+    """
+    if not failed:
+        return None
+    out, before = [], 0
+    for node_id, upto, failure in failed:
+        out.append(f"{node_id}@{max(0, upto - before)}:{failure}")
+        before = max(before, upto)
+    return ",".join(out)
+
+
+def resumed_from(r: StreamResume) -> list[tuple[str, int, str]]:
+    """``Outcome.continued_from`` of a stream whose router died: the continuations its routing
+    said before (``RoutingInfo.continued_from``, each node's share) and the node that was
+    relaying when the router went (failure ``router``), as tokens of the answer so far.
+
+    >>> resumed_from(StreamResume(text="x", tokens=20, seq=21, node_id="c", continued_from="a@5:network,b@7:slow"))
+    [('a', 5, 'network'), ('b', 12, 'slow'), ('c', 20, 'router')]
+    """
+    out: list[tuple[str, int, str]] = []
+    upto = 0
+    for part in (r.continued_from or "").split(","):
+        node, at, rest = part.rpartition("@")
+        share, _, failure = rest.partition(":")
+        if node and share.isdigit():
+            upto += int(share)
+            out.append((node, upto, failure))
+    out.append((r.node_id or "unknown", max(r.tokens, upto), "router"))
+    return out
+
+
+class Relay:
+    def __init__(self, cfg: ZMLConfig, router_id: str, table: NodeTable, sharing: Sharing, timers: Wheel,
+                 http: NodeClient, metrics: RouterMetrics, replies: Replies,
+                 corrected: Callable[[str, RouteRequest, int, int], None] | None = None) -> None:
+        self.cfg = cfg
+        #: Told what the engine reported of its prefix cache (the router's index learns it).
+        self.corrected = corrected
+        self.router_id = router_id
+        self.table = table
+        self.sharing = sharing
+        self.timers = timers
+        self.http = http
+        self.metrics = metrics
+        self.replies = replies
+        #: What ``zml why DECISION_ID`` reads (zml_router.telemetry.decisions).
+        self.decisions = DecisionLog(router_id)
+        self.api_keys = {n.id: n.api_key for n in cfg.nodes if n.api_key}
+        self._move = sharing.move  # bound once: a non-streamed request's PendingHold takes it
+        #: Nodes that refused a non-streamed request asked as a stream (400/422: a server that
+        #: takes no stream_options) and answered it asked as it came: asked as it came from then on.
+        self.whole_only: set[str] = set()
+
+    def answer(self, req: InferRequest | AudioRequest, raw: bytes = b"", model: str = "") -> Answer:
+        """The state of one request's answer, kept across its attempts. A non-streamed chat or
+        completion is asked of its nodes as a stream and put back together (zml_router.answer.assemble)
+        unless its model says ``stream_from_nodes = false``."""
+        opts = getattr(req, "stream_options", None)
+        kind = req.kind()
+        mc = self.cfg.models.get(model)
+        asm = (Assembler(kind) if not req.stream and kind in ("chat", "completion")
+               and (mc is None or mc.stream_from_nodes) and assemble.wanted(raw) else None)
+        return Answer(usage_asked=isinstance(opts, dict) and bool(opts.get("include_usage")), assembler=asm)
+
+    async def prefill(self, req: InferRequest, bodies: NodeBodies, model: str, action: Any, request_id: str,
+                      out: Outcome) -> Handoff | AttemptError:
+        """A split request's prefill leg on ``action.decision.prefill_node`` (zml_router.node.legs):
+        the Handoff for its decode leg, or how it failed. Counted on the prefill node while it
+        runs, bounded by the request's deadline and [disaggregation] prefill_timeout_s."""
+        node_id = action.decision.prefill_node
+        view = self.table.views.get(node_id)
+        if view is None:
+            return AttemptError(Failure.NETWORK, 0, f"prefill node {node_id} is gone")
+        st = view.state
+        served = st.served_names.get(model)
+        info = RoutingInfo(node_id=node_id, request_id=request_id, router_id=self.router_id, label=out.label,
+                           decision_id=_decision_id())
+        headers = self._headers(info)
+        self.sharing.move(node_id, 1, 1)
+        try:
+            async with asyncio.timeout(self.cfg.disaggregation.prefill_timeout_s):
+                handoff = await legs.run_prefill(self.http, st.backend, st.endpoint, PATHS[req.kind()],
+                                                 bodies(served or model), headers, node_id,
+                                                 f"{request_id}-{info.decision_id}")
+        except AttemptError as err:
+            self.metrics.prefill_leg(node_id, err.failure.value)
+            return err
+        except TimeoutError:
+            self.metrics.prefill_leg(node_id, Failure.SLOW.value)
+            return AttemptError(Failure.SLOW, 0, f"no prefill within {self.cfg.disaggregation.prefill_timeout_s:g} s "
+                                "([disaggregation] prefill_timeout_s)")
+        finally:
+            self.sharing.move(node_id, -1, -1)
+        self.metrics.prefill_leg(node_id, "ok")
+        return handoff
+
+    async def attempt(self, msg: Incoming, req: InferRequest, bodies: NodeBodies | AudioBodies, model: str,
+                      action: Dispatch, request_id: str, t0: float, out: Outcome,
+                      answer: Answer | None = None) -> AttemptError | None:
+        """One attempt on the decided node: None once the answer is out, else how it failed.
+        A continuation attempt (``action.continuation``) asks the node for the rest of what
+        ``answer`` has sent (zml_router.answer.continuation; never an audio request: its body is no
+        prompt to continue)."""
+        decision = action.decision
+        view = self.table.views[decision.node_id]
+        info = RoutingInfo(
+            node_id=decision.node_id, accelerator_type=view.state.accelerator_type, family=decision.family,
+            policy=decision.policy, queue_depth_at_dispatch=decision.queue_depth, decision_id=_decision_id(),
+            request_id=request_id, attempts=action.attempt, router_id=self.router_id, label=out.label,
+            continued_from=continued_from(out.continued_from),
+            cached_tokens_estimated=decision.cached_tokens,
+            prefill_failed=out.prefill_failed,
+        )
+        handoff = action.handoff
+        if handoff is not None:
+            info.prefill_node = handoff.prefill_node
+            info.prefill_ms = round(handoff.prefill_ms, 3)
+        if answer is None:
+            answer = self.answer(req)
+        if answer.started:
+            info.time_to_first_token = answer.ttft  # the answer's first token, not this attempt's
+        out.info = info
+        DECISION_ID.set(info.decision_id)
+        self.decisions.remember(info, decision, view.state, model, action.attempt, out)
+        served = view.state.served_names.get(model)
+        audio = isinstance(req, AudioRequest)
+        if answer.assembler is not None and decision.node_id in self.whole_only and not action.continuation:
+            answer.assembler = None
+            answer.ttft = None
+        asm = answer.assembler
+        if action.continuation and isinstance(bodies, NodeBodies):
+            sent = asm.begin_continuation() if asm is not None else answer.transcript.sent()
+            node_body = continuation.body(bodies.raw, clean=bodies.clean, kind=req.kind(), sent=sent,
+                                          backend=view.state.backend, name=served or model,
+                                          usage=asm is not None)
+            if asm is None:
+                answer.splice = Splice(sent, {"node_id": info.node_id, "attempts": action.attempt,
+                                              "continued_from": info.continued_from})
+        else:
+            node_body = bodies(served or model)
+            if handoff is not None:  # the decode leg: what the prefill leg handed over
+                node_body = legs.decode_body(node_body, handoff)
+                if handoff.restore:
+                    try:
+                        await legs.before_decode(self.http, view.state.endpoint, handoff, self._headers(info))
+                    except AttemptError as err:
+                        self.metrics.failover(decision.node_id, err.failure.value)
+                        return err
+            if asm is not None:
+                node_body = assemble.as_stream(node_body)
+                if asm.touched:  # asked again from scratch: what a failed attempt produced goes
+                    answer.assembler = asm = Assembler(asm.kind)
+                    answer.ttft = None
+            answer.splice = None
+        first_byte = self.first_byte_s(decision.node_id, req, action.rr, action.stream or asm is not None)
+        # The engine answers with its own name: the client gets back the name it asked for (an
+        # audio answer names no model).
+        rename = Renamer(served, req.model) if served and served != req.model and not audio else None
+        try:
+            if action.stream:
+                usage = await self.stream(msg, req, node_body, info, t0, first_byte, rename, action.rr, answer)
+            else:
+                try:
+                    usage = await self.once(msg, req, node_body, info, t0, first_byte, rename, action.rr, answer)
+                except AttemptError as err:
+                    if not (asm is not None and err.failure is Failure.CLIENT and err.status in (400, 422)
+                            and not action.continuation and isinstance(bodies, NodeBodies)):
+                        raise
+                    # Refused as a stream: the node may not take stream_options (an OpenAI-compatible
+                    # server of its own make). Asked as the caller asked; if that is answered, so is
+                    # every later request to it (a bad request is refused again, as it should be).
+                    answer.assembler = None
+                    first_byte = self.first_byte_s(decision.node_id, req, action.rr, False)
+                    usage = await self.once(msg, req, bodies(served or model), info, t0, first_byte, rename,
+                                            action.rr, answer)
+                    self.whole_only.add(decision.node_id)
+                    log.warning("node %s refused a non-streamed request asked as a stream (%s %s) and answered "
+                                "it asked as it came: its requests are asked as they come from now on",
+                                decision.node_id, err.status, err.detail[:200])
+        except AttemptError as err:
+            self.metrics.failover(decision.node_id, err.failure.value)
+            return err
+        if usage:  # the completion event counts them (cost attribution: docs/security.md, observers)
+            out.prompt_tokens = int(usage.get("prompt_tokens") or 0)
+            out.completion_tokens = int(usage.get("completion_tokens") or 0)
+        return None
+
+    async def close(self, msg: Incoming, req: InferRequest | AudioRequest, answer: Answer, request_id: str,
+                    out: Outcome, node_id: str, attempts: int) -> None:
+        """End a stream whose requester has the whole answer, only its end lost (its node failed,
+        or its router died, after the last token: zml_router.answer.continuation.complete): the chunk
+        that ends it unless its finish went out, then the stream's end."""
+        sent = answer.transcript.sent()
+        info = RoutingInfo(node_id=node_id, request_id=request_id, attempts=attempts, router_id=self.router_id,
+                           label=out.label, continued_from=continued_from(out.continued_from))
+        out.info, out.node_id, out.attempts, out.ok = info, node_id, attempts, True
+        seq = answer.seq
+        if not sent.finished:
+            log.info("the answer on %s had all its %d tokens, only its end was lost: ended here", node_id,
+                     sent.tokens)
+            last = continuation.closing_chunk(req.kind(), sent, req.model,
+                                              {"node_id": node_id, "attempts": attempts,
+                                               "continued_from": info.continued_from, "ended_by": "router"})
+            seq += 1
+            # in the form the requester reads this stream's chunks in (as Relay.stream sends them)
+            accept = (msg.headers or {}).get(subjects.H_ACCEPT_STREAM)
+            event = b"data: " + last + b"\n\n"
+            if accept == subjects.STREAM_FRAMES:
+                await self.replies.publish(msg.reply, streamframe.encode(seq, event), None)
+            else:
+                data, kind = (event, subjects.STREAM_EVENTS) if accept == subjects.STREAM_EVENTS \
+                    else (last, subjects.STREAM_CHUNK)
+                await self.replies.publish(msg.reply, data, {subjects.H_STREAM: kind, subjects.H_SEQ: str(seq)})
+        answer.seq = seq
+        await self.replies.before_last(0)
+        await self.replies.publish(msg.reply, _encode(StreamStart(routing=info)),
+                                   {subjects.H_STREAM: subjects.STREAM_END, subjects.H_SEQ: str(seq + 1)})
+
+    def _headers(self, info: RoutingInfo, msg: Incoming | None = None) -> dict[str, str]:
+        # An audio request's body is its caller's multipart form, its boundary in the content type.
+        ctype = (msg.headers or {}).get(subjects.H_CONTENT_TYPE) if msg is not None else None
+        h = {
+            "content-type": ctype or "application/json",
+            "x-zml-routing": routingmeta.backend_header(info),
+            "x-request-id": info.request_id,
+        }
+        key = self.api_keys.get(info.node_id)
+        if key:
+            h["authorization"] = f"Bearer {key}"
+        self.metrics.dispatching(h, info)  # traceparent of the attempt span, when tracing
+        return h
+
+    def first_byte_s(self, node_id: str, req: InferRequest, rr: RouteRequest, stream: bool | None = None) -> float | None:
+        """The attempt's first-byte deadline (none for a pinned request: it cannot move):
+        ``stream``, the node streams its answer (its first token is due), else the whole reply."""
+        view = self.table.views.get(node_id)
+        if view is None or req.accelerator_id is not None:
+            return None
+        rc = self.cfg.router
+        expected = expected_s(view.state, view.outstanding, view.pending, rr.prompt_tokens, rr.max_tokens,
+                              req.stream if stream is None else stream)
+        return first_byte_timeout(expected, rc.first_byte_floor_s, rc.first_byte_factor)
+
+    def _url(self, info: RoutingInfo, req: InferRequest) -> str:
+        return self.table.views[info.node_id].state.endpoint.rstrip("/") + PATHS[req.kind()]
+
+    def _reported(self, info: RoutingInfo, rr: RouteRequest | None, cached: int, prompt: object) -> None:
+        """The engine said how many prompt tokens it served from its prefix cache."""
+        info.cached_tokens = cached
+        prompt_tokens = prompt if isinstance(prompt, int) else 0
+        self.metrics.cached(info.node_id, prompt_tokens, info.cached_tokens_estimated, cached)
+        if rr is not None and self.corrected is not None:
+            self.corrected(info.node_id, rr, cached, prompt_tokens)
+
+    async def once(self, msg: Incoming, req: InferRequest, body: bytes, info: RoutingInfo, t0: float,
+                   first_byte: float | None = None, rename: Renamer | None = None,
+                   rr: RouteRequest | None = None, answer: Answer | None = None) -> dict[str, Any]:
+        """Send the node's reply; returns its token counts (``reply_usage``)."""
+        audio = isinstance(req, AudioRequest)
+        asm = answer.assembler if answer is not None else None
+        if asm is not None:  # asked of the node as a stream: the first token is seen (zml_router.answer.assemble)
+            assert answer is not None
+            raw, counts = await self._assembled(req, body, info, t0, first_byte, rename, answer, asm)
+            ctype = "application/json"
+        else:
+            raw, ctype = await self._whole(req, body, info, first_byte, msg if audio else None,
+                                           rr.prompt_tokens if rr is not None and audio else None)
+            info.time_to_first_token = time.monotonic() - t0
+            counts = None
+        usage = reply_usage(raw) if counts is None else counts  # (a reply put together here: known)
+        self.metrics.usage_dict(req.kind(), req.model, usage)
+        cached = None if audio else cached_tokens(raw)
+        if cached is not None:
+            self._reported(info, rr, cached, usage.get("prompt_tokens"))
+        if rename is not None:
+            raw = rename(raw)
+        if "total_tokens" in usage:
+            info.total_tokens = usage["total_tokens"]
+        await self.replies.before_last(info.total_tokens or 0)  # the caller may send again at once
+        # Over max_payload: in parts to a requester that collects them (zmlcore.reply.bigreply), else
+        # REPLY_TOO_LARGE (raised before anything is sent), never a lost reply.
+        nc = self.replies.nc
+        if msg.reply and nc is not None:
+            if audio:  # the node's bytes as they are: the routing metadata goes in headers only
+                await publish_reply(nc, msg.reply, raw, {**routingmeta.nats_headers(info),
+                                                         subjects.H_CONTENT_TYPE: ctype}, accepted(msg.headers))
+            else:
+                await publish_reply(nc, msg.reply, with_routing(raw, info), routing_headers(msg.headers, info),
+                                    accepted(msg.headers))
+        return usage
+
+    async def _whole(self, req: InferRequest, body: bytes, info: RoutingInfo, first_byte: float | None,
+                     msg: Incoming | None = None, prompt_tokens: int | None = None) -> tuple[bytes, str]:
+        """The node's whole reply and its content type (an audio answer may not be JSON: text,
+        SRT, VTT...). ``msg``: an audio request's (its form's content type goes to the node);
+        ``prompt_tokens``: its cost, which its bytes do not say."""
+        # A non-streamed reply shows no first token: pending ends at the estimated one.
+        v = self.table.views[info.node_id]
+        hold = PendingHold(self._move, info.node_id,
+                           pending_window_s(v.state, v.effective_outstanding(), v.effective_pending(), len(body),
+                                            prompt_tokens),
+                           self.timers)
+        try:
+            call = post(self.http, self._url(info, req), body, self._headers(info, msg), self.cfg.nats.max_reply_bytes)
+            if first_byte is None:
+                return await call
+            try:
+                with self.timers.deadline(first_byte):  # on the router's timer wheel (zml_router.timers)
+                    return await call
+            except TimeoutError:  # ours only: the request's own deadline arrives as a cancellation
+                raise AttemptError(Failure.SLOW, 0,
+                                   f"no reply within the first-byte deadline of {first_byte:.1f} s") from None
+        finally:
+            hold.close()
+
+    async def _assembled(self, req: InferRequest, body: bytes, info: RoutingInfo, t0: float,
+                         first_byte: float | None, rename: Renamer | None, answer: Answer, asm: Assembler
+                         ) -> tuple[bytes, dict[str, Any] | None]:
+        """A non-streamed request asked of the node as a stream: its first token counted as the
+        request's (and as the end of its pending time), the rest gathered and put back together
+        as the JSON reply the engine would have sent (zml_router.answer.assemble). A failure after the
+        first token carries what the answer holds (``AttemptError.sent``): the flow continues it.
+        Returns the reply and its token counts (``reply_usage``'s), or None when the node
+        answered whole (they are read from its bytes)."""
+        move = self._move  # no I/O and no waiting: no coroutine per count
+        node_id = info.node_id
+        move(node_id, 1, 1)
+        pending = 1
+        seen = False  # the first token came
+        got: list[bytes] = []
+
+        def first(complete: bool) -> None:
+            nonlocal pending, seen
+            seen = True
+            if answer.ttft is None:
+                answer.ttft = time.monotonic() - t0
+            if not complete:  # the node is still decoding: its pending time ends at the first token
+                pending = 0
+                move(node_id, 0, -1)
+            # (complete: nothing waits before the count below, which ends both at once)
+
+        try:
+            try:
+                sse = await post_streamed(
+                    self.http, self._url(info, req), body, self._headers(info), timers=self.timers,
+                    first_byte=first_byte, stall_s=self.cfg.router.inter_token_timeout_s,
+                    max_bytes=SSE_BYTES_PER_REPLY_BYTE * self.cfg.nats.max_reply_bytes, first=first,
+                    feed=got.append)
+            except AttemptError as err:
+                if seen and got:  # part of the answer came: it can be continued
+                    try:
+                        asm.feed(b"".join(got))
+                        err.sent = asm.sent()
+                    except (MalformedStream, EngineFailed, SSELineTooLong):
+                        pass
+                raise
+            data = got[0] if len(got) == 1 else b"".join(got)
+            info.time_to_first_token = answer.ttft
+            if not sse:  # the node answered whole (it does not stream): its reply as it is
+                return data, None
+            try:
+                asm.feed(data)
+                if not asm.done:
+                    cut = AttemptError(Failure.NETWORK, 0, "stream ended without [DONE]")
+                    cut.sent = asm.sent()
+                    raise cut
+                return asm.reply(model=req.model if rename is not None else None), asm.counts()
+            except EngineFailed as exc:
+                failed = AttemptError(Failure.SERVER, 200, f"the engine failed the request mid-way: {exc}")
+                failed.sent = asm.sent()
+                raise failed from None
+            except (MalformedStream, SSELineTooLong) as exc:
+                raise AttemptError(Failure.SERVER, 200, f"stream broken: {exc}") from None
+        finally:
+            move(node_id, -1, -pending)
+
+    async def stream(self, msg: Incoming, req: InferRequest, body: bytes, info: RoutingInfo, t0: float,
+                     first_byte: float | None = None, rename: Renamer | None = None,
+                     rr: RouteRequest | None = None, answer: Answer | None = None) -> dict[str, Any] | None:
+        """Relay the node's stream; returns its last ``usage`` (with include_usage), if any."""
+        if answer is None:
+            answer = self.answer(req)
+        last_usage: dict[str, Any] | None = None
+        count, publish, frame = self.sharing.count, self.replies.publish, streamframe.encode
+        await count(info.node_id, 1, 1)
+        pending = 1
+        got = False  # this attempt's first chunk
+        seq = answer.seq
+        reported: int | None = None
+        prompt_seen: object = None
+        # Relayed as the node framed it to a requester that writes SSE itself (the gateway);
+        # as header-less frames when it asked for them (zmlcore.reply.streamframe).
+        accept = (msg.headers or {}).get(subjects.H_ACCEPT_STREAM)
+        relay = rename is None and accept in _RELAYED
+        frames = relay and accept == subjects.STREAM_FRAMES
+        kind = subjects.STREAM_EVENTS if relay else subjects.STREAM_CHUNK
+        # What went out, kept for a continuation (read only if this attempt fails).
+        transcript = answer.transcript
+        transcript.begin(relay)
+        keep = transcript.blocks.append
+        splice = answer.splice
+        # An engine's error event, told by bytes at fixed places before any search: the "e" of
+        # a leading {"error" or the "}}" that ends it (in a block of events, or a bare payload).
+        err_head, err_tail = (8, -3) if relay else (2, -1)
+        # A stall: the sequence number stands still for a whole period (no work per chunk).
+        watch = self.timers.watch(self.cfg.router.inter_token_timeout_s, lambda: seq)
+        watching = False
+        chunks = stream_sse(self.http, self._url(info, req), body, self._headers(info, msg), relay)
+        try:
+            try:
+                async for chunk in first_chunk_within(chunks, first_byte):
+                    if not got:
+                        got = True
+                        pending = 0
+                        if isinstance(msg, QueuedMsg) and msg.placed is not None and not msg.placed.done():
+                            msg.placed.set_result(True)
+                        await count(info.node_id, 0, -1)
+                        watch.__enter__()  # the inter-token deadline, from the first token on
+                        watching = True
+                        if not answer.started:
+                            answer.started = True
+                            info.time_to_first_token = answer.ttft = time.monotonic() - t0
+                            await publish(msg.reply, _encode(StreamStart(routing=info)), {
+                                **routing_headers(msg.headers, info), subjects.H_STREAM: "start", subjects.H_SEQ: "0"})
+                    if len(chunk) > err_head and (chunk[err_head] == 101 or chunk[err_tail] == 125 == chunk[err_tail - 1]) \
+                            and (chunk.startswith(_ERROR_HEADS) or chunk.endswith(_ERROR_TAILS)) \
+                            and (failed := engine_error(chunk)) is not None:
+                        raise AttemptError(Failure.SERVER, 200, f"the engine failed the request mid-stream: {failed}")
+                    usage = stream_usage(chunk)
+                    if usage is not None:
+                        prompt_seen = usage.get("prompt_tokens")  # the node's own (its prefix cache)
+                        if splice is not None:
+                            usage = spliced_usage(usage, splice.sent)
+                        last_usage = usage
+                        info.total_tokens = usage["total_tokens"]
+                        self.metrics.usage_dict(req.kind(), req.model, usage)
+                    if b'"cache' in chunk and (cached := cached_tokens(chunk)) is not None:
+                        reported = cached  # the usage chunk, or llama-server's timings on the last chunk
+                    if rename is not None:
+                        chunk = rename(chunk)
+                    if splice is not None:  # a continuation: its chunks made part of the one stream
+                        chunk = splice.events(chunk) if relay else splice.payload(chunk)  # type: ignore[assignment]
+                        if not chunk:
+                            continue
+                    keep(chunk)
+                    seq += 1
+                    if not seq & _FOLD_MASK:
+                        transcript.fold()  # numbered so that a receiver notices a lost message (zmlcore.reply.streamseq)
+                    if frames:
+                        await publish(msg.reply, frame(seq, chunk), None)
+                    else:
+                        await publish(msg.reply, chunk, {subjects.H_STREAM: kind, subjects.H_SEQ: str(seq)})
+            except BaseException as exc:
+                if watching:
+                    watching = False
+                    try:
+                        watch.__exit__(type(exc), exc, exc.__traceback__)
+                    except Stalled:
+                        raise AttemptError(Failure.SLOW, 0, f"no token for {self.cfg.router.inter_token_timeout_s:g} s "
+                                           "([router] inter_token_timeout_s)") from None
+                raise
+            finally:
+                if watching:
+                    watch.__exit__(None, None, None)
+            if reported is not None:
+                self._reported(info, rr, reported, prompt_seen)
+            if not answer.started:  # a stream with no chunk at all
+                answer.started = True
+                info.time_to_first_token = answer.ttft = time.monotonic() - t0
+                await publish(msg.reply, _encode(StreamStart(routing=info)),
+                              {**routing_headers(msg.headers, info), subjects.H_STREAM: "start", subjects.H_SEQ: "0"})
+            await self.replies.before_last(info.total_tokens or 0)
+            await publish(msg.reply, _encode(StreamStart(routing=info)),
+                          {subjects.H_STREAM: subjects.STREAM_END, subjects.H_SEQ: str(seq + 1)})
+        except AttemptError as err:
+            # Before the first token the flow re-dispatches invisibly; after it, it continues the
+            # answer on another node where it can (zml_router.answer.continuation), else it cools the
+            # node and ends the stream with an error.
+            err.mid_stream = answer.started
+            if answer.started:
+                sent = transcript.sent()
+                if sent.finished and (sent.usage or not answer.usage_asked):
+                    # Only the end of a complete answer was lost: end it here.
+                    log.info("node %s failed after the end of its answer (%s): the stream is complete",
+                             info.node_id, err.detail[:120])
+                    answer.seq = seq
+                    await self.replies.before_last(info.total_tokens or 0)
+                    await publish(msg.reply, _encode(StreamStart(routing=info)),
+                                  {subjects.H_STREAM: subjects.STREAM_END, subjects.H_SEQ: str(seq + 1)})
+                    return last_usage
+                err.sent = sent
+            raise
+        finally:
+            answer.seq = seq
+            await count(info.node_id, -1, -pending)
+        return last_usage

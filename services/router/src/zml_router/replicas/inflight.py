@@ -1,0 +1,139 @@
+"""What router replicas share: in-flight counts (deltas as they change, a snapshot every
+second) and node marks (cooldown, saturated), so that each replica's local table sees the
+whole fleet's load. Losing one of these messages only makes a decision slightly stale: the next
+snapshot repairs counts, and a mark is only ever an extension of a skip window.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+import msgspec
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+
+from zmlcore import subjects
+from zmlcore.bus.direct import subscribe_direct
+from zmlcore.messages import InflightDelta, InflightSnapshot, RouterNodeState, RouterState, node_mark_decoder
+
+from zml_router.replicas.cooldowns import Marks
+from zml_router.replicas.deltas import DeltaWindow
+from zml_router.replicas.table import NodeTable
+
+log = logging.getLogger("zml.router")
+
+_encode = msgspec.json.encode
+_delta_decoder = msgspec.json.Decoder(InflightDelta)
+_snapshot_decoder = msgspec.json.Decoder(InflightSnapshot)
+SNAPSHOT_EVERY_S = 1.0
+
+
+class Sharing:
+    def __init__(self, table: NodeTable, marks: Marks, router_id: str) -> None:
+        self.table = table
+        self.marks = marks
+        self.router_id = router_id
+        self.nc: NATS | None = None
+        #: Called when capacity may have freed (the saturation queue's heads re-try then).
+        self.freed: Callable[[], None] = lambda: None
+        #: Our deltas, summed per node over a short window before they go out.
+        self.deltas: DeltaWindow | None = None
+
+    async def start(self, nc: NATS, freed: Callable[[], None]) -> list[Subscription]:
+        self.nc, self.freed = nc, freed
+        self.deltas = DeltaWindow(nc, self.router_id)
+        # Deltas and snapshots applied in the order a peer sent them: a delta sent after a
+        # snapshot and applied before it would be undone by it (callback subscriptions, one
+        # task per subject, do reorder them).
+        return [await subscribe_direct(nc, subjects.INFLIGHT, self._on_delta),
+                await subscribe_direct(nc, subjects.INFLIGHT_SNAPSHOT, self._on_snapshot),
+                await nc.subscribe(subjects.NODE_MARKS, cb=self._on_mark)]
+
+    # --- ours, to the peers ---------------------------------------------------------------------
+    async def count(self, node_id: str, outstanding: int, pending: int) -> None:
+        self.move(node_id, outstanding, pending)
+
+    def move(self, node_id: str, outstanding: int, pending: int) -> None:
+        """:meth:`count` without the coroutine (nothing in it waits)."""
+        self.table.add_own(node_id, outstanding, pending)
+        if outstanding < 0:
+            self.freed()
+        # Deltas are for peers: alone, skip them (a replica that joins learns our counts from
+        # the next 1 s snapshot). Saves a NATS send per message on the hot path.
+        if self.deltas is not None and self.table.peers:
+            self.deltas.add(node_id, outstanding, pending)  # summed per node for 2 ms (zml_router.replicas.deltas)
+
+    async def mark(self, node_id: str, kind: str, for_s: float, reason: str) -> None:
+        """Skip a node here, and (over NATS) on every replica."""
+        mark = self.marks.mark(node_id, kind, for_s, reason, time.time())
+        if mark is not None and self.nc is not None:
+            try:
+                await self.nc.publish(subjects.NODE_MARKS, _encode(mark))
+            except Exception:  # a peer learning late is no reason to fail the request
+                log.debug("node mark not published", exc_info=True)
+
+    async def publish_snapshots(self) -> None:
+        """Every second: forget silent peers, and tell the others our own counts."""
+        while True:
+            await asyncio.sleep(SNAPSHOT_EVERY_S)
+            now = time.time()
+            if self.table.expire_peers(now):
+                self.freed()
+            if self.nc is not None and self.nc.is_connected:
+                def snap() -> bytes:
+                    return _encode(InflightSnapshot(router_id=self.router_id, ts=now, nodes=self.table.own_snapshot()))
+                if self.deltas is not None:  # in order with the deltas summed before it (zml_router.replicas.deltas)
+                    await self.deltas.then(subjects.INFLIGHT_SNAPSHOT, snap)
+                else:
+                    await self.nc.publish(subjects.INFLIGHT_SNAPSHOT, snap())
+
+    def close(self) -> None:
+        if self.deltas is not None:
+            self.deltas.close()
+
+    def state(self, in_flight: int, now: float) -> RouterState:
+        """This replica's view of every node (its answer to a state request)."""
+        nodes = {}
+        for v in self.table.nodes():
+            own = self.table.own.get(v.node_id, [0, 0])
+            why = self.marks.describe(v.node_id, now)
+            nodes[v.node_id] = RouterNodeState(
+                status=v.state.status, outstanding=v.outstanding, pending=v.pending, own=list(own),
+                effective_outstanding=v.effective_outstanding(),
+                cooldown_s=round(max(0.0, v.cooldown_until - now), 3),
+                saturated_s=round(max(0.0, v.saturated_until - now), 3),
+                state_age_s=round(now - v.state.updated_at, 3), cost_per_hour=v.state.cost_per_hour,
+                cooldown_reason=why.get("cooldown_reason", ""), cooldown_by=why.get("cooldown_by", ""))
+        return RouterState(router_id=self.router_id, in_flight=in_flight, nodes=nodes)
+
+    # --- the peers', to us ----------------------------------------------------------------------
+    def _on_delta(self, msg: Msg) -> None:
+        try:
+            d = _delta_decoder.decode(msg.data)
+        except msgspec.DecodeError:
+            return
+        if d.router_id != self.router_id:
+            self.table.apply_delta(d, time.time())
+            if d.outstanding < 0:
+                self.freed()
+
+    def _on_snapshot(self, msg: Msg) -> None:
+        try:
+            snap = _snapshot_decoder.decode(msg.data)
+        except msgspec.DecodeError:
+            return
+        if snap.router_id != self.router_id:
+            self.table.apply_snapshot(snap, time.time())
+
+    async def _on_mark(self, msg: Msg) -> None:
+        try:
+            mark = node_mark_decoder.decode(msg.data)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return
+        if self.marks.apply_peer(mark, time.time()):
+            log.info("%s marked %s %s for %.1f s (%s)", mark.router_id, mark.node_id, mark.kind, mark.for_s,
+                     mark.reason)

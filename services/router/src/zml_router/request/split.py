@@ -1,0 +1,76 @@
+"""Whether a request is split into a prefill leg and a decode leg, on this router's table.
+
+The decision itself is :func:`zmlcore.policy.split.decide_split` (pure, shared with the
+routing simulator); this module gives it the router's inputs: the nodes whose engine has a
+leg protocol here (``zml_router.node.legs.SPLIT_BACKENDS``), the policy's objective and
+latency target, the link table of zml.toml and the conversation's last mode (hysteresis, so a
+conversation's turns do not flip between modes on noise).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+
+from zmlcore.config import ZMLConfig
+from zmlcore.policy import Decision, ResolvedPolicy, RouteRequest
+from zmlcore.policy.split import KVLinks, SplitSettings, decide_split, objective_of
+from zmlcore.policy.split.decide import Mode
+
+from zml_router.node.legs import SPLIT_BACKENDS
+from zml_router.replicas.table import NodeTable
+
+#: Conversations whose last mode is remembered (least recently used forgotten first).
+MAX_SESSIONS = 100_000
+
+
+class Splitter:
+    def __init__(self, cfg: ZMLConfig, table: NodeTable) -> None:
+        self.cfg = cfg
+        self.table = table
+        self.enabled = cfg.disaggregation.enabled
+        self.links = KVLinks.from_config(cfg.kv_links)
+        d = cfg.disaggregation
+        self._settings: dict[str, SplitSettings] = {}
+        self._default = SplitSettings(d.min_uncached_tokens, d.min_gain, float(d.kv_bytes_per_token), d.always)
+        self.modes: OrderedDict[str, Mode] = OrderedDict()
+
+    def settings(self, model: str) -> SplitSettings:
+        s = self._settings.get(model)
+        if s is None:
+            mc = self.cfg.models.get(model)
+            s = self._default
+            if mc is not None and mc.kv_bytes_per_token is not None:
+                s = dataclasses.replace(s, kv_bytes_per_token=float(mc.kv_bytes_per_token))
+            self._settings[model] = s
+        return s
+
+    def decide(self, whole: Decision, rr: RouteRequest, policy: ResolvedPolicy, now: float,
+               session: str = "") -> tuple[Decision, str]:
+        """The decision to act on (``whole``, or a split one naming its prefill node) and the
+        reason (zmlcore.policy.split.SplitDecision.reason)."""
+        views = self.table.views
+        view = views.get(whole.node_id)
+        if view is None or not view.state.kv_group or view.state.backend not in SPLIT_BACKENDS:
+            return whole, "no_pair"
+        nodes = [v for v in views.values() if v.state.kv_group and v.state.backend in SPLIT_BACKENDS]
+        cfg = policy.config
+        target = (cfg.latency_target_ms or 2000.0) / 1000.0
+        previous = self.modes.get(session) if session else None
+        sd = decide_split(nodes, view, model=rr.model, prompt_tokens=rr.prompt_tokens, output_tokens=rr.max_tokens,
+                          cached={whole.node_id: whole.cached_tokens}, settings=self.settings(rr.model),
+                          links=self.links, now=now, objective=objective_of(policy.strategy, cfg.cost_priority),
+                          latency_target_s=target, previous=previous, exclude=rr.exclude,
+                          stale_after_s=self.cfg.router.stale_after_s)
+        if session and sd.reason != "short_prompt":
+            self.modes[session] = sd.mode
+            self.modes.move_to_end(session)
+            if len(self.modes) > MAX_SESSIONS:
+                self.modes.popitem(last=False)
+        if not sd.split or sd.chosen is None:
+            return whole, sd.reason
+        c = sd.chosen
+        dv = views[c.node]
+        return dataclasses.replace(whole, node_id=c.node, family=dv.state.family, prefill_node=c.prefill_node,
+                                   queue_depth=dv.effective_outstanding(), transfer_tokens=c.transfer_tokens,
+                                   transfer_s=c.transfer_s, cached_tokens=0), sd.reason

@@ -1,0 +1,100 @@
+"""Disaggregated prefill/decode through the whole stack (gateway, router, health, sim nodes
+speaking vLLM's KV-connector protocol): a long prompt is prefilled on the prefill node and
+decoded on the decode node from the pulled blocks, as one answer, streamed or not, the legs
+named in the routing metadata; a short one is served whole; a failed prefill leg leaves the
+request served whole on the decode node, which the reply says."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from conftest import MODEL, Stack, launch_stack
+
+PREFILL = ("pf-1", "nvidia_h100", [MODEL], 'roles = ["prefill"]\nkv_group = "g"\nkv_gbps = 400\n')
+DECODE = ("dec-1", "intel_gaudi2", [MODEL], 'roles = ["decode"]\nkv_group = "g"\nkv_gbps = 400\n')
+def long_prompt(topic: str) -> str:
+    """~6,000 tokens, a new prompt per topic (no node holds any of it yet)."""
+    return f"Summarise the {topic} report in one line. " + f"The {topic} figures rose again. " * 650
+
+
+@pytest.fixture(scope="module")
+def stack(own_nats: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    extra = "[disaggregation]\nenabled = true\n"
+    s = launch_stack(own_nats, tmp_path_factory.mktemp("disagg"), fleet=[PREFILL, DECODE], routers=1, extra=extra)
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def chat(stack: Stack, content: str, **kw: object) -> httpx.Response:
+    return httpx.post(stack.gateway_url + "/v1/chat/completions", timeout=30,
+                      json={"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 8, **kw})
+
+
+def sim_faults(stack: Stack, node: str, faults: dict[str, object] | None) -> None:
+    url = f"http://127.0.0.1:{stack.node_ports[node]}/sim/faults"
+    r = httpx.post(url, json=faults, timeout=5) if faults else httpx.delete(url, timeout=5)
+    assert r.status_code == 200, r.text
+
+
+def test_a_long_prompt_is_prefilled_on_one_node_and_decoded_on_the_other(stack: Stack) -> None:
+    r = chat(stack, long_prompt("quarterly"))
+    assert r.status_code == 200, r.text
+    body = r.json()
+    z = body["zml"]
+    assert z["node_id"] == "dec-1" and z["prefill_node"] == "pf-1" and z["prefill_ms"] > 0
+    assert "prefill_failed" not in z or z["prefill_failed"] is None
+    assert r.headers["x-zml-prefill-node"] == "pf-1"
+    usage = body["usage"]
+    # the decode leg computed almost nothing: the prompt's blocks came from the prefill node
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= 0.95 * usage["prompt_tokens"]
+    assert usage["completion_tokens"] == 8 and "[dec-1]" in body["choices"][0]["message"]["content"]
+
+
+def test_streamed_as_one_answer(stack: Stack) -> None:
+    with httpx.stream("POST", stack.gateway_url + "/v1/chat/completions", timeout=30,
+                      json={"model": MODEL, "messages": [{"role": "user", "content": long_prompt("annual")}],
+                            "max_tokens": 8, "stream": True, "stream_options": {"include_usage": True}}) as r:
+        assert r.status_code == 200
+        assert r.headers["x-zml-prefill-node"] == "pf-1" and r.headers["x-zml-node-id"] == "dec-1"
+        chunks = [json.loads(ln[6:]) for ln in r.iter_lines() if ln.startswith("data: {")]
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices"))
+    usage = next(c["usage"] for c in reversed(chunks) if c.get("usage"))
+    assert usage["completion_tokens"] == 8 and text.count("[dec-1]") >= 1
+    assert usage["prompt_tokens_details"]["cached_tokens"] >= 0.95 * usage["prompt_tokens"]
+
+
+def test_a_short_prompt_is_served_whole(stack: Stack) -> None:
+    r = chat(stack, "Hello there")
+    assert r.status_code == 200, r.text
+    z = r.json()["zml"]
+    assert z["node_id"] == "dec-1" and not z.get("prefill_node")
+
+
+def test_the_next_turn_stays_on_the_decode_node_that_holds_the_conversation(stack: Stack) -> None:
+    # The first turn was split and decoded on dec-1, which now holds its prompt: the next turn
+    # has little left to prefill there, less than moving it, and is served whole.
+    first = long_prompt("weekly")
+    r = chat(stack, first)
+    assert r.json()["zml"]["prefill_node"] == "pf-1"
+    r = chat(stack, first + " And the daily ones?")
+    z = r.json()["zml"]
+    assert z["node_id"] == "dec-1" and not z.get("prefill_node") and z["cached_tokens_estimated"] > 3000
+
+
+def test_a_failed_prefill_leg_is_served_whole_on_the_decode_node(stack: Stack) -> None:
+    sim_faults(stack, "pf-1", {"error_rate": 1.0})
+    try:
+        r = chat(stack, long_prompt("monthly"))
+        assert r.status_code == 200, r.text
+        z = r.json()["zml"]
+        assert z["node_id"] == "dec-1" and not z.get("prefill_node")
+        assert z["prefill_failed"] == "pf-1:server"
+        assert r.headers["x-zml-prefill-failed"] == "pf-1:server"
+    finally:
+        sim_faults(stack, "pf-1", None)

@@ -1,0 +1,89 @@
+"""A split request in the router's flow (zml_router.request.flow), driven by hand: the prefill
+leg, then the decode leg with what it handed over; a failed prefill leg serves the request whole
+on the decode node and says so; a retry after a failed split attempt is never split again."""
+
+from __future__ import annotations
+
+import dataclasses
+import doctest
+
+from zmlcore.errors import ZMLError
+from zmlcore.policy import Decision, RouteRequest
+from zml_router.node import legs
+from zml_router.node.attempt import AttemptError, Failure
+from zml_router.node.result import Dispatch, Handoff
+from zml_router.outcome import Outcome
+from zml_router.request import flow
+from zml_router.request.flow import Decide, Penalise, Plan, Prefill
+
+
+def split_decision(node: str = "dec", prefill: str = "pf") -> Decision:
+    return Decision(node_id=node, family="Gaudi2", policy="latency", queue_depth=0, prefill_node=prefill)
+
+
+def drive(prefill_result: Handoff | AttemptError, dispatch_results: list[AttemptError | None]
+          ) -> tuple[list[object], Outcome, ZMLError | None]:
+    out = Outcome()
+    seen: list[object] = []
+    steps = flow.route(Plan(model="m", policy="latency", rr=RouteRequest(model="m"), max_attempts=3), out)
+    result: flow.Result = None
+    results = iter(dispatch_results)
+    try:
+        while True:
+            action = steps.send(result)
+            seen.append(action)
+            if isinstance(action, Decide):
+                result = split_decision() if action.split else dataclasses.replace(split_decision("other"),
+                                                                                      prefill_node="")
+            elif isinstance(action, Prefill):
+                result = prefill_result
+            elif isinstance(action, Dispatch):
+                result = next(results)
+            else:
+                result = None
+    except StopIteration:
+        return seen, out, None
+    except ZMLError as exc:
+        return seen, out, exc
+
+
+def test_prefill_then_decode_with_the_handoff() -> None:
+    h = Handoff("pf", {"kv_transfer_params": {"remote_engine_id": "e"}}, 12.0)
+    seen, out, err = drive(h, [None])
+    assert err is None and out.ok and out.prefill_failed is None
+    pre = [a for a in seen if isinstance(a, Prefill)]
+    disp = [a for a in seen if isinstance(a, Dispatch)]
+    assert len(pre) == 1 and pre[0].decision.prefill_node == "pf"
+    assert len(disp) == 1 and disp[0].handoff is h and disp[0].decision.node_id == "dec"
+    assert disp[0].decision.prefill_node == ""
+
+
+def test_a_failed_prefill_leg_is_served_whole_on_the_decode_node() -> None:
+    seen, out, err = drive(AttemptError(Failure.NETWORK, 0, "reset"), [None])
+    assert err is None and out.ok and out.prefill_failed == "pf:network" and out.failed_nodes == ["pf"]
+    pen = [a for a in seen if isinstance(a, Penalise)]
+    assert len(pen) == 1 and pen[0].decision.node_id == "pf"
+    disp = [a for a in seen if isinstance(a, Dispatch)]
+    assert len(disp) == 1 and disp[0].handoff is None and disp[0].decision.node_id == "dec"
+
+
+def test_after_a_failed_decode_leg_the_retry_is_not_split() -> None:
+    seen, out, err = drive(Handoff("pf", {}, 1.0), [AttemptError(Failure.SERVER, 500, "boom"), None])
+    assert err is None and out.ok
+    decides = [a for a in seen if isinstance(a, Decide)]
+    assert [d.split for d in decides] == [True, False]
+    disp = [a for a in seen if isinstance(a, Dispatch)]
+    assert disp[-1].decision.node_id == "other" and disp[-1].handoff is None
+
+
+def test_leg_bodies() -> None:
+    assert doctest.testmod(legs).failed == 0
+    import msgspec
+    body = b'{"model":"m","messages":[],"max_tokens":50,"max_completion_tokens":50,"stream":true,"min_tokens":3}'
+    v = msgspec.json.decode(legs.prefill_body("vllm", body))
+    assert v["max_tokens"] == v["max_completion_tokens"] == 1 and v["stream"] is False and "min_tokens" not in v
+    assert v["kv_transfer_params"]["do_remote_decode"] is True
+    ll = msgspec.json.decode(legs.prefill_body("llamacpp", body))
+    assert ll["id_slot"] == legs.LLAMA_SLOT and ll["cache_prompt"] is True and "kv_transfer_params" not in ll
+    d = msgspec.json.decode(legs.decode_body(body, Handoff("pf", {"kv_transfer_params": {"x": 1}})))
+    assert d["kv_transfer_params"] == {"x": 1} and d["max_tokens"] == 50 and d["stream"] is True

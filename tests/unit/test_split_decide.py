@@ -1,0 +1,171 @@
+"""The split decider (zmlcore.policy.split): when a request is split, over which pair, and
+that the answer comes from measured speeds, queues, caches, links and prices, not names."""
+
+from __future__ import annotations
+
+import doctest
+import random
+
+import pytest
+
+from zmlcore.messages import NodeState
+from zmlcore.policy import NodeView, RouteRequest, RoutingState, builtin_policy, choose_node
+from zmlcore.policy.split import KVLinks, SplitSettings, decide_split
+from zmlcore.policy.split import decide as decide_mod
+from zmlcore.policy.split import links as links_mod
+from zmlcore.policy.choose import is_routable
+
+
+def view(i: str, acc: str = "nvidia_h100", roles: list[str] | None = None, group: str = "g", gbps: float = 400.0,
+         **kw: object) -> NodeView:
+    st = NodeState(node_id=i, accelerator_type=acc, family=acc, endpoint="", status="up", models=["m"],
+                   roles=roles or [], kv_group=group, kv_gbps=gbps, updated_at=0.0, **kw)  # type: ignore[arg-type]
+    return NodeView(st)
+
+
+def decide(nodes: list[NodeView], whole: NodeView | None, prompt: int = 6000, out: int = 200,
+           cached: dict[str, int] | None = None, **kw: object):  # type: ignore[no-untyped-def]
+    return decide_split(nodes, whole, model="m", prompt_tokens=prompt, output_tokens=out, cached=cached or {},
+                        settings=kw.pop("settings", SplitSettings()), links=kw.pop("links", KVLinks()),  # type: ignore[arg-type]
+                        now=0.0, **kw)  # type: ignore[arg-type]
+
+
+def test_doctests() -> None:
+    assert doctest.testmod(decide_mod).failed == 0
+    assert doctest.testmod(links_mod).failed == 0
+
+
+def busy(v: NodeView, n: int = 12) -> NodeView:
+    v.outstanding = n
+    return v
+
+
+def test_a_long_prompt_next_to_busy_decoders_is_split() -> None:
+    p, d = view("p", roles=["prefill"]), busy(view("d", "amd_mi300x", roles=["decode"]))
+    dec = decide([p, d], d)
+    assert dec.split and dec.reason == "split_better"
+    assert dec.chosen is not None and (dec.chosen.prefill_node, dec.chosen.node) == ("p", "d")
+    # the transfer: 6000 tokens x 128 KiB over 400 Gbit/s
+    assert dec.chosen.transfer_tokens == 6000 and dec.chosen.transfer_s == pytest.approx(6000 * 131072 / 50e9)
+    assert dec.whole is not None and dec.whole.node == "d" and dec.chosen.time_s < dec.whole.time_s
+
+
+def test_a_short_prompt_is_served_whole() -> None:
+    p, d = view("p", roles=["prefill"]), busy(view("d", roles=["decode"]))
+    dec = decide([p, d], d, prompt=300)
+    assert not dec.split and dec.reason == "short_prompt" and dec.chosen is not None and dec.chosen.node == "d"
+
+
+def test_a_decode_node_holding_the_conversation_is_served_whole() -> None:
+    p, d = view("p", roles=["prefill"]), busy(view("d", roles=["decode"]))
+    assert decide([p, d], d, cached={"d": 5800}).reason == "short_prompt"
+    # partly cached there: only what it lacks crosses the link
+    dec = decide([p, d], d, cached={"d": 3000})
+    assert dec.best_split is not None and dec.best_split.transfer_tokens == 3000
+
+
+def test_no_kv_group_no_split() -> None:
+    p, d = view("p", group=""), busy(view("d", group=""))
+    assert decide([p, d], d).reason == "no_pair"
+    p, d = view("p", group="a"), busy(view("d", group="b"))
+    assert decide([p, d], d).reason == "no_pair"
+
+
+def test_a_slow_link_keeps_the_request_whole() -> None:
+    p, d = view("p", gbps=0.5), busy(view("d", gbps=0.5))
+    dec = decide([p, d], d)
+    assert not dec.split and dec.reason == "whole_better"
+    assert dec.best_split is not None and dec.best_split.transfer_s > 10
+
+
+def test_kv_links_override_the_ends() -> None:
+    p, d = view("p", gbps=0.5), busy(view("d", gbps=0.5))
+    dec = decide([p, d], d, links=KVLinks({("p", "d"): 800.0}))
+    assert dec.split and dec.chosen is not None and dec.chosen.transfer_s == pytest.approx(6000 * 131072 / 100e9)
+
+
+def test_roles_come_from_measured_speeds_not_names() -> None:
+    # An "Inferentia2" measured 4x an "H100" at prefill: it prefills. Swap the measurements:
+    # the other one does. Nothing in the decider reads a family or type name.
+    def fleet(fast: str) -> tuple[list[NodeView], NodeView]:
+        a = view("a", "aws_inferentia2", roles=["prefill"], prefill_tps=40_000.0 if fast == "a" else 2_000.0, decode_tps=60.0)
+        b = view("b", "nvidia_h100", roles=["prefill"], prefill_tps=40_000.0 if fast == "b" else 2_000.0, decode_tps=60.0)
+        d = busy(view("d", "intel_gaudi2", roles=["decode"], prefill_tps=2_000.0, decode_tps=60.0))
+        return [a, b, d], d
+    for fast in ("a", "b"):
+        nodes, d = fleet(fast)
+        dec = decide(nodes, d)
+        assert dec.split and dec.chosen is not None and dec.chosen.prefill_node == fast and dec.chosen.node == "d"
+
+
+def test_the_cost_objective_decodes_where_decoding_is_cheapest() -> None:
+    p = view("p", roles=["prefill"])
+    dear = busy(view("dear", roles=["decode"], cost_per_hour=8.0), 4)
+    cheap = busy(view("cheap", roles=["decode"], cost_per_hour=1.0), 4)
+    dec = decide([p, dear, cheap], dear, objective="cost", latency_target_s=5.0)
+    assert dec.split and dec.chosen is not None and dec.chosen.node == "cheap"
+    assert decide([p, dear, cheap], dear, objective="latency").chosen.node in ("dear", "cheap")  # type: ignore[union-attr]
+
+
+def test_excluded_and_unroutable_nodes_are_not_legs() -> None:
+    p1, p2, d = view("p1", roles=["prefill"]), view("p2", "amd_mi300x", roles=["prefill"]), busy(view("d", roles=["decode"]))
+    first = decide([p1, p2, d], d)
+    assert first.chosen is not None and first.chosen.prefill_node == "p1"
+    again = decide([p1, p2, d], d, exclude=frozenset({"p1"}))
+    assert again.chosen is not None and again.chosen.prefill_node == "p2"
+    p2.cooldown_until = 10.0
+    assert decide([p1, p2, d], d, exclude=frozenset({"p1"})).reason == "no_pair"
+
+
+def test_hysteresis_holds_a_conversation_in_its_mode() -> None:
+    # Find a link speed where split and whole are within min_gain of each other.
+    s = SplitSettings(min_gain=0.2)
+    for gbps in [x / 4 for x in range(1, 4000)]:
+        p, d = view("p", gbps=gbps), busy(view("d", gbps=gbps))
+        dec = decide([p, d], d, settings=s)
+        assert dec.best_split is not None and dec.whole is not None
+        if 0.85 < dec.best_split.score / dec.whole.score < 0.95:
+            break
+    else:
+        pytest.fail("no link speed puts the two modes within min_gain")
+    assert not decide([p, d], d, settings=s).split
+    assert decide([p, d], d, settings=s, previous="split").split
+    assert not decide([p, d], d, settings=s, previous="whole").split
+    assert decide([p, d], d, settings=SplitSettings(min_gain=0.0)).split
+
+
+def test_unchanged_inputs_never_flip_a_conversation() -> None:
+    rng = random.Random(7)
+    flips = 0
+    for _ in range(300):
+        nodes = [view(f"n{i}", rng.choice(["nvidia_h100", "amd_mi300x", "intel_gaudi2", "aws_inferentia2"]),
+                      roles=rng.choice([[], ["prefill"], ["decode"]]), gbps=rng.choice([10.0, 100.0, 400.0]),
+                      cost_per_hour=rng.uniform(0.5, 5)) for i in range(6)]
+        for v in nodes:
+            v.outstanding = rng.randrange(0, 40)
+            v.pending = min(v.outstanding, rng.randrange(0, 4))
+        wholes = [v for v in nodes if not v.state.roles or "decode" in v.state.roles]
+        if not wholes:
+            continue
+        kw = {"prompt": rng.randrange(100, 8000), "out": rng.randrange(1, 600), "objective": rng.choice(["latency", "cost"])}
+        first = decide(nodes, wholes[0], **kw)
+        second = decide(nodes, wholes[0], previous=first.mode, **kw)
+        flips += first.split != second.split or first.chosen != second.chosen
+    assert flips == 0
+
+
+def test_prefill_only_nodes_never_serve_a_whole_request() -> None:
+    p, d = view("p", roles=["prefill"]), busy(view("d", roles=["decode"]), 30)
+    assert is_routable(p, "m", 0.0, 15.0) == "prefill_only"
+    for nodes in ([p, d], [view(f"x{i}", roles=["prefill"]) for i in range(40)] + [d]):
+        dec = choose_node(nodes, RouteRequest(model="m", prompt_tokens=100), builtin_policy("latency"), 0.0,
+                          RoutingState())
+        assert dec.node_id == "d"
+
+
+def test_always_splits_when_a_pair_exists() -> None:
+    p, d = view("p", gbps=0.5), busy(view("d", gbps=0.5))
+    assert decide([p, d], d).reason == "whole_better"
+    dec = decide([p, d], d, settings=SplitSettings(always=True))
+    assert dec.split and dec.reason == "always" and dec.chosen is not None and dec.chosen.prefill_node == "p"
+    assert decide([p, d], d, prompt=100, settings=SplitSettings(always=True)).reason == "short_prompt"
