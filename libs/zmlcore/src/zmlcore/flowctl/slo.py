@@ -59,14 +59,14 @@ class SloVerdict:
 
 
 def tpot_at(st: NodeState, batch: int, mean_prompt: float = MEAN_PROMPT_TOKENS,
-            mean_output: float = MEAN_OUTPUT_TOKENS) -> float:
+            mean_output: float = MEAN_OUTPUT_TOKENS, model: str = "") -> float:
     """Predicted seconds per output token of a sequence on a node decoding ``batch`` sequences.
 
     >>> st = NodeState(node_id="n", accelerator_type="nvidia_h100", family="H100", endpoint="")
     >>> round(tpot_at(st, 1) * 1000, 1)        # 60 tok/s alone, a few prefills between tokens
     17.0
     """
-    pf, dec, maxc = node_speeds(st)
+    pf, dec, maxc = node_speeds(st, model)  # the learned decode rate for the model, if any
     b = max(1, min(batch, maxc))
     step = (1.0 + DECODE_BATCH_PENALTY * (b - 1)) / dec
     return step + b * mean_prompt / (max(mean_output - 1.0, 1.0) * pf)
@@ -113,25 +113,25 @@ class Calibration:
         return 1.0 if x is None else math.exp(x)
 
 
-def batch_of(view: NodeView) -> tuple[int, int]:
+def batch_of(view: NodeView, model: str = "") -> tuple[int, int]:
     """(the batch a request sent to ``view``'s node now joins, the node's slots)."""
-    slots = node_speeds(view.state)[2]
+    slots = node_speeds(view.state, model)[2]
     return min(view.effective_outstanding() + 1, slots), slots
 
 
-def model_tpot(view: NodeView) -> float:
+def model_tpot(view: NodeView, model: str = "") -> float:
     """The model's TPOT of a request sent to ``view``'s node now, uncalibrated: it joins the
     sequences there (capped at the node's slots: beyond them it waits, then decodes at a full batch)."""
-    return tpot_at(view.state, view.effective_outstanding() + 1)
+    return tpot_at(view.state, view.effective_outstanding() + 1, model=model)
 
 
-def predict_tpot(view: NodeView, calibration: Calibration | None = None) -> float:
+def predict_tpot(view: NodeView, calibration: Calibration | None = None, model: str = "") -> float:
     """TPOT of a request sent to ``view``'s node now: :func:`model_tpot` times the node's
     :class:`Calibration` factor (the router keeps one; None: uncalibrated)."""
-    t = model_tpot(view)
+    t = model_tpot(view, model)
     if calibration is None:
         return t
-    return t * calibration.factor(view.node_id, *batch_of(view))
+    return t * calibration.factor(view.node_id, *batch_of(view, model))
 
 
 def _find(nodes: Sequence[NodeView], node_id: str) -> NodeView | None:
@@ -159,13 +159,13 @@ def admit_slo(nodes: Sequence[NodeView], rr: RouteRequest, policy: ResolvedPolic
     d = admission.admit(nodes, rr, policy, now, state, stale_after_s=stale_after_s, ttft_bound_s=ttft_bound_s,
                         cache=cache)
     view = _find(nodes, d.node_id)
-    tpot = predict_tpot(view, calibration) if view is not None else 0.0
+    tpot = predict_tpot(view, calibration, rr.model) if view is not None else 0.0
     if _meets(slo, d.estimated_ttft_s, tpot):
         return d, SloVerdict(d.estimated_ttft_s, tpot)
     # The pick misses: the fastest node among those that meet the TPOT target.
     slow: set[str] = set()
     if slo.tpot_s is not None:
-        slow = {v.node_id for v in nodes if predict_tpot(v, calibration) > slo.tpot_s}
+        slow = {v.node_id for v in nodes if predict_tpot(v, calibration, rr.model) > slo.tpot_s}
     best: Decision | None = None
     if rr.accelerator_id is None:
         try:
@@ -175,7 +175,7 @@ def admit_slo(nodes: Sequence[NodeView], rr: RouteRequest, policy: ResolvedPolic
             best = None
     if best is not None:
         bview = _find(nodes, best.node_id)
-        btpot = predict_tpot(bview, calibration) if bview is not None else 0.0
+        btpot = predict_tpot(bview, calibration, rr.model) if bview is not None else 0.0
         if _meets(slo, best.estimated_ttft_s, btpot):
             return best, SloVerdict(best.estimated_ttft_s, btpot)
     raise _refusal(nodes, rr, slo, d, tpot, best, now, stale_after_s, policy.name)
@@ -185,8 +185,8 @@ def _refusal(nodes: Sequence[NodeView], rr: RouteRequest, slo: Slo, d: Decision,
              best: Decision | None, now: float, stale_after_s: float, policy: str) -> SloUnattainableError:
     usable = [v for v in nodes if is_routable(v, rr.model, now, stale_after_s) is None
               and (rr.accelerator_id is None or v.node_id == rr.accelerator_id)]
-    idle_tpot = min((tpot_at(v.state, 1) for v in usable), default=float("inf"))
-    own_prefill = min((rr.prompt_tokens / node_speeds(v.state)[0] for v in usable), default=float("inf"))
+    idle_tpot = min((tpot_at(v.state, 1, model=rr.model) for v in usable), default=float("inf"))
+    own_prefill = min((rr.prompt_tokens / node_speeds(v.state, rr.model)[0] for v in usable), default=float("inf"))
     retry: float | None
     if slo.tpot_s is not None and idle_tpot > slo.tpot_s:
         why, retry = f"no node decodes faster than {idle_tpot * 1000:.0f} ms/token even idle", None
@@ -218,6 +218,6 @@ def queue_budget_s(nodes: Sequence[NodeView], rr: RouteRequest, slo: Slo, now: f
     target. At or below 0 the target cannot be met by waiting: refuse instead."""
     if slo.ttft_s is None:
         return None
-    pfs = [node_speeds(v.state)[0] for v in nodes if is_routable(v, rr.model, now, stale_after_s) in (None, "saturated")]
+    pfs = [node_speeds(v.state, rr.model)[0] for v in nodes if is_routable(v, rr.model, now, stale_after_s) in (None, "saturated")]
     prefill = rr.prompt_tokens / max(pfs) if pfs else 0.0
     return slo.ttft_s - prefill
