@@ -298,7 +298,7 @@ class FlowConfig(msgspec.Struct, **_Base):
     """Band of a request that names none and whose API key sets none."""
     max_priority: Priority = "standard"
     """Highest band a caller may claim unless its API key allows more (``zml keys create
-    --max-priority``): a claim above it is lowered to it (``x-zml-priority-lowered: 1``)."""
+    --max-priority``): a claim above it is lowered to it (the reply's ``x-zml-priority-lowered-from`` names the band asked)."""
     ttft_slo_ms: PosFloat | None = None
     """Default time-to-first-token target of every request (a model's [models.*] ttft_slo_ms
     and the request's ``x-zml-ttft-slo-ms`` override it): admission refuses at once with

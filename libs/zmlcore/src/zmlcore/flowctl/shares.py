@@ -35,7 +35,7 @@ FORGET_HALF_LIVES = 8.0
 class ShareBook:
     """One replica's view of every tenant's recent service. Mutated only by its event loop."""
 
-    __slots__ = ("replica", "half_life_s", "k", "prefill_cost", "decode_cost", "own", "peers")
+    __slots__ = ("replica", "half_life_s", "k", "prefill_cost", "decode_cost", "own", "peers", "version")
 
     def __init__(self, replica: str, *, half_life_s: float = 30.0, prefill_cost: float = 1.0,
                  decode_cost: float = 2.0) -> None:
@@ -48,6 +48,8 @@ class ShareBook:
         self.own: dict[str, list[float]] = {}
         #: replica -> its latest report
         self.peers: dict[str, ShareReport] = {}
+        #: Charges made here so far: a publisher reports when it moved.
+        self.version = 0
 
     def cost(self, prompt_tokens: float, output_tokens: float) -> float:
         """Weighted tokens of a request (its prompt prefilled, its output decoded)."""
@@ -59,6 +61,7 @@ class ShareBook:
     def charge(self, tenant: str, amount: float, now: float) -> None:
         """Add ``amount`` weighted tokens (negative: a correction once the real output is known)
         to ``tenant``'s counter here."""
+        self.version += 1
         entry = self.own.get(tenant)
         if entry is None:
             self.own[tenant] = [max(0.0, amount), now]

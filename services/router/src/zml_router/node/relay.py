@@ -182,6 +182,8 @@ class Relay:
             cached_tokens_estimated=decision.cached_tokens,
             prefill_failed=out.prefill_failed,
         )
+        if out.flow is not None:  # band, share, targets and predictions (zml_router.request.flowgate)
+            out.flow.fill(info)
         handoff = action.handoff
         if handoff is not None:
             info.prefill_node = handoff.prefill_node

@@ -16,7 +16,7 @@ from nats.aio.client import Client as NATS
 
 from zmlcore import subjects
 from zmlcore.config import ZMLConfig
-from zmlcore.errors import QueueFullError, ZMLError
+from zmlcore.errors import QueueFullError, ShedError, ZMLError
 from zmlcore.messages import InferRequest, infer_request_decoder
 from zmlcore.policy import Decision, ResolvedPolicy, RouteRequest
 
@@ -37,7 +37,8 @@ log = logging.getLogger("zml.router")
 #: A queued head is acknowledged once its node has not refused it within this long.
 PLACEMENT_WAIT_S = 0.5
 
-Admit = Callable[[RouteRequest, ResolvedPolicy], Decision]
+#: (request, policy, its queued headers: its band, tenant and targets) -> the decision
+Admit = Callable[[RouteRequest, ResolvedPolicy, dict[str, str]], Decision]
 Spawn = Callable[[Coroutine[Any, Any, None]], "asyncio.Task[None]"]
 
 
@@ -67,22 +68,31 @@ class QueueGlue:
         return self.queue
 
     async def saturated(self, msg: Incoming, req: InferRequest, model: str, request_id: str,
-                        max_queue_ms: int | None, timeout: float) -> None:
+                        max_queue_ms: int | None, timeout: float, tenant: str = "",
+                        budget_s: float | None = None) -> None:
         """No room now: a queued head goes back to the router holding it (keeping its place);
         anything else joins the queue."""
         if isinstance(msg, QueuedMsg) and msg.placed is not None and not msg.placed.done():
             msg.placed.set_result(False)
             return
-        await self.enqueue(msg, req, model, request_id, max_queue_ms, timeout)
+        await self.enqueue(msg, req, model, request_id, max_queue_ms, timeout, tenant, budget_s)
 
     async def enqueue(self, msg: Incoming, req: InferRequest, model: str, request_id: str,
-                      max_queue_ms: int | None, timeout: float) -> None:
+                      max_queue_ms: int | None, timeout: float, tenant: str = "",
+                      budget_s: float | None = None) -> None:
+        """``tenant``: whom its fair share counts (flow control); ``budget_s``: how long it may
+        wait and still meet its TTFT target (zmlcore.flowctl.slo.queue_budget_s): its wait ends
+        then, with SHED."""
         assert self.queue is not None
         now = time.time()
         wait_s = (max_queue_ms or 0) / 1000.0
+        if budget_s is not None:
+            wait_s = min(wait_s, max(0.0, budget_s))
         deadline = now + min(wait_s, timeout)
         # What waits with the request (owner, the key's options, trace context): queue.H_QUEUED_HEADERS.
         headers = {k: v for k, v in (msg.headers or {}).items() if k in H_QUEUED_HEADERS}
+        if tenant:
+            headers[subjects.H_TENANT] = tenant
         headers[subjects.H_REQUEST_ID] = request_id
         headers[subjects.H_TIMEOUT_MS] = str(int(timeout * 1000))
         claim = idclaims.CURRENT.get()
@@ -109,7 +119,7 @@ class QueueGlue:
             req = infer_request_decoder.decode(qmsg.data)
             policy, rr = prepare(self.cfg, self.table.families(), req, qmsg.data, self.cfg.resolve_model(req.model),
                                  headers=qmsg.headers)
-            self.admit(rr, policy)
+            self.admit(rr, policy, qmsg.headers)
         except QueueFullError:
             return False
         except (ZMLError, msgspec.DecodeError, msgspec.ValidationError):
@@ -158,7 +168,11 @@ class QueueGlue:
             stream = infer_request_decoder.decode(qmsg.data).stream
         except (msgspec.DecodeError, msgspec.ValidationError):
             stream = False
-        await self.replies.error(qmsg, queue_expired(waited_ms), stream)
+        err: ZMLError = queue_expired(waited_ms)
+        if subjects.H_TTFT_SLO_MS in qmsg.headers:  # its wait ran out its TTFT target: shed, not "full"
+            err = ShedError(f"no node had room in time to meet its time-to-first-token target (waited {waited_ms} ms)",
+                            routing_context={"final_error": "shed", "waited_ms": waited_ms}, retry_after=1.0)
+        await self.replies.error(qmsg, err, stream)
 
     def cancelled(self, qmsg: QueuedMsg) -> bool:
         request_id = qmsg.headers.get(subjects.H_REQUEST_ID, "")

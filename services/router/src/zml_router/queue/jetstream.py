@@ -59,7 +59,10 @@ H_QUEUED_HEADERS = (subjects.H_REQUEST_ID, subjects.H_TIMEOUT_MS, subjects.H_OWN
                     subjects.H_ACCEPT_ROUTING, subjects.H_KEEPALIVE, "traceparent", "tracestate",
                     subjects.H_ID_CLAIM,  # a queued request keeps its claim on its id (zml_router.replicas.ids)
                     # a gateway's validated body and its ZML fields (zmlcore.messages.frontdoor)
-                    subjects.H_BODY, subjects.H_POLICY, subjects.H_ACCELERATOR_ID, subjects.H_PREFIX_KEYS)
+                    subjects.H_BODY, subjects.H_POLICY, subjects.H_ACCELERATOR_ID, subjects.H_PREFIX_KEYS,
+                    # flow control: its band, targets, key's flow options and tenant (zmlcore.flowctl)
+                    subjects.H_PRIORITY, subjects.H_TTFT_SLO_MS, subjects.H_TPOT_SLO_MS, subjects.H_PRIORITY_DEFAULT,
+                    subjects.H_PRIORITY_MAX, subjects.H_TENANT_WEIGHT, subjects.H_TENANT)
 
 ACK_WAIT_S = 5.0
 #: Queued entries live at most this long (the stream's max_age), and so do their claims.
