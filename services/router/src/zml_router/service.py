@@ -145,7 +145,7 @@ class RouterService:
         self.gate = FlowGate(cfg, self.table, self.state, self.prefix, self.router_id)
         self.shares: ShareSync | None = None
         self.glue = QueueGlue(cfg, self.table, self.queued_admit, self.metrics, self.replies, self.cancelled,
-                              self.ids, self.enter, self.spawn)
+                              self.ids, self.enter, self.spawn, self.gate)
         # Bound once: the request path calls them per request.
         self._admit = self.admit
         self._options = self.limits.options
