@@ -309,7 +309,14 @@ class SaturationQueue:
                 await asyncio.sleep(0.05)
                 continue
             try:
-                msgs = await psub.fetch(room, timeout=1.0)
+                # One at a time while waiting (a fetch of N waits for N or its timeout), then
+                # what else is there at once (a fetch finds waiting entries without waiting).
+                msgs = await psub.fetch(1, timeout=1.0)
+                if room > 1:
+                    try:
+                        msgs += await psub.fetch(room - 1, timeout=0.02)
+                    except (NatsTimeout, asyncio.TimeoutError):
+                        pass
             except (NatsTimeout, asyncio.TimeoutError):
                 if not held and self.busy.get(key, 0.0) > time.time():
                     await self._announce(key, 0.0)  # nothing left waiting: arrivals go direct
