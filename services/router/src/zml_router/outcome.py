@@ -6,6 +6,8 @@ with."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from zmlcore.messages import RoutingInfo
 
 
@@ -14,7 +16,7 @@ class Outcome:
 
     __slots__ = ("request_id", "stream", "model", "node_id", "family", "ok", "error_code", "node_error",
                  "failed_nodes", "attempts", "info", "queued", "slow_nodes", "label", "op", "prompt_tokens",
-                 "completion_tokens", "continued_from", "prefill_failed")
+                 "completion_tokens", "continued_from", "prefill_failed", "flow")
 
     def __init__(self) -> None:
         self.request_id = ""  # set once validated: it goes into subjects, headers and logs
@@ -40,3 +42,5 @@ class Outcome:
         #: A split's prefill leg that failed, the request served whole on its decode node:
         #: ``node:failure`` (docs/disaggregation.md).
         self.prefill_failed: str | None = None
+        #: Its flow control (zml_router.request.flowgate.Note), None for a plain request.
+        self.flow: Any = None

@@ -177,6 +177,8 @@ class Relay:
             cached_tokens_estimated=decision.cached_tokens,
             prefill_failed=out.prefill_failed,
         )
+        if out.flow is not None:  # band, share, targets and predictions (zml_router.request.flowgate)
+            out.flow.fill(info)
         handoff = action.handoff
         if handoff is not None:
             info.prefill_node = handoff.prefill_node
@@ -343,6 +345,8 @@ class Relay:
             raw = rename(raw)
         if "total_tokens" in usage:
             info.total_tokens = usage["total_tokens"]
+        if info.slo and asm is not None and info.time_to_first_token is not None:
+            _slo_outcome(info, usage.get("completion_tokens") or 0, time.monotonic() - t0)
         await self.replies.before_last(info.total_tokens or 0)  # the caller may send again at once
         # Over max_payload: in parts to a requester that collects them (zmlcore.reply.bigreply), else
         # REPLY_TOO_LARGE (raised before anything is sent), never a lost reply.
@@ -552,3 +556,15 @@ class Relay:
             answer.seq = seq
             await count(info.node_id, -1, -pending)
         return last_usage
+
+
+def _slo_outcome(info: RoutingInfo, completion_tokens: int, total_s: float) -> None:
+    """A whole reply to a request with latency targets: its measured time per output token and
+    whether it met them (flow control, docs/routing.md)."""
+    ttft = info.time_to_first_token
+    if ttft is None or completion_tokens < 2:
+        return
+    info.tpot_ms = round((total_s - ttft) / (completion_tokens - 1) * 1000, 2)
+    met = ((info.ttft_slo_ms is None or ttft * 1000 <= info.ttft_slo_ms)
+           and (info.tpot_slo_ms is None or info.tpot_ms <= info.tpot_slo_ms))
+    info.slo = "met" if met else "missed"
