@@ -219,6 +219,8 @@ ATTACKS = [
            _const(subjects.WARMUP_SERVE)),
     Attack("read the routers' fleet view: zml.admin.routers.state", "mallory", _pub(subjects.ROUTERS_STATE),
            _const(subjects.ROUTERS_STATE)),
+    Attack("read routing decisions (request ids, nodes, beliefs): zml.admin.routers.decision", "mallory",
+           _pub(subjects.ROUTERS_DECISION, b'{"decision_id":"00"}'), _const(subjects.ROUTERS_DECISION)),
     Attack("answer inference requests as a router", "mallory", _pub(f"{subjects.INBOX_ROOT}.x.y"),
            _const(f"{subjects.INBOX_ROOT}.x.y")),
     # A compromised service can do no more than its job.
@@ -283,6 +285,8 @@ ATTACKS = [
            _const(subjects.event(subjects.EVENT_WARMUP))),
     Attack("observer loads models: zml.warmup.serve", "olive", _pub(subjects.WARMUP_SERVE), _const(subjects.WARMUP_SERVE)),
     Attack("observer reads the routers' fleet view", "olive", _pub(subjects.ROUTERS_STATE), _const(subjects.ROUTERS_STATE)),
+    Attack("observer reads routing decisions", "olive", _pub(subjects.ROUTERS_DECISION),
+           _const(subjects.ROUTERS_DECISION)),
     Attack("observer reads API key hashes", "olive", _read_kv(subjects.KEYS_BUCKET),
            _const(f"$JS.API.STREAM.INFO.KV_{subjects.KEYS_BUCKET}")),
     Attack("observer reads node load: zml.node.inflight", "olive", _sub(subjects.INFLIGHT), _const(subjects.INFLIGHT)),

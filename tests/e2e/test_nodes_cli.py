@@ -64,3 +64,33 @@ async def test_add_route_list_remove(small: Stack) -> None:
         assert bad.returncode != 0 and "nvidia_h999" in bad.stderr and "Traceback" not in bad.stderr
     finally:
         await sim.stop()
+
+
+async def test_a_decision_id_is_looked_up_by_zml_why_and_http(small: Stack) -> None:
+    """A reply's decision id names what the router chose and believed: `zml why ID` and
+    GET /v1/decisions/{id} answer it; an id no router remembers is a 404 / one line."""
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "why here?"}], "max_tokens": 3}
+    async with httpx.AsyncClient(base_url=small.gateway_url, timeout=10) as client:
+        r = await client.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        did = r.headers["x-zml-decision-id"]
+        assert did == r.json()["zml"]["decision_id"]
+        got = await client.get(f"/v1/decisions/{did}")
+        assert got.status_code == 200, got.text
+        record = got.json()
+        assert record["decision_id"] == did and record["node_id"] == "h100-a" and record["model"] == MODEL
+        assert record["outcome"] == "ok" and record["time_to_first_token"] > 0
+        assert record["request_id"] == r.json()["zml"]["request_id"]
+        assert record["prefill_tps"] > 0 and record["speeds_source"]
+        missing = await client.get("/v1/decisions/00000000deadbeef")
+        assert missing.status_code == 404 and missing.json()["error"]["code"] == "NOT_FOUND", missing.text
+        bad = await client.get("/v1/decisions/not-an-id!")
+        assert bad.status_code == 400, bad.text
+    out = zml("why", did, "--nats-url", small.nats_url)
+    assert out.returncode == 0, out.stderr
+    assert f"decision {did}" in out.stdout and "node     h100-a" in out.stdout, out.stdout
+    assert "prompt tokens/s" in out.stdout and "outcome  ok, TTFT" in out.stdout, out.stdout
+    as_json = zml("why", did, "--json", "--nats-url", small.nats_url)
+    assert json.loads(as_json.stdout)["decision_id"] == did
+    out = zml("why", "00000000deadbeef", "--nats-url", small.nats_url)
+    assert out.returncode == 1 and "[NOT_FOUND]" in out.stderr and "Traceback" not in out.stderr, out.stderr

@@ -19,7 +19,7 @@ import pytest
 
 import llamaserver
 from conftest import MODEL, Stack, launch_stack
-from zmlcore.runtime.launch import Proc, free_port
+from zmlcore.runtime.launch import Proc, free_port, service_argv, spawn
 
 #: The real nodes' engine name for MODEL (llama-server --alias): served_names maps it.
 SERVED = "tiny-llama"
@@ -147,3 +147,53 @@ def engine_fleet(llama: Llama, own_nats: str, tmp_path_factory: pytest.TempPathF
             stack.stop()
         for node in [*real.values(), *([fleet.late] if fleet is not None and fleet.late else [])]:
             node.stop()
+
+
+#: Two llamas of unequal speed for one model (llamaserver.FAST / SLOW: ~3.5x apart at prefill).
+UNEQUAL = {"llama-fast": llamaserver.FAST, "llama-slow": llamaserver.SLOW}
+
+
+def server_toml(server: llamaserver.Server, *, model: str = MODEL, alias: str = SERVED) -> str:
+    """A llama-server of ``unequal_fleet`` as a zml.toml node: accelerator cpu, backend llamacpp."""
+    return (f'[[nodes]]\nid = "{server.node_id}"\naccelerator = "cpu"\nbackend = "llamacpp"\n'
+            f'endpoint = "{server.url}"\nmodels = ["{model}"]\n[nodes.served_names]\n"{model}" = "{alias}"\n')
+
+
+def launch_real_stack(nats_url: str, tmp: Path, servers: list[llamaserver.Server], *, routers: int = 1,
+                      poll_s: float = 0.5, policy: str = "latency", extra: str = "") -> Stack:
+    """Health, routers and the gateway over real llama-servers only (no sims), started as `zml up`
+    starts them, ``policy`` the default for requests that name none. Nothing is sent through it:
+    the fleet is cold (every node on its type's default speeds) until the caller's first request."""
+    config = tmp / "zml.toml"
+    config.write_text(f'[defaults]\nrequest_timeout_s = 60\npolicy = "{policy}"\n'
+                      f"[health]\npoll_interval_s = {poll_s}\nkv_heartbeat_s = {poll_s}\nprobe_timeout_s = 2.0\n"
+                      f"{extra}\n" + "".join(server_toml(s) for s in servers))
+    gw_port = free_port()
+    stack = Stack(f"http://127.0.0.1:{gw_port}", nats_url, str(config), MODEL, [s.node_id for s in servers],
+                  {s.node_id: s.port for s in servers})
+    try:
+        stack.metrics_ports["health"] = free_port()
+        stack.procs["health"] = spawn("health", service_argv("health", str(config), nats_url, "--metrics-port",
+                                                             str(stack.metrics_ports["health"])))
+        for i in range(1, routers + 1):
+            stack.start_router(f"router-{i}")
+        stack.procs["gateway"] = spawn("gateway", service_argv("gateway", str(config), nats_url, "--port",
+                                                               str(gw_port)))
+        deadline = time.monotonic() + 60
+        want = {s.node_id for s in servers}
+        while True:
+            dead = [p.name for p in stack.procs.values() if not p.alive()]
+            assert not dead, f"exited: {dead}"
+            try:
+                rows = httpx.get(stack.gateway_url + "/v1/nodes", timeout=2).json()["nodes"]
+                if want <= {n["node_id"] for n in rows if n["status"] == "up" and MODEL in n["models"]}:
+                    return stack
+            except (httpx.HTTPError, KeyError, ValueError):
+                pass
+            assert time.monotonic() < deadline, "real nodes not up in 60 s"
+            time.sleep(0.2)
+    except BaseException:
+        for p in stack.procs.values():
+            print(f"--- {p.name}\n{p.tail(30)}")
+        stack.stop()
+        raise

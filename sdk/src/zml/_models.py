@@ -165,6 +165,20 @@ class Routing:
     #: Nodes that failed part-way through the answer, each continued by the next:
     #: ``node@tokens:failure`` comma-separated (docs/http-api.md, "When a node fails mid-answer").
     continued_from: str | None = None
+    #: Flow control (docs/routing.md "Flow control"): the request's band, the band it asked for
+    #: when its key allowed less, its tenant's share used (x fair share), its wait in the
+    #: saturation queue, its latency targets, what admission predicted, the measured TPOT and
+    #: whether the targets were met ("met", "missed"; "admitted" in a stream's start).
+    priority: str = ""
+    priority_lowered_from: str = ""
+    share_used: float | None = None
+    queued_ms: int | None = None
+    ttft_slo_ms: float | None = None
+    tpot_slo_ms: float | None = None
+    predicted_ttft_ms: float | None = None
+    predicted_tpot_ms: float | None = None
+    tpot_ms: float | None = None
+    slo: str = ""
     #: The node that prefilled the prompt and handed its KV to ``node_id`` (None when one node
     #: served it whole), the prefill leg's milliseconds, and a failed prefill leg
     #: (``node:failure``) whose request was served whole instead (docs/disaggregation.md).

@@ -41,6 +41,7 @@ KeepaliveMs = Annotated[int, msgspec.Meta(ge=0, le=60_000)]
 Backend = Literal["vllm", "tgi", "sglang", "llamacpp", "openai"]
 Strategy = Literal["latency", "cost", "availability", "round_robin", "weighted", "balanced", "chain"]
 CostPriority = Literal["cost", "balanced", "latency"]
+Priority = Literal["critical", "standard", "sheddable", "batch"]
 #: Which legs of a disaggregated request a node takes (docs/disaggregation.md).
 Role = Literal["prefill", "decode"]
 ROLES: tuple[str, ...] = typing.get_args(Role)
@@ -290,6 +291,41 @@ class RouterConfig(msgspec.Struct, **_Base):
     (zmlcore.runtime.sizing); `zml up --routers N` overrides."""
 
 
+class FlowConfig(msgspec.Struct, **_Base):
+    """Flow control for a shared fleet (zmlcore.flowctl, docs/routing.md "Flow control")."""
+
+    default_priority: Priority = "standard"
+    """Band of a request that names none and whose API key sets none."""
+    max_priority: Priority = "standard"
+    """Highest band a caller may claim unless its API key allows more (``zml keys create
+    --max-priority``): a claim above it is lowered to it (``x-zml-priority-lowered: 1``)."""
+    ttft_slo_ms: PosFloat | None = None
+    """Default time-to-first-token target of every request (a model's [models.*] ttft_slo_ms
+    and the request's ``x-zml-ttft-slo-ms`` override it): admission refuses at once with
+    SLO_UNATTAINABLE when no node is predicted to meet it. None: no target."""
+    tpot_slo_ms: PosFloat | None = None
+    """Default time-per-output-token target, as ttft_slo_ms."""
+    prefill_token_cost: NonNeg = 1.0
+    """Weight of a prompt token in a tenant's fair-share counter."""
+    decode_token_cost: NonNeg = 2.0
+    """Weight of an output token in a tenant's fair-share counter (VTC's 1:2 by default)."""
+    share_half_life_s: PosFloat = 30.0
+    """Half-life of the tenants' token counters: how long the queue remembers who was served."""
+    share_report_ms: PosInt = 100
+    """How often a router publishes its tenants' counters to the other replicas (when they changed)."""
+    age_s: NonNeg = 30.0
+    """A queued ``sheddable`` or ``batch`` request rises one band per this long waited (never above
+    ``standard``); 0: no aging."""
+    max_queued: PosInt = 256
+    """Queued requests one router holds per model for ordering by band and share; past it the
+    lowest-ranked are shed (SHED)."""
+    hold_when_full: bool = False
+    """Saturation means "no free sequence slot on any node" instead of "every node over the
+    admission bound": requests of a policy with queue_on_saturation then wait in the saturation
+    queue, ordered by band and share, for the next free slot, instead of in a node's own FIFO
+    queue behind whoever flooded it."""
+
+
 class HealthConfig(msgspec.Struct, **_Base):
     poll_interval_s: PosFloat = 5.0
     """Seconds between polls of one node."""
@@ -323,6 +359,18 @@ class HealthConfig(msgspec.Struct, **_Base):
     models, queue, speeds by over 2%...), else often enough that the written state is never
     older than this (capped at a third of router.stale_after_s, so a live node never looks
     stale and a dead health service still makes every node stale)."""
+    calibrate: bool = True
+    """Send a node one short real request (calibrate_prompt_tokens of a prompt no cache holds,
+    calibrate_max_tokens out) when one of its models' speeds is too uncertain to route on: when
+    it joins, restarts or loads a model, and when its estimate has aged (docs/routing.md
+    "Learned speeds"). Its time to first token and decode rate are folded into the estimate."""
+    calibrate_prompt_tokens: Annotated[int, msgspec.Meta(ge=32, le=8192)] = 512
+    """Prompt tokens of a calibration request (long enough that prefill, not the round trip,
+    sets its time to first token)."""
+    calibrate_max_tokens: Annotated[int, msgspec.Meta(ge=8, le=1024)] = 32
+    """Tokens a calibration request generates."""
+    calibrate_every_s: PosFloat = 60.0
+    """At most one calibration request per node and model this often."""
 
 
 class SimConfig(msgspec.Struct, **_Base):
@@ -345,6 +393,15 @@ class SimConfig(msgspec.Struct, **_Base):
     """Seconds to load a model (MI300X default is 50% longer than H100)."""
     memory_gib: PosFloat | None = None
     """Accelerator memory."""
+    true_speed: PosFloat | None = None
+    """Hidden: the node really runs this many times faster than the speeds above (or its type's)
+    say, e.g. 0.3 or 3. The health service and routers are told only the speeds above and must
+    learn the truth, as with a real engine (docs/sim.md "Hidden speeds")."""
+    drift: Annotated[float, msgspec.Meta(ge=0, le=0.9)] = 0.0
+    """Hidden: the true speed wanders by +/- this share of itself over drift_period_s (a
+    throttling GPU, a neighbour on the same host), so estimates must keep up."""
+    drift_period_s: PosFloat = 600.0
+    """Real seconds of one full cycle of the drift."""
     time_scale: PosFloat = 1.0
     """Run this many times faster than real time (demos, tests)."""
     seed: int = 0
@@ -409,6 +466,12 @@ class NodeConfig(msgspec.Struct, **_Base):
     """Overrides [health] startup_grace_s for this node (slow loaders, large models)."""
     kv_events: KVEventsConfig | None = None
     """The engine's KV-event sockets (see [nodes.kv_events]); vllm and sglang backends only."""
+    model_slots: PosInt = 1
+    """Models the engine may hold at once, for the placement planner (llama.cpp router mode's
+    --models-max; 1 for an engine started with one model). Held models share the node's time."""
+    adapter_slots: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """LoRA adapters the engine may hold at once (vLLM's --max-loras; for llama.cpp, those it was
+    started with, --lora); 0: the planner puts no adapter on it."""
     roles: list[Role] = msgspec.field(default_factory=lambda: ["prefill", "decode"])
     """Legs of a disaggregated request this node takes: "prefill" (computes a prompt's KV and
     hands it to a decode node), "decode" (generates from KV handed to it, and serves whole
@@ -515,6 +578,13 @@ class ModelConfig(msgspec.Struct, **_Base):
     and /v1/audio/translations (OpenAI's multipart form, passed to the node as sent), and chat,
     completion and embeddings requests for it are refused with 400, as audio requests for a model
     configured without it are. Not with embedding."""
+    priority: Priority | None = None
+    """Band of this model's requests that name none (over [flow] default_priority; an API key's
+    default wins over both)."""
+    ttft_slo_ms: PosFloat | None = None
+    """This model's default time-to-first-token target (over [flow] ttft_slo_ms)."""
+    tpot_slo_ms: PosFloat | None = None
+    """This model's default time-per-output-token target (over [flow] tpot_slo_ms)."""
 
 
 class WarmupConfig(msgspec.Struct, **_Base):
@@ -552,6 +622,61 @@ def window_seconds(text: str) -> int:
     if not m:
         raise ValueError(f"{text!r}: expected a number and a unit, e.g. \"24h\" (s, m, h or d)")
     return int(m.group(1)) * _WINDOW_UNITS[m.group(2)]
+
+
+Fraction = Annotated[float, msgspec.Meta(gt=0, le=1)]
+
+
+class PlannerModelConfig(msgspec.Struct, **_Base):
+    memory_gib: PosFloat = 16.0
+    """Accelerator memory the model needs on a node (weights and KV for its traffic): it goes
+    only where it fits (a node's memory divided by its model_slots)."""
+    speed_factor: PosFloat = 1.0
+    """The model's speed relative to the one a node's measured speeds come from (0.5: twice as
+    slow, a model twice the size), until speeds are measured per model."""
+    min_replicas: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """Nodes kept serving the model even without demand (0: it may be unloaded everywhere)."""
+    ttft_s: PosFloat | None = None
+    """SLO: time to first token a request of mean prompt must meet on a node that serves the
+    model (a node whose prefill alone misses it never gets the model)."""
+    tpot_s: PosFloat | None = None
+    """SLO: time per output token (a node serves the model with the largest batch that meets it)."""
+    mean_prompt_tokens: PosFloat = 512.0
+    """Prompt size planned for until the routers' completions have measured it."""
+    mean_output_tokens: PosFloat = 128.0
+    """Output size planned for until measured."""
+
+
+class PlannerConfig(msgspec.Struct, **_Base):
+    mode: Literal["off", "advise", "apply"] = "off"
+    """off: no planning; advise: plan every interval_s, publish the plan (zml plan, events,
+    metrics) and move nothing; apply: also move models, make before break (docs/placement.md)."""
+    interval_s: PosFloat = 60.0
+    """Seconds between plans."""
+    window_s: PosFloat = 600.0
+    """Demand (request rate, prompt and output sizes per model and adapter) is measured over
+    this window of the routers' completions. In apply mode nothing moves until the service has
+    watched one whole window (a model merely not measured yet is not a model without demand)."""
+    headroom: Fraction = 0.8
+    """Share of a node's saturation throughput planned as SLO capacity (queueing beyond it
+    misses TTFT targets)."""
+    move_cost_per_h: NonNeg = 0.25
+    """$/h a plan must save per load or unload it asks for: a smaller gain moves nothing."""
+    drain_timeout_s: PosFloat = 60.0
+    """Before unloading a model, routers stop sending it to the node and the node's requests
+    finish: at most this long (then it unloads anyway)."""
+    time_limit_s: PosFloat = 5.0
+    """Solver time limit per plan."""
+    models: dict[str, PlannerModelConfig] = {}
+    """Per-model planning facts ([planner.models."NAME"]); models not listed use the defaults."""
+
+
+class AdapterConfig(msgspec.Struct, **_Base):
+    base: str
+    """The model the adapter runs on."""
+    path: str = ""
+    """Where the engine finds the adapter: vLLM's lora_path for /v1/load_lora_adapter; for
+    llama.cpp, the --lora file it was started with (matched in GET /lora-adapters)."""
 
 
 class BatchConfig(msgspec.Struct, **_Base):
@@ -691,15 +816,19 @@ class ZMLConfig(msgspec.Struct, **_Base):
     nats: NatsConfig = msgspec.field(default_factory=NatsConfig)
     gateway: GatewayConfig = msgspec.field(default_factory=GatewayConfig)
     router: RouterConfig = msgspec.field(default_factory=RouterConfig)
+    flow: FlowConfig = msgspec.field(default_factory=FlowConfig)
     health: HealthConfig = msgspec.field(default_factory=HealthConfig)
     warmup: WarmupConfig = msgspec.field(default_factory=WarmupConfig)
     defaults: DefaultsConfig = msgspec.field(default_factory=DefaultsConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
     batch: BatchConfig = msgspec.field(default_factory=BatchConfig)
+    planner: PlannerConfig = msgspec.field(default_factory=PlannerConfig)
     disaggregation: DisaggregationConfig = msgspec.field(default_factory=DisaggregationConfig)
     nodes: list[NodeConfig] = []
     kv_links: list[KVLinkConfig] = []
     models: dict[str, ModelConfig] = {}
+    #: LoRA adapters by the name clients give as ``model`` ([adapters."NAME"]).
+    adapters: dict[str, AdapterConfig] = {}
     policy: dict[str, PolicyConfig] = {}
     policies: dict[str, PolicyConfig] = {}
     #: Where this config came from (not a TOML key).
@@ -894,6 +1023,13 @@ def _validate(cfg: ZMLConfig, src: str, whole_fleet: bool = True) -> None:
         raise ConfigError(f"{src}: defaults.policy: unknown policy {cfg.defaults.policy!r}")
     _validate_batch(cfg.batch, names, src)
     _validate_disaggregation(cfg, src, whole_fleet)
+    known = cfg.model_names()
+    for name, ad in cfg.adapters.items():
+        if ad.base not in known:
+            raise ConfigError(f"{src}: adapters.{name!r}.base: {ad.base!r} is no model of the fleet's "
+                              f"(known: {', '.join(sorted(known)) or 'none'})")
+        if name in known:
+            raise ConfigError(f"{src}: adapters.{name!r}: a model has that name; an adapter needs its own")
 
 
 def _validate_disaggregation(cfg: ZMLConfig, src: str, whole_fleet: bool) -> None:
@@ -1030,11 +1166,13 @@ def reference_markdown() -> str:
     tree = ast.parse(inspect.getsource(sys.modules[__name__]))
     classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef)}
     sections = [
-        ("[nats]", "NatsConfig"), ("[gateway]", "GatewayConfig"), ("[router]", "RouterConfig"),
+        ("[nats]", "NatsConfig"), ("[gateway]", "GatewayConfig"), ("[router]", "RouterConfig"), ("[flow]", "FlowConfig"),
         ("[health]", "HealthConfig"), ("[warmup]", "WarmupConfig"), ("[defaults]", "DefaultsConfig"),
         ("[metrics]", "MetricsConfig"), ("[batch]", "BatchConfig"), ("[disaggregation]", "DisaggregationConfig"),
         ("[[nodes]]", "NodeConfig"), ("[[kv_links]]", "KVLinkConfig"),
         ("[nodes.sim]", "SimConfig"), ("[nodes.kv_events]", "KVEventsConfig"), ('[models."NAME"]', "ModelConfig"),
+        ("[planner]", "PlannerConfig"), ('[planner.models."NAME"]', "PlannerModelConfig"),
+        ('[adapters."NAME"]', "AdapterConfig"),
         ("[policy.NAME] / [policies.NAME]", "PolicyConfig"),
     ]
     out: list[str] = []

@@ -28,7 +28,9 @@
     └── RoutingError              (routing_context attached)
         ├── NoHealthyNodesError   NO_HEALTHY_NODES    503  retryable
         ├── ModelNotLoadedError   MODEL_NOT_LOADED    404
-        └── QueueFullError        QUEUE_FULL          503  retryable
+        ├── QueueFullError        QUEUE_FULL          503  retryable
+        ├── SloUnattainableError  SLO_UNATTAINABLE    503  retryable (no node meets the request's TTFT/TPOT target)
+        └── ShedError             SHED                503  retryable (queued work dropped for higher bands)
 
 On NATS an error reply carries the header ``Zml-Error-Code`` and an :class:`ErrorBody` JSON
 payload; over HTTP the same body (OpenAI's error shape plus our code) with the status above.
@@ -67,6 +69,8 @@ __all__ = [
     "ReplyIncompleteError",
     "ReplyTooLargeError",
     "RoutingError",
+    "ShedError",
+    "SloUnattainableError",
     "StorageFullError",
     "StreamInterruptedError",
     "TimeoutError",
@@ -346,6 +350,25 @@ class QueueFullError(RoutingError):
     """All nodes for this model are over their queue threshold. Retry with backoff or scale out."""
 
     code = "QUEUE_FULL"
+    http_status = 503
+    retryable = True
+
+
+class SloUnattainableError(RoutingError):
+    """No node can meet the request's latency target (``x-zml-ttft-slo-ms`` /
+    ``x-zml-tpot-slo-ms``) now: refused at once rather than sent to arrive late.
+    ``retry_after`` says when the fleet is expected to meet it again (absent: no node ever would)."""
+
+    code = "SLO_UNATTAINABLE"
+    http_status = 503
+    retryable = True
+
+
+class ShedError(RoutingError):
+    """Dropped from the saturation queue: higher-band work took the capacity it waited for, or it
+    could no longer start within its latency target. Retry after ``retry_after``."""
+
+    code = "SHED"
     http_status = 503
     retryable = True
 

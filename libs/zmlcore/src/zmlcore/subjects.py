@@ -15,6 +15,8 @@ No other module writes a subject literal: services and the SDK import these name
     zml.events.completed           routers: one event per finished request (warmup, health)
     zml.events.warmup              warmup service: load started / finished / failed
     zml.warmup.serve               request-reply: load a model now (`zml serve`)
+    zml.warmup.plan                request-reply: the placement planner's current plan (`zml plan`)
+    zml.events.placement           warmup service: a new plan, a move started / done / blocked
     KV bucket zml_registry         nodes added at run time (health service)
     KV bucket zml_nodes            node state written by health, watched by routers
     KV bucket zml_leases           one key per role (health, warmup): which replica is active
@@ -95,6 +97,10 @@ EVENTS_PREFIX = f"{PREFIX}.events"
 
 #: Warmup service: "load this model now" (request-reply, ``ServeRequest`` -> ``ServeReply``).
 WARMUP_SERVE = f"{PREFIX}.warmup.serve"
+#: Warmup service: the placement planner's plan (request-reply, ``PlanRequest`` -> ``PlanReply``).
+WARMUP_PLAN = f"{PREFIX}.warmup.plan"
+#: Placement events (``PlacementEvent``): ``event(EVENT_PLACEMENT)``.
+EVENT_PLACEMENT = "placement"
 #: Router completion events (``RequestCompleted``): ``event(EVENT_COMPLETED)``.
 EVENT_COMPLETED = "completed"
 #: Warmup progress events (``WarmupEvent``): ``event(EVENT_WARMUP)``.
@@ -124,6 +130,9 @@ REQUEST_IDS_BUCKET = "zml_request_ids"
 #: Routers announce "model X has requests waiting" here (messages.QueueBusy), so new arrivals
 #: queue behind them.
 QUEUE_BUSY = f"{PREFIX}.queue_busy"
+#: Routers publish their per-tenant token counters here (messages.flow.ShareReport) so that
+#: every replica orders its saturation queue by the same fair shares (zmlcore.flowctl.shares).
+FLOW_SHARES = f"{PREFIX}.flow.shares"
 #: Durable pull consumer of a model's saturation queue: ``zmlq-<model key>`` (one per model,
 #: shared by every router replica).
 QUEUE_CONSUMER_PREFIX = "zmlq"
@@ -169,6 +178,11 @@ def admin_nodes(verb: str) -> str:
 
 #: Every router replica answers its view of the fleet here (scatter-gather: collect replies).
 ROUTERS_STATE = f"{PREFIX}.admin.routers.state"
+
+
+#: "Which decision was this?": every router replica listens; the one that remembers the
+#: decision id answers (zmlcore.messages.DecisionRecord), the others stay silent.
+ROUTERS_DECISION = f"{PREFIX}.admin.routers.decision"
 
 
 def router_state(router_id: str) -> str:
@@ -307,6 +321,19 @@ H_PARTS = "Zml-Parts"
 #: It can only lower the sender's own request, so it needs no trust.
 H_PRIORITY = "Zml-Priority"
 PRIORITY_BATCH = "batch"
+#: Flow control (zmlcore.flowctl, docs/routing.md "Flow control"). ``Zml-Priority`` also takes
+#: ``critical``, ``standard`` and ``sheddable`` (its band); a band above what the caller may claim
+#: is lowered (``Zml-Priority-Lowered: 1`` on the reply). Per-request latency targets, in ms:
+H_TTFT_SLO_MS = "Zml-Ttft-Slo-Ms"
+H_TPOT_SLO_MS = "Zml-Tpot-Slo-Ms"
+#: Front door only (an API key's flow options, zml keys create --priority/--max-priority/--weight):
+#: the band a request of the key gets when it names none, the highest it may claim, its tenant
+#: weight in the fair share.
+H_PRIORITY_DEFAULT = "Zml-Priority-Default"
+H_PRIORITY_MAX = "Zml-Priority-Max"
+H_TENANT_WEIGHT = "Zml-Tenant-Weight"
+#: On a reply whose band was lowered to the caller's ceiling.
+H_PRIORITY_LOWERED = "Zml-Priority-Lowered"
 
 #: Audio (OpenAI's /v1/audio/transcriptions and /translations; zmlcore.messages.audio). On a
 #: request: ``Zml-Audio: transcription|translation``, its body the caller's multipart form, as it

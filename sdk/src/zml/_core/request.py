@@ -66,6 +66,9 @@ class InferCall:
     #: routing fields, sent as headers: the form is never rewritten), and its content type.
     content: bytes | None = None
     content_type: str = "application/json"
+    #: Flow control (``priority=``, ``ttft_slo_ms=``, ``tpot_slo_ms=``): NATS header -> value
+    #: (``x-zml-*`` over HTTP and gRPC; docs/routing.md "Flow control").
+    flow: dict[str, str] | None = None
 
     def encode(self) -> bytes:
         return self.content if self.content is not None else _json_encoder.encode(self.body)
@@ -80,6 +83,9 @@ class InferCall:
         out = {H_HTTP_ID_GENERATED: "1"} if self.id_generated else {}
         if self.session:
             out["x-session-id"] = self.session
+        if self.flow:
+            for name, setting in self.flow.items():
+                out["x-" + name.lower()] = setting
         if self.content is not None:
             out["content-type"] = self.content_type
             out["x-zml-request-id"] = self.request_id
@@ -116,6 +122,7 @@ class InferCall:
             subjects.H_TIMEOUT_MS: str(int(self.body.get("timeout_ms") or self.timeout_s * 1000)),
             **({subjects.H_ID_GENERATED: "1"} if self.id_generated else {}),
             **({subjects.H_SESSION: self.session} if self.session else {}),
+            **(self.flow or {}),
             # A stream's chunks as header-less frames: no header block to build or parse per
             # chunk (zmlcore.reply.streamframe; decoded by decode_nats_frame).
             **({subjects.H_ACCEPT_STREAM: subjects.STREAM_FRAMES} if self.stream else {}),
@@ -231,6 +238,7 @@ def build_infer(
     if session is not None and (not isinstance(session, str) or not session.isprintable()
                                 or not 0 < len(session) <= subjects.MAX_SESSION_ID):
         raise _bad_request(f"session must be printable text of 1 to {subjects.MAX_SESSION_ID} characters")
+    flow = flow_fields(merged)
 
     if not merged.get("model"):
         raise _bad_request("model is required (pass model=... or set it on the client)")
@@ -263,7 +271,31 @@ def build_infer(
         est_tokens=estimate_tokens(merged, default_output_tokens),
         stream=bool(stream),
         session=session,
+        flow=flow,
     )
+
+
+#: The bands a request may name (docs/routing.md "Flow control").
+PRIORITIES = ("critical", "standard", "sheddable", "batch")
+
+
+def flow_fields(merged: dict[str, Any]) -> dict[str, str] | None:
+    """Pop ``priority``, ``ttft_slo_ms`` and ``tpot_slo_ms`` from a call's arguments: the NATS
+    headers they travel as (the router checks them; a band above the key's is lowered there)."""
+    out: dict[str, str] = {}
+    priority = merged.pop("priority", None)
+    if priority is not None:
+        if priority not in PRIORITIES:
+            raise _bad_request(f"priority must be one of {', '.join(PRIORITIES)}, got {priority!r}")
+        out[subjects.H_PRIORITY] = priority
+    for key, header in (("ttft_slo_ms", subjects.H_TTFT_SLO_MS), ("tpot_slo_ms", subjects.H_TPOT_SLO_MS)):
+        value = merged.pop(key, None)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+            raise _bad_request(f"{key} must be a positive number of milliseconds, got {value!r}")
+        out[header] = f"{float(value):g}"
+    return out or None
 
 
 def _policy_to_wire(body: dict[str, Any]) -> None:

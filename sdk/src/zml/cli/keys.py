@@ -29,6 +29,14 @@ def register(sub: "argparse._SubParsersAction[argparse.ArgumentParser]") -> None
                    help="a model the key may use (repeatable; default: all)")
     c.add_argument("--policy", default="", help="routing policy for requests that name none")
     c.add_argument("--label", default="", help="cost-attribution label (routing metadata, completion events)")
+    bands = ("critical", "standard", "sheddable", "batch")
+    c.add_argument("--priority", default="", choices=("",) + bands, metavar="BAND",
+                   help="band of the key's requests that name none (default: [flow] default_priority)")
+    c.add_argument("--max-priority", default="", choices=("",) + bands, metavar="BAND",
+                   help="highest band the key's requests may claim; a claim above it is lowered "
+                        "(default: [flow] max_priority)")
+    c.add_argument("--weight", type=float, default=1.0,
+                   help="the key's weight in the fair share of the fleet between tenants (default 1)")
     ls = verbs.add_parser("list", help="list keys (ids, plans, limits; never the keys)")
     ls.add_argument("--json", action="store_true")
     r = verbs.add_parser("revoke", help="revoke a key by id")
@@ -63,7 +71,8 @@ def run(args: argparse.Namespace) -> int:
                 limits = plan_limits(args.plan, requests_per_minute=args.rpm, concurrent=args.concurrent,
                                      tokens_per_minute=args.tpm)
                 key, rec = await create_key(nc, plan=args.plan, limits=limits, name=args.name, models=args.models,
-                                            default_policy=args.policy, label=args.label)
+                                            default_policy=args.policy, label=args.label, priority=args.priority,
+                                            max_priority=args.max_priority, weight=args.weight)
                 print(f"id:   {rec.id}\nplan: {rec.plan} ({_limits_text(msgspec.to_builtins(rec.limits))})")
                 print(f"key:  {key}\n(shown once: only its SHA-256 is stored)")
                 return 0
@@ -78,7 +87,10 @@ def run(args: argparse.Namespace) -> int:
                 for r in records:
                     created = time.strftime("%Y-%m-%d %H:%M", time.gmtime(r.created_at))
                     extra = "".join(f"  {k}={v}" for k, v in (("models", ",".join(r.models)), ("policy", r.default_policy),
-                                                              ("label", r.label)) if v)
+                                                              ("label", r.label), ("priority", r.priority),
+                                                              ("max_priority", r.max_priority),
+                                                              ("weight", f"{r.weight:g}" if r.weight != 1.0 else ""))
+                    if v)
                     print(f"{r.id}  {r.plan:<6}  {_limits_text(msgspec.to_builtins(r.limits)):<34}  "
                           f"{created}  {r.name or '-'}{extra}")
                 return 0

@@ -64,6 +64,7 @@ class Gateway:
         r.add("GET", "/v1/models", listing.models)
         r.add("GET", "/v1/models/{model:path}", listing.model)
         r.add("GET", "/v1/nodes", listing.node_table)
+        r.add("GET", "/v1/decisions/{decision_id}", listing.decision)
         r.add("GET", "/healthz", listing.healthz)
         if batch_api is not None:  # /v1/files and /v1/batches (zml_gateway.batches)
             BatchRoutes(cfg, batch_api, self.access, self.intake).add_to(r)

@@ -38,7 +38,9 @@ SERVICE = "zml.v1.Zml"
 #: Call metadata the app sees as HTTP headers (everything else stays out of the request).
 _PASSED = frozenset({"authorization", "traceparent", "tracestate", "x-zml-id-generated",
                      # the conversation, kept on the node that holds its prefix (as over HTTP)
-                     "x-session-id"})
+                     "x-session-id",
+                     # flow control: the request's band and latency targets (as over HTTP)
+                     "x-zml-priority", "x-zml-ttft-slo-ms", "x-zml-tpot-slo-ms"})
 _error_decoder = msgspec.json.Decoder(ErrorBody)
 #: Seconds a cancelled call waits for the app to publish the cancel upstream.
 _CANCEL_WAIT_S = 5.0

@@ -1,14 +1,16 @@
 """The read-only routes: GET /healthz (no key), GET /v1/models, /v1/models/{model} and
-/v1/nodes (a key when keys are on)."""
+/v1/nodes and /v1/decisions/{id} (a key when keys are on)."""
 
 from __future__ import annotations
 
 import secrets
 from collections.abc import Mapping
 
+import msgspec
 from nats.aio.client import Client as NATS
 
 from zmlcore.config import ZMLConfig
+from zmlcore.fleet.decisions import lookup_decision
 from zmlcore.messages import NodeState
 from zml_gateway.access import Access
 from zml_gateway.asgi import Receive, Scope, Send, send_json
@@ -40,6 +42,12 @@ class Listing:
     async def model(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self.access.authenticate(scope)
         await send_json(send, 200, model_object(self.cfg, self.nodes, scope["path_params"]["model"]))
+
+    async def decision(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """What ``zml why`` prints, as JSON (zmlcore.fleet.decisions)."""
+        await self.access.authenticate(scope)
+        record = await lookup_decision(self.nc, scope["path_params"]["decision_id"])
+        await send_json(send, 200, msgspec.to_builtins(record))
 
     async def node_table(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self.access.authenticate(scope)

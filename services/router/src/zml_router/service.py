@@ -35,6 +35,7 @@ from zmlcore.errors import CancelledError, QueueFullError, ZMLError
 from zmlcore.runtime.bytebudget import ByteBudget
 from zmlcore.messages import frontdoor
 from zmlcore.messages.audio import AudioRequest
+from zmlcore.messages import decision_query_decoder
 from zmlcore.messages.warmup import completed_encoder
 from zmlcore.policy import Decision, ResolvedPolicy, RouteRequest, RoutingState, admit
 from zmlcore.policy.headroom import admit_batch
@@ -175,6 +176,7 @@ class RouterService:
         self._subs.append(await nc.subscribe(f"{subjects.CANCEL_PREFIX}.>", cb=self._on_cancel))
         self._subs.append(await nc.subscribe(subjects.router_state(self.router_id), cb=self._on_state))
         self._subs.append(await nc.subscribe(subjects.ROUTERS_STATE, cb=self._on_state))
+        self._subs.append(await nc.subscribe(subjects.ROUTERS_DECISION, cb=self._on_decision))
         for subject in (subjects.INFER, subjects.FRONT_DOOR_INFER):
             self._subs.append(await nc.subscribe(subject, queue=subjects.ROUTER_QUEUE, cb=self._on_request))
 
@@ -253,6 +255,17 @@ class RouterService:
 
     async def _on_state(self, msg: Msg) -> None:
         await msg.respond(_encode(self.sharing.state(len(self.in_flight), time.time())))
+
+    async def _on_decision(self, msg: Msg) -> None:
+        """Answer only when this replica made the decision: the asker takes the first answer,
+        and silence from every replica means none remembers it."""
+        try:
+            did = decision_query_decoder.decode(msg.data).decision_id
+        except msgspec.ValidationError:
+            return
+        record = self.relay.decisions.record(did)
+        if record is not None and msg.reply:
+            await msg.respond(_encode(record))
 
     # --- the request path ------------------------------------------------------------------
     def enter(self, msg: Msg | QueuedMsg) -> Coroutine[Any, Any, None]:

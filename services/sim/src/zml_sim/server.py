@@ -25,6 +25,7 @@ import asyncio
 import errno
 import json
 import logging
+import math
 import socket
 import time
 from dataclasses import asdict, replace
@@ -139,6 +140,9 @@ class SimNode:
         prefix_caching: bool = True,
         kv_cache_blocks: int | None = None,
         kv_events: KVEventsConfig | None = None,
+        true_speed: float | None = None,
+        drift: float = 0.0,
+        drift_period_s: float = 600.0,
         kv_gbps: float | None = None,
         **profile_overrides: float | int | None,
     ) -> None:
@@ -155,6 +159,12 @@ class SimNode:
         self.initial_models = list(models)
         self.driver_version = driver_version or ACCELERATORS[accelerator].min_driver
         profile = SimProfile.for_type(accelerator, **profile_overrides)
+        if true_speed:  # hidden from ZML: it is told the profile above ([nodes.sim] true_speed)
+            profile = replace(profile, prefill_tps=profile.prefill_tps * true_speed,
+                              decode_tps=profile.decode_tps * true_speed)
+        #: The true profile before drift, and the drift's amplitude and period (real seconds).
+        self.true_profile = profile
+        self.drift = (drift, drift_period_s)
         self.engine = SimEngine(node_id, profile, time_scale=time_scale, seed=seed,
                                 max_waiting=max_waiting, faults=faults, model_sizes=model_sizes,
                                 prefix_caching=prefix_caching, kv_cache_blocks=kv_cache_blocks)
@@ -201,7 +211,8 @@ class SimNode:
             load_time_s=sim.load_time_s, memory_gib=sim.memory_gib,
             cost_per_hour=node.cost_per_hour, prefix_caching=sim.prefix_caching,
             kv_block_size=sim.kv_block_size, kv_cache_blocks=sim.kv_cache_blocks,
-            kv_events=node.kv_events, kv_gbps=node.kv_gbps,
+            kv_events=node.kv_events, kv_gbps=node.kv_gbps, true_speed=sim.true_speed, drift=sim.drift,
+            drift_period_s=sim.drift_period_s,
         )
 
     # ----- lifecycle ---------------------------------------------------------------------------
@@ -230,8 +241,21 @@ class SimNode:
         for model in self.initial_models:
             self.engine.load(model)
         self._serve_task = asyncio.get_running_loop().create_task(self._serve())
+        if self.drift[0] > 0:
+            self._tasks.add(asyncio.get_running_loop().create_task(self._drift()))
         if wait:
             await self.wait_listening()
+
+    async def _drift(self) -> None:
+        """The true speed wanders: sinusoidal over the period, updated every second."""
+        amp, period = self.drift
+        t0 = time.monotonic()
+        while True:
+            await asyncio.sleep(1.0)
+            f = 1.0 + amp * math.sin(2 * math.pi * (time.monotonic() - t0) / period)
+            base = self.true_profile
+            prof = self.engine.profile
+            self.engine.set_profile(replace(prof, prefill_tps=base.prefill_tps * f, decode_tps=base.decode_tps * f))
 
     async def wait_listening(self) -> None:
         """Until the node listens (re-raises a failure to listen)."""
@@ -821,7 +845,7 @@ class SimNode:
             if request.transport is not None:
                 request.transport.abort()
             raise asyncio.CancelledError
-        if not self.engine.models and not self.sleeping:
+        if not self.engine.models and not self.sleeping and (self.engine.loading or not self.face.idle_router):
             return self.loading_error()
         return self.face.health_ok()
 

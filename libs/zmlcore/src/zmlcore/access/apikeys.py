@@ -17,6 +17,7 @@ import hmac
 import logging
 import secrets
 import time
+import typing
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -24,6 +25,7 @@ from nats.js.errors import KeyNotFoundError
 from nats.js.kv import KeyValue
 
 from zmlcore import subjects
+from zmlcore.config import Priority
 from zmlcore.errors import BadRequestError
 from zmlcore.bus.kvfollow import KVFollower, live_entries
 from zmlcore.messages.keys import ApiKeyRecord, IdentityPlan, PlanLimits, api_key_decoder
@@ -68,14 +70,21 @@ async def keys_kv(nc: NATS) -> KeyValue:
 
 
 async def create_key(nc: NATS, *, plan: str, limits: PlanLimits, name: str = "", models: list[str] | None = None,
-                     default_policy: str = "", label: str = "") -> tuple[str, ApiKeyRecord]:
+                     default_policy: str = "", label: str = "", priority: str = "", max_priority: str = "",
+                     weight: float = 1.0) -> tuple[str, ApiKeyRecord]:
     """Store a new key's hash; returns the key (to show once) and its record."""
     if len(name) > 200 or len(label) > 200:
         raise BadRequestError("name and label are at most 200 characters")
+    bands = typing.get_args(Priority)
+    for what, band in (("priority", priority), ("max priority", max_priority)):
+        if band and band not in bands:
+            raise BadRequestError(f"unknown {what} {band!r}: one of {', '.join(bands)}")
+    if not 0 < weight <= 1e6:
+        raise BadRequestError(f"weight must be in (0, 1e6], got {weight:g}")
     key_id, key = new_key()
     record = ApiKeyRecord(id=key_id, sha256=hash_key(key), name=name, plan=plan, limits=limits,
                           models=list(models or []), default_policy=default_policy, label=label,
-                          created_at=time.time())
+                          created_at=time.time(), priority=priority, max_priority=max_priority, weight=weight)
     kv = await keys_kv(nc)
     await kv.put(ENFORCED, b"1")
     await kv.create(key_id, msgspec.json.encode(record))

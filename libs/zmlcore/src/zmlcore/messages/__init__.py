@@ -38,9 +38,15 @@ from zmlcore.messages.router import (
     QueueBusy,
     RouterNodeState,
     RouterState,
+    DecisionFamily,
+    DecisionQuery,
+    DecisionRecord,
+    decision_query_decoder,
+    decision_record_decoder,
     queue_busy_decoder,
     router_state_decoder,
 )
+from zmlcore.messages.speeds import LearnedSpeeds, ModelSpeeds, SpeedFit, SpeedSample
 from zmlcore.messages.warmup import (
     RequestCompleted,
     ServeReply,
@@ -50,6 +56,15 @@ from zmlcore.messages.warmup import (
 )
 
 __all__ = [
+    "LearnedSpeeds",
+    "ModelSpeeds",
+    "SpeedFit",
+    "SpeedSample",
+    "DecisionFamily",
+    "DecisionQuery",
+    "DecisionRecord",
+    "decision_query_decoder",
+    "decision_record_decoder",
     "QueueBusy",
     "RouterNodeState",
     "RouterState",

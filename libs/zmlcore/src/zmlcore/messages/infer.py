@@ -148,6 +148,27 @@ class RoutingInfo(msgspec.Struct, kw_only=True):
     #: connection), server (an error status or the engine's error event) or slow (nothing
     #: within the inter-token deadline); e.g. ``h100-1@37:network``. None when one node wrote it.
     continued_from: str | None = None
+    # --- flow control (docs/routing.md "Flow control"): absent on a standard-band request
+    # without latency targets that did not wait in the saturation queue ---
+    #: The request's band (critical, standard, sheddable, batch).
+    priority: str = ""
+    #: The band it asked for when that was above what its key allows (it got ``priority``).
+    priority_lowered_from: str = ""
+    #: Its tenant's recent share of the fleet's tokens, as a multiple of its fair share (1.0:
+    #: exactly its weight's share).
+    share_used: float | None = None
+    #: Milliseconds it waited in the saturation queue.
+    queued_ms: int | None = None
+    #: Its latency targets (ms) and what admission predicted on the chosen node.
+    ttft_slo_ms: float | None = None
+    tpot_slo_ms: float | None = None
+    predicted_ttft_ms: float | None = None
+    predicted_tpot_ms: float | None = None
+    #: Measured time per output token (ms), when the reply is whole (not in a stream's start).
+    tpot_ms: float | None = None
+    #: "met" or "missed" once the reply is whole and the request had a target ("admitted" in a
+    #: stream's start message: predicted to meet it).
+    slo: str = ""
     #: Disaggregated prefill/decode (docs/disaggregation.md): the node that prefilled the prompt
     #: and handed its KV to ``node_id``, which decoded; None when one node served it whole.
     prefill_node: str | None = None

@@ -28,6 +28,12 @@ class ApiKeyRecord(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True
     #: Cost-attribution label: in routing metadata (``zml.label``) and completion events.
     label: str = ""
     created_at: float = 0.0
+    #: Flow control (docs/routing.md "Flow control"): the band of requests that name none, the
+    #: highest band they may claim ("": [flow] default_priority / max_priority), and the key's
+    #: weight in the fair share between tenants.
+    priority: str = ""
+    max_priority: str = ""
+    weight: float = 1.0
 
 
 class IdentityPlan(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):

@@ -46,3 +46,64 @@ class RouterState(msgspec.Struct, kw_only=True):
 
 queue_busy_decoder = msgspec.json.Decoder(QueueBusy)
 router_state_decoder = msgspec.json.Decoder(RouterState)
+
+
+class DecisionFamily(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One accelerator family of the policy's chain, as the decision evaluated it."""
+
+    family: str
+    nodes_checked: int
+    #: Why no node of it was taken ("" when one was, or the chain stopped before it).
+    rejected_reason: str = ""
+
+
+class DecisionRecord(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One routing decision, as the replica that made it remembers it: the answer on
+    ``zml.admin.routers.decision`` (``zml why``, ``GET /v1/decisions/{id}``).
+
+    What the router believed when it chose (the node's speeds with their source and age, the
+    cached prefix, the estimate) beside what then happened, so a slow reply can be read back
+    to the belief that sent it there."""
+
+    decision_id: str
+    router_id: str
+    request_id: str
+    #: Unix time of the decision.
+    at: float
+    model: str
+    policy: str
+    node_id: str
+    accelerator_type: str
+    family: str
+    #: Dispatch attempt of the request this decision was (1 = first; more after a failover).
+    attempt: int
+    #: Requests in flight on the node when it was chosen.
+    queue_depth: int
+    #: The router's estimate of the time to first token on this node, seconds.
+    estimated_ttft_s: float
+    #: Prompt tokens the router believed the node held in its prefix cache.
+    cached_tokens_estimated: int = 0
+    #: Session affinity: "kept", "spilled", "moved" or "" (no session).
+    session: str = ""
+    #: The node's speeds the decision read: prompt and output tokens/s, where they came from
+    #: ("measured", "learned", "default"...), when, and how sure.
+    prefill_tps: float = 0.0
+    decode_tps: float = 0.0
+    speeds_source: str = ""
+    speeds_at: float = 0.0
+    speeds_confidence: float = 0.0
+    evaluated: list[DecisionFamily] = []
+    #: What happened, as far as this replica knows now: "in_flight", "ok", "failed" (then
+    #: ``error_code``), or "moved" (a later attempt went to another node).
+    outcome: str = "in_flight"
+    error_code: str = ""
+    #: Observed seconds from the router receiving the request to its first token.
+    time_to_first_token: float | None = None
+
+
+class DecisionQuery(msgspec.Struct, kw_only=True):
+    decision_id: str
+
+
+decision_record_decoder = msgspec.json.Decoder(DecisionRecord)
+decision_query_decoder = msgspec.json.Decoder(DecisionQuery)

@@ -22,6 +22,8 @@ from typing import Literal
 
 import msgspec
 
+from zmlcore.messages.speeds import SpeedSample
+
 
 class RequestCompleted(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """One finished inference request, as the router saw it."""
@@ -54,6 +56,9 @@ class RequestCompleted(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=
     slow_nodes: list[str] = []
     #: The API key's cost-attribution label ("" without one).
     label: str = ""
+    #: What the final attempt showed of ``node_id``'s speeds (the health service learns from
+    #: it, zmlcore.fleet.learn); None when it showed nothing (no first byte, an error).
+    speed: SpeedSample | None = None
 
 
 class CompletionCounts(msgspec.Struct, frozen=True, kw_only=True):
@@ -66,16 +71,20 @@ class CompletionCounts(msgspec.Struct, frozen=True, kw_only=True):
     failed_nodes: list[str] = []
     ts: float = 0.0
     slow_nodes: list[str] = []
+    model: str = ""
+    speed: SpeedSample | None = None
 
 
-WarmupPhase = Literal["started", "loaded", "failed", "probed"]
+#: "draining": the placement planner is about to unload ``model`` from ``node_id``: health takes
+#: it out of the node's routable models (routers stop sending it there) until "unloaded".
+WarmupPhase = Literal["started", "loaded", "failed", "probed", "draining", "unloaded"]
 
 
 class WarmupEvent(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     node_id: str
     model: str
     phase: WarmupPhase
-    #: "quiet_window", "fixed_window", "serve", "keep_warm".
+    #: "quiet_window", "fixed_window", "serve", "keep_warm", "placement".
     reason: str = ""
     #: How the load was asked for: "vllm_wake_up", "llamacpp_load", "warmup_request".
     mechanism: str = ""

@@ -60,6 +60,8 @@ GRPC_STATUS: dict[str, grpc.StatusCode] = {
     "NO_HEALTHY_NODES": _S.UNAVAILABLE,
     "MODEL_NOT_LOADED": _S.NOT_FOUND,
     "QUEUE_FULL": _S.UNAVAILABLE,
+    "SLO_UNATTAINABLE": _S.UNAVAILABLE,
+    "SHED": _S.UNAVAILABLE,
 }
 
 #: gRPC status without a ``zml-code`` (the client's own deadline, an unreachable server, a

@@ -123,7 +123,7 @@ class InferChunk(_message.Message):
     def __init__(self, text: _Optional[str] = ..., index: _Optional[int] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., json: _Optional[bytes] = ...) -> None: ...
 
 class Routing(_message.Message):
-    __slots__ = ("node_id", "accelerator_type", "family", "policy", "queue_depth_at_dispatch", "decision_id", "request_id", "attempts", "router_id", "time_to_first_token", "total_tokens", "label", "cached_tokens_estimated", "cached_tokens", "continued_from", "prefill_node", "prefill_ms", "prefill_failed")
+    __slots__ = ("node_id", "accelerator_type", "family", "policy", "queue_depth_at_dispatch", "decision_id", "request_id", "attempts", "router_id", "time_to_first_token", "total_tokens", "label", "cached_tokens_estimated", "cached_tokens", "continued_from", "priority", "priority_lowered_from", "share_used", "queued_ms", "ttft_slo_ms", "tpot_slo_ms", "predicted_ttft_ms", "predicted_tpot_ms", "tpot_ms", "slo", "prefill_node", "prefill_ms", "prefill_failed")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     ACCELERATOR_TYPE_FIELD_NUMBER: _ClassVar[int]
     FAMILY_FIELD_NUMBER: _ClassVar[int]
@@ -139,6 +139,16 @@ class Routing(_message.Message):
     CACHED_TOKENS_ESTIMATED_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CONTINUED_FROM_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_LOWERED_FROM_FIELD_NUMBER: _ClassVar[int]
+    SHARE_USED_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_MS_FIELD_NUMBER: _ClassVar[int]
+    TTFT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
+    TPOT_SLO_MS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_TTFT_MS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_TPOT_MS_FIELD_NUMBER: _ClassVar[int]
+    TPOT_MS_FIELD_NUMBER: _ClassVar[int]
+    SLO_FIELD_NUMBER: _ClassVar[int]
     PREFILL_NODE_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_FAILED_FIELD_NUMBER: _ClassVar[int]
@@ -157,10 +167,20 @@ class Routing(_message.Message):
     cached_tokens_estimated: int
     cached_tokens: int
     continued_from: str
+    priority: str
+    priority_lowered_from: str
+    share_used: float
+    queued_ms: int
+    ttft_slo_ms: float
+    tpot_slo_ms: float
+    predicted_ttft_ms: float
+    predicted_tpot_ms: float
+    tpot_ms: float
+    slo: str
     prefill_node: str
     prefill_ms: float
     prefill_failed: str
-    def __init__(self, node_id: _Optional[str] = ..., accelerator_type: _Optional[str] = ..., family: _Optional[str] = ..., policy: _Optional[str] = ..., queue_depth_at_dispatch: _Optional[int] = ..., decision_id: _Optional[str] = ..., request_id: _Optional[str] = ..., attempts: _Optional[int] = ..., router_id: _Optional[str] = ..., time_to_first_token: _Optional[float] = ..., total_tokens: _Optional[int] = ..., label: _Optional[str] = ..., cached_tokens_estimated: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., continued_from: _Optional[str] = ..., prefill_node: _Optional[str] = ..., prefill_ms: _Optional[float] = ..., prefill_failed: _Optional[str] = ...) -> None: ...
+    def __init__(self, node_id: _Optional[str] = ..., accelerator_type: _Optional[str] = ..., family: _Optional[str] = ..., policy: _Optional[str] = ..., queue_depth_at_dispatch: _Optional[int] = ..., decision_id: _Optional[str] = ..., request_id: _Optional[str] = ..., attempts: _Optional[int] = ..., router_id: _Optional[str] = ..., time_to_first_token: _Optional[float] = ..., total_tokens: _Optional[int] = ..., label: _Optional[str] = ..., cached_tokens_estimated: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., continued_from: _Optional[str] = ..., priority: _Optional[str] = ..., priority_lowered_from: _Optional[str] = ..., share_used: _Optional[float] = ..., queued_ms: _Optional[int] = ..., ttft_slo_ms: _Optional[float] = ..., tpot_slo_ms: _Optional[float] = ..., predicted_ttft_ms: _Optional[float] = ..., predicted_tpot_ms: _Optional[float] = ..., tpot_ms: _Optional[float] = ..., slo: _Optional[str] = ..., prefill_node: _Optional[str] = ..., prefill_ms: _Optional[float] = ..., prefill_failed: _Optional[str] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()

@@ -5,7 +5,7 @@ import warnings
 
 from zmlcore.rpc import zml_pb2 as zml_dot_v1_dot_zml__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.85.4'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 

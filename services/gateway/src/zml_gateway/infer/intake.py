@@ -112,15 +112,30 @@ def caller_headers(headers: dict[str, str], generated: bool, scope: Scope, calle
             session = value[:subjects.MAX_SESSION_ID].decode("latin-1").strip()
             if session.isprintable() and session:
                 headers[subjects.H_SESSION] = session
-            break
-    if caller.record is not None:  # the key's options travel with the request
-        if caller.record.default_policy:
-            headers[subjects.H_DEFAULT_POLICY] = caller.record.default_policy
-        if caller.record.label:
-            headers[subjects.H_LABEL] = caller.record.label
+        else:
+            flow = FLOW_HEADERS.get(name)
+            if flow is not None:  # band and latency targets: the router reads and checks them
+                headers[flow] = value[:64].decode("latin-1").strip()
+    record = caller.record
+    if record is not None:  # the key's options travel with the request
+        if record.default_policy:
+            headers[subjects.H_DEFAULT_POLICY] = record.default_policy
+        if record.label:
+            headers[subjects.H_LABEL] = record.label
+        if record.priority:
+            headers[subjects.H_PRIORITY_DEFAULT] = record.priority
+        if record.max_priority:
+            headers[subjects.H_PRIORITY_MAX] = record.max_priority
+        if record.weight != 1.0:
+            headers[subjects.H_TENANT_WEIGHT] = f"{record.weight:g}"
     if tracing.ON:  # the router's span continues the gateway's
         observe.forward(headers)
     return headers
+
+
+#: HTTP request headers of flow control (docs/http-api.md) -> the NATS headers the router reads.
+FLOW_HEADERS = {b"x-zml-priority": subjects.H_PRIORITY, b"x-zml-ttft-slo-ms": subjects.H_TTFT_SLO_MS,
+                b"x-zml-tpot-slo-ms": subjects.H_TPOT_SLO_MS}
 
 
 async def _read_rest(receive: Receive, limit: int, what: str) -> bytes:

@@ -63,6 +63,7 @@ from zml_router.outcome import Outcome
 from zml_router.replicas.ids import RequestIds
 from zml_router.replicas.inflight import Sharing
 from zml_router.replicas.limits import IdentityLimits
+from zml_router.telemetry.decisions import DecisionLog
 from zml_router.telemetry.metrics import RouterMetrics
 from zml_router.replicas.table import NodeTable
 from zml_router.timers import Stalled, Timer, Wheel
@@ -260,6 +261,8 @@ class Relay:
         self.http = http
         self.metrics = metrics
         self.replies = replies
+        #: What ``zml why DECISION_ID`` reads (zml_router.telemetry.decisions).
+        self.decisions = DecisionLog(router_id)
         self.api_keys = {n.id: n.api_key for n in cfg.nodes if n.api_key}
         self._move = sharing.move  # bound once: a non-streamed request's PendingHold takes it
         #: Nodes that refused a non-streamed request asked as a stream (400/422: a server that
@@ -336,6 +339,7 @@ class Relay:
             info.time_to_first_token = answer.ttft  # the answer's first token, not this attempt's
         out.info = info
         DECISION_ID.set(info.decision_id)
+        self.decisions.remember(info, decision, view.state, model, action.attempt, out)
         served = view.state.served_names.get(model)
         audio = isinstance(req, AudioRequest)
         if answer.assembler is not None and decision.node_id in self.whole_only and not action.continuation:

@@ -1,0 +1,126 @@
+"""Token-fair shares between tenants: a virtual token counter with decay, merged across router
+replicas (pure: time is passed in).
+
+Each tenant (an API key, a NATS identity) is charged what its requests cost the fleet in
+weighted tokens: prompt tokens at ``prefill_cost`` and output tokens at ``decode_cost`` (VTC,
+"Fairness in Serving Large Language Models", OSDI'24, weighs them 1 and 2). The saturation queue
+serves first the tenant with the least service per unit of weight (least attained service), so
+backlogged tenants get the fleet in proportion to their weights, counted in tokens rather than
+requests. Counters decay with a half-life: a tenant idle for a while is not owed a burst of
+banked credit, and one that flooded a minute ago is not punished for ever.
+
+Across replicas: each replica counts what it dispatched and publishes its counters (a
+:class:`~zmlcore.messages.flow.ShareReport`, the replica's own entry: no write conflicts); a
+tenant's service is its counter here plus every peer's last report, decayed to now. N replicas
+then order by the same numbers, off by at most one report interval of a peer's charges.
+
+    book = ShareBook("r1", half_life_s=30.0)
+    book.charge("acme", book.cost(prompt_tokens=800, output_tokens=200), now)
+    book.merge(peer_report, now)
+    book.service("acme", weight=2.0, now=now)   # weighted tokens per unit of weight, decayed
+"""
+
+from __future__ import annotations
+
+import math
+
+from zmlcore.messages.flow import ShareReport
+
+#: Counters below this many weighted tokens are dropped from reports (and forgotten).
+NEGLIGIBLE = 0.5
+#: A peer's report older than this many half-lives adds nothing worth keeping.
+FORGET_HALF_LIVES = 8.0
+
+
+class ShareBook:
+    """One replica's view of every tenant's recent service. Mutated only by its event loop."""
+
+    __slots__ = ("replica", "half_life_s", "k", "prefill_cost", "decode_cost", "own", "peers")
+
+    def __init__(self, replica: str, *, half_life_s: float = 30.0, prefill_cost: float = 1.0,
+                 decode_cost: float = 2.0) -> None:
+        self.replica = replica
+        self.half_life_s = half_life_s
+        self.k = math.log(2.0) / half_life_s
+        self.prefill_cost = prefill_cost
+        self.decode_cost = decode_cost
+        #: tenant -> [weighted tokens as of t, t]
+        self.own: dict[str, list[float]] = {}
+        #: replica -> its latest report
+        self.peers: dict[str, ShareReport] = {}
+
+    def cost(self, prompt_tokens: float, output_tokens: float) -> float:
+        """Weighted tokens of a request (its prompt prefilled, its output decoded)."""
+        return self.prefill_cost * max(0.0, prompt_tokens) + self.decode_cost * max(0.0, output_tokens)
+
+    def _decay(self, value: float, at: float, now: float) -> float:
+        return value * math.exp(-self.k * (now - at)) if now > at else value
+
+    def charge(self, tenant: str, amount: float, now: float) -> None:
+        """Add ``amount`` weighted tokens (negative: a correction once the real output is known)
+        to ``tenant``'s counter here."""
+        entry = self.own.get(tenant)
+        if entry is None:
+            self.own[tenant] = [max(0.0, amount), now]
+            return
+        entry[0] = max(0.0, self._decay(entry[0], entry[1], now) + amount)
+        entry[1] = now
+
+    def tokens(self, tenant: str, now: float) -> float:
+        """``tenant``'s weighted tokens, decayed to ``now``, here and at every peer."""
+        total = 0.0
+        entry = self.own.get(tenant)
+        if entry is not None:
+            total = self._decay(entry[0], entry[1], now)
+        for rep in self.peers.values():
+            v = rep.tenants.get(tenant)
+            if v:
+                total += self._decay(v, rep.at, now)
+        return total
+
+    def service(self, tenant: str, weight: float, now: float) -> float:
+        """What ``tenant`` has been served lately per unit of its weight: the queue serves the
+        lowest first."""
+        return self.tokens(tenant, now) / (weight if weight > 0 else 1.0)
+
+    def share_used(self, tenant: str, weight: float, now: float, weights: dict[str, float] | None = None) -> float:
+        """``tenant``'s share of every tenant's recent tokens, as a multiple of its fair share
+        (1.0: exactly its weight's share; above: more). ``weights``: other tenants' weights
+        (default 1 each). 0 when nothing was served lately."""
+        names = set(self.own)
+        for rep in self.peers.values():
+            names.update(rep.tenants)
+        names.add(tenant)
+        ws = weights or {}
+        total = sum_w = 0.0
+        for t in names:
+            tok = self.tokens(t, now)
+            if tok < NEGLIGIBLE and t != tenant:
+                continue
+            total += tok
+            sum_w += weight if t == tenant else ws.get(t, 1.0)
+        if total <= 0.0 or sum_w <= 0.0:
+            return 0.0
+        return (self.tokens(tenant, now) / total) / (weight / sum_w)
+
+    def report(self, now: float) -> ShareReport:
+        """This replica's counters, decayed to ``now``; negligible ones forgotten."""
+        out: dict[str, float] = {}
+        for tenant, (v, at) in list(self.own.items()):
+            d = self._decay(v, at, now)
+            if d < NEGLIGIBLE:
+                del self.own[tenant]
+            else:
+                out[tenant] = round(d, 1)
+        return ShareReport(replica=self.replica, at=now, tenants=out)
+
+    def merge(self, report: ShareReport, now: float) -> None:
+        """Take a peer's report (a newer one replaces its older one; our own is ignored)."""
+        if report.replica == self.replica:
+            return
+        old = self.peers.get(report.replica)
+        if old is None or report.at >= old.at:
+            self.peers[report.replica] = report
+        horizon = FORGET_HALF_LIVES * self.half_life_s
+        for name in [r for r, rep in self.peers.items() if now - rep.at > horizon]:
+            del self.peers[name]

@@ -1,0 +1,166 @@
+"""SLO admission: a request's TTFT / TPOT target against each node's predicted TTFT (queue wait
+and its own prefill, with that node's prefix cache) and TPOT (that node's decode rate at the
+batch it will join). Pure: no I/O, ``now`` is passed in.
+
+A request with a target goes to the policy's pick when that node meets it, else to the node
+with the lowest predicted TTFT among those that meet the TPOT target, and when none meets it
+it is refused at once (SLO_UNATTAINABLE, with a Retry-After when the fleet is expected to meet
+it once its backlog drains), never sent to arrive late.
+
+    decision, verdict = admit_slo(nodes, rr, policy, now, state, Slo(ttft_s=0.5, tpot_s=0.05),
+                                  stale_after_s=15.0, ttft_bound_s=60.0)
+
+TPOT model (the reference fleet's, zmlcore.fleet.perfmodel): a node decoding ``b`` sequences
+takes ``step(b) = (1 + 0.02 (b - 1)) / decode_tps`` per token of each, and pauses decode for the
+prefills of arrivals; in steady state at batch ``b`` about ``b / E[O-1]`` prompts arrive per
+token step, so ``tpot(b) = step(b) + b E[P] / (E[O-1] pf)``. ``decode_tps`` and ``pf`` are the
+node's own (measured or learned by the health service, else its type's profile).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from zmlcore.errors import ModelNotLoadedError, NoHealthyNodesError, QueueFullError, SloUnattainableError
+from zmlcore.fleet.accelerators import DECODE_BATCH_PENALTY
+from zmlcore.messages import NodeState
+from zmlcore.policy import admission
+from zmlcore.policy.choose import choose_node, is_routable
+from zmlcore.policy.estimate import MEAN_OUTPUT_TOKENS, MEAN_PROMPT_TOKENS, node_speeds
+from zmlcore.policy.prefix import PrefixIndex
+from zmlcore.policy.resolve import ResolvedPolicy, builtin_policy
+from zmlcore.policy.types import Decision, NodeView, RouteRequest, RoutingState
+
+_LATENCY = builtin_policy("latency")
+#: Retry-After bounds (s) of an SLO refusal.
+RETRY_MIN_S, RETRY_MAX_S = 0.5, 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class Slo:
+    """A request's latency targets in seconds (None: no target of that kind)."""
+
+    ttft_s: float | None = None
+    tpot_s: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class SloVerdict:
+    """What admission predicted for the node it chose (reply metadata compares it with what
+    happened)."""
+
+    ttft_s: float
+    tpot_s: float
+    met: bool = True
+
+
+def tpot_at(st: NodeState, batch: int, mean_prompt: float = MEAN_PROMPT_TOKENS,
+            mean_output: float = MEAN_OUTPUT_TOKENS) -> float:
+    """Predicted seconds per output token of a sequence on a node decoding ``batch`` sequences.
+
+    >>> st = NodeState(node_id="n", accelerator_type="nvidia_h100", family="H100", endpoint="")
+    >>> round(tpot_at(st, 1) * 1000, 1)        # 60 tok/s alone, a few prefills between tokens
+    17.0
+    """
+    pf, dec, maxc = node_speeds(st)
+    b = max(1, min(batch, maxc))
+    step = (1.0 + DECODE_BATCH_PENALTY * (b - 1)) / dec
+    return step + b * mean_prompt / (max(mean_output - 1.0, 1.0) * pf)
+
+
+def predict_tpot(view: NodeView) -> float:
+    """TPOT of a request sent to ``view``'s node now: it joins the sequences there (capped at
+    the node's slots: beyond them it waits, then decodes at a full batch)."""
+    return tpot_at(view.state, view.effective_outstanding() + 1)
+
+
+def _find(nodes: Sequence[NodeView], node_id: str) -> NodeView | None:
+    get = getattr(nodes, "get", None)  # a FleetIndex looks up by id
+    if get is not None:
+        found: NodeView | None = get(node_id)
+        return found
+    for v in nodes:
+        if v.node_id == node_id:
+            return v
+    return None
+
+
+def _meets(slo: Slo, ttft: float, tpot: float) -> bool:
+    return (slo.ttft_s is None or ttft <= slo.ttft_s) and (slo.tpot_s is None or tpot <= slo.tpot_s)
+
+
+def admit_slo(nodes: Sequence[NodeView], rr: RouteRequest, policy: ResolvedPolicy, now: float, state: RoutingState,
+              slo: Slo, *, stale_after_s: float, ttft_bound_s: float,
+              cache: PrefixIndex | None = None) -> tuple[Decision, SloVerdict]:
+    """:func:`zmlcore.policy.admission.admit`, then the SLO: the policy's pick if it meets it,
+    else the lowest-TTFT node that does; SloUnattainableError when none does. QUEUE_FULL (every
+    node saturated) passes through: the caller may queue the request with :func:`queue_budget_s`.
+    """
+    d = admission.admit(nodes, rr, policy, now, state, stale_after_s=stale_after_s, ttft_bound_s=ttft_bound_s,
+                        cache=cache)
+    view = _find(nodes, d.node_id)
+    tpot = predict_tpot(view) if view is not None else 0.0
+    if _meets(slo, d.estimated_ttft_s, tpot):
+        return d, SloVerdict(d.estimated_ttft_s, tpot)
+    # The pick misses: the fastest node among those that meet the TPOT target.
+    slow: set[str] = set()
+    if slo.tpot_s is not None:
+        slow = {v.node_id for v in nodes if predict_tpot(v) > slo.tpot_s}
+    best: Decision | None = None
+    if rr.accelerator_id is None:
+        try:
+            best = choose_node(nodes, dataclasses.replace(rr, exclude=rr.exclude | slow), _LATENCY, now, state,
+                               stale_after_s=stale_after_s, cache=cache)
+        except (QueueFullError, NoHealthyNodesError, ModelNotLoadedError):
+            best = None
+    if best is not None:
+        bview = _find(nodes, best.node_id)
+        btpot = predict_tpot(bview) if bview is not None else 0.0
+        if _meets(slo, best.estimated_ttft_s, btpot):
+            return best, SloVerdict(best.estimated_ttft_s, btpot)
+    raise _refusal(nodes, rr, slo, d, tpot, best, now, stale_after_s, policy.name)
+
+
+def _refusal(nodes: Sequence[NodeView], rr: RouteRequest, slo: Slo, d: Decision, tpot: float,
+             best: Decision | None, now: float, stale_after_s: float, policy: str) -> SloUnattainableError:
+    usable = [v for v in nodes if is_routable(v, rr.model, now, stale_after_s) is None
+              and (rr.accelerator_id is None or v.node_id == rr.accelerator_id)]
+    idle_tpot = min((tpot_at(v.state, 1) for v in usable), default=float("inf"))
+    own_prefill = min((rr.prompt_tokens / node_speeds(v.state)[0] for v in usable), default=float("inf"))
+    retry: float | None
+    if slo.tpot_s is not None and idle_tpot > slo.tpot_s:
+        why, retry = f"no node decodes faster than {idle_tpot * 1000:.0f} ms/token even idle", None
+    elif slo.ttft_s is not None and own_prefill > slo.ttft_s:
+        why, retry = f"the prompt's prefill alone takes {own_prefill * 1000:.0f} ms on the fastest node", None
+    else:
+        cand = best if best is not None else d
+        over = cand.estimated_ttft_s - (slo.ttft_s if slo.ttft_s is not None else cand.estimated_ttft_s)
+        why = (f"best predicted time to first token {cand.estimated_ttft_s * 1000:.0f} ms"
+               if best is not None or slo.tpot_s is None else
+               f"every node that meets the TPOT target is busy (policy pick: {tpot * 1000:.0f} ms/token)")
+        retry = min(RETRY_MAX_S, max(RETRY_MIN_S, over))
+    target = ", ".join(f"{k} {v * 1000:.0f} ms" for k, v in (("TTFT", slo.ttft_s), ("TPOT", slo.tpot_s)) if v is not None)
+    ctx: dict[str, Any] = {
+        "policy": policy,
+        "final_error": "slo_unattainable",
+        "slo": {k: round(v * 1000) for k, v in (("ttft_ms", slo.ttft_s), ("tpot_ms", slo.tpot_s)) if v is not None},
+        "predicted": {"node_id": d.node_id, "ttft_ms": round(d.estimated_ttft_s * 1000),
+                      "tpot_ms": round(tpot * 1000, 1)},
+    }
+    return SloUnattainableError(f"no node can meet this request's target ({target}) now: {why}",
+                                routing_context=ctx, retry_after=retry)
+
+
+def queue_budget_s(nodes: Sequence[NodeView], rr: RouteRequest, slo: Slo, now: float,
+                   stale_after_s: float) -> float | None:
+    """How long a request with a TTFT target may wait in the saturation queue and still meet
+    it once dispatched (its own prefill on the fastest serving node subtracted); None: no TTFT
+    target. At or below 0 the target cannot be met by waiting: refuse instead."""
+    if slo.ttft_s is None:
+        return None
+    pfs = [node_speeds(v.state)[0] for v in nodes if is_routable(v, rr.model, now, stale_after_s) in (None, "saturated")]
+    prefill = rr.prompt_tokens / max(pfs) if pfs else 0.0
+    return slo.ttft_s - prefill

@@ -1,0 +1,333 @@
+"""zmlcore.flowctl: priority bands, token-fair shares across replicas, SLO admission and the
+saturation queue's order (pure: no router, no network)."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from zmlcore import subjects
+from zmlcore.config import FlowConfig, ModelConfig
+from zmlcore.errors import BadRequestError, QueueFullError, SloUnattainableError
+from zmlcore.flowctl import (BATCH, CRITICAL, SHEDDABLE, STANDARD, ShareBook, Slo, Waiting, admit_slo, ask_of,
+                             claim, displaced, effective_band, pick, predict_tpot, queue_budget_s, tpot_at)
+from zmlcore.messages import NodeState
+from zmlcore.policy import NodeView, RouteRequest, RoutingState
+from zmlcore.policy.resolve import builtin_policy
+
+NOW = 1_000.0
+
+
+# --- bands ------------------------------------------------------------------------------------
+def test_a_claim_above_the_ceiling_is_lowered_and_says_so() -> None:
+    assert claim("critical", default=STANDARD, ceiling=STANDARD) == (STANDARD, True)
+    assert claim("critical", default=STANDARD, ceiling=CRITICAL) == (CRITICAL, False)
+
+
+def test_a_claim_below_the_ceiling_is_kept() -> None:
+    assert claim("sheddable", default=STANDARD, ceiling=CRITICAL) == (SHEDDABLE, False)
+    assert claim("BATCH", default=STANDARD, ceiling=STANDARD) == (BATCH, False)
+
+
+def test_no_claim_takes_the_default_bounded_by_the_ceiling() -> None:
+    assert claim(None, default=SHEDDABLE, ceiling=CRITICAL) == (SHEDDABLE, False)
+    assert claim("", default=CRITICAL, ceiling=STANDARD) == (STANDARD, False)
+
+
+def test_an_unknown_band_is_a_bad_request_naming_the_bands() -> None:
+    with pytest.raises(BadRequestError, match="critical, standard, sheddable, batch"):
+        claim("urgent", default=STANDARD, ceiling=CRITICAL)
+
+
+# --- what a request asks ----------------------------------------------------------------------
+def test_ask_reads_band_and_targets_from_headers() -> None:
+    h = {subjects.H_PRIORITY: "sheddable", subjects.H_TTFT_SLO_MS: "500", subjects.H_TPOT_SLO_MS: "40"}
+    a = ask_of(h, tenant="t", flow=FlowConfig(), model=None)
+    assert (a.band, a.lowered, a.slo) == (SHEDDABLE, False, Slo(0.5, 0.04)) and not a.plain
+
+
+def test_ask_key_ceiling_and_default_come_from_front_door_headers() -> None:
+    h = {subjects.H_PRIORITY: "critical", subjects.H_PRIORITY_MAX: "critical", subjects.H_TENANT_WEIGHT: "3"}
+    a = ask_of(h, tenant="t", flow=FlowConfig(), model=None)
+    assert (a.band, a.lowered, a.weight) == (CRITICAL, False, 3.0)
+    a = ask_of({subjects.H_PRIORITY: "critical"}, tenant="t", flow=FlowConfig(), model=None)
+    assert (a.band, a.lowered) == (STANDARD, True)  # [flow] max_priority = standard
+
+
+def test_ask_defaults_request_over_model_over_flow() -> None:
+    flow = FlowConfig(ttft_slo_ms=2000, default_priority="sheddable")
+    model = ModelConfig(ttft_slo_ms=800, priority="standard")
+    assert ask_of({}, tenant="t", flow=flow, model=model).slo == Slo(0.8, None)
+    assert ask_of({}, tenant="t", flow=flow, model=None).slo == Slo(2.0, None)
+    assert ask_of({}, tenant="t", flow=flow, model=None).band == SHEDDABLE
+    assert ask_of({}, tenant="t", flow=flow, model=model).band == STANDARD
+    assert ask_of({subjects.H_TTFT_SLO_MS: "100"}, tenant="t", flow=flow, model=model).slo == Slo(0.1, None)
+    assert ask_of({}, tenant="t", flow=FlowConfig(), model=None).plain
+
+
+@pytest.mark.parametrize("value", ["fast", "0", "-5", "1e12"])
+def test_ask_refuses_a_malformed_target(value: str) -> None:
+    with pytest.raises(BadRequestError, match="x-zml-ttft-slo-ms"):
+        ask_of({subjects.H_TTFT_SLO_MS: value}, tenant="t", flow=FlowConfig(), model=None)
+
+
+# --- token-fair shares ------------------------------------------------------------------------
+def test_cost_weighs_prompt_at_prefill_and_output_at_decode() -> None:
+    book = ShareBook("r1", prefill_cost=1.0, decode_cost=2.0)
+    assert book.cost(800, 200) == 1200.0
+
+
+def test_counters_decay_with_their_half_life() -> None:
+    book = ShareBook("r1", half_life_s=10.0)
+    book.charge("a", 1000.0, NOW)
+    assert book.tokens("a", NOW + 10.0) == pytest.approx(500.0)
+    assert book.tokens("a", NOW + 20.0) == pytest.approx(250.0)
+
+
+def test_service_is_per_unit_of_weight() -> None:
+    book = ShareBook("r1")
+    book.charge("a", 1000.0, NOW)
+    book.charge("b", 1000.0, NOW)
+    assert book.service("a", 2.0, NOW) == pytest.approx(book.service("b", 1.0, NOW) / 2)
+
+
+def test_a_peer_report_adds_its_counters_and_a_newer_one_replaces_it() -> None:
+    r1, r2 = ShareBook("r1", half_life_s=10.0), ShareBook("r2", half_life_s=10.0)
+    r2.charge("a", 400.0, NOW)
+    r1.charge("a", 100.0, NOW)
+    r1.merge(r2.report(NOW), NOW)
+    assert r1.tokens("a", NOW) == pytest.approx(500.0, abs=0.1)
+    r2.charge("a", 400.0, NOW + 1)
+    r1.merge(r2.report(NOW + 1), NOW + 1)
+    old = r2.report(NOW)  # late delivery of an older report changes nothing
+    r1.merge(old, NOW + 1)
+    expect = 100 * 0.5 ** 0.1 + r2.tokens("a", NOW + 1)
+    assert r1.tokens("a", NOW + 1) == pytest.approx(expect, abs=0.2)
+
+
+def test_own_report_is_ignored_and_stale_peers_forgotten() -> None:
+    r1 = ShareBook("r1", half_life_s=1.0)
+    r1.charge("a", 100.0, NOW)
+    r1.merge(r1.report(NOW), NOW)
+    assert r1.tokens("a", NOW) == pytest.approx(100.0)
+    r2 = ShareBook("r2", half_life_s=1.0)
+    r2.charge("b", 100.0, NOW)
+    r1.merge(r2.report(NOW), NOW)
+    r1.merge(ShareBook("r3", half_life_s=1.0).report(NOW + 100), NOW + 100)
+    assert "r2" not in r1.peers
+
+
+def test_share_used_is_a_multiple_of_the_fair_share() -> None:
+    book = ShareBook("r1")
+    book.charge("a", 3000.0, NOW)
+    book.charge("b", 1000.0, NOW)
+    assert book.share_used("a", 1.0, NOW) == pytest.approx(1.5)
+    assert book.share_used("b", 1.0, NOW) == pytest.approx(0.5)
+    assert book.share_used("c", 1.0, NOW) == 0.0
+
+
+def jain(xs: list[float]) -> float:
+    return sum(xs) ** 2 / (len(xs) * sum(x * x for x in xs))
+
+
+def test_four_replicas_with_lag_are_one_fair_scheduler() -> None:
+    """Saturated: every tenant always has work waiting at every replica; each replica serves its
+    next slot to the tenant with the least service as it sees it (its own counts plus peers'
+    reports 1-5 ms old, published every 100 ms). Tokens served stay fair (Jain >= 0.95) even
+    though requests differ 10x in size between tenants."""
+    rnd = random.Random(7)
+    reps = [ShareBook(f"r{i}", half_life_s=30.0) for i in range(4)]
+    tenants = {"small": 200, "medium": 800, "large": 2000, "huge": 4000}  # tokens per request
+    served = dict.fromkeys(tenants, 0.0)
+    inbox: list[tuple[float, int, object]] = []
+    t = NOW
+    last_report = [t] * 4
+    while t < NOW + 120.0:
+        t += 0.002
+        i = rnd.randrange(4)
+        book = reps[i]
+        for when, to, rep in [m for m in inbox if m[0] <= t]:
+            reps[to].merge(rep, t)  # type: ignore[arg-type]
+        inbox = [m for m in inbox if m[0] > t]
+        who = min(tenants, key=lambda n: (book.service(n, 1.0, t), rnd.random()))
+        cost = tenants[who] * (0.5 + rnd.random())
+        book.charge(who, cost, t)
+        if t > NOW + 20.0:
+            served[who] += cost
+        if t - last_report[i] >= 0.1:
+            last_report[i] = t
+            rep = book.report(t)
+            for j in range(4):
+                if j != i:
+                    inbox.append((t + rnd.uniform(0.001, 0.005), j, rep))
+    assert jain(list(served.values())) >= 0.95
+
+
+# --- the queue's order ------------------------------------------------------------------------
+def _w(band: int, tenant: str, seq: int, at: float = NOW, weight: float = 1.0) -> Waiting:
+    return Waiting(band=band, tenant=tenant, weight=weight, enqueued_at=at, seq=seq)
+
+
+def test_a_higher_band_overtakes_a_lower_band_burst() -> None:
+    ws = [_w(SHEDDABLE, "a", i) for i in range(50)] + [_w(CRITICAL, "b", 99)]
+    assert pick(ws, lambda t, w: 0.0, NOW, age_s=30.0) == 50
+
+
+def test_within_a_band_the_least_served_tenant_goes_first_then_arrival() -> None:
+    served = {"flood": 1e6, "steady": 10.0}
+    ws = [_w(STANDARD, "flood", i) for i in range(10)] + [_w(STANDARD, "steady", 20), _w(STANDARD, "steady", 21)]
+    assert pick(ws, lambda t, w: served[t] / w, NOW, age_s=30.0) == 10
+    assert pick(ws[:10], lambda t, w: served[t] / w, NOW, age_s=30.0) == 0  # FIFO within a tenant
+
+
+def test_weight_divides_service() -> None:
+    served = {"a": 300.0, "b": 200.0}
+    ws = [_w(STANDARD, "a", 1, weight=2.0), _w(STANDARD, "b", 2)]
+    assert pick(ws, lambda t, w: served[t] / w, NOW, age_s=30.0) == 0
+
+
+def test_low_bands_age_up_to_standard_never_above() -> None:
+    w = _w(BATCH, "a", 1, at=NOW)
+    assert effective_band(w, NOW + 29, 30.0) == BATCH
+    assert effective_band(w, NOW + 31, 30.0) == SHEDDABLE
+    assert effective_band(w, NOW + 500, 30.0) == STANDARD
+    assert effective_band(_w(CRITICAL, "a", 1), NOW + 500, 30.0) == CRITICAL
+    assert effective_band(w, NOW + 500, 0.0) == BATCH  # no aging
+
+
+def test_an_aged_entry_competes_with_standard_work_by_share_and_arrival() -> None:
+    old = _w(SHEDDABLE, "a", 1, at=NOW - 60)
+    new = _w(STANDARD, "b", 2)
+    assert pick([new, old], lambda t, w: 0.0, NOW, age_s=30.0) == 1
+
+
+def test_displacement_sheds_the_lowest_ranked_past_the_limit() -> None:
+    ws = [_w(STANDARD, "a", 1), _w(SHEDDABLE, "a", 2), _w(CRITICAL, "b", 3), _w(SHEDDABLE, "b", 4)]
+    assert sorted(displaced(ws, lambda t, w: 0.0, NOW, 30.0, limit=2)) == [1, 3]
+    assert displaced(ws, lambda t, w: 0.0, NOW, 30.0, limit=4) == []
+
+
+# --- SLO admission ----------------------------------------------------------------------------
+def _fleet() -> list[NodeView]:
+    return [NodeView(NodeState(node_id=node_id, accelerator_type=acc, family=fam, endpoint="http://x", status="up",
+                               models=["m"], updated_at=NOW, cost_per_hour=cost))
+            for node_id, acc, fam, cost in (("h1", "nvidia_h100", "H100", 4.0), ("g1", "intel_gaudi2", "Gaudi2", 0.5))]
+
+
+def _admit(nodes: list[NodeView], rr: RouteRequest, slo: Slo, policy: str = "latency"):  # type: ignore[no-untyped-def]
+    return admit_slo(nodes, rr, builtin_policy(policy), NOW, RoutingState(), slo, stale_after_s=15.0,
+                     ttft_bound_s=60.0)
+
+
+def test_tpot_grows_with_the_batch_and_is_slower_on_slower_nodes() -> None:
+    h, g = (v.state for v in _fleet())
+    assert tpot_at(h, 1) < tpot_at(h, 16) < tpot_at(h, 32)
+    assert tpot_at(g, 1) > tpot_at(h, 1)
+    assert tpot_at(h, 500) == tpot_at(h, 32)  # beyond its slots a request waits, then decodes at full batch
+
+
+def test_measured_decode_speed_sets_tpot() -> None:
+    st = NodeState(node_id="n", accelerator_type="nvidia_h100", family="H100", endpoint="", decode_tps=30.0)
+    assert tpot_at(st, 1) > 1 / 30.0
+
+
+def test_the_policy_pick_is_kept_when_it_meets_the_slo() -> None:
+    d, v = _admit(_fleet(), RouteRequest(model="m", prompt_tokens=1000), Slo(0.5, 0.05))
+    assert d.node_id == "h1" and v.met and v.ttft_s < 0.5 and v.tpot_s < 0.05
+
+
+def test_a_pick_that_misses_is_replaced_by_a_node_that_meets_it() -> None:
+    nodes = _fleet()
+    d, v = _admit(nodes, RouteRequest(model="m", prompt_tokens=1000), Slo(0.5, None), policy="cost")
+    assert d.node_id == "g1"  # the cost pick, fine for TTFT
+    d, v = _admit(nodes, RouteRequest(model="m", prompt_tokens=1000), Slo(0.5, 0.025), policy="cost")
+    assert d.node_id == "h1" and v.tpot_s <= 0.025  # Gaudi2 decodes too slowly for 25 ms/token
+
+
+def test_no_node_meeting_the_ttft_target_is_refused_at_once_with_retry_after() -> None:
+    nodes = _fleet()
+    for v in nodes:
+        v.set_counts(40, 20)
+    with pytest.raises(SloUnattainableError) as info:
+        _admit(nodes, RouteRequest(model="m", prompt_tokens=1000), Slo(0.3, None))
+    e = info.value
+    assert e.code == "SLO_UNATTAINABLE" and e.retry_after is not None and 0.5 <= e.retry_after <= 60
+    assert e.routing_context is not None and e.routing_context["slo"] == {"ttft_ms": 300}
+
+
+def test_a_target_no_node_meets_even_idle_is_refused_without_retry_after() -> None:
+    with pytest.raises(SloUnattainableError) as info:
+        _admit(_fleet(), RouteRequest(model="m", prompt_tokens=100), Slo(None, 0.005))
+    assert info.value.retry_after is None and "even idle" in info.value.message
+    with pytest.raises(SloUnattainableError) as info:
+        _admit(_fleet(), RouteRequest(model="m", prompt_tokens=8000), Slo(0.1, None))
+    assert info.value.retry_after is None and "prefill alone" in info.value.message
+
+
+def test_a_busy_fast_node_sends_the_tpot_bound_request_elsewhere() -> None:
+    nodes = [NodeView(NodeState(node_id=f"h{i}", accelerator_type="nvidia_h100", family="H100", endpoint="x",
+                                status="up", models=["m"], updated_at=NOW)) for i in (1, 2)]
+    nodes[0].set_counts(31, 0)
+    assert predict_tpot(nodes[0]) > predict_tpot(nodes[1])
+    d, v = _admit(nodes, RouteRequest(model="m", prompt_tokens=100), Slo(None, predict_tpot(nodes[1]) + 1e-6),
+                  policy="round_robin")
+    assert d.node_id == "h2"
+
+
+def test_saturation_passes_through_and_the_queue_budget_subtracts_own_prefill() -> None:
+    nodes = _fleet()
+    for v in nodes:
+        v.set_counts(2000, 0)
+    with pytest.raises(QueueFullError):
+        _admit(nodes, RouteRequest(model="m", prompt_tokens=1000), Slo(5.0, None))
+    budget = queue_budget_s(nodes, RouteRequest(model="m", prompt_tokens=1000), Slo(5.0, None), NOW, 15.0)
+    assert budget == pytest.approx(5.0 - 0.1)
+    assert queue_budget_s(nodes, RouteRequest(model="m"), Slo(None, 0.1), NOW, 15.0) is None
+    assert math.isfinite(predict_tpot(nodes[0]))
+
+
+# --- the gate: hold when full, over-share tenants leave a reserve ------------------------------
+def _ask(band: int = STANDARD, slo: Slo | None = None):  # type: ignore[no-untyped-def]
+    from zmlcore.flowctl import Ask
+    return Ask(band, False, "t", 1.0, slo)
+
+
+def _gate(nodes: list[NodeView], ask, over_share: bool = False, hold: bool = True):  # type: ignore[no-untyped-def]
+    from zmlcore.flowctl.gate import admit_flow
+    return admit_flow(nodes, RouteRequest(model="m", prompt_tokens=500), builtin_policy("latency"), NOW,
+                      RoutingState(), ask, over_share=over_share, flow=FlowConfig(hold_when_full=hold),
+                      stale_after_s=15.0, ttft_bound_s=60.0, reserve=0.1)
+
+
+def test_with_hold_when_full_a_node_without_a_free_slot_takes_nothing() -> None:
+    nodes = _fleet()
+    nodes[0].set_counts(32, 0)  # H100: 32 slots, all taken
+    d, v = _gate(nodes, _ask())
+    assert d.node_id == "g1" and v is None
+    nodes[1].set_counts(16, 0)
+    with pytest.raises(QueueFullError) as info:
+        _gate(nodes, _ask())
+    assert info.value.routing_context["final_error"] == "no_free_slot"  # type: ignore[index]
+    d, _ = _gate(nodes, _ask(), hold=False)  # without it: today's admission bound only
+    assert d.node_id in ("h1", "g1")
+
+
+def test_an_over_share_tenant_and_sheddable_work_leave_the_reserve_free() -> None:
+    nodes = _fleet()
+    nodes[0].set_counts(29, 0)  # 3 free of 32: one more leaves 2 < ceil(3.2) = 4 reserved
+    nodes[1].set_counts(14, 0)  # 2 free of 16: one more leaves 1 < 2 reserved
+    assert _gate(nodes, _ask())[0].node_id in ("h1", "g1")
+    with pytest.raises(QueueFullError):
+        _gate(nodes, _ask(), over_share=True)
+    with pytest.raises(QueueFullError):
+        _gate(nodes, _ask(SHEDDABLE))
+
+
+def test_the_gate_passes_targets_to_slo_admission() -> None:
+    nodes = _fleet()
+    d, v = _gate(nodes, _ask(CRITICAL, Slo(0.5, 0.05)))
+    assert v is not None and v.ttft_s <= 0.5
+    with pytest.raises(SloUnattainableError):
+        _gate(nodes, _ask(CRITICAL, Slo(None, 0.001)))
