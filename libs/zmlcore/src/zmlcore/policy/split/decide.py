@@ -46,6 +46,8 @@ PAIR_WIDTH = 4
 #: A score for options past the TTFT target under the cost objective: dollars per second late,
 #: far above any request's price, so any option within the target wins.
 _LATE_DOLLARS_PER_S = 1000.0
+#: Latency objective: weight of each second of time to first token past the policy's target.
+LATE_WEIGHT = 10.0
 _GBIT = 1e9 / 8.0
 
 
@@ -135,7 +137,9 @@ class _Node:
 def _score(objective: Objective, ttft: float, time_s: float, dollars: float, target_s: float) -> float:
     if objective == "cost":
         return dollars if ttft <= target_s else _LATE_DOLLARS_PER_S * time_s
-    return time_s
+    # each second of time to first token past the target counts LATE_WEIGHT times: a pair whose
+    # fast decoder is worth more than its late first token still wins, one barely faster does not
+    return time_s + LATE_WEIGHT * (ttft - target_s) if ttft > target_s else time_s
 
 
 def _whole(n: _Node, prompt: int, cached: int, out_tokens: int, objective: Objective, target_s: float) -> Option:
@@ -264,7 +268,10 @@ def decide_split(
             xfer = max(prompt - cd, 0) * kvb / (gbps * _GBIT)
             ttft = head + xfer + dhead
             time_s = ttft + drest + stall
-            score = _score(objective, ttft, time_s, pdollars + ddollars, latency_target_s) if cost_obj else time_s
+            if cost_obj:
+                score = _score(objective, ttft, time_s, pdollars + ddollars, latency_target_s)
+            else:
+                score = time_s + LATE_WEIGHT * (ttft - latency_target_s) if ttft > latency_target_s else time_s
             key = (score, pid, did)
             if best_key is None or key < best_key:
                 best_key, best_pair = key, (p, cp, d, cd, xfer)
