@@ -87,3 +87,32 @@ def test_leg_bodies() -> None:
     assert ll["id_slot"] == legs.LLAMA_SLOT and ll["cache_prompt"] is True and "kv_transfer_params" not in ll
     d = msgspec.json.decode(legs.decode_body(body, Handoff("pf", {"kv_transfer_params": {"x": 1}})))
     assert d["kv_transfer_params"] == {"x": 1} and d["max_tokens"] == 50 and d["stream"] is True
+
+
+def test_the_prefill_leg_is_a_span_of_its_own() -> None:
+    import pytest
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace import StatusCode
+
+    from zmlcore.telemetry import tracing
+    from zml_router.telemetry import tracing as rtrace
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing.enable(True)
+    tracing._tracer = provider.get_tracer("zml")  # this test's provider, not the process's
+    try:
+        headers: dict[str, str] = {}
+        with rtrace.prefill_leg("pf-1", "dec-1"):
+            tracing.inject(headers)
+        with pytest.raises(RuntimeError), rtrace.prefill_leg("pf-2", "dec-1"):
+            raise RuntimeError("reset")
+    finally:
+        tracing.enable(False)
+    ok, bad = exporter.get_finished_spans()
+    assert ok.name == "zml.prefill pf-1" and ok.attributes["zml.decode_node"] == "dec-1"
+    assert headers["traceparent"].split("-")[2] == format(ok.context.span_id, "016x")  # the node gets this span
+    assert bad.status.status_code is StatusCode.ERROR and bad.attributes["error.type"] == "RuntimeError"

@@ -13,6 +13,7 @@ An attempt that fails raises :class:`~zml_router.node.attempt.AttemptError`; the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -36,6 +37,7 @@ from zmlcore.reply.keepalive import QUEUED, KeepaliveBook, keepalive_headers
 from zmlcore.reply.parts import publish_reply
 from zmlcore.reply.sse import SSELineTooLong
 from zmlcore.reply.transcript import Sent, Transcript
+from zmlcore.telemetry import tracing
 from zmlcore.telemetry.setup import DECISION_ID
 
 from zml_router.node.attempt import (
@@ -64,6 +66,7 @@ from zml_router.replicas.ids import RequestIds
 from zml_router.replicas.inflight import Sharing
 from zml_router.replicas.limits import IdentityLimits
 from zml_router.telemetry.decisions import DecisionLog
+from zml_router.telemetry import tracing as rtrace
 from zml_router.telemetry.metrics import RouterMetrics
 from zml_router.replicas.table import NodeTable
 from zml_router.timers import Stalled, Timer, Wheel
@@ -293,23 +296,27 @@ class Relay:
         served = st.served_names.get(model)
         info = RoutingInfo(node_id=node_id, request_id=request_id, router_id=self.router_id, label=out.label,
                            decision_id=_decision_id())
-        headers = self._headers(info)
-        self.sharing.move(node_id, 1, 1)
-        try:
-            async with asyncio.timeout(self.cfg.disaggregation.prefill_timeout_s):
-                handoff = await legs.run_prefill(self.http, st.backend, st.endpoint, PATHS[req.kind()],
-                                                 bodies(served or model), headers, node_id,
-                                                 f"{request_id}-{info.decision_id}")
-        except AttemptError as err:
-            self.metrics.prefill_leg(node_id, err.failure.value)
+        with rtrace.prefill_leg(node_id, action.decision.node_id) if tracing.ON else contextlib.nullcontext():
+            headers = self._headers(info)  # (the prefill span's context goes to the node)
+            self.sharing.move(node_id, 1, 1)
+            err: AttemptError | None = None
+            try:
+                async with asyncio.timeout(self.cfg.disaggregation.prefill_timeout_s):
+                    handoff = await legs.run_prefill(self.http, st.backend, st.endpoint, PATHS[req.kind()],
+                                                     bodies(served or model), headers, node_id,
+                                                     f"{request_id}-{info.decision_id}")
+            except AttemptError as exc:
+                err = exc
+            except TimeoutError:
+                err = AttemptError(Failure.SLOW, 0, f"no prefill within {self.cfg.disaggregation.prefill_timeout_s:g} "
+                                   "s ([disaggregation] prefill_timeout_s)")
+            finally:
+                self.sharing.move(node_id, -1, -1)
+        self.metrics.prefill_leg(node_id, "ok" if err is None else err.failure.value)
+        if err is not None:
+            if tracing.ON:
+                rtrace.prefill_failed(f"{node_id}:{err.failure.value}")
             return err
-        except TimeoutError:
-            self.metrics.prefill_leg(node_id, Failure.SLOW.value)
-            return AttemptError(Failure.SLOW, 0, f"no prefill within {self.cfg.disaggregation.prefill_timeout_s:g} s "
-                                "([disaggregation] prefill_timeout_s)")
-        finally:
-            self.sharing.move(node_id, -1, -1)
-        self.metrics.prefill_leg(node_id, "ok")
         return handoff
 
     async def attempt(self, msg: Incoming, req: InferRequest, bodies: NodeBodies | AudioBodies, model: str,

@@ -15,7 +15,8 @@ nodes' measured speeds (``node_speeds``: prefill ``pf``, decode ``r(b)`` per seq
   cache lacks, so a decode node holding the conversation needs little transfer.
 
 The score is the objective's: ``latency`` minimises time spent (``ttft + (O-1) itl`` plus the
-stall imposed on others); ``cost`` minimises dollars (the prefill node whole for its prefill
+stall imposed on others), each second of TTFT past the policy's target counting
+:data:`LATE_WEIGHT` times; ``cost`` minimises dollars (the prefill node whole for its prefill
 time, one of ``d``'s sequence slots for the decode) among options within the TTFT target.
 Which kinds prefill and which decode follows from those numbers, never from family names.
 A split needs ``min_uncached_tokens`` uncached on its decode node and a score better than
