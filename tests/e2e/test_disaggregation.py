@@ -98,3 +98,23 @@ def test_a_failed_prefill_leg_is_served_whole_on_the_decode_node(stack: Stack) -
         assert r.headers["x-zml-prefill-failed"] == "pf-1:server"
     finally:
         sim_faults(stack, "pf-1", None)
+
+
+def test_sglang_legs_run_at_once_over_a_bootstrap_room(own_nats: str, tmp_path_factory: pytest.TempPathFactory) -> None:
+    kv = 'kv_group = "s"\nkv_gbps = 400\nbackend = "sglang"\n'
+    fleet = [("spf-1", "nvidia_h100", [MODEL], 'roles = ["prefill"]\n' + kv),
+             ("sdec-1", "intel_gaudi2", [MODEL], 'roles = ["decode"]\n' + kv)]
+    s = launch_stack(own_nats, tmp_path_factory.mktemp("disagg-sglang"), fleet=fleet, routers=1,
+                     extra="[disaggregation]\nenabled = true\n")
+    try:
+        r = chat(s, long_prompt("sglang"))
+        assert r.status_code == 200, r.text
+        body = r.json()
+        assert body["zml"]["node_id"] == "sdec-1" and body["zml"]["prefill_node"] == "spf-1"
+        usage = body["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= 0.95 * usage["prompt_tokens"]
+        # the prefill node held the room and the decode node pulled it
+        state = httpx.get(s.sim_url("spf-1") + "/sim/state", timeout=5).json()["kv_handoff"]
+        assert state["held"] == 1 and state["pulled"] == 1 and state["holding"] == 0
+    finally:
+        s.stop()

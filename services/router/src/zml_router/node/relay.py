@@ -300,24 +300,37 @@ class Relay:
             headers = self._headers(info)  # (the prefill span's context goes to the node)
             self.sharing.move(node_id, 1, 1)
             err: AttemptError | None = None
+            handoff: Handoff | None = None
             try:
                 async with asyncio.timeout(self.cfg.disaggregation.prefill_timeout_s):
                     handoff = await legs.run_prefill(self.http, st.backend, st.endpoint, PATHS[req.kind()],
                                                      bodies(served or model), headers, node_id,
-                                                     f"{request_id}-{info.decision_id}")
+                                                     f"{request_id}-{info.decision_id}", st.kv_bootstrap_port)
             except AttemptError as exc:
                 err = exc
             except TimeoutError:
                 err = AttemptError(Failure.SLOW, 0, f"no prefill within {self.cfg.disaggregation.prefill_timeout_s:g} "
                                    "s ([disaggregation] prefill_timeout_s)")
             finally:
-                self.sharing.move(node_id, -1, -1)
+                if handoff is None or handoff.running is None:
+                    self.sharing.move(node_id, -1, -1)
+        if handoff is not None and handoff.running is not None:  # SGLang: it runs beside the decode leg
+            handoff.running.add_done_callback(lambda t: self._leg_done(node_id, t))
+            return handoff
         self.metrics.prefill_leg(node_id, "ok" if err is None else err.failure.value)
         if err is not None:
             if tracing.ON:
                 rtrace.prefill_failed(f"{node_id}:{err.failure.value}")
             return err
+        assert handoff is not None
         return handoff
+
+    def _leg_done(self, node_id: str, task: asyncio.Future[Any]) -> None:
+        """A prefill leg that ran beside its decode leg (SGLang) ended."""
+        self.sharing.move(node_id, -1, -1)
+        exc = None if task.cancelled() else task.exception()
+        self.metrics.prefill_leg(node_id, "cancelled" if task.cancelled() else "ok" if exc is None else
+                                 exc.failure.value if isinstance(exc, AttemptError) else "network")
 
     async def attempt(self, msg: Incoming, req: InferRequest, bodies: NodeBodies | AudioBodies, model: str,
                       action: Dispatch, request_id: str, t0: float, out: Outcome,
@@ -339,7 +352,29 @@ class Relay:
         handoff = action.handoff
         if handoff is not None:
             info.prefill_node = handoff.prefill_node
-            info.prefill_ms = round(handoff.prefill_ms, 3)
+            info.prefill_ms = round(handoff.prefill_ms, 3) if handoff.running is None else None
+        running = handoff.running if handoff is not None else None
+        if running is None:
+            return await self._attempt(msg, req, bodies, model, action, out, answer, info, view, decision, handoff,
+                                       t0)
+        try:
+            result = await self._attempt(msg, req, bodies, model, action, out, answer, info, view, decision,
+                                         handoff, t0)
+        except BaseException:  # cancelled (the caller went away, the deadline): so is the prefill leg
+            running.cancel()
+            raise
+        if not running.done():
+            # the decode leg ended: the prefill leg's reply is not the answer; a moment to finish
+            # its side of the transfer, then it is let go
+            try:
+                await asyncio.wait_for(asyncio.shield(running), 2.0)
+            except Exception:
+                running.cancel()
+        return result
+
+    async def _attempt(self, msg: Incoming, req: InferRequest, bodies: NodeBodies | AudioBodies, model: str,
+                       action: Dispatch, out: Outcome, answer: Answer | None, info: RoutingInfo, view: Any,
+                       decision: Any, handoff: Handoff | None, t0: float) -> AttemptError | None:
         if answer is None:
             answer = self.answer(req)
         if answer.started:
