@@ -376,6 +376,7 @@ def main() -> None:
     ap.add_argument("--gbps", type=float, default=100.0)
     ap.add_argument("--tune-seed", type=int, default=7, help="seed on which the best fixed role assignment is chosen")
     ap.add_argument("--min-gain", type=float, default=0.1)
+    ap.add_argument("--min-uncached", type=int, default=512, help="[disaggregation] min_uncached_tokens")
     ap.add_argument("--decide-bench", action="store_true")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
@@ -383,7 +384,7 @@ def main() -> None:
         print(json.dumps(decide_bench()))
         return
     accels = DEMO if a.fleet == "demo" else LARGE
-    settings = SplitSettings(min_gain=a.min_gain)
+    settings = SplitSettings(min_uncached_tokens=a.min_uncached, min_gain=a.min_gain)
     fixed = best_fixed(accels, a.workload, a.load, a.tune_seed, a.duration, a.gbps, settings)
     rows = [run_one(accels, a.workload, a.load, s, a.duration, a.gbps, settings, fixed) for s in a.seeds]
     summary = {}
