@@ -484,6 +484,10 @@ class NodeConfig(msgspec.Struct, **_Base):
     kv_gbps: PosFloat | None = None
     """Bandwidth of this node's KV transfer link, in Gbit/s; a transfer between two nodes runs
     at the slower end's unless a [[kv_links]] entry names the pair. Required with kv_group."""
+    kv_bootstrap_port: Port | None = None
+    """SGLang: the port of this prefill node's bootstrap server (its
+    --disaggregation-bootstrap-port, 8998 by default in SGLang), which a split request's decode
+    leg is told. None: the endpoint's port (where a simulated node serves it)."""
 
     @property
     def effective_family(self) -> str:
