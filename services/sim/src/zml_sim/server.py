@@ -182,6 +182,9 @@ class SimNode:
         self._hung: set[asyncio.Future[None]] = set()
         #: vLLM sleep mode: the models offloaded by POST /sleep, reloaded by POST /wake_up.
         self.sleeping: list[str] = []
+        #: LoRA adapters loaded at run time (vLLM /v1/load_lora_adapter): name -> path; they run on
+        #: the served model and are listed in /v1/models with it as their parent.
+        self.adapters: dict[str, str] = {}
 
     @classmethod
     def from_config(cls, node: NodeConfig, *, time_scale: float | None = None) -> SimNode:
@@ -478,6 +481,8 @@ class SimNode:
             if not eng.models:
                 return self.loading_error() if eng.loading else self.error(404, "No model is loaded", "not_found")
             return next(iter(eng.models))
+        if model in self.adapters and eng.models:
+            return next(iter(eng.models))  # a LoRA runs on the base model
         if model not in eng.models:
             if model in eng.loading and self.face.loading_answers_503:
                 return self.loading_error()
@@ -814,6 +819,10 @@ class SimNode:
         owner = self.face.owner
         data = [{"id": m, "object": "model", "created": created, "owned_by": owner, "root": m,
                  "parent": None, "max_model_len": MAX_MODEL_LEN} for m in [*self.engine.models, *self.sleeping]]
+        base = next(iter(self.engine.models), None)
+        if base is not None:
+            data += [{"id": name, "object": "model", "created": created, "owned_by": owner, "root": path,
+                      "parent": base, "max_model_len": MAX_MODEL_LEN} for name, path in self.adapters.items()]
         return _json_response({"object": "list", "data": data})
 
     async def health(self, request: web.Request) -> web.Response:
