@@ -125,7 +125,8 @@ def reply(cfg: ZMLConfig, inputs: Inputs, target: Placement | None, states: Mapp
           blocked: bool = False) -> PlanReply:
     mode = cfg.planner.mode
     if target is None:
-        return PlanReply(mode=mode, message="no plan yet" if mode != "off" else "[planner] mode is off")
+        return PlanReply(mode=mode, message="no plan yet" if mode != "off" else
+                         'nothing is planned: [planner] mode = "off" (see docs/placement.md)')
     now_held = {o.node_id: o.models for o in inputs.offers}
     rates = {d.model: d.rate for d in inputs.demands}
     for a in inputs.adapters:
