@@ -35,8 +35,10 @@ import time
 from collections import defaultdict
 from multiprocessing import Pool
 from pathlib import Path
+from dataclasses import replace
 from typing import Any
 
+import msgspec
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -53,6 +55,8 @@ from zmlcore.policy.estimate import NONSTREAM_PENDING_FOR, prompt_tokens_from_bo
 from zmlcore.policy.prefix import KV_DEFAULTS, KeyChain, chain_from_bytes, model_seed  # noqa: E402
 from zmlcore.policy.resolve import ResolvedPolicy  # noqa: E402
 from zmlcore.fleet.perfmodel import SimProfile  # noqa: E402
+from zmlcore.fleet.learn import observe_sample, prior_speeds, published  # noqa: E402
+from zmlcore.messages.speeds import SpeedSample  # noqa: E402
 
 FLEET = [
     ("h100-1", "nvidia_h100"), ("h100-2", "nvidia_h100"), ("a100-1", "nvidia_a100"),
@@ -72,11 +76,29 @@ CHARS_PER_TOKEN_SIGMA = 0.25
 ENVELOPE_BYTES = (80, 240)
 
 
-def capacity_rps(mean_p: float = MEAN_P, mean_o: float = MEAN_O) -> float:
+def capacity_rps(mean_p: float = MEAN_P, mean_o: float = MEAN_O, profs: list[SimProfile] | None = None) -> float:
     """The fleet's saturation throughput (req/s) when every prompt token is prefilled: with
     shared-prefix workloads the offered load is a share of this no-cache capacity, the load
-    today's policy sees."""
-    return sum(SimProfile.for_type(t).capacity_rps(mean_p, mean_o) for _, t in FLEET)
+    today's policy sees. ``profs``: the nodes' true profiles (hidden speeds), else the types'."""
+    return sum(p.capacity_rps(mean_p, mean_o) for p in (profs or [SimProfile.for_type(t) for _, t in FLEET]))
+
+
+#: Hidden speeds (--hidden): each node's true speed is its type's times a factor drawn
+#: log-uniformly in HIDDEN_RANGE, wandering +/- drift (a sine of period DRIFT_PERIOD_S, a random
+#: phase per node). "learn": the router is told only the type's profile and routes on what the
+#: health service's learner (zmlcore.fleet.learn) makes of its streamed requests' samples;
+#: "told": the same fleet with every poll telling the true current speeds (perfect knowledge).
+HIDDEN_RANGE = (0.3, 3.0)
+DRIFT_PERIOD_S = 600.0
+DRIFT_EVERY_S = 10.0
+DRIFT = 9  # event kind
+
+
+def hidden_fleet(seed: int) -> tuple[list[float], list[float]]:
+    """Per node: the true speed factor and the drift's phase (the same for both modes)."""
+    rng = random.Random(seed * 7919 + 5)
+    lo, hi = (math.log(x) for x in HIDDEN_RANGE)
+    return [math.exp(rng.uniform(lo, hi)) for _ in FLEET], [rng.uniform(0, 2 * math.pi) for _ in FLEET]
 
 
 #: KV memory an engine keeps for its running sequences' own tokens, per sequence slot: the
@@ -210,7 +232,7 @@ def _family(node: SimNode) -> str:
 
 #: What the simulated router knows, by default the live router's situation: the body-size
 #: prompt estimate, half the requests streamed (the others hold ``pending`` for their estimated
-#: TTFT, zml_router.node.relay.PendingHold) and the ``admission_ttft_s`` bound (RouterConfig's default).
+#: TTFT, zml_router.node.pending.PendingHold) and the ``admission_ttft_s`` bound (RouterConfig's default).
 DEFAULT_OPTS: dict[str, Any] = {"stream_share": 0.5, "estimate": "body",
                                 "admission_s": RouterConfig().admission_ttft_s,
                                 "pending_expiry": NONSTREAM_PENDING_FOR,
@@ -239,27 +261,52 @@ def _run(policy: str, workload: str, load: float, seed: int, n: int, warm: int,
     o_ = {**DEFAULT_OPTS, **(opts or {})}
     spec = POLICIES[policy]
     cache_wl = workload in CACHE_WORKLOADS
+    hidden = o_.get("hidden") or ""
+    profs = [SimProfile.for_type(t) for _, t in FLEET]
+    phases = [0.0] * len(FLEET)
+    if hidden:
+        factors, phases = hidden_fleet(seed)
+        profs = [replace(p, prefill_tps=p.prefill_tps * f, decode_tps=p.decode_tps * f) for p, f in zip(profs, factors)]
+    drift = float(o_.get("drift") or 0.0) if hidden else 0.0
+    if o_.get("explore"):  # tuning: (EXPLORE_Z, EXPLORE_CAP) of zmlcore.policy.estimate
+        from zmlcore.policy import estimate
+
+        estimate.EXPLORE_Z, estimate.EXPLORE_CAP = o_["explore"]
     builder: Builder | None = None
     if cache_wl:
         # offered load: a share of the fleet's capacity with perfect prefix reuse (each request
         # prefills only what it adds to its conversation, task or shared prompt), or with
         # none ("nocache": every prompt token prefilled, the load today's policy sees)
         reuse = o_["load_basis"] == "reuse"
-        plan = make_workload(workload, n, seed, lambda mp, mo, mn: load * capacity_rps(mn if reuse else mp, mo))
+        plan = make_workload(workload, n, seed, lambda mp, mo, mn: load * capacity_rps(mn if reuse else mp, mo, profs))
         arr, P, O = plan.arr, plan.P, plan.O
-        cap = capacity_rps(plan.mean_new if reuse else plan.mean_p, plan.mean_o)
-        cap_nocache = capacity_rps(plan.mean_p, plan.mean_o)
+        cap = capacity_rps(plan.mean_new if reuse else plan.mean_p, plan.mean_o, profs)
+        cap_nocache = capacity_rps(plan.mean_p, plan.mean_o, profs)
         builder = Builder(plan, seed)
         _body, streamed = make_requests(P, seed, o_["stream_share"])
         est_p: list[int] = [0] * n  # the body-size estimate, at arrival (from the prompt's bytes)
     else:
-        cap = cap_nocache = capacity_rps()
+        cap = cap_nocache = capacity_rps(profs=profs)
         arr, P, O = make_trace(n, load * cap, workload == "bursty", seed)
         body, streamed = make_requests(P, seed, o_["stream_share"])
         est_p = [prompt_tokens_from_body(b) for b in body] if o_["estimate"] == "body" else P
     bound = o_["admission_s"] or math.inf
     rnd = random.Random(seed * 7919 + 1)
-    nodes = [SimNode(i, name, SimProfile.for_type(t)) for i, (name, t) in enumerate(FLEET)]
+    nodes = [SimNode(i, name, prof) for i, ((name, _t), prof) in enumerate(zip(FLEET, profs))]
+    # the health service's learner (hidden == "learn"): one belief per node, fed the samples
+    # of streamed requests (what a router sees), published at each poll
+    book = [prior_speeds(t) for _, t in FLEET]
+    seen_at: list[tuple[int, float]] = [(0, 0.0)] * n  # per request: inflight and prefill ahead at dispatch
+    first_at = [0.0] * n
+
+    def told(nd: SimNode, now: float) -> NodeState:
+        st = _state(nd, now)
+        if hidden != "learn":
+            return st
+        est = published(book[nd.idx], now)
+        return msgspec.structs.replace(st, prefill_tps=est.prefill_tps, decode_tps=est.decode_tps,
+                                       prefill_sigma=est.prefill_sigma, decode_sigma=est.decode_sigma,
+                                       speeds_confidence=est.confidence)
     if cache_wl:
         for nd in nodes:
             bs, kv = KV_DEFAULTS[nd.prof.accelerator]
@@ -280,7 +327,7 @@ def _run(policy: str, workload: str, load: float, seed: int, n: int, warm: int,
     R = spec.get("replicas", 1) if kind == "zml" else 0
     reps: list[tuple[list[NodeView], FleetIndex, RoutingState]] = []
     for _ in range(R):
-        views = [NodeView(_state(nd, 0.0)) for nd in nodes]
+        views = [NodeView(told(nd, 0.0)) for nd in nodes]
         reps.append((views, FleetIndex(views), RoutingState()))
     local = spec.get("local", True)
     count_pending = spec.get("pending", True)
@@ -290,7 +337,7 @@ def _run(policy: str, workload: str, load: float, seed: int, n: int, warm: int,
                          local=local, count_pending=count_pending, expiry=o_["pending_expiry"],
                          seed=seed * 7919 + 2, tokens=bool(spec.get("tokens")) and cache_wl)
     fidelity = spec.get("cache") if cache_wl else None
-    indexes = SimIndexes(R, [nd.name for nd in nodes], [_state(nd, 0.0) for nd in nodes], fidelity=fidelity or "",
+    indexes = SimIndexes(R, [nd.name for nd in nodes], [told(nd, 0.0) for nd in nodes], fidelity=fidelity or "",
                          lag=spec.get("lag"), event_lag=o_["event_lag"], seed=seed * 7919 + 3) if fidelity else None
     mseed = model_seed(MODEL)
     sessions: dict[int, str] = {}
@@ -301,6 +348,8 @@ def _run(policy: str, workload: str, load: float, seed: int, n: int, warm: int,
                 seq += 1
                 heapq.heappush(heap, (rnd.uniform(0, poll), seq, POLL, ri, nd.idx))
     pol: ResolvedPolicy | None = spec.get("policy")
+    if drift:
+        heapq.heappush(heap, (DRIFT_EVERY_S, 0, DRIFT, 0, 0))
 
     def push(t: float, k: int, a: int, b: int) -> None:
         nonlocal seq
@@ -359,6 +408,12 @@ def _run(policy: str, workload: str, load: float, seed: int, n: int, warm: int,
                 indexes.correct(routers.rep_of[r], nd.idx, chain, cached[r], P[r], now, push)
         if R:
             routers.complete(r, now, push)
+        if hidden == "learn" and streamed[r] and first_at[r]:
+            c, ahead = seen_at[r]
+            sample = SpeedSample(ttft_s=ttft[r], prefill_tokens=0.0 if math.isnan(ahead) else ahead + U[r],
+                                 prefill_reported=True, inflight=c,
+                                 decode_s=now - first_at[r], decode_tokens=O[r] - 1)
+            book[nd.idx] = observe_sample(book[nd.idx], sample, now, nd.maxc)
 
     def arrive(nd: SimNode, r: int, now: float) -> None:
         nd.advance(now)
@@ -393,12 +448,22 @@ def _run(policy: str, workload: str, load: float, seed: int, n: int, warm: int,
                 assert indexes is not None
                 indexes.deliver(a, b, now)
                 continue
+            if ev == DRIFT:  # true speeds wander (hidden speeds)
+                for nd in nodes:
+                    nd.advance(now)
+                    f = 1.0 + drift * math.sin(2 * math.pi * now / DRIFT_PERIOD_S + phases[nd.idx])
+                    nd.pf, nd.dec = profs[nd.idx].prefill_tps * f, profs[nd.idx].decode_tps * f
+                    if nd.cur < 0:
+                        schedule_decode(nd, now)
+                push(now + DRIFT_EVERY_S, DRIFT, 0, 0)
+                continue
             nd = nodes[a] if ev != POLL else nodes[b]
             if ev == PREFILL:
                 r = nd.cur
                 nd.cur = -1
                 nd.last_t = now
                 ttft[r] = now - arr[r]
+                first_at[r] = now
                 if nd.cache is not None:
                     engine_store(nd, prompts[r].units, now)
                 if R:
@@ -421,7 +486,7 @@ def _run(policy: str, workload: str, load: float, seed: int, n: int, warm: int,
                     done += 1
                 start_prefill(nd, now)
             else:  # POLL by replica a of node b
-                reps[a][0][b].state = _state(nd, now)
+                reps[a][0][b].state = told(nd, now)
                 push(now + poll * rnd.uniform(0.8, 1.2), POLL, a, b)
             continue
         # arrival
@@ -439,7 +504,7 @@ def _run(policy: str, workload: str, load: float, seed: int, n: int, warm: int,
             views, fleet, rstate = reps[ri]
             if fresh:
                 for nd in nodes:
-                    views[nd.idx].state = _state(nd, now)
+                    views[nd.idx].state = told(nd, now)
             assert pol is not None
             cache = indexes.indexes[ri] if indexes is not None else None
             bound_to = sessions.get(prompts[r].session) if spec.get("session") and builder else None
@@ -453,6 +518,12 @@ def _run(policy: str, workload: str, load: float, seed: int, n: int, warm: int,
                 chains.pop(r, None)
                 continue
             nd = nodes[_index[d.node_id]]
+            if hidden == "learn":  # what the router knows at dispatch: in flight, prefill queued ahead
+                v = views[nd.idx]
+                # the prefill ahead, when known: nothing pending, or the pending requests' tokens
+                # counted (a mean prompt per pending request is too rough to learn a speed from)
+                ahead = v.pending_tokens if v.pending_tokens is not None else (0.0 if v.pending == 0 else math.nan)
+                seen_at[r] = (v.outstanding + 1, ahead)
             routers.dispatch(r, ri, nd.idx, streamed[r], d.estimated_ttft_s, now, push,
                              tokens=max(0, est_p[r] - d.cached_tokens))
             if indexes is not None and chain is not None:
@@ -474,6 +545,11 @@ def _run(policy: str, workload: str, load: float, seed: int, n: int, warm: int,
                 continue
         arrive(nd, r, now)
 
+    if hidden == "learn" and os.environ.get("ROUTING_SIM_DEBUG"):  # what was learned vs the truth
+        for nd in nodes:
+            e = published(book[nd.idx], te)
+            print(f"{workload} {seed} {nd.name}: prefill {e.prefill_tps:.0f}/{nd.pf:.0f} decode {e.decode_tps:.1f}/"
+                  f"{nd.dec:.1f} sigma {e.prefill_sigma:.2f}/{e.decode_sigma:.2f} n={e.samples}", file=sys.stderr)
     served_mask = ~np.array(rejected[warm:])
     meas = np.array(ttft[warm:])[served_mask]
     ok = ~np.isnan(np.array(pred)) & ~np.array(rejected)
@@ -487,7 +563,7 @@ def _run(policy: str, workload: str, load: float, seed: int, n: int, warm: int,
     inp = float(np.sum(np.array(P)[kept]))
     hit = float(np.sum(np.array(cached)[kept]))
     return {
-        "policy": policy, "workload": workload, "load": load, "seed": seed, "n": n, "opts": o_,
+        "policy": f"{policy}@{hidden}" if hidden else policy, "workload": workload, "load": load, "seed": seed, "n": n, "opts": o_,
         "p50": float(np.percentile(meas, 50)), "p90": float(np.percentile(meas, 90)),
         "p99": float(np.percentile(meas, 99)),
         "share": float(np.mean(meas <= TARGET_S)), "thr": served / cap,
@@ -571,6 +647,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--load-basis", choices=("reuse", "nocache"), default=DEFAULT_OPTS["load_basis"],
                     help="shared-prefix workloads: offered load as a share of the fleet's capacity with perfect "
                          "prefix reuse, or with every prompt token prefilled (the capacity today's policy sees)")
+    ap.add_argument("--hidden", default="", help="hidden true speeds (0.3-3x the type's, drifting): a comma list "
+                    "of 'learn' (the router is told only the profile and learns) and 'told' (told the truth)")
+    ap.add_argument("--drift", type=float, default=0.3, help="with --hidden: the true speeds wander +/- this share")
+    ap.add_argument("--explore", default="", help="tuning: EXPLORE_Z,EXPLORE_CAP of zmlcore.policy.estimate")
     ap.add_argument("--loads", default="50,80,95,110")
     ap.add_argument("--workloads", default="poisson,bursty",
                     help="poisson,bursty (the reference workload) or chat,agent,rag,noshare,hot (shared prefixes)")
@@ -612,8 +692,14 @@ def main(argv: list[str] | None = None) -> None:
     pols = args.policies.split(",")
     opts = {"stream_share": args.stream_share, "estimate": args.estimate, "admission_s": args.admission,
             "pending_expiry": args.pending_expiry, "load_basis": args.load_basis}
+    if args.explore:
+        opts["explore"] = tuple(float(x) for x in args.explore.split(","))
     seeds = range(args.first_seed, args.first_seed + args.seeds)
-    tasks = [(p, w, ld, s, n, warm, opts) for w in args.workloads.split(",") for ld in loads for s in seeds for p in pols]
+    modes = [{**opts, "hidden": h, "drift": args.drift} for h in args.hidden.split(",")] if args.hidden else [opts]
+    tasks = [(p, w, ld, s, n, warm, o) for w in args.workloads.split(",") for ld in loads for s in seeds
+             for p in pols for o in modes]
+    if args.hidden:
+        pols = [f"{p}@{h}" for p in pols for h in args.hidden.split(",")]
     tasks.sort(key=lambda t: (t[0] != "oracle", -t[2]))  # longest first
     t0 = time.perf_counter()
     with Pool(args.jobs) as pool:
@@ -702,6 +788,8 @@ def knee_sweep(args: Any, n: int, warm: int) -> None:
     loads = sorted(float(x) / 100 for x in args.loads.split(","))
     opts = {"stream_share": args.stream_share, "estimate": args.estimate, "admission_s": args.admission,
             "pending_expiry": args.pending_expiry, "load_basis": args.load_basis}
+    if args.explore:
+        opts["explore"] = tuple(float(x) for x in args.explore.split(","))
     seeds = list(range(args.first_seed, args.first_seed + args.seeds))
     results: list[dict[str, Any]] = []
     t0 = time.perf_counter()

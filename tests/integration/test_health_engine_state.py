@@ -104,7 +104,8 @@ async def test_speeds_say_where_they_come_from_and_when_they_last_moved(nats_pri
     """Issue 27 item 2: a node's speeds are the accelerator type's profile ("default", no age)
     until the engine's counters measure them ("measured", stamped when the estimate moved)."""
     sim = await start_sim("v-speed", "nvidia_h100", [M], engine="vllm", time_scale=20.0)
-    svc = HealthService(config([node_entry(sim)]))
+    # No calibration request: this is about the counters (tests/integration/test_speed_learning.py).
+    svc = HealthService(config([node_entry(sim)], health={"calibrate": False}))
     async with connected(nats_private) as nc:
         await svc.start(nc)
         try:

@@ -73,11 +73,14 @@ def test_completion_counts_read_the_wire_fields_of_request_completed() -> None:
     full = {f.name: f.type for f in msgspec.structs.fields(RequestCompleted)}
     for f in msgspec.structs.fields(CompletionCounts):
         assert full[f.name] == f.type, f.name
+    from zmlcore.messages.speeds import SpeedSample
+
+    sample = SpeedSample(ttft_s=0.1, prefill_tokens=900, inflight=2, decode_s=1.0, decode_tokens=50)
     ev = RequestCompleted(model="m", node_id="n1", ok=False, node_error=True, failed_nodes=["n0"], ts=5.0,
-                          slow_nodes=["n0"], request_id="r" * 64, router_id="router-1")
+                          slow_nodes=["n0"], request_id="r" * 64, router_id="router-1", speed=sample)
     got = completion_counts_decoder.decode(completed_encoder.encode(ev))
     assert got == CompletionCounts(node_id="n1", ok=False, node_error=True, failed_nodes=["n0"], ts=5.0,
-                                   slow_nodes=["n0"])
+                                   slow_nodes=["n0"], model="m", speed=sample)
 
 
 def test_completion_events_are_counted_in_bounded_per_second_buckets() -> None:

@@ -1,4 +1,4 @@
-"""A split request in the router's flow (zml_router.request.flow), driven by hand: the prefill
+"""A split request in the router's flow (zml_router.request.route), driven by hand: the prefill
 leg, then the decode leg with what it handed over; a failed prefill leg serves the request whole
 on the decode node and says so; a retry after a failed split attempt is never split again."""
 
@@ -11,10 +11,10 @@ from zmlcore.errors import ZMLError
 from zmlcore.policy import Decision, RouteRequest
 from zml_router.node import legs
 from zml_router.node.attempt import AttemptError, Failure
-from zml_router.node.result import Dispatch, Handoff
+from zml_router.node.result import AttemptResult, Dispatch, Handoff
 from zml_router.outcome import Outcome
-from zml_router.request import flow
-from zml_router.request.flow import Decide, Penalise, Plan, Prefill
+from zml_router.request import route
+from zml_router.request.route import Decide, Penalise, Plan, Prefill
 
 
 def split_decision(node: str = "dec", prefill: str = "pf") -> Decision:
@@ -25,8 +25,8 @@ def drive(prefill_result: Handoff | AttemptError, dispatch_results: list[Attempt
           ) -> tuple[list[object], Outcome, ZMLError | None]:
     out = Outcome()
     seen: list[object] = []
-    steps = flow.route(Plan(model="m", policy="latency", rr=RouteRequest(model="m"), max_attempts=3), out)
-    result: flow.Result = None
+    steps = route.route(Plan(model="m", policy="latency", rr=RouteRequest(model="m"), max_attempts=3), out)
+    result: route.Result = None
     results = iter(dispatch_results)
     try:
         while True:
@@ -38,7 +38,7 @@ def drive(prefill_result: Handoff | AttemptError, dispatch_results: list[Attempt
             elif isinstance(action, Prefill):
                 result = prefill_result
             elif isinstance(action, Dispatch):
-                result = next(results)
+                result = AttemptResult(error=next(results))
             else:
                 result = None
     except StopIteration:

@@ -359,6 +359,18 @@ class HealthConfig(msgspec.Struct, **_Base):
     models, queue, speeds by over 2%...), else often enough that the written state is never
     older than this (capped at a third of router.stale_after_s, so a live node never looks
     stale and a dead health service still makes every node stale)."""
+    calibrate: bool = True
+    """Send a node one short real request (calibrate_prompt_tokens of a prompt no cache holds,
+    calibrate_max_tokens out) when one of its models' speeds is too uncertain to route on: when
+    it joins, restarts or loads a model, and when its estimate has aged (docs/routing.md
+    "Learned speeds"). Its time to first token and decode rate are folded into the estimate."""
+    calibrate_prompt_tokens: Annotated[int, msgspec.Meta(ge=32, le=8192)] = 512
+    """Prompt tokens of a calibration request (long enough that prefill, not the round trip,
+    sets its time to first token)."""
+    calibrate_max_tokens: Annotated[int, msgspec.Meta(ge=8, le=1024)] = 32
+    """Tokens a calibration request generates."""
+    calibrate_every_s: PosFloat = 60.0
+    """At most one calibration request per node and model this often."""
 
 
 class SimConfig(msgspec.Struct, **_Base):
@@ -381,6 +393,15 @@ class SimConfig(msgspec.Struct, **_Base):
     """Seconds to load a model (MI300X default is 50% longer than H100)."""
     memory_gib: PosFloat | None = None
     """Accelerator memory."""
+    true_speed: PosFloat | None = None
+    """Hidden: the node really runs this many times faster than the speeds above (or its type's)
+    say, e.g. 0.3 or 3. The health service and routers are told only the speeds above and must
+    learn the truth, as with a real engine (docs/sim.md "Hidden speeds")."""
+    drift: Annotated[float, msgspec.Meta(ge=0, le=0.9)] = 0.0
+    """Hidden: the true speed wanders by +/- this share of itself over drift_period_s (a
+    throttling GPU, a neighbour on the same host), so estimates must keep up."""
+    drift_period_s: PosFloat = 600.0
+    """Real seconds of one full cycle of the drift."""
     time_scale: PosFloat = 1.0
     """Run this many times faster than real time (demos, tests)."""
     seed: int = 0

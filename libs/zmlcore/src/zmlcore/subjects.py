@@ -269,7 +269,7 @@ STREAM_FRAMES = "frames"
 #: headers. Without it a reply carries both (docs/nats-api.md).
 H_ACCEPT_ROUTING = "Zml-Accept-Routing"
 ROUTING_IN_BODY = "body"
-#: Front door only (dropped on ``zml.infer``: zml_router.request.flow.drop_untrusted). ``Zml-Body: clean``: the
+#: Front door only (dropped on ``zml.infer``: zml_router.request.intake.drop_untrusted). ``Zml-Body: clean``: the
 #: gateway validated the body (zmlcore.messages.validate) and moved ZML's own fields out of it into
 #: ``Zml-Policy`` (the per-call policy as JSON: a name or an inline policy) and
 #: ``Zml-Accelerator-Id`` (zmlcore.messages.frontdoor); the router reads it with one small decode.

@@ -25,12 +25,14 @@ Show the fleet as the health service and the routers see it, one row per node.
   STATE     up, loading, down or invalid; when not up: for how long (since its last good
             probe) and why, as the health service's probe found it; (asleep): the engine slept
   COOLDOWN  seconds the routers still skip it after a failure (- none)
-  SPEED     PREFILL/DECODE tokens/s:SOURCE[:AGE][:CONFIDENCE], what the routers estimate
-            time to first token with. SOURCE: measured (the engine's counters), learned
-            (from requests) or default (the accelerator type's profile: not yet measured;
-            a speed the counters have not covered yet stays the profile's, as --json's
-            speeds_measured says); AGE: since the estimate last moved; CONFIDENCE: when
-            known. 12.5k = 12,500.
+  SPEED     PREFILL/DECODE tokens/s:SOURCE[:AGE][:CONFIDENCE], the health service's
+            learned estimate the routers estimate time to first token with (its busiest
+            model's; --json's model_speeds has each model's). SOURCE: measured (the engine's
+            counters, its per-request timings or a calibration request), learned (only from
+            the routers' observations of requests) or default (the accelerator type's
+            profile: nothing seen yet); AGE: since the estimate last moved; CONFIDENCE: the
+            chance both speeds are within 25% (an uncertain node is explored: docs/routing.md
+            "Learned speeds"). 12.5k = 12,500.
   CACHE     FIDELITY[:BLOCKSxBLOCK_TOKENS][:HIT%][:events-down], e.g. reported:32768x1:65%.
             FIDELITY, how routers know what its prefix cache holds: precise (its KV events
             are bridged), reported (its replies say how many prompt tokens were cached),

@@ -24,7 +24,20 @@ KV_BLOCKS = Children(Gauge(
 KV_BLOCK_SIZE = Children(Gauge(
     "zml_prefix_cache_engine_block_size", "Tokens per KV-cache block of the node's engine.", ["node"]))
 
+CALIBRATIONS = Children(Counter(
+    "zml_health_calibrations", "Calibration requests sent to nodes whose speeds were uncertain, by node and "
+    "result (ok, failed).", ["node", "result"]))
+SPEED = Children(Gauge(
+    "zml_node_speed_tokens_per_second", "A node's learned speed with nothing else in flight, by node and kind "
+    "(prefill, decode: per sequence).", ["node", "kind"]))
+SPEED_CONFIDENCE = Children(Gauge(
+    "zml_node_speed_confidence", "Probability that the node's learned speeds are within 25% (0..1).", ["node"]))
+
 _last: dict[str, str] = {}
+
+
+def calibrated(node_id: str, ok: bool) -> None:
+    CALIBRATIONS(node_id, "ok" if ok else "failed").inc()
 
 
 def polled(node_id: str, ok: bool, loading: bool, slow: bool, seconds: float, state: NodeState) -> None:
@@ -33,6 +46,9 @@ def polled(node_id: str, ok: bool, loading: bool, slow: bool, seconds: float, st
     PROBE_TIME(node_id).observe(seconds)
     if state.prefix_cache_hit_rate is not None:
         PREFIX_HIT_RATIO(node_id).set(state.prefix_cache_hit_rate)
+    SPEED(node_id, "prefill").set(state.prefill_tps)
+    SPEED(node_id, "decode").set(state.decode_tps)
+    SPEED_CONFIDENCE(node_id).set(state.speeds_confidence)
     if state.kv_blocks:
         KV_BLOCKS(node_id).set(state.kv_blocks)
     if state.kv_block_size:

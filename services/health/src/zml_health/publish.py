@@ -29,6 +29,8 @@ EXACT = (
 NEAR = (
     ("prefill_tps", 0.02, 0.0),
     ("decode_tps", 0.02, 0.0),
+    # routers explore a node in proportion to its uncertainty: a calibrated node goes out now
+    ("speeds_confidence", 0.0, 0.1),
     ("health_score", 0.0, 1.0),
     ("error_rate", 0.0, 0.01),
     ("kv_cache_usage", 0.0, 0.05),
@@ -39,7 +41,8 @@ NEAR = (
     ("last_inference_at", 0.0, 1.0),
 )
 # Not compared (refreshed by the heartbeat): updated_at, last_ok, tokens_per_s_history, age_s,
-# speeds_at (it moves with the speeds, which are compared), speeds_confidence.
+# speeds_at (it moves with the speeds, which are compared), prefill_sigma and decode_sigma (with
+# speeds_confidence), decode_slowdown, model_speeds.
 
 
 def effective_heartbeat(heartbeat_s: float, stale_after_s: float) -> float:

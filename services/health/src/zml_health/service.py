@@ -14,6 +14,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -50,7 +51,9 @@ from zml_health import metrics, nodeprobe
 from zml_health.adapters import adapter_for, sglang
 from zml_health.adapters.base import Probe
 from zml_health.kvbridge import Bridges
+from zml_health.calibrate import calibrate
 from zml_health.publish import Writes, effective_heartbeat
+from zml_health.speedbook import SpeedBook
 from zml_health.tracker import Tracker
 
 log = logging.getLogger("zml.health")
@@ -69,7 +72,7 @@ def spec_to_config(spec: NodeSpec) -> NodeConfig:
 class _NodeRuntime:
     """What the service keeps per node besides its tracker."""
 
-    __slots__ = ("doc", "has_probe", "probe_checked_at", "pending_loads", "warmed", "draining")
+    __slots__ = ("doc", "has_probe", "probe_checked_at", "pending_loads", "warmed", "calibration", "draining")
 
     def __init__(self) -> None:
         self.doc: dict[str, Any] | None = None
@@ -80,6 +83,8 @@ class _NodeRuntime:
         self.pending_loads: dict[str, float] = {}
         #: Models warmup was asked to load here (`zml serve --nodes`): the fleet's, configured or not.
         self.warmed: set[str] = set()
+        #: The calibration request in flight, if any (one per node at a time).
+        self.calibration: asyncio.Task[None] | None = None
         #: model -> deadline: models the placement planner is moving off this node (not routable).
         self.draining: dict[str, float] = {}
 
@@ -110,6 +115,8 @@ class HealthService:
         self._registry_gen = 0
         #: Each node's KV-event bridge (nodes with [nodes.kv_events]), started with its polling.
         self.bridges = Bridges(self._publish)
+        #: Every node's learned speeds (routers' samples, counters, calibration requests).
+        self.speeds = SpeedBook()
         sglang.GENERATE_EVERY = cfg.health.generate_probe_every
 
     # --- lifecycle -------------------------------------------------------------------------
@@ -174,6 +181,9 @@ class HealthService:
         hc = self.cfg.health
         grace = node.startup_grace_s if node.startup_grace_s is not None else hc.startup_grace_s
         self.trackers[node.id] = Tracker(started_at=now, grace_s=grace, history_len=hc.history_len)
+        prof = self._profile(node)
+        self.speeds.forget(node.id)
+        self.speeds.prior(node.id, node.accelerator, prefill_tps=prof.prefill_tps, decode_tps=prof.decode_tps)
         self.runtime[node.id] = _NodeRuntime()
         self._tasks[node.id] = asyncio.create_task(self._poll_forever(node), name=f"poll-{node.id}")
         self.bridges.start(node)
@@ -185,7 +195,10 @@ class HealthService:
             await asyncio.gather(task, return_exceptions=True)
         await self.bridges.stop(node_id)
         self.trackers.pop(node_id, None)
-        self.runtime.pop(node_id, None)
+        rt = self.runtime.pop(node_id, None)
+        if rt is not None and rt.calibration is not None:
+            rt.calibration.cancel()
+        self.speeds.forget(node_id)
         self.states.pop(node_id, None)
         self.writes.forget(node_id)
 
@@ -222,9 +235,20 @@ class HealthService:
             # Also when not validating: the node probe reports loading models and free memory.
             await self._node_probe(node, rt, tr.polls, probe)
         now = self.clock()
+        was = tr.status
+        restarts = tr.restarts
         status = tr.observe(probe, now, hc)
+        if tr.restarts != restarts or (was == "down" and status == "up"):
+            self.speeds.reset(node.id)  # a restarted engine may run another model or build
+        sp = tr.speed
+        if sp.window_prefill is not None or sp.window_decode is not None:
+            self.speeds.counters(node.id, self._served(node, probe), now, prefill_tps=sp.window_prefill,
+                                 prefill_c=max(probe.running, 1), decode_tps=sp.window_decode,
+                                 decode_c=sp.window_batch)
         check = self._hardware(node, rt)
         state = self._state(node, tr, rt, probe, status, check, now)
+        if status == "up" and hc.calibrate and state.models:
+            self._maybe_calibrate(node, rt, state, now)
         metrics.polled(node.id, probe.ok, probe.loading, probe.slow, time.perf_counter() - t0, state)
         gen = link_of(self.nc).generation if self.nc is not None else 0
         if gen != self._link_gen:  # reconnected: the broker may have lost the bucket, write all
@@ -263,8 +287,10 @@ class HealthService:
         return validate_hardware(node.accelerator, rt.doc, strict=hc.require_node_probe,
                                  probe_url=base + nodeprobe.PATH)
 
-    def _state(self, node: NodeConfig, tr: Tracker, rt: _NodeRuntime, probe: Probe, status: str,
-               check: HardwareCheck | None, now: float) -> NodeState:
+    @staticmethod
+    def _profile(node: NodeConfig) -> SimProfile:
+        """What the node is told to be: its type's profile, or what its [nodes.sim] says
+        (never a sim's hidden true speeds: those are for learning)."""
         sim = node.sim
         prof = SimProfile.for_type(
             node.accelerator,
@@ -274,6 +300,45 @@ class HealthService:
             max_concurrency=sim.max_concurrency if sim else None,
         )
         scale = sim.time_scale if sim else 1.0
+        if scale != 1.0:
+            prof = replace(prof, prefill_tps=prof.prefill_tps * scale, decode_tps=prof.decode_tps * scale)
+        return prof
+
+    def _served(self, node: NodeConfig, probe: Probe) -> list[str]:
+        prev = self.states.get(node.id)
+        return list(prev.models) if prev is not None and prev.models else list(node.models)
+
+    def _maybe_calibrate(self, node: NodeConfig, rt: _NodeRuntime, state: NodeState, now: float) -> None:
+        hc = self.cfg.health
+        if rt.calibration is not None and not rt.calibration.done():
+            return
+        if state.queue_running >= max(state.max_concurrency, 1):
+            return  # a full node measures its queue, not its speed; the routers' samples will do
+        model = self.speeds.needs_calibration(node.id, state.models, now, hc.calibrate_every_s)
+        if model is None:
+            return
+        self.speeds.calibrating(node.id, model, now)
+        rt.calibration = asyncio.create_task(self._calibrate(node, model), name=f"calibrate-{node.id}")
+
+    async def _calibrate(self, node: NodeConfig, model: str) -> None:
+        assert self.http is not None
+        hc = self.cfg.health
+        served = node.served_names.get(model, model)
+        got = await calibrate(self.http, node.endpoint, served, prompt_tokens=hc.calibrate_prompt_tokens,
+                              max_tokens=hc.calibrate_max_tokens, timeout=max(30.0, 10 * hc.probe_timeout_s),
+                              api_key=node.api_key)
+        metrics.calibrated(node.id, got is not None)
+        if got is None or node.id not in self._tasks:
+            return
+        self.speeds.calibration(node.id, model, self.clock(), prefill_tps=got.prefill_tps,
+                                decode_tps=got.decode_tps, engine=got.engine)
+        log.info("calibrated %s for %s: prefill %.0f tok/s, decode %.1f tok/s (ttft %.3f s, %d prompt tokens%s)",
+                 node.id, model, got.prefill_tps, got.decode_tps, got.ttft_s, got.prompt_tokens,
+                 ", engine timings" if got.engine else "")
+
+    def _state(self, node: NodeConfig, tr: Tracker, rt: _NodeRuntime, probe: Probe, status: str,
+               check: HardwareCheck | None, now: float) -> NodeState:
+        prof = self._profile(node)
         capacity = probe.max_concurrency or prof.max_concurrency
         prev = self.states.get(node.id)
         doc = rt.doc or {}
@@ -306,6 +371,8 @@ class HealthService:
             status, reason = "invalid", check.reason
         error_rate = tr.error_rate(now, self.cfg.health.error_window_s)
         measured = tr.speed.prefill_tps is not None and tr.speed.decode_tps is not None
+        speeds = self.speeds.publish(node.id, models, now)
+        est = speeds.main
         free = doc.get("free_memory_gib")
         total = doc.get("memory_gib")
         count = doc.get("device_count")
@@ -332,14 +399,17 @@ class HealthService:
             free_memory_gib=float(free) if isinstance(free, (int, float)) else None,
             error_rate=round(error_rate, 4),
             tokens_per_s=round(tr.tokens_per_s, 3),
-            # Measured speeds when the engine reports them, else the accelerator type's profile.
-            prefill_tps=round(tr.speed.prefill_tps or prof.prefill_tps * scale, 3),
-            decode_tps=round(tr.speed.decode_tps or prof.decode_tps * scale, 3),
+            # The learned estimate (zml_health.speedbook): the prior is the type's profile.
+            prefill_tps=est.prefill_tps,
+            decode_tps=est.decode_tps,
             speeds_measured=measured,
-            # The estimate as a whole: measured once any of it is (a speed without a window of
-            # enough tokens yet stays the type's profile, as speeds_measured says).
-            speeds_source="measured" if tr.speed_at else "default",
-            speeds_at=tr.speed_at,
+            speeds_source=est.source,
+            speeds_at=est.at,
+            speeds_confidence=est.confidence,
+            prefill_sigma=est.prefill_sigma,
+            decode_sigma=est.decode_sigma,
+            decode_slowdown=est.decode_slowdown,
+            model_speeds=speeds.models,
             health_score=tr.slowed(health_score(error_rate, running, waiting, capacity), now,
                                    self.cfg.health.error_window_s) if status == "up" else 0.0,
             cost_per_hour=node.effective_cost,
@@ -415,6 +485,9 @@ class HealthService:
         tr = self.trackers.get(ev.node_id)
         if tr is not None:
             tr.record_request(ts, ev.ok, ev.node_error)
+            if ev.speed is not None:
+                st = self.states.get(ev.node_id)
+                self.speeds.sample(ev.node_id, ev.model, ev.speed, ts, st.max_concurrency if st else 0)
         for node_id in ev.failed_nodes:
             if node_id != ev.node_id and (other := self.trackers.get(node_id)) is not None:
                 other.record_request(ts, False, True)

@@ -59,9 +59,15 @@ class SpeedMeter:
     prefill_tps: float | None = None
     decode_tps: float | None = None
     last: Readings | None = None
+    #: The last window's raw speeds at the concurrency they ran (None: the window had too few
+    #: tokens): what the learner (zml_health.speedbook) folds, with its own concurrency model.
+    window_prefill: float | None = None
+    window_decode: float | None = None
+    window_batch: float = 1.0
 
     def observe(self, r: Readings, running: float) -> None:
         prev, self.last = self.last, r
+        self.window_prefill = self.window_decode = None
         if prev is None:
             return
         dp, dpt = r.prompt_tokens - prev.prompt_tokens, r.prefill_time - prev.prefill_time
@@ -70,6 +76,7 @@ class SpeedMeter:
         if min(dp, dpt, dd, ddt) < 0:  # counters reset: the engine restarted
             return
         if dp >= MIN_TOKENS and dpt > 0:
+            self.window_prefill = dp / dpt
             self.prefill_tps = _ewma(self.prefill_tps, dp / dpt)
         if dd >= MIN_TOKENS and ddt > 0:
             batch = float(running)
@@ -77,6 +84,7 @@ class SpeedMeter:
                 steps = r.decode_steps - prev.decode_steps  # type: ignore[operator]
                 if steps > 0:
                     batch = (r.busy_slot_steps - prev.busy_slot_steps) / steps  # type: ignore[operator]
+            self.window_decode, self.window_batch = dd / ddt, max(batch, 1.0)
             batch1 = dd / ddt * (1.0 + DECODE_BATCH_PENALTY * (max(batch, 1.0) - 1))
             self.decode_tps = _ewma(self.decode_tps, batch1)
 

@@ -68,6 +68,8 @@ class Tracker:
     #: the last window in which it looked up any prompt.
     last_prefix: tuple[float, float] | None = None
     prefix_hit_rate: float | None = None
+    #: Times the engine's counters went backwards (it restarted): its learned speeds start over.
+    restarts: int = 0
 
     def slow_note(self, now: float, window: float) -> str:
         if not self.last_slow_at or now - self.last_slow_at > window:
@@ -149,6 +151,8 @@ class Tracker:
         dt = now - self.last_poll_at if self.last_poll_at else 0.0
         self.last_poll_at = now
         tok = probe.generation_tokens_total
+        if tok is not None and self.last_tokens is not None and tok < self.last_tokens:
+            self.restarts += 1
         if tok is not None:
             if self.last_tokens is not None and dt > 0 and tok >= self.last_tokens:
                 self.tokens_per_s = (tok - self.last_tokens) / dt

@@ -1,7 +1,7 @@
 """The router: takes requests from ``zml.infer`` (queue group), decides, dispatches, replies.
 
 This module is the outline: lifecycle, subscriptions, and the I/O that carries out each
-request's sans-I/O steps (``zml_router.request.flow``: intake -> prepare -> route: decide, dispatch, fail
+request's sans-I/O steps (``zml_router.request``: intake -> prepare -> route: decide, dispatch, fail
 over, queue, answer). The parts live beside it, each given what it uses: one attempt on a node
 and every reply to the requester (``relay``, its pure half ``attempt``), in-flight counts and
 marks shared with the other replicas (``inflight``), the saturation queue's glue
@@ -44,7 +44,7 @@ from zmlcore.reply.keepalive import KeepaliveBook, keepalive_headers
 from zmlcore.runtime.runner import cancel_and_wait
 from zmlcore.telemetry import tracing
 from zmlcore.telemetry.setup import REQUEST_ID
-from zml_router.request import flow
+from zml_router.request import finish, intake, prepare, route
 from zml_router.replicas import ids as idclaims
 from zml_router.replicas import limits as plan_limits
 from zml_router.telemetry import tracing as rtrace
@@ -52,10 +52,10 @@ from zml_router.node.attempt import AudioBodies, NodeBodies
 from zml_router.request.cancels import CancelBook
 from zml_router.replicas.cooldowns import Marks
 from zml_router.node.dispatch import NodeClient
-from zml_router.node.result import Dispatch
+from zml_router.node.result import Close, Dispatch
 from zml_router.request.split import Splitter
 from zml_router.outcome import Outcome
-from zml_router.request.flow import Intake
+from zml_router.request.intake import Intake
 from zml_router.replicas.ids import RequestIds
 from zml_router.replicas.inflight import Sharing
 from zml_router.answer.keepalives import send_keepalives
@@ -63,7 +63,9 @@ from zml_router.replicas.limits import IdentityLimits, Lease
 from zml_router.telemetry.metrics import RouterMetrics
 from zml_router.replicas.prefixshare import PrefixShare
 from zml_router.incoming import QueuedMsg
-from zml_router.node.relay import Relay, Replies, resumed_from
+from zml_router.answer.record import resumed_from
+from zml_router.answer.replies import Replies
+from zml_router.node.relay import Relay
 from zml_router.queue.glue import QueueGlue
 from zml_router.replicas.sessions import Sessions, session_key
 from zml_router.replicas.table import NodeTable
@@ -249,7 +251,7 @@ class RouterService:
         self.spawn(self.enter(msg))
 
     async def _on_cancel(self, msg: Msg) -> None:
-        task = flow.cancel(msg.subject, msg.headers, self.in_flight, self.cancelled, time.time())
+        task = intake.cancel(msg.subject, msg.headers, self.in_flight, self.cancelled, time.time())
         if task is not None:
             task.cancel()
 
@@ -285,7 +287,7 @@ class RouterService:
                 held, msg = await self._audio_body(msg, from_queue)
             nc = self.nc
             max_payload = nc.max_payload if msg.reply and nc is not None else None  # a reply to check it fits
-            arrived: Intake[asyncio.Task[None]] = flow.intake(
+            arrived: Intake[asyncio.Task[None]] = intake.intake(
                 msg, from_queue=from_queue, cfg=self.cfg, max_payload=max_payload, options=self._options,
                 in_flight=self.in_flight, cancels=self.cancelled, now=time.time(), out=out)
             REQUEST_ID.set(arrived.request_id)  # on every log line of this request (JSON logs)
@@ -321,7 +323,7 @@ class RouterService:
                 with self.timers.deadline(arrived.timeout):
                     await self._route(msg, arrived, t0, out)
             except asyncio.TimeoutError as exc:
-                raise flow.deadline_passed(arrived.timeout) from exc
+                raise finish.deadline_passed(arrived.timeout) from exc
             finally:
                 if self.in_flight.get(key) is task:
                     del self.in_flight[key]
@@ -351,7 +353,7 @@ class RouterService:
         if out.model and not out.queued and self.events is not None:
             # One event per finished request (warmup measures demand, health counts node
             # errors), sent off the request path with the others of the next ms.
-            ev = flow.completion(out, time.time(), time.monotonic() - t0, self.router_id)
+            ev = finish.completion(out, time.time(), time.monotonic() - t0, self.router_id)
             self.events.add(completed_encoder.encode(ev))
 
     async def _audio_body(self, msg: Msg | QueuedMsg | Uploaded, from_queue: bool) -> tuple[int, Any]:
@@ -377,14 +379,14 @@ class RouterService:
         return held, Uploaded(msg.subject, body, msg.reply, msg.headers)
 
     async def _route(self, msg: Msg | QueuedMsg | Uploaded, arrived: Intake[asyncio.Task[None]], t0: float, out: Outcome) -> None:
-        """Drive the request's flow (zml_router.request.flow): each action it yields, done here."""
+        """Drive the request's flow (zml_router.request): each action it yields, done here."""
         req, model = arrived.req, arrived.model
         out.model, out.op = model, req.kind()
-        session = flow.session_of(msg.headers, req)
-        skey = (session_key(flow.session_owner(arrived.owner, msg.headers), session)
+        session = prepare.session_of(msg.headers, req)
+        skey = (session_key(prepare.session_owner(arrived.owner, msg.headers), session)
                 if session and self.sessions is not None else "")
         bound = self.sessions.node(skey) if skey and self.sessions is not None else None
-        policy, rr = flow.prepare(self.cfg, self.table.families(), req, msg.data, model, bound, msg.headers)
+        policy, rr = prepare.prepare(self.cfg, self.table.families(), req, msg.data, model, bound, msg.headers)
         if rr.accelerator_id is not None and self.table.pin_unsure(rr.accelerator_id, model):
             # `zml nodes` may show what our watch has not delivered yet (a node added just now)
             await self.nodes_follower.refresh(rr.accelerator_id)
@@ -404,18 +406,19 @@ class RouterService:
             resumed = answer.resume(arrived.resume)
             out.continued_from = resumed_from(arrived.resume)
             can_queue = False  # a stream in progress does not wait behind others
-        plan = flow.Plan(model, policy.name, rr, self.cfg.router.max_attempts, req.stream, can_queue,
+        plan = route.Plan(model, policy.name, rr, self.cfg.router.max_attempts, req.stream, can_queue,
                          can_queue and not from_queue and queue.has_waiting(model),  # type: ignore[union-attr]
                          from_queue, msg.data, frontdoor.continue_asked(req, msg.headers), cfg.continue_on_failure,
-                         resumed, arrived.resume.attempts if arrived.resume is not None else 0)
-        steps = flow.route(plan, out)
-        result: flow.Result = None
+                         resumed, arrived.resume.attempts if arrived.resume is not None else 0,
+                         usage_asked=answer.usage_asked)
+        steps = route.route(plan, out)
+        result: route.Result = None
         while True:
             try:
                 action = steps.send(result)
             except StopIteration:
                 return
-            if type(action) is flow.Decide:
+            if type(action) is route.Decide:
                 rr = action.rr
                 if action.continuation:  # only a node whose engine can continue the answer
                     rr = dataclasses.replace(rr, exclude=rr.exclude | self.table.cannot_continue())
@@ -437,17 +440,16 @@ class RouterService:
                 self.metrics.session(action.decision.session)
                 result = await self.relay.attempt(msg, req, bodies, model, action, arrived.request_id, t0, out,
                                                   answer)
-            elif type(action) is flow.Prefill:
+            elif type(action) is route.Prefill:
                 assert isinstance(bodies, NodeBodies)
                 result = await self.relay.prefill(req, bodies, model, action, arrived.request_id, out)
-            elif type(action) is flow.Penalise:
+            elif type(action) is route.Penalise:
                 await self._penalise(action)
                 result = None
-            elif type(action) is flow.Close:
-                await self.relay.close(msg, req, answer, arrived.request_id, out, action.node_id, action.attempts)
-                result = None
+            elif type(action) is Close:
+                result = await self.relay.close(msg, req, answer, arrived.request_id, action, out.label, out.info)
             else:  # Enqueue: the flow is over
-                assert type(action) is flow.Enqueue
+                assert type(action) is route.Enqueue
                 self._hand_over(arrived.key, msg.reply)
                 put = self.glue.saturated if action.saturated else self.glue.enqueue
                 await put(msg, req, model, arrived.request_id, cfg.max_queue_ms, arrived.timeout)
@@ -464,11 +466,11 @@ class RouterService:
             del self.in_flight[key]
         self.keepalives.remove(reply)
 
-    async def _penalise(self, action: flow.Penalise) -> None:
+    async def _penalise(self, action: route.Penalise) -> None:
         """Skip a node that failed or refused, here and (over NATS) on every replica."""
         err = action.error
         rc = self.cfg.router
-        how = flow.penalty(err, rc.saturated_s, rc.cooldown_s)
+        how = finish.penalty(err, rc.saturated_s, rc.cooldown_s)
         if how is not None:
             await self.sharing.mark(action.decision.node_id, how[0], how[1],
                                     "mid_stream" if err.mid_stream else err.failure.value)

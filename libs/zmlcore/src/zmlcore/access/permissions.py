@@ -119,7 +119,7 @@ def _grants(role: str, owner: str) -> tuple[list[str], list[str], bool]:
                 [inbox, f"{subjects.EVENTS_PREFIX}.>"], False)
     if role == "gateway":
         # Requests go to the front-door subject: only there does a router honour the key's
-        # label and default policy (zml_router.request.flow.drop_untrusted).
+        # label and default policy (zml_router.request.intake.drop_untrusted).
         pub = [subjects.FRONT_DOOR_INFER, own_cancel, upload, subjects.ROUTERS_STATE, subjects.ROUTERS_DECISION,
                *kv_read(subjects.NODES_BUCKET),
                *kv_read(subjects.COSTS_BUCKET), *kv_read(subjects.KEYS_BUCKET), *kv_write(subjects.LIMITS_BUCKET),

@@ -41,6 +41,29 @@ class AcceleratorType(msgspec.Struct, frozen=True, kw_only=True):
     #: per token) in 90% of the device memory minus 16 GB of weights; on CPU, llama.cpp's
     #: 32k context. Like the block size, a default for nodes whose engine reports no geometry.
     kv_cache_tokens: int
+    #: The type's own speeds where ``speed`` x the H100 figures do not fit its engine (a CPU
+    #: runs llama.cpp, whose prefill/decode ratio is nothing like a GPU's); 0: speed x base.
+    prefill_tps: float = 0.0
+    decode_tps: float = 0.0
+    #: Per-sequence decode slowdown per extra sequence in the batch (0: the GPU figure,
+    #: DECODE_BATCH_PENALTY): on a CPU the batch shares the same cores.
+    batch_penalty: float = 0.0
+    #: How far its real speeds may be from these, as a standard deviation of log(speed): the
+    #: learner's prior (zmlcore.fleet.learn). A GPU type's speeds are within ~2x for the
+    #: reference 8B model; "cpu" covers a 100M-parameter toy and an 8B model alike.
+    prior_sigma: float = 0.7
+
+    @property
+    def default_prefill_tps(self) -> float:
+        return self.prefill_tps or BASE_PREFILL_TPS * self.speed
+
+    @property
+    def default_decode_tps(self) -> float:
+        return self.decode_tps or BASE_DECODE_TPS * self.speed
+
+    @property
+    def default_batch_penalty(self) -> float:
+        return self.batch_penalty or DECODE_BATCH_PENALTY
 
 
 BASE_PREFILL_TPS = 10_000.0
@@ -75,13 +98,17 @@ ACCELERATORS: dict[str, AcceleratorType] = {
             min_driver="2.18", driver_label="Neuron SDK 2.18", speed=0.3, max_concurrency=16,
             cost_per_hour=0.8, memory_gib=32.0, load_time_s=40.0, kv_block_size=128, kv_cache_tokens=105_000,
         ),
-        # llama.cpp (or another CPU engine) on a CPU. Its table speeds (prefill 500, decode 3
-        # tokens/s: an 8B model at 4 bits on a server CPU) are only a first guess: llama.cpp
-        # reports its counters, and the health service measures the node's real speeds.
+        # llama.cpp (or another CPU engine) on a CPU. What it runs spans 100x: a 100M-parameter
+        # model on one thread prefills ~14,000 and decodes ~500 tokens/s, an 8B model at 4 bits
+        # on a 16-core server ~150 and ~12. The defaults are the geometric middle (1,500 and 75,
+        # within ~10x of either end) with a wide prior (sigma 1.6: 5x at one sigma), so the
+        # learner moves to the real speeds in a request or two (docs/routing.md "Learned
+        # speeds"); per-sequence decode falls ~2.6x from 1 to 4 sequences on one thread.
         AcceleratorType(
             type_id="cpu", family="CPU", hardware="CPU (llama.cpp and other CPU engines)", vendor="cpu",
             min_driver="0", driver_label="none", speed=0.05, max_concurrency=4,
             cost_per_hour=0.2, memory_gib=64.0, load_time_s=10.0, kv_block_size=128, kv_cache_tokens=32_768,
+            prefill_tps=1500.0, decode_tps=75.0, batch_penalty=0.5, prior_sigma=1.6,
         ),
     )
 }

@@ -50,12 +50,15 @@ class SimProfile:
         32
         """
         a = ACCELERATORS[type_id]
-        speed = float(overrides.get("speed") or a.speed)
+        given_speed = overrides.get("speed")
+        speed = float(given_speed or a.speed)
         prof = cls(
             accelerator=type_id,
             speed=speed,
-            prefill_tps=BASE_PREFILL_TPS * speed,
-            decode_tps=BASE_DECODE_TPS * speed,
+            # A speed override scales the H100 figures; the type's own speeds otherwise.
+            prefill_tps=BASE_PREFILL_TPS * speed if given_speed else a.default_prefill_tps,
+            decode_tps=BASE_DECODE_TPS * speed if given_speed else a.default_decode_tps,
+            batch_penalty=a.default_batch_penalty,
             max_concurrency=a.max_concurrency,
             load_time_s=a.load_time_s,
             memory_gib=a.memory_gib,

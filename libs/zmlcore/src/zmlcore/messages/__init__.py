@@ -46,6 +46,7 @@ from zmlcore.messages.router import (
     queue_busy_decoder,
     router_state_decoder,
 )
+from zmlcore.messages.speeds import LearnedSpeeds, ModelSpeeds, SpeedFit, SpeedSample
 from zmlcore.messages.warmup import (
     RequestCompleted,
     ServeReply,
@@ -55,6 +56,10 @@ from zmlcore.messages.warmup import (
 )
 
 __all__ = [
+    "LearnedSpeeds",
+    "ModelSpeeds",
+    "SpeedFit",
+    "SpeedSample",
     "DecisionFamily",
     "DecisionQuery",
     "DecisionRecord",

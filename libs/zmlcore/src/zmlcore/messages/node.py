@@ -7,6 +7,8 @@ from typing import Literal
 
 import msgspec
 
+from zmlcore.messages.speeds import ModelSpeeds
+
 NodeStatus = Literal["up", "down", "loading", "unknown", "invalid"]
 
 
@@ -66,8 +68,17 @@ class NodeState(msgspec.Struct, kw_only=True, omit_defaults=True):
     speeds_source: str = ""
     #: Unix time the speed estimate last moved from an observation; 0: unknown (or never).
     speeds_at: float = 0.0
-    #: Confidence in the speed estimate, 0..1; 0: not known.
+    #: Confidence in the speed estimate, 0..1: the probability that both speeds are within 25%
+    #: of the estimate (zmlcore.fleet.learn.confidence); 0: not known.
     speeds_confidence: float = 0.0
+    #: The estimate's uncertainty, standard deviation of log(speed) (0: not known, an older
+    #: health service): routers explore a node in proportion to it (zmlcore.policy.estimate).
+    prefill_sigma: float = 0.0
+    decode_sigma: float = 0.0
+    #: Per-sequence decode slowdown per extra sequence in flight, as learned (0: the type's).
+    decode_slowdown: float = 0.0
+    #: Each served model's learned speeds (the top-level ones are its busiest model's).
+    model_speeds: dict[str, ModelSpeeds] = {}
     health_score: float = 0.0
     cost_per_hour: float = 0.0
     last_ok: float = 0.0

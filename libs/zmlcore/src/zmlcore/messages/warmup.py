@@ -22,6 +22,8 @@ from typing import Literal
 
 import msgspec
 
+from zmlcore.messages.speeds import SpeedSample
+
 
 class RequestCompleted(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     """One finished inference request, as the router saw it."""
@@ -54,6 +56,9 @@ class RequestCompleted(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=
     slow_nodes: list[str] = []
     #: The API key's cost-attribution label ("" without one).
     label: str = ""
+    #: What the final attempt showed of ``node_id``'s speeds (the health service learns from
+    #: it, zmlcore.fleet.learn); None when it showed nothing (no first byte, an error).
+    speed: SpeedSample | None = None
 
 
 class CompletionCounts(msgspec.Struct, frozen=True, kw_only=True):
@@ -66,6 +71,8 @@ class CompletionCounts(msgspec.Struct, frozen=True, kw_only=True):
     failed_nodes: list[str] = []
     ts: float = 0.0
     slow_nodes: list[str] = []
+    model: str = ""
+    speed: SpeedSample | None = None
 
 
 #: "draining": the placement planner is about to unload ``model`` from ``node_id``: health takes

@@ -42,16 +42,46 @@ BODY_BYTES_PER_TOKEN = 4
 INF = math.inf
 
 
-def node_speeds(st: NodeState) -> tuple[float, float, int]:
-    """(prefill tok/s, decode tok/s per sequence at batch 1, max concurrency) of a node.
+#: Exploration of nodes whose speeds are uncertain (docs/routing.md "Learned speeds"): such a
+#: node is scored on an optimistic estimate, its learned speeds times exp(EXPLORE_Z * sigma)
+#: (sigma: the health service's standard deviation of log speed), at most EXPLORE_CAP times:
+#: "unknown" reads as "possibly fast", so it is sent enough traffic to be measured, but never
+#: more than EXPLORE_CAP times its share as estimated, and the optimism shrinks as the samples
+#: come in (sigma 0.1 once measured: x1.1). Chosen on the hidden-speed routing simulator
+#: (benches/routing_sim.py --hidden): see docs/benchmarks.md.
+EXPLORE_Z = 1.0
+EXPLORE_CAP = 2.0
 
-    Measured values from the health service win; unknown ones (0) come from the accelerator
-    type's profile, and from H100-like defaults for an unknown type.
+
+def explore_factor(sigma: float) -> float:
+    """How much faster than its estimate an uncertain node is scored.
+
+    >>> explore_factor(0.0), explore_factor(0.1) < 1.11, explore_factor(1.6)
+    (1.0, True, 2.0)
+    """
+    return min(EXPLORE_CAP, math.exp(EXPLORE_Z * sigma)) if sigma > 0 else 1.0
+
+
+def node_speeds(st: NodeState, model: str = "") -> tuple[float, float, int]:
+    """(prefill tok/s, decode tok/s per sequence at batch 1, max concurrency) of a node, as
+    routed on: the health service's learned speeds for ``model`` (else the node's), raised
+    for exploration in proportion to their uncertainty (:func:`explore_factor`).
+
+    Unknown ones (0, a state from no health service) come from the accelerator type's
+    profile, and from H100-like defaults for an unknown type.
     """
     a = ACCELERATORS.get(st.accelerator_type)
-    speed = a.speed if a else 1.0
-    pf = st.prefill_tps if st.prefill_tps > 0 else BASE_PREFILL_TPS * speed
-    dec = st.decode_tps if st.decode_tps > 0 else BASE_DECODE_TPS * speed
+    ms = st.model_speeds.get(model) if model and st.model_speeds else None
+    if ms is not None:
+        pf = ms.prefill_tps * explore_factor(ms.prefill_sigma)
+        dec = ms.decode_tps * explore_factor(ms.decode_sigma)
+    else:
+        pf = st.prefill_tps if st.prefill_tps > 0 else (a.default_prefill_tps if a else BASE_PREFILL_TPS)
+        dec = st.decode_tps if st.decode_tps > 0 else (a.default_decode_tps if a else BASE_DECODE_TPS)
+        if st.prefill_sigma:
+            pf *= explore_factor(st.prefill_sigma)
+        if st.decode_sigma:
+            dec *= explore_factor(st.decode_sigma)
     maxc = st.max_concurrency if st.max_concurrency > 0 else (a.max_concurrency if a else 16)
     return pf, dec, maxc
 

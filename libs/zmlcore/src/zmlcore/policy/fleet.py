@@ -251,7 +251,7 @@ class FleetIndex(Sequence[NodeView]):
 
     def _set_state(self, t: ModelTable, j: int, v: NodeView) -> None:
         st = v.state
-        pf, dec, maxc = node_speeds(st)
+        pf, dec, maxc = node_speeds(st, t.model)
         inputs = (pf, dec, maxc, node_cost(st))
         if t.inputs[j] != inputs:
             t.inputs[j] = inputs

@@ -23,11 +23,13 @@ from zmlcore.policy import Decision, ResolvedPolicy, RouteRequest
 from zml_router.replicas import ids as idclaims
 from zml_router.request.cancels import CancelBook
 from zml_router.incoming import Incoming, QueuedMsg
-from zml_router.request.flow import owner_key, prepare, queue_expired
+from zml_router.request.intake import owner_key
+from zml_router.request.prepare import prepare
+from zml_router.request.finish import queue_expired
 from zml_router.replicas.ids import RequestIds
 from zml_router.telemetry.metrics import RouterMetrics
 from zml_router.queue.jetstream import H_DEADLINE, H_ENQUEUED, H_QUEUED_HEADERS, H_TOTAL_MS, SaturationQueue
-from zml_router.node.relay import Replies
+from zml_router.answer.replies import Replies
 from zml_router.replicas.table import NodeTable
 
 log = logging.getLogger("zml.router")
@@ -122,7 +124,7 @@ class QueueGlue:
         left_ms = max(1, total_ms - int((time.time() - enqueued) * 1000))
         headers = {**qmsg.headers, subjects.H_TIMEOUT_MS: str(left_ms), H_TOTAL_MS: str(total_ms)}
         # The head stays unacknowledged (in JetStream) until a node has taken the request: an
-        # immediate overload answer hands it back here. Its claim (queue.py) keeps a replica
+        # immediate overload answer hands it back here. Its claim (jetstream.py) keeps a replica
         # that gets it redelivered after we die from running it a second time.
         placed: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         task = self.spawn(self.enter(QueuedMsg(qmsg.subject, qmsg.data, qmsg.reply, headers, placed)))

@@ -27,7 +27,6 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 
 import msgspec
 from nats.aio.client import Client as NATS

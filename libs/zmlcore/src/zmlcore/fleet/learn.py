@@ -1,0 +1,242 @@
+"""Each node's speeds learned online, per model. Pure: no clocks, no I/O (time is an argument).
+
+A node's prefill speed and per-sequence decode speed are each a function of what is in flight
+on it, ``rate(c) = rate1 / (1 + k (c - 1))``, kept in log space as a 2-state Kalman filter over
+``(a, g) = (log rate1, log k)`` with its covariance (:class:`~zmlcore.messages.speeds.SpeedFit`):
+
+* **prior**: the accelerator type's (and engine's) speeds with a wide variance
+  (``AcceleratorType.prior_sigma``: 0.7 for GPU types, 1.6 for "cpu"), so the first good
+  observation moves the estimate almost all the way to it;
+* **observations**: a router's per-attempt sample (TTFT over the prompt tokens the node had to
+  compute, inter-token time over the tokens decoded, at the concurrency it ran), the engine's
+  own per-request timings (llama.cpp ``timings``), a counter window measured by health, and
+  health's calibration request. Each has its measurement noise (an estimated prompt length
+  is noisier than an engine-reported one);
+* **robust**: the innovation is clipped at ``HUBER`` standard deviations, so one request stuck
+  behind a long prompt moves the estimate by a bounded step, not to a tenth;
+* **decay**: the variance of ``a`` grows with the time since the last observation
+  (``DRIFT_PER_S``), up to the prior's: a node left alone becomes uncertain again, and its
+  next observations count for more (and the router explores it, zmlcore.policy.estimate);
+* **mergeable**: two states of the same node (two health replicas, a restart from a saved
+  state) merge by covariance intersection, consistent whatever they share.
+
+>>> prior = prior_speeds("cpu")
+>>> round(rate(prior.prefill)), round(rate(prior.decode))
+(1500, 75)
+>>> s = prior
+>>> for _ in range(3):
+...     s = observe_prefill(s, tps=14_000, inflight=1, now=1.0, noise=NOISE_REPORTED)
+>>> abs(rate(s.prefill) / 14_000 - 1) < 0.25
+True
+"""
+
+from __future__ import annotations
+
+import math
+
+from zmlcore.fleet.accelerators import ACCELERATORS, BASE_DECODE_TPS, BASE_PREFILL_TPS, DECODE_BATCH_PENALTY
+from zmlcore.messages.speeds import LearnedSpeeds, ModelSpeeds, SpeedFit, SpeedSample
+
+#: Measurement noise (standard deviation of log speed) by where an observation comes from.
+NOISE_ENGINE = 0.1  #: the engine's own timings or counters
+NOISE_CALIBRATION = 0.15  #: health's calibration request (one short request, idle node)
+NOISE_REPORTED = 0.25  #: a router's sample whose uncached prompt tokens the engine reported
+NOISE_ESTIMATED = 0.45  #: a router's sample with the prompt length estimated from the body
+#: Innovations are clipped at this many standard deviations (Huber).
+HUBER = 2.5
+#: Variance of log speed added per second without an observation: (ln 1.25)^2 in 5 minutes, so
+#: an estimate left alone 5 minutes is another 25% (one sigma) less sure.
+DRIFT_PER_S = math.log(1.25) ** 2 / 300.0
+#: Prior of the slowdown per extra sequence: log-sd of k (0.02 on a GPU may be 0.3 on a CPU).
+SLOWDOWN_SIGMA = 1.5
+#: Prefill slows less with concurrency than decode (it is compute-bound, decode shares steps).
+PREFILL_SLOWDOWN_SHARE = 0.5
+#: Bounds of the slowdown per extra sequence (keeps the filter away from 0 and runaway values).
+G_MIN, G_MAX = math.log(1e-4), math.log(4.0)
+#: "Confident" is a 25% band: confidence = P(true speed within 25% of the estimate).
+BAND = math.log(1.25)
+#: Fewer prompt tokens than this say more about fixed latencies than about prefill speed.
+MIN_PREFILL_TOKENS = 32
+MIN_DECODE_TOKENS = 8
+
+
+def prior_fit(tps: float, slowdown: float, sigma: float) -> SpeedFit:
+    return SpeedFit(a=math.log(tps), g=math.log(slowdown), paa=sigma * sigma, pag=0.0,
+                    pgg=SLOWDOWN_SIGMA ** 2)
+
+
+def prior_speeds(accelerator: str, *, prefill_tps: float = 0.0, decode_tps: float = 0.0,
+                 sigma: float | None = None) -> LearnedSpeeds:
+    """What is believed of a node before any observation: its type's speeds (or the ones
+    given, e.g. zml.toml's), with the type's prior width.
+
+    >>> round(rate(prior_speeds("nvidia_h100").decode))
+    60
+    """
+    a = ACCELERATORS.get(accelerator)
+    pf = prefill_tps or (a.default_prefill_tps if a else BASE_PREFILL_TPS)
+    dec = decode_tps or (a.default_decode_tps if a else BASE_DECODE_TPS)
+    k = a.default_batch_penalty if a else DECODE_BATCH_PENALTY
+    s = sigma if sigma is not None else (a.prior_sigma if a else 1.6)
+    return LearnedSpeeds(prefill=prior_fit(pf, k * PREFILL_SLOWDOWN_SHARE, s), decode=prior_fit(dec, k, s),
+                         prior_var=s * s)
+
+
+def rate(fit: SpeedFit, concurrency: float = 1.0) -> float:
+    """Tokens/s at ``concurrency`` sequences in flight (1: alone)."""
+    return math.exp(fit.a) / (1.0 + math.exp(fit.g) * max(concurrency - 1.0, 0.0))
+
+
+def slowdown(fit: SpeedFit) -> float:
+    return math.exp(fit.g)
+
+
+def sigma(fit: SpeedFit) -> float:
+    """Standard deviation of log(rate alone)."""
+    return math.sqrt(fit.paa)
+
+
+def aged(fit: SpeedFit, now: float, cap: float) -> SpeedFit:
+    """The fit as believed at ``now``: its variance grown by the time since its last
+    observation, at most ``cap`` (the prior's variance)."""
+    if fit.at <= 0 or now <= fit.at or fit.paa >= cap:
+        return fit
+    paa = min(cap, fit.paa + DRIFT_PER_S * (now - fit.at))
+    return SpeedFit(a=fit.a, g=fit.g, paa=paa, pag=fit.pag, pgg=fit.pgg, at=fit.at, n=fit.n)
+
+
+def update(fit: SpeedFit, tps: float, concurrency: float, now: float, noise: float, cap: float) -> SpeedFit:
+    """Fold one observation of the speed at ``concurrency`` (an extended Kalman step).
+
+    >>> f = prior_fit(100.0, 0.02, 1.0)
+    >>> f = update(f, 400.0, 1, now=5.0, noise=0.1, cap=1.0)
+    >>> 350 < rate(f) < 400
+    True
+    """
+    if not (tps > 0 and math.isfinite(tps)):
+        return fit
+    fit = aged(fit, now, cap)
+    x = math.exp(fit.g) * max(concurrency - 1.0, 0.0)
+    h = fit.a - math.log1p(x)
+    hg = -x / (1.0 + x)  # d h / d g; d h / d a = 1
+    paa, pag, pgg = fit.paa, fit.pag, fit.pgg
+    pa = paa + pag * hg  # P H^T
+    pg = pag + pgg * hg
+    s = pa + hg * pg + noise * noise
+    v = math.log(tps) - h
+    lim = HUBER * math.sqrt(s)
+    v = max(-lim, min(lim, v))
+    ka, kg = pa / s, pg / s
+    a = fit.a + ka * v
+    g = min(G_MAX, max(G_MIN, fit.g + kg * v))
+    # P - K (H P), symmetric
+    paa2 = max(paa - ka * pa, 1e-6)
+    pag2 = pag - ka * pg
+    pgg2 = max(pgg - kg * pg, 1e-6)
+    return SpeedFit(a=a, g=g, paa=paa2, pag=pag2, pgg=pgg2, at=max(now, fit.at), n=fit.n + 1)
+
+
+def observe_prefill(s: LearnedSpeeds, *, tps: float, inflight: float, now: float, noise: float,
+                    measured: bool = False, cap: float | None = None) -> LearnedSpeeds:
+    cap = cap if cap is not None else _cap(s)
+    return LearnedSpeeds(prefill=update(s.prefill, tps, inflight, now, noise, cap), decode=s.decode,
+                         measured_at=now if measured else s.measured_at, prior_var=s.prior_var)
+
+
+def observe_decode(s: LearnedSpeeds, *, tps: float, inflight: float, now: float, noise: float,
+                   measured: bool = False, cap: float | None = None) -> LearnedSpeeds:
+    cap = cap if cap is not None else _cap(s)
+    return LearnedSpeeds(prefill=s.prefill, decode=update(s.decode, tps, inflight, now, noise, cap),
+                         measured_at=now if measured else s.measured_at, prior_var=s.prior_var)
+
+
+def observe_sample(s: LearnedSpeeds, sample: SpeedSample, now: float, maxc: int = 0) -> LearnedSpeeds:
+    """Fold what a router saw of one attempt.
+
+    The engine's own timings win where it reported them. Otherwise the prefill speed is the
+    prompt tokens the node computed before the first token over the TTFT, counted only when
+    the request got a sequence slot at once (``inflight <= maxc``: a wait for a slot is queueing,
+    not prefill), and the decode speed is the tokens after the first over the time they took.
+    """
+    cap = _cap(s)
+    c = max(sample.inflight, 1)
+    if sample.engine_prefill_tps > 0:
+        s = observe_prefill(s, tps=sample.engine_prefill_tps, inflight=c, now=now, noise=NOISE_ENGINE,
+                            measured=True, cap=cap)
+    elif sample.ttft_s > 0 and sample.prefill_tokens >= MIN_PREFILL_TOKENS and (maxc <= 0 or c <= maxc):
+        noise = NOISE_REPORTED if sample.prefill_reported else NOISE_ESTIMATED
+        s = observe_prefill(s, tps=sample.prefill_tokens / sample.ttft_s, inflight=c, now=now, noise=noise, cap=cap)
+    if sample.engine_decode_tps > 0:
+        s = observe_decode(s, tps=sample.engine_decode_tps, inflight=c, now=now, noise=NOISE_ENGINE,
+                           measured=True, cap=cap)
+    elif sample.decode_s > 0 and sample.decode_tokens >= MIN_DECODE_TOKENS:
+        s = observe_decode(s, tps=sample.decode_tokens / sample.decode_s, inflight=c, now=now,
+                           noise=NOISE_REPORTED, cap=cap)
+    return s
+
+
+def merge(x: LearnedSpeeds, y: LearnedSpeeds) -> LearnedSpeeds:
+    """Two beliefs about the same node merged by covariance intersection (weight 1/2): never
+    more confident than the evidence allows, whatever observations they share.
+
+    >>> p = prior_speeds("nvidia_h100")
+    >>> m = merge(p, p)
+    >>> round(rate(m.prefill)) == round(rate(p.prefill)) and abs(m.prefill.paa - p.prefill.paa) < 1e-9
+    True
+    """
+    return LearnedSpeeds(prefill=_ci(x.prefill, y.prefill), decode=_ci(x.decode, y.decode),
+                         measured_at=max(x.measured_at, y.measured_at), prior_var=max(x.prior_var, y.prior_var))
+
+
+def _ci(x: SpeedFit, y: SpeedFit) -> SpeedFit:
+    ix = _inv(x.paa, x.pag, x.pgg)
+    iy = _inv(y.paa, y.pag, y.pgg)
+    i = tuple(0.5 * (p + q) for p, q in zip(ix, iy))
+    paa, pag, pgg = _inv(*i)
+    # mean = P (0.5 Ix x + 0.5 Iy y)
+    va = 0.5 * (ix[0] * x.a + ix[1] * x.g) + 0.5 * (iy[0] * y.a + iy[1] * y.g)
+    vg = 0.5 * (ix[1] * x.a + ix[2] * x.g) + 0.5 * (iy[1] * y.a + iy[2] * y.g)
+    return SpeedFit(a=paa * va + pag * vg, g=pag * va + pgg * vg, paa=paa, pag=pag, pgg=pgg,
+                    at=max(x.at, y.at), n=max(x.n, y.n))
+
+
+def _inv(a: float, b: float, c: float) -> tuple[float, float, float]:
+    det = a * c - b * b
+    return c / det, -b / det, a / det
+
+
+def _cap(s: LearnedSpeeds) -> float:
+    return s.prior_var
+
+
+def confidence(sig: float) -> float:
+    """P(|error of log speed| < ln 1.25) for a log-normal belief of this width.
+
+    >>> round(confidence(0.1), 2), round(confidence(1.6), 2)
+    (0.97, 0.11)
+    """
+    return math.erf(BAND / (max(sig, 1e-9) * math.sqrt(2.0)))
+
+
+def published(s: LearnedSpeeds, now: float, stale_s: float = 600.0) -> ModelSpeeds:
+    """The form in ``NodeState.model_speeds``: the belief aged to ``now``.
+
+    Source: "measured" when the engine's own figures (counters, timings, calibration) moved it
+    within ``stale_s``; "learned" when observations did; "default" with none.
+    """
+    cap = _cap(s)
+    pf, dec = aged(s.prefill, now, cap), aged(s.decode, now, cap)
+    at = max(pf.at, dec.at)
+    if s.measured_at and now - s.measured_at <= stale_s:
+        source = "measured"
+    elif pf.n or dec.n:
+        source = "learned"
+    else:
+        source = "default"
+    return ModelSpeeds(
+        prefill_tps=round(rate(pf), 3), decode_tps=round(rate(dec), 3),
+        prefill_slowdown=round(slowdown(pf), 4), decode_slowdown=round(slowdown(dec), 4),
+        prefill_sigma=round(sigma(pf), 4), decode_sigma=round(sigma(dec), 4),
+        source=source, at=at, confidence=round(min(confidence(sigma(pf)), confidence(sigma(dec))), 3),
+        samples=pf.n + dec.n,
+    )

@@ -1,0 +1,120 @@
+"""Every node's learned speeds, per model: the health service is the one learner (pure: time is
+passed in). It folds the routers' per-attempt samples (``RequestCompleted.speed``), its own
+counter windows (zml_health.speed) and its calibration requests into
+:mod:`zmlcore.fleet.learn` filters, and says what each node's state publishes, so every router
+replica routes on the same estimates (docs/routing.md "Learned speeds").
+
+>>> b = SpeedBook()
+>>> b.prior("n", "cpu")
+>>> b.sample("n", "m", SpeedSample(ttft_s=0.05, prefill_tokens=700, engine_decode_tps=480), now=10.0)
+>>> pub = b.publish("n", ["m"], now=10.0)
+>>> pub.main.source, round(pub.main.decode_tps)
+('measured', 480)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from zmlcore.fleet import learn
+from zmlcore.messages.speeds import LearnedSpeeds, ModelSpeeds, SpeedSample
+
+#: Below this confidence a served model is calibrated (one short real request), at most once
+#: per CALIBRATE_EVERY_S per (node, model).
+CALIBRATE_BELOW = 0.5
+
+
+@dataclass(frozen=True, slots=True)
+class Published:
+    #: The node's estimate (its busiest model's: routers score a node per request with one set
+    #: of speeds), and each model's.
+    main: ModelSpeeds
+    models: dict[str, ModelSpeeds]
+
+
+@dataclass(slots=True)
+class SpeedBook:
+    #: node -> model -> belief
+    beliefs: dict[str, dict[str, LearnedSpeeds]] = field(default_factory=dict)
+    #: node -> the prior of a model not seen yet
+    priors: dict[str, LearnedSpeeds] = field(default_factory=dict)
+    #: (node, model) -> unix time of the last calibration request sent
+    calibrated_at: dict[tuple[str, str], float] = field(default_factory=dict)
+
+    def prior(self, node: str, accelerator: str, prefill_tps: float = 0.0, decode_tps: float = 0.0) -> None:
+        """What is believed of ``node`` before anything is seen: its type's speeds, or the ones
+        its config gives."""
+        self.priors[node] = learn.prior_speeds(accelerator, prefill_tps=prefill_tps, decode_tps=decode_tps)
+
+    def forget(self, node: str) -> None:
+        """A node removed (or re-registered) starts again from its prior; so does one whose
+        engine restarted, whose model may have changed."""
+        self.beliefs.pop(node, None)
+        self.priors.pop(node, None)
+        for key in [k for k in self.calibrated_at if k[0] == node]:
+            del self.calibrated_at[key]
+
+    def reset(self, node: str) -> None:
+        self.beliefs.pop(node, None)
+
+    def _get(self, node: str, model: str) -> LearnedSpeeds:
+        per = self.beliefs.setdefault(node, {})
+        s = per.get(model)
+        if s is None:
+            s = per[model] = self.priors.get(node) or learn.prior_speeds("")
+        return s
+
+    def sample(self, node: str, model: str, sample: SpeedSample, now: float, maxc: int = 0) -> None:
+        """A router's observation of one attempt."""
+        if node not in self.priors:
+            return  # not a node of ours (removed, or another fleet's)
+        self.beliefs[node][model] = learn.observe_sample(self._get(node, model), sample, now, maxc)
+
+    def counters(self, node: str, models: list[str], now: float, *, prefill_tps: float | None,
+                 prefill_c: float, decode_tps: float | None, decode_c: float) -> None:
+        """A counter window (node-wide: it goes to each model the node serves)."""
+        for m in models or [""]:
+            s = self._get(node, m)
+            if prefill_tps:
+                s = learn.observe_prefill(s, tps=prefill_tps, inflight=max(prefill_c, 1.0), now=now,
+                                          noise=learn.NOISE_ENGINE, measured=True)
+            if decode_tps:
+                s = learn.observe_decode(s, tps=decode_tps, inflight=max(decode_c, 1.0), now=now,
+                                         noise=learn.NOISE_ENGINE, measured=True)
+            self.beliefs[node][m] = s
+
+    def calibration(self, node: str, model: str, now: float, *, prefill_tps: float, decode_tps: float,
+                    engine: bool = False) -> None:
+        """What a calibration request measured on an otherwise idle node (the engine's own
+        timings when ``engine``)."""
+        noise = learn.NOISE_ENGINE if engine else learn.NOISE_CALIBRATION
+        s = self._get(node, model)
+        if prefill_tps > 0:
+            s = learn.observe_prefill(s, tps=prefill_tps, inflight=1, now=now, noise=noise, measured=True)
+        if decode_tps > 0:
+            s = learn.observe_decode(s, tps=decode_tps, inflight=1, now=now, noise=noise, measured=True)
+        self.beliefs[node][model] = s
+
+    def needs_calibration(self, node: str, models: list[str], now: float, every_s: float) -> str | None:
+        """A served model whose estimate is too uncertain to route on, not calibrated within
+        ``every_s``: the one to calibrate now (None: none)."""
+        for m in models:
+            if now - self.calibrated_at.get((node, m), -1e18) < every_s:
+                continue
+            if learn.published(self._get(node, m), now).confidence < CALIBRATE_BELOW:
+                return m
+        return None
+
+    def calibrating(self, node: str, model: str, now: float) -> None:
+        self.calibrated_at[(node, model)] = now
+
+    def publish(self, node: str, models: list[str], now: float) -> Published:
+        per = self.beliefs.get(node, {})
+        pub = {m: learn.published(per[m], now) for m in models if m in per}
+        if pub:
+            main = max(pub.values(), key=lambda p: (p.samples, p.confidence))
+        elif "" in per:
+            main = learn.published(per[""], now)
+        else:
+            main = learn.published(self.priors.get(node) or learn.prior_speeds(""), now)
+        return Published(main=main, models=pub)

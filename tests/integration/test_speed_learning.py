@@ -1,0 +1,100 @@
+"""Issue 28: a node whose true speeds nobody told ZML is learned from a cold start, by the health
+service's calibration request and from the routers' per-attempt samples on the completion event."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pytest
+
+from test_health_helpers import config, connected, eventually, node_entry, private_nats, start_sim
+from zml_health.service import HealthService
+from zmlcore import subjects
+from zmlcore.messages import NodeState
+from zmlcore.messages.speeds import SpeedSample
+from zmlcore.messages.warmup import RequestCompleted, completed_encoder
+
+M = "m"
+
+
+@pytest.fixture(scope="module")
+def nats_private() -> str:  # type: ignore[misc]
+    with private_nats() as url:
+        yield url
+
+
+def _within(st: NodeState, pf: float, dec: float, band: float = 0.25) -> bool:
+    return abs(st.prefill_tps / pf - 1) <= band and abs(st.decode_tps / dec - 1) <= band
+
+
+@pytest.mark.parametrize("engine", ["vllm", "llamacpp"])
+async def test_unknown_node_calibrated_before_any_traffic(nats_private: str, engine: str) -> None:
+    """A CPU node 6x faster than the type says (9,000 / 450 tok/s, told 1,500 / 75): within
+    30 s and without one routed request its estimate is within 25%, from one calibration
+    request (llama.cpp: the engine's own timings)."""
+    sim = await start_sim("hidden-1", "cpu", [M], engine=engine, time_scale=1.0, true_speed=6.0)
+    pf, dec = sim.engine.profile.prefill_tps, sim.engine.profile.decode_tps
+    assert (pf, dec) == (9_000.0, 450.0)
+    svc = HealthService(config([node_entry(sim)], health={"calibrate_prompt_tokens": 512}))
+    async with connected(nats_private) as nc:
+        await svc.start(nc)
+        t0 = time.monotonic()
+        try:
+            first = await eventually(lambda: (s := svc.states.get("hidden-1")) and s.status == "up" and s)
+            assert first.speeds_source == "default" and first.speeds_confidence < 0.2
+            assert first.prefill_tps == 1500.0 and first.decode_tps == 75.0
+            st = await eventually(lambda: (s := svc.states.get("hidden-1")) and s.speeds_source == "measured"
+                                  and s.speeds_confidence > 0.5 and s, timeout=30, what="calibrated")
+            assert time.monotonic() - t0 < 30
+            assert _within(st, pf, dec), (st.prefill_tps, st.decode_tps)
+            assert st.model_speeds[M].samples >= 2
+        finally:
+            await svc.stop()
+            await sim.stop()
+
+
+async def test_router_samples_teach_health_within_20_requests(nats_private: str) -> None:
+    """No calibration: the routers' samples alone (what a router measures of each attempt, with
+    the prompt length estimated from the body) bring a 3x-off node within 25% in at most 20
+    requests, over NATS, and the state says "learned"."""
+    # an OpenAI-compatible server with no speed counters: only the samples teach
+    sim = await start_sim("hidden-2", "nvidia_a100", [M], engine="openai", time_scale=1.0, true_speed=3.0,
+                          prefix_caching=False)
+    pf, dec = sim.engine.profile.prefill_tps, sim.engine.profile.decode_tps
+    svc = HealthService(config([node_entry(sim)], health={"calibrate": False}))
+    async with connected(nats_private) as nc:
+        await svc.start(nc)
+        try:
+            await eventually(lambda: (s := svc.states.get("hidden-2")) and s.status == "up")
+            needed = None
+            async with httpx.AsyncClient(timeout=30) as client:
+                for i in range(1, 21):
+                    text = f"{i} " + "word " * 800  # ~1,000 tokens as the sim counts them
+                    t0 = time.perf_counter()
+                    first = last = 0.0
+                    chunks = 0
+                    async with client.stream("POST", sim.url + "/v1/chat/completions", json={
+                            "model": M, "messages": [{"role": "user", "content": text}], "max_tokens": 40,
+                            "stream": True}) as r:
+                        async for line in r.aiter_lines():
+                            if line.startswith("data:") and '"content"' in line:
+                                now = time.perf_counter()
+                                first = first or now
+                                last = now
+                                chunks += 1
+                    sample = SpeedSample(ttft_s=first - t0, prefill_tokens=len(text) // 4, inflight=1,
+                                         decode_s=last - first, decode_tokens=chunks - 1)
+                    await nc.publish(subjects.event(subjects.EVENT_COMPLETED), completed_encoder.encode(
+                        RequestCompleted(model=M, node_id="hidden-2", ts=time.time(), speed=sample)))
+                    await nc.flush()
+                    st = await eventually(lambda: (s := svc.states.get("hidden-2")) and s.model_speeds.get(M)
+                                          and s.model_speeds[M].samples >= 2 * i - 1 and s, what=f"sample {i}")
+                    if needed is None and _within(st, pf, dec):
+                        needed = i
+            print("requests until within 25%:", needed)
+            assert needed is not None and needed <= 20, (st.prefill_tps, st.decode_tps, pf, dec)
+            assert st.speeds_source == "learned"
+        finally:
+            await svc.stop()
+            await sim.stop()

@@ -1,0 +1,149 @@
+"""The speed learner (zmlcore.fleet.learn): convergence from a cold start, outliers, decay,
+concurrency, merging, the published form."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import msgspec
+import pytest
+
+from zmlcore.fleet import learn
+from zmlcore.fleet.learn import (
+    NOISE_ESTIMATED,
+    NOISE_REPORTED,
+    confidence,
+    merge,
+    observe_decode,
+    observe_prefill,
+    observe_sample,
+    prior_speeds,
+    published,
+    rate,
+    sigma,
+)
+from zmlcore.messages.speeds import LearnedSpeeds, SpeedSample, learned_speeds_decoder
+
+
+def _within(est: float, true: float, band: float = 0.25) -> bool:
+    return abs(est / true - 1.0) <= band
+
+
+@pytest.mark.parametrize("true_pf,true_dec", [(14_000.0, 500.0), (150.0, 12.0), (3_800.0, 140.0)])
+def test_cold_cpu_node_within_25_percent_in_few_samples(true_pf: float, true_dec: float) -> None:
+    """A CPU node 10x either side of the type's default: noisy router samples (30% log-sd, as
+    estimated prompt lengths give) bring both speeds within 25% in at most 6 requests."""
+    rng = random.Random(7)
+    for seed in range(20):
+        rng.seed(seed)
+        s = prior_speeds("cpu")
+        needed = None
+        for i in range(1, 21):
+            pf = true_pf * math.exp(rng.gauss(0, 0.3))
+            dec = true_dec * math.exp(rng.gauss(0, 0.15))
+            sample = SpeedSample(ttft_s=800 / pf, prefill_tokens=800, inflight=1, decode_s=100 / dec,
+                                 decode_tokens=100)
+            s = observe_sample(s, sample, now=float(i), maxc=4)
+            if needed is None and _within(rate(s.prefill), true_pf) and _within(rate(s.decode), true_dec):
+                needed = i
+        assert needed is not None and needed <= 6, (seed, needed)
+        # and stays there
+        assert _within(rate(s.prefill), true_pf, 0.2) and _within(rate(s.decode), true_dec, 0.2)
+
+
+def test_outlier_moves_estimate_a_bounded_step() -> None:
+    s = prior_speeds("nvidia_h100")
+    for i in range(10):
+        s = observe_prefill(s, tps=10_000, inflight=1, now=float(i), noise=NOISE_REPORTED)
+    before = rate(s.prefill)
+    # one request stuck behind a long prompt: it looks 50x slower
+    s = observe_prefill(s, tps=200, inflight=1, now=11.0, noise=NOISE_REPORTED)
+    assert rate(s.prefill) > 0.6 * before
+    # unclipped, the same step would have moved it to below a third
+    assert rate(s.prefill) < before
+
+
+def test_estimate_decays_to_uncertain_with_age_and_relearns() -> None:
+    s = prior_speeds("nvidia_h100")
+    for i in range(20):
+        s = observe_decode(s, tps=50, inflight=1, now=float(i), noise=NOISE_REPORTED)
+    assert published(s, now=20.0).confidence < 0.3  # prefill still the prior's
+    for i in range(20):
+        s = observe_prefill(s, tps=9_000, inflight=1, now=float(i), noise=NOISE_REPORTED)
+    fresh = published(s, now=20.0)
+    assert fresh.confidence > 0.9 and fresh.source == "learned"
+    old = published(s, now=20.0 + 1800)
+    assert old.decode_sigma > 2 * fresh.decode_sigma and old.confidence < 0.5
+    # capped at the prior's width
+    never = published(s, now=1e9)
+    assert never.decode_sigma == pytest.approx(math.sqrt(s.prior_var), rel=1e-3)
+    # an old estimate follows a changed node faster than a fresh one would
+    s_old = observe_decode(s, tps=25, inflight=1, now=20.0 + 1800, noise=NOISE_REPORTED)
+    s_fresh = observe_decode(s, tps=25, inflight=1, now=21.0, noise=NOISE_REPORTED)
+    assert rate(s_old.decode) < rate(s_fresh.decode)
+
+
+def test_drifting_node_tracked() -> None:
+    """True speed halves over 5 minutes; one sample every 2 s keeps the estimate within 25%."""
+    rng = random.Random(3)
+    s = prior_speeds("nvidia_a100")
+    worst = 0.0
+    for i in range(300):
+        t = 2.0 * i
+        true = 5_500 * (0.5 ** min(t / 300.0, 1.0))
+        s = observe_prefill(s, tps=true * math.exp(rng.gauss(0, 0.3)), inflight=1, now=t, noise=NOISE_ESTIMATED)
+        if i >= 10:
+            worst = max(worst, abs(rate(s.prefill) / true - 1))
+    assert worst < 0.25
+
+
+def test_concurrency_slowdown_learned() -> None:
+    """One CPU thread: per-sequence decode falls 2.6x from 1 to 4 sequences (k ~ 0.53)."""
+    rng = random.Random(1)
+    s = prior_speeds("nvidia_h100")  # a GPU prior (k = 0.02): wrong shape on purpose
+    for i in range(60):
+        c = 1 + i % 4
+        true = 500 / (1 + 0.53 * (c - 1))
+        s = observe_decode(s, tps=true * math.exp(rng.gauss(0, 0.1)), inflight=c, now=float(i), noise=0.1)
+    assert _within(rate(s.decode, 1), 500, 0.15)
+    assert _within(rate(s.decode, 4), 500 / 2.59, 0.15)
+
+
+def test_samples_in_a_slot_queue_do_not_count_as_prefill() -> None:
+    s0 = prior_speeds("cpu")
+    queued = SpeedSample(ttft_s=10.0, prefill_tokens=800, inflight=9)
+    assert observe_sample(s0, queued, now=1.0, maxc=4).prefill.n == 0
+    assert observe_sample(s0, queued, now=1.0, maxc=16).prefill.n == 1
+
+
+def test_engine_timings_win_and_mark_measured() -> None:
+    s0 = prior_speeds("cpu")
+    s = observe_sample(s0, SpeedSample(ttft_s=1.0, prefill_tokens=100, engine_prefill_tps=9_000,
+                                       engine_decode_tps=400, decode_s=0.1, decode_tokens=40), now=5.0)
+    assert _within(rate(s.prefill), 9_000, 0.1) and _within(rate(s.decode), 400, 0.1)
+    assert published(s, now=6.0).source == "measured"
+    assert published(s0, now=6.0).source == "default"
+
+
+def test_merge_is_consistent() -> None:
+    a = prior_speeds("nvidia_h100")
+    b = a
+    for i in range(5):
+        a = observe_prefill(a, tps=20_000, inflight=1, now=float(i), noise=0.1)
+    m = merge(a, b)
+    # between the two beliefs and no more certain than the surer one
+    assert rate(b.prefill) < rate(m.prefill) <= rate(a.prefill) * 1.0001
+    assert m.prefill.paa >= a.prefill.paa
+
+
+def test_state_round_trips_on_the_wire() -> None:
+    s = observe_prefill(prior_speeds("cpu"), tps=10_000, inflight=2, now=3.0, noise=0.1, measured=True)
+    back = learned_speeds_decoder.decode(msgspec.json.encode(s))
+    assert isinstance(back, LearnedSpeeds) and back == s
+
+
+def test_confidence_is_the_25_percent_band() -> None:
+    assert confidence(learn.BAND) == pytest.approx(math.erf(1 / math.sqrt(2)))
+    assert confidence(sigma(prior_speeds("cpu").prefill)) < 0.15
+    assert confidence(sigma(prior_speeds("nvidia_h100").prefill)) < 0.3
