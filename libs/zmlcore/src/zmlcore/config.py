@@ -850,6 +850,14 @@ class ZMLConfig(msgspec.Struct, **_Base):
         return list(seen)
 
     def model_names(self) -> set[str]:
+        """Every name a client may ask for: the nodes' and [models]' models and the
+        [adapters] (served by the nodes that hold them, as vLLM lists them in /v1/models)."""
+        names = self.base_model_names()
+        names.update(self.adapters)
+        return names
+
+    def base_model_names(self) -> set[str]:
+        """The nodes' and [models]' models, adapters not included."""
         names = {m for n in self.nodes for m in n.models}
         names.update(self.models)
         return names
@@ -1027,7 +1035,7 @@ def _validate(cfg: ZMLConfig, src: str, whole_fleet: bool = True) -> None:
         raise ConfigError(f"{src}: defaults.policy: unknown policy {cfg.defaults.policy!r}")
     _validate_batch(cfg.batch, names, src)
     _validate_disaggregation(cfg, src, whole_fleet)
-    known = cfg.model_names()
+    known = cfg.base_model_names()
     for name, ad in cfg.adapters.items():
         if ad.base not in known:
             raise ConfigError(f"{src}: adapters.{name!r}.base: {ad.base!r} is no model of the fleet's "

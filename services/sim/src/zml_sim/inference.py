@@ -50,6 +50,8 @@ class Inference(KVLegs):
     face: Face
     handoff: KVHandoff
     last_traceparent: str
+    #: LoRA adapters loaded at run time (vLLM): name -> path
+    adapters: dict[str, str]
     _hung: set[asyncio.Future[None]]
 
     # ----- errors, engine-shaped ---------------------------------------------------------------
@@ -189,6 +191,8 @@ class Inference(KVLegs):
             if not eng.models:
                 return self.loading_error() if eng.loading else self.error(404, "No model is loaded", "not_found")
             return next(iter(eng.models))
+        if model in self.adapters and eng.models:
+            return next(iter(eng.models))  # a LoRA runs on the base model
         if model not in eng.models:
             if model in eng.loading and self.face.loading_answers_503:
                 return self.loading_error()
