@@ -3,7 +3,7 @@ event, its metrics and its trace."""
 
 from __future__ import annotations
 
-from zmlcore.messages import RoutingInfo
+from zmlcore.messages import RoutingInfo, SpeedSample
 
 
 class Outcome:
@@ -11,7 +11,7 @@ class Outcome:
 
     __slots__ = ("request_id", "stream", "model", "node_id", "family", "ok", "error_code", "node_error",
                  "failed_nodes", "attempts", "info", "queued", "slow_nodes", "label", "op", "prompt_tokens",
-                 "completion_tokens", "continued_from", "prefill_failed")
+                 "completion_tokens", "continued_from", "prefill_failed", "sample")
 
     def __init__(self) -> None:
         self.request_id = ""  # set once validated: it goes into subjects, headers and logs
@@ -37,3 +37,6 @@ class Outcome:
         #: A split's prefill leg that failed, the request served whole on its decode node:
         #: ``node:failure`` (docs/disaggregation.md).
         self.prefill_failed: str | None = None
+        #: What the attempt that answered showed of its node's speeds (the completion event
+        #: carries it to the health service's learner: zmlcore.fleet.learn).
+        self.sample: SpeedSample | None = None

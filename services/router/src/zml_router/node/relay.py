@@ -29,9 +29,10 @@ from zmlcore.errors import ZMLError
 from zmlcore.messages import InferRequest, RoutingInfo, StreamResume, StreamStart
 from zmlcore.messages.audio import AudioRequest
 from zmlcore.policy import RouteRequest
+from zmlcore.policy.estimate import MEAN_PROMPT_TOKENS
 from zmlcore.reply import routingmeta, streamframe
 from zmlcore.reply.bigreply import accepted
-from zmlcore.reply.cachedtokens import cached_tokens
+from zmlcore.reply.cachedtokens import cached_tokens, engine_speeds
 from zmlcore.reply.keepalive import QUEUED, KeepaliveBook, keepalive_headers
 from zmlcore.reply.parts import publish_reply
 from zmlcore.reply.sse import SSELineTooLong
@@ -44,8 +45,12 @@ from zml_router.node.attempt import (
     Failure,
     NodeBodies,
     Renamer,
+    at_dispatch,
     expected_s,
     first_byte_timeout,
+    speed_sample,
+    stall_timeout,
+    token_gap_s,
     pending_window_s,
     reply_usage,
     routing_headers,
@@ -186,7 +191,7 @@ class Answer:
     ``start``, the last sequence number sent, the chunks relayed (for a continuation: what was
     sent), and the splice of a continuation attempt."""
 
-    __slots__ = ("started", "seq", "transcript", "splice", "usage_asked", "ttft", "assembler")
+    __slots__ = ("started", "seq", "transcript", "splice", "usage_asked", "ttft", "assembler", "timings")
 
     def __init__(self, usage_asked: bool = False, assembler: Assembler | None = None) -> None:
         self.started = False
@@ -199,6 +204,8 @@ class Answer:
         self.splice: Splice | None = None
         #: The requester asked for the usage chunk (stream_options.include_usage).
         self.usage_asked = usage_asked
+        #: The chunk that carried the engine's own timings (llama-server's last), if any.
+        self.timings: bytes | None = None
 
     def resume(self, r: StreamResume) -> Sent:
         """Start from what the requester of a stream whose router died has (zmlcore.reply.resume):
@@ -321,6 +328,12 @@ class Relay:
         prompt to continue)."""
         decision = action.decision
         view = self.table.views[decision.node_id]
+        st = view.state
+        rr = action.rr
+        pend = view.effective_pending()
+        disp = at_dispatch(st, view.effective_outstanding(), pend,
+                           view.effective_pending_tokens(MEAN_PROMPT_TOKENS) if pend else None,
+                           rr.prompt_tokens, decision.cached_tokens or 0, model, time.monotonic())
         info = RoutingInfo(
             node_id=decision.node_id, accelerator_type=view.state.accelerator_type, family=decision.family,
             policy=decision.policy, queue_depth_at_dispatch=decision.queue_depth, decision_id=_decision_id(),
@@ -328,6 +341,9 @@ class Relay:
             continued_from=continued_from(out.continued_from),
             cached_tokens_estimated=decision.cached_tokens,
             prefill_failed=out.prefill_failed,
+            # what the node's learned speeds predicted (docs/routing.md "Learned speeds")
+            predicted_ttft_ms=round(disp.predicted_ttft_s * 1000, 1),
+            predicted_tpot_ms=round(token_gap_s(st, disp.inflight - 1, model) * 1000, 2),
         )
         handoff = action.handoff
         if handoff is not None:
@@ -335,6 +351,7 @@ class Relay:
             info.prefill_ms = round(handoff.prefill_ms, 3)
         if answer is None:
             answer = self.answer(req)
+        started_before, seq_before = answer.started, answer.seq
         if answer.started:
             info.time_to_first_token = answer.ttft  # the answer's first token, not this attempt's
         out.info = info
@@ -401,6 +418,14 @@ class Relay:
         if usage:  # the completion event counts them (cost attribution: docs/security.md, observers)
             out.prompt_tokens = int(usage.get("prompt_tokens") or 0)
             out.completion_tokens = int(usage.get("completion_tokens") or 0)
+        if answer.ttft is not None and not started_before and not action.continuation and handoff is None:
+            # this attempt's first token was the answer's: a sample of the node's speeds
+            first_at = t0 + answer.ttft
+            tokens = out.completion_tokens or (answer.seq - seq_before if action.stream else 0)
+            out.sample = speed_sample(disp, first_at, time.monotonic(), tokens,
+                                      out.prompt_tokens or None, info.cached_tokens,
+                                      engine_speeds(answer.timings) if answer.timings is not None else (0.0, 0.0))
+            self.metrics.predicted(decision.node_id, disp.predicted_ttft_s, out.sample.ttft_s)
         return None
 
     async def close(self, msg: Incoming, req: InferRequest | AudioRequest, answer: Answer, request_id: str,
@@ -456,8 +481,17 @@ class Relay:
             return None
         rc = self.cfg.router
         expected = expected_s(view.state, view.outstanding, view.pending, rr.prompt_tokens, rr.max_tokens,
-                              req.stream if stream is None else stream)
+                              req.stream if stream is None else stream, rr.model)
         return first_byte_timeout(expected, rc.first_byte_floor_s, rc.first_byte_factor)
+
+    def stall_s(self, node_id: str, model: str) -> float:
+        """The attempt's inter-token deadline, from the node's learned speeds (attempt.stall_timeout)."""
+        rc = self.cfg.router
+        view = self.table.views.get(node_id)
+        if view is None:
+            return rc.inter_token_timeout_s
+        return stall_timeout(view.state, view.effective_outstanding(), rc.inter_token_floor_s, rc.inter_token_factor,
+                             rc.inter_token_timeout_s, model)
 
     def _url(self, info: RoutingInfo, req: InferRequest) -> str:
         return self.table.views[info.node_id].state.endpoint.rstrip("/") + PATHS[req.kind()]
@@ -561,7 +595,7 @@ class Relay:
             try:
                 sse = await post_streamed(
                     self.http, self._url(info, req), body, self._headers(info), timers=self.timers,
-                    first_byte=first_byte, stall_s=self.cfg.router.inter_token_timeout_s,
+                    first_byte=first_byte, stall_s=self.stall_s(node_id, req.model),
                     max_bytes=SSE_BYTES_PER_REPLY_BYTE * self.cfg.nats.max_reply_bytes, first=first,
                     feed=got.append)
             except AttemptError as err:
@@ -621,7 +655,8 @@ class Relay:
         # a leading {"error" or the "}}" that ends it (in a block of events, or a bare payload).
         err_head, err_tail = (8, -3) if relay else (2, -1)
         # A stall: the sequence number stands still for a whole period (no work per chunk).
-        watch = self.timers.watch(self.cfg.router.inter_token_timeout_s, lambda: seq)
+        stall_s = self.stall_s(info.node_id, rr.model if rr is not None else req.model)
+        watch = self.timers.watch(stall_s, lambda: seq)
         watching = False
         chunks = stream_sse(self.http, self._url(info, req), body, self._headers(info, msg), relay)
         try:
@@ -654,6 +689,8 @@ class Relay:
                         self.metrics.usage_dict(req.kind(), req.model, usage)
                     if b'"cache' in chunk and (cached := cached_tokens(chunk)) is not None:
                         reported = cached  # the usage chunk, or llama-server's timings on the last chunk
+                        if b'_per_second"' in chunk:
+                            answer.timings = chunk
                     if rename is not None:
                         chunk = rename(chunk)
                     if splice is not None:  # a continuation: its chunks made part of the one stream
@@ -674,8 +711,8 @@ class Relay:
                     try:
                         watch.__exit__(type(exc), exc, exc.__traceback__)
                     except Stalled:
-                        raise AttemptError(Failure.SLOW, 0, f"no token for {self.cfg.router.inter_token_timeout_s:g} s "
-                                           "([router] inter_token_timeout_s)") from None
+                        raise AttemptError(Failure.SLOW, 0, f"no token for {stall_s:.2g} s (the node's inter-token "
+                                           "deadline: [router] inter_token_*)") from None
                 raise
             finally:
                 if watching:
