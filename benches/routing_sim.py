@@ -304,10 +304,6 @@ def _run(policy: str, workload: str, load: float, seed: int, n: int, warm: int,
         if hidden != "learn":
             return st
         est = published(book[nd.idx], now)
-        if os.environ.get("RS_TRUE_DECODE"):
-            return msgspec.structs.replace(st, prefill_tps=est.prefill_tps, prefill_sigma=est.prefill_sigma)
-        if os.environ.get("RS_TRUE_PREFILL"):
-            return msgspec.structs.replace(st, decode_tps=est.decode_tps, decode_sigma=est.decode_sigma)
         return msgspec.structs.replace(st, prefill_tps=est.prefill_tps, decode_tps=est.decode_tps,
                                        prefill_sigma=est.prefill_sigma, decode_sigma=est.decode_sigma,
                                        speeds_confidence=est.confidence)

@@ -51,6 +51,12 @@ HUBER_SLOW = 1.0
 #: ... once this many observations have settled the estimate (before, a node slower than its
 #: prior must be found as fast as a faster one).
 SETTLED = 5
+#: ... and then counts for this share of a fast one: the estimate tracks the fast envelope of
+#: the samples (the node's speed when nothing holds it back), not their mean.
+#: 0.6 chosen on the hidden-speed simulator's tuning seeds (agent, 80%: p90 TTFT 1.10x the
+#: told-speeds run at 0.6, 1.16x at 0.3, 1.25x without; decode estimates were 20-45% low
+#: from prefills pausing decodes).
+SLOW_WEIGHT = 0.6
 #: Variance of log speed added per second without an observation: (ln 1.25)^2 in 5 minutes, so
 #: an estimate left alone 5 minutes is another 25% (one sigma) less sure.
 DRIFT_PER_S = math.log(1.25) ** 2 / 300.0
@@ -139,6 +145,8 @@ def update(fit: SpeedFit, tps: float, concurrency: float, now: float, noise: flo
     v = math.log(tps) - h
     sd = math.sqrt(s)
     v = max(-(HUBER_SLOW if fit.n >= SETTLED else HUBER) * sd, min(HUBER * sd, v))
+    if v < 0 and fit.n >= SETTLED:
+        v *= SLOW_WEIGHT
     ka, kg = pa / s, pg / s
     a = fit.a + ka * v
     g = min(G_MAX, max(G_MIN, fit.g + kg * v))
