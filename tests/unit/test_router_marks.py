@@ -72,3 +72,22 @@ def _dup() -> str:
     c.gap("0")
     c.gap("1")
     return c.gap("1") or ""
+
+
+def test_health_lifts_a_cooldown_once_the_node_answers_again() -> None:
+    """Issue 28: a "recovered" mark (for_s 0, from the health service) ends a cooldown at once;
+    a zero-length mark without that reason, or for saturation, changes nothing."""
+    from zmlcore.messages.node import RECOVERED
+
+    t = _table("n1")
+    m = Marks(t, "r1")
+    assert m.apply_peer(NodeMark(router_id="r2", node_id="n1", kind="cooldown", for_s=30, reason="network"), 100.0)
+    assert not m.apply_peer(NodeMark(router_id="health", node_id="n1", kind="cooldown", for_s=0), 101.0)
+    assert not m.apply_peer(NodeMark(router_id="health", node_id="n1", kind="saturated", for_s=0,
+                                     reason=RECOVERED), 101.0)
+    assert t.views["n1"].cooldown_until == 130.0
+    assert m.apply_peer(NodeMark(router_id="health", node_id="n1", kind="cooldown", for_s=0, reason=RECOVERED), 101.0)
+    assert t.views["n1"].cooldown_until == 0.0 and m.describe("n1", 101.0) == {}
+    # nothing to lift: no change
+    assert not m.apply_peer(NodeMark(router_id="health", node_id="n1", kind="cooldown", for_s=0,
+                                     reason=RECOVERED), 102.0)
