@@ -21,6 +21,12 @@ fed what the router has: a polled NodeState every 5 s (+/-20% jitter), router-lo
 counters (pending ends at the first token of a stream, at the estimated one for a plain reply),
 the body-size prompt estimate, the admission bound, and peers' counters after a NATS lag
 (benches/routing_simrouter.py).
+
+Hidden speeds (issue 28): ``--hidden learn,told`` draws each node's true speed 0.3-3x its type's
+(drifting ``--drift``); ``learn`` tells the router only the profile and feeds the health
+service's learner (zmlcore.fleet.learn) what a router sees of each streamed request, ``told``
+polls the true speeds (docs/benchmarks.md "Learned speeds in simulation"). Tuning seeds 1001-1003;
+reported 21-23.
 """
 
 from __future__ import annotations
