@@ -277,7 +277,7 @@ def cache_cell(n: int, pol: ResolvedPolicy, iters: int, rate: float, poll_s: flo
     (``correct``) and the polls and counter changes since the previous unit. The index is first
     filled to ``entries`` entries over the fleet (conversations recorded on their nodes,
     corrected as served)."""
-    from zml_router.request.flow import prefix_chain
+    from zml_router.request.prepare import prefix_chain
     from zmlcore import subjects
     from zmlcore.messages.infer import infer_request_decoder
     from zmlcore.policy.prefix import PrefixIndex, chain_header, prompt_keys

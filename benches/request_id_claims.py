@@ -24,7 +24,7 @@ from conftest import MODEL, launch_stack  # noqa: E402
 from zmlcore import subjects  # noqa: E402
 from zmlcore.runtime.launch import free_port, start_nats  # noqa: E402
 from zmlcore.bus.connect import connect  # noqa: E402
-from zml_router.request.flow import claim_key  # noqa: E402
+from zml_router.request.intake import claim_key  # noqa: E402
 from zml_router.replicas.ids import RequestIds  # noqa: E402
 
 N, ROUNDS = 300, 5

@@ -238,7 +238,7 @@ def _family(node: SimNode) -> str:
 
 #: What the simulated router knows, by default the live router's situation: the body-size
 #: prompt estimate, half the requests streamed (the others hold ``pending`` for their estimated
-#: TTFT, zml_router.node.relay.PendingHold) and the ``admission_ttft_s`` bound (RouterConfig's default).
+#: TTFT, zml_router.node.pending.PendingHold) and the ``admission_ttft_s`` bound (RouterConfig's default).
 DEFAULT_OPTS: dict[str, Any] = {"stream_share": 0.5, "estimate": "body",
                                 "admission_s": RouterConfig().admission_ttft_s,
                                 "pending_expiry": NONSTREAM_PENDING_FOR,

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 
+import zml
 from zmlcore.runtime.launch import Proc, free_port, spawn
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -105,8 +106,16 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     base = {k: v for k, v in os.environ.items() if not k.startswith(("ZML_", "XDG_"))}
     env = {**base, "HOME": str(home), "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
            "ZML_ENDPOINT": f"http://127.0.0.1:{gw}", "GOCACHE": str(home / ".cache" / "go-build")}
+    # The shipped demo fleet, its simulated engines 10x faster than real time: the examples'
+    # answers are the same, and the pages that send hundreds of requests (docs/sdk.md's
+    # batches) take seconds, not minutes. Outside the home folder, so no example finds it as
+    # its zml.toml.
+    demo = (Path(zml.__file__).parent / "data" / "demo.toml").read_text()
+    assert demo.count("[nodes.sim]\n") >= 7 and "time_scale" not in demo
+    fast = tmp_path_factory.mktemp("doc-config") / "demo-fast.toml"
+    fast.write_text(demo.replace("[nodes.sim]\n", "[nodes.sim]\ntime_scale = 10.0\n"))
     proc = spawn("zml-up", [sys.executable, "-m", "zml.cli", "up", "--gateway-port", str(gw), "--nats-port", str(np),
-                            "--standby", "0"], env=env, cwd=str(home))
+                            "--standby", "0", "--config", str(fast)], env=env, cwd=str(home))
     try:
         assert proc.wait_for("zml ready", 120), proc.tail()
         yield Up(home, gw, np, proc, env)

@@ -109,8 +109,7 @@ async def test_gateway_sends_the_key_chain_the_router_would_compute(gateway: str
     it gets (escaped non-ASCII text included). A short prompt carries none."""
     from zmlcore.messages import frontdoor
     from zmlcore.policy.prefix import chain_from_header
-    from zml_router.request import flow
-
+    from zml_router.request import prepare
     long = [{"role": "system", "content": "Ω système " * 1500}, {"role": "user", "content": "q"}]
     async with httpx.AsyncClient(base_url=gateway, timeout=20) as client:
         for msgs in (long, [{"role": "user", "content": "hi"}]):
@@ -123,7 +122,7 @@ async def test_gateway_sends_the_key_chain_the_router_would_compute(gateway: str
     assert subject == subjects.FRONT_DOOR_INFER and b"\\u03a9" in body  # escaped: the router decodes it
     assert subjects.H_PREFIX_KEYS not in short
     sent = chain_from_header(headers[subjects.H_PREFIX_KEYS], MODEL)
-    computed = flow.prefix_chain(MODEL, frontdoor.decode(body, headers), body)
+    computed = prepare.prefix_chain(MODEL, frontdoor.decode(body, headers), body)
     assert sent is not None and len(sent) > 8 and sent == computed
 
 

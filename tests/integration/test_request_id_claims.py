@@ -16,7 +16,7 @@ from nats.js.errors import KeyNotFoundError
 from zmlcore import subjects
 from zmlcore.errors import DuplicateRequestError
 from zml_router.replicas import ids as idclaims
-from zml_router.request.flow import claim_key
+from zml_router.request.intake import claim_key
 from zml_router.replicas.ids import RequestIds
 
 

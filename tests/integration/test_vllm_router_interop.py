@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
+import sys
 import subprocess
 from collections.abc import AsyncIterator
 
@@ -22,7 +24,8 @@ from zmlcore.runtime.launch import free_port
 from zml_sim.server import SimNode
 
 M = "llama-3-8b"
-ROUTER = shutil.which("vllm-router")
+# This venv's, also when pytest runs as .venv/bin/python without the venv on PATH.
+ROUTER = shutil.which("vllm-router", path=os.path.dirname(sys.executable)) or shutil.which("vllm-router")
 
 
 @pytest.fixture

@@ -1,5 +1,5 @@
 """Audio requests, pure: the multipart form located and checked (zmlcore.messages.audio), the
-router's intake and kind checks of an audio request (zml_router.request.flow), the body a node gets
+router's intake and kind checks of an audio request (zml_router.request), the body a node gets
 (zml_router.node.attempt.AudioBodies), what it costs in the estimate, and the byte budget."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from zmlcore.messages import InlinePolicy
 from zmlcore.messages.audio import (
     AudioRequest, audio_request, audio_seconds, encode_form, from_message, policy_header, read_form, with_model,
 )
-from zml_router.request import flow
+from zml_router.request import intake, prepare
 from zml_router.node.attempt import AudioBodies
 from zml_router.request.cancels import CancelBook
 from zml_router.outcome import Outcome
@@ -101,7 +101,7 @@ def test_the_estimate_comes_from_the_audios_length_not_its_bytes() -> None:
     assert req.audio_tokens() == 3000 and req.max_tokens == 240
     assert audio_seconds(b"\xff" * 160_000) == 10.0  # not a WAV: 16 kB per second
     cfg = parse_config({"models": {"w": {"audio": True}}})
-    _, rr = flow.prepare(cfg, [], req, body, "w")
+    _, rr = prepare.prepare(cfg, [], req, body, "w")
     assert rr.prompt_tokens == 3000 and rr.max_tokens == 240  # ~1.9 MB of body would have said ~480k tokens
 
 
@@ -126,8 +126,8 @@ def _msg(headers: dict[str, str], data: bytes, subject: str = subjects.INFER) ->
     return m
 
 
-def _intake(m: object) -> flow.Intake[object]:
-    return flow.intake(m, from_queue=False, cfg=CFG, max_payload=1 << 20, options=lambda _: None,  # type: ignore[arg-type]
+def _intake(m: object) -> intake.Intake[object]:
+    return intake.intake(m, from_queue=False, cfg=CFG, max_payload=1 << 20, options=lambda _: None,  # type: ignore[arg-type]
                        in_flight={}, cancels=CancelBook(), now=0.0, out=Outcome())
 
 
@@ -153,15 +153,15 @@ def test_a_model_answers_only_its_kind() -> None:
     body, ctype = _form(("model", "llama"))
     audio_for_llama = from_message(body, {subjects.H_AUDIO: "transcription", subjects.H_CONTENT_TYPE: ctype})
     with pytest.raises(BadRequestError, match="not a speech-to-text model"):
-        flow.check_kind(CFG, "llama", audio_for_llama)
+        prepare.check_kind(CFG, "llama", audio_for_llama)
     with pytest.raises(BadRequestError, match="not a speech-to-text model"):
-        flow.check_kind(CFG, "bge", audio_for_llama)
+        prepare.check_kind(CFG, "bge", audio_for_llama)
     from zmlcore.messages.validate import decode_request
     chat = decode_request(b'{"model": "whisper", "messages": [{"role": "user", "content": "hi"}]}')
     with pytest.raises(BadRequestError, match="/v1/audio/transcriptions"):
-        flow.check_kind(CFG, "whisper", chat)
-    flow.check_kind(CFG, "whisper", audio_for_llama)  # an audio request for an audio model
-    flow.check_kind(CFG, "unknown", audio_for_llama)  # not configured: the node decides
+        prepare.check_kind(CFG, "whisper", chat)
+    prepare.check_kind(CFG, "whisper", audio_for_llama)  # an audio request for an audio model
+    prepare.check_kind(CFG, "unknown", audio_for_llama)  # not configured: the node decides
 
 
 def test_config_audio_is_not_embedding_and_the_budget_holds_one_request() -> None:

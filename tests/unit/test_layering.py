@@ -1,6 +1,7 @@
 """The layering of docs/architecture.md, checked: import-linter's contracts in pyproject.toml
 (zmlcore at the bottom, services independent of each other, the SDK above zmlcore and beside the
-services, zmlcore's concepts in layers, no import circle inside any package)."""
+services, zmlcore's and the router's concepts in layers, no import circle inside any package, no
+NATS or HTTP library in the pure modules)."""
 
 from __future__ import annotations
 

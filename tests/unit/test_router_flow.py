@@ -1,4 +1,4 @@
-"""The router's request flow (zml_router.request.flow) driven by hand: no NATS, no HTTP.
+"""The router's request flow (zml_router.request) driven by hand: no NATS, no HTTP.
 
 Each test plays the service's part: it answers the flow's actions (Decide with a Decision or an
 error, Dispatch with None or an AttemptError) and checks what the flow asks for next and which
@@ -18,12 +18,12 @@ from zmlcore.errors import NoHealthyNodesError, QueueFullError, ZMLError
 from zmlcore.messages import NodeState
 from zmlcore.policy import Decision, RouteRequest, RoutingState, admit
 from zmlcore.policy.resolve import builtin_policy
-from zml_router.request import flow
+from zml_router.request import finish, route
 from zml_router.node.attempt import AttemptError, Failure
 from zmlcore.reply.transcript import Sent
-from zml_router.node.result import Dispatch
+from zml_router.node.result import AttemptResult, Close, Dispatch
 from zml_router.outcome import Outcome
-from zml_router.request.flow import Close, Decide, Enqueue, Penalise, Plan
+from zml_router.request.route import Decide, End, Enqueue, Penalise, Plan, ending
 from zml_router.replicas.table import NodeTable
 
 
@@ -45,8 +45,8 @@ def _run(plan: Plan, decide: Decider, attempt: Attempt) -> tuple[list[object], O
     """Drive the flow as the service does; the actions seen, the outcome and the error raised."""
     out = Outcome()
     seen: list[object] = []
-    steps = flow.route(plan, out)
-    result: flow.Result = None
+    steps = route.route(plan, out)
+    result: route.Result = None
     try:
         while True:
             action = steps.send(result)
@@ -54,11 +54,11 @@ def _run(plan: Plan, decide: Decider, attempt: Attempt) -> tuple[list[object], O
             if isinstance(action, Decide):
                 result = decide(action.rr)
             elif isinstance(action, Dispatch):
-                result = attempt(action)
-            elif isinstance(action, Penalise):
-                result = None
+                result = AttemptResult(error=attempt(action))
+            elif isinstance(action, Close):
+                result = AttemptResult()
             else:
-                assert isinstance(action, (Enqueue, Close))
+                assert isinstance(action, (Enqueue, Penalise))
                 result = None
     except StopIteration:
         return seen, out, None
@@ -114,7 +114,7 @@ def test_slow_nodes_are_recorded_and_cooled() -> None:
     slow = AttemptError(Failure.SLOW, 0, "no first byte")
     _, out, err = _run(_plan(), _fleet("a", "b"), _failing({"a": slow}))
     assert err is None and out.slow_nodes == ["a"] and out.failed_nodes == ["a"]
-    assert flow.penalty(slow, 1.0, 5.0) == ("cooldown", 5.0)
+    assert finish.penalty(slow, 1.0, 5.0) == ("cooldown", 5.0)
 
 
 def test_a_client_error_is_bad_request_with_no_retry_and_no_penalty() -> None:
@@ -180,8 +180,8 @@ def test_every_node_overloaded_is_saturation() -> None:
     _, out, err = _run(_plan(), _fleet("a", "b"), _failing({"a": busy, "b": busy}))
     assert err is not None and err.code == "QUEUE_FULL" and err.retry_after == 2.0
     assert err.routing_context is not None and err.routing_context["nodes_tried"] == ["a", "b"]
-    assert flow.penalty(busy, 1.0, 5.0) == ("saturated", 2.0)
-    assert flow.penalty(AttemptError(Failure.OVERLOADED, 503, "", retry_after=0.0), 1.0, 5.0) == ("saturated", 1.0)
+    assert finish.penalty(busy, 1.0, 5.0) == ("saturated", 2.0)
+    assert finish.penalty(AttemptError(Failure.OVERLOADED, 503, "", retry_after=0.0), 1.0, 5.0) == ("saturated", 1.0)
 
 
 def test_a_pinned_overloaded_node_says_so() -> None:
@@ -277,12 +277,14 @@ def test_an_answer_cut_after_its_last_token_is_closed_not_continued(raw: bytes, 
     seen, out, err = _run(_plan(stream=True, raw=raw, **kw), _fleet("a", "b"), _failing({"a": _cut(3)}))
     assert err is None and out.ok, err
     assert [type(a) for a in seen] == [Decide, Dispatch, Penalise, Close]  # no node asked for more
-    assert seen[-1] == Close("a", 1) and out.continued_from == [("a", 3, "network")]
+    assert seen[-1] == Close("a", 1, continued_from="a@3:network") and out.continued_from == [("a", 3, "network")]
 
 
 def test_a_finished_answer_missing_only_its_usage_is_closed() -> None:
-    seen, out, err = _run(_plan(stream=True, raw=CHAT), _fleet("a", "b"), _failing({"a": _cut(3, finished=True)}))
-    assert err is None and isinstance(seen[-1], Close)
+    seen, out, err = _run(_plan(stream=True, raw=CHAT, usage_asked=True), _fleet("a", "b"),
+                          _failing({"a": _cut(3, finished=True)}))
+    assert err is None and isinstance(seen[-1], Close) and not seen[-1].whole
+    assert any(isinstance(a, Penalise) for a in seen)  # the node failed before the usage
     # tool-call deltas end with their own reason: a finished one is closed, a cut one is not
     _, _, err = _run(_plan(stream=True, raw=CHAT.replace(b'"max_tokens":10', b'"max_tokens":3')), _fleet("a", "b"),
                      _failing({"a": _cut(3, blocked="tool-call deltas")}))
@@ -296,14 +298,14 @@ def test_a_resumed_stream_with_the_whole_answer_is_closed_by_the_new_router() ->
     whole = Sent(text="x x x ", tokens=3)
     out = Outcome()
     out.continued_from = [("a", 3, "router")]
-    steps = flow.route(_plan(stream=True, raw=CHAT.replace(b'"max_tokens":10', b'"max_tokens":3'),
+    steps = route.route(_plan(stream=True, raw=CHAT.replace(b'"max_tokens":10', b'"max_tokens":3'),
                              resumed=whole, attempts_before=1), out)
-    assert next(steps) == Close("a", 1)
+    assert next(steps) == Close("a", 1, continued_from="a@3:router")
     with pytest.raises(StopIteration):
-        steps.send(None)
+        steps.send(AttemptResult())
     assert out.ok
     # with tokens still to come, it is continued as before
-    steps = flow.route(_plan(stream=True, raw=CHAT, resumed=whole, attempts_before=1), Outcome())
+    steps = route.route(_plan(stream=True, raw=CHAT, resumed=whole, attempts_before=1), Outcome())
     first = next(steps)
     assert isinstance(first, Decide) and first.continuation
 
@@ -336,9 +338,9 @@ def test_a_node_refusing_the_continuation_is_a_backend_error_not_a_bad_request()
 # --- deadlines -----------------------------------------------------------------------------------
 
 def test_deadline_errors_carry_the_right_codes() -> None:
-    err = flow.deadline_passed(2.5)
+    err = finish.deadline_passed(2.5)
     assert err.code == "TIMEOUT" and "2.5 s" in err.message
-    q = flow.queue_expired(1200)
+    q = finish.queue_expired(1200)
     assert q.code == "QUEUE_FULL" and q.retry_after == 1.0
     assert q.routing_context == {"final_error": "queue_timeout", "waited_ms": 1200,
                                  "recommendation": "increase fleet capacity or max_queue_ms"}
@@ -398,13 +400,13 @@ def test_no_probe_for_nodes_that_are_down() -> None:
 @pytest.mark.parametrize("stream", [False, True])
 def test_the_flow_is_a_plain_generator(stream: bool) -> None:
     """No event loop, no I/O: the flow is a generator of actions (what the service drives)."""
-    steps = flow.route(_plan(stream=stream), Outcome())
+    steps = route.route(_plan(stream=stream), Outcome())
     first = next(steps)
     assert isinstance(first, Decide)
     second = steps.send(_decision("a"))
     assert isinstance(second, Dispatch) and second.stream is stream and second.attempt == 1
     with pytest.raises(StopIteration):
-        steps.send(None)
+        steps.send(AttemptResult())
 
 
 # --- a stream whose router died, sent again with what its requester has (Zml-Resume) -------------
@@ -432,3 +434,39 @@ def test_a_resumed_stream_whose_continuation_breaks_is_continued_again() -> None
     _, out, err = _run(_plan(stream=True, raw=CHAT, resumed=Sent(text="x ", tokens=1)), _fleet("a", "b"),
                        _failing({"a": _cut(4)}))
     assert err is None and out.node_id == "b" and out.continued_from == [("a", 4, "network")]
+
+
+# --- how an answer a node stopped part-way ends: one rule (route.ending) -------------------------
+@pytest.mark.parametrize(("sent", "kw", "end"), [
+    (Sent(tokens=3, finished=True), {}, End.WHOLE),  # finish out, usage not asked
+    (Sent(tokens=3, finished=True, usage={"total_tokens": 9}), {"usage_asked": True}, End.WHOLE),
+    (Sent(tokens=3, finished=True), {"usage_asked": True}, End.CLOSE),  # the usage is missing
+    (Sent(tokens=10), {}, End.CLOSE),  # every token max_tokens allowed
+    (Sent(tokens=3), {}, End.CONTINUE),
+    (Sent(tokens=3), {"continue_asked": False}, End.FAIL),
+    (Sent(tokens=3, finished=True), {"stream": False}, End.CONTINUE),  # a whole reply has no stream to end
+])
+def test_how_an_answer_ends_is_decided_in_one_step(sent: Sent, kw: dict, end: End) -> None:
+    plan = _plan(**{"stream": True, "raw": CHAT, **kw})
+    got, why = ending(plan, sent, 1)
+    assert got is end and (why is not None) == (end is End.FAIL), (got, why)
+
+
+def test_a_node_that_fails_after_the_end_of_its_answer_ends_the_stream_unblamed() -> None:
+    seen, out, err = _run(_plan(stream=True, raw=CHAT), _fleet("a", "b"), _failing({"a": _cut(3, finished=True)}))
+    assert err is None and out.ok and out.node_id == "a"
+    assert [type(a) for a in seen] == [Decide, Dispatch, Close] and seen[-1] == Close("a", 1, whole=True)
+    assert out.failed_nodes == [] and not out.node_error and out.continued_from == []
+
+
+def test_a_node_that_refuses_the_stream_is_asked_as_the_caller_asked_on_the_same_attempt() -> None:
+    refused = AttemptError(Failure.CLIENT, 400, "stream_options", stream_refused=True)
+    seen, out, err = _run(_plan(), _fleet("a", "b"), lambda d: None if d.whole else refused)
+    assert err is None and out.ok
+    dispatches = [a for a in seen if isinstance(a, Dispatch)]
+    assert [(d.decision.node_id, d.attempt, d.whole) for d in dispatches] == [("a", 1, False), ("a", 1, True)]
+    assert not any(isinstance(a, Penalise) for a in seen)
+    # refused again asked as it came: the caller's request is at fault
+    seen, out, err = _run(_plan(), _fleet("a", "b"), lambda d: refused)
+    assert err is not None and err.code == "BAD_REQUEST" and sum(isinstance(a, Dispatch) for a in seen) == 2
+

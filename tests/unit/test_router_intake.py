@@ -1,4 +1,4 @@
-"""The router's intake (zml_router.request.flow.intake and .cancel): what it does about an arriving
+"""The router's intake (zml_router.request.intake and .cancel): what it does about an arriving
 request before routing it (duplicate ids, a resend taking a stalled request's place, cancels
 that overtook their request, id claims, which headers a sender may set). Pure: no broker, no
 service, time passed in."""
@@ -16,8 +16,7 @@ from zmlcore.errors import BadRequestError, DuplicateRequestError, ReplyTooLarge
 from zmlcore.messages.keys import ApiKeyRecord
 from zml_router.request.cancels import CancelBook
 from zml_router.outcome import Outcome
-from zml_router.request.flow import Intake, claim_key, intake
-from zml_router.request import flow
+from zml_router.request.intake import Intake, cancel, claim_key, intake
 
 NOW = 1_000.0
 CFG = parse_config({"defaults": {"request_timeout_s": 30, "max_request_timeout_s": 300},
@@ -95,13 +94,13 @@ def test_a_first_request_replaces_and_takes_over_nothing() -> None:
 def test_a_cancel_for_a_request_in_flight_hands_back_its_task() -> None:
     held, book = Held(), CancelBook()
     in_flight = {claim_key("UALICE", "", "r-1"): held}
-    assert flow.cancel("zml.cancel.UALICE.r-1", None, in_flight, book, NOW) is held
+    assert cancel("zml.cancel.UALICE.r-1", None, in_flight, book, NOW) is held
     assert len(book) == 0  # nothing to remember
 
 
 def test_a_cancel_that_overtakes_its_request_answers_it_cancelled_once() -> None:
     book = CancelBook(ttl_s=60)
-    assert flow.cancel("zml.cancel.UALICE.r-1", None, {}, book, NOW) is None
+    assert cancel("zml.cancel.UALICE.r-1", None, {}, book, NOW) is None
     msg = Msg(_body(), {subjects.H_REQUEST_ID: "r-1"})
     assert _intake(msg, cancels=book, now=NOW + 1).cancelled
     assert not _intake(msg, cancels=book, now=NOW + 2).cancelled  # taken: a later use of the id goes on
@@ -109,24 +108,24 @@ def test_a_cancel_that_overtakes_its_request_answers_it_cancelled_once() -> None
 
 def test_a_remembered_cancel_expires() -> None:
     book = CancelBook(ttl_s=60)
-    flow.cancel("zml.cancel.UALICE.r-1", None, {}, book, NOW)
+    cancel("zml.cancel.UALICE.r-1", None, {}, book, NOW)
     assert not _intake(Msg(_body(), {subjects.H_REQUEST_ID: "r-1"}), cancels=book, now=NOW + 61).cancelled
 
 
 def test_a_cancel_names_only_its_own_owners_requests() -> None:
     held, book = Held(), CancelBook()
     in_flight = {claim_key("UALICE", "", "r-1"): held}
-    assert flow.cancel("zml.cancel.UBOB.r-1", None, in_flight, book, NOW) is None  # Bob cannot cancel Alice's
+    assert cancel("zml.cancel.UBOB.r-1", None, in_flight, book, NOW) is None  # Bob cannot cancel Alice's
     assert not _intake(Msg(_body(), {subjects.H_REQUEST_ID: "r-1"}), cancels=book).cancelled
     # The front door's owner narrows it further (a gateway cancels for one API key).
     in_flight = {claim_key("", "key-1", "r-2"): held}
-    assert flow.cancel("zml.cancel.r-2", {subjects.H_OWNER: "key-1"}, in_flight, book, NOW) is held
-    assert flow.cancel("zml.cancel.r-2", {subjects.H_OWNER: "key-2"}, in_flight, book, NOW) is None
+    assert cancel("zml.cancel.r-2", {subjects.H_OWNER: "key-1"}, in_flight, book, NOW) is held
+    assert cancel("zml.cancel.r-2", {subjects.H_OWNER: "key-2"}, in_flight, book, NOW) is None
 
 
 def test_a_subject_that_is_no_cancel_is_ignored() -> None:
     book = CancelBook()
-    assert flow.cancel("zml.cancel.a.b.c", None, {}, book, NOW) is None
+    assert cancel("zml.cancel.a.b.c", None, {}, book, NOW) is None
     assert len(book) == 0
 
 
@@ -211,16 +210,15 @@ def test_a_reply_its_requester_could_not_receive_is_refused_at_once() -> None:
 def test_sessions_are_named_per_caller_and_fall_back_to_the_user_field() -> None:
     from zmlcore import subjects
     from zmlcore.messages import InferRequest
-    from zml_router.request import flow
-
+    from zml_router.request import prepare
     req = InferRequest(model="m", prompt="hi", user="u-7")
-    assert flow.session_of({subjects.H_SESSION: "conv-1"}, req) == "conv-1"
-    assert flow.session_of({}, req) == "u-7"
-    assert flow.session_of(None, InferRequest(model="m", prompt="hi")) == ""
-    assert flow.session_of({subjects.H_SESSION: "x" * 999}, req) == "x" * subjects.MAX_SESSION_ID
-    a = flow.session_owner("GW", {subjects.H_OWNER: "key-a"})
-    b = flow.session_owner("GW", {subjects.H_OWNER: "key-b"})
-    assert a != b and flow.session_owner("GW", None) != a
+    assert prepare.session_of({subjects.H_SESSION: "conv-1"}, req) == "conv-1"
+    assert prepare.session_of({}, req) == "u-7"
+    assert prepare.session_of(None, InferRequest(model="m", prompt="hi")) == ""
+    assert prepare.session_of({subjects.H_SESSION: "x" * 999}, req) == "x" * subjects.MAX_SESSION_ID
+    a = prepare.session_owner("GW", {subjects.H_OWNER: "key-a"})
+    b = prepare.session_owner("GW", {subjects.H_OWNER: "key-b"})
+    assert a != b and prepare.session_owner("GW", None) != a
 
 
 def test_prefix_chain_only_for_prompts_of_a_key_block_or_more() -> None:
@@ -228,14 +226,13 @@ def test_prefix_chain_only_for_prompts_of_a_key_block_or_more() -> None:
 
     from zmlcore.messages import InferRequest
     from zmlcore.policy.prefix import BLOCK_BYTES, prompt_keys
-    from zml_router.request import flow
-
+    from zml_router.request import prepare
     short = InferRequest(model="m", messages=[{"role": "user", "content": "hi"}])  # type: ignore[list-item]
-    assert flow.prefix_chain("m", short, b"x" * 100) is None
+    assert prepare.prefix_chain("m", short, b"x" * 100) is None
     msgs = [{"role": "system", "content": "s" * 3000}, {"role": "user", "content": "q"}]
     raw = msgspec.json.encode({"model": "m", "messages": msgs})
     full = msgspec.json.decode(raw, type=InferRequest)
-    chain = flow.prefix_chain("m", full, raw)
+    chain = prepare.prefix_chain("m", full, raw)
     assert chain is not None and chain.keys == prompt_keys("m", messages=msgs).keys and len(chain) >= 3000 // BLOCK_BYTES
 
 
@@ -245,13 +242,12 @@ def test_prefix_chain_of_a_front_door_request_reads_its_raw_messages() -> None:
     from zmlcore import subjects
     from zmlcore.messages import frontdoor
     from zmlcore.policy.prefix import prompt_keys
-    from zml_router.request import flow
-
+    from zml_router.request import prepare
     msgs = [{"role": "system", "content": "t" * 2000}, {"role": "user", "content": "q"}]
     raw = msgspec.json.encode({"model": "m", "messages": msgs})
     req = frontdoor.decode(raw, {subjects.H_BODY: subjects.BODY_CLEAN})
     assert isinstance(req.messages, msgspec.Raw)  # left undecoded by the front door
-    chain = flow.prefix_chain("m", req, raw)
+    chain = prepare.prefix_chain("m", req, raw)
     assert chain is not None and chain.keys == prompt_keys("m", messages=msgs).keys
 
 
@@ -263,17 +259,16 @@ def test_prefix_chain_takes_the_front_doors_keys_and_checks_them() -> None:
     from zmlcore import subjects
     from zmlcore.messages import frontdoor
     from zmlcore.policy.prefix import KeyChain, chain_header, prompt_keys
-    from zml_router.request import flow
-
+    from zml_router.request import prepare
     msgs = [{"role": "system", "content": "t" * 5000}, {"role": "user", "content": "q"}]
     raw = msgspec.json.encode({"model": "m", "messages": msgs})
     req = frontdoor.decode(raw, {subjects.H_BODY: subjects.BODY_CLEAN})
     want = prompt_keys("m", messages=msgs)
     # a chain that differs from the prompt's shows which one was taken
     other = KeyChain([k ^ 1 for k in want.keys], want.nbytes)
-    got = flow.prefix_chain("m", req, raw, {subjects.H_PREFIX_KEYS: chain_header(other, "m")})
+    got = prepare.prefix_chain("m", req, raw, {subjects.H_PREFIX_KEYS: chain_header(other, "m")})
     assert got == other
     for bad in (chain_header(other, "another-model"), "zz 1 AAAA", "00000000 5000", "",
                 chain_header(KeyChain(other.keys[:-1], other.nbytes), "m"),  # one key short for its length
                 chain_header(other, "m")[:-4]):
-        assert flow.prefix_chain("m", req, raw, {subjects.H_PREFIX_KEYS: bad}) == want, bad
+        assert prepare.prefix_chain("m", req, raw, {subjects.H_PREFIX_KEYS: bad}) == want, bad

@@ -14,13 +14,13 @@ from zmlcore.messages import NodeState
 from zmlcore.policy import Decision, ResolvedPolicy, RouteRequest, RoutingState, admit
 from zmlcore.reply.keepalive import KeepaliveBook
 from zml_router.request.cancels import CancelBook
-from zml_router.request.flow import owner_key
+from zml_router.request.intake import owner_key
 from zml_router.replicas.ids import RequestIds
 from zml_router.replicas.limits import IdentityLimits
 from zml_router.telemetry.metrics import QUEUE_WAIT, RouterMetrics
 from zml_router.incoming import QueuedMsg
 from zml_router.queue.jetstream import H_ENQUEUED
-from zml_router.node.relay import Replies
+from zml_router.answer.replies import Replies
 from zml_router.queue.glue import QueueGlue
 from zml_router.replicas.table import NodeTable
 

@@ -9,7 +9,7 @@ import pytest
 from zmlcore.messages import NodeState
 from zmlcore.policy.estimate import NONSTREAM_PENDING_FOR, estimate_ttft
 from zml_router.node.attempt import pending_window_s
-from zml_router.node.relay import PendingHold
+from zml_router.node.pending import PendingHold
 from zml_router.timers import Wheel
 
 

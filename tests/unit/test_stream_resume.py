@@ -15,8 +15,8 @@ from zmlcore.errors import BadRequestError
 from zmlcore.messages import RoutingInfo, StreamResume, StreamStart
 from zmlcore.reply import resume, streamframe
 from zmlcore.reply.keepalive import after_silence
-from zml_router.request import flow
-from zml_router.node import relay
+from zml_router.request import intake
+from zml_router.answer import record
 from zml_router.outcome import Outcome
 from zml_router.request.cancels import CancelBook
 
@@ -34,7 +34,7 @@ def _events(*chunks: bytes) -> bytes:
 
 def test_doctests() -> None:
     assert doctest.testmod(resume).failed == 0
-    assert doctest.testmod(relay).failed == 0
+    assert doctest.testmod(record).failed == 0
 
 
 def test_frames_are_read_into_what_to_resume_from() -> None:
@@ -157,8 +157,8 @@ class _Msg:
 CFG = parse_config({"models": {"m": {}}})
 
 
-def _intake(body: bytes, headers: dict[str, str]) -> flow.Intake[object]:
-    return flow.intake(_Msg(body, headers), from_queue=False, cfg=CFG, max_payload=None,
+def _intake(body: bytes, headers: dict[str, str]) -> intake.Intake[object]:
+    return intake.intake(_Msg(body, headers), from_queue=False, cfg=CFG, max_payload=None,
                        options=lambda _: None, in_flight={}, cancels=CancelBook(), now=0.0, out=Outcome())
 
 
@@ -173,10 +173,10 @@ def test_the_router_reads_the_header_of_a_streamed_request_only() -> None:
 
 
 def test_an_answer_resumed_starts_from_what_the_requester_has() -> None:
-    answer = relay.Answer()
+    answer = record.Answer()
     sent = answer.resume(StreamResume(text="a b ", tokens=2, seq=3, chunk_id="c9", created=5))
     assert answer.started and answer.seq == 3 and answer.transcript.sent() is sent
     assert (sent.text, sent.tokens, sent.chunk_id) == ("a b ", 2, "c9")
-    assert relay.continued_from(relay.resumed_from(StreamResume(tokens=9, seq=9, node_id="b",
+    assert record.continued_from(record.resumed_from(StreamResume(tokens=9, seq=9, node_id="b",
                                                                 continued_from="a@4:network"))) == \
         "a@4:network,b@5:router"

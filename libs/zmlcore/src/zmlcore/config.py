@@ -307,7 +307,7 @@ class FlowConfig(msgspec.Struct, **_Base):
     """Band of a request that names none and whose API key sets none."""
     max_priority: Priority = "standard"
     """Highest band a caller may claim unless its API key allows more (``zml keys create
-    --max-priority``): a claim above it is lowered to it (``x-zml-priority-lowered: 1``)."""
+    --max-priority``): a claim above it is lowered to it (the reply's ``x-zml-priority-lowered-from`` names the band asked)."""
     ttft_slo_ms: PosFloat | None = None
     """Default time-to-first-token target of every request (a model's [models.*] ttft_slo_ms
     and the request's ``x-zml-ttft-slo-ms`` override it): admission refuses at once with
@@ -323,8 +323,8 @@ class FlowConfig(msgspec.Struct, **_Base):
     share_report_ms: PosInt = 100
     """How often a router publishes its tenants' counters to the other replicas (when they changed)."""
     age_s: NonNeg = 30.0
-    """A queued ``sheddable`` or ``batch`` request rises one band per this long waited (never above
-    ``standard``); 0: no aging."""
+    """A queued ``sheddable`` request ranks as ``standard`` once it has waited this long; 0: never.
+    (A batch line rises only when its completion window is closing: docs/routing.md.)"""
     max_queued: PosInt = 256
     """Queued requests one router holds per model for ordering by band and share; past it the
     lowest-ranked are shed (SHED)."""
@@ -475,6 +475,12 @@ class NodeConfig(msgspec.Struct, **_Base):
     """Overrides [health] startup_grace_s for this node (slow loaders, large models)."""
     kv_events: KVEventsConfig | None = None
     """The engine's KV-event sockets (see [nodes.kv_events]); vllm and sglang backends only."""
+    model_slots: PosInt = 1
+    """Models the engine may hold at once, for the placement planner (llama.cpp router mode's
+    --models-max; 1 for an engine started with one model). Held models share the node's time."""
+    adapter_slots: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """LoRA adapters the engine may hold at once (vLLM's --max-loras; for llama.cpp, those it was
+    started with, --lora); 0: the planner puts no adapter on it."""
     roles: list[Role] = msgspec.field(default_factory=lambda: ["prefill", "decode"])
     """Legs of a disaggregated request this node takes: "prefill" (computes a prompt's KV and
     hands it to a decode node), "decode" (generates from KV handed to it, and serves whole
@@ -487,6 +493,10 @@ class NodeConfig(msgspec.Struct, **_Base):
     kv_gbps: PosFloat | None = None
     """Bandwidth of this node's KV transfer link, in Gbit/s; a transfer between two nodes runs
     at the slower end's unless a [[kv_links]] entry names the pair. Required with kv_group."""
+    kv_bootstrap_port: Port | None = None
+    """SGLang: the port of this prefill node's bootstrap server (its
+    --disaggregation-bootstrap-port, 8998 by default in SGLang), which a split request's decode
+    leg is told. None: the endpoint's port (where a simulated node serves it)."""
 
     @property
     def effective_family(self) -> str:
@@ -625,6 +635,61 @@ def window_seconds(text: str) -> int:
     if not m:
         raise ValueError(f"{text!r}: expected a number and a unit, e.g. \"24h\" (s, m, h or d)")
     return int(m.group(1)) * _WINDOW_UNITS[m.group(2)]
+
+
+Fraction = Annotated[float, msgspec.Meta(gt=0, le=1)]
+
+
+class PlannerModelConfig(msgspec.Struct, **_Base):
+    memory_gib: PosFloat = 16.0
+    """Accelerator memory the model needs on a node (weights and KV for its traffic): it goes
+    only where it fits (a node's memory divided by its model_slots)."""
+    speed_factor: PosFloat = 1.0
+    """The model's speed relative to the one a node's measured speeds come from (0.5: twice as
+    slow, a model twice the size), until speeds are measured per model."""
+    min_replicas: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """Nodes kept serving the model even without demand (0: it may be unloaded everywhere)."""
+    ttft_s: PosFloat | None = None
+    """SLO: time to first token a request of mean prompt must meet on a node that serves the
+    model (a node whose prefill alone misses it never gets the model)."""
+    tpot_s: PosFloat | None = None
+    """SLO: time per output token (a node serves the model with the largest batch that meets it)."""
+    mean_prompt_tokens: PosFloat = 512.0
+    """Prompt size planned for until the routers' completions have measured it."""
+    mean_output_tokens: PosFloat = 128.0
+    """Output size planned for until measured."""
+
+
+class PlannerConfig(msgspec.Struct, **_Base):
+    mode: Literal["off", "advise", "apply"] = "off"
+    """off: no planning; advise: plan every interval_s, publish the plan (zml plan, events,
+    metrics) and move nothing; apply: also move models, make before break (docs/placement.md)."""
+    interval_s: PosFloat = 60.0
+    """Seconds between plans."""
+    window_s: PosFloat = 600.0
+    """Demand (request rate, prompt and output sizes per model and adapter) is measured over
+    this window of the routers' completions. In apply mode nothing moves until the service has
+    watched one whole window (a model merely not measured yet is not a model without demand)."""
+    headroom: Fraction = 0.8
+    """Share of a node's saturation throughput planned as SLO capacity (queueing beyond it
+    misses TTFT targets)."""
+    move_cost_per_h: NonNeg = 0.25
+    """$/h a plan must save per load or unload it asks for: a smaller gain moves nothing."""
+    drain_timeout_s: PosFloat = 60.0
+    """Before unloading a model, routers stop sending it to the node and the node's requests
+    finish: at most this long (then it unloads anyway)."""
+    time_limit_s: PosFloat = 5.0
+    """Solver time limit per plan."""
+    models: dict[str, PlannerModelConfig] = {}
+    """Per-model planning facts ([planner.models."NAME"]); models not listed use the defaults."""
+
+
+class AdapterConfig(msgspec.Struct, **_Base):
+    base: str
+    """The model the adapter runs on."""
+    path: str = ""
+    """Where the engine finds the adapter: vLLM's lora_path for /v1/load_lora_adapter; for
+    llama.cpp, the --lora file it was started with (matched in GET /lora-adapters)."""
 
 
 class BatchConfig(msgspec.Struct, **_Base):
@@ -770,10 +835,13 @@ class ZMLConfig(msgspec.Struct, **_Base):
     defaults: DefaultsConfig = msgspec.field(default_factory=DefaultsConfig)
     metrics: MetricsConfig = msgspec.field(default_factory=MetricsConfig)
     batch: BatchConfig = msgspec.field(default_factory=BatchConfig)
+    planner: PlannerConfig = msgspec.field(default_factory=PlannerConfig)
     disaggregation: DisaggregationConfig = msgspec.field(default_factory=DisaggregationConfig)
     nodes: list[NodeConfig] = []
     kv_links: list[KVLinkConfig] = []
     models: dict[str, ModelConfig] = {}
+    #: LoRA adapters by the name clients give as ``model`` ([adapters."NAME"]).
+    adapters: dict[str, AdapterConfig] = {}
     policy: dict[str, PolicyConfig] = {}
     policies: dict[str, PolicyConfig] = {}
     #: Where this config came from (not a TOML key).
@@ -791,6 +859,14 @@ class ZMLConfig(msgspec.Struct, **_Base):
         return list(seen)
 
     def model_names(self) -> set[str]:
+        """Every name a client may ask for: the nodes' and [models]' models and the
+        [adapters] (served by the nodes that hold them, as vLLM lists them in /v1/models)."""
+        names = self.base_model_names()
+        names.update(self.adapters)
+        return names
+
+    def base_model_names(self) -> set[str]:
+        """The nodes' and [models]' models, adapters not included."""
         names = {m for n in self.nodes for m in n.models}
         names.update(self.models)
         return names
@@ -968,6 +1044,13 @@ def _validate(cfg: ZMLConfig, src: str, whole_fleet: bool = True) -> None:
         raise ConfigError(f"{src}: defaults.policy: unknown policy {cfg.defaults.policy!r}")
     _validate_batch(cfg.batch, names, src)
     _validate_disaggregation(cfg, src, whole_fleet)
+    known = cfg.base_model_names()
+    for name, ad in cfg.adapters.items():
+        if ad.base not in known:
+            raise ConfigError(f"{src}: adapters.{name!r}.base: {ad.base!r} is no model of the fleet's "
+                              f"(known: {', '.join(sorted(known)) or 'none'})")
+        if name in known:
+            raise ConfigError(f"{src}: adapters.{name!r}: a model has that name; an adapter needs its own")
 
 
 def _validate_disaggregation(cfg: ZMLConfig, src: str, whole_fleet: bool) -> None:
@@ -1109,6 +1192,8 @@ def reference_markdown() -> str:
         ("[metrics]", "MetricsConfig"), ("[batch]", "BatchConfig"), ("[disaggregation]", "DisaggregationConfig"),
         ("[[nodes]]", "NodeConfig"), ("[[kv_links]]", "KVLinkConfig"),
         ("[nodes.sim]", "SimConfig"), ("[nodes.kv_events]", "KVEventsConfig"), ('[models."NAME"]', "ModelConfig"),
+        ("[planner]", "PlannerConfig"), ('[planner.models."NAME"]', "PlannerModelConfig"),
+        ('[adapters."NAME"]', "AdapterConfig"),
         ("[policy.NAME] / [policies.NAME]", "PolicyConfig"),
     ]
     out: list[str] = []

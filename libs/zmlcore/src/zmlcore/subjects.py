@@ -15,6 +15,8 @@ No other module writes a subject literal: services and the SDK import these name
     zml.events.completed           routers: one event per finished request (warmup, health)
     zml.events.warmup              warmup service: load started / finished / failed
     zml.warmup.serve               request-reply: load a model now (`zml serve`)
+    zml.warmup.plan                request-reply: the placement planner's current plan (`zml plan`)
+    zml.events.placement           warmup service: a new plan, a move started / done / blocked
     KV bucket zml_registry         nodes added at run time (health service)
     KV bucket zml_nodes            node state written by health, watched by routers
     KV bucket zml_leases           one key per role (health, warmup): which replica is active
@@ -95,6 +97,10 @@ EVENTS_PREFIX = f"{PREFIX}.events"
 
 #: Warmup service: "load this model now" (request-reply, ``ServeRequest`` -> ``ServeReply``).
 WARMUP_SERVE = f"{PREFIX}.warmup.serve"
+#: Warmup service: the placement planner's plan (request-reply, ``PlanRequest`` -> ``PlanReply``).
+WARMUP_PLAN = f"{PREFIX}.warmup.plan"
+#: Placement events (``PlacementEvent``): ``event(EVENT_PLACEMENT)``.
+EVENT_PLACEMENT = "placement"
 #: Router completion events (``RequestCompleted``): ``event(EVENT_COMPLETED)``.
 EVENT_COMPLETED = "completed"
 #: Warmup progress events (``WarmupEvent``): ``event(EVENT_WARMUP)``.
@@ -263,7 +269,7 @@ STREAM_FRAMES = "frames"
 #: headers. Without it a reply carries both (docs/nats-api.md).
 H_ACCEPT_ROUTING = "Zml-Accept-Routing"
 ROUTING_IN_BODY = "body"
-#: Front door only (dropped on ``zml.infer``: zml_router.request.flow.drop_untrusted). ``Zml-Body: clean``: the
+#: Front door only (dropped on ``zml.infer``: zml_router.request.intake.drop_untrusted). ``Zml-Body: clean``: the
 #: gateway validated the body (zmlcore.messages.validate) and moved ZML's own fields out of it into
 #: ``Zml-Policy`` (the per-call policy as JSON: a name or an inline policy) and
 #: ``Zml-Accelerator-Id`` (zmlcore.messages.frontdoor); the router reads it with one small decode.
@@ -317,7 +323,7 @@ H_PRIORITY = "Zml-Priority"
 PRIORITY_BATCH = "batch"
 #: Flow control (zmlcore.flowctl, docs/routing.md "Flow control"). ``Zml-Priority`` also takes
 #: ``critical``, ``standard`` and ``sheddable`` (its band); a band above what the caller may claim
-#: is lowered (``Zml-Priority-Lowered: 1`` on the reply). Per-request latency targets, in ms:
+#: is lowered (the reply's ``Zml-Priority-Lowered-From`` names the band asked). Per-request latency targets, in ms:
 H_TTFT_SLO_MS = "Zml-Ttft-Slo-Ms"
 H_TPOT_SLO_MS = "Zml-Tpot-Slo-Ms"
 #: Front door only (an API key's flow options, zml keys create --priority/--max-priority/--weight):
@@ -326,8 +332,9 @@ H_TPOT_SLO_MS = "Zml-Tpot-Slo-Ms"
 H_PRIORITY_DEFAULT = "Zml-Priority-Default"
 H_PRIORITY_MAX = "Zml-Priority-Max"
 H_TENANT_WEIGHT = "Zml-Tenant-Weight"
-#: On a reply whose band was lowered to the caller's ceiling.
-H_PRIORITY_LOWERED = "Zml-Priority-Lowered"
+#: Router-only, on a queued request: the tenant its fair share is counted for (the API key id
+#: from a front door, else the sender's identity), fixed where it arrived.
+H_TENANT = "Zml-Tenant"
 
 #: Audio (OpenAI's /v1/audio/transcriptions and /translations; zmlcore.messages.audio). On a
 #: request: ``Zml-Audio: transcription|translation``, its body the caller's multipart form, as it

@@ -21,6 +21,7 @@ _COMMANDS = (
     "zml.cli.cost",
     "zml.cli.keys",
     "zml.cli.serve",
+    "zml.cli.plan",
     "zml.cli.warmup",
     "zml.cli.node_agent",
     "zml.cli.creds",

@@ -73,7 +73,8 @@ def spec_to_config(spec: NodeSpec) -> NodeConfig:
 class _NodeRuntime:
     """What the service keeps per node besides its tracker."""
 
-    __slots__ = ("doc", "has_probe", "probe_checked_at", "pending_loads", "warmed", "calibration", "failed_at")
+    __slots__ = ("doc", "has_probe", "probe_checked_at", "pending_loads", "warmed", "calibration", "draining",
+                 "failed_at")
 
     def __init__(self) -> None:
         self.doc: dict[str, Any] | None = None
@@ -89,6 +90,8 @@ class _NodeRuntime:
         #: When a router last reported the node failing or slow (completion events): routers cool
         #: it down; a real request answered after that lifts their cooldown (_recover).
         self.failed_at = 0.0
+        #: model -> deadline: models the placement planner is moving off this node (not routable).
+        self.draining: dict[str, float] = {}
 
 
 class HealthService:
@@ -384,6 +387,10 @@ class HealthService:
         running = probe.running if probe.ok else (prev.queue_running if prev else 0)
         waiting = probe.waiting if probe.ok else (prev.queue_waiting if prev else 0)
         loading = self._loading_models(node, rt, probe, status, models, now)
+        for m, deadline in list(rt.draining.items()):
+            if now > deadline:
+                del rt.draining[m]
+        draining = [m for m in models if m in rt.draining]
         asleep = sleeping and node.backend == "vllm"  # its models come back when warmup wakes it
         missing = [] if asleep else [m for m in node.models if m not in models and m not in loading]
         source = self.sources.get(node.id, "config")
@@ -407,7 +414,9 @@ class HealthService:
             backend=node.backend,
             status=status,  # type: ignore[arg-type]
             reason=reason if status != "up" else "",
-            models=[m for m in models if m not in loading],
+            models=[m for m in models if m not in loading and m not in rt.draining],
+            draining_models=draining,
+            adapters=[m for m in models if m in self.cfg.adapters],
             served_names=dict(node.served_names),
             missing_models=missing,
             unknown_models=unknown,
@@ -459,6 +468,7 @@ class HealthService:
             roles=[] if set(node.roles) == {"prefill", "decode"} else list(node.roles),
             kv_group=node.kv_group or "",
             kv_gbps=node.kv_gbps or 0.0,
+            kv_bootstrap_port=node.kv_bootstrap_port or 0,
         )
 
     def _known_models(self) -> frozenset[str]:
@@ -533,6 +543,11 @@ class HealthService:
             rt.warmed.add(ev.model)
         elif ev.phase in ("loaded", "failed"):
             rt.pending_loads.pop(ev.model, None)
+        if ev.phase == "draining":
+            # the unload follows within the planner's drain timeout; a lost "unloaded" expires
+            rt.draining[ev.model] = self.clock() + self.cfg.planner.drain_timeout_s + 60.0
+        elif ev.phase in ("unloaded", "started", "loaded"):
+            rt.draining.pop(ev.model, None)
 
     # --- admin -----------------------------------------------------------------------------
     async def _on_list(self, msg: Msg) -> None:

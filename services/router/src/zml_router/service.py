@@ -1,7 +1,7 @@
 """The router: takes requests from ``zml.infer`` (queue group), decides, dispatches, replies.
 
 This module is the outline: lifecycle, subscriptions, and the I/O that carries out each
-request's sans-I/O steps (``zml_router.request.flow``: intake -> prepare -> route: decide, dispatch, fail
+request's sans-I/O steps (``zml_router.request``: intake -> prepare -> route: decide, dispatch, fail
 over, queue, answer). The parts live beside it, each given what it uses: one attempt on a node
 and every reply to the requester (``relay``, its pure half ``attempt``), in-flight counts and
 marks shared with the other replicas (``inflight``), the saturation queue's glue
@@ -18,7 +18,6 @@ import logging
 import os
 import time
 from collections.abc import Coroutine
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -38,13 +37,14 @@ from zmlcore.messages.audio import AudioRequest
 from zmlcore.messages import decision_query_decoder
 from zmlcore.messages.warmup import completed_encoder
 from zmlcore.policy import Decision, ResolvedPolicy, RouteRequest, RoutingState, admit
+from zmlcore.flowctl.slo import queue_budget_s
 from zmlcore.policy.headroom import admit_batch
 from zmlcore.policy.prefix import PrefixIndex
 from zmlcore.reply.keepalive import KeepaliveBook, keepalive_headers
 from zmlcore.runtime.runner import cancel_and_wait
 from zmlcore.telemetry import tracing
 from zmlcore.telemetry.setup import REQUEST_ID
-from zml_router.request import flow
+from zml_router.request import finish, intake, prepare, route
 from zml_router.replicas import ids as idclaims
 from zml_router.replicas import limits as plan_limits
 from zml_router.telemetry import tracing as rtrace
@@ -52,19 +52,24 @@ from zml_router.node.attempt import AudioBodies, NodeBodies
 from zml_router.request.cancels import CancelBook
 from zml_router.replicas.cooldowns import Marks
 from zml_router.node.dispatch import NodeClient
-from zml_router.node.result import Dispatch
+from zml_router.node.result import Close, Dispatch
 from zml_router.request.split import Splitter
 from zml_router.outcome import Outcome
-from zml_router.request.flow import Intake
+from zml_router.request.intake import Intake
 from zml_router.replicas.ids import RequestIds
 from zml_router.replicas.inflight import Sharing
 from zml_router.answer.keepalives import send_keepalives
 from zml_router.replicas.limits import IdentityLimits, Lease
 from zml_router.telemetry.metrics import RouterMetrics
 from zml_router.replicas.prefixshare import PrefixShare
-from zml_router.incoming import QueuedMsg
-from zml_router.node.relay import Relay, Replies, resumed_from
+from zml_router.incoming import QueuedMsg, Uploaded
+from zml_router.answer.record import resumed_from
+from zml_router.answer.replies import Replies
+from zml_router.node.relay import Relay
 from zml_router.queue.glue import QueueGlue
+from zml_router.queue.jetstream import H_ENQUEUED
+from zml_router.request.flowgate import FlowGate
+from zml_router.replicas.shares import ShareSync
 from zml_router.replicas.sessions import Sessions, session_key
 from zml_router.replicas.table import NodeTable
 from zml_router.timers import Wheel
@@ -77,17 +82,6 @@ _EVENT_COMPLETED = subjects.event(subjects.EVENT_COMPLETED)
 #: Completion events wait this long for others to go out with (health and warmup aggregate
 #: them over seconds; one wake-up per batch instead of per request for every subscriber).
 COMPLETED_WINDOW_S = 0.01
-
-
-@dataclass(slots=True)
-class Uploaded:
-    """A request whose body came in parts after it (zml_router.request.uploads): the message as if it
-    had carried the body."""
-
-    subject: str
-    data: bytes
-    reply: str
-    headers: dict[str, str] | None
 
 
 class RouterService:
@@ -134,8 +128,12 @@ class RouterService:
                            self.replies, self._corrected)
         #: Prefill on one node, decode on another, per request ([disaggregation]: zml_router.request.split).
         self.splitter = Splitter(cfg, self.table)
-        self.glue = QueueGlue(cfg, self.table, self.admit, self.metrics, self.replies, self.cancelled, self.ids,
-                              self.enter, self.spawn)
+        #: Flow control: bands, tenants' fair shares, SLO admission (zml_router.request.flowgate),
+        #: the shares kept in step with the other replicas (zml_router.replicas.shares).
+        self.gate = FlowGate(cfg, self.table, self.state, self.prefix, self.router_id)
+        self.shares: ShareSync | None = None
+        self.glue = QueueGlue(cfg, self.table, self.queued_admit, self.metrics, self.replies, self.cancelled,
+                              self.ids, self.enter, self.spawn, self.gate)
         # Bound once: the request path calls them per request.
         self._admit = self.admit
         self._options = self.limits.options
@@ -157,6 +155,8 @@ class RouterService:
         await self.share.start()
         self.sessions = Sessions(nc, idle_s=self.cfg.router.session_idle_s)
         await self.sessions.start()
+        self.shares = ShareSync(nc, self.gate.book, self.cfg.flow.share_report_ms / 1000.0)
+        await self.shares.start()
         self.nodes_follower = KVFollower(nc, subjects.NODES_BUCKET, on_put=self._node_put,
                                          on_delete=self._node_delete,
                                          keep_vanished=lambda key: self.table.fresh_for(key, stale_s, time.time()))
@@ -201,6 +201,8 @@ class RouterService:
             await self.share.stop()
         if self.sessions is not None:
             await self.sessions.stop()
+        if self.shares is not None:
+            await self.shares.stop()
         await self.metrics.stop()
         await self.limits.stop()
         await self.uploads.stop()
@@ -236,6 +238,14 @@ class RouterService:
         if self.share is not None:
             self.share.corrected(node_id, rr.prefix, cached, prompt_tokens, time.time())
 
+    def queued_admit(self, rr: RouteRequest, policy: ResolvedPolicy, headers: dict[str, str]) -> Decision:
+        """The decision for a queued request (the queue asks whether it has room): through the
+        flow gate with the band, tenant and targets it was queued with."""
+        note = self.gate.note(subjects.INFER, "", headers, rr.model)
+        if note is None:
+            return self.admit(rr, policy)
+        return self.gate.decide(rr, policy, note, True)
+
     def admit_batch(self, rr: RouteRequest, policy: ResolvedPolicy) -> Decision:
         """A batch-priority request (``Zml-Priority: batch``): only where a node has headroom
         beyond what interactive traffic needs, else QUEUE_FULL at once (zmlcore.policy.headroom)."""
@@ -249,7 +259,7 @@ class RouterService:
         self.spawn(self.enter(msg))
 
     async def _on_cancel(self, msg: Msg) -> None:
-        task = flow.cancel(msg.subject, msg.headers, self.in_flight, self.cancelled, time.time())
+        task = intake.cancel(msg.subject, msg.headers, self.in_flight, self.cancelled, time.time())
         if task is not None:
             task.cancel()
 
@@ -285,7 +295,7 @@ class RouterService:
                 held, msg = await self._audio_body(msg, from_queue)
             nc = self.nc
             max_payload = nc.max_payload if msg.reply and nc is not None else None  # a reply to check it fits
-            arrived: Intake[asyncio.Task[None]] = flow.intake(
+            arrived: Intake[asyncio.Task[None]] = intake.intake(
                 msg, from_queue=from_queue, cfg=self.cfg, max_payload=max_payload, options=self._options,
                 in_flight=self.in_flight, cancels=self.cancelled, now=time.time(), out=out)
             REQUEST_ID.set(arrived.request_id)  # on every log line of this request (JSON logs)
@@ -321,7 +331,7 @@ class RouterService:
                 with self.timers.deadline(arrived.timeout):
                     await self._route(msg, arrived, t0, out)
             except asyncio.TimeoutError as exc:
-                raise flow.deadline_passed(arrived.timeout) from exc
+                raise finish.deadline_passed(arrived.timeout) from exc
             finally:
                 if self.in_flight.get(key) is task:
                     del self.in_flight[key]
@@ -348,10 +358,13 @@ class RouterService:
         finally:
             self.audio_bytes.give(held)
         self.metrics.finished(out, time.monotonic() - t0)
+        if out.flow is not None and out.ok:  # the tenant's real cost; the node's TPOT learned
+            self.gate.finished(out.flow, out.completion_tokens,
+                               out.info.time_to_first_token if out.info is not None else None, time.monotonic() - t0)
         if out.model and not out.queued and self.events is not None:
             # One event per finished request (warmup measures demand, health counts node
             # errors), sent off the request path with the others of the next ms.
-            ev = flow.completion(out, time.time(), time.monotonic() - t0, self.router_id)
+            ev = finish.completion(out, time.time(), time.monotonic() - t0, self.router_id)
             self.events.add(completed_encoder.encode(ev))
 
     async def _audio_body(self, msg: Msg | QueuedMsg | Uploaded, from_queue: bool) -> tuple[int, Any]:
@@ -377,14 +390,14 @@ class RouterService:
         return held, Uploaded(msg.subject, body, msg.reply, msg.headers)
 
     async def _route(self, msg: Msg | QueuedMsg | Uploaded, arrived: Intake[asyncio.Task[None]], t0: float, out: Outcome) -> None:
-        """Drive the request's flow (zml_router.request.flow): each action it yields, done here."""
+        """Drive the request's flow (zml_router.request): each action it yields, done here."""
         req, model = arrived.req, arrived.model
         out.model, out.op = model, req.kind()
-        session = flow.session_of(msg.headers, req)
-        skey = (session_key(flow.session_owner(arrived.owner, msg.headers), session)
+        session = prepare.session_of(msg.headers, req)
+        skey = (session_key(prepare.session_owner(arrived.owner, msg.headers), session)
                 if session and self.sessions is not None else "")
         bound = self.sessions.node(skey) if skey and self.sessions is not None else None
-        policy, rr = flow.prepare(self.cfg, self.table.families(), req, msg.data, model, bound, msg.headers)
+        policy, rr = prepare.prepare(self.cfg, self.table.families(), req, msg.data, model, bound, msg.headers)
         if rr.accelerator_id is not None and self.table.pin_unsure(rr.accelerator_id, model):
             # `zml nodes` may show what our watch has not delivered yet (a node added just now)
             await self.nodes_follower.refresh(rr.accelerator_id)
@@ -398,29 +411,40 @@ class RouterService:
         can_queue = bool(cfg.queue_on_saturation and queue is not None and msg.reply and not batch
                          and not isinstance(msg, Uploaded))
         from_queue = isinstance(msg, QueuedMsg)
+        note = None if batch else self.gate.note(msg.subject, arrived.owner, msg.headers, model)
+        decide = self._admit
+        if note is not None:  # flow control: band, tenant share, SLO (zml_router.request.flowgate)
+            out.flow = note
+            if from_queue:
+                enq = (msg.headers or {}).get(H_ENQUEUED)
+                note.queued_ms = int((time.time() - float(enq)) * 1000) if enq else None
+
+            def decide(rr: RouteRequest, policy: ResolvedPolicy) -> Decision:
+                return self.gate.decide(rr, policy, note, from_queue)
         answer = self.relay.answer(req, msg.data, model)  # what the requester gets, across attempts
         resumed = None
         if arrived.resume is not None:  # its router died mid-stream: continue what the requester has
             resumed = answer.resume(arrived.resume)
             out.continued_from = resumed_from(arrived.resume)
             can_queue = False  # a stream in progress does not wait behind others
-        plan = flow.Plan(model, policy.name, rr, self.cfg.router.max_attempts, req.stream, can_queue,
+        plan = route.Plan(model, policy.name, rr, self.cfg.router.max_attempts, req.stream, can_queue,
                          can_queue and not from_queue and queue.has_waiting(model),  # type: ignore[union-attr]
                          from_queue, msg.data, frontdoor.continue_asked(req, msg.headers), cfg.continue_on_failure,
-                         resumed, arrived.resume.attempts if arrived.resume is not None else 0)
-        steps = flow.route(plan, out)
-        result: flow.Result = None
+                         resumed, arrived.resume.attempts if arrived.resume is not None else 0,
+                         usage_asked=answer.usage_asked)
+        steps = route.route(plan, out)
+        result: route.Result = None
         while True:
             try:
                 action = steps.send(result)
             except StopIteration:
                 return
-            if type(action) is flow.Decide:
+            if type(action) is route.Decide:
                 rr = action.rr
                 if action.continuation:  # only a node whose engine can continue the answer
                     rr = dataclasses.replace(rr, exclude=rr.exclude | self.table.cannot_continue())
                 try:
-                    result = self.metrics.decide(self.admit_batch if batch else self._admit, rr, policy)
+                    result = self.metrics.decide(self.admit_batch if batch else decide, rr, policy)
                 except ZMLError as exc:
                     result = unserved(exc, rr.model, self.cfg.model_names(), self.table.raw.values())
                 if (action.split and self.splitter.enabled and isinstance(result, Decision) and not batch
@@ -430,6 +454,8 @@ class RouterService:
                     self.metrics.split("split" if result.prefill_node else why)
             elif type(action) is Dispatch:
                 node_id = action.decision.node_id
+                if note is not None and not note.charged:
+                    self.gate.dispatched(note, action.rr.prompt_tokens)
                 if self.share is not None:  # the node will hold this prompt: every replica learns it
                     self.share.recorded(node_id, action.rr.prefix, time.time())
                 if skey and self.sessions is not None and action.rr.accelerator_id is None:
@@ -437,20 +463,25 @@ class RouterService:
                 self.metrics.session(action.decision.session)
                 result = await self.relay.attempt(msg, req, bodies, model, action, arrived.request_id, t0, out,
                                                   answer)
-            elif type(action) is flow.Prefill:
+            elif type(action) is route.Prefill:
                 assert isinstance(bodies, NodeBodies)
                 result = await self.relay.prefill(req, bodies, model, action, arrived.request_id, out)
-            elif type(action) is flow.Penalise:
+            elif type(action) is route.Penalise:
                 await self._penalise(action)
                 result = None
-            elif type(action) is flow.Close:
-                await self.relay.close(msg, req, answer, arrived.request_id, out, action.node_id, action.attempts)
-                result = None
+            elif type(action) is Close:
+                result = await self.relay.close(msg, req, answer, arrived.request_id, action, out.label, out.info)
             else:  # Enqueue: the flow is over
-                assert type(action) is flow.Enqueue
+                assert type(action) is route.Enqueue
                 self._hand_over(arrived.key, msg.reply)
                 put = self.glue.saturated if action.saturated else self.glue.enqueue
-                await put(msg, req, model, arrived.request_id, cfg.max_queue_ms, arrived.timeout)
+                tenant, budget = "", None
+                if note is not None:
+                    tenant = note.ask.tenant
+                    if note.ask.slo is not None:
+                        budget = queue_budget_s(self.table.nodes(), rr, note.ask.slo, time.time(),
+                                                self.cfg.router.stale_after_s)
+                await put(msg, req, model, arrived.request_id, cfg.max_queue_ms, arrived.timeout, tenant, budget)
                 return
 
     def _hand_over(self, key: str, reply: str) -> None:
@@ -464,11 +495,11 @@ class RouterService:
             del self.in_flight[key]
         self.keepalives.remove(reply)
 
-    async def _penalise(self, action: flow.Penalise) -> None:
+    async def _penalise(self, action: route.Penalise) -> None:
         """Skip a node that failed or refused, here and (over NATS) on every replica."""
         err = action.error
         rc = self.cfg.router
-        how = flow.penalty(err, rc.saturated_s, rc.cooldown_s)
+        how = finish.penalty(err, rc.saturated_s, rc.cooldown_s)
         if how is not None:
             await self.sharing.mark(action.decision.node_id, how[0], how[1],
                                     "mid_stream" if err.mid_stream else err.failure.value)

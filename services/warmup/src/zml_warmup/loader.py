@@ -89,3 +89,88 @@ async def warmup_request(client: httpx.AsyncClient, base: str, model: str, *, ti
                           f"the engine does not serve {model!r} and has no load endpoint: start it with "
                           "the model (or use vLLM sleep mode / llama.cpp router mode)")
     return LoadResult(False, "warmup_request", f"warm-up request answered {r.status_code}: {_detail(r)}")
+
+
+async def unload(client: httpx.AsyncClient, endpoint: str, backend: str, model: str, *,
+                 served: str | None = None, timeout: float = 30.0, api_key: str | None = None) -> LoadResult:
+    """Unload ``model`` from a node through its engine's own API.
+
+    * llama.cpp router mode: ``POST /models/unload {"model"}`` (400 "not running": already gone).
+    * vLLM: an engine holds the model it was started with; ``POST /sleep`` frees its memory
+      (the planner's "idle" for a vLLM node), ``/wake_up`` brings it back.
+    * Others (SGLang, TGI, any OpenAI server): no API unloads a model; said as a failure.
+    """
+    base = endpoint.rstrip("/")
+    name = served or model
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        if backend == "llamacpp":
+            r = await client.post(base + "/models/unload", json={"model": name}, timeout=timeout, headers=headers)
+            if r.status_code == 200 or (r.status_code == 400 and "not running" in _detail(r)):
+                return LoadResult(True, "llamacpp_unload", done=True)
+            return LoadResult(False, "llamacpp_unload", f"/models/unload answered {r.status_code}: {_detail(r)}")
+        if backend == "vllm":
+            r = await client.post(base + "/sleep", timeout=timeout, headers=headers)
+            if r.status_code == 200:
+                return LoadResult(True, "vllm_sleep", done=True)
+            return LoadResult(False, "vllm_sleep", f"/sleep answered {r.status_code}: {_detail(r)} (vLLM needs "
+                              "--enable-sleep-mode and VLLM_SERVER_DEV_MODE=1)")
+    except httpx.HTTPError as exc:
+        return LoadResult(False, "", f"{type(exc).__name__}: {exc}")
+    return LoadResult(False, "", f"a {backend} engine has no API to unload a model: restart it without {name!r}")
+
+
+async def load_adapter(client: httpx.AsyncClient, endpoint: str, backend: str, adapter: str, path: str, *,
+                       timeout: float = 60.0, api_key: str | None = None) -> LoadResult:
+    """Load a LoRA adapter: vLLM ``POST /v1/load_lora_adapter {"lora_name", "lora_path"}``
+    (needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=True). llama.cpp loads adapters only at start
+    (``--lora``): one it holds already is reported loaded, another cannot be."""
+    base = endpoint.rstrip("/")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        if backend == "vllm":
+            r = await client.post(base + "/v1/load_lora_adapter", json={"lora_name": adapter, "lora_path": path},
+                                  timeout=timeout, headers=headers)
+            if r.status_code == 200 or (r.status_code == 400 and "already" in _detail(r)):
+                return LoadResult(True, "vllm_load_lora", done=True)
+            return LoadResult(False, "vllm_load_lora", f"/v1/load_lora_adapter answered {r.status_code}: {_detail(r)}")
+        if backend == "llamacpp":
+            held = await llamacpp_adapters(client, base, headers=headers, timeout=timeout)
+            if path in held.values() or adapter in held.values():
+                return LoadResult(True, "llamacpp_lora", done=True)
+            return LoadResult(False, "llamacpp_lora", f"llama-server loads adapters only at start: add --lora {path}")
+    except httpx.HTTPError as exc:
+        return LoadResult(False, "", f"{type(exc).__name__}: {exc}")
+    except ValueError as exc:
+        return LoadResult(False, "", f"bad JSON from the node: {exc}")
+    return LoadResult(False, "", f"a {backend} engine has no API to load a LoRA adapter")
+
+
+async def unload_adapter(client: httpx.AsyncClient, endpoint: str, backend: str, adapter: str, *,
+                         timeout: float = 30.0, api_key: str | None = None) -> LoadResult:
+    """vLLM ``POST /v1/unload_lora_adapter {"lora_name"}``; llama.cpp keeps its start-up adapters
+    (requests name the one they use), so there is nothing to unload."""
+    base = endpoint.rstrip("/")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        if backend == "vllm":
+            r = await client.post(base + "/v1/unload_lora_adapter", json={"lora_name": adapter}, timeout=timeout,
+                                  headers=headers)
+            if r.status_code in (200, 404):  # 404: not loaded
+                return LoadResult(True, "vllm_unload_lora", done=True)
+            return LoadResult(False, "vllm_unload_lora", f"/v1/unload_lora_adapter answered {r.status_code}: "
+                              f"{_detail(r)}")
+        if backend == "llamacpp":
+            return LoadResult(True, "llamacpp_lora", "llama-server keeps its --lora adapters", done=True)
+    except httpx.HTTPError as exc:
+        return LoadResult(False, "", f"{type(exc).__name__}: {exc}")
+    return LoadResult(False, "", f"a {backend} engine has no API to unload a LoRA adapter")
+
+
+async def llamacpp_adapters(client: httpx.AsyncClient, base: str, *, headers: dict[str, str] | None = None,
+                            timeout: float = 10.0) -> dict[int, str]:
+    """llama-server's ``GET /lora-adapters``: id -> path of each adapter it was started with."""
+    r = await client.get(base + "/lora-adapters", timeout=timeout, headers=headers or {})
+    r.raise_for_status()
+    body = r.json()
+    return {int(a["id"]): str(a.get("path", "")) for a in body if isinstance(a, dict) and "id" in a}

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from functools import partial
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -28,10 +29,15 @@ from zmlcore.fleet.catalog import does_not_exist, known_models
 from zmlcore.errors import BadRequestError, ModelNotLoadedError, ZMLError
 from zmlcore.messages import NodeState, ServeReply, ServeTarget, WarmupEvent, node_state_decoder
 from zmlcore.messages.admin import registry_entry_decoder
+from zmlcore.messages.placement import PlacementEvent, plan_request_decoder
 from zmlcore.messages.warmup import completed_decoder, serve_request_decoder
+from zmlcore.placement import Placement
+from zmlcore.messages.placement import PlanReply
+from zmlcore.placement.moves import NodeNow, Step, blocked as moves_blocked, next_steps
 from zmlcore.bus.kvfollow import KVFollower
 from zmlcore.runtime.runner import cancel_and_wait
-from zml_warmup import loader, metrics
+from zml_warmup import loader, metrics, placer
+from zml_warmup.demand import DemandWindow
 from zml_warmup.planner import Load, Want, keep_warm_due, plan_loads
 from zml_warmup.rate import QuietDetector, RateTracker, metrics_rate
 
@@ -66,6 +72,19 @@ class WarmupService:
         self.failed: dict[tuple[str, str], float] = {}
         self.last_used: dict[tuple[str, str], float] = {}
         self.events: list[WarmupEvent] = []  # recent, for tests and `zml warmup --status`
+        # --- placement planner ([planner], docs/placement.md) ---
+        self.demand = DemandWindow(cfg.planner.window_s, now)
+        self.started_at = now
+        self.target: Placement | None = None
+        self.plan_inputs: placer.Inputs | None = None
+        self.planned_at = 0.0
+        #: (kind, node, name) -> the task running that move (unloads and adapter moves; loads
+        #: are in ``in_progress`` like any other load).
+        self.moving: dict[tuple[str, str, str], asyncio.Task[None]] = {}
+        #: adapters loaded or unloaded by us, until the node's state says so itself
+        self.adapter_moves: dict[tuple[str, str], bool] = {}
+        self.last_steps: tuple[list[Step], list[Step], bool] | None = None
+        self.placement_events: list[PlacementEvent] = []
         self.nc: NATS | None = None
         self.http: httpx.AsyncClient | None = None
         self._subs: list[Subscription] = []
@@ -85,7 +104,10 @@ class WarmupService:
         await nodes.wait_ready(2.0)
         self._subs.append(await nc.subscribe(subjects.event(subjects.EVENT_COMPLETED), cb=self._on_completed))
         self._subs.append(await nc.subscribe(subjects.WARMUP_SERVE, cb=self._on_serve))
+        self._subs.append(await nc.subscribe(subjects.WARMUP_PLAN, cb=self._on_plan))
         self._tasks.append(asyncio.create_task(self._sweep_forever()))
+        if self.cfg.planner.mode != "off":
+            self._tasks.append(asyncio.create_task(self._plan_forever()))
 
     async def stop(self) -> None:
         for sub in self._subs:
@@ -142,6 +164,12 @@ class WarmupService:
         ts = ev.ts or self.clock()
         model = self.cfg.resolve_model(ev.model)
         self.rates.record(model, ts)
+        # adapters are planned by their own name (the router reports the name asked for)
+        self.demand.record(ev.model if ev.model in self.cfg.adapters else model, ts, ev.prompt_tokens,
+                           ev.completion_tokens)
+        if (not ev.ok and ev.error_code == "MODEL_NOT_LOADED" and ev.model in self.cfg.adapters
+                and self.cfg.planner.mode == "apply"):
+            self.adapter_on_demand(ev.model)
         if ev.node_id:
             self.last_used[(ev.node_id, model)] = max(ts, self.last_used.get((ev.node_id, model), 0.0))
 
@@ -185,7 +213,9 @@ class WarmupService:
                                        message=f"not loaded after {self.wc.load_timeout_s:g} s", ts=now))
         quiet = self.quiet_models(now)
         started: list[Load] = []
-        if self.wc.enabled:
+        if self.cfg.planner.mode == "apply":
+            self.apply_plan(now)  # the plan owns placement: no warm-model loads beside it
+        elif self.wc.enabled:
             blocked = [k for k, t in self.failed.items() if now - t < FAILURE_BACKOFF_S]
             started = plan_loads(wants=self.wants(), states=self.states, warm_models=self.warm_models, quiet=quiet,
                                  in_progress=self.in_progress, max_concurrent=self.wc.max_concurrent_loads,
@@ -265,6 +295,176 @@ class WarmupService:
         del self.events[:-200]
         if self.nc is not None and self.nc.is_connected:
             self._spawn(self.nc.publish(subjects.event(subjects.EVENT_WARMUP), _encode(ev)))
+
+    # --- placement planner -----------------------------------------------------------------
+    async def _plan_forever(self) -> None:
+        while True:
+            try:
+                await self.replan()
+            except Exception:
+                log.exception("placement plan failed")
+            await asyncio.sleep(self.cfg.planner.interval_s)
+
+    def wants_by_node(self) -> dict[str, tuple[str, ...]]:
+        return {w.node_id: w.models for w in self.wants()}
+
+    async def replan(self) -> Placement:
+        """Plan from the demand and node states seen so far (the solver in a thread: ~0.2 s
+        at 1,000 nodes would otherwise hold the event loop)."""
+        now = self.clock()
+        inputs = placer.gather(self.cfg, self.states, self.wants_by_node(), self.demand, now)
+        target = await asyncio.to_thread(placer.make_plan, self.cfg, inputs)
+        self.plan_inputs, self.target, self.planned_at = inputs, target, now
+        rep = placer.reply(self.cfg, inputs, target, self.states, now)
+        metrics.plan(rep)
+        self._emit_placement(PlacementEvent(phase="planned", ts=now, cost_now_per_h=rep.cost_now_per_h,
+                                            cost_plan_per_h=rep.cost_plan_per_h, moves=len(rep.moves)))
+        log.info("placement plan: $%.2f/h now, $%.2f/h planned, %d move(s)", rep.cost_now_per_h,
+                 rep.cost_plan_per_h, len(rep.moves))
+        return target
+
+    def _held_now(self) -> dict[str, NodeNow]:
+        held = placer.holding(self.states, self.cfg)
+        for (node, adapter), loaded in self.adapter_moves.items():
+            if node in held:
+                h = held[node]
+                ads = h.adapters | {adapter} if loaded else h.adapters - {adapter}
+                held[node] = NodeNow(h.models, h.loading, ads, h.up, h.slots, h.adapter_slots)
+        return held
+
+    def apply_plan(self, now: float) -> list[Step]:
+        """Start the plan's steps that can run now (make before break: see zmlcore.placement.moves)."""
+        if self.target is None or self.planned_at - self.started_at < self.cfg.planner.window_s:
+            return []  # a plan on less than a window of demand would unload what is merely unmeasured
+        target = self.target
+        held = {n: h for n, h in self._held_now().items() if n in target.models}
+        loads = sum(1 for (_, _), (_, reason, _) in self.in_progress.items() if reason == "placement")
+        run, wait = next_steps(held, target.models, target_adapters=target.adapters,
+                               adapter_base={a: c.base for a, c in self.cfg.adapters.items()},
+                               max_loads=self.wc.max_concurrent_loads, in_progress=loads)
+        stuck = moves_blocked(held, target.models, wait, run, loads + len(self.moving))
+        if stuck and not (self.last_steps and self.last_steps[2]):
+            self._emit_placement(PlacementEvent(phase="blocked", ts=now, message="; ".join(str(s) for s in wait)))
+        self.last_steps = (run, wait, stuck)
+        started: list[Step] = []
+        for step in run:
+            key = (step.kind, step.node_id, step.name)
+            if key in self.moving or (step.kind == "load" and (step.node_id, step.name) in self.in_progress):
+                continue
+            if step.kind == "load":
+                if (step.node_id, step.name) in self.failed and now - self.failed[(step.node_id, step.name)] < FAILURE_BACKOFF_S:
+                    continue
+                self._begin(Load(step.node_id, step.name), "placement", now)
+            else:
+                task = asyncio.ensure_future(self._move(step))
+                self.moving[key] = task
+                task.add_done_callback(partial(self._moved, key))
+            self._emit_placement(PlacementEvent(phase="move_started", ts=now, node_id=step.node_id, name=step.name,
+                                                kind=step.kind))
+            started.append(step)
+        return started
+
+    def adapter_on_demand(self, adapter: str) -> str | None:
+        """A request found the adapter on no node: load it now where its base runs (the plan
+        keeps it there: the next plan counts that request's demand)."""
+        if any(k[0] == "load_adapter" and k[2] == adapter for k in self.moving):
+            return None  # already on its way
+        node = placer.adapter_home(self.cfg, self.states, adapter)
+        if node is None:
+            return None
+        step = Step("load_adapter", node, adapter)
+        key = (step.kind, step.node_id, step.name)
+        task = asyncio.ensure_future(self._move(step))
+        self.moving[key] = task
+        task.add_done_callback(partial(self._moved, key))
+        if self.target is not None:
+            self.target.adapters[node] = self.target.adapters.get(node, frozenset()) | {adapter}
+        self._emit_placement(PlacementEvent(phase="move_started", ts=self.clock(), node_id=node, name=adapter,
+                                            kind=step.kind, message="on demand: a request found it nowhere"))
+        return node
+
+    def _moved(self, key: tuple[str, str, str], _task: "asyncio.Task[None]") -> None:
+        self.moving.pop(key, None)
+
+    async def _move(self, step: Step) -> None:
+        assert self.http is not None
+        endpoint, backend, api_key = self._endpoint(step.node_id)
+        if step.kind == "unload":
+            res = await self._drain_and_unload(step.node_id, step.name, endpoint, backend, api_key)
+        elif step.kind == "load_adapter":
+            path = self.cfg.adapters[step.name].path if step.name in self.cfg.adapters else ""
+            res = await loader.load_adapter(self.http, endpoint, backend, step.name, path, api_key=api_key)
+            if res.ok:
+                self.adapter_moves[(step.node_id, step.name)] = True
+        else:
+            res = await loader.unload_adapter(self.http, endpoint, backend, step.name, api_key=api_key)
+            if res.ok:
+                self.adapter_moves[(step.node_id, step.name)] = False
+        now = self.clock()
+        self._emit_placement(PlacementEvent(phase="move_done" if res.ok else "move_failed", ts=now,
+                                            node_id=step.node_id, name=step.name, kind=step.kind,
+                                            message=res.message))
+        if not res.ok:
+            log.warning("%s on %s failed: %s", step.kind, step.node_id, res.message)
+            await asyncio.sleep(FAILURE_BACKOFF_S)  # the key stays in self.moving: not retried at once
+
+    async def _drain_and_unload(self, node_id: str, model: str, endpoint: str, backend: str,
+                                api_key: str | None) -> loader.LoadResult:
+        """Routers stop sending ``model`` here (health drops it from the node's routable
+        models on "draining"), the requests already sent finish, then the engine unloads it."""
+        assert self.http is not None
+        began = self.clock()
+        self._emit(WarmupEvent(node_id=node_id, model=model, phase="draining", reason="placement", ts=began))
+        deadline = began + self.cfg.planner.drain_timeout_s
+        poll = max(0.05, self.cfg.health.poll_interval_s / 4)
+        routed_off_at: float | None = None
+        while self.clock() < deadline:
+            st = self.states.get(node_id)
+            if st is None:
+                break
+            if routed_off_at is None and model not in st.models:
+                routed_off_at = st.updated_at
+            # idle in a state polled after the routers' view changed: nothing of ours in flight
+            if (routed_off_at is not None and st.updated_at > routed_off_at + self.cfg.health.poll_interval_s / 2
+                    and st.queue_running + st.queue_waiting == 0):
+                break
+            await asyncio.sleep(poll)
+        res = await loader.unload(self.http, endpoint, backend, model, served=self._served(Load(node_id, model)),
+                                  api_key=api_key)
+        self._emit(WarmupEvent(node_id=node_id, model=model, phase="unloaded" if res.ok else "failed",
+                               reason="placement", mechanism=res.mechanism, message=res.message, ts=self.clock(),
+                               elapsed_s=round(self.clock() - began, 3)))
+        return res
+
+    def _endpoint(self, node_id: str) -> tuple[str, str, str | None]:
+        endpoint, backend, api_key = self.endpoints.get(node_id, ("", "openai", None))
+        if not endpoint and node_id in self.states:
+            endpoint, backend = self.states[node_id].endpoint, self.states[node_id].backend
+        return endpoint, backend, api_key
+
+    def plan_reply(self) -> PlanReply:
+        if self.target is None or self.plan_inputs is None:
+            return placer.reply(self.cfg, placer.Inputs([], [], [], {}), None, self.states, 0.0)
+        run, wait, stuck = self.last_steps if self.last_steps and self.cfg.planner.mode == "apply" else (None, None, False)
+        return placer.reply(self.cfg, self.plan_inputs, self.target, self.states, self.planned_at, run, wait, stuck)
+
+    async def _on_plan(self, msg: Msg) -> None:
+        try:
+            try:
+                req = plan_request_decoder.decode(msg.data or b"{}")
+            except (msgspec.ValidationError, msgspec.DecodeError) as exc:
+                raise BadRequestError(f"invalid plan request: {exc}") from exc
+            if req.fresh:
+                await self.replan()
+            await msg.respond(_encode(self.plan_reply()))
+        except ZMLError as exc:
+            await self._reply_error(msg, exc)
+
+    def _emit_placement(self, ev: PlacementEvent) -> None:
+        self.placement_events.append(ev)
+        del self.placement_events[:-200]
+        if self.nc is not None and self.nc.is_connected:
+            self._spawn(self.nc.publish(subjects.event(subjects.EVENT_PLACEMENT), _encode(ev)))
 
     # --- zml serve -------------------------------------------------------------------------
     async def _on_serve(self, msg: Msg) -> None:

@@ -119,7 +119,7 @@ def _grants(role: str, owner: str) -> tuple[list[str], list[str], bool]:
                 [inbox, f"{subjects.EVENTS_PREFIX}.>"], False)
     if role == "gateway":
         # Requests go to the front-door subject: only there does a router honour the key's
-        # label and default policy (zml_router.request.flow.drop_untrusted).
+        # label and default policy (zml_router.request.intake.drop_untrusted).
         pub = [subjects.FRONT_DOOR_INFER, own_cancel, upload, subjects.ROUTERS_STATE, subjects.ROUTERS_DECISION,
                *kv_read(subjects.NODES_BUCKET),
                *kv_read(subjects.COSTS_BUCKET), *kv_read(subjects.KEYS_BUCKET), *kv_write(subjects.LIMITS_BUCKET),
@@ -138,12 +138,13 @@ def _grants(role: str, owner: str) -> tuple[list[str], list[str], bool]:
                # client identities' plans (zml_router.replicas.limits), counted with the gateways'
                *kv_read(subjects.KEYS_BUCKET), *kv_write(subjects.LIMITS_BUCKET),
                # cache-aware routing: session bindings and the replicas' shared prefix records
-               *kv_write(subjects.SESSIONS_BUCKET), subjects.PREFIX_RECORDS]
+               *kv_write(subjects.SESSIONS_BUCKET), subjects.PREFIX_RECORDS,
+               subjects.FLOW_SHARES]
         sub = [inbox, f"{subjects.INFER} {subjects.ROUTER_QUEUE}",  # only inside the queue group
                f"{subjects.FRONT_DOOR_INFER} {subjects.ROUTER_QUEUE}",
                subjects.INFLIGHT, subjects.INFLIGHT_SNAPSHOT, subjects.NODE_MARKS, f"{subjects.CANCEL_PREFIX}.>",
                subjects.ROUTERS_STATE, subjects.ROUTERS_DECISION, subjects.router_state("*"), subjects.QUEUE_BUSY,
-               subjects.PREFIX_RECORDS, f"{subjects.KV_EVENTS_PREFIX}.>", upload]
+               subjects.PREFIX_RECORDS, subjects.FLOW_SHARES, f"{subjects.KV_EVENTS_PREFIX}.>", upload]
         return pub, sub, False
     if role == "health":
         pub = [subjects.event(subjects.EVENT_WARMUP), *kv_write(subjects.NODES_BUCKET),
@@ -153,9 +154,9 @@ def _grants(role: str, owner: str) -> tuple[list[str], list[str], bool]:
         sub = [inbox, f"{subjects.ADMIN_NODES_PREFIX}.*", completed, subjects.event(subjects.EVENT_WARMUP)]
         return pub, sub, True
     if role == "warmup":
-        pub = [subjects.event(subjects.EVENT_WARMUP), *kv_read(subjects.NODES_BUCKET),
-               *kv_read(subjects.REGISTRY_BUCKET), *kv_write(subjects.LEASES_BUCKET)]
-        sub = [inbox, completed, subjects.WARMUP_SERVE]
+        pub = [subjects.event(subjects.EVENT_WARMUP), subjects.event(subjects.EVENT_PLACEMENT),
+               *kv_read(subjects.NODES_BUCKET), *kv_read(subjects.REGISTRY_BUCKET), *kv_write(subjects.LEASES_BUCKET)]
+        sub = [inbox, completed, subjects.WARMUP_SERVE, subjects.WARMUP_PLAN]
         return pub, sub, True
     if role == "batch":  # batch runners: lines go to the routers like any client's requests
         pub = [subjects.INFER, own_cancel, upload, subjects.BATCH_EVENTS, *kv_write(subjects.BATCH_INDEX_BUCKET),
@@ -166,8 +167,8 @@ def _grants(role: str, owner: str) -> tuple[list[str], list[str], bool]:
     if role == "admin":  # the operator's CLI: zml nodes add/remove/list, zml cost, zml serve, zml keys
         pub = [subjects.INFER, own_cancel, upload, f"{subjects.ADMIN_NODES_PREFIX}.*", subjects.ROUTERS_STATE,
                subjects.ROUTERS_DECISION,
-               subjects.WARMUP_SERVE, *kv_read(subjects.NODES_BUCKET), *kv_read(subjects.REGISTRY_BUCKET),
-               *kv_write(subjects.COSTS_BUCKET), *kv_write(subjects.KEYS_BUCKET)]
+               subjects.WARMUP_SERVE, subjects.WARMUP_PLAN, *kv_read(subjects.NODES_BUCKET),
+               *kv_read(subjects.REGISTRY_BUCKET), *kv_write(subjects.COSTS_BUCKET), *kv_write(subjects.KEYS_BUCKET)]
         return pub, [inbox], False
     raise ValueError(f"unknown role {role!r}: one of {', '.join(ROLES)}")
 

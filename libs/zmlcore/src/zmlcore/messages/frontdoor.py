@@ -9,7 +9,7 @@ decodes only what routing needs (:func:`decode`: the heavy ``messages``/``prompt
 bytes) and, when no model name changes, hands the node the very bytes it received.
 
 Raw NATS clients keep sending the documented JSON on ``zml.infer``; these headers are honoured
-only on the front-door subject (zml_router.request.flow.drop_untrusted drops them elsewhere), so a raw client cannot
+only on the front-door subject (zml_router.request.intake.drop_untrusted drops them elsewhere), so a raw client cannot
 skip validation or set a field through a header it could not set in the body.
 
     body, extra = split(raw, req)          # gateway: headers |= extra, send body

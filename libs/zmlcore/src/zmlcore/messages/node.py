@@ -34,6 +34,12 @@ class NodeState(msgspec.Struct, kw_only=True, omit_defaults=True):
     unknown_models: list[str] = []
     #: Models the node is loading now (not routable for them yet).
     loading_models: list[str] = []
+    #: Models the placement planner is moving off this node: not routable here any more, still
+    #: loaded until the requests already sent finish (docs/placement.md).
+    draining_models: list[str] = []
+    #: LoRA adapters the engine holds now (vLLM: /v1/models entries with a parent; llama.cpp:
+    #: GET /lora-adapters), by the name clients ask for.
+    adapters: list[str] = []
     #: The engine has put its model to sleep (llama.cpp ``--sleep-idle-seconds``: the next
     #: request wakes it, paying the load time; vLLM sleep mode: its models are not routable
     #: until warmup wakes it with ``/wake_up``).
@@ -126,6 +132,8 @@ class NodeState(msgspec.Struct, kw_only=True, omit_defaults=True):
     kv_group: str = ""
     #: Bandwidth of the node's KV link, Gbit/s (0: unknown).
     kv_gbps: float = 0.0
+    #: SGLang: its bootstrap server's port (0: the endpoint's).
+    kv_bootstrap_port: int = 0
 
 
 class InflightDelta(msgspec.Struct, kw_only=True, array_like=True):

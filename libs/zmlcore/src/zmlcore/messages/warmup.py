@@ -75,14 +75,16 @@ class CompletionCounts(msgspec.Struct, frozen=True, kw_only=True):
     speed: SpeedSample | None = None
 
 
-WarmupPhase = Literal["started", "loaded", "failed", "probed"]
+#: "draining": the placement planner is about to unload ``model`` from ``node_id``: health takes
+#: it out of the node's routable models (routers stop sending it there) until "unloaded".
+WarmupPhase = Literal["started", "loaded", "failed", "probed", "draining", "unloaded"]
 
 
 class WarmupEvent(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     node_id: str
     model: str
     phase: WarmupPhase
-    #: "quiet_window", "fixed_window", "serve", "keep_warm".
+    #: "quiet_window", "fixed_window", "serve", "keep_warm", "placement".
     reason: str = ""
     #: How the load was asked for: "vllm_wake_up", "llamacpp_load", "warmup_request".
     mechanism: str = ""

@@ -90,7 +90,7 @@ class Intake:
         body, fields = frontdoor.split(body, req)
         headers = {subjects.H_REQUEST_ID: checked.request_id, subjects.H_TIMEOUT_MS: str(int(checked.timeout * 1000))}
         headers.update(fields)
-        # A prompt the router would key (zml_router.request.flow.prefix_chain) is keyed here, where it
+        # A prompt the router would key (zml_router.request.prepare.prefix_chain) is keyed here, where it
         # was decoded to be checked: the router, which gets it raw (frontdoor), then need not
         # decode it again (~9 us at 8k tokens).
         if keyed(len(body), req.input is not None):

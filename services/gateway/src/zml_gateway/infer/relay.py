@@ -4,7 +4,7 @@ The loop in :mod:`zml_gateway.infer.stream` waits for the exchange's reply messa
 a :class:`StreamRelay` what happened; the relay answers with what to do, and keeps the
 stream's state: whether the SSE head went out, the sequence check, what the client has been
 sent. It imports no asyncio and no nats, so every branch is unit-tested without a network
-(tests/unit/test_gateway_relay.py), as the router's ``flow.route`` is.
+(tests/unit/test_gateway_relay.py), as the router's ``zml_router.request.route`` is.
 
 What happened (one method each)            What to do (the return value)
 - :meth:`~StreamRelay.frames`: header-less  - ``None``: nothing, wait for the next message

@@ -21,7 +21,7 @@ that adds up, ``zml.continued_from`` saying what happened.
   its assistant prefill (on by default: a final assistant message is continued); completions:
   the prompt plus the text so far. An OpenAI-compatible server of unknown make
   (``backend = "openai"``) has no such mechanism and never continues an answer
-  (:func:`engine_continues`).
+  (``zml_router.replicas.table.engine_continues``).
 - **Usage**: the continuation's prompt holds the text so far, so its ``prompt_tokens`` less the
   tokens sent is the first attempt's prompt, and the tokens sent plus its ``completion_tokens``
   are the answer's: ``total_tokens`` is the continuation's own. Tokens sent are counted as
@@ -42,16 +42,8 @@ from zmlcore.reply.sse import event_payloads
 # to continue a stream whose router died (zmlcore.reply.resume).
 from zmlcore.reply.transcript import Sent, chunk_decoder as _chunk
 
-#: Engines with a documented way to continue an assistant message (see the module docstring).
-CONTINUABLE = frozenset({"vllm", "sglang", "tgi", "llamacpp"})
-
 _decode_any = msgspec.json.Decoder()
 _encode = msgspec.json.encode
-
-
-def engine_continues(backend: str) -> bool:
-    """Whether a node of this backend can continue an answer another node started."""
-    return backend in CONTINUABLE
 
 
 def engine_error(chunk: bytes) -> str | None:

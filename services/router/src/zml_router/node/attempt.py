@@ -7,7 +7,7 @@ may take, how it can fail, and what the requester gets back. ``zml_router.node.r
   non-streamed request counts as pending (:func:`pending_window_s`).
 - **How it failed** (:class:`Failure`, :class:`AttemptError`, :func:`classify`): the node's HTTP
   client (``zml_router.node.dispatch``) raises nothing else, and the request flow
-  (``zml_router.request.flow``) decides from the failure class alone whether to fail over, cool the node
+  (``zml_router.request``) decides from the failure class alone whether to fail over, cool the node
   down or give up. An AttemptError is not a ZMLError: a requester never sees one, only the error
   the flow maps it to.
 - **The reply the requester gets** (:class:`Renamer`, :func:`with_routing`,
@@ -60,6 +60,11 @@ class AttemptError(Exception):
     #: What the node had produced of the answer when it failed (a ``continuation.Sent``), when
     #: it got that far: what a continuation goes on from.
     sent: Any = None
+    #: The token counts the node reported before it failed (a stream's usage chunk), if any.
+    usage: dict[str, Any] | None = None
+    #: The node refused (400/422) a non-streamed request asked of it as a stream to put back
+    #: together (a server that takes no ``stream_options``): it may take it asked as it came.
+    stream_refused: bool = False
 
 
 def _retry_after(headers: dict[str, str]) -> float | None:
@@ -286,7 +291,7 @@ def pending_window_s(st: NodeState, outstanding: int, pending: int, body_bytes: 
     a node look prefill-bound through every such request's decode (benches/routing_sim.py: 1.14x
     the oracle's p99 at 80% load instead of 1.00x). Instead its pending count ends when the TTFT
     the policy estimated for it has passed (``zmlcore.policy.estimate.nonstream_pending_s``), or
-    at completion if that comes first (``zml_router.node.relay.PendingHold``). The simulator models
+    at completion if that comes first (``zml_router.node.pending.PendingHold``). The simulator models
     exactly this (``--pending-expiry``)."""
     tokens = prompt_tokens if prompt_tokens is not None else prompt_tokens_from_body(body_bytes)
     return nonstream_pending_s(st, outstanding, pending, tokens)

@@ -1,18 +1,19 @@
-"""The requester's side of a request: everything it receives (:class:`Replies`), and one
-attempt on a node with the node's answer relayed to it (:class:`Relay`: the HTTP call with
-the body the node gets, then one message, or start / chunk... / end). The pure parts (bodies,
-deadlines, failures, the reply's bytes) are ``zml_router.node.attempt``; continuing an answer whose
-node failed part-way (the continuation's body, the splice, what was sent) is
-``zml_router.answer.continuation``. An :class:`Answer` is what the requester has been sent across
-the attempts of one request.
+"""One attempt on a node with the node's answer relayed to the requester (:class:`Relay`: the
+HTTP call with the body the node gets, then one message, or start / chunk... / end). The pure
+parts (bodies, deadlines, failures, the reply's bytes) are ``zml_router.node.attempt``;
+continuing an answer whose node failed part-way (the continuation's body, the splice, what was
+sent) is ``zml_router.answer.continuation``; what the requester has been sent across the attempts
+of one request is an ``zml_router.answer.record.Answer``, and what it receives goes out through
+``zml_router.answer.replies.Replies``.
 
 An attempt that fails raises :class:`~zml_router.node.attempt.AttemptError`; the request flow
-(``zml_router.request.flow``) decides what follows.
+(``zml_router.request``) decides what follows.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -20,30 +21,32 @@ from random import getrandbits
 from typing import Any
 
 import msgspec
-from nats.aio.client import Client as NATS
-
 from zmlcore import subjects
-from zmlcore.bus.publish import Publisher
 from zmlcore.config import ZMLConfig
-from zmlcore.errors import ZMLError
-from zmlcore.messages import InferRequest, RoutingInfo, StreamResume, StreamStart
+from zmlcore.messages import InferRequest, RoutingInfo, StreamStart
 from zmlcore.messages.audio import AudioRequest
 from zmlcore.policy import RouteRequest
 from zmlcore.policy.estimate import MEAN_PROMPT_TOKENS
 from zmlcore.reply import routingmeta, streamframe
 from zmlcore.reply.bigreply import accepted
 from zmlcore.reply.cachedtokens import cached_tokens, engine_speeds
-from zmlcore.reply.keepalive import QUEUED, KeepaliveBook, keepalive_headers
 from zmlcore.reply.parts import publish_reply
 from zmlcore.reply.sse import SSELineTooLong
-from zmlcore.reply.transcript import Sent, Transcript
+from zmlcore.telemetry import tracing
 from zmlcore.telemetry.setup import DECISION_ID
 
+from zml_router.answer import assemble, continuation
+from zml_router.answer.assemble import Assembler, EngineFailed, MalformedStream
+from zml_router.answer.continuation import Splice, engine_error, spliced_usage
+from zml_router.answer.record import Answer, answer_for
+from zml_router.answer.replies import Replies
+from zml_router.incoming import Incoming, QueuedMsg
 from zml_router.node.attempt import (
     AttemptError,
     AudioBodies,
     Failure,
     NodeBodies,
+    AtDispatch,
     Renamer,
     at_dispatch,
     expected_s,
@@ -57,21 +60,23 @@ from zml_router.node.attempt import (
     stream_usage,
     with_routing,
 )
-from zml_router.answer import assemble, continuation
-from zml_router.answer.assemble import Assembler, EngineFailed, MalformedStream
-from zml_router.answer.continuation import Splice, engine_error, spliced_usage
-from zml_router.node.dispatch import NodeClient, first_chunk_within, post, post_streamed, stream_sse
-from zml_router.incoming import Incoming, QueuedMsg
+from zml_router.node.dispatch import (
+    NodeClient,
+    first_chunk_within,
+    post,
+    post_streamed,
+    stream_sse,
+)
 from zml_router.node import legs
-from zml_router.node.result import PATHS, Dispatch, Handoff
+from zml_router.node.pending import PendingHold
+from zml_router.node.result import PATHS, AttemptResult, Close, Dispatch, Handoff
 from zml_router.outcome import Outcome
-from zml_router.replicas.ids import RequestIds
 from zml_router.replicas.inflight import Sharing
-from zml_router.replicas.limits import IdentityLimits
 from zml_router.telemetry.decisions import DecisionLog
-from zml_router.telemetry.metrics import RouterMetrics
+from zml_router.telemetry import tracing as rtrace
 from zml_router.replicas.table import NodeTable
-from zml_router.timers import Stalled, Timer, Wheel
+from zml_router.telemetry.metrics import RouterMetrics
+from zml_router.timers import Stalled, Wheel
 
 log = logging.getLogger("zml.router")
 
@@ -83,91 +88,6 @@ _RELAYED = (subjects.STREAM_EVENTS, subjects.STREAM_FRAMES)
 def _decision_id() -> str:
     """Unique, not secret (it names a decision in logs and traces): no getrandom syscall per attempt."""
     return f"{getrandbits(64):016x}"
-
-
-class Replies:
-    """What the requester receives, on the router's one publisher (one write per loop
-    iteration): replies and stream messages, error replies, "queued" keepalives. The last reply
-    of a request frees first what the caller may reuse the moment it has it: the request id's
-    claim (``zml_router.replicas.ids``) and the plan's concurrency slot (``zml_router.replicas.limits``), both of
-    the request this task handles."""
-
-    def __init__(self, keepalives: KeepaliveBook, ids: RequestIds, limits: IdentityLimits) -> None:
-        self.keepalives = keepalives
-        self.ids = ids
-        self.limits = limits
-        self.nc: NATS | None = None
-        self.pub: Publisher | None = None
-
-    def start(self, nc: NATS) -> None:
-        self.nc = nc
-        self.pub = Publisher.of(nc)
-
-    async def publish(self, reply: str, data: bytes, headers: dict[str, str] | None) -> None:
-        if reply and self.pub is not None:
-            await self.pub.publish(reply, data, headers=headers)
-            if self.keepalives:  # the next keepalive is an interval after this message
-                self.keepalives.sent(reply, time.monotonic())
-
-    async def before_last(self, tokens: int) -> None:
-        """Free the request's id claim and plan slot (on every replica): its last reply follows."""
-        await self.ids.release_current()
-        await self.limits.release_current(tokens)
-
-    async def queued(self, reply: str) -> None:
-        """Tell a requester that asked for keepalives that its request waits in the saturation
-        queue (it stops watching for keepalives meanwhile)."""
-        self.keepalives.remove(reply)
-        await self.publish(reply, b"", keepalive_headers(QUEUED))
-
-    async def error(self, msg: Incoming, exc: ZMLError, stream: bool) -> None:
-        headers = {subjects.H_ERROR_CODE: exc.code, **getattr(exc, "nats_headers", {})}
-        if exc.retry_after is not None:
-            headers[subjects.H_RETRY_AFTER] = f"{exc.retry_after:g}"
-        if stream:
-            headers[subjects.H_STREAM] = subjects.STREAM_ERROR
-        try:
-            await self.ids.release_current()
-            await self.publish(msg.reply, _encode(exc.to_body()), headers)
-        except Exception:  # connection closing: the requester times out on its side
-            log.warning("could not send error reply %s", exc.code)
-
-
-#: Moves a node's (outstanding, pending) counts at once (``Sharing.move``: no I/O, no waiting).
-Move = Callable[[str, int, int], None]
-
-
-class PendingHold:
-    """Counts one dispatched non-streamed request: +1 outstanding and pending now, pending -1
-    after ``seconds`` (``attempt.pending_window_s``: a timer on the router's wheel, the count
-    moved in its callback: no task, and no loop timer armed and cancelled per request; it may
-    end one tick, 5 ms, late), the rest at :meth:`close`."""
-
-    __slots__ = ("_move", "node_id", "pending", "_timer", "_closed")
-
-    def __init__(self, move: Move, node_id: str, seconds: float, wheel: Wheel) -> None:
-        self._move = move
-        self.node_id = node_id
-        self.pending = True
-        self._closed = False
-        move(node_id, 1, 1)
-        self._timer: Timer | None = wheel.call_at(wheel.running_loop().time() + max(0.0, seconds), self._expire)
-
-    def _expire(self) -> None:
-        self._timer = None
-        if self.pending:
-            self.pending = False
-            self._move(self.node_id, 0, -1)
-
-    def close(self) -> None:
-        """The request finished (reply, error or cancel): the rest of its count (once)."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        if not self._closed:
-            self._closed = True
-            still, self.pending = self.pending, False
-            self._move(self.node_id, -1, -1 if still else 0)
 
 
 #: Relayed chunks kept before they are folded into what was sent (zml_router.answer.continuation): a
@@ -184,74 +104,6 @@ _ERROR_TAILS = (b"}}\n\n", b"}}")
 #: requester takes ([nats] max_reply_bytes). A token's event repeats the chunk's envelope (~8x a
 #: short token's bytes); the reply put together is checked against the limit itself.
 SSE_BYTES_PER_REPLY_BYTE = 8
-
-
-class Answer:
-    """One request's answer across its attempts: whether the requester has the stream's
-    ``start``, the last sequence number sent, the chunks relayed (for a continuation: what was
-    sent), and the splice of a continuation attempt."""
-
-    __slots__ = ("started", "seq", "transcript", "splice", "usage_asked", "ttft", "assembler", "timings")
-
-    def __init__(self, usage_asked: bool = False, assembler: Assembler | None = None) -> None:
-        self.started = False
-        #: A non-streamed answer asked of the nodes as a stream and put back together here.
-        self.assembler = assembler
-        #: The answer's first token (seconds after the request arrived), whichever attempt sent it.
-        self.ttft: float | None = None
-        self.seq = 0
-        self.transcript = Transcript()
-        self.splice: Splice | None = None
-        #: The requester asked for the usage chunk (stream_options.include_usage).
-        self.usage_asked = usage_asked
-        #: The chunk that carried the engine's own timings (llama-server's last), if any.
-        self.timings: bytes | None = None
-
-    def resume(self, r: StreamResume) -> Sent:
-        """Start from what the requester of a stream whose router died has (zmlcore.reply.resume):
-        its ``start`` went out, numbering goes on from its last message."""
-        sent = Sent(text=r.text, tokens=r.tokens, chunk_id=r.chunk_id, created=r.created, finished=r.finished,
-                    usage=r.usage, blocked=r.blocked)
-        self.started = True
-        self.seq = r.seq
-        self.transcript = Transcript(sent)
-        return sent
-
-
-def continued_from(failed: list[tuple[str, int, str]]) -> str | None:
-    """``Outcome.continued_from`` (node, tokens of the answer so far when it failed, failure)
-    as ``RoutingInfo.continued_from``: ``node@tokens:failure``, each node's share, comma-separated.
-
-    >>> continued_from([("a", 5, "network"), ("b", 12, "slow")])
-    'a@5:network,b@7:slow'
-    """
-    if not failed:
-        return None
-    out, before = [], 0
-    for node_id, upto, failure in failed:
-        out.append(f"{node_id}@{max(0, upto - before)}:{failure}")
-        before = max(before, upto)
-    return ",".join(out)
-
-
-def resumed_from(r: StreamResume) -> list[tuple[str, int, str]]:
-    """``Outcome.continued_from`` of a stream whose router died: the continuations its routing
-    said before (``RoutingInfo.continued_from``, each node's share) and the node that was
-    relaying when the router went (failure ``router``), as tokens of the answer so far.
-
-    >>> resumed_from(StreamResume(text="x", tokens=20, seq=21, node_id="c", continued_from="a@5:network,b@7:slow"))
-    [('a', 5, 'network'), ('b', 12, 'slow'), ('c', 20, 'router')]
-    """
-    out: list[tuple[str, int, str]] = []
-    upto = 0
-    for part in (r.continued_from or "").split(","):
-        node, at, rest = part.rpartition("@")
-        share, _, failure = rest.partition(":")
-        if node and share.isdigit():
-            upto += int(share)
-            out.append((node, upto, failure))
-    out.append((r.node_id or "unknown", max(r.tokens, upto), "router"))
-    return out
 
 
 class Relay:
@@ -277,15 +129,10 @@ class Relay:
         self.whole_only: set[str] = set()
 
     def answer(self, req: InferRequest | AudioRequest, raw: bytes = b"", model: str = "") -> Answer:
-        """The state of one request's answer, kept across its attempts. A non-streamed chat or
-        completion is asked of its nodes as a stream and put back together (zml_router.answer.assemble)
-        unless its model says ``stream_from_nodes = false``."""
-        opts = getattr(req, "stream_options", None)
-        kind = req.kind()
+        """The record of one request's answer, kept across its attempts (answer_for, with its
+        model's ``stream_from_nodes``)."""
         mc = self.cfg.models.get(model)
-        asm = (Assembler(kind) if not req.stream and kind in ("chat", "completion")
-               and (mc is None or mc.stream_from_nodes) and assemble.wanted(raw) else None)
-        return Answer(usage_asked=isinstance(opts, dict) and bool(opts.get("include_usage")), assembler=asm)
+        return answer_for(req, raw, mc is None or mc.stream_from_nodes)
 
     async def prefill(self, req: InferRequest, bodies: NodeBodies, model: str, action: Any, request_id: str,
                       out: Outcome) -> Handoff | AttemptError:
@@ -300,32 +147,52 @@ class Relay:
         served = st.served_names.get(model)
         info = RoutingInfo(node_id=node_id, request_id=request_id, router_id=self.router_id, label=out.label,
                            decision_id=_decision_id())
-        headers = self._headers(info)
-        self.sharing.move(node_id, 1, 1)
-        try:
-            async with asyncio.timeout(self.cfg.disaggregation.prefill_timeout_s):
-                handoff = await legs.run_prefill(self.http, st.backend, st.endpoint, PATHS[req.kind()],
-                                                 bodies(served or model), headers, node_id,
-                                                 f"{request_id}-{info.decision_id}")
-        except AttemptError as err:
-            self.metrics.prefill_leg(node_id, err.failure.value)
+        with rtrace.prefill_leg(node_id, action.decision.node_id) if tracing.ON else contextlib.nullcontext():
+            headers = self._headers(info)  # (the prefill span's context goes to the node)
+            self.sharing.move(node_id, 1, 1)
+            err: AttemptError | None = None
+            handoff: Handoff | None = None
+            try:
+                async with asyncio.timeout(self.cfg.disaggregation.prefill_timeout_s):
+                    handoff = await legs.run_prefill(self.http, st.backend, st.endpoint, PATHS[req.kind()],
+                                                     bodies(served or model), headers, node_id,
+                                                     f"{request_id}-{info.decision_id}", st.kv_bootstrap_port)
+            except AttemptError as exc:
+                err = exc
+            except TimeoutError:
+                err = AttemptError(Failure.SLOW, 0, f"no prefill within {self.cfg.disaggregation.prefill_timeout_s:g} "
+                                   "s ([disaggregation] prefill_timeout_s)")
+            finally:
+                if handoff is None or handoff.running is None:
+                    self.sharing.move(node_id, -1, -1)
+        if handoff is not None and handoff.running is not None:  # SGLang: it runs beside the decode leg
+            handoff.running.add_done_callback(lambda t: self._leg_done(node_id, t))
+            return handoff
+        self.metrics.prefill_leg(node_id, "ok" if err is None else err.failure.value)
+        if err is not None:
+            if tracing.ON:
+                rtrace.prefill_failed(f"{node_id}:{err.failure.value}")
             return err
-        except TimeoutError:
-            self.metrics.prefill_leg(node_id, Failure.SLOW.value)
-            return AttemptError(Failure.SLOW, 0, f"no prefill within {self.cfg.disaggregation.prefill_timeout_s:g} s "
-                                "([disaggregation] prefill_timeout_s)")
-        finally:
-            self.sharing.move(node_id, -1, -1)
-        self.metrics.prefill_leg(node_id, "ok")
+        assert handoff is not None
         return handoff
+
+    def _leg_done(self, node_id: str, task: asyncio.Future[Any]) -> None:
+        """A prefill leg that ran beside its decode leg (SGLang) ended."""
+        self.sharing.move(node_id, -1, -1)
+        exc = None if task.cancelled() else task.exception()
+        self.metrics.prefill_leg(node_id, "cancelled" if task.cancelled() else "ok" if exc is None else
+                                 exc.failure.value if isinstance(exc, AttemptError) else "network")
 
     async def attempt(self, msg: Incoming, req: InferRequest, bodies: NodeBodies | AudioBodies, model: str,
                       action: Dispatch, request_id: str, t0: float, out: Outcome,
-                      answer: Answer | None = None) -> AttemptError | None:
-        """One attempt on the decided node: None once the answer is out, else how it failed.
-        A continuation attempt (``action.continuation``) asks the node for the rest of what
-        ``answer`` has sent (zml_router.answer.continuation; never an audio request: its body is no
-        prompt to continue)."""
+                      answer: Answer | None = None) -> AttemptResult:
+        """One attempt on the decided node, executed as ``action`` says; how it went (its routing
+        metadata, the node's token counts, or how it failed). A continuation attempt
+        (``action.continuation``) asks the node for the rest of what ``answer`` has sent
+        (zml_router.answer.continuation; never an audio request: its body is no prompt to
+        continue); ``action.whole`` asks it as the caller asked, not as a stream to put together.
+        ``out`` is read (the label, a failed prefill leg; the decision log keeps it to say later
+        what became of the decision), never written: the request's ``route`` writes it."""
         decision = action.decision
         view = self.table.views[decision.node_id]
         st = view.state
@@ -338,33 +205,76 @@ class Relay:
             node_id=decision.node_id, accelerator_type=view.state.accelerator_type, family=decision.family,
             policy=decision.policy, queue_depth_at_dispatch=decision.queue_depth, decision_id=_decision_id(),
             request_id=request_id, attempts=action.attempt, router_id=self.router_id, label=out.label,
-            continued_from=continued_from(out.continued_from),
+            continued_from=action.continued_from,
             cached_tokens_estimated=decision.cached_tokens,
             prefill_failed=out.prefill_failed,
             # what the node's learned speeds predicted (docs/routing.md "Learned speeds")
             predicted_ttft_ms=round(disp.predicted_ttft_s * 1000, 1),
             predicted_tpot_ms=round(token_gap_s(st, disp.inflight - 1, model) * 1000, 2),
         )
+        if out.flow is not None:  # band, share, targets and predictions (zml_router.request.flowgate)
+            out.flow.fill(info)
         handoff = action.handoff
         if handoff is not None:
             info.prefill_node = handoff.prefill_node
-            info.prefill_ms = round(handoff.prefill_ms, 3)
+            info.prefill_ms = round(handoff.prefill_ms, 3) if handoff.running is None else None
+        running = handoff.running if handoff is not None else None
         if answer is None:
             answer = self.answer(req)
-        started_before, seq_before = answer.started, answer.seq
+        before = (answer.started, answer.seq)
+        if running is None:
+            return self._sampled(await self._attempt(msg, req, bodies, model, action, out, answer, info, view,
+                                                     decision, handoff, t0), disp, answer, before, action, t0)
+        try:
+            result = await self._attempt(msg, req, bodies, model, action, out, answer, info, view, decision,
+                                         handoff, t0)
+        except BaseException:  # cancelled (the caller went away, the deadline): so is the prefill leg
+            running.cancel()
+            raise
+        if not running.done():
+            # the decode leg ended: the prefill leg's reply is not the answer; a moment to finish
+            # its side of the transfer, then it is let go
+            try:
+                await asyncio.wait_for(asyncio.shield(running), 2.0)
+            except Exception:
+                running.cancel()
+        return result  # a split's decode leg: its TTFT is the prefill leg's, no sample of this node
+
+    def _sampled(self, result: AttemptResult, disp: AtDispatch, answer: Answer, before: tuple[bool, int],
+                 action: Dispatch, t0: float) -> AttemptResult:
+        """An answered attempt whose first token was the answer's: a sample of its node's speeds
+        for the health service's learner, and its TTFT against the one predicted."""
+        if result.error is not None or answer.ttft is None or before[0] or action.continuation \
+                or action.handoff is not None:  # a decode leg's first token came after another node's prefill
+            return result
+        usage = result.usage or {}
+        tokens = int(usage.get("completion_tokens") or 0) or (answer.seq - before[1] if action.stream else 0)
+        prompt = int(usage.get("prompt_tokens") or 0)
+        info = result.info
+        result.sample = speed_sample(disp, t0 + answer.ttft, time.monotonic(), tokens, prompt or None,
+                                     info.cached_tokens if info is not None else None,
+                                     engine_speeds(answer.timings) if answer.timings is not None else (0.0, 0.0))
+        self.metrics.predicted(action.decision.node_id, disp.predicted_ttft_s, result.sample.ttft_s)
+        return result
+
+    async def _attempt(self, msg: Incoming, req: InferRequest, bodies: NodeBodies | AudioBodies, model: str,
+                       action: Dispatch, out: Outcome, answer: Answer | None, info: RoutingInfo, view: Any,
+                       decision: Any, handoff: Handoff | None, t0: float) -> AttemptResult:
+        if answer is None:
+            answer = self.answer(req)
         if answer.started:
             info.time_to_first_token = answer.ttft  # the answer's first token, not this attempt's
-        out.info = info
         DECISION_ID.set(info.decision_id)
         self.decisions.remember(info, decision, view.state, model, action.attempt, out)
         served = view.state.served_names.get(model)
         audio = isinstance(req, AudioRequest)
-        if answer.assembler is not None and decision.node_id in self.whole_only and not action.continuation:
+        if answer.assembler is not None and not action.continuation and (
+                action.whole or decision.node_id in self.whole_only):
             answer.assembler = None
             answer.ttft = None
         asm = answer.assembler
         if action.continuation and isinstance(bodies, NodeBodies):
-            sent = asm.begin_continuation() if asm is not None else answer.transcript.sent()
+            sent = asm.begin_continuation() if asm is not None else answer.sent()
             node_body = continuation.body(bodies.raw, clean=bodies.clean, kind=req.kind(), sent=sent,
                                           backend=view.state.backend, name=served or model,
                                           usage=asm is not None)
@@ -380,7 +290,7 @@ class Relay:
                         await legs.before_decode(self.http, view.state.endpoint, handoff, self._headers(info))
                     except AttemptError as err:
                         self.metrics.failover(decision.node_id, err.failure.value)
-                        return err
+                        return AttemptResult(info, err)
             if asm is not None:
                 node_body = assemble.as_stream(node_body)
                 if asm.touched:  # asked again from scratch: what a failed attempt produced goes
@@ -398,45 +308,37 @@ class Relay:
                 try:
                     usage = await self.once(msg, req, node_body, info, t0, first_byte, rename, action.rr, answer)
                 except AttemptError as err:
-                    if not (asm is not None and err.failure is Failure.CLIENT and err.status in (400, 422)
-                            and not action.continuation and isinstance(bodies, NodeBodies)):
-                        raise
-                    # Refused as a stream: the node may not take stream_options (an OpenAI-compatible
-                    # server of its own make). Asked as the caller asked; if that is answered, so is
-                    # every later request to it (a bad request is refused again, as it should be).
-                    answer.assembler = None
-                    first_byte = self.first_byte_s(decision.node_id, req, action.rr, False)
-                    usage = await self.once(msg, req, bodies(served or model), info, t0, first_byte, rename,
-                                            action.rr, answer)
+                    # Refused as a stream to put together (400/422): the request path may ask it as it came.
+                    err.stream_refused = (asm is not None and err.failure is Failure.CLIENT
+                                          and err.status in (400, 422) and not action.continuation
+                                          and isinstance(bodies, NodeBodies))
+                    raise
+                if action.whole and decision.node_id not in self.whole_only:
+                    # Answered asked as it came: so is every later request to it (a bad request is
+                    # refused again, as it should be).
                     self.whole_only.add(decision.node_id)
-                    log.warning("node %s refused a non-streamed request asked as a stream (%s %s) and answered "
-                                "it asked as it came: its requests are asked as they come from now on",
-                                decision.node_id, err.status, err.detail[:200])
+                    log.warning("node %s refused a non-streamed request asked as a stream and answered it asked "
+                                "as it came: its requests are asked as they come from now on", decision.node_id)
         except AttemptError as err:
             self.metrics.failover(decision.node_id, err.failure.value)
-            return err
-        if usage:  # the completion event counts them (cost attribution: docs/security.md, observers)
-            out.prompt_tokens = int(usage.get("prompt_tokens") or 0)
-            out.completion_tokens = int(usage.get("completion_tokens") or 0)
-        if answer.ttft is not None and not started_before and not action.continuation and handoff is None:
-            # this attempt's first token was the answer's: a sample of the node's speeds
-            first_at = t0 + answer.ttft
-            tokens = out.completion_tokens or (answer.seq - seq_before if action.stream else 0)
-            out.sample = speed_sample(disp, first_at, time.monotonic(), tokens,
-                                      out.prompt_tokens or None, info.cached_tokens,
-                                      engine_speeds(answer.timings) if answer.timings is not None else (0.0, 0.0))
-            self.metrics.predicted(decision.node_id, disp.predicted_ttft_s, out.sample.ttft_s)
-        return None
+            return AttemptResult(info, err)
+        return AttemptResult(info, None, usage)
 
     async def close(self, msg: Incoming, req: InferRequest | AudioRequest, answer: Answer, request_id: str,
-                    out: Outcome, node_id: str, attempts: int) -> None:
+                    action: Close, label: str = "", info: RoutingInfo | None = None) -> AttemptResult:
         """End a stream whose requester has the whole answer, only its end lost (its node failed,
-        or its router died, after the last token: zml_router.answer.continuation.complete): the chunk
-        that ends it unless its finish went out, then the stream's end."""
-        sent = answer.transcript.sent()
+        or its router died, after the last token: ``zml_router.request.route.ending``): the chunk
+        that ends it unless its finish went out, then the stream's end. ``action.whole``: the
+        node's own end, with its attempt's routing metadata (``info``)."""
+        if action.whole and info is not None:
+            await self.replies.before_last(info.total_tokens or 0)
+            await self.replies.publish(msg.reply, _encode(StreamStart(routing=info)),
+                                       {subjects.H_STREAM: subjects.STREAM_END, subjects.H_SEQ: str(answer.seq + 1)})
+            return AttemptResult(info)
+        node_id, attempts = action.node_id, action.attempts
+        sent = answer.sent()
         info = RoutingInfo(node_id=node_id, request_id=request_id, attempts=attempts, router_id=self.router_id,
-                           label=out.label, continued_from=continued_from(out.continued_from))
-        out.info, out.node_id, out.attempts, out.ok = info, node_id, attempts, True
+                           label=label, continued_from=action.continued_from)
         seq = answer.seq
         if not sent.finished:
             log.info("the answer on %s had all its %d tokens, only its end was lost: ended here", node_id,
@@ -458,6 +360,7 @@ class Relay:
         await self.replies.before_last(0)
         await self.replies.publish(msg.reply, _encode(StreamStart(routing=info)),
                                    {subjects.H_STREAM: subjects.STREAM_END, subjects.H_SEQ: str(seq + 1)})
+        return AttemptResult(info)
 
     def _headers(self, info: RoutingInfo, msg: Incoming | None = None) -> dict[str, str]:
         # An audio request's body is its caller's multipart form, its boundary in the content type.
@@ -528,6 +431,8 @@ class Relay:
             raw = rename(raw)
         if "total_tokens" in usage:
             info.total_tokens = usage["total_tokens"]
+        if info.slo and asm is not None and info.time_to_first_token is not None:
+            _slo_outcome(info, usage.get("completion_tokens") or 0, time.monotonic() - t0)
         await self.replies.before_last(info.total_tokens or 0)  # the caller may send again at once
         # Over max_payload: in parts to a requester that collects them (zmlcore.reply.bigreply), else
         # REPLY_TOO_LARGE (raised before anything is sent), never a lost reply.
@@ -602,7 +507,7 @@ class Relay:
                 if seen and got:  # part of the answer came: it can be continued
                     try:
                         asm.feed(b"".join(got))
-                        err.sent = asm.sent()
+                        err.sent = answer.sent()
                     except (MalformedStream, EngineFailed, SSELineTooLong):
                         pass
                 raise
@@ -614,12 +519,12 @@ class Relay:
                 asm.feed(data)
                 if not asm.done:
                     cut = AttemptError(Failure.NETWORK, 0, "stream ended without [DONE]")
-                    cut.sent = asm.sent()
+                    cut.sent = answer.sent()
                     raise cut
                 return asm.reply(model=req.model if rename is not None else None), asm.counts()
             except EngineFailed as exc:
                 failed = AttemptError(Failure.SERVER, 200, f"the engine failed the request mid-way: {exc}")
-                failed.sent = asm.sent()
+                failed.sent = answer.sent()
                 raise failed from None
             except (MalformedStream, SSELineTooLong) as exc:
                 raise AttemptError(Failure.SERVER, 200, f"stream broken: {exc}") from None
@@ -728,24 +633,27 @@ class Relay:
             await publish(msg.reply, _encode(StreamStart(routing=info)),
                           {subjects.H_STREAM: subjects.STREAM_END, subjects.H_SEQ: str(seq + 1)})
         except AttemptError as err:
-            # Before the first token the flow re-dispatches invisibly; after it, it continues the
-            # answer on another node where it can (zml_router.answer.continuation), else it cools the
-            # node and ends the stream with an error.
+            # Before the first token the flow re-dispatches invisibly; after it, it ends the answer
+            # if the requester has all of it, continues it on another node where it can
+            # (zml_router.answer.continuation), else it cools the node and ends the stream with an error.
             err.mid_stream = answer.started
-            if answer.started:
-                sent = transcript.sent()
-                if sent.finished and (sent.usage or not answer.usage_asked):
-                    # Only the end of a complete answer was lost: end it here.
-                    log.info("node %s failed after the end of its answer (%s): the stream is complete",
-                             info.node_id, err.detail[:120])
-                    answer.seq = seq
-                    await self.replies.before_last(info.total_tokens or 0)
-                    await publish(msg.reply, _encode(StreamStart(routing=info)),
-                                  {subjects.H_STREAM: subjects.STREAM_END, subjects.H_SEQ: str(seq + 1)})
-                    return last_usage
-                err.sent = sent
+            if answer.started:  # how the answer ends is the request path's (route.ending)
+                err.sent = answer.sent()
+                err.usage = last_usage
             raise
         finally:
             answer.seq = seq
             await count(info.node_id, -1, -pending)
         return last_usage
+
+
+def _slo_outcome(info: RoutingInfo, completion_tokens: int, total_s: float) -> None:
+    """A whole reply to a request with latency targets: its measured time per output token and
+    whether it met them (flow control, docs/routing.md)."""
+    ttft = info.time_to_first_token
+    if ttft is None or completion_tokens < 2:
+        return
+    info.tpot_ms = round((total_s - ttft) / (completion_tokens - 1) * 1000, 2)
+    met = ((info.ttft_slo_ms is None or ttft * 1000 <= info.ttft_slo_ms)
+           and (info.tpot_slo_ms is None or info.tpot_ms <= info.tpot_slo_ms))
+    info.slo = "met" if met else "missed"

@@ -74,7 +74,7 @@ def bucket_key(key: str) -> str:
 
 
 class RequestIds:
-    """Claims of one router replica (``router_id``); keys are ``zml_router.request.flow.claim_key``.
+    """Claims of one router replica (``router_id``); keys are ``zml_router.request.intake.claim_key``.
     Usable before :meth:`open`: until then it claims and releases nothing."""
 
     def __init__(self, router_id: str, max_timeout_s: float) -> None:

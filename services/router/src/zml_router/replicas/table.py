@@ -18,11 +18,18 @@ from zmlcore.fleet.costs import CostTable
 from zmlcore.messages import InflightDelta, InflightSnapshot, NodeState, node_state_decoder
 from zmlcore.policy import NodeView
 
-from zml_router.answer.continuation import engine_continues
-
 log = logging.getLogger("zml.router.table")
 
 PEER_TTL_S = 3.0
+
+#: Engines with a documented way to continue an assistant message another node started
+#: (zml_router.answer.continuation says how each does it).
+CONTINUABLE = frozenset({"vllm", "sglang", "tgi", "llamacpp"})
+
+
+def engine_continues(backend: str) -> bool:
+    """Whether a node of this backend can continue an answer another node started."""
+    return backend in CONTINUABLE
 
 
 class NodeTable:
@@ -66,7 +73,7 @@ class NodeTable:
 
     def cannot_continue(self) -> frozenset[str]:
         """Nodes whose engine has no way to continue an answer another node began
-        (zml_router.answer.continuation.engine_continues): left out of a continuation's choice."""
+        (engine_continues): left out of a continuation's choice."""
         return frozenset(n for n, v in self.views.items() if not engine_continues(v.state.backend))
 
     def _cost_changed(self, node_id: str) -> None:

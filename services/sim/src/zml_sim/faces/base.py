@@ -45,6 +45,9 @@ class Face:
     listen_after_load = True
     #: A request for a model still loading gets the loading error (else: 404 like unknown).
     loading_answers_503 = False
+    #: A router (llama.cpp router mode) that holds no model and loads none is up and idle,
+    #: not loading: its /health answers 200 as the real one does.
+    idle_router = False
 
     def error_body(self, status: int, message: str, kind: str) -> Any:
         """The error body. ``kind``: bad_request, not_found, overloaded, loading, internal."""

@@ -27,6 +27,7 @@ class LlamaCpp(Face):
     owner = "llamacpp"
     listen_after_load = False
     loading_answers_503 = True
+    idle_router = True
     prefill = "always"  # --prefill-assistant, on by default
 
     def error_body(self, status: int, message: str, kind: str) -> Any:

@@ -1,0 +1,143 @@
+"""The steps from the placement a fleet holds to a planned one, make before break (pure).
+
+:func:`next_steps` is asked again after every step finishes (the warmup service calls it each
+sweep with what the nodes report), so a node that fails, or a load that takes long, changes
+the next answer instead of a script going stale. Its rules:
+
+* **load** a planned model on a node that has a free slot for it;
+* **unload** a model from a node the plan takes it off only when every node the plan gives
+  that model serves it already (loaded, up): the model's SLO capacity never dips below the
+  plan's while it moves. A node whose slots are full unloads first what it must lose, under
+  the same rule, and loads after;
+* adapters the same way, within the node's adapter slots, on nodes that serve their base;
+* at most ``max_loads`` loads at a time, fleet-wide, counting those in progress.
+
+Steps that cannot run yet (their model's new replicas still loading) wait; a plan whose
+moves would need a spare node it does not have (two nodes swapping their only replicas) is
+reported as ``blocked`` rather than dropping a model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+StepKind = Literal["load", "unload", "load_adapter", "unload_adapter"]
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    kind: StepKind
+    node_id: str
+    #: A model for load/unload, an adapter for load_adapter/unload_adapter.
+    name: str
+    #: Why it waits ("" when it can run now).
+    waiting: str = ""
+
+    def __str__(self) -> str:
+        verb = {"load": "load", "unload": "unload", "load_adapter": "load adapter",
+                "unload_adapter": "unload adapter"}[self.kind]
+        return f"{verb} {self.name} on {self.node_id}" + (f" (waits: {self.waiting})" if self.waiting else "")
+
+
+@dataclass(frozen=True, slots=True)
+class NodeNow:
+    """A node as its engine reports it now."""
+
+    models: frozenset[str]
+    loading: frozenset[str] = frozenset()
+    adapters: frozenset[str] = frozenset()
+    up: bool = True
+    slots: int = 1
+    adapter_slots: int = 0
+
+
+def all_steps(now: Mapping[str, NodeNow], target: Mapping[str, frozenset[str]],
+              target_adapters: Mapping[str, frozenset[str]] | None = None) -> list[Step]:
+    """Every step between ``now`` and ``target`` (for ``zml plan``), in the order they can run."""
+    out: list[Step] = []
+    for n in sorted(set(now) | set(target)):
+        have = now.get(n, NodeNow(frozenset())).models
+        want = target.get(n, frozenset())
+        out += [Step("load", n, m) for m in sorted(want - have)]
+    for n in sorted(now):
+        want = target.get(n, frozenset())
+        out += [Step("unload", n, m) for m in sorted(now[n].models - want)]
+    if target_adapters is not None:
+        for n in sorted(set(now) | set(target_adapters)):
+            have_a = now.get(n, NodeNow(frozenset())).adapters
+            want_a = target_adapters.get(n, frozenset())
+            out += [Step("load_adapter", n, a) for a in sorted(want_a - have_a)]
+            out += [Step("unload_adapter", n, a) for a in sorted(have_a - want_a)]
+    return out
+
+
+def next_steps(now: Mapping[str, NodeNow], target: Mapping[str, frozenset[str]], *,
+               target_adapters: Mapping[str, frozenset[str]] | None = None,
+               adapter_base: Mapping[str, str] | None = None, max_loads: int = 1,
+               in_progress: int = 0) -> tuple[list[Step], list[Step]]:
+    """(steps to start now, steps waiting with the reason). Nodes absent from ``target`` keep
+    what they hold (the plan did not cover them)."""
+    run: list[Step] = []
+    wait: list[Step] = []
+    placed_ok: dict[str, bool] = {}
+
+    def replicas_ready(model: str) -> bool:
+        """Every node planned for ``model`` serves it now."""
+        if model not in placed_ok:
+            placed_ok[model] = all(
+                model in now[n].models and model not in now[n].loading and now[n].up
+                for n, ms in target.items() if model in ms and n in now)
+        return placed_ok[model]
+
+    loads_left = max_loads - in_progress
+    for n in sorted(now):
+        node = now[n]
+        if n not in target or not node.up:
+            continue
+        want = target[n]
+        drops = sorted(node.models - want)
+        adds = sorted(want - node.models - node.loading)
+        for m in drops:
+            if replicas_ready(m):
+                run.append(Step("unload", n, m))
+            else:
+                wait.append(Step("unload", n, m, "its new replicas are not serving yet"))
+        free = node.slots - len(node.models) - len(node.loading)
+        for m in adds:
+            if free <= 0:
+                wait.append(Step("load", n, m, "the node's slots are full until it unloads"))
+            elif loads_left <= 0:
+                wait.append(Step("load", n, m, "another load is in progress"))
+            else:
+                run.append(Step("load", n, m))
+                free -= 1
+                loads_left -= 1
+    if target_adapters is not None:
+        base = adapter_base or {}
+        for n in sorted(now):
+            node = now[n]
+            if n not in target_adapters or not node.up:
+                continue
+            want_a = target_adapters[n]
+            for a in sorted(node.adapters - want_a):
+                run.append(Step("unload_adapter", n, a))
+            free = node.adapter_slots - len(node.adapters & want_a)
+            for a in sorted(want_a - node.adapters):
+                b = base.get(a)
+                if b is not None and (b not in node.models or b in node.loading):
+                    wait.append(Step("load_adapter", n, a, f"base model {b} is not loaded yet"))
+                elif free <= 0:
+                    wait.append(Step("load_adapter", n, a, "the node's adapter slots are full"))
+                else:
+                    run.append(Step("load_adapter", n, a))
+                    free -= 1
+    return run, wait
+
+
+def blocked(now: Mapping[str, NodeNow], target: Mapping[str, frozenset[str]], wait: list[Step],
+            run: list[Step], in_progress: int) -> bool:
+    """True when nothing can move although the plan is not reached: each remaining unload
+    waits for a load that waits for that unload (the plan needs a spare node)."""
+    return not run and in_progress == 0 and any(s.kind in ("load", "unload") for s in wait)
