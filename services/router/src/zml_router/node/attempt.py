@@ -29,7 +29,7 @@ from zmlcore.fleet.accelerators import DECODE_BATCH_PENALTY
 from zmlcore.messages import NodeState, RoutingInfo, SpeedSample
 from zmlcore.messages.audio import AudioForm, with_model
 from zmlcore.messages.frontdoor import drop_zml_keys, has_zml_keys
-from zmlcore.policy.estimate import estimate_ttft, node_speeds, nonstream_pending_s, prompt_tokens_from_body
+from zmlcore.policy.estimate import Coeffs, estimate_ttft, node_speeds, nonstream_pending_s, prompt_tokens_from_body
 from zmlcore.reply import routingmeta
 from zmlcore.reply.sse import event_payloads
 
@@ -232,19 +232,49 @@ class AtDispatch:
     predicted_ttft_s: float
 
 
-def at_dispatch(st: NodeState, outstanding: int, pending: int, pending_tokens: float | None, prompt_tokens: int,
-                cached_tokens: int, model: str, now: float) -> AtDispatch:
+class Learned:
+    """A node's learned speeds for one model as an attempt uses them (no exploration's optimism):
+    built once per node state (the router keeps one per node and model until its state changes),
+    so that predictions and deadlines cost a few arithmetic operations per attempt."""
+
+    __slots__ = ("state", "coeffs", "step1", "k", "maxc", "chunk_s")
+
+    def __init__(self, st: NodeState, model: str = "") -> None:
+        self.state = st
+        pf, dec, maxc = node_speeds(st, model, explore=False)
+        self.coeffs = Coeffs(pf, dec, maxc, 0.0)
+        ms = st.model_speeds.get(model) if model and st.model_speeds else None
+        self.k = (ms.decode_slowdown if ms is not None else st.decode_slowdown) or DECODE_BATCH_PENALTY
+        self.step1 = 1.0 / dec
+        self.maxc = maxc
+        self.chunk_s = PREFILL_CHUNK_TOKENS / pf
+
+    def gap_s(self, outstanding: int) -> float:
+        """Seconds per output token of one more sequence (token_gap_s)."""
+        return (1.0 + self.k * (min(outstanding + 1, self.maxc) - 1)) * self.step1
+
+    def stall_s(self, outstanding: int, floor_s: float, factor: float, cap_s: float) -> float:
+        """The inter-token deadline (stall_timeout)."""
+        if factor <= 0:
+            return cap_s
+        return min(cap_s, max(floor_s, factor * (self.gap_s(outstanding) + self.chunk_s)))
+
+
+def at_dispatch(sp: Learned, outstanding: int, pending: int, pending_tokens: float | None, prompt_tokens: int,
+                cached_tokens: int, now: float) -> AtDispatch:
     """The attempt's dispatch figures (``outstanding``/``pending``: the node's counters before it).
 
     >>> st = NodeState(node_id="n", accelerator_type="nvidia_h100", family="H100", endpoint="")
-    >>> d = at_dispatch(st, 0, 0, None, 1000, 200, "m", now=5.0)
+    >>> d = at_dispatch(Learned(st, "m"), 0, 0, None, 1000, 200, now=5.0)
     >>> d.inflight, d.ahead, d.uncached, round(d.predicted_ttft_s, 3)
     (1, 0.0, 800, 0.08)
+    >>> round(d.predicted_ttft_s, 6) == round(estimate_ttft(st, 0, 0, 800, explore=False), 6)
+    True
     """
     uncached = max(prompt_tokens - cached_tokens, 1)
     ahead = pending_tokens if pending_tokens is not None else (0.0 if pending == 0 else None)
-    ttft = estimate_ttft(st, outstanding, pending, uncached, pending_tokens=pending_tokens, model=model,
-                         explore=False)
+    c = sp.coeffs
+    ttft = c.load_key(outstanding, pending, pending_tokens) + uncached * c.inv_pf
     return AtDispatch(at=now, inflight=outstanding + 1, ahead=ahead, uncached=uncached, predicted_ttft_s=ttft)
 
 

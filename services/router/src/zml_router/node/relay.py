@@ -23,7 +23,7 @@ from typing import Any
 import msgspec
 from zmlcore import subjects
 from zmlcore.config import ZMLConfig
-from zmlcore.messages import InferRequest, RoutingInfo, StreamStart
+from zmlcore.messages import InferRequest, NodeState, RoutingInfo, StreamStart
 from zmlcore.messages.audio import AudioRequest
 from zmlcore.policy import RouteRequest
 from zmlcore.policy.estimate import MEAN_PROMPT_TOKENS
@@ -47,13 +47,12 @@ from zml_router.node.attempt import (
     Failure,
     NodeBodies,
     AtDispatch,
+    Learned,
     Renamer,
     at_dispatch,
     expected_s,
     first_byte_timeout,
     speed_sample,
-    stall_timeout,
-    token_gap_s,
     pending_window_s,
     reply_usage,
     routing_headers,
@@ -114,6 +113,8 @@ class Relay:
         #: Told what the engine reported of its prefix cache (the router's index learns it).
         self.corrected = corrected
         self.router_id = router_id
+        #: (node, model) -> its learned speeds as attempts use them (Relay.learned)
+        self._learned: dict[tuple[str, str], Learned] = {}
         self.table = table
         self.sharing = sharing
         self.timers = timers
@@ -198,9 +199,10 @@ class Relay:
         st = view.state
         rr = action.rr
         pend = view.effective_pending()
-        disp = at_dispatch(st, view.effective_outstanding(), pend,
+        sp = self.learned(decision.node_id, st, model)
+        disp = at_dispatch(sp, view.effective_outstanding(), pend,
                            view.effective_pending_tokens(MEAN_PROMPT_TOKENS) if pend else None,
-                           rr.prompt_tokens, decision.cached_tokens or 0, model, time.monotonic())
+                           rr.prompt_tokens, decision.cached_tokens or 0, time.monotonic())
         info = RoutingInfo(
             node_id=decision.node_id, accelerator_type=view.state.accelerator_type, family=decision.family,
             policy=decision.policy, queue_depth_at_dispatch=decision.queue_depth, decision_id=_decision_id(),
@@ -210,7 +212,7 @@ class Relay:
             prefill_failed=out.prefill_failed,
             # what the node's learned speeds predicted (docs/routing.md "Learned speeds")
             predicted_ttft_ms=round(disp.predicted_ttft_s * 1000, 1),
-            predicted_tpot_ms=round(token_gap_s(st, disp.inflight - 1, model) * 1000, 2),
+            predicted_tpot_ms=round(sp.gap_s(disp.inflight - 1) * 1000, 2),
         )
         if out.flow is not None:  # band, share, targets and predictions (zml_router.request.flowgate)
             out.flow.fill(info)
@@ -393,8 +395,18 @@ class Relay:
         view = self.table.views.get(node_id)
         if view is None:
             return rc.inter_token_timeout_s
-        return stall_timeout(view.state, view.effective_outstanding(), rc.inter_token_floor_s, rc.inter_token_factor,
-                             rc.inter_token_timeout_s, model)
+        return self.learned(node_id, view.state, model).stall_s(view.effective_outstanding(), rc.inter_token_floor_s,
+                                                                rc.inter_token_factor, rc.inter_token_timeout_s)
+
+    def learned(self, node_id: str, st: NodeState, model: str) -> Learned:
+        """The node's learned speeds for ``model`` as attempts use them, kept until its state changes."""
+        key = (node_id, model)
+        sp = self._learned.get(key)
+        if sp is None or sp.state is not st:
+            if len(self._learned) > 4 * len(self.table.views) + 64:
+                self._learned.clear()  # removed nodes, models no longer asked for
+            sp = self._learned[key] = Learned(st, model)
+        return sp
 
     def _url(self, info: RoutingInfo, req: InferRequest) -> str:
         return self.table.views[info.node_id].state.endpoint.rstrip("/") + PATHS[req.kind()]
