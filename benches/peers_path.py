@@ -153,10 +153,20 @@ start("nats", [nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(nport),
 if not wait_port("127.0.0.1", nport, 15):
     stop_all()
 start("health", service_argv("health", a.config, url))
+prof_dir = os.environ.get("ZML_BENCH_CPROFILE")  # --cprofile: router1 and gateway under cProfile
+
+
+def profiled(name, argv):
+    if not prof_dir or name not in ("router1", "gateway"):
+        return argv
+    return [argv[0], "-m", "cProfile", "-o", os.path.join(prof_dir, name + ".prof")] + argv[1:]
+
+
 for i in range(a.routers):
-    start("router%d" % (i + 1), service_argv("router", a.config, url, "--router-id", "bench-r%d" % (i + 1)))
-start("gateway", service_argv("gateway", a.config, url, "--port", str(a.port),
-                             *(["--grpc-port", str(a.grpc_port)] if a.grpc_port else [])))
+    start("router%d" % (i + 1), profiled("router%d" % (i + 1), service_argv("router", a.config, url, "--router-id",
+                                                                         "bench-r%d" % (i + 1))))
+start("gateway", profiled("gateway", service_argv("gateway", a.config, url, "--port", str(a.port),
+                                                 *(["--grpc-port", str(a.grpc_port)] if a.grpc_port else []))))
 with open(a.pids, "w") as f:
     json.dump({n: p.pid for n, p in procs} | {"launcher": os.getpid(), "nats_url": url}, f)
 while True:
@@ -342,7 +352,7 @@ def prepare(workdir: str, harness: str, setup_dir: str | None, pythonpath: str =
     open(os.path.join(workdir, "zml_2node_rr.toml"), "w").write(ZML_TOML_2RR)
     os.makedirs(os.path.join(workdir, "logs"), exist_ok=True)
     if setup_dir:
-        for v in ("venv-harness", "venv-litellm"):
+        for v in ("venv-harness", "venv-litellm", "venv-rust"):
             if os.path.isdir(os.path.join(setup_dir, v)) and not os.path.exists(os.path.join(workdir, v)):
                 os.symlink(os.path.join(setup_dir, v), os.path.join(workdir, v))
     if not os.path.exists(os.path.join(workdir, "venv-harness")):
@@ -523,6 +533,45 @@ def profile(workdir, target, conc, seconds, rate, native=False):
                     p.kill()
 
 
+def cprofile(workdir, target, conc, seconds, stream=False):
+    """cProfile (deterministic, in-process) on router1 and the gateway under wrk at C=conc:
+    py-spy's sampling misattributes time on a box whose cores are oversubscribed (a runnable
+    thread waiting for a core counts as busy in whatever frame it stopped)."""
+    import pstats
+    hpy = os.path.join(workdir, "venv-harness", "bin", "python")
+    sys.path.insert(0, workdir)
+    import zml_targets  # noqa: E402  (generated above)
+
+    t = zml_targets.ZML_TARGETS[target]
+    pdir = os.path.join(workdir, "cprofile")
+    os.makedirs(pdir, exist_ok=True)
+    procs = []
+    try:
+        procs.append(subprocess.Popen([hpy, os.path.join(workdir, "stub_backend.py"), "--port", "8001"],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        stack = subprocess.Popen(t["argv"], stdout=open(os.path.join(workdir, "logs", "cprofile-stack.log"), "w"),
+                                 stderr=subprocess.STDOUT, env=dict(os.environ, ZML_BENCH_CPROFILE=pdir))
+        procs.append(stack)
+        log("%s up in %.1fs" % (target, zml_targets.wait_post(t["url"], 120)))
+        env = dict(os.environ, WRK_MODEL="stub-model", WRK_STREAM="1" if stream else "0")
+        r = subprocess.run(["wrk", "-t1", "-c%d" % conc, "-d%ds" % seconds, "--timeout", "30s", "-s",
+                            os.path.join(workdir, "post.lua"), t["url"]], capture_output=True, text=True, env=env)
+        log("wrk:", [line for line in r.stdout.splitlines() if "WRKJSON" in line or "Requests/sec" in line])
+    finally:
+        for p in reversed(procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+    for name in ("gateway", "router1"):
+        path = os.path.join(pdir, name + ".prof")
+        if os.path.exists(path):
+            print("\n### %s (cProfile, wrk C=%d%s)" % (name, conc, ", stream" if stream else ""))
+            pstats.Stats(path).sort_stats("tottime").print_stats(30)
+
+
 # --------------------------------------------------------------------------------------------
 # gRPC mode: zml1 over gRPC (benches/grpc_load.py) beside zml1 over HTTP and direct (load.py)
 # --------------------------------------------------------------------------------------------
@@ -666,12 +715,16 @@ def main():
     ap.add_argument("-n", type=int, default=2000)
     ap.add_argument("--max-seconds", type=float, default=10.0)
     ap.add_argument("--tag", default="peers_path")
+    ap.add_argument("--stream", action="store_true",
+                    help="streamed requests (SSE, the stub's --tokens chunks each); CPU per chunk = per request / 17")
     ap.add_argument("--zml-ref", default="HEAD",
                     help="git ref of this repo to run ZML from (snapshot via git archive); 'worktree' = as checked out")
     ap.add_argument("--profile", action="store_true", help="py-spy gateway+router instead of the matrix")
     ap.add_argument("--profile-conc", type=int, default=32)
     ap.add_argument("--profile-seconds", type=int, default=20)
     ap.add_argument("--profile-rate", type=int, default=250)
+    ap.add_argument("--cprofile", action="store_true",
+                    help="cProfile router1 and the gateway under wrk at --profile-conc (--stream: streamed)")
     ap.add_argument("--profile-native", action="store_true", help="py-spy --native (C frames; pauses the target)")
     ap.add_argument("--zml-variants", default="",
                     help="NAME:SPEC;... adds targets zml1-NAME: zml1 with python=PATH (another venv's interpreter), "
@@ -692,6 +745,9 @@ def main():
     open(os.path.join(workdir, "zml_commit.txt"), "w").write(commit + "\n")
     log("workdir", workdir, "ZML commit", commit)
     check_ports([8001, 8002] + ([4000] if "litellm" in a.targets else []))
+    if a.cprofile:
+        cprofile(workdir, a.targets.split(",")[0], a.profile_conc, a.profile_seconds, a.stream)
+        return
     if a.profile:
         profile(workdir, a.targets.split(",")[0], a.profile_conc, a.profile_seconds, a.profile_rate,
                 a.profile_native)
@@ -704,7 +760,7 @@ def main():
     cmd = [os.path.join(workdir, "venv-harness", "bin", "python"), os.path.join(workdir, "bench.py"),
            "--reps", str(a.reps), "--conc", a.conc, "--targets", a.targets, "--tools", a.tools,
            "--wrk-duration", str(a.wrk_duration), "-n", str(a.n), "--max-seconds", str(a.max_seconds),
-           "--tag", a.tag, "--out", out]
+           "--tag", a.tag, "--out", out] + (["--stream"] if a.stream else [])
     log("running:", " ".join(cmd))
     env = dict(os.environ, PATH=os.path.dirname(ZML_PY) + os.pathsep + os.environ.get("PATH", ""))
     subprocess.run(cmd, cwd=workdir, env=env, check=False)
