@@ -159,7 +159,9 @@ prof_dir = os.environ.get("ZML_BENCH_CPROFILE")  # --cprofile: router1 and gatew
 def profiled(name, argv):
     if not prof_dir or name not in ("router1", "gateway"):
         return argv
-    return [argv[0], "-m", "cProfile", "-o", os.path.join(prof_dir, name + ".prof")] + argv[1:]
+    # argv: [python, "-m", module, ...]; CPU time, not wall time (a preempted process's wait is not its cost)
+    return [argv[0], os.path.join(os.path.dirname(os.path.abspath(__file__)), "cprof_run.py"),
+            os.path.join(prof_dir, name + ".prof")] + argv[2:]
 
 
 for i in range(a.routers):
@@ -175,6 +177,21 @@ while True:
             print("child %s exited rc=%s" % (n, p.returncode), flush=True)
             stop_all()
     time.sleep(0.5)
+'''
+
+# Runs ``-m MODULE ARGS`` under cProfile timed by process CPU time, stats written at exit.
+CPROF_RUN = r'''import cProfile, runpy, sys, time
+out, mod = sys.argv[1], sys.argv[2]
+sys.argv = [mod] + sys.argv[3:]
+prof = cProfile.Profile(time.process_time)
+prof.enable()
+try:
+    runpy.run_module(mod, run_name="__main__", alter_sys=True)
+except SystemExit:
+    pass
+finally:
+    prof.disable()
+    prof.dump_stats(out)
 '''
 
 # Imported by the patched bench.py: ZML targets, readiness by POST, per-process CPU split.
@@ -348,6 +365,7 @@ def prepare(workdir: str, harness: str, setup_dir: str | None, pythonpath: str =
     open(os.path.join(workdir, "zml_targets.py"), "w").write(ZML_TARGETS % {"zml_py": ZML_PY, "zml_pythonpath": pythonpath,
                                                                              "zml_variants": variants or {}})
     open(os.path.join(workdir, "zml_stack.py"), "w").write(ZML_STACK)
+    open(os.path.join(workdir, "cprof_run.py"), "w").write(CPROF_RUN)
     open(os.path.join(workdir, "zml_1node.toml"), "w").write(ZML_TOML_1)
     open(os.path.join(workdir, "zml_2node_rr.toml"), "w").write(ZML_TOML_2RR)
     os.makedirs(os.path.join(workdir, "logs"), exist_ok=True)
