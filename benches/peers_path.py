@@ -215,7 +215,8 @@ def _target(name, config, routers=1, variant=None):
     variant = variant or {}
     argv = [variant.get("python", ZML_PY), os.path.join(HERE, "zml_stack.py"), "--config", os.path.join(HERE, config),
             "--port", str(port), "--routers", str(routers), "--logdir", os.path.join(HERE, "logs"),
-            "--pids", os.path.join(HERE, "logs", name + ".pids.json"), "--pythonpath", ZML_PYTHONPATH]
+            "--pids", os.path.join(HERE, "logs", name + ".pids.json"),
+            "--pythonpath", variant.get("pythonpath", ZML_PYTHONPATH)]
     argv += [arg for kv in variant.get("nats_env", ()) for arg in ("--nats-env", kv)]
     argv += [arg for kv in variant.get("env", ()) for arg in ("--env", kv)]
     return dict(config=None, argv=argv, url="http://127.0.0.1:%%d/v1/chat/completions" %% port)
@@ -306,7 +307,7 @@ def log(*a):
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def snapshot(workdir: str, ref: str) -> tuple[str, str]:
+def snapshot(workdir: str, ref: str, into: str = "zml-src") -> tuple[str, str]:
     """`git archive` of REF into workdir/zml-src; returns (commit, PYTHONPATH). Other engineers edit
     the working tree while benchmarks run: the services must run one fixed commit, not whatever
     the editable install sees at the moment each process starts."""
@@ -316,7 +317,7 @@ def snapshot(workdir: str, ref: str) -> tuple[str, str]:
     else:
         commit = subprocess.run(["git", "-C", REPO, "rev-parse", ref], capture_output=True, text=True,
                                 check=True).stdout.strip()
-        root = os.path.join(workdir, "zml-src")
+        root = os.path.join(workdir, into)
         shutil.rmtree(root, ignore_errors=True)
         os.makedirs(root)
         arch = subprocess.run(["git", "-C", REPO, "archive", commit], capture_output=True, check=True).stdout
@@ -341,6 +342,8 @@ def parse_variants(text: str) -> dict[str, dict]:
                 raise SystemExit("--zml-variants: %r is not KEY=VALUE" % item)
             if key == "python":
                 v["python"] = val
+            elif key == "ref":  # another commit of this repo (before/after in one run)
+                v["ref"] = val
             elif key.startswith("nats."):
                 v["nats_env"].append(key[5:] + "=" + val)
             else:
@@ -745,7 +748,8 @@ def main():
                     help="cProfile router1 and the gateway under wrk at --profile-conc (--stream: streamed)")
     ap.add_argument("--profile-native", action="store_true", help="py-spy --native (C frames; pauses the target)")
     ap.add_argument("--zml-variants", default="",
-                    help="NAME:SPEC;... adds targets zml1-NAME: zml1 with python=PATH (another venv's interpreter), "
+                    help="NAME:SPEC;... adds targets zml1-NAME: zml1 with python=PATH (another venv's interpreter), ref=GITREF "
+                         "(another commit of this repo), "
                          "nats.VAR=VALUE (nats-server's environment, e.g. nats.GOMAXPROCS=1) or VAR=VALUE (the "
                          "services' environment); list them in --targets to interleave them with zml1")
     ap.add_argument("--grpc", action="store_true",
@@ -759,7 +763,12 @@ def main():
     workdir = a.workdir or tempfile.mkdtemp(prefix="zml-peers-")
     os.makedirs(workdir, exist_ok=True)
     commit, pythonpath = snapshot(workdir, a.zml_ref)
-    prepare(workdir, a.harness, a.setup_dir, pythonpath, parse_variants(a.zml_variants))
+    variants = parse_variants(a.zml_variants)
+    for vname, v in variants.items():
+        if "ref" in v:
+            vcommit, v["pythonpath"] = snapshot(workdir, v["ref"], "zml-src-" + vname)
+            log("variant", vname, "runs ZML commit", vcommit)
+    prepare(workdir, a.harness, a.setup_dir, pythonpath, variants)
     open(os.path.join(workdir, "zml_commit.txt"), "w").write(commit + "\n")
     log("workdir", workdir, "ZML commit", commit)
     check_ports([8001, 8002] + ([4000] if "litellm" in a.targets else []))
