@@ -9,9 +9,9 @@ Pure: no I/O, ``now`` is passed in; the router and the flow simulator (benches/f
   for a slot there) has no free sequence slot, the request waits in the saturation queue
   (QUEUE_FULL here) for one, where the queue's order (zmlcore.flowctl.order) lets higher bands
   and tenants under their share go first; it does not take a slower node's free slot the policy
-  did not prefer, unless others wait before it (then it takes any free slot). A tenant over its fair share, or a ``sheddable`` request, uses spare capacity
-  only: any node with more than ``reserve`` of its slots free, so that the next request of an
-  under-share tenant, or of a higher band, finds a slot at once instead of waiting for one;
+  did not prefer, unless others wait before it (then it takes any free slot). A tenant over
+  its fair share, or a ``sheddable`` request, uses spare capacity only: any node with more than
+  ``[flow] spare_reserve`` of its slots free, so that the next request of an under-share tenant, or of a higher band, finds a slot at once instead of waiting for one;
 - a request with latency targets: zmlcore.flowctl.slo.admit_slo (the pick that meets them, or
   SLO_UNATTAINABLE at once);
 - anything else: zmlcore.policy.admission.admit, exactly as without flow control.
@@ -82,7 +82,7 @@ def admit_flow(nodes: Sequence[NodeView], rr: RouteRequest, policy: ResolvedPoli
     hold = flow.hold_when_full and rr.accelerator_id is None
     if hold:
         yields = over_share or ask.band >= SHEDDABLE
-        full = full_nodes(nodes, reserve if yields else 0.0) - rr.exclude
+        full = full_nodes(nodes, flow.spare_reserve if yields else 0.0) - rr.exclude
         if full and yields:  # spare capacity only: any node with room beyond the reserve
             rr = dataclasses.replace(rr, exclude=rr.exclude | full)
     try:
