@@ -115,7 +115,7 @@ def test_a_high_band_request_overtakes_a_low_band_burst(stack: Stack) -> None:
         try:
             tb = time.monotonic()
             burst = [asyncio.create_task(front_door(nc, "burst", f"burst-{i}", 300)) for i in range(12)]
-            await asyncio.sleep(0.3)  # 4 running, 8 waiting in the saturation queue
+            await asyncio.sleep(0.15)  # 4 running (for ~0.3 s), 8 waiting in the saturation queue
             t0 = time.monotonic()
             took, h, b = await front_door(nc, "vip", "vip-1", 300, **{subjects.H_PRIORITY: "critical"})
             vip_done = t0 + took
