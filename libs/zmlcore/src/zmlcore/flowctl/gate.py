@@ -60,11 +60,15 @@ def free_slots(view: NodeView) -> int:
 
 def full_nodes(nodes: Sequence[NodeView], keep: float) -> frozenset[str]:
     """Nodes that would have fewer than ``reserved_slots(maxc, keep)`` slots free after one more
-    request (``keep`` 0: nodes with no free slot)."""
+    request (``keep`` 0: nodes with no free slot), counted in the routers' own in-flight
+    requests (every replica's, shared). Not the poll's: what it saw beyond them was measured a
+    poll earlier, and under churn it holds a slot or two that have freed since (on a 4-slot node
+    a steady tenant waited ~1 s per request beside a flood, tests/e2e/test_flow_control.py).
+    Traffic that bypasses the routers still counts in the TTFT estimate."""
     out = []
     for v in nodes:
         maxc = node_speeds(v.state)[2]
-        if v.effective_outstanding() + 1 + (reserved_slots(maxc, keep) if keep > 0 else 0) > maxc:
+        if v.outstanding + 1 + (reserved_slots(maxc, keep) if keep > 0 else 0) > maxc:
             out.append(v.node_id)
     return frozenset(out)
 
