@@ -489,6 +489,10 @@ class NodeConfig(msgspec.Struct, **_Base):
     kv_gbps: PosFloat | None = None
     """Bandwidth of this node's KV transfer link, in Gbit/s; a transfer between two nodes runs
     at the slower end's unless a [[kv_links]] entry names the pair. Required with kv_group."""
+    kv_bootstrap_port: Port | None = None
+    """SGLang: the port of this prefill node's bootstrap server (its
+    --disaggregation-bootstrap-port, 8998 by default in SGLang), which a split request's decode
+    leg is told. None: the endpoint's port (where a simulated node serves it)."""
 
     @property
     def effective_family(self) -> str:
@@ -851,6 +855,14 @@ class ZMLConfig(msgspec.Struct, **_Base):
         return list(seen)
 
     def model_names(self) -> set[str]:
+        """Every name a client may ask for: the nodes' and [models]' models and the
+        [adapters] (served by the nodes that hold them, as vLLM lists them in /v1/models)."""
+        names = self.base_model_names()
+        names.update(self.adapters)
+        return names
+
+    def base_model_names(self) -> set[str]:
+        """The nodes' and [models]' models, adapters not included."""
         names = {m for n in self.nodes for m in n.models}
         names.update(self.models)
         return names
@@ -1028,7 +1040,7 @@ def _validate(cfg: ZMLConfig, src: str, whole_fleet: bool = True) -> None:
         raise ConfigError(f"{src}: defaults.policy: unknown policy {cfg.defaults.policy!r}")
     _validate_batch(cfg.batch, names, src)
     _validate_disaggregation(cfg, src, whole_fleet)
-    known = cfg.model_names()
+    known = cfg.base_model_names()
     for name, ad in cfg.adapters.items():
         if ad.base not in known:
             raise ConfigError(f"{src}: adapters.{name!r}.base: {ad.base!r} is no model of the fleet's "

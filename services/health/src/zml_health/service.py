@@ -386,6 +386,7 @@ class HealthService:
             reason=reason if status != "up" else "",
             models=[m for m in models if m not in loading and m not in rt.draining],
             draining_models=draining,
+            adapters=[m for m in models if m in self.cfg.adapters],
             served_names=dict(node.served_names),
             missing_models=missing,
             unknown_models=unknown,
@@ -437,6 +438,7 @@ class HealthService:
             roles=[] if set(node.roles) == {"prefill", "decode"} else list(node.roles),
             kv_group=node.kv_group or "",
             kv_gbps=node.kv_gbps or 0.0,
+            kv_bootstrap_port=node.kv_bootstrap_port or 0,
         )
 
     def _known_models(self) -> frozenset[str]:

@@ -1,5 +1,8 @@
-"""What happened to one request: written along its way, read for its error reply, its completion
-event, its metrics and its trace."""
+"""What happened to one request, read for its error reply, its completion event, its metrics and
+its trace. Written by the request's steps, not by the I/O that carries them out: intake (whose
+request, its id), route (where it went, how each attempt ended, from the ``AttemptResult``
+the node I/O returns) and the service for the one thing only it knows, the error it replied
+with."""
 
 from __future__ import annotations
 

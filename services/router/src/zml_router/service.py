@@ -18,7 +18,6 @@ import logging
 import os
 import time
 from collections.abc import Coroutine
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -63,7 +62,7 @@ from zml_router.answer.keepalives import send_keepalives
 from zml_router.replicas.limits import IdentityLimits, Lease
 from zml_router.telemetry.metrics import RouterMetrics
 from zml_router.replicas.prefixshare import PrefixShare
-from zml_router.incoming import QueuedMsg
+from zml_router.incoming import QueuedMsg, Uploaded
 from zml_router.answer.record import resumed_from
 from zml_router.answer.replies import Replies
 from zml_router.node.relay import Relay
@@ -83,17 +82,6 @@ _EVENT_COMPLETED = subjects.event(subjects.EVENT_COMPLETED)
 #: Completion events wait this long for others to go out with (health and warmup aggregate
 #: them over seconds; one wake-up per batch instead of per request for every subscriber).
 COMPLETED_WINDOW_S = 0.01
-
-
-@dataclass(slots=True)
-class Uploaded:
-    """A request whose body came in parts after it (zml_router.request.uploads): the message as if it
-    had carried the body."""
-
-    subject: str
-    data: bytes
-    reply: str
-    headers: dict[str, str] | None
 
 
 class RouterService:
