@@ -157,7 +157,7 @@ def test_a_flooding_tenant_does_not_take_the_fleet_from_a_steady_one(stack: Stac
         try:
             alone = await steady(nc, 15, "alone")
             stop = asyncio.Event()
-            flooders = [asyncio.create_task(flood(nc, stop, k)) for k in range(24)]  # 6x the node's slots
+            flooders = [asyncio.create_task(flood(nc, stop, k)) for k in range(40)]  # 10x the node's slots
             await asyncio.sleep(1.0)
             beside = await steady(nc, 15, "flood")
             stop.set()
@@ -172,7 +172,7 @@ def test_a_flooding_tenant_does_not_take_the_fleet_from_a_steady_one(stack: Stac
                   f"over {len(floods)} requests")
             # (a loaded 2-core box stretches every wait: a few turnovers of slack, not the queue's seconds)
             assert p90(beside) <= p90(alone) + 3 * turnover + 0.05, (alone, beside)
-            assert p90(beside) < floods[len(floods) // 2] / 4, (beside, floods[len(floods) // 2])
+            assert p90(beside) < floods[len(floods) // 2] / 2, (beside, floods[len(floods) // 2])
         finally:
             await nc.close()
 
