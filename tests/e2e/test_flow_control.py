@@ -115,7 +115,7 @@ def test_a_high_band_request_overtakes_a_low_band_burst(stack: Stack) -> None:
         try:
             tb = time.monotonic()
             burst = [asyncio.create_task(front_door(nc, "burst", f"burst-{i}", 300)) for i in range(12)]
-            await asyncio.sleep(0.3)  # 4 running, 8 waiting in the saturation queue
+            await asyncio.sleep(0.15)  # 4 running (for ~0.3 s), 8 waiting in the saturation queue
             t0 = time.monotonic()
             took, h, b = await front_door(nc, "vip", "vip-1", 300, **{subjects.H_PRIORITY: "critical"})
             vip_done = t0 + took
@@ -157,16 +157,22 @@ def test_a_flooding_tenant_does_not_take_the_fleet_from_a_steady_one(stack: Stac
         try:
             alone = await steady(nc, 15, "alone")
             stop = asyncio.Event()
-            flooders = [asyncio.create_task(flood(nc, stop, k)) for k in range(24)]  # 6x the node's slots
+            flooders = [asyncio.create_task(flood(nc, stop, k)) for k in range(40)]  # 10x the node's slots
             await asyncio.sleep(1.0)
             beside = await steady(nc, 15, "flood")
             stop.set()
             floods = sorted(sum(await asyncio.gather(*flooders), []))
             p90 = lambda xs: xs[int(0.9 * (len(xs) - 1))]  # noqa: E731
-            turnover = floods[len(floods) // 2] / 6  # a slot frees every (one flood request / slots held) s
-            # the steady tenant waits for the next free slot, never behind the flood's queue
-            assert p90(beside) <= p90(alone) + max(4 * turnover, 0.3), (alone, beside, floods[len(floods) // 2])
-            assert p90(beside) < floods[len(floods) // 2], (beside, floods[len(floods) // 2])
+            # One flood request holds a slot ~0.19 s (200 tokens at the sim's 20x), and the flood keeps
+            # 3 of the 4 slots busy: a slot frees every ~0.06 s. The steady tenant waits for the
+            # next free slot, never behind the flood's queue (which waits whole seconds).
+            turnover = 0.19 / 3
+            print(f"steady alone p50/p90/max {alone[7]:.3f}/{p90(alone):.3f}/{alone[-1]:.3f} s; beside the flood "
+                  f"{beside[7]:.3f}/{p90(beside):.3f}/{beside[-1]:.3f} s; flood median {floods[len(floods) // 2]:.3f} s "
+                  f"over {len(floods)} requests")
+            # (a loaded 2-core box stretches every wait: a few turnovers of slack, not the queue's seconds)
+            assert p90(beside) <= p90(alone) + 3 * turnover + 0.05, (alone, beside)
+            assert p90(beside) < floods[len(floods) // 2] / 2, (beside, floods[len(floods) // 2])
         finally:
             await nc.close()
 

@@ -315,3 +315,35 @@ def test_static_keys_still_work(two_gateways: tuple[Stack, list[str]], tmp_path:
             assert c.post("/v1/chat/completions", json=OK, headers=_auth("static-secreT")).status_code == 401
     finally:
         proc.stop()
+
+
+def test_cli_flow_options_travel_with_the_keys_requests(two_gateways: tuple[Stack, list[str]]) -> None:
+    """`zml keys create --priority/--max-priority/--weight`: the key's default band, the highest it
+    may claim (a claim above is lowered, and the reply says so) and its weight in the fair share."""
+    stack, urls = two_gateways
+    out = _cli(stack, "create", "--plan", "custom", "--name", "vip", "--priority", "sheddable",
+               "--max-priority", "critical", "--weight", "3")
+    key = next(line.split()[1] for line in out.splitlines() if line.startswith("key:"))
+    key_id = next(line.split()[1] for line in out.splitlines() if line.startswith("id:"))
+    assert "priority=sheddable" in _cli(stack, "list") and "weight=3" in _cli(stack, "list")
+    low = _cli(stack, "create", "--plan", "custom", "--name", "low")
+    low_key = next(line.split()[1] for line in low.splitlines() if line.startswith("key:"))
+    low_id = next(line.split()[1] for line in low.splitlines() if line.startswith("id:"))
+    with httpx.Client(base_url=urls[0], timeout=30) as c:
+        deadline = time.monotonic() + 10
+        while c.post("/v1/chat/completions", json=OK, headers=_auth(low_key)).status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        r = c.post("/v1/chat/completions", json=OK, headers=_auth(key))
+        assert r.status_code == 200 and r.json()["zml"]["priority"] == "sheddable", r.text  # the key's default
+        r = c.post("/v1/chat/completions", json=OK, headers={**_auth(key), "x-zml-priority": "critical"})
+        assert r.json()["zml"]["priority"] == "critical" and not r.json()["zml"]["priority_lowered_from"]
+        r = c.post("/v1/chat/completions", json=OK, headers={**_auth(low_key), "x-zml-priority": "critical"})
+        assert r.headers["x-zml-priority"] == "standard" and r.headers["x-zml-priority-lowered-from"] == "critical"
+        r = c.post("/v1/chat/completions", json=OK, headers={**_auth(key), "x-zml-priority": "urgent"})
+        assert r.status_code == 400 and r.json()["error"]["code"] == "BAD_REQUEST", r.text
+    bad = subprocess.run([sys.executable, "-m", "zml.cli", "keys", "create", "--priority", "urgent", "--nats-url",
+                          stack.nats_url], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "invalid choice" in bad.stderr, bad.stderr
+    for k in (key_id, low_id):
+        _cli(stack, "revoke", k)

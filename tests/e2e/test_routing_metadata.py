@@ -3,7 +3,8 @@ way in: HTTP headers, gRPC metadata and the zml.v1 Routing message, raw NATS hea
 SDK's ``zml.Routing`` over HTTP, gRPC and NATS, replies and streams alike. Checked field by field
 over RoutingInfo, so a field added there is checked here too. The API key carries a label that
 is not ASCII (it travels percent-encoded in headers). A broker of its own: a key in the bucket
-turns authentication on for the gateway."""
+turns authentication on for the gateway. Every request claims a band above its key's ceiling and
+sets a latency target, so that flow control's fields are there too (a plain request has none)."""
 
 from __future__ import annotations
 
@@ -36,6 +37,9 @@ FIELDS = msgspec.structs.fields(RoutingInfo)
 #: stream's start: total_tokens). The label is no header when empty (a request without one); the
 #: metadata read back from the headers still equals the body's.
 REQUIRED = [f.name for f in FIELDS if type(None) not in typing.get_args(f.type) and f.name != "label"]
+#: A band above the key's ceiling ([flow] max_priority: standard) and a target any node meets.
+FLOW_HTTP = {"x-zml-priority": "critical", "x-zml-ttft-slo-ms": "60000"}
+FLOW_NATS = {subjects.H_PRIORITY: "critical", subjects.H_TTFT_SLO_MS: "60000"}
 
 
 @pytest.fixture(scope="module")
@@ -89,7 +93,7 @@ def _same(a: RoutingInfo, b: object) -> None:
 
 def test_http_reply_and_stream(keyed: tuple[Stack, str]) -> None:
     stack, key = keyed
-    auth = {"authorization": f"Bearer {key}"}
+    auth = {"authorization": f"Bearer {key}", **FLOW_HTTP}
     with httpx.Client(base_url=stack.gateway_url, headers=auth, timeout=30) as c:
         r = c.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 4})
         assert r.status_code == 200, r.text
@@ -106,7 +110,7 @@ def test_http_reply_and_stream(keyed: tuple[Stack, str]) -> None:
 
 async def test_grpc_reply_and_stream(keyed: tuple[Stack, str]) -> None:
     stack, key = keyed
-    md = (("authorization", f"Bearer {key}"),)
+    md = (("authorization", f"Bearer {key}"), *FLOW_HTTP.items())
     async with grpc.aio.insecure_channel(stack.grpc_target) as channel:
         stub = zml_pb2_grpc.ZmlStub(channel)
         req = pb.InferRequest(model=MODEL, messages=[pb.ChatMessage(role="user", content="hello")], max_tokens=4)
@@ -132,14 +136,15 @@ async def test_raw_nats_reply_and_stream(keyed: tuple[Stack, str]) -> None:
     try:
         # As a front door would: on an open broker anyone may publish there (docs/security.md).
         payload = json.dumps({"model": MODEL, "messages": CHAT, "max_tokens": 4}).encode()
-        ask = {subjects.H_LABEL: "raw team"}
+        ask = {subjects.H_LABEL: "raw team", **FLOW_NATS}
         msg = await nc.request(subjects.FRONT_DOOR_INFER, payload, timeout=10, headers=ask)
         body = _body_info(json.loads(msg.data)["zml"])
         assert body.label == "raw team"
         assert _all_carried(_headers(msg.headers), "zml-") == body
         inbox = nc.new_inbox()
         sub = await nc.subscribe(inbox)
-        await nc.publish(subjects.INFER, json.dumps({**json.loads(payload), "stream": True}).encode(), reply=inbox)
+        await nc.publish(subjects.INFER, json.dumps({**json.loads(payload), "stream": True}).encode(), reply=inbox,
+                         headers=FLOW_NATS)
         start = await sub.next_msg(timeout=10)
         while not start.data:  # keepalives, if any
             start = await sub.next_msg(timeout=10)

@@ -342,7 +342,7 @@ def _ask(band: int = STANDARD, slo: Slo | None = None):  # type: ignore[no-untyp
 def _gate(nodes: list[NodeView], ask, over_share: bool = False, hold: bool = True):  # type: ignore[no-untyped-def]
     from zmlcore.flowctl.gate import admit_flow
     return admit_flow(nodes, RouteRequest(model="m", prompt_tokens=500), builtin_policy("latency"), NOW,
-                      RoutingState(), ask, over_share=over_share, flow=FlowConfig(hold_when_full=hold),
+                      RoutingState(), ask, over_share=over_share, flow=FlowConfig(hold_when_full=hold, spare_reserve=0.1),
                       stale_after_s=15.0, ttft_bound_s=60.0, reserve=0.1)
 
 

@@ -328,6 +328,11 @@ class FlowConfig(msgspec.Struct, **_Base):
     max_queued: PosInt = 256
     """Queued requests one router holds per model for ordering by band and share; past it the
     lowest-ranked are shed (SHED)."""
+    spare_reserve: Annotated[float, msgspec.Meta(ge=0, le=0.9)] = 0.25
+    """Share of each node's sequence slots (at least one) that a tenant over its fair share, and
+    ``sheddable`` work, leave free with hold_when_full: another tenant's next request finds one at
+    once. benches/flow_sim.py (tuning seeds): 0.1 let a flood raise the other tenants' p99 TTFT
+    up to +4%, 0.25 none."""
     hold_when_full: bool = False
     """Saturation means "no free sequence slot on any node" instead of "every node over the
     admission bound": requests of a policy with queue_on_saturation then wait in the saturation

@@ -9,9 +9,9 @@ Pure: no I/O, ``now`` is passed in; the router and the flow simulator (benches/f
   for a slot there) has no free sequence slot, the request waits in the saturation queue
   (QUEUE_FULL here) for one, where the queue's order (zmlcore.flowctl.order) lets higher bands
   and tenants under their share go first; it does not take a slower node's free slot the policy
-  did not prefer, unless others wait before it (then it takes any free slot). A tenant over its fair share, or a ``sheddable`` request, uses spare capacity
-  only: any node with more than ``reserve`` of its slots free, so that the next request of an
-  under-share tenant, or of a higher band, finds a slot at once instead of waiting for one;
+  did not prefer, unless others wait before it (then it takes any free slot). A tenant over
+  its fair share, or a ``sheddable`` request, uses spare capacity only: any node with more than
+  ``[flow] spare_reserve`` of its slots free, so that the next request of an under-share tenant, or of a higher band, finds a slot at once instead of waiting for one;
 - a request with latency targets: zmlcore.flowctl.slo.admit_slo (the pick that meets them, or
   SLO_UNATTAINABLE at once);
 - anything else: zmlcore.policy.admission.admit, exactly as without flow control.
@@ -60,11 +60,15 @@ def free_slots(view: NodeView) -> int:
 
 def full_nodes(nodes: Sequence[NodeView], keep: float) -> frozenset[str]:
     """Nodes that would have fewer than ``reserved_slots(maxc, keep)`` slots free after one more
-    request (``keep`` 0: nodes with no free slot)."""
+    request (``keep`` 0: nodes with no free slot), counted in the routers' own in-flight
+    requests (every replica's, shared). Not the poll's: what it saw beyond them was measured a
+    poll earlier, and under churn it holds a slot or two that have freed since (on a 4-slot node
+    a steady tenant waited ~1 s per request beside a flood, tests/e2e/test_flow_control.py).
+    Traffic that bypasses the routers still counts in the TTFT estimate."""
     out = []
     for v in nodes:
         maxc = node_speeds(v.state)[2]
-        if v.effective_outstanding() + 1 + (reserved_slots(maxc, keep) if keep > 0 else 0) > maxc:
+        if v.outstanding + 1 + (reserved_slots(maxc, keep) if keep > 0 else 0) > maxc:
             out.append(v.node_id)
     return frozenset(out)
 
@@ -82,7 +86,7 @@ def admit_flow(nodes: Sequence[NodeView], rr: RouteRequest, policy: ResolvedPoli
     hold = flow.hold_when_full and rr.accelerator_id is None
     if hold:
         yields = over_share or ask.band >= SHEDDABLE
-        full = full_nodes(nodes, reserve if yields else 0.0) - rr.exclude
+        full = full_nodes(nodes, flow.spare_reserve if yields else 0.0) - rr.exclude
         if full and yields:  # spare capacity only: any node with room beyond the reserve
             rr = dataclasses.replace(rr, exclude=rr.exclude | full)
     try:

@@ -22,6 +22,9 @@ class QueueBusy(msgspec.Struct, frozen=True, kw_only=True):
     #: it (zml_router.queue.jetstream).
     band: int = 9
     router: str = ""
+    #: That best entry is an over-share tenant's (zmlcore.flowctl.order): a replica holding a
+    #: within-share entry of the same band goes first.
+    over: bool = False
 
 
 class RouterNodeState(msgspec.Struct, kw_only=True, omit_defaults=True):

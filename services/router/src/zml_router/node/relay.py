@@ -427,7 +427,8 @@ class Relay:
         asm = answer.assembler if answer is not None else None
         if asm is not None:  # asked of the node as a stream: the first token is seen (zml_router.answer.assemble)
             assert answer is not None
-            raw, counts = await self._assembled(req, body, info, t0, first_byte, rename, answer, asm)
+            placed = msg.placed if isinstance(msg, QueuedMsg) else None
+            raw, counts = await self._assembled(req, body, info, t0, first_byte, rename, answer, asm, placed)
             ctype = "application/json"
         else:
             raw, ctype = await self._whole(req, body, info, first_byte, msg if audio else None,
@@ -483,8 +484,8 @@ class Relay:
             hold.close()
 
     async def _assembled(self, req: InferRequest, body: bytes, info: RoutingInfo, t0: float,
-                         first_byte: float | None, rename: Renamer | None, answer: Answer, asm: Assembler
-                         ) -> tuple[bytes, dict[str, Any] | None]:
+                         first_byte: float | None, rename: Renamer | None, answer: Answer, asm: Assembler,
+                         placed: asyncio.Future[bool] | None = None) -> tuple[bytes, dict[str, Any] | None]:
         """A non-streamed request asked of the node as a stream: its first token counted as the
         request's (and as the end of its pending time), the rest gathered and put back together
         as the JSON reply the engine would have sent (zml_router.answer.assemble). A failure after the
@@ -503,6 +504,8 @@ class Relay:
             seen = True
             if answer.ttft is None:
                 answer.ttft = time.monotonic() - t0
+            if placed is not None and not placed.done():  # out of the queue: a node has taken it
+                placed.set_result(True)
             if not complete:  # the node is still decoding: its pending time ends at the first token
                 pending = 0
                 move(node_id, 0, -1)

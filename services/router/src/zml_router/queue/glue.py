@@ -32,7 +32,8 @@ from zml_router.queue.jetstream import H_DEADLINE, H_ENQUEUED, H_QUEUED_HEADERS,
 from zml_router.answer.replies import Replies
 from zml_router.replicas.table import NodeTable
 from zml_router.request.flowgate import FlowGate
-from zmlcore.flowctl import STANDARD, Waiting, displaced, effective_band, ranked
+from zmlcore.flowctl import STANDARD, Waiting, displaced, ranked
+from zmlcore.flowctl.order import keys
 from zmlcore.policy.estimate import MEAN_OUTPUT_TOKENS, prompt_tokens_from_body
 
 log = logging.getLogger("zml.router")
@@ -142,9 +143,9 @@ class QueueGlue:
         w = self._seen[seq] = Waiting(band, tenant, weight, float(h.get(H_ENQUEUED, "0") or 0), seq, cost=cost)
         return w
 
-    def rank(self, qmsgs: list[QueuedMsg], seqs: list[int]) -> tuple[list[int], list[int], int]:
+    def rank(self, qmsgs: list[QueuedMsg], seqs: list[int]) -> tuple[list[int], list[int], tuple[int, int]]:
         """The held entries' order (zmlcore.flowctl.order: band, share, arrival), those past
-        [flow] max_queued to shed (the flood's tail first), and the best entry's band."""
+        [flow] max_queued to shed (the flood's tail first), and the best entry's (band, over-share)."""
         assert self.gate is not None
         now = time.time()
         ws = [self._waiting(q, s) for q, s in zip(qmsgs, seqs)]
@@ -163,7 +164,10 @@ class QueueGlue:
         level = book.fair_level(now)
         shed = displaced(ws, service, now, f.age_s, f.max_queued, level)
         order = ranked(ws, service, now, f.age_s, level)
-        top = effective_band(ws[order[0]], now, f.age_s) if order else STANDARD
+        top = (STANDARD, 0)
+        if order:
+            k = keys(ws, service, now, f.age_s, level)[order[0]]
+            top = (k[0], k[1])
         return order, shed, top
 
     async def shed(self, qmsg: QueuedMsg, enqueued_at: float) -> None:

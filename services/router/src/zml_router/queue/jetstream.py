@@ -67,6 +67,9 @@ H_QUEUED_HEADERS = (subjects.H_REQUEST_ID, subjects.H_TIMEOUT_MS, subjects.H_OWN
                     subjects.H_PRIORITY_MAX, subjects.H_TENANT_WEIGHT, subjects.H_TENANT)
 
 ACK_WAIT_S = 5.0
+#: A holder's long poll for new entries. Short: a pull request the client gave up on can still
+#: be handed an entry by the server, which then waits for this replica's next poll.
+FETCH_S = 1.0
 #: Queued entries live at most this long (the stream's max_age), and so do their claims.
 MAX_AGE_S = 3600.0
 #: How long a "requests waiting" announcement holds unless renewed (the holder renews it).
@@ -83,14 +86,14 @@ model_key = subjects.queue_key  # the dashboard names the queues' models with it
 
 #: Entries held (by arrival), their stream sequences -> (indexes best first, indexes to shed,
 #: the best entry's band).
-Rank = Callable[[list[QueuedMsg], list[int]], tuple[list[int], list[int], int]]
+Rank = Callable[[list[QueuedMsg], list[int]], tuple[list[int], list[int], tuple[int, int]]]
 #: Entries a freed slot is offered to, best first, before it stays free (a head whose preferred
 #: node is full waits; one behind it may fit elsewhere).
 TRIES = 8
 
 
-def _fifo(qmsgs: list[QueuedMsg], seqs: list[int]) -> tuple[list[int], list[int], int]:
-    return list(range(len(qmsgs))), [], 1
+def _fifo(qmsgs: list[QueuedMsg], seqs: list[int]) -> tuple[list[int], list[int], tuple[int, int]]:
+    return list(range(len(qmsgs))), [], (1, 0)
 
 
 # queued message -> True if a node has room for it now.
@@ -124,10 +127,10 @@ class SaturationQueue:
         self.window = window
         self._rank: Rank = rank or _fifo
         self._shed_cb = shed
-        #: (model key, replica) -> (the highest band it holds waiting, until when)
-        self.peer_bands: dict[tuple[str, str], tuple[int, float]] = {}
-        #: model key -> the highest band this replica last announced
-        self._mine: dict[str, int] = {}
+        #: (model key, replica) -> ((the best band it holds waiting, over-share?), until when)
+        self.peer_bands: dict[tuple[str, str], tuple[tuple[int, int], float]] = {}
+        #: model key -> the best (band, over-share) this replica last announced
+        self._mine: dict[str, tuple[int, int]] = {}
 
     async def _ensure_stream(self) -> None:
         cfg = StreamConfig(
@@ -200,11 +203,12 @@ class SaturationQueue:
     def has_waiting(self, model: str) -> bool:
         return self.busy.get(model_key(model), 0.0) > time.time()
 
-    async def _announce(self, key: str, until: float, band: int = 9) -> None:
+    async def _announce(self, key: str, until: float, top: tuple[int, int] = (9, 0)) -> None:
         self.busy[key] = until
         try:
-            await self.nc.publish(subjects.QUEUE_BUSY, _encode(QueueBusy(key=key, until=until, band=band,
-                                                                         router=self._owner.decode())))
+            await self.nc.publish(subjects.QUEUE_BUSY, _encode(QueueBusy(key=key, until=until, band=top[0],
+                                                                         router=self._owner.decode(),
+                                                                         over=bool(top[1]))))
         except Exception:  # an announcement is an optimisation of fairness, never fatal
             pass
 
@@ -215,7 +219,7 @@ class SaturationQueue:
             return
         self.busy[busy.key] = max(busy.until, self.busy.get(busy.key, 0.0)) if busy.until else busy.until
         if busy.router and busy.router != self._owner.decode():
-            self.peer_bands[(busy.key, busy.router)] = (busy.band, busy.until)
+            self.peer_bands[(busy.key, busy.router)] = ((busy.band, int(busy.over)), busy.until)
 
     async def stop(self) -> None:
         await cancel_and_wait(self._workers.values())
@@ -285,9 +289,8 @@ class SaturationQueue:
                     await asyncio.wait([asyncio.ensure_future(arrived.wait()), fetcher],
                                        return_when=asyncio.FIRST_COMPLETED)
                     continue
-                await self._serve(key, held)
-                if not held:
-                    continue
+                if await self._serve(key, held) or not held:
+                    continue  # one placed: rank again at once (a newcomer may come first)
                 self.capacity.clear()
                 arrived.clear()
                 waits = [asyncio.ensure_future(self.capacity.wait()), asyncio.ensure_future(arrived.wait())]
@@ -311,7 +314,7 @@ class SaturationQueue:
             try:
                 # One at a time while waiting (a fetch of N waits for N or its timeout), then
                 # what else is there at once (a fetch finds waiting entries without waiting).
-                msgs = await psub.fetch(1, timeout=1.0)
+                msgs = await psub.fetch(1, timeout=FETCH_S)
                 if room > 1:
                     try:
                         msgs += await psub.fetch(room - 1, timeout=0.02)
@@ -347,9 +350,11 @@ class SaturationQueue:
             return None
         return _Held(jmsg, qmsg, float(h.get(H_DEADLINE, "0") or 0), claim_key, seq, time.monotonic())
 
-    async def _serve(self, key: str, held: dict[int, _Held]) -> None:
+    async def _serve(self, key: str, held: dict[int, _Held]) -> bool:
         """One pass over the held entries: answer the cancelled and expired, shed past the
-        window's limit, dispatch the best that fit, keep the rest alive in JetStream."""
+        window's limit, dispatch the best that fits (one per pass: placing it takes until its
+        first token, and whatever arrived meanwhile is ranked before the next), keep the rest
+        alive in JetStream. True when one was dispatched."""
         now = time.time()
         for e in list(held.values()):
             if e.qmsg.headers.get(subjects.H_REQUEST_ID) and self._is_cancelled(e.qmsg):
@@ -361,7 +366,7 @@ class SaturationQueue:
                 await self._expire(e.qmsg, float(e.qmsg.headers.get(H_ENQUEUED, now)))
         entries = sorted(held.values(), key=lambda e: e.seq)
         if not entries:
-            return
+            return False
         order, shed, top = self._rank([e.qmsg for e in entries], [e.seq for e in entries])
         for i in shed:
             e = entries[i]
@@ -370,13 +375,14 @@ class SaturationQueue:
             if self._shed_cb is not None:
                 await self._shed_cb(e.qmsg, float(e.qmsg.headers.get(H_ENQUEUED, now)))
         tried = 0
+        placed = False
         best = self._best(key)
         for i in order:
             e = entries[i]
             if e.seq not in held:
                 continue
             if best is not None and top > best:
-                break  # another replica holds a higher band waiting: the slot is its
+                break  # another replica holds better-ranked work waiting: the slot is its
             if tried >= TRIES:
                 break
             tried += 1
@@ -394,9 +400,10 @@ class SaturationQueue:
             if await self._dispatch(e.qmsg, e.deadline):
                 held.pop(e.seq, None)
                 await e.jmsg.ack()
+                placed = True
             else:
                 await self._release(e.claim_key)  # refused before running: still to place
-                break
+            break
         # Hold the rest: tell JetStream we are alive so they are not redelivered elsewhere, and
         # the other replicas that this model still has requests waiting (and the best band).
         mono = time.monotonic()
@@ -408,12 +415,13 @@ class SaturationQueue:
             if self.busy.get(key, 0.0) < now + BUSY_TTL_S / 2 or self._mine.get(key) != top:
                 self._mine[key] = top
                 await self._announce(key, now + BUSY_TTL_S, top)
+        return placed
 
-    def _best(self, key: str) -> int | None:
-        """The highest band another replica announced waiting for this model (None: none)."""
+    def _best(self, key: str) -> tuple[int, int] | None:
+        """The best (band, over-share) another replica announced waiting for this model (None: none)."""
         now = time.time()
-        bands = [band for (k, rid), (band, until) in self.peer_bands.items() if k == key and until > now]
-        return min(bands) if bands else None
+        tops = [top for (k, rid), (top, until) in self.peer_bands.items() if k == key and until > now]
+        return min(tops) if tops else None
 
 
 @dataclass(slots=True)

@@ -80,6 +80,17 @@ TAKEN_OVER = Children(Counter(
     "Requests sent again by their requester (Zml-Resend: the router holding them went silent, the requester's "
     "broker connection came back, or a stream lost a message), served here; previous: 'other' (held by another "
     "replica, or by none) or 'self' (held here).", ["previous"]))
+FLOW = Children(Counter(
+    "zml_router_flow_requests",
+    "Requests under flow control (a band, a target or [flow] settings: docs/routing.md 'Flow control'), by band and "
+    "outcome: ok, SLO_UNATTAINABLE (refused up front), SHED, or another error code.", ["band", "outcome"]))
+FLOW_SLO = Children(Counter(
+    "zml_router_flow_slo",
+    "Whole replies to requests with a latency target, by band and result (met, missed): the attainment.",
+    ["band", "result"]))
+FLOW_QUEUED = Children(Histogram(
+    "zml_router_flow_queue_wait_seconds", "Time requests under flow control waited in the saturation queue, by band.",
+    ["band"], buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)))
 QUEUED = Children(Counter(
     "zml_router_queue_enqueued", "Requests put in the saturation queue.", ["model"]))
 QUEUE_EXPIRED = Children(Counter(
@@ -205,6 +216,14 @@ class RouterMetrics(Collector):
         REQUESTS.inc((out.model, policy, out.family, out.node_id, code))
         op = OPERATION.get(out.op, out.op)
         DURATION.observe((op, out.model, out.family, out.node_id, "" if out.ok else code), elapsed)
+        note = out.flow
+        if note is not None:
+            band = note.ask.band_name
+            FLOW(band, "ok" if out.ok else code).inc()
+            if note.queued_ms is not None:
+                FLOW_QUEUED(band).observe(note.queued_ms / 1000.0)
+            if info is not None and info.slo in ("met", "missed"):
+                FLOW_SLO(band, info.slo).inc()
         if out.ok and info is not None:
             if info.time_to_first_token is not None:
                 TTFT.observe((op, out.model, out.family, out.node_id), info.time_to_first_token)
