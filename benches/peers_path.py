@@ -153,10 +153,22 @@ start("nats", [nats_server_binary(), "-js", "-a", "127.0.0.1", "-p", str(nport),
 if not wait_port("127.0.0.1", nport, 15):
     stop_all()
 start("health", service_argv("health", a.config, url))
+prof_dir = os.environ.get("ZML_BENCH_CPROFILE")  # --cprofile: router1 and gateway under cProfile
+
+
+def profiled(name, argv):
+    if not prof_dir or name not in ("router1", "gateway"):
+        return argv
+    # argv: [python, "-m", module, ...]; CPU time, not wall time (a preempted process's wait is not its cost)
+    return [argv[0], os.path.join(os.path.dirname(os.path.abspath(__file__)), "cprof_run.py"),
+            os.path.join(prof_dir, name + ".prof")] + argv[2:]
+
+
 for i in range(a.routers):
-    start("router%d" % (i + 1), service_argv("router", a.config, url, "--router-id", "bench-r%d" % (i + 1)))
-start("gateway", service_argv("gateway", a.config, url, "--port", str(a.port),
-                             *(["--grpc-port", str(a.grpc_port)] if a.grpc_port else [])))
+    start("router%d" % (i + 1), profiled("router%d" % (i + 1), service_argv("router", a.config, url, "--router-id",
+                                                                         "bench-r%d" % (i + 1))))
+start("gateway", profiled("gateway", service_argv("gateway", a.config, url, "--port", str(a.port),
+                                                 *(["--grpc-port", str(a.grpc_port)] if a.grpc_port else []))))
 with open(a.pids, "w") as f:
     json.dump({n: p.pid for n, p in procs} | {"launcher": os.getpid(), "nats_url": url}, f)
 while True:
@@ -165,6 +177,21 @@ while True:
             print("child %s exited rc=%s" % (n, p.returncode), flush=True)
             stop_all()
     time.sleep(0.5)
+'''
+
+# Runs ``-m MODULE ARGS`` under cProfile timed by process CPU time, stats written at exit.
+CPROF_RUN = r'''import cProfile, runpy, sys, time
+out, mod = sys.argv[1], sys.argv[2]
+sys.argv = [mod] + sys.argv[3:]
+prof = cProfile.Profile(time.process_time)
+prof.enable()
+try:
+    runpy.run_module(mod, run_name="__main__", alter_sys=True)
+except SystemExit:
+    pass
+finally:
+    prof.disable()
+    prof.dump_stats(out)
 '''
 
 # Imported by the patched bench.py: ZML targets, readiness by POST, per-process CPU split.
@@ -188,7 +215,8 @@ def _target(name, config, routers=1, variant=None):
     variant = variant or {}
     argv = [variant.get("python", ZML_PY), os.path.join(HERE, "zml_stack.py"), "--config", os.path.join(HERE, config),
             "--port", str(port), "--routers", str(routers), "--logdir", os.path.join(HERE, "logs"),
-            "--pids", os.path.join(HERE, "logs", name + ".pids.json"), "--pythonpath", ZML_PYTHONPATH]
+            "--pids", os.path.join(HERE, "logs", name + ".pids.json"),
+            "--pythonpath", variant.get("pythonpath", ZML_PYTHONPATH)]
     argv += [arg for kv in variant.get("nats_env", ()) for arg in ("--nats-env", kv)]
     argv += [arg for kv in variant.get("env", ()) for arg in ("--env", kv)]
     return dict(config=None, argv=argv, url="http://127.0.0.1:%%d/v1/chat/completions" %% port)
@@ -279,7 +307,7 @@ def log(*a):
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def snapshot(workdir: str, ref: str) -> tuple[str, str]:
+def snapshot(workdir: str, ref: str, into: str = "zml-src") -> tuple[str, str]:
     """`git archive` of REF into workdir/zml-src; returns (commit, PYTHONPATH). Other engineers edit
     the working tree while benchmarks run: the services must run one fixed commit, not whatever
     the editable install sees at the moment each process starts."""
@@ -289,7 +317,7 @@ def snapshot(workdir: str, ref: str) -> tuple[str, str]:
     else:
         commit = subprocess.run(["git", "-C", REPO, "rev-parse", ref], capture_output=True, text=True,
                                 check=True).stdout.strip()
-        root = os.path.join(workdir, "zml-src")
+        root = os.path.join(workdir, into)
         shutil.rmtree(root, ignore_errors=True)
         os.makedirs(root)
         arch = subprocess.run(["git", "-C", REPO, "archive", commit], capture_output=True, check=True).stdout
@@ -314,6 +342,8 @@ def parse_variants(text: str) -> dict[str, dict]:
                 raise SystemExit("--zml-variants: %r is not KEY=VALUE" % item)
             if key == "python":
                 v["python"] = val
+            elif key == "ref":  # another commit of this repo (before/after in one run)
+                v["ref"] = val
             elif key.startswith("nats."):
                 v["nats_env"].append(key[5:] + "=" + val)
             else:
@@ -338,11 +368,12 @@ def prepare(workdir: str, harness: str, setup_dir: str | None, pythonpath: str =
     open(os.path.join(workdir, "zml_targets.py"), "w").write(ZML_TARGETS % {"zml_py": ZML_PY, "zml_pythonpath": pythonpath,
                                                                              "zml_variants": variants or {}})
     open(os.path.join(workdir, "zml_stack.py"), "w").write(ZML_STACK)
+    open(os.path.join(workdir, "cprof_run.py"), "w").write(CPROF_RUN)
     open(os.path.join(workdir, "zml_1node.toml"), "w").write(ZML_TOML_1)
     open(os.path.join(workdir, "zml_2node_rr.toml"), "w").write(ZML_TOML_2RR)
     os.makedirs(os.path.join(workdir, "logs"), exist_ok=True)
     if setup_dir:
-        for v in ("venv-harness", "venv-litellm"):
+        for v in ("venv-harness", "venv-litellm", "venv-rust"):
             if os.path.isdir(os.path.join(setup_dir, v)) and not os.path.exists(os.path.join(workdir, v)):
                 os.symlink(os.path.join(setup_dir, v), os.path.join(workdir, v))
     if not os.path.exists(os.path.join(workdir, "venv-harness")):
@@ -523,6 +554,45 @@ def profile(workdir, target, conc, seconds, rate, native=False):
                     p.kill()
 
 
+def cprofile(workdir, target, conc, seconds, stream=False):
+    """cProfile (deterministic, in-process) on router1 and the gateway under wrk at C=conc:
+    py-spy's sampling misattributes time on a box whose cores are oversubscribed (a runnable
+    thread waiting for a core counts as busy in whatever frame it stopped)."""
+    import pstats
+    hpy = os.path.join(workdir, "venv-harness", "bin", "python")
+    sys.path.insert(0, workdir)
+    import zml_targets  # noqa: E402  (generated above)
+
+    t = zml_targets.ZML_TARGETS[target]
+    pdir = os.path.join(workdir, "cprofile")
+    os.makedirs(pdir, exist_ok=True)
+    procs = []
+    try:
+        procs.append(subprocess.Popen([hpy, os.path.join(workdir, "stub_backend.py"), "--port", "8001"],
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+        stack = subprocess.Popen(t["argv"], stdout=open(os.path.join(workdir, "logs", "cprofile-stack.log"), "w"),
+                                 stderr=subprocess.STDOUT, env=dict(os.environ, ZML_BENCH_CPROFILE=pdir))
+        procs.append(stack)
+        log("%s up in %.1fs" % (target, zml_targets.wait_post(t["url"], 120)))
+        env = dict(os.environ, WRK_MODEL="stub-model", WRK_STREAM="1" if stream else "0")
+        r = subprocess.run(["wrk", "-t1", "-c%d" % conc, "-d%ds" % seconds, "--timeout", "30s", "-s",
+                            os.path.join(workdir, "post.lua"), t["url"]], capture_output=True, text=True, env=env)
+        log("wrk:", [line for line in r.stdout.splitlines() if "WRKJSON" in line or "Requests/sec" in line])
+    finally:
+        for p in reversed(procs):
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+                try:
+                    p.wait(30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+    for name in ("gateway", "router1"):
+        path = os.path.join(pdir, name + ".prof")
+        if os.path.exists(path):
+            print("\n### %s (cProfile, wrk C=%d%s)" % (name, conc, ", stream" if stream else ""))
+            pstats.Stats(path).sort_stats("tottime").print_stats(30)
+
+
 # --------------------------------------------------------------------------------------------
 # gRPC mode: zml1 over gRPC (benches/grpc_load.py) beside zml1 over HTTP and direct (load.py)
 # --------------------------------------------------------------------------------------------
@@ -666,15 +736,20 @@ def main():
     ap.add_argument("-n", type=int, default=2000)
     ap.add_argument("--max-seconds", type=float, default=10.0)
     ap.add_argument("--tag", default="peers_path")
+    ap.add_argument("--stream", action="store_true",
+                    help="streamed requests (SSE, the stub's --tokens chunks each); CPU per chunk = per request / 17")
     ap.add_argument("--zml-ref", default="HEAD",
                     help="git ref of this repo to run ZML from (snapshot via git archive); 'worktree' = as checked out")
     ap.add_argument("--profile", action="store_true", help="py-spy gateway+router instead of the matrix")
     ap.add_argument("--profile-conc", type=int, default=32)
     ap.add_argument("--profile-seconds", type=int, default=20)
     ap.add_argument("--profile-rate", type=int, default=250)
+    ap.add_argument("--cprofile", action="store_true",
+                    help="cProfile router1 and the gateway under wrk at --profile-conc (--stream: streamed)")
     ap.add_argument("--profile-native", action="store_true", help="py-spy --native (C frames; pauses the target)")
     ap.add_argument("--zml-variants", default="",
-                    help="NAME:SPEC;... adds targets zml1-NAME: zml1 with python=PATH (another venv's interpreter), "
+                    help="NAME:SPEC;... adds targets zml1-NAME: zml1 with python=PATH (another venv's interpreter), ref=GITREF "
+                         "(another commit of this repo), "
                          "nats.VAR=VALUE (nats-server's environment, e.g. nats.GOMAXPROCS=1) or VAR=VALUE (the "
                          "services' environment); list them in --targets to interleave them with zml1")
     ap.add_argument("--grpc", action="store_true",
@@ -688,10 +763,18 @@ def main():
     workdir = a.workdir or tempfile.mkdtemp(prefix="zml-peers-")
     os.makedirs(workdir, exist_ok=True)
     commit, pythonpath = snapshot(workdir, a.zml_ref)
-    prepare(workdir, a.harness, a.setup_dir, pythonpath, parse_variants(a.zml_variants))
+    variants = parse_variants(a.zml_variants)
+    for vname, v in variants.items():
+        if "ref" in v:
+            vcommit, v["pythonpath"] = snapshot(workdir, v["ref"], "zml-src-" + vname)
+            log("variant", vname, "runs ZML commit", vcommit)
+    prepare(workdir, a.harness, a.setup_dir, pythonpath, variants)
     open(os.path.join(workdir, "zml_commit.txt"), "w").write(commit + "\n")
     log("workdir", workdir, "ZML commit", commit)
     check_ports([8001, 8002] + ([4000] if "litellm" in a.targets else []))
+    if a.cprofile:
+        cprofile(workdir, a.targets.split(",")[0], a.profile_conc, a.profile_seconds, a.stream)
+        return
     if a.profile:
         profile(workdir, a.targets.split(",")[0], a.profile_conc, a.profile_seconds, a.profile_rate,
                 a.profile_native)
@@ -704,7 +787,7 @@ def main():
     cmd = [os.path.join(workdir, "venv-harness", "bin", "python"), os.path.join(workdir, "bench.py"),
            "--reps", str(a.reps), "--conc", a.conc, "--targets", a.targets, "--tools", a.tools,
            "--wrk-duration", str(a.wrk_duration), "-n", str(a.n), "--max-seconds", str(a.max_seconds),
-           "--tag", a.tag, "--out", out]
+           "--tag", a.tag, "--out", out] + (["--stream"] if a.stream else [])
     log("running:", " ".join(cmd))
     env = dict(os.environ, PATH=os.path.dirname(ZML_PY) + os.pathsep + os.environ.get("PATH", ""))
     subprocess.run(cmd, cwd=workdir, env=env, check=False)

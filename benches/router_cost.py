@@ -164,7 +164,8 @@ def snapshots(specs: list[str], tmp: str) -> dict[str, str]:
 
 
 def one(pythonpath: str, stub: str, conc_levels: list[int], seconds: float, tmp: str,
-        model: list[str] | None = None, stub_delay_ms: float = 0.0) -> dict[int, tuple[float, float, float]]:
+        model: list[str] | None = None, stub_delay_ms: float = 0.0,
+        warmup_s: float = 3.0) -> dict[int, tuple[float, float, float]]:
     env = {**os.environ, "PYTHONPATH": pythonpath, "PYTHONUNBUFFERED": "1"}
     procs: list[subprocess.Popen[bytes]] = []
     out: dict[int, tuple[float, float, float]] = {}
@@ -173,7 +174,7 @@ def one(pythonpath: str, stub: str, conc_levels: list[int], seconds: float, tmp:
         procs.append(subprocess.Popen([sys.executable, stub, "--port", str(stub_port), "--delay-ms", str(stub_delay_ms)],
                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
         url, nats_p, router = start_router(tmp, env, procs, [stub_port], config(stub_port, model), "cost-r1")
-        time.sleep(3.0)  # health polls the stub once, the router reads the node
+        time.sleep(warmup_s)  # health polls the stub once, the router reads the node
         for c in conc_levels:
             n, router_s, nats_s = asyncio.run(asyncio.wait_for(drive(url, c, seconds, 1.0, router.pid, nats_p.pid),
                                                                seconds + 60))
@@ -191,6 +192,9 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=4.0)
     ap.add_argument("--harness", default=os.path.join(HERE, "..", "..", "shared", "peers"),
                     help="the peers harness (its stub_backend.py is the node)")
+    ap.add_argument("--warmup-s", type=float, default=3.0,
+                    help="seconds between starting the services and measuring (more on a loaded box, where "
+                         "3 s leaves the router unsubscribed: NoRespondersError)")
     ap.add_argument("--stub-delay-ms", type=float, default=0.0,
                     help="the stub's service time per request (its --delay-ms): at C / delay req/s every "
                          "variant runs at the same rate, so a variant whose node answers slower (an SSE body "
@@ -207,7 +211,7 @@ def main() -> None:
     try:
         for rep in range(a.reps):
             for ref, pp in paths.items():
-                for c, r in one(pp, stub, conc, a.seconds, tmp, ref.split("+")[1:], a.stub_delay_ms).items():
+                for c, r in one(pp, stub, conc, a.seconds, tmp, ref.split("+")[1:], a.stub_delay_ms, a.warmup_s).items():
                     results.setdefault((ref, c), []).append(r)
                     print(f"rep {rep + 1} {ref:>12} C={c:<3} {r[0]:7.0f} req/s  router {r[1]:6.1f} us/req"
                           f"  nats {r[2]:5.1f} us/req", flush=True)

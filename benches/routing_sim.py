@@ -21,6 +21,12 @@ fed what the router has: a polled NodeState every 5 s (+/-20% jitter), router-lo
 counters (pending ends at the first token of a stream, at the estimated one for a plain reply),
 the body-size prompt estimate, the admission bound, and peers' counters after a NATS lag
 (benches/routing_simrouter.py).
+
+Hidden speeds (issue 28): ``--hidden learn,told`` draws each node's true speed 0.3-3x its type's
+(drifting ``--drift``); ``learn`` tells the router only the profile and feeds the health
+service's learner (zmlcore.fleet.learn) what a router sees of each streamed request, ``told``
+polls the true speeds (docs/benchmarks.md "Learned speeds in simulation"). Tuning seeds 1001-1003;
+reported 21-23.
 """
 
 from __future__ import annotations
@@ -348,6 +354,7 @@ def _run(policy: str, workload: str, load: float, seed: int, n: int, warm: int,
                 seq += 1
                 heapq.heappush(heap, (rnd.uniform(0, poll), seq, POLL, ri, nd.idx))
     pol: ResolvedPolicy | None = spec.get("policy")
+    debug_err: list[list[tuple[float, float]]] | None = [[] for _ in nodes] if os.environ.get("ROUTING_SIM_DEBUG") else None
     if drift:
         heapq.heappush(heap, (DRIFT_EVERY_S, 0, DRIFT, 0, 0))
 
@@ -455,6 +462,10 @@ def _run(policy: str, workload: str, load: float, seed: int, n: int, warm: int,
                     nd.pf, nd.dec = profs[nd.idx].prefill_tps * f, profs[nd.idx].decode_tps * f
                     if nd.cur < 0:
                         schedule_decode(nd, now)
+                if hidden == "learn" and debug_err is not None:
+                    for nd in nodes:
+                        e = published(book[nd.idx], now)
+                        debug_err[nd.idx].append((math.log(e.prefill_tps / nd.pf), math.log(e.decode_tps / nd.dec)))
                 push(now + DRIFT_EVERY_S, DRIFT, 0, 0)
                 continue
             nd = nodes[a] if ev != POLL else nodes[b]
@@ -548,6 +559,10 @@ def _run(policy: str, workload: str, load: float, seed: int, n: int, warm: int,
     if hidden == "learn" and os.environ.get("ROUTING_SIM_DEBUG"):  # what was learned vs the truth
         for nd in nodes:
             e = published(book[nd.idx], te)
+            errs = debug_err[nd.idx] if debug_err else [(0.0, 0.0)]
+            pe = float(np.mean([x for x, _ in errs])); pa = float(np.mean([abs(x) for x, _ in errs]))
+            de = float(np.mean([y for _, y in errs])); da = float(np.mean([abs(y) for _, y in errs]))
+            print(f"  log err prefill bias {pe:+.2f} abs {pa:.2f}; decode bias {de:+.2f} abs {da:.2f}", file=sys.stderr)
             print(f"{workload} {seed} {nd.name}: prefill {e.prefill_tps:.0f}/{nd.pf:.0f} decode {e.decode_tps:.1f}/"
                   f"{nd.dec:.1f} sigma {e.prefill_sigma:.2f}/{e.decode_sigma:.2f} n={e.samples}", file=sys.stderr)
     served_mask = ~np.array(rejected[warm:])

@@ -134,10 +134,12 @@ def test_dashboard_in_chromium_shows_the_fleet_and_reacts(dash_stack: tuple[Stac
             assert set(rows) == {n for n, _, _ in FLEET}
             assert page.inner_text("#status") == "live"
             # Each node's speeds with where they come from (issue 27 item 2): the type's profile
-            # until the engine's counters measure them, then "measured" and how long ago.
+            # until the engine's counters, a calibration request or the routers' observations
+            # teach the estimate, then where it came from, how long ago it moved and how sure it is.
             speeds = page.eval_on_selector_all("#nodes td.speeds", "tds => tds.map(td => td.textContent)")
-            assert len(speeds) == len(FLEET) and all(re.fullmatch(r"[\d.]+k? / [\d.]+k?(default|measured \d+ s ago)",
-                                                                  t) for t in speeds), speeds
+            assert len(speeds) == len(FLEET) and all(
+                re.fullmatch(r"[\d.]+k? / [\d.]+k?(default|(measured|learned) \d+ [smh] ago)( \(\d+%\))?", t)
+                for t in speeds), speeds
             assert "in flight: what the routers have sent it" in page.inner_text("#legend")
             # The saturation queue by the running config's model names, not hashed keys.
             queue = _wait("queue rows", lambda: page.eval_on_selector_all(

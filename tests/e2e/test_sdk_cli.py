@@ -64,16 +64,18 @@ def test_nodes_table(endpoint: str, zml_stack: Stack) -> None:
     assert p.returncode == 0, p.stderr
     header, *lines = p.stdout.strip().splitlines()
     assert header.split() == ["NODE", "TYPE", "FAMILY", "MODELS", "HEALTH", "QUEUE", "STATE", "COOLDOWN", "SPEED",
-                              "CACHE", "ENDPOINT", "NOTE"]
+                              "CACHE", "ROLES", "ENDPOINT", "NOTE"]
     rows = [_cells(header, line) for line in lines]
     # the sims report cached tokens and vLLM's cache geometry: routers know their caches that way
     assert all(r["CACHE"].startswith("reported:") for r in rows), lines
     assert sorted(r["NODE"] for r in rows) == sorted(zml_stack.node_ids)
     assert sorted(r["ENDPOINT"] for r in rows) == sorted(zml_stack.sim_url(n) for n in zml_stack.node_ids)
     assert all(r["STATE"] == "up" for r in rows), lines
-    # each node's speeds with where they come from (the sims' counters once they served, else
-    # the accelerator type's profile) and, when measured, how long ago they last moved
-    assert all(re.fullmatch(r"[\d.]+k?/[\d.]+k?:(default|measured:\d+[smh])", r["SPEED"]) for r in rows), lines
+    # each node's speeds with where they come from (the sims' counters, a calibration request or
+    # the routers' observations, else the accelerator type's profile), how long ago the estimate
+    # last moved and how sure it is
+    assert all(re.fullmatch(r"[\d.]+k?/[\d.]+k?:(default|(measured|learned):\d+[smh])(:\d+%)?", r["SPEED"])
+               for r in rows), lines
     listed = json.loads(zml_cli("nodes", "--json", "--endpoint", endpoint).stdout)
     assert sorted(n["node_id"] for n in listed["nodes"]) == sorted(zml_stack.node_ids)  # /v1/nodes' shape
 

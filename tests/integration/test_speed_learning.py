@@ -4,6 +4,7 @@ service's calibration request and from the routers' per-attempt samples on the c
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import httpx
 import pytest
@@ -96,5 +97,36 @@ async def test_router_samples_teach_health_within_20_requests(nats_private: str)
             assert needed is not None and needed <= 20, (st.prefill_tps, st.decode_tps, pf, dec)
             assert st.speeds_source == "learned"
         finally:
+            await svc.stop()
+            await sim.stop()
+
+
+async def test_a_node_routers_saw_fail_is_probed_back_into_service(nats_private: str) -> None:
+    """A completion event names the node as failed (routers cool it down for [router]
+    cooldown_s); it answers a real request at the next poll, so health lifts the cooldown."""
+    from zmlcore.messages import node_mark_decoder
+    from zmlcore.messages.node import RECOVERED
+
+    sim = await start_sim("back-1", "nvidia_h100", [M], engine="vllm")
+    svc = HealthService(config([node_entry(sim)], health={"calibrate": False}, router={"cooldown_s": 30}))
+    async with connected(nats_private) as nc:
+        marks = []
+
+        async def on_mark(msg: Any) -> None:
+            marks.append(node_mark_decoder.decode(msg.data))
+
+        sub = await nc.subscribe(subjects.NODE_MARKS, cb=on_mark)
+        await svc.start(nc)
+        try:
+            await eventually(lambda: (s := svc.states.get("back-1")) and s.status == "up")
+            assert marks == []  # nothing failed: nothing to lift
+            t0 = time.monotonic()
+            await nc.publish(subjects.event(subjects.EVENT_COMPLETED), completed_encoder.encode(
+                RequestCompleted(model=M, node_id="other", ts=time.time(), failed_nodes=["back-1"])))
+            got = await eventually(lambda: [m for m in marks if m.node_id == "back-1"], what="recovered mark")
+            assert got[0].kind == "cooldown" and got[0].for_s == 0 and got[0].reason == RECOVERED
+            assert got[0].router_id == "health" and time.monotonic() - t0 < 10  # not the 30 s cooldown
+        finally:
+            await sub.unsubscribe()
             await svc.stop()
             await sim.stop()

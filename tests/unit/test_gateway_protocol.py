@@ -106,6 +106,53 @@ async def test_a_stream_head_is_written_at_once_and_checks_still_apply() -> None
     assert b"set-cookie" not in b"".join(transport.writes)
 
 
+HEADS = [
+    [(b"content-type", b"application/json"), (b"content-length", b"2")],
+    [(b"content-type", b"application/json"), (b"content-length", b"2"), (b"x-zml-node-id", b"n1"),
+     (b"x-zml-label", b"%C3%A9quipe"), (b"x-ratelimit-remaining-requests", b"9"), (b"retry-after", b"1")],
+    [(b"Content-Length", b"2"), (b"X-Upper", b"v")],  # upper-case names: uvicorn's head
+    [(b"content-length", b"2"), (b"connection", b"close")],  # uvicorn's head (it closes)
+    [(b"content-length", b"2"), (b"x-tab", b"a\tb")],  # a tab is a valid value byte
+]
+
+
+async def test_the_head_built_here_is_the_one_uvicorn_writes(monkeypatch: Any) -> None:
+    for headers in HEADS:
+        for status in (200, 429):
+            async def app(scope: Any, receive: Any, send: Any, headers: Any = headers, status: int = status) -> None:
+                await receive()
+                await send({"type": "http.response.start", "status": status, "headers": headers})
+                await send({"type": "http.response.body", "body": b"{}"})
+
+            got = []
+            for fast in (True, False):
+                if not fast:
+                    monkeypatch.setattr(FastCycle, "_whole_head", lambda self, message: None)
+                proto, transport = connect(app)
+                proto.data_received(REQUEST)
+                await settle()
+                got.append(b"".join(transport.writes).replace(proto.server_state.default_headers[0][1]
+                                                               if proto.server_state.default_headers else b"", b""))
+                assert len(transport.writes) == 1 and proto.cycle.response_complete
+                monkeypatch.undo()
+            assert got[0] == got[1], headers
+
+
+async def test_an_invalid_head_with_a_length_is_refused_as_uvicorn_refuses_it() -> None:
+    for headers in ([(b"x-bad", b"a\r\nset-cookie: x"), (b"content-length", b"2")],
+                    [(b"x bad", b"v"), (b"content-length", b"2")]):
+        async def bad(scope: Any, receive: Any, send: Any, headers: Any = headers) -> None:
+            await receive()
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            await send({"type": "http.response.body", "body": b"{}"})
+
+        proto, transport = connect(bad)
+        proto.data_received(REQUEST)
+        await settle()
+        assert b"set-cookie" not in b"".join(transport.writes) and b"x bad" not in b"".join(transport.writes)
+        assert b"HTTP/1.1 200" not in b"".join(transport.writes) and transport.closed  # as uvicorn does
+
+
 async def test_a_short_body_is_refused_as_uvicorn_does() -> None:
     async def app(scope: Any, receive: Any, send: Any) -> None:
         await receive()

@@ -129,3 +129,34 @@ def test_pyproject_allows_what_the_fence_was_verified_with() -> None:
     assert f">={floor.removesuffix('.0')}," in natsinternals.REQUIREMENT
     major, minor, _ = newest.split(".")
     assert natsinternals.REQUIREMENT.endswith(f",<{major}.{int(minor) + 1}")
+
+
+HEADER_BLOCKS = [
+    b"Zml-Request-Id: 3f2a9c0d11aa22bb\r\nZml-Timeout-Ms: 30000\r\nZml-Body: clean\r\n"
+    b"traceparent: 00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01\r\n\r\n",
+    b"a b: c\r\n", b"a\x1cb: c\r\n", b"\x1ck\x1f: v\x1f\r\n", b": x\r\n", b" k : v\r\n", b"\xff: v\r\n",
+    b"k: \xff\r\n", b"nocolon\r\n", b"k: v\r\nk: w\r\n", b"k:v\r\n", b"k: \r\n", b"k: a b\r\n", b"k: v\x85\r\n",
+    b"k\x0b: v\x0c\r\n", b"a\rb: c\r\n", b"a: b\nc: d\r\n", b"k:\tv\r\n", b"", b"\r\n\r\n", b"k: a:b: c\r\n",
+    "n\u00e9: v\u00e9\r\n".encode(),
+]
+
+
+@pytest.mark.parametrize("raw", HEADER_BLOCKS)
+def test_header_blocks_parse_as_nats_py_parses_them(raw: bytes) -> None:
+    assert natsinternals.parse_header_lines(raw) == Client._parse_header_lines(raw)
+
+
+def test_random_header_blocks_parse_as_nats_py_parses_them() -> None:
+    import random
+    rng = random.Random(29)
+    alphabet = b"ab:: \t\r\n\x0b\x0c\x1c\x1f\x7f\x80\xc3\xa9Z-1"
+    for _ in range(5000):
+        raw = bytes(rng.choice(alphabet) for _ in range(rng.randrange(0, 40)))
+        assert natsinternals.parse_header_lines(raw) == Client._parse_header_lines(raw), raw
+
+
+def test_a_client_gets_the_fast_header_parser() -> None:
+    nc = Client()
+    natsinternals.fast_headers(nc)
+    assert nc._parse_header_lines is natsinternals.parse_header_lines
+    assert Client._parse_header_lines is not natsinternals.parse_header_lines  # the class is left alone

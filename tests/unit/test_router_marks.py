@@ -72,3 +72,43 @@ def _dup() -> str:
     c.gap("0")
     c.gap("1")
     return c.gap("1") or ""
+
+
+def test_health_lifts_a_cooldown_once_the_node_answers_again() -> None:
+    """Issue 28: a "recovered" mark (for_s 0, from the health service) ends a cooldown at once;
+    a zero-length mark without that reason, or for saturation, changes nothing."""
+    from zmlcore.messages.node import RECOVERED
+
+    t = _table("n1")
+    m = Marks(t, "r1")
+    assert m.apply_peer(NodeMark(router_id="r2", node_id="n1", kind="cooldown", for_s=30, reason="network"), 100.0)
+    assert not m.apply_peer(NodeMark(router_id="health", node_id="n1", kind="cooldown", for_s=0), 101.0)
+    assert not m.apply_peer(NodeMark(router_id="health", node_id="n1", kind="saturated", for_s=0,
+                                     reason=RECOVERED), 101.0)
+    assert t.views["n1"].cooldown_until == 130.0
+    assert m.apply_peer(NodeMark(router_id="health", node_id="n1", kind="cooldown", for_s=0, reason=RECOVERED), 101.0)
+    assert t.views["n1"].cooldown_until == 0.0 and m.describe("n1", 101.0) == {}
+    # nothing to lift: no change
+    assert not m.apply_peer(NodeMark(router_id="health", node_id="n1", kind="cooldown", for_s=0,
+                                     reason=RECOVERED), 102.0)
+
+
+def test_deadlines_follow_the_learned_speeds() -> None:
+    """Issue 28: the inter-token deadline is a few expected gaps at the node's learned speeds
+    (the 1 s floor for a fast node, up to the cap for a slow one), not a fixed 10 s; the
+    per-state cache the router keeps computes the same as the pure function."""
+    from zml_router.node.attempt import Learned, stall_timeout
+
+    fast = NodeState(node_id="f", accelerator_type="cpu", family="CPU", endpoint="", prefill_tps=14_000,
+                     decode_tps=500, max_concurrency=4)
+    slow = NodeState(node_id="s", accelerator_type="cpu", family="CPU", endpoint="", prefill_tps=400,
+                     decode_tps=10, max_concurrency=4)
+    told = NodeState(node_id="t", accelerator_type="cpu", family="CPU", endpoint="", max_concurrency=4)
+    for st in (fast, slow, told):
+        for out in (0, 3, 9):
+            assert Learned(st).stall_s(out, 1.0, 3.0, 10.0) == stall_timeout(st, out, 1.0, 3.0, 10.0)
+    assert stall_timeout(fast, 3, 1.0, 3.0, 10.0) == 1.0
+    assert stall_timeout(slow, 0, 1.0, 3.0, 10.0) == 10.0
+    mid = stall_timeout(told, 0, 1.0, 3.0, 10.0)  # the type's 1,500 / 75: 3 x (13 ms + 1.37 s)
+    assert 4.0 < mid < 4.3
+    assert stall_timeout(fast, 0, 1.0, 0.0, 10.0) == 10.0  # factor 0: the fixed deadline

@@ -112,7 +112,8 @@ def test_nodes_help_explains_every_column(capsys: pytest.CaptureFixture[str]) ->
     for column in ("MODELS", "HEALTH", "QUEUE", "STATE", "COOLDOWN", "SPEED", "CACHE", "ROLES", "NOTE"):
         assert f"\n  {column} " in text, column
     flat = " ".join(text.split())  # argparse wraps to the terminal width
-    assert "reported:32768x1:65%" in flat and "measured (the engine's counters" in flat
+    assert "reported:32768x1:65%" in flat and "measured (the engine's counters, its per-request timings" in flat
+    assert "the chance both speeds are within 25%" in flat
 
 
 def test_after_add_says_what_the_first_poll_found() -> None:

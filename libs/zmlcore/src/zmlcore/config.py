@@ -279,9 +279,18 @@ class RouterConfig(msgspec.Struct, **_Base):
     leaves more capacity idle (benches/batch_sim.py at 50% load: 0.1 cost interactive p99 TTFT
     +6% and used 91% of the spare capacity; 0.25, +2% and 81%; 0, x2.5 and 100%)."""
     inter_token_timeout_s: PosFloat = 10.0
-    """After the first token, a node that sends nothing more for this long (noticed within one
-    to two such periods) is abandoned as stalled, cooled down, and the answer continued on
-    another node (or ended with the error where it cannot be: docs/http-api.md)."""
+    """After the first token, a node that sends nothing more for its inter-token deadline
+    (noticed within one to two such periods) is abandoned as stalled, cooled down, and the answer
+    continued on another node (or ended with the error where it cannot be: docs/http-api.md).
+    The deadline is max(inter_token_floor_s, inter_token_factor x the node's expected longest
+    gap), at most this: a stall is noticed in a few expected gaps of the node's learned speeds
+    (docs/routing.md "Learned speeds"), not a fixed 10 s."""
+    inter_token_floor_s: PosFloat = 1.0
+    """Lower bound of the inter-token deadline (a fast node's hiccup is no stall)."""
+    inter_token_factor: NonNeg = 3.0
+    """Multiple of the node's expected longest gap between two tokens (one decode step at its
+    learned speed and batch, plus a prefill chunk of another request: 2,048 tokens at its
+    learned prefill speed) allowed before a stall; 0 makes inter_token_timeout_s fixed."""
     session_idle_s: PosFloat = 600.0
     """A session (``x-session-id``, ``Zml-Session``, the SDK's ``session=``, else the OpenAI
     ``user`` field) is forgotten after this long without a request (its binding to a node

@@ -34,7 +34,13 @@ from typing import Any
 import msgspec
 from zmlcore.errors import BadRequestError, HeadersTooLargeError
 from zml_gateway.http2 import PREFACE, H2Limits, H2Protocol
-from zml_gateway.uvicorninternals import HttpToolsProtocol, RequestResponseCycle
+from zml_gateway.uvicorninternals import (
+    HEADER_RE,
+    HEADER_VALUE_RE,
+    STATUS_LINE,
+    HttpToolsProtocol,
+    RequestResponseCycle,
+)
 
 
 class _Refused(Exception):
@@ -69,6 +75,11 @@ class FastCycle(RequestResponseCycle):
     - :meth:`on_disconnect`: the protocol calls back when the connection is lost, so the app
       needs no task parked in ``receive()`` per request to learn it.
     - :attr:`body_complete`: the app reads a body that is all here without arming a timer.
+    - the head of such a response is built here (:meth:`_whole_head`), with uvicorn's own
+      checks made once over all names and once over all values instead of twice per header
+      (a reply carries ~16: its routing metadata, rate limits): ~8% of the gateway's CPU per
+      request. Any other head (no length, ``connection`` or ``transfer-encoding`` set, upper-case
+      names, an access log, an invalid byte) is uvicorn's, as before.
     """
 
     _held: bytes | None = None
@@ -130,6 +141,12 @@ class FastCycle(RequestResponseCycle):
             return
         if self.flow.write_paused and not self.disconnected:
             await self.flow.drain()  # here, so that nothing awaits while the transport is swapped
+        if self.disconnected:
+            return
+        whole = self._whole_head(message)
+        if whole is not None:
+            self._held = whole  # its body follows: one write for both
+            return
         transport, head = self.transport, _Head()
         self.transport = head  # type: ignore[assignment]
         try:
@@ -142,6 +159,40 @@ class FastCycle(RequestResponseCycle):
             self._held = head.data  # its body follows: one write for both
         else:
             transport.write(head.data)
+
+
+    def _whole_head(self, message: Any) -> bytes | None:
+        """The head of a response with a ``content-length`` and a body to follow, as uvicorn
+        would write it (the response then counts as started), or None: uvicorn writes it."""
+        if self.access_log or self.chunked_encoding is not None \
+                or self.scope["method"] == "HEAD":
+            return None
+        headers = message.get("headers", ())
+        default = self.default_headers
+        if default:
+            headers = [*default, *headers]
+        names = b"".join([n for n, _ in headers])
+        # uvicorn's per-header checks, made over all at once (each is a class of single bytes);
+        # lower-case names only (uvicorn lower-cases them); the rest is uvicorn's.
+        if (HEADER_RE.search(names) or HEADER_VALUE_RE.search(b"".join([v for _, v in headers]))
+                or not names.islower() or b"connection" in names or b"transfer-encoding" in names):
+            return None
+        length = None
+        content = [STATUS_LINE[message["status"]]]
+        for name, value in headers:
+            if name == b"content-length" and length is None:
+                length = value
+            content += (name, b": ", value, b"\r\n")
+        if length is None or not length.isdigit() or int(length) <= 0:
+            return None
+        if not self.keep_alive:
+            content.append(b"connection: close\r\n")
+        content.append(b"\r\n")
+        self.response_started = True
+        self.waiting_for_100_continue = False
+        self.expected_content_length = int(length)
+        self.chunked_encoding = False
+        return b"".join(content)
 
 
 def _nothing() -> None:

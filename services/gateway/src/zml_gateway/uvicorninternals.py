@@ -32,12 +32,21 @@ from typing import Any
 
 import uvicorn
 from uvicorn.protocols.http.flow_control import FlowControl
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+# The checks and status lines uvicorn writes a response head with (zml_gateway.protocol.FastCycle
+# writes the head of a whole reply itself, checked the same): in every release VERIFIED spans.
+from uvicorn.protocols.http.httptools_impl import (
+    HEADER_RE,
+    HEADER_VALUE_RE,
+    STATUS_LINE,
+    HttpToolsProtocol,
+    RequestResponseCycle,
+)
 from uvicorn.server import ServerState
 
 from zmlcore.errors import ConfigError
 
-__all__ = ["GatewayServer", "HttpToolsProtocol", "RequestResponseCycle", "ServerState", "check"]
+__all__ = ["HEADER_RE", "HEADER_VALUE_RE", "STATUS_LINE", "GatewayServer", "HttpToolsProtocol",
+           "RequestResponseCycle", "ServerState", "check"]
 
 log = logging.getLogger("zml.gateway")
 
@@ -61,7 +70,8 @@ STATE: tuple[tuple[type, str, tuple[str, ...]], ...] = (
     (HttpToolsProtocol, "on_headers_complete", ("cycle",)),
     (RequestResponseCycle, "__init__", ("scope", "transport", "flow", "disconnected", "keep_alive", "more_body",
                                         "response_started", "response_complete", "chunked_encoding",
-                                        "expected_content_length", "message_event", "on_response")),
+                                        "expected_content_length", "message_event", "on_response",
+                                        "access_log", "default_headers", "waiting_for_100_continue")),
     (FlowControl, "__init__", ("write_paused",)),
     (ServerState, "__init__", ("connections", "tasks", "default_headers")),
 )

@@ -36,6 +36,15 @@ SPEED_CONFIDENCE = Children(Gauge(
 _last: dict[str, str] = {}
 
 
+RECOVERIES = Children(Counter(
+    "zml_health_recoveries", "Cooled-down nodes probed back into service (a real request answered after routers "
+    "saw them fail), by node.", ["node"]))
+
+
+def recovered(node_id: str) -> None:
+    RECOVERIES(node_id).inc()
+
+
 def calibrated(node_id: str, ok: bool) -> None:
     CALIBRATIONS(node_id, "ok" if ok else "failed").inc()
 

@@ -33,7 +33,8 @@ from zml_health.score import health_score
 from zml_health.served import mismatch_note, split_models
 from zmlcore.bus.kvfollow import live_keys
 from zmlcore.bus.link import link_of
-from zmlcore.messages import NodeState
+from zmlcore.messages import NodeMark, NodeState
+from zmlcore.messages.node import RECOVERED
 from zmlcore.messages.admin import (
     NodeAdded,
     NodeRemoved,
@@ -72,7 +73,8 @@ def spec_to_config(spec: NodeSpec) -> NodeConfig:
 class _NodeRuntime:
     """What the service keeps per node besides its tracker."""
 
-    __slots__ = ("doc", "has_probe", "probe_checked_at", "pending_loads", "warmed", "calibration", "draining")
+    __slots__ = ("doc", "has_probe", "probe_checked_at", "pending_loads", "warmed", "calibration", "draining",
+                 "failed_at")
 
     def __init__(self) -> None:
         self.doc: dict[str, Any] | None = None
@@ -85,6 +87,9 @@ class _NodeRuntime:
         self.warmed: set[str] = set()
         #: The calibration request in flight, if any (one per node at a time).
         self.calibration: asyncio.Task[None] | None = None
+        #: When a router last reported the node failing or slow (completion events): routers cool
+        #: it down; a real request answered after that lifts their cooldown (_recover).
+        self.failed_at = 0.0
         #: model -> deadline: models the placement planner is moving off this node (not routable).
         self.draining: dict[str, float] = {}
 
@@ -247,6 +252,12 @@ class HealthService:
                                  decode_c=sp.window_batch)
         check = self._hardware(node, rt)
         state = self._state(node, tr, rt, probe, status, check, now)
+        if status == "up" and rt.failed_at and state.models and (rt.calibration is None or rt.calibration.done()):
+            if now - rt.failed_at > self.cfg.router.cooldown_s:
+                rt.failed_at = 0.0  # cooled down already
+            else:
+                rt.calibration = asyncio.create_task(self._recover(node, rt, state.models[0]),
+                                                     name=f"recover-{node.id}")
         if status == "up" and hc.calibrate and state.models:
             self._maybe_calibrate(node, rt, state, now)
         metrics.polled(node.id, probe.ok, probe.loading, probe.slow, time.perf_counter() - t0, state)
@@ -335,6 +346,25 @@ class HealthService:
         log.info("calibrated %s for %s: prefill %.0f tok/s, decode %.1f tok/s (ttft %.3f s, %d prompt tokens%s)",
                  node.id, model, got.prefill_tps, got.decode_tps, got.ttft_s, got.prompt_tokens,
                  ", engine timings" if got.engine else "")
+
+    async def _recover(self, node: NodeConfig, rt: _NodeRuntime, model: str) -> None:
+        """A node routers saw fail answers its probes again: one short real request, and if it
+        is answered, their cooldown is lifted (NodeMark ``recovered``) instead of the node idling
+        out [router] cooldown_s while its peers queue (docs/health.md)."""
+        assert self.http is not None and self.nc is not None
+        failed_at = rt.failed_at
+        got = await calibrate(self.http, node.endpoint, node.served_names.get(model, model), prompt_tokens=32,
+                              max_tokens=8, timeout=max(5.0, 2 * self.cfg.health.probe_timeout_s),
+                              api_key=node.api_key)
+        if got is None or node.id not in self._tasks or rt.failed_at != failed_at:
+            return  # still failing, removed, or failed again meanwhile: the next poll tries again
+        rt.failed_at = 0.0
+        mark = NodeMark(router_id="health", node_id=node.id, kind="cooldown", for_s=0.0, reason=RECOVERED,
+                        ts=self.clock())
+        await self.nc.publish(subjects.NODE_MARKS, _encode(mark))
+        metrics.recovered(node.id)
+        log.info("node %s answers again (a %d-token request in %.2f s): routers' cooldown lifted", node.id,
+                 got.prompt_tokens, got.ttft_s)
 
     def _state(self, node: NodeConfig, tr: Tracker, rt: _NodeRuntime, probe: Probe, status: str,
                check: HardwareCheck | None, now: float) -> NodeState:
@@ -495,6 +525,10 @@ class HealthService:
         for node_id in ev.slow_nodes:
             if (slow := self.trackers.get(node_id)) is not None:
                 slow.last_slow_at = max(slow.last_slow_at, ts)
+        # nodes the routers now cool down: probed back into service when they answer again
+        for node_id in (*ev.failed_nodes, *ev.slow_nodes, *((ev.node_id,) if ev.node_error else ())):
+            if (rt := self.runtime.get(node_id)) is not None:
+                rt.failed_at = max(rt.failed_at, ts)
 
     async def _on_warmup(self, msg: Msg) -> None:
         try:

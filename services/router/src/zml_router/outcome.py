@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from zmlcore.messages import RoutingInfo
+from zmlcore.messages import RoutingInfo, SpeedSample
 
 
 class Outcome:
@@ -16,7 +16,7 @@ class Outcome:
 
     __slots__ = ("request_id", "stream", "model", "node_id", "family", "ok", "error_code", "node_error",
                  "failed_nodes", "attempts", "info", "queued", "slow_nodes", "label", "op", "prompt_tokens",
-                 "completion_tokens", "continued_from", "prefill_failed", "flow")
+                 "completion_tokens", "continued_from", "prefill_failed", "flow", "sample")
 
     def __init__(self) -> None:
         self.request_id = ""  # set once validated: it goes into subjects, headers and logs
@@ -42,5 +42,8 @@ class Outcome:
         #: A split's prefill leg that failed, the request served whole on its decode node:
         #: ``node:failure`` (docs/disaggregation.md).
         self.prefill_failed: str | None = None
+        #: What the attempt that answered showed of its node's speeds (the completion event
+        #: carries it to the health service's learner: zmlcore.fleet.learn).
+        self.sample: SpeedSample | None = None
         #: Its flow control (zml_router.request.flowgate.Note), None for a plain request.
         self.flow: Any = None

@@ -27,6 +27,7 @@ from nats.aio.subscription import Subscription
 
 from zmlcore import subjects
 from zmlcore.bus.batchpub import BatchPublisher
+from zmlcore.bus.direct import subscribe_direct
 from zmlcore.bus.kvfollow import KVFollower
 from zmlcore.config import ZMLConfig
 from zmlcore.fleet.catalog import unserved
@@ -177,8 +178,8 @@ class RouterService:
         self._subs.append(await nc.subscribe(subjects.router_state(self.router_id), cb=self._on_state))
         self._subs.append(await nc.subscribe(subjects.ROUTERS_STATE, cb=self._on_state))
         self._subs.append(await nc.subscribe(subjects.ROUTERS_DECISION, cb=self._on_decision))
-        for subject in (subjects.INFER, subjects.FRONT_DOOR_INFER):
-            self._subs.append(await nc.subscribe(subject, queue=subjects.ROUTER_QUEUE, cb=self._on_request))
+        for subject in (subjects.INFER, subjects.FRONT_DOOR_INFER):  # each request a task of its own at once
+            self._subs.append(await subscribe_direct(nc, subject, self._on_request, queue=subjects.ROUTER_QUEUE))
 
     async def stop(self) -> None:
         # Stop taking new requests, let in-flight ones finish (bounded), then close.
@@ -254,8 +255,9 @@ class RouterService:
                            stale_after_s=rc.stale_after_s, reserve=rc.batch_reserve)
 
     # --- subscriptions ---------------------------------------------------------------------
-    async def _on_request(self, msg: Msg) -> None:
-        # nats-py runs a subscription's callbacks one after another: hand off at once.
+    def _on_request(self, msg: Msg) -> None:
+        # In nats-py's reader (zmlcore.bus.direct): the request's task is started there, not
+        # from a callback subscription's task woken per message (a task switch per request).
         self.spawn(self.enter(msg))
 
     async def _on_cancel(self, msg: Msg) -> None:

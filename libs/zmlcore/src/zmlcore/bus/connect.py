@@ -97,6 +97,7 @@ async def connect(urls: str | Sequence[str], name: str, *, connect_timeout: floa
     options.update(kwargs)
     nc = NATS()
     natsinternals.forgive_abandoned_pongs(nc)
+    natsinternals.fast_headers(nc)  # every message with headers: the router's requests, the replies
     if tls:  # never on in plaintext when TLS was asked for: refused before CONNECT
         natsinternals.before_connect(nc, require_tls)
     task = asyncio.ensure_future(nc.connect(**options))

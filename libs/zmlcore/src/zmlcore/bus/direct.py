@@ -4,7 +4,8 @@ the socket, across subscriptions too.
 A callback subscription gets a task of its own: a task switch per message, and two subjects'
 messages applied in whatever order their tasks run (one task drains its queue before the
 other's runs). Where a message is a quick, non-blocking update of shared state (a reply into
-its exchange; a peer's in-flight delta or snapshot), ``deliver`` runs in the reader instead."""
+its exchange; a peer's in-flight delta or snapshot) or is handed to a task of its own anyway (a
+request reaching a router), ``deliver`` runs in the reader instead."""
 
 from __future__ import annotations
 
@@ -17,10 +18,11 @@ from nats.aio.subscription import Subscription
 from zmlcore.bus import natsinternals
 
 
-async def subscribe_direct(nc: NATS, subject: str, deliver: Callable[[Msg], None]) -> Subscription:
-    """Subscribe ``deliver(msg)`` (which must not raise or block) to ``subject``; without
-    direct delivery in this nats-py (said at start-up), a callback subscription."""
-    sub = await nc.subscribe(subject)
+async def subscribe_direct(nc: NATS, subject: str, deliver: Callable[[Msg], None], queue: str = "") -> Subscription:
+    """Subscribe ``deliver(msg)`` (which must not raise or block) to ``subject`` (in queue group
+    ``queue``, if given); without direct delivery in this nats-py (said at start-up), a
+    callback subscription."""
+    sub = await nc.subscribe(subject, queue=queue)
     if natsinternals.deliver_directly(sub, deliver):
         return sub
     await sub.unsubscribe()
@@ -28,4 +30,4 @@ async def subscribe_direct(nc: NATS, subject: str, deliver: Callable[[Msg], None
     async def cb(msg: Msg) -> None:
         deliver(msg)
 
-    return await nc.subscribe(subject, cb=cb)
+    return await nc.subscribe(subject, queue=queue, cb=cb)

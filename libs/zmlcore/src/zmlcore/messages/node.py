@@ -164,6 +164,10 @@ class InflightSnapshot(msgspec.Struct, kw_only=True):
 
 
 MarkKind = Literal["cooldown", "saturated"]
+#: The reason of a mark that lifts a node's cooldown (``kind="cooldown"``, ``for_s=0``): the
+#: health service sent the node a real request after routers had seen it fail, and it answered,
+#: so it is back in service at once instead of idling out the cooldown.
+RECOVERED = "recovered"
 
 
 class NodeMark(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -176,7 +180,8 @@ class NodeMark(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
     kind: MarkKind
     #: Seconds the node is skipped from now.
     for_s: float
-    #: Why: "network", "server", "slow" (no first byte in time), "mid_stream", "overloaded".
+    #: Why: "network", "server", "slow" (no first byte in time), "mid_stream", "overloaded";
+    #: ``RECOVERED`` with ``for_s = 0``: the cooldown is lifted (from the health service).
     reason: str = ""
     ts: float = 0.0
 

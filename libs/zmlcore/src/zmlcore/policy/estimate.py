@@ -62,10 +62,11 @@ def explore_factor(sigma: float) -> float:
     return min(EXPLORE_CAP, math.exp(EXPLORE_Z * sigma)) if sigma > 0 else 1.0
 
 
-def node_speeds(st: NodeState, model: str = "") -> tuple[float, float, int]:
+def node_speeds(st: NodeState, model: str = "", *, explore: bool = True) -> tuple[float, float, int]:
     """(prefill tok/s, decode tok/s per sequence at batch 1, max concurrency) of a node, as
     routed on: the health service's learned speeds for ``model`` (else the node's), raised
-    for exploration in proportion to their uncertainty (:func:`explore_factor`).
+    for exploration in proportion to their uncertainty (:func:`explore_factor`; not with
+    ``explore=False``: deadlines and predictions take the estimate as it is).
 
     Unknown ones (0, a state from no health service) come from the accelerator type's
     profile, and from H100-like defaults for an unknown type.
@@ -73,14 +74,16 @@ def node_speeds(st: NodeState, model: str = "") -> tuple[float, float, int]:
     a = ACCELERATORS.get(st.accelerator_type)
     ms = st.model_speeds.get(model) if model and st.model_speeds else None
     if ms is not None:
-        pf = ms.prefill_tps * explore_factor(ms.prefill_sigma)
-        dec = ms.decode_tps * explore_factor(ms.decode_sigma)
+        pf, dec = ms.prefill_tps, ms.decode_tps
+        if explore:
+            pf *= explore_factor(ms.prefill_sigma)
+            dec *= explore_factor(ms.decode_sigma)
     else:
         pf = st.prefill_tps if st.prefill_tps > 0 else (a.default_prefill_tps if a else BASE_PREFILL_TPS)
         dec = st.decode_tps if st.decode_tps > 0 else (a.default_decode_tps if a else BASE_DECODE_TPS)
-        if st.prefill_sigma:
+        if explore and st.prefill_sigma:
             pf *= explore_factor(st.prefill_sigma)
-        if st.decode_sigma:
+        if explore and st.decode_sigma:
             dec *= explore_factor(st.decode_sigma)
     maxc = st.max_concurrency if st.max_concurrency > 0 else (a.max_concurrency if a else 16)
     return pf, dec, maxc
@@ -153,6 +156,8 @@ def estimate_ttft(
     pending_tokens: float | None = None,
     mean_prompt: float = MEAN_PROMPT_TOKENS,
     mean_output: float = MEAN_OUTPUT_TOKENS,
+    model: str = "",
+    explore: bool = True,
 ) -> float:
     """Estimated seconds to first token of a ``prompt_tokens`` request sent to this node now,
     of which the node holds ``cached_tokens`` in its prefix cache: queue wait plus the
@@ -164,7 +169,7 @@ def estimate_ttft(
     >>> round(estimate_ttft(st, outstanding=0, pending=0, prompt_tokens=1000, cached_tokens=800), 3)
     0.02
     """
-    pf, dec, maxc = node_speeds(st)
+    pf, dec, maxc = node_speeds(st, model, explore=explore)
     c = Coeffs(pf, dec, maxc, 0.0, mean_prompt, mean_output)
     return c.load_key(outstanding, pending, pending_tokens) + (prompt_tokens - cached_tokens) * c.inv_pf
 

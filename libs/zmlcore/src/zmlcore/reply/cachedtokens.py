@@ -41,6 +41,31 @@ def cached_tokens(data: bytes) -> int | None:
     return None
 
 
+def _float_after(data: bytes, i: int) -> float:
+    n = len(data)
+    while i < n and data[i] in b" \t\r\n":
+        i += 1
+    j = i
+    while j < n and data[j] in b"0123456789.eE+-":
+        j += 1
+    try:
+        return float(data[i:j]) if j > i else 0.0
+    except ValueError:
+        return 0.0
+
+
+def engine_speeds(data: bytes) -> tuple[float, float]:
+    """The engine's own per-request prefill and decode tokens/s (llama-server's ``timings``:
+    ``prompt_per_second``, ``predicted_per_second``); 0 for what it does not say.
+
+    >>> engine_speeds(b'{"timings":{"cache_n":0,"prompt_per_second":13950.5,"predicted_per_second":512.25}}')
+    (13950.5, 512.25)
+    """
+    i = data.rfind(b'"prompt_per_second":')
+    j = data.rfind(b'"predicted_per_second":')
+    return (_float_after(data, i + 20) if i >= 0 else 0.0, _float_after(data, j + 23) if j >= 0 else 0.0)
+
+
 def prompt_tokens(data: bytes) -> int | None:
     """``usage.prompt_tokens`` of the same reply (converts cached tokens to the prompt's share)."""
     i = data.rfind(b'"prompt_tokens":')

@@ -19,7 +19,7 @@ class Answer:
     ``start``, the last sequence number sent, the chunks relayed (for a continuation: what was
     sent), and the splice of a continuation attempt."""
 
-    __slots__ = ("started", "seq", "transcript", "splice", "usage_asked", "ttft", "assembler")
+    __slots__ = ("started", "seq", "transcript", "splice", "usage_asked", "ttft", "assembler", "timings")
 
     def __init__(self, usage_asked: bool = False, assembler: Assembler | None = None) -> None:
         self.started = False
@@ -32,6 +32,9 @@ class Answer:
         self.splice: Splice | None = None
         #: The requester asked for the usage chunk (stream_options.include_usage).
         self.usage_asked = usage_asked
+        #: The chunk that carried the engine's own timings (llama-server's last), if any: the
+        #: speed sample of the attempt reads them (zml_router.node.relay).
+        self.timings: bytes | None = None
 
     def sent(self) -> Sent:
         """What the requester has of this answer, whichever way it travels: the reply put back

@@ -26,10 +26,10 @@ import msgspec
 
 from zmlcore import subjects
 from zmlcore.fleet.accelerators import DECODE_BATCH_PENALTY
-from zmlcore.messages import NodeState, RoutingInfo
+from zmlcore.messages import NodeState, RoutingInfo, SpeedSample
 from zmlcore.messages.audio import AudioForm, with_model
 from zmlcore.messages.frontdoor import drop_zml_keys, has_zml_keys
-from zmlcore.policy.estimate import estimate_ttft, node_speeds, nonstream_pending_s, prompt_tokens_from_body
+from zmlcore.policy.estimate import Coeffs, estimate_ttft, node_speeds, nonstream_pending_s, prompt_tokens_from_body
 from zmlcore.reply import routingmeta
 from zmlcore.reply.sse import event_payloads
 
@@ -162,7 +162,7 @@ class AudioBodies:
 # byte to its caller loses nothing.
 
 def expected_s(st: NodeState, outstanding: int, pending: int, prompt_tokens: int, max_tokens: int,
-               stream: bool) -> float:
+               stream: bool, model: str = "") -> float:
     """Seconds the node should need before its first byte reaches the router.
 
     >>> st = NodeState(node_id="n", accelerator_type="nvidia_h100", family="H100", endpoint="")
@@ -171,12 +171,133 @@ def expected_s(st: NodeState, outstanding: int, pending: int, prompt_tokens: int
     >>> round(expected_s(st, 0, 0, 1000, 60, stream=False), 3)
     1.1
     """
-    ttft = estimate_ttft(st, outstanding, pending, prompt_tokens)
+    # the learned estimate as it is: exploration's optimism would only tighten the deadline
+    ttft = estimate_ttft(st, outstanding, pending, prompt_tokens, model=model, explore=False)
     if stream:
         return ttft
-    _, dec, maxc = node_speeds(st)
+    return ttft + max_tokens * token_gap_s(st, outstanding, model)
+
+
+def token_gap_s(st: NodeState, outstanding: int, model: str = "") -> float:
+    """Seconds per output token of one more sequence on the node: its learned per-sequence
+    decode speed slowed by the batch it joins (the learned slowdown, else the type's)."""
+    _, dec, maxc = node_speeds(st, model, explore=False)
     batch = min(outstanding + 1, maxc)
-    return ttft + max_tokens * (1.0 + DECODE_BATCH_PENALTY * (batch - 1)) / dec
+    ms = st.model_speeds.get(model) if model and st.model_speeds else None
+    k = (ms.decode_slowdown if ms is not None else st.decode_slowdown) or DECODE_BATCH_PENALTY
+    return (1.0 + k * (batch - 1)) / dec
+
+
+#: Prompt tokens an engine prefills in one step between two decode steps (llama.cpp's default
+#: n_batch, vLLM's default max_num_batched_tokens with chunked prefill): a streamed answer may
+#: wait that long between tokens while another request's prompt is prefilled.
+PREFILL_CHUNK_TOKENS = 2048
+
+
+def stall_timeout(st: NodeState, outstanding: int, floor_s: float, factor: float, cap_s: float,
+                  model: str = "") -> float:
+    """The attempt's inter-token deadline: ``max(floor, factor x the longest expected gap)``,
+    at most ``cap_s``; the expected gap is one decode step plus a prefill chunk of another
+    request at the node's learned speeds (``factor`` 0: ``cap_s``, a fixed deadline).
+
+    >>> st = NodeState(node_id="n", accelerator_type="cpu", family="CPU", endpoint="",
+    ...                prefill_tps=14_000, decode_tps=500)
+    >>> stall_timeout(st, 0, floor_s=1.0, factor=3.0, cap_s=10.0)  # a fast llama-server
+    1.0
+    >>> st = NodeState(node_id="n", accelerator_type="cpu", family="CPU", endpoint="",
+    ...                prefill_tps=1_000, decode_tps=20)
+    >>> round(stall_timeout(st, 0, floor_s=1.0, factor=3.0, cap_s=10.0), 2)
+    6.29
+    """
+    if factor <= 0:
+        return cap_s
+    pf, _, _ = node_speeds(st, model, explore=False)
+    gap = token_gap_s(st, outstanding, model) + PREFILL_CHUNK_TOKENS / pf
+    return min(cap_s, max(floor_s, factor * gap))
+
+
+@dataclass(slots=True)
+class AtDispatch:
+    """What the router knew of the node when it sent an attempt, for the sample of its speeds
+    and the prediction the reply carries (zmlcore.fleet.learn; docs/routing.md "Learned speeds")."""
+
+    #: time.monotonic() when the attempt was sent
+    at: float
+    #: sequences on the node with this one (every replica's), and the prompt tokens pending
+    #: on it ahead of this one (None: not known well enough to learn a prefill speed from)
+    inflight: int
+    ahead: float | None
+    #: this request's uncached prompt tokens as estimated at dispatch
+    uncached: float
+    predicted_ttft_s: float
+
+
+class Learned:
+    """A node's learned speeds for one model as an attempt uses them (no exploration's optimism):
+    built once per node state (the router keeps one per node and model until its state changes),
+    so that predictions and deadlines cost a few arithmetic operations per attempt."""
+
+    __slots__ = ("state", "coeffs", "step1", "k", "maxc", "chunk_s")
+
+    def __init__(self, st: NodeState, model: str = "") -> None:
+        self.state = st
+        pf, dec, maxc = node_speeds(st, model, explore=False)
+        self.coeffs = Coeffs(pf, dec, maxc, 0.0)
+        ms = st.model_speeds.get(model) if model and st.model_speeds else None
+        self.k = (ms.decode_slowdown if ms is not None else st.decode_slowdown) or DECODE_BATCH_PENALTY
+        self.step1 = 1.0 / dec
+        self.maxc = maxc
+        self.chunk_s = PREFILL_CHUNK_TOKENS / pf
+
+    def gap_s(self, outstanding: int) -> float:
+        """Seconds per output token of one more sequence (token_gap_s)."""
+        return (1.0 + self.k * (min(outstanding + 1, self.maxc) - 1)) * self.step1
+
+    def stall_s(self, outstanding: int, floor_s: float, factor: float, cap_s: float) -> float:
+        """The inter-token deadline (stall_timeout)."""
+        if factor <= 0:
+            return cap_s
+        return min(cap_s, max(floor_s, factor * (self.gap_s(outstanding) + self.chunk_s)))
+
+
+def at_dispatch(sp: Learned, outstanding: int, pending: int, pending_tokens: float | None, prompt_tokens: int,
+                cached_tokens: int, now: float) -> AtDispatch:
+    """The attempt's dispatch figures (``outstanding``/``pending``: the node's counters before it).
+
+    >>> st = NodeState(node_id="n", accelerator_type="nvidia_h100", family="H100", endpoint="")
+    >>> d = at_dispatch(Learned(st, "m"), 0, 0, None, 1000, 200, now=5.0)
+    >>> d.inflight, d.ahead, d.uncached, round(d.predicted_ttft_s, 3)
+    (1, 0.0, 800, 0.08)
+    >>> round(d.predicted_ttft_s, 6) == round(estimate_ttft(st, 0, 0, 800, explore=False), 6)
+    True
+    """
+    uncached = max(prompt_tokens - cached_tokens, 1)
+    ahead = pending_tokens if pending_tokens is not None else (0.0 if pending == 0 else None)
+    c = sp.coeffs
+    ttft = c.load_key(outstanding, pending, pending_tokens) + uncached * c.inv_pf
+    return AtDispatch(at=now, inflight=outstanding + 1, ahead=ahead, uncached=uncached, predicted_ttft_s=ttft)
+
+
+def speed_sample(d: AtDispatch, first_at: float, end_at: float, tokens: int, prompt_tokens: int | None,
+                 cached: int | None, engine: tuple[float, float] = (0.0, 0.0)) -> SpeedSample:
+    """What an attempt showed of its node's speeds: its TTFT over the prompt tokens the node
+    computed before its first token (the engine's count of this request's uncached tokens when
+    it reported one), its tokens after the first over the time they took.
+
+    >>> d = AtDispatch(at=10.0, inflight=2, ahead=0.0, uncached=800, predicted_ttft_s=0.08)
+    >>> speed_sample(d, first_at=10.1, end_at=11.1, tokens=51, prompt_tokens=1000, cached=100)
+    SpeedSample(ttft_s=0.1, prefill_tokens=900.0, prefill_reported=True, inflight=2, decode_s=1.0, decode_tokens=50, engine_prefill_tps=0.0, engine_decode_tps=0.0, predicted_ttft_s=0.08)
+    """
+    reported = prompt_tokens is not None and prompt_tokens > 0 and cached is not None
+    own = max(prompt_tokens - cached, 1) if reported else d.uncached  # type: ignore[operator]
+    return SpeedSample(
+        ttft_s=round(first_at - d.at, 6),
+        prefill_tokens=float(own + d.ahead) if d.ahead is not None else 0.0,
+        prefill_reported=reported, inflight=d.inflight,
+        decode_s=round(end_at - first_at, 6) if tokens > 1 else 0.0, decode_tokens=max(tokens - 1, 0),
+        engine_prefill_tps=engine[0], engine_decode_tps=engine[1],
+        predicted_ttft_s=round(d.predicted_ttft_s, 6),
+    )
 
 
 def first_byte_timeout(expected: float, floor_s: float, factor: float) -> float:

@@ -127,8 +127,8 @@ async def post_streamed(client: NodeClient, url: str, body: bytes, headers: dict
                     with timers.watch(stall_s, lambda: c.buffered):
                         await gather_rest(c, max_bytes)
                 except Stalled:
-                    raise AttemptError(Failure.SLOW, 0, f"no token for {stall_s:g} s ([router] "
-                                       "inter_token_timeout_s)") from None
+                    raise AttemptError(Failure.SLOW, 0, f"no token for {stall_s:.2g} s (the node's inter-token "
+                                       "deadline: [router] inter_token_*)") from None
             elif conn.buffered > max_bytes:
                 conn.over = True
         except _NETWORK_ERRORS as exc:

@@ -23,12 +23,13 @@ from typing import Any
 import msgspec
 from zmlcore import subjects
 from zmlcore.config import ZMLConfig
-from zmlcore.messages import InferRequest, RoutingInfo, StreamStart
+from zmlcore.messages import InferRequest, NodeState, RoutingInfo, StreamStart
 from zmlcore.messages.audio import AudioRequest
 from zmlcore.policy import RouteRequest
+from zmlcore.policy.estimate import MEAN_PROMPT_TOKENS
 from zmlcore.reply import routingmeta, streamframe
 from zmlcore.reply.bigreply import accepted
-from zmlcore.reply.cachedtokens import cached_tokens
+from zmlcore.reply.cachedtokens import cached_tokens, engine_speeds
 from zmlcore.reply.parts import publish_reply
 from zmlcore.reply.sse import SSELineTooLong
 from zmlcore.telemetry import tracing
@@ -45,9 +46,13 @@ from zml_router.node.attempt import (
     AudioBodies,
     Failure,
     NodeBodies,
+    AtDispatch,
+    Learned,
     Renamer,
+    at_dispatch,
     expected_s,
     first_byte_timeout,
+    speed_sample,
     pending_window_s,
     reply_usage,
     routing_headers,
@@ -108,6 +113,8 @@ class Relay:
         #: Told what the engine reported of its prefix cache (the router's index learns it).
         self.corrected = corrected
         self.router_id = router_id
+        #: (node, model) -> its learned speeds as attempts use them (Relay.learned)
+        self._learned: dict[tuple[str, str], Learned] = {}
         self.table = table
         self.sharing = sharing
         self.timers = timers
@@ -189,6 +196,13 @@ class Relay:
         what became of the decision), never written: the request's ``route`` writes it."""
         decision = action.decision
         view = self.table.views[decision.node_id]
+        st = view.state
+        rr = action.rr
+        pend = view.effective_pending()
+        sp = self.learned(decision.node_id, st, model)
+        disp = at_dispatch(sp, view.effective_outstanding(), pend,
+                           view.effective_pending_tokens(MEAN_PROMPT_TOKENS) if pend else None,
+                           rr.prompt_tokens, decision.cached_tokens or 0, time.monotonic())
         info = RoutingInfo(
             node_id=decision.node_id, accelerator_type=view.state.accelerator_type, family=decision.family,
             policy=decision.policy, queue_depth_at_dispatch=decision.queue_depth, decision_id=_decision_id(),
@@ -196,6 +210,9 @@ class Relay:
             continued_from=action.continued_from,
             cached_tokens_estimated=decision.cached_tokens,
             prefill_failed=out.prefill_failed,
+            # what the node's learned speeds predicted (docs/routing.md "Learned speeds")
+            predicted_ttft_ms=round(disp.predicted_ttft_s * 1000, 1),
+            predicted_tpot_ms=round(sp.gap_s(disp.inflight - 1) * 1000, 2),
         )
         if out.flow is not None:  # band, share, targets and predictions (zml_router.request.flowgate)
             out.flow.fill(info)
@@ -204,9 +221,12 @@ class Relay:
             info.prefill_node = handoff.prefill_node
             info.prefill_ms = round(handoff.prefill_ms, 3) if handoff.running is None else None
         running = handoff.running if handoff is not None else None
+        if answer is None:
+            answer = self.answer(req)
+        before = (answer.started, answer.seq)
         if running is None:
-            return await self._attempt(msg, req, bodies, model, action, out, answer, info, view, decision, handoff,
-                                       t0)
+            return self._sampled(await self._attempt(msg, req, bodies, model, action, out, answer, info, view,
+                                                     decision, handoff, t0), disp, answer, before, action, t0)
         try:
             result = await self._attempt(msg, req, bodies, model, action, out, answer, info, view, decision,
                                          handoff, t0)
@@ -220,6 +240,23 @@ class Relay:
                 await asyncio.wait_for(asyncio.shield(running), 2.0)
             except Exception:
                 running.cancel()
+        return result  # a split's decode leg: its TTFT is the prefill leg's, no sample of this node
+
+    def _sampled(self, result: AttemptResult, disp: AtDispatch, answer: Answer, before: tuple[bool, int],
+                 action: Dispatch, t0: float) -> AttemptResult:
+        """An answered attempt whose first token was the answer's: a sample of its node's speeds
+        for the health service's learner, and its TTFT against the one predicted."""
+        if result.error is not None or answer.ttft is None or before[0] or action.continuation \
+                or action.handoff is not None:  # a decode leg's first token came after another node's prefill
+            return result
+        usage = result.usage or {}
+        tokens = int(usage.get("completion_tokens") or 0) or (answer.seq - before[1] if action.stream else 0)
+        prompt = int(usage.get("prompt_tokens") or 0)
+        info = result.info
+        result.sample = speed_sample(disp, t0 + answer.ttft, time.monotonic(), tokens, prompt or None,
+                                     info.cached_tokens if info is not None else None,
+                                     engine_speeds(answer.timings) if answer.timings is not None else (0.0, 0.0))
+        self.metrics.predicted(action.decision.node_id, disp.predicted_ttft_s, result.sample.ttft_s)
         return result
 
     async def _attempt(self, msg: Incoming, req: InferRequest, bodies: NodeBodies | AudioBodies, model: str,
@@ -349,8 +386,27 @@ class Relay:
             return None
         rc = self.cfg.router
         expected = expected_s(view.state, view.outstanding, view.pending, rr.prompt_tokens, rr.max_tokens,
-                              req.stream if stream is None else stream)
+                              req.stream if stream is None else stream, rr.model)
         return first_byte_timeout(expected, rc.first_byte_floor_s, rc.first_byte_factor)
+
+    def stall_s(self, node_id: str, model: str) -> float:
+        """The attempt's inter-token deadline, from the node's learned speeds (attempt.stall_timeout)."""
+        rc = self.cfg.router
+        view = self.table.views.get(node_id)
+        if view is None:
+            return rc.inter_token_timeout_s
+        return self.learned(node_id, view.state, model).stall_s(view.effective_outstanding(), rc.inter_token_floor_s,
+                                                                rc.inter_token_factor, rc.inter_token_timeout_s)
+
+    def learned(self, node_id: str, st: NodeState, model: str) -> Learned:
+        """The node's learned speeds for ``model`` as attempts use them, kept until its state changes."""
+        key = (node_id, model)
+        sp = self._learned.get(key)
+        if sp is None or sp.state is not st:
+            if len(self._learned) > 4 * len(self.table.views) + 64:
+                self._learned.clear()  # removed nodes, models no longer asked for
+            sp = self._learned[key] = Learned(st, model)
+        return sp
 
     def _url(self, info: RoutingInfo, req: InferRequest) -> str:
         return self.table.views[info.node_id].state.endpoint.rstrip("/") + PATHS[req.kind()]
@@ -459,7 +515,7 @@ class Relay:
             try:
                 sse = await post_streamed(
                     self.http, self._url(info, req), body, self._headers(info), timers=self.timers,
-                    first_byte=first_byte, stall_s=self.cfg.router.inter_token_timeout_s,
+                    first_byte=first_byte, stall_s=self.stall_s(node_id, req.model),
                     max_bytes=SSE_BYTES_PER_REPLY_BYTE * self.cfg.nats.max_reply_bytes, first=first,
                     feed=got.append)
             except AttemptError as err:
@@ -519,7 +575,8 @@ class Relay:
         # a leading {"error" or the "}}" that ends it (in a block of events, or a bare payload).
         err_head, err_tail = (8, -3) if relay else (2, -1)
         # A stall: the sequence number stands still for a whole period (no work per chunk).
-        watch = self.timers.watch(self.cfg.router.inter_token_timeout_s, lambda: seq)
+        stall_s = self.stall_s(info.node_id, rr.model if rr is not None else req.model)
+        watch = self.timers.watch(stall_s, lambda: seq)
         watching = False
         chunks = stream_sse(self.http, self._url(info, req), body, self._headers(info, msg), relay)
         try:
@@ -552,6 +609,8 @@ class Relay:
                         self.metrics.usage_dict(req.kind(), req.model, usage)
                     if b'"cache' in chunk and (cached := cached_tokens(chunk)) is not None:
                         reported = cached  # the usage chunk, or llama-server's timings on the last chunk
+                        if b'_per_second"' in chunk:
+                            answer.timings = chunk
                     if rename is not None:
                         chunk = rename(chunk)
                     if splice is not None:  # a continuation: its chunks made part of the one stream
@@ -572,8 +631,8 @@ class Relay:
                     try:
                         watch.__exit__(type(exc), exc, exc.__traceback__)
                     except Stalled:
-                        raise AttemptError(Failure.SLOW, 0, f"no token for {self.cfg.router.inter_token_timeout_s:g} s "
-                                           "([router] inter_token_timeout_s)") from None
+                        raise AttemptError(Failure.SLOW, 0, f"no token for {stall_s:.2g} s (the node's inter-token "
+                                           "deadline: [router] inter_token_*)") from None
                 raise
             finally:
                 if watching:

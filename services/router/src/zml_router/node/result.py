@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from zmlcore.messages import RoutingInfo
+from zmlcore.messages import RoutingInfo, SpeedSample
 from zmlcore.messages.audio import AUDIO_PATHS
 from zmlcore.policy import Decision, RouteRequest
 
@@ -79,3 +79,6 @@ class AttemptResult:
     error: AttemptError | None = None
     #: The token counts the node reported (``prompt_tokens``, ``completion_tokens``), if any.
     usage: dict[str, Any] | None = None
+    #: What the attempt showed of its node's speeds, when its first token was the answer's
+    #: (the completion event carries it to the health service's learner).
+    sample: SpeedSample | None = None

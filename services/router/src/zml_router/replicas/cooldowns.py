@@ -14,6 +14,7 @@ through early does not clear its peers' marks; a failure of that probe is shared
 from __future__ import annotations
 
 from zmlcore.messages import NodeMark
+from zmlcore.messages.node import RECOVERED
 
 from zml_router.replicas.table import NodeTable
 
@@ -42,7 +43,13 @@ class Marks:
 
     def _apply(self, node_id: str, kind: str, for_s: float, reason: str, by: str, now: float) -> bool:
         view = self.table.views.get(node_id)
-        if view is None or for_s <= 0:
+        if view is None:
+            return False
+        if for_s <= 0:  # the health service probed a cooled-down node back into service
+            if kind == "cooldown" and reason == RECOVERED and view.cooldown_until > now:
+                view.cooldown_until = 0.0
+                self.why.pop(node_id, None)
+                return True
             return False
         until = now + for_s
         if kind == "cooldown":

@@ -53,4 +53,5 @@ def completion(out: Outcome, now: float, latency_s: float, router_id: str) -> Re
         latency_s=latency_s, attempts=out.attempts, router_id=router_id,
         request_id=out.request_id, slow_nodes=out.slow_nodes, label=out.label,
         prompt_tokens=out.prompt_tokens if out.ok else 0, completion_tokens=out.completion_tokens if out.ok else 0,
+        speed=out.sample if out.ok else None,
     )

@@ -125,6 +125,8 @@ def _took(out: Outcome, res: AttemptResult) -> None:
     """What an attempt's result says of the request: its routing metadata and token counts."""
     out.info = res.info
     _counted(out, res.usage)
+    if res.sample is not None:
+        out.sample = res.sample
 
 
 def _counted(out: Outcome, usage: dict[str, Any] | None) -> None:

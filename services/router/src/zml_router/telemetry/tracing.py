@@ -140,6 +140,14 @@ def cached(estimated: int | None, reported: int) -> None:
                                    "gen_ai.usage.cache_read.input_tokens": reported})
 
 
+def predicted(predicted_s: float, observed_s: float) -> None:
+    """The TTFT predicted at dispatch from the node's learned speeds, beside the observed one."""
+    server = _SERVER.get()
+    if server is not None:
+        tracing.set_attrs(server, {"zml.ttft.predicted_s": round(predicted_s, 4),
+                                   "zml.ttft.observed_s": round(observed_s, 4)})
+
+
 def usage(prompt_tokens: int | None, completion_tokens: int | None) -> None:
     server = _SERVER.get()
     if server is not None:
