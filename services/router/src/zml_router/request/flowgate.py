@@ -27,7 +27,10 @@ from zmlcore.policy import Decision, ResolvedPolicy, RouteRequest, RoutingState
 from zmlcore.policy.estimate import MEAN_OUTPUT_TOKENS
 from zmlcore.policy.prefix import PrefixIndex
 
+from zmlcore.telemetry import tracing
+
 from zml_router.replicas.table import NodeTable
+from zml_router.telemetry import tracing as rtrace
 
 
 _P, _TTFT, _TPOT, _DEFAULT = ASK_HEADERS
@@ -129,6 +132,9 @@ class FlowGate:
                                 retry_after=exc.retry_after or 1.0) from None
             raise
         note.verdict = verdict
+        if tracing.ON:
+            rtrace.flow(ask.band_name, ask.tenant, used, verdict.ttft_s if verdict else None,
+                        verdict.tpot_s if verdict else None)
         view = self.table.views.get(d.node_id)
         if view is not None and ask.slo is not None:
             note.node_id = d.node_id

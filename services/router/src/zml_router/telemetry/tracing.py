@@ -53,6 +53,21 @@ async def handle(router_id: str, msg: M, request: Callable[[M], Coroutine[Any, A
         span.end()
 
 
+def flow(band: str, tenant: str, share_used: float | None, ttft_s: float | None, tpot_s: float | None) -> None:
+    """Flow control's view of the request (docs/routing.md "Flow control") on its server span."""
+    server = _SERVER.get()
+    if server is None:
+        return
+    attrs: dict[str, Any] = {"zml.priority": band, "zml.tenant": tenant}
+    if share_used is not None:
+        attrs["zml.share_used"] = round(share_used, 3)
+    if ttft_s is not None:
+        attrs["zml.predicted_ttft_s"] = round(ttft_s, 4)
+    if tpot_s is not None:
+        attrs["zml.predicted_tpot_s"] = round(tpot_s, 5)
+    tracing.set_attrs(server, attrs)
+
+
 def decided(d: Decision, rr: RouteRequest) -> None:
     """A node was chosen: open the attempt span (a child of the server span)."""
     _end_attempt(None)
