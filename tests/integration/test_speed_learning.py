@@ -3,6 +3,7 @@ service's calibration request and from the routers' per-attempt samples on the c
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Any
 
@@ -129,4 +130,35 @@ async def test_a_node_routers_saw_fail_is_probed_back_into_service(nats_private:
         finally:
             await sub.unsubscribe()
             await svc.stop()
+            await sim.stop()
+
+
+async def test_a_health_service_that_takes_over_keeps_the_fleets_speeds(nats_private: str) -> None:
+    """A restart (or a standby becoming active) starts from the speeds its predecessor
+    published, not the type's default: the estimate routers read does not jump back, and the
+    node is not calibrated again for it."""
+    sim = await start_sim("kept-1", "cpu", [M], engine="vllm", time_scale=1.0, true_speed=6.0)
+    cfg = config([node_entry(sim)], health={"calibrate_prompt_tokens": 512})
+    first = HealthService(cfg)
+    async with connected(nats_private) as nc:
+        await first.start(nc)
+        try:
+            learned = await eventually(lambda: (s := first.states.get("kept-1")) and s.speeds_source == "measured"
+                                       and s.speeds_confidence > 0.5 and s, timeout=30, what="calibrated")
+            await asyncio.sleep(1.0)  # its state written to the bucket
+        finally:
+            await first.stop()
+        served = sum(sim.engine.stats_for(M).success.values())
+        assert served >= 1  # the calibration request
+        second = HealthService(cfg)
+        await second.start(nc)
+        try:
+            st = await eventually(lambda: (s := second.states.get("kept-1")) and s.status == "up" and s)
+            assert st.speeds_source == "measured" and st.speeds_confidence > 0.5, st
+            assert abs(st.prefill_tps / learned.prefill_tps - 1) < 0.05, (st.prefill_tps, learned.prefill_tps)
+            assert abs(st.decode_tps / learned.decode_tps - 1) < 0.05, (st.decode_tps, learned.decode_tps)
+            await asyncio.sleep(2.0)  # polls go on: no calibration request is sent for the takeover
+            assert sum(sim.engine.stats_for(M).success.values()) == served
+        finally:
+            await second.stop()
             await sim.stop()

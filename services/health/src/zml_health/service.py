@@ -33,7 +33,7 @@ from zml_health.score import health_score
 from zml_health.served import mismatch_note, split_models
 from zmlcore.bus.kvfollow import live_keys
 from zmlcore.bus.link import link_of
-from zmlcore.messages import NodeMark, NodeState
+from zmlcore.messages import NodeMark, NodeState, node_state_decoder
 from zmlcore.messages.node import RECOVERED
 from zmlcore.messages.admin import (
     NodeAdded,
@@ -138,13 +138,33 @@ class HealthService:
         for key in await live_keys(self.kv, nc):
             if key not in self.nodes:
                 await self.kv.delete(key)
+        previous = await self._previous_states()
         now = self.clock()
         for node in self.nodes.values():
             self._start_polling(node, now)
+            # a restart or a standby taking over: go on from the speeds the fleet was routed on
+            # (no estimate back to the type's default, no node calibrated again for it)
+            st = previous.get(node.id)
+            if st is not None and st.endpoint == node.endpoint and st.model_speeds:
+                self.speeds.adopt(node.id, st.model_speeds)
         for verb, cb in (("list", self._on_list), ("add", self._on_add), ("remove", self._on_remove)):
             self._subs.append(await nc.subscribe(subjects.admin_nodes(verb), cb=cb))
         self._subs.append(await nc.subscribe(subjects.event(subjects.EVENT_COMPLETED), cb=self._on_completed))
         self._subs.append(await nc.subscribe(subjects.event(subjects.EVENT_WARMUP), cb=self._on_warmup))
+
+    async def _previous_states(self) -> dict[str, NodeState]:
+        """The last state the bucket holds of each node still registered."""
+        assert self.kv is not None and self.nc is not None
+        out: dict[str, NodeState] = {}
+        for key in await live_keys(self.kv, self.nc):
+            if key not in self.nodes:
+                continue
+            try:
+                entry = await self.kv.get(key)
+                out[key] = node_state_decoder.decode(entry.value or b"")
+            except Exception as exc:  # an unreadable state is one to learn again, not a failed start
+                log.info("previous state of %s not read: %s", key, exc)
+        return out
 
     async def _publish(self, subject: str, data: bytes) -> None:
         if self.nc is not None:

@@ -54,6 +54,15 @@ class SpeedBook:
         for key in [k for k in self.calibrated_at if k[0] == node]:
             del self.calibrated_at[key]
 
+    def adopt(self, node: str, models: dict[str, ModelSpeeds]) -> None:
+        """Start from what the previous health service published of ``node`` (its last state
+        in the bucket) instead of the prior: a restart or a takeover changes no estimate."""
+        prior = self.priors.get(node) or learn.prior_speeds("")
+        per = self.beliefs.setdefault(node, {})
+        for model, published in models.items():
+            if published.source != "default":
+                per[model] = learn.restored(published, prior)
+
     def reset(self, node: str) -> None:
         self.beliefs.pop(node, None)
 

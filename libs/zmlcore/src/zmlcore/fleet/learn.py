@@ -239,6 +239,32 @@ def confidence(sig: float) -> float:
     return math.erf(BAND / (max(sig, 1e-9) * math.sqrt(2.0)))
 
 
+def restored(p: ModelSpeeds, prior: LearnedSpeeds) -> LearnedSpeeds:
+    """A published belief (``NodeState.model_speeds``) as a belief again: what a health service
+    that takes over (a restart, a standby becoming active) starts from instead of the type's
+    prior, so the fleet's estimates survive it and no node is calibrated again for it. The
+    slowdown's width and the correlation are not published: the prior's width, no correlation.
+    Aging from ``p.at`` goes on as if the service had never stopped.
+
+    >>> p = prior_speeds("cpu")
+    >>> s = observe_decode(p, tps=400.0, inflight=1, now=10.0, noise=NOISE_ENGINE, measured=True)
+    >>> r = restored(published(s, 10.0), p)
+    >>> round(rate(r.decode)) == round(rate(s.decode)) and abs(sigma(r.decode) - sigma(s.decode)) < 1e-3
+    True
+    """
+    def fit(tps: float, slow: float, sig: float, g_var: float, n: int) -> SpeedFit:
+        return SpeedFit(a=math.log(tps), g=min(G_MAX, max(G_MIN, math.log(max(slow, 1e-12)))),
+                        paa=max(sig * sig, 1e-6), pag=0.0, pgg=g_var, at=p.at, n=n)
+
+    if p.source == "default" or p.prefill_tps <= 0 or p.decode_tps <= 0:
+        return prior
+    half = p.samples // 2
+    return LearnedSpeeds(
+        prefill=fit(p.prefill_tps, p.prefill_slowdown, p.prefill_sigma, prior.prefill.pgg, p.samples - half),
+        decode=fit(p.decode_tps, p.decode_slowdown, p.decode_sigma, prior.decode.pgg, half),
+        measured_at=p.at if p.source == "measured" else 0.0, prior_var=prior.prior_var)
+
+
 def published(s: LearnedSpeeds, now: float, stale_s: float = 600.0) -> ModelSpeeds:
     """The form in ``NodeState.model_speeds``: the belief aged to ``now``.
 
