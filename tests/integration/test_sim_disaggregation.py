@@ -78,6 +78,9 @@ async def test_vllm_prefill_holds_blocks_and_decode_pulls_them(pair: tuple[SimNo
         assert usage["prompt_tokens_details"]["cached_tokens"] >= 0.95 * prompt
         assert ttft < prefill_s / 2, (ttft, prefill_s)
         assert p.handoff.holding == 0 and d.engine.stats[M].cached_tokens >= 0.95 * prompt
+        # the pulled blocks are in the decode node's prefix cache now (stored as its KV events say)
+        from zml_sim.prefixcache import token_ids
+        assert d.engine.cached_prefix(M, token_ids(PROMPT)) >= 0.95 * prompt
         # pulled once: the same params again are refused, as vLLM refuses unknown blocks
         status, err, _ = await decode_leg(c, d, kv)
         assert status == 400 and "unknown or expired" in err["error"]["message"]
