@@ -149,6 +149,7 @@ async def test_advise_shows_the_moves_and_moves_nothing(nats_url: str, tmp_path:
             return (await infer(client.nc, A))[0] == "OK" and (await infer(client.nc, B))[0] == "OK"
 
         await eventually(serving, timeout=20, what="fleet serving")
+        senders = [asyncio.create_task(client.run(A, 0.1)), asyncio.create_task(client.run(B, 0.2))]
 
         async def planned() -> str | None:
             out = await zml_plan(config, "--fresh")
@@ -162,5 +163,9 @@ async def test_advise_shows_the_moves_and_moves_nothing(nats_url: str, tmp_path:
         assert js["mode"] == "advise" and js["cost_plan_per_h"] == 4.0
         await asyncio.sleep(2.0)
         assert A in big.engine.models and not small2.engine.models and not small2.engine.loading
+        client.stop.set()
+        await asyncio.gather(*senders)
+        assert all(code == "OK" for _, code, _ in client.outcomes)
     finally:
+        client.stop.set()
         await stop_stack(sims, procs)

@@ -298,7 +298,7 @@ class FlowConfig(msgspec.Struct, **_Base):
     """Band of a request that names none and whose API key sets none."""
     max_priority: Priority = "standard"
     """Highest band a caller may claim unless its API key allows more (``zml keys create
-    --max-priority``): a claim above it is lowered to it (``x-zml-priority-lowered: 1``)."""
+    --max-priority``): a claim above it is lowered to it (the reply's ``x-zml-priority-lowered-from`` names the band asked)."""
     ttft_slo_ms: PosFloat | None = None
     """Default time-to-first-token target of every request (a model's [models.*] ttft_slo_ms
     and the request's ``x-zml-ttft-slo-ms`` override it): admission refuses at once with
@@ -314,8 +314,8 @@ class FlowConfig(msgspec.Struct, **_Base):
     share_report_ms: PosInt = 100
     """How often a router publishes its tenants' counters to the other replicas (when they changed)."""
     age_s: NonNeg = 30.0
-    """A queued ``sheddable`` or ``batch`` request rises one band per this long waited (never above
-    ``standard``); 0: no aging."""
+    """A queued ``sheddable`` request ranks as ``standard`` once it has waited this long; 0: never.
+    (A batch line rises only when its completion window is closing: docs/routing.md.)"""
     max_queued: PosInt = 256
     """Queued requests one router holds per model for ordering by band and share; past it the
     lowest-ranked are shed (SHED)."""
@@ -850,6 +850,14 @@ class ZMLConfig(msgspec.Struct, **_Base):
         return list(seen)
 
     def model_names(self) -> set[str]:
+        """Every name a client may ask for: the nodes' and [models]' models and the
+        [adapters] (served by the nodes that hold them, as vLLM lists them in /v1/models)."""
+        names = self.base_model_names()
+        names.update(self.adapters)
+        return names
+
+    def base_model_names(self) -> set[str]:
+        """The nodes' and [models]' models, adapters not included."""
         names = {m for n in self.nodes for m in n.models}
         names.update(self.models)
         return names
@@ -1027,7 +1035,7 @@ def _validate(cfg: ZMLConfig, src: str, whole_fleet: bool = True) -> None:
         raise ConfigError(f"{src}: defaults.policy: unknown policy {cfg.defaults.policy!r}")
     _validate_batch(cfg.batch, names, src)
     _validate_disaggregation(cfg, src, whole_fleet)
-    known = cfg.model_names()
+    known = cfg.base_model_names()
     for name, ad in cfg.adapters.items():
         if ad.base not in known:
             raise ConfigError(f"{src}: adapters.{name!r}.base: {ad.base!r} is no model of the fleet's "

@@ -386,6 +386,7 @@ class HealthService:
             reason=reason if status != "up" else "",
             models=[m for m in models if m not in loading and m not in rt.draining],
             draining_models=draining,
+            adapters=[m for m in models if m in self.cfg.adapters],
             served_names=dict(node.served_names),
             missing_models=missing,
             unknown_models=unknown,

@@ -23,6 +23,8 @@ class NodeView(Protocol):
     engine: SimEngine
     #: vLLM sleep mode: the models offloaded by POST /sleep, reloaded by POST /wake_up
     sleeping: list[str]
+    #: LoRA adapters loaded at run time (vLLM): name -> path
+    adapters: dict[str, str]
 
     def error(self, status: int, message: str, kind: str,
               headers: dict[str, str] | None = None) -> web.Response:

@@ -30,6 +30,8 @@ class Probe:
     engine: SimEngine
     face: Face
     sleeping: list[str]
+    #: LoRA adapters loaded at run time (vLLM): name -> path
+    adapters: dict[str, str]
     started_at: float
     kv_publisher: KVEventPublisher | None
 
@@ -40,6 +42,10 @@ class Probe:
         owner = self.face.owner
         data = [{"id": m, "object": "model", "created": created, "owned_by": owner, "root": m,
                  "parent": None, "max_model_len": MAX_MODEL_LEN} for m in [*self.engine.models, *self.sleeping]]
+        base = next(iter(self.engine.models), None)
+        if base is not None:  # vLLM lists a loaded LoRA with the model it runs on as its parent
+            data += [{"id": name, "object": "model", "created": created, "owned_by": owner, "root": path,
+                      "parent": base, "max_model_len": MAX_MODEL_LEN} for name, path in self.adapters.items()]
         return _json_response({"object": "list", "data": data})
 
     async def health(self, request: web.Request) -> web.Response:

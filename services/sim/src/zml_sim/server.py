@@ -176,6 +176,9 @@ class SimNode(Inference, Probe):
         self._hung: set[asyncio.Future[None]] = set()
         #: vLLM sleep mode: the models offloaded by POST /sleep, reloaded by POST /wake_up.
         self.sleeping: list[str] = []
+        #: LoRA adapters loaded at run time (vLLM /v1/load_lora_adapter): name -> path; they run on
+        #: the served model and are listed in /v1/models with it as their parent.
+        self.adapters: dict[str, str] = {}
 
     @classmethod
     def from_config(cls, node: NodeConfig, *, time_scale: float | None = None) -> SimNode:

@@ -36,8 +36,9 @@ class Inputs:
 
 
 def node_models(cfg: ZMLConfig, wants: Mapping[str, tuple[str, ...]], st: NodeState) -> set[str]:
-    """Models a node's engine can hold: configured for it, or held now."""
-    return set(wants.get(st.node_id, ())) | set(st.models) | set(st.loading_models) | set(st.draining_models)
+    """Models a node's engine can hold: configured for it, or held now (adapters apart)."""
+    held = set(wants.get(st.node_id, ())) | set(st.models) | set(st.loading_models) | set(st.draining_models)
+    return held - set(cfg.adapters)
 
 
 def gather(cfg: ZMLConfig, states: Mapping[str, NodeState], wants: Mapping[str, tuple[str, ...]],
@@ -45,9 +46,9 @@ def gather(cfg: ZMLConfig, states: Mapping[str, NodeState], wants: Mapping[str, 
     """Everything :func:`zmlcore.placement.plan` reads, from the service's state."""
     pc = cfg.planner
     adapter_base = {name: ad.base for name, ad in cfg.adapters.items()}
-    models = set(cfg.model_names())
+    models = set(cfg.base_model_names())
     for ms in wants.values():
-        models.update(ms)
+        models.update(m for m in ms if m not in adapter_base)
     rates: dict[str, float] = {}
     shapes: dict[str, tuple[float, float]] = {}
     adapters: list[AdapterDemand] = []
@@ -93,7 +94,7 @@ def gather(cfg: ZMLConfig, states: Mapping[str, NodeState], wants: Mapping[str, 
                                    max_concurrency=st.max_concurrency or (acc_type.max_concurrency if acc_type else 1),
                                    mean_prompt=prompt, mean_output=output, ttft_s=mc.ttft_s, tpot_s=mc.tpot_s,
                                    headroom=pc.headroom)
-        held = frozenset(st.models) | frozenset(st.loading_models) | frozenset(st.draining_models)
+        held = (frozenset(st.models) | frozenset(st.loading_models) | frozenset(st.draining_models)) - set(cfg.adapters)
         out.append(NodeOffer(node_id, st.family, st.cost_per_hour, caps, slots=n_slots, adapter_slots=a_slots,
                              models=held, adapters=frozenset(st.adapters)))
     return Inputs(out, demands, adapters, shapes)
@@ -113,7 +114,8 @@ def holding(states: Mapping[str, NodeState], cfg: ZMLConfig) -> dict[str, NodeNo
     out = {}
     for node_id, st in states.items():
         n_slots, a_slots = slots.get(node_id, (1, 0))
-        out[node_id] = NodeNow(frozenset(st.models) | frozenset(st.draining_models), frozenset(st.loading_models),
+        held = (frozenset(st.models) | frozenset(st.draining_models)) - set(cfg.adapters)
+        out[node_id] = NodeNow(held, frozenset(st.loading_models),
                                frozenset(st.adapters), up=st.status == "up", slots=n_slots, adapter_slots=a_slots)
     return out
 
@@ -123,7 +125,8 @@ def reply(cfg: ZMLConfig, inputs: Inputs, target: Placement | None, states: Mapp
           blocked: bool = False) -> PlanReply:
     mode = cfg.planner.mode
     if target is None:
-        return PlanReply(mode=mode, message="no plan yet" if mode != "off" else "[planner] mode is off")
+        return PlanReply(mode=mode, message="no plan yet" if mode != "off" else
+                         'nothing is planned: [planner] mode = "off" (see docs/placement.md)')
     now_held = {o.node_id: o.models for o in inputs.offers}
     rates = {d.model: d.rate for d in inputs.demands}
     for a in inputs.adapters:
@@ -168,3 +171,16 @@ def reply(cfg: ZMLConfig, inputs: Inputs, target: Placement | None, states: Mapp
                      adapters_now={o.node_id: sorted(o.adapters) for o in inputs.offers if o.adapters},
                      adapters_plan={n: sorted(a) for n, a in target.adapters.items() if a},
                      moves=moves, blocked=blocked, advice=advice)
+
+
+def adapter_home(cfg: ZMLConfig, states: Mapping[str, NodeState], adapter: str) -> str | None:
+    """Where to load an adapter a request found nowhere: a node up serving its base with a free
+    adapter slot, the one with fewest adapters and shortest queue (None: nowhere)."""
+    base = cfg.adapters[adapter].base
+    slots = {n.id: n.adapter_slots for n in cfg.nodes}
+    fits = [st for st in states.values()
+            if st.status == "up" and base in st.models and len(st.adapters) < slots.get(st.node_id, 0)
+            and adapter not in st.adapters]
+    if not fits:
+        return None
+    return min(fits, key=lambda st: (len(st.adapters), st.queue_running + st.queue_waiting, st.node_id)).node_id

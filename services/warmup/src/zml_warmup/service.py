@@ -167,6 +167,9 @@ class WarmupService:
         # adapters are planned by their own name (the router reports the name asked for)
         self.demand.record(ev.model if ev.model in self.cfg.adapters else model, ts, ev.prompt_tokens,
                            ev.completion_tokens)
+        if (not ev.ok and ev.error_code == "MODEL_NOT_LOADED" and ev.model in self.cfg.adapters
+                and self.cfg.planner.mode == "apply"):
+            self.adapter_on_demand(ev.model)
         if ev.node_id:
             self.last_used[(ev.node_id, model)] = max(ts, self.last_used.get((ev.node_id, model), 0.0))
 
@@ -360,6 +363,25 @@ class WarmupService:
                                                 kind=step.kind))
             started.append(step)
         return started
+
+    def adapter_on_demand(self, adapter: str) -> str | None:
+        """A request found the adapter on no node: load it now where its base runs (the plan
+        keeps it there: the next plan counts that request's demand)."""
+        if any(k[0] == "load_adapter" and k[2] == adapter for k in self.moving):
+            return None  # already on its way
+        node = placer.adapter_home(self.cfg, self.states, adapter)
+        if node is None:
+            return None
+        step = Step("load_adapter", node, adapter)
+        key = (step.kind, step.node_id, step.name)
+        task = asyncio.ensure_future(self._move(step))
+        self.moving[key] = task
+        task.add_done_callback(partial(self._moved, key))
+        if self.target is not None:
+            self.target.adapters[node] = self.target.adapters.get(node, frozenset()) | {adapter}
+        self._emit_placement(PlacementEvent(phase="move_started", ts=self.clock(), node_id=node, name=adapter,
+                                            kind=step.kind, message="on demand: a request found it nowhere"))
+        return node
 
     def _moved(self, key: tuple[str, str, str], _task: "asyncio.Task[None]") -> None:
         self.moving.pop(key, None)

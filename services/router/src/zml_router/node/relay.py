@@ -37,7 +37,7 @@ from zmlcore.telemetry.setup import DECISION_ID
 from zml_router.answer import assemble, continuation
 from zml_router.answer.assemble import Assembler, EngineFailed, MalformedStream
 from zml_router.answer.continuation import Splice, engine_error, spliced_usage
-from zml_router.answer.record import Answer
+from zml_router.answer.record import Answer, answer_for
 from zml_router.answer.replies import Replies
 from zml_router.incoming import Incoming, QueuedMsg
 from zml_router.node.attempt import (
@@ -123,15 +123,10 @@ class Relay:
         self.whole_only: set[str] = set()
 
     def answer(self, req: InferRequest | AudioRequest, raw: bytes = b"", model: str = "") -> Answer:
-        """The state of one request's answer, kept across its attempts. A non-streamed chat or
-        completion is asked of its nodes as a stream and put back together (zml_router.answer.assemble)
-        unless its model says ``stream_from_nodes = false``."""
-        opts = getattr(req, "stream_options", None)
-        kind = req.kind()
+        """The record of one request's answer, kept across its attempts (answer_for, with its
+        model's ``stream_from_nodes``)."""
         mc = self.cfg.models.get(model)
-        asm = (Assembler(kind) if not req.stream and kind in ("chat", "completion")
-               and (mc is None or mc.stream_from_nodes) and assemble.wanted(raw) else None)
-        return Answer(usage_asked=isinstance(opts, dict) and bool(opts.get("include_usage")), assembler=asm)
+        return answer_for(req, raw, mc is None or mc.stream_from_nodes)
 
     async def prefill(self, req: InferRequest, bodies: NodeBodies, model: str, action: Any, request_id: str,
                       out: Outcome) -> Handoff | AttemptError:
@@ -202,6 +197,8 @@ class Relay:
             cached_tokens_estimated=decision.cached_tokens,
             prefill_failed=out.prefill_failed,
         )
+        if out.flow is not None:  # band, share, targets and predictions (zml_router.request.flowgate)
+            out.flow.fill(info)
         handoff = action.handoff
         if handoff is not None:
             info.prefill_node = handoff.prefill_node
@@ -390,6 +387,8 @@ class Relay:
             raw = rename(raw)
         if "total_tokens" in usage:
             info.total_tokens = usage["total_tokens"]
+        if info.slo and asm is not None and info.time_to_first_token is not None:
+            _slo_outcome(info, usage.get("completion_tokens") or 0, time.monotonic() - t0)
         await self.replies.before_last(info.total_tokens or 0)  # the caller may send again at once
         # Over max_payload: in parts to a requester that collects them (zmlcore.reply.bigreply), else
         # REPLY_TOO_LARGE (raised before anything is sent), never a lost reply.
@@ -599,3 +598,15 @@ class Relay:
             answer.seq = seq
             await count(info.node_id, -1, -pending)
         return last_usage
+
+
+def _slo_outcome(info: RoutingInfo, completion_tokens: int, total_s: float) -> None:
+    """A whole reply to a request with latency targets: its measured time per output token and
+    whether it met them (flow control, docs/routing.md)."""
+    ttft = info.time_to_first_token
+    if ttft is None or completion_tokens < 2:
+        return
+    info.tpot_ms = round((total_s - ttft) / (completion_tokens - 1) * 1000, 2)
+    met = ((info.ttft_slo_ms is None or ttft * 1000 <= info.ttft_slo_ms)
+           and (info.tpot_slo_ms is None or info.tpot_ms <= info.tpot_slo_ms))
+    info.slo = "met" if met else "missed"

@@ -2,7 +2,11 @@
 ``--enable-sleep-mode`` and ``VLLM_SERVER_DEV_MODE=1``): ``POST /sleep`` offloads the weights
 (the models stay listed, ``/health`` stays 200, requests fail), ``GET /is_sleeping`` ->
 ``{"is_sleeping": bool}``, ``POST /wake_up`` reloads them (the load time applies) and answers
-once they are back. ``POST /reset_prefix_cache`` (dev mode) empties the prefix cache (an
+once they are back. Runtime LoRA (``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``): ``POST
+/v1/load_lora_adapter {"lora_name", "lora_path"}`` (400 when already loaded),
+``POST /v1/unload_lora_adapter {"lora_name"}`` (404 when not loaded); a loaded adapter is a
+``model`` requests may name, listed in ``/v1/models`` with the served model as its ``parent``.
+``POST /reset_prefix_cache`` (dev mode) empties the prefix cache (an
 ``AllBlocksCleared`` KV event); refused while requests run, as vLLM refuses it."""
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ class VLLM(Face):
         r.add_post("/sleep", partial(_sleep, node))
         r.add_post("/wake_up", partial(_wake_up, node))
         r.add_post("/reset_prefix_cache", partial(_reset_prefix_cache, node))
+        r.add_post("/v1/load_lora_adapter", partial(_load_lora, node))
+        r.add_post("/v1/unload_lora_adapter", partial(_unload_lora, node))
 
 
 FACE = VLLM()
@@ -72,3 +78,36 @@ async def _reset_prefix_cache(node: NodeView, req: web.Request) -> web.Response:
     if not node.engine.reset_prefix_cache():
         return node.error(400, "Failed to reset the prefix cache: requests are running", "bad_request")
     return web.Response(status=200)
+
+
+async def _lora_body(node: NodeView, req: web.Request) -> dict[str, Any] | web.Response:
+    try:
+        body = await req.json()
+    except ValueError:
+        return node.error(400, "Invalid JSON", "bad_request")
+    if not isinstance(body, dict) or not isinstance(body.get("lora_name"), str) or not body["lora_name"]:
+        return node.error(400, "Both 'lora_name' and 'lora_path' must be provided.", "bad_request")
+    return body
+
+
+async def _load_lora(node: NodeView, req: web.Request) -> web.Response:
+    body = await _lora_body(node, req)
+    if isinstance(body, web.Response):
+        return body
+    name, path = body["lora_name"], body.get("lora_path")
+    if not isinstance(path, str) or not path:
+        return node.error(400, "Both 'lora_name' and 'lora_path' must be provided.", "bad_request")
+    if name in node.adapters:
+        return node.error(400, f"The lora adapter '{name}' has already been loaded.", "bad_request")
+    node.adapters[name] = path
+    return web.Response(status=200, text=f"Success: LoRA adapter '{name}' added successfully.")
+
+
+async def _unload_lora(node: NodeView, req: web.Request) -> web.Response:
+    body = await _lora_body(node, req)
+    if isinstance(body, web.Response):
+        return body
+    name = body["lora_name"]
+    if node.adapters.pop(name, None) is None:
+        return node.error(404, f"The lora adapter '{name}' cannot be found.", "not_found")
+    return web.Response(status=200, text=f"Success: LoRA adapter '{name}' removed successfully.")
