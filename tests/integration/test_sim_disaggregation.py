@@ -22,8 +22,10 @@ PROMPT = "The quick brown fox jumps over the lazy dog. " * 364  # ~4,000 tokens
 
 @pytest.fixture
 async def pair() -> AsyncIterator[tuple[SimNode, SimNode]]:
-    p = SimNode("p", "nvidia_h100", [M], time_scale=10.0, load_time_s=0.0, prefill_tps=4000.0, kv_gbps=100.0)
-    d = SimNode("d", "amd_mi300x", [M], time_scale=10.0, load_time_s=0.0, prefill_tps=4000.0, kv_gbps=100.0)
+    # prefill 4 s of model time (0.4 s real): a decode leg that recomputed the prompt could not
+    # hide in a busy box's HTTP overhead
+    p = SimNode("p", "nvidia_h100", [M], time_scale=10.0, load_time_s=0.0, prefill_tps=1000.0, kv_gbps=100.0)
+    d = SimNode("d", "amd_mi300x", [M], time_scale=10.0, load_time_s=0.0, prefill_tps=1000.0, kv_gbps=100.0)
     await p.start()
     await d.start()
     yield p, d
