@@ -352,14 +352,16 @@ def decide_bench(n_nodes: int = 1000, reps: int = 2000) -> dict[str, float]:
     settings, links = SplitSettings(), KVLinks()
     index = SplitIndex(views)
     out: dict[str, float] = {"nodes": n_nodes}
-    for name, idx in (("scan", None), ("index", index)):
+    for name, idx, objective in (("scan", None, "latency"), ("index", index, "latency"),
+                                 ("index_cost", index, "cost")):
         times = []
         for r in range(reps if idx is not None else max(20, reps // 20)):
             whole = views[r % n_nodes]
             whole.outstanding = (whole.outstanding + 1) % 16  # a counter changes per decision, as dispatch does
             t0 = time.perf_counter()
             decide_split(views, whole, model=MODEL, prompt_tokens=4000, output_tokens=200, cached={},
-                         settings=settings, links=links, now=0.0, stale_after_s=math.inf, index=idx)
+                         settings=settings, links=links, now=0.0, stale_after_s=math.inf, index=idx,
+                         objective=objective)  # type: ignore[arg-type]
             times.append(time.perf_counter() - t0)
         out[f"{name}_median_us"] = statistics.median(times) * 1e6
         out[f"{name}_p99_us"] = sorted(times)[int(0.99 * (len(times) - 1))] * 1e6

@@ -22,8 +22,10 @@ PROMPT = "The quick brown fox jumps over the lazy dog. " * 364  # ~4,000 tokens
 
 @pytest.fixture
 async def pair() -> AsyncIterator[tuple[SimNode, SimNode]]:
-    p = SimNode("p", "nvidia_h100", [M], time_scale=10.0, load_time_s=0.0, prefill_tps=4000.0, kv_gbps=100.0)
-    d = SimNode("d", "amd_mi300x", [M], time_scale=10.0, load_time_s=0.0, prefill_tps=4000.0, kv_gbps=100.0)
+    # prefill 4 s of model time (0.4 s real): a decode leg that recomputed the prompt could not
+    # hide in a busy box's HTTP overhead
+    p = SimNode("p", "nvidia_h100", [M], time_scale=10.0, load_time_s=0.0, prefill_tps=1000.0, kv_gbps=100.0)
+    d = SimNode("d", "amd_mi300x", [M], time_scale=10.0, load_time_s=0.0, prefill_tps=1000.0, kv_gbps=100.0)
     await p.start()
     await d.start()
     yield p, d
@@ -78,6 +80,9 @@ async def test_vllm_prefill_holds_blocks_and_decode_pulls_them(pair: tuple[SimNo
         assert usage["prompt_tokens_details"]["cached_tokens"] >= 0.95 * prompt
         assert ttft < prefill_s / 2, (ttft, prefill_s)
         assert p.handoff.holding == 0 and d.engine.stats[M].cached_tokens >= 0.95 * prompt
+        # the pulled blocks are in the decode node's prefix cache now (stored as its KV events say)
+        from zml_sim.prefixcache import token_ids
+        assert d.engine.cached_prefix(M, token_ids(PROMPT)) >= 0.95 * prompt
         # pulled once: the same params again are refused, as vLLM refuses unknown blocks
         status, err, _ = await decode_leg(c, d, kv)
         assert status == 400 and "unknown or expired" in err["error"]["message"]

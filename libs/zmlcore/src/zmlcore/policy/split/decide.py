@@ -41,8 +41,8 @@ from zmlcore.policy.types import NodeView
 Objective = Literal["latency", "cost"]
 Mode = Literal["split", "whole"]
 
-#: Candidates of each leg kept (by their own part of the score) before the pair search: the
-#: pair's transfer time is the only term that couples them.
+#: Candidates of each leg kept (by their own part of the score: time, and for the cost
+#: objective dollars too) before the pair search: the pair's transfer is all that couples them.
 PAIR_WIDTH = 4
 #: A score for options past the TTFT target under the cost objective: dollars per second late,
 #: far above any request's price, so any option within the target wins.
@@ -208,7 +208,7 @@ def decide_split(
     pres: list[tuple[float, float, _Node, int]] = []
     if index is not None:  # a large fleet: each leg's best rows from the index's columns
         p_ids, d_ids = index.candidates(model, prompt, out_tokens, cached, settings.min_uncached_tokens, exclude, now,
-                                        stale_after_s, PAIR_WIDTH)
+                                        stale_after_s, PAIR_WIDTH, by_cost=objective == "cost")
         nodes = []
         made: dict[int, _Node] = {}
         for rows, into in ((p_ids, pres), (d_ids, decs)):
@@ -246,11 +246,11 @@ def decide_split(
     best_pair: tuple[_Node, int, _Node, int, float] | None = None
     kvb = settings.kv_bytes_per_token
     explicit = links.explicit
+    cost_obj = objective == "cost"
     drows = [(d, cd, d.v.state, d.v.node_id, d.wait_prefill + 1.0 / d.pf, (out_tokens - 1) * d.step_next,
               d.cost / 3600.0 * (out_tokens - 1) * d.step_next / d.maxc)
-             for _, _, d, cd in (decs if index is not None else _best(decs))]
-    cost_obj = objective == "cost"
-    for _, _, p, cp in (pres if index is not None else _best(pres)):  # (the index chose them already)
+             for _, _, d, cd in (decs if index is not None else _best(decs, cost_obj))]
+    for _, _, p, cp in (pres if index is not None else _best(pres, cost_obj)):  # (the index chose them already)
         pst = p.v.state
         pid = p.v.node_id
         pre = max(prompt - cp, 1) / p.pf
@@ -296,15 +296,17 @@ def decide_split(
     return SplitDecision(False, no.reason, whole_opt, whole_opt, best)
 
 
-def _best(rows: list[tuple[float, float, _Node, int]]) -> list[tuple[float, float, _Node, int]]:
-    """The PAIR_WIDTH best rows by time and the PAIR_WIDTH best by dollars (each objective's
-    own part; their union keeps the search exact enough for either)."""
+def _best(rows: list[tuple[float, float, _Node, int]], by_cost: bool) -> list[tuple[float, float, _Node, int]]:
+    """The PAIR_WIDTH best rows by time and, for the cost objective, the PAIR_WIDTH best by
+    dollars too (each objective's own part of the score)."""
     if len(rows) <= PAIR_WIDTH:
         return rows
     by_time = heapq.nsmallest(PAIR_WIDTH, rows, key=lambda r: (r[0], r[2].v.node_id))
-    by_cost = heapq.nsmallest(PAIR_WIDTH, rows, key=lambda r: (r[1], r[2].v.node_id))
+    if not by_cost:
+        return by_time
+    cheapest = heapq.nsmallest(PAIR_WIDTH, rows, key=lambda r: (r[1], r[2].v.node_id))
     seen = {id(r[2]) for r in by_time}
-    return by_time + [r for r in by_cost if id(r[2]) not in seen]
+    return by_time + [r for r in cheapest if id(r[2]) not in seen]
 
 
 def objective_of(strategy: str, cost_priority: str | None) -> Objective:

@@ -105,35 +105,48 @@ class SplitIndex:
 
     # --- a decision ---
     def candidates(self, model: str, prompt: int, out_tokens: int, cached: Mapping[str, int], min_uncached: int,
-                   exclude: frozenset[str], now: float, stale_after_s: float, width: int
+                   exclude: frozenset[str], now: float, stale_after_s: float, width: int, by_cost: bool = True
                    ) -> tuple[list[int], list[int]]:
-        """Rows of the best ``width`` prefill legs and decode legs, each by time and by dollars."""
+        """Rows of the best ``width`` prefill legs and decode legs by time and, with
+        ``by_cost``, by dollars too (what each objective's pair search needs)."""
         if not self.views:
             return [], []
-        ok = self.up & self._serving(model) & (self.blocked <= now) & (self.updated >= now - stale_after_s)
+        ok = self.up & self._serving(model)
+        if self.blocked.max() > now:  # (cooling or saturated nodes are rare: skip the pass)
+            ok &= self.blocked <= now
+        if self.updated.min() < now - stale_after_s:
+            ok &= self.updated >= now - stale_after_s
         for node_id in exclude:
             j = self.row.get(node_id)
             if j is not None:
                 ok[j] = False
-        unc = np.full(len(self.views), float(prompt))
-        for node_id, c in cached.items():
-            j = self.row.get(node_id)
-            if j is not None:
-                unc[j] = prompt - c
-        pre = np.maximum(unc, 1.0) * self.inv_pf
         pm = ok & self.can_p
-        dm = ok & self.can_d & (unc >= min_uncached)
-        p_time = np.where(pm, self.wait + pre * (1.0 + self.decoding), _INF)
-        p_cost = np.where(pm, self.cost * pre, _INF)
+        dm = ok & self.can_d
+        if cached:
+            unc = np.full(len(self.views), float(prompt))
+            for node_id, c in cached.items():
+                j = self.row.get(node_id)
+                if j is not None:
+                    unc[j] = prompt - c
+            pre = np.maximum(unc, 1.0) * self.inv_pf
+            dm &= unc >= min_uncached
+        else:
+            pre = float(max(prompt, 1)) * self.inv_pf
+            if prompt < min_uncached:
+                dm = np.zeros_like(dm)
         rest = (out_tokens - 1) * self.step_next
+        p_time = np.where(pm, self.wait + pre * (1.0 + self.decoding), _INF)
         d_time = np.where(dm, self.wait + self.inv_pf + rest, _INF)
+        if not by_cost:
+            return _top(width, p_time), _top(width, d_time)
+        p_cost = np.where(pm, self.cost * pre, _INF)
         d_cost = np.where(dm, self.cost * rest / self.maxc, _INF)
-        return _top(p_time, p_cost, width), _top(d_time, d_cost, width)
+        return _top(width, p_time, p_cost), _top(width, d_time, d_cost)
 
 
-def _top(by_time: np.ndarray, by_cost: np.ndarray, width: int) -> list[int]:
+def _top(width: int, *cols: np.ndarray) -> list[int]:
     rows: list[int] = []
-    for col in (by_time, by_cost):
+    for col in cols:
         k = min(width, len(col))
         idx = np.argpartition(col, k - 1)[:k] if len(col) > k else np.arange(len(col))
         for j in idx[np.argsort(col[idx], kind="stable")].tolist():
