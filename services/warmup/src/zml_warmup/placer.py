@@ -74,7 +74,10 @@ def gather(cfg: ZMLConfig, states: Mapping[str, NodeState], wants: Mapping[str, 
         mc = pc.models.get(m, _DEFAULT)
         got = sums.get(m)
         shapes[m] = (got[1] / got[0], got[2] / got[0]) if got else (mc.mean_prompt_tokens, mc.mean_output_tokens)
-    demands = [ModelDemand(m, rates.get(m, 0.0), pc.models.get(m, _DEFAULT).min_replicas) for m in sorted(models)]
+    # a model marked warm ([models] warm = true) keeps a replica whatever its demand
+    warm = {m for m, mc in cfg.models.items() if mc.warm}
+    demands = [ModelDemand(m, rates.get(m, 0.0), max(pc.models.get(m, _DEFAULT).min_replicas, int(m in warm)))
+               for m in sorted(models)]
     slots = {n.id: (n.model_slots, n.adapter_slots) for n in cfg.nodes}
     out: list[NodeOffer] = []
     for node_id, st in sorted(states.items()):
