@@ -109,3 +109,17 @@ def test_a_warm_model_keeps_a_replica_without_demand() -> None:
     assert {d.model: d.min_replicas for d in inputs.demands} == {"m": 0, "q": 1}
     plan = placer.make_plan(cfg, inputs)
     assert plan.nodes_of("q") == ["tiny"] and plan.nodes_of("m") == []  # q stays where it is, m goes
+
+
+def test_outside_quiet_windows_only_loads_of_short_models_run() -> None:
+    from zmlcore.placement.moves import Step
+
+    d = DemandWindow(60.0, 0.0)
+    for i in range(60 * 30):  # 30 req/s of m: more than big alone serves within SLO
+        d.record("m", i / 30, 2000, 100)
+    inputs = placer.gather(CFG, STATES, {n.id: tuple(n.models) for n in CFG.nodes}, d, 60.0)
+    assert placer.short_models(inputs) == {"m"}
+    run = [Step("load", "small", "m"), Step("load", "small", "q"), Step("unload", "big", "x")]
+    now, later = placer.defer_outside_quiet(run, {"m"})
+    assert [str(s) for s in now] == ["load m on small", "unload x on big"]
+    assert [s.name for s in later] == ["q"] and "quiet_windows" in later[0].waiting
