@@ -43,7 +43,7 @@ from zmlcore.fleet.accelerators import ACCELERATORS
 from zmlcore.fleet.perfmodel import SimProfile
 from zmlcore.messages import NodeState
 from zmlcore.policy import NodeView, RouteRequest, RoutingState, builtin_policy, choose_node
-from zmlcore.policy.split import KVLinks, SplitSettings, decide_split
+from zmlcore.policy.split import KVLinks, SplitIndex, SplitSettings, decide_split
 
 MODEL = "m"
 TTFT_SLO = 2.0
@@ -350,15 +350,20 @@ def decide_bench(n_nodes: int = 1000, reps: int = 2000) -> dict[str, float]:
         v.outstanding = rng.randrange(0, prof.max_concurrency)
         views.append(v)
     settings, links = SplitSettings(), KVLinks()
-    times = []
-    for r in range(reps):
-        whole = views[r % n_nodes]
-        t0 = time.perf_counter()
-        decide_split(views, whole, model=MODEL, prompt_tokens=4000, output_tokens=200, cached={},
-                     settings=settings, links=links, now=0.0, stale_after_s=math.inf)
-        times.append(time.perf_counter() - t0)
-    return {"nodes": n_nodes, "median_us": statistics.median(times) * 1e6,
-            "p99_us": sorted(times)[int(0.99 * (reps - 1))] * 1e6}
+    index = SplitIndex(views)
+    out: dict[str, float] = {"nodes": n_nodes}
+    for name, idx in (("scan", None), ("index", index)):
+        times = []
+        for r in range(reps if idx is not None else max(20, reps // 20)):
+            whole = views[r % n_nodes]
+            whole.outstanding = (whole.outstanding + 1) % 16  # a counter changes per decision, as dispatch does
+            t0 = time.perf_counter()
+            decide_split(views, whole, model=MODEL, prompt_tokens=4000, output_tokens=200, cached={},
+                         settings=settings, links=links, now=0.0, stale_after_s=math.inf, index=idx)
+            times.append(time.perf_counter() - t0)
+        out[f"{name}_median_us"] = statistics.median(times) * 1e6
+        out[f"{name}_p99_us"] = sorted(times)[int(0.99 * (len(times) - 1))] * 1e6
+    return out
 
 
 def main() -> None:
@@ -371,6 +376,7 @@ def main() -> None:
     ap.add_argument("--gbps", type=float, default=100.0)
     ap.add_argument("--tune-seed", type=int, default=7, help="seed on which the best fixed role assignment is chosen")
     ap.add_argument("--min-gain", type=float, default=0.1)
+    ap.add_argument("--min-uncached", type=int, default=512, help="[disaggregation] min_uncached_tokens")
     ap.add_argument("--decide-bench", action="store_true")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
@@ -378,7 +384,7 @@ def main() -> None:
         print(json.dumps(decide_bench()))
         return
     accels = DEMO if a.fleet == "demo" else LARGE
-    settings = SplitSettings(min_gain=a.min_gain)
+    settings = SplitSettings(min_uncached_tokens=a.min_uncached, min_gain=a.min_gain)
     fixed = best_fixed(accels, a.workload, a.load, a.tune_seed, a.duration, a.gbps, settings)
     rows = [run_one(accels, a.workload, a.load, s, a.duration, a.gbps, settings, fixed) for s in a.seeds]
     summary = {}

@@ -7,6 +7,7 @@ request served whole on the decode node, which the reply says."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 
 import httpx
@@ -23,12 +24,30 @@ def long_prompt(topic: str) -> str:
 
 @pytest.fixture(scope="module")
 def stack(own_nats: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    extra = "[disaggregation]\nenabled = true\n"
+    # always: sims at time_scale 20 measure 20x their model speeds while a link's time is real,
+    # so whether a split pays wavers with the measured speeds; the decision's logic is
+    # tests/unit/test_split_decide.py's, the legs are this module's
+    # (min_uncached_tokens 2048: a follow-up turn leaves less than that uncached where it was decoded)
+    extra = "[disaggregation]\nenabled = true\nalways = true\nmin_uncached_tokens = 2048\n"
     s = launch_stack(own_nats, tmp_path_factory.mktemp("disagg"), fleet=[PREFILL, DECODE], routers=1, extra=extra)
     try:
+        wait_up(s, "pf-1", "dec-1")
         yield s
     finally:
         s.stop()
+
+
+def wait_up(stack: Stack, *nodes: str) -> None:
+    """Until every node is up as the fleet sees it (a prefill-only node is no condition of the
+    stack's readiness: it serves no whole request)."""
+    deadline = time.monotonic() + 20
+    while True:
+        rows = {n["node_id"]: n for n in httpx.get(stack.gateway_url + "/v1/nodes", timeout=5).json()["nodes"]}
+        if all(rows.get(n, {}).get("status") == "up" and rows[n].get("models") for n in nodes):
+            time.sleep(0.5)  # and the router's table, fed by the same bucket
+            return
+        assert time.monotonic() < deadline, rows
+        time.sleep(0.1)
 
 
 def chat(stack: Stack, content: str, **kw: object) -> httpx.Response:
@@ -78,7 +97,7 @@ def test_a_short_prompt_is_served_whole(stack: Stack) -> None:
 
 def test_the_next_turn_stays_on_the_decode_node_that_holds_the_conversation(stack: Stack) -> None:
     # The first turn was split and decoded on dec-1, which now holds its prompt: the next turn
-    # has little left to prefill there, less than moving it, and is served whole.
+    # has little left to prefill there (under min_uncached_tokens), and is served whole.
     first = long_prompt("weekly")
     r = chat(stack, first)
     assert r.json()["zml"]["prefill_node"] == "pf-1"
@@ -98,3 +117,4 @@ def test_a_failed_prefill_leg_is_served_whole_on_the_decode_node(stack: Stack) -
         assert r.headers["x-zml-prefill-failed"] == "pf-1:server"
     finally:
         sim_faults(stack, "pf-1", None)
+

@@ -153,7 +153,7 @@ async def test_raw_nats_reply_and_stream(keyed: tuple[Stack, str]) -> None:
 def test_the_sdk_gets_every_field(keyed: tuple[Stack, str], scheme: str) -> None:
     stack, key = keyed
     endpoint = {"http": stack.gateway_url, "grpc": f"grpc://{stack.grpc_target}", "nats": stack.nats_url}[scheme]
-    label = "" if scheme == "nats" else LABEL  # NATS: no API key, so no label (zml_router.trust)
+    label = "" if scheme == "nats" else LABEL  # NATS: no API key, so no label (zml_router.request.intake.drop_untrusted)
     with zml.Client(endpoint, api_key=key, max_retries=0) as client:
         r = client.infer(MODEL, messages=CHAT, max_tokens=4)
         assert isinstance(r.routing, zml.Routing)

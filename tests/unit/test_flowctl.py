@@ -12,7 +12,7 @@ from zmlcore import subjects
 from zmlcore.config import FlowConfig, ModelConfig
 from zmlcore.errors import BadRequestError, QueueFullError, SloUnattainableError
 from zmlcore.flowctl import (BATCH, CRITICAL, SHEDDABLE, STANDARD, ShareBook, Slo, Waiting, admit_slo, ask_of,
-                             claim, displaced, effective_band, pick, predict_tpot, queue_budget_s, tpot_at)
+                             claim, displaced, effective_band, pick, ranked, predict_tpot, queue_budget_s, tpot_at)
 from zmlcore.messages import NodeState
 from zmlcore.policy import NodeView, RouteRequest, RoutingState
 from zmlcore.policy.resolve import builtin_policy
@@ -175,26 +175,64 @@ def test_a_higher_band_overtakes_a_lower_band_burst() -> None:
     assert pick(ws, lambda t, w: 0.0, NOW, age_s=30.0) == 50
 
 
-def test_within_a_band_the_least_served_tenant_goes_first_then_arrival() -> None:
+def test_within_a_band_a_backlogged_over_share_tenant_goes_after_the_others() -> None:
     served = {"flood": 1e6, "steady": 10.0}
     ws = [_w(STANDARD, "flood", i) for i in range(10)] + [_w(STANDARD, "steady", 20), _w(STANDARD, "steady", 21)]
-    assert pick(ws, lambda t, w: served[t] / w, NOW, age_s=30.0) == 10
-    assert pick(ws[:10], lambda t, w: served[t] / w, NOW, age_s=30.0) == 0  # FIFO within a tenant
+    assert ranked(ws, lambda t, w: served[t] / w, NOW, 30.0, level=1000.0)[:2] == [10, 11]
+    # the same flood without a backlog is just another tenant, in arrival order
+    assert pick(ws[9:], lambda t, w: served[t] / w, NOW, age_s=30.0, level=1000.0) == 0
+
+
+def test_backlogged_tenants_share_by_tokens_and_weight() -> None:
+    """Start-time fair queueing among backlogged over-share tenants: a's requests cost 4x b's,
+    so b gets 4 entries per a's one; with weight 2, a gets twice that."""
+    ws = [Waiting(STANDARD, "a", 1.0, NOW, i, cost=400.0) for i in range(10)]
+    ws += [Waiting(STANDARD, "b", 1.0, NOW, 100 + i, cost=100.0) for i in range(40)]
+    first10 = ranked(ws, lambda t, w: 1000.0, NOW, 30.0, level=500.0)[:10]
+    assert sum(1 for i in first10 if ws[i].tenant == "b") == 8
+    ws2 = [Waiting(STANDARD, "a", 2.0, NOW, i, cost=400.0) for i in range(10)]
+    ws2 += [Waiting(STANDARD, "b", 1.0, NOW, 100 + i, cost=100.0) for i in range(40)]
+    first12 = ranked(ws2, lambda t, w: 1000.0, NOW, 30.0, level=400.0)[:12]
+    assert sum(1 for i in first12 if ws2[i].tenant == "a") == 4
+
+
+def test_a_floods_backlog_goes_after_each_others_next_request() -> None:
+    """A flood held back to spare capacity may have served little more than its share; its
+    backlog still goes after another tenant's next request."""
+    ws = [Waiting(STANDARD, "flood", 1.0, NOW, i, cost=1000.0) for i in range(50)]
+    ws.append(Waiting(STANDARD, "steady", 1.0, NOW, 100, cost=1000.0))
+    order = ranked(ws, lambda t, w: {"flood": 410.0, "steady": 500.0}[t], NOW, 30.0, level=400.0)
+    assert order[0] == 50
+
+
+def test_tenants_at_their_share_without_a_backlog_go_in_arrival_order() -> None:
+    svc = {"a": 90.0, "b": 110.0, "c": 100.0}
+    ws = [_w(STANDARD, t, seq) for seq, t in enumerate("bca")]
+    assert ranked(ws, lambda t, w: svc[t], NOW, 30.0, level=100.0) == [0, 1, 2]
 
 
 def test_weight_divides_service() -> None:
+    ws = [Waiting(STANDARD, "a", 2.0, NOW, i, cost=100.0) for i in range(8)]
+    ws += [Waiting(STANDARD, "b", 1.0, NOW, 10 + i, cost=100.0) for i in range(8)]
     served = {"a": 300.0, "b": 200.0}
-    ws = [_w(STANDARD, "a", 1, weight=2.0), _w(STANDARD, "b", 2)]
-    assert pick(ws, lambda t, w: served[t] / w, NOW, age_s=30.0) == 0
+    assert ranked(ws, lambda t, w: served[t] / w, NOW, 30.0, level=100.0)[0] == 0  # a: 150 per weight
 
 
-def test_low_bands_age_up_to_standard_never_above() -> None:
-    w = _w(BATCH, "a", 1, at=NOW)
-    assert effective_band(w, NOW + 29, 30.0) == BATCH
-    assert effective_band(w, NOW + 31, 30.0) == SHEDDABLE
-    assert effective_band(w, NOW + 500, 30.0) == STANDARD
+def test_sheddable_ages_up_to_standard_never_above() -> None:
+    w = _w(SHEDDABLE, "a", 1, at=NOW)
+    assert effective_band(w, NOW + 29, 30.0) == SHEDDABLE
+    assert effective_band(w, NOW + 31, 30.0) == STANDARD
     assert effective_band(_w(CRITICAL, "a", 1), NOW + 500, 30.0) == CRITICAL
-    assert effective_band(w, NOW + 500, 0.0) == BATCH  # no aging
+    assert effective_band(w, NOW + 500, 0.0) == SHEDDABLE  # no aging
+
+
+def test_batch_rises_only_when_its_window_is_closing() -> None:
+    w = Waiting(band=BATCH, tenant="b", weight=1.0, enqueued_at=NOW, seq=1, urgent_at=NOW + 3600)
+    assert effective_band(w, NOW + 600, 30.0) == BATCH
+    assert effective_band(w, NOW + 3600, 30.0) == STANDARD
+    ws = [_w(STANDARD, "a", 2, at=NOW + 3601), w]
+    assert pick(ws, lambda t, wt: 0.0, NOW + 3599, 30.0) == 0
+    assert pick(ws, lambda t, wt: 0.0, NOW + 3601, 30.0) == 1  # urgent: a standard entry, in arrival order
 
 
 def test_an_aged_entry_competes_with_standard_work_by_share_and_arrival() -> None:
@@ -203,10 +241,17 @@ def test_an_aged_entry_competes_with_standard_work_by_share_and_arrival() -> Non
     assert pick([new, old], lambda t, w: 0.0, NOW, age_s=30.0) == 1
 
 
-def test_displacement_sheds_the_lowest_ranked_past_the_limit() -> None:
+def test_displacement_sheds_the_lowest_band_first() -> None:
     ws = [_w(STANDARD, "a", 1), _w(SHEDDABLE, "a", 2), _w(CRITICAL, "b", 3), _w(SHEDDABLE, "b", 4)]
     assert sorted(displaced(ws, lambda t, w: 0.0, NOW, 30.0, limit=2)) == [1, 3]
     assert displaced(ws, lambda t, w: 0.0, NOW, 30.0, limit=4) == []
+
+
+def test_displacement_takes_the_floods_newest_entries() -> None:
+    ws = [Waiting(STANDARD, "flood", 1.0, NOW, i, cost=100.0) for i in range(10)]
+    ws += [Waiting(STANDARD, "steady", 1.0, NOW, 20, cost=100.0), Waiting(STANDARD, "other", 1.0, NOW, 21, cost=100.0)]
+    svc = {"flood": 500.0, "steady": 50.0, "other": 50.0}
+    assert displaced(ws, lambda t, w: svc[t], NOW, 30.0, limit=9, level=100.0) == [9, 8, 7]
 
 
 # --- SLO admission ----------------------------------------------------------------------------

@@ -87,3 +87,67 @@ def test_leg_bodies() -> None:
     assert ll["id_slot"] == legs.LLAMA_SLOT and ll["cache_prompt"] is True and "kv_transfer_params" not in ll
     d = msgspec.json.decode(legs.decode_body(body, Handoff("pf", {"kv_transfer_params": {"x": 1}})))
     assert d["kv_transfer_params"] == {"x": 1} and d["max_tokens"] == 50 and d["stream"] is True
+
+
+def test_the_prefill_leg_is_a_span_of_its_own() -> None:
+    import pytest
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    from opentelemetry.trace import StatusCode
+
+    from zmlcore.telemetry import tracing
+    from zml_router.telemetry import tracing as rtrace
+
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing.enable(True)
+    tracing._tracer = provider.get_tracer("zml")  # this test's provider, not the process's
+    try:
+        headers: dict[str, str] = {}
+        with rtrace.prefill_leg("pf-1", "dec-1"):
+            tracing.inject(headers)
+        with pytest.raises(RuntimeError), rtrace.prefill_leg("pf-2", "dec-1"):
+            raise RuntimeError("reset")
+    finally:
+        tracing.enable(False)
+    ok, bad = exporter.get_finished_spans()
+    assert ok.name == "zml.prefill pf-1" and ok.attributes["zml.decode_node"] == "dec-1"
+    assert headers["traceparent"].split("-")[2] == format(ok.context.span_id, "016x")  # the node gets this span
+    assert bad.status.status_code is StatusCode.ERROR and bad.attributes["error.type"] == "RuntimeError"
+
+
+def test_the_splitter_on_the_routers_table() -> None:
+    """zml_router.request.split: engines without a leg protocol are never legs, a split names
+    its decode node's family, and a conversation's mode is remembered."""
+    import time as _time
+
+    from zmlcore.config import parse_config
+    from zmlcore.messages import NodeState
+    from zmlcore.policy.resolve import builtin_policy
+    from zml_router.replicas.table import NodeTable
+    from zml_router.request.split import Splitter
+
+    now = _time.time()
+    cfg = parse_config({"disaggregation": {"enabled": True}})
+    table = NodeTable()
+
+    def node(i: str, acc: str, backend: str, roles: list[str], outstanding: int = 0) -> None:
+        table.upsert(NodeState(node_id=i, accelerator_type=acc, family=acc.upper(), endpoint=f"http://{i}",
+                               backend=backend, status="up", models=["m"], roles=roles, kv_group="g", kv_gbps=400.0,
+                               updated_at=now, cost_per_hour=2.0))
+        table.views[i].outstanding = outstanding
+
+    node("pf", "nvidia_h100", "vllm", ["prefill"])
+    node("dec", "intel_gaudi2", "vllm", ["decode"], 10)
+    node("tgi", "nvidia_h100", "tgi", ["prefill"])
+    sp = Splitter(cfg, table)
+    whole = Decision(node_id="dec", family="INTEL_GAUDI2", policy="latency", queue_depth=10)
+    rr = RouteRequest(model="m", prompt_tokens=6000, max_tokens=200)
+    d, why = sp.decide(whole, rr, builtin_policy("latency"), now, "conv-1")
+    assert why == "split_better" and d.prefill_node == "pf" and d.node_id == "dec" and d.family == "INTEL_GAUDI2"
+    assert sp.modes["conv-1"] == "split"
+    # the TGI node (no leg protocol) is never chosen, even as the only prefill node left
+    d, why = sp.decide(whole, dataclasses.replace(rr, exclude=frozenset({"pf"})), builtin_policy("latency"), now)
+    assert why == "no_pair" and d.prefill_node == ""

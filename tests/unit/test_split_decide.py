@@ -169,3 +169,30 @@ def test_always_splits_when_a_pair_exists() -> None:
     dec = decide([p, d], d, settings=SplitSettings(always=True))
     assert dec.split and dec.reason == "always" and dec.chosen is not None and dec.chosen.prefill_node == "p"
     assert decide([p, d], d, prompt=100, settings=SplitSettings(always=True)).reason == "short_prompt"
+
+
+def test_the_index_decides_as_the_scan_does() -> None:
+    from zmlcore.policy.split import SplitIndex
+
+    rng = random.Random(11)
+    kinds = ["nvidia_h100", "amd_mi300x", "intel_gaudi2", "aws_inferentia2", "nvidia_a100"]
+    splits = 0
+    for trial in range(30):
+        nodes = [view(f"n{i}", rng.choice(kinds), roles=rng.choice([[], ["prefill"], ["decode"]]),
+                      group=rng.choice(["g", "g", "h", ""]), gbps=rng.choice([10.0, 100.0, 400.0]),
+                      cost_per_hour=rng.uniform(0.5, 5)) for i in range(40)]
+        index = SplitIndex(nodes)
+        for v in nodes:  # after the index: it follows the counters
+            v.outstanding = rng.randrange(0, 40)
+            v.pending = min(v.outstanding, rng.randrange(0, 4))
+        nodes[3].cooldown_until = 5.0
+        wholes = [v for v in nodes if "prefill" not in v.state.roles or "decode" in v.state.roles]
+        kw = {"prompt": rng.randrange(300, 8000), "out": rng.randrange(1, 600),
+              "objective": rng.choice(["latency", "cost"]), "cached": {wholes[0].node_id: rng.randrange(0, 500)},
+              "exclude": frozenset({f"n{rng.randrange(40)}"})}
+        a = decide(nodes, wholes[0], **kw)
+        b = decide(nodes, wholes[0], index=index, **kw)
+        assert (a.split, a.reason, a.chosen) == (b.split, b.reason, b.chosen), trial
+        splits += a.split
+        index.close()
+    assert 0 < splits < 30  # both outcomes were compared

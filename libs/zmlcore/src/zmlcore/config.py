@@ -298,7 +298,7 @@ class FlowConfig(msgspec.Struct, **_Base):
     """Band of a request that names none and whose API key sets none."""
     max_priority: Priority = "standard"
     """Highest band a caller may claim unless its API key allows more (``zml keys create
-    --max-priority``): a claim above it is lowered to it (``x-zml-priority-lowered: 1``)."""
+    --max-priority``): a claim above it is lowered to it (the reply's ``x-zml-priority-lowered-from`` names the band asked)."""
     ttft_slo_ms: PosFloat | None = None
     """Default time-to-first-token target of every request (a model's [models.*] ttft_slo_ms
     and the request's ``x-zml-ttft-slo-ms`` override it): admission refuses at once with
@@ -314,8 +314,8 @@ class FlowConfig(msgspec.Struct, **_Base):
     share_report_ms: PosInt = 100
     """How often a router publishes its tenants' counters to the other replicas (when they changed)."""
     age_s: NonNeg = 30.0
-    """A queued ``sheddable`` or ``batch`` request rises one band per this long waited (never above
-    ``standard``); 0: no aging."""
+    """A queued ``sheddable`` request ranks as ``standard`` once it has waited this long; 0: never.
+    (A batch line rises only when its completion window is closing: docs/routing.md.)"""
     max_queued: PosInt = 256
     """Queued requests one router holds per model for ordering by band and share; past it the
     lowest-ranked are shed (SHED)."""
@@ -484,6 +484,10 @@ class NodeConfig(msgspec.Struct, **_Base):
     kv_gbps: PosFloat | None = None
     """Bandwidth of this node's KV transfer link, in Gbit/s; a transfer between two nodes runs
     at the slower end's unless a [[kv_links]] entry names the pair. Required with kv_group."""
+    kv_bootstrap_port: Port | None = None
+    """SGLang: the port of this prefill node's bootstrap server (its
+    --disaggregation-bootstrap-port, 8998 by default in SGLang), which a split request's decode
+    leg is told. None: the endpoint's port (where a simulated node serves it)."""
 
     @property
     def effective_family(self) -> str:

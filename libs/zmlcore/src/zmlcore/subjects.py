@@ -323,7 +323,7 @@ H_PRIORITY = "Zml-Priority"
 PRIORITY_BATCH = "batch"
 #: Flow control (zmlcore.flowctl, docs/routing.md "Flow control"). ``Zml-Priority`` also takes
 #: ``critical``, ``standard`` and ``sheddable`` (its band); a band above what the caller may claim
-#: is lowered (``Zml-Priority-Lowered: 1`` on the reply). Per-request latency targets, in ms:
+#: is lowered (the reply's ``Zml-Priority-Lowered-From`` names the band asked). Per-request latency targets, in ms:
 H_TTFT_SLO_MS = "Zml-Ttft-Slo-Ms"
 H_TPOT_SLO_MS = "Zml-Tpot-Slo-Ms"
 #: Front door only (an API key's flow options, zml keys create --priority/--max-priority/--weight):
@@ -332,8 +332,9 @@ H_TPOT_SLO_MS = "Zml-Tpot-Slo-Ms"
 H_PRIORITY_DEFAULT = "Zml-Priority-Default"
 H_PRIORITY_MAX = "Zml-Priority-Max"
 H_TENANT_WEIGHT = "Zml-Tenant-Weight"
-#: On a reply whose band was lowered to the caller's ceiling.
-H_PRIORITY_LOWERED = "Zml-Priority-Lowered"
+#: Router-only, on a queued request: the tenant its fair share is counted for (the API key id
+#: from a front door, else the sender's identity), fixed where it arrived.
+H_TENANT = "Zml-Tenant"
 
 #: Audio (OpenAI's /v1/audio/transcriptions and /translations; zmlcore.messages.audio). On a
 #: request: ``Zml-Audio: transcription|translation``, its body the caller's multipart form, as it

@@ -74,6 +74,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     a.add_argument("--kv-group", help="nodes of one group can hand KV to each other (same model, compatible "
                                       "KV connector)")
     a.add_argument("--kv-gbps", type=float, help="its KV transfer link's bandwidth, Gbit/s (with --kv-group)")
+    a.add_argument("--kv-bootstrap-port", type=int, help="SGLang prefill node: its --disaggregation-bootstrap-port")
     a.add_argument("--replace", action="store_true", help="overwrite a node with the same id")
     a.add_argument("--wait", type=float, default=10.0, metavar="SECONDS",
                    help="add: wait this long for the node's first poll and say what it serves; exit 1 when it "
@@ -126,7 +127,7 @@ def _admin(args: argparse.Namespace) -> int:
            "models": args.serves, "family": args.family, "cost_per_hour": args.cost_per_hour,
            "probe_endpoint": args.probe_endpoint, "served_names": names or None,
            "roles": [r.strip() for r in args.roles.split(",") if r.strip()] if args.roles else None,
-           "kv_group": args.kv_group, "kv_gbps": args.kv_gbps}
+           "kv_group": args.kv_group, "kv_gbps": args.kv_gbps, "kv_bootstrap_port": args.kv_bootstrap_port}
     try:
         spec = msgspec.convert({k: v for k, v in raw.items() if v is not None}, NodeSpec)
     except msgspec.ValidationError as exc:

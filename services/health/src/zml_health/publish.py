@@ -22,7 +22,7 @@ EXACT = (
     "missing_models", "unknown_models", "loading_models", "draining_models", "adapters", "sleeping", "queue_running", "queue_waiting",
     "max_concurrency", "speeds_measured", "speeds_source",
     "cost_per_hour", "consecutive_failures", "driver_version", "device_count", "memory_gib", "note", "source",
-    "poll_interval_s", "roles", "kv_group", "kv_gbps",
+    "poll_interval_s", "roles", "kv_group", "kv_gbps", "kv_bootstrap_port",
 )
 #: Fields that change a little on every poll: (field, relative tolerance, absolute tolerance).
 #: A change beyond either is meaningful. Speeds: the estimate's own resolution (2%).

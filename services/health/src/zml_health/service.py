@@ -438,6 +438,7 @@ class HealthService:
             roles=[] if set(node.roles) == {"prefill", "decode"} else list(node.roles),
             kv_group=node.kv_group or "",
             kv_gbps=node.kv_gbps or 0.0,
+            kv_bootstrap_port=node.kv_bootstrap_port or 0,
         )
 
     def _known_models(self) -> frozenset[str]:

@@ -1,4 +1,5 @@
-"""What arrives at the router's request path: a NATS message, or one out of the saturation queue."""
+"""What arrives at the router's request path: a NATS message, one out of the saturation queue, or
+one whose body came in parts after it."""
 
 from __future__ import annotations
 
@@ -33,3 +34,14 @@ class QueuedMsg:
     headers: dict[str, str]
     #: Resolved by the request path: True once a node has taken it, False if it found no room.
     placed: asyncio.Future[bool] | None = None
+
+
+@dataclass(slots=True)
+class Uploaded:
+    """A request whose body came in parts after it (zml_router.request.uploads): the message as if it
+    had carried the body."""
+
+    subject: str
+    data: bytes
+    reply: str
+    headers: dict[str, str] | None

@@ -1,7 +1,12 @@
-"""What happened to one request: written along its way, read for its error reply, its completion
-event, its metrics and its trace."""
+"""What happened to one request, read for its error reply, its completion event, its metrics and
+its trace. Written by the request's steps, not by the I/O that carries them out: intake (whose
+request, its id), route (where it went, how each attempt ended, from the ``AttemptResult``
+the node I/O returns) and the service for the one thing only it knows, the error it replied
+with."""
 
 from __future__ import annotations
+
+from typing import Any
 
 from zmlcore.messages import RoutingInfo
 
@@ -11,7 +16,7 @@ class Outcome:
 
     __slots__ = ("request_id", "stream", "model", "node_id", "family", "ok", "error_code", "node_error",
                  "failed_nodes", "attempts", "info", "queued", "slow_nodes", "label", "op", "prompt_tokens",
-                 "completion_tokens", "continued_from", "prefill_failed")
+                 "completion_tokens", "continued_from", "prefill_failed", "flow")
 
     def __init__(self) -> None:
         self.request_id = ""  # set once validated: it goes into subjects, headers and logs
@@ -37,3 +42,5 @@ class Outcome:
         #: A split's prefill leg that failed, the request served whole on its decode node:
         #: ``node:failure`` (docs/disaggregation.md).
         self.prefill_failed: str | None = None
+        #: Its flow control (zml_router.request.flowgate.Note), None for a plain request.
+        self.flow: Any = None

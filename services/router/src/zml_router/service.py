@@ -18,7 +18,6 @@ import logging
 import os
 import time
 from collections.abc import Coroutine
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -38,6 +37,7 @@ from zmlcore.messages.audio import AudioRequest
 from zmlcore.messages import decision_query_decoder
 from zmlcore.messages.warmup import completed_encoder
 from zmlcore.policy import Decision, ResolvedPolicy, RouteRequest, RoutingState, admit
+from zmlcore.flowctl.slo import queue_budget_s
 from zmlcore.policy.headroom import admit_batch
 from zmlcore.policy.prefix import PrefixIndex
 from zmlcore.reply.keepalive import KeepaliveBook, keepalive_headers
@@ -62,11 +62,14 @@ from zml_router.answer.keepalives import send_keepalives
 from zml_router.replicas.limits import IdentityLimits, Lease
 from zml_router.telemetry.metrics import RouterMetrics
 from zml_router.replicas.prefixshare import PrefixShare
-from zml_router.incoming import QueuedMsg
+from zml_router.incoming import QueuedMsg, Uploaded
 from zml_router.answer.record import resumed_from
 from zml_router.answer.replies import Replies
 from zml_router.node.relay import Relay
 from zml_router.queue.glue import QueueGlue
+from zml_router.queue.jetstream import H_ENQUEUED
+from zml_router.request.flowgate import FlowGate
+from zml_router.replicas.shares import ShareSync
 from zml_router.replicas.sessions import Sessions, session_key
 from zml_router.replicas.table import NodeTable
 from zml_router.timers import Wheel
@@ -79,17 +82,6 @@ _EVENT_COMPLETED = subjects.event(subjects.EVENT_COMPLETED)
 #: Completion events wait this long for others to go out with (health and warmup aggregate
 #: them over seconds; one wake-up per batch instead of per request for every subscriber).
 COMPLETED_WINDOW_S = 0.01
-
-
-@dataclass(slots=True)
-class Uploaded:
-    """A request whose body came in parts after it (zml_router.request.uploads): the message as if it
-    had carried the body."""
-
-    subject: str
-    data: bytes
-    reply: str
-    headers: dict[str, str] | None
 
 
 class RouterService:
@@ -136,8 +128,12 @@ class RouterService:
                            self.replies, self._corrected)
         #: Prefill on one node, decode on another, per request ([disaggregation]: zml_router.request.split).
         self.splitter = Splitter(cfg, self.table)
-        self.glue = QueueGlue(cfg, self.table, self.admit, self.metrics, self.replies, self.cancelled, self.ids,
-                              self.enter, self.spawn)
+        #: Flow control: bands, tenants' fair shares, SLO admission (zml_router.request.flowgate),
+        #: the shares kept in step with the other replicas (zml_router.replicas.shares).
+        self.gate = FlowGate(cfg, self.table, self.state, self.prefix, self.router_id)
+        self.shares: ShareSync | None = None
+        self.glue = QueueGlue(cfg, self.table, self.queued_admit, self.metrics, self.replies, self.cancelled,
+                              self.ids, self.enter, self.spawn, self.gate)
         # Bound once: the request path calls them per request.
         self._admit = self.admit
         self._options = self.limits.options
@@ -159,6 +155,8 @@ class RouterService:
         await self.share.start()
         self.sessions = Sessions(nc, idle_s=self.cfg.router.session_idle_s)
         await self.sessions.start()
+        self.shares = ShareSync(nc, self.gate.book, self.cfg.flow.share_report_ms / 1000.0)
+        await self.shares.start()
         self.nodes_follower = KVFollower(nc, subjects.NODES_BUCKET, on_put=self._node_put,
                                          on_delete=self._node_delete,
                                          keep_vanished=lambda key: self.table.fresh_for(key, stale_s, time.time()))
@@ -203,6 +201,8 @@ class RouterService:
             await self.share.stop()
         if self.sessions is not None:
             await self.sessions.stop()
+        if self.shares is not None:
+            await self.shares.stop()
         await self.metrics.stop()
         await self.limits.stop()
         await self.uploads.stop()
@@ -237,6 +237,14 @@ class RouterService:
         """The engine reported ``cached`` of the prompt's tokens cached (relay, on its reply)."""
         if self.share is not None:
             self.share.corrected(node_id, rr.prefix, cached, prompt_tokens, time.time())
+
+    def queued_admit(self, rr: RouteRequest, policy: ResolvedPolicy, headers: dict[str, str]) -> Decision:
+        """The decision for a queued request (the queue asks whether it has room): through the
+        flow gate with the band, tenant and targets it was queued with."""
+        note = self.gate.note(subjects.INFER, "", headers, rr.model)
+        if note is None:
+            return self.admit(rr, policy)
+        return self.gate.decide(rr, policy, note, True)
 
     def admit_batch(self, rr: RouteRequest, policy: ResolvedPolicy) -> Decision:
         """A batch-priority request (``Zml-Priority: batch``): only where a node has headroom
@@ -350,6 +358,9 @@ class RouterService:
         finally:
             self.audio_bytes.give(held)
         self.metrics.finished(out, time.monotonic() - t0)
+        if out.flow is not None and out.ok:  # the tenant's real cost; the node's TPOT learned
+            self.gate.finished(out.flow, out.completion_tokens,
+                               out.info.time_to_first_token if out.info is not None else None, time.monotonic() - t0)
         if out.model and not out.queued and self.events is not None:
             # One event per finished request (warmup measures demand, health counts node
             # errors), sent off the request path with the others of the next ms.
@@ -400,6 +411,16 @@ class RouterService:
         can_queue = bool(cfg.queue_on_saturation and queue is not None and msg.reply and not batch
                          and not isinstance(msg, Uploaded))
         from_queue = isinstance(msg, QueuedMsg)
+        note = None if batch else self.gate.note(msg.subject, arrived.owner, msg.headers, model)
+        decide = self._admit
+        if note is not None:  # flow control: band, tenant share, SLO (zml_router.request.flowgate)
+            out.flow = note
+            if from_queue:
+                enq = (msg.headers or {}).get(H_ENQUEUED)
+                note.queued_ms = int((time.time() - float(enq)) * 1000) if enq else None
+
+            def decide(rr: RouteRequest, policy: ResolvedPolicy) -> Decision:
+                return self.gate.decide(rr, policy, note, from_queue)
         answer = self.relay.answer(req, msg.data, model)  # what the requester gets, across attempts
         resumed = None
         if arrived.resume is not None:  # its router died mid-stream: continue what the requester has
@@ -423,7 +444,7 @@ class RouterService:
                 if action.continuation:  # only a node whose engine can continue the answer
                     rr = dataclasses.replace(rr, exclude=rr.exclude | self.table.cannot_continue())
                 try:
-                    result = self.metrics.decide(self.admit_batch if batch else self._admit, rr, policy)
+                    result = self.metrics.decide(self.admit_batch if batch else decide, rr, policy)
                 except ZMLError as exc:
                     result = unserved(exc, rr.model, self.cfg.model_names(), self.table.raw.values())
                 if (action.split and self.splitter.enabled and isinstance(result, Decision) and not batch
@@ -433,6 +454,8 @@ class RouterService:
                     self.metrics.split("split" if result.prefill_node else why)
             elif type(action) is Dispatch:
                 node_id = action.decision.node_id
+                if note is not None and not note.charged:
+                    self.gate.dispatched(note, action.rr.prompt_tokens)
                 if self.share is not None:  # the node will hold this prompt: every replica learns it
                     self.share.recorded(node_id, action.rr.prefix, time.time())
                 if skey and self.sessions is not None and action.rr.accelerator_id is None:
@@ -452,7 +475,13 @@ class RouterService:
                 assert type(action) is route.Enqueue
                 self._hand_over(arrived.key, msg.reply)
                 put = self.glue.saturated if action.saturated else self.glue.enqueue
-                await put(msg, req, model, arrived.request_id, cfg.max_queue_ms, arrived.timeout)
+                tenant, budget = "", None
+                if note is not None:
+                    tenant = note.ask.tenant
+                    if note.ask.slo is not None:
+                        budget = queue_budget_s(self.table.nodes(), rr, note.ask.slo, time.time(),
+                                                self.cfg.router.stale_after_s)
+                await put(msg, req, model, arrived.request_id, cfg.max_queue_ms, arrived.timeout, tenant, budget)
                 return
 
     def _hand_over(self, key: str, reply: str) -> None:

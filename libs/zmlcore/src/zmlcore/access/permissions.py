@@ -138,12 +138,13 @@ def _grants(role: str, owner: str) -> tuple[list[str], list[str], bool]:
                # client identities' plans (zml_router.replicas.limits), counted with the gateways'
                *kv_read(subjects.KEYS_BUCKET), *kv_write(subjects.LIMITS_BUCKET),
                # cache-aware routing: session bindings and the replicas' shared prefix records
-               *kv_write(subjects.SESSIONS_BUCKET), subjects.PREFIX_RECORDS]
+               *kv_write(subjects.SESSIONS_BUCKET), subjects.PREFIX_RECORDS,
+               subjects.FLOW_SHARES]
         sub = [inbox, f"{subjects.INFER} {subjects.ROUTER_QUEUE}",  # only inside the queue group
                f"{subjects.FRONT_DOOR_INFER} {subjects.ROUTER_QUEUE}",
                subjects.INFLIGHT, subjects.INFLIGHT_SNAPSHOT, subjects.NODE_MARKS, f"{subjects.CANCEL_PREFIX}.>",
                subjects.ROUTERS_STATE, subjects.ROUTERS_DECISION, subjects.router_state("*"), subjects.QUEUE_BUSY,
-               subjects.PREFIX_RECORDS, f"{subjects.KV_EVENTS_PREFIX}.>", upload]
+               subjects.PREFIX_RECORDS, subjects.FLOW_SHARES, f"{subjects.KV_EVENTS_PREFIX}.>", upload]
         return pub, sub, False
     if role == "health":
         pub = [subjects.event(subjects.EVENT_WARMUP), *kv_write(subjects.NODES_BUCKET),

@@ -17,7 +17,7 @@ from zmlcore.flowctl.ask import Ask, ask_of
 from zmlcore.flowctl.bands import BATCH, CRITICAL, NAMES, SHEDDABLE, STANDARD, band_of, claim, name_of
 from zmlcore.flowctl.order import Waiting, displaced, effective_band, pick, ranked
 from zmlcore.flowctl.shares import ShareBook
-from zmlcore.flowctl.slo import Slo, SloVerdict, admit_slo, predict_tpot, queue_budget_s, tpot_at
+from zmlcore.flowctl.slo import Calibration, Slo, SloVerdict, admit_slo, model_tpot, predict_tpot, queue_budget_s, tpot_at
 
 __all__ = [
     "BATCH",
@@ -26,6 +26,7 @@ __all__ = [
     "SHEDDABLE",
     "STANDARD",
     "Ask",
+    "Calibration",
     "ShareBook",
     "Slo",
     "SloVerdict",
@@ -36,6 +37,7 @@ __all__ = [
     "claim",
     "displaced",
     "effective_band",
+    "model_tpot",
     "name_of",
     "pick",
     "predict_tpot",

@@ -7,7 +7,7 @@ metadata into them; the SDK and raw NATS clients set them), its API key's option
 
 Trust: ``Zml-Priority`` and the SLO headers only concern the sender's own request; the band
 claimed is bounded by ``Zml-Priority-Max``, which only a front door sets from the API key (on
-``zml.infer`` it is dropped: zml_router.flow.FRONT_DOOR_ONLY), else by [flow] max_priority.
+``zml.infer`` it is dropped: zml_router.request.intake.FRONT_DOOR_ONLY), else by [flow] max_priority.
 """
 
 from __future__ import annotations

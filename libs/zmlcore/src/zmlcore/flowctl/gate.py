@@ -5,12 +5,13 @@ Pure: no I/O, ``now`` is passed in; the router and the flow simulator (benches/f
                                    stale_after_s=15.0, ttft_bound_s=60.0, reserve=0.1)
 
 - ``batch``: only where a node has headroom beyond ``reserve`` (zmlcore.policy.headroom), as today;
-- with ``[flow] hold_when_full``: a node without a free sequence slot takes nothing more, so the
-  request waits in the saturation queue (QUEUE_FULL here), where the queue's order
-  (zmlcore.flowctl.order) lets higher bands and tenants under their share go first. A tenant
-  over its fair share, or a ``sheddable`` request, also leaves ``reserve`` of each node's slots
-  free: the next request of an under-share tenant, or a higher band, finds a slot at once
-  instead of waiting for one to free;
+- with ``[flow] hold_when_full``: when the node the policy prefers (its estimate counts the wait
+  for a slot there) has no free sequence slot, the request waits in the saturation queue
+  (QUEUE_FULL here) for one, where the queue's order (zmlcore.flowctl.order) lets higher bands
+  and tenants under their share go first; it does not take a slower node's free slot the policy
+  did not prefer, unless others wait before it (then it takes any free slot). A tenant over its fair share, or a ``sheddable`` request, uses spare capacity
+  only: any node with more than ``reserve`` of its slots free, so that the next request of an
+  under-share tenant, or of a higher band, finds a slot at once instead of waiting for one;
 - a request with latency targets: zmlcore.flowctl.slo.admit_slo (the pick that meets them, or
   SLO_UNATTAINABLE at once);
 - anything else: zmlcore.policy.admission.admit, exactly as without flow control.
@@ -25,7 +26,8 @@ from zmlcore.config import FlowConfig
 from zmlcore.errors import ModelNotLoadedError, NoHealthyNodesError, QueueFullError
 from zmlcore.flowctl.ask import Ask
 from zmlcore.flowctl.bands import BATCH, SHEDDABLE
-from zmlcore.flowctl.slo import SloVerdict, admit_slo
+from zmlcore.flowctl.order import BACKLOG
+from zmlcore.flowctl.slo import Calibration, SloVerdict, admit_slo
 from zmlcore.policy import admission
 from zmlcore.policy.choose import is_routable
 from zmlcore.policy.estimate import node_speeds
@@ -36,6 +38,18 @@ from zmlcore.policy.types import Decision, NodeView, RouteRequest, RoutingState
 
 #: Retry-After of "no free slot": one frees within a request's decode, usually far sooner.
 NO_SLOT_RETRY_S = 0.2
+def over_share(share_used: float, queued: int) -> bool:
+    """Is a tenant over its share, for the gate (it then uses spare capacity only)? Above its fair
+    share of the recent tokens *and* with a backlog of its own waiting. The backlog matters:
+    tenants at their share wander +/-15-20% around it, and judged by the share alone half of
+    them would leave the reserve idle at any time (p99 TTFT x3 at 90% load in
+    benches/flow_sim.py); a flood held back to spare capacity hovers near its share too (it
+    takes what is left), but always has work waiting. A lone tenant is never over (its share is 1).
+
+    >>> over_share(1.4, queued=30), over_share(1.4, queued=0), over_share(0.9, queued=30)
+    (True, False, False)
+    """
+    return share_used > 1.0 and queued >= BACKLOG  # the queue's order uses the same two tests
 
 
 def free_slots(view: NodeView) -> int:
@@ -57,31 +71,53 @@ def full_nodes(nodes: Sequence[NodeView], keep: float) -> frozenset[str]:
 
 def admit_flow(nodes: Sequence[NodeView], rr: RouteRequest, policy: ResolvedPolicy, now: float, state: RoutingState,
                ask: Ask, *, over_share: bool, flow: FlowConfig, stale_after_s: float, ttft_bound_s: float,
-               reserve: float, cache: PrefixIndex | None = None) -> tuple[Decision, SloVerdict | None]:
+               reserve: float, cache: PrefixIndex | None = None, calibration: Calibration | None = None,
+               ahead: int = 0) -> tuple[Decision, SloVerdict | None]:
     """The decision (and SLO verdict, when the request has targets) for ``ask``; QueueFullError
-    when it must wait, SloUnattainableError when no node can meet its targets."""
+    when it must wait, SloUnattainableError when no node can meet its targets. ``ahead``:
+    requests waiting in the saturation queue before this one (a backlog: any free slot is taken)."""
     if ask.band == BATCH:
         return admit_batch(nodes, rr, policy, now, state, stale_after_s=stale_after_s, reserve=reserve), None
     full: frozenset[str] = frozenset()
-    if flow.hold_when_full and rr.accelerator_id is None:
-        keep = reserve if (over_share or ask.band >= SHEDDABLE) else 0.0
-        full = full_nodes(nodes, keep) - rr.exclude
-        if full:
+    hold = flow.hold_when_full and rr.accelerator_id is None
+    if hold:
+        yields = over_share or ask.band >= SHEDDABLE
+        full = full_nodes(nodes, reserve if yields else 0.0) - rr.exclude
+        if full and yields:  # spare capacity only: any node with room beyond the reserve
             rr = dataclasses.replace(rr, exclude=rr.exclude | full)
     try:
-        if ask.slo is not None:
-            return admit_slo(nodes, rr, policy, now, state, ask.slo, stale_after_s=stale_after_s,
-                             ttft_bound_s=ttft_bound_s, cache=cache)
-        return admission.admit(nodes, rr, policy, now, state, stale_after_s=stale_after_s,
-                               ttft_bound_s=ttft_bound_s, cache=cache), None
+        d, v = _decide(nodes, rr, policy, now, state, ask, stale_after_s, ttft_bound_s, cache, calibration)
+        if d.node_id not in full:
+            return d, v
+        if ahead == 0:
+            # The node the policy prefers (its estimate counts the wait for one slot there) has
+            # none free and nothing waits before this request: wait for it rather than take a
+            # worse node's free slot.
+            raise _no_slot(rr.model, policy.name, f"the best node for it ({d.node_id}) has no free sequence slot")
+        # A backlog waits already: each waits for far more than one slot there; take a free one.
+        rr = dataclasses.replace(rr, exclude=rr.exclude | full)
+        return _decide(nodes, rr, policy, now, state, ask, stale_after_s, ttft_bound_s, cache, calibration)
     except (NoHealthyNodesError, ModelNotLoadedError):
         busy = [v.node_id for v in nodes if v.node_id in full and is_routable(v, rr.model, now, stale_after_s) is None]
         if not busy:
             raise
-        raise QueueFullError(
-            f"every node serving {rr.model!r} has its sequence slots taken ({len(busy)} busy): "
-            "the request waits for the next free slot in the saturation queue",
-            routing_context={"policy": policy.name, "final_error": "no_free_slot", "nodes_busy": sorted(busy),
-                             "recommendation": "enable queue_on_saturation on the policy, or retry shortly"},
-            retry_after=NO_SLOT_RETRY_S,
-        ) from None
+        raise _no_slot(rr.model, policy.name, f"every node with room is taken ({len(busy)} busy)") from None
+
+
+def _decide(nodes: Sequence[NodeView], rr: RouteRequest, policy: ResolvedPolicy, now: float, state: RoutingState,
+            ask: Ask, stale_after_s: float, ttft_bound_s: float, cache: PrefixIndex | None,
+            calibration: Calibration | None) -> tuple[Decision, SloVerdict | None]:
+    if ask.slo is not None:
+        return admit_slo(nodes, rr, policy, now, state, ask.slo, stale_after_s=stale_after_s,
+                         ttft_bound_s=ttft_bound_s, cache=cache, calibration=calibration)
+    return admission.admit(nodes, rr, policy, now, state, stale_after_s=stale_after_s, ttft_bound_s=ttft_bound_s,
+                           cache=cache), None
+
+
+def _no_slot(model: str, policy: str, why: str) -> QueueFullError:
+    return QueueFullError(
+        f"{why}: the request for {model!r} waits for the next free slot in the saturation queue",
+        routing_context={"policy": policy, "final_error": "no_free_slot",
+                         "recommendation": "enable queue_on_saturation on the policy, or retry shortly"},
+        retry_after=NO_SLOT_RETRY_S,
+    )

@@ -35,7 +35,7 @@ FORGET_HALF_LIVES = 8.0
 class ShareBook:
     """One replica's view of every tenant's recent service. Mutated only by its event loop."""
 
-    __slots__ = ("replica", "half_life_s", "k", "prefill_cost", "decode_cost", "own", "peers")
+    __slots__ = ("replica", "half_life_s", "k", "prefill_cost", "decode_cost", "own", "peers", "version")
 
     def __init__(self, replica: str, *, half_life_s: float = 30.0, prefill_cost: float = 1.0,
                  decode_cost: float = 2.0) -> None:
@@ -48,6 +48,8 @@ class ShareBook:
         self.own: dict[str, list[float]] = {}
         #: replica -> its latest report
         self.peers: dict[str, ShareReport] = {}
+        #: Charges made here so far: a publisher reports when it moved.
+        self.version = 0
 
     def cost(self, prompt_tokens: float, output_tokens: float) -> float:
         """Weighted tokens of a request (its prompt prefilled, its output decoded)."""
@@ -59,6 +61,7 @@ class ShareBook:
     def charge(self, tenant: str, amount: float, now: float) -> None:
         """Add ``amount`` weighted tokens (negative: a correction once the real output is known)
         to ``tenant``'s counter here."""
+        self.version += 1
         entry = self.own.get(tenant)
         if entry is None:
             self.own[tenant] = [max(0.0, amount), now]
@@ -82,6 +85,21 @@ class ShareBook:
         """What ``tenant`` has been served lately per unit of its weight: the queue serves the
         lowest first."""
         return self.tokens(tenant, now) / (weight if weight > 0 else 1.0)
+
+    def fair_level(self, now: float, weights: dict[str, float] | None = None) -> float:
+        """The service per unit of weight every tenant would have if the recent tokens had been
+        shared by weight among the tenants that used any: a tenant above it is over its share."""
+        names = set(self.own)
+        for rep in self.peers.values():
+            names.update(rep.tenants)
+        ws = weights or {}
+        total = sum_w = 0.0
+        for t in names:
+            tok = self.tokens(t, now)
+            if tok >= NEGLIGIBLE:
+                total += tok
+                sum_w += ws.get(t, 1.0)
+        return total / sum_w if sum_w > 0 else 0.0
 
     def share_used(self, tenant: str, weight: float, now: float, weights: dict[str, float] | None = None) -> float:
         """``tenant``'s share of every tenant's recent tokens, as a multiple of its fair share

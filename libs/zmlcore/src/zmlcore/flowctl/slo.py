@@ -20,6 +20,7 @@ node's own (measured or learned by the health service, else its type's profile).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -58,23 +59,79 @@ class SloVerdict:
 
 
 def tpot_at(st: NodeState, batch: int, mean_prompt: float = MEAN_PROMPT_TOKENS,
-            mean_output: float = MEAN_OUTPUT_TOKENS) -> float:
+            mean_output: float = MEAN_OUTPUT_TOKENS, model: str = "") -> float:
     """Predicted seconds per output token of a sequence on a node decoding ``batch`` sequences.
 
     >>> st = NodeState(node_id="n", accelerator_type="nvidia_h100", family="H100", endpoint="")
     >>> round(tpot_at(st, 1) * 1000, 1)        # 60 tok/s alone, a few prefills between tokens
     17.0
     """
-    pf, dec, maxc = node_speeds(st)
+    pf, dec, maxc = node_speeds(st, model)  # the learned decode rate for the model, if any
     b = max(1, min(batch, maxc))
     step = (1.0 + DECODE_BATCH_PENALTY * (b - 1)) / dec
     return step + b * mean_prompt / (max(mean_output - 1.0, 1.0) * pf)
 
 
-def predict_tpot(view: NodeView) -> float:
-    """TPOT of a request sent to ``view``'s node now: it joins the sequences there (capped at
-    the node's slots: beyond them it waits, then decodes at a full batch)."""
-    return tpot_at(view.state, view.effective_outstanding() + 1)
+class Calibration:
+    """Per node and batch (in quarters of the node's slots), how the measured TPOT of finished
+    requests compares with what the model predicted at dispatch: a moving average of
+    log(actual / predicted) (``alpha`` per request), applied as a factor to the next predictions.
+    It absorbs what the model leaves out on that node (a batch that grows after dispatch, a node
+    the policy prefers getting prefills faster than it finishes sequences, an engine's own
+    scheduling), learned from the router's own replies, no poll needed. By batch because those
+    effects differ between a filling node and a full one (per node only, the H100s' median error
+    was 14-18% in benches/flow_sim.py; by quarter, 8-16%).
+
+    >>> c = Calibration()
+    >>> for _ in range(200): c.observe("h1", 4, 32, predicted=0.020, actual=0.025)
+    >>> round(c.factor("h1", 5, 32), 2), c.factor("h1", 30, 32), c.factor("other", 4, 32)
+    (1.25, 1.0, 1.0)
+    """
+
+    __slots__ = ("alpha", "logs")
+
+    def __init__(self, alpha: float = 0.05) -> None:
+        self.alpha = alpha
+        self.logs: dict[tuple[str, int], float] = {}
+
+    @staticmethod
+    def _key(node_id: str, batch: int, slots: int) -> tuple[str, int]:
+        return node_id, min(3, max(0, (batch - 1) * 4 // max(1, slots)))
+
+    def observe(self, node_id: str, batch: int, slots: int, *, predicted: float, actual: float) -> None:
+        """A request dispatched at ``batch`` (of ``slots``) with the model's ``predicted`` TPOT
+        decoded at ``actual`` seconds per token."""
+        if predicted <= 0 or actual <= 0:
+            return
+        k = self._key(node_id, batch, slots)
+        x = math.log(actual / predicted)
+        old = self.logs.get(k)
+        self.logs[k] = x if old is None else old + self.alpha * (x - old)
+
+    def factor(self, node_id: str, batch: int, slots: int) -> float:
+        x = self.logs.get(self._key(node_id, batch, slots))
+        return 1.0 if x is None else math.exp(x)
+
+
+def batch_of(view: NodeView, model: str = "") -> tuple[int, int]:
+    """(the batch a request sent to ``view``'s node now joins, the node's slots)."""
+    slots = node_speeds(view.state, model)[2]
+    return min(view.effective_outstanding() + 1, slots), slots
+
+
+def model_tpot(view: NodeView, model: str = "") -> float:
+    """The model's TPOT of a request sent to ``view``'s node now, uncalibrated: it joins the
+    sequences there (capped at the node's slots: beyond them it waits, then decodes at a full batch)."""
+    return tpot_at(view.state, view.effective_outstanding() + 1, model=model)
+
+
+def predict_tpot(view: NodeView, calibration: Calibration | None = None, model: str = "") -> float:
+    """TPOT of a request sent to ``view``'s node now: :func:`model_tpot` times the node's
+    :class:`Calibration` factor (the router keeps one; None: uncalibrated)."""
+    t = model_tpot(view, model)
+    if calibration is None:
+        return t
+    return t * calibration.factor(view.node_id, *batch_of(view, model))
 
 
 def _find(nodes: Sequence[NodeView], node_id: str) -> NodeView | None:
@@ -93,8 +150,8 @@ def _meets(slo: Slo, ttft: float, tpot: float) -> bool:
 
 
 def admit_slo(nodes: Sequence[NodeView], rr: RouteRequest, policy: ResolvedPolicy, now: float, state: RoutingState,
-              slo: Slo, *, stale_after_s: float, ttft_bound_s: float,
-              cache: PrefixIndex | None = None) -> tuple[Decision, SloVerdict]:
+              slo: Slo, *, stale_after_s: float, ttft_bound_s: float, cache: PrefixIndex | None = None,
+              calibration: Calibration | None = None) -> tuple[Decision, SloVerdict]:
     """:func:`zmlcore.policy.admission.admit`, then the SLO: the policy's pick if it meets it,
     else the lowest-TTFT node that does; SloUnattainableError when none does. QUEUE_FULL (every
     node saturated) passes through: the caller may queue the request with :func:`queue_budget_s`.
@@ -102,13 +159,13 @@ def admit_slo(nodes: Sequence[NodeView], rr: RouteRequest, policy: ResolvedPolic
     d = admission.admit(nodes, rr, policy, now, state, stale_after_s=stale_after_s, ttft_bound_s=ttft_bound_s,
                         cache=cache)
     view = _find(nodes, d.node_id)
-    tpot = predict_tpot(view) if view is not None else 0.0
+    tpot = predict_tpot(view, calibration, rr.model) if view is not None else 0.0
     if _meets(slo, d.estimated_ttft_s, tpot):
         return d, SloVerdict(d.estimated_ttft_s, tpot)
     # The pick misses: the fastest node among those that meet the TPOT target.
     slow: set[str] = set()
     if slo.tpot_s is not None:
-        slow = {v.node_id for v in nodes if predict_tpot(v) > slo.tpot_s}
+        slow = {v.node_id for v in nodes if predict_tpot(v, calibration, rr.model) > slo.tpot_s}
     best: Decision | None = None
     if rr.accelerator_id is None:
         try:
@@ -118,7 +175,7 @@ def admit_slo(nodes: Sequence[NodeView], rr: RouteRequest, policy: ResolvedPolic
             best = None
     if best is not None:
         bview = _find(nodes, best.node_id)
-        btpot = predict_tpot(bview) if bview is not None else 0.0
+        btpot = predict_tpot(bview, calibration, rr.model) if bview is not None else 0.0
         if _meets(slo, best.estimated_ttft_s, btpot):
             return best, SloVerdict(best.estimated_ttft_s, btpot)
     raise _refusal(nodes, rr, slo, d, tpot, best, now, stale_after_s, policy.name)
@@ -128,8 +185,8 @@ def _refusal(nodes: Sequence[NodeView], rr: RouteRequest, slo: Slo, d: Decision,
              best: Decision | None, now: float, stale_after_s: float, policy: str) -> SloUnattainableError:
     usable = [v for v in nodes if is_routable(v, rr.model, now, stale_after_s) is None
               and (rr.accelerator_id is None or v.node_id == rr.accelerator_id)]
-    idle_tpot = min((tpot_at(v.state, 1) for v in usable), default=float("inf"))
-    own_prefill = min((rr.prompt_tokens / node_speeds(v.state)[0] for v in usable), default=float("inf"))
+    idle_tpot = min((tpot_at(v.state, 1, model=rr.model) for v in usable), default=float("inf"))
+    own_prefill = min((rr.prompt_tokens / node_speeds(v.state, rr.model)[0] for v in usable), default=float("inf"))
     retry: float | None
     if slo.tpot_s is not None and idle_tpot > slo.tpot_s:
         why, retry = f"no node decodes faster than {idle_tpot * 1000:.0f} ms/token even idle", None
@@ -161,6 +218,6 @@ def queue_budget_s(nodes: Sequence[NodeView], rr: RouteRequest, slo: Slo, now: f
     target. At or below 0 the target cannot be met by waiting: refuse instead."""
     if slo.ttft_s is None:
         return None
-    pfs = [node_speeds(v.state)[0] for v in nodes if is_routable(v, rr.model, now, stale_after_s) in (None, "saturated")]
+    pfs = [node_speeds(v.state, rr.model)[0] for v in nodes if is_routable(v, rr.model, now, stale_after_s) in (None, "saturated")]
     prefill = rr.prompt_tokens / max(pfs) if pfs else 0.0
     return slo.ttft_s - prefill

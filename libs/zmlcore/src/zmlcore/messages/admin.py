@@ -48,6 +48,7 @@ class NodeSpec(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True, fo
     roles: list[Literal["prefill", "decode"]] | None = None
     kv_group: str | None = None
     kv_gbps: Annotated[float, msgspec.Meta(gt=0)] | None = None
+    kv_bootstrap_port: Annotated[int, msgspec.Meta(ge=0, le=65535)] | None = None
 
 
 class NodeAdd(msgspec.Struct, frozen=True, kw_only=True):

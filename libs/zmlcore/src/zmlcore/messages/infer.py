@@ -164,7 +164,7 @@ class RoutingInfo(msgspec.Struct, kw_only=True):
     tpot_slo_ms: float | None = None
     predicted_ttft_ms: float | None = None
     predicted_tpot_ms: float | None = None
-    #: Measured time per output token (ms), when the reply is whole (not in a stream's start).
+    #: Measured time per output token (ms), in a non-streamed reply to a request with a target.
     tpot_ms: float | None = None
     #: "met" or "missed" once the reply is whole and the request had a target ("admitted" in a
     #: stream's start message: predicted to meet it).

@@ -132,6 +132,8 @@ class NodeState(msgspec.Struct, kw_only=True, omit_defaults=True):
     kv_group: str = ""
     #: Bandwidth of the node's KV link, Gbit/s (0: unknown).
     kv_gbps: float = 0.0
+    #: SGLang: its bootstrap server's port (0: the endpoint's).
+    kv_bootstrap_port: int = 0
 
 
 class InflightDelta(msgspec.Struct, kw_only=True, array_like=True):

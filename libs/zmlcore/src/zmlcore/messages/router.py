@@ -17,6 +17,11 @@ class QueueBusy(msgspec.Struct, frozen=True, kw_only=True):
     key: str
     #: Unix seconds until which arrivals for this model should queue (0: nothing waiting).
     until: float
+    #: The highest band the announcing replica holds waiting (zmlcore.flowctl.bands; 9: not
+    #: said), and which replica it is: a replica holding only lower bands leaves a freed slot to
+    #: it (zml_router.queue.jetstream).
+    band: int = 9
+    router: str = ""
 
 
 class RouterNodeState(msgspec.Struct, kw_only=True, omit_defaults=True):

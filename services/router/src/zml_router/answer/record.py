@@ -5,9 +5,11 @@ from __future__ import annotations
 
 
 
-from zmlcore.messages import StreamResume
+from zmlcore.messages import InferRequest, StreamResume
+from zmlcore.messages.audio import AudioRequest
 from zmlcore.reply.transcript import Sent, Transcript
 
+from zml_router.answer import assemble
 from zml_router.answer.assemble import Assembler
 from zml_router.answer.continuation import Splice
 
@@ -46,6 +48,18 @@ class Answer:
         self.seq = r.seq
         self.transcript = Transcript(sent)
         return sent
+
+
+def answer_for(req: InferRequest | AudioRequest, raw: bytes = b"", stream_from_nodes: bool = True) -> Answer:
+    """The record of one request's answer, before its first attempt. A non-streamed chat or
+    completion is asked of its nodes as a stream and put back together (zml_router.answer.assemble)
+    unless its model says ``stream_from_nodes = false`` or its body asks what only a whole
+    reply gives (``assemble.wanted``)."""
+    opts = getattr(req, "stream_options", None)
+    kind = req.kind()
+    asm = (Assembler(kind) if not req.stream and kind in ("chat", "completion") and stream_from_nodes
+           and assemble.wanted(raw) else None)
+    return Answer(usage_asked=isinstance(opts, dict) and bool(opts.get("include_usage")), assembler=asm)
 
 
 def continued_from(failed: list[tuple[str, int, str]]) -> str | None:

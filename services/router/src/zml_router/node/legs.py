@@ -5,6 +5,10 @@
   ``max_tokens`` 1, not streamed, and ``kv_transfer_params`` asking for a remote decode; its
   reply's ``kv_transfer_params`` (engine id, block ids, host, port) go into the decode leg,
   which is the caller's request as it came (streamed or not).
+* SGLang (``--disaggregation-mode prefill|decode``): both legs carry ``bootstrap_host``,
+  ``bootstrap_port`` (the prefill node's bootstrap server: ``kv_bootstrap_port``) and
+  ``bootstrap_room`` (random per request) and run *at once*: the decode node pulls the room's
+  KV from the prefill node, whose reply is not the answer.
 * llama.cpp (``llama-server --slot-save-path DIR`` on both nodes, DIR shared): the prefill leg
   runs on slot :data:`LLAMA_SLOT` with ``cache_prompt``, then ``POST /slots/N?action=save``
   writes the slot's KV to a file; the decode node restores that file into its slot before the
@@ -15,8 +19,11 @@ Which backends split: :data:`SPLIT_BACKENDS` (a node of another engine is never 
 
 from __future__ import annotations
 
+import asyncio
+import random
 import time
 from typing import Any
+from urllib.parse import urlsplit
 
 import msgspec
 
@@ -28,7 +35,7 @@ _encode = msgspec.json.encode
 _decode_any = msgspec.json.Decoder()
 
 #: Engines whose legs the router runs.
-SPLIT_BACKENDS = frozenset({"vllm", "llamacpp"})
+SPLIT_BACKENDS = frozenset({"vllm", "sglang", "llamacpp"})
 #: The llama-server slot both legs use (slot tasks on a busy slot wait for it).
 LLAMA_SLOT = 0
 #: The prefill leg's ask for a remote decode, as vLLM's proxy and vllm-router send it.
@@ -70,12 +77,30 @@ def slot_file(tag: str) -> str:
     return f"zml-{safe}.bin"
 
 
+def bootstrap(endpoint: str, port: int) -> dict[str, Any]:
+    """SGLang's bootstrap fields for a prefill node at ``endpoint`` (``port`` 0: the endpoint's).
+
+    >>> b = bootstrap("http://10.0.0.5:30000", 8998); b["bootstrap_host"], b["bootstrap_port"]
+    ('10.0.0.5', 8998)
+    """
+    u = urlsplit(endpoint)
+    return {"bootstrap_host": u.hostname or "", "bootstrap_port": port or u.port or (443 if u.scheme == "https" else 80),
+            "bootstrap_room": random.getrandbits(63)}
+
+
 async def run_prefill(client: NodeClient, backend: str, endpoint: str, path: str, body: bytes,
-                      headers: dict[str, str], node_id: str, tag: str) -> Handoff:
+                      headers: dict[str, str], node_id: str, tag: str, bootstrap_port: int = 0) -> Handoff:
     """Run the prefill leg on ``endpoint``; the Handoff for the decode leg (AttemptError when
-    the node fails, or answers without what the decode leg needs)."""
+    the node fails, or answers without what the decode leg needs). SGLang's runs beside the
+    decode leg: it is started here and handed over running."""
     t0 = time.monotonic()
     base = endpoint.rstrip("/")
+    if backend == "sglang":
+        fields = bootstrap(endpoint, bootstrap_port)
+        data = _decode_any.decode(prefill_body(backend, body))
+        data.update(fields)
+        leg = asyncio.ensure_future(post_json(client, base + path, _encode(data), headers, 16 * 1024 * 1024))
+        return Handoff(node_id, fields, 0.0, running=leg)
     reply = await post_json(client, base + path, prefill_body(backend, body), headers, 16 * 1024 * 1024)
     if backend == "vllm":
         try:

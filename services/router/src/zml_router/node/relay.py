@@ -13,6 +13,7 @@ An attempt that fails raises :class:`~zml_router.node.attempt.AttemptError`; the
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -30,12 +31,13 @@ from zmlcore.reply.bigreply import accepted
 from zmlcore.reply.cachedtokens import cached_tokens
 from zmlcore.reply.parts import publish_reply
 from zmlcore.reply.sse import SSELineTooLong
+from zmlcore.telemetry import tracing
 from zmlcore.telemetry.setup import DECISION_ID
 
 from zml_router.answer import assemble, continuation
 from zml_router.answer.assemble import Assembler, EngineFailed, MalformedStream
 from zml_router.answer.continuation import Splice, engine_error, spliced_usage
-from zml_router.answer.record import Answer
+from zml_router.answer.record import Answer, answer_for
 from zml_router.answer.replies import Replies
 from zml_router.incoming import Incoming, QueuedMsg
 from zml_router.node.attempt import (
@@ -65,6 +67,7 @@ from zml_router.node.result import PATHS, AttemptResult, Close, Dispatch, Handof
 from zml_router.outcome import Outcome
 from zml_router.replicas.inflight import Sharing
 from zml_router.telemetry.decisions import DecisionLog
+from zml_router.telemetry import tracing as rtrace
 from zml_router.replicas.table import NodeTable
 from zml_router.telemetry.metrics import RouterMetrics
 from zml_router.timers import Stalled, Wheel
@@ -120,15 +123,10 @@ class Relay:
         self.whole_only: set[str] = set()
 
     def answer(self, req: InferRequest | AudioRequest, raw: bytes = b"", model: str = "") -> Answer:
-        """The state of one request's answer, kept across its attempts. A non-streamed chat or
-        completion is asked of its nodes as a stream and put back together (zml_router.answer.assemble)
-        unless its model says ``stream_from_nodes = false``."""
-        opts = getattr(req, "stream_options", None)
-        kind = req.kind()
+        """The record of one request's answer, kept across its attempts (answer_for, with its
+        model's ``stream_from_nodes``)."""
         mc = self.cfg.models.get(model)
-        asm = (Assembler(kind) if not req.stream and kind in ("chat", "completion")
-               and (mc is None or mc.stream_from_nodes) and assemble.wanted(raw) else None)
-        return Answer(usage_asked=isinstance(opts, dict) and bool(opts.get("include_usage")), assembler=asm)
+        return answer_for(req, raw, mc is None or mc.stream_from_nodes)
 
     async def prefill(self, req: InferRequest, bodies: NodeBodies, model: str, action: Any, request_id: str,
                       out: Outcome) -> Handoff | AttemptError:
@@ -143,24 +141,41 @@ class Relay:
         served = st.served_names.get(model)
         info = RoutingInfo(node_id=node_id, request_id=request_id, router_id=self.router_id, label=out.label,
                            decision_id=_decision_id())
-        headers = self._headers(info)
-        self.sharing.move(node_id, 1, 1)
-        try:
-            async with asyncio.timeout(self.cfg.disaggregation.prefill_timeout_s):
-                handoff = await legs.run_prefill(self.http, st.backend, st.endpoint, PATHS[req.kind()],
-                                                 bodies(served or model), headers, node_id,
-                                                 f"{request_id}-{info.decision_id}")
-        except AttemptError as err:
-            self.metrics.prefill_leg(node_id, err.failure.value)
+        with rtrace.prefill_leg(node_id, action.decision.node_id) if tracing.ON else contextlib.nullcontext():
+            headers = self._headers(info)  # (the prefill span's context goes to the node)
+            self.sharing.move(node_id, 1, 1)
+            err: AttemptError | None = None
+            handoff: Handoff | None = None
+            try:
+                async with asyncio.timeout(self.cfg.disaggregation.prefill_timeout_s):
+                    handoff = await legs.run_prefill(self.http, st.backend, st.endpoint, PATHS[req.kind()],
+                                                     bodies(served or model), headers, node_id,
+                                                     f"{request_id}-{info.decision_id}", st.kv_bootstrap_port)
+            except AttemptError as exc:
+                err = exc
+            except TimeoutError:
+                err = AttemptError(Failure.SLOW, 0, f"no prefill within {self.cfg.disaggregation.prefill_timeout_s:g} "
+                                   "s ([disaggregation] prefill_timeout_s)")
+            finally:
+                if handoff is None or handoff.running is None:
+                    self.sharing.move(node_id, -1, -1)
+        if handoff is not None and handoff.running is not None:  # SGLang: it runs beside the decode leg
+            handoff.running.add_done_callback(lambda t: self._leg_done(node_id, t))
+            return handoff
+        self.metrics.prefill_leg(node_id, "ok" if err is None else err.failure.value)
+        if err is not None:
+            if tracing.ON:
+                rtrace.prefill_failed(f"{node_id}:{err.failure.value}")
             return err
-        except TimeoutError:
-            self.metrics.prefill_leg(node_id, Failure.SLOW.value)
-            return AttemptError(Failure.SLOW, 0, f"no prefill within {self.cfg.disaggregation.prefill_timeout_s:g} s "
-                                "([disaggregation] prefill_timeout_s)")
-        finally:
-            self.sharing.move(node_id, -1, -1)
-        self.metrics.prefill_leg(node_id, "ok")
+        assert handoff is not None
         return handoff
+
+    def _leg_done(self, node_id: str, task: asyncio.Future[Any]) -> None:
+        """A prefill leg that ran beside its decode leg (SGLang) ended."""
+        self.sharing.move(node_id, -1, -1)
+        exc = None if task.cancelled() else task.exception()
+        self.metrics.prefill_leg(node_id, "cancelled" if task.cancelled() else "ok" if exc is None else
+                                 exc.failure.value if isinstance(exc, AttemptError) else "network")
 
     async def attempt(self, msg: Incoming, req: InferRequest, bodies: NodeBodies | AudioBodies, model: str,
                       action: Dispatch, request_id: str, t0: float, out: Outcome,
@@ -182,10 +197,34 @@ class Relay:
             cached_tokens_estimated=decision.cached_tokens,
             prefill_failed=out.prefill_failed,
         )
+        if out.flow is not None:  # band, share, targets and predictions (zml_router.request.flowgate)
+            out.flow.fill(info)
         handoff = action.handoff
         if handoff is not None:
             info.prefill_node = handoff.prefill_node
-            info.prefill_ms = round(handoff.prefill_ms, 3)
+            info.prefill_ms = round(handoff.prefill_ms, 3) if handoff.running is None else None
+        running = handoff.running if handoff is not None else None
+        if running is None:
+            return await self._attempt(msg, req, bodies, model, action, out, answer, info, view, decision, handoff,
+                                       t0)
+        try:
+            result = await self._attempt(msg, req, bodies, model, action, out, answer, info, view, decision,
+                                         handoff, t0)
+        except BaseException:  # cancelled (the caller went away, the deadline): so is the prefill leg
+            running.cancel()
+            raise
+        if not running.done():
+            # the decode leg ended: the prefill leg's reply is not the answer; a moment to finish
+            # its side of the transfer, then it is let go
+            try:
+                await asyncio.wait_for(asyncio.shield(running), 2.0)
+            except Exception:
+                running.cancel()
+        return result
+
+    async def _attempt(self, msg: Incoming, req: InferRequest, bodies: NodeBodies | AudioBodies, model: str,
+                       action: Dispatch, out: Outcome, answer: Answer | None, info: RoutingInfo, view: Any,
+                       decision: Any, handoff: Handoff | None, t0: float) -> AttemptResult:
         if answer is None:
             answer = self.answer(req)
         if answer.started:
@@ -348,6 +387,8 @@ class Relay:
             raw = rename(raw)
         if "total_tokens" in usage:
             info.total_tokens = usage["total_tokens"]
+        if info.slo and asm is not None and info.time_to_first_token is not None:
+            _slo_outcome(info, usage.get("completion_tokens") or 0, time.monotonic() - t0)
         await self.replies.before_last(info.total_tokens or 0)  # the caller may send again at once
         # Over max_payload: in parts to a requester that collects them (zmlcore.reply.bigreply), else
         # REPLY_TOO_LARGE (raised before anything is sent), never a lost reply.
@@ -557,3 +598,15 @@ class Relay:
             answer.seq = seq
             await count(info.node_id, -1, -pending)
         return last_usage
+
+
+def _slo_outcome(info: RoutingInfo, completion_tokens: int, total_s: float) -> None:
+    """A whole reply to a request with latency targets: its measured time per output token and
+    whether it met them (flow control, docs/routing.md)."""
+    ttft = info.time_to_first_token
+    if ttft is None or completion_tokens < 2:
+        return
+    info.tpot_ms = round((total_s - ttft) / (completion_tokens - 1) * 1000, 2)
+    met = ((info.ttft_slo_ms is None or ttft * 1000 <= info.ttft_slo_ms)
+           and (info.tpot_slo_ms is None or info.tpot_ms <= info.tpot_slo_ms))
+    info.slo = "met" if met else "missed"

@@ -30,6 +30,9 @@ class Handoff:
     prefill_ms: float = 0.0
     #: llama-server: the slot file to restore on the decode node before its request.
     restore: str = ""
+    #: SGLang: the prefill leg, running beside the decode leg (its node holds the room's KV
+    #: until the decode node pulls it); awaited, or cancelled, once the decode leg ends.
+    running: Any = None
 
 
 @dataclass(slots=True)

@@ -16,7 +16,7 @@ from nats.aio.client import Client as NATS
 
 from zmlcore import subjects
 from zmlcore.config import ZMLConfig
-from zmlcore.errors import QueueFullError, ZMLError
+from zmlcore.errors import QueueFullError, ShedError, ZMLError
 from zmlcore.messages import InferRequest, infer_request_decoder
 from zmlcore.policy import Decision, ResolvedPolicy, RouteRequest
 
@@ -31,13 +31,20 @@ from zml_router.telemetry.metrics import RouterMetrics
 from zml_router.queue.jetstream import H_DEADLINE, H_ENQUEUED, H_QUEUED_HEADERS, H_TOTAL_MS, SaturationQueue
 from zml_router.answer.replies import Replies
 from zml_router.replicas.table import NodeTable
+from zml_router.request.flowgate import FlowGate
+from zmlcore.flowctl import STANDARD, Waiting, displaced, effective_band, ranked
+from zmlcore.policy.estimate import MEAN_OUTPUT_TOKENS, prompt_tokens_from_body
 
 log = logging.getLogger("zml.router")
 
 #: A queued head is acknowledged once its node has not refused it within this long.
 PLACEMENT_WAIT_S = 0.5
+#: Entries held beyond [flow] max_queued, so that a full queue still sees new arrivals to rank
+#: (and sheds its lowest-ranked down to max_queued).
+WINDOW_SLACK = 32
 
-Admit = Callable[[RouteRequest, ResolvedPolicy], Decision]
+#: (request, policy, its queued headers: its band, tenant and targets) -> the decision
+Admit = Callable[[RouteRequest, ResolvedPolicy, dict[str, str]], Decision]
 Spawn = Callable[[Coroutine[Any, Any, None]], "asyncio.Task[None]"]
 
 
@@ -48,7 +55,7 @@ class QueueGlue:
 
     def __init__(self, cfg: ZMLConfig, table: NodeTable, admit: Admit, metrics: RouterMetrics, replies: Replies,
                  cancels: CancelBook, ids: RequestIds, enter: Callable[[QueuedMsg], Coroutine[Any, Any, None]],
-                 spawn: Spawn) -> None:
+                 spawn: Spawn, gate: FlowGate | None = None) -> None:
         self.cfg = cfg
         self.table = table
         self.admit = admit
@@ -58,31 +65,47 @@ class QueueGlue:
         self.ids = ids
         self.enter = enter
         self.spawn = spawn
+        #: Flow control (zml_router.request.flowgate): the queue's order by band and share.
+        self.gate = gate
+        #: stream sequence -> the held entry as the order sees it (read once per entry)
+        self._seen: dict[int, Waiting] = {}
         self.queue: SaturationQueue | None = None
 
     async def start(self, nc: NATS, router_id: str) -> SaturationQueue:
         """The queue's stream, claims and a worker per configured model (``zml_router.queue.jetstream``)."""
-        self.queue = SaturationQueue(nc, self.has_room, self.dispatch, self.expire, self.cancelled, owner=router_id)
+        f = self.cfg.flow
+        self.queue = SaturationQueue(nc, self.has_room, self.dispatch, self.expire, self.cancelled, owner=router_id,
+                                     rank=self.rank if self.gate is not None else None, shed=self.shed,
+                                     window=f.max_queued + WINDOW_SLACK if self.gate is not None else 1)
         await self.queue.start(sorted(self.cfg.model_names()))
         return self.queue
 
     async def saturated(self, msg: Incoming, req: InferRequest, model: str, request_id: str,
-                        max_queue_ms: int | None, timeout: float) -> None:
+                        max_queue_ms: int | None, timeout: float, tenant: str = "",
+                        budget_s: float | None = None) -> None:
         """No room now: a queued head goes back to the router holding it (keeping its place);
         anything else joins the queue."""
         if isinstance(msg, QueuedMsg) and msg.placed is not None and not msg.placed.done():
             msg.placed.set_result(False)
             return
-        await self.enqueue(msg, req, model, request_id, max_queue_ms, timeout)
+        await self.enqueue(msg, req, model, request_id, max_queue_ms, timeout, tenant, budget_s)
 
     async def enqueue(self, msg: Incoming, req: InferRequest, model: str, request_id: str,
-                      max_queue_ms: int | None, timeout: float) -> None:
+                      max_queue_ms: int | None, timeout: float, tenant: str = "",
+                      budget_s: float | None = None) -> None:
+        """``tenant``: whom its fair share counts (flow control); ``budget_s``: how long it may
+        wait and still meet its TTFT target (zmlcore.flowctl.slo.queue_budget_s): its wait ends
+        then, with SHED."""
         assert self.queue is not None
         now = time.time()
         wait_s = (max_queue_ms or 0) / 1000.0
+        if budget_s is not None:
+            wait_s = min(wait_s, max(0.0, budget_s))
         deadline = now + min(wait_s, timeout)
         # What waits with the request (owner, the key's options, trace context): queue.H_QUEUED_HEADERS.
         headers = {k: v for k, v in (msg.headers or {}).items() if k in H_QUEUED_HEADERS}
+        if tenant:
+            headers[subjects.H_TENANT] = tenant
         headers[subjects.H_REQUEST_ID] = request_id
         headers[subjects.H_TIMEOUT_MS] = str(int(timeout * 1000))
         claim = idclaims.CURRENT.get()
@@ -102,6 +125,62 @@ class QueueGlue:
         log.info("request %s queued for %s (up to %.0f ms)", request_id, model, wait_s * 1000)
 
     # --- the queue's callbacks ---------------------------------------------------------------------
+    def _waiting(self, qmsg: QueuedMsg, seq: int) -> Waiting:
+        w = self._seen.get(seq)
+        if w is not None:
+            return w
+        assert self.gate is not None
+        h = qmsg.headers
+        try:
+            model = self.cfg.resolve_model(infer_request_decoder.decode(qmsg.data).model)
+            note = self.gate.note(subjects.INFER, "", h, model)
+        except (ZMLError, msgspec.DecodeError, msgspec.ValidationError):
+            note = None  # not a flow question: the normal path answers it
+        band, tenant, weight = (note.ask.band, note.ask.tenant, note.ask.weight) if note is not None \
+            else (STANDARD, h.get(subjects.H_TENANT, ""), 1.0)
+        cost = self.gate.book.cost(prompt_tokens_from_body(len(qmsg.data)), MEAN_OUTPUT_TOKENS)
+        w = self._seen[seq] = Waiting(band, tenant, weight, float(h.get(H_ENQUEUED, "0") or 0), seq, cost=cost)
+        return w
+
+    def rank(self, qmsgs: list[QueuedMsg], seqs: list[int]) -> tuple[list[int], list[int], int]:
+        """The held entries' order (zmlcore.flowctl.order: band, share, arrival), those past
+        [flow] max_queued to shed (the flood's tail first), and the best entry's band."""
+        assert self.gate is not None
+        now = time.time()
+        ws = [self._waiting(q, s) for q, s in zip(qmsgs, seqs)]
+        live = set(seqs)
+        for s in [s for s in self._seen if s not in live]:
+            del self._seen[s]
+        book, f = self.gate.book, self.cfg.flow
+        backlog: dict[str, int] = {}
+        for w in ws:
+            backlog[w.tenant] = backlog.get(w.tenant, 0) + 1
+        self.gate.backlog = backlog
+
+        def service(tenant: str, weight: float) -> float:
+            return book.service(tenant, weight, now)
+
+        level = book.fair_level(now)
+        shed = displaced(ws, service, now, f.age_s, f.max_queued, level)
+        order = ranked(ws, service, now, f.age_s, level)
+        top = effective_band(ws[order[0]], now, f.age_s) if order else STANDARD
+        return order, shed, top
+
+    async def shed(self, qmsg: QueuedMsg, enqueued_at: float) -> None:
+        """Displaced from a full queue by higher-ranked work: SHED."""
+        self.metrics.expired(qmsg.data)
+        request_id = qmsg.headers.get(subjects.H_REQUEST_ID, "")
+        idclaims.CURRENT.set(idclaims.queued_claim(owner_key(qmsg.reply, qmsg.headers, request_id), qmsg.headers))
+        waited_ms = int((time.time() - enqueued_at) * 1000)
+        try:
+            stream = infer_request_decoder.decode(qmsg.data).stream
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            stream = False
+        err = ShedError(f"the saturation queue is full ([flow] max_queued = {self.cfg.flow.max_queued}) and this "
+                        f"request ranked last (waited {waited_ms} ms)",
+                        routing_context={"final_error": "shed", "waited_ms": waited_ms}, retry_after=1.0)
+        await self.replies.error(qmsg, err, stream)
+
     def has_room(self, qmsg: QueuedMsg) -> bool:
         """Has a node room for the head of a model's queue now? (Asked again each time capacity
         may have freed: the head's wait is observed once, when a node takes it.)"""
@@ -109,7 +188,7 @@ class QueueGlue:
             req = infer_request_decoder.decode(qmsg.data)
             policy, rr = prepare(self.cfg, self.table.families(), req, qmsg.data, self.cfg.resolve_model(req.model),
                                  headers=qmsg.headers)
-            self.admit(rr, policy)
+            self.admit(rr, policy, qmsg.headers)
         except QueueFullError:
             return False
         except (ZMLError, msgspec.DecodeError, msgspec.ValidationError):
@@ -158,7 +237,11 @@ class QueueGlue:
             stream = infer_request_decoder.decode(qmsg.data).stream
         except (msgspec.DecodeError, msgspec.ValidationError):
             stream = False
-        await self.replies.error(qmsg, queue_expired(waited_ms), stream)
+        err: ZMLError = queue_expired(waited_ms)
+        if subjects.H_TTFT_SLO_MS in qmsg.headers:  # its wait ran out its TTFT target: shed, not "full"
+            err = ShedError(f"no node had room in time to meet its time-to-first-token target (waited {waited_ms} ms)",
+                            routing_context={"final_error": "shed", "waited_ms": waited_ms}, retry_after=1.0)
+        await self.replies.error(qmsg, err, stream)
 
     def cancelled(self, qmsg: QueuedMsg) -> bool:
         request_id = qmsg.headers.get(subjects.H_REQUEST_ID, "")

@@ -26,6 +26,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from dataclasses import dataclass
+from typing import Any
 from collections.abc import Awaitable, Callable
 
 import msgspec
@@ -59,7 +61,10 @@ H_QUEUED_HEADERS = (subjects.H_REQUEST_ID, subjects.H_TIMEOUT_MS, subjects.H_OWN
                     subjects.H_ACCEPT_ROUTING, subjects.H_KEEPALIVE, "traceparent", "tracestate",
                     subjects.H_ID_CLAIM,  # a queued request keeps its claim on its id (zml_router.replicas.ids)
                     # a gateway's validated body and its ZML fields (zmlcore.messages.frontdoor)
-                    subjects.H_BODY, subjects.H_POLICY, subjects.H_ACCELERATOR_ID, subjects.H_PREFIX_KEYS)
+                    subjects.H_BODY, subjects.H_POLICY, subjects.H_ACCELERATOR_ID, subjects.H_PREFIX_KEYS,
+                    # flow control: its band, targets, key's flow options and tenant (zmlcore.flowctl)
+                    subjects.H_PRIORITY, subjects.H_TTFT_SLO_MS, subjects.H_TPOT_SLO_MS, subjects.H_PRIORITY_DEFAULT,
+                    subjects.H_PRIORITY_MAX, subjects.H_TENANT_WEIGHT, subjects.H_TENANT)
 
 ACK_WAIT_S = 5.0
 #: Queued entries live at most this long (the stream's max_age), and so do their claims.
@@ -76,6 +81,18 @@ def key_of(jmsg) -> str:  # type: ignore[no-untyped-def]
 model_key = subjects.queue_key  # the dashboard names the queues' models with it too
 
 
+#: Entries held (by arrival), their stream sequences -> (indexes best first, indexes to shed,
+#: the best entry's band).
+Rank = Callable[[list[QueuedMsg], list[int]], tuple[list[int], list[int], int]]
+#: Entries a freed slot is offered to, best first, before it stays free (a head whose preferred
+#: node is full waits; one behind it may fit elsewhere).
+TRIES = 8
+
+
+def _fifo(qmsgs: list[QueuedMsg], seqs: list[int]) -> tuple[list[int], list[int], int]:
+    return list(range(len(qmsgs))), [], 1
+
+
 # queued message -> True if a node has room for it now.
 HasRoom = Callable[[QueuedMsg], bool]
 # (queued message, deadline) -> True once a node has taken it, False if it refused it at once.
@@ -85,7 +102,8 @@ Expire = Callable[[QueuedMsg, float], Awaitable[None]]
 
 class SaturationQueue:
     def __init__(self, nc: NATS, has_room: HasRoom, dispatch: Dispatch, expire: Expire,
-                 is_cancelled: Callable[[QueuedMsg], bool], owner: str = "") -> None:
+                 is_cancelled: Callable[[QueuedMsg], bool], owner: str = "", *, rank: Rank | None = None,
+                 shed: Expire | None = None, window: int = 1) -> None:
         self.nc = nc
         self.js: JetStreamContext = nc.jetstream()
         self._has_room = has_room
@@ -101,6 +119,15 @@ class SaturationQueue:
         #: arrival queues behind them instead of overtaking them when a slot frees.
         self.busy: dict[str, float] = {}
         self._busy_sub: object | None = None
+        #: Entries held per model at once, ordered by ``rank`` (zmlcore.flowctl.order through the
+        #: glue); past what ``rank`` keeps they are answered with ``shed``.
+        self.window = window
+        self._rank: Rank = rank or _fifo
+        self._shed_cb = shed
+        #: (model key, replica) -> (the highest band it holds waiting, until when)
+        self.peer_bands: dict[tuple[str, str], tuple[int, float]] = {}
+        #: model key -> the highest band this replica last announced
+        self._mine: dict[str, int] = {}
 
     async def _ensure_stream(self) -> None:
         cfg = StreamConfig(
@@ -173,10 +200,11 @@ class SaturationQueue:
     def has_waiting(self, model: str) -> bool:
         return self.busy.get(model_key(model), 0.0) > time.time()
 
-    async def _announce(self, key: str, until: float) -> None:
+    async def _announce(self, key: str, until: float, band: int = 9) -> None:
         self.busy[key] = until
         try:
-            await self.nc.publish(subjects.QUEUE_BUSY, _encode(QueueBusy(key=key, until=until)))
+            await self.nc.publish(subjects.QUEUE_BUSY, _encode(QueueBusy(key=key, until=until, band=band,
+                                                                         router=self._owner.decode())))
         except Exception:  # an announcement is an optimisation of fairness, never fatal
             pass
 
@@ -185,7 +213,9 @@ class SaturationQueue:
             busy = queue_busy_decoder.decode(msg.data)
         except msgspec.DecodeError:
             return
-        self.busy[busy.key] = busy.until
+        self.busy[busy.key] = max(busy.until, self.busy.get(busy.key, 0.0)) if busy.until else busy.until
+        if busy.router and busy.router != self._owner.decode():
+            self.peer_bands[(busy.key, busy.router)] = (busy.band, busy.until)
 
     async def stop(self) -> None:
         await cancel_and_wait(self._workers.values())
@@ -210,7 +240,7 @@ class SaturationQueue:
             durable_name=durable,
             ack_policy=AckPolicy.EXPLICIT,
             ack_wait=ACK_WAIT_S,
-            max_ack_pending=1,
+            max_ack_pending=self.window,
             filter_subject=subjects.queue(key),
         )
         link = link_of(self.nc)
@@ -222,6 +252,12 @@ class SaturationQueue:
                 if gen:  # a broker that lost its store lost the claims bucket too
                     await self._ensure_stream()
                     self.claims = await self._claims_bucket()
+                try:  # an existing consumer takes this window (JetStream updates max_ack_pending in place)
+                    await self.js.add_consumer(subjects.QUEUE_STREAM, config)
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    log.debug("queue consumer %s not updated", durable, exc_info=True)
                 psub = await self.js.pull_subscribe(subjects.queue(key), durable=durable,
                                                     stream=subjects.QUEUE_STREAM, config=config)
             except asyncio.CancelledError:
@@ -237,11 +273,52 @@ class SaturationQueue:
                 pass
 
     async def _fetch_loop(self, key: str, psub, stale: Callable[[], bool]) -> None:  # type: ignore[no-untyped-def]
-        while not stale():
+        """Hold up to ``window`` entries of the model's queue and dispatch them in the order
+        ``rank`` gives (zmlcore.flowctl.order: band, share, arrival) as capacity frees."""
+        held: dict[int, _Held] = {}
+        arrived = asyncio.Event()
+        fetcher = asyncio.create_task(self._fetch(key, psub, stale, held, arrived))
+        try:
+            while not stale() and not fetcher.done():
+                if not held:
+                    arrived.clear()
+                    await asyncio.wait([asyncio.ensure_future(arrived.wait()), fetcher],
+                                       return_when=asyncio.FIRST_COMPLETED)
+                    continue
+                await self._serve(key, held)
+                if not held:
+                    continue
+                self.capacity.clear()
+                arrived.clear()
+                waits = [asyncio.ensure_future(self.capacity.wait()), asyncio.ensure_future(arrived.wait())]
+                done, pending = await asyncio.wait(waits, timeout=0.25, return_when=asyncio.FIRST_COMPLETED)
+                for w in pending:
+                    w.cancel()
+        finally:
+            fetcher.cancel()
             try:
+                await fetcher
+            except (asyncio.CancelledError, Exception):
+                pass
+
+    async def _fetch(self, key: str, psub, stale: Callable[[], bool], held: dict[int, _Held],  # type: ignore[no-untyped-def]
+                     arrived: asyncio.Event) -> None:
+        while not stale():
+            room = self.window - len(held)
+            if room <= 0:
+                await asyncio.sleep(0.05)
+                continue
+            try:
+                # One at a time while waiting (a fetch of N waits for N or its timeout), then
+                # what else is there at once (a fetch finds waiting entries without waiting).
                 msgs = await psub.fetch(1, timeout=1.0)
+                if room > 1:
+                    try:
+                        msgs += await psub.fetch(room - 1, timeout=0.02)
+                    except (NatsTimeout, asyncio.TimeoutError):
+                        pass
             except (NatsTimeout, asyncio.TimeoutError):
-                if self.busy.get(key, 0.0) > time.time():
+                if not held and self.busy.get(key, 0.0) > time.time():
                     await self._announce(key, 0.0)  # nothing left waiting: arrivals go direct
                 continue
             except asyncio.CancelledError:
@@ -251,52 +328,101 @@ class SaturationQueue:
                 await asyncio.sleep(0.5)
                 continue
             for jmsg in msgs:
-                await self._serve_head(jmsg)
+                entry = await self._take(jmsg)
+                if entry is not None:
+                    held[entry.seq] = entry
+            arrived.set()
 
-    async def _serve_head(self, jmsg) -> None:  # type: ignore[no-untyped-def]
+    async def _take(self, jmsg) -> _Held | None:  # type: ignore[no-untyped-def]
         h = dict(jmsg.headers or {})
         qmsg = QueuedMsg(subject=subjects.INFER, data=jmsg.data, reply=h.pop(H_REPLY, ""), headers=h)
-        deadline = float(h.get(H_DEADLINE, "0") or 0)
-        request_id = h.get(subjects.H_REQUEST_ID, "")
-        claim_key = f"{key_of(jmsg)}.{jmsg.metadata.sequence.stream}"
+        seq = jmsg.metadata.sequence.stream
+        claim_key = f"{key_of(jmsg)}.{seq}"
         if jmsg.metadata.num_delivered > 1 and await self._is_claimed(claim_key):
             # Redelivered after its holder died having dispatched it: it ran (or died with that
             # holder). No dispatch, and no QUEUE_FULL either: its caller may be reading its answer.
             log.warning("queued request %s was dispatched by a replica that died before acking it; "
-                        "not dispatching it again", request_id or claim_key)
+                        "not dispatching it again", h.get(subjects.H_REQUEST_ID) or claim_key)
             await jmsg.ack()
+            return None
+        return _Held(jmsg, qmsg, float(h.get(H_DEADLINE, "0") or 0), claim_key, seq, time.monotonic())
+
+    async def _serve(self, key: str, held: dict[int, _Held]) -> None:
+        """One pass over the held entries: answer the cancelled and expired, shed past the
+        window's limit, dispatch the best that fit, keep the rest alive in JetStream."""
+        now = time.time()
+        for e in list(held.values()):
+            if e.qmsg.headers.get(subjects.H_REQUEST_ID) and self._is_cancelled(e.qmsg):
+                del held[e.seq]
+                await e.jmsg.ack()
+            elif now >= e.deadline:
+                del held[e.seq]
+                await e.jmsg.ack()
+                await self._expire(e.qmsg, float(e.qmsg.headers.get(H_ENQUEUED, now)))
+        entries = sorted(held.values(), key=lambda e: e.seq)
+        if not entries:
             return
-        last_progress = time.monotonic()
-        while True:
-            now = time.time()
-            if request_id and self._is_cancelled(qmsg):
-                await jmsg.ack()
-                return
-            if now >= deadline:
-                await jmsg.ack()
-                await self._expire(qmsg, float(h.get(H_ENQUEUED, now)))
-                return
-            self.capacity.clear()
-            if self._has_room(qmsg):
-                claimed = await self._claim(claim_key)
-                if claimed is False:
-                    log.warning("queued request %s was dispatched by a replica that died before acking it; "
-                                "not dispatching it again", request_id or claim_key)
-                    await jmsg.ack()
-                    return
-                if claimed:
-                    if await self._dispatch(qmsg, deadline):
-                        await jmsg.ack()
-                        return
-                    await self._release(claim_key)  # refused before running: still to place
-            # Hold the head; tell JetStream we are alive so it is not redelivered elsewhere, and
-            # the other replicas that this model still has requests waiting.
-            if time.monotonic() - last_progress > ACK_WAIT_S / 3:
-                await jmsg.in_progress()
-                last_progress = time.monotonic()
-            if self.busy.get(key_of(jmsg), 0.0) < now + BUSY_TTL_S / 2:
-                await self._announce(key_of(jmsg), now + BUSY_TTL_S)
-            try:
-                await asyncio.wait_for(self.capacity.wait(), timeout=min(0.25, max(deadline - now, 0.01)))
-            except asyncio.TimeoutError:
-                pass
+        order, shed, top = self._rank([e.qmsg for e in entries], [e.seq for e in entries])
+        for i in shed:
+            e = entries[i]
+            held.pop(e.seq, None)
+            await e.jmsg.ack()
+            if self._shed_cb is not None:
+                await self._shed_cb(e.qmsg, float(e.qmsg.headers.get(H_ENQUEUED, now)))
+        tried = 0
+        best = self._best(key)
+        for i in order:
+            e = entries[i]
+            if e.seq not in held:
+                continue
+            if best is not None and top > best:
+                break  # another replica holds a higher band waiting: the slot is its
+            if tried >= TRIES:
+                break
+            tried += 1
+            if not self._has_room(e.qmsg):
+                continue
+            claimed = await self._claim(e.claim_key)
+            if claimed is False:
+                log.warning("queued request %s was dispatched by a replica that died before acking it; "
+                            "not dispatching it again", e.qmsg.headers.get(subjects.H_REQUEST_ID) or e.claim_key)
+                held.pop(e.seq, None)
+                await e.jmsg.ack()
+                continue
+            if not claimed:
+                break  # the claims bucket is unreachable: nothing goes until it is back
+            if await self._dispatch(e.qmsg, e.deadline):
+                held.pop(e.seq, None)
+                await e.jmsg.ack()
+            else:
+                await self._release(e.claim_key)  # refused before running: still to place
+                break
+        # Hold the rest: tell JetStream we are alive so they are not redelivered elsewhere, and
+        # the other replicas that this model still has requests waiting (and the best band).
+        mono = time.monotonic()
+        for e in held.values():
+            if mono - e.progress > ACK_WAIT_S / 3:
+                await e.jmsg.in_progress()
+                e.progress = mono
+        if held:
+            if self.busy.get(key, 0.0) < now + BUSY_TTL_S / 2 or self._mine.get(key) != top:
+                self._mine[key] = top
+                await self._announce(key, now + BUSY_TTL_S, top)
+
+    def _best(self, key: str) -> int | None:
+        """The highest band another replica announced waiting for this model (None: none)."""
+        now = time.time()
+        bands = [band for (k, rid), (band, until) in self.peer_bands.items() if k == key and until > now]
+        return min(bands) if bands else None
+
+
+@dataclass(slots=True)
+class _Held:
+    """A queue entry this replica holds (unacknowledged in JetStream) until it is dispatched."""
+
+    jmsg: Any
+    qmsg: QueuedMsg
+    deadline: float
+    claim_key: str
+    seq: int
+    progress: float

@@ -60,9 +60,11 @@ FRONT_DOOR_ONLY = (subjects.H_LABEL, subjects.H_DEFAULT_POLICY,
                    subjects.H_BODY, subjects.H_POLICY, subjects.H_ACCELERATOR_ID,
                    # the prompt's key chain as the front door computed it: another sender's could
                    # make this router record prefixes on nodes that never saw them
-                   subjects.H_PREFIX_KEYS)
+                   subjects.H_PREFIX_KEYS,
+                   # an API key's flow options (zml keys create --priority/--max-priority/--weight)
+                   subjects.H_PRIORITY_DEFAULT, subjects.H_PRIORITY_MAX, subjects.H_TENANT_WEIGHT)
 #: Set only by routers, on queued requests (zml_router.replicas.ids).
-ROUTER_ONLY = (subjects.H_ID_CLAIM,)
+ROUTER_ONLY = (subjects.H_ID_CLAIM, subjects.H_TENANT)
 #: An audio request's routing fields are headers whichever way it comes (its multipart form is
 #: never rewritten): from anyone, they are checked as a JSON body's would be, and set nothing a
 #: body could not (zmlcore.messages.audio.from_message).
@@ -166,6 +168,11 @@ def intake(msg: Incoming, *, from_queue: bool, cfg: ZMLConfig, max_payload: int 
     shared = options(owner)
     if shared is not None:
         headers = {**headers, subjects.H_DEFAULT_POLICY: shared.default_policy, subjects.H_LABEL: shared.label}
+        if msg.headers is not None and (shared.priority or shared.max_priority or shared.weight != 1.0):
+            # its flow options too, in place as drop_untrusted edits (zml_router.request.flowgate reads them)
+            flow = {subjects.H_PRIORITY_DEFAULT: shared.priority, subjects.H_PRIORITY_MAX: shared.max_priority,
+                    subjects.H_TENANT_WEIGHT: f"{shared.weight:g}"}
+            msg.headers.update({k: v for k, v in flow.items() if v})
     if req.policy is None and req.routing is None and headers.get(subjects.H_DEFAULT_POLICY):
         req.routing = headers[subjects.H_DEFAULT_POLICY]
     out.label = headers.get(subjects.H_LABEL, "")[:200]

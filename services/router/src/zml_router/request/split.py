@@ -13,8 +13,8 @@ import dataclasses
 from collections import OrderedDict
 
 from zmlcore.config import ZMLConfig
-from zmlcore.policy import Decision, ResolvedPolicy, RouteRequest
-from zmlcore.policy.split import KVLinks, SplitSettings, decide_split, objective_of
+from zmlcore.policy import Decision, NodeView, ResolvedPolicy, RouteRequest
+from zmlcore.policy.split import KVLinks, SplitIndex, SplitSettings, decide_split, objective_of
 from zmlcore.policy.split.decide import Mode
 
 from zml_router.node.legs import SPLIT_BACKENDS
@@ -22,6 +22,11 @@ from zml_router.replicas.table import NodeTable
 
 #: Conversations whose last mode is remembered (least recently used forgotten first).
 MAX_SESSIONS = 100_000
+#: Above this many candidate nodes the legs' candidates come from a SplitIndex (numpy columns
+#: kept per change) rather than a pass over the nodes.
+INDEX_ABOVE = 16
+#: Seconds after which the candidates are listed again though no node came or went.
+REFRESH_S = 5.0
 
 
 class Splitter:
@@ -34,6 +39,23 @@ class Splitter:
         self._settings: dict[str, SplitSettings] = {}
         self._default = SplitSettings(d.min_uncached_tokens, d.min_gain, float(d.kv_bytes_per_token), d.always)
         self.modes: OrderedDict[str, Mode] = OrderedDict()
+        #: the table's node list the candidates and index were made from (rebuilt when it changes)
+        self._src: object = None
+        self._nodes: list[NodeView] = []
+        self._index: SplitIndex | None = None
+        self._built_at = 0.0
+
+    def _candidates(self, now: float) -> tuple[list[NodeView], SplitIndex | None]:
+        src = self.table.nodes()  # a new list whenever the membership changes
+        # ... and every REFRESH_S: a node's kv_group or engine may change in its state alone
+        if src is not self._src or now - self._built_at > REFRESH_S:
+            self._built_at = now
+            if self._index is not None:
+                self._index.close()
+            self._src = src
+            self._nodes = [v for v in src if v.state.kv_group and v.state.backend in SPLIT_BACKENDS]
+            self._index = SplitIndex(self._nodes) if len(self._nodes) > INDEX_ABOVE else None
+        return self._nodes, self._index
 
     def settings(self, model: str) -> SplitSettings:
         s = self._settings.get(model)
@@ -53,7 +75,7 @@ class Splitter:
         view = views.get(whole.node_id)
         if view is None or not view.state.kv_group or view.state.backend not in SPLIT_BACKENDS:
             return whole, "no_pair"
-        nodes = [v for v in views.values() if v.state.kv_group and v.state.backend in SPLIT_BACKENDS]
+        nodes, index = self._candidates(now)
         cfg = policy.config
         target = (cfg.latency_target_ms or 2000.0) / 1000.0
         previous = self.modes.get(session) if session else None
@@ -61,7 +83,7 @@ class Splitter:
                           cached={whole.node_id: whole.cached_tokens}, settings=self.settings(rr.model),
                           links=self.links, now=now, objective=objective_of(policy.strategy, cfg.cost_priority),
                           latency_target_s=target, previous=previous, exclude=rr.exclude,
-                          stale_after_s=self.cfg.router.stale_after_s)
+                          stale_after_s=self.cfg.router.stale_after_s, index=index)
         if session and sd.reason != "short_prompt":
             self.modes[session] = sd.mode
             self.modes.move_to_end(session)

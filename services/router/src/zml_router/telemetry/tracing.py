@@ -13,7 +13,8 @@ carry it, and detached when the attempt ends.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
+from contextlib import contextmanager
 from contextvars import ContextVar, Token
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -81,6 +82,34 @@ def dispatching(headers: dict[str, str], decision_id: str) -> None:
         if server is not None:
             tracing.set_attrs(server, {"zml.decision_id": decision_id})
     tracing.inject(headers)
+
+
+@contextmanager
+def prefill_leg(node_id: str, decode_node: str) -> Iterator[None]:
+    """A split request's prefill leg: a CLIENT span of its own (a child of the attempt span),
+    whose context goes to the prefill node; the server span names both legs."""
+    server = _SERVER.get()
+    if server is not None:
+        tracing.set_attrs(server, {"zml.prefill_node": node_id, "zml.node_id": decode_node})
+    span = tracing.tracer().start_span(f"zml.prefill {node_id}", kind=SpanKind.CLIENT,
+                                       attributes={"zml.prefill_node": node_id, "zml.decode_node": decode_node})
+    token = otel_context.attach(trace.set_span_in_context(span))
+    try:
+        yield
+    except BaseException as exc:
+        span.set_attribute("error.type", type(exc).__name__)
+        span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
+        raise
+    finally:
+        otel_context.detach(token)
+        span.end()
+
+
+def prefill_failed(cause: str) -> None:
+    """The prefill leg failed: the request is served whole on its decode node."""
+    server = _SERVER.get()
+    if server is not None:
+        tracing.set_attrs(server, {"zml.prefill_failed": cause})
 
 
 def failed(cause: str) -> None:

@@ -15,7 +15,8 @@ nodes' measured speeds (``node_speeds``: prefill ``pf``, decode ``r(b)`` per seq
   cache lacks, so a decode node holding the conversation needs little transfer.
 
 The score is the objective's: ``latency`` minimises time spent (``ttft + (O-1) itl`` plus the
-stall imposed on others); ``cost`` minimises dollars (the prefill node whole for its prefill
+stall imposed on others), each second of TTFT past the policy's target counting
+:data:`LATE_WEIGHT` times; ``cost`` minimises dollars (the prefill node whole for its prefill
 time, one of ``d``'s sequence slots for the decode) among options within the TTFT target.
 Which kinds prefill and which decode follows from those numbers, never from family names.
 A split needs ``min_uncached_tokens`` uncached on its decode node and a score better than
@@ -33,6 +34,7 @@ from typing import Literal
 from zmlcore.fleet.accelerators import DECODE_BATCH_PENALTY
 from zmlcore.policy.choose import is_routable
 from zmlcore.policy.estimate import MEAN_OUTPUT_TOKENS, MEAN_PROMPT_TOKENS, node_speeds
+from zmlcore.policy.split.index import SplitIndex
 from zmlcore.policy.split.links import KVLinks
 from zmlcore.policy.types import NodeView
 
@@ -41,10 +43,13 @@ Mode = Literal["split", "whole"]
 
 #: Candidates of each leg kept (by their own part of the score) before the pair search: the
 #: pair's transfer time is the only term that couples them.
-PAIR_WIDTH = 8
+PAIR_WIDTH = 4
 #: A score for options past the TTFT target under the cost objective: dollars per second late,
 #: far above any request's price, so any option within the target wins.
 _LATE_DOLLARS_PER_S = 1000.0
+#: Latency objective: weight of each second of time to first token past the policy's target.
+LATE_WEIGHT = 10.0
+_GBIT = 1e9 / 8.0
 
 
 @dataclass(slots=True, frozen=True)
@@ -116,11 +121,26 @@ class _Node:
         b = min(out + 1, maxc)
         self.step_next = (1.0 + DECODE_BATCH_PENALTY * (b - 1)) / dec
 
+    @classmethod
+    def of_row(cls, index: SplitIndex, j: int) -> _Node:
+        """The same terms, read from the index's columns (kept by the same formulas)."""
+        n = cls.__new__(cls)
+        n.v = index.views[j]
+        n.pf, n.dec, n.maxc = float(index.pf[j]), float(index.dec[j]), int(index.maxc[j])
+        n.cost = float(index.cost[j])
+        n.wait_prefill = float(index.wait[j])
+        n.decoding = int(index.decoding[j])
+        n.step_next = float(index.step_next[j])
+        n.slot_wait = 0.0  # (folded into wait_prefill)
+        return n
+
 
 def _score(objective: Objective, ttft: float, time_s: float, dollars: float, target_s: float) -> float:
     if objective == "cost":
         return dollars if ttft <= target_s else _LATE_DOLLARS_PER_S * time_s
-    return time_s
+    # each second of time to first token past the target counts LATE_WEIGHT times: a pair whose
+    # fast decoder is worth more than its late first token still wins, one barely faster does not
+    return time_s + LATE_WEIGHT * (ttft - target_s) if ttft > target_s else time_s
 
 
 def _whole(n: _Node, prompt: int, cached: int, out_tokens: int, objective: Objective, target_s: float) -> Option:
@@ -152,11 +172,14 @@ def decide_split(
     stale_after_s: float = 15.0,
     mean_prompt: float = MEAN_PROMPT_TOKENS,
     mean_output: float = MEAN_OUTPUT_TOKENS,
+    index: SplitIndex | None = None,
 ) -> SplitDecision:
     """Whole on ``whole`` (the policy's pick) or split over the best pair of ``nodes``.
 
     ``cached``: prompt tokens each node holds in its prefix cache (absent: none);
-    ``previous``: this conversation's last mode, for the hysteresis.
+    ``previous``: this conversation's last mode, for the hysteresis; ``index``: a
+    :class:`~zmlcore.policy.split.index.SplitIndex` over ``nodes`` (a large fleet: the legs'
+    candidates come from its columns instead of a pass over ``nodes``).
 
     >>> from zmlcore.messages import NodeState
     >>> def node(i, acc, roles):
@@ -183,6 +206,23 @@ def decide_split(
         return SplitDecision(False, "short_prompt", whole_opt, whole_opt)
     decs: list[tuple[float, float, _Node, int]] = []
     pres: list[tuple[float, float, _Node, int]] = []
+    if index is not None:  # a large fleet: each leg's best rows from the index's columns
+        p_ids, d_ids = index.candidates(model, prompt, out_tokens, cached, settings.min_uncached_tokens, exclude, now,
+                                        stale_after_s, PAIR_WIDTH)
+        nodes = []
+        made: dict[int, _Node] = {}
+        for rows, into in ((p_ids, pres), (d_ids, decs)):
+            for j in rows:
+                v = index.views[j]
+                n = made.get(j) or (w if v is whole else _Node.of_row(index, j))
+                made[j] = n
+                c = cached.get(v.node_id, 0)
+                if into is pres:
+                    pre = max(prompt - c, 1) / n.pf
+                    into.append((n.wait_prefill + pre * (1 + n.decoding), n.cost / 3600.0 * pre, n, c))
+                else:
+                    t = n.wait_prefill + 1.0 / n.pf + (out_tokens - 1) * n.step_next
+                    into.append((t, n.cost / 3600.0 * (out_tokens - 1) * n.step_next / n.maxc, n, c))
     for v in nodes:
         st = v.state
         if not st.kv_group or v.node_id in exclude:
@@ -205,27 +245,35 @@ def decide_split(
     best_key: tuple[float, str, str] | None = None
     best_pair: tuple[_Node, int, _Node, int, float] | None = None
     kvb = settings.kv_bytes_per_token
-    dec_rows = _best(decs)
-    for _, _, p, cp in _best(pres):
+    explicit = links.explicit
+    drows = [(d, cd, d.v.state, d.v.node_id, d.wait_prefill + 1.0 / d.pf, (out_tokens - 1) * d.step_next,
+              d.cost / 3600.0 * (out_tokens - 1) * d.step_next / d.maxc)
+             for _, _, d, cd in (decs if index is not None else _best(decs))]
+    cost_obj = objective == "cost"
+    for _, _, p, cp in (pres if index is not None else _best(pres)):  # (the index chose them already)
+        pst = p.v.state
+        pid = p.v.node_id
         pre = max(prompt - cp, 1) / p.pf
         head = p.wait_prefill + pre
         stall = pre * p.decoding
         pdollars = p.cost / 3600.0 * pre
-        for _, _, d, cd in dec_rows:
-            if p is d:
+        for d, cd, dst, did, dhead, drest, ddollars in drows:
+            if d is p or not pst.kv_group or pst.kv_group != dst.kv_group:
                 continue
-            bw = links.bytes_per_s(p.v.state, d.v.state)
-            if bw is None:
-                continue
-            xfer = max(prompt - cd, 0) * kvb / bw
-            ttft = head + xfer + d.wait_prefill + 1.0 / d.pf
-            time_s = ttft + (out_tokens - 1) * d.step_next + stall
-            if objective == "cost":
-                score = _score(objective, ttft, time_s, pdollars + d.cost / 3600.0 * (out_tokens - 1) * d.step_next / d.maxc,
-                               latency_target_s)
+            gbps = explicit.get((pid, did)) if explicit else None
+            if gbps is None:
+                ends = [g for g in (pst.kv_gbps, dst.kv_gbps) if g > 0]
+                if not ends:
+                    continue
+                gbps = min(ends)
+            xfer = max(prompt - cd, 0) * kvb / (gbps * _GBIT)
+            ttft = head + xfer + dhead
+            time_s = ttft + drest + stall
+            if cost_obj:
+                score = _score(objective, ttft, time_s, pdollars + ddollars, latency_target_s)
             else:
-                score = time_s
-            key = (score, p.v.node_id, d.v.node_id)
+                score = time_s + LATE_WEIGHT * (ttft - latency_target_s) if ttft > latency_target_s else time_s
+            key = (score, pid, did)
             if best_key is None or key < best_key:
                 best_key, best_pair = key, (p, cp, d, cd, xfer)
     best: Option | None = None

@@ -39,6 +39,11 @@ class KVLinks:
         for (p, d), gbps in (pairs or {}).items():
             self._pairs[(p, d)] = self._pairs[(d, p)] = gbps
 
+    @property
+    def explicit(self) -> dict[tuple[str, str], float]:
+        """The pairs with a bandwidth of their own, both orders (Gbit/s)."""
+        return self._pairs
+
     @classmethod
     def from_config(cls, links: Iterable[Any]) -> KVLinks:
         """From ``cfg.kv_links`` (entries with ``prefill``, ``decode``, ``gbps``)."""

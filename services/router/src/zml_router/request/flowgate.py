@@ -1,0 +1,154 @@
+"""Flow control on the request path (zmlcore.flowctl, docs/routing.md "Flow control"): what a
+request asks (band, tenant, targets), its decision through the gate, its tenant charged in the
+fair share, the node's TPOT learned from its reply. The decisions are zmlcore.flowctl's; this
+module holds the router's state for them (its ShareBook, merged with the other replicas' by
+zml_router.replicas.shares; its TPOT calibration) and the per-request record the reply reads.
+
+A plain request (no band, no target, nothing in the config that would give it one) costs a
+header lookup or two here and takes today's path unchanged.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from zmlcore import subjects
+from zmlcore.config import ZMLConfig
+from zmlcore.errors import QueueFullError, ShedError
+from zmlcore.flowctl import SHEDDABLE, Ask, Calibration, ShareBook, SloVerdict, ask_of
+from zmlcore.flowctl.ask import ASK_HEADERS, config_plain
+from zmlcore.flowctl.bands import NAMES
+from zmlcore.flowctl.gate import admit_flow, over_share
+from zmlcore.flowctl.slo import batch_of, model_tpot
+from zmlcore.messages import RoutingInfo
+from zmlcore.policy import Decision, ResolvedPolicy, RouteRequest, RoutingState
+from zmlcore.policy.estimate import MEAN_OUTPUT_TOKENS
+from zmlcore.policy.prefix import PrefixIndex
+
+from zml_router.replicas.table import NodeTable
+
+
+_P, _TTFT, _TPOT, _DEFAULT = ASK_HEADERS
+
+
+def tenant_of(subject: str, owner: str, headers: Mapping[str, str] | None) -> str:
+    """Whom a request's share is counted for: a queued request keeps the tenant it arrived with;
+    from a front door (the gateway), the API key (``Zml-Owner``: the key id, or the client
+    address without keys); on ``zml.infer``, the sender's identity (its own ``Zml-Owner`` would
+    let it split itself into many tenants)."""
+    h = headers or {}
+    queued = h.get(subjects.H_TENANT)
+    if queued:
+        return queued
+    if subject == subjects.FRONT_DOOR_INFER:
+        return "key:" + (h.get(subjects.H_OWNER) or owner)
+    return "id:" + owner
+
+
+@dataclass(slots=True)
+class Note:
+    """One request's flow control, for its reply's routing metadata and its completion."""
+
+    ask: Ask
+    asked: str = ""  # the band it asked for when lowered
+    verdict: SloVerdict | None = None
+    share_used: float | None = None
+    queued_ms: int | None = None
+    charged: float = 0.0
+    node_id: str = ""
+    batch: int = 0
+    slots: int = 0
+    model_tpot: float = 0.0
+
+    def fill(self, info: RoutingInfo) -> None:
+        """The reply's flow-control fields (docs/http-api.md "Routing metadata")."""
+        a = self.ask
+        info.priority = a.band_name
+        info.priority_lowered_from = self.asked
+        info.share_used = None if self.share_used is None else round(self.share_used, 3)
+        info.queued_ms = self.queued_ms
+        if a.slo is not None:
+            info.ttft_slo_ms = None if a.slo.ttft_s is None else round(a.slo.ttft_s * 1000, 1)
+            info.tpot_slo_ms = None if a.slo.tpot_s is None else round(a.slo.tpot_s * 1000, 1)
+            if self.verdict is not None:
+                info.predicted_ttft_ms = round(self.verdict.ttft_s * 1000, 1)
+                info.predicted_tpot_ms = round(self.verdict.tpot_s * 1000, 2)
+                info.slo = "admitted"
+
+
+class FlowGate:
+    def __init__(self, cfg: ZMLConfig, table: NodeTable, state: RoutingState, prefix: PrefixIndex,
+                 router_id: str) -> None:
+        f = cfg.flow
+        self.cfg = cfg
+        self.table = table
+        self.state = state
+        self.prefix = prefix
+        self.book = ShareBook(router_id, half_life_s=f.share_half_life_s, prefill_cost=f.prefill_token_cost,
+                              decode_cost=f.decode_token_cost)
+        self.calibration = Calibration()
+        #: Nothing in the config makes a request other than plain: only its own headers can.
+        self.config_plain = config_plain(f, cfg.models) and not f.hold_when_full
+        #: tenant -> its entries this replica holds in the saturation queue (zml_router.queue)
+        self.backlog: dict[str, int] = {}
+
+    def note(self, subject: str, owner: str, headers: Mapping[str, str] | None, model: str) -> Note | None:
+        """The request's flow control, or None for a plain request (today's path)."""
+        if self.config_plain and (not headers or (_P not in headers and _TTFT not in headers
+                                                  and _TPOT not in headers and _DEFAULT not in headers)):
+            return None  # four dict lookups: the plain path's whole cost here
+        h = headers or {}
+        ask = ask_of(h, tenant=tenant_of(subject, owner, h), flow=self.cfg.flow, model=self.cfg.models.get(model))
+        asked = ""
+        if ask.lowered:
+            asked = h.get(subjects.H_PRIORITY, "").strip().lower()
+        if ask.plain and not self.cfg.flow.hold_when_full and not asked:
+            return None
+        return Note(ask, asked if asked in NAMES else "")
+
+    def decide(self, rr: RouteRequest, policy: ResolvedPolicy, note: Note, from_queue: bool) -> Decision:
+        """The gate's decision (zmlcore.flowctl.gate.admit_flow) on this router's table. A
+        ``sheddable`` request that finds no room is shed at once rather than queued."""
+        now = time.time()
+        ask = note.ask
+        used = self.book.share_used(ask.tenant, ask.weight, now)
+        note.share_used = used
+        rc = self.cfg.router
+        try:
+            d, verdict = admit_flow(self.table.nodes(), rr, policy, now, self.state, ask,
+                                    over_share=over_share(used, self.backlog.get(ask.tenant, 0)), flow=self.cfg.flow,
+                                    stale_after_s=rc.stale_after_s, ttft_bound_s=rc.admission_ttft_s,
+                                    reserve=rc.batch_reserve, cache=self.prefix, calibration=self.calibration)
+        except QueueFullError as exc:
+            if ask.band >= SHEDDABLE and not from_queue and ask.band != 3:
+                raise ShedError(f"no room for sheddable work now: {exc.message}",
+                                routing_context={**(exc.routing_context or {}), "final_error": "shed",
+                                                 "priority": ask.band_name},
+                                retry_after=exc.retry_after or 1.0) from None
+            raise
+        note.verdict = verdict
+        view = self.table.views.get(d.node_id)
+        if view is not None and ask.slo is not None:
+            note.node_id = d.node_id
+            note.batch, note.slots = batch_of(view, rr.model)
+            note.model_tpot = model_tpot(view, rr.model)
+        return d
+
+    def dispatched(self, note: Note, prompt_tokens: int) -> None:
+        """Charge the tenant at dispatch: its prompt and a mean output (corrected at the end)."""
+        note.charged = self.book.cost(prompt_tokens, MEAN_OUTPUT_TOKENS)
+        self.book.charge(note.ask.tenant, note.charged, time.time())
+
+    def finished(self, note: Note, completion_tokens: int, ttft_s: float | None, total_s: float) -> None:
+        """The request ended: the tenant's charge corrected with its real output; with a first
+        token and an output, the node's TPOT learned (zmlcore.flowctl.slo.Calibration)."""
+        if note.charged:
+            fix = self.book.decode_cost * (completion_tokens - MEAN_OUTPUT_TOKENS)
+            self.book.charge(note.ask.tenant, fix, time.time())
+        if note.node_id and ttft_s is not None and completion_tokens > 1 and note.model_tpot > 0:
+            actual = (total_s - ttft_s) / (completion_tokens - 1)
+            if actual > 0:
+                self.calibration.observe(note.node_id, note.batch, note.slots, predicted=note.model_tpot,
+                                         actual=actual)

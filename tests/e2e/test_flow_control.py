@@ -1,0 +1,173 @@
+"""Flow control on a live stack (zmlcore.flowctl through the routers, docs/routing.md "Flow
+control"): one node of 4 sequence slots, two routers, [flow] hold_when_full, a policy that
+queues on saturation. Tenants are API keys as the gateway names them (``Zml-Owner`` on its
+subject; an open broker lets the test publish there as a gateway would).
+
+- an unattainable SLO is refused at once with SLO_UNATTAINABLE, over HTTP, raw NATS and the SDK;
+- a band above the caller's ceiling is lowered and the reply says so; targets are predicted;
+- a high-band request overtakes a low-band burst waiting in the saturation queue;
+- a flooding tenant does not take the fleet from a steady one: the steady tenant waits for the
+  next free slot, not behind the flood's queue.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+
+import httpx
+import nats
+import pytest
+
+import zml
+from conftest import MODEL, Stack, launch_stack
+from zmlcore import subjects
+
+ONE = [("mi300x-1", "amd_mi300x", [MODEL])]
+FLOW = """
+[flow]
+max_priority = "critical"
+hold_when_full = true
+
+[policy.queued]
+strategy = "latency"
+queue_on_saturation = true
+max_queue_ms = 20000
+"""
+
+
+@pytest.fixture(scope="module")
+def stack(own_nats: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    s = launch_stack(own_nats, tmp_path_factory.mktemp("flow"), fleet=ONE, routers=2, extra=FLOW,
+                     sim_extra="max_concurrency = 4\n")
+    try:
+        yield s
+    finally:
+        s.stop()
+
+
+def body(max_tokens: int, stream: bool = False) -> bytes:
+    return json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hello there"}],
+                       "max_tokens": max_tokens, "policy": "queued", "stream": stream}).encode()
+
+
+async def front_door(nc: nats.NATS, tenant: str, rid: str, max_tokens: int, **extra: str) -> tuple[float, dict, dict]:
+    """A request as the gateway sends it for API key ``tenant``: (seconds, reply headers, body)."""
+    headers = {subjects.H_REQUEST_ID: rid, subjects.H_TIMEOUT_MS: "30000", subjects.H_OWNER: f"key:{tenant}", **extra}
+    t = time.monotonic()
+    msg = await nc.request(subjects.FRONT_DOOR_INFER, body(max_tokens), timeout=35, headers=headers)
+    return time.monotonic() - t, dict(msg.headers or {}), json.loads(msg.data)
+
+
+def test_an_unattainable_slo_is_refused_at_once_with_the_code(stack: Stack) -> None:
+    # No node decodes at 10 us per token, even idle (the sims run 20x real time): refused before any node runs, no Retry-After.
+    t = time.monotonic()
+    r = httpx.post(stack.gateway_url + "/v1/chat/completions", content=body(8),
+                   headers={"content-type": "application/json", "x-zml-tpot-slo-ms": "0.01"}, timeout=10)
+    took = time.monotonic() - t
+    assert r.status_code == 503, r.text
+    err = r.json()["error"]
+    assert err["code"] == "SLO_UNATTAINABLE" and "even idle" in err["message"]
+    assert err["routing_context"]["slo"] == {"tpot_ms": 0}
+    assert "retry-after" not in r.headers and took < 1.0
+
+    async def nats_side() -> None:
+        nc = await nats.connect(stack.nats_url)
+        try:
+            msg = await nc.request(subjects.INFER, body(8), timeout=10,
+                                   headers={subjects.H_TTFT_SLO_MS: "0.001", subjects.H_REQUEST_ID: "slo-nats"})
+            assert (msg.headers or {}).get(subjects.H_ERROR_CODE) == "SLO_UNATTAINABLE", msg.data
+        finally:
+            await nc.close()
+
+    asyncio.run(nats_side())
+    with zml.Client(stack.gateway_url) as client:
+        with pytest.raises(zml.SloUnattainableError):
+            client.infer(MODEL, "hello", max_tokens=8, tpot_slo_ms=0.01)
+
+
+def test_a_band_above_the_ceiling_is_lowered_and_targets_are_predicted(stack: Stack) -> None:
+    async def go() -> None:
+        nc = await nats.connect(stack.nats_url)
+        try:
+            _, h, b = await front_door(nc, "lowered", "low-1", 4, **{subjects.H_PRIORITY: "critical",
+                                                                       subjects.H_PRIORITY_MAX: "standard"})
+            assert h.get("Zml-Priority") == "standard" and h.get("Zml-Priority-Lowered-From") == "critical", (h, b)
+            _, h, b = await front_door(nc, "slo", "slo-1", 4, **{subjects.H_TTFT_SLO_MS: "30000",
+                                                                   subjects.H_TPOT_SLO_MS: "5000"})
+            assert b["zml"]["slo"] == "met" and float(h["Zml-Predicted-Ttft-Ms"]) < 30000, (h, b)
+            assert b["zml"]["tpot_ms"] > 0
+            assert float(h["Zml-Predicted-Tpot-Ms"]) > 0 and h.get("Zml-Ttft-Slo-Ms") == "30000.0"
+        finally:
+            await nc.close()
+
+    asyncio.run(go())
+    r = httpx.post(stack.gateway_url + "/v1/chat/completions", content=body(4),
+                   headers={"content-type": "application/json", "x-zml-priority": "sheddable"}, timeout=10)
+    assert r.status_code == 200 and r.headers["x-zml-priority"] == "sheddable" and r.json()["zml"]["priority"] == "sheddable"
+
+
+def test_a_high_band_request_overtakes_a_low_band_burst(stack: Stack) -> None:
+    async def go() -> None:
+        nc = await nats.connect(stack.nats_url)
+        try:
+            tb = time.monotonic()
+            burst = [asyncio.create_task(front_door(nc, "burst", f"burst-{i}", 300)) for i in range(12)]
+            await asyncio.sleep(0.3)  # 4 running, 8 waiting in the saturation queue
+            t0 = time.monotonic()
+            took, h, b = await front_door(nc, "vip", "vip-1", 300, **{subjects.H_PRIORITY: "critical"})
+            vip_done = t0 + took
+            assert h.get("Zml-Priority") == "critical" and subjects.H_ERROR_CODE not in h, (h, b)
+            results = await asyncio.gather(*burst)
+            assert all(subjects.H_ERROR_CODE not in hh for _, hh, _ in results), results
+            # 8 of the burst waited in the queue before it came; it takes the next free slot (with
+            # 3 of them, the slots freeing together), so most of the rest end after it. In
+            # arrival order it would have been last.
+            ends = sorted(tb + t for t, _, _ in results)
+            later = sum(1 for t in ends if t > vip_done)
+            assert later >= 4, (took, [round(t - tb, 3) for t in ends], round(vip_done - tb, 3))
+        finally:
+            await nc.close()
+
+    asyncio.run(go())
+
+
+def test_a_flooding_tenant_does_not_take_the_fleet_from_a_steady_one(stack: Stack) -> None:
+    async def steady(nc: nats.NATS, n: int, tag: str) -> list[float]:
+        out = []
+        for i in range(n):
+            took, h, b = await front_door(nc, "steady", f"steady-{tag}-{i}", 8)
+            assert subjects.H_ERROR_CODE not in h, (h, b)
+            out.append(took)
+            await asyncio.sleep(0.05)
+        return sorted(out)
+
+    async def flood(nc: nats.NATS, stop: asyncio.Event, k: int) -> list[float]:
+        out, i = [], 0
+        while not stop.is_set():
+            took, h, _ = await front_door(nc, "flood", f"flood-{k}-{i}", 200)
+            out.append(took)
+            i += 1
+        return out
+
+    async def go() -> None:
+        nc = await nats.connect(stack.nats_url)
+        try:
+            alone = await steady(nc, 15, "alone")
+            stop = asyncio.Event()
+            flooders = [asyncio.create_task(flood(nc, stop, k)) for k in range(24)]  # 6x the node's slots
+            await asyncio.sleep(1.0)
+            beside = await steady(nc, 15, "flood")
+            stop.set()
+            floods = sorted(sum(await asyncio.gather(*flooders), []))
+            p90 = lambda xs: xs[int(0.9 * (len(xs) - 1))]  # noqa: E731
+            turnover = floods[len(floods) // 2] / 6  # a slot frees every (one flood request / slots held) s
+            # the steady tenant waits for the next free slot, never behind the flood's queue
+            assert p90(beside) <= p90(alone) + max(4 * turnover, 0.3), (alone, beside, floods[len(floods) // 2])
+            assert p90(beside) < floods[len(floods) // 2], (beside, floods[len(floods) // 2])
+        finally:
+            await nc.close()
+
+    asyncio.run(go())
