@@ -108,3 +108,49 @@ def test_warmup_service_uses_the_nodes_served_name() -> None:
     svc = WarmupService(cfg)
     assert svc._served(Load("n1", M)) == "tiny.gguf"
     assert svc._served(Load("n2", M)) is None
+
+
+async def test_placement_unloads_through_each_engines_api() -> None:
+    """The planner's unload: llama.cpp router mode's /models/unload (again: already gone, fine),
+    vLLM's /sleep; an engine with no such API says so."""
+    llama = await start_sim("u1", "cpu", [M], engine="llamacpp", load_time_s=0.1, time_scale=10.0)
+    vllm = await start_sim("u2", "nvidia_h100", [M], engine="vllm", load_time_s=0.1, time_scale=10.0)
+    try:
+        await llama.engine.wait_loaded()
+        await vllm.engine.wait_loaded()
+        async with httpx.AsyncClient() as client:
+            res = await loader.unload(client, llama.url, "llamacpp", M)
+            assert res.ok and res.mechanism == "llamacpp_unload" and M not in llama.engine.models, res
+            assert (await loader.unload(client, llama.url, "llamacpp", M)).ok  # "model is not running"
+            assert (await client.get(llama.url + "/health")).status_code == 200  # an idle router is up
+            res = await loader.unload(client, vllm.url, "vllm", M)
+            assert res.ok and res.mechanism == "vllm_sleep" and M not in vllm.engine.models, res
+            assert (await client.get(vllm.url + "/is_sleeping")).json() == {"is_sleeping": True}
+            res = await loader.unload(client, vllm.url, "tgi", M)
+            assert not res.ok and "no API to unload" in res.message
+    finally:
+        await llama.stop()
+        await vllm.stop()
+
+
+async def test_lora_adapters_load_and_unload_through_vllms_api() -> None:
+    sim = await start_sim("a1", "nvidia_h100", [M], engine="vllm", load_time_s=0.1, time_scale=10.0)
+    try:
+        await sim.engine.wait_loaded()
+        async with httpx.AsyncClient() as client:
+            res = await loader.load_adapter(client, sim.url, "vllm", "tenant", "/adapters/tenant")
+            assert res.ok and res.mechanism == "vllm_load_lora" and sim.adapters == {"tenant": "/adapters/tenant"}
+            again = await loader.load_adapter(client, sim.url, "vllm", "tenant", "/adapters/tenant")
+            assert again.ok  # "has already been loaded"
+            listed = (await client.get(sim.url + "/v1/models")).json()["data"]
+            assert {m["id"]: m["parent"] for m in listed} == {M: None, "tenant": M}
+            body = {"model": "tenant", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            assert (await client.post(sim.url + "/v1/chat/completions", json=body)).status_code == 200
+            res = await loader.unload_adapter(client, sim.url, "vllm", "tenant")
+            assert res.ok and sim.adapters == {}
+            assert (await client.post(sim.url + "/v1/chat/completions", json=body)).status_code == 404
+            assert (await loader.unload_adapter(client, sim.url, "vllm", "tenant")).ok  # 404: not loaded
+            bad = await loader.load_adapter(client, sim.url, "sglang", "tenant", "/x")
+            assert not bad.ok and "no API to load a LoRA" in bad.message
+    finally:
+        await sim.stop()

@@ -26,3 +26,20 @@ async def test_events_older_than_the_window_are_dropped_as_new_ones_arrive() -> 
     await board._on_completed(msg)
     assert [e[2] for e in board.events] == ["h100-1", "h100-2"]
     assert board.stats(time.monotonic())["decisions_per_s"]["total"] == round(2 / dashboard.RATE_WINDOW_S, 2)
+
+
+async def test_the_placement_view_is_the_last_plan_and_the_latest_moves() -> None:
+    from zmlcore.messages.placement import PlacementEvent
+
+    board = Dashboard(None, None, None)  # type: ignore[arg-type]
+    assert board.placement_view(100.0) is None  # planner off: the page says so
+    board.saw_placement(PlacementEvent(phase="planned", ts=90.0, cost_now_per_h=6.0, cost_plan_per_h=4.0, moves=2))
+    for i, phase in enumerate(("move_started", "move_done")):
+        msg: Any = SimpleNamespace(data=msgspec.json.encode(PlacementEvent(
+            phase=phase, ts=95.0 + i, node_id="a100-2", name="m", kind="load")))  # type: ignore[arg-type]
+        await board._on_placement(msg)
+    view = board.placement_view(100.0)
+    assert view is not None
+    assert (view["cost_now_per_h"], view["cost_plan_per_h"], view["moves_planned"], view["planned_s"]) == (6.0, 4.0, 2, 10.0)
+    assert [(m["phase"], m["node"], m["age_s"]) for m in view["moves"]] == [("move_done", "a100-2", 4.0),
+                                                                          ("move_started", "a100-2", 5.0)]

@@ -9,7 +9,7 @@ from zml_warmup import placer
 from zml_warmup.demand import DemandWindow
 from zml.cli.plan import render
 
-CFG = parse_config({
+CFG_DATA: dict = {
     "planner": {"mode": "advise", "models": {"m": {"ttft_s": 1.0, "memory_gib": 40}}},
     "nodes": [
         {"id": "big", "accelerator": "nvidia_h100", "endpoint": "http://a", "backend": "llamacpp", "models": ["m", "q"]},
@@ -18,7 +18,8 @@ CFG = parse_config({
          "adapter_slots": 2},
     ],
     "adapters": {"t": {"base": "q", "path": "/x"}},
-})
+}
+CFG = parse_config(CFG_DATA)
 
 
 def state(node: str, acc: str, fam: str, price: float, models: list[str], *, memory: float, pf: float,
@@ -99,3 +100,26 @@ def test_adapter_home_is_a_node_of_its_base_with_room() -> None:
                                         endpoint="http://c", status="up", models=["q", "a1", "a2"],
                                         adapters=["a1", "a2"])}
     assert placer.adapter_home(CFG, full, "t") is None
+
+
+def test_a_warm_model_keeps_a_replica_without_demand() -> None:
+    cfg = parse_config({**{"nodes": [n for n in CFG_DATA["nodes"]]}, "models": {"q": {"warm": True}},
+                        "planner": {"mode": "apply"}})
+    inputs = placer.gather(cfg, STATES, {n.id: tuple(n.models) for n in cfg.nodes}, DemandWindow(60.0, 0.0), 60.0)
+    assert {d.model: d.min_replicas for d in inputs.demands} == {"m": 0, "q": 1}
+    plan = placer.make_plan(cfg, inputs)
+    assert plan.nodes_of("q") == ["tiny"] and plan.nodes_of("m") == []  # q stays where it is, m goes
+
+
+def test_outside_quiet_windows_only_loads_of_short_models_run() -> None:
+    from zmlcore.placement.moves import Step
+
+    d = DemandWindow(60.0, 0.0)
+    for i in range(60 * 30):  # 30 req/s of m: more than big alone serves within SLO
+        d.record("m", i / 30, 2000, 100)
+    inputs = placer.gather(CFG, STATES, {n.id: tuple(n.models) for n in CFG.nodes}, d, 60.0)
+    assert placer.short_models(inputs) == {"m"}
+    run = [Step("load", "small", "m"), Step("load", "small", "q"), Step("unload", "big", "x")]
+    now, later = placer.defer_outside_quiet(run, {"m"})
+    assert [str(s) for s in now] == ["load m on small", "unload x on big"]
+    assert [s.name for s in later] == ["q"] and "quiet_windows" in later[0].waiting

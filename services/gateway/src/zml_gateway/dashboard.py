@@ -34,6 +34,7 @@ from zmlcore.batch.store import BatchStore
 from zmlcore.errors import MethodNotAllowedError, NotFoundError, PermissionDeniedError
 from zmlcore.messages.batch import BatchEvent, BatchRecord, batch_event_decoder
 from zmlcore.messages.warmup import RequestCompleted
+from zmlcore.messages.placement import PlacementEvent
 from zmlcore.bus.queueinfo import queue_depths
 from zml_gateway.access import Access
 from zml_gateway.asgi import Receive, Scope, Send
@@ -63,6 +64,9 @@ _SECURITY = [
     (b"content-security-policy", b"default-src 'self'; img-src 'self' data:; frame-ancestors 'none'"),
 ]
 _completed = msgspec.json.Decoder(RequestCompleted)
+_placement = msgspec.json.Decoder(PlacementEvent)
+#: Placement moves kept for the page (the latest first).
+MAX_MOVES = 20
 _TERMINAL = frozenset({"completed", "failed", "expired", "cancelled"})
 
 
@@ -96,18 +100,48 @@ class Dashboard:
         self._files: dict[str, bytes] = {}
         self._cached: tuple[float, bytes] | None = None
         self._building: asyncio.Future[bytes] | None = None
+        #: The placement planner's last plan and its latest moves (zml.events.placement).
+        self.plan: PlacementEvent | None = None
+        self.moves: deque[PlacementEvent] = deque(maxlen=MAX_MOVES)
+        self._placement_sub: Any = None
 
     async def start(self) -> None:
         self._sub = await self.nc.subscribe(subjects.event(subjects.EVENT_COMPLETED), cb=self._on_completed)
         self._batch_sub = await self.nc.subscribe(subjects.BATCH_EVENTS, cb=self._on_batch)
+        self._placement_sub = await self.nc.subscribe(subjects.event(subjects.EVENT_PLACEMENT), cb=self._on_placement)
 
     async def stop(self) -> None:
-        for sub in (self._sub, self._batch_sub):
+        for sub in (self._sub, self._batch_sub, self._placement_sub):
             if sub is not None:
                 try:
                     await sub.unsubscribe()
                 except Exception:  # connection already closing
                     pass
+
+    async def _on_placement(self, msg: Msg) -> None:
+        try:
+            self.saw_placement(_placement.decode(msg.data))
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return
+
+    def saw_placement(self, ev: PlacementEvent) -> None:
+        if ev.phase == "planned":
+            self.plan = ev
+        else:
+            self.moves.appendleft(ev)
+
+    def placement_view(self, now: float) -> dict[str, Any] | None:
+        """The last plan ($/h now and planned, moves) and the latest moves; None before any plan
+        (the planner is off, or no warmup service runs)."""
+        if self.plan is None and not self.moves:
+            return None
+        p = self.plan
+        return {
+            "cost_now_per_h": p.cost_now_per_h if p else None, "cost_plan_per_h": p.cost_plan_per_h if p else None,
+            "moves_planned": p.moves if p else None, "planned_s": round(max(0.0, now - p.ts), 1) if p else None,
+            "moves": [{"phase": m.phase, "kind": m.kind, "node": m.node_id, "name": m.name, "message": m.message,
+                       "age_s": round(max(0.0, now - m.ts), 1)} for m in self.moves],
+        }
 
     async def _on_batch(self, msg: Msg) -> None:
         try:
@@ -215,7 +249,8 @@ class Dashboard:
         rows = [node_row(n, wall) for n in nodes]
         queue, other = queue_rows(depths, self.models())
         return {"ts": wall, "nodes": rows, "queue": queue, "queue_other_models": other,
-                "batches": self.batch_rows(wall), **self.stats(time.monotonic())}
+                "batches": self.batch_rows(wall), "placement": self.placement_view(wall),
+                **self.stats(time.monotonic())}
 
     async def _queue(self) -> dict[str, int]:
         try:

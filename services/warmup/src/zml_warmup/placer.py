@@ -74,7 +74,10 @@ def gather(cfg: ZMLConfig, states: Mapping[str, NodeState], wants: Mapping[str, 
         mc = pc.models.get(m, _DEFAULT)
         got = sums.get(m)
         shapes[m] = (got[1] / got[0], got[2] / got[0]) if got else (mc.mean_prompt_tokens, mc.mean_output_tokens)
-    demands = [ModelDemand(m, rates.get(m, 0.0), pc.models.get(m, _DEFAULT).min_replicas) for m in sorted(models)]
+    # a model marked warm ([models] warm = true) keeps a replica whatever its demand
+    warm = {m for m, mc in cfg.models.items() if mc.warm}
+    demands = [ModelDemand(m, rates.get(m, 0.0), max(pc.models.get(m, _DEFAULT).min_replicas, int(m in warm)))
+               for m in sorted(models)]
     slots = {n.id: (n.model_slots, n.adapter_slots) for n in cfg.nodes}
     out: list[NodeOffer] = []
     for node_id, st in sorted(states.items()):
@@ -184,3 +187,21 @@ def adapter_home(cfg: ZMLConfig, states: Mapping[str, NodeState], adapter: str) 
     if not fits:
         return None
     return min(fits, key=lambda st: (len(st.adapters), st.queue_running + st.queue_waiting, st.node_id)).node_id
+
+
+def short_models(inputs: Inputs) -> set[str]:
+    """Models whose nodes now give less SLO capacity than their demand: their loads are urgent
+    (a load elsewhere only saves money and may wait for a quiet window)."""
+    rates = {d.model: d.rate for d in inputs.demands}
+    for a in inputs.adapters:
+        rates[a.base] = rates.get(a.base, 0.0) + a.rate
+    cap = evaluate(inputs.offers, {o.node_id: o.models for o in inputs.offers}, rates).capacity
+    return {m for m, r in rates.items() if r > 0 and cap.get(m, 0.0) < r}
+
+
+def defer_outside_quiet(run: list[Step], short: set[str]) -> tuple[list[Step], list[Step]]:
+    """Outside the quiet windows: (loads of short models and every other step, loads that wait)."""
+    now = [s for s in run if s.kind != "load" or s.name in short]
+    later = [Step(s.kind, s.node_id, s.name, "outside [warmup] quiet_windows (it only saves money)")
+             for s in run if s.kind == "load" and s.name not in short]
+    return now, later

@@ -29,17 +29,16 @@ from zmlcore.fleet.catalog import does_not_exist, known_models
 from zmlcore.errors import BadRequestError, ModelNotLoadedError, ZMLError
 from zmlcore.messages import NodeState, ServeReply, ServeTarget, WarmupEvent, node_state_decoder
 from zmlcore.messages.admin import registry_entry_decoder
-from zmlcore.messages.placement import PlacementEvent, plan_request_decoder
+from zmlcore.messages.placement import PlacementEvent, PlanReply, plan_request_decoder
 from zmlcore.messages.warmup import completed_decoder, serve_request_decoder
 from zmlcore.placement import Placement
-from zmlcore.messages.placement import PlanReply
 from zmlcore.placement.moves import NodeNow, Step, blocked as moves_blocked, next_steps
 from zmlcore.bus.kvfollow import KVFollower
 from zmlcore.runtime.runner import cancel_and_wait
 from zml_warmup import loader, metrics, placer
 from zml_warmup.demand import DemandWindow
 from zml_warmup.planner import Load, Want, keep_warm_due, plan_loads
-from zml_warmup.rate import QuietDetector, RateTracker, metrics_rate
+from zml_warmup.rate import QuietDetector, RateTracker, in_fixed_window, metrics_rate
 
 log = logging.getLogger("zml.warmup")
 
@@ -342,7 +341,12 @@ class WarmupService:
         run, wait = next_steps(held, target.models, target_adapters=target.adapters,
                                adapter_base={a: c.base for a, c in self.cfg.adapters.items()},
                                max_loads=self.wc.max_concurrent_loads, in_progress=loads)
+        # blocked: the steps wait on each other (judged before any waits for a quiet window)
         stuck = moves_blocked(held, target.models, wait, run, loads + len(self.moving))
+        if self.wc.quiet_windows and self.plan_inputs is not None and not in_fixed_window(self.wc.quiet_windows, now):
+            # moves that only save money wait for a quiet window; a model short of capacity moves now
+            run, later = placer.defer_outside_quiet(run, placer.short_models(self.plan_inputs))
+            wait = [*later, *wait]
         if stuck and not (self.last_steps and self.last_steps[2]):
             self._emit_placement(PlacementEvent(phase="blocked", ts=now, message="; ".join(str(s) for s in wait)))
         self.last_steps = (run, wait, stuck)

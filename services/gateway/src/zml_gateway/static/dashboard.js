@@ -140,6 +140,33 @@ function renderBatches(batches) {
   replaceRows($("batches").tBodies[0], rows);
 }
 
+function renderPlacement(p) {
+  const plan = $("plan");
+  if (!p) {
+    plan.textContent = "no plan: the placement planner is off ([planner] mode in zml.toml, docs/placement.md)";
+    plan.className = "muted";
+    replaceRows($("moves").tBodies[0], []);
+    return;
+  }
+  plan.className = "";
+  plan.textContent = p.cost_now_per_h === null ? "moves without a plan heard yet" :
+    `$${p.cost_now_per_h.toFixed(2)}/h now, $${p.cost_plan_per_h.toFixed(2)}/h planned, ` +
+    `${p.moves_planned} move(s) (planned ${fmtAge(p.planned_s)} ago; zml plan shows them)`;
+  const rows = p.moves.map((m) => {
+    const tr = el("tr");
+    tr.append(el("td", (m.kind || "").replace("_", " ")), el("td", m.node), el("td", m.name),
+              el("td", m.phase.replace("move_", ""), m.phase === "move_failed" || m.phase === "blocked" ? "bad" : ""),
+              el("td", `${fmtAge(m.age_s)} ago`, "num"), el("td", m.message || "", "muted"));
+    return tr;
+  });
+  if (!rows.length) {
+    const tr = el("tr");
+    tr.append(el("td", "no moves", "muted"));
+    rows.push(tr);
+  }
+  replaceRows($("moves").tBodies[0], rows);
+}
+
 function renderBars(target, values) {
   const max = Math.max(0.1, ...Object.values(values));
   const rows = Object.entries(values).map(([name, v]) => {
@@ -183,6 +210,7 @@ function render(state) {
   $("queued").className = queued ? "value warn" : "value";
   renderNodes(state);
   renderBatches(state.batches);
+  renderPlacement(state.placement);
   renderBars($("families"), d.by_family);
   renderTable($("codes").tBodies[0], state.errors_by_code, "no errors", "bad");
   renderTable($("queue").tBodies[0], state.queue, "no model configured");
