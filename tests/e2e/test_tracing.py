@@ -257,22 +257,26 @@ def test_the_sdk_sends_the_callers_context(traced: tuple[Stack, Receiver],
 
 def test_a_failover_is_a_failed_attempt_span_and_logs_carry_the_ids(traced: tuple[Stack, Receiver]) -> None:
     stack, receiver = traced
-    stack.faults("h100-1", error_rate=1.0)
-    stack.faults("a100-1", error_rate=0.0)
     found = None
+    failing = ""
     try:
         with httpx.Client(base_url=stack.gateway_url, timeout=30) as http:
             for _ in range(30):
                 trace_id = os.urandom(16).hex()
-                # the H100-first chain: h100-1 is tried first whatever the learned speeds say
-                # (under plain `latency`, earlier tests may have taught that a100-1 is faster)
-                r = http.post("/v1/chat/completions", json=body() | {"policy": "queued"},
+                r = http.post("/v1/chat/completions", json=body(),
                               headers={"traceparent": f"00-{trace_id}-{os.urandom(8).hex()}-01"})
                 assert r.status_code == 200, r.text
-                if r.json()["zml"]["attempts"] > 1:
-                    found = (trace_id, r.json()["zml"])
+                meta = r.json()["zml"]
+                if meta["attempts"] > 1:
+                    found = (trace_id, meta)
                     break
-                time.sleep(0.3)  # h100-1 cools down for 2 s after a failure; then it is tried again
+                if meta["node_id"] != failing:
+                    # the node the router now prefers (by its learned speeds) fails from here on:
+                    # the next request tried there fails over to the other
+                    failing = meta["node_id"]
+                    stack.faults(failing, error_rate=1.0)
+                    stack.faults("a100-1" if failing == "h100-1" else "h100-1", error_rate=0.0)
+                time.sleep(0.3)  # a failed node cools down for 2 s; then it is tried again
     finally:
         stack.clear_faults()
     assert found is not None, "no request failed over in 30 tries"
@@ -282,7 +286,7 @@ def test_a_failover_is_a_failed_attempt_span_and_logs_carry_the_ids(traced: tupl
     attempts = sorted(by(spans, "zml-router", "CLIENT"), key=lambda s: s["start"])
     assert len(attempts) == zml_meta["attempts"]
     assert all(s["parent"] == rt["span_id"] for s in attempts)
-    assert attempts[0]["attrs"]["zml.node_id"] == "h100-1"
+    assert attempts[0]["attrs"]["zml.node_id"] == failing
     assert attempts[0]["attrs"]["zml.failure_class"] == "server" and attempts[0]["status"] == 2  # ERROR
     assert attempts[-1]["attrs"]["zml.node_id"] == zml_meta["node_id"] and "zml.failure_class" not in attempts[-1]["attrs"]
     assert rt["attrs"]["zml.attempts"] == zml_meta["attempts"]
