@@ -170,16 +170,21 @@ class QueueGlue:
             top = (k[0], k[1])
         return order, shed, top
 
-    async def shed(self, qmsg: QueuedMsg, enqueued_at: float) -> None:
-        """Displaced from a full queue by higher-ranked work: SHED."""
+    def _leaving(self, qmsg: QueuedMsg, enqueued_at: float) -> tuple[int, bool]:
+        """A request leaving the queue unserved (shed or expired): counted, its id's claim made
+        the one its error reply frees; how long it waited (ms) and whether it asked a stream."""
         self.metrics.expired(qmsg.data)
         request_id = qmsg.headers.get(subjects.H_REQUEST_ID, "")
         idclaims.CURRENT.set(idclaims.queued_claim(owner_key(qmsg.reply, qmsg.headers, request_id), qmsg.headers))
-        waited_ms = int((time.time() - enqueued_at) * 1000)
         try:
             stream = infer_request_decoder.decode(qmsg.data).stream
         except (msgspec.DecodeError, msgspec.ValidationError):
             stream = False
+        return int((time.time() - enqueued_at) * 1000), stream
+
+    async def shed(self, qmsg: QueuedMsg, enqueued_at: float) -> None:
+        """Displaced from a full queue by higher-ranked work: SHED."""
+        waited_ms, stream = self._leaving(qmsg, enqueued_at)
         err = ShedError(f"the saturation queue is full ([flow] max_queued = {self.cfg.flow.max_queued}) and this "
                         f"request ranked last (waited {waited_ms} ms)",
                         routing_context={"final_error": "shed", "waited_ms": waited_ms}, retry_after=1.0)
@@ -233,14 +238,7 @@ class QueueGlue:
         self.metrics.waited(model, qmsg.headers)
 
     async def expire(self, qmsg: QueuedMsg, enqueued_at: float) -> None:
-        self.metrics.expired(qmsg.data)
-        request_id = qmsg.headers.get(subjects.H_REQUEST_ID, "")
-        idclaims.CURRENT.set(idclaims.queued_claim(owner_key(qmsg.reply, qmsg.headers, request_id), qmsg.headers))
-        waited_ms = int((time.time() - enqueued_at) * 1000)
-        try:
-            stream = infer_request_decoder.decode(qmsg.data).stream
-        except (msgspec.DecodeError, msgspec.ValidationError):
-            stream = False
+        waited_ms, stream = self._leaving(qmsg, enqueued_at)
         err: ZMLError = queue_expired(waited_ms)
         if subjects.H_TTFT_SLO_MS in qmsg.headers:  # its wait ran out its TTFT target: shed, not "full"
             err = ShedError(f"no node had room in time to meet its time-to-first-token target (waited {waited_ms} ms)",
