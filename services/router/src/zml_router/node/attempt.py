@@ -285,18 +285,19 @@ def speed_sample(d: AtDispatch, first_at: float, end_at: float, tokens: int, pro
     it reported one), its tokens after the first over the time they took.
 
     >>> d = AtDispatch(at=10.0, inflight=2, ahead=0.0, uncached=800, predicted_ttft_s=0.08)
-    >>> speed_sample(d, first_at=10.1, end_at=11.1, tokens=51, prompt_tokens=1000, cached=100)
-    SpeedSample(ttft_s=0.1, prefill_tokens=900.0, prefill_reported=True, inflight=2, decode_s=1.0, decode_tokens=50, engine_prefill_tps=0.0, engine_decode_tps=0.0, predicted_ttft_s=0.08)
+    >>> speed_sample(d, first_at=10.125, end_at=11.125, tokens=51, prompt_tokens=1000, cached=100)
+    SpeedSample(ttft_s=0.125, prefill_tokens=900.0, prefill_reported=True, inflight=2, decode_s=1.0, decode_tokens=50, engine_prefill_tps=0.0, engine_decode_tps=0.0, predicted_ttft_s=0.08)
     """
     reported = prompt_tokens is not None and prompt_tokens > 0 and cached is not None
     own = max(prompt_tokens - cached, 1) if reported else d.uncached  # type: ignore[operator]
+    # no round(): ~0.3 us each on the router's path, and the event's JSON carries any float
     return SpeedSample(
-        ttft_s=round(first_at - d.at, 6),
+        ttft_s=first_at - d.at,
         prefill_tokens=float(own + d.ahead) if d.ahead is not None else 0.0,
         prefill_reported=reported, inflight=d.inflight,
-        decode_s=round(end_at - first_at, 6) if tokens > 1 else 0.0, decode_tokens=max(tokens - 1, 0),
+        decode_s=end_at - first_at if tokens > 1 else 0.0, decode_tokens=tokens - 1 if tokens > 1 else 0,
         engine_prefill_tps=engine[0], engine_decode_tps=engine[1],
-        predicted_ttft_s=round(d.predicted_ttft_s, 6),
+        predicted_ttft_s=d.predicted_ttft_s,
     )
 
 

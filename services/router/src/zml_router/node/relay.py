@@ -211,8 +211,9 @@ class Relay:
             cached_tokens_estimated=decision.cached_tokens,
             prefill_failed=out.prefill_failed,
             # what the node's learned speeds predicted (docs/routing.md "Learned speeds")
-            predicted_ttft_ms=round(disp.predicted_ttft_s * 1000, 1),
-            predicted_tpot_ms=round(sp.gap_s(disp.inflight - 1) * 1000, 2),
+            # rounded to 0.1 / 0.01 ms without round() (~0.3 us each on this path)
+            predicted_ttft_ms=int(disp.predicted_ttft_s * 10_000.0 + 0.5) / 10,
+            predicted_tpot_ms=int(sp.gap_s(disp.inflight - 1) * 100_000.0 + 0.5) / 100,
         )
         if out.flow is not None:  # band, share, targets and predictions (zml_router.request.flowgate)
             out.flow.fill(info)
