@@ -175,7 +175,8 @@ def test_the_index_decides_as_the_scan_does() -> None:
     """The index's vector search (a large fleet's fast path) against the pass over the nodes:
     the same decision, option for option, on random fleets built to tie (few kinds, small
     counters: equal keys are broken by node id in both), with roles, groups, dead links, link
-    overrides, caches, exclusions, cooldowns, stale states and state changes after the index."""
+    overrides, caches, exclusions, cooldowns, stale states, state changes after the index, and a
+    decode node imposed (a failed prefill leg's search for another)."""
     import msgspec
 
     from zmlcore.policy.split import SplitIndex
@@ -211,7 +212,8 @@ def test_the_index_decides_as_the_scan_does() -> None:
         kw = {"prompt": prompt, "out": rng.randrange(1, 600), "objective": rng.choice(["latency", "cost"]),
               "cached": cached, "links": links, "stale_after_s": 15.0,
               "latency_target_s": rng.choice([0.5, 2.0, 5.0]),
-              "exclude": frozenset(rng.choice(nodes).node_id for _ in range(rng.choice([0, 1, 5])))}
+              "exclude": frozenset(rng.choice(nodes).node_id for _ in range(rng.choice([0, 1, 5]))),
+              "decode_node": rng.choice([None, None, None, wholes[0].node_id])}  # (a prefill leg's failover)
         a = decide(nodes, wholes[0], **kw)
         b = decide(nodes, wholes[0], index=index, **kw)
         assert (a.split, a.reason, a.chosen, a.best_split) == (b.split, b.reason, b.chosen, b.best_split), trial
@@ -219,3 +221,14 @@ def test_the_index_decides_as_the_scan_does() -> None:
         index.close()
     # both outcomes, and searches with no pair, were compared
     assert outcomes.get("split_better", 0) > 10 and outcomes.get("whole_better", 0) > 10, outcomes
+
+
+def test_a_failed_prefill_legs_search_keeps_its_decode_node() -> None:
+    # another prefill node for the same decode node, though another decoder would now be better
+    p1, p2 = view("p1", roles=["prefill"]), view("p2", "amd_mi300x", roles=["prefill"])
+    d, idle = busy(view("d", "intel_gaudi2", roles=["decode"])), view("idle", roles=["decode"])
+    assert decide([p1, p2, d, idle], d).chosen.node == "idle"  # type: ignore[union-attr]
+    dec = decide([p1, p2, d, idle], d, exclude=frozenset({"p1"}), decode_node="d")
+    assert dec.split and dec.chosen is not None and (dec.chosen.prefill_node, dec.chosen.node) == ("p2", "d")
+    # no other prefill node: whole on it
+    assert decide([p1, d, idle], d, exclude=frozenset({"p1"}), decode_node="d").reason == "no_pair"

@@ -441,7 +441,12 @@ class RouterService:
                 action = steps.send(result)
             except StopIteration:
                 return
-            if type(action) is route.Decide:
+            if type(action) is route.Decide and action.refill is not None:
+                # a split's prefill leg failed: another prefill node for its decode node, or whole there
+                result, why = self.splitter.decide(action.refill, action.rr, policy, time.time(), skey,
+                                                   decode_node=action.refill.node_id)
+                self.metrics.split("split" if result.prefill_node else why)
+            elif type(action) is route.Decide:
                 rr = action.rr
                 if action.continuation:  # only a node whose engine can continue the answer
                     rr = dataclasses.replace(rr, exclude=rr.exclude | self.table.cannot_continue())

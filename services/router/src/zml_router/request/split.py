@@ -68,9 +68,10 @@ class Splitter:
         return s
 
     def decide(self, whole: Decision, rr: RouteRequest, policy: ResolvedPolicy, now: float,
-               session: str = "") -> tuple[Decision, str]:
+               session: str = "", decode_node: str | None = None) -> tuple[Decision, str]:
         """The decision to act on (``whole``, or a split one naming its prefill node) and the
-        reason (zmlcore.policy.split.SplitDecision.reason)."""
+        reason (zmlcore.policy.split.SplitDecision.reason). ``decode_node``: only that node may
+        decode (``whole`` is on it: a split whose prefill leg failed, looking for another)."""
         views = self.table.views
         view = views.get(whole.node_id)
         if view is None or not view.state.kv_group or view.state.backend not in SPLIT_BACKENDS:
@@ -83,7 +84,7 @@ class Splitter:
                           cached={whole.node_id: whole.cached_tokens}, settings=self.settings(rr.model),
                           links=self.links, now=now, objective=objective_of(policy.strategy, cfg.cost_priority),
                           latency_target_s=target, previous=previous, exclude=rr.exclude,
-                          stale_after_s=self.cfg.router.stale_after_s, index=index)
+                          stale_after_s=self.cfg.router.stale_after_s, index=index, decode_node=decode_node)
         if session and sd.reason != "short_prompt":
             self.modes[session] = sd.mode
             self.modes.move_to_end(session)

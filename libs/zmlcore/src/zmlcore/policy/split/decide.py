@@ -173,13 +173,16 @@ def decide_split(
     mean_prompt: float = MEAN_PROMPT_TOKENS,
     mean_output: float = MEAN_OUTPUT_TOKENS,
     index: SplitIndex | None = None,
+    decode_node: str | None = None,
 ) -> SplitDecision:
     """Whole on ``whole`` (the policy's pick) or split over the best pair of ``nodes``.
 
     ``cached``: prompt tokens each node holds in its prefix cache (absent: none);
     ``previous``: this conversation's last mode, for the hysteresis; ``index``: a
     :class:`~zmlcore.policy.split.index.SplitIndex` over ``nodes`` (a large fleet: the legs'
-    candidates come from its columns instead of a pass over ``nodes``).
+    candidates come from its columns instead of a pass over ``nodes``); ``decode_node``: the
+    only node that may decode (a split whose prefill leg failed looks for another prefill
+    node for the same decode node; ``whole`` is then that node).
 
     >>> from zmlcore.messages import NodeState
     >>> def node(i, acc, roles):
@@ -209,7 +212,7 @@ def decide_split(
     if index is not None:  # a large fleet: the same search as vector operations on the index's columns
         found = index.best_pair(model, prompt, out_tokens, cached, settings.min_uncached_tokens, exclude, now,
                                 stale_after_s, PAIR_WIDTH, objective == "cost", settings.kv_bytes_per_token,
-                                links.explicit, latency_target_s, LATE_WEIGHT, _LATE_DOLLARS_PER_S)
+                                links.explicit, latency_target_s, LATE_WEIGHT, _LATE_DOLLARS_PER_S, decode_node)
         if found is not None:
             pj, dj, xfer, score = found
             p, d = (w if index.views[j] is whole else _Node.of_row(index, j) for j in (pj, dj))
@@ -217,7 +220,8 @@ def decide_split(
             best_pair = (p, cached.get(p.v.node_id, 0), d, cached.get(d.v.node_id, 0), xfer)
     else:
         best_key, best_pair = _scan(nodes, w, whole, model, prompt, out_tokens, cached, settings, links, now,
-                                    objective, latency_target_s, exclude, stale_after_s, mean_prompt, mean_output)
+                                    objective, latency_target_s, exclude, stale_after_s, mean_prompt, mean_output,
+                                    decode_node)
     best: Option | None = None
     if best_pair is not None and best_key is not None:
         p, cp, d, cd, xfer = best_pair
@@ -241,7 +245,8 @@ def decide_split(
 def _scan(nodes: Sequence[NodeView], w: _Node, whole: NodeView, model: str, prompt: int, out_tokens: int,
           cached: Mapping[str, int], settings: SplitSettings, links: KVLinks, now: float, objective: Objective,
           latency_target_s: float, exclude: frozenset[str], stale_after_s: float, mean_prompt: float,
-          mean_output: float) -> tuple[tuple[float, str, str] | None, tuple[_Node, int, _Node, int, float] | None]:
+          mean_output: float, decode_node: str | None = None
+          ) -> tuple[tuple[float, str, str] | None, tuple[_Node, int, _Node, int, float] | None]:
     """The pair search as a pass over the nodes (a small fleet, and the reference the index's
     vector form is tested against): each leg's PAIR_WIDTH best rows, then every pair of them.
     Returns the best pair's key (score, prefill id, decode id) and (p, its cache, d, its cache,
@@ -254,7 +259,7 @@ def _scan(nodes: Sequence[NodeView], w: _Node, whole: NodeView, model: str, prom
             continue
         reason = is_routable(v, model, now, stale_after_s)
         roles = st.roles
-        can_decode = reason is None and (not roles or "decode" in roles)
+        can_decode = reason is None and (not roles or "decode" in roles) and decode_node in (None, v.node_id)
         can_prefill = (reason is None or reason == "prefill_only") and (not roles or "prefill" in roles)
         if not (can_decode or can_prefill):
             continue

@@ -144,7 +144,8 @@ class SplitIndex:
     def best_pair(self, model: str, prompt: int, out_tokens: int, cached: Mapping[str, int], min_uncached: int,
                   exclude: frozenset[str], now: float, stale_after_s: float, width: int, cost_objective: bool,
                   kv_bytes_per_token: float, explicit: Mapping[tuple[str, str], float], target_s: float,
-                  late_weight: float, late_dollars_per_s: float) -> tuple[int, int, float, float] | None:
+                  late_weight: float, late_dollars_per_s: float, decode_node: str | None = None
+                  ) -> tuple[int, int, float, float] | None:
         """(prefill row, decode row, transfer seconds, score) of the best pair among each leg's
         best ``width`` rows by time and, for the cost objective, by dollars too; None if no pair.
         The decider's own formulas (decide.decide_split's scan), as vector operations."""
@@ -192,6 +193,12 @@ class SplitIndex:
                 gone += np.flatnonzero((now - self.updated) > stale_after_s).tolist()
         if gone:
             K[:, gone] = _INF
+        if decode_node is not None:  # that node or none decodes
+            keep = self.row.get(decode_node)
+            kept = K[1::2, keep].copy() if keep is not None else None
+            K[1::2] = _INF
+            if keep is not None:
+                K[1::2, keep] = kept
         # each key's best `width` rows: argmin takes the first of equal values, the lowest row,
         # which is the lowest node id (the pass's tie-break)
         picked: list[set[int]] = [set(), set()]
