@@ -190,3 +190,65 @@ def test_the_splitter_on_the_routers_table() -> None:
     # the TGI node (no leg protocol) is never chosen, even as the only prefill node left
     d, why = sp.decide(whole, dataclasses.replace(rr, exclude=frozenset({"pf"})), builtin_policy("latency"), now)
     assert why == "no_pair" and d.prefill_node == ""
+
+
+def test_a_split_leg_is_admitted_like_a_request() -> None:
+    """Each leg takes a slot of its node: under [flow] hold_when_full, flow control keeps a
+    split's legs off the nodes it keeps the request off (no free slot; for a tenant over its
+    share, none beyond the reserve), and a split over the admission bound is not taken."""
+    import time as _time
+
+    from zmlcore.config import parse_config
+    from zmlcore.messages import NodeState
+    from zmlcore.policy import RoutingState
+    from zmlcore.policy.prefix import PrefixIndex
+    from zmlcore.policy.resolve import builtin_policy
+    from zml_router.replicas.table import NodeTable
+    from zml_router.request.flowgate import FlowGate
+    from zml_router.request.split import Splitter
+
+    now = _time.time()
+
+    def setup(flow: dict[str, object], router: dict[str, object] | None = None
+              ) -> tuple[NodeTable, Splitter, FlowGate]:
+        # always: the pair is what is tested here, not whether it pays
+        cfg = parse_config({"disaggregation": {"enabled": True, "always": True}, "flow": flow, "router": router or {}})
+        table = NodeTable()
+        # pf-a prefills 100x faster than pf-b: the estimate prefers it even when it is full
+        for i, acc, roles, out, pf in (("pf-a", "nvidia_h100", ["prefill"], 8, 200_000.0),
+                                       ("pf-b", "cpu", ["prefill"], 0, 2_000.0),
+                                       ("dec", "intel_gaudi2", ["decode"], 10, 5_000.0)):
+            table.upsert(NodeState(node_id=i, accelerator_type=acc, family=acc.upper(), endpoint=f"http://{i}",
+                                   backend="vllm", status="up", models=["m"], roles=roles, kv_group="g",
+                                   kv_gbps=400.0, updated_at=now, max_concurrency=8 if i == "pf-a" else 16,
+                                   prefill_tps=pf))
+            table.views[i].outstanding = out
+        return table, Splitter(cfg, table), FlowGate(cfg, table, RoutingState(), PrefixIndex(), "r")
+
+    whole = Decision(node_id="dec", family="INTEL_GAUDI2", policy="latency", queue_depth=10)
+    rr = RouteRequest(model="m", prompt_tokens=6000, max_tokens=200)
+    pol = builtin_policy("latency")
+    # pf-a holds 8 of its 8 slots: without hold_when_full that is only an input of the estimate
+    # (which still prefers it); with it, no leg goes there, as no request would
+    table, sp, gate = setup({})
+    note = gate.note("zml.infer", "me", {"Zml-Priority": "standard"}, "m")
+    d, _ = sp.decide(whole, rr, pol, now, no_room=gate.no_room(note))
+    assert d.prefill_node == "pf-a"
+    table, sp, gate = setup({"hold_when_full": True})
+    note = gate.note("zml.infer", "me", {}, "m")
+    assert gate.no_room(note) == frozenset({"pf-a"})
+    d, _ = sp.decide(whole, rr, pol, now, no_room=gate.no_room(note))
+    assert d.prefill_node == "pf-b" and d.node_id == "dec"
+    # the slot frees: pf-a takes the leg again
+    table.views["pf-a"].outstanding = 7
+    d, _ = sp.decide(whole, rr, pol, now, no_room=gate.no_room(note))
+    assert d.prefill_node == "pf-a"
+    # sheddable work leaves the reserve (25%: 2 of 8 slots) free: 7 held, no leg for it there
+    shed = gate.note("zml.infer", "me", {"Zml-Priority": "sheddable"}, "m")
+    assert shed is not None and gate.no_room(shed) >= {"pf-a"}
+    d, _ = sp.decide(whole, rr, pol, now, no_room=gate.no_room(shed))
+    assert d.prefill_node == "pf-b"
+    # the admission bound applies to the split as to the request
+    table, sp, gate = setup({}, {"admission_ttft_s": 0.05})
+    d, why = sp.decide(whole, rr, pol, now)
+    assert why == "over_bound" and d.prefill_node == "" and d.node_id == "dec"
