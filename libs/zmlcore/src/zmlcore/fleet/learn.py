@@ -202,9 +202,12 @@ def observe_sample(s: LearnedSpeeds, sample: SpeedSample, now: float, maxc: int 
     when the request's prefill ran alone (``sample.alone``): llama.cpp and vLLM put the prompts
     of several sequences in one batch, so a request that shared its batches reports its own
     tokens over the whole batch's time, a fraction of the throughput (half, with two prompts of
-    a size). Shared, it is a lower bound. Without the engine's figure it is the prompt tokens
-    the node computed before the first token (those pending ahead, counted, and its own) over
-    the TTFT, counted only when the request got a sequence slot at once (``inflight <= maxc``:
+    a size). Shared, it is a lower bound. (Counting the TTFT's throughput beside it, to follow a
+    node slowed by its neighbours, let a busy fast llama-server's estimate fall to half the
+    engine's speed, and ZML moved its work to the slow one: benches/real_fleet.py.) Without the
+    engine's figure it is the prompt tokens the node computed before the first token (those
+    pending ahead, counted, and its own) over the TTFT less the node's fixed overhead
+    (``overhead_s``), counted only when the request got a sequence slot at once (``inflight <= maxc``:
     a wait for a slot is queueing, not prefill); a lower bound too when other prompts arrived
     during it (``joined_tokens``).
 
@@ -223,8 +226,8 @@ def observe_sample(s: LearnedSpeeds, sample: SpeedSample, now: float, maxc: int 
     >>> # its decode paused by 1,000 prompt tokens sent meanwhile (0.1 s of 0.16 s):
     >>> t = observe_sample(s, SpeedSample(ttft_s=0.2, prefill_tokens=2000, engine_prefill_tps=5_000,
     ...                                   engine_decode_tps=200, decode_tokens=31, decode_prefill_tokens=1000), now=2.0)
-    >>> round(rate(t.prefill), -2), t.decode is s.decode
-    (9900.0, True)
+    >>> t.prefill is s.prefill, t.decode is s.decode
+    (True, True)
     """
     cap = _cap(s)
     c = max(sample.inflight, 1)
@@ -234,17 +237,14 @@ def observe_sample(s: LearnedSpeeds, sample: SpeedSample, now: float, maxc: int 
         o = max(0.0, sample.ttft_s - sample.prefill_tokens / sample.engine_prefill_tps)
         s = msgspec.structs.replace(s, overhead_s=o if s.overhead_s <= 0 else
                                     s.overhead_s + OVERHEAD_STEP * (o - s.overhead_s))
-    engine_alone = alone and sample.engine_prefill_tps > 0
+    ttft = sample.ttft_s - s.overhead_s
     if sample.engine_prefill_tps > 0:
         s = observe_prefill(s, tps=sample.engine_prefill_tps, inflight=c, now=now, noise=NOISE_ENGINE,
                             measured=alone, cap=cap, bound=not alone, clean=alone)
-    ttft = sample.ttft_s - s.overhead_s
-    if not engine_alone and ttft > 0 and sample.prefill_tokens >= MIN_PREFILL_TOKENS and (maxc <= 0 or c <= maxc):
-        # the node's throughput over the prompts it had to compute before this first token:
-        # what follows a busy node's speed when no prefill runs alone (the engine's own figure
-        # of a shared batch only bounds it), slow side clipped as a router's samples are
+    elif ttft > 0 and sample.prefill_tokens >= MIN_PREFILL_TOKENS and (maxc <= 0 or c <= maxc):
         noise = NOISE_REPORTED if sample.prefill_reported else NOISE_ESTIMATED
-        s = observe_prefill(s, tps=sample.prefill_tokens / ttft, inflight=c, now=now, noise=noise, cap=cap)
+        s = observe_prefill(s, tps=sample.prefill_tokens / ttft, inflight=c, now=now, noise=noise, cap=cap,
+                            bound=sample.joined_tokens > 0)
     n = sample.decode_tokens
     if n >= MIN_DECODE_TOKENS or (sample.engine_decode_tps > 0 and n > 0):
         engine = sample.engine_decode_tps > 0
