@@ -168,7 +168,7 @@ class RouterService:
         await self.limits.start(nc)
         await self.ids.open(nc)
         queue = await self.glue.start(nc, self.router_id)
-        self.table.on_change = queue.capacity.set
+        self.table.on_change = self.gate.freed = queue.capacity.set
         self._subs += await self.sharing.start(nc, queue.capacity.set)
         self._loops.append(asyncio.create_task(self.sharing.publish_snapshots()))
         self._loops.append(asyncio.create_task(send_keepalives(self.keepalives, nc)))
@@ -458,8 +458,10 @@ class RouterService:
                     self.metrics.split("split" if result.prefill_node else why)
             elif type(action) is Dispatch:
                 node_id = action.decision.node_id
-                if note is not None and not note.charged:
-                    self.gate.dispatched(note, action.rr.prompt_tokens)
+                if note is not None:
+                    self.gate.sent(node_id)
+                    if not note.charged:
+                        self.gate.dispatched(note, action.rr.prompt_tokens)
                 if self.share is not None:  # the node will hold this prompt: every replica learns it
                     self.share.recorded(node_id, action.rr.prefix, time.time())
                 if skey and self.sessions is not None and action.rr.accelerator_id is None:
