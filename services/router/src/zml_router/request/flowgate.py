@@ -81,6 +81,12 @@ class Note:
                 info.slo = "admitted"
 
 
+def tpot_target(note: Note | None) -> float | None:
+    """The request's time-per-output-token target (its SLO), if it has one."""
+    slo = note.ask.slo if note is not None else None
+    return slo.tpot_s if slo is not None else None
+
+
 class FlowGate:
     def __init__(self, cfg: ZMLConfig, table: NodeTable, state: RoutingState, prefix: PrefixIndex,
                  router_id: str) -> None:

@@ -69,7 +69,7 @@ class Splitter:
 
     def decide(self, whole: Decision, rr: RouteRequest, policy: ResolvedPolicy, now: float,
                session: str = "", decode_node: str | None = None,
-               no_room: frozenset[str] = frozenset()) -> tuple[Decision, str]:
+               no_room: frozenset[str] = frozenset(), tpot_target_s: float | None = None) -> tuple[Decision, str]:
         """The decision to act on (``whole``, or a split one naming its prefill node) and the
         reason (zmlcore.policy.split.SplitDecision.reason). ``decode_node``: only that node may
         decode (``whole`` is on it: a split whose prefill leg failed, looking for another).
@@ -79,7 +79,11 @@ class Splitter:
         under ``[flow] hold_when_full``; the node the request's own decision admitted it to
         excepted), on a saturated or cooling node (the decider's routability), nor a split whose
         estimated time to first token is over ``[router] admission_ttft_s`` (reason
-        ``over_bound``)."""
+        ``over_bound``).
+
+        ``tpot_target_s``: the request's time-per-output-token target (its SLO), if any: a
+        decode past it counts as late (zmlcore.policy.split.decide_split's ``itl_target_s``),
+        and a short prompt whose node decodes too slowly for it may be split too."""
         views = self.table.views
         view = views.get(whole.node_id)
         if view is None or not view.state.kv_group or view.state.backend not in SPLIT_BACKENDS:
@@ -94,6 +98,7 @@ class Splitter:
                           cached={whole.node_id: whole.cached_tokens}, settings=self.settings(rr.model),
                           links=self.links, now=now, objective=objective_of(policy.strategy, cfg.cost_priority),
                           latency_target_s=target, previous=previous, exclude=exclude,
+                          itl_target_s=tpot_target_s if tpot_target_s is not None else float("inf"),
                           stale_after_s=self.cfg.router.stale_after_s, index=index, decode_node=decode_node)
         if sd.split and sd.chosen is not None and sd.chosen.ttft_s > self.cfg.router.admission_ttft_s:
             # the admission bound, as for any request: whole was admitted under it, the split is not

@@ -144,8 +144,8 @@ class SplitIndex:
     def best_pair(self, model: str, prompt: int, out_tokens: int, cached: Mapping[str, int], min_uncached: int,
                   exclude: frozenset[str], now: float, stale_after_s: float, width: int, cost_objective: bool,
                   kv_bytes_per_token: float, explicit: Mapping[tuple[str, str], float], target_s: float,
-                  late_weight: float, late_dollars_per_s: float, decode_node: str | None = None
-                  ) -> tuple[int, int, float, float] | None:
+                  late_weight: float, late_dollars_per_s: float, decode_node: str | None = None,
+                  itl_target_s: float = _INF) -> tuple[int, int, float, float] | None:
         """(prefill row, decode row, transfer seconds, score) of the best pair among each leg's
         best ``width`` rows by time and, for the cost objective, by dollars too; None if no pair.
         The decider's own formulas (decide.decide_split's scan), as vector operations."""
@@ -240,12 +240,16 @@ class SplitIndex:
             xfer = (moved * kv_bytes_per_token)[None, :] / (gbps * _GBIT)
         ttft = (head[:, None] + xfer) + self.dhead[D][None, :]
         time_s = (ttft + rest[D][None, :]) + stall[:, None]
+        step = self.step_next[D]
+        # each decode leg's seconds past the inter-token target: (O-1) x the excess of each step
+        late = np.where(step > itl_target_s, (out_tokens - 1) * (step - itl_target_s), 0.0)
         if cost_objective:
-            dollars = (self.cost_h[P] * pre_p)[:, None] + (self.cost_h[D] * float(out_tokens - 1) * self.step_next[D]
+            dollars = (self.cost_h[P] * pre_p)[:, None] + (self.cost_h[D] * float(out_tokens - 1) * step
                                                          / self.maxc[D])[None, :]
-            score = np.where(ttft <= target_s, dollars, late_dollars_per_s * time_s)
+            score = np.where((ttft <= target_s) & (late == 0.0)[None, :], dollars, late_dollars_per_s * time_s)
         else:
             score = np.where(ttft > target_s, time_s + late_weight * (ttft - target_s), time_s)
+            score += (late_weight * late)[None, :]  # (+ 0.0 where within it: the same value)
         score = np.where(valid, score, _INF)
         k = int(np.argmin(score))  # first minimum: the lowest (prefill id, decode id), rows in id order
         a, b = divmod(k, len(drows))
