@@ -202,7 +202,8 @@ def test_the_index_decides_as_the_scan_does() -> None:
                 v.cooldown_until = rng.choice([-1.0, 5.0])
             if rng.random() < 0.05:
                 v.state = msgspec.structs.replace(v.state, status=rng.choice(["up", "draining"]),
-                                              models=rng.choice([["m"], ["other"]]), updated_at=0.0)
+                                              models=rng.choice([["m"], ["other"]]), updated_at=0.0,
+                                              kv_group=rng.choice(["g", "h", ""]))
         wholes = [v for v in nodes if "prefill" not in v.state.roles or "decode" in v.state.roles]
         prompt = rng.randrange(300, 8000)
         cached = {v.node_id: rng.randrange(0, prompt) for v in rng.sample(nodes, rng.choice([0, 1, 3]))}

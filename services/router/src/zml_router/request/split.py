@@ -13,6 +13,7 @@ import dataclasses
 from collections import OrderedDict
 
 from zmlcore.config import ZMLConfig
+from zmlcore.messages import NodeState
 from zmlcore.policy import Decision, NodeView, ResolvedPolicy, RouteRequest
 from zmlcore.policy.split import KVLinks, SplitIndex, SplitSettings, decide_split, objective_of
 from zmlcore.policy.split.decide import Mode
@@ -22,11 +23,16 @@ from zml_router.replicas.table import NodeTable
 
 #: Conversations whose last mode is remembered (least recently used forgotten first).
 MAX_SESSIONS = 100_000
-#: Above this many candidate nodes the legs' candidates come from a SplitIndex (numpy columns
-#: kept per change) rather than a pass over the nodes.
+#: Above this many nodes the legs' candidates come from a SplitIndex (numpy columns kept per
+#: change) rather than a pass over the nodes.
 INDEX_ABOVE = 16
-#: Seconds after which the candidates are listed again though no node came or went.
+#: Seconds after which a small fleet's candidates are listed again though no node came or went.
 REFRESH_S = 5.0
+
+
+def _has_legs(st: NodeState) -> bool:
+    """The node's engine has a leg protocol here."""
+    return st.backend in SPLIT_BACKENDS
 
 
 class Splitter:
@@ -43,19 +49,26 @@ class Splitter:
         self._src: object = None
         self._nodes: list[NodeView] = []
         self._index: SplitIndex | None = None
+        self._nodes_src: object = None
         self._built_at = 0.0
 
     def _candidates(self, now: float) -> tuple[list[NodeView], SplitIndex | None]:
         src = self.table.nodes()  # a new list whenever the membership changes
-        # ... and every REFRESH_S: a node's kv_group or engine may change in its state alone
-        if src is not self._src or now - self._built_at > REFRESH_S:
-            self._built_at = now
+        if src is not self._src:
             if self._index is not None:
                 self._index.close()
             self._src = src
-            self._nodes = [v for v in src if v.state.kv_group and v.state.backend in SPLIT_BACKENDS]
-            self._index = SplitIndex(self._nodes) if len(self._nodes) > INDEX_ABOVE else None
-        return self._nodes, self._index
+            # a large fleet: an index over every node, following each one's kv_group and engine
+            # as its state changes (built once per membership change: ~4 ms at 1,000 nodes)
+            self._index = SplitIndex(src, member=_has_legs) if len(src) > INDEX_ABOVE else None
+        if self._index is not None:
+            return self._nodes, self._index
+        if now - self._built_at > REFRESH_S or self._nodes_src is not src:
+            # a small fleet: the nodes with a leg protocol, listed again when it changes and
+            # every REFRESH_S (a node's kv_group or engine may change in its state alone)
+            self._built_at, self._nodes_src = now, src
+            self._nodes = [v for v in src if v.state.kv_group and _has_legs(v.state)]
+        return self._nodes, None
 
     def settings(self, model: str) -> SplitSettings:
         s = self._settings.get(model)
