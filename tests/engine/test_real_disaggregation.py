@@ -57,14 +57,16 @@ def pair(llama: Llama, own_nats: str, tmp_path_factory: pytest.TempPathFactory) 
         node.start(llama)
     stack = None
     try:
-        roles = {"llama-p": 'roles = ["prefill"]\n', "llama-d": 'roles = ["decode"]\n', "llama-p2": 'roles = ["prefill"]\n'}
+        roles = {"llama-p": 'roles = ["prefill"]\n', "llama-d": 'roles = ["decode"]\n',
+                 "llama-p2": 'roles = ["prefill"]\n'}
         extra = POLICY + "[disaggregation]\nenabled = true\nalways = true\nmin_uncached_tokens = 256\n"
         for node in (p, d, p2):
             # kv_group and roles go before the served_names table
             toml = real_node_toml(node)
             head, tail = toml.split("[nodes.served_names]")
             gbps = 1 if node is p2 else 10
-            extra += head + roles[node.node_id] + f'kv_group = "cpu"\nkv_gbps = {gbps}\n' + "[nodes.served_names]" + tail
+            extra += (head + roles[node.node_id] + f'kv_group = "cpu"\nkv_gbps = {gbps}\n' + "[nodes.served_names]"
+                      + tail)
         stack = launch_stack(own_nats, tmp_path_factory.mktemp("pd"), fleet=SIM_FLEET, extra=extra, poll_s=0.5,
                              routers=1)
         for node_id in ("llama-p", "llama-d", "llama-p2"):

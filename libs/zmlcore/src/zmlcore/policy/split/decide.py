@@ -293,7 +293,8 @@ def _scan(nodes: Sequence[NodeView], w: _Node, whole: NodeView, model: str, prom
     explicit = links.explicit
     cost_obj = objective == "cost"
     drows = [(d, cd, d.v.state, d.v.node_id, d.wait_prefill + 1.0 / d.pf, (out_tokens - 1) * d.step_next,
-              d.cost / 3600.0 * (out_tokens - 1) * d.step_next / d.maxc, _itl_late(out_tokens, d.step_next, itl_target_s))
+              d.cost / 3600.0 * (out_tokens - 1) * d.step_next / d.maxc,
+              _itl_late(out_tokens, d.step_next, itl_target_s))
              for _, _, d, cd in _best(decs, cost_obj)]
     for _, _, p, cp in _best(pres, cost_obj):
         pst = p.v.state
