@@ -292,3 +292,48 @@ def test_the_splitters_index_follows_a_large_tables_states() -> None:
     v.state = msgspec.structs.replace(v.state, kv_group="g")  # back
     assert sp.decide(whole, rr, builtin_policy("latency"), now)[0].prefill_node == "n07"
     assert sp._index is index  # not rebuilt
+
+
+def test_the_requests_own_targets_reach_the_decider() -> None:
+    """A request's SLO (Zml-Ttft-Slo-Ms / Zml-Tpot-Slo-Ms, zml_router.request.flowgate.targets)
+    is what the splitter scores against: a short prompt on a node too slow for its TPOT target
+    is split off it; a split whose first token comes after its TTFT target is not taken when
+    whole is within it."""
+    import time as _time
+
+    from zmlcore.config import parse_config
+    from zmlcore.messages import NodeState
+    from zmlcore.policy import RoutingState
+    from zmlcore.policy.prefix import PrefixIndex
+    from zmlcore.policy.resolve import builtin_policy
+    from zml_router.replicas.table import NodeTable
+    from zml_router.request.flowgate import FlowGate, targets
+    from zml_router.request.split import Splitter
+
+    now = _time.time()
+    cfg = parse_config({"disaggregation": {"enabled": True}})
+    table = NodeTable()
+    for i, acc, pf, dec in (("inf2", "aws_inferentia2", 3000.0, 18.0), ("h100", "nvidia_h100", 10000.0, 60.0)):
+        table.upsert(NodeState(node_id=i, accelerator_type=acc, family=acc.upper(), endpoint=f"http://{i}",
+                               backend="vllm", status="up", models=["m"], kv_group="g", kv_gbps=1.0,
+                               updated_at=now, prefill_tps=pf, decode_tps=dec))
+    sp = Splitter(cfg, table)
+    gate = FlowGate(cfg, table, RoutingState(), PrefixIndex(), "r")
+    pol = builtin_policy("latency")
+    whole = Decision(node_id="inf2", family="AWS_INFERENTIA2", policy="latency", queue_depth=0)
+    short = RouteRequest(model="m", prompt_tokens=60, max_tokens=200)
+    assert targets(None) == (None, None)
+    assert sp.decide(whole, short, pol, now)[1] == "short_prompt"
+    slo = gate.note("zml.infer", "me", {"Zml-Tpot-Slo-Ms": "50"}, "m")
+    assert targets(slo) == (None, 0.05)
+    d, why = sp.decide(whole, short, pol, now, tpot_target_s=targets(slo)[1])
+    assert why == "split_better" and d.node_id == "h100" and d.prefill_node == "inf2"
+    # 1,000 tokens split for the faster decoder, the first token ~1.2 s out (the slow link: 1 s of
+    # transfer) against 0.33 s whole: within the policy's 2 s, split; the request's 0.5 s, whole
+    mid = RouteRequest(model="m", prompt_tokens=1000, max_tokens=40)
+    d, why = sp.decide(whole, mid, pol, now)
+    assert why == "split_better" and d.node_id == "h100" and d.transfer_s > 0.5
+    tight = gate.note("zml.infer", "me", {"Zml-Ttft-Slo-Ms": "500"}, "m")
+    assert targets(tight) == (0.5, None)
+    d, why = sp.decide(whole, mid, pol, now, ttft_target_s=targets(tight)[0])
+    assert why == "whole_better" and d.node_id == "inf2" and not d.prefill_node

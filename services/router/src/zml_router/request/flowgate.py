@@ -81,10 +81,10 @@ class Note:
                 info.slo = "admitted"
 
 
-def tpot_target(note: Note | None) -> float | None:
-    """The request's time-per-output-token target (its SLO), if it has one."""
+def targets(note: Note | None) -> tuple[float | None, float | None]:
+    """The request's (time-to-first-token, time-per-output-token) targets, its SLO (None: none)."""
     slo = note.ask.slo if note is not None else None
-    return slo.tpot_s if slo is not None else None
+    return (slo.ttft_s, slo.tpot_s) if slo is not None else (None, None)
 
 
 class FlowGate:

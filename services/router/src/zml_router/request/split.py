@@ -82,7 +82,8 @@ class Splitter:
 
     def decide(self, whole: Decision, rr: RouteRequest, policy: ResolvedPolicy, now: float,
                session: str = "", decode_node: str | None = None,
-               no_room: frozenset[str] = frozenset(), tpot_target_s: float | None = None) -> tuple[Decision, str]:
+               no_room: frozenset[str] = frozenset(), tpot_target_s: float | None = None,
+               ttft_target_s: float | None = None) -> tuple[Decision, str]:
         """The decision to act on (``whole``, or a split one naming its prefill node) and the
         reason (zmlcore.policy.split.SplitDecision.reason). ``decode_node``: only that node may
         decode (``whole`` is on it: a split whose prefill leg failed, looking for another).
@@ -96,14 +97,16 @@ class Splitter:
 
         ``tpot_target_s``: the request's time-per-output-token target (its SLO), if any: a
         decode past it counts as late (zmlcore.policy.split.decide_split's ``itl_target_s``),
-        and a short prompt whose node decodes too slowly for it may be split too."""
+        and a short prompt whose node decodes too slowly for it may be split too.
+        ``ttft_target_s``: its time-to-first-token target, if any, instead of the policy's
+        ``latency_target_ms``."""
         views = self.table.views
         view = views.get(whole.node_id)
         if view is None or not view.state.kv_group or view.state.backend not in SPLIT_BACKENDS:
             return whole, "no_pair"
         nodes, index = self._candidates(now)
         cfg = policy.config
-        target = (cfg.latency_target_ms or 2000.0) / 1000.0
+        target = ttft_target_s if ttft_target_s is not None else (cfg.latency_target_ms or 2000.0) / 1000.0
         previous = self.modes.get(session) if session else None
         barred = no_room - {whole.node_id}
         exclude = rr.exclude | barred if barred else rr.exclude
