@@ -350,8 +350,9 @@ def decide_bench(n_nodes: int = 1000, reps: int = 2000) -> dict[str, float]:
         v.outstanding = rng.randrange(0, prof.max_concurrency)
         views.append(v)
     settings, links = SplitSettings(), KVLinks()
+    t0 = time.perf_counter()
     index = SplitIndex(views)
-    out: dict[str, float] = {"nodes": n_nodes}
+    out: dict[str, float] = {"nodes": n_nodes, "index_build_ms": (time.perf_counter() - t0) * 1e3}
     for name, idx, objective in (("scan", None, "latency"), ("index", index, "latency"),
                                  ("index_cost", index, "cost")):
         times = []

@@ -179,19 +179,36 @@ while True:
     time.sleep(0.5)
 '''
 
-# Runs ``-m MODULE ARGS`` under cProfile timed by process CPU time, stats written at exit.
-CPROF_RUN = r'''import cProfile, runpy, sys, time
+# Runs ``-m MODULE ARGS`` with cProfile timed by process CPU time, off until SIGUSR1 and written
+# at SIGUSR2 (so start-up and warm-up stay out of the profile; at exit if never stopped).
+CPROF_RUN = r'''import cProfile, runpy, signal, sys, time
 out, mod = sys.argv[1], sys.argv[2]
 sys.argv = [mod] + sys.argv[3:]
 prof = cProfile.Profile(time.process_time)
-prof.enable()
+state = {"on": False, "done": False}
+
+
+def on(*_):
+    if not state["on"]:
+        state["on"] = True
+        prof.enable()
+
+
+def off(*_):
+    if state["on"] and not state["done"]:
+        prof.disable()
+        state["done"] = True
+        prof.dump_stats(out)
+
+
+signal.signal(signal.SIGUSR1, on)
+signal.signal(signal.SIGUSR2, off)
 try:
     runpy.run_module(mod, run_name="__main__", alter_sys=True)
 except SystemExit:
     pass
 finally:
-    prof.disable()
-    prof.dump_stats(out)
+    off()
 '''
 
 # Imported by the patched bench.py: ZML targets, readiness by POST, per-process CPU split.
@@ -575,8 +592,20 @@ def cprofile(workdir, target, conc, seconds, stream=False):
         procs.append(stack)
         log("%s up in %.1fs" % (target, zml_targets.wait_post(t["url"], 120)))
         env = dict(os.environ, WRK_MODEL="stub-model", WRK_STREAM="1" if stream else "0")
-        r = subprocess.run(["wrk", "-t1", "-c%d" % conc, "-d%ds" % seconds, "--timeout", "30s", "-s",
-                            os.path.join(workdir, "post.lua"), t["url"]], capture_output=True, text=True, env=env)
+
+        def wrk(secs):
+            return subprocess.run(["wrk", "-t1", "-c%d" % conc, "-d%ds" % secs, "--timeout", "30s", "-s",
+                                   os.path.join(workdir, "post.lua"), t["url"]], capture_output=True, text=True, env=env)
+
+        wrk(3)  # warm-up, outside the profile
+        pids = json.load(open(os.path.join(workdir, "logs", target + ".pids.json")))
+        profiled = [pids[n] for n in ("gateway", "router1") if n in pids]
+        for pid in profiled:
+            os.kill(pid, signal.SIGUSR1)
+        r = wrk(seconds)
+        for pid in profiled:
+            os.kill(pid, signal.SIGUSR2)
+        time.sleep(2)
         log("wrk:", [line for line in r.stdout.splitlines() if "WRKJSON" in line or "Requests/sec" in line])
     finally:
         for p in reversed(procs):

@@ -12,6 +12,8 @@ against the peers harness's stub (its CPU is not counted):
              that answers it at once (gateway + broker + router, neither doing anything)
   http+nats+node  the responder calls the stub over HTTP (aiohttp, kept-alive connections) and
              answers with its reply: the whole shape of ZML's path, none of its decisions
+  http+nats+node-raw  the same with the responder's node calls on a bare asyncio protocol and
+             httptools (kept-alive), as ZML's router makes them: aiohttp's client costs more
 
 CPU is read from /proc for every process of a stack (server, responder, nats-server), in ms
 per request; run it beside benches/peers_path.py (same box, same minutes) to read ZML's numbers
@@ -76,16 +78,77 @@ import asyncio, os, sys
 import nats, uvloop
 node = os.environ.get("FLOOR_NODE")
 
+class RawConn(asyncio.Protocol):
+    """One kept-alive HTTP/1.1 connection parsed by httptools, as ZML's router's node client
+    (zml_router.node.conn) is, with none of its bounds, timers or checks."""
+
+    def __init__(self):
+        import httptools
+        self.new_parser = httptools.HttpResponseParser
+        self.t = None
+        self.fut = None
+        self.body = []
+        self.dead = False
+
+    def connection_made(self, t):
+        self.t = t
+
+    def data_received(self, data):
+        self.parser.feed_data(data)
+
+    def on_body(self, b):
+        self.body.append(b)
+
+    def on_message_complete(self):
+        self.fut.set_result(b"".join(self.body))
+
+    def connection_lost(self, exc):
+        self.dead = True
+        if self.fut is not None and not self.fut.done():
+            self.fut.set_exception(ConnectionError("closed"))
+
+    def post(self, req):
+        self.parser = self.new_parser(self)
+        self.body = []
+        self.fut = asyncio.get_running_loop().create_future()
+        self.t.write(req)
+        return self.fut
+
+
+class RawClient:
+    def __init__(self, url):
+        from urllib.parse import urlsplit
+        u = urlsplit(url)
+        self.host, self.port = u.hostname, u.port
+        self.head = ("POST %s HTTP/1.1\r\nhost: %s:%d\r\ncontent-type: application/json\r\n"
+                     "content-length: " % (u.path, u.hostname, u.port)).encode()
+        self.idle = []
+
+    async def post(self, body):
+        conn = self.idle.pop() if self.idle else None
+        if conn is None:
+            _, conn = await asyncio.get_running_loop().create_connection(RawConn, self.host, self.port)
+        data = await conn.post(b"".join((self.head, str(len(body)).encode(), b"\r\n\r\n", body)))
+        if not conn.dead:
+            self.idle.append(conn)
+        return data
+
+
 async def main():
     nc = await nats.connect(os.environ["FLOOR_NATS"])
     session = None
-    if node:
+    if node and os.environ.get("FLOOR_CLIENT") == "raw":
+        session = RawClient(node)
+    elif node:
         import aiohttp
         session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=256))
 
     async def handle(msg):
         if session is None:
             await msg.respond(msg.data)
+            return
+        if isinstance(session, RawClient):
+            await msg.respond(await session.post(msg.data))
             return
         async with session.post(node, data=msg.data, headers={"content-type": "application/json"}) as r:
             await msg.respond(await r.read())
@@ -159,8 +222,9 @@ def run_stack(kind: str, harness: str, conc: list[int], seconds: int, work: str)
             named["nats"] = procs[-1].pid
             wait_port(nport)
             env["FLOOR_NATS"] = f"nats://127.0.0.1:{nport}"
-            if kind == "http+nats+node":
+            if kind.startswith("http+nats+node"):
                 env["FLOOR_NODE"] = "http://127.0.0.1:8001/v1/chat/completions"
+                env["FLOOR_CLIENT"] = "raw" if kind.endswith("-raw") else "aiohttp"
             procs.append(subprocess.Popen([sys.executable, os.path.join(work, "responder.py")], env=env))
             named["responder"] = procs[-1].pid
         port = free_port()
@@ -190,7 +254,7 @@ def main() -> None:
     ap.add_argument("--harness", default=os.path.join(HERE, "..", "..", "shared", "peers"))
     ap.add_argument("--conc", default="1,64")
     ap.add_argument("--seconds", type=int, default=6)
-    ap.add_argument("--stacks", default="http,http+nats,http+nats+node")
+    ap.add_argument("--stacks", default="http,http+nats,http+nats+node,http+nats+node-raw")
     a = ap.parse_args()
     work = tempfile.mkdtemp(prefix="zml-floor-")
     open(os.path.join(work, "app.py"), "w").write(APP)

@@ -1,12 +1,14 @@
 """Disaggregated prefill/decode through the whole stack (gateway, router, health, sim nodes
 speaking vLLM's KV-connector protocol): a long prompt is prefilled on the prefill node and
 decoded on the decode node from the pulled blocks, as one answer, streamed or not, the legs
-named in the routing metadata; a short one is served whole; a failed prefill leg leaves the
-request served whole on the decode node, which the reply says."""
+named in the routing metadata; a short one is served whole; a failed prefill leg (an error, or
+its node lost mid-leg) is run again on the other prefill node for the same decode node, and when
+that fails too the request is served whole on the decode node; the reply says which."""
 
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Iterator
 
@@ -17,6 +19,8 @@ from conftest import MODEL, Stack, launch_stack
 
 PREFILL = ("pf-1", "nvidia_h100", [MODEL], 'roles = ["prefill"]\nkv_group = "g"\nkv_gbps = 400\n')
 DECODE = ("dec-1", "intel_gaudi2", [MODEL], 'roles = ["decode"]\nkv_group = "g"\nkv_gbps = 400\n')
+# a second prefill node, far slower (a CPU): the decider prefers pf-1 whenever it can take the leg
+PREFILL2 = ("pf-2", "cpu", [MODEL], 'roles = ["prefill"]\nkv_group = "g"\nkv_gbps = 400\n')
 def long_prompt(topic: str) -> str:
     """~6,000 tokens, a new prompt per topic (no node holds any of it yet)."""
     return f"Summarise the {topic} report in one line. " + f"The {topic} figures rose again. " * 650
@@ -29,9 +33,10 @@ def stack(own_nats: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[S
     # tests/unit/test_split_decide.py's, the legs are this module's
     # (min_uncached_tokens 2048: a follow-up turn leaves less than that uncached where it was decoded)
     extra = "[disaggregation]\nenabled = true\nalways = true\nmin_uncached_tokens = 2048\n"
-    s = launch_stack(own_nats, tmp_path_factory.mktemp("disagg"), fleet=[PREFILL, DECODE], routers=1, extra=extra)
+    s = launch_stack(own_nats, tmp_path_factory.mktemp("disagg"), fleet=[PREFILL, PREFILL2, DECODE], routers=1,
+                     extra=extra)
     try:
-        wait_up(s, "pf-1", "dec-1")
+        wait_up(s, "pf-1", "pf-2", "dec-1")
         yield s
     finally:
         s.stop()
@@ -106,15 +111,71 @@ def test_the_next_turn_stays_on_the_decode_node_that_holds_the_conversation(stac
     assert z["node_id"] == "dec-1" and not z.get("prefill_node") and z["cached_tokens_estimated"] > 3000
 
 
-def test_a_failed_prefill_leg_is_served_whole_on_the_decode_node(stack: Stack) -> None:
+def cooled_down() -> None:
+    """A node that failed is skipped for the stack's [router] cooldown_s (2 s): let it pass, so
+    the next test finds pf-1 preferred again."""
+    time.sleep(2.5)
+
+
+def test_a_failed_prefill_leg_is_run_again_on_the_other_prefill_node(stack: Stack) -> None:
     sim_faults(stack, "pf-1", {"error_rate": 1.0})
     try:
         r = chat(stack, long_prompt("monthly"))
         assert r.status_code == 200, r.text
-        z = r.json()["zml"]
-        assert z["node_id"] == "dec-1" and not z.get("prefill_node")
-        assert z["prefill_failed"] == "pf-1:server"
-        assert r.headers["x-zml-prefill-failed"] == "pf-1:server"
+        body = r.json()
+        z = body["zml"]
+        assert z["node_id"] == "dec-1" and z["prefill_node"] == "pf-2" and z["prefill_failed"] == "pf-1:server"
+        assert r.headers["x-zml-prefill-failed"] == "pf-1:server" and r.headers["x-zml-prefill-node"] == "pf-2"
+        usage = body["usage"]  # decoded from pf-2's blocks: nothing recomputed
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= 0.95 * usage["prompt_tokens"]
     finally:
         sim_faults(stack, "pf-1", None)
+        cooled_down()
 
+
+def test_when_both_prefill_legs_fail_the_request_is_served_whole_on_the_decode_node(stack: Stack) -> None:
+    for node in ("pf-1", "pf-2"):
+        sim_faults(stack, node, {"error_rate": 1.0})
+    try:
+        r = chat(stack, long_prompt("yearly"))
+        assert r.status_code == 200, r.text
+        z = r.json()["zml"]
+        assert z["node_id"] == "dec-1" and not z.get("prefill_node")
+        assert z["prefill_failed"] == "pf-1:server,pf-2:server"
+        assert r.headers["x-zml-prefill-failed"] == "pf-1:server,pf-2:server"
+        assert r.json()["usage"]["completion_tokens"] == 8
+    finally:
+        for node in ("pf-1", "pf-2"):
+            sim_faults(stack, node, None)
+        cooled_down()
+
+
+def test_a_prefill_node_lost_mid_leg_hands_the_leg_to_the_other(stack: Stack) -> None:
+    """pf-1 slowed so its leg takes ~1.5 s, then crashed 0.5 s into it (connections dropped,
+    back 2 s later): the leg goes to pf-2, the answer comes from dec-1 with pf-2's blocks."""
+    sim_faults(stack, "pf-1", {"slowdown": 50.0})
+    box: dict[str, httpx.Response] = {}
+    t = threading.Thread(target=lambda: box.setdefault("r", chat(stack, long_prompt("hourly"))))
+    t.start()
+    try:
+        time.sleep(0.5)
+        sim_faults(stack, "pf-1", {"slowdown": 50.0, "crash": True, "crash_for_s": 2.0})
+        t.join(30)
+        r = box["r"]
+        assert r.status_code == 200, r.text
+        body = r.json()
+        z = body["zml"]
+        assert z["node_id"] == "dec-1" and z["prefill_node"] == "pf-2" and z["prefill_failed"] == "pf-1:network", z
+        usage = body["usage"]
+        assert usage["prompt_tokens_details"]["cached_tokens"] >= 0.95 * usage["prompt_tokens"]
+        assert usage["completion_tokens"] == 8
+    finally:
+        t.join(30)
+        deadline = time.monotonic() + 15  # back up: its faults cleared
+        while True:
+            try:
+                sim_faults(stack, "pf-1", None)
+                break
+            except (httpx.HTTPError, AssertionError):
+                assert time.monotonic() < deadline
+                time.sleep(0.3)

@@ -23,7 +23,7 @@ async def test_events_older_than_the_window_are_dropped_as_new_ones_arrive() -> 
     board.events.append((now - 1.0, "H100", "h100-1", True, "", 0.1, 0.2))  # recent: kept
     ev = RequestCompleted(model="m", node_id="h100-2", family="H100", ok=True, ts=time.time(), ttft_s=0.1, latency_s=0.3)
     msg: Any = SimpleNamespace(data=msgspec.json.encode(ev))
-    await board._on_completed(msg)
+    board._on_completed(msg)
     assert [e[2] for e in board.events] == ["h100-1", "h100-2"]
     assert board.stats(time.monotonic())["decisions_per_s"]["total"] == round(2 / dashboard.RATE_WINDOW_S, 2)
 

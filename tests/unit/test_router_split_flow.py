@@ -1,6 +1,7 @@
 """A split request in the router's flow (zml_router.request.route), driven by hand: the prefill
-leg, then the decode leg with what it handed over; a failed prefill leg serves the request whole
-on the decode node and says so; a retry after a failed split attempt is never split again."""
+leg, then the decode leg with what it handed over; a failed prefill leg is tried once more on
+another prefill node for the same decode node, then the request is served whole there, and the
+reply says so; a retry after a failed split attempt is never split again."""
 
 from __future__ import annotations
 
@@ -21,22 +22,29 @@ def split_decision(node: str = "dec", prefill: str = "pf") -> Decision:
     return Decision(node_id=node, family="Gaudi2", policy="latency", queue_depth=0, prefill_node=prefill)
 
 
-def drive(prefill_result: Handoff | AttemptError, dispatch_results: list[AttemptError | None]
+def drive(prefill_result: Handoff | AttemptError | list[Handoff | AttemptError],
+          dispatch_results: list[AttemptError | None], refill: str = "pf2"
           ) -> tuple[list[object], Outcome, ZMLError | None]:
+    """Run the flow: the first decision splits over (pf, dec); a refill (another prefill node for
+    dec) names ``refill`` ("" : whole on dec); prefill legs answer ``prefill_result`` in turn."""
     out = Outcome()
     seen: list[object] = []
     steps = route.route(Plan(model="m", policy="latency", rr=RouteRequest(model="m"), max_attempts=3), out)
     result: route.Result = None
     results = iter(dispatch_results)
+    legs_ = iter(prefill_result if isinstance(prefill_result, list) else [prefill_result])
     try:
         while True:
             action = steps.send(result)
             seen.append(action)
-            if isinstance(action, Decide):
+            if isinstance(action, Decide) and action.refill is not None:
+                assert action.refill.node_id == "dec" and not action.refill.prefill_node
+                result = dataclasses.replace(action.refill, prefill_node=refill)
+            elif isinstance(action, Decide):
                 result = split_decision() if action.split else dataclasses.replace(split_decision("other"),
                                                                                       prefill_node="")
             elif isinstance(action, Prefill):
-                result = prefill_result
+                result = next(legs_)
             elif isinstance(action, Dispatch):
                 result = AttemptResult(error=next(results))
             else:
@@ -58,13 +66,44 @@ def test_prefill_then_decode_with_the_handoff() -> None:
     assert disp[0].decision.prefill_node == ""
 
 
-def test_a_failed_prefill_leg_is_served_whole_on_the_decode_node() -> None:
-    seen, out, err = drive(AttemptError(Failure.NETWORK, 0, "reset"), [None])
+def test_a_failed_prefill_leg_is_prefilled_again_on_another_node_for_the_same_decode_node() -> None:
+    h = Handoff("pf2", {"kv_transfer_params": {"remote_engine_id": "e2"}}, 30.0)
+    seen, out, err = drive([AttemptError(Failure.NETWORK, 0, "reset"), h], [None])
     assert err is None and out.ok and out.prefill_failed == "pf:network" and out.failed_nodes == ["pf"]
     pen = [a for a in seen if isinstance(a, Penalise)]
     assert len(pen) == 1 and pen[0].decision.node_id == "pf"
+    refills = [a for a in seen if isinstance(a, Decide) and a.refill is not None]
+    assert len(refills) == 1 and refills[0].rr.exclude == frozenset({"pf"})  # the lost node is out
+    pre = [a for a in seen if isinstance(a, Prefill)]
+    assert [p.decision.prefill_node for p in pre] == ["pf", "pf2"]
+    disp = [a for a in seen if isinstance(a, Dispatch)]
+    assert len(disp) == 1 and disp[0].handoff is h and disp[0].decision.node_id == "dec"
+    assert out.attempts == 1
+
+
+def test_a_second_failed_prefill_leg_serves_the_request_whole_on_the_decode_node() -> None:
+    seen, out, err = drive([AttemptError(Failure.NETWORK, 0, "reset"), AttemptError(Failure.SERVER, 500, "boom")],
+                           [None])
+    assert err is None and out.ok and out.prefill_failed == "pf:network,pf2:server"
+    assert out.failed_nodes == ["pf", "pf2"]
+    assert [a.decision.node_id for a in seen if isinstance(a, Penalise)] == ["pf", "pf2"]
     disp = [a for a in seen if isinstance(a, Dispatch)]
     assert len(disp) == 1 and disp[0].handoff is None and disp[0].decision.node_id == "dec"
+    assert disp[0].decision.prefill_node == ""
+
+
+def test_when_no_other_prefill_node_pays_the_request_is_served_whole_on_the_decode_node() -> None:
+    seen, out, err = drive(AttemptError(Failure.SLOW, 0, "no prefill within 30 s"), [None], refill="")
+    assert err is None and out.ok and out.prefill_failed == "pf:slow"
+    assert len([a for a in seen if isinstance(a, Prefill)]) == 1
+    disp = [a for a in seen if isinstance(a, Dispatch)]
+    assert len(disp) == 1 and disp[0].handoff is None and disp[0].decision.node_id == "dec"
+
+
+def test_a_prefill_leg_the_node_refused_as_a_bad_request_is_not_tried_elsewhere() -> None:
+    seen, out, err = drive(AttemptError(Failure.CLIENT, 400, "bad"), [None])
+    assert not [a for a in seen if isinstance(a, Decide) and a.refill is not None]
+    assert out.prefill_failed == "pf:client" and out.failed_nodes == []
 
 
 def test_after_a_failed_decode_leg_the_retry_is_not_split() -> None:
@@ -151,3 +190,65 @@ def test_the_splitter_on_the_routers_table() -> None:
     # the TGI node (no leg protocol) is never chosen, even as the only prefill node left
     d, why = sp.decide(whole, dataclasses.replace(rr, exclude=frozenset({"pf"})), builtin_policy("latency"), now)
     assert why == "no_pair" and d.prefill_node == ""
+
+
+def test_a_split_leg_is_admitted_like_a_request() -> None:
+    """Each leg takes a slot of its node: under [flow] hold_when_full, flow control keeps a
+    split's legs off the nodes it keeps the request off (no free slot; for a tenant over its
+    share, none beyond the reserve), and a split over the admission bound is not taken."""
+    import time as _time
+
+    from zmlcore.config import parse_config
+    from zmlcore.messages import NodeState
+    from zmlcore.policy import RoutingState
+    from zmlcore.policy.prefix import PrefixIndex
+    from zmlcore.policy.resolve import builtin_policy
+    from zml_router.replicas.table import NodeTable
+    from zml_router.request.flowgate import FlowGate
+    from zml_router.request.split import Splitter
+
+    now = _time.time()
+
+    def setup(flow: dict[str, object], router: dict[str, object] | None = None
+              ) -> tuple[NodeTable, Splitter, FlowGate]:
+        # always: the pair is what is tested here, not whether it pays
+        cfg = parse_config({"disaggregation": {"enabled": True, "always": True}, "flow": flow, "router": router or {}})
+        table = NodeTable()
+        # pf-a prefills 100x faster than pf-b: the estimate prefers it even when it is full
+        for i, acc, roles, out, pf in (("pf-a", "nvidia_h100", ["prefill"], 8, 200_000.0),
+                                       ("pf-b", "cpu", ["prefill"], 0, 2_000.0),
+                                       ("dec", "intel_gaudi2", ["decode"], 10, 5_000.0)):
+            table.upsert(NodeState(node_id=i, accelerator_type=acc, family=acc.upper(), endpoint=f"http://{i}",
+                                   backend="vllm", status="up", models=["m"], roles=roles, kv_group="g",
+                                   kv_gbps=400.0, updated_at=now, max_concurrency=8 if i == "pf-a" else 16,
+                                   prefill_tps=pf))
+            table.views[i].outstanding = out
+        return table, Splitter(cfg, table), FlowGate(cfg, table, RoutingState(), PrefixIndex(), "r")
+
+    whole = Decision(node_id="dec", family="INTEL_GAUDI2", policy="latency", queue_depth=10)
+    rr = RouteRequest(model="m", prompt_tokens=6000, max_tokens=200)
+    pol = builtin_policy("latency")
+    # pf-a holds 8 of its 8 slots: without hold_when_full that is only an input of the estimate
+    # (which still prefers it); with it, no leg goes there, as no request would
+    table, sp, gate = setup({})
+    note = gate.note("zml.infer", "me", {"Zml-Priority": "standard"}, "m")
+    d, _ = sp.decide(whole, rr, pol, now, no_room=gate.no_room(note))
+    assert d.prefill_node == "pf-a"
+    table, sp, gate = setup({"hold_when_full": True})
+    note = gate.note("zml.infer", "me", {}, "m")
+    assert gate.no_room(note) == frozenset({"pf-a"})
+    d, _ = sp.decide(whole, rr, pol, now, no_room=gate.no_room(note))
+    assert d.prefill_node == "pf-b" and d.node_id == "dec"
+    # the slot frees: pf-a takes the leg again
+    table.views["pf-a"].outstanding = 7
+    d, _ = sp.decide(whole, rr, pol, now, no_room=gate.no_room(note))
+    assert d.prefill_node == "pf-a"
+    # sheddable work leaves the reserve (25%: 2 of 8 slots) free: 7 held, no leg for it there
+    shed = gate.note("zml.infer", "me", {"Zml-Priority": "sheddable"}, "m")
+    assert shed is not None and gate.no_room(shed) >= {"pf-a"}
+    d, _ = sp.decide(whole, rr, pol, now, no_room=gate.no_room(shed))
+    assert d.prefill_node == "pf-b"
+    # the admission bound applies to the split as to the request
+    table, sp, gate = setup({}, {"admission_ttft_s": 0.05})
+    d, why = sp.decide(whole, rr, pol, now)
+    assert why == "over_bound" and d.prefill_node == "" and d.node_id == "dec"

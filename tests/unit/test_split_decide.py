@@ -19,7 +19,7 @@ from zmlcore.policy.choose import is_routable
 def view(i: str, acc: str = "nvidia_h100", roles: list[str] | None = None, group: str = "g", gbps: float = 400.0,
          **kw: object) -> NodeView:
     st = NodeState(node_id=i, accelerator_type=acc, family=acc, endpoint="", status="up", models=["m"],
-                   roles=roles or [], kv_group=group, kv_gbps=gbps, updated_at=0.0, **kw)  # type: ignore[arg-type]
+                   roles=roles or [], kv_group=group, kv_gbps=gbps, **{"updated_at": 0.0, **kw})  # type: ignore[arg-type]
     return NodeView(st)
 
 
@@ -172,27 +172,63 @@ def test_always_splits_when_a_pair_exists() -> None:
 
 
 def test_the_index_decides_as_the_scan_does() -> None:
+    """The index's vector search (a large fleet's fast path) against the pass over the nodes:
+    the same decision, option for option, on random fleets built to tie (few kinds, small
+    counters: equal keys are broken by node id in both), with roles, groups, dead links, link
+    overrides, caches, exclusions, cooldowns, stale states, state changes after the index, and a
+    decode node imposed (a failed prefill leg's search for another)."""
+    import msgspec
+
     from zmlcore.policy.split import SplitIndex
 
     rng = random.Random(11)
     kinds = ["nvidia_h100", "amd_mi300x", "intel_gaudi2", "aws_inferentia2", "nvidia_a100"]
-    splits = 0
-    for trial in range(30):
-        nodes = [view(f"n{i}", rng.choice(kinds), roles=rng.choice([[], ["prefill"], ["decode"]]),
-                      group=rng.choice(["g", "g", "h", ""]), gbps=rng.choice([10.0, 100.0, 400.0]),
-                      cost_per_hour=rng.uniform(0.5, 5)) for i in range(40)]
+    outcomes: dict[str, int] = {}
+    for trial in range(160):
+        n = rng.choice([17, 40, 120, 400])
+        few = rng.random() < 0.5  # a fleet of two kinds and small counters: many exact ties
+        nodes = [view(f"n{rng.randrange(10 * n)}-{i}", rng.choice(kinds[:2] if few else kinds),
+                      roles=rng.choice([[], [], ["prefill"], ["decode"]]), group=rng.choice(["g", "g", "g", "h", ""]),
+                      gbps=rng.choice([0.0, 10.0, 100.0, 400.0]),
+                      cost_per_hour=rng.choice([2.0, 4.0]) if few else rng.uniform(0.5, 5),
+                      updated_at=rng.choice([0.0, 0.0, 0.0, -30.0])) for i in range(n)]
         index = SplitIndex(nodes)
-        for v in nodes:  # after the index: it follows the counters
-            v.outstanding = rng.randrange(0, 40)
-            v.pending = min(v.outstanding, rng.randrange(0, 4))
-        nodes[3].cooldown_until = 5.0
+        for v in nodes:  # after the index: it follows the counters and the states
+            v.outstanding = rng.randrange(0, 4 if few else 40)
+            v.pending = min(v.outstanding, rng.randrange(0, 3))
+            if rng.random() < 0.3:
+                v.pending_tokens = float(rng.randrange(0, 9000))
+            if rng.random() < 0.05:
+                v.cooldown_until = rng.choice([-1.0, 5.0])
+            if rng.random() < 0.05:
+                v.state = msgspec.structs.replace(v.state, status=rng.choice(["up", "draining"]),
+                                              models=rng.choice([["m"], ["other"]]), updated_at=0.0)
         wholes = [v for v in nodes if "prefill" not in v.state.roles or "decode" in v.state.roles]
-        kw = {"prompt": rng.randrange(300, 8000), "out": rng.randrange(1, 600),
-              "objective": rng.choice(["latency", "cost"]), "cached": {wholes[0].node_id: rng.randrange(0, 500)},
-              "exclude": frozenset({f"n{rng.randrange(40)}"})}
+        prompt = rng.randrange(300, 8000)
+        cached = {v.node_id: rng.randrange(0, prompt) for v in rng.sample(nodes, rng.choice([0, 1, 3]))}
+        cached[wholes[0].node_id] = rng.randrange(0, 500)
+        links = KVLinks({(rng.choice(nodes).node_id, rng.choice(nodes).node_id): rng.choice([1.0, 800.0])
+                         for _ in range(rng.choice([0, 0, 20]))})
+        kw = {"prompt": prompt, "out": rng.randrange(1, 600), "objective": rng.choice(["latency", "cost"]),
+              "cached": cached, "links": links, "stale_after_s": 15.0,
+              "latency_target_s": rng.choice([0.5, 2.0, 5.0]),
+              "exclude": frozenset(rng.choice(nodes).node_id for _ in range(rng.choice([0, 1, 5]))),
+              "decode_node": rng.choice([None, None, None, wholes[0].node_id])}  # (a prefill leg's failover)
         a = decide(nodes, wholes[0], **kw)
         b = decide(nodes, wholes[0], index=index, **kw)
-        assert (a.split, a.reason, a.chosen) == (b.split, b.reason, b.chosen), trial
-        splits += a.split
+        assert (a.split, a.reason, a.chosen, a.best_split) == (b.split, b.reason, b.chosen, b.best_split), trial
+        outcomes[a.reason] = outcomes.get(a.reason, 0) + 1
         index.close()
-    assert 0 < splits < 30  # both outcomes were compared
+    # both outcomes, and searches with no pair, were compared
+    assert outcomes.get("split_better", 0) > 10 and outcomes.get("whole_better", 0) > 10, outcomes
+
+
+def test_a_failed_prefill_legs_search_keeps_its_decode_node() -> None:
+    # another prefill node for the same decode node, though another decoder would now be better
+    p1, p2 = view("p1", roles=["prefill"]), view("p2", "amd_mi300x", roles=["prefill"])
+    d, idle = busy(view("d", "intel_gaudi2", roles=["decode"])), view("idle", roles=["decode"])
+    assert decide([p1, p2, d, idle], d).chosen.node == "idle"  # type: ignore[union-attr]
+    dec = decide([p1, p2, d, idle], d, exclude=frozenset({"p1"}), decode_node="d")
+    assert dec.split and dec.chosen is not None and (dec.chosen.prefill_node, dec.chosen.node) == ("p2", "d")
+    # no other prefill node: whole on it
+    assert decide([p1, d, idle], d, exclude=frozenset({"p1"}), decode_node="d").reason == "no_pair"

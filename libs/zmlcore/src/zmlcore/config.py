@@ -805,11 +805,11 @@ class DisaggregationConfig(msgspec.Struct, **_Base):
     always: bool = False
     """Split every request that has a pair and min_uncached_tokens uncached, whatever the
     estimate says (the homogeneous anchors' way, and a way to try a new pair before its speeds
-    are measured). The reply still names both legs, and a failed prefill leg still serves the
-    request whole on its decode node."""
+    are measured). The reply still names both legs, and a failed prefill leg still goes to
+    another prefill node, then the request whole on its decode node."""
     prefill_timeout_s: PosFloat = 30.0
-    """A prefill leg not answered within this is abandoned and the request served whole on the
-    decode node (its KV never arrived)."""
+    """A prefill leg not answered within this is abandoned (its KV never arrived), as a failed
+    leg is: another prefill node for the same decode node, then the request whole there."""
 
 
 class DefaultsConfig(msgspec.Struct, **_Base):

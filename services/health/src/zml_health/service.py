@@ -31,6 +31,7 @@ from zmlcore.errors import BadRequestError, ConfigError, ZMLError
 from zml_health.hardware import HardwareCheck, validate_hardware
 from zml_health.score import health_score
 from zml_health.served import match_loras, mismatch_note, split_models
+from zmlcore.bus.direct import subscribe_direct
 from zmlcore.bus.kvfollow import live_keys
 from zmlcore.bus.link import link_of
 from zmlcore.messages import NodeMark, NodeState, node_state_decoder
@@ -152,7 +153,9 @@ class HealthService:
                 self.speeds.adopt(node.id, st.model_speeds)
         for verb, cb in (("list", self._on_list), ("add", self._on_add), ("remove", self._on_remove)):
             self._subs.append(await nc.subscribe(subjects.admin_nodes(verb), cb=cb))
-        self._subs.append(await nc.subscribe(subjects.event(subjects.EVENT_COMPLETED), cb=self._on_completed))
+        # One event per request of every router: taken in nats-py's reader, no task switch each
+        # (zmlcore.bus.direct; the handler only updates counters).
+        self._subs.append(await subscribe_direct(nc, subjects.event(subjects.EVENT_COMPLETED), self._on_completed))
         self._subs.append(await nc.subscribe(subjects.event(subjects.EVENT_WARMUP), cb=self._on_warmup))
 
     async def _previous_states(self) -> dict[str, NodeState]:
@@ -540,7 +543,7 @@ class HealthService:
         return list(loading)
 
     # --- events ----------------------------------------------------------------------------
-    async def _on_completed(self, msg: Msg) -> None:
+    def _on_completed(self, msg: Msg) -> None:
         try:
             ev = completion_counts_decoder.decode(msg.data)
         except msgspec.DecodeError:

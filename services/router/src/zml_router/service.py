@@ -441,7 +441,12 @@ class RouterService:
                 action = steps.send(result)
             except StopIteration:
                 return
-            if type(action) is route.Decide:
+            if type(action) is route.Decide and action.refill is not None:
+                # a split's prefill leg failed: another prefill node for its decode node, or whole there
+                result, why = self.splitter.decide(action.refill, action.rr, policy, time.time(), skey,
+                                                   decode_node=action.refill.node_id, no_room=self.gate.no_room(note))
+                self.metrics.split("split" if result.prefill_node else why)
+            elif type(action) is route.Decide:
                 rr = action.rr
                 if action.continuation:  # only a node whose engine can continue the answer
                     rr = dataclasses.replace(rr, exclude=rr.exclude | self.table.cannot_continue())
@@ -452,7 +457,8 @@ class RouterService:
                 if (action.split and self.splitter.enabled and isinstance(result, Decision) and not batch
                         and rr.accelerator_id is None and isinstance(bodies, NodeBodies)
                         and req.kind() in ("chat", "completion")):
-                    result, why = self.splitter.decide(result, rr, policy, time.time(), skey)
+                    result, why = self.splitter.decide(result, rr, policy, time.time(), skey,
+                                                       no_room=self.gate.no_room(note))
                     self.metrics.split("split" if result.prefill_node else why)
             elif type(action) is Dispatch:
                 node_id = action.decision.node_id

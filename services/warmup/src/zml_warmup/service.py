@@ -33,6 +33,7 @@ from zmlcore.messages.placement import PlacementEvent, PlanReply, plan_request_d
 from zmlcore.messages.warmup import completed_decoder, serve_request_decoder
 from zmlcore.placement import Placement
 from zmlcore.placement.moves import NodeNow, Step, blocked as moves_blocked, next_steps
+from zmlcore.bus.direct import subscribe_direct
 from zmlcore.bus.kvfollow import KVFollower
 from zmlcore.runtime.runner import cancel_and_wait
 from zml_warmup import loader, metrics, placer
@@ -101,7 +102,9 @@ class WarmupService:
         self._tasks.append(asyncio.create_task(nodes.run()))
         self._tasks.append(asyncio.create_task(registry.run()))
         await nodes.wait_ready(2.0)
-        self._subs.append(await nc.subscribe(subjects.event(subjects.EVENT_COMPLETED), cb=self._on_completed))
+        # One event per request of every router: taken in nats-py's reader, no task switch each
+        # (zmlcore.bus.direct; the handler only updates counters).
+        self._subs.append(await subscribe_direct(nc, subjects.event(subjects.EVENT_COMPLETED), self._on_completed))
         self._subs.append(await nc.subscribe(subjects.WARMUP_SERVE, cb=self._on_serve))
         self._subs.append(await nc.subscribe(subjects.WARMUP_PLAN, cb=self._on_plan))
         self._tasks.append(asyncio.create_task(self._sweep_forever()))
@@ -155,7 +158,7 @@ class WarmupService:
         return [w for k, w in merged.items() if k not in self.removed]
 
     # --- inputs ----------------------------------------------------------------------------
-    async def _on_completed(self, msg: Msg) -> None:
+    def _on_completed(self, msg: Msg) -> None:
         try:
             ev = completed_decoder.decode(msg.data)
         except msgspec.DecodeError:

@@ -73,6 +73,28 @@ def full_nodes(nodes: Sequence[NodeView], keep: float) -> frozenset[str]:
     return frozenset(out)
 
 
+def no_room(nodes: Sequence[NodeView], ask: Ask, *, over_share: bool, flow: FlowConfig) -> frozenset[str]:
+    """Nodes with no slot for ``ask`` under ``[flow] hold_when_full`` (none without it): no free
+    slot, or for a tenant over its share and ``sheddable`` work none beyond ``spare_reserve``.
+    :func:`admit_flow` keeps a request off them; a split request's legs (zmlcore.policy.split)
+    keep off them too, each leg taking a slot of its node like any request.
+
+    >>> from zmlcore.config import FlowConfig
+    >>> from zmlcore.flowctl.ask import Ask
+    >>> from zmlcore.messages import NodeState
+    >>> v = NodeView(NodeState(node_id="n", accelerator_type="cpu", family="CPU", endpoint="", status="up",
+    ...                        models=["m"], max_concurrency=4), outstanding=3)
+    >>> sorted(no_room([v], Ask(band=1, lowered=False, tenant="t", weight=1.0, slo=None), over_share=False, flow=FlowConfig(hold_when_full=True)))
+    []
+    >>> sorted(no_room([v], Ask(band=1, lowered=False, tenant="t", weight=1.0, slo=None), over_share=True, flow=FlowConfig(hold_when_full=True)))
+    ['n']
+    """
+    if not flow.hold_when_full:
+        return frozenset()
+    yields = over_share or ask.band >= SHEDDABLE
+    return full_nodes(nodes, flow.spare_reserve if yields else 0.0)
+
+
 def admit_flow(nodes: Sequence[NodeView], rr: RouteRequest, policy: ResolvedPolicy, now: float, state: RoutingState,
                ask: Ask, *, over_share: bool, flow: FlowConfig, stale_after_s: float, ttft_bound_s: float,
                reserve: float, cache: PrefixIndex | None = None, calibration: Calibration | None = None,
@@ -86,7 +108,7 @@ def admit_flow(nodes: Sequence[NodeView], rr: RouteRequest, policy: ResolvedPoli
     hold = flow.hold_when_full and rr.accelerator_id is None
     if hold:
         yields = over_share or ask.band >= SHEDDABLE
-        full = full_nodes(nodes, flow.spare_reserve if yields else 0.0) - rr.exclude
+        full = no_room(nodes, ask, over_share=over_share, flow=flow) - rr.exclude
         if full and yields:  # spare capacity only: any node with room beyond the reserve
             rr = dataclasses.replace(rr, exclude=rr.exclude | full)
     try:

@@ -34,6 +34,8 @@ __all__ = ["FrontDoorRequest", "continue_asked", "decode", "split", "has_zml_key
 #: an 8 KB chat where six ``in`` byte searches took ~19 µs.
 _Present = msgspec.defstruct("_Present", [(k, msgspec.Raw, msgspec.UNSET) for k in ZML_REQUEST_KEYS])
 _present = msgspec.json.Decoder(_Present)
+_absent = (msgspec.UNSET,) * len(ZML_REQUEST_KEYS)
+_astuple = msgspec.structs.astuple
 _decode_any = msgspec.json.Decoder()
 _encode = msgspec.json.encode
 _encode_field = msgspec.json.encode  # a header's value (apart: tests count body encodes)
@@ -42,8 +44,7 @@ _policy = msgspec.json.Decoder(str | InlinePolicy)
 
 def has_zml_keys(raw: bytes) -> bool:
     """Whether the JSON object ``raw`` (already validated) has one of ZML's own keys at its top level."""
-    found = _present.decode(raw)
-    return any(getattr(found, k) is not msgspec.UNSET for k in ZML_REQUEST_KEYS)
+    return _astuple(_present.decode(raw)) != _absent  # (all read in one C call: no getattr per key)
 
 
 def drop_zml_keys(data: dict[str, Any]) -> dict[str, Any]:

@@ -20,7 +20,7 @@ from zmlcore.errors import QueueFullError, ShedError
 from zmlcore.flowctl import SHEDDABLE, Ask, Calibration, ShareBook, SloVerdict, ask_of
 from zmlcore.flowctl.ask import ASK_HEADERS, config_plain
 from zmlcore.flowctl.bands import NAMES
-from zmlcore.flowctl.gate import admit_flow, over_share
+from zmlcore.flowctl.gate import admit_flow, no_room, over_share
 from zmlcore.flowctl.slo import batch_of, model_tpot
 from zmlcore.messages import RoutingInfo
 from zmlcore.policy import Decision, ResolvedPolicy, RouteRequest, RoutingState
@@ -141,6 +141,15 @@ class FlowGate:
             note.batch, note.slots = batch_of(view, rr.model)
             note.model_tpot = model_tpot(view, rr.model)
         return d
+
+    def no_room(self, note: Note | None) -> frozenset[str]:
+        """Nodes without a slot for this request (zmlcore.flowctl.gate.no_room): a split's legs
+        keep off them as the request's own decision did (none without ``hold_when_full``)."""
+        if note is None or not self.cfg.flow.hold_when_full:
+            return frozenset()
+        ask = note.ask
+        return no_room(self.table.nodes(), ask, flow=self.cfg.flow,
+                       over_share=over_share(note.share_used or 0.0, self.backlog.get(ask.tenant, 0)))
 
     def dispatched(self, note: Note, prompt_tokens: int) -> None:
         """Charge the tenant at dispatch: its prompt and a mean output (corrected at the end)."""

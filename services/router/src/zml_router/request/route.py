@@ -32,6 +32,10 @@ log = logging.getLogger("zml.router")
 
 #: Failures that are the node's fault: it is cooled down and counted as a node error.
 NODE_FAULTS = (Failure.NETWORK, Failure.SERVER, Failure.SLOW)
+#: Prefill legs tried for one split after the first fails, each on another prefill node for the
+#: same decode node; after them the request is served whole on the decode node. One: a second
+#: prefill node lost in the same request is rare, and each try costs the request a prefill.
+PREFILL_FAILOVERS = 1
 
 
 @dataclass(slots=True)
@@ -70,6 +74,10 @@ class Decide:
     #: The decision may split the request into a prefill leg and a decode leg
     #: (zmlcore.policy.split); not after a split attempt of it failed, nor for a continuation.
     split: bool = True
+    #: A split whose prefill leg failed: keep its decode node (this decision, its prefill node
+    #: cleared) and find it another prefill node, or serve the request whole there if no other
+    #: pays (the splitter's estimate, the failed node in ``rr.exclude``).
+    refill: Decision | None = None
 
 
 @dataclass(slots=True)
@@ -178,24 +186,39 @@ def route(plan: Plan, out: Outcome) -> Flow:
         assert isinstance(got, Decision)
         decision = got
         handoff: Handoff | None = None
-        if decision.prefill_node:
-            # Disaggregated: the prefill leg first; if it fails, the request is served whole
-            # on the decode node (which can prefill too), and the reply says so (no silent
-            # fallback: llm-d #2427).
+        refills = 0
+        while decision.prefill_node:
+            # Disaggregated: the prefill leg first. If it fails, another prefill node for the
+            # same decode node (PREFILL_FAILOVERS), then the request whole on the decode node
+            # (which can prefill too); the reply says so (no silent fallback: llm-d #2427).
             split_ok = False  # whatever happens next, a retry of this request is served whole
             leg = yield Prefill(decision, rr)
             pre = dataclasses.replace(decision, node_id=decision.prefill_node, prefill_node="")
             if isinstance(leg, Handoff):
                 handoff = leg
-            else:
-                assert isinstance(leg, AttemptError)
-                out.prefill_failed = f"{decision.prefill_node}:{leg.failure.value}"
-                if leg.failure in NODE_FAULTS:
-                    out.failed_nodes.append(decision.prefill_node)
+                decision = dataclasses.replace(decision, prefill_node="")  # (the leg is done: the handoff names it)
+                break
+            assert isinstance(leg, AttemptError)
+            failed = f"{decision.prefill_node}:{leg.failure.value}"
+            out.prefill_failed = f"{out.prefill_failed},{failed}" if out.prefill_failed else failed
+            if leg.failure in NODE_FAULTS:
+                out.failed_nodes.append(decision.prefill_node)
+            yield Penalise(pre, leg)
+            excluded.add(decision.prefill_node)  # (nor a later attempt's node, whole or leg)
+            decode = dataclasses.replace(decision, prefill_node="")
+            if refills >= PREFILL_FAILOVERS or leg.failure is Failure.CLIENT:  # (the request's fault)
                 log.warning("prefill leg on %s failed (%s %s); serving the request whole on %s",
                             decision.prefill_node, leg.failure.value, leg.detail[:200], decision.node_id)
-                yield Penalise(pre, leg)
-            decision = dataclasses.replace(decision, prefill_node="")
+                decision = decode
+                break
+            refills += 1
+            rr = dataclasses.replace(rr, exclude=frozenset(excluded))
+            got = yield Decide(rr, split=True, refill=decode)
+            new = got if isinstance(got, Decision) and got.node_id == decode.node_id else decode
+            log.warning("prefill leg on %s failed (%s %s); %s", decision.prefill_node, leg.failure.value,
+                        leg.detail[:200], f"prefilling on {new.prefill_node} for {new.node_id} instead"
+                        if new.prefill_node else f"serving the request whole on {new.node_id}")
+            decision = new
         out.node_id, out.family, out.attempts = decision.node_id, decision.family, before + attempt
         out.info = None
         dispatch = Dispatch(decision, before + attempt, rr, plan.stream, continuing, handoff,

@@ -68,9 +68,18 @@ class Splitter:
         return s
 
     def decide(self, whole: Decision, rr: RouteRequest, policy: ResolvedPolicy, now: float,
-               session: str = "") -> tuple[Decision, str]:
+               session: str = "", decode_node: str | None = None,
+               no_room: frozenset[str] = frozenset()) -> tuple[Decision, str]:
         """The decision to act on (``whole``, or a split one naming its prefill node) and the
-        reason (zmlcore.policy.split.SplitDecision.reason)."""
+        reason (zmlcore.policy.split.SplitDecision.reason). ``decode_node``: only that node may
+        decode (``whole`` is on it: a split whose prefill leg failed, looking for another).
+
+        Each leg takes a slot of its node like any request, and is admitted like one: no leg on
+        the nodes flow control keeps this request off (``no_room``: zml_router.request.flowgate,
+        under ``[flow] hold_when_full``; the node the request's own decision admitted it to
+        excepted), on a saturated or cooling node (the decider's routability), nor a split whose
+        estimated time to first token is over ``[router] admission_ttft_s`` (reason
+        ``over_bound``)."""
         views = self.table.views
         view = views.get(whole.node_id)
         if view is None or not view.state.kv_group or view.state.backend not in SPLIT_BACKENDS:
@@ -79,11 +88,16 @@ class Splitter:
         cfg = policy.config
         target = (cfg.latency_target_ms or 2000.0) / 1000.0
         previous = self.modes.get(session) if session else None
+        barred = no_room - {whole.node_id}
+        exclude = rr.exclude | barred if barred else rr.exclude
         sd = decide_split(nodes, view, model=rr.model, prompt_tokens=rr.prompt_tokens, output_tokens=rr.max_tokens,
                           cached={whole.node_id: whole.cached_tokens}, settings=self.settings(rr.model),
                           links=self.links, now=now, objective=objective_of(policy.strategy, cfg.cost_priority),
-                          latency_target_s=target, previous=previous, exclude=rr.exclude,
-                          stale_after_s=self.cfg.router.stale_after_s, index=index)
+                          latency_target_s=target, previous=previous, exclude=exclude,
+                          stale_after_s=self.cfg.router.stale_after_s, index=index, decode_node=decode_node)
+        if sd.split and sd.chosen is not None and sd.chosen.ttft_s > self.cfg.router.admission_ttft_s:
+            # the admission bound, as for any request: whole was admitted under it, the split is not
+            sd = dataclasses.replace(sd, split=False, reason="over_bound", chosen=sd.whole)
         if session and sd.reason != "short_prompt":
             self.modes[session] = sd.mode
             self.modes.move_to_end(session)

@@ -173,13 +173,16 @@ def decide_split(
     mean_prompt: float = MEAN_PROMPT_TOKENS,
     mean_output: float = MEAN_OUTPUT_TOKENS,
     index: SplitIndex | None = None,
+    decode_node: str | None = None,
 ) -> SplitDecision:
     """Whole on ``whole`` (the policy's pick) or split over the best pair of ``nodes``.
 
     ``cached``: prompt tokens each node holds in its prefix cache (absent: none);
     ``previous``: this conversation's last mode, for the hysteresis; ``index``: a
     :class:`~zmlcore.policy.split.index.SplitIndex` over ``nodes`` (a large fleet: the legs'
-    candidates come from its columns instead of a pass over ``nodes``).
+    candidates come from its columns instead of a pass over ``nodes``); ``decode_node``: the
+    only node that may decode (a split whose prefill leg failed looks for another prefill
+    node for the same decode node; ``whole`` is then that node).
 
     >>> from zmlcore.messages import NodeState
     >>> def node(i, acc, roles):
@@ -204,32 +207,59 @@ def decide_split(
     no = SplitDecision(False, "whole_better", whole_opt, whole_opt)
     if prompt - max(cached.values(), default=0) < settings.min_uncached_tokens:
         return SplitDecision(False, "short_prompt", whole_opt, whole_opt)
+    best_key: tuple[float, str, str] | None = None
+    best_pair: tuple[_Node, int, _Node, int, float] | None = None
+    if index is not None:  # a large fleet: the same search as vector operations on the index's columns
+        found = index.best_pair(model, prompt, out_tokens, cached, settings.min_uncached_tokens, exclude, now,
+                                stale_after_s, PAIR_WIDTH, objective == "cost", settings.kv_bytes_per_token,
+                                links.explicit, latency_target_s, LATE_WEIGHT, _LATE_DOLLARS_PER_S, decode_node)
+        if found is not None:
+            pj, dj, xfer, score = found
+            p, d = (w if index.views[j] is whole else _Node.of_row(index, j) for j in (pj, dj))
+            best_key = (score, p.v.node_id, d.v.node_id)
+            best_pair = (p, cached.get(p.v.node_id, 0), d, cached.get(d.v.node_id, 0), xfer)
+    else:
+        best_key, best_pair = _scan(nodes, w, whole, model, prompt, out_tokens, cached, settings, links, now,
+                                    objective, latency_target_s, exclude, stale_after_s, mean_prompt, mean_output,
+                                    decode_node)
+    best: Option | None = None
+    if best_pair is not None and best_key is not None:
+        p, cp, d, cd, xfer = best_pair
+        unc = max(prompt - cp, 1)
+        pre = unc / p.pf
+        ttft = p.wait_prefill + pre + xfer + d.wait_prefill + 1.0 / d.pf
+        itl = d.step_next
+        best = Option(node=d.v.node_id, prefill_node=p.v.node_id, ttft_s=ttft, itl_s=itl,
+                      time_s=ttft + (out_tokens - 1) * itl + pre * p.decoding,
+                      dollars=p.cost / 3600.0 * pre + d.cost / 3600.0 * (out_tokens - 1) * itl / d.maxc,
+                      prefill_tokens=unc, transfer_tokens=max(prompt - cd, 0), transfer_s=xfer, score=best_key[0])
+    if best is None:
+        return SplitDecision(False, "no_pair", whole_opt, whole_opt)
+    gain = settings.min_gain
+    bound = whole_opt.score * (1.0 + gain if previous == "split" else 1.0 - gain)
+    if best.score < bound or settings.always:
+        return SplitDecision(True, "split_better" if best.score < bound else "always", best, whole_opt, best)
+    return SplitDecision(False, no.reason, whole_opt, whole_opt, best)
+
+
+def _scan(nodes: Sequence[NodeView], w: _Node, whole: NodeView, model: str, prompt: int, out_tokens: int,
+          cached: Mapping[str, int], settings: SplitSettings, links: KVLinks, now: float, objective: Objective,
+          latency_target_s: float, exclude: frozenset[str], stale_after_s: float, mean_prompt: float,
+          mean_output: float, decode_node: str | None = None
+          ) -> tuple[tuple[float, str, str] | None, tuple[_Node, int, _Node, int, float] | None]:
+    """The pair search as a pass over the nodes (a small fleet, and the reference the index's
+    vector form is tested against): each leg's PAIR_WIDTH best rows, then every pair of them.
+    Returns the best pair's key (score, prefill id, decode id) and (p, its cache, d, its cache,
+    transfer seconds)."""
     decs: list[tuple[float, float, _Node, int]] = []
     pres: list[tuple[float, float, _Node, int]] = []
-    if index is not None:  # a large fleet: each leg's best rows from the index's columns
-        p_ids, d_ids = index.candidates(model, prompt, out_tokens, cached, settings.min_uncached_tokens, exclude, now,
-                                        stale_after_s, PAIR_WIDTH, by_cost=objective == "cost")
-        nodes = []
-        made: dict[int, _Node] = {}
-        for rows, into in ((p_ids, pres), (d_ids, decs)):
-            for j in rows:
-                v = index.views[j]
-                n = made.get(j) or (w if v is whole else _Node.of_row(index, j))
-                made[j] = n
-                c = cached.get(v.node_id, 0)
-                if into is pres:
-                    pre = max(prompt - c, 1) / n.pf
-                    into.append((n.wait_prefill + pre * (1 + n.decoding), n.cost / 3600.0 * pre, n, c))
-                else:
-                    t = n.wait_prefill + 1.0 / n.pf + (out_tokens - 1) * n.step_next
-                    into.append((t, n.cost / 3600.0 * (out_tokens - 1) * n.step_next / n.maxc, n, c))
     for v in nodes:
         st = v.state
         if not st.kv_group or v.node_id in exclude:
             continue
         reason = is_routable(v, model, now, stale_after_s)
         roles = st.roles
-        can_decode = reason is None and (not roles or "decode" in roles)
+        can_decode = reason is None and (not roles or "decode" in roles) and decode_node in (None, v.node_id)
         can_prefill = (reason is None or reason == "prefill_only") and (not roles or "prefill" in roles)
         if not (can_decode or can_prefill):
             continue
@@ -249,8 +279,8 @@ def decide_split(
     cost_obj = objective == "cost"
     drows = [(d, cd, d.v.state, d.v.node_id, d.wait_prefill + 1.0 / d.pf, (out_tokens - 1) * d.step_next,
               d.cost / 3600.0 * (out_tokens - 1) * d.step_next / d.maxc)
-             for _, _, d, cd in (decs if index is not None else _best(decs, cost_obj))]
-    for _, _, p, cp in (pres if index is not None else _best(pres, cost_obj)):  # (the index chose them already)
+             for _, _, d, cd in _best(decs, cost_obj)]
+    for _, _, p, cp in _best(pres, cost_obj):
         pst = p.v.state
         pid = p.v.node_id
         pre = max(prompt - cp, 1) / p.pf
@@ -276,24 +306,7 @@ def decide_split(
             key = (score, pid, did)
             if best_key is None or key < best_key:
                 best_key, best_pair = key, (p, cp, d, cd, xfer)
-    best: Option | None = None
-    if best_pair is not None and best_key is not None:
-        p, cp, d, cd, xfer = best_pair
-        unc = max(prompt - cp, 1)
-        pre = unc / p.pf
-        ttft = p.wait_prefill + pre + xfer + d.wait_prefill + 1.0 / d.pf
-        itl = d.step_next
-        best = Option(node=d.v.node_id, prefill_node=p.v.node_id, ttft_s=ttft, itl_s=itl,
-                      time_s=ttft + (out_tokens - 1) * itl + pre * p.decoding,
-                      dollars=p.cost / 3600.0 * pre + d.cost / 3600.0 * (out_tokens - 1) * itl / d.maxc,
-                      prefill_tokens=unc, transfer_tokens=max(prompt - cd, 0), transfer_s=xfer, score=best_key[0])
-    if best is None:
-        return SplitDecision(False, "no_pair", whole_opt, whole_opt)
-    gain = settings.min_gain
-    bound = whole_opt.score * (1.0 + gain if previous == "split" else 1.0 - gain)
-    if best.score < bound or settings.always:
-        return SplitDecision(True, "split_better" if best.score < bound else "always", best, whole_opt, best)
-    return SplitDecision(False, no.reason, whole_opt, whole_opt, best)
+    return best_key, best_pair
 
 
 def _best(rows: list[tuple[float, float, _Node, int]], by_cost: bool) -> list[tuple[float, float, _Node, int]]:

@@ -1,14 +1,22 @@
 """SplitIndex: the split decider's per-node terms in columns, kept exact per change, so a
-decision over a large fleet picks each leg's candidates in a few vector operations.
+decision over a large fleet is a few vector operations instead of a pass over the nodes.
 
 :func:`~zmlcore.policy.split.decide_split` scores every node of a ``kv_group`` as a possible
 prefill leg (its queue, the prompt at its prefill speed, the stall it imposes on its decoding
 sequences) and as a possible decode leg (its queue, its decode step); only the pair's transfer
-couples the two. Over a thousand nodes a Python pass costs milliseconds; this index keeps each
-node's terms in numpy columns, recomputed when its :class:`~zmlcore.policy.NodeView` changes
-(O(1), as :class:`~zmlcore.policy.FleetIndex` does), and per decision selects the best
-:data:`~zmlcore.policy.split.decide.PAIR_WIDTH` rows of each leg by time and by dollars. The
-pair search then runs on those rows, in the decider's own code: the answer is the Python pass's.
+couples the two. Over a thousand nodes a Python pass costs milliseconds. This index keeps:
+
+* per node, the terms that depend on its state alone (speeds, price, ``1/pf``, the decode
+  leg's head ``wait + 1/pf``, ...), recomputed when its :class:`~zmlcore.policy.NodeView`
+  changes (O(1), as :class:`~zmlcore.policy.FleetIndex` does);
+* per model, which rows may take each leg (up, serving it, role), kept row by row as states
+  change rather than rebuilt per request.
+
+Per decision it computes each leg's keys with the decider's own formulas, in the same order
+of floating-point operations (so the values are the Python pass's, bit for bit), selects the
+best :data:`~zmlcore.policy.split.decide.PAIR_WIDTH` rows of each leg (ties broken by node id,
+as the pass does: rows are kept in node-id order) and scores their pairs in one matrix.
+``tests/unit/test_split_decide.py`` compares its decisions with the pass's on random fleets.
 
     index = SplitIndex(views)                     # once per membership change, watching the views
     decide_split(views, whole, ..., index=index)  # the same decision, its candidates from the index
@@ -24,26 +32,35 @@ from zmlcore.fleet.accelerators import DECODE_BATCH_PENALTY
 from zmlcore.policy.estimate import MEAN_OUTPUT_TOKENS, MEAN_PROMPT_TOKENS, node_speeds
 from zmlcore.policy.types import NodeView
 
-_INF = np.inf
+_INF = float("inf")
+_GBIT = 1e9 / 8.0
 
 
 class SplitIndex:
-    """Columns of every node that belongs to a ``kv_group`` (the others are never a leg)."""
+    """Columns of every node that belongs to a ``kv_group`` (the others are never a leg), in
+    node-id order."""
 
     def __init__(self, nodes: Sequence[NodeView], *, mean_prompt: float = MEAN_PROMPT_TOKENS,
                  mean_output: float = MEAN_OUTPUT_TOKENS) -> None:
-        self.views = [v for v in nodes if v.state.kv_group]
+        self.views = sorted((v for v in nodes if v.state.kv_group), key=lambda v: v.node_id)
         self.row = {v.node_id: j for j, v in enumerate(self.views)}
         self.mean_prompt = mean_prompt
         self.mean_output = mean_output
         n = len(self.views)
         z = np.zeros
-        self.pf, self.inv_pf, self.dec, self.maxc, self.cost = z(n), z(n), z(n), z(n), z(n)
+        self.pf, self.inv_pf, self.dec, self.maxc, self.cost, self.cost_h = z(n), z(n), z(n), z(n), z(n), z(n)
+        self.gbps, self.group = z(n), z(n, np.int64)
         self.can_p, self.can_d, self.up = z(n, bool), z(n, bool), z(n, bool)
-        self.wait, self.decoding, self.step_next = z(n), z(n), z(n)
+        self.wait, self.dhead, self.decoding, self.dec1, self.step_next = z(n), z(n), z(n), z(n), z(n)
         self.blocked, self.updated = z(n), z(n)
-        #: model -> rows serving it (rebuilt lazily when a node's models change)
-        self._models: dict[str, np.ndarray] = {}
+        self._groups: dict[str, int] = {}
+        #: model -> (rows serving it, rows that may prefill it, rows that may decode it), kept
+        #: row by row on structural changes (a state poll) once a decision asked for the model
+        self._models: dict[str, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        #: an upper bound of ``blocked`` and a lower bound of ``updated``: a decision skips the
+        #: cooldown and staleness passes when no node can be cooling or stale
+        self._blocked_max = 0.0
+        self._updated_min = _INF
         for j, v in enumerate(self.views):
             self._static(j, v)
             self._counts(j, v)
@@ -61,7 +78,11 @@ class SplitIndex:
             return
         if structural:
             self._static(j, view)
-            self._models.clear()
+            models = view.state.models
+            for m, (serving, pen_p, pen_d) in self._models.items():
+                s = serving[j] = m in models
+                pen_p[j] = 0.0 if s and self.up[j] and self.can_p[j] else _INF
+                pen_d[j] = 0.0 if s and self.up[j] and self.can_d[j] else _INF
         self._counts(j, view)
 
     def _counts_changed(self, view: NodeView) -> None:
@@ -74,15 +95,20 @@ class SplitIndex:
         pf, dec, maxc = node_speeds(st)
         self.pf[j], self.inv_pf[j], self.dec[j], self.maxc[j] = pf, 1.0 / pf, dec, maxc
         self.cost[j] = st.cost_per_hour
+        self.cost_h[j] = st.cost_per_hour / 3600.0
+        self.gbps[j] = st.kv_gbps
+        self.group[j] = self._groups.setdefault(st.kv_group, len(self._groups))
         roles = st.roles
         self.can_p[j] = not roles or "prefill" in roles
         self.can_d[j] = not roles or "decode" in roles
         self.up[j] = st.status == "up"
         self.updated[j] = st.updated_at
+        if st.updated_at < self._updated_min:
+            self._updated_min = st.updated_at
 
     def _counts(self, j: int, v: NodeView) -> None:
         # the same terms as decide._Node, from the view's effective counters
-        pf, dec, maxc = self.pf[j], self.dec[j], int(self.maxc[j])
+        pf, dec, maxc = float(self.pf[j]), float(self.dec[j]), int(self.maxc[j])
         out = v.effective_outstanding()
         pending = v.effective_pending()
         tokens = v.effective_pending_tokens(self.mean_prompt)
@@ -90,66 +116,143 @@ class SplitIndex:
         q = out + 1 - maxc
         full_step = (1.0 + DECODE_BATCH_PENALTY * (maxc - 1)) / dec
         slot_wait = q * max(self.mean_output - 1.0, 0.0) * full_step / maxc if q > 0 else 0.0
-        self.wait[j] = ahead + slot_wait
-        self.decoding[j] = max(0, min(out, maxc) - pending)
+        wait = ahead + slot_wait
+        self.wait[j] = wait
+        self.dhead[j] = wait + 1.0 / pf
+        decoding = max(0, min(out, maxc) - pending)
+        self.decoding[j] = decoding
+        self.dec1[j] = 1 + decoding
         b = min(out + 1, maxc)
         self.step_next[j] = (1.0 + DECODE_BATCH_PENALTY * (b - 1)) / dec
         cool, sat = v.cooldown_until, v.saturated_until
-        self.blocked[j] = cool if cool > sat else sat
+        blocked = cool if cool > sat else sat
+        self.blocked[j] = blocked
+        if blocked > self._blocked_max:
+            self._blocked_max = blocked
 
-    def _serving(self, model: str) -> np.ndarray:
+    def _legs(self, model: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(rows serving ``model``; 0 where a row may prefill it, else inf; the same for decode):
+        adding the penalty to a key keeps it bit for bit or rules the row out."""
         m = self._models.get(model)
         if m is None:
-            m = self._models[model] = np.array([model in v.state.models for v in self.views], dtype=bool)
+            serving = np.array([model in v.state.models for v in self.views], dtype=bool)
+            m = self._models[model] = (serving, np.where(serving & self.up & self.can_p, 0.0, _INF),
+                                       np.where(serving & self.up & self.can_d, 0.0, _INF))
         return m
 
     # --- a decision ---
-    def candidates(self, model: str, prompt: int, out_tokens: int, cached: Mapping[str, int], min_uncached: int,
-                   exclude: frozenset[str], now: float, stale_after_s: float, width: int, by_cost: bool = True
-                   ) -> tuple[list[int], list[int]]:
-        """Rows of the best ``width`` prefill legs and decode legs by time and, with
-        ``by_cost``, by dollars too (what each objective's pair search needs)."""
-        if not self.views:
-            return [], []
-        ok = self.up & self._serving(model)
-        if self.blocked.max() > now:  # (cooling or saturated nodes are rare: skip the pass)
-            ok &= self.blocked <= now
-        if self.updated.min() < now - stale_after_s:
-            ok &= self.updated >= now - stale_after_s
-        for node_id in exclude:
-            j = self.row.get(node_id)
-            if j is not None:
-                ok[j] = False
-        pm = ok & self.can_p
-        dm = ok & self.can_d
+    def best_pair(self, model: str, prompt: int, out_tokens: int, cached: Mapping[str, int], min_uncached: int,
+                  exclude: frozenset[str], now: float, stale_after_s: float, width: int, cost_objective: bool,
+                  kv_bytes_per_token: float, explicit: Mapping[tuple[str, str], float], target_s: float,
+                  late_weight: float, late_dollars_per_s: float, decode_node: str | None = None
+                  ) -> tuple[int, int, float, float] | None:
+        """(prefill row, decode row, transfer seconds, score) of the best pair among each leg's
+        best ``width`` rows by time and, for the cost objective, by dollars too; None if no pair.
+        The decider's own formulas (decide.decide_split's scan), as vector operations."""
+        n = len(self.views)
+        if not n or prompt < min_uncached:  # (the caller returned short_prompt already then)
+            return None
+        _, pen_p, pen_d = self._legs(model)
+        # each leg's keys, one row each: prefill time, decode time (, prefill dollars, decode dollars)
+        K = np.empty((4 if cost_objective else 2, n))
+        # the prefill leg's tokens: the prompt less each node's cached prefix
+        pre = float(max(prompt, 1)) / self.pf
+        short: list[int] = []
         if cached:
-            unc = np.full(len(self.views), float(prompt))
             for node_id, c in cached.items():
                 j = self.row.get(node_id)
-                if j is not None:
-                    unc[j] = prompt - c
-            pre = np.maximum(unc, 1.0) * self.inv_pf
-            dm &= unc >= min_uncached
-        else:
-            pre = float(max(prompt, 1)) * self.inv_pf
-            if prompt < min_uncached:
-                dm = np.zeros_like(dm)
+                if j is not None and c:
+                    pre[j] = max(prompt - c, 1) / float(self.pf[j])
+                    if prompt - c < min_uncached:
+                        short.append(j)
+        k0, k1 = K[0], K[1]
+        np.multiply(pre, self.dec1, out=k0)  # wait + pre x (1 + decoding)
+        k0 += self.wait
+        k0 += pen_p
         rest = (out_tokens - 1) * self.step_next
-        p_time = np.where(pm, self.wait + pre * (1.0 + self.decoding), _INF)
-        d_time = np.where(dm, self.wait + self.inv_pf + rest, _INF)
-        if not by_cost:
-            return _top(width, p_time), _top(width, d_time)
-        p_cost = np.where(pm, self.cost * pre, _INF)
-        d_cost = np.where(dm, self.cost * rest / self.maxc, _INF)
-        return _top(width, p_time, p_cost), _top(width, d_time, d_cost)
+        np.add(self.dhead, rest, out=k1)  # wait + 1/pf + (O-1) x step
+        k1 += pen_d
+        if cost_objective:
+            k2, k3 = K[2], K[3]
+            np.multiply(self.cost_h, pre, out=k2)
+            k2 += pen_p
+            np.multiply(self.cost_h, float(out_tokens - 1), out=k3)
+            k3 *= self.step_next
+            k3 /= self.maxc
+            k3 += pen_d
+        if short:
+            K[1::2, short] = _INF  # (decode keys only: its cache leaves too little to prefill)
+        gone = [j for j in (self.row.get(i) for i in exclude) if j is not None] if exclude else []
+        if self._blocked_max > now:  # (cooling or saturated nodes are rare: skip the pass)
+            self._blocked_max = float(self.blocked.max())
+            if self._blocked_max > now:
+                gone += np.flatnonzero(self.blocked > now).tolist()
+        if self._updated_min < now - stale_after_s:  # (likewise stale states)
+            self._updated_min = float(self.updated.min())
+            if self._updated_min < now - stale_after_s:
+                gone += np.flatnonzero((now - self.updated) > stale_after_s).tolist()
+        if gone:
+            K[:, gone] = _INF
+        if decode_node is not None:  # that node or none decodes
+            keep = self.row.get(decode_node)
+            kept = K[1::2, keep].copy() if keep is not None else None
+            K[1::2] = _INF
+            if keep is not None:
+                K[1::2, keep] = kept
+        # each key's best `width` rows: argmin takes the first of equal values, the lowest row,
+        # which is the lowest node id (the pass's tie-break)
+        picked: list[set[int]] = [set(), set()]
+        ar = np.arange(len(K))
+        for _ in range(min(width, n)):
+            idx = K.argmin(axis=1)
+            vals = K[ar, idx]
+            for r, (j, v) in enumerate(zip(idx.tolist(), vals.tolist())):
+                if v < _INF:
+                    picked[r & 1].add(j)
+            K[ar, idx] = _INF
+        if not picked[0] or not picked[1]:
+            return None
+        prows, drows = sorted(picked[0]), sorted(picked[1])
+        P = np.array(prows)
+        D = np.array(drows)
+        pre_p = pre[P]
+        head = self.wait[P] + pre_p
+        stall = pre_p * self.decoding[P]
+        # the decode leg pulls what its own cache lacks
+        moved = np.full(len(D), float(max(prompt, 0)))
+        if cached:
+            for k, j in enumerate(drows):
+                c = cached.get(self.views[j].node_id, 0)
+                if c:
+                    moved[k] = max(prompt - c, 0)
+        valid = (self.group[P][:, None] == self.group[D][None, :]) & (P[:, None] != D[None, :])
+        gp, gd = self.gbps[P], self.gbps[D]
+        gbps = np.minimum.outer(np.where(gp > 0, gp, _INF), np.where(gd > 0, gd, _INF))
+        if explicit:
+            for a, pj in enumerate(prows):
+                pid = self.views[pj].node_id
+                for b, dj in enumerate(drows):
+                    g = explicit.get((pid, self.views[dj].node_id))
+                    if g is not None:
+                        gbps[a, b] = g
+        valid &= gbps < _INF
+        with np.errstate(divide="ignore", invalid="ignore"):
+            xfer = (moved * kv_bytes_per_token)[None, :] / (gbps * _GBIT)
+        ttft = (head[:, None] + xfer) + self.dhead[D][None, :]
+        time_s = (ttft + rest[D][None, :]) + stall[:, None]
+        if cost_objective:
+            dollars = (self.cost_h[P] * pre_p)[:, None] + (self.cost_h[D] * float(out_tokens - 1) * self.step_next[D]
+                                                         / self.maxc[D])[None, :]
+            score = np.where(ttft <= target_s, dollars, late_dollars_per_s * time_s)
+        else:
+            score = np.where(ttft > target_s, time_s + late_weight * (ttft - target_s), time_s)
+        score = np.where(valid, score, _INF)
+        k = int(np.argmin(score))  # first minimum: the lowest (prefill id, decode id), rows in id order
+        a, b = divmod(k, len(drows))
+        best = float(score[a, b])
+        if best == _INF:
+            if not valid.any():
+                return None
+            a, b = divmod(int(np.argmax(valid)), len(drows))  # (only infinite scores: the first valid pair)
+        return prows[a], drows[b], float(xfer[a, b]), best
 
-
-def _top(width: int, *cols: np.ndarray) -> list[int]:
-    rows: list[int] = []
-    for col in cols:
-        k = min(width, len(col))
-        idx = np.argpartition(col, k - 1)[:k] if len(col) > k else np.arange(len(col))
-        for j in idx[np.argsort(col[idx], kind="stable")].tolist():
-            if col[j] < _INF and j not in rows:
-                rows.append(j)
-    return rows
