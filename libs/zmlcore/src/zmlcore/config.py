@@ -679,6 +679,10 @@ class PlannerConfig(msgspec.Struct, **_Base):
     headroom: Fraction = 0.8
     """Share of a node's saturation throughput planned as SLO capacity (queueing beyond it
     misses TTFT targets)."""
+    ttft_miss_share: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.01
+    """A node's SLO capacity for a model with a TTFT target is also at most the rate at which
+    queueing (for a free sequence slot, then behind other prefills) makes this share of its
+    requests miss the target (zmlcore.placement.capacity.queueing_rate); 0: headroom alone."""
     move_cost_per_h: NonNeg = 0.25
     """$/h a plan must save per load or unload it asks for: a smaller gain moves nothing."""
     drain_timeout_s: PosFloat = 60.0

@@ -96,7 +96,7 @@ def gather(cfg: ZMLConfig, states: Mapping[str, NodeState], wants: Mapping[str, 
                                    decode_tps=st.decode_tps * mc.speed_factor,
                                    max_concurrency=st.max_concurrency or (acc_type.max_concurrency if acc_type else 1),
                                    mean_prompt=prompt, mean_output=output, ttft_s=mc.ttft_s, tpot_s=mc.tpot_s,
-                                   headroom=pc.headroom)
+                                   headroom=pc.headroom, miss_share=pc.ttft_miss_share)
         held = (frozenset(st.models) | frozenset(st.loading_models) | frozenset(st.draining_models)) - set(cfg.adapters)
         fixed = fixed_adapters(st)
         out.append(NodeOffer(node_id, st.family, st.cost_per_hour, caps, slots=n_slots,
