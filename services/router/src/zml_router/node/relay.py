@@ -69,7 +69,7 @@ from zml_router.node.dispatch import (
 from zml_router.node import legs
 from zml_router.node import lora as node_lora
 from zml_router.node.pending import PendingHold
-from zml_router.request.prepare import PROMPT_SCALE
+from zml_router.replicas.promptscale import PROMPT_SCALE
 from zml_router.node.result import PATHS, AttemptResult, Close, Dispatch, Handoff
 from zml_router.outcome import Outcome
 from zml_router.replicas.inflight import Sharing
@@ -300,7 +300,8 @@ class Relay:
                 answer.splice = Splice(sent, {"node_id": info.node_id, "attempts": action.attempt,
                                               "continued_from": info.continued_from})
         else:
-            node_body = bodies(served or model, lora) if lora is not None else bodies(served or model)
+            # llama.cpp's adapters are chat/completion fields; a transcription's form has none
+            node_body = bodies(served or model, lora) if isinstance(bodies, NodeBodies) else bodies(served or model)
             if handoff is not None:  # the decode leg: what the prefill leg handed over
                 node_body = legs.decode_body(node_body, handoff)
                 if handoff.restore:
