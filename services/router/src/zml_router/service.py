@@ -69,7 +69,7 @@ from zml_router.answer.replies import Replies
 from zml_router.node.relay import Relay
 from zml_router.queue.glue import QueueGlue
 from zml_router.queue.jetstream import H_ENQUEUED
-from zml_router.request.flowgate import FlowGate, Note
+from zml_router.request.flowgate import FlowGate, Note, targets
 from zml_router.replicas.shares import ShareSync
 from zml_router.replicas.sessions import Sessions, session_key
 from zml_router.replicas.table import NodeTable
@@ -447,8 +447,10 @@ class RouterService:
                 return
             if type(action) is route.Decide and action.refill is not None:
                 # a split's prefill leg failed: another prefill node for its decode node, or whole there
+                ttft_t, tpot_t = targets(note)
                 result, why = self.splitter.decide(action.refill, action.rr, policy, time.time(), skey,
-                                                   decode_node=action.refill.node_id, no_room=self.gate.no_room(note))
+                                                   decode_node=action.refill.node_id, no_room=self.gate.no_room(note),
+                                                   tpot_target_s=tpot_t, ttft_target_s=ttft_t)
                 self.metrics.split("split" if result.prefill_node else why)
             elif type(action) is route.Decide:
                 rr = action.rr
@@ -461,8 +463,10 @@ class RouterService:
                 if (action.split and self.splitter.enabled and isinstance(result, Decision) and not batch
                         and rr.accelerator_id is None and isinstance(bodies, NodeBodies)
                         and req.kind() in ("chat", "completion")):
+                    ttft_t, tpot_t = targets(note)
                     result, why = self.splitter.decide(result, rr, policy, time.time(), skey,
-                                                       no_room=self.gate.no_room(note))
+                                                       no_room=self.gate.no_room(note), tpot_target_s=tpot_t,
+                                                       ttft_target_s=ttft_t)
                     self.metrics.split("split" if result.prefill_node else why)
             elif type(action) is Dispatch:
                 node_id = action.decision.node_id

@@ -88,6 +88,12 @@ class Note:
                 info.slo = "admitted"
 
 
+def targets(note: Note | None) -> tuple[float | None, float | None]:
+    """The request's (time-to-first-token, time-per-output-token) targets, its SLO (None: none)."""
+    slo = note.ask.slo if note is not None else None
+    return (slo.ttft_s, slo.tpot_s) if slo is not None else (None, None)
+
+
 class FlowGate:
     def __init__(self, cfg: ZMLConfig, table: NodeTable, state: RoutingState, prefix: PrefixIndex,
                  router_id: str) -> None:
