@@ -220,11 +220,11 @@ class FlowGate:
             else:
                 del self._sent[node_id]
         out = unseen_by_peers(recent, len(self.table.peers))
-        for node_id, q in list(self._peer_freed.items()):
-            while q and q[0] < horizon:
-                q.popleft()
-            if q:
-                out[node_id] = out.get(node_id, 0) + len(q)
+        for node_id, freed in list(self._peer_freed.items()):
+            while freed and freed[0] < horizon:
+                freed.popleft()
+            if freed:
+                out[node_id] = out.get(node_id, 0) + len(freed)
             else:
                 del self._peer_freed[node_id]
         return out
