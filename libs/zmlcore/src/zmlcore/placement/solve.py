@@ -176,13 +176,13 @@ def plan(offers: Sequence[NodeOffer], demands: Sequence[ModelDemand], adapters: 
     for g, k_cls in enumerate(cls):
         placed.update(_split(k_cls, counts.get(g, {})))
     out = evaluate(offers, placed, demand)
-    ad = place_adapters(offers, placed, adapters)
+    homes = place_adapters(offers, placed, adapters)
     unserved = dict(out.unserved)
     for name, a in pinned.items():
-        cap = sum(o.capacity.get(a.base, 0.0) / o.slots for o in offers if name in ad.get(o.node_id, ()))
+        cap = sum(o.capacity.get(a.base, 0.0) / o.slots for o in offers if name in homes.get(o.node_id, ()))
         if a.rate - cap > 1e-9:
             unserved[name] = a.rate - cap
-    return Placement(models=placed, adapters=ad, cost_per_hour=out.cost_per_hour, capacity=out.capacity,
+    return Placement(models=placed, adapters=homes, cost_per_hour=out.cost_per_hour, capacity=out.capacity,
                      unserved=unserved, moves=out.moves, solve_s=time.perf_counter() - t0,
                      status=str(res.message))
 
