@@ -304,6 +304,10 @@ def _run(policy: str, workload: str, load: float, seed: int, n: int, warm: int,
     book = [prior_speeds(t) for _, t in FLEET]
     seen_at: list[tuple[int, float]] = [(0, 0.0)] * n  # per request: inflight and prefill ahead at dispatch
     first_at = [0.0] * n
+    # per replica and node, the prompt tokens it sent there (zml_router.node.relay's ``fed``),
+    # and per request its running total at dispatch and at the first token, and its replica
+    fed: list[list[float]] = []
+    fed_at = [(0.0, 0.0, 0)] * n
 
     def told(nd: SimNode, now: float) -> NodeState:
         st = _state(nd, now)
@@ -331,6 +335,7 @@ def _run(policy: str, workload: str, load: float, seed: int, n: int, warm: int,
 
     # router replicas (ZML policies)
     R = spec.get("replicas", 1) if kind == "zml" else 0
+    fed.extend([0.0] * len(nodes) for _ in range(R))
     reps: list[tuple[list[NodeView], FleetIndex, RoutingState]] = []
     for _ in range(R):
         views = [NodeView(told(nd, 0.0)) for nd in nodes]
@@ -417,9 +422,12 @@ def _run(policy: str, workload: str, load: float, seed: int, n: int, warm: int,
             routers.complete(r, now, push)
         if hidden == "learn" and streamed[r] and first_at[r]:
             c, ahead = seen_at[r]
+            f0, f1, ri = fed_at[r]
+            f2 = fed[ri][nd.idx]
             sample = SpeedSample(ttft_s=ttft[r], prefill_tokens=0.0 if math.isnan(ahead) else ahead + U[r],
                                  prefill_reported=True, inflight=c,
-                                 decode_s=now - first_at[r], decode_tokens=O[r] - 1)
+                                 decode_s=now - first_at[r], decode_tokens=O[r] - 1,
+                                 alone=ahead == 0.0 and f1 == f0, joined_tokens=f1 - f0, decode_prefill_tokens=f2 - f1)
             book[nd.idx] = observe_sample(book[nd.idx], sample, now, nd.maxc)
 
     def arrive(nd: SimNode, r: int, now: float) -> None:
@@ -475,6 +483,9 @@ def _run(policy: str, workload: str, load: float, seed: int, n: int, warm: int,
                 nd.last_t = now
                 ttft[r] = now - arr[r]
                 first_at[r] = now
+                if hidden == "learn":
+                    f0, _f1, ri = fed_at[r]
+                    fed_at[r] = (f0, fed[ri][nd.idx], ri)
                 if nd.cache is not None:
                     engine_store(nd, prompts[r].units, now)
                 if R:
@@ -535,6 +546,8 @@ def _run(policy: str, workload: str, load: float, seed: int, n: int, warm: int,
                 # counted (a mean prompt per pending request is too rough to learn a speed from)
                 ahead = v.pending_tokens if v.pending_tokens is not None else (0.0 if v.pending == 0 else math.nan)
                 seen_at[r] = (v.outstanding + 1, ahead)
+                fed[ri][nd.idx] += max(0, est_p[r] - d.cached_tokens)
+                fed_at[r] = (fed[ri][nd.idx], 0.0, ri)
             routers.dispatch(r, ri, nd.idx, streamed[r], d.estimated_ttft_s, now, push,
                              tokens=max(0, est_p[r] - d.cached_tokens))
             if indexes is not None and chain is not None:

@@ -59,7 +59,8 @@ def make_scheduler(config: pytest.Config, log: Any) -> Any:
         def __init__(self, config: pytest.Config, log: Any) -> None:
             super().__init__(config, log)
             self._shared: dict[str, bool] = {}
-            recorded = config.cache.get(CACHE_KEY, {}) if config.cache is not None else {}
+            cache = getattr(config, "cache", None)  # none under -p no:cacheprovider
+            recorded = cache.get(CACHE_KEY, {}) if cache is not None else {}
             self._seconds: dict[str, float] = {**KNOWN_LONG, **recorded} if recorded else dict(KNOWN_LONG)
             self._ordered = False
 
@@ -99,7 +100,8 @@ class Record:
         self.ran += report.when == "call"
 
     def save(self) -> None:
-        if self.config.cache is None or self.ran < 500:  # a few files' run says little about the order
+        cache = getattr(self.config, "cache", None)  # none under -p no:cacheprovider
+        if cache is None or self.ran < 500:  # a few files' run says little about the order
             return
-        old = self.config.cache.get(CACHE_KEY, {})
-        self.config.cache.set(CACHE_KEY, {**old, **{k: round(v, 1) for k, v in self.seconds.items()}})
+        old = cache.get(CACHE_KEY, {})
+        cache.set(CACHE_KEY, {**old, **{k: round(v, 1) for k, v in self.seconds.items()}})

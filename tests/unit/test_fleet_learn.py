@@ -156,3 +156,63 @@ def test_confidence_is_the_25_percent_band() -> None:
     assert confidence(learn.BAND) == pytest.approx(math.erf(1 / math.sqrt(2)))
     assert confidence(sigma(prior_speeds("cpu").prefill)) < 0.15
     assert confidence(sigma(prior_speeds("nvidia_h100").prefill)) < 0.3
+
+
+def _settled(pf: float, dec: float) -> LearnedSpeeds:
+    s = prior_speeds("cpu")
+    for i in range(6):  # calibration-like: alone, the engine's own timings
+        s = observe_sample(s, SpeedSample(ttft_s=0.1, prefill_tokens=1000, alone=True, engine_prefill_tps=pf,
+                                          engine_decode_tps=dec, decode_tokens=31), now=1.0 + i)
+    return s
+
+
+def test_a_prefill_that_shared_its_batch_is_a_lower_bound() -> None:
+    # llama.cpp batches the prompts of several slots: a request whose prompt shared a batch with
+    # another of its size reports half the throughput as its own speed (issue 28, real engines)
+    s = _settled(14_000, 600)
+    for i in range(20):
+        s = observe_sample(s, SpeedSample(ttft_s=0.2, prefill_tokens=1100, inflight=4, joined_tokens=1100,
+                                          engine_prefill_tps=7_000), now=10.0 + i)
+    assert _within(rate(s.prefill), 14_000, 0.1)
+    # ... and one faster than believed still moves it up; one that ran alone, slower, down
+    up = observe_sample(s, SpeedSample(ttft_s=0.05, prefill_tokens=1100, inflight=4, engine_prefill_tps=28_000),
+                        now=40.0)
+    assert rate(up.prefill) > 1.1 * rate(s.prefill)
+    down = s
+    for i in range(10):
+        down = observe_sample(down, SpeedSample(ttft_s=0.2, prefill_tokens=1100, alone=True,
+                                                engine_prefill_tps=7_000), now=50.0 + i)
+    assert _within(rate(down.prefill), 7_000, 0.25)
+
+
+def test_a_decode_paused_by_prefills_is_counted_without_them() -> None:
+    # 32 tokens at 600/s (53 ms) on one slot, paused by 700 prompt tokens at 14,000/s (50 ms):
+    # the engine reports ~310 tokens/s; what is left after the pause is the decode speed
+    s = _settled(14_000, 600)
+    t = 31 / 600 + 700 / 14_000
+    for i in range(20):
+        s = observe_sample(s, SpeedSample(ttft_s=0.1, prefill_tokens=1000, inflight=1, alone=True,
+                                          engine_prefill_tps=14_000, engine_decode_tps=31 / t, decode_tokens=31,
+                                          decode_prefill_tokens=700), now=10.0 + i)
+    assert _within(rate(s.decode), 600, 0.1)
+    # mostly pause (3,000 prompt tokens: 0.21 s of 0.27 s): too little decode left to time, a lower bound
+    t = 31 / 600 + 3000 / 14_000
+    b = observe_sample(s, SpeedSample(ttft_s=0.1, prefill_tokens=1000, inflight=1, engine_decode_tps=31 / t,
+                                      decode_tokens=31, decode_prefill_tokens=3000), now=40.0)
+    assert b.decode is s.decode
+
+
+def test_counter_windows_only_raise_an_estimate() -> None:
+    from zml_health.speedbook import SpeedBook
+
+    b = SpeedBook()
+    b.prior("n", "cpu")
+    b.calibration("n", "m", 1.0, prefill_tps=14_000, decode_tps=600, engine=True)
+    before = b.publish("n", ["m"], 1.0).main
+    # per-slot seconds of overlapping prefills and paused decodes: half the speeds
+    b.counters("n", ["m"], 2.0, prefill_tps=7_000, prefill_c=2, decode_tps=300, decode_c=1)
+    after = b.publish("n", ["m"], 2.0).main
+    assert after.prefill_tps == before.prefill_tps and after.decode_tps == before.decode_tps
+    b.counters("n", ["m"], 3.0, prefill_tps=28_000, prefill_c=1, decode_tps=1_200, decode_c=1)
+    up = b.publish("n", ["m"], 3.0).main
+    assert up.prefill_tps > 1.1 * before.prefill_tps and up.decode_tps > 1.1 * before.decode_tps

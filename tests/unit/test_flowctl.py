@@ -359,6 +359,36 @@ def test_with_hold_when_full_a_node_without_a_free_slot_takes_nothing() -> None:
     assert d.node_id in ("h1", "g1")
 
 
+def test_the_other_replicas_unseen_sends_count_as_taken_slots() -> None:
+    """Two replicas, a burst reaching both at once: each sees only its own sends until the
+    other's deltas arrive, so each counts as many for the other (unseen_by_peers) and the two
+    together fill the node's slots, not twice them."""
+    from zmlcore.flowctl.gate import admit_flow, full_nodes, unseen_by_peers
+    nodes = _fleet()[:1]  # h1: an H100 of 32 slots
+    nodes[0].set_counts(16, 0)  # 16 are this replica's own, sent within the last moment
+    assert unseen_by_peers({"h1": 16}, peers=0) == {}  # alone: nothing unseen
+    assert unseen_by_peers({"h1": 16, "g1": 0}, peers=1) == {"h1": 16}
+    assert unseen_by_peers({"h1": 3}, peers=2) == {"h1": 6}
+    assert full_nodes(nodes, 0.0) == frozenset()
+    assert full_nodes(nodes, 0.0, {"h1": 15}) == frozenset()  # 16 + 15 + this one: the last slot
+    assert full_nodes(nodes, 0.0, {"h1": 16}) == {"h1"}
+    assert full_nodes(nodes, 0.0, {"g1": 99}) == frozenset()  # another node's sends do not count
+
+    def gate(unseen: dict[str, int] | None):  # type: ignore[no-untyped-def]
+        return admit_flow(nodes, RouteRequest(model="m", prompt_tokens=500), builtin_policy("latency"), NOW,
+                          RoutingState(), _ask(), over_share=False, flow=FlowConfig(hold_when_full=True),
+                          stale_after_s=15.0, ttft_bound_s=60.0, reserve=0.1, unseen=unseen)
+
+    assert gate(None)[0].node_id == "h1"
+    with pytest.raises(QueueFullError):
+        gate(unseen_by_peers({"h1": 16}, peers=1))  # waits in the saturation queue for a slot
+    # without [flow] hold_when_full the guard has no say (the engines' own queues take the rest)
+    d, _ = admit_flow(nodes, RouteRequest(model="m", prompt_tokens=500), builtin_policy("latency"), NOW,
+                      RoutingState(), _ask(), over_share=False, flow=FlowConfig(hold_when_full=False),
+                      stale_after_s=15.0, ttft_bound_s=60.0, reserve=0.1, unseen={"h1": 99})
+    assert d.node_id == "h1"
+
+
 def test_an_over_share_tenant_and_sheddable_work_leave_the_reserve_free() -> None:
     nodes = _fleet()
     nodes[0].set_counts(29, 0)  # 3 free of 32: one more leaves 2 < ceil(3.2) = 4 reserved

@@ -81,15 +81,22 @@ class SpeedBook:
 
     def counters(self, node: str, models: list[str], now: float, *, prefill_tps: float | None,
                  prefill_c: float, decode_tps: float | None, decode_c: float) -> None:
-        """A counter window (node-wide: it goes to each model the node serves)."""
+        """A counter window (node-wide: it goes to each model the node serves).
+
+        A lower bound of each speed, not a measurement: the engines count prefill and decode
+        seconds per sequence (llama.cpp per slot, vLLM per request), so two prompts prefilled
+        in one batch count its time twice, and a decode's seconds include the prefills that
+        paused it. Such a window moves an estimate below it up (a node found faster than
+        believed) and nothing else; the routers' samples, the engine's per-request timings of
+        a prefill that ran alone and the calibration requests say the rest."""
         for m in models or [""]:
             s = self._get(node, m)
             if prefill_tps:
                 s = learn.observe_prefill(s, tps=prefill_tps, inflight=max(prefill_c, 1.0), now=now,
-                                          noise=learn.NOISE_ENGINE, measured=True)
+                                          noise=learn.NOISE_ENGINE, measured=True, bound=True)
             if decode_tps:
                 s = learn.observe_decode(s, tps=decode_tps, inflight=max(decode_c, 1.0), now=now,
-                                         noise=learn.NOISE_ENGINE, measured=True)
+                                         noise=learn.NOISE_ENGINE, measured=True, bound=True)
             self.beliefs[node][m] = s
 
     def calibration(self, node: str, model: str, now: float, *, prefill_tps: float, decode_tps: float,
@@ -99,9 +106,9 @@ class SpeedBook:
         noise = learn.NOISE_ENGINE if engine else learn.NOISE_CALIBRATION
         s = self._get(node, model)
         if prefill_tps > 0:
-            s = learn.observe_prefill(s, tps=prefill_tps, inflight=1, now=now, noise=noise, measured=True)
+            s = learn.observe_prefill(s, tps=prefill_tps, inflight=1, now=now, noise=noise, measured=True, clean=True)
         if decode_tps > 0:
-            s = learn.observe_decode(s, tps=decode_tps, inflight=1, now=now, noise=noise, measured=True)
+            s = learn.observe_decode(s, tps=decode_tps, inflight=1, now=now, noise=noise, measured=True, clean=True)
         self.beliefs[node][model] = s
 
     def needs_calibration(self, node: str, models: list[str], now: float, every_s: float) -> str | None:

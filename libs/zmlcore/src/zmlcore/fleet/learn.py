@@ -124,28 +124,38 @@ def aged(fit: SpeedFit, now: float, cap: float) -> SpeedFit:
     return SpeedFit(a=fit.a, g=fit.g, paa=paa, pag=fit.pag, pgg=fit.pgg, at=fit.at, n=fit.n)
 
 
-def update(fit: SpeedFit, tps: float, concurrency: float, now: float, noise: float, cap: float) -> SpeedFit:
-    """Fold one observation of the speed at ``concurrency`` (an extended Kalman step).
+def update(fit: SpeedFit, tps: float, concurrency: float, now: float, noise: float, cap: float,
+           bound: bool = False, clean: bool = False) -> SpeedFit:
+    """Fold one observation of the speed at ``concurrency`` (an extended Kalman step). With
+    ``bound`` the observation is a lower bound (the node is at least this fast: a per-request
+    speed whose time other requests' work shared): it moves an estimate below it up, and says
+    nothing of one above it. A ``clean`` observation (the engine's own timing of work that ran
+    alone) is clipped the same way both sides: it is slow only when the node is.
 
     >>> f = prior_fit(100.0, 0.02, 1.0)
     >>> f = update(f, 400.0, 1, now=5.0, noise=0.1, cap=1.0)
     >>> 350 < rate(f) < 400
     True
+    >>> update(f, 100.0, 1, now=6.0, noise=0.1, cap=1.0, bound=True) is f
+    True
     """
     if not (tps > 0 and math.isfinite(tps)):
         return fit
-    fit = aged(fit, now, cap)
     x = math.exp(fit.g) * max(concurrency - 1.0, 0.0)
     h = fit.a - math.log1p(x)
+    v = math.log(tps) - h
+    if bound and v <= 0:
+        return fit
+    fit = aged(fit, now, cap)
     hg = -x / (1.0 + x)  # d h / d g; d h / d a = 1
     paa, pag, pgg = fit.paa, fit.pag, fit.pgg
     pa = paa + pag * hg  # P H^T
     pg = pag + pgg * hg
     s = pa + hg * pg + noise * noise
-    v = math.log(tps) - h
     sd = math.sqrt(s)
-    v = max(-(HUBER_SLOW if fit.n >= SETTLED else HUBER) * sd, min(HUBER * sd, v))
-    if v < 0 and fit.n >= SETTLED:
+    settled = fit.n >= SETTLED and not clean
+    v = max(-(HUBER_SLOW if settled else HUBER) * sd, min(HUBER * sd, v))
+    if v < 0 and settled:
         v *= SLOW_WEIGHT
     ka, kg = pa / s, pg / s
     a = fit.a + ka * v
@@ -158,41 +168,79 @@ def update(fit: SpeedFit, tps: float, concurrency: float, now: float, noise: flo
 
 
 def observe_prefill(s: LearnedSpeeds, *, tps: float, inflight: float, now: float, noise: float,
-                    measured: bool = False, cap: float | None = None) -> LearnedSpeeds:
+                    measured: bool = False, cap: float | None = None, bound: bool = False,
+                   clean: bool = False) -> LearnedSpeeds:
     cap = cap if cap is not None else _cap(s)
-    return LearnedSpeeds(prefill=update(s.prefill, tps, inflight, now, noise, cap), decode=s.decode,
+    fit = update(s.prefill, tps, inflight, now, noise, cap, bound, clean)
+    if fit is s.prefill:
+        return s
+    return LearnedSpeeds(prefill=fit, decode=s.decode,
                          measured_at=now if measured else s.measured_at, prior_var=s.prior_var)
 
 
 def observe_decode(s: LearnedSpeeds, *, tps: float, inflight: float, now: float, noise: float,
-                   measured: bool = False, cap: float | None = None) -> LearnedSpeeds:
+                   measured: bool = False, cap: float | None = None, bound: bool = False,
+                   clean: bool = False) -> LearnedSpeeds:
     cap = cap if cap is not None else _cap(s)
-    return LearnedSpeeds(prefill=s.prefill, decode=update(s.decode, tps, inflight, now, noise, cap),
+    fit = update(s.decode, tps, inflight, now, noise, cap, bound, clean)
+    if fit is s.decode:
+        return s
+    return LearnedSpeeds(prefill=s.prefill, decode=fit,
                          measured_at=now if measured else s.measured_at, prior_var=s.prior_var)
 
 
 def observe_sample(s: LearnedSpeeds, sample: SpeedSample, now: float, maxc: int = 0) -> LearnedSpeeds:
     """Fold what a router saw of one attempt.
 
-    The engine's own timings win where it reported them. Otherwise the prefill speed is the
-    prompt tokens the node computed before the first token over the TTFT, counted only when
-    the request got a sequence slot at once (``inflight <= maxc``: a wait for a slot is queueing,
-    not prefill), and the decode speed is the tokens after the first over the time they took.
+    **Prefill** is the node's prompt throughput. The engine's own prompt speed counts fully only
+    when the request's prefill ran alone (``sample.alone``): llama.cpp and vLLM put the prompts
+    of several sequences in one batch, so a request that shared its batches reports its own
+    tokens over the whole batch's time, a fraction of the throughput (half, with two prompts of
+    a size). Shared, it is a lower bound. Without the engine's figure it is the prompt tokens
+    the node computed before the first token (those pending ahead, counted, and its own) over
+    the TTFT, counted only when the request got a sequence slot at once (``inflight <= maxc``:
+    a wait for a slot is queueing, not prefill); a lower bound too when other prompts arrived
+    during it (``joined_tokens``).
+
+    **Decode** is the per-sequence speed at the concurrency it ran. Its time (the engine's, else
+    the router's first-to-last token) less the prefills of the prompts sent to the node during
+    it (``decode_prefill_tokens`` at the prefill estimate: they pause the decode) is decode; when
+    those prefills took more than half of it, what is left is too small to time, and the speed
+    over the whole is a lower bound.
+
+    >>> s = prior_speeds("cpu")
+    >>> s = observe_sample(s, SpeedSample(ttft_s=0.1, prefill_tokens=1000, alone=True, engine_prefill_tps=10_000,
+    ...                                   engine_decode_tps=500, decode_tokens=31), now=1.0)
+    >>> round(rate(s.prefill), -2), round(rate(s.decode), -1)
+    (9900.0, 500.0)
+    >>> # two prompts in one batch, a decode paused by 1,000 prompt tokens (0.1 s of 0.16 s):
+    >>> t = observe_sample(s, SpeedSample(ttft_s=0.2, prefill_tokens=1000, engine_prefill_tps=5_000,
+    ...                                   engine_decode_tps=200, decode_tokens=31, decode_prefill_tokens=1000), now=2.0)
+    >>> t.prefill is s.prefill, t.decode is s.decode
+    (True, True)
     """
     cap = _cap(s)
     c = max(sample.inflight, 1)
+    alone = sample.alone
     if sample.engine_prefill_tps > 0:
         s = observe_prefill(s, tps=sample.engine_prefill_tps, inflight=c, now=now, noise=NOISE_ENGINE,
-                            measured=True, cap=cap)
+                            measured=alone, cap=cap, bound=not alone, clean=alone)
     elif sample.ttft_s > 0 and sample.prefill_tokens >= MIN_PREFILL_TOKENS and (maxc <= 0 or c <= maxc):
         noise = NOISE_REPORTED if sample.prefill_reported else NOISE_ESTIMATED
-        s = observe_prefill(s, tps=sample.prefill_tokens / sample.ttft_s, inflight=c, now=now, noise=noise, cap=cap)
-    if sample.engine_decode_tps > 0:
-        s = observe_decode(s, tps=sample.engine_decode_tps, inflight=c, now=now, noise=NOISE_ENGINE,
-                           measured=True, cap=cap)
-    elif sample.decode_s > 0 and sample.decode_tokens >= MIN_DECODE_TOKENS:
-        s = observe_decode(s, tps=sample.decode_tokens / sample.decode_s, inflight=c, now=now,
-                           noise=NOISE_REPORTED, cap=cap)
+        s = observe_prefill(s, tps=sample.prefill_tokens / sample.ttft_s, inflight=c, now=now, noise=noise, cap=cap,
+                            bound=sample.joined_tokens > 0)
+    n = sample.decode_tokens
+    if n >= MIN_DECODE_TOKENS or (sample.engine_decode_tps > 0 and n > 0):
+        engine = sample.engine_decode_tps > 0
+        t = n / sample.engine_decode_tps if engine else sample.decode_s
+        if t > 0:
+            paused = sample.decode_prefill_tokens / rate(s.prefill) if sample.decode_prefill_tokens > 0 else 0.0
+            own = t - paused
+            noise = NOISE_ENGINE if engine else NOISE_REPORTED
+            if own >= 0.5 * t:
+                s = observe_decode(s, tps=n / own, inflight=c, now=now, noise=noise, measured=engine, cap=cap)
+            else:
+                s = observe_decode(s, tps=n / t, inflight=c, now=now, noise=noise, cap=cap, bound=True)
     return s
 
 

@@ -13,7 +13,7 @@ class SpeedSample(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     """What one attempt on a node showed of its speeds (the router fills what it saw).
 
     >>> SpeedSample(ttft_s=0.2, prefill_tokens=2000, inflight=1, decode_s=1.0, decode_tokens=99)
-    SpeedSample(ttft_s=0.2, prefill_tokens=2000, prefill_reported=False, inflight=1, decode_s=1.0, decode_tokens=99, engine_prefill_tps=0.0, engine_decode_tps=0.0, predicted_ttft_s=0.0)
+    SpeedSample(ttft_s=0.2, prefill_tokens=2000, prefill_reported=False, inflight=1, decode_s=1.0, decode_tokens=99, engine_prefill_tps=0.0, engine_decode_tps=0.0, predicted_ttft_s=0.0, alone=False, joined_tokens=0.0, decode_prefill_tokens=0.0)
     """
 
     #: Dispatch to first byte of the answer (streamed: the first token), seconds; 0: none seen.
@@ -35,6 +35,19 @@ class SpeedSample(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     engine_decode_tps: float = 0.0
     #: The router's TTFT estimate for this node at dispatch (prediction vs observation).
     predicted_ttft_s: float = 0.0
+    #: Nothing was pending on the node at dispatch and the router sent it no other prompt
+    #: before this one's first token: the prefill timed (TTFT, the engine's prompt timing) was
+    #: this request's alone. Otherwise other prompts may have shared its prefill batches
+    #: (llama.cpp, vLLM batch the prompts of several slots), and its per-request prompt speed
+    #: says only that the node is at least that fast.
+    alone: bool = False
+    #: Prompt tokens the router sent to the node after this request and before its first token
+    #: (they may have shared its prefill batches).
+    joined_tokens: float = 0.0
+    #: Prompt tokens the router sent to the node between this request's first token and its
+    #: last: their prefills paused (or slowed) its decode, which a per-request decode speed
+    #: includes.
+    decode_prefill_tokens: float = 0.0
 
 
 class SpeedFit(msgspec.Struct, frozen=True, kw_only=True, array_like=True):

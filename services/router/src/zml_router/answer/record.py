@@ -19,7 +19,7 @@ class Answer:
     ``start``, the last sequence number sent, the chunks relayed (for a continuation: what was
     sent), and the splice of a continuation attempt."""
 
-    __slots__ = ("started", "seq", "transcript", "splice", "usage_asked", "ttft", "assembler", "timings")
+    __slots__ = ("started", "seq", "transcript", "splice", "usage_asked", "ttft", "assembler", "timings", "fed")
 
     def __init__(self, usage_asked: bool = False, assembler: Assembler | None = None) -> None:
         self.started = False
@@ -35,6 +35,9 @@ class Answer:
         #: The chunk that carried the engine's own timings (llama-server's last), if any: the
         #: speed sample of the attempt reads them (zml_router.node.relay).
         self.timings: bytes | None = None
+        #: The router's running total of prompt tokens sent to the answering node when its
+        #: first token came (zml_router.node.relay's ``fed``; the speed sample's).
+        self.fed = 0.0
 
     def sent(self) -> Sent:
         """What the requester has of this answer, whichever way it travels: the reply put back

@@ -32,6 +32,7 @@ from zmlcore.messages.frontdoor import drop_zml_keys, has_zml_keys
 from zmlcore.policy.estimate import Coeffs, estimate_ttft, node_speeds, nonstream_pending_s, prompt_tokens_from_body
 from zmlcore.reply import routingmeta
 from zmlcore.reply.sse import event_payloads
+from zml_router.node.lora import Lora, as_json
 
 _encode = msgspec.json.encode
 _decode_any = msgspec.json.Decoder()
@@ -108,12 +109,14 @@ class NodeBodies:
         self.asked = asked
         self.clean = clean
         self._data: dict[str, Any] | None = None
-        self._made: dict[str, bytes] = {}
+        self._made: dict[str | tuple[str, Lora], bytes] = {}
 
-    def __call__(self, name: str) -> bytes:
-        body = self._made.get(name)
+    def __call__(self, name: str, lora: Lora | None = None) -> bytes:
+        """``lora``: the llama.cpp adapters to run, ``(id, scale)`` pairs (zml_router.node.lora)."""
+        key = name if lora is None else (name, lora)
+        body = self._made.get(key)
         if body is None:
-            if name == self.asked and (self.clean or not has_zml_keys(self.raw)):
+            if name == self.asked and lora is None and (self.clean or not has_zml_keys(self.raw)):
                 body = self.raw  # nothing of ours to strip, the name the node knows: as it came
             else:
                 data = self._data
@@ -121,8 +124,11 @@ class NodeBodies:
                     data = _decode_any.decode(self.raw)
                     self._data = data if self.clean else drop_zml_keys(data)
                 data["model"] = name
-                body = _encode(data)
-            self._made[name] = body
+                if lora is None:
+                    body = _encode(data)
+                else:  # this node's ids, on this body only (another node has its own)
+                    body = _encode({**data, "lora": as_json(lora)})
+            self._made[key] = body
         return body
 
 
@@ -230,6 +236,10 @@ class AtDispatch:
     #: this request's uncached prompt tokens as estimated at dispatch
     uncached: float
     predicted_ttft_s: float
+    #: the router's running total of prompt tokens sent to the node, this request's included
+    #: (``Relay.fed``): what it reads again at the first token and at the last tells which
+    #: prompts shared the node with this one's prefill and its decode
+    fed: float = 0.0
 
 
 class Learned:
@@ -279,24 +289,32 @@ def at_dispatch(sp: Learned, outstanding: int, pending: int, pending_tokens: flo
 
 
 def speed_sample(d: AtDispatch, first_at: float, end_at: float, tokens: int, prompt_tokens: int | None,
-                 cached: int | None, engine: tuple[float, float] = (0.0, 0.0)) -> SpeedSample:
+                 cached: int | None, engine: tuple[float, float] = (0.0, 0.0), fed_first: float = 0.0,
+                 fed_end: float = 0.0) -> SpeedSample:
     """What an attempt showed of its node's speeds: its TTFT over the prompt tokens the node
     computed before its first token (the engine's count of this request's uncached tokens when
-    it reported one), its tokens after the first over the time they took.
+    it reported one), its tokens after the first over the time they took, and what else the
+    node was given meanwhile: the router's running total of prompt tokens sent to the node at
+    the first token (``fed_first``) and at the last (``fed_end``) against ``d.fed``.
 
-    >>> d = AtDispatch(at=10.0, inflight=2, ahead=0.0, uncached=800, predicted_ttft_s=0.08)
-    >>> speed_sample(d, first_at=10.1, end_at=11.1, tokens=51, prompt_tokens=1000, cached=100)
-    SpeedSample(ttft_s=0.1, prefill_tokens=900.0, prefill_reported=True, inflight=2, decode_s=1.0, decode_tokens=50, engine_prefill_tps=0.0, engine_decode_tps=0.0, predicted_ttft_s=0.08)
+    >>> d = AtDispatch(at=10.0, inflight=2, ahead=0.0, uncached=800, predicted_ttft_s=0.08, fed=5000.0)
+    >>> speed_sample(d, first_at=10.125, end_at=11.125, tokens=51, prompt_tokens=1000, cached=100,
+    ...              fed_first=5000.0, fed_end=5600.0)
+    SpeedSample(ttft_s=0.125, prefill_tokens=900.0, prefill_reported=True, inflight=2, decode_s=1.0, decode_tokens=50, engine_prefill_tps=0.0, engine_decode_tps=0.0, predicted_ttft_s=0.08, alone=True, joined_tokens=0.0, decode_prefill_tokens=600.0)
     """
     reported = prompt_tokens is not None and prompt_tokens > 0 and cached is not None
     own = max(prompt_tokens - cached, 1) if reported else d.uncached  # type: ignore[operator]
+    joined = fed_first - d.fed if fed_first > d.fed else 0.0
+    # no round(): ~0.3 us each on the router's path, and the event's JSON carries any float
     return SpeedSample(
-        ttft_s=round(first_at - d.at, 6),
+        ttft_s=first_at - d.at,
         prefill_tokens=float(own + d.ahead) if d.ahead is not None else 0.0,
         prefill_reported=reported, inflight=d.inflight,
-        decode_s=round(end_at - first_at, 6) if tokens > 1 else 0.0, decode_tokens=max(tokens - 1, 0),
+        decode_s=end_at - first_at if tokens > 1 else 0.0, decode_tokens=tokens - 1 if tokens > 1 else 0,
         engine_prefill_tps=engine[0], engine_decode_tps=engine[1],
-        predicted_ttft_s=round(d.predicted_ttft_s, 6),
+        predicted_ttft_s=d.predicted_ttft_s,
+        alone=d.ahead == 0.0 and joined == 0.0, joined_tokens=joined,
+        decode_prefill_tokens=fed_end - fed_first if fed_end > fed_first else 0.0,
     )
 
 

@@ -10,8 +10,10 @@ header lookup or two here and takes today's path unchanged.
 
 from __future__ import annotations
 
+import asyncio
 import time
-from collections.abc import Mapping
+from collections import deque
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from zmlcore import subjects
@@ -20,7 +22,7 @@ from zmlcore.errors import QueueFullError, ShedError
 from zmlcore.flowctl import SHEDDABLE, Ask, Calibration, ShareBook, SloVerdict, ask_of
 from zmlcore.flowctl.ask import ASK_HEADERS, config_plain
 from zmlcore.flowctl.bands import NAMES
-from zmlcore.flowctl.gate import admit_flow, no_room, over_share
+from zmlcore.flowctl.gate import admit_flow, no_room, over_share, unseen_by_peers
 from zmlcore.flowctl.slo import batch_of, model_tpot
 from zmlcore.messages import RoutingInfo
 from zmlcore.policy import Decision, ResolvedPolicy, RouteRequest, RoutingState
@@ -34,6 +36,9 @@ from zml_router.telemetry import tracing as rtrace
 
 
 _P, _TTFT, _TPOT, _DEFAULT = ASK_HEADERS
+#: How long another replica's send may take to reach this one's table: its in-flight delta is
+#: summed for 2 ms (zml_router.replicas.deltas), then crosses the broker into a busy event loop.
+UNSEEN_S = 0.02
 
 
 def tenant_of(subject: str, owner: str, headers: Mapping[str, str] | None) -> str:
@@ -81,6 +86,12 @@ class Note:
                 info.slo = "admitted"
 
 
+def targets(note: Note | None) -> tuple[float | None, float | None]:
+    """The request's (time-to-first-token, time-per-output-token) targets, its SLO (None: none)."""
+    slo = note.ask.slo if note is not None else None
+    return (slo.ttft_s, slo.tpot_s) if slo is not None else (None, None)
+
+
 class FlowGate:
     def __init__(self, cfg: ZMLConfig, table: NodeTable, state: RoutingState, prefix: PrefixIndex,
                  router_id: str) -> None:
@@ -96,6 +107,12 @@ class FlowGate:
         self.config_plain = config_plain(f, cfg.models) and not f.hold_when_full
         #: tenant -> its entries this replica holds in the saturation queue (zml_router.queue)
         self.backlog: dict[str, int] = {}
+        #: node id -> when this replica sent it requests under [flow] hold_when_full, the last
+        #: UNSEEN_S (the other replicas' sends in that time may not be counted here yet)
+        self._sent: dict[str, deque[float]] = {}
+        #: Called when capacity may have freed (the saturation queue's entries are tried again):
+        #: a slot counted as another replica's unseen send is free again once UNSEEN_S passes.
+        self.freed: Callable[[], None] = lambda: None
 
     def note(self, subject: str, owner: str, headers: Mapping[str, str] | None, model: str) -> Note | None:
         """The request's flow control, or None for a plain request (today's path)."""
@@ -123,7 +140,8 @@ class FlowGate:
             d, verdict = admit_flow(self.table.nodes(), rr, policy, now, self.state, ask,
                                     over_share=over_share(used, self.backlog.get(ask.tenant, 0)), flow=self.cfg.flow,
                                     stale_after_s=rc.stale_after_s, ttft_bound_s=rc.admission_ttft_s,
-                                    reserve=rc.batch_reserve, cache=self.prefix, calibration=self.calibration)
+                                    reserve=rc.batch_reserve, cache=self.prefix, calibration=self.calibration,
+                                    unseen=self._unseen() if self._sent and self.table.peers else None)
         except QueueFullError as exc:
             if ask.band >= SHEDDABLE and not from_queue and ask.band != 3:
                 raise ShedError(f"no room for sheddable work now: {exc.message}",
@@ -142,6 +160,32 @@ class FlowGate:
             note.model_tpot = model_tpot(view, rr.model)
         return d
 
+    def sent(self, node_id: str) -> None:
+        """A request under [flow] hold_when_full goes to ``node_id`` (each attempt): for the
+        free-slot test of this replica's next ones (:meth:`_unseen`)."""
+        if not self.cfg.flow.hold_when_full or not self.table.peers:
+            return
+        q = self._sent.get(node_id)
+        if q is None:
+            q = self._sent[node_id] = deque()
+        q.append(time.monotonic())
+        asyncio.get_running_loop().call_later(UNSEEN_S, self.freed)
+
+    def _unseen(self) -> dict[str, int]:
+        """Per node, what the other replicas may have sent it that has not reached this table
+        yet: as many as this replica sent it in the last UNSEEN_S, per peer
+        (zmlcore.flowctl.gate.unseen_by_peers)."""
+        horizon = time.monotonic() - UNSEEN_S
+        recent: dict[str, int] = {}
+        for node_id, q in list(self._sent.items()):
+            while q and q[0] < horizon:
+                q.popleft()
+            if q:
+                recent[node_id] = len(q)
+            else:
+                del self._sent[node_id]
+        return unseen_by_peers(recent, len(self.table.peers))
+
     def no_room(self, note: Note | None) -> frozenset[str]:
         """Nodes without a slot for this request (zmlcore.flowctl.gate.no_room): a split's legs
         keep off them as the request's own decision did (none without ``hold_when_full``)."""
@@ -149,7 +193,8 @@ class FlowGate:
             return frozenset()
         ask = note.ask
         return no_room(self.table.nodes(), ask, flow=self.cfg.flow,
-                       over_share=over_share(note.share_used or 0.0, self.backlog.get(ask.tenant, 0)))
+                       over_share=over_share(note.share_used or 0.0, self.backlog.get(ask.tenant, 0)),
+                       unseen=self._unseen() if self._sent and self.table.peers else None)
 
     def dispatched(self, note: Note, prompt_tokens: int) -> None:
         """Charge the tenant at dispatch: its prompt and a mean output (corrected at the end)."""

@@ -17,6 +17,8 @@ from zmlcore.policy import ResolvedPolicy, RouteRequest, resolve_policy
 from zmlcore.policy.estimate import prompt_tokens_from_body
 from zmlcore.policy.prefix import KeyChain, chain_from_header, keyed, request_keys
 
+from zml_router.replicas.promptscale import PROMPT_SCALE
+
 _decode_any = msgspec.json.Decoder()
 
 
@@ -99,7 +101,9 @@ def prepare(cfg: ZMLConfig, families: list[str], req: InferRequest, raw: bytes,
     max_tokens = 1 if req.input is not None else req.max_tokens or req.max_completion_tokens or 512
     # ~4 bytes per token of JSON body: good enough for a TTFT estimate, and O(1). Audio: the
     # encoder's frames for its duration (its bytes say nothing of it).
-    prompt = req.audio_tokens() if isinstance(req, AudioRequest) else prompt_tokens_from_body(len(raw))
+    # Scaled by what the engines counted of this model's prompts before (PromptScale).
+    prompt = req.audio_tokens() if isinstance(req, AudioRequest) else \
+        PROMPT_SCALE.scaled(model, prompt_tokens_from_body(len(raw)))
     rr = RouteRequest(model=model, prompt_tokens=prompt, max_tokens=max_tokens,
                       accelerator_id=req.accelerator_id, prefix=prefix_chain(model, req, raw, headers),
                       session_node=session_node)

@@ -116,12 +116,15 @@ PREFILL_LEGS = Children(Counter(
     "zml_router_prefill_legs",
     "Prefill legs of split requests by prefill node and result: ok, or the failure (network, server, slow, "
     "overloaded...) after which the request was served whole on its decode node.", ["node", "result"]))
-PREDICTION = Children(Histogram(
+#: A tally (a bisect and two additions per attempt), not a prometheus_client Histogram (its lock
+#: and child lookup cost ~2 us per request on the router's path; issue 28's CPU budget).
+PREDICTION = HistogramTally(
     "zml_router_ttft_prediction_ratio",
     "Observed over predicted time to first token of each attempt that got one, by node: the TTFT estimated at "
     "dispatch from the node's learned speeds (the x-zml-predicted-ttft-ms header) against what came (1: exact; "
     "0.8-1.25: within 25%).", ["node"],
-    buckets=(0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0)))
+    buckets=(0.25, 0.5, 0.67, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5, 2.0, 4.0))
+REGISTRY.register(Tallies(PREDICTION))
 QUEUE_WAIT = Children(Histogram(
     "zml_router_queue_wait_seconds", "Time a queued request waited until a node had room for it.", ["model"],
     buckets=WAIT_BUCKETS))
@@ -178,7 +181,7 @@ class RouterMetrics(Collector):
     def predicted(self, node_id: str, predicted_s: float, observed_s: float) -> None:
         """An attempt's TTFT against the one predicted at dispatch."""
         if predicted_s > 0:
-            PREDICTION(node_id).observe(observed_s / predicted_s)
+            PREDICTION.observe((node_id,), observed_s / predicted_s)
         if tracing.ON:
             rtrace.predicted(predicted_s, observed_s)
 
