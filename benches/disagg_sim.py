@@ -41,14 +41,22 @@ from dataclasses import dataclass, field
 from zmlcore.errors import RoutingError
 from zmlcore.fleet.accelerators import ACCELERATORS
 from zmlcore.fleet.perfmodel import SimProfile
+from zmlcore.flowctl.slo import Slo, admit_slo
 from zmlcore.messages import NodeState
 from zmlcore.policy import NodeView, RouteRequest, RoutingState, builtin_policy, choose_node
 from zmlcore.policy.split import KVLinks, SplitIndex, SplitSettings, decide_split
 
 MODEL = "m"
+#: aggregated: whole requests, the latency policy; aggregated_slo: the same told the requests'
+#: TTFT and inter-token targets (flow control's SLO admission: a pick that meets them, else
+#: the fastest that does, else refused); fixed: family roles; zml: the per-request decider.
+MODES = ("aggregated", "aggregated_slo", "fixed", "zml")
 TTFT_SLO = 2.0
 ITL_SLO = 0.050
 KV_BYTES = 131072.0
+#: The inter-token target the zml mode's decider is told (the requests' SLO); inf: none
+#: (``--itl-target-ms 0``, the decider as it was before it read one).
+DECIDER_ITL_TARGET = ITL_SLO
 #: The demo fleet (sdk/src/zml/data/demo.toml): 2 H100, 1 A100, 2 MI300X, 1 Gaudi2, 1 Inferentia2.
 DEMO = ["nvidia_h100", "nvidia_h100", "nvidia_a100", "amd_mi300x", "amd_mi300x", "intel_gaudi2", "aws_inferentia2"]
 #: A larger mix: 4x each of the GPU kinds, 6 Gaudi2, 8 Inferentia2.
@@ -92,8 +100,10 @@ class Node:
 
 class Sim:
     def __init__(self, accels: list[str], mode: str, seed: int, gbps: float, prefill_families: frozenset[str],
-                 settings: SplitSettings) -> None:
+                 settings: SplitSettings, itl_target: float | None = None) -> None:
         self.mode = mode
+        #: the requests' inter-token target as the decider is told it (their SLO: x-zml-tpot-slo-ms)
+        self.itl_target = DECIDER_ITL_TARGET if itl_target is None else itl_target
         self.settings = settings
         self.links = KVLinks()
         self.gbps = gbps
@@ -107,7 +117,7 @@ class Sim:
             st = NodeState(node_id=f"{fam.lower()}-{i}", accelerator_type=acc, family=fam, endpoint="",
                            status="up", models=[MODEL], prefill_tps=prof.prefill_tps, decode_tps=prof.decode_tps,
                            max_concurrency=prof.max_concurrency, cost_per_hour=prof.cost_per_hour,
-                           roles=roles, kv_group="g" if mode != "aggregated" else "", kv_gbps=gbps,
+                           roles=roles, kv_group="g" if not mode.startswith("aggregated") else "", kv_gbps=gbps,
                            updated_at=0.0)
             v = NodeView(st)
             v.pending_tokens = 0.0
@@ -157,6 +167,11 @@ class Sim:
                           key=lambda n: (n.view.effective_outstanding() / n.prof.max_concurrency, n.idx))
                 pair: tuple[Node, Node] | None = (pre, dec)
                 whole = None
+            elif self.mode == "aggregated_slo":  # whole, told the requests' targets (flow control's SLO admission)
+                d, _ = admit_slo(self.views, RouteRequest(model=MODEL, prompt_tokens=j.prompt, max_tokens=j.out),
+                                 self.policy, self.now, self.rstate, Slo(TTFT_SLO, ITL_SLO), stale_after_s=math.inf,
+                                 ttft_bound_s=60.0)
+                whole, pair = self.by_id[d.node_id], None
             else:
                 d = choose_node(self.views, RouteRequest(model=MODEL, prompt_tokens=j.prompt, max_tokens=j.out),
                                 self.policy, self.now, self.rstate, stale_after_s=math.inf)
@@ -165,7 +180,8 @@ class Sim:
                 if self.mode == "zml":
                     sd = decide_split(self.views, whole.view, model=MODEL, prompt_tokens=j.prompt,
                                       output_tokens=j.out, cached={}, settings=self.settings, links=self.links,
-                                      now=self.now, stale_after_s=math.inf)
+                                      now=self.now, stale_after_s=math.inf, latency_target_s=TTFT_SLO,
+                                      itl_target_s=self.itl_target)
                     if sd.split and sd.chosen is not None:
                         pair = (self.by_id[sd.chosen.prefill_node], self.by_id[sd.chosen.node])
         except RoutingError:
@@ -320,7 +336,7 @@ def run_one(accels: list[str], kind: str, load: float, seed: int, duration: floa
             settings: SplitSettings, fixed: frozenset[str]) -> dict[str, dict[str, float]]:
     rate = load * capacity_rps(accels, kind)
     res = {}
-    for mode in ("aggregated", "fixed", "zml"):
+    for mode in MODES:
         res[mode] = run_mode(accels, kind, mode, rate, seed, duration, gbps, fixed, settings)
     return res
 
@@ -380,9 +396,13 @@ def main() -> None:
     ap.add_argument("--tune-seed", type=int, default=7, help="seed on which the best fixed role assignment is chosen")
     ap.add_argument("--min-gain", type=float, default=0.1)
     ap.add_argument("--min-uncached", type=int, default=512, help="[disaggregation] min_uncached_tokens")
+    ap.add_argument("--itl-target-ms", type=float, default=ITL_SLO * 1000,
+                    help="the requests' inter-token target as the decider is told it (0: none)")
     ap.add_argument("--decide-bench", action="store_true")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args()
+    global DECIDER_ITL_TARGET
+    DECIDER_ITL_TARGET = a.itl_target_ms / 1000 if a.itl_target_ms > 0 else math.inf
     if a.decide_bench:
         print(json.dumps(decide_bench()))
         return
@@ -391,11 +411,13 @@ def main() -> None:
     fixed = best_fixed(accels, a.workload, a.load, a.tune_seed, a.duration, a.gbps, settings)
     rows = [run_one(accels, a.workload, a.load, s, a.duration, a.gbps, settings, fixed) for s in a.seeds]
     summary = {}
-    for mode in ("aggregated", "fixed", "zml"):
+    for mode in MODES:
         summary[mode] = {k: statistics.mean(r[mode][k] for r in rows) for k in rows[0][mode]}
     summary["fixed_prefill_families"] = sorted(fixed)  # type: ignore[assignment]
     summary["zml_vs_aggregated"] = {"goodput_per_dollar": summary["zml"]["goodput_per_dollar"] /
                                     max(1e-9, summary["aggregated"]["goodput_per_dollar"])}
+    summary["zml_vs_aggregated_slo"] = {"goodput_per_dollar": summary["zml"]["goodput_per_dollar"] /
+                                        max(1e-9, summary["aggregated_slo"]["goodput_per_dollar"])}
     summary["zml_vs_fixed"] = {"goodput_per_dollar": summary["zml"]["goodput_per_dollar"] /
                                max(1e-9, summary["fixed"]["goodput_per_dollar"])}
     if a.json:
@@ -403,13 +425,14 @@ def main() -> None:
         return
     print(f"workload={a.workload} fleet={a.fleet} load={a.load} seeds={a.seeds} gbps={a.gbps} "
           f"fixed prefill families={sorted(fixed)} (best on seed {a.tune_seed})")
-    for mode in ("aggregated", "fixed", "zml"):
+    for mode in MODES:
         s = summary[mode]
-        print(f"{mode:>10}: goodput {s['goodput_share']:.3f}  good/$ {s['goodput_per_dollar']:.1f}  "
+        print(f"{mode:>14}: goodput {s['goodput_share']:.3f}  good/$ {s['goodput_per_dollar']:.1f}  "
               f"completed {s['completed']:.3f}  TTFT p50 {s['ttft_p50']:.2f}s p99 {s['ttft_p99']:.2f}s  "
               f"ITL p50 {s['itl_p50'] * 1e3:.0f}ms p99 {s['itl_p99'] * 1e3:.0f}ms  split {s['split_share']:.2f}  "
               f"decide p50 {s['decide_us_p50']:.0f}us")
     print(f"zml/aggregated goodput per $: {summary['zml_vs_aggregated']['goodput_per_dollar']:.2f}x; "
+          f"zml/aggregated_slo: {summary['zml_vs_aggregated_slo']['goodput_per_dollar']:.2f}x; "
           f"zml/fixed: {summary['zml_vs_fixed']['goodput_per_dollar']:.2f}x")
 
 

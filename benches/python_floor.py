@@ -133,6 +133,11 @@ class RawClient:
             self.idle.append(conn)
         return data
 
+    async def close(self):
+        for conn in self.idle:
+            conn.t.close()
+        self.idle = []
+
 
 async def main():
     nc = await nats.connect(os.environ["FLOOR_NATS"])

@@ -18,7 +18,9 @@ from typing import Any
 import httpx
 import pytest
 
+import schedule
 from pki import Pki, make_pki
+from schedule import SHARED_STACK
 from zmlcore.runtime.launch import Proc, free_port, service_argv, spawn, start_nats, wait_port
 
 @pytest.hookimpl(tryfirst=True)
@@ -207,13 +209,111 @@ def launch_stack(nats_url: str, tmp: Path, *, fleet: list[tuple[str, str, list[s
     return stack
 
 
+class SharedStack:
+    """The stack the read-mostly e2e files share (``zml_stack``), on a broker of its own. Started
+    when a test first asks for it, stopped when the next test is in a file that does not use it
+    (those files run one after the other, tests/schedule.py): idle, it costs ~13% of a core.
+    Asked for again, it starts again."""
+
+    def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
+        self.tmp_path_factory = tmp_path_factory
+        self.stack: Stack | None = None
+        self.nats: Proc | None = None
+
+    def get(self) -> Stack:
+        if self.stack is None:
+            folder = self.tmp_path_factory.mktemp("stack")
+            port = free_port()
+            self.nats = start_nats("127.0.0.1", port, str(folder / "nats"))
+            try:
+                self.stack = launch_stack(f"nats://127.0.0.1:{port}", folder, extra=LLAMA3_POLICY)
+            except BaseException:
+                self.stop()
+                raise
+        return self.stack
+
+    def stop(self) -> None:
+        if self.stack is not None:
+            self.stack.stop()
+            self.stack = None
+        if self.nats is not None:
+            self.nats.stop()
+            self.nats = None
+
+
+_shared_stack: SharedStack | None = None
+
+
 @pytest.fixture(scope="session")
-def zml_stack(nats_url: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    stack = launch_stack(nats_url, tmp_path_factory.mktemp("stack"), extra=LLAMA3_POLICY)
+def _shared_stack_holder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SharedStack]:
+    global _shared_stack
+    _shared_stack = SharedStack(tmp_path_factory)
     try:
-        yield stack
+        yield _shared_stack
     finally:
-        stack.stop()
+        _shared_stack.stop()
+        _shared_stack = None
+
+
+@pytest.fixture(scope="module")
+def zml_stack(_shared_stack_holder: SharedStack) -> Stack:
+    """Sims + health + two routers + gateway, shared by every test that asks for it: for tests
+    that read (a fault set by one is cleared by it). Its broker is its own: ``zml_stack.nats_url``."""
+    return _shared_stack_holder.get()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    try:
+        return (yield)
+    finally:
+        if _shared_stack is not None and (nextitem is None or _file(nextitem) not in _shared_stack_files):
+            _shared_stack.stop()
+
+
+_shared_stack_files: set[str] = set()
+
+
+def _file(item: pytest.Item) -> str:
+    return item.nodeid.split("::", 1)[0]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The files using the shared stack one after the other (where the first of them was), so
+    that one process (``-n 0``, or the unit xdist gets from tests/schedule.py) starts it once."""
+    files: dict[str, bool] = {}
+    for item in items:
+        files[_file(item)] = files.get(_file(item), False) or SHARED_STACK in getattr(item, "fixturenames", ())
+    _shared_stack_files.update(f for f, shared in files.items() if shared)
+    first = next((i for i, f in enumerate(files) if files[f]), 0)
+    rank = {f: (first if shared else i) for i, (f, shared) in enumerate(files.items())}
+    items.sort(key=lambda item: rank[_file(item)])  # stable: the order within a file is kept
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    if config.getvalue("dist") != "loadfile":
+        return None
+    return schedule.make_scheduler(config, log)
+
+
+_record: schedule.Record | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _record
+    if not hasattr(config, "workerinput"):  # the controller (or -n 0): it sees every report
+        _record = schedule.Record(config)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if _record is not None:
+        _record.add(report)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if _record is not None:
+        _record.save()
 
 
 @contextmanager

@@ -26,8 +26,8 @@ def _zml_bucket(stream: str) -> str | None:
     return None
 
 
-async def test_every_bucket_and_stream_zml_creates_is_bounded(zml_stack: Any, nats_url: str) -> None:
-    nc = await nats.connect(nats_url)
+async def test_every_bucket_and_stream_zml_creates_is_bounded(zml_stack: Any) -> None:
+    nc = await nats.connect(zml_stack.nats_url)
     try:
         # The ones created on first use, which a plain stack may not have touched yet.
         await SharedLimiter.open(nc)

@@ -10,7 +10,8 @@ import socket
 import subprocess
 import sys
 import time
-
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
@@ -32,151 +33,6 @@ def _zml(*args: str) -> list[str]:
 def _port_base(n: int) -> int:
     """A run of n free ports for --sim-port-base (below the ephemeral range, see listen_ports)."""
     return listen_ports(n)
-
-
-@pytest.mark.timeout(300)
-def test_two_zml_up_on_one_machine_run_the_demo_fleet_and_stop_everything(tmp_path: Path) -> None:
-    # Issue 10 item 11: the demo fleet used to bind 9101-9107 always, so a second `zml up`
-    # failed with "port 9101 ... already in use". Now one picks free ports, the other a base.
-    cfg = load_config(demo_config_path())
-    base = _port_base(len(cfg.nodes))
-    runs = []
-    # The based run first, and the other only once its nodes listen: the free-port run picks its
-    # ports in another process, which cannot know the range handed to the based one and could
-    # pick one of them before it is bound (seen once in CI).
-    for k, extra in ((1, ("--sim-port-base", str(base))), (0, ())):
-        gw, nats_port = free_port(), free_port()
-        data = tmp_path / f"zml-data-{k}"  # each its own identities and store
-        proc = spawn(f"zml-up-{k}", _zml("up", "--gateway-port", str(gw), "--nats-port", str(nats_port),
-                                         "--data-dir", str(data), *extra))
-        runs.insert(0, (proc, gw, nats_port))
-        if extra:
-            deadline = time.monotonic() + 150
-            while not all(port_in_use("127.0.0.1", p) for p in range(base, base + len(cfg.nodes))):
-                if not proc.alive() or time.monotonic() > deadline:
-                    proc.stop()
-                    pytest.fail(f"the based run's nodes never listened: {proc.tail()}")
-                time.sleep(0.2)
-    used: list[tuple[str, int]] = []
-    try:
-        endpoints = []
-        for proc, gw, nats_port in runs:
-            assert proc.wait_for("zml ready", 150), proc.tail()
-            ready = next(line for line in proc.lines if "zml ready" in line)
-            assert f"http://127.0.0.1:{gw}" in ready
-            r = httpx.post(f"http://127.0.0.1:{gw}/v1/chat/completions", timeout=30,
-                           json={"model": "meta-llama/llama-3-8b-instruct",
-                                 "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4})
-            assert r.status_code == 200, r.text
-            assert r.json()["zml"]["node_id"] in {n.id for n in cfg.nodes}
-            # "ready" comes with the first node; the others are published as their first probe
-            # answers (a loaded CI box: seconds later)
-            want = {"nvidia_h100", "nvidia_a100", "amd_mi300x", "intel_gaudi2"}
-            deadline = time.monotonic() + 60
-            while True:
-                nodes = httpx.get(f"http://127.0.0.1:{gw}/v1/nodes", timeout=10).json()["nodes"]
-                if {n["accelerator_type"] for n in nodes} >= want or time.monotonic() > deadline:
-                    break
-                time.sleep(0.5)
-            assert {n["accelerator_type"] for n in nodes} >= want
-            endpoints.append({n["node_id"]: n["endpoint"] for n in nodes})
-            # Prometheus /metrics: the gateway on its own port, health, warmup (two of each, one
-            # active) and the router on ports of their own (free ones by default, so two `zml up`
-            # do not clash), printed.
-            line = next(line for line in proc.lines if line.startswith("zml metrics:"))
-            ports = dict(re.findall(r"([\w-]+) :(\d+)", line))
-            assert set(ports) == {"health-1", "health-2", "warmup-1", "warmup-2", "router-1", "batch-1"}, line
-            for name, port in [("gateway", gw), *ports.items()]:
-                m = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10)
-                assert m.status_code == 200 and "process_cpu_seconds_total" in m.text, name
-            assert "zml_router_requests_total" in httpx.get(f"http://127.0.0.1:{ports['router-1']}/metrics").text
-            used += [("127.0.0.1", int(port)) for port in ports.values()]
-            # `zml nodes` shows where each simulated node listens.
-            table = subprocess.run(_zml("nodes", "--endpoint", f"http://127.0.0.1:{gw}"), capture_output=True,
-                                   text=True, timeout=30)
-            assert table.returncode == 0, table.stderr
-            assert "ENDPOINT" in table.stdout
-            assert all(ep in table.stdout for ep in endpoints[-1].values())
-            used += [("127.0.0.1", gw), ("127.0.0.1", nats_port)]
-            used += [endpoint_port(ep) for ep in endpoints[-1].values()]
-        free_ports = {endpoint_port(ep)[1] for ep in endpoints[0].values()}
-        based_ports = {endpoint_port(ep)[1] for ep in endpoints[1].values()}
-        assert not free_ports & based_ports
-        assert based_ports == set(range(base, base + len(cfg.nodes)))
-        assert endpoints[1]["h100-1"] == f"http://127.0.0.1:{base}"  # in the demo file's order
-        _check_secure_by_default(runs[0][0], tmp_path / "zml-data-0", runs[0][2])
-    finally:
-        for proc, _, _ in runs:
-            proc.popen.send_signal(signal.SIGTERM)
-        for proc, _, _ in runs:
-            assert proc.popen.wait(30) == 0, proc.tail()
-    # Every child is gone: the ports they used are free again.
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and any(port_in_use(h, p) for h, p in used):
-        time.sleep(0.2)
-    assert not [p for h, p in used if port_in_use(h, p)]
-
-
-def _check_secure_by_default(proc: Proc, data: Path, nats_port: int) -> None:
-    """It says how to get a client identity, the seeds are private, the broker refuses
-    strangers, and the operator's commands work with the admin identity only."""
-    assert any("zml creds issue NAME" in line for line in proc.lines), proc.tail()
-    for name in ("gateway", "router", "health", "warmup", "admin"):
-        assert (data / "creds" / f"{name}.nk").stat().st_mode & 0o777 == 0o600
-    assert _anonymous_refused(f"nats://127.0.0.1:{nats_port}")
-    serve = [*_zml("serve", "meta-llama/llama-3-8b-instruct", "--nats-url", f"nats://127.0.0.1:{nats_port}",
-                   "--timeout", "60")]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("ZML_")}
-    out = subprocess.run(serve, capture_output=True, text=True, timeout=90,
-                         env={**env, "ZML_NATS_NKEY": str(data / "creds" / "admin.nk")})
-    assert out.returncode == 0, out.stdout + out.stderr  # zml serve: warmup service + KV watch
-    issued = subprocess.run(_zml("creds", "issue", "someone", "--data-dir", str(data)), capture_output=True,
-                            text=True, timeout=30)
-    assert issued.returncode == 0 and "reloaded" in issued.stdout, issued.stdout + issued.stderr
-    out = subprocess.run([*serve[:-1], "5"], capture_output=True, text=True, timeout=90,
-                         env={**env, "ZML_NATS_NKEY": str(data / "creds" / "someone.nk")})
-    # a client identity may not load models: said at once (the server's permissions violation)
-    assert out.returncode != 0 and "[AUTH_FAILED]" in out.stderr and '"zml.warmup.serve"' in out.stderr, out.stderr
-
-
-def _anonymous_refused(url: str) -> bool:
-    async def attempt() -> bool:
-        try:
-            nc = await nats.connect(url, allow_reconnect=False, connect_timeout=5)
-        except nats.errors.Error as exc:
-            return "Authorization Violation" in str(exc)
-        await nc.close()
-        return False
-
-    return asyncio.run(attempt())
-
-
-@pytest.mark.timeout(150)
-def test_zml_up_insecure_is_an_explicit_open_broker(tmp_path: Path) -> None:
-    """--insecure keeps the old open broker (and says so)."""
-    gw, nats_port = free_port(), free_port()
-    proc = spawn("zml-up", _zml("up", "--gateway-port", str(gw), "--nats-port", str(nats_port), "--insecure"))
-    try:
-        assert proc.wait_for("zml ready", 90), proc.tail()
-        assert any("no authorization" in line for line in proc.lines), proc.tail()
-
-        async def open_connect() -> bool:
-            nc = await nats.connect(f"nats://127.0.0.1:{nats_port}", allow_reconnect=False, connect_timeout=5)
-            await nc.close()
-            return True
-
-        assert asyncio.run(open_connect())
-        # [nats] server_gomaxprocs = "auto" (the demo config): in nats-server's environment only.
-        want = f"GOMAXPROCS={nats_gomaxprocs(usable_cores())}".encode()
-        kids = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
-        environ = [(Path(f"/proc/{k}/cmdline").read_bytes().split(b"\0")[0], Path(f"/proc/{k}/environ").read_bytes())
-                   for k in kids]
-        server = [env for cmd, env in environ if cmd.endswith(b"nats-server")]
-        assert len(server) == 1 and want in server[0].split(b"\0"), [cmd for cmd, _ in environ]
-        assert all(b"GOMAXPROCS=" not in env for cmd, env in environ if not cmd.endswith(b"nats-server"))
-    finally:
-        proc.popen.send_signal(signal.SIGTERM)
-        assert proc.popen.wait(30) == 0, proc.tail()
 
 
 def test_zml_up_port_in_use_is_one_clear_line() -> None:
@@ -241,3 +97,173 @@ def test_zml_up_says_when_a_node_goes_down_and_comes_back(tmp_path: Path) -> Non
     finally:
         proc.popen.send_signal(signal.SIGTERM)
         assert proc.popen.wait(60) == 0, proc.tail(40)
+
+
+# The two `zml up` last in the file: the fixture stops them after the last test that reads them.
+@dataclass
+class Run:
+    proc: Proc
+    gw: int
+    nats_port: int
+    data: Path
+
+
+@dataclass
+class TwoUps:
+    secure: Run  # free ports, the secure default
+    based: Run  # --sim-port-base, and --insecure (test_zml_up_insecure_is_an_explicit_open_broker)
+    base: int
+    used: list[tuple[str, int]] = field(default_factory=list)  # every port either used: free after
+
+
+@pytest.fixture(scope="module")
+def two_ups(tmp_path_factory: pytest.TempPathFactory) -> Iterator[TwoUps]:
+    """Two `zml up` on one machine, read by two tests (each `zml up` is ~15 processes to start).
+    Stopping them is checked here: both exit 0 on SIGTERM and free every port they used."""
+    tmp_path = tmp_path_factory.mktemp("two-ups")
+    cfg = load_config(demo_config_path())
+    base = _port_base(len(cfg.nodes))
+    runs: list[Run] = []
+    # The based run first, and the other only once its nodes listen: the free-port run picks its
+    # ports in another process, which cannot know the range handed to the based one and could
+    # pick one of them before it is bound (seen once in CI).
+    for k, extra in ((1, ("--sim-port-base", str(base), "--insecure")), (0, ())):
+        gw, nats_port = free_port(), free_port()
+        data = tmp_path / f"zml-data-{k}"  # each its own identities and store
+        proc = spawn(f"zml-up-{k}", _zml("up", "--gateway-port", str(gw), "--nats-port", str(nats_port),
+                                         "--data-dir", str(data), *extra))
+        runs.insert(0, Run(proc, gw, nats_port, data))
+        if k:
+            deadline = time.monotonic() + 150
+            while not all(port_in_use("127.0.0.1", p) for p in range(base, base + len(cfg.nodes))):
+                if not proc.alive() or time.monotonic() > deadline:
+                    for run in runs:
+                        run.proc.stop()
+                    pytest.fail(f"the based run's nodes never listened: {proc.tail()}")
+                time.sleep(0.2)
+    ups = TwoUps(runs[0], runs[1], base)
+    try:
+        for run in runs:
+            assert run.proc.wait_for("zml ready", 150), run.proc.tail()
+        yield ups
+    finally:
+        for run in runs:
+            run.proc.popen.send_signal(signal.SIGTERM)
+        for run in runs:
+            assert run.proc.popen.wait(30) == 0, run.proc.tail()
+    # Every child is gone: the ports they used are free again.
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(port_in_use(h, p) for h, p in ups.used):
+        time.sleep(0.2)
+    assert not [p for h, p in ups.used if port_in_use(h, p)]
+
+
+@pytest.mark.timeout(300)
+def test_two_zml_up_on_one_machine_run_the_demo_fleet_and_stop_everything(two_ups: TwoUps) -> None:
+    # Issue 10 item 11: the demo fleet used to bind 9101-9107 always, so a second `zml up`
+    # failed with "port 9101 ... already in use". Now one picks free ports, the other a base.
+    cfg = load_config(demo_config_path())
+    base = two_ups.base
+    used = two_ups.used
+    endpoints = []
+    for run in (two_ups.secure, two_ups.based):
+        proc, gw, nats_port = run.proc, run.gw, run.nats_port
+        ready = next(line for line in proc.lines if "zml ready" in line)
+        assert f"http://127.0.0.1:{gw}" in ready
+        r = httpx.post(f"http://127.0.0.1:{gw}/v1/chat/completions", timeout=30,
+                       json={"model": "meta-llama/llama-3-8b-instruct",
+                             "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 4})
+        assert r.status_code == 200, r.text
+        assert r.json()["zml"]["node_id"] in {n.id for n in cfg.nodes}
+        # "ready" comes with the first node; the others are published as their first probe
+        # answers (a loaded CI box: seconds later)
+        want = {"nvidia_h100", "nvidia_a100", "amd_mi300x", "intel_gaudi2"}
+        deadline = time.monotonic() + 60
+        while True:
+            nodes = httpx.get(f"http://127.0.0.1:{gw}/v1/nodes", timeout=10).json()["nodes"]
+            if {n["accelerator_type"] for n in nodes} >= want or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert {n["accelerator_type"] for n in nodes} >= want
+        endpoints.append({n["node_id"]: n["endpoint"] for n in nodes})
+        # Prometheus /metrics: the gateway on its own port, health, warmup (two of each, one
+        # active) and the router on ports of their own (free ones by default, so two `zml up`
+        # do not clash), printed.
+        line = next(line for line in proc.lines if line.startswith("zml metrics:"))
+        ports = dict(re.findall(r"([\w-]+) :(\d+)", line))
+        assert set(ports) == {"health-1", "health-2", "warmup-1", "warmup-2", "router-1", "batch-1"}, line
+        for name, port in [("gateway", gw), *ports.items()]:
+            m = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10)
+            assert m.status_code == 200 and "process_cpu_seconds_total" in m.text, name
+        assert "zml_router_requests_total" in httpx.get(f"http://127.0.0.1:{ports['router-1']}/metrics").text
+        used += [("127.0.0.1", int(port)) for port in ports.values()]
+        # `zml nodes` shows where each simulated node listens.
+        table = subprocess.run(_zml("nodes", "--endpoint", f"http://127.0.0.1:{gw}"), capture_output=True,
+                               text=True, timeout=30)
+        assert table.returncode == 0, table.stderr
+        assert "ENDPOINT" in table.stdout
+        assert all(ep in table.stdout for ep in endpoints[-1].values())
+        used += [("127.0.0.1", gw), ("127.0.0.1", nats_port)]
+        used += [endpoint_port(ep) for ep in endpoints[-1].values()]
+    free_ports = {endpoint_port(ep)[1] for ep in endpoints[0].values()}
+    based_ports = {endpoint_port(ep)[1] for ep in endpoints[1].values()}
+    assert not free_ports & based_ports
+    assert based_ports == set(range(base, base + len(cfg.nodes)))
+    assert endpoints[1]["h100-1"] == f"http://127.0.0.1:{base}"  # in the demo file's order
+    _check_secure_by_default(two_ups.secure.proc, two_ups.secure.data, two_ups.secure.nats_port)
+    # (stopping both, exit 0 and every port above free again: checked by the fixture's teardown)
+
+
+def _check_secure_by_default(proc: Proc, data: Path, nats_port: int) -> None:
+    """It says how to get a client identity, the seeds are private, the broker refuses
+    strangers, and the operator's commands work with the admin identity only."""
+    assert any("zml creds issue NAME" in line for line in proc.lines), proc.tail()
+    for name in ("gateway", "router", "health", "warmup", "admin"):
+        assert (data / "creds" / f"{name}.nk").stat().st_mode & 0o777 == 0o600
+    assert _anonymous_refused(f"nats://127.0.0.1:{nats_port}")
+    serve = [*_zml("serve", "meta-llama/llama-3-8b-instruct", "--nats-url", f"nats://127.0.0.1:{nats_port}",
+                   "--timeout", "60")]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("ZML_")}
+    out = subprocess.run(serve, capture_output=True, text=True, timeout=90,
+                         env={**env, "ZML_NATS_NKEY": str(data / "creds" / "admin.nk")})
+    assert out.returncode == 0, out.stdout + out.stderr  # zml serve: warmup service + KV watch
+    issued = subprocess.run(_zml("creds", "issue", "someone", "--data-dir", str(data)), capture_output=True,
+                            text=True, timeout=30)
+    assert issued.returncode == 0 and "reloaded" in issued.stdout, issued.stdout + issued.stderr
+    out = subprocess.run([*serve[:-1], "5"], capture_output=True, text=True, timeout=90,
+                         env={**env, "ZML_NATS_NKEY": str(data / "creds" / "someone.nk")})
+    # a client identity may not load models: said at once (the server's permissions violation)
+    assert out.returncode != 0 and "[AUTH_FAILED]" in out.stderr and '"zml.warmup.serve"' in out.stderr, out.stderr
+
+
+def _anonymous_refused(url: str) -> bool:
+    async def attempt() -> bool:
+        try:
+            nc = await nats.connect(url, allow_reconnect=False, connect_timeout=5)
+        except nats.errors.Error as exc:
+            return "Authorization Violation" in str(exc)
+        await nc.close()
+        return False
+
+    return asyncio.run(attempt())
+
+
+def test_zml_up_insecure_is_an_explicit_open_broker(two_ups: TwoUps) -> None:
+    """--insecure keeps the old open broker (and says so)."""
+    proc, nats_port = two_ups.based.proc, two_ups.based.nats_port
+    assert any("no authorization" in line for line in proc.lines), proc.tail()
+
+    async def open_connect() -> bool:
+        nc = await nats.connect(f"nats://127.0.0.1:{nats_port}", allow_reconnect=False, connect_timeout=5)
+        await nc.close()
+        return True
+
+    assert asyncio.run(open_connect())
+    # [nats] server_gomaxprocs = "auto" (the demo config): in nats-server's environment only.
+    want = f"GOMAXPROCS={nats_gomaxprocs(usable_cores())}".encode()
+    kids = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    environ = [(Path(f"/proc/{k}/cmdline").read_bytes().split(b"\0")[0], Path(f"/proc/{k}/environ").read_bytes())
+               for k in kids]
+    server = [env for cmd, env in environ if cmd.endswith(b"nats-server")]
+    assert len(server) == 1 and want in server[0].split(b"\0"), [cmd for cmd, _ in environ]
+    assert all(b"GOMAXPROCS=" not in env for cmd, env in environ if not cmd.endswith(b"nats-server"))

@@ -7,7 +7,9 @@ router:
   ``prompt_tokens_details.cached_tokens``), and its answer is the one the decode node gives the
   prompt un-split (greedy sampling);
 * streamed to the ``openai`` client as one answer;
-* the prefill server killed: the request still completes, whole on the decode node, and says so.
+* the prefill server lost mid-leg (stopped as it took the leg, then killed): the leg goes to the
+  second prefill server, whose KV the decode leg finds cached; with no prefill server left, the
+  request is served whole on the decode node; each reply says which.
 
 ``[disaggregation] always``: two llama-servers of the same speed would never be split by the
 estimate (moving KV only adds time), so the test asks for every request with a pair to be.
@@ -35,8 +37,8 @@ def prompt(seed: int, n: int = 900) -> str:
 
 
 class Pair:
-    def __init__(self, stack: Stack, p: RealNode, d: RealNode) -> None:
-        self.stack, self.p, self.d = stack, p, d
+    def __init__(self, stack: Stack, p: RealNode, d: RealNode, p2: RealNode) -> None:
+        self.stack, self.p, self.d, self.p2 = stack, p, d, p2
 
     def chat(self, content: str, **kw: object) -> httpx.Response:
         body = {"model": MODEL, "messages": [{"role": "user", "content": content}], "max_tokens": 12,
@@ -49,27 +51,32 @@ def pair(llama: Llama, own_nats: str, tmp_path_factory: pytest.TempPathFactory) 
     slots = tmp_path_factory.mktemp("slots")
     p = RealNode("llama-p", free_port(), ("--slot-save-path", str(slots)))
     d = RealNode("llama-d", free_port(), ("--slot-save-path", str(slots)))
-    for node in (p, d):
+    # a second prefill server, behind a slower link: chosen only when llama-p cannot take the leg
+    p2 = RealNode("llama-p2", free_port(), ("--slot-save-path", str(slots)))
+    for node in (p, d, p2):
         node.start(llama)
     stack = None
     try:
-        roles = {"llama-p": 'roles = ["prefill"]\n', "llama-d": 'roles = ["decode"]\n'}
+        roles = {"llama-p": 'roles = ["prefill"]\n', "llama-d": 'roles = ["decode"]\n',
+                 "llama-p2": 'roles = ["prefill"]\n'}
         extra = POLICY + "[disaggregation]\nenabled = true\nalways = true\nmin_uncached_tokens = 256\n"
-        for node in (p, d):
+        for node in (p, d, p2):
             # kv_group and roles go before the served_names table
             toml = real_node_toml(node)
             head, tail = toml.split("[nodes.served_names]")
-            extra += head + roles[node.node_id] + 'kv_group = "cpu"\nkv_gbps = 10\n' + "[nodes.served_names]" + tail
+            gbps = 1 if node is p2 else 10
+            extra += (head + roles[node.node_id] + f'kv_group = "cpu"\nkv_gbps = {gbps}\n' + "[nodes.served_names]"
+                      + tail)
         stack = launch_stack(own_nats, tmp_path_factory.mktemp("pd"), fleet=SIM_FLEET, extra=extra, poll_s=0.5,
                              routers=1)
-        for node_id in ("llama-p", "llama-d"):
+        for node_id in ("llama-p", "llama-d", "llama-p2"):
             _wait_up(stack.gateway_url, node_id)
-        yield Pair(stack, p, d)
+        yield Pair(stack, p, d, p2)
     finally:
         if stack is not None:
             stack.stop()
-        p.stop()
-        d.stop()
+        for node in (p, d, p2):
+            node.stop()
 
 
 def _wait_up(url: str, node_id: str) -> None:
@@ -123,11 +130,43 @@ def test_streamed_to_the_openai_client_as_one_answer(pair: Pair) -> None:
     assert usage.prompt_tokens_details.cached_tokens >= 0.95 * usage.prompt_tokens
 
 
-def test_the_prefill_server_killed_the_request_still_completes(pair: Pair) -> None:
-    pair.p.kill()
-    r = pair.chat(prompt(3))
+def test_the_prefill_server_lost_mid_leg_the_other_one_prefills(pair: Pair) -> None:
+    import signal
+    import threading
+    import time
+
+    assert pair.p.proc is not None
+    pair.p.proc.popen.send_signal(signal.SIGSTOP)  # it takes the leg and never answers...
+    box: dict[str, httpx.Response] = {}
+    t = threading.Thread(target=lambda: box.setdefault("r", pair.chat(prompt(3))))
+    t.start()
+    time.sleep(1.0)
+    pair.p.kill()  # ... then dies with the leg in flight: its connection reset
+    t.join(120)
+    r = box["r"]
+    assert r.status_code == 200, r.text
+    body = r.json()
+    z = body["zml"]
+    assert z["node_id"] == "llama-d" and z["prefill_node"] == "llama-p2" and z["prefill_failed"] == "llama-p:network", z
+    usage = body["usage"]
+    cached = usage["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= 0.95 * usage["prompt_tokens"], usage
+    print(f"after llama-p was lost mid-leg: llama-p2 prefilled, the decode leg found {cached} of "
+          f"{usage['prompt_tokens']} prompt tokens cached")
+
+
+def test_with_no_prefill_server_left_the_request_is_served_whole(pair: Pair) -> None:
+    import time
+
+    deadline = time.monotonic() + 30  # llama-p (killed above) down as the fleet sees it
+    while any(n["node_id"] == "llama-p" and n["status"] == "up"
+              for n in httpx.get(pair.stack.gateway_url + "/v1/nodes", timeout=10).json()["nodes"]):
+        assert time.monotonic() < deadline
+        time.sleep(0.3)
+    pair.p2.kill()
+    r = pair.chat(prompt(4))
     assert r.status_code == 200, r.text
     z = r.json()["zml"]
     assert z["node_id"] == "llama-d" and not z.get("prefill_node")
-    assert z["prefill_failed"] == "llama-p:network"
+    assert z["prefill_failed"] == "llama-p2:network"
     assert r.json()["usage"]["completion_tokens"] == 12

@@ -64,3 +64,45 @@ async def test_deltas_after_a_snapshot_are_never_undone_by_it(nats_url: str) -> 
         sharing.close()
         await nc.close()
         await peer_nc.close()
+
+
+async def test_two_replicas_know_each_other_as_soon_as_the_second_starts(nats_url: str) -> None:
+    """A replica counts a peer (and sends it deltas) only once it has heard its snapshot, sent
+    every second: the first goes out at start, and a replica that hears a new peer answers with
+    its own at once. Before, two routers started together ignored each other's sends for up to a
+    second, and a burst reaching both was admitted by each to every free slot of a node
+    (tests/e2e/test_flow_control.py)."""
+    def replica(rid: str) -> tuple[NodeTable, Sharing]:
+        table = NodeTable(parse_config({}).families())
+        table.upsert(NodeState(node_id="n1", accelerator_type="nvidia_h100", family="H100", endpoint="http://x",
+                               status="up", models=["m"], updated_at=time.time()))
+        return table, Sharing(table, Marks(table, rid), rid)
+
+    (ta, a), (tb, b) = replica("r-a"), replica("r-b")
+    nca, ncb = await connect(nats_url, "zml-test-a"), await connect(nats_url, "zml-test-b")
+    subs = await a.start(nca, lambda: None)
+    loops = [asyncio.create_task(a.publish_snapshots())]
+    try:
+        await asyncio.sleep(0.3)  # a runs alone (its first snapshot heard by nobody)
+        subs += await b.start(ncb, lambda: None)
+        await flush(ncb)
+        loops.append(asyncio.create_task(b.publish_snapshots()))
+        deadline = time.monotonic() + 0.5  # well before a's next snapshot (1 s after its first)
+        while not ("r-b" in ta.peers and "r-a" in tb.peers) and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert "r-b" in ta.peers and "r-a" in tb.peers, (ta.peers, tb.peers)
+        b.move("n1", 1, 0)  # and b's sends reach a from its first one
+        deadline = time.monotonic() + 2
+        while ta.views["n1"].outstanding != 1 and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+        assert ta.views["n1"].outstanding == 1
+    finally:
+        for t in loops:
+            t.cancel()
+        await asyncio.gather(*loops, return_exceptions=True)
+        for sub in subs:
+            await sub.unsubscribe()
+        a.close()
+        b.close()
+        await nca.close()
+        await ncb.close()

@@ -107,6 +107,42 @@ def test_a_peer_report_adds_its_counters_and_a_newer_one_replaces_it() -> None:
     assert r1.tokens("a", NOW + 1) == pytest.approx(expect, abs=0.2)
 
 
+def test_a_tenants_backlog_is_every_replicas_and_a_change_is_reported() -> None:
+    """Each replica holds a window of the saturation queue: a flood's 36 waiting requests may sit
+    31 in one replica's window and 5 in the other's. Judged by its own 5, the second replica
+    found the flood under its backlog bound (not over its share) and let it into the slot kept
+    for others (4 of 4 slots ran the flood half the time, tests/e2e/test_flow_control.py)."""
+    from zmlcore.flowctl.gate import over_share
+    r1, r2 = ShareBook("r1"), ShareBook("r2")
+    r1.set_waiting({"flood": 31, "steady": 1})
+    v = r1.version
+    r1.set_waiting({"flood": 31, "steady": 1})
+    assert r1.version == v  # unchanged: nothing to report
+    r1.set_waiting({"flood": 31})
+    assert r1.version == v + 1
+    r2.set_waiting({"flood": 5})
+    r2.merge(r1.report(NOW), NOW)
+    assert r2.waiting("flood") == 36 and r2.waiting("steady") == 0
+    assert not over_share(1.9, r2.own_waiting["flood"]) and over_share(1.9, r2.waiting("flood"))
+    r1.set_waiting({})
+    r2.merge(r1.report(NOW + 1), NOW + 1)
+    assert r2.waiting("flood") == 5
+
+
+def test_a_flood_held_partly_elsewhere_still_ranks_as_over_its_share() -> None:
+    """The order's backlog test counts the tenant's entries in the other replicas' windows too:
+    with 5 of a flood's 36 here, they ranked as an under-share tenant's, this replica announced
+    that band, and the replica holding the other 31 left it every freed slot it could not use."""
+    from zmlcore.flowctl.order import best_rank, keys
+    ws = [Waiting(band=STANDARD, tenant="flood", weight=1.0, enqueued_at=NOW, seq=i) for i in range(5)]
+
+    def service(t: str, w: float) -> float:
+        return 1000.0 if t == "flood" else 0.0
+    assert best_rank(ws, service, NOW, 30.0, level=10.0) == (STANDARD, 0)
+    assert best_rank(ws, service, NOW, 30.0, level=10.0, elsewhere={"flood": 31}) == (STANDARD, 1)
+    assert all(k[1] == 0 for k in keys(ws, service, NOW, 30.0, 10.0, elsewhere={"other": 31}))
+
+
 def test_own_report_is_ignored_and_stale_peers_forgotten() -> None:
     r1 = ShareBook("r1", half_life_s=1.0)
     r1.charge("a", 100.0, NOW)
@@ -357,6 +393,36 @@ def test_with_hold_when_full_a_node_without_a_free_slot_takes_nothing() -> None:
     assert info.value.routing_context["final_error"] == "no_free_slot"  # type: ignore[index]
     d, _ = _gate(nodes, _ask(), hold=False)  # without it: today's admission bound only
     assert d.node_id in ("h1", "g1")
+
+
+def test_the_other_replicas_unseen_sends_count_as_taken_slots() -> None:
+    """Two replicas, a burst reaching both at once: each sees only its own sends until the
+    other's deltas arrive, so each counts as many for the other (unseen_by_peers) and the two
+    together fill the node's slots, not twice them."""
+    from zmlcore.flowctl.gate import admit_flow, full_nodes, unseen_by_peers
+    nodes = _fleet()[:1]  # h1: an H100 of 32 slots
+    nodes[0].set_counts(16, 0)  # 16 are this replica's own, sent within the last moment
+    assert unseen_by_peers({"h1": 16}, peers=0) == {}  # alone: nothing unseen
+    assert unseen_by_peers({"h1": 16, "g1": 0}, peers=1) == {"h1": 16}
+    assert unseen_by_peers({"h1": 3}, peers=2) == {"h1": 6}
+    assert full_nodes(nodes, 0.0) == frozenset()
+    assert full_nodes(nodes, 0.0, {"h1": 15}) == frozenset()  # 16 + 15 + this one: the last slot
+    assert full_nodes(nodes, 0.0, {"h1": 16}) == {"h1"}
+    assert full_nodes(nodes, 0.0, {"g1": 99}) == frozenset()  # another node's sends do not count
+
+    def gate(unseen: dict[str, int] | None):  # type: ignore[no-untyped-def]
+        return admit_flow(nodes, RouteRequest(model="m", prompt_tokens=500), builtin_policy("latency"), NOW,
+                          RoutingState(), _ask(), over_share=False, flow=FlowConfig(hold_when_full=True),
+                          stale_after_s=15.0, ttft_bound_s=60.0, reserve=0.1, unseen=unseen)
+
+    assert gate(None)[0].node_id == "h1"
+    with pytest.raises(QueueFullError):
+        gate(unseen_by_peers({"h1": 16}, peers=1))  # waits in the saturation queue for a slot
+    # without [flow] hold_when_full the guard has no say (the engines' own queues take the rest)
+    d, _ = admit_flow(nodes, RouteRequest(model="m", prompt_tokens=500), builtin_policy("latency"), NOW,
+                      RoutingState(), _ask(), over_share=False, flow=FlowConfig(hold_when_full=False),
+                      stale_after_s=15.0, ttft_bound_s=60.0, reserve=0.1, unseen={"h1": 99})
+    assert d.node_id == "h1"
 
 
 def test_an_over_share_tenant_and_sheddable_work_leave_the_reserve_free() -> None:

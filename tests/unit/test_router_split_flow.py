@@ -252,3 +252,88 @@ def test_a_split_leg_is_admitted_like_a_request() -> None:
     table, sp, gate = setup({}, {"admission_ttft_s": 0.05})
     d, why = sp.decide(whole, rr, pol, now)
     assert why == "over_bound" and d.prefill_node == "" and d.node_id == "dec"
+
+
+def test_the_splitters_index_follows_a_large_tables_states() -> None:
+    """Over 16 nodes the splitter decides on a SplitIndex built once per membership change: a
+    node that leaves its kv_group or whose engine has no leg protocol is no leg from its next
+    state on, and one that joins a group is, without a rebuild."""
+    import msgspec
+    import time as _time
+
+    from zmlcore.config import parse_config
+    from zmlcore.messages import NodeState
+    from zmlcore.policy.resolve import builtin_policy
+    from zml_router.replicas.table import NodeTable
+    from zml_router.request.split import Splitter
+
+    now = _time.time()
+    cfg = parse_config({"disaggregation": {"enabled": True}})
+    table = NodeTable()
+    for i in range(20):
+        fast = i == 7
+        table.upsert(NodeState(node_id=f"n{i:02d}", accelerator_type="nvidia_h100" if fast else "intel_gaudi2",
+                               family="X", endpoint=f"http://n{i}", backend="vllm", status="up", models=["m"],
+                               roles=["prefill"] if fast else ["decode"], kv_group="g", kv_gbps=400.0,
+                               updated_at=now, cost_per_hour=2.0))
+        table.views[f"n{i:02d}"].outstanding = 0 if fast else 10
+    sp = Splitter(cfg, table)
+    whole = Decision(node_id="n03", family="X", policy="latency", queue_depth=10)
+    rr = RouteRequest(model="m", prompt_tokens=6000, max_tokens=200)
+    d, why = sp.decide(whole, rr, builtin_policy("latency"), now)
+    assert sp._index is not None and why == "split_better" and d.prefill_node == "n07"
+    index = sp._index
+    v = table.views["n07"]
+    v.state = msgspec.structs.replace(v.state, backend="tgi")  # no leg protocol: never a leg
+    d, why = sp.decide(whole, rr, builtin_policy("latency"), now)
+    assert why == "no_pair" and d.prefill_node == ""
+    v.state = msgspec.structs.replace(v.state, backend="vllm", kv_group="")  # out of the group
+    assert sp.decide(whole, rr, builtin_policy("latency"), now)[1] == "no_pair"
+    v.state = msgspec.structs.replace(v.state, kv_group="g")  # back
+    assert sp.decide(whole, rr, builtin_policy("latency"), now)[0].prefill_node == "n07"
+    assert sp._index is index  # not rebuilt
+
+
+def test_the_requests_own_targets_reach_the_decider() -> None:
+    """A request's SLO (Zml-Ttft-Slo-Ms / Zml-Tpot-Slo-Ms, zml_router.request.flowgate.targets)
+    is what the splitter scores against: a short prompt on a node too slow for its TPOT target
+    is split off it; a split whose first token comes after its TTFT target is not taken when
+    whole is within it."""
+    import time as _time
+
+    from zmlcore.config import parse_config
+    from zmlcore.messages import NodeState
+    from zmlcore.policy import RoutingState
+    from zmlcore.policy.prefix import PrefixIndex
+    from zmlcore.policy.resolve import builtin_policy
+    from zml_router.replicas.table import NodeTable
+    from zml_router.request.flowgate import FlowGate, targets
+    from zml_router.request.split import Splitter
+
+    now = _time.time()
+    cfg = parse_config({"disaggregation": {"enabled": True}})
+    table = NodeTable()
+    for i, acc, pf, dec in (("inf2", "aws_inferentia2", 3000.0, 18.0), ("h100", "nvidia_h100", 10000.0, 60.0)):
+        table.upsert(NodeState(node_id=i, accelerator_type=acc, family=acc.upper(), endpoint=f"http://{i}",
+                               backend="vllm", status="up", models=["m"], kv_group="g", kv_gbps=1.0,
+                               updated_at=now, prefill_tps=pf, decode_tps=dec))
+    sp = Splitter(cfg, table)
+    gate = FlowGate(cfg, table, RoutingState(), PrefixIndex(), "r")
+    pol = builtin_policy("latency")
+    whole = Decision(node_id="inf2", family="AWS_INFERENTIA2", policy="latency", queue_depth=0)
+    short = RouteRequest(model="m", prompt_tokens=60, max_tokens=200)
+    assert targets(None) == (None, None)
+    assert sp.decide(whole, short, pol, now)[1] == "short_prompt"
+    slo = gate.note("zml.infer", "me", {"Zml-Tpot-Slo-Ms": "50"}, "m")
+    assert targets(slo) == (None, 0.05)
+    d, why = sp.decide(whole, short, pol, now, tpot_target_s=targets(slo)[1])
+    assert why == "split_better" and d.node_id == "h100" and d.prefill_node == "inf2"
+    # 1,000 tokens split for the faster decoder, the first token ~1.2 s out (the slow link: 1 s of
+    # transfer) against 0.33 s whole: within the policy's 2 s, split; the request's 0.5 s, whole
+    mid = RouteRequest(model="m", prompt_tokens=1000, max_tokens=40)
+    d, why = sp.decide(whole, mid, pol, now)
+    assert why == "split_better" and d.node_id == "h100" and d.transfer_s > 0.5
+    tight = gate.note("zml.infer", "me", {"Zml-Ttft-Slo-Ms": "500"}, "m")
+    assert targets(tight) == (0.5, None)
+    d, why = sp.decide(whole, mid, pol, now, ttft_target_s=targets(tight)[0])
+    assert why == "whole_better" and d.node_id == "inf2" and not d.prefill_node

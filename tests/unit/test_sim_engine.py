@@ -57,10 +57,13 @@ async def test_batch_decodes_at_the_batched_rate() -> None:
         batch, n = 8, 30
         reqs = [eng.submit(M, prompt_tokens=1, max_tokens=n) for _ in range(batch)]
         await asyncio.gather(*(r.text() for r in reqs))
-        start = max(r.first_token_at for r in reqs if r.first_token_at is not None)
+        firsts = [r.first_token_at for r in reqs if r.first_token_at is not None]
         end = max(r.finished_at for r in reqs if r.finished_at is not None)
         expected = (n - 1) * eng.profile.decode_step_seconds(batch) / eng.time_scale
-        assert close_to(end - start, expected)
+        # From the last first token: slower only by noise. From the earliest: never faster (on a
+        # loaded box the last first token can be stamped late and the paced steps then catch up).
+        assert end - max(firsts) <= expected + max(0.25 * expected, 0.03)
+        assert end - min(firsts) >= expected * 0.97 - 0.002
         # Batching: per-sequence speed falls by 2% per extra sequence.
         assert eng.profile.decode_step_seconds(batch) > eng.profile.decode_step_seconds(1)
     finally:

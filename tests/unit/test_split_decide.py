@@ -176,7 +176,7 @@ def test_the_index_decides_as_the_scan_does() -> None:
     the same decision, option for option, on random fleets built to tie (few kinds, small
     counters: equal keys are broken by node id in both), with roles, groups, dead links, link
     overrides, caches, exclusions, cooldowns, stale states, state changes after the index, and a
-    decode node imposed (a failed prefill leg's search for another)."""
+    decode node imposed (a failed prefill leg's search for another), and inter-token targets."""
     import msgspec
 
     from zmlcore.policy.split import SplitIndex
@@ -202,7 +202,8 @@ def test_the_index_decides_as_the_scan_does() -> None:
                 v.cooldown_until = rng.choice([-1.0, 5.0])
             if rng.random() < 0.05:
                 v.state = msgspec.structs.replace(v.state, status=rng.choice(["up", "draining"]),
-                                              models=rng.choice([["m"], ["other"]]), updated_at=0.0)
+                                              models=rng.choice([["m"], ["other"]]), updated_at=0.0,
+                                              kv_group=rng.choice(["g", "h", ""]))
         wholes = [v for v in nodes if "prefill" not in v.state.roles or "decode" in v.state.roles]
         prompt = rng.randrange(300, 8000)
         cached = {v.node_id: rng.randrange(0, prompt) for v in rng.sample(nodes, rng.choice([0, 1, 3]))}
@@ -211,7 +212,7 @@ def test_the_index_decides_as_the_scan_does() -> None:
                          for _ in range(rng.choice([0, 0, 20]))})
         kw = {"prompt": prompt, "out": rng.randrange(1, 600), "objective": rng.choice(["latency", "cost"]),
               "cached": cached, "links": links, "stale_after_s": 15.0,
-              "latency_target_s": rng.choice([0.5, 2.0, 5.0]),
+              "latency_target_s": rng.choice([0.5, 2.0, 5.0]), "itl_target_s": rng.choice([float("inf"), 0.025, 0.05]),
               "exclude": frozenset(rng.choice(nodes).node_id for _ in range(rng.choice([0, 1, 5]))),
               "decode_node": rng.choice([None, None, None, wholes[0].node_id])}  # (a prefill leg's failover)
         a = decide(nodes, wholes[0], **kw)
@@ -232,3 +233,20 @@ def test_a_failed_prefill_legs_search_keeps_its_decode_node() -> None:
     assert dec.split and dec.chosen is not None and (dec.chosen.prefill_node, dec.chosen.node) == ("p2", "d")
     # no other prefill node: whole on it
     assert decide([p1, d, idle], d, exclude=frozenset({"p1"}), decode_node="d").reason == "no_pair"
+
+
+def test_an_inter_token_target_splits_a_short_prompt_off_a_slow_decoder() -> None:
+    """A request with an inter-token target whose node decodes slower than it (an Inferentia2:
+    18 tokens/s, 56 ms a token) is split, however short its prompt: the prompt prefilled there
+    (or elsewhere), its tokens decoded where they meet the target. Without the target, or on a
+    node that meets it, a short prompt stays whole."""
+    slow = view("inf2", "aws_inferentia2", prefill_tps=3000.0, decode_tps=18.0)
+    fast = busy(view("h100", prefill_tps=10000.0, decode_tps=60.0), 4)
+    assert decide([slow, fast], slow, prompt=60).reason == "short_prompt"
+    dec = decide([slow, fast], slow, prompt=60, itl_target_s=0.05)
+    assert dec.split and dec.chosen is not None and dec.chosen.node == "h100" and dec.chosen.itl_s <= 0.05
+    assert dec.whole is not None and dec.whole.itl_s > 0.05
+    assert decide([slow, fast], fast, prompt=60, itl_target_s=0.05).reason == "short_prompt"
+    # the cost objective: an option past the target is late, as one past the TTFT target is
+    cost = decide([slow, fast], slow, prompt=60, itl_target_s=0.05, objective="cost")
+    assert cost.split and cost.chosen is not None and cost.chosen.node == "h100"

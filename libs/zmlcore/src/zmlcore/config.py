@@ -484,8 +484,9 @@ class NodeConfig(msgspec.Struct, **_Base):
     """Models the engine may hold at once, for the placement planner (llama.cpp router mode's
     --models-max; 1 for an engine started with one model). Held models share the node's time."""
     adapter_slots: Annotated[int, msgspec.Meta(ge=0)] = 0
-    """LoRA adapters the engine may hold at once (vLLM's --max-loras; for llama.cpp, those it was
-    started with, --lora); 0: the planner puts no adapter on it."""
+    """LoRA adapters the engine may hold at once (vLLM's --max-loras); 0: the planner puts no
+    adapter on it. A llama.cpp node holds the --lora files it was started with and no other
+    (health reads them from GET /lora-adapters): this does not apply to it."""
     roles: list[Role] = msgspec.field(default_factory=lambda: ["prefill", "decode"])
     """Legs of a disaggregated request this node takes: "prefill" (computes a prompt's KV and
     hands it to a decode node), "decode" (generates from KV handed to it, and serves whole
@@ -678,6 +679,10 @@ class PlannerConfig(msgspec.Struct, **_Base):
     headroom: Fraction = 0.8
     """Share of a node's saturation throughput planned as SLO capacity (queueing beyond it
     misses TTFT targets)."""
+    ttft_miss_share: Annotated[float, msgspec.Meta(ge=0, lt=1)] = 0.01
+    """A node's SLO capacity for a model with a TTFT target is also at most the rate at which
+    queueing (for a free sequence slot, then behind other prefills) makes this share of its
+    requests miss the target (zmlcore.placement.capacity.queueing_rate); 0: headroom alone."""
     move_cost_per_h: NonNeg = 0.25
     """$/h a plan must save per load or unload it asks for: a smaller gain moves nothing."""
     drain_timeout_s: PosFloat = 60.0
@@ -694,7 +699,8 @@ class AdapterConfig(msgspec.Struct, **_Base):
     """The model the adapter runs on."""
     path: str = ""
     """Where the engine finds the adapter: vLLM's lora_path for /v1/load_lora_adapter; for
-    llama.cpp, the --lora file it was started with (matched in GET /lora-adapters)."""
+    llama.cpp, the --lora file it was started with (matched to GET /lora-adapters' path as
+    given on its command line, else by file name)."""
 
 
 class BatchConfig(msgspec.Struct, **_Base):

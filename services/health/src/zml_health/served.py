@@ -17,8 +17,11 @@ added for is almost always a missing ``served_names`` entry: its note says which
 
 from __future__ import annotations
 
+import posixpath
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
+
+from zmlcore.config import AdapterConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,3 +63,28 @@ def mismatch_note(node_id: str, missing: list[str], unknown: list[str], *, sourc
     else:
         fix = f'[nodes.served_names] "{model}" = "{name}" in zml.toml'
     return f"its engine serves {_names(unknown)}, not {_names(missing)}: give the engine's name with {fix}"
+
+
+def match_loras(loras: Iterable[tuple[int, str]], adapters: Mapping[str, AdapterConfig],
+                models: Collection[str]) -> dict[str, int]:
+    """The fleet's adapters among a llama-server's ``--lora`` files ((id, path) pairs): adapter
+    name -> id, for each adapter whose base model the node serves and whose ``path`` is the
+    file's path as the server was given it, or (when no adapter has that path) the same file
+    name. A file no adapter names is the engine's alone: not routed to.
+
+    >>> match_loras([(0, "/srv/lora/pirate.gguf"), (1, "other.gguf")],
+    ...             {"tiny-pirate": AdapterConfig(base="tiny", path="lora/pirate.gguf")}, ["tiny"])
+    {'tiny-pirate': 0}
+    """
+    out: dict[str, int] = {}
+    files = list(loras)
+    for name, ad in sorted(adapters.items()):
+        if ad.base not in models or not ad.path:
+            continue
+        exact = [i for i, p in files if p == ad.path]
+        named = [i for i, p in files if posixpath.basename(p) == posixpath.basename(ad.path)]
+        found = exact or named
+        if found:
+            out[name] = found[0]
+    return out
+

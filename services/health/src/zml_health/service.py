@@ -30,7 +30,7 @@ from zmlcore.config import NodeConfig, ZMLConfig, parse_config, with_choices
 from zmlcore.errors import BadRequestError, ConfigError, ZMLError
 from zml_health.hardware import HardwareCheck, validate_hardware
 from zml_health.score import health_score
-from zml_health.served import mismatch_note, split_models
+from zml_health.served import match_loras, mismatch_note, split_models
 from zmlcore.bus.direct import subscribe_direct
 from zmlcore.bus.kvfollow import live_keys
 from zmlcore.bus.link import link_of
@@ -50,7 +50,7 @@ from zmlcore.bus.ensure import ensure_kv, nodes_kv
 from zmlcore.runtime.runner import cancel_and_wait
 from zmlcore.fleet.perfmodel import SimProfile
 from zml_health import metrics, nodeprobe
-from zml_health.adapters import adapter_for, sglang
+from zml_health.adapters import adapter_for, llamacpp, sglang
 from zml_health.adapters.base import Probe
 from zml_health.kvbridge import Bridges
 from zml_health.calibrate import calibrate
@@ -75,7 +75,7 @@ class _NodeRuntime:
     """What the service keeps per node besides its tracker."""
 
     __slots__ = ("doc", "has_probe", "probe_checked_at", "pending_loads", "warmed", "calibration", "draining",
-                 "failed_at")
+                 "failed_at", "loras")
 
     def __init__(self) -> None:
         self.doc: dict[str, Any] | None = None
@@ -93,6 +93,9 @@ class _NodeRuntime:
         self.failed_at = 0.0
         #: model -> deadline: models the placement planner is moving off this node (not routable).
         self.draining: dict[str, float] = {}
+        #: llama.cpp: the --lora files of the engine as it runs now (None: not read since it
+        #: started; read once per start, zml_health.adapters.llamacpp).
+        self.loras: list[llamacpp.Lora] | None = None
 
 
 class HealthService:
@@ -268,6 +271,9 @@ class HealthService:
         status = tr.observe(probe, now, hc)
         if tr.restarts != restarts or (was == "down" and status == "up"):
             self.speeds.reset(node.id)  # a restarted engine may run another model or build
+            rt.loras = None  # and other --lora files
+        if node.backend == "llamacpp" and status == "up" and probe.ok and not probe.sleeping and rt.loras is None:
+            rt.loras = await llamacpp.read_loras(self.http, endpoint, hc.probe_timeout_s)
         sp = tr.speed
         if sp.window_prefill is not None or sp.window_decode is not None:
             self.speeds.counters(node.id, self._served(node, probe), now, prefill_tps=sp.window_prefill,
@@ -279,7 +285,8 @@ class HealthService:
             if now - rt.failed_at > self.cfg.router.cooldown_s:
                 rt.failed_at = 0.0  # cooled down already
             else:
-                rt.calibration = asyncio.create_task(self._recover(node, rt, state.models[0]),
+                base = [m for m in state.models if m not in self.cfg.adapters] or state.models
+                rt.calibration = asyncio.create_task(self._recover(node, rt, base[0]),
                                                      name=f"recover-{node.id}")
         if status == "up" and hc.calibrate and state.models:
             self._maybe_calibrate(node, rt, state, now)
@@ -348,7 +355,9 @@ class HealthService:
             return
         if state.queue_running >= max(state.max_concurrency, 1):
             return  # a full node measures its queue, not its speed; the routers' samples will do
-        model = self.speeds.needs_calibration(node.id, state.models, now, hc.calibrate_every_s)
+        # an adapter runs at its base model's speed: the base is what is measured
+        model = self.speeds.needs_calibration(node.id, [m for m in state.models if m not in self.cfg.adapters], now,
+                                              hc.calibrate_every_s)
         if model is None:
             return
         self.speeds.calibrating(node.id, model, now)
@@ -360,7 +369,7 @@ class HealthService:
         served = node.served_names.get(model, model)
         got = await calibrate(self.http, node.endpoint, served, prompt_tokens=hc.calibrate_prompt_tokens,
                               max_tokens=hc.calibrate_max_tokens, timeout=max(30.0, 10 * hc.probe_timeout_s),
-                              api_key=node.api_key)
+                              api_key=node.api_key, lora_off=self._holds_loras(node))
         metrics.calibrated(node.id, got is not None)
         if got is None or node.id not in self._tasks:
             return
@@ -370,6 +379,10 @@ class HealthService:
                  node.id, model, got.prefill_tps, got.decode_tps, got.ttft_s, got.prompt_tokens,
                  ", engine timings" if got.engine else "")
 
+    def _holds_loras(self, node: NodeConfig) -> bool:
+        rt = self.runtime.get(node.id)
+        return node.backend == "llamacpp" and rt is not None and bool(rt.loras)
+
     async def _recover(self, node: NodeConfig, rt: _NodeRuntime, model: str) -> None:
         """A node routers saw fail answers its probes again: one short real request, and if it
         is answered, their cooldown is lifted (NodeMark ``recovered``) instead of the node idling
@@ -378,7 +391,7 @@ class HealthService:
         failed_at = rt.failed_at
         got = await calibrate(self.http, node.endpoint, node.served_names.get(model, model), prompt_tokens=32,
                               max_tokens=8, timeout=max(5.0, 2 * self.cfg.health.probe_timeout_s),
-                              api_key=node.api_key)
+                              api_key=node.api_key, lora_off=self._holds_loras(node))
         if got is None or node.id not in self._tasks or rt.failed_at != failed_at:
             return  # still failing, removed, or failed again meanwhile: the next poll tries again
         rt.failed_at = 0.0
@@ -414,6 +427,11 @@ class HealthService:
             if now > deadline:
                 del rt.draining[m]
         draining = [m for m in models if m in rt.draining]
+        # llama.cpp: the adapters of its --lora files, on the base models it serves now
+        routable = [m for m in models if m not in loading and m not in rt.draining]
+        lora_ids = match_loras([(a.id, a.path) for a in rt.loras or ()], self.cfg.adapters, routable) \
+            if node.backend == "llamacpp" else {}
+        routable += [a for a in lora_ids if a not in routable]
         asleep = sleeping and node.backend == "vllm"  # its models come back when warmup wakes it
         missing = [] if asleep else [m for m in node.models if m not in models and m not in loading]
         source = self.sources.get(node.id, "config")
@@ -437,9 +455,11 @@ class HealthService:
             backend=node.backend,
             status=status,  # type: ignore[arg-type]
             reason=reason if status != "up" else "",
-            models=[m for m in models if m not in loading and m not in rt.draining],
+            models=routable,
             draining_models=draining,
-            adapters=[m for m in models if m in self.cfg.adapters],
+            adapters=[m for m in routable if m in self.cfg.adapters],
+            lora_ids=lora_ids,
+            lora_count=len(rt.loras or ()) if node.backend == "llamacpp" else 0,
             served_names=dict(node.served_names),
             missing_models=missing,
             unknown_models=unknown,

@@ -31,7 +31,7 @@ from zmlcore.bus.direct import subscribe_direct
 from zmlcore.bus.kvfollow import KVFollower
 from zmlcore.config import ZMLConfig
 from zmlcore.fleet.catalog import unserved
-from zmlcore.errors import CancelledError, QueueFullError, ZMLError
+from zmlcore.errors import CancelledError, DuplicateRequestError, QueueFullError, ZMLError
 from zmlcore.runtime.bytebudget import ByteBudget
 from zmlcore.messages import frontdoor
 from zmlcore.messages.audio import AudioRequest
@@ -69,7 +69,7 @@ from zml_router.answer.replies import Replies
 from zml_router.node.relay import Relay
 from zml_router.queue.glue import QueueGlue
 from zml_router.queue.jetstream import H_ENQUEUED
-from zml_router.request.flowgate import FlowGate
+from zml_router.request.flowgate import FlowGate, Note, targets
 from zml_router.replicas.shares import ShareSync
 from zml_router.replicas.sessions import Sessions, session_key
 from zml_router.replicas.table import NodeTable
@@ -168,7 +168,8 @@ class RouterService:
         await self.limits.start(nc)
         await self.ids.open(nc)
         queue = await self.glue.start(nc, self.router_id)
-        self.table.on_change = queue.capacity.set
+        self.table.on_change = self.gate.freed = queue.capacity.set
+        self.sharing.peer_freed = self.gate.peer_freed
         self._subs += await self.sharing.start(nc, queue.capacity.set)
         self._loops.append(asyncio.create_task(self.sharing.publish_snapshots()))
         self._loops.append(asyncio.create_task(send_keepalives(self.keepalives, nc)))
@@ -312,7 +313,8 @@ class RouterService:
                             f"; continuing its stream after {arrived.resume.tokens} chunks")
                 self.metrics.taken_over(arrived.taken_over)
             key = arrived.key
-            self.in_flight[key] = task
+            if not arrived.claim:  # one with an id to claim across replicas: once it is its (_holds)
+                self.in_flight[key] = task
             if arrived.keepalive is not None and msg.reply:
                 self.keepalives.add(msg.reply, arrived.keepalive, time.monotonic())
                 if from_queue:  # out of the queue: the requester watches again
@@ -327,6 +329,7 @@ class RouterService:
                 elif arrived.claim:
                     idclaims.CURRENT.set(await self.ids.claim(key, arrived.timeout, arrived.request_id,
                                                               takeover=arrived.resend))
+                    self._holds(key, task, arrived)
                 if not from_queue:  # a queued request was counted when it arrived
                     lease = await self.limits.admit(arrived.owner, arrived.request_id, arrived.timeout)
                     plan_limits.CURRENT.set(lease)
@@ -430,7 +433,8 @@ class RouterService:
             out.continued_from = resumed_from(arrived.resume)
             can_queue = False  # a stream in progress does not wait behind others
         plan = route.Plan(model, policy.name, rr, self.cfg.router.max_attempts, req.stream, can_queue,
-                         can_queue and not from_queue and queue.has_waiting(model),  # type: ignore[union-attr]
+                         can_queue and not from_queue and queue.has_waiting(model)  # type: ignore[union-attr]
+                         and not self._outranks(note, model),
                          from_queue, msg.data, frontdoor.continue_asked(req, msg.headers), cfg.continue_on_failure,
                          resumed, arrived.resume.attempts if arrived.resume is not None else 0,
                          usage_asked=answer.usage_asked)
@@ -443,8 +447,10 @@ class RouterService:
                 return
             if type(action) is route.Decide and action.refill is not None:
                 # a split's prefill leg failed: another prefill node for its decode node, or whole there
+                ttft_t, tpot_t = targets(note)
                 result, why = self.splitter.decide(action.refill, action.rr, policy, time.time(), skey,
-                                                   decode_node=action.refill.node_id, no_room=self.gate.no_room(note))
+                                                   decode_node=action.refill.node_id, no_room=self.gate.no_room(note),
+                                                   tpot_target_s=tpot_t, ttft_target_s=ttft_t)
                 self.metrics.split("split" if result.prefill_node else why)
             elif type(action) is route.Decide:
                 rr = action.rr
@@ -457,13 +463,17 @@ class RouterService:
                 if (action.split and self.splitter.enabled and isinstance(result, Decision) and not batch
                         and rr.accelerator_id is None and isinstance(bodies, NodeBodies)
                         and req.kind() in ("chat", "completion")):
+                    ttft_t, tpot_t = targets(note)
                     result, why = self.splitter.decide(result, rr, policy, time.time(), skey,
-                                                       no_room=self.gate.no_room(note))
+                                                       no_room=self.gate.no_room(note), tpot_target_s=tpot_t,
+                                                       ttft_target_s=ttft_t)
                     self.metrics.split("split" if result.prefill_node else why)
             elif type(action) is Dispatch:
                 node_id = action.decision.node_id
-                if note is not None and not note.charged:
-                    self.gate.dispatched(note, action.rr.prompt_tokens)
+                if note is not None:
+                    self.gate.sent(node_id, note)
+                    if not note.charged:
+                        self.gate.dispatched(note, action.rr.prompt_tokens)
                 if self.share is not None:  # the node will hold this prompt: every replica learns it
                     self.share.recorded(node_id, action.rr.prefix, time.time())
                 if skey and self.sessions is not None and action.rr.accelerator_id is None:
@@ -491,6 +501,32 @@ class RouterService:
                                                 self.cfg.router.stale_after_s)
                 await put(msg, req, model, arrived.request_id, cfg.max_queue_ms, arrived.timeout, tenant, budget)
                 return
+
+    def _holds(self, key: str, task: asyncio.Task[None], arrived: Intake[asyncio.Task[None]]) -> None:
+        """A request whose id its caller chose is in flight here once the bucket has let it claim
+        the id (zml_router.replicas.ids), not while it asks: a duplicate waiting for the bucket's
+        verdict (a round trip or two, and a ping of the holder) must not stand in ``in_flight``
+        where the id's holder meets it. That holder may be the request waiting in the saturation
+        queue, whose claim travels with it: out of the queue on this replica during a duplicate's
+        claim, it met the duplicate here and answered DUPLICATE_REQUEST_ID to its own requester.
+        Checked again now for what the claim let through while this one asked (a bucket out of
+        reach claims nothing), and for a cancel that came meanwhile (it found nothing in flight)."""
+        if not arrived.resend and key in self.in_flight:
+            raise DuplicateRequestError(f"request_id {arrived.request_id!r} is already in flight for this caller")
+        if self.cancelled.take(key, time.time()):
+            raise asyncio.CancelledError
+        self.in_flight[key] = task
+
+    def _outranks(self, note: Note | None, model: str) -> bool:
+        """Does a new request rank before everything waiting in the saturation queue for
+        ``model`` (flow control: a higher band, or its tenant under its share while only
+        over-share work waits)? Then it takes a free slot at once instead of a trip through the
+        queue (~20 ms on a loaded box) to the head it would reach anyway; with none free it
+        queues as any request does, first in the order."""
+        if note is None or self.glue.queue is None:
+            return False
+        best = self.glue.queue.best_waiting(model)
+        return best is not None and self.gate.rank(note) < best
 
     def _hand_over(self, key: str, reply: str) -> None:
         """The request goes to the saturation queue: this attempt no longer holds it (its claim on

@@ -96,10 +96,12 @@ def gather(cfg: ZMLConfig, states: Mapping[str, NodeState], wants: Mapping[str, 
                                    decode_tps=st.decode_tps * mc.speed_factor,
                                    max_concurrency=st.max_concurrency or (acc_type.max_concurrency if acc_type else 1),
                                    mean_prompt=prompt, mean_output=output, ttft_s=mc.ttft_s, tpot_s=mc.tpot_s,
-                                   headroom=pc.headroom)
+                                   headroom=pc.headroom, miss_share=pc.ttft_miss_share)
         held = (frozenset(st.models) | frozenset(st.loading_models) | frozenset(st.draining_models)) - set(cfg.adapters)
-        out.append(NodeOffer(node_id, st.family, st.cost_per_hour, caps, slots=n_slots, adapter_slots=a_slots,
-                             models=held, adapters=frozenset(st.adapters)))
+        fixed = fixed_adapters(st)
+        out.append(NodeOffer(node_id, st.family, st.cost_per_hour, caps, slots=n_slots,
+                             adapter_slots=len(st.adapters) if fixed else a_slots,
+                             models=held, adapters=frozenset(st.adapters), adapters_fixed=fixed))
     return Inputs(out, demands, adapters, shapes)
 
 
@@ -118,9 +120,16 @@ def holding(states: Mapping[str, NodeState], cfg: ZMLConfig) -> dict[str, NodeNo
     for node_id, st in states.items():
         n_slots, a_slots = slots.get(node_id, (1, 0))
         held = (frozenset(st.models) | frozenset(st.draining_models)) - set(cfg.adapters)
-        out[node_id] = NodeNow(held, frozenset(st.loading_models),
-                               frozenset(st.adapters), up=st.status == "up", slots=n_slots, adapter_slots=a_slots)
+        out[node_id] = NodeNow(held, frozenset(st.loading_models), frozenset(st.adapters), up=st.status == "up",
+                               slots=n_slots, adapter_slots=len(st.adapters) if fixed_adapters(st) else a_slots)
     return out
+
+
+def fixed_adapters(st: NodeState) -> bool:
+    """The node's engine loads no adapter at run time: llama-server holds the ``--lora`` files
+    it was started with (a request picks one by id) and nothing else, so the plan keeps those
+    where their base stays and puts no other there."""
+    return st.backend == "llamacpp"
 
 
 def reply(cfg: ZMLConfig, inputs: Inputs, target: Placement | None, states: Mapping[str, NodeState],
@@ -182,8 +191,8 @@ def adapter_home(cfg: ZMLConfig, states: Mapping[str, NodeState], adapter: str) 
     base = cfg.adapters[adapter].base
     slots = {n.id: n.adapter_slots for n in cfg.nodes}
     fits = [st for st in states.values()
-            if st.status == "up" and base in st.models and len(st.adapters) < slots.get(st.node_id, 0)
-            and adapter not in st.adapters]
+            if st.status == "up" and base in st.models and not fixed_adapters(st)
+            and len(st.adapters) < slots.get(st.node_id, 0) and adapter not in st.adapters]
     if not fits:
         return None
     return min(fits, key=lambda st: (len(st.adapters), st.queue_running + st.queue_waiting, st.node_id)).node_id

@@ -246,7 +246,10 @@ def observe_sample(s: LearnedSpeeds, sample: SpeedSample, now: float, maxc: int 
         s = observe_prefill(s, tps=sample.prefill_tokens / ttft, inflight=c, now=now, noise=noise, cap=cap,
                             bound=sample.joined_tokens > 0)
     n = sample.decode_tokens
-    if n >= MIN_DECODE_TOKENS or (sample.engine_decode_tps > 0 and n > 0):
+    if n <= 0 and sample.engine_decode_tps > 0:  # the engine's figure, its token count not known
+        s = observe_decode(s, tps=sample.engine_decode_tps, inflight=c, now=now, noise=NOISE_ENGINE,
+                           measured=True, cap=cap, bound=sample.decode_prefill_tokens > 0)
+    elif n >= MIN_DECODE_TOKENS or (sample.engine_decode_tps > 0 and n > 0):
         engine = sample.engine_decode_tps > 0
         t = n / sample.engine_decode_tps if engine else sample.decode_s
         if t > 0:

@@ -20,7 +20,7 @@ Pure: no I/O, ``now`` is passed in; the router and the flow simulator (benches/f
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from zmlcore.config import FlowConfig
 from zmlcore.errors import ModelNotLoadedError, NoHealthyNodesError, QueueFullError
@@ -58,22 +58,44 @@ def free_slots(view: NodeView) -> int:
     return maxc - view.effective_outstanding()
 
 
-def full_nodes(nodes: Sequence[NodeView], keep: float) -> frozenset[str]:
+def full_nodes(nodes: Sequence[NodeView], keep: float, unseen: Mapping[str, int] | None = None) -> frozenset[str]:
     """Nodes that would have fewer than ``reserved_slots(maxc, keep)`` slots free after one more
     request (``keep`` 0: nodes with no free slot), counted in the routers' own in-flight
     requests (every replica's, shared). Not the poll's: what it saw beyond them was measured a
     poll earlier, and under churn it holds a slot or two that have freed since (on a 4-slot node
     a steady tenant waited ~1 s per request beside a flood, tests/e2e/test_flow_control.py).
-    Traffic that bypasses the routers still counts in the TTFT estimate."""
+    Traffic that bypasses the routers still counts in the TTFT estimate.
+
+    ``unseen``: node id -> requests the other replicas may have sent it that their shared counts
+    have not brought here yet (:func:`unseen_by_peers`), counted as taken."""
     out = []
     for v in nodes:
         maxc = node_speeds(v.state)[2]
-        if v.outstanding + 1 + (reserved_slots(maxc, keep) if keep > 0 else 0) > maxc:
+        seen = unseen.get(v.node_id, 0) if unseen else 0
+        if v.outstanding + 1 + seen + (reserved_slots(maxc, keep) if keep > 0 else 0) > maxc:
             out.append(v.node_id)
     return frozenset(out)
 
 
-def no_room(nodes: Sequence[NodeView], ask: Ask, *, over_share: bool, flow: FlowConfig) -> frozenset[str]:
+def unseen_by_peers(own_recent: Mapping[str, int], peers: int) -> dict[str, int]:
+    """What the other replicas may have sent each node within the time their counts take to
+    arrive here, estimated from this replica's own sends in that time (``own_recent``: node id ->
+    requests this replica sent it then): replicas take requests from one queue group, so a burst
+    reaches each about equally, and each sees the others' sends only once their deltas arrive.
+    Without it, a burst that reaches two replicas at once is admitted by each to every free slot
+    (8 requests sent to a node of 4 slots, 4 of them in the engine's own queue, where no band can
+    overtake them: tests/e2e/test_flow_control.py). Alone (``peers`` 0) there is nothing unseen.
+
+    >>> unseen_by_peers({"a": 2, "b": 0}, peers=1), unseen_by_peers({"a": 2}, peers=0)
+    ({'a': 2}, {})
+    """
+    if peers <= 0:
+        return {}
+    return {node: n * peers for node, n in own_recent.items() if n > 0}
+
+
+def no_room(nodes: Sequence[NodeView], ask: Ask, *, over_share: bool, flow: FlowConfig,
+            unseen: Mapping[str, int] | None = None) -> frozenset[str]:
     """Nodes with no slot for ``ask`` under ``[flow] hold_when_full`` (none without it): no free
     slot, or for a tenant over its share and ``sheddable`` work none beyond ``spare_reserve``.
     :func:`admit_flow` keeps a request off them; a split request's legs (zmlcore.policy.split)
@@ -92,23 +114,24 @@ def no_room(nodes: Sequence[NodeView], ask: Ask, *, over_share: bool, flow: Flow
     if not flow.hold_when_full:
         return frozenset()
     yields = over_share or ask.band >= SHEDDABLE
-    return full_nodes(nodes, flow.spare_reserve if yields else 0.0)
+    return full_nodes(nodes, flow.spare_reserve if yields else 0.0, unseen)
 
 
 def admit_flow(nodes: Sequence[NodeView], rr: RouteRequest, policy: ResolvedPolicy, now: float, state: RoutingState,
                ask: Ask, *, over_share: bool, flow: FlowConfig, stale_after_s: float, ttft_bound_s: float,
                reserve: float, cache: PrefixIndex | None = None, calibration: Calibration | None = None,
-               ahead: int = 0) -> tuple[Decision, SloVerdict | None]:
+               ahead: int = 0, unseen: Mapping[str, int] | None = None) -> tuple[Decision, SloVerdict | None]:
     """The decision (and SLO verdict, when the request has targets) for ``ask``; QueueFullError
     when it must wait, SloUnattainableError when no node can meet its targets. ``ahead``:
-    requests waiting in the saturation queue before this one (a backlog: any free slot is taken)."""
+    requests waiting in the saturation queue before this one (a backlog: any free slot is taken).
+    ``unseen``: per node, sends of the other replicas not counted here yet (:func:`unseen_by_peers`)."""
     if ask.band == BATCH:
         return admit_batch(nodes, rr, policy, now, state, stale_after_s=stale_after_s, reserve=reserve), None
     full: frozenset[str] = frozenset()
     hold = flow.hold_when_full and rr.accelerator_id is None
     if hold:
         yields = over_share or ask.band >= SHEDDABLE
-        full = no_room(nodes, ask, over_share=over_share, flow=flow) - rr.exclude
+        full = no_room(nodes, ask, over_share=over_share, flow=flow, unseen=unseen) - rr.exclude
         if full and yields:  # spare capacity only: any node with room beyond the reserve
             rr = dataclasses.replace(rr, exclude=rr.exclude | full)
     try:

@@ -29,6 +29,10 @@ class NodeOffer:
     #: What the node holds now (the plan's stability term counts changes from it).
     models: frozenset[str] = frozenset()
     adapters: frozenset[str] = frozenset()
+    #: The engine holds the adapters it was started with and can load no other (llama.cpp:
+    #: ``--lora`` files, picked per request by id): ``adapters`` are all it will ever hold, on
+    #: the nodes where their base model stays.
+    adapters_fixed: bool = False
 
 
 @dataclass(frozen=True, slots=True)

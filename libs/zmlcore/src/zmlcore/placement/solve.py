@@ -47,29 +47,44 @@ class _Class:
     capacity: dict[str, float]
     #: model -> how many of the class's nodes hold it now
     now: dict[str, int]
+    #: adapters its nodes hold for good (llama.cpp --lora) among those only such nodes can serve
+    fixed: frozenset[str] = frozenset()
 
 
 def _bucket(value: float, width: float) -> int:
     return 0 if value <= 0 else int(math.floor(math.log(value) / math.log1p(width)))
 
 
-def classes(offers: Iterable[NodeOffer], models: Sequence[str], width: float) -> list[_Class]:
-    """Group interchangeable nodes (same price, slots and capacity buckets). What they hold now
-    is counted per class: keeping ``k`` of a class's holders of a model costs no move, whichever
-    ``k`` (exact for the move count, and it keeps the program small)."""
+def classes(offers: Iterable[NodeOffer], models: Sequence[str], width: float,
+            pinned: frozenset[str] = frozenset()) -> list[_Class]:
+    """Group interchangeable nodes (same price, slots, capacity buckets and, of the ``pinned``
+    adapters, the same fixed ones). What they hold now is counted per class: keeping ``k`` of a
+    class's holders of a model costs no move, whichever ``k`` (exact for the move count, and it
+    keeps the program small)."""
     groups: dict[tuple[object, ...], list[NodeOffer]] = defaultdict(list)
     for o in offers:
         caps = tuple(_bucket(o.capacity.get(m, 0.0), width) if o.capacity.get(m, 0.0) > 0 else None
                      for m in models)
-        groups[(round(o.cost_per_hour, 6), o.slots, caps)].append(o)
+        fixed = frozenset(o.adapters & pinned) if o.adapters_fixed else frozenset()
+        groups[(round(o.cost_per_hour, 6), o.slots, caps, tuple(sorted(fixed)))].append(o)
     out = []
     for nodes in sorted(groups.values(), key=lambda ns: min(o.node_id for o in ns)):
         nodes.sort(key=lambda o: o.node_id)
         cap = {m: min(o.capacity.get(m, 0.0) for o in nodes) for m in models}
         now = {m: sum(1 for o in nodes if m in o.models) for m in models}
+        fixed = frozenset(nodes[0].adapters & pinned) if nodes[0].adapters_fixed else frozenset()
         out.append(_Class(nodes, nodes[0].cost_per_hour, nodes[0].slots, {m: c for m, c in cap.items() if c > 0},
-                          {m: k for m, k in now.items() if k}))
+                          {m: k for m, k in now.items() if k}, fixed))
     return out
+
+
+def pinned_adapters(offers: Sequence[NodeOffer], adapters: Iterable[AdapterDemand]) -> dict[str, AdapterDemand]:
+    """Adapters with traffic that only nodes holding them for good can serve: no node that loads
+    adapters at run time can serve their base model (a llama.cpp-only fleet). The plan must keep
+    their base on enough of those nodes."""
+    loadable = {m for o in offers if o.adapter_slots > 0 and not o.adapters_fixed
+                for m, c in o.capacity.items() if c > 0}
+    return {a.adapter: a for a in adapters if a.rate > 0 and a.base not in loadable}
 
 
 def total_demand(demands: Iterable[ModelDemand], adapters: Iterable[AdapterDemand]) -> dict[str, float]:
@@ -88,18 +103,21 @@ def plan(offers: Sequence[NodeOffer], demands: Sequence[ModelDemand], adapters: 
     demand = total_demand(demands, adapters)
     min_rep = {d.model: d.min_replicas for d in demands}
     models = sorted(demand)
-    cls = classes(offers, models, params.capacity_bucket)
+    pinned = pinned_adapters(offers, adapters)
+    cls = classes(offers, models, params.capacity_bucket, frozenset(pinned))
     # variable layout: [slots_gm for (g, m) pairs] [add_gm] [drop_gm] [on_g] [unserved_m] [short_m]
+    # [unserved_a for pinned adapters]
     pairs = [(g, m) for g, c in enumerate(cls) for m in models if m in c.capacity or m in c.now]
-    P, G, M = len(pairs), len(cls), len(models)
-    n_var = 3 * P + G + 2 * M
+    P, G, M, A = len(pairs), len(cls), len(models), len(pinned)
+    n_var = 3 * P + G + 2 * M + A
     o_add, o_drop, o_on, o_un, o_short = P, 2 * P, 3 * P, 3 * P + G, 3 * P + G + M
+    o_pin = o_short + M
     midx = {m: i for i, m in enumerate(models)}
     c = np.zeros(n_var)
     c[o_add:o_on] = params.move_cost_per_h
     c[o_on:o_un] = [k.price for k in cls]
     c[o_un:o_short] = params.unserved_cost_per_rps
-    c[o_short:] = params.unserved_cost_per_rps
+    c[o_short:] = params.unserved_cost_per_rps  # (and unserved pinned adapters)
     lo, hi = np.zeros(n_var), np.full(n_var, np.inf)
     integrality = np.zeros(n_var)
     integrality[:P] = 1
@@ -133,6 +151,11 @@ def plan(offers: Sequence[NodeOffer], demands: Sequence[ModelDemand], adapters: 
         need = min_rep.get(m, 0) or (1 if demand[m] > 0 else 0)
         if need:
             row([*((k, 1.0) for k in by_model[m]), (o_short + midx[m], 1.0)], need, np.inf)
+    for j, (name, pa) in enumerate(sorted(pinned.items())):
+        # its requests run only where its base stays on a node holding it
+        held = [(k, cls[pairs[k][0]].capacity.get(pa.base, 0.0) / cls[pairs[k][0]].slots)
+                for k in by_model.get(pa.base, []) if name in cls[pairs[k][0]].fixed]
+        row([*held, (o_pin + j, 1.0)], pa.rate, np.inf)
     for g, k_cls in enumerate(cls):
         row([*((k, 1.0) for k in by_class[g]), (o_on + g, -float(k_cls.slots))], -np.inf, 0.0)
     for k, (g, m) in enumerate(pairs):
@@ -153,9 +176,14 @@ def plan(offers: Sequence[NodeOffer], demands: Sequence[ModelDemand], adapters: 
     for g, k_cls in enumerate(cls):
         placed.update(_split(k_cls, counts.get(g, {})))
     out = evaluate(offers, placed, demand)
-    ad = place_adapters(offers, placed, adapters)
-    return Placement(models=placed, adapters=ad, cost_per_hour=out.cost_per_hour, capacity=out.capacity,
-                     unserved=out.unserved, moves=out.moves, solve_s=time.perf_counter() - t0,
+    homes = place_adapters(offers, placed, adapters)
+    unserved = dict(out.unserved)
+    for name, a in pinned.items():
+        cap = sum(o.capacity.get(a.base, 0.0) / o.slots for o in offers if name in homes.get(o.node_id, ()))
+        if a.rate - cap > 1e-9:
+            unserved[name] = a.rate - cap
+    return Placement(models=placed, adapters=homes, cost_per_hour=out.cost_per_hour, capacity=out.capacity,
+                     unserved=unserved, moves=out.moves, solve_s=time.perf_counter() - t0,
                      status=str(res.message))
 
 

@@ -18,6 +18,12 @@ does not count them as activity, whereas ``/slots`` queues a task that reloads t
   step since start) giving the batch size of each window, to divide decode back to batch 1.
   Times are summed per slot, so both are per-sequence speeds.
 
+LoRA adapters (``--lora FILE``, one id per file in the order given) are read from
+``GET /lora-adapters`` (:func:`read_loras`), once per engine start, not every poll: it queues a
+task on the server, which counts as activity for ``--sleep-idle-seconds`` (and waits for a
+sleeping server to wake), and the list cannot change while the server runs: llama-server loads
+no adapter after start. ``POST /lora-adapters`` only sets the global scales of those adapters.
+
 llama-server exposes no KV-cache gauge: ``kv_cache_usage`` stays 0. Its prompt cache is per
 slot and token by token: ``llamacpp:prompt_tokens_cached_total`` counts prompt tokens reused
 (``prompt_tokens_total`` the computed ones), so its hits and queries are those two; its size is
@@ -26,7 +32,7 @@ slot and token by token: ``llamacpp:prompt_tokens_cached_total`` counts prompt t
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import httpx
 
@@ -112,3 +118,48 @@ def from_parts(models: list[str], props: dict[str, Any], m: dict[str, float]) ->
 
 def _positive(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+class Lora(NamedTuple):
+    """One of a llama-server's ``--lora`` files as ``GET /lora-adapters`` lists it."""
+
+    id: int
+    path: str
+    scale: float
+
+
+async def read_loras(client: httpx.AsyncClient, endpoint: str, timeout: float) -> list[Lora] | None:
+    """The adapters a llama-server was started with ([] for none; a server whose build has no
+    ``/lora-adapters``, 404, has none); None when it could not be read now (ask again later)."""
+    try:
+        r = await client.get(endpoint + "/lora-adapters", timeout=timeout)
+    except httpx.HTTPError:
+        return None
+    if r.status_code in (404, 405, 501):
+        return []
+    if r.status_code != 200:
+        return None
+    try:
+        return parse_loras(r.json())
+    except ValueError:
+        return None
+
+
+def parse_loras(payload: Any) -> list[Lora]:
+    """``[{"id": 0, "path": "a.gguf", "scale": 1.0, ...}, ...]`` -> Loras (malformed entries left out).
+
+    >>> parse_loras([{"id": 0, "path": "/lora/pirate.gguf", "scale": 1.0}, {"path": "x"}])
+    [Lora(id=0, path='/lora/pirate.gguf', scale=1.0)]
+    """
+    out: list[Lora] = []
+    for a in payload if isinstance(payload, list) else []:
+        if not isinstance(a, dict) or not _index(a.get("id")):
+            continue
+        scale = a.get("scale", 0.0)
+        out.append(Lora(a["id"], str(a.get("path", "")),
+                        float(scale) if isinstance(scale, (int, float)) and not isinstance(scale, bool) else 0.0))
+    return out
+
+
+def _index(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0

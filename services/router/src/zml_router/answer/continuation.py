@@ -189,7 +189,7 @@ def closing_chunk(kind: str, sent: Sent, model: str, zml: dict[str, Any]) -> byt
 
 # --- the continuation's body ---------------------------------------------------------------------
 def body(raw: bytes, *, clean: bool, kind: str, sent: Sent, backend: str, name: str,
-         usage: bool = False) -> bytes:
+         usage: bool = False, lora: tuple[tuple[int, float], ...] | None = None) -> bytes:
     """The body that asks a ``backend`` node (its name for the model: ``name``) for the rest of
     the answer ``sent`` began. ``clean``: ZML's fields are already out of ``raw``; ``usage``:
     ask for the usage chunk whatever the caller asked (the router needs it)."""
@@ -198,6 +198,8 @@ def body(raw: bytes, *, clean: bool, kind: str, sent: Sent, backend: str, name: 
         drop_zml_keys(data)
     data.pop("continue_on_failure", None)
     data["model"] = name
+    if lora is not None:  # llama.cpp adapters of the node it goes to (zml_router.node.lora)
+        data["lora"] = [{"id": i, "scale": sc} for i, sc in lora]
     text = sent.text
     if text:
         if kind == "chat":

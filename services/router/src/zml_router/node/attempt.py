@@ -39,6 +39,7 @@ from zmlcore.policy.estimate import (
 )
 from zmlcore.reply import routingmeta
 from zmlcore.reply.sse import event_payloads
+from zml_router.node.lora import Lora, as_json
 
 _encode = msgspec.json.encode
 _decode_any = msgspec.json.Decoder()
@@ -115,12 +116,14 @@ class NodeBodies:
         self.asked = asked
         self.clean = clean
         self._data: dict[str, Any] | None = None
-        self._made: dict[str, bytes] = {}
+        self._made: dict[str | tuple[str, Lora], bytes] = {}
 
-    def __call__(self, name: str) -> bytes:
-        body = self._made.get(name)
+    def __call__(self, name: str, lora: Lora | None = None) -> bytes:
+        """``lora``: the llama.cpp adapters to run, ``(id, scale)`` pairs (zml_router.node.lora)."""
+        key = name if lora is None else (name, lora)
+        body = self._made.get(key)
         if body is None:
-            if name == self.asked and (self.clean or not has_zml_keys(self.raw)):
+            if name == self.asked and lora is None and (self.clean or not has_zml_keys(self.raw)):
                 body = self.raw  # nothing of ours to strip, the name the node knows: as it came
             else:
                 data = self._data
@@ -128,8 +131,11 @@ class NodeBodies:
                     data = _decode_any.decode(self.raw)
                     self._data = data if self.clean else drop_zml_keys(data)
                 data["model"] = name
-                body = _encode(data)
-            self._made[name] = body
+                if lora is None:
+                    body = _encode(data)
+                else:  # this node's ids, on this body only (another node has its own)
+                    body = _encode({**data, "lora": as_json(lora)})
+            self._made[key] = body
         return body
 
 

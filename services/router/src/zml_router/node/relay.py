@@ -67,8 +67,9 @@ from zml_router.node.dispatch import (
     stream_sse,
 )
 from zml_router.node import legs
+from zml_router.node import lora as node_lora
 from zml_router.node.pending import PendingHold
-from zml_router.request.prepare import PROMPT_SCALE
+from zml_router.replicas.promptscale import PROMPT_SCALE
 from zml_router.node.result import PATHS, AttemptResult, Close, Dispatch, Handoff
 from zml_router.outcome import Outcome
 from zml_router.replicas.inflight import Sharing
@@ -280,6 +281,10 @@ class Relay:
         DECISION_ID.set(info.decision_id)
         self.decisions.remember(info, decision, view.state, model, action.attempt, out)
         served = view.state.served_names.get(model)
+        lora = None
+        if view.state.lora_count and isinstance(bodies, NodeBodies):  # llama.cpp adapters: by id
+            adapter = self.cfg.adapters.get(model)
+            served, lora = node_lora.for_node(view.state, model, adapter.base if adapter is not None else None)
         audio = isinstance(req, AudioRequest)
         if answer.assembler is not None and not action.continuation and (
                 action.whole or decision.node_id in self.whole_only):
@@ -290,12 +295,13 @@ class Relay:
             sent = asm.begin_continuation() if asm is not None else answer.sent()
             node_body = continuation.body(bodies.raw, clean=bodies.clean, kind=req.kind(), sent=sent,
                                           backend=view.state.backend, name=served or model,
-                                          usage=asm is not None)
+                                          usage=asm is not None, lora=lora)
             if asm is None:
                 answer.splice = Splice(sent, {"node_id": info.node_id, "attempts": action.attempt,
                                               "continued_from": info.continued_from})
         else:
-            node_body = bodies(served or model)
+            # llama.cpp's adapters are chat/completion fields; a transcription's form has none
+            node_body = bodies(served or model, lora) if isinstance(bodies, NodeBodies) else bodies(served or model)
             if handoff is not None:  # the decode leg: what the prefill leg handed over
                 node_body = legs.decode_body(node_body, handoff)
                 if handoff.restore:

@@ -40,8 +40,11 @@ class Sharing:
         self.nc: NATS | None = None
         #: Called when capacity may have freed (the saturation queue's heads re-try then).
         self.freed: Callable[[], None] = lambda: None
+        #: (node id, slots) a peer's requests freed there (flow control keeps them the peer's briefly)
+        self.peer_freed: Callable[[str, int], None] = lambda node_id, n: None
         #: Our deltas, summed per node over a short window before they go out.
         self.deltas: DeltaWindow | None = None
+        self._replies: set[asyncio.Future[None]] = set()  # snapshots sent to a new peer
 
     async def start(self, nc: NATS, freed: Callable[[], None]) -> list[Subscription]:
         self.nc, self.freed = nc, freed
@@ -77,19 +80,28 @@ class Sharing:
                 log.debug("node mark not published", exc_info=True)
 
     async def publish_snapshots(self) -> None:
-        """Every second: forget silent peers, and tell the others our own counts."""
+        """Every second: forget silent peers, and tell the others our own counts. The first at
+        once: until the peers have heard one they do not count this replica, and until it has
+        heard theirs it sends them no deltas (zml_router.replicas.table)."""
         while True:
-            await asyncio.sleep(SNAPSHOT_EVERY_S)
             now = time.time()
             if self.table.expire_peers(now):
                 self.freed()
-            if self.nc is not None and self.nc.is_connected:
-                def snap() -> bytes:
-                    return _encode(InflightSnapshot(router_id=self.router_id, ts=now, nodes=self.table.own_snapshot()))
-                if self.deltas is not None:  # in order with the deltas summed before it (zml_router.replicas.deltas)
-                    await self.deltas.then(subjects.INFLIGHT_SNAPSHOT, snap)
-                else:
-                    await self.nc.publish(subjects.INFLIGHT_SNAPSHOT, snap())
+            await self.snapshot()
+            await asyncio.sleep(SNAPSHOT_EVERY_S)
+
+    async def snapshot(self) -> None:
+        """Our own counts to the peers, in order with the deltas summed before (zml_router.replicas.deltas)."""
+        if self.nc is None or not self.nc.is_connected:
+            return
+        now = time.time()
+
+        def snap() -> bytes:
+            return _encode(InflightSnapshot(router_id=self.router_id, ts=now, nodes=self.table.own_snapshot()))
+        if self.deltas is not None:
+            await self.deltas.then(subjects.INFLIGHT_SNAPSHOT, snap)
+        else:
+            await self.nc.publish(subjects.INFLIGHT_SNAPSHOT, snap())
 
     def close(self) -> None:
         if self.deltas is not None:
@@ -119,6 +131,7 @@ class Sharing:
         if d.router_id != self.router_id:
             self.table.apply_delta(d, time.time())
             if d.outstanding < 0:
+                self.peer_freed(d.node_id, -d.outstanding)
                 self.freed()
 
     def _on_snapshot(self, msg: Msg) -> None:
@@ -127,7 +140,12 @@ class Sharing:
         except msgspec.DecodeError:
             return
         if snap.router_id != self.router_id:
+            new = snap.router_id not in self.table.peers
             self.table.apply_snapshot(snap, time.time())
+            if new:  # a replica just started (or came back): it learns of us now, not in a second
+                task = asyncio.ensure_future(self.snapshot())
+                self._replies.add(task)
+                task.add_done_callback(self._replies.discard)
 
     async def _on_mark(self, msg: Msg) -> None:
         try:

@@ -50,6 +50,7 @@ _LATE_DOLLARS_PER_S = 1000.0
 #: Latency objective: weight of each second of time to first token past the policy's target.
 LATE_WEIGHT = 10.0
 _GBIT = 1e9 / 8.0
+_INF = float("inf")
 
 
 @dataclass(slots=True, frozen=True)
@@ -135,15 +136,24 @@ class _Node:
         return n
 
 
-def _score(objective: Objective, ttft: float, time_s: float, dollars: float, target_s: float) -> float:
+def _score(objective: Objective, ttft: float, time_s: float, dollars: float, target_s: float,
+           itl_late: float = 0.0) -> float:
+    """``itl_late``: the seconds of decode past the request's inter-token target (0: within it)."""
     if objective == "cost":
-        return dollars if ttft <= target_s else _LATE_DOLLARS_PER_S * time_s
+        return dollars if ttft <= target_s and not itl_late else _LATE_DOLLARS_PER_S * time_s
     # each second of time to first token past the target counts LATE_WEIGHT times: a pair whose
     # fast decoder is worth more than its late first token still wins, one barely faster does not
-    return time_s + LATE_WEIGHT * (ttft - target_s) if ttft > target_s else time_s
+    score = time_s + LATE_WEIGHT * (ttft - target_s) if ttft > target_s else time_s
+    return score + LATE_WEIGHT * itl_late if itl_late else score
 
 
-def _whole(n: _Node, prompt: int, cached: int, out_tokens: int, objective: Objective, target_s: float) -> Option:
+def _itl_late(out_tokens: int, itl: float, itl_target_s: float) -> float:
+    """Seconds of a decode past its inter-token target: (O-1) x the excess of each step."""
+    return (out_tokens - 1) * (itl - itl_target_s) if itl > itl_target_s else 0.0
+
+
+def _whole(n: _Node, prompt: int, cached: int, out_tokens: int, objective: Objective, target_s: float,
+           itl_target_s: float) -> Option:
     unc = max(prompt - cached, 1)
     pre = unc / n.pf
     ttft = n.wait_prefill + pre
@@ -151,7 +161,7 @@ def _whole(n: _Node, prompt: int, cached: int, out_tokens: int, objective: Objec
     time_s = ttft + (out_tokens - 1) * itl + pre * n.decoding
     dollars = n.cost / 3600.0 * (pre + (out_tokens - 1) * itl / n.maxc)
     return Option(node=n.v.node_id, ttft_s=ttft, itl_s=itl, time_s=time_s, dollars=dollars, prefill_tokens=unc,
-                  score=_score(objective, ttft, time_s, dollars, target_s))
+                  score=_score(objective, ttft, time_s, dollars, target_s, _itl_late(out_tokens, itl, itl_target_s)))
 
 
 def decide_split(
@@ -167,6 +177,7 @@ def decide_split(
     now: float,
     objective: Objective = "latency",
     latency_target_s: float = 2.0,
+    itl_target_s: float = _INF,
     previous: Mode | None = None,
     exclude: frozenset[str] = frozenset(),
     stale_after_s: float = 15.0,
@@ -203,16 +214,20 @@ def decide_split(
     if whole is None:
         return SplitDecision(False, "no_node", None, None)
     w = _Node(whole, mean_prompt, mean_output)
-    whole_opt = _whole(w, prompt, cached.get(whole.node_id, 0), out_tokens, objective, latency_target_s)
+    whole_opt = _whole(w, prompt, cached.get(whole.node_id, 0), out_tokens, objective, latency_target_s,
+                       itl_target_s)
     no = SplitDecision(False, "whole_better", whole_opt, whole_opt)
-    if prompt - max(cached.values(), default=0) < settings.min_uncached_tokens:
+    # a short prompt is served whole, unless its node decodes too slowly for the request
+    min_unc = settings.min_uncached_tokens if whole_opt.itl_s <= itl_target_s else 0
+    if prompt - max(cached.values(), default=0) < min_unc:
         return SplitDecision(False, "short_prompt", whole_opt, whole_opt)
     best_key: tuple[float, str, str] | None = None
     best_pair: tuple[_Node, int, _Node, int, float] | None = None
     if index is not None:  # a large fleet: the same search as vector operations on the index's columns
-        found = index.best_pair(model, prompt, out_tokens, cached, settings.min_uncached_tokens, exclude, now,
+        found = index.best_pair(model, prompt, out_tokens, cached, min_unc, exclude, now,
                                 stale_after_s, PAIR_WIDTH, objective == "cost", settings.kv_bytes_per_token,
-                                links.explicit, latency_target_s, LATE_WEIGHT, _LATE_DOLLARS_PER_S, decode_node)
+                                links.explicit, latency_target_s, LATE_WEIGHT, _LATE_DOLLARS_PER_S, decode_node,
+                                itl_target_s)
         if found is not None:
             pj, dj, xfer, score = found
             p, d = (w if index.views[j] is whole else _Node.of_row(index, j) for j in (pj, dj))
@@ -221,7 +236,7 @@ def decide_split(
     else:
         best_key, best_pair = _scan(nodes, w, whole, model, prompt, out_tokens, cached, settings, links, now,
                                     objective, latency_target_s, exclude, stale_after_s, mean_prompt, mean_output,
-                                    decode_node)
+                                    decode_node, min_unc, itl_target_s)
     best: Option | None = None
     if best_pair is not None and best_key is not None:
         p, cp, d, cd, xfer = best_pair
@@ -245,7 +260,7 @@ def decide_split(
 def _scan(nodes: Sequence[NodeView], w: _Node, whole: NodeView, model: str, prompt: int, out_tokens: int,
           cached: Mapping[str, int], settings: SplitSettings, links: KVLinks, now: float, objective: Objective,
           latency_target_s: float, exclude: frozenset[str], stale_after_s: float, mean_prompt: float,
-          mean_output: float, decode_node: str | None = None
+          mean_output: float, decode_node: str | None = None, min_unc: int = 0, itl_target_s: float = _INF
           ) -> tuple[tuple[float, str, str] | None, tuple[_Node, int, _Node, int, float] | None]:
     """The pair search as a pass over the nodes (a small fleet, and the reference the index's
     vector form is tested against): each leg's PAIR_WIDTH best rows, then every pair of them.
@@ -265,7 +280,7 @@ def _scan(nodes: Sequence[NodeView], w: _Node, whole: NodeView, model: str, prom
             continue
         n = w if v is whole else _Node(v, mean_prompt, mean_output)
         c = cached.get(v.node_id, 0)
-        if can_decode and prompt - c >= settings.min_uncached_tokens:
+        if can_decode and prompt - c >= min_unc:
             # the decode leg's part: its queue, its one-token prefill, its tokens
             t = n.wait_prefill + 1.0 / n.pf + (out_tokens - 1) * n.step_next
             decs.append((t, n.cost / 3600.0 * (out_tokens - 1) * n.step_next / n.maxc, n, c))
@@ -278,7 +293,8 @@ def _scan(nodes: Sequence[NodeView], w: _Node, whole: NodeView, model: str, prom
     explicit = links.explicit
     cost_obj = objective == "cost"
     drows = [(d, cd, d.v.state, d.v.node_id, d.wait_prefill + 1.0 / d.pf, (out_tokens - 1) * d.step_next,
-              d.cost / 3600.0 * (out_tokens - 1) * d.step_next / d.maxc)
+              d.cost / 3600.0 * (out_tokens - 1) * d.step_next / d.maxc,
+              _itl_late(out_tokens, d.step_next, itl_target_s))
              for _, _, d, cd in _best(decs, cost_obj)]
     for _, _, p, cp in _best(pres, cost_obj):
         pst = p.v.state
@@ -287,7 +303,7 @@ def _scan(nodes: Sequence[NodeView], w: _Node, whole: NodeView, model: str, prom
         head = p.wait_prefill + pre
         stall = pre * p.decoding
         pdollars = p.cost / 3600.0 * pre
-        for d, cd, dst, did, dhead, drest, ddollars in drows:
+        for d, cd, dst, did, dhead, drest, ddollars, dlate in drows:
             if d is p or not pst.kv_group or pst.kv_group != dst.kv_group:
                 continue
             gbps = explicit.get((pid, did)) if explicit else None
@@ -300,9 +316,11 @@ def _scan(nodes: Sequence[NodeView], w: _Node, whole: NodeView, model: str, prom
             ttft = head + xfer + dhead
             time_s = ttft + drest + stall
             if cost_obj:
-                score = _score(objective, ttft, time_s, pdollars + ddollars, latency_target_s)
+                score = _score(objective, ttft, time_s, pdollars + ddollars, latency_target_s, dlate)
             else:
                 score = time_s + LATE_WEIGHT * (ttft - latency_target_s) if ttft > latency_target_s else time_s
+                if dlate:
+                    score += LATE_WEIGHT * dlate
             key = (score, pid, did)
             if best_key is None or key < best_key:
                 best_key, best_pair = key, (p, cp, d, cd, xfer)

@@ -24,12 +24,13 @@ as the pass does: rows are kept in node-id order) and scores their pairs in one 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
 from zmlcore.fleet.accelerators import DECODE_BATCH_PENALTY
 from zmlcore.policy.estimate import MEAN_OUTPUT_TOKENS, MEAN_PROMPT_TOKENS, node_speeds
+from zmlcore.messages import NodeState
 from zmlcore.policy.types import NodeView
 
 _INF = float("inf")
@@ -37,12 +38,15 @@ _GBIT = 1e9 / 8.0
 
 
 class SplitIndex:
-    """Columns of every node that belongs to a ``kv_group`` (the others are never a leg), in
-    node-id order."""
+    """Columns of the nodes, in node-id order. A node is a possible leg while its state has a
+    ``kv_group`` and ``member(state)`` holds (the router's: an engine with a leg protocol);
+    both are read again at each state change, so the index is built once per membership
+    change of the fleet, not when a node joins a group."""
 
     def __init__(self, nodes: Sequence[NodeView], *, mean_prompt: float = MEAN_PROMPT_TOKENS,
-                 mean_output: float = MEAN_OUTPUT_TOKENS) -> None:
-        self.views = sorted((v for v in nodes if v.state.kv_group), key=lambda v: v.node_id)
+                 mean_output: float = MEAN_OUTPUT_TOKENS, member: Callable[[NodeState], bool] | None = None) -> None:
+        self.views = sorted(nodes, key=lambda v: v.node_id)
+        self._member = member
         self.row = {v.node_id: j for j, v in enumerate(self.views)}
         self.mean_prompt = mean_prompt
         self.mean_output = mean_output
@@ -50,7 +54,7 @@ class SplitIndex:
         z = np.zeros
         self.pf, self.inv_pf, self.dec, self.maxc, self.cost, self.cost_h = z(n), z(n), z(n), z(n), z(n), z(n)
         self.gbps, self.group = z(n), z(n, np.int64)
-        self.can_p, self.can_d, self.up = z(n, bool), z(n, bool), z(n, bool)
+        self.can_p, self.can_d, self.usable = z(n, bool), z(n, bool), z(n, bool)
         self.wait, self.dhead, self.decoding, self.dec1, self.step_next = z(n), z(n), z(n), z(n), z(n)
         self.blocked, self.updated = z(n), z(n)
         self._groups: dict[str, int] = {}
@@ -81,8 +85,8 @@ class SplitIndex:
             models = view.state.models
             for m, (serving, pen_p, pen_d) in self._models.items():
                 s = serving[j] = m in models
-                pen_p[j] = 0.0 if s and self.up[j] and self.can_p[j] else _INF
-                pen_d[j] = 0.0 if s and self.up[j] and self.can_d[j] else _INF
+                pen_p[j] = 0.0 if s and self.usable[j] and self.can_p[j] else _INF
+                pen_d[j] = 0.0 if s and self.usable[j] and self.can_d[j] else _INF
         self._counts(j, view)
 
     def _counts_changed(self, view: NodeView) -> None:
@@ -101,7 +105,8 @@ class SplitIndex:
         roles = st.roles
         self.can_p[j] = not roles or "prefill" in roles
         self.can_d[j] = not roles or "decode" in roles
-        self.up[j] = st.status == "up"
+        # up, in a kv_group, and a member: a possible leg at all
+        self.usable[j] = st.status == "up" and bool(st.kv_group) and (self._member is None or self._member(st))
         self.updated[j] = st.updated_at
         if st.updated_at < self._updated_min:
             self._updated_min = st.updated_at
@@ -136,16 +141,16 @@ class SplitIndex:
         m = self._models.get(model)
         if m is None:
             serving = np.array([model in v.state.models for v in self.views], dtype=bool)
-            m = self._models[model] = (serving, np.where(serving & self.up & self.can_p, 0.0, _INF),
-                                       np.where(serving & self.up & self.can_d, 0.0, _INF))
+            m = self._models[model] = (serving, np.where(serving & self.usable & self.can_p, 0.0, _INF),
+                                       np.where(serving & self.usable & self.can_d, 0.0, _INF))
         return m
 
     # --- a decision ---
     def best_pair(self, model: str, prompt: int, out_tokens: int, cached: Mapping[str, int], min_uncached: int,
                   exclude: frozenset[str], now: float, stale_after_s: float, width: int, cost_objective: bool,
                   kv_bytes_per_token: float, explicit: Mapping[tuple[str, str], float], target_s: float,
-                  late_weight: float, late_dollars_per_s: float, decode_node: str | None = None
-                  ) -> tuple[int, int, float, float] | None:
+                  late_weight: float, late_dollars_per_s: float, decode_node: str | None = None,
+                  itl_target_s: float = _INF) -> tuple[int, int, float, float] | None:
         """(prefill row, decode row, transfer seconds, score) of the best pair among each leg's
         best ``width`` rows by time and, for the cost objective, by dollars too; None if no pair.
         The decider's own formulas (decide.decide_split's scan), as vector operations."""
@@ -240,12 +245,16 @@ class SplitIndex:
             xfer = (moved * kv_bytes_per_token)[None, :] / (gbps * _GBIT)
         ttft = (head[:, None] + xfer) + self.dhead[D][None, :]
         time_s = (ttft + rest[D][None, :]) + stall[:, None]
+        step = self.step_next[D]
+        # each decode leg's seconds past the inter-token target: (O-1) x the excess of each step
+        late = np.where(step > itl_target_s, (out_tokens - 1) * (step - itl_target_s), 0.0)
         if cost_objective:
-            dollars = (self.cost_h[P] * pre_p)[:, None] + (self.cost_h[D] * float(out_tokens - 1) * self.step_next[D]
+            dollars = (self.cost_h[P] * pre_p)[:, None] + (self.cost_h[D] * float(out_tokens - 1) * step
                                                          / self.maxc[D])[None, :]
-            score = np.where(ttft <= target_s, dollars, late_dollars_per_s * time_s)
+            score = np.where((ttft <= target_s) & (late == 0.0)[None, :], dollars, late_dollars_per_s * time_s)
         else:
             score = np.where(ttft > target_s, time_s + late_weight * (ttft - target_s), time_s)
+            score += (late_weight * late)[None, :]  # (+ 0.0 where within it: the same value)
         score = np.where(valid, score, _INF)
         k = int(np.argmin(score))  # first minimum: the lowest (prefill id, decode id), rows in id order
         a, b = divmod(k, len(drows))
