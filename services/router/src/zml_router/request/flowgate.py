@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from zmlcore import subjects
 from zmlcore.config import ZMLConfig
 from zmlcore.errors import QueueFullError, ShedError
-from zmlcore.flowctl import SHEDDABLE, Ask, Calibration, ShareBook, SloVerdict, ask_of
+from zmlcore.flowctl import SHEDDABLE, Ask, Calibration, Pairs, ShareBook, SloVerdict, ask_of
 from zmlcore.flowctl.ask import ASK_HEADERS, config_plain
 from zmlcore.flowctl.bands import NAMES
 from zmlcore.flowctl.gate import admit_flow, no_room, over_share, unseen_by_peers
@@ -128,9 +128,12 @@ class FlowGate:
             return None
         return Note(ask, asked if asked in NAMES else "")
 
-    def decide(self, rr: RouteRequest, policy: ResolvedPolicy, note: Note, from_queue: bool) -> Decision:
+    def decide(self, rr: RouteRequest, policy: ResolvedPolicy, note: Note, from_queue: bool,
+               pairs: Pairs | None = None) -> Decision:
         """The gate's decision (zmlcore.flowctl.gate.admit_flow) on this router's table. A
-        ``sheddable`` request that finds no room is shed at once rather than queued."""
+        ``sheddable`` request that finds no room is shed at once rather than queued. ``pairs``:
+        the request may be split (zml_router.request.split.Splitter.pairs): with targets no whole
+        node meets, it is admitted split over a pair that meets them, if one does."""
         now = time.time()
         ask = note.ask
         used = self.book.share_used(ask.tenant, ask.weight, now)
@@ -141,7 +144,8 @@ class FlowGate:
                                     over_share=over_share(used, self.backlog.get(ask.tenant, 0)), flow=self.cfg.flow,
                                     stale_after_s=rc.stale_after_s, ttft_bound_s=rc.admission_ttft_s,
                                     reserve=rc.batch_reserve, cache=self.prefix, calibration=self.calibration,
-                                    unseen=self._unseen() if self._sent and self.table.peers else None)
+                                    unseen=self._unseen() if self._sent and self.table.peers else None,
+                                    pairs=pairs)
         except QueueFullError as exc:
             if ask.band >= SHEDDABLE and not from_queue and ask.band != 3:
                 raise ShedError(f"no room for sheddable work now: {exc.message}",

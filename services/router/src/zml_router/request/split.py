@@ -13,6 +13,7 @@ import dataclasses
 from collections import OrderedDict
 
 from zmlcore.config import ZMLConfig
+from zmlcore.flowctl import Pairs
 from zmlcore.messages import NodeState
 from zmlcore.policy import Decision, NodeView, ResolvedPolicy, RouteRequest
 from zmlcore.policy.split import KVLinks, SplitIndex, SplitSettings, decide_split, objective_of
@@ -80,6 +81,24 @@ class Splitter:
             self._settings[model] = s
         return s
 
+    def pairs(self, model: str, now: float) -> Pairs:
+        """The decider's inputs for SLO admission (zmlcore.flowctl.slo.admit_slo), which looks
+        for a pair before refusing a request no whole node serves within its targets."""
+        nodes, index = self._candidates(now)
+        return Pairs(index.views if index is not None else nodes, self.settings(model), self.links, index)
+
+    def admitted(self, session: str) -> None:
+        """SLO admission split the request (no whole node met its targets): its conversation's
+        mode is split, as if the decider had chosen it."""
+        self._remember(session, "split")
+
+    def _remember(self, session: str, mode: Mode) -> None:
+        if session:
+            self.modes[session] = mode
+            self.modes.move_to_end(session)
+            if len(self.modes) > MAX_SESSIONS:
+                self.modes.popitem(last=False)
+
     def decide(self, whole: Decision, rr: RouteRequest, policy: ResolvedPolicy, now: float,
                session: str = "", decode_node: str | None = None,
                no_room: frozenset[str] = frozenset(), tpot_target_s: float | None = None,
@@ -119,11 +138,8 @@ class Splitter:
         if sd.split and sd.chosen is not None and sd.chosen.ttft_s > self.cfg.router.admission_ttft_s:
             # the admission bound, as for any request: whole was admitted under it, the split is not
             sd = dataclasses.replace(sd, split=False, reason="over_bound", chosen=sd.whole)
-        if session and sd.reason != "short_prompt":
-            self.modes[session] = sd.mode
-            self.modes.move_to_end(session)
-            if len(self.modes) > MAX_SESSIONS:
-                self.modes.popitem(last=False)
+        if sd.reason != "short_prompt":
+            self._remember(session, sd.mode)
         if not sd.split or sd.chosen is None:
             return whole, sd.reason
         c = sd.chosen
