@@ -203,7 +203,7 @@ def admit_slo(nodes: Sequence[NodeView], rr: RouteRequest, policy: ResolvedPolic
     pair: tuple[Option, float] | None = None
     if pairs is not None and rr.accelerator_id is None:
         # no whole node meets it: the last resort before refusing, so a request is refused only
-        # when no way of serving it does (the pair search: ~70 us at 1,000 nodes with an index)
+        # when no way of serving it does (the pair search: 0.1-0.3 ms at 1,000 nodes with an index)
         pair = _best_pair(pairs, nodes, rr, policy, now, slo, best if best is not None else d, slow,
                           stale_after_s, calibration)
         if pair is not None:
