@@ -475,6 +475,8 @@ class RouterService:
                                                        no_room=self.gate.no_room(note), tpot_target_s=tpot_t,
                                                        ttft_target_s=ttft_t)
                     self.metrics.split("split" if result.prefill_node else why)
+                    if result.prefill_node:
+                        self.gate.redirected(note, result, rr.model)
             elif type(action) is Dispatch:
                 node_id = action.decision.node_id
                 if note is not None:

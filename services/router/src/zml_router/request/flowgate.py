@@ -23,7 +23,7 @@ from zmlcore.flowctl import SHEDDABLE, Ask, Calibration, Pairs, ShareBook, SloVe
 from zmlcore.flowctl.ask import ASK_HEADERS, config_plain
 from zmlcore.flowctl.bands import NAMES
 from zmlcore.flowctl.gate import admit_flow, no_room, over_share, unseen_by_peers
-from zmlcore.flowctl.slo import batch_of, model_tpot
+from zmlcore.flowctl.slo import batch_of, model_tpot, predict_tpot
 from zmlcore.messages import RoutingInfo
 from zmlcore.policy import Decision, ResolvedPolicy, RouteRequest, RoutingState
 from zmlcore.policy.estimate import MEAN_OUTPUT_TOKENS
@@ -177,6 +177,20 @@ class FlowGate:
         ask = note.ask
         used = self.book.share_used(ask.tenant, ask.weight, time.time())
         return ask.band, int(over_share(used, self.book.waiting(ask.tenant)))
+
+    def redirected(self, note: Note | None, d: Decision, model: str) -> None:
+        """The split decider moved the request's decode to ``d.node_id`` (zml_router.request.split):
+        its verdict is the split's, and its measured TPOT teaches that node's calibration, not
+        the node admission chose."""
+        if note is None or note.ask.slo is None or not note.node_id or d.node_id == note.node_id:
+            return
+        view = self.table.views.get(d.node_id)
+        if view is None:
+            return
+        note.node_id = d.node_id
+        note.batch, note.slots = batch_of(view, model)
+        note.model_tpot = model_tpot(view, model)
+        note.verdict = SloVerdict(d.estimated_ttft_s, predict_tpot(view, self.calibration, model))
 
     def sent(self, node_id: str, note: Note) -> None:
         """A request under [flow] hold_when_full goes to ``node_id`` (each attempt): for the
