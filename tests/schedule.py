@@ -24,8 +24,9 @@ SHARED_STACK = "zml_stack"
 SHARED_UNIT = "shared zml_stack files"
 CACHE_KEY = "zml/unit_seconds"
 
-#: Seconds per unit measured on a 2-core box (issue 27, docs/benchmarks.md), for the order of a
-#: run with nothing recorded yet. Only the order matters; every other file counts as 0.
+#: Rough seconds per unit on an idle 2-core box (about half what a loaded full run measured,
+#: issue 27, docs/benchmarks.md), for the order of a run with nothing recorded yet (a fresh
+#: clone). Only the order matters; every other file counts as 0.
 KNOWN_LONG = {
     SHARED_UNIT: 150.0,
     "tests/e2e/test_doc_examples.py": 60.0,
