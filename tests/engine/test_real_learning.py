@@ -105,8 +105,10 @@ def off(estimate: float, lo: float, hi: float) -> float:
 
 @pytest.mark.skipif(LEARNER_MISSING, reason=NO_LEARNER)
 @pytest.mark.xfail(strict=False, reason=(
-    "issue 28 open: on real llama-servers the learned decode estimate settles 2-4x under the engines' "
-    "one-request speed and prefill ~2x under (2026-12-07: decode 158 vs 638-672 tok/s); the target stands"))
+    "issue 28: since shared prefills are lower bounds and paused decodes are corrected, met in 2 of 3 runs "
+    "(2026-12-07, box load 9 and 13: both nodes within the engines' span from the calibration on); at load 22 "
+    "the fast node's calibration timed decode at 64 tok/s against 194-548 measured before and after, and 20 "
+    "requests at 4 at a time did not bring it within 25%"))
 def test_a_cold_start_finds_both_nodes_speeds(unequal: Unequal) -> None:
     fast, slow = unequal.before["llama-fast"].prompt_tps, unequal.before["llama-slow"].prompt_tps
     assert fast > 1.5 * slow, f"the fleet is not unequal on this box: {unequal.before}"
@@ -159,8 +161,9 @@ def test_both_nodes_are_used_the_fast_one_most(unequal: Unequal) -> None:
 
 @pytest.mark.skipif(predicted_ttft_field() is None, reason=NO_PREDICTION)
 @pytest.mark.xfail(strict=False, reason=(
-    "issue 28 open: TTFT predicted at dispatch vs observed on real llama-servers, median error 0.67 "
-    "(2026-12-07) against the 0.25 target; it follows the low speed estimates above"))
+    "issue 28 open: TTFT predicted at dispatch vs observed, median error 0.25 run alone (box load 9) but "
+    "0.61-0.85 after the other tests (load 13-22, 2026-12-07): observed TTFTs 2-3x the prediction even with "
+    "nothing pending at dispatch, on engines whose own speeds swung 3x between two measurements"))
 def test_ttft_predicted_at_dispatch_is_within_25_percent(unequal: Unequal) -> None:
     name = predicted_ttft_field()
     assert name is not None
@@ -178,13 +181,15 @@ def test_ttft_predicted_at_dispatch_is_within_25_percent(unequal: Unequal) -> No
         pytest.skip(f"no reply carried {name}: this build predicts no TTFT at dispatch (issue 28 item 4)")
     assert len(pairs) >= 12, replies
     errors = [abs(p - o) / o for p, o in pairs]
-    print(f"TTFT predicted vs observed: median abs error {statistics.median(errors):.0%} over {len(errors)}")
+    print(f"TTFT predicted vs observed: median abs error {statistics.median(errors):.0%} over {len(errors)};",
+          "(node, predicted, observed s):", [(z["node_id"][6:], round(z[name] * scale, 3), round(z["time_to_first_token"], 3))
+                                             for z in replies[-24:] if z.get(name) and z.get("time_to_first_token")])
     assert statistics.median(errors) <= TOLERANCE
 
 
 @pytest.mark.xfail(strict=False, reason=(
-    "issue 28 open: with the learner exploring uncertain nodes, 14 of 18 follow-ups stayed on the node "
-    "holding their conversation in one run (18 of 18 before), under the 80% asked"))
+    "issue 28 open: follow-ups on the node holding their conversation 17, 17 and 13 of 18 in three runs "
+    "(2026-12-07; 14 of 18 before the learner's shared-node fixes), the last under the 80% asked"))
 def test_follow_ups_go_to_the_node_holding_the_conversation(unequal: Unequal) -> None:
     # 6 conversations at once (fewer than the fleet's 8 slots: llama.cpp keeps a prompt in the
     # slot that ran it), 4 turns each, each opening with a long system prompt of its own.

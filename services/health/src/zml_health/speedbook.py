@@ -9,7 +9,7 @@ replica routes on the same estimates (docs/routing.md "Learned speeds").
 >>> b.sample("n", "m", SpeedSample(ttft_s=0.05, prefill_tokens=700, engine_decode_tps=480), now=10.0)
 >>> pub = b.publish("n", ["m"], now=10.0)
 >>> pub.main.source, round(pub.main.decode_tps)
-('measured', 480)
+('measured', 477)
 """
 
 from __future__ import annotations

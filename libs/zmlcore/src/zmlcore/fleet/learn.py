@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import math
 
+import msgspec
+
 from zmlcore.fleet.accelerators import ACCELERATORS, BASE_DECODE_TPS, BASE_PREFILL_TPS, DECODE_BATCH_PENALTY
 from zmlcore.messages.speeds import LearnedSpeeds, ModelSpeeds, SpeedFit, SpeedSample
 
@@ -73,6 +75,8 @@ PREFILL_SLOWDOWN_SIGMA = 0.01
 G_MIN, G_MAX = math.log(1e-4), math.log(4.0)
 #: "Confident" is a 25% band: confidence = P(true speed within 25% of the estimate).
 BAND = math.log(1.25)
+#: Step of the TTFT overhead's EWMA (LearnedSpeeds.overhead_s) per prefill timed alone.
+OVERHEAD_STEP = 0.2
 #: Fewer prompt tokens than this say more about fixed latencies than about prefill speed.
 MIN_PREFILL_TOKENS = 32
 MIN_DECODE_TOKENS = 8
@@ -175,7 +179,8 @@ def observe_prefill(s: LearnedSpeeds, *, tps: float, inflight: float, now: float
     if fit is s.prefill:
         return s
     return LearnedSpeeds(prefill=fit, decode=s.decode,
-                         measured_at=now if measured else s.measured_at, prior_var=s.prior_var)
+                         measured_at=now if measured else s.measured_at, prior_var=s.prior_var,
+                         overhead_s=s.overhead_s)
 
 
 def observe_decode(s: LearnedSpeeds, *, tps: float, inflight: float, now: float, noise: float,
@@ -186,7 +191,8 @@ def observe_decode(s: LearnedSpeeds, *, tps: float, inflight: float, now: float,
     if fit is s.decode:
         return s
     return LearnedSpeeds(prefill=s.prefill, decode=fit,
-                         measured_at=now if measured else s.measured_at, prior_var=s.prior_var)
+                         measured_at=now if measured else s.measured_at, prior_var=s.prior_var,
+                         overhead_s=s.overhead_s)
 
 
 def observe_sample(s: LearnedSpeeds, sample: SpeedSample, now: float, maxc: int = 0) -> LearnedSpeeds:
@@ -196,9 +202,12 @@ def observe_sample(s: LearnedSpeeds, sample: SpeedSample, now: float, maxc: int 
     when the request's prefill ran alone (``sample.alone``): llama.cpp and vLLM put the prompts
     of several sequences in one batch, so a request that shared its batches reports its own
     tokens over the whole batch's time, a fraction of the throughput (half, with two prompts of
-    a size). Shared, it is a lower bound. Without the engine's figure it is the prompt tokens
-    the node computed before the first token (those pending ahead, counted, and its own) over
-    the TTFT, counted only when the request got a sequence slot at once (``inflight <= maxc``:
+    a size). Shared, it is a lower bound. (Counting the TTFT's throughput beside it, to follow a
+    node slowed by its neighbours, let a busy fast llama-server's estimate fall to half the
+    engine's speed, and ZML moved its work to the slow one: benches/real_fleet.py.) Without the
+    engine's figure it is the prompt tokens the node computed before the first token (those
+    pending ahead, counted, and its own) over the TTFT less the node's fixed overhead
+    (``overhead_s``), counted only when the request got a sequence slot at once (``inflight <= maxc``:
     a wait for a slot is queueing, not prefill); a lower bound too when other prompts arrived
     during it (``joined_tokens``).
 
@@ -213,8 +222,9 @@ def observe_sample(s: LearnedSpeeds, sample: SpeedSample, now: float, maxc: int 
     ...                                   engine_decode_tps=500, decode_tokens=31), now=1.0)
     >>> round(rate(s.prefill), -2), round(rate(s.decode), -1)
     (9900.0, 500.0)
-    >>> # two prompts in one batch, a decode paused by 1,000 prompt tokens (0.1 s of 0.16 s):
-    >>> t = observe_sample(s, SpeedSample(ttft_s=0.2, prefill_tokens=1000, engine_prefill_tps=5_000,
+    >>> # its prompt in one batch with 1,000 tokens pending ahead (the engine: half the speed),
+    >>> # its decode paused by 1,000 prompt tokens sent meanwhile (0.1 s of 0.16 s):
+    >>> t = observe_sample(s, SpeedSample(ttft_s=0.2, prefill_tokens=2000, engine_prefill_tps=5_000,
     ...                                   engine_decode_tps=200, decode_tokens=31, decode_prefill_tokens=1000), now=2.0)
     >>> t.prefill is s.prefill, t.decode is s.decode
     (True, True)
@@ -222,15 +232,24 @@ def observe_sample(s: LearnedSpeeds, sample: SpeedSample, now: float, maxc: int 
     cap = _cap(s)
     c = max(sample.inflight, 1)
     alone = sample.alone
+    if alone and sample.engine_prefill_tps > 0 and sample.ttft_s > 0 and sample.prefill_tokens > 0:
+        # what of the TTFT was not the prefill the engine timed: an EWMA
+        o = max(0.0, sample.ttft_s - sample.prefill_tokens / sample.engine_prefill_tps)
+        s = msgspec.structs.replace(s, overhead_s=o if s.overhead_s <= 0 else
+                                    s.overhead_s + OVERHEAD_STEP * (o - s.overhead_s))
+    ttft = sample.ttft_s - s.overhead_s
     if sample.engine_prefill_tps > 0:
         s = observe_prefill(s, tps=sample.engine_prefill_tps, inflight=c, now=now, noise=NOISE_ENGINE,
                             measured=alone, cap=cap, bound=not alone, clean=alone)
-    elif sample.ttft_s > 0 and sample.prefill_tokens >= MIN_PREFILL_TOKENS and (maxc <= 0 or c <= maxc):
+    elif ttft > 0 and sample.prefill_tokens >= MIN_PREFILL_TOKENS and (maxc <= 0 or c <= maxc):
         noise = NOISE_REPORTED if sample.prefill_reported else NOISE_ESTIMATED
-        s = observe_prefill(s, tps=sample.prefill_tokens / sample.ttft_s, inflight=c, now=now, noise=noise, cap=cap,
+        s = observe_prefill(s, tps=sample.prefill_tokens / ttft, inflight=c, now=now, noise=noise, cap=cap,
                             bound=sample.joined_tokens > 0)
     n = sample.decode_tokens
-    if n >= MIN_DECODE_TOKENS or (sample.engine_decode_tps > 0 and n > 0):
+    if n <= 0 and sample.engine_decode_tps > 0:  # the engine's figure, its token count not known
+        s = observe_decode(s, tps=sample.engine_decode_tps, inflight=c, now=now, noise=NOISE_ENGINE,
+                           measured=True, cap=cap, bound=sample.decode_prefill_tokens > 0)
+    elif n >= MIN_DECODE_TOKENS or (sample.engine_decode_tps > 0 and n > 0):
         engine = sample.engine_decode_tps > 0
         t = n / sample.engine_decode_tps if engine else sample.decode_s
         if t > 0:
@@ -254,7 +273,9 @@ def merge(x: LearnedSpeeds, y: LearnedSpeeds) -> LearnedSpeeds:
     True
     """
     return LearnedSpeeds(prefill=_ci(x.prefill, y.prefill), decode=_ci(x.decode, y.decode),
-                         measured_at=max(x.measured_at, y.measured_at), prior_var=max(x.prior_var, y.prior_var))
+                         measured_at=max(x.measured_at, y.measured_at), prior_var=max(x.prior_var, y.prior_var),
+                         overhead_s=0.5 * (x.overhead_s + y.overhead_s) if x.overhead_s and y.overhead_s
+                         else x.overhead_s or y.overhead_s)
 
 
 def _ci(x: SpeedFit, y: SpeedFit) -> SpeedFit:
@@ -310,7 +331,8 @@ def restored(p: ModelSpeeds, prior: LearnedSpeeds) -> LearnedSpeeds:
     return LearnedSpeeds(
         prefill=fit(p.prefill_tps, p.prefill_slowdown, p.prefill_sigma, prior.prefill.pgg, p.samples - half),
         decode=fit(p.decode_tps, p.decode_slowdown, p.decode_sigma, prior.decode.pgg, half),
-        measured_at=p.at if p.source == "measured" else 0.0, prior_var=prior.prior_var)
+        measured_at=p.at if p.source == "measured" else 0.0, prior_var=prior.prior_var,
+        overhead_s=p.ttft_overhead_s)
 
 
 def published(s: LearnedSpeeds, now: float, stale_s: float = 600.0) -> ModelSpeeds:
@@ -333,5 +355,5 @@ def published(s: LearnedSpeeds, now: float, stale_s: float = 600.0) -> ModelSpee
         prefill_slowdown=round(slowdown(pf), 4), decode_slowdown=round(slowdown(dec), 4),
         prefill_sigma=round(sigma(pf), 4), decode_sigma=round(sigma(dec), 4),
         source=source, at=at, confidence=round(min(confidence(sigma(pf)), confidence(sigma(dec))), 3),
-        samples=pf.n + dec.n,
+        samples=pf.n + dec.n, ttft_overhead_s=round(s.overhead_s, 4),
     )

@@ -75,6 +75,10 @@ class LearnedSpeeds(msgspec.Struct, frozen=True, kw_only=True):
     measured_at: float = 0.0
     #: The prior's variance of log speed: what an estimate left alone decays back to.
     prior_var: float = 2.56
+    #: Seconds a router waits for a first token beyond the prefill itself (the HTTP exchange,
+    #: tokenizing, a slot's setup): its TTFT less the engine's own prompt time, when the prefill
+    #: ran alone (an EWMA; 0 until the engine has timed one).
+    overhead_s: float = 0.0
 
 
 class ModelSpeeds(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -97,6 +101,9 @@ class ModelSpeeds(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     #: Probability that both speeds are within 25% of the estimate, 0..1.
     confidence: float = 0.0
     samples: int = 0
+    #: Seconds of a TTFT that are not prefill (LearnedSpeeds.overhead_s): the routers' TTFT
+    #: estimate adds them.
+    ttft_overhead_s: float = 0.0
 
 
 learned_speeds_decoder = msgspec.json.Decoder(LearnedSpeeds)

@@ -89,6 +89,13 @@ def node_speeds(st: NodeState, model: str = "", *, explore: bool = True) -> tupl
     return pf, dec, maxc
 
 
+def node_overhead(st: NodeState, model: str = "") -> float:
+    """Seconds of a TTFT on this node that are not prefill (the health service's learned
+    ``ttft_overhead_s`` for ``model``; 0 when it has none)."""
+    ms = st.model_speeds.get(model) if model and st.model_speeds else None
+    return ms.ttft_overhead_s if ms is not None else 0.0
+
+
 def node_cost(st: NodeState) -> float:
     """$/hour of a node: its state's price. The health service fills it in (zml.toml's price,
     else the type's list price) and ``zml cost set`` overrides it, so 0 is a real price (a
@@ -108,7 +115,8 @@ def prompt_tokens_from_body(nbytes: int) -> int:
 class Coeffs:
     """Per-node constants of the estimate (recomputed when a node's speeds or price change)."""
 
-    __slots__ = ("pf", "inv_pf", "ep_over_pf", "mean_prompt", "maxc", "c_dec", "mu", "cost", "cost_cap")
+    __slots__ = ("pf", "inv_pf", "ep_over_pf", "mean_prompt", "maxc", "c_dec", "mu", "cost", "cost_cap",
+                 "overhead")
 
     def __init__(
         self,
@@ -118,8 +126,11 @@ class Coeffs:
         cost: float,
         mean_prompt: float = MEAN_PROMPT_TOKENS,
         mean_output: float = MEAN_OUTPUT_TOKENS,
+        overhead: float = 0.0,
     ) -> None:
         self.pf = pf
+        #: seconds of every TTFT that are not prefill (node_overhead)
+        self.overhead = overhead
         self.inv_pf = 1.0 / pf
         self.ep_over_pf = mean_prompt / pf
         self.mean_prompt = mean_prompt
@@ -139,7 +150,7 @@ class Coeffs:
         request) and the wait for a sequence slot."""
         q = outstanding + 1 - self.maxc
         ahead = pending * self.ep_over_pf if pending_tokens is None else pending_tokens * self.inv_pf
-        return ahead + (q * self.c_dec if q > 0 else 0.0)
+        return self.overhead + ahead + (q * self.c_dec if q > 0 else 0.0)
 
     def drain_key(self, outstanding: int) -> float:
         """(outstanding + 1) / capacity: when this node would finish its queue plus one."""
@@ -170,7 +181,7 @@ def estimate_ttft(
     0.02
     """
     pf, dec, maxc = node_speeds(st, model, explore=explore)
-    c = Coeffs(pf, dec, maxc, 0.0, mean_prompt, mean_output)
+    c = Coeffs(pf, dec, maxc, 0.0, mean_prompt, mean_output, node_overhead(st, model))
     return c.load_key(outstanding, pending, pending_tokens) + (prompt_tokens - cached_tokens) * c.inv_pf
 
 

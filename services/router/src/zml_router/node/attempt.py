@@ -29,7 +29,14 @@ from zmlcore.fleet.accelerators import DECODE_BATCH_PENALTY
 from zmlcore.messages import NodeState, RoutingInfo, SpeedSample
 from zmlcore.messages.audio import AudioForm, with_model
 from zmlcore.messages.frontdoor import drop_zml_keys, has_zml_keys
-from zmlcore.policy.estimate import Coeffs, estimate_ttft, node_speeds, nonstream_pending_s, prompt_tokens_from_body
+from zmlcore.policy.estimate import (
+    Coeffs,
+    estimate_ttft,
+    node_overhead,
+    node_speeds,
+    nonstream_pending_s,
+    prompt_tokens_from_body,
+)
 from zmlcore.reply import routingmeta
 from zmlcore.reply.sse import event_payloads
 from zml_router.node.lora import Lora, as_json
@@ -252,7 +259,7 @@ class Learned:
     def __init__(self, st: NodeState, model: str = "") -> None:
         self.state = st
         pf, dec, maxc = node_speeds(st, model, explore=False)
-        self.coeffs = Coeffs(pf, dec, maxc, 0.0)
+        self.coeffs = Coeffs(pf, dec, maxc, 0.0, overhead=node_overhead(st, model))
         ms = st.model_speeds.get(model) if model and st.model_speeds else None
         self.k = (ms.decode_slowdown if ms is not None else st.decode_slowdown) or DECODE_BATCH_PENALTY
         self.step1 = 1.0 / dec
