@@ -168,6 +168,43 @@ def tiny_model(dest: Path, vocab: Path, *, seed: int = SEED, shape: Shape = TINY
     return dest
 
 
+def tiny_lora(dest: Path, vocab: Path, *, seed: int = SEED + 1, shape: Shape = TINY, rank: int = 4,
+              scale: float = 4.0) -> Path:
+    """Write a LoRA adapter GGUF for the tiny llama of ``shape``, as llama.cpp's
+    ``convert_lora_to_gguf.py`` lays one out (``general.type = "adapter"``, ``adapter.type =
+    "lora"``, ``adapter.lora.alpha``; ``NAME.lora_a`` of shape rank x in and ``NAME.lora_b`` of
+    out x rank per adapted tensor): seeded random deltas on every layer's ``attn_q``/``attn_v``
+    and on ``output``, large enough (``scale``) that greedy decoding with the adapter applied
+    writes other tokens than without it. Same bytes for the same arguments."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(str(vocab))
+    n_vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    rng = np.random.default_rng(seed)
+    embd = shape.n_embd
+    w = gguf.GGUFWriter(str(dest), "llama")
+    w.add_type(gguf.GGUFType.ADAPTER)
+    w.add_string(gguf.Keys.Adapter.TYPE, "lora")
+    w.add_float32(gguf.Keys.Adapter.LORA_ALPHA, float(rank))  # alpha / rank = 1: the deltas as written
+
+    def pair(name: str, n_in: int, n_out: int) -> None:
+        a = (rng.standard_normal((rank, n_in), dtype=np.float32) * n_in ** -0.5).astype(np.float32)
+        b = (rng.standard_normal((n_out, rank), dtype=np.float32) * scale * rank ** -0.5).astype(np.float32)
+        w.add_tensor(f"{name}.lora_a", a)
+        w.add_tensor(f"{name}.lora_b", b)
+
+    for i in range(shape.n_layer):
+        pair(f"blk.{i}.attn_q.weight", embd, embd)
+        pair(f"blk.{i}.attn_v.weight", embd, embd)
+    pair("output.weight", embd, n_vocab)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return dest
+
+
 def _copy_tokenizer(reader: object, w: object) -> None:
     """Every ``tokenizer.*`` key of the vocab file, with its type."""
     import gguf

@@ -107,6 +107,42 @@ def test_a_peer_report_adds_its_counters_and_a_newer_one_replaces_it() -> None:
     assert r1.tokens("a", NOW + 1) == pytest.approx(expect, abs=0.2)
 
 
+def test_a_tenants_backlog_is_every_replicas_and_a_change_is_reported() -> None:
+    """Each replica holds a window of the saturation queue: a flood's 36 waiting requests may sit
+    31 in one replica's window and 5 in the other's. Judged by its own 5, the second replica
+    found the flood under its backlog bound (not over its share) and let it into the slot kept
+    for others (4 of 4 slots ran the flood half the time, tests/e2e/test_flow_control.py)."""
+    from zmlcore.flowctl.gate import over_share
+    r1, r2 = ShareBook("r1"), ShareBook("r2")
+    r1.set_waiting({"flood": 31, "steady": 1})
+    v = r1.version
+    r1.set_waiting({"flood": 31, "steady": 1})
+    assert r1.version == v  # unchanged: nothing to report
+    r1.set_waiting({"flood": 31})
+    assert r1.version == v + 1
+    r2.set_waiting({"flood": 5})
+    r2.merge(r1.report(NOW), NOW)
+    assert r2.waiting("flood") == 36 and r2.waiting("steady") == 0
+    assert not over_share(1.9, r2.own_waiting["flood"]) and over_share(1.9, r2.waiting("flood"))
+    r1.set_waiting({})
+    r2.merge(r1.report(NOW + 1), NOW + 1)
+    assert r2.waiting("flood") == 5
+
+
+def test_a_flood_held_partly_elsewhere_still_ranks_as_over_its_share() -> None:
+    """The order's backlog test counts the tenant's entries in the other replicas' windows too:
+    with 5 of a flood's 36 here, they ranked as an under-share tenant's, this replica announced
+    that band, and the replica holding the other 31 left it every freed slot it could not use."""
+    from zmlcore.flowctl.order import best_rank, keys
+    ws = [Waiting(band=STANDARD, tenant="flood", weight=1.0, enqueued_at=NOW, seq=i) for i in range(5)]
+
+    def service(t: str, w: float) -> float:
+        return 1000.0 if t == "flood" else 0.0
+    assert best_rank(ws, service, NOW, 30.0, level=10.0) == (STANDARD, 0)
+    assert best_rank(ws, service, NOW, 30.0, level=10.0, elsewhere={"flood": 31}) == (STANDARD, 1)
+    assert all(k[1] == 0 for k in keys(ws, service, NOW, 30.0, 10.0, elsewhere={"other": 31}))
+
+
 def test_own_report_is_ignored_and_stale_peers_forgotten() -> None:
     r1 = ShareBook("r1", half_life_s=1.0)
     r1.charge("a", 100.0, NOW)

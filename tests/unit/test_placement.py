@@ -206,3 +206,26 @@ def test_adapter_steps_wait_for_their_base() -> None:
     run, _ = next_steps(now, {"a": frozenset({"m"})}, target_adapters={"a": frozenset({"t"})},
                         adapter_base={"t": "m"})
     assert [str(s) for s in run] == ["unload adapter old on a", "load adapter t on a"]
+
+
+def test_slo_capacity_is_bounded_by_queueing_for_a_slot_and_behind_prefills() -> None:
+    import doctest
+
+    from zmlcore.placement import capacity
+
+    assert doctest.testmod(capacity).failed == 0
+    # 32 slots, 512-token answers at 60 tokens/s: headroom alone plans ~3 req/s, where every
+    # slot is busy most of the time and requests wait seconds for one
+    shape = dict(prefill_tps=10000, decode_tps=60, max_concurrency=32, mean_prompt=1000, mean_output=512,
+                 ttft_s=2.0)
+    plain = slo_capacity(**shape, miss_share=0.0)
+    bounded = slo_capacity(**shape, miss_share=0.01)
+    assert bounded < plain
+    hold = 0.1 + 511 * (1 + 0.02 * 31) / 60
+    assert capacity._erlang_c(32, bounded * hold) <= 0.01 + 1e-6
+    # a short-answer node is not slot-bound: its bound is the prefill queue's, and looser targets
+    # allow more
+    short = dict(prefill_tps=2000, decode_tps=60, max_concurrency=32, mean_prompt=1000, mean_output=16)
+    assert slo_capacity(**short, ttft_s=2.0, miss_share=0.01) < slo_capacity(**short, ttft_s=4.0, miss_share=0.01)
+    # no target, no bound
+    assert slo_capacity(**{**shape, "ttft_s": None}, miss_share=0.01) == slo_capacity(**{**shape, "ttft_s": None})

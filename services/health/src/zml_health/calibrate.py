@@ -47,9 +47,12 @@ def prompt(tokens: int, rng: random.Random) -> str:
 
 async def calibrate(client: httpx.AsyncClient, endpoint: str, model: str, *, prompt_tokens: int,
                     max_tokens: int, timeout: float, api_key: str | None = None,
-                    rng: random.Random | None = None) -> Measured | None:
-    """Send the request and time it; None when it failed or showed too little to measure."""
-    body = {
+                    rng: random.Random | None = None, lora_off: bool = False) -> Measured | None:
+    """Send the request and time it; None when it failed or showed too little to measure.
+    ``lora_off``: a llama-server holding --lora adapters is asked with every adapter off (as
+    routers ask it for a base model): without a ``lora`` list it runs at the global scales and
+    keeps a slot's prompt cache made under other scales, which later requests would reuse."""
+    body: dict[str, object] = {
         "model": model,
         "messages": [{"role": "user", "content": prompt(prompt_tokens, rng or random.Random())}],
         "max_tokens": max_tokens,
@@ -57,6 +60,8 @@ async def calibrate(client: httpx.AsyncClient, endpoint: str, model: str, *, pro
         "stream_options": {"include_usage": True},
         "temperature": 0,
     }
+    if lora_off:
+        body["lora"] = [{"id": 0, "scale": 0.0}]
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     url = endpoint.rstrip("/") + "/v1/chat/completions"
     first = last = 0.0

@@ -285,7 +285,8 @@ class HealthService:
             if now - rt.failed_at > self.cfg.router.cooldown_s:
                 rt.failed_at = 0.0  # cooled down already
             else:
-                rt.calibration = asyncio.create_task(self._recover(node, rt, state.models[0]),
+                base = [m for m in state.models if m not in self.cfg.adapters] or state.models
+                rt.calibration = asyncio.create_task(self._recover(node, rt, base[0]),
                                                      name=f"recover-{node.id}")
         if status == "up" and hc.calibrate and state.models:
             self._maybe_calibrate(node, rt, state, now)
@@ -354,7 +355,9 @@ class HealthService:
             return
         if state.queue_running >= max(state.max_concurrency, 1):
             return  # a full node measures its queue, not its speed; the routers' samples will do
-        model = self.speeds.needs_calibration(node.id, state.models, now, hc.calibrate_every_s)
+        # an adapter runs at its base model's speed: the base is what is measured
+        model = self.speeds.needs_calibration(node.id, [m for m in state.models if m not in self.cfg.adapters], now,
+                                              hc.calibrate_every_s)
         if model is None:
             return
         self.speeds.calibrating(node.id, model, now)
@@ -366,7 +369,7 @@ class HealthService:
         served = node.served_names.get(model, model)
         got = await calibrate(self.http, node.endpoint, served, prompt_tokens=hc.calibrate_prompt_tokens,
                               max_tokens=hc.calibrate_max_tokens, timeout=max(30.0, 10 * hc.probe_timeout_s),
-                              api_key=node.api_key)
+                              api_key=node.api_key, lora_off=self._holds_loras(node))
         metrics.calibrated(node.id, got is not None)
         if got is None or node.id not in self._tasks:
             return
@@ -376,6 +379,10 @@ class HealthService:
                  node.id, model, got.prefill_tps, got.decode_tps, got.ttft_s, got.prompt_tokens,
                  ", engine timings" if got.engine else "")
 
+    def _holds_loras(self, node: NodeConfig) -> bool:
+        rt = self.runtime.get(node.id)
+        return node.backend == "llamacpp" and rt is not None and bool(rt.loras)
+
     async def _recover(self, node: NodeConfig, rt: _NodeRuntime, model: str) -> None:
         """A node routers saw fail answers its probes again: one short real request, and if it
         is answered, their cooldown is lifted (NodeMark ``recovered``) instead of the node idling
@@ -384,7 +391,7 @@ class HealthService:
         failed_at = rt.failed_at
         got = await calibrate(self.http, node.endpoint, node.served_names.get(model, model), prompt_tokens=32,
                               max_tokens=8, timeout=max(5.0, 2 * self.cfg.health.probe_timeout_s),
-                              api_key=node.api_key)
+                              api_key=node.api_key, lora_off=self._holds_loras(node))
         if got is None or node.id not in self._tasks or rt.failed_at != failed_at:
             return  # still failing, removed, or failed again meanwhile: the next poll tries again
         rt.failed_at = 0.0

@@ -69,7 +69,7 @@ from zml_router.answer.replies import Replies
 from zml_router.node.relay import Relay
 from zml_router.queue.glue import QueueGlue
 from zml_router.queue.jetstream import H_ENQUEUED
-from zml_router.request.flowgate import FlowGate, targets
+from zml_router.request.flowgate import FlowGate, Note, targets
 from zml_router.replicas.shares import ShareSync
 from zml_router.replicas.sessions import Sessions, session_key
 from zml_router.replicas.table import NodeTable
@@ -169,6 +169,7 @@ class RouterService:
         await self.ids.open(nc)
         queue = await self.glue.start(nc, self.router_id)
         self.table.on_change = self.gate.freed = queue.capacity.set
+        self.sharing.peer_freed = self.gate.peer_freed
         self._subs += await self.sharing.start(nc, queue.capacity.set)
         self._loops.append(asyncio.create_task(self.sharing.publish_snapshots()))
         self._loops.append(asyncio.create_task(send_keepalives(self.keepalives, nc)))
@@ -432,7 +433,8 @@ class RouterService:
             out.continued_from = resumed_from(arrived.resume)
             can_queue = False  # a stream in progress does not wait behind others
         plan = route.Plan(model, policy.name, rr, self.cfg.router.max_attempts, req.stream, can_queue,
-                         can_queue and not from_queue and queue.has_waiting(model),  # type: ignore[union-attr]
+                         can_queue and not from_queue and queue.has_waiting(model)  # type: ignore[union-attr]
+                         and not self._outranks(note, model),
                          from_queue, msg.data, frontdoor.continue_asked(req, msg.headers), cfg.continue_on_failure,
                          resumed, arrived.resume.attempts if arrived.resume is not None else 0,
                          usage_asked=answer.usage_asked)
@@ -469,7 +471,7 @@ class RouterService:
             elif type(action) is Dispatch:
                 node_id = action.decision.node_id
                 if note is not None:
-                    self.gate.sent(node_id)
+                    self.gate.sent(node_id, note)
                     if not note.charged:
                         self.gate.dispatched(note, action.rr.prompt_tokens)
                 if self.share is not None:  # the node will hold this prompt: every replica learns it
@@ -514,6 +516,17 @@ class RouterService:
         if self.cancelled.take(key, time.time()):
             raise asyncio.CancelledError
         self.in_flight[key] = task
+
+    def _outranks(self, note: Note | None, model: str) -> bool:
+        """Does a new request rank before everything waiting in the saturation queue for
+        ``model`` (flow control: a higher band, or its tenant under its share while only
+        over-share work waits)? Then it takes a free slot at once instead of a trip through the
+        queue (~20 ms on a loaded box) to the head it would reach anyway; with none free it
+        queues as any request does, first in the order."""
+        if note is None or self.glue.queue is None:
+            return False
+        best = self.glue.queue.best_waiting(model)
+        return best is not None and self.gate.rank(note) < best
 
     def _hand_over(self, key: str, reply: str) -> None:
         """The request goes to the saturation queue: this attempt no longer holds it (its claim on

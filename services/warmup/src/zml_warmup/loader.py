@@ -45,8 +45,10 @@ def _detail(resp: httpx.Response) -> str:
 
 
 async def load(client: httpx.AsyncClient, endpoint: str, backend: str, model: str, *,
-               served: str | None = None, timeout: float = 10.0, api_key: str | None = None) -> LoadResult:
-    """Load ``model`` (ZML's name; ``served`` is the engine's, when it differs) on a node."""
+               served: str | None = None, timeout: float = 10.0, api_key: str | None = None,
+               lora_off: bool = False) -> LoadResult:
+    """Load ``model`` (ZML's name; ``served`` is the engine's, when it differs) on a node.
+    ``lora_off``: see :func:`warmup_request`."""
     base = endpoint.rstrip("/")
     name = served or model
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -69,7 +71,7 @@ async def load(client: httpx.AsyncClient, endpoint: str, backend: str, model: st
             if r.status_code == 404 and "model is not found" in _detail(r):
                 return LoadResult(False, "llamacpp_load", f"llama-server (router mode) has no model {name!r} "
                                   "in its --models-dir / --models-preset")
-        return await warmup_request(client, base, name, timeout=timeout, headers=headers)
+        return await warmup_request(client, base, name, timeout=timeout, headers=headers, lora_off=lora_off)
     except httpx.HTTPError as exc:
         return LoadResult(False, "", f"{type(exc).__name__}: {exc}")
     except ValueError as exc:
@@ -77,11 +79,15 @@ async def load(client: httpx.AsyncClient, endpoint: str, backend: str, model: st
 
 
 async def warmup_request(client: httpx.AsyncClient, base: str, model: str, *, timeout: float,
-                         headers: dict[str, str] | None = None) -> LoadResult:
+                         headers: dict[str, str] | None = None, lora_off: bool = False) -> LoadResult:
     """A one-token completion straight to the node (not through a router). ``model`` is the
-    engine's name for it."""
-    r = await client.post(base + "/v1/chat/completions", json={"model": model, **WARMUP_BODY},
-                          timeout=timeout, headers=headers or {})
+    engine's name for it. ``lora_off``: a llama-server holding --lora adapters is asked with
+    every adapter off, as routers ask it for a base model (without a ``lora`` list it would run
+    at the global scales and leave a slot's prompt cache labelled with them whatever made it)."""
+    body = {"model": model, **WARMUP_BODY}
+    if lora_off:
+        body["lora"] = [{"id": 0, "scale": 0.0}]
+    r = await client.post(base + "/v1/chat/completions", json=body, timeout=timeout, headers=headers or {})
     if r.status_code == 200:
         return LoadResult(True, "warmup_request", done=True)
     if r.status_code == 404:

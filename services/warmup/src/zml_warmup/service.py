@@ -251,7 +251,8 @@ class WarmupService:
             endpoint, backend = known.endpoint, known.backend
         self._emit(WarmupEvent(node_id=ld.node_id, model=ld.model, phase="started", reason=reason, ts=self.clock()))
         res = await loader.load(self.http, endpoint, backend, ld.model, served=self._served(ld),
-                                timeout=min(self.wc.load_timeout_s, 600.0), api_key=api_key)
+                                timeout=min(self.wc.load_timeout_s, 600.0), api_key=api_key,
+                                lora_off=self._holds_loras(ld.node_id))
         now = self.clock()
         if not res.ok:
             self.in_progress.pop(key, None)
@@ -267,6 +268,11 @@ class WarmupService:
         if st is not None:
             self._check_progress(st)
         return res
+
+    def _holds_loras(self, node_id: str) -> bool:
+        """A llama-server holding --lora adapters (zml_router.node.lora: ask it with them off)."""
+        st = self.states.get(node_id)
+        return st is not None and st.lora_count > 0
 
     def _served(self, ld: Load) -> str | None:
         """The engine's name for the model: the node's served_names (registry/zml.toml, else
@@ -285,7 +291,7 @@ class WarmupService:
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else None
         try:
             res = await loader.warmup_request(self.http, endpoint.rstrip("/"), self._served(ld) or ld.model,
-                                              timeout=30.0, headers=headers)
+                                              timeout=30.0, headers=headers, lora_off=self._holds_loras(ld.node_id))
         except httpx.HTTPError as exc:
             res = loader.LoadResult(False, "warmup_request", str(exc))
         self._emit(WarmupEvent(node_id=ld.node_id, model=ld.model, phase="probed" if res.ok else "failed",

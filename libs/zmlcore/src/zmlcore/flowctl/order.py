@@ -26,7 +26,7 @@ Nothing dispatched is ever cut: only waiting entries are reordered or displaced.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from zmlcore.flowctl.bands import SHEDDABLE, STANDARD
@@ -71,14 +71,24 @@ def effective_band(w: Waiting, now: float, age_s: float) -> int:
     return w.band
 
 
-def keys(waiting: Sequence[Waiting], service: Service, now: float, age_s: float,
-         level: float = 0.0) -> list[tuple[int, int, float, int]]:
-    """Each entry's sort key: (effective band, over its share?, virtual start, arrival). A
-    tenant's service is looked up once per call."""
+def _backlog(waiting: Sequence[Waiting], elsewhere: Mapping[str, int] | None) -> dict[tuple[str, float], int]:
     backlog: dict[tuple[str, float], int] = {}
     for w in waiting:
         k = (w.tenant, w.weight)
-        backlog[k] = backlog.get(k, 0) + 1
+        b = backlog.get(k)
+        backlog[k] = (elsewhere.get(w.tenant, 0) if elsewhere else 0) + 1 if b is None else b + 1
+    return backlog
+
+
+def keys(waiting: Sequence[Waiting], service: Service, now: float, age_s: float,
+         level: float = 0.0, elsewhere: Mapping[str, int] | None = None) -> list[tuple[int, int, float, int]]:
+    """Each entry's sort key: (effective band, over its share?, virtual start, arrival). A
+    tenant's service is looked up once per call. ``elsewhere``: tenant -> its entries waiting
+    beyond ``waiting`` (the other replicas' windows of the queue), part of its backlog: a
+    replica holding 5 of a flood's 36 must not rank them as an under-share tenant's (it then
+    announced a better band than it held, and the replica holding the other 31 left every
+    freed slot to it; the node ran idle while the flood waited)."""
+    backlog = _backlog(waiting, elsewhere)
     start: dict[tuple[str, float], float] = {}
     out: list[tuple[int, int, float, int]] = [(0, 0, 0.0, 0)] * len(waiting)
     for i in sorted(range(len(waiting)), key=lambda i: waiting[i].seq):
@@ -103,9 +113,10 @@ def keys(waiting: Sequence[Waiting], service: Service, now: float, age_s: float,
     return out
 
 
-def ranked(waiting: Sequence[Waiting], service: Service, now: float, age_s: float, level: float = 0.0) -> list[int]:
+def ranked(waiting: Sequence[Waiting], service: Service, now: float, age_s: float, level: float = 0.0,
+           elsewhere: Mapping[str, int] | None = None) -> list[int]:
     """Indexes of ``waiting``, best first."""
-    ks = keys(waiting, service, now, age_s, level)
+    ks = keys(waiting, service, now, age_s, level, elsewhere)
     return sorted(range(len(waiting)), key=ks.__getitem__)
 
 
@@ -124,17 +135,15 @@ def pick(waiting: Sequence[Waiting], service: Service, now: float, age_s: float,
 
 
 def displaced(waiting: Sequence[Waiting], service: Service, now: float, age_s: float, limit: int,
-              level: float = 0.0) -> list[int]:
+              level: float = 0.0, elsewhere: Mapping[str, int] | None = None) -> list[int]:
     """Indexes of the entries to shed so that ``limit`` remain, first to go first: from the
     lowest band, a backlogged tenant's (the flood's) before anyone else's, each in reverse rank
     order. A queue over its size sheds a flood's tail, not whoever happened to arrive last."""
     excess = len(waiting) - limit
     if excess <= 0:
         return []
-    ks = keys(waiting, service, now, age_s, level)
-    backlog: dict[tuple[str, float], int] = {}
-    for w in waiting:
-        backlog[(w.tenant, w.weight)] = backlog.get((w.tenant, w.weight), 0) + 1
+    ks = keys(waiting, service, now, age_s, level, elsewhere)
+    backlog = _backlog(waiting, elsewhere)
 
     def worst(i: int) -> tuple[int, bool, tuple[int, int, float, int]]:
         w = waiting[i]
@@ -144,10 +153,10 @@ def displaced(waiting: Sequence[Waiting], service: Service, now: float, age_s: f
 
 
 def best_rank(waiting: Sequence[Waiting], service: Service, now: float, age_s: float,
-              level: float = 0.0) -> tuple[int, int] | None:
+              level: float = 0.0, elsewhere: Mapping[str, int] | None = None) -> tuple[int, int] | None:
     """(band, over-share class) of the best entry: what a holder announces to its peers, so that
     a replica holding only lower-ranked entries leaves a freed slot to the one holding a better one."""
     if not waiting:
         return None
-    b = min(keys(waiting, service, now, age_s, level))
+    b = min(keys(waiting, service, now, age_s, level, elsewhere))
     return b[0], b[1]

@@ -35,7 +35,8 @@ FORGET_HALF_LIVES = 8.0
 class ShareBook:
     """One replica's view of every tenant's recent service. Mutated only by its event loop."""
 
-    __slots__ = ("replica", "half_life_s", "k", "prefill_cost", "decode_cost", "own", "peers", "version")
+    __slots__ = ("replica", "half_life_s", "k", "prefill_cost", "decode_cost", "own", "peers", "version",
+                 "own_waiting")
 
     def __init__(self, replica: str, *, half_life_s: float = 30.0, prefill_cost: float = 1.0,
                  decode_cost: float = 2.0) -> None:
@@ -50,6 +51,8 @@ class ShareBook:
         self.peers: dict[str, ShareReport] = {}
         #: Charges made here so far: a publisher reports when it moved.
         self.version = 0
+        #: tenant -> its requests this replica holds waiting in the saturation queue
+        self.own_waiting: dict[str, int] = {}
 
     def cost(self, prompt_tokens: float, output_tokens: float) -> float:
         """Weighted tokens of a request (its prompt prefilled, its output decoded)."""
@@ -121,6 +124,35 @@ class ShareBook:
             return 0.0
         return (self.tokens(tenant, now) / total) / (weight / sum_w)
 
+    def set_waiting(self, waiting: dict[str, int]) -> None:
+        """The tenants' requests this replica holds in the saturation queue now (reported with
+        the counters when it changed)."""
+        if waiting != self.own_waiting:
+            self.own_waiting = dict(waiting)
+            self.version += 1
+
+    def waiting(self, tenant: str) -> int:
+        """``tenant``'s requests waiting in the saturation queue, held here or by a peer (as of
+        its last report): its backlog, whichever replica's window holds it.
+
+        >>> b = ShareBook("r1"); b.set_waiting({"flood": 3})
+        >>> b.merge(ShareReport(replica="r2", at=0.0, waiting={"flood": 30}), 0.0)
+        >>> b.waiting("flood"), b.waiting("steady")
+        (33, 0)
+        """
+        n = self.own_waiting.get(tenant, 0)
+        for rep in self.peers.values():
+            n += rep.waiting.get(tenant, 0)
+        return n
+
+    def waiting_elsewhere(self) -> dict[str, int]:
+        """tenant -> its requests the peers hold waiting (their last reports)."""
+        out: dict[str, int] = {}
+        for rep in self.peers.values():
+            for t, n in rep.waiting.items():
+                out[t] = out.get(t, 0) + n
+        return out
+
     def report(self, now: float) -> ShareReport:
         """This replica's counters, decayed to ``now``; negligible ones forgotten."""
         out: dict[str, float] = {}
@@ -130,7 +162,8 @@ class ShareBook:
                 del self.own[tenant]
             else:
                 out[tenant] = round(d, 1)
-        return ShareReport(replica=self.replica, at=now, tenants=out)
+        return ShareReport(replica=self.replica, at=now, tenants=out,
+                           waiting={t: n for t, n in self.own_waiting.items() if n > 0})
 
     def merge(self, report: ShareReport, now: float) -> None:
         """Take a peer's report (a newer one replaces its older one; our own is ignored)."""

@@ -17,6 +17,9 @@ class ShareReport(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     replica: str
     at: float
     tenants: dict[str, float] = {}
+    #: tenant -> its requests this replica holds waiting in the saturation queue (a tenant's
+    #: backlog is every replica's: each holds a window of the queue)
+    waiting: dict[str, int] = {}
 
 
 share_report_decoder = msgspec.json.Decoder(ShareReport)

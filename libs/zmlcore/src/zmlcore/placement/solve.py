@@ -151,11 +151,11 @@ def plan(offers: Sequence[NodeOffer], demands: Sequence[ModelDemand], adapters: 
         need = min_rep.get(m, 0) or (1 if demand[m] > 0 else 0)
         if need:
             row([*((k, 1.0) for k in by_model[m]), (o_short + midx[m], 1.0)], need, np.inf)
-    for j, (name, ad) in enumerate(sorted(pinned.items())):
+    for j, (name, pa) in enumerate(sorted(pinned.items())):
         # its requests run only where its base stays on a node holding it
-        held = [(k, cls[pairs[k][0]].capacity.get(ad.base, 0.0) / cls[pairs[k][0]].slots)
-                for k in by_model.get(ad.base, []) if name in cls[pairs[k][0]].fixed]
-        row([*held, (o_pin + j, 1.0)], ad.rate, np.inf)
+        held = [(k, cls[pairs[k][0]].capacity.get(pa.base, 0.0) / cls[pairs[k][0]].slots)
+                for k in by_model.get(pa.base, []) if name in cls[pairs[k][0]].fixed]
+        row([*held, (o_pin + j, 1.0)], pa.rate, np.inf)
     for g, k_cls in enumerate(cls):
         row([*((k, 1.0) for k in by_class[g]), (o_on + g, -float(k_cls.slots))], -np.inf, 0.0)
     for k, (g, m) in enumerate(pairs):

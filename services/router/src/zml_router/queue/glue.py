@@ -32,7 +32,7 @@ from zml_router.queue.jetstream import H_DEADLINE, H_ENQUEUED, H_QUEUED_HEADERS,
 from zml_router.answer.replies import Replies
 from zml_router.replicas.table import NodeTable
 from zml_router.request.flowgate import FlowGate
-from zmlcore.flowctl import STANDARD, Waiting, displaced, ranked
+from zmlcore.flowctl import STANDARD, Waiting, displaced
 from zmlcore.flowctl.order import keys
 from zmlcore.policy.estimate import MEAN_OUTPUT_TOKENS, prompt_tokens_from_body
 
@@ -157,16 +157,19 @@ class QueueGlue:
         for w in ws:
             backlog[w.tenant] = backlog.get(w.tenant, 0) + 1
         self.gate.backlog = backlog
+        book.set_waiting(backlog)  # every replica's gate counts the tenant's whole backlog
 
         def service(tenant: str, weight: float) -> float:
             return book.service(tenant, weight, now)
 
         level = book.fair_level(now)
-        shed = displaced(ws, service, now, f.age_s, f.max_queued, level)
-        order = ranked(ws, service, now, f.age_s, level)
+        elsewhere = book.waiting_elsewhere()  # a tenant's backlog is every replica's window's
+        shed = displaced(ws, service, now, f.age_s, f.max_queued, level, elsewhere)
+        ks = keys(ws, service, now, f.age_s, level, elsewhere)
+        order = sorted(range(len(ws)), key=ks.__getitem__)
         top = (STANDARD, 0)
         if order:
-            k = keys(ws, service, now, f.age_s, level)[order[0]]
+            k = ks[order[0]]
             top = (k[0], k[1])
         return order, shed, top
 

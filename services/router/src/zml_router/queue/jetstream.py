@@ -203,6 +203,13 @@ class SaturationQueue:
     def has_waiting(self, model: str) -> bool:
         return self.busy.get(model_key(model), 0.0) > time.time()
 
+    def best_waiting(self, model: str) -> tuple[int, int] | None:
+        """The best (band, over-share) of what waits for ``model``, here or announced by a peer
+        (None: none known)."""
+        key = model_key(model)
+        tops = [t for t in (self._mine.get(key), self._best(key)) if t is not None]
+        return min(tops) if tops else None
+
     async def _announce(self, key: str, until: float, top: tuple[int, int] = (9, 0)) -> None:
         self.busy[key] = until
         try:
@@ -366,6 +373,8 @@ class SaturationQueue:
                 await self._expire(e.qmsg, float(e.qmsg.headers.get(H_ENQUEUED, now)))
         entries = sorted(held.values(), key=lambda e: e.seq)
         if not entries:
+            self._mine.pop(key, None)
+            self._rank([], [])  # nothing held: the order's state (each tenant's backlog here) empties
             return False
         order, shed, top = self._rank([e.qmsg for e in entries], [e.seq for e in entries])
         for i in shed:
@@ -415,6 +424,9 @@ class SaturationQueue:
             if self.busy.get(key, 0.0) < now + BUSY_TTL_S / 2 or self._mine.get(key) != top:
                 self._mine[key] = top
                 await self._announce(key, now + BUSY_TTL_S, top)
+        else:
+            self._mine.pop(key, None)
+            self._rank([], [])
         return placed
 
     def _best(self, key: str) -> tuple[int, int] | None:

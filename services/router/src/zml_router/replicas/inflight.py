@@ -40,6 +40,8 @@ class Sharing:
         self.nc: NATS | None = None
         #: Called when capacity may have freed (the saturation queue's heads re-try then).
         self.freed: Callable[[], None] = lambda: None
+        #: (node id, slots) a peer's requests freed there (flow control keeps them the peer's briefly)
+        self.peer_freed: Callable[[str, int], None] = lambda node_id, n: None
         #: Our deltas, summed per node over a short window before they go out.
         self.deltas: DeltaWindow | None = None
         self._replies: set[asyncio.Future[None]] = set()  # snapshots sent to a new peer
@@ -129,6 +131,7 @@ class Sharing:
         if d.router_id != self.router_id:
             self.table.apply_delta(d, time.time())
             if d.outstanding < 0:
+                self.peer_freed(d.node_id, -d.outstanding)
                 self.freed()
 
     def _on_snapshot(self, msg: Msg) -> None:

@@ -69,6 +69,8 @@ class Note:
     batch: int = 0
     slots: int = 0
     model_tpot: float = 0.0
+    #: it uses spare capacity only (its tenant over its share, or ``sheddable``): zmlcore.flowctl.gate
+    yields: bool = False
 
     def fill(self, info: RoutingInfo) -> None:
         """The reply's flow-control fields (docs/http-api.md "Routing metadata")."""
@@ -109,10 +111,13 @@ class FlowGate:
         self.backlog: dict[str, int] = {}
         #: node id -> when this replica sent it requests under [flow] hold_when_full, the last
         #: UNSEEN_S (the other replicas' sends in that time may not be counted here yet)
-        self._sent: dict[str, deque[float]] = {}
+        self._sent: dict[str, deque[tuple[float, bool]]] = {}
         #: Called when capacity may have freed (the saturation queue's entries are tried again):
         #: a slot counted as another replica's unseen send is free again once UNSEEN_S passes.
         self.freed: Callable[[], None] = lambda: None
+        #: node id -> when another replica's request on it ended, the last UNSEEN_S (that replica
+        #: refills the slot from its own queue window, and its send reaches here a delta later)
+        self._peer_freed: dict[str, deque[float]] = {}
 
     def note(self, subject: str, owner: str, headers: Mapping[str, str] | None, model: str) -> Note | None:
         """The request's flow control, or None for a plain request (today's path)."""
@@ -136,12 +141,14 @@ class FlowGate:
         used = self.book.share_used(ask.tenant, ask.weight, now)
         note.share_used = used
         rc = self.cfg.router
+        over = over_share(used, self.book.waiting(ask.tenant))
+        note.yields = over or ask.band >= SHEDDABLE
         try:
             d, verdict = admit_flow(self.table.nodes(), rr, policy, now, self.state, ask,
-                                    over_share=over_share(used, self.backlog.get(ask.tenant, 0)), flow=self.cfg.flow,
+                                    over_share=over, flow=self.cfg.flow,
                                     stale_after_s=rc.stale_after_s, ttft_bound_s=rc.admission_ttft_s,
                                     reserve=rc.batch_reserve, cache=self.prefix, calibration=self.calibration,
-                                    unseen=self._unseen() if self._sent and self.table.peers else None)
+                                    unseen=self._unseen(note.yields) if self._sent or self._peer_freed else None)
         except QueueFullError as exc:
             if ask.band >= SHEDDABLE and not from_queue and ask.band != 3:
                 raise ShedError(f"no room for sheddable work now: {exc.message}",
@@ -160,7 +167,14 @@ class FlowGate:
             note.model_tpot = model_tpot(view, rr.model)
         return d
 
-    def sent(self, node_id: str) -> None:
+    def rank(self, note: Note) -> tuple[int, int]:
+        """The request's place in the saturation queue's order as the queue announces it (band,
+        over its share?): zmlcore.flowctl.order's first two keys."""
+        ask = note.ask
+        used = self.book.share_used(ask.tenant, ask.weight, time.time())
+        return ask.band, int(over_share(used, self.book.waiting(ask.tenant)))
+
+    def sent(self, node_id: str, note: Note) -> None:
         """A request under [flow] hold_when_full goes to ``node_id`` (each attempt): for the
         free-slot test of this replica's next ones (:meth:`_unseen`)."""
         if not self.cfg.flow.hold_when_full or not self.table.peers:
@@ -168,23 +182,52 @@ class FlowGate:
         q = self._sent.get(node_id)
         if q is None:
             q = self._sent[node_id] = deque()
-        q.append(time.monotonic())
+        q.append((time.monotonic(), note.yields))
         asyncio.get_running_loop().call_later(UNSEEN_S, self.freed)
 
-    def _unseen(self) -> dict[str, int]:
+    def peer_freed(self, node_id: str, n: int) -> None:
+        """Another replica's ``n`` requests on ``node_id`` ended (its delta): those slots stay
+        its for UNSEEN_S, since it refills them from its own queue window at once and that send
+        reaches here a delta later. Taken here too, a freed slot was filled twice: on a 4-slot
+        node with a flood held to 3 of them, 4 ran half the time and a steady tenant waited for
+        the 4th (tests/e2e/test_flow_control.py)."""
+        if not self.cfg.flow.hold_when_full:
+            return
+        q = self._peer_freed.get(node_id)
+        if q is None:
+            q = self._peer_freed[node_id] = deque()
+        now = time.monotonic()
+        q.extend([now] * n)
+        asyncio.get_running_loop().call_later(UNSEEN_S, self.freed)
+
+    def _unseen(self, yields: bool) -> dict[str, int]:
         """Per node, what the other replicas may have sent it that has not reached this table
         yet: as many as this replica sent it in the last UNSEEN_S, per peer
-        (zmlcore.flowctl.gate.unseen_by_peers)."""
+        (zmlcore.flowctl.gate.unseen_by_peers), and the slots they freed in that time. Sends of
+        work that takes spare capacity only (a tenant over its share, ``sheddable``) count only
+        for a request that ``yields`` too: they left the reserve the others may take (counted
+        for all, a steady tenant's request waited ~20 ms after each of a flood's sends, i.e.
+        nearly always)."""
+        if not self.table.peers:
+            return {}
         horizon = time.monotonic() - UNSEEN_S
         recent: dict[str, int] = {}
         for node_id, q in list(self._sent.items()):
-            while q and q[0] < horizon:
+            while q and q[0][0] < horizon:
                 q.popleft()
             if q:
-                recent[node_id] = len(q)
+                recent[node_id] = sum(1 for _, y in q if yields or not y)
             else:
                 del self._sent[node_id]
-        return unseen_by_peers(recent, len(self.table.peers))
+        out = unseen_by_peers(recent, len(self.table.peers))
+        for node_id, freed in list(self._peer_freed.items()):
+            while freed and freed[0] < horizon:
+                freed.popleft()
+            if freed:
+                out[node_id] = out.get(node_id, 0) + len(freed)
+            else:
+                del self._peer_freed[node_id]
+        return out
 
     def no_room(self, note: Note | None) -> frozenset[str]:
         """Nodes without a slot for this request (zmlcore.flowctl.gate.no_room): a split's legs
@@ -193,8 +236,8 @@ class FlowGate:
             return frozenset()
         ask = note.ask
         return no_room(self.table.nodes(), ask, flow=self.cfg.flow,
-                       over_share=over_share(note.share_used or 0.0, self.backlog.get(ask.tenant, 0)),
-                       unseen=self._unseen() if self._sent and self.table.peers else None)
+                       over_share=over_share(note.share_used or 0.0, self.book.waiting(ask.tenant)),
+                       unseen=self._unseen(note.yields) if self._sent or self._peer_freed else None)
 
     def dispatched(self, note: Note, prompt_tokens: int) -> None:
         """Charge the tenant at dispatch: its prompt and a mean output (corrected at the end)."""
