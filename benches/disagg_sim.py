@@ -15,7 +15,10 @@ Modes:
 * ``fixed``: the homogeneous anchors' way: one family prefills, the rest decode, every request
   split (least-loaded prefill node, least-loaded decode node);
 * ``zml``: every node may take either leg; per request the decider splits or not, and over
-  which pair, from speeds, queues, links and prices.
+  which pair, from speeds, queues, links and prices;
+* ``zml_slo``: the router's path for requests with targets: flow control's SLO admission (a
+  whole node that meets them, else the decider's best pair if it does, else refused), then the
+  decider against the node admission chose.
 
 Goodput: requests whose TTFT <= 2 s and mean ITL <= 50 ms. The fleet costs the same in every
 mode, so goodput per $ compares as goodput does. Run::
@@ -41,7 +44,7 @@ from dataclasses import dataclass, field
 from zmlcore.errors import RoutingError
 from zmlcore.fleet.accelerators import ACCELERATORS
 from zmlcore.fleet.perfmodel import SimProfile
-from zmlcore.flowctl.slo import Slo, admit_slo
+from zmlcore.flowctl.slo import Pairs, Slo, admit_slo
 from zmlcore.messages import NodeState
 from zmlcore.policy import NodeView, RouteRequest, RoutingState, builtin_policy, choose_node
 from zmlcore.policy.split import KVLinks, SplitIndex, SplitSettings, decide_split
@@ -49,8 +52,9 @@ from zmlcore.policy.split import KVLinks, SplitIndex, SplitSettings, decide_spli
 MODEL = "m"
 #: aggregated: whole requests, the latency policy; aggregated_slo: the same told the requests'
 #: TTFT and inter-token targets (flow control's SLO admission: a pick that meets them, else
-#: the fastest that does, else refused); fixed: family roles; zml: the per-request decider.
-MODES = ("aggregated", "aggregated_slo", "fixed", "zml")
+#: the fastest that does, else refused); fixed: family roles; zml: the per-request decider;
+#: zml_slo: SLO admission told it may split (a pair before refusing), then the decider.
+MODES = ("aggregated", "aggregated_slo", "fixed", "zml", "zml_slo")
 TTFT_SLO = 2.0
 ITL_SLO = 0.050
 KV_BYTES = 131072.0
@@ -133,6 +137,8 @@ class Sim:
         self.done: list[Job] = []
         self.refused = 0
         self.splits = 0
+        #: zml_slo: requests SLO admission split (no whole node met their targets)
+        self.slo_splits = 0
         self.decide_s: list[float] = []
 
     # --- events ----------------------------------------------------------------------------
@@ -172,6 +178,21 @@ class Sim:
                                  self.policy, self.now, self.rstate, Slo(TTFT_SLO, ITL_SLO), stale_after_s=math.inf,
                                  ttft_bound_s=60.0)
                 whole, pair = self.by_id[d.node_id], None
+            elif self.mode == "zml_slo":  # the router's path for a request with targets
+                d, _ = admit_slo(self.views, RouteRequest(model=MODEL, prompt_tokens=j.prompt, max_tokens=j.out),
+                                 self.policy, self.now, self.rstate, Slo(TTFT_SLO, ITL_SLO), stale_after_s=math.inf,
+                                 ttft_bound_s=60.0, pairs=Pairs(self.views, self.settings, self.links))
+                whole, pair = self.by_id[d.node_id], None
+                if d.prefill_node:  # no whole node meets the targets, this pair does
+                    pair, whole = (self.by_id[d.prefill_node], self.by_id[d.node_id]), None
+                    self.slo_splits += 1
+                else:  # the decider against the node admission chose
+                    sd = decide_split(self.views, whole.view, model=MODEL, prompt_tokens=j.prompt,
+                                      output_tokens=j.out, cached={}, settings=self.settings, links=self.links,
+                                      now=self.now, stale_after_s=math.inf, latency_target_s=TTFT_SLO,
+                                      itl_target_s=self.itl_target)
+                    if sd.split and sd.chosen is not None:
+                        pair = (self.by_id[sd.chosen.prefill_node], self.by_id[sd.chosen.node])
             else:
                 d = choose_node(self.views, RouteRequest(model=MODEL, prompt_tokens=j.prompt, max_tokens=j.out),
                                 self.policy, self.now, self.rstate, stale_after_s=math.inf)
@@ -321,6 +342,8 @@ def run_mode(accels: list[str], kind: str, mode: str, rate: float, seed: int, du
     g = goodput(sim.done, len(jobs))
     cost_h = sum(SimProfile.for_type(a).cost_per_hour for a in accels)
     g["split_share"] = sim.splits / max(1, len(jobs))
+    g["slo_split_share"] = sim.slo_splits / max(1, len(jobs))
+    g["refused_share"] = sim.refused / max(1, len(jobs))
     g["goodput_per_dollar"] = g["good"] / (cost_h * duration / 3600.0)
     g["decide_us_p50"] = statistics.median(sim.decide_s) * 1e6 if sim.decide_s else 0.0
     return g
@@ -418,6 +441,8 @@ def main() -> None:
                                     max(1e-9, summary["aggregated"]["goodput_per_dollar"])}
     summary["zml_vs_aggregated_slo"] = {"goodput_per_dollar": summary["zml"]["goodput_per_dollar"] /
                                         max(1e-9, summary["aggregated_slo"]["goodput_per_dollar"])}
+    summary["zml_slo_vs_aggregated_slo"] = {"goodput_per_dollar": summary["zml_slo"]["goodput_per_dollar"] /
+                                            max(1e-9, summary["aggregated_slo"]["goodput_per_dollar"])}
     summary["zml_vs_fixed"] = {"goodput_per_dollar": summary["zml"]["goodput_per_dollar"] /
                                max(1e-9, summary["fixed"]["goodput_per_dollar"])}
     if a.json:
@@ -429,11 +454,13 @@ def main() -> None:
         s = summary[mode]
         print(f"{mode:>14}: goodput {s['goodput_share']:.3f}  good/$ {s['goodput_per_dollar']:.1f}  "
               f"completed {s['completed']:.3f}  TTFT p50 {s['ttft_p50']:.2f}s p99 {s['ttft_p99']:.2f}s  "
-              f"ITL p50 {s['itl_p50'] * 1e3:.0f}ms p99 {s['itl_p99'] * 1e3:.0f}ms  split {s['split_share']:.2f}  "
+              f"ITL p50 {s['itl_p50'] * 1e3:.0f}ms p99 {s['itl_p99'] * 1e3:.0f}ms  split {s['split_share']:.2f} "
+              f"(by SLO admission {s['slo_split_share']:.3f})  refused {s['refused_share']:.3f}  "
               f"decide p50 {s['decide_us_p50']:.0f}us")
     print(f"zml/aggregated goodput per $: {summary['zml_vs_aggregated']['goodput_per_dollar']:.2f}x; "
           f"zml/aggregated_slo: {summary['zml_vs_aggregated_slo']['goodput_per_dollar']:.2f}x; "
-          f"zml/fixed: {summary['zml_vs_fixed']['goodput_per_dollar']:.2f}x")
+          f"zml/fixed: {summary['zml_vs_fixed']['goodput_per_dollar']:.2f}x; "
+          f"zml_slo/aggregated_slo: {summary['zml_slo_vs_aggregated_slo']['goodput_per_dollar']:.2f}x")
 
 
 if __name__ == "__main__":

@@ -93,10 +93,12 @@ class Up:
     nats_port: int
     proc: Proc
     env: dict[str, str] = field(default_factory=dict)
+    sim_ports: dict[str, str] = field(default_factory=dict)  # the demo's "127.0.0.1:91NN" -> this run's
 
     def text(self, body: str) -> str:
-        return (body.replace("127.0.0.1:8080", f"127.0.0.1:{self.gateway_port}")
+        body = (body.replace("127.0.0.1:8080", f"127.0.0.1:{self.gateway_port}")
                 .replace("127.0.0.1:4222", f"127.0.0.1:{self.nats_port}"))
+        return re.sub(r"127\.0\.0\.1:91\d\d", lambda m: self.sim_ports.get(m.group(0), m.group(0)), body)
 
 
 @pytest.fixture(scope="module")
@@ -113,12 +115,17 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     demo = (Path(zml.__file__).parent / "data" / "demo.toml").read_text()
     assert demo.count("[nodes.sim]\n") >= 7 and "time_scale" not in demo
     fast = tmp_path_factory.mktemp("doc-config") / "demo-fast.toml"
+    # A config file's endpoints are bound as written: the demo's 9101-9107 would collide with any
+    # other `zml up` or suite on the machine (seen in a full run on a shared box: "port 9101 ...
+    # already in use", every example errored).
+    sim_ports = {a: f"127.0.0.1:{free_port()}" for a in sorted(set(re.findall(r"127\.0\.0\.1:91\d\d", demo)))}
+    demo = re.sub(r"127\.0\.0\.1:91\d\d", lambda m: sim_ports[m.group(0)], demo)
     fast.write_text(demo.replace("[nodes.sim]\n", "[nodes.sim]\ntime_scale = 10.0\n"))
     proc = spawn("zml-up", [sys.executable, "-m", "zml.cli", "up", "--gateway-port", str(gw), "--nats-port", str(np),
                             "--standby", "0", "--config", str(fast)], env=env, cwd=str(home))
     try:
         assert proc.wait_for("zml ready", 120), proc.tail()
-        yield Up(home, gw, np, proc, env)
+        yield Up(home, gw, np, proc, env, sim_ports)
     finally:
         proc.stop()
 

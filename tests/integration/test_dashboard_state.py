@@ -71,3 +71,41 @@ async def test_the_state_says_where_each_belief_comes_from(own_nats: str) -> Non
         assert up["missing_models"] == ["acme/chat"]
     finally:
         await nc.close()
+
+
+async def test_the_state_shows_tenant_shares_and_what_waits_by_band(own_nats: str) -> None:
+    """Flow control on the dashboard (issue 30): each router replica's share report on
+    zml.flow.shares, summed: every tenant's part of the recent weighted tokens, its requests
+    waiting in the saturation queue (in any replica's window), and what waits by band."""
+    import asyncio
+
+    from zmlcore.flowctl import ShareBook
+    nc = await nats.connect(own_nats)
+    try:
+        board = Dashboard(nc, None, NodeTable(nc, {}, CostTable()))  # type: ignore[arg-type]
+        await board.start()
+        state = msgspec.json.decode(await board.state_json())
+        assert state["flow"] is None  # nothing reported: no flow control in use
+        now = time.time()
+        r1, r2 = ShareBook("router-1"), ShareBook("router-2")
+        r1.charge("key:flood", 3000.0, now)
+        r1.charge("key:steady", 500.0, now)
+        r1.set_waiting({"key:flood": 30}, {"standard": 30})
+        r2.charge("key:flood", 1500.0, now)
+        r2.set_waiting({"key:flood": 6, "key:vip": 1}, {"standard": 6, "critical": 1})
+        for book in (r1, r2):
+            await nc.publish(subjects.FLOW_SHARES, msgspec.json.encode(book.report(now)))
+        await nc.flush()
+        deadline = time.monotonic() + 5
+        while len(board.shares) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        board._cached = None
+        flow = msgspec.json.decode(await board.state_json())["flow"]
+        assert flow["replicas"] == 2
+        assert flow["tenants"][0] == {"tenant": "key:flood", "share": 0.9, "tokens": 4500, "waiting": 36}
+        assert flow["tenants"][1] == {"tenant": "key:steady", "share": 0.1, "tokens": 500, "waiting": 0}
+        assert flow["tenants"][2]["tenant"] == "key:vip" and flow["tenants"][2]["waiting"] == 1
+        assert flow["waiting_by_band"] == {"critical": 1, "standard": 36}  # in band order
+        await board.stop()
+    finally:
+        await nc.close()

@@ -35,6 +35,8 @@ from zmlcore.errors import MethodNotAllowedError, NotFoundError, PermissionDenie
 from zmlcore.messages.batch import BatchEvent, BatchRecord, batch_event_decoder
 from zmlcore.messages.warmup import RequestCompleted
 from zmlcore.messages.placement import PlacementEvent
+from zmlcore.messages.flow import ShareReport, share_report_decoder
+from zmlcore.flowctl.bands import NAMES
 from zmlcore.bus.direct import subscribe_direct
 from zmlcore.bus.queueinfo import queue_depths
 from zml_gateway.access import Access
@@ -51,6 +53,11 @@ CACHE_S = 0.5
 MAX_BATCHES = 20
 #: How often the batch records are read again from the store (events keep them current between).
 BATCH_READ_S = 5.0
+#: A router replica's share report is shown this long after it came (replicas report every
+#: [flow] share_report_ms while their counters move, and stop when nothing changes).
+SHARES_KEEP_S = 60.0
+#: Tenants listed in the flow panel, most tokens first.
+MAX_TENANTS = 20
 
 _FILES = {
     "/dashboard": ("dashboard.html", b"text/html; charset=utf-8"),
@@ -105,6 +112,9 @@ class Dashboard:
         self.plan: PlacementEvent | None = None
         self.moves: deque[PlacementEvent] = deque(maxlen=MAX_MOVES)
         self._placement_sub: Any = None
+        #: Flow control: each router replica's last share report (zml.flow.shares) and when it came.
+        self.shares: dict[str, tuple[float, ShareReport]] = {}
+        self._shares_sub: Any = None
 
     async def start(self) -> None:
         # One event per request of every router: taken in nats-py's reader, no task switch each
@@ -112,9 +122,10 @@ class Dashboard:
         self._sub = await subscribe_direct(self.nc, subjects.event(subjects.EVENT_COMPLETED), self._on_completed)
         self._batch_sub = await self.nc.subscribe(subjects.BATCH_EVENTS, cb=self._on_batch)
         self._placement_sub = await self.nc.subscribe(subjects.event(subjects.EVENT_PLACEMENT), cb=self._on_placement)
+        self._shares_sub = await self.nc.subscribe(subjects.FLOW_SHARES, cb=self._on_shares)
 
     async def stop(self) -> None:
-        for sub in (self._sub, self._batch_sub, self._placement_sub):
+        for sub in (self._sub, self._batch_sub, self._placement_sub, self._shares_sub):
             if sub is not None:
                 try:
                     await sub.unsubscribe()
@@ -145,6 +156,41 @@ class Dashboard:
             "moves": [{"phase": m.phase, "kind": m.kind, "node": m.node_id, "name": m.name, "message": m.message,
                        "age_s": round(max(0.0, now - m.ts), 1)} for m in self.moves],
         }
+
+    async def _on_shares(self, msg: Msg) -> None:
+        try:
+            self.saw_shares(share_report_decoder.decode(msg.data), time.monotonic())
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return
+
+    def saw_shares(self, report: ShareReport, now: float) -> None:
+        old = self.shares.get(report.replica)
+        if old is None or report.at >= old[1].at:
+            self.shares[report.replica] = (now, report)
+
+    def flow_view(self, now: float) -> dict[str, Any] | None:
+        """Flow control across the router replicas (their share reports of the last
+        ``SHARES_KEEP_S``): each tenant's part of the recent weighted tokens and its requests
+        waiting in the saturation queue, and what waits by band. None: no replica reported (no
+        flow control in use)."""
+        for name in [r for r, (at, _) in self.shares.items() if now - at > SHARES_KEEP_S]:
+            del self.shares[name]
+        if not self.shares:
+            return None
+        tokens: Counter[str] = Counter()
+        waiting: Counter[str] = Counter()
+        bands: Counter[str] = Counter()
+        for _, rep in self.shares.values():
+            tokens.update(rep.tenants)
+            waiting.update(rep.waiting)
+            bands.update(rep.bands)
+        total = sum(tokens.values())
+        tenants = [{"tenant": t, "share": round(tokens[t] / total, 3) if total else 0.0,
+                    "tokens": round(tokens[t]), "waiting": waiting.get(t, 0)}
+                   for t in sorted(set(tokens) | set(waiting), key=lambda t: (-tokens[t], -waiting[t], t))]
+        return {"replicas": len(self.shares), "tenants": tenants[:MAX_TENANTS],
+                "tenants_not_shown": max(0, len(tenants) - MAX_TENANTS),
+                "waiting_by_band": {b: bands[b] for b in NAMES if bands.get(b)}}
 
     async def _on_batch(self, msg: Msg) -> None:
         try:
@@ -253,6 +299,7 @@ class Dashboard:
         queue, other = queue_rows(depths, self.models())
         return {"ts": wall, "nodes": rows, "queue": queue, "queue_other_models": other,
                 "batches": self.batch_rows(wall), "placement": self.placement_view(wall),
+                "flow": self.flow_view(time.monotonic()),
                 **self.stats(time.monotonic())}
 
     async def _queue(self) -> dict[str, int]:

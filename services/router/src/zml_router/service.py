@@ -38,7 +38,7 @@ from zmlcore.messages.audio import AudioRequest
 from zmlcore.messages import decision_query_decoder
 from zmlcore.messages.warmup import completed_encoder
 from zmlcore.policy import Decision, ResolvedPolicy, RouteRequest, RoutingState, admit
-from zmlcore.flowctl.slo import queue_budget_s
+from zmlcore.flowctl.slo import Pairs, queue_budget_s
 from zmlcore.policy.headroom import admit_batch
 from zmlcore.policy.prefix import PrefixIndex
 from zmlcore.reply.keepalive import KeepaliveBook, keepalive_headers
@@ -424,8 +424,8 @@ class RouterService:
                 enq = (msg.headers or {}).get(H_ENQUEUED)
                 note.queued_ms = int((time.time() - float(enq)) * 1000) if enq else None
 
-            def decide(rr: RouteRequest, policy: ResolvedPolicy) -> Decision:
-                return self.gate.decide(rr, policy, note, from_queue)
+            def decide(rr: RouteRequest, policy: ResolvedPolicy, pairs: Pairs | None = None) -> Decision:
+                return self.gate.decide(rr, policy, note, from_queue, pairs)
         answer = self.relay.answer(req, msg.data, model)  # what the requester gets, across attempts
         resumed = None
         if arrived.resume is not None:  # its router died mid-stream: continue what the requester has
@@ -456,18 +456,27 @@ class RouterService:
                 rr = action.rr
                 if action.continuation:  # only a node whose engine can continue the answer
                     rr = dataclasses.replace(rr, exclude=rr.exclude | self.table.cannot_continue())
+                may_split = (action.split and self.splitter.enabled and not batch and rr.accelerator_id is None
+                             and isinstance(bodies, NodeBodies) and req.kind() in ("chat", "completion"))
                 try:
-                    result = self.metrics.decide(self.admit_batch if batch else decide, rr, policy)
+                    if may_split and note is not None and note.ask.slo is not None:
+                        # with targets no whole node meets, SLO admission looks for a pair before refusing
+                        result = self.metrics.decide(decide, rr, policy, self.splitter.pairs(rr.model, time.time()))
+                    else:
+                        result = self.metrics.decide(self.admit_batch if batch else decide, rr, policy)
                 except ZMLError as exc:
                     result = unserved(exc, rr.model, self.cfg.model_names(), self.table.raw.values())
-                if (action.split and self.splitter.enabled and isinstance(result, Decision) and not batch
-                        and rr.accelerator_id is None and isinstance(bodies, NodeBodies)
-                        and req.kind() in ("chat", "completion")):
+                if may_split and isinstance(result, Decision) and result.prefill_node:
+                    self.splitter.admitted(skey)  # split by SLO admission: only a pair meets its targets
+                    self.metrics.split("split")
+                elif may_split and isinstance(result, Decision):
                     ttft_t, tpot_t = targets(note)
                     result, why = self.splitter.decide(result, rr, policy, time.time(), skey,
                                                        no_room=self.gate.no_room(note), tpot_target_s=tpot_t,
                                                        ttft_target_s=ttft_t)
                     self.metrics.split("split" if result.prefill_node else why)
+                    if result.prefill_node:
+                        self.gate.redirected(note, result, rr.model)
             elif type(action) is Dispatch:
                 node_id = action.decision.node_id
                 if note is not None:

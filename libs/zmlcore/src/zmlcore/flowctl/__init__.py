@@ -4,7 +4,8 @@
 - ``bands``: priority bands (critical > standard > sheddable > batch) and a key's ceiling;
 - ``shares``: token-fair shares between tenants (decayed weighted-token counters, merged across
   router replicas over NATS);
-- ``slo``: SLO admission (predicted TTFT / TPOT per node; SLO_UNATTAINABLE when none meets it);
+- ``slo``: SLO admission (predicted TTFT / TPOT per node, and per prefill/decode pair when no
+  node meets it; SLO_UNATTAINABLE when nothing does);
 - ``order``: the saturation queue's order (band, then least service per weight, then arrival),
   aging and displacement (SHED);
 - ``ask``: what a request asks (band, tenant, weight, targets) from its headers and the config.
@@ -17,7 +18,7 @@ from zmlcore.flowctl.ask import Ask, ask_of
 from zmlcore.flowctl.bands import BATCH, CRITICAL, NAMES, SHEDDABLE, STANDARD, band_of, claim, name_of
 from zmlcore.flowctl.order import Waiting, displaced, effective_band, pick, ranked
 from zmlcore.flowctl.shares import ShareBook
-from zmlcore.flowctl.slo import Calibration, Slo, SloVerdict, admit_slo, model_tpot, predict_tpot, queue_budget_s, tpot_at
+from zmlcore.flowctl.slo import Calibration, Pairs, Slo, SloVerdict, admit_slo, model_tpot, predict_tpot, queue_budget_s, tpot_at
 
 __all__ = [
     "BATCH",
@@ -27,6 +28,7 @@ __all__ = [
     "STANDARD",
     "Ask",
     "Calibration",
+    "Pairs",
     "ShareBook",
     "Slo",
     "SloVerdict",

@@ -12,7 +12,8 @@ Pure: no I/O, ``now`` is passed in; the router and the flow simulator (benches/f
   did not prefer, unless others wait before it (then it takes any free slot). A tenant over
   its fair share, or a ``sheddable`` request, uses spare capacity only: any node with more than
   ``[flow] spare_reserve`` of its slots free, so that the next request of an under-share tenant, or of a higher band, finds a slot at once instead of waiting for one;
-- a request with latency targets: zmlcore.flowctl.slo.admit_slo (the pick that meets them, or
+- a request with latency targets: zmlcore.flowctl.slo.admit_slo (the pick that meets them, a
+  split over a pair that does when no whole node does and the request may be split, or
   SLO_UNATTAINABLE at once);
 - anything else: zmlcore.policy.admission.admit, exactly as without flow control.
 """
@@ -27,7 +28,7 @@ from zmlcore.errors import ModelNotLoadedError, NoHealthyNodesError, QueueFullEr
 from zmlcore.flowctl.ask import Ask
 from zmlcore.flowctl.bands import BATCH, SHEDDABLE
 from zmlcore.flowctl.order import BACKLOG
-from zmlcore.flowctl.slo import Calibration, SloVerdict, admit_slo
+from zmlcore.flowctl.slo import Calibration, Pairs, SloVerdict, admit_slo
 from zmlcore.policy import admission
 from zmlcore.policy.choose import is_routable
 from zmlcore.policy.estimate import node_speeds
@@ -120,11 +121,14 @@ def no_room(nodes: Sequence[NodeView], ask: Ask, *, over_share: bool, flow: Flow
 def admit_flow(nodes: Sequence[NodeView], rr: RouteRequest, policy: ResolvedPolicy, now: float, state: RoutingState,
                ask: Ask, *, over_share: bool, flow: FlowConfig, stale_after_s: float, ttft_bound_s: float,
                reserve: float, cache: PrefixIndex | None = None, calibration: Calibration | None = None,
-               ahead: int = 0, unseen: Mapping[str, int] | None = None) -> tuple[Decision, SloVerdict | None]:
+               ahead: int = 0, unseen: Mapping[str, int] | None = None,
+               pairs: Pairs | None = None) -> tuple[Decision, SloVerdict | None]:
     """The decision (and SLO verdict, when the request has targets) for ``ask``; QueueFullError
     when it must wait, SloUnattainableError when no node can meet its targets. ``ahead``:
     requests waiting in the saturation queue before this one (a backlog: any free slot is taken).
-    ``unseen``: per node, sends of the other replicas not counted here yet (:func:`unseen_by_peers`)."""
+    ``unseen``: per node, sends of the other replicas not counted here yet (:func:`unseen_by_peers`).
+    ``pairs``: the request may be split (zmlcore.flowctl.slo.admit_slo's last resort); its legs
+    keep off the nodes without room for it."""
     if ask.band == BATCH:
         return admit_batch(nodes, rr, policy, now, state, stale_after_s=stale_after_s, reserve=reserve), None
     full: frozenset[str] = frozenset()
@@ -134,8 +138,10 @@ def admit_flow(nodes: Sequence[NodeView], rr: RouteRequest, policy: ResolvedPoli
         full = no_room(nodes, ask, over_share=over_share, flow=flow, unseen=unseen) - rr.exclude
         if full and yields:  # spare capacity only: any node with room beyond the reserve
             rr = dataclasses.replace(rr, exclude=rr.exclude | full)
+        if full and pairs is not None:  # no leg where the request itself could not go
+            pairs = dataclasses.replace(pairs, exclude=pairs.exclude | full)
     try:
-        d, v = _decide(nodes, rr, policy, now, state, ask, stale_after_s, ttft_bound_s, cache, calibration)
+        d, v = _decide(nodes, rr, policy, now, state, ask, stale_after_s, ttft_bound_s, cache, calibration, pairs)
         if d.node_id not in full:
             return d, v
         if ahead == 0:
@@ -145,7 +151,7 @@ def admit_flow(nodes: Sequence[NodeView], rr: RouteRequest, policy: ResolvedPoli
             raise _no_slot(rr.model, policy.name, f"the best node for it ({d.node_id}) has no free sequence slot")
         # A backlog waits already: each waits for far more than one slot there; take a free one.
         rr = dataclasses.replace(rr, exclude=rr.exclude | full)
-        return _decide(nodes, rr, policy, now, state, ask, stale_after_s, ttft_bound_s, cache, calibration)
+        return _decide(nodes, rr, policy, now, state, ask, stale_after_s, ttft_bound_s, cache, calibration, pairs)
     except (NoHealthyNodesError, ModelNotLoadedError):
         busy = [v.node_id for v in nodes if v.node_id in full and is_routable(v, rr.model, now, stale_after_s) is None]
         if not busy:
@@ -155,10 +161,10 @@ def admit_flow(nodes: Sequence[NodeView], rr: RouteRequest, policy: ResolvedPoli
 
 def _decide(nodes: Sequence[NodeView], rr: RouteRequest, policy: ResolvedPolicy, now: float, state: RoutingState,
             ask: Ask, stale_after_s: float, ttft_bound_s: float, cache: PrefixIndex | None,
-            calibration: Calibration | None) -> tuple[Decision, SloVerdict | None]:
+            calibration: Calibration | None, pairs: Pairs | None = None) -> tuple[Decision, SloVerdict | None]:
     if ask.slo is not None:
         return admit_slo(nodes, rr, policy, now, state, ask.slo, stale_after_s=stale_after_s,
-                         ttft_bound_s=ttft_bound_s, cache=cache, calibration=calibration)
+                         ttft_bound_s=ttft_bound_s, cache=cache, calibration=calibration, pairs=pairs)
     return admission.admit(nodes, rr, policy, now, state, stale_after_s=stale_after_s, ttft_bound_s=ttft_bound_s,
                            cache=cache), None
 

@@ -36,7 +36,7 @@ class ShareBook:
     """One replica's view of every tenant's recent service. Mutated only by its event loop."""
 
     __slots__ = ("replica", "half_life_s", "k", "prefill_cost", "decode_cost", "own", "peers", "version",
-                 "own_waiting")
+                 "own_waiting", "own_bands")
 
     def __init__(self, replica: str, *, half_life_s: float = 30.0, prefill_cost: float = 1.0,
                  decode_cost: float = 2.0) -> None:
@@ -53,6 +53,8 @@ class ShareBook:
         self.version = 0
         #: tenant -> its requests this replica holds waiting in the saturation queue
         self.own_waiting: dict[str, int] = {}
+        #: band name -> its requests this replica holds waiting
+        self.own_bands: dict[str, int] = {}
 
     def cost(self, prompt_tokens: float, output_tokens: float) -> float:
         """Weighted tokens of a request (its prompt prefilled, its output decoded)."""
@@ -124,11 +126,12 @@ class ShareBook:
             return 0.0
         return (self.tokens(tenant, now) / total) / (weight / sum_w)
 
-    def set_waiting(self, waiting: dict[str, int]) -> None:
-        """The tenants' requests this replica holds in the saturation queue now (reported with
-        the counters when it changed)."""
-        if waiting != self.own_waiting:
-            self.own_waiting = dict(waiting)
+    def set_waiting(self, waiting: dict[str, int], bands: dict[str, int] | None = None) -> None:
+        """The tenants' requests this replica holds in the saturation queue now, and the same by
+        band name (reported with the counters when they changed)."""
+        bands = bands if bands is not None else self.own_bands
+        if waiting != self.own_waiting or bands != self.own_bands:
+            self.own_waiting, self.own_bands = dict(waiting), dict(bands)
             self.version += 1
 
     def waiting(self, tenant: str) -> int:
@@ -163,7 +166,8 @@ class ShareBook:
             else:
                 out[tenant] = round(d, 1)
         return ShareReport(replica=self.replica, at=now, tenants=out,
-                           waiting={t: n for t, n in self.own_waiting.items() if n > 0})
+                           waiting={t: n for t, n in self.own_waiting.items() if n > 0},
+                           bands={b: n for b, n in self.own_bands.items() if n > 0})
 
     def merge(self, report: ShareReport, now: float) -> None:
         """Take a peer's report (a newer one replaces its older one; our own is ignored)."""

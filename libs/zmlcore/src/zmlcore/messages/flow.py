@@ -20,6 +20,8 @@ class ShareReport(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     #: tenant -> its requests this replica holds waiting in the saturation queue (a tenant's
     #: backlog is every replica's: each holds a window of the queue)
     waiting: dict[str, int] = {}
+    #: band name -> its requests this replica holds waiting (the dashboard's flow panel)
+    bands: dict[str, int] = {}
 
 
 share_report_decoder = msgspec.json.Decoder(ShareReport)

@@ -140,6 +140,34 @@ function renderBatches(batches) {
   replaceRows($("batches").tBodies[0], rows);
 }
 
+function renderFlow(f) {
+  $("flow-none").hidden = !!f;
+  $("flow").hidden = !f;
+  if (!f) return;
+  const rows = f.tenants.map((t) => {
+    const tr = el("tr");
+    tr.dataset.tenant = t.tenant;
+    const share = el("td");
+    const bar = el("span", null, "health");
+    const fill = el("div");
+    fill.style.width = `${Math.round(100 * t.share)}%`;
+    bar.append(fill);
+    share.append(bar, document.createTextNode(`${(100 * t.share).toFixed(1)}%`));
+    tr.append(el("td", t.tenant), share, el("td", t.waiting, t.waiting ? "num warn" : "num"));
+    return tr;
+  });
+  if (!rows.length) {
+    const tr = el("tr");
+    tr.append(el("td", "no tenant served lately", "muted"));
+    rows.push(tr);
+  }
+  replaceRows($("tenants").tBodies[0], rows);
+  const more = $("tenants-more");
+  more.hidden = !f.tenants_not_shown;
+  more.textContent = f.tenants_not_shown ? `${f.tenants_not_shown} more tenants` : "";
+  renderTable($("bands").tBodies[0], f.waiting_by_band, "nothing waiting in any band");
+}
+
 function renderPlacement(p) {
   const plan = $("plan");
   if (!p) {
@@ -211,6 +239,7 @@ function render(state) {
   renderNodes(state);
   renderBatches(state.batches);
   renderPlacement(state.placement);
+  renderFlow(state.flow);
   renderBars($("families"), d.by_family);
   renderTable($("codes").tBodies[0], state.errors_by_code, "no errors", "bad");
   renderTable($("queue").tBodies[0], state.queue, "no model configured");

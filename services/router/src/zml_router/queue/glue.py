@@ -34,6 +34,7 @@ from zml_router.replicas.table import NodeTable
 from zml_router.request.flowgate import FlowGate
 from zmlcore.flowctl import STANDARD, Waiting, displaced
 from zmlcore.flowctl.order import keys
+from zmlcore.flowctl.bands import name_of
 from zmlcore.policy.estimate import MEAN_OUTPUT_TOKENS, prompt_tokens_from_body
 
 log = logging.getLogger("zml.router")
@@ -154,10 +155,13 @@ class QueueGlue:
             del self._seen[s]
         book, f = self.gate.book, self.cfg.flow
         backlog: dict[str, int] = {}
+        bands: dict[str, int] = {}
         for w in ws:
             backlog[w.tenant] = backlog.get(w.tenant, 0) + 1
+            name = name_of(w.band)
+            bands[name] = bands.get(name, 0) + 1
         self.gate.backlog = backlog
-        book.set_waiting(backlog)  # every replica's gate counts the tenant's whole backlog
+        book.set_waiting(backlog, bands)  # every replica's gate counts the tenant's whole backlog
 
         def service(tenant: str, weight: float) -> float:
             return book.service(tenant, weight, now)

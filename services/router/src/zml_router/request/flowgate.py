@@ -19,11 +19,11 @@ from dataclasses import dataclass
 from zmlcore import subjects
 from zmlcore.config import ZMLConfig
 from zmlcore.errors import QueueFullError, ShedError
-from zmlcore.flowctl import SHEDDABLE, Ask, Calibration, ShareBook, SloVerdict, ask_of
+from zmlcore.flowctl import SHEDDABLE, Ask, Calibration, Pairs, ShareBook, SloVerdict, ask_of
 from zmlcore.flowctl.ask import ASK_HEADERS, config_plain
 from zmlcore.flowctl.bands import NAMES
 from zmlcore.flowctl.gate import admit_flow, no_room, over_share, unseen_by_peers
-from zmlcore.flowctl.slo import batch_of, model_tpot
+from zmlcore.flowctl.slo import batch_of, model_tpot, predict_tpot
 from zmlcore.messages import RoutingInfo
 from zmlcore.policy import Decision, ResolvedPolicy, RouteRequest, RoutingState
 from zmlcore.policy.estimate import MEAN_OUTPUT_TOKENS
@@ -133,9 +133,12 @@ class FlowGate:
             return None
         return Note(ask, asked if asked in NAMES else "")
 
-    def decide(self, rr: RouteRequest, policy: ResolvedPolicy, note: Note, from_queue: bool) -> Decision:
+    def decide(self, rr: RouteRequest, policy: ResolvedPolicy, note: Note, from_queue: bool,
+               pairs: Pairs | None = None) -> Decision:
         """The gate's decision (zmlcore.flowctl.gate.admit_flow) on this router's table. A
-        ``sheddable`` request that finds no room is shed at once rather than queued."""
+        ``sheddable`` request that finds no room is shed at once rather than queued. ``pairs``:
+        the request may be split (zml_router.request.split.Splitter.pairs): with targets no whole
+        node meets, it is admitted split over a pair that meets them, if one does."""
         now = time.time()
         ask = note.ask
         used = self.book.share_used(ask.tenant, ask.weight, now)
@@ -148,7 +151,8 @@ class FlowGate:
                                     over_share=over, flow=self.cfg.flow,
                                     stale_after_s=rc.stale_after_s, ttft_bound_s=rc.admission_ttft_s,
                                     reserve=rc.batch_reserve, cache=self.prefix, calibration=self.calibration,
-                                    unseen=self._unseen(note.yields) if self._sent or self._peer_freed else None)
+                                    unseen=self._unseen(note.yields) if self._sent or self._peer_freed else None,
+                                    pairs=pairs)
         except QueueFullError as exc:
             if ask.band >= SHEDDABLE and not from_queue and ask.band != 3:
                 raise ShedError(f"no room for sheddable work now: {exc.message}",
@@ -173,6 +177,20 @@ class FlowGate:
         ask = note.ask
         used = self.book.share_used(ask.tenant, ask.weight, time.time())
         return ask.band, int(over_share(used, self.book.waiting(ask.tenant)))
+
+    def redirected(self, note: Note | None, d: Decision, model: str) -> None:
+        """The split decider moved the request's decode to ``d.node_id`` (zml_router.request.split):
+        its verdict is the split's, and its measured TPOT teaches that node's calibration, not
+        the node admission chose."""
+        if note is None or note.ask.slo is None or not note.node_id or d.node_id == note.node_id:
+            return
+        view = self.table.views.get(d.node_id)
+        if view is None:
+            return
+        note.node_id = d.node_id
+        note.batch, note.slots = batch_of(view, model)
+        note.model_tpot = model_tpot(view, model)
+        note.verdict = SloVerdict(d.estimated_ttft_s, predict_tpot(view, self.calibration, model))
 
     def sent(self, node_id: str, note: Note) -> None:
         """A request under [flow] hold_when_full goes to ``node_id`` (each attempt): for the

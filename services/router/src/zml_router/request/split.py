@@ -13,9 +13,10 @@ import dataclasses
 from collections import OrderedDict
 
 from zmlcore.config import ZMLConfig
+from zmlcore.flowctl import Pairs
 from zmlcore.messages import NodeState
 from zmlcore.policy import Decision, NodeView, ResolvedPolicy, RouteRequest
-from zmlcore.policy.split import KVLinks, SplitIndex, SplitSettings, decide_split, objective_of
+from zmlcore.policy.split import KVLinks, Option, SplitIndex, SplitSettings, decide_split, objective_of
 from zmlcore.policy.split.decide import Mode
 
 from zml_router.node.legs import SPLIT_BACKENDS
@@ -80,6 +81,24 @@ class Splitter:
             self._settings[model] = s
         return s
 
+    def pairs(self, model: str, now: float) -> Pairs:
+        """The decider's inputs for SLO admission (zmlcore.flowctl.slo.admit_slo), which looks
+        for a pair before refusing a request no whole node serves within its targets."""
+        nodes, index = self._candidates(now)
+        return Pairs(index.views if index is not None else nodes, self.settings(model), self.links, index)
+
+    def admitted(self, session: str) -> None:
+        """SLO admission split the request (no whole node met its targets): its conversation's
+        mode is split, as if the decider had chosen it."""
+        self._remember(session, "split")
+
+    def _remember(self, session: str, mode: Mode) -> None:
+        if session:
+            self.modes[session] = mode
+            self.modes.move_to_end(session)
+            if len(self.modes) > MAX_SESSIONS:
+                self.modes.popitem(last=False)
+
     def decide(self, whole: Decision, rr: RouteRequest, policy: ResolvedPolicy, now: float,
                session: str = "", decode_node: str | None = None,
                no_room: frozenset[str] = frozenset(), tpot_target_s: float | None = None,
@@ -93,7 +112,8 @@ class Splitter:
         under ``[flow] hold_when_full``; the node the request's own decision admitted it to
         excepted), on a saturated or cooling node (the decider's routability), nor a split whose
         estimated time to first token is over ``[router] admission_ttft_s`` (reason
-        ``over_bound``).
+        ``over_bound``), nor one estimated to miss a target of the request's that whole is
+        estimated to meet (reason ``slo``: it was admitted whole on them).
 
         ``tpot_target_s``: the request's time-per-output-token target (its SLO), if any: a
         decode past it counts as late (zmlcore.policy.split.decide_split's ``itl_target_s``),
@@ -119,15 +139,24 @@ class Splitter:
         if sd.split and sd.chosen is not None and sd.chosen.ttft_s > self.cfg.router.admission_ttft_s:
             # the admission bound, as for any request: whole was admitted under it, the split is not
             sd = dataclasses.replace(sd, split=False, reason="over_bound", chosen=sd.whole)
-        if session and sd.reason != "short_prompt":
-            self.modes[session] = sd.mode
-            self.modes.move_to_end(session)
-            if len(self.modes) > MAX_SESSIONS:
-                self.modes.popitem(last=False)
+        if (sd.split and sd.chosen is not None and sd.whole is not None and decode_node is None
+                and (ttft_target_s is not None or tpot_target_s is not None)
+                and _within(sd.whole, ttft_target_s, tpot_target_s)
+                and not _within(sd.chosen, ttft_target_s, tpot_target_s)):
+            # the request was admitted whole on its targets: a split estimated to miss one that
+            # whole is estimated to meet would break that promise, whatever it saves elsewhere
+            sd = dataclasses.replace(sd, split=False, reason="slo", chosen=sd.whole)
+        if sd.reason != "short_prompt":
+            self._remember(session, sd.mode)
         if not sd.split or sd.chosen is None:
             return whole, sd.reason
         c = sd.chosen
         dv = views[c.node]
         return dataclasses.replace(whole, node_id=c.node, family=dv.state.family, prefill_node=c.prefill_node,
                                    queue_depth=dv.effective_outstanding(), transfer_tokens=c.transfer_tokens,
-                                   transfer_s=c.transfer_s, cached_tokens=0), sd.reason
+                                   transfer_s=c.transfer_s, cached_tokens=0, estimated_ttft_s=c.ttft_s), sd.reason
+
+
+def _within(o: Option, ttft_s: float | None, tpot_s: float | None) -> bool:
+    """The option is estimated within the request's targets (None: no target of that kind)."""
+    return (ttft_s is None or o.ttft_s <= ttft_s) and (tpot_s is None or o.itl_s <= tpot_s)

@@ -111,7 +111,7 @@ SPLITS = Children(Counter(
     "zml_router_split_decisions",
     "Disaggregation decisions ([disaggregation] enabled), by outcome: split (a prefill leg, then a decode leg), "
     "or why the request was served whole: short_prompt, no_pair, whole_better, over_bound (the split over "
-    "the admission bound).", ["outcome"]))
+    "the admission bound), slo (the split estimated to miss a target of the request's whole meets).", ["outcome"]))
 PREFILL_LEGS = Children(Counter(
     "zml_router_prefill_legs",
     "Prefill legs of split requests by prefill node and result: ok, or the failure (network, server, slow, "

@@ -185,6 +185,7 @@ def decide_split(
     mean_output: float = MEAN_OUTPUT_TOKENS,
     index: SplitIndex | None = None,
     decode_node: str | None = None,
+    no_decode: frozenset[str] = frozenset(),
 ) -> SplitDecision:
     """Whole on ``whole`` (the policy's pick) or split over the best pair of ``nodes``.
 
@@ -193,7 +194,9 @@ def decide_split(
     :class:`~zmlcore.policy.split.index.SplitIndex` over ``nodes`` (a large fleet: the legs'
     candidates come from its columns instead of a pass over ``nodes``); ``decode_node``: the
     only node that may decode (a split whose prefill leg failed looks for another prefill
-    node for the same decode node; ``whole`` is then that node).
+    node for the same decode node; ``whole`` is then that node); ``no_decode``: nodes that may
+    take the prefill leg but not the decode leg (SLO admission's: they decode too slowly for the
+    request's TPOT target, zmlcore.flowctl.slo).
 
     >>> from zmlcore.messages import NodeState
     >>> def node(i, acc, roles):
@@ -227,7 +230,7 @@ def decide_split(
         found = index.best_pair(model, prompt, out_tokens, cached, min_unc, exclude, now,
                                 stale_after_s, PAIR_WIDTH, objective == "cost", settings.kv_bytes_per_token,
                                 links.explicit, latency_target_s, LATE_WEIGHT, _LATE_DOLLARS_PER_S, decode_node,
-                                itl_target_s)
+                                itl_target_s, no_decode)
         if found is not None:
             pj, dj, xfer, score = found
             p, d = (w if index.views[j] is whole else _Node.of_row(index, j) for j in (pj, dj))
@@ -236,7 +239,7 @@ def decide_split(
     else:
         best_key, best_pair = _scan(nodes, w, whole, model, prompt, out_tokens, cached, settings, links, now,
                                     objective, latency_target_s, exclude, stale_after_s, mean_prompt, mean_output,
-                                    decode_node, min_unc, itl_target_s)
+                                    decode_node, min_unc, itl_target_s, no_decode)
     best: Option | None = None
     if best_pair is not None and best_key is not None:
         p, cp, d, cd, xfer = best_pair
@@ -260,8 +263,8 @@ def decide_split(
 def _scan(nodes: Sequence[NodeView], w: _Node, whole: NodeView, model: str, prompt: int, out_tokens: int,
           cached: Mapping[str, int], settings: SplitSettings, links: KVLinks, now: float, objective: Objective,
           latency_target_s: float, exclude: frozenset[str], stale_after_s: float, mean_prompt: float,
-          mean_output: float, decode_node: str | None = None, min_unc: int = 0, itl_target_s: float = _INF
-          ) -> tuple[tuple[float, str, str] | None, tuple[_Node, int, _Node, int, float] | None]:
+          mean_output: float, decode_node: str | None = None, min_unc: int = 0, itl_target_s: float = _INF,
+          no_decode: frozenset[str] = frozenset()) -> tuple[tuple[float, str, str] | None, tuple[_Node, int, _Node, int, float] | None]:
     """The pair search as a pass over the nodes (a small fleet, and the reference the index's
     vector form is tested against): each leg's PAIR_WIDTH best rows, then every pair of them.
     Returns the best pair's key (score, prefill id, decode id) and (p, its cache, d, its cache,
@@ -274,7 +277,8 @@ def _scan(nodes: Sequence[NodeView], w: _Node, whole: NodeView, model: str, prom
             continue
         reason = is_routable(v, model, now, stale_after_s)
         roles = st.roles
-        can_decode = reason is None and (not roles or "decode" in roles) and decode_node in (None, v.node_id)
+        can_decode = (reason is None and (not roles or "decode" in roles) and decode_node in (None, v.node_id)
+                      and v.node_id not in no_decode)
         can_prefill = (reason is None or reason == "prefill_only") and (not roles or "prefill" in roles)
         if not (can_decode or can_prefill):
             continue

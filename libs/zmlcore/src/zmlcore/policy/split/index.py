@@ -150,7 +150,8 @@ class SplitIndex:
                   exclude: frozenset[str], now: float, stale_after_s: float, width: int, cost_objective: bool,
                   kv_bytes_per_token: float, explicit: Mapping[tuple[str, str], float], target_s: float,
                   late_weight: float, late_dollars_per_s: float, decode_node: str | None = None,
-                  itl_target_s: float = _INF) -> tuple[int, int, float, float] | None:
+                  itl_target_s: float = _INF, no_decode: frozenset[str] = frozenset()
+                  ) -> tuple[int, int, float, float] | None:
         """(prefill row, decode row, transfer seconds, score) of the best pair among each leg's
         best ``width`` rows by time and, for the cost objective, by dollars too; None if no pair.
         The decider's own formulas (decide.decide_split's scan), as vector operations."""
@@ -198,6 +199,10 @@ class SplitIndex:
                 gone += np.flatnonzero((now - self.updated) > stale_after_s).tolist()
         if gone:
             K[:, gone] = _INF
+        if no_decode:  # (they may still prefill)
+            nod = [j for j in (self.row.get(i) for i in no_decode) if j is not None]
+            if nod:
+                K[1::2, nod] = _INF
         if decode_node is not None:  # that node or none decodes
             keep = self.row.get(decode_node)
             kept = K[1::2, keep].copy() if keep is not None else None
