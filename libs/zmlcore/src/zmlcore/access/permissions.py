@@ -127,8 +127,10 @@ def _grants(role: str, owner: str) -> tuple[list[str], list[str], bool]:
                # the Batch API: files, records, new batches for the runners, cancels announced
                *kv_write(subjects.BATCH_INDEX_BUCKET), *_batch_files(), *_batch_streams(),
                subjects.BATCH_WORK_START, subjects.BATCH_EVENTS]
-        # completion events and batch progress feed the /dashboard
-        return pub, [inbox, completed, subjects.BATCH_EVENTS, subjects.event(subjects.EVENT_PLACEMENT)], False
+        # completion events, batch progress, the planner's moves and the routers' share reports
+        # (flow control: tenants' shares, what waits by band) feed the /dashboard
+        return pub, [inbox, completed, subjects.BATCH_EVENTS, subjects.event(subjects.EVENT_PLACEMENT),
+                     subjects.FLOW_SHARES], False
     if role == "router":
         pub = [f"{subjects.INBOX_ROOT}.>", subjects.INFLIGHT, subjects.INFLIGHT_SNAPSHOT, subjects.NODE_MARKS,
                completed, subjects.QUEUE_BUSY, *_queue_stream(), *kv_write(subjects.QUEUE_CLAIMS_BUCKET),
