@@ -37,6 +37,19 @@ def _total(base: str, promql: str) -> float:
     return float(r[0]["value"][1]) if r else 0.0
 
 
+def _ready(base: str, timeout: float = 60.0) -> bool:
+    """Prometheus answers 503 while its storage starts, after its port is open."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(base + "/-/ready", timeout=5).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    return False
+
+
 def _eventually(base: str, promql: str, ok: Any, timeout: float = 60.0) -> list[dict[str, Any]]:
     deadline = time.monotonic() + timeout
     result: list[dict[str, Any]] = []
@@ -80,7 +93,7 @@ def test_prometheus_scrapes_every_service_and_answers_queries(zml_stack: Stack, 
                                 f"--web.listen-address=127.0.0.1:{port}"])
     base = f"http://127.0.0.1:{port}"
     try:
-        assert wait_port("127.0.0.1", port, 30), proc.tail()
+        assert wait_port("127.0.0.1", port, 30) and _ready(base), proc.tail()
         # Every target up.
         _eventually(base, "up", lambda r: len(r) == 2 + len(routers) and all(s["value"][1] == "1" for s in r))
         # The session's stack served earlier tests: the counts below start from there, so each
