@@ -340,7 +340,8 @@ def test_the_saturation_queue_wait_is_a_span_of_the_same_trace(traced: tuple[Sta
     assert waits[0]["parent"] == first["span_id"]
     assert waits[0]["attrs"]["zml.queue_wait_s"] >= 1.0
     served = servers[-1]  # the router that served it from the queue continues the same trace
-    assert served["parent"] == first["span_id"] and served["attrs"]["zml.node_id"]
+    # (every span in the message: it failed once in a full run at load 5-11, passing alone)
+    assert served["parent"] == first["span_id"] and served["attrs"]["zml.node_id"], spans
     no_prompt(spans)
 
 
