@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass
 
 import httpx
+from zmlcore.messages.node import LORA_ALL_OFF
 
 log = logging.getLogger("zml.health")
 
@@ -61,7 +62,7 @@ async def calibrate(client: httpx.AsyncClient, endpoint: str, model: str, *, pro
         "temperature": 0,
     }
     if lora_off:
-        body["lora"] = [{"id": 0, "scale": 0.0}]
+        body["lora"] = list(LORA_ALL_OFF)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     url = endpoint.rstrip("/") + "/v1/chat/completions"
     first = last = 0.0

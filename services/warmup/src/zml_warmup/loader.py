@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import httpx
+from zmlcore.messages.node import LORA_ALL_OFF
 
 WARMUP_BODY = {"messages": [{"role": "user", "content": "warmup"}], "max_tokens": 1, "temperature": 0}
 
@@ -86,7 +87,7 @@ async def warmup_request(client: httpx.AsyncClient, base: str, model: str, *, ti
     at the global scales and leave a slot's prompt cache labelled with them whatever made it)."""
     body = {"model": model, **WARMUP_BODY}
     if lora_off:
-        body["lora"] = [{"id": 0, "scale": 0.0}]
+        body["lora"] = list(LORA_ALL_OFF)
     r = await client.post(base + "/v1/chat/completions", json=body, timeout=timeout, headers=headers or {})
     if r.status_code == 200:
         return LoadResult(True, "warmup_request", done=True)

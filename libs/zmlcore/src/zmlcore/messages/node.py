@@ -12,6 +12,12 @@ from zmlcore.messages.speeds import ModelSpeeds
 NodeStatus = Literal["up", "down", "loading", "unknown", "invalid"]
 
 
+#: A llama-server request's ``lora`` list with every adapter off (``NodeState.lora_count``):
+#: what health's calibration and warmup's warm-up send to a node holding ``--lora`` adapters, as
+#: routers do for a base model (zml_router.node.lora), so no slot's prompt cache is made under
+#: the global scales.
+LORA_ALL_OFF: tuple[dict[str, float], ...] = ({"id": 0, "scale": 0.0},)
+
 class NodeState(msgspec.Struct, kw_only=True, omit_defaults=True):
     """One node as the health service last saw it. ``updated_at`` is unix seconds."""
 
