@@ -284,8 +284,8 @@ class Runner:
 
 @pytest.fixture(scope="module")
 def runner(up: Up, tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> Runner:
-    selected = [item.callspec.params["block"] for item in request.session.items
-                if getattr(item, "originalname", "") == "test_example_runs" and hasattr(item, "callspec")]
+    selected = [item.callspec.params["block"] for item in request.session.items  # this file's, not a namesake's
+                if hasattr(item, "callspec") and isinstance(item.callspec.params.get("block"), Block)]
     return Runner(up, tmp_path_factory.mktemp("doc-work"), selected)
 
 
