@@ -9,7 +9,10 @@ the next answer instead of a script going stale. Its rules:
   that model serves it already (loaded, up): the model's SLO capacity never dips below the
   plan's while it moves. A node whose slots are full unloads first what it must lose, under
   the same rule, and loads after;
-* adapters the same way, within the node's adapter slots, on nodes that serve their base;
+* adapters the same way, within the node's adapter slots, on nodes that serve their base, and
+  make before break too: an adapter leaves a node (unloaded, or with its base model) only once
+  a node the plan gives it has it loaded, or its requests would find it nowhere and be refused
+  (MODEL_NOT_LOADED) until a load elsewhere finishes;
 * at most ``max_loads`` loads at a time, fleet-wide, counting those in progress.
 
 Steps that cannot run yet (their model's new replicas still loading) wait; a plan whose
@@ -91,6 +94,21 @@ def next_steps(now: Mapping[str, NodeNow], target: Mapping[str, frozenset[str]],
                 for n, ms in target.items() if model in ms and n in now)
         return placed_ok[model]
 
+    ad_ok: dict[str, bool] = {}
+    base_of = adapter_base or {}
+
+    def adapter_ready(adapter: str) -> bool:
+        """``adapter`` may leave a node: a node the plan gives it has it loaded (its requests
+        still find it), or none could load it before something leaves (every such node's
+        adapter slots are full: waiting would block both), or the plan gives it no node."""
+        if target_adapters is None:
+            return True
+        if adapter not in ad_ok:
+            homes = [now[n] for n, ads in target_adapters.items() if adapter in ads and n in now and now[n].up]
+            ad_ok[adapter] = (not homes or any(adapter in h.adapters for h in homes)
+                              or all(len(h.adapters) >= h.adapter_slots for h in homes))
+        return ad_ok[adapter]
+
     loads_left = max_loads - in_progress
     for n in sorted(now):
         node = now[n]
@@ -100,10 +118,12 @@ def next_steps(now: Mapping[str, NodeNow], target: Mapping[str, frozenset[str]],
         drops = sorted(node.models - want)
         adds = sorted(want - node.models - node.loading)
         for m in drops:
-            if replicas_ready(m):
-                run.append(Step("unload", n, m))
-            else:
+            if not replicas_ready(m):
                 wait.append(Step("unload", n, m, "its new replicas are not serving yet"))
+            elif not all(adapter_ready(a) for a in node.adapters if base_of.get(a) == m):
+                wait.append(Step("unload", n, m, "its adapters are not loaded where the plan puts them yet"))
+            else:
+                run.append(Step("unload", n, m))
         free = node.slots - len(node.models) - len(node.loading)
         for m in adds:
             if free <= 0:
@@ -115,17 +135,22 @@ def next_steps(now: Mapping[str, NodeNow], target: Mapping[str, frozenset[str]],
                 free -= 1
                 loads_left -= 1
     if target_adapters is not None:
-        base = adapter_base or {}
         for n in sorted(now):
             node = now[n]
             if n not in target_adapters or not node.up:
                 continue
             want_a = target_adapters[n]
+            leaving = 0
             for a in sorted(node.adapters - want_a):
-                run.append(Step("unload_adapter", n, a))
-            free = node.adapter_slots - len(node.adapters & want_a)
+                if adapter_ready(a) or base_of.get(a, "") not in node.models:
+                    run.append(Step("unload_adapter", n, a))
+                    leaving += 1
+                else:
+                    wait.append(Step("unload_adapter", n, a, "its new homes have not loaded it yet"))
+            # a slot an adapter still serving here holds is free once it leaves, not before
+            free = node.adapter_slots - len(node.adapters) + leaving
             for a in sorted(want_a - node.adapters):
-                b = base.get(a)
+                b = base_of.get(a)
                 if b is not None and (b not in node.models or b in node.loading):
                     wait.append(Step("load_adapter", n, a, f"base model {b} is not loaded yet"))
                 elif free <= 0:
