@@ -38,7 +38,8 @@ Strategies (each on the same windows, the same arrival stream per window):
 * ``hindsight``: the plan of each window's own demand, in place for the whole window (no move,
   no load time): the offline optimum the issue compares against.
 
-    python benches/placement_daysim.py --scale 15 --seeds 21 22 --json benches/placement_daysim_105.json
+    python benches/placement_day.py --scale 8 --steady 45 --seeds 21 22 --json benches/placement_day_56.json
+    python benches/placement_day.py --scale 143 --seeds 21 22 --fluid --json benches/placement_day_1001_fluid.json
 
 Seeds: LOAD, HEADROOM and --steady were chosen on seeds 11 and 5 only; 21 and 22 are reported.
 """
