@@ -624,23 +624,29 @@ def state_of(n: Node, now: float) -> NodeState:
 
 
 # --- the day ------------------------------------------------------------------------------------
-def run(seed: int, scale: int, n_windows: int, steady_s: float, strategies: list[str], load: float,
-        log=print) -> dict[str, dict[str, float]]:
+def day(seed: int, scale: int, n_windows: int, load: float):
+    """(nodes, models, each window's demand, adapters, today's static placement of models and
+    adapters, (cheapest family, fastest family)): what every strategy of either model runs on."""
     nodes = fleet(scale)
     models, demand, adapters = workload(seed, nodes, n_windows, load)
+    peak = {m.name: max(row[m.name] for row in demand) for m in models}
+    fams = {ACCELERATORS[a].family: ACCELERATORS[a] for _, a in nodes}
+    static = static_placement(nodes, models, peak)
+    _, day_ads = split(adapters, {m.name: sum(r[m.name] for r in demand) / len(demand) for m in models})
+    static_ad = place_adapters(offers(nodes, models, static, {}, None, HEADROOM), static, day_ads)
+    return (nodes, models, demand, adapters, (static, static_ad),
+            (min(fams, key=lambda f: fams[f].cost_per_hour), max(fams, key=lambda f: fams[f].speed)))
+
+
+def run(seed: int, scale: int, n_windows: int, steady_s: float, strategies: list[str], load: float,
+        log=print) -> dict[str, dict[str, float]]:
+    nodes, models, demand, adapters, (static, static_ad), (cheapest, fastest) = day(seed, scale, n_windows, load)
     mods = {m.name: m for m in models}
     adapters_base = {a: b for a, b, _ in adapters}
     cfg = parse_config({
         "nodes": [{"id": nid, "accelerator": acc, "endpoint": f"http://{nid}", "backend": "vllm",
                    "models": [m.name for m in models], "adapter_slots": ADAPTER_SLOTS} for nid, acc in nodes],
         "adapters": {a: {"base": b, "path": f"/lora/{a}"} for a, b, _ in adapters}})
-    peak = {m: max(row[m] for row in demand) for m in mods}
-    fams = {ACCELERATORS[a].family: ACCELERATORS[a] for _, a in nodes}
-    cheapest = min(fams, key=lambda f: fams[f].cost_per_hour)
-    fastest = max(fams, key=lambda f: fams[f].speed)
-    static = static_placement(nodes, models, peak)
-    day_base, day_ads = split(adapters, {m: sum(r[m] for r in demand) / len(demand) for m in mods})
-    static_ad = place_adapters(offers(nodes, models, static, {}, None, HEADROOM), static, day_ads)
     out: dict[str, dict[str, float]] = {}
     for name in strategies:
         fam = {"cheapest_family": {cheapest}, "fastest_family": {fastest}}.get(name)
@@ -719,17 +725,9 @@ def run_fluid(seed: int, scale: int, n_windows: int, strategies: list[str], load
     the rest miss; a model gaining replicas keeps only its old ones' capacity for the new ones'
     load time; an adapter request counts as served where loaded when its adapter is on a node of
     its base in the plan. Same workload, fleet, plans and strategies as :func:`run`."""
-    nodes = fleet(scale)
+    nodes, models, demand, adapters, (static, static_ad), (cheapest, fastest) = day(seed, scale, n_windows, load)
     acc_of = dict(nodes)
-    models, demand, adapters = workload(seed, nodes, n_windows, load)
     mods = {m.name: m for m in models}
-    peak = {m: max(row[m] for row in demand) for m in mods}
-    fams = {ACCELERATORS[a].family: ACCELERATORS[a] for _, a in nodes}
-    cheapest = min(fams, key=lambda f: fams[f].cost_per_hour)
-    fastest = max(fams, key=lambda f: fams[f].speed)
-    static = static_placement(nodes, models, peak)
-    day_base, day_ads = split(adapters, {m: sum(r[m] for r in demand) / len(demand) for m in mods})
-    static_ad = place_adapters(offers(nodes, models, static, {}, None, HEADROOM), static, day_ads)
     full = {(nid, m.name): capacity(acc, m, 1.0) for nid, acc in nodes for m in models}
     out: dict[str, dict[str, float]] = {}
     for name in strategies:
