@@ -8,7 +8,8 @@ the ``NodeState``s health would publish (polled every 5 s, with the router's own
 counters between polls); every plan is ``zmlcore.placement.plan`` (HiGHS) on the offers
 ``slo_capacity`` gives; every move is a step of ``zmlcore.placement.moves.next_steps`` asked
 again each second, make before break (an unload drains first: the node leaves the model's
-routable set and unloads once its requests are done); an adapter request that finds its adapter
+routable set and unloads once its requests are done), the loads of models short of capacity
+first (``placer.short_models``, as warmup passes them); an adapter request that finds its adapter
 nowhere is refused (MODEL_NOT_LOADED, an SLO miss) and loads it where warmup's own
 ``placer.adapter_home`` says. Nodes are the routing simulator's engines
 (benches/routing_simnode.py: FIFO prefill at the type's prefill speed, batched decode slowing 2%
@@ -69,7 +70,7 @@ from zmlcore.placement.adapters import place_adapters  # noqa: E402
 from zmlcore.placement.moves import NodeNow, next_steps  # noqa: E402
 from zmlcore.policy import NodeView, RouteRequest, RoutingState, builtin_policy  # noqa: E402
 from zmlcore.policy.admission import admit  # noqa: E402
-from zml_warmup.placer import adapter_home  # noqa: E402
+from zml_warmup.placer import Inputs, adapter_home, short_models  # noqa: E402
 
 DEMO_MIX = [("nvidia_h100", 2), ("nvidia_a100", 1), ("amd_mi300x", 2), ("intel_gaudi2", 1), ("aws_inferentia2", 1)]
 SIZES = [(1.0, 16.0), (0.5, 32.0), (0.25, 70.0)]
@@ -292,7 +293,7 @@ class Tally:
 
 def simulate_window(nodes_spec, models: dict[str, Model], adapters_base: dict[str, str], row: dict[str, float],
                     old: tuple[dict, dict], target: tuple[dict, dict] | None, steady_s: float, seed: int,
-                    cfg, on_demand: bool, span: float = WINDOW_S) -> Tally:
+                    cfg, on_demand: bool, span: float = WINDOW_S, urgent: frozenset[str] = frozenset()) -> Tally:
     """One window: ``old`` placement (models, adapters per node) until t = 0, then the moves to
     ``target`` (None: nothing moves), then ``steady_s`` more seconds. ``on_demand``: an adapter
     found nowhere is loaded where warmup (apply mode) would load it."""
@@ -534,7 +535,7 @@ def simulate_window(nodes_spec, models: dict[str, Model], adapters_base: dict[st
                                    up=True, slots=1, adapter_slots=ADAPTER_SLOTS) for n in nodes}
             in_progress = sum(len(n.loading) for n in nodes)
             run, wait = next_steps(held, tgt_m, target_adapters=tgt_a, adapter_base=adapters_base,
-                                   max_loads=MAX_LOADS, in_progress=in_progress)
+                                   max_loads=MAX_LOADS, in_progress=in_progress, urgent=urgent)
             for st in run:
                 n = by_id[st.node_id]
                 key = (st.kind, st.node_id, st.name)
@@ -668,13 +669,19 @@ def run(seed: int, scale: int, n_windows: int, steady_s: float, strategies: list
                 tally = simulate_window(nodes, mods, adapters_base, rows, (static, static_ad), None, steady_s, wseed, cfg,
                                         False)
             else:
+                short: set[str] = set()
+
                 def planned(seen: dict[str, float]) -> tuple[dict, dict]:
                     base, ads = split(adapters, seen)
                     params = PlanParams(move_cost_per_h=0.0 if name == "hindsight" else 0.25)
                     c0 = time.process_time()
-                    p = plan(offers(nodes, models, held, held_ad, fam, HEADROOM),
-                             [ModelDemand(m, r) for m, r in base.items()], ads, params)
+                    offered = offers(nodes, models, held, held_ad, fam, HEADROOM)
+                    demands = [ModelDemand(m, r) for m, r in base.items()]
+                    p = plan(offered, demands, ads, params)
                     plan_s.append(time.process_time() - c0)
+                    # the models warmup loads first: short of capacity where they are now
+                    short.clear()
+                    short.update(short_models(Inputs(offered, demands, ads, {})))
                     return ({n: p.models.get(n, frozenset()) for n, _ in nodes},
                             {n: p.adapters.get(n, frozenset()) for n, _ in nodes})
 
@@ -691,7 +698,8 @@ def run(seed: int, scale: int, n_windows: int, steady_s: float, strategies: list
                                                               (row, REPLAN_S, WINDOW_S - REPLAN_S))):
                         tgt = planned(seen)
                         seg = simulate_window(nodes, mods, adapters_base, rows, tgt if instant else (held, held_ad),
-                                              None if instant else tgt, steady_s, wseed + 7 * k, cfg, True, span)
+                                              None if instant else tgt, steady_s, wseed + 7 * k, cfg, True, span,
+                                              frozenset(short))
                         tally.add(seg)
                         held, held_ad = {n: ms for n, ms in tgt[0].items() if ms}, {n: a for n, a in tgt[1].items() if a}
                     tally.moving_s /= 2  # (per window below: the mean of its two segments' moves)

@@ -279,3 +279,13 @@ def test_a_new_replica_goes_to_a_node_with_nothing_to_unload_first() -> None:
               NodeOffer("y1", "X", 1.0, {"x": 5.0, "y": 5.0}, models=frozenset({"y"}))]
     p = plan(offers, [ModelDemand("x", 0.0), ModelDemand("y", 8.0)], params=P0)
     assert p.models["idle"] == {"y"} and not p.models["busy"]
+
+
+def test_loads_of_models_short_of_capacity_go_first() -> None:
+    now = {"a": n(set()), "b": n(set())}
+    target = {"a": frozenset({"cheap"}), "b": frozenset({"short"})}
+    run, wait = next_steps(now, target, max_loads=1)
+    assert [str(s) for s in run] == ["load cheap on a"]
+    run, wait = next_steps(now, target, max_loads=1, urgent={"short"})
+    assert [str(s) for s in run] == ["load short on b"] and [str(s) for s in wait] == [
+        "load cheap on a (waits: another load is in progress)"]

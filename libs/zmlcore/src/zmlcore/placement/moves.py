@@ -13,7 +13,8 @@ the next answer instead of a script going stale. Its rules:
   make before break too: an adapter leaves a node (unloaded, or with its base model) only once
   a node the plan gives it has it loaded, or its requests would find it nowhere and be refused
   (MODEL_NOT_LOADED) until a load elsewhere finishes;
-* at most ``max_loads`` loads at a time, fleet-wide, counting those in progress.
+* at most ``max_loads`` loads at a time, fleet-wide, counting those in progress, the loads of
+  models short of capacity first.
 
 Steps that cannot run yet (their model's new replicas still loading) wait; a plan whose
 moves would need a spare node it does not have (two nodes swapping their only replicas) is
@@ -22,7 +23,7 @@ reported as ``blocked`` rather than dropping a model.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -79,9 +80,10 @@ def all_steps(now: Mapping[str, NodeNow], target: Mapping[str, frozenset[str]],
 def next_steps(now: Mapping[str, NodeNow], target: Mapping[str, frozenset[str]], *,
                target_adapters: Mapping[str, frozenset[str]] | None = None,
                adapter_base: Mapping[str, str] | None = None, max_loads: int = 1,
-               in_progress: int = 0) -> tuple[list[Step], list[Step]]:
+               in_progress: int = 0, urgent: Collection[str] = ()) -> tuple[list[Step], list[Step]]:
     """(steps to start now, steps waiting with the reason). Nodes absent from ``target`` keep
-    what they hold (the plan did not cover them)."""
+    what they hold (the plan did not cover them). Loads of ``urgent`` models (short of SLO
+    capacity now) take the ``max_loads`` budget first."""
     run: list[Step] = []
     wait: list[Step] = []
     placed_ok: dict[str, bool] = {}
@@ -110,6 +112,7 @@ def next_steps(now: Mapping[str, NodeNow], target: Mapping[str, frozenset[str]],
         return ad_ok[adapter]
 
     loads_left = max_loads - in_progress
+    loadable: list[tuple[str, str]] = []
     for n in sorted(now):
         node = now[n]
         if n not in target or not node.up:
@@ -128,12 +131,17 @@ def next_steps(now: Mapping[str, NodeNow], target: Mapping[str, frozenset[str]],
         for m in adds:
             if free <= 0:
                 wait.append(Step("load", n, m, "the node's slots are full until it unloads"))
-            elif loads_left <= 0:
-                wait.append(Step("load", n, m, "another load is in progress"))
             else:
-                run.append(Step("load", n, m))
+                loadable.append((n, m))
                 free -= 1
-                loads_left -= 1
+    # the load budget goes to models short of capacity first (their requests queue meanwhile),
+    # then to those whose loads only save money
+    for n, m in sorted(loadable, key=lambda nm: (nm[1] not in urgent, nm)):
+        if loads_left <= 0:
+            wait.append(Step("load", n, m, "another load is in progress"))
+        else:
+            run.append(Step("load", n, m))
+            loads_left -= 1
     if target_adapters is not None:
         for n in sorted(now):
             node = now[n]
