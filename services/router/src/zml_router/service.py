@@ -170,6 +170,7 @@ class RouterService:
         queue = await self.glue.start(nc, self.router_id)
         self.table.on_change = self.gate.freed = queue.capacity.set
         self.sharing.peer_freed = self.gate.peer_freed
+        self.sharing.peers_gone = self.gate.peers_gone
         self._subs += await self.sharing.start(nc, queue.capacity.set)
         self._loops.append(asyncio.create_task(self.sharing.publish_snapshots()))
         self._loops.append(asyncio.create_task(send_keepalives(self.keepalives, nc)))

@@ -218,6 +218,12 @@ class FlowGate:
         q.extend([now] * n)
         asyncio.get_running_loop().call_later(UNSEEN_S, self.freed)
 
+    def peers_gone(self, router_ids: list[str]) -> None:
+        """Replicas the peer table dropped (silent past its TTL: killed): their backlog counts
+        go (zmlcore.flowctl.shares.ShareBook.gone); what they held comes back to the survivors."""
+        for router_id in router_ids:
+            self.book.gone(router_id)
+
     def _unseen(self, yields: bool) -> dict[str, int]:
         """Per node, what the other replicas may have sent it that has not reached this table
         yet: as many as this replica sent it in the last UNSEEN_S, per peer
