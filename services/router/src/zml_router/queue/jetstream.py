@@ -44,6 +44,7 @@ from zmlcore import subjects
 from zmlcore.bus.link import link_of
 from zmlcore.messages import QueueBusy, queue_busy_decoder
 from zmlcore.bus.ensure import ensure, ensure_kv
+from zmlcore.flowctl.order import first_with_room
 from zmlcore.runtime.runner import cancel_and_wait
 
 from zml_router.incoming import QueuedMsg
@@ -103,9 +104,6 @@ model_key = subjects.queue_key  # the dashboard names the queues' models with it
 #: Entries held (by arrival), their stream sequences -> (indexes best first, indexes to shed,
 #: the best entry's band).
 Rank = Callable[[list[QueuedMsg], list[int]], tuple[list[int], list[int], tuple[int, int]]]
-#: Entries a freed slot is offered to, best first, before it stays free (a head whose preferred
-#: node is full waits; one behind it may fit elsewhere).
-TRIES = 8
 
 
 def _fifo(qmsgs: list[QueuedMsg], seqs: list[int]) -> tuple[list[int], list[int], tuple[int, int]]:
@@ -424,9 +422,9 @@ class SaturationQueue:
 
     async def _serve(self, key: str, held: dict[int, _Held]) -> bool:
         """One pass over the held entries: answer the cancelled and expired, shed past the
-        window's limit, dispatch the best that fits (one per pass: placing it takes until its
-        first token, and whatever arrived meanwhile is ranked before the next), keep the rest
-        alive in JetStream. True when one was dispatched."""
+        window's limit, dispatch the best that fits (zmlcore.flowctl.order.first_with_room; one
+        per pass: placing it takes until its first token, and whatever arrived meanwhile is
+        ranked before the next). True when one was dispatched (or dropped): rank again at once."""
         now = time.time()
         for e in list(held.values()):
             if e.qmsg.headers.get(subjects.H_REQUEST_ID) and self._is_cancelled(e.qmsg):
@@ -448,43 +446,28 @@ class SaturationQueue:
             await e.jmsg.ack()
             if self._shed_cb is not None:
                 await self._shed_cb(e.qmsg, float(e.qmsg.headers.get(H_ENQUEUED, now)))
-        tried = 0
-        placed = False
+        placed = again = False
         best = self._best(key)
-        skipped: list[_Held] = []
-        for i in order:
-            e = entries[i]
-            if e.seq not in held:
-                continue
-            if best is not None and top > best:
-                break  # another replica holds better-ranked work waiting: the slot is its
-            if tried >= TRIES:
-                break
-            tried += 1
-            if not self._has_room(e.qmsg):
-                skipped.append(e)
-                continue
-            # Room for it: asked again, a better-ranked one skipped in this pass may have room now
-            # too (room moves with time: a peer's unseen sends age out after 20 ms, and a pass
-            # that found a critical entry without room a millisecond before a standard one with
-            # room sent the standard one: tests/chaos/test_chaos_flow.py).
-            e = next((s for s in skipped if self._has_room(s.qmsg)), e)
-            claimed = await self._claim(e.claim_key)
-            if claimed is False:  # another replica holds it too (handed on after a stall) and claimed it first
-                held.pop(e.seq, None)
-                claimer = await self._claimer(e.claim_key)
+        # Another replica holding better-ranked work waiting: the slot is its.
+        if best is None or top <= best:
+            live = [i for i in order if entries[i].seq in held]
+            pick = first_with_room(live, lambda j, ahead: self._has_room(_offered(entries[j].qmsg, ahead)))
+            chosen = entries[pick] if pick is not None else None
+            claimed = await self._claim(chosen.claim_key) if chosen is not None else None
+            if chosen is None or claimed is None:
+                pass  # no room; or the claims bucket is unreachable: nothing goes until it is back
+            elif claimed is False:  # another replica holds it too (handed on after a stall) and claimed it first
+                held.pop(chosen.seq, None)
+                again = True
+                claimer = await self._claimer(chosen.claim_key)
                 if claimer is not None:  # (None: released since: its holder keeps it, or it comes back)
-                    await self._claimed_elsewhere(e.jmsg, e.claim_key, claimer)
-                continue
-            if not claimed:
-                break  # the claims bucket is unreachable: nothing goes until it is back
-            if await self._dispatch(e.qmsg, e.deadline):
-                held.pop(e.seq, None)
-                await e.jmsg.ack()
+                    await self._claimed_elsewhere(chosen.jmsg, chosen.claim_key, claimer)
+            elif await self._dispatch(chosen.qmsg, chosen.deadline):
+                held.pop(chosen.seq, None)
+                await chosen.jmsg.ack()
                 placed = True
             else:
-                await self._release(e.claim_key)  # refused before running: still to place
-            break
+                await self._release(chosen.claim_key)  # refused before running: still to place
         # The rest stay held (``_keepalive`` keeps them so); the other replicas learn at once
         # when the best band held here changes, or that nothing is held any more (then they no
         # longer leave freed slots to this replica).
@@ -495,7 +478,7 @@ class SaturationQueue:
         else:
             await self._emptied(key)
             self._rank([], [])
-        return placed
+        return placed or again
 
     async def _emptied(self, key: str) -> None:
         """Nothing of ``key`` is held here any more: said once, so that the other replicas stop
@@ -515,6 +498,12 @@ class SaturationQueue:
         now = time.time()
         tops = [top for (k, rid), (top, until) in self.peer_bands.items() if k == key and until > now]
         return min(tops) if tops else None
+
+
+def _offered(qmsg: QueuedMsg, ahead: int) -> QueuedMsg:
+    """The entry as offered a slot, ``ahead`` entries ranked before it (its dispatch keeps it)."""
+    qmsg.ahead = ahead
+    return qmsg
 
 
 @dataclass(slots=True)
