@@ -167,6 +167,10 @@ def launch_real_stack(nats_url: str, tmp: Path, servers: list[llamaserver.Server
     config = tmp / "zml.toml"
     config.write_text(f'[defaults]\nrequest_timeout_s = 60\npolicy = "{policy}"\n'
                       f"[health]\npoll_interval_s = {poll_s}\nkv_heartbeat_s = {poll_s}\nprobe_timeout_s = 2.0\n"
+                      # the tests' prompts are ~1,000-1,700 tokens, and a toy model's speeds fall
+                      # with the context (attention outweighs its 64-wide layers): 512 tokens read
+                      # 2x the speed of the prompts routed (docs/health.md)
+                      "calibrate_prompt_tokens = 1024\n"
                       f"{extra}\n" + "".join(server_toml(s) for s in servers))
     gw_port = free_port()
     stack = Stack(f"http://127.0.0.1:{gw_port}", nats_url, str(config), MODEL, [s.node_id for s in servers],

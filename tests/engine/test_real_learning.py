@@ -152,13 +152,18 @@ def test_a_cold_start_finds_both_nodes_speeds(unequal: Unequal) -> None:
 
 @pytest.mark.skipif(LEARNER_MISSING, reason=NO_LEARNER)
 def test_both_nodes_are_used_the_fast_one_most(unequal: Unequal) -> None:
-    # Routed on what was learned: 24 more prompts, 4 at a time (the learning phase's counted too).
-    # The fast node does most of the work; the slow one is used, not left idle.
-    with ThreadPoolExecutor(4) as pool:
-        unequal.used.update(pool.map(lambda _: chat(unequal.stack, [{"role": "user", "content": prompt()}])["zml"]
-                                     ["node_id"], range(24)))
-    print("requests per node:", dict(unequal.used))
-    assert unequal.used["llama-fast"] > unequal.used["llama-slow"] >= 2, unequal.used
+    # Routed on what was learned: 32 more prompts, 8 at a time, twice the fast node's 4 slots
+    # (issue 28 item 3: spill by real capacity). At 4 at a time a node 3.5x faster is the
+    # faster choice for nearly every request, and CI saw all 44 go to it (that is not a fault);
+    # past its slots, a request waits there for a sequence to finish, and the slow node, idle,
+    # is faster. The fast node does most of the work; the slow one is used, not left idle.
+    with ThreadPoolExecutor(8) as pool:
+        spill = Counter(pool.map(lambda _: chat(unequal.stack, [{"role": "user", "content": prompt()}])["zml"]
+                                 ["node_id"], range(32)))
+    unequal.used.update(spill)
+    print("requests per node, 8 at a time:", dict(spill), "over the module:", dict(unequal.used))
+    assert unequal.used["llama-fast"] > unequal.used["llama-slow"], unequal.used
+    assert spill["llama-slow"] >= 2, spill
 
 
 @pytest.mark.skipif(predicted_ttft_field() is None, reason=NO_PREDICTION)

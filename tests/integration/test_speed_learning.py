@@ -46,10 +46,12 @@ async def test_unknown_node_calibrated_before_any_traffic(nats_private: str, eng
             first = await eventually(lambda: (s := svc.states.get("hidden-1")) and s.status == "up" and s)
             assert first.speeds_source == "default" and first.speeds_confidence < 0.2
             assert first.prefill_tps == 1500.0 and first.decode_tps == 75.0
+            # the first calibration, and its confirmations 10 s apart (a first one slowed by a busy
+            # box is raised by them: speedbook.CONFIRMATIONS)
             st = await eventually(lambda: (s := svc.states.get("hidden-1")) and s.speeds_source == "measured"
-                                  and s.speeds_confidence > 0.5 and s, timeout=30, what="calibrated")
+                                  and s.speeds_confidence > 0.5 and _within(s, pf, dec) and s, timeout=30,
+                                  what="calibrated within 25%")
             assert time.monotonic() - t0 < 30
-            assert _within(st, pf, dec), (st.prefill_tps, st.decode_tps)
             assert st.model_speeds[M].samples >= 2
         finally:
             await svc.stop()

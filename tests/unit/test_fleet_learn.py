@@ -216,3 +216,33 @@ def test_counter_windows_only_raise_an_estimate() -> None:
     b.counters("n", ["m"], 3.0, prefill_tps=28_000, prefill_c=1, decode_tps=1_200, decode_c=1)
     up = b.publish("n", ["m"], 3.0).main
     assert up.prefill_tps > 1.1 * before.prefill_tps and up.decode_tps > 1.1 * before.decode_tps
+
+
+def test_a_calibration_slowed_by_contention_is_confirmed_and_raised() -> None:
+    # A first calibration taken while the host was busy (a real llama-server timed 3,713 prompt
+    # tok/s while a stack started beside it; 20,000-29,000 before and after): the node would get
+    # no traffic to correct it. Two confirmations follow, CONFIRM_AFTER_S apart; a faster one
+    # replaces the slowed measurement, a slower one changes nothing.
+    from zml_health.speedbook import CONFIRM_AFTER_S, CONFIRMATIONS, SpeedBook
+
+    b = SpeedBook()
+    b.prior("n", "cpu")
+    assert b.needs_calibration("n", ["m"], 0.0, 60.0) == ("m", False)
+    b.calibrating("n", "m", 0.0)
+    b.calibration("n", "m", 0.5, prefill_tps=3_700, decode_tps=240, engine=True)
+    assert b.needs_calibration("n", ["m"], CONFIRM_AFTER_S - 1, 60.0) is None
+    seen = []
+    t = 0.0
+    for _ in range(CONFIRMATIONS):
+        t += CONFIRM_AFTER_S
+        due = b.needs_calibration("n", ["m"], t, 60.0)
+        assert due == ("m", True)
+        b.calibrating("n", "m", t, confirm=True)
+        seen.append(due)
+        b.calibration("n", "m", t + 0.5, prefill_tps=24_000 if len(seen) == 1 else 2_000,
+                      decode_tps=600 if len(seen) == 1 else 100, engine=True, confirm=True)
+    assert b.needs_calibration("n", ["m"], t + 2 * CONFIRM_AFTER_S, 60.0) is None
+    pub = b.publish("n", ["m"], t + 1).main
+    assert 0.8 * 24_000 < pub.prefill_tps < 1.25 * 24_000, pub
+    assert 0.8 * 600 < pub.decode_tps < 1.25 * 600, pub
+    assert pub.confidence > 0.5

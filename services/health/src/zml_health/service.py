@@ -356,14 +356,15 @@ class HealthService:
         if state.queue_running >= max(state.max_concurrency, 1):
             return  # a full node measures its queue, not its speed; the routers' samples will do
         # an adapter runs at its base model's speed: the base is what is measured
-        model = self.speeds.needs_calibration(node.id, [m for m in state.models if m not in self.cfg.adapters], now,
-                                              hc.calibrate_every_s)
-        if model is None:
+        due = self.speeds.needs_calibration(node.id, [m for m in state.models if m not in self.cfg.adapters], now,
+                                            hc.calibrate_every_s)
+        if due is None:
             return
-        self.speeds.calibrating(node.id, model, now)
-        rt.calibration = asyncio.create_task(self._calibrate(node, model), name=f"calibrate-{node.id}")
+        model, confirm = due
+        self.speeds.calibrating(node.id, model, now, confirm)
+        rt.calibration = asyncio.create_task(self._calibrate(node, model, confirm), name=f"calibrate-{node.id}")
 
-    async def _calibrate(self, node: NodeConfig, model: str) -> None:
+    async def _calibrate(self, node: NodeConfig, model: str, confirm: bool = False) -> None:
         assert self.http is not None
         hc = self.cfg.health
         served = node.served_names.get(model, model)
@@ -374,10 +375,10 @@ class HealthService:
         if got is None or node.id not in self._tasks:
             return
         self.speeds.calibration(node.id, model, self.clock(), prefill_tps=got.prefill_tps,
-                                decode_tps=got.decode_tps, engine=got.engine)
-        log.info("calibrated %s for %s: prefill %.0f tok/s, decode %.1f tok/s (ttft %.3f s, %d prompt tokens%s)",
-                 node.id, model, got.prefill_tps, got.decode_tps, got.ttft_s, got.prompt_tokens,
-                 ", engine timings" if got.engine else "")
+                                decode_tps=got.decode_tps, engine=got.engine, confirm=confirm)
+        log.info("%s %s for %s: prefill %.0f tok/s, decode %.1f tok/s (ttft %.3f s, %d prompt tokens%s)",
+                 "confirmed" if confirm else "calibrated", node.id, model, got.prefill_tps, got.decode_tps,
+                 got.ttft_s, got.prompt_tokens, ", engine timings" if got.engine else "")
 
     def _holds_loras(self, node: NodeConfig) -> bool:
         rt = self.runtime.get(node.id)

@@ -22,6 +22,14 @@ from zmlcore.messages.speeds import LearnedSpeeds, ModelSpeeds, SpeedSample
 #: Below this confidence a served model is calibrated (one short real request), at most once
 #: per CALIBRATE_EVERY_S per (node, model).
 CALIBRATE_BELOW = 0.5
+#: A calibration is confirmed this many times after it, CONFIRM_AFTER_S apart. A measurement
+#: taken while the node or its host was busy reads slow (contention only ever slows it: a real
+#: llama-server timed itself at 3,713 prompt tok/s while a stack started beside it, 20,000-29,000
+#: before and after), and a node believed slower than it is gets no traffic to correct it; so a
+#: confirmation can only raise the estimate (a lower bound), never lower it: the routers' samples
+#: lower a node that truly slowed, as it is believed fast enough to get traffic.
+CONFIRMATIONS = 2
+CONFIRM_AFTER_S = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +48,8 @@ class SpeedBook:
     priors: dict[str, LearnedSpeeds] = field(default_factory=dict)
     #: (node, model) -> unix time of the last calibration request sent
     calibrated_at: dict[tuple[str, str], float] = field(default_factory=dict)
+    #: (node, model) -> confirmations still owed to its last full calibration
+    unconfirmed: dict[tuple[str, str], int] = field(default_factory=dict)
 
     def prior(self, node: str, accelerator: str, prefill_tps: float = 0.0, decode_tps: float = 0.0) -> None:
         """What is believed of ``node`` before anything is seen: its type's speeds, or the ones
@@ -53,6 +63,7 @@ class SpeedBook:
         self.priors.pop(node, None)
         for key in [k for k in self.calibrated_at if k[0] == node]:
             del self.calibrated_at[key]
+            self.unconfirmed.pop(key, None)
 
     def adopt(self, node: str, models: dict[str, ModelSpeeds]) -> None:
         """Start from what the previous health service published of ``node`` (its last state
@@ -100,29 +111,42 @@ class SpeedBook:
             self.beliefs[node][m] = s
 
     def calibration(self, node: str, model: str, now: float, *, prefill_tps: float, decode_tps: float,
-                    engine: bool = False) -> None:
+                    engine: bool = False, confirm: bool = False) -> None:
         """What a calibration request measured on an otherwise idle node (the engine's own
-        timings when ``engine``)."""
+        timings when ``engine``); a confirmation (``confirm``) only raises the estimate."""
         noise = learn.NOISE_ENGINE if engine else learn.NOISE_CALIBRATION
         s = self._get(node, model)
-        if prefill_tps > 0:
-            s = learn.observe_prefill(s, tps=prefill_tps, inflight=1, now=now, noise=noise, measured=True, clean=True)
-        if decode_tps > 0:
-            s = learn.observe_decode(s, tps=decode_tps, inflight=1, now=now, noise=noise, measured=True, clean=True)
+        if confirm:
+            prior = self.priors.get(node) or learn.prior_speeds("")
+            s = learn.observe_confirmation(s, prior, prefill_tps=prefill_tps, decode_tps=decode_tps, now=now,
+                                           noise=noise)
+        else:
+            if prefill_tps > 0:
+                s = learn.observe_prefill(s, tps=prefill_tps, inflight=1, now=now, noise=noise, measured=True,
+                                          clean=True)
+            if decode_tps > 0:
+                s = learn.observe_decode(s, tps=decode_tps, inflight=1, now=now, noise=noise, measured=True,
+                                         clean=True)
         self.beliefs[node][model] = s
 
-    def needs_calibration(self, node: str, models: list[str], now: float, every_s: float) -> str | None:
-        """A served model whose estimate is too uncertain to route on, not calibrated within
-        ``every_s``: the one to calibrate now (None: none)."""
+    def needs_calibration(self, node: str, models: list[str], now: float, every_s: float) -> tuple[str, bool] | None:
+        """The served model to calibrate now and whether it is a confirmation (None: none): one
+        whose estimate is too uncertain to route on, not calibrated within ``every_s``; else one
+        whose last calibration is owed a confirmation (CONFIRMATIONS, CONFIRM_AFTER_S apart)."""
         for m in models:
             if now - self.calibrated_at.get((node, m), -1e18) < every_s:
                 continue
             if learn.published(self._get(node, m), now).confidence < CALIBRATE_BELOW:
-                return m
+                return m, False
+        for m in models:
+            if self.unconfirmed.get((node, m), 0) > 0 and now - self.calibrated_at[(node, m)] >= CONFIRM_AFTER_S:
+                return m, True
         return None
 
-    def calibrating(self, node: str, model: str, now: float) -> None:
-        self.calibrated_at[(node, model)] = now
+    def calibrating(self, node: str, model: str, now: float, confirm: bool = False) -> None:
+        key = (node, model)
+        self.calibrated_at[key] = now
+        self.unconfirmed[key] = self.unconfirmed.get(key, 0) - 1 if confirm else CONFIRMATIONS
 
     def publish(self, node: str, models: list[str], now: float) -> Published:
         per = self.beliefs.get(node, {})

@@ -195,6 +195,32 @@ def observe_decode(s: LearnedSpeeds, *, tps: float, inflight: float, now: float,
                          overhead_s=s.overhead_s)
 
 
+def observe_confirmation(s: LearnedSpeeds, prior: LearnedSpeeds, *, prefill_tps: float, decode_tps: float,
+                         now: float, noise: float) -> LearnedSpeeds:
+    """Fold a calibration that confirms an earlier one (zml_health.speedbook.CONFIRMATIONS).
+
+    Contention only slows a measurement, so a confirmation slower than the estimate says
+    nothing; one faster says the measurement the estimate stands on was slowed, and that speed
+    starts again from ``prior`` and the confirmation, as a first calibration would have made it
+    (a Kalman step from the slow estimate, clipped at a few sigma, would move a 6x error ~25%).
+
+    >>> p = prior_speeds("cpu")
+    >>> slow = observe_prefill(p, tps=3_700.0, inflight=1, now=1.0, noise=NOISE_ENGINE, measured=True, clean=True)
+    >>> s = observe_confirmation(slow, p, prefill_tps=24_000.0, decode_tps=0.0, now=11.0, noise=NOISE_ENGINE)
+    >>> 20_000 < rate(s.prefill) < 25_000, s.decode is slow.decode
+    (True, True)
+    >>> observe_confirmation(s, p, prefill_tps=3_000.0, decode_tps=0.0, now=21.0, noise=NOISE_ENGINE) is s
+    True
+    """
+    if prefill_tps > rate(s.prefill):
+        fresh = observe_prefill(prior, tps=prefill_tps, inflight=1, now=now, noise=noise, measured=True, clean=True)
+        s = msgspec.structs.replace(s, prefill=fresh.prefill, measured_at=now)
+    if decode_tps > rate(s.decode):
+        fresh = observe_decode(prior, tps=decode_tps, inflight=1, now=now, noise=noise, measured=True, clean=True)
+        s = msgspec.structs.replace(s, decode=fresh.decode, measured_at=now)
+    return s
+
+
 def observe_sample(s: LearnedSpeeds, sample: SpeedSample, now: float, maxc: int = 0) -> LearnedSpeeds:
     """Fold what a router saw of one attempt.
 
