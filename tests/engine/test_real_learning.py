@@ -105,7 +105,7 @@ def off(estimate: float, lo: float, hi: float) -> float:
 
 @pytest.mark.skipif(LEARNER_MISSING, reason=NO_LEARNER)
 @pytest.mark.xfail(strict=False, reason=(
-    "issue 28: met in 2 of 5 runs before the calibration's confirmations, 2 of 4 after (2026-12-07, box load "
+    "issue 28: met in 2 of 5 runs before the calibration's confirmations, 1 of 6 after (2026-12-07, box load "
     "7-14). The first calibration runs while the stack's other services start on the same 2 cores and the "
     "engine times itself slow (3,713 prefill tok/s against 20,519-28,937); the confirmations 10 s and 20 s "
     "later raise it when the box is quiet then, but at load 7-9 they too read slow (fast node 14,023 vs "
