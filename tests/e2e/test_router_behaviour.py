@@ -104,6 +104,7 @@ def test_server_error_fails_over_and_cools_the_node_down(stack: Stack, http: htt
     cooled = [s["nodes"]["h100-a"]["cooldown_s"] for s in states.values()]
     assert max(cooled) > 0  # Retry-After (2 s: HTTP rounds to whole seconds), not the 30 s default
     assert max(cooled) <= 2.0
+    stack.clear_faults()
     wait_calm(stack)  # for the next tests
 
 
@@ -143,6 +144,7 @@ def test_failed_family_falls_back_to_the_next_in_the_chain(stack: Stack, http: h
     r = chat(http, policy="h100-first")
     assert r.status_code == 200, r.text
     assert r.json()["zml"]["node_id"] == "mi300x-a" and r.json()["zml"]["family"] == "MI300X"
+    stack.clear_faults()
     wait_calm(stack)  # the 1 s cooldowns lapse, for the next tests
 
 
@@ -156,6 +158,7 @@ def test_stream_failure_before_first_token_is_invisible(stack: Stack, http: http
             lines = [line for line in r.iter_lines() if line]
         assert lines[-1] == "data: [DONE]"
         assert r.headers["x-zml-node-id"] != "h100-a"
+    stack.clear_faults()
     wait_calm(stack)
 
 
@@ -180,6 +183,7 @@ def test_saturation_fails_fast_with_queue_full_and_routing_context(stack: Stack,
     assert err["code"] == "QUEUE_FULL"
     assert err["routing_context"]["recommendation"]
     assert r.headers.get("retry-after")
+    stack.clear_faults()  # an overloaded node's polled state keeps renewing its saturation mark
     wait_calm(stack)
 
 
