@@ -222,7 +222,7 @@ def test_queued_request_expires_with_queue_full(stack: Stack, http: httpx.Client
 
 def test_http_disconnect_cancels_on_the_node(stack: Stack) -> None:
     stack.clear_faults()
-    wait_calm(stack)  # saturation marks from earlier tests lapse
+    time.sleep(1.0)  # saturation marks from earlier tests lapse
 
     def running() -> int:
         return sum(stack.sim_state(n)["batch"]["running"] + stack.sim_state(n)["queue"]["waiting"] for n in stack.node_ids)
