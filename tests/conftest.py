@@ -7,6 +7,7 @@ With ZML_TEST_DOCKER=1 and a Docker engine, NATS comes from testcontainers' NATS
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -140,7 +141,12 @@ class Stack:
         return proc
 
     def stop(self) -> None:
-        for p in reversed(list(self.procs.values())):
+        # Signalled at once, then waited for (as `zml up` stops): one by one, their drains add
+        # up to ~1.5 s a stack, ~40 stacks a run.
+        procs = list(self.procs.values())
+        for p in procs:
+            p.terminate()
+        for p in reversed(procs):
             p.stop()
 
 
@@ -300,8 +306,30 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
 _record: schedule.Record | None = None
 
 
+def _keep_bytecode(config: pytest.Config) -> None:
+    """With PYTHONDONTWRITEBYTECODE set, every process the suite starts (2 xdist workers, ~40
+    stacks of 5 services, `zml up`s, CLI runs) compiled ZML's sources again, and pytest rewrote
+    every test module's asserts again: ~12 CPU-s of collection per worker. Bytecode is kept
+    instead under pytest's cache folder (PYTHONPYCACHEPREFIX; an own prefix wins), so the source
+    tree stays as clean as the variable asked. Set before the workers and services start, which
+    inherit it."""
+    if "PYTHONDONTWRITEBYTECODE" not in os.environ:
+        return
+    prefix = os.environ.get("PYTHONPYCACHEPREFIX") or sys.pycache_prefix
+    if not prefix:
+        try:
+            cache = Path(os.path.expandvars(config.getini("cache_dir"))).expanduser()
+        except ValueError:  # -p no:cacheprovider: its ini key is unknown
+            cache = Path(".pytest_cache")
+        prefix = str((config.rootpath / cache / "pycache") if not cache.is_absolute() else cache / "pycache")
+    del os.environ["PYTHONDONTWRITEBYTECODE"]
+    os.environ["PYTHONPYCACHEPREFIX"] = sys.pycache_prefix = prefix
+    sys.dont_write_bytecode = False  # this process too: `-n 0` collects here
+
+
 def pytest_configure(config: pytest.Config) -> None:
     global _record
+    _keep_bytecode(config)
     if not hasattr(config, "workerinput"):  # the controller (or -n 0): it sees every report
         _record = schedule.Record(config)
 

@@ -65,10 +65,12 @@ def client_for(stack: tuple[Stack, dict[str, str]], who: str = "a") -> openai.Op
     return openai.OpenAI(base_url=st.gateway_url + "/v1", api_key=keys[who], max_retries=0)
 
 
-def lines(n: int, *, max_tokens: int = 6, prefix: str = "r", model: str = MODEL) -> bytes:
+def lines(n: int, *, max_tokens: int = 6, prefix: str = "r", model: str = MODEL, short: int = 0) -> bytes:
+    """``short``: the first lines ask for 2 tokens whatever ``max_tokens`` says."""
     return "\n".join(json.dumps({"custom_id": f"{prefix}{i}", "method": "POST", "url": "/v1/chat/completions",
                                  "body": {"model": model, "messages": [{"role": "user", "content": f"q{i}"}],
-                                          "max_tokens": max_tokens}}) for i in range(n)).encode() + b"\n"
+                                          "max_tokens": 2 if i < short else max_tokens}})
+                      for i in range(n)).encode() + b"\n"
 
 
 def wait_done(client: openai.OpenAI, batch_id: str, timeout: float = 90) -> Any:
@@ -244,7 +246,10 @@ def test_cancel_drains_what_runs_and_writes_the_rest_as_cancelled(stack: tuple[S
 
 def test_a_batch_past_its_window_expires_with_what_finished_kept(stack: tuple[Stack, dict[str, str]]) -> None:
     client = client_for(stack)
-    f = client.files.create(file=("slow.jsonl", io.BytesIO(lines(600, max_tokens=2000))), purpose="batch")
+    # The first shard's lines short, the rest ~2 s each at the sims' 20x (the fleet's 160 slots need
+    # 4 rounds): some finish inside the 3 s window even on a loaded box, where long lines alone
+    # could all still run at its end (seen at load 11: expired 600, done 0).
+    f = client.files.create(file=("slow.jsonl", io.BytesIO(lines(600, max_tokens=2000, short=25))), purpose="batch")
     b = wait_done(client, client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",
                                                 completion_window="3s").id)
     assert b.status == "expired" and b.expired_at

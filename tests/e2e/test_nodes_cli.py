@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -29,11 +30,17 @@ def zml(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "zml.cli", *args], capture_output=True, text=True, timeout=60)
 
 
+async def azml(*args: str) -> subprocess.CompletedProcess[str]:
+    """``zml ARGS`` with the event loop free meanwhile: a sim node served from this loop must go
+    on answering the health service's probes (blocked, it is marked down on a busy box)."""
+    return await asyncio.to_thread(zml, *args)
+
+
 async def test_add_route_list_remove(small: Stack) -> None:
     sim = SimNode(node_id="gaudi2-new", accelerator="intel_gaudi2", models=[MODEL], time_scale=20, load_time_s=0.1)
     await sim.start(port=0)
     try:
-        out = zml("nodes", "add", "gaudi2-new", "--accelerator", "intel_gaudi2", "--url", sim.url,
+        out = await azml("nodes", "add", "gaudi2-new", "--accelerator", "intel_gaudi2", "--url", sim.url,
                   "--serves", MODEL, "--nats-url", small.nats_url)
         assert out.returncode == 0, out.stderr
         body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
@@ -44,22 +51,22 @@ async def test_add_route_list_remove(small: Stack) -> None:
                 r = await client.post("/v1/chat/completions", json=body)
                 if r.status_code == 200 or time.monotonic() > deadline:
                     break
-                time.sleep(0.2)
+                await asyncio.sleep(0.2)
             assert r.status_code == 200, r.text
             assert r.json()["zml"]["node_id"] == "gaudi2-new"
-            listed = zml("nodes", "--json", "--endpoint", small.gateway_url)
+            listed = await azml("nodes", "--json", "--endpoint", small.gateway_url)
             assert listed.returncode == 0, listed.stderr
             assert "gaudi2-new" in {n["node_id"] for n in json.loads(listed.stdout)["nodes"]}
-            table = zml("nodes", "--endpoint", small.gateway_url)
+            table = await azml("nodes", "--endpoint", small.gateway_url)
             assert "gaudi2-new" in table.stdout and "intel_gaudi2" in table.stdout
-            out = zml("nodes", "remove", "gaudi2-new", "--nats-url", small.nats_url)
+            out = await azml("nodes", "remove", "gaudi2-new", "--nats-url", small.nats_url)
             assert out.returncode == 0, out.stderr
             deadline = time.monotonic() + 10
             while (r := await client.post("/v1/chat/completions", json=body)).status_code == 200:
                 assert time.monotonic() < deadline
-                time.sleep(0.2)
+                await asyncio.sleep(0.2)
             assert r.json()["error"]["code"] == "BAD_REQUEST"  # no such node any more
-        bad = zml("nodes", "add", "x1", "--accelerator", "nvidia_h999", "--url", "http://127.0.0.1:1",
+        bad = await azml("nodes", "add", "x1", "--accelerator", "nvidia_h999", "--url", "http://127.0.0.1:1",
                   "--nats-url", small.nats_url)
         assert bad.returncode != 0 and "nvidia_h999" in bad.stderr and "Traceback" not in bad.stderr
     finally:

@@ -49,6 +49,8 @@ async def start_stack(nats_url: str, folder: Path, mode: str) -> tuple[str, list
 
 
 async def stop_stack(sims: list[SimNode], procs: list[Proc]) -> None:
+    for p in procs:  # all signalled, then waited for: their drains overlap (tests/conftest.py, Stack.stop)
+        p.terminate()
     for p in reversed(procs):
         p.stop()
     for s in sims:

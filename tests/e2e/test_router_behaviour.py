@@ -79,6 +79,18 @@ async def router_states(stack: Stack) -> dict[str, dict]:
         await nc.close()
 
 
+def wait_calm(stack: Stack, timeout: float = 10.0) -> None:
+    """Until no replica holds a node in cooldown or saturated (the marks earlier requests left
+    lapse with time): waited for, not slept, so a test takes what the marks last."""
+    deadline = time.monotonic() + timeout
+    while True:
+        states = asyncio.run(router_states(stack))
+        if all(n["cooldown_s"] == 0 and n["saturated_s"] == 0 for s in states.values() for n in s["nodes"].values()):
+            return
+        assert time.monotonic() < deadline, states
+        time.sleep(0.1)
+
+
 def test_server_error_fails_over_and_cools_the_node_down(stack: Stack, http: httpx.Client) -> None:
     stack.faults("h100-a", error_rate=1.0, error_status=500, retry_after_s=1.5)
     infos = []
@@ -92,7 +104,7 @@ def test_server_error_fails_over_and_cools_the_node_down(stack: Stack, http: htt
     cooled = [s["nodes"]["h100-a"]["cooldown_s"] for s in states.values()]
     assert max(cooled) > 0  # Retry-After (2 s: HTTP rounds to whole seconds), not the 30 s default
     assert max(cooled) <= 2.0
-    time.sleep(2.1)
+    wait_calm(stack)  # for the next tests
 
 
 def test_client_error_does_not_trip_cooldown(stack: Stack, http: httpx.Client) -> None:
@@ -120,7 +132,7 @@ def test_overload_marks_the_node_saturated_briefly(stack: Stack, http: httpx.Cli
     sat = [s["nodes"]["h100-a"] for s in states.values()]
     assert any(n["saturated_s"] > 0 for n in sat) and all(n["cooldown_s"] == 0 for n in sat), (states, time.monotonic() - t0)
     stack.faults("h100-a", overload=False)
-    time.sleep(1.2)
+    wait_calm(stack, timeout=5)  # its Retry-After (1 s), far short of the 30 s failure cooldown
     served = {chat(http, policy="round_robin").json()["zml"]["node_id"] for _ in range(9)}
     assert "h100-a" in served  # back after its Retry-After, unlike a 30 s failure cooldown
 
@@ -131,7 +143,7 @@ def test_failed_family_falls_back_to_the_next_in_the_chain(stack: Stack, http: h
     r = chat(http, policy="h100-first")
     assert r.status_code == 200, r.text
     assert r.json()["zml"]["node_id"] == "mi300x-a" and r.json()["zml"]["family"] == "MI300X"
-    time.sleep(1.1)  # let the 1 s cooldowns lapse for the next tests
+    wait_calm(stack)  # the 1 s cooldowns lapse, for the next tests
 
 
 def test_stream_failure_before_first_token_is_invisible(stack: Stack, http: httpx.Client) -> None:
@@ -144,7 +156,7 @@ def test_stream_failure_before_first_token_is_invisible(stack: Stack, http: http
             lines = [line for line in r.iter_lines() if line]
         assert lines[-1] == "data: [DONE]"
         assert r.headers["x-zml-node-id"] != "h100-a"
-    time.sleep(1.1)
+    wait_calm(stack)
 
 
 def test_stream_broken_after_first_token_ends_with_an_error_event(stack: Stack, http: httpx.Client) -> None:
@@ -168,7 +180,7 @@ def test_saturation_fails_fast_with_queue_full_and_routing_context(stack: Stack,
     assert err["code"] == "QUEUE_FULL"
     assert err["routing_context"]["recommendation"]
     assert r.headers.get("retry-after")
-    time.sleep(1.1)
+    wait_calm(stack)
 
 
 def test_queue_on_saturation_waits_then_dispatches(stack: Stack, http: httpx.Client) -> None:
@@ -206,7 +218,7 @@ def test_queued_request_expires_with_queue_full(stack: Stack, http: httpx.Client
 
 def test_http_disconnect_cancels_on_the_node(stack: Stack) -> None:
     stack.clear_faults()
-    time.sleep(1.0)  # saturation marks from earlier tests lapse
+    wait_calm(stack)  # saturation marks from earlier tests lapse
 
     def running() -> int:
         return sum(stack.sim_state(n)["batch"]["running"] + stack.sim_state(n)["queue"]["waiting"] for n in stack.node_ids)

@@ -83,8 +83,14 @@ async def test_a_replica_dying_after_dispatch_does_not_get_its_entry_dispatched_
     b = Replica("router-b", room=room)
     nc_b, q_b = await b.start(own_nats)
     try:
-        # JetStream redelivers the head to B after ack_wait; B sees the claim and drops it.
-        await asyncio.sleep(ACK_WAIT_S + 4)
+        # JetStream redelivers the head to B after ack_wait; B sees the claim and drops it: acked,
+        # the stream is empty (waited for, not slept past). Without room, on past the entry's
+        # deadline too, where a held copy would have expired.
+        until = time.monotonic() + ACK_WAIT_S + 4
+        while await _queued_count(nc_b) and time.monotonic() < until:
+            await asyncio.sleep(0.1)
+        if not room:
+            await asyncio.sleep(max(0.0, deadline + 1 - time.time()))
         assert b.dispatched == [], "the entry ran twice"
         assert b.expired == [], "a second answer (QUEUE_FULL) for an entry that ran"
         assert await _queued_count(nc_b) == 0  # dropped (acked), not stuck at the head

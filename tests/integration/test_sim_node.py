@@ -305,6 +305,37 @@ async def test_llamacpp_loading_body_slots_and_metrics() -> None:
         await n.stop()
 
 
+@pytest.mark.timeout(20)
+async def test_llamacpp_lora_adapters_as_llama_server_has_them() -> None:
+    from zml_health.adapters.llamacpp import Lora, read_loras
+
+    n = SimNode("ll-lora", "nvidia_h100", [M], engine="llamacpp", time_scale=50.0, load_time_s=0.0,
+                loras=["/lora/pirate.gguf", "french.gguf"])
+    await n.start()
+    try:
+        async with httpx.AsyncClient(base_url=n.url) as c:
+            await n.engine.wait_loaded(M)
+            # what health reads once per engine start
+            assert await read_loras(c, n.url, 2.0) == [Lora(0, "/lora/pirate.gguf", 1.0), Lora(1, "french.gguf", 1.0)]
+            # a request's own list: the one it names runs, the others at 0; ids out of range refused
+            body = {**CHAT, "max_tokens": 2}
+            assert (await c.post("/v1/chat/completions", json={**body, "lora": [{"id": 1, "scale": 1.0}]})).status_code == 200
+            r = await c.post("/v1/chat/completions", json={**body, "lora": [{"id": 2, "scale": 1.0}]})
+            assert r.status_code == 400 and r.json()["error"]["message"] == "invalid adapter id"
+            assert (await c.post("/v1/chat/completions", json={**body, "lora": [{"id": 0, "scale": 0.0}]})).status_code == 200
+            assert n.state()["lora_requests"] == {"1": 1}
+            # without a list a request runs at the global scales: both on from start, then set
+            assert (await c.post("/v1/chat/completions", json=body)).status_code == 200
+            assert n.state()["lora_requests"] == {"0": 1, "1": 2}
+            assert (await c.post("/lora-adapters", json=[{"id": 0, "scale": 0.5}])).json() == {"success": True}
+            assert [a["scale"] for a in (await c.get("/lora-adapters")).json()] == [0.5, 0.0]
+            assert (await c.post("/lora-adapters", json=[{"id": 7, "scale": 1}])).status_code == 400
+    finally:
+        await n.stop()
+    with pytest.raises(ValueError, match="llama.cpp"):
+        SimNode("v", "nvidia_h100", [M], engine="vllm", loras=["a.gguf"])
+
+
 async def test_tgi_info_metrics_and_overload() -> None:
     n = SimNode("tgi-1", "nvidia_a100", [M], engine="tgi", time_scale=50.0, load_time_s=0.0)
     await n.start()

@@ -148,7 +148,12 @@ def test_fixed_nodes_get_no_other_adapter_and_count_toward_a_hot_ones_share() ->
     ads = [AdapterDemand("hot", "m", 3.0), AdapterDemand("warm", "m", 1.0)]
     got = place_adapters(offers, placed, ads)
     assert got["l0"] == {"hot"}  # never "warm": llama-server cannot load it
-    assert sum("hot" in a for a in got.values()) == 3  # 3/4 of the traffic on 3 of 4 nodes, l0 among them
+    # l0's copy counts: hot's first copy is there, and the run-time nodes' free slots take
+    # both adapters (the most requests per copy first)
+    assert all(got[f"v{i}"] == {"hot", "warm"} for i in range(3))
+    one_slot = [offers[0], *(NodeOffer(f"v{i}", "X", 1.0, {"m": 2.0}, adapter_slots=1) for i in range(3))]
+    got1 = place_adapters(one_slot, placed, ads)
+    assert got1["l0"] == {"hot"} and sorted(a for n in ("v0", "v1", "v2") for a in got1[n]) == ["hot", "hot", "warm"]
     # its base leaving the node leaves the adapter with it
     got = place_adapters(offers, {**placed, "l0": frozenset()}, ads)
     assert got["l0"] == frozenset()

@@ -117,8 +117,27 @@ def test_hot_adapters_on_more_nodes_of_their_base() -> None:
     assert len(p.nodes_of("m")) == 3  # 2 + 3 + 1 req/s on 2 req/s nodes
     hot = [n for n, a in p.adapters.items() if "hot" in a]
     warm = [n for n, a in p.adapters.items() if "warm" in a]
-    assert len(hot) == 3 and len(warm) == 1
+    assert len(hot) == 3 and len(warm) == 3  # the second slot of each node: warm's traffic spreads too
     assert all(n in p.nodes_of("m") for n in hot + warm)
+    assert not any("cold" in a for a in p.adapters.values())
+    # one slot a node: copies follow each adapter's share of the traffic (3:1 on 3 nodes)
+    one = [NodeOffer(f"n{i}", "X", 1.0, {"m": 2.0}, adapter_slots=1) for i in range(4)]
+    p = plan(one, [ModelDemand("m", 1.0)], [AdapterDemand("hot", "m", 3.0), AdapterDemand("warm", "m", 1.0)],
+             params=P0)
+    held = sorted(a for ads in p.adapters.values() for a in ads)
+    assert held == ["hot", "hot", "warm"]
+
+
+def test_free_adapter_slots_take_the_most_requests_per_copy_first() -> None:
+    offers = [NodeOffer(f"n{i}", "X", 1.0, {"m": 5.0}, adapter_slots=2, models=frozenset({"m"})) for i in range(2)]
+    ads = [AdapterDemand("a", "m", 4.0), AdapterDemand("b", "m", 1.5), AdapterDemand("c", "m", 1.0)]
+    p = plan(offers, [ModelDemand("m", 1.0)], ads, params=P0)
+    # shares: a on 2 nodes, b and c on one each; no slot is left, so b (1.5 a copy) gets no
+    # second copy over c; with a third slot each, b's second copy comes before c's
+    assert sorted(a for ads_ in p.adapters.values() for a in ads_) == ["a", "a", "b", "c"]
+    three = [NodeOffer(o.node_id, "X", 1.0, {"m": 5.0}, adapter_slots=3, models=o.models) for o in offers]
+    p = plan(three, [ModelDemand("m", 1.0)], [*ads, AdapterDemand("d", "m", 1.2)], params=P0)
+    assert sorted(a for ads_ in p.adapters.values() for a in ads_) == ["a", "a", "b", "b", "c", "d"]
 
 
 def test_adapters_stay_where_they_are() -> None:
@@ -229,3 +248,44 @@ def test_slo_capacity_is_bounded_by_queueing_for_a_slot_and_behind_prefills() ->
     assert slo_capacity(**short, ttft_s=2.0, miss_share=0.01) < slo_capacity(**short, ttft_s=4.0, miss_share=0.01)
     # no target, no bound
     assert slo_capacity(**{**shape, "ttft_s": None}, miss_share=0.01) == slo_capacity(**{**shape, "ttft_s": None})
+
+
+def test_an_adapter_leaves_a_node_only_once_its_new_home_has_it() -> None:
+    # node a swaps base m for x; adapter t (on m) moves to b, which serves m already
+    now = {"a": NodeNow(frozenset({"m"}), adapters=frozenset({"t"}), adapter_slots=1),
+           "b": NodeNow(frozenset({"m"}), adapter_slots=1), "c": NodeNow(frozenset({"x"}))}
+    target = {"a": frozenset({"x"}), "b": frozenset({"m"}), "c": frozenset()}
+    ads = {"a": frozenset(), "b": frozenset({"t"}), "c": frozenset()}
+    run, wait = next_steps(now, target, target_adapters=ads, adapter_base={"t": "m"}, max_loads=2)
+    assert [str(s) for s in run] == ["load adapter t on b"]
+    assert {(s.kind, s.node_id) for s in wait} >= {("unload", "a")}
+    now["b"] = NodeNow(frozenset({"m"}), adapters=frozenset({"t"}), adapter_slots=1)
+    run, _ = next_steps(now, target, target_adapters=ads, adapter_base={"t": "m"}, max_loads=2)
+    assert "unload m on a" in [str(s) for s in run]
+    # two full nodes swapping adapters do not wait for each other forever
+    now = {"a": NodeNow(frozenset({"m"}), adapters=frozenset({"t"}), adapter_slots=1),
+           "b": NodeNow(frozenset({"m"}), adapters=frozenset({"u"}), adapter_slots=1)}
+    run, _ = next_steps(now, {"a": frozenset({"m"}), "b": frozenset({"m"})},
+                        target_adapters={"a": frozenset({"u"}), "b": frozenset({"t"})},
+                        adapter_base={"t": "m", "u": "m"})
+    assert {str(s) for s in run} >= {"unload adapter t on a", "unload adapter u on b"}
+
+
+def test_a_new_replica_goes_to_a_node_with_nothing_to_unload_first() -> None:
+    # x moves off "busy"; y needs one more node: the idle node loads it at once, where "busy"
+    # would first wait for x's new home, drain and unload
+    offers = [NodeOffer("busy", "X", 1.0, {"x": 5.0, "y": 5.0}, models=frozenset({"x"})),
+              NodeOffer("idle", "X", 1.0, {"x": 5.0, "y": 5.0}),
+              NodeOffer("y1", "X", 1.0, {"x": 5.0, "y": 5.0}, models=frozenset({"y"}))]
+    p = plan(offers, [ModelDemand("x", 0.0), ModelDemand("y", 8.0)], params=P0)
+    assert p.models["idle"] == {"y"} and not p.models["busy"]
+
+
+def test_loads_of_models_short_of_capacity_go_first() -> None:
+    now = {"a": n(set()), "b": n(set())}
+    target = {"a": frozenset({"cheap"}), "b": frozenset({"short"})}
+    run, wait = next_steps(now, target, max_loads=1)
+    assert [str(s) for s in run] == ["load cheap on a"]
+    run, wait = next_steps(now, target, max_loads=1, urgent={"short"})
+    assert [str(s) for s in run] == ["load short on b"] and [str(s) for s in wait] == [
+        "load cheap on a (waits: another load is in progress)"]

@@ -431,6 +431,11 @@ class SimConfig(msgspec.Struct, **_Base):
     kv_cache_blocks: PosInt | None = None
     """KV-cache size in blocks (default: the memory left after the weights, as vLLM sizes it).
     Small values make evictions visible in demos and tests."""
+    loras: list[str] = []
+    """engine = "llamacpp" only: the ``--lora`` files the simulated llama-server was started
+    with (ids 0, 1, ... in this order, scale 1.0): ``GET /lora-adapters`` lists them, ``POST
+    /lora-adapters`` sets their global scales, a request picks them with ``"lora": [{"id",
+    "scale"}]``, as llama-server does (docs/placement.md "Adapters")."""
 
 
 class KVEventsConfig(msgspec.Struct, **_Base):

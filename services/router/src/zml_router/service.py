@@ -106,7 +106,9 @@ class RouterService:
         #: Requests whose requester asked for keepalives (zmlcore.reply.keepalive), by reply subject.
         self.keepalives = KeepaliveBook()
         #: Callers' request ids in flight on every replica (zml_router.replicas.ids).
-        self.ids = RequestIds(self.router_id, cfg.defaults.max_request_timeout_s)
+        #: this process among the routers that ever ran as router_id (RouterState.incarnation)
+        self.incarnation = os.urandom(4).hex()
+        self.ids = RequestIds(self.router_id, cfg.defaults.max_request_timeout_s, self.incarnation)
         #: Completion events, published together every few ms (zmlcore.bus.batchpub).
         self.events: BatchPublisher | None = None
         #: Request and first-byte deadlines: one timer wheel, not a loop timer each (zml_router.timers).
@@ -269,7 +271,9 @@ class RouterService:
             task.cancel()
 
     async def _on_state(self, msg: Msg) -> None:
-        await msg.respond(_encode(self.sharing.state(len(self.in_flight), time.time())))
+        state = self.sharing.state(len(self.in_flight), time.time())
+        state.incarnation = self.incarnation
+        await msg.respond(_encode(state))
 
     async def _on_decision(self, msg: Msg) -> None:
         """Answer only when this replica made the decision: the asker takes the first answer,

@@ -41,6 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", action="extend", nargs="+", default=[], metavar="M",
                    help=f"single node: model to load (repeatable; default {DEFAULT_MODEL})")
     p.add_argument("--engine", choices=ENGINES, default="vllm", help="engine to imitate")
+    p.add_argument("--lora", action="append", default=[], metavar="FILE",
+                   help="single node, --engine llamacpp: a --lora file it was started with (repeat: ids 0, 1, ...)")
     p.add_argument("--time-scale", type=float, default=None,
                    help="run this many times faster than real time (overrides the config)")
     p.add_argument("--load-time-s", type=float, default=None, help="model load time (simulated seconds)")
@@ -104,10 +106,12 @@ async def _run(args: argparse.Namespace, faults: Faults) -> int:
         else:
             if args.port is None:
                 return _fail("--port is required with --accelerator (0 picks a free port)")
+            if args.lora and args.engine != "llamacpp":
+                return _fail("--lora is llama.cpp's (--engine llamacpp)")
             acc = ACCELERATORS[args.accelerator]
             node = SimNode(
                 args.node_id or f"{acc.family.lower()}-sim", args.accelerator,
-                args.model or [DEFAULT_MODEL], engine=args.engine, time_scale=args.time_scale or 1.0,
+                args.model or [DEFAULT_MODEL], engine=args.engine, time_scale=args.time_scale or 1.0, loras=args.lora,
                 seed=args.seed, max_waiting=args.max_waiting, driver_version=args.driver_version,
                 faults=faults, speed=args.speed, prefill_tps=args.prefill_tps,
                 decode_tps=args.decode_tps, max_concurrency=args.max_concurrency,

@@ -165,6 +165,10 @@ class Inference(KVLegs):
         model = body.get("model")
         if model is not None and not isinstance(model, str):
             raise _BadRequest("Field 'model' must be a string")
+        try:
+            self.face.check_request(cast(NodeView, self), body)
+        except ValueError as exc:
+            raise _BadRequest(str(exc)) from None
         opts = body.get("stream_options")
         kvp = body.get("kv_transfer_params")
         boot = None

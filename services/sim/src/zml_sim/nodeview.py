@@ -25,6 +25,10 @@ class NodeView(Protocol):
     sleeping: list[str]
     #: LoRA adapters loaded at run time (vLLM): name -> path
     adapters: dict[str, str]
+    #: llama.cpp's --lora files: [{"id", "path", "scale"}] (scale: the global one)
+    loras: list[dict[str, Any]]
+    #: llama.cpp: adapter id -> requests that asked for it at a scale > 0
+    lora_requests: dict[int, int]
 
     def error(self, status: int, message: str, kind: str,
               headers: dict[str, str] | None = None) -> web.Response:

@@ -128,6 +128,7 @@ class SimNode(Inference, Probe):
         drift: float = 0.0,
         drift_period_s: float = 600.0,
         kv_gbps: float | None = None,
+        loras: Iterable[str] = (),
         **profile_overrides: float | int | None,
     ) -> None:
         if accelerator not in ACCELERATORS:
@@ -179,6 +180,12 @@ class SimNode(Inference, Probe):
         #: LoRA adapters loaded at run time (vLLM /v1/load_lora_adapter): name -> path; they run on
         #: the served model and are listed in /v1/models with it as their parent.
         self.adapters: dict[str, str] = {}
+        #: llama.cpp's --lora files (id = index; path and global scale), and per id the requests
+        #: that asked for it at a scale > 0 (faces.llamacpp)
+        if loras and engine != "llamacpp":
+            raise ValueError(f"node {node_id!r}: loras are llama.cpp's --lora files (engine llamacpp)")
+        self.loras: list[dict[str, Any]] = [{"id": i, "path": p, "scale": 1.0} for i, p in enumerate(loras)]
+        self.lora_requests: dict[int, int] = {}
 
     @classmethod
     def from_config(cls, node: NodeConfig, *, time_scale: float | None = None) -> SimNode:
@@ -199,7 +206,7 @@ class SimNode(Inference, Probe):
             cost_per_hour=node.cost_per_hour, prefix_caching=sim.prefix_caching,
             kv_block_size=sim.kv_block_size, kv_cache_blocks=sim.kv_cache_blocks,
             kv_events=node.kv_events, kv_gbps=node.kv_gbps, true_speed=sim.true_speed, drift=sim.drift,
-            drift_period_s=sim.drift_period_s,
+            drift_period_s=sim.drift_period_s, loras=sim.loras,
         )
 
     # ----- lifecycle ---------------------------------------------------------------------------
@@ -382,6 +389,8 @@ class SimNode(Inference, Probe):
             "profile": asdict(eng.profile),
             "counters": {m: s.to_dict() for m, s in eng.stats.items()},
             "kv_handoff": self.handoff.state(),
+            "loras": [dict(a) for a in self.loras],
+            "lora_requests": {str(i): n for i, n in sorted(self.lora_requests.items())},
         }
 
 

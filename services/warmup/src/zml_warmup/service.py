@@ -347,14 +347,15 @@ class WarmupService:
         target = self.target
         held = {n: h for n, h in self._held_now().items() if n in target.models}
         loads = sum(1 for (_, _), (_, reason, _) in self.in_progress.items() if reason == "placement")
+        short = placer.short_models(self.plan_inputs) if self.plan_inputs is not None else set()
         run, wait = next_steps(held, target.models, target_adapters=target.adapters,
                                adapter_base={a: c.base for a, c in self.cfg.adapters.items()},
-                               max_loads=self.wc.max_concurrent_loads, in_progress=loads)
+                               max_loads=self.wc.max_concurrent_loads, in_progress=loads, urgent=short)
         # blocked: the steps wait on each other (judged before any waits for a quiet window)
         stuck = moves_blocked(held, target.models, wait, run, loads + len(self.moving))
         if self.wc.quiet_windows and self.plan_inputs is not None and not in_fixed_window(self.wc.quiet_windows, now):
             # moves that only save money wait for a quiet window; a model short of capacity moves now
-            run, later = placer.defer_outside_quiet(run, placer.short_models(self.plan_inputs))
+            run, later = placer.defer_outside_quiet(run, short)
             wait = [*later, *wait]
         if stuck and not (self.last_steps and self.last_steps[2]):
             self._emit_placement(PlacementEvent(phase="blocked", ts=now, message="; ".join(str(s) for s in wait)))

@@ -1,9 +1,10 @@
 """Which nodes hold which LoRA adapters (pure): on the nodes planned for the adapter's base
 model, hot adapters on more of them, each kept where it already is.
 
-An adapter with traffic is loaded on at least one node of its base, and on a share of them
-that follows its share of the base's adapter traffic (an adapter with a third of it on a third
-of the nodes), so the router finds it loaded instead of loading it on the request's path.
+An adapter with traffic is loaded on at least one node of its base, then on more of them in
+proportion to its traffic (D'Hondt: the most requests per copy next) until the base's nodes'
+adapter slots are full, so the router finds it loaded instead of loading it on the request's
+path, and can balance its requests like the base's.
 Adapters with no traffic stay only where a slot is free. A node whose adapters are fixed
 (llama.cpp's ``--lora`` files: it loads no other) keeps those whose base stays on it, counted
 toward the adapter's share, and is given no other.
@@ -11,7 +12,7 @@ toward the adapter's share, and is given no other.
 
 from __future__ import annotations
 
-import math
+import heapq
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
@@ -28,26 +29,42 @@ def place_adapters(offers: Sequence[NodeOffer], placed: Mapping[str, frozenset[s
         if o.adapters_fixed:
             hold[o.node_id] = {ad for ad in o.adapters
                                if base_of.get(ad, "") in placed.get(o.node_id, frozenset())}
-    base_rate: dict[str, float] = defaultdict(float)
-    for a in adapters:
-        base_rate[a.base] += a.rate
+    copies: dict[str, int] = defaultdict(int)
+    for n, h in hold.items():
+        for ad in h:
+            copies[ad] += 1
+    homes: dict[str, list[str]] = defaultdict(list)
+    for n, ms in sorted(placed.items()):
+        if by_id[n].adapter_slots > 0 and not by_id[n].adapters_fixed:
+            for m in ms:
+                homes[m].append(n)
+
+    def put(a: AdapterDemand) -> bool:
+        """One more copy of ``a``: where it already is, else on the node with most room."""
+        free = [n for n in homes.get(a.base, ()) if a.adapter not in hold[n] and len(hold[n]) < by_id[n].adapter_slots]
+        if not free:
+            return False
+        n = min(free, key=lambda n: (a.adapter not in by_id[n].adapters, len(hold[n]), n))
+        hold[n].add(a.adapter)
+        copies[a.adapter] += 1
+        return True
+
+    # every adapter with traffic on one node of its base first (hottest first), then more
+    # copies, the most requests per copy next (D'Hondt), into every free slot: an adapter's
+    # requests go only where it is loaded, so the one copy of a busy adapter takes all its
+    # traffic however queued its node is, where copies on every node of the base let the router
+    # balance it like the base's own requests (a day simulated request by request: the nodes
+    # with the few copies stayed queued after a move while the base's new replicas idled)
     hot = sorted((a for a in adapters if a.rate > 0), key=lambda a: (-a.rate, a.adapter))
     for a in hot:
-        fixed = sum(1 for n, ms in placed.items() if a.base in ms and by_id[n].adapters_fixed
-                    and a.adapter in hold[n])
-        nodes = [n for n, ms in placed.items() if a.base in ms and by_id[n].adapter_slots > 0
-                 and not by_id[n].adapters_fixed]
-        if not nodes:
-            continue
-        want = max(1, math.ceil((len(nodes) + fixed) * a.rate / base_rate[a.base] - 1e-9)) - fixed
-        # where it is already, then the nodes with most room
-        nodes.sort(key=lambda n: (a.adapter not in by_id[n].adapters, len(hold[n]), n))
-        for n in nodes:
-            if want <= 0:
-                break
-            if len(hold[n]) < by_id[n].adapter_slots:
-                hold[n].add(a.adapter)
-                want -= 1
+        if not copies[a.adapter]:
+            put(a)
+    queue = [(-a.rate / (copies[a.adapter] + 1), a.adapter, i) for i, a in enumerate(hot)]
+    heapq.heapify(queue)
+    while queue:
+        _, _, i = heapq.heappop(queue)
+        if put(hot[i]):
+            heapq.heappush(queue, (-hot[i].rate / (copies[hot[i].adapter] + 1), hot[i].adapter, i))
     cold = {a.adapter: a.base for a in adapters if a.rate <= 0}
     for n, o in sorted(by_id.items()):
         if o.adapters_fixed:

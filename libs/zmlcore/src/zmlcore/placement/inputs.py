@@ -63,7 +63,7 @@ class PlanParams:
     time_limit_s: float = 5.0
     #: The solver stops when its answer is proven within this fraction of the optimum's cost.
     #: 0.5%: a 1,000-node day's plan takes ~0.2 s CPU where proving 0.1% took ~1.6 s, for $3 of
-    #: $1,400/h (benches/placement_day.py); small fleets are solved exactly either way.
+    #: $1,400/h (benches/placement_day.py --fluid); small fleets are solved exactly either way.
     mip_rel_gap: float = 5e-3
     #: Nodes whose capacities differ by less than this ratio are planned as one class (their
     #: capacity is the class's lowest): the problem then grows with the fleet's kinds, not its size.

@@ -9,8 +9,12 @@ the next answer instead of a script going stale. Its rules:
   that model serves it already (loaded, up): the model's SLO capacity never dips below the
   plan's while it moves. A node whose slots are full unloads first what it must lose, under
   the same rule, and loads after;
-* adapters the same way, within the node's adapter slots, on nodes that serve their base;
-* at most ``max_loads`` loads at a time, fleet-wide, counting those in progress.
+* adapters the same way, within the node's adapter slots, on nodes that serve their base, and
+  make before break too: an adapter leaves a node (unloaded, or with its base model) only once
+  a node the plan gives it has it loaded, or its requests would find it nowhere and be refused
+  (MODEL_NOT_LOADED) until a load elsewhere finishes;
+* at most ``max_loads`` loads at a time, fleet-wide, counting those in progress, the loads of
+  models short of capacity first.
 
 Steps that cannot run yet (their model's new replicas still loading) wait; a plan whose
 moves would need a spare node it does not have (two nodes swapping their only replicas) is
@@ -19,7 +23,7 @@ reported as ``blocked`` rather than dropping a model.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -76,9 +80,10 @@ def all_steps(now: Mapping[str, NodeNow], target: Mapping[str, frozenset[str]],
 def next_steps(now: Mapping[str, NodeNow], target: Mapping[str, frozenset[str]], *,
                target_adapters: Mapping[str, frozenset[str]] | None = None,
                adapter_base: Mapping[str, str] | None = None, max_loads: int = 1,
-               in_progress: int = 0) -> tuple[list[Step], list[Step]]:
+               in_progress: int = 0, urgent: Collection[str] = ()) -> tuple[list[Step], list[Step]]:
     """(steps to start now, steps waiting with the reason). Nodes absent from ``target`` keep
-    what they hold (the plan did not cover them)."""
+    what they hold (the plan did not cover them). Loads of ``urgent`` models (short of SLO
+    capacity now) take the ``max_loads`` budget first."""
     run: list[Step] = []
     wait: list[Step] = []
     placed_ok: dict[str, bool] = {}
@@ -91,7 +96,23 @@ def next_steps(now: Mapping[str, NodeNow], target: Mapping[str, frozenset[str]],
                 for n, ms in target.items() if model in ms and n in now)
         return placed_ok[model]
 
+    ad_ok: dict[str, bool] = {}
+    base_of = adapter_base or {}
+
+    def adapter_ready(adapter: str) -> bool:
+        """``adapter`` may leave a node: a node the plan gives it has it loaded (its requests
+        still find it), or none could load it before something leaves (every such node's
+        adapter slots are full: waiting would block both), or the plan gives it no node."""
+        if target_adapters is None:
+            return True
+        if adapter not in ad_ok:
+            homes = [now[n] for n, ads in target_adapters.items() if adapter in ads and n in now and now[n].up]
+            ad_ok[adapter] = (not homes or any(adapter in h.adapters for h in homes)
+                              or all(len(h.adapters) >= h.adapter_slots for h in homes))
+        return ad_ok[adapter]
+
     loads_left = max_loads - in_progress
+    loadable: list[tuple[str, str]] = []
     for n in sorted(now):
         node = now[n]
         if n not in target or not node.up:
@@ -100,32 +121,44 @@ def next_steps(now: Mapping[str, NodeNow], target: Mapping[str, frozenset[str]],
         drops = sorted(node.models - want)
         adds = sorted(want - node.models - node.loading)
         for m in drops:
-            if replicas_ready(m):
-                run.append(Step("unload", n, m))
-            else:
+            if not replicas_ready(m):
                 wait.append(Step("unload", n, m, "its new replicas are not serving yet"))
+            elif not all(adapter_ready(a) for a in node.adapters if base_of.get(a) == m):
+                wait.append(Step("unload", n, m, "its adapters are not loaded where the plan puts them yet"))
+            else:
+                run.append(Step("unload", n, m))
         free = node.slots - len(node.models) - len(node.loading)
         for m in adds:
             if free <= 0:
                 wait.append(Step("load", n, m, "the node's slots are full until it unloads"))
-            elif loads_left <= 0:
-                wait.append(Step("load", n, m, "another load is in progress"))
             else:
-                run.append(Step("load", n, m))
+                loadable.append((n, m))
                 free -= 1
-                loads_left -= 1
+    # the load budget goes to models short of capacity first (their requests queue meanwhile),
+    # then to those whose loads only save money
+    for n, m in sorted(loadable, key=lambda nm: (nm[1] not in urgent, nm)):
+        if loads_left <= 0:
+            wait.append(Step("load", n, m, "another load is in progress"))
+        else:
+            run.append(Step("load", n, m))
+            loads_left -= 1
     if target_adapters is not None:
-        base = adapter_base or {}
         for n in sorted(now):
             node = now[n]
             if n not in target_adapters or not node.up:
                 continue
             want_a = target_adapters[n]
+            leaving = 0
             for a in sorted(node.adapters - want_a):
-                run.append(Step("unload_adapter", n, a))
-            free = node.adapter_slots - len(node.adapters & want_a)
+                if adapter_ready(a) or base_of.get(a, "") not in node.models:
+                    run.append(Step("unload_adapter", n, a))
+                    leaving += 1
+                else:
+                    wait.append(Step("unload_adapter", n, a, "its new homes have not loaded it yet"))
+            # a slot an adapter still serving here holds is free once it leaves, not before
+            free = node.adapter_slots - len(node.adapters) + leaving
             for a in sorted(want_a - node.adapters):
-                b = base.get(a)
+                b = base_of.get(a)
                 if b is not None and (b not in node.models or b in node.loading):
                     wait.append(Step("load_adapter", n, a, f"base model {b} is not loaded yet"))
                 elif free <= 0:

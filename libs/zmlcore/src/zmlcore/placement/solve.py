@@ -189,7 +189,10 @@ def plan(offers: Sequence[NodeOffer], demands: Sequence[ModelDemand], adapters: 
 
 def _split(k: _Class, counts: dict[str, int]) -> dict[str, frozenset[str]]:
     """A class's per-model slot counts back to nodes: each model stays on nodes that hold it
-    (up to its count), the rest fill nodes already busy before waking an idle one."""
+    (up to its count), the rest fill nodes already busy before waking an idle one, and among
+    equals a node with less to unload first: a load there starts at once, where a node still
+    serving a model the plan takes away must wait for that model's new replicas, drain and
+    unload it (minutes of a new replica's capacity missing while demand has moved)."""
     hold: list[set[str]] = [set() for _ in k.nodes]
     left = dict(counts)
     for i, o in enumerate(k.nodes):
@@ -198,7 +201,7 @@ def _split(k: _Class, counts: dict[str, int]) -> dict[str, frozenset[str]]:
                 hold[i].add(m)
                 left[m] -= 1
     for m, n in sorted(left.items(), key=lambda kv: (-kv[1], kv[0])):
-        order = sorted(range(len(k.nodes)), key=lambda i: (not hold[i], len(hold[i]), i))
+        order = sorted(range(len(k.nodes)), key=lambda i: (not hold[i], len(hold[i]), len(k.nodes[i].models - hold[i]), i))
         for i in order:
             if n <= 0:
                 break

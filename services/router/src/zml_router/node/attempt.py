@@ -270,6 +270,18 @@ class Learned:
         """Seconds per output token of one more sequence (token_gap_s)."""
         return (1.0 + self.k * (min(outstanding + 1, self.maxc) - 1)) * self.step1
 
+    def expected_s(self, outstanding: int, pending: int, prompt_tokens: int, max_tokens: int, stream: bool) -> float:
+        """Seconds the node should need before its first byte (:func:`expected_s`, from these
+        coefficients instead of the node's state: no estimate rebuilt per attempt).
+
+        >>> st = NodeState(node_id="n", accelerator_type="nvidia_h100", family="H100", endpoint="")
+        >>> sp = Learned(st, "m")
+        >>> [sp.expected_s(3, 1, 1000, 60, s) == expected_s(st, 3, 1, 1000, 60, s, "m") for s in (True, False)]
+        [True, True]
+        """
+        ttft = self.coeffs.load_key(outstanding, pending) + prompt_tokens * self.coeffs.inv_pf
+        return ttft if stream else ttft + max_tokens * self.gap_s(outstanding)
+
     def stall_s(self, outstanding: int, floor_s: float, factor: float, cap_s: float) -> float:
         """The inter-token deadline (stall_timeout)."""
         if factor <= 0:

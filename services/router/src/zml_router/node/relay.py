@@ -50,7 +50,6 @@ from zml_router.node.attempt import (
     Learned,
     Renamer,
     at_dispatch,
-    expected_s,
     first_byte_timeout,
     speed_sample,
     pending_window_s,
@@ -402,8 +401,8 @@ class Relay:
         if view is None or req.accelerator_id is not None:
             return None
         rc = self.cfg.router
-        expected = expected_s(view.state, view.outstanding, view.pending, rr.prompt_tokens, rr.max_tokens,
-                              req.stream if stream is None else stream, rr.model)
+        expected = self.learned(node_id, view.state, rr.model).expected_s(
+            view.outstanding, view.pending, rr.prompt_tokens, rr.max_tokens, req.stream if stream is None else stream)
         return first_byte_timeout(expected, rc.first_byte_floor_s, rc.first_byte_factor)
 
     def stall_s(self, node_id: str, model: str) -> float:

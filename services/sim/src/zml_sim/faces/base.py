@@ -93,6 +93,10 @@ class Face:
             return True
         return self.prefill == "flag" and body.get("continue_final_message") is True
 
+    def check_request(self, node: NodeView, body: dict[str, Any]) -> None:
+        """The engine's own request fields: ValueError (a 400 with its message) for one it
+        refuses. Called once per request, after the body parsed."""
+
     def reply_extra(self, req: SimRequest) -> dict[str, Any]:
         """Top-level fields beside ``usage`` in a reply and a stream's last chunks."""
         return {}

@@ -3,7 +3,15 @@
 ``GET /slots``, and router mode's ``GET /models`` (each model with ``status.value`` "loaded" /
 "loading"), ``POST /models/load {"model"}`` (200 ``{"success": true}``; 400 "model is already
 running") and ``POST /models/unload``. A sim llama.cpp node serves router mode's load routes
-beside the single-model ``/metrics`` and ``/props`` (a real router proxies those per model)."""
+beside the single-model ``/metrics`` and ``/props`` (a real router proxies those per model).
+
+LoRA adapters as llama-server (build 11434) has them: only the ``--lora`` files it started with
+(``[nodes.sim] loras``, ``zml sim --lora``), id = their order. ``GET /lora-adapters`` lists
+``[{"id", "path", "scale"}]``; ``POST /lora-adapters [{"id", "scale"}]`` sets the global scales
+(an adapter left out goes to 0; an id out of range: 400 "invalid adapter id"); a request's own
+``"lora": [{"id", "scale"}]`` overrides them for that request, with the same rules. Nothing
+loads or unloads an adapter at run time. The sim counts, per id, the requests that asked for it
+at a scale > 0 (``/sim/state`` ``lora_requests``), so tests see which adapter a request ran."""
 
 from __future__ import annotations
 
@@ -66,6 +74,15 @@ class LlamaCpp(Face):
         r.add_get("/models", partial(_router_models, node))
         r.add_post("/models/load", partial(_router_load, node))
         r.add_post("/models/unload", partial(_router_unload, node))
+        r.add_get("/lora-adapters", partial(_lora_list, node))
+        r.add_post("/lora-adapters", partial(_lora_set, node))
+
+    def check_request(self, node: NodeView, body: dict[str, Any]) -> None:
+        asked = body.get("lora")
+        scales = _lora_scales(node, asked) if asked is not None else [a["scale"] for a in node.loras]
+        for i, scale in enumerate(scales):
+            if scale > 0:
+                node.lora_requests[i] = node.lora_requests.get(i, 0) + 1
 
 
 FACE = LlamaCpp()
@@ -127,6 +144,39 @@ async def _router_load(node: NodeView, req: web.Request) -> web.Response:
         return node.error(500, str(exc), "internal")
     if not started:
         return node.error(400, "model is already running", "bad_request")
+    return _json({"success": True})
+
+
+def _lora_scales(node: NodeView, entries: Any) -> list[float]:
+    """Each adapter's scale as llama-server's parse_lora_request makes it: every adapter at 0,
+    then each entry's ``scale`` on its ``id`` (ValueError "invalid adapter id" out of range)."""
+    scales = [0.0] * len(node.loras)
+    if not isinstance(entries, list):
+        raise ValueError("lora must be an array of {\"id\", \"scale\"}")
+    for e in entries:
+        i = e.get("id", -1) if isinstance(e, dict) else -1
+        scale = e.get("scale", 0.0) if isinstance(e, dict) else 0.0
+        if not isinstance(i, int) or isinstance(i, bool) or not 0 <= i < len(scales):
+            raise ValueError("invalid adapter id")
+        scales[i] = float(scale) if isinstance(scale, (int, float)) and not isinstance(scale, bool) else 0.0
+    return scales
+
+
+async def _lora_list(node: NodeView, req: web.Request) -> web.Response:
+    return _json(node.loras)
+
+
+async def _lora_set(node: NodeView, req: web.Request) -> web.Response:
+    try:
+        body = await req.json()
+    except ValueError:
+        return node.error(400, "Invalid JSON", "bad_request")
+    try:
+        scales = _lora_scales(node, body)
+    except ValueError as exc:
+        return node.error(400, str(exc), "bad_request")
+    for a, scale in zip(node.loras, scales):
+        a["scale"] = scale
     return _json({"success": True})
 
 
