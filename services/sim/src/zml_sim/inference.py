@@ -166,7 +166,7 @@ class Inference(KVLegs):
         if model is not None and not isinstance(model, str):
             raise _BadRequest("Field 'model' must be a string")
         try:
-            self.face.check_request(self, body)
+            self.face.check_request(cast(NodeView, self), body)
         except ValueError as exc:
             raise _BadRequest(str(exc)) from None
         opts = body.get("stream_options")
