@@ -15,11 +15,19 @@ taken by one at random; node counters exact and shared (the live router's local 
 its peers' deltas, here without lag: benches/routing_sim.py measures that lag); each replica
 its own ShareBook, charging a request's prompt at dispatch (plus a mean output, corrected at
 completion) and publishing its counters every [flow] share_report_ms, delivered to its peers
-after a lag drawn from ``lag_ms``. With flow control on ([flow] hold_when_full): a request that
-finds no free slot (zmlcore.flowctl.gate.admit_flow) waits in one saturation queue, and each
-time a slot frees the replica taking it dispatches the queue's best entries in the order of
-zmlcore.flowctl.order (trying at most ``TRIES`` of them). "today" is the router before flow
-control: every request admitted under the admission bound, nodes' own FIFO queues.
+after a lag drawn from ``lag_ms``. With flow control on ([flow] hold_when_full), the router's
+request path and queue passes, through the functions the router calls: a request that finds no
+free slot (zmlcore.flowctl.gate.admit_flow, the tenant's standing from the replica's book) waits
+in the saturation queue, held in one replica's window (JetStream hands entries to whichever
+replica polls: here one at random); with entries waiting, a new request queues behind them
+unless it ranks before all of them (zmlcore.flowctl.gate.outranks). Each time a slot may have
+freed, every replica holding entries makes its passes: it ranks its window
+(zmlcore.flowctl.order.rank_window: a tenant's backlog counts every replica's window, from
+their share reports), sheds past [flow] max_queued, leaves the slot to a replica announcing
+better-ranked work, else sends the first entry with room (first_with_room). Announcements are
+immediate here (the router's are a NATS message away). Batch lines wait in their runner, not in
+the queue. "today" is the router before flow control: every request admitted under the
+admission bound, nodes' own FIFO queues.
 
 Scenarios (docs/benchmarks.md, "Flow control"):
 * ``flood``: 5 tenants at 18% each (90% load); one of them floods at 10x its fair share (1/5 of
@@ -58,8 +66,9 @@ from routing_simnode import EPS, SimNode  # noqa: E402
 from zmlcore.config import FlowConfig, RouterConfig  # noqa: E402
 from zmlcore.errors import QueueFullError, SloUnattainableError  # noqa: E402
 from zmlcore.flowctl import (BATCH, CRITICAL, STANDARD, Ask, Calibration, ShareBook, Slo, Waiting,  # noqa: E402
-                             displaced, effective_band, predict_tpot, ranked)
-from zmlcore.flowctl.gate import admit_flow, over_share  # noqa: E402
+                             effective_band, predict_tpot, ranked)
+from zmlcore.flowctl.gate import admit_flow, outranks, standing  # noqa: E402
+from zmlcore.flowctl.order import first_with_room, rank_window  # noqa: E402
 from zmlcore.flowctl.slo import batch_of, model_tpot, queue_budget_s  # noqa: E402
 from zmlcore.messages import NodeState  # noqa: E402
 from zmlcore.policy import FleetIndex, NodeView, RouteRequest, RoutingState, builtin_policy  # noqa: E402
@@ -72,8 +81,6 @@ POLICY = builtin_policy("latency")
 STALE_AFTER_S = RouterConfig().stale_after_s
 ADMISSION_S = RouterConfig().admission_ttft_s
 RESERVE = RouterConfig().batch_reserve
-#: Queued entries a freed slot is offered to, best first, before it stays free.
-TRIES = 8
 #: Queue wait of a request without a TTFT target (the policy's max_queue_ms).
 MAX_QUEUE_S = 30.0
 WARM_S = 30.0
@@ -112,6 +119,8 @@ class Req:
     sent: float = math.nan
     model_tpot: float = math.nan
     batch: int = 0
+    #: as the queue's order sees it (built once, as the router's glue does per entry)
+    waiting: Waiting | None = None
 
 
 @dataclass
@@ -180,8 +189,12 @@ def simulate(tenants: list[Tenant], duration: float, seed: int, *, flow_on: bool
     if flow_on and replicas > 1:
         for k in range(replicas):
             push(rnd.uniform(0, report_s), REPORT, k)
-    queue: list[Req] = []
-    backlog: dict[str, int] = {}  # tenant -> its entries waiting in the queue
+    #: each replica's window of the saturation queue (the entries it holds), and the best
+    #: (band, over-share) it announced (None: holds nothing)
+    windows: list[list[Req]] = [[] for _ in range(replicas)]
+    tops: list[tuple[int, int] | None] = [None] * replicas
+    #: batch lines wait in their runner, not in the saturation queue (docs/batches.md)
+    runner: list[Req] = []
     tw0, tw1 = WARM_S, duration
     weights = {tn.name: tn.weight for tn in tenants}
 
@@ -227,28 +240,35 @@ def simulate(tenants: list[Tenant], duration: float, seed: int, *, flow_on: bool
             band = effective_band(Waiting(r.band, tn.name, tn.weight, r.t, r.i, r.urgent_at), now, flow.age_s)
         return Ask(band, False, tn.name, tn.weight, r.slo)
 
-    def over(book: ShareBook, name: str, w: float, now: float) -> bool:
-        return over_share(book.share_used(name, w, now, weights), backlog.get(name, 0))
-
-    def try_dispatch(r: Req, now: float, k: int, ahead: int = 0) -> bool:
-        """The router's decision for r by replica k (``ahead`` waiting before it); True when
-        dispatched (or refused)."""
+    def decide(r: Req, now: float, k: int, ahead: int = 0) -> Any:
+        """Replica k's decision for r, as the router's gate takes it (zml_router.request.flowgate:
+        the tenant's standing from k's share book, its backlog over every replica's window):
+        a Decision, "refused" (SLO_UNATTAINABLE), or None (no room: QUEUE_FULL)."""
         rr = RouteRequest(model=MODEL, prompt_tokens=r.P)
         try:
             if flow_on:
                 tn = tenants[r.tenant]
-                d, v = admit_flow(fleet, rr, POLICY, now, rstate, tenant_ask(r, now),
-                                  over_share=over(books[k], tn.name, tn.weight, now), flow=flow,
+                d, _ = admit_flow(fleet, rr, POLICY, now, rstate, tenant_ask(r, now),
+                                  over_share=standing(books[k], tn.name, tn.weight, now)[1], flow=flow,
                                   stale_after_s=STALE_AFTER_S, ttft_bound_s=ADMISSION_S, reserve=RESERVE,
                                   calibration=cals[k], ahead=ahead)
-            else:
-                d, v = admit(fleet, rr, POLICY, now, rstate, stale_after_s=STALE_AFTER_S,
-                             ttft_bound_s=ADMISSION_S), None
+                return d
+            return admit(fleet, rr, POLICY, now, rstate, stale_after_s=STALE_AFTER_S, ttft_bound_s=ADMISSION_S)
         except SloUnattainableError:
+            return "refused"
+        except QueueFullError:
+            return None
+
+    def try_dispatch(r: Req, now: float, k: int, d: Any = None) -> bool:
+        """Send r by replica k on its decision (``d``, or taken now); True when dispatched (or
+        refused)."""
+        if d is None:
+            d = decide(r, now, k)
+        if d is None:
+            return False
+        if d == "refused":
             r.outcome = "refused"
             return True
-        except QueueFullError:
-            return False
         nd = nodes[_index[d.node_id]]
         r.node = nd.idx
         r.pred_ttft = d.estimated_ttft_s
@@ -264,39 +284,74 @@ def simulate(tenants: list[Tenant], duration: float, seed: int, *, flow_on: bool
         arrive_node(nd, r, now)
         return True
 
-    def drain(now: float) -> None:
-        """A slot may have freed: offer it to the queue's best entries."""
-        if not queue:
-            return
-        backlog.clear()
-        for q in queue:
-            name = tenants[q.tenant].name
-            backlog[name] = backlog.get(name, 0) + 1
-        k = rnd.randrange(replicas)
-        book = books[k]
-        ws = [Waiting(q.band, tenants[q.tenant].name, tenants[q.tenant].weight, q.t, q.i, q.urgent_at,
-                      book.cost(q.P, MEAN_OUTPUT_TOKENS)) for q in queue]
-        level = book.fair_level(now, weights)
-        order = ranked(ws, lambda t, w: book.service(t, w, now), now, flow.age_s, level)
-        taken: set[int] = set()
-        for pos, j in enumerate(order[:TRIES]):
-            q = queue[j]
-            if try_dispatch(q, now, k, pos - len(taken)):
-                taken.add(j)
-        if taken:
-            queue[:] = [q for j, q in enumerate(queue) if j not in taken]
-        # displacement: past max_queued the lowest-ranked go (SHED); batch lines wait in their
-        # runner, not in the saturation queue (docs/batches.md), so they are not counted
-        inter = [q for q in queue if q.band != BATCH]
-        if len(inter) > flow.max_queued:
-            ws = [Waiting(q.band, tenants[q.tenant].name, tenants[q.tenant].weight, q.t, q.i, q.urgent_at,
-                      book.cost(q.P, MEAN_OUTPUT_TOKENS)) for q in inter]
-            drop = displaced(ws, lambda t, w: book.service(t, w, now), now, flow.age_s, flow.max_queued, level)
-            gone = {inter[j].i for j in drop}
-            for q in inter:
+    def waiting_of(q: Req) -> Waiting:
+        if q.waiting is None:
+            tn = tenants[q.tenant]
+            q.waiting = Waiting(q.band, tn.name, tn.weight, q.t, q.i, q.urgent_at, books[0].cost(q.P, MEAN_OUTPUT_TOKENS))
+        return q.waiting
+
+    def best_waiting(k: int) -> tuple[int, int] | None:
+        """The best (band, over-share) waiting, this replica's or announced by the others."""
+        known = [t for j, t in enumerate(tops) if t is not None and windows[j]]
+        return min(known) if known else None
+
+    def serve(k: int, now: float) -> bool:
+        """One pass of replica k over its window, as the router's (zml_router.queue.jetstream
+        ``_serve``): rank it (zmlcore.flowctl.order.rank_window), shed past max_queued, leave the
+        slot to a replica announcing better-ranked work, else send the first entry with room
+        (first_with_room). True when one was sent (or refused): rank again."""
+        win = windows[k]
+        if not win:
+            tops[k] = None
+            books[k].set_waiting({}, {})
+            return False
+        ranking = rank_window([waiting_of(q) for q in win], books[k], now, age_s=flow.age_s,
+                              max_queued=flow.max_queued)
+        if ranking.shed:
+            gone = {win[j].i for j in ranking.shed}
+            for q in win:
                 if q.i in gone:
                     q.outcome = "shed"
-            queue[:] = [q for q in queue if q.i not in gone]
+            win[:] = [q for q in win if q.i not in gone]
+            return True
+        tops[k] = ranking.top
+        others = [t for j, t in enumerate(tops) if j != k and t is not None and windows[j]]
+        if others and ranking.top > min(others):
+            return False  # another replica holds better-ranked work: the slot is its
+        made: dict[int, Any] = {}
+
+        def has_room(j: int, ahead: int) -> bool:
+            made[j] = decide(win[j], now, k, ahead)
+            return made[j] is not None
+
+        j = first_with_room(ranking.order, has_room)
+        if j is None:
+            return False
+        q = win.pop(j)
+        try_dispatch(q, now, k, made[j])
+        return True
+
+    def drain(now: float) -> None:
+        """A slot may have freed: every replica holding entries makes its passes (in random
+        order: they race for it), then the batch runner offers its lines."""
+        ks = [k for k in range(replicas) if windows[k]]
+        rnd.shuffle(ks)
+        moved = True
+        while moved:
+            moved = False
+            for k in ks:
+                while serve(k, now):
+                    moved = True
+        if runner:
+            k = rnd.randrange(replicas)
+            ws = [waiting_of(q) for q in runner]
+            order = ranked(ws, lambda t, w: books[k].service(t, w, now), now, flow.age_s)
+            taken: set[int] = set()
+            for j in order[:8]:
+                if try_dispatch(runner[j], now, k):
+                    taken.add(j)
+            if taken:
+                runner[:] = [q for j, q in enumerate(runner) if j not in taken]
 
     def complete(nd: SimNode, r: int, now: float) -> None:
         nd.admitted -= 1
@@ -324,7 +379,11 @@ def simulate(tenants: list[Tenant], duration: float, seed: int, *, flow_on: bool
         if kind == ARRIVE:
             r = reqs[a]
             k = rnd.randrange(replicas)
-            if r.band == BATCH or (flow_on and queue) or not try_dispatch(r, now, k):
+            # The router's request path: with entries waiting, a request queues behind them
+            # unless it ranks before all of them (zmlcore.flowctl.gate.outranks).
+            behind = flow_on and any(windows) and not outranks(
+                r.band, tenants[r.tenant].name, tenants[r.tenant].weight, books[k], now, best_waiting(k))
+            if r.band == BATCH or behind or not try_dispatch(r, now, k):
                 if r.outcome == "refused":
                     continue
                 if not flow_on and r.band != BATCH:
@@ -339,14 +398,16 @@ def simulate(tenants: list[Tenant], duration: float, seed: int, *, flow_on: bool
                         continue
                     r.deadline = now + (budget if budget is not None else MAX_QUEUE_S)
                 push(r.deadline, EXPIRE, r.i)
-                queue.append(r)
+                # JetStream hands an entry to whichever replica polls: any one's window
+                r.rep = len(windows) if r.band == BATCH else rnd.randrange(replicas)
+                (runner if r.band == BATCH else windows[r.rep]).append(r)
                 drain(now)
             continue
         if kind == EXPIRE:
             r = reqs[a]
             if r.outcome == "queued":
                 r.outcome = "shed" if r.slo is not None else "expired"
-                queue.remove(r)
+                (runner if r.band == BATCH else windows[r.rep]).remove(r)
             continue
         if kind == REPORT:
             rep = books[a].report(now)

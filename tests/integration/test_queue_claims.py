@@ -55,10 +55,10 @@ class Replica:
     async def expire(self, qmsg: QueuedMsg, enqueued_at: float) -> None:
         self.expired.append(qmsg.data)  # would answer QUEUE_FULL to the caller
 
-    async def start(self, url: str) -> tuple[nats.NATS, SaturationQueue]:
+    async def start(self, url: str, models: tuple[str, ...] = (MODEL,)) -> tuple[nats.NATS, SaturationQueue]:
         nc = await nats.connect(url)
         q = SaturationQueue(nc, self.has_room, self.dispatch, self.expire, lambda rid: False, owner=self.name)
-        await q.start([MODEL])
+        await q.start(list(models))
         return nc, q
 
 
@@ -118,3 +118,42 @@ async def test_an_entry_refused_at_once_is_dispatched_again_by_its_holder(own_na
     finally:
         await q.stop()
         await nc.close()
+
+
+async def test_an_entry_handed_on_from_a_stalled_holder_is_left_to_its_claimer(own_nats: str) -> None:
+    # A holder whose heartbeat stops past ACK_WAIT_S (a stalled event loop) while it dispatches
+    # an entry: JetStream hands the entry to B, which finds A's claim. A announced itself within
+    # BUSY_TTL_S, so B neither dispatches it nor acks it (acked, it would be gone from the stream
+    # while A may still need it back, e.g. refused by the node); A's own ack ends it.
+    model = "claims/stall"
+    release = asyncio.Event()
+
+    class Stalled(Replica):
+        async def dispatch(self, qmsg: QueuedMsg, deadline: float) -> bool:
+            self.dispatched.append(qmsg.data)
+            await release.wait()
+            return True
+
+    a, b = Stalled("router-s"), Replica("router-t")
+    nc_b, q_b = await b.start(own_nats, models=())  # hears A's announcements; polls nothing yet
+    nc_a, q_a = await a.start(own_nats, models=(model,))
+    q_a.keepalive_s = 60.0  # A's heartbeat stalls
+    js = nc_b.jetstream()
+    consumer = subjects.queue_consumer(subjects.queue_key(model))
+    try:
+        await q_a.enqueue(model, b'{"n": 4}', "_INBOX.s", {subjects.H_REQUEST_ID: "r4"}, time.time() + 60)
+        assert await _wait(lambda: a.dispatched, 5), "A never took it"
+        q_b._ensure_worker_key(subjects.queue_key(model))  # now B polls the model's queue too
+        await asyncio.sleep(ACK_WAIT_S + 0.3)  # handed to B meanwhile (A sent no in_progress)
+        assert (await js.consumer_info(subjects.QUEUE_STREAM, consumer)).num_redelivered == 1
+        assert b.dispatched == [] and await _queued_count(nc_b) == 1  # left to A, still in the stream
+        release.set()
+        deadline = time.monotonic() + 5
+        while await _queued_count(nc_b) and time.monotonic() < deadline:
+            await asyncio.sleep(0.1)
+        assert await _queued_count(nc_b) == 0 and b.dispatched == []  # A's ack ended it, once
+    finally:
+        release.set()
+        for q, nc in ((q_a, nc_a), (q_b, nc_b)):
+            await q.stop()
+            await nc.close()

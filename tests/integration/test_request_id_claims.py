@@ -8,6 +8,7 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
+import msgspec
 import nats
 import pytest
 from nats.aio.client import Client as NATS
@@ -95,4 +96,34 @@ async def test_an_abandoned_claim_expires(conns: list[NATS], monkeypatch: pytest
     b = RequestIds("router-b", 60)
     await b.open(conns[1])
     assert await b.claim(key, 30, "crashed") is not None
+    await alive.unsubscribe()
+
+
+async def test_a_router_restarted_under_the_same_id_takes_over_its_last_life_claims(conns: list[NATS]) -> None:
+    # `zml up` names its routers (router-1, ...) and restarts a dead one under the same name: it
+    # answers the holder check, but as another incarnation, so the claims of the one that died
+    # (a caller's retry of the request it was serving) are taken over at once, by it or a peer,
+    # not refused for the request's timeout.
+    from zmlcore.messages.router import RouterState
+
+    def answering(incarnation: str):  # type: ignore[no-untyped-def]
+        async def cb(msg) -> None:  # type: ignore[no-untyped-def]
+            await msg.respond(msgspec.json.encode(RouterState(router_id="router-a", in_flight=0, nodes={},
+                                                              incarnation=incarnation)))
+        return cb
+
+    dead = RequestIds("router-a", 60, incarnation="first")
+    await dead.open(conns[0])
+    key, other = claim_key("owner", "", "retried"), claim_key("owner", "", "retried-2")
+    assert await dead.claim(key, 30, "retried") is not None
+    assert await dead.claim(other, 30, "retried-2") is not None
+    reborn = RequestIds("router-a", 60, incarnation="second")
+    await reborn.open(conns[1])
+    alive = await conns[1].subscribe(subjects.router_state("router-a"), cb=answering("second"))
+    assert await reborn.claim(key, 30, "retried") is not None  # its own last life's claim
+    b = RequestIds("router-b", 60, incarnation="b1")
+    await b.open(conns[2])
+    assert await b.claim(other, 30, "retried-2") is not None  # a peer's check asks for the incarnation
+    with pytest.raises(DuplicateRequestError):  # the living incarnation's claim stands
+        await b.claim(key, 30, "retried")
     await alive.unsubscribe()

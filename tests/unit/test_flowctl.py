@@ -442,3 +442,37 @@ def test_the_gate_passes_targets_to_slo_admission() -> None:
     assert v is not None and v.ttft_s <= 0.5
     with pytest.raises(SloUnattainableError):
         _gate(nodes, _ask(CRITICAL, Slo(None, 0.001)))
+
+
+def test_a_worse_entry_never_takes_a_slot_a_skipped_better_one_has_room_for_now() -> None:
+    # Room opens between two asks (a peer's unseen send ages out): the better-ranked entry that
+    # was refused a moment ago is asked again, and goes first.
+    from zmlcore.flowctl.order import first_with_room
+    asked: list[tuple[int, int]] = []
+    opened = {"at": 3}
+
+    def has_room(i: int, ahead: int) -> bool:
+        asked.append((i, ahead))
+        return len(asked) >= opened["at"]
+
+    assert first_with_room([7, 4, 9], has_room) == 7
+    assert asked == [(7, 0), (4, 1), (9, 2), (7, 0)]  # each asked with the entries before it
+    asked.clear()
+    opened["at"] = 99
+    assert first_with_room(list(range(20)), has_room) is None and len(asked) == 8  # TRIES
+
+
+def test_a_windows_ranking_counts_the_peers_backlog_and_records_its_own() -> None:
+    from zmlcore.flowctl.order import rank_window
+    from zmlcore.messages.flow import ShareReport
+    book = ShareBook("r1")
+    book.charge("flood", 5000.0, 0.0)
+    book.charge("steady", 100.0, 0.0)
+    ws = [Waiting(band=1, tenant="flood", weight=1, enqueued_at=0, seq=1, cost=300.0),
+          Waiting(band=1, tenant="steady", weight=1, enqueued_at=1, seq=2, cost=300.0)]
+    alone = rank_window(ws, book, 1.0, age_s=30.0, max_queued=256)
+    assert alone.order == [0, 1] and alone.top == (1, 0)  # one flood entry here: no backlog, arrival order
+    book.merge(ShareReport(replica="r2", at=1.0, waiting={"flood": 30}), 1.0)
+    both = rank_window(ws, book, 1.0, age_s=30.0, max_queued=256)
+    assert both.order == [1, 0] and both.top == (1, 0)  # the flood's backlog is the peer's too: it goes after
+    assert book.own_waiting == {"flood": 1, "steady": 1}

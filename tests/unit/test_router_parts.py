@@ -46,7 +46,7 @@ class _Glue:
         self.ids = RequestIds("r-test", 60)
         state = RoutingState()
 
-        def decide(rr: RouteRequest, policy: ResolvedPolicy, headers: dict[str, str]) -> Decision:
+        def decide(rr: RouteRequest, policy: ResolvedPolicy, headers: dict[str, str], ahead: int) -> Decision:
             return admit(self.table.nodes(), rr, policy, time.time(), state, stale_after_s=15.0, ttft_bound_s=bound)
 
         def spawn(coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:

@@ -34,6 +34,10 @@ class QueuedMsg:
     headers: dict[str, str]
     #: Resolved by the request path: True once a node has taken it, False if it found no room.
     placed: asyncio.Future[bool] | None = None
+    #: Entries ranked before it in its holder's window when a slot was offered to it: with a
+    #: backlog ahead it takes any free slot, not only its preferred node's
+    #: (zmlcore.flowctl.gate.admit_flow's ``ahead``).
+    ahead: int = 0
 
 
 @dataclass(slots=True)

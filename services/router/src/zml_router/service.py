@@ -106,7 +106,9 @@ class RouterService:
         #: Requests whose requester asked for keepalives (zmlcore.reply.keepalive), by reply subject.
         self.keepalives = KeepaliveBook()
         #: Callers' request ids in flight on every replica (zml_router.replicas.ids).
-        self.ids = RequestIds(self.router_id, cfg.defaults.max_request_timeout_s)
+        #: this process among the routers that ever ran as router_id (RouterState.incarnation)
+        self.incarnation = os.urandom(4).hex()
+        self.ids = RequestIds(self.router_id, cfg.defaults.max_request_timeout_s, self.incarnation)
         #: Completion events, published together every few ms (zmlcore.bus.batchpub).
         self.events: BatchPublisher | None = None
         #: Request and first-byte deadlines: one timer wheel, not a loop timer each (zml_router.timers).
@@ -170,6 +172,7 @@ class RouterService:
         queue = await self.glue.start(nc, self.router_id)
         self.table.on_change = self.gate.freed = queue.capacity.set
         self.sharing.peer_freed = self.gate.peer_freed
+        self.sharing.peers_gone = self.gate.peers_gone
         self._subs += await self.sharing.start(nc, queue.capacity.set)
         self._loops.append(asyncio.create_task(self.sharing.publish_snapshots()))
         self._loops.append(asyncio.create_task(send_keepalives(self.keepalives, nc)))
@@ -240,13 +243,14 @@ class RouterService:
         if self.share is not None:
             self.share.corrected(node_id, rr.prefix, cached, prompt_tokens, time.time())
 
-    def queued_admit(self, rr: RouteRequest, policy: ResolvedPolicy, headers: dict[str, str]) -> Decision:
+    def queued_admit(self, rr: RouteRequest, policy: ResolvedPolicy, headers: dict[str, str], ahead: int = 0) -> Decision:
         """The decision for a queued request (the queue asks whether it has room): through the
-        flow gate with the band, tenant and targets it was queued with."""
+        flow gate with the band, tenant and targets it was queued with, ``ahead`` entries ranked
+        before it."""
         note = self.gate.note(subjects.INFER, "", headers, rr.model)
         if note is None:
             return self.admit(rr, policy)
-        return self.gate.decide(rr, policy, note, True)
+        return self.gate.decide(rr, policy, note, True, ahead=ahead)
 
     def admit_batch(self, rr: RouteRequest, policy: ResolvedPolicy) -> Decision:
         """A batch-priority request (``Zml-Priority: batch``): only where a node has headroom
@@ -267,7 +271,9 @@ class RouterService:
             task.cancel()
 
     async def _on_state(self, msg: Msg) -> None:
-        await msg.respond(_encode(self.sharing.state(len(self.in_flight), time.time())))
+        state = self.sharing.state(len(self.in_flight), time.time())
+        state.incarnation = self.incarnation
+        await msg.respond(_encode(state))
 
     async def _on_decision(self, msg: Msg) -> None:
         """Answer only when this replica made the decision: the asker takes the first answer,
@@ -424,8 +430,10 @@ class RouterService:
                 enq = (msg.headers or {}).get(H_ENQUEUED)
                 note.queued_ms = int((time.time() - float(enq)) * 1000) if enq else None
 
+            ahead = msg.ahead if isinstance(msg, QueuedMsg) else 0
+
             def decide(rr: RouteRequest, policy: ResolvedPolicy, pairs: Pairs | None = None) -> Decision:
-                return self.gate.decide(rr, policy, note, from_queue, pairs)
+                return self.gate.decide(rr, policy, note, from_queue, pairs, ahead=ahead)
         answer = self.relay.answer(req, msg.data, model)  # what the requester gets, across attempts
         resumed = None
         if arrived.resume is not None:  # its router died mid-stream: continue what the requester has
@@ -534,8 +542,7 @@ class RouterService:
         queues as any request does, first in the order."""
         if note is None or self.glue.queue is None:
             return False
-        best = self.glue.queue.best_waiting(model)
-        return best is not None and self.gate.rank(note) < best
+        return self.gate.outranks(note, self.glue.queue.best_waiting(model))
 
     def _hand_over(self, key: str, reply: str) -> None:
         """The request goes to the saturation queue: this attempt no longer holds it (its claim on

@@ -28,6 +28,7 @@ from zmlcore.errors import ModelNotLoadedError, NoHealthyNodesError, QueueFullEr
 from zmlcore.flowctl.ask import Ask
 from zmlcore.flowctl.bands import BATCH, SHEDDABLE
 from zmlcore.flowctl.order import BACKLOG
+from zmlcore.flowctl.shares import ShareBook
 from zmlcore.flowctl.slo import Calibration, Pairs, SloVerdict, admit_slo
 from zmlcore.policy import admission
 from zmlcore.policy.choose import is_routable
@@ -51,6 +52,29 @@ def over_share(share_used: float, queued: int) -> bool:
     (True, False, False)
     """
     return share_used > 1.0 and queued >= BACKLOG  # the queue's order uses the same two tests
+
+
+def standing(book: ShareBook, tenant: str, weight: float, now: float) -> tuple[float, bool]:
+    """``tenant``'s share used (zmlcore.flowctl.shares.ShareBook.share_used) and whether it is
+    over its share (:func:`over_share`, its backlog counted over every replica's window)."""
+    used = book.share_used(tenant, weight, now)
+    return used, over_share(used, book.waiting(tenant))
+
+
+def outranks(band: int, tenant: str, weight: float, book: ShareBook, now: float,
+             best: tuple[int, int] | None) -> bool:
+    """Does a new request rank before everything waiting in the saturation queue (``best``: the
+    best (band, over-share) waiting, announced by the replicas holding it; None: nothing)? A
+    higher band, or its tenant under its share while only over-share work waits: it then takes
+    a free slot at once instead of a trip through the queue to the head it would reach anyway.
+
+    >>> b = ShareBook("r1")
+    >>> outranks(0, "t", 1.0, b, 0.0, (1, 0)), outranks(1, "t", 1.0, b, 0.0, (1, 0)), outranks(1, "t", 1.0, b, 0.0, (1, 1))
+    (True, False, True)
+    """
+    if best is None:
+        return False
+    return (band, int(standing(book, tenant, weight, now)[1])) < best
 
 
 def free_slots(view: NodeView) -> int:

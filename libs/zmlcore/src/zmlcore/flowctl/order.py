@@ -3,6 +3,12 @@
     i = pick(waiting, service, now, age_s=30.0, level=book.fair_level(now))   # next when a slot frees
     for j in displaced(waiting, service, now, age_s=30.0, limit=256, level=level): ...answer SHED...
 
+What a router replica does with its window of the queue, and the flow simulator with each
+replica's (benches/flow_sim.py), through the same two functions:
+
+    r = rank_window(held, book, now, age_s=30.0, max_queued=256)   # order, to shed, best (band, over)
+    i = first_with_room(r.order, has_room)                          # the entry a freed slot goes to
+
 1. Higher bands first (a ``sheddable`` entry ages up to ``standard``, a ``batch`` line rises when
    its completion window closes).
 2. Within a band, the entries of tenants that are not over their share in arrival order; a
@@ -29,7 +35,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from zmlcore.flowctl.bands import SHEDDABLE, STANDARD
+from zmlcore.flowctl.bands import NAMES, SHEDDABLE, STANDARD
+from zmlcore.flowctl.shares import ShareBook
 
 
 @dataclass(slots=True)
@@ -160,3 +167,75 @@ def best_rank(waiting: Sequence[Waiting], service: Service, now: float, age_s: f
         return None
     b = min(keys(waiting, service, now, age_s, level, elsewhere))
     return b[0], b[1]
+
+
+#: Entries a freed slot is offered to, best first, before it stays free (a head whose preferred
+#: node is full waits; one behind it may fit elsewhere).
+TRIES = 8
+
+
+@dataclass(frozen=True, slots=True)
+class Ranking:
+    """A replica's window of the queue, ranked."""
+
+    #: indexes of the window's entries, best first
+    order: list[int]
+    #: indexes to answer SHED (past ``max_queued``), first to go first
+    shed: list[int]
+    #: (band, over-share) of the best entry: what the replica announces to its peers
+    top: tuple[int, int]
+
+
+def rank_window(waiting: Sequence[Waiting], book: ShareBook, now: float, *, age_s: float,
+                max_queued: int) -> Ranking:
+    """Rank what one replica holds of the queue (``waiting``), as the router does on each pass
+    and the flow simulator for each replica's window. Records the window's backlog per tenant
+    and band in ``book`` (reported to the peers with the share counters), and counts the peers'
+    (their last reports) in each tenant's backlog: a tenant's backlog is every replica's window's.
+
+    >>> b = ShareBook("r1")
+    >>> ws = [Waiting(band=1, tenant="a", weight=1, enqueued_at=0, seq=1),
+    ...       Waiting(band=0, tenant="b", weight=1, enqueued_at=1, seq=2)]
+    >>> r = rank_window(ws, b, now=2.0, age_s=30.0, max_queued=256)
+    >>> r.order, r.shed, r.top, b.own_waiting
+    ([1, 0], [], (0, 0), {'a': 1, 'b': 1})
+    """
+    backlog: dict[str, int] = {}
+    bands: dict[str, int] = {}
+    for w in waiting:
+        backlog[w.tenant] = backlog.get(w.tenant, 0) + 1
+        name = NAMES[w.band]
+        bands[name] = bands.get(name, 0) + 1
+    book.set_waiting(backlog, bands)
+
+    def service(tenant: str, weight: float) -> float:
+        return book.service(tenant, weight, now)
+
+    level = book.fair_level(now)
+    elsewhere = book.waiting_elsewhere()
+    shed = displaced(waiting, service, now, age_s, max_queued, level, elsewhere)
+    ks = keys(waiting, service, now, age_s, level, elsewhere)
+    order = sorted(range(len(waiting)), key=ks.__getitem__)
+    top = (ks[order[0]][0], ks[order[0]][1]) if order else (STANDARD, 0)
+    return Ranking(order, shed, top)
+
+
+def first_with_room(order: Sequence[int], has_room: Callable[[int, int], bool], tries: int = TRIES) -> int | None:
+    """The entry a freed slot goes to: the first of ``order`` (best first, at most ``tries``
+    asked) that ``has_room(index, ahead)`` admits (``ahead``: entries before it in ``order``,
+    for zmlcore.flowctl.gate.admit_flow: with a backlog ahead, any free slot will do), None if
+    none. Room moves with time (a peer's unseen sends age out), so once a worse entry has room,
+    the better ones skipped are asked again first: a worse one never takes a slot a better one
+    could have (a pass found a ``critical`` entry without room a millisecond before a
+    ``standard`` one with room: tests/chaos/test_chaos_flow.py).
+
+    >>> room = {2}
+    >>> first_with_room([0, 1, 2], lambda i, ahead: i in room), first_with_room([0, 1], lambda i, ahead: i in room)
+    (2, None)
+    """
+    skipped: list[tuple[int, int]] = []
+    for pos, i in enumerate(order[:tries]):
+        if has_room(i, pos):
+            return next((j for j, before in skipped if has_room(j, before)), i)
+        skipped.append((i, pos))
+    return None

@@ -156,6 +156,21 @@ class ShareBook:
                 out[t] = out.get(t, 0) + n
         return out
 
+    def gone(self, replica: str) -> None:
+        """``replica`` fell silent (the router's peer table dropped it: killed): what it held
+        waiting is no longer its (JetStream hands those entries to the others, who count them
+        as their own), so its backlog counts go; the tokens it served stay, decaying as usual.
+        Kept, its last report made a tenant look backlogged twice over (over its share) for
+        minutes.
+
+        >>> b = ShareBook("r1"); b.merge(ShareReport(replica="r2", at=0.0, tenants={"t": 9.0}, waiting={"t": 5}), 0.0)
+        >>> b.gone("r2"); b.waiting("t"), b.tokens("t", 0.0)
+        (0, 9.0)
+        """
+        rep = self.peers.get(replica)
+        if rep is not None and (rep.waiting or rep.bands):
+            self.peers[replica] = ShareReport(replica=rep.replica, at=rep.at, tenants=rep.tenants)
+
     def report(self, now: float) -> ShareReport:
         """This replica's counters, decayed to ``now``; negligible ones forgotten."""
         out: dict[str, float] = {}

@@ -50,6 +50,9 @@ class RouterState(msgspec.Struct, kw_only=True):
     #: Requests this replica is serving now.
     in_flight: int
     nodes: dict[str, RouterNodeState]
+    #: A token drawn at each start: a router restarted under the same id (`zml up` names them)
+    #: is another incarnation and holds nothing of the last one's (its request id claims).
+    incarnation: str = ""
 
 
 queue_busy_decoder = msgspec.json.Decoder(QueueBusy)

@@ -32,9 +32,8 @@ from zml_router.queue.jetstream import H_DEADLINE, H_ENQUEUED, H_QUEUED_HEADERS,
 from zml_router.answer.replies import Replies
 from zml_router.replicas.table import NodeTable
 from zml_router.request.flowgate import FlowGate
-from zmlcore.flowctl import STANDARD, Waiting, displaced
-from zmlcore.flowctl.order import keys
-from zmlcore.flowctl.bands import name_of
+from zmlcore.flowctl import STANDARD, Waiting
+from zmlcore.flowctl.order import rank_window
 from zmlcore.policy.estimate import MEAN_OUTPUT_TOKENS, prompt_tokens_from_body
 
 log = logging.getLogger("zml.router")
@@ -45,8 +44,9 @@ PLACEMENT_WAIT_S = 0.5
 #: (and sheds its lowest-ranked down to max_queued).
 WINDOW_SLACK = 32
 
-#: (request, policy, its queued headers: its band, tenant and targets) -> the decision
-Admit = Callable[[RouteRequest, ResolvedPolicy, dict[str, str]], Decision]
+#: (request, policy, its queued headers: its band, tenant and targets, entries ranked before it)
+#: -> the decision
+Admit = Callable[[RouteRequest, ResolvedPolicy, dict[str, str], int], Decision]
 Spawn = Callable[[Coroutine[Any, Any, None]], "asyncio.Task[None]"]
 
 
@@ -145,37 +145,17 @@ class QueueGlue:
         return w
 
     def rank(self, qmsgs: list[QueuedMsg], seqs: list[int]) -> tuple[list[int], list[int], tuple[int, int]]:
-        """The held entries' order (zmlcore.flowctl.order: band, share, arrival), those past
-        [flow] max_queued to shed (the flood's tail first), and the best entry's (band, over-share)."""
+        """The held entries' order (zmlcore.flowctl.order.rank_window: band, share, arrival, each
+        tenant's backlog over every replica's window), those past [flow] max_queued to shed (the
+        flood's tail first), and the best entry's (band, over-share)."""
         assert self.gate is not None
-        now = time.time()
         ws = [self._waiting(q, s) for q, s in zip(qmsgs, seqs)]
         live = set(seqs)
         for s in [s for s in self._seen if s not in live]:
             del self._seen[s]
-        book, f = self.gate.book, self.cfg.flow
-        backlog: dict[str, int] = {}
-        bands: dict[str, int] = {}
-        for w in ws:
-            backlog[w.tenant] = backlog.get(w.tenant, 0) + 1
-            name = name_of(w.band)
-            bands[name] = bands.get(name, 0) + 1
-        self.gate.backlog = backlog
-        book.set_waiting(backlog, bands)  # every replica's gate counts the tenant's whole backlog
-
-        def service(tenant: str, weight: float) -> float:
-            return book.service(tenant, weight, now)
-
-        level = book.fair_level(now)
-        elsewhere = book.waiting_elsewhere()  # a tenant's backlog is every replica's window's
-        shed = displaced(ws, service, now, f.age_s, f.max_queued, level, elsewhere)
-        ks = keys(ws, service, now, f.age_s, level, elsewhere)
-        order = sorted(range(len(ws)), key=ks.__getitem__)
-        top = (STANDARD, 0)
-        if order:
-            k = ks[order[0]]
-            top = (k[0], k[1])
-        return order, shed, top
+        f = self.cfg.flow
+        r = rank_window(ws, self.gate.book, time.time(), age_s=f.age_s, max_queued=f.max_queued)
+        return r.order, r.shed, r.top
 
     def _leaving(self, qmsg: QueuedMsg, enqueued_at: float) -> tuple[int, bool]:
         """A request leaving the queue unserved (shed or expired): counted, its id's claim made
@@ -204,7 +184,7 @@ class QueueGlue:
             req = infer_request_decoder.decode(qmsg.data)
             policy, rr = prepare(self.cfg, self.table.families(), req, qmsg.data, self.cfg.resolve_model(req.model),
                                  headers=qmsg.headers)
-            self.admit(rr, policy, qmsg.headers)
+            self.admit(rr, policy, qmsg.headers, qmsg.ahead)
         except QueueFullError:
             return False
         except (ZMLError, msgspec.DecodeError, msgspec.ValidationError):
@@ -222,7 +202,7 @@ class QueueGlue:
         # immediate overload answer hands it back here. Its claim (jetstream.py) keeps a replica
         # that gets it redelivered after we die from running it a second time.
         placed: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        task = self.spawn(self.enter(QueuedMsg(qmsg.subject, qmsg.data, qmsg.reply, headers, placed)))
+        task = self.spawn(self.enter(QueuedMsg(qmsg.subject, qmsg.data, qmsg.reply, headers, placed, qmsg.ahead)))
         waits: list[asyncio.Future[Any]] = [placed, task]
         await asyncio.wait(waits, timeout=PLACEMENT_WAIT_S, return_when=asyncio.FIRST_COMPLETED)
         if placed.done():

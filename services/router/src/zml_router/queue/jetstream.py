@@ -3,22 +3,24 @@
 When a policy has ``queue_on_saturation = true`` and every node is saturated, the router
 publishes the request (with its reply inbox and deadline in headers) to ``zml.queue.<model>``
 in the work-queue stream ``ZML_QUEUE`` instead of failing with QUEUE_FULL. Each model has one
-durable pull consumer shared by all router replicas with ``max_ack_pending = 1``: exactly one
-replica holds the head of a model's queue at a time, so requests leave in arrival order. The
-holder waits for capacity (local completions, peer deltas, state updates), then dispatches. If
-it dies while waiting, JetStream redelivers the head to another replica after ``ack_wait``; the
-queue is on disk, so it survives router (and broker) restarts. A request whose deadline passes
-answers QUEUE_FULL.
+durable pull consumer shared by all router replicas; each replica holds a window of the waiting
+entries (``max_ack_pending``: one without flow control, so requests leave in arrival order) and,
+as capacity frees (local completions, peer deltas, state updates), dispatches the best of them
+(``rank``). A holder keeps its entries with ``in_progress`` every ``KEEPALIVE_S``; if it dies,
+JetStream hands them to another replica ``ACK_WAIT_S`` (1 s) after its last one, and until then
+the others leave freed slots to the best band it announced. The queue is on disk, so it survives
+router (and broker) restarts. A request whose deadline passes answers QUEUE_FULL.
 
 Never dispatched twice: the head stays unacknowledged until a node has taken it (a node that
 refuses it at once hands it back to the holder, which keeps its place), so a holder dying
 between dispatch and ack would leave JetStream to redeliver an entry that is already running.
 Before dispatching, the holder therefore *claims* the entry: a create-only key (the entry's
 stream sequence) in the KV bucket ``zml_queue_claims``, which at most one replica can create.
-A replica that receives an entry already claimed acks and drops it (the request ran, or died
-with the replica running it: its caller gets a timeout, never a second answer). A refused
-dispatch deletes the claim, so the holder may claim again. No claim, no dispatch: if the
-bucket cannot be reached the head waits.
+A replica that receives an entry already claimed by a replica that has gone silent acks and
+drops it (the request ran, or died with the replica running it: its caller gets a timeout,
+never a second answer); one claimed by a live replica (handed on after that holder stalled past
+``ACK_WAIT_S``) is left to it, unacknowledged. A refused dispatch deletes the claim, so the
+holder may claim again. No claim, no dispatch: if the bucket cannot be reached the head waits.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ from zmlcore import subjects
 from zmlcore.bus.link import link_of
 from zmlcore.messages import QueueBusy, queue_busy_decoder
 from zmlcore.bus.ensure import ensure, ensure_kv
+from zmlcore.flowctl.order import first_with_room
 from zmlcore.runtime.runner import cancel_and_wait
 
 from zml_router.incoming import QueuedMsg
@@ -66,14 +69,28 @@ H_QUEUED_HEADERS = (subjects.H_REQUEST_ID, subjects.H_TIMEOUT_MS, subjects.H_OWN
                     subjects.H_PRIORITY, subjects.H_TTFT_SLO_MS, subjects.H_TPOT_SLO_MS, subjects.H_PRIORITY_DEFAULT,
                     subjects.H_PRIORITY_MAX, subjects.H_TENANT_WEIGHT, subjects.H_TENANT)
 
-ACK_WAIT_S = 5.0
+#: A held entry comes back to the other replicas this long after its holder last said it is
+#: alive (``in_progress``, every ``KEEPALIVE_S``): short, so that a dead holder's entries are
+#: ranked again within a second instead of the survivors serving lower bands meanwhile
+#: (benches/flow_chaos.py: 5 s let a survivor serve its standard entries before a dead peer's
+#: critical ones). A live holder stalled longer than ``ACK_WAIT_S - KEEPALIVE_S`` only makes its
+#: entries held twice for a while: the claims still let one replica dispatch each.
+ACK_WAIT_S = 1.0
+#: The holder's heartbeat: every held entry's ``in_progress`` and the "requests waiting"
+#: announcement (with the best band held), from a task of their own, not from the dispatch
+#: passes (a placement waits up to 0.5 s).
+KEEPALIVE_S = 0.25
 #: A holder's long poll for new entries. Short: a pull request the client gave up on can still
 #: be handed an entry by the server, which then waits for this replica's next poll.
 FETCH_S = 1.0
 #: Queued entries live at most this long (the stream's max_age), and so do their claims.
 MAX_AGE_S = 3600.0
-#: How long a "requests waiting" announcement holds unless renewed (the holder renews it).
-BUSY_TTL_S = 2.0
+#: How long a "requests waiting" announcement (and the band in it) holds unless renewed; the
+#: holder renews it every ``KEEPALIVE_S``. Longer than ``ACK_WAIT_S``: a replica that dies
+#: holding critical entries keeps its peers leaving freed slots to that band until JetStream
+#: has handed the entries to them, and no longer (a replica that empties says so at once).
+BUSY_TTL_S = ACK_WAIT_S + 0.5
+assert BUSY_TTL_S - KEEPALIVE_S > ACK_WAIT_S
 
 
 def key_of(jmsg) -> str:  # type: ignore[no-untyped-def]
@@ -87,9 +104,6 @@ model_key = subjects.queue_key  # the dashboard names the queues' models with it
 #: Entries held (by arrival), their stream sequences -> (indexes best first, indexes to shed,
 #: the best entry's band).
 Rank = Callable[[list[QueuedMsg], list[int]], tuple[list[int], list[int], tuple[int, int]]]
-#: Entries a freed slot is offered to, best first, before it stays free (a head whose preferred
-#: node is full waits; one behind it may fit elsewhere).
-TRIES = 8
 
 
 def _fifo(qmsgs: list[QueuedMsg], seqs: list[int]) -> tuple[list[int], list[int], tuple[int, int]]:
@@ -131,6 +145,7 @@ class SaturationQueue:
         self.peer_bands: dict[tuple[str, str], tuple[tuple[int, int], float]] = {}
         #: model key -> the best (band, over-share) this replica last announced
         self._mine: dict[str, tuple[int, int]] = {}
+        self.keepalive_s = KEEPALIVE_S
 
     async def _ensure_stream(self) -> None:
         cfg = StreamConfig(
@@ -177,18 +192,42 @@ class SaturationQueue:
             log.warning("queue claim %s failed; holding the entry", key, exc_info=True)
             return None
 
-    async def _is_claimed(self, key: str) -> bool:
+    async def _claimer(self, key: str) -> str | None:
+        """Which replica claimed the entry (None: never claimed, or released, or unknown: the
+        claim at dispatch time decides)."""
         if self.claims is None:
-            return False
+            return None
         try:
-            await self.claims.get(key)
-            return True
+            entry = await self.claims.get(key)
+            return (entry.value or b"").decode() or "?"
         except (KeyNotFoundError, KeyDeletedError):  # never claimed, or released
-            return False
+            return None
         except asyncio.CancelledError:
             raise
-        except Exception:  # unknown: the claim at dispatch time decides
-            return False
+        except Exception:
+            return None
+
+    def _alive(self, router: str) -> bool:
+        """Is ``router`` this replica, or one holding entries that announced itself within
+        ``BUSY_TTL_S`` (its heartbeat, ``_keepalive``)?"""
+        if router == self._owner.decode():
+            return True
+        now = time.time()
+        return any(rid == router and until > now for (_, rid), (_, until) in self.peer_bands.items())
+
+    async def _claimed_elsewhere(self, jmsg, claim_key: str, claimer: str) -> None:  # type: ignore[no-untyped-def]
+        """An entry another replica claimed (it is dispatching it, or did). Its claimer alive: left
+        to it, unacknowledged (its ``in_progress`` keeps it, its ack ends it, and a dispatch the
+        node refused goes back to it with its claim released); acked here, it would be gone
+        from the stream while its claimer may still need it back. Only with ``ACK_WAIT_S`` short
+        does this happen to a live holder: one stalled past it has its entries handed on.
+        Its claimer dead (silent past ``BUSY_TTL_S``): it ran, or died with that replica; no
+        dispatch, and no QUEUE_FULL either: its caller may be reading its answer."""
+        if self._alive(claimer):
+            return
+        log.warning("queued request %s was dispatched by a replica that died before acking it; "
+                    "not dispatching it again", (jmsg.headers or {}).get(subjects.H_REQUEST_ID) or claim_key)
+        await jmsg.ack()
 
     async def _release(self, key: str) -> None:
         if self.claims is None:
@@ -239,7 +278,9 @@ class SaturationQueue:
         h[H_DEADLINE] = f"{deadline:.3f}"
         h[H_ENQUEUED] = headers.get(H_ENQUEUED) or f"{time.time():.3f}"
         await self.js.publish(subjects.queue(key), data, headers=h)
-        await self._announce(key, time.time() + BUSY_TTL_S)
+        # With the best band held here, if any: without one the peers took this replica for
+        # holding nothing ranked until its next heartbeat (and took a freed slot from its critical).
+        await self._announce(key, time.time() + BUSY_TTL_S, self._mine.get(key, (9, 0)))
 
     def _ensure_worker_key(self, key: str) -> None:
         if key not in self._workers:
@@ -289,6 +330,7 @@ class SaturationQueue:
         held: dict[int, _Held] = {}
         arrived = asyncio.Event()
         fetcher = asyncio.create_task(self._fetch(key, psub, stale, held, arrived))
+        alive = asyncio.create_task(self._keepalive(key, held))
         try:
             while not stale() and not fetcher.done():
                 if not held:
@@ -305,11 +347,31 @@ class SaturationQueue:
                 for w in pending:
                     w.cancel()
         finally:
-            fetcher.cancel()
+            for task in (fetcher, alive):
+                task.cancel()
+                try:
+                    await task
+                except (asyncio.CancelledError, Exception):
+                    pass
+
+    async def _keepalive(self, key: str, held: dict[int, _Held]) -> None:
+        """While entries are held: every ``KEEPALIVE_S``, tell JetStream we are alive (so they
+        are not handed to another replica) and the other replicas that this model has requests
+        waiting and the best band held here (``_serve`` also announces at once when it changes)."""
+        while True:
+            await asyncio.sleep(self.keepalive_s)
+            if not held:
+                continue
             try:
-                await fetcher
-            except (asyncio.CancelledError, Exception):
-                pass
+                for e in list(held.values()):
+                    await e.jmsg.in_progress()
+                top = self._mine.get(key)
+                if top is not None:
+                    await self._announce(key, time.time() + BUSY_TTL_S, top)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # the connection is down: its entries come back to whoever polls next
+                log.debug("queue keepalive for %s failed", key, exc_info=True)
 
     async def _fetch(self, key: str, psub, stale: Callable[[], bool], held: dict[int, _Held],  # type: ignore[no-untyped-def]
                      arrived: asyncio.Event) -> None:
@@ -338,30 +400,31 @@ class SaturationQueue:
                 await asyncio.sleep(0.5)
                 continue
             for jmsg in msgs:
-                entry = await self._take(jmsg)
+                entry = await self._take(jmsg, held)
                 if entry is not None:
                     held[entry.seq] = entry
             arrived.set()
 
-    async def _take(self, jmsg) -> _Held | None:  # type: ignore[no-untyped-def]
+    async def _take(self, jmsg, held: dict[int, _Held]) -> _Held | None:  # type: ignore[no-untyped-def]
         h = dict(jmsg.headers or {})
         qmsg = QueuedMsg(subject=subjects.INFER, data=jmsg.data, reply=h.pop(H_REPLY, ""), headers=h)
         seq = jmsg.metadata.sequence.stream
         claim_key = f"{key_of(jmsg)}.{seq}"
-        if jmsg.metadata.num_delivered > 1 and await self._is_claimed(claim_key):
-            # Redelivered after its holder died having dispatched it: it ran (or died with that
-            # holder). No dispatch, and no QUEUE_FULL either: its caller may be reading its answer.
-            log.warning("queued request %s was dispatched by a replica that died before acking it; "
-                        "not dispatching it again", h.get(subjects.H_REQUEST_ID) or claim_key)
-            await jmsg.ack()
+        if seq in held:  # back to its holder (a stall past ACK_WAIT_S): one entry, the newest delivery
+            held[seq].jmsg = jmsg
             return None
-        return _Held(jmsg, qmsg, float(h.get(H_DEADLINE, "0") or 0), claim_key, seq, time.monotonic())
+        if jmsg.metadata.num_delivered > 1:
+            claimer = await self._claimer(claim_key)
+            if claimer is not None:
+                await self._claimed_elsewhere(jmsg, claim_key, claimer)
+                return None
+        return _Held(jmsg, qmsg, float(h.get(H_DEADLINE, "0") or 0), claim_key, seq)
 
     async def _serve(self, key: str, held: dict[int, _Held]) -> bool:
         """One pass over the held entries: answer the cancelled and expired, shed past the
-        window's limit, dispatch the best that fits (one per pass: placing it takes until its
-        first token, and whatever arrived meanwhile is ranked before the next), keep the rest
-        alive in JetStream. True when one was dispatched."""
+        window's limit, dispatch the best that fits (zmlcore.flowctl.order.first_with_room; one
+        per pass: placing it takes until its first token, and whatever arrived meanwhile is
+        ranked before the next). True when one was dispatched (or dropped): rank again at once."""
         now = time.time()
         for e in list(held.values()):
             if e.qmsg.headers.get(subjects.H_REQUEST_ID) and self._is_cancelled(e.qmsg):
@@ -373,7 +436,7 @@ class SaturationQueue:
                 await self._expire(e.qmsg, float(e.qmsg.headers.get(H_ENQUEUED, now)))
         entries = sorted(held.values(), key=lambda e: e.seq)
         if not entries:
-            self._mine.pop(key, None)
+            await self._emptied(key)
             self._rank([], [])  # nothing held: the order's state (each tenant's backlog here) empties
             return False
         order, shed, top = self._rank([e.qmsg for e in entries], [e.seq for e in entries])
@@ -383,57 +446,64 @@ class SaturationQueue:
             await e.jmsg.ack()
             if self._shed_cb is not None:
                 await self._shed_cb(e.qmsg, float(e.qmsg.headers.get(H_ENQUEUED, now)))
-        tried = 0
-        placed = False
+        placed = again = False
         best = self._best(key)
-        for i in order:
-            e = entries[i]
-            if e.seq not in held:
-                continue
-            if best is not None and top > best:
-                break  # another replica holds better-ranked work waiting: the slot is its
-            if tried >= TRIES:
-                break
-            tried += 1
-            if not self._has_room(e.qmsg):
-                continue
-            claimed = await self._claim(e.claim_key)
-            if claimed is False:
-                log.warning("queued request %s was dispatched by a replica that died before acking it; "
-                            "not dispatching it again", e.qmsg.headers.get(subjects.H_REQUEST_ID) or e.claim_key)
-                held.pop(e.seq, None)
-                await e.jmsg.ack()
-                continue
-            if not claimed:
-                break  # the claims bucket is unreachable: nothing goes until it is back
-            if await self._dispatch(e.qmsg, e.deadline):
-                held.pop(e.seq, None)
-                await e.jmsg.ack()
+        # Another replica holding better-ranked work waiting: the slot is its.
+        if best is None or top <= best:
+            live = [i for i in order if entries[i].seq in held]
+            pick = first_with_room(live, lambda j, ahead: self._has_room(_offered(entries[j].qmsg, ahead)))
+            chosen = entries[pick] if pick is not None else None
+            claimed = await self._claim(chosen.claim_key) if chosen is not None else None
+            if chosen is None or claimed is None:
+                pass  # no room; or the claims bucket is unreachable: nothing goes until it is back
+            elif claimed is False:  # another replica holds it too (handed on after a stall) and claimed it first
+                held.pop(chosen.seq, None)
+                again = True
+                claimer = await self._claimer(chosen.claim_key)
+                if claimer is not None:  # (None: released since: its holder keeps it, or it comes back)
+                    await self._claimed_elsewhere(chosen.jmsg, chosen.claim_key, claimer)
+            elif await self._dispatch(chosen.qmsg, chosen.deadline):
+                held.pop(chosen.seq, None)
+                await chosen.jmsg.ack()
                 placed = True
             else:
-                await self._release(e.claim_key)  # refused before running: still to place
-            break
-        # Hold the rest: tell JetStream we are alive so they are not redelivered elsewhere, and
-        # the other replicas that this model still has requests waiting (and the best band).
-        mono = time.monotonic()
-        for e in held.values():
-            if mono - e.progress > ACK_WAIT_S / 3:
-                await e.jmsg.in_progress()
-                e.progress = mono
+                await self._release(chosen.claim_key)  # refused before running: still to place
+        # The rest stay held (``_keepalive`` keeps them so); the other replicas learn at once
+        # when the best band held here changes, or that nothing is held any more (then they no
+        # longer leave freed slots to this replica).
         if held:
-            if self.busy.get(key, 0.0) < now + BUSY_TTL_S / 2 or self._mine.get(key) != top:
+            if self._mine.get(key) != top:
                 self._mine[key] = top
                 await self._announce(key, now + BUSY_TTL_S, top)
         else:
-            self._mine.pop(key, None)
+            await self._emptied(key)
             self._rank([], [])
-        return placed
+        return placed or again
+
+    async def _emptied(self, key: str) -> None:
+        """Nothing of ``key`` is held here any more: said once, so that the other replicas stop
+        leaving freed slots to a band this replica no longer holds (its announcement would
+        otherwise stand until it expires). No band, and an ``until`` of now: it extends nobody's
+        "requests waiting" (``_on_busy`` keeps the latest)."""
+        if self._mine.pop(key, None) is None:
+            return
+        try:
+            await self.nc.publish(subjects.QUEUE_BUSY, _encode(QueueBusy(key=key, until=time.time(),
+                                                                         router=self._owner.decode())))
+        except Exception:  # as _announce: an optimisation, never fatal
+            pass
 
     def _best(self, key: str) -> tuple[int, int] | None:
         """The best (band, over-share) another replica announced waiting for this model (None: none)."""
         now = time.time()
         tops = [top for (k, rid), (top, until) in self.peer_bands.items() if k == key and until > now]
         return min(tops) if tops else None
+
+
+def _offered(qmsg: QueuedMsg, ahead: int) -> QueuedMsg:
+    """The entry as offered a slot, ``ahead`` entries ranked before it (its dispatch keeps it)."""
+    qmsg.ahead = ahead
+    return qmsg
 
 
 @dataclass(slots=True)
@@ -445,4 +515,3 @@ class _Held:
     deadline: float
     claim_key: str
     seq: int
-    progress: float

@@ -13,7 +13,10 @@ answer may reuse the id at once.
   (``Zml-Id-Claim``) to whichever replica answers it, which deletes exactly that revision.
 - A router that dies leaves its claims behind. Each has a TTL (the request's timeout plus
   :data:`SLACK_S`), and a replica that meets one asks the holder (``zml.admin.router.<id>.state``):
-  no responders means it is gone, and the claim is taken over with compare-and-set. A request
+  no responders means it is gone, and the claim is taken over with compare-and-set. A claim
+  names its holder's incarnation too (``router-1#9f3a0c1d``): a router restarted under the same
+  id answers, but as another incarnation, so the dead one's claims are taken over at once
+  instead of refusing its callers' retries until their TTL. A request
   resent after its router went silent (``Zml-Resend``, zmlcore.reply.keepalive) takes the claim over
   whoever holds it: its requester stopped listening to the first attempt, and it touches only
   its sender's own ids.
@@ -36,6 +39,7 @@ import time
 from contextvars import ContextVar
 from dataclasses import dataclass
 
+import msgspec
 from nats.aio.client import Client as NATS
 from nats.errors import NoRespondersError
 from nats.errors import TimeoutError as NatsTimeoutError
@@ -45,6 +49,7 @@ from nats.js.kv import KeyValue
 from zmlcore import subjects
 from zmlcore.errors import DuplicateRequestError
 from zmlcore.bus.ensure import ensure_kv
+from zmlcore.messages.router import router_state_decoder
 
 log = logging.getLogger("zml.router.ids")
 
@@ -77,9 +82,12 @@ class RequestIds:
     """Claims of one router replica (``router_id``); keys are ``zml_router.request.intake.claim_key``.
     Usable before :meth:`open`: until then it claims and releases nothing."""
 
-    def __init__(self, router_id: str, max_timeout_s: float) -> None:
+    def __init__(self, router_id: str, max_timeout_s: float, incarnation: str = "") -> None:
         self.nc: NATS | None = None
         self.router_id = router_id
+        self.incarnation = incarnation
+        #: what a claim of this replica holds (RouterState.incarnation: the process, not the id)
+        self.holder = f"{router_id}#{incarnation}" if incarnation else router_id
         self.max_age_s = max_timeout_s + SLACK_S + 60.0
         self.kv: KeyValue | None = None
         self._pre = f"$KV.{subjects.REQUEST_IDS_BUCKET}."
@@ -125,7 +133,7 @@ class RequestIds:
                     marker = getattr(err, "entry", None)
                     holder, last = "", (marker.revision or 0) if marker is not None else 0
                 if holder and not takeover:
-                    if holder == self.router_id or await self._alive(holder):
+                    if holder == self.holder or await self._alive(holder):
                         raise DuplicateRequestError(
                             f"request_id {request_id!r} is already in flight for this caller")
                     log.info("taking over the id claim of %s (no longer running)", holder)
@@ -164,7 +172,7 @@ class RequestIds:
         headers = {_EXPECT_LAST: str(last)}
         assert self.nc is not None  # a bucket was opened on it
         try:
-            ack = await self.nc.jetstream().publish(self._pre + key, self.router_id.encode(), headers=headers,
+            ack = await self.nc.jetstream().publish(self._pre + key, self.holder.encode(), headers=headers,
                                                     msg_ttl=max(1.0, ttl))
         except Exception as exc:
             if getattr(exc, "err_code", None) in (10071, 10164):  # wrong last sequence
@@ -173,16 +181,26 @@ class RequestIds:
         return ack.seq
 
     async def _alive(self, holder: str) -> bool:
-        """Does router ``holder`` still run? It answers its state subject while it does."""
-        if not holder or self.nc is None:
+        """Does the incarnation of a router that wrote ``holder`` still run? The router answers
+        its state subject while it does, with its incarnation."""
+        rid, _, incarnation = holder.partition("#")
+        if not rid or self.nc is None:
             return False
+        if rid == self.router_id:  # not this process's (that is self.holder): an earlier one's
+            return not incarnation  # a claim without one: can't tell, refuse (the safe answer)
         try:
-            await self.nc.request(subjects.router_state(holder), b"", timeout=HOLDER_PING_S)
+            reply = await self.nc.request(subjects.router_state(rid), b"", timeout=HOLDER_PING_S)
         except NoRespondersError:
             return False
         except (NatsTimeoutError, asyncio.TimeoutError):
             return True  # busy, not gone: refusing is the safe answer
-        return True
+        if not incarnation:
+            return True
+        try:
+            now = router_state_decoder.decode(reply.data).incarnation
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            return True
+        return now in ("", incarnation)  # "" : a router that does not tell
 
 
 #: The claim of the request this task is answering, released just before its last reply.

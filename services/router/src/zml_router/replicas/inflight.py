@@ -42,6 +42,8 @@ class Sharing:
         self.freed: Callable[[], None] = lambda: None
         #: (node id, slots) a peer's requests freed there (flow control keeps them the peer's briefly)
         self.peer_freed: Callable[[str, int], None] = lambda node_id, n: None
+        #: Peers that fell silent (killed): flow control forgets what they held waiting.
+        self.peers_gone: Callable[[list[str]], None] = lambda router_ids: None
         #: Our deltas, summed per node over a short window before they go out.
         self.deltas: DeltaWindow | None = None
         self._replies: set[asyncio.Future[None]] = set()  # snapshots sent to a new peer
@@ -85,7 +87,9 @@ class Sharing:
         heard theirs it sends them no deltas (zml_router.replicas.table)."""
         while True:
             now = time.time()
-            if self.table.expire_peers(now):
+            gone = self.table.expire_peers(now)
+            if gone:
+                self.peers_gone(gone)
                 self.freed()
             await self.snapshot()
             await asyncio.sleep(SNAPSHOT_EVERY_S)

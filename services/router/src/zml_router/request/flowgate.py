@@ -22,7 +22,7 @@ from zmlcore.errors import QueueFullError, ShedError
 from zmlcore.flowctl import SHEDDABLE, Ask, Calibration, Pairs, ShareBook, SloVerdict, ask_of
 from zmlcore.flowctl.ask import ASK_HEADERS, config_plain
 from zmlcore.flowctl.bands import NAMES
-from zmlcore.flowctl.gate import admit_flow, no_room, over_share, unseen_by_peers
+from zmlcore.flowctl.gate import admit_flow, no_room, outranks, over_share, standing, unseen_by_peers
 from zmlcore.flowctl.slo import batch_of, model_tpot, predict_tpot
 from zmlcore.messages import RoutingInfo
 from zmlcore.policy import Decision, ResolvedPolicy, RouteRequest, RoutingState
@@ -107,8 +107,6 @@ class FlowGate:
         self.calibration = Calibration()
         #: Nothing in the config makes a request other than plain: only its own headers can.
         self.config_plain = config_plain(f, cfg.models) and not f.hold_when_full
-        #: tenant -> its entries this replica holds in the saturation queue (zml_router.queue)
-        self.backlog: dict[str, int] = {}
         #: node id -> when this replica sent it requests under [flow] hold_when_full, the last
         #: UNSEEN_S (the other replicas' sends in that time may not be counted here yet)
         self._sent: dict[str, deque[tuple[float, bool]]] = {}
@@ -134,23 +132,25 @@ class FlowGate:
         return Note(ask, asked if asked in NAMES else "")
 
     def decide(self, rr: RouteRequest, policy: ResolvedPolicy, note: Note, from_queue: bool,
-               pairs: Pairs | None = None) -> Decision:
+               pairs: Pairs | None = None, *, ahead: int = 0) -> Decision:
         """The gate's decision (zmlcore.flowctl.gate.admit_flow) on this router's table. A
         ``sheddable`` request that finds no room is shed at once rather than queued. ``pairs``:
         the request may be split (zml_router.request.split.Splitter.pairs): with targets no whole
-        node meets, it is admitted split over a pair that meets them, if one does."""
+        node meets, it is admitted split over a pair that meets them, if one does. ``ahead``: a
+        queued request's entries ranked before it in its holder's window (with a backlog ahead,
+        any free slot will do)."""
         now = time.time()
         ask = note.ask
-        used = self.book.share_used(ask.tenant, ask.weight, now)
+        used, over = standing(self.book, ask.tenant, ask.weight, now)
         note.share_used = used
         rc = self.cfg.router
-        over = over_share(used, self.book.waiting(ask.tenant))
         note.yields = over or ask.band >= SHEDDABLE
         try:
             d, verdict = admit_flow(self.table.nodes(), rr, policy, now, self.state, ask,
                                     over_share=over, flow=self.cfg.flow,
                                     stale_after_s=rc.stale_after_s, ttft_bound_s=rc.admission_ttft_s,
                                     reserve=rc.batch_reserve, cache=self.prefix, calibration=self.calibration,
+                                    ahead=ahead,
                                     unseen=self._unseen(note.yields) if self._sent or self._peer_freed else None,
                                     pairs=pairs)
         except QueueFullError as exc:
@@ -171,12 +171,11 @@ class FlowGate:
             note.model_tpot = model_tpot(view, rr.model)
         return d
 
-    def rank(self, note: Note) -> tuple[int, int]:
-        """The request's place in the saturation queue's order as the queue announces it (band,
-        over its share?): zmlcore.flowctl.order's first two keys."""
+    def outranks(self, note: Note, best: tuple[int, int] | None) -> bool:
+        """Does the request rank before everything waiting (``best``: the best (band,
+        over-share) waiting)? zmlcore.flowctl.gate.outranks, as the flow simulator asks it."""
         ask = note.ask
-        used = self.book.share_used(ask.tenant, ask.weight, time.time())
-        return ask.band, int(over_share(used, self.book.waiting(ask.tenant)))
+        return outranks(ask.band, ask.tenant, ask.weight, self.book, time.time(), best)
 
     def redirected(self, note: Note | None, d: Decision, model: str) -> None:
         """The split decider moved the request's decode to ``d.node_id`` (zml_router.request.split):
@@ -217,6 +216,12 @@ class FlowGate:
         now = time.monotonic()
         q.extend([now] * n)
         asyncio.get_running_loop().call_later(UNSEEN_S, self.freed)
+
+    def peers_gone(self, router_ids: list[str]) -> None:
+        """Replicas the peer table dropped (silent past its TTL: killed): their backlog counts
+        go (zmlcore.flowctl.shares.ShareBook.gone); what they held comes back to the survivors."""
+        for router_id in router_ids:
+            self.book.gone(router_id)
 
     def _unseen(self, yields: bool) -> dict[str, int]:
         """Per node, what the other replicas may have sent it that has not reached this table
