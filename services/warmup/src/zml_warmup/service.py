@@ -83,6 +83,8 @@ class WarmupService:
         self.moving: dict[tuple[str, str, str], asyncio.Task[None]] = {}
         #: adapters loaded or unloaded by us, until the node's state says so itself
         self.adapter_moves: dict[tuple[str, str], bool] = {}
+        #: (node, adapter) -> when this service's load of it there succeeded
+        self.adapter_loaded_at: dict[tuple[str, str], float] = {}
         self.last_steps: tuple[list[Step], list[Step], bool] | None = None
         self.placement_events: list[PlacementEvent] = []
         self.nc: NATS | None = None
@@ -383,6 +385,8 @@ class WarmupService:
         keeps it there: the next plan counts that request's demand)."""
         if any(k[0] == "load_adapter" and k[2] == adapter for k in self.moving):
             return None  # already on its way
+        if self._adapter_loaded(adapter):
+            return None  # loaded: the request met a router (or health) that has not seen it yet
         node = placer.adapter_home(self.cfg, self.states, adapter)
         if node is None:
             return None
@@ -397,6 +401,16 @@ class WarmupService:
                                             kind=step.kind, message="on demand: a request found it nowhere"))
         return node
 
+    def _adapter_loaded(self, adapter: str) -> bool:
+        """Some node up holds ``adapter``: health says so, or this service loaded it there after
+        health's last look (a second copy on demand would be a refused request's lag, not need)."""
+        for node, st in self.states.items():
+            if st.status != "up":
+                continue
+            if adapter in st.adapters or self.adapter_loaded_at.get((node, adapter), -1.0) >= st.updated_at:
+                return True
+        return False
+
     def _moved(self, key: tuple[str, str, str], _task: "asyncio.Task[None]") -> None:
         self.moving.pop(key, None)
 
@@ -410,6 +424,7 @@ class WarmupService:
             res = await loader.load_adapter(self.http, endpoint, backend, step.name, path, api_key=api_key)
             if res.ok:
                 self.adapter_moves[(step.node_id, step.name)] = True
+                self.adapter_loaded_at[(step.node_id, step.name)] = self.clock()
         else:
             res = await loader.unload_adapter(self.http, endpoint, backend, step.name, api_key=api_key)
             if res.ok:

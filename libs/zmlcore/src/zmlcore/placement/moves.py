@@ -154,7 +154,7 @@ def next_steps(now: Mapping[str, NodeNow], target: Mapping[str, frozenset[str]],
                     run.append(Step("unload_adapter", n, a))
                     leaving += 1
                 else:
-                    wait.append(Step("unload_adapter", n, a, "its new homes have not loaded it yet"))
+                    wait.append(Step("unload_adapter", n, a, "no node the plan gives it has loaded it yet"))
             # a slot an adapter still serving here holds is free once it leaves, not before
             free = node.adapter_slots - len(node.adapters) + leaving
             for a in sorted(want_a - node.adapters):
