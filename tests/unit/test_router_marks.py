@@ -6,7 +6,7 @@ from __future__ import annotations
 from zmlcore.messages import NodeMark, NodeState, node_mark_decoder
 from zmlcore.reply.streamseq import SeqCheck
 from zml_router.replicas.cooldowns import Marks
-from zml_router.node.attempt import expected_s, first_byte_timeout
+from zml_router.node.attempt import Learned, first_byte_timeout
 from zml_router.replicas.table import NodeTable
 
 
@@ -50,11 +50,12 @@ def test_hostile_marks_are_bounded_or_ignored() -> None:
 
 def test_first_byte_deadline_grows_with_the_work_and_keeps_its_floor() -> None:
     st = NodeState(node_id="n", accelerator_type="nvidia_h100", family="H100", endpoint="")
-    idle = expected_s(st, 0, 0, 100, 512, stream=True)
+    expected_s = Learned(st).expected_s
+    idle = expected_s(0, 0, 100, 512, stream=True)
     assert first_byte_timeout(idle, 5.0, 4.0) == 5.0
-    busy = expected_s(st, 200, 100, 100, 512, stream=True)  # a prefill backlog and full slots
+    busy = expected_s(200, 100, 100, 512, stream=True)  # a prefill backlog and full slots
     assert busy > idle and first_byte_timeout(busy, 5.0, 4.0) == 4.0 * busy
-    whole = expected_s(st, 0, 0, 100, 512, stream=False)  # a non-streamed reply comes at the end
+    whole = expected_s(0, 0, 100, 512, stream=False)  # a non-streamed reply comes at the end
     assert whole > idle + 512 / 100
     assert first_byte_timeout(whole, 5.0, 0.0) == 5.0  # factor 0: a fixed timeout
 

@@ -174,23 +174,6 @@ class AudioBodies:
 # the node slow, cools it down for every replica and fails over; a request that never sent a
 # byte to its caller loses nothing.
 
-def expected_s(st: NodeState, outstanding: int, pending: int, prompt_tokens: int, max_tokens: int,
-               stream: bool, model: str = "") -> float:
-    """Seconds the node should need before its first byte reaches the router.
-
-    >>> st = NodeState(node_id="n", accelerator_type="nvidia_h100", family="H100", endpoint="")
-    >>> round(expected_s(st, 0, 0, 1000, 100, stream=True), 3)
-    0.1
-    >>> round(expected_s(st, 0, 0, 1000, 60, stream=False), 3)
-    1.1
-    """
-    # the learned estimate as it is: exploration's optimism would only tighten the deadline
-    ttft = estimate_ttft(st, outstanding, pending, prompt_tokens, model=model, explore=False)
-    if stream:
-        return ttft
-    return ttft + max_tokens * token_gap_s(st, outstanding, model)
-
-
 def token_gap_s(st: NodeState, outstanding: int, model: str = "") -> float:
     """Seconds per output token of one more sequence on the node: its learned per-sequence
     decode speed slowed by the batch it joins (the learned slowdown, else the type's)."""
@@ -271,13 +254,19 @@ class Learned:
         return (1.0 + self.k * (min(outstanding + 1, self.maxc) - 1)) * self.step1
 
     def expected_s(self, outstanding: int, pending: int, prompt_tokens: int, max_tokens: int, stream: bool) -> float:
-        """Seconds the node should need before its first byte (:func:`expected_s`, from these
-        coefficients instead of the node's state: no estimate rebuilt per attempt).
+        """Seconds the node should need before its first byte reaches the router: the learned
+        TTFT estimate as it is (exploration's optimism would only tighten the deadline), and for
+        a non-streamed reply its decode too (it comes at the end). From these coefficients, not
+        the node's state: no estimate rebuilt per attempt.
 
         >>> st = NodeState(node_id="n", accelerator_type="nvidia_h100", family="H100", endpoint="")
-        >>> sp = Learned(st, "m")
-        >>> [sp.expected_s(3, 1, 1000, 60, s) == expected_s(st, 3, 1, 1000, 60, s, "m") for s in (True, False)]
-        [True, True]
+        >>> round(Learned(st).expected_s(0, 0, 1000, 100, stream=True), 3)
+        0.1
+        >>> round(Learned(st).expected_s(0, 0, 1000, 60, stream=False), 3)
+        1.1
+        >>> e = Learned(st, "m").expected_s(3, 1, 1000, 60, True)
+        >>> e == estimate_ttft(st, 3, 1, 1000, model="m", explore=False)
+        True
         """
         ttft = self.coeffs.load_key(outstanding, pending) + prompt_tokens * self.coeffs.inv_pf
         return ttft if stream else ttft + max_tokens * self.gap_s(outstanding)
