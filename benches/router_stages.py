@@ -35,7 +35,7 @@ import urllib.request
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from peers_path import ZML_STACK  # noqa: E402  (the launcher: nats-server, health, router, gateway)
+from peers_path import ZML_STACK, ZML_TOML_1  # noqa: E402  (the launcher: nats-server, health, router, gateway)
 
 STAMPS = '''"""Bench instrumentation (benches/router_stages.py): the router's CPU per stage of a request."""
 import json, os, time
@@ -129,17 +129,6 @@ PATCHES = [
      "    def _data_received(self, data: bytes) -> None:\n        self.got_bytes = True\n"),
 ]
 
-CONFIG = """[defaults]
-request_timeout_s = 30
-[health]
-poll_interval_s = 1
-[[nodes]]
-id = "stub-1"
-accelerator = "nvidia_h100"
-endpoint = "http://127.0.0.1:{port}"
-backend = "openai"
-models = ["stub-model"]
-"""
 BODY = b'{"model":"stub-model","messages":[{"role":"user","content":"hi"}]}'
 
 
@@ -186,7 +175,7 @@ def main() -> None:
     pythonpath = snapshot(a.ref, os.path.join(work, "src"))
     stub_port, port = free_port(), free_port()
     cfg = os.path.join(work, "zml.toml")
-    open(cfg, "w").write(CONFIG.format(port=stub_port))
+    open(cfg, "w").write(ZML_TOML_1.replace("127.0.0.1:8001", f"127.0.0.1:{stub_port}"))  # peers' one-node config
     open(os.path.join(work, "zml_stack.py"), "w").write(ZML_STACK)
     out = os.path.join(work, "stages.json")
     procs = []
