@@ -75,7 +75,7 @@ class _NodeRuntime:
     """What the service keeps per node besides its tracker."""
 
     __slots__ = ("doc", "has_probe", "probe_checked_at", "pending_loads", "warmed", "calibration", "draining",
-                 "failed_at", "loras")
+                 "failed_at", "loras", "adapter_load_s")
 
     def __init__(self) -> None:
         self.doc: dict[str, Any] | None = None
