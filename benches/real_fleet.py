@@ -112,11 +112,18 @@ async def stream_chat(sess: aiohttp.ClientSession, url: str, messages: list[dict
                 rec["error"] = f"{resp.status} {(await resp.text())[:200]}"
                 return rec
             rec["node"] = resp.headers.get("x-zml-node-id")
+            zml_headers = {k[6:]: v for k, v in resp.headers.items() if k.lower().startswith("x-zml-")}
+            if zml_headers:
+                rec["zml_headers"] = zml_headers
             async for raw in resp.content:
                 line = raw.strip()
                 if not line.startswith(b"data: ") or line == b"data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
+                if chunk.get("timings"):  # llama-server's own figures for this request (any router passes them)
+                    rec["timings"] = chunk["timings"]
+                if chunk.get("zml"):  # ZML's routing metadata: node, prediction, cached tokens
+                    rec["zml"] = {**rec.get("zml", {}), **chunk["zml"]}
                 for c in chunk.get("choices") or []:
                     piece = (c.get("delta") or {}).get("content")
                     if piece:
@@ -261,7 +268,8 @@ def one_run(name: str, wl: dict[str, Any], a: argparse.Namespace, rust_bin: Path
         nodes_view = None
         if name == "zml":
             nodes_view = {n["node_id"]: {k: n.get(k) for k in ("prefill_tps", "decode_tps", "speeds_source",
-                                                               "speeds_confidence", "prefill_sigma", "decode_sigma")}
+                                                               "speeds_confidence", "prefill_sigma", "decode_sigma",
+                                                               "decode_slowdown", "model_speeds")}
                           for n in httpx.get(url + "/v1/nodes", timeout=5).json()["nodes"]}
     finally:
         if proc is not None:
@@ -289,6 +297,9 @@ def one_run(name: str, wl: dict[str, Any], a: argparse.Namespace, rust_bin: Path
         "engine_speeds": {n: {"prompt_tps": round(s.prompt_tps), "decode_tps": round(s.decode_tps)}
                           for n, s in speeds.items() if s is not None},
         "served_by": served or None, "zml_nodes_after": nodes_view,
+        # per request: what the engine timed (llama.cpp's timings) and, for ZML, what it decided
+        "requests_detail": [{k: r.get(k) for k in ("conv", "turn", "ttft", "total", "node", "timings", "zml",
+                                                   "zml_headers") if r.get(k) is not None} for r in recs],
     }
 
 
