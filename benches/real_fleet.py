@@ -183,6 +183,13 @@ def zml_toml(servers: list[llamaserver.Server]) -> str:
     return "\n".join(out)
 
 
+def zml_nodes(url: str) -> dict[str, Any]:
+    """ZML's estimates of each node (``/v1/nodes``)."""
+    return {n["node_id"]: {k: n.get(k) for k in ("prefill_tps", "decode_tps", "speeds_source", "speeds_confidence",
+                                                 "prefill_sigma", "decode_sigma", "decode_slowdown", "model_speeds")}
+            for n in httpx.get(url + "/v1/nodes", timeout=5).json()["nodes"]}
+
+
 def start_router(name: str, servers: list[llamaserver.Server], tmp: Path, rust_bin: Path) -> tuple[Proc, str]:
     port = free_port()
     workers = [s.url for s in servers]
@@ -262,15 +269,11 @@ def one_run(name: str, wl: dict[str, Any], a: argparse.Namespace, rust_bin: Path
         warm = asyncio.run(warm_up(url, wl["warmup"]))
         time.sleep(a.settle)
         before = {s.node_id: engine_counts(s.url) for s in servers}
+        nodes_before = zml_nodes(url) if name == "zml" else None  # what the workload is routed on at first
         load = os.getloadavg()[0]
         recs, wall = asyncio.run(run_workload(url, wl, a.max_tokens))
         after = {s.node_id: engine_counts(s.url) for s in servers}
-        nodes_view = None
-        if name == "zml":
-            nodes_view = {n["node_id"]: {k: n.get(k) for k in ("prefill_tps", "decode_tps", "speeds_source",
-                                                               "speeds_confidence", "prefill_sigma", "decode_sigma",
-                                                               "decode_slowdown", "model_speeds")}
-                          for n in httpx.get(url + "/v1/nodes", timeout=5).json()["nodes"]}
+        nodes_view = zml_nodes(url) if name == "zml" else None
     finally:
         if proc is not None:
             stop(proc)
@@ -296,7 +299,7 @@ def one_run(name: str, wl: dict[str, Any], a: argparse.Namespace, rust_bin: Path
         "wall_s": round(wall, 2), "loadavg_1m": round(load, 2),
         "engine_speeds": {n: {"prompt_tps": round(s.prompt_tps), "decode_tps": round(s.decode_tps)}
                           for n, s in speeds.items() if s is not None},
-        "served_by": served or None, "zml_nodes_after": nodes_view,
+        "served_by": served or None, "zml_nodes_before": nodes_before, "zml_nodes_after": nodes_view,
         # per request: what the engine timed (llama.cpp's timings) and, for ZML, what it decided
         "requests_detail": [{k: r.get(k) for k in ("conv", "turn", "ttft", "total", "node", "timings", "zml",
                                                    "zml_headers") if r.get(k) is not None} for r in recs],
