@@ -16,6 +16,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import msgspec
+
 from zmlcore.fleet import learn
 from zmlcore.messages.speeds import LearnedSpeeds, ModelSpeeds, SpeedSample
 
@@ -50,6 +52,8 @@ class SpeedBook:
     calibrated_at: dict[tuple[str, str], float] = field(default_factory=dict)
     #: (node, model) -> confirmations still owed to its last full calibration
     unconfirmed: dict[tuple[str, str], int] = field(default_factory=dict)
+    #: model -> tokens per answer over every node's samples (learn.answer_tokens)
+    answers: dict[str, float] = field(default_factory=dict)
 
     def prior(self, node: str, accelerator: str, prefill_tps: float = 0.0, decode_tps: float = 0.0) -> None:
         """What is believed of ``node`` before anything is seen: its type's speeds, or the ones
@@ -73,6 +77,8 @@ class SpeedBook:
         for model, published in models.items():
             if published.source != "default":
                 per[model] = learn.restored(published, prior)
+            if published.mean_output_tokens > 0 and model not in self.answers:
+                self.answers[model] = published.mean_output_tokens
 
     def reset(self, node: str) -> None:
         self.beliefs.pop(node, None)
@@ -89,6 +95,7 @@ class SpeedBook:
         if node not in self.priors:
             return  # not a node of ours (removed, or another fleet's)
         self.beliefs[node][model] = learn.observe_sample(self._get(node, model), sample, now, maxc)
+        self.answers[model] = learn.answer_tokens(self.answers.get(model, 0.0), sample)
 
     def counters(self, node: str, models: list[str], now: float, *, prefill_tps: float | None,
                  prefill_c: float, decode_tps: float | None, decode_c: float) -> None:
@@ -148,9 +155,14 @@ class SpeedBook:
         self.calibrated_at[key] = now
         self.unconfirmed[key] = self.unconfirmed.get(key, 0) - 1 if confirm else CONFIRMATIONS
 
+    def _published(self, s: LearnedSpeeds, model: str, now: float) -> ModelSpeeds:
+        p = learn.published(s, now)
+        out = self.answers.get(model, 0.0)
+        return msgspec.structs.replace(p, mean_output_tokens=round(out, 1)) if out > 0 else p
+
     def publish(self, node: str, models: list[str], now: float) -> Published:
         per = self.beliefs.get(node, {})
-        pub = {m: learn.published(per[m], now) for m in models if m in per}
+        pub = {m: self._published(per[m], m, now) for m in models if m in per}
         if pub:
             main = max(pub.values(), key=lambda p: (p.samples, p.confidence))
         elif "" in per:
