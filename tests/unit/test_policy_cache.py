@@ -340,3 +340,47 @@ def test_warm_nodes_tied_in_the_sticky_test_go_to_the_first_registered(path: str
     views[1].pending = 7  # no longer tied: the next one
     d = choose_node(FleetIndex(views), req, LATENCY, NOW, RoutingState(), cache=idx)
     assert d.node_id == "w1"
+
+
+def _slot_bound(node_id: str, pf: float, outstanding: int) -> NodeView:
+    """A one-thread llama-server as health learns it: 4 slots, 24-token answers that hold a
+    full node's slot 0.6 s past the first token."""
+    from zmlcore.messages.speeds import ModelSpeeds
+
+    v = node(node_id, "cpu", outstanding=outstanding)
+    ms = ModelSpeeds(prefill_tps=pf, decode_tps=300.0, decode_slowdown=0.5, prefill_sigma=0.05, decode_sigma=0.05,
+                     source="measured", full_decode_s=0.6, mean_output_tokens=24.0)
+    v.state = msgspec.structs.replace(v.state, max_concurrency=4, model_speeds={"m": ms})
+    return v
+
+
+def test_a_warm_node_with_every_slot_taken_has_no_budget_while_the_reference_has_one_free(path: str) -> None:
+    """Sticky until saturated, on slot-bound engines: the conversation's node (3x faster at
+    prefill) has all 4 slots taken and 2 requests waiting; the other has a slot free. The
+    budget (the reference's recomputation over 1 - rho: 4x at 3 of 4 slots taken) would keep the
+    request in the warm node's queue, waiting for a slot; it goes where a slot is free."""
+    views = [_slot_bound("fast", 24_000.0, 6), _slot_bound("slow", 8_000.0, 3)]
+    idx = index_for(views)
+    c = conv(10)
+    idx.record("fast", c, NOW)
+    req = RouteRequest(model="m", prompt_tokens=1400, prefix=c)
+    d = choose_node(FleetIndex(views), req, LATENCY, NOW, RoutingState(), cache=idx)
+    assert d.node_id == "slow"
+    e_fast = estimate_of(views[0], req, idx)
+    e_slow = estimate_of(views[1], req, idx)
+    budget = (1400 - 100) / 8_000 / (1 - 0.75)  # what the old rule allowed, about
+    assert e_slow < e_fast < e_slow + budget
+    # with a slot free on the warm node too, the budget holds it there as before
+    views[0].outstanding = 3
+    views[1].outstanding = 3
+    assert choose_node(FleetIndex(views), req, LATENCY, NOW, RoutingState(), cache=idx).node_id == "fast"
+    # and with every slot taken on both, it is the budget's call again (the reference is full)
+    views[0].outstanding = 6
+    views[1].outstanding = 4
+    d = choose_node(FleetIndex(views), req, LATENCY, NOW, RoutingState(), cache=idx)
+    assert d.node_id == "fast"
+
+
+def estimate_of(v: NodeView, req: RouteRequest, idx: PrefixIndex) -> float:
+    d = choose_node(FleetIndex([v]), req, LATENCY, NOW, RoutingState(), cache=idx)
+    return d.estimated_ttft_s
