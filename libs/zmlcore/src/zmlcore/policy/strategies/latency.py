@@ -15,13 +15,7 @@ sequence slots taken (capped at :data:`RHO_MAX`). The budget comes from the node
 and load, not a constant: ~0.1 s per 1,000 tokens on an idle H100, 0.33 s on an idle
 Inferentia2, several times that on a busy one. Once the warm node's queue outweighs it, the
 prefix is worth less than the wait and the request spills ("until saturated"). Among warm
-candidates, the lowest ``est - cached / pf_ref / (1 - rho_ref)`` wins. A warm node on which the
-request would wait for a sequence slot (every slot taken) has no budget while the reference has
-one free: the budget prices the recomputation the reference's other work pays, and says nothing
-of what a full warm node's queue pays for one more, which a slot-bound engine makes the larger
-(two llama-servers of 4 slots, 12 conversations of 24-token answers: the budget, up to 10x the
-recomputation, held 7-8 conversations on the fast node, waiting ~1 s for slots while the other
-had slots free; benches/real_fleet.py). On tuning seeds of
+candidates, the lowest ``est - cached / pf_ref / (1 - rho_ref)`` wins. On tuning seeds of
 benches/routing_sim.py this beat fixed budgets of 0, 0.5, 1, 2 and 4 times the recomputation
 at 80% load (agent p90 TTFT 4-6x lower than 1x, hot-prefix 1.5-3x lower than 2x) and was within
 the noise of them at 50% (docs/routing.md, "Sticky until saturated").
@@ -62,13 +56,11 @@ TIE_SLOTS = 1.0
 def sticky(cands: list[Cand], ref: Cand) -> Cand:
     """The warm candidate that beats ``ref`` within its budget, or ``ref``."""
     inv = STICKY / ref.pf
-    use = ref.slot_use
     if STICKY_LOAD:
-        inv /= 1.0 - min(RHO_MAX, use)
+        inv /= 1.0 - min(RHO_MAX, ref.slot_use)
     best, best_s = ref, ref.est - ref.cached * inv
-    free = use < 1.0  # then a warm node whose slots are all taken has no budget
     for c in cands:
-        if c.cached > ref.cached and not (free and c.slot_use >= 1.0):
+        if c.cached > ref.cached:
             s = c.est - c.cached * inv
             if s < best_s or (s == best_s and (c.est, c.rank) < (best.est, best.rank)):
                 best, best_s = c, s
@@ -116,21 +108,16 @@ def pick_rows(ctx: VCtx, tie_s: float, below_s: float, slots: float = TIE_SLOTS)
         # only the rows warmer than the fastest are scored: usually a handful of the fleet
         listed = ctx.warm_rows
         warm: np.ndarray | None = None
-        use = t.depth.item(i) / t.maxc.item(i)
-        free = use < 1.0  # then a warm row whose slots are all taken has no budget (sticky)
         if listed and listed[0] >= 0:  # the warm rows, listed by cached_rows: no pass over c
-            wl: list[int] | None = sorted(j for j in listed if c.item(j) > c0
-                                          and not (free and t.depth.item(j) >= t.maxc.item(j)))
+            wl: list[int] | None = sorted(j for j in listed if c.item(j) > c0)
         else:
             warm = (c > c0).nonzero()[0]
-            if free and len(warm):
-                warm = warm[t.depth[warm] < t.maxc[warm]]
             wl = warm.tolist() if len(warm) <= 8 else None
         nw = len(wl) if wl is not None else len(warm) if warm is not None else 0
         if nw:
             inv = STICKY / t.pf.item(i)
             if STICKY_LOAD:
-                inv /= 1.0 - min(RHO_MAX, use)
+                inv /= 1.0 - min(RHO_MAX, t.depth.item(i) / t.maxc.item(i))
             s0 = e0 - c0 * inv
             if wl is not None and nw <= 8:  # a few: plain floats (same operations, same results)
                 sw = INF
