@@ -33,6 +33,7 @@ CASES = [
     ("s", "", b"p", {" Padded ": "  spaced value  ", "K\n": "v"}),  # stripped, as nats-py strips
     ("s", "", b"p", {"": "skipped", "   ": "also", "A": "b"}),  # blank keys skipped
     ("s", "", b"p", {"A": "line1\r\nINJECT\r\n", "B": "x\ny\rz"}),  # CR/LF become spaces
+    ("s", "", b"p", {"A": "ok", "B": "lone\rcr", "C": "ok", "D": "lone\nlf"}),  # one stray byte each: found
     ("sübject.ü", "", "päyload".encode(), {"Unicode-Value": "é ✓"}),
 ]
 

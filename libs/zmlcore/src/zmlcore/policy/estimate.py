@@ -117,6 +117,35 @@ def node_cost(st: NodeState) -> float:
     return st.cost_per_hour
 
 
+#: Seconds an engine takes to load a LoRA adapter a request names, where the node has measured
+#: none (NodeState.adapter_load_s): vLLM's runtime load of a rank-8 to 64 adapter of a 7-8B
+#: model from local disk (tens to a few hundred MB read and copied to the device) is well
+#: under this; a remote store's download is not counted here (the resolver's cache dir is local).
+DEFAULT_ADAPTER_LOAD_S = {"vllm": 1.0}
+
+
+def adapter_load_s(st: NodeState, adapter: str) -> float | None:
+    """Seconds before ``adapter`` runs on this node: 0 where it is loaded, its load time where
+    the engine loads it for the request (``adapters_on_request``: vLLM with a LoRA resolver)
+    and a slot is free, None where a request for it cannot go (the engine loads no adapter on
+    request, or every slot is taken). The node's own measured load time first, else the
+    engine's default (:data:`DEFAULT_ADAPTER_LOAD_S`).
+
+    >>> st = NodeState(node_id="v", accelerator_type="nvidia_h100", family="H100", endpoint="",
+    ...                backend="vllm", models=["base"], adapters_on_request=True, adapter_slots=2)
+    >>> import msgspec
+    >>> adapter_load_s(st, "tuned"), adapter_load_s(msgspec.structs.replace(st, adapter_load_s=0.4), "tuned")
+    (1.0, 0.4)
+    """
+    if adapter in st.adapters:
+        return 0.0
+    if not st.adapters_on_request or (st.adapter_slots and len(st.adapters) >= st.adapter_slots):
+        return None
+    if st.adapter_load_s > 0:
+        return st.adapter_load_s
+    return DEFAULT_ADAPTER_LOAD_S.get(st.backend, max(DEFAULT_ADAPTER_LOAD_S.values()))
+
+
 def prompt_tokens_from_body(nbytes: int) -> int:
     """The router's prompt-length estimate from the size of the request body.
 
