@@ -187,7 +187,7 @@ async def test_an_estimate_that_moved_is_published_before_the_next_poll(nats_pri
                                   and s.model_speeds[M].full_decode_s > 0 and s, timeout=10,
                                   what="the full node's decode time published")
             assert time.monotonic() - t0 < 5.0
-            assert st.model_speeds[M].full_decode_s == 2.0 and st.model_speeds[M].mean_output_tokens == 100.0
+            assert st.model_speeds[M].full_decode_s == 2.0
         finally:
             await svc.stop()
             await sim.stop()

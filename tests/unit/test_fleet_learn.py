@@ -279,26 +279,3 @@ def test_a_full_nodes_decode_time_is_learned() -> None:
     # it survives a health service's restart and merges
     assert learn.restored(published(s, 31.0), s0).full_decode_s == pytest.approx(0.6)
     assert merge(s, s0).full_decode_s == pytest.approx(0.6)
-
-
-def test_a_models_answer_length_is_the_fleets() -> None:
-    # Tokens per answer are the workload's: a node that has answered nothing yet is published
-    # with the length the others' answers had, not the reference workload's 274 (the estimate
-    # would see its slots free ten times slower than an equal node's).
-    from zml_health.speedbook import SpeedBook
-
-    b = SpeedBook()
-    for n in ("a", "b"):
-        b.prior(n, "cpu")
-        b.calibration(n, "m", 1.0, prefill_tps=14_000, decode_tps=600, engine=True)
-    assert b.publish("a", ["m"], 2.0).main.mean_output_tokens == 0.0
-    for i in range(20):
-        b.sample("a", "m", SpeedSample(ttft_s=0.05, prefill_tokens=100, inflight=1, decode_s=0.05, decode_tokens=23),
-                 now=3.0 + i)
-    assert b.publish("a", ["m"], 30.0).main.mean_output_tokens == pytest.approx(24)
-    assert b.publish("b", ["m"], 30.0).main.mean_output_tokens == pytest.approx(24)
-    # a health service that takes over starts from it
-    c = SpeedBook()
-    c.prior("b", "cpu")
-    c.adopt("b", b.publish("b", ["m"], 30.0).models)
-    assert c.publish("b", ["m"], 31.0).main.mean_output_tokens == pytest.approx(24)

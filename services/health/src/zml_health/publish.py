@@ -47,7 +47,6 @@ MODEL_NEAR = (
     ("decode_slowdown", 0.10),
     ("ttft_overhead_s", 0.10),
     ("full_decode_s", 0.10),
-    ("mean_output_tokens", 0.10),
 )
 # Not compared (refreshed by the heartbeat): updated_at, last_ok, tokens_per_s_history, age_s,
 # speeds_at (it moves with the speeds, which are compared), prefill_sigma and decode_sigma (with

@@ -268,11 +268,14 @@ class HealthService:
         if rt is None:
             await asyncio.sleep(wait_s)
             return
+        loop = asyncio.get_running_loop()
+        planned = loop.time() + wait_s
         try:
             await asyncio.wait_for(rt.moved.wait(), wait_s)
         except TimeoutError:
             return
-        await asyncio.sleep(max(0.0, started + REPUBLISH_MIN_S - asyncio.get_running_loop().time()))
+        # never later than planned (a poll interval under REPUBLISH_MIN_S stays as it is)
+        await asyncio.sleep(max(0.0, min(started + REPUBLISH_MIN_S, planned) - loop.time()))
 
     async def poll_once(self, node: NodeConfig) -> NodeState:
         assert self.http is not None and self.kv is not None

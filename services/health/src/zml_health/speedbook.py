@@ -17,8 +17,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import msgspec
-
 from zmlcore.fleet import learn
 from zmlcore.messages.speeds import LearnedSpeeds, ModelSpeeds, SpeedSample
 
@@ -59,8 +57,6 @@ class SpeedBook:
     calibrated_at: dict[tuple[str, str], float] = field(default_factory=dict)
     #: (node, model) -> confirmations still owed to its last full calibration
     unconfirmed: dict[tuple[str, str], int] = field(default_factory=dict)
-    #: model -> tokens per answer over every node's samples (learn.answer_tokens)
-    answers: dict[str, float] = field(default_factory=dict)
     #: (node, model) -> the estimate as last published (publish)
     shown: dict[tuple[str, str], ModelSpeeds] = field(default_factory=dict)
 
@@ -88,8 +84,6 @@ class SpeedBook:
         for model, published in models.items():
             if published.source != "default":
                 per[model] = learn.restored(published, prior)
-            if published.mean_output_tokens > 0 and model not in self.answers:
-                self.answers[model] = published.mean_output_tokens
 
     def reset(self, node: str) -> None:
         self.beliefs.pop(node, None)
@@ -107,7 +101,6 @@ class SpeedBook:
         if node not in self.priors:
             return False  # not a node of ours (removed, or another fleet's)
         self.beliefs[node][model] = learn.observe_sample(self._get(node, model), sample, now, maxc)
-        self.answers[model] = learn.answer_tokens(self.answers.get(model, 0.0), sample)
         return self.moved(node, model, now)
 
     def moved(self, node: str, model: str, now: float) -> bool:
@@ -194,14 +187,9 @@ class SpeedBook:
         self.calibrated_at[key] = now
         self.unconfirmed[key] = self.unconfirmed.get(key, 0) - 1 if confirm else CONFIRMATIONS
 
-    def _published(self, s: LearnedSpeeds, model: str, now: float) -> ModelSpeeds:
-        p = learn.published(s, now)
-        out = self.answers.get(model, 0.0)
-        return msgspec.structs.replace(p, mean_output_tokens=round(out, 1)) if out > 0 else p
-
     def publish(self, node: str, models: list[str], now: float) -> Published:
         per = self.beliefs.get(node, {})
-        pub = {m: self._published(per[m], m, now) for m in models if m in per}
+        pub = {m: learn.published(per[m], now) for m in models if m in per}
         for m, p in pub.items():
             self.shown[(node, m)] = p
         if pub:

@@ -87,8 +87,7 @@ MIN_PREFILL_TOKENS = 32
 #: the slower node's and ZML sent the long prompts there (benches/real_fleet.py, box load 6).
 #: The calibration request's length (``[health] calibrate_prompt_tokens``' default).
 CLEAN_PREFILL_TOKENS = 512
-#: Step of the EWMAs of a full node's decode time per request (LearnedSpeeds.full_decode_s)
-#: and of a model's tokens per answer (answer_tokens).
+#: Step of the EWMA of a full node's decode time per request (LearnedSpeeds.full_decode_s).
 FULL_DECODE_STEP = 0.2
 MIN_DECODE_TOKENS = 8
 
@@ -300,20 +299,6 @@ def observe_sample(s: LearnedSpeeds, sample: SpeedSample, now: float, maxc: int 
             else:
                 s = observe_decode(s, tps=n / t, inflight=c, now=now, noise=noise, cap=cap, bound=True)
     return s
-
-
-def answer_tokens(mean: float, sample: SpeedSample) -> float:
-    """A model's tokens per answer (an EWMA over every node's samples; 0: none yet), with one
-    more sample. It is the workload's, not a node's: a node that has answered nothing yet holds
-    its slots for answers of the same length as the others'.
-
-    >>> answer_tokens(answer_tokens(0.0, SpeedSample(decode_tokens=23)), SpeedSample(decode_tokens=13))
-    22.0
-    """
-    if sample.decode_tokens <= 0:
-        return mean
-    out = sample.decode_tokens + 1.0
-    return out if mean <= 0 else mean + FULL_DECODE_STEP * (out - mean)
 
 
 def merge(x: LearnedSpeeds, y: LearnedSpeeds) -> LearnedSpeeds:

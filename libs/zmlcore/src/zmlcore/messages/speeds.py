@@ -112,9 +112,6 @@ class ModelSpeeds(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     #: Seconds from first token to last of a request on a full node (LearnedSpeeds.full_decode_s):
     #: the routers' wait for a sequence slot (0: the decode speeds' model instead).
     full_decode_s: float = 0.0
-    #: The model's tokens per answer over the fleet's recent requests (zmlcore.fleet.learn.answer_tokens;
-    #: 0: none seen, the reference workload's): what a sequence slot is held for.
-    mean_output_tokens: float = 0.0
 
 
 learned_speeds_decoder = msgspec.json.Decoder(LearnedSpeeds)
