@@ -22,7 +22,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "chaos"))
 import flowkill  # noqa: E402
-from conftest import launch_stack  # noqa: E402
+import flowstack  # noqa: E402
 from zmlcore.runtime.launch import free_port, start_nats  # noqa: E402
 
 
@@ -32,11 +32,10 @@ def main() -> None:
     args = ap.parse_args()
     port = free_port()
     broker = start_nats("127.0.0.1", port, tempfile.mkdtemp(prefix="flow-chaos-"))
-    stack = launch_stack(f"nats://127.0.0.1:{port}", Path(tempfile.mkdtemp(prefix="flow-chaos-stack-")),
-                         fleet=flowkill.ONE, routers=2, extra=flowkill.FLOW, sim_extra=flowkill.SIM)
+    stack = flowstack.launch(f"nats://127.0.0.1:{port}", Path(tempfile.mkdtemp(prefix="flow-chaos-stack-")))
     try:
         for r in range(args.runs):
-            run = asyncio.run(flowkill.one_run(stack, f"{os.getpid()}-{r}", flowkill.ROUTERS[(r + 1) % 2]))
+            run = asyncio.run(flowkill.one_run(stack, f"{os.getpid()}-{r}", flowstack.ROUTERS[(r + 1) % 2]))
             print(f"run {r}: {run.summary()}", flush=True)
             flowkill.restart(stack, run.victim)
     finally:

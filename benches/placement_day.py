@@ -97,6 +97,11 @@ POLL_S = 5.0
 SWEEP_S = 1.0
 ADAPTER_SLOTS = 8
 ADAPTER_LOAD_S = 2.0
+#: The nodes' engines load an adapter a request names (vLLM with a LoRA resolver: zml.toml
+#: ``adapters_on_request``): the router may send an adapter's request to a node without it, its
+#: estimate costing ADAPTER_LOAD_S. False (--no-adapters-on-request): such a request is refused
+#: and warmup loads the adapter on demand, as for engines without a resolver.
+ON_REQUEST = True
 MAX_LOADS = 8
 #: Seconds into a window when the planner's demand window (window_s = 600) shows only its rate.
 REPLAN_S = 600.0
@@ -382,6 +387,23 @@ def simulate_window(nodes_spec, models: dict[str, Model], adapters_base: dict[st
             n.draining.clear()  # drained: unloaded
             account_off(n, now)
 
+    def enqueue(n: Node, r: int, now: float) -> None:
+        e = n.eng
+        e.advance(now)
+        e.outstanding += 1
+        if e.admitted < e.maxc:
+            e.admitted += 1
+            e.prefq.append(r)
+            e.prefq_tok += R_P[r]
+        else:
+            e.waitq.append(r)
+            e.waitq_tok += R_P[r]
+        if e.cur < 0:
+            start_prefill(n, now)
+
+    #: (node, adapter) -> requests waiting for the engine to load the adapter they name
+    held_for: dict[tuple[int, str], list[int]] = {}
+
     def account_off(n: Node, now: float) -> None:
         if not (n.serving or n.loading or n.draining) and n.on_since is not None:
             n.on_s += max(0.0, now) - max(0.0, n.on_since)
@@ -443,7 +465,7 @@ def simulate_window(nodes_spec, models: dict[str, Model], adapters_base: dict[st
             first.append(math.nan)
             push(now + rng.expovariate(total), ARR)
             try:
-                d = admit(views, RouteRequest(model=name, prompt_tokens=R_P[r], max_tokens=R_O[r]), POLICY,
+                d = admit(views, RouteRequest(model=name, prompt_tokens=R_P[r], max_tokens=R_O[r], base=base), POLICY,
                           now + CLOCK0, rstate, stale_after_s=STALE, ttft_bound_s=BOUND)
             except (QueueFullError, NoHealthyNodesError):
                 scored.append((r, False, True if base else None))  # served nowhere within the bound
@@ -461,22 +483,18 @@ def simulate_window(nodes_spec, models: dict[str, Model], adapters_base: dict[st
                 continue
             n = by_id[d.node_id]
             R_N[r] = n.idx
-            pending_score[r] = True if base else None
-            e = n.eng
-            e.advance(now)
-            e.outstanding += 1
             v = views[n.idx]
             v.outstanding += 1
             v.pending += 1
-            if e.admitted < e.maxc:
-                e.admitted += 1
-                e.prefq.append(r)
-                e.prefq_tok += R_P[r]
-            else:
-                e.waitq.append(r)
-                e.waitq_tok += R_P[r]
-            if e.cur < 0:
-                start_prefill(n, now)
+            if d.adapter_load_s > 0:  # the engine loads the adapter first (vLLM's LoRA resolver)
+                pending_score[r] = False
+                held_for.setdefault((n.idx, name), []).append(r)
+                if name not in n.ad_loading:
+                    n.ad_loading.add(name)
+                    push(now + ADAPTER_LOAD_S, AD_LOADED, n.idx, name)
+                continue
+            pending_score[r] = True if base else None
+            enqueue(n, r, now)
         elif kind == PREFILL:
             n = nodes[a]
             e = n.eng
@@ -521,8 +539,10 @@ def simulate_window(nodes_spec, models: dict[str, Model], adapters_base: dict[st
             ad_name = str(b)
             n.ad_loading.discard(ad_name)
             moving_keys.discard(("ad", n.nid, ad_name))
-            if adapters_base[ad_name] in n.serving:
+            if adapters_base[ad_name] in n.serving or (n.idx, ad_name) in held_for:
                 n.adapters.add(ad_name)
+            for r in held_for.pop((n.idx, ad_name), ()):
+                enqueue(n, r, now)
             refresh(n, now)
         elif kind == SWEEP:
             assert target is not None
@@ -624,6 +644,8 @@ def state_of(n: Node, now: float) -> NodeState:
     e = n.eng
     routable = sorted(n.serving) + sorted(a for a in n.adapters)
     return NodeState(node_id=n.nid, accelerator_type=n.acc, family=ACCELERATORS[n.acc].family, endpoint="sim://",
+                     backend="vllm", adapters_on_request=ON_REQUEST, adapter_slots=ADAPTER_SLOTS,
+                     adapter_load_s=ADAPTER_LOAD_S,  # as measured: every load here takes it
                      status="up", models=routable, adapters=sorted(n.adapters), queue_running=e.admitted,
                      queue_waiting=len(e.waitq), max_concurrency=e.maxc, prefill_tps=e.pf, decode_tps=e.dec,
                      decode_slowdown=e.pen, cost_per_hour=ACCELERATORS[n.acc].cost_per_hour, health_score=100.0,
@@ -828,11 +850,14 @@ def main() -> None:
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--fluid", action="store_true",
                     help="per window with the fluid model (run_fluid) instead of request by request")
+    ap.add_argument("--no-adapters-on-request", action="store_true",
+                    help="engines without a LoRA resolver: an adapter found nowhere is refused, then loaded")
     ap.add_argument("--plan-time", action="store_true",
                     help="only time plans: 1,000 nodes x 50 models x 500 adapters, 5 runs")
     args = ap.parse_args()
-    global HEADROOM, MISS_SHARE
+    global HEADROOM, MISS_SHARE, ON_REQUEST
     HEADROOM, MISS_SHARE = args.headroom, args.miss_share
+    ON_REQUEST = not args.no_adapters_on_request
     if args.plan_time:
         took = plan_time()
         print(f"plan, 1,000 nodes x 50 models x 500 adapters: CPU s {[round(t, 3) for t in took]}, "

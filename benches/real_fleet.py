@@ -112,11 +112,18 @@ async def stream_chat(sess: aiohttp.ClientSession, url: str, messages: list[dict
                 rec["error"] = f"{resp.status} {(await resp.text())[:200]}"
                 return rec
             rec["node"] = resp.headers.get("x-zml-node-id")
+            zml_headers = {k[6:]: v for k, v in resp.headers.items() if k.lower().startswith("x-zml-")}
+            if zml_headers:
+                rec["zml_headers"] = zml_headers
             async for raw in resp.content:
                 line = raw.strip()
                 if not line.startswith(b"data: ") or line == b"data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
+                if chunk.get("timings"):  # llama-server's own figures for this request (any router passes them)
+                    rec["timings"] = chunk["timings"]
+                if chunk.get("zml"):  # ZML's routing metadata: node, prediction, cached tokens
+                    rec["zml"] = {**rec.get("zml", {}), **chunk["zml"]}
                 for c in chunk.get("choices") or []:
                     piece = (c.get("delta") or {}).get("content")
                     if piece:
@@ -174,6 +181,13 @@ def zml_toml(servers: list[llamaserver.Server]) -> str:
         out.append(f'[[nodes]]\nid = "{s.node_id}"\naccelerator = "cpu"\nbackend = "llamacpp"\n'
                    f'endpoint = "{s.url}"\nmodels = ["{MODEL}"]\n')
     return "\n".join(out)
+
+
+def zml_nodes(url: str) -> dict[str, Any]:
+    """ZML's estimates of each node (``/v1/nodes``)."""
+    return {n["node_id"]: {k: n.get(k) for k in ("prefill_tps", "decode_tps", "speeds_source", "speeds_confidence",
+                                                 "prefill_sigma", "decode_sigma", "decode_slowdown", "model_speeds")}
+            for n in httpx.get(url + "/v1/nodes", timeout=5).json()["nodes"]}
 
 
 def start_router(name: str, servers: list[llamaserver.Server], tmp: Path, rust_bin: Path) -> tuple[Proc, str]:
@@ -255,14 +269,11 @@ def one_run(name: str, wl: dict[str, Any], a: argparse.Namespace, rust_bin: Path
         warm = asyncio.run(warm_up(url, wl["warmup"]))
         time.sleep(a.settle)
         before = {s.node_id: engine_counts(s.url) for s in servers}
+        nodes_before = zml_nodes(url) if name == "zml" else None  # what the workload is routed on at first
         load = os.getloadavg()[0]
         recs, wall = asyncio.run(run_workload(url, wl, a.max_tokens))
         after = {s.node_id: engine_counts(s.url) for s in servers}
-        nodes_view = None
-        if name == "zml":
-            nodes_view = {n["node_id"]: {k: n.get(k) for k in ("prefill_tps", "decode_tps", "speeds_source",
-                                                               "speeds_confidence", "prefill_sigma", "decode_sigma")}
-                          for n in httpx.get(url + "/v1/nodes", timeout=5).json()["nodes"]}
+        nodes_view = zml_nodes(url) if name == "zml" else None
     finally:
         if proc is not None:
             stop(proc)
@@ -288,7 +299,10 @@ def one_run(name: str, wl: dict[str, Any], a: argparse.Namespace, rust_bin: Path
         "wall_s": round(wall, 2), "loadavg_1m": round(load, 2),
         "engine_speeds": {n: {"prompt_tps": round(s.prompt_tps), "decode_tps": round(s.decode_tps)}
                           for n, s in speeds.items() if s is not None},
-        "served_by": served or None, "zml_nodes_after": nodes_view,
+        "served_by": served or None, "zml_nodes_before": nodes_before, "zml_nodes_after": nodes_view,
+        # per request: what the engine timed (llama.cpp's timings) and, for ZML, what it decided
+        "requests_detail": [{k: r.get(k) for k in ("conv", "turn", "ttft", "total", "node", "timings", "zml",
+                                                   "zml_headers") if r.get(k) is not None} for r in recs],
     }
 
 

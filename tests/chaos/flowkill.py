@@ -1,10 +1,10 @@
 """A router killed while it holds queued requests of two bands (issue 30): the scenario of
 test_chaos_flow.py and benches/flow_chaos.py.
 
-Two routers, one 4-slot MI300X sim at 20x real time, ``[flow] hold_when_full``. Four long
-requests fill the node, 6 ``standard`` then 6 ``critical`` short ones wait in the saturation
-queue (each router holding a window of it), then a router that announces holding ``critical``
-entries (``zml.queue_busy``) is killed with SIGKILL. When each waiting request left the queue is
+The stack of tests/flowstack.py (two routers, one 4-slot MI300X sim, ``[flow] hold_when_full``).
+Four long requests fill the node, 6 ``standard`` then 6 ``critical`` short ones wait in the
+saturation queue (each router holding a window of it), then a router that announces holding
+``critical`` entries (``zml.queue_busy``) is killed with SIGKILL. When each waiting request left the queue is
 exact: the router's enqueue time (``Zml-Enqueued``, read off the queue's subject) plus the
 ``queued_ms`` its reply carries, both on the routers' clock.
 """
@@ -20,31 +20,14 @@ from dataclasses import dataclass, field
 import msgspec
 import nats
 
-from conftest import MODEL, Stack
+from conftest import Stack
+from flowstack import ROUTERS, body
 from zmlcore import subjects as S
 from zmlcore.flowctl.bands import CRITICAL
 from zmlcore.messages import queue_busy_decoder
 
-ONE = [("mi300x-1", "amd_mi300x", [MODEL])]
-FLOW = """
-[flow]
-max_priority = "critical"
-hold_when_full = true
-
-[policy.queued]
-strategy = "latency"
-queue_on_saturation = true
-max_queue_ms = 20000
-"""
-SIM = "max_concurrency = 4\n"
-ROUTERS = ("router-1", "router-2")
 #: Two dispatches closer than this are not told apart (``queued_ms`` is whole milliseconds).
 TIE_S = 0.002
-
-
-def body(max_tokens: int) -> bytes:
-    return json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hello there"}],
-                       "max_tokens": max_tokens, "policy": "queued"}).encode()
 
 
 @dataclass

@@ -15,7 +15,8 @@ from collections.abc import Iterator
 import pytest
 
 import flowkill
-from conftest import Stack, launch_stack
+import flowstack
+from conftest import Stack
 from zmlcore.flowctl.bands import CRITICAL
 
 pytestmark = [pytest.mark.chaos, pytest.mark.timeout(240)]
@@ -23,15 +24,14 @@ pytestmark = [pytest.mark.chaos, pytest.mark.timeout(240)]
 
 @pytest.fixture(scope="module")
 def stack(own_nats: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = launch_stack(own_nats, tmp_path_factory.mktemp("flowkill"), fleet=flowkill.ONE, routers=2,
-                     extra=flowkill.FLOW, sim_extra=flowkill.SIM)
+    s = flowstack.launch(own_nats, tmp_path_factory.mktemp("flowkill"))
     try:
         yield s
     finally:
         s.stop()
 
 
-@pytest.mark.parametrize("prefer", flowkill.ROUTERS)
+@pytest.mark.parametrize("prefer", flowstack.ROUTERS)
 def test_a_router_killed_holding_critical_requests_keeps_band_order(stack: Stack, prefer: str) -> None:
     run = asyncio.run(flowkill.one_run(stack, f"{os.getpid()}-{prefer}", prefer))
     try:

@@ -30,6 +30,14 @@ from zmlcore.runtime.launch import Proc, free_port, spawn
 MODEL = "meta-llama/llama-3-8b-instruct"
 
 
+def _clean_env(home: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """A second shell's environment: PATH and HOME (plus ``extra``), and where Python keeps
+    bytecode (PYTHONPYCACHEPREFIX, PYTHONDONTWRITEBYTECODE, as tests/conftest.py set them):
+    without them each command wrote __pycache__ folders into the source tree."""
+    python = {k: v for k, v in os.environ.items() if k in ("PYTHONPYCACHEPREFIX", "PYTHONDONTWRITEBYTECODE")}
+    return {"PATH": os.environ["PATH"], "HOME": str(home), **python, **(extra or {})}
+
+
 @dataclass
 class Newcomer:
     home: Path
@@ -40,12 +48,13 @@ class Newcomer:
 
     def shell(self, *args: str, home: Path | None = None, env: dict[str, str] | None = None,
               timeout: float = 60) -> tuple[subprocess.CompletedProcess[str], float]:
-        """``zml ARGS`` in a second shell: PATH and HOME only (plus ``env``), in an empty folder."""
+        """``zml ARGS`` in a second shell: PATH and HOME only (plus ``env``; see _clean_env), in an
+        empty folder."""
         cwd = (home or self.home) / "work"
         cwd.mkdir(exist_ok=True)
         t0 = time.monotonic()
         out = subprocess.run([sys.executable, "-m", "zml.cli", *args], capture_output=True, text=True, timeout=timeout,
-                             cwd=cwd, env={"PATH": os.environ["PATH"], "HOME": str(home or self.home), **(env or {})})
+                             cwd=cwd, env=_clean_env(home or self.home, env))
         return out, time.monotonic() - t0
 
 
@@ -154,7 +163,7 @@ def test_ctrl_c_ends_a_command_without_a_traceback(newcomer: Newcomer, argv: tup
         extra = ("--endpoint", url) if argv[0] == "infer" else ("--nats-url", url)
         proc = subprocess.Popen([sys.executable, "-m", "zml.cli", *argv, *extra], stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True, cwd=newcomer.home,
-                                env={"PATH": os.environ["PATH"], "HOME": str(newcomer.home)},
+                                env=_clean_env(newcomer.home),
                                 preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
         conn = _wait_for_connection(silent, proc)  # the command is past start-up and waits for NATS's INFO
         time.sleep(0.2)

@@ -6,6 +6,7 @@ Against ``zml sim`` nodes imitating each engine, and a recording transport for t
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -150,7 +151,71 @@ async def test_lora_adapters_load_and_unload_through_vllms_api() -> None:
             assert res.ok and sim.adapters == {}
             assert (await client.post(sim.url + "/v1/chat/completions", json=body)).status_code == 404
             assert (await loader.unload_adapter(client, sim.url, "vllm", "tenant")).ok  # 404: not loaded
-            bad = await loader.load_adapter(client, sim.url, "sglang", "tenant", "/x")
+            bad = await loader.load_adapter(client, sim.url, "openai", "tenant", "/x")
             assert not bad.ok and "no API to load a LoRA" in bad.message
+    finally:
+        await sim.stop()
+
+
+async def test_lora_adapters_load_and_unload_through_sglangs_api() -> None:
+    """SGLang's /load_lora_adapter and /unload_lora_adapter (--enable-lora): its reply is
+    {"success", "error_message", "loaded_adapters"}, a request picks the adapter as
+    "BASE:ADAPTER" and a bare adapter name runs the base model without it."""
+    sim = await start_sim("s1", "nvidia_h100", [M], engine="sglang", load_time_s=0.1, time_scale=10.0)
+    try:
+        await sim.engine.wait_loaded()
+        async with httpx.AsyncClient() as client:
+            res = await loader.load_adapter(client, sim.url, "sglang", "tenant", "/adapters/tenant")
+            assert res.ok and res.fresh and res.mechanism == "sglang_load_lora", res
+            assert sim.adapters == {"tenant": "/adapters/tenant"}
+            again = await loader.load_adapter(client, sim.url, "sglang", "tenant", "/adapters/tenant")
+            assert again.ok and not again.fresh  # "already loaded": nothing loaded now
+            listed = (await client.get(sim.url + "/v1/models")).json()["data"]
+            assert {m["id"]: m["parent"] for m in listed} == {M: None, "tenant": M}
+            body = {"model": f"{M}:tenant", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+            assert (await client.post(sim.url + "/v1/chat/completions", json=body)).status_code == 200
+            bare = {**body, "model": "tenant"}
+            assert (await client.post(sim.url + "/v1/chat/completions", json=bare)).status_code == 200
+            assert sim.adapter_requests == {"tenant": 1}  # the bare name ran without the adapter
+            res = await loader.unload_adapter(client, sim.url, "sglang", "tenant")
+            assert res.ok and sim.adapters == {}
+            gone = await loader.unload_adapter(client, sim.url, "sglang", "tenant")
+            assert not gone.ok and "not loaded" in gone.message
+    finally:
+        await sim.stop()
+
+
+async def test_tgi_adapters_are_launch_only_and_said_so() -> None:
+    rec = Recorder()
+    async with httpx.AsyncClient(transport=httpx.MockTransport(rec)) as client:
+        res = await loader.load_adapter(client, "http://tgi:80", "tgi", "tenant", "/adapters/tenant")
+        out = await loader.unload_adapter(client, "http://tgi:80", "tgi", "tenant")
+    assert not res.ok and "only at launch (LORA_ADAPTERS)" in res.message
+    assert not out.ok and "LORA_ADAPTERS" in out.message
+    assert rec.seen == []  # no route asked: TGI has none
+
+
+async def test_vllm_lora_resolver_loads_an_adapter_a_request_names(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """vLLM's lora_filesystem_resolver, as the sim imitates it: DIR/NAME/adapter_config.json of a
+    LoRA whose base the node serves is loaded (adapter_load_s) when a request names NAME."""
+    (tmp_path / "tenant").mkdir()
+    (tmp_path / "tenant" / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "base_model_name_or_path": M}))
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "adapter_config.json").write_text(
+        json.dumps({"peft_type": "LORA", "base_model_name_or_path": "another/base"}))
+    sim = await start_sim("r1", "nvidia_h100", [M], engine="vllm", time_scale=10.0,
+                          lora_resolver_dir=str(tmp_path), adapter_load_s=2.0)
+    try:
+        await sim.engine.wait_loaded()
+        async with httpx.AsyncClient() as client:
+            body = {"model": "tenant", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+            t0 = time.monotonic()
+            assert (await client.post(sim.url + "/v1/chat/completions", json=body)).status_code == 200
+            assert time.monotonic() - t0 >= 0.2  # 2 s simulated at x10
+            assert sim.adapters == {"tenant": str(tmp_path / "tenant")} and sim.adapter_requests == {"tenant": 1}
+            for name in ("other", "missing"):  # another base's adapter, no such adapter: 404 as before
+                r = await client.post(sim.url + "/v1/chat/completions", json={**body, "model": name})
+                assert r.status_code == 404
     finally:
         await sim.stop()

@@ -246,3 +246,38 @@ def test_a_calibration_slowed_by_contention_is_confirmed_and_raised() -> None:
     assert 0.8 * 24_000 < pub.prefill_tps < 1.25 * 24_000, pub
     assert 0.8 * 600 < pub.decode_tps < 1.25 * 600, pub
     assert pub.confidence > 0.5
+
+
+def test_a_short_prefill_timed_alone_is_a_lower_bound() -> None:
+    # A llama-server timed its ~80-token follow-ups at 2,300-4,000 tokens/s and its 1,270-token
+    # prompts at 15,800 in the same minute (a prefill's fixed costs weigh on a short one): the
+    # follow-ups, alone far more often, must not pull the estimate to a fifth of the node's speed
+    # (benches/real_fleet.py: the fast node's estimate fell below the slow one's).
+    s = _settled(15_800, 270)
+    for i in range(40):
+        s = observe_sample(s, SpeedSample(ttft_s=0.03, prefill_tokens=80, alone=True, engine_prefill_tps=3_000),
+                           now=10.0 + i)
+    assert _within(rate(s.prefill), 15_800, 0.1)
+    # a short one faster than believed still raises it
+    up = observe_sample(s, SpeedSample(ttft_s=0.003, prefill_tokens=80, alone=True, engine_prefill_tps=40_000),
+                        now=60.0)
+    assert rate(up.prefill) > 1.1 * rate(s.prefill)
+
+
+def test_a_full_nodes_decode_time_is_learned() -> None:
+    s0 = prior_speeds("cpu")
+    full = SpeedSample(ttft_s=0.5, prefill_tokens=100, inflight=6, decode_s=0.6, decode_tokens=23)
+    s = s0
+    for i in range(30):
+        s = observe_sample(s, full, now=1.0 + i, maxc=4)
+    assert s.full_decode_s == pytest.approx(0.6)
+    assert s.mean_output == pytest.approx(24) and published(s, now=31.0).mean_output_tokens == pytest.approx(24)
+    assert published(s, now=31.0).full_decode_s == pytest.approx(0.6)
+    # a request that found a free slot says nothing of a full node's; nor one whose slots are unknown
+    free = SpeedSample(ttft_s=0.05, prefill_tokens=100, inflight=2, decode_s=0.1, decode_tokens=23)
+    assert observe_sample(s, free, now=40.0, maxc=4).full_decode_s == s.full_decode_s
+    assert observe_sample(s0, full, now=40.0).full_decode_s == 0.0
+    # it survives a health service's restart and merges
+    assert learn.restored(published(s, 31.0), s0).full_decode_s == pytest.approx(0.6)
+    assert merge(s, s0).full_decode_s == pytest.approx(0.6)
+    assert learn.restored(published(s, 31.0), s0).mean_output == pytest.approx(24)

@@ -436,6 +436,61 @@ def test_an_over_share_tenant_and_sheddable_work_leave_the_reserve_free() -> Non
         _gate(nodes, _ask(SHEDDABLE))
 
 
+def _one_node(slots: int, running: int) -> list[NodeView]:
+    v = NodeView(NodeState(node_id="n", accelerator_type="amd_mi300x", family="MI300X", endpoint="http://x",
+                           status="up", models=["m"], updated_at=NOW, max_concurrency=slots))
+    v.set_counts(running, 0)
+    return [v]
+
+
+def test_two_replicas_deciding_at_once_never_fill_the_reserve_with_spare_only_work() -> None:
+    """The live flood's lost reserve (tests/e2e/test_flow_control.py): a 4-slot node, 1 slot kept
+    free, the flood holding 2 of the 3 others (one from each replica). A slot frees and both
+    replicas, woken by it at once, see 2 running: judged on the shared count alone each sends
+    one more and the flood holds all 4. Each judged on its own part of the spare slots (split
+    by the entries each holds), only the one whose part has room sends."""
+    from zmlcore.flowctl.gate import SpareSplit, spare_part
+    nodes = _one_node(4, 2)
+    held = {"r1": 17, "r2": 19}
+    assert spare_part(3, "r1", held) + spare_part(3, "r2", held) == 3
+    flow = FlowConfig(hold_when_full=True, spare_reserve=0.25)
+
+    def gate(me: str, own: int, split: bool = True):  # type: ignore[no-untyped-def]
+        return admit_flow(nodes, RouteRequest(model="m", prompt_tokens=50), builtin_policy("latency"), NOW,
+                          RoutingState(), _ask(), over_share=True, flow=flow, stale_after_s=15.0,
+                          ttft_bound_s=60.0, reserve=0.1,
+                          split=SpareSplit(me, {"n": own}, held) if split else None)
+
+    from zmlcore.flowctl.gate import admit_flow
+    sent = 0
+    for me in ("r1", "r2"):  # the same instant: neither has seen the other's send
+        try:
+            gate(me, own=1)
+            sent += 1
+        except QueueFullError:
+            pass
+    assert sent == 1  # 3 running: the 4th slot stays the reserve
+    assert gate("r2", own=1, split=False)[0].node_id == "n" and gate("r1", own=1, split=False)[0].node_id == "n"
+    # a request that does not take spare capacity only is not held to a part
+    d, _ = admit_flow(nodes, RouteRequest(model="m", prompt_tokens=50), builtin_policy("latency"), NOW,
+                      RoutingState(), _ask(), over_share=False, flow=flow, stale_after_s=15.0, ttft_bound_s=60.0,
+                      reserve=0.1, split=SpareSplit("r1", {"n": 9}, held))
+    assert d.node_id == "n"
+
+
+def test_the_spare_slots_are_split_by_the_entries_each_replica_holds() -> None:
+    from zmlcore.flowctl.gate import spare_part
+    # each holder gets one (its window drains), the rest goes by size; the parts add up
+    for held in ({"r1": 1, "r2": 38}, {"r1": 18, "r2": 19}, {"a": 5, "b": 5, "c": 5}, {"a": 0, "b": 40}):
+        for spare in (1, 2, 3, 7, 24):
+            parts = {r: spare_part(spare, r, held) for r in held}
+            assert sum(parts.values()) == spare, (held, spare, parts)
+    assert [spare_part(3, r, {"r1": 1, "r2": 38}) for r in ("r1", "r2")] == [1, 2]
+    assert [spare_part(24, r, {"r1": 10, "r2": 30}) for r in ("r1", "r2")] == [6, 18]
+    assert spare_part(3, "r1", {}) == 3 and spare_part(3, "r1", {"r1": 4}) == 3  # alone: all of it
+    assert spare_part(3, "r3", {"r1": 4, "r2": 4}) == 1  # a replica deciding a request it holds no entry of
+
+
 def test_the_gate_passes_targets_to_slo_admission() -> None:
     nodes = _fleet()
     d, v = _gate(nodes, _ask(CRITICAL, Slo(0.5, 0.05)))

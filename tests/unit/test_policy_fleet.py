@@ -199,3 +199,41 @@ def test_the_tables_bounds_hold_and_let_no_stale_blocked_or_unhealthy_row_throug
     assert pick(NOW + 16) == "h1"  # h0's state is 16 s old: stale, the others 6 s
     views[0].state = msgspec.structs.replace(views[0].state, updated_at=NOW + 16)
     assert pick(NOW + 16) == "h0"
+
+
+def _cpu(node_id: str, *, slowdown: float = 0.0, full_decode_s: float = 0.0, mean_output: float = 0.0):
+    """A one-thread llama-server as health publishes it: learned speeds for model m, 4 slots."""
+    import msgspec
+
+    from zmlcore.messages.speeds import ModelSpeeds
+
+    v = node(node_id, "cpu")
+    ms = ModelSpeeds(prefill_tps=30_000, decode_tps=600, decode_slowdown=slowdown, prefill_sigma=0.05,
+                     decode_sigma=0.05, source="measured", full_decode_s=full_decode_s,
+                     mean_output_tokens=mean_output)
+    v.state = msgspec.structs.replace(v.state, max_concurrency=4, model_speeds={"m": ms})
+    return v
+
+
+def test_a_full_nodes_slot_wait_takes_its_learned_decode():
+    # One CPU thread: per-sequence decode falls ~2.5x from 1 to 4 sequences (k ~0.5), a GPU's
+    # 2% per sequence is not it; and what a full node's requests took past their first token,
+    # learned, is the slot wait itself (answers' length, paused decodes, a shared CPU).
+    out, P = 7, 100  # 4 slots taken, 3 waiting: this request is the 4th to wait
+    gpu_k = estimate_ttft(_cpu("a").state, out, 0, P, model="m", explore=False)
+    cpu_k = estimate_ttft(_cpu("a", slowdown=0.5).state, out, 0, P, model="m", explore=False)
+    step = lambda k: (MEAN_OUTPUT_TOKENS - 1) * (1 + k * 3) / 600 / 4  # noqa: E731
+    assert cpu_k - gpu_k == pytest.approx(4 * (step(0.5) - step(0.02)))
+    # answers of 24 tokens, as learned, hold a slot a tenth as long as the reference workload's
+    short = estimate_ttft(_cpu("a", slowdown=0.5, mean_output=24).state, out, 0, P, model="m", explore=False)
+    assert short - P / 30_000 == pytest.approx(4 * 23 * 2.5 / 600 / 4)
+    full = estimate_ttft(_cpu("a", slowdown=0.5, full_decode_s=0.6, mean_output=24).state, out, 0, P, model="m",
+                         explore=False)
+    assert full == pytest.approx(P / 30_000 + 4 * 0.6 / 4)
+    # the index ranks on the same figures: a node whose full slots free slowly loses to a warm-up
+    # equal one whose free fast, though both hold the same queue
+    slow, quick = _cpu("slow", full_decode_s=0.6), _cpu("quick", full_decode_s=0.1)
+    for v in (slow, quick):
+        v.outstanding = out
+    fleet = FleetIndex([slow, quick])
+    assert choose_node(fleet, RouteRequest(model="m", prompt_tokens=P), LAT, NOW, RoutingState()).node_id == "quick"

@@ -232,21 +232,21 @@ def test_a_split_leg_is_admitted_like_a_request() -> None:
     # (which still prefers it); with it, no leg goes there, as no request would
     table, sp, gate = setup({})
     note = gate.note("zml.infer", "me", {"Zml-Priority": "standard"}, "m")
-    d, _ = sp.decide(whole, rr, pol, now, no_room=gate.no_room(note))
+    d, _ = sp.decide(whole, rr, pol, now, no_room=gate.no_room(note, "m"))
     assert d.prefill_node == "pf-a"
     table, sp, gate = setup({"hold_when_full": True})
     note = gate.note("zml.infer", "me", {}, "m")
-    assert gate.no_room(note) == frozenset({"pf-a"})
-    d, _ = sp.decide(whole, rr, pol, now, no_room=gate.no_room(note))
+    assert gate.no_room(note, "m") == frozenset({"pf-a"})
+    d, _ = sp.decide(whole, rr, pol, now, no_room=gate.no_room(note, "m"))
     assert d.prefill_node == "pf-b" and d.node_id == "dec"
     # the slot frees: pf-a takes the leg again
     table.views["pf-a"].outstanding = 7
-    d, _ = sp.decide(whole, rr, pol, now, no_room=gate.no_room(note))
+    d, _ = sp.decide(whole, rr, pol, now, no_room=gate.no_room(note, "m"))
     assert d.prefill_node == "pf-a"
     # sheddable work leaves the reserve (25%: 2 of 8 slots) free: 7 held, no leg for it there
     shed = gate.note("zml.infer", "me", {"Zml-Priority": "sheddable"}, "m")
-    assert shed is not None and gate.no_room(shed) >= {"pf-a"}
-    d, _ = sp.decide(whole, rr, pol, now, no_room=gate.no_room(shed))
+    assert shed is not None and gate.no_room(shed, "m") >= {"pf-a"}
+    d, _ = sp.decide(whole, rr, pol, now, no_room=gate.no_room(shed, "m"))
     assert d.prefill_node == "pf-b"
     # the admission bound applies to the split as to the request
     table, sp, gate = setup({}, {"admission_ttft_s": 0.05})

@@ -436,6 +436,14 @@ class SimConfig(msgspec.Struct, **_Base):
     with (ids 0, 1, ... in this order, scale 1.0): ``GET /lora-adapters`` lists them, ``POST
     /lora-adapters`` sets their global scales, a request picks them with ``"lora": [{"id",
     "scale"}]``, as llama-server does (docs/placement.md "Adapters")."""
+    lora_resolver_dir: str | None = None
+    """engine = "vllm" only: imitates vLLM's ``lora_filesystem_resolver`` plugin
+    (``VLLM_LORA_RESOLVER_CACHE_DIR``): a request naming a model the node does not serve, where
+    DIR/NAME/adapter_config.json says ``"peft_type": "LORA"`` and a ``base_model_name_or_path``
+    the node serves, loads that adapter (``adapter_load_s``) and runs on it."""
+    adapter_load_s: NonNeg = 0.5
+    """Seconds (simulated) a LoRA adapter load takes: ``/v1/load_lora_adapter``, SGLang's
+    ``/load_lora_adapter`` and the resolver's loads."""
 
 
 class KVEventsConfig(msgspec.Struct, **_Base):
@@ -492,6 +500,13 @@ class NodeConfig(msgspec.Struct, **_Base):
     """LoRA adapters the engine may hold at once (vLLM's --max-loras); 0: the planner puts no
     adapter on it. A llama.cpp node holds the --lora files it was started with and no other
     (health reads them from GET /lora-adapters): this does not apply to it."""
+    adapters_on_request: bool = False
+    """backend = "vllm" only: the engine loads an adapter a request names that it does not hold,
+    a LoRA resolver plugin's job (``VLLM_ALLOW_RUNTIME_LORA_UPDATING=true``,
+    ``VLLM_PLUGINS=lora_filesystem_resolver``, ``VLLM_LORA_RESOLVER_CACHE_DIR=DIR``: DIR/NAME
+    holds the adapter, its adapter_config.json naming the base model). Routers then may send
+    an adapter's request to a node serving its base without it (below ``adapter_slots``), its
+    estimate costing the adapter's load time (docs/placement.md "Adapters")."""
     roles: list[Role] = msgspec.field(default_factory=lambda: ["prefill", "decode"])
     """Legs of a disaggregated request this node takes: "prefill" (computes a prompt's KV and
     hands it to a decode node), "decode" (generates from KV handed to it, and serves whole
@@ -1060,6 +1075,10 @@ def _validate(cfg: ZMLConfig, src: str, whole_fleet: bool = True) -> None:
         raise ConfigError(f"{src}: defaults.policy: unknown policy {cfg.defaults.policy!r}")
     _validate_batch(cfg.batch, names, src)
     _validate_disaggregation(cfg, src, whole_fleet)
+    for i, node in enumerate(cfg.nodes):
+        if node.adapters_on_request and node.backend != "vllm":
+            raise ConfigError(f"{src}: nodes[{i}] ({node.id}).adapters_on_request: vLLM's LoRA resolver plugins "
+                              f"load an adapter a request names; a {node.backend} engine has none")
     known = cfg.base_model_names()
     for name, ad in cfg.adapters.items():
         if ad.base not in known:

@@ -21,7 +21,7 @@ import posixpath
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
-from zmlcore.config import AdapterConfig
+from zmlcore.config import AdapterConfig, NodeConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,3 +88,22 @@ def match_loras(loras: Iterable[tuple[int, str]], adapters: Mapping[str, Adapter
             out[name] = found[0]
     return out
 
+
+def engine_names(node: NodeConfig, routable: list[str], adapters: Mapping[str, AdapterConfig]) -> dict[str, str]:
+    """The node's engine names (``NodeState.served_names``); on SGLang, an adapter's is
+    "BASE:ADAPTER": its OpenAI routes pick an adapter that way, and run a bare adapter name on
+    the base model without it.
+
+    >>> from zmlcore.config import AdapterConfig, NodeConfig
+    >>> n = NodeConfig(id="s", accelerator="nvidia_h100", endpoint="http://s", backend="sglang",
+    ...                served_names={"llama": "/m/llama"})
+    >>> engine_names(n, ["llama", "pirate"], {"pirate": AdapterConfig(base="llama", path="/l/pirate")})
+    {'llama': '/m/llama', 'pirate': '/m/llama:pirate'}
+    """
+    names = dict(node.served_names)
+    if node.backend == "sglang":
+        for a in routable:
+            if a in adapters:
+                base = adapters[a].base
+                names[a] = f"{node.served_names.get(base, base)}:{a}"
+    return names

@@ -30,7 +30,7 @@ from zmlcore.config import NodeConfig, ZMLConfig, parse_config, with_choices
 from zmlcore.errors import BadRequestError, ConfigError, ZMLError
 from zml_health.hardware import HardwareCheck, validate_hardware
 from zml_health.score import health_score
-from zml_health.served import match_loras, mismatch_note, split_models
+from zml_health.served import engine_names, match_loras, mismatch_note, split_models
 from zmlcore.bus.direct import subscribe_direct
 from zmlcore.bus.kvfollow import live_keys
 from zmlcore.bus.link import link_of
@@ -75,7 +75,7 @@ class _NodeRuntime:
     """What the service keeps per node besides its tracker."""
 
     __slots__ = ("doc", "has_probe", "probe_checked_at", "pending_loads", "warmed", "calibration", "draining",
-                 "failed_at", "loras")
+                 "failed_at", "loras", "adapter_load_s")
 
     def __init__(self) -> None:
         self.doc: dict[str, Any] | None = None
@@ -96,6 +96,8 @@ class _NodeRuntime:
         #: llama.cpp: the --lora files of the engine as it runs now (None: not read since it
         #: started; read once per start, zml_health.adapters.llamacpp).
         self.loras: list[llamacpp.Lora] | None = None
+        #: Seconds warmup's adapter loads here took, a moving mean (0: none measured yet).
+        self.adapter_load_s = 0.0
 
 
 class HealthService:
@@ -461,7 +463,10 @@ class HealthService:
             adapters=[m for m in routable if m in self.cfg.adapters],
             lora_ids=lora_ids,
             lora_count=len(rt.loras or ()) if node.backend == "llamacpp" else 0,
-            served_names=dict(node.served_names),
+            adapter_slots=node.adapter_slots,
+            adapters_on_request=node.adapters_on_request,
+            adapter_load_s=round(rt.adapter_load_s, 3),
+            served_names=engine_names(node, routable, self.cfg.adapters),
             missing_models=missing,
             unknown_models=unknown,
             loading_models=loading,
@@ -581,6 +586,11 @@ class HealthService:
             return
         rt = self.runtime.get(ev.node_id)
         if rt is None:
+            return
+        if ev.model in self.cfg.adapters:  # an adapter's load: its time is what routers' estimates cost
+            if ev.phase == "loaded" and ev.elapsed_s is not None:
+                s = ev.elapsed_s
+                rt.adapter_load_s = s if rt.adapter_load_s <= 0 else 0.7 * rt.adapter_load_s + 0.3 * s
             return
         if ev.phase == "started":
             rt.pending_loads[ev.model] = self.clock() + self.cfg.warmup.load_timeout_s

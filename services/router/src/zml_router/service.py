@@ -171,6 +171,7 @@ class RouterService:
         await self.ids.open(nc)
         queue = await self.glue.start(nc, self.router_id)
         self.table.on_change = self.gate.freed = queue.capacity.set
+        self.gate.waiting = queue.waiting
         self.sharing.peer_freed = self.gate.peer_freed
         self.sharing.peers_gone = self.gate.peers_gone
         self._subs += await self.sharing.start(nc, queue.capacity.set)
@@ -457,7 +458,8 @@ class RouterService:
                 # a split's prefill leg failed: another prefill node for its decode node, or whole there
                 ttft_t, tpot_t = targets(note)
                 result, why = self.splitter.decide(action.refill, action.rr, policy, time.time(), skey,
-                                                   decode_node=action.refill.node_id, no_room=self.gate.no_room(note),
+                                                   decode_node=action.refill.node_id,
+                                                   no_room=self.gate.no_room(note, model),
                                                    tpot_target_s=tpot_t, ttft_target_s=ttft_t)
                 self.metrics.split("split" if result.prefill_node else why)
             elif type(action) is route.Decide:
@@ -480,7 +482,7 @@ class RouterService:
                 elif may_split and isinstance(result, Decision):
                     ttft_t, tpot_t = targets(note)
                     result, why = self.splitter.decide(result, rr, policy, time.time(), skey,
-                                                       no_room=self.gate.no_room(note), tpot_target_s=tpot_t,
+                                                       no_room=self.gate.no_room(note, model), tpot_target_s=tpot_t,
                                                        ttft_target_s=ttft_t)
                     self.metrics.split("split" if result.prefill_node else why)
                     if result.prefill_node:
@@ -496,8 +498,12 @@ class RouterService:
                 if skey and self.sessions is not None and action.rr.accelerator_id is None:
                     self.sessions.bind(skey, node_id)
                 self.metrics.session(action.decision.session)
-                result = await self.relay.attempt(msg, req, bodies, model, action, arrived.request_id, t0, out,
-                                                  answer)
+                try:
+                    result = await self.relay.attempt(msg, req, bodies, model, action, arrived.request_id, t0, out,
+                                                      answer)
+                finally:
+                    if note is not None:
+                        self.gate.ended(note)
             elif type(action) is route.Prefill:
                 assert isinstance(bodies, NodeBodies)
                 result = await self.relay.prefill(req, bodies, model, action, arrived.request_id, out)

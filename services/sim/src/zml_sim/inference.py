@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import time
 from typing import Any, cast
 
@@ -52,6 +53,9 @@ class Inference(KVLegs):
     last_traceparent: str
     #: LoRA adapters loaded at run time (vLLM): name -> path
     adapters: dict[str, str]
+    adapter_requests: dict[str, int]
+    adapter_load_s: float
+    lora_resolver_dir: str | None
     _hung: set[asyncio.Future[None]]
 
     # ----- errors, engine-shaped ---------------------------------------------------------------
@@ -187,6 +191,26 @@ class Inference(KVLegs):
             "offset": offset,
         }
 
+    async def _resolve_adapter(self, model: str | None) -> None:
+        """vLLM's lora_filesystem_resolver: a model the node does not serve, found as an adapter
+        of one it does in the cache dir (DIR/NAME/adapter_config.json), is loaded (its load time)
+        before the request runs on it."""
+        d = self.lora_resolver_dir
+        eng = self.engine
+        if not d or not model or model in eng.models or model in self.adapters or "/" in model:
+            return
+        path = os.path.join(d, model)
+        try:
+            with open(os.path.join(path, "adapter_config.json"), "rb") as f:
+                conf = json.loads(f.read())
+        except (OSError, ValueError):
+            return
+        if not isinstance(conf, dict) or conf.get("peft_type") != "LORA" \
+                or conf.get("base_model_name_or_path") not in eng.models:
+            return
+        await asyncio.sleep(self.adapter_load_s / eng.time_scale)
+        self.adapters.setdefault(model, path)
+
     def _served(self, model: str | None) -> str | web.StreamResponse:
         """The model a request runs on (like vLLM: the served one when none is named), or the
         answer refusing it: still loading (503 where the imitated engine says so) or unknown."""
@@ -195,8 +219,12 @@ class Inference(KVLegs):
             if not eng.models:
                 return self.loading_error() if eng.loading else self.error(404, "No model is loaded", "not_found")
             return next(iter(eng.models))
-        if model in self.adapters and eng.models:
+        adapter = self.face.adapter_of(cast(NodeView, self), model)
+        if adapter is not None and eng.models:
+            self.adapter_requests[adapter] = self.adapter_requests.get(adapter, 0) + 1
             return next(iter(eng.models))  # a LoRA runs on the base model
+        if model in self.adapters and eng.models:
+            return next(iter(eng.models))  # SGLang: a bare adapter name runs the base model, no adapter
         if model not in eng.models:
             if model in eng.loading and self.face.loading_answers_503:
                 return self.loading_error()
@@ -219,6 +247,7 @@ class Inference(KVLegs):
             return self.error(400, str(exc), "bad_request")
         if args["stream_options"] and eng.faults.refuse_stream_options:
             return self.error(400, "Unrecognized request argument supplied: stream_options", "bad_request")
+        await self._resolve_adapter(args["model"])
         model = self._served(args["model"])
         if not isinstance(model, str):
             return model

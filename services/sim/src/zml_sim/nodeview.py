@@ -29,6 +29,12 @@ class NodeView(Protocol):
     loras: list[dict[str, Any]]
     #: llama.cpp: adapter id -> requests that asked for it at a scale > 0
     lora_requests: dict[int, int]
+    #: requests that ran on each adapter (zml_sim.faces: vLLM names it, SGLang "base:adapter")
+    adapter_requests: dict[str, int]
+    #: seconds (simulated) an adapter load takes
+    adapter_load_s: float
+    #: vLLM's lora_filesystem_resolver cache dir (None: no resolver)
+    lora_resolver_dir: str | None
 
     def error(self, status: int, message: str, kind: str,
               headers: dict[str, str] | None = None) -> web.Response:

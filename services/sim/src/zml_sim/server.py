@@ -129,6 +129,8 @@ class SimNode(Inference, Probe):
         drift_period_s: float = 600.0,
         kv_gbps: float | None = None,
         loras: Iterable[str] = (),
+        lora_resolver_dir: str | None = None,
+        adapter_load_s: float = 0.5,
         **profile_overrides: float | int | None,
     ) -> None:
         if accelerator not in ACCELERATORS:
@@ -186,6 +188,14 @@ class SimNode(Inference, Probe):
             raise ValueError(f"node {node_id!r}: loras are llama.cpp's --lora files (engine llamacpp)")
         self.loras: list[dict[str, Any]] = [{"id": i, "path": p, "scale": 1.0} for i, p in enumerate(loras)]
         self.lora_requests: dict[int, int] = {}
+        if lora_resolver_dir and engine != "vllm":
+            raise ValueError(f"node {node_id!r}: lora_resolver_dir is vLLM's LoRA resolver (engine vllm)")
+        #: vLLM's lora_filesystem_resolver: where a request's unknown model is looked up as an adapter
+        self.lora_resolver_dir = lora_resolver_dir
+        #: seconds (simulated) an adapter load takes
+        self.adapter_load_s = adapter_load_s
+        #: requests that ran on each adapter (vLLM: named it; SGLang: named "base:adapter")
+        self.adapter_requests: dict[str, int] = {}
 
     @classmethod
     def from_config(cls, node: NodeConfig, *, time_scale: float | None = None) -> SimNode:
@@ -206,7 +216,8 @@ class SimNode(Inference, Probe):
             cost_per_hour=node.cost_per_hour, prefix_caching=sim.prefix_caching,
             kv_block_size=sim.kv_block_size, kv_cache_blocks=sim.kv_cache_blocks,
             kv_events=node.kv_events, kv_gbps=node.kv_gbps, true_speed=sim.true_speed, drift=sim.drift,
-            drift_period_s=sim.drift_period_s, loras=sim.loras,
+            drift_period_s=sim.drift_period_s, loras=sim.loras, lora_resolver_dir=sim.lora_resolver_dir,
+            adapter_load_s=sim.adapter_load_s,
         )
 
     # ----- lifecycle ---------------------------------------------------------------------------
@@ -391,6 +402,8 @@ class SimNode(Inference, Probe):
             "kv_handoff": self.handoff.state(),
             "loras": [dict(a) for a in self.loras],
             "lora_requests": {str(i): n for i, n in sorted(self.lora_requests.items())},
+            "adapters": dict(self.adapters),
+            "adapter_requests": dict(sorted(self.adapter_requests.items())),
         }
 
 

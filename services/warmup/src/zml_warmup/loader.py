@@ -32,6 +32,8 @@ class LoadResult:
     message: str = ""
     #: The load finished within the call (warm-up request, or the model was already there).
     done: bool = False
+    #: The engine loaded it in this call (not found loaded): the call's time is its load time.
+    fresh: bool = False
 
 
 def _detail(resp: httpx.Response) -> str:
@@ -130,22 +132,32 @@ async def unload(client: httpx.AsyncClient, endpoint: str, backend: str, model: 
 async def load_adapter(client: httpx.AsyncClient, endpoint: str, backend: str, adapter: str, path: str, *,
                        timeout: float = 60.0, api_key: str | None = None) -> LoadResult:
     """Load a LoRA adapter: vLLM ``POST /v1/load_lora_adapter {"lora_name", "lora_path"}``
-    (needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=True). llama.cpp loads adapters only at start
-    (``--lora``): one it holds already is reported loaded, another cannot be."""
+    (needs VLLM_ALLOW_RUNTIME_LORA_UPDATING=True), SGLang ``POST /load_lora_adapter`` with the
+    same body (needs ``--enable-lora``; its reply ``{"success", "error_message",
+    "loaded_adapters"}``, 400 when not a success). llama.cpp loads adapters only at start
+    (``--lora``): one it holds already is reported loaded, another cannot be. TGI loads them only
+    at launch (``LORA_ADAPTERS``): said so, as a failed load."""
     base = endpoint.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        if backend == "vllm":
-            r = await client.post(base + "/v1/load_lora_adapter", json={"lora_name": adapter, "lora_path": path},
+        if backend in ("vllm", "sglang"):
+            route, mech = ("/v1/load_lora_adapter", "vllm_load_lora") if backend == "vllm" else \
+                ("/load_lora_adapter", "sglang_load_lora")
+            r = await client.post(base + route, json={"lora_name": adapter, "lora_path": path},
                                   timeout=timeout, headers=headers)
-            if r.status_code == 200 or (r.status_code == 400 and "already" in _detail(r)):
-                return LoadResult(True, "vllm_load_lora", done=True)
-            return LoadResult(False, "vllm_load_lora", f"/v1/load_lora_adapter answered {r.status_code}: {_detail(r)}")
+            if r.status_code == 200:
+                return LoadResult(True, mech, done=True, fresh=True)
+            if r.status_code == 400 and "already" in _detail(r):
+                return LoadResult(True, mech, done=True)
+            return LoadResult(False, mech, f"{route} answered {r.status_code}: {_detail(r)}")
         if backend == "llamacpp":
             held = await llamacpp_adapters(client, base, headers=headers, timeout=timeout)
             if path in held.values() or adapter in held.values():
                 return LoadResult(True, "llamacpp_lora", done=True)
             return LoadResult(False, "llamacpp_lora", f"llama-server loads adapters only at start: add --lora {path}")
+        if backend == "tgi":
+            return LoadResult(False, "tgi_lora", "TGI loads LoRA adapters only at launch (LORA_ADAPTERS): "
+                              f"relaunch it with {path or adapter}")
     except httpx.HTTPError as exc:
         return LoadResult(False, "", f"{type(exc).__name__}: {exc}")
     except ValueError as exc:
@@ -155,20 +167,23 @@ async def load_adapter(client: httpx.AsyncClient, endpoint: str, backend: str, a
 
 async def unload_adapter(client: httpx.AsyncClient, endpoint: str, backend: str, adapter: str, *,
                          timeout: float = 30.0, api_key: str | None = None) -> LoadResult:
-    """vLLM ``POST /v1/unload_lora_adapter {"lora_name"}``; llama.cpp keeps its start-up adapters
-    (requests name the one they use), so there is nothing to unload."""
+    """vLLM ``POST /v1/unload_lora_adapter {"lora_name"}``, SGLang ``POST /unload_lora_adapter``
+    (same body); llama.cpp keeps its start-up adapters (requests name the one they use), so
+    there is nothing to unload; TGI keeps those it was launched with."""
     base = endpoint.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        if backend == "vllm":
-            r = await client.post(base + "/v1/unload_lora_adapter", json={"lora_name": adapter}, timeout=timeout,
-                                  headers=headers)
-            if r.status_code in (200, 404):  # 404: not loaded
-                return LoadResult(True, "vllm_unload_lora", done=True)
-            return LoadResult(False, "vllm_unload_lora", f"/v1/unload_lora_adapter answered {r.status_code}: "
-                              f"{_detail(r)}")
+        if backend in ("vllm", "sglang"):
+            route, mech = ("/v1/unload_lora_adapter", "vllm_unload_lora") if backend == "vllm" else \
+                ("/unload_lora_adapter", "sglang_unload_lora")
+            r = await client.post(base + route, json={"lora_name": adapter}, timeout=timeout, headers=headers)
+            if r.status_code == 200 or (r.status_code == 404 and backend == "vllm"):  # vLLM's 404: not loaded
+                return LoadResult(True, mech, done=True)
+            return LoadResult(False, mech, f"{route} answered {r.status_code}: {_detail(r)}")
         if backend == "llamacpp":
             return LoadResult(True, "llamacpp_lora", "llama-server keeps its --lora adapters", done=True)
+        if backend == "tgi":
+            return LoadResult(False, "tgi_lora", "TGI keeps the LoRA adapters it was launched with (LORA_ADAPTERS)")
     except httpx.HTTPError as exc:
         return LoadResult(False, "", f"{type(exc).__name__}: {exc}")
     return LoadResult(False, "", f"a {backend} engine has no API to unload a LoRA adapter")

@@ -127,9 +127,10 @@ def holding(states: Mapping[str, NodeState], cfg: ZMLConfig) -> dict[str, NodeNo
 
 def fixed_adapters(st: NodeState) -> bool:
     """The node's engine loads no adapter at run time: llama-server holds the ``--lora`` files
-    it was started with (a request picks one by id) and nothing else, so the plan keeps those
-    where their base stays and puts no other there."""
-    return st.backend == "llamacpp"
+    it was started with (a request picks one by id) and nothing else, TGI those it was launched
+    with (``LORA_ADAPTERS``), so the plan keeps those where their base stays and puts no other
+    there."""
+    return st.backend in ("llamacpp", "tgi")
 
 
 def reply(cfg: ZMLConfig, inputs: Inputs, target: Placement | None, states: Mapping[str, NodeState],

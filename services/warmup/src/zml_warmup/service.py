@@ -421,10 +421,15 @@ class WarmupService:
             res = await self._drain_and_unload(step.node_id, step.name, endpoint, backend, api_key)
         elif step.kind == "load_adapter":
             path = self.cfg.adapters[step.name].path if step.name in self.cfg.adapters else ""
+            began = self.clock()
             res = await loader.load_adapter(self.http, endpoint, backend, step.name, path, api_key=api_key)
             if res.ok:
                 self.adapter_moves[(step.node_id, step.name)] = True
                 self.adapter_loaded_at[(step.node_id, step.name)] = self.clock()
+            if res.fresh or not res.ok:  # a load made now: health learns the node's adapter load time
+                self._emit(WarmupEvent(node_id=step.node_id, model=step.name, phase="loaded" if res.ok else "failed",
+                                       reason="placement", mechanism=res.mechanism, message=res.message,
+                                       ts=self.clock(), elapsed_s=round(self.clock() - began, 3)))
         else:
             res = await loader.unload_adapter(self.http, endpoint, backend, step.name, api_key=api_key)
             if res.ok:

@@ -79,6 +79,17 @@ BAND = math.log(1.25)
 OVERHEAD_STEP = 0.2
 #: Fewer prompt tokens than this say more about fixed latencies than about prefill speed.
 MIN_PREFILL_TOKENS = 32
+#: An engine's timing of a prefill shorter than this, even alone, is a lower bound of the
+#: speed, not a measurement: a prefill's fixed costs (a batch's setup, the scheduler's tick, a
+#: shared CPU's time slice) weigh on a short one. A llama-server timed its ~80-token follow-ups
+#: at 2,300-4,000 tokens/s and its 1,270-token prompts at 15,800 in the same minute; folded as
+#: measurements the follow-ups, which ran alone far more often, put its estimate at a third of
+#: the slower node's and ZML sent the long prompts there (benches/real_fleet.py, box load 6).
+#: The calibration request's length (``[health] calibrate_prompt_tokens``' default).
+CLEAN_PREFILL_TOKENS = 512
+#: Step of the EWMAs of a full node's decode time per request and of the tokens per answer
+#: (LearnedSpeeds.full_decode_s, mean_output).
+FULL_DECODE_STEP = 0.2
 MIN_DECODE_TOKENS = 8
 
 
@@ -178,9 +189,7 @@ def observe_prefill(s: LearnedSpeeds, *, tps: float, inflight: float, now: float
     fit = update(s.prefill, tps, inflight, now, noise, cap, bound, clean)
     if fit is s.prefill:
         return s
-    return LearnedSpeeds(prefill=fit, decode=s.decode,
-                         measured_at=now if measured else s.measured_at, prior_var=s.prior_var,
-                         overhead_s=s.overhead_s)
+    return msgspec.structs.replace(s, prefill=fit, measured_at=now if measured else s.measured_at)
 
 
 def observe_decode(s: LearnedSpeeds, *, tps: float, inflight: float, now: float, noise: float,
@@ -190,9 +199,7 @@ def observe_decode(s: LearnedSpeeds, *, tps: float, inflight: float, now: float,
     fit = update(s.decode, tps, inflight, now, noise, cap, bound, clean)
     if fit is s.decode:
         return s
-    return LearnedSpeeds(prefill=s.prefill, decode=fit,
-                         measured_at=now if measured else s.measured_at, prior_var=s.prior_var,
-                         overhead_s=s.overhead_s)
+    return msgspec.structs.replace(s, decode=fit, measured_at=now if measured else s.measured_at)
 
 
 def observe_confirmation(s: LearnedSpeeds, prior: LearnedSpeeds, *, prefill_tps: float, decode_tps: float,
@@ -265,12 +272,21 @@ def observe_sample(s: LearnedSpeeds, sample: SpeedSample, now: float, maxc: int 
                                     s.overhead_s + OVERHEAD_STEP * (o - s.overhead_s))
     ttft = sample.ttft_s - s.overhead_s
     if sample.engine_prefill_tps > 0:
+        clean = alone and sample.prefill_tokens >= CLEAN_PREFILL_TOKENS
         s = observe_prefill(s, tps=sample.engine_prefill_tps, inflight=c, now=now, noise=NOISE_ENGINE,
-                            measured=alone, cap=cap, bound=not alone, clean=alone)
+                            measured=alone, cap=cap, bound=not clean, clean=clean)
     elif ttft > 0 and sample.prefill_tokens >= MIN_PREFILL_TOKENS and (maxc <= 0 or c <= maxc):
         noise = NOISE_REPORTED if sample.prefill_reported else NOISE_ESTIMATED
         s = observe_prefill(s, tps=sample.prefill_tokens / ttft, inflight=c, now=now, noise=noise, cap=cap,
                             bound=sample.joined_tokens > 0)
+    if 0 < maxc <= sample.inflight and sample.decode_s > 0 and sample.decode_tokens > 0:
+        # it ran on a full node: how long such a node holds a slot past the first token
+        f = s.full_decode_s
+        s = msgspec.structs.replace(s, full_decode_s=sample.decode_s if f <= 0 else
+                                    f + FULL_DECODE_STEP * (sample.decode_s - f))
+    if sample.decode_tokens > 0:
+        m, out = s.mean_output, sample.decode_tokens + 1.0
+        s = msgspec.structs.replace(s, mean_output=out if m <= 0 else m + FULL_DECODE_STEP * (out - m))
     n = sample.decode_tokens
     if n <= 0 and sample.engine_decode_tps > 0:  # the engine's figure, its token count not known
         s = observe_decode(s, tps=sample.engine_decode_tps, inflight=c, now=now, noise=NOISE_ENGINE,
@@ -300,8 +316,14 @@ def merge(x: LearnedSpeeds, y: LearnedSpeeds) -> LearnedSpeeds:
     """
     return LearnedSpeeds(prefill=_ci(x.prefill, y.prefill), decode=_ci(x.decode, y.decode),
                          measured_at=max(x.measured_at, y.measured_at), prior_var=max(x.prior_var, y.prior_var),
-                         overhead_s=0.5 * (x.overhead_s + y.overhead_s) if x.overhead_s and y.overhead_s
-                         else x.overhead_s or y.overhead_s)
+                         overhead_s=_mean(x.overhead_s, y.overhead_s),
+                         full_decode_s=_mean(x.full_decode_s, y.full_decode_s),
+                         mean_output=_mean(x.mean_output, y.mean_output))
+
+
+def _mean(x: float, y: float) -> float:
+    """Of two EWMAs, either of which may have none yet (0)."""
+    return 0.5 * (x + y) if x and y else x or y
 
 
 def _ci(x: SpeedFit, y: SpeedFit) -> SpeedFit:
@@ -358,7 +380,7 @@ def restored(p: ModelSpeeds, prior: LearnedSpeeds) -> LearnedSpeeds:
         prefill=fit(p.prefill_tps, p.prefill_slowdown, p.prefill_sigma, prior.prefill.pgg, p.samples - half),
         decode=fit(p.decode_tps, p.decode_slowdown, p.decode_sigma, prior.decode.pgg, half),
         measured_at=p.at if p.source == "measured" else 0.0, prior_var=prior.prior_var,
-        overhead_s=p.ttft_overhead_s)
+        overhead_s=p.ttft_overhead_s, full_decode_s=p.full_decode_s, mean_output=p.mean_output_tokens)
 
 
 def published(s: LearnedSpeeds, now: float, stale_s: float = 600.0) -> ModelSpeeds:
@@ -381,5 +403,6 @@ def published(s: LearnedSpeeds, now: float, stale_s: float = 600.0) -> ModelSpee
         prefill_slowdown=round(slowdown(pf), 4), decode_slowdown=round(slowdown(dec), 4),
         prefill_sigma=round(sigma(pf), 4), decode_sigma=round(sigma(dec), 4),
         source=source, at=at, confidence=round(min(confidence(sigma(pf)), confidence(sigma(dec))), 3),
-        samples=pf.n + dec.n, ttft_overhead_s=round(s.overhead_s, 4),
+        samples=pf.n + dec.n, ttft_overhead_s=round(s.overhead_s, 4), full_decode_s=round(s.full_decode_s, 4),
+        mean_output_tokens=round(s.mean_output, 1),
     )

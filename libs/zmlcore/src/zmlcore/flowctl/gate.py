@@ -77,13 +77,77 @@ def outranks(band: int, tenant: str, weight: float, book: ShareBook, now: float,
     return (band, int(standing(book, tenant, weight, now)[1])) < best
 
 
+def takes_spare_only(band: int, over: bool, waiting: tuple[int, int] | None = None) -> bool:
+    """Does a request use spare capacity only, leaving ``[flow] spare_reserve`` of each node's
+    slots free? When its tenant is over its share (within its band: :func:`standing`), when it
+    is ``sheddable``, and when work of a higher band waits (``waiting``: the best (band,
+    over-share) waiting for its model, the replicas' announcements): the reserve is then that
+    band's, for its next request (a higher band's over-share work leaves it too, and a
+    ``standard`` request took it while ``critical`` work waited, a turnover longer).
+
+    >>> takes_spare_only(1, False), takes_spare_only(1, True), takes_spare_only(2, False)
+    (False, True, True)
+    >>> takes_spare_only(1, False, waiting=(0, 1)), takes_spare_only(0, False, waiting=(1, 1)), takes_spare_only(1, False, (1, 0))
+    (True, False, False)
+    """
+    return over or band >= SHEDDABLE or (waiting is not None and waiting[0] < band)
+
+
+def spare_part(spare: int, me: str, held: Mapping[str, int]) -> int:
+    """Replica ``me``'s part of a node's ``spare`` slots (those beyond the reserve) for work that
+    takes spare capacity only, shared with the other replicas holding queued work for the same
+    model (``held``: replica -> entries it holds, ``me`` included): one each, the rest in
+    proportion to what each holds (largest remainder; ties by id), so that every window drains
+    and the largest drains fastest. With more holders than spare slots, the largest holders
+    get one each. Each replica admits such work against its own requests in flight there,
+    which it knows exactly, not against the shared counts, which arrive a delta late: two
+    replicas woken by the same freed slot each saw a spare slot and both filled it, the reserve
+    with it (tests/e2e/test_flow_control.py: a steady tenant then waited for the next slot to
+    free, a whole request of the flood's when its slots freed in step).
+
+    >>> spare_part(3, "r1", {"r1": 1, "r2": 38}), spare_part(3, "r2", {"r1": 1, "r2": 38})
+    (1, 2)
+    >>> spare_part(3, "r1", {"r1": 5}), spare_part(6, "r1", {"r1": 10, "r2": 10}), spare_part(1, "r2", {"r1": 4, "r2": 5})
+    (3, 3, 1)
+    """
+    holders = {r: max(1, n) for r, n in held.items()}
+    holders[me] = max(1, holders.get(me, 1))
+    if len(holders) == 1:
+        return spare
+    by_size = sorted(holders, key=lambda r: (-holders[r], r))
+    if spare <= len(holders):
+        return 1 if me in by_size[:spare] else 0
+    rest = spare - len(holders)
+    total = sum(holders.values())
+    exact = {r: rest * n / total for r, n in holders.items()}
+    part = {r: int(x) for r, x in exact.items()}
+    left = rest - sum(part.values())
+    for r in sorted(holders, key=lambda r: (-(exact[r] - part[r]), -holders[r], r))[:left]:
+        part[r] += 1
+    return 1 + part[me]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SpareSplit:
+    """How a replica shares the nodes' spare slots with the others (:func:`spare_part`)."""
+
+    #: this replica's id
+    me: str
+    #: node id -> this replica's requests running there that take spare capacity only
+    own: Mapping[str, int]
+    #: replica -> entries of the model it holds in the saturation queue (this one's and the
+    #: others' announced); empty: none holds any, the spare slots are this replica's
+    held: Mapping[str, int] = dataclasses.field(default_factory=dict)
+
+
 def free_slots(view: NodeView) -> int:
     """Sequence slots of the node nobody holds (the router's counts plus what its poll saw)."""
     _, _, maxc = node_speeds(view.state)
     return maxc - view.effective_outstanding()
 
 
-def full_nodes(nodes: Sequence[NodeView], keep: float, unseen: Mapping[str, int] | None = None) -> frozenset[str]:
+def full_nodes(nodes: Sequence[NodeView], keep: float, unseen: Mapping[str, int] | None = None,
+               split: SpareSplit | None = None) -> frozenset[str]:
     """Nodes that would have fewer than ``reserved_slots(maxc, keep)`` slots free after one more
     request (``keep`` 0: nodes with no free slot), counted in the routers' own in-flight
     requests (every replica's, shared). Not the poll's: what it saw beyond them was measured a
@@ -92,12 +156,18 @@ def full_nodes(nodes: Sequence[NodeView], keep: float, unseen: Mapping[str, int]
     Traffic that bypasses the routers still counts in the TTFT estimate.
 
     ``unseen``: node id -> requests the other replicas may have sent it that their shared counts
-    have not brought here yet (:func:`unseen_by_peers`), counted as taken."""
+    have not brought here yet (:func:`unseen_by_peers`), counted as taken. ``split`` (with
+    ``keep``): also full where this replica's own such requests fill its part of the spare
+    slots (:func:`spare_part`)."""
     out = []
     for v in nodes:
         maxc = node_speeds(v.state)[2]
         seen = unseen.get(v.node_id, 0) if unseen else 0
-        if v.outstanding + 1 + seen + (reserved_slots(maxc, keep) if keep > 0 else 0) > maxc:
+        kept = reserved_slots(maxc, keep) if keep > 0 else 0
+        if v.outstanding + 1 + seen + kept > maxc:
+            out.append(v.node_id)
+        elif kept and split is not None and split.own.get(v.node_id, 0) + 1 > spare_part(maxc - kept, split.me,
+                                                                                          split.held):
             out.append(v.node_id)
     return frozenset(out)
 
@@ -120,9 +190,12 @@ def unseen_by_peers(own_recent: Mapping[str, int], peers: int) -> dict[str, int]
 
 
 def no_room(nodes: Sequence[NodeView], ask: Ask, *, over_share: bool, flow: FlowConfig,
-            unseen: Mapping[str, int] | None = None) -> frozenset[str]:
+            unseen: Mapping[str, int] | None = None, waiting: tuple[int, int] | None = None,
+            split: SpareSplit | None = None) -> frozenset[str]:
     """Nodes with no slot for ``ask`` under ``[flow] hold_when_full`` (none without it): no free
-    slot, or for a tenant over its share and ``sheddable`` work none beyond ``spare_reserve``.
+    slot, or for work that takes spare capacity only (:func:`takes_spare_only`: its tenant over
+    its share, ``sheddable``, a higher band waiting) none beyond ``spare_reserve`` (and this
+    replica's part of those: ``split``).
     :func:`admit_flow` keeps a request off them; a split request's legs (zmlcore.policy.split)
     keep off them too, each leg taking a slot of its node like any request.
 
@@ -138,28 +211,32 @@ def no_room(nodes: Sequence[NodeView], ask: Ask, *, over_share: bool, flow: Flow
     """
     if not flow.hold_when_full:
         return frozenset()
-    yields = over_share or ask.band >= SHEDDABLE
-    return full_nodes(nodes, flow.spare_reserve if yields else 0.0, unseen)
+    yields = takes_spare_only(ask.band, over_share, waiting)
+    return full_nodes(nodes, flow.spare_reserve if yields else 0.0, unseen, split if yields else None)
 
 
 def admit_flow(nodes: Sequence[NodeView], rr: RouteRequest, policy: ResolvedPolicy, now: float, state: RoutingState,
                ask: Ask, *, over_share: bool, flow: FlowConfig, stale_after_s: float, ttft_bound_s: float,
                reserve: float, cache: PrefixIndex | None = None, calibration: Calibration | None = None,
                ahead: int = 0, unseen: Mapping[str, int] | None = None,
-               pairs: Pairs | None = None) -> tuple[Decision, SloVerdict | None]:
+               pairs: Pairs | None = None, waiting: tuple[int, int] | None = None,
+               split: SpareSplit | None = None) -> tuple[Decision, SloVerdict | None]:
     """The decision (and SLO verdict, when the request has targets) for ``ask``; QueueFullError
     when it must wait, SloUnattainableError when no node can meet its targets. ``ahead``:
     requests waiting in the saturation queue before this one (a backlog: any free slot is taken).
     ``unseen``: per node, sends of the other replicas not counted here yet (:func:`unseen_by_peers`).
     ``pairs``: the request may be split (zmlcore.flowctl.slo.admit_slo's last resort); its legs
-    keep off the nodes without room for it."""
+    keep off the nodes without room for it. ``waiting``: the best (band, over-share) waiting for
+    the model (a higher band's: this request takes spare capacity only). ``split``: this
+    replica's part of the spare slots, for work that takes spare capacity only."""
     if ask.band == BATCH:
         return admit_batch(nodes, rr, policy, now, state, stale_after_s=stale_after_s, reserve=reserve), None
     full: frozenset[str] = frozenset()
     hold = flow.hold_when_full and rr.accelerator_id is None
     if hold:
-        yields = over_share or ask.band >= SHEDDABLE
-        full = no_room(nodes, ask, over_share=over_share, flow=flow, unseen=unseen) - rr.exclude
+        yields = takes_spare_only(ask.band, over_share, waiting)
+        full = no_room(nodes, ask, over_share=over_share, flow=flow, unseen=unseen, waiting=waiting,
+                       split=split) - rr.exclude
         if full and yields:  # spare capacity only: any node with room beyond the reserve
             rr = dataclasses.replace(rr, exclude=rr.exclude | full)
         if full and pairs is not None:  # no leg where the request itself could not go

@@ -55,6 +55,15 @@ class NodeState(msgspec.Struct, kw_only=True, omit_defaults=True):
     #: Requests for a base model carry ``"lora": [{"id": 0, "scale": 0.0}]`` (every adapter off),
     #: since a request without ``lora`` runs with the engine's global scales (1.0 from start).
     lora_count: int = 0
+    #: LoRA adapters the engine may hold at once (zml.toml ``adapter_slots``; 0: not said).
+    adapter_slots: int = 0
+    #: The engine loads an adapter a request names that it does not hold (vLLM with a LoRA
+    #: resolver plugin, zml.toml ``adapters_on_request``): routers may send it an adapter's
+    #: request, the estimate costing the load time (zmlcore.policy.estimate.adapter_load_s).
+    adapters_on_request: bool = False
+    #: Seconds this node's adapter loads took, as measured (warmup's loads, a moving mean);
+    #: 0: none measured yet (the engine's default is used).
+    adapter_load_s: float = 0.0
     #: The engine has put its model to sleep (llama.cpp ``--sleep-idle-seconds``: the next
     #: request wakes it, paying the load time; vLLM sleep mode: its models are not routable
     #: until warmup wakes it with ``/wake_up``).

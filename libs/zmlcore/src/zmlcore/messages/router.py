@@ -25,6 +25,9 @@ class QueueBusy(msgspec.Struct, frozen=True, kw_only=True):
     #: That best entry is an over-share tenant's (zmlcore.flowctl.order): a replica holding a
     #: within-share entry of the same band goes first.
     over: bool = False
+    #: How many entries of the model the announcing replica holds: the nodes' spare slots are
+    #: shared among the holders by it (zmlcore.flowctl.gate.spare_part). 0: not said.
+    held: int = 0
 
 
 class RouterNodeState(msgspec.Struct, kw_only=True, omit_defaults=True):

@@ -79,6 +79,14 @@ class LearnedSpeeds(msgspec.Struct, frozen=True, kw_only=True):
     #: tokenizing, a slot's setup): its TTFT less the engine's own prompt time, when the prefill
     #: ran alone (an EWMA; 0 until the engine has timed one).
     overhead_s: float = 0.0
+    #: Seconds from first token to last of the requests that ran on a full node (every sequence
+    #: slot taken at dispatch): an EWMA, 0 until one did. A full node frees a slot every this
+    #: over its slots, whatever made its decodes slow (the answers' length, the prefills that
+    #: paused them, a shared CPU).
+    full_decode_s: float = 0.0
+    #: Tokens per answer on this node (an EWMA of the routers' samples; 0 until one came):
+    #: the mean answer a sequence slot is held for, where no full node's decode was timed yet.
+    mean_output: float = 0.0
 
 
 class ModelSpeeds(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -104,6 +112,11 @@ class ModelSpeeds(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     #: Seconds of a TTFT that are not prefill (LearnedSpeeds.overhead_s): the routers' TTFT
     #: estimate adds them.
     ttft_overhead_s: float = 0.0
+    #: Seconds from first token to last of a request on a full node (LearnedSpeeds.full_decode_s):
+    #: the routers' wait for a sequence slot (0: the decode speeds' model instead).
+    full_decode_s: float = 0.0
+    #: Tokens per answer on this node (LearnedSpeeds.mean_output; 0: the reference workload's).
+    mean_output_tokens: float = 0.0
 
 
 learned_speeds_decoder = msgspec.json.Decoder(LearnedSpeeds)

@@ -11,12 +11,14 @@ request with no routable node gets MODEL_NOT_LOADED / QUEUE_FULL / NO_HEALTHY_NO
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any, NoReturn
 
 import numpy as np
 
 from zmlcore.errors import BadRequestError, ModelNotLoadedError, NoHealthyNodesError, QueueFullError
 from zmlcore.policy.context import Cand, Ctx, VCtx
+from zmlcore.policy.estimate import adapter_load_s
 from zmlcore.policy.fleet import FleetIndex, ModelTable
 from zmlcore.policy.prefix.index import Match, PrefixIndex, slot_array, slots_of
 from zmlcore.policy.prefix.keys import KEY_ENDS
@@ -108,6 +110,8 @@ def choose_node(
     """
     if req.accelerator_id is not None:
         return _pinned(nodes, req, now, stale_after_s)
+    if req.base is not None:
+        return _for_adapter(nodes, req, policy, now, state, stale_after_s, cache)
     fleet = state.fleet
     if state.fleet_src is not nodes or len(fleet) != len(nodes):  # the router's list: its cached index
         fleet = nodes if isinstance(nodes, FleetIndex) else _index_for(nodes, state)
@@ -160,6 +164,52 @@ def choose_node(
         cached_tokens=ctx.cached_at(i),
         session=session,
     )
+
+
+def _for_adapter(nodes: Sequence[NodeView], req: RouteRequest, policy: ResolvedPolicy, now: float,
+                 state: RoutingState, stale_after_s: float, cache: PrefixIndex | None) -> Decision:
+    """A request for a LoRA adapter (``req.base`` its base model): the policy's pick among the
+    nodes holding it, or among the nodes serving its base whose engine loads it for the
+    request, that pick's estimate plus the node's adapter load time (``adapter_load_s``),
+    whichever is sooner; a tie goes to the node holding it. Neither: the holders' error
+    (MODEL_NOT_LOADED when none holds it)."""
+    held: Decision | None = None
+    err: ModelNotLoadedError | NoHealthyNodesError | QueueFullError | None = None
+    try:
+        held = choose_node(nodes, replace(req, base=None), policy, now, state, stale_after_s=stale_after_s,
+                           cache=cache)
+    except (ModelNotLoadedError, NoHealthyNodesError, QueueFullError) as exc:
+        err = exc
+    fleet = state.fleet
+    if state.fleet_src is not nodes or len(fleet) != len(nodes):
+        fleet = nodes if isinstance(nodes, FleetIndex) else _index_for(nodes, state)
+    base = req.base or ""
+    views = fleet.table(base).views
+    load: dict[str, float] = {}
+    other: set[str] = set(req.exclude)
+    for v in views:
+        s = adapter_load_s(v.state, req.model)
+        if s:
+            load[v.node_id] = s
+        else:
+            other.add(v.node_id)  # holds it (the holders' pick above) or cannot load it
+    if load:
+        # the base's nodes that would load it; its cache keys are the adapter's, none held there
+        try:
+            pick = choose_node(fleet, RouteRequest(base, req.prompt_tokens, req.max_tokens, exclude=frozenset(other)),
+                               policy, now, state, stale_after_s=stale_after_s)
+        except (ModelNotLoadedError, NoHealthyNodesError, QueueFullError):
+            pick = None
+        if pick is not None:
+            s = load[pick.node_id]
+            if held is None or pick.estimated_ttft_s + s < held.estimated_ttft_s:
+                pick.estimated_ttft_s += s
+                pick.adapter_load_s = s
+                return pick
+    if held is not None:
+        return held
+    assert err is not None
+    raise err
 
 
 def cached_rows(table: ModelTable, cache: PrefixIndex, match: Match, prompt_tokens: int,

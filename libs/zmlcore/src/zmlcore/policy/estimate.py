@@ -96,11 +96,54 @@ def node_overhead(st: NodeState, model: str = "") -> float:
     return ms.ttft_overhead_s if ms is not None else 0.0
 
 
+def node_slots(st: NodeState, model: str = "") -> tuple[float, float, float]:
+    """(decode slowdown per extra sequence, seconds a full node's request holds its slot past
+    its first token, tokens per answer) of a node for ``model``: what its wait for a sequence
+    slot is estimated from. The learned slowdown (one CPU thread: ~0.5; a GPU's ~0.02), else
+    the GPU-shaped default; the learned decode time on a full node
+    (``ModelSpeeds.full_decode_s``), else 0: the speeds' model, an answer of the learned
+    length (else the reference workload's) at the decode speed of a full batch."""
+    ms = st.model_speeds.get(model) if model and st.model_speeds else None
+    k = (ms.decode_slowdown if ms is not None else st.decode_slowdown) or DECODE_BATCH_PENALTY
+    if ms is None:
+        return k, 0.0, 0.0
+    return k, ms.full_decode_s, ms.mean_output_tokens
+
+
 def node_cost(st: NodeState) -> float:
     """$/hour of a node: its state's price. The health service fills it in (zml.toml's price,
     else the type's list price) and ``zml cost set`` overrides it, so 0 is a real price (a
     free node), not "unset"."""
     return st.cost_per_hour
+
+
+#: Seconds an engine takes to load a LoRA adapter a request names, where the node has measured
+#: none (NodeState.adapter_load_s): vLLM's runtime load of a rank-8 to 64 adapter of a 7-8B
+#: model from local disk (tens to a few hundred MB read and copied to the device) is well
+#: under this; a remote store's download is not counted here (the resolver's cache dir is local).
+DEFAULT_ADAPTER_LOAD_S = {"vllm": 1.0}
+
+
+def adapter_load_s(st: NodeState, adapter: str) -> float | None:
+    """Seconds before ``adapter`` runs on this node: 0 where it is loaded, its load time where
+    the engine loads it for the request (``adapters_on_request``: vLLM with a LoRA resolver)
+    and a slot is free, None where a request for it cannot go (the engine loads no adapter on
+    request, or every slot is taken). The node's own measured load time first, else the
+    engine's default (:data:`DEFAULT_ADAPTER_LOAD_S`).
+
+    >>> st = NodeState(node_id="v", accelerator_type="nvidia_h100", family="H100", endpoint="",
+    ...                backend="vllm", models=["base"], adapters_on_request=True, adapter_slots=2)
+    >>> import msgspec
+    >>> adapter_load_s(st, "tuned"), adapter_load_s(msgspec.structs.replace(st, adapter_load_s=0.4), "tuned")
+    (1.0, 0.4)
+    """
+    if adapter in st.adapters:
+        return 0.0
+    if not st.adapters_on_request or (st.adapter_slots and len(st.adapters) >= st.adapter_slots):
+        return None
+    if st.adapter_load_s > 0:
+        return st.adapter_load_s
+    return DEFAULT_ADAPTER_LOAD_S.get(st.backend, max(DEFAULT_ADAPTER_LOAD_S.values()))
 
 
 def prompt_tokens_from_body(nbytes: int) -> int:
@@ -116,7 +159,7 @@ class Coeffs:
     """Per-node constants of the estimate (recomputed when a node's speeds or price change)."""
 
     __slots__ = ("pf", "inv_pf", "ep_over_pf", "mean_prompt", "maxc", "c_dec", "mu", "cost", "cost_cap",
-                 "overhead")
+                 "overhead", "slowdown")
 
     def __init__(
         self,
@@ -127,6 +170,9 @@ class Coeffs:
         mean_prompt: float = MEAN_PROMPT_TOKENS,
         mean_output: float = MEAN_OUTPUT_TOKENS,
         overhead: float = 0.0,
+        slowdown: float = DECODE_BATCH_PENALTY,
+        full_decode_s: float = 0.0,
+        node_output: float = 0.0,
     ) -> None:
         self.pf = pf
         #: seconds of every TTFT that are not prefill (node_overhead)
@@ -135,9 +181,17 @@ class Coeffs:
         self.ep_over_pf = mean_prompt / pf
         self.mean_prompt = mean_prompt
         self.maxc = maxc
-        step_full = (1.0 + DECODE_BATCH_PENALTY * (maxc - 1)) / dec  # 1 / r(maxc)
-        #: seconds per freed slot at full batch: E[O-1] / (maxc * r(maxc))
-        self.c_dec = max(mean_output - 1.0, 0.0) * step_full / maxc
+        #: decode slowdown per extra sequence (node_slots)
+        self.slowdown = slowdown
+        if full_decode_s > 0:
+            # seconds per freed slot at full batch, as measured: a request's decode there over
+            # the slots (node_slots)
+            self.c_dec = full_decode_s / maxc
+        else:
+            step_full = (1.0 + slowdown * (maxc - 1)) / dec  # 1 / r(maxc)
+            #: seconds per freed slot at full batch: E[O-1] / (maxc * r(maxc)), E[O] this
+            #: node's answers as learned, else the workload's
+            self.c_dec = max((node_output or mean_output) - 1.0, 0.0) * step_full / maxc
         #: saturation throughput, requests/s (SimProfile.capacity_rps)
         self.mu = 1.0 / (self.ep_over_pf + self.c_dec)
         self.cost = cost
@@ -180,9 +234,17 @@ def estimate_ttft(
     >>> round(estimate_ttft(st, outstanding=0, pending=0, prompt_tokens=1000, cached_tokens=800), 3)
     0.02
     """
-    pf, dec, maxc = node_speeds(st, model, explore=explore)
-    c = Coeffs(pf, dec, maxc, 0.0, mean_prompt, mean_output, node_overhead(st, model))
+    c = node_coeffs(st, model, explore=explore, mean_prompt=mean_prompt, mean_output=mean_output)
     return c.load_key(outstanding, pending, pending_tokens) + (prompt_tokens - cached_tokens) * c.inv_pf
+
+
+def node_coeffs(st: NodeState, model: str = "", *, explore: bool = True, cost: float = 0.0,
+                mean_prompt: float = MEAN_PROMPT_TOKENS, mean_output: float = MEAN_OUTPUT_TOKENS) -> Coeffs:
+    """A node's estimate coefficients for ``model`` from its state: its speeds (node_speeds),
+    TTFT overhead (node_overhead) and slot wait (node_slots)."""
+    pf, dec, maxc = node_speeds(st, model, explore=explore)
+    k, full, out = node_slots(st, model)
+    return Coeffs(pf, dec, maxc, cost, mean_prompt, mean_output, node_overhead(st, model), k, full, out)
 
 
 def nonstream_pending_s(st: NodeState, outstanding: int, pending: int, prompt_tokens: float) -> float:

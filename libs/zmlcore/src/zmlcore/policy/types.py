@@ -194,13 +194,17 @@ class RouteRequest:
     #: ``session=``), if any: kept while that node is within the load bound
     #: (``zmlcore.policy.session``), else the policy chooses and the caller rebinds.
     session_node: str | None = None
+    #: ``model`` is a LoRA adapter of this base model: besides the nodes holding it, a node
+    #: serving the base whose engine loads it for the request may take it, its estimate plus
+    #: the load time (zmlcore.policy.estimate.adapter_load_s).
+    base: str | None = None
 
     # The generated __init__ of a frozen dataclass looks object.__setattr__ up per field (1.6 us,
     # once per request); this one binds it once (0.9 us). Same fields, defaults and order
     # (tests/unit/test_policy_helpers.py checks them against dataclasses.fields).
     def __init__(self, model: str, prompt_tokens: int = 0, max_tokens: int = 512, accelerator_id: str | None = None,
                  exclude: frozenset[str] = frozenset(), prefix: Any = None, session_node: str | None = None,
-                 *, _set: Any = object.__setattr__) -> None:
+                 base: str | None = None, *, _set: Any = object.__setattr__) -> None:
         _set(self, "model", model)
         _set(self, "prompt_tokens", prompt_tokens)
         _set(self, "max_tokens", max_tokens)
@@ -208,6 +212,7 @@ class RouteRequest:
         _set(self, "exclude", exclude)
         _set(self, "prefix", prefix)
         _set(self, "session_node", session_node)
+        _set(self, "base", base)
 
 
 @dataclass(slots=True)
@@ -245,6 +250,9 @@ class Decision:
     #: takes (a split decision's estimate).
     transfer_tokens: int = 0
     transfer_s: float = 0.0
+    #: An adapter's request sent to a node that loads the adapter for it (``adapters_on_request``):
+    #: the seconds of load time in ``estimated_ttft_s``; 0 where the node holds it.
+    adapter_load_s: float = 0.0
 
 
 @dataclass(slots=True)

@@ -25,14 +25,13 @@ from typing import Any
 import msgspec
 
 from zmlcore import subjects
-from zmlcore.fleet.accelerators import DECODE_BATCH_PENALTY
 from zmlcore.messages import NodeState, RoutingInfo, SpeedSample
 from zmlcore.messages.audio import AudioForm, with_model
 from zmlcore.messages.frontdoor import drop_zml_keys, has_zml_keys
 from zmlcore.policy.estimate import (
-    Coeffs,
     estimate_ttft,
-    node_overhead,
+    node_coeffs,
+    node_slots,
     node_speeds,
     nonstream_pending_s,
     prompt_tokens_from_body,
@@ -179,8 +178,7 @@ def token_gap_s(st: NodeState, outstanding: int, model: str = "") -> float:
     decode speed slowed by the batch it joins (the learned slowdown, else the type's)."""
     _, dec, maxc = node_speeds(st, model, explore=False)
     batch = min(outstanding + 1, maxc)
-    ms = st.model_speeds.get(model) if model and st.model_speeds else None
-    k = (ms.decode_slowdown if ms is not None else st.decode_slowdown) or DECODE_BATCH_PENALTY
+    k = node_slots(st, model)[0]
     return (1.0 + k * (batch - 1)) / dec
 
 
@@ -241,13 +239,11 @@ class Learned:
 
     def __init__(self, st: NodeState, model: str = "") -> None:
         self.state = st
-        pf, dec, maxc = node_speeds(st, model, explore=False)
-        self.coeffs = Coeffs(pf, dec, maxc, 0.0, overhead=node_overhead(st, model))
-        ms = st.model_speeds.get(model) if model and st.model_speeds else None
-        self.k = (ms.decode_slowdown if ms is not None else st.decode_slowdown) or DECODE_BATCH_PENALTY
-        self.step1 = 1.0 / dec
-        self.maxc = maxc
-        self.chunk_s = PREFILL_CHUNK_TOKENS / pf
+        c = self.coeffs = node_coeffs(st, model, explore=False)
+        self.k = c.slowdown
+        self.step1 = 1.0 / node_speeds(st, model, explore=False)[1]
+        self.maxc = c.maxc
+        self.chunk_s = PREFILL_CHUNK_TOKENS / c.pf
 
     def gap_s(self, outstanding: int) -> float:
         """Seconds per output token of one more sequence (token_gap_s)."""

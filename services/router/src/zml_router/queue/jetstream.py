@@ -145,6 +145,11 @@ class SaturationQueue:
         self.peer_bands: dict[tuple[str, str], tuple[tuple[int, int], float]] = {}
         #: model key -> the best (band, over-share) this replica last announced
         self._mine: dict[str, tuple[int, int]] = {}
+        #: (model key, replica) -> the entries it announced holding; model key -> ours
+        self.peer_held: dict[tuple[str, str], int] = {}
+        self._held_n: dict[str, int] = {}
+        #: model key -> the count of entries held we last announced
+        self._told: dict[str, int] = {}
         self.keepalive_s = KEEPALIVE_S
 
     async def _ensure_stream(self) -> None:
@@ -249,12 +254,28 @@ class SaturationQueue:
         tops = [t for t in (self._mine.get(key), self._best(key)) if t is not None]
         return min(tops) if tops else None
 
+    def waiting(self, model: str) -> tuple[tuple[int, int] | None, dict[str, int]]:
+        """What waits for ``model``: the best (band, over-share), here or announced
+        (:meth:`best_waiting`), and the replicas holding entries of it with how many, as each
+        announced them (ours too: the replicas then split the nodes' spare slots by the same
+        numbers, zmlcore.flowctl.gate.spare_part; by our live count, two windows of nearly the
+        same size each took the larger part while the other's announcement was a few entries old)."""
+        key = model_key(model)
+        now = time.time()
+        held = {rid: self.peer_held.get((k, rid), 0) for (k, rid), (_, until) in self.peer_bands.items()
+                if k == key and until > now and self.peer_held.get((k, rid), 0) > 0}
+        if self._held_n.get(key, 0):  # as we announced it: every replica splits by the same counts
+            held[self._owner.decode()] = max(1, self._told.get(key, 0))
+        return self.best_waiting(model), held
+
     async def _announce(self, key: str, until: float, top: tuple[int, int] = (9, 0)) -> None:
         self.busy[key] = until
+        self._told[key] = self._held_n.get(key, 0)
         try:
             await self.nc.publish(subjects.QUEUE_BUSY, _encode(QueueBusy(key=key, until=until, band=top[0],
                                                                          router=self._owner.decode(),
-                                                                         over=bool(top[1]))))
+                                                                         over=bool(top[1]),
+                                                                         held=self._held_n.get(key, 0))))
         except Exception:  # an announcement is an optimisation of fairness, never fatal
             pass
 
@@ -266,6 +287,7 @@ class SaturationQueue:
         self.busy[busy.key] = max(busy.until, self.busy.get(busy.key, 0.0)) if busy.until else busy.until
         if busy.router and busy.router != self._owner.decode():
             self.peer_bands[(busy.key, busy.router)] = ((busy.band, int(busy.over)), busy.until)
+            self.peer_held[(busy.key, busy.router)] = busy.held
 
     async def stop(self) -> None:
         await cancel_and_wait(self._workers.values())
@@ -435,6 +457,7 @@ class SaturationQueue:
                 await e.jmsg.ack()
                 await self._expire(e.qmsg, float(e.qmsg.headers.get(H_ENQUEUED, now)))
         entries = sorted(held.values(), key=lambda e: e.seq)
+        self._held_n[key] = len(entries)
         if not entries:
             await self._emptied(key)
             self._rank([], [])  # nothing held: the order's state (each tenant's backlog here) empties
@@ -471,8 +494,9 @@ class SaturationQueue:
         # The rest stay held (``_keepalive`` keeps them so); the other replicas learn at once
         # when the best band held here changes, or that nothing is held any more (then they no
         # longer leave freed slots to this replica).
+        self._held_n[key] = len(held)
         if held:
-            if self._mine.get(key) != top:
+            if self._mine.get(key) != top or _moved(self._told.get(key, 0), len(held)):
                 self._mine[key] = top
                 await self._announce(key, now + BUSY_TTL_S, top)
         else:
@@ -487,6 +511,7 @@ class SaturationQueue:
         "requests waiting" (``_on_busy`` keeps the latest)."""
         if self._mine.pop(key, None) is None:
             return
+        self._told[key] = 0
         try:
             await self.nc.publish(subjects.QUEUE_BUSY, _encode(QueueBusy(key=key, until=time.time(),
                                                                          router=self._owner.decode())))
@@ -498,6 +523,14 @@ class SaturationQueue:
         now = time.time()
         tops = [top for (k, rid), (top, until) in self.peer_bands.items() if k == key and until > now]
         return min(tops) if tops else None
+
+
+def _moved(before: int, now: int) -> bool:
+    """Has the count of entries held moved enough to tell the peers before the next heartbeat?
+    From or to 1 (a holder's one spare slot), or by a quarter: the nodes' spare slots are
+    shared by it (zmlcore.flowctl.gate.spare_part), and a count a heartbeat stale only shifts
+    a part where two windows are nearly equal."""
+    return before != now and (min(before, now) <= 1 or abs(now - before) * 4 >= max(before, now))
 
 
 def _offered(qmsg: QueuedMsg, ahead: int) -> QueuedMsg:

@@ -22,7 +22,8 @@ from zmlcore.errors import QueueFullError, ShedError
 from zmlcore.flowctl import SHEDDABLE, Ask, Calibration, Pairs, ShareBook, SloVerdict, ask_of
 from zmlcore.flowctl.ask import ASK_HEADERS, config_plain
 from zmlcore.flowctl.bands import NAMES
-from zmlcore.flowctl.gate import admit_flow, no_room, outranks, over_share, standing, unseen_by_peers
+from zmlcore.flowctl.gate import (SpareSplit, admit_flow, no_room, outranks, over_share, standing, takes_spare_only,
+                                  unseen_by_peers)
 from zmlcore.flowctl.slo import batch_of, model_tpot, predict_tpot
 from zmlcore.messages import RoutingInfo
 from zmlcore.policy import Decision, ResolvedPolicy, RouteRequest, RoutingState
@@ -69,8 +70,12 @@ class Note:
     batch: int = 0
     slots: int = 0
     model_tpot: float = 0.0
-    #: it uses spare capacity only (its tenant over its share, or ``sheddable``): zmlcore.flowctl.gate
+    #: it uses spare capacity only (its tenant over its share, ``sheddable``, a higher band
+    #: waiting): zmlcore.flowctl.gate.takes_spare_only
     yields: bool = False
+    #: the node it runs on as work that takes spare capacity only (counted in this replica's part
+    #: of the spare slots until it ends: FlowGate.ended)
+    spare_on: str = ""
 
     def fill(self, info: RoutingInfo) -> None:
         """The reply's flow-control fields (docs/http-api.md "Routing metadata")."""
@@ -116,6 +121,12 @@ class FlowGate:
         #: node id -> when another replica's request on it ended, the last UNSEEN_S (that replica
         #: refills the slot from its own queue window, and its send reaches here a delta later)
         self._peer_freed: dict[str, deque[float]] = {}
+        #: model -> (the best (band, over-share) waiting for it, the other replicas holding
+        #: queued work for it): the saturation queue's announcements, once it has started
+        self.waiting: Callable[[str], tuple[tuple[int, int] | None, dict[str, int]]] = lambda model: (None, {})
+        #: node id -> this replica's requests running there that take spare capacity only
+        self._spare_own: dict[str, int] = {}
+        self.router_id = router_id
 
     def note(self, subject: str, owner: str, headers: Mapping[str, str] | None, model: str) -> Note | None:
         """The request's flow control, or None for a plain request (today's path)."""
@@ -144,7 +155,8 @@ class FlowGate:
         used, over = standing(self.book, ask.tenant, ask.weight, now)
         note.share_used = used
         rc = self.cfg.router
-        note.yields = over or ask.band >= SHEDDABLE
+        waiting, holders = self.waiting(rr.model)
+        note.yields = takes_spare_only(ask.band, over, waiting)
         try:
             d, verdict = admit_flow(self.table.nodes(), rr, policy, now, self.state, ask,
                                     over_share=over, flow=self.cfg.flow,
@@ -152,7 +164,9 @@ class FlowGate:
                                     reserve=rc.batch_reserve, cache=self.prefix, calibration=self.calibration,
                                     ahead=ahead,
                                     unseen=self._unseen(note.yields) if self._sent or self._peer_freed else None,
-                                    pairs=pairs)
+                                    pairs=pairs, waiting=waiting,
+                                    split=SpareSplit(self.router_id, self._spare_own, holders)
+                                    if note.yields and self.cfg.flow.hold_when_full else None)
         except QueueFullError as exc:
             if ask.band >= SHEDDABLE and not from_queue and ask.band != 3:
                 raise ShedError(f"no room for sheddable work now: {exc.message}",
@@ -194,13 +208,29 @@ class FlowGate:
     def sent(self, node_id: str, note: Note) -> None:
         """A request under [flow] hold_when_full goes to ``node_id`` (each attempt): for the
         free-slot test of this replica's next ones (:meth:`_unseen`)."""
-        if not self.cfg.flow.hold_when_full or not self.table.peers:
+        if not self.cfg.flow.hold_when_full:
+            return
+        if note.yields and not note.spare_on:
+            note.spare_on = node_id
+            self._spare_own[node_id] = self._spare_own.get(node_id, 0) + 1
+        if not self.table.peers:
             return
         q = self._sent.get(node_id)
         if q is None:
             q = self._sent[node_id] = deque()
         q.append((time.monotonic(), note.yields))
         asyncio.get_running_loop().call_later(UNSEEN_S, self.freed)
+
+    def ended(self, note: Note) -> None:
+        """The request's attempt ended (answered, failed or handed back): its slot is no longer
+        in this replica's part of the spare slots."""
+        node_id, note.spare_on = note.spare_on, ""
+        if node_id:
+            n = self._spare_own.get(node_id, 0) - 1
+            if n > 0:
+                self._spare_own[node_id] = n
+            else:
+                self._spare_own.pop(node_id, None)
 
     def peer_freed(self, node_id: str, n: int) -> None:
         """Another replica's ``n`` requests on ``node_id`` ended (its delta): those slots stay
@@ -252,15 +282,17 @@ class FlowGate:
                 del self._peer_freed[node_id]
         return out
 
-    def no_room(self, note: Note | None) -> frozenset[str]:
+    def no_room(self, note: Note | None, model: str) -> frozenset[str]:
         """Nodes without a slot for this request (zmlcore.flowctl.gate.no_room): a split's legs
         keep off them as the request's own decision did (none without ``hold_when_full``)."""
         if note is None or not self.cfg.flow.hold_when_full:
             return frozenset()
         ask = note.ask
+        waiting, holders = self.waiting(model)
         return no_room(self.table.nodes(), ask, flow=self.cfg.flow,
                        over_share=over_share(note.share_used or 0.0, self.book.waiting(ask.tenant)),
-                       unseen=self._unseen(note.yields) if self._sent or self._peer_freed else None)
+                       unseen=self._unseen(note.yields) if self._sent or self._peer_freed else None,
+                       waiting=waiting, split=SpareSplit(self.router_id, self._spare_own, holders))
 
     def dispatched(self, note: Note, prompt_tokens: int) -> None:
         """Charge the tenant at dispatch: its prompt and a mean output (corrected at the end)."""

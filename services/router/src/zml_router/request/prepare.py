@@ -104,7 +104,8 @@ def prepare(cfg: ZMLConfig, families: list[str], req: InferRequest, raw: bytes,
     # Scaled by what the engines counted of this model's prompts before (PromptScale).
     prompt = req.audio_tokens() if isinstance(req, AudioRequest) else \
         PROMPT_SCALE.scaled(model, prompt_tokens_from_body(len(raw)))
+    adapter = cfg.adapters.get(model)
     rr = RouteRequest(model=model, prompt_tokens=prompt, max_tokens=max_tokens,
                       accelerator_id=req.accelerator_id, prefix=prefix_chain(model, req, raw, headers),
-                      session_node=session_node)
+                      session_node=session_node, base=adapter.base if adapter is not None else None)
     return policy, rr

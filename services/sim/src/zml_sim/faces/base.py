@@ -101,5 +101,10 @@ class Face:
         """Top-level fields beside ``usage`` in a reply and a stream's last chunks."""
         return {}
 
+    def adapter_of(self, node: NodeView, model: str) -> str | None:
+        """The loaded LoRA adapter a request's ``model`` runs on, or None (vLLM: the adapter's
+        own name, as ``/v1/load_lora_adapter`` named it)."""
+        return model if model in node.adapters else None
+
     def add_routes(self, node: NodeView, r: web.UrlDispatcher) -> None:
         """The engine's own routes beside the shared OpenAI, health, metrics and /sim ones."""

@@ -1,9 +1,18 @@
 """SGLang: listens at once and answers 503 while loading; ``/ready``, ``/health_generate`` (a
-one-token generation through the scheduler), ``/get_model_info``, ``/get_server_info``."""
+one-token generation through the scheduler), ``/get_model_info``, ``/get_server_info``.
+
+Dynamic LoRA (``--enable-lora``): ``POST /load_lora_adapter {"lora_name", "lora_path"}`` and
+``POST /unload_lora_adapter {"lora_name"}`` answer ``{"success", "error_message",
+"loaded_adapters"}`` (400 when not a success); a loaded adapter is listed in ``/v1/models`` with
+the served model as its ``parent``. The OpenAI routes pick an adapter with ``"model":
+"BASE:ADAPTER"``; a bare adapter name runs the base model without it, as SGLang does (it does
+not check ``model``)."""
 
 from __future__ import annotations
 
+import asyncio
 from functools import partial
+from typing import Any
 
 from aiohttp import web
 
@@ -24,6 +33,12 @@ class SGLang(Face):
         r.add_get("/health_generate", partial(_health_generate, node))
         r.add_get("/get_model_info", partial(_model_info, node))
         r.add_get("/get_server_info", partial(_server_info, node))
+        r.add_post("/load_lora_adapter", partial(_load_lora, node))
+        r.add_post("/unload_lora_adapter", partial(_unload_lora, node))
+
+    def adapter_of(self, node: NodeView, model: str) -> str | None:
+        _base, sep, adapter = model.partition(":")
+        return adapter if sep and adapter in node.adapters else None
 
 
 FACE = SGLang()
@@ -52,3 +67,38 @@ async def _server_info(node: NodeView, request: web.Request) -> web.Response:
     return json_response({"version": "0.4.6", "max_running_requests": p.max_concurrency,
                           "max_total_num_tokens": node.engine.kv_capacity_tokens,
                           "model_path": next(iter(node.engine.models), None)})
+
+
+def _lora_reply(node: NodeView, ok: bool, error: str = "") -> web.Response:
+    return json_response({"success": ok, "error_message": error, "loaded_adapters": dict(node.adapters)},
+                         200 if ok else 400)
+
+
+async def _lora_body(req: web.Request) -> dict[str, Any] | None:
+    try:
+        body = await req.json()
+    except ValueError:
+        return None
+    return body if isinstance(body, dict) and isinstance(body.get("lora_name"), str) and body["lora_name"] else None
+
+
+async def _load_lora(node: NodeView, req: web.Request) -> web.Response:
+    body = await _lora_body(req)
+    path = body.get("lora_path") if body is not None else None
+    if body is None or not isinstance(path, str) or not path:
+        return _lora_reply(node, False, "lora_name and lora_path are required")
+    name = body["lora_name"]
+    if name in node.adapters:
+        return _lora_reply(node, False, f"LoRA adapter {name} is already loaded")
+    await asyncio.sleep(node.adapter_load_s / node.engine.time_scale)
+    node.adapters[name] = path
+    return _lora_reply(node, True)
+
+
+async def _unload_lora(node: NodeView, req: web.Request) -> web.Response:
+    body = await _lora_body(req)
+    if body is None:
+        return _lora_reply(node, False, "lora_name is required")
+    if node.adapters.pop(body["lora_name"], None) is None:
+        return _lora_reply(node, False, f"LoRA adapter {body['lora_name']} is not loaded")
+    return _lora_reply(node, True)

@@ -6,6 +6,8 @@ once they are back. Runtime LoRA (``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``): ``
 /v1/load_lora_adapter {"lora_name", "lora_path"}`` (400 when already loaded),
 ``POST /v1/unload_lora_adapter {"lora_name"}`` (404 when not loaded); a loaded adapter is a
 ``model`` requests may name, listed in ``/v1/models`` with the served model as its ``parent``.
+With ``[nodes.sim] lora_resolver_dir`` a request naming an adapter found there is loaded first,
+as vLLM's ``lora_filesystem_resolver`` plugin does (zml_sim.inference).
 ``POST /reset_prefix_cache`` (dev mode) empties the prefix cache (an
 ``AllBlocksCleared`` KV event); refused while requests run, as vLLM refuses it."""
 
@@ -99,6 +101,7 @@ async def _load_lora(node: NodeView, req: web.Request) -> web.Response:
         return node.error(400, "Both 'lora_name' and 'lora_path' must be provided.", "bad_request")
     if name in node.adapters:
         return node.error(400, f"The lora adapter '{name}' has already been loaded.", "bad_request")
+    await asyncio.sleep(node.adapter_load_s / node.engine.time_scale)
     node.adapters[name] = path
     return web.Response(status=200, text=f"Success: LoRA adapter '{name}' added successfully.")
 
