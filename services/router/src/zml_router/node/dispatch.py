@@ -18,7 +18,8 @@ from zmlcore.errors import ReplyTooLargeError
 from zmlcore.reply.sse import EventRelay, SSELineTooLong, aiter_sse_lines, data_field
 
 from zml_router.node.attempt import AttemptError, Failure, classify
-from zml_router.node.client import Conn, NodeHTTP, NodeHTTPError, first_body, gather_rest, iter_body, read_body
+from zml_router.node.client import (Conn, NodeHTTP, NodeHTTPError, first_body, gather_rest, iter_body, more_body,
+                                    read_body, take_body)
 from zml_router.timers import Stalled, Wheel
 
 #: Errors of the call itself (connect, reset, early close, malformed HTTP): the node's fault.
@@ -166,7 +167,13 @@ async def stream_sse(client: NodeClient, url: str, body: bytes, headers: dict[st
         try:
             if relay:
                 events = EventRelay()
-                async for raw in iter_body(conn):
+                while True:  # (iter_body's loop, inline: no async generator of its own per stream)
+                    raw = take_body(conn)
+                    if not raw:
+                        if conn.complete:
+                            break
+                        await more_body(conn)
+                        continue
                     block = events.feed(raw)
                     if block:
                         final = TRANSCRIPT_DONE in block
