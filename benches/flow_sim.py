@@ -24,7 +24,10 @@ unless it ranks before all of them (zmlcore.flowctl.gate.outranks). Each time a 
 freed, every replica holding entries makes its passes: it ranks its window
 (zmlcore.flowctl.order.rank_window: a tenant's backlog counts every replica's window, from
 their share reports), sheds past [flow] max_queued, leaves the slot to a replica announcing
-better-ranked work, else sends the first entry with room (first_with_room). Announcements are
+better-ranked work, else sends the first entry with room (first_with_room). Work that takes
+spare capacity only (zmlcore.flowctl.gate.takes_spare_only: over its share within its band,
+sheddable, a higher band waiting) is admitted against the replica's own part of the spare slots
+(split by the entries each replica holds: zmlcore.flowctl.gate.spare_part). Announcements are
 immediate here (the router's are a NATS message away). Batch lines wait in their runner, not in
 the queue. "today" is the router before flow control: every request admitted under the
 admission bound, nodes' own FIFO queues.
@@ -67,7 +70,7 @@ from zmlcore.config import FlowConfig, RouterConfig  # noqa: E402
 from zmlcore.errors import QueueFullError, SloUnattainableError  # noqa: E402
 from zmlcore.flowctl import (BATCH, CRITICAL, STANDARD, Ask, Calibration, ShareBook, Slo, Waiting,  # noqa: E402
                              effective_band, predict_tpot, ranked)
-from zmlcore.flowctl.gate import admit_flow, outranks, standing  # noqa: E402
+from zmlcore.flowctl.gate import SpareSplit, admit_flow, outranks, standing, takes_spare_only  # noqa: E402
 from zmlcore.flowctl.order import first_with_room, rank_window  # noqa: E402
 from zmlcore.flowctl.slo import batch_of, model_tpot, queue_budget_s  # noqa: E402
 from zmlcore.messages import NodeState  # noqa: E402
@@ -121,6 +124,8 @@ class Req:
     batch: int = 0
     #: as the queue's order sees it (built once, as the router's glue does per entry)
     waiting: Waiting | None = None
+    #: it was sent as work that takes spare capacity only (counted in its replica's part)
+    spare: bool = False
 
 
 @dataclass
@@ -193,6 +198,8 @@ def simulate(tenants: list[Tenant], duration: float, seed: int, *, flow_on: bool
     #: (band, over-share) it announced (None: holds nothing)
     windows: list[list[Req]] = [[] for _ in range(replicas)]
     tops: list[tuple[int, int] | None] = [None] * replicas
+    #: per replica, node name -> its requests running there that take spare capacity only
+    spare_own: list[dict[str, int]] = [{} for _ in range(replicas)]
     #: batch lines wait in their runner, not in the saturation queue (docs/batches.md)
     runner: list[Req] = []
     tw0, tw1 = WARM_S, duration
@@ -248,10 +255,16 @@ def simulate(tenants: list[Tenant], duration: float, seed: int, *, flow_on: bool
         try:
             if flow_on:
                 tn = tenants[r.tenant]
-                d, _ = admit_flow(fleet, rr, POLICY, now, rstate, tenant_ask(r, now),
-                                  over_share=standing(books[k], tn.name, tn.weight, now)[1], flow=flow,
+                over = standing(books[k], tn.name, tn.weight, now, r.band)[1]
+                waiting = best_waiting(k)
+                # the spare slots split by the entries each replica holds, as the router's queue announces them
+                held = {f"r{j}": len(w) for j, w in enumerate(windows) if w}
+                ask = tenant_ask(r, now)
+                r.spare = ask.band != BATCH and takes_spare_only(ask.band, over, waiting)
+                d, _ = admit_flow(fleet, rr, POLICY, now, rstate, ask, over_share=over, flow=flow,
                                   stale_after_s=STALE_AFTER_S, ttft_bound_s=ADMISSION_S, reserve=RESERVE,
-                                  calibration=cals[k], ahead=ahead)
+                                  calibration=cals[k], ahead=ahead, waiting=waiting,
+                                  split=SpareSplit(f"r{k}", spare_own[k], held))
                 return d
             return admit(fleet, rr, POLICY, now, rstate, stale_after_s=STALE_AFTER_S, ttft_bound_s=ADMISSION_S)
         except SloUnattainableError:
@@ -278,6 +291,8 @@ def simulate(tenants: list[Tenant], duration: float, seed: int, *, flow_on: bool
         r.outcome = "served"
         r.sent = now
         r.rep = k
+        if flow_on and r.spare:
+            spare_own[k][nd.name] = spare_own[k].get(nd.name, 0) + 1
         r.charged = books[k].cost(r.P, MEAN_OUTPUT_TOKENS)
         books[k].charge(tenants[r.tenant].name, r.charged, now)
         views[nd.idx].set_counts(views[nd.idx].outstanding + 1, views[nd.idx].pending + 1)
@@ -303,7 +318,7 @@ def simulate(tenants: list[Tenant], duration: float, seed: int, *, flow_on: bool
         win = windows[k]
         if not win:
             tops[k] = None
-            books[k].set_waiting({}, {})
+            books[k].set_waiting({}, {}, {})
             return False
         ranking = rank_window([waiting_of(q) for q in win], books[k], now, age_s=flow.age_s,
                               max_queued=flow.max_queued)
@@ -359,6 +374,8 @@ def simulate(tenants: list[Tenant], duration: float, seed: int, *, flow_on: bool
         q = reqs[r]
         q.done = now
         views[nd.idx].outstanding -= 1
+        if q.spare and flow_on:
+            spare_own[q.rep][nd.name] -= 1
         if q.O > 1 and not math.isnan(q.first):  # the replica that sent it learns the node's TPOT
             cals[q.rep].observe(nd.name, q.batch, nd.maxc, predicted=q.model_tpot,
                                 actual=(now - q.first) / (q.O - 1))

@@ -1,7 +1,7 @@
 """Flow control on a live stack (zmlcore.flowctl through the routers, docs/routing.md "Flow
-control"): one node of 4 sequence slots, two routers, [flow] hold_when_full, a policy that
-queues on saturation. Tenants are API keys as the gateway names them (``Zml-Owner`` on its
-subject; an open broker lets the test publish there as a gateway would).
+control"): tests/flowstack.py's stack, one node of 4 sequence slots, two routers, [flow]
+hold_when_full, a policy that queues on saturation. Tenants are API keys as the gateway names
+them (``Zml-Owner`` on its subject; an open broker lets the test publish there as a gateway would).
 
 - an unattainable SLO is refused at once with SLO_UNATTAINABLE, over HTTP, raw NATS and the SDK;
 - a band above the caller's ceiling is lowered and the reply says so; targets are predicted;
@@ -21,36 +21,21 @@ import httpx
 import nats
 import pytest
 
+import flowstack
 import zml
-from conftest import MODEL, Stack, launch_stack
+from conftest import MODEL, Stack
+from flowstack import body
+from zml_router.queue.jetstream import BUSY_TTL_S
 from zmlcore import subjects
-
-ONE = [("mi300x-1", "amd_mi300x", [MODEL])]
-FLOW = """
-[flow]
-max_priority = "critical"
-hold_when_full = true
-
-[policy.queued]
-strategy = "latency"
-queue_on_saturation = true
-max_queue_ms = 20000
-"""
 
 
 @pytest.fixture(scope="module")
 def stack(own_nats: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    s = launch_stack(own_nats, tmp_path_factory.mktemp("flow"), fleet=ONE, routers=2, extra=FLOW,
-                     sim_extra="max_concurrency = 4\n")
+    s = flowstack.launch(own_nats, tmp_path_factory.mktemp("flow"))
     try:
         yield s
     finally:
         s.stop()
-
-
-def body(max_tokens: int, stream: bool = False) -> bytes:
-    return json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hello there"}],
-                       "max_tokens": max_tokens, "policy": "queued", "stream": stream}).encode()
 
 
 async def front_door(nc: nats.NATS, tenant: str, rid: str, max_tokens: int, **extra: str) -> tuple[float, dict, dict]:
@@ -83,7 +68,9 @@ def test_an_unattainable_slo_is_refused_at_once_with_the_code(stack: Stack) -> N
             await nc.close()
 
     asyncio.run(nats_side())
-    with zml.Client(stack.gateway_url) as client:
+    # The SDK's class for the code; no retries: SLO_UNATTAINABLE is retryable, so by default the
+    # client backs off and asks again (~7.5 s here) before raising the same error.
+    with zml.Client(stack.gateway_url, max_retries=0) as client:
         with pytest.raises(zml.SloUnattainableError):
             client.infer(MODEL, "hello", max_tokens=8, tpot_slo_ms=0.01)
 
@@ -137,46 +124,86 @@ def test_a_high_band_request_overtakes_a_low_band_burst(stack: Stack) -> None:
     asyncio.run(go())
 
 
-def test_a_flooding_tenant_does_not_take_the_fleet_from_a_steady_one(stack: Stack) -> None:
-    async def steady(nc: nats.NATS, n: int, tag: str) -> list[float]:
-        out = []
-        for i in range(n):
-            took, h, b = await front_door(nc, "steady", f"steady-{tag}-{i}", 8)
-            assert subjects.H_ERROR_CODE not in h, (h, b)
-            out.append(took)
-            await asyncio.sleep(0.05)
-        return sorted(out)
+def pct(xs: list[float], q: float) -> float:
+    """The ``q`` quantile of ``xs`` (sorted), interpolated between the two nearest ranks (numpy's
+    default)."""
+    i = q * (len(xs) - 1)
+    lo = int(i)
+    return xs[lo] if lo + 1 >= len(xs) else xs[lo] + (i - lo) * (xs[lo + 1] - xs[lo])
 
-    async def flood(nc: nats.NATS, stop: asyncio.Event, k: int) -> list[float]:
+
+def test_a_flooding_tenant_does_not_take_the_fleet_from_a_steady_one(stack: Stack) -> None:
+    """The issue's live target: the steady tenant's p99 time to first token beside the flood ≤
+    its p99 alone + one mean slot turnover, each measured in this run. The time to first token
+    is the routers' (its wait in the saturation queue, if any, plus from the router taking the
+    request to its first token: the reply's ``queued_ms`` and ``time_to_first_token``): what
+    flow control decides, without the test's own client and NATS hops, which the flood's load
+    on a 2-core box stretches by tens of ms beside the flood and not alone."""
+    # p99 of 100: the second slowest, nearly. (Of 20 it was nearly the slowest: one request
+    # stalled by the loaded box, alone as beside the flood, decided the run.)
+    n = 100
+    # The node at a quarter of the stack's usual speed (its simulated time 5x real, not 20x): a
+    # flood request holds a slot ~0.75 s and a slot frees every ~0.25 s. At 20x the flood's own
+    # token relaying loaded the 2-core box enough that, beside other work (load 10-19), its
+    # processes stalled 0.1-0.4 s now and then, alone as beside the flood, against a turnover of
+    # 0.07 s; and the flood's tokens per second are a quarter. What the test tells apart stays
+    # apart: a steady request that found the reserve taken waited up to a whole flood request
+    # (3 turnovers), one behind the flood's queue for seconds.
+    sim = stack.sim_url(flowstack.FLEET[0][0]) + "/sim/profile"
+    scale = httpx.get(sim, timeout=5).json()["time_scale"]
+    httpx.post(sim, json={"time_scale": 5.0}, timeout=5).raise_for_status()
+
+    async def steady(nc: nats.NATS, tag: str) -> tuple[list[float], list[float]]:
+        ttft, took = [], []
+        for i in range(n):
+            t, h, b = await front_door(nc, "steady", f"steady-{tag}-{i}", 8)
+            assert subjects.H_ERROR_CODE not in h, (h, b)
+            ttft.append((b["zml"].get("queued_ms") or 0) / 1000 + b["zml"]["time_to_first_token"])
+            took.append(t)
+            await asyncio.sleep(0.02)
+        return sorted(ttft), sorted(took)
+
+    async def flood(nc: nats.NATS, stop: asyncio.Event, k: int, ends: list[float]) -> list[float]:
         out, i = [], 0
         while not stop.is_set():
             took, h, _ = await front_door(nc, "flood", f"flood-{k}-{i}", 200)
             out.append(took)
+            ends.append(time.monotonic())
             i += 1
         return out
 
     async def go() -> None:
         nc = await nats.connect(stack.nats_url)
         try:
-            alone = await steady(nc, 15, "alone")
+            # Alone means alone: an earlier test's (or run's) queue announcements have lapsed, so
+            # the steady tenant's requests go straight to the node rather than through the queue.
+            await asyncio.sleep(BUSY_TTL_S)
+            alone, alone_took = await steady(nc, "alone")
             stop = asyncio.Event()
-            flooders = [asyncio.create_task(flood(nc, stop, k)) for k in range(40)]  # 10x the node's slots
+            ends: list[float] = []
+            flooders = [asyncio.create_task(flood(nc, stop, k, ends)) for k in range(10 * flowstack.SLOTS)]
             await asyncio.sleep(1.0)
-            beside = await steady(nc, 15, "flood")
+            t0 = time.monotonic()
+            beside, took = await steady(nc, "flood")
+            t1 = time.monotonic()
             stop.set()
             floods = sorted(sum(await asyncio.gather(*flooders), []))
-            p90 = lambda xs: xs[int(0.9 * (len(xs) - 1))]  # noqa: E731
-            # One flood request holds a slot ~0.19 s (200 tokens at the sim's 20x), and the flood keeps
-            # 3 of the 4 slots busy: a slot frees every ~0.06 s. The steady tenant waits for the
-            # next free slot, never behind the flood's queue (which waits whole seconds).
-            turnover = 0.19 / 3
-            print(f"steady alone p50/p90/max {alone[7]:.3f}/{p90(alone):.3f}/{alone[-1]:.3f} s; beside the flood "
-                  f"{beside[7]:.3f}/{p90(beside):.3f}/{beside[-1]:.3f} s; flood median {floods[len(floods) // 2]:.3f} s "
-                  f"over {len(floods)} requests")
-            # (a loaded 2-core box stretches every wait: a few turnovers of slack, not the queue's seconds)
-            assert p90(beside) <= p90(alone) + 3 * turnover + 0.05, (alone, beside)
-            assert p90(beside) < floods[len(floods) // 2] / 2, (beside, floods[len(floods) // 2])
+            # One mean slot turnover: how often a slot freed on the node while the steady tenant
+            # ran beside the flood (the flood's requests ending then; ~0.25 s: 200 tokens at the
+            # sim's 5x hold a slot ~0.75 s, and the flood keeps 3 of the 4 busy).
+            freed = sum(1 for t in ends if t0 <= t <= t1)
+            turnover = (t1 - t0) / max(1, freed)
+            print(f"steady TTFT alone p50/p99 {pct(alone, 0.5):.3f}/{pct(alone, 0.99):.3f} s, beside the flood "
+                  f"{pct(beside, 0.5):.3f}/{pct(beside, 0.99):.3f} s (max {beside[-1]:.3f}); turnover {turnover:.3f} s "
+                  f"({freed} freed); client's whole request alone p99 {pct(alone_took, 0.99):.3f} s, beside "
+                  f"{pct(took, 0.99):.3f} s; flood median {pct(floods, 0.5):.3f} s over {len(floods)}")
+            # It waits for the next free slot at most, never behind the flood's queue (whole seconds).
+            assert pct(beside, 0.99) <= pct(alone, 0.99) + turnover, (alone, beside, turnover)
+            assert pct(took, 0.99) < pct(floods, 0.5) / 4, (took, pct(floods, 0.5))
         finally:
             await nc.close()
 
-    asyncio.run(go())
+    try:
+        asyncio.run(go())
+    finally:
+        httpx.post(sim, json={"time_scale": scale}, timeout=5).raise_for_status()

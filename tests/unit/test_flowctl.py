@@ -139,8 +139,10 @@ def test_a_flood_held_partly_elsewhere_still_ranks_as_over_its_share() -> None:
     def service(t: str, w: float) -> float:
         return 1000.0 if t == "flood" else 0.0
     assert best_rank(ws, service, NOW, 30.0, level=10.0) == (STANDARD, 0)
-    assert best_rank(ws, service, NOW, 30.0, level=10.0, elsewhere={"flood": 31}) == (STANDARD, 1)
-    assert all(k[1] == 0 for k in keys(ws, service, NOW, 30.0, 10.0, elsewhere={"other": 31}))
+    assert best_rank(ws, service, NOW, 30.0, level=10.0, elsewhere={("flood", STANDARD): 31}) == (STANDARD, 1)
+    assert all(k[1] == 0 for k in keys(ws, service, NOW, 30.0, 10.0, elsewhere={("other", STANDARD): 31}))
+    # its backlog in another band is not its backlog in this one (fair shares are within a band)
+    assert best_rank(ws, service, NOW, 30.0, level=10.0, elsewhere={("flood", SHEDDABLE): 31}) == (STANDARD, 0)
 
 
 def test_own_report_is_ignored_and_stale_peers_forgotten() -> None:
@@ -491,6 +493,76 @@ def test_the_spare_slots_are_split_by_the_entries_each_replica_holds() -> None:
     assert spare_part(3, "r3", {"r1": 4, "r2": 4}) == 1  # a replica deciding a request it holds no entry of
 
 
+# --- the over-share gate by band (issue 30, items 1 and 4) --------------------------------------
+def _flooding_book() -> ShareBook:
+    """A replica's book where tenant "x" has had 9/10 of the recent tokens and keeps 10
+    ``standard`` requests waiting (6 here, 4 in a peer's window): over its share in ``standard``."""
+    from zmlcore.messages.flow import ShareReport
+    book = ShareBook("r1")
+    book.charge("x", 900.0, NOW)
+    book.charge("z", 100.0, NOW)
+    book.set_waiting({"x": 6}, {"standard": 6}, {"standard": {"x": 6}})
+    book.merge(ShareReport(replica="r2", at=NOW, waiting={"x": 4}, backlog={"standard": {"x": 4}}), NOW)
+    return book
+
+
+def test_a_tenants_lower_band_backlog_does_not_hold_back_its_higher_band_request() -> None:
+    """Fair shares are within a band: "x" floods ``standard`` (over its share there, held to spare
+    capacity), but its ``critical`` request is not over its share in ``critical`` and takes a free
+    slot the reserve included. Before, its backlog in any band made every request of it yield."""
+    from zmlcore.flowctl.gate import admit_flow, standing
+    book = _flooding_book()
+    assert standing(book, "x", 1.0, NOW, STANDARD)[1] and not standing(book, "x", 1.0, NOW, CRITICAL)[1]
+    nodes = _one_node(4, 3)  # one slot free: the reserve of spare-only work
+    flow = FlowConfig(hold_when_full=True, spare_reserve=0.25)
+
+    def gate(band: int):  # type: ignore[no-untyped-def]
+        from zmlcore.flowctl import Ask
+        return admit_flow(nodes, RouteRequest(model="m", prompt_tokens=50), builtin_policy("latency"), NOW,
+                          RoutingState(), Ask(band, False, "x", 1.0, None),
+                          over_share=standing(book, "x", 1.0, NOW, band)[1], flow=flow, stale_after_s=15.0,
+                          ttft_bound_s=60.0, reserve=0.1)
+
+    assert gate(CRITICAL)[0].node_id == "n"
+    with pytest.raises(QueueFullError):
+        gate(STANDARD)
+
+
+def test_in_the_queue_a_tenants_higher_band_entry_ranks_with_its_band_not_behind_it() -> None:
+    """Within ``critical``, "x"'s entry is not an over-share tenant's because of its ``standard``
+    flood: it keeps its arrival order among the band's entries (before "z"'s later one), and the
+    window announces ``critical`` within-share work."""
+    from zmlcore.flowctl.order import rank_window
+    book = _flooding_book()
+    ws = [Waiting(band=STANDARD, tenant="x", weight=1.0, enqueued_at=NOW, seq=i, cost=100.0) for i in range(6)]
+    ws += [Waiting(band=CRITICAL, tenant="x", weight=1.0, enqueued_at=NOW, seq=10, cost=100.0),
+           Waiting(band=CRITICAL, tenant="z", weight=1.0, enqueued_at=NOW, seq=11, cost=100.0)]
+    r = rank_window(ws, book, NOW, age_s=30.0, max_queued=256)
+    assert r.order[:2] == [6, 7] and r.top == (CRITICAL, 0)
+
+
+def test_a_lower_band_leaves_the_reserve_while_higher_band_work_waits() -> None:
+    """The reserve spare-only work leaves is for the next request of the band that waits: a
+    ``critical`` flood over its share leaves it, and a ``standard`` request (its tenant under its
+    share) must not take it while ``critical`` work waits; it may once none does, and a
+    ``critical`` request may anyway."""
+    from zmlcore.flowctl.gate import admit_flow, no_room
+    nodes = _one_node(4, 3)
+    flow = FlowConfig(hold_when_full=True, spare_reserve=0.25)
+
+    def gate(band: int, waiting: tuple[int, int] | None):  # type: ignore[no-untyped-def]
+        return admit_flow(nodes, RouteRequest(model="m", prompt_tokens=50), builtin_policy("latency"), NOW,
+                          RoutingState(), _ask(band), over_share=False, flow=flow, stale_after_s=15.0,
+                          ttft_bound_s=60.0, reserve=0.1, waiting=waiting)
+
+    with pytest.raises(QueueFullError):
+        gate(STANDARD, (CRITICAL, 1))
+    assert no_room(nodes, _ask(STANDARD), over_share=False, flow=flow, waiting=(CRITICAL, 1)) == {"n"}
+    assert gate(STANDARD, (STANDARD, 1))[0].node_id == "n"  # the same band's over-share work waits: not held
+    assert gate(STANDARD, None)[0].node_id == "n"
+    assert gate(CRITICAL, (CRITICAL, 1))[0].node_id == "n"
+
+
 def test_the_gate_passes_targets_to_slo_admission() -> None:
     nodes = _fleet()
     d, v = _gate(nodes, _ask(CRITICAL, Slo(0.5, 0.05)))
@@ -527,7 +599,8 @@ def test_a_windows_ranking_counts_the_peers_backlog_and_records_its_own() -> Non
           Waiting(band=1, tenant="steady", weight=1, enqueued_at=1, seq=2, cost=300.0)]
     alone = rank_window(ws, book, 1.0, age_s=30.0, max_queued=256)
     assert alone.order == [0, 1] and alone.top == (1, 0)  # one flood entry here: no backlog, arrival order
-    book.merge(ShareReport(replica="r2", at=1.0, waiting={"flood": 30}), 1.0)
+    book.merge(ShareReport(replica="r2", at=1.0, waiting={"flood": 30}, backlog={"standard": {"flood": 30}}), 1.0)
     both = rank_window(ws, book, 1.0, age_s=30.0, max_queued=256)
     assert both.order == [1, 0] and both.top == (1, 0)  # the flood's backlog is the peer's too: it goes after
     assert book.own_waiting == {"flood": 1, "steady": 1}
+    assert book.own_backlog == {"standard": {"flood": 1, "steady": 1}}  # by band too: reported to the peers

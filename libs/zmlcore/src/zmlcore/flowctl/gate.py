@@ -54,11 +54,20 @@ def over_share(share_used: float, queued: int) -> bool:
     return share_used > 1.0 and queued >= BACKLOG  # the queue's order uses the same two tests
 
 
-def standing(book: ShareBook, tenant: str, weight: float, now: float) -> tuple[float, bool]:
+def standing(book: ShareBook, tenant: str, weight: float, now: float, band: int | None = None) -> tuple[float, bool]:
     """``tenant``'s share used (zmlcore.flowctl.shares.ShareBook.share_used) and whether it is
-    over its share (:func:`over_share`, its backlog counted over every replica's window)."""
+    over its share (:func:`over_share`, its backlog counted over every replica's window): with
+    ``band``, its backlog in that band, since fair shares are within a band. A tenant flooding
+    ``standard`` is not over its share in ``critical``: its critical request is not held to
+    spare capacity (nor ranked behind the band's other tenants) by its own lower-band backlog.
+
+    >>> b = ShareBook("r1"); b.charge("x", 900.0, 0.0); b.charge("y", 100.0, 0.0)
+    >>> b.set_waiting({"x": 10}, backlog={"standard": {"x": 10}})
+    >>> standing(b, "x", 1.0, 0.0, band=1)[1], standing(b, "x", 1.0, 0.0, band=0)[1]
+    (True, False)
+    """
     used = book.share_used(tenant, weight, now)
-    return used, over_share(used, book.waiting(tenant))
+    return used, over_share(used, book.waiting(tenant, band))
 
 
 def outranks(band: int, tenant: str, weight: float, book: ShareBook, now: float,
@@ -74,7 +83,7 @@ def outranks(band: int, tenant: str, weight: float, book: ShareBook, now: float,
     """
     if best is None:
         return False
-    return (band, int(standing(book, tenant, weight, now)[1])) < best
+    return (band, int(standing(book, tenant, weight, now, band)[1])) < best
 
 
 def takes_spare_only(band: int, over: bool, waiting: tuple[int, int] | None = None) -> bool:

@@ -78,29 +78,33 @@ def effective_band(w: Waiting, now: float, age_s: float) -> int:
     return w.band
 
 
-def _backlog(waiting: Sequence[Waiting], elsewhere: Mapping[str, int] | None) -> dict[tuple[str, float], int]:
-    backlog: dict[tuple[str, float], int] = {}
+def _backlog(waiting: Sequence[Waiting], elsewhere: Mapping[tuple[str, int], int] | None
+             ) -> dict[tuple[str, float, int], int]:
+    """(tenant, weight, band) -> its entries waiting in that band: fair shares are within a band,
+    so a tenant's backlog in a lower band does not make its higher-band work over its share
+    (held back to spare capacity, and behind the band's other tenants)."""
+    backlog: dict[tuple[str, float, int], int] = {}
     for w in waiting:
-        k = (w.tenant, w.weight)
+        k = (w.tenant, w.weight, w.band)
         b = backlog.get(k)
-        backlog[k] = (elsewhere.get(w.tenant, 0) if elsewhere else 0) + 1 if b is None else b + 1
+        backlog[k] = (elsewhere.get((w.tenant, w.band), 0) if elsewhere else 0) + 1 if b is None else b + 1
     return backlog
 
 
 def keys(waiting: Sequence[Waiting], service: Service, now: float, age_s: float,
-         level: float = 0.0, elsewhere: Mapping[str, int] | None = None) -> list[tuple[int, int, float, int]]:
+         level: float = 0.0, elsewhere: Mapping[tuple[str, int], int] | None = None) -> list[tuple[int, int, float, int]]:
     """Each entry's sort key: (effective band, over its share?, virtual start, arrival). A
-    tenant's service is looked up once per call. ``elsewhere``: tenant -> its entries waiting
-    beyond ``waiting`` (the other replicas' windows of the queue), part of its backlog: a
+    tenant's service is looked up once per call. ``elsewhere``: (tenant, band) -> its entries
+    waiting beyond ``waiting`` (the other replicas' windows of the queue), part of its backlog: a
     replica holding 5 of a flood's 36 must not rank them as an under-share tenant's (it then
     announced a better band than it held, and the replica holding the other 31 left every
     freed slot to it; the node ran idle while the flood waited)."""
     backlog = _backlog(waiting, elsewhere)
-    start: dict[tuple[str, float], float] = {}
+    start: dict[tuple[str, float, int], float] = {}
     out: list[tuple[int, int, float, int]] = [(0, 0, 0.0, 0)] * len(waiting)
     for i in sorted(range(len(waiting)), key=lambda i: waiting[i].seq):
         w = waiting[i]
-        k = (w.tenant, w.weight)
+        k = (w.tenant, w.weight, w.band)
         band = effective_band(w, now, age_s)
         if backlog[k] < BACKLOG:
             out[i] = (band, 0, 0.0, w.seq)
@@ -121,7 +125,7 @@ def keys(waiting: Sequence[Waiting], service: Service, now: float, age_s: float,
 
 
 def ranked(waiting: Sequence[Waiting], service: Service, now: float, age_s: float, level: float = 0.0,
-           elsewhere: Mapping[str, int] | None = None) -> list[int]:
+           elsewhere: Mapping[tuple[str, int], int] | None = None) -> list[int]:
     """Indexes of ``waiting``, best first."""
     ks = keys(waiting, service, now, age_s, level, elsewhere)
     return sorted(range(len(waiting)), key=ks.__getitem__)
@@ -142,7 +146,7 @@ def pick(waiting: Sequence[Waiting], service: Service, now: float, age_s: float,
 
 
 def displaced(waiting: Sequence[Waiting], service: Service, now: float, age_s: float, limit: int,
-              level: float = 0.0, elsewhere: Mapping[str, int] | None = None) -> list[int]:
+              level: float = 0.0, elsewhere: Mapping[tuple[str, int], int] | None = None) -> list[int]:
     """Indexes of the entries to shed so that ``limit`` remain, first to go first: from the
     lowest band, a backlogged tenant's (the flood's) before anyone else's, each in reverse rank
     order. A queue over its size sheds a flood's tail, not whoever happened to arrive last."""
@@ -154,13 +158,13 @@ def displaced(waiting: Sequence[Waiting], service: Service, now: float, age_s: f
 
     def worst(i: int) -> tuple[int, bool, tuple[int, int, float, int]]:
         w = waiting[i]
-        return ks[i][0], backlog[(w.tenant, w.weight)] >= BACKLOG, ks[i]
+        return ks[i][0], backlog[(w.tenant, w.weight, w.band)] >= BACKLOG, ks[i]
 
     return sorted(range(len(waiting)), key=worst, reverse=True)[:excess]
 
 
 def best_rank(waiting: Sequence[Waiting], service: Service, now: float, age_s: float,
-              level: float = 0.0, elsewhere: Mapping[str, int] | None = None) -> tuple[int, int] | None:
+              level: float = 0.0, elsewhere: Mapping[tuple[str, int], int] | None = None) -> tuple[int, int] | None:
     """(band, over-share class) of the best entry: what a holder announces to its peers, so that
     a replica holding only lower-ranked entries leaves a freed slot to the one holding a better one."""
     if not waiting:
@@ -202,11 +206,14 @@ def rank_window(waiting: Sequence[Waiting], book: ShareBook, now: float, *, age_
     """
     backlog: dict[str, int] = {}
     bands: dict[str, int] = {}
+    by_band: dict[str, dict[str, int]] = {}
     for w in waiting:
         backlog[w.tenant] = backlog.get(w.tenant, 0) + 1
         name = NAMES[w.band]
         bands[name] = bands.get(name, 0) + 1
-    book.set_waiting(backlog, bands)
+        ts = by_band.setdefault(name, {})
+        ts[w.tenant] = ts.get(w.tenant, 0) + 1
+    book.set_waiting(backlog, bands, by_band)
 
     def service(tenant: str, weight: float) -> float:
         return book.service(tenant, weight, now)

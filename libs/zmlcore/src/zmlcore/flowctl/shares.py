@@ -24,10 +24,12 @@ from __future__ import annotations
 
 import math
 
+from zmlcore.flowctl.bands import NAMES
 from zmlcore.messages.flow import ShareReport
 
 #: Counters below this many weighted tokens are dropped from reports (and forgotten).
 NEGLIGIBLE = 0.5
+_BAND = {name: i for i, name in enumerate(NAMES)}
 #: A peer's report older than this many half-lives adds nothing worth keeping.
 FORGET_HALF_LIVES = 8.0
 
@@ -36,7 +38,7 @@ class ShareBook:
     """One replica's view of every tenant's recent service. Mutated only by its event loop."""
 
     __slots__ = ("replica", "half_life_s", "k", "prefill_cost", "decode_cost", "own", "peers", "version",
-                 "own_waiting", "own_bands")
+                 "own_waiting", "own_bands", "own_backlog")
 
     def __init__(self, replica: str, *, half_life_s: float = 30.0, prefill_cost: float = 1.0,
                  decode_cost: float = 2.0) -> None:
@@ -55,6 +57,8 @@ class ShareBook:
         self.own_waiting: dict[str, int] = {}
         #: band name -> its requests this replica holds waiting
         self.own_bands: dict[str, int] = {}
+        #: band name -> tenant -> its requests of that band this replica holds waiting
+        self.own_backlog: dict[str, dict[str, int]] = {}
 
     def cost(self, prompt_tokens: float, output_tokens: float) -> float:
         """Weighted tokens of a request (its prompt prefilled, its output decoded)."""
@@ -126,34 +130,49 @@ class ShareBook:
             return 0.0
         return (self.tokens(tenant, now) / total) / (weight / sum_w)
 
-    def set_waiting(self, waiting: dict[str, int], bands: dict[str, int] | None = None) -> None:
-        """The tenants' requests this replica holds in the saturation queue now, and the same by
-        band name (reported with the counters when they changed)."""
+    def set_waiting(self, waiting: dict[str, int], bands: dict[str, int] | None = None,
+                    backlog: dict[str, dict[str, int]] | None = None) -> None:
+        """The tenants' requests this replica holds in the saturation queue now, the same by
+        band name, and by band name and tenant (reported with the counters when they changed)."""
         bands = bands if bands is not None else self.own_bands
-        if waiting != self.own_waiting or bands != self.own_bands:
+        backlog = backlog if backlog is not None else self.own_backlog
+        if waiting != self.own_waiting or bands != self.own_bands or backlog != self.own_backlog:
             self.own_waiting, self.own_bands = dict(waiting), dict(bands)
+            self.own_backlog = {b: dict(ts) for b, ts in backlog.items()}
             self.version += 1
 
-    def waiting(self, tenant: str) -> int:
+    def waiting(self, tenant: str, band: int | None = None) -> int:
         """``tenant``'s requests waiting in the saturation queue, held here or by a peer (as of
-        its last report): its backlog, whichever replica's window holds it.
+        its last report): its backlog, whichever replica's window holds it; with ``band``, its
+        backlog in that band only.
 
-        >>> b = ShareBook("r1"); b.set_waiting({"flood": 3})
-        >>> b.merge(ShareReport(replica="r2", at=0.0, waiting={"flood": 30}), 0.0)
-        >>> b.waiting("flood"), b.waiting("steady")
-        (33, 0)
+        >>> b = ShareBook("r1"); b.set_waiting({"flood": 3}, backlog={"standard": {"flood": 3}})
+        >>> b.merge(ShareReport(replica="r2", at=0.0, waiting={"flood": 30}, backlog={"standard": {"flood": 29},
+        ...                                                                            "critical": {"flood": 1}}), 0.0)
+        >>> b.waiting("flood"), b.waiting("steady"), b.waiting("flood", band=1), b.waiting("flood", band=0)
+        (33, 0, 32, 1)
         """
+        if band is not None:
+            name = NAMES[band]
+            n = self.own_backlog.get(name, {}).get(tenant, 0)
+            for rep in self.peers.values():
+                n += rep.backlog.get(name, {}).get(tenant, 0)
+            return n
         n = self.own_waiting.get(tenant, 0)
         for rep in self.peers.values():
             n += rep.waiting.get(tenant, 0)
         return n
 
-    def waiting_elsewhere(self) -> dict[str, int]:
-        """tenant -> its requests the peers hold waiting (their last reports)."""
-        out: dict[str, int] = {}
+    def waiting_elsewhere(self) -> dict[tuple[str, int], int]:
+        """(tenant, band) -> its requests of that band the peers hold waiting (their last reports)."""
+        out: dict[tuple[str, int], int] = {}
         for rep in self.peers.values():
-            for t, n in rep.waiting.items():
-                out[t] = out.get(t, 0) + n
+            for name, ts in rep.backlog.items():
+                band = _BAND.get(name)
+                if band is None:
+                    continue
+                for t, n in ts.items():
+                    out[(t, band)] = out.get((t, band), 0) + n
         return out
 
     def gone(self, replica: str) -> None:
@@ -168,7 +187,7 @@ class ShareBook:
         (0, 9.0)
         """
         rep = self.peers.get(replica)
-        if rep is not None and (rep.waiting or rep.bands):
+        if rep is not None and (rep.waiting or rep.bands or rep.backlog):
             self.peers[replica] = ShareReport(replica=rep.replica, at=rep.at, tenants=rep.tenants)
 
     def report(self, now: float) -> ShareReport:
@@ -182,7 +201,9 @@ class ShareBook:
                 out[tenant] = round(d, 1)
         return ShareReport(replica=self.replica, at=now, tenants=out,
                            waiting={t: n for t, n in self.own_waiting.items() if n > 0},
-                           bands={b: n for b, n in self.own_bands.items() if n > 0})
+                           bands={b: n for b, n in self.own_bands.items() if n > 0},
+                           backlog={b: {t: n for t, n in ts.items() if n > 0} for b, ts in self.own_backlog.items()
+                                    if any(ts.values())})
 
     def merge(self, report: ShareReport, now: float) -> None:
         """Take a peer's report (a newer one replaces its older one; our own is ignored)."""

@@ -22,6 +22,9 @@ class ShareReport(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     waiting: dict[str, int] = {}
     #: band name -> its requests this replica holds waiting (the dashboard's flow panel)
     bands: dict[str, int] = {}
+    #: band name -> tenant -> its requests of that band this replica holds waiting: a tenant's
+    #: backlog within a band (fair shares are within a band: zmlcore.flowctl.gate.standing)
+    backlog: dict[str, dict[str, int]] = {}
 
 
 share_report_decoder = msgspec.json.Decoder(ShareReport)

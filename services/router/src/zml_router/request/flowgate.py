@@ -152,7 +152,7 @@ class FlowGate:
         any free slot will do)."""
         now = time.time()
         ask = note.ask
-        used, over = standing(self.book, ask.tenant, ask.weight, now)
+        used, over = standing(self.book, ask.tenant, ask.weight, now, ask.band)
         note.share_used = used
         rc = self.cfg.router
         waiting, holders = self.waiting(rr.model)
@@ -290,7 +290,7 @@ class FlowGate:
         ask = note.ask
         waiting, holders = self.waiting(model)
         return no_room(self.table.nodes(), ask, flow=self.cfg.flow,
-                       over_share=over_share(note.share_used or 0.0, self.book.waiting(ask.tenant)),
+                       over_share=over_share(note.share_used or 0.0, self.book.waiting(ask.tenant, ask.band)),
                        unseen=self._unseen(note.yields) if self._sent or self._peer_freed else None,
                        waiting=waiting, split=SpareSplit(self.router_id, self._spare_own, holders))
 
