@@ -19,6 +19,7 @@ from collections.abc import Iterator
 
 import httpx
 import nats
+import openai
 import pytest
 
 import flowstack
@@ -57,6 +58,7 @@ def test_an_unattainable_slo_is_refused_at_once_with_the_code(stack: Stack) -> N
     assert err["code"] == "SLO_UNATTAINABLE" and "even idle" in err["message"]
     assert err["routing_context"]["slo"] == {"tpot_ms": 0}
     assert "retry-after" not in r.headers and took < 1.0
+    assert r.headers.get("x-should-retry") == "false"  # (OpenAI's clients would retry a bare 503)
 
     async def nats_side() -> None:
         nc = await nats.connect(stack.nats_url)
@@ -68,11 +70,20 @@ def test_an_unattainable_slo_is_refused_at_once_with_the_code(stack: Stack) -> N
             await nc.close()
 
     asyncio.run(nats_side())
-    # The SDK's class for the code; no retries: SLO_UNATTAINABLE is retryable, so by default the
-    # client backs off and asks again (~7.5 s here) before raising the same error.
-    with zml.Client(stack.gateway_url, max_retries=0) as client:
+    # The SDK's class for the code, with its default retries: none is made for a target no node
+    # would meet even idle (it used to back off and ask again for ~7.5 s before the same error).
+    with zml.Client(stack.gateway_url) as client:
+        t = time.monotonic()
         with pytest.raises(zml.SloUnattainableError):
             client.infer(MODEL, "hello", max_tokens=8, tpot_slo_ms=0.01)
+        assert time.monotonic() - t < 1.0
+    # And OpenAI's own client, whose default is two retries of a 503 with backoff.
+    oa = openai.OpenAI(base_url=stack.gateway_url + "/v1", api_key="unused")
+    t = time.monotonic()
+    with pytest.raises(openai.InternalServerError) as e:
+        oa.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=8,
+                                   extra_headers={"x-zml-tpot-slo-ms": "0.01"})
+    assert e.value.status_code == 503 and time.monotonic() - t < 1.0
 
 
 def test_a_band_above_the_ceiling_is_lowered_and_targets_are_predicted(stack: Stack) -> None:

@@ -262,3 +262,15 @@ def test_a_second_start_ends_the_stream() -> None:
     r = started()
     action = r.message(*start_msg(seq=None))  # no number: the sequence cannot tell
     assert action.cancel and sse_error(action)["code"] == "BACKEND_ERROR"  # type: ignore[union-attr]
+
+
+def test_an_slo_no_node_would_meet_is_answered_without_an_invitation_to_retry() -> None:
+    # OpenAI's clients retry every 503 unless told ``x-should-retry: false``; an SLO that not even
+    # an idle fleet meets (no Retry-After) cannot be met by asking again.
+    from zml_gateway.infer.replies import error_answer
+    status, _, headers = error_answer("SLO_UNATTAINABLE", b"", None, [])
+    assert status == 503 and (b"x-should-retry", b"false") in headers
+    status, _, headers = error_answer("SLO_UNATTAINABLE", b"", "2.5", [])
+    assert (b"retry-after", b"3") in headers and not any(k == b"x-should-retry" for k, _ in headers)
+    _, _, headers = error_answer("QUEUE_FULL", b"", None, [])
+    assert not any(k == b"x-should-retry" for k, _ in headers)

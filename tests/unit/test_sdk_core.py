@@ -230,6 +230,14 @@ def test_retry_after_replaces_backoff_and_is_capped() -> None:
     assert retry_delay(zml.RateLimitError(retry_after=600), 0, 3, 0.0) == 60
 
 
+def test_an_slo_no_node_would_meet_even_idle_is_not_retried() -> None:
+    # Without a Retry-After the router found no node that meets the target even idle: a client
+    # retrying with the default backoff only waits ~7 s to hear the same answer.
+    assert retry_delay(zml.SloUnattainableError("never"), 0, 3, 0.0) is None
+    assert retry_delay(zml.SloUnattainableError("busy now", retry_after=2.5), 0, 3, 0.0) == 2.5
+    assert retry_delay(zml.ShedError("shed"), 0, 3, 0.0) == 1  # (SHED is retried as before)
+
+
 @pytest.mark.parametrize("exc", [zml.AuthError(), zml.BadRequestError(), zml.PolicyConfigError(),
                                  zml.ModelNotLoadedError(), zml.CancelledError(), ValueError("x")])
 def test_non_transient_errors_are_never_retried(exc: BaseException) -> None:

@@ -29,7 +29,7 @@
         ├── NoHealthyNodesError   NO_HEALTHY_NODES    503  retryable
         ├── ModelNotLoadedError   MODEL_NOT_LOADED    404
         ├── QueueFullError        QUEUE_FULL          503  retryable
-        ├── SloUnattainableError  SLO_UNATTAINABLE    503  retryable (no node meets the request's TTFT/TPOT target)
+        ├── SloUnattainableError  SLO_UNATTAINABLE    503  retryable (no node meets the request's TTFT/TPOT target), unless without retry_after (none ever would)
         └── ShedError             SHED                503  retryable (queued work dropped for higher bands)
 
 On NATS an error reply carries the header ``Zml-Error-Code`` and an :class:`ErrorBody` JSON
@@ -104,6 +104,12 @@ class ZMLError(Exception):
         #: OpenAI's ``error.param``: the parameter (or place, e.g. "line 3") at fault.
         self.param = param
         super().__init__(self.message)
+
+    @classmethod
+    def worth_retrying(cls, retry_after: float | None) -> bool:
+        """Whether the same request may succeed later, given the error's ``retry_after``: the
+        class's ``retryable``, unless the error says no later time exists."""
+        return cls.retryable
 
     def __str__(self) -> str:
         text = f"[{self.code}] {self.message}"
@@ -362,6 +368,11 @@ class SloUnattainableError(RoutingError):
     code = "SLO_UNATTAINABLE"
     http_status = 503
     retryable = True
+
+    @classmethod
+    def worth_retrying(cls, retry_after: float | None) -> bool:
+        # Without a Retry-After not even an idle fleet meets the target: asking again only waits.
+        return retry_after is not None
 
 
 class ShedError(RoutingError):

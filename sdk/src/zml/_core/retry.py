@@ -15,8 +15,9 @@ MAX_JITTER_S = 0.5
 
 
 def is_retryable(exc: BaseException) -> bool:
-    """Transient: 429, 503 (QUEUE_FULL, NO_HEALTHY_NODES), 5xx, network, timeout."""
-    return isinstance(exc, ZMLError) and bool(exc.retryable)
+    """Transient: 429, 503 (QUEUE_FULL, NO_HEALTHY_NODES), 5xx, network, timeout; not an SLO that
+    no node would meet even idle (SLO_UNATTAINABLE without a Retry-After)."""
+    return isinstance(exc, ZMLError) and exc.worth_retrying(exc.retry_after)
 
 
 def retry_delay(exc: BaseException, retries_done: int, max_retries: int, jitter: float) -> float | None:

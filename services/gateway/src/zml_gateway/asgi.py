@@ -51,6 +51,8 @@ async def send_error(send: Send, exc: ZMLError, allow: str | None = None) -> Non
         extra.append((b"allow", allow.encode()))
     if exc.retry_after is not None:
         extra.append((b"retry-after", str(max(1, round(exc.retry_after))).encode()))
+    if exc.retryable and not exc.worth_retrying(exc.retry_after):  # (OpenAI's clients obey it)
+        extra.append((b"x-should-retry", b"false"))
     if exc.http_status == 408:  # a body cut off: its rest would be read as a next request
         extra.append((b"connection", b"close"))
     await send_json(send, exc.http_status, exc.to_body(), extra)

@@ -24,13 +24,17 @@ def total_tokens(data: bytes) -> int:
 
 def error_answer(code: str, data: bytes, retry_after: str | None, limits: Headers) -> tuple[int, bytes, Headers]:
     """(status, body, headers) of a router's error reply (``Zml-Error-Code`` ``code``): its
-    body as the router wrote it, never empty; Retry-After in whole seconds."""
+    body as the router wrote it, never empty; Retry-After in whole seconds; ``x-should-retry:
+    false`` (which OpenAI's clients obey) where asking again cannot help, though the status
+    alone would make them retry."""
     cls = error_class(code)
     if not data:  # never an empty error body: say what the code means
         data = msgspec.json.encode(cls(f"{code} from the router").to_body())
     headers = [JSON, content_length(data), *limits]
     if retry_after is not None:  # HTTP wants whole seconds
         headers.append((b"retry-after", str(max(1, math.ceil(float(retry_after)))).encode()))
+    if cls.retryable and not cls.worth_retrying(None if retry_after is None else float(retry_after)):
+        headers.append((b"x-should-retry", b"false"))
     return cls.http_status, data, headers
 
 
