@@ -42,3 +42,14 @@ def test_other_names_and_bodies_without_model_are_untouched() -> None:
     no_model = b'{"choices":[],"usage":{"total_tokens":3}}'
     assert r(no_model) == no_model
     assert r(b"not json") == b"not json"
+
+
+def test_a_block_of_events_reports_its_last_usage() -> None:
+    # vLLM's continuous_usage_stats puts the running usage on every chunk: a relayed block of
+    # several is worth its last (the first undercounted the answer's tokens).
+    from zml_router.node.attempt import stream_usage
+    block = b"".join(b'data: {"choices":[{"delta":{"content":"x"}}],"usage":{"prompt_tokens":5,'
+                     b'"completion_tokens":%d,"total_tokens":%d}}\n\n' % (n, 5 + n) for n in (1, 2, 3))
+    assert stream_usage(block) == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8}
+    assert stream_usage(b'{"usage":{"prompt_tokens":5,"completion_tokens":1,"total_tokens":6}}')["total_tokens"] == 6
+    assert stream_usage(b'data: {"choices":[]}\n\n') is None

@@ -363,10 +363,12 @@ def reply_usage(raw: bytes) -> dict[str, Any]:
 
 
 def stream_usage(chunk: bytes) -> dict | None:  # type: ignore[type-arg]
-    """The ``usage`` object of a stream chunk (one payload, or a relayed block of events)."""
+    """The ``usage`` object of a stream chunk (one payload, or a relayed block of events: its
+    last, the running total where the engine sends usage with every chunk, as vLLM's
+    ``continuous_usage_stats`` does)."""
     if b'"usage"' not in chunk:
         return None
-    for payload in event_payloads(chunk) if chunk.startswith(b"data:") else (chunk,):
+    for payload in reversed(event_payloads(chunk)) if chunk.startswith(b"data:") else (chunk,):
         if b'"usage"' not in payload:
             continue
         try:

@@ -636,7 +636,6 @@ class Relay:
                             usage = spliced_usage(usage, splice.sent)
                         last_usage = usage
                         info.total_tokens = usage["total_tokens"]
-                        self.metrics.usage_dict(req.kind(), req.model, usage)
                     if b'"cache' in chunk and (cached := cached_tokens(chunk)) is not None:
                         reported = cached  # the usage chunk, or llama-server's timings on the last chunk
                         if b'_per_second"' in chunk:
@@ -670,6 +669,8 @@ class Relay:
                 await chunks.aclose()  # its connection released now, not when the generator is collected
             if reported is not None:
                 self._reported(info, rr, reported, prompt_seen)
+            if last_usage is not None:  # once per answer: with continuous usage stats every chunk has one
+                self.metrics.usage_dict(req.kind(), req.model, last_usage)
             if not answer.started:  # a stream with no chunk at all
                 answer.started = True
                 info.time_to_first_token = answer.ttft = time.monotonic() - t0
