@@ -70,7 +70,7 @@ from zmlcore.placement.adapters import place_adapters  # noqa: E402
 from zmlcore.placement.moves import NodeNow, next_steps  # noqa: E402
 from zmlcore.policy import NodeView, RouteRequest, RoutingState, builtin_policy  # noqa: E402
 from zmlcore.policy.admission import admit  # noqa: E402
-from zml_warmup.placer import Inputs, adapter_home, short_models  # noqa: E402
+from zml_warmup.placer import Inputs, adapter_home, demand_rates as placer_rates, short_models  # noqa: E402
 
 DEMO_MIX = [("nvidia_h100", 2), ("nvidia_a100", 1), ("amd_mi300x", 2), ("intel_gaudi2", 1), ("aws_inferentia2", 1)]
 SIZES = [(1.0, 16.0), (0.5, 32.0), (0.25, 70.0)]
@@ -102,11 +102,19 @@ ADAPTER_LOAD_S = 2.0
 #: estimate costing ADAPTER_LOAD_S. False (--no-adapters-on-request): such a request is refused
 #: and warmup loads the adapter on demand, as for engines without a resolver.
 ON_REQUEST = True
+#: moves.next_steps is given each node's SLO capacity and each model's demand, as warmup gives
+#: it: an urgent load does not wait for another model's moves (an early unload where that model
+#: keeps capacity for its demand, a stand-in on an idle node meanwhile); False (--no-stand-ins):
+#: round 2's executor.
+EARLY = True
 MAX_LOADS = 8
 #: Seconds into a window when the planner's demand window (window_s = 600) shows only its rate.
 REPLAN_S = 600.0
 #: The longest a window's moves are simulated (a plan still moving then is scored as it stands).
 MOVES_CAP_S = 900.0
+#: The steady sample starts once no request waits for a slot (see simulate_window); False
+#: (--no-backlog-wait): at the last move, as round 2 sampled.
+WAIT_BACKLOG = True
 POLICY = builtin_policy("latency")
 #: The router's clock at a window's start (a window's own times start 30 s before it, at -30 s;
 #: the router reads 0 as "never").
@@ -298,7 +306,8 @@ class Tally:
 
 def simulate_window(nodes_spec, models: dict[str, Model], adapters_base: dict[str, str], row: dict[str, float],
                     old: tuple[dict, dict], target: tuple[dict, dict] | None, steady_s: float, seed: int,
-                    cfg, on_demand: bool, span: float = WINDOW_S, urgent: frozenset[str] = frozenset()) -> Tally:
+                    cfg, on_demand: bool, span: float = WINDOW_S, urgent: frozenset[str] = frozenset(),
+                    slo: tuple[dict[str, dict[str, float]], dict[str, float]] | None = None) -> Tally:
     """One window: ``old`` placement (models, adapters per node) until t = 0, then the moves to
     ``target`` (None: nothing moves), then ``steady_s`` more seconds. ``on_demand``: an adapter
     found nowhere is loaded where warmup (apply mode) would load it."""
@@ -555,7 +564,8 @@ def simulate_window(nodes_spec, models: dict[str, Model], adapters_base: dict[st
                                    up=True, slots=1, adapter_slots=ADAPTER_SLOTS) for n in nodes}
             in_progress = sum(len(n.loading) for n in nodes)
             run, wait = next_steps(held, tgt_m, target_adapters=tgt_a, adapter_base=adapters_base,
-                                   max_loads=MAX_LOADS, in_progress=in_progress, urgent=urgent)
+                                   max_loads=MAX_LOADS, in_progress=in_progress, urgent=urgent,
+                                   capacity=slo[0] if slo and EARLY else None, demand=slo[1] if slo else None)
             for st in run:
                 n = by_id[st.node_id]
                 key = (st.kind, st.node_id, st.name)
@@ -591,7 +601,11 @@ def simulate_window(nodes_spec, models: dict[str, Model], adapters_base: dict[st
                     n.adapters.discard(st.name)
                     refresh(n, now)
             busy = any(n.loading or n.draining or n.ad_loading for n in nodes)
-            if not run and not busy or now >= MOVES_CAP_S:
+            # requests the moves left waiting for a slot are part of the moves: the steady sample
+            # the rest of the window is scaled from starts once they are in (round 2 began it at
+            # the last move and scaled that backlog's drain over the rest of the window)
+            backlog = WAIT_BACKLOG and any(n.eng.waitq for n in nodes)
+            if not run and not busy and not backlog or now >= MOVES_CAP_S:
                 t_settled = now
                 t_end = now + steady_s
                 target = None  # settled (or given up): the rest of the window as it stands
@@ -692,6 +706,7 @@ def run(seed: int, scale: int, n_windows: int, steady_s: float, strategies: list
                                         False)
             else:
                 short: set[str] = set()
+                slo_now: list[tuple[dict[str, dict[str, float]], dict[str, float]]] = []
 
                 def planned(seen: dict[str, float]) -> tuple[dict, dict]:
                     base, ads = split(adapters, seen)
@@ -704,6 +719,8 @@ def run(seed: int, scale: int, n_windows: int, steady_s: float, strategies: list
                     # the models warmup loads first: short of capacity where they are now
                     short.clear()
                     short.update(short_models(Inputs(offered, demands, ads, {})))
+                    slo_now.clear()
+                    slo_now.append(({o.node_id: o.capacity for o in offered}, placer_rates(demands, ads)))
                     return ({n: p.models.get(n, frozenset()) for n, _ in nodes},
                             {n: p.adapters.get(n, frozenset()) for n, _ in nodes})
 
@@ -721,7 +738,7 @@ def run(seed: int, scale: int, n_windows: int, steady_s: float, strategies: list
                         tgt = planned(seen)
                         seg = simulate_window(nodes, mods, adapters_base, rows, tgt if instant else (held, held_ad),
                                               None if instant else tgt, steady_s, wseed + 7 * k, cfg, True, span,
-                                              frozenset(short))
+                                              frozenset(short), slo_now[0])
                         tally.add(seg)
                         held, held_ad = {n: ms for n, ms in tgt[0].items() if ms}, {n: a for n, a in tgt[1].items() if a}
                     tally.moving_s /= 2  # (per window below: the mean of its two segments' moves)
@@ -852,10 +869,16 @@ def main() -> None:
                     help="per window with the fluid model (run_fluid) instead of request by request")
     ap.add_argument("--no-adapters-on-request", action="store_true",
                     help="engines without a LoRA resolver: an adapter found nowhere is refused, then loaded")
+    ap.add_argument("--no-backlog-wait", action="store_true",
+                    help="round 2's sampling: the steady sample starts at the last move, backlog or not")
+    ap.add_argument("--no-stand-ins", action="store_true",
+                    help="round 2's executor: urgent loads wait for a full node's model to move (no stand-ins)")
     ap.add_argument("--plan-time", action="store_true",
                     help="only time plans: 1,000 nodes x 50 models x 500 adapters, 5 runs")
     args = ap.parse_args()
-    global HEADROOM, MISS_SHARE, ON_REQUEST
+    global HEADROOM, MISS_SHARE, ON_REQUEST, EARLY, WAIT_BACKLOG
+    WAIT_BACKLOG = not args.no_backlog_wait
+    EARLY = not args.no_stand_ins
     HEADROOM, MISS_SHARE = args.headroom, args.miss_share
     ON_REQUEST = not args.no_adapters_on_request
     if args.plan_time:

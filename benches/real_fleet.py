@@ -201,10 +201,13 @@ def start_router(name: str, servers: list[llamaserver.Server], tmp: Path, rust_b
                 "--gateways", "1", "--data-dir", str(tmp / "data"), "--metrics-port", "0"]
     elif name in ("vllm-ca", "vllm-rr"):
         argv = [str(rust_bin / "vllm-router"), "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers,
-                "--policy", "cache_aware" if name == "vllm-ca" else "round_robin", "--log-level", "error"]
+                "--policy", "cache_aware" if name == "vllm-ca" else "round_robin", "--log-level", "error",
+                # its metrics on a free port of their own: the default 29000 is taken by any other
+                # vllm-router on the box, and the router then panics at start
+                "--prometheus-port", str(free_port())]
     elif name == "sglang-ca":
         argv = [str(rust_bin / "smg"), "launch", "--host", "127.0.0.1", "--port", str(port), "--worker-urls",
-                *workers, "--policy", "cache_aware", "--log-level", "error"]
+                *workers, "--policy", "cache_aware", "--log-level", "error", "--prometheus-port", str(free_port())]
     else:
         raise ValueError(name)
     return spawn(name, argv, new_session=True), f"http://127.0.0.1:{port}"

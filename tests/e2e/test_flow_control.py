@@ -68,7 +68,9 @@ def test_an_unattainable_slo_is_refused_at_once_with_the_code(stack: Stack) -> N
             await nc.close()
 
     asyncio.run(nats_side())
-    with zml.Client(stack.gateway_url) as client:
+    # The SDK's class for the code; no retries: SLO_UNATTAINABLE is retryable, so by default the
+    # client backs off and asks again (~7.5 s here) before raising the same error.
+    with zml.Client(stack.gateway_url, max_retries=0) as client:
         with pytest.raises(zml.SloUnattainableError):
             client.infer(MODEL, "hello", max_tokens=8, tpot_slo_ms=0.01)
 

@@ -164,3 +164,30 @@ async def test_a_health_service_that_takes_over_keeps_the_fleets_speeds(nats_pri
         finally:
             await second.stop()
             await sim.stop()
+
+
+async def test_an_estimate_that_moved_is_published_before_the_next_poll(nats_private: str) -> None:
+    """A burst of conversations on a cold fleet is over in a few seconds: what the routers'
+    samples teach health (here a full node's decode time, which the routers' slot wait stands
+    on) is written within about a second, not at the next poll (30 s here)."""
+    sim = await start_sim("hidden-3", "nvidia_a100", [M], engine="openai", prefix_caching=False)
+    svc = HealthService(config([node_entry(sim)], health={"calibrate": False, "poll_interval_s": 30.0}))
+    async with connected(nats_private) as nc:
+        await svc.start(nc)
+        try:
+            await eventually(lambda: (s := svc.states.get("hidden-3")) and s.status == "up" and s.max_concurrency)
+            await asyncio.sleep(1.5)  # past the first poll's own minimum gap
+            maxc = svc.states["hidden-3"].max_concurrency
+            sample = SpeedSample(ttft_s=0.5, prefill_tokens=1000, inflight=maxc + 2, decode_s=2.0, decode_tokens=99)
+            t0 = time.monotonic()
+            await nc.publish(subjects.event(subjects.EVENT_COMPLETED), completed_encoder.encode(
+                RequestCompleted(model=M, node_id="hidden-3", ts=time.time(), speed=sample)))
+            await nc.flush()
+            st = await eventually(lambda: (s := svc.states.get("hidden-3")) and s.model_speeds.get(M)
+                                  and s.model_speeds[M].full_decode_s > 0 and s, timeout=10,
+                                  what="the full node's decode time published")
+            assert time.monotonic() - t0 < 5.0
+            assert st.model_speeds[M].full_decode_s == 2.0
+        finally:
+            await svc.stop()
+            await sim.stop()

@@ -1,5 +1,6 @@
 """zml_gateway.protocol on a recording transport (no sockets): a fixed-length reply is one write,
-a stream's head is not held back, the app hears of a lost client through a callback, and the
+a stream's head is not held back past the turn of the event loop in which it was sent (it goes
+with its first chunk when that comes in the same turn), the app hears of a lost client through a callback, and the
 head timer (one per connection, not one per request) still cuts off a slow head on a kept-alive
 connection."""
 
@@ -42,7 +43,7 @@ class Recorder(asyncio.Transport):
 
 
 def connect(app: Any, header_timeout_s: float = 10.0) -> tuple[BoundedHttpTools, Recorder]:
-    config = uvicorn.Config(app, lifespan="off", log_level="warning")
+    config = uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False)  # as the gateway runs
     config.load()
     cls = BoundedHttpTools.with_limits(16 * 1024, 100, header_timeout_s, None)
     proto = cls(config=config, server_state=ServerState(), app_state={})
@@ -136,6 +137,40 @@ async def test_the_head_built_here_is_the_one_uvicorn_writes(monkeypatch: Any) -
                 assert len(transport.writes) == 1 and proto.cycle.response_complete
                 monkeypatch.undo()
             assert got[0] == got[1], headers
+
+
+STREAM_HEADS = [
+    [(b"content-type", b"text/event-stream"), (b"cache-control", b"no-cache"), (b"x-zml-node-id", b"n1"),
+     (b"x-zml-label", b"%C3%A9quipe"), (b"x-ratelimit-remaining-requests", b"9")],
+    [(b"content-type", b"text/event-stream"), (b"connection", b"close")],  # uvicorn's head (it closes)
+    [(b"Content-Type", b"text/event-stream")],  # upper-case names: uvicorn's head
+]
+
+
+async def test_a_stream_head_built_here_is_the_one_uvicorn_writes_and_goes_with_the_first_chunk(
+        monkeypatch: Any) -> None:
+    for headers in STREAM_HEADS:
+        async def app(scope: Any, receive: Any, send: Any, headers: Any = headers) -> None:
+            await receive()
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
+            await send({"type": "http.response.body", "body": b"data: 1\n\n", "more_body": True})
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n"})
+
+        got = []
+        for fast in (True, False):
+            if not fast:
+                monkeypatch.setattr(FastCycle, "_whole_head", lambda self, message: None)
+            proto, transport = connect(app)
+            proto.data_received(REQUEST)
+            await settle()
+            got.append(b"".join(transport.writes).replace(proto.server_state.default_headers[0][1]
+                                                           if proto.server_state.default_headers else b"", b""))
+            assert proto.cycle.response_complete
+            if fast and headers is STREAM_HEADS[0]:  # the head and its first chunk: one write
+                assert len(transport.writes) == 2 and transport.writes[0].endswith(b"\r\n\r\n9\r\ndata: 1\n\n\r\n")
+            monkeypatch.undo()
+        assert got[0] == got[1], headers
+        assert b"transfer-encoding: chunked" in got[0] and got[0].endswith(b"0\r\n\r\n")
 
 
 async def test_an_invalid_head_with_a_length_is_refused_as_uvicorn_refuses_it() -> None:

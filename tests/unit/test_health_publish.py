@@ -101,3 +101,19 @@ def test_forget_all_after_a_reconnect_writes_every_node_again() -> None:
     w.forget_all()
     assert w.due(poll(updated_at=100.5), 100.5, 1.0) == "new"
     assert w.due(poll(node_id="n2", updated_at=100.5), 100.5, 1.0) == "new"
+
+
+def test_a_models_learned_slot_wait_is_a_change() -> None:
+    # Routers route a model by its model_speeds: a full node's decode time learned (or moved by
+    # more than 10%) goes out at once, not at the next heartbeat.
+    from zmlcore.messages.speeds import ModelSpeeds
+
+    ms = ModelSpeeds(prefill_tps=10_000.0, decode_tps=60.0, source="measured")
+    base = poll(model_speeds={"m": ms})
+    assert meaningful_change(base, poll(model_speeds={"m": msgspec.structs.replace(ms, full_decode_s=0.6)})) \
+        == "model_speeds"
+    full = poll(model_speeds={"m": msgspec.structs.replace(ms, full_decode_s=0.6)})
+    assert meaningful_change(full, poll(model_speeds={"m": msgspec.structs.replace(ms, full_decode_s=0.62)})) is None
+    assert meaningful_change(full, poll(model_speeds={"m": msgspec.structs.replace(ms, full_decode_s=0.8)})) \
+        == "model_speeds"
+    assert meaningful_change(base, poll(model_speeds={})) == "model_speeds"

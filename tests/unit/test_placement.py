@@ -289,3 +289,42 @@ def test_loads_of_models_short_of_capacity_go_first() -> None:
     run, wait = next_steps(now, target, max_loads=1, urgent={"short"})
     assert [str(s) for s in run] == ["load short on b"] and [str(s) for s in wait] == [
         "load cheap on a (waits: another load is in progress)"]
+
+
+def test_a_model_short_of_capacity_does_not_wait_for_another_models_moves() -> None:
+    """Round 2: 'short' waited for node a, whose model x could leave only once x's new replica
+    on c loaded. With capacities and demand: x leaves a early where b still carries x's demand,
+    and short loads meanwhile on a node the plan leaves idle (a stand-in), which unloads it once
+    a serves it."""
+    now = {"a": n({"x"}), "b": n({"x"}), "c": n(set()), "idle": n(set())}
+    target = {"a": frozenset({"short"}), "b": frozenset({"x"}), "c": frozenset({"x"}), "idle": frozenset()}
+    cap = {k: {"x": 10.0, "short": 10.0} for k in now}
+    run, wait = next_steps(now, target, max_loads=4, urgent={"short"})
+    assert {str(s) for s in run} == {"load x on c"}  # without capacities: short waits for a
+    # x's demand (12 req/s) exceeds what b alone gives (10): a keeps x; a stand-in loads short
+    run, wait = next_steps(now, target, max_loads=4, urgent={"short"}, capacity=cap, demand={"x": 12.0, "short": 5.0})
+    assert {str(s) for s in run} == {"load x on c", "load short on idle"}
+    assert "unload x on a (waits: its new replicas are not serving yet)" in {str(s) for s in wait}
+    # x's demand fits on b alone: a unloads x now (and short still gets its stand-in)
+    run, _ = next_steps(now, target, max_loads=4, urgent={"short"}, capacity=cap, demand={"x": 8.0, "short": 5.0})
+    assert {str(s) for s in run} == {"load x on c", "unload x on a", "load short on idle"}
+    # a stand-in loading or serving is not asked again; once a serves short, it unloads there
+    now["idle"] = n(set(), loading={"short"})
+    now["c"] = n(set(), loading={"x"})
+    run, _ = next_steps(now, target, max_loads=4, in_progress=2, urgent={"short"}, capacity=cap,
+                        demand={"x": 12.0, "short": 5.0})
+    assert run == []
+    now.update(idle=n({"short"}), c=n({"x"}))
+    run, _ = next_steps(now, target, max_loads=4, urgent={"short"}, capacity=cap, demand={"x": 12.0, "short": 5.0})
+    assert {str(s) for s in run} == {"unload x on a"}
+    now["a"] = n({"short"})
+    run, _ = next_steps(now, target, max_loads=4, capacity=cap, demand={"x": 12.0, "short": 5.0})
+    assert {str(s) for s in run} == {"unload short on idle"}
+
+
+def test_no_stand_in_where_no_idle_node_can_serve_the_model() -> None:
+    now = {"a": n({"x"}), "b": n({"x"}), "c": n(set()), "idle": n(set())}
+    target = {"a": frozenset({"short"}), "b": frozenset({"x"}), "c": frozenset({"x"}), "idle": frozenset()}
+    cap = {"a": {"x": 10.0, "short": 10.0}, "b": {"x": 10.0}, "c": {"x": 10.0}, "idle": {"x": 10.0}}
+    run, _ = next_steps(now, target, max_loads=4, urgent={"short"}, capacity=cap, demand={"x": 12.0})
+    assert {str(s) for s in run} == {"load x on c"}

@@ -113,3 +113,21 @@ def test_a_relayed_block_never_carries_done_or_an_empty_event() -> None:
         out = EventRelay().feed(raw)
         assert b"[DONE]" not in out and b"data: \n" not in out
         assert out.count(b"\n") == 2 * out.count(b"\n\n")  # one line per event
+
+
+def test_a_whole_answer_read_at_once_is_relayed_as_the_same_bytes_up_to_its_done() -> None:
+    from zmlcore.reply.sse import EventRelay
+
+    events = b"".join(b'data: {"choices":[{"delta":{"content":"t%d"}}]}\n\n' % i for i in range(18))
+    relay = EventRelay()
+    assert relay.feed(events + b"data: [DONE]\n\n") == events and relay.done
+    # [DONE] elsewhere than as the last event: read line by line, as before
+    relay = EventRelay()
+    assert relay.feed(b'data: {"content":"[DONE]"}\n\ndata: [DONE]\n\n') == b'data: {"content":"[DONE]"}\n\n'
+    assert relay.done
+    relay = EventRelay()
+    assert relay.feed(b"data: [DONE]\n\ndata: {\"late\":1}\n\n") == b"" and relay.done
+    relay = EventRelay()
+    assert relay.feed(b'data: {"a":1}data: [DONE]\n\n') == b'data: {"a":1}data: [DONE]\n\n' and not relay.done
+    # an event of spaces only is no event
+    assert EventRelay().feed(b'data:   \n\ndata: {"a":1}\n\n') == b'data: {"a":1}\n\n'

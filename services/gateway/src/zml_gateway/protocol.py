@@ -78,8 +78,12 @@ class FastCycle(RequestResponseCycle):
     - the head of such a response is built here (:meth:`_whole_head`), with uvicorn's own
       checks made once over all names and once over all values instead of twice per header
       (a reply carries ~16: its routing metadata, rate limits): ~8% of the gateway's CPU per
-      request. Any other head (no length, ``connection`` or ``transfer-encoding`` set, upper-case
-      names, an access log, an invalid byte) is uvicorn's, as before.
+      request. So is a stream's (no length: chunked), which carries as many (~40 regex searches
+      per stream in uvicorn), held until its first chunk when that comes in the same turn of the
+      event loop (the router's start and first events arrive together): one write for both, and
+      written at the end of that turn when it does not. Any other head (``connection`` or
+      ``transfer-encoding`` set, upper-case names, an access log, an invalid byte, 204/304) is
+      uvicorn's, as before.
     """
 
     _held: bytes | None = None
@@ -123,7 +127,12 @@ class FastCycle(RequestResponseCycle):
                 await self.flow.drain()
             if self.disconnected:  # as uvicorn: writes go nowhere
                 return
-            if (message["type"] == "http.response.body" and not message.get("more_body", False)
+            if self.chunked_encoding:  # a stream's head: with its first chunk, in one write
+                body = message.get("body", b"")
+                if message["type"] == "http.response.body" and body and message.get("more_body", False):
+                    self.transport.write(b"%s%x\r\n%s\r\n" % (held, len(body), body))
+                    return
+            elif (message["type"] == "http.response.body" and not message.get("more_body", False)
                     and len(message.get("body", b"")) == self.expected_content_length):
                 self.transport.write(held + message.get("body", b""))
                 self.expected_content_length = 0
@@ -146,6 +155,8 @@ class FastCycle(RequestResponseCycle):
         whole = self._whole_head(message)
         if whole is not None:
             self._held = whole  # its body follows: one write for both
+            if self.chunked_encoding:  # a stream: its first chunk may not be here yet
+                asyncio.get_running_loop().call_soon(self._write_held)
             return
         transport, head = self.transport, _Head()
         self.transport = head  # type: ignore[assignment]
@@ -162,8 +173,9 @@ class FastCycle(RequestResponseCycle):
 
 
     def _whole_head(self, message: Any) -> bytes | None:
-        """The head of a response with a ``content-length`` and a body to follow, as uvicorn
-        would write it (the response then counts as started), or None: uvicorn writes it."""
+        """The head of a response with a ``content-length`` and a body to follow, or of a stream
+        (no length: chunked), as uvicorn would write it (the response then counts as started),
+        or None: uvicorn writes it."""
         if self.access_log or self.chunked_encoding is not None \
                 or self.scope["method"] == "HEAD":
             return None
@@ -178,21 +190,36 @@ class FastCycle(RequestResponseCycle):
                 or not names.islower() or b"connection" in names or b"transfer-encoding" in names):
             return None
         length = None
-        content = [STATUS_LINE[message["status"]]]
+        status = message["status"]
+        content = [STATUS_LINE[status]]
         for name, value in headers:
             if name == b"content-length" and length is None:
                 length = value
             content += (name, b": ", value, b"\r\n")
-        if length is None or not length.isdigit() or int(length) <= 0:
+        if length is None:  # a stream (SSE): uvicorn's chunked framing
+            if status in (204, 304):
+                return None
+        elif not length.isdigit() or int(length) <= 0:
             return None
         if not self.keep_alive:
             content.append(b"connection: close\r\n")
+        if length is None:
+            content.append(b"transfer-encoding: chunked\r\n")
         content.append(b"\r\n")
         self.response_started = True
         self.waiting_for_100_continue = False
-        self.expected_content_length = int(length)
-        self.chunked_encoding = False
+        if length is None:
+            self.chunked_encoding = True
+        else:
+            self.expected_content_length = int(length)
+            self.chunked_encoding = False
         return b"".join(content)
+
+    def _write_held(self) -> None:
+        """A stream's head whose first chunk did not follow in the same turn of the loop: now."""
+        held, self._held = self._held, None
+        if held is not None and not self.disconnected:
+            self.transport.write(held)
 
 
 def _nothing() -> None:

@@ -40,9 +40,17 @@ NEAR = (
     ("ttft_s", 0.10, 0.0),
     ("last_inference_at", 0.0, 1.0),
 )
+#: Per model in ``model_speeds`` (what routers route a model by): (field, relative tolerance).
+MODEL_NEAR = (
+    ("prefill_tps", 0.02),
+    ("decode_tps", 0.02),
+    ("decode_slowdown", 0.10),
+    ("ttft_overhead_s", 0.10),
+    ("full_decode_s", 0.10),
+)
 # Not compared (refreshed by the heartbeat): updated_at, last_ok, tokens_per_s_history, age_s,
 # speeds_at (it moves with the speeds, which are compared), prefill_sigma and decode_sigma (with
-# speeds_confidence), decode_slowdown, model_speeds.
+# speeds_confidence), decode_slowdown (but per model), model_speeds' other fields.
 
 
 def effective_heartbeat(heartbeat_s: float, stale_after_s: float) -> float:
@@ -65,6 +73,15 @@ def meaningful_change(old: NodeState, new: NodeState) -> str | None:
         d = abs(a - b)
         if (ab and d >= ab) or (rel and d > rel * max(abs(a), abs(b))):
             return f
+    if old.model_speeds != new.model_speeds:
+        if old.model_speeds.keys() != new.model_speeds.keys():
+            return "model_speeds"
+        for m, ms in new.model_speeds.items():
+            was = old.model_speeds[m]
+            for f, rel in MODEL_NEAR:
+                a, b = getattr(was, f), getattr(ms, f)
+                if a != b and abs(a - b) > rel * max(abs(a), abs(b)):
+                    return "model_speeds"
     return None
 
 

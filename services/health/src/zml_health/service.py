@@ -63,6 +63,9 @@ log = logging.getLogger("zml.health")
 _encode = msgspec.json.encode
 #: Re-check a node that had no probe endpoint every this many polls (an agent may start later).
 NO_PROBE_RECHECK = 12
+#: A node whose learned estimate moved (SpeedBook.moved) is polled and its state written this
+#: soon after its last poll began at the earliest, instead of a whole poll interval later.
+REPUBLISH_MIN_S = 1.0
 
 
 def spec_to_config(spec: NodeSpec) -> NodeConfig:
@@ -75,7 +78,7 @@ class _NodeRuntime:
     """What the service keeps per node besides its tracker."""
 
     __slots__ = ("doc", "has_probe", "probe_checked_at", "pending_loads", "warmed", "calibration", "draining",
-                 "failed_at", "loras", "adapter_load_s")
+                 "failed_at", "loras", "adapter_load_s", "moved")
 
     def __init__(self) -> None:
         self.doc: dict[str, Any] | None = None
@@ -98,6 +101,9 @@ class _NodeRuntime:
         self.loras: list[llamacpp.Lora] | None = None
         #: Seconds warmup's adapter loads here took, a moving mean (0: none measured yet).
         self.adapter_load_s = 0.0
+        #: Set when the node's learned estimate moved enough to publish it before the next poll
+        #: (zml_health.speedbook.SpeedBook.moved).
+        self.moved = asyncio.Event()
 
 
 class HealthService:
@@ -239,7 +245,11 @@ class HealthService:
         hc = self.cfg.health
         # Spread first polls over one interval so a large fleet is not polled in lockstep.
         await asyncio.sleep(random.uniform(0, hc.poll_interval_s * max(hc.jitter, 0.05)))
+        loop = asyncio.get_running_loop()
         while True:
+            started = loop.time()
+            if (rt := self.runtime.get(node.id)) is not None:
+                rt.moved.clear()  # this poll publishes what moved so far
             try:
                 await self.poll_once(node)
             except asyncio.CancelledError:
@@ -249,7 +259,23 @@ class HealthService:
                 log.warning("poll of %s: NATS timed out (%s); retrying at the next poll", node.id, type(exc).__name__)
             except Exception:
                 log.exception("poll of %s failed", node.id)
-            await asyncio.sleep(hc.poll_interval_s * random.uniform(1 - hc.jitter, 1 + hc.jitter))
+            await self._rest(node.id, hc.poll_interval_s * random.uniform(1 - hc.jitter, 1 + hc.jitter), started)
+
+    async def _rest(self, node_id: str, wait_s: float, started: float) -> None:
+        """Until the node's next poll: ``wait_s``, or sooner when its learned estimate moved
+        (SpeedBook.moved), though not within REPUBLISH_MIN_S of the last one's start."""
+        rt = self.runtime.get(node_id)
+        if rt is None:
+            await asyncio.sleep(wait_s)
+            return
+        loop = asyncio.get_running_loop()
+        planned = loop.time() + wait_s
+        try:
+            await asyncio.wait_for(rt.moved.wait(), wait_s)
+        except TimeoutError:
+            return
+        # never later than planned (a poll interval under REPUBLISH_MIN_S stays as it is)
+        await asyncio.sleep(max(0.0, min(started + REPUBLISH_MIN_S, planned) - loop.time()))
 
     async def poll_once(self, node: NodeConfig) -> NodeState:
         assert self.http is not None and self.kv is not None
@@ -376,11 +402,16 @@ class HealthService:
         metrics.calibrated(node.id, got is not None)
         if got is None or node.id not in self._tasks:
             return
-        self.speeds.calibration(node.id, model, self.clock(), prefill_tps=got.prefill_tps,
-                                decode_tps=got.decode_tps, engine=got.engine, confirm=confirm)
+        if self.speeds.calibration(node.id, model, self.clock(), prefill_tps=got.prefill_tps,
+                                   decode_tps=got.decode_tps, engine=got.engine, confirm=confirm):
+            self._moved(node.id)
         log.info("%s %s for %s: prefill %.0f tok/s, decode %.1f tok/s (ttft %.3f s, %d prompt tokens%s)",
                  "confirmed" if confirm else "calibrated", node.id, model, got.prefill_tps, got.decode_tps,
                  got.ttft_s, got.prompt_tokens, ", engine timings" if got.engine else "")
+
+    def _moved(self, node_id: str) -> None:
+        if (rt := self.runtime.get(node_id)) is not None:
+            rt.moved.set()
 
     def _holds_loras(self, node: NodeConfig) -> bool:
         rt = self.runtime.get(node.id)
@@ -567,7 +598,8 @@ class HealthService:
             tr.record_request(ts, ev.ok, ev.node_error)
             if ev.speed is not None:
                 st = self.states.get(ev.node_id)
-                self.speeds.sample(ev.node_id, ev.model, ev.speed, ts, st.max_concurrency if st else 0)
+                if self.speeds.sample(ev.node_id, ev.model, ev.speed, ts, st.max_concurrency if st else 0):
+                    self._moved(ev.node_id)
         for node_id in ev.failed_nodes:
             if node_id != ev.node_id and (other := self.trackers.get(node_id)) is not None:
                 other.record_request(ts, False, True)

@@ -7,6 +7,7 @@ replica routes on the same estimates (docs/routing.md "Learned speeds").
 >>> b = SpeedBook()
 >>> b.prior("n", "cpu")
 >>> b.sample("n", "m", SpeedSample(ttft_s=0.05, prefill_tokens=700, engine_decode_tps=480), now=10.0)
+True
 >>> pub = b.publish("n", ["m"], now=10.0)
 >>> pub.main.source, round(pub.main.decode_tps)
 ('measured', 477)
@@ -30,6 +31,12 @@ CALIBRATE_BELOW = 0.5
 #: lower a node that truly slowed, as it is believed fast enough to get traffic.
 CONFIRMATIONS = 2
 CONFIRM_AFTER_S = 10.0
+#: A node's estimate that moved by more than this factor since it was last published (a speed,
+#: or a full node's decode time) is published at once, not at the next poll up to
+#: ``[health] poll_interval_s`` later: a conversation burst on a cold fleet is over in a few
+#: seconds, and it was routed start to end on what the warm-up had shown (benches/real_fleet.py).
+#: The 25% band of "confident" (zmlcore.fleet.learn.BAND).
+REPUBLISH_MOVED = 1.25
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +57,8 @@ class SpeedBook:
     calibrated_at: dict[tuple[str, str], float] = field(default_factory=dict)
     #: (node, model) -> confirmations still owed to its last full calibration
     unconfirmed: dict[tuple[str, str], int] = field(default_factory=dict)
+    #: (node, model) -> the estimate as last published (publish)
+    shown: dict[tuple[str, str], ModelSpeeds] = field(default_factory=dict)
 
     def prior(self, node: str, accelerator: str, prefill_tps: float = 0.0, decode_tps: float = 0.0) -> None:
         """What is believed of ``node`` before anything is seen: its type's speeds, or the ones
@@ -61,6 +70,8 @@ class SpeedBook:
         engine restarted, whose model may have changed."""
         self.beliefs.pop(node, None)
         self.priors.pop(node, None)
+        for key in [k for k in self.shown if k[0] == node]:
+            del self.shown[key]
         for key in [k for k in self.calibrated_at if k[0] == node]:
             del self.calibrated_at[key]
             self.unconfirmed.pop(key, None)
@@ -84,11 +95,37 @@ class SpeedBook:
             s = per[model] = self.priors.get(node) or learn.prior_speeds("")
         return s
 
-    def sample(self, node: str, model: str, sample: SpeedSample, now: float, maxc: int = 0) -> None:
-        """A router's observation of one attempt."""
+    def sample(self, node: str, model: str, sample: SpeedSample, now: float, maxc: int = 0) -> bool:
+        """A router's observation of one attempt; True when it moved the node's estimate enough to
+        publish it now (moved)."""
         if node not in self.priors:
-            return  # not a node of ours (removed, or another fleet's)
+            return False  # not a node of ours (removed, or another fleet's)
         self.beliefs[node][model] = learn.observe_sample(self._get(node, model), sample, now, maxc)
+        return self.moved(node, model, now)
+
+    def moved(self, node: str, model: str, now: float) -> bool:
+        """Whether ``node``'s estimate for ``model`` is REPUBLISH_MOVED away from what was last
+        published of it (a speed, or a full node's decode time, first learned included).
+
+        >>> b = SpeedBook()
+        >>> b.prior("n", "cpu")
+        >>> b.calibration("n", "m", 1.0, prefill_tps=14_000, decode_tps=600, engine=True)
+        True
+        >>> b.moved("n", "m", 1.0), b.publish("n", ["m"], 1.0) is not None, b.moved("n", "m", 1.0)
+        (True, True, False)
+        >>> b.sample("n", "m", SpeedSample(ttft_s=0.4, prefill_tokens=100, inflight=6, decode_s=0.6,
+        ...                                 decode_tokens=23), now=2.0, maxc=4)
+        True
+        """
+        s = self.beliefs.get(node, {}).get(model)
+        if s is None:
+            return False
+        was = self.shown.get((node, model))
+        if was is None:
+            return True
+        now_ = learn.published(s, now)
+        return any(_apart(a, b) for a, b in ((now_.prefill_tps, was.prefill_tps), (now_.decode_tps, was.decode_tps),
+                                              (now_.full_decode_s, was.full_decode_s)))
 
     def counters(self, node: str, models: list[str], now: float, *, prefill_tps: float | None,
                  prefill_c: float, decode_tps: float | None, decode_c: float) -> None:
@@ -111,9 +148,10 @@ class SpeedBook:
             self.beliefs[node][m] = s
 
     def calibration(self, node: str, model: str, now: float, *, prefill_tps: float, decode_tps: float,
-                    engine: bool = False, confirm: bool = False) -> None:
+                    engine: bool = False, confirm: bool = False) -> bool:
         """What a calibration request measured on an otherwise idle node (the engine's own
-        timings when ``engine``); a confirmation (``confirm``) only raises the estimate."""
+        timings when ``engine``); a confirmation (``confirm``) only raises the estimate. True
+        when the estimate moved enough to publish it now (moved)."""
         noise = learn.NOISE_ENGINE if engine else learn.NOISE_CALIBRATION
         s = self._get(node, model)
         if confirm:
@@ -128,6 +166,7 @@ class SpeedBook:
                 s = learn.observe_decode(s, tps=decode_tps, inflight=1, now=now, noise=noise, measured=True,
                                          clean=True)
         self.beliefs[node][model] = s
+        return self.moved(node, model, now)
 
     def needs_calibration(self, node: str, models: list[str], now: float, every_s: float) -> tuple[str, bool] | None:
         """The served model to calibrate now and whether it is a confirmation (None: none): one
@@ -151,6 +190,8 @@ class SpeedBook:
     def publish(self, node: str, models: list[str], now: float) -> Published:
         per = self.beliefs.get(node, {})
         pub = {m: learn.published(per[m], now) for m in models if m in per}
+        for m, p in pub.items():
+            self.shown[(node, m)] = p
         if pub:
             main = max(pub.values(), key=lambda p: (p.samples, p.confidence))
         elif "" in per:
@@ -158,3 +199,10 @@ class SpeedBook:
         else:
             main = learn.published(self.priors.get(node) or learn.prior_speeds(""), now)
         return Published(main=main, models=pub)
+
+
+def _apart(a: float, b: float) -> bool:
+    """a and b more than REPUBLISH_MOVED apart (a first value where there was none included)."""
+    if a <= 0 or b <= 0:
+        return (a > 0) != (b > 0)
+    return max(a / b, b / a) > REPUBLISH_MOVED

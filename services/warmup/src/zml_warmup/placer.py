@@ -11,7 +11,7 @@ operator reads it (pure: no I/O; the service feeds states and demand, and execut
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from zmlcore.config import PlannerModelConfig, ZMLConfig
@@ -199,12 +199,18 @@ def adapter_home(cfg: ZMLConfig, states: Mapping[str, NodeState], adapter: str) 
     return min(fits, key=lambda st: (len(st.adapters), st.queue_running + st.queue_waiting, st.node_id)).node_id
 
 
+def demand_rates(demands: Sequence[ModelDemand], adapters: Sequence[AdapterDemand]) -> dict[str, float]:
+    """Requests/s per model, its adapters' included (they run on it)."""
+    rates = {d.model: d.rate for d in demands}
+    for a in adapters:
+        rates[a.base] = rates.get(a.base, 0.0) + a.rate
+    return rates
+
+
 def short_models(inputs: Inputs) -> set[str]:
     """Models whose nodes now give less SLO capacity than their demand: their loads are urgent
     (a load elsewhere only saves money and may wait for a quiet window)."""
-    rates = {d.model: d.rate for d in inputs.demands}
-    for a in inputs.adapters:
-        rates[a.base] = rates.get(a.base, 0.0) + a.rate
+    rates = demand_rates(inputs.demands, inputs.adapters)
     cap = evaluate(inputs.offers, {o.node_id: o.models for o in inputs.offers}, rates).capacity
     return {m for m, r in rates.items() if r > 0 and cap.get(m, 0.0) < r}
 

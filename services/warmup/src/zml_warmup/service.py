@@ -349,10 +349,13 @@ class WarmupService:
         target = self.target
         held = {n: h for n, h in self._held_now().items() if n in target.models}
         loads = sum(1 for (_, _), (_, reason, _) in self.in_progress.items() if reason == "placement")
-        short = placer.short_models(self.plan_inputs) if self.plan_inputs is not None else set()
+        pi = self.plan_inputs
+        short = placer.short_models(pi) if pi is not None else set()
         run, wait = next_steps(held, target.models, target_adapters=target.adapters,
                                adapter_base={a: c.base for a, c in self.cfg.adapters.items()},
-                               max_loads=self.wc.max_concurrent_loads, in_progress=loads, urgent=short)
+                               max_loads=self.wc.max_concurrent_loads, in_progress=loads, urgent=short,
+                               capacity={o.node_id: o.capacity for o in pi.offers} if pi is not None else None,
+                               demand=placer.demand_rates(pi.demands, pi.adapters) if pi is not None else None)
         # blocked: the steps wait on each other (judged before any waits for a quiet window)
         stuck = moves_blocked(held, target.models, wait, run, loads + len(self.moving))
         if self.wc.quiet_windows and self.plan_inputs is not None and not in_fixed_window(self.wc.quiet_windows, now):

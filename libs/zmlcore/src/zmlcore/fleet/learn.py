@@ -87,8 +87,7 @@ MIN_PREFILL_TOKENS = 32
 #: the slower node's and ZML sent the long prompts there (benches/real_fleet.py, box load 6).
 #: The calibration request's length (``[health] calibrate_prompt_tokens``' default).
 CLEAN_PREFILL_TOKENS = 512
-#: Step of the EWMAs of a full node's decode time per request and of the tokens per answer
-#: (LearnedSpeeds.full_decode_s, mean_output).
+#: Step of the EWMA of a full node's decode time per request (LearnedSpeeds.full_decode_s).
 FULL_DECODE_STEP = 0.2
 MIN_DECODE_TOKENS = 8
 
@@ -284,9 +283,6 @@ def observe_sample(s: LearnedSpeeds, sample: SpeedSample, now: float, maxc: int 
         f = s.full_decode_s
         s = msgspec.structs.replace(s, full_decode_s=sample.decode_s if f <= 0 else
                                     f + FULL_DECODE_STEP * (sample.decode_s - f))
-    if sample.decode_tokens > 0:
-        m, out = s.mean_output, sample.decode_tokens + 1.0
-        s = msgspec.structs.replace(s, mean_output=out if m <= 0 else m + FULL_DECODE_STEP * (out - m))
     n = sample.decode_tokens
     if n <= 0 and sample.engine_decode_tps > 0:  # the engine's figure, its token count not known
         s = observe_decode(s, tps=sample.engine_decode_tps, inflight=c, now=now, noise=NOISE_ENGINE,
@@ -317,8 +313,7 @@ def merge(x: LearnedSpeeds, y: LearnedSpeeds) -> LearnedSpeeds:
     return LearnedSpeeds(prefill=_ci(x.prefill, y.prefill), decode=_ci(x.decode, y.decode),
                          measured_at=max(x.measured_at, y.measured_at), prior_var=max(x.prior_var, y.prior_var),
                          overhead_s=_mean(x.overhead_s, y.overhead_s),
-                         full_decode_s=_mean(x.full_decode_s, y.full_decode_s),
-                         mean_output=_mean(x.mean_output, y.mean_output))
+                         full_decode_s=_mean(x.full_decode_s, y.full_decode_s))
 
 
 def _mean(x: float, y: float) -> float:
@@ -380,7 +375,7 @@ def restored(p: ModelSpeeds, prior: LearnedSpeeds) -> LearnedSpeeds:
         prefill=fit(p.prefill_tps, p.prefill_slowdown, p.prefill_sigma, prior.prefill.pgg, p.samples - half),
         decode=fit(p.decode_tps, p.decode_slowdown, p.decode_sigma, prior.decode.pgg, half),
         measured_at=p.at if p.source == "measured" else 0.0, prior_var=prior.prior_var,
-        overhead_s=p.ttft_overhead_s, full_decode_s=p.full_decode_s, mean_output=p.mean_output_tokens)
+        overhead_s=p.ttft_overhead_s, full_decode_s=p.full_decode_s)
 
 
 def published(s: LearnedSpeeds, now: float, stale_s: float = 600.0) -> ModelSpeeds:
@@ -404,5 +399,4 @@ def published(s: LearnedSpeeds, now: float, stale_s: float = 600.0) -> ModelSpee
         prefill_sigma=round(sigma(pf), 4), decode_sigma=round(sigma(dec), 4),
         source=source, at=at, confidence=round(min(confidence(sigma(pf)), confidence(sigma(dec))), 3),
         samples=pf.n + dec.n, ttft_overhead_s=round(s.overhead_s, 4), full_decode_s=round(s.full_decode_s, 4),
-        mean_output_tokens=round(s.mean_output, 1),
     )

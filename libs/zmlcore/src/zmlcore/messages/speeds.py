@@ -84,9 +84,6 @@ class LearnedSpeeds(msgspec.Struct, frozen=True, kw_only=True):
     #: over its slots, whatever made its decodes slow (the answers' length, the prefills that
     #: paused them, a shared CPU).
     full_decode_s: float = 0.0
-    #: Tokens per answer on this node (an EWMA of the routers' samples; 0 until one came):
-    #: the mean answer a sequence slot is held for, where no full node's decode was timed yet.
-    mean_output: float = 0.0
 
 
 class ModelSpeeds(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True):
@@ -115,8 +112,6 @@ class ModelSpeeds(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     #: Seconds from first token to last of a request on a full node (LearnedSpeeds.full_decode_s):
     #: the routers' wait for a sequence slot (0: the decode speeds' model instead).
     full_decode_s: float = 0.0
-    #: Tokens per answer on this node (LearnedSpeeds.mean_output; 0: the reference workload's).
-    mean_output_tokens: float = 0.0
 
 
 learned_speeds_decoder = msgspec.json.Decoder(LearnedSpeeds)

@@ -14,7 +14,15 @@ the next answer instead of a script going stale. Its rules:
   a node the plan gives it has it loaded, or its requests would find it nowhere and be refused
   (MODEL_NOT_LOADED) until a load elsewhere finishes;
 * at most ``max_loads`` loads at a time, fleet-wide, counting those in progress, the loads of
-  models short of capacity first.
+  models short of capacity first;
+* with ``capacity`` and ``demand`` given, a model short of capacity (``urgent``) does not wait
+  for another model's moves: on the placement day its loads waited up to 6 minutes for a full
+  node whose model could leave only once that model's own new replicas loaded. So a full node
+  an urgent load waits for unloads what it must lose early where the nodes still serving that
+  model give it SLO capacity for its demand (below the plan's, never below its demand), and
+  meanwhile the urgent model loads on a *stand-in*, a node the plan leaves idle that can serve
+  it, one per waiting load; the stand-in is then a model on a node the plan takes it off, and
+  unloads by the make-before-break rule once every planned node serves it.
 
 Steps that cannot run yet (their model's new replicas still loading) wait; a plan whose
 moves would need a spare node it does not have (two nodes swapping their only replicas) is
@@ -80,13 +88,33 @@ def all_steps(now: Mapping[str, NodeNow], target: Mapping[str, frozenset[str]],
 def next_steps(now: Mapping[str, NodeNow], target: Mapping[str, frozenset[str]], *,
                target_adapters: Mapping[str, frozenset[str]] | None = None,
                adapter_base: Mapping[str, str] | None = None, max_loads: int = 1,
-               in_progress: int = 0, urgent: Collection[str] = ()) -> tuple[list[Step], list[Step]]:
+               in_progress: int = 0, urgent: Collection[str] = (),
+               capacity: Mapping[str, Mapping[str, float]] | None = None,
+               demand: Mapping[str, float] | None = None) -> tuple[list[Step], list[Step]]:
     """(steps to start now, steps waiting with the reason). Nodes absent from ``target`` keep
     what they hold (the plan did not cover them). Loads of ``urgent`` models (short of SLO
-    capacity now) take the ``max_loads`` budget first."""
+    capacity now) take the ``max_loads`` budget first. ``capacity`` (node -> model -> SLO
+    requests/s holding only that model, ``NodeOffer.capacity``) and ``demand`` (model ->
+    requests/s, its adapters' included) let a node an urgent load waits for unload early (see
+    the module docstring)."""
     run: list[Step] = []
     wait: list[Step] = []
     placed_ok: dict[str, bool] = {}
+    #: SLO capacity taken from each model by the early unloads of this call
+    taken: dict[str, float] = {}
+
+    def spare(model: str, node: str) -> bool:
+        """``model`` keeps SLO capacity for its demand without ``node`` (and this call's other
+        early unloads): the nodes serving it now, each's time shared among its models."""
+        if capacity is None or demand is None:
+            return False
+        have = sum(capacity.get(o, {}).get(model, 0.0) / max(1, len(h.models))
+                   for o, h in now.items() if o != node and h.up and model in h.models and model not in h.loading)
+        mine = capacity.get(node, {}).get(model, 0.0) / max(1, len(now[node].models))
+        if have - taken.get(model, 0.0) < demand.get(model, 0.0):
+            return False
+        taken[model] = taken.get(model, 0.0) + mine
+        return True
 
     def replicas_ready(model: str) -> bool:
         """Every node planned for ``model`` serves it now."""
@@ -120,8 +148,10 @@ def next_steps(now: Mapping[str, NodeNow], target: Mapping[str, frozenset[str]],
         want = target[n]
         drops = sorted(node.models - want)
         adds = sorted(want - node.models - node.loading)
+        # an urgent load waits for this node's slot
+        pressed = any(m in urgent for m in adds) and node.slots - len(node.models) - len(node.loading) < len(adds)
         for m in drops:
-            if not replicas_ready(m):
+            if not replicas_ready(m) and not (pressed and spare(m, n)):
                 wait.append(Step("unload", n, m, "its new replicas are not serving yet"))
             elif not all(adapter_ready(a) for a in node.adapters if base_of.get(a) == m):
                 wait.append(Step("unload", n, m, "its adapters are not loaded where the plan puts them yet"))
@@ -134,6 +164,25 @@ def next_steps(now: Mapping[str, NodeNow], target: Mapping[str, frozenset[str]],
             else:
                 loadable.append((n, m))
                 free -= 1
+    # stand-ins: an urgent load that waits for a full node's slot goes meanwhile to a node the
+    # plan leaves idle (and holding nothing), which serves the model until the planned node
+    # does; then it is a model on a node the plan takes it off, unloaded by the rule above
+    if capacity is not None:
+        blocked_urgent = [s.name for s in wait if s.kind == "load" and s.name in urgent
+                          and s.waiting == "the node's slots are full until it unloads"]
+        idle = [n for n in sorted(now) if n in target and not target[n] and now[n].up
+                and not now[n].models and not now[n].loading]
+        # stand-ins already there (holding or loading the model off its planned nodes)
+        standing = {m: sum(1 for n, h in now.items() if (m in h.models or m in h.loading)
+                           and m not in target.get(n, frozenset())) for m in set(blocked_urgent)}
+        for m in blocked_urgent:
+            if standing[m] > 0:
+                standing[m] -= 1
+                continue
+            best = max(idle, key=lambda n: (capacity.get(n, {}).get(m, 0.0), n), default=None)
+            if best is not None and capacity.get(best, {}).get(m, 0.0) > 0:
+                idle.remove(best)
+                loadable.append((best, m))
     # the load budget goes to models short of capacity first (their requests queue meanwhile),
     # then to those whose loads only save money
     for n, m in sorted(loadable, key=lambda nm: (nm[1] not in urgent, nm)):

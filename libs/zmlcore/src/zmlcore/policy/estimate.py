@@ -96,18 +96,15 @@ def node_overhead(st: NodeState, model: str = "") -> float:
     return ms.ttft_overhead_s if ms is not None else 0.0
 
 
-def node_slots(st: NodeState, model: str = "") -> tuple[float, float, float]:
+def node_slots(st: NodeState, model: str = "") -> tuple[float, float]:
     """(decode slowdown per extra sequence, seconds a full node's request holds its slot past
-    its first token, tokens per answer) of a node for ``model``: what its wait for a sequence
-    slot is estimated from. The learned slowdown (one CPU thread: ~0.5; a GPU's ~0.02), else
-    the GPU-shaped default; the learned decode time on a full node
-    (``ModelSpeeds.full_decode_s``), else 0: the speeds' model, an answer of the learned
-    length (else the reference workload's) at the decode speed of a full batch."""
+    its first token) of a node for ``model``: what its wait for a sequence slot is estimated
+    from. The learned slowdown (one CPU thread: ~0.5; a GPU's ~0.02), else the GPU-shaped
+    default; the learned decode time on a full node (``ModelSpeeds.full_decode_s``), else 0:
+    the speeds' model, a mean answer at the decode speed of a full batch."""
     ms = st.model_speeds.get(model) if model and st.model_speeds else None
     k = (ms.decode_slowdown if ms is not None else st.decode_slowdown) or DECODE_BATCH_PENALTY
-    if ms is None:
-        return k, 0.0, 0.0
-    return k, ms.full_decode_s, ms.mean_output_tokens
+    return k, ms.full_decode_s if ms is not None else 0.0
 
 
 def node_cost(st: NodeState) -> float:
@@ -172,7 +169,6 @@ class Coeffs:
         overhead: float = 0.0,
         slowdown: float = DECODE_BATCH_PENALTY,
         full_decode_s: float = 0.0,
-        node_output: float = 0.0,
     ) -> None:
         self.pf = pf
         #: seconds of every TTFT that are not prefill (node_overhead)
@@ -189,9 +185,8 @@ class Coeffs:
             self.c_dec = full_decode_s / maxc
         else:
             step_full = (1.0 + slowdown * (maxc - 1)) / dec  # 1 / r(maxc)
-            #: seconds per freed slot at full batch: E[O-1] / (maxc * r(maxc)), E[O] this
-            #: node's answers as learned, else the workload's
-            self.c_dec = max((node_output or mean_output) - 1.0, 0.0) * step_full / maxc
+            #: seconds per freed slot at full batch: E[O-1] / (maxc * r(maxc))
+            self.c_dec = max(mean_output - 1.0, 0.0) * step_full / maxc
         #: saturation throughput, requests/s (SimProfile.capacity_rps)
         self.mu = 1.0 / (self.ep_over_pf + self.c_dec)
         self.cost = cost
@@ -243,8 +238,8 @@ def node_coeffs(st: NodeState, model: str = "", *, explore: bool = True, cost: f
     """A node's estimate coefficients for ``model`` from its state: its speeds (node_speeds),
     TTFT overhead (node_overhead) and slot wait (node_slots)."""
     pf, dec, maxc = node_speeds(st, model, explore=explore)
-    k, full, out = node_slots(st, model)
-    return Coeffs(pf, dec, maxc, cost, mean_prompt, mean_output, node_overhead(st, model), k, full, out)
+    k, full = node_slots(st, model)
+    return Coeffs(pf, dec, maxc, cost, mean_prompt, mean_output, node_overhead(st, model), k, full)
 
 
 def nonstream_pending_s(st: NodeState, outstanding: int, pending: int, prompt_tokens: float) -> float:

@@ -103,7 +103,7 @@ class ModelTable:
         self.flat: list[tuple[FamilyGroup, int]] = []
         self.coeffs: list[Coeffs | None] = [None] * n
         #: (pf, dec, maxc, cost) each row's Coeffs were computed from
-        self.inputs: list[tuple[float, float, int, float, float, float, float, float] | None] = [None] * n
+        self.inputs: list[tuple[float, float, int, float, float, float, float] | None] = [None] * n
         #: status up and the model loaded (not only loading); how many rows are, per group
         self.up = [False] * n
         self.n_up: list[int] = []
@@ -253,12 +253,11 @@ class FleetIndex(Sequence[NodeView]):
     def _set_state(self, t: ModelTable, j: int, v: NodeView) -> None:
         st = v.state
         pf, dec, maxc = node_speeds(st, t.model)
-        k, full, out = node_slots(st, t.model)
-        inputs = (pf, dec, maxc, node_cost(st), node_overhead(st, t.model), k, full, out)
+        k, full = node_slots(st, t.model)
+        inputs = (pf, dec, maxc, node_cost(st), node_overhead(st, t.model), k, full)
         if t.inputs[j] != inputs:
             t.inputs[j] = inputs
-            c = t.coeffs[j] = Coeffs(pf, dec, maxc, inputs[3], self.mean_prompt, self.mean_output, inputs[4], k, full,
-                                     out)
+            c = t.coeffs[j] = Coeffs(pf, dec, maxc, inputs[3], self.mean_prompt, self.mean_output, inputs[4], k, full)
             t.pf[j] = c.pf
             t.inv_pf[j] = c.inv_pf
             t.cost_cap[j] = c.cost_cap

@@ -29,11 +29,13 @@ from zml_router.node.conn import (
     first_body,
     gather_rest,
     iter_body,
+    more_body,
     read_body,
+    take_body,
 )
 
 __all__ = ["MAX_HEADERS", "MAX_HEAD_BYTES", "Conn", "NodeHTTP", "NodeHTTPError", "first_body", "gather_rest",
-           "iter_body", "read_body"]
+           "iter_body", "more_body", "read_body", "take_body"]
 
 #: An idle connection older than this is closed rather than reused (aiohttp's default too): the
 #: node may have gone without a word.

@@ -268,17 +268,29 @@ async def _more(conn: Conn) -> None:
     await conn.wait()
 
 
+#: Until a streamed reply has news (body, end) or its connection failed (raised).
+more_body = _more
+
+
+def take_body(conn: Conn) -> bytes:
+    """What a streamed reply's body has buffered since the last take (b"": nothing)."""
+    body = conn.body
+    if not body:
+        return b""
+    if len(body) == 1:
+        data = body.popleft()
+    else:
+        data = b"".join(body)
+        body.clear()
+    conn.buffered = 0
+    return data
+
+
 async def iter_body(conn: Conn) -> AsyncIterator[bytes]:
     """Each read of a streamed reply's body as it comes (``b""``-free), to its end."""
-    body = conn.body
     while True:
-        if body:
-            if len(body) == 1:
-                data = body.popleft()
-            else:
-                data = b"".join(body)
-                body.clear()
-            conn.buffered = 0
+        data = take_body(conn)
+        if data:
             yield data
         elif conn.complete:
             return

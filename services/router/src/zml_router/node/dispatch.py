@@ -10,16 +10,16 @@ per call. Every way a call fails is raised here as an :class:`~zml_router.node.a
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import ssl
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 
 from zmlcore.errors import ReplyTooLargeError
 from zmlcore.reply.sse import EventRelay, SSELineTooLong, aiter_sse_lines, data_field
 
 from zml_router.node.attempt import AttemptError, Failure, classify
-from zml_router.node.client import Conn, NodeHTTP, NodeHTTPError, first_body, gather_rest, iter_body, read_body
+from zml_router.node.client import (Conn, NodeHTTP, NodeHTTPError, first_body, gather_rest, iter_body, more_body,
+                                    read_body, take_body)
 from zml_router.timers import Stalled, Wheel
 
 #: Errors of the call itself (connect, reset, early close, malformed HTTP): the node's fault.
@@ -147,7 +147,7 @@ async def post_streamed(client: NodeClient, url: str, body: bytes, headers: dict
 
 
 async def stream_sse(client: NodeClient, url: str, body: bytes, headers: dict[str, str],
-                     relay: bool = False) -> AsyncIterator[bytes]:
+                     relay: bool = False) -> AsyncGenerator[bytes, None]:
     """Yield the payload of each SSE ``data:`` line up to (not including) ``[DONE]``; with
     ``relay``, blocks of whole framed events instead, as they came (zmlcore.reply.sse.EventRelay):
     one per read from the node, however many events it held."""
@@ -167,7 +167,13 @@ async def stream_sse(client: NodeClient, url: str, body: bytes, headers: dict[st
         try:
             if relay:
                 events = EventRelay()
-                async for raw in iter_body(conn):
+                while True:  # (iter_body's loop, inline: no async generator of its own per stream)
+                    raw = take_body(conn)
+                    if not raw:
+                        if conn.complete:
+                            break
+                        await more_body(conn)
+                        continue
                     block = events.feed(raw)
                     if block:
                         final = TRANSCRIPT_DONE in block
@@ -199,23 +205,3 @@ async def stream_sse(client: NodeClient, url: str, body: bytes, headers: dict[st
         raise AttemptError(Failure.NETWORK, 0, "stream ended without [DONE]")
     finally:
         http.release(conn, linger=done)
-
-
-async def first_chunk_within(chunks: AsyncIterator[bytes], seconds: float | None) -> AsyncIterator[bytes]:
-    """The chunks of ``chunks``, the first one due within ``seconds`` (AttemptError SLOW)."""
-    try:
-        if seconds is not None:
-            try:
-                async with asyncio.timeout(seconds):
-                    first = await anext(chunks)
-            except StopAsyncIteration:
-                return
-            except TimeoutError:
-                raise AttemptError(Failure.SLOW, 0, f"no first token within {seconds:.1f} s") from None
-            yield first
-        async for chunk in chunks:
-            yield chunk
-    finally:
-        aclose = getattr(chunks, "aclose", None)
-        if aclose is not None:
-            await aclose()

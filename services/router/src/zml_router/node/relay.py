@@ -60,7 +60,6 @@ from zml_router.node.attempt import (
 )
 from zml_router.node.dispatch import (
     NodeClient,
-    first_chunk_within,
     post,
     post_streamed,
     stream_sse,
@@ -599,7 +598,19 @@ class Relay:
         chunks = stream_sse(self.http, self._url(info, req), body, self._headers(info, msg), relay)
         try:
             try:
-                async for chunk in first_chunk_within(chunks, first_byte):
+                wait_first = first_byte
+                while True:
+                    if wait_first is None:
+                        chunk = await anext(chunks, None)
+                    else:  # the first token is due within first_byte (on the router's timer wheel)
+                        try:
+                            with self.timers.deadline(wait_first):
+                                chunk = await anext(chunks, None)
+                        except TimeoutError:  # ours only: the request's own deadline arrives as a cancellation
+                            raise AttemptError(Failure.SLOW, 0, f"no first token within {wait_first:.1f} s") from None
+                        wait_first = None
+                    if chunk is None:
+                        break
                     if not got:
                         got = True
                         pending = 0
@@ -633,7 +644,7 @@ class Relay:
                     if rename is not None:
                         chunk = rename(chunk)
                     if splice is not None:  # a continuation: its chunks made part of the one stream
-                        chunk = splice.events(chunk) if relay else splice.payload(chunk)  # type: ignore[assignment]
+                        chunk = splice.events(chunk) if relay else splice.payload(chunk)
                         if not chunk:
                             continue
                     keep(chunk)
@@ -656,6 +667,7 @@ class Relay:
             finally:
                 if watching:
                     watch.__exit__(None, None, None)
+                await chunks.aclose()  # its connection released now, not when the generator is collected
             if reported is not None:
                 self._reported(info, rr, reported, prompt_seen)
             if not answer.started:  # a stream with no chunk at all
