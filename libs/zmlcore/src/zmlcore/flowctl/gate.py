@@ -10,8 +10,11 @@ Pure: no I/O, ``now`` is passed in; the router and the flow simulator (benches/f
   (QUEUE_FULL here) for one, where the queue's order (zmlcore.flowctl.order) lets higher bands
   and tenants under their share go first; it does not take a slower node's free slot the policy
   did not prefer, unless others wait before it (then it takes any free slot). A tenant over
-  its fair share, or a ``sheddable`` request, uses spare capacity only: any node with more than
-  ``[flow] spare_reserve`` of its slots free, so that the next request of an under-share tenant, or of a higher band, finds a slot at once instead of waiting for one;
+  its fair share in its band, a ``sheddable`` request, and any request while a higher band's
+  work waits use spare capacity only (:func:`takes_spare_only`): any node with more than
+  ``[flow] spare_reserve`` of its slots free, so that the next request of an under-share tenant,
+  or of a higher band, finds a slot at once instead of waiting for one; and only within this
+  replica's part of those spare slots (:func:`spare_part`);
 - a request with latency targets: zmlcore.flowctl.slo.admit_slo (the pick that meets them, a
   split over a pair that does when no whole node does and the request may be split, or
   SLO_UNATTAINABLE at once);
