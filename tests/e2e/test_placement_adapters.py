@@ -6,7 +6,6 @@ nodes holding it; a request for the base model still goes anywhere."""
 from __future__ import annotations
 
 import asyncio
-import json
 import sys
 from pathlib import Path
 
@@ -14,9 +13,8 @@ import nats
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
-from test_health_helpers import eventually, start_sim  # noqa: E402
+from test_health_helpers import eventually, infer, start_sim  # noqa: E402
 
-from zmlcore import subjects  # noqa: E402
 from zmlcore.runtime.launch import service_argv, spawn  # noqa: E402
 
 M = "base-model"
@@ -26,13 +24,6 @@ AD = "tenant-a"
 @pytest.fixture(scope="module")
 def nats_url(own_nats: str) -> str:
     return own_nats
-
-
-async def infer(nc: nats.NATS, model: str, content: str = "hi") -> tuple[str, str]:
-    body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 8}
-    msg = await nc.request(subjects.INFER, json.dumps(body).encode(), timeout=15)
-    code = (msg.headers or {}).get(subjects.H_ERROR_CODE, "OK")
-    return code, (json.loads(msg.data).get("zml") or {}).get("node_id", "")
 
 
 async def test_an_adapter_is_loaded_where_requests_for_it_go(nats_url: str, tmp_path: Path) -> None:

@@ -4,6 +4,7 @@ zml.toml built from sim nodes, polling until a condition holds."""
 from __future__ import annotations
 
 import asyncio
+import json
 import tempfile
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -13,6 +14,7 @@ from typing import Any, TypeVar
 import nats
 from nats.aio.client import Client as NATS
 
+from zmlcore import subjects
 from zmlcore.config import ZMLConfig, parse_config
 from zmlcore.runtime.launch import free_port, start_nats
 from zml_sim.server import SimNode
@@ -76,3 +78,11 @@ async def start_sim(node_id: str, accelerator: str, models: list[str], **kw: Any
     sim = SimNode(node_id, accelerator, models, **kw)
     await sim.start()
     return sim
+
+
+async def infer(nc: nats.NATS, model: str, content: str = "hi") -> tuple[str, str]:
+    """One chat request on ``zml.infer``: (its error code or "OK", the node that answered)."""
+    body = {"model": model, "messages": [{"role": "user", "content": content}], "max_tokens": 8}
+    msg = await nc.request(subjects.INFER, json.dumps(body).encode(), timeout=15)
+    code = (msg.headers or {}).get(subjects.H_ERROR_CODE, "OK")
+    return code, (json.loads(msg.data).get("zml") or {}).get("node_id", "")
