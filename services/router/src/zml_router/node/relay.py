@@ -315,7 +315,7 @@ class Relay:
                     answer.ttft = None
             answer.splice = None
         first_byte = self.first_byte_s(decision.node_id, req, action.rr, action.stream or asm is not None)
-        load_s = getattr(decision, "adapter_load_s", 0.0)
+        load_s = decision.adapter_load_s
         if first_byte is not None and load_s > 0:  # the engine loads the request's adapter first
             first_byte += load_s
         # The engine answers with its own name: the client gets back the name it asked for (an
