@@ -279,3 +279,20 @@ def test_a_full_nodes_decode_time_is_learned() -> None:
     # it survives a health service's restart and merges
     assert learn.restored(published(s, 31.0), s0).full_decode_s == pytest.approx(0.6)
     assert merge(s, s0).full_decode_s == pytest.approx(0.6)
+
+
+def test_the_moving_values_are_those_published() -> None:
+    """published_moving (what the health service compares after every completion event) is
+    published()'s own three values, at any age and after any mix of observations."""
+    rng = random.Random(7)
+    for accelerator in ("cpu", "nvidia_h100"):
+        s = learn.prior_speeds(accelerator)
+        now = 1.0
+        for _ in range(300):
+            now += rng.choice((0.001, 0.5, 30.0, 900.0))
+            s = learn.observe_sample(s, SpeedSample(ttft_s=rng.uniform(0.01, 2.0), prefill_tokens=rng.randint(1, 4000),
+                                                    inflight=rng.randint(1, 64), decode_s=rng.uniform(0.01, 5.0),
+                                                    decode_tokens=rng.randint(1, 500)), now, rng.choice((0, 4, 64)))
+            later = now + rng.choice((0.0, 10.0, 3600.0))
+            p = learn.published(s, later)
+            assert learn.published_moving(s, later) == (p.prefill_tps, p.decode_tps, p.full_decode_s)

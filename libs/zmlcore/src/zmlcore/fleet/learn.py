@@ -378,6 +378,15 @@ def restored(p: ModelSpeeds, prior: LearnedSpeeds) -> LearnedSpeeds:
         overhead_s=p.ttft_overhead_s, full_decode_s=p.full_decode_s)
 
 
+def published_moving(s: LearnedSpeeds, now: float) -> tuple[float, float, float]:
+    """:func:`published`'s ``prefill_tps``, ``decode_tps`` and ``full_decode_s``, the values
+    whose moves make a new estimate worth publishing, without building the rest (the health
+    service asks after every completion event)."""
+    cap = _cap(s)
+    return (round(rate(aged(s.prefill, now, cap)), 3), round(rate(aged(s.decode, now, cap)), 3),
+            round(s.full_decode_s, 4))
+
+
 def published(s: LearnedSpeeds, now: float, stale_s: float = 600.0) -> ModelSpeeds:
     """The form in ``NodeState.model_speeds``: the belief aged to ``now``.
 
