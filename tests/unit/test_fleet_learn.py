@@ -296,3 +296,20 @@ def test_the_moving_values_are_those_published() -> None:
             later = now + rng.choice((0.0, 10.0, 3600.0))
             p = learn.published(s, later)
             assert learn.published_moving(s, later) == (p.prefill_tps, p.decode_tps, p.full_decode_s)
+
+
+def test_a_confirmation_waits_for_the_node_to_be_idle_but_a_first_calibration_does_not() -> None:
+    # On the real fleet the confirmations, 10 and 20 s after each node's first calibration,
+    # landed in the workload and added 600-5,000 prompt tokens to what the engines computed
+    # (benches/real_fleet.py); a node with work on it is taught by the routers' samples of
+    # that work, and a measurement taken beside it reads its load.
+    from zml_health.speedbook import CONFIRM_AFTER_S, SpeedBook
+
+    b = SpeedBook()
+    b.prior("n", "cpu")
+    assert b.needs_calibration("n", ["m"], 0.0, 60.0, busy=True) == ("m", False)  # unknown: measured at once
+    b.calibrating("n", "m", 0.0)
+    b.calibration("n", "m", 0.5, prefill_tps=3_700, decode_tps=240, engine=True)
+    for t in (CONFIRM_AFTER_S, 2 * CONFIRM_AFTER_S, 5 * CONFIRM_AFTER_S):
+        assert b.needs_calibration("n", ["m"], t, 60.0, busy=True) is None
+    assert b.needs_calibration("n", ["m"], 5 * CONFIRM_AFTER_S, 60.0) == ("m", True)  # idle again: owed still

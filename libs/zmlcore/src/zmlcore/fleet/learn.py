@@ -85,7 +85,6 @@ MIN_PREFILL_TOKENS = 32
 #: at 2,300-4,000 tokens/s and its 1,270-token prompts at 15,800 in the same minute; folded as
 #: measurements the follow-ups, which ran alone far more often, put its estimate at a third of
 #: the slower node's and ZML sent the long prompts there (benches/real_fleet.py, box load 6).
-#: The calibration request's length (``[health] calibrate_prompt_tokens``' default).
 CLEAN_PREFILL_TOKENS = 512
 #: Step of the EWMA of a full node's decode time per request (LearnedSpeeds.full_decode_s).
 FULL_DECODE_STEP = 0.2
