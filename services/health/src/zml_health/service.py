@@ -46,6 +46,7 @@ from zmlcore.messages.admin import (
     registry_entry_decoder,
 )
 from zmlcore.messages.warmup import completion_counts_decoder, warmup_event_decoder
+from zmlcore.policy.estimate import fold_adapter_load_s
 from zmlcore.bus.ensure import ensure_kv, nodes_kv
 from zmlcore.runtime.runner import cancel_and_wait
 from zmlcore.fleet.perfmodel import SimProfile
@@ -597,6 +598,9 @@ class HealthService:
         if tr is not None:
             tr.record_request(ts, ev.ok, ev.node_error)
             if ev.speed is not None:
+                if ev.speed.adapter_load_s is not None and (rt := self.runtime.get(ev.node_id)) is not None:
+                    # the engine loaded the request's adapter for it: the load time routers cost
+                    rt.adapter_load_s = fold_adapter_load_s(rt.adapter_load_s, ev.speed.adapter_load_s)
                 st = self.states.get(ev.node_id)
                 if self.speeds.sample(ev.node_id, ev.model, ev.speed, ts, st.max_concurrency if st else 0):
                     self._moved(ev.node_id)
@@ -621,8 +625,7 @@ class HealthService:
             return
         if ev.model in self.cfg.adapters:  # an adapter's load: its time is what routers' estimates cost
             if ev.phase == "loaded" and ev.elapsed_s is not None:
-                s = ev.elapsed_s
-                rt.adapter_load_s = s if rt.adapter_load_s <= 0 else 0.7 * rt.adapter_load_s + 0.3 * s
+                rt.adapter_load_s = fold_adapter_load_s(rt.adapter_load_s, ev.elapsed_s)
             return
         if ev.phase == "started":
             rt.pending_loads[ev.model] = self.clock() + self.cfg.warmup.load_timeout_s

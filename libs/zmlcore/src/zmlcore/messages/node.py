@@ -61,8 +61,10 @@ class NodeState(msgspec.Struct, kw_only=True, omit_defaults=True):
     #: resolver plugin, zml.toml ``adapters_on_request``): routers may send it an adapter's
     #: request, the estimate costing the load time (zmlcore.policy.estimate.adapter_load_s).
     adapters_on_request: bool = False
-    #: Seconds this node's adapter loads took, as measured (warmup's loads, a moving mean);
-    #: 0: none measured yet (the engine's default is used).
+    #: Seconds this node's adapter loads took, as measured (warmup's loads through the engine's
+    #: API and the loads its engine made for a request, SpeedSample.adapter_load_s: a moving
+    #: mean, zmlcore.policy.estimate.fold_adapter_load_s); 0: none measured yet (the engine's
+    #: default is used).
     adapter_load_s: float = 0.0
     #: The engine has put its model to sleep (llama.cpp ``--sleep-idle-seconds``: the next
     #: request wakes it, paying the load time; vLLM sleep mode: its models are not routable
