@@ -20,6 +20,7 @@ from zmlcore.messages import NodeState
 from zmlcore.messages.placement import ModelPlan, PlanMove, PlanReply
 from zmlcore.placement import AdapterDemand, ModelDemand, NodeOffer, Placement, PlanParams, evaluate, plan
 from zmlcore.placement import slo_capacity
+from zmlcore.placement.forecast import Lookahead, RateHistory, ahead
 from zmlcore.placement.moves import NodeNow, Step, all_steps
 from zml_warmup.demand import DemandWindow
 
@@ -41,10 +42,18 @@ def node_models(cfg: ZMLConfig, wants: Mapping[str, tuple[str, ...]], st: NodeSt
     return held - set(cfg.adapters)
 
 
-def gather(cfg: ZMLConfig, states: Mapping[str, NodeState], wants: Mapping[str, tuple[str, ...]],
-           demand: DemandWindow, now: float) -> Inputs:
-    """Everything :func:`zmlcore.placement.plan` reads, from the service's state."""
+def lookahead(cfg: ZMLConfig) -> Lookahead:
     pc = cfg.planner
+    return Lookahead(pc.forecast_horizon_s, pc.trend_s, pc.forecast_spread)
+
+
+def gather(cfg: ZMLConfig, states: Mapping[str, NodeState], wants: Mapping[str, tuple[str, ...]],
+           demand: DemandWindow, now: float, history: RateHistory | None = None) -> Inputs:
+    """Everything :func:`zmlcore.placement.plan` reads, from the service's state. With the
+    ``history`` of the rates measured at earlier plans (this one's is added), each rate is the
+    one looked ahead ([planner] forecast_horizon_s, forecast_spread)."""
+    pc = cfg.planner
+    la = lookahead(cfg)
     adapter_base = {name: ad.base for name, ad in cfg.adapters.items()}
     models = set(cfg.base_model_names())
     for ms in wants.values():
@@ -55,12 +64,13 @@ def gather(cfg: ZMLConfig, states: Mapping[str, NodeState], wants: Mapping[str, 
     sums: dict[str, list[float]] = {}
     for name in demand.names():
         sh = demand.shape(name, now)
+        rate = sh.rate if history is None else ahead(history.observe(name, now, sh.rate), la)
         base = adapter_base.get(name)
         model = base or cfg.resolve_model(name)
         if base is not None:
-            adapters.append(AdapterDemand(name, base, sh.rate))
+            adapters.append(AdapterDemand(name, base, rate))
         else:
-            rates[model] = rates.get(model, 0.0) + sh.rate
+            rates[model] = rates.get(model, 0.0) + rate
         models.add(model)
         if sh.mean_prompt is not None and sh.mean_output is not None and sh.rate > 0:
             acc = sums.setdefault(model, [0.0, 0.0, 0.0])
