@@ -47,11 +47,13 @@ class NodeState(msgspec.Struct, kw_only=True, omit_defaults=True):
     #: GET /lora-adapters), by the name clients ask for.
     adapters: list[str] = []
     #: llama.cpp: each adapter's id among the ``--lora`` files the engine was started with
-    #: (``GET /lora-adapters``), by the name clients ask for. A request for one is sent with its
-    #: base model's name and ``"lora": [{"id": ID, "scale": 1.0}]`` (llama-server loads no adapter
-    #: after start: a request picks one of those by id).
+    #: (``GET /lora-adapters``; in router mode, among those of its base model's instance, as
+    #: ``/v1/models`` lists its launch arguments), by the name clients ask for. A request for one
+    #: is sent with its base model's name and ``"lora": [{"id": ID, "scale": 1.0}]`` (llama-server
+    #: loads no adapter after start: a request picks one of those by id).
     lora_ids: dict[str, int] = {}
-    #: llama.cpp: how many ``--lora`` files the engine holds, matched to an adapter name or not.
+    #: llama.cpp: how many ``--lora`` files the engine holds (router mode: its loaded models'
+    #: instances together), matched to an adapter name or not.
     #: Requests for a base model carry ``"lora": [{"id": 0, "scale": 0.0}]`` (every adapter off),
     #: since a request without ``lora`` runs with the engine's global scales (1.0 from start).
     lora_count: int = 0
