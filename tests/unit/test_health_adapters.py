@@ -206,3 +206,5 @@ def test_llamacpp_router_mode_lists_each_models_lora_files_from_its_launch_argum
         {"id": "other", "status": {"value": "unloaded", "args": ["llama-server", "--model", "/m/other.gguf"]}}]}
     assert launch_loras(listing) == {"tiny": ["/l/p.gguf", "/l/q.gguf"], "other": []}
     assert launch_loras({"data": [{"id": "single-model-server"}]}) is None
+    # a listing without launch arguments (zml sim's): /lora-adapters says, as for one model
+    assert launch_loras({"data": [{"id": "tiny", "status": {"value": "loaded"}}]}) is None

@@ -76,7 +76,7 @@ async def probe(client: httpx.AsyncClient, endpoint: str, timeout: float, poll: 
 def launch_loras(payload: Any) -> dict[str, list[str]] | None:
     """Router mode: each listed model's ``--lora`` / ``--lora-scaled`` files from its launch
     arguments (``status.args``), in the order llama-server numbers them; None for a
-    single-model server (its listing has no ``status``).
+    single-model server (its listing has no ``status.args``: ``/lora-adapters`` says).
 
     >>> launch_loras({"data": [{"id": "tiny", "status": {"value": "unloaded", "args": [
     ...     "llama-server", "--lora", "/l/a.gguf,/l/b.gguf", "--lora-scaled", "/l/c.gguf:0.5", "--model", "t"]}},
@@ -92,17 +92,16 @@ def launch_loras(payload: Any) -> dict[str, list[str]] | None:
         if not isinstance(m, dict) or not isinstance(m.get("id"), str):
             continue
         status = m.get("status")
-        if not isinstance(status, dict):
-            continue
+        args = status.get("args") if isinstance(status, dict) else None
+        if not isinstance(args, list):
+            continue  # a single-model server's entry (or a build that does not list them)
         router = True
-        args = status.get("args")
         files: list[str] = []
-        if isinstance(args, list):
-            for flag, value in zip(args, args[1:]):
-                if flag == "--lora" and isinstance(value, str):
-                    files += [f for f in value.split(",") if f]
-                elif flag == "--lora-scaled" and isinstance(value, str):
-                    files += [f.rsplit(":", 1)[0] for f in value.split(",") if f]
+        for flag, value in zip(args, args[1:]):
+            if flag == "--lora" and isinstance(value, str):
+                files += [f for f in value.split(",") if f]
+            elif flag == "--lora-scaled" and isinstance(value, str):
+                files += [f.rsplit(":", 1)[0] for f in value.split(",") if f]
         out[m["id"]] = files
     return out if router else None
 
