@@ -4,7 +4,9 @@ INI giving each model its own adapter GGUF (written by the test, ``llamaserver.t
 model's instance numbers its adapters from 0, and ``/lora-adapters`` needs ``?model=``. Health
 reads each model's ``--lora`` files from ``/v1/models`` (its launch arguments); a request for
 an adapter is served, with that adapter applied, while its base model is loaded, and refused
-(MODEL_NOT_LOADED) while the router holds the other model."""
+(MODEL_NOT_LOADED) while the router holds the other model. With the planner in apply mode,
+requests for the adapter of the model not loaded make it load that model (its adapter comes
+with it) in place of the one nobody asks for."""
 
 from __future__ import annotations
 
@@ -50,8 +52,8 @@ def load_only(url: str, model: str) -> None:
         time.sleep(0.2)
 
 
-def test_router_mode_adapters_are_read_per_model_and_served_with_their_own_ids(  # noqa: F811
-        llama: Llama, tmp_path: Path, own_nats: str) -> None:
+def router_with_adapters(llama: Llama, tmp_path: Path) -> tuple[str, Proc, Path, Path]:  # noqa: F811
+    """(url, process, pirate's GGUF, parrot's GGUF) of a router-mode llama-server, nothing loaded."""
     vocab = llamaserver.vocab_file()
     assert vocab is not None
     models = tmp_path / "models"
@@ -67,22 +69,35 @@ def test_router_mode_adapters_are_read_per_model_and_served_with_their_own_ids( 
     server = spawn("llama-router", [llamaserver.llama_server_binary() or "llama-server", "--models-dir", str(models),
                                     "--models-preset", str(preset), "--models-max", "1", "--no-models-autoload",
                                     "--host", "127.0.0.1", "--port", str(port), "--threads", "1", "--metrics"])
-    procs: list[Proc] = []
     try:
         llamaserver.wait_healthy(url, server)
+    except BaseException:
+        server.stop()
+        raise
+    return url, server, pirate, parrot
+
+
+def zml_config(own_nats: str, url: str, pirate: Path, parrot: Path, extra: str = "") -> str:
+    return (f'[nats]\nurl = "{own_nats}"\n[health]\npoll_interval_s = 0.2\n{extra}'
+            f'[adapters."{PIRATE}"]\nbase = "{A}"\npath = "{pirate}"\n'
+            f'[adapters."{PARROT}"]\nbase = "{B}"\npath = "{parrot}"\n'
+            f'[[nodes]]\nid = "llama-router"\naccelerator = "cpu"\nbackend = "llamacpp"\nendpoint = "{url}"\n'
+            f'models = ["{A}", "{B}"]\nstartup_grace_s = 5\n'
+            f'[nodes.served_names]\n"{A}" = "tiny-a"\n"{B}" = "tiny-b"\n')
+
+
+def test_router_mode_adapters_are_read_per_model_and_served_with_their_own_ids(  # noqa: F811
+        llama: Llama, tmp_path: Path, own_nats: str) -> None:
+    url, server, pirate, parrot = router_with_adapters(llama, tmp_path)
+    procs: list[Proc] = []
+    try:
         load_only(url, "tiny-a")
         # what each adapter does, asked of llama-server itself: both are id 0 of their own model
         assert [a["id"] for a in httpx.get(url + "/lora-adapters", params={"model": "tiny-a"}).json()] == [0]
         pirate_says = direct(url, "tiny-a", [{"id": 0, "scale": 1.0}])
         assert pirate_says != direct(url, "tiny-a", [{"id": 0, "scale": 0.0}]), "the adapter changes nothing"
         config = tmp_path / "zml.toml"
-        config.write_text(
-            f'[nats]\nurl = "{own_nats}"\n[health]\npoll_interval_s = 0.2\n'
-            f'[adapters."{PIRATE}"]\nbase = "{A}"\npath = "{pirate}"\n'
-            f'[adapters."{PARROT}"]\nbase = "{B}"\npath = "{parrot}"\n'
-            f'[[nodes]]\nid = "llama-router"\naccelerator = "cpu"\nbackend = "llamacpp"\nendpoint = "{url}"\n'
-            f'models = ["{A}", "{B}"]\nstartup_grace_s = 5\n'
-            f'[nodes.served_names]\n"{A}" = "tiny-a"\n"{B}" = "tiny-b"\n')
+        config.write_text(zml_config(own_nats, url, pirate, parrot))
         procs = [spawn(n, service_argv(n, str(config), own_nats)) for n in ("health", "router")]
         for p in procs:
             assert p.wait_for("started", 30), p.tail()
@@ -132,3 +147,46 @@ async def _drive(nats_url: str, url: str, pirate_says: str) -> None:
         assert (await _ask(nc, PIRATE))[0] == "MODEL_NOT_LOADED"
     finally:
         await nc.close()
+
+
+def test_the_planner_loads_the_model_whose_adapter_requests_ask_for(  # noqa: F811
+        llama: Llama, tmp_path: Path, own_nats: str) -> None:
+    url, server, pirate, parrot = router_with_adapters(llama, tmp_path)
+    procs: list[Proc] = []
+    try:
+        load_only(url, "tiny-a")
+        config = tmp_path / "zml.toml"
+        config.write_text(zml_config(own_nats, url, pirate, parrot,
+                                     '[warmup]\nsweep_interval_s = 0.2\n[planner]\nmode = "apply"\n'
+                                     'interval_s = 1.0\nwindow_s = 5.0\ndrain_timeout_s = 10.0\n'
+                                     'move_cost_per_h = 0.01\n'))
+        procs = [spawn(n, service_argv(n, str(config), own_nats)) for n in ("health", "warmup", "router")]
+        for p in procs:
+            assert p.wait_for("started", 30), p.tail()
+        codes = asyncio.run(_ask_until_served(own_nats))
+        assert codes[-1] == "OK" and set(codes) <= {"OK", "MODEL_NOT_LOADED"}, codes
+        data = httpx.get(url + "/models", timeout=5).json()["data"]
+        assert [m["id"] for m in data if (m.get("status") or {}).get("value") == "loaded"] == ["tiny-b"]
+    finally:
+        for p in reversed(procs):
+            p.stop()
+        server.stop()
+
+
+async def _ask_until_served(nats_url: str) -> list[str]:
+    """Requests for the parrot adapter every 0.5 s until one is served (at most 60 s): refused
+    while tiny-a is loaded, they are its demand; the planner loads tiny-b for them."""
+    nc = await nats.connect(nats_url)
+    codes: list[str] = []
+    try:
+        await _state(nc, sorted([A, PIRATE]))
+        st = await _state(nc, sorted([A, PIRATE]))
+        assert st.get("model_adapters") == {A: [PIRATE], B: [PARROT]}, st
+        deadline = time.monotonic() + 60
+        while not codes or codes[-1] != "OK":
+            assert time.monotonic() < deadline, codes[-5:]
+            codes.append((await _ask(nc, PARROT))[0])
+            await asyncio.sleep(0.5)
+    finally:
+        await nc.close()
+    return codes

@@ -472,12 +472,18 @@ class HealthService:
         routable = [m for m in models if m not in loading and m not in rt.draining]
         lora_ids: dict[str, int] = {}
         lora_count = 0
+        model_adapters: dict[str, list[str]] = {}
         if node.backend == "llamacpp" and rt.model_loras is not None:
-            # router mode: each loaded model's instance has its own --lora files (ids per model)
-            for m in routable:
+            # router mode: each model's instance has its own --lora files (ids per model), listed
+            # loaded or not
+            for m in dict.fromkeys([*node.models, *models]):
                 files = rt.model_loras.get(node.served_names.get(m, m), [])
-                lora_count += len(files)
-                lora_ids.update(match_loras(enumerate(files), self.cfg.adapters, [m]))
+                ids = match_loras(enumerate(files), self.cfg.adapters, [m])
+                if ids:
+                    model_adapters[m] = sorted(ids)
+                if m in routable:
+                    lora_count += len(files)
+                    lora_ids.update(ids)
         elif node.backend == "llamacpp":
             lora_ids = match_loras([(a.id, a.path) for a in rt.loras or ()], self.cfg.adapters, routable)
             lora_count = len(rt.loras or ())
@@ -509,6 +515,7 @@ class HealthService:
             draining_models=draining,
             adapters=[m for m in routable if m in self.cfg.adapters],
             lora_ids=lora_ids,
+            model_adapters=model_adapters,
             lora_count=lora_count,
             adapter_slots=node.adapter_slots,
             adapters_on_request=node.adapters_on_request,

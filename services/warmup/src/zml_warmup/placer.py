@@ -109,9 +109,12 @@ def gather(cfg: ZMLConfig, states: Mapping[str, NodeState], wants: Mapping[str, 
                                    headroom=pc.headroom, miss_share=pc.ttft_miss_share)
         held = (frozenset(st.models) | frozenset(st.loading_models) | frozenset(st.draining_models)) - set(cfg.adapters)
         fixed = fixed_adapters(st)
+        # llama.cpp router mode: the adapters its models bring, loaded or not (placing the base
+        # there is how it serves them)
+        ads = frozenset(st.adapters) | {a for m in caps for a in st.model_adapters.get(m, ())}
         out.append(NodeOffer(node_id, st.family, st.cost_per_hour, caps, slots=n_slots,
-                             adapter_slots=len(st.adapters) if fixed else a_slots,
-                             models=held, adapters=frozenset(st.adapters), adapters_fixed=fixed))
+                             adapter_slots=len(ads) if fixed else a_slots,
+                             models=held, adapters=ads, adapters_fixed=fixed))
     return Inputs(out, demands, adapters, shapes)
 
 
@@ -130,8 +133,11 @@ def holding(states: Mapping[str, NodeState], cfg: ZMLConfig) -> dict[str, NodeNo
     for node_id, st in states.items():
         n_slots, a_slots = slots.get(node_id, (1, 0))
         held = (frozenset(st.models) | frozenset(st.draining_models)) - set(cfg.adapters)
-        out[node_id] = NodeNow(held, frozenset(st.loading_models), frozenset(st.adapters), up=st.status == "up",
-                               slots=n_slots, adapter_slots=len(st.adapters) if fixed_adapters(st) else a_slots)
+        # llama.cpp router mode: a model's adapters come and go with it (no move of their own)
+        ads = frozenset(st.adapters) | {a for m in (*held, *st.loading_models) for a in st.model_adapters.get(m, ())}
+        fixed = fixed_adapters(st)
+        out[node_id] = NodeNow(held, frozenset(st.loading_models), ads, up=st.status == "up",
+                               slots=n_slots, adapter_slots=len(ads) if fixed else a_slots, adapters_fixed=fixed)
     return out
 
 

@@ -342,7 +342,7 @@ class WarmupService:
             if node in held:
                 h = held[node]
                 ads = h.adapters | {adapter} if loaded else h.adapters - {adapter}
-                held[node] = NodeNow(h.models, h.loading, ads, h.up, h.slots, h.adapter_slots)
+                held[node] = NodeNow(h.models, h.loading, ads, h.up, h.slots, h.adapter_slots, h.adapters_fixed)
         return held
 
     def apply_plan(self, now: float) -> list[Step]:

@@ -52,6 +52,10 @@ class NodeState(msgspec.Struct, kw_only=True, omit_defaults=True):
     #: is sent with its base model's name and ``"lora": [{"id": ID, "scale": 1.0}]`` (llama-server
     #: loads no adapter after start: a request picks one of those by id).
     lora_ids: dict[str, int] = {}
+    #: llama.cpp router mode: the adapters each model it can load brings with it (its instance's
+    #: ``--lora`` files, a ``--models-preset`` section's), loaded or not: loading the model is
+    #: how such a node comes to serve them (the planner places the base there for them).
+    model_adapters: dict[str, list[str]] = {}
     #: llama.cpp: how many ``--lora`` files the engine holds (router mode: its loaded models'
     #: instances together), matched to an adapter name or not.
     #: Requests for a base model carry ``"lora": [{"id": 0, "scale": 0.0}]`` (every adapter off),
