@@ -267,7 +267,9 @@ class RouterConfig(msgspec.Struct, **_Base):
     first_byte_floor_s: PosFloat = 5.0
     """Per-attempt first-byte timeout, lower bound: a node that sends nothing (no first
     token when streaming, no reply otherwise) within max(this, first_byte_factor x its
-    estimated time) is abandoned, marked slow and cooled down, and the request fails over."""
+    estimated time) is abandoned, marked slow and cooled down, and the request fails over;
+    unless no other node could take it (its last attempt, or none other up): then it is
+    waited for, to the request's own timeout."""
     first_byte_factor: NonNeg = 4.0
     """Multiple of the node's estimated time to first token (to the whole reply when not
     streaming) allowed before the first byte; 0 makes first_byte_floor_s a fixed timeout."""
