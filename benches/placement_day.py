@@ -34,7 +34,11 @@ Strategies (each on the same windows, the same arrival stream per window):
 * ``static``: today's zml.toml: every node on all day, split among models by peak demand, each
   adapter loaded where its base runs (place_adapters on the day's demand), nothing moves;
 * ``planner``: at each window's start the planner plans on the last window's measured demand
-  (what its demand window saw), and the moves run while requests flow;
+  (what its demand window saw), and again at each of ``--replans`` (600 s: the window's own
+  rate), and the moves run while requests flow. The rates it is given are what warmup's demand
+  window would measure (Poisson counts, ``Measured``; ``--true-rates``: the exact rates, as
+  rounds 1-3), looked ahead by ``zmlcore.placement.forecast`` as warmup does ([planner]
+  forecast_horizon_s / trend_s / forecast_spread: ``--horizon``, ``--trend``, ``--spread``);
 * ``cheapest_family`` / ``fastest_family``: the same planner on one family's nodes only;
 * ``hindsight``: the plan of each window's own demand, in place for the whole window (no move,
   no load time): the offline optimum the issue compares against.
@@ -42,7 +46,8 @@ Strategies (each on the same windows, the same arrival stream per window):
     python benches/placement_day.py --scale 8 --steady 45 --seeds 21 22 --json benches/placement_day_56.json
     python benches/placement_day.py --scale 143 --seeds 21 22 --fluid --json benches/placement_day_1001_fluid.json
 
-Seeds: LOAD, HEADROOM and --steady were chosen on seeds 11 and 5 only; 21 and 22 are reported.
+Seeds: LOAD, HEADROOM and --steady were chosen on seeds 11 and 5 only, the look-ahead on 11
+and 12; 21 and 22 are reported (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -111,6 +116,10 @@ EARLY = True
 MAX_LOADS = 8
 #: Seconds into a window when the planner's demand window (window_s = 600) shows only its rate.
 REPLAN_S = 600.0
+#: The plans simulated in each window, seconds into it (--replans): at its start (on the last
+#: window's rate) and at REPLAN_S (on its own) by default. Warmup plans every 60 s; a plan
+#: between them sees the demand window's mean part-way up a step (and its trend the ramp).
+REPLANS: list[float] = [0.0, REPLAN_S]
 #: The longest a window's moves are simulated (a plan still moving then is scored as it stands).
 MOVES_CAP_S = 900.0
 #: The steady sample starts once no request waits for a slot (see simulate_window); False
@@ -794,8 +803,13 @@ def run(seed: int, scale: int, n_windows: int, steady_s: float, strategies: list
                     # requests flow (or, planner_instant, in place at once)
                     instant = name == "planner_instant"
                     tally = Tally()
-                    for k, (seen, t0_seg, span) in enumerate(((demand[w - 1] if w else row, 0, REPLAN_S),
-                                                              (row, REPLAN_S, WINDOW_S - REPLAN_S))):
+                    ends = [*REPLANS[1:], WINDOW_S]
+                    prev = demand[w - 1] if w else row
+                    for k, (t0_seg, t1_seg) in enumerate(zip(REPLANS, ends)):
+                        span = t1_seg - t0_seg
+                        f_new = min(1.0, t0_seg / REPLAN_S)  # the demand window's share of this window's rate
+                        seen = row if f_new >= 1 else prev if f_new <= 0 else \
+                            {m: (1 - f_new) * prev[m] + f_new * row[m] for m in row}
                         if measured is not None:  # what the demand window shows then, looked ahead
                             seen = as_demands(adapters, measured.planned(w * WINDOW_S + t0_seg, LOOKAHEAD))
                         tgt = planned(seen)
@@ -804,7 +818,7 @@ def run(seed: int, scale: int, n_windows: int, steady_s: float, strategies: list
                                               frozenset(short), slo_now[0])
                         tally.add(seg)
                         held, held_ad = {n: ms for n, ms in tgt[0].items() if ms}, {n: a for n, a in tgt[1].items() if a}
-                    tally.moving_s /= 2  # (per window below: the mean of its two segments' moves)
+                    tally.moving_s /= len(REPLANS)  # (per window below: the mean of its segments' moves)
                 if name == "hindsight":
                     held, held_ad = {n: ms for n, ms in tgt[0].items() if ms}, {n: a for n, a in tgt[1].items() if a}
             tot.add(tally)
@@ -938,13 +952,16 @@ def main() -> None:
                     help="round 2's executor: urgent loads wait for a full node's model to move (no stand-ins)")
     ap.add_argument("--true-rates", action="store_true",
                     help="round 3's input: the planner given each window's true rates, not its demand window's")
+    ap.add_argument("--replans", type=float, nargs="+", default=[0.0, REPLAN_S],
+                    help="plans simulated per window, seconds into it (request by request only)")
     ap.add_argument("--horizon", type=float, default=0.0, help="[planner] forecast_horizon_s")
     ap.add_argument("--trend", type=float, default=3600.0, help="[planner] trend_s")
     ap.add_argument("--spread", type=float, default=0.0, help="[planner] forecast_spread")
     ap.add_argument("--plan-time", action="store_true",
                     help="only time plans: 1,000 nodes x 50 models x 500 adapters, 5 runs")
     args = ap.parse_args()
-    global HEADROOM, MISS_SHARE, ON_REQUEST, EARLY, WAIT_BACKLOG, ESTIMATED, LOOKAHEAD
+    global HEADROOM, MISS_SHARE, ON_REQUEST, EARLY, WAIT_BACKLOG, ESTIMATED, LOOKAHEAD, REPLANS
+    REPLANS = sorted(set(args.replans) | {0.0})
     ESTIMATED = not args.true_rates
     LOOKAHEAD = Lookahead(args.horizon, args.trend, args.spread)
     WAIT_BACKLOG = not args.no_backlog_wait
