@@ -708,6 +708,17 @@ class PlannerConfig(msgspec.Struct, **_Base):
     """A node's SLO capacity for a model with a TTFT target is also at most the rate at which
     queueing (for a free sequence slot, then behind other prefills) makes this share of its
     requests miss the target (zmlcore.placement.capacity.queueing_rate); 0: headroom alone."""
+    forecast_horizon_s: NonNeg = 0.0
+    """Plan for the rate expected this far ahead: each model's and adapter's measured rate plus
+    its trend (a least-squares slope over the rates measured at each plan of the last
+    ``trend_s``) where it rises, so a rising model's new replicas load before its queue builds
+    (zmlcore.placement.forecast); never less than the rate now. 0: the rate now."""
+    trend_s: PosFloat = 3600.0
+    """Seconds of measured rates the trend and the spread are fitted on."""
+    forecast_spread: NonNeg = 0.0
+    """Also plan for this many times the measured rates' spread around their trend (their
+    root-mean-square distance from the fitted line over ``trend_s``): room for a model whose
+    rate jumps. 0: none."""
     move_cost_per_h: NonNeg = 0.25
     """$/h a plan must save per load or unload it asks for: a smaller gain moves nothing."""
     drain_timeout_s: PosFloat = 60.0

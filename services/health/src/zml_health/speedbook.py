@@ -123,9 +123,9 @@ class SpeedBook:
         was = self.shown.get((node, model))
         if was is None:
             return True
-        now_ = learn.published(s, now)
-        return any(_apart(a, b) for a, b in ((now_.prefill_tps, was.prefill_tps), (now_.decode_tps, was.decode_tps),
-                                              (now_.full_decode_s, was.full_decode_s)))
+        prefill_tps, decode_tps, full_decode_s = learn.published_moving(s, now)  # (per completion event)
+        return (_apart(prefill_tps, was.prefill_tps) or _apart(decode_tps, was.decode_tps)
+                or _apart(full_decode_s, was.full_decode_s))
 
     def counters(self, node: str, models: list[str], now: float, *, prefill_tps: float | None,
                  prefill_c: float, decode_tps: float | None, decode_c: float) -> None:

@@ -265,7 +265,8 @@ class Relay:
         result.sample = speed_sample(disp, t0 + answer.ttft, time.monotonic(), tokens, prompt or None,
                                      info.cached_tokens if info is not None else None,
                                      engine_speeds(answer.timings) if answer.timings is not None else (0.0, 0.0),
-                                     answer.fed, self.fed.get(action.decision.node_id, 0.0))
+                                     answer.fed, self.fed.get(action.decision.node_id, 0.0),
+                                     loaded_adapter=action.decision.adapter_load_s > 0)
         self.metrics.predicted(action.decision.node_id, disp.predicted_ttft_s, result.sample.ttft_s)
         return result
 
@@ -552,7 +553,7 @@ class Relay:
             try:
                 sse = await post_streamed(
                     self.http, self._url(info, req), body, self._headers(info), timers=self.timers,
-                    first_byte=first_byte, stall_s=self.stall_s(node_id, req.model),
+                    first_byte=first_byte, stall_s=lambda: self.stall_s(node_id, req.model),
                     max_bytes=SSE_BYTES_PER_REPLY_BYTE * self.cfg.nats.max_reply_bytes, first=first,
                     feed=got.append, stay=stay)
             except AttemptError as err:
