@@ -80,8 +80,10 @@ OVERHEAD_STEP = 0.2
 #: Fewer prompt tokens than this say more about fixed latencies than about prefill speed.
 MIN_PREFILL_TOKENS = 32
 #: An engine's timing of a prefill shorter than this, even alone, is a lower bound of the
-#: speed, not a measurement: a prefill's fixed costs (a batch's setup, the scheduler's tick, a
-#: shared CPU's time slice) weigh on a short one. A llama-server timed its ~80-token follow-ups
+#: speed, not a measurement: a short prefill after a long cached prefix pays that context's
+#: per-token cost (attention over it: a 64-wide llama-server's prompt cost 15-20 us a token up
+#: to 600 tokens, 50 at 1,179 and 80 at 1,761, benches/prefill_by_length.py), and a shared
+#: CPU's time slice weighs on a short one. A llama-server timed its ~80-token follow-ups
 #: at 2,300-4,000 tokens/s and its 1,270-token prompts at 15,800 in the same minute; folded as
 #: measurements the follow-ups, which ran alone far more often, put its estimate at a third of
 #: the slower node's and ZML sent the long prompts there (benches/real_fleet.py, box load 6).
