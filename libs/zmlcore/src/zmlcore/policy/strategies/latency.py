@@ -21,7 +21,7 @@ is unchanged by the bound. The budget comes from the nodes' own speed
 and load, not a constant: ~0.1 s per 1,000 tokens on an idle H100, 0.33 s on an idle
 Inferentia2, several times that on a busy one. Once the warm node's queue outweighs it, the
 prefix is worth less than the wait and the request spills ("until saturated"). Among warm
-candidates, the lowest ``est - cached / pf_ref / (1 - rho_ref)`` wins. On tuning seeds of
+candidates, the lowest ``est - cached / pf_ref * load_factor(ref)`` wins. On tuning seeds of
 benches/routing_sim.py this beat fixed budgets of 0, 0.5, 1, 2 and 4 times the recomputation
 at 80% load (agent p90 TTFT 4-6x lower than 1x, hot-prefix 1.5-3x lower than 2x) and was within
 the noise of them at 50% (docs/routing.md, "Sticky until saturated").
