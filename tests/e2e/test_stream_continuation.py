@@ -46,9 +46,12 @@ POLICIES = "".join(_policy(f"to-{engine}", fam) for engine, fam in TARGETS.items
 
 @pytest.fixture(scope="module")
 def stack(own_nats: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    # No cooldown: h100-a stays first in every chain however often it fails.
+    # No cooldown: h100-a stays first in every chain however often it fails. No calibration:
+    # tests count what reached a node (its prompt tokens, its TTFT histogram), and the health
+    # service's calibration requests (512 prompt tokens, confirmed 10 s after the first) landed
+    # among them when the stack had started fast; the chains, not speeds, choose the nodes here.
     s = launch_stack(own_nats, tmp_path_factory.mktemp("cont"), fleet=FLEET, routers=1, poll_s=0.3, extra=POLICIES,
-                     router="cooldown_s = 0\ninter_token_timeout_s = 1.0\n")
+                     router="cooldown_s = 0\ninter_token_timeout_s = 1.0\n", health="calibrate = false\n")
     try:
         yield s
     finally:
@@ -304,20 +307,28 @@ def node_ttft(stack: Stack, node: str) -> tuple[float, float]:
 async def test_a_non_streamed_request_has_its_first_tokens_time(stack: Stack) -> None:
     """Issue 20's target: a non-streamed reply's time_to_first_token is within 5 ms of the
     node's own vllm:time_to_first_token_seconds (measured: ~1 ms; it was the whole reply's,
-    here 48 tokens of decoding, ~45 ms, later)."""
+    here 48 tokens of decoding, ~45 ms, later).
+
+    A sample is this request's alone when the node counted one request meanwhile: the health
+    service's calibration of a new node (confirmed 10 s after the first) may land in between on
+    a stack that started fast; such a sample says nothing and is taken again."""
     diffs = []
     async with httpx.AsyncClient(base_url=stack.gateway_url, timeout=30) as c:
-        for _ in range(7):
+        for _ in range(20):
             n0, s0 = node_ttft(stack, "h100-b")
             r = await c.post("/v1/chat/completions", json={
                 "model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 48,
                 "accelerator_id": "h100-b"})
             assert r.status_code == 200, r.text
             n1, s1 = node_ttft(stack, "h100-b")
-            assert n1 == n0 + 1
+            assert n1 >= n0 + 1
             ttft = r.json()["zml"]["time_to_first_token"]
             assert float(r.headers["x-zml-time-to-first-token"]) == pytest.approx(ttft, abs=1e-3)
-            diffs.append(ttft - (s1 - s0))
+            if n1 == n0 + 1:
+                diffs.append(ttft - (s1 - s0))
+            if len(diffs) == 7:
+                break
+    assert len(diffs) == 7, f"other requests on the node during all but {len(diffs)} of 20 samples"
     diffs.sort()
     # The router's count starts when it takes the request, the node's when the request reaches
     # it: the router's is a little longer, never shorter.
