@@ -57,13 +57,13 @@ LLAMA3_POLICY = (
 
 def fleet_toml(ports: dict[str, int], *, fleet: list[tuple[str, str, list[str]]] | None = None,
                time_scale: float = 20.0, poll_s: float = 0.5, extra: str = "", router: str = "cooldown_s = 2\n",
-               sim_extra: str = "", health: str = "") -> str:
+               sim_extra: str = "") -> str:
     out = [
         "[defaults]\nrequest_timeout_s = 20\n",
         # kv_heartbeat_s = one poll: these stacks judge recovery by the routers' state ages, which
         # write-on-change lets grow to the heartbeat (tests/integration/test_health_kv_writes.py).
         f"[health]\npoll_interval_s = {poll_s}\nkv_heartbeat_s = {poll_s}\nprobe_timeout_s = 1.0\n"
-        f"down_after = 2\nup_after = 1\n{health}",
+        "down_after = 2\nup_after = 1\n",
         f"[router]\n{router}",
         f'[models."{MODEL}"]\naliases = ["llama-3-8b"]\n',
         extra,

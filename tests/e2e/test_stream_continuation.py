@@ -34,6 +34,15 @@ TARGETS = {"vllm": "H100B", "llamacpp": "MI300X", "sglang": "A100", "tgi": "Gaud
 NODE_OF = {"H100B": "h100-b", "MI300X": "mi300x-a", "A100": "a100-a", "Gaudi2": "gaudi-a", "Inferentia2": "inf2-a"}
 
 
+def decisions_for(stack: Stack, node_id: str) -> float:
+    """Attempts the router sent to ``node_id`` (zml_router_decisions_total): what it asked of the
+    node. (The sims' own counters also count the health service's calibrations, which may land
+    on any node at any moment of a slow run.)"""
+    text = httpx.get(f"http://127.0.0.1:{stack.metrics_ports['router-1']}/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("zml_router_decisions_total{") and f'node="{node_id}"' in line)
+
+
 def _policy(name: str, second: str, more: str = "") -> str:
     # Latency priority walks the chain in order: h100-a first, then the engine under test.
     return (f'[policy.{name}]\naccelerator_chain = ["H100", "{second}"]\ncost_priority = "latency"\n'
@@ -46,12 +55,9 @@ POLICIES = "".join(_policy(f"to-{engine}", fam) for engine, fam in TARGETS.items
 
 @pytest.fixture(scope="module")
 def stack(own_nats: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    # No cooldown: h100-a stays first in every chain however often it fails. No calibration:
-    # tests count what reached a node (its prompt tokens, its TTFT histogram), and the health
-    # service's calibration requests (512 prompt tokens, confirmed 10 s after the first) landed
-    # among them when the stack had started fast; the chains, not speeds, choose the nodes here.
+    # No cooldown: h100-a stays first in every chain however often it fails.
     s = launch_stack(own_nats, tmp_path_factory.mktemp("cont"), fleet=FLEET, routers=1, poll_s=0.3, extra=POLICIES,
-                     router="cooldown_s = 0\ninter_token_timeout_s = 1.0\n", health="calibrate = false\n")
+                     router="cooldown_s = 0\ninter_token_timeout_s = 1.0\n")
     try:
         yield s
     finally:
@@ -212,7 +218,7 @@ async def test_a_node_cut_after_the_last_token_has_its_answer_ended_not_failed(
     (``finish_reason: "length"``), asking no other node, even where a continuation would be
     refused (a seed, continue_on_failure false). The usage chunk was lost with the node."""
     stack.faults("h100-a", drop_mid_stream=1.0, fail_after_tokens=6)
-    asked = stack.sim_state("h100-b")["counters"].get(MODEL, {}).get("prompt_tokens", 0)
+    asked = decisions_for(stack, "h100-b")
     try:
         headers, events = await sse(stack, {**body, "policy": "to-vllm"}, path=path)
     finally:
@@ -224,7 +230,7 @@ async def test_a_node_cut_after_the_last_token_has_its_answer_ended_not_failed(
     assert zml is not None and zml["ended_by"] == "router" and zml["node_id"] == "h100-a", zml
     assert continued(zml["continued_from"]) == [("h100-a", 6, "network")]
     assert stack.sim_state("h100-a")["counters"][MODEL]["prompt_tokens"] > 0
-    assert stack.sim_state("h100-b")["counters"].get(MODEL, {}).get("prompt_tokens", 0) == asked  # nobody asked
+    assert decisions_for(stack, "h100-b") == asked  # nobody asked
 
 
 async def test_raw_nats_gets_the_end_of_an_answer_cut_after_its_last_token(stack: Stack) -> None:
@@ -247,7 +253,7 @@ async def test_raw_nats_gets_the_end_of_an_answer_cut_after_its_last_token(stack
 async def test_a_resumed_stream_that_had_every_token_is_ended_by_the_new_router(stack: Stack) -> None:
     """Its router died after the last token, before the end (``Zml-Resume`` as the gateway and
     the SDK send it): the router that takes it over ends the answer and asks no node."""
-    asked = stack.sim_state("h100-a")["counters"].get(MODEL, {}).get("prompt_tokens", 0)
+    asked = decisions_for(stack, "h100-a")
     had = StreamResume(text=words("h100-a", 4), tokens=4, seq=5, chunk_id="chatcmpl-x", created=1700000000,
                        node_id="h100-a", attempts=1)
     got = await raw_stream(stack.nats_url, {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4,
@@ -259,7 +265,7 @@ async def test_a_resumed_stream_that_had_every_token_is_ended_by_the_new_router(
     assert last["choices"] == [{"index": 0, "delta": {}, "finish_reason": "length"}]
     assert end["routing"]["node_id"] == "h100-a"
     assert continued(end["routing"]["continued_from"]) == [("h100-a", 4, "router")]
-    assert stack.sim_state("h100-a")["counters"].get(MODEL, {}).get("prompt_tokens", 0) == asked
+    assert decisions_for(stack, "h100-a") == asked
 
 
 # --- non-streamed requests (issue 20 item 4: the router streams from the node) ----------------
@@ -307,28 +313,23 @@ def node_ttft(stack: Stack, node: str) -> tuple[float, float]:
 async def test_a_non_streamed_request_has_its_first_tokens_time(stack: Stack) -> None:
     """Issue 20's target: a non-streamed reply's time_to_first_token is within 5 ms of the
     node's own vllm:time_to_first_token_seconds (measured: ~1 ms; it was the whole reply's,
-    here 48 tokens of decoding, ~45 ms, later).
-
-    A sample is this request's alone when the node counted one request meanwhile: the health
-    service's calibration of a new node (confirmed 10 s after the first) may land in between on
-    a stack that started fast; such a sample says nothing and is taken again."""
+    here 48 tokens of decoding, ~45 ms, later)."""
     diffs = []
     async with httpx.AsyncClient(base_url=stack.gateway_url, timeout=30) as c:
-        for _ in range(20):
+        for _ in range(14):
             n0, s0 = node_ttft(stack, "h100-b")
             r = await c.post("/v1/chat/completions", json={
                 "model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 48,
                 "accelerator_id": "h100-b"})
             assert r.status_code == 200, r.text
             n1, s1 = node_ttft(stack, "h100-b")
-            assert n1 >= n0 + 1
             ttft = r.json()["zml"]["time_to_first_token"]
             assert float(r.headers["x-zml-time-to-first-token"]) == pytest.approx(ttft, abs=1e-3)
-            if n1 == n0 + 1:
+            if n1 == n0 + 1:  # (else a health calibration also ran there meanwhile: not this one's alone)
                 diffs.append(ttft - (s1 - s0))
             if len(diffs) == 7:
                 break
-    assert len(diffs) == 7, f"other requests on the node during all but {len(diffs)} of 20 samples"
+    assert len(diffs) == 7, diffs
     diffs.sort()
     # The router's count starts when it takes the request, the node's when the request reaches
     # it: the router's is a little longer, never shorter.

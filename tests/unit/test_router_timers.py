@@ -107,6 +107,27 @@ async def test_deadline_raises_timeout_error() -> None:
     assert asyncio.current_task().cancelling() == 0  # type: ignore[union-attr]
 
 
+async def test_a_deadline_told_to_stay_runs_on_and_asks_again_a_period_later() -> None:
+    """An attempt with nowhere else to go waits on past its deadline (zml_router.node.relay):
+    asked at each period's end, the deadline fires the first time the answer is no."""
+    wheel = Wheel()
+    loop = asyncio.get_running_loop()
+    asked: list[float] = []
+    t = loop.time()
+
+    def stay() -> bool:
+        asked.append(loop.time() - t)
+        return len(asked) < 3
+
+    with pytest.raises(TimeoutError):
+        with wheel.deadline(0.05, stay):
+            await asyncio.sleep(5)
+    assert len(asked) == 3 and 0.15 - 3 * EARLY_S - 1e-6 <= loop.time() - t < 2.0, asked
+    with wheel.deadline(0.05, lambda: True) as d:  # a task that ends while staying: nothing fires
+        await asyncio.sleep(0.12)
+    assert not d.expired and len(wheel) == 0
+
+
 async def test_deadline_not_reached_changes_nothing() -> None:
     wheel = Wheel()
     with wheel.deadline(5.0) as d:

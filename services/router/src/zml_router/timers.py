@@ -76,8 +76,8 @@ class Wheel:
         slot[t] = None
         return t
 
-    def deadline(self, seconds: float) -> Deadline:
-        return Deadline(self, seconds)
+    def deadline(self, seconds: float, stay: Callable[[], bool] | None = None) -> Deadline:
+        return Deadline(self, seconds, stay)
 
     def watch(self, period: float, progress: Callable[[], int] | None = None) -> Watch:
         return Watch(self, period, progress)
@@ -164,9 +164,21 @@ class _TaskTimer:
 
 
 class Deadline(_TaskTimer):
-    """``with wheel.deadline(s):`` cancels the task at the deadline: TimeoutError on the way out."""
+    """``with wheel.deadline(s):`` cancels the task at the deadline: TimeoutError on the way out.
+    ``stay``, asked when the deadline comes: True lets the task run on for another ``s`` (then
+    it is asked again), as for a request that has nowhere better to go."""
 
-    __slots__ = ()
+    __slots__ = ("_stay",)
+
+    def __init__(self, wheel: Wheel, seconds: float, stay: Callable[[], bool] | None = None) -> None:
+        super().__init__(wheel, seconds)
+        self._stay = stay
+
+    def _expire(self) -> None:
+        if self._stay is not None and self._stay():
+            self._timer = self._wheel.call_at(self._wheel.running_loop().time() + self._seconds, self._expire)
+            return
+        super()._expire()
 
 
 class Stalled(Exception):

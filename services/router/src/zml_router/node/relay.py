@@ -25,7 +25,7 @@ from zmlcore import subjects
 from zmlcore.config import ZMLConfig
 from zmlcore.messages import InferRequest, NodeState, RoutingInfo, StreamStart
 from zmlcore.messages.audio import AudioRequest
-from zmlcore.policy import RouteRequest
+from zmlcore.policy import RouteRequest, is_routable
 from zmlcore.policy.estimate import MEAN_PROMPT_TOKENS
 from zmlcore.reply import routingmeta, streamframe
 from zmlcore.reply.bigreply import accepted
@@ -265,7 +265,8 @@ class Relay:
         result.sample = speed_sample(disp, t0 + answer.ttft, time.monotonic(), tokens, prompt or None,
                                      info.cached_tokens if info is not None else None,
                                      engine_speeds(answer.timings) if answer.timings is not None else (0.0, 0.0),
-                                     answer.fed, self.fed.get(action.decision.node_id, 0.0))
+                                     answer.fed, self.fed.get(action.decision.node_id, 0.0),
+                                     loaded_adapter=action.decision.adapter_load_s > 0)
         self.metrics.predicted(action.decision.node_id, disp.predicted_ttft_s, result.sample.ttft_s)
         return result
 
@@ -322,11 +323,12 @@ class Relay:
         # audio answer names no model).
         rename = Renamer(served, req.model) if served and served != req.model and not audio else None
         try:
+            stay = self._nowhere_else(decision.node_id, action.rr, action.attempt) if first_byte is not None else None
             if action.stream:
-                usage = await self.stream(msg, req, node_body, info, t0, first_byte, rename, action.rr, answer)
+                usage = await self.stream(msg, req, node_body, info, t0, first_byte, rename, action.rr, answer, stay)
             else:
                 try:
-                    usage = await self.once(msg, req, node_body, info, t0, first_byte, rename, action.rr, answer)
+                    usage = await self.once(msg, req, node_body, info, t0, first_byte, rename, action.rr, answer, stay)
                 except AttemptError as err:
                     # Refused as a stream to put together (400/422): the request path may ask it as it came.
                     err.stream_refused = (asm is not None and err.failure is Failure.CLIENT
@@ -407,6 +409,19 @@ class Relay:
             view.outstanding, view.pending, rr.prompt_tokens, rr.max_tokens, req.stream if stream is None else stream)
         return first_byte_timeout(expected, rc.first_byte_floor_s, rc.first_byte_factor)
 
+    def _nowhere_else(self, node_id: str, rr: RouteRequest, attempt: int) -> Callable[[], bool]:
+        """Asked at an attempt's first-byte deadline: whether the request has nowhere else to go
+        (its last attempt, or no other node may take its model now). Then it waits on for its
+        first token, to the request's own deadline: a slow node beats a 502 that says all were.
+        Asked only when a deadline comes, so the common request pays nothing for it."""
+        def nowhere() -> bool:
+            if attempt >= self.cfg.router.max_attempts:
+                return True
+            now, stale = time.time(), self.cfg.router.stale_after_s
+            return not any(v.node_id != node_id and v.node_id not in rr.exclude
+                           and is_routable(v, rr.model, now, stale) is None for v in self.table.views.values())
+        return nowhere
+
     def stall_s(self, node_id: str, model: str) -> float:
         """The attempt's inter-token deadline, from the node's learned speeds (attempt.stall_timeout)."""
         rc = self.cfg.router
@@ -439,18 +454,19 @@ class Relay:
 
     async def once(self, msg: Incoming, req: InferRequest, body: bytes, info: RoutingInfo, t0: float,
                    first_byte: float | None = None, rename: Renamer | None = None,
-                   rr: RouteRequest | None = None, answer: Answer | None = None) -> dict[str, Any]:
+                   rr: RouteRequest | None = None, answer: Answer | None = None,
+                   stay: Callable[[], bool] | None = None) -> dict[str, Any]:
         """Send the node's reply; returns its token counts (``reply_usage``)."""
         audio = isinstance(req, AudioRequest)
         asm = answer.assembler if answer is not None else None
         if asm is not None:  # asked of the node as a stream: the first token is seen (zml_router.answer.assemble)
             assert answer is not None
             placed = msg.placed if isinstance(msg, QueuedMsg) else None
-            raw, counts = await self._assembled(req, body, info, t0, first_byte, rename, answer, asm, placed)
+            raw, counts = await self._assembled(req, body, info, t0, first_byte, rename, answer, asm, placed, stay)
             ctype = "application/json"
         else:
             raw, ctype = await self._whole(req, body, info, first_byte, msg if audio else None,
-                                           rr.prompt_tokens if rr is not None and audio else None)
+                                           rr.prompt_tokens if rr is not None and audio else None, stay)
             info.time_to_first_token = time.monotonic() - t0
             counts = None
         usage = reply_usage(raw) if counts is None else counts  # (a reply put together here: known)
@@ -478,7 +494,8 @@ class Relay:
         return usage
 
     async def _whole(self, req: InferRequest, body: bytes, info: RoutingInfo, first_byte: float | None,
-                     msg: Incoming | None = None, prompt_tokens: int | None = None) -> tuple[bytes, str]:
+                     msg: Incoming | None = None, prompt_tokens: int | None = None,
+                     stay: Callable[[], bool] | None = None) -> tuple[bytes, str]:
         """The node's whole reply and its content type (an audio answer may not be JSON: text,
         SRT, VTT...). ``msg``: an audio request's (its form's content type goes to the node);
         ``prompt_tokens``: its cost, which its bytes do not say."""
@@ -493,7 +510,7 @@ class Relay:
             if first_byte is None:
                 return await call
             try:
-                with self.timers.deadline(first_byte):  # on the router's timer wheel (zml_router.timers)
+                with self.timers.deadline(first_byte, stay):  # on the router's timer wheel (zml_router.timers)
                     return await call
             except TimeoutError:  # ours only: the request's own deadline arrives as a cancellation
                 raise AttemptError(Failure.SLOW, 0,
@@ -503,7 +520,8 @@ class Relay:
 
     async def _assembled(self, req: InferRequest, body: bytes, info: RoutingInfo, t0: float,
                          first_byte: float | None, rename: Renamer | None, answer: Answer, asm: Assembler,
-                         placed: asyncio.Future[bool] | None = None) -> tuple[bytes, dict[str, Any] | None]:
+                         placed: asyncio.Future[bool] | None = None,
+                         stay: Callable[[], bool] | None = None) -> tuple[bytes, dict[str, Any] | None]:
         """A non-streamed request asked of the node as a stream: its first token counted as the
         request's (and as the end of its pending time), the rest gathered and put back together
         as the JSON reply the engine would have sent (zml_router.answer.assemble). A failure after the
@@ -535,9 +553,9 @@ class Relay:
             try:
                 sse = await post_streamed(
                     self.http, self._url(info, req), body, self._headers(info), timers=self.timers,
-                    first_byte=first_byte, stall_s=self.stall_s(node_id, req.model),
+                    first_byte=first_byte, stall_s=lambda: self.stall_s(node_id, req.model),
                     max_bytes=SSE_BYTES_PER_REPLY_BYTE * self.cfg.nats.max_reply_bytes, first=first,
-                    feed=got.append)
+                    feed=got.append, stay=stay)
             except AttemptError as err:
                 if seen and got:  # part of the answer came: it can be continued
                     try:
@@ -568,7 +586,8 @@ class Relay:
 
     async def stream(self, msg: Incoming, req: InferRequest, body: bytes, info: RoutingInfo, t0: float,
                      first_byte: float | None = None, rename: Renamer | None = None,
-                     rr: RouteRequest | None = None, answer: Answer | None = None) -> dict[str, Any] | None:
+                     rr: RouteRequest | None = None, answer: Answer | None = None,
+                     stay: Callable[[], bool] | None = None) -> dict[str, Any] | None:
         """Relay the node's stream; returns its last ``usage`` (with include_usage), if any."""
         if answer is None:
             answer = self.answer(req)
@@ -607,7 +626,7 @@ class Relay:
                         chunk = await anext(chunks, None)
                     else:  # the first token is due within first_byte (on the router's timer wheel)
                         try:
-                            with self.timers.deadline(wait_first):
+                            with self.timers.deadline(wait_first, stay):
                                 chunk = await anext(chunks, None)
                         except TimeoutError:  # ours only: the request's own deadline arrives as a cancellation
                             raise AttemptError(Failure.SLOW, 0, f"no first token within {wait_first:.1f} s") from None
