@@ -34,7 +34,11 @@ Strategies (each on the same windows, the same arrival stream per window):
 * ``static``: today's zml.toml: every node on all day, split among models by peak demand, each
   adapter loaded where its base runs (place_adapters on the day's demand), nothing moves;
 * ``planner``: at each window's start the planner plans on the last window's measured demand
-  (what its demand window saw), and the moves run while requests flow;
+  (what its demand window saw), and again at each of ``--replans`` (600 s: the window's own
+  rate), and the moves run while requests flow. The rates it is given are what warmup's demand
+  window would measure (Poisson counts, ``Measured``; ``--true-rates``: the exact rates, as
+  rounds 1-3), looked ahead by ``zmlcore.placement.forecast`` as warmup does ([planner]
+  forecast_horizon_s / trend_s / forecast_spread: ``--horizon``, ``--trend``, ``--spread``);
 * ``cheapest_family`` / ``fastest_family``: the same planner on one family's nodes only;
 * ``hindsight``: the plan of each window's own demand, in place for the whole window (no move,
   no load time): the offline optimum the issue compares against.
@@ -42,7 +46,8 @@ Strategies (each on the same windows, the same arrival stream per window):
     python benches/placement_day.py --scale 8 --steady 45 --seeds 21 22 --json benches/placement_day_56.json
     python benches/placement_day.py --scale 143 --seeds 21 22 --fluid --json benches/placement_day_1001_fluid.json
 
-Seeds: LOAD, HEADROOM and --steady were chosen on seeds 11 and 5 only; 21 and 22 are reported.
+Seeds: LOAD, HEADROOM and --steady were chosen on seeds 11 and 5 only, the look-ahead on 11
+and 12; 21 and 22 are reported (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -67,6 +72,7 @@ from zmlcore.fleet.perfmodel import SimProfile  # noqa: E402
 from zmlcore.messages import NodeState  # noqa: E402
 from zmlcore.placement import AdapterDemand, ModelDemand, NodeOffer, PlanParams, plan, slo_capacity  # noqa: E402
 from zmlcore.placement.adapters import place_adapters  # noqa: E402
+from zmlcore.placement.forecast import Lookahead, ahead  # noqa: E402
 from zmlcore.placement.moves import NodeNow, next_steps  # noqa: E402
 from zmlcore.policy import NodeView, RouteRequest, RoutingState, builtin_policy  # noqa: E402
 from zmlcore.policy.admission import admit  # noqa: E402
@@ -110,11 +116,24 @@ EARLY = True
 MAX_LOADS = 8
 #: Seconds into a window when the planner's demand window (window_s = 600) shows only its rate.
 REPLAN_S = 600.0
+#: The plans simulated in each window, seconds into it (--replans): at its start (on the last
+#: window's rate) and at REPLAN_S (on its own) by default. Warmup plans every 60 s; a plan
+#: between them sees the demand window's mean part-way up a step (and its trend the ramp).
+REPLANS: list[float] = [0.0, REPLAN_S]
 #: The longest a window's moves are simulated (a plan still moving then is scored as it stands).
 MOVES_CAP_S = 900.0
 #: The steady sample starts once no request waits for a slot (see simulate_window); False
 #: (--no-backlog-wait): at the last move, as round 2 sampled.
 WAIT_BACKLOG = True
+#: The planner is given the rates its demand window measures (requests counted over the last
+#: ``DEMAND_WINDOW_S``, Poisson around the true rate, sampled every ``PLAN_EVERY_S`` as warmup
+#: plans) and looks ahead on them (``zmlcore.placement.forecast``: [planner]
+#: forecast_horizon_s, trend_s, forecast_spread). False (--true-rates): round 3's input, each
+#: window's true rate.
+ESTIMATED = True
+LOOKAHEAD = Lookahead()
+DEMAND_WINDOW_S = 600.0
+PLAN_EVERY_S = 60.0
 POLICY = builtin_policy("latency")
 #: The router's clock at a window's start (a window's own times start 30 s before it, at -30 s;
 #: the router reads 0 as "never").
@@ -234,6 +253,55 @@ def split(adapters, row: dict[str, float]) -> tuple[dict[str, float], list[Adapt
         per_base[b] = per_base.get(b, 0.0) + z
     base = {m: r * (1 - ADAPTER_SHARE) for m, r in row.items()}
     return base, [AdapterDemand(a, b, row[b] * ADAPTER_SHARE * z / per_base[b]) for a, b, z in adapters]
+
+
+class Measured:
+    """What warmup's demand window shows of each requested name (a model's own requests, each
+    adapter's) at any plan time: requests counted per ``PLAN_EVERY_S`` bucket (Poisson at the
+    window's true rate; before the day, the first window's), the last ``DEMAND_WINDOW_S`` of
+    them over its length. Its own random stream: the same for every strategy."""
+
+    def __init__(self, seed: int, demand: list[dict[str, float]], adapters, trend_s: float) -> None:
+        import numpy as np
+        self.per_window = WINDOW_S / PLAN_EVERY_S
+        self.k = int(DEMAND_WINDOW_S / PLAN_EVERY_S)
+        self.pre = int((trend_s + DEMAND_WINDOW_S) / PLAN_EVERY_S) + 1
+        rows = [dict(zip(*self._names(split(adapters, r)))) for r in demand]
+        self.names = list(rows[0])
+        rate = np.array([[row[n] for n in self.names] for row in rows])  # window x name
+        per_bucket = np.repeat(rate, int(self.per_window), axis=0)
+        per_bucket = np.vstack([np.repeat(rate[:1], self.pre, axis=0), per_bucket])
+        counts = np.random.default_rng(seed * 7919 + 13).poisson(per_bucket * PLAN_EVERY_S)
+        self.cum = np.vstack([np.zeros((1, len(self.names))), np.cumsum(counts, axis=0)])
+
+    @staticmethod
+    def _names(parts: tuple[dict[str, float], list[AdapterDemand]]) -> tuple[list[str], list[float]]:
+        base, ads = parts
+        return [*base, *(a.adapter for a in ads)], [*base.values(), *(a.rate for a in ads)]
+
+    def at(self, t: float) -> dict[str, float]:
+        """The measured rates at day time ``t`` (seconds; a multiple of PLAN_EVERY_S)."""
+        b = self.pre + int(round(t / PLAN_EVERY_S))
+        got = (self.cum[b] - self.cum[b - self.k]) / DEMAND_WINDOW_S
+        return dict(zip(self.names, got.tolist()))
+
+    def planned(self, t: float, la: Lookahead) -> dict[str, float]:
+        """What the planner provides for at ``t``: each name's measured rate, looked ahead on
+        the rates measured at each plan of the last ``trend_s`` (zmlcore.placement.forecast)."""
+        now = self.at(t)
+        if la.off:
+            return now
+        n_back = int(la.trend_s / PLAN_EVERY_S)
+        hist = [self.at(t - PLAN_EVERY_S * i) for i in range(n_back, 0, -1)] + [now]
+        return {name: ahead([(t - PLAN_EVERY_S * (n_back - j), h[name]) for j, h in enumerate(hist)], la)
+                for name in self.names}
+
+
+def as_demands(adapters, rates: dict[str, float]) -> tuple[dict[str, float], list[AdapterDemand]]:
+    """Measured rates by name as the planner's inputs: models' own, and adapters' on their base."""
+    ads = [AdapterDemand(a, b, rates.get(a, 0.0)) for a, b, _ in adapters]
+    names = {a for a, _, _ in adapters}
+    return {n: r for n, r in rates.items() if n not in names}, ads
 
 
 def offers(nodes, models, held, held_ad, families, headroom: float) -> list[NodeOffer]:
@@ -691,6 +759,7 @@ def run(seed: int, scale: int, n_windows: int, steady_s: float, strategies: list
                    "models": [m.name for m in models], "adapter_slots": ADAPTER_SLOTS} for nid, acc in nodes],
         "adapters": {a: {"base": b, "path": f"/lora/{a}"} for a, b, _ in adapters}})
     out: dict[str, dict[str, float]] = {}
+    measured = Measured(seed, demand, adapters, LOOKAHEAD.trend_s) if ESTIMATED else None
     for name in strategies:
         fam = {"cheapest_family": {cheapest}, "fastest_family": {fastest}}.get(name)
         held, held_ad = dict(static), {n: a for n, a in static_ad.items() if a}
@@ -708,8 +777,9 @@ def run(seed: int, scale: int, n_windows: int, steady_s: float, strategies: list
                 short: set[str] = set()
                 slo_now: list[tuple[dict[str, dict[str, float]], dict[str, float]]] = []
 
-                def planned(seen: dict[str, float]) -> tuple[dict, dict]:
-                    base, ads = split(adapters, seen)
+                def planned(seen: dict[str, float] | tuple[dict[str, float], list[AdapterDemand]]
+                            ) -> tuple[dict, dict]:
+                    base, ads = split(adapters, seen) if isinstance(seen, dict) else seen
                     params = PlanParams(move_cost_per_h=0.0 if name == "hindsight" else 0.25)
                     c0 = time.process_time()
                     offered = offers(nodes, models, held, held_ad, fam, HEADROOM)
@@ -733,15 +803,22 @@ def run(seed: int, scale: int, n_windows: int, steady_s: float, strategies: list
                     # requests flow (or, planner_instant, in place at once)
                     instant = name == "planner_instant"
                     tally = Tally()
-                    for k, (seen, t0_seg, span) in enumerate(((demand[w - 1] if w else row, 0, REPLAN_S),
-                                                              (row, REPLAN_S, WINDOW_S - REPLAN_S))):
+                    ends = [*REPLANS[1:], WINDOW_S]
+                    prev = demand[w - 1] if w else row
+                    for k, (t0_seg, t1_seg) in enumerate(zip(REPLANS, ends)):
+                        span = t1_seg - t0_seg
+                        f_new = min(1.0, t0_seg / REPLAN_S)  # the demand window's share of this window's rate
+                        seen = row if f_new >= 1 else prev if f_new <= 0 else \
+                            {m: (1 - f_new) * prev[m] + f_new * row[m] for m in row}
+                        if measured is not None:  # what the demand window shows then, looked ahead
+                            seen = as_demands(adapters, measured.planned(w * WINDOW_S + t0_seg, LOOKAHEAD))
                         tgt = planned(seen)
                         seg = simulate_window(nodes, mods, adapters_base, rows, tgt if instant else (held, held_ad),
                                               None if instant else tgt, steady_s, wseed + 7 * k, cfg, True, span,
                                               frozenset(short), slo_now[0])
                         tally.add(seg)
                         held, held_ad = {n: ms for n, ms in tgt[0].items() if ms}, {n: a for n, a in tgt[1].items() if a}
-                    tally.moving_s /= 2  # (per window below: the mean of its two segments' moves)
+                    tally.moving_s /= len(REPLANS)  # (per window below: the mean of its segments' moves)
                 if name == "hindsight":
                     held, held_ad = {n: ms for n, ms in tgt[0].items() if ms}, {n: a for n, a in tgt[1].items() if a}
             tot.add(tally)
@@ -873,10 +950,20 @@ def main() -> None:
                     help="round 2's sampling: the steady sample starts at the last move, backlog or not")
     ap.add_argument("--no-stand-ins", action="store_true",
                     help="round 2's executor: urgent loads wait for a full node's model to move (no stand-ins)")
+    ap.add_argument("--true-rates", action="store_true",
+                    help="round 3's input: the planner given each window's true rates, not its demand window's")
+    ap.add_argument("--replans", type=float, nargs="+", default=[0.0, REPLAN_S],
+                    help="plans simulated per window, seconds into it (request by request only)")
+    ap.add_argument("--horizon", type=float, default=0.0, help="[planner] forecast_horizon_s")
+    ap.add_argument("--trend", type=float, default=3600.0, help="[planner] trend_s")
+    ap.add_argument("--spread", type=float, default=0.0, help="[planner] forecast_spread")
     ap.add_argument("--plan-time", action="store_true",
                     help="only time plans: 1,000 nodes x 50 models x 500 adapters, 5 runs")
     args = ap.parse_args()
-    global HEADROOM, MISS_SHARE, ON_REQUEST, EARLY, WAIT_BACKLOG
+    global HEADROOM, MISS_SHARE, ON_REQUEST, EARLY, WAIT_BACKLOG, ESTIMATED, LOOKAHEAD, REPLANS
+    REPLANS = sorted(set(args.replans) | {0.0})
+    ESTIMATED = not args.true_rates
+    LOOKAHEAD = Lookahead(args.horizon, args.trend, args.spread)
     WAIT_BACKLOG = not args.no_backlog_wait
     EARLY = not args.no_stand_ins
     HEADROOM, MISS_SHARE = args.headroom, args.miss_share

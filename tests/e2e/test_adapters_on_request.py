@@ -2,8 +2,9 @@
 
 * vLLM nodes with a LoRA resolver (``adapters_on_request``; the sim imitates vLLM's
   ``lora_filesystem_resolver``): a request for an adapter no node holds is served, not refused,
-  by a node that loads it for the request (the router's estimate costs the load time), and once
-  health lists it there the requests go where it is loaded;
+  by a node that loads it for the request (the router's estimate costs the load time, and the
+  load that request waited for is timed into the node's adapter load time), and once health
+  lists it there the requests go where it is loaded;
 * SGLang nodes: warmup loads an adapter through SGLang's ``/load_lora_adapter``, routers send
   its requests as ``BASE:ADAPTER`` (a bare name would run the base model), and health publishes
   the node's measured adapter load time."""
@@ -80,6 +81,11 @@ async def test_a_vllm_resolver_node_serves_an_adapter_held_nowhere(nats_url: str
             return AD in (await node_states(nc))["resolve-0"].adapters
 
         await eventually(listed, timeout=10, what="health lists the adapter where it was loaded")
+
+        async def load_timed() -> bool:  # 1 s simulated at x10: the request's first byte less its estimate
+            return 0.07 <= (await node_states(nc))["resolve-0"].adapter_load_s <= 0.5
+
+        await eventually(load_timed, timeout=10, what="health publishes the load the request's engine made")
         outcomes = [await infer(nc, AD) for _ in range(10)]
         assert outcomes == [("OK", "resolve-0")] * 10, outcomes
         assert resolving.adapter_requests == {AD: 11}

@@ -296,3 +296,35 @@ def test_the_moving_values_are_those_published() -> None:
             later = now + rng.choice((0.0, 10.0, 3600.0))
             p = learn.published(s, later)
             assert learn.published_moving(s, later) == (p.prefill_tps, p.decode_tps, p.full_decode_s)
+
+
+def test_a_confirmation_waits_for_the_node_to_be_idle_but_a_first_calibration_does_not() -> None:
+    # On the real fleet the confirmations, 10 and 20 s after each node's first calibration,
+    # landed in the workload and added 600-5,000 prompt tokens to what the engines computed
+    # (benches/real_fleet.py); a node with work on it is taught by the routers' samples of
+    # that work, and a measurement taken beside it reads its load.
+    from zml_health.speedbook import CONFIRM_AFTER_S, SpeedBook
+
+    b = SpeedBook()
+    b.prior("n", "cpu")
+    assert b.needs_calibration("n", ["m"], 0.0, 60.0, busy=True) == ("m", False)  # unknown: measured at once
+    b.calibrating("n", "m", 0.0)
+    b.calibration("n", "m", 0.5, prefill_tps=3_700, decode_tps=240, engine=True)
+    for t in (CONFIRM_AFTER_S, 2 * CONFIRM_AFTER_S, 5 * CONFIRM_AFTER_S):
+        assert b.needs_calibration("n", ["m"], t, 60.0, busy=True) is None
+    assert b.needs_calibration("n", ["m"], 5 * CONFIRM_AFTER_S, 60.0) == ("m", True)  # idle again: owed still
+
+
+def test_a_ttft_that_waited_for_an_adapters_load_teaches_no_prefill_speed() -> None:
+    """vLLM's LoRA resolver loads the request's adapter before its prefill: a TTFT of 1.1 s for
+    1,000 tokens would teach a prefill speed ~10x too slow (and the node's fixed overhead a
+    second). The sample's decode still counts."""
+    s = observe_sample(prior_speeds("cpu"), SpeedSample(ttft_s=0.1, prefill_tokens=1000, alone=True,
+                                                         engine_prefill_tps=10_000), now=1.0)
+    t = observe_sample(s, SpeedSample(ttft_s=1.1, prefill_tokens=1000, alone=True, engine_prefill_tps=10_000,
+                                      decode_s=0.1, decode_tokens=50, adapter_load_s=1.0), now=2.0)
+    assert t.prefill is s.prefill and t.overhead_s == s.overhead_s
+    assert t.decode is not s.decode
+    u = observe_sample(s, SpeedSample(ttft_s=1.1, prefill_tokens=1000, alone=True, decode_s=0.1,
+                                      decode_tokens=50, adapter_load_s=1.0), now=2.0)
+    assert u.prefill is s.prefill

@@ -192,3 +192,19 @@ def test_unknown_backend_falls_back_to_openai() -> None:
     assert adapter_for("triton") is adapter_for("openai")
 
 
+
+
+def test_llamacpp_router_mode_lists_each_models_lora_files_from_its_launch_arguments() -> None:
+    """llama-server's router mode lists every model with the arguments its instance runs with
+    (a --models-preset section's ``lora = a,b`` becomes ``--lora a,b``): its adapters, ids in
+    that order, per model, loaded or not; /lora-adapters would need ?model= per model."""
+    from zml_health.adapters.llamacpp import launch_loras
+
+    listing = {"data": [
+        {"id": "tiny", "status": {"value": "loaded", "args": ["llama-server", "--lora", "/l/p.gguf,/l/q.gguf",
+                                                              "--alias", "tiny", "--model", "/m/tiny.gguf"]}},
+        {"id": "other", "status": {"value": "unloaded", "args": ["llama-server", "--model", "/m/other.gguf"]}}]}
+    assert launch_loras(listing) == {"tiny": ["/l/p.gguf", "/l/q.gguf"], "other": []}
+    assert launch_loras({"data": [{"id": "single-model-server"}]}) is None
+    # a listing without launch arguments (zml sim's): /lora-adapters says, as for one model
+    assert launch_loras({"data": [{"id": "tiny", "status": {"value": "loaded"}}]}) is None

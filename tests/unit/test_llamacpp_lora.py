@@ -181,3 +181,36 @@ def test_warmup_loads_an_adapter_on_demand_only_where_the_engine_can() -> None:
     now = placer.holding(states, CFG)
     assert now["llama"].adapter_slots == 1 and now["vllm"].adapter_slots == 2
     assert placer.holding({"vllm": states["vllm"]}, CFG)["vllm"].adapters == frozenset()
+
+
+def test_router_mode_adapters_come_with_their_model_and_the_plan_loads_it_for_them() -> None:
+    """llama-server's router mode holds one model at a time here (--models-max 1), model "a"
+    loaded; its --models-preset gives "b" the adapter "parrot". Demand is all for parrot: the
+    plan puts "b" on the node (parrot comes with it, no adapter move of its own) and takes "a"
+    off, where before only loaded models' adapters were seen and parrot was left unserved."""
+    from zmlcore.placement.moves import all_steps
+
+    cfg = parse_config({
+        "nodes": [{"id": "router", "accelerator": "cpu", "endpoint": "http://a", "backend": "llamacpp",
+                   "models": ["a", "b"]}],
+        "adapters": {"parrot": {"base": "b", "path": "/l/parrot.gguf"}, "pirate": {"base": "a", "path": "/l/p.gguf"}},
+        "planner": {"mode": "apply", "move_cost_per_h": 0.01}})
+    st = NodeState(node_id="router", accelerator_type="cpu", family="cpu", endpoint="http://a", backend="llamacpp",
+                   status="up", models=["a", "pirate"], adapters=["pirate"], lora_ids={"pirate": 0}, lora_count=1,
+                   model_adapters={"a": ["pirate"], "b": ["parrot"]}, prefill_tps=1000, decode_tps=50,
+                   max_concurrency=4, cost_per_hour=0.2)
+    from zml_warmup.demand import DemandWindow
+
+    d = DemandWindow(60.0, 0.0)
+    for i in range(60):
+        d.record("parrot", float(i), 100, 10)
+    inputs = placer.gather(cfg, {"router": st}, {"router": ("a", "b")}, d, 60.0)
+    offer = inputs.offers[0]
+    assert offer.adapters == {"pirate", "parrot"} and offer.adapters_fixed
+    p = placer.make_plan(cfg, inputs)
+    assert p.nodes_of("b") == ["router"] and p.nodes_of("a") == [] and "parrot" not in p.unserved
+    assert p.adapters["router"] == {"parrot"}
+    now = placer.holding({"router": st}, cfg)
+    assert now["router"].adapters == {"pirate"}
+    steps = all_steps(now, p.models, p.adapters)
+    assert sorted((s.kind, s.name) for s in steps) == [("load", "b"), ("unload", "a")], steps

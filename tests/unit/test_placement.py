@@ -328,3 +328,18 @@ def test_no_stand_in_where_no_idle_node_can_serve_the_model() -> None:
     cap = {"a": {"x": 10.0, "short": 10.0}, "b": {"x": 10.0}, "c": {"x": 10.0}, "idle": {"x": 10.0}}
     run, _ = next_steps(now, target, max_loads=4, urgent={"short"}, capacity=cap, demand={"x": 12.0})
     assert {str(s) for s in run} == {"load x on c"}
+
+
+def test_the_rate_looked_ahead_is_the_trend_where_it_rises_and_the_spread_never_less_than_now() -> None:
+    import doctest
+
+    from zmlcore.placement import forecast
+    from zmlcore.placement.forecast import Lookahead, RateHistory, ahead
+
+    assert doctest.testmod(forecast).failed == 0
+    h = RateHistory(trend_s=120.0)
+    for t, r in ((0.0, 1.0), (60.0, 2.0), (60.5, 2.2), (120.0, 3.0), (180.0, 4.0)):
+        got = h.observe("m", t, r)
+    assert got == [(60.5, 2.2), (120.0, 3.0), (180.0, 4.0)]  # a plan again within 1 s replaced; older dropped
+    assert ahead(got, Lookahead()) == 4.0  # off: the rate now
+    assert ahead(got, Lookahead(horizon_s=60.0)) > 4.5

@@ -123,3 +123,30 @@ def test_outside_quiet_windows_only_loads_of_short_models_run() -> None:
     now, later = placer.defer_outside_quiet(run, {"m"})
     assert [str(s) for s in now] == ["load m on small", "unload x on big"]
     assert [s.name for s in later] == ["q"] and "quiet_windows" in later[0].waiting
+
+
+def test_a_rising_model_is_planned_for_the_rate_ahead_of_its_measured_one() -> None:
+    """The rate a 60 s demand window measures is behind a rising model, and its new replicas
+    serve only once loaded: with [planner] forecast_horizon_s the planner provides for the rate
+    its trend reaches that far ahead (measured at each plan), and never less than the rate now."""
+    cfg = parse_config({**CFG_DATA, "planner": {**CFG_DATA["planner"], "forecast_horizon_s": 600.0,
+                                                 "trend_s": 1800.0}})
+    from zmlcore.placement.forecast import RateHistory
+
+    d = DemandWindow(60.0, 0.0)
+    hist = RateHistory(cfg.planner.trend_s)
+    seen = []
+    t = 0.0
+    for minute in range(1, 31):  # m: 1 req/s more every 10 minutes
+        rate = 1 + (minute - 1) // 10
+        while t < minute * 60.0:
+            d.record("m", t, 2000, 100)
+            t += 1.0 / rate
+        inputs = placer.gather(cfg, STATES, {n.id: tuple(n.models) for n in cfg.nodes}, d, minute * 60.0, hist)
+        seen.append((d.shape("m", minute * 60.0).rate, {x.model: x.rate for x in inputs.demands}["m"]))
+    measured, planned = seen[-1]
+    assert 2.9 <= measured <= 3.1 and planned > measured + 0.5  # ~+1 req/s per 600 s ahead
+    assert all(p >= m for m, p in seen)
+    # without the history: the rate measured now, as before
+    plain = placer.gather(cfg, STATES, {n.id: tuple(n.models) for n in cfg.nodes}, d, 1800.0)
+    assert {x.model: x.rate for x in plain.demands}["m"] == measured

@@ -380,9 +380,12 @@ class HealthConfig(msgspec.Struct, **_Base):
     calibrate_max_tokens out) when one of its models' speeds is too uncertain to route on: when
     it joins, restarts or loads a model, and when its estimate has aged (docs/routing.md
     "Learned speeds"). Its time to first token and decode rate are folded into the estimate."""
-    calibrate_prompt_tokens: Annotated[int, msgspec.Meta(ge=32, le=8192)] = 512
-    """Prompt tokens of a calibration request (long enough that prefill, not the round trip,
-    sets its time to first token)."""
+    calibrate_prompt_tokens: Annotated[int, msgspec.Meta(ge=32, le=8192)] = 1024
+    """Prompt tokens of a calibration request: long enough that prefill, not the round trip,
+    sets its time to first token, and as long as a chat's prompt, since a prefill's per-token
+    cost (and a decode's) grows with the context it attends to (a 64-wide llama-server: 16 us a
+    token at 142 tokens, 28 at 1,183; a 512-token calibration read it 1.5-2.2x faster than
+    the ~1,300-token prompts it was then routed)."""
     calibrate_max_tokens: Annotated[int, msgspec.Meta(ge=8, le=1024)] = 32
     """Tokens a calibration request generates."""
     calibrate_every_s: PosFloat = 60.0
@@ -705,6 +708,17 @@ class PlannerConfig(msgspec.Struct, **_Base):
     """A node's SLO capacity for a model with a TTFT target is also at most the rate at which
     queueing (for a free sequence slot, then behind other prefills) makes this share of its
     requests miss the target (zmlcore.placement.capacity.queueing_rate); 0: headroom alone."""
+    forecast_horizon_s: NonNeg = 0.0
+    """Plan for the rate expected this far ahead: each model's and adapter's measured rate plus
+    its trend (a least-squares slope over the rates measured at each plan of the last
+    ``trend_s``) where it rises, so a rising model's new replicas load before its queue builds
+    (zmlcore.placement.forecast); never less than the rate now. 0: the rate now."""
+    trend_s: PosFloat = 3600.0
+    """Seconds of measured rates the trend and the spread are fitted on."""
+    forecast_spread: NonNeg = 0.0
+    """Also plan for this many times the measured rates' spread around their trend (their
+    root-mean-square distance from the fitted line over ``trend_s``): room for a model whose
+    rate jumps. 0: none."""
     move_cost_per_h: NonNeg = 0.25
     """$/h a plan must save per load or unload it asks for: a smaller gain moves nothing."""
     drain_timeout_s: PosFloat = 60.0

@@ -46,6 +46,7 @@ from zmlcore.messages.admin import (
     registry_entry_decoder,
 )
 from zmlcore.messages.warmup import completion_counts_decoder, warmup_event_decoder
+from zmlcore.policy.estimate import fold_adapter_load_s
 from zmlcore.bus.ensure import ensure_kv, nodes_kv
 from zmlcore.runtime.runner import cancel_and_wait
 from zmlcore.fleet.perfmodel import SimProfile
@@ -78,7 +79,7 @@ class _NodeRuntime:
     """What the service keeps per node besides its tracker."""
 
     __slots__ = ("doc", "has_probe", "probe_checked_at", "pending_loads", "warmed", "calibration", "draining",
-                 "failed_at", "loras", "adapter_load_s", "moved")
+                 "failed_at", "loras", "model_loras", "adapter_load_s", "moved")
 
     def __init__(self) -> None:
         self.doc: dict[str, Any] | None = None
@@ -99,6 +100,9 @@ class _NodeRuntime:
         #: llama.cpp: the --lora files of the engine as it runs now (None: not read since it
         #: started; read once per start, zml_health.adapters.llamacpp).
         self.loras: list[llamacpp.Lora] | None = None
+        #: llama.cpp router mode: each model's --lora files (engine name -> paths, in id order),
+        #: as its last listing said (Probe.model_loras); None: not router mode.
+        self.model_loras: dict[str, list[str]] | None = None
         #: Seconds warmup's adapter loads here took, a moving mean (0: none measured yet).
         self.adapter_load_s = 0.0
         #: Set when the node's learned estimate moved enough to publish it before the next poll
@@ -300,7 +304,10 @@ class HealthService:
         if tr.restarts != restarts or (was == "down" and status == "up"):
             self.speeds.reset(node.id)  # a restarted engine may run another model or build
             rt.loras = None  # and other --lora files
-        if node.backend == "llamacpp" and status == "up" and probe.ok and not probe.sleeping and rt.loras is None:
+        if node.backend == "llamacpp" and probe.ok:
+            rt.model_loras = probe.model_loras
+        if node.backend == "llamacpp" and status == "up" and probe.ok and not probe.sleeping and rt.loras is None \
+                and rt.model_loras is None:  # router mode's adapters are per model, in its listing
             rt.loras = await llamacpp.read_loras(self.http, endpoint, hc.probe_timeout_s)
         sp = tr.speed
         if sp.window_prefill is not None or sp.window_decode is not None:
@@ -385,7 +392,7 @@ class HealthService:
             return  # a full node measures its queue, not its speed; the routers' samples will do
         # an adapter runs at its base model's speed: the base is what is measured
         due = self.speeds.needs_calibration(node.id, [m for m in state.models if m not in self.cfg.adapters], now,
-                                            hc.calibrate_every_s)
+                                            hc.calibrate_every_s, busy=state.queue_running + state.queue_waiting > 0)
         if due is None:
             return
         model, confirm = due
@@ -415,7 +422,7 @@ class HealthService:
 
     def _holds_loras(self, node: NodeConfig) -> bool:
         rt = self.runtime.get(node.id)
-        return node.backend == "llamacpp" and rt is not None and bool(rt.loras)
+        return node.backend == "llamacpp" and rt is not None and bool(rt.loras or any((rt.model_loras or {}).values()))
 
     async def _recover(self, node: NodeConfig, rt: _NodeRuntime, model: str) -> None:
         """A node routers saw fail answers its probes again: one short real request, and if it
@@ -463,8 +470,23 @@ class HealthService:
         draining = [m for m in models if m in rt.draining]
         # llama.cpp: the adapters of its --lora files, on the base models it serves now
         routable = [m for m in models if m not in loading and m not in rt.draining]
-        lora_ids = match_loras([(a.id, a.path) for a in rt.loras or ()], self.cfg.adapters, routable) \
-            if node.backend == "llamacpp" else {}
+        lora_ids: dict[str, int] = {}
+        lora_count = 0
+        model_adapters: dict[str, list[str]] = {}
+        if node.backend == "llamacpp" and rt.model_loras is not None:
+            # router mode: each model's instance has its own --lora files (ids per model), listed
+            # loaded or not
+            for m in dict.fromkeys([*node.models, *models]):
+                files = rt.model_loras.get(node.served_names.get(m, m), [])
+                ids = match_loras(enumerate(files), self.cfg.adapters, [m])
+                if ids:
+                    model_adapters[m] = sorted(ids)
+                if m in routable:
+                    lora_count += len(files)
+                    lora_ids.update(ids)
+        elif node.backend == "llamacpp":
+            lora_ids = match_loras([(a.id, a.path) for a in rt.loras or ()], self.cfg.adapters, routable)
+            lora_count = len(rt.loras or ())
         routable += [a for a in lora_ids if a not in routable]
         asleep = sleeping and node.backend == "vllm"  # its models come back when warmup wakes it
         missing = [] if asleep else [m for m in node.models if m not in models and m not in loading]
@@ -493,7 +515,8 @@ class HealthService:
             draining_models=draining,
             adapters=[m for m in routable if m in self.cfg.adapters],
             lora_ids=lora_ids,
-            lora_count=len(rt.loras or ()) if node.backend == "llamacpp" else 0,
+            model_adapters=model_adapters,
+            lora_count=lora_count,
             adapter_slots=node.adapter_slots,
             adapters_on_request=node.adapters_on_request,
             adapter_load_s=round(rt.adapter_load_s, 3),
@@ -597,6 +620,9 @@ class HealthService:
         if tr is not None:
             tr.record_request(ts, ev.ok, ev.node_error)
             if ev.speed is not None:
+                if ev.speed.adapter_load_s is not None and (rt := self.runtime.get(ev.node_id)) is not None:
+                    # the engine loaded the request's adapter for it: the load time routers cost
+                    rt.adapter_load_s = fold_adapter_load_s(rt.adapter_load_s, ev.speed.adapter_load_s)
                 st = self.states.get(ev.node_id)
                 if self.speeds.sample(ev.node_id, ev.model, ev.speed, ts, st.max_concurrency if st else 0):
                     self._moved(ev.node_id)
@@ -621,8 +647,7 @@ class HealthService:
             return
         if ev.model in self.cfg.adapters:  # an adapter's load: its time is what routers' estimates cost
             if ev.phase == "loaded" and ev.elapsed_s is not None:
-                s = ev.elapsed_s
-                rt.adapter_load_s = s if rt.adapter_load_s <= 0 else 0.7 * rt.adapter_load_s + 0.3 * s
+                rt.adapter_load_s = fold_adapter_load_s(rt.adapter_load_s, ev.elapsed_s)
             return
         if ev.phase == "started":
             rt.pending_loads[ev.model] = self.clock() + self.cfg.warmup.load_timeout_s

@@ -20,6 +20,7 @@ from zmlcore.messages import NodeState
 from zmlcore.messages.placement import ModelPlan, PlanMove, PlanReply
 from zmlcore.placement import AdapterDemand, ModelDemand, NodeOffer, Placement, PlanParams, evaluate, plan
 from zmlcore.placement import slo_capacity
+from zmlcore.placement.forecast import Lookahead, RateHistory, ahead
 from zmlcore.placement.moves import NodeNow, Step, all_steps
 from zml_warmup.demand import DemandWindow
 
@@ -41,10 +42,18 @@ def node_models(cfg: ZMLConfig, wants: Mapping[str, tuple[str, ...]], st: NodeSt
     return held - set(cfg.adapters)
 
 
-def gather(cfg: ZMLConfig, states: Mapping[str, NodeState], wants: Mapping[str, tuple[str, ...]],
-           demand: DemandWindow, now: float) -> Inputs:
-    """Everything :func:`zmlcore.placement.plan` reads, from the service's state."""
+def lookahead(cfg: ZMLConfig) -> Lookahead:
     pc = cfg.planner
+    return Lookahead(pc.forecast_horizon_s, pc.trend_s, pc.forecast_spread)
+
+
+def gather(cfg: ZMLConfig, states: Mapping[str, NodeState], wants: Mapping[str, tuple[str, ...]],
+           demand: DemandWindow, now: float, history: RateHistory | None = None) -> Inputs:
+    """Everything :func:`zmlcore.placement.plan` reads, from the service's state. With the
+    ``history`` of the rates measured at earlier plans (this one's is added), each rate is the
+    one looked ahead ([planner] forecast_horizon_s, forecast_spread)."""
+    pc = cfg.planner
+    la = lookahead(cfg)
     adapter_base = {name: ad.base for name, ad in cfg.adapters.items()}
     models = set(cfg.base_model_names())
     for ms in wants.values():
@@ -55,12 +64,13 @@ def gather(cfg: ZMLConfig, states: Mapping[str, NodeState], wants: Mapping[str, 
     sums: dict[str, list[float]] = {}
     for name in demand.names():
         sh = demand.shape(name, now)
+        rate = sh.rate if history is None else ahead(history.observe(name, now, sh.rate), la)
         base = adapter_base.get(name)
         model = base or cfg.resolve_model(name)
         if base is not None:
-            adapters.append(AdapterDemand(name, base, sh.rate))
+            adapters.append(AdapterDemand(name, base, rate))
         else:
-            rates[model] = rates.get(model, 0.0) + sh.rate
+            rates[model] = rates.get(model, 0.0) + rate
         models.add(model)
         if sh.mean_prompt is not None and sh.mean_output is not None and sh.rate > 0:
             acc = sums.setdefault(model, [0.0, 0.0, 0.0])
@@ -99,9 +109,12 @@ def gather(cfg: ZMLConfig, states: Mapping[str, NodeState], wants: Mapping[str, 
                                    headroom=pc.headroom, miss_share=pc.ttft_miss_share)
         held = (frozenset(st.models) | frozenset(st.loading_models) | frozenset(st.draining_models)) - set(cfg.adapters)
         fixed = fixed_adapters(st)
+        # llama.cpp router mode: the adapters its models bring, loaded or not (placing the base
+        # there is how it serves them)
+        ads = frozenset(st.adapters) | {a for m in caps for a in st.model_adapters.get(m, ())}
         out.append(NodeOffer(node_id, st.family, st.cost_per_hour, caps, slots=n_slots,
-                             adapter_slots=len(st.adapters) if fixed else a_slots,
-                             models=held, adapters=frozenset(st.adapters), adapters_fixed=fixed))
+                             adapter_slots=len(ads) if fixed else a_slots,
+                             models=held, adapters=ads, adapters_fixed=fixed))
     return Inputs(out, demands, adapters, shapes)
 
 
@@ -120,8 +133,11 @@ def holding(states: Mapping[str, NodeState], cfg: ZMLConfig) -> dict[str, NodeNo
     for node_id, st in states.items():
         n_slots, a_slots = slots.get(node_id, (1, 0))
         held = (frozenset(st.models) | frozenset(st.draining_models)) - set(cfg.adapters)
-        out[node_id] = NodeNow(held, frozenset(st.loading_models), frozenset(st.adapters), up=st.status == "up",
-                               slots=n_slots, adapter_slots=len(st.adapters) if fixed_adapters(st) else a_slots)
+        # llama.cpp router mode: a model's adapters come and go with it (no move of their own)
+        ads = frozenset(st.adapters) | {a for m in (*held, *st.loading_models) for a in st.model_adapters.get(m, ())}
+        fixed = fixed_adapters(st)
+        out[node_id] = NodeNow(held, frozenset(st.loading_models), ads, up=st.status == "up",
+                               slots=n_slots, adapter_slots=len(ads) if fixed else a_slots, adapters_fixed=fixed)
     return out
 
 

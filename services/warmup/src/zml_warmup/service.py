@@ -32,6 +32,7 @@ from zmlcore.messages.admin import registry_entry_decoder
 from zmlcore.messages.placement import PlacementEvent, PlanReply, plan_request_decoder
 from zmlcore.messages.warmup import completed_decoder, serve_request_decoder
 from zmlcore.placement import Placement
+from zmlcore.placement.forecast import RateHistory
 from zmlcore.placement.moves import NodeNow, Step, blocked as moves_blocked, next_steps
 from zmlcore.bus.direct import subscribe_direct
 from zmlcore.bus.kvfollow import KVFollower
@@ -74,6 +75,8 @@ class WarmupService:
         self.events: list[WarmupEvent] = []  # recent, for tests and `zml warmup --status`
         # --- placement planner ([planner], docs/placement.md) ---
         self.demand = DemandWindow(cfg.planner.window_s, now)
+        #: the rates measured at each plan: the demand looked ahead on ([planner] forecast_*)
+        self.rate_history = RateHistory(cfg.planner.trend_s)
         self.started_at = now
         self.target: Placement | None = None
         self.plan_inputs: placer.Inputs | None = None
@@ -322,7 +325,7 @@ class WarmupService:
         """Plan from the demand and node states seen so far (the solver in a thread: ~0.2 s
         at 1,000 nodes would otherwise hold the event loop)."""
         now = self.clock()
-        inputs = placer.gather(self.cfg, self.states, self.wants_by_node(), self.demand, now)
+        inputs = placer.gather(self.cfg, self.states, self.wants_by_node(), self.demand, now, self.rate_history)
         target = await asyncio.to_thread(placer.make_plan, self.cfg, inputs)
         self.plan_inputs, self.target, self.planned_at = inputs, target, now
         rep = placer.reply(self.cfg, inputs, target, self.states, now)
@@ -339,7 +342,7 @@ class WarmupService:
             if node in held:
                 h = held[node]
                 ads = h.adapters | {adapter} if loaded else h.adapters - {adapter}
-                held[node] = NodeNow(h.models, h.loading, ads, h.up, h.slots, h.adapter_slots)
+                held[node] = NodeNow(h.models, h.loading, ads, h.up, h.slots, h.adapter_slots, h.adapters_fixed)
         return held
 
     def apply_plan(self, now: float) -> list[Step]:

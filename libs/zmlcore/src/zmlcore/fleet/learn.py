@@ -85,7 +85,6 @@ MIN_PREFILL_TOKENS = 32
 #: at 2,300-4,000 tokens/s and its 1,270-token prompts at 15,800 in the same minute; folded as
 #: measurements the follow-ups, which ran alone far more often, put its estimate at a third of
 #: the slower node's and ZML sent the long prompts there (benches/real_fleet.py, box load 6).
-#: The calibration request's length (``[health] calibrate_prompt_tokens``' default).
 CLEAN_PREFILL_TOKENS = 512
 #: Step of the EWMA of a full node's decode time per request (LearnedSpeeds.full_decode_s).
 FULL_DECODE_STEP = 0.2
@@ -260,10 +259,17 @@ def observe_sample(s: LearnedSpeeds, sample: SpeedSample, now: float, maxc: int 
     ...                                   engine_decode_tps=200, decode_tokens=31, decode_prefill_tokens=1000), now=2.0)
     >>> t.prefill is s.prefill, t.decode is s.decode
     (True, True)
+    >>> # its TTFT mostly an adapter's load (vLLM's resolver): its decode is learnt, no prefill
+    >>> u = observe_sample(s, SpeedSample(ttft_s=1.1, prefill_tokens=1000, alone=True, decode_s=0.1,
+    ...                                   decode_tokens=50, adapter_load_s=1.0), now=3.0)
+    >>> u.prefill is s.prefill, u.decode is s.decode
+    (True, False)
     """
     cap = _cap(s)
     c = max(sample.inflight, 1)
     alone = sample.alone
+    if sample.adapter_load_s is not None:  # its TTFT includes an adapter's load: no prefill speed
+        sample = msgspec.structs.replace(sample, ttft_s=0.0, engine_prefill_tps=0.0)
     if alone and sample.engine_prefill_tps > 0 and sample.ttft_s > 0 and sample.prefill_tokens > 0:
         # what of the TTFT was not the prefill the engine timed: an EWMA
         o = max(0.0, sample.ttft_s - sample.prefill_tokens / sample.engine_prefill_tps)

@@ -47,11 +47,17 @@ class NodeState(msgspec.Struct, kw_only=True, omit_defaults=True):
     #: GET /lora-adapters), by the name clients ask for.
     adapters: list[str] = []
     #: llama.cpp: each adapter's id among the ``--lora`` files the engine was started with
-    #: (``GET /lora-adapters``), by the name clients ask for. A request for one is sent with its
-    #: base model's name and ``"lora": [{"id": ID, "scale": 1.0}]`` (llama-server loads no adapter
-    #: after start: a request picks one of those by id).
+    #: (``GET /lora-adapters``; in router mode, among those of its base model's instance, as
+    #: ``/v1/models`` lists its launch arguments), by the name clients ask for. A request for one
+    #: is sent with its base model's name and ``"lora": [{"id": ID, "scale": 1.0}]`` (llama-server
+    #: loads no adapter after start: a request picks one of those by id).
     lora_ids: dict[str, int] = {}
-    #: llama.cpp: how many ``--lora`` files the engine holds, matched to an adapter name or not.
+    #: llama.cpp router mode: the adapters each model it can load brings with it (its instance's
+    #: ``--lora`` files, a ``--models-preset`` section's), loaded or not: loading the model is
+    #: how such a node comes to serve them (the planner places the base there for them).
+    model_adapters: dict[str, list[str]] = {}
+    #: llama.cpp: how many ``--lora`` files the engine holds (router mode: its loaded models'
+    #: instances together), matched to an adapter name or not.
     #: Requests for a base model carry ``"lora": [{"id": 0, "scale": 0.0}]`` (every adapter off),
     #: since a request without ``lora`` runs with the engine's global scales (1.0 from start).
     lora_count: int = 0
@@ -61,8 +67,10 @@ class NodeState(msgspec.Struct, kw_only=True, omit_defaults=True):
     #: resolver plugin, zml.toml ``adapters_on_request``): routers may send it an adapter's
     #: request, the estimate costing the load time (zmlcore.policy.estimate.adapter_load_s).
     adapters_on_request: bool = False
-    #: Seconds this node's adapter loads took, as measured (warmup's loads, a moving mean);
-    #: 0: none measured yet (the engine's default is used).
+    #: Seconds this node's adapter loads took, as measured (warmup's loads through the engine's
+    #: API and the loads its engine made for a request, SpeedSample.adapter_load_s: a moving
+    #: mean, zmlcore.policy.estimate.fold_adapter_load_s); 0: none measured yet (the engine's
+    #: default is used).
     adapter_load_s: float = 0.0
     #: The engine has put its model to sleep (llama.cpp ``--sleep-idle-seconds``: the next
     #: request wakes it, paying the load time; vLLM sleep mode: its models are not routable

@@ -13,7 +13,7 @@ class SpeedSample(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     """What one attempt on a node showed of its speeds (the router fills what it saw).
 
     >>> SpeedSample(ttft_s=0.2, prefill_tokens=2000, inflight=1, decode_s=1.0, decode_tokens=99)
-    SpeedSample(ttft_s=0.2, prefill_tokens=2000, prefill_reported=False, inflight=1, decode_s=1.0, decode_tokens=99, engine_prefill_tps=0.0, engine_decode_tps=0.0, predicted_ttft_s=0.0, alone=False, joined_tokens=0.0, decode_prefill_tokens=0.0)
+    SpeedSample(ttft_s=0.2, prefill_tokens=2000, prefill_reported=False, inflight=1, decode_s=1.0, decode_tokens=99, engine_prefill_tps=0.0, engine_decode_tps=0.0, predicted_ttft_s=0.0, alone=False, joined_tokens=0.0, decode_prefill_tokens=0.0, adapter_load_s=None)
     """
 
     #: Dispatch to first byte of the answer (streamed: the first token), seconds; 0: none seen.
@@ -48,6 +48,12 @@ class SpeedSample(msgspec.Struct, frozen=True, kw_only=True, omit_defaults=True)
     #: last: their prefills paused (or slowed) its decode, which a per-request decode speed
     #: includes.
     decode_prefill_tokens: float = 0.0
+    #: The engine loaded the request's adapter before its prefill (vLLM's LoRA resolver,
+    #: ``adapters_on_request``): of ``ttft_s``, this much was the load, measured as the first
+    #: byte's time less the router's estimate at dispatch (which costs no load), at least 0.
+    #: The health service folds it into the node's adapter load time; the learner takes no
+    #: prefill speed from such a TTFT. None: nothing was loaded for it.
+    adapter_load_s: float | None = None
 
 
 class SpeedFit(msgspec.Struct, frozen=True, kw_only=True, array_like=True):

@@ -63,6 +63,9 @@ class NodeNow:
     up: bool = True
     slots: int = 1
     adapter_slots: int = 0
+    #: Its adapters come and go with its models (llama.cpp: ``--lora`` files from start, per
+    #: model in router mode): it takes no adapter step of its own.
+    adapters_fixed: bool = False
 
 
 def all_steps(now: Mapping[str, NodeNow], target: Mapping[str, frozenset[str]],
@@ -78,6 +81,8 @@ def all_steps(now: Mapping[str, NodeNow], target: Mapping[str, frozenset[str]],
         out += [Step("unload", n, m) for m in sorted(now[n].models - want)]
     if target_adapters is not None:
         for n in sorted(set(now) | set(target_adapters)):
+            if n in now and now[n].adapters_fixed:
+                continue
             have_a = now.get(n, NodeNow(frozenset())).adapters
             want_a = target_adapters.get(n, frozenset())
             out += [Step("load_adapter", n, a) for a in sorted(want_a - have_a)]
@@ -194,7 +199,7 @@ def next_steps(now: Mapping[str, NodeNow], target: Mapping[str, frozenset[str]],
     if target_adapters is not None:
         for n in sorted(now):
             node = now[n]
-            if n not in target_adapters or not node.up:
+            if n not in target_adapters or not node.up or node.adapters_fixed:
                 continue
             want_a = target_adapters[n]
             leaving = 0

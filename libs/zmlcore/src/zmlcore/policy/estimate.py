@@ -143,6 +143,18 @@ def adapter_load_s(st: NodeState, adapter: str) -> float | None:
     return DEFAULT_ADAPTER_LOAD_S.get(st.backend, max(DEFAULT_ADAPTER_LOAD_S.values()))
 
 
+def fold_adapter_load_s(mean_s: float, s: float) -> float:
+    """A node's adapter load time (NodeState.adapter_load_s) with one more load timed: warmup's
+    (its own load through the engine's API) or a router's (a request the engine loaded its
+    adapter for, SpeedSample.adapter_load_s), one record for both. A moving mean: the first
+    load sets it.
+
+    >>> fold_adapter_load_s(0.0, 2.0), round(fold_adapter_load_s(2.0, 1.0), 3)
+    (2.0, 1.7)
+    """
+    return s if mean_s <= 0 else 0.7 * mean_s + 0.3 * s
+
+
 def prompt_tokens_from_body(nbytes: int) -> int:
     """The router's prompt-length estimate from the size of the request body.
 

@@ -51,6 +51,10 @@ class Probe:
     prefix_hits_total: float | None = None
     kv_block_size: int | None = None
     kv_cache_blocks: int | None = None
+    #: llama.cpp router mode: each model it lists (its engine name) with the ``--lora`` files its
+    #: instance is launched with (from a ``--models-preset`` section's ``lora``), in id order;
+    #: None: not router mode.
+    model_loras: dict[str, list[str]] | None = None
     error: str = ""
 
 

@@ -23,6 +23,10 @@ LoRA adapters (``--lora FILE``, one id per file in the order given) are read fro
 task on the server, which counts as activity for ``--sleep-idle-seconds`` (and waits for a
 sleeping server to wake), and the list cannot change while the server runs: llama-server loads
 no adapter after start. ``POST /lora-adapters`` only sets the global scales of those adapters.
+In router mode ``/lora-adapters`` needs ``?model=`` and each model's instance has its own
+adapters (a ``--models-preset`` INI section's ``lora = a.gguf,b.gguf``); ``/v1/models`` lists
+each model's launch arguments (``status.args``, loaded or not), so its ``--lora`` files are
+read from the listing every poll (:func:`launch_loras`), with no request of their own.
 
 llama-server exposes no KV-cache gauge: ``kv_cache_usage`` stays 0. Its prompt cache is per
 slot and token by token: ``llamacpp:prompt_tokens_cached_total`` counts prompt tokens reused
@@ -50,7 +54,8 @@ async def probe(client: httpx.AsyncClient, endpoint: str, timeout: float, poll: 
             return Probe(ok=False, error=f"/health answered {health.status_code}")
         listed = await client.get(endpoint + "/v1/models", timeout=timeout)
         listed.raise_for_status()
-        models, loading = router_models(listed.json())
+        listing = listed.json()
+        models, loading = router_models(listing)
         props = await client.get(endpoint + "/props", timeout=timeout)
         metrics = await client.get(endpoint + "/metrics", timeout=timeout)
     except httpx.HTTPError as exc:
@@ -64,7 +69,41 @@ async def probe(client: httpx.AsyncClient, endpoint: str, timeout: float, poll: 
     m = parse_metrics(metrics.text) if metrics.status_code == 200 else {}
     p = from_parts(models, body if isinstance(body, dict) else {}, m)
     p.loading_models = loading
+    p.model_loras = launch_loras(listing)
     return p
+
+
+def launch_loras(payload: Any) -> dict[str, list[str]] | None:
+    """Router mode: each listed model's ``--lora`` / ``--lora-scaled`` files from its launch
+    arguments (``status.args``), in the order llama-server numbers them; None for a
+    single-model server (its listing has no ``status.args``: ``/lora-adapters`` says).
+
+    >>> launch_loras({"data": [{"id": "tiny", "status": {"value": "unloaded", "args": [
+    ...     "llama-server", "--lora", "/l/a.gguf,/l/b.gguf", "--lora-scaled", "/l/c.gguf:0.5", "--model", "t"]}},
+    ...     {"id": "other", "status": {"value": "loaded", "args": ["llama-server", "--model", "o"]}}]})
+    {'tiny': ['/l/a.gguf', '/l/b.gguf', '/l/c.gguf'], 'other': []}
+    >>> launch_loras({"data": [{"id": "tiny-llama", "object": "model"}]}) is None
+    True
+    """
+    data = payload.get("data", []) if isinstance(payload, dict) else []
+    out: dict[str, list[str]] = {}
+    router = False
+    for m in data:
+        if not isinstance(m, dict) or not isinstance(m.get("id"), str):
+            continue
+        status = m.get("status")
+        args = status.get("args") if isinstance(status, dict) else None
+        if not isinstance(args, list):
+            continue  # a single-model server's entry (or a build that does not list them)
+        router = True
+        files: list[str] = []
+        for flag, value in zip(args, args[1:]):
+            if flag == "--lora" and isinstance(value, str):
+                files += [f for f in value.split(",") if f]
+            elif flag == "--lora-scaled" and isinstance(value, str):
+                files += [f.rsplit(":", 1)[0] for f in value.split(",") if f]
+        out[m["id"]] = files
+    return out if router else None
 
 
 def router_models(payload: Any) -> tuple[list[str], list[str]]:

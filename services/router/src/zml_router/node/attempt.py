@@ -294,17 +294,21 @@ def at_dispatch(sp: Learned, outstanding: int, pending: int, pending_tokens: flo
 
 def speed_sample(d: AtDispatch, first_at: float, end_at: float, tokens: int, prompt_tokens: int | None,
                  cached: int | None, engine: tuple[float, float] = (0.0, 0.0), fed_first: float = 0.0,
-                 fed_end: float = 0.0) -> SpeedSample:
+                 fed_end: float = 0.0, loaded_adapter: bool = False) -> SpeedSample:
     """What an attempt showed of its node's speeds: its TTFT over the prompt tokens the node
     computed before its first token (the engine's count of this request's uncached tokens when
     it reported one), its tokens after the first over the time they took, and what else the
     node was given meanwhile: the router's running total of prompt tokens sent to the node at
-    the first token (``fed_first``) and at the last (``fed_end``) against ``d.fed``.
+    the first token (``fed_first``) and at the last (``fed_end``) against ``d.fed``. With
+    ``loaded_adapter`` (the node was chosen to load the request's adapter first: vLLM's LoRA
+    resolver) what its first byte took beyond the estimate is that load's time.
 
     >>> d = AtDispatch(at=10.0, inflight=2, ahead=0.0, uncached=800, predicted_ttft_s=0.08, fed=5000.0)
     >>> speed_sample(d, first_at=10.125, end_at=11.125, tokens=51, prompt_tokens=1000, cached=100,
     ...              fed_first=5000.0, fed_end=5600.0)
-    SpeedSample(ttft_s=0.125, prefill_tokens=900.0, prefill_reported=True, inflight=2, decode_s=1.0, decode_tokens=50, engine_prefill_tps=0.0, engine_decode_tps=0.0, predicted_ttft_s=0.08, alone=True, joined_tokens=0.0, decode_prefill_tokens=600.0)
+    SpeedSample(ttft_s=0.125, prefill_tokens=900.0, prefill_reported=True, inflight=2, decode_s=1.0, decode_tokens=50, engine_prefill_tps=0.0, engine_decode_tps=0.0, predicted_ttft_s=0.08, alone=True, joined_tokens=0.0, decode_prefill_tokens=600.0, adapter_load_s=None)
+    >>> round(speed_sample(d, 10.98, 11.5, 20, 1000, 100, loaded_adapter=True).adapter_load_s, 3)
+    0.9
     """
     reported = prompt_tokens is not None and prompt_tokens > 0 and cached is not None
     own = max(prompt_tokens - cached, 1) if reported else d.uncached  # type: ignore[operator]
@@ -319,6 +323,7 @@ def speed_sample(d: AtDispatch, first_at: float, end_at: float, tokens: int, pro
         predicted_ttft_s=d.predicted_ttft_s,
         alone=d.ahead == 0.0 and joined == 0.0, joined_tokens=joined,
         decode_prefill_tokens=fed_end - fed_first if fed_end > fed_first else 0.0,
+        adapter_load_s=max(0.0, first_at - d.at - d.predicted_ttft_s) if loaded_adapter else None,
     )
 
 

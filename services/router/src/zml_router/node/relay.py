@@ -265,7 +265,8 @@ class Relay:
         result.sample = speed_sample(disp, t0 + answer.ttft, time.monotonic(), tokens, prompt or None,
                                      info.cached_tokens if info is not None else None,
                                      engine_speeds(answer.timings) if answer.timings is not None else (0.0, 0.0),
-                                     answer.fed, self.fed.get(action.decision.node_id, 0.0))
+                                     answer.fed, self.fed.get(action.decision.node_id, 0.0),
+                                     loaded_adapter=action.decision.adapter_load_s > 0)
         self.metrics.predicted(action.decision.node_id, disp.predicted_ttft_s, result.sample.ttft_s)
         return result
 
