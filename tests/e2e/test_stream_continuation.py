@@ -34,15 +34,6 @@ TARGETS = {"vllm": "H100B", "llamacpp": "MI300X", "sglang": "A100", "tgi": "Gaud
 NODE_OF = {"H100B": "h100-b", "MI300X": "mi300x-a", "A100": "a100-a", "Gaudi2": "gaudi-a", "Inferentia2": "inf2-a"}
 
 
-def decisions_for(stack: Stack, node_id: str) -> float:
-    """Attempts the router sent to ``node_id`` (zml_router_decisions_total): what it asked of the
-    node. (The sims' own counters also count the health service's calibrations, which may land
-    on any node at any moment of a slow run.)"""
-    text = httpx.get(f"http://127.0.0.1:{stack.metrics_ports['router-1']}/metrics", timeout=10).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("zml_router_decisions_total{") and f'node="{node_id}"' in line)
-
-
 def _policy(name: str, second: str, more: str = "") -> str:
     # Latency priority walks the chain in order: h100-a first, then the engine under test.
     return (f'[policy.{name}]\naccelerator_chain = ["H100", "{second}"]\ncost_priority = "latency"\n'
@@ -218,7 +209,7 @@ async def test_a_node_cut_after_the_last_token_has_its_answer_ended_not_failed(
     (``finish_reason: "length"``), asking no other node, even where a continuation would be
     refused (a seed, continue_on_failure false). The usage chunk was lost with the node."""
     stack.faults("h100-a", drop_mid_stream=1.0, fail_after_tokens=6)
-    asked = decisions_for(stack, "h100-b")
+    asked = stack.decisions("h100-b")
     try:
         headers, events = await sse(stack, {**body, "policy": "to-vllm"}, path=path)
     finally:
@@ -230,7 +221,8 @@ async def test_a_node_cut_after_the_last_token_has_its_answer_ended_not_failed(
     assert zml is not None and zml["ended_by"] == "router" and zml["node_id"] == "h100-a", zml
     assert continued(zml["continued_from"]) == [("h100-a", 6, "network")]
     assert stack.sim_state("h100-a")["counters"][MODEL]["prompt_tokens"] > 0
-    assert decisions_for(stack, "h100-b") == asked  # nobody asked
+    assert stack.decisions("h100-b") == asked  # nobody asked
+    assert stack.decisions("h100-a") > 0  # (what asked h100-a is counted)
 
 
 async def test_raw_nats_gets_the_end_of_an_answer_cut_after_its_last_token(stack: Stack) -> None:
@@ -253,7 +245,7 @@ async def test_raw_nats_gets_the_end_of_an_answer_cut_after_its_last_token(stack
 async def test_a_resumed_stream_that_had_every_token_is_ended_by_the_new_router(stack: Stack) -> None:
     """Its router died after the last token, before the end (``Zml-Resume`` as the gateway and
     the SDK send it): the router that takes it over ends the answer and asks no node."""
-    asked = decisions_for(stack, "h100-a")
+    asked = stack.decisions("h100-a")
     had = StreamResume(text=words("h100-a", 4), tokens=4, seq=5, chunk_id="chatcmpl-x", created=1700000000,
                        node_id="h100-a", attempts=1)
     got = await raw_stream(stack.nats_url, {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4,
@@ -265,7 +257,7 @@ async def test_a_resumed_stream_that_had_every_token_is_ended_by_the_new_router(
     assert last["choices"] == [{"index": 0, "delta": {}, "finish_reason": "length"}]
     assert end["routing"]["node_id"] == "h100-a"
     assert continued(end["routing"]["continued_from"]) == [("h100-a", 4, "router")]
-    assert decisions_for(stack, "h100-a") == asked
+    assert stack.decisions("h100-a") == asked
 
 
 # --- non-streamed requests (issue 20 item 4: the router streams from the node) ----------------
