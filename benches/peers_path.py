@@ -571,6 +571,24 @@ def profile(workdir, target, conc, seconds, rate, native=False):
                     p.kill()
 
 
+#: A function each process runs once per request (its intake), by profile name: the count of
+#: requests the profile saw.
+_ONCE_PER_REQUEST = {"router1": ("request/intake.py", "intake"), "gateway": ("infer/intake.py", "check")}
+
+
+def calls_per_request(stats, name):
+    """The profile's calls per request, into ZML's own functions (coroutine steps included),
+    builtins and the rest: a count that does not move with the box's load, unlike its times."""
+    path, func = _ONCE_PER_REQUEST[name]
+    n = sum(v[1] for (f, _, fn), v in stats.stats.items() if fn == func and f.endswith(path))
+    if not n:
+        return "%s: no request in the profile" % name
+    own = sum(v[1] for (f, _, _), v in stats.stats.items() if "/zml-src" in f)
+    builtin = sum(v[1] for (f, _, _), v in stats.stats.items() if f == "~")
+    return ("%s: %d requests, %.0f calls per request (ZML's functions %.0f, builtins %.0f, other %.0f)"
+            % (name, n, stats.total_calls / n, own / n, builtin / n, (stats.total_calls - own - builtin) / n))
+
+
 def cprofile(workdir, target, conc, seconds, stream=False):
     """cProfile (deterministic, in-process) on router1 and the gateway under wrk at C=conc:
     py-spy's sampling misattributes time on a box whose cores are oversubscribed (a runnable
@@ -619,7 +637,9 @@ def cprofile(workdir, target, conc, seconds, stream=False):
         path = os.path.join(pdir, name + ".prof")
         if os.path.exists(path):
             print("\n### %s (cProfile, wrk C=%d%s)" % (name, conc, ", stream" if stream else ""))
-            pstats.Stats(path).sort_stats("tottime").print_stats(30)
+            st = pstats.Stats(path)
+            st.sort_stats("tottime").print_stats(30)
+            print(calls_per_request(st, name))
 
 
 # --------------------------------------------------------------------------------------------

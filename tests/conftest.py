@@ -132,6 +132,20 @@ class Stack:
     def sim_state(self, node_id: str) -> dict[str, Any]:
         return httpx.get(self.sim_url(node_id) + "/sim/state", timeout=5).json()
 
+    def decisions(self, node_id: str | None = None) -> float:
+        """Attempts the stack's routers sent (to ``node_id``, or to any node), from their
+        zml_router_decisions_total: what ZML asked of the nodes. The sims' own counters also
+        count the health service's calibrations, which may land at any moment of a slow run."""
+        total = 0.0
+        for name, port in self.metrics_ports.items():
+            if not name.startswith("router") or not self.procs.get(name) or not self.procs[name].alive():
+                continue
+            text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10).text
+            total += sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+                         if line.startswith("zml_router_decisions_total{")
+                         and (node_id is None or f'node="{node_id}"' in line))
+        return total
+
     def start_router(self, name: str) -> Proc:
         self.metrics_ports[name] = port = free_port()
         proc = spawn(name, service_argv("router", self.config_path, self.nats_url, "--router-id", name,

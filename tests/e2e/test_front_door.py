@@ -60,10 +60,12 @@ def test_http_bad_input_is_a_400(http: httpx.Client, body: bytes, what: str) -> 
 
 
 def test_bad_content_part_never_reaches_or_cools_a_node(http: httpx.Client, zml_stack: Stack) -> None:
-    before = {n: zml_stack.sim_state(n)["counters"] for n in zml_stack.node_ids}
+    before = zml_stack.decisions()
     for _ in range(5):
         _error(http.post("/v1/chat/completions", json=BAD_TEXT_PART), 400, "BAD_REQUEST")
-    assert {n: zml_stack.sim_state(n)["counters"] for n in zml_stack.node_ids} == before
+    assert zml_stack.decisions() == before  # no router sent it anywhere
+    assert http.post("/v1/chat/completions", json=OK).status_code == 200
+    assert zml_stack.decisions() == before + 1  # (as a good one is)
     assert all(n["cooldown_s"] == 0 for n in http.get("/v1/nodes").json()["nodes"])
     # The sim itself answers 400 (it crashed with a 500 before), as vLLM would.
     node = zml_stack.node_ids[0]

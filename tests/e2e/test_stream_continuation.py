@@ -209,7 +209,7 @@ async def test_a_node_cut_after_the_last_token_has_its_answer_ended_not_failed(
     (``finish_reason: "length"``), asking no other node, even where a continuation would be
     refused (a seed, continue_on_failure false). The usage chunk was lost with the node."""
     stack.faults("h100-a", drop_mid_stream=1.0, fail_after_tokens=6)
-    asked = stack.sim_state("h100-b")["counters"].get(MODEL, {}).get("prompt_tokens", 0)
+    asked = stack.decisions("h100-b")
     try:
         headers, events = await sse(stack, {**body, "policy": "to-vllm"}, path=path)
     finally:
@@ -221,7 +221,8 @@ async def test_a_node_cut_after_the_last_token_has_its_answer_ended_not_failed(
     assert zml is not None and zml["ended_by"] == "router" and zml["node_id"] == "h100-a", zml
     assert continued(zml["continued_from"]) == [("h100-a", 6, "network")]
     assert stack.sim_state("h100-a")["counters"][MODEL]["prompt_tokens"] > 0
-    assert stack.sim_state("h100-b")["counters"].get(MODEL, {}).get("prompt_tokens", 0) == asked  # nobody asked
+    assert stack.decisions("h100-b") == asked  # nobody asked
+    assert stack.decisions("h100-a") > 0  # (what asked h100-a is counted)
 
 
 async def test_raw_nats_gets_the_end_of_an_answer_cut_after_its_last_token(stack: Stack) -> None:
@@ -244,7 +245,7 @@ async def test_raw_nats_gets_the_end_of_an_answer_cut_after_its_last_token(stack
 async def test_a_resumed_stream_that_had_every_token_is_ended_by_the_new_router(stack: Stack) -> None:
     """Its router died after the last token, before the end (``Zml-Resume`` as the gateway and
     the SDK send it): the router that takes it over ends the answer and asks no node."""
-    asked = stack.sim_state("h100-a")["counters"].get(MODEL, {}).get("prompt_tokens", 0)
+    asked = stack.decisions("h100-a")
     had = StreamResume(text=words("h100-a", 4), tokens=4, seq=5, chunk_id="chatcmpl-x", created=1700000000,
                        node_id="h100-a", attempts=1)
     got = await raw_stream(stack.nats_url, {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4,
@@ -256,7 +257,7 @@ async def test_a_resumed_stream_that_had_every_token_is_ended_by_the_new_router(
     assert last["choices"] == [{"index": 0, "delta": {}, "finish_reason": "length"}]
     assert end["routing"]["node_id"] == "h100-a"
     assert continued(end["routing"]["continued_from"]) == [("h100-a", 4, "router")]
-    assert stack.sim_state("h100-a")["counters"].get(MODEL, {}).get("prompt_tokens", 0) == asked
+    assert stack.decisions("h100-a") == asked
 
 
 # --- non-streamed requests (issue 20 item 4: the router streams from the node) ----------------
@@ -307,17 +308,20 @@ async def test_a_non_streamed_request_has_its_first_tokens_time(stack: Stack) ->
     here 48 tokens of decoding, ~45 ms, later)."""
     diffs = []
     async with httpx.AsyncClient(base_url=stack.gateway_url, timeout=30) as c:
-        for _ in range(7):
+        for _ in range(14):
             n0, s0 = node_ttft(stack, "h100-b")
             r = await c.post("/v1/chat/completions", json={
                 "model": MODEL, "messages": [{"role": "user", "content": "hello"}], "max_tokens": 48,
                 "accelerator_id": "h100-b"})
             assert r.status_code == 200, r.text
             n1, s1 = node_ttft(stack, "h100-b")
-            assert n1 == n0 + 1
             ttft = r.json()["zml"]["time_to_first_token"]
             assert float(r.headers["x-zml-time-to-first-token"]) == pytest.approx(ttft, abs=1e-3)
-            diffs.append(ttft - (s1 - s0))
+            if n1 == n0 + 1:  # (else a health calibration also ran there meanwhile: not this one's alone)
+                diffs.append(ttft - (s1 - s0))
+            if len(diffs) == 7:
+                break
+    assert len(diffs) == 7, diffs
     diffs.sort()
     # The router's count starts when it takes the request, the node's when the request reaches
     # it: the router's is a little longer, never shorter.

@@ -281,6 +281,40 @@ def test_a_full_nodes_decode_time_is_learned() -> None:
     assert merge(s, s0).full_decode_s == pytest.approx(0.6)
 
 
+def test_the_moving_values_are_those_published() -> None:
+    """published_moving (what the health service compares after every completion event) is
+    published()'s own three values, at any age and after any mix of observations."""
+    rng = random.Random(7)
+    for accelerator in ("cpu", "nvidia_h100"):
+        s = learn.prior_speeds(accelerator)
+        now = 1.0
+        for _ in range(300):
+            now += rng.choice((0.001, 0.5, 30.0, 900.0))
+            s = learn.observe_sample(s, SpeedSample(ttft_s=rng.uniform(0.01, 2.0), prefill_tokens=rng.randint(1, 4000),
+                                                    inflight=rng.randint(1, 64), decode_s=rng.uniform(0.01, 5.0),
+                                                    decode_tokens=rng.randint(1, 500)), now, rng.choice((0, 4, 64)))
+            later = now + rng.choice((0.0, 10.0, 3600.0))
+            p = learn.published(s, later)
+            assert learn.published_moving(s, later) == (p.prefill_tps, p.decode_tps, p.full_decode_s)
+
+
+def test_a_confirmation_waits_for_the_node_to_be_idle_but_a_first_calibration_does_not() -> None:
+    # On the real fleet the confirmations, 10 and 20 s after each node's first calibration,
+    # landed in the workload and added 600-5,000 prompt tokens to what the engines computed
+    # (benches/real_fleet.py); a node with work on it is taught by the routers' samples of
+    # that work, and a measurement taken beside it reads its load.
+    from zml_health.speedbook import CONFIRM_AFTER_S, SpeedBook
+
+    b = SpeedBook()
+    b.prior("n", "cpu")
+    assert b.needs_calibration("n", ["m"], 0.0, 60.0, busy=True) == ("m", False)  # unknown: measured at once
+    b.calibrating("n", "m", 0.0)
+    b.calibration("n", "m", 0.5, prefill_tps=3_700, decode_tps=240, engine=True)
+    for t in (CONFIRM_AFTER_S, 2 * CONFIRM_AFTER_S, 5 * CONFIRM_AFTER_S):
+        assert b.needs_calibration("n", ["m"], t, 60.0, busy=True) is None
+    assert b.needs_calibration("n", ["m"], 5 * CONFIRM_AFTER_S, 60.0) == ("m", True)  # idle again: owed still
+
+
 def test_a_ttft_that_waited_for_an_adapters_load_teaches_no_prefill_speed() -> None:
     """vLLM's LoRA resolver loads the request's adapter before its prefill: a TTFT of 1.1 s for
     1,000 tokens would teach a prefill speed ~10x too slow (and the node's fixed overhead a

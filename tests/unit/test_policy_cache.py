@@ -16,7 +16,7 @@ from zmlcore.errors import RoutingError
 from zmlcore.messages import KvEventBatch
 from zmlcore.policy import FleetIndex, NodeView, RouteRequest, RoutingState, builtin_policy, choose_node
 from zmlcore.policy.choose import STRATEGIES, cached_rows
-from zmlcore.policy.estimate import Coeffs, node_speeds
+from zmlcore.policy.estimate import Coeffs, estimate_ttft, node_speeds
 from zmlcore.policy.prefix import BLOCK_BYTES, KeyChain, PrefixIndex, chain_from_bytes
 from zmlcore.policy.resolve import ResolvedPolicy
 from zmlcore.policy.strategies import chain as chain_strategy
@@ -323,6 +323,34 @@ def test_a_large_fleet_with_shared_prefixes_picks_what_a_scan_picks(path: str) -
     assert found > 300
     m = idx.lookup(chain_from_bytes(systems[0]), now)
     assert max(mask.bit_count() for mask, _n in m.groups) >= 8  # (the vector conversion ran)
+
+
+def test_a_conversation_leaves_a_saturated_node_whose_queue_outweighs_what_the_other_node_can_recompute(
+        path: str) -> None:
+    """Two llama.cpp-sized nodes (4 slots): the warm one holds the whole conversation and is 7
+    deep, the other holds its system prompt and is 4 deep. The warm node's extra slot wait is
+    between 5 and 10 times the other's recomputation of the conversation: the budget counts the
+    requests the recomputation delays as at most the 4 the other node holds (5x), not a 0.9
+    utilisation's 9 (10x), so the conversation spills; one request fewer on the warm node and
+    it stays (benches/real_fleet.py: conversations queued 5-7 deep on the fast node's 4 slots)."""
+    views = [node("warm", "cpu", outstanding=7), node("other", "cpu", outstanding=4)]
+    idx = index_for(views)
+    c = conv(12)
+    idx.record("warm", c, NOW)
+    idx.record("other", KeyChain(c.keys[:8], 8 * BLOCK_BYTES), NOW)
+    req = RouteRequest(model="m", prompt_tokens=12 * BLOCK_BYTES // 4 + 50, prefix=c)
+    m = idx.lookup(c, NOW)
+    cw, co = m.tokens("warm", req.prompt_tokens), m.tokens("other", req.prompt_tokens)
+    recompute = (cw - co) / node_speeds(views[1].state)[0]
+    ests = {}
+    for depth in (7, 6):
+        views[0].outstanding = depth
+        ests[depth] = choose_node(FleetIndex(views), req, LATENCY, NOW, RoutingState(), cache=idx)
+    spilled, kept = ests[7], ests[6]
+    assert spilled.node_id == "other" and kept.node_id == "warm"
+    # the warm node's estimate at depth 7 against the other's: between 5x and 10x the recomputation
+    gap = estimate_ttft(views[0].state, 7, 0, req.prompt_tokens, cached_tokens=cw) - spilled.estimated_ttft_s
+    assert 5 * recompute < gap < 10 * recompute, (gap, recompute)
 
 
 def test_warm_nodes_tied_in_the_sticky_test_go_to_the_first_registered(path: str) -> None:

@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator, Iterator
 
 
 import httpx
-from httpx_aiohttp import HttpxAiohttpClient
 
 from zml._core import (
     ApiCall,
@@ -173,7 +172,10 @@ class AsyncHTTPTransport:
     def __init__(self, base_url: str, api_key: str | None, timeout: float, max_connections: int) -> None:
         self.base_url = base_url.rstrip("/")
         # httpx's API on aiohttp's transport: ~1/7 of the default transport's CPU per request,
-        # which matters for `zml bench` and large batches on one core.
+        # which matters for `zml bench` and large batches on one core. Imported here: aiohttp
+        # costs ~0.2 CPU-s to import, which the synchronous client (most `zml` commands) skips.
+        from httpx_aiohttp import HttpxAiohttpClient
+
         self._client = HttpxAiohttpClient(
             base_url=self.base_url,
             headers=_headers(api_key),

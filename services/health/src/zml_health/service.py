@@ -392,7 +392,7 @@ class HealthService:
             return  # a full node measures its queue, not its speed; the routers' samples will do
         # an adapter runs at its base model's speed: the base is what is measured
         due = self.speeds.needs_calibration(node.id, [m for m in state.models if m not in self.cfg.adapters], now,
-                                            hc.calibrate_every_s)
+                                            hc.calibrate_every_s, busy=state.queue_running + state.queue_waiting > 0)
         if due is None:
             return
         model, confirm = due

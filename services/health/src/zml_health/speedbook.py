@@ -123,9 +123,9 @@ class SpeedBook:
         was = self.shown.get((node, model))
         if was is None:
             return True
-        now_ = learn.published(s, now)
-        return any(_apart(a, b) for a, b in ((now_.prefill_tps, was.prefill_tps), (now_.decode_tps, was.decode_tps),
-                                              (now_.full_decode_s, was.full_decode_s)))
+        prefill_tps, decode_tps, full_decode_s = learn.published_moving(s, now)  # (per completion event)
+        return (_apart(prefill_tps, was.prefill_tps) or _apart(decode_tps, was.decode_tps)
+                or _apart(full_decode_s, was.full_decode_s))
 
     def counters(self, node: str, models: list[str], now: float, *, prefill_tps: float | None,
                  prefill_c: float, decode_tps: float | None, decode_c: float) -> None:
@@ -168,15 +168,32 @@ class SpeedBook:
         self.beliefs[node][model] = s
         return self.moved(node, model, now)
 
-    def needs_calibration(self, node: str, models: list[str], now: float, every_s: float) -> tuple[str, bool] | None:
+    def needs_calibration(self, node: str, models: list[str], now: float, every_s: float,
+                          busy: bool = False) -> tuple[str, bool] | None:
         """The served model to calibrate now and whether it is a confirmation (None: none): one
         whose estimate is too uncertain to route on, not calibrated within ``every_s``; else one
-        whose last calibration is owed a confirmation (CONFIRMATIONS, CONFIRM_AFTER_S apart)."""
+        whose last calibration is owed a confirmation (CONFIRMATIONS, CONFIRM_AFTER_S apart),
+        only while the node is idle (not ``busy``: nothing running or waiting on it). A node
+        with work on it measures its load, not its speed, and is taught by the routers' samples
+        of that work; a confirmation sent anyway competes with it: on the real fleet
+        (benches/real_fleet.py) confirmations landed in a 10-20 s workload and added 600-5,000
+        prompt tokens (2-18%) to what the engines computed, under ZML only.
+
+        >>> b = SpeedBook()
+        >>> b.prior("n", "cpu")
+        >>> b.calibrating("n", "m", 0.0)
+        >>> b.needs_calibration("n", ["m"], CONFIRM_AFTER_S, 60.0, busy=True) is None
+        True
+        >>> b.needs_calibration("n", ["m"], CONFIRM_AFTER_S, 60.0)
+        ('m', True)
+        """
         for m in models:
             if now - self.calibrated_at.get((node, m), -1e18) < every_s:
                 continue
             if learn.published(self._get(node, m), now).confidence < CALIBRATE_BELOW:
                 return m, False
+        if busy:
+            return None
         for m in models:
             if self.unconfirmed.get((node, m), 0) > 0 and now - self.calibrated_at[(node, m)] >= CONFIRM_AFTER_S:
                 return m, True

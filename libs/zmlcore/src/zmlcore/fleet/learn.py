@@ -80,12 +80,13 @@ OVERHEAD_STEP = 0.2
 #: Fewer prompt tokens than this say more about fixed latencies than about prefill speed.
 MIN_PREFILL_TOKENS = 32
 #: An engine's timing of a prefill shorter than this, even alone, is a lower bound of the
-#: speed, not a measurement: a prefill's fixed costs (a batch's setup, the scheduler's tick, a
-#: shared CPU's time slice) weigh on a short one. A llama-server timed its ~80-token follow-ups
+#: speed, not a measurement: a short prefill after a long cached prefix pays that context's
+#: per-token cost (attention over it: a 64-wide llama-server's prompt cost 15-20 us a token up
+#: to 600 tokens, 50 at 1,179 and 80 at 1,761, benches/prefill_by_length.py), and a shared
+#: CPU's time slice weighs on a short one. A llama-server timed its ~80-token follow-ups
 #: at 2,300-4,000 tokens/s and its 1,270-token prompts at 15,800 in the same minute; folded as
 #: measurements the follow-ups, which ran alone far more often, put its estimate at a third of
 #: the slower node's and ZML sent the long prompts there (benches/real_fleet.py, box load 6).
-#: The calibration request's length (``[health] calibrate_prompt_tokens``' default).
 CLEAN_PREFILL_TOKENS = 512
 #: Step of the EWMA of a full node's decode time per request (LearnedSpeeds.full_decode_s).
 FULL_DECODE_STEP = 0.2
@@ -383,6 +384,15 @@ def restored(p: ModelSpeeds, prior: LearnedSpeeds) -> LearnedSpeeds:
         decode=fit(p.decode_tps, p.decode_slowdown, p.decode_sigma, prior.decode.pgg, half),
         measured_at=p.at if p.source == "measured" else 0.0, prior_var=prior.prior_var,
         overhead_s=p.ttft_overhead_s, full_decode_s=p.full_decode_s)
+
+
+def published_moving(s: LearnedSpeeds, now: float) -> tuple[float, float, float]:
+    """:func:`published`'s ``prefill_tps``, ``decode_tps`` and ``full_decode_s``, the values
+    whose moves make a new estimate worth publishing, without building the rest (the health
+    service asks after every completion event)."""
+    cap = _cap(s)
+    return (round(rate(aged(s.prefill, now, cap)), 3), round(rate(aged(s.decode, now, cap)), 3),
+            round(s.full_decode_s, 4))
 
 
 def published(s: LearnedSpeeds, now: float, stale_s: float = 600.0) -> ModelSpeeds:

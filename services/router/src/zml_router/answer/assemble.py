@@ -60,6 +60,8 @@ _HEAD_EVENTS = 3
 #: decoded apart, the template found) is paid back from ~16 tokens on (a few hundred bytes each).
 _RUN_MIN_BYTES = 4096
 #: Top-level fields of a chunk that the reply has its own way of carrying.
+#: (``str | None`` in an isinstance builds a union object at every call: once per chunk.)
+_TEXT_OR_NONE = (str, type(None))
 _OWN = frozenset(("id", "object", "created", "model", "choices", "usage", "system_fingerprint", "error", "zml"))
 
 
@@ -311,7 +313,7 @@ class Assembler:
                             continue
                     elif (d.role is None and d.tool_calls is None and d.reasoning_content is None
                           and d.reasoning is None and d.function_call is None and d.refusal is None
-                          and isinstance(d.content, str | None)):
+                          and isinstance(d.content, _TEXT_OR_NONE)):
                         if d.content:
                             st0.content.append(d.content)
                         continue

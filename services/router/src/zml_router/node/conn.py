@@ -10,7 +10,6 @@ close, malformed status line or framing, a head over the bounds) is a :class:`No
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 from collections.abc import AsyncIterator
 from typing import Protocol
 
@@ -54,7 +53,7 @@ class Conn(asyncio.Protocol):
     """One connection and the reply being read on it."""
 
     __slots__ = ("pool", "key", "transport", "parser", "closed", "counted", "reused", "whole", "limit",
-                 "status", "headers", "nheaders", "head_bytes", "head_fed", "body", "buffered", "over",
+                 "status", "headers", "nheaders", "head_bytes", "head_fed", "body", "on_body", "buffered", "over",
                  "framed", "headers_done", "complete", "keep_alive", "got_bytes", "error", "waiter",
                  "paused", "in_use", "lingering", "idle_since")
 
@@ -73,6 +72,11 @@ class Conn(asyncio.Protocol):
         self._new_reply(False, 0)
 
     def _new_reply(self, whole: bool, limit: int) -> None:
+        self.body: list[bytes] = []
+        # httptools calls ``on_body`` once per body chunk (an SSE reply: once per event) and
+        # looks it up when the parser is made: the list's own append, with no Python frame per
+        # chunk; what one read added is accounted for after it (_took).
+        self.on_body = self.body.append
         self.parser = httptools.HttpResponseParser(self)
         self.whole = whole  # gather the body, wake once at the end (or at the bound)
         self.limit = limit
@@ -81,7 +85,6 @@ class Conn(asyncio.Protocol):
         self.nheaders = 0
         self.head_bytes = 0
         self.head_fed = 0  # bytes fed while the head was incomplete (llhttp buffers a partial line)
-        self.body: deque[bytes] = deque()
         self.buffered = 0
         self.over = False  # the body passed the bound: the rest is not read
         self.framed = False  # content-length or chunked: the end is not the connection's close
@@ -102,6 +105,9 @@ class Conn(asyncio.Protocol):
             if self.complete and not self.over:
                 self.pool.close(self)  # bytes after the end of the reply (or while idle): not reused
             return
+        body = self.body
+        before = len(body)
+        lingering = self.lingering
         try:
             self.parser.feed_data(data)
             if not self.headers_done:
@@ -116,6 +122,8 @@ class Conn(asyncio.Protocol):
             self._abort(exc.__context__ if isinstance(exc.__context__, NodeHTTPError) else NodeHTTPError(str(exc)))
         except httptools.HttpParserError as exc:
             self._abort(NodeHTTPError(f"malformed HTTP reply: {exc}"))
+        if len(body) > before:
+            self._took(body, before, lingering)
 
     def eof_received(self) -> bool:
         return False  # close the transport: connection_lost follows
@@ -176,30 +184,6 @@ class Conn(asyncio.Protocol):
         else:
             self._wake()
 
-    def on_body(self, data: bytes) -> None:
-        if self.over:
-            return
-        if self.lingering:
-            self.buffered += len(data)
-            if self.buffered > LINGER_BYTES:
-                self.pool.close(self)
-            return
-        n = self.buffered + len(data)
-        if self.whole and n > self.limit:
-            self.body.append(data[: self.limit - self.buffered])
-            self.buffered = self.limit
-            self.over = True
-            self._pause()
-            self._wake()
-            return
-        self.body.append(data)
-        self.buffered = n
-        if not self.whole:
-            if n > _HIGH_WATER:
-                self._pause()
-            if self.waiter is not None:  # (an SSE body comes as many small chunks: no call for each)
-                self._wake()
-
     def on_message_complete(self) -> None:
         if not self.headers_done:
             return  # the end of a 1xx
@@ -212,6 +196,37 @@ class Conn(asyncio.Protocol):
             else:
                 self.pool.close(self)
         self._wake()
+
+    def _took(self, body: list[bytes], before: int, lingering: bool) -> None:
+        """The body chunks one read appended to ``body`` (from index ``before``), counted and
+        bounded as they came: a reply released after [DONE] (``lingering`` when the read began)
+        counts them and keeps none; a whole reply keeps ``limit`` bytes and stops reading
+        there; a streamed one stops reading past ``_HIGH_WATER`` and wakes its reader."""
+        new = body[before:]
+        size = sum(map(len, new))
+        if lingering:
+            del body[before:]
+            self.buffered += size
+            if self.buffered > LINGER_BYTES:
+                self.pool.close(self)
+            return
+        n = self.buffered + size
+        if self.whole and n > self.limit:
+            del body[before:]
+            kept = b"".join(new)[: self.limit - self.buffered]
+            if kept:
+                body.append(kept)
+            self.buffered = self.limit
+            self.over = True
+            self._pause()
+            self._wake()
+            return
+        self.buffered = n
+        if not self.whole:
+            if n > _HIGH_WATER:
+                self._pause()
+            if self.waiter is not None:  # (woken once per read, however many chunks it held)
+                self._wake()
 
     # -- used by the pool and replies --------------------------------------------------------
 
@@ -278,7 +293,7 @@ def take_body(conn: Conn) -> bytes:
     if not body:
         return b""
     if len(body) == 1:
-        data = body.popleft()
+        data = body.pop()
     else:
         data = b"".join(body)
         body.clear()

@@ -85,15 +85,17 @@ async def post(client: NodeClient, url: str, body: bytes, headers: dict[str, str
 
 
 async def post_streamed(client: NodeClient, url: str, body: bytes, headers: dict[str, str], *, timers: Wheel,
-                        first_byte: float | None, stall_s: float, max_bytes: int,
+                        first_byte: float | None, stall_s: float | Callable[[], float], max_bytes: int,
                         first: Callable[[bool], None], feed: Callable[[bytes], None],
                         stay: Callable[[], bool] | None = None) -> bool:
     """POST a non-streamed request asked of the node as a stream (``zml_router.answer.assemble``):
     ``first(complete)`` once the body's first bytes are in (the first token, due within
     ``first_byte`` seconds unless ``stay()`` says wait on; ``complete``: the whole body is in already, as a fast node's often
     is), then the rest gathered in the protocol with one wake-up at its end (a stall of
-    ``stall_s`` with no byte is a SLOW failure), all of it handed to ``feed``. What arrived is
-    fed on a failure too (before the AttemptError), so the answer so far can be continued.
+    ``stall_s`` with no byte is a SLOW failure; a callable is asked only then: a fast node's
+    whole body is often in with its first byte, and then no deadline is needed), all of it
+    handed to ``feed``. What arrived is fed on a failure too (before the AttemptError), so
+    the answer so far can be continued.
     False when the node answered a plain JSON reply instead of a stream (fed whole)."""
     http = client.http()
     conn: Conn | None = None
@@ -124,11 +126,12 @@ async def post_streamed(client: NodeClient, url: str, body: bytes, headers: dict
             first(conn.complete)
             if not conn.complete:  # (a fast node's whole stream is often in already)
                 c = conn
+                stall = stall_s() if callable(stall_s) else stall_s
                 try:
-                    with timers.watch(stall_s, lambda: c.buffered):
+                    with timers.watch(stall, lambda: c.buffered):
                         await gather_rest(c, max_bytes)
                 except Stalled:
-                    raise AttemptError(Failure.SLOW, 0, f"no token for {stall_s:.2g} s (the node's inter-token "
+                    raise AttemptError(Failure.SLOW, 0, f"no token for {stall:.2g} s (the node's inter-token "
                                        "deadline: [router] inter_token_*)") from None
             elif conn.buffered > max_bytes:
                 conn.over = True

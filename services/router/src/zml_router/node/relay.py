@@ -553,7 +553,7 @@ class Relay:
             try:
                 sse = await post_streamed(
                     self.http, self._url(info, req), body, self._headers(info), timers=self.timers,
-                    first_byte=first_byte, stall_s=self.stall_s(node_id, req.model),
+                    first_byte=first_byte, stall_s=lambda: self.stall_s(node_id, req.model),
                     max_bytes=SSE_BYTES_PER_REPLY_BYTE * self.cfg.nats.max_reply_bytes, first=first,
                     feed=got.append, stay=stay)
             except AttemptError as err:

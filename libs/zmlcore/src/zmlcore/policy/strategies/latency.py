@@ -11,11 +11,17 @@ reference's load. Sending the request to the reference costs the fleet that reco
 twice: its requester pays it once (it is in ``est_ref``), and the reference's other work pays it
 again, since work added to a node at utilisation ``rho`` delays everything queued behind it by
 about ``W / (1 - rho)`` (the M/G/1 busy-period argument). ``rho_ref`` is the reference's share of
-sequence slots taken (capped at :data:`RHO_MAX`). The budget comes from the nodes' own speed
+sequence slots taken (capped at :data:`RHO_MAX`). ``rho / (1 - rho)`` stands for the requests the
+recomputation delays, and it counts no more of them than the reference holds
+(``1 + min(rho / (1 - rho), depth_ref)``): a node of 4 slots with 4 requests on it has 4 to delay,
+not the 9 of a 0.9 utilisation, and a budget of 10x the recomputation kept conversations in the
+queue of a saturated fast llama-server, 5-7 deep on 4 slots, while the other node held 3-4
+(benches/real_fleet.py). A node with a free slot, and any node of 9 slots or more once saturated,
+is unchanged by the bound. The budget comes from the nodes' own speed
 and load, not a constant: ~0.1 s per 1,000 tokens on an idle H100, 0.33 s on an idle
 Inferentia2, several times that on a busy one. Once the warm node's queue outweighs it, the
 prefix is worth less than the wait and the request spills ("until saturated"). Among warm
-candidates, the lowest ``est - cached / pf_ref / (1 - rho_ref)`` wins. On tuning seeds of
+candidates, the lowest ``est - cached / pf_ref * load_factor(ref)`` wins. On tuning seeds of
 benches/routing_sim.py this beat fixed budgets of 0, 0.5, 1, 2 and 4 times the recomputation
 at 80% load (agent p90 TTFT 4-6x lower than 1x, hot-prefix 1.5-3x lower than 2x) and was within
 the noise of them at 50% (docs/routing.md, "Sticky until saturated").
@@ -53,11 +59,27 @@ TIE_BELOW_S = 0.1
 TIE_SLOTS = 1.0
 
 
+def load_factor(depth: float, maxc: float) -> float:
+    """The budget's multiple of the reference's recomputation: ``1 / (1 - rho)``, the
+    recomputation and the work it delays, counting no more delayed requests than the ``depth``
+    the reference holds.
+
+    >>> load_factor(0, 4), load_factor(2, 4), round(load_factor(4, 4), 6), load_factor(6, 4)
+    (1.0, 2.0, 5.0, 7.0)
+    >>> round(load_factor(256, 256), 6), round(load_factor(100, 256), 3)  # a GPU's slots: as before
+    (10.0, 1.641)
+    """
+    rho = min(RHO_MAX, depth / maxc)
+    f = 1.0 / (1.0 - rho)
+    return f if f <= 1.0 + depth else 1.0 + depth
+
+
 def sticky(cands: list[Cand], ref: Cand) -> Cand:
     """The warm candidate that beats ``ref`` within its budget, or ``ref``."""
     inv = STICKY / ref.pf
     if STICKY_LOAD:
-        inv /= 1.0 - min(RHO_MAX, ref.slot_use)
+        t = ref.cls.table
+        inv *= load_factor(float(t.depth[ref.i]), float(t.maxc[ref.i]))
     best, best_s = ref, ref.est - ref.cached * inv
     for c in cands:
         if c.cached > ref.cached:
@@ -117,7 +139,7 @@ def pick_rows(ctx: VCtx, tie_s: float, below_s: float, slots: float = TIE_SLOTS)
         if nw:
             inv = STICKY / t.pf.item(i)
             if STICKY_LOAD:
-                inv /= 1.0 - min(RHO_MAX, t.depth.item(i) / t.maxc.item(i))
+                inv *= load_factor(t.depth.item(i), t.maxc.item(i))
             s0 = e0 - c0 * inv
             if wl is not None and nw <= 8:  # a few: plain floats (same operations, same results)
                 sw = INF
