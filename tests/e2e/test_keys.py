@@ -191,10 +191,16 @@ async def test_two_gateways_hold_the_plan_under_a_burst(two_gateways: tuple[Stac
         assert max(remaining) == rpm - 1 and min(remaining) < 2 * SHARE
 
         # Unspent leases go back to the shared entry when they end: it then counts what was admitted.
+        seen: list[object] = []
+
         async def settled() -> bool:
             s = limit_state_decoder.decode((await kv.get(limit_key(f"key:{key_id}"))).value)
+            seen[:] = [time.time(), s]
             return s.requests + s.prev_requests == len(ok)
-        await _until(settled, 10.0)
+        try:
+            await _until(settled, 10.0)
+        except AssertionError:
+            raise AssertionError(f"the entry never counted the {len(ok)} admitted: {seen}") from None
     finally:
         await nc.close()
 
