@@ -1,4 +1,4 @@
-"""How the default suite's files are spread over its 2 processes (pytest-xdist, `--dist loadfile`).
+"""How the default suite's files are spread over its 3 processes (pytest-xdist, `--dist loadfile`).
 
 Two changes to xdist's own loadfile scheduling, both about the suite's wall time on 2 cores:
 
@@ -6,7 +6,7 @@ Two changes to xdist's own loadfile scheduling, both about the suite's wall time
   one unit, one after the other: one stack is started instead of one per process, and it is
   stopped once they are done (it costs ~13% of a core while it runs, idle or not).
 - Units are handed out longest first (as last measured; see ``record``), so that no long file is
-  left to run alone at the end while the other process has nothing to do. Without a record (a
+  left to run alone at the end while the other processes have nothing to do. Without a record (a
   fresh clone) the few files known to be long go first, then collection order.
 
 Which tests run, and what each checks, is not changed: only where and in what order.
