@@ -413,7 +413,7 @@ class Relay:
         """Asked at an attempt's first-byte deadline: whether the request has nowhere else to go
         (its last attempt, or no other node may take its model now). Then it waits on for its
         first token, to the request's own deadline: a slow node beats a 502 that says all were.
-        Asked only when a deadline comes, so the common request pays nothing for it."""
+        Asked only when a deadline comes: the common request pays one closure, no scan of the table."""
         def nowhere() -> bool:
             if attempt >= self.cfg.router.max_attempts:
                 return True
